@@ -1,0 +1,1 @@
+//! Token sampling (filled in by the sampler work).

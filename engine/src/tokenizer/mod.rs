@@ -1,0 +1,1 @@
+//! Tokenizer and chat template (filled in by the tokenizer work).
