@@ -1,0 +1,29 @@
+//! Read-only memory maps of model files.
+//!
+//! The one place in the engine that needs `unsafe`: mapping a file is unsafe
+//! because another process could truncate or rewrite it while mapped. Model
+//! files are treated as immutable while the engine runs (they are opened
+//! read-only from a cache directory that the engine owns), which is the
+//! contract every mmap-based loader (llama.cpp, safetensors) relies on.
+#![allow(unsafe_code)]
+
+use std::fs::File;
+use std::path::Path;
+
+pub struct Mapped {
+    map: memmap2::Mmap,
+}
+
+impl Mapped {
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        let file = File::open(path)?;
+        // SAFETY: the file is opened read-only and the engine never writes
+        // model files; see the module doc for the immutability contract.
+        let map = unsafe { memmap2::Mmap::map(&file)? };
+        Ok(Self { map })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+}

@@ -1,0 +1,297 @@
+//! Attention of one query token over a sequence's paged KV cache, with
+//! grouped-query heads (several query heads share one KV head).
+//!
+//! A layer's K (or V) storage is `num_blocks × block_size × kv_heads ×
+//! head_dim` elements; a sequence owns the blocks its block table names, in
+//! order, so position `t` lives in block `table[t / block_size]` at slot
+//! `t % block_size`. Scores are computed position by position in order,
+//! softmaxed, then V is accumulated in position order: the arithmetic is the
+//! same whatever the block size, so results do not depend on it.
+#![allow(unsafe_code)]
+
+use crate::Isa;
+
+/// One layer's K or V storage.
+#[derive(Debug, Clone, Copy)]
+pub enum KvSlice<'a> {
+    F32(&'a [f32]),
+    /// IEEE half-precision bit patterns.
+    F16(&'a [u16]),
+}
+
+/// Shape of the attention problem for one layer.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl AttnShape {
+    /// Elements of one token's K (or V) row: all KV heads.
+    pub fn kv_row(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    fn offset(&self, table: &[u32], t: usize, kv_head: usize) -> usize {
+        let block = table[t / self.block_size] as usize;
+        (block * self.block_size + t % self.block_size) * self.kv_row() + kv_head * self.head_dim
+    }
+}
+
+/// Computes attention for the query heads of KV head `kv_head`, for one
+/// token whose context is positions `0..n_ctx` of the sequence.
+///
+/// `q` holds all query heads of the token (`n_heads * head_dim`), `out` the
+/// same shape; only the heads of group `kv_head` are written. `scores` is
+/// scratch, resized as needed.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group(
+    isa: Isa,
+    shape: &AttnShape,
+    k: KvSlice<'_>,
+    v: KvSlice<'_>,
+    table: &[u32],
+    n_ctx: usize,
+    kv_head: usize,
+    q: &[f32],
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let group = shape.n_heads / shape.n_kv_heads;
+    let hd = shape.head_dim;
+    assert!(n_ctx > 0 && n_ctx.div_ceil(shape.block_size) <= table.len(), "block table too short for context");
+    scores.clear();
+    scores.resize(group * n_ctx, 0.0);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let heads = kv_head * group..(kv_head + 1) * group;
+    let use_simd = isa == Isa::Avx2 && hd % 8 == 0 && simd::available();
+
+    // Scores: heads of the group share each K row load.
+    for t in 0..n_ctx {
+        let off = shape.offset(table, t, kv_head);
+        for (gi, h) in heads.clone().enumerate() {
+            let qh = &q[h * hd..(h + 1) * hd];
+            let dot = match (k, use_simd) {
+                (KvSlice::F32(s), true) => simd::dot_f32(qh, &s[off..off + hd]),
+                (KvSlice::F16(s), true) => simd::dot_f16(qh, &s[off..off + hd]),
+                (KvSlice::F32(s), false) => qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * b).sum(),
+                (KvSlice::F16(s), false) => qh
+                    .iter()
+                    .zip(&s[off..off + hd])
+                    .map(|(a, b)| a * crate::f16::f16_bits_to_f32(*b))
+                    .sum(),
+            };
+            scores[gi * n_ctx + t] = dot * scale;
+        }
+    }
+    for gi in 0..group {
+        crate::ops::softmax(&mut scores[gi * n_ctx..(gi + 1) * n_ctx]);
+    }
+
+    // Weighted sum of V rows, in position order.
+    for h in heads.clone() {
+        out[h * hd..(h + 1) * hd].fill(0.0);
+    }
+    for t in 0..n_ctx {
+        let off = shape.offset(table, t, kv_head);
+        for (gi, h) in heads.clone().enumerate() {
+            let p = scores[gi * n_ctx + t];
+            let oh = &mut out[h * hd..(h + 1) * hd];
+            match (v, use_simd) {
+                (KvSlice::F32(s), true) => simd::axpy_f32(p, &s[off..off + hd], oh),
+                (KvSlice::F16(s), true) => simd::axpy_f16(p, &s[off..off + hd], oh),
+                (KvSlice::F32(s), false) => {
+                    for (o, x) in oh.iter_mut().zip(&s[off..off + hd]) {
+                        *o += p * x;
+                    }
+                }
+                (KvSlice::F16(s), false) => {
+                    for (o, x) in oh.iter_mut().zip(&s[off..off + hd]) {
+                        *o += p * crate::f16::f16_bits_to_f32(*x);
+                    }
+                }
+            }
+        }
+    }
+}
+
+mod simd {
+    #[cfg(target_arch = "x86_64")]
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    // Callers use these only when `available()` is true; slice lengths are
+    // asserted equal and a multiple of 8 before any unsafe load.
+
+    pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        assert!(a.len() == b.len() && a.len() % 8 == 0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: features checked by the caller via `available()`; lengths asserted.
+        return unsafe { dot_f32_k(a, b) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!()
+    }
+
+    pub fn dot_f16(a: &[f32], b: &[u16]) -> f32 {
+        assert!(a.len() == b.len() && a.len() % 8 == 0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        return unsafe { dot_f16_k(a, b) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!()
+    }
+
+    /// `out += p * x`.
+    pub fn axpy_f32(p: f32, x: &[f32], out: &mut [f32]) {
+        assert!(x.len() == out.len() && x.len() % 8 == 0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        unsafe {
+            axpy_f32_k(p, x, out)
+        }
+    }
+
+    pub fn axpy_f16(p: f32, x: &[u16], out: &mut [f32]) {
+        assert!(x.len() == out.len() && x.len() % 8 == 0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        unsafe {
+            axpy_f16_k(p, x, out)
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_f32_k(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for i in (0..a.len()).step_by(8) {
+            // SAFETY: i + 8 <= len for both slices (len % 8 == 0).
+            acc = unsafe { _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc) };
+        }
+        crate::matmul::hsum_avx(acc)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_f16_k(a: &[f32], b: &[u16]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for i in (0..a.len()).step_by(8) {
+            // SAFETY: 8 u16 (one 128-bit load) and 8 f32 in bounds.
+            unsafe {
+                let bh = _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(i) as *const __m128i));
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), bh, acc);
+            }
+        }
+        crate::matmul::hsum_avx(acc)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn axpy_f32_k(p: f32, x: &[f32], out: &mut [f32]) {
+        let pv = _mm256_set1_ps(p);
+        for i in (0..x.len()).step_by(8) {
+            // SAFETY: in bounds as above.
+            unsafe {
+                let o = out.as_mut_ptr().add(i);
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(o)));
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn axpy_f16_k(p: f32, x: &[u16], out: &mut [f32]) {
+        let pv = _mm256_set1_ps(p);
+        for i in (0..x.len()).step_by(8) {
+            // SAFETY: in bounds as above.
+            unsafe {
+                let o = out.as_mut_ptr().add(i);
+                let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i) as *const __m128i));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(pv, xv, _mm256_loadu_ps(o)));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matmul::tests::Rng;
+
+    fn run(isa: Isa, shape: &AttnShape, k: KvSlice<'_>, v: KvSlice<'_>, table: &[u32], n: usize, q: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; q.len()];
+        let mut scratch = Vec::new();
+        for g in 0..shape.n_kv_heads {
+            attend_group(isa, shape, k, v, table, n, g, q, &mut out, &mut scratch);
+        }
+        out
+    }
+
+    #[test]
+    fn simd_matches_scalar_and_block_size_does_not_matter() {
+        let mut rng = Rng::new(3);
+        let (nh, nkv, hd, n) = (9, 3, 64, 37);
+        let row = nkv * hd;
+        // Token t's K/V rows, contiguous (block size 1, identity table, is the reference layout).
+        let kf: Vec<f32> = (0..n * row).map(|_| rng.f32()).collect();
+        let vf: Vec<f32> = (0..n * row).map(|_| rng.f32()).collect();
+        let q: Vec<f32> = (0..nh * hd).map(|_| rng.f32()).collect();
+        let shape1 = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, block_size: 1 };
+        let ident: Vec<u32> = (0..n as u32).collect();
+        let reference = run(Isa::Scalar, &shape1, KvSlice::F32(&kf), KvSlice::F32(&vf), &ident, n, &q);
+
+        for bs in [1usize, 4, 16] {
+            // Scatter the same tokens into shuffled blocks of size bs.
+            let nblocks = n.div_ceil(bs) + 3;
+            let table: Vec<u32> = (0..n.div_ceil(bs) as u32).map(|b| (b * 7 + 2) % nblocks as u32).collect();
+            let mut kp = vec![0f32; nblocks * bs * row];
+            let mut vp = vec![0f32; nblocks * bs * row];
+            for t in 0..n {
+                let dst = (table[t / bs] as usize * bs + t % bs) * row;
+                kp[dst..dst + row].copy_from_slice(&kf[t * row..(t + 1) * row]);
+                vp[dst..dst + row].copy_from_slice(&vf[t * row..(t + 1) * row]);
+            }
+            let shape = AttnShape { block_size: bs, ..shape1 };
+            let scalar = run(Isa::Scalar, &shape, KvSlice::F32(&kp), KvSlice::F32(&vp), &table, n, &q);
+            assert_eq!(scalar, reference, "scalar result changed with block size {bs}");
+            let simd = run(Isa::detect(), &shape, KvSlice::F32(&kp), KvSlice::F32(&vp), &table, n, &q);
+            let simd1 = run(Isa::detect(), &shape1, KvSlice::F32(&kf), KvSlice::F32(&vf), &ident, n, &q);
+            assert_eq!(simd, simd1, "simd result changed with block size {bs}");
+            for (a, b) in simd.iter().zip(&reference) {
+                assert!((a - b).abs() < 1e-5, "simd {a} vs scalar {b}");
+            }
+            // F16 storage agrees with F32 to half precision.
+            let kh: Vec<u16> = kp.iter().map(|&x| crate::f16::f32_to_f16_bits(x)).collect();
+            let vh: Vec<u16> = vp.iter().map(|&x| crate::f16::f32_to_f16_bits(x)).collect();
+            let h_simd = run(Isa::detect(), &shape, KvSlice::F16(&kh), KvSlice::F16(&vh), &table, n, &q);
+            let h_scalar = run(Isa::Scalar, &shape, KvSlice::F16(&kh), KvSlice::F16(&vh), &table, n, &q);
+            for ((a, b), r) in h_simd.iter().zip(&h_scalar).zip(&reference) {
+                assert!((a - b).abs() < 1e-5, "f16 simd {a} vs scalar {b}");
+                assert!((a - r).abs() < 5e-3, "f16 {a} vs f32 {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn single_position_returns_its_value() {
+        let shape = AttnShape { n_heads: 2, n_kv_heads: 1, head_dim: 8, block_size: 4 };
+        let k = vec![0.5f32; 4 * 8];
+        let v: Vec<f32> = (0..32).map(|i| i as f32).collect();
+        let q = vec![1.0f32; 16];
+        let out = run(Isa::detect(), &shape, KvSlice::F32(&k), KvSlice::F32(&v), &[0], 1, &q);
+        assert_eq!(&out[..8], &v[..8]);
+        assert_eq!(&out[8..], &v[..8]);
+    }
+}

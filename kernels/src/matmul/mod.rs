@@ -1,0 +1,172 @@
+//! Matrix products `y = x · Wᵀ` with quantized or float weights.
+//!
+//! `W` is `rows × cols` in its file format (one row per output feature), `x`
+//! is `m × cols` f32 (one row per token) and `y` is `m × rows`. Quantized
+//! weights multiply against activations quantized to 8 bits
+//! ([`QActs`](crate::quant::QActs)), the scheme llama.cpp uses, so the inner
+//! loop is integer multiply-adds.
+//!
+//! Work is split across the pool by weight rows. Each output element is
+//! computed by the same instruction sequence whatever `m` is and whichever
+//! thread computes it, so a token's logits do not depend on what else is in
+//! its batch — the engine's batch-invariance tests rely on that.
+
+mod avx2;
+mod scalar;
+
+use crate::pool::{split, ThreadPool};
+use crate::quant::{dequantize_row, QActs, QK};
+use crate::{Isa, KernelError};
+
+/// Weight element types the matmul understands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl WeightType {
+    pub fn block_elems(self) -> usize {
+        match self {
+            Self::F32 | Self::F16 | Self::BF16 => 1,
+            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => QK,
+        }
+    }
+
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q8_0 => 34,
+        }
+    }
+
+    pub fn is_quantized(self) -> bool {
+        self.block_elems() > 1
+    }
+
+    /// Bytes of one row of `cols` elements.
+    pub fn row_bytes(self, cols: usize) -> usize {
+        cols / self.block_elems() * self.block_bytes()
+    }
+}
+
+/// A weight matrix borrowed from a model file or buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub ty: WeightType,
+    pub rows: usize,
+    pub cols: usize,
+    data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    pub fn new(ty: WeightType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, KernelError> {
+        if cols % ty.block_elems() != 0 || data.len() != rows * ty.row_bytes(cols) {
+            return Err(KernelError::Shape {
+                op: "QMatrix::new",
+                detail: format!(
+                    "{ty:?} {rows}x{cols} needs {} bytes, got {}",
+                    rows * ty.row_bytes(cols),
+                    data.len()
+                ),
+            });
+        }
+        Ok(Self { ty, rows, cols, data })
+    }
+
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.ty.row_bytes(self.cols);
+        &self.data[r * rb..(r + 1) * rb]
+    }
+
+    pub fn data(&self) -> &'a [u8] {
+        self.data
+    }
+
+    /// Dequantizes row `r` (e.g. an embedding lookup) into `out`.
+    pub fn dequantize_row_into(&self, r: usize, out: &mut [f32]) {
+        dequantize_row(self.ty, self.row(r), out);
+    }
+}
+
+/// Reusable buffers for [`matmul`].
+#[derive(Debug, Default)]
+pub struct MatmulScratch {
+    acts: QActs,
+}
+
+/// `y[m × w.rows] = x[m × w.cols] · wᵀ`, split across the pool by weight rows.
+pub fn matmul(
+    pool: &ThreadPool,
+    isa: Isa,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
+    assert_eq!(x.len(), m * w.cols, "matmul: x is not m x cols");
+    assert_eq!(y.len(), m * w.rows, "matmul: y is not m x rows");
+    let out = crate::pool::SharedSlice::new(y);
+    if w.ty.is_quantized() {
+        scratch.acts.quantize(x, m, w.cols);
+        let acts = &scratch.acts;
+        pool.run(&|t, nt| {
+            let rows = split(w.rows, t, nt, 8);
+            match isa {
+                Isa::Avx2 => avx2::quant_rows(w, acts, rows, &out),
+                Isa::Scalar => scalar::quant_rows(w, acts, rows, &out),
+            }
+        });
+    } else {
+        pool.run(&|t, nt| {
+            let rows = split(w.rows, t, nt, 8);
+            float_rows(isa, w, x, m, rows, &out);
+        });
+    }
+}
+
+/// Float weights: each row is widened to f32 once, then dotted with every x row.
+fn float_rows(
+    isa: Isa,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    m: usize,
+    rows: std::ops::Range<usize>,
+    out: &crate::pool::SharedSlice<f32>,
+) {
+    let k = w.cols;
+    let mut wrow = vec![0f32; k];
+    for r in rows {
+        dequantize_row(w.ty, w.row(r), &mut wrow);
+        for i in 0..m {
+            let xi = &x[i * k..(i + 1) * k];
+            let v = match isa {
+                Isa::Avx2 => avx2::dot_f32(&wrow, xi),
+                Isa::Scalar => scalar::dot_f32(&wrow, xi),
+            };
+            out.set(i * w.rows + r, v);
+        }
+    }
+}
+
+/// The dot product of two f32 vectors with the chosen ISA.
+pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    match isa {
+        Isa::Avx2 => avx2::dot_f32(a, b),
+        Isa::Scalar => scalar::dot_f32(a, b),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::hsum as hsum_avx;
+
+#[cfg(test)]
+pub(crate) mod tests;

@@ -1,0 +1,140 @@
+use super::*;
+use crate::quant::quantize_row_q8_0;
+
+/// Small deterministic PRNG so kernel tests need no extra crates.
+pub(crate) struct Rng(u64);
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    pub fn f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+fn random_weights(rng: &mut Rng, ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut data = vec![0u8; rows * ty.row_bytes(cols)];
+    match ty {
+        WeightType::Q8_0 => {
+            for r in 0..rows {
+                let x: Vec<f32> = (0..cols).map(|_| rng.f32()).collect();
+                let rb = ty.row_bytes(cols);
+                quantize_row_q8_0(&x, &mut data[r * rb..(r + 1) * rb]);
+            }
+        }
+        WeightType::Q4_0 | WeightType::Q4_1 => {
+            let bb = ty.block_bytes();
+            for blk in data.chunks_exact_mut(bb) {
+                blk[..2].copy_from_slice(&crate::f16::f32_to_f16_bits(rng.f32() * 0.1).to_le_bytes());
+                let start = if ty == WeightType::Q4_1 {
+                    blk[2..4].copy_from_slice(&crate::f16::f32_to_f16_bits(rng.f32() * 0.5).to_le_bytes());
+                    4
+                } else {
+                    2
+                };
+                for b in &mut blk[start..] {
+                    *b = rng.next_u64() as u8;
+                }
+            }
+        }
+        WeightType::F32 => {
+            for c in data.chunks_exact_mut(4) {
+                c.copy_from_slice(&rng.f32().to_le_bytes());
+            }
+        }
+        WeightType::F16 => {
+            for c in data.chunks_exact_mut(2) {
+                c.copy_from_slice(&crate::f16::f32_to_f16_bits(rng.f32()).to_le_bytes());
+            }
+        }
+        WeightType::BF16 => {
+            for c in data.chunks_exact_mut(2) {
+                c.copy_from_slice(&half::bf16::from_f32(rng.f32()).to_bits().to_le_bytes());
+            }
+        }
+    }
+    data
+}
+
+/// Dequantize-then-f64-dot: the mathematical value the kernels approximate
+/// (up to activation quantization for quantized types).
+fn reference(w: &QMatrix<'_>, x: &[f32], m: usize) -> Vec<f32> {
+    let mut y = vec![0f32; m * w.rows];
+    let mut row = vec![0f32; w.cols];
+    for r in 0..w.rows {
+        w.dequantize_row_into(r, &mut row);
+        for i in 0..m {
+            let s: f64 = row.iter().zip(&x[i * w.cols..]).map(|(a, b)| *a as f64 * *b as f64).sum();
+            y[i * w.rows + r] = s as f32;
+        }
+    }
+    y
+}
+
+fn run(isa: Isa, threads: usize, w: &QMatrix<'_>, x: &[f32], m: usize) -> Vec<f32> {
+    let pool = ThreadPool::new(threads).expect("pool");
+    let mut y = vec![0f32; m * w.rows];
+    matmul(&pool, isa, w, x, m, &mut y, &mut MatmulScratch::default());
+    y
+}
+
+const ALL: [WeightType; 6] =
+    [WeightType::F32, WeightType::F16, WeightType::BF16, WeightType::Q4_0, WeightType::Q4_1, WeightType::Q8_0];
+
+#[test]
+fn simd_matches_scalar_and_reference_for_every_type() {
+    let mut rng = Rng::new(7);
+    for ty in ALL {
+        for (rows, cols, m) in [(17, 64, 1), (40, 576, 5), (9, 1536, 9)] {
+            let data = random_weights(&mut rng, ty, rows, cols);
+            let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+            let scalar = run(Isa::Scalar, 1, &w, &x, m);
+            let simd = run(Isa::detect(), 2, &w, &x, m);
+            let exact = reference(&w, &x, m);
+            let scale = exact.iter().fold(0f32, |a, v| a.max(v.abs())).max(1.0);
+            for i in 0..exact.len() {
+                assert!(
+                    (scalar[i] - simd[i]).abs() <= 1e-4 * scale,
+                    "{ty:?} {rows}x{cols} m={m} [{i}]: scalar {} simd {}",
+                    scalar[i],
+                    simd[i]
+                );
+                // Activation quantization costs ~1% of the value's scale.
+                let tol = if ty.is_quantized() { 0.02 * scale } else { 1e-4 * scale };
+                assert!((scalar[i] - exact[i]).abs() <= tol, "{ty:?} [{i}]: {} vs exact {}", scalar[i], exact[i]);
+            }
+        }
+    }
+}
+
+#[test]
+fn output_is_independent_of_batch_and_threads() {
+    let mut rng = Rng::new(11);
+    for ty in ALL {
+        let (rows, cols) = (33, 128);
+        let data = random_weights(&mut rng, ty, rows, cols);
+        let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
+        let m = 7;
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+        let batched = run(Isa::detect(), 2, &w, &x, m);
+        for i in 0..m {
+            let alone = run(Isa::detect(), 1, &w, &x[i * cols..(i + 1) * cols], 1);
+            assert_eq!(&batched[i * rows..(i + 1) * rows], &alone[..], "{ty:?} row {i}");
+        }
+    }
+}
+
+#[test]
+fn bad_shape_is_an_error() {
+    assert!(QMatrix::new(WeightType::Q4_1, 2, 32, &[0u8; 39]).is_err());
+    assert!(QMatrix::new(WeightType::Q4_1, 2, 31, &[0u8; 40]).is_err());
+    assert!(QMatrix::new(WeightType::Q4_1, 2, 32, &[0u8; 40]).is_ok());
+}

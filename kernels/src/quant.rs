@@ -1,0 +1,165 @@
+//! ggml block-quantized formats, their dequantization, and the 8-bit
+//! activation format that quantized matmuls multiply against.
+//!
+//! Block layouts (32 weights a block, little-endian, as in GGUF):
+//! - Q4_0: `d: f16, qs: [u8; 16]` — w = d * (q - 8)
+//! - Q4_1: `d: f16, m: f16, qs: [u8; 16]` — w = d * q + m
+//! - Q8_0: `d: f16, qs: [i8; 32]` — w = d * q
+//!
+//! In Q4 blocks byte `j` holds element `j` in its low nibble and element
+//! `j + 16` in its high nibble.
+
+use crate::f16::{bf16_bits_to_f32, f16_bits_to_f32, le_u16};
+use crate::matmul::WeightType;
+
+pub const QK: usize = 32;
+
+/// Dequantizes one row of `k` weights of type `ty` into `out`.
+pub fn dequantize_row(ty: WeightType, row: &[u8], out: &mut [f32]) {
+    match ty {
+        WeightType::F32 => {
+            for (o, c) in out.iter_mut().zip(row.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        WeightType::F16 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = f16_bits_to_f32(le_u16(row, i));
+            }
+        }
+        WeightType::BF16 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = bf16_bits_to_f32(le_u16(row, i));
+            }
+        }
+        WeightType::Q4_0 => {
+            for (blk, o) in row.chunks_exact(18).zip(out.chunks_exact_mut(QK)) {
+                let d = f16_bits_to_f32(le_u16(blk, 0));
+                for j in 0..16 {
+                    let b = blk[2 + j];
+                    o[j] = d * ((b & 0x0F) as f32 - 8.0);
+                    o[j + 16] = d * ((b >> 4) as f32 - 8.0);
+                }
+            }
+        }
+        WeightType::Q4_1 => {
+            for (blk, o) in row.chunks_exact(20).zip(out.chunks_exact_mut(QK)) {
+                let d = f16_bits_to_f32(le_u16(blk, 0));
+                let m = f16_bits_to_f32(le_u16(blk, 1));
+                for j in 0..16 {
+                    let b = blk[4 + j];
+                    o[j] = d * (b & 0x0F) as f32 + m;
+                    o[j + 16] = d * (b >> 4) as f32 + m;
+                }
+            }
+        }
+        WeightType::Q8_0 => {
+            for (blk, o) in row.chunks_exact(34).zip(out.chunks_exact_mut(QK)) {
+                let d = f16_bits_to_f32(le_u16(blk, 0));
+                for j in 0..QK {
+                    o[j] = d * (blk[2 + j] as i8) as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Quantizes a row of `k` floats (k a multiple of 32) to Q8_0 bytes.
+pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
+    for (xb, ob) in x.chunks_exact(QK).zip(out.chunks_exact_mut(34)) {
+        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        ob[..2].copy_from_slice(&crate::f16::f32_to_f16_bits(d).to_le_bytes());
+        for (o, v) in ob[2..].iter_mut().zip(xb) {
+            *o = (v * id).round() as i8 as u8;
+        }
+    }
+}
+
+/// Activations quantized to 8 bits in blocks of 32, one row per token.
+///
+/// Each block keeps its scale `d` and `s = d * sum(q)`; the `s` term lets
+/// Q4_1 (with its offset `m`) and Q4_0 (with its bias of 8) be multiplied
+/// with integer dot products only.
+#[derive(Debug, Default, Clone)]
+pub struct QActs {
+    pub rows: usize,
+    pub k: usize,
+    pub qs: Vec<i8>,
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+}
+
+impl QActs {
+    /// Quantizes `rows` rows of `k` floats each from `x` (row-major),
+    /// reusing this buffer's allocations.
+    pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize) {
+        debug_assert_eq!(x.len(), rows * k);
+        debug_assert_eq!(k % QK, 0);
+        self.rows = rows;
+        self.k = k;
+        let nb = rows * k / QK;
+        self.qs.resize(rows * k, 0);
+        self.d.resize(nb, 0.0);
+        self.s.resize(nb, 0.0);
+        for (b, (xb, qb)) in x.chunks_exact(QK).zip(self.qs.chunks_exact_mut(QK)).enumerate() {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, v) in qb.iter_mut().zip(xb) {
+                // round-half-away-from-zero, as llama.cpp's reference.
+                let r = (v * id).round() as i32;
+                *q = r as i8;
+                sum += r;
+            }
+            self.d[b] = d;
+            self.s[b] = d * sum as f32;
+        }
+    }
+
+    /// Blocks per row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.k / QK
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_roundtrip_is_close() {
+        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
+        let mut q = vec![0u8; 68];
+        quantize_row_q8_0(&x, &mut q);
+        let mut y = vec![0f32; 64];
+        dequantize_row(WeightType::Q8_0, &q, &mut y);
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() < 0.02, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn q4_1_nibble_order() {
+        // d = 1, m = 0: element j is the low nibble of byte j, j+16 the high one.
+        let mut blk = vec![0u8; 20];
+        blk[..2].copy_from_slice(&crate::f16::f32_to_f16_bits(1.0).to_le_bytes());
+        blk[4] = 0x53;
+        let mut out = vec![0f32; 32];
+        dequantize_row(WeightType::Q4_1, &blk, &mut out);
+        assert_eq!(out[0], 3.0);
+        assert_eq!(out[16], 5.0);
+    }
+
+    #[test]
+    fn qacts_sum_term() {
+        let x: Vec<f32> = (0..32).map(|i| i as f32 - 10.0).collect();
+        let mut a = QActs::default();
+        a.quantize(&x, 1, 32);
+        let back: f32 = a.qs.iter().map(|&q| q as f32 * a.d[0]).sum();
+        assert!((back - a.s[0]).abs() < 1e-3);
+        assert!((back - x.iter().sum::<f32>()).abs() < 0.5);
+    }
+}
