@@ -5,5 +5,10 @@
 //! Must not: know about networks. Transfer code sees only [`kv::KvLayout`]
 //! and block gather/scatter.
 
+pub mod gguf;
+pub mod kv;
+mod mmap;
+pub mod model;
 pub mod sampler;
 pub mod tokenizer;
+pub mod weights;

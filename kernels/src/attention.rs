@@ -43,9 +43,9 @@ impl AttnShape {
 /// Computes attention for the query heads of KV head `kv_head`, for one
 /// token whose context is positions `0..n_ctx` of the sequence.
 ///
-/// `q` holds all query heads of the token (`n_heads * head_dim`), `out` the
-/// same shape; only the heads of group `kv_head` are written. `scores` is
-/// scratch, resized as needed.
+/// `q` holds all query heads of the token (`n_heads * head_dim`); `out`
+/// receives the group's heads only (`group * head_dim`, group =
+/// `n_heads / n_kv_heads`). `scores` is scratch, resized as needed.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     isa: Isa,
@@ -91,14 +91,12 @@ pub fn attend_group(
     }
 
     // Weighted sum of V rows, in position order.
-    for h in heads.clone() {
-        out[h * hd..(h + 1) * hd].fill(0.0);
-    }
+    out[..group * hd].fill(0.0);
     for t in 0..n_ctx {
         let off = shape.offset(table, t, kv_head);
-        for (gi, h) in heads.clone().enumerate() {
+        for gi in 0..group {
             let p = scores[gi * n_ctx + t];
-            let oh = &mut out[h * hd..(h + 1) * hd];
+            let oh = &mut out[gi * hd..(gi + 1) * hd];
             match (v, use_simd) {
                 (KvSlice::F32(s), true) => simd::axpy_f32(p, &s[off..off + hd], oh),
                 (KvSlice::F16(s), true) => simd::axpy_f16(p, &s[off..off + hd], oh),
@@ -233,8 +231,9 @@ mod tests {
     fn run(isa: Isa, shape: &AttnShape, k: KvSlice<'_>, v: KvSlice<'_>, table: &[u32], n: usize, q: &[f32]) -> Vec<f32> {
         let mut out = vec![0f32; q.len()];
         let mut scratch = Vec::new();
+        let gw = shape.n_heads / shape.n_kv_heads * shape.head_dim;
         for g in 0..shape.n_kv_heads {
-            attend_group(isa, shape, k, v, table, n, g, q, &mut out, &mut scratch);
+            attend_group(isa, shape, k, v, table, n, g, q, &mut out[g * gw..(g + 1) * gw], &mut scratch);
         }
         out
     }

@@ -1,0 +1,451 @@
+//! The block pool: storage, reference counts, the prefix index and eviction.
+
+use std::collections::{BTreeMap, HashMap};
+
+use kernels::attention::KvSlice;
+use sha2::{Digest, Sha256};
+
+use super::{KvDtype, KvError, KvLayout};
+
+pub type BlockId = u32;
+
+/// Chained hash of a full block: identifies its tokens *and* everything
+/// before them (and the salt).
+pub type PrefixHash = u64;
+
+#[derive(Debug)]
+enum Storage {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+}
+
+impl Storage {
+    fn new(dtype: KvDtype, n: usize) -> Self {
+        match dtype {
+            KvDtype::F32 => Storage::F32(vec![0.0; n]),
+            KvDtype::F16 => Storage::F16(vec![0; n]),
+        }
+    }
+
+    fn slice(&self) -> KvSlice<'_> {
+        match self {
+            Storage::F32(v) => KvSlice::F32(v),
+            Storage::F16(v) => KvSlice::F16(v),
+        }
+    }
+
+    fn write(&mut self, at: usize, row: &[f32]) {
+        match self {
+            Storage::F32(v) => v[at..at + row.len()].copy_from_slice(row),
+            Storage::F16(v) => {
+                for (d, s) in v[at..at + row.len()].iter_mut().zip(row) {
+                    *d = kernels::f16::f32_to_f16_bits(*s);
+                }
+            }
+        }
+    }
+
+    fn gather(&self, block_elems: usize, table: &[BlockId], out: &mut Vec<u8>) {
+        match self {
+            Storage::F32(v) => {
+                for &b in table {
+                    for x in &v[b as usize * block_elems..(b as usize + 1) * block_elems] {
+                        out.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+            Storage::F16(v) => {
+                for &b in table {
+                    for x in &v[b as usize * block_elems..(b as usize + 1) * block_elems] {
+                        out.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+        }
+    }
+
+    fn scatter(&mut self, block_elems: usize, table: &[BlockId], bytes: &[u8]) {
+        match self {
+            Storage::F32(v) => {
+                for (i, &b) in table.iter().enumerate() {
+                    let src = &bytes[i * block_elems * 4..(i + 1) * block_elems * 4];
+                    let dst = &mut v[b as usize * block_elems..(b as usize + 1) * block_elems];
+                    for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                        *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    }
+                }
+            }
+            Storage::F16(v) => {
+                for (i, &b) in table.iter().enumerate() {
+                    let src = &bytes[i * block_elems * 2..(i + 1) * block_elems * 2];
+                    let dst = &mut v[b as usize * block_elems..(b as usize + 1) * block_elems];
+                    for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                        *d = u16::from_le_bytes([c[0], c[1]]);
+                    }
+                }
+            }
+        }
+    }
+
+    fn clear_blocks(&mut self, block_elems: usize, table: &[BlockId]) {
+        for &b in table {
+            let r = b as usize * block_elems..(b as usize + 1) * block_elems;
+            match self {
+                Storage::F32(v) => v[r].fill(0.0),
+                Storage::F16(v) => v[r].fill(0),
+            }
+        }
+    }
+}
+
+/// Pool occupancy, for metrics and admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvStats {
+    pub total: usize,
+    /// Blocks owned by at least one sequence.
+    pub used: usize,
+    /// Unowned blocks that keep a reusable prefix until evicted.
+    pub cached: usize,
+    /// Blocks with nothing in them.
+    pub free: usize,
+}
+
+impl KvStats {
+    /// Fraction of blocks owned by sequences (vLLM's `kv_cache_usage_perc`).
+    pub fn usage_ratio(&self) -> f64 {
+        self.used as f64 / self.total.max(1) as f64
+    }
+}
+
+/// The fixed-capacity block pool.
+#[derive(Debug)]
+pub struct KvPool {
+    layout: KvLayout,
+    num_blocks: usize,
+    k: Vec<Storage>,
+    v: Vec<Storage>,
+    refs: Vec<u32>,
+    free: Vec<BlockId>,
+    /// Hash of each block's content, once it is full and registered.
+    hash_of: Vec<Option<PrefixHash>>,
+    by_hash: HashMap<PrefixHash, BlockId>,
+    /// Unowned blocks with a hash, oldest release first (tick -> block).
+    evictable: BTreeMap<u64, BlockId>,
+    evict_tick: Vec<u64>,
+    tick: u64,
+}
+
+impl KvPool {
+    pub fn new(layout: KvLayout, num_blocks: usize) -> Result<Self, KvError> {
+        if num_blocks == 0 || num_blocks > u32::MAX as usize {
+            return Err(KvError::Config(format!("num_blocks must be 1..=2^32-1, got {num_blocks}")));
+        }
+        if layout.block_size == 0 || layout.n_layers == 0 || layout.row_elems() == 0 {
+            return Err(KvError::Config(format!("empty layout {layout:?}")));
+        }
+        let n = num_blocks
+            .checked_mul(layout.block_elems())
+            .ok_or_else(|| KvError::Config("pool size overflows".into()))?;
+        Ok(Self {
+            layout,
+            num_blocks,
+            k: (0..layout.n_layers).map(|_| Storage::new(layout.dtype, n)).collect(),
+            v: (0..layout.n_layers).map(|_| Storage::new(layout.dtype, n)).collect(),
+            refs: vec![0; num_blocks],
+            // Pop order hands out low ids first (only cosmetic).
+            free: (0..num_blocks as BlockId).rev().collect(),
+            hash_of: vec![None; num_blocks],
+            by_hash: HashMap::new(),
+            evictable: BTreeMap::new(),
+            evict_tick: vec![0; num_blocks],
+            tick: 0,
+        })
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn stats(&self) -> KvStats {
+        let cached = self.evictable.len();
+        let free = self.free.len();
+        KvStats {
+            total: self.num_blocks,
+            used: self.num_blocks - cached - free,
+            cached,
+            free,
+        }
+    }
+
+    /// Blocks that an allocation could obtain now (free + evictable).
+    pub fn available(&self) -> usize {
+        self.free.len() + self.evictable.len()
+    }
+
+    /// Allocates `n` blocks, all or none, evicting cached prefixes (oldest
+    /// first) when the free list runs out.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, KvError> {
+        if n > self.available() {
+            return Err(KvError::Exhausted {
+                needed: n,
+                available: self.available(),
+                total: self.num_blocks,
+            });
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let b = match self.free.pop() {
+                Some(b) => b,
+                None => {
+                    let (_, b) = self.evictable.pop_first().ok_or(KvError::Exhausted {
+                        needed: n,
+                        available: 0,
+                        total: self.num_blocks,
+                    })?;
+                    if let Some(h) = self.hash_of[b as usize].take() {
+                        self.by_hash.remove(&h);
+                    }
+                    b
+                }
+            };
+            self.refs[b as usize] = 1;
+            out.push(b);
+        }
+        Ok(out)
+    }
+
+    fn check(&self, b: BlockId) -> Result<usize, KvError> {
+        let i = b as usize;
+        if i >= self.num_blocks {
+            return Err(KvError::InvalidBlock { block: b, why: "outside the pool" });
+        }
+        Ok(i)
+    }
+
+    /// Drops one reference to each block. A block nobody owns goes back to
+    /// the free list, or — if it holds a registered prefix — to the
+    /// evictable set where a later request can still find it.
+    pub fn release(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
+        for &b in blocks {
+            let i = self.check(b)?;
+            if self.refs[i] == 0 {
+                return Err(KvError::InvalidBlock { block: b, why: "released while not owned" });
+            }
+            self.refs[i] -= 1;
+            if self.refs[i] == 0 {
+                if self.hash_of[i].is_some() {
+                    self.tick += 1;
+                    self.evict_tick[i] = self.tick;
+                    self.evictable.insert(self.tick, b);
+                } else {
+                    self.free.push(b);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Chained hashes of the full blocks of `tokens`.
+    pub fn prefix_hashes(&self, tokens: &[u32], salt: u64) -> Vec<PrefixHash> {
+        let bs = self.layout.block_size;
+        let mut parent = salt;
+        tokens
+            .chunks_exact(bs)
+            .map(|chunk| {
+                let mut h = Sha256::new();
+                h.update(parent.to_le_bytes());
+                for t in chunk {
+                    h.update(t.to_le_bytes());
+                }
+                let d = h.finalize();
+                parent = u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]]);
+                parent
+            })
+            .collect()
+    }
+
+    /// Takes a reference to the longest run of cached blocks matching
+    /// `hashes` from the start, and returns them.
+    pub fn acquire_prefix(&mut self, hashes: &[PrefixHash]) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for h in hashes {
+            let Some(&b) = self.by_hash.get(h) else { break };
+            let i = b as usize;
+            if self.refs[i] == 0 {
+                self.evictable.remove(&self.evict_tick[i]);
+            }
+            self.refs[i] += 1;
+            out.push(b);
+        }
+        out
+    }
+
+    /// Records that `block` is full and holds the tokens `hash` names. A
+    /// block with an equal hash already indexed wins (the caller keeps its
+    /// private copy, which simply is not shared).
+    pub fn register(&mut self, block: BlockId, hash: PrefixHash) -> Result<(), KvError> {
+        let i = self.check(block)?;
+        if self.refs[i] == 0 {
+            return Err(KvError::InvalidBlock { block, why: "registered while not owned" });
+        }
+        if self.hash_of[i].is_none() && !self.by_hash.contains_key(&hash) {
+            self.by_hash.insert(hash, block);
+            self.hash_of[i] = Some(hash);
+        }
+        Ok(())
+    }
+
+    /// Writes one token's K and V rows for `layer` into `slot` of `block`.
+    pub fn write(&mut self, layer: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
+        let row = self.layout.row_elems();
+        let at = (block as usize * self.layout.block_size + slot) * row;
+        self.k[layer].write(at, &k[..row]);
+        self.v[layer].write(at, &v[..row]);
+    }
+
+    /// One layer's whole K and V storage, for attention.
+    pub fn layer(&self, layer: usize) -> (KvSlice<'_>, KvSlice<'_>) {
+        (self.k[layer].slice(), self.v[layer].slice())
+    }
+
+    /// Bytes a gather of `n` blocks produces.
+    pub fn gathered_len(&self, n: usize) -> usize {
+        n * self.layout.block_bytes()
+    }
+
+    /// Copies the blocks of `table` into a contiguous little-endian buffer:
+    /// for each layer, its K blocks in table order, then its V blocks.
+    pub fn gather(&self, table: &[BlockId]) -> Result<Vec<u8>, KvError> {
+        for &b in table {
+            self.check(b)?;
+        }
+        let be = self.layout.block_elems();
+        let mut out = Vec::with_capacity(self.gathered_len(table.len()));
+        for l in 0..self.layout.n_layers {
+            self.k[l].gather(be, table, &mut out);
+            self.v[l].gather(be, table, &mut out);
+        }
+        Ok(out)
+    }
+
+    /// The inverse of [`gather`](Self::gather), into the blocks of `table`.
+    pub fn scatter(&mut self, table: &[BlockId], bytes: &[u8]) -> Result<(), KvError> {
+        for &b in table {
+            self.check(b)?;
+        }
+        if bytes.len() != self.gathered_len(table.len()) {
+            return Err(KvError::Shape(format!(
+                "{} bytes for {} blocks of {} bytes",
+                bytes.len(),
+                table.len(),
+                self.layout.block_bytes()
+            )));
+        }
+        let be = self.layout.block_elems();
+        let per = table.len() * be * self.layout.dtype.size();
+        for l in 0..self.layout.n_layers {
+            let base = 2 * l * per;
+            self.k[l].scatter(be, table, &bytes[base..base + per]);
+            self.v[l].scatter(be, table, &bytes[base + per..base + 2 * per]);
+        }
+        Ok(())
+    }
+
+    /// Zeroes the blocks of `table` (tests use it to prove a scatter restores them).
+    pub fn clear(&mut self, table: &[BlockId]) -> Result<(), KvError> {
+        for &b in table {
+            self.check(b)?;
+        }
+        let be = self.layout.block_elems();
+        for l in 0..self.layout.n_layers {
+            self.k[l].clear_blocks(be, table);
+            self.v[l].clear_blocks(be, table);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 4, block_size: 2, dtype: KvDtype::F16 }
+    }
+
+    #[test]
+    fn allocate_is_all_or_nothing_and_release_frees() {
+        let mut p = KvPool::new(layout(), 4).expect("pool");
+        let a = p.allocate(3).expect("3 fit");
+        assert_eq!(p.stats().used, 3);
+        assert!(matches!(p.allocate(2), Err(KvError::Exhausted { needed: 2, available: 1, total: 4 })));
+        assert_eq!(p.stats().used, 3, "failed allocation must not leak");
+        p.release(&a).expect("release");
+        assert_eq!(p.stats(), KvStats { total: 4, used: 0, cached: 0, free: 4 });
+        assert!(p.release(&a[..1]).is_err(), "double release is an error");
+        assert!(p.release(&[9]).is_err());
+    }
+
+    #[test]
+    fn prefix_is_shared_then_cached_then_evicted() {
+        let mut p = KvPool::new(layout(), 3).expect("pool");
+        let toks = [1, 2, 3, 4, 5];
+        let hashes = p.prefix_hashes(&toks, 0);
+        assert_eq!(hashes.len(), 2);
+        let blocks = p.allocate(2).expect("alloc");
+        p.register(blocks[0], hashes[0]).expect("reg");
+        p.register(blocks[1], hashes[1]).expect("reg");
+        // A second sequence shares both.
+        let shared = p.acquire_prefix(&hashes);
+        assert_eq!(shared, blocks);
+        p.release(&shared).expect("release");
+        p.release(&blocks).expect("release");
+        assert_eq!(p.stats().cached, 2);
+        assert_eq!(p.stats().used, 0);
+        // Still findable after release.
+        assert_eq!(p.acquire_prefix(&hashes[..1]), vec![blocks[0]]);
+        p.release(&[blocks[0]]).expect("release");
+        // Pressure evicts the oldest released (blocks[1] was released first... then blocks[0] again).
+        let all = p.allocate(3).expect("evicts both cached");
+        assert_eq!(all.len(), 3);
+        assert!(p.acquire_prefix(&hashes).is_empty(), "evicted prefixes are gone");
+    }
+
+    #[test]
+    fn salt_and_parent_change_hashes() {
+        let p = KvPool::new(layout(), 1).expect("pool");
+        let a = p.prefix_hashes(&[1, 2, 3, 4], 0);
+        let b = p.prefix_hashes(&[1, 2, 3, 4], 7);
+        let c = p.prefix_hashes(&[9, 9, 3, 4], 0);
+        assert_ne!(a[0], b[0]);
+        assert_ne!(a[1], c[1], "same block tokens after another prefix must differ");
+    }
+
+    #[test]
+    fn gather_clear_scatter_is_bit_exact() {
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let mut p = KvPool::new(KvLayout { dtype, ..layout() }, 5).expect("pool");
+            let t = p.allocate(3).expect("alloc");
+            for l in 0..2 {
+                for (i, &b) in t.iter().enumerate() {
+                    for s in 0..2 {
+                        let k: Vec<f32> = (0..4).map(|j| (l * 100 + i * 10 + s * 4 + j) as f32 * 0.37).collect();
+                        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                        p.write(l, b, s, &k, &v);
+                    }
+                }
+            }
+            let buf = p.gather(&t).expect("gather");
+            assert_eq!(buf.len(), p.gathered_len(3));
+            p.clear(&t).expect("clear");
+            assert_ne!(p.gather(&t).expect("gather"), buf);
+            p.scatter(&t, &buf).expect("scatter");
+            assert_eq!(p.gather(&t).expect("gather"), buf);
+            assert!(p.scatter(&t, &buf[1..]).is_err());
+        }
+    }
+}

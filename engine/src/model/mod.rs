@@ -1,0 +1,246 @@
+//! The Llama-family forward pass over a batch of sequence chunks.
+//!
+//! One call ([`Model::forward`]) runs any mix of prefill chunks and single
+//! decode tokens: all tokens of the batch go through each matmul together
+//! (which is where batching pays), while attention runs per token against
+//! its own sequence's paged KV. Each token's K and V are written into the
+//! pool before attention, so a chunk attends causally over its own tokens
+//! and everything cached before it.
+
+mod config;
+
+pub use config::LlamaConfig;
+
+use kernels::attention::{attend_group, AttnShape};
+use kernels::matmul::{matmul, MatmulScratch};
+use kernels::ops::{add_in_place, rmsnorm, swiglu, RopeTable};
+use kernels::pool::{split, SharedSlice};
+use kernels::{Isa, ThreadPool};
+
+use crate::kv::{BlockId, KvLayout, KvPool};
+use crate::weights::{Weights, WeightsError};
+
+/// Errors from a forward pass; all are caller mistakes caught before any
+/// state changes.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ForwardError {
+    #[error("token id {id} is outside the vocabulary of {vocab}")]
+    BadToken { id: u32, vocab: usize },
+    #[error("position {pos} exceeds the context length {context}")]
+    TooLong { pos: usize, context: usize },
+    #[error("block table of {blocks} blocks cannot hold position {pos}")]
+    TableTooShort { blocks: usize, pos: usize },
+    #[error("empty chunk in batch")]
+    EmptyChunk,
+    /// A weight checked at load time failed to resolve: a bug, reported rather than panicking.
+    #[error("weights: {0}")]
+    Weights(String),
+    #[error("KV layout {pool:?} does not match the model {model:?}")]
+    LayoutMismatch { pool: Box<KvLayout>, model: Box<KvLayout> },
+}
+
+/// One sequence's tokens for this step: `tokens` occupy positions
+/// `start..start + tokens.len()`; `table` must cover all of them.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    pub tokens: &'a [u32],
+    pub start: usize,
+    pub table: &'a [BlockId],
+    /// Compute logits for the chunk's last token.
+    pub logits: bool,
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    names: [String; 7],
+}
+
+const Q: usize = 0;
+const K: usize = 1;
+const V: usize = 2;
+const O: usize = 3;
+const GATE: usize = 4;
+const UP: usize = 5;
+const DOWN: usize = 6;
+
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    tmp: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    last: Vec<f32>,
+    logits: Vec<f32>,
+    mm: MatmulScratch,
+}
+
+/// A loaded model ready to run.
+pub struct Model {
+    cfg: LlamaConfig,
+    weights: Weights,
+    layers: Vec<Layer>,
+    output_norm: Vec<f32>,
+    output_name: String,
+    rope: RopeTable,
+    pool: ThreadPool,
+    isa: Isa,
+    s: Scratch,
+}
+
+impl Model {
+    /// Checks every tensor's presence and shape up front, so a forward pass
+    /// never meets a missing or misshapen weight.
+    pub fn new(weights: Weights, threads: usize) -> Result<Self, WeightsError> {
+        let cfg = weights.config.clone();
+        let (h, kvd, ffn) = (cfg.hidden, cfg.kv_dim(), cfg.ffn);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let names = [n("attn_q"), n("attn_k"), n("attn_v"), n("attn_output"), n("ffn_gate"), n("ffn_up"), n("ffn_down")];
+            let shapes = [(h, h), (kvd, h), (kvd, h), (h, h), (ffn, h), (ffn, h), (h, ffn)];
+            for (name, (r, c)) in names.iter().zip(shapes) {
+                weights.matrix(name, r, c)?;
+            }
+            layers.push(Layer { attn_norm: weights.vector(&n("attn_norm"), h)?, ffn_norm: weights.vector(&n("ffn_norm"), h)?, names });
+        }
+        weights.matrix("token_embd.weight", cfg.vocab, h)?;
+        let output_name = if cfg.tied_embeddings { "token_embd.weight" } else { "output.weight" }.to_owned();
+        weights.matrix(&output_name, cfg.vocab, h)?;
+        let output_norm = weights.vector("output_norm.weight", h)?;
+        let rope = RopeTable::new(cfg.head_dim, cfg.rope_dims, cfg.rope_theta, cfg.context);
+        let pool = ThreadPool::new(threads).map_err(|source| WeightsError::Io { path: "<thread pool>".into(), source })?;
+        Ok(Self { cfg, weights, layers, output_norm, output_name, rope, pool, isa: Isa::detect(), s: Scratch::default() })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// The KV layout this model needs for a given block size and dtype.
+    pub fn kv_layout(&self, block_size: usize, dtype: crate::kv::KvDtype) -> KvLayout {
+        KvLayout { n_layers: self.cfg.n_layers, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim, block_size, dtype }
+    }
+
+    fn validate(&self, kv: &KvPool, batch: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
+        let want = self.kv_layout(kv.layout().block_size, kv.layout().dtype);
+        if *kv.layout() != want {
+            return Err(ForwardError::LayoutMismatch { pool: Box::new(*kv.layout()), model: Box::new(want) });
+        }
+        for c in batch {
+            if c.tokens.is_empty() {
+                return Err(ForwardError::EmptyChunk);
+            }
+            if let Some(&id) = c.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+                return Err(ForwardError::BadToken { id, vocab: self.cfg.vocab });
+            }
+            let last = c.start + c.tokens.len() - 1;
+            if last >= self.cfg.context {
+                return Err(ForwardError::TooLong { pos: last, context: self.cfg.context });
+            }
+            if last / want.block_size >= c.table.len() {
+                return Err(ForwardError::TableTooShort { blocks: c.table.len(), pos: last });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step. Returns logits (`vocab` each), one row per chunk with
+    /// `logits: true`, in batch order.
+    pub fn forward(&mut self, kv: &mut KvPool, batch: &[SeqChunk<'_>]) -> Result<&[f32], ForwardError> {
+        self.validate(kv, batch)?;
+        let cfg = &self.cfg;
+        let (h, kvd, ffn, hd) = (cfg.hidden, cfg.kv_dim(), cfg.ffn, cfg.head_dim);
+        let n_tok: usize = batch.iter().map(|c| c.tokens.len()).sum();
+        // (chunk, position) of every token in the step.
+        let mut where_ = Vec::with_capacity(n_tok);
+        for (ci, c) in batch.iter().enumerate() {
+            where_.extend((0..c.tokens.len()).map(|i| (ci, c.start + i)));
+        }
+        let s = &mut self.s;
+        for (buf, n) in [(&mut s.x, h), (&mut s.xn, h), (&mut s.q, h), (&mut s.k, kvd), (&mut s.v, kvd), (&mut s.att, h), (&mut s.tmp, h), (&mut s.gate, ffn), (&mut s.up, ffn)] {
+            buf.resize(n_tok * n, 0.0);
+        }
+
+        let embd = self.weights.matrix("token_embd.weight", cfg.vocab, h).map_err(|e| ForwardError::Weights(e.to_string()))?;
+        let mut row = 0;
+        for c in batch {
+            for &t in c.tokens {
+                embd.dequantize_row_into(t as usize, &mut s.x[row * h..(row + 1) * h]);
+                row += 1;
+            }
+        }
+
+        let shape = AttnShape { n_heads: cfg.n_heads, n_kv_heads: cfg.n_kv_heads, head_dim: hd, block_size: kv.layout().block_size };
+        let group_w = cfg.n_heads / cfg.n_kv_heads * hd;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let w = |i: usize, r: usize, c: usize| self.weights.matrix(&layer.names[i], r, c).map_err(|e| ForwardError::Weights(e.to_string()));
+            rmsnorm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.xn);
+            matmul(&self.pool, self.isa, &w(Q, h, h)?, &s.xn, n_tok, &mut s.q, &mut s.mm);
+            matmul(&self.pool, self.isa, &w(K, kvd, h)?, &s.xn, n_tok, &mut s.k, &mut s.mm);
+            matmul(&self.pool, self.isa, &w(V, kvd, h)?, &s.xn, n_tok, &mut s.v, &mut s.mm);
+            for (i, &(ci, pos)) in where_.iter().enumerate() {
+                self.rope.apply(&mut s.q[i * h..(i + 1) * h], pos);
+                self.rope.apply(&mut s.k[i * kvd..(i + 1) * kvd], pos);
+                let c = &batch[ci];
+                let bs = shape.block_size;
+                kv.write(l, c.table[pos / bs], pos % bs, &s.k[i * kvd..(i + 1) * kvd], &s.v[i * kvd..(i + 1) * kvd]);
+            }
+            // Attention: work items are (token, kv head) pairs.
+            let (ks, vs) = kv.layer(l);
+            let att = SharedSlice::new(&mut s.att);
+            let q = &s.q;
+            let items = n_tok * cfg.n_kv_heads;
+            let isa = self.isa;
+            let where_ref = &where_;
+            self.pool.run(&|t, nt| {
+                let mut scores = Vec::new();
+                for item in split(items, t, nt, 1) {
+                    let (i, g) = (item / cfg.n_kv_heads, item % cfg.n_kv_heads);
+                    let (ci, pos) = where_ref[i];
+                    let out = att.range_mut(i * h + g * group_w..i * h + (g + 1) * group_w);
+                    attend_group(isa, &shape, ks, vs, batch[ci].table, pos + 1, g, &q[i * h..(i + 1) * h], out, &mut scores);
+                }
+            });
+            matmul(&self.pool, self.isa, &w(O, h, h)?, &s.att, n_tok, &mut s.tmp, &mut s.mm);
+            add_in_place(&mut s.x, &s.tmp);
+
+            rmsnorm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.xn);
+            matmul(&self.pool, self.isa, &w(GATE, ffn, h)?, &s.xn, n_tok, &mut s.gate, &mut s.mm);
+            matmul(&self.pool, self.isa, &w(UP, ffn, h)?, &s.xn, n_tok, &mut s.up, &mut s.mm);
+            swiglu(&mut s.gate, &s.up);
+            matmul(&self.pool, self.isa, &w(DOWN, h, ffn)?, &s.gate, n_tok, &mut s.tmp, &mut s.mm);
+            add_in_place(&mut s.x, &s.tmp);
+        }
+
+        // Logits only for the rows that asked.
+        s.last.clear();
+        let mut end = 0;
+        for c in batch {
+            end += c.tokens.len();
+            if c.logits {
+                s.last.extend_from_slice(&s.x[(end - 1) * h..end * h]);
+            }
+        }
+        let n_out = s.last.len() / h;
+        s.xn.resize(n_out * h, 0.0);
+        rmsnorm(&s.last, &self.output_norm, cfg.rms_eps, &mut s.xn[..n_out * h]);
+        s.logits.resize(n_out * cfg.vocab, 0.0);
+        let out = self.weights.matrix(&self.output_name, cfg.vocab, h).map_err(|e| ForwardError::Weights(e.to_string()))?;
+        matmul(&self.pool, self.isa, &out, &s.xn[..n_out * h], n_out, &mut s.logits, &mut s.mm);
+        Ok(&s.logits)
+    }
+}

@@ -1,0 +1,114 @@
+//! Model weights, whatever file they came from.
+//!
+//! Both loaders produce [`Weights`]: a byte backing (a memory-mapped GGUF,
+//! or an owned buffer) and a table from canonical tensor names — GGUF's
+//! (`blk.N.attn_q.weight`, …) — to typed regions of that backing. Q and K
+//! rows are in GGUF order (interleaved RoPE pairs); the safetensors loader
+//! permutes HF's layout into it.
+
+pub mod gguf;
+pub mod safetensors;
+
+use std::collections::HashMap;
+
+use kernels::{QMatrix, WeightType};
+
+use crate::gguf::GgufError;
+use crate::model::LlamaConfig;
+
+/// Errors loading weights.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    /// A safetensors file or its config.json is malformed.
+    #[error("safetensors: {0}")]
+    Safetensors(String),
+    /// A tensor exists but has the wrong shape for this model.
+    #[error("tensor {name:?}: expected shape {expected:?}, found {found:?}")]
+    Shape { name: String, expected: Vec<usize>, found: Vec<usize> },
+    /// A required tensor is absent.
+    #[error("missing tensor {0:?}")]
+    Missing(String),
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub(crate) enum Backing {
+    Mapped(crate::mmap::Mapped),
+    Owned(Vec<u8>),
+}
+
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Mapped(m) => m.bytes(),
+            Backing::Owned(v) => v,
+        }
+    }
+}
+
+/// A typed region of the backing. `dims` are outermost-first: `[rows, cols]`
+/// for a matrix, `[n]` for a vector.
+#[derive(Debug, Clone)]
+pub struct TensorRef {
+    pub ty: WeightType,
+    pub dims: Vec<usize>,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// Loaded weights plus the model's hyper-parameters.
+pub struct Weights {
+    pub(crate) backing: Backing,
+    pub tensors: HashMap<String, TensorRef>,
+    pub config: LlamaConfig,
+}
+
+impl Weights {
+    pub fn get(&self, name: &str) -> Result<&TensorRef, WeightsError> {
+        self.tensors.get(name).ok_or_else(|| WeightsError::Missing(name.to_owned()))
+    }
+
+    pub fn bytes(&self, t: &TensorRef) -> &[u8] {
+        &self.backing.bytes()[t.offset..t.offset + t.len]
+    }
+
+    /// A matrix with the expected `[rows, cols]`.
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QMatrix<'_>, WeightsError> {
+        let t = self.get(name)?;
+        if t.dims != [rows, cols] {
+            return Err(WeightsError::Shape { name: name.into(), expected: vec![rows, cols], found: t.dims.clone() });
+        }
+        QMatrix::new(t.ty, rows, cols, self.bytes(t))
+            .map_err(|e| WeightsError::Shape { name: format!("{name} ({e})"), expected: vec![rows, cols], found: t.dims.clone() })
+    }
+
+    /// A vector of `n` values widened to f32.
+    pub fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, WeightsError> {
+        let t = self.get(name)?;
+        if t.dims != [n] {
+            return Err(WeightsError::Shape { name: name.into(), expected: vec![n], found: t.dims.clone() });
+        }
+        let mut out = vec![0f32; n];
+        kernels::quant::dequantize_row(t.ty, self.bytes(t), &mut out);
+        Ok(out)
+    }
+}
+
+/// Maps a GGUF tensor type to the kernel's weight type.
+pub fn weight_type(t: crate::gguf::GgmlType) -> WeightType {
+    use crate::gguf::GgmlType as G;
+    match t {
+        G::F32 => WeightType::F32,
+        G::F16 => WeightType::F16,
+        G::BF16 => WeightType::BF16,
+        G::Q4_0 => WeightType::Q4_0,
+        G::Q4_1 => WeightType::Q4_1,
+        G::Q8_0 => WeightType::Q8_0,
+    }
+}

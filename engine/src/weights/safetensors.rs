@@ -1,0 +1,1 @@
+//! HF safetensors weights (filled in by the safetensors work).
