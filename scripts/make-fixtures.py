@@ -137,13 +137,21 @@ def free_port():
         return s.getsockname()[1]
 
 
+# Full-precision attention in the reference: f32 KV cache and no flash
+# attention. llama.cpp's CPU flash-attention path rounds Q to f16 and
+# accumulates V in f16, which moves log-probabilities by up to ~0.2 and
+# flips near-ties; the engine's reference test runs with an f32 KV cache to
+# compare like with like (weights and activation quantization identical).
+PRECISION_ARGS = ["--flash-attn", "off", "--cache-type-k", "f32", "--cache-type-v", "f32"]
+
+
 class Server:
     def __init__(self, binary, model, threads, ctx):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.args = [
             binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
-            "-t", str(threads), "-c", str(ctx), "--parallel", "1",
+            "-t", str(threads), "-c", str(ctx), "--parallel", "1", *PRECISION_ARGS,
         ]
         self.logf = tempfile.NamedTemporaryFile(prefix="llama-server.", suffix=".log", delete=False)
         self.proc = None
@@ -380,7 +388,7 @@ def main():
         "llama_cpp": LLAMA_CPP,
         "model": os.path.basename(args.model),
         "model_sha256": model_sha,
-        "server_args": ["-t", str(args.threads), "-c", str(args.ctx), "--parallel", "1"],
+        "server_args": ["-t", str(args.threads), "-c", str(args.ctx), "--parallel", "1", *PRECISION_ARGS],
         "request": {k: v for k, v in completion_request([]).items() if k != "prompt"},
         "eog_ids": list(next(iter(all_eog))),
         "near_tie": NEAR_TIE,

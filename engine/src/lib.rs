@@ -5,9 +5,11 @@
 //! Must not: know about networks. Transfer code sees only [`kv::KvLayout`]
 //! and block gather/scatter.
 
+pub mod batch;
 pub mod gguf;
 pub mod kv;
 mod mmap;
+pub mod paths;
 pub mod model;
 pub mod sampler;
 pub mod tokenizer;

@@ -106,16 +106,19 @@ impl QActs {
         for (b, (xb, qb)) in x.chunks_exact(QK).zip(self.qs.chunks_exact_mut(QK)).enumerate() {
             let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            // 127/amax and round-half-to-even, as ggml's x86 quantizer does.
+            let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
             let mut sum = 0i32;
             for (q, v) in qb.iter_mut().zip(xb) {
-                // round-half-away-from-zero, as llama.cpp's reference.
-                let r = (v * id).round() as i32;
+                let r = (v * id).round_ties_even() as i32;
                 *q = r as i8;
                 sum += r;
             }
-            self.d[b] = d;
-            self.s[b] = d * sum as f32;
+            // Scales are kept at f16 precision, as ggml's Q8_0/Q8_1 blocks
+            // store them: products then round the way llama.cpp's do, which
+            // keeps greedy output aligned with the reference at near-ties.
+            self.d[b] = round_f16(d);
+            self.s[b] = round_f16(d * sum as f32);
         }
     }
 
@@ -123,6 +126,10 @@ impl QActs {
     pub fn blocks_per_row(&self) -> usize {
         self.k / QK
     }
+}
+
+fn round_f16(v: f32) -> f32 {
+    crate::f16::f16_bits_to_f32(crate::f16::f32_to_f16_bits(v))
 }
 
 #[cfg(test)]

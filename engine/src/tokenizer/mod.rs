@@ -24,6 +24,8 @@ mod error;
 mod gguf;
 mod hf;
 
+use std::path::Path;
+
 use sha2::Digest as _;
 
 pub use chat::ChatMessage;
@@ -54,6 +56,8 @@ pub struct Tokenizer {
     eos_id: Option<u32>,
     eos_ids: Vec<u32>,
     add_bos: bool,
+    /// The template's source, kept for [`Tokenizer::tokenizer_config_json`].
+    chat_template: Option<String>,
     chat: ChatState,
     digest: [u8; 32],
 }
@@ -121,7 +125,7 @@ impl Tokenizer {
             id.and_then(|id| pieces[id as usize].clone())
                 .unwrap_or_default()
         };
-        let chat = ChatState::new(meta.chat_template, piece(meta.bos_id), piece(meta.eos_id));
+        let chat = ChatState::new(meta.chat_template.clone(), piece(meta.bos_id), piece(meta.eos_id));
 
         let mut plain = with_special.clone();
         plain.set_encode_special_tokens(true);
@@ -134,6 +138,7 @@ impl Tokenizer {
             eos_id: meta.eos_id,
             eos_ids,
             add_bos: meta.add_bos,
+            chat_template: meta.chat_template,
             chat,
             digest: meta.digest,
         })
@@ -237,6 +242,38 @@ impl Tokenizer {
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
         self.chat.render(messages, add_generation_prompt)
+    }
+}
+
+impl Tokenizer {
+    /// Writes the `tokenizers` model as a Hugging Face `tokenizer.json`, the
+    /// copy that splits special tokens out (so a loader that parses them
+    /// sees them as the model defines them). With
+    /// [`tokenizer_config_json`](Self::tokenizer_config_json) beside it,
+    /// [`Tokenizer::from_files`] rebuilds a tokenizer that encodes alike.
+    pub fn save_json(&self, path: &Path) -> Result<(), TokenizerError> {
+        self.with_special.save(path, false).map_err(|e| {
+            let source = match e.downcast::<std::io::Error>() {
+                Ok(io) => *io,
+                Err(other) => std::io::Error::other(other),
+            };
+            TokenizerError::Io { path: path.to_owned(), source }
+        })
+    }
+
+    /// What Hugging Face keeps in `tokenizer_config.json`: the chat template,
+    /// BOS and EOS as token text, and whether BOS is prepended.
+    pub fn tokenizer_config_json(&self) -> serde_json::Value {
+        let piece = |id: Option<u32>| id.and_then(|id| self.token_piece(id));
+        serde_json::json!({
+            // The generic fast tokenizer: tokenizer.json is complete, so no
+            // model-specific class may rewrite its post-processor.
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": piece(self.bos_id),
+            "eos_token": piece(self.eos_id),
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        })
     }
 }
 

@@ -6,7 +6,9 @@
 //! rows are in GGUF order (interleaved RoPE pairs); the safetensors loader
 //! permutes HF's layout into it.
 
+pub mod export;
 pub mod gguf;
+pub mod hf;
 pub mod safetensors;
 
 use std::collections::HashMap;

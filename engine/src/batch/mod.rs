@@ -1,0 +1,331 @@
+//! Continuous batching: the step loop that decode and prefill share.
+//!
+//! Each [`Engine::step`] builds one batch under a token budget: first one
+//! token for every running sequence that is decoding, then prefill chunks
+//! (the rest of the budget) for sequences still reading their prompt, then
+//! new sequences from the waiting queue while blocks and seats allow. A long
+//! prompt is therefore spread over several steps (chunked prefill) instead
+//! of stalling every decode behind it.
+//!
+//! When a decoding sequence needs a new block and the pool is exhausted,
+//! the most recently admitted sequence is preempted by recompute: its blocks
+//! are released and it goes back to the front of the queue with every token
+//! it has so far, to be prefilled again later. Its sampler (and so its
+//! random stream and penalties) carries on unchanged.
+
+mod seq;
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::kv::{KvDtype, KvError, KvPool, KvStats};
+use crate::model::{ForwardError, Model, SeqChunk};
+use crate::sampler::{FinishReason, SampledToken, SamplerError, SamplingParams};
+
+use seq::Seq;
+
+/// Engine sizing and scheduling knobs.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Element type of the KV cache.
+    pub kv_dtype: KvDtype,
+    /// Number of KV blocks in the pool.
+    pub kv_blocks: usize,
+    /// Token budget of one step (decode tokens + prefill chunk tokens).
+    pub max_batch_tokens: usize,
+    /// Sequences running at once.
+    pub max_running: usize,
+    /// Share full blocks between sequences with a common prefix.
+    pub prefix_cache: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { block_size: 16, kv_dtype: KvDtype::F16, kv_blocks: 1024, max_batch_tokens: 512, max_running: 16, prefix_cache: true }
+    }
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |field: &'static str, why: String| Err(EngineError::Config { field, why });
+        if self.block_size == 0 || self.block_size > 1024 {
+            return bad("block_size", format!("must be 1..=1024, got {}", self.block_size));
+        }
+        if self.kv_blocks == 0 {
+            return bad("kv_blocks", "must be positive".into());
+        }
+        if self.max_batch_tokens == 0 {
+            return bad("max_batch_tokens", "must be positive".into());
+        }
+        if self.max_running == 0 || self.max_running > self.max_batch_tokens {
+            return bad("max_running", format!("must be 1..=max_batch_tokens ({}), got {}", self.max_batch_tokens, self.max_running));
+        }
+        Ok(())
+    }
+}
+
+/// A generation request, in token ids.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Scopes prefix-cache sharing (e.g. per tenant); equal salts share.
+    pub salt: u64,
+}
+
+/// One generated token of one sequence.
+#[derive(Debug, Clone)]
+pub struct TokenEvent {
+    pub id: u64,
+    pub token: SampledToken,
+    /// Set on the sequence's last token; its KV blocks are already released.
+    pub finished: Option<FinishReason>,
+}
+
+/// Engine errors. `Invalid*` are the caller's input; the rest are internal.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid engine config {field}: {why}")]
+    Config { field: &'static str, why: String },
+    /// The prompt is empty, too long, or has out-of-vocabulary ids.
+    #[error("invalid prompt: {0}")]
+    InvalidPrompt(String),
+    /// Sampling parameters failed validation.
+    #[error("invalid sampling parameters: {0}")]
+    InvalidParams(#[from] SamplerError),
+    /// A request with this id is already in the engine.
+    #[error("duplicate request id {0}")]
+    DuplicateId(u64),
+    #[error("KV cache: {0}")]
+    Kv(#[from] KvError),
+    #[error("forward pass: {0}")]
+    Forward(#[from] ForwardError),
+}
+
+/// The continuous-batching engine.
+pub struct Engine {
+    model: Model,
+    pool: KvPool,
+    cfg: EngineConfig,
+    eos: Vec<u32>,
+    seqs: HashMap<u64, Seq>,
+    waiting: VecDeque<u64>,
+    /// Admission order; the back is preempted first.
+    running: Vec<u64>,
+    preemptions: u64,
+}
+
+impl Engine {
+    /// `eos` are the token ids that end a sequence unless `ignore_eos`.
+    pub fn new(model: Model, cfg: EngineConfig, eos: Vec<u32>) -> Result<Self, EngineError> {
+        cfg.validate()?;
+        let pool = KvPool::new(model.kv_layout(cfg.block_size, cfg.kv_dtype), cfg.kv_blocks)?;
+        Ok(Self { model, pool, cfg, eos, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), preemptions: 0 })
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn kv_stats(&self) -> KvStats {
+        self.pool.stats()
+    }
+
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    /// The pool, for code that fills or reads a sequence's blocks directly
+    /// (KV transfer). Only blocks of [`block_table`](Self::block_table) may be touched.
+    pub fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+
+    /// A sequence's current block table.
+    pub fn block_table(&self, id: u64) -> Option<&[crate::kv::BlockId]> {
+        self.seqs.get(&id).map(|s| s.table.as_slice())
+    }
+
+    /// Tokens of a sequence whose KV is in the cache.
+    pub fn computed_tokens(&self, id: u64) -> Option<usize> {
+        self.seqs.get(&id).map(|s| s.computed)
+    }
+
+    /// Sequences preempted (by recompute) since start.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Validates and queues a request.
+    pub fn add(&mut self, req: Request) -> Result<(), EngineError> {
+        let cfg = self.model.config();
+        if self.seqs.contains_key(&req.id) {
+            return Err(EngineError::DuplicateId(req.id));
+        }
+        if req.prompt.is_empty() {
+            return Err(EngineError::InvalidPrompt("prompt has no tokens".into()));
+        }
+        if req.prompt.len() > cfg.context {
+            return Err(EngineError::InvalidPrompt(format!(
+                "prompt has {} tokens, the model's context is {}",
+                req.prompt.len(),
+                cfg.context
+            )));
+        }
+        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= cfg.vocab) {
+            return Err(EngineError::InvalidPrompt(format!("token id {t} is outside the vocabulary of {}", cfg.vocab)));
+        }
+        let need = req.prompt.len().div_ceil(self.cfg.block_size);
+        if need > self.pool.num_blocks() {
+            return Err(EngineError::InvalidPrompt(format!(
+                "prompt needs {need} KV blocks, the pool has {}",
+                self.pool.num_blocks()
+            )));
+        }
+        let seq = Seq::new(&req, &self.eos)?;
+        self.seqs.insert(req.id, seq);
+        self.waiting.push_back(req.id);
+        Ok(())
+    }
+
+    /// Drops a request wherever it is and frees its blocks. Returns whether it existed.
+    pub fn abort(&mut self, id: u64) -> bool {
+        let Some(mut seq) = self.seqs.remove(&id) else { return false };
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        seq.release(&mut self.pool);
+        true
+    }
+
+    /// Runs one batch step and returns the tokens it produced.
+    pub fn step(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
+        let plan = self.schedule()?;
+        if plan.is_empty() {
+            return Ok(Vec::new());
+        }
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .map(|&(id, n)| {
+                let s = &self.seqs[&id];
+                SeqChunk { tokens: &s.tokens[s.computed..s.computed + n], start: s.computed, table: &s.table, logits: s.computed + n == s.tokens.len() }
+            })
+            .collect();
+        let vocab = self.model.config().vocab;
+        let context = self.model.config().context;
+        let logits = self.model.forward(&mut self.pool, &chunks)?;
+        let mut row = 0;
+        let mut events = Vec::new();
+        let mut done = Vec::new();
+        for &(id, n) in &plan {
+            let Some(s) = self.seqs.get_mut(&id) else { continue };
+            s.computed += n;
+            if self.cfg.prefix_cache {
+                s.register_full_blocks(&mut self.pool)?;
+            }
+            if s.computed < s.tokens.len() {
+                continue;
+            }
+            let tok = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab], &s.generated)?;
+            row += 1;
+            s.tokens.push(tok.id);
+            s.generated.push(tok.id);
+            let mut finished = s.stop.check_token(tok.id);
+            if finished.is_none() && s.tokens.len() >= context {
+                finished = Some(FinishReason::Length);
+            }
+            if finished.is_some() {
+                done.push(id);
+            }
+            events.push(TokenEvent { id, token: tok, finished });
+        }
+        for id in done {
+            self.abort(id);
+        }
+        Ok(events)
+    }
+
+    /// Chooses this step's (sequence, token count) pairs, allocating the
+    /// blocks they need.
+    fn schedule(&mut self) -> Result<Vec<(u64, usize)>, EngineError> {
+        let bs = self.cfg.block_size;
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut plan = Vec::new();
+
+        // 1. Running sequences, oldest first: decodes take one token,
+        //    prefills take what the budget leaves.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let s = &self.seqs[&id];
+            let n = (s.tokens.len() - s.computed).min(budget);
+            let need = (s.computed + n).div_ceil(bs).saturating_sub(s.table.len());
+            if need > self.pool.available() && !self.make_room(need, i)? {
+                // `make_room` preempted this very sequence.
+                continue;
+            }
+            let blocks = self.pool.allocate(need)?;
+            let s = self.seqs.get_mut(&id).ok_or(EngineError::DuplicateId(id))?;
+            s.table.extend(blocks);
+            plan.push((id, n));
+            budget -= n;
+            i += 1;
+        }
+
+        // 2. Admit waiting sequences while seats, budget and blocks allow.
+        while budget > 0 && self.running.len() < self.cfg.max_running {
+            let Some(&id) = self.waiting.front() else { break };
+            let s = self.seqs.get_mut(&id).ok_or(EngineError::DuplicateId(id))?;
+            if self.cfg.prefix_cache && s.table.is_empty() {
+                s.acquire_prefix(&mut self.pool);
+            }
+            let n = (s.tokens.len() - s.computed).min(budget);
+            let need = (s.computed + n).div_ceil(bs).saturating_sub(s.table.len());
+            if need > self.pool.available() {
+                // Keep its prefix blocks; it will try again next step.
+                break;
+            }
+            let blocks = self.pool.allocate(need)?;
+            s.table.extend(blocks);
+            self.waiting.pop_front();
+            self.running.push(id);
+            plan.push((id, n));
+            budget -= n;
+        }
+        Ok(plan)
+    }
+
+    /// Preempts sequences from the back of `running` until `need` blocks are
+    /// available. Returns false if the sequence at `index` itself had to go.
+    fn make_room(&mut self, need: usize, index: usize) -> Result<bool, EngineError> {
+        while need > self.pool.available() {
+            let Some(victim) = self.running.pop() else { return Ok(false) };
+            let s = self.seqs.get_mut(&victim).ok_or(EngineError::DuplicateId(victim))?;
+            s.release(&mut self.pool);
+            self.waiting.push_front(victim);
+            self.preemptions += 1;
+            tracing::debug!(victim, "preempted by recompute: KV pool exhausted");
+            if self.running.len() == index {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}

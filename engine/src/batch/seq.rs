@@ -1,0 +1,78 @@
+//! One sequence's state inside the engine.
+
+use crate::kv::{BlockId, KvPool, PrefixHash};
+use crate::sampler::{Sampler, StopChecker};
+
+use super::{EngineError, Request};
+
+pub(super) struct Seq {
+    /// Prompt then generated tokens. The last one may not be in the KV
+    /// cache yet: `computed` counts those that are.
+    pub tokens: Vec<u32>,
+    pub generated: Vec<u32>,
+    pub computed: usize,
+    pub table: Vec<BlockId>,
+    pub sampler: Sampler,
+    pub stop: StopChecker,
+    salt: u64,
+    /// Full blocks already in the prefix index, and the hash chain so far.
+    registered: usize,
+    last_hash: Option<PrefixHash>,
+}
+
+impl Seq {
+    pub fn new(req: &Request, eos: &[u32]) -> Result<Self, EngineError> {
+        Ok(Self {
+            tokens: req.prompt.clone(),
+            generated: Vec::new(),
+            computed: 0,
+            table: Vec::new(),
+            sampler: Sampler::new(&req.params)?,
+            stop: StopChecker::new(&req.params, eos)?,
+            salt: req.salt,
+            registered: 0,
+            last_hash: None,
+        })
+    }
+
+    /// Gives all blocks back and forgets what was computed (preemption or end).
+    pub fn release(&mut self, pool: &mut KvPool) {
+        if let Err(e) = pool.release(&self.table) {
+            // Only a bookkeeping bug can get here; losing track of blocks is
+            // better reported loudly than hidden.
+            tracing::error!(error = %e, "releasing a sequence's KV blocks failed");
+        }
+        self.table.clear();
+        self.computed = 0;
+        self.registered = 0;
+        self.last_hash = None;
+    }
+
+    /// Shares the longest cached prefix of this sequence's tokens, always
+    /// leaving at least one token to compute (its logits are needed).
+    pub fn acquire_prefix(&mut self, pool: &mut KvPool) {
+        let bs = pool.layout().block_size;
+        let usable = (self.tokens.len() - 1) / bs * bs;
+        let hashes = pool.prefix_hashes(&self.tokens[..usable], self.salt);
+        let blocks = pool.acquire_prefix(&hashes);
+        self.computed = blocks.len() * bs;
+        self.registered = blocks.len();
+        self.last_hash = blocks.len().checked_sub(1).map(|i| hashes[i]);
+        self.table = blocks;
+    }
+
+    /// Indexes every block that became full since the last call.
+    pub fn register_full_blocks(&mut self, pool: &mut KvPool) -> Result<(), EngineError> {
+        let bs = pool.layout().block_size;
+        let full = self.computed / bs;
+        while self.registered < full {
+            let i = self.registered;
+            let parent = self.last_hash.unwrap_or(self.salt);
+            let h = pool.prefix_hashes(&self.tokens[i * bs..(i + 1) * bs], parent)[0];
+            pool.register(self.table[i], h)?;
+            self.last_hash = Some(h);
+            self.registered += 1;
+        }
+        Ok(())
+    }
+}

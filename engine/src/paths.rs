@@ -1,0 +1,24 @@
+//! Where the project keeps downloaded models and reference builds.
+
+use std::path::PathBuf;
+
+/// The model `make model` fetches (SmolLM2-135M-Instruct, Q4_1).
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// `$TANDEM_CACHE`, else `$HOME/.cache/tandem`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(p) = std::env::var_os("TANDEM_CACHE") {
+        return PathBuf::from(p);
+    }
+    std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".cache/tandem"))
+        .unwrap_or_else(|| PathBuf::from(".cache/tandem"))
+}
+
+/// `$TANDEM_MODEL`, else the cached default model.
+pub fn default_model_path() -> PathBuf {
+    match std::env::var_os("TANDEM_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => cache_dir().join("models").join(DEFAULT_MODEL_FILE),
+    }
+}
