@@ -166,7 +166,8 @@ mod tests {
         let mut a = QActs::default();
         a.quantize(&x, 1, 32);
         let back: f32 = a.qs.iter().map(|&q| q as f32 * a.d[0]).sum();
-        assert!((back - a.s[0]).abs() < 1e-3);
+        // s is stored at f16 precision (relative error 2^-11).
+        assert!((back - a.s[0]).abs() <= back.abs() * 1e-3, "{back} vs {}", a.s[0]);
         assert!((back - x.iter().sum::<f32>()).abs() < 0.5);
     }
 }
