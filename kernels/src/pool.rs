@@ -115,8 +115,17 @@ struct Wait<'a>(&'a Shared);
 
 impl Drop for Wait<'_> {
     fn drop(&mut self) {
+        // Spin briefly (the usual case: workers finish within microseconds
+        // of us), then yield, so that on an oversubscribed machine a worker
+        // that lost its core gets it back instead of waiting behind our spin.
+        let mut spins = 0u32;
         while self.0.pending.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            if spins < 4096 {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                thread::yield_now();
+            }
         }
     }
 }

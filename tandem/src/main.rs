@@ -1,1 +1,52 @@
-fn main() {}
+//! `tandem`: the command-line entry to the engine (and, later, the cluster).
+//!
+//! Output contract: commands that generate text print only that text on
+//! stdout; logs, progress and statistics go to stderr. Errors exit non-zero
+//! with a message naming what is wrong.
+
+mod bench;
+mod convert;
+mod generate;
+mod load;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "tandem", version, about = "Disaggregated prefill/decode LLM serving — engine tools")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt or one chat message, streamed to stdout.
+    Generate(generate::Args),
+    /// Dequantize a GGUF model into an HF safetensors checkpoint directory.
+    Convert(convert::Args),
+    /// Benchmarks (ratios against a baseline measured in the same run).
+    #[command(subcommand)]
+    Bench(bench::Cmd),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Generate(a) => generate::run(a),
+        Cmd::Convert(a) => convert::run(a),
+        Cmd::Bench(c) => bench::run(c),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -375,4 +375,4 @@ fn wrong_type(key: &str, want: &str) -> GgufError {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

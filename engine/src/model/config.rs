@@ -106,3 +106,42 @@ impl LlamaConfig {
         self.n_kv_heads * self.head_dim
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::gguf::tests::Builder;
+    use crate::gguf::GgufFile;
+
+    fn open(bytes: Vec<u8>) -> Result<super::LlamaConfig, crate::gguf::GgufError> {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("tandem-cfg-{}-{n}", std::process::id()));
+        std::fs::write(&dir, bytes).expect("write");
+        let f = GgufFile::open(&dir);
+        let _ = std::fs::remove_file(&dir);
+        super::LlamaConfig::from_gguf(&f?)
+    }
+
+    #[test]
+    fn unknown_architecture_is_refused() {
+        let err = open(Builder::new().str("general.architecture", "gpt2").build()).expect_err("gpt2 is not llama");
+        assert!(err.to_string().contains("unsupported architecture \"gpt2\""), "{err}");
+    }
+
+    #[test]
+    fn missing_and_inconsistent_hyperparameters_are_named() {
+        let err = open(Builder::new().str("general.architecture", "llama").build()).expect_err("no keys");
+        assert!(err.to_string().contains("llama."), "{err}");
+        let b = Builder::new()
+            .str("general.architecture", "llama")
+            .u32("llama.block_count", 2)
+            .u32("llama.embedding_length", 100)
+            .u32("llama.attention.head_count", 7)
+            .u32("llama.feed_forward_length", 64)
+            .u32("llama.context_length", 128)
+            .u32("llama.vocab_size", 10)
+            .build();
+        let err = open(b).expect_err("100 is not divisible by 7");
+        assert!(err.to_string().contains("do not divide") || err.to_string().contains("epsilon"), "{err}");
+    }
+}

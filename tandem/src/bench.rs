@@ -1,0 +1,169 @@
+//! `tandem bench engine`: prefill and decode throughput of this engine and
+//! of llama.cpp's `llama-bench` on the same GGUF and thread count, measured
+//! in the same run and printed side by side with their ratio.
+//!
+//! Both sides measure the same things: prefill = one forward pass over a
+//! `--prompt-tokens` prompt (llama-bench's `pp`), decode = `--gen-tokens`
+//! single-token steps from an empty context (llama-bench's `tg`), each
+//! repeated `--reps` times and averaged.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use engine::kv::{KvDtype, KvPool};
+use engine::model::{Model, SeqChunk};
+
+#[derive(clap::Subcommand)]
+pub enum Cmd {
+    /// Engine throughput vs llama.cpp.
+    Engine(EngineArgs),
+}
+
+#[derive(clap::Args)]
+pub struct EngineArgs {
+    /// GGUF model (default: the cached SmolLM2 file).
+    #[arg(long, env = "TANDEM_MODEL")]
+    model: Option<PathBuf>,
+    /// Threads for both engines.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Prompt length of the prefill test.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens of the decode test.
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Repetitions (averaged).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// llama.cpp's llama-bench binary (`make llama` builds it). Without it
+    /// only this engine is measured.
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
+    /// KV cache element type for this engine (llama-bench uses f16).
+    #[arg(long, default_value = "f16", value_parser = ["f16", "f32"])]
+    kv_dtype: String,
+}
+
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct Figures {
+    prefill_tps: f64,
+    decode_tps: f64,
+}
+
+pub fn run(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Engine(a) => engine_bench(a),
+    }
+}
+
+fn engine_bench(a: EngineArgs) -> Result<()> {
+    if a.threads == 0 || a.reps == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
+        bail!("--threads, --reps, --prompt-tokens and --gen-tokens must be positive");
+    }
+    let path = crate::load::model_path(a.model.clone())?;
+    let theirs = match &a.llama_bench {
+        Some(bin) => Some(llama_bench(bin, &path, &a)?),
+        None => None,
+    };
+    let ours = our_bench(&path, &a)?;
+    let rss_mib = peak_rss_kib().map(|k| k as f64 / 1024.0);
+
+    println!("engine benchmark: {} ({} threads, pp{}, tg{}, {} reps)", path.display(), a.threads, a.prompt_tokens, a.gen_tokens, a.reps);
+    println!("{:<10} {:>14} {:>14} {:>8}", "", "tandem tok/s", "llama.cpp", "ratio");
+    let row = |name: &str, o: f64, t: Option<f64>| match t {
+        Some(t) => println!("{name:<10} {o:>14.1} {t:>14.1} {:>7.2}x", o / t),
+        None => println!("{name:<10} {o:>14.1} {:>14} {:>8}", "-", "-"),
+    };
+    row(&format!("prefill{}", a.prompt_tokens), ours.prefill_tps, theirs.map(|t| t.prefill_tps));
+    row(&format!("decode{}", a.gen_tokens), ours.decode_tps, theirs.map(|t| t.decode_tps));
+    if let Some(r) = rss_mib {
+        println!("tandem peak RSS: {r:.0} MiB");
+    }
+    let json = serde_json::json!({ "threads": a.threads, "tandem": ours, "llama_cpp": theirs, "tandem_peak_rss_mib": rss_mib });
+    eprintln!("{json}");
+    Ok(())
+}
+
+fn our_bench(path: &std::path::Path, a: &EngineArgs) -> Result<Figures> {
+    let (weights, _) = engine::weights::Weights::from_gguf(path)?;
+    let mut model = Model::new(weights, a.threads)?;
+    let vocab = model.config().vocab as u32;
+    let bs = 16;
+    let need = (a.prompt_tokens.max(a.gen_tokens) + 1).div_ceil(bs);
+    let dtype = KvDtype::parse(&a.kv_dtype).unwrap_or(KvDtype::F16);
+    let mut pool = KvPool::new(model.kv_layout(bs, dtype), need)?;
+    let table = pool.allocate(need)?;
+    // Deterministic pseudo-random prompt, like llama-bench's random tokens.
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let prompt: Vec<u32> = (0..a.prompt_tokens)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect();
+
+    // Warm-up: page the weights in and size the scratch buffers.
+    model.forward(&mut pool, &[SeqChunk { tokens: &prompt[..prompt.len().min(64)], start: 0, table: &table, logits: true }])?;
+
+    let mut prefill = 0.0;
+    let mut decode = 0.0;
+    for _ in 0..a.reps {
+        let t = Instant::now();
+        model.forward(&mut pool, &[SeqChunk { tokens: &prompt, start: 0, table: &table, logits: true }])?;
+        prefill += t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let mut tok = [1u32];
+        for pos in 0..a.gen_tokens {
+            let logits = model.forward(&mut pool, &[SeqChunk { tokens: &tok, start: pos, table: &table, logits: true }])?;
+            tok[0] = argmax(logits);
+        }
+        decode += t.elapsed().as_secs_f64();
+    }
+    let reps = a.reps as f64;
+    Ok(Figures { prefill_tps: a.prompt_tokens as f64 * reps / prefill, decode_tps: a.gen_tokens as f64 * reps / decode })
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
+}
+
+fn llama_bench(bin: &std::path::Path, model: &std::path::Path, a: &EngineArgs) -> Result<Figures> {
+    let out = Command::new(bin)
+        .args(["-m"])
+        .arg(model)
+        .args(["-t", &a.threads.to_string(), "-p", &a.prompt_tokens.to_string(), "-n", &a.gen_tokens.to_string()])
+        .args(["-r", &a.reps.to_string(), "-o", "json"])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("llama-bench failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
+    }
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing llama-bench JSON")?;
+    let mut f = Figures { prefill_tps: f64::NAN, decode_tps: f64::NAN };
+    for r in rows.as_array().context("llama-bench JSON is not an array")? {
+        let (p, n) = (r["n_prompt"].as_u64().unwrap_or(0), r["n_gen"].as_u64().unwrap_or(0));
+        let ts = r["avg_ts"].as_f64().context("llama-bench row without avg_ts")?;
+        if p > 0 && n == 0 {
+            f.prefill_tps = ts;
+        } else if n > 0 && p == 0 {
+            f.decode_tps = ts;
+        }
+    }
+    if f.prefill_tps.is_nan() || f.decode_tps.is_nan() {
+        bail!("llama-bench output lacked a pp or tg row");
+    }
+    Ok(f)
+}
+
+/// Peak resident set (VmHWM) of this process, in KiB.
+fn peak_rss_kib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
