@@ -125,7 +125,11 @@ impl Tokenizer {
             id.and_then(|id| pieces[id as usize].clone())
                 .unwrap_or_default()
         };
-        let chat = ChatState::new(meta.chat_template.clone(), piece(meta.bos_id), piece(meta.eos_id));
+        let chat = ChatState::new(
+            meta.chat_template.clone(),
+            piece(meta.bos_id),
+            piece(meta.eos_id),
+        );
 
         let mut plain = with_special.clone();
         plain.set_encode_special_tokens(true);
@@ -257,7 +261,10 @@ impl Tokenizer {
                 Ok(io) => *io,
                 Err(other) => std::io::Error::other(other),
             };
-            TokenizerError::Io { path: path.to_owned(), source }
+            TokenizerError::Io {
+                path: path.to_owned(),
+                source,
+            }
         })
     }
 
