@@ -51,8 +51,7 @@ test: deps model
 	else \
 		echo "cargo-nextest not found; using cargo test" >&2; \
 		cargo test --workspace --no-fail-fast; \
-	fi; \
-	cargo test --workspace --doc
+	fi
 
 ## llama.cpp b11434 reference binaries (llama-bench, llama-server), built once.
 llama:

@@ -45,7 +45,14 @@ fn block_size_and_chunking_do_not_change_tokens() {
     let reference = run_all(&mut base, &ps, &greedy(N));
     drop(base);
     for (bs, chunk) in [(1, 512), (32, 512), (16, 7), (16, 1)] {
-        let cfg = EngineConfig { block_size: bs, max_batch_tokens: chunk, max_running: chunk.min(16), prefix_cache: false, kv_blocks: 8192 / bs, ..EngineConfig::default() };
+        let cfg = EngineConfig {
+            block_size: bs,
+            max_batch_tokens: chunk,
+            max_running: chunk.min(16),
+            prefix_cache: false,
+            kv_blocks: 8192 / bs,
+            ..EngineConfig::default()
+        };
         let (mut e, _) = engine(cfg);
         assert_eq!(run_all(&mut e, &ps, &greedy(N)), reference, "block size {bs}, chunk budget {chunk}");
         assert_eq!(e.kv_stats().used, 0);
@@ -59,7 +66,8 @@ fn preemption_by_recompute_keeps_outputs() {
     let reference = run_all(&mut big, &ps, &greedy(24));
     drop(big);
     // 12 blocks of 4 tokens cannot hold 8 sequences of ~10-30 tokens at once.
-    let (mut small, _) = engine(EngineConfig { block_size: 4, kv_blocks: 12, prefix_cache: false, ..EngineConfig::default() });
+    let (mut small, _) =
+        engine(EngineConfig { block_size: 4, kv_blocks: 12, prefix_cache: false, ..EngineConfig::default() });
     let out = run_all(&mut small, &ps, &greedy(24));
     assert!(small.preemptions() > 0, "the small pool should have forced preemption");
     assert_eq!(out, reference);
@@ -151,7 +159,9 @@ fn f32_kv_cache_runs_and_mostly_agrees() {
 fn bad_requests_are_typed_errors() {
     let (mut e, _) = engine(EngineConfig { kv_blocks: 64, ..EngineConfig::default() });
     let ctx = e.model().config().context;
-    let add = |e: &mut engine::batch::Engine, id, prompt: Vec<u32>, params: SamplingParams| e.add(Request { id, prompt, params, salt: 0 });
+    let add = |e: &mut engine::batch::Engine, id, prompt: Vec<u32>, params: SamplingParams| {
+        e.add(Request { id, prompt, params, salt: 0 })
+    };
     assert!(matches!(add(&mut e, 1, vec![], greedy(4)), Err(EngineError::InvalidPrompt(_))));
     assert!(matches!(add(&mut e, 2, vec![1; ctx + 1], greedy(4)), Err(EngineError::InvalidPrompt(_))));
     assert!(matches!(add(&mut e, 3, vec![60_000], greedy(4)), Err(EngineError::InvalidPrompt(_))));

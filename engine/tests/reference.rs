@@ -76,9 +76,17 @@ fn greedy_matches_llama_cpp_until_a_near_tie() {
             for &e in &eog {
                 masked[e as usize] = f32::NEG_INFINITY;
             }
-            let best = masked.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |a, (i, &v)| if v > a.1 { (i, v) } else { a }).0 as u32;
+            let best = masked
+                .iter()
+                .enumerate()
+                .fold((0usize, f32::NEG_INFINITY), |a, (i, &v)| if v > a.1 { (i, v) } else { a })
+                .0 as u32;
             if best != expected {
-                eprintln!("{name}@{pos}: ours {best} lp {:.4} / their choice lp {:.4}", log_softmax_at(&logits, best as usize), log_softmax_at(&logits, expected as usize));
+                eprintln!(
+                    "{name}@{pos}: ours {best} lp {:.4} / their choice lp {:.4}",
+                    log_softmax_at(&logits, best as usize),
+                    log_softmax_at(&logits, expected as usize)
+                );
                 assert!(pos >= first_tie, "{name}: position {pos}: we chose {best}, llama.cpp {expected}, before llama.cpp's first near-tie ({first_tie})");
                 diverged.push(format!("{name}@{pos}"));
                 break;

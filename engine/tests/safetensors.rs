@@ -27,18 +27,12 @@ fn model_path() -> PathBuf {
         None => {
             let cache = std::env::var_os("TANDEM_CACHE")
                 .map(PathBuf::from)
-                .or_else(|| {
-                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tandem"))
-                })
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tandem")))
                 .unwrap_or_else(|| PathBuf::from(".cache/tandem"));
             cache.join("models").join(MODEL_FILE)
         }
     };
-    assert!(
-        path.is_file(),
-        "test model {} not found: run `make model` (or set TANDEM_MODEL)",
-        path.display()
-    );
+    assert!(path.is_file(), "test model {} not found: run `make model` (or set TANDEM_MODEL)", path.display());
     path
 }
 
@@ -101,12 +95,7 @@ fn greedy(model: &mut Model, prompt: &[u32]) -> Result<Vec<Step>, Box<dyn std::e
     let mut start = 0;
     let mut steps = Vec::with_capacity(STEPS);
     for _ in 0..STEPS {
-        let chunk = SeqChunk {
-            tokens: &ids[start..],
-            start,
-            table: &table,
-            logits: true,
-        };
+        let chunk = SeqChunk { tokens: &ids[start..], start, table: &table, logits: true };
         let logits = model.forward(&mut pool, &[chunk])?;
         let (mut best, mut second) = ((0usize, f32::NEG_INFINITY), f32::NEG_INFINITY);
         for (i, &v) in logits.iter().enumerate() {
@@ -117,10 +106,7 @@ fn greedy(model: &mut Model, prompt: &[u32]) -> Result<Vec<Step>, Box<dyn std::e
                 second = v;
             }
         }
-        steps.push(Step {
-            token: best.0 as u32,
-            gap: best.1 - second,
-        });
+        steps.push(Step { token: best.0 as u32, gap: best.1 - second });
         start = ids.len();
         ids.push(best.0 as u32);
     }
@@ -134,8 +120,7 @@ type Prompt = (String, Vec<u32>);
 /// prompts of the llama.cpp fixture whose continuations have no near tie
 /// early on, so that most positions are compared rather than a handful.
 fn prompts() -> Result<Vec<Prompt>, Box<dyn std::error::Error>> {
-    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/llama_cpp_reference.json");
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_cpp_reference.json");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture)?)?;
     let mut out = vec![("hello".to_owned(), HELLO_IDS.to_vec())];
     for name in ["counting", "fibonacci_def"] {
@@ -157,16 +142,10 @@ fn prompts() -> Result<Vec<Prompt>, Box<dyn std::error::Error>> {
 /// near tie that either arithmetic may break the other way, after which the
 /// sequences diverge). Returns how many positions were compared.
 fn assert_same_greedy(reference: &[Step], other: &[Step], what: &str) -> usize {
-    let compared = reference
-        .iter()
-        .position(|s| s.gap < 0.1)
-        .unwrap_or(reference.len());
+    let compared = reference.iter().position(|s| s.gap < 0.1).unwrap_or(reference.len());
     let want: Vec<u32> = reference[..compared].iter().map(|s| s.token).collect();
     let got: Vec<u32> = other[..compared].iter().map(|s| s.token).collect();
-    assert_eq!(
-        got, want,
-        "{what}: greedy tokens differ before the first near tie (position {compared})"
-    );
+    assert_eq!(got, want, "{what}: greedy tokens differ before the first near tie (position {compared})");
     compared
 }
 
@@ -185,10 +164,7 @@ fn f32_export_holds_the_exact_weights_and_decodes_alike() -> TestResult {
     for name in names {
         // Bit-exact: dequantize -> f32 -> inverse Q/K permutation -> permutation.
         let (a, b) = (values(&gguf, name)?, values(&st, name)?);
-        assert!(
-            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{name} differs after the round trip"
-        );
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} differs after the round trip");
     }
 
     let prompts = prompts()?;
@@ -220,10 +196,7 @@ fn bf16_export_round_trips_config_tokenizer_and_weights() -> TestResult {
     assert_eq!(st.config, gguf.config);
     let size = std::fs::metadata(dir.0.join("model.safetensors"))?.len();
     // 134.5M parameters (the tied head stored once) at 2 bytes.
-    assert!(
-        (268_000_000..272_000_000).contains(&size),
-        "model.safetensors is {size} bytes"
-    );
+    assert!((268_000_000..272_000_000).contains(&size), "model.safetensors is {size} bytes");
     for name in [
         "token_embd.weight",
         "blk.0.attn_q.weight",
@@ -233,50 +206,26 @@ fn bf16_export_round_trips_config_tokenizer_and_weights() -> TestResult {
         "output_norm.weight",
     ] {
         let (a, b) = (values(&gguf, name)?, values(&st, name)?);
-        let worst = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs() / x.abs().max(1e-30))
-            .fold(0f32, f32::max);
-        assert!(
-            worst <= 1.0 / 256.0,
-            "{name}: relative error {worst} exceeds bf16 rounding"
-        );
+        let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs() / x.abs().max(1e-30)).fold(0f32, f32::max);
+        assert!(worst <= 1.0 / 256.0, "{name}: relative error {worst} exceeds bf16 rounding");
     }
-    let config: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.0.join("config.json"))?)?;
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.0.join("config.json"))?)?;
     assert_eq!(config["torch_dtype"], "bfloat16");
     assert_eq!(config["rms_norm_eps"], 1e-5);
     assert_eq!(config["tie_word_embeddings"], true);
 
     let reference = Tokenizer::from_gguf(&file)?;
-    let tok = Tokenizer::from_files(
-        &dir.0.join("tokenizer.json"),
-        Some(&dir.0.join("tokenizer_config.json")),
-    )?;
+    let tok = Tokenizer::from_files(&dir.0.join("tokenizer.json"), Some(&dir.0.join("tokenizer_config.json")))?;
     assert_eq!(tok.encode(HELLO, true)?, HELLO_IDS);
     assert_eq!(tok.encode(HELLO, false)?, HELLO_IDS);
-    for text in [
-        "<|im_start|>user\nhi<|im_end|>",
-        "  spaced\ttabs\r\n",
-        "日本語 🇫🇷 café",
-        "",
-    ] {
+    for text in ["<|im_start|>user\nhi<|im_end|>", "  spaced\ttabs\r\n", "日本語 🇫🇷 café", ""] {
         for special in [true, false] {
-            assert_eq!(
-                tok.encode(text, special)?,
-                reference.encode(text, special)?,
-                "{text:?} special={special}"
-            );
+            assert_eq!(tok.encode(text, special)?, reference.encode(text, special)?, "{text:?} special={special}");
         }
     }
     assert_eq!(
         (tok.vocab_size(), tok.bos_id(), tok.eos_id()),
-        (
-            reference.vocab_size(),
-            reference.bos_id(),
-            reference.eos_id()
-        )
+        (reference.vocab_size(), reference.bos_id(), reference.eos_id())
     );
     assert_eq!(tok.eos_ids(), reference.eos_ids());
     let chat = [
@@ -303,19 +252,14 @@ fn bf16_export_round_trips_config_tokenizer_and_weights() -> TestResult {
 #[test]
 fn qk_permutation_round_trips_on_model_tensors() -> TestResult {
     let (gguf, _) = Weights::from_gguf(&model_path())?;
-    for (name, n_head) in [
-        ("blk.0.attn_q.weight", gguf.config.n_heads),
-        ("blk.0.attn_k.weight", gguf.config.n_kv_heads),
-    ] {
+    for (name, n_head) in
+        [("blk.0.attn_q.weight", gguf.config.n_heads), ("blk.0.attn_k.weight", gguf.config.n_kv_heads)]
+    {
         let t = gguf.get(name)?;
         let bytes = gguf.bytes(t);
         let hf = permute_qk(bytes, t.dims[0], n_head, QkOrder::GgufToHf)?;
         assert_ne!(hf, bytes, "{name}");
-        assert_eq!(
-            permute_qk(&hf, t.dims[0], n_head, QkOrder::HfToGguf)?,
-            bytes,
-            "{name}"
-        );
+        assert_eq!(permute_qk(&hf, t.dims[0], n_head, QkOrder::HfToGguf)?, bytes, "{name}");
     }
     Ok(())
 }
@@ -325,14 +269,8 @@ fn qk_permutation_round_trips_on_model_tensors() -> TestResult {
 fn missing_or_foreign_checkpoints_are_errors() -> TestResult {
     let dir = TempDir::new("foreign")?;
     assert!(Weights::from_safetensors(&dir.0).is_err());
-    std::fs::write(
-        dir.0.join("config.json"),
-        r#"{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}"#,
-    )?;
-    let err = Weights::from_safetensors(&dir.0)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    std::fs::write(dir.0.join("config.json"), r#"{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}"#)?;
+    let err = Weights::from_safetensors(&dir.0).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("unsupported architecture"), "{err}");
     Ok(())
 }

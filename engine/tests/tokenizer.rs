@@ -19,18 +19,12 @@ fn model_path() -> PathBuf {
         None => {
             let cache = std::env::var_os("TANDEM_CACHE")
                 .map(PathBuf::from)
-                .or_else(|| {
-                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tandem"))
-                })
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tandem")))
                 .unwrap_or_else(|| PathBuf::from(".cache/tandem"));
             cache.join("models").join(MODEL_FILE)
         }
     };
-    assert!(
-        path.is_file(),
-        "test model {} not found: run `make model` (or set TANDEM_MODEL)",
-        path.display()
-    );
+    assert!(path.is_file(), "test model {} not found: run `make model` (or set TANDEM_MODEL)", path.display());
     path
 }
 
@@ -41,12 +35,10 @@ fn gguf() -> Result<GgufFile, Box<dyn std::error::Error>> {
 /// Loaded once: 49k tokens and merges take a moment to build.
 fn tok() -> &'static Tokenizer {
     static TOK: OnceLock<Tokenizer> = OnceLock::new();
-    TOK.get_or_init(
-        || match gguf().and_then(|f| Ok(Tokenizer::from_gguf(&f)?)) {
-            Ok(t) => t,
-            Err(e) => panic!("cannot load the tokenizer: {e}"),
-        },
-    )
+    TOK.get_or_init(|| match gguf().and_then(|f| Ok(Tokenizer::from_gguf(&f)?)) {
+        Ok(t) => t,
+        Err(e) => panic!("cannot load the tokenizer: {e}"),
+    })
 }
 
 const HELLO: &str = "Hello, world! The capital of France is";
@@ -115,10 +107,7 @@ fn tokenizer_special_tokens_only_with_parse_special() -> TestResult {
     for (text, id) in [("<|im_start|>", 1), ("<|im_end|>", 2), ("<|endoftext|>", 0)] {
         assert_eq!(t.encode(text, true)?, [id], "{text} with parse_special");
         let plain = t.encode(text, false)?;
-        assert!(
-            plain.len() > 1 && !plain.iter().any(|&i| t.is_special(i)),
-            "{text} without: {plain:?}"
-        );
+        assert!(plain.len() > 1 && !plain.iter().any(|&i| t.is_special(i)), "{text} without: {plain:?}");
         assert_eq!(t.decode(&plain, true)?, text);
     }
     let chat = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
@@ -141,13 +130,12 @@ fn tokenizer_chat_template_adds_default_system_prompt() -> TestResult {
     let out = tok().apply_chat_template(&[ChatMessage::new("user", "Hi")], true)?;
     assert_eq!(
         out,
-        format!("<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+        format!(
+            "<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        )
     );
     let no_prompt = tok().apply_chat_template(&[ChatMessage::new("user", "Hi")], false)?;
-    assert_eq!(
-        Some(no_prompt.as_str()),
-        out.strip_suffix("<|im_start|>assistant\n")
-    );
+    assert_eq!(Some(no_prompt.as_str()), out.strip_suffix("<|im_start|>assistant\n"));
     Ok(())
 }
 
@@ -176,10 +164,7 @@ fn tokenizer_user_content_cannot_inject_control_tokens() -> TestResult {
     // Encoding the template parts and the user content separately is what
     // keeps the injected markers plain text.
     let content_ids = t.encode(evil, false)?;
-    assert!(
-        !content_ids.iter().any(|&i| t.is_special(i)),
-        "{content_ids:?}"
-    );
+    assert!(!content_ids.iter().any(|&i| t.is_special(i)), "{content_ids:?}");
     Ok(())
 }
 
@@ -200,10 +185,7 @@ fn tokenizer_incremental_decode_never_splits_characters() -> TestResult {
     out.push_str(&d.finish(t)?);
     assert_eq!(out, text);
     // Some emoji/CJK characters do span several tokens, so the test did test something.
-    assert!(
-        held > 0,
-        "no token was held back; the text does not exercise splitting"
-    );
+    assert!(held > 0, "no token was held back; the text does not exercise splitting");
     Ok(())
 }
 
@@ -247,35 +229,20 @@ struct Fixture {
 
 #[test]
 fn tokenizer_matches_llama_cpp_fixture() -> TestResult {
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_cpp_reference.json");
-    let bytes = std::fs::read(&path).map_err(|e| {
-        format!(
-            "{}: {e} (regenerate it with `make fixtures`)",
-            path.display()
-        )
-    })?;
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_cpp_reference.json");
+    let bytes =
+        std::fs::read(&path).map_err(|e| format!("{}: {e} (regenerate it with `make fixtures`)", path.display()))?;
     let fixture: Fixture = serde_json::from_slice(&bytes)?;
-    assert!(
-        !fixture.tokenize.is_empty(),
-        "fixture has no tokenize cases"
-    );
+    assert!(!fixture.tokenize.is_empty(), "fixture has no tokenize cases");
     let t = tok();
     let mut mismatches = Vec::new();
     for case in &fixture.tokenize {
         // Made with parse_special = true and no BOS (add_bos is false here).
         let ours = t.encode(&case.text, true)?;
         if ours != case.ids {
-            mismatches.push(format!(
-                "{:?}:\n  ours      {ours:?}\n  llama.cpp {:?}",
-                case.text, case.ids
-            ));
+            mismatches.push(format!("{:?}:\n  ours      {ours:?}\n  llama.cpp {:?}", case.text, case.ids));
         }
-        assert_eq!(
-            t.decode(&case.ids, false)?,
-            case.text,
-            "decode of llama.cpp's ids"
-        );
+        assert_eq!(t.decode(&case.ids, false)?, case.text, "decode of llama.cpp's ids");
     }
     assert!(
         mismatches.is_empty(),

@@ -77,11 +77,9 @@ pub fn attend_group(
                 (KvSlice::F32(s), true) => simd::dot_f32(qh, &s[off..off + hd]),
                 (KvSlice::F16(s), true) => simd::dot_f16(qh, &s[off..off + hd]),
                 (KvSlice::F32(s), false) => qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * b).sum(),
-                (KvSlice::F16(s), false) => qh
-                    .iter()
-                    .zip(&s[off..off + hd])
-                    .map(|(a, b)| a * crate::f16::f16_bits_to_f32(*b))
-                    .sum(),
+                (KvSlice::F16(s), false) => {
+                    qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * crate::f16::f16_bits_to_f32(*b)).sum()
+                }
             };
             scores[gi * n_ctx + t] = dot * scale;
         }
@@ -176,7 +174,8 @@ mod simd {
         let mut acc = _mm256_setzero_ps();
         for i in (0..a.len()).step_by(8) {
             // SAFETY: i + 8 <= len for both slices (len % 8 == 0).
-            acc = unsafe { _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc) };
+            acc =
+                unsafe { _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc) };
         }
         crate::matmul::hsum_avx(acc)
     }
@@ -228,7 +227,15 @@ mod tests {
     use super::*;
     use crate::matmul::tests::Rng;
 
-    fn run(isa: Isa, shape: &AttnShape, k: KvSlice<'_>, v: KvSlice<'_>, table: &[u32], n: usize, q: &[f32]) -> Vec<f32> {
+    fn run(
+        isa: Isa,
+        shape: &AttnShape,
+        k: KvSlice<'_>,
+        v: KvSlice<'_>,
+        table: &[u32],
+        n: usize,
+        q: &[f32],
+    ) -> Vec<f32> {
         let mut out = vec![0f32; q.len()];
         let mut scratch = Vec::new();
         let gw = shape.n_heads / shape.n_kv_heads * shape.head_dim;

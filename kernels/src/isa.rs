@@ -22,10 +22,7 @@ impl Isa {
     fn best() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Isa::Avx2;
             }
         }

@@ -31,7 +31,11 @@ fn check(storage: usize, block_elems: usize, table: &[u32], buf: usize, op: &'st
     if buf != table.len() * block_elems {
         return Err(KernelError::Shape {
             op,
-            detail: format!("buffer has {buf} elements, {} blocks of {block_elems} need {}", table.len(), table.len() * block_elems),
+            detail: format!(
+                "buffer has {buf} elements, {} blocks of {block_elems} need {}",
+                table.len(),
+                table.len() * block_elems
+            ),
         });
     }
     if let Some(&b) = table.iter().find(|&&b| (b as usize + 1) * block_elems > storage) {

@@ -62,17 +62,12 @@ impl ThreadPool {
         let mut workers = Vec::with_capacity(n_threads - 1);
         for index in 1..n_threads {
             let s = Arc::clone(&shared);
-            let handle = thread::Builder::new()
-                .name(format!("tandem-kernel-{index}"))
-                .spawn(move || worker_loop(&s, index))?;
+            let handle =
+                thread::Builder::new().name(format!("tandem-kernel-{index}")).spawn(move || worker_loop(&s, index))?;
             let t = handle.thread().clone();
             workers.push((handle, t));
         }
-        Ok(Self {
-            shared,
-            workers,
-            gate: Mutex::new(()),
-        })
+        Ok(Self { shared, workers, gate: Mutex::new(()) })
     }
 
     pub fn threads(&self) -> usize {
@@ -185,6 +180,45 @@ pub fn split(n: usize, t: usize, nt: usize, align: usize) -> std::ops::Range<usi
     start..end
 }
 
+/// A mutable slice that pool threads write disjoint elements of.
+///
+/// The matmul's threads own disjoint weight rows, i.e. disjoint *columns* of
+/// a row-major output, so the output cannot be split into per-thread
+/// sub-slices; each thread writes single elements through this instead.
+pub struct SharedSlice<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: callers write disjoint indices (each thread its own rows); the
+// slice is exclusively borrowed for 'a, so nothing else reads it meanwhile.
+unsafe impl<T: Send> Sync for SharedSlice<'_, T> {}
+
+impl<'a, T: Copy> SharedSlice<'a, T> {
+    pub fn new(s: &'a mut [T]) -> Self {
+        Self { ptr: s.as_mut_ptr(), len: s.len(), _borrow: std::marker::PhantomData }
+    }
+
+    /// Writes element `i`. Threads must write disjoint indices.
+    #[inline]
+    pub fn set(&self, i: usize, v: T) {
+        assert!(i < self.len, "SharedSlice index {i} out of bounds {}", self.len);
+        // SAFETY: in bounds (checked above); disjointness is the caller's
+        // contract documented on the type, and `T: Copy` has no drop.
+        unsafe { self.ptr.add(i).write(v) }
+    }
+
+    /// A mutable sub-slice `range`. Threads must take disjoint ranges.
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub fn range_mut(&self, range: std::ops::Range<usize>) -> &mut [T] {
+        assert!(range.start <= range.end && range.end <= self.len, "SharedSlice range out of bounds");
+        // SAFETY: in bounds; disjoint ranges per thread (caller's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,48 +268,5 @@ mod tests {
             count.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(count.load(Ordering::Relaxed), 2);
-    }
-}
-
-/// A mutable slice that pool threads write disjoint elements of.
-///
-/// The matmul's threads own disjoint weight rows, i.e. disjoint *columns* of
-/// a row-major output, so the output cannot be split into per-thread
-/// sub-slices; each thread writes single elements through this instead.
-pub struct SharedSlice<'a, T> {
-    ptr: *mut T,
-    len: usize,
-    _borrow: std::marker::PhantomData<&'a mut [T]>,
-}
-
-// SAFETY: callers write disjoint indices (each thread its own rows); the
-// slice is exclusively borrowed for 'a, so nothing else reads it meanwhile.
-unsafe impl<T: Send> Sync for SharedSlice<'_, T> {}
-
-impl<'a, T: Copy> SharedSlice<'a, T> {
-    pub fn new(s: &'a mut [T]) -> Self {
-        Self {
-            ptr: s.as_mut_ptr(),
-            len: s.len(),
-            _borrow: std::marker::PhantomData,
-        }
-    }
-
-    /// Writes element `i`. Threads must write disjoint indices.
-    #[inline]
-    pub fn set(&self, i: usize, v: T) {
-        assert!(i < self.len, "SharedSlice index {i} out of bounds {}", self.len);
-        // SAFETY: in bounds (checked above); disjointness is the caller's
-        // contract documented on the type, and `T: Copy` has no drop.
-        unsafe { self.ptr.add(i).write(v) }
-    }
-
-    /// A mutable sub-slice `range`. Threads must take disjoint ranges.
-    #[inline]
-    #[allow(clippy::mut_from_ref)]
-    pub fn range_mut(&self, range: std::ops::Range<usize>) -> &mut [T] {
-        assert!(range.start <= range.end && range.end <= self.len, "SharedSlice range out of bounds");
-        // SAFETY: in bounds; disjoint ranges per thread (caller's contract).
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
     }
 }

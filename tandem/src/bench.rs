@@ -71,7 +71,14 @@ fn engine_bench(a: EngineArgs) -> Result<()> {
     let ours = our_bench(&path, &a)?;
     let rss_mib = peak_rss_kib().map(|k| k as f64 / 1024.0);
 
-    println!("engine benchmark: {} ({} threads, pp{}, tg{}, {} reps)", path.display(), a.threads, a.prompt_tokens, a.gen_tokens, a.reps);
+    println!(
+        "engine benchmark: {} ({} threads, pp{}, tg{}, {} reps)",
+        path.display(),
+        a.threads,
+        a.prompt_tokens,
+        a.gen_tokens,
+        a.reps
+    );
     println!("{:<10} {:>14} {:>14} {:>8}", "", "tandem tok/s", "llama.cpp", "ratio");
     let row = |name: &str, o: f64, t: Option<f64>| match t {
         Some(t) => println!("{name:<10} {o:>14.1} {t:>14.1} {:>7.2}x", o / t),
@@ -108,7 +115,10 @@ fn our_bench(path: &std::path::Path, a: &EngineArgs) -> Result<Figures> {
         .collect();
 
     // Warm-up: page the weights in and size the scratch buffers.
-    model.forward(&mut pool, &[SeqChunk { tokens: &prompt[..prompt.len().min(64)], start: 0, table: &table, logits: true }])?;
+    model.forward(
+        &mut pool,
+        &[SeqChunk { tokens: &prompt[..prompt.len().min(64)], start: 0, table: &table, logits: true }],
+    )?;
 
     let mut prefill = 0.0;
     let mut decode = 0.0;
@@ -120,13 +130,17 @@ fn our_bench(path: &std::path::Path, a: &EngineArgs) -> Result<Figures> {
         let t = Instant::now();
         let mut tok = [1u32];
         for pos in 0..a.gen_tokens {
-            let logits = model.forward(&mut pool, &[SeqChunk { tokens: &tok, start: pos, table: &table, logits: true }])?;
+            let logits =
+                model.forward(&mut pool, &[SeqChunk { tokens: &tok, start: pos, table: &table, logits: true }])?;
             tok[0] = argmax(logits);
         }
         decode += t.elapsed().as_secs_f64();
     }
     let reps = a.reps as f64;
-    Ok(Figures { prefill_tps: a.prompt_tokens as f64 * reps / prefill, decode_tps: a.gen_tokens as f64 * reps / decode })
+    Ok(Figures {
+        prefill_tps: a.prompt_tokens as f64 * reps / prefill,
+        decode_tps: a.gen_tokens as f64 * reps / decode,
+    })
 }
 
 fn argmax(v: &[f32]) -> u32 {

@@ -21,7 +21,8 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let path = crate::load::model_path(a.model)?;
-    let (weights, file) = engine::weights::Weights::from_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
+    let (weights, file) =
+        engine::weights::Weights::from_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let tokenizer = engine::tokenizer::Tokenizer::from_gguf(&file).context("loading tokenizer")?;
     let dtype = if a.dtype == "f32" { ExportDtype::F32 } else { ExportDtype::BF16 };
     export_safetensors(&weights, &tokenizer, &a.out, dtype).with_context(|| format!("writing {}", a.out.display()))?;

@@ -80,7 +80,9 @@ pub fn run(a: Args) -> Result<()> {
 
     let text = match (&a.prompt, &a.chat) {
         (Some(p), _) => p.clone(),
-        (None, Some(c)) => tok.apply_chat_template(&[ChatMessage::new("user", c.as_str())], true).context("rendering the chat template")?,
+        (None, Some(c)) => tok
+            .apply_chat_template(&[ChatMessage::new("user", c.as_str())], true)
+            .context("rendering the chat template")?,
         (None, None) => bail!("one of --prompt or --chat is required"),
     };
     let prompt = tok.encode(&text, true).context("tokenizing the prompt")?;

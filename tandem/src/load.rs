@@ -19,7 +19,8 @@ pub fn model_path(arg: Option<PathBuf>) -> Result<PathBuf> {
 /// Loads weights and tokenizer from a GGUF file or a safetensors directory.
 pub fn load(path: &Path, threads: usize) -> Result<(Model, Tokenizer)> {
     let (weights, tokenizer) = if path.is_dir() {
-        let w = Weights::from_safetensors(path).with_context(|| format!("loading safetensors model {}", path.display()))?;
+        let w =
+            Weights::from_safetensors(path).with_context(|| format!("loading safetensors model {}", path.display()))?;
         let cfg = path.join("tokenizer_config.json");
         let t = Tokenizer::from_files(&path.join("tokenizer.json"), cfg.exists().then_some(cfg.as_path()))
             .with_context(|| format!("loading tokenizer from {}", path.display()))?;

@@ -33,7 +33,8 @@ fn generate_prints_only_the_continuation_and_stats_json() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     assert_eq!(stdout, " Paris.\n\n", "greedy continuation (3 tokens: ' Paris', '.', newline) plus the final newline");
-    let stats: serde_json::Value = serde_json::from_str(text(&out.stderr).lines().last().expect("stats line")).expect("json");
+    let stats: serde_json::Value =
+        serde_json::from_str(text(&out.stderr).lines().last().expect("stats line")).expect("json");
     assert_eq!(stats["prompt_tokens"], 5);
     assert_eq!(stats["generated_tokens"], 3);
     assert_eq!(stats["threads"], 2);
@@ -43,12 +44,20 @@ fn generate_prints_only_the_continuation_and_stats_json() {
 
 #[test]
 fn chat_uses_the_template_and_stops_at_end_of_turn() {
-    let out = tandem(&["generate", "--chat", "What is the capital of France? Answer in one sentence.", "--max-tokens", "64", "--stats"]);
+    let out = tandem(&[
+        "generate",
+        "--chat",
+        "What is the capital of France? Answer in one sentence.",
+        "--max-tokens",
+        "64",
+        "--stats",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     assert!(stdout.contains("Paris"), "{stdout}");
     assert!(!stdout.contains("<|im_end|>"), "special tokens must not be printed: {stdout}");
-    let stats: serde_json::Value = serde_json::from_str(text(&out.stderr).lines().last().expect("stats")).expect("json");
+    let stats: serde_json::Value =
+        serde_json::from_str(text(&out.stderr).lines().last().expect("stats")).expect("json");
     assert!(stats["generated_tokens"].as_u64().expect("n") < 64, "should stop at <|im_end|> before the limit");
 }
 
@@ -61,7 +70,8 @@ fn stop_string_is_not_printed() {
 
 #[test]
 fn seeded_sampling_is_reproducible() {
-    let args = ["generate", "--prompt", "Once upon a time", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7"];
+    let args =
+        ["generate", "--prompt", "Once upon a time", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7"];
     let a = tandem(&args);
     let b = tandem(&args);
     assert!(a.status.success());
@@ -82,7 +92,10 @@ fn bad_input_fails_cleanly() {
     std::fs::create_dir_all(&dir).expect("tmp");
     let garbage = dir.join("garbage.gguf");
     std::fs::write(&garbage, b"definitely not a model file").expect("write");
-    assert_clean_failure(&tandem(&["generate", "--model", garbage.to_str().expect("utf8"), "--prompt", "hi"]), "not a GGUF file");
+    assert_clean_failure(
+        &tandem(&["generate", "--model", garbage.to_str().expect("utf8"), "--prompt", "hi"]),
+        "not a GGUF file",
+    );
     // The real file cut short: the header parses, tensor data is missing.
     let real = std::fs::read(engine::paths::default_model_path()).expect("model");
     let cut = dir.join("truncated.gguf");
@@ -90,6 +103,7 @@ fn bad_input_fails_cleanly() {
     assert_clean_failure(&tandem(&["generate", "--model", cut.to_str().expect("utf8"), "--prompt", "hi"]), "outside");
     std::fs::remove_dir_all(&dir).expect("cleanup");
 
-    let missing = Command::new(env!("CARGO_BIN_EXE_tandem")).args(["generate", "--max-tokens", "3"]).output().expect("run");
+    let missing =
+        Command::new(env!("CARGO_BIN_EXE_tandem")).args(["generate", "--max-tokens", "3"]).output().expect("run");
     assert!(!missing.status.success(), "--prompt or --chat is required");
 }

@@ -42,7 +42,14 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { block_size: 16, kv_dtype: KvDtype::F16, kv_blocks: 1024, max_batch_tokens: 512, max_running: 16, prefix_cache: true }
+        Self {
+            block_size: 16,
+            kv_dtype: KvDtype::F16,
+            kv_blocks: 1024,
+            max_batch_tokens: 512,
+            max_running: 16,
+            prefix_cache: true,
+        }
     }
 }
 
@@ -59,7 +66,10 @@ impl EngineConfig {
             return bad("max_batch_tokens", "must be positive".into());
         }
         if self.max_running == 0 || self.max_running > self.max_batch_tokens {
-            return bad("max_running", format!("must be 1..=max_batch_tokens ({}), got {}", self.max_batch_tokens, self.max_running));
+            return bad(
+                "max_running",
+                format!("must be 1..=max_batch_tokens ({}), got {}", self.max_batch_tokens, self.max_running),
+            );
         }
         Ok(())
     }
@@ -122,7 +132,16 @@ impl Engine {
     pub fn new(model: Model, cfg: EngineConfig, eos: Vec<u32>) -> Result<Self, EngineError> {
         cfg.validate()?;
         let pool = KvPool::new(model.kv_layout(cfg.block_size, cfg.kv_dtype), cfg.kv_blocks)?;
-        Ok(Self { model, pool, cfg, eos, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), preemptions: 0 })
+        Ok(Self {
+            model,
+            pool,
+            cfg,
+            eos,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            preemptions: 0,
+        })
     }
 
     pub fn model(&self) -> &Model {
@@ -225,7 +244,12 @@ impl Engine {
             .iter()
             .map(|&(id, n)| {
                 let s = &self.seqs[&id];
-                SeqChunk { tokens: &s.tokens[s.computed..s.computed + n], start: s.computed, table: &s.table, logits: s.computed + n == s.tokens.len() }
+                SeqChunk {
+                    tokens: &s.tokens[s.computed..s.computed + n],
+                    start: s.computed,
+                    table: &s.table,
+                    logits: s.computed + n == s.tokens.len(),
+                }
             })
             .collect();
         let vocab = self.model.config().vocab;

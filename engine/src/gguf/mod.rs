@@ -206,12 +206,7 @@ pub enum GgufError {
     UnsupportedVersion(u32),
     /// The file ends before a field it declares.
     #[error("truncated file: needed {needed} bytes for {what} at offset {offset}, file has {len}")]
-    Truncated {
-        what: String,
-        offset: usize,
-        needed: usize,
-        len: usize,
-    },
+    Truncated { what: String, offset: usize, needed: usize, len: usize },
     /// A string is not valid UTF-8.
     #[error("invalid UTF-8 in {what} at offset {offset}")]
     InvalidUtf8 { what: String, offset: usize },
@@ -226,20 +221,12 @@ pub enum GgufError {
     UnsupportedTensorType { name: String, type_id: u32 },
     /// Shape is invalid: zero or too many dims, overflow, or not a whole number of blocks.
     #[error("tensor {name:?} has invalid shape {dims:?}: {why}")]
-    BadShape {
-        name: String,
-        dims: Vec<u64>,
-        why: &'static str,
-    },
+    BadShape { name: String, dims: Vec<u64>, why: &'static str },
     /// Tensor data lies outside the file or is misaligned.
-    #[error("tensor {name:?} data [{start}, {end}) is outside the data section [{data_start}, {file_len}) or misaligned")]
-    TensorOutOfBounds {
-        name: String,
-        start: u64,
-        end: u64,
-        data_start: usize,
-        file_len: usize,
-    },
+    #[error(
+        "tensor {name:?} data [{start}, {end}) is outside the data section [{data_start}, {file_len}) or misaligned"
+    )]
+    TensorOutOfBounds { name: String, start: u64, end: u64, data_start: usize, file_len: usize },
     /// Two tensors share a name.
     #[error("duplicate tensor name {0:?}")]
     DuplicateTensor(String),
@@ -264,23 +251,10 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self, GgufError> {
-        let map = crate::mmap::Mapped::open(path).map_err(|source| GgufError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+        let map = crate::mmap::Mapped::open(path).map_err(|source| GgufError::Io { path: path.to_owned(), source })?;
         let header = parse(map.bytes())?;
-        let by_name = header
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
-        Ok(Self {
-            path: path.to_owned(),
-            map,
-            header,
-            by_name,
-        })
+        let by_name = header.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        Ok(Self { path: path.to_owned(), map, header, by_name })
     }
 
     pub fn path(&self) -> &Path {
@@ -306,72 +280,42 @@ impl GgufFile {
     }
 
     pub fn require_tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
-        self.tensor(name)
-            .ok_or_else(|| GgufError::MissingTensor(name.to_owned()))
+        self.tensor(name).ok_or_else(|| GgufError::MissingTensor(name.to_owned()))
     }
 
     pub fn require_str(&self, key: &str) -> Result<&str, GgufError> {
-        self.meta(key)
-            .ok_or_else(|| missing(key))?
-            .as_str()
-            .ok_or_else(|| wrong_type(key, "a string"))
+        self.meta(key).ok_or_else(|| missing(key))?.as_str().ok_or_else(|| wrong_type(key, "a string"))
     }
 
     pub fn require_u64(&self, key: &str) -> Result<u64, GgufError> {
-        self.meta(key)
-            .ok_or_else(|| missing(key))?
-            .as_u64()
-            .ok_or_else(|| wrong_type(key, "a non-negative integer"))
+        self.meta(key).ok_or_else(|| missing(key))?.as_u64().ok_or_else(|| wrong_type(key, "a non-negative integer"))
     }
 
     pub fn require_f64(&self, key: &str) -> Result<f64, GgufError> {
-        self.meta(key)
-            .ok_or_else(|| missing(key))?
-            .as_f64()
-            .ok_or_else(|| wrong_type(key, "a number"))
+        self.meta(key).ok_or_else(|| missing(key))?.as_f64().ok_or_else(|| wrong_type(key, "a number"))
     }
 
     /// A string-array key, e.g. `tokenizer.ggml.tokens`.
     pub fn str_array(&self, key: &str) -> Result<Vec<String>, GgufError> {
-        let arr = self
-            .meta(key)
-            .ok_or_else(|| missing(key))?
-            .as_array()
-            .ok_or_else(|| wrong_type(key, "an array"))?;
+        let arr = self.meta(key).ok_or_else(|| missing(key))?.as_array().ok_or_else(|| wrong_type(key, "an array"))?;
         arr.iter()
-            .map(|v| {
-                v.as_str()
-                    .map(str::to_owned)
-                    .ok_or_else(|| wrong_type(key, "an array of strings"))
-            })
+            .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| wrong_type(key, "an array of strings")))
             .collect()
     }
 
     /// An integer-array key, e.g. `tokenizer.ggml.token_type`.
     pub fn i64_array(&self, key: &str) -> Result<Vec<i64>, GgufError> {
-        let arr = self
-            .meta(key)
-            .ok_or_else(|| missing(key))?
-            .as_array()
-            .ok_or_else(|| wrong_type(key, "an array"))?;
-        arr.iter()
-            .map(|v| v.as_i64().ok_or_else(|| wrong_type(key, "an array of integers")))
-            .collect()
+        let arr = self.meta(key).ok_or_else(|| missing(key))?.as_array().ok_or_else(|| wrong_type(key, "an array"))?;
+        arr.iter().map(|v| v.as_i64().ok_or_else(|| wrong_type(key, "an array of integers"))).collect()
     }
 }
 
 fn missing(key: &str) -> GgufError {
-    GgufError::Metadata {
-        key: key.to_owned(),
-        why: "missing".to_owned(),
-    }
+    GgufError::Metadata { key: key.to_owned(), why: "missing".to_owned() }
 }
 
 fn wrong_type(key: &str, want: &str) -> GgufError {
-    GgufError::Metadata {
-        key: key.to_owned(),
-        why: format!("expected {want}"),
-    }
+    GgufError::Metadata { key: key.to_owned(), why: format!("expected {want}") }
 }
 
 #[cfg(test)]

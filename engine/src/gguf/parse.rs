@@ -23,12 +23,9 @@ impl<'a> Reader<'a> {
                 self.pos = end;
                 Ok(s)
             }
-            None => Err(GgufError::Truncated {
-                what: what.to_owned(),
-                offset: self.pos,
-                needed: n,
-                len: self.bytes.len(),
-            }),
+            None => {
+                Err(GgufError::Truncated { what: what.to_owned(), offset: self.pos, needed: n, len: self.bytes.len() })
+            }
         }
     }
 
@@ -55,21 +52,15 @@ impl<'a> Reader<'a> {
     /// before anything is allocated.
     fn string(&mut self, what: &str) -> Result<String, GgufError> {
         let len = self.u64(what)?;
-        let len = usize::try_from(len)
-            .ok()
-            .filter(|&l| l <= self.remaining())
-            .ok_or_else(|| GgufError::Truncated {
-                what: what.to_owned(),
-                offset: self.pos,
-                needed: usize::try_from(len).unwrap_or(usize::MAX),
-                len: self.bytes.len(),
-            })?;
+        let len = usize::try_from(len).ok().filter(|&l| l <= self.remaining()).ok_or_else(|| GgufError::Truncated {
+            what: what.to_owned(),
+            offset: self.pos,
+            needed: usize::try_from(len).unwrap_or(usize::MAX),
+            len: self.bytes.len(),
+        })?;
         let start = self.pos;
         let raw = self.take(len, what)?;
-        String::from_utf8(raw.to_vec()).map_err(|_| GgufError::InvalidUtf8 {
-            what: what.to_owned(),
-            offset: start,
-        })
+        String::from_utf8(raw.to_vec()).map_err(|_| GgufError::InvalidUtf8 { what: what.to_owned(), offset: start })
     }
 
     /// A count of items, each at least `min_item_bytes` long: a count that
@@ -77,15 +68,11 @@ impl<'a> Reader<'a> {
     /// allocation of that size.
     fn count(&mut self, what: &str, min_item_bytes: usize) -> Result<usize, GgufError> {
         let n = self.u64(what)?;
-        let fits = usize::try_from(n)
-            .ok()
-            .filter(|&n| n.saturating_mul(min_item_bytes.max(1)) <= self.remaining());
+        let fits = usize::try_from(n).ok().filter(|&n| n.saturating_mul(min_item_bytes.max(1)) <= self.remaining());
         fits.ok_or_else(|| GgufError::Truncated {
             what: format!("{what} ({n} items)"),
             offset: self.pos,
-            needed: usize::try_from(n)
-                .unwrap_or(usize::MAX)
-                .saturating_mul(min_item_bytes.max(1)),
+            needed: usize::try_from(n).unwrap_or(usize::MAX).saturating_mul(min_item_bytes.max(1)),
             len: self.bytes.len(),
         })
     }
@@ -103,10 +90,7 @@ impl<'a> Reader<'a> {
             8 => MetaValue::Str(self.string(key)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::NestingTooDeep {
-                        key: key.to_owned(),
-                        max: MAX_ARRAY_DEPTH,
-                    });
+                    return Err(GgufError::NestingTooDeep { key: key.to_owned(), max: MAX_ARRAY_DEPTH });
                 }
                 let elem_type = self.u32(key)?;
                 let min = match elem_type {
@@ -115,12 +99,7 @@ impl<'a> Reader<'a> {
                     4..=6 => 4,
                     8 | 10..=12 => 8,
                     9 => 12,
-                    other => {
-                        return Err(GgufError::BadValueType {
-                            key: key.to_owned(),
-                            type_id: other,
-                        })
-                    }
+                    other => return Err(GgufError::BadValueType { key: key.to_owned(), type_id: other }),
                 };
                 let n = self.count(key, min)?;
                 let mut items = Vec::with_capacity(n);
@@ -132,12 +111,7 @@ impl<'a> Reader<'a> {
             10 => MetaValue::U64(u64::from_le_bytes(self.array::<8>(key)?)),
             11 => MetaValue::I64(i64::from_le_bytes(self.array::<8>(key)?)),
             12 => MetaValue::F64(f64::from_le_bytes(self.array::<8>(key)?)),
-            other => {
-                return Err(GgufError::BadValueType {
-                    key: key.to_owned(),
-                    type_id: other,
-                })
-            }
+            other => return Err(GgufError::BadValueType { key: key.to_owned(), type_id: other }),
         })
     }
 }
@@ -184,11 +158,7 @@ pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
         let name = r.string("tensor name")?;
         let n_dims = r.u32(&name)?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(GgufError::BadShape {
-                name,
-                dims: vec![],
-                why: "number of dimensions must be 1..=4",
-            });
+            return Err(GgufError::BadShape { name, dims: vec![], why: "number of dimensions must be 1..=4" });
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -205,20 +175,11 @@ pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
     let data_offset = r.pos.div_ceil(alignment).saturating_mul(alignment);
     let mut tensors = Vec::with_capacity(raw.len());
     for (name, dims, type_id, offset) in raw {
-        let dtype = GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnsupportedTensorType {
-            name: name.clone(),
-            type_id,
-        })?;
-        let n = dims
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-            .filter(|&n| n > 0 && n < (1 << 40));
+        let dtype = GgmlType::from_id(type_id)
+            .ok_or_else(|| GgufError::UnsupportedTensorType { name: name.clone(), type_id })?;
+        let n = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).filter(|&n| n > 0 && n < (1 << 40));
         let Some(n) = n else {
-            return Err(GgufError::BadShape {
-                name,
-                dims,
-                why: "element count is zero or overflows",
-            });
+            return Err(GgufError::BadShape { name, dims, why: "element count is zero or overflows" });
         };
         let block = dtype.block_elems() as u64;
         if dims[0] % block != 0 {
@@ -233,13 +194,7 @@ pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
         let end = start.and_then(|s| s.checked_add(len));
         match (start, end) {
             (Some(s), Some(e)) if e <= bytes.len() as u64 && offset % alignment as u64 == 0 => {
-                tensors.push(TensorInfo {
-                    name,
-                    dims,
-                    dtype,
-                    offset: s as usize,
-                    len: len as usize,
-                });
+                tensors.push(TensorInfo { name, dims, dtype, offset: s as usize, len: len as usize });
             }
             _ => {
                 return Err(GgufError::TensorOutOfBounds {
@@ -253,11 +208,5 @@ pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
         }
     }
 
-    Ok(GgufHeader {
-        version,
-        alignment,
-        metadata,
-        tensors,
-        data_offset,
-    })
+    Ok(GgufHeader { version, alignment, metadata, tensors, data_offset })
 }

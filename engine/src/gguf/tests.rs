@@ -130,9 +130,7 @@ fn huge_counts_do_not_allocate() {
 
 #[test]
 fn tensor_outside_file_is_refused() {
-    let f = Builder::new()
-        .tensor("w", &[32, 1000], GgmlType::Q8_0, vec![0u8; 34])
-        .build();
+    let f = Builder::new().tensor("w", &[32, 1000], GgmlType::Q8_0, vec![0u8; 34]).build();
     assert!(matches!(parse(&f), Err(GgufError::TensorOutOfBounds { .. })));
 }
 

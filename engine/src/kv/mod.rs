@@ -22,11 +22,7 @@ pub use pool::{BlockId, KvPool, KvStats, PrefixHash};
 pub enum KvError {
     /// Every block is in use by a running sequence.
     #[error("KV cache exhausted: {needed} more blocks needed, {available} available of {total}")]
-    Exhausted {
-        needed: usize,
-        available: usize,
-        total: usize,
-    },
+    Exhausted { needed: usize, available: usize, total: usize },
     /// A block id outside the pool, or a release of a free block — a bug in
     /// the caller, reported rather than corrupting the pool.
     #[error("invalid block {block}: {why}")]

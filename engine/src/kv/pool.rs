@@ -173,12 +173,7 @@ impl KvPool {
     pub fn stats(&self) -> KvStats {
         let cached = self.evictable.len();
         let free = self.free.len();
-        KvStats {
-            total: self.num_blocks,
-            used: self.num_blocks - cached - free,
-            cached,
-            free,
-        }
+        KvStats { total: self.num_blocks, used: self.num_blocks - cached - free, cached, free }
     }
 
     /// Blocks that an allocation could obtain now (free + evictable).
@@ -190,11 +185,7 @@ impl KvPool {
     /// first) when the free list runs out.
     pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, KvError> {
         if n > self.available() {
-            return Err(KvError::Exhausted {
-                needed: n,
-                available: self.available(),
-                total: self.num_blocks,
-            });
+            return Err(KvError::Exhausted { needed: n, available: self.available(), total: self.num_blocks });
         }
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {

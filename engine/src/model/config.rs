@@ -45,7 +45,7 @@ impl LlamaConfig {
             Some(v) => v as usize,
             None => f.str_array("tokenizer.ggml.tokens")?.len(),
         };
-        let head_dim = if n_heads == 0 { 0 } else { hidden / n_heads };
+        let head_dim = hidden.checked_div(n_heads).unwrap_or(0);
         let rope_dims = match f.meta("llama.rope.dimension_count").and_then(|v| v.as_u64()) {
             Some(v) => v as usize,
             None => head_dim,
@@ -93,7 +93,7 @@ impl LlamaConfig {
         if self.rope_dims > self.head_dim || self.rope_dims % 2 != 0 {
             return Err(format!("rope dimension_count {} invalid for head_dim {}", self.rope_dims, self.head_dim));
         }
-        if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) || !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+        if !(self.rms_eps.is_finite() && self.rms_eps > 0.0 && self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err("rms epsilon and rope theta must be positive and finite".into());
         }
         if self.n_layers > 1024 || self.hidden > 1 << 16 || self.vocab > 1 << 22 || self.context > 1 << 22 {

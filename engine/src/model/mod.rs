@@ -102,20 +102,36 @@ impl Model {
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
-            let names = [n("attn_q"), n("attn_k"), n("attn_v"), n("attn_output"), n("ffn_gate"), n("ffn_up"), n("ffn_down")];
+            let names =
+                [n("attn_q"), n("attn_k"), n("attn_v"), n("attn_output"), n("ffn_gate"), n("ffn_up"), n("ffn_down")];
             let shapes = [(h, h), (kvd, h), (kvd, h), (h, h), (ffn, h), (ffn, h), (h, ffn)];
             for (name, (r, c)) in names.iter().zip(shapes) {
                 weights.matrix(name, r, c)?;
             }
-            layers.push(Layer { attn_norm: weights.vector(&n("attn_norm"), h)?, ffn_norm: weights.vector(&n("ffn_norm"), h)?, names });
+            layers.push(Layer {
+                attn_norm: weights.vector(&n("attn_norm"), h)?,
+                ffn_norm: weights.vector(&n("ffn_norm"), h)?,
+                names,
+            });
         }
         weights.matrix("token_embd.weight", cfg.vocab, h)?;
         let output_name = if cfg.tied_embeddings { "token_embd.weight" } else { "output.weight" }.to_owned();
         weights.matrix(&output_name, cfg.vocab, h)?;
         let output_norm = weights.vector("output_norm.weight", h)?;
         let rope = RopeTable::new(cfg.head_dim, cfg.rope_dims, cfg.rope_theta, cfg.context);
-        let pool = ThreadPool::new(threads).map_err(|source| WeightsError::Io { path: "<thread pool>".into(), source })?;
-        Ok(Self { cfg, weights, layers, output_norm, output_name, rope, pool, isa: Isa::detect(), s: Scratch::default() })
+        let pool =
+            ThreadPool::new(threads).map_err(|source| WeightsError::Io { path: "<thread pool>".into(), source })?;
+        Ok(Self {
+            cfg,
+            weights,
+            layers,
+            output_norm,
+            output_name,
+            rope,
+            pool,
+            isa: Isa::detect(),
+            s: Scratch::default(),
+        })
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -132,7 +148,13 @@ impl Model {
 
     /// The KV layout this model needs for a given block size and dtype.
     pub fn kv_layout(&self, block_size: usize, dtype: crate::kv::KvDtype) -> KvLayout {
-        KvLayout { n_layers: self.cfg.n_layers, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim, block_size, dtype }
+        KvLayout {
+            n_layers: self.cfg.n_layers,
+            n_kv_heads: self.cfg.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+            block_size,
+            dtype,
+        }
     }
 
     fn validate(&self, kv: &KvPool, batch: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
@@ -171,11 +193,22 @@ impl Model {
             where_.extend((0..c.tokens.len()).map(|i| (ci, c.start + i)));
         }
         let s = &mut self.s;
-        for (buf, n) in [(&mut s.x, h), (&mut s.xn, h), (&mut s.q, h), (&mut s.k, kvd), (&mut s.v, kvd), (&mut s.att, h), (&mut s.tmp, h), (&mut s.gate, ffn), (&mut s.up, ffn)] {
+        for (buf, n) in [
+            (&mut s.x, h),
+            (&mut s.xn, h),
+            (&mut s.q, h),
+            (&mut s.k, kvd),
+            (&mut s.v, kvd),
+            (&mut s.att, h),
+            (&mut s.tmp, h),
+            (&mut s.gate, ffn),
+            (&mut s.up, ffn),
+        ] {
             buf.resize(n_tok * n, 0.0);
         }
 
-        let embd = self.weights.matrix("token_embd.weight", cfg.vocab, h).map_err(|e| ForwardError::Weights(e.to_string()))?;
+        let embd =
+            self.weights.matrix("token_embd.weight", cfg.vocab, h).map_err(|e| ForwardError::Weights(e.to_string()))?;
         let mut row = 0;
         for c in batch {
             for &t in c.tokens {
@@ -184,10 +217,17 @@ impl Model {
             }
         }
 
-        let shape = AttnShape { n_heads: cfg.n_heads, n_kv_heads: cfg.n_kv_heads, head_dim: hd, block_size: kv.layout().block_size };
+        let shape = AttnShape {
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: hd,
+            block_size: kv.layout().block_size,
+        };
         let group_w = cfg.n_heads / cfg.n_kv_heads * hd;
         for (l, layer) in self.layers.iter().enumerate() {
-            let w = |i: usize, r: usize, c: usize| self.weights.matrix(&layer.names[i], r, c).map_err(|e| ForwardError::Weights(e.to_string()));
+            let w = |i: usize, r: usize, c: usize| {
+                self.weights.matrix(&layer.names[i], r, c).map_err(|e| ForwardError::Weights(e.to_string()))
+            };
             rmsnorm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.xn);
             matmul(&self.pool, self.isa, &w(Q, h, h)?, &s.xn, n_tok, &mut s.q, &mut s.mm);
             matmul(&self.pool, self.isa, &w(K, kvd, h)?, &s.xn, n_tok, &mut s.k, &mut s.mm);
@@ -212,7 +252,18 @@ impl Model {
                     let (i, g) = (item / cfg.n_kv_heads, item % cfg.n_kv_heads);
                     let (ci, pos) = where_ref[i];
                     let out = att.range_mut(i * h + g * group_w..i * h + (g + 1) * group_w);
-                    attend_group(isa, &shape, ks, vs, batch[ci].table, pos + 1, g, &q[i * h..(i + 1) * h], out, &mut scores);
+                    attend_group(
+                        isa,
+                        &shape,
+                        ks,
+                        vs,
+                        batch[ci].table,
+                        pos + 1,
+                        g,
+                        &q[i * h..(i + 1) * h],
+                        out,
+                        &mut scores,
+                    );
                 }
             });
             matmul(&self.pool, self.isa, &w(O, h, h)?, &s.att, n_tok, &mut s.tmp, &mut s.mm);
@@ -239,7 +290,8 @@ impl Model {
         s.xn.resize(n_out * h, 0.0);
         rmsnorm(&s.last, &self.output_norm, cfg.rms_eps, &mut s.xn[..n_out * h]);
         s.logits.resize(n_out * cfg.vocab, 0.0);
-        let out = self.weights.matrix(&self.output_name, cfg.vocab, h).map_err(|e| ForwardError::Weights(e.to_string()))?;
+        let out =
+            self.weights.matrix(&self.output_name, cfg.vocab, h).map_err(|e| ForwardError::Weights(e.to_string()))?;
         matmul(&self.pool, self.isa, &out, &s.xn[..n_out * h], n_out, &mut s.logits, &mut s.mm);
         Ok(&s.logits)
     }

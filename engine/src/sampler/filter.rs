@@ -47,13 +47,7 @@ pub(super) fn sample_random(
         // No ranking needed: draw straight from the (min-p masked) weights.
         let min_logit = f.min_logit(max);
         weights.clear();
-        weights.extend(values.iter().map(|&l| {
-            if l >= min_logit {
-                weight(l, max, inv_t)
-            } else {
-                0.0
-            }
-        }));
+        weights.extend(values.iter().map(|&l| if l >= min_logit { weight(l, max, inv_t) } else { 0.0 }));
         let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
         let u = rng.next_f64() * total;
         let mut cum = 0.0;
@@ -67,10 +61,7 @@ pub(super) fn sample_random(
         return weights.iter().rposition(|&w| w > 0.0).map(|i| i as u32);
     }
     candidates(values, max, f, keys);
-    let total: f64 = keys
-        .iter()
-        .map(|&k| f64::from(key_weight(k, max, inv_t)))
-        .sum();
+    let total: f64 = keys.iter().map(|&k| f64::from(key_weight(k, max, inv_t))).sum();
     let u = rng.next_f64() * total;
     let mut cum = 0.0;
     for &k in keys.iter() {
@@ -79,10 +70,7 @@ pub(super) fn sample_random(
             return Some(key_id(k));
         }
     }
-    keys.iter()
-        .rev()
-        .find(|&&k| key_weight(k, max, inv_t) > 0.0)
-        .map(|&k| key_id(k))
+    keys.iter().rev().find(|&&k| key_weight(k, max, inv_t) > 0.0).map(|&k| key_id(k))
 }
 
 /// Candidates are packed into one `u64` whose ascending order is "higher
@@ -93,11 +81,7 @@ pub(super) fn sample_random(
 fn key(id: u32, logit: f32) -> u64 {
     // Adding 0.0 turns -0.0 into +0.0 so equal logits tie on id alone.
     let bits = (logit + 0.0).to_bits();
-    let ordered = if bits >> 31 == 1 {
-        !bits
-    } else {
-        bits | 1 << 31
-    };
+    let ordered = if bits >> 31 == 1 { !bits } else { bits | 1 << 31 };
     !((u64::from(ordered) << 32) | u64::from(!id))
 }
 
@@ -107,11 +91,7 @@ fn key_id(key: u64) -> u32 {
 
 fn key_logit(key: u64) -> f32 {
     let ordered = (!key >> 32) as u32;
-    let bits = if ordered >> 31 == 1 {
-        ordered & !(1 << 31)
-    } else {
-        !ordered
-    };
+    let bits = if ordered >> 31 == 1 { ordered & !(1 << 31) } else { !ordered };
     f32::from_bits(bits)
 }
 
@@ -146,22 +126,14 @@ fn candidates(values: &[f32], max: f32, f: &Filters, keys: &mut Vec<u64>) {
         let (z, n) = values
             .iter()
             .filter(|&&l| eligible(l))
-            .fold((0.0f64, 0usize), |(z, n), &l| {
-                (z + f64::from(weight(l, max, inv_t)), n + 1)
-            });
+            .fold((0.0f64, 0usize), |(z, n), &l| (z + f64::from(weight(l, max, inv_t)), n + 1));
         let cut = 0.5 * (1.0 - p) * z / n.max(1) as f64;
         let cut_logit = (f64::from(max) + f64::from(f.temperature) * cut.ln()) as f32;
         floor = floor.max(cut_logit);
         total = Some(z);
     }
     keys.clear();
-    keys.extend(
-        values
-            .iter()
-            .enumerate()
-            .filter(|&(_, &l)| l >= floor && eligible(l))
-            .map(|(i, &l)| key(i as u32, l)),
-    );
+    keys.extend(values.iter().enumerate().filter(|&(_, &l)| l >= floor && eligible(l)).map(|(i, &l)| key(i as u32, l)));
     let k = f.top_k as usize;
     if k > 0 && k < keys.len() {
         // O(n) selection; the k survivors stay unsorted unless top-p needs them.
@@ -169,11 +141,7 @@ fn candidates(values: &[f32], max: f32, f: &Filters, keys: &mut Vec<u64>) {
         keys.truncate(k);
     }
     if p < 1.0 {
-        let total = total.unwrap_or_else(|| {
-            keys.iter()
-                .map(|&k| f64::from(key_weight(k, max, inv_t)))
-                .sum()
-        });
+        let total = total.unwrap_or_else(|| keys.iter().map(|&k| f64::from(key_weight(k, max, inv_t))).sum());
         top_p(keys, max, inv_t, p * total);
     }
 }
@@ -214,12 +182,7 @@ mod tests {
     use super::*;
 
     fn filters(temperature: f32, top_k: u32, top_p: f32, min_p: f32) -> Filters {
-        Filters {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-        }
+        Filters { temperature, top_k, top_p, min_p }
     }
 
     fn kept(logits: &[f32], f: Filters) -> Vec<u32> {
@@ -233,16 +196,7 @@ mod tests {
 
     #[test]
     fn keys_sort_by_logit_then_id_and_round_trip() {
-        let vals = [
-            (3, 1.5f32),
-            (1, -0.0),
-            (2, 0.0),
-            (0, -7.25),
-            (9, 1.5),
-            (4, f32::MAX),
-            (5, f32::MIN),
-            (6, 1e-40),
-        ];
+        let vals = [(3, 1.5f32), (1, -0.0), (2, 0.0), (0, -7.25), (9, 1.5), (4, f32::MAX), (5, f32::MIN), (6, 1e-40)];
         let mut keys: Vec<u64> = vals.iter().map(|&(id, l)| key(id, l)).collect();
         keys.sort_unstable();
         let order: Vec<u32> = keys.iter().map(|&k| key_id(k)).collect();
@@ -256,19 +210,9 @@ mod tests {
     #[test]
     fn min_p_top_k_top_p_and_masking() {
         // Probabilities at T=1 are proportional to 8:4:2:1 (ln of each).
-        let logits = [
-            8f32.ln(),
-            4f32.ln(),
-            2f32.ln(),
-            1f32.ln(),
-            f32::NEG_INFINITY,
-        ];
+        let logits = [8f32.ln(), 4f32.ln(), 2f32.ln(), 1f32.ln(), f32::NEG_INFINITY];
         let all = filters(1.0, 0, 1.0, 0.0);
-        assert_eq!(
-            kept(&logits, all),
-            vec![0, 1, 2, 3],
-            "-inf is always dropped"
-        );
+        assert_eq!(kept(&logits, all), vec![0, 1, 2, 3], "-inf is always dropped");
         let min_p = filters(1.0, 0, 1.0, 0.2);
         assert_eq!(kept(&logits, min_p), vec![0, 1, 2], "1/8 < 0.2 is dropped");
         assert_eq!(kept(&logits, filters(1.0, 2, 1.0, 0.0)), vec![0, 1]);
@@ -297,18 +241,10 @@ mod tests {
     fn chunked_top_p_matches_full_sort_on_large_vocab() {
         let mut rng = Rng::from_seed(99);
         let flat: Vec<f32> = (0..49_152).map(|_| (rng.next_f64() * 3.0) as f32).collect();
-        let peaked: Vec<f32> = (0..49_152)
-            .map(|_| (rng.next_f64().powi(8) * 30.0) as f32)
-            .collect();
+        let peaked: Vec<f32> = (0..49_152).map(|_| (rng.next_f64().powi(8) * 30.0) as f32).collect();
         for logits in [&flat, &peaked] {
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            for (top_p, min_p) in [
-                (0.001f32, 0.0),
-                (0.3, 0.0),
-                (0.9, 0.0),
-                (0.999, 0.0),
-                (0.9, 0.5),
-            ] {
+            for (top_p, min_p) in [(0.001f32, 0.0), (0.3, 0.0), (0.9, 0.0), (0.999, 0.0), (0.9, 0.5)] {
                 let temperature = 0.8;
                 let inv_t = 1.0 / temperature;
                 let mut got = Vec::new();
@@ -318,10 +254,7 @@ mod tests {
                 let mut all = Vec::new();
                 candidates(logits, max, &filters(temperature, 0, 1.0, min_p), &mut all);
                 all.sort_unstable();
-                let total: f64 = all
-                    .iter()
-                    .map(|&k| f64::from(key_weight(k, max, inv_t)))
-                    .sum();
+                let total: f64 = all.iter().map(|&k| f64::from(key_weight(k, max, inv_t))).sum();
                 let mut cum = 0.0;
                 let keep = all
                     .iter()
@@ -338,13 +271,7 @@ mod tests {
 
     #[test]
     fn sample_random_never_draws_filtered_tokens() {
-        let logits = [
-            8f32.ln(),
-            4f32.ln(),
-            2f32.ln(),
-            1f32.ln(),
-            f32::NEG_INFINITY,
-        ];
+        let logits = [8f32.ln(), 4f32.ln(), 2f32.ln(), 1f32.ln(), f32::NEG_INFINITY];
         let mut rng = Rng::from_seed(1);
         let (mut keys, mut weights) = (Vec::new(), Vec::new());
         for (f, allowed) in [

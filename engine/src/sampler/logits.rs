@@ -24,22 +24,13 @@ pub(super) fn scan(logits: &[f32]) -> Result<(usize, f32), SamplerError> {
     let tail = chunks.remainder();
     for (c, chunk) in chunks.enumerate() {
         let base = (c * LANES) as u32;
-        for (j, ((&v, m), idx)) in chunk
-            .iter()
-            .zip(lane_max.iter_mut())
-            .zip(lane_idx.iter_mut())
-            .enumerate()
-        {
+        for (j, ((&v, m), idx)) in chunk.iter().zip(lane_max.iter_mut()).zip(lane_idx.iter_mut()).enumerate() {
             nan |= v.is_nan();
             // Selects rather than branches, so the loop stays vectorisable.
             let greater = v > *m;
             *m = if greater { v } else { *m };
             // Token ids are u32, so a real vocabulary never wraps this.
-            *idx = if greater {
-                base.wrapping_add(j as u32)
-            } else {
-                *idx
-            };
+            *idx = if greater { base.wrapping_add(j as u32) } else { *idx };
         }
     }
     let mut max = f32::NEG_INFINITY;
@@ -94,11 +85,7 @@ impl Penalties {
         if logit == f32::NEG_INFINITY {
             return logit;
         }
-        let v = if logit > 0.0 {
-            logit / self.repetition
-        } else {
-            logit * self.repetition
-        };
+        let v = if logit > 0.0 { logit / self.repetition } else { logit * self.repetition };
         let v = v - self.frequency * count as f32 - self.presence;
         v.clamp(f32::MIN, f32::MAX)
     }
@@ -121,12 +108,8 @@ pub(super) fn apply_penalties(
     scratch.sort_unstable();
     for run in scratch.chunk_by(|a, b| a == b) {
         let Some(&token) = run.first() else { continue };
-        let slot = out
-            .get_mut(token as usize)
-            .ok_or(SamplerError::HistoryTokenOutOfRange {
-                token,
-                vocab: logits.len(),
-            })?;
+        let slot =
+            out.get_mut(token as usize).ok_or(SamplerError::HistoryTokenOutOfRange { token, vocab: logits.len() })?;
         *slot = p.apply(*slot, run.len());
     }
     Ok(())
@@ -142,19 +125,10 @@ mod tests {
         assert_eq!(scan(&[1.0, 3.0, 3.0, -2.0]), Ok((1, 3.0)));
         assert_eq!(scan(&[f32::NEG_INFINITY, -5.0]), Ok((1, -5.0)));
         assert_eq!(scan(&[]), Err(SamplerError::EmptyLogits));
-        assert_eq!(
-            scan(&[0.0, f32::NAN, 1.0]),
-            Err(SamplerError::NanLogit { index: 1 })
-        );
+        assert_eq!(scan(&[0.0, f32::NAN, 1.0]), Err(SamplerError::NanLogit { index: 1 }));
         assert_eq!(scan(&[f32::NAN]), Err(SamplerError::NanLogit { index: 0 }));
-        assert_eq!(
-            scan(&[0.0, f32::INFINITY]),
-            Err(SamplerError::InfiniteLogit { index: 1 })
-        );
-        assert_eq!(
-            scan(&[f32::NEG_INFINITY; 3]),
-            Err(SamplerError::AllLogitsMasked)
-        );
+        assert_eq!(scan(&[0.0, f32::INFINITY]), Err(SamplerError::InfiniteLogit { index: 1 }));
+        assert_eq!(scan(&[f32::NEG_INFINITY; 3]), Err(SamplerError::AllLogitsMasked));
     }
 
     /// The lane-parallel scan must agree with a plain first-maximum loop on
@@ -166,9 +140,7 @@ mod tests {
         for len in [1, 15, 16, 17, 33, 100, 1000] {
             for _ in 0..50 {
                 // Few distinct values, so ties across lanes are common.
-                let mut v: Vec<f32> = (0..len)
-                    .map(|_| (rng.next_f64() * 4.0).floor() as f32)
-                    .collect();
+                let mut v: Vec<f32> = (0..len).map(|_| (rng.next_f64() * 4.0).floor() as f32).collect();
                 let pos = (rng.next_f64() * len as f64) as usize;
                 let mut want_best = 0;
                 for (i, &x) in v.iter().enumerate() {
@@ -187,11 +159,7 @@ mod tests {
 
     #[test]
     fn penalties_follow_documented_formulas() -> Result<(), SamplerError> {
-        let p = Penalties {
-            presence: 0.5,
-            frequency: 0.25,
-            repetition: 2.0,
-        };
+        let p = Penalties { presence: 0.5, frequency: 0.25, repetition: 2.0 };
         let mut out = Vec::new();
         let mut scratch = Vec::new();
         let logits = [4.0, -4.0, 1.0, f32::NEG_INFINITY];
@@ -200,20 +168,13 @@ mod tests {
         assert_eq!(out, vec![0.75, -9.0, 1.0, f32::NEG_INFINITY]);
 
         let err = apply_penalties(&p, &logits, &[7], &mut out, &mut scratch);
-        assert_eq!(
-            err,
-            Err(SamplerError::HistoryTokenOutOfRange { token: 7, vocab: 4 })
-        );
+        assert_eq!(err, Err(SamplerError::HistoryTokenOutOfRange { token: 7, vocab: 4 }));
         Ok(())
     }
 
     #[test]
     fn tiny_repetition_penalty_cannot_overflow() -> Result<(), SamplerError> {
-        let p = Penalties {
-            presence: 0.0,
-            frequency: 0.0,
-            repetition: 1e-30,
-        };
+        let p = Penalties { presence: 0.0, frequency: 0.0, repetition: 1e-30 };
         let mut out = Vec::new();
         apply_penalties(&p, &[1e10, -1e10], &[0, 1], &mut out, &mut Vec::new())?;
         assert_eq!(out, vec![f32::MAX, -1e10 * 1e-30]);

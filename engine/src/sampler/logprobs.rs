@@ -10,13 +10,8 @@ pub(super) fn logprobs(logits: &[f32], max: f32, chosen: u32, n: usize) -> (f32,
     let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
     let lse = f64::from(max) + sum.ln();
     let logprob = |l: f32| (f64::from(l) - lse) as f32;
-    let chosen_lp = logits
-        .get(chosen as usize)
-        .map_or(f32::NEG_INFINITY, |&l| logprob(l));
-    let top = top_n(logits, n)
-        .into_iter()
-        .map(|(id, l)| (id, logprob(l)))
-        .collect();
+    let chosen_lp = logits.get(chosen as usize).map_or(f32::NEG_INFINITY, |&l| logprob(l));
+    let top = top_n(logits, n).into_iter().map(|(id, l)| (id, logprob(l))).collect();
     (chosen_lp, top)
 }
 
@@ -51,10 +46,7 @@ mod tests {
     #[test]
     fn top_n_orders_by_value_then_id_and_skips_masked() {
         let logits = [1.0, 3.0, f32::NEG_INFINITY, 3.0, 2.0, 3.0];
-        assert_eq!(
-            top_n(&logits, 4),
-            vec![(1, 3.0), (3, 3.0), (5, 3.0), (4, 2.0)]
-        );
+        assert_eq!(top_n(&logits, 4), vec![(1, 3.0), (3, 3.0), (5, 3.0), (4, 2.0)]);
         assert_eq!(top_n(&logits, 0), vec![]);
         assert_eq!(top_n(&logits, 20).len(), 5);
     }

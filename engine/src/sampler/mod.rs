@@ -132,20 +132,10 @@ impl Sampler {
     /// `history` is the token sequence the penalties count (see the module
     /// docs; the engine passes the generated tokens). It is only read, and
     /// only checked against the vocabulary, when a penalty is active.
-    pub fn sample(
-        &mut self,
-        logits: &[f32],
-        history: &[u32],
-    ) -> Result<SampledToken, SamplerError> {
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<SampledToken, SamplerError> {
         let (raw_best, raw_max) = logits::scan(logits)?;
         let (values, best, max) = if self.penalties.is_active() && !history.is_empty() {
-            logits::apply_penalties(
-                &self.penalties,
-                logits,
-                history,
-                &mut self.penalized,
-                &mut self.history_sorted,
-            )?;
+            logits::apply_penalties(&self.penalties, logits, history, &mut self.penalized, &mut self.history_sorted)?;
             let (best, max) = logits::scan(&self.penalized)?;
             (self.penalized.as_slice(), best, max)
         } else {
@@ -157,15 +147,8 @@ impl Sampler {
         } else {
             // The top token always survives with weight 1, so the fallback is
             // unreachable; it keeps a logic slip from becoming a panic.
-            filter::sample_random(
-                values,
-                max,
-                &self.filters,
-                &mut self.keys,
-                &mut self.weights,
-                &mut self.rng,
-            )
-            .unwrap_or(best as u32)
+            filter::sample_random(values, max, &self.filters, &mut self.keys, &mut self.weights, &mut self.rng)
+                .unwrap_or(best as u32)
         };
 
         let (logprob, top) = match self.logprobs {

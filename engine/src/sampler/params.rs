@@ -92,14 +92,10 @@ impl SamplingParams {
             return Err(SamplerError::InvalidPresencePenalty(self.presence_penalty));
         }
         if !in_penalty_range(self.frequency_penalty) {
-            return Err(SamplerError::InvalidFrequencyPenalty(
-                self.frequency_penalty,
-            ));
+            return Err(SamplerError::InvalidFrequencyPenalty(self.frequency_penalty));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return Err(SamplerError::InvalidRepetitionPenalty(
-                self.repetition_penalty,
-            ));
+            return Err(SamplerError::InvalidRepetitionPenalty(self.repetition_penalty));
         }
         if self.max_tokens == 0 {
             return Err(SamplerError::ZeroMaxTokens);
@@ -261,71 +257,23 @@ mod tests {
     #[test]
     fn each_bad_field_is_named() {
         let cases: Vec<(SamplingParams, SamplerError, &str)> = vec![
-            (
-                with(|p| p.temperature = -0.1),
-                SamplerError::InvalidTemperature(-0.1),
-                "temperature",
-            ),
-            (
-                with(|p| p.temperature = f32::INFINITY),
-                SamplerError::InvalidTemperature(f32::INFINITY),
-                "temperature",
-            ),
-            (
-                with(|p| p.top_p = 0.0),
-                SamplerError::InvalidTopP(0.0),
-                "top_p",
-            ),
-            (
-                with(|p| p.top_p = 1.5),
-                SamplerError::InvalidTopP(1.5),
-                "top_p",
-            ),
-            (
-                with(|p| p.min_p = 1.0),
-                SamplerError::InvalidMinP(1.0),
-                "min_p",
-            ),
-            (
-                with(|p| p.min_p = -0.5),
-                SamplerError::InvalidMinP(-0.5),
-                "min_p",
-            ),
-            (
-                with(|p| p.presence_penalty = 2.5),
-                SamplerError::InvalidPresencePenalty(2.5),
-                "presence_penalty",
-            ),
-            (
-                with(|p| p.frequency_penalty = -3.0),
-                SamplerError::InvalidFrequencyPenalty(-3.0),
-                "frequency_penalty",
-            ),
-            (
-                with(|p| p.repetition_penalty = 0.0),
-                SamplerError::InvalidRepetitionPenalty(0.0),
-                "repetition_penalty",
-            ),
-            (
-                with(|p| p.repetition_penalty = -1.0),
-                SamplerError::InvalidRepetitionPenalty(-1.0),
-                "repetition_penalty",
-            ),
-            (
-                with(|p| p.max_tokens = 0),
-                SamplerError::ZeroMaxTokens,
-                "max_tokens",
-            ),
+            (with(|p| p.temperature = -0.1), SamplerError::InvalidTemperature(-0.1), "temperature"),
+            (with(|p| p.temperature = f32::INFINITY), SamplerError::InvalidTemperature(f32::INFINITY), "temperature"),
+            (with(|p| p.top_p = 0.0), SamplerError::InvalidTopP(0.0), "top_p"),
+            (with(|p| p.top_p = 1.5), SamplerError::InvalidTopP(1.5), "top_p"),
+            (with(|p| p.min_p = 1.0), SamplerError::InvalidMinP(1.0), "min_p"),
+            (with(|p| p.min_p = -0.5), SamplerError::InvalidMinP(-0.5), "min_p"),
+            (with(|p| p.presence_penalty = 2.5), SamplerError::InvalidPresencePenalty(2.5), "presence_penalty"),
+            (with(|p| p.frequency_penalty = -3.0), SamplerError::InvalidFrequencyPenalty(-3.0), "frequency_penalty"),
+            (with(|p| p.repetition_penalty = 0.0), SamplerError::InvalidRepetitionPenalty(0.0), "repetition_penalty"),
+            (with(|p| p.repetition_penalty = -1.0), SamplerError::InvalidRepetitionPenalty(-1.0), "repetition_penalty"),
+            (with(|p| p.max_tokens = 0), SamplerError::ZeroMaxTokens, "max_tokens"),
             (
                 with(|p| p.stop_strings = vec!["ok".into(), String::new()]),
                 SamplerError::EmptyStopString { index: 1 },
                 "stop",
             ),
-            (
-                with(|p| p.logprobs = Some(21)),
-                SamplerError::TooManyLogprobs(21),
-                "logprobs",
-            ),
+            (with(|p| p.logprobs = Some(21)), SamplerError::TooManyLogprobs(21), "logprobs"),
         ];
         for (params, want, field) in cases {
             let got = params.validate().expect_err("params must be rejected");

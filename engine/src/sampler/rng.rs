@@ -23,14 +23,7 @@ impl Rng {
     /// consecutive outputs cannot all be zero.
     pub(crate) fn from_seed(seed: u64) -> Self {
         let mut sm = seed;
-        Self {
-            s: [
-                splitmix64(&mut sm),
-                splitmix64(&mut sm),
-                splitmix64(&mut sm),
-                splitmix64(&mut sm),
-            ],
-        }
+        Self { s: [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)] }
     }
 
     pub(crate) fn next_u64(&mut self) -> u64 {

@@ -62,18 +62,9 @@ impl StopChecker {
         params.validate()?;
         Ok(Self {
             stop_token_ids: params.stop_token_ids.clone(),
-            eos_token_ids: if params.ignore_eos {
-                Vec::new()
-            } else {
-                eos_token_ids.to_vec()
-            },
+            eos_token_ids: if params.ignore_eos { Vec::new() } else { eos_token_ids.to_vec() },
             stop_strings: params.stop_strings.clone(),
-            longest_stop: params
-                .stop_strings
-                .iter()
-                .map(String::len)
-                .max()
-                .unwrap_or(0),
+            longest_stop: params.stop_strings.iter().map(String::len).max().unwrap_or(0),
             max_tokens: params.max_tokens,
             generated: 0,
             pending: String::new(),
@@ -134,19 +125,12 @@ impl StopChecker {
             return finished(String::new(), reason);
         }
         if self.stop_strings.is_empty() {
-            return StopDecision {
-                emit: piece.to_owned(),
-                finished: None,
-            };
+            return StopDecision { emit: piece.to_owned(), finished: None };
         }
         self.pending.push_str(piece);
         // Every match lies inside `pending`: emitted text never ended with a
         // prefix of a stop string, so no match can start before it.
-        let first_match = self
-            .stop_strings
-            .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min();
+        let first_match = self.stop_strings.iter().filter_map(|s| self.pending.find(s.as_str())).min();
         if let Some(start) = first_match {
             let mut emit = std::mem::take(&mut self.pending);
             emit.truncate(start);
@@ -155,10 +139,7 @@ impl StopChecker {
         }
         let keep_from = self.holdback_start();
         let held = self.pending.split_off(keep_from);
-        StopDecision {
-            emit: std::mem::replace(&mut self.pending, held),
-            finished: None,
-        }
+        StopDecision { emit: std::mem::replace(&mut self.pending, held), finished: None }
     }
 
     /// Releases the held-back text at the end of generation (for example
@@ -197,10 +178,7 @@ impl StopChecker {
 }
 
 fn finished(emit: String, reason: FinishReason) -> StopDecision {
-    StopDecision {
-        emit,
-        finished: Some(reason),
-    }
+    StopDecision { emit, finished: Some(reason) }
 }
 
 #[cfg(test)]
@@ -210,10 +188,8 @@ mod tests {
     const EOS: u32 = 2;
 
     fn checker(stops: &[&str]) -> StopChecker {
-        let params = SamplingParams {
-            stop_strings: stops.iter().map(|s| s.to_string()).collect(),
-            ..SamplingParams::default()
-        };
+        let params =
+            SamplingParams { stop_strings: stops.iter().map(|s| s.to_string()).collect(), ..SamplingParams::default() };
         StopChecker::new(&params, &[EOS]).expect("valid params")
     }
 
@@ -273,11 +249,7 @@ mod tests {
         // "xaa": both "a" and "aa" could grow into a stop string.
         assert_eq!(c.push_text("xaa").emit, "x");
         let d = c.push_text("b");
-        assert_eq!(
-            d,
-            finished(String::new(), FinishReason::Stop),
-            "'aab' matched at 1"
-        );
+        assert_eq!(d, finished(String::new(), FinishReason::Stop), "'aab' matched at 1");
 
         // With only "ab", "aab" stops after the first 'a'.
         let (out, reason) = run(&["ab"], &["a", "a", "b"]);
@@ -328,39 +300,22 @@ mod tests {
 
     #[test]
     fn eos_and_stop_ids_stop_without_emitting_their_text() {
-        let params = SamplingParams {
-            stop_token_ids: vec![7],
-            stop_strings: vec!["xyz".into()],
-            ..SamplingParams::default()
-        };
+        let params =
+            SamplingParams { stop_token_ids: vec![7], stop_strings: vec!["xyz".into()], ..SamplingParams::default() };
         let mut c = StopChecker::new(&params, &[EOS]).expect("valid params");
         assert_eq!(c.on_token(10, "ab x").emit, "ab ");
         let d = c.on_token(EOS, "</s>");
-        assert_eq!(
-            d,
-            finished("x".into(), FinishReason::Stop),
-            "held text released"
-        );
-        assert_eq!(
-            c.on_token(11, "more"),
-            finished(String::new(), FinishReason::Stop)
-        );
+        assert_eq!(d, finished("x".into(), FinishReason::Stop), "held text released");
+        assert_eq!(c.on_token(11, "more"), finished(String::new(), FinishReason::Stop));
         assert_eq!(c.finish_reason(), Some(FinishReason::Stop));
 
         let mut c = StopChecker::new(&params, &[EOS]).expect("valid params");
-        assert_eq!(
-            c.on_token(7, "seven"),
-            finished(String::new(), FinishReason::Stop)
-        );
+        assert_eq!(c.on_token(7, "seven"), finished(String::new(), FinishReason::Stop));
     }
 
     #[test]
     fn ignore_eos_keeps_going_but_honours_stop_ids() {
-        let params = SamplingParams {
-            stop_token_ids: vec![7],
-            ignore_eos: true,
-            ..SamplingParams::default()
-        };
+        let params = SamplingParams { stop_token_ids: vec![7], ignore_eos: true, ..SamplingParams::default() };
         let mut c = StopChecker::new(&params, &[EOS]).expect("valid params");
         assert_eq!(c.check_token(EOS), None);
         assert_eq!(c.check_token(7), Some(FinishReason::Stop));
@@ -368,19 +323,9 @@ mod tests {
 
     #[test]
     fn max_tokens_finishes_with_length_and_emits_last_piece() {
-        let params = SamplingParams {
-            max_tokens: 2,
-            stop_strings: vec!["END".into()],
-            ..SamplingParams::default()
-        };
+        let params = SamplingParams { max_tokens: 2, stop_strings: vec!["END".into()], ..SamplingParams::default() };
         let mut c = StopChecker::new(&params, &[EOS]).expect("valid params");
-        assert_eq!(
-            c.on_token(10, "a"),
-            StopDecision {
-                emit: "a".into(),
-                finished: None
-            }
-        );
+        assert_eq!(c.on_token(10, "a"), StopDecision { emit: "a".into(), finished: None });
         let d = c.on_token(11, " E");
         assert_eq!(d, finished(" E".into(), FinishReason::Length));
         assert_eq!(c.generated(), 2);
@@ -388,30 +333,18 @@ mod tests {
         // A stop string completed by the last allowed token is still a Stop.
         let mut c = StopChecker::new(&params, &[EOS]).expect("valid params");
         assert_eq!(c.on_token(10, "xE").emit, "x");
-        assert_eq!(
-            c.on_token(11, "ND"),
-            finished(String::new(), FinishReason::Stop)
-        );
+        assert_eq!(c.on_token(11, "ND"), finished(String::new(), FinishReason::Stop));
 
         // EOS on the last allowed token is a Stop, not Length.
         let mut c = StopChecker::new(&params, &[EOS]).expect("valid params");
         c.on_token(10, "x");
-        assert_eq!(
-            c.on_token(EOS, ""),
-            finished(String::new(), FinishReason::Stop)
-        );
+        assert_eq!(c.on_token(EOS, ""), finished(String::new(), FinishReason::Stop));
     }
 
     #[test]
     fn invalid_params_are_rejected() {
-        let params = SamplingParams {
-            stop_strings: vec![String::new()],
-            ..SamplingParams::default()
-        };
-        assert_eq!(
-            StopChecker::new(&params, &[]).err(),
-            Some(SamplerError::EmptyStopString { index: 0 })
-        );
+        let params = SamplingParams { stop_strings: vec![String::new()], ..SamplingParams::default() };
+        assert_eq!(StopChecker::new(&params, &[]).err(), Some(SamplerError::EmptyStopString { index: 0 }));
     }
 
     #[test]

@@ -15,9 +15,7 @@ fn sampler(f: impl FnOnce(&mut SamplingParams)) -> Sampler {
 
 fn random_logits(seed: u64, vocab: usize, scale: f64) -> Vec<f32> {
     let mut rng = Rng::from_seed(seed);
-    (0..vocab)
-        .map(|_| ((rng.next_f64() - 0.5) * scale) as f32)
-        .collect()
+    (0..vocab).map(|_| ((rng.next_f64() - 0.5) * scale) as f32).collect()
 }
 
 fn naive_argmax(logits: &[f32]) -> u32 {
@@ -32,10 +30,7 @@ fn naive_argmax(logits: &[f32]) -> u32 {
 
 fn softmax(logits: &[f32], temperature: f64) -> Vec<f64> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let w: Vec<f64> = logits
-        .iter()
-        .map(|&l| ((f64::from(l) - f64::from(max)) / temperature).exp())
-        .collect();
+    let w: Vec<f64> = logits.iter().map(|&l| ((f64::from(l) - f64::from(max)) / temperature).exp()).collect();
     let z: f64 = w.iter().sum();
     w.iter().map(|x| x / z).collect()
 }
@@ -87,9 +82,7 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() -> TestResult {
             p.temperature = 1.0;
             p.seed = Some(seed);
         });
-        (0..200)
-            .map(|_| s.sample(&logits, &[]).map(|t| t.id))
-            .collect()
+        (0..200).map(|_| s.sample(&logits, &[]).map(|t| t.id)).collect()
     };
     let a = draw(1)?;
     assert_eq!(a, draw(1)?, "same seed, same tokens");
@@ -137,26 +130,15 @@ fn top_k_one_equals_greedy_at_any_temperature() -> TestResult {
 fn subnormal_temperature_is_greedy() -> TestResult {
     let logits = random_logits(6, 5000, 4.0);
     for temperature in [1e-45f32, f32::MIN_POSITIVE / 2.0] {
-        let params = SamplingParams {
-            temperature,
-            seed: Some(1),
-            ..SamplingParams::default()
-        };
+        let params = SamplingParams { temperature, seed: Some(1), ..SamplingParams::default() };
         assert!(params.is_greedy());
-        assert_eq!(
-            Sampler::new(&params)?.sample(&logits, &[])?.id,
-            naive_argmax(&logits)
-        );
+        assert_eq!(Sampler::new(&params)?.sample(&logits, &[])?.id, naive_argmax(&logits));
     }
     let mut tiny = sampler(|p| {
         p.temperature = f32::MIN_POSITIVE;
         p.seed = Some(1);
     });
-    assert_eq!(
-        tiny.sample(&logits, &[])?.id,
-        naive_argmax(&logits),
-        "smallest normal"
-    );
+    assert_eq!(tiny.sample(&logits, &[])?.id, naive_argmax(&logits), "smallest normal");
     Ok(())
 }
 
@@ -270,11 +252,7 @@ fn penalties_change_the_argmax() -> TestResult {
     };
     assert_eq!(greedy(&|_| {}, &[0])?, 0, "no penalty");
     assert_eq!(greedy(&|p| p.presence_penalty = 0.5, &[0])?, 1);
-    assert_eq!(
-        greedy(&|p| p.presence_penalty = 0.5, &[])?,
-        0,
-        "empty history"
-    );
+    assert_eq!(greedy(&|p| p.presence_penalty = 0.5, &[])?, 0, "empty history");
     // Frequency scales with the count: 2.0 - 0.05 > 1.9 > 2.0 - 3 * 0.05.
     assert_eq!(greedy(&|p| p.frequency_penalty = 0.05, &[0])?, 0);
     assert_eq!(greedy(&|p| p.frequency_penalty = 0.05, &[0, 2, 0, 0])?, 1);
@@ -347,23 +325,11 @@ fn logprob_top_list_ties_and_sizes() -> TestResult {
 fn bad_logits_and_history_are_typed_errors() {
     let mut s = sampler(|p| p.temperature = 1.0);
     assert_eq!(s.sample(&[], &[]), Err(SamplerError::EmptyLogits));
-    assert_eq!(
-        s.sample(&[0.0, f32::NAN], &[]),
-        Err(SamplerError::NanLogit { index: 1 })
-    );
-    assert_eq!(
-        s.sample(&[f32::INFINITY, 0.0], &[]),
-        Err(SamplerError::InfiniteLogit { index: 0 })
-    );
-    assert_eq!(
-        s.sample(&[f32::NEG_INFINITY; 4], &[]),
-        Err(SamplerError::AllLogitsMasked)
-    );
+    assert_eq!(s.sample(&[0.0, f32::NAN], &[]), Err(SamplerError::NanLogit { index: 1 }));
+    assert_eq!(s.sample(&[f32::INFINITY, 0.0], &[]), Err(SamplerError::InfiniteLogit { index: 0 }));
+    assert_eq!(s.sample(&[f32::NEG_INFINITY; 4], &[]), Err(SamplerError::AllLogitsMasked));
     let mut greedy = sampler(|_| {});
-    assert_eq!(
-        greedy.sample(&[1.0, f32::NAN], &[]),
-        Err(SamplerError::NanLogit { index: 1 })
-    );
+    assert_eq!(greedy.sample(&[1.0, f32::NAN], &[]), Err(SamplerError::NanLogit { index: 1 }));
     let mut penalised = sampler(|p| p.frequency_penalty = 1.0);
     assert_eq!(
         penalised.sample(&[1.0, 2.0], &[1, 5]),
@@ -373,10 +339,7 @@ fn bad_logits_and_history_are_typed_errors() {
 
 #[test]
 fn invalid_params_are_rejected_by_new() {
-    let p = SamplingParams {
-        temperature: f32::NAN,
-        ..SamplingParams::default()
-    };
+    let p = SamplingParams { temperature: f32::NAN, ..SamplingParams::default() };
     assert!(matches!(
         Sampler::new(&p),
         Err(SamplerError::InvalidTemperature(t)) if t.is_nan()

@@ -30,10 +30,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
+        Self { role: role.into(), content: content.into() }
     }
 }
 
@@ -71,11 +68,7 @@ impl ChatState {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         match env.add_template_owned(TEMPLATE_NAME, source) {
-            Ok(()) => Self::Ready(Box::new(ChatTemplate {
-                env,
-                bos_token,
-                eos_token,
-            })),
+            Ok(()) => Self::Ready(Box::new(ChatTemplate { env, bos_token, eos_token })),
             Err(e) => {
                 tracing::warn!(error = %e, "the model's chat template does not compile; chat is unavailable");
                 Self::Broken(e.to_string())
@@ -99,10 +92,7 @@ impl ChatState {
             Self::Broken(why) => return Err(TokenizerError::TemplateSyntax(why.clone())),
             Self::Ready(t) => t,
         };
-        let template = t
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| TokenizerError::TemplateSyntax(e.to_string()))?;
+        let template = t.env.get_template(TEMPLATE_NAME).map_err(|e| TokenizerError::TemplateSyntax(e.to_string()))?;
         template
             .render(context! {
                 messages => messages,
@@ -115,10 +105,7 @@ impl ChatState {
 }
 
 fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
-    Err(
-        minijinja::Error::new(ErrorKind::InvalidOperation, msg.clone())
-            .with_source(RaisedException(msg)),
-    )
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg.clone()).with_source(RaisedException(msg)))
 }
 
 fn render_error(e: minijinja::Error) -> TokenizerError {
@@ -160,11 +147,9 @@ mod tests {
 
     #[test]
     fn trim_and_lstrip_blocks_match_transformers() {
-        let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}";
-        let out = state(src).render(
-            &[ChatMessage::new("user", "a"), ChatMessage::new("user", "b")],
-            false,
-        );
+        let src =
+            "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}";
+        let out = state(src).render(&[ChatMessage::new("user", "a"), ChatMessage::new("user", "b")], false);
         assert_eq!(out.ok().as_deref(), Some("[a]\n[b]\n"));
     }
 
@@ -178,41 +163,26 @@ mod tests {
             }
             other => panic!("expected TemplateException, got {other:?}"),
         }
-        assert_eq!(
-            state(src)
-                .render(&[ChatMessage::new("user", "x")], false)
-                .ok()
-                .as_deref(),
-            Some("ok")
-        );
+        assert_eq!(state(src).render(&[ChatMessage::new("user", "x")], false).ok().as_deref(), Some("ok"));
     }
 
     #[test]
     fn missing_broken_and_failing_templates_are_typed_errors() {
         let none = ChatState::new(None, String::new(), String::new());
-        assert!(matches!(
-            none.render(&[], true),
-            Err(TokenizerError::NoChatTemplate)
-        ));
-        assert!(matches!(
-            state("{% for %}").render(&[], true),
-            Err(TokenizerError::TemplateSyntax(_))
-        ));
-        let err = state("{{ messages[0].content.nosuchmethod() }}")
-            .render(&[ChatMessage::new("user", "x")], false);
+        assert!(matches!(none.render(&[], true), Err(TokenizerError::NoChatTemplate)));
+        assert!(matches!(state("{% for %}").render(&[], true), Err(TokenizerError::TemplateSyntax(_))));
+        let err = state("{{ messages[0].content.nosuchmethod() }}").render(&[ChatMessage::new("user", "x")], false);
         match err {
-            Err(TokenizerError::TemplateRender(msg)) => assert!(
-                msg.contains("nosuchmethod") || msg.contains("method"),
-                "{msg}"
-            ),
+            Err(TokenizerError::TemplateRender(msg)) => {
+                assert!(msg.contains("nosuchmethod") || msg.contains("method"), "{msg}")
+            }
             other => panic!("expected TemplateRender, got {other:?}"),
         }
     }
 
     #[test]
     fn messages_deserialize_from_openai_shape() {
-        let m: Result<Vec<ChatMessage>, _> =
-            serde_json::from_str(r#"[{"role":"user","content":"Hi"}]"#);
+        let m: Result<Vec<ChatMessage>, _> = serde_json::from_str(r#"[{"role":"user","content":"Hi"}]"#);
         assert_eq!(m.ok(), Some(vec![ChatMessage::new("user", "Hi")]));
     }
 }

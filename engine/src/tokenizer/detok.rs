@@ -110,10 +110,7 @@ mod tests {
 
     fn stream(tok: &Tokenizer, ids: &[u32]) -> Result<Vec<String>, TokenizerError> {
         let mut d = IncrementalDecoder::new();
-        let mut out = ids
-            .iter()
-            .map(|&id| d.push(tok, id))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = ids.iter().map(|&id| d.push(tok, id)).collect::<Result<Vec<_>, _>>()?;
         out.push(d.finish(tok)?);
         Ok(out)
     }
@@ -152,11 +149,7 @@ mod tests {
         let mut emitted = String::new();
         for &id in &ids {
             emitted.push_str(&d.push(&tok, id)?);
-            assert!(
-                d.ids.len() <= MAX_PENDING + 2,
-                "window grew to {}",
-                d.ids.len()
-            );
+            assert!(d.ids.len() <= MAX_PENDING + 2, "window grew to {}", d.ids.len());
         }
         emitted.push_str(&d.finish(&tok)?);
         assert_eq!(emitted.chars().count(), ids.len());

@@ -25,11 +25,7 @@ pub enum TokenizerError {
     TokenTypeCount { tokens: usize, types: usize },
     /// Two ids share the same token text, so text -> id is ambiguous.
     #[error("token {token:?} appears at ids {first} and {second}")]
-    DuplicateToken {
-        token: String,
-        first: u32,
-        second: u32,
-    },
+    DuplicateToken { token: String, first: u32, second: u32 },
     /// The vocabulary has more entries than a u32 id can address.
     #[error("vocabulary of {0} tokens does not fit u32 ids")]
     VocabTooLarge(usize),
@@ -38,11 +34,7 @@ pub enum TokenizerError {
     BadMerge { index: usize, merge: String },
     /// A special-token id (bos, eos, ...) lies outside the vocabulary.
     #[error("{what} id {id} is outside the vocabulary of {vocab_size}")]
-    SpecialIdOutOfRange {
-        what: &'static str,
-        id: u64,
-        vocab_size: usize,
-    },
+    SpecialIdOutOfRange { what: &'static str, id: u64, vocab_size: usize },
     /// The file asks for a BOS token to be added but names none.
     #[error("add_bos is set but there is no BOS token")]
     MissingBos,
@@ -92,9 +84,6 @@ impl TokenizerError {
     /// True when the request, not the model or the engine, is at fault: the
     /// caller should answer "invalid input" rather than retry or alarm.
     pub fn is_invalid_input(&self) -> bool {
-        matches!(
-            self,
-            Self::InvalidTokenId { .. } | Self::TemplateException(_)
-        )
+        matches!(self, Self::InvalidTokenId { .. } | Self::TemplateException(_))
     }
 }

@@ -121,10 +121,7 @@ impl TokenizerParts {
             let (a, b) = merge
                 .split_once(' ')
                 .filter(|(a, b)| !a.is_empty() && !b.is_empty())
-                .ok_or_else(|| TokenizerError::BadMerge {
-                    index,
-                    merge: merge.clone(),
-                })?;
+                .ok_or_else(|| TokenizerError::BadMerge { index, merge: merge.clone() })?;
             if seen.insert((a, b)) {
                 pairs.push((a.to_owned(), b.to_owned()));
             }
@@ -170,10 +167,8 @@ fn opt_id(f: &GgufFile, key: &str) -> Result<Option<u32>, TokenizerError> {
         why: "expected a non-negative integer".to_owned(),
     })?;
     // Range against the vocabulary is checked once the tokenizer is built.
-    let id = u32::try_from(id).map_err(|_| GgufError::Metadata {
-        key: key.to_owned(),
-        why: format!("token id {id} does not fit u32"),
-    })?;
+    let id = u32::try_from(id)
+        .map_err(|_| GgufError::Metadata { key: key.to_owned(), why: format!("token id {id} does not fit u32") })?;
     Ok(Some(id))
 }
 
@@ -181,10 +176,7 @@ fn opt_bool(f: &GgufFile, key: &str) -> Result<Option<bool>, TokenizerError> {
     let Some(v) = f.meta(key) else {
         return Ok(None);
     };
-    Ok(Some(v.as_bool().ok_or_else(|| GgufError::Metadata {
-        key: key.to_owned(),
-        why: "expected a bool".to_owned(),
-    })?))
+    Ok(Some(v.as_bool().ok_or_else(|| GgufError::Metadata { key: key.to_owned(), why: "expected a bool".to_owned() })?))
 }
 
 impl Tokenizer {
@@ -200,10 +192,7 @@ impl Tokenizer {
         }
         let pre_tokenizer = parts.pre_tokenizer()?;
         if !parts.token_types.is_empty() && parts.token_types.len() != parts.tokens.len() {
-            return Err(TokenizerError::TokenTypeCount {
-                tokens: parts.tokens.len(),
-                types: parts.token_types.len(),
-            });
+            return Err(TokenizerError::TokenTypeCount { tokens: parts.tokens.len(), types: parts.token_types.len() });
         }
         if u32::try_from(parts.tokens.len()).is_err() {
             return Err(TokenizerError::VocabTooLarge(parts.tokens.len()));
@@ -214,21 +203,14 @@ impl Tokenizer {
             // Fits: the length was checked above.
             let id = id as u32;
             if let Some(first) = vocab.insert(token.clone(), id) {
-                return Err(TokenizerError::DuplicateToken {
-                    token: token.clone(),
-                    first,
-                    second: id,
-                });
+                return Err(TokenizerError::DuplicateToken { token: token.clone(), first, second: id });
             }
         }
         let merges = parts.merge_pairs()?;
         let digest = parts.digest(&merges);
 
         // No unk token: byte-level BPE can spell any input from its 256 byte tokens.
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(TokenizerError::Build)?;
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(TokenizerError::Build)?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre_tokenizer));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
@@ -238,9 +220,7 @@ impl Tokenizer {
         for (id, token) in parts.tokens.iter().enumerate() {
             match parts.token_type(id) {
                 TOKEN_TYPE_CONTROL => control.push(AddedToken::from(token.clone(), true)),
-                TOKEN_TYPE_USER_DEFINED => {
-                    user_defined.push(AddedToken::from(token.clone(), false).normalized(false))
-                }
+                TOKEN_TYPE_USER_DEFINED => user_defined.push(AddedToken::from(token.clone(), false).normalized(false)),
                 _ => {}
             }
         }

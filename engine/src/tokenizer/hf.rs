@@ -19,42 +19,22 @@ impl Tokenizer {
     /// Without a config, or when it does not say `add_bos_token`, BOS is
     /// added exactly when tokenizer.json's post-processor would add it; with
     /// no config that token is also taken as the BOS id.
-    pub fn from_files(
-        tokenizer_json: &Path,
-        tokenizer_config_json: Option<&Path>,
-    ) -> Result<Self, TokenizerError> {
+    pub fn from_files(tokenizer_json: &Path, tokenizer_config_json: Option<&Path>) -> Result<Self, TokenizerError> {
         let bytes = read(tokenizer_json)?;
-        let inner =
-            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::BadFile {
-                path: tokenizer_json.to_owned(),
-                why: e.to_string(),
-            })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| TokenizerError::BadFile { path: tokenizer_json.to_owned(), why: e.to_string() })?;
         let mut digest = DigestWriter::new("tandem-tokenizer-json/v1");
         digest.bytes(&bytes);
         let digest = digest.finish();
 
         // What the post-processor puts in front of an empty text: BOS, if anything.
-        let probe = inner
-            .encode_fast("", true)
-            .map_err(TokenizerError::Encode)?;
+        let probe = inner.encode_fast("", true).map_err(TokenizerError::Encode)?;
         let leading = probe.get_ids().first().copied();
 
         let meta = match tokenizer_config_json {
             None => {
-                let bos_id = leading.filter(|&id| {
-                    inner
-                        .get_added_tokens_decoder()
-                        .get(&id)
-                        .is_some_and(|t| t.special)
-                });
-                Meta {
-                    bos_id,
-                    eos_id: None,
-                    eot_id: None,
-                    add_bos: bos_id.is_some(),
-                    chat_template: None,
-                    digest,
-                }
+                let bos_id = leading.filter(|&id| inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special));
+                Meta { bos_id, eos_id: None, eot_id: None, add_bos: bos_id.is_some(), chat_template: None, digest }
             }
             Some(path) => {
                 let config = Config::read(path)?;
@@ -79,10 +59,7 @@ impl Tokenizer {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TokenizerError> {
-    std::fs::read(path).map_err(|source| TokenizerError::Io {
-        path: path.to_owned(),
-        source,
-    })
+    std::fs::read(path).map_err(|source| TokenizerError::Io { path: path.to_owned(), source })
 }
 
 /// tokenizer_config.json, parsed loosely: its schema varies by model and
@@ -95,10 +72,7 @@ struct Config<'a> {
 impl<'a> Config<'a> {
     fn read(path: &'a Path) -> Result<Self, TokenizerError> {
         let bytes = read(path)?;
-        let bad = |why: String| TokenizerError::BadFile {
-            path: path.to_owned(),
-            why,
-        };
+        let bad = |why: String| TokenizerError::BadFile { path: path.to_owned(), why };
         match serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))? {
             Value::Object(json) => Ok(Self { path, json }),
             _ => Err(bad("not a JSON object".to_owned())),
@@ -110,18 +84,11 @@ impl<'a> Config<'a> {
     }
 
     fn bad(&self, why: &str) -> TokenizerError {
-        TokenizerError::BadFile {
-            path: self.path.to_owned(),
-            why: why.to_owned(),
-        }
+        TokenizerError::BadFile { path: self.path.to_owned(), why: why.to_owned() }
     }
 
     /// A special token given as `"<s>"` or `{"content": "<s>", ...}`, as an id.
-    fn token_id(
-        &self,
-        inner: &tokenizers::Tokenizer,
-        key: &'static str,
-    ) -> Result<Option<u32>, TokenizerError> {
+    fn token_id(&self, inner: &tokenizers::Tokenizer, key: &'static str) -> Result<Option<u32>, TokenizerError> {
         let text = match self.get(key) {
             None | Some(Value::Null) => return Ok(None),
             Some(Value::String(s)) => s.as_str(),
@@ -134,10 +101,7 @@ impl<'a> Config<'a> {
         inner
             .token_to_id(text)
             .map(Some)
-            .ok_or_else(|| TokenizerError::UnknownSpecialToken {
-                what: key,
-                token: text.to_owned(),
-            })
+            .ok_or_else(|| TokenizerError::UnknownSpecialToken { what: key, token: text.to_owned() })
     }
 
     /// `chat_template`: a string, or a list of `{name, template}` of which
@@ -179,27 +143,20 @@ mod tests {
             edit: impl FnOnce(&mut Value),
             config: Option<Value>,
         ) -> Result<Self, Box<dyn std::error::Error>> {
-            let dir =
-                std::env::temp_dir().join(format!("tandem-tok-{}-{name}", std::process::id()));
+            let dir = std::env::temp_dir().join(format!("tandem-tok-{}-{name}", std::process::id()));
             std::fs::create_dir_all(&dir)?;
             let mut json = serde_json::to_value(&tiny()?.with_special)?;
             edit(&mut json);
             std::fs::write(dir.join("tokenizer.json"), serde_json::to_vec(&json)?)?;
             if let Some(config) = config {
-                std::fs::write(
-                    dir.join("tokenizer_config.json"),
-                    serde_json::to_vec(&config)?,
-                )?;
+                std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_vec(&config)?)?;
             }
             Ok(Self { dir })
         }
 
         fn load(&self, with_config: bool) -> Result<Tokenizer, TokenizerError> {
             let config = self.dir.join("tokenizer_config.json");
-            Tokenizer::from_files(
-                &self.dir.join("tokenizer.json"),
-                with_config.then_some(config.as_path()),
-            )
+            Tokenizer::from_files(&self.dir.join("tokenizer.json"), with_config.then_some(config.as_path()))
         }
     }
 
@@ -223,13 +180,9 @@ mod tests {
         assert_eq!((tok.bos_id(), tok.eos_id()), (Some(1), Some(0)));
         assert_eq!(tok.eos_ids(), [0, 2]);
         assert_eq!(tok.vocab_size(), reference.vocab_size());
-        assert_eq!(
-            tok.encode("hello", false)?,
-            [1, reference.encode("hello", false)?[0]]
-        );
+        assert_eq!(tok.encode("hello", false)?, [1, reference.encode("hello", false)?[0]]);
         assert!(tok.is_special(2) && !tok.is_special(3));
-        let prompt =
-            tok.apply_chat_template(&[crate::tokenizer::ChatMessage::new("user", "hi")], true)?;
+        let prompt = tok.apply_chat_template(&[crate::tokenizer::ChatMessage::new("user", "hi")], true)?;
         assert_eq!(prompt, "<|im_start|>hi<|im_end|>");
         // The digest is the file's, stable across loads.
         assert_eq!(files.load(true)?.digest(), tok.digest());
@@ -251,10 +204,7 @@ mod tests {
         let tok = files.load(false)?;
         assert_eq!(tok.bos_id(), Some(1));
         assert_eq!(tok.encode("hello", false)?.first(), Some(&1));
-        assert!(matches!(
-            tok.apply_chat_template(&[], true),
-            Err(TokenizerError::NoChatTemplate)
-        ));
+        assert!(matches!(tok.apply_chat_template(&[], true), Err(TokenizerError::NoChatTemplate)));
 
         let plain = Files::new("plain", |_| {}, None)?.load(false)?;
         assert_eq!((plain.bos_id(), plain.eos_id()), (None, None));
@@ -276,23 +226,11 @@ mod tests {
     #[test]
     fn bad_files_are_typed_errors() -> TestResult {
         let unknown = Files::new("unknown", |_| {}, Some(json!({"eos_token": "</s>"})))?;
-        assert!(matches!(
-            unknown.load(true),
-            Err(TokenizerError::UnknownSpecialToken {
-                what: "eos_token",
-                ..
-            })
-        ));
+        assert!(matches!(unknown.load(true), Err(TokenizerError::UnknownSpecialToken { what: "eos_token", .. })));
         let not_bool = Files::new("notbool", |_| {}, Some(json!({"add_bos_token": "yes"})))?;
-        assert!(matches!(
-            not_bool.load(true),
-            Err(TokenizerError::BadFile { .. })
-        ));
+        assert!(matches!(not_bool.load(true), Err(TokenizerError::BadFile { .. })));
         let broken = Files::new("broken", |j| *j = json!({"model": 3}), None)?;
-        assert!(matches!(
-            broken.load(false),
-            Err(TokenizerError::BadFile { .. })
-        ));
+        assert!(matches!(broken.load(false), Err(TokenizerError::BadFile { .. })));
         let missing = Tokenizer::from_files(Path::new("/nonexistent/tokenizer.json"), None);
         assert!(matches!(missing, Err(TokenizerError::Io { .. })));
         Ok(())

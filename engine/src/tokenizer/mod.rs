@@ -91,17 +91,9 @@ impl Tokenizer {
                 }
             }
         }
-        for (what, id) in [
-            ("bos", meta.bos_id),
-            ("eos", meta.eos_id),
-            ("eot", meta.eot_id),
-        ] {
+        for (what, id) in [("bos", meta.bos_id), ("eos", meta.eos_id), ("eot", meta.eot_id)] {
             if let Some(id) = id.filter(|&id| id as usize >= n) {
-                return Err(TokenizerError::SpecialIdOutOfRange {
-                    what,
-                    id: id.into(),
-                    vocab_size: n,
-                });
+                return Err(TokenizerError::SpecialIdOutOfRange { what, id: id.into(), vocab_size: n });
             }
         }
         if meta.add_bos && meta.bos_id.is_none() {
@@ -121,15 +113,8 @@ impl Tokenizer {
         let mut seen = std::collections::HashSet::new();
         eos_ids.retain(|id| seen.insert(*id));
 
-        let piece = |id: Option<u32>| {
-            id.and_then(|id| pieces[id as usize].clone())
-                .unwrap_or_default()
-        };
-        let chat = ChatState::new(
-            meta.chat_template.clone(),
-            piece(meta.bos_id),
-            piece(meta.eos_id),
-        );
+        let piece = |id: Option<u32>| id.and_then(|id| pieces[id as usize].clone()).unwrap_or_default();
+        let chat = ChatState::new(meta.chat_template.clone(), piece(meta.bos_id), piece(meta.eos_id));
 
         let mut plain = with_special.clone();
         plain.set_encode_special_tokens(true);
@@ -157,14 +142,8 @@ impl Tokenizer {
     /// already begins with it (a chat template that writes `bos_token`), so a
     /// rendered prompt never gets two.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        let inner = if parse_special {
-            &self.with_special
-        } else {
-            &self.plain
-        };
-        let enc = inner
-            .encode_fast(text, false)
-            .map_err(TokenizerError::Encode)?;
+        let inner = if parse_special { &self.with_special } else { &self.plain };
+        let enc = inner.encode_fast(text, false).map_err(TokenizerError::Encode)?;
         let body = enc.get_ids();
         let mut ids = Vec::with_capacity(body.len() + 1);
         if let Some(bos) = self.bos_id.filter(|_| self.add_bos) {
@@ -180,19 +159,14 @@ impl Tokenizer {
     /// are left out; otherwise they appear as their text.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
         self.check_ids(ids)?;
-        self.with_special
-            .decode(ids, skip_special)
-            .map_err(TokenizerError::Decode)
+        self.with_special.decode(ids, skip_special).map_err(TokenizerError::Decode)
     }
 
     /// Errors on the first id outside the vocabulary; `tokenizers` would
     /// silently drop it instead.
     fn check_ids(&self, ids: &[u32]) -> Result<(), TokenizerError> {
         match ids.iter().find(|&&id| id as usize >= self.pieces.len()) {
-            Some(&id) => Err(TokenizerError::InvalidTokenId {
-                id,
-                vocab_size: self.pieces.len(),
-            }),
+            Some(&id) => Err(TokenizerError::InvalidTokenId { id, vocab_size: self.pieces.len() }),
             None => Ok(()),
         }
     }
@@ -261,10 +235,7 @@ impl Tokenizer {
                 Ok(io) => *io,
                 Err(other) => std::io::Error::other(other),
             };
-            TokenizerError::Io {
-                path: path.to_owned(),
-                source,
-            }
+            TokenizerError::Io { path: path.to_owned(), source }
         })
     }
 

@@ -22,9 +22,7 @@ fn byte_chars() -> Vec<char> {
 /// Ids: 0 `<|endoftext|>`, 1 `<|im_start|>`, 2 `<|im_end|>` (control),
 /// 3..259 the 256 bytes, then merged tokens, then `<tool>` (user-defined).
 pub(crate) fn tiny_parts() -> TokenizerParts {
-    let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        .map(String::from)
-        .to_vec();
+    let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"].map(String::from).to_vec();
     let mut token_types = vec![TOKEN_TYPE_CONTROL; 3];
     tokens.extend(byte_chars().into_iter().map(String::from));
     let merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "1 2"];
@@ -44,7 +42,9 @@ pub(crate) fn tiny_parts() -> TokenizerParts {
         eos_id: Some(0),
         eot_id: None,
         add_bos: false,
-        chat_template: Some("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}".to_owned()),
+        chat_template: Some(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}".to_owned(),
+        ),
     }
 }
 
@@ -75,10 +75,7 @@ fn digits_are_split_one_by_one() -> Result<(), TokenizerError> {
     let mut parts = tiny_parts();
     parts.pre = "gpt2".to_owned();
     let gpt2 = Tokenizer::from_parts(parts)?;
-    assert_eq!(
-        gpt2.encode("12", false)?,
-        [id_of(&gpt2, "12").unwrap_or(u32::MAX)]
-    );
+    assert_eq!(gpt2.encode("12", false)?, [id_of(&gpt2, "12").unwrap_or(u32::MAX)]);
     Ok(())
 }
 
@@ -121,9 +118,7 @@ fn accessors_and_stop_ids() -> Result<(), TokenizerError> {
     assert_eq!(tok.token_piece(1), Some("<|im_start|>"));
     assert_eq!(tok.token_piece(tok.vocab_size() as u32), None);
     let err = tok.decode(&[3, tok.vocab_size() as u32], false);
-    assert!(
-        matches!(err, Err(TokenizerError::InvalidTokenId { id, .. }) if id as usize == tok.vocab_size())
-    );
+    assert!(matches!(err, Err(TokenizerError::InvalidTokenId { id, .. }) if id as usize == tok.vocab_size()));
     Ok(())
 }
 
@@ -168,21 +163,10 @@ fn malformed_parts_are_typed_errors() {
         f(&mut p);
         Tokenizer::from_parts(p)
     };
-    assert!(matches!(
-        build(|p| p.merges.push("nospace".into())),
-        Err(TokenizerError::BadMerge { index: 7, .. })
-    ));
-    assert!(matches!(
-        build(|p| p.merges.push(" h".into())),
-        Err(TokenizerError::BadMerge { .. })
-    ));
-    assert!(matches!(
-        build(|p| p.merges.push("h x".into())),
-        Err(TokenizerError::Build(_))
-    ));
-    assert!(
-        matches!(build(|p| p.model = "llama".into()), Err(TokenizerError::UnsupportedModel(m)) if m == "llama")
-    );
+    assert!(matches!(build(|p| p.merges.push("nospace".into())), Err(TokenizerError::BadMerge { index: 7, .. })));
+    assert!(matches!(build(|p| p.merges.push(" h".into())), Err(TokenizerError::BadMerge { .. })));
+    assert!(matches!(build(|p| p.merges.push("h x".into())), Err(TokenizerError::Build(_))));
+    assert!(matches!(build(|p| p.model = "llama".into()), Err(TokenizerError::UnsupportedModel(m)) if m == "llama"));
     assert!(
         matches!(build(|p| p.pre = "qwen2".into()), Err(TokenizerError::UnsupportedPreTokenizer(m)) if m == "qwen2")
     );
@@ -194,11 +178,7 @@ fn malformed_parts_are_typed_errors() {
     ));
     assert!(matches!(
         build(|p| p.tokens[5] = p.tokens[4].clone()),
-        Err(TokenizerError::DuplicateToken {
-            first: 4,
-            second: 5,
-            ..
-        })
+        Err(TokenizerError::DuplicateToken { first: 4, second: 5, .. })
     ));
     assert!(matches!(
         build(|p| p.eos_id = Some(100_000)),

@@ -73,10 +73,7 @@ pub fn export_safetensors(
             cfg.rope_dims, cfg.head_dim
         )));
     }
-    std::fs::create_dir_all(out_dir).map_err(|source| WeightsError::Io {
-        path: out_dir.to_owned(),
-        source,
-    })?;
+    std::fs::create_dir_all(out_dir).map_err(|source| WeightsError::Io { path: out_dir.to_owned(), source })?;
     let mut staged = Staged { files: Vec::new() };
 
     let path = staged.add(out_dir, "model.safetensors");
@@ -84,8 +81,7 @@ pub fn export_safetensors(
     let path = staged.add(out_dir, "config.json");
     write_json(&path, &config_json(weights, tokenizer, dtype))?;
     let path = staged.add(out_dir, "generation_config.json");
-    let generation =
-        json!({ "bos_token_id": tokenizer.bos_id(), "eos_token_id": tokenizer.eos_ids() });
+    let generation = json!({ "bos_token_id": tokenizer.bos_id(), "eos_token_id": tokenizer.eos_ids() });
     write_json(&path, &generation)?;
     let path = staged.add(out_dir, "tokenizer.json");
     tokenizer.save_json(&path).map_err(tokenizer_err)?;
@@ -103,28 +99,16 @@ fn write_model(weights: &Weights, dtype: ExportDtype, path: &Path) -> Result<(),
     for (name, dims) in llama_tensors(cfg) {
         let t = weights.get(&name)?;
         if t.dims != dims {
-            return Err(WeightsError::Shape {
-                name,
-                expected: dims,
-                found: t.dims.clone(),
-            });
+            return Err(WeightsError::Shape { name, expected: dims, found: t.dims.clone() });
         }
         let hf = hf_name(&name).ok_or_else(|| WeightsError::Missing(name.clone()))?;
-        specs.push(TensorSpec {
-            name: hf,
-            dtype: dtype.dtype(),
-            shape: dims,
-        });
+        specs.push(TensorSpec { name: hf, dtype: dtype.dtype(), shape: dims });
         names.push(name);
     }
     let meta = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
-    let header =
-        encode_header(&specs, &meta).map_err(|e| WeightsError::Safetensors(e.to_string()))?;
+    let header = encode_header(&specs, &meta).map_err(|e| WeightsError::Safetensors(e.to_string()))?;
 
-    let io = |source| WeightsError::Io {
-        path: path.to_owned(),
-        source,
-    };
+    let io = |source| WeightsError::Io { path: path.to_owned(), source };
     let file = File::create(path).map_err(io)?;
     let mut out = BufWriter::with_capacity(1 << 20, file);
     out.write_all(&header).map_err(io)?;
@@ -165,16 +149,11 @@ fn write_tensor(
         })
     };
     if rows == 0 || cols % t.ty.block_elems() != 0 || rows.checked_mul(row_bytes) != Some(t.len) {
-        return Err(shape_err(&format!(
-            "{:?} data of {} bytes does not fit",
-            t.ty, t.len
-        )));
+        return Err(shape_err(&format!("{:?} data of {} bytes does not fit", t.ty, t.len)));
     }
     // Q and K rows go back to transformers' rotate_half layout.
     let head_dim = match rope_heads(name, &weights.config) {
-        Some(n_head) if n_head > 0 && rows % n_head == 0 && (rows / n_head) % 2 == 0 => {
-            Some(rows / n_head)
-        }
+        Some(n_head) if n_head > 0 && rows % n_head == 0 && (rows / n_head) % 2 == 0 => Some(rows / n_head),
         Some(_) => return Err(shape_err("rows do not split into RoPE heads")),
         None => None,
     };
@@ -183,18 +162,14 @@ fn write_tensor(
     let mut bytes = Vec::with_capacity(cols * dtype.dtype().size());
     for r in 0..rows {
         let src = head_dim.map_or(r, |hd| gguf_row_of_hf(r, hd));
-        let row = data
-            .get(src * row_bytes..(src + 1) * row_bytes)
-            .ok_or_else(|| shape_err("row outside the data"))?;
+        let row = data.get(src * row_bytes..(src + 1) * row_bytes).ok_or_else(|| shape_err("row outside the data"))?;
         kernels::quant::dequantize_row(t.ty, row, &mut values);
         bytes.clear();
         match dtype {
-            ExportDtype::F32 => values
-                .iter()
-                .for_each(|v| bytes.extend_from_slice(&v.to_le_bytes())),
-            ExportDtype::BF16 => values.iter().for_each(|&v| {
-                bytes.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes())
-            }),
+            ExportDtype::F32 => values.iter().for_each(|v| bytes.extend_from_slice(&v.to_le_bytes())),
+            ExportDtype::BF16 => {
+                values.iter().for_each(|&v| bytes.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()))
+            }
         }
         out.write_all(&bytes).map_err(TensorWriteError::Io)?;
     }
@@ -231,18 +206,11 @@ fn config_json(weights: &Weights, tokenizer: &Tokenizer, dtype: ExportDtype) -> 
 /// An f32 as the shortest decimal that reads back to it (`1e-5`, not
 /// `9.999999747378752e-6`), so config.json looks as a person would write it.
 fn short_f32(x: f32) -> Value {
-    x.to_string()
-        .parse::<f64>()
-        .ok()
-        .and_then(serde_json::Number::from_f64)
-        .map_or(Value::Null, Value::Number)
+    x.to_string().parse::<f64>().ok().and_then(serde_json::Number::from_f64).map_or(Value::Null, Value::Number)
 }
 
 fn write_json(path: &Path, value: &Value) -> Result<(), WeightsError> {
-    let io = |source| WeightsError::Io {
-        path: path.to_owned(),
-        source,
-    };
+    let io = |source| WeightsError::Io { path: path.to_owned(), source };
     let text = serde_json::to_string_pretty(value).map_err(|e| io(e.into()))?;
     std::fs::write(path, text + "\n").map_err(io)?;
     sync(path)
@@ -251,12 +219,7 @@ fn write_json(path: &Path, value: &Value) -> Result<(), WeightsError> {
 /// Flushes a written file to disk, so the rename that publishes it cannot
 /// survive a crash that its contents did not.
 fn sync(path: &Path) -> Result<(), WeightsError> {
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|source| WeightsError::Io {
-            path: path.to_owned(),
-            source,
-        })
+    File::open(path).and_then(|f| f.sync_all()).map_err(|source| WeightsError::Io { path: path.to_owned(), source })
 }
 
 fn tokenizer_err(e: TokenizerError) -> WeightsError {
@@ -285,10 +248,7 @@ impl Staged {
     /// temporaries not yet renamed.
     fn commit(mut self) -> Result<(), WeightsError> {
         for (tmp, dst) in &self.files {
-            std::fs::rename(tmp, dst).map_err(|source| WeightsError::Io {
-                path: dst.clone(),
-                source,
-            })?;
+            std::fs::rename(tmp, dst).map_err(|source| WeightsError::Io { path: dst.clone(), source })?;
         }
         self.files.clear();
         Ok(())

@@ -37,11 +37,8 @@ const LAYER_NAMES: [(&str, &str); 9] = [
 ];
 
 /// Model-wide tensors, HF and GGUF names without `.weight`.
-const GLOBAL_NAMES: [(&str, &str); 3] = [
-    ("model.embed_tokens", "token_embd"),
-    ("model.norm", "output_norm"),
-    ("lm_head", "output"),
-];
+const GLOBAL_NAMES: [(&str, &str); 3] =
+    [("model.embed_tokens", "token_embd"), ("model.norm", "output_norm"), ("lm_head", "output")];
 
 /// What is wrong with an HF checkpoint besides its safetensors bytes.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -53,11 +50,10 @@ pub enum CheckpointError {
     #[error("config.json key {key:?}: {why}")]
     ConfigKey { key: &'static str, why: String },
     /// The checkpoint is not a Llama model.
-    #[error("unsupported architecture {architectures:?} / model_type {model_type:?} (supported: LlamaForCausalLM, llama)")]
-    UnsupportedArchitecture {
-        architectures: Vec<String>,
-        model_type: Option<String>,
-    },
+    #[error(
+        "unsupported architecture {architectures:?} / model_type {model_type:?} (supported: LlamaForCausalLM, llama)"
+    )]
+    UnsupportedArchitecture { architectures: Vec<String>, model_type: Option<String> },
     /// A config.json feature the forward pass does not implement (rope
     /// scaling, biases, another activation): loading would give fluent garbage.
     #[error("config.json {key:?} = {value} is not supported")]
@@ -73,11 +69,7 @@ pub enum CheckpointError {
     DuplicateTensor(String),
     /// A Q or K matrix whose rows do not split into heads of even size.
     #[error("cannot reorder {rows} rows ({bytes} bytes) as {n_head} RoPE heads")]
-    BadQkShape {
-        rows: usize,
-        n_head: usize,
-        bytes: usize,
-    },
+    BadQkShape { rows: usize, n_head: usize, bytes: usize },
     /// model.safetensors.index.json is malformed or names a shard outside the directory.
     #[error("model.safetensors.index.json: {0}")]
     BadIndex(String),
@@ -97,10 +89,7 @@ pub fn gguf_name(hf: &str) -> Option<String> {
         let (_, g) = LAYER_NAMES.iter().find(|(h, _)| *h == part)?;
         return Some(format!("blk.{layer}.{g}.weight"));
     }
-    GLOBAL_NAMES
-        .iter()
-        .find(|(h, _)| *h == stem)
-        .map(|(_, g)| format!("{g}.weight"))
+    GLOBAL_NAMES.iter().find(|(h, _)| *h == stem).map(|(_, g)| format!("{g}.weight"))
 }
 
 /// The HF name of a canonical (GGUF) tensor name; the inverse of [`gguf_name`].
@@ -114,10 +103,7 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         let (h, _) = LAYER_NAMES.iter().find(|(_, g)| *g == part)?;
         return Some(format!("model.layers.{layer}.{h}.weight"));
     }
-    GLOBAL_NAMES
-        .iter()
-        .find(|(_, g)| *g == stem)
-        .map(|(h, _)| format!("{h}.weight"))
+    GLOBAL_NAMES.iter().find(|(_, g)| *g == stem).map(|(h, _)| format!("{h}.weight"))
 }
 
 /// Every tensor a Llama model of `cfg` needs, canonical name and dims
@@ -189,29 +175,14 @@ pub fn gguf_row_of_hf(r: usize, head_dim: usize) -> usize {
 
 /// Reorders the `rows` rows of a Q or K matrix made of `n_head` heads.
 /// `bytes` is the whole matrix; rows may hold any element type.
-pub fn permute_qk(
-    bytes: &[u8],
-    rows: usize,
-    n_head: usize,
-    order: QkOrder,
-) -> Result<Vec<u8>, CheckpointError> {
+pub fn permute_qk(bytes: &[u8], rows: usize, n_head: usize, order: QkOrder) -> Result<Vec<u8>, CheckpointError> {
     let mut out = vec![0u8; bytes.len()];
     permute_into(bytes, &mut out, rows, n_head, order)?;
     Ok(out)
 }
 
-fn permute_into(
-    src: &[u8],
-    dst: &mut [u8],
-    rows: usize,
-    n_head: usize,
-    order: QkOrder,
-) -> Result<(), CheckpointError> {
-    let bad = || CheckpointError::BadQkShape {
-        rows,
-        n_head,
-        bytes: src.len(),
-    };
+fn permute_into(src: &[u8], dst: &mut [u8], rows: usize, n_head: usize, order: QkOrder) -> Result<(), CheckpointError> {
+    let bad = || CheckpointError::BadQkShape { rows, n_head, bytes: src.len() };
     if rows == 0
         || n_head == 0
         || src.len() % rows != 0
@@ -227,10 +198,7 @@ fn permute_into(
             QkOrder::HfToGguf => hf_row_of_gguf(r, head_dim),
             QkOrder::GgufToHf => gguf_row_of_hf(r, head_dim),
         };
-        out.copy_from_slice(
-            src.get(from * row_bytes..(from + 1) * row_bytes)
-                .ok_or_else(bad)?,
-        );
+        out.copy_from_slice(src.get(from * row_bytes..(from + 1) * row_bytes).ok_or_else(bad)?);
     }
     Ok(())
 }
@@ -242,8 +210,7 @@ impl Weights {
     /// renamed to canonical names and, for Q and K, reordered to GGUF rows.
     pub fn from_safetensors(dir: &Path) -> Result<Weights, WeightsError> {
         let config_path = dir.join("config.json");
-        let config =
-            config_from_json(&read(&config_path)?).map_err(|e| checkpoint_err(&config_path, e))?;
+        let config = config_from_json(&read(&config_path)?).map_err(|e| checkpoint_err(&config_path, e))?;
         let expected: HashMap<String, Vec<usize>> = llama_tensors(&config).into_iter().collect();
 
         // All shards end to end in one buffer; a single file is used as read.
@@ -269,11 +236,7 @@ impl Weights {
                 };
                 if expected.get(&name) != Some(&info.shape) {
                     let want = expected.get(&name).cloned().unwrap_or_default();
-                    return Err(WeightsError::Shape {
-                        name: hf,
-                        expected: want,
-                        found: info.shape,
-                    });
+                    return Err(WeightsError::Shape { name: hf, expected: want, found: info.shape });
                 }
                 let t = TensorRef {
                     ty: info.dtype.weight_type(),
@@ -286,35 +249,24 @@ impl Weights {
                 }
             }
         }
-        let mut missing: Vec<&String> = expected
-            .keys()
-            .filter(|n| !tensors.contains_key(*n))
-            .collect();
+        let mut missing: Vec<&String> = expected.keys().filter(|n| !tensors.contains_key(*n)).collect();
         missing.sort();
         if let Some(name) = missing.first() {
-            return Err(WeightsError::Missing(
-                hf_name(name).unwrap_or_else(|| name.to_string()),
-            ));
+            return Err(WeightsError::Missing(hf_name(name).unwrap_or_else(|| name.to_string())));
         }
 
         for (name, t) in &tensors {
             if let Some(n_head) = rope_heads(name, &config) {
-                let bad =
-                    |why: &dyn std::fmt::Display| checkpoint_err(dir, format!("{name}: {why}"));
+                let bad = |why: &dyn std::fmt::Display| checkpoint_err(dir, format!("{name}: {why}"));
                 let Some(region) = backing.get_mut(t.offset..t.offset + t.len) else {
                     return Err(bad(&"data outside the file"));
                 };
                 let hf_rows = region.to_vec();
                 let rows = t.dims.first().copied().unwrap_or(0);
-                permute_into(&hf_rows, region, rows, n_head, QkOrder::HfToGguf)
-                    .map_err(|e| bad(&e))?;
+                permute_into(&hf_rows, region, rows, n_head, QkOrder::HfToGguf).map_err(|e| bad(&e))?;
             }
         }
-        Ok(Weights {
-            backing: Backing::Owned(backing),
-            tensors,
-            config,
-        })
+        Ok(Weights { backing: Backing::Owned(backing), tensors, config })
     }
 }
 
@@ -328,23 +280,16 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, WeightsError> {
         return Ok(vec![single]);
     }
     let bad = |why: String| checkpoint_err(&index_path, CheckpointError::BadIndex(why));
-    let index: Value =
-        serde_json::from_slice(&read(&index_path)?).map_err(|e| bad(e.to_string()))?;
-    let map = index
-        .get("weight_map")
-        .and_then(Value::as_object)
-        .ok_or_else(|| bad("no object \"weight_map\"".into()))?;
+    let index: Value = serde_json::from_slice(&read(&index_path)?).map_err(|e| bad(e.to_string()))?;
+    let map =
+        index.get("weight_map").and_then(Value::as_object).ok_or_else(|| bad("no object \"weight_map\"".into()))?;
     let mut files = std::collections::BTreeSet::new();
     for file in map.values() {
-        let file = file
-            .as_str()
-            .ok_or_else(|| bad("weight_map has a non-string file".into()))?;
+        let file = file.as_str().ok_or_else(|| bad("weight_map has a non-string file".into()))?;
         // A plain name in this directory: a hostile index must not reach other files.
         let plain = Path::new(file).file_name().is_some_and(|n| n == file) && file != "..";
         if !plain {
-            return Err(bad(format!(
-                "shard {file:?} is not a file name in the checkpoint directory"
-            )));
+            return Err(bad(format!("shard {file:?} is not a file name in the checkpoint directory")));
         }
         files.insert(file);
     }
@@ -355,10 +300,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, WeightsError> {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, WeightsError> {
-    std::fs::read(path).map_err(|source| WeightsError::Io {
-        path: path.to_owned(),
-        source,
-    })
+    std::fs::read(path).map_err(|source| WeightsError::Io { path: path.to_owned(), source })
 }
 
 /// A checkpoint error, prefixed with the file it is about.
@@ -375,42 +317,25 @@ pub fn config_from_json(text: &[u8]) -> Result<LlamaConfig, CheckpointError> {
 
     let architectures: Vec<String> = match json.get("architectures") {
         None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|v| v.as_str().map(str::to_owned))
-            .collect(),
+        Some(Value::Array(a)) => a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect(),
         Some(_) => return Err(cfg.bad("architectures", "not a list")),
     };
     let model_type = cfg.opt_str("model_type")?;
-    if !architectures.iter().any(|a| a == "LlamaForCausalLM")
-        && model_type.as_deref() != Some("llama")
-    {
-        return Err(CheckpointError::UnsupportedArchitecture {
-            architectures,
-            model_type,
-        });
+    if !architectures.iter().any(|a| a == "LlamaForCausalLM") && model_type.as_deref() != Some("llama") {
+        return Err(CheckpointError::UnsupportedArchitecture { architectures, model_type });
     }
     if let Some(act) = cfg.opt_str("hidden_act")? {
         if act != "silu" {
-            return Err(CheckpointError::UnsupportedFeature {
-                key: "hidden_act",
-                value: act,
-            });
+            return Err(CheckpointError::UnsupportedFeature { key: "hidden_act", value: act });
         }
     }
     for key in ["attention_bias", "mlp_bias"] {
         if cfg.opt_bool(key)? == Some(true) {
-            return Err(CheckpointError::UnsupportedFeature {
-                key,
-                value: "true".into(),
-            });
+            return Err(CheckpointError::UnsupportedFeature { key, value: "true".into() });
         }
     }
     if let Some(v) = json.get("rope_scaling").filter(|v| !v.is_null()) {
-        return Err(CheckpointError::UnsupportedFeature {
-            key: "rope_scaling",
-            value: v.to_string(),
-        });
+        return Err(CheckpointError::UnsupportedFeature { key: "rope_scaling", value: v.to_string() });
     }
 
     let hidden = cfg.usize("hidden_size")?;
@@ -420,10 +345,7 @@ pub fn config_from_json(text: &[u8]) -> Result<LlamaConfig, CheckpointError> {
     if let Some(hd) = cfg.opt_usize("head_dim")? {
         // The forward pass derives head_dim from hidden / heads.
         if hd != head_dim {
-            return Err(CheckpointError::UnsupportedFeature {
-                key: "head_dim",
-                value: hd.to_string(),
-            });
+            return Err(CheckpointError::UnsupportedFeature { key: "head_dim", value: hd.to_string() });
         }
     }
     let out = LlamaConfig {
@@ -450,10 +372,7 @@ struct ConfigJson<'a>(&'a Map<String, Value>);
 
 impl ConfigJson<'_> {
     fn bad(&self, key: &'static str, why: &str) -> CheckpointError {
-        CheckpointError::ConfigKey {
-            key,
-            why: why.to_owned(),
-        }
+        CheckpointError::ConfigKey { key, why: why.to_owned() }
     }
 
     /// `None` for an absent or null key.
@@ -476,29 +395,15 @@ impl ConfigJson<'_> {
     }
 
     fn opt_f32(&self, key: &'static str) -> Result<Option<f32>, CheckpointError> {
-        self.get(key)
-            .map(|v| {
-                v.as_f64()
-                    .map(|f| f as f32)
-                    .ok_or_else(|| self.bad(key, "not a number"))
-            })
-            .transpose()
+        self.get(key).map(|v| v.as_f64().map(|f| f as f32).ok_or_else(|| self.bad(key, "not a number"))).transpose()
     }
 
     fn opt_bool(&self, key: &'static str) -> Result<Option<bool>, CheckpointError> {
-        self.get(key)
-            .map(|v| v.as_bool().ok_or_else(|| self.bad(key, "not a bool")))
-            .transpose()
+        self.get(key).map(|v| v.as_bool().ok_or_else(|| self.bad(key, "not a bool"))).transpose()
     }
 
     fn opt_str(&self, key: &'static str) -> Result<Option<String>, CheckpointError> {
-        self.get(key)
-            .map(|v| {
-                v.as_str()
-                    .map(str::to_owned)
-                    .ok_or_else(|| self.bad(key, "not a string"))
-            })
-            .transpose()
+        self.get(key).map(|v| v.as_str().map(str::to_owned).ok_or_else(|| self.bad(key, "not a string"))).transpose()
     }
 }
 

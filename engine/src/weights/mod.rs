@@ -86,8 +86,11 @@ impl Weights {
         if t.dims != [rows, cols] {
             return Err(WeightsError::Shape { name: name.into(), expected: vec![rows, cols], found: t.dims.clone() });
         }
-        QMatrix::new(t.ty, rows, cols, self.bytes(t))
-            .map_err(|e| WeightsError::Shape { name: format!("{name} ({e})"), expected: vec![rows, cols], found: t.dims.clone() })
+        QMatrix::new(t.ty, rows, cols, self.bytes(t)).map_err(|e| WeightsError::Shape {
+            name: format!("{name} ({e})"),
+            expected: vec![rows, cols],
+            found: t.dims.clone(),
+        })
     }
 
     /// A vector of `n` values widened to f32.

@@ -94,24 +94,11 @@ pub enum SafetensorsError {
     #[error("tensor {tensor:?}: shape {shape:?} overflows")]
     ShapeOverflow { tensor: String, shape: Vec<u64> },
     /// `data_offsets` run backwards or past the end of the data section.
-    #[error(
-        "tensor {tensor:?}: data_offsets [{begin}, {end}] outside the {data_len}-byte data section"
-    )]
-    OutOfBounds {
-        tensor: String,
-        begin: u64,
-        end: u64,
-        data_len: usize,
-    },
+    #[error("tensor {tensor:?}: data_offsets [{begin}, {end}] outside the {data_len}-byte data section")]
+    OutOfBounds { tensor: String, begin: u64, end: u64, data_len: usize },
     /// `data_offsets` span a different number of bytes than shape and dtype need.
     #[error("tensor {tensor:?}: {dtype:?} shape {shape:?} needs {expected} bytes, data_offsets span {found}")]
-    SizeMismatch {
-        tensor: String,
-        dtype: Dtype,
-        shape: Vec<usize>,
-        expected: usize,
-        found: u64,
-    },
+    SizeMismatch { tensor: String, dtype: Dtype, shape: Vec<usize>, expected: usize, found: u64 },
     /// `__metadata__` is not an object of strings.
     #[error("__metadata__ is not an object of strings")]
     BadMetadata,
@@ -142,15 +129,10 @@ pub struct Header {
 /// Parses and validates the header of a whole safetensors file held in
 /// `file`. On success every [`TensorInfo::range`] may be sliced from `file`.
 pub fn parse_header(file: &[u8]) -> Result<Header, SafetensorsError> {
-    let len_bytes: [u8; 8] = file
-        .get(..8)
-        .and_then(|b| b.try_into().ok())
-        .ok_or(SafetensorsError::TooShort { len: file.len() })?;
+    let len_bytes: [u8; 8] =
+        file.get(..8).and_then(|b| b.try_into().ok()).ok_or(SafetensorsError::TooShort { len: file.len() })?;
     let header_len = u64::from_le_bytes(len_bytes);
-    let bad_len = SafetensorsError::HeaderLength {
-        header_len,
-        file_len: file.len(),
-    };
+    let bad_len = SafetensorsError::HeaderLength { header_len, file_len: file.len() };
     if header_len > MAX_HEADER_BYTES {
         return Err(bad_len);
     }
@@ -171,11 +153,7 @@ pub fn parse_header(file: &[u8]) -> Result<Header, SafetensorsError> {
         let info = parse_entry(&name, &entry, data_start, data_len)?;
         tensors.insert(name, info);
     }
-    Ok(Header {
-        tensors,
-        metadata,
-        data_start,
-    })
+    Ok(Header { tensors, metadata, data_start })
 }
 
 fn parse_metadata(entry: Value) -> Result<BTreeMap<String, String>, SafetensorsError> {
@@ -190,68 +168,32 @@ fn parse_metadata(entry: Value) -> Result<BTreeMap<String, String>, SafetensorsE
         .collect()
 }
 
-fn parse_entry(
-    name: &str,
-    entry: &Value,
-    data_start: usize,
-    data_len: usize,
-) -> Result<TensorInfo, SafetensorsError> {
-    let bad = |why: &str| SafetensorsError::BadEntry {
-        tensor: name.to_owned(),
-        why: why.to_owned(),
-    };
-    let dtype_str = entry
-        .get("dtype")
-        .and_then(Value::as_str)
-        .ok_or_else(|| bad("no string \"dtype\""))?;
-    let dtype = Dtype::parse(dtype_str).ok_or_else(|| SafetensorsError::UnsupportedDtype {
-        tensor: name.to_owned(),
-        dtype: dtype_str.to_owned(),
-    })?;
+fn parse_entry(name: &str, entry: &Value, data_start: usize, data_len: usize) -> Result<TensorInfo, SafetensorsError> {
+    let bad = |why: &str| SafetensorsError::BadEntry { tensor: name.to_owned(), why: why.to_owned() };
+    let dtype_str = entry.get("dtype").and_then(Value::as_str).ok_or_else(|| bad("no string \"dtype\""))?;
+    let dtype = Dtype::parse(dtype_str)
+        .ok_or_else(|| SafetensorsError::UnsupportedDtype { tensor: name.to_owned(), dtype: dtype_str.to_owned() })?;
 
-    let shape_json = entry
-        .get("shape")
-        .and_then(Value::as_array)
-        .ok_or_else(|| bad("no array \"shape\""))?;
+    let shape_json = entry.get("shape").and_then(Value::as_array).ok_or_else(|| bad("no array \"shape\""))?;
     let shape_u64: Vec<u64> = shape_json
         .iter()
-        .map(|d| {
-            d.as_u64()
-                .ok_or_else(|| bad("shape has an entry that is not a non-negative integer"))
-        })
+        .map(|d| d.as_u64().ok_or_else(|| bad("shape has an entry that is not a non-negative integer")))
         .collect::<Result<_, _>>()?;
-    let overflow = || SafetensorsError::ShapeOverflow {
-        tensor: name.to_owned(),
-        shape: shape_u64.clone(),
-    };
-    let shape: Vec<usize> = shape_u64
-        .iter()
-        .map(|&d| usize::try_from(d).map_err(|_| overflow()))
-        .collect::<Result<_, _>>()?;
-    let expected = shape
-        .iter()
-        .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
-        .ok_or_else(overflow)?;
+    let overflow = || SafetensorsError::ShapeOverflow { tensor: name.to_owned(), shape: shape_u64.clone() };
+    let shape: Vec<usize> =
+        shape_u64.iter().map(|&d| usize::try_from(d).map_err(|_| overflow())).collect::<Result<_, _>>()?;
+    let expected = shape.iter().try_fold(dtype.size(), |acc, &d| acc.checked_mul(d)).ok_or_else(overflow)?;
 
-    let offsets = entry
-        .get("data_offsets")
-        .and_then(Value::as_array)
-        .ok_or_else(|| bad("no array \"data_offsets\""))?;
+    let offsets =
+        entry.get("data_offsets").and_then(Value::as_array).ok_or_else(|| bad("no array \"data_offsets\""))?;
     let (begin, end) = match offsets.as_slice() {
         [b, e] => (
-            b.as_u64()
-                .ok_or_else(|| bad("data_offsets[0] is not a non-negative integer"))?,
-            e.as_u64()
-                .ok_or_else(|| bad("data_offsets[1] is not a non-negative integer"))?,
+            b.as_u64().ok_or_else(|| bad("data_offsets[0] is not a non-negative integer"))?,
+            e.as_u64().ok_or_else(|| bad("data_offsets[1] is not a non-negative integer"))?,
         ),
         _ => return Err(bad("data_offsets is not [begin, end]")),
     };
-    let out_of_bounds = || SafetensorsError::OutOfBounds {
-        tensor: name.to_owned(),
-        begin,
-        end,
-        data_len,
-    };
+    let out_of_bounds = || SafetensorsError::OutOfBounds { tensor: name.to_owned(), begin, end, data_len };
     if begin > end || end > data_len as u64 {
         return Err(out_of_bounds());
     }
@@ -266,11 +208,7 @@ fn parse_entry(
     }
     // Both offsets are <= data_len, so adding data_start stays within file.len().
     let range = data_start + begin as usize..data_start + end as usize;
-    Ok(TensorInfo {
-        dtype,
-        shape,
-        range,
-    })
+    Ok(TensorInfo { dtype, shape, range })
 }
 
 /// A tensor to be written: [`encode_header`] lays them out in this order.
@@ -284,9 +222,7 @@ pub struct TensorSpec {
 impl TensorSpec {
     /// Bytes of data, or `None` if the size overflows.
     pub fn byte_len(&self) -> Option<usize> {
-        self.shape
-            .iter()
-            .try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d))
+        self.shape.iter().try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d))
     }
 }
 
@@ -294,16 +230,10 @@ impl TensorSpec {
 /// in order: the length prefix and the JSON header, padded with spaces so
 /// that the data starts 8-byte aligned (as the reference writer does, which
 /// lets readers that map the file view F32 data in place).
-pub fn encode_header(
-    specs: &[TensorSpec],
-    metadata: &BTreeMap<String, String>,
-) -> Result<Vec<u8>, SafetensorsError> {
+pub fn encode_header(specs: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Result<Vec<u8>, SafetensorsError> {
     let mut entries = Map::new();
     if !metadata.is_empty() {
-        let meta = metadata
-            .iter()
-            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-            .collect();
+        let meta = metadata.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect();
         entries.insert("__metadata__".to_owned(), Value::Object(meta));
     }
     let mut offset = 0usize;
@@ -312,10 +242,7 @@ pub fn encode_header(
             tensor: spec.name.clone(),
             shape: spec.shape.iter().map(|&d| d as u64).collect(),
         };
-        let end = spec
-            .byte_len()
-            .and_then(|n| offset.checked_add(n))
-            .ok_or_else(overflow)?;
+        let end = spec.byte_len().and_then(|n| offset.checked_add(n)).ok_or_else(overflow)?;
         let entry = serde_json::json!({
             "dtype": spec.dtype.name(),
             "shape": spec.shape,
@@ -339,16 +266,8 @@ mod tests {
     /// A valid two-tensor file: `a` is F32 [2, 3], `b` is BF16 [4].
     fn sample() -> Vec<u8> {
         let specs = [
-            TensorSpec {
-                name: "a".into(),
-                dtype: Dtype::F32,
-                shape: vec![2, 3],
-            },
-            TensorSpec {
-                name: "b".into(),
-                dtype: Dtype::BF16,
-                shape: vec![4],
-            },
+            TensorSpec { name: "a".into(), dtype: Dtype::F32, shape: vec![2, 3] },
+            TensorSpec { name: "b".into(), dtype: Dtype::BF16, shape: vec![4] },
         ];
         let meta = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
         let mut f = encode_header(&specs, &meta).unwrap_or_default();
@@ -376,111 +295,62 @@ mod tests {
             (Dtype::F32, &[2, 3][..], h.data_start..h.data_start + 24)
         );
         let b = &h.tensors["b"];
-        assert_eq!(
-            (b.dtype, b.range.clone()),
-            (Dtype::BF16, h.data_start + 24..h.data_start + 32)
-        );
+        assert_eq!((b.dtype, b.range.clone()), (Dtype::BF16, h.data_start + 24..h.data_start + 32));
         Ok(())
     }
 
     #[test]
     fn refuses_bad_lengths() {
-        assert_eq!(
-            parse_header(&[1, 2, 3]),
-            Err(SafetensorsError::TooShort { len: 3 })
-        );
+        assert_eq!(parse_header(&[1, 2, 3]), Err(SafetensorsError::TooShort { len: 3 }));
         let mut f = sample();
         let len = f.len() as u64;
         f[..8].copy_from_slice(&len.to_le_bytes());
-        assert!(matches!(
-            parse_header(&f),
-            Err(SafetensorsError::HeaderLength { .. })
-        ));
+        assert!(matches!(parse_header(&f), Err(SafetensorsError::HeaderLength { .. })));
         f[..8].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(matches!(
-            parse_header(&f),
-            Err(SafetensorsError::HeaderLength { .. })
-        ));
+        assert!(matches!(parse_header(&f), Err(SafetensorsError::HeaderLength { .. })));
         let f = with_header("[1, 2]", 0);
-        assert!(matches!(
-            parse_header(&f),
-            Err(SafetensorsError::HeaderJson(_))
-        ));
+        assert!(matches!(parse_header(&f), Err(SafetensorsError::HeaderJson(_))));
     }
 
     #[test]
     fn unsupported_dtype_names_tensor_and_dtype() {
-        let f = with_header(
-            r#"{"ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}}"#,
-            16,
-        );
+        let f = with_header(r#"{"ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}}"#, 16);
         assert_eq!(
             parse_header(&f),
-            Err(SafetensorsError::UnsupportedDtype {
-                tensor: "ids".into(),
-                dtype: "I64".into()
-            })
+            Err(SafetensorsError::UnsupportedDtype { tensor: "ids".into(), dtype: "I64".into() })
         );
     }
 
     #[test]
     fn offsets_and_sizes_are_checked() {
-        let case = |entry: &str, data_len: usize| {
-            parse_header(&with_header(&format!(r#"{{"t": {entry}}}"#), data_len))
-        };
+        let case = |entry: &str, data_len: usize| parse_header(&with_header(&format!(r#"{{"t": {entry}}}"#), data_len));
         assert!(matches!(
-            case(
-                r#"{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}"#,
-                4
-            ),
+            case(r#"{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}"#, 4),
             Err(SafetensorsError::OutOfBounds { .. })
         ));
         assert!(matches!(
-            case(
-                r#"{"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}"#,
-                8
-            ),
+            case(r#"{"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}"#, 8),
             Err(SafetensorsError::OutOfBounds { .. })
         ));
         assert!(matches!(
-            case(
-                r#"{"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}"#,
-                8
-            ),
-            Err(SafetensorsError::SizeMismatch {
-                expected: 12,
-                found: 8,
-                ..
-            })
+            case(r#"{"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}"#, 8),
+            Err(SafetensorsError::SizeMismatch { expected: 12, found: 8, .. })
         ));
         assert!(matches!(
-            case(
-                r#"{"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 8]}"#,
-                8
-            ),
+            case(r#"{"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 8]}"#, 8),
             Err(SafetensorsError::ShapeOverflow { .. })
         ));
         assert!(matches!(
-            case(
-                r#"{"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}"#,
-                8
-            ),
+            case(r#"{"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}"#, 8),
             Err(SafetensorsError::BadEntry { .. })
         ));
         assert!(matches!(
             case(r#"{"dtype": "F32", "shape": [2], "data_offsets": [0]}"#, 8),
             Err(SafetensorsError::BadEntry { .. })
         ));
-        assert!(matches!(
-            case(r#"{"shape": [2], "data_offsets": [0, 8]}"#, 8),
-            Err(SafetensorsError::BadEntry { .. })
-        ));
+        assert!(matches!(case(r#"{"shape": [2], "data_offsets": [0, 8]}"#, 8), Err(SafetensorsError::BadEntry { .. })));
         // A scalar (empty shape) holds one element.
-        assert!(case(
-            r#"{"dtype": "F16", "shape": [], "data_offsets": [6, 8]}"#,
-            8
-        )
-        .is_ok());
+        assert!(case(r#"{"dtype": "F16", "shape": [], "data_offsets": [6, 8]}"#, 8).is_ok());
         let meta = with_header(r#"{"__metadata__": {"format": 3}}"#, 0);
         assert_eq!(parse_header(&meta), Err(SafetensorsError::BadMetadata));
     }
@@ -506,11 +376,7 @@ mod tests {
                 let i = (next() as usize) % f.len();
                 // Half the time a printable byte, so mutations of the JSON
                 // often stay JSON and reach the field checks.
-                f[i] = if next() % 2 == 0 {
-                    b" 0123456789[],:{}\"-eE."[(next() % 22) as usize]
-                } else {
-                    next() as u8
-                };
+                f[i] = if next() % 2 == 0 { b" 0123456789[],:{}\"-eE."[(next() % 22) as usize] } else { next() as u8 };
             }
             if next() % 8 == 0 {
                 let cut = (next() as usize) % f.len();
@@ -523,9 +389,6 @@ mod tests {
                 }
             }
         }
-        assert!(
-            parsed > 0,
-            "no mutation survived: the fuzz loop only tests the first check"
-        );
+        assert!(parsed > 0, "no mutation survived: the fuzz loop only tests the first check");
     }
 }

@@ -58,11 +58,8 @@ unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: i + 16 <= n, both slices have at least n elements.
         unsafe {
             acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(a.as_ptr().add(i + 8)),
-                _mm256_loadu_ps(b.as_ptr().add(i + 8)),
-                acc1,
-            );
+            acc1 =
+                _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i + 8)), _mm256_loadu_ps(b.as_ptr().add(i + 8)), acc1);
         }
         i += 16;
     }
@@ -200,13 +197,13 @@ unsafe fn q8_kernel<const R: usize>(wrow: &[u8], acts: &QActs, x0: usize) -> [f3
         let wq = unsafe { _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i) };
         // |w| as u8 and x with w's sign: maddubs needs an unsigned operand.
         let aw = _mm256_sign_epi8(wq, wq);
-        for j in 0..R {
+        for (j, acc_j) in acc.iter_mut().enumerate() {
             let idx = (x0 + j) * nb + b;
             // SAFETY: idx < rows * nb (asserted above).
             let xq = unsafe { _mm256_loadu_si256(acts.qs.as_ptr().add(idx * 32) as *const __m256i) };
             let sx = _mm256_sign_epi8(xq, wq);
             let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
-            acc[j] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * acts.d[idx]), acc[j]);
+            *acc_j = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * acts.d[idx]), *acc_j);
         }
     }
     let mut res = [0f32; R];

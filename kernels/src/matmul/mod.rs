@@ -71,11 +71,7 @@ impl<'a> QMatrix<'a> {
         if cols % ty.block_elems() != 0 || data.len() != rows * ty.row_bytes(cols) {
             return Err(KernelError::Shape {
                 op: "QMatrix::new",
-                detail: format!(
-                    "{ty:?} {rows}x{cols} needs {} bytes, got {}",
-                    rows * ty.row_bytes(cols),
-                    data.len()
-                ),
+                detail: format!("{ty:?} {rows}x{cols} needs {} bytes, got {}", rows * ty.row_bytes(cols), data.len()),
             });
         }
         Ok(Self { ty, rows, cols, data })

@@ -87,33 +87,18 @@ fn tiny_tensors(cfg: &LlamaConfig) -> Vec<Tensor> {
                 let v = rng.f32();
                 match dtype {
                     Dtype::F32 => data.extend_from_slice(&v.to_le_bytes()),
-                    Dtype::BF16 => {
-                        data.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes())
-                    }
-                    Dtype::F16 => {
-                        data.extend_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes())
-                    }
+                    Dtype::BF16 => data.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+                    Dtype::F16 => data.extend_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes()),
                 }
             }
-            Tensor {
-                name: hf_name(&name).unwrap_or(name),
-                dtype,
-                shape,
-                data,
-            }
+            Tensor { name: hf_name(&name).unwrap_or(name), dtype, shape, data }
         })
         .collect()
 }
 
 fn write_safetensors(path: &Path, tensors: &[&Tensor]) -> TestResult {
-    let specs: Vec<TensorSpec> = tensors
-        .iter()
-        .map(|t| TensorSpec {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-        })
-        .collect();
+    let specs: Vec<TensorSpec> =
+        tensors.iter().map(|t| TensorSpec { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() }).collect();
     let mut bytes = encode_header(&specs, &BTreeMap::new())?;
     for t in tensors {
         bytes.extend_from_slice(&t.data);
@@ -134,9 +119,7 @@ fn tiny_tokenizer() -> Result<crate::tokenizer::Tokenizer, crate::tokenizer::Tok
     // GPT-2's byte -> printable character map, in byte order.
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
     let mut next = 256u32;
-    let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        .map(String::from)
-        .to_vec();
+    let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"].map(String::from).to_vec();
     for b in 0..=255u8 {
         let c = if printable(b) {
             char::from(b)
@@ -158,9 +141,7 @@ fn tiny_tokenizer() -> Result<crate::tokenizer::Tokenizer, crate::tokenizer::Tok
         eos_id: Some(2),
         eot_id: None,
         add_bos: false,
-        chat_template: Some(
-            "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}".into(),
-        ),
+        chat_template: Some("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}".into()),
     })
 }
 
@@ -178,14 +159,8 @@ fn names_map_both_ways() -> TestResult {
         let hf = hf_name(&name).ok_or("no HF name")?;
         assert_eq!(gguf_name(&hf).as_deref(), Some(name.as_str()), "{hf}");
     }
-    assert_eq!(
-        gguf_name("model.layers.12.self_attn.o_proj.weight").as_deref(),
-        Some("blk.12.attn_output.weight")
-    );
-    assert_eq!(
-        gguf_name("lm_head.weight").as_deref(),
-        Some("output.weight")
-    );
+    assert_eq!(gguf_name("model.layers.12.self_attn.o_proj.weight").as_deref(), Some("blk.12.attn_output.weight"));
+    assert_eq!(gguf_name("lm_head.weight").as_deref(), Some("output.weight"));
     for odd in [
         "model.layers.+1.mlp.up_proj.weight",
         "model.layers.0.self_attn.q_proj.bias",
@@ -211,8 +186,7 @@ fn permutation_matches_llama_cpp_reshape() -> TestResult {
             for j in 0..2 {
                 for c in 0..cols {
                     // out[h][i][j][c] = in[h][j][i][c]
-                    expected[((h * (hd / 2) + i) * 2 + j) * cols + c] =
-                        hf[((h * 2 + j) * (hd / 2) + i) * cols + c];
+                    expected[((h * (hd / 2) + i) * 2 + j) * cols + c] = hf[((h * 2 + j) * (hd / 2) + i) * cols + c];
                 }
             }
         }
@@ -230,20 +204,11 @@ fn permutation_round_trips() -> TestResult {
         assert_ne!(gguf, m);
         assert_eq!(permute_qk(&gguf, rows, n_head, QkOrder::GgufToHf)?, m);
         for r in 0..rows {
-            assert_eq!(
-                gguf_row_of_hf(hf_row_of_gguf(r, rows / n_head), rows / n_head),
-                r
-            );
+            assert_eq!(gguf_row_of_hf(hf_row_of_gguf(r, rows / n_head), rows / n_head), r);
         }
     }
-    assert!(matches!(
-        permute_qk(&[0; 18], 6, 2, QkOrder::HfToGguf),
-        Err(CheckpointError::BadQkShape { .. })
-    ));
-    assert!(matches!(
-        permute_qk(&[0; 7], 2, 1, QkOrder::HfToGguf),
-        Err(CheckpointError::BadQkShape { .. })
-    ));
+    assert!(matches!(permute_qk(&[0; 18], 6, 2, QkOrder::HfToGguf), Err(CheckpointError::BadQkShape { .. })));
+    assert!(matches!(permute_qk(&[0; 7], 2, 1, QkOrder::HfToGguf), Err(CheckpointError::BadQkShape { .. })));
     Ok(())
 }
 
@@ -259,15 +224,9 @@ fn rope_layouts_agree() -> TestResult {
     let x: Vec<f32> = (0..cols).map(|_| rng.f32()).collect();
     let bytes: Vec<u8> = w_gguf.iter().flat_map(|v| v.to_le_bytes()).collect();
     let hf_bytes = permute_qk(&bytes, rows, n_head, QkOrder::GgufToHf)?;
-    let w_hf: Vec<f32> = hf_bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    let matvec = |w: &[f32]| -> Vec<f32> {
-        w.chunks_exact(cols)
-            .map(|r| r.iter().zip(&x).map(|(a, b)| a * b).sum())
-            .collect()
-    };
+    let w_hf: Vec<f32> = hf_bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let matvec =
+        |w: &[f32]| -> Vec<f32> { w.chunks_exact(cols).map(|r| r.iter().zip(&x).map(|(a, b)| a * b).sum()).collect() };
 
     let pos = 5;
     let mut q_gguf = matvec(&w_gguf);
@@ -301,10 +260,7 @@ fn loads_a_checkpoint_and_reorders_qk() -> TestResult {
     write_checkpoint(&dir.0, &config, &tensors.iter().collect::<Vec<_>>())?;
     let w = Weights::from_safetensors(&dir.0)?;
     assert_eq!(w.config, cfg);
-    assert_eq!(
-        (cfg.rope_theta, cfg.rms_eps, cfg.head_dim),
-        (10_000.0, 1e-5, 4)
-    );
+    assert_eq!((cfg.rope_theta, cfg.rms_eps, cfg.head_dim), (10_000.0, 1e-5, 4));
     assert_eq!(w.tensors.len(), tensors.len());
     for t in &tensors {
         let name = gguf_name(&t.name).ok_or("unmapped")?;
@@ -328,27 +284,14 @@ fn loads_shards_like_a_single_file() -> TestResult {
     let cfg = config_from_json(config.to_string().as_bytes())?;
     let tensors = tiny_tensors(&cfg);
     let (first, second) = tensors.split_at(tensors.len() / 2);
-    write_safetensors(
-        &dir.0.join("a.safetensors"),
-        &first.iter().collect::<Vec<_>>(),
-    )?;
-    write_safetensors(
-        &dir.0.join("b.safetensors"),
-        &second.iter().collect::<Vec<_>>(),
-    )?;
+    write_safetensors(&dir.0.join("a.safetensors"), &first.iter().collect::<Vec<_>>())?;
+    write_safetensors(&dir.0.join("b.safetensors"), &second.iter().collect::<Vec<_>>())?;
     let map: serde_json::Map<String, Value> = first
         .iter()
         .map(|t| (t.name.clone(), json!("a.safetensors")))
-        .chain(
-            second
-                .iter()
-                .map(|t| (t.name.clone(), json!("b.safetensors"))),
-        )
+        .chain(second.iter().map(|t| (t.name.clone(), json!("b.safetensors"))))
         .collect();
-    std::fs::write(
-        dir.0.join("model.safetensors.index.json"),
-        json!({"weight_map": map}).to_string(),
-    )?;
+    std::fs::write(dir.0.join("model.safetensors.index.json"), json!({"weight_map": map}).to_string())?;
     std::fs::write(dir.0.join("config.json"), config.to_string())?;
     let sharded = Weights::from_safetensors(&dir.0)?;
 
@@ -357,21 +300,14 @@ fn loads_shards_like_a_single_file() -> TestResult {
     let single = Weights::from_safetensors(&single_dir.0)?;
     assert!(sharded.config.tied_embeddings && sharded.get("output.weight").is_err());
     for name in single.tensors.keys() {
-        assert_eq!(
-            sharded.bytes(sharded.get(name)?),
-            single.bytes(single.get(name)?),
-            "{name}"
-        );
+        assert_eq!(sharded.bytes(sharded.get(name)?), single.bytes(single.get(name)?), "{name}");
     }
 
     std::fs::write(
         dir.0.join("model.safetensors.index.json"),
         json!({"weight_map": {"x": "../a.safetensors"}}).to_string(),
     )?;
-    let err = Weights::from_safetensors(&dir.0)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = Weights::from_safetensors(&dir.0).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("not a file name"), "{err}");
     Ok(())
 }
@@ -389,9 +325,8 @@ fn export_then_load_gives_the_same_weights() -> TestResult {
         for dtype in [ExportDtype::F32, ExportDtype::BF16] {
             let out = TempDir::new(&format!("export-out-{tied}-{dtype:?}"))?;
             export_safetensors(&w, &tok, &out.0, dtype)?;
-            let mut files: Vec<String> = std::fs::read_dir(&out.0)?
-                .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .collect();
+            let mut files: Vec<String> =
+                std::fs::read_dir(&out.0)?.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
             files.sort();
             assert_eq!(
                 files,
@@ -408,24 +343,12 @@ fn export_then_load_gives_the_same_weights() -> TestResult {
             let file = std::fs::read(out.0.join("model.safetensors"))?;
             let header = parse_header(&file)?;
             assert_eq!(header.tensors.contains_key("lm_head.weight"), !tied);
-            assert!(header
-                .tensors
-                .values()
-                .all(|t| t.dtype == Dtype::from(dtype)));
+            assert!(header.tensors.values().all(|t| t.dtype == Dtype::from(dtype)));
             for name in w.tensors.keys() {
                 // The tiny tensors are bf16- or f16-exact only in part, so BF16 export rounds.
                 let (a, b) = (values(&w, name)?, values(&back, name)?);
-                let tol = if dtype == ExportDtype::F32 {
-                    0.0
-                } else {
-                    1.0 / 128.0
-                };
-                assert!(
-                    a.iter()
-                        .zip(&b)
-                        .all(|(x, y)| (x - y).abs() <= tol * x.abs()),
-                    "{name}"
-                );
+                let tol = if dtype == ExportDtype::F32 { 0.0 } else { 1.0 / 128.0 };
+                assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= tol * x.abs()), "{name}");
             }
         }
     }
@@ -452,57 +375,33 @@ fn config_errors_name_the_problem() {
         with(&|c| {
             c.as_object_mut().map(|o| o.remove("hidden_size"));
         }),
-        Err(CheckpointError::ConfigKey {
-            key: "hidden_size",
-            why: "missing".into()
-        })
+        Err(CheckpointError::ConfigKey { key: "hidden_size", why: "missing".into() })
     );
     assert!(matches!(
         with(&|c| c["vocab_size"] = json!("10")),
-        Err(CheckpointError::ConfigKey {
-            key: "vocab_size",
-            ..
-        })
+        Err(CheckpointError::ConfigKey { key: "vocab_size", .. })
     ));
     assert!(matches!(
         with(&|c| c["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0})),
-        Err(CheckpointError::UnsupportedFeature {
-            key: "rope_scaling",
-            ..
-        })
+        Err(CheckpointError::UnsupportedFeature { key: "rope_scaling", .. })
     ));
     assert!(matches!(
         with(&|c| c["attention_bias"] = json!(true)),
-        Err(CheckpointError::UnsupportedFeature {
-            key: "attention_bias",
-            ..
-        })
+        Err(CheckpointError::UnsupportedFeature { key: "attention_bias", .. })
     ));
     assert!(matches!(
         with(&|c| c["head_dim"] = json!(8)),
-        Err(CheckpointError::UnsupportedFeature {
-            key: "head_dim",
-            ..
-        })
+        Err(CheckpointError::UnsupportedFeature { key: "head_dim", .. })
     ));
-    assert!(matches!(
-        with(&|c| c["num_key_value_heads"] = json!(3)),
-        Err(CheckpointError::InvalidConfig(_))
-    ));
-    assert!(matches!(
-        config_from_json(b"[]"),
-        Err(CheckpointError::ConfigJson(_))
-    ));
+    assert!(matches!(with(&|c| c["num_key_value_heads"] = json!(3)), Err(CheckpointError::InvalidConfig(_))));
+    assert!(matches!(config_from_json(b"[]"), Err(CheckpointError::ConfigJson(_))));
     // Defaults: kv heads = heads, theta 10000, untied.
     let c = with(&|c| {
         for k in ["num_key_value_heads", "tie_word_embeddings", "rms_norm_eps"] {
             c.as_object_mut().map(|o| o.remove(k));
         }
     });
-    assert_eq!(
-        c.map(|c| (c.n_kv_heads, c.rope_theta, c.rms_eps, c.tied_embeddings)),
-        Ok((2, 10_000.0, 1e-6, false))
-    );
+    assert_eq!(c.map(|c| (c.n_kv_heads, c.rope_theta, c.rms_eps, c.tied_embeddings)), Ok((2, 10_000.0, 1e-6, false)));
 }
 
 #[test]
@@ -514,38 +413,20 @@ fn tensor_errors_name_the_tensor() -> TestResult {
 
     let mut extra = tiny_tensors(&cfg);
     extra[0].name = "model.layers.9.mlp.up_proj.weight".into();
-    write_checkpoint(
-        &dir.0,
-        &config,
-        &extra.iter().chain(&tensors[1..]).collect::<Vec<_>>(),
-    )?;
-    let err = Weights::from_safetensors(&dir.0)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
-    assert!(
-        err.contains("unexpected tensor \"model.layers.9.mlp.up_proj.weight\""),
-        "{err}"
-    );
+    write_checkpoint(&dir.0, &config, &extra.iter().chain(&tensors[1..]).collect::<Vec<_>>())?;
+    let err = Weights::from_safetensors(&dir.0).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("unexpected tensor \"model.layers.9.mlp.up_proj.weight\""), "{err}");
 
     let last = tensors.len() - 1;
     write_checkpoint(&dir.0, &config, &tensors[..last].iter().collect::<Vec<_>>())?;
-    assert!(
-        matches!(Weights::from_safetensors(&dir.0), Err(WeightsError::Missing(n)) if n == tensors[last].name)
-    );
+    assert!(matches!(Weights::from_safetensors(&dir.0), Err(WeightsError::Missing(n)) if n == tensors[last].name));
 
     let mut wrong = tiny_tensors(&cfg);
     wrong[0].shape = vec![wrong[0].shape[1], wrong[0].shape[0]];
     write_checkpoint(&dir.0, &config, &wrong.iter().collect::<Vec<_>>())?;
-    assert!(matches!(
-        Weights::from_safetensors(&dir.0),
-        Err(WeightsError::Shape { .. })
-    ));
+    assert!(matches!(Weights::from_safetensors(&dir.0), Err(WeightsError::Shape { .. })));
 
     std::fs::remove_file(dir.0.join("model.safetensors"))?;
-    assert!(matches!(
-        Weights::from_safetensors(&dir.0),
-        Err(WeightsError::Io { .. })
-    ));
+    assert!(matches!(Weights::from_safetensors(&dir.0), Err(WeightsError::Io { .. })));
     Ok(())
 }
