@@ -95,36 +95,63 @@ impl QActs {
     /// Quantizes `rows` rows of `k` floats each from `x` (row-major),
     /// reusing this buffer's allocations.
     pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize) {
-        debug_assert_eq!(x.len(), rows * k);
-        debug_assert_eq!(k % QK, 0);
+        self.reshape(rows, k);
+        quantize_blocks(x, &mut self.qs, &mut self.d, &mut self.s);
+    }
+
+    /// As [`quantize`](Self::quantize), with the rows split across the pool.
+    pub fn quantize_par(&mut self, pool: &crate::ThreadPool, x: &[f32], rows: usize, k: usize) {
+        self.reshape(rows, k);
+        let nb_row = k / QK;
+        let qs = crate::pool::SharedSlice::new(&mut self.qs);
+        let d = crate::pool::SharedSlice::new(&mut self.d);
+        let s = crate::pool::SharedSlice::new(&mut self.s);
+        pool.for_ranges(rows, 8, &|r| {
+            quantize_blocks(
+                &x[r.start * k..r.end * k],
+                qs.range_mut(r.start * k..r.end * k),
+                d.range_mut(r.start * nb_row..r.end * nb_row),
+                s.range_mut(r.start * nb_row..r.end * nb_row),
+            );
+        });
+    }
+
+    fn reshape(&mut self, rows: usize, k: usize) {
+        assert_eq!(k % QK, 0, "activation row length must be a multiple of {QK}");
         self.rows = rows;
         self.k = k;
         let nb = rows * k / QK;
         self.qs.resize(rows * k, 0);
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
-        for (b, (xb, qb)) in x.chunks_exact(QK).zip(self.qs.chunks_exact_mut(QK)).enumerate() {
-            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            // 127/amax and round-half-to-even, as ggml's x86 quantizer does.
-            let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, v) in qb.iter_mut().zip(xb) {
-                let r = (v * id).round_ties_even() as i32;
-                *q = r as i8;
-                sum += r;
-            }
-            // Scales are kept at f16 precision, as ggml's Q8_0/Q8_1 blocks
-            // store them: products then round the way llama.cpp's do, which
-            // keeps greedy output aligned with the reference at near-ties.
-            self.d[b] = round_f16(d);
-            self.s[b] = round_f16(d * sum as f32);
-        }
     }
 
     /// Blocks per row.
     pub fn blocks_per_row(&self) -> usize {
         self.k / QK
+    }
+}
+
+/// Quantizes whole blocks of `x` into `qs`, with per-block scale `d` and `s = d * sum(q)`.
+fn quantize_blocks(x: &[f32], qs: &mut [i8], d_out: &mut [f32], s_out: &mut [f32]) {
+    assert_eq!(x.len(), qs.len());
+    assert_eq!(x.len(), d_out.len() * QK);
+    for (b, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        // 127/amax and round-half-to-even, as ggml's x86 quantizer does.
+        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in qb.iter_mut().zip(xb) {
+            let r = (v * id).round_ties_even() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        // Scales are kept at f16 precision, as ggml's Q8_0/Q8_1 blocks
+        // store them: products then round the way llama.cpp's do, which
+        // keeps greedy output aligned with the reference at near-ties.
+        d_out[b] = round_f16(d);
+        s_out[b] = round_f16(d * sum as f32);
     }
 }
 

@@ -12,9 +12,9 @@ mod config;
 pub use config::LlamaConfig;
 
 use kernels::attention::{attend_group, AttnShape};
-use kernels::matmul::{matmul, MatmulScratch};
+use kernels::matmul::{matmul, matmul_multi, MatmulScratch};
 use kernels::ops::{add_in_place, rmsnorm, swiglu, RopeTable};
-use kernels::pool::{split, SharedSlice};
+use kernels::pool::SharedSlice;
 use kernels::{Isa, ThreadPool};
 
 use crate::kv::{BlockId, KvLayout, KvPool};
@@ -228,10 +228,16 @@ impl Model {
             let w = |i: usize, r: usize, c: usize| {
                 self.weights.matrix(&layer.names[i], r, c).map_err(|e| ForwardError::Weights(e.to_string()))
             };
-            rmsnorm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.xn);
-            matmul(&self.pool, self.isa, &w(Q, h, h)?, &s.xn, n_tok, &mut s.q, &mut s.mm);
-            matmul(&self.pool, self.isa, &w(K, kvd, h)?, &s.xn, n_tok, &mut s.k, &mut s.mm);
-            matmul(&self.pool, self.isa, &w(V, kvd, h)?, &s.xn, n_tok, &mut s.v, &mut s.mm);
+            par_rmsnorm(&self.pool, &s.x, &layer.attn_norm, cfg.rms_eps, &mut s.xn);
+            matmul_multi(
+                &self.pool,
+                self.isa,
+                &[w(Q, h, h)?, w(K, kvd, h)?, w(V, kvd, h)?],
+                &s.xn,
+                n_tok,
+                &mut [&mut s.q, &mut s.k, &mut s.v],
+                &mut s.mm,
+            );
             for (i, &(ci, pos)) in where_.iter().enumerate() {
                 self.rope.apply(&mut s.q[i * h..(i + 1) * h], pos);
                 self.rope.apply(&mut s.k[i * kvd..(i + 1) * kvd], pos);
@@ -246,9 +252,9 @@ impl Model {
             let items = n_tok * cfg.n_kv_heads;
             let isa = self.isa;
             let where_ref = &where_;
-            self.pool.run(&|t, nt| {
+            self.pool.for_ranges(items, 4, &|range| {
                 let mut scores = Vec::new();
-                for item in split(items, t, nt, 1) {
+                for item in range {
                     let (i, g) = (item / cfg.n_kv_heads, item % cfg.n_kv_heads);
                     let (ci, pos) = where_ref[i];
                     let out = att.range_mut(i * h + g * group_w..i * h + (g + 1) * group_w);
@@ -269,10 +275,17 @@ impl Model {
             matmul(&self.pool, self.isa, &w(O, h, h)?, &s.att, n_tok, &mut s.tmp, &mut s.mm);
             add_in_place(&mut s.x, &s.tmp);
 
-            rmsnorm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.xn);
-            matmul(&self.pool, self.isa, &w(GATE, ffn, h)?, &s.xn, n_tok, &mut s.gate, &mut s.mm);
-            matmul(&self.pool, self.isa, &w(UP, ffn, h)?, &s.xn, n_tok, &mut s.up, &mut s.mm);
-            swiglu(&mut s.gate, &s.up);
+            par_rmsnorm(&self.pool, &s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.xn);
+            matmul_multi(
+                &self.pool,
+                self.isa,
+                &[w(GATE, ffn, h)?, w(UP, ffn, h)?],
+                &s.xn,
+                n_tok,
+                &mut [&mut s.gate, &mut s.up],
+                &mut s.mm,
+            );
+            par_swiglu(&self.pool, &mut s.gate, &s.up, ffn);
             matmul(&self.pool, self.isa, &w(DOWN, h, ffn)?, &s.gate, n_tok, &mut s.tmp, &mut s.mm);
             add_in_place(&mut s.x, &s.tmp);
         }
@@ -295,4 +308,23 @@ impl Model {
         matmul(&self.pool, self.isa, &out, &s.xn[..n_out * h], n_out, &mut s.logits, &mut s.mm);
         Ok(&s.logits)
     }
+}
+
+/// RMSNorm of each row, rows split across the pool (prefill has hundreds).
+fn par_rmsnorm(pool: &ThreadPool, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let n = weight.len();
+    let rows = x.len() / n;
+    let out = SharedSlice::new(out);
+    pool.for_ranges(rows, 16, &|r| {
+        rmsnorm(&x[r.start * n..r.end * n], weight, eps, out.range_mut(r.start * n..r.end * n));
+    });
+}
+
+/// `gate = silu(gate) * up` row by row across the pool (one `exp` per element adds up in prefill).
+fn par_swiglu(pool: &ThreadPool, gate: &mut [f32], up: &[f32], width: usize) {
+    let rows = gate.len() / width;
+    let g = SharedSlice::new(gate);
+    pool.for_ranges(rows, 8, &|r| {
+        swiglu(g.range_mut(r.start * width..r.end * width), &up[r.start * width..r.end * width]);
+    });
 }

@@ -14,7 +14,7 @@
 mod avx2;
 mod scalar;
 
-use crate::pool::{split, ThreadPool};
+use crate::pool::{SharedSlice, ThreadPool};
 use crate::quant::{dequantize_row, QActs, QK};
 use crate::{Isa, KernelError};
 
@@ -108,25 +108,54 @@ pub fn matmul(
     y: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
-    assert_eq!(x.len(), m * w.cols, "matmul: x is not m x cols");
-    assert_eq!(y.len(), m * w.rows, "matmul: y is not m x rows");
-    let out = crate::pool::SharedSlice::new(y);
-    if w.ty.is_quantized() {
-        scratch.acts.quantize(x, m, w.cols);
-        let acts = &scratch.acts;
-        pool.run(&|t, nt| {
-            let rows = split(w.rows, t, nt, 8);
-            match isa {
-                Isa::Avx2 => avx2::quant_rows(w, acts, rows, &out),
-                Isa::Scalar => scalar::quant_rows(w, acts, rows, &out),
-            }
-        });
-    } else {
-        pool.run(&|t, nt| {
-            let rows = split(w.rows, t, nt, 8);
-            float_rows(isa, w, x, m, rows, &out);
-        });
+    matmul_multi(pool, isa, &[*w], x, m, &mut [y], scratch);
+}
+
+/// Several products of the same input (`ys[i] = x · ws[i]ᵀ`), e.g. Q, K and
+/// V of one layer: the input is quantized once, and one pool call covers
+/// the rows of all matrices, so small matrices do not each pay a dispatch.
+pub fn matmul_multi(
+    pool: &ThreadPool,
+    isa: Isa,
+    ws: &[QMatrix<'_>],
+    x: &[f32],
+    m: usize,
+    ys: &mut [&mut [f32]],
+    scratch: &mut MatmulScratch,
+) {
+    assert_eq!(ws.len(), ys.len(), "matmul_multi: one output per matrix");
+    let Some(first) = ws.first() else { return };
+    let k = first.cols;
+    assert!(ws.iter().all(|w| w.cols == k), "matmul_multi: matrices differ in columns");
+    assert_eq!(x.len(), m * k, "matmul: x is not m x cols");
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        assert_eq!(y.len(), m * w.rows, "matmul: y is not m x rows");
     }
+    if ws.iter().any(|w| w.ty.is_quantized()) {
+        scratch.acts.quantize_par(pool, x, m, k);
+    }
+    let acts = &scratch.acts;
+    let outs: Vec<SharedSlice<'_, f32>> = ys.iter_mut().map(|y| SharedSlice::new(y)).collect();
+    let total: usize = ws.iter().map(|w| w.rows).sum();
+    // Chunks of the concatenated rows of all matrices: small enough to
+    // balance, large enough that claiming one costs nothing.
+    let chunk = if m == 1 { 32 } else { 16 };
+    pool.for_ranges(total, chunk, &|mine| {
+        let mut base = 0;
+        for (w, out) in ws.iter().zip(&outs) {
+            let lo = mine.start.max(base).min(base + w.rows) - base;
+            let hi = mine.end.max(base).min(base + w.rows) - base;
+            base += w.rows;
+            if lo == hi {
+                continue;
+            }
+            match (w.ty.is_quantized(), isa) {
+                (true, Isa::Avx2) => avx2::quant_rows(w, acts, lo..hi, out),
+                (true, Isa::Scalar) => scalar::quant_rows(w, acts, lo..hi, out),
+                (false, _) => float_rows(isa, w, x, m, lo..hi, out),
+            }
+        }
+    });
 }
 
 /// Float weights: each row is widened to f32 once, then dotted with every x row.

@@ -138,3 +138,23 @@ fn bad_shape_is_an_error() {
     assert!(QMatrix::new(WeightType::Q4_1, 2, 31, &[0u8; 40]).is_err());
     assert!(QMatrix::new(WeightType::Q4_1, 2, 32, &[0u8; 40]).is_ok());
 }
+
+#[test]
+fn multi_equals_separate_products() {
+    let mut rng = Rng::new(5);
+    let pool = ThreadPool::new(2).expect("pool");
+    let (cols, m) = (64, 5);
+    let shapes = [(WeightType::Q4_1, 24), (WeightType::Q8_0, 8), (WeightType::F16, 16)];
+    let datas: Vec<Vec<u8>> = shapes.iter().map(|&(ty, rows)| random_weights(&mut rng, ty, rows, cols)).collect();
+    let ws: Vec<QMatrix<'_>> =
+        shapes.iter().zip(&datas).map(|(&(ty, rows), d)| QMatrix::new(ty, rows, cols, d).expect("shape")).collect();
+    let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
+    {
+        let mut refs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+        matmul_multi(&pool, Isa::detect(), &ws, &x, m, &mut refs, &mut MatmulScratch::default());
+    }
+    for (w, y) in ws.iter().zip(&ys) {
+        assert_eq!(*y, run(Isa::detect(), 1, w, &x, m), "{:?}", w.ty);
+    }
+}
