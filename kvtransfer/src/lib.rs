@@ -1,0 +1,99 @@
+//! Moving KV cache blocks from a prefill worker into a decode worker.
+//!
+//! Owns: the [`LayoutFingerprint`] and [`VersionGroup`] that decide which
+//! peers may exchange KV, the wire [`frame`]s and their binary codec, the
+//! receiver-side session state machine ([`Receiver`]: reservations, leases,
+//! per-layer coverage, completion) and the sender-side frame splitter
+//! ([`split_layer`]). Transports (shared memory, TCP, QUIC, UCX, CUDA) come
+//! later and only drive what is here.
+//!
+//! Must not: open sockets, read a clock, spawn tasks or know about models
+//! beyond [`engine::kv::KvLayout`]. Everything here is protocol logic with
+//! time passed in (the quinn-proto shape), so it is tested deterministically
+//! in memory and every byte parser can be fuzzed.
+//!
+//! # Protocol
+//!
+//! The decode worker owns the request. It allocates blocks from its own
+//! [`engine::kv::KvPool`] first, registers them with [`Receiver::reserve`]
+//! under a lease, and tells the prefill worker (over the control plane) the
+//! reservation id, generation and block count. The prefill worker then
+//! connects and streams:
+//!
+//! ```text
+//! prefill (sender)                                decode (receiver)
+//!   Hello{group, fingerprint, version}  ───────▶  on_hello
+//!                                      ◀───────  HelloAck | HelloReject{reason}
+//!   LayerData{res, gen, layer, first_block, n_blocks, crc32c, K‥V}  ───▶  on_layer
+//!   … any number, any layer order, as each layer is computed …
+//!   Complete{res, gen, n_layers}        ───────▶  on_complete
+//!                                      ◀───────  Ack{res, gen}
+//!   Abort{res, gen, reason}             ◀──────▶  either side, any time
+//! ```
+//!
+//! Rules the receiver enforces (each is a typed [`FrameError`]):
+//! - The handshake refuses a different protocol version, a different version
+//!   group label, and — even when labels agree — a different layout
+//!   fingerprint, because a mislabelled deployment must not produce silently
+//!   wrong KV.
+//! - Every frame names (reservation, generation). Ids are slots that are
+//!   reused; the generation is fresh for every reservation, so a late frame
+//!   from a superseded or abandoned transfer never lands in blocks that now
+//!   belong to someone else.
+//! - A frame past the lease deadline expires the reservation; every later
+//!   frame for it is refused.
+//! - Each (layer, block) is written exactly once; ranges, lengths and layer
+//!   numbers are checked before any byte is written.
+//! - A checksum mismatch fails the reservation for good: a transfer that
+//!   delivered one corrupt frame is not trusted for the rest.
+//! - `Complete` is acknowledged only when every (layer, block) has arrived,
+//!   and only then does [`Receiver::take_ready`] hand the blocks to the
+//!   engine. Blocks are never readable while a writer may still be writing:
+//!   a partially written block set looks like valid KV to attention, so the
+//!   only safe moment to read is after the full set is known to be there.
+//! - Every way a reservation ends (taken after completion, local abort, peer
+//!   abort, lease expiry, corruption) hands its blocks back to the caller
+//!   exactly once, so the caller's pool never leaks or double-frees.
+
+#![forbid(unsafe_code)]
+
+pub mod fingerprint;
+pub mod frame;
+pub mod sender;
+pub mod session;
+
+pub use fingerprint::{LayoutFingerprint, VersionGroup, VersionGroupError};
+pub use frame::{
+    Abort, AbortReason, Ack, Complete, DecodeError, DecodeLimits, Decoded, EncodeError, Frame, Hello, HelloAck,
+    HelloReject, LayerData, RejectReason,
+};
+pub use sender::{gathered_layer, split_layer, LayerChunks, SplitError};
+pub use session::{
+    ConfigError, FrameError, Peer, Receiver, ReceiverConfig, ReceiverCounters, ReleaseCause, Released, Reservation,
+    ReservationError, ReservationId, ReservationState, ReserveError, ReserveRefusal, WriteInstruction,
+};
+
+/// Version of the transfer protocol: frame layouts and session rules. Peers
+/// with different versions refuse each other in the handshake. It is also
+/// hashed into the [`LayoutFingerprint`].
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// What a caller can do about an error that crosses the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// Another attempt (another prefill worker, a fresh reservation) may succeed.
+    Retryable,
+    /// The peer has no capacity now.
+    Overloaded,
+    /// A lease or deadline passed.
+    Deadline,
+    /// The peers cannot exchange KV: protocol, group or layout differ.
+    VersionMismatch,
+    /// The message broke a protocol rule; retrying the same thing fails again.
+    InvalidInput,
+    /// The work was cancelled on purpose.
+    Cancelled,
+}
+
+#[cfg(test)]
+mod testutil;

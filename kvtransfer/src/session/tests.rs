@@ -1,0 +1,397 @@
+use std::time::{Duration, Instant};
+
+use engine::kv::{BlockId, KvDtype, KvLayout};
+
+use super::*;
+use crate::frame::{Abort, AbortReason, Complete, Hello, LayerData, RejectReason};
+
+const SEC: Duration = Duration::from_secs(1);
+
+fn layout() -> KvLayout {
+    KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F16 }
+}
+
+/// Bytes of K and V of one block in one layer.
+const PER_BLOCK: usize = 2 * 4 * 8 * 2;
+
+fn peer() -> Peer {
+    Peer {
+        version_group: VersionGroup::new("g1").expect("label"),
+        fingerprint: LayoutFingerprint::new(&layout(), &[1; 32], &[2; 32]),
+    }
+}
+
+fn rx_with(max_reservations: usize) -> Receiver {
+    let config = ReceiverConfig { max_reservations, ..ReceiverConfig::new(layout()) };
+    Receiver::new(peer(), config).expect("config")
+}
+
+fn rx() -> Receiver {
+    rx_with(16)
+}
+
+fn data(r: Reservation, layer: u32, first: u32, n: u32) -> LayerData {
+    let payload = (0..n as usize * PER_BLOCK).map(|i| (i as u32 ^ layer ^ first) as u8).collect();
+    LayerData::new(r.id.0, r.generation, layer, first, n, payload)
+}
+
+fn complete(r: Reservation) -> Complete {
+    Complete { reservation: r.id.0, generation: r.generation, n_layers: 2 }
+}
+
+/// Writes every (layer, block) of a reservation of `n` blocks.
+fn fill(rx: &mut Receiver, r: Reservation, n: u32, now: Instant) {
+    for layer in 0..2 {
+        rx.on_layer(&data(r, layer, 0, n), now).expect("layer accepted");
+    }
+}
+
+#[test]
+fn handshake_accepts_a_matching_peer() {
+    let mut rx = rx();
+    let p = peer();
+    let hello =
+        Hello { version_group: p.version_group, fingerprint: p.fingerprint, protocol_version: crate::PROTOCOL_VERSION };
+    assert_eq!(rx.on_hello(&hello), Ok(HelloAck { protocol_version: crate::PROTOCOL_VERSION }));
+    assert_eq!(rx.counters().hello_accepted, 1);
+}
+
+#[test]
+fn handshake_refuses_each_mismatch_and_counts_it() {
+    let mut rx = rx();
+    let p = peer();
+    let ok =
+        Hello { version_group: p.version_group, fingerprint: p.fingerprint, protocol_version: crate::PROTOCOL_VERSION };
+    let other_fp = LayoutFingerprint::new(&KvLayout { block_size: 8, ..layout() }, &[1; 32], &[2; 32]);
+    let cases = [
+        (Hello { fingerprint: other_fp, ..ok.clone() }, RejectReason::Fingerprint),
+        (
+            Hello { fingerprint: LayoutFingerprint::new(&layout(), &[3; 32], &[2; 32]), ..ok.clone() },
+            RejectReason::Fingerprint,
+        ),
+        (Hello { version_group: VersionGroup::new("g2").expect("label"), ..ok.clone() }, RejectReason::VersionGroup),
+        (
+            Hello { version_group: VersionGroup::new("g2").expect("label"), fingerprint: other_fp, ..ok.clone() },
+            RejectReason::VersionGroup,
+        ),
+        (Hello { protocol_version: crate::PROTOCOL_VERSION + 1, ..ok.clone() }, RejectReason::ProtocolVersion),
+    ];
+    for (hello, reason) in cases {
+        assert_eq!(rx.on_hello(&hello), Err(HelloReject { reason }), "{hello:?}");
+    }
+    let c = rx.counters();
+    assert_eq!((c.hello_rejected(RejectReason::Fingerprint), c.hello_rejected(RejectReason::VersionGroup)), (2, 2));
+    assert_eq!((c.hello_rejected(RejectReason::ProtocolVersion), c.hello_accepted), (1, 0));
+}
+
+#[test]
+fn layers_and_ranges_arrive_in_any_order_and_map_to_reserved_blocks() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![40, 7, 13, 22], 10 * SEC, t0).expect("reserve");
+    assert_eq!(rx.state(r), Some(ReservationState::Receiving));
+    let w = rx.on_layer(&data(r, 1, 2, 2), t0).expect("layer 1 first");
+    assert_eq!(w, WriteInstruction { layer: 1, blocks: vec![13, 22] });
+    assert_eq!(rx.on_layer(&data(r, 0, 1, 3), t0).expect("layer 0 tail").blocks, [7, 13, 22]);
+    assert_eq!(rx.on_layer(&data(r, 1, 0, 2), t0).expect("layer 1 head").blocks, [40, 7]);
+    assert_eq!(rx.on_layer(&data(r, 0, 0, 1), t0).expect("layer 0 head").blocks, [40]);
+    assert_eq!(rx.on_complete(&complete(r), t0 + SEC), Ok(Ack { reservation: r.id.0, generation: r.generation }));
+    assert_eq!(rx.take_ready(r), Ok(vec![40, 7, 13, 22]));
+    let c = rx.counters();
+    assert_eq!((c.layer_frames_accepted, c.payload_bytes_accepted), (4, 8 * PER_BLOCK as u64));
+    assert_eq!((c.reservations_completed, c.reservations_taken, rx.held_blocks()), (1, 1, 0));
+}
+
+#[test]
+fn split_payload_gives_k_then_v() {
+    let w = WriteInstruction { layer: 0, blocks: vec![1, 2] };
+    let payload: Vec<u8> = (0..8).collect();
+    assert_eq!(w.split_payload(&payload), (&payload[..4], &payload[4..]));
+}
+
+#[test]
+fn duplicate_and_overlapping_frames_are_refused_without_effect() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![1, 2, 3], 10 * SEC, t0).expect("reserve");
+    rx.on_layer(&data(r, 0, 0, 2), t0).expect("first");
+    assert_eq!(rx.on_layer(&data(r, 0, 0, 2), t0), Err(FrameError::Duplicate { layer: 0, block: 0 }));
+    assert_eq!(rx.on_layer(&data(r, 0, 1, 2), t0), Err(FrameError::Duplicate { layer: 0, block: 1 }));
+    // The overlapping frame marked nothing: block 2 is still writable.
+    rx.on_layer(&data(r, 0, 2, 1), t0).expect("block 2 still free");
+    assert_eq!(rx.counters().refused("duplicate"), 2);
+    assert_eq!(rx.state(r), Some(ReservationState::Receiving));
+}
+
+#[test]
+fn wrong_generation_and_unknown_ids_are_refused() {
+    let mut rx = rx_with(1);
+    let t0 = Instant::now();
+    let old = rx.reserve(vec![1, 2], 10 * SEC, t0).expect("reserve");
+    assert_eq!(rx.abort(old), Ok(vec![1, 2]));
+    // The only slot is reused with a fresh generation.
+    let new = rx.reserve(vec![3, 4], 10 * SEC, t0).expect("reserve again");
+    assert_eq!(new.id, old.id);
+    assert!(new.generation > old.generation);
+    let late = data(old, 0, 0, 1);
+    let stale = FrameError::StaleGeneration { id: old.id.0, got: old.generation, current: new.generation };
+    assert_eq!(rx.on_layer(&late, t0), Err(stale));
+    let future = Reservation { generation: new.generation + 1, ..new };
+    assert!(matches!(rx.on_layer(&data(future, 0, 0, 1), t0), Err(FrameError::StaleGeneration { .. })));
+    let unknown = Reservation { id: ReservationId(5), generation: new.generation };
+    assert_eq!(rx.on_layer(&data(unknown, 0, 0, 1), t0), Err(FrameError::UnknownReservation { id: 5 }));
+    let huge = Reservation { id: ReservationId(u64::MAX), generation: 1 };
+    assert_eq!(rx.on_complete(&complete(huge), t0), Err(FrameError::UnknownReservation { id: u64::MAX }));
+    assert!(matches!(rx.take_ready(old), Err(ReservationError::StaleGeneration { .. })));
+    assert!(matches!(rx.abort(old), Err(ReservationError::StaleGeneration { .. })));
+    // The new reservation is untouched by all that.
+    fill(&mut rx, new, 2, t0);
+    assert!(rx.on_complete(&complete(new), t0).is_ok());
+    assert_eq!(rx.take_ready(new), Ok(vec![3, 4]));
+    assert_eq!(rx.counters().refused("stale_generation"), 2);
+}
+
+#[test]
+fn a_late_frame_expires_the_reservation_and_blocks_come_back_once() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![5, 6], SEC, t0).expect("reserve");
+    rx.on_layer(&data(r, 0, 0, 2), t0 + SEC / 2).expect("within lease");
+    assert_eq!(rx.on_layer(&data(r, 1, 0, 2), t0 + SEC), Err(FrameError::Expired(r)), "deadline is exclusive");
+    assert_eq!(rx.state(r), Some(ReservationState::Expired));
+    assert_eq!(rx.held_blocks(), 2, "held until polled");
+    let released = rx.poll_released(t0 + SEC);
+    assert_eq!(released, [Released { reservation: r, blocks: vec![5, 6], cause: ReleaseCause::LeaseExpired }]);
+    assert!(rx.poll_released(t0 + 100 * SEC).is_empty(), "returned exactly once");
+    // Every later frame or call is refused.
+    assert_eq!(rx.on_layer(&data(r, 1, 0, 2), t0 + 2 * SEC), Err(FrameError::Expired(r)));
+    assert_eq!(rx.on_complete(&complete(r), t0 + 2 * SEC), Err(FrameError::Expired(r)));
+    let abort = Abort { reservation: r.id.0, generation: r.generation, reason: AbortReason::Cancelled };
+    assert_eq!(rx.on_abort(&abort, t0 + 2 * SEC), Err(FrameError::Expired(r)));
+    let ended = ReservationError::Ended { reservation: r, state: ReservationState::Expired };
+    assert_eq!(rx.take_ready(r), Err(ended.clone()));
+    assert_eq!(rx.abort(r), Err(ended));
+    assert!(rx.poll_released(t0 + 100 * SEC).is_empty());
+    let c = rx.counters();
+    assert_eq!((c.reservations_expired, c.refused("expired"), rx.held_blocks()), (1, 4, 0));
+}
+
+#[test]
+fn poll_expires_idle_reservations_including_untaken_ready_ones() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let a = rx.reserve(vec![1], SEC, t0).expect("a");
+    let b = rx.reserve(vec![2], 3 * SEC, t0).expect("b");
+    let c = rx.reserve(vec![3], 2 * SEC, t0).expect("c");
+    fill(&mut rx, c, 1, t0);
+    rx.on_complete(&complete(c), t0).expect("c complete");
+    assert_eq!(rx.next_deadline(), Some(t0 + SEC));
+    assert!(rx.poll_released(t0 + SEC / 2).is_empty());
+    let got = rx.poll_released(t0 + 2 * SEC);
+    assert_eq!(got.iter().map(|r| (r.reservation, r.blocks.clone())).collect::<Vec<_>>(), [(a, vec![1]), (c, vec![3])]);
+    assert_eq!(rx.take_ready(c), Err(ReservationError::Ended { reservation: c, state: ReservationState::Expired }));
+    assert_eq!(rx.next_deadline(), Some(t0 + 3 * SEC));
+    assert_eq!(rx.state(b), Some(ReservationState::Receiving));
+    assert_eq!(rx.live_reservations(), 1);
+}
+
+#[test]
+fn a_corrupt_frame_fails_the_reservation_for_good() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![8, 9], 10 * SEC, t0).expect("reserve");
+    rx.on_layer(&data(r, 0, 0, 2), t0).expect("good frame");
+    let mut bad = data(r, 1, 0, 2);
+    bad.payload[17] ^= 0x40;
+    let actual = bad.payload_checksum();
+    assert_eq!(
+        rx.on_layer(&bad, t0),
+        Err(FrameError::ChecksumMismatch { reservation: r, expected: bad.checksum, actual })
+    );
+    assert_eq!(rx.state(r), Some(ReservationState::Failed));
+    assert_eq!(rx.poll_released(t0), [Released { reservation: r, blocks: vec![8, 9], cause: ReleaseCause::Corrupt }]);
+    // A correct retransmission cannot revive it, nor can Complete.
+    assert_eq!(rx.on_layer(&data(r, 1, 0, 2), t0), Err(FrameError::Failed(r)));
+    assert_eq!(rx.on_complete(&complete(r), t0), Err(FrameError::Failed(r)));
+    assert!(matches!(rx.take_ready(r), Err(ReservationError::Ended { state: ReservationState::Failed, .. })));
+    assert!(rx.poll_released(t0 + 100 * SEC).is_empty());
+    assert_eq!(rx.counters().reservations_failed, 1);
+    assert_eq!(FrameError::Failed(r).abort_reason(), AbortReason::Corrupt);
+}
+
+#[test]
+fn complete_before_every_block_arrived_is_refused() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![1, 2], 10 * SEC, t0).expect("reserve");
+    assert_eq!(rx.on_complete(&complete(r), t0), Err(FrameError::Incomplete { written: 0, expected: 4 }));
+    rx.on_layer(&data(r, 0, 0, 2), t0).expect("layer 0");
+    rx.on_layer(&data(r, 1, 1, 1), t0).expect("layer 1 block 1");
+    assert_eq!(rx.on_complete(&complete(r), t0), Err(FrameError::Incomplete { written: 3, expected: 4 }));
+    let wrong_layers = Complete { n_layers: 3, ..complete(r) };
+    assert_eq!(rx.on_complete(&wrong_layers, t0), Err(FrameError::LayerCount { got: 3, expected: 2 }));
+    assert_eq!(rx.state(r), Some(ReservationState::Receiving), "refusals do not end the reservation");
+    rx.on_layer(&data(r, 1, 0, 1), t0).expect("last block");
+    assert!(rx.on_complete(&complete(r), t0).is_ok());
+    assert_eq!(rx.on_complete(&complete(r), t0), Err(FrameError::AlreadyComplete(r)));
+}
+
+#[test]
+fn blocks_are_handed_out_only_after_complete() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![4, 5], 10 * SEC, t0).expect("reserve");
+    let not_ready = ReservationError::NotReady { reservation: r, state: ReservationState::Receiving };
+    assert_eq!(rx.take_ready(r), Err(not_ready.clone()));
+    fill(&mut rx, r, 2, t0);
+    assert_eq!(rx.take_ready(r), Err(not_ready), "all data but no Complete yet");
+    rx.on_complete(&complete(r), t0).expect("complete");
+    assert_eq!(rx.state(r), Some(ReservationState::Ready));
+    assert_eq!(rx.on_layer(&data(r, 0, 0, 1), t0), Err(FrameError::AlreadyComplete(r)));
+    assert_eq!(rx.take_ready(r), Ok(vec![4, 5]));
+    assert_eq!(rx.take_ready(r), Err(ReservationError::Ended { reservation: r, state: ReservationState::Taken }));
+    assert_eq!(rx.on_layer(&data(r, 0, 0, 1), t0), Err(FrameError::AlreadyComplete(r)));
+    assert!(rx.poll_released(t0 + 100 * SEC).is_empty(), "taken blocks never come back again");
+}
+
+#[test]
+fn frame_shape_is_checked_against_layout_and_reservation() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![1, 2], 10 * SEC, t0).expect("reserve");
+    assert_eq!(rx.on_layer(&data(r, 2, 0, 1), t0), Err(FrameError::LayerOutOfRange { layer: 2, n_layers: 2 }));
+    assert_eq!(rx.on_layer(&data(r, 0, 0, 0), t0), Err(FrameError::EmptyRange));
+    let range = |first_block, n_blocks| FrameError::BlockRange { first_block, n_blocks, reserved: 2 };
+    assert_eq!(rx.on_layer(&data(r, 0, 1, 2), t0), Err(range(1, 2)));
+    assert_eq!(rx.on_layer(&data(r, 0, 2, 1), t0), Err(range(2, 1)));
+    let mut overflow = data(r, 0, 0, 1);
+    (overflow.first_block, overflow.n_blocks) = (u32::MAX, u32::MAX);
+    assert_eq!(rx.on_layer(&overflow, t0), Err(range(u32::MAX, u32::MAX)));
+    let mut short = data(r, 0, 0, 2);
+    short.payload.pop();
+    short.checksum = short.payload_checksum();
+    assert_eq!(
+        rx.on_layer(&short, t0),
+        Err(FrameError::PayloadLength { got: 2 * PER_BLOCK - 1, expected: 2 * PER_BLOCK })
+    );
+    assert_eq!(rx.state(r), Some(ReservationState::Receiving));
+    for reason in ["layer_out_of_range", "empty_range", "payload_length"] {
+        assert_eq!(rx.counters().refused(reason), 1, "{reason}");
+    }
+    assert_eq!(rx.counters().refused("block_range"), 3);
+}
+
+#[test]
+fn reserve_refusals_hand_the_blocks_back() {
+    let mut rx = Receiver::new(
+        peer(),
+        ReceiverConfig { max_reservations: 1, max_blocks_per_reservation: 3, max_lease: 60 * SEC, layout: layout() },
+    )
+    .expect("config");
+    let t0 = Instant::now();
+    let refused = |r: Result<Reservation, ReserveError>| r.map_err(|e| (e.refusal, e.blocks));
+    assert_eq!(refused(rx.reserve(vec![], SEC, t0)), Err((ReserveRefusal::Empty, vec![])));
+    assert_eq!(
+        refused(rx.reserve(vec![1, 2, 3, 4], SEC, t0)),
+        Err((ReserveRefusal::TooManyBlocks { n: 4, max: 3 }, vec![1, 2, 3, 4]))
+    );
+    assert_eq!(
+        refused(rx.reserve(vec![1, 2, 1], SEC, t0)),
+        Err((ReserveRefusal::DuplicateBlock { block: 1 }, vec![1, 2, 1]))
+    );
+    for ttl in [Duration::ZERO, 61 * SEC, Duration::MAX] {
+        assert_eq!(
+            refused(rx.reserve(vec![1], ttl, t0)),
+            Err((ReserveRefusal::InvalidTtl { ttl, max: 60 * SEC }, vec![1]))
+        );
+    }
+    let r = rx.reserve(vec![1, 2], SEC, t0).expect("reserve");
+    assert_eq!(refused(rx.reserve(vec![3, 2], SEC, t0)), Err((ReserveRefusal::AlreadyHeld { block: 2 }, vec![3, 2])));
+    let full = rx.reserve(vec![3], SEC, t0).map_err(|e| e.refusal);
+    assert_eq!(full, Err(ReserveRefusal::Full { max: 1 }));
+    assert_eq!(ReserveRefusal::Full { max: 1 }.kind(), crate::ErrorKind::Overloaded);
+    // Blocks of an expired reservation stay held until polled, then are free to reserve.
+    assert_eq!(rx.on_layer(&data(r, 0, 0, 1), t0 + SEC), Err(FrameError::Expired(r)));
+    let held = rx.reserve(vec![2], SEC, t0 + SEC).map_err(|e| e.refusal);
+    assert_eq!(held, Err(ReserveRefusal::AlreadyHeld { block: 2 }));
+    assert_eq!(rx.poll_released(t0 + SEC).len(), 1);
+    assert!(rx.reserve(vec![2], SEC, t0 + SEC).is_ok());
+}
+
+#[test]
+fn config_is_validated_naming_the_field() {
+    let bad = [
+        (ReceiverConfig { max_reservations: 0, ..ReceiverConfig::new(layout()) }, "max_reservations"),
+        (
+            ReceiverConfig { max_blocks_per_reservation: 0, ..ReceiverConfig::new(layout()) },
+            "max_blocks_per_reservation",
+        ),
+        (ReceiverConfig { max_lease: Duration::ZERO, ..ReceiverConfig::new(layout()) }, "max_lease"),
+        (ReceiverConfig::new(KvLayout { n_layers: 0, ..layout() }), "layout"),
+    ];
+    for (config, field) in bad {
+        assert_eq!(Receiver::new(peer(), config).map(|_| ()).map_err(|e| e.field), Err(field));
+    }
+}
+
+#[test]
+fn a_peer_abort_releases_through_poll_and_refuses_later_frames() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![1, 2], 10 * SEC, t0).expect("reserve");
+    rx.on_layer(&data(r, 0, 0, 1), t0).expect("frame");
+    let abort = Abort { reservation: r.id.0, generation: r.generation, reason: AbortReason::PrefillFailed };
+    assert_eq!(rx.on_abort(&abort, t0), Ok(()));
+    assert_eq!(rx.on_abort(&abort, t0), Err(FrameError::Aborted(r)));
+    assert_eq!(rx.on_layer(&data(r, 0, 1, 1), t0), Err(FrameError::Aborted(r)));
+    assert_eq!(
+        rx.poll_released(t0),
+        [Released { reservation: r, blocks: vec![1, 2], cause: ReleaseCause::PeerAborted(AbortReason::PrefillFailed) }]
+    );
+    assert_eq!(rx.counters().reservations_aborted, 1);
+}
+
+#[test]
+fn a_local_abort_returns_blocks_directly_once() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![1, 2], 10 * SEC, t0).expect("reserve");
+    fill(&mut rx, r, 2, t0);
+    rx.on_complete(&complete(r), t0).expect("complete");
+    // Even a ready reservation can be abandoned (request cancelled meanwhile).
+    assert_eq!(rx.abort(r), Ok(vec![1, 2]));
+    assert_eq!(rx.abort(r), Err(ReservationError::Ended { reservation: r, state: ReservationState::Aborted }));
+    assert!(rx.poll_released(t0 + 100 * SEC).is_empty());
+    assert_eq!(rx.held_blocks(), 0);
+}
+
+#[test]
+fn slots_are_reused_oldest_ended_first_so_recent_ends_stay_recognised() {
+    let mut rx = rx_with(3);
+    let t0 = Instant::now();
+    let rs: Vec<Reservation> = (0..3).map(|i| rx.reserve(vec![i as BlockId], 10 * SEC, t0).expect("reserve")).collect();
+    // End slot 2 first, then slot 0.
+    rx.abort(rs[2]).expect("abort");
+    rx.abort(rs[0]).expect("abort");
+    let next = rx.reserve(vec![10], 10 * SEC, t0).expect("reuse");
+    assert_eq!(next.id, rs[2].id, "the slot that ended first is reused first");
+    assert!(next.generation > rs[2].generation);
+    // Slot 0 still remembers why it ended.
+    assert_eq!(rx.on_layer(&data(rs[0], 0, 0, 1), t0), Err(FrameError::Aborted(rs[0])));
+    let gens: std::collections::HashSet<u32> = rs.iter().chain([&next]).map(|r| r.generation).collect();
+    assert_eq!(gens.len(), 4, "every reservation gets a fresh generation");
+}
+
+#[test]
+fn error_labels_and_kinds() {
+    let r = Reservation { id: ReservationId(0), generation: 1 };
+    assert_eq!(FrameError::Expired(r).reason(), "expired");
+    assert_eq!(FrameError::Expired(r).kind(), crate::ErrorKind::Deadline);
+    assert_eq!(FrameError::Expired(r).abort_reason(), AbortReason::LeaseExpired);
+    assert_eq!(FrameError::EmptyRange.abort_reason(), AbortReason::ProtocolViolation);
+    assert_eq!(FrameError::LayerCount { got: 1, expected: 2 }.reason(), "layer_count");
+    let mut labels = FrameError::REASONS.to_vec();
+    labels.sort_unstable();
+    labels.dedup();
+    assert_eq!(labels.len(), FrameError::REASONS.len());
+}
