@@ -78,7 +78,8 @@ impl ThreadPool {
         let mut workers = Vec::with_capacity(n_threads - 1);
         for index in 1..n_threads {
             let s = Arc::clone(&shared);
-            let handle = thread::Builder::new().name(format!("tandem-kernel-{index}")).spawn(move || worker_loop(&s))?;
+            let handle =
+                thread::Builder::new().name(format!("tandem-kernel-{index}")).spawn(move || worker_loop(&s))?;
             let t = handle.thread().clone();
             workers.push((handle, t));
         }

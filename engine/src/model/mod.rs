@@ -252,7 +252,8 @@ impl Model {
             let items = n_tok * cfg.n_kv_heads;
             let isa = self.isa;
             let where_ref = &where_;
-            self.pool.for_ranges(items, 4, &|range| {
+            let chunk = if items < 64 { 1 } else { 4 };
+            self.pool.for_ranges(items, chunk, &|range| {
                 let mut scores = Vec::new();
                 for item in range {
                     let (i, g) = (item / cfg.n_kv_heads, item % cfg.n_kv_heads);

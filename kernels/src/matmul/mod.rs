@@ -137,9 +137,10 @@ pub fn matmul_multi(
     let acts = &scratch.acts;
     let outs: Vec<SharedSlice<'_, f32>> = ys.iter_mut().map(|y| SharedSlice::new(y)).collect();
     let total: usize = ws.iter().map(|w| w.rows).sum();
-    // Chunks of the concatenated rows of all matrices: small enough to
-    // balance, large enough that claiming one costs nothing.
-    let chunk = if m == 1 { 32 } else { 16 };
+    // Chunks of the concatenated rows of all matrices: about eight per
+    // thread, so a late or descheduled thread's share is small, but few
+    // enough that claiming them (a contended atomic) costs nothing.
+    let chunk = total.div_ceil(pool.threads() * 8).max(16).next_multiple_of(8);
     pool.for_ranges(total, chunk, &|mine| {
         let mut base = 0;
         for (w, out) in ws.iter().zip(&outs) {
