@@ -346,6 +346,51 @@ impl KvPool {
         Ok(())
     }
 
+    /// One layer's K and V of the blocks of `table`, each as contiguous
+    /// little-endian bytes (blocks in table order): what the transfer path
+    /// sends as soon as that layer is computed.
+    pub fn gather_layer(&self, layer: usize, table: &[BlockId]) -> Result<(Vec<u8>, Vec<u8>), KvError> {
+        self.check_layer(layer)?;
+        for &b in table {
+            self.check(b)?;
+        }
+        let be = self.layout.block_elems();
+        let n = table.len() * be * self.layout.dtype.size();
+        let (mut k, mut v) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        self.k[layer].gather(be, table, &mut k);
+        self.v[layer].gather(be, table, &mut v);
+        Ok((k, v))
+    }
+
+    /// Writes one layer's K and V bytes (as [`gather_layer`](Self::gather_layer)
+    /// produces them) into the blocks of `table`.
+    pub fn scatter_layer(&mut self, layer: usize, table: &[BlockId], k: &[u8], v: &[u8]) -> Result<(), KvError> {
+        self.check_layer(layer)?;
+        for &b in table {
+            self.check(b)?;
+        }
+        let n = table.len() * self.layout.block_elems() * self.layout.dtype.size();
+        if k.len() != n || v.len() != n {
+            return Err(KvError::Shape(format!(
+                "layer {layer}: K {} and V {} bytes for {} blocks, expected {n} each",
+                k.len(),
+                v.len(),
+                table.len()
+            )));
+        }
+        let be = self.layout.block_elems();
+        self.k[layer].scatter(be, table, k);
+        self.v[layer].scatter(be, table, v);
+        Ok(())
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), KvError> {
+        if layer >= self.layout.n_layers {
+            return Err(KvError::Shape(format!("layer {layer} of {}", self.layout.n_layers)));
+        }
+        Ok(())
+    }
+
     /// Zeroes the blocks of `table` (tests use it to prove a scatter restores them).
     pub fn clear(&mut self, table: &[BlockId]) -> Result<(), KvError> {
         for &b in table {
@@ -437,6 +482,18 @@ mod tests {
             p.scatter(&t, &buf).expect("scatter");
             assert_eq!(p.gather(&t).expect("gather"), buf);
             assert!(p.scatter(&t, &buf[1..]).is_err());
+            // Layer by layer into other blocks gives the same bytes.
+            let other = p.allocate(2).expect("alloc");
+            let mut q = KvPool::new(KvLayout { dtype, ..layout() }, 5).expect("pool");
+            let dst = q.allocate(3).expect("alloc");
+            for l in 0..2 {
+                let (k, v) = p.gather_layer(l, &t).expect("gather layer");
+                q.scatter_layer(l, &dst, &k, &v).expect("scatter layer");
+                assert!(q.scatter_layer(l, &dst, &k[1..], &v).is_err());
+            }
+            assert!(p.gather_layer(2, &t).is_err());
+            assert_eq!(q.gather(&dst).expect("gather"), buf);
+            p.release(&other).expect("release");
         }
     }
 }
