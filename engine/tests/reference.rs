@@ -20,15 +20,17 @@ use engine::kv::{KvDtype, KvPool};
 use engine::model::SeqChunk;
 use serde_json::Value;
 
-/// Top-2 gap below which either token is an honest greedy choice. See the
-/// module doc: 8-bit activation quantization makes the logits a
-/// discontinuous function of the input, so summation order alone moves
-/// log-probabilities by up to ~0.3 (measured: this engine's scalar and AVX2
-/// paths, identical but for summation order, differ by 0.11 at the first
-/// position of `fibonacci_def`; llama.cpp's own flash-attention and plain
-/// attention paths differ by 0.06 there and pick different continuations of
-/// `capital_of_france` from position 5 on).
-const NEAR_TIE: f32 = 0.35;
+/// Top-2 gap below which either token is an honest greedy choice (the
+/// engine issue's rule). It sits close to the noise floor of 8-bit
+/// activation quantization, which makes logits a discontinuous function of
+/// the input: this engine's scalar and AVX2 paths, identical but for
+/// summation order, differ by 0.11 at the first position of `fibonacci_def`,
+/// and llama.cpp's own flash-attention and plain attention paths pick
+/// different continuations of `capital_of_france` from position 5 on. The
+/// test passes at 0.1 because the kernels round as ggml's do (activation
+/// quantization, f64 RMSNorm sums, f32 RoPE angles); a kernel change that
+/// alters rounding can legitimately move a divergence past a gap of 0.1–0.3.
+const NEAR_TIE: f32 = 0.1;
 
 fn fixture() -> Value {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama_cpp_reference.json");

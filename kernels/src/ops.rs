@@ -8,7 +8,9 @@
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
     for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
+        // Squares summed in f64, as ggml does: the model's large activation
+        // outliers make this sum the least precise step of the norm.
+        let ss = (xr.iter().map(|v| (v * v) as f64).sum::<f64>() / n as f64) as f32;
         let scale = 1.0 / (ss + eps).sqrt();
         for ((o, v), w) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * scale * w;
@@ -35,12 +37,16 @@ impl RopeTable {
         let half = rope_dims.min(head_dim) / 2;
         let mut cos = vec![0f32; max_pos * half];
         let mut sin = vec![0f32; max_pos * half];
+        // Angles as ggml computes them — in f32, each frequency the previous
+        // one times base^(-2/dims) — so rotations match the reference
+        // implementation to the last bit rather than merely to f32 precision.
+        let step = theta.powf(-2.0 / (2 * half) as f32);
         for p in 0..max_pos {
+            let mut a = p as f32;
             for i in 0..half {
-                let freq = (theta as f64).powf(-(2.0 * i as f64) / (2 * half) as f64);
-                let a = p as f64 * freq;
-                cos[p * half + i] = a.cos() as f32;
-                sin[p * half + i] = a.sin() as f32;
+                cos[p * half + i] = a.cos();
+                sin[p * half + i] = a.sin();
+                a *= step;
             }
         }
         Self { head_dim, half, max_pos, cos, sin }
