@@ -13,6 +13,7 @@
 //! it has so far, to be prefilled again later. Its sampler (and so its
 //! random stream and penalties) carries on unchanged.
 
+mod remote;
 mod seq;
 
 use std::collections::{HashMap, VecDeque};
@@ -124,6 +125,8 @@ pub struct Engine {
     waiting: VecDeque<u64>,
     /// Admission order; the back is preempted first.
     running: Vec<u64>,
+    /// Finished prefill-only sequences whose blocks wait to be sent.
+    held: HashMap<u64, Seq>,
     preemptions: u64,
 }
 
@@ -140,6 +143,7 @@ impl Engine {
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            held: HashMap::new(),
             preemptions: 0,
         })
     }
@@ -195,8 +199,16 @@ impl Engine {
 
     /// Validates and queues a request.
     pub fn add(&mut self, req: Request) -> Result<(), EngineError> {
+        let seq = self.validate(&req)?;
+        self.seqs.insert(req.id, seq);
+        self.waiting.push_back(req.id);
+        Ok(())
+    }
+
+    /// Checks a request and builds its sequence state.
+    fn validate(&self, req: &Request) -> Result<Seq, EngineError> {
         let cfg = self.model.config();
-        if self.seqs.contains_key(&req.id) {
+        if self.seqs.contains_key(&req.id) || self.held.contains_key(&req.id) {
             return Err(EngineError::DuplicateId(req.id));
         }
         if req.prompt.is_empty() {
@@ -219,14 +231,15 @@ impl Engine {
                 self.pool.num_blocks()
             )));
         }
-        let seq = Seq::new(&req, &self.eos)?;
-        self.seqs.insert(req.id, seq);
-        self.waiting.push_back(req.id);
-        Ok(())
+        Seq::new(req, &self.eos)
     }
 
     /// Drops a request wherever it is and frees its blocks. Returns whether it existed.
     pub fn abort(&mut self, id: u64) -> bool {
+        if let Some(mut seq) = self.held.remove(&id) {
+            seq.release(&mut self.pool);
+            return true;
+        }
         let Some(mut seq) = self.seqs.remove(&id) else { return false };
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
@@ -281,9 +294,26 @@ impl Engine {
             events.push(TokenEvent { id, token: tok, finished });
         }
         for id in done {
-            self.abort(id);
+            self.finish(id);
         }
         Ok(events)
+    }
+
+    /// Ends a sequence: frees its blocks, or for a prefill-only sequence
+    /// keeps them (see [`add_prefill_only`](Self::add_prefill_only)).
+    fn finish(&mut self, id: u64) {
+        match self.seqs.get(&id) {
+            Some(s) if s.hold => {
+                self.running.retain(|&r| r != id);
+                self.waiting.retain(|&r| r != id);
+                if let Some(seq) = self.seqs.remove(&id) {
+                    self.held.insert(id, seq);
+                }
+            }
+            _ => {
+                self.abort(id);
+            }
+        }
     }
 
     /// Chooses this step's (sequence, token count) pairs, allocating the

@@ -14,6 +14,8 @@ pub(super) struct Seq {
     pub table: Vec<BlockId>,
     pub sampler: Sampler,
     pub stop: StopChecker,
+    /// Prefill-only: keep the blocks when finished (they are to be sent).
+    pub hold: bool,
     salt: u64,
     /// Full blocks already in the prefix index, and the hash chain so far.
     registered: usize,
@@ -29,6 +31,7 @@ impl Seq {
             table: Vec::new(),
             sampler: Sampler::new(&req.params)?,
             stop: StopChecker::new(&req.params, eos)?,
+            hold: false,
             salt: req.salt,
             registered: 0,
             last_hash: None,
