@@ -17,6 +17,7 @@ readonly NEEDS=(
   "python3 -m pip --version|python3-pip"
   "command -v sha256sum|coreutils"
   "command -v flock|util-linux"
+  "command -v protoc|protobuf-compiler"
 )
 
 missing=()

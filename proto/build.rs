@@ -1,0 +1,40 @@
+//! Generates the tonic/prost code for every .proto file under `proto/`.
+//!
+//! protoc is a system tool (Debian `protobuf-compiler`), installed by
+//! `make deps` (scripts/deps.sh); `PROTOC` may point at another binary.
+
+use std::io;
+use std::process::ExitCode;
+
+/// The .proto files to compile, relative to this crate's root.
+const PROTOS: &[&str] = &["proto/tandem/worker/v1/worker.proto"];
+
+/// Import root: package `a.b.v1` lives at `proto/a/b/v1/*.proto`.
+const INCLUDE: &str = "proto";
+
+fn main() -> ExitCode {
+    for proto in PROTOS {
+        println!("cargo:rerun-if-changed={proto}");
+    }
+    println!("cargo:rerun-if-changed={INCLUDE}");
+    println!("cargo:rerun-if-env-changed=PROTOC");
+
+    let result = tonic_prost_build::configure()
+        // rerun-if-changed lines are emitted above, once, for exactly our files.
+        .emit_rerun_if_changed(false)
+        .compile_protos(PROTOS, &[INCLUDE]);
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {
+            eprintln!(
+                "error: protoc was not found: install protobuf-compiler (make deps), \
+                 or set PROTOC to the protoc binary.\n({err})"
+            );
+            ExitCode::FAILURE
+        }
+        Err(err) => {
+            eprintln!("error: compiling {PROTOS:?} failed: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}

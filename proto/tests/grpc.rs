@@ -1,0 +1,138 @@
+//! The generated service and client talk over a real socket: a tonic server on
+//! 127.0.0.1:0 with a trivial in-test DecodeWorker, and a tonic client.
+
+use std::error::Error;
+use std::future::Future;
+use std::time::Duration;
+
+use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
+use proto::worker::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+use proto::worker::v1::{
+    generate_response, AbortRequest, AbortResponse, FinishReason, Finished, GenerateRequest, GenerateResponse,
+    HealthRequest, HealthResponse, TokenChunk, TopLogprob,
+};
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status};
+
+type TestResult = Result<(), Box<dyn Error + Send + Sync>>;
+
+/// Bound on every wait; the work is loopback-only, so hitting it means a hang.
+const WAIT: Duration = Duration::from_secs(10);
+
+const FINGERPRINT: [u8; 32] = [0xab; 32];
+
+/// Echoes the prompt back: one TokenChunk per prompt token (3 in the test),
+/// then Finished.
+struct EchoDecoder;
+
+#[tonic::async_trait]
+impl DecodeWorker for EchoDecoder {
+    type GenerateStream = tokio_stream::Iter<std::vec::IntoIter<Result<GenerateResponse, Status>>>;
+
+    async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let req = request.into_inner();
+        let mut events: Vec<Result<GenerateResponse, Status>> = req
+            .token_ids
+            .iter()
+            .map(|&id| {
+                let token = TokenChunk { id, logprob: Some(-0.5), top: vec![TopLogprob { id, logprob: -0.5 }] };
+                Ok(GenerateResponse { event: Some(generate_response::Event::Token(token)) })
+            })
+            .collect();
+        let finished = Finished {
+            reason: FinishReason::Length as i32,
+            prompt_tokens: req.token_ids.len() as u32,
+            generated_tokens: req.token_ids.len() as u32,
+            prefilled_remotely: !req.prefill.is_empty(),
+        };
+        events.push(Ok(GenerateResponse { event: Some(generate_response::Event::Finished(finished)) }));
+        Ok(Response::new(tokio_stream::iter(events)))
+    }
+
+    async fn abort(&self, _request: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        Ok(Response::new(AbortResponse { found: false }))
+    }
+
+    async fn health(&self, _request: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        Ok(Response::new(HealthResponse {
+            live: true,
+            ready: true,
+            version_group: "smollm2-135m-q4_1/v1".into(),
+            layout_fingerprint: FINGERPRINT.to_vec(),
+            kv_blocks_total: 1024,
+            kv_blocks_used: 17,
+            running: 2,
+            waiting: 1,
+        }))
+    }
+}
+
+async fn within<T>(what: &str, fut: impl Future<Output = T>) -> Result<T, String> {
+    tokio::time::timeout(WAIT, fut).await.map_err(|_| format!("{what} did not happen within {WAIT:?}"))
+}
+
+#[tokio::test]
+async fn decode_worker_streams_tokens_and_reports_health_over_tcp() -> TestResult {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DecodeWorkerServer::new(EchoDecoder))
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async {
+                // A dropped sender also stops the server, so a failing test never leaks it.
+                let _ = stop_rx.await;
+            }),
+    );
+
+    let mut client = within("client connect", DecodeWorkerClient::connect(format!("http://{addr}"))).await??;
+
+    let request = GenerateRequest { request_id: "req-1".into(), token_ids: vec![11, 22, 33], ..Default::default() };
+    let mut stream = within("Generate call", client.generate(request)).await??.into_inner();
+    let mut events = Vec::new();
+    while let Some(msg) = within("next Generate event", stream.message()).await?? {
+        events.push(msg.event.ok_or("GenerateResponse without an event")?);
+    }
+    use generate_response::Event;
+    let tokens: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Token(t) => Some(t.id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tokens, [11, 22, 33]);
+    assert_eq!(events.len(), 4, "3 tokens then exactly one Finished: {events:?}");
+    let Some(Event::Finished(finished)) = events.last() else {
+        return Err(format!("last event is not Finished: {events:?}").into());
+    };
+    assert_eq!(finished.reason(), FinishReason::Length);
+    assert_eq!((finished.prompt_tokens, finished.generated_tokens, finished.prefilled_remotely), (3, 3, false));
+    let Event::Token(first) = &events[0] else {
+        return Err("first event is not a token".into());
+    };
+    assert_eq!(first.logprob, Some(-0.5));
+    assert_eq!(first.top, [TopLogprob { id: 11, logprob: -0.5 }]);
+
+    let health = within("Health call", client.health(HealthRequest {})).await??.into_inner();
+    assert_eq!(
+        health,
+        HealthResponse {
+            live: true,
+            ready: true,
+            version_group: "smollm2-135m-q4_1/v1".into(),
+            layout_fingerprint: FINGERPRINT.to_vec(),
+            kv_blocks_total: 1024,
+            kv_blocks_used: 17,
+            running: 2,
+            waiting: 1,
+        }
+    );
+
+    // Close the client's connection so graceful shutdown has nothing to drain.
+    drop(client);
+    stop_tx.send(()).map_err(|()| "server exited before shutdown was requested")?;
+    // Timeout, then the task (panic), then the server's own result.
+    within("server shutdown", server).await???;
+    Ok(())
+}
