@@ -247,6 +247,47 @@ impl fmt::Debug for LayerData {
     }
 }
 
+/// Everything of a `LayerData` frame before its payload: lets a transport
+/// write the payload from where it already lies (for example K and V slices
+/// of a gathered layer) instead of copying it into an encode buffer first.
+/// `header.encode(out)` followed by the payload bytes is byte-for-byte what
+/// [`Frame::encode`] writes for the equivalent [`LayerData`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerDataHeader {
+    pub reservation: u64,
+    pub generation: u32,
+    pub layer: u32,
+    pub first_block: u32,
+    pub n_blocks: u32,
+    /// CRC-32C of the payload that follows.
+    pub checksum: u32,
+    pub payload_len: usize,
+}
+
+impl LayerDataHeader {
+    /// Appends the [`LAYER_DATA_OVERHEAD`] header bytes. On error `out` is unchanged.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        if self.payload_len > DecodeLimits::MAX_PAYLOAD {
+            return Err(EncodeError::PayloadTooLarge { len: self.payload_len });
+        }
+        out.reserve(LAYER_DATA_OVERHEAD);
+        let mut w = Writer(out);
+        w.bytes(&MAGIC);
+        w.u8(Kind::LayerData as u8);
+        w.u8(0);
+        // Fits: payload_len <= MAX_PAYLOAD = u32::MAX - LAYER_DATA_FIXED.
+        w.u32((LAYER_DATA_FIXED + self.payload_len) as u32);
+        w.u64(self.reservation);
+        w.u32(self.generation);
+        w.u32(self.layer);
+        w.u32(self.first_block);
+        w.u32(self.n_blocks);
+        w.u32(self.checksum);
+        w.u32(self.payload_len as u32);
+        Ok(())
+    }
+}
+
 /// Sender -> receiver: every layer of the reservation has been sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Complete {

@@ -4,13 +4,20 @@
 //! peers may exchange KV, the wire [`frame`]s and their binary codec, the
 //! receiver-side session state machine ([`Receiver`]: reservations, leases,
 //! per-layer coverage, completion) and the sender-side frame splitter
-//! ([`split_layer`]). Transports (shared memory, TCP, QUIC, UCX, CUDA) come
-//! later and only drive what is here.
+//! ([`split_layer`]), and the [`transport`]s that drive them:
+//! - [`transport::tcp`]: plain TCP for a trusted cluster network
+//!   ([`TcpKvServer`] on the decode worker, [`TcpKvSender`] on the prefill
+//!   worker), writing received frames straight into pool blocks through a
+//!   [`BlockSink`].
 //!
-//! Must not: open sockets, read a clock, spawn tasks or know about models
-//! beyond [`engine::kv::KvLayout`]. Everything here is protocol logic with
-//! time passed in (the quinn-proto shape), so it is tested deterministically
-//! in memory and every byte parser can be fuzzed.
+//! Shared memory, QUIC, UCX and CUDA transports come later, behind the same
+//! shape.
+//!
+//! Must not: know about models beyond [`engine::kv::KvLayout`]. Outside
+//! [`transport`], must not open sockets, read a clock or spawn tasks either:
+//! everything there is protocol logic with time passed in (the quinn-proto
+//! shape), so it is tested deterministically in memory and every byte parser
+//! can be fuzzed. Transports only move bytes and pass the time in.
 //!
 //! # Protocol
 //!
@@ -61,17 +68,22 @@ pub mod fingerprint;
 pub mod frame;
 pub mod sender;
 pub mod session;
+pub mod transport;
 
 pub use fingerprint::{LayoutFingerprint, VersionGroup, VersionGroupError};
 pub use frame::{
     Abort, AbortReason, Ack, Complete, DecodeError, DecodeLimits, Decoded, EncodeError, Frame, Hello, HelloAck,
-    HelloReject, LayerData, RejectReason,
+    HelloReject, LayerData, LayerDataHeader, RejectReason,
 };
 pub use sender::{gathered_layer, split_layer, LayerChunks, SplitError};
 pub use session::{
     ConfigError, FrameError, Peer, Receiver, ReceiverConfig, ReceiverCounters, ReleaseCause, Released, Reservation,
     ReservationError, ReservationId, ReservationState, ReserveError, ReserveRefusal, WriteInstruction,
 };
+pub use transport::tcp::{
+    CloseReason, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TcpServerStats, TransferError,
+};
+pub use transport::{BlockSink, FnSink};
 
 /// Version of the transfer protocol: frame layouts and session rules. Peers
 /// with different versions refuse each other in the handshake. It is also

@@ -254,3 +254,28 @@ fn random_bytes_never_panic() {
         }
     }
 }
+
+#[test]
+fn layer_data_header_then_payload_equals_encode() {
+    let d = LayerData::new(7, 3, 2, 5, 4, (0..=255u8).cycle().take(1000).collect());
+    let mut want = Vec::new();
+    Frame::LayerData(d.clone()).encode(&mut want).expect("encode");
+    let h = LayerDataHeader {
+        reservation: d.reservation,
+        generation: d.generation,
+        layer: d.layer,
+        first_block: d.first_block,
+        n_blocks: d.n_blocks,
+        checksum: d.checksum,
+        payload_len: d.payload.len(),
+    };
+    let mut got = Vec::new();
+    h.encode(&mut got).expect("header");
+    assert_eq!(got.len(), LAYER_DATA_OVERHEAD);
+    got.extend_from_slice(&d.payload);
+    assert_eq!(got, want);
+    let too_big = LayerDataHeader { payload_len: DecodeLimits::MAX_PAYLOAD + 1, ..h };
+    let mut out = vec![1];
+    assert!(too_big.encode(&mut out).is_err());
+    assert_eq!(out, [1], "unchanged on error");
+}

@@ -1,0 +1,57 @@
+//! Transports: the I/O that drives the sans-I/O protocol of this crate.
+//!
+//! The protocol modules ([`frame`](crate::frame), [`session`](crate::session),
+//! [`sender`](crate::sender)) never touch a socket or a clock. A transport
+//! owns the bytes in flight: it decodes frames, passes them with the current
+//! time to the [`Receiver`](crate::Receiver), and writes accepted payloads
+//! straight into pool blocks through a [`BlockSink`].
+//!
+//! Transports so far:
+//! - [`tcp`]: plain TCP for a trusted cluster network. Integrity comes from
+//!   the per-frame CRC-32C; there is no encryption or peer authentication.
+
+pub mod tcp;
+
+use std::sync::{Arc, Mutex};
+
+use engine::kv::{BlockId, KvPool};
+
+/// Where accepted KV lands: one layer's K and V of some blocks, written in
+/// place. The bytes are little-endian elements of the layout's dtype, blocks
+/// in `blocks` order — what [`KvPool::scatter_layer`] takes. The write
+/// happens while the transport holds the receiver, after
+/// [`Receiver::on_layer`](crate::Receiver::on_layer) accepted the frame, so
+/// the blocks cannot be released (and reused) during it.
+pub trait BlockSink: Send {
+    /// Writes `k` and `v` of `layer` into `blocks`. An error voids the
+    /// reservation: the transport aborts it and its blocks come back through
+    /// [`Receiver::poll_released`](crate::Receiver::poll_released).
+    fn write_layer(&mut self, layer: usize, blocks: &[BlockId], k: &[u8], v: &[u8]) -> Result<(), String>;
+}
+
+/// The decode worker's pool behind a lock. Lock order: a transport takes the
+/// receiver's lock, then this one; the owner of both must never hold the
+/// pool's lock while it waits for the receiver's.
+impl BlockSink for Arc<Mutex<KvPool>> {
+    fn write_layer(&mut self, layer: usize, blocks: &[BlockId], k: &[u8], v: &[u8]) -> Result<(), String> {
+        // A poisoned lock means another thread panicked mid-write; the pool's
+        // own bookkeeping is still consistent (scatter only copies bytes),
+        // and the transfer's checksum-verified bytes are about to overwrite
+        // the blocks anyway.
+        let mut pool = self.lock().unwrap_or_else(|e| e.into_inner());
+        pool.scatter_layer(layer, blocks, k, v).map_err(|e| e.to_string())
+    }
+}
+
+/// A closure as a sink (tests, or a pool that lives elsewhere, e.g. on a GPU).
+#[derive(Debug, Clone)]
+pub struct FnSink<F>(pub F);
+
+impl<F> BlockSink for FnSink<F>
+where
+    F: FnMut(usize, &[BlockId], &[u8], &[u8]) -> Result<(), String> + Send,
+{
+    fn write_layer(&mut self, layer: usize, blocks: &[BlockId], k: &[u8], v: &[u8]) -> Result<(), String> {
+        (self.0)(layer, blocks, k, v)
+    }
+}

@@ -1,0 +1,334 @@
+//! The TCP transport on real loopback sockets: KV from one engine pool lands
+//! in another pool's reserved blocks, and every failure ends in a typed
+//! error and blocks that come back exactly once.
+//!
+//! Every wait is bounded by a timeout whose message says what did not
+//! happen; events are awaited (server stats watch, socket reads), never slept for.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
+use kvtransfer::frame::LAYER_DATA_OVERHEAD;
+use kvtransfer::{
+    AbortReason, Complete, DecodeLimits, Decoded, Frame, Hello, LayerData, LayoutFingerprint, Peer, Receiver,
+    ReceiverConfig, RejectReason, ReleaseCause, Reservation, ReservationState, TcpKvSender, TcpKvServer,
+    TcpSenderConfig, TcpServerConfig, TcpServerStats, TransferError, VersionGroup, PROTOCOL_VERSION,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(WAIT, fut).await {
+        Ok(t) => t,
+        Err(_) => panic!("timed out after {WAIT:?}: {what} did not happen"),
+    }
+}
+
+fn layout() -> KvLayout {
+    KvLayout { n_layers: 4, n_kv_heads: 2, head_dim: 8, block_size: 4, dtype: KvDtype::F16 }
+}
+
+/// Bytes of one block's K (or V) in one layer.
+fn side(l: &KvLayout) -> usize {
+    l.block_elems() * l.dtype.size()
+}
+
+fn peer(l: &KvLayout, group: &str, weights: u8) -> Peer {
+    Peer {
+        version_group: VersionGroup::new(group).expect("label"),
+        fingerprint: LayoutFingerprint::new(l, &[weights; 32], &[0x22; 32]),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().expect("test lock")
+}
+
+fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Prefill side: a pool whose `n` blocks hold distinct known K/V values.
+fn source(l: KvLayout, n: usize) -> (KvPool, Vec<BlockId>) {
+    let mut pool = KvPool::new(l, 32).expect("pool A");
+    let _skip = pool.allocate(2).expect("offset the ids");
+    let table = pool.allocate(n).expect("alloc A");
+    let row = l.row_elems();
+    for layer in 0..l.n_layers {
+        for (i, &b) in table.iter().enumerate() {
+            for slot in 0..l.block_size {
+                let k: Vec<f32> = (0..row).map(|j| ((layer * 1000 + i * 100 + slot * 10 + j) as f32) * 0.25).collect();
+                let v: Vec<f32> = k.iter().map(|x| -x - 0.5).collect();
+                pool.write(layer, b, slot, &k, &v);
+            }
+        }
+    }
+    (pool, table)
+}
+
+/// Decode side: a receiver, a pool with some decoy blocks taken, and a server.
+struct DecodeSide {
+    layout: KvLayout,
+    rx: Arc<Mutex<Receiver>>,
+    pool: Arc<Mutex<KvPool>>,
+    server: TcpKvServer,
+}
+
+impl DecodeSide {
+    async fn start(config: TcpServerConfig) -> Self {
+        let l = layout();
+        let rx = Arc::new(Mutex::new(Receiver::new(peer(&l, "smollm2", 0x11), ReceiverConfig::new(l)).expect("rx")));
+        let pool = Arc::new(Mutex::new(KvPool::new(l, 32).expect("pool B")));
+        let _decoys = lock(&pool).allocate(3).expect("decoys");
+        let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool.clone(), config).await.expect("bind");
+        Self { layout: l, rx, pool, server }
+    }
+
+    fn reserve(&self, n: usize, ttl: Duration) -> (Reservation, Vec<BlockId>) {
+        let blocks = lock(&self.pool).allocate(n).expect("alloc B");
+        (lock(&self.rx).reserve(blocks.clone(), ttl, now()).expect("reserve"), blocks)
+    }
+
+    async fn wait_stats(&self, what: &str, pred: impl FnMut(&TcpServerStats) -> bool) -> TcpServerStats {
+        let mut w = self.server.watch_stats();
+        let s = within(what, w.wait_for(pred)).await.expect("server alive").clone();
+        s
+    }
+
+    async fn connect(&self, p: &Peer, max_frame_bytes: usize) -> Result<TcpKvSender, TransferError> {
+        let config = TcpSenderConfig { timeout: WAIT, max_frame_bytes };
+        within("handshake", TcpKvSender::connect(self.server.local_addr(), p, self.layout, config)).await
+    }
+}
+
+/// Sends `layers` of `table` from `pool`, in the order given.
+async fn send_layers(tx: &mut TcpKvSender, pool: &KvPool, table: &[BlockId], r: Reservation, layers: &[usize]) {
+    for &layer in layers {
+        let (k, v) = pool.gather_layer(layer, table).expect("gather layer");
+        within("a layer sent", tx.send_layer(r, layer, &k, &v)).await.expect("send layer");
+    }
+}
+
+/// Reads one frame from a raw socket.
+async fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> Frame {
+    loop {
+        if let Decoded::Frame { frame, consumed } = Frame::decode(buf, &DecodeLimits::default()).expect("valid reply") {
+            buf.drain(..consumed);
+            return frame;
+        }
+        let mut chunk = [0u8; 256];
+        let n = within("a reply frame", s.read(&mut chunk)).await.expect("read");
+        assert!(n > 0, "server closed instead of replying");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Connects a raw socket and does the handshake by hand.
+async fn raw_handshake(d: &DecodeSide) -> (TcpStream, Vec<u8>) {
+    let mut s = within("raw connect", TcpStream::connect(d.server.local_addr())).await.expect("connect");
+    let p = peer(&d.layout, "smollm2", 0x11);
+    let hello =
+        Hello { version_group: p.version_group, fingerprint: p.fingerprint, protocol_version: PROTOCOL_VERSION };
+    let mut wire = Vec::new();
+    Frame::Hello(hello).encode(&mut wire).expect("encode");
+    within("hello written", s.write_all(&wire)).await.expect("write");
+    let mut buf = Vec::new();
+    assert!(matches!(read_frame(&mut s, &mut buf).await, Frame::HelloAck(_)));
+    (s, buf)
+}
+
+/// Waits until the server closes a raw connection (EOF or reset).
+async fn expect_closed(s: &mut TcpStream, what: &str) {
+    let mut chunk = [0u8; 64];
+    loop {
+        match within(what, s.read(&mut chunk)).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {} // a reply before the close is fine
+        }
+    }
+}
+
+#[tokio::test]
+async fn full_transfer_lands_bit_exact_in_other_blocks() {
+    let d = DecodeSide::start(TcpServerConfig::default()).await;
+    let l = d.layout;
+    let (pool_a, table_a) = source(l, 5);
+    let (r, table_b) = d.reserve(5, Duration::from_secs(30));
+    assert_ne!(table_a, table_b, "the test must move KV between different ids");
+
+    // Two blocks per frame: 3 frames per layer.
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), LAYER_DATA_OVERHEAD + 2 * 2 * side(&l)).await.expect("connect");
+    let reversed: Vec<usize> = (0..l.n_layers).rev().collect();
+    send_layers(&mut tx, &pool_a, &table_a, r, &reversed).await;
+    assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Receiving), "not readable before Complete");
+    let ack = within("Ack", tx.complete(r)).await.expect("complete");
+    assert_eq!((ack.reservation, ack.generation), (r.id.0, r.generation));
+
+    let blocks = lock(&d.rx).take_ready(r).expect("ready after Ack");
+    assert_eq!(blocks, table_b);
+    let got = lock(&d.pool).gather(&blocks).expect("gather B");
+    assert_eq!(got, pool_a.gather(&table_a).expect("gather A"), "KV bytes differ after the transfer");
+    assert_eq!(lock(&d.rx).counters().layer_frames_accepted, 4 * 3);
+    assert_eq!(tx.bytes_sent(), (4 * 3 * LAYER_DATA_OVERHEAD + 4 * 5 * 2 * side(&l)) as u64);
+}
+
+#[tokio::test]
+async fn handshake_rejects_fingerprint_and_version_group_mismatch() {
+    let d = DecodeSide::start(TcpServerConfig::default()).await;
+    let l = d.layout;
+    let other_weights = peer(&l, "smollm2", 0x99);
+    match d.connect(&other_weights, 1 << 20).await {
+        Err(e @ TransferError::Rejected { reason: RejectReason::Fingerprint }) => {
+            assert_eq!(e.kind(), kvtransfer::ErrorKind::VersionMismatch)
+        }
+        other => panic!("expected a fingerprint rejection, got {other:?}"),
+    }
+    let other_group = peer(&l, "llama-8b", 0x11);
+    match d.connect(&other_group, 1 << 20).await {
+        Err(TransferError::Rejected { reason: RejectReason::VersionGroup }) => {}
+        other => panic!("expected a version-group rejection, got {other:?}"),
+    }
+    let s = d.wait_stats("two rejected connections closed", |s| s.closed_by("rejected") == 2).await;
+    assert_eq!(s.connections_accepted, 2);
+    let c = lock(&d.rx).counters().clone();
+    assert_eq!(c.hello_rejected(RejectReason::Fingerprint), 1);
+    assert_eq!(c.hello_rejected(RejectReason::VersionGroup), 1);
+    assert_eq!(c.hello_accepted, 0);
+}
+
+#[tokio::test]
+async fn corrupt_payload_fails_the_reservation_and_returns_blocks_once() {
+    let d = DecodeSide::start(TcpServerConfig::default()).await;
+    let l = d.layout;
+    let (r, table_b) = d.reserve(3, Duration::from_secs(30));
+    let (mut s, mut buf) = raw_handshake(&d).await;
+
+    let payload: Vec<u8> = (0..3 * 2 * side(&l)).map(|i| (i * 7 + 1) as u8).collect();
+    let frame = LayerData::new(r.id.0, r.generation, 1, 0, 3, payload);
+    let mut wire = Vec::new();
+    Frame::LayerData(frame).encode(&mut wire).expect("encode");
+    wire[LAYER_DATA_OVERHEAD + 17] ^= 0x40;
+    within("corrupt frame written", s.write_all(&wire)).await.expect("write");
+
+    match read_frame(&mut s, &mut buf).await {
+        Frame::Abort(a) => {
+            assert_eq!((a.reservation, a.generation, a.reason), (r.id.0, r.generation, AbortReason::Corrupt))
+        }
+        other => panic!("expected Abort(Corrupt), got {other:?}"),
+    }
+    assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Failed));
+    assert!(lock(&d.rx).take_ready(r).is_err(), "a failed reservation is never readable");
+    let released = lock(&d.rx).poll_released(now());
+    assert_eq!(released.len(), 1);
+    assert_eq!((released[0].cause, &released[0].blocks), (ReleaseCause::Corrupt, &table_b));
+    assert!(lock(&d.rx).poll_released(now()).is_empty(), "blocks come back exactly once");
+    assert!(lock(&d.pool).gather(&table_b).expect("gather").iter().all(|&b| b == 0), "nothing was written");
+    assert_eq!(lock(&d.rx).held_blocks(), 0);
+
+    // A refused frame leaves the stream in sync: the connection still serves.
+    let unknown = Complete { reservation: 999, generation: 1, n_layers: l.n_layers as u32 };
+    wire.clear();
+    Frame::Complete(unknown).encode(&mut wire).expect("encode");
+    within("complete written", s.write_all(&wire)).await.expect("write");
+    match read_frame(&mut s, &mut buf).await {
+        Frame::Abort(a) => assert_eq!((a.reservation, a.reason), (999, AbortReason::ProtocolViolation)),
+        other => panic!("expected Abort(ProtocolViolation), got {other:?}"),
+    }
+    assert_eq!(d.server.stats().connections_closed(), 0);
+}
+
+#[tokio::test]
+async fn dropped_sender_leaves_reservation_unready_until_its_lease_returns_blocks() {
+    let d = DecodeSide::start(TcpServerConfig::default()).await;
+    let l = d.layout;
+    let (pool_a, table_a) = source(l, 4);
+    // Expiry is driven by the clock value passed in, not by waiting; the
+    // lease is only long enough that a slow machine cannot expire it early.
+    let (r, table_b) = d.reserve(4, Duration::from_secs(2));
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 1 << 20).await.expect("connect");
+    send_layers(&mut tx, &pool_a, &table_a, r, &[3, 0]).await;
+    drop(tx);
+
+    let s = d.wait_stats("the dropped connection seen closed", |s| s.connections_closed() == 1).await;
+    assert_eq!(s.closed_by("peer_closed"), 1);
+    let mut rx = lock(&d.rx);
+    assert_eq!(rx.counters().layer_frames_accepted, 2, "both layers arrived before the drop");
+    assert_eq!(rx.state(r), Some(ReservationState::Receiving));
+    assert!(rx.take_ready(r).is_err(), "half a transfer is never readable");
+
+    let deadline = rx.next_deadline().expect("the reservation's lease");
+    assert!(rx.poll_released(deadline - Duration::from_millis(1)).is_empty(), "nothing before the lease ends");
+    let released = rx.poll_released(deadline);
+    assert_eq!(released.len(), 1);
+    assert_eq!((released[0].cause, &released[0].blocks), (ReleaseCause::LeaseExpired, &table_b));
+    assert!(rx.poll_released(deadline + Duration::from_secs(1)).is_empty(), "blocks come back exactly once");
+    assert_eq!(rx.state(r), Some(ReservationState::Expired));
+    drop(rx);
+    let mut pool = lock(&d.pool);
+    pool.release(&released[0].blocks).expect("release");
+    assert_eq!(pool.stats().used, 3, "only the decoys remain: no block leaked");
+}
+
+#[tokio::test]
+async fn garbage_and_wrong_first_frame_close_the_connection_and_the_server_keeps_serving() {
+    let d = DecodeSide::start(TcpServerConfig::default()).await;
+    let l = d.layout;
+
+    let mut s = within("raw connect", TcpStream::connect(d.server.local_addr())).await.expect("connect");
+    within("garbage written", s.write_all(b"GET / HTTP/1.1\r\nHost: decode\r\n\r\n")).await.expect("write");
+    expect_closed(&mut s, "server closing the garbage connection").await;
+
+    let mut s = within("raw connect", TcpStream::connect(d.server.local_addr())).await.expect("connect");
+    let mut wire = Vec::new();
+    Frame::Complete(Complete { reservation: 0, generation: 1, n_layers: 4 }).encode(&mut wire).expect("encode");
+    within("complete written", s.write_all(&wire)).await.expect("write");
+    expect_closed(&mut s, "server closing a connection that skipped Hello").await;
+
+    let st = d.wait_stats("both bad connections counted", |s| s.connections_closed() == 2).await;
+    assert_eq!((st.closed_by("decode"), st.closed_by("not_hello")), (1, 1));
+
+    // A good client is still served end to end.
+    let (pool_a, table_a) = source(l, 2);
+    let (r, table_b) = d.reserve(2, Duration::from_secs(30));
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 1 << 20).await.expect("connect after garbage");
+    send_layers(&mut tx, &pool_a, &table_a, r, &[0, 1, 2, 3]).await;
+    within("Ack", tx.complete(r)).await.expect("complete");
+    let blocks = lock(&d.rx).take_ready(r).expect("ready");
+    assert_eq!(blocks, table_b);
+    assert_eq!(lock(&d.pool).gather(&blocks).expect("B"), pool_a.gather(&table_a).expect("A"));
+}
+
+#[tokio::test]
+async fn idle_connection_is_closed() {
+    let config = TcpServerConfig { idle_timeout: Duration::from_millis(100), ..TcpServerConfig::default() };
+    let d = DecodeSide::start(config).await;
+    let (mut s, _) = raw_handshake(&d).await;
+    expect_closed(&mut s, "server closing an idle connection").await;
+    let st = d.wait_stats("the idle close counted", |s| s.connections_closed() == 1).await;
+    assert_eq!(st.closed_by("idle"), 1);
+}
+
+#[tokio::test]
+async fn sender_learns_of_an_abort_and_stops() {
+    let d = DecodeSide::start(TcpServerConfig::default()).await;
+    let l = d.layout;
+    let (pool_a, table_a) = source(l, 2);
+    let (r, _) = d.reserve(2, Duration::from_secs(30));
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 1 << 20).await.expect("connect");
+    send_layers(&mut tx, &pool_a, &table_a, r, &[0]).await;
+    // Layer 0 again: a duplicate, refused with an Abort.
+    let (k, v) = pool_a.gather_layer(0, &table_a).expect("gather");
+    within("duplicate sent", tx.send_layer(r, 0, &k, &v)).await.expect("the write itself succeeds");
+    match within("complete answered", tx.complete(r)).await {
+        Err(e @ TransferError::PeerAbort { reason: AbortReason::ProtocolViolation }) => {
+            assert_eq!(e.kind(), kvtransfer::ErrorKind::InvalidInput)
+        }
+        other => panic!("expected PeerAbort(ProtocolViolation), got {other:?}"),
+    }
+    // And it is remembered: further sends for that reservation fail fast.
+    assert!(matches!(tx.send_layer(r, 1, &k, &v).await, Err(TransferError::PeerAbort { .. })));
+}
