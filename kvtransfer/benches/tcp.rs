@@ -155,9 +155,10 @@ async fn transport_run(
 
     let start = Instant::now();
     let mut gather = Duration::ZERO;
+    let (mut k, mut v) = (Vec::new(), Vec::new());
     for layer in 0..LAYOUT.n_layers {
         let g = Instant::now();
-        let (k, v) = pool_a.gather_layer(layer, table_a)?;
+        pool_a.gather_layer_into(layer, table_a, &mut k, &mut v)?;
         gather += g.elapsed();
         tx.send_layer(r, layer, &k, &v).await?;
     }

@@ -370,16 +370,31 @@ impl KvPool {
     /// little-endian bytes (blocks in table order): what the transfer path
     /// sends as soon as that layer is computed.
     pub fn gather_layer(&self, layer: usize, table: &[BlockId]) -> Result<(Vec<u8>, Vec<u8>), KvError> {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        self.gather_layer_into(layer, table, &mut k, &mut v)?;
+        Ok((k, v))
+    }
+
+    /// [`gather_layer`](Self::gather_layer) into caller-owned buffers
+    /// (cleared first), so a sender streaming layer after layer reuses
+    /// warm memory instead of faulting in fresh pages for every layer.
+    pub fn gather_layer_into(
+        &self,
+        layer: usize,
+        table: &[BlockId],
+        k: &mut Vec<u8>,
+        v: &mut Vec<u8>,
+    ) -> Result<(), KvError> {
         self.check_layer(layer)?;
         for &b in table {
             self.check(b)?;
         }
         let be = self.layout.block_elems();
-        let n = table.len() * be * self.layout.dtype.size();
-        let (mut k, mut v) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        self.k[layer].gather(be, table, &mut k);
-        self.v[layer].gather(be, table, &mut v);
-        Ok((k, v))
+        k.clear();
+        v.clear();
+        self.k[layer].gather(be, table, k);
+        self.v[layer].gather(be, table, v);
+        Ok(())
     }
 
     /// Writes one layer's K and V bytes (as [`gather_layer`](Self::gather_layer)
