@@ -11,6 +11,7 @@ pub mod kv;
 mod mmap;
 pub mod model;
 pub mod paths;
+pub mod runner;
 pub mod sampler;
 pub mod tokenizer;
 pub mod weights;

@@ -1,0 +1,231 @@
+//! The engine on its own thread, driven through a cloneable handle.
+//!
+//! The worker binaries wrap this in gRPC. One thread owns the [`Engine`] and
+//! everything about the requests in it (sinks, deadlines, held blocks,
+//! counters); handles talk to it only through a command channel, so there is
+//! no lock and the state lives in one place. The loop:
+//!
+//! 1. take commands — without blocking while the engine has work, with a
+//!    blocking `recv` when it is idle (no busy loop);
+//! 2. expire deadlines (and the shutdown grace);
+//! 3. run one [`Engine::step`] and route its tokens to the request's sink.
+//!
+//! Every accepted request gets exactly one terminal event: `Finished`, or
+//! `Failed` with a typed [`RunnerError`]. Admission is answered synchronously
+//! (the handle waits for the thread's reply), so `Overloaded`, `Invalid` and
+//! `ShuttingDown` are return values, never events.
+//!
+//! Time: deadlines are [`Instant`]s compared with `Instant::now()` on the
+//! runner thread, checked once per loop turn, i.e. before every step. A
+//! request whose deadline has passed when it is submitted is accepted and
+//! then failed with `Deadline` before any work is done for it.
+//!
+//! Sinks run on the runner thread, between steps: they must be quick (push
+//! into a channel). A sink that panics is treated as a client that went
+//! away: the panic is caught, the request aborted and its blocks freed, and
+//! the sink is not called again.
+
+mod error;
+mod worker;
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::batch::{Engine, Request};
+use crate::kv::{BlockId, KvPool, KvStats};
+use crate::sampler::{FinishReason, SampledToken};
+
+pub use error::{ErrorKind, RunnerError};
+use worker::{Command, Worker};
+
+/// Runner knobs (the engine's own are in [`crate::batch::EngineConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunnerConfig {
+    /// Requests that may queue beyond the engine's `max_running` seats; a
+    /// submit that would exceed it is refused with `Overloaded`.
+    pub max_waiting: usize,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        Self { max_waiting: 64 }
+    }
+}
+
+/// What a streaming request's sink receives.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunnerEvent {
+    Token(SampledToken),
+    /// Terminal: the last `Token` was the final one.
+    Finished(FinishReason),
+    /// Terminal: the request stopped early; its blocks are already freed.
+    Failed(RunnerError),
+}
+
+/// A finished prefill-only request: its first token and the blocks that
+/// hold its prompt's KV. The blocks stay allocated until
+/// [`RunnerHandle::release_held`], [`RunnerHandle::abort`], or the request's
+/// deadline, whichever comes first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillDone {
+    pub first: SampledToken,
+    pub blocks: Vec<BlockId>,
+}
+
+/// A point-in-time view of the runner, for metrics and routing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunnerStats {
+    pub running: usize,
+    pub waiting: usize,
+    /// Prefill-only requests whose blocks are held for sending.
+    pub held: usize,
+    pub kv: KvStats,
+    pub preemptions: u64,
+    /// Requests that ended normally (prefill-only ones included).
+    pub finished: u64,
+    /// Every error the runner answered a request with, at admission or as
+    /// its terminal event, by kind.
+    pub failed_by_kind: std::collections::BTreeMap<ErrorKind, u64>,
+}
+
+/// Receives a streaming request's events, on the runner thread.
+pub type Sink = Box<dyn FnMut(RunnerEvent) + Send>;
+/// Receives a prefill-only request's outcome, on the runner thread.
+pub type OnDone = Box<dyn FnOnce(Result<PrefillDone, RunnerError>) + Send>;
+
+/// Starts runner threads.
+pub struct Runner;
+
+impl Runner {
+    /// Moves `engine` onto a new thread. The thread exits after
+    /// [`RunnerHandle::shutdown`] has drained, or once every handle is
+    /// dropped and the in-flight requests have ended; joining it gives the
+    /// engine back (with its pool empty of requests).
+    pub fn spawn(engine: Engine, cfg: RunnerConfig) -> std::io::Result<(RunnerHandle, JoinHandle<Engine>)> {
+        let (tx, rx) = mpsc::channel();
+        let block_size = engine.config().block_size;
+        let worker = Worker::new(engine, cfg, rx);
+        let join = std::thread::Builder::new().name("tandem-runner".into()).spawn(move || worker.run())?;
+        Ok((RunnerHandle { tx, block_size }, join))
+    }
+}
+
+/// Drives a runner from any thread. Every call is answered by the runner
+/// thread between two steps; once the thread has exited, calls answer
+/// `ShuttingDown` (or `false` / nothing where they return no error).
+#[derive(Clone)]
+pub struct RunnerHandle {
+    tx: mpsc::Sender<Command>,
+    block_size: usize,
+}
+
+impl RunnerHandle {
+    /// Sends a command that carries `reply` and waits for the answer.
+    fn ask<T>(&self, make: impl FnOnce(mpsc::Sender<T>) -> Command) -> Option<T> {
+        let (reply, rx) = mpsc::channel();
+        self.tx.send(make(reply)).ok()?;
+        // The thread answers every command it takes; an error means it exited.
+        rx.recv().ok()
+    }
+
+    /// Queues a streaming request. `Ok` means accepted: `sink` will get its
+    /// tokens and exactly one terminal event.
+    pub fn submit(&self, req: Request, deadline: Option<Instant>, sink: Sink) -> Result<(), RunnerError> {
+        self.ask(|reply| Command::Submit { req, deadline, sink, reply }).unwrap_or(Err(RunnerError::ShuttingDown))
+    }
+
+    /// Queues a request that stops after its first token and keeps its
+    /// prompt's KV blocks for sending; `on_done` is called exactly once if
+    /// it is accepted.
+    pub fn submit_prefill_only(
+        &self,
+        req: Request,
+        deadline: Option<Instant>,
+        on_done: OnDone,
+    ) -> Result<(), RunnerError> {
+        self.ask(|reply| Command::SubmitPrefillOnly { req, deadline, on_done, reply })
+            .unwrap_or(Err(RunnerError::ShuttingDown))
+    }
+
+    /// Joins a request whose prompt KV is already in `blocks` (from
+    /// [`reserve`](Self::reserve), filled through [`with_pool`](Self::with_pool))
+    /// and whose first token `first` was sampled by the prefill side. The
+    /// sink gets the tokens after `first` (not `first` itself). On `Ok` the
+    /// runner owns the blocks; on `Err` the caller still does and must
+    /// [`release_reserved`](Self::release_reserved) them.
+    pub fn submit_prefilled(
+        &self,
+        req: Request,
+        blocks: Vec<BlockId>,
+        first: SampledToken,
+        deadline: Option<Instant>,
+        sink: Sink,
+    ) -> Result<(), RunnerError> {
+        self.ask(|reply| Command::SubmitPrefilled { req, blocks, first, deadline, sink, reply })
+            .unwrap_or(Err(RunnerError::ShuttingDown))
+    }
+
+    /// Runs `f` on the runner thread with the KV pool, between steps; for
+    /// gathering held blocks and scattering received KV into reserved ones.
+    /// `f` must touch only blocks the caller holds or reserved.
+    pub fn with_pool<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut KvPool) -> R + Send + 'static,
+    ) -> Result<R, RunnerError> {
+        let answer = self.ask(|reply| {
+            Command::WithPool(Box::new(move |pool: &mut KvPool| {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(pool)));
+                // The caller may have gone; nothing to do then.
+                let _ = reply.send(r.map_err(|_| ()));
+            }))
+        });
+        match answer {
+            Some(Ok(r)) => Ok(r),
+            Some(Err(())) => Err(RunnerError::Internal("the pool closure panicked".into())),
+            None => Err(RunnerError::ShuttingDown),
+        }
+    }
+
+    /// Frees a finished prefill-only request's held blocks. Returns whether it was held.
+    pub fn release_held(&self, id: u64) -> bool {
+        self.ask(|reply| Command::ReleaseHeld { id, reply }).unwrap_or(false)
+    }
+
+    /// Allocates `n` blocks for KV another process will write. Refused
+    /// with `ShuttingDown` once draining.
+    pub fn reserve(&self, n: usize) -> Result<Vec<BlockId>, RunnerError> {
+        self.ask(|reply| Command::Reserve { n, reply }).unwrap_or(Err(RunnerError::ShuttingDown))
+    }
+
+    /// Returns reserved blocks that never reached `submit_prefilled`.
+    pub fn release_reserved(&self, blocks: Vec<BlockId>) -> Result<(), RunnerError> {
+        self.ask(|reply| Command::ReleaseReserved { blocks, reply }).unwrap_or(Err(RunnerError::ShuttingDown))
+    }
+
+    /// Blocks a prompt of `prompt_len` tokens needs (no round trip).
+    pub fn blocks_for(&self, prompt_len: usize) -> usize {
+        prompt_len.div_ceil(self.block_size)
+    }
+
+    /// Stops a request wherever it is and frees its blocks; its sink gets
+    /// `Failed(Cancelled)` (a held prefill-only request is just released).
+    /// Returns whether it existed.
+    pub fn abort(&self, id: u64) -> bool {
+        self.ask(|reply| Command::Abort { id, reply }).unwrap_or(false)
+    }
+
+    /// Current counters; `None` once the runner thread has exited.
+    pub fn stats(&self) -> Option<RunnerStats> {
+        self.ask(|reply| Command::Stats { reply })
+    }
+
+    /// Stops admitting (new work answers `ShuttingDown`), lets in-flight
+    /// requests run for up to `grace`, then fails the rest with
+    /// `ShuttingDown`, frees every block and ends the thread. Returns at
+    /// once; join the thread to wait. A second call can only shorten the grace.
+    pub fn shutdown(&self, grace: Duration) {
+        // If the thread is already gone there is nothing left to stop.
+        let _ = self.tx.send(Command::Shutdown { grace });
+    }
+}

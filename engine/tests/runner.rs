@@ -1,0 +1,273 @@
+//! The engine on its own thread, driven through `RunnerHandle` (real model).
+//! Every wait is bounded and says what did not arrive; after a terminal
+//! event the runner has already freed the request's blocks, so `stats()`
+//! right after it is deterministic (commands are handled between steps).
+
+mod common;
+
+use std::sync::mpsc::{self, Receiver};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::{engine, greedy, run_all};
+use engine::batch::{Engine, EngineConfig, Request};
+use engine::runner::{ErrorKind, PrefillDone, Runner, RunnerConfig, RunnerError, RunnerEvent, RunnerHandle, Sink};
+use engine::sampler::FinishReason;
+use engine::tokenizer::Tokenizer;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+fn cfg() -> EngineConfig {
+    EngineConfig { prefix_cache: false, ..EngineConfig::default() }
+}
+
+fn spawn(cfg: EngineConfig, max_waiting: usize) -> (RunnerHandle, JoinHandle<Engine>, Tokenizer) {
+    let (e, tok) = engine(cfg);
+    let (h, j) = Runner::spawn(e, RunnerConfig { max_waiting }).expect("spawn runner");
+    (h, j, tok)
+}
+
+fn sink() -> (Sink, Receiver<RunnerEvent>) {
+    let (tx, rx) = mpsc::channel();
+    // The test may have stopped listening; that is not the runner's concern.
+    (Box::new(move |ev| drop(tx.send(ev))), rx)
+}
+
+fn req(id: u64, prompt: &[u32], max_tokens: u32) -> Request {
+    Request { id, prompt: prompt.to_vec(), params: greedy(max_tokens), salt: 0 }
+}
+
+/// Reads events until the terminal one; returns the tokens and that event.
+fn drain(rx: &Receiver<RunnerEvent>, what: &str) -> (Vec<u32>, RunnerEvent) {
+    let mut tokens = Vec::new();
+    loop {
+        match rx.recv_timeout(WAIT) {
+            Ok(RunnerEvent::Token(t)) => tokens.push(t.id),
+            Ok(terminal) => {
+                // Exactly one terminal event: nothing may follow it.
+                assert!(rx.try_recv().is_err(), "{what}: an event arrived after the terminal one");
+                return (tokens, terminal);
+            }
+            Err(e) => panic!("{what}: no terminal event within {WAIT:?} ({e}); got {} tokens", tokens.len()),
+        }
+    }
+}
+
+fn stats_used(h: &RunnerHandle) -> usize {
+    h.stats().expect("runner alive").kv.used
+}
+
+fn join(j: JoinHandle<Engine>) -> Engine {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || drop(tx.send(j.join())));
+    rx.recv_timeout(WAIT).expect("runner thread did not exit after shutdown").expect("runner thread panicked")
+}
+
+fn prompts(tok: &Tokenizer, texts: &[&str]) -> Vec<Vec<u32>> {
+    texts.iter().map(|t| tok.encode(t, false).expect("encode")).collect()
+}
+
+#[test]
+fn concurrent_submits_match_a_plain_engine() {
+    let (h, j, tok) = spawn(cfg(), 16);
+    let ps = prompts(
+        &tok,
+        &["Hello", "The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Rust is", "The sky is blue because"],
+    );
+    let (mut plain, _) = engine(cfg());
+    let reference = run_all(&mut plain, &ps, &greedy(8));
+
+    let workers: Vec<_> = (0..3)
+        .map(|t| {
+            let h = h.clone();
+            let ps = ps.clone();
+            std::thread::spawn(move || {
+                let rxs: Vec<_> = (2 * t..2 * t + 2)
+                    .map(|i| {
+                        let (s, rx) = sink();
+                        h.submit(req(i as u64, &ps[i], 8), None, s).expect("submit accepted");
+                        (i, rx)
+                    })
+                    .collect();
+                rxs.into_iter()
+                    .map(|(i, rx)| {
+                        let (toks, end) = drain(&rx, &format!("request {i}"));
+                        assert_eq!(end, RunnerEvent::Finished(FinishReason::Length), "request {i}");
+                        (i, toks)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for w in workers {
+        for (i, toks) in w.join().expect("submitter thread") {
+            assert_eq!(toks, reference[i], "request {i} differs from the plain engine");
+        }
+    }
+    let s = h.stats().expect("stats");
+    assert_eq!((s.finished, s.kv.used, s.running, s.waiting), (6, 0, 0, 0), "{s:?}");
+    assert!(s.failed_by_kind.is_empty(), "{s:?}");
+    h.shutdown(Duration::ZERO);
+    assert_eq!(join(j).kv_stats().used, 0);
+}
+
+#[test]
+fn abort_deadline_and_a_panicking_sink_free_everything() {
+    let (h, j, tok) = spawn(cfg(), 16);
+    let p = prompts(&tok, &["The capital of France is"]).remove(0);
+
+    // Abort mid-stream.
+    let (s, rx) = sink();
+    h.submit(req(1, &p, 2000), None, s).expect("submit");
+    assert!(matches!(rx.recv_timeout(WAIT), Ok(RunnerEvent::Token(_))), "no first token for request 1");
+    assert!(h.abort(1), "request 1 is in flight");
+    let (_, end) = drain(&rx, "aborted request");
+    assert_eq!(end, RunnerEvent::Failed(RunnerError::Cancelled));
+    assert_eq!(stats_used(&h), 0, "abort frees the blocks");
+    assert!(!h.abort(1), "already gone");
+
+    // A deadline already past: failed before any work.
+    let past = Instant::now().checked_sub(Duration::from_secs(1)).unwrap_or_else(Instant::now);
+    let (s, rx) = sink();
+    h.submit(req(2, &p, 8), Some(past), s).expect("submit");
+    let (toks, end) = drain(&rx, "request past its deadline");
+    assert_eq!((toks.len(), end), (0, RunnerEvent::Failed(RunnerError::Deadline)));
+    // A very short one: expires mid-stream (2000 tokens cannot fit in 50 ms).
+    let (s, rx) = sink();
+    h.submit(req(3, &p, 2000), Some(Instant::now() + Duration::from_millis(50)), s).expect("submit");
+    let (_, end) = drain(&rx, "request with a short deadline");
+    assert_eq!(end, RunnerEvent::Failed(RunnerError::Deadline));
+    // Prefill-only requests get theirs through on_done.
+    let (tx, prx) = mpsc::channel();
+    h.submit_prefill_only(req(4, &p, 8), Some(past), Box::new(move |r| drop(tx.send(r)))).expect("submit");
+    let r = prx.recv_timeout(WAIT).expect("prefill-only request 4 got no answer");
+    assert_eq!(r, Err(RunnerError::Deadline));
+    assert_eq!(stats_used(&h), 0, "expired requests leak nothing");
+
+    // A sink that panics is a client gone: aborted, thread alive.
+    let (tx, seen) = mpsc::channel();
+    h.submit(
+        req(5, &p, 50),
+        None,
+        Box::new(move |_| {
+            let _ = tx.send(());
+            panic!("client went away");
+        }),
+    )
+    .expect("submit");
+    seen.recv_timeout(WAIT).expect("the panicking sink was never called");
+    let s = h.stats().expect("runner thread survived the panic");
+    assert_eq!((s.kv.used, s.running), (0, 0), "{s:?}");
+    assert_eq!(s.failed_by_kind.get(&ErrorKind::Cancelled), Some(&2), "abort + panicking sink: {s:?}");
+    assert_eq!(s.failed_by_kind.get(&ErrorKind::Deadline), Some(&3), "{s:?}");
+
+    // Invalid input is answered synchronously.
+    let (s, _rx) = sink();
+    let err = h.submit(req(6, &[], 8), None, s).expect_err("empty prompt");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    let (s, rx) = sink();
+    h.submit(req(7, &p, 3), None, s).expect("still serving");
+    assert_eq!(drain(&rx, "request after the panic").1, RunnerEvent::Finished(FinishReason::Length));
+    h.shutdown(Duration::ZERO);
+    assert_eq!(join(j).kv_stats().used, 0);
+}
+
+#[test]
+fn overload_is_synchronous_and_zero_grace_fails_in_flight() {
+    let (h, j, tok) = spawn(EngineConfig { max_running: 1, ..cfg() }, 1);
+    let p = prompts(&tok, &["Once upon a time"]).remove(0);
+    let (s1, rx1) = sink();
+    let (s2, rx2) = sink();
+    let (s3, _rx3) = sink();
+    h.submit(req(1, &p, 2000), None, s1).expect("first takes the seat");
+    h.submit(req(2, &p, 2000), None, s2).expect("second waits");
+    let err = h.submit(req(3, &p, 2000), None, s3).expect_err("third is over the bound");
+    assert_eq!(err, RunnerError::Overloaded { waiting: 1, max_waiting: 1 });
+    assert_eq!(err.kind(), ErrorKind::Overloaded);
+
+    h.shutdown(Duration::ZERO);
+    for (rx, what) in [(&rx1, "running request"), (&rx2, "waiting request")] {
+        assert_eq!(drain(rx, what).1, RunnerEvent::Failed(RunnerError::ShuttingDown), "{what}");
+    }
+    let e = join(j);
+    assert_eq!((e.kv_stats().used, e.has_work()), (0, false));
+    let (s, _rx) = sink();
+    assert_eq!(h.submit(req(4, &p, 2), None, s), Err(RunnerError::ShuttingDown), "thread gone");
+    assert!(h.stats().is_none());
+}
+
+#[test]
+fn shutdown_with_grace_finishes_in_flight_and_refuses_new_work() {
+    let (h, j, tok) = spawn(cfg(), 16);
+    let ps = prompts(&tok, &["Hello", "Rust is"]);
+    let rxs: Vec<_> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (s, rx) = sink();
+            h.submit(req(i as u64, p, 6), None, s).expect("submit");
+            rx
+        })
+        .collect();
+    h.shutdown(Duration::from_secs(600));
+    let (s, _rx) = sink();
+    assert_eq!(h.submit(req(9, &ps[0], 2), None, s), Err(RunnerError::ShuttingDown));
+    assert_eq!(h.reserve(1), Err(RunnerError::ShuttingDown));
+    for (i, rx) in rxs.iter().enumerate() {
+        let (toks, end) = drain(rx, &format!("request {i} during the drain"));
+        assert_eq!((toks.len(), end), (6, RunnerEvent::Finished(FinishReason::Length)), "request {i}");
+    }
+    assert_eq!(join(j).kv_stats().used, 0);
+}
+
+#[test]
+fn prefill_runner_to_decode_runner_equals_one_engine() {
+    let (e, tok) = engine(cfg());
+    let layers = e.model().config().n_layers;
+    let (prefill, pj) = Runner::spawn(e, RunnerConfig::default()).expect("spawn prefill");
+    let (decode, dj, _) = spawn(cfg(), 16);
+    let long = "The lighthouse keeper climbed the stairs every evening. ".repeat(20);
+    let ps = prompts(&tok, &["Hello", "The capital of France is", long.as_str()]);
+    let (mut single, _) = engine(cfg());
+    let reference = run_all(&mut single, &ps, &greedy(10));
+
+    for (i, p) in ps.iter().enumerate() {
+        let id = i as u64;
+        let (tx, rx) = mpsc::channel();
+        prefill.submit_prefill_only(req(id, p, 10), None, Box::new(move |r| drop(tx.send(r)))).expect("prefill");
+        let PrefillDone { first, blocks: src } =
+            rx.recv_timeout(WAIT).expect("prefill-only request never finished").expect("prefill ok");
+        assert_eq!(src.len(), prefill.blocks_for(p.len()));
+
+        let dst = decode.reserve(decode.blocks_for(p.len())).expect("reserve");
+        let kv = prefill
+            .with_pool(move |pool| (0..layers).map(|l| pool.gather_layer(l, &src)).collect::<Result<Vec<_>, _>>())
+            .expect("runner alive")
+            .expect("gather");
+        let dst2 = dst.clone();
+        decode
+            .with_pool(move |pool| kv.iter().enumerate().try_for_each(|(l, (k, v))| pool.scatter_layer(l, &dst2, k, v)))
+            .expect("runner alive")
+            .expect("scatter");
+        assert!(prefill.release_held(id));
+        assert_eq!(stats_used(&prefill), 0, "prefill side keeps nothing after the transfer");
+
+        let (s, srx) = sink();
+        decode.submit_prefilled(req(id, p, 10), dst, first.clone(), None, s).expect("join");
+        let (toks, end) = drain(&srx, &format!("decode of prompt {i}"));
+        assert_eq!(end, RunnerEvent::Finished(FinishReason::Length));
+        let out: Vec<u32> = std::iter::once(first.id).chain(toks).collect();
+        assert_eq!(out, reference[i], "prompt {i} ({} tokens)", p.len());
+        assert_eq!(stats_used(&decode), 0);
+    }
+
+    // Blocks that were never reserved cannot be released or joined.
+    let err = decode.release_reserved(vec![0]).expect_err("block 0 is not reserved");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    // Reservations still out at shutdown are freed with everything else.
+    decode.reserve(2).expect("reserve");
+    decode.shutdown(Duration::ZERO);
+    prefill.shutdown(Duration::ZERO);
+    assert_eq!(join(dj).kv_stats().used, 0);
+    assert_eq!(join(pj).kv_stats().used, 0);
+}
