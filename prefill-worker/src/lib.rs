@@ -1,0 +1,13 @@
+//! tandem's prefill worker: serves `PrefillWorker` over gRPC, runs prompts
+//! through the engine as prefill-only requests, and pushes every layer's KV
+//! into the decode worker's reservation over kvtransfer (TCP).
+//!
+//! Owns: the worker's config, the gRPC service and the KV push. Must not
+//! keep KV after a request: its blocks are released whether the transfer
+//! succeeded or not, because the decode worker owns the request.
+
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod digest;
+pub mod service;

@@ -1,0 +1,377 @@
+//! The `PrefillWorker` gRPC service.
+//!
+//! A request's life here: validate -> prefill-only on the runner -> push
+//! each layer's KV to the destination reservation -> `Complete`/`Ack` ->
+//! release the held blocks (always) -> answer with the first token. Every
+//! failure is a typed `WorkerError` in the response, never a gRPC status.
+//!
+//! One KV connection per destination address is kept and reused; a
+//! transfer holds it for its whole length (transfers to one decode worker
+//! are serialised; they are bandwidth-bound anyway). Any error drops the
+//! connection so the next request reconnects.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use engine::batch::Request;
+use engine::kv::{BlockId, KvLayout};
+use engine::runner::{ErrorKind as RunnerKind, PrefillDone, RunnerError, RunnerHandle};
+use kvtransfer::{
+    LayoutFingerprint, Peer, RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig, TransferError,
+};
+use proto::worker::v1::prefill_worker_server::PrefillWorker;
+use proto::worker::v1::{
+    prefill_response, AbortRequest, AbortResponse, ErrorKind, FirstToken, HealthRequest, HealthResponse,
+    PrefillRequest, PrefillResponse, TopLogprob, WorkerError,
+};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request as GrpcRequest, Response, Status};
+
+type Slot = Arc<tokio::sync::Mutex<Option<TcpKvSender>>>;
+
+/// Shared state of the service (cheap to clone).
+#[derive(Clone)]
+pub struct PrefillService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    runner: RunnerHandle,
+    layout: KvLayout,
+    local: Peer,
+    sender_config: TcpSenderConfig,
+    /// Process-level token: cancelled at the end of shutdown.
+    shutdown: CancellationToken,
+    ready: AtomicBool,
+    next_id: AtomicU64,
+    /// Wire request id -> engine id and the request's token.
+    running: Mutex<HashMap<String, (u64, CancellationToken)>>,
+    senders: Mutex<HashMap<String, Slot>>,
+}
+
+fn err(kind: ErrorKind, message: impl Into<String>) -> WorkerError {
+    WorkerError::new(kind, message)
+}
+
+fn runner_err(e: &RunnerError) -> WorkerError {
+    let kind = match e.kind() {
+        RunnerKind::InvalidInput => ErrorKind::InvalidArgument,
+        RunnerKind::Overloaded => ErrorKind::Overloaded,
+        RunnerKind::Deadline => ErrorKind::Deadline,
+        RunnerKind::Cancelled => ErrorKind::Cancelled,
+        RunnerKind::ShuttingDown => ErrorKind::Retryable,
+        RunnerKind::Internal => ErrorKind::Internal,
+    };
+    err(kind, e.to_string())
+}
+
+fn transfer_err(e: &TransferError) -> WorkerError {
+    let kind = match e {
+        TransferError::Io(_) => ErrorKind::Retryable,
+        TransferError::Rejected { reason: RejectReason::Fingerprint | RejectReason::VersionGroup } => {
+            ErrorKind::VersionMismatch
+        }
+        _ => ErrorKind::KvLoadFailed,
+    };
+    err(kind, format!("KV transfer: {e}"))
+}
+
+/// Runs a blocking runner call off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, WorkerError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| err(ErrorKind::Internal, format!("runner call failed: {e}")))
+}
+
+/// Removes the request's id mapping and, unless disarmed, aborts it in the
+/// engine (which also frees held blocks): covers the caller going away.
+struct Cleanup {
+    inner: Arc<Inner>,
+    request_id: String,
+    engine_id: u64,
+    armed: bool,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.inner.running.lock() {
+            m.remove(&self.request_id);
+        }
+        if self.armed {
+            let runner = self.inner.runner.clone();
+            let id = self.engine_id;
+            // Outside a runtime (never in practice) the runner's own deadline frees it.
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn_blocking(move || runner.abort(id));
+            }
+        }
+    }
+}
+
+impl PrefillService {
+    pub fn new(
+        runner: RunnerHandle,
+        layout: KvLayout,
+        local: Peer,
+        sender_config: TcpSenderConfig,
+        shutdown: CancellationToken,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                runner,
+                layout,
+                local,
+                sender_config,
+                shutdown,
+                ready: AtomicBool::new(true),
+                next_id: AtomicU64::new(1),
+                running: Mutex::new(HashMap::new()),
+                senders: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Stops reporting ready (the first phase of shutdown).
+    pub fn set_draining(&self) {
+        self.inner.ready.store(false, Ordering::SeqCst);
+    }
+
+    fn validate(&self, req: &PrefillRequest) -> Result<(engine::sampler::SamplingParams, Reservation), WorkerError> {
+        let bad = |m: &str| Err(err(ErrorKind::InvalidArgument, m));
+        if req.request_id.is_empty() {
+            return bad("request_id is empty");
+        }
+        if req.token_ids.is_empty() {
+            return bad("token_ids is empty");
+        }
+        let Some(sampling) = req.sampling.as_ref() else { return bad("sampling is required") };
+        let params = engine::sampler::SamplingParams::try_from(sampling).map_err(|e| WorkerError::from(&e))?;
+        let Some(d) = req.destination.as_ref() else { return bad("destination is required") };
+        if d.transport != "tcp" {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!("destination.transport {:?} is not supported (only \"tcp\")", d.transport),
+            ));
+        }
+        if d.transfer_addr.is_empty() {
+            return bad("destination.transfer_addr is empty");
+        }
+        let need = req.token_ids.len().div_ceil(self.inner.layout.block_size);
+        if d.block_ids.len() != need {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!("destination.block_ids has {} blocks; the prompt needs {need}", d.block_ids.len()),
+            ));
+        }
+        let Ok(fp) = <[u8; 32]>::try_from(d.layout_fingerprint.as_slice()) else {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!("destination.layout_fingerprint is {} bytes; 32 expected", d.layout_fingerprint.len()),
+            ));
+        };
+        if d.version_group != self.inner.local.version_group.as_str() {
+            return Err(err(
+                ErrorKind::VersionMismatch,
+                format!(
+                    "destination.version_group {:?} differs from ours {:?}",
+                    d.version_group,
+                    self.inner.local.version_group.as_str()
+                ),
+            ));
+        }
+        if LayoutFingerprint::from_bytes(fp) != self.inner.local.fingerprint {
+            return Err(err(
+                ErrorKind::VersionMismatch,
+                format!(
+                    "destination.layout_fingerprint {} differs from ours {}",
+                    LayoutFingerprint::from_bytes(fp),
+                    self.inner.local.fingerprint
+                ),
+            ));
+        }
+        Ok((params, Reservation { id: ReservationId(d.reservation_id), generation: d.generation }))
+    }
+
+    async fn prefill_inner(&self, req: PrefillRequest) -> Result<FirstToken, WorkerError> {
+        let (params, reservation) = self.validate(&req)?;
+        let addr = req.destination.as_ref().map(|d| d.transfer_addr.clone()).unwrap_or_default();
+        let deadline = local_deadline(req.deadline_unix_ms);
+        let inner = &self.inner;
+        if !inner.ready.load(Ordering::SeqCst) {
+            return Err(err(ErrorKind::Retryable, "worker is draining"));
+        }
+        let engine_id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let token = inner.shutdown.child_token();
+        {
+            let mut m = inner.running.lock().map_err(|_| err(ErrorKind::Internal, "request map poisoned"))?;
+            if m.contains_key(&req.request_id) {
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    format!("request_id {:?} is already running here", req.request_id),
+                ));
+            }
+            m.insert(req.request_id.clone(), (engine_id, token.clone()));
+        }
+        let mut cleanup = Cleanup { inner: inner.clone(), request_id: req.request_id.clone(), engine_id, armed: false };
+
+        let (tx, rx) = tokio::sync::oneshot::channel::<Result<PrefillDone, RunnerError>>();
+        let runner = inner.runner.clone();
+        let engine_req = Request { id: engine_id, prompt: req.token_ids.clone(), params, salt: 0 };
+        blocking(move || runner.submit_prefill_only(engine_req, deadline, Box::new(move |r| drop(tx.send(r)))))
+            .await?
+            .map_err(|e| runner_err(&e))?;
+        cleanup.armed = true;
+        let done = tokio::select! {
+            r = rx => r.map_err(|_| err(ErrorKind::Internal, "runner dropped the request"))?,
+            _ = token.cancelled() => return Err(err(ErrorKind::Cancelled, "aborted")),
+        }
+        .map_err(|e| runner_err(&e))?;
+
+        let push = self.push(&addr, reservation, done.blocks, &token);
+        let pushed = match deadline {
+            Some(d) => match tokio::time::timeout_at(tokio::time::Instant::from_std(d), push).await {
+                Ok(r) => r,
+                Err(_) => Err(err(ErrorKind::Deadline, "deadline passed during the KV transfer")),
+            },
+            None => push.await,
+        };
+        // Always: the prefill worker keeps no KV, whatever the transfer did.
+        let runner = inner.runner.clone();
+        blocking(move || runner.release_held(engine_id)).await?;
+        cleanup.armed = false;
+        let (layers, bytes) = pushed?;
+        Ok(FirstToken {
+            id: done.first.id,
+            logprob: done.first.logprob,
+            top: done.first.top.iter().map(|&(id, logprob)| TopLogprob { id, logprob }).collect(),
+            kv_layers_sent: layers,
+            kv_bytes_sent: bytes,
+        })
+    }
+
+    fn slot(&self, addr: &str) -> Result<Slot, WorkerError> {
+        let mut m = self.inner.senders.lock().map_err(|_| err(ErrorKind::Internal, "sender map poisoned"))?;
+        Ok(m.entry(addr.to_owned()).or_default().clone())
+    }
+
+    /// Sends every layer and completes; returns (layers, payload bytes).
+    async fn push(
+        &self,
+        addr: &str,
+        r: Reservation,
+        blocks: Vec<BlockId>,
+        token: &CancellationToken,
+    ) -> Result<(u32, u64), WorkerError> {
+        let slot = self.slot(addr)?;
+        let mut guard = slot.lock().await;
+        let result = self.push_on(&mut guard, addr, r, Arc::new(blocks), token).await;
+        if result.is_err() {
+            // A connection that saw an error is not trusted for the next request.
+            *guard = None;
+        }
+        result
+    }
+
+    async fn push_on(
+        &self,
+        conn: &mut Option<TcpKvSender>,
+        addr: &str,
+        r: Reservation,
+        blocks: Arc<Vec<BlockId>>,
+        token: &CancellationToken,
+    ) -> Result<(u32, u64), WorkerError> {
+        let inner = &self.inner;
+        if conn.is_none() {
+            let c = TcpKvSender::connect(addr, &inner.local, inner.layout, inner.sender_config.clone())
+                .await
+                .map_err(|e| transfer_err(&e))?;
+            *conn = Some(c);
+        }
+        let Some(sender) = conn.as_mut() else { return Err(err(ErrorKind::Internal, "no KV connection")) };
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        let mut bytes = 0u64;
+        for layer in 0..inner.layout.n_layers {
+            let (b, t) = (blocks.clone(), token.clone());
+            // Gathered on the runner thread; the token check there orders it
+            // after any Abort (which cancels the token before freeing blocks).
+            let gathered = inner.runner.clone();
+            let (kk, vv) = blocking(move || {
+                gathered.with_pool(move |pool| {
+                    if t.is_cancelled() {
+                        return Err("aborted".to_owned());
+                    }
+                    pool.gather_layer_into(layer, &b, &mut k, &mut v).map_err(|e| e.to_string())?;
+                    Ok((k, v))
+                })
+            })
+            .await?
+            .map_err(|e| runner_err(&e))?
+            .map_err(|e| err(if token.is_cancelled() { ErrorKind::Cancelled } else { ErrorKind::Internal }, e))?;
+            (k, v) = (kk, vv);
+            tokio::select! {
+                s = sender.send_layer(r, layer, &k, &v) => s.map_err(|e| transfer_err(&e))?,
+                _ = token.cancelled() => return Err(err(ErrorKind::Cancelled, "aborted during the KV transfer")),
+            }
+            bytes += (k.len() + v.len()) as u64;
+        }
+        tokio::select! {
+            a = sender.complete(r) => { a.map_err(|e| transfer_err(&e))?; }
+            _ = token.cancelled() => return Err(err(ErrorKind::Cancelled, "aborted while waiting for the Ack")),
+        }
+        Ok((inner.layout.n_layers as u32, bytes))
+    }
+}
+
+/// The wire's wall-clock deadline as a local monotonic one; `None` for 0.
+fn local_deadline(unix_ms: u64) -> Option<Instant> {
+    if unix_ms == 0 {
+        return None;
+    }
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    Some(Instant::now() + Duration::from_millis(unix_ms.saturating_sub(now_ms)))
+}
+
+#[tonic::async_trait]
+impl PrefillWorker for PrefillService {
+    async fn prefill(&self, request: GrpcRequest<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
+        let outcome = match self.prefill_inner(request.into_inner()).await {
+            Ok(first) => prefill_response::Outcome::FirstToken(first),
+            Err(e) => {
+                tracing::info!(kind = ?e.kind(), message = %e.message, "prefill failed");
+                prefill_response::Outcome::Error(e)
+            }
+        };
+        Ok(Response::new(PrefillResponse { outcome: Some(outcome) }))
+    }
+
+    async fn abort(&self, request: GrpcRequest<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        let id = request.into_inner().request_id;
+        let found = self.inner.running.lock().ok().and_then(|m| m.get(&id).cloned());
+        let Some((engine_id, token)) = found else { return Ok(Response::new(AbortResponse { found: false })) };
+        // Token first: a gather that runs after the engine abort sees it.
+        token.cancel();
+        let runner = self.inner.runner.clone();
+        blocking(move || runner.abort(engine_id)).await.map_err(|e| Status::internal(e.message))?;
+        Ok(Response::new(AbortResponse { found: true }))
+    }
+
+    async fn health(&self, _request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        let runner = self.inner.runner.clone();
+        let stats = blocking(move || runner.stats()).await.map_err(|e| Status::internal(e.message))?;
+        let ready = self.inner.ready.load(Ordering::SeqCst) && stats.is_some();
+        let mut h = HealthResponse {
+            live: true,
+            ready,
+            version_group: self.inner.local.version_group.as_str().to_owned(),
+            layout_fingerprint: self.inner.local.fingerprint.as_bytes().to_vec(),
+            ..HealthResponse::default()
+        };
+        if let Some(s) = stats {
+            h.kv_blocks_total = s.kv.total as u32;
+            h.kv_blocks_used = s.kv.used as u32;
+            h.running = s.running as u32;
+            h.waiting = s.waiting as u32;
+        }
+        Ok(Response::new(h))
+    }
+}

@@ -1,0 +1,211 @@
+//! The real `tandem-prefill-worker` process against an in-test decode side:
+//! a KvPool, a kvtransfer Receiver and a TcpKvServer on loopback. The first
+//! token and the KV it pushes must equal a single-process engine's, bit for bit.
+//!
+//! Every wait is bounded and says what did not happen; nothing sleeps.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use engine::batch::{Engine, EngineConfig, Request};
+use engine::kv::{KvDtype, KvLayout, KvPool};
+use engine::model::Model;
+use engine::sampler::SamplingParams;
+use engine::tokenizer::Tokenizer;
+use engine::weights::Weights;
+use kvtransfer::{LayoutFingerprint, Peer, Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig, VersionGroup};
+use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
+use proto::worker::v1::{prefill_response, ErrorKind, HealthRequest, KvDestination, PrefillRequest};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// Model loading and prefill on a 2-core machine; a hang hits this.
+const WAIT: Duration = Duration::from_secs(120);
+const GROUP: &str = "test-group";
+const KV_BLOCKS: usize = 64;
+
+/// Kills the worker if the test fails before it exits.
+struct ChildGuard(Option<Child>);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> Result<T, String> {
+    tokio::time::timeout(WAIT, fut).await.map_err(|_| format!("{what} did not happen within {WAIT:?}"))
+}
+
+fn engine_config() -> EngineConfig {
+    EngineConfig { kv_blocks: KV_BLOCKS, ..EngineConfig::default() }
+}
+
+/// Local reference: layout, fingerprint, the greedy first token and the prompt's KV bytes.
+fn reference(prompt: &[u32]) -> Result<(KvLayout, LayoutFingerprint, u32, Vec<u8>), String> {
+    let path = engine::paths::default_model_path();
+    let (w, f) = Weights::from_gguf(&path).map_err(|e| format!("load {}: {e}", path.display()))?;
+    let tok = Tokenizer::from_gguf(&f).map_err(|e| e.to_string())?;
+    let model = Model::new(w, 1).map_err(|e| e.to_string())?;
+    let layout = model.kv_layout(16, KvDtype::F16);
+    let digest = prefill_worker::digest::weights_digest(&path).map_err(|e| e.to_string())?;
+    let fp = LayoutFingerprint::new(&layout, &digest, &tok.digest());
+    let mut e = Engine::new(model, engine_config(), tok.eos_ids().to_vec()).map_err(|e| e.to_string())?;
+    e.add_prefill_only(Request { id: 7, prompt: prompt.to_vec(), params: greedy(), salt: 0 })
+        .map_err(|e| e.to_string())?;
+    let mut first = None;
+    for _ in 0..10_000 {
+        if !e.has_work() {
+            break;
+        }
+        for ev in e.step().map_err(|e| e.to_string())? {
+            first = Some(ev.token.id);
+        }
+    }
+    let first = first.ok_or("the local engine produced no first token")?;
+    let blocks = e.held_blocks(7).ok_or("the local engine holds no blocks")?.to_vec();
+    let kv = e.pool().gather(&blocks).map_err(|e| e.to_string())?;
+    Ok((layout, fp, first, kv))
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams { max_tokens: 1, ignore_eos: true, ..SamplingParams::default() }
+}
+
+fn prompt() -> Result<Vec<u32>, String> {
+    let path = engine::paths::default_model_path();
+    let (_, f) = Weights::from_gguf(&path).map_err(|e| e.to_string())?;
+    let tok = Tokenizer::from_gguf(&f).map_err(|e| e.to_string())?;
+    let text =
+        "The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital of Germany is";
+    tok.encode(text, false).map_err(|e| e.to_string())
+}
+
+/// Starts the worker and reads its `listening grpc=ADDR` line.
+fn start_worker() -> Result<(ChildGuard, SocketAddr), String> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem-prefill-worker"))
+        .args(["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1"])
+        .args(["--kv-blocks", &KV_BLOCKS.to_string(), "--shutdown-timeout-ms", "5000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("spawn the worker: {e}"))?;
+    let stdout = child.stdout.take().ok_or("no stdout pipe")?;
+    let guard = ChildGuard(Some(child));
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if let Some(addr) = line.strip_prefix("listening grpc=") {
+                let _ = tx.send(addr.to_owned());
+            }
+        }
+    });
+    let addr =
+        rx.recv_timeout(WAIT).map_err(|_| format!("the worker printed no `listening grpc=` line within {WAIT:?}"))?;
+    Ok((guard, addr.parse().map_err(|e| format!("bad address {addr:?}: {e}"))?))
+}
+
+/// Waits for the worker to exit; on timeout it is killed and the error says so.
+fn wait_exit(guard: &mut ChildGuard) -> Result<ExitStatus, String> {
+    let mut child = guard.0.take().ok_or("no child")?;
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || drop(tx.send(child.wait())));
+    match rx.recv_timeout(WAIT) {
+        Ok(status) => status.map_err(|e| e.to_string()),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            Err(format!("worker {pid} did not exit within {WAIT:?} of SIGTERM"))
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResult {
+    let prompt = prompt()?;
+    let (layout, fp, want_first, want_kv) = reference(&prompt)?;
+    let (mut guard, addr) = start_worker()?;
+
+    // The decode side.
+    let local = Peer { version_group: VersionGroup::new(GROUP)?, fingerprint: fp };
+    let rx = Arc::new(Mutex::new(Receiver::new(local, ReceiverConfig::new(layout))?));
+    let pool = Arc::new(Mutex::new(KvPool::new(layout, KV_BLOCKS)?));
+    let n = prompt.len().div_ceil(layout.block_size);
+    let blocks = {
+        let mut p = pool.lock().map_err(|_| "pool lock")?;
+        let _decoys = p.allocate(3)?;
+        p.allocate(n)?
+    };
+    let r = rx.lock().map_err(|_| "rx lock")?.reserve(
+        blocks.clone(),
+        Duration::from_secs(120),
+        tokio::time::Instant::now().into_std(),
+    )?;
+    let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool.clone(), TcpServerConfig::default()).await?;
+
+    let mut client = within("gRPC connect", PrefillWorkerClient::connect(format!("http://{addr}"))).await??;
+    let destination = KvDestination {
+        transfer_addr: server.local_addr().to_string(),
+        transport: "tcp".into(),
+        reservation_id: r.id.0,
+        generation: r.generation,
+        block_ids: blocks.clone(),
+        layout_fingerprint: fp.as_bytes().to_vec(),
+        version_group: GROUP.into(),
+    };
+    let request = PrefillRequest {
+        request_id: "req-1".into(),
+        token_ids: prompt.clone(),
+        sampling: Some((&greedy()).into()),
+        deadline_unix_ms: 0,
+        destination: Some(destination.clone()),
+    };
+    let resp = within("Prefill answer", client.prefill(request.clone())).await??.into_inner();
+    let Some(prefill_response::Outcome::FirstToken(first)) = resp.outcome else {
+        return Err(format!("Prefill did not return a first token: {resp:?}").into());
+    };
+    assert_eq!(first.id, want_first, "first token differs from the single-process engine");
+    assert_eq!(first.kv_layers_sent as usize, layout.n_layers);
+    assert_eq!(first.kv_bytes_sent as usize, want_kv.len());
+
+    let ready = rx.lock().map_err(|_| "rx lock")?.take_ready(r)?;
+    assert_eq!(ready, blocks);
+    let got = pool.lock().map_err(|_| "pool lock")?.gather(&ready)?;
+    assert!(got == want_kv, "received KV differs from the local engine's ({} vs {} bytes)", got.len(), want_kv.len());
+
+    let health = within("Health answer", client.health(HealthRequest {})).await??.into_inner();
+    assert!(health.live && health.ready, "{health:?}");
+    assert_eq!(
+        (health.kv_blocks_used, health.kv_blocks_total as usize),
+        (0, KV_BLOCKS),
+        "the worker kept KV: {health:?}"
+    );
+    assert_eq!(health.layout_fingerprint, fp.as_bytes().to_vec());
+    assert_eq!(health.version_group, GROUP);
+
+    // A destination with another fingerprint is refused before any work.
+    let mut wrong = request.clone();
+    wrong.request_id = "req-2".into();
+    if let Some(d) = wrong.destination.as_mut() {
+        d.layout_fingerprint = vec![0x5a; 32];
+    }
+    let resp = within("Prefill answer (wrong fingerprint)", client.prefill(wrong)).await??.into_inner();
+    match resp.outcome {
+        Some(prefill_response::Outcome::Error(e)) => assert_eq!(e.kind(), ErrorKind::VersionMismatch, "{e:?}"),
+        other => return Err(format!("expected VERSION_MISMATCH, got {other:?}").into()),
+    }
+
+    let pid = guard.0.as_ref().ok_or("no child")?.id();
+    let status = Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+    assert!(status.success(), "kill -TERM {pid} failed");
+    let exit = wait_exit(&mut guard)?;
+    assert_eq!(exit.code(), Some(0), "worker exit status after SIGTERM: {exit:?}");
+    Ok(())
+}
