@@ -11,30 +11,16 @@ use engine::weights::export::{export_safetensors, ExportDtype};
 use engine::weights::hf::{permute_qk, QkOrder};
 use engine::weights::Weights;
 
+mod common;
+
+use common::model_path;
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const HELLO: &str = "Hello, world! The capital of France is";
 const HELLO_IDS: [u32; 9] = [19556, 28, 905, 17, 378, 3575, 282, 4649, 314];
 const STEPS: usize = 16;
 const THREADS: usize = 2;
-
-/// `$TANDEM_MODEL`, else the cache path `make model` fills. Missing is a
-/// failure, not a skip: a skipped test looks like a passing one.
-fn model_path() -> PathBuf {
-    let path = match std::env::var_os("TANDEM_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let cache = std::env::var_os("TANDEM_CACHE")
-                .map(PathBuf::from)
-                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tandem")))
-                .unwrap_or_else(|| PathBuf::from(".cache/tandem"));
-            cache.join("models").join(MODEL_FILE)
-        }
-    };
-    assert!(path.is_file(), "test model {} not found: run `make model` (or set TANDEM_MODEL)", path.display());
-    path
-}
 
 /// A scratch directory, removed on drop (also when the test fails).
 struct TempDir(PathBuf);

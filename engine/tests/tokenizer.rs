@@ -7,26 +7,11 @@ use std::sync::OnceLock;
 use engine::gguf::GgufFile;
 use engine::tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer, TokenizerParts};
 
+mod common;
+
+use common::model_path;
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
-
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// `$TANDEM_MODEL`, else the cache path `make model` fills. Missing is a
-/// failure, not a skip: a skipped tokenizer test looks like a passing one.
-fn model_path() -> PathBuf {
-    let path = match std::env::var_os("TANDEM_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let cache = std::env::var_os("TANDEM_CACHE")
-                .map(PathBuf::from)
-                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tandem")))
-                .unwrap_or_else(|| PathBuf::from(".cache/tandem"));
-            cache.join("models").join(MODEL_FILE)
-        }
-    };
-    assert!(path.is_file(), "test model {} not found: run `make model` (or set TANDEM_MODEL)", path.display());
-    path
-}
 
 fn gguf() -> Result<GgufFile, Box<dyn std::error::Error>> {
     Ok(GgufFile::open(&model_path())?)

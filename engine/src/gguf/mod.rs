@@ -49,23 +49,27 @@ impl GgmlType {
         }
     }
 
+    /// The kernels' name for this type, which owns the block geometry.
+    pub fn weight_type(self) -> kernels::WeightType {
+        use kernels::WeightType as W;
+        match self {
+            Self::F32 => W::F32,
+            Self::F16 => W::F16,
+            Self::BF16 => W::BF16,
+            Self::Q4_0 => W::Q4_0,
+            Self::Q4_1 => W::Q4_1,
+            Self::Q8_0 => W::Q8_0,
+        }
+    }
+
     /// Elements per quantization block (1 for plain float types).
     pub fn block_elems(self) -> usize {
-        match self {
-            Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => 32,
-        }
+        self.weight_type().block_elems()
     }
 
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
-        match self {
-            Self::F32 => 4,
-            Self::F16 | Self::BF16 => 2,
-            Self::Q4_0 => 18,
-            Self::Q4_1 => 20,
-            Self::Q8_0 => 34,
-        }
+        self.weight_type().block_bytes()
     }
 
     pub fn name(self) -> &'static str {

@@ -107,13 +107,5 @@ impl Weights {
 
 /// Maps a GGUF tensor type to the kernel's weight type.
 pub fn weight_type(t: crate::gguf::GgmlType) -> WeightType {
-    use crate::gguf::GgmlType as G;
-    match t {
-        G::F32 => WeightType::F32,
-        G::F16 => WeightType::F16,
-        G::BF16 => WeightType::BF16,
-        G::Q4_0 => WeightType::Q4_0,
-        G::Q4_1 => WeightType::Q4_1,
-        G::Q8_0 => WeightType::Q8_0,
-    }
+    t.weight_type()
 }
