@@ -9,5 +9,4 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
-pub mod digest;
 pub mod service;

@@ -54,7 +54,7 @@ fn reference(prompt: &[u32]) -> Result<(KvLayout, LayoutFingerprint, u32, Vec<u8
     let tok = Tokenizer::from_gguf(&f).map_err(|e| e.to_string())?;
     let model = Model::new(w, 1).map_err(|e| e.to_string())?;
     let layout = model.kv_layout(16, KvDtype::F16);
-    let digest = prefill_worker::digest::weights_digest(&path).map_err(|e| e.to_string())?;
+    let digest = engine::weights::digest::weights_digest(&path).map_err(|e| e.to_string())?;
     let fp = LayoutFingerprint::new(&layout, &digest, &tok.digest());
     let mut e = Engine::new(model, engine_config(), tok.eos_ids().to_vec()).map_err(|e| e.to_string())?;
     e.add_prefill_only(Request { id: 7, prompt: prompt.to_vec(), params: greedy(), salt: 0 })

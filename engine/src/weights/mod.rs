@@ -6,6 +6,7 @@
 //! rows are in GGUF order (interleaved RoPE pairs); the safetensors loader
 //! permutes HF's layout into it.
 
+pub mod digest;
 pub mod export;
 pub mod gguf;
 pub mod hf;
