@@ -113,6 +113,10 @@ pub enum EngineError {
     Kv(#[from] KvError),
     #[error("forward pass: {0}")]
     Forward(#[from] ForwardError),
+    /// The scheduler's bookkeeping disagrees with itself: a bug, reported
+    /// instead of panicking.
+    #[error("internal engine error: {0}")]
+    Internal(&'static str),
 }
 
 /// The continuous-batching engine.
@@ -336,7 +340,7 @@ impl Engine {
                 continue;
             }
             let blocks = self.pool.allocate(need)?;
-            let s = self.seqs.get_mut(&id).ok_or(EngineError::DuplicateId(id))?;
+            let s = self.seqs.get_mut(&id).ok_or(EngineError::Internal("scheduled sequence missing"))?;
             s.table.extend(blocks);
             plan.push((id, n));
             budget -= n;
@@ -346,7 +350,7 @@ impl Engine {
         // 2. Admit waiting sequences while seats, budget and blocks allow.
         while budget > 0 && self.running.len() < self.cfg.max_running {
             let Some(&id) = self.waiting.front() else { break };
-            let s = self.seqs.get_mut(&id).ok_or(EngineError::DuplicateId(id))?;
+            let s = self.seqs.get_mut(&id).ok_or(EngineError::Internal("scheduled sequence missing"))?;
             if self.cfg.prefix_cache && s.table.is_empty() {
                 s.acquire_prefix(&mut self.pool);
             }
@@ -371,7 +375,7 @@ impl Engine {
     fn make_room(&mut self, need: usize, index: usize) -> Result<bool, EngineError> {
         while need > self.pool.available() {
             let Some(victim) = self.running.pop() else { return Ok(false) };
-            let s = self.seqs.get_mut(&victim).ok_or(EngineError::DuplicateId(victim))?;
+            let s = self.seqs.get_mut(&victim).ok_or(EngineError::Internal("preempted sequence missing"))?;
             s.release(&mut self.pool);
             self.waiting.push_front(victim);
             self.preemptions += 1;

@@ -68,7 +68,9 @@ impl RunnerError {
             }
             // A reservation that does not fit is capacity, not a bug.
             EngineError::Kv(KvError::Exhausted { needed, available, .. }) => Self::NoKvBlocks { needed, available },
-            EngineError::Config { .. } | EngineError::Kv(_) | EngineError::Forward(_) => Self::Internal(e.to_string()),
+            EngineError::Config { .. } | EngineError::Kv(_) | EngineError::Forward(_) | EngineError::Internal(_) => {
+                Self::Internal(e.to_string())
+            }
         }
     }
 }
