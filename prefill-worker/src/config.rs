@@ -42,6 +42,9 @@ pub struct Flags {
     /// gRPC listen address. Env: TANDEM_GRPC. Default 127.0.0.1:0.
     #[arg(long, env = "TANDEM_GRPC")]
     pub grpc: Option<String>,
+    /// Prometheus `/metrics` listen address. Env: TANDEM_METRICS. Default 127.0.0.1:0.
+    #[arg(long, env = "TANDEM_METRICS")]
+    pub metrics: Option<String>,
     /// Model compute threads. Env: TANDEM_THREADS. Default: available cores.
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
@@ -80,6 +83,7 @@ pub struct Flags {
 pub struct FileConfig {
     pub model: Option<PathBuf>,
     pub grpc: Option<String>,
+    pub metrics: Option<String>,
     pub threads: Option<usize>,
     pub version_group: Option<String>,
     pub kv_block_size: Option<usize>,
@@ -97,6 +101,8 @@ pub struct FileConfig {
 pub struct Config {
     pub model: PathBuf,
     pub grpc: SocketAddr,
+    /// Where `/metrics` is served (port 0: any free port, printed at start-up).
+    pub metrics: SocketAddr,
     pub threads: usize,
     pub version_group: VersionGroup,
     pub kv_block_size: usize,
@@ -127,6 +133,7 @@ impl Config {
             flags,
             model,
             grpc,
+            metrics,
             threads,
             version_group,
             kv_block_size,
@@ -145,6 +152,9 @@ impl Config {
     pub fn resolve(f: FileConfig) -> Result<Self, ConfigError> {
         let grpc_text = f.grpc.unwrap_or_else(|| "127.0.0.1:0".into());
         let grpc = grpc_text.parse().map_err(|e| invalid("grpc", format!("{grpc_text:?} is not host:port ({e})")))?;
+        let metrics_text = f.metrics.unwrap_or_else(|| "127.0.0.1:0".into());
+        let metrics =
+            metrics_text.parse().map_err(|e| invalid("metrics", format!("{metrics_text:?} is not host:port ({e})")))?;
         let threads = f.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         if threads == 0 {
             return Err(invalid("threads", "must be at least 1"));
@@ -161,6 +171,7 @@ impl Config {
         let cfg = Self {
             model: f.model.unwrap_or_else(engine::paths::default_model_path),
             grpc,
+            metrics,
             threads,
             version_group,
             kv_block_size: positive("kv_block_size", f.kv_block_size, 16)?,
@@ -210,6 +221,7 @@ mod tests {
             (FileConfig { kv_dtype: Some("bf8".into()), ..base() }, "`kv_dtype`"),
             (FileConfig { kv_blocks: Some(0), ..base() }, "`kv_blocks`"),
             (FileConfig { grpc: Some("nowhere".into()), ..base() }, "`grpc`"),
+            (FileConfig { metrics: Some("localhost".into()), ..base() }, "`metrics`"),
             (FileConfig { version_group: Some("a b".into()), ..base() }, "`version_group`"),
         ];
         for (f, field) in cases {
@@ -224,7 +236,10 @@ mod tests {
         std::fs::create_dir_all(&dir).ok();
         let path = dir.join("c.toml");
         let model = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"));
-        let text = format!("version_group = \"file-g\"\nkv_blocks = 7\nmax_waiting = 3\nmodel = {:?}\n", model);
+        let text = format!(
+            "version_group = \"file-g\"\nkv_blocks = 7\nmax_waiting = 3\nmetrics = \"127.0.0.1:9464\"\nmodel = {:?}\n",
+            model
+        );
         std::fs::write(&path, text).ok();
         let flags = Flags { config: Some(path.clone()), kv_blocks: Some(9), ..Flags::default() };
         let cfg = Config::load(&flags).map_err(|e| e.to_string());
@@ -234,6 +249,7 @@ mod tests {
         };
         assert_eq!((cfg.kv_blocks, cfg.max_waiting, cfg.kv_block_size), (9, 3, 16));
         assert_eq!(cfg.version_group.as_str(), "file-g");
+        assert_eq!(cfg.metrics, SocketAddr::from(([127, 0, 0, 1], 9464)));
         std::fs::write(&path, "kv_blokcs = 1\n").ok();
         let err = Config::load(&Flags { config: Some(path), ..Flags::default() }).err().map(|e| e.to_string());
         assert!(err.as_deref().is_some_and(|e| e.contains("kv_blokcs")), "{err:?}");

@@ -5,8 +5,12 @@
 //! Owns: the worker's config, the gRPC service and the KV push. Must not
 //! keep KV after a request: its blocks are released whether the transfer
 //! succeeded or not, because the decode worker owns the request.
+//!
+//! Serves Prometheus `/metrics` on the `metrics` address (see [`metrics`]
+//! for every metric and the vLLM one it corresponds to).
 
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod metrics;
 pub mod service;

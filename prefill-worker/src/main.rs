@@ -1,5 +1,6 @@
-//! `tandem-prefill-worker`: loads the model, serves `PrefillWorker` on gRPC,
-//! prints `listening grpc=ADDR` once bound, and on SIGTERM/SIGINT stops
+//! `tandem-prefill-worker`: loads the model, serves `PrefillWorker` on gRPC
+//! and Prometheus `/metrics` on HTTP, prints `listening metrics=ADDR` and then
+//! `listening grpc=ADDR` once both are bound, and on SIGTERM/SIGINT stops
 //! accepting, drains the runner for `shutdown_timeout`, and exits 0.
 
 use std::time::Duration;
@@ -51,6 +52,10 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let local = Peer { version_group: cfg.version_group.clone(), fingerprint };
     let sender_config = TcpSenderConfig { timeout: cfg.transfer_timeout, ..TcpSenderConfig::default() };
     let service = PrefillService::new(runner.clone(), layout, local, sender_config, process.clone());
+
+    let metrics_addr =
+        prefill_worker::metrics::install(cfg.metrics).with_context(|| format!("serving metrics on {}", cfg.metrics))?;
+    println!("listening metrics={metrics_addr}");
 
     let listener =
         tokio::net::TcpListener::bind(cfg.grpc).await.with_context(|| format!("binding grpc {}", cfg.grpc))?;

@@ -68,6 +68,14 @@ fn runner_err(e: &RunnerError) -> WorkerError {
 }
 
 fn transfer_err(e: &TransferError) -> WorkerError {
+    crate::metrics::record_transfer_failure(match e {
+        TransferError::Io(_) => "io",
+        TransferError::Rejected { .. } => "rejected",
+        TransferError::Timeout { .. } => "timeout",
+        TransferError::Protocol(_) => "protocol",
+        TransferError::PeerAbort { .. } => "peer_abort",
+        TransferError::Layer(_) => "layer",
+    });
     let kind = match e {
         TransferError::Io(_) => ErrorKind::Retryable,
         TransferError::Rejected { reason: RejectReason::Fingerprint | RejectReason::VersionGroup } => {
@@ -217,6 +225,7 @@ impl PrefillService {
         let (tx, rx) = tokio::sync::oneshot::channel::<Result<PrefillDone, RunnerError>>();
         let runner = inner.runner.clone();
         let engine_req = Request { id: engine_id, prompt: req.token_ids.clone(), params, salt: 0 };
+        let prefill_started = Instant::now();
         blocking(move || runner.submit_prefill_only(engine_req, deadline, Box::new(move |r| drop(tx.send(r)))))
             .await?
             .map_err(|e| runner_err(&e))?;
@@ -226,12 +235,17 @@ impl PrefillService {
             _ = token.cancelled() => return Err(err(ErrorKind::Cancelled, "aborted")),
         }
         .map_err(|e| runner_err(&e))?;
+        crate::metrics::record_prefill(req.token_ids.len(), prefill_started.elapsed().as_secs_f64());
 
+        let push_started = Instant::now();
         let push = self.push(&addr, reservation, done.blocks, &token);
         let pushed = match deadline {
             Some(d) => match tokio::time::timeout_at(tokio::time::Instant::from_std(d), push).await {
                 Ok(r) => r,
-                Err(_) => Err(err(ErrorKind::Deadline, "deadline passed during the KV transfer")),
+                Err(_) => {
+                    crate::metrics::record_transfer_failure("deadline");
+                    Err(err(ErrorKind::Deadline, "deadline passed during the KV transfer"))
+                }
             },
             None => push.await,
         };
@@ -240,6 +254,7 @@ impl PrefillService {
         blocking(move || runner.release_held(engine_id)).await?;
         cleanup.armed = false;
         let (layers, bytes) = pushed?;
+        crate::metrics::record_transfer(bytes, push_started.elapsed().as_secs_f64());
         Ok(FirstToken {
             id: done.first.id,
             logprob: done.first.logprob,
@@ -335,12 +350,21 @@ fn local_deadline(unix_ms: u64) -> Option<Instant> {
 impl PrefillWorker for PrefillService {
     async fn prefill(&self, request: GrpcRequest<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
         let outcome = match self.prefill_inner(request.into_inner()).await {
-            Ok(first) => prefill_response::Outcome::FirstToken(first),
+            Ok(first) => {
+                crate::metrics::record_outcome("ok");
+                prefill_response::Outcome::FirstToken(first)
+            }
             Err(e) => {
                 tracing::info!(kind = ?e.kind(), message = %e.message, "prefill failed");
+                crate::metrics::record_outcome(crate::metrics::outcome_label(e.kind()));
                 prefill_response::Outcome::Error(e)
             }
         };
+        // Gauges follow the runner after every request (a stopped runner leaves them as they were).
+        let runner = self.inner.runner.clone();
+        if let Ok(Some(stats)) = blocking(move || runner.stats()).await {
+            crate::metrics::record_stats(&stats);
+        }
         Ok(Response::new(PrefillResponse { outcome: Some(outcome) }))
     }
 

@@ -2,10 +2,12 @@
 //! a KvPool, a kvtransfer Receiver and a TcpKvServer on loopback. The first
 //! token and the KV it pushes must equal a single-process engine's, bit for bit.
 //!
+//! It also scrapes the worker's Prometheus `/metrics` over plain HTTP/1.1.
+//!
 //! Every wait is bounded and says what did not happen; nothing sleeps.
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
@@ -87,8 +89,9 @@ fn prompt() -> Result<Vec<u32>, String> {
     tok.encode(text, false).map_err(|e| e.to_string())
 }
 
-/// Starts the worker and reads its `listening grpc=ADDR` line.
-fn start_worker() -> Result<(ChildGuard, SocketAddr), String> {
+/// Starts the worker and reads its `listening metrics=ADDR` and
+/// `listening grpc=ADDR` lines; returns (guard, grpc, metrics).
+fn start_worker() -> Result<(ChildGuard, SocketAddr, SocketAddr), String> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tandem-prefill-worker"))
         .args(["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1"])
         .args(["--kv-blocks", &KV_BLOCKS.to_string(), "--shutdown-timeout-ms", "5000"])
@@ -102,14 +105,50 @@ fn start_worker() -> Result<(ChildGuard, SocketAddr), String> {
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { return };
-            if let Some(addr) = line.strip_prefix("listening grpc=") {
-                let _ = tx.send(addr.to_owned());
+            for prefix in ["listening grpc=", "listening metrics="] {
+                if let Some(addr) = line.strip_prefix(prefix) {
+                    let _ = tx.send((prefix, addr.to_owned()));
+                }
             }
         }
     });
-    let addr =
-        rx.recv_timeout(WAIT).map_err(|_| format!("the worker printed no `listening grpc=` line within {WAIT:?}"))?;
-    Ok((guard, addr.parse().map_err(|e| format!("bad address {addr:?}: {e}"))?))
+    let (mut grpc, mut metrics) = (None, None);
+    while grpc.is_none() || metrics.is_none() {
+        let (prefix, addr) = rx.recv_timeout(WAIT).map_err(|_| {
+            format!("the worker did not print both `listening grpc=` and `listening metrics=` within {WAIT:?}")
+        })?;
+        let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address {addr:?}: {e}"))?;
+        if prefix == "listening grpc=" {
+            grpc = Some(addr)
+        } else {
+            metrics = Some(addr)
+        }
+    }
+    Ok((guard, grpc.ok_or("no grpc address")?, metrics.ok_or("no metrics address")?))
+}
+
+/// GETs `/metrics` with a bare HTTP/1.1 request; returns the body.
+fn scrape(addr: SocketAddr) -> Result<String, String> {
+    let mut s = TcpStream::connect_timeout(&addr, WAIT).map_err(|e| format!("connect to metrics {addr}: {e}"))?;
+    s.set_read_timeout(Some(WAIT)).map_err(|e| e.to_string())?;
+    s.set_write_timeout(Some(WAIT)).map_err(|e| e.to_string())?;
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
+        .map_err(|e| format!("send the metrics request: {e}"))?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).map_err(|e| format!("read the metrics response within {WAIT:?}: {e}"))?;
+    let (head, body) = raw.split_once("\r\n\r\n").ok_or_else(|| format!("no HTTP header end in {raw:?}"))?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(format!("metrics answered {head:?}"));
+    }
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return Err(format!("chunked metrics response not expected: {head:?}"));
+    }
+    Ok(body.to_owned())
+}
+
+/// The value of the sample line `series` (name plus labels, exactly as rendered).
+fn sample(body: &str, series: &str) -> Option<f64> {
+    body.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// Waits for the worker to exit; on timeout it is killed and the error says so.
@@ -131,7 +170,7 @@ fn wait_exit(guard: &mut ChildGuard) -> Result<ExitStatus, String> {
 async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResult {
     let prompt = prompt()?;
     let (layout, fp, want_first, want_kv) = reference(&prompt)?;
-    let (mut guard, addr) = start_worker()?;
+    let (mut guard, addr, metrics_addr) = start_worker()?;
 
     // The decode side.
     let local = Peer { version_group: VersionGroup::new(GROUP)?, fingerprint: fp };
@@ -200,6 +239,21 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     match resp.outcome {
         Some(prefill_response::Outcome::Error(e)) => assert_eq!(e.kind(), ErrorKind::VersionMismatch, "{e:?}"),
         other => return Err(format!("expected VERSION_MISMATCH, got {other:?}").into()),
+    }
+
+    // Both answers are counted before they are sent, so one scrape sees them.
+    let body = within("metrics scrape", tokio::task::spawn_blocking(move || scrape(metrics_addr))).await???;
+    let series = |s: &str| sample(&body, s).ok_or_else(|| format!("no `{s}` sample in /metrics:\n{body}"));
+    assert_eq!(series("tandem_kv_transfer_bytes_total")?, first.kv_bytes_sent as f64, "{body}");
+    assert_eq!(series("tandem_prefill_requests_total{outcome=\"ok\"}")?, 1.0, "{body}");
+    assert_eq!(series("tandem_prefill_requests_total{outcome=\"version_mismatch\"}")?, 1.0, "{body}");
+    assert_eq!(series("tandem_prompt_tokens_total")?, prompt.len() as f64, "{body}");
+    assert_eq!(series("tandem_kv_transfer_seconds_count")?, 1.0, "{body}");
+    assert_eq!(series("tandem_prefill_seconds_count")?, 1.0, "{body}");
+    assert_eq!(series("tandem_kv_cache_usage_ratio")?, 0.0, "the worker kept KV: {body}");
+    for h in ["tandem_kv_transfer_seconds", "tandem_prefill_seconds"] {
+        assert!(body.contains(&format!("{h}_bucket{{le=")), "{h} is not rendered as a histogram:\n{body}");
+        assert!(!body.contains(&format!("{h}{{quantile=")), "{h} is rendered as a summary:\n{body}");
     }
 
     let pid = guard.0.as_ref().ok_or("no child")?.id();
