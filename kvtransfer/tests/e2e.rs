@@ -2,6 +2,8 @@
 //! frames through the receiver state machine into different block ids of a
 //! second pool, and arrives bit-exact.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
@@ -21,22 +23,9 @@ fn peer(l: &KvLayout) -> Peer {
     }
 }
 
-/// Prefill side: a pool whose `n` blocks hold distinct known K/V values.
+/// Prefill side: `n` blocks of known K/V values.
 fn source(l: KvLayout, n: usize) -> (KvPool, Vec<BlockId>) {
-    let mut pool = KvPool::new(l, 16).expect("pool A");
-    let _skip = pool.allocate(2).expect("offset the ids");
-    let table = pool.allocate(n).expect("alloc A");
-    let row = l.row_elems();
-    for layer in 0..l.n_layers {
-        for (i, &b) in table.iter().enumerate() {
-            for slot in 0..l.block_size {
-                let k: Vec<f32> = (0..row).map(|j| ((layer * 1000 + i * 100 + slot * 10 + j) as f32) * 0.25).collect();
-                let v: Vec<f32> = k.iter().map(|x| -x - 0.5).collect();
-                pool.write(layer, b, slot, &k, &v);
-            }
-        }
-    }
-    (pool, table)
+    common::source(l, n, 16)
 }
 
 /// Sender side: the whole conversation after the handshake, as wire bytes.

@@ -5,6 +5,8 @@
 //! Every wait is bounded by a timeout whose message says what did not
 //! happen; events are awaited (server stats watch, socket reads), never slept for.
 
+mod common;
+
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -52,22 +54,9 @@ fn now() -> std::time::Instant {
     tokio::time::Instant::now().into_std()
 }
 
-/// Prefill side: a pool whose `n` blocks hold distinct known K/V values.
+/// Prefill side: `n` blocks of known K/V values.
 fn source(l: KvLayout, n: usize) -> (KvPool, Vec<BlockId>) {
-    let mut pool = KvPool::new(l, 32).expect("pool A");
-    let _skip = pool.allocate(2).expect("offset the ids");
-    let table = pool.allocate(n).expect("alloc A");
-    let row = l.row_elems();
-    for layer in 0..l.n_layers {
-        for (i, &b) in table.iter().enumerate() {
-            for slot in 0..l.block_size {
-                let k: Vec<f32> = (0..row).map(|j| ((layer * 1000 + i * 100 + slot * 10 + j) as f32) * 0.25).collect();
-                let v: Vec<f32> = k.iter().map(|x| -x - 0.5).collect();
-                pool.write(layer, b, slot, &k, &v);
-            }
-        }
-    }
-    (pool, table)
+    common::source(l, n, 32)
 }
 
 /// Decode side: a receiver, a pool with some decoy blocks taken, and a server.
