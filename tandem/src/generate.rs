@@ -86,10 +86,8 @@ pub fn run(a: Args) -> Result<()> {
         (None, None) => bail!("one of --prompt or --chat is required"),
     };
     let prompt = tok.encode(&text, true).context("tokenizing the prompt")?;
+    // Engine::add validates the prompt (length vs context, vocabulary).
     let context = model.config().context;
-    if prompt.len() > context {
-        bail!("prompt is {} tokens, longer than the model's context of {context}", prompt.len());
-    }
 
     let block_size = 16;
     let total = (prompt.len() + a.max_tokens as usize).min(context);
