@@ -83,7 +83,7 @@ pub use session::{
 pub use transport::tcp::{
     CloseReason, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TcpServerStats, TransferError,
 };
-pub use transport::{BlockSink, FnSink};
+pub use transport::{BlockSink, FnSink, OwnedPayload};
 
 /// Version of the transfer protocol: frame layouts and session rules. Peers
 /// with different versions refuse each other in the handshake. It is also

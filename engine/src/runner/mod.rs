@@ -187,6 +187,21 @@ impl RunnerHandle {
         }
     }
 
+    /// Runs `f` on the runner thread with the KV pool, between steps, and
+    /// returns at once without waiting for it. Posted closures and every
+    /// other command run in the order they were sent, so a write posted
+    /// before a [`release_reserved`](Self::release_reserved) or a
+    /// [`submit_prefilled`](Self::submit_prefilled) of the same blocks lands
+    /// before it. A panic in `f` is caught and dropped; `f` reports its own
+    /// failures (e.g. through a flag the caller checks with a later
+    /// [`with_pool`](Self::with_pool)). Returns false once the runner has exited.
+    pub fn post_pool(&self, f: impl FnOnce(&mut KvPool) + Send + 'static) -> bool {
+        let job = move |pool: &mut KvPool| {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(pool)));
+        };
+        self.tx.send(Command::WithPool(Box::new(job))).is_ok()
+    }
+
     /// Frees a finished prefill-only request's held blocks. Returns whether it was held.
     pub fn release_held(&self, id: u64) -> bool {
         self.ask(|reply| Command::ReleaseHeld { id, reply }).unwrap_or(false)

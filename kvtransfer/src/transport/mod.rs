@@ -16,6 +16,8 @@ use std::sync::{Arc, Mutex};
 
 use engine::kv::{BlockId, KvPool};
 
+use crate::session::WriteInstruction;
+
 /// Where accepted KV lands: one layer's K and V of some blocks, written in
 /// place. The bytes are little-endian elements of the layout's dtype, blocks
 /// in `blocks` order — what [`KvPool::scatter_layer`] takes. The write
@@ -27,7 +29,23 @@ pub trait BlockSink: Send {
     /// reservation: the transport aborts it and its blocks come back through
     /// [`Receiver::poll_released`](crate::Receiver::poll_released).
     fn write_layer(&mut self, layer: usize, blocks: &[BlockId], k: &[u8], v: &[u8]) -> Result<(), String>;
+
+    /// The same write, given the frame's payload by value (K half, then V
+    /// half; see [`OwnedPayload`]) so a sink can hand it to another thread without copying it,
+    /// e.g. the decode worker's engine thread, which owns the pool. A sink
+    /// that defers the write must still apply it before anything the caller
+    /// does with these blocks afterwards (the runner's command queue is
+    /// FIFO) and must void the reservation's use if it fails. The default
+    /// writes in place through [`write_layer`](Self::write_layer).
+    fn write_layer_owned(&mut self, w: WriteInstruction, payload: OwnedPayload) -> Result<(), String> {
+        let (k, v) = w.split_payload((*payload).as_ref());
+        self.write_layer(w.layer, &w.blocks, k, v)
+    }
 }
+
+/// An accepted frame's payload, owned: a `Vec<u8>` read off a socket, or a
+/// guard over a shared-memory slot that frees the slot when dropped.
+pub type OwnedPayload = Box<dyn AsRef<[u8]> + Send>;
 
 /// The decode worker's pool behind a lock. Lock order: a transport takes the
 /// receiver's lock, then this one; the owner of both must never hold the

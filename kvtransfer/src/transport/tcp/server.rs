@@ -271,8 +271,9 @@ async fn serve<S: BlockSink>(mut stream: TcpStream, shared: &Shared, sink: &mut 
                 let abort = |reason| Abort { reservation: d.reservation, generation: d.generation, reason };
                 match rx.on_layer(&d, now) {
                     Ok(w) => {
-                        let (k, v) = w.split_payload(&d.payload);
-                        match sink.write_layer(w.layer, &w.blocks, k, v) {
+                        let (reservation, generation) = (d.reservation, d.generation);
+                        let abort = |reason| Abort { reservation, generation, reason };
+                        match sink.write_layer_owned(w, Box::new(d.payload)) {
                             Ok(()) => None,
                             Err(_) => {
                                 // The blocks' content is now unknown: void the
