@@ -286,6 +286,14 @@ impl LayerDataHeader {
         w.u32(self.payload_len as u32);
         Ok(())
     }
+
+    /// The frame this header starts, given its payload (read separately,
+    /// e.g. after [`Frame::decode_head`]). `payload_len` is not consulted:
+    /// the receiver checks the payload's length against `n_blocks`.
+    pub fn with_payload(self, payload: Vec<u8>) -> LayerData {
+        let Self { reservation, generation, layer, first_block, n_blocks, checksum, payload_len: _ } = self;
+        LayerData { reservation, generation, layer, first_block, n_blocks, checksum, payload }
+    }
 }
 
 /// Sender -> receiver: every layer of the reservation has been sent.
@@ -583,31 +591,86 @@ impl Frame {
     /// Decodes one frame from the front of `buf`. Never panics, whatever the
     /// bytes; never allocates more than the frame's (limit-checked) size.
     pub fn decode(buf: &[u8], limits: &DecodeLimits) -> Result<Decoded, DecodeError> {
-        let seen = buf.len().min(MAGIC.len());
-        if buf[..seen] != MAGIC[..seen] {
-            return Err(DecodeError::BadMagic { found: buf[..seen].to_vec() });
-        }
-        let Some(header) = buf.get(..HEADER_LEN) else {
+        let Some((kind, total)) = decode_header(buf, limits)? else {
             return Ok(Decoded::NeedMore { at_least: HEADER_LEN });
-        };
-        let kind = Kind::from_u8(header[2]).ok_or(DecodeError::UnknownKind(header[2]))?;
-        if header[3] != 0 {
-            return Err(DecodeError::Reserved(header[3]));
-        }
-        let body_len = u32::from_le_bytes([header[4], header[5], header[6], header[7]]) as usize;
-        let (min, max) = kind.body_range(limits);
-        if !(min..=max).contains(&body_len) {
-            return Err(DecodeError::BodyLength { kind: kind.name(), len: body_len, min, max });
-        }
-        // Only a 32-bit target could overflow here; refuse rather than wrap.
-        let Some(total) = HEADER_LEN.checked_add(body_len) else {
-            return Err(DecodeError::BodyLength { kind: kind.name(), len: body_len, min, max });
         };
         let Some(body) = buf.get(HEADER_LEN..total) else {
             return Ok(Decoded::NeedMore { at_least: total });
         };
         let frame = decode_body(kind, body)?;
         Ok(Decoded::Frame { frame, consumed: total })
+    }
+
+    /// Like [`decode`](Self::decode), but stops after a `LayerData`'s fixed
+    /// fields: a transport then reads the payload straight into a buffer of
+    /// its own ([`LayerDataHeader::with_payload`]) instead of buffering the
+    /// frame and copying the payload out. Every check `decode` makes on a
+    /// `LayerData` before its payload is made here too; other frames decode
+    /// whole, exactly as `decode` decodes them.
+    pub fn decode_head(buf: &[u8], limits: &DecodeLimits) -> Result<DecodedHead, DecodeError> {
+        let Some((kind, total)) = decode_header(buf, limits)? else {
+            return Ok(DecodedHead::NeedMore { at_least: HEADER_LEN });
+        };
+        if kind != Kind::LayerData {
+            return Ok(match buf.get(HEADER_LEN..total) {
+                Some(body) => DecodedHead::Frame { frame: decode_body(kind, body)?, consumed: total },
+                None => DecodedHead::NeedMore { at_least: total },
+            });
+        }
+        let Some(fixed) = buf.get(HEADER_LEN..LAYER_DATA_OVERHEAD) else {
+            return Ok(DecodedHead::NeedMore { at_least: LAYER_DATA_OVERHEAD });
+        };
+        let mut r = Reader { buf: fixed, kind: kind.name() };
+        let (reservation, generation, layer) = (r.u64("reservation")?, r.u32("generation")?, r.u32("layer")?);
+        let (first_block, n_blocks, checksum) = (r.u32("first_block")?, r.u32("n_blocks")?, r.u32("checksum")?);
+        let field = r.u32("payload_len")?;
+        let available = total - LAYER_DATA_OVERHEAD;
+        if field as usize != available {
+            return Err(DecodeError::PayloadLength { field, available });
+        }
+        let header =
+            LayerDataHeader { reservation, generation, layer, first_block, n_blocks, checksum, payload_len: available };
+        Ok(DecodedHead::LayerData { header, consumed: LAYER_DATA_OVERHEAD })
+    }
+}
+
+/// Result of [`Frame::decode_head`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecodedHead {
+    /// A whole frame other than `LayerData`, and the bytes it used.
+    Frame { frame: Frame, consumed: usize },
+    /// A `LayerData` up to its payload: the `header.payload_len` payload
+    /// bytes follow the first `consumed` bytes of the buffer.
+    LayerData { header: LayerDataHeader, consumed: usize },
+    /// The buffer holds a valid prefix; at least `at_least` bytes in total
+    /// are needed before decoding can proceed.
+    NeedMore { at_least: usize },
+}
+
+/// Checks the 8-byte header at the front of `buf` (magic, kind, reserved
+/// byte, body length against the limits) and returns the kind and the
+/// frame's total length; `None` while fewer than 8 bytes are there.
+fn decode_header(buf: &[u8], limits: &DecodeLimits) -> Result<Option<(Kind, usize)>, DecodeError> {
+    let seen = buf.len().min(MAGIC.len());
+    if buf[..seen] != MAGIC[..seen] {
+        return Err(DecodeError::BadMagic { found: buf[..seen].to_vec() });
+    }
+    let Some(header) = buf.get(..HEADER_LEN) else {
+        return Ok(None);
+    };
+    let kind = Kind::from_u8(header[2]).ok_or(DecodeError::UnknownKind(header[2]))?;
+    if header[3] != 0 {
+        return Err(DecodeError::Reserved(header[3]));
+    }
+    let body_len = u32::from_le_bytes([header[4], header[5], header[6], header[7]]) as usize;
+    let (min, max) = kind.body_range(limits);
+    if !(min..=max).contains(&body_len) {
+        return Err(DecodeError::BodyLength { kind: kind.name(), len: body_len, min, max });
+    }
+    // Only a 32-bit target could overflow here; refuse rather than wrap.
+    match HEADER_LEN.checked_add(body_len) {
+        Some(total) => Ok(Some((kind, total))),
+        None => Err(DecodeError::BodyLength { kind: kind.name(), len: body_len, min, max }),
     }
 }
 

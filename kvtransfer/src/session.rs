@@ -139,6 +139,9 @@ impl ReceiverConfig {
 /// payload's K half and V half of `layer` into these pool blocks, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WriteInstruction {
+    /// The reservation the frame belongs to (a deferring sink reports a
+    /// failed write against it).
+    pub reservation: Reservation,
     pub layer: usize,
     /// Pool block ids for the frame's `first_block..first_block + n_blocks`.
     pub blocks: Vec<BlockId>,
@@ -428,7 +431,7 @@ impl Receiver {
             return Err(FrameError::ChecksumMismatch { reservation: res, expected: f.checksum, actual });
         }
         live.coverage.mark(layer, first..end);
-        Ok(WriteInstruction { layer, blocks: live.blocks[first..end].to_vec() })
+        Ok(WriteInstruction { reservation: res, layer, blocks: live.blocks[first..end].to_vec() })
     }
 
     /// Acknowledges a complete transfer; from here [`take_ready`](Self::take_ready)

@@ -91,7 +91,7 @@ fn layers_and_ranges_arrive_in_any_order_and_map_to_reserved_blocks() {
     let r = rx.reserve(vec![40, 7, 13, 22], 10 * SEC, t0).expect("reserve");
     assert_eq!(rx.state(r), Some(ReservationState::Receiving));
     let w = rx.on_layer(&data(r, 1, 2, 2), t0).expect("layer 1 first");
-    assert_eq!(w, WriteInstruction { layer: 1, blocks: vec![13, 22] });
+    assert_eq!(w, WriteInstruction { reservation: r, layer: 1, blocks: vec![13, 22] });
     assert_eq!(rx.on_layer(&data(r, 0, 1, 3), t0).expect("layer 0 tail").blocks, [7, 13, 22]);
     assert_eq!(rx.on_layer(&data(r, 1, 0, 2), t0).expect("layer 1 head").blocks, [40, 7]);
     assert_eq!(rx.on_layer(&data(r, 0, 0, 1), t0).expect("layer 0 head").blocks, [40]);
@@ -104,7 +104,8 @@ fn layers_and_ranges_arrive_in_any_order_and_map_to_reserved_blocks() {
 
 #[test]
 fn split_payload_gives_k_then_v() {
-    let w = WriteInstruction { layer: 0, blocks: vec![1, 2] };
+    let r = Reservation { id: ReservationId(0), generation: 1 };
+    let w = WriteInstruction { reservation: r, layer: 0, blocks: vec![1, 2] };
     let payload: Vec<u8> = (0..8).collect();
     assert_eq!(w.split_payload(&payload), (&payload[..4], &payload[4..]));
 }

@@ -13,11 +13,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use engine::batch::Request;
 use engine::kv::{BlockId, KvLayout};
-use engine::runner::{ErrorKind as RunnerKind, PrefillDone, RunnerError, RunnerHandle};
+use engine::runner::{PrefillDone, RunnerError, RunnerHandle};
+
+use crate::serve::{blocking, err, local_deadline, runner_err};
 use kvtransfer::{
     LayoutFingerprint, Peer, RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig, TransferError,
 };
@@ -51,24 +53,8 @@ struct Inner {
     senders: Mutex<HashMap<String, Slot>>,
 }
 
-fn err(kind: ErrorKind, message: impl Into<String>) -> WorkerError {
-    WorkerError::new(kind, message)
-}
-
-fn runner_err(e: &RunnerError) -> WorkerError {
-    let kind = match e.kind() {
-        RunnerKind::InvalidInput => ErrorKind::InvalidArgument,
-        RunnerKind::Overloaded => ErrorKind::Overloaded,
-        RunnerKind::Deadline => ErrorKind::Deadline,
-        RunnerKind::Cancelled => ErrorKind::Cancelled,
-        RunnerKind::ShuttingDown => ErrorKind::Retryable,
-        RunnerKind::Internal => ErrorKind::Internal,
-    };
-    err(kind, e.to_string())
-}
-
 fn transfer_err(e: &TransferError) -> WorkerError {
-    crate::metrics::record_transfer_failure(match e {
+    crate::prefill::metrics::record_transfer_failure(match e {
         TransferError::Io(_) => "io",
         TransferError::Rejected { .. } => "rejected",
         TransferError::Timeout { .. } => "timeout",
@@ -84,11 +70,6 @@ fn transfer_err(e: &TransferError) -> WorkerError {
         _ => ErrorKind::KvLoadFailed,
     };
     err(kind, format!("KV transfer: {e}"))
-}
-
-/// Runs a blocking runner call off the async threads.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, WorkerError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| err(ErrorKind::Internal, format!("runner call failed: {e}")))
 }
 
 /// Removes the request's id mapping and, unless disarmed, aborts it in the
@@ -164,13 +145,6 @@ impl PrefillService {
         if d.transfer_addr.is_empty() {
             return bad("destination.transfer_addr is empty");
         }
-        let need = req.token_ids.len().div_ceil(self.inner.layout.block_size);
-        if d.block_ids.len() != need {
-            return Err(err(
-                ErrorKind::InvalidArgument,
-                format!("destination.block_ids has {} blocks; the prompt needs {need}", d.block_ids.len()),
-            ));
-        }
         let Ok(fp) = <[u8; 32]>::try_from(d.layout_fingerprint.as_slice()) else {
             return Err(err(
                 ErrorKind::InvalidArgument,
@@ -195,6 +169,15 @@ impl PrefillService {
                     LayoutFingerprint::from_bytes(fp),
                     self.inner.local.fingerprint
                 ),
+            ));
+        }
+        // After the identity checks: a different block size shows up as a
+        // block count mismatch, which is a version mismatch in disguise.
+        let need = req.token_ids.len().div_ceil(self.inner.layout.block_size);
+        if d.block_ids.len() != need {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!("destination.block_ids has {} blocks; the prompt needs {need}", d.block_ids.len()),
             ));
         }
         Ok((params, Reservation { id: ReservationId(d.reservation_id), generation: d.generation }))
@@ -235,7 +218,7 @@ impl PrefillService {
             _ = token.cancelled() => return Err(err(ErrorKind::Cancelled, "aborted")),
         }
         .map_err(|e| runner_err(&e))?;
-        crate::metrics::record_prefill(req.token_ids.len(), prefill_started.elapsed().as_secs_f64());
+        crate::prefill::metrics::record_prefill(req.token_ids.len(), prefill_started.elapsed().as_secs_f64());
 
         let push_started = Instant::now();
         let push = self.push(&addr, reservation, done.blocks, &token);
@@ -243,7 +226,7 @@ impl PrefillService {
             Some(d) => match tokio::time::timeout_at(tokio::time::Instant::from_std(d), push).await {
                 Ok(r) => r,
                 Err(_) => {
-                    crate::metrics::record_transfer_failure("deadline");
+                    crate::prefill::metrics::record_transfer_failure("deadline");
                     Err(err(ErrorKind::Deadline, "deadline passed during the KV transfer"))
                 }
             },
@@ -254,7 +237,7 @@ impl PrefillService {
         blocking(move || runner.release_held(engine_id)).await?;
         cleanup.armed = false;
         let (layers, bytes) = pushed?;
-        crate::metrics::record_transfer(bytes, push_started.elapsed().as_secs_f64());
+        crate::prefill::metrics::record_transfer(bytes, push_started.elapsed().as_secs_f64());
         Ok(FirstToken {
             id: done.first.id,
             logprob: done.first.logprob,
@@ -337,26 +320,17 @@ impl PrefillService {
     }
 }
 
-/// The wire's wall-clock deadline as a local monotonic one; `None` for 0.
-fn local_deadline(unix_ms: u64) -> Option<Instant> {
-    if unix_ms == 0 {
-        return None;
-    }
-    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    Some(Instant::now() + Duration::from_millis(unix_ms.saturating_sub(now_ms)))
-}
-
 #[tonic::async_trait]
 impl PrefillWorker for PrefillService {
     async fn prefill(&self, request: GrpcRequest<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
         let outcome = match self.prefill_inner(request.into_inner()).await {
             Ok(first) => {
-                crate::metrics::record_outcome("ok");
+                crate::prefill::metrics::record_outcome("ok");
                 prefill_response::Outcome::FirstToken(first)
             }
             Err(e) => {
                 tracing::info!(kind = ?e.kind(), message = %e.message, "prefill failed");
-                crate::metrics::record_outcome(crate::metrics::outcome_label(e.kind()));
+                crate::prefill::metrics::record_outcome(crate::metrics::outcome_label(e.kind()));
                 prefill_response::Outcome::Error(e)
             }
         };

@@ -1,0 +1,312 @@
+//! Frames over any ordered byte stream: a TCP connection, a QUIC stream.
+//!
+//! Reading: [`FrameReader`] keeps a small read-ahead buffer for headers and
+//! control frames, and reads each `LayerData` payload straight from the
+//! stream into a buffer of its own, taken from a [`PayloadPool`]. So the
+//! socket-to-buffer copy is the only copy before the [`BlockSink`](super::BlockSink),
+//! and the buffer, handed to the sink by value, comes back to the pool when
+//! the sink drops it (on whatever thread that is).
+//!
+//! Writing: [`write_parts`] writes a frame from where its pieces already lie
+//! (header buffer, K range, V range) with vectored writes.
+
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::time::timeout;
+
+use super::OwnedPayload;
+use crate::frame::{DecodeError, DecodeLimits, DecodedHead, Frame, HEADER_LEN};
+
+/// Bytes read ahead of the frame in progress. A read for the next header
+/// also takes up to this much of the next payload, which is then copied once
+/// more (into the payload's buffer): small, so that extra copy stays under
+/// 1% of a 1 MiB frame, yet enough for any control frame.
+const READ_AHEAD: usize = 8 << 10;
+
+/// Frames remembered per connection for de-duplication (aborts sent by the
+/// server, acks and aborts received by the sender).
+const REMEMBERED: usize = 64;
+
+/// Most payload bytes a [`PayloadPool`] keeps for reuse.
+const POOLED_BYTES: usize = 32 << 20;
+
+/// Why reading the next frame failed.
+#[derive(Debug)]
+pub(crate) enum ReadError {
+    Io(io::Error),
+    Idle(Duration),
+    Decode(DecodeError),
+    /// EOF inside a frame.
+    Truncated,
+}
+
+/// Recycled payload buffers. Cloning shares the pool.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PayloadPool(Arc<Mutex<Vec<Vec<u8>>>>);
+
+impl PayloadPool {
+    /// A buffer of exactly `len` bytes (contents unspecified: the caller
+    /// overwrites them all).
+    fn take(&self, len: usize) -> Vec<u8> {
+        let reused = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut buf = reused.unwrap_or_default();
+        // Shrinking keeps the capacity; growing zeroes only the new part.
+        buf.resize(len, 0);
+        buf
+    }
+
+    /// The payload as the sink takes it: the buffer returns here when the
+    /// sink drops it.
+    pub(crate) fn owned(&self, payload: Vec<u8>) -> OwnedPayload {
+        Box::new(Pooled { buf: payload, home: Arc::downgrade(&self.0) })
+    }
+}
+
+/// A payload buffer on loan from a [`PayloadPool`].
+struct Pooled {
+    buf: Vec<u8>,
+    home: Weak<Mutex<Vec<Vec<u8>>>>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let Some(home) = self.home.upgrade() else { return };
+        let mut pool = home.lock().unwrap_or_else(|e| e.into_inner());
+        let kept: usize = pool.iter().map(Vec::capacity).sum();
+        if kept + self.buf.capacity() <= POOLED_BYTES {
+            pool.push(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+/// Reads whole frames from a stream. Holds at most [`READ_AHEAD`] bytes
+/// (or one control frame, at most ~1 KiB) beyond the payload being read,
+/// whose size the decode limits bound before any of it is read.
+#[derive(Debug)]
+pub(crate) struct FrameReader {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    limits: DecodeLimits,
+    payloads: PayloadPool,
+}
+
+impl FrameReader {
+    pub(crate) fn new(limits: DecodeLimits, payloads: PayloadPool) -> Self {
+        Self { buf: vec![0; READ_AHEAD], start: 0, end: 0, limits, payloads }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    /// The next frame if it is already buffered whole (never a `LayerData`
+    /// with a payload: those are read from the stream).
+    pub(crate) fn decode(&mut self) -> Result<Option<Frame>, DecodeError> {
+        match Frame::decode_head(&self.buf[self.start..self.end], &self.limits)? {
+            DecodedHead::Frame { frame, consumed } => {
+                self.start += consumed;
+                Ok(Some(frame))
+            }
+            DecodedHead::LayerData { header, consumed } if header.payload_len == 0 => {
+                self.start += consumed;
+                Ok(Some(Frame::LayerData(header.with_payload(Vec::new()))))
+            }
+            DecodedHead::LayerData { .. } | DecodedHead::NeedMore { .. } => Ok(None),
+        }
+    }
+
+    /// Free room at the end of the read-ahead buffer, after moving what is
+    /// buffered to its front if the room ran out.
+    fn space(&mut self) -> &mut [u8] {
+        if self.is_empty() {
+            (self.start, self.end) = (0, 0);
+        } else if self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        &mut self.buf[self.end..]
+    }
+
+    /// Reads until a whole frame is there. `Ok(None)`: the peer closed
+    /// cleanly between frames. Each read waits at most `idle`.
+    pub(crate) async fn next<R>(&mut self, stream: &mut R, idle: Duration) -> Result<Option<Frame>, ReadError>
+    where
+        R: AsyncRead + Unpin + ?Sized,
+    {
+        loop {
+            match Frame::decode_head(&self.buf[self.start..self.end], &self.limits).map_err(ReadError::Decode)? {
+                DecodedHead::Frame { frame, consumed } => {
+                    self.start += consumed;
+                    return Ok(Some(frame));
+                }
+                DecodedHead::LayerData { header, consumed } => {
+                    self.start += consumed;
+                    let mut payload = self.payloads.take(header.payload_len);
+                    let have = (self.end - self.start).min(payload.len());
+                    payload[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
+                    self.start += have;
+                    let mut filled = have;
+                    while filled < payload.len() {
+                        match read_within(stream, &mut payload[filled..], idle).await? {
+                            0 => return Err(ReadError::Truncated),
+                            n => filled += n,
+                        }
+                    }
+                    return Ok(Some(Frame::LayerData(header.with_payload(payload))));
+                }
+                DecodedHead::NeedMore { .. } => {}
+            }
+            // Control frames fit the buffer (at most HEADER_LEN + 1 KiB), so
+            // there is always room for the rest of one.
+            match read_within(stream, self.space(), idle).await? {
+                0 if self.is_empty() => return Ok(None),
+                0 => return Err(ReadError::Truncated),
+                n => self.end += n,
+            }
+        }
+    }
+
+    /// Takes in whatever the stream has ready, without waiting. `Ok(false)`:
+    /// the peer closed.
+    pub(crate) fn fill_ready<R>(&mut self, stream: &mut R) -> io::Result<bool>
+    where
+        R: AsyncRead + Unpin + ?Sized,
+    {
+        loop {
+            let space = self.space();
+            if space.is_empty() {
+                return Ok(true);
+            }
+            let mut rb = ReadBuf::new(space);
+            // A no-op waker: nothing waits on this poll; the next real
+            // read registers its own waker.
+            match Pin::new(&mut *stream).poll_read(&mut Context::from_waker(Waker::noop()), &mut rb) {
+                Poll::Pending => return Ok(true),
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Ready(Ok(())) if rb.filled().is_empty() => return Ok(false),
+                Poll::Ready(Ok(())) => {
+                    let n = rb.filled().len();
+                    self.end += n;
+                }
+            }
+        }
+    }
+
+    /// Bytes of an incomplete frame still buffered.
+    pub(crate) fn has_partial(&self) -> bool {
+        !self.is_empty() && self.end - self.start < HEADER_LEN.max(1)
+    }
+}
+
+async fn read_within<R>(stream: &mut R, buf: &mut [u8], idle: Duration) -> Result<usize, ReadError>
+where
+    R: AsyncRead + Unpin + ?Sized,
+{
+    match timeout(idle, stream.read(buf)).await {
+        Err(_) => Err(ReadError::Idle(idle)),
+        Ok(Err(e)) => Err(ReadError::Io(e)),
+        Ok(Ok(n)) => Ok(n),
+    }
+}
+
+/// Why a write did not finish.
+#[derive(Debug)]
+pub(crate) enum WriteError {
+    Io(io::Error),
+    Timeout(Duration),
+}
+
+/// Writes every byte of `parts`, in order, with vectored writes, within `wait`.
+pub(crate) async fn write_parts<W, const N: usize>(
+    stream: &mut W,
+    parts: [&[u8]; N],
+    wait: Duration,
+) -> Result<(), WriteError>
+where
+    W: AsyncWrite + Unpin + ?Sized,
+{
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let all = async {
+        let mut done = 0;
+        while done < total {
+            let mut slices: [IoSlice<'_>; N] = std::array::from_fn(|_| IoSlice::new(&[]));
+            let (mut skip, mut k) = (done, 0);
+            for p in parts {
+                if skip >= p.len() {
+                    skip -= p.len();
+                    continue;
+                }
+                slices[k] = IoSlice::new(&p[skip..]);
+                skip = 0;
+                k += 1;
+            }
+            let n = stream.write_vectored(&slices[..k]).await?;
+            if n == 0 {
+                return Err(io::Error::from(io::ErrorKind::WriteZero));
+            }
+            done += n;
+        }
+        Ok(())
+    };
+    match timeout(wait, all).await {
+        Err(_) => Err(WriteError::Timeout(wait)),
+        Ok(r) => r.map_err(WriteError::Io),
+    }
+}
+
+/// Encodes a small control frame into `out` and writes it.
+pub(crate) async fn write_frame<W>(stream: &mut W, out: &mut Vec<u8>, f: &Frame, wait: Duration) -> Result<(), WriteError>
+where
+    W: AsyncWrite + Unpin + ?Sized,
+{
+    out.clear();
+    // Only LayerData can fail to encode; control frames are fixed-size.
+    f.encode(out).map_err(|e| WriteError::Io(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
+    write_parts(stream, [out.as_slice()], wait).await
+}
+
+pub(crate) fn frame_name(f: &Frame) -> &'static str {
+    match f {
+        Frame::Hello(_) => "Hello",
+        Frame::HelloAck(_) => "HelloAck",
+        Frame::HelloReject(_) => "HelloReject",
+        Frame::LayerData(_) => "LayerData",
+        Frame::Complete(_) => "Complete",
+        Frame::Ack(_) => "Ack",
+        Frame::Abort(_) => "Abort",
+    }
+}
+
+/// Bounded memory of recent items, oldest forgotten first.
+#[derive(Debug)]
+pub(crate) struct Recent<T>(pub(crate) std::collections::VecDeque<T>);
+
+impl<T> Default for Recent<T> {
+    fn default() -> Self {
+        Self(std::collections::VecDeque::new())
+    }
+}
+
+impl<T: PartialEq> Recent<T> {
+    pub(crate) fn push(&mut self, t: T) {
+        if self.0.len() == REMEMBERED {
+            self.0.pop_front();
+        }
+        self.0.push_back(t);
+    }
+    pub(crate) fn contains(&self, t: &T) -> bool {
+        self.0.contains(t)
+    }
+}

@@ -1,0 +1,106 @@
+//! `tandem-decode-worker`: loads the model, listens for KV transfers (TCP),
+//! serves `DecodeWorker` on gRPC and Prometheus `/metrics` on HTTP, prints
+//! `listening metrics=ADDR`, `listening transfer=ADDR` and then
+//! `listening grpc=ADDR` once all are bound. On SIGTERM/SIGINT it stops
+//! admitting, lets requests waiting for remote KV join the batch, drains
+//! the engine for `shutdown_timeout` (failing what cannot finish with a
+//! typed error), and exits 0.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use engine::runner::{Runner, RunnerConfig};
+use kvtransfer::{Peer, Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig};
+use proto::worker::v1::decode_worker_server::DecodeWorkerServer;
+use tokio_util::sync::CancellationToken;
+use worker::decode::service::{DecodeService, DecodeSettings};
+use worker::decode::sink::{RunnerSink, WriteFailures};
+use worker::decode::{DecodeConfig, DecodeFlags};
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = DecodeConfig::load(&DecodeFlags::parse())?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(run(cfg))
+}
+
+async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
+    let common = &cfg.common;
+    tracing::info!(policy = %cfg.policy, "kv_load_failure_policy");
+    let loaded = worker::serve::load(common)?;
+    let (layout, fingerprint) = (loaded.layout, loaded.fingerprint);
+    let (runner, join) = Runner::spawn(loaded.engine, RunnerConfig { max_waiting: common.max_waiting })?;
+
+    let metrics_addr = worker::metrics::install(common.metrics, worker::decode::metrics::BUCKETS)
+        .with_context(|| format!("serving metrics on {}", common.metrics))?;
+    worker::decode::metrics::describe(cfg.policy);
+    println!("listening metrics={metrics_addr}");
+
+    let local = Peer { version_group: common.version_group.clone(), fingerprint };
+    let mut rx_config = ReceiverConfig::new(layout);
+    // The pool bounds what can be reserved; the lease cap covers the configured TTL.
+    rx_config.max_blocks_per_reservation = common.kv_blocks;
+    rx_config.max_lease = rx_config.max_lease.max(cfg.reservation_ttl);
+    let receiver = Arc::new(Mutex::new(Receiver::new(local.clone(), rx_config)?));
+    let failures = WriteFailures::default();
+    let sink = RunnerSink { runner: runner.clone(), failures: failures.clone() };
+    let server_config = TcpServerConfig { idle_timeout: cfg.transfer_idle_timeout, ..TcpServerConfig::default() };
+    let kv_server = TcpKvServer::bind(cfg.transfer, receiver.clone(), sink, server_config)
+        .await
+        .with_context(|| format!("binding transfer {}", cfg.transfer))?;
+    let transfer_addr = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr().to_string());
+    println!("listening transfer={}", kv_server.local_addr());
+
+    let settings = DecodeSettings {
+        policy: cfg.policy,
+        local_prefill_max_tokens: cfg.local_prefill_max_tokens,
+        reservation_ttl: cfg.reservation_ttl,
+        max_prefill_attempts: cfg.max_prefill_attempts,
+        max_pending_remote: common.max_waiting.max(1),
+        transfer_addr,
+    };
+    let service = DecodeService::new(runner.clone(), local, receiver, failures, settings);
+    let reaper_stop = CancellationToken::new();
+    let reaper = tokio::spawn(service.clone().reap_forever(reaper_stop.clone()));
+
+    let listener =
+        tokio::net::TcpListener::bind(common.grpc).await.with_context(|| format!("binding grpc {}", common.grpc))?;
+    let addr = listener.local_addr()?;
+    println!("listening grpc={addr}");
+    tracing::info!(%addr, fingerprint = %fingerprint, group = common.version_group.as_str(), "ready");
+
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DecodeWorkerServer::new(service.clone()))
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener),
+                stop.clone().cancelled_owned(),
+            ),
+    );
+    let signal = worker::serve::stop_signal().await?;
+    tracing::info!(signal, "draining");
+    // Phase 1: stop admitting; requests waiting for remote KV join the batch.
+    let left = service.drain(common.shutdown_timeout).await;
+    stop.cancel();
+    // Phase 2: the engine finishes what it can within the grace, fails the rest.
+    runner.shutdown(left);
+    // Streams end once the engine has answered every request.
+    if tokio::time::timeout(left + Duration::from_secs(1), server).await.is_err() {
+        tracing::warn!("in-flight streams did not end within the grace");
+    }
+    reaper_stop.cancel();
+    let _ = reaper.await;
+    kv_server.shutdown();
+    let joined = tokio::task::spawn_blocking(move || join.join());
+    match tokio::time::timeout(left + Duration::from_secs(1), joined).await {
+        Ok(Ok(Ok(_engine))) => tracing::info!("runner drained"),
+        _ => tracing::warn!("runner thread did not exit cleanly"),
+    }
+    Ok(())
+}

@@ -1,0 +1,75 @@
+//! `tandem-prefill-worker`: loads the model, serves `PrefillWorker` on gRPC
+//! and Prometheus `/metrics` on HTTP, prints `listening metrics=ADDR` and then
+//! `listening grpc=ADDR` once both are bound, and on SIGTERM/SIGINT stops
+//! accepting, drains the runner for `shutdown_timeout`, and exits 0.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use engine::runner::{Runner, RunnerConfig};
+use kvtransfer::{Peer, TcpSenderConfig};
+use proto::worker::v1::prefill_worker_server::PrefillWorkerServer;
+use tokio_util::sync::CancellationToken;
+use worker::prefill::service::PrefillService;
+use worker::prefill::{PrefillConfig, PrefillFlags};
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = PrefillConfig::load(&PrefillFlags::parse())?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(run(cfg))
+}
+
+async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
+    let common = &cfg.common;
+    let loaded = worker::serve::load(common)?;
+    let (layout, fingerprint) = (loaded.layout, loaded.fingerprint);
+    let (runner, join) = Runner::spawn(loaded.engine, RunnerConfig { max_waiting: common.max_waiting })?;
+
+    let process = CancellationToken::new();
+    let local = Peer { version_group: common.version_group.clone(), fingerprint };
+    let sender_config = TcpSenderConfig { timeout: cfg.transfer_timeout, ..TcpSenderConfig::default() };
+    let service = PrefillService::new(runner.clone(), layout, local, sender_config, process.clone());
+
+    let metrics_addr = worker::metrics::install(common.metrics, worker::prefill::metrics::BUCKETS)
+        .with_context(|| format!("serving metrics on {}", common.metrics))?;
+    worker::prefill::metrics::describe();
+    println!("listening metrics={metrics_addr}");
+
+    let listener =
+        tokio::net::TcpListener::bind(common.grpc).await.with_context(|| format!("binding grpc {}", common.grpc))?;
+    let addr = listener.local_addr()?;
+    println!("listening grpc={addr}");
+    tracing::info!(%addr, fingerprint = %fingerprint, group = common.version_group.as_str(), "ready");
+
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(PrefillWorkerServer::new(service.clone()))
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener),
+                stop.clone().cancelled_owned(),
+            ),
+    );
+    let signal = worker::serve::stop_signal().await?;
+    tracing::info!(signal, "draining");
+    // Phase 1: stop admitting. Phase 2: drain for the grace. Phase 3: cancel the rest.
+    service.set_draining();
+    stop.cancel();
+    runner.shutdown(common.shutdown_timeout);
+    let grace = common.shutdown_timeout + cfg.transfer_timeout;
+    if tokio::time::timeout(grace, server).await.is_err() {
+        tracing::warn!(?grace, "in-flight RPCs did not finish within the grace; cancelling them");
+    }
+    process.cancel();
+    let joined = tokio::task::spawn_blocking(move || join.join());
+    match tokio::time::timeout(grace + Duration::from_secs(1), joined).await {
+        Ok(Ok(Ok(_engine))) => tracing::info!("runner drained"),
+        _ => tracing::warn!("runner thread did not exit cleanly"),
+    }
+    Ok(())
+}

@@ -1,0 +1,255 @@
+//! Config plumbing shared by both worker binaries.
+//!
+//! Each binary has one typed config built from, lowest to highest:
+//! defaults, a TOML file (`--config`), `TANDEM_*` env, flags. clap reads env
+//! and flags together (a flag beats its env var); the TOML file has the same
+//! keys as the flags in snake_case. Unknown TOML keys are refused by name,
+//! checked against the flags clap knows, so the two can never drift apart.
+//! Validation errors name the field.
+//!
+//! [`CommonFlags`] holds what both workers take (model, addresses, engine
+//! sizing, drain); each binary flattens it into its own flags struct.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Args, CommandFactory};
+use engine::batch::EngineConfig;
+use engine::kv::KvDtype;
+use kvtransfer::VersionGroup;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+/// Why the config could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The `--config` file could not be read.
+    #[error("config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    /// The `--config` file is not valid TOML for this config (the message names the key).
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    /// A field has a value the worker cannot run with.
+    #[error("config field `{field}`: {why}")]
+    Invalid { field: &'static str, why: String },
+}
+
+pub(crate) fn invalid(field: &'static str, why: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field, why: why.into() }
+}
+
+/// Flags both workers take; every one also readable from its `TANDEM_*`
+/// env var and, without the `--`, as a TOML key.
+#[derive(Debug, Default, Clone, Args, Deserialize)]
+#[serde(default)]
+pub struct CommonFlags {
+    /// TOML config file (keys as the flags, snake_case). Env: TANDEM_CONFIG.
+    #[arg(long, env = "TANDEM_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// GGUF model file. Env: TANDEM_MODEL. Default: the cached SmolLM2 file.
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// gRPC listen address. Env: TANDEM_GRPC. Default 127.0.0.1:0.
+    #[arg(long, env = "TANDEM_GRPC")]
+    pub grpc: Option<String>,
+    /// Prometheus `/metrics` listen address. Env: TANDEM_METRICS. Default 127.0.0.1:0.
+    #[arg(long, env = "TANDEM_METRICS")]
+    pub metrics: Option<String>,
+    /// Model compute threads. Env: TANDEM_THREADS. Default: available cores.
+    #[arg(long, env = "TANDEM_THREADS")]
+    pub threads: Option<usize>,
+    /// Version group label (required). Env: TANDEM_VERSION_GROUP.
+    #[arg(long, env = "TANDEM_VERSION_GROUP")]
+    pub version_group: Option<String>,
+    /// Tokens per KV block. Env: TANDEM_KV_BLOCK_SIZE. Default 16.
+    #[arg(long, env = "TANDEM_KV_BLOCK_SIZE")]
+    pub kv_block_size: Option<usize>,
+    /// KV element type, f16 | f32. Env: TANDEM_KV_DTYPE. Default f16.
+    #[arg(long, env = "TANDEM_KV_DTYPE")]
+    pub kv_dtype: Option<String>,
+    /// KV blocks in the pool. Env: TANDEM_KV_BLOCKS. Default 1024.
+    #[arg(long, env = "TANDEM_KV_BLOCKS")]
+    pub kv_blocks: Option<usize>,
+    /// Token budget of one engine step. Env: TANDEM_MAX_BATCH_TOKENS. Default 512.
+    #[arg(long, env = "TANDEM_MAX_BATCH_TOKENS")]
+    pub max_batch_tokens: Option<usize>,
+    /// Sequences in the running batch. Env: TANDEM_MAX_RUNNING. Default 16.
+    #[arg(long, env = "TANDEM_MAX_RUNNING")]
+    pub max_running: Option<usize>,
+    /// Requests queued beyond the running seats; more are refused as
+    /// overloaded. Env: TANDEM_MAX_WAITING. Default 64.
+    #[arg(long, env = "TANDEM_MAX_WAITING")]
+    pub max_waiting: Option<usize>,
+    /// Drain grace on SIGTERM/SIGINT, ms. Env: TANDEM_SHUTDOWN_TIMEOUT_MS. Default 10000.
+    #[arg(long, env = "TANDEM_SHUTDOWN_TIMEOUT_MS")]
+    pub shutdown_timeout_ms: Option<u64>,
+}
+
+/// Overlays the set fields of `$b` on `$a`.
+macro_rules! overlay {
+    ($a:expr, $b:expr, $($f:ident),* $(,)?) => { $( if $b.$f.is_some() { $a.$f = $b.$f.clone(); } )* };
+}
+pub(crate) use overlay;
+
+impl CommonFlags {
+    /// Overlays the fields `later` sets.
+    pub fn overlay(&mut self, later: &Self) {
+        overlay!(
+            self,
+            later,
+            model,
+            grpc,
+            metrics,
+            threads,
+            version_group,
+            kv_block_size,
+            kv_dtype,
+            kv_blocks,
+            max_batch_tokens,
+            max_running,
+            max_waiting,
+            shutdown_timeout_ms
+        );
+    }
+}
+
+/// The validated common part of a worker's config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommonConfig {
+    pub model: PathBuf,
+    pub grpc: SocketAddr,
+    /// Where `/metrics` is served (port 0: any free port, printed at start-up).
+    pub metrics: SocketAddr,
+    pub threads: usize,
+    pub version_group: VersionGroup,
+    pub kv_block_size: usize,
+    pub kv_dtype: KvDtype,
+    pub kv_blocks: usize,
+    pub max_batch_tokens: usize,
+    pub max_running: usize,
+    pub max_waiting: usize,
+    pub shutdown_timeout: Duration,
+}
+
+impl CommonConfig {
+    /// The engine settings this config describes (prefix cache on).
+    pub fn engine(&self) -> EngineConfig {
+        EngineConfig {
+            block_size: self.kv_block_size,
+            kv_dtype: self.kv_dtype,
+            kv_blocks: self.kv_blocks,
+            max_batch_tokens: self.max_batch_tokens,
+            max_running: self.max_running,
+            prefix_cache: true,
+        }
+    }
+}
+
+/// Parses `text` (the value of `field`) as host:port.
+pub(crate) fn socket_addr(field: &'static str, text: &str) -> Result<SocketAddr, ConfigError> {
+    text.parse().map_err(|e| invalid(field, format!("{text:?} is not host:port ({e})")))
+}
+
+/// A value that must be at least 1, or its default.
+pub(crate) fn positive<T: Copy + PartialEq + Default>(
+    field: &'static str,
+    v: Option<T>,
+    default: T,
+) -> Result<T, ConfigError> {
+    match v.unwrap_or(default) {
+        n if n == T::default() => Err(invalid(field, "must be at least 1")),
+        n => Ok(n),
+    }
+}
+
+/// A duration in milliseconds that must be at least 1 ms, or its default.
+pub(crate) fn millis(field: &'static str, v: Option<u64>, default: u64) -> Result<Duration, ConfigError> {
+    positive(field, v, default).map(Duration::from_millis)
+}
+
+impl CommonFlags {
+    /// Applies defaults and validates every field.
+    pub fn resolve(&self) -> Result<CommonConfig, ConfigError> {
+        let grpc = socket_addr("grpc", self.grpc.as_deref().unwrap_or("127.0.0.1:0"))?;
+        let metrics = socket_addr("metrics", self.metrics.as_deref().unwrap_or("127.0.0.1:0"))?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = positive("threads", self.threads, cores)?;
+        let group = self.version_group.as_deref().ok_or_else(|| invalid("version_group", "is required"))?;
+        let version_group = VersionGroup::new(group).map_err(|e| invalid("version_group", e.to_string()))?;
+        let dtype_text = self.kv_dtype.as_deref().unwrap_or("f16");
+        let kv_dtype =
+            KvDtype::parse(dtype_text).ok_or_else(|| invalid("kv_dtype", format!("{dtype_text:?}: use f16 or f32")))?;
+        let cfg = CommonConfig {
+            model: self.model.clone().unwrap_or_else(engine::paths::default_model_path),
+            grpc,
+            metrics,
+            threads,
+            version_group,
+            kv_block_size: positive("kv_block_size", self.kv_block_size, 16)?,
+            kv_dtype,
+            kv_blocks: positive("kv_blocks", self.kv_blocks, 1024)?,
+            max_batch_tokens: positive("max_batch_tokens", self.max_batch_tokens, 512)?,
+            max_running: positive("max_running", self.max_running, 16)?,
+            max_waiting: self.max_waiting.unwrap_or(64),
+            shutdown_timeout: Duration::from_millis(self.shutdown_timeout_ms.unwrap_or(10_000)),
+        };
+        if !cfg.model.is_file() {
+            return Err(invalid("model", format!("{} is not a file", cfg.model.display())));
+        }
+        Ok(cfg)
+    }
+}
+
+/// Reads a TOML config file into the flags type `F`, refusing any key that
+/// is not one of `F`'s flags (by clap's id, the snake_case field name).
+pub fn read_file<F: CommandFactory + DeserializeOwned>(path: &Path) -> Result<F, ConfigError> {
+    let parse = |message: String| ConfigError::Parse { path: path.into(), message };
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+    let table: toml::Table = toml::from_str(&text).map_err(|e| parse(e.to_string()))?;
+    let cmd = F::command();
+    let known: Vec<&str> = cmd.get_arguments().map(|a| a.get_id().as_str()).filter(|id| *id != "config").collect();
+    if let Some(key) = table.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(parse(format!("unknown field `{key}`; known fields: {}", known.join(", "))));
+    }
+    table.try_into().map_err(|e: toml::de::Error| parse(e.to_string()))
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Any existing file passes the `model` check.
+    pub(crate) fn some_file() -> PathBuf {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
+    }
+
+    pub(crate) fn common(group: Option<&str>) -> CommonFlags {
+        CommonFlags { model: Some(some_file()), version_group: group.map(Into::into), ..CommonFlags::default() }
+    }
+
+    #[test]
+    fn version_group_is_required_and_named() {
+        let err = common(None).resolve().err().map(|e| e.to_string());
+        assert!(err.as_deref().is_some_and(|e| e.contains("`version_group`")), "{err:?}");
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let base = || common(Some("g1"));
+        let cases = [
+            (CommonFlags { kv_dtype: Some("bf8".into()), ..base() }, "`kv_dtype`"),
+            (CommonFlags { kv_blocks: Some(0), ..base() }, "`kv_blocks`"),
+            (CommonFlags { threads: Some(0), ..base() }, "`threads`"),
+            (CommonFlags { grpc: Some("nowhere".into()), ..base() }, "`grpc`"),
+            (CommonFlags { metrics: Some("localhost".into()), ..base() }, "`metrics`"),
+            (CommonFlags { version_group: Some("a b".into()), ..base() }, "`version_group`"),
+            (CommonFlags { model: Some("/nonexistent/model.gguf".into()), ..base() }, "`model`"),
+        ];
+        for (f, field) in cases {
+            let err = f.resolve().err().map(|e| e.to_string());
+            assert!(err.as_deref().is_some_and(|e| e.contains(field)), "{field}: {err:?}");
+        }
+    }
+}

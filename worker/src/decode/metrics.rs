@@ -1,0 +1,123 @@
+//! The decode worker's own metrics (the shared KV usage and request gauges
+//! are in [`crate::metrics`]).
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
+
+/// `tandem_decode_requests_total{outcome}`: Generate streams ended, by
+/// outcome (`ok`, or the error kind). vLLM: `vllm:request_success_total`.
+pub const DECODE_REQUESTS: &str = "tandem_decode_requests_total";
+/// `tandem_prefill_route_total{route}`: where a request's prompt was
+/// prefilled first: `local` (short prompt or no prefill worker named) or
+/// `remote`. vLLM: none (its disaggregation has no conditional route).
+pub const PREFILL_ROUTE: &str = "tandem_prefill_route_total";
+/// `tandem_kv_load_failure_policy{policy}`: 1 for the configured policy
+/// (an info metric, so dashboards show what a failed load will do).
+pub const POLICY_INFO: &str = "tandem_kv_load_failure_policy";
+/// `tandem_kv_load_failures_total{reason}`: remote KV loads that failed, by
+/// reason (`rpc` — the prefill worker could not be reached or died;
+/// `prefill_error` — it answered an error; `version_mismatch`; `corrupt`;
+/// `lease_expired`; `timeout` — the lease ran out waiting for it).
+pub const KV_LOAD_FAILURES: &str = "tandem_kv_load_failures_total";
+/// `tandem_kv_load_policy_outcomes_total{policy,outcome}`: what the policy
+/// did about a failed load: `recomputed`, `retried`, `failed`.
+pub const POLICY_OUTCOMES: &str = "tandem_kv_load_policy_outcomes_total";
+/// `tandem_kv_received_bytes_total`: K+V payload bytes written into this
+/// worker's pool by transfers (all frames accepted, whether or not the
+/// reservation completed).
+pub const KV_RECEIVED_BYTES: &str = "tandem_kv_received_bytes_total";
+/// `tandem_kv_transfers_completed_total`: reservations whose every layer
+/// arrived and was acknowledged.
+pub const KV_TRANSFERS_COMPLETED: &str = "tandem_kv_transfers_completed_total";
+/// `tandem_kv_handshakes_rejected_total{reason}`: KV connections refused at
+/// the handshake (`version_group`, `fingerprint`, `protocol_version`).
+pub const HANDSHAKES_REJECTED: &str = "tandem_kv_handshakes_rejected_total";
+/// `tandem_kv_load_seconds`: reserve to acknowledged KV (the remote prefill
+/// and its transfer), for loads that succeeded.
+pub const KV_LOAD_SECONDS: &str = "tandem_kv_load_seconds";
+/// `tandem_reservations_active`: KV reservations live now.
+pub const RESERVATIONS_ACTIVE: &str = "tandem_reservations_active";
+/// `tandem_reservations_expired_total`: reservations whose lease ran out
+/// before the KV arrived (their blocks were freed, their late frames refused).
+pub const RESERVATIONS_EXPIRED: &str = "tandem_reservations_expired_total";
+/// `tandem_time_to_first_token_seconds`: Generate arrival to the first
+/// token sent. vLLM: `vllm:time_to_first_token_seconds`.
+pub const TTFT: &str = "tandem_time_to_first_token_seconds";
+/// `tandem_time_per_output_token_seconds`: gap between consecutive tokens
+/// of a stream. vLLM: `vllm:time_per_output_token_seconds` (inter-token latency).
+pub const TPOT: &str = "tandem_time_per_output_token_seconds";
+/// `tandem_generation_tokens_total`: tokens streamed. vLLM: `vllm:generation_tokens_total`.
+pub const GENERATION_TOKENS: &str = "tandem_generation_tokens_total";
+
+/// Buckets of TTFT and KV load time: 5 ms .. 60 s.
+pub const LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0];
+/// Buckets of the per-token gap: 1 ms .. 2.5 s.
+pub const TPOT_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
+
+/// Buckets per histogram, for [`crate::metrics::install`].
+pub const BUCKETS: &[(&str, &[f64])] =
+    &[(TTFT, LATENCY_BUCKETS), (KV_LOAD_SECONDS, LATENCY_BUCKETS), (TPOT, TPOT_BUCKETS)];
+
+/// Describes this role's metrics and sets the policy info metric.
+pub fn describe(policy: super::KvLoadFailurePolicy) {
+    describe_counter!(DECODE_REQUESTS, "Generate streams ended, by outcome.");
+    describe_counter!(PREFILL_ROUTE, "Requests by where their prompt was first prefilled.");
+    describe_gauge!(POLICY_INFO, "1 for the configured kv_load_failure_policy.");
+    describe_counter!(KV_LOAD_FAILURES, "Remote KV loads that failed, by reason.");
+    describe_counter!(POLICY_OUTCOMES, "What kv_load_failure_policy did about a failed load.");
+    describe_counter!(KV_RECEIVED_BYTES, Unit::Bytes, "K+V payload bytes written by transfers.");
+    describe_counter!(KV_TRANSFERS_COMPLETED, "Reservations whose KV arrived complete.");
+    describe_counter!(HANDSHAKES_REJECTED, "KV connections refused at the handshake, by reason.");
+    describe_histogram!(KV_LOAD_SECONDS, Unit::Seconds, "Reserve to acknowledged KV, successful loads.");
+    describe_gauge!(RESERVATIONS_ACTIVE, "KV reservations live now.");
+    describe_counter!(RESERVATIONS_EXPIRED, "Reservations whose lease ran out before the KV arrived.");
+    describe_histogram!(TTFT, Unit::Seconds, "Generate arrival to the first token sent.");
+    describe_histogram!(TPOT, Unit::Seconds, "Gap between consecutive streamed tokens.");
+    describe_counter!(GENERATION_TOKENS, Unit::Count, "Tokens streamed.");
+    for p in super::KvLoadFailurePolicy::ALL {
+        gauge!(POLICY_INFO, "policy" => p.as_str()).set(if p == policy { 1.0 } else { 0.0 });
+    }
+}
+
+pub fn record_outcome(outcome: &'static str) {
+    counter!(DECODE_REQUESTS, "outcome" => outcome).increment(1);
+}
+
+pub fn record_route(route: &'static str) {
+    counter!(PREFILL_ROUTE, "route" => route).increment(1);
+}
+
+pub fn record_load_failure(reason: &'static str) {
+    counter!(KV_LOAD_FAILURES, "reason" => reason).increment(1);
+}
+
+pub fn record_policy(policy: super::KvLoadFailurePolicy, outcome: &'static str) {
+    counter!(POLICY_OUTCOMES, "policy" => policy.as_str(), "outcome" => outcome).increment(1);
+}
+
+pub fn record_load(seconds: f64) {
+    histogram!(KV_LOAD_SECONDS).record(seconds);
+}
+
+pub fn record_first_token(seconds: f64) {
+    histogram!(TTFT).record(seconds);
+}
+
+pub fn record_token_gap(seconds: f64) {
+    histogram!(TPOT).record(seconds);
+    counter!(GENERATION_TOKENS).increment(1);
+}
+
+/// Mirrors the KV receiver's own counters (absolute values, never reset).
+pub fn record_receiver(c: &kvtransfer::ReceiverCounters, active: usize) {
+    counter!(KV_RECEIVED_BYTES).absolute(c.payload_bytes_accepted);
+    counter!(KV_TRANSFERS_COMPLETED).absolute(c.reservations_completed);
+    counter!(RESERVATIONS_EXPIRED).absolute(c.reservations_expired);
+    for reason in [
+        kvtransfer::RejectReason::VersionGroup,
+        kvtransfer::RejectReason::Fingerprint,
+        kvtransfer::RejectReason::ProtocolVersion,
+    ] {
+        counter!(HANDSHAKES_REJECTED, "reason" => reason.as_str()).absolute(c.hello_rejected(reason));
+    }
+    gauge!(RESERVATIONS_ACTIVE).set(active as f64);
+}

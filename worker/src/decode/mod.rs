@@ -1,0 +1,229 @@
+//! The decode worker: serves `DecodeWorker` over gRPC. A `Generate` either
+//! prefills locally (short prompts, or no prefill worker named) or reserves
+//! KV blocks under a lease, has a prefill worker fill them over kvtransfer,
+//! and joins the sequence to the continuous-batching loop once every layer
+//! arrived intact; if the remote KV does not arrive, the
+//! [`KvLoadFailurePolicy`] decides what happens. See `service` for the walk.
+
+pub mod metrics;
+pub mod service;
+pub mod sink;
+
+use std::fmt;
+use std::time::Duration;
+
+use clap::Parser;
+use serde::Deserialize;
+
+use crate::config::{invalid, millis, positive, read_file, socket_addr, CommonConfig, CommonFlags, ConfigError};
+
+/// What the decode worker does when remote KV does not arrive intact
+/// (prefill worker dead or erroring, transfer refused, corrupt frame,
+/// reservation lease expired, handshake refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvLoadFailurePolicy {
+    /// Prefill the prompt on the decode worker itself: same output, more
+    /// decode-side compute.
+    Recompute,
+    /// Try the next prefill worker the request names, within the deadline
+    /// and `max_prefill_attempts`; `kv_load_failed` when they run out.
+    Retry,
+    /// Answer `kv_load_failed` (`version_mismatch` for a handshake refusal).
+    Fail,
+}
+
+impl KvLoadFailurePolicy {
+    pub const ALL: [Self; 3] = [Self::Recompute, Self::Retry, Self::Fail];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Recompute => "recompute",
+            Self::Retry => "retry",
+            Self::Fail => "fail",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.as_str() == s)
+    }
+
+    /// The per-request override from the wire; `None` when unset.
+    pub fn from_wire(p: proto::worker::v1::KvLoadFailurePolicy) -> Option<Self> {
+        use proto::worker::v1::KvLoadFailurePolicy as W;
+        match p {
+            W::Unspecified => None,
+            W::Recompute => Some(Self::Recompute),
+            W::Retry => Some(Self::Retry),
+            W::Fail => Some(Self::Fail),
+        }
+    }
+}
+
+impl fmt::Display for KvLoadFailurePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `tandem-decode-worker` flags (each also a `TANDEM_*` env var and a TOML key).
+#[derive(Debug, Default, Clone, Parser, Deserialize)]
+#[command(name = "tandem-decode-worker", about = "tandem decode worker")]
+#[serde(default)]
+pub struct DecodeFlags {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub common: CommonFlags,
+    /// Required: recompute | retry | fail. What to do when remote KV does
+    /// not arrive intact; a request may override it. Env: TANDEM_KV_LOAD_FAILURE_POLICY.
+    #[arg(long, env = "TANDEM_KV_LOAD_FAILURE_POLICY")]
+    pub kv_load_failure_policy: Option<String>,
+    /// KV transfer listen address (TCP). Env: TANDEM_TRANSFER. Default 127.0.0.1:0.
+    #[arg(long, env = "TANDEM_TRANSFER")]
+    pub transfer: Option<String>,
+    /// Transfer address given to prefill workers, when it differs from the
+    /// bound one (NAT, 0.0.0.0 binds, a proxy). Env: TANDEM_ADVERTISE_TRANSFER.
+    /// Default: the bound address.
+    #[arg(long, env = "TANDEM_ADVERTISE_TRANSFER")]
+    pub advertise_transfer: Option<String>,
+    /// Prompts of at most this many tokens are prefilled here even when a
+    /// prefill worker is named (0: always remote). Env:
+    /// TANDEM_LOCAL_PREFILL_MAX_TOKENS. Default 32.
+    #[arg(long, env = "TANDEM_LOCAL_PREFILL_MAX_TOKENS")]
+    pub local_prefill_max_tokens: Option<usize>,
+    /// Lease of a KV reservation: the prefill worker must deliver every
+    /// layer within it. Env: TANDEM_RESERVATION_TTL_MS. Default 30000.
+    #[arg(long, env = "TANDEM_RESERVATION_TTL_MS")]
+    pub reservation_ttl_ms: Option<u64>,
+    /// Most prefill workers tried for one request under `retry`. Env:
+    /// TANDEM_MAX_PREFILL_ATTEMPTS. Default 3.
+    #[arg(long, env = "TANDEM_MAX_PREFILL_ATTEMPTS")]
+    pub max_prefill_attempts: Option<usize>,
+    /// A KV connection with no byte for this long is closed, ms. Env:
+    /// TANDEM_TRANSFER_IDLE_TIMEOUT_MS. Default 30000.
+    #[arg(long, env = "TANDEM_TRANSFER_IDLE_TIMEOUT_MS")]
+    pub transfer_idle_timeout_ms: Option<u64>,
+}
+
+/// The validated decode worker config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeConfig {
+    pub common: CommonConfig,
+    pub policy: KvLoadFailurePolicy,
+    pub transfer: std::net::SocketAddr,
+    pub advertise_transfer: Option<String>,
+    pub local_prefill_max_tokens: usize,
+    pub reservation_ttl: Duration,
+    pub max_prefill_attempts: usize,
+    pub transfer_idle_timeout: Duration,
+}
+
+impl DecodeConfig {
+    /// Defaults < the `--config` file < env and flags (already in `flags`).
+    pub fn load(flags: &DecodeFlags) -> Result<Self, ConfigError> {
+        let mut merged = match &flags.common.config {
+            Some(path) => read_file::<DecodeFlags>(path)?,
+            None => DecodeFlags::default(),
+        };
+        merged.common.overlay(&flags.common);
+        crate::config::overlay!(
+            merged,
+            flags,
+            kv_load_failure_policy,
+            transfer,
+            advertise_transfer,
+            local_prefill_max_tokens,
+            reservation_ttl_ms,
+            max_prefill_attempts,
+            transfer_idle_timeout_ms
+        );
+        Self::resolve(&merged)
+    }
+
+    pub fn resolve(f: &DecodeFlags) -> Result<Self, ConfigError> {
+        let common = f.common.resolve()?;
+        // Required, with no default: the operator must choose what a failed KV load means.
+        let text = f.kv_load_failure_policy.as_deref().ok_or_else(|| {
+            invalid("kv_load_failure_policy", "is required: recompute | retry | fail (see docs/ARCHITECTURE.md)")
+        })?;
+        let policy = KvLoadFailurePolicy::parse(text)
+            .ok_or_else(|| invalid("kv_load_failure_policy", format!("{text:?}: use recompute, retry or fail")))?;
+        if let Some(a) = f.advertise_transfer.as_deref() {
+            socket_addr("advertise_transfer", a)?;
+        }
+        Ok(Self {
+            common,
+            policy,
+            transfer: socket_addr("transfer", f.transfer.as_deref().unwrap_or("127.0.0.1:0"))?,
+            advertise_transfer: f.advertise_transfer.clone(),
+            local_prefill_max_tokens: f.local_prefill_max_tokens.unwrap_or(32),
+            reservation_ttl: millis("reservation_ttl_ms", f.reservation_ttl_ms, 30_000)?,
+            max_prefill_attempts: positive("max_prefill_attempts", f.max_prefill_attempts, 3)?,
+            transfer_idle_timeout: millis("transfer_idle_timeout_ms", f.transfer_idle_timeout_ms, 30_000)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::{common, some_file};
+
+    fn flags(policy: Option<&str>) -> DecodeFlags {
+        DecodeFlags {
+            common: common(Some("g")),
+            kv_load_failure_policy: policy.map(Into::into),
+            ..DecodeFlags::default()
+        }
+    }
+
+    #[test]
+    fn policy_is_required_and_checked() {
+        for (policy, want) in [(None, "is required"), (Some("sometimes"), "\"sometimes\"")] {
+            let err = DecodeConfig::resolve(&flags(policy)).err().map(|e| e.to_string());
+            assert!(
+                err.as_deref().is_some_and(|e| e.contains("`kv_load_failure_policy`") && e.contains(want)),
+                "{err:?}"
+            );
+        }
+        for p in KvLoadFailurePolicy::ALL {
+            let cfg = DecodeConfig::resolve(&flags(Some(p.as_str()))).map_err(|e| e.to_string());
+            assert_eq!(cfg.map(|c| c.policy), Ok(p));
+        }
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let cases = [
+            (DecodeFlags { reservation_ttl_ms: Some(0), ..flags(Some("fail")) }, "`reservation_ttl_ms`"),
+            (DecodeFlags { max_prefill_attempts: Some(0), ..flags(Some("fail")) }, "`max_prefill_attempts`"),
+            (DecodeFlags { transfer: Some("here".into()), ..flags(Some("fail")) }, "`transfer`"),
+            (DecodeFlags { advertise_transfer: Some("x".into()), ..flags(Some("fail")) }, "`advertise_transfer`"),
+        ];
+        for (f, field) in cases {
+            let err = DecodeConfig::resolve(&f).err().map(|e| e.to_string());
+            assert!(err.as_deref().is_some_and(|e| e.contains(field)), "{field}: {err:?}");
+        }
+    }
+
+    #[test]
+    fn file_sets_policy_and_flags_override_it() {
+        let dir = std::env::temp_dir().join(format!("tandem-dw-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok();
+        let path = dir.join("d.toml");
+        let text = format!(
+            "version_group = \"g\"\nkv_load_failure_policy = \"retry\"\nreservation_ttl_ms = 500\nmodel = {:?}\n",
+            some_file()
+        );
+        std::fs::write(&path, text).ok();
+        let mut f = DecodeFlags::default();
+        f.common.config = Some(path.clone());
+        let cfg = DecodeConfig::load(&f).map_err(|e| e.to_string());
+        assert_eq!(
+            cfg.as_ref().map(|c| (c.policy, c.reservation_ttl)),
+            Ok((KvLoadFailurePolicy::Retry, Duration::from_millis(500)))
+        );
+        f.kv_load_failure_policy = Some("fail".into());
+        let cfg = DecodeConfig::load(&f).map_err(|e| e.to_string());
+        assert_eq!(cfg.map(|c| c.policy), Ok(KvLoadFailurePolicy::Fail));
+    }
+}

@@ -1,0 +1,748 @@
+//! The `DecodeWorker` gRPC service.
+//!
+//! A `Generate`'s walk:
+//!
+//! 1. Validate (typed `invalid_argument` naming the field), refuse when
+//!    draining (`retryable`) or when too many requests already wait for
+//!    remote KV (`overloaded`).
+//! 2. Route: prompts of at most `local_prefill_max_tokens` tokens, or
+//!    requests naming no prefill worker, are prefilled here.
+//! 3. Remote: reserve the prompt's blocks in the engine's pool, register
+//!    them with the KV [`Receiver`] under a lease, and call `Prefill` on the
+//!    first prefill worker with (reservation, generation, blocks, our layout
+//!    fingerprint and version group). Its answer arrives only after every
+//!    layer was acknowledged; then `take_ready` hands the blocks over, a
+//!    barrier on the engine thread proves every posted write landed intact,
+//!    and the sequence joins the batch with the prefill's first token.
+//! 4. Anything else — the prefill worker unreachable, dead mid-transfer,
+//!    answering an error, a corrupt frame, an expired lease, a refused
+//!    handshake — is a failed KV load: the reservation is ended (its late
+//!    frames are refused from then on), its blocks are freed, and the
+//!    [`KvLoadFailurePolicy`] decides: `recompute` prefills here, `retry`
+//!    tries the next named prefill worker, `fail` answers `kv_load_failed`.
+//!    No token is ever produced from a partial or unverified reservation.
+//! 5. Tokens stream back as the engine produces them; the stream ends with
+//!    exactly one `Finished` or one `WorkerError`. A caller that goes away
+//!    (or `Abort`) cancels the request wherever it is and frees its KV.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use engine::batch::Request;
+use engine::kv::BlockId;
+use engine::runner::{RunnerEvent, RunnerHandle};
+use engine::sampler::{FinishReason as EngineFinish, SampledToken, SamplingParams};
+use kvtransfer::{Peer, Receiver, Reservation, ReservationState};
+use proto::worker::v1::decode_worker_server::DecodeWorker;
+use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
+use proto::worker::v1::{
+    generate_response, prefill_response, AbortRequest, AbortResponse, ErrorKind, FinishReason, Finished, FirstToken,
+    GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, KvDestination, PrefillRequest, PrefillTarget,
+    TokenChunk, TopLogprob, WorkerError,
+};
+use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request as GrpcRequest, Response, Status};
+
+use super::metrics as m;
+use super::sink::WriteFailures;
+use super::KvLoadFailurePolicy;
+use crate::serve::{blocking, err, local_deadline, runner_err, unix_deadline};
+
+/// The service's knobs (from [`super::DecodeConfig`]).
+#[derive(Debug, Clone)]
+pub struct DecodeSettings {
+    pub policy: KvLoadFailurePolicy,
+    pub local_prefill_max_tokens: usize,
+    pub reservation_ttl: Duration,
+    pub max_prefill_attempts: usize,
+    /// Requests waiting for remote KV at once; more are refused as overloaded.
+    pub max_pending_remote: usize,
+    /// The KV transfer address prefill workers are told to push to.
+    pub transfer_addr: String,
+}
+
+/// Shared state of the service (cheap to clone).
+#[derive(Clone)]
+pub struct DecodeService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    runner: RunnerHandle,
+    local: Peer,
+    receiver: Arc<Mutex<Receiver>>,
+    failures: WriteFailures,
+    settings: DecodeSettings,
+    ready: AtomicBool,
+    next_id: AtomicU64,
+    /// Wire request id -> its cancellation token.
+    running: Mutex<HashMap<String, CancellationToken>>,
+    /// Requests between reserving blocks and joining the batch.
+    pending_remote: AtomicUsize,
+    pending_changed: Notify,
+    clients: Mutex<HashMap<String, PrefillWorkerClient<Channel>>>,
+    /// Wakes the reaper (a reservation may have ended).
+    reap_now: Notify,
+}
+
+/// Why one remote prefill attempt did not deliver usable KV.
+#[derive(Debug)]
+enum Failure {
+    /// A failed KV load: the policy decides. `reason` is the metric label.
+    Load { reason: &'static str, error: WorkerError },
+    /// Not a load failure (bad request, our deadline, cancelled, no capacity): answer it as is.
+    Fatal(WorkerError),
+}
+
+/// What the remote path produced.
+enum Remote {
+    /// Every layer arrived intact: the blocks and the first token.
+    Loaded(Vec<BlockId>, FirstToken),
+    /// The policy says prefill here.
+    Recompute,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every holder only does bookkeeping; a poisoned lock still holds consistent state.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The stream back to the caller, with TTFT and inter-token timing.
+struct Out {
+    tx: mpsc::Sender<Result<GenerateResponse, Status>>,
+    arrived: Instant,
+    last: Option<Instant>,
+    sent: u32,
+}
+
+impl Out {
+    async fn send(&self, event: generate_response::Event) -> Result<(), WorkerError> {
+        let msg = GenerateResponse { event: Some(event) };
+        self.tx.send(Ok(msg)).await.map_err(|_| err(ErrorKind::Cancelled, "the caller went away"))
+    }
+
+    async fn token(&mut self, chunk: TokenChunk) -> Result<(), WorkerError> {
+        self.send(generate_response::Event::Token(chunk)).await?;
+        let now = Instant::now();
+        match self.last {
+            None => m::record_first_token(now.duration_since(self.arrived).as_secs_f64()),
+            Some(prev) => m::record_token_gap(now.duration_since(prev).as_secs_f64()),
+        }
+        self.last = Some(now);
+        self.sent += 1;
+        Ok(())
+    }
+}
+
+fn chunk(t: &SampledToken) -> TokenChunk {
+    TokenChunk {
+        id: t.id,
+        logprob: t.logprob,
+        top: t.top.iter().map(|&(id, logprob)| TopLogprob { id, logprob }).collect(),
+    }
+}
+
+/// Removes the request's id from the running map when the request ends.
+struct Registered<'a> {
+    inner: &'a Inner,
+    request_id: String,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        lock(&self.inner.running).remove(&self.request_id);
+    }
+}
+
+/// Counts a request as waiting for remote KV while it lives.
+struct Pending<'a>(&'a Inner);
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.0.pending_remote.fetch_sub(1, Ordering::SeqCst);
+        self.0.pending_changed.notify_waiters();
+    }
+}
+
+impl DecodeService {
+    pub fn new(
+        runner: RunnerHandle,
+        local: Peer,
+        receiver: Arc<Mutex<Receiver>>,
+        failures: WriteFailures,
+        settings: DecodeSettings,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                runner,
+                local,
+                receiver,
+                failures,
+                settings,
+                ready: AtomicBool::new(true),
+                next_id: AtomicU64::new(1),
+                running: Mutex::new(HashMap::new()),
+                pending_remote: AtomicUsize::new(0),
+                pending_changed: Notify::new(),
+                clients: Mutex::new(HashMap::new()),
+                reap_now: Notify::new(),
+            }),
+        }
+    }
+
+    /// Stops admitting (new `Generate` calls answer `retryable`), then waits
+    /// up to `grace` for requests waiting on remote KV to join the batch
+    /// (or fail), so the engine's drain that follows covers them. Returns
+    /// the grace left.
+    pub async fn drain(&self, grace: Duration) -> Duration {
+        let started = Instant::now();
+        self.inner.ready.store(false, Ordering::SeqCst);
+        let all_joined = async {
+            loop {
+                let changed = self.inner.pending_changed.notified();
+                if self.inner.pending_remote.load(Ordering::SeqCst) == 0 {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        if tokio::time::timeout(grace, all_joined).await.is_err() {
+            tracing::warn!(?grace, "requests still waiting for remote KV at the end of the grace");
+        }
+        grace.saturating_sub(started.elapsed())
+    }
+
+    /// Frees the blocks of reservations that ended without reaching the
+    /// engine (lease expiry, corruption, the sender's abort) and refreshes
+    /// the transfer metrics. Runs on a timer (next lease deadline) and
+    /// whenever a request ends a reservation; stops when `stop` is cancelled.
+    pub async fn reap_forever(self, stop: CancellationToken) {
+        loop {
+            self.reap().await;
+            let next = lock(&self.inner.receiver).next_deadline();
+            let cap = Instant::now() + Duration::from_millis(500);
+            let wake = next.map_or(cap, |d| d.min(cap));
+            tokio::select! {
+                _ = tokio::time::sleep_until(tokio::time::Instant::from_std(wake)) => {}
+                _ = self.inner.reap_now.notified() => {}
+                _ = stop.cancelled() => return,
+            }
+        }
+    }
+
+    async fn reap(&self) {
+        let (released, counters, live) = {
+            let mut rx = lock(&self.inner.receiver);
+            let released = rx.poll_released(Instant::now());
+            (released, rx.counters().clone(), rx.live_reservations())
+        };
+        for r in released {
+            tracing::info!(reservation = %r.reservation, cause = ?r.cause, blocks = r.blocks.len(), "reservation ended; freeing its blocks");
+            self.release(r.blocks).await;
+        }
+        m::record_receiver(&counters, live);
+    }
+
+    async fn release(&self, blocks: Vec<BlockId>) {
+        let runner = self.inner.runner.clone();
+        match blocking(move || runner.release_reserved(blocks)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "releasing reserved blocks failed"),
+            Err(e) => tracing::error!(error = %e.message, "releasing reserved blocks failed"),
+        }
+    }
+
+    /// Ends a reservation that will not be used and frees its blocks: now if
+    /// it was still live, else through the reaper (it already ended and its
+    /// blocks wait in the receiver's outbox).
+    async fn end_reservation(&self, r: Reservation) {
+        let aborted = lock(&self.inner.receiver).abort(r);
+        match aborted {
+            Ok(blocks) => self.release(blocks).await,
+            Err(_) => self.inner.reap_now.notify_one(),
+        }
+        self.reap().await;
+    }
+
+    fn validate(&self, req: &GenerateRequest) -> Result<(SamplingParams, KvLoadFailurePolicy), WorkerError> {
+        let bad = |m: String| Err(err(ErrorKind::InvalidArgument, m));
+        if req.request_id.is_empty() {
+            return bad("request_id is empty".into());
+        }
+        if req.token_ids.is_empty() {
+            return bad("token_ids is empty".into());
+        }
+        let Some(sampling) = req.sampling.as_ref() else { return bad("sampling is required".into()) };
+        let params = SamplingParams::try_from(sampling).map_err(|e| WorkerError::from(&e))?;
+        let policy = match req.policy_override {
+            None => self.inner.settings.policy,
+            Some(v) => match proto::worker::v1::KvLoadFailurePolicy::try_from(v) {
+                Ok(p) => KvLoadFailurePolicy::from_wire(p).unwrap_or(self.inner.settings.policy),
+                Err(_) => return bad(format!("policy_override {v} is not a known KvLoadFailurePolicy")),
+            },
+        };
+        if let Some(i) = req.prefill.iter().position(|t| t.grpc_addr.is_empty()) {
+            return bad(format!("prefill[{i}].grpc_addr is empty"));
+        }
+        Ok((params, policy))
+    }
+
+    /// Runs one request to its end, sending tokens on `out`; the caller
+    /// sends the final message.
+    async fn serve(
+        &self,
+        req: GenerateRequest,
+        out: &mut Out,
+        token: &CancellationToken,
+    ) -> Result<Finished, WorkerError> {
+        let (params, policy) = self.validate(&req)?;
+        let inner = &self.inner;
+        if !inner.ready.load(Ordering::SeqCst) {
+            return Err(err(ErrorKind::Retryable, "worker is draining"));
+        }
+        {
+            let mut running = lock(&inner.running);
+            if running.contains_key(&req.request_id) {
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    format!("request_id {:?} is already running here", req.request_id),
+                ));
+            }
+            running.insert(req.request_id.clone(), token.clone());
+        }
+        let _registered = Registered { inner, request_id: req.request_id.clone() };
+        let deadline = local_deadline(req.deadline_unix_ms);
+        let engine_req = Request {
+            id: inner.next_id.fetch_add(1, Ordering::Relaxed),
+            prompt: req.token_ids.clone(),
+            params,
+            salt: req.cache_salt,
+        };
+        let prompt_tokens = req.token_ids.len() as u32;
+        let finished = |reason, prefilled_remotely| Finished {
+            reason: reason as i32,
+            prompt_tokens,
+            generated_tokens: 0,
+            prefilled_remotely,
+        };
+
+        let remote = !req.prefill.is_empty() && req.token_ids.len() > inner.settings.local_prefill_max_tokens;
+        if remote {
+            m::record_route("remote");
+            match self.remote(&req, deadline, policy, token).await? {
+                Remote::Loaded(blocks, first) => {
+                    let reason = self.decode_prefilled(engine_req, blocks, first, deadline, out, token).await?;
+                    return Ok(finished(reason, true));
+                }
+                Remote::Recompute => {}
+            }
+        } else {
+            m::record_route("local");
+        }
+        let reason = self.decode_local(engine_req, deadline, out, token).await?;
+        Ok(finished(reason, false))
+    }
+
+    /// Has a prefill worker fill a reservation, applying the policy on failure.
+    async fn remote(
+        &self,
+        req: &GenerateRequest,
+        deadline: Option<Instant>,
+        policy: KvLoadFailurePolicy,
+        token: &CancellationToken,
+    ) -> Result<Remote, WorkerError> {
+        let inner = &self.inner;
+        let max = inner.settings.max_pending_remote;
+        if inner.pending_remote.fetch_add(1, Ordering::SeqCst) >= max {
+            inner.pending_remote.fetch_sub(1, Ordering::SeqCst);
+            inner.pending_changed.notify_waiters();
+            return Err(err(ErrorKind::Overloaded, format!("{max} requests are already waiting for remote KV")));
+        }
+        let _pending = Pending(inner);
+        let attempts = match policy {
+            KvLoadFailurePolicy::Retry => inner.settings.max_prefill_attempts.min(req.prefill.len()),
+            _ => 1,
+        };
+        for (i, target) in req.prefill.iter().take(attempts).enumerate() {
+            let failure = match self.attempt(req, target, deadline, token).await {
+                Ok(loaded) => return Ok(loaded),
+                Err(Failure::Fatal(e)) => return Err(e),
+                Err(Failure::Load { reason, error }) => {
+                    m::record_load_failure(reason);
+                    tracing::info!(
+                        request = %req.request_id, target = %target.grpc_addr, reason, error = %error.message,
+                        %policy, "remote KV load failed"
+                    );
+                    error
+                }
+            };
+            let last = i + 1 == attempts;
+            match policy {
+                KvLoadFailurePolicy::Recompute => {
+                    m::record_policy(policy, "recomputed");
+                    return Ok(Remote::Recompute);
+                }
+                KvLoadFailurePolicy::Retry if !last => m::record_policy(policy, "retried"),
+                KvLoadFailurePolicy::Retry => {
+                    m::record_policy(policy, "failed");
+                    return Err(err(
+                        ErrorKind::KvLoadFailed,
+                        format!("KV load failed on all {attempts} prefill workers tried; last: {}", failure.message),
+                    ));
+                }
+                KvLoadFailurePolicy::Fail => {
+                    m::record_policy(policy, "failed");
+                    let kind = match failure.kind() {
+                        ErrorKind::VersionMismatch => ErrorKind::VersionMismatch,
+                        _ => ErrorKind::KvLoadFailed,
+                    };
+                    return Err(err(kind, format!("KV load failed: {}", failure.message)));
+                }
+            }
+        }
+        // Only reached with no targets, which the route excludes.
+        Err(err(ErrorKind::Internal, "no prefill worker to try"))
+    }
+
+    /// One reservation and one `Prefill` call.
+    async fn attempt(
+        &self,
+        req: &GenerateRequest,
+        target: &PrefillTarget,
+        deadline: Option<Instant>,
+        token: &CancellationToken,
+    ) -> Result<Remote, Failure> {
+        let inner = &self.inner;
+        let started = Instant::now();
+        if deadline.is_some_and(|d| started >= d) {
+            return Err(Failure::Fatal(err(ErrorKind::Deadline, "deadline passed before the KV load")));
+        }
+        let n = inner.runner.blocks_for(req.token_ids.len());
+        let runner = inner.runner.clone();
+        let blocks = blocking(move || runner.reserve(n))
+            .await
+            .map_err(Failure::Fatal)?
+            .map_err(|e| Failure::Fatal(runner_err(&e)))?;
+        let reserved = lock(&inner.receiver).reserve(blocks.clone(), inner.settings.reservation_ttl, started);
+        let r = match reserved {
+            Ok(r) => r,
+            Err(e) => {
+                self.release(blocks).await;
+                return Err(Failure::Fatal(err(ErrorKind::Overloaded, format!("KV reservation refused: {e}"))));
+            }
+        };
+        let lease_end = started + inner.settings.reservation_ttl;
+        let limit = deadline.map_or(lease_end, |d| d.min(lease_end));
+        let result = self.call_prefill(req, target, r, &blocks, limit, deadline, token).await;
+        let first = match result {
+            Ok(first) => first,
+            Err(f) => {
+                let f = self.classify(r, f);
+                self.end_reservation(r).await;
+                return Err(f);
+            }
+        };
+        let taken = lock(&inner.receiver).take_ready(r);
+        let blocks = match taken {
+            Ok(b) => b,
+            Err(e) => {
+                let f = self.classify(
+                    r,
+                    Failure::Load { reason: "incomplete", error: err(ErrorKind::KvLoadFailed, e.to_string()) },
+                );
+                self.end_reservation(r).await;
+                return Err(f);
+            }
+        };
+        // Barrier: runs on the engine thread after every posted write of r.
+        let (runner, failures) = (inner.runner.clone(), inner.failures.clone());
+        let failed = blocking(move || runner.with_pool(move |_| failures.take(r)))
+            .await
+            .map_err(Failure::Fatal)?
+            .map_err(|e| Failure::Fatal(runner_err(&e)));
+        match failed {
+            Ok(false) => {
+                m::record_load(started.elapsed().as_secs_f64());
+                Ok(Remote::Loaded(blocks, first))
+            }
+            Ok(true) => {
+                self.release(blocks).await;
+                Err(Failure::Load {
+                    reason: "corrupt",
+                    error: err(ErrorKind::KvLoadFailed, "a KV write into the pool failed"),
+                })
+            }
+            Err(f) => {
+                self.release(blocks).await;
+                Err(f)
+            }
+        }
+    }
+
+    /// Names a load failure after what the receiver saw, which is more
+    /// precise than the prefill worker's view (a checksum failure or an
+    /// expired lease there is just an `Abort` from us).
+    fn classify(&self, r: Reservation, f: Failure) -> Failure {
+        let Failure::Load { reason, error } = f else { return f };
+        let reason = match lock(&self.inner.receiver).state(r) {
+            Some(ReservationState::Failed) => "corrupt",
+            Some(ReservationState::Expired) => "lease_expired",
+            _ => reason,
+        };
+        Failure::Load { reason, error }
+    }
+
+    fn client(&self, addr: &str) -> Result<PrefillWorkerClient<Channel>, WorkerError> {
+        let mut clients = lock(&self.inner.clients);
+        if let Some(c) = clients.get(addr) {
+            return Ok(c.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| err(ErrorKind::InvalidArgument, format!("prefill grpc_addr {addr:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true);
+        let c = PrefillWorkerClient::new(endpoint.connect_lazy());
+        clients.insert(addr.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn call_prefill(
+        &self,
+        req: &GenerateRequest,
+        target: &PrefillTarget,
+        r: Reservation,
+        blocks: &[BlockId],
+        limit: Instant,
+        deadline: Option<Instant>,
+        token: &CancellationToken,
+    ) -> Result<FirstToken, Failure> {
+        let inner = &self.inner;
+        let mut client = self.client(&target.grpc_addr).map_err(Failure::Fatal)?;
+        let call = PrefillRequest {
+            request_id: req.request_id.clone(),
+            token_ids: req.token_ids.clone(),
+            sampling: req.sampling.clone(),
+            deadline_unix_ms: unix_deadline(Some(limit)),
+            destination: Some(KvDestination {
+                transfer_addr: inner.settings.transfer_addr.clone(),
+                transport: "tcp".into(),
+                reservation_id: r.id.0,
+                generation: r.generation,
+                block_ids: blocks.to_vec(),
+                layout_fingerprint: inner.local.fingerprint.as_bytes().to_vec(),
+                version_group: inner.local.version_group.as_str().to_owned(),
+            }),
+        };
+        let load = |reason, kind, message: String| Failure::Load { reason, error: err(kind, message) };
+        // Dropping the call (timeout, cancel) resets its HTTP/2 stream, which
+        // cancels the prefill worker's handler and frees its KV there.
+        let answer = tokio::select! {
+            a = tokio::time::timeout_at(tokio::time::Instant::from_std(limit), client.prefill(call)) => a,
+            _ = token.cancelled() => return Err(Failure::Fatal(err(ErrorKind::Cancelled, "aborted"))),
+        };
+        let deadline_passed = || deadline.is_some_and(|d| Instant::now() >= d);
+        match answer {
+            Err(_) if deadline_passed() => {
+                Err(Failure::Fatal(err(ErrorKind::Deadline, "deadline passed while waiting for the remote prefill")))
+            }
+            Err(_) => Err(load(
+                "timeout",
+                ErrorKind::KvLoadFailed,
+                format!("no KV from {} within the reservation lease", target.grpc_addr),
+            )),
+            Ok(Err(status)) => Err(load(
+                "rpc",
+                ErrorKind::Retryable,
+                format!("Prefill on {}: {} ({:?})", target.grpc_addr, status.message(), status.code()),
+            )),
+            Ok(Ok(resp)) => match resp.into_inner().outcome {
+                Some(prefill_response::Outcome::FirstToken(first)) => Ok(first),
+                Some(prefill_response::Outcome::Error(e)) => match e.kind() {
+                    ErrorKind::InvalidArgument => Err(Failure::Fatal(e)),
+                    ErrorKind::Deadline if deadline_passed() => Err(Failure::Fatal(e)),
+                    ErrorKind::VersionMismatch => Err(Failure::Load { reason: "version_mismatch", error: e }),
+                    _ => Err(Failure::Load { reason: "prefill_error", error: e }),
+                },
+                None => Err(load("prefill_error", ErrorKind::Internal, "Prefill answered no outcome".into())),
+            },
+        }
+    }
+
+    /// Joins a remotely prefilled sequence and streams its tokens.
+    async fn decode_prefilled(
+        &self,
+        req: Request,
+        blocks: Vec<BlockId>,
+        first: FirstToken,
+        deadline: Option<Instant>,
+        out: &mut Out,
+        token: &CancellationToken,
+    ) -> Result<FinishReason, WorkerError> {
+        let sampled = SampledToken {
+            id: first.id,
+            logprob: first.logprob,
+            top: first.top.iter().map(|t| (t.id, t.logprob)).collect(),
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = req.id;
+        let runner = self.inner.runner.clone();
+        let (b, s) = (blocks.clone(), sampled.clone());
+        let joined =
+            blocking(move || runner.submit_prefilled(req, b, s, deadline, Box::new(move |ev| drop(tx.send(ev)))))
+                .await?;
+        if let Err(e) = joined {
+            // Not joined: the blocks are still ours.
+            self.release(blocks).await;
+            return Err(runner_err(&e));
+        }
+        if let Err(e) = out.token(chunk(&sampled)).await {
+            self.abort_engine(id).await;
+            return Err(e);
+        }
+        self.forward(id, rx, out, token).await
+    }
+
+    /// Prefills here and streams the tokens.
+    async fn decode_local(
+        &self,
+        req: Request,
+        deadline: Option<Instant>,
+        out: &mut Out,
+        token: &CancellationToken,
+    ) -> Result<FinishReason, WorkerError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = req.id;
+        let runner = self.inner.runner.clone();
+        blocking(move || runner.submit(req, deadline, Box::new(move |ev| drop(tx.send(ev)))))
+            .await?
+            .map_err(|e| runner_err(&e))?;
+        self.forward(id, rx, out, token).await
+    }
+
+    async fn abort_engine(&self, id: u64) {
+        let runner = self.inner.runner.clone();
+        // The runner answers false when the request already ended; either way it holds nothing now.
+        let _ = blocking(move || runner.abort(id)).await;
+    }
+
+    /// Streams engine events until the request ends.
+    async fn forward(
+        &self,
+        id: u64,
+        mut events: mpsc::UnboundedReceiver<RunnerEvent>,
+        out: &mut Out,
+        token: &CancellationToken,
+    ) -> Result<FinishReason, WorkerError> {
+        loop {
+            let event = tokio::select! {
+                ev = events.recv() => ev,
+                _ = token.cancelled() => {
+                    self.abort_engine(id).await;
+                    return Err(err(ErrorKind::Cancelled, "aborted"));
+                }
+            };
+            match event {
+                Some(RunnerEvent::Token(t)) => {
+                    if let Err(e) = out.token(chunk(&t)).await {
+                        self.abort_engine(id).await;
+                        return Err(e);
+                    }
+                }
+                Some(RunnerEvent::Finished(reason)) => {
+                    return Ok(match reason {
+                        EngineFinish::Stop => FinishReason::Stop,
+                        EngineFinish::Length => FinishReason::Length,
+                    })
+                }
+                Some(RunnerEvent::Failed(e)) => return Err(runner_err(&e)),
+                None => return Err(err(ErrorKind::Internal, "the engine dropped the request")),
+            }
+        }
+    }
+
+    async fn run(self, req: GenerateRequest, tx: mpsc::Sender<Result<GenerateResponse, Status>>) {
+        let token = CancellationToken::new();
+        // A caller that goes away cancels the request wherever it is.
+        let watcher = {
+            let (tx, token) = (tx.clone(), token.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = tx.closed() => token.cancel(),
+                    _ = token.cancelled() => {}
+                }
+            })
+        };
+        let mut out = Out { tx, arrived: Instant::now(), last: None, sent: 0 };
+        let request_id = req.request_id.clone();
+        let result = self.serve(req, &mut out, &token).await;
+        let (event, outcome) = match result {
+            Ok(mut fin) => {
+                fin.generated_tokens = out.sent;
+                (generate_response::Event::Finished(fin), "ok")
+            }
+            Err(e) => {
+                tracing::info!(request = %request_id, kind = ?e.kind(), message = %e.message, "generate failed");
+                let label = crate::metrics::outcome_label(e.kind());
+                (generate_response::Event::Error(e), label)
+            }
+        };
+        m::record_outcome(outcome);
+        // The caller may be gone; nothing else to tell then.
+        let _ = out.send(event).await;
+        watcher.abort();
+        let runner = self.inner.runner.clone();
+        if let Ok(Some(stats)) = blocking(move || runner.stats()).await {
+            crate::metrics::record_stats(&stats);
+        }
+    }
+}
+
+type GenerateStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DecodeWorker for DecodeService {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(&self, request: GrpcRequest<GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let (tx, rx) = mpsc::channel(32);
+        tokio::spawn(self.clone().run(request.into_inner(), tx));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn abort(&self, request: GrpcRequest<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        let id = request.into_inner().request_id;
+        let token = lock(&self.inner.running).get(&id).cloned();
+        let found = token.is_some();
+        if let Some(t) = token {
+            t.cancel();
+        }
+        Ok(Response::new(AbortResponse { found }))
+    }
+
+    async fn health(&self, _request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        let runner = self.inner.runner.clone();
+        let stats = blocking(move || runner.stats()).await.map_err(|e| Status::internal(e.message))?;
+        let ready = self.inner.ready.load(Ordering::SeqCst) && stats.is_some();
+        let mut h = HealthResponse {
+            live: true,
+            ready,
+            version_group: self.inner.local.version_group.as_str().to_owned(),
+            layout_fingerprint: self.inner.local.fingerprint.as_bytes().to_vec(),
+            ..HealthResponse::default()
+        };
+        if let Some(s) = stats {
+            crate::metrics::record_stats(&s);
+            h.kv_blocks_total = s.kv.total as u32;
+            h.kv_blocks_used = s.kv.used as u32;
+            h.running = s.running as u32;
+            h.waiting = s.waiting as u32 + self.inner.pending_remote.load(Ordering::SeqCst) as u32;
+        }
+        Ok(Response::new(h))
+    }
+}

@@ -1,0 +1,99 @@
+//! Prometheus plumbing and the metrics both workers export, served on
+//! `/metrics` by metrics-exporter-prometheus' HTTP listener (the `metrics`
+//! config field). Role-specific metrics live in `prefill::metrics` and
+//! `decode::metrics`.
+//!
+//! Names are prefixed `tandem_` (Prometheus reserves colons for recording
+//! rules; vLLM's `vllm:` names map over by a rename). Every histogram has
+//! explicit buckets, so it renders as a real histogram (`_bucket{le=..}`),
+//! never as the exporter's default summary.
+
+use std::net::SocketAddr;
+
+use metrics::{describe_gauge, gauge};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+use proto::worker::v1::ErrorKind;
+
+/// `tandem_kv_cache_usage_ratio`: used / total KV blocks in this worker's
+/// pool. vLLM: `vllm:kv_cache_usage_perc` (also a 0..1 fraction).
+pub const KV_CACHE_USAGE: &str = "tandem_kv_cache_usage_ratio";
+/// `tandem_kv_blocks_total`: KV blocks in the pool. vLLM: `vllm:cache_config_info{num_gpu_blocks}`.
+pub const KV_BLOCKS_TOTAL: &str = "tandem_kv_blocks_total";
+/// `tandem_kv_blocks_used`: KV blocks referenced by running sequences,
+/// reservations and held prefills (cached-but-free prefix blocks are not
+/// used). Must return to 0 when the worker is idle. vLLM: none (derive
+/// from the usage ratio).
+pub const KV_BLOCKS_USED: &str = "tandem_kv_blocks_used";
+/// `tandem_num_requests_running`: requests in the engine's running batch.
+/// vLLM: `vllm:num_requests_running`.
+pub const REQUESTS_RUNNING: &str = "tandem_num_requests_running";
+/// `tandem_num_requests_waiting`: requests queued for a running seat.
+/// vLLM: `vllm:num_requests_waiting`.
+pub const REQUESTS_WAITING: &str = "tandem_num_requests_waiting";
+
+/// Default buckets for any histogram without its own: 5 ms .. 60 s.
+pub const DEFAULT_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0];
+
+/// Why the exporter could not be installed.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    /// Binding the address to learn a free port failed.
+    #[error("finding a free port: {0}")]
+    Probe(std::io::Error),
+    /// The exporter refused (bind failure, a recorder already installed, ...).
+    #[error(transparent)]
+    Build(#[from] BuildError),
+}
+
+/// Installs the global recorder and the HTTP listener on `addr` (serving
+/// `/metrics`), spawning it on the current tokio runtime, with `buckets`
+/// per histogram name. Returns the bound address.
+///
+/// The exporter binds the address itself and cannot report the port it got
+/// nor take a pre-bound listener, so for port 0 a free port is found first
+/// by binding `addr`, reading the port and dropping the socket; another
+/// process could take that port in between (a small race; the install then
+/// fails with a bind error rather than serving elsewhere).
+pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAddr, InstallError> {
+    let addr = if addr.port() == 0 {
+        std::net::TcpListener::bind(addr).and_then(|l| l.local_addr()).map_err(InstallError::Probe)?
+    } else {
+        addr
+    };
+    // A default for any histogram added later: never a summary.
+    let mut builder = PrometheusBuilder::new().with_http_listener(addr).set_buckets(DEFAULT_BUCKETS)?;
+    for (name, b) in buckets {
+        builder = builder.set_buckets_for_metric(Matcher::Full((*name).into()), b)?;
+    }
+    builder.install()?;
+    describe_gauge!(KV_CACHE_USAGE, "Used fraction of the KV block pool (0..1).");
+    describe_gauge!(KV_BLOCKS_TOTAL, "KV blocks in the pool.");
+    describe_gauge!(KV_BLOCKS_USED, "KV blocks referenced by sequences, reservations and held prefills.");
+    describe_gauge!(REQUESTS_RUNNING, "Requests in the engine's running batch.");
+    describe_gauge!(REQUESTS_WAITING, "Requests waiting for a running seat.");
+    Ok(addr)
+}
+
+/// The `outcome` label of an error kind.
+pub fn outcome_label(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::InvalidArgument => "invalid_argument",
+        ErrorKind::VersionMismatch => "version_mismatch",
+        ErrorKind::KvLoadFailed => "kv_load_failed",
+        ErrorKind::Retryable => "retryable",
+        ErrorKind::Deadline => "deadline",
+        ErrorKind::Overloaded => "overloaded",
+        ErrorKind::Cancelled => "cancelled",
+        _ => "internal",
+    }
+}
+
+/// Sets the engine gauges from a runner snapshot.
+pub fn record_stats(s: &engine::runner::RunnerStats) {
+    let usage = if s.kv.total == 0 { 0.0 } else { s.kv.used as f64 / s.kv.total as f64 };
+    gauge!(KV_CACHE_USAGE).set(usage);
+    gauge!(KV_BLOCKS_TOTAL).set(s.kv.total as f64);
+    gauge!(KV_BLOCKS_USED).set(s.kv.used as f64);
+    gauge!(REQUESTS_RUNNING).set(s.running as f64);
+    gauge!(REQUESTS_WAITING).set(s.waiting as f64);
+}

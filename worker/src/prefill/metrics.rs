@@ -1,0 +1,70 @@
+//! The prefill worker's own metrics (the shared ones, KV usage and request
+//! gauges, are in [`crate::metrics`]).
+
+use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
+
+/// `tandem_prefill_requests_total{outcome}`: Prefill RPCs answered, by
+/// outcome (`ok`, or the error kind: `invalid_argument`, `version_mismatch`,
+/// `kv_load_failed`, `retryable`, `deadline`, `overloaded`, `cancelled`,
+/// `internal`). vLLM: `vllm:request_success_total{finished_reason}` (for `ok`).
+pub const PREFILL_REQUESTS: &str = "tandem_prefill_requests_total";
+/// `tandem_prompt_tokens_total`: prompt tokens prefilled by the engine.
+/// vLLM: `vllm:prompt_tokens_total`.
+pub const PROMPT_TOKENS: &str = "tandem_prompt_tokens_total";
+/// `tandem_kv_transfer_bytes_total`: K+V payload bytes of completed
+/// (acknowledged) transfers to decode workers. vLLM: none (its KV
+/// connectors report transfer sizes only in their own logs/stats).
+pub const KV_TRANSFER_BYTES: &str = "tandem_kv_transfer_bytes_total";
+/// `tandem_kv_transfer_seconds`: wall time of one completed transfer
+/// (connect if needed, every layer, Complete/Ack). vLLM: none directly
+/// (closest: NIXL connector's transfer-duration stats).
+pub const KV_TRANSFER_SECONDS: &str = "tandem_kv_transfer_seconds";
+/// `tandem_kv_transfer_failures_total{reason}`: transfers that failed, by
+/// reason (`io`, `rejected`, `timeout`, `protocol`, `peer_abort`, `layer`,
+/// `deadline` — the request's deadline passed mid-transfer). vLLM: none
+/// (closest: `vllm:kv_connector` failed-transfer counts).
+pub const KV_TRANSFER_FAILURES: &str = "tandem_kv_transfer_failures_total";
+/// `tandem_prefill_seconds`: engine time of one prefill (submit to first
+/// token, queueing included). vLLM: `vllm:request_prefill_time_seconds`.
+pub const PREFILL_SECONDS: &str = "tandem_prefill_seconds";
+
+/// Buckets of `tandem_kv_transfer_seconds`: 1 ms .. 10 s.
+pub const KV_TRANSFER_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+/// Buckets of `tandem_prefill_seconds`: 5 ms .. 60 s (CPU prefill of long prompts is slow).
+pub const PREFILL_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0];
+
+/// Buckets per histogram, for [`crate::metrics::install`].
+pub const BUCKETS: &[(&str, &[f64])] =
+    &[(KV_TRANSFER_SECONDS, KV_TRANSFER_BUCKETS), (PREFILL_SECONDS, PREFILL_BUCKETS)];
+
+/// Describes this role's metrics (after [`crate::metrics::install`]).
+pub fn describe() {
+    describe_counter!(PREFILL_REQUESTS, "Prefill RPCs answered, by outcome.");
+    describe_counter!(PROMPT_TOKENS, Unit::Count, "Prompt tokens prefilled by the engine.");
+    describe_counter!(KV_TRANSFER_BYTES, Unit::Bytes, "K+V payload bytes of completed KV transfers.");
+    describe_histogram!(KV_TRANSFER_SECONDS, Unit::Seconds, "Wall time of one completed KV transfer.");
+    describe_counter!(KV_TRANSFER_FAILURES, "KV transfers that failed, by reason.");
+    describe_histogram!(PREFILL_SECONDS, Unit::Seconds, "Engine time of one prefill, queueing included.");
+}
+
+/// Counts one answered Prefill under `outcome`.
+pub fn record_outcome(outcome: &'static str) {
+    counter!(PREFILL_REQUESTS, "outcome" => outcome).increment(1);
+}
+
+/// Records a finished engine prefill of `tokens` prompt tokens.
+pub fn record_prefill(tokens: usize, seconds: f64) {
+    counter!(PROMPT_TOKENS).increment(tokens as u64);
+    histogram!(PREFILL_SECONDS).record(seconds);
+}
+
+/// Records a completed KV transfer.
+pub fn record_transfer(bytes: u64, seconds: f64) {
+    counter!(KV_TRANSFER_BYTES).increment(bytes);
+    histogram!(KV_TRANSFER_SECONDS).record(seconds);
+}
+
+/// Counts one failed KV transfer under `reason`.
+pub fn record_transfer_failure(reason: &'static str) {
+    counter!(KV_TRANSFER_FAILURES, "reason" => reason).increment(1);
+}

@@ -1,0 +1,97 @@
+//! The prefill worker: serves `PrefillWorker` over gRPC, runs prompts
+//! through the engine as prefill-only requests, and pushes every layer's KV
+//! into the decode worker's reservation over kvtransfer.
+//!
+//! Must not keep KV after a request: its blocks are released whether the
+//! transfer succeeded or not, because the decode worker owns the request.
+
+pub mod metrics;
+pub mod service;
+
+use std::time::Duration;
+
+use clap::Parser;
+use serde::Deserialize;
+
+use crate::config::{millis, read_file, CommonConfig, CommonFlags, ConfigError};
+
+/// `tandem-prefill-worker` flags (each also a `TANDEM_*` env var and a TOML key).
+#[derive(Debug, Default, Clone, Parser, Deserialize)]
+#[command(name = "tandem-prefill-worker", about = "tandem prefill worker")]
+#[serde(default)]
+pub struct PrefillFlags {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub common: CommonFlags,
+    /// KV transfer timeout (connect, each frame, Ack), ms. Env: TANDEM_TRANSFER_TIMEOUT_MS. Default 10000.
+    #[arg(long, env = "TANDEM_TRANSFER_TIMEOUT_MS")]
+    pub transfer_timeout_ms: Option<u64>,
+}
+
+/// The validated prefill worker config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillConfig {
+    pub common: CommonConfig,
+    pub transfer_timeout: Duration,
+}
+
+impl PrefillConfig {
+    /// Defaults < the `--config` file < env and flags (already in `flags`).
+    pub fn load(flags: &PrefillFlags) -> Result<Self, ConfigError> {
+        let mut merged = match &flags.common.config {
+            Some(path) => read_file::<PrefillFlags>(path)?,
+            None => PrefillFlags::default(),
+        };
+        merged.common.overlay(&flags.common);
+        crate::config::overlay!(merged, flags, transfer_timeout_ms);
+        Self::resolve(&merged)
+    }
+
+    pub fn resolve(f: &PrefillFlags) -> Result<Self, ConfigError> {
+        Ok(Self {
+            common: f.common.resolve()?,
+            transfer_timeout: millis("transfer_timeout_ms", f.transfer_timeout_ms, 10_000)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::{common, some_file};
+
+    #[test]
+    fn zero_transfer_timeout_is_named() {
+        let f = PrefillFlags { common: common(Some("g")), transfer_timeout_ms: Some(0) };
+        let err = PrefillConfig::resolve(&f).err().map(|e| e.to_string());
+        assert!(err.as_deref().is_some_and(|e| e.contains("`transfer_timeout_ms`")), "{err:?}");
+    }
+
+    #[test]
+    fn file_then_flags_override_defaults() {
+        let dir = std::env::temp_dir().join(format!("tandem-pw-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok();
+        let path = dir.join("c.toml");
+        let text = format!(
+            "version_group = \"file-g\"\nkv_blocks = 7\nmax_waiting = 3\nmetrics = \"127.0.0.1:9464\"\n\
+             transfer_timeout_ms = 250\nmodel = {:?}\n",
+            some_file()
+        );
+        std::fs::write(&path, text).ok();
+        let mut flags = PrefillFlags::default();
+        flags.common.config = Some(path.clone());
+        flags.common.kv_blocks = Some(9);
+        let cfg = match PrefillConfig::load(&flags) {
+            Ok(c) => c,
+            Err(e) => panic!("config did not load: {e}"),
+        };
+        assert_eq!((cfg.common.kv_blocks, cfg.common.max_waiting, cfg.common.kv_block_size), (9, 3, 16));
+        assert_eq!(cfg.common.version_group.as_str(), "file-g");
+        assert_eq!(cfg.common.metrics, std::net::SocketAddr::from(([127, 0, 0, 1], 9464)));
+        assert_eq!(cfg.transfer_timeout, Duration::from_millis(250));
+        std::fs::write(&path, "kv_blokcs = 1\n").ok();
+        flags.common.config = Some(path);
+        let err = PrefillConfig::load(&flags).err().map(|e| e.to_string());
+        assert!(err.as_deref().is_some_and(|e| e.contains("unknown field `kv_blokcs`")), "{err:?}");
+    }
+}

@@ -1,0 +1,89 @@
+//! Start-up and request plumbing shared by both workers: loading the model
+//! into an engine, computing the layout fingerprint, mapping runner errors
+//! onto wire kinds, deadlines, and waiting for a stop signal.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use engine::batch::Engine;
+use engine::kv::KvLayout;
+use engine::model::Model;
+use engine::runner::{ErrorKind as RunnerKind, RunnerError};
+use engine::tokenizer::Tokenizer;
+use engine::weights::digest::weights_digest;
+use engine::weights::Weights;
+use kvtransfer::LayoutFingerprint;
+use proto::worker::v1::{ErrorKind, WorkerError};
+
+use crate::config::CommonConfig;
+
+/// A loaded model, ready to hand to a runner.
+pub struct Loaded {
+    pub engine: Engine,
+    pub layout: KvLayout,
+    pub fingerprint: LayoutFingerprint,
+    pub tokenizer: Tokenizer,
+}
+
+/// Loads the model named by `cfg`, hashes its file (the weights digest in
+/// the fingerprint) and builds the engine.
+pub fn load(cfg: &CommonConfig) -> anyhow::Result<Loaded> {
+    let (weights, gguf) = Weights::from_gguf(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?;
+    let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
+    let model = Model::new(weights, cfg.threads).context("building the model")?;
+    let layout = model.kv_layout(cfg.kv_block_size, cfg.kv_dtype);
+    let digest = weights_digest(&cfg.model).with_context(|| format!("hashing {}", cfg.model.display()))?;
+    let fingerprint = LayoutFingerprint::new(&layout, &digest, &tokenizer.digest());
+    let engine = Engine::new(model, cfg.engine(), tokenizer.eos_ids().to_vec()).context("building the engine")?;
+    Ok(Loaded { engine, layout, fingerprint, tokenizer })
+}
+
+pub fn err(kind: ErrorKind, message: impl Into<String>) -> WorkerError {
+    WorkerError::new(kind, message)
+}
+
+/// The wire kind of a runner error.
+pub fn runner_err(e: &RunnerError) -> WorkerError {
+    let kind = match e.kind() {
+        RunnerKind::InvalidInput => ErrorKind::InvalidArgument,
+        RunnerKind::Overloaded => ErrorKind::Overloaded,
+        RunnerKind::Deadline => ErrorKind::Deadline,
+        RunnerKind::Cancelled => ErrorKind::Cancelled,
+        RunnerKind::ShuttingDown => ErrorKind::Retryable,
+        RunnerKind::Internal => ErrorKind::Internal,
+    };
+    err(kind, e.to_string())
+}
+
+/// Runs a blocking runner call off the async threads.
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, WorkerError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| err(ErrorKind::Internal, format!("runner call failed: {e}")))
+}
+
+/// The wire's wall-clock deadline as a local monotonic one; `None` for 0.
+pub fn local_deadline(unix_ms: u64) -> Option<Instant> {
+    if unix_ms == 0 {
+        return None;
+    }
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    Some(Instant::now() + Duration::from_millis(unix_ms.saturating_sub(now_ms)))
+}
+
+/// A local monotonic deadline as wall-clock ms for the wire; 0 for none.
+pub fn unix_deadline(deadline: Option<Instant>) -> u64 {
+    let Some(d) = deadline else { return 0 };
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    // At least 1 ms from the epoch: 0 would mean "no deadline".
+    (now_ms + d.saturating_duration_since(Instant::now()).as_millis() as u64).max(1)
+}
+
+/// Resolves on SIGTERM or SIGINT, naming which.
+pub async fn stop_signal() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    })
+}
