@@ -6,12 +6,12 @@
 //!
 //! Every wait is bounded and says what did not happen; nothing sleeps.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{mpsc, Arc, Mutex};
+mod common;
+
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::{sample, scrape, within, TestResult, Worker, PREFILL_BIN};
 use engine::batch::{Engine, EngineConfig, Request};
 use engine::kv::{KvDtype, KvLayout, KvPool};
 use engine::model::Model;
@@ -22,28 +22,8 @@ use kvtransfer::{LayoutFingerprint, Peer, Receiver, ReceiverConfig, TcpKvServer,
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{prefill_response, ErrorKind, HealthRequest, KvDestination, PrefillRequest};
 
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
-
-/// Model loading and prefill on a 2-core machine; a hang hits this.
-const WAIT: Duration = Duration::from_secs(120);
 const GROUP: &str = "test-group";
 const KV_BLOCKS: usize = 64;
-
-/// Kills the worker if the test fails before it exits.
-struct ChildGuard(Option<Child>);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> Result<T, String> {
-    tokio::time::timeout(WAIT, fut).await.map_err(|_| format!("{what} did not happen within {WAIT:?}"))
-}
 
 fn engine_config() -> EngineConfig {
     EngineConfig { kv_blocks: KV_BLOCKS, ..EngineConfig::default() }
@@ -89,88 +69,14 @@ fn prompt() -> Result<Vec<u32>, String> {
     tok.encode(text, false).map_err(|e| e.to_string())
 }
 
-/// Starts the worker and reads its `listening metrics=ADDR` and
-/// `listening grpc=ADDR` lines; returns (guard, grpc, metrics).
-fn start_worker() -> Result<(ChildGuard, SocketAddr, SocketAddr), String> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem-prefill-worker"))
-        .args(["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1"])
-        .args(["--kv-blocks", &KV_BLOCKS.to_string(), "--shutdown-timeout-ms", "5000"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| format!("spawn the worker: {e}"))?;
-    let stdout = child.stdout.take().ok_or("no stdout pipe")?;
-    let guard = ChildGuard(Some(child));
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            for prefix in ["listening grpc=", "listening metrics="] {
-                if let Some(addr) = line.strip_prefix(prefix) {
-                    let _ = tx.send((prefix, addr.to_owned()));
-                }
-            }
-        }
-    });
-    let (mut grpc, mut metrics) = (None, None);
-    while grpc.is_none() || metrics.is_none() {
-        let (prefix, addr) = rx.recv_timeout(WAIT).map_err(|_| {
-            format!("the worker did not print both `listening grpc=` and `listening metrics=` within {WAIT:?}")
-        })?;
-        let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address {addr:?}: {e}"))?;
-        if prefix == "listening grpc=" {
-            grpc = Some(addr)
-        } else {
-            metrics = Some(addr)
-        }
-    }
-    Ok((guard, grpc.ok_or("no grpc address")?, metrics.ok_or("no metrics address")?))
-}
-
-/// GETs `/metrics` with a bare HTTP/1.1 request; returns the body.
-fn scrape(addr: SocketAddr) -> Result<String, String> {
-    let mut s = TcpStream::connect_timeout(&addr, WAIT).map_err(|e| format!("connect to metrics {addr}: {e}"))?;
-    s.set_read_timeout(Some(WAIT)).map_err(|e| e.to_string())?;
-    s.set_write_timeout(Some(WAIT)).map_err(|e| e.to_string())?;
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
-        .map_err(|e| format!("send the metrics request: {e}"))?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).map_err(|e| format!("read the metrics response within {WAIT:?}: {e}"))?;
-    let (head, body) = raw.split_once("\r\n\r\n").ok_or_else(|| format!("no HTTP header end in {raw:?}"))?;
-    if !head.starts_with("HTTP/1.1 200") {
-        return Err(format!("metrics answered {head:?}"));
-    }
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-        return Err(format!("chunked metrics response not expected: {head:?}"));
-    }
-    Ok(body.to_owned())
-}
-
-/// The value of the sample line `series` (name plus labels, exactly as rendered).
-fn sample(body: &str, series: &str) -> Option<f64> {
-    body.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
-/// Waits for the worker to exit; on timeout it is killed and the error says so.
-fn wait_exit(guard: &mut ChildGuard) -> Result<ExitStatus, String> {
-    let mut child = guard.0.take().ok_or("no child")?;
-    let pid = child.id();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || drop(tx.send(child.wait())));
-    match rx.recv_timeout(WAIT) {
-        Ok(status) => status.map_err(|e| e.to_string()),
-        Err(_) => {
-            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
-            Err(format!("worker {pid} did not exit within {WAIT:?} of SIGTERM"))
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResult {
     let prompt = prompt()?;
     let (layout, fp, want_first, want_kv) = reference(&prompt)?;
-    let (mut guard, addr, metrics_addr) = start_worker()?;
+    let kv_blocks = KV_BLOCKS.to_string();
+    let args = ["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1", "--kv-blocks", &kv_blocks];
+    let mut worker = Worker::start(PREFILL_BIN, &args, &["grpc", "metrics"])?;
+    let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
 
     // The decode side.
     let local = Peer { version_group: VersionGroup::new(GROUP)?, fingerprint: fp };
@@ -256,10 +162,8 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
         assert!(!body.contains(&format!("{h}{{quantile=")), "{h} is rendered as a summary:\n{body}");
     }
 
-    let pid = guard.0.as_ref().ok_or("no child")?.id();
-    let status = Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
-    assert!(status.success(), "kill -TERM {pid} failed");
-    let exit = wait_exit(&mut guard)?;
+    worker.signal("-TERM")?;
+    let exit = worker.wait_exit()?;
     assert_eq!(exit.code(), Some(0), "worker exit status after SIGTERM: {exit:?}");
     Ok(())
 }

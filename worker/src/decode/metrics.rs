@@ -31,6 +31,10 @@ pub const KV_TRANSFERS_COMPLETED: &str = "tandem_kv_transfers_completed_total";
 /// `tandem_kv_handshakes_rejected_total{reason}`: KV connections refused at
 /// the handshake (`version_group`, `fingerprint`, `protocol_version`).
 pub const HANDSHAKES_REJECTED: &str = "tandem_kv_handshakes_rejected_total";
+/// `tandem_kv_frames_refused_total{reason}`: KV frames the receiver
+/// refused and never wrote (`expired`, `checksum`, `stale_generation`,
+/// `aborted`, ... — kvtransfer's `FrameError::REASONS`).
+pub const FRAMES_REFUSED: &str = "tandem_kv_frames_refused_total";
 /// `tandem_kv_load_seconds`: reserve to acknowledged KV (the remote prefill
 /// and its transfer), for loads that succeeded.
 pub const KV_LOAD_SECONDS: &str = "tandem_kv_load_seconds";
@@ -67,6 +71,7 @@ pub fn describe(policy: super::KvLoadFailurePolicy) {
     describe_counter!(KV_RECEIVED_BYTES, Unit::Bytes, "K+V payload bytes written by transfers.");
     describe_counter!(KV_TRANSFERS_COMPLETED, "Reservations whose KV arrived complete.");
     describe_counter!(HANDSHAKES_REJECTED, "KV connections refused at the handshake, by reason.");
+    describe_counter!(FRAMES_REFUSED, "KV frames refused and never written, by reason.");
     describe_histogram!(KV_LOAD_SECONDS, Unit::Seconds, "Reserve to acknowledged KV, successful loads.");
     describe_gauge!(RESERVATIONS_ACTIVE, "KV reservations live now.");
     describe_counter!(RESERVATIONS_EXPIRED, "Reservations whose lease ran out before the KV arrived.");
@@ -118,6 +123,9 @@ pub fn record_receiver(c: &kvtransfer::ReceiverCounters, active: usize) {
         kvtransfer::RejectReason::ProtocolVersion,
     ] {
         counter!(HANDSHAKES_REJECTED, "reason" => reason.as_str()).absolute(c.hello_rejected(reason));
+    }
+    for (i, reason) in kvtransfer::FrameError::REASONS.iter().enumerate() {
+        counter!(FRAMES_REFUSED, "reason" => *reason).absolute(c.frames_refused[i]);
     }
     gauge!(RESERVATIONS_ACTIVE).set(active as f64);
 }

@@ -442,6 +442,8 @@ impl DecodeService {
         let first = match result {
             Ok(first) => first,
             Err(f) => {
+                // Expire first, so a lease that ran out is named as such.
+                self.reap().await;
                 let f = self.classify(r, f);
                 self.end_reservation(r).await;
                 return Err(f);

@@ -262,10 +262,14 @@ impl PrefillService {
     ) -> Result<(u32, u64), WorkerError> {
         let slot = self.slot(addr)?;
         let mut guard = slot.lock().await;
-        let result = self.push_on(&mut guard, addr, r, Arc::new(blocks), token).await;
-        if result.is_err() {
-            // A connection that saw an error is not trusted for the next request.
-            *guard = None;
+        // Out of the slot while in use: if this future is dropped mid-frame
+        // (the caller went away), the half-written connection is dropped with
+        // it instead of being reused out of sync.
+        let mut conn = guard.take();
+        let result = self.push_on(&mut conn, addr, r, Arc::new(blocks), token).await;
+        // A connection that saw an error is not trusted for the next request.
+        if result.is_ok() {
+            *guard = conn;
         }
         result
     }

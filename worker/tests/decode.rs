@@ -1,0 +1,431 @@
+//! Real `tandem-decode-worker` and `tandem-prefill-worker` processes on
+//! loopback: remote prefill gives the single-process engine's greedy output
+//! token for token with the KV provably crossing the wire, and every way a
+//! KV load can fail (prefill worker killed mid-transfer, a corrupt frame, a
+//! version mismatch, an expired lease, a deadline) ends in the one outcome
+//! the policy names, with no KV left behind on either worker.
+//!
+//! Faults on the KV link come from a userspace proxy (tests/common) that
+//! the decode worker advertises as its transfer address.
+
+mod common;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use common::{
+    decode_worker, prefill_worker, prompt_of, reference, sample, scrape, wait_metric, within, Fault, Proxy, TestResult,
+    Worker,
+};
+use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
+use proto::worker::v1::{
+    generate_response, ErrorKind, Finished, GenerateRequest, HealthRequest, KvLoadFailurePolicy, PrefillTarget,
+    WorkerError,
+};
+use tonic::transport::Channel;
+
+const GROUP: &str = "g1";
+const MAX_TOKENS: u32 = 6;
+
+/// What a Generate stream delivered.
+#[derive(Debug)]
+struct Outcome {
+    tokens: Vec<u32>,
+    end: Result<Finished, WorkerError>,
+}
+
+async fn client(w: &Worker) -> Result<DecodeWorkerClient<Channel>, String> {
+    let addr = w.addr("grpc")?;
+    within("gRPC connect", DecodeWorkerClient::connect(format!("http://{addr}")))
+        .await?
+        .map_err(|e| format!("connect to the decode worker {addr}: {e}"))
+}
+
+fn target(w: &Worker) -> Result<PrefillTarget, String> {
+    Ok(PrefillTarget { worker_id: format!("pid-{}", w.pid), grpc_addr: w.addr("grpc")?.to_string() })
+}
+
+fn request(id: &str, prompt: &[u32], prefill: Vec<PrefillTarget>) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.into(),
+        token_ids: prompt.to_vec(),
+        sampling: Some((&common::greedy(MAX_TOKENS)).into()),
+        deadline_unix_ms: 0,
+        prefill,
+        policy_override: None,
+        cache_salt: 0,
+    }
+}
+
+fn with_policy(mut r: GenerateRequest, p: KvLoadFailurePolicy) -> GenerateRequest {
+    r.policy_override = Some(p as i32);
+    r
+}
+
+async fn generate(c: &mut DecodeWorkerClient<Channel>, req: GenerateRequest) -> Result<Outcome, String> {
+    let id = req.request_id.clone();
+    let collect = async {
+        let mut stream = c.generate(req).await.map_err(|s| format!("Generate {id}: {s}"))?.into_inner();
+        let mut tokens = Vec::new();
+        while let Some(msg) = stream.message().await.map_err(|s| format!("Generate {id} stream: {s}"))? {
+            match msg.event {
+                Some(generate_response::Event::Token(t)) => tokens.push(t.id),
+                Some(generate_response::Event::Finished(f)) => return Ok(Outcome { tokens, end: Ok(f) }),
+                Some(generate_response::Event::Error(e)) => return Ok(Outcome { tokens, end: Err(e) }),
+                None => return Err(format!("Generate {id}: an empty event")),
+            }
+        }
+        Err(format!("Generate {id}: the stream ended without Finished or an error"))
+    };
+    within(&format!("Generate {id} to end"), collect).await?
+}
+
+/// The decode worker's used KV blocks and live reservations, once settled.
+async fn assert_no_kv_left(name: &str, w: &Worker) -> TestResult {
+    let metrics = w.addr("metrics")?;
+    wait_metric(metrics, "tandem_reservations_active", |v| v == 0.0).await?;
+    let mut c = client(w).await?;
+    let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
+    assert_eq!(h.kv_blocks_used, 0, "{name}: KV blocks left in use: {h:?}");
+    Ok(())
+}
+
+fn kind(o: &Outcome) -> Option<ErrorKind> {
+    o.end.as_ref().err().map(|e| e.kind())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompts = vec![prompt_of(&tok, 1)?, prompt_of(&tok, 37)?, prompt_of(&tok, 1030)?];
+    let want = reference(&prompts, MAX_TOKENS)?;
+    let prefill = prefill_worker(GROUP, &[])?;
+    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"])?;
+    let mut c = client(&decode).await?;
+
+    let mut remote_blocks = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let got = generate(&mut c, request(&format!("r{i}"), p, vec![target(&prefill)?])).await?;
+        let fin = got.end.as_ref().map_err(|e| format!("prompt of {} tokens failed: {e:?}", p.len()))?;
+        assert!(fin.prefilled_remotely, "prompt {i} was not prefilled remotely: {fin:?}");
+        assert_eq!(got.tokens, want[i], "prompt of {} tokens: remote output differs from the engine's", p.len());
+        assert_eq!((fin.prompt_tokens as usize, fin.generated_tokens), (p.len(), MAX_TOKENS));
+        remote_blocks += p.len().div_ceil(16);
+    }
+    // The same prompt without a prefill worker takes the local route.
+    let local = generate(&mut c, request("local", &prompts[1], vec![])).await?;
+    assert_eq!(local.tokens, want[1]);
+    assert!(local.end.as_ref().is_ok_and(|f| !f.prefilled_remotely), "{local:?}");
+
+    // The KV crossed the wire: every layer of every reserved block, once.
+    let per_block = 30 * 2 * 3 * 64 * 2 * 16; // layers x (K, V) x heads x dim x f16 x block
+    let metrics = decode.addr("metrics")?;
+    let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
+    let series = |s: &str| sample(&body, s).ok_or_else(|| format!("no `{s}` in /metrics:\n{body}"));
+    assert_eq!(series("tandem_kv_received_bytes_total")?, (remote_blocks * per_block) as f64, "{body}");
+    assert_eq!(series("tandem_kv_transfers_completed_total")?, prompts.len() as f64);
+    assert_eq!(series("tandem_prefill_route_total{route=\"remote\"}")?, 3.0);
+    assert_eq!(series("tandem_prefill_route_total{route=\"local\"}")?, 1.0);
+    assert_eq!(series("tandem_decode_requests_total{outcome=\"ok\"}")?, 4.0);
+    assert_eq!(series("tandem_time_to_first_token_seconds_count")?, 4.0);
+    assert_eq!(series("tandem_kv_load_failure_policy{policy=\"fail\"}")?, 1.0);
+    let pm = prefill.addr("metrics")?;
+    let pbody = tokio::task::spawn_blocking(move || scrape(pm)).await??;
+    assert_eq!(sample(&pbody, "tandem_kv_transfer_bytes_total"), Some((remote_blocks * per_block) as f64));
+    assert_no_kv_left("after remote prefill", &decode).await
+}
+
+/// A prompt long enough that its KV (~7 MiB) is still streaming when the
+/// proxy holds it back.
+const FAULT_PROMPT: usize = 300;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompt = prompt_of(&tok, FAULT_PROMPT)?;
+    let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
+    let backup = prefill_worker(GROUP, &[])?;
+    // The decode worker's transfer address goes through the proxy, so the
+    // proxy can hold a doomed prefill worker's KV mid-stream.
+    let transfer = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let proxy = Proxy::start(transfer)?;
+    let proxy_addr = proxy.addr.to_string();
+    let transfer_s = transfer.to_string();
+    let decode = decode_worker(
+        GROUP,
+        &[
+            "--kv-load-failure-policy",
+            "fail",
+            "--local-prefill-max-tokens",
+            "0",
+            "--transfer",
+            &transfer_s,
+            "--advertise-transfer",
+            &proxy_addr,
+        ],
+    )?;
+    let c = client(&decode).await?;
+
+    for policy in [KvLoadFailurePolicy::Recompute, KvLoadFailurePolicy::Retry, KvLoadFailurePolicy::Fail] {
+        let mut doomed = prefill_worker(GROUP, &[])?;
+        proxy.arm(Fault::HoldAfter(1 << 20));
+        let req = with_policy(
+            request(&format!("kill-{policy:?}"), &prompt, vec![target(&doomed)?, target(&backup)?]),
+            policy,
+        );
+        let mut c2 = c.clone();
+        let call = tokio::spawn(async move { generate(&mut c2, req).await });
+        // Mid-transfer: 1 MiB delivered, at least 1 MiB more held back.
+        let p = proxy.clone();
+        tokio::task::spawn_blocking(move || p.wait_held(1 << 20)).await??;
+        doomed.kill9()?;
+        proxy.release();
+        let got = call.await??;
+        match policy {
+            KvLoadFailurePolicy::Recompute => {
+                assert_eq!(got.tokens, want, "recompute: {got:?}");
+                assert!(got.end.as_ref().is_ok_and(|f| !f.prefilled_remotely), "recompute: {got:?}");
+            }
+            KvLoadFailurePolicy::Retry => {
+                assert_eq!(got.tokens, want, "retry: {got:?}");
+                assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "retry: {got:?}");
+            }
+            _ => {
+                assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "fail: {got:?}");
+                assert!(got.tokens.is_empty(), "fail: tokens before the error: {got:?}");
+            }
+        }
+        assert_no_kv_left(&format!("{policy:?}"), &decode).await?;
+    }
+    let metrics = decode.addr("metrics")?;
+    for (p, o) in [("recompute", "recomputed"), ("retry", "retried"), ("fail", "failed")] {
+        let series = format!("tandem_kv_load_policy_outcomes_total{{policy=\"{p}\",outcome=\"{o}\"}}");
+        wait_metric(metrics, &series, |v| v == 1.0).await?;
+    }
+    wait_metric(metrics, "tandem_kv_load_failures_total{reason=\"rpc\"}", |v| v == 3.0).await?;
+    let mut b = backup;
+    let bm = b.addr("metrics")?;
+    let body = tokio::task::spawn_blocking(move || scrape(bm)).await??;
+    assert_eq!(sample(&body, "tandem_kv_cache_usage_ratio"), Some(0.0), "the backup kept KV:\n{body}");
+    b.signal("-TERM")?;
+    assert_eq!(b.wait_exit()?.code(), Some(0));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_frame_is_refused_and_the_policy_applies() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompt = prompt_of(&tok, FAULT_PROMPT)?;
+    let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
+    let prefill = prefill_worker(GROUP, &[])?;
+    let transfer = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let proxy = Proxy::start(transfer)?;
+    let (transfer_s, proxy_s) = (transfer.to_string(), proxy.addr.to_string());
+    let decode = decode_worker(
+        GROUP,
+        &[
+            "--kv-load-failure-policy",
+            "fail",
+            "--local-prefill-max-tokens",
+            "0",
+            "--transfer",
+            &transfer_s,
+            "--advertise-transfer",
+            &proxy_s,
+        ],
+    )?;
+    let mut c = client(&decode).await?;
+    // 100 KiB into the stream: inside the first layer's payload.
+    proxy.arm(Fault::FlipAt(100 << 10));
+    let got = generate(&mut c, request("corrupt-fail", &prompt, vec![target(&prefill)?])).await?;
+    assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "{got:?}");
+    assert!(got.tokens.is_empty(), "tokens from corrupt KV: {got:?}");
+    let metrics = decode.addr("metrics")?;
+    wait_metric(metrics, "tandem_kv_load_failures_total{reason=\"corrupt\"}", |v| v == 1.0).await?;
+    assert_no_kv_left("after corruption", &decode).await?;
+
+    proxy.arm(Fault::FlipAt(100 << 10));
+    let req =
+        with_policy(request("corrupt-recompute", &prompt, vec![target(&prefill)?]), KvLoadFailurePolicy::Recompute);
+    let got = generate(&mut c, req).await?;
+    assert_eq!(got.tokens, want, "{got:?}");
+    assert!(got.end.as_ref().is_ok_and(|f| !f.prefilled_remotely), "{got:?}");
+    // The next, clean transfer on a fresh connection is used.
+    let got = generate(&mut c, request("clean", &prompt, vec![target(&prefill)?])).await?;
+    assert_eq!(got.tokens, want, "{got:?}");
+    assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "{got:?}");
+    assert!(proxy.connections() >= 3, "each corrupt transfer should drop its connection");
+    assert_no_kv_left("after recompute", &decode).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_version_group_or_block_size_is_refused() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompt = prompt_of(&tok, 64)?;
+    let other_group = prefill_worker("g2", &[])?;
+    let other_blocks = prefill_worker(GROUP, &["--kv-block-size", "32"])?;
+    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"])?;
+    let mut c = client(&decode).await?;
+    for (name, p) in [("version group", &other_group), ("block size", &other_blocks)] {
+        let got = generate(&mut c, request(name, &prompt, vec![target(p)?])).await?;
+        assert_eq!(kind(&got), Some(ErrorKind::VersionMismatch), "{name}: {got:?}");
+        assert!(got.tokens.is_empty());
+    }
+    let metrics = decode.addr("metrics")?;
+    wait_metric(metrics, "tandem_kv_load_failures_total{reason=\"version_mismatch\"}", |v| v == 2.0).await?;
+    let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
+    assert_eq!(sample(&body, "tandem_kv_received_bytes_total").unwrap_or(0.0), 0.0, "KV crossed groups:\n{body}");
+    assert_no_kv_left("after refusals", &decode).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_lease_frees_blocks_and_refuses_late_frames() -> TestResult {
+    let tok = common::tokenizer()?;
+    // Short: its prefill surely finishes and its KV (1.4 MiB) is sent within the lease.
+    let prompt = prompt_of(&tok, 64)?;
+    let prefill = prefill_worker(GROUP, &[])?;
+    let transfer = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let proxy = Proxy::start(transfer)?;
+    let (transfer_s, proxy_s) = (transfer.to_string(), proxy.addr.to_string());
+    let decode = decode_worker(
+        GROUP,
+        &[
+            "--kv-load-failure-policy",
+            "fail",
+            "--local-prefill-max-tokens",
+            "0",
+            "--reservation-ttl-ms",
+            "5000",
+            "--transfer",
+            &transfer_s,
+            "--advertise-transfer",
+            &proxy_s,
+        ],
+    )?;
+    let mut c = client(&decode).await?;
+    // The handshake and a partial first frame pass; the rest waits past the lease.
+    proxy.arm(Fault::HoldAfter(4096));
+    let req = request("late", &prompt, vec![target(&prefill)?]);
+    let call = tokio::spawn(async move { generate(&mut c, req).await });
+    // Frames were sent within the lease and are held in the proxy.
+    let p = proxy.clone();
+    tokio::task::spawn_blocking(move || p.wait_held(64 << 10)).await??;
+    let got = call.await??;
+    assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "{got:?}");
+    assert!(got.tokens.is_empty());
+    let metrics = decode.addr("metrics")?;
+    wait_metric(metrics, "tandem_reservations_expired_total", |v| v == 1.0).await?;
+    wait_metric(metrics, "tandem_kv_load_failures_total{reason=\"lease_expired\"}", |v| v == 1.0).await?;
+    assert_no_kv_left("after expiry", &decode).await?;
+    // The late frames arrive now and are refused, never written.
+    proxy.release();
+    wait_metric(metrics, "tandem_kv_frames_refused_total{reason=\"expired\"}", |v| v >= 1.0).await?;
+    let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
+    assert_eq!(sample(&body, "tandem_kv_transfers_completed_total").unwrap_or(0.0), 0.0, "{body}");
+    assert_no_kv_left("after late frames", &decode).await
+}
+
+fn unix_ms_in(d: Duration) -> u64 {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |n| n.as_millis() as u64);
+    now + d.as_millis() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_shorter_than_prefill_is_a_typed_error_and_frees_everything() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompt = prompt_of(&tok, 1030)?;
+    let prefill = prefill_worker(GROUP, &[])?;
+    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"])?;
+    let mut c = client(&decode).await?;
+    let mut req = request("tight", &prompt, vec![target(&prefill)?]);
+    req.deadline_unix_ms = unix_ms_in(Duration::from_millis(100));
+    let started = std::time::Instant::now();
+    let got = generate(&mut c, req).await?;
+    assert_eq!(kind(&got), Some(ErrorKind::Deadline), "{got:?}");
+    assert!(got.tokens.is_empty());
+    assert!(started.elapsed() < Duration::from_secs(10), "the deadline error took {:?}", started.elapsed());
+    assert_no_kv_left("decode after deadline", &decode).await?;
+    // The prefill worker stops and frees its KV too.
+    let mut pc = proto::worker::v1::prefill_worker_client::PrefillWorkerClient::connect(format!(
+        "http://{}",
+        prefill.addr("grpc")?
+    ))
+    .await?;
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    let waited = within("prefill worker idle", async {
+        loop {
+            tick.tick().await;
+            let h = pc.health(HealthRequest {}).await?.into_inner();
+            if h.kv_blocks_used == 0 && h.running == 0 && h.waiting == 0 {
+                return Ok::<_, tonic::Status>(h);
+            }
+        }
+    })
+    .await??;
+    assert_eq!(waited.kv_blocks_used, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_in_flight_requests() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prefill = prefill_worker(GROUP, &[])?;
+    let mut decode = decode_worker(GROUP, &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"])?;
+    let c = client(&decode).await?;
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt_of(&tok, 40 + i)).collect::<Result<_, _>>()?;
+    let want = reference(&prompts, 24)?;
+    let mut calls = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let mut req = request(&format!("drain-{i}"), p, vec![target(&prefill)?]);
+        req.sampling = Some((&common::greedy(24)).into());
+        let mut c = c.clone();
+        calls.push(tokio::spawn(async move { generate(&mut c, req).await }));
+    }
+    // Every request is in flight (waiting for KV or decoding) before the signal.
+    wait_metric(decode.addr("metrics")?, "tandem_prefill_route_total{route=\"remote\"}", |v| v == 4.0).await?;
+    decode.signal("-TERM")?;
+    for (i, call) in calls.into_iter().enumerate() {
+        let got = call.await??;
+        assert!(got.end.is_ok(), "request {i} did not finish across SIGTERM: {got:?}");
+        assert_eq!(got.tokens, want[i], "request {i}");
+    }
+    let exit = decode.wait_exit()?;
+    assert_eq!(exit.code(), Some(0), "decode worker exit after SIGTERM: {exit:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_the_buffer_requests_are_refused_as_overloaded() -> TestResult {
+    let tok = common::tokenizer()?;
+    let decode =
+        decode_worker(GROUP, &["--kv-load-failure-policy", "fail", "--max-running", "1", "--max-waiting", "1"])?;
+    let c = client(&decode).await?;
+    let prompt = prompt_of(&tok, 8)?;
+    // One running and one waiting fill the worker; a long generation keeps them there.
+    let mut long = Vec::new();
+    for i in 0..2 {
+        let mut req = request(&format!("long-{i}"), &prompt, vec![]);
+        req.sampling = Some((&common::greedy(150)).into());
+        let mut c = c.clone();
+        long.push(tokio::spawn(async move { generate(&mut c, req).await }));
+    }
+    let mut hc = c.clone();
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    within("one running and one waiting", async {
+        loop {
+            tick.tick().await;
+            let h = hc.health(HealthRequest {}).await?.into_inner();
+            if h.running == 1 && h.waiting == 1 {
+                return Ok::<_, tonic::Status>(());
+            }
+        }
+    })
+    .await??;
+    let mut c3 = c.clone();
+    let got = generate(&mut c3, request("third", &prompt, vec![])).await?;
+    assert_eq!(kind(&got), Some(ErrorKind::Overloaded), "{got:?}");
+    for call in long {
+        let got = call.await??;
+        assert!(got.end.is_ok(), "{got:?}");
+    }
+    assert_no_kv_left("after overload", &decode).await
+}
