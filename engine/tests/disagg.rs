@@ -80,3 +80,59 @@ fn joining_with_wrong_blocks_or_a_final_first_token() {
     assert_eq!(e.kv_stats().used, 0);
     assert!(!e.has_work());
 }
+
+#[test]
+fn streamed_prefill_kv_equals_the_held_blocks_exactly_once() {
+    // Chunked (64 tokens a step) so blocks complete over several steps.
+    let cfg = EngineConfig { max_batch_tokens: 64, ..EngineConfig::default() };
+    let (mut e, tok) = engine(cfg);
+    let layers = e.model().config().n_layers;
+    let text = "A river runs to the sea, and the sea is never full; the wind goes round and round. ".repeat(12);
+    let prompt = tok.encode(&text, false).expect("encode");
+    assert!(prompt.len() > 200 && prompt.len() % 16 != 0, "{}", prompt.len());
+
+    // Run 1: a cold cache. Run 2: the same prompt hits the prefix cache, so
+    // the first step must also send the blocks it did not compute.
+    let mut all_chunks = Vec::new();
+    for (id, p) in [(1u64, prompt.clone()), (2, prompt.clone())] {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let req = Request { id, prompt: p.clone(), params: greedy(1), salt: 0 };
+        e.add_prefill_streaming(req, Box::new(move |c| drop(tx.send(c)))).expect("add");
+        let mut chunks = Vec::new();
+        let mut steps = 0;
+        loop {
+            let events = e.step().expect("step");
+            steps += 1;
+            chunks.extend(rx.try_iter());
+            if !events.is_empty() {
+                break;
+            }
+        }
+        assert!(
+            matches!(rx.try_recv(), Err(std::sync::mpsc::TryRecvError::Disconnected)),
+            "request {id}: the sink is dropped once every block was streamed, before the first token"
+        );
+        if id == 1 {
+            assert!(steps > 3, "the prompt should take several steps, took {steps}");
+        }
+        let held = e.held_blocks(id).expect("held").to_vec();
+        assert_eq!(held.len(), p.len().div_ceil(16));
+        // Every (layer, block) exactly once, and the bytes equal the held blocks'.
+        let mut seen = vec![vec![false; held.len()]; layers];
+        let side = e.pool().layout().block_bytes() / layers / 2;
+        for c in &chunks {
+            let n = c.k.len() / side;
+            assert_eq!(c.v.len(), c.k.len());
+            for b in c.first_block..c.first_block + n {
+                assert!(!seen[c.layer][b], "request {id}: layer {} block {b} streamed twice", c.layer);
+                seen[c.layer][b] = true;
+            }
+            let (k, v) = e.pool().gather_layer(c.layer, &held[c.first_block..c.first_block + n]).expect("gather");
+            assert!(k == c.k && v == c.v, "request {id}: layer {} blocks {}.. differ", c.layer, c.first_block);
+        }
+        assert!(seen.iter().all(|l| l.iter().all(|&b| b)), "request {id}: some (layer, block) never streamed");
+        all_chunks.push(chunks.len());
+        assert!(e.release_held(id));
+    }
+    assert!(all_chunks[1] < all_chunks[0], "the cached run streams its prefix in fewer, larger chunks: {all_chunks:?}");
+}

@@ -110,6 +110,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
         token_ids: prompt.clone(),
         sampling: Some((&greedy()).into()),
         deadline_unix_ms: 0,
+        cache_salt: 0,
         destination: Some(destination.clone()),
     };
     let resp = within("Prefill answer", client.prefill(request.clone())).await??.into_inner();

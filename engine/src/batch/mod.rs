@@ -95,6 +95,57 @@ pub struct TokenEvent {
     pub finished: Option<FinishReason>,
 }
 
+/// One layer's K and V of a run of a streaming prefill-only request's
+/// blocks (see [`Engine::add_prefill_streaming`]): blocks
+/// `first_block..first_block + n` of its block table, laid out as
+/// [`KvPool::gather_layer`](crate::kv::KvPool::gather_layer) returns them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerBlocks {
+    pub layer: usize,
+    pub first_block: usize,
+    pub k: Vec<u8>,
+    pub v: Vec<u8>,
+}
+
+/// Receives a streaming prefill's [`LayerBlocks`], on the engine thread,
+/// mid-step: it must be quick (push into a channel).
+pub type LayerSink = Box<dyn FnMut(LayerBlocks) + Send>;
+
+/// A streaming sequence during one step.
+struct Streaming {
+    id: u64,
+    /// `None` once the sink panicked (it is not called again).
+    sink: Option<LayerSink>,
+    blocks: Vec<crate::kv::BlockId>,
+    first_block: usize,
+    /// Blocks complete after this step.
+    complete: usize,
+    /// This step finishes the prompt.
+    last: bool,
+}
+
+impl Streaming {
+    fn send(&mut self, layer: usize, pool: &KvPool) {
+        if self.blocks.is_empty() {
+            return;
+        }
+        let Some(sink) = self.sink.as_mut() else { return };
+        let chunk = match pool.gather_layer(layer, &self.blocks) {
+            Ok((k, v)) => LayerBlocks { layer, first_block: self.first_block, k, v },
+            Err(e) => {
+                // Never expected (the blocks are the sequence's own). The
+                // receiver will miss these blocks and refuse to complete.
+                tracing::error!(id = self.id, layer, error = %e, "gathering streamed KV failed");
+                return;
+            }
+        };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(chunk))).is_err() {
+            tracing::error!(id = self.id, "KV stream sink panicked; streaming stopped");
+            self.sink = None;
+        }
+    }
+}
+
 /// Engine errors. `Invalid*` are the caller's input; the rest are internal.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -132,6 +183,8 @@ pub struct Engine {
     /// Finished prefill-only sequences whose blocks wait to be sent.
     held: HashMap<u64, Seq>,
     preemptions: u64,
+    /// Streaming prefills of the step in progress (see `step`).
+    streams_scratch: Vec<Streaming>,
 }
 
 impl Engine {
@@ -149,6 +202,7 @@ impl Engine {
             running: Vec::new(),
             held: HashMap::new(),
             preemptions: 0,
+            streams_scratch: Vec::new(),
         })
     }
 
@@ -257,6 +311,50 @@ impl Engine {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
+        self.streams_scratch = self.take_streams(&plan);
+        let result = self.run_step(&plan);
+        // Sinks go back to their sequences (or are dropped when done), also on error.
+        let streams = std::mem::take(&mut self.streams_scratch);
+        self.return_streams(streams);
+        result
+    }
+
+    /// The streaming prefill-only sequences of `plan`, with the blocks this
+    /// step completes. Their sinks are taken out for the forward pass.
+    fn take_streams(&mut self, plan: &[(u64, usize)]) -> Vec<Streaming> {
+        let bs = self.cfg.block_size;
+        let mut out = Vec::new();
+        for &(id, n) in plan {
+            let Some(s) = self.seqs.get_mut(&id) else { continue };
+            let Some(sink) = s.stream.take() else { continue };
+            let end = s.computed + n;
+            let last = end == s.tokens.len();
+            let complete = if last { end.div_ceil(bs) } else { end / bs }.min(s.table.len());
+            let from = s.streamed.min(complete);
+            out.push(Streaming {
+                id,
+                sink: Some(sink),
+                blocks: s.table[from..complete].to_vec(),
+                first_block: from,
+                complete,
+                last,
+            });
+        }
+        out
+    }
+
+    fn return_streams(&mut self, streams: Vec<Streaming>) {
+        for st in streams {
+            let Some(s) = self.seqs.get_mut(&st.id).or_else(|| self.held.get_mut(&st.id)) else { continue };
+            s.streamed = s.streamed.max(st.complete);
+            if !st.last {
+                s.stream = st.sink;
+            }
+        }
+    }
+
+    fn run_step(&mut self, plan: &[(u64, usize)]) -> Result<Vec<TokenEvent>, EngineError> {
+        let plan = plan.to_vec();
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .map(|&(id, n)| {
@@ -271,7 +369,12 @@ impl Engine {
             .collect();
         let vocab = self.model.config().vocab;
         let context = self.model.config().context;
-        let logits = self.model.forward(&mut self.pool, &chunks)?;
+        let mut streams = std::mem::take(&mut self.streams_scratch);
+        let logits = self.model.forward_hooked(&mut self.pool, &chunks, &mut |layer, pool| {
+            for st in streams.iter_mut() {
+                st.send(layer, pool);
+            }
+        })?;
         let mut row = 0;
         let mut events = Vec::new();
         let mut done = Vec::new();
@@ -297,6 +400,7 @@ impl Engine {
             }
             events.push(TokenEvent { id, token: tok, finished });
         }
+        self.streams_scratch = streams;
         for id in done {
             self.finish(id);
         }

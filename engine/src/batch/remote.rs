@@ -18,7 +18,7 @@
 use crate::kv::BlockId;
 use crate::sampler::{FinishReason, SampledToken};
 
-use super::{Engine, EngineError, Request};
+use super::{Engine, EngineError, LayerSink, Request};
 
 impl Engine {
     /// Queues a request that stops after its first token and keeps its
@@ -30,6 +30,24 @@ impl Engine {
         seq.hold = true;
         self.seqs.insert(id, seq);
         self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// [`add_prefill_only`](Self::add_prefill_only), streaming the prompt's
+    /// KV to `sink` while it is computed: after each step, every layer's
+    /// newly complete blocks (those the step filled, and on the first step
+    /// any prefix-cache hits) go out as one [`LayerBlocks`](super::LayerBlocks), on the engine
+    /// thread, from inside the forward pass right after that layer's K/V
+    /// writes. Each (layer, block) is sent exactly once, in block order per
+    /// layer; the sink is dropped after the last one, before the request's
+    /// first token is reported. Preemption does not resend what was sent
+    /// (recomputed KV is identical).
+    pub fn add_prefill_streaming(&mut self, req: Request, sink: LayerSink) -> Result<(), EngineError> {
+        let id = req.id;
+        self.add_prefill_only(req)?;
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.stream = Some(sink);
+        }
         Ok(())
     }
 

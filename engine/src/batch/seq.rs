@@ -16,6 +16,11 @@ pub(super) struct Seq {
     pub stop: StopChecker,
     /// Prefill-only: keep the blocks when finished (they are to be sent).
     pub hold: bool,
+    /// Prefill-only, streaming: receives each layer's blocks as steps
+    /// complete them; dropped once every prompt block was streamed.
+    pub stream: Option<super::LayerSink>,
+    /// Prompt blocks already streamed (for every layer).
+    pub streamed: usize,
     salt: u64,
     /// Full blocks already in the prefix index, and the hash chain so far.
     registered: usize,
@@ -32,6 +37,8 @@ impl Seq {
             sampler: Sampler::new(&req.params)?,
             stop: StopChecker::new(&req.params, eos)?,
             hold: false,
+            stream: None,
+            streamed: 0,
             salt: req.salt,
             registered: 0,
             last_hash: None,

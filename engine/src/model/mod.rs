@@ -183,6 +183,18 @@ impl Model {
     /// Runs one step. Returns logits (`vocab` each), one row per chunk with
     /// `logits: true`, in batch order.
     pub fn forward(&mut self, kv: &mut KvPool, batch: &[SeqChunk<'_>]) -> Result<&[f32], ForwardError> {
+        self.forward_hooked(kv, batch, &mut |_, _| {})
+    }
+
+    /// [`forward`](Self::forward), calling `after_kv(layer, pool)` as soon as
+    /// the step's K and V of `layer` are in the pool (before that layer's
+    /// attention), so a caller can ship a layer while later ones compute.
+    pub fn forward_hooked(
+        &mut self,
+        kv: &mut KvPool,
+        batch: &[SeqChunk<'_>],
+        after_kv: &mut dyn FnMut(usize, &KvPool),
+    ) -> Result<&[f32], ForwardError> {
         self.validate(kv, batch)?;
         let cfg = &self.cfg;
         let (h, kvd, ffn, hd) = (cfg.hidden, cfg.kv_dim(), cfg.ffn, cfg.head_dim);
@@ -245,6 +257,7 @@ impl Model {
                 let bs = shape.block_size;
                 kv.write(l, c.table[pos / bs], pos % bs, &s.k[i * kvd..(i + 1) * kvd], &s.v[i * kvd..(i + 1) * kvd]);
             }
+            after_kv(l, kv);
             // Attention: work items are (token, kv head) pairs.
             let (ks, vs) = kv.layer(l);
             let att = SharedSlice::new(&mut s.att);

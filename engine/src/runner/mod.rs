@@ -32,7 +32,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::batch::{Engine, Request};
+use crate::batch::{Engine, LayerSink, Request};
 use crate::kv::{BlockId, KvPool, KvStats};
 use crate::sampler::{FinishReason, SampledToken};
 
@@ -144,7 +144,23 @@ impl RunnerHandle {
         deadline: Option<Instant>,
         on_done: OnDone,
     ) -> Result<(), RunnerError> {
-        self.ask(|reply| Command::SubmitPrefillOnly { req, deadline, on_done, reply })
+        self.ask(|reply| Command::SubmitPrefillOnly { req, deadline, on_done, stream: None, reply })
+            .unwrap_or(Err(RunnerError::ShuttingDown))
+    }
+
+    /// [`submit_prefill_only`](Self::submit_prefill_only), streaming the
+    /// prompt's KV to `stream` layer by layer as steps compute it (see
+    /// [`Engine::add_prefill_streaming`]). `stream` runs on the runner
+    /// thread mid-step and is dropped after the last block, before
+    /// `on_done` is called.
+    pub fn submit_prefill_streaming(
+        &self,
+        req: Request,
+        deadline: Option<Instant>,
+        stream: LayerSink,
+        on_done: OnDone,
+    ) -> Result<(), RunnerError> {
+        self.ask(|reply| Command::SubmitPrefillOnly { req, deadline, on_done, stream: Some(stream), reply })
             .unwrap_or(Err(RunnerError::ShuttingDown))
     }
 

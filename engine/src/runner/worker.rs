@@ -12,7 +12,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use super::{ErrorKind, OnDone, PrefillDone, RunnerConfig, RunnerError, RunnerEvent, RunnerStats, Sink};
-use crate::batch::{Engine, Request, TokenEvent};
+use crate::batch::{Engine, LayerSink, Request, TokenEvent};
 use crate::kv::{BlockId, KvPool};
 use crate::sampler::SampledToken;
 
@@ -30,6 +30,7 @@ pub(super) enum Command {
         req: Request,
         deadline: Option<Instant>,
         on_done: OnDone,
+        stream: Option<LayerSink>,
         reply: Reply<Result<(), RunnerError>>,
     },
     SubmitPrefilled {
@@ -205,10 +206,10 @@ impl Worker {
         // A send fails only if the asker gave up waiting; nothing to undo then.
         match cmd {
             Command::Submit { req, deadline, sink, reply } => {
-                let _ = reply.send(self.admit(req, deadline, Client::Stream(sink)));
+                let _ = reply.send(self.admit(req, deadline, Client::Stream(sink), None));
             }
-            Command::SubmitPrefillOnly { req, deadline, on_done, reply } => {
-                let _ = reply.send(self.admit(req, deadline, Client::Prefill(on_done)));
+            Command::SubmitPrefillOnly { req, deadline, on_done, stream, reply } => {
+                let _ = reply.send(self.admit(req, deadline, Client::Prefill(on_done), stream));
             }
             Command::SubmitPrefilled { req, blocks, first, deadline, sink, reply } => {
                 let _ = reply.send(self.join(req, blocks, first, deadline, sink));
@@ -272,12 +273,21 @@ impl Worker {
         Ok(())
     }
 
-    fn admit(&mut self, req: Request, deadline: Option<Instant>, client: Client) -> Result<(), RunnerError> {
+    fn admit(
+        &mut self,
+        req: Request,
+        deadline: Option<Instant>,
+        client: Client,
+        stream: Option<LayerSink>,
+    ) -> Result<(), RunnerError> {
         let id = req.id;
         let added = self.check_admission().and_then(|()| {
             match client {
                 Client::Stream(_) => self.engine.add(req),
-                Client::Prefill(_) => self.engine.add_prefill_only(req),
+                Client::Prefill(_) => match stream {
+                    Some(sink) => self.engine.add_prefill_streaming(req, sink),
+                    None => self.engine.add_prefill_only(req),
+                },
             }
             .map_err(RunnerError::from_engine)
         });

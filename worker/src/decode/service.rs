@@ -531,6 +531,7 @@ impl DecodeService {
             token_ids: req.token_ids.clone(),
             sampling: req.sampling.clone(),
             deadline_unix_ms: unix_deadline(Some(limit)),
+            cache_salt: req.cache_salt,
             destination: Some(KvDestination {
                 transfer_addr: inner.settings.transfer_addr.clone(),
                 transport: "tcp".into(),

@@ -207,7 +207,7 @@ impl PrefillService {
 
         let (tx, rx) = tokio::sync::oneshot::channel::<Result<PrefillDone, RunnerError>>();
         let runner = inner.runner.clone();
-        let engine_req = Request { id: engine_id, prompt: req.token_ids.clone(), params, salt: 0 };
+        let engine_req = Request { id: engine_id, prompt: req.token_ids.clone(), params, salt: req.cache_salt };
         let prefill_started = Instant::now();
         blocking(move || runner.submit_prefill_only(engine_req, deadline, Box::new(move |r| drop(tx.send(r)))))
             .await?
