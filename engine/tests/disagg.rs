@@ -123,9 +123,9 @@ fn streamed_prefill_kv_equals_the_held_blocks_exactly_once() {
         for c in &chunks {
             let n = c.k.len() / side;
             assert_eq!(c.v.len(), c.k.len());
-            for b in c.first_block..c.first_block + n {
-                assert!(!seen[c.layer][b], "request {id}: layer {} block {b} streamed twice", c.layer);
-                seen[c.layer][b] = true;
+            for (b, s) in seen[c.layer].iter_mut().enumerate().skip(c.first_block).take(n) {
+                assert!(!*s, "request {id}: layer {} block {b} streamed twice", c.layer);
+                *s = true;
             }
             let (k, v) = e.pool().gather_layer(c.layer, &held[c.first_block..c.first_block + n]).expect("gather");
             assert!(k == c.k && v == c.v, "request {id}: layer {} blocks {}.. differ", c.layer, c.first_block);
