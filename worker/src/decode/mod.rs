@@ -227,3 +227,28 @@ mod tests {
         assert_eq!(cfg.map(|c| c.policy), Ok(KvLoadFailurePolicy::Fail));
     }
 }
+
+#[cfg(test)]
+mod shipped_config {
+    use super::*;
+
+    /// The shipped configs parse, and the decode one names its policy explicitly.
+    #[test]
+    fn shipped_configs_load() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
+        let text = std::fs::read_to_string(root.join("decode-worker.toml")).unwrap_or_default();
+        assert!(text.lines().any(|l| l.starts_with("kv_load_failure_policy = ")), "{text}");
+        let d = read_file::<DecodeFlags>(&root.join("decode-worker.toml")).map_err(|e| e.to_string());
+        let d = d.and_then(|mut f| {
+            f.common.model = Some(crate::config::tests::some_file());
+            DecodeConfig::resolve(&f).map_err(|e| e.to_string())
+        });
+        assert_eq!(d.map(|c| c.policy), Ok(KvLoadFailurePolicy::Recompute));
+        let p = read_file::<crate::prefill::PrefillFlags>(&root.join("prefill-worker.toml")).map_err(|e| e.to_string());
+        let p = p.and_then(|mut f| {
+            f.common.model = Some(crate::config::tests::some_file());
+            crate::prefill::PrefillConfig::resolve(&f).map_err(|e| e.to_string())
+        });
+        assert!(p.is_ok(), "{p:?}");
+    }
+}
