@@ -1,120 +1,146 @@
-//! TCP transport throughput on loopback against two baselines.
+//! TCP transport throughput on loopback against raw-TCP baselines, in the
+//! same run.
 //!
 //! Moves the KV of `BLOCKS` blocks of the real SmolLM2-135M layout (30
-//! layers, 3 KV heads, head dim 64, block size 16, F16: ~264 MiB) from one
-//! pool into other block ids of a second pool, with sender and receiver in
-//! this one process, and in the same run:
-//! - raw TCP: a plain tokio writer/reader pair moving the same bytes in the
-//!   same chunk sizes (the ceiling for any TCP transport here);
-//! - memcpy: the same bytes copied in the same chunk sizes (the ceiling for
-//!   anything in one address space).
+//! layers, 3 KV heads, head dim 64, block size 16, F16: ~256 MiB) with
+//! sender and receiver in this one process. Measured, interleaved run by
+//! run so that noise from other work on the machine hits all of them alike:
+//! - transport, memory -> memory: pre-gathered layers in, each accepted
+//!   payload copied by a sink into a destination as large as the transfer;
+//! - transport, pool -> pool: everything the worker binaries do:
+//!   `gather_layer` on the sender, checksums both ways, framing, decode and
+//!   `scatter_layer` into a second pool (other block ids);
+//! - raw tcp, same memory: a plain tokio writer/reader moving the same bytes
+//!   from the same pre-gathered layers, in the transport's frame-sized
+//!   pieces, straight into a destination as large as the transfer — what
+//!   any TCP transport here has to do at least;
+//! - raw tcp, hot buffer: one frame-sized buffer written over and over and
+//!   read into one frame-sized buffer, both staying in cache: the loopback
+//!   ceiling, which nothing that reads and writes 256 MiB of distinct memory
+//!   reaches;
+//! - memcpy: the same bytes copied in the same pieces between buffers larger
+//!   than the cache (the ceiling for anything in one address space).
 //!
-//! The transport figure includes everything the worker binaries will do:
-//! `gather_layer` on the sender, checksums both ways, framing, decode and
-//! `scatter_layer` into the receiving pool.
-//!
-//! Run: `cargo bench -p kvtransfer --bench tcp` (optional args: frame sizes in
-//! MiB, e.g. `-- 1 4`).
+//! Run: `cargo bench -p kvtransfer --bench tcp` (optional args: frame sizes,
+//! `256k` or `1` (MiB), e.g. `-- 256k 1 4`; `profile` to loop the
+//! memory -> memory transport alone, for perf).
+
+mod common;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
-use kvtransfer::frame::LAYER_DATA_OVERHEAD;
-use kvtransfer::{
-    BlockSink, FnSink, LayoutFingerprint, Peer, Receiver, ReceiverConfig, TcpKvSender, TcpKvServer, TcpSenderConfig,
-    TcpServerConfig, VersionGroup,
+use common::{
+    cpu_seconds, dst_sink, expected_dst, frame_payload, frame_sizes, gbps, lock, peer, rates, read_into, write_layers,
+    Res, BLOCKS, LAYOUT, SIDE, TOTAL,
 };
+use engine::kv::{BlockId, KvPool};
+use kvtransfer::{Receiver, ReceiverConfig, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const LAYOUT: KvLayout = KvLayout { n_layers: 30, n_kv_heads: 3, head_dim: 64, block_size: 16, dtype: KvDtype::F16 };
-/// 729 blocks x 368,640 bytes = 268.7 MB (256.3 MiB).
-const BLOCKS: usize = 729;
-const RUNS: usize = 5;
-
-type Res<T> = Result<T, Box<dyn std::error::Error>>;
+const RUNS: usize = 7;
 
 fn main() -> Res<()> {
-    let frame_mibs: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
-    let frame_mibs = if frame_mibs.is_empty() { vec![1, 4] } else { frame_mibs };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let profile = args.iter().any(|a| a == "profile");
+    let frames = frame_sizes(&args, &[256 << 10, 1 << 20, 4 << 20]);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
 
-    let total = BLOCKS * LAYOUT.block_bytes();
+    let total = TOTAL;
     println!(
-        "layout {LAYOUT:?}; {BLOCKS} blocks = {:.1} MiB per transfer; best and median of {RUNS} runs",
+        "layout {LAYOUT:?}; {BLOCKS} blocks = {:.1} MiB per transfer; best and median of {RUNS} interleaved runs",
         total as f64 / (1 << 20) as f64
     );
-    {
-        let buf: Vec<u8> = (0..64usize << 20).map(|i| i as u8).collect();
-        let t = Instant::now();
-        let c = crc32c::crc32c(&buf);
-        println!("crc32c: {:.2} GB/s ({c:#x})", buf.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
+    crc_speed();
     let (pool_a, table_a) = source();
     let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
     let _decoys = lock(&pool_b).allocate(7)?;
     let table_b = lock(&pool_b).allocate(BLOCKS)?;
+    // Touched up front: page faults on fresh memory are no transport's cost.
+    lock(&pool_b).scatter_layer(0, &table_b, &vec![1; BLOCKS * SIDE], &vec![1; BLOCKS * SIDE])?;
+    for l in 1..LAYOUT.n_layers {
+        let (k, v) = pool_a.gather_layer(l, &table_a)?;
+        lock(&pool_b).scatter_layer(l, &table_b, &k, &v)?;
+    }
     let want = pool_a.gather(&table_a)?;
     let layers: Vec<(Vec<u8>, Vec<u8>)> =
         (0..LAYOUT.n_layers).map(|l| pool_a.gather_layer(l, &table_a)).collect::<Result<_, _>>()?;
+    let dst = Arc::new(Mutex::new(vec![1u8; total]));
 
-    for mib in frame_mibs {
-        let max_frame = mib << 20;
-        let side = LAYOUT.block_elems() * LAYOUT.dtype.size();
-        let chunk = (max_frame - LAYER_DATA_OVERHEAD) / (2 * side) * 2 * side;
-        println!("\nframes <= {mib} MiB ({} bytes of payload, {} blocks)", chunk, chunk / (2 * side));
-
-        let mut tcp = Vec::new();
-        let mut gather = Vec::new();
-        let mut bare = Vec::new();
-        for _ in 0..RUNS {
-            bare.push(rt.block_on(transport_only_run(&layers, max_frame))?);
+    if profile {
+        let max_frame = frames[0];
+        let raw = args.iter().any(|a| a == "raw");
+        for _ in 0..20 {
+            let c = cpu_seconds();
+            let t = if raw {
+                let buf = std::mem::take(&mut *lock(&dst));
+                let (t, buf) = rt.block_on(raw_same_memory_run(&layers, buf, frame_payload(max_frame) / 2))?;
+                *lock(&dst) = buf;
+                t
+            } else {
+                rt.block_on(transport_mem_run(&layers, &dst, max_frame))?
+            };
+            let cpu = (cpu_seconds() - c) / (total as f64 / 1e9);
+            println!("{}: {:.2} GB/s, {cpu:.2} CPU-s/GB", if raw { "raw" } else { "transport" }, gbps(t));
         }
+        return Ok(());
+    }
+
+    for max_frame in frames {
+        let chunk = frame_payload(max_frame);
+        println!("\nframes <= {} KiB ({chunk} bytes of payload, {} blocks)", max_frame >> 10, chunk / (2 * SIDE));
+        let [mut mem, mut pool, mut gather, mut raw, mut hot, mut copy]: [Vec<Duration>; 6] = Default::default();
         for _ in 0..RUNS {
-            let (t, g) = rt.block_on(transport_run(&pool_a, &table_a, &pool_b, &table_b, max_frame))?;
-            tcp.push(t);
+            let buf = std::mem::take(&mut *lock(&dst));
+            let (t, buf) = rt.block_on(raw_same_memory_run(&layers, buf, chunk / 2))?;
+            *lock(&dst) = buf;
+            raw.push(t);
+            mem.push(rt.block_on(transport_mem_run(&layers, &dst, max_frame))?);
+            let (t, g) = rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame))?;
+            pool.push(t);
             gather.push(g);
+            hot.push(rt.block_on(raw_hot_run(total, chunk))?);
+            copy.push(memcpy_run(total, chunk));
         }
-        let got = lock(&pool_b).gather(&table_b)?;
-        if got != want {
-            return Err("KV differs after the transfer".into());
+        if lock(&pool_b).gather(&table_b)? != want {
+            return Err("KV differs after the pool -> pool transfer".into());
         }
-        let raw: Vec<Duration> = (0..RUNS).map(|_| rt.block_on(raw_run(total, chunk))).collect::<Res<_>>()?;
-        let mem: Vec<Duration> = (0..RUNS).map(|_| memcpy_run(total, chunk)).collect();
+        if *lock(&dst) != expected_dst(&layers, chunk) {
+            return Err("bytes differ after the memory -> memory transfer".into());
+        }
 
-        let (tb, tm) = rates(total, &tcp);
-        let (rb, rm) = rates(total, &raw);
-        let (mb, mm) = rates(total, &mem);
-        let (gb, _) = rates(total, &gather);
-        let (bb, bm) = rates(total, &bare);
+        let [m, p, g, r, h, c] = [&mem, &pool, &gather, &raw, &hot, &copy].map(|t| rates(t));
+        println!("  transport, memory -> memory:   {:6.2} GB/s best, {:6.2} median", m.0, m.1);
         println!(
-            "  tcp transport (pool -> pool): {tb:6.2} GB/s best, {tm:6.2} median  (gather_layer alone: {gb:.2} GB/s)"
+            "  transport, pool -> pool:       {:6.2} GB/s best, {:6.2} median  (gather_layer alone: {:.2} GB/s)",
+            p.0, p.1, g.0
         );
-        println!("  tcp transport (memory -> memory, no pool): {bb:6.2} GB/s best, {bm:6.2} median");
-        println!("  raw tcp baseline:             {rb:6.2} GB/s best, {rm:6.2} median");
-        println!("  memcpy baseline:              {mb:6.2} GB/s best, {mm:6.2} median");
-        println!("  ratio tcp/raw, pool -> pool:     {:.2} best, {:.2} median (goal >= 0.8)", tb / rb, tm / rm);
-        println!("  ratio tcp/raw, memory -> memory: {:.2} best, {:.2} median", bb / rb, bm / rm);
+        println!("  raw tcp, same memory:          {:6.2} GB/s best, {:6.2} median", r.0, r.1);
+        println!("  raw tcp, hot buffer:           {:6.2} GB/s best, {:6.2} median", h.0, h.1);
+        println!("  memcpy:                        {:6.2} GB/s best, {:6.2} median", c.0, c.1);
+        println!(
+            "  ratio transport/raw same memory, memory -> memory: {:.2} best, {:.2} median (goal >= 0.8)",
+            m.0 / r.0,
+            m.1 / r.1
+        );
+        println!("  ratio transport/raw same memory, pool -> pool:     {:.2} best, {:.2} median", p.0 / r.0, p.1 / r.1);
+        println!("  ratio transport/raw hot buffer,  memory -> memory: {:.2} best, {:.2} median", m.0 / h.0, m.1 / h.1);
+        println!("  ratio transport/raw hot buffer,  pool -> pool:     {:.2} best, {:.2} median", p.0 / h.0, p.1 / h.1);
     }
     Ok(())
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// (best, median) in GB/s (10^9 bytes per second).
-fn rates(bytes: usize, times: &[Duration]) -> (f64, f64) {
-    let mut r: Vec<f64> = times.iter().map(|t| bytes as f64 / t.as_secs_f64() / 1e9).collect();
-    r.sort_by(|a, b| b.total_cmp(a));
-    (r[0], r[r.len() / 2])
-}
-
-fn peer() -> Peer {
-    Peer {
-        version_group: VersionGroup::new("smollm2-135m").unwrap_or_else(|e| panic!("label: {e}")),
-        fingerprint: LayoutFingerprint::new(&LAYOUT, &[1; 32], &[2; 32]),
+fn crc_speed() {
+    for (what, len, reps) in [("64 MiB buffer", 64usize << 20, 1), ("1 MiB buffer, in cache", 1 << 20, 64)] {
+        let buf: Vec<u8> = (0..len).map(|i| i as u8).collect();
+        let mut c = crc32c::crc32c(&buf);
+        let t = Instant::now();
+        for _ in 0..reps {
+            c = crc32c::crc32c_append(c, &buf);
+        }
+        let rate = (len * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        println!("crc32c, {what}: {rate:.2} GB/s ({c:#x})");
     }
 }
 
@@ -139,8 +165,8 @@ fn source() -> (KvPool, Vec<BlockId>) {
     (pool, table)
 }
 
-/// One full transfer; returns (total time, time spent in gather_layer).
-async fn transport_run(
+/// One full transfer pool -> pool; returns (total time, time spent in gather_layer).
+async fn transport_pool_run(
     pool_a: &KvPool,
     table_a: &[BlockId],
     pool_b: &Arc<Mutex<KvPool>>,
@@ -170,25 +196,17 @@ async fn transport_run(
     Ok((elapsed, gather))
 }
 
-/// The transport alone: pre-gathered layers in, payloads copied into one
-/// big buffer by a [`FnSink`] (the same bytes a pool scatter would move,
-/// at memcpy speed), so the pool's own gather/scatter cost is excluded.
-async fn transport_only_run(layers: &[(Vec<u8>, Vec<u8>)], max_frame: usize) -> Res<Duration> {
-    let side = LAYOUT.block_elems() * LAYOUT.dtype.size();
-    let per_layer = BLOCKS * 2 * side;
-    // Touched up front: page faults on a fresh buffer are not the transport's cost.
-    let mut dst = vec![1u8; LAYOUT.n_layers * per_layer];
-    let sink = FnSink(move |layer: usize, blocks: &[BlockId], k: &[u8], v: &[u8]| {
-        // Pool ids 0..BLOCKS stand for positions in the reservation.
-        let at = (layer * BLOCKS + blocks.first().copied().unwrap_or(0) as usize) * 2 * side;
-        let out = dst.get_mut(at..at + k.len() + v.len()).ok_or("out of range")?;
-        out[..k.len()].copy_from_slice(k);
-        out[k.len()..].copy_from_slice(v);
-        Ok(())
-    });
+/// The transport alone: pre-gathered layers in, each accepted payload
+/// copied by a sink to its place in `dst` (the bytes a pool scatter
+/// would move, at memcpy speed), so the pool's gather/scatter are excluded.
+async fn transport_mem_run(
+    layers: &[(Vec<u8>, Vec<u8>)],
+    dst: &Arc<Mutex<Vec<u8>>>,
+    max_frame: usize,
+) -> Res<Duration> {
+    let sink = dst_sink(dst);
     let rx = Arc::new(Mutex::new(Receiver::new(peer(), ReceiverConfig::new(LAYOUT))?));
-    let sink = Arc::new(Mutex::new(sink));
-    let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), SharedSink(sink), TcpServerConfig::default()).await?;
+    let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), sink, TcpServerConfig::default()).await?;
     let ids: Vec<BlockId> = (0..BLOCKS as BlockId).collect();
     let r = lock(&rx).reserve(ids, Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
     let config = TcpSenderConfig { max_frame_bytes: max_frame, ..TcpSenderConfig::default() };
@@ -203,18 +221,34 @@ async fn transport_only_run(layers: &[(Vec<u8>, Vec<u8>)], max_frame: usize) -> 
     Ok(elapsed)
 }
 
-/// A sink shared by the server's connections.
-#[derive(Clone)]
-struct SharedSink<S>(Arc<Mutex<S>>);
-
-impl<S: BlockSink> BlockSink for SharedSink<S> {
-    fn write_layer(&mut self, layer: usize, blocks: &[BlockId], k: &[u8], v: &[u8]) -> Result<(), String> {
-        lock(&self.0).write_layer(layer, blocks, k, v)
-    }
+/// The same layer bytes over a plain socket pair: K then V pieces of
+/// `piece` bytes, as the transport frames them, read straight into `dst`.
+async fn raw_same_memory_run(
+    layers: &[(Vec<u8>, Vec<u8>)],
+    mut dst: Vec<u8>,
+    piece: usize,
+) -> Res<(Duration, Vec<u8>)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let reader = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        read_into(&mut s, &mut dst).await?;
+        s.write_all(b"k").await?;
+        Ok::<_, std::io::Error>(dst)
+    });
+    let mut s = TcpStream::connect(addr).await?;
+    s.set_nodelay(true)?;
+    let start = Instant::now();
+    write_layers(&mut s, layers, piece).await?;
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack).await?;
+    let elapsed = start.elapsed();
+    let dst = reader.await??;
+    Ok((elapsed, dst))
 }
 
-/// The same bytes over a plain socket pair, in `chunk`-byte writes and reads.
-async fn raw_run(total: usize, chunk: usize) -> Res<Duration> {
+/// `total` bytes over a plain socket pair from one `chunk`-byte buffer into another.
+async fn raw_hot_run(total: usize, chunk: usize) -> Res<Duration> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let reader = tokio::spawn(async move {

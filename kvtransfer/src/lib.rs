@@ -9,8 +9,12 @@
 //!   ([`TcpKvServer`] on the decode worker, [`TcpKvSender`] on the prefill
 //!   worker), writing received frames straight into pool blocks through a
 //!   [`BlockSink`].
+//! - [`transport::local`]: same host, payloads through shared memory
+//!   ([`LocalKvServer`], [`LocalKvSender`]).
+//! - [`transport::quic`]: QUIC with TLS 1.3 for untrusted links
+//!   ([`QuicKvServer`], [`QuicKvSender`]): the same frames and rules as TCP.
 //!
-//! Shared memory, QUIC, UCX and CUDA transports come later, behind the same
+//! UCX and CUDA transports come later, behind the same
 //! shape.
 //!
 //! Must not: know about models beyond [`engine::kv::KvLayout`]. Outside
@@ -62,7 +66,9 @@
 //!   abort, lease expiry, corruption) hands its blocks back to the caller
 //!   exactly once, so the caller's pool never leaks or double-frees.
 
-#![forbid(unsafe_code)]
+// `deny`, not `forbid`: transport::local::shm (memory mappings) is the one
+// module allowed `unsafe`.
+#![deny(unsafe_code)]
 
 pub mod fingerprint;
 pub mod frame;
@@ -80,10 +86,14 @@ pub use session::{
     ConfigError, FrameError, Peer, Receiver, ReceiverConfig, ReceiverCounters, ReleaseCause, Released, Reservation,
     ReservationError, ReservationId, ReservationState, ReserveError, ReserveRefusal, WriteInstruction,
 };
-pub use transport::tcp::{
-    CloseReason, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TcpServerStats, TransferError,
+pub use transport::local::{LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, LocalServerStats};
+pub use transport::quic::{
+    CertFingerprint, PeerTrust, QuicKvSender, QuicKvServer, QuicSenderConfig, QuicServerConfig, QuicServerStats,
+    QuicTuning, TlsError, TlsIdentity,
 };
+pub use transport::tcp::{TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TcpServerStats};
 pub use transport::{BlockSink, FnSink, OwnedPayload};
+pub use transport::{CloseReason, ServerStats, TransferError};
 
 /// Version of the transfer protocol: frame layouts and session rules. Peers
 /// with different versions refuse each other in the handshake. It is also

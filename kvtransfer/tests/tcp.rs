@@ -6,53 +6,22 @@
 //! happen; events are awaited (server stats watch, socket reads), never slept for.
 
 mod common;
+mod net;
 
-use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard};
+use net::{layout, lock, now, peer, side, within, WAIT};
+
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
+use engine::kv::{BlockId, KvLayout, KvPool};
 use kvtransfer::frame::LAYER_DATA_OVERHEAD;
 use kvtransfer::{
-    AbortReason, Complete, DecodeLimits, Decoded, Frame, Hello, LayerData, LayoutFingerprint, Peer, Receiver,
-    ReceiverConfig, RejectReason, ReleaseCause, Reservation, ReservationState, TcpKvSender, TcpKvServer,
-    TcpSenderConfig, TcpServerConfig, TcpServerStats, TransferError, VersionGroup, PROTOCOL_VERSION,
+    AbortReason, Complete, DecodeLimits, Decoded, Frame, Hello, LayerData, Peer, Receiver, ReceiverConfig,
+    RejectReason, ReleaseCause, Reservation, ReservationState, TcpKvSender, TcpKvServer, TcpSenderConfig,
+    TcpServerConfig, TcpServerStats, TransferError, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-const WAIT: Duration = Duration::from_secs(10);
-
-async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(WAIT, fut).await {
-        Ok(t) => t,
-        Err(_) => panic!("timed out after {WAIT:?}: {what} did not happen"),
-    }
-}
-
-fn layout() -> KvLayout {
-    KvLayout { n_layers: 4, n_kv_heads: 2, head_dim: 8, block_size: 4, dtype: KvDtype::F16 }
-}
-
-/// Bytes of one block's K (or V) in one layer.
-fn side(l: &KvLayout) -> usize {
-    l.block_elems() * l.dtype.size()
-}
-
-fn peer(l: &KvLayout, group: &str, weights: u8) -> Peer {
-    Peer {
-        version_group: VersionGroup::new(group).expect("label"),
-        fingerprint: LayoutFingerprint::new(l, &[weights; 32], &[0x22; 32]),
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().expect("test lock")
-}
-
-fn now() -> std::time::Instant {
-    tokio::time::Instant::now().into_std()
-}
 
 /// Prefill side: `n` blocks of known K/V values.
 fn source(l: KvLayout, n: usize) -> (KvPool, Vec<BlockId>) {
@@ -163,6 +132,41 @@ async fn full_transfer_lands_bit_exact_in_other_blocks() {
     assert_eq!(got, pool_a.gather(&table_a).expect("gather A"), "KV bytes differ after the transfer");
     assert_eq!(lock(&d.rx).counters().layer_frames_accepted, 4 * 3);
     assert_eq!(tx.bytes_sent(), (4 * 3 * LAYER_DATA_OVERHEAD + 4 * 5 * 2 * side(&l)) as u64);
+}
+
+#[tokio::test]
+async fn layers_sent_in_block_ranges_as_a_streaming_prefill_completes_them() {
+    let d = DecodeSide::start(TcpServerConfig::default()).await;
+    let l = d.layout;
+    let (pool_a, table_a) = source(l, 5);
+    let (r, table_b) = d.reserve(5, Duration::from_secs(30));
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 1 << 20).await.expect("connect");
+    // Blocks 0..2 of every layer first (an early step), then 2..5 (the last step).
+    for (from, to) in [(0, 2), (2, 5)] {
+        for layer in 0..l.n_layers {
+            let (k, v) = pool_a.gather_layer(layer, &table_a[from..to]).expect("gather");
+            within("blocks sent", tx.send_blocks(r, layer, from, &k, &v)).await.expect("send blocks");
+        }
+        if from == 0 {
+            // Half the blocks are not a complete transfer.
+            assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Receiving));
+        }
+    }
+    within("Ack", tx.complete(r)).await.expect("complete");
+    let blocks = lock(&d.rx).take_ready(r).expect("ready after Ack");
+    let got = lock(&d.pool).gather(&blocks).expect("gather B");
+    assert_eq!(got, pool_a.gather(&table_a).expect("gather A"), "KV bytes differ after a ranged transfer");
+
+    // A range past the reservation is refused by the receiver, not written.
+    let (r2, _) = d.reserve(2, Duration::from_secs(30));
+    let (k, v) = pool_a.gather_layer(0, &table_a[..2]).expect("gather");
+    let sent = within("blocks sent", tx.send_blocks(r2, 0, 1, &k, &v)).await;
+    let completed = match sent {
+        Ok(()) => within("Ack or Abort", tx.complete(r2)).await.map(drop),
+        Err(e) => Err(e),
+    };
+    assert!(matches!(completed, Err(TransferError::PeerAbort { .. })), "{completed:?}");
+    assert_eq!(lock(&d.rx).counters().refused("block_range"), 1);
 }
 
 #[tokio::test]

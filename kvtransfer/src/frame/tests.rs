@@ -168,6 +168,7 @@ fn hello_tolerates_fields_a_later_version_appends() {
 /// there is, and anything accepted re-encodes to something that decodes to
 /// the same frame.
 fn check_decode(buf: &[u8], limits: &DecodeLimits) -> Option<usize> {
+    check_decode_head_agrees(buf, limits);
     match Frame::decode(buf, limits) {
         Ok(Decoded::Frame { frame, consumed }) => {
             assert!(consumed <= buf.len() && consumed >= HEADER_LEN);
@@ -278,4 +279,63 @@ fn layer_data_header_then_payload_equals_encode() {
     let mut out = vec![1];
     assert!(too_big.encode(&mut out).is_err());
     assert_eq!(out, [1], "unchanged on error");
+}
+
+/// [`Frame::decode_head`] accepts and refuses what [`Frame::decode`] does,
+/// stopping only before a `LayerData`'s payload.
+fn check_decode_head_agrees(buf: &[u8], limits: &DecodeLimits) {
+    let head = Frame::decode_head(buf, limits);
+    match (Frame::decode(buf, limits), head) {
+        (
+            Ok(Decoded::Frame { frame: Frame::LayerData(d), consumed }),
+            Ok(DecodedHead::LayerData { header, consumed: h }),
+        ) => {
+            assert_eq!(h, LAYER_DATA_OVERHEAD);
+            assert_eq!(h + header.payload_len, consumed);
+            assert_eq!(header.with_payload(buf[h..consumed].to_vec()), d);
+        }
+        (Ok(Decoded::Frame { frame, consumed }), Ok(DecodedHead::Frame { frame: f, consumed: c })) => {
+            assert!(!matches!(frame, Frame::LayerData(_)));
+            assert_eq!((frame, consumed), (f, c));
+        }
+        (Ok(Decoded::NeedMore { .. }), Ok(DecodedHead::LayerData { header, consumed })) => {
+            assert!(consumed <= buf.len() && consumed + header.payload_len > buf.len());
+        }
+        (Ok(Decoded::NeedMore { at_least }), Ok(DecodedHead::NeedMore { at_least: a })) => {
+            assert!(a <= at_least && a > buf.len());
+        }
+        // decode_head checks a LayerData's payload length field as soon as
+        // the fixed fields are in; decode reports it once the body is.
+        (Ok(Decoded::NeedMore { .. }), Err(DecodeError::PayloadLength { .. })) => {}
+        (Err(e), Err(h)) => assert_eq!(e, h),
+        (d, h) => panic!("decode {d:?} but decode_head {h:?}"),
+    }
+}
+
+#[test]
+fn decode_head_stops_before_a_layer_payload_and_decodes_the_rest_whole() {
+    let limits = DecodeLimits::default();
+    let d = LayerData::new(7, 3, 2, 5, 4, (0..=255u8).cycle().take(1000).collect());
+    let mut wire = encode(&Frame::LayerData(d.clone()));
+    let ack = Frame::Ack(Ack { reservation: 1, generation: 2 });
+    wire.extend(encode(&ack));
+    for cut in 0..LAYER_DATA_OVERHEAD {
+        assert!(matches!(Frame::decode_head(&wire[..cut], &limits), Ok(DecodedHead::NeedMore { .. })), "{cut}");
+    }
+    // The fixed fields alone are enough; the payload is the caller's to read.
+    let Ok(DecodedHead::LayerData { header, consumed }) = Frame::decode_head(&wire[..LAYER_DATA_OVERHEAD], &limits)
+    else {
+        panic!("a LayerData head")
+    };
+    assert_eq!((consumed, header.payload_len, header.checksum), (LAYER_DATA_OVERHEAD, 1000, d.checksum));
+    let rest = &wire[consumed + header.payload_len..];
+    assert_eq!(Frame::decode_head(rest, &limits), Ok(DecodedHead::Frame { frame: ack, consumed: rest.len() }));
+    // Limits and the payload length field are checked before any payload byte.
+    let small = DecodeLimits { max_payload_bytes: 999 };
+    assert!(matches!(Frame::decode_head(&wire[..LAYER_DATA_OVERHEAD], &small), Err(DecodeError::BodyLength { .. })));
+    wire[LAYER_DATA_OVERHEAD - 4..LAYER_DATA_OVERHEAD].copy_from_slice(&999u32.to_le_bytes());
+    assert!(matches!(
+        Frame::decode_head(&wire[..LAYER_DATA_OVERHEAD], &limits),
+        Err(DecodeError::PayloadLength { field: 999, available: 1000 })
+    ));
 }

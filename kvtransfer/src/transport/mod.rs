@@ -9,8 +9,23 @@
 //! Transports so far:
 //! - [`tcp`]: plain TCP for a trusted cluster network. Integrity comes from
 //!   the per-frame CRC-32C; there is no encryption or peer authentication.
+//! - [`local`]: same host; payloads through a shared-memory ring, control
+//!   over a Unix socket.
+//! - [`quic`]: QUIC (TLS 1.3) for links the cluster does not trust: the
+//!   same frames on one stream per connection, certificates checked
+//!   against a cluster CA or a pinned fingerprint.
 
+pub mod local;
+pub mod quic;
 pub mod tcp;
+
+mod error;
+mod send;
+mod serve;
+mod stream;
+
+pub use error::TransferError;
+pub use serve::{CloseReason, ServerStats};
 
 use std::sync::{Arc, Mutex};
 

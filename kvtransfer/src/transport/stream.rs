@@ -20,7 +20,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::timeout;
 
 use super::OwnedPayload;
-use crate::frame::{DecodeError, DecodeLimits, DecodedHead, Frame, HEADER_LEN};
+use crate::frame::{DecodeError, DecodeLimits, DecodedHead, Frame};
 
 /// Bytes read ahead of the frame in progress. A read for the next header
 /// also takes up to this much of the next payload, which is then copied once
@@ -132,9 +132,13 @@ impl FrameReader {
     fn space(&mut self) -> &mut [u8] {
         if self.is_empty() {
             (self.start, self.end) = (0, 0);
-        } else if self.end == self.buf.len() {
+        } else if self.end == self.buf.len() && self.start > 0 {
             self.buf.copy_within(self.start..self.end, 0);
             (self.start, self.end) = (0, self.end - self.start);
+        } else if self.end == self.buf.len() {
+            // Cannot happen (a buffered frame head is always decodable
+            // within READ_AHEAD bytes); grow rather than report a 0-byte read as EOF.
+            self.buf.resize(self.buf.len() + READ_AHEAD, 0);
         }
         &mut self.buf[self.end..]
     }
@@ -178,35 +182,25 @@ impl FrameReader {
         }
     }
 
-    /// Takes in whatever the stream has ready, without waiting. `Ok(false)`:
-    /// the peer closed.
-    pub(crate) fn fill_ready<R>(&mut self, stream: &mut R) -> io::Result<bool>
+    /// One read of whatever the stream has ready, without waiting:
+    /// `Some(0)` if nothing is, `None` if the peer closed.
+    pub(crate) fn read_ready<R>(&mut self, stream: &mut R) -> io::Result<Option<usize>>
     where
         R: AsyncRead + Unpin + ?Sized,
     {
-        loop {
-            let space = self.space();
-            if space.is_empty() {
-                return Ok(true);
-            }
-            let mut rb = ReadBuf::new(space);
-            // A no-op waker: nothing waits on this poll; the next real
-            // read registers its own waker.
-            match Pin::new(&mut *stream).poll_read(&mut Context::from_waker(Waker::noop()), &mut rb) {
-                Poll::Pending => return Ok(true),
-                Poll::Ready(Err(e)) => return Err(e),
-                Poll::Ready(Ok(())) if rb.filled().is_empty() => return Ok(false),
-                Poll::Ready(Ok(())) => {
-                    let n = rb.filled().len();
-                    self.end += n;
-                }
+        let mut rb = ReadBuf::new(self.space());
+        // A no-op waker: nothing waits on this poll; the next real read
+        // registers its own waker.
+        match Pin::new(&mut *stream).poll_read(&mut Context::from_waker(Waker::noop()), &mut rb) {
+            Poll::Pending => Ok(Some(0)),
+            Poll::Ready(Err(e)) => Err(e),
+            Poll::Ready(Ok(())) if rb.filled().is_empty() => Ok(None),
+            Poll::Ready(Ok(())) => {
+                let n = rb.filled().len();
+                self.end += n;
+                Ok(Some(n))
             }
         }
-    }
-
-    /// Bytes of an incomplete frame still buffered.
-    pub(crate) fn has_partial(&self) -> bool {
-        !self.is_empty() && self.end - self.start < HEADER_LEN.max(1)
     }
 }
 
@@ -267,7 +261,12 @@ where
 }
 
 /// Encodes a small control frame into `out` and writes it.
-pub(crate) async fn write_frame<W>(stream: &mut W, out: &mut Vec<u8>, f: &Frame, wait: Duration) -> Result<(), WriteError>
+pub(crate) async fn write_frame<W>(
+    stream: &mut W,
+    out: &mut Vec<u8>,
+    f: &Frame,
+    wait: Duration,
+) -> Result<(), WriteError>
 where
     W: AsyncWrite + Unpin + ?Sized,
 {

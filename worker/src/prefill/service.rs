@@ -15,19 +15,23 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use engine::batch::LayerBlocks;
 use engine::batch::Request;
-use engine::kv::{BlockId, KvLayout};
+use engine::kv::KvLayout;
 use engine::runner::{PrefillDone, RunnerError, RunnerHandle};
+use engine::sampler::SampledToken;
 
 use crate::serve::{blocking, err, local_deadline, runner_err};
 use kvtransfer::{
-    LayoutFingerprint, Peer, RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig, TransferError,
+    AbortReason, LayoutFingerprint, Peer, RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig,
+    TransferError,
 };
 use proto::worker::v1::prefill_worker_server::PrefillWorker;
 use proto::worker::v1::{
     prefill_response, AbortRequest, AbortResponse, ErrorKind, FirstToken, HealthRequest, HealthResponse,
     PrefillRequest, PrefillResponse, TopLogprob, WorkerError,
 };
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request as GrpcRequest, Response, Status};
 
@@ -54,14 +58,7 @@ struct Inner {
 }
 
 fn transfer_err(e: &TransferError) -> WorkerError {
-    crate::prefill::metrics::record_transfer_failure(match e {
-        TransferError::Io(_) => "io",
-        TransferError::Rejected { .. } => "rejected",
-        TransferError::Timeout { .. } => "timeout",
-        TransferError::Protocol(_) => "protocol",
-        TransferError::PeerAbort { .. } => "peer_abort",
-        TransferError::Layer(_) => "layer",
-    });
+    crate::prefill::metrics::record_transfer_failure(e.as_str());
     let kind = match e {
         TransferError::Io(_) => ErrorKind::Retryable,
         TransferError::Rejected { reason: RejectReason::Fingerprint | RejectReason::VersionGroup } => {
@@ -205,44 +202,50 @@ impl PrefillService {
         }
         let mut cleanup = Cleanup { inner: inner.clone(), request_id: req.request_id.clone(), engine_id, armed: false };
 
-        let (tx, rx) = tokio::sync::oneshot::channel::<Result<PrefillDone, RunnerError>>();
+        // The engine streams each layer's newly complete blocks from inside
+        // its forward pass; the push sends them while later layers (and
+        // later chunks) compute.
+        let (layer_tx, layer_rx) = mpsc::unbounded_channel::<LayerBlocks>();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Result<PrefillDone, RunnerError>>();
         let runner = inner.runner.clone();
         let engine_req = Request { id: engine_id, prompt: req.token_ids.clone(), params, salt: req.cache_salt };
-        let prefill_started = Instant::now();
-        blocking(move || runner.submit_prefill_only(engine_req, deadline, Box::new(move |r| drop(tx.send(r)))))
-            .await?
-            .map_err(|e| runner_err(&e))?;
-        cleanup.armed = true;
-        let done = tokio::select! {
-            r = rx => r.map_err(|_| err(ErrorKind::Internal, "runner dropped the request"))?,
-            _ = token.cancelled() => return Err(err(ErrorKind::Cancelled, "aborted")),
-        }
+        let started = Instant::now();
+        blocking(move || {
+            runner.submit_prefill_streaming(
+                engine_req,
+                deadline,
+                Box::new(move |c| drop(layer_tx.send(c))),
+                Box::new(move |r| drop(done_tx.send(r))),
+            )
+        })
+        .await?
         .map_err(|e| runner_err(&e))?;
-        crate::prefill::metrics::record_prefill(req.token_ids.len(), prefill_started.elapsed().as_secs_f64());
+        cleanup.armed = true;
 
-        let push_started = Instant::now();
-        let push = self.push(&addr, reservation, done.blocks, &token);
+        let push = self.push(&addr, reservation, layer_rx, done_rx, started, req.token_ids.len(), &token);
         let pushed = match deadline {
             Some(d) => match tokio::time::timeout_at(tokio::time::Instant::from_std(d), push).await {
                 Ok(r) => r,
                 Err(_) => {
                     crate::prefill::metrics::record_transfer_failure("deadline");
-                    Err(err(ErrorKind::Deadline, "deadline passed during the KV transfer"))
+                    Err(err(ErrorKind::Deadline, "deadline passed during the prefill or its KV transfer"))
                 }
             },
             None => push.await,
         };
         // Always: the prefill worker keeps no KV, whatever the transfer did.
+        // Abort covers both ends: a request still computing (the push failed
+        // early) is stopped, a finished one's held blocks are released.
         let runner = inner.runner.clone();
-        blocking(move || runner.release_held(engine_id)).await?;
+        blocking(move || runner.abort(engine_id)).await?;
         cleanup.armed = false;
-        let (layers, bytes) = pushed?;
-        crate::prefill::metrics::record_transfer(bytes, push_started.elapsed().as_secs_f64());
+        let (first, bytes, transfer_seconds) = pushed?;
+        crate::prefill::metrics::record_transfer(bytes, transfer_seconds);
         Ok(FirstToken {
-            id: done.first.id,
-            logprob: done.first.logprob,
-            top: done.first.top.iter().map(|&(id, logprob)| TopLogprob { id, logprob }).collect(),
-            kv_layers_sent: layers,
+            id: first.id,
+            logprob: first.logprob,
+            top: first.top.iter().map(|&(id, logprob)| TopLogprob { id, logprob }).collect(),
+            kv_layers_sent: inner.layout.n_layers as u32,
             kv_bytes_sent: bytes,
         })
     }
@@ -252,21 +255,30 @@ impl PrefillService {
         Ok(m.entry(addr.to_owned()).or_default().clone())
     }
 
-    /// Sends every layer and completes; returns (layers, payload bytes).
+    /// Sends the streamed blocks as they come, then (once the engine is
+    /// done) `Complete`; returns (first token, payload bytes, seconds from
+    /// the first frame sent to the Ack).
+    #[allow(clippy::too_many_arguments)]
     async fn push(
         &self,
         addr: &str,
         r: Reservation,
-        blocks: Vec<BlockId>,
+        layers: mpsc::UnboundedReceiver<LayerBlocks>,
+        done: tokio::sync::oneshot::Receiver<Result<PrefillDone, RunnerError>>,
+        started: Instant,
+        prompt_tokens: usize,
         token: &CancellationToken,
-    ) -> Result<(u32, u64), WorkerError> {
+    ) -> Result<(SampledToken, u64, f64), WorkerError> {
         let slot = self.slot(addr)?;
         let mut guard = slot.lock().await;
         // Out of the slot while in use: if this future is dropped mid-frame
         // (the caller went away), the half-written connection is dropped with
         // it instead of being reused out of sync.
         let mut conn = guard.take();
-        let result = self.push_on(&mut conn, addr, r, Arc::new(blocks), token).await;
+        let result = tokio::select! {
+            r = self.push_on(&mut conn, addr, r, layers, done, started, prompt_tokens) => r,
+            _ = token.cancelled() => Err(err(ErrorKind::Cancelled, "aborted during the KV transfer")),
+        };
         // A connection that saw an error is not trusted for the next request.
         if result.is_ok() {
             *guard = conn;
@@ -274,53 +286,53 @@ impl PrefillService {
         result
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn push_on(
         &self,
         conn: &mut Option<TcpKvSender>,
         addr: &str,
         r: Reservation,
-        blocks: Arc<Vec<BlockId>>,
-        token: &CancellationToken,
-    ) -> Result<(u32, u64), WorkerError> {
+        mut layers: mpsc::UnboundedReceiver<LayerBlocks>,
+        done: tokio::sync::oneshot::Receiver<Result<PrefillDone, RunnerError>>,
+        started: Instant,
+        prompt_tokens: usize,
+    ) -> Result<(SampledToken, u64, f64), WorkerError> {
         let inner = &self.inner;
         if conn.is_none() {
+            // Connects while the engine computes the first layers.
             let c = TcpKvSender::connect(addr, &inner.local, inner.layout, inner.sender_config.clone())
                 .await
                 .map_err(|e| transfer_err(&e))?;
             *conn = Some(c);
         }
         let Some(sender) = conn.as_mut() else { return Err(err(ErrorKind::Internal, "no KV connection")) };
-        let (mut k, mut v) = (Vec::new(), Vec::new());
         let mut bytes = 0u64;
-        for layer in 0..inner.layout.n_layers {
-            let (b, t) = (blocks.clone(), token.clone());
-            // Gathered on the runner thread; the token check there orders it
-            // after any Abort (which cancels the token before freeing blocks).
-            let gathered = inner.runner.clone();
-            let (kk, vv) = blocking(move || {
-                gathered.with_pool(move |pool| {
-                    if t.is_cancelled() {
-                        return Err("aborted".to_owned());
-                    }
-                    pool.gather_layer_into(layer, &b, &mut k, &mut v).map_err(|e| e.to_string())?;
-                    Ok((k, v))
-                })
-            })
-            .await?
-            .map_err(|e| runner_err(&e))?
-            .map_err(|e| err(if token.is_cancelled() { ErrorKind::Cancelled } else { ErrorKind::Internal }, e))?;
-            (k, v) = (kk, vv);
-            tokio::select! {
-                s = sender.send_layer(r, layer, &k, &v) => s.map_err(|e| transfer_err(&e))?,
-                _ = token.cancelled() => return Err(err(ErrorKind::Cancelled, "aborted during the KV transfer")),
+        let mut first_sent = None;
+        // Ends when the engine drops the sink: after the last block, or when
+        // the request failed (then `done` says how).
+        while let Some(c) = layers.recv().await {
+            first_sent.get_or_insert_with(Instant::now);
+            sender.send_blocks(r, c.layer, c.first_block, &c.k, &c.v).await.map_err(|e| transfer_err(&e))?;
+            bytes += (c.k.len() + c.v.len()) as u64;
+        }
+        let finished = done.await.map_err(|_| err(ErrorKind::Internal, "runner dropped the request"))?;
+        let finished = match finished {
+            Ok(d) => d,
+            Err(e) => {
+                // Tell the receiver now rather than let its lease run out.
+                let _ = sender.abort(r, AbortReason::PrefillFailed).await;
+                return Err(runner_err(&e));
             }
-            bytes += (k.len() + v.len()) as u64;
+        };
+        crate::prefill::metrics::record_prefill(prompt_tokens, started.elapsed().as_secs_f64());
+        let expected = (finished.blocks.len() * inner.layout.block_bytes()) as u64;
+        if bytes != expected {
+            let _ = sender.abort(r, AbortReason::PrefillFailed).await;
+            return Err(err(ErrorKind::Internal, format!("streamed {bytes} KV bytes, the prompt has {expected}")));
         }
-        tokio::select! {
-            a = sender.complete(r) => { a.map_err(|e| transfer_err(&e))?; }
-            _ = token.cancelled() => return Err(err(ErrorKind::Cancelled, "aborted while waiting for the Ack")),
-        }
-        Ok((inner.layout.n_layers as u32, bytes))
+        sender.complete(r).await.map_err(|e| transfer_err(&e))?;
+        let seconds = first_sent.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        Ok((finished.first, bytes, seconds))
     }
 }
 

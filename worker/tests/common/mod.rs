@@ -67,9 +67,12 @@ impl Worker {
             }
         });
         while names.iter().any(|n| !w.addrs.contains_key(*n)) {
-            let (name, addr) = rx
-                .recv_timeout(WAIT)
-                .map_err(|_| format!("{bin} did not print `listening {names:?}=` within {WAIT:?}"))?;
+            let (name, addr) = rx.recv_timeout(WAIT).map_err(|e| match e {
+                mpsc::RecvTimeoutError::Timeout => {
+                    format!("{bin} did not print `listening {names:?}=` within {WAIT:?}")
+                }
+                mpsc::RecvTimeoutError::Disconnected => format!("{bin} {args:?} exited before listening"),
+            })?;
             let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address {addr:?}: {e}"))?;
             w.addrs.insert(name, addr);
         }
@@ -114,19 +117,27 @@ impl Worker {
 pub const PREFILL_BIN: &str = env!("CARGO_BIN_EXE_tandem-prefill-worker");
 pub const DECODE_BIN: &str = env!("CARGO_BIN_EXE_tandem-decode-worker");
 
-/// A prefill worker in `group` with 1 thread, plus `extra` flags.
-pub fn prefill_worker(group: &str, extra: &[&str]) -> Result<Worker, String> {
-    let mut args = vec!["--version-group", group, "--threads", "1", "--kv-blocks", "256"];
+/// Worker flags: `group`, 1 thread and 256 KV blocks unless `extra` sets them, then `extra`.
+fn worker_args<'a>(group: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["--version-group", group];
+    for (flag, default) in [("--threads", "1"), ("--kv-blocks", "256")] {
+        if !extra.contains(&flag) {
+            args.extend([flag, default]);
+        }
+    }
     args.extend_from_slice(extra);
-    Worker::start(PREFILL_BIN, &args, &["grpc", "metrics"])
+    args
 }
 
-/// A decode worker in `group` with 1 thread, plus `extra` flags (which
-/// must include `--kv-load-failure-policy` unless a config sets it).
+/// A prefill worker in `group` (see `worker_args`).
+pub fn prefill_worker(group: &str, extra: &[&str]) -> Result<Worker, String> {
+    Worker::start(PREFILL_BIN, &worker_args(group, extra), &["grpc", "metrics"])
+}
+
+/// A decode worker in `group` (see `worker_args`); `extra` must include
+/// `--kv-load-failure-policy` unless a config sets it.
 pub fn decode_worker(group: &str, extra: &[&str]) -> Result<Worker, String> {
-    let mut args = vec!["--version-group", group, "--threads", "1", "--kv-blocks", "256"];
-    args.extend_from_slice(extra);
-    Worker::start(DECODE_BIN, &args, &["grpc", "metrics", "transfer"])
+    Worker::start(DECODE_BIN, &worker_args(group, extra), &["grpc", "metrics", "transfer"])
 }
 
 /// GETs `/metrics` with a bare HTTP/1.1 request; returns the body.

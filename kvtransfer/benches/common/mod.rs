@@ -1,0 +1,130 @@
+//! What the transport benches share: the layout moved, the memory -> memory
+//! sink and its check, the raw-stream baselines' reader and writer, and
+//! figures (best and median rates, CPU time).
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use engine::kv::{BlockId, KvDtype, KvLayout};
+use kvtransfer::{BlockSink, FnSink, LayoutFingerprint, Peer, VersionGroup};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+pub type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// The real SmolLM2-135M KV layout.
+pub const LAYOUT: KvLayout =
+    KvLayout { n_layers: 30, n_kv_heads: 3, head_dim: 64, block_size: 16, dtype: KvDtype::F16 };
+/// 729 blocks x 368,640 bytes = 268.7 MB (256.3 MiB).
+pub const BLOCKS: usize = 729;
+/// Bytes of one block's K (or V) in one layer.
+pub const SIDE: usize = LAYOUT.n_kv_heads * LAYOUT.head_dim * LAYOUT.block_size * 2;
+/// Bytes of one transfer.
+pub const TOTAL: usize = BLOCKS * 2 * SIDE * LAYOUT.n_layers;
+
+/// Frame sizes from the command line: `256k` (KiB) or `4` (MiB); `default` if none.
+pub fn frame_sizes(args: &[String], default: &[usize]) -> Vec<usize> {
+    let parsed: Vec<usize> = args
+        .iter()
+        .filter_map(|a| match a.strip_suffix('k') {
+            Some(k) => k.parse::<usize>().ok().map(|k| k << 10),
+            None => a.parse::<usize>().ok().map(|m| m << 20),
+        })
+        .collect();
+    if parsed.is_empty() {
+        default.to_vec()
+    } else {
+        parsed
+    }
+}
+
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// (best, median) in GB/s (10^9 bytes per second) for transfers of [`TOTAL`] bytes.
+pub fn rates(times: &[Duration]) -> (f64, f64) {
+    let mut r: Vec<f64> = times.iter().map(|t| gbps(*t)).collect();
+    r.sort_by(|a, b| b.total_cmp(a));
+    (r[0], r[r.len() / 2])
+}
+
+pub fn gbps(t: Duration) -> f64 {
+    TOTAL as f64 / t.as_secs_f64() / 1e9
+}
+
+/// CPU seconds this process has used (user + system), from /proc (Linux;
+/// 0 elsewhere): with other work on the machine, CPU per byte is a steadier
+/// comparison than wall time.
+pub fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let ticks: f64 = [11, 12].iter().filter_map(|&i| fields.get(i)?.parse::<f64>().ok()).sum();
+    ticks / 100.0
+}
+
+pub fn peer() -> Peer {
+    Peer {
+        version_group: VersionGroup::new("smollm2-135m").unwrap_or_else(|e| panic!("label: {e}")),
+        fingerprint: LayoutFingerprint::new(&LAYOUT, &[1; 32], &[2; 32]),
+    }
+}
+
+/// Payload bytes of one frame of at most `max_frame` bytes (whole blocks).
+pub fn frame_payload(max_frame: usize) -> usize {
+    (max_frame - kvtransfer::frame::LAYER_DATA_OVERHEAD) / (2 * SIDE) * 2 * SIDE
+}
+
+/// A sink that copies each accepted payload to its place in `dst` (pool ids
+/// `0..BLOCKS` standing for positions in the reservation): the bytes a pool
+/// scatter would move, at memcpy speed.
+pub fn dst_sink(dst: &Arc<Mutex<Vec<u8>>>) -> impl BlockSink + Clone + 'static {
+    let out = dst.clone();
+    let per_layer = BLOCKS * 2 * SIDE;
+    FnSink(move |layer: usize, blocks: &[BlockId], k: &[u8], v: &[u8]| {
+        let at = layer * per_layer + blocks.first().copied().unwrap_or(0) as usize * 2 * SIDE;
+        let mut out = lock(&out);
+        let out = out.get_mut(at..at + k.len() + v.len()).ok_or("out of range")?;
+        out[..k.len()].copy_from_slice(k);
+        out[k.len()..].copy_from_slice(v);
+        Ok(())
+    })
+}
+
+/// What `dst` holds after a memory -> memory transfer of `layers` with
+/// `payload`-byte frames (or the same K and V pieces over a raw stream).
+pub fn expected_dst(layers: &[(Vec<u8>, Vec<u8>)], payload: usize) -> Vec<u8> {
+    let mut expect = Vec::with_capacity(TOTAL);
+    for (k, v) in layers {
+        for (kp, vp) in k.chunks(payload / 2).zip(v.chunks(payload / 2)) {
+            expect.extend_from_slice(kp);
+            expect.extend_from_slice(vp);
+        }
+    }
+    expect
+}
+
+/// Writes the layers as K and V pieces of `piece` bytes.
+pub async fn write_layers<W: AsyncWrite + Unpin>(w: &mut W, layers: &[(Vec<u8>, Vec<u8>)], piece: usize) -> Res<()> {
+    for (k, v) in layers {
+        for (kp, vp) in k.chunks(piece).zip(v.chunks(piece)) {
+            w.write_all(kp).await?;
+            w.write_all(vp).await?;
+        }
+    }
+    w.flush().await?;
+    Ok(())
+}
+
+/// Reads exactly `dst.len()` bytes into `dst`.
+pub async fn read_into<R: AsyncRead + Unpin>(r: &mut R, dst: &mut [u8]) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < dst.len() {
+        let n = r.read(&mut dst[got..]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        got += n;
+    }
+    Ok(())
+}

@@ -1,0 +1,239 @@
+//! Same-host transport: KV payloads through shared memory, control over a
+//! Unix domain socket. For a prefill and a decode worker on one machine,
+//! run by one operator.
+//!
+//! # Design
+//!
+//! ```text
+//! prefill: LocalKvSender                         decode: LocalKvServer (one task per connection)
+//!   connect ── Hello ─────────────────────────▶  (peer uid checked, then) Receiver::on_hello
+//!          ◀── HelloAck | HelloReject ────────   reject: reply, close
+//!   ring ───── Ring{slots, slot_bytes} + memfd ─▶  fd checked (sealed shmem, size), mapped read-only
+//!          ◀── RingAck | RingReject ──────────   reject: reply, close
+//!   send_layer: copy K‖V into a free slot, CRC it,
+//!          ─── Data{slot, LayerData header} ──▶  copy the slot out, Credit the slot back,
+//!          ◀── Credit{slot} ──────────────────     Receiver::on_layer → BlockSink::write_layer_owned
+//!          ◀── Abort{reason} (once) ──────────   the frame was refused
+//!   complete ─ Complete ──────────────────────▶  Receiver::on_complete
+//!          ◀── Ack | Abort ───────────────────
+//! ```
+//!
+//! The socket carries the protocol's own frames (the [`frame`](crate::frame)
+//! codec) and this transport's few messages ([`wire`] has the table). The
+//! sender creates the ring — a memfd of `slots` slots, each holding one
+//! frame's payload — and passes it with `SCM_RIGHTS`: its size is the
+//! sender's choice, bounded by the server's limits, and its memory is
+//! charged to the sender. Slots are credit-based: the sender writes only
+//! slots it owns, a `Data` message hands one to the receiver, and a
+//! `Credit` hands it back, so at most `slots` frames are in flight and
+//! a long transfer streams through a small ring.
+//!
+//! Copies: the sender copies the caller's K and V into the slot, CRC-32C
+//! in the same pass (16 KiB at a time, so the checksum reads from L1); the
+//! receiver copies the slot into a payload buffer of its own and credits
+//! the slot straight away; [`Receiver::on_layer`](crate::Receiver::on_layer) checks the buffer
+//! and the [`BlockSink`](super::BlockSink) gets it by value
+//! ([`OwnedPayload`](super::OwnedPayload), recycled when dropped), so the
+//! decode worker can pass it to its engine thread without another copy.
+//! That is one copy more than reading the slot in place would be, and it
+//! is kept on purpose:
+//! - **Trust.** A slot is shared memory the sender can still write. Had the
+//!   receiver checked the checksum over the slot and then copied the slot
+//!   into the pool, a sender rewriting the slot in between (a bug reusing a
+//!   slot before its credit came back, or malice) would land unchecked
+//!   bytes in KV. Copying first means everything after — checksum, block
+//!   range checks, the sink — sees only private memory; a rewritten slot
+//!   can at worst fail its own frame's checksum, which fails that
+//!   reservation.
+//! - **API.** [`Receiver::on_layer`](crate::Receiver::on_layer) takes a [`LayerData`](crate::LayerData) with an owned
+//!   payload, so checking bytes in place would need a new receiver entry
+//!   point anyway.
+//! - **Cost.** The copy is cache to cache: slots are small (256 KiB by
+//!   default) and recently written, the payload buffers are reused, so the
+//!   checksum and the sink then read from L2 (`benches/local.rs`).
+//!
+//! The alternatives considered: `pread`/`pwrite` on the memfd instead of
+//! mappings (no `unsafe` at all, but the kernel's copy ran at 40% of
+//! `memcpy` here), and the payload inline on the Unix socket (two kernel
+//! copies per byte and socket buffer limits).
+//!
+//! # Trust model
+//!
+//! Same host, processes of one operator. A filesystem socket path is
+//! guarded by its directory's permissions; an abstract name (`@name`) is
+//! open to every process in the network namespace, so by default the server
+//! also refuses peers whose user id differs from its own (`SO_PEERCRED`;
+//! [`LocalServerConfig::same_uid_only`]). As with TCP, the CRC-32C guards
+//! against accidents, not against a hostile sender, who can always send
+//! well-checksummed wrong KV for reservations it names. What the transport
+//! does guarantee against a faulty or hostile peer: the server never
+//! panics, never faults on the mapping (see [`shm`]: sealed, tmpfs,
+//! read-only), holds at most one mapping of bounded size per connection,
+//! never reads a byte of KV that was not checksummed in private memory,
+//! and never frees blocks: a peer that vanishes mid-transfer leaves its
+//! reservation to end through the [`Receiver`](crate::Receiver)'s lease. The sender's ring is
+//! sealed so that no one else can write to it.
+//!
+//! # Errors
+//!
+//! | event | reply | connection |
+//! |---|---|---|
+//! | peer's uid differs (with `same_uid_only`) | none | closed |
+//! | bytes that are not a message | none | closed |
+//! | first message not `Hello`; handshake refused | —; `HelloReject` | closed |
+//! | ring refused (no fd, not sealed shmem, wrong size, over limits) | `RingReject{reason}` | closed |
+//! | `Data` naming a slot or length outside the ring | none | closed: slot accounting is lost |
+//! | a message a sender never sends | none | closed |
+//! | `Data`/`Complete` refused by the [`Receiver`](crate::Receiver) | `Abort{reason}`, once per reservation | kept |
+//! | the sink fails | reservation aborted, `Abort{Corrupt}` | kept |
+//! | no byte for `idle_timeout` | none | closed |
+//!
+//! Linux only (memfd, seals, `SCM_RIGHTS`, abstract names).
+
+mod sender;
+mod server;
+mod shm;
+mod wire;
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::unix::ffi::OsStringExt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::time::timeout;
+
+pub use sender::{LocalKvSender, LocalSenderConfig};
+pub use server::{LocalCloseReason, LocalKvServer, LocalServerConfig, LocalServerStats};
+pub use wire::{RingRefusal, RingSpec, WireError};
+
+use wire::{Msg, MsgReader};
+
+/// Default slot size (payload bytes per frame). Measured in
+/// `benches/local.rs`: small enough that a frame stays in L2 from the
+/// sender's copy through the receiver's checksum and sink.
+pub const DEFAULT_SLOT_BYTES: usize = 256 << 10;
+
+/// Default number of slots: enough that the sender rarely waits for a credit.
+pub const DEFAULT_SLOTS: usize = 8;
+
+/// Frames remembered per connection for de-duplication (aborts sent by the
+/// server, acks and aborts received by the sender).
+const REMEMBERED: usize = 64;
+
+/// The path tokio binds or connects for an address string: `@name` is
+/// `name` in the Linux abstract namespace, anything else a filesystem path.
+fn socket_path(addr: &str) -> io::Result<PathBuf> {
+    if addr.is_empty() || addr == "@" {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty local socket address"));
+    }
+    Ok(match addr.strip_prefix('@') {
+        Some(name) => {
+            let mut bytes = Vec::with_capacity(name.len() + 1);
+            bytes.push(0);
+            bytes.extend_from_slice(name.as_bytes());
+            PathBuf::from(std::ffi::OsString::from_vec(bytes))
+        }
+        None => PathBuf::from(addr),
+    })
+}
+
+/// Why reading the next message failed.
+#[derive(Debug)]
+enum ReadError {
+    Io(io::Error),
+    Idle(Duration),
+    Wire(WireError),
+    /// EOF inside a message.
+    Truncated,
+}
+
+/// Why a write did not finish.
+#[derive(Debug)]
+enum WriteError {
+    Io(io::Error),
+    Timeout(Duration),
+}
+
+/// Reads until a whole message is buffered, each read waiting at most
+/// `idle`. `Ok(None)`: the peer closed cleanly between messages.
+async fn next_msg(stream: &mut UnixStream, reader: &mut MsgReader, idle: Duration) -> Result<Option<Msg>, ReadError> {
+    loop {
+        if let Some(m) = reader.decode().map_err(ReadError::Wire)? {
+            return Ok(Some(m));
+        }
+        let n = match timeout(idle, stream.read(reader.space())).await {
+            Err(_) => return Err(ReadError::Idle(idle)),
+            Ok(Err(e)) => return Err(ReadError::Io(e)),
+            Ok(Ok(n)) => n,
+        };
+        if n == 0 {
+            return if reader.is_empty() { Ok(None) } else { Err(ReadError::Truncated) };
+        }
+        reader.advance(n);
+    }
+}
+
+/// Encodes `msg` into `out` and writes it within `wait`.
+async fn write_msg(stream: &mut UnixStream, out: &mut Vec<u8>, msg: &Msg, wait: Duration) -> Result<(), WriteError> {
+    out.clear();
+    msg.encode(out);
+    write_all(stream, out, wait).await
+}
+
+/// Writes `bytes` within `wait`.
+async fn write_all(stream: &mut UnixStream, bytes: &[u8], wait: Duration) -> Result<(), WriteError> {
+    // Control messages are small and almost always fit the socket buffer at
+    // once: try that first and skip arming a timer on the hot path.
+    let done = match stream.try_write(bytes) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(e) => return Err(WriteError::Io(e)),
+    };
+    if done == bytes.len() {
+        return Ok(());
+    }
+    match timeout(wait, stream.write_all(&bytes[done..])).await {
+        Err(_) => Err(WriteError::Timeout(wait)),
+        Ok(r) => r.map_err(WriteError::Io),
+    }
+}
+
+/// Bounded memory of recent items, oldest forgotten first.
+#[derive(Debug)]
+struct Recent<T>(VecDeque<T>);
+
+impl<T> Default for Recent<T> {
+    fn default() -> Self {
+        Self(VecDeque::new())
+    }
+}
+
+impl<T: PartialEq> Recent<T> {
+    fn push(&mut self, t: T) {
+        if self.0.len() == REMEMBERED {
+            self.0.pop_front();
+        }
+        self.0.push_back(t);
+    }
+
+    fn contains(&self, t: &T) -> bool {
+        self.0.contains(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_map_to_paths_and_abstract_names() {
+        assert_eq!(socket_path("/run/tandem/kv.sock").expect("path"), PathBuf::from("/run/tandem/kv.sock"));
+        let abs = socket_path("@tandem-kv").expect("abstract");
+        assert_eq!(abs.as_os_str().as_encoded_bytes(), b"\0tandem-kv");
+        assert!(socket_path("").is_err());
+        assert!(socket_path("@").is_err());
+    }
+}

@@ -1,0 +1,484 @@
+//! The prefill worker's side: one connection and one ring to a decode worker.
+
+use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
+use std::time::Duration;
+
+use engine::kv::{BlockId, KvLayout, KvPool};
+use kernels::attention::KvSlice;
+use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+use tokio::io::{AsyncWriteExt, Interest};
+use tokio::net::UnixStream;
+use tokio::time::{timeout, Instant};
+
+use super::shm::SenderRing;
+use super::wire::{Msg, MsgReader, RingSpec, SlotData};
+use super::{next_msg, socket_path, write_msg, ReadError, Recent, WriteError, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES};
+use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
+use crate::sender::SplitError;
+use crate::session::{Peer, Reservation};
+use crate::TransferError;
+
+/// The checksum runs over this much of a slot right after copying it, while
+/// it is still in L1.
+const CRC_CHUNK: usize = 16 << 10;
+
+/// Sender settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalSenderConfig {
+    /// Limit for connecting, the handshake, waiting for a free slot, each
+    /// control write and waiting for an `Ack`.
+    pub timeout: Duration,
+    /// Slots in the ring (frames in flight).
+    pub slots: usize,
+    /// Payload bytes per slot: the largest frame (whole blocks per frame).
+    pub slot_bytes: usize,
+}
+
+impl Default for LocalSenderConfig {
+    /// 10 s, [`DEFAULT_SLOTS`] slots of [`DEFAULT_SLOT_BYTES`].
+    fn default() -> Self {
+        Self { timeout: Duration::from_secs(10), slots: DEFAULT_SLOTS, slot_bytes: DEFAULT_SLOT_BYTES }
+    }
+}
+
+/// The prefill worker's end of one connection to a decode worker, with its
+/// shared-memory ring.
+#[derive(Debug)]
+pub struct LocalKvSender {
+    stream: UnixStream,
+    ring: SenderRing,
+    /// Slots the sender owns (not handed to the receiver, or credited back).
+    free: Vec<u32>,
+    layout: KvLayout,
+    config: LocalSenderConfig,
+    reader: MsgReader,
+    out: Vec<u8>,
+    /// Aborts and acks that arrived before the caller asked about them.
+    aborts: Recent<Abort>,
+    acks: Recent<Ack>,
+    bytes_sent: u64,
+}
+
+fn closed(what: &str) -> TransferError {
+    TransferError::Io(io::Error::new(io::ErrorKind::UnexpectedEof, format!("receiver closed the connection {what}")))
+}
+
+fn read_error(e: ReadError, what: &'static str) -> TransferError {
+    match e {
+        ReadError::Io(e) => TransferError::Io(e),
+        ReadError::Idle(after) => TransferError::Timeout { what, after },
+        ReadError::Wire(e) => TransferError::Protocol(format!("undecodable bytes from the receiver: {e}")),
+        ReadError::Truncated => closed("mid-message"),
+    }
+}
+
+fn write_error(e: WriteError, what: &'static str) -> TransferError {
+    match e {
+        WriteError::Io(e) => TransferError::Io(e),
+        WriteError::Timeout(after) => TransferError::Timeout { what, after },
+    }
+}
+
+impl LocalKvSender {
+    /// Connects to `addr` (a socket path, or `@name` in the abstract
+    /// namespace), does the handshake as `local`, whose KV has `layout`,
+    /// and hands the receiver a fresh ring.
+    pub async fn connect(
+        addr: impl AsRef<str>,
+        local: &Peer,
+        layout: KvLayout,
+        config: LocalSenderConfig,
+    ) -> Result<Self, TransferError> {
+        let side = layout.block_elems() * layout.dtype.size();
+        if side == 0 || config.slot_bytes < 2 * side {
+            let (max_frame_bytes, needed) = (config.slot_bytes, 2 * side);
+            return Err(SplitError::FrameTooSmall { max_frame_bytes, needed }.into());
+        }
+        let spec = match (u32::try_from(config.slots), u32::try_from(config.slot_bytes)) {
+            (Ok(slots), Ok(slot_bytes)) if slots > 0 => RingSpec { slots, slot_bytes },
+            _ => {
+                let why =
+                    format!("{} slots of {} bytes: need 1..2^32 slots of < 4 GiB", config.slots, config.slot_bytes);
+                return Err(TransferError::Io(io::Error::new(io::ErrorKind::InvalidInput, why)));
+            }
+        };
+        let ring = SenderRing::create(config.slots, config.slot_bytes)?;
+        let wait = config.timeout;
+        let path = socket_path(addr.as_ref())?;
+        let stream = timeout(wait, UnixStream::connect(path))
+            .await
+            .map_err(|_| TransferError::Timeout { what: "connecting the local socket", after: wait })??;
+        let mut s = Self {
+            stream,
+            ring,
+            // Popped from the back: slot 0 first.
+            free: (0..spec.slots).rev().collect(),
+            layout,
+            config,
+            reader: MsgReader::new(),
+            out: Vec::with_capacity(64),
+            aborts: Recent::default(),
+            acks: Recent::default(),
+            bytes_sent: 0,
+        };
+        let hello = Frame::Hello(Hello {
+            version_group: local.version_group.clone(),
+            fingerprint: local.fingerprint,
+            protocol_version: crate::PROTOCOL_VERSION,
+        });
+        write_msg(&mut s.stream, &mut s.out, &Msg::Frame(hello), wait)
+            .await
+            .map_err(|e| write_error(e, "sending Hello"))?;
+        match next_msg(&mut s.stream, &mut s.reader, wait).await.map_err(|e| read_error(e, "HelloAck"))? {
+            Some(Msg::Frame(Frame::HelloAck(a))) if a.protocol_version == crate::PROTOCOL_VERSION => {}
+            Some(Msg::Frame(Frame::HelloAck(a))) => {
+                return Err(TransferError::Protocol(format!("HelloAck for protocol version {}", a.protocol_version)))
+            }
+            Some(Msg::Frame(Frame::HelloReject(r))) => return Err(TransferError::Rejected { reason: r.reason }),
+            Some(other) => return Err(TransferError::Protocol(format!("{} instead of HelloAck", other.name()))),
+            None => return Err(closed("during the handshake")),
+        }
+        s.send_ring(spec).await?;
+        match next_msg(&mut s.stream, &mut s.reader, wait).await.map_err(|e| read_error(e, "RingAck"))? {
+            Some(Msg::RingAck) => Ok(s),
+            Some(Msg::RingReject(r)) => Err(TransferError::Protocol(format!("receiver refused the ring: {r}"))),
+            Some(other) => Err(TransferError::Protocol(format!("{} instead of RingAck", other.name()))),
+            None => Err(closed("before accepting the ring")),
+        }
+    }
+
+    /// Writes the `Ring` message with the memfd attached.
+    async fn send_ring(&mut self, spec: RingSpec) -> Result<(), TransferError> {
+        self.out.clear();
+        Msg::Ring(spec).encode(&mut self.out);
+        let (stream, out, fd) = (&self.stream, &self.out, self.ring.fd());
+        let send = stream.async_io(Interest::WRITABLE, || {
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            let fds = [fd];
+            if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+                return Err(io::Error::other("no room for the descriptor in the control message"));
+            }
+            rustix::net::sendmsg(stream, &[IoSlice::new(out)], &mut control, SendFlags::NOSIGNAL)
+                .map_err(io::Error::from)
+        });
+        let wait = self.config.timeout;
+        let sent =
+            timeout(wait, send).await.map_err(|_| TransferError::Timeout { what: "sending Ring", after: wait })??;
+        // The descriptor travelled with the first byte; the rest (if the
+        // socket took only part) follows as plain bytes.
+        let rest = self.out.get(sent..).unwrap_or_default();
+        timeout(wait, self.stream.write_all(rest))
+            .await
+            .map_err(|_| TransferError::Timeout { what: "sending Ring", after: wait })??;
+        Ok(())
+    }
+
+    /// Payload bytes placed in shared memory plus control bytes written so far.
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
+    }
+
+    /// Sends one layer's K and V of the reservation's blocks (as
+    /// [`KvPool::gather_layer`](engine::kv::KvPool::gather_layer) returns
+    /// them), cut into frames of whole blocks of at most `slot_bytes`,
+    /// each copied once, into a free slot. Waits (up to the timeout) for a
+    /// credit when every slot is in flight. Fails fast with
+    /// [`PeerAbort`](TransferError::PeerAbort) if the receiver already
+    /// refused this reservation.
+    pub async fn send_layer(&mut self, r: Reservation, layer: usize, k: &[u8], v: &[u8]) -> Result<(), TransferError> {
+        let l = &self.layout;
+        if layer >= l.n_layers || layer > u32::MAX as usize {
+            return Err(SplitError::LayerOutOfRange { layer, n_layers: l.n_layers }.into());
+        }
+        let side = l.block_elems() * l.dtype.size();
+        if side == 0 || k.is_empty() || k.len() != v.len() || k.len() % side != 0 {
+            return Err(SplitError::Shape { len: k.len() + v.len(), per_block: 2 * side }.into());
+        }
+        let n_blocks = k.len() / side;
+        if n_blocks > u32::MAX as usize {
+            return Err(SplitError::TooManyBlocks { n_blocks }.into());
+        }
+        // connect() checked that one block fits a slot.
+        let per_frame = (self.config.slot_bytes / (2 * side)).max(1);
+        let mut first = 0;
+        while first < n_blocks {
+            self.check_not_aborted(r)?;
+            let slot = self.free_slot(r).await?;
+            let n = per_frame.min(n_blocks - first);
+            let range = first * side..(first + n) * side;
+            let (kr, vr) = (&k[range.clone()], &v[range]);
+            let dst = self.ring.slot_mut(slot as usize).ok_or_else(|| TransferError::Protocol("slot lost".into()))?;
+            let checksum = fill(dst, kr, vr);
+            let header = LayerDataHeader {
+                reservation: r.id.0,
+                generation: r.generation,
+                // Both checked to fit u32 above.
+                layer: layer as u32,
+                first_block: first as u32,
+                n_blocks: n as u32,
+                checksum,
+                payload_len: 2 * kr.len(),
+            };
+            let msg = Msg::Data(SlotData { slot, header });
+            write_msg(&mut self.stream, &mut self.out, &msg, self.config.timeout)
+                .await
+                .map_err(|e| write_error(e, "writing a Data message"))?;
+            self.bytes_sent += (2 * kr.len() + self.out.len()) as u64;
+            first += n;
+        }
+        Ok(())
+    }
+
+    /// Sends one layer of `table`'s blocks straight from `pool`: the same
+    /// frames as [`gather_layer`](KvPool::gather_layer) followed by
+    /// [`send_layer`](Self::send_layer), with one copy fewer — each block's
+    /// K and V go from the pool's storage directly into the slot. For a
+    /// caller that can lend the pool while the layer is sent.
+    pub async fn send_pool_layer(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        pool: &KvPool,
+        table: &[BlockId],
+    ) -> Result<(), TransferError> {
+        if *pool.layout() != self.layout {
+            let why = format!("pool layout {:?} is not the connection's {:?}", pool.layout(), self.layout);
+            return Err(TransferError::Io(io::Error::new(io::ErrorKind::InvalidInput, why)));
+        }
+        if cfg!(target_endian = "big") {
+            // The pool stores native elements and the wire wants little-endian.
+            let (k, v) = pool.gather_layer(layer, table).map_err(|e| shape_error(&e.to_string()))?;
+            return self.send_layer(r, layer, &k, &v).await;
+        }
+        let l = &self.layout;
+        if layer >= l.n_layers || layer > u32::MAX as usize {
+            return Err(SplitError::LayerOutOfRange { layer, n_layers: l.n_layers }.into());
+        }
+        let side = l.block_elems() * l.dtype.size();
+        if table.is_empty() {
+            return Err(SplitError::Shape { len: 0, per_block: 2 * side }.into());
+        }
+        if table.len() > u32::MAX as usize {
+            return Err(SplitError::TooManyBlocks { n_blocks: table.len() }.into());
+        }
+        if let Some(b) = table.iter().find(|&&b| b as usize >= pool.num_blocks()) {
+            return Err(shape_error(&format!("block {b} is outside the pool of {}", pool.num_blocks())));
+        }
+        let per_frame = (self.config.slot_bytes / (2 * side)).max(1);
+        let (ks, vs) = pool.layer(layer);
+        let (ks, vs) = (storage_bytes(&ks), storage_bytes(&vs));
+        let mut first = 0;
+        while first < table.len() {
+            self.check_not_aborted(r)?;
+            let slot = self.free_slot(r).await?;
+            let blocks = &table[first..(first + per_frame).min(table.len())];
+            let dst = self.ring.slot_mut(slot as usize).ok_or_else(|| TransferError::Protocol("slot lost".into()))?;
+            let checksum = fill_blocks(dst, ks, vs, blocks, side);
+            let header = LayerDataHeader {
+                reservation: r.id.0,
+                generation: r.generation,
+                // Checked to fit u32 above.
+                layer: layer as u32,
+                first_block: first as u32,
+                n_blocks: blocks.len() as u32,
+                checksum,
+                payload_len: 2 * blocks.len() * side,
+            };
+            let msg = Msg::Data(SlotData { slot, header });
+            write_msg(&mut self.stream, &mut self.out, &msg, self.config.timeout)
+                .await
+                .map_err(|e| write_error(e, "writing a Data message"))?;
+            self.bytes_sent += (header.payload_len + self.out.len()) as u64;
+            first += blocks.len();
+        }
+        Ok(())
+    }
+
+    /// A slot the sender owns, waiting for a credit if none is.
+    async fn free_slot(&mut self, r: Reservation) -> Result<u32, TransferError> {
+        if let Some(s) = self.free.pop() {
+            return Ok(s);
+        }
+        let wait = self.config.timeout;
+        let deadline = Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let what = "a free slot (the receiver's Credit)";
+            match next_msg(&mut self.stream, &mut self.reader, left).await.map_err(|e| read_error(e, what))? {
+                Some(m) => self.note(m)?,
+                None => return Err(closed("while slots were in flight")),
+            }
+            self.check_aborted(r)?;
+            if let Some(s) = self.free.pop() {
+                return Ok(s);
+            }
+        }
+    }
+
+    /// Says every layer was sent and waits (up to the configured timeout)
+    /// for the receiver's `Ack`. After `Ok` the sender may drop its copy.
+    pub async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
+        self.check_not_aborted(r)?;
+        let c = Frame::Complete(Complete {
+            reservation: r.id.0,
+            generation: r.generation,
+            n_layers: self.layout.n_layers as u32,
+        });
+        let wait = self.config.timeout;
+        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(c), wait)
+            .await
+            .map_err(|e| write_error(e, "sending Complete"))?;
+        let want = Ack { reservation: r.id.0, generation: r.generation };
+        let deadline = Instant::now() + wait;
+        loop {
+            if self.acks.contains(&want) {
+                return Ok(want);
+            }
+            self.check_aborted(r)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            match next_msg(&mut self.stream, &mut self.reader, left).await.map_err(|e| read_error(e, "Ack"))? {
+                Some(m) => self.note(m)?,
+                None => return Err(closed("before acknowledging")),
+            }
+        }
+    }
+
+    /// Tells the receiver this transfer is abandoned (prefill failed, request cancelled).
+    pub async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
+        let a = Frame::Abort(Abort { reservation: r.id.0, generation: r.generation, reason });
+        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(a), self.config.timeout)
+            .await
+            .map_err(|e| write_error(e, "sending Abort"))
+    }
+
+    /// Takes in whatever the receiver already sent, without waiting, then
+    /// fails if it aborted `r`.
+    fn check_not_aborted(&mut self, r: Reservation) -> Result<(), TransferError> {
+        let drained = self.drain();
+        self.check_aborted(r)?;
+        drained
+    }
+
+    fn check_aborted(&self, r: Reservation) -> Result<(), TransferError> {
+        match self.aborts.0.iter().find(|a| a.reservation == r.id.0 && a.generation == r.generation) {
+            Some(a) => Err(TransferError::PeerAbort { reason: a.reason }),
+            None => Ok(()),
+        }
+    }
+
+    fn drain(&mut self) -> Result<(), TransferError> {
+        loop {
+            while let Some(m) = self.reader.decode().map_err(|e| read_error(ReadError::Wire(e), ""))? {
+                self.note(m)?;
+            }
+            match self.stream.try_read(self.reader.space()) {
+                Ok(0) => return Err(closed("")),
+                Ok(n) => self.reader.advance(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn note(&mut self, m: Msg) -> Result<(), TransferError> {
+        match m {
+            Msg::Credit(slot) if slot < self.config.slots as u32 && !self.free.contains(&slot) => self.free.push(slot),
+            Msg::Credit(slot) => {
+                return Err(TransferError::Protocol(format!("Credit for slot {slot}, which the sender holds")))
+            }
+            Msg::Frame(Frame::Abort(a)) => self.aborts.push(a),
+            Msg::Frame(Frame::Ack(a)) => self.acks.push(a),
+            other => return Err(TransferError::Protocol(format!("unexpected {} from the receiver", other.name()))),
+        }
+        Ok(())
+    }
+}
+
+/// One layer's K or V storage as bytes (native order: the caller checked
+/// the host is little-endian, the wire's order).
+fn storage_bytes<'a>(s: &KvSlice<'a>) -> &'a [u8] {
+    match *s {
+        KvSlice::F32(x) => bytemuck::cast_slice(x),
+        KvSlice::F16(x) => bytemuck::cast_slice(x),
+    }
+}
+
+fn shape_error(why: &str) -> TransferError {
+    TransferError::Io(io::Error::new(io::ErrorKind::InvalidInput, why.to_owned()))
+}
+
+/// Copies the K of `blocks` then their V (each `side` bytes in the
+/// storages, at `block * side`) to the front of `dst` and returns the
+/// CRC-32C of what it wrote, each block checksummed right after its copy.
+fn fill_blocks(dst: &mut [u8], ks: &[u8], vs: &[u8], blocks: &[BlockId], side: usize) -> u32 {
+    let mut crc = 0;
+    let mut at = 0;
+    for storage in [ks, vs] {
+        for &b in blocks {
+            let from = b as usize * side;
+            let d = &mut dst[at..at + side];
+            d.copy_from_slice(&storage[from..from + side]);
+            crc = crc32c::crc32c_append(crc, d);
+            at += side;
+        }
+    }
+    crc
+}
+
+/// Copies `k` then `v` to the front of `dst` and returns the CRC-32C of
+/// what it wrote, checksumming each piece right after copying it.
+fn fill(dst: &mut [u8], k: &[u8], v: &[u8]) -> u32 {
+    let mut crc = 0;
+    let mut at = 0;
+    for part in [k, v] {
+        for piece in part.chunks(CRC_CHUNK) {
+            let d = &mut dst[at..at + piece.len()];
+            d.copy_from_slice(piece);
+            crc = crc32c::crc32c_append(crc, d);
+            at += piece.len();
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fill_blocks_matches_a_gather() {
+        use engine::kv::KvDtype;
+        let l = KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 4, block_size: 2, dtype: KvDtype::F16 };
+        let mut pool = KvPool::new(l, 6).expect("pool");
+        let table = pool.allocate(6).expect("alloc");
+        for (i, &b) in table.iter().enumerate() {
+            for slot in 0..2 {
+                let k: Vec<f32> = (0..4).map(|j| (i * 10 + slot * 4 + j) as f32).collect();
+                let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                pool.write(1, b, slot, &k, &v);
+            }
+        }
+        let order = [table[4], table[1], table[5]];
+        let (k, v) = pool.gather_layer(1, &order).expect("gather");
+        let (ks, vs) = pool.layer(1);
+        let side = l.block_elems() * 2;
+        let mut dst = vec![0u8; 2 * 3 * side + 5];
+        let crc = fill_blocks(&mut dst, storage_bytes(&ks), storage_bytes(&vs), &order, side);
+        assert_eq!(&dst[..6 * side], &[k, v].concat()[..]);
+        assert_eq!(crc, crc32c::crc32c(&dst[..6 * side]));
+    }
+
+    #[test]
+    fn fill_copies_k_then_v_and_checksums_what_it_wrote() {
+        let k: Vec<u8> = (0..40_000u32).map(|i| (i * 7) as u8).collect();
+        let v: Vec<u8> = (0..40_000u32).map(|i| (i * 13 + 1) as u8).collect();
+        let mut dst = vec![0u8; 100_000];
+        let crc = fill(&mut dst, &k, &v);
+        assert_eq!(&dst[..40_000], &k[..]);
+        assert_eq!(&dst[40_000..80_000], &v[..]);
+        assert!(dst[80_000..].iter().all(|&b| b == 0));
+        assert_eq!(crc, crc32c::crc32c(&dst[..80_000]));
+    }
+}

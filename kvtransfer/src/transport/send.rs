@@ -1,0 +1,280 @@
+//! The prefill side of one frame stream, over any byte stream: handshake,
+//! `LayerData` frames written from the caller's K and V in place,
+//! `Complete`/`Ack`, `Abort`. The TCP and QUIC senders wrap it.
+
+use std::io;
+use std::time::Duration;
+
+use engine::kv::KvLayout;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::time::timeout;
+
+use super::error::TransferError;
+use super::stream::{frame_name, write_frame, write_parts, FrameReader, PayloadPool, ReadError, Recent};
+use crate::frame::{
+    Abort, AbortReason, Ack, Complete, DecodeLimits, Frame, Hello, LayerDataHeader, LAYER_DATA_OVERHEAD,
+};
+use crate::sender::SplitError;
+use crate::session::{Peer, Reservation};
+
+/// How one layer's K and V are cut into frames.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LayerPlan {
+    /// Bytes of one block's K (or V).
+    pub(crate) side: usize,
+    pub(crate) n_blocks: usize,
+    /// Blocks per frame.
+    pub(crate) per_frame: usize,
+}
+
+impl LayerPlan {
+    /// Checks `k`/`v` against the layout and sizes frames to `max_frame_bytes`
+    /// (the same cut as [`split_layer`](crate::split_layer)).
+    pub(crate) fn new(
+        l: &KvLayout,
+        layer: usize,
+        k: &[u8],
+        v: &[u8],
+        max_frame_bytes: usize,
+    ) -> Result<Self, SplitError> {
+        if layer >= l.n_layers || layer > u32::MAX as usize {
+            return Err(SplitError::LayerOutOfRange { layer, n_layers: l.n_layers });
+        }
+        let side = l.block_elems() * l.dtype.size();
+        if side == 0 || k.is_empty() || k.len() != v.len() || k.len() % side != 0 {
+            return Err(SplitError::Shape { len: k.len() + v.len(), per_block: 2 * side });
+        }
+        let n_blocks = k.len() / side;
+        if n_blocks > u32::MAX as usize {
+            return Err(SplitError::TooManyBlocks { n_blocks });
+        }
+        let per_frame = max_frame_bytes.saturating_sub(LAYER_DATA_OVERHEAD) / (2 * side);
+        if per_frame == 0 {
+            return Err(SplitError::FrameTooSmall { max_frame_bytes, needed: LAYER_DATA_OVERHEAD + 2 * side });
+        }
+        Ok(Self { side, n_blocks, per_frame })
+    }
+
+    /// Frames of the layer.
+    pub(crate) fn n_frames(&self) -> usize {
+        self.n_blocks.div_ceil(self.per_frame)
+    }
+}
+
+/// The sender's end of one frame stream, after the handshake.
+#[derive(Debug)]
+pub(crate) struct FrameSender<R, W> {
+    rd: R,
+    wr: W,
+    layout: KvLayout,
+    timeout: Duration,
+    max_frame_bytes: usize,
+    reader: FrameReader,
+    out: Vec<u8>,
+    /// Aborts and acks that arrived before the caller asked about them.
+    aborts: Recent<Abort>,
+    acks: Recent<Ack>,
+    bytes_sent: u64,
+}
+
+impl<R, W> FrameSender<R, W>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    /// Does the handshake as `local`, whose KV has `layout`, on a fresh stream.
+    pub(crate) async fn handshake(
+        rd: R,
+        wr: W,
+        local: &Peer,
+        layout: KvLayout,
+        wait: Duration,
+        max_frame_bytes: usize,
+    ) -> Result<Self, TransferError> {
+        // The receiver only sends small control frames.
+        let reader = FrameReader::new(DecodeLimits { max_payload_bytes: 0 }, PayloadPool::default());
+        let mut s = Self {
+            rd,
+            wr,
+            layout,
+            timeout: wait,
+            max_frame_bytes,
+            reader,
+            out: Vec::with_capacity(LAYER_DATA_OVERHEAD),
+            aborts: Recent::default(),
+            acks: Recent::default(),
+            bytes_sent: 0,
+        };
+        let hello = Frame::Hello(Hello {
+            version_group: local.version_group.clone(),
+            fingerprint: local.fingerprint,
+            protocol_version: crate::PROTOCOL_VERSION,
+        });
+        write_frame(&mut s.wr, &mut s.out, &hello, wait).await.map_err(|e| TransferError::write(e, "sending Hello"))?;
+        match s.reader.next(&mut s.rd, wait).await.map_err(|e| TransferError::read(e, "HelloAck"))? {
+            Some(Frame::HelloAck(a)) if a.protocol_version == crate::PROTOCOL_VERSION => Ok(s),
+            Some(Frame::HelloAck(a)) => {
+                Err(TransferError::Protocol(format!("HelloAck for protocol version {}", a.protocol_version)))
+            }
+            Some(Frame::HelloReject(r)) => Err(TransferError::Rejected { reason: r.reason }),
+            Some(other) => Err(TransferError::Protocol(format!("{} instead of HelloAck", frame_name(&other)))),
+            None => Err(TransferError::Io(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "receiver closed the connection during the handshake",
+            ))),
+        }
+    }
+
+    /// Payload and header bytes written so far.
+    pub(crate) fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
+    }
+
+    /// The stream's two halves, for a graceful close.
+    pub(crate) fn into_parts(self) -> (R, W) {
+        (self.rd, self.wr)
+    }
+
+    /// Sends K and V of blocks `first_block..` of the reservation for one
+    /// layer, cut into frames of whole blocks. See `TcpKvSender::send_blocks`.
+    pub(crate) async fn send_blocks(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), TransferError> {
+        let plan = LayerPlan::new(&self.layout, layer, k, v, self.max_frame_bytes)?;
+        if first_block.checked_add(plan.n_blocks).is_none_or(|end| end > u32::MAX as usize) {
+            return Err(SplitError::TooManyBlocks { n_blocks: first_block.saturating_add(plan.n_blocks) }.into());
+        }
+        self.send_frames(r, layer, first_block, k, v, plan).await
+    }
+
+    /// Sends every frame of `k`/`v` under `plan`, numbering blocks from `base`.
+    async fn send_frames(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        base: usize,
+        k: &[u8],
+        v: &[u8],
+        plan: LayerPlan,
+    ) -> Result<(), TransferError> {
+        let LayerPlan { side, n_blocks, per_frame } = plan;
+        let frames = 0..plan.n_frames();
+        for i in frames {
+            self.check_not_aborted(r)?;
+            let first = i * per_frame;
+            if first >= n_blocks {
+                break;
+            }
+            let n = per_frame.min(n_blocks - first);
+            let range = first * side..(first + n) * side;
+            let (kr, vr) = (&k[range.clone()], &v[range]);
+            let header = LayerDataHeader {
+                reservation: r.id.0,
+                generation: r.generation,
+                // All checked to fit u32 by LayerPlan::new and send_blocks.
+                layer: layer as u32,
+                first_block: (base + first) as u32,
+                n_blocks: n as u32,
+                checksum: crc32c::crc32c_append(crc32c::crc32c(kr), vr),
+                payload_len: 2 * kr.len(),
+            };
+            self.out.clear();
+            header.encode(&mut self.out).map_err(|e| TransferError::Protocol(e.to_string()))?;
+            write_parts(&mut self.wr, [self.out.as_slice(), kr, vr], self.timeout)
+                .await
+                .map_err(|e| TransferError::write(e, "writing a LayerData frame"))?;
+            self.bytes_sent += (LAYER_DATA_OVERHEAD + 2 * kr.len()) as u64;
+        }
+        Ok(())
+    }
+
+    /// Sends `Complete` and waits for the `Ack`. See `TcpKvSender::complete`.
+    pub(crate) async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
+        self.check_not_aborted(r)?;
+        let c = Frame::Complete(Complete {
+            reservation: r.id.0,
+            generation: r.generation,
+            n_layers: self.layout.n_layers as u32,
+        });
+        let wait = self.timeout;
+        write_frame(&mut self.wr, &mut self.out, &c, wait)
+            .await
+            .map_err(|e| TransferError::write(e, "sending Complete"))?;
+        let want = Ack { reservation: r.id.0, generation: r.generation };
+        let waiting = async {
+            loop {
+                if self.acks.contains(&want) {
+                    return Ok(want);
+                }
+                self.check_aborted(r)?;
+                match self.reader.next(&mut self.rd, wait).await.map_err(|e| TransferError::read(e, "Ack"))? {
+                    Some(f) => self.note(f)?,
+                    None => {
+                        return Err(TransferError::Io(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "receiver closed the connection before acknowledging",
+                        )))
+                    }
+                }
+            }
+        };
+        timeout(wait, waiting).await.map_err(|_| TransferError::Timeout { what: "Ack", after: wait })?
+    }
+
+    /// Sends `Abort`.
+    pub(crate) async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
+        let a = Frame::Abort(Abort { reservation: r.id.0, generation: r.generation, reason });
+        write_frame(&mut self.wr, &mut self.out, &a, self.timeout)
+            .await
+            .map_err(|e| TransferError::write(e, "sending Abort"))
+    }
+
+    /// Takes in whatever the receiver already sent, without waiting, then
+    /// fails if it aborted `r`.
+    pub(crate) fn check_not_aborted(&mut self, r: Reservation) -> Result<(), TransferError> {
+        let drained = self.drain();
+        self.check_aborted(r)?;
+        drained
+    }
+
+    fn check_aborted(&self, r: Reservation) -> Result<(), TransferError> {
+        match self.aborts.0.iter().find(|a| a.reservation == r.id.0 && a.generation == r.generation) {
+            Some(a) => Err(TransferError::PeerAbort { reason: a.reason }),
+            None => Ok(()),
+        }
+    }
+
+    fn drain(&mut self) -> Result<(), TransferError> {
+        loop {
+            while let Some(f) = self.reader.decode().map_err(|e| TransferError::read(ReadError::Decode(e), ""))? {
+                self.note(f)?;
+            }
+            match self.reader.read_ready(&mut self.rd)? {
+                Some(0) => return Ok(()),
+                Some(_) => {}
+                None => {
+                    return Err(TransferError::Io(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "receiver closed the connection",
+                    )))
+                }
+            }
+        }
+    }
+
+    fn note(&mut self, f: Frame) -> Result<(), TransferError> {
+        match f {
+            Frame::Abort(a) => self.aborts.push(a),
+            Frame::Ack(a) => self.acks.push(a),
+            other => {
+                return Err(TransferError::Protocol(format!("unexpected {} from the receiver", frame_name(&other))))
+            }
+        }
+        Ok(())
+    }
+}
