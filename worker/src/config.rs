@@ -85,6 +85,20 @@ pub struct CommonFlags {
     /// Drain grace on SIGTERM/SIGINT, ms. Env: TANDEM_SHUTDOWN_TIMEOUT_MS. Default 10000.
     #[arg(long, env = "TANDEM_SHUTDOWN_TIMEOUT_MS")]
     pub shutdown_timeout_ms: Option<u64>,
+    /// QUIC KV transport: this worker's certificate chain (PEM). With
+    /// `quic_key`; without both, a decode worker makes a self-signed one at
+    /// start-up (development). Env: TANDEM_QUIC_CERT.
+    #[arg(long, env = "TANDEM_QUIC_CERT")]
+    pub quic_cert: Option<PathBuf>,
+    /// QUIC KV transport: the private key of `quic_cert` (PEM). Env: TANDEM_QUIC_KEY.
+    #[arg(long, env = "TANDEM_QUIC_KEY")]
+    pub quic_key: Option<PathBuf>,
+    /// QUIC KV transport: the cluster CA (PEM). A prefill worker trusts
+    /// decode workers' certificates issued by it (else it pins the
+    /// self-signed certificate a destination names); a decode worker
+    /// requires prefill workers to present one (mutual TLS). Env: TANDEM_QUIC_CA.
+    #[arg(long, env = "TANDEM_QUIC_CA")]
+    pub quic_ca: Option<PathBuf>,
 }
 
 /// Overlays the set fields of `$b` on `$a`.
@@ -110,7 +124,10 @@ impl CommonFlags {
             max_batch_tokens,
             max_running,
             max_waiting,
-            shutdown_timeout_ms
+            shutdown_timeout_ms,
+            quic_cert,
+            quic_key,
+            quic_ca
         );
     }
 }
@@ -131,6 +148,27 @@ pub struct CommonConfig {
     pub max_running: usize,
     pub max_waiting: usize,
     pub shutdown_timeout: Duration,
+    pub quic: QuicFiles,
+}
+
+/// PEM files for the QUIC transport (see the flags).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QuicFiles {
+    /// Certificate chain and key, both or neither.
+    pub identity: Option<(PathBuf, PathBuf)>,
+    pub ca: Option<PathBuf>,
+}
+
+impl QuicFiles {
+    /// This worker's identity from the PEM files, if configured.
+    pub fn load_identity(&self) -> Result<Option<kvtransfer::TlsIdentity>, kvtransfer::TlsError> {
+        self.identity.as_ref().map(|(c, k)| kvtransfer::TlsIdentity::from_pem_files(c, k)).transpose()
+    }
+
+    /// The cluster CA from its PEM file, if configured.
+    pub fn load_ca(&self) -> Result<Option<kvtransfer::PeerTrust>, kvtransfer::TlsError> {
+        self.ca.as_ref().map(kvtransfer::PeerTrust::ca_from_pem_file).transpose()
+    }
 }
 
 impl CommonConfig {
@@ -194,7 +232,22 @@ impl CommonFlags {
             max_running: positive("max_running", self.max_running, 16)?,
             max_waiting: self.max_waiting.unwrap_or(64),
             shutdown_timeout: Duration::from_millis(self.shutdown_timeout_ms.unwrap_or(10_000)),
+            quic: QuicFiles {
+                identity: match (&self.quic_cert, &self.quic_key) {
+                    (Some(c), Some(k)) => Some((c.clone(), k.clone())),
+                    (None, None) => None,
+                    (Some(_), None) => return Err(invalid("quic_key", "is required with quic_cert")),
+                    (None, Some(_)) => return Err(invalid("quic_cert", "is required with quic_key")),
+                },
+                ca: self.quic_ca.clone(),
+            },
         };
+        for (field, path) in [("quic_cert", &self.quic_cert), ("quic_key", &self.quic_key), ("quic_ca", &self.quic_ca)]
+        {
+            if let Some(p) = path.as_ref().filter(|p| !p.is_file()) {
+                return Err(invalid(field, format!("{} is not a file", p.display())));
+            }
+        }
         if !cfg.model.is_file() {
             return Err(invalid("model", format!("{} is not a file", cfg.model.display())));
         }

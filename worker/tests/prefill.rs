@@ -104,6 +104,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
         block_ids: blocks.clone(),
         layout_fingerprint: fp.as_bytes().to_vec(),
         version_group: GROUP.into(),
+        tls_cert_sha256: vec![],
     };
     let request = PrefillRequest {
         request_id: "req-1".into(),

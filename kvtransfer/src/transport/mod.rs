@@ -15,6 +15,7 @@
 //!   same frames on one stream per connection, certificates checked
 //!   against a cluster CA or a pinned fingerprint.
 
+pub mod any;
 pub mod local;
 pub mod quic;
 pub mod tcp;

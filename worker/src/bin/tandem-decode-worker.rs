@@ -12,7 +12,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use engine::runner::{Runner, RunnerConfig};
-use kvtransfer::{Peer, Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig};
+use kvtransfer::{
+    Peer, PeerTrust, QuicKvServer, QuicServerConfig, Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig,
+    TlsIdentity, TransportKind,
+};
 use proto::worker::v1::decode_worker_server::DecodeWorkerServer;
 use tokio_util::sync::CancellationToken;
 use worker::decode::service::{DecodeService, DecodeSettings};
@@ -49,12 +52,10 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let receiver = Arc::new(Mutex::new(Receiver::new(local.clone(), rx_config)?));
     let failures = WriteFailures::default();
     let sink = RunnerSink { runner: runner.clone(), failures: failures.clone() };
-    let server_config = TcpServerConfig { idle_timeout: cfg.transfer_idle_timeout, ..TcpServerConfig::default() };
-    let kv_server = TcpKvServer::bind(cfg.transfer, receiver.clone(), sink, server_config)
-        .await
-        .with_context(|| format!("binding transfer {}", cfg.transfer))?;
+    let (kv_server, tls_cert_sha256) = bind_transfer(&cfg, receiver.clone(), sink).await?;
     let transfer_addr = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr().to_string());
     println!("listening transfer={}", kv_server.local_addr());
+    tracing::info!(transport = %cfg.transport, addr = %transfer_addr, "KV transfer listener");
 
     let settings = DecodeSettings {
         policy: cfg.policy,
@@ -63,6 +64,8 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
         max_prefill_attempts: cfg.max_prefill_attempts,
         max_pending_remote: common.max_waiting.max(1),
         transfer_addr,
+        transport: cfg.transport,
+        tls_cert_sha256,
     };
     let service = DecodeService::new(runner.clone(), local, receiver, failures, settings);
     let reaper_stop = CancellationToken::new();
@@ -103,4 +106,61 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
         _ => tracing::warn!("runner thread did not exit cleanly"),
     }
     Ok(())
+}
+
+/// The KV listener of the configured transport.
+enum KvServer {
+    Tcp(TcpKvServer),
+    Quic(QuicKvServer),
+}
+
+impl KvServer {
+    fn local_addr(&self) -> std::net::SocketAddr {
+        match self {
+            Self::Tcp(s) => s.local_addr(),
+            Self::Quic(s) => s.local_addr(),
+        }
+    }
+
+    fn shutdown(self) {
+        match self {
+            Self::Tcp(s) => s.shutdown(),
+            Self::Quic(s) => s.shutdown(),
+        }
+    }
+}
+
+/// Binds the KV listener; for QUIC with no configured certificate, makes a
+/// self-signed one and returns its fingerprint for destinations to carry.
+async fn bind_transfer(
+    cfg: &DecodeConfig,
+    receiver: Arc<Mutex<Receiver>>,
+    sink: RunnerSink,
+) -> anyhow::Result<(KvServer, Option<[u8; 32]>)> {
+    let addr = cfg.transfer;
+    let bound = |e: std::io::Error| anyhow::anyhow!("binding transfer {addr}: {e}");
+    match cfg.transport {
+        TransportKind::Tcp => {
+            let config = TcpServerConfig { idle_timeout: cfg.transfer_idle_timeout, ..TcpServerConfig::default() };
+            let s = TcpKvServer::bind(addr, receiver, sink, config).await.map_err(bound)?;
+            Ok((KvServer::Tcp(s), None))
+        }
+        TransportKind::Quic => {
+            let files = &cfg.common.quic;
+            let (identity, pin) = match files.load_identity().context("loading quic_cert/quic_key")? {
+                Some(id) => (id, None),
+                None => {
+                    let id = TlsIdentity::self_signed(&["tandem-kv"]).context("making a self-signed certificate")?;
+                    let fp = id.fingerprint();
+                    tracing::warn!(fingerprint = %fp, "QUIC with a self-signed certificate (development): prefill workers pin it");
+                    (id, Some(fp.0))
+                }
+            };
+            let mut config = QuicServerConfig::new(identity);
+            config.client_trust = files.load_ca().context("loading quic_ca")?.map(|ca: PeerTrust| ca);
+            config.idle_timeout = cfg.transfer_idle_timeout;
+            let s = QuicKvServer::bind(addr, receiver, sink, config).await.context("binding the QUIC listener")?;
+            Ok((KvServer::Quic(s), pin))
+        }
+    }
 }

@@ -8,10 +8,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use engine::runner::{Runner, RunnerConfig};
-use kvtransfer::{Peer, TcpSenderConfig};
+use kvtransfer::Peer;
 use proto::worker::v1::prefill_worker_server::PrefillWorkerServer;
 use tokio_util::sync::CancellationToken;
-use worker::prefill::service::PrefillService;
+use worker::prefill::service::{PrefillService, TransferSettings};
 use worker::prefill::{PrefillConfig, PrefillFlags};
 
 fn main() -> anyhow::Result<()> {
@@ -32,8 +32,12 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
 
     let process = CancellationToken::new();
     let local = Peer { version_group: common.version_group.clone(), fingerprint };
-    let sender_config = TcpSenderConfig { timeout: cfg.transfer_timeout, ..TcpSenderConfig::default() };
-    let service = PrefillService::new(runner.clone(), layout, local, sender_config, process.clone());
+    let transfer = TransferSettings {
+        timeout: cfg.transfer_timeout,
+        quic_ca: common.quic.load_ca().context("loading quic_ca")?,
+        quic_identity: common.quic.load_identity().context("loading quic_cert/quic_key")?,
+    };
+    let service = PrefillService::new(runner.clone(), layout, local, transfer, process.clone());
 
     let metrics_addr = worker::metrics::install(common.metrics, worker::prefill::metrics::BUCKETS)
         .with_context(|| format!("serving metrics on {}", common.metrics))?;

@@ -77,7 +77,11 @@ pub struct DecodeFlags {
     /// not arrive intact; a request may override it. Env: TANDEM_KV_LOAD_FAILURE_POLICY.
     #[arg(long, env = "TANDEM_KV_LOAD_FAILURE_POLICY")]
     pub kv_load_failure_policy: Option<String>,
-    /// KV transfer listen address (TCP). Env: TANDEM_TRANSFER. Default 127.0.0.1:0.
+    /// KV transport prefill workers push over: tcp (trusted network) |
+    /// quic (TLS; see the quic_* fields). Env: TANDEM_KV_TRANSPORT. Default tcp.
+    #[arg(long, env = "TANDEM_KV_TRANSPORT")]
+    pub kv_transport: Option<String>,
+    /// KV transfer listen address. Env: TANDEM_TRANSFER. Default 127.0.0.1:0.
     #[arg(long, env = "TANDEM_TRANSFER")]
     pub transfer: Option<String>,
     /// Transfer address given to prefill workers, when it differs from the
@@ -109,6 +113,7 @@ pub struct DecodeFlags {
 pub struct DecodeConfig {
     pub common: CommonConfig,
     pub policy: KvLoadFailurePolicy,
+    pub transport: kvtransfer::TransportKind,
     pub transfer: std::net::SocketAddr,
     pub advertise_transfer: Option<String>,
     pub local_prefill_max_tokens: usize,
@@ -129,6 +134,7 @@ impl DecodeConfig {
             merged,
             flags,
             kv_load_failure_policy,
+            kv_transport,
             transfer,
             advertise_transfer,
             local_prefill_max_tokens,
@@ -150,9 +156,13 @@ impl DecodeConfig {
         if let Some(a) = f.advertise_transfer.as_deref() {
             socket_addr("advertise_transfer", a)?;
         }
+        let transport_text = f.kv_transport.as_deref().unwrap_or("tcp");
+        let transport = kvtransfer::TransportKind::parse(transport_text)
+            .ok_or_else(|| invalid("kv_transport", format!("{transport_text:?}: use tcp or quic")))?;
         Ok(Self {
             common,
             policy,
+            transport,
             transfer: socket_addr("transfer", f.transfer.as_deref().unwrap_or("127.0.0.1:0"))?,
             advertise_transfer: f.advertise_transfer.clone(),
             local_prefill_max_tokens: f.local_prefill_max_tokens.unwrap_or(32),
@@ -197,6 +207,7 @@ mod tests {
             (DecodeFlags { reservation_ttl_ms: Some(0), ..flags(Some("fail")) }, "`reservation_ttl_ms`"),
             (DecodeFlags { max_prefill_attempts: Some(0), ..flags(Some("fail")) }, "`max_prefill_attempts`"),
             (DecodeFlags { transfer: Some("here".into()), ..flags(Some("fail")) }, "`transfer`"),
+            (DecodeFlags { kv_transport: Some("carrier-pigeon".into()), ..flags(Some("fail")) }, "`kv_transport`"),
             (DecodeFlags { advertise_transfer: Some("x".into()), ..flags(Some("fail")) }, "`advertise_transfer`"),
         ];
         for (f, field) in cases {

@@ -64,6 +64,10 @@ pub struct DecodeSettings {
     pub max_pending_remote: usize,
     /// The KV transfer address prefill workers are told to push to.
     pub transfer_addr: String,
+    /// The transport listening there.
+    pub transport: kvtransfer::TransportKind,
+    /// QUIC with a self-signed certificate: its SHA-256, for prefill workers to pin.
+    pub tls_cert_sha256: Option<[u8; 32]>,
 }
 
 /// Shared state of the service (cheap to clone).
@@ -534,12 +538,13 @@ impl DecodeService {
             cache_salt: req.cache_salt,
             destination: Some(KvDestination {
                 transfer_addr: inner.settings.transfer_addr.clone(),
-                transport: "tcp".into(),
+                transport: inner.settings.transport.as_str().into(),
                 reservation_id: r.id.0,
                 generation: r.generation,
                 block_ids: blocks.to_vec(),
                 layout_fingerprint: inner.local.fingerprint.as_bytes().to_vec(),
                 version_group: inner.local.version_group.as_str().to_owned(),
+                tls_cert_sha256: inner.settings.tls_cert_sha256.map(|f| f.to_vec()).unwrap_or_default(),
             }),
         };
         let load = |reason, kind, message: String| Failure::Load { reason, error: err(kind, message) };

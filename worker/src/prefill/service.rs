@@ -23,8 +23,8 @@ use engine::sampler::SampledToken;
 
 use crate::serve::{blocking, err, local_deadline, runner_err};
 use kvtransfer::{
-    AbortReason, LayoutFingerprint, Peer, RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig,
-    TransferError,
+    AbortReason, CertFingerprint, KvSender, LayoutFingerprint, Peer, PeerTrust, QuicKvSender, QuicSenderConfig,
+    RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig, TlsIdentity, TransferError, TransportKind,
 };
 use proto::worker::v1::prefill_worker_server::PrefillWorker;
 use proto::worker::v1::{
@@ -35,7 +35,36 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request as GrpcRequest, Response, Status};
 
-type Slot = Arc<tokio::sync::Mutex<Option<TcpKvSender>>>;
+type Slot = Arc<tokio::sync::Mutex<Option<KvSender>>>;
+
+/// How this worker connects to destinations.
+#[derive(Debug, Clone)]
+pub struct TransferSettings {
+    /// Connect, each frame's write and the Ack, on every transport.
+    pub timeout: std::time::Duration,
+    /// QUIC: trust decode workers' certificates issued by this CA; without
+    /// it, pin the self-signed certificate a destination names.
+    pub quic_ca: Option<PeerTrust>,
+    /// QUIC: this worker's certificate, for decode workers that require one.
+    pub quic_identity: Option<TlsIdentity>,
+}
+
+/// Where one request's KV goes.
+#[derive(Debug, Clone)]
+struct Dest {
+    kind: TransportKind,
+    addr: String,
+    /// QUIC: the destination's self-signed certificate to pin.
+    pin: Option<[u8; 32]>,
+}
+
+impl Dest {
+    /// Connections are reused per transport, address and pinned certificate.
+    fn key(&self) -> String {
+        let pin = self.pin.map(|p| CertFingerprint(p).to_string()).unwrap_or_default();
+        format!("{}://{}#{pin}", self.kind, self.addr)
+    }
+}
 
 /// Shared state of the service (cheap to clone).
 #[derive(Clone)]
@@ -47,7 +76,7 @@ struct Inner {
     runner: RunnerHandle,
     layout: KvLayout,
     local: Peer,
-    sender_config: TcpSenderConfig,
+    transfer: TransferSettings,
     /// Process-level token: cancelled at the end of shutdown.
     shutdown: CancellationToken,
     ready: AtomicBool,
@@ -99,7 +128,7 @@ impl PrefillService {
         runner: RunnerHandle,
         layout: KvLayout,
         local: Peer,
-        sender_config: TcpSenderConfig,
+        transfer: TransferSettings,
         shutdown: CancellationToken,
     ) -> Self {
         Self {
@@ -107,7 +136,7 @@ impl PrefillService {
                 runner,
                 layout,
                 local,
-                sender_config,
+                transfer,
                 shutdown,
                 ready: AtomicBool::new(true),
                 next_id: AtomicU64::new(1),
@@ -122,7 +151,10 @@ impl PrefillService {
         self.inner.ready.store(false, Ordering::SeqCst);
     }
 
-    fn validate(&self, req: &PrefillRequest) -> Result<(engine::sampler::SamplingParams, Reservation), WorkerError> {
+    fn validate(
+        &self,
+        req: &PrefillRequest,
+    ) -> Result<(engine::sampler::SamplingParams, Reservation, Dest), WorkerError> {
         let bad = |m: &str| Err(err(ErrorKind::InvalidArgument, m));
         if req.request_id.is_empty() {
             return bad("request_id is empty");
@@ -133,15 +165,28 @@ impl PrefillService {
         let Some(sampling) = req.sampling.as_ref() else { return bad("sampling is required") };
         let params = engine::sampler::SamplingParams::try_from(sampling).map_err(|e| WorkerError::from(&e))?;
         let Some(d) = req.destination.as_ref() else { return bad("destination is required") };
-        if d.transport != "tcp" {
+        let Some(kind) = TransportKind::parse(&d.transport) else {
             return Err(err(
                 ErrorKind::InvalidArgument,
-                format!("destination.transport {:?} is not supported (only \"tcp\")", d.transport),
+                format!("destination.transport {:?} is not supported (tcp, quic)", d.transport),
             ));
-        }
+        };
         if d.transfer_addr.is_empty() {
             return bad("destination.transfer_addr is empty");
         }
+        let pin = match d.tls_cert_sha256.len() {
+            0 => None,
+            _ => Some(<[u8; 32]>::try_from(d.tls_cert_sha256.as_slice()).map_err(|_| {
+                err(
+                    ErrorKind::InvalidArgument,
+                    format!("destination.tls_cert_sha256 is {} bytes; 32 expected", d.tls_cert_sha256.len()),
+                )
+            })?),
+        };
+        if kind == TransportKind::Quic && pin.is_none() && self.inner.transfer.quic_ca.is_none() {
+            return bad("destination is quic with a CA-issued certificate, and this prefill worker has no quic_ca");
+        }
+        let dest = Dest { kind, addr: d.transfer_addr.clone(), pin };
         let Ok(fp) = <[u8; 32]>::try_from(d.layout_fingerprint.as_slice()) else {
             return Err(err(
                 ErrorKind::InvalidArgument,
@@ -177,12 +222,11 @@ impl PrefillService {
                 format!("destination.block_ids has {} blocks; the prompt needs {need}", d.block_ids.len()),
             ));
         }
-        Ok((params, Reservation { id: ReservationId(d.reservation_id), generation: d.generation }))
+        Ok((params, Reservation { id: ReservationId(d.reservation_id), generation: d.generation }, dest))
     }
 
     async fn prefill_inner(&self, req: PrefillRequest) -> Result<FirstToken, WorkerError> {
-        let (params, reservation) = self.validate(&req)?;
-        let addr = req.destination.as_ref().map(|d| d.transfer_addr.clone()).unwrap_or_default();
+        let (params, reservation, dest) = self.validate(&req)?;
         let deadline = local_deadline(req.deadline_unix_ms);
         let inner = &self.inner;
         if !inner.ready.load(Ordering::SeqCst) {
@@ -222,7 +266,7 @@ impl PrefillService {
         .map_err(|e| runner_err(&e))?;
         cleanup.armed = true;
 
-        let push = self.push(&addr, reservation, layer_rx, done_rx, started, req.token_ids.len(), &token);
+        let push = self.push(&dest, reservation, layer_rx, done_rx, started, req.token_ids.len(), &token);
         let pushed = match deadline {
             Some(d) => match tokio::time::timeout_at(tokio::time::Instant::from_std(d), push).await {
                 Ok(r) => r,
@@ -250,9 +294,35 @@ impl PrefillService {
         })
     }
 
-    fn slot(&self, addr: &str) -> Result<Slot, WorkerError> {
+    fn slot(&self, dest: &Dest) -> Result<Slot, WorkerError> {
         let mut m = self.inner.senders.lock().map_err(|_| err(ErrorKind::Internal, "sender map poisoned"))?;
-        Ok(m.entry(addr.to_owned()).or_default().clone())
+        Ok(m.entry(dest.key()).or_default().clone())
+    }
+
+    async fn connect(&self, dest: &Dest) -> Result<KvSender, WorkerError> {
+        let inner = &self.inner;
+        let t = &inner.transfer;
+        let (local, layout, addr) = (&inner.local, inner.layout, dest.addr.as_str());
+        let sender = match dest.kind {
+            TransportKind::Tcp => {
+                let config = TcpSenderConfig { timeout: t.timeout, ..TcpSenderConfig::default() };
+                TcpKvSender::connect(addr, local, layout, config).await.map(KvSender::Tcp)
+            }
+            TransportKind::Quic => {
+                let trust = match (&t.quic_ca, dest.pin) {
+                    (Some(ca), _) => ca.clone(),
+                    (None, Some(pin)) => PeerTrust::Pinned(CertFingerprint(pin)),
+                    (None, None) => {
+                        return Err(err(ErrorKind::InvalidArgument, "no way to trust the QUIC destination"))
+                    }
+                };
+                let mut config = QuicSenderConfig::new(trust);
+                config.identity = t.quic_identity.clone();
+                config.timeout = t.timeout;
+                QuicKvSender::connect(addr, local, layout, config).await.map(KvSender::Quic)
+            }
+        };
+        sender.map_err(|e| transfer_err(&e))
     }
 
     /// Sends the streamed blocks as they come, then (once the engine is
@@ -261,7 +331,7 @@ impl PrefillService {
     #[allow(clippy::too_many_arguments)]
     async fn push(
         &self,
-        addr: &str,
+        dest: &Dest,
         r: Reservation,
         layers: mpsc::UnboundedReceiver<LayerBlocks>,
         done: tokio::sync::oneshot::Receiver<Result<PrefillDone, RunnerError>>,
@@ -269,14 +339,14 @@ impl PrefillService {
         prompt_tokens: usize,
         token: &CancellationToken,
     ) -> Result<(SampledToken, u64, f64), WorkerError> {
-        let slot = self.slot(addr)?;
+        let slot = self.slot(dest)?;
         let mut guard = slot.lock().await;
         // Out of the slot while in use: if this future is dropped mid-frame
         // (the caller went away), the half-written connection is dropped with
         // it instead of being reused out of sync.
         let mut conn = guard.take();
         let result = tokio::select! {
-            r = self.push_on(&mut conn, addr, r, layers, done, started, prompt_tokens) => r,
+            r = self.push_on(&mut conn, dest, r, layers, done, started, prompt_tokens) => r,
             _ = token.cancelled() => Err(err(ErrorKind::Cancelled, "aborted during the KV transfer")),
         };
         // A connection that saw an error is not trusted for the next request.
@@ -289,8 +359,8 @@ impl PrefillService {
     #[allow(clippy::too_many_arguments)]
     async fn push_on(
         &self,
-        conn: &mut Option<TcpKvSender>,
-        addr: &str,
+        conn: &mut Option<KvSender>,
+        dest: &Dest,
         r: Reservation,
         mut layers: mpsc::UnboundedReceiver<LayerBlocks>,
         done: tokio::sync::oneshot::Receiver<Result<PrefillDone, RunnerError>>,
@@ -300,10 +370,7 @@ impl PrefillService {
         let inner = &self.inner;
         if conn.is_none() {
             // Connects while the engine computes the first layers.
-            let c = TcpKvSender::connect(addr, &inner.local, inner.layout, inner.sender_config.clone())
-                .await
-                .map_err(|e| transfer_err(&e))?;
-            *conn = Some(c);
+            *conn = Some(self.connect(dest).await?);
         }
         let Some(sender) = conn.as_mut() else { return Err(err(ErrorKind::Internal, "no KV connection")) };
         let mut bytes = 0u64;

@@ -1,0 +1,97 @@
+//! One sender type over every transport, so a worker picks the transport
+//! per destination at run time (`KvDestination.transport`) and drives it
+//! the same way.
+
+use std::fmt;
+
+use crate::frame::{AbortReason, Ack};
+use crate::session::Reservation;
+
+use super::error::TransferError;
+use super::quic::QuicKvSender;
+use super::tcp::TcpKvSender;
+
+/// The transports a destination can name on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Plain TCP, for a trusted cluster network (integrity from frame checksums).
+    Tcp,
+    /// QUIC over TLS 1.3, for links that are not trusted.
+    Quic,
+}
+
+impl TransportKind {
+    pub const ALL: [Self; 2] = [Self::Tcp, Self::Quic];
+
+    /// The wire name (`KvDestination.transport`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Quic => "quic",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.as_str() == s)
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A connected sender on one of the transports.
+#[derive(Debug)]
+pub enum KvSender {
+    Tcp(TcpKvSender),
+    Quic(QuicKvSender),
+}
+
+impl KvSender {
+    pub fn kind(&self) -> TransportKind {
+        match self {
+            Self::Tcp(_) => TransportKind::Tcp,
+            Self::Quic(_) => TransportKind::Quic,
+        }
+    }
+
+    /// See [`TcpKvSender::send_blocks`].
+    pub async fn send_blocks(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), TransferError> {
+        match self {
+            Self::Tcp(s) => s.send_blocks(r, layer, first_block, k, v).await,
+            Self::Quic(s) => s.send_blocks(r, layer, first_block, k, v).await,
+        }
+    }
+
+    /// See [`TcpKvSender::complete`].
+    pub async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
+        match self {
+            Self::Tcp(s) => s.complete(r).await,
+            Self::Quic(s) => s.complete(r).await,
+        }
+    }
+
+    /// See [`TcpKvSender::abort`].
+    pub async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
+        match self {
+            Self::Tcp(s) => s.abort(r, reason).await,
+            Self::Quic(s) => s.abort(r, reason).await,
+        }
+    }
+
+    pub fn bytes_sent(&self) -> u64 {
+        match self {
+            Self::Tcp(s) => s.bytes_sent(),
+            Self::Quic(s) => s.bytes_sent(),
+        }
+    }
+}
