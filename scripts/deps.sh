@@ -18,6 +18,8 @@ readonly NEEDS=(
   "command -v sha256sum|coreutils"
   "command -v flock|util-linux"
   "command -v protoc|protobuf-compiler"
+  "command -v etcd && command -v etcdctl|etcd-server"
+  "command -v etcdctl|etcd-client"
 )
 
 missing=()

@@ -139,7 +139,7 @@ async fn layers_sent_in_block_ranges_as_a_streaming_prefill_completes_them() {
     let d = DecodeSide::start(TcpServerConfig::default()).await;
     let l = d.layout;
     let (pool_a, table_a) = source(l, 5);
-    let (r, table_b) = d.reserve(5, Duration::from_secs(30));
+    let (r, _) = d.reserve(5, Duration::from_secs(30));
     let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 1 << 20).await.expect("connect");
     // Blocks 0..2 of every layer first (an early step), then 2..5 (the last step).
     for (from, to) in [(0, 2), (2, 5)] {

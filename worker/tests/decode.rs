@@ -134,29 +134,40 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
     assert_no_kv_left("after remote prefill", &decode).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn remote_prefill_over_quic_matches_the_engine() -> TestResult {
+/// Remote prefill over `transport` gives the engine's output and moves every block.
+async fn remote_prefill_over(transport: &str) -> TestResult {
     let tok = common::tokenizer()?;
     let prompts = vec![prompt_of(&tok, 37)?, prompt_of(&tok, 300)?];
     let want = reference(&prompts, MAX_TOKENS)?;
     let prefill = prefill_worker(GROUP, &[])?;
-    // No certificate configured: the decode worker makes a self-signed one
-    // and every destination carries its fingerprint for the prefill worker to pin.
     let decode = decode_worker(
         GROUP,
-        &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0", "--kv-transport", "quic"],
+        &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0", "--kv-transport", transport],
     )?;
     let mut c = client(&decode).await?;
     let mut blocks = 0;
     for (i, p) in prompts.iter().enumerate() {
-        let got = generate(&mut c, request(&format!("quic-{i}"), p, vec![target(&prefill)?])).await?;
-        assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "{got:?}");
-        assert_eq!(got.tokens, want[i], "prompt of {} tokens over QUIC", p.len());
+        let got = generate(&mut c, request(&format!("{transport}-{i}"), p, vec![target(&prefill)?])).await?;
+        assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "{transport}: {got:?}");
+        assert_eq!(got.tokens, want[i], "prompt of {} tokens over {transport}", p.len());
         blocks += p.len().div_ceil(16);
     }
     let metrics = decode.addr("metrics")?;
     wait_metric(metrics, "tandem_kv_received_bytes_total", |v| v == (blocks * 368_640) as f64).await?;
-    assert_no_kv_left("after QUIC transfers", &decode).await
+    assert_no_kv_left(transport, &decode).await
+}
+
+/// No certificate configured: the decode worker makes a self-signed one and
+/// every destination carries its fingerprint for the prefill worker to pin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_over_quic_matches_the_engine() -> TestResult {
+    remote_prefill_over("quic").await
+}
+
+/// Shared memory: a memfd ring passed over a Unix socket in the abstract namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_over_local_shared_memory_matches_the_engine() -> TestResult {
+    remote_prefill_over("local").await
 }
 
 /// A prompt long enough that its KV (~7 MiB) is still streaming when the

@@ -8,6 +8,7 @@ use crate::frame::{AbortReason, Ack};
 use crate::session::Reservation;
 
 use super::error::TransferError;
+use super::local::LocalKvSender;
 use super::quic::QuicKvSender;
 use super::tcp::TcpKvSender;
 
@@ -18,16 +19,19 @@ pub enum TransportKind {
     Tcp,
     /// QUIC over TLS 1.3, for links that are not trusted.
     Quic,
+    /// Same-host shared memory (a Unix socket path or `@name`).
+    Local,
 }
 
 impl TransportKind {
-    pub const ALL: [Self; 2] = [Self::Tcp, Self::Quic];
+    pub const ALL: [Self; 3] = [Self::Tcp, Self::Quic, Self::Local];
 
     /// The wire name (`KvDestination.transport`).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Tcp => "tcp",
             Self::Quic => "quic",
+            Self::Local => "local",
         }
     }
 
@@ -47,6 +51,7 @@ impl fmt::Display for TransportKind {
 pub enum KvSender {
     Tcp(TcpKvSender),
     Quic(QuicKvSender),
+    Local(LocalKvSender),
 }
 
 impl KvSender {
@@ -54,6 +59,7 @@ impl KvSender {
         match self {
             Self::Tcp(_) => TransportKind::Tcp,
             Self::Quic(_) => TransportKind::Quic,
+            Self::Local(_) => TransportKind::Local,
         }
     }
 
@@ -69,6 +75,7 @@ impl KvSender {
         match self {
             Self::Tcp(s) => s.send_blocks(r, layer, first_block, k, v).await,
             Self::Quic(s) => s.send_blocks(r, layer, first_block, k, v).await,
+            Self::Local(s) => s.send_blocks(r, layer, first_block, k, v).await,
         }
     }
 
@@ -77,6 +84,7 @@ impl KvSender {
         match self {
             Self::Tcp(s) => s.complete(r).await,
             Self::Quic(s) => s.complete(r).await,
+            Self::Local(s) => s.complete(r).await,
         }
     }
 
@@ -85,6 +93,7 @@ impl KvSender {
         match self {
             Self::Tcp(s) => s.abort(r, reason).await,
             Self::Quic(s) => s.abort(r, reason).await,
+            Self::Local(s) => s.abort(r, reason).await,
         }
     }
 
@@ -92,6 +101,7 @@ impl KvSender {
         match self {
             Self::Tcp(s) => s.bytes_sent(),
             Self::Quic(s) => s.bytes_sent(),
+            Self::Local(s) => s.bytes_sent(),
         }
     }
 }

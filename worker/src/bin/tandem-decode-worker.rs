@@ -13,8 +13,8 @@ use anyhow::Context;
 use clap::Parser;
 use engine::runner::{Runner, RunnerConfig};
 use kvtransfer::{
-    Peer, PeerTrust, QuicKvServer, QuicServerConfig, Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig,
-    TlsIdentity, TransportKind,
+    LocalKvServer, LocalServerConfig, Peer, PeerTrust, QuicKvServer, QuicServerConfig, Receiver, ReceiverConfig,
+    TcpKvServer, TcpServerConfig, TlsIdentity, TransportKind,
 };
 use proto::worker::v1::decode_worker_server::DecodeWorkerServer;
 use tokio_util::sync::CancellationToken;
@@ -53,7 +53,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let failures = WriteFailures::default();
     let sink = RunnerSink { runner: runner.clone(), failures: failures.clone() };
     let (kv_server, tls_cert_sha256) = bind_transfer(&cfg, receiver.clone(), sink).await?;
-    let transfer_addr = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr().to_string());
+    let transfer_addr = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr());
     println!("listening transfer={}", kv_server.local_addr());
     tracing::info!(transport = %cfg.transport, addr = %transfer_addr, "KV transfer listener");
 
@@ -112,13 +112,15 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
 enum KvServer {
     Tcp(TcpKvServer),
     Quic(QuicKvServer),
+    Local(LocalKvServer),
 }
 
 impl KvServer {
-    fn local_addr(&self) -> std::net::SocketAddr {
+    fn local_addr(&self) -> String {
         match self {
-            Self::Tcp(s) => s.local_addr(),
-            Self::Quic(s) => s.local_addr(),
+            Self::Tcp(s) => s.local_addr().to_string(),
+            Self::Quic(s) => s.local_addr().to_string(),
+            Self::Local(s) => s.local_addr().to_owned(),
         }
     }
 
@@ -126,6 +128,7 @@ impl KvServer {
         match self {
             Self::Tcp(s) => s.shutdown(),
             Self::Quic(s) => s.shutdown(),
+            Self::Local(s) => s.shutdown(),
         }
     }
 }
@@ -137,9 +140,14 @@ async fn bind_transfer(
     receiver: Arc<Mutex<Receiver>>,
     sink: RunnerSink,
 ) -> anyhow::Result<(KvServer, Option<[u8; 32]>)> {
-    let addr = cfg.transfer;
+    let addr = cfg.transfer.as_str();
     let bound = |e: std::io::Error| anyhow::anyhow!("binding transfer {addr}: {e}");
     match cfg.transport {
+        TransportKind::Local => {
+            let config = LocalServerConfig { idle_timeout: cfg.transfer_idle_timeout, ..LocalServerConfig::default() };
+            let s = LocalKvServer::bind(addr, receiver, sink, config).await.map_err(bound)?;
+            Ok((KvServer::Local(s), None))
+        }
         TransportKind::Tcp => {
             let config = TcpServerConfig { idle_timeout: cfg.transfer_idle_timeout, ..TcpServerConfig::default() };
             let s = TcpKvServer::bind(addr, receiver, sink, config).await.map_err(bound)?;

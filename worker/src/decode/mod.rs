@@ -78,10 +78,13 @@ pub struct DecodeFlags {
     #[arg(long, env = "TANDEM_KV_LOAD_FAILURE_POLICY")]
     pub kv_load_failure_policy: Option<String>,
     /// KV transport prefill workers push over: tcp (trusted network) |
-    /// quic (TLS; see the quic_* fields). Env: TANDEM_KV_TRANSPORT. Default tcp.
+    /// quic (TLS; see the quic_* fields) | local (same host, shared memory).
+    /// Env: TANDEM_KV_TRANSPORT. Default tcp.
     #[arg(long, env = "TANDEM_KV_TRANSPORT")]
     pub kv_transport: Option<String>,
-    /// KV transfer listen address. Env: TANDEM_TRANSFER. Default 127.0.0.1:0.
+    /// KV transfer listen address: host:port for tcp and quic (default
+    /// 127.0.0.1:0), a Unix socket path or `@name` for local (default
+    /// `@tandem-kv-<pid>`). Env: TANDEM_TRANSFER.
     #[arg(long, env = "TANDEM_TRANSFER")]
     pub transfer: Option<String>,
     /// Transfer address given to prefill workers, when it differs from the
@@ -114,7 +117,8 @@ pub struct DecodeConfig {
     pub common: CommonConfig,
     pub policy: KvLoadFailurePolicy,
     pub transport: kvtransfer::TransportKind,
-    pub transfer: std::net::SocketAddr,
+    /// host:port (tcp, quic) or a socket path / `@name` (local).
+    pub transfer: String,
     pub advertise_transfer: Option<String>,
     pub local_prefill_max_tokens: usize,
     pub reservation_ttl: Duration,
@@ -153,17 +157,27 @@ impl DecodeConfig {
         })?;
         let policy = KvLoadFailurePolicy::parse(text)
             .ok_or_else(|| invalid("kv_load_failure_policy", format!("{text:?}: use recompute, retry or fail")))?;
-        if let Some(a) = f.advertise_transfer.as_deref() {
-            socket_addr("advertise_transfer", a)?;
-        }
         let transport_text = f.kv_transport.as_deref().unwrap_or("tcp");
         let transport = kvtransfer::TransportKind::parse(transport_text)
-            .ok_or_else(|| invalid("kv_transport", format!("{transport_text:?}: use tcp or quic")))?;
+            .ok_or_else(|| invalid("kv_transport", format!("{transport_text:?}: use tcp, quic or local")))?;
+        let transfer = match (transport, f.transfer.as_deref()) {
+            (kvtransfer::TransportKind::Local, None) => format!("@tandem-kv-{}", std::process::id()),
+            (kvtransfer::TransportKind::Local, Some("")) => {
+                return Err(invalid("transfer", "is empty"));
+            }
+            (kvtransfer::TransportKind::Local, Some(a)) => a.to_owned(),
+            (_, a) => socket_addr("transfer", a.unwrap_or("127.0.0.1:0"))?.to_string(),
+        };
+        if let Some(a) = f.advertise_transfer.as_deref() {
+            if transport != kvtransfer::TransportKind::Local {
+                socket_addr("advertise_transfer", a)?;
+            }
+        }
         Ok(Self {
             common,
             policy,
             transport,
-            transfer: socket_addr("transfer", f.transfer.as_deref().unwrap_or("127.0.0.1:0"))?,
+            transfer,
             advertise_transfer: f.advertise_transfer.clone(),
             local_prefill_max_tokens: f.local_prefill_max_tokens.unwrap_or(32),
             reservation_ttl: millis("reservation_ttl_ms", f.reservation_ttl_ms, 30_000)?,

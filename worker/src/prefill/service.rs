@@ -23,8 +23,9 @@ use engine::sampler::SampledToken;
 
 use crate::serve::{blocking, err, local_deadline, runner_err};
 use kvtransfer::{
-    AbortReason, CertFingerprint, KvSender, LayoutFingerprint, Peer, PeerTrust, QuicKvSender, QuicSenderConfig,
-    RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig, TlsIdentity, TransferError, TransportKind,
+    AbortReason, CertFingerprint, KvSender, LayoutFingerprint, LocalKvSender, LocalSenderConfig, Peer, PeerTrust,
+    QuicKvSender, QuicSenderConfig, RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig,
+    TlsIdentity, TransferError, TransportKind,
 };
 use proto::worker::v1::prefill_worker_server::PrefillWorker;
 use proto::worker::v1::{
@@ -168,7 +169,7 @@ impl PrefillService {
         let Some(kind) = TransportKind::parse(&d.transport) else {
             return Err(err(
                 ErrorKind::InvalidArgument,
-                format!("destination.transport {:?} is not supported (tcp, quic)", d.transport),
+                format!("destination.transport {:?} is not supported (tcp, quic, local)", d.transport),
             ));
         };
         if d.transfer_addr.is_empty() {
@@ -307,6 +308,10 @@ impl PrefillService {
             TransportKind::Tcp => {
                 let config = TcpSenderConfig { timeout: t.timeout, ..TcpSenderConfig::default() };
                 TcpKvSender::connect(addr, local, layout, config).await.map(KvSender::Tcp)
+            }
+            TransportKind::Local => {
+                let config = LocalSenderConfig { timeout: t.timeout, ..LocalSenderConfig::default() };
+                LocalKvSender::connect(addr, local, layout, config).await.map(KvSender::Local)
             }
             TransportKind::Quic => {
                 let trust = match (&t.quic_ca, dest.pin) {

@@ -32,7 +32,7 @@ pub async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) ->
 pub struct Worker {
     child: Option<Child>,
     pub pid: u32,
-    addrs: HashMap<String, SocketAddr>,
+    addrs: HashMap<String, String>,
 }
 
 impl Drop for Worker {
@@ -73,14 +73,15 @@ impl Worker {
                 }
                 mpsc::RecvTimeoutError::Disconnected => format!("{bin} {args:?} exited before listening"),
             })?;
-            let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address {addr:?}: {e}"))?;
             w.addrs.insert(name, addr);
         }
         Ok(w)
     }
 
+    /// The `name` address as host:port.
     pub fn addr(&self, name: &str) -> Result<SocketAddr, String> {
-        self.addrs.get(name).copied().ok_or_else(|| format!("no `{name}` address"))
+        let a = self.addrs.get(name).ok_or_else(|| format!("no `{name}` address"))?;
+        a.parse().map_err(|e| format!("`{name}` address {a:?} is not host:port: {e}"))
     }
 
     pub fn signal(&self, sig: &str) -> Result<(), String> {

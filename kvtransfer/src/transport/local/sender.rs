@@ -188,47 +188,31 @@ impl LocalKvSender {
     /// [`PeerAbort`](TransferError::PeerAbort) if the receiver already
     /// refused this reservation.
     pub async fn send_layer(&mut self, r: Reservation, layer: usize, k: &[u8], v: &[u8]) -> Result<(), TransferError> {
-        let l = &self.layout;
-        if layer >= l.n_layers || layer > u32::MAX as usize {
-            return Err(SplitError::LayerOutOfRange { layer, n_layers: l.n_layers }.into());
-        }
-        let side = l.block_elems() * l.dtype.size();
-        if side == 0 || k.is_empty() || k.len() != v.len() || k.len() % side != 0 {
+        self.send_blocks(r, layer, 0, k, v).await
+    }
+
+    /// Sends one layer's K and V of the reservation's blocks
+    /// `first_block..first_block + n` (`n` from the lengths of `k` and `v`),
+    /// as [`send_layer`](Self::send_layer) does for all of them: a layer may
+    /// go out in pieces, as a streaming prefill completes its blocks. Each
+    /// (layer, block) must be sent exactly once.
+    pub async fn send_blocks(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), TransferError> {
+        let side = self.side();
+        if k.is_empty() || k.len() != v.len() || k.len() % side != 0 {
             return Err(SplitError::Shape { len: k.len() + v.len(), per_block: 2 * side }.into());
         }
-        let n_blocks = k.len() / side;
-        if n_blocks > u32::MAX as usize {
-            return Err(SplitError::TooManyBlocks { n_blocks }.into());
-        }
-        // connect() checked that one block fits a slot.
-        let per_frame = (self.config.slot_bytes / (2 * side)).max(1);
-        let mut first = 0;
-        while first < n_blocks {
-            self.check_not_aborted(r)?;
-            let slot = self.free_slot(r).await?;
-            let n = per_frame.min(n_blocks - first);
-            let range = first * side..(first + n) * side;
-            let (kr, vr) = (&k[range.clone()], &v[range]);
-            let dst = self.ring.slot_mut(slot as usize).ok_or_else(|| TransferError::Protocol("slot lost".into()))?;
-            let checksum = fill(dst, kr, vr);
-            let header = LayerDataHeader {
-                reservation: r.id.0,
-                generation: r.generation,
-                // Both checked to fit u32 above.
-                layer: layer as u32,
-                first_block: first as u32,
-                n_blocks: n as u32,
-                checksum,
-                payload_len: 2 * kr.len(),
-            };
-            let msg = Msg::Data(SlotData { slot, header });
-            write_msg(&mut self.stream, &mut self.out, &msg, self.config.timeout)
-                .await
-                .map_err(|e| write_error(e, "writing a Data message"))?;
-            self.bytes_sent += (2 * kr.len() + self.out.len()) as u64;
-            first += n;
-        }
-        Ok(())
+        self.send_frames(r, layer, first_block, k.len() / side, |dst, i, n| {
+            let range = i * side..(i + n) * side;
+            fill(dst, &k[range.clone()], &v[range])
+        })
+        .await
     }
 
     /// Sends one layer of `table`'s blocks straight from `pool`: the same
@@ -243,55 +227,98 @@ impl LocalKvSender {
         pool: &KvPool,
         table: &[BlockId],
     ) -> Result<(), TransferError> {
+        self.send_pool_blocks(r, layer, 0, pool, table).await
+    }
+
+    /// [`send_blocks`](Self::send_blocks) straight from `pool`: `blocks`
+    /// (pool ids) are the reservation's blocks `first_block..`, as
+    /// [`send_pool_layer`](Self::send_pool_layer) sends a whole table.
+    pub async fn send_pool_blocks(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        pool: &KvPool,
+        blocks: &[BlockId],
+    ) -> Result<(), TransferError> {
         if *pool.layout() != self.layout {
-            let why = format!("pool layout {:?} is not the connection's {:?}", pool.layout(), self.layout);
-            return Err(TransferError::Io(io::Error::new(io::ErrorKind::InvalidInput, why)));
+            return Err(invalid(&format!("pool layout {:?} is not the connection's {:?}", pool.layout(), self.layout)));
+        }
+        if let Some(b) = blocks.iter().find(|&&b| b as usize >= pool.num_blocks()) {
+            return Err(invalid(&format!("block {b} is outside the pool of {}", pool.num_blocks())));
+        }
+        let side = self.side();
+        if blocks.is_empty() {
+            return Err(SplitError::Shape { len: 0, per_block: 2 * side }.into());
+        }
+        if layer >= self.layout.n_layers {
+            return Err(SplitError::LayerOutOfRange { layer, n_layers: self.layout.n_layers }.into());
         }
         if cfg!(target_endian = "big") {
             // The pool stores native elements and the wire wants little-endian.
-            let (k, v) = pool.gather_layer(layer, table).map_err(|e| shape_error(&e.to_string()))?;
-            return self.send_layer(r, layer, &k, &v).await;
+            let (k, v) = pool.gather_layer(layer, blocks).map_err(|e| invalid(&e.to_string()))?;
+            return self.send_blocks(r, layer, first_block, &k, &v).await;
         }
-        let l = &self.layout;
-        if layer >= l.n_layers || layer > u32::MAX as usize {
-            return Err(SplitError::LayerOutOfRange { layer, n_layers: l.n_layers }.into());
-        }
-        let side = l.block_elems() * l.dtype.size();
-        if table.is_empty() {
-            return Err(SplitError::Shape { len: 0, per_block: 2 * side }.into());
-        }
-        if table.len() > u32::MAX as usize {
-            return Err(SplitError::TooManyBlocks { n_blocks: table.len() }.into());
-        }
-        if let Some(b) = table.iter().find(|&&b| b as usize >= pool.num_blocks()) {
-            return Err(shape_error(&format!("block {b} is outside the pool of {}", pool.num_blocks())));
-        }
-        let per_frame = (self.config.slot_bytes / (2 * side)).max(1);
         let (ks, vs) = pool.layer(layer);
         let (ks, vs) = (storage_bytes(&ks), storage_bytes(&vs));
-        let mut first = 0;
-        while first < table.len() {
+        self.send_frames(r, layer, first_block, blocks.len(), |dst, i, n| {
+            fill_blocks(dst, ks, vs, &blocks[i..i + n], side)
+        })
+        .await
+    }
+
+    /// Bytes of one block's K (or V) in one layer; connect() checked it is
+    /// not 0 and that K and V of one block fit a slot.
+    fn side(&self) -> usize {
+        self.layout.block_elems() * self.layout.dtype.size()
+    }
+
+    /// Sends blocks `first_block..first_block + n_blocks` of `layer` in
+    /// frames of whole blocks, each through a free slot that `fill(slot,
+    /// i, n)` fills with K then V of the `n` blocks from the `i`-th on,
+    /// returning their checksum.
+    async fn send_frames(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        n_blocks: usize,
+        mut fill: impl FnMut(&mut [u8], usize, usize) -> u32,
+    ) -> Result<(), TransferError> {
+        let n_layers = self.layout.n_layers;
+        if layer >= n_layers || layer > u32::MAX as usize {
+            return Err(SplitError::LayerOutOfRange { layer, n_layers }.into());
+        }
+        // Block indices travel as u32.
+        let end = first_block.saturating_add(n_blocks);
+        if end > u32::MAX as usize {
+            return Err(SplitError::TooManyBlocks { n_blocks: end }.into());
+        }
+        let side = self.side();
+        let per_frame = (self.config.slot_bytes / (2 * side)).max(1);
+        let mut i = 0;
+        while i < n_blocks {
             self.check_not_aborted(r)?;
             let slot = self.free_slot(r).await?;
-            let blocks = &table[first..(first + per_frame).min(table.len())];
+            let n = per_frame.min(n_blocks - i);
             let dst = self.ring.slot_mut(slot as usize).ok_or_else(|| TransferError::Protocol("slot lost".into()))?;
-            let checksum = fill_blocks(dst, ks, vs, blocks, side);
+            let checksum = fill(dst, i, n);
             let header = LayerDataHeader {
                 reservation: r.id.0,
                 generation: r.generation,
-                // Checked to fit u32 above.
+                // Both checked to fit u32 above.
                 layer: layer as u32,
-                first_block: first as u32,
-                n_blocks: blocks.len() as u32,
+                first_block: (first_block + i) as u32,
+                n_blocks: n as u32,
                 checksum,
-                payload_len: 2 * blocks.len() * side,
+                payload_len: 2 * n * side,
             };
             let msg = Msg::Data(SlotData { slot, header });
             write_msg(&mut self.stream, &mut self.out, &msg, self.config.timeout)
                 .await
                 .map_err(|e| write_error(e, "writing a Data message"))?;
             self.bytes_sent += (header.payload_len + self.out.len()) as u64;
-            first += blocks.len();
+            i += n;
         }
         Ok(())
     }
@@ -374,7 +401,7 @@ impl LocalKvSender {
                 self.note(m)?;
             }
             match self.stream.try_read(self.reader.space()) {
-                Ok(0) => return Err(closed("")),
+                Ok(0) => return Err(closed("while the sender was busy")),
                 Ok(n) => self.reader.advance(n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) => return Err(e.into()),
@@ -405,7 +432,7 @@ fn storage_bytes<'a>(s: &KvSlice<'a>) -> &'a [u8] {
     }
 }
 
-fn shape_error(why: &str) -> TransferError {
+fn invalid(why: &str) -> TransferError {
     TransferError::Io(io::Error::new(io::ErrorKind::InvalidInput, why.to_owned()))
 }
 
