@@ -46,6 +46,7 @@ run: deps model build
 test: deps model
 	$(MODEL_PATH); \
 	export TANDEM_MODEL="$$model"; \
+	cargo build --workspace --bins && \
 	if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --no-fail-fast --no-tests=warn; \
 	else \

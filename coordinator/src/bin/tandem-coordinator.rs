@@ -1,0 +1,117 @@
+//! `tandem-coordinator`: serves the OpenAI-compatible HTTP API in front of
+//! decode workers (given by address), prints `listening http=ADDR` once
+//! bound, and on SIGTERM/SIGINT stops accepting and lets in-flight requests
+//! finish (bounded by `--shutdown-timeout-ms`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use coordinator::cluster::Cluster;
+use coordinator::http::{router, App, HttpSettings};
+use engine::tokenizer::Tokenizer;
+use engine::weights::Weights;
+
+/// Flags (each also a `TANDEM_*` env var).
+#[derive(Debug, Parser)]
+#[command(name = "tandem-coordinator", about = "tandem coordinator: OpenAI-compatible HTTP front")]
+struct Flags {
+    /// HTTP listen address. Env: TANDEM_HTTP.
+    #[arg(long, env = "TANDEM_HTTP", default_value = "127.0.0.1:8000")]
+    http: SocketAddr,
+    /// GGUF model file (its tokenizer and chat template are used here). Env: TANDEM_MODEL.
+    #[arg(long, env = "TANDEM_MODEL")]
+    model: Option<PathBuf>,
+    /// The model id clients name. Env: TANDEM_MODEL_NAME.
+    #[arg(long, env = "TANDEM_MODEL_NAME", default_value = "SmolLM2-135M-Instruct")]
+    model_name: String,
+    /// Decode worker gRPC addresses (repeat or comma-separate). Env: TANDEM_DECODE.
+    #[arg(long, env = "TANDEM_DECODE", value_delimiter = ',', required = true)]
+    decode: Vec<String>,
+    /// Prefill worker gRPC addresses (repeat or comma-separate; none: decode
+    /// workers prefill locally). Env: TANDEM_PREFILL.
+    #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',')]
+    prefill: Vec<String>,
+    /// Largest request body in bytes (413 beyond). Env: TANDEM_MAX_BODY_BYTES.
+    #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Requests in flight at once (503 + Retry-After beyond). Env: TANDEM_MAX_INFLIGHT.
+    #[arg(long, env = "TANDEM_MAX_INFLIGHT", default_value_t = 64)]
+    max_inflight: usize,
+    /// Deadline of a request that sets no `x-request-timeout-ms`, ms. Env: TANDEM_REQUEST_TIMEOUT_MS.
+    #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
+    request_timeout_ms: u64,
+    /// `max_tokens` of a request that sets none. Env: TANDEM_DEFAULT_MAX_TOKENS.
+    #[arg(long, env = "TANDEM_DEFAULT_MAX_TOKENS", default_value_t = 256)]
+    default_max_tokens: u32,
+    /// Drain grace on SIGTERM/SIGINT, ms. Env: TANDEM_SHUTDOWN_TIMEOUT_MS.
+    #[arg(long, env = "TANDEM_SHUTDOWN_TIMEOUT_MS", default_value_t = 10_000)]
+    shutdown_timeout_ms: u64,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let flags = Flags::parse();
+    for (name, v) in [("max_inflight", flags.max_inflight), ("max_body_bytes", flags.max_body_bytes)] {
+        anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");
+    }
+    anyhow::ensure!(flags.request_timeout_ms > 0, "config field `request_timeout_ms`: must be at least 1");
+    anyhow::ensure!(flags.default_max_tokens > 0, "config field `default_max_tokens`: must be at least 1");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(run(flags))
+}
+
+async fn run(flags: Flags) -> anyhow::Result<()> {
+    let path = flags.model.clone().unwrap_or_else(engine::paths::default_model_path);
+    let (weights, gguf) = Weights::from_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
+    let context = weights.config.context;
+    drop(weights);
+    let cluster = Arc::new(Cluster::new(&flags.decode, &flags.prefill).map_err(anyhow::Error::msg)?);
+    let settings = HttpSettings {
+        model: flags.model_name.clone(),
+        max_body_bytes: flags.max_body_bytes,
+        max_inflight: flags.max_inflight,
+        default_timeout: Duration::from_millis(flags.request_timeout_ms),
+        default_max_tokens: flags.default_max_tokens,
+    };
+    let app = App::new(tokenizer, context, cluster, settings);
+    let listener =
+        tokio::net::TcpListener::bind(flags.http).await.with_context(|| format!("binding {}", flags.http))?;
+    println!("listening http={}", listener.local_addr()?);
+    let (signalled_tx, signalled) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, router(app)).with_graceful_shutdown(async move {
+        stop_signal().await;
+        let _ = signalled_tx.send(());
+    });
+    let mut handle = tokio::spawn(async move { server.await });
+    let grace = Duration::from_millis(flags.shutdown_timeout_ms);
+    // After the signal, in-flight requests get the grace; then we exit anyway.
+    tokio::select! {
+        r = &mut handle => r.context("HTTP server task")?.context("serving HTTP")?,
+        _ = async { if signalled.await.is_ok() { tokio::time::sleep(grace).await } else { std::future::pending::<()>().await } } => {
+            tracing::warn!(?grace, "in-flight requests did not finish within the grace");
+        }
+    }
+    Ok(())
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn stop_signal() {
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: draining"),
+            _ = int.recv() => tracing::info!("SIGINT: draining"),
+        }
+    }
+}

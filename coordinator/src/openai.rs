@@ -1,0 +1,324 @@
+//! The OpenAI-compatible request and response shapes, their validation,
+//! and the error body every refusal uses:
+//! `{"error":{"message","type","param","code"}}`.
+//!
+//! Validation happens before admission and names the offending field in
+//! `param`. Unknown fields are ignored (clients send many we do not use);
+//! known fields with the wrong type or an out-of-range value are refused.
+
+use axum::http::StatusCode;
+use engine::sampler::SamplingParams;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Most completions per request (`n`); only 1 is supported today.
+pub const MAX_N: u32 = 1;
+/// Most alternatives per token for `logprobs` / `top_logprobs`.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+/// Most stop strings.
+pub const MAX_STOP: usize = 4;
+
+/// A refusal in the OpenAI error shape, with its HTTP status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// `invalid_request_error`, `server_error`, `overloaded_error`, ...
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (429/503).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.into()),
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    pub fn new(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), kind, param: None, code: Some(code), retry_after: None }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+/// `stop`: a string or a list of strings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Sampling {
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub seed: Option<u64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub stop: Option<Stop>,
+    pub n: Option<i64>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    /// Ignore the model's end-of-sequence token (vLLM extension).
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Option<Value>,
+    /// Completions API: an integer, the number of alternatives.
+    pub logprobs: Option<Value>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+/// One chat message; `content` may be a string or a list of text parts.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: Option<Value>,
+    pub content: Option<Value>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Option<Vec<Message>>,
+    /// Chat API: a boolean; `top_logprobs` gives the count.
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+/// What a validated request asks for, independent of the endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spec {
+    pub params: SamplingParams,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn finite(param: &str, v: f64, lo: f64, hi: f64, what: &str) -> Result<f32, ApiError> {
+    if !v.is_finite() || v < lo || v > hi {
+        return Err(ApiError::invalid(param, format!("`{param}` must be {what}; got {v}")));
+    }
+    Ok(v as f32)
+}
+
+/// Validates the sampling fields into engine parameters. `logprobs` is the
+/// number of alternatives asked for (None: no logprobs).
+pub fn sampling(s: &Sampling, logprobs: Option<u32>, default_max_tokens: u32) -> Result<Spec, ApiError> {
+    let mut p = SamplingParams::default();
+    if let Some(n) = s.n {
+        if n < 1 || n > MAX_N as i64 {
+            return Err(ApiError::invalid("n", format!("`n` must be between 1 and {MAX_N}; got {n}")));
+        }
+    }
+    let max = match (s.max_completion_tokens, s.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    p.max_tokens = match max.1 {
+        None => default_max_tokens,
+        Some(m) if m < 1 => return Err(ApiError::invalid(max.0, format!("`{}` must be at least 1; got {m}", max.0))),
+        Some(m) => u32::try_from(m).map_err(|_| ApiError::invalid(max.0, format!("`{}` is too large", max.0)))?,
+    };
+    if let Some(t) = s.temperature {
+        p.temperature = finite("temperature", t, 0.0, 2.0, "between 0 and 2")?;
+    }
+    if let Some(t) = s.top_p {
+        p.top_p = finite("top_p", t, 0.0, 1.0, "in (0, 1]")?;
+        if p.top_p <= 0.0 {
+            return Err(ApiError::invalid("top_p", "`top_p` must be in (0, 1]; got 0"));
+        }
+    }
+    if let Some(k) = s.top_k {
+        // -1 and 0 both mean "off" (vLLM uses -1).
+        p.top_k = if k <= 0 { 0 } else { u32::try_from(k).map_err(|_| ApiError::invalid("top_k", "too large"))? };
+    }
+    if let Some(m) = s.min_p {
+        p.min_p = finite("min_p", m, 0.0, 1.0, "in [0, 1)")?;
+        if p.min_p >= 1.0 {
+            return Err(ApiError::invalid("min_p", "`min_p` must be in [0, 1); got 1"));
+        }
+    }
+    if let Some(v) = s.presence_penalty {
+        p.presence_penalty = finite("presence_penalty", v, -2.0, 2.0, "between -2 and 2")?;
+    }
+    if let Some(v) = s.frequency_penalty {
+        p.frequency_penalty = finite("frequency_penalty", v, -2.0, 2.0, "between -2 and 2")?;
+    }
+    if let Some(v) = s.repetition_penalty {
+        p.repetition_penalty = finite("repetition_penalty", v, f64::MIN_POSITIVE, 10.0, "in (0, 10]")?;
+    }
+    p.seed = s.seed;
+    p.ignore_eos = s.ignore_eos;
+    p.stop_strings = match &s.stop {
+        None => Vec::new(),
+        Some(Stop::One(x)) => vec![x.clone()],
+        Some(Stop::Many(v)) => v.clone(),
+    };
+    if p.stop_strings.len() > MAX_STOP {
+        return Err(ApiError::invalid("stop", format!("at most {MAX_STOP} stop strings")));
+    }
+    if p.stop_strings.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+    p.logprobs = logprobs;
+    p.validate().map_err(|e| ApiError::invalid(e.field().unwrap_or("body"), e.to_string()))?;
+    let include_usage = s.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    if s.stream_options.is_some() && !s.stream {
+        return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed with `stream: true`"));
+    }
+    Ok(Spec { params: p, stream: s.stream, include_usage })
+}
+
+/// The completions API's `logprobs` (an integer 0..=20, or null).
+pub fn completion_logprobs(v: &Option<Value>) -> Result<Option<u32>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(k) if k <= MAX_TOP_LOGPROBS as u64 => Ok(Some(k as u32)),
+            _ => Err(ApiError::invalid("logprobs", format!("`logprobs` must be an integer 0..={MAX_TOP_LOGPROBS}"))),
+        },
+        Some(_) => Err(ApiError::invalid("logprobs", "`logprobs` must be an integer")),
+    }
+}
+
+/// The chat API's `logprobs` (bool) and `top_logprobs` (0..=20).
+pub fn chat_logprobs(logprobs: &Option<Value>, top: Option<i64>) -> Result<Option<u32>, ApiError> {
+    let on = match logprobs {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::invalid("logprobs", "`logprobs` must be a boolean")),
+    };
+    match (on, top) {
+        (_, Some(k)) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&k) => {
+            Err(ApiError::invalid("top_logprobs", format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}")))
+        }
+        (false, Some(_)) => Err(ApiError::invalid("top_logprobs", "`top_logprobs` requires `logprobs: true`")),
+        (false, None) => Ok(None),
+        (true, k) => Ok(Some(k.unwrap_or(0) as u32)),
+    }
+}
+
+/// `usage`.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    pub fn new(prompt: u32, completion: u32) -> Self {
+        Self { prompt_tokens: prompt, completion_tokens: completion, total_tokens: prompt + completion }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(json: &str) -> Result<Spec, ApiError> {
+        let s: Sampling = serde_json::from_str(json).map_err(|e| ApiError::invalid("body", e.to_string()))?;
+        sampling(&s, None, 16)
+    }
+
+    #[test]
+    fn defaults_and_max_tokens() {
+        let s = spec("{}").map_err(|e| e.message);
+        assert_eq!(s.as_ref().map(|s| s.params.max_tokens), Ok(16));
+        let s = spec(r#"{"max_tokens": 5, "max_completion_tokens": 7}"#).map_err(|e| e.message);
+        assert_eq!(s.map(|s| s.params.max_tokens), Ok(7), "max_completion_tokens wins");
+    }
+
+    #[test]
+    fn out_of_range_values_name_their_field() {
+        for (json, param) in [
+            (r#"{"max_tokens": 0}"#, "max_tokens"),
+            (r#"{"max_completion_tokens": -3}"#, "max_completion_tokens"),
+            (r#"{"temperature": 2.5}"#, "temperature"),
+            (r#"{"temperature": -0.1}"#, "temperature"),
+            (r#"{"top_p": 0}"#, "top_p"),
+            (r#"{"top_p": 1.5}"#, "top_p"),
+            (r#"{"presence_penalty": 3}"#, "presence_penalty"),
+            (r#"{"frequency_penalty": -2.5}"#, "frequency_penalty"),
+            (r#"{"n": 2}"#, "n"),
+            (r#"{"stop": ["a", ""]}"#, "stop"),
+            (r#"{"stop": ["a", "b", "c", "d", "e"]}"#, "stop"),
+            (r#"{"stream_options": {"include_usage": true}}"#, "stream_options"),
+        ] {
+            let e = spec(json).err();
+            assert_eq!(e.as_ref().and_then(|e| e.param.as_deref()), Some(param), "{json}: {e:?}");
+            assert_eq!(e.map(|e| e.status), Some(StatusCode::BAD_REQUEST));
+        }
+    }
+
+    #[test]
+    fn logprob_fields() {
+        assert_eq!(chat_logprobs(&Some(Value::Bool(true)), Some(3)).map_err(|e| e.message), Ok(Some(3)));
+        assert_eq!(chat_logprobs(&None, None).map_err(|e| e.message), Ok(None));
+        assert!(chat_logprobs(&None, Some(2)).is_err());
+        assert!(chat_logprobs(&Some(Value::Bool(true)), Some(21)).is_err());
+        assert_eq!(completion_logprobs(&Some(serde_json::json!(2))).map_err(|e| e.message), Ok(Some(2)));
+        assert!(completion_logprobs(&Some(serde_json::json!(-1))).is_err());
+    }
+
+    #[test]
+    fn error_body_has_the_openai_shape() {
+        let b = ApiError::invalid("top_p", "bad").body();
+        assert_eq!(b["error"]["param"], "top_p");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["message"], "bad");
+        assert!(b["error"].get("code").is_some());
+    }
+}
