@@ -1,0 +1,65 @@
+//! tandem's worker registry on etcd.
+//!
+//! # What it owns
+//! - [`WorkerInfo`]: what a worker publishes about itself (role, version group, layout
+//!   fingerprint, addresses, static capacity, draining flag), as JSON.
+//! - The key layout under a cluster prefix ([`keys`]): `/{prefix}/workers/{role}/{id}`.
+//! - [`Registration`]: a worker's key under a lease, kept alive by one owned task that
+//!   **fences** the worker ([`Fence`]) whenever the lease is or may be lost, before it
+//!   re-registers with a fresh lease.
+//! - [`Membership`]: the coordinator's watch-fed cache of every worker, readable with no
+//!   etcd round trip, with its freshness ([`Membership::healthy`],
+//!   [`Membership::last_sync_age`]) so a coordinator can serve from it through an etcd blip
+//!   for a bounded time.
+//! - `testing::Etcd` (feature `testing`): a real etcd process on loopback ports for tests.
+//!
+//! # What it must not do
+//! - Carry load: queue depth and KV headroom change per request and reach coordinators
+//!   straight from workers. The only value a worker rewrites is its draining flag.
+//! - Route, admit, or decide how long a stale cache may be served: it reports freshness,
+//!   the coordinator chooses.
+//! - Block without a bound or panic on anything etcd or the network does: every etcd call
+//!   has a timeout and failures are typed ([`RegistryError`]).
+//!
+//! # Fencing rule
+//! A worker takes new work only while its [`Registration`] reads [`Fence::Serving`]. The
+//! keeper flips to [`Fence::Fenced`] when etcd answers a keepalive with TTL 0, when no
+//! keepalive has been acknowledged for 9/10 of the TTL (counted from the *send* time of the
+//! last acknowledged one, so before etcd can have expired it), or when the key turns out to
+//! belong to someone else. Only after fencing does it grant a new lease and reclaim the key
+//! (a transaction: absent, unleased, or still held by our old lease); then it flips back
+//! to `Serving`. Details in [`registration`].
+//!
+//! # etcd 3.4 caveats (Debian's etcd-server with etcd-client 0.21)
+//! - `KvClient::get_stream` is a 3.7 API ("unknown method RangeStream" on 3.4): listing
+//!   uses plain `get` with `limit`, paging at a fixed revision.
+//! - No automatic keepalive: the keeper sends each keepalive on the stream from
+//!   `lease_keep_alive` every TTL/3 and reads each answer.
+//! - Streams do not survive a reconnect: after any failure both tasks drop their client,
+//!   connect afresh and rebuild the keepalive stream or the list + watch.
+//! - A watch can go silent when etcd dies: the membership task sends a progress request
+//!   every [`MembershipConfig::progress_interval`] and re-lists when nothing arrives within
+//!   [`MembershipConfig::silence_timeout`].
+//! - A restarted etcd extends every lease by its TTL, so an old lease may outlive the
+//!   worker's own fence; reclaiming the key from our old lease and then revoking it handles
+//!   that without a window where the key is missing.
+//! - etcd raises a TTL below its minimum (1.5 × election timeout, so 2 s with default
+//!   flags); the keeper uses the TTL etcd granted.
+
+#![forbid(unsafe_code)]
+
+mod error;
+mod etcd;
+mod info;
+pub mod keys;
+pub mod membership;
+pub mod registration;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use error::RegistryError;
+pub use etcd::EtcdConfig;
+pub use info::{Capacity, Role, TransferEndpoint, WorkerInfo};
+pub use keys::ClusterPrefix;
+pub use membership::{Membership, MembershipConfig, MembershipView};
+pub use registration::{Fence, FenceReason, Registration, RegistrationConfig};
