@@ -2,7 +2,9 @@
 # machine as root (Rust toolchain and cargo-nextest preinstalled).
 #
 #   make test       system deps + model, then the whole test suite (what CI runs)
-#   make run        build and generate one chat answer with the real model
+#   make run        build and start a local cluster (prefill + decode workers,
+#                   coordinator) serving the OpenAI API on 127.0.0.1:8000
+#   make chat       build and generate one chat answer in-process (no cluster)
 #   make fixtures   regenerate engine/tests/fixtures/llama_cpp_reference.json
 #   make bench      compare our engine with llama.cpp's llama-bench
 #
@@ -21,10 +23,12 @@ THREADS ?= 2
 # assignment, so a failed fetch stops the recipe (set -e, pipefail).
 MODEL_PATH := model="$$(scripts/fetch-model.sh | tail -n 1)"
 
-.PHONY: help deps model build run test llama fixtures bench
+.PHONY: help deps model build run chat test llama fixtures bench
+
+HTTP ?= 127.0.0.1:8000
 
 help:
-	@echo "targets: deps model build run test llama fixtures bench"
+	@echo "targets: deps model build run chat test llama fixtures bench"
 	@echo "cache:   $(TANDEM_CACHE)"
 
 ## System packages (apt only when something is missing).
@@ -36,9 +40,17 @@ model:
 	scripts/fetch-model.sh
 
 build:
-	cargo build --release -p tandem
+	cargo build --release --workspace --bins
 
+## The main job: a local cluster serving the OpenAI API until Ctrl-C.
 run: deps model build
+	$(MODEL_PATH); \
+	echo "starting the cluster; once the table is printed, try:"; \
+	echo "  curl -s $(HTTP)/v1/chat/completions -H 'content-type: application/json' \\"; \
+	echo "    -d '{\"model\":\"SmolLM2-135M-Instruct\",\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}]}'"; \
+	./target/release/tandem up --model "$$model" --http $(HTTP) --state-file $(TANDEM_CACHE)/cluster.json
+
+chat: deps model build
 	$(MODEL_PATH); \
 	TANDEM_MODEL="$$model" ./target/release/tandem generate \
 		--chat "What is the capital of France? Answer in one sentence." --max-tokens 64 --stats

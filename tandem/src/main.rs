@@ -1,4 +1,4 @@
-//! `tandem`: the command-line entry to the engine (and, later, the cluster).
+//! `tandem`: the command-line entry to the engine and the local cluster.
 //!
 //! Output contract: commands that generate text print only that text on
 //! stdout; logs, progress and statistics go to stderr. Errors exit non-zero
@@ -8,11 +8,12 @@ mod bench;
 mod convert;
 mod generate;
 mod load;
+mod up;
 
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "tandem", version, about = "Disaggregated prefill/decode LLM serving — engine tools")]
+#[command(name = "tandem", version, about = "Disaggregated prefill/decode LLM serving")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -27,6 +28,8 @@ enum Cmd {
     /// Benchmarks (ratios against a baseline measured in the same run).
     #[command(subcommand)]
     Bench(bench::Cmd),
+    /// Start a local cluster (prefill and decode workers, coordinator) serving the OpenAI API.
+    Up(up::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -42,6 +45,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Generate(a) => generate::run(a),
         Cmd::Convert(a) => convert::run(a),
         Cmd::Bench(c) => bench::run(c),
+        Cmd::Up(a) => up::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

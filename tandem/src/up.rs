@@ -1,0 +1,316 @@
+//! `tandem up`: a whole local cluster as child processes — prefill
+//! workers, decode workers and a coordinator serving the OpenAI API — with
+//! one command, and a clean stop on Ctrl-C/SIGTERM.
+//!
+//! Children are started on loopback ports they pick (they print
+//! `listening NAME=ADDR`), prefill and decode workers share one version
+//! group and move KV over shared memory (`local`), the coordinator gets the
+//! workers' addresses. Once `/ready` answers, the state file is written and
+//! a table printed. A child that exits on its own stops the whole cluster
+//! (exit status non-zero); a signal stops the coordinator first, then the
+//! decode workers, then the prefill workers, each with SIGTERM and its
+//! drain grace, then SIGKILL for anything left. No process is left behind.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// GGUF model file (default: the cached SmolLM2 file).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The coordinator's HTTP address.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    http: SocketAddr,
+    /// Prefill workers.
+    #[arg(long, default_value_t = 1)]
+    prefill: usize,
+    /// Decode workers.
+    #[arg(long, default_value_t = 1)]
+    decode: usize,
+    /// Compute threads per worker (default: cores / workers, at least 1).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// KV transport between the workers: local (shared memory) | tcp | quic.
+    #[arg(long, default_value = "local")]
+    kv_transport: String,
+    /// The decode workers' kv_load_failure_policy: recompute | retry | fail.
+    #[arg(long, default_value = "recompute")]
+    kv_load_failure_policy: String,
+    /// Write the cluster's components as JSON here once it is ready.
+    #[arg(long)]
+    state_file: Option<PathBuf>,
+    /// Drain grace per component on stop, ms.
+    #[arg(long, default_value_t = 10_000)]
+    shutdown_timeout_ms: u64,
+}
+
+/// One component, as written to the state file (a field only where the component has it).
+#[derive(Debug, Clone, Serialize)]
+struct Component {
+    role: &'static str,
+    pid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grpc: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metrics: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    transfer: Option<String>,
+}
+
+struct Running {
+    component: Component,
+    child: Child,
+}
+
+/// Waits for a component's start-up lines.
+const START_TIMEOUT: Duration = Duration::from_secs(180);
+
+fn sibling(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let path = exe.parent().map(|d| d.join(name)).context("the tandem binary has no directory")?;
+    if !path.is_file() {
+        bail!("{} not found next to tandem: build with `cargo build --release --workspace --bins`", path.display());
+    }
+    Ok(path)
+}
+
+async fn spawn(role: &'static str, bin: &Path, args: &[String], wants: &[&str]) -> anyhow::Result<Running> {
+    let mut child = Command::new(bin)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let pid = child.id().context("the child has no pid")?;
+    let mut c = Component { role, pid, grpc: None, http: None, metrics: None, transfer: None };
+    let out = child.stdout.take().context("no stdout pipe")?;
+    let mut lines = BufReader::new(out).lines();
+    let read = async {
+        while wants.iter().any(|w| match *w {
+            "grpc" => c.grpc.is_none(),
+            "http" => c.http.is_none(),
+            "metrics" => c.metrics.is_none(),
+            _ => c.transfer.is_none(),
+        }) {
+            let Some(line) = lines.next_line().await? else {
+                bail!("{role} (pid {pid}) exited before it was listening");
+            };
+            if let Some((k, v)) = line.strip_prefix("listening ").and_then(|l| l.split_once('=')) {
+                let slot = match k {
+                    "grpc" => &mut c.grpc,
+                    "http" => &mut c.http,
+                    "metrics" => &mut c.metrics,
+                    "transfer" => &mut c.transfer,
+                    _ => continue,
+                };
+                *slot = Some(v.to_owned());
+            }
+        }
+        Ok(())
+    };
+    tokio::time::timeout(START_TIMEOUT, read)
+        .await
+        .map_err(|_| anyhow::anyhow!("{role} (pid {pid}) did not start within {START_TIMEOUT:?}"))??;
+    // Keep draining its stdout so it never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok(Running { component: c, child })
+}
+
+/// GET `path` on `addr`; the status code.
+fn get_status(addr: &str, path: &str) -> Option<u16> {
+    let sa: SocketAddr = addr.parse().ok()?;
+    let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    buf.split(' ').nth(1)?.parse().ok()
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.prefill == 0 && a.decode == 0 {
+        bail!("nothing to start: --prefill and --decode are both 0");
+    }
+    if a.decode == 0 {
+        bail!("--decode must be at least 1");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(up(a))
+}
+
+async fn up(a: Args) -> anyhow::Result<()> {
+    let model = a.model.clone().unwrap_or_else(engine::paths::default_model_path);
+    if !model.is_file() {
+        bail!("model {} not found: run `make model` or pass --model", model.display());
+    }
+    let model_s = model.display().to_string();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = a.threads.unwrap_or((cores / (a.prefill + a.decode)).max(1)).to_string();
+    let grace = a.shutdown_timeout_ms.to_string();
+    let group = "local";
+    let mut running: Vec<Running> = Vec::new();
+    let started = async {
+        let common = |extra: &[&str]| -> Vec<String> {
+            let mut v: Vec<String> =
+                ["--model", &model_s, "--version-group", group, "--threads", &threads, "--shutdown-timeout-ms", &grace]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect();
+            v.extend(extra.iter().map(|s| s.to_string()));
+            v
+        };
+        let pbin = sibling("tandem-prefill-worker")?;
+        for _ in 0..a.prefill {
+            running.push(spawn("prefill", &pbin, &common(&[]), &["grpc", "metrics"]).await?);
+        }
+        let dbin = sibling("tandem-decode-worker")?;
+        for i in 0..a.decode {
+            let transfer = match a.kv_transport.as_str() {
+                "local" => format!("@tandem-up-{}-{i}", std::process::id()),
+                _ => "127.0.0.1:0".to_owned(),
+            };
+            let extra = [
+                "--kv-transport",
+                &a.kv_transport,
+                "--transfer",
+                &transfer,
+                "--kv-load-failure-policy",
+                &a.kv_load_failure_policy,
+            ];
+            running.push(spawn("decode", &dbin, &common(&extra), &["grpc", "metrics", "transfer"]).await?);
+        }
+        let addrs = |role: &str| -> String {
+            running
+                .iter()
+                .filter(|r| r.component.role == role)
+                .filter_map(|r| r.component.grpc.clone())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let mut cargs = vec!["--http".to_owned(), a.http.to_string(), "--model".to_owned(), model_s.clone()];
+        cargs.extend(["--decode".to_owned(), addrs("decode"), "--shutdown-timeout-ms".to_owned(), grace.clone()]);
+        if a.prefill > 0 {
+            cargs.extend(["--prefill".to_owned(), addrs("prefill")]);
+        }
+        let cbin = sibling("tandem-coordinator")?;
+        running.push(spawn("coordinator", &cbin, &cargs, &["http"]).await?);
+        // Ready: the coordinator reaches a ready decode worker.
+        let http = running.last().and_then(|r| r.component.http.clone()).context("no coordinator address")?;
+        let until = Instant::now() + START_TIMEOUT;
+        loop {
+            let h = http.clone();
+            if tokio::task::spawn_blocking(move || get_status(&h, "/ready")).await? == Some(200) {
+                break;
+            }
+            if Instant::now() > until {
+                bail!("the cluster was not ready within {START_TIMEOUT:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::Ok(())
+    };
+    let outcome = tokio::select! {
+        r = started => r,
+        _ = stop_signal() => Err(anyhow::anyhow!("interrupted during start-up")),
+    };
+    if let Err(e) = outcome {
+        stop_all(&mut running, Duration::from_millis(a.shutdown_timeout_ms)).await;
+        return Err(e);
+    }
+
+    let components: Vec<Component> = running.iter().map(|r| r.component.clone()).collect();
+    if let Some(path) = &a.state_file {
+        let json = serde_json::to_string_pretty(&serde_json::json!({ "components": components }))?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    print_table(&components);
+
+    // Serve until a signal, or until a child dies on its own.
+    let died = async {
+        loop {
+            for r in running.iter_mut() {
+                if let Ok(Some(status)) = r.child.try_wait() {
+                    return (r.component.role, r.component.pid, status);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    let result = tokio::select! {
+        (role, pid, status) = died => Err(anyhow::anyhow!("{role} (pid {pid}) exited on its own ({status}); stopping the cluster")),
+        s = stop_signal() => { eprintln!("{s}: stopping the cluster"); Ok(()) }
+    };
+    stop_all(&mut running, Duration::from_millis(a.shutdown_timeout_ms)).await;
+    if let Some(path) = &a.state_file {
+        let _ = std::fs::remove_file(path);
+    }
+    result
+}
+
+/// Coordinator first (no new requests), then decode, then prefill workers:
+/// SIGTERM, wait up to the grace (plus a margin), then SIGKILL.
+async fn stop_all(running: &mut [Running], grace: Duration) {
+    for role in ["coordinator", "decode", "prefill"] {
+        let group: Vec<&mut Running> = running.iter_mut().filter(|r| r.component.role == role).collect();
+        for r in &group {
+            let _ = std::process::Command::new("kill").args(["-TERM", &r.component.pid.to_string()]).status();
+        }
+        for r in group {
+            match tokio::time::timeout(grace + Duration::from_secs(5), r.child.wait()).await {
+                Ok(Ok(status)) if !status.success() => {
+                    eprintln!("{} (pid {}) exited with {status}", r.component.role, r.component.pid)
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    eprintln!(
+                        "{} (pid {}) did not stop within the grace; killing it",
+                        r.component.role, r.component.pid
+                    );
+                    let _ = r.child.kill().await;
+                }
+            }
+        }
+    }
+}
+
+fn print_table(components: &[Component]) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{:<12} {:>8}  {:<22} {:<22} {:<22} transfer", "role", "pid", "grpc", "http", "metrics");
+    for c in components {
+        let f = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+        let _ = writeln!(
+            out,
+            "{:<12} {:>8}  {:<22} {:<22} {:<22} {}",
+            c.role,
+            c.pid,
+            f(&c.grpc),
+            f(&c.http),
+            f(&c.metrics),
+            f(&c.transfer)
+        );
+    }
+    let _ = out.flush();
+}
+
+async fn stop_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}
