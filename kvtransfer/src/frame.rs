@@ -231,6 +231,13 @@ impl LayerData {
     pub fn payload_checksum(&self) -> u32 {
         crc32c::crc32c(&self.payload)
     }
+
+    /// The frame's fields before its payload, `payload_len` being the
+    /// payload's actual length.
+    pub fn header(&self) -> LayerDataHeader {
+        let Self { reservation, generation, layer, first_block, n_blocks, checksum, ref payload } = *self;
+        LayerDataHeader { reservation, generation, layer, first_block, n_blocks, checksum, payload_len: payload.len() }
+    }
 }
 
 impl fmt::Debug for LayerData {

@@ -46,7 +46,9 @@ use std::time::{Duration, Instant};
 use engine::kv::{BlockId, KvLayout};
 
 use crate::fingerprint::{LayoutFingerprint, VersionGroup};
-use crate::frame::{Abort, AbortReason, Ack, Complete, Hello, HelloAck, HelloReject, LayerData, RejectReason};
+use crate::frame::{
+    Abort, AbortReason, Ack, Complete, Hello, HelloAck, HelloReject, LayerData, LayerDataHeader, RejectReason,
+};
 use coverage::Coverage;
 pub use error::{ConfigError, FrameError, ReservationError, ReserveError, ReserveRefusal};
 
@@ -383,20 +385,61 @@ impl Receiver {
     }
 
     /// Checks a layer frame and says where its payload goes. The caller
-    /// writes the payload only on `Ok`.
+    /// writes the payload only on `Ok`. Computes the payload's CRC-32C
+    /// (only once every other check passed); a transport that already
+    /// computed it while copying the payload calls
+    /// [`on_layer_checked`](Self::on_layer_checked) instead.
     pub fn on_layer(&mut self, frame: &LayerData, now: Instant) -> Result<WriteInstruction, FrameError> {
-        let r = self.layer_inner(frame, now);
+        self.layer_checked(&frame.header(), || frame.payload_checksum(), now)
+    }
+
+    /// [`on_layer`](Self::on_layer) for a transport that computed the
+    /// payload's CRC-32C itself, in the same pass that copied the payload
+    /// into memory it owns (so the checksum reads bytes still in cache
+    /// rather than reading them all again). Same checks, errors, counters
+    /// and outcomes as `on_layer` for a frame whose payload has that
+    /// checksum: a `computed_crc32c` that differs from `header.checksum`
+    /// fails the reservation with [`FrameError::ChecksumMismatch`].
+    ///
+    /// The caller's side of the contract: `header.payload_len` is the
+    /// length of the payload it holds, `computed_crc32c` was computed over
+    /// exactly those bytes *where they will be read from for the write* —
+    /// the transport's own copy, never memory a peer can still change (a
+    /// shared-memory slot) — and it writes those bytes only on `Ok`.
+    pub fn on_layer_checked(
+        &mut self,
+        header: &LayerDataHeader,
+        computed_crc32c: u32,
+        now: Instant,
+    ) -> Result<WriteInstruction, FrameError> {
+        self.layer_checked(header, || computed_crc32c, now)
+    }
+
+    /// Both entry points: `crc` yields the payload's checksum, asked for
+    /// only after every other check passed.
+    fn layer_checked(
+        &mut self,
+        header: &LayerDataHeader,
+        crc: impl FnOnce() -> u32,
+        now: Instant,
+    ) -> Result<WriteInstruction, FrameError> {
+        let r = self.layer_inner(header, crc, now);
         match &r {
             Ok(_) => {
                 self.counters.layer_frames_accepted += 1;
-                self.counters.payload_bytes_accepted += frame.payload.len() as u64;
+                self.counters.payload_bytes_accepted += header.payload_len as u64;
             }
             Err(e) => self.counters.count_refusal(e),
         }
         r
     }
 
-    fn layer_inner(&mut self, f: &LayerData, now: Instant) -> Result<WriteInstruction, FrameError> {
+    fn layer_inner(
+        &mut self,
+        f: &LayerDataHeader,
+        crc: impl FnOnce() -> u32,
+        now: Instant,
+    ) -> Result<WriteInstruction, FrameError> {
         let (idx, res) = self.receiving(f.reservation, f.generation, now)?;
         let n_layers = self.config.layout.n_layers;
         let side_bytes = self.side_bytes;
@@ -419,13 +462,13 @@ impl Receiver {
         };
         // n <= blocks.len(): at most the reservation's bytes for one layer.
         let expected = n.saturating_mul(2 * side_bytes);
-        if f.payload.len() != expected {
-            return Err(FrameError::PayloadLength { got: f.payload.len(), expected });
+        if f.payload_len != expected {
+            return Err(FrameError::PayloadLength { got: f.payload_len, expected });
         }
         if let Some(b) = live.coverage.first_written(layer, first..end) {
             return Err(FrameError::Duplicate { layer: f.layer, block: b as u32 });
         }
-        let actual = f.payload_checksum();
+        let actual = crc();
         if actual != f.checksum {
             self.end_to_outbox(idx, ReservationState::Failed, ReleaseCause::Corrupt);
             return Err(FrameError::ChecksumMismatch { reservation: res, expected: f.checksum, actual });

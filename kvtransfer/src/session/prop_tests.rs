@@ -228,3 +228,95 @@ fn every_block_comes_back_exactly_once() {
         assert!(totals.refused(reason) > 0, "never refused for {reason}: {totals:?}");
     }
 }
+
+/// The two layer entry points follow one set of rules: two receivers fed
+/// the same random history, one checking frames with `on_layer`, the other
+/// with `on_layer_checked` and the checksum computed here over the payload,
+/// answer every call alike and end with the same counters.
+#[test]
+fn checked_and_plain_layer_entries_agree_on_every_history() {
+    let config = ReceiverConfig {
+        max_reservations: 4,
+        max_blocks_per_reservation: 6,
+        max_lease: Duration::from_secs(5),
+        ..ReceiverConfig::new(layout())
+    };
+    let local = Peer {
+        version_group: VersionGroup::new("g").expect("label"),
+        fingerprint: LayoutFingerprint::new(&layout(), &[0; 32], &[0; 32]),
+    };
+    for seed in 0..8u64 {
+        let mut rng = Rng::new(seed);
+        let mut plain = Receiver::new(local.clone(), config.clone()).expect("receiver");
+        let mut checked = Receiver::new(local.clone(), config.clone()).expect("receiver");
+        let mut now = Instant::now();
+        let (mut known, mut next_block): (Vec<(Reservation, u32)>, BlockId) = (Vec::new(), 0);
+        for _ in 0..2000 {
+            // Mostly a live reservation, sometimes any (late frames, stale generations).
+            let pick = |rng: &mut Rng| {
+                let live: Vec<_> = known
+                    .iter()
+                    .copied()
+                    .filter(|(r, _)| plain.state(*r) == Some(ReservationState::Receiving))
+                    .collect();
+                let from = if !live.is_empty() && rng.below(5) != 0 { &live } else { &known };
+                (!from.is_empty()).then(|| from[rng.below(from.len())])
+            };
+            match rng.below(10) {
+                0 => {
+                    let n = 1 + rng.below(6) as u32;
+                    let blocks: Vec<BlockId> = (next_block..next_block + n).collect();
+                    next_block += n;
+                    let ttl = Duration::from_millis(1 + rng.below(3000) as u64);
+                    let r = plain.reserve(blocks.clone(), ttl, now);
+                    assert_eq!(checked.reserve(blocks, ttl, now), r.clone());
+                    if let Ok(r) = r {
+                        known.push((r, n));
+                    }
+                }
+                1..=5 => {
+                    let Some((r, n)) = pick(&mut rng) else { continue };
+                    let out_of_range = usize::from(rng.below(8) == 0);
+                    let layer = rng.below(N_LAYERS as usize + out_of_range) as u32;
+                    let first = rng.below(n as usize) as u32;
+                    let count = 1 + rng.below((n - first) as usize + 1) as u32;
+                    let mut f = LayerData::new(
+                        r.id.0,
+                        r.generation,
+                        layer,
+                        first,
+                        count,
+                        rng.bytes(count as usize * PER_BLOCK),
+                    );
+                    match rng.below(12) {
+                        0 => f.payload[0] ^= 1,
+                        1 => f.checksum ^= 1,
+                        2 => drop(f.payload.pop()),
+                        _ => {}
+                    }
+                    let want = plain.on_layer(&f, now);
+                    assert_eq!(checked.on_layer_checked(&f.header(), crc32c::crc32c(&f.payload), now), want);
+                }
+                6 => {
+                    let Some((r, _)) = pick(&mut rng) else { continue };
+                    let c = Complete { reservation: r.id.0, generation: r.generation, n_layers: N_LAYERS };
+                    assert_eq!(checked.on_complete(&c, now), plain.on_complete(&c, now));
+                    assert_eq!(checked.take_ready(r), plain.take_ready(r));
+                }
+                7 => {
+                    let Some((r, _)) = pick(&mut rng) else { continue };
+                    let a = Abort { reservation: r.id.0, generation: r.generation, reason: AbortReason::PrefillFailed };
+                    assert_eq!(checked.on_abort(&a, now), plain.on_abort(&a, now));
+                }
+                8 => now += Duration::from_millis(rng.below(400) as u64),
+                _ => assert_eq!(checked.poll_released(now), plain.poll_released(now)),
+            }
+        }
+        assert_eq!(checked.counters(), plain.counters(), "seed {seed}");
+        assert!(
+            plain.counters().refused("checksum") > 0 && plain.counters().layer_frames_accepted > 100,
+            "seed {seed}: {:?}",
+            plain.counters()
+        );
+    }
+}

@@ -396,3 +396,85 @@ fn error_labels_and_kinds() {
     labels.dedup();
     assert_eq!(labels.len(), FrameError::REASONS.len());
 }
+
+/// Two receivers with the same history, to compare the two entry points.
+fn twins(t0: Instant) -> (Receiver, Receiver, Reservation) {
+    let (mut a, mut b) = (rx(), rx());
+    let r = a.reserve(vec![8, 9, 10], 10 * SEC, t0).expect("reserve");
+    assert_eq!(b.reserve(vec![8, 9, 10], 10 * SEC, t0), Ok(r));
+    (a, b, r)
+}
+
+#[test]
+fn checked_entry_accepts_what_on_layer_accepts() {
+    let t0 = Instant::now();
+    let (mut a, mut b, r) = twins(t0);
+    for (layer, first, n) in [(1, 1, 2), (0, 0, 3), (1, 0, 1)] {
+        let d = data(r, layer, first, n);
+        let w = a.on_layer(&d, t0).expect("accepted");
+        assert_eq!(b.on_layer_checked(&d.header(), crc32c::crc32c(&d.payload), t0), Ok(w));
+    }
+    assert_eq!(b.on_complete(&complete(r), t0), a.on_complete(&complete(r), t0));
+    assert_eq!(b.take_ready(r), Ok(vec![8, 9, 10]));
+    assert_eq!(a.take_ready(r), Ok(vec![8, 9, 10]));
+    assert_eq!(a.counters(), b.counters());
+    assert_eq!(b.counters().payload_bytes_accepted, 6 * PER_BLOCK as u64);
+}
+
+#[test]
+fn checked_entry_with_another_checksum_fails_like_a_corrupt_frame() {
+    let t0 = Instant::now();
+    let (mut a, mut b, r) = twins(t0);
+    let good = data(r, 0, 0, 3);
+    let mut bad = good.clone();
+    bad.payload[5] ^= 1;
+    let actual = bad.payload_checksum();
+    let refused = Err(FrameError::ChecksumMismatch { reservation: r, expected: good.checksum, actual });
+    assert_eq!(a.on_layer(&bad, t0), refused);
+    // The transport's copy differs from what the sender checksummed.
+    assert_eq!(b.on_layer_checked(&good.header(), actual, t0), refused);
+    for rx in [&mut a, &mut b] {
+        assert_eq!(rx.state(r), Some(ReservationState::Failed));
+        assert_eq!(
+            rx.poll_released(t0),
+            [Released { reservation: r, blocks: vec![8, 9, 10], cause: ReleaseCause::Corrupt }]
+        );
+        assert_eq!(rx.on_layer(&data(r, 1, 0, 3), t0), Err(FrameError::Failed(r)));
+    }
+    assert_eq!(b.on_layer_checked(&good.header(), good.checksum, t0), Err(FrameError::Failed(r)));
+    assert_eq!(a.on_layer(&good, t0), Err(FrameError::Failed(r)));
+    assert_eq!(a.counters(), b.counters());
+    assert_eq!(b.counters().refused("checksum"), 1);
+    assert_eq!(b.counters().reservations_failed, 1);
+}
+
+#[test]
+fn checked_entry_checks_everything_else_before_the_checksum() {
+    let t0 = Instant::now();
+    let (mut a, mut b, r) = twins(t0);
+    let d = data(r, 0, 0, 2);
+    a.on_layer(&d, t0).expect("accepted");
+    b.on_layer_checked(&d.header(), d.checksum, t0).expect("accepted");
+    // A duplicate with a wrong checksum is a duplicate: the reservation lives on.
+    let dup = Err(FrameError::Duplicate { layer: 0, block: 1 });
+    let mut wrong = data(r, 0, 1, 1);
+    wrong.checksum ^= 1;
+    assert_eq!(a.on_layer(&wrong, t0), dup);
+    assert_eq!(b.on_layer_checked(&wrong.header(), wrong.checksum ^ 1, t0), dup);
+    // The length is the payload's as the transport holds it, not a declared one.
+    let mut short = data(r, 1, 0, 1).header();
+    short.payload_len -= 1;
+    let len = Err(FrameError::PayloadLength { got: PER_BLOCK - 1, expected: PER_BLOCK });
+    assert_eq!(b.on_layer_checked(&short, 0, t0), len);
+    let mut short = data(r, 1, 0, 1);
+    short.payload.pop();
+    assert_eq!(a.on_layer(&short, t0), len);
+    // So is a late frame, whatever its checksum.
+    let late = data(r, 1, 0, 1);
+    assert_eq!(a.on_layer(&late, t0 + 11 * SEC), Err(FrameError::Expired(r)));
+    assert_eq!(b.on_layer_checked(&late.header(), 7, t0 + 11 * SEC), Err(FrameError::Expired(r)));
+    for rx in [&mut a, &mut b] {
+        assert_eq!(rx.state(r), Some(ReservationState::Expired));
+    }
+    assert_eq!(a.counters(), b.counters());
+}

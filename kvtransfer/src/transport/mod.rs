@@ -38,7 +38,8 @@ use crate::session::WriteInstruction;
 /// place. The bytes are little-endian elements of the layout's dtype, blocks
 /// in `blocks` order — what [`KvPool::scatter_layer`] takes. The write
 /// happens while the transport holds the receiver, after
-/// [`Receiver::on_layer`](crate::Receiver::on_layer) accepted the frame, so
+/// [`Receiver::on_layer`](crate::Receiver::on_layer) (or
+/// [`on_layer_checked`](crate::Receiver::on_layer_checked)) accepted the frame, so
 /// the blocks cannot be released (and reused) during it.
 pub trait BlockSink: Send {
     /// Writes `k` and `v` of `layer` into `blocks`. An error voids the

@@ -10,7 +10,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::timeout;
 
 use super::error::TransferError;
-use super::stream::{frame_name, write_frame, write_parts, FrameReader, PayloadPool, ReadError, Recent};
+use super::stream::{frame_name, write_frame, write_parts, FrameReader, Incoming, PayloadPool, ReadError, Recent};
 use crate::frame::{
     Abort, AbortReason, Ack, Complete, DecodeLimits, Frame, Hello, LayerDataHeader, LAYER_DATA_OVERHEAD,
 };
@@ -111,7 +111,13 @@ where
             protocol_version: crate::PROTOCOL_VERSION,
         });
         write_frame(&mut s.wr, &mut s.out, &hello, wait).await.map_err(|e| TransferError::write(e, "sending Hello"))?;
-        match s.reader.next(&mut s.rd, wait).await.map_err(|e| TransferError::read(e, "HelloAck"))? {
+        match s
+            .reader
+            .next(&mut s.rd, wait)
+            .await
+            .map_err(|e| TransferError::read(e, "HelloAck"))?
+            .map(Incoming::into_frame)
+        {
             Some(Frame::HelloAck(a)) if a.protocol_version == crate::PROTOCOL_VERSION => Ok(s),
             Some(Frame::HelloAck(a)) => {
                 Err(TransferError::Protocol(format!("HelloAck for protocol version {}", a.protocol_version)))
@@ -212,7 +218,13 @@ where
                     return Ok(want);
                 }
                 self.check_aborted(r)?;
-                match self.reader.next(&mut self.rd, wait).await.map_err(|e| TransferError::read(e, "Ack"))? {
+                match self
+                    .reader
+                    .next(&mut self.rd, wait)
+                    .await
+                    .map_err(|e| TransferError::read(e, "Ack"))?
+                    .map(Incoming::into_frame)
+                {
                     Some(f) => self.note(f)?,
                     None => {
                         return Err(TransferError::Io(io::Error::new(

@@ -10,9 +10,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::stream::{frame_name, write_frame, FrameReader, PayloadPool, ReadError, Recent, WriteError};
+use super::stream::{frame_name, write_frame, FrameReader, Incoming, PayloadPool, ReadError, Recent, WriteError};
 use super::BlockSink;
-use crate::frame::{Abort, AbortReason, DecodeError, DecodeLimits, Frame, RejectReason};
+use crate::frame::{Abort, AbortReason, DecodeError, DecodeLimits, Frame, LayerDataHeader, RejectReason};
 use crate::session::Receiver;
 
 /// Why the server closed (or saw the end of) a connection.
@@ -160,7 +160,7 @@ where
     let mut reader = FrameReader::new(shared.limits, shared.payloads.clone());
     let mut out = Vec::with_capacity(64);
 
-    let hello = match reader.next(rd, idle).await {
+    let hello = match reader.next(rd, idle).await.map(|f| f.map(Incoming::into_frame)) {
         Ok(Some(Frame::Hello(h))) => h,
         Ok(Some(other)) => return CloseReason::NotHello { got: frame_name(&other) },
         Ok(None) => return CloseReason::PeerClosed,
@@ -187,31 +187,13 @@ where
         };
         let now = Instant::now().into_std();
         let reply = match frame {
-            Frame::LayerData(d) => {
-                // The sink's write (or hand-off, for a deferring sink) happens
-                // under the receiver's lock, so the reservation cannot end and
-                // its blocks be reused before the write is placed; see BlockSink.
-                let mut rx = lock(&shared.receiver);
-                let abort = |reason| Abort { reservation: d.reservation, generation: d.generation, reason };
-                match rx.on_layer(&d, now) {
-                    Ok(w) => {
-                        let a = abort(AbortReason::Corrupt);
-                        match sink.write_layer_owned(w, shared.payloads.owned(d.payload)) {
-                            Ok(()) => None,
-                            Err(_) => {
-                                // The blocks' content is now unknown: void the
-                                // reservation (blocks go to poll_released) and
-                                // tell the sender to retry elsewhere.
-                                let _ = rx.on_abort(&a, now);
-                                shared.stats.send_modify(|s| s.sink_failures += 1);
-                                Some(a)
-                            }
-                        }
-                    }
-                    Err(e) => Some(abort(e.abort_reason())),
-                }
+            Incoming::Layer { header, payload, crc32c } => layer(shared, sink, &header, payload, crc32c, now),
+            // Not from FrameReader::next (its LayerData come as Layer); checked the slow way all the same.
+            Incoming::Frame(Frame::LayerData(d)) => {
+                let crc = d.payload_checksum();
+                layer(shared, sink, &d.header(), d.payload, crc, now)
             }
-            Frame::Complete(c) => {
+            Incoming::Frame(Frame::Complete(c)) => {
                 // Bound first: the guard must not live across the await below.
                 let verdict = lock(&shared.receiver).on_complete(&c, now);
                 match verdict {
@@ -226,12 +208,12 @@ where
                     }
                 }
             }
-            Frame::Abort(a) => {
+            Incoming::Frame(Frame::Abort(a)) => {
                 // Refused only when the reservation already ended: nothing to do.
                 let _ = lock(&shared.receiver).on_abort(&a, now);
                 None
             }
-            other => return CloseReason::UnexpectedFrame { got: frame_name(&other) },
+            Incoming::Frame(other) => return CloseReason::UnexpectedFrame { got: frame_name(&other) },
         };
         if let Some(a) = reply {
             let key = (a.reservation, a.generation);
@@ -243,5 +225,37 @@ where
                 shared.stats.send_modify(|s| s.aborts_sent += 1);
             }
         }
+    }
+}
+
+/// Checks a `LayerData` whose payload (ours, already read) has CRC-32C
+/// `crc`, and hands an accepted one to the sink. `Some`: the `Abort` to
+/// send. The sink's write (or hand-off, for a deferring sink) happens under
+/// the receiver's lock, so the reservation cannot end and its blocks be
+/// reused before the write is placed; see [`BlockSink`].
+fn layer<S: BlockSink>(
+    shared: &Shared,
+    sink: &mut S,
+    header: &LayerDataHeader,
+    payload: Vec<u8>,
+    crc: u32,
+    now: std::time::Instant,
+) -> Option<Abort> {
+    let mut rx = lock(&shared.receiver);
+    let abort = |reason| Abort { reservation: header.reservation, generation: header.generation, reason };
+    match rx.on_layer_checked(header, crc, now) {
+        Ok(w) => match sink.write_layer_owned(w, shared.payloads.owned(payload)) {
+            Ok(()) => None,
+            Err(_) => {
+                // The blocks' content is now unknown: void the reservation
+                // (blocks go to poll_released) and tell the sender to retry
+                // elsewhere.
+                let a = abort(AbortReason::Corrupt);
+                let _ = rx.on_abort(&a, now);
+                shared.stats.send_modify(|s| s.sink_failures += 1);
+                Some(a)
+            }
+        },
+        Err(e) => Some(abort(e.abort_reason())),
     }
 }

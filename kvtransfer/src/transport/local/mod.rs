@@ -12,7 +12,7 @@
 //!          ◀── RingAck | RingReject ──────────   reject: reply, close
 //!   send_layer: copy K‖V into a free slot, CRC it,
 //!          ─── Data{slot, LayerData header} ──▶  copy the slot out, Credit the slot back,
-//!          ◀── Credit{slot} ──────────────────     Receiver::on_layer → BlockSink::write_layer_owned
+//!          ◀── Credit{slot} ──────────────────     Receiver::on_layer_checked → BlockSink::write_layer_owned
 //!          ◀── Abort{reason} (once) ──────────   the frame was refused
 //!   complete ─ Complete ──────────────────────▶  Receiver::on_complete
 //!          ◀── Ack | Abort ───────────────────
@@ -28,32 +28,39 @@
 //! `Credit` hands it back, so at most `slots` frames are in flight and
 //! a long transfer streams through a small ring.
 //!
-//! Copies. The sender copies K and V into a free slot, CRC-32C in the same
-//! pass (a block or 16 KiB at a time, so the checksum reads from L1): from
-//! the caller's gathered layer ([`LocalKvSender::send_layer`], the TCP
-//! sender's signature) or straight from the pool's storage
-//! ([`LocalKvSender::send_pool_layer`], one copy fewer). The receiver
-//! copies the slot into a payload buffer of its own and credits the slot;
-//! [`Receiver::on_layer`](crate::Receiver::on_layer) checks that buffer and
-//! the [`BlockSink`](super::BlockSink) gets it by value
-//! ([`OwnedPayload`](super::OwnedPayload), back to a bounded pool when
-//! dropped), so the decode worker can pass it to its engine thread without
-//! another copy. The receiver's copy is one more than reading the slot in
-//! place, and it is kept on purpose:
+//! Copies. The sender copies K and V into a free slot and the receiver
+//! copies the slot into a payload buffer of its own; each computes the
+//! CRC-32C *in* its copy, on every 8-byte word between its load and its
+//! store (`shm::copy_crc`: three interleaved CRC streams, merged with a
+//! precomputed shift), so the checksum costs no pass over memory of its own.
+//! Copying a chunk and then checksumming it from L1 (16-64 KiB chunks) was
+//! measured first and was slower than copy-then-checksum here: the CRC is
+//! bound by the CRC instruction's throughput, not by memory, so it only
+//! overlaps the copy when the two share one loop. In a 256 MiB
+//! microbenchmark: copy alone ~25 ms, copy then CRC ~40 ms, chunked ~45 ms,
+//! fused ~31 ms. The sender copies from the caller's gathered layer
+//! ([`LocalKvSender::send_layer`], the TCP sender's signature) or straight
+//! from the pool's storage ([`LocalKvSender::send_pool_layer`], one copy
+//! fewer, three blocks per fused round). The receiver credits the slot once
+//! copied and hands [`Receiver::on_layer_checked`](crate::Receiver::on_layer_checked)
+//! the checksum of its own copy, so the receiver state machine never reads
+//! the payload; the [`BlockSink`](super::BlockSink) gets the buffer by
+//! value ([`OwnedPayload`](super::OwnedPayload), back to a bounded pool
+//! when dropped), so the decode worker can pass it to its engine thread
+//! without another copy. The receiver's copy is one more than reading the
+//! slot in place, and it is kept on purpose:
 //! - **Trust.** A slot is shared memory the sender can still write. Had the
 //!   receiver checked the checksum over the slot and then copied the slot
 //!   into the pool, a sender rewriting the slot in between (a bug reusing a
 //!   slot before its credit came back, or malice) would land unchecked
-//!   bytes in KV. Copying first means everything after — checksum, block
-//!   range checks, the sink — sees only private memory; a rewritten slot
-//!   can at worst fail its own frame's checksum, which fails that
-//!   reservation.
-//! - **API.** [`Receiver::on_layer`](crate::Receiver::on_layer) takes a
-//!   [`LayerData`](crate::LayerData) with an owned payload, so checking
-//!   bytes in place would need a new receiver entry point anyway.
+//!   bytes in KV. The checksum is of the words as stored into private
+//!   memory, and everything after — block range checks, the sink — reads
+//!   only that memory; a rewritten slot can at worst fail its own frame's
+//!   checksum, which fails that reservation.
 //! - **Cost.** It is cache to cache (a recently written slot into a reused
-//!   buffer) and, in `benches/local.rs`, about 30% of the receiver's work
-//!   for 256 MiB: copy 16 ms, checksum 11 ms, the pool scatter 29 ms, vs.
+//!   buffer), and with the checksum fused into it, little more than the
+//!   copy. Before fusing, in `benches/local.rs`, the receiver spent per
+//!   256 MiB: copy 16 ms, checksum 11 ms, the pool scatter 29 ms, vs.
 //!   ~30 ms for one `memcpy` of the same bytes. The receiver's thread is the
 //!   pipeline's bottleneck with an inline sink; a deferring sink (the decode
 //!   worker's) moves the scatter to another core.

@@ -2,6 +2,7 @@
 
 use std::io::{self, IoSlice};
 use std::mem::MaybeUninit;
+use std::sync::Arc;
 use std::time::Duration;
 
 use engine::kv::{BlockId, KvLayout, KvPool};
@@ -11,17 +12,13 @@ use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 use tokio::time::{timeout, Instant};
 
-use super::shm::SenderRing;
+use super::shm::{copy_crc3, copy_crc_slice, SenderRing, Shift};
 use super::wire::{Msg, MsgReader, RingSpec, SlotData};
 use super::{next_msg, socket_path, write_msg, ReadError, Recent, WriteError, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES};
 use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
 use crate::sender::SplitError;
 use crate::session::{Peer, Reservation};
 use crate::TransferError;
-
-/// The checksum runs over this much of a slot right after copying it, while
-/// it is still in L1.
-const CRC_CHUNK: usize = 16 << 10;
 
 /// Sender settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +55,8 @@ pub struct LocalKvSender {
     aborts: Recent<Abort>,
     acks: Recent<Ack>,
     bytes_sent: u64,
+    /// Merges the checksums of three blocks' K (or V) copied side by side.
+    shift: Arc<Shift>,
 }
 
 fn closed(what: &str) -> TransferError {
@@ -121,6 +120,7 @@ impl LocalKvSender {
             aborts: Recent::default(),
             acks: Recent::default(),
             bytes_sent: 0,
+            shift: Arc::new(Shift::new(side)),
         };
         let hello = Frame::Hello(Hello {
             version_group: local.version_group.clone(),
@@ -261,8 +261,9 @@ impl LocalKvSender {
         }
         let (ks, vs) = pool.layer(layer);
         let (ks, vs) = (storage_bytes(&ks), storage_bytes(&vs));
+        let shift = self.shift.clone();
         self.send_frames(r, layer, first_block, blocks.len(), |dst, i, n| {
-            fill_blocks(dst, ks, vs, &blocks[i..i + n], side)
+            fill_blocks(dst, ks, vs, &blocks[i..i + n], &shift)
         })
         .await
     }
@@ -436,18 +437,23 @@ fn invalid(why: &str) -> TransferError {
     TransferError::Io(io::Error::new(io::ErrorKind::InvalidInput, why.to_owned()))
 }
 
-/// Copies the K of `blocks` then their V (each `side` bytes in the
-/// storages, at `block * side`) to the front of `dst` and returns the
-/// CRC-32C of what it wrote, each block checksummed right after its copy.
-fn fill_blocks(dst: &mut [u8], ks: &[u8], vs: &[u8], blocks: &[BlockId], side: usize) -> u32 {
+/// Copies the K of `blocks` then their V (each `shift.n` bytes in the
+/// storages, at `block * shift.n`) to the front of `dst` and returns the
+/// CRC-32C of what it wrote, computed in the copy's pass: three blocks at
+/// a time ([`copy_crc3`]), the rest one by one.
+fn fill_blocks(dst: &mut [u8], ks: &[u8], vs: &[u8], blocks: &[BlockId], shift: &Shift) -> u32 {
+    let side = shift.n();
     let mut crc = 0;
     let mut at = 0;
     for storage in [ks, vs] {
-        for &b in blocks {
-            let from = b as usize * side;
-            let d = &mut dst[at..at + side];
-            d.copy_from_slice(&storage[from..from + side]);
-            crc = crc32c::crc32c_append(crc, d);
+        let block = |b: BlockId| &storage[b as usize * side..(b as usize + 1) * side];
+        let mut triples = blocks.chunks_exact(3);
+        for t in &mut triples {
+            crc = copy_crc3(&mut dst[at..], [block(t[0]), block(t[1]), block(t[2])], shift, crc);
+            at += 3 * side;
+        }
+        for &b in triples.remainder() {
+            crc = copy_crc_slice(&mut dst[at..], block(b), crc);
             at += side;
         }
     }
@@ -455,19 +461,10 @@ fn fill_blocks(dst: &mut [u8], ks: &[u8], vs: &[u8], blocks: &[BlockId], side: u
 }
 
 /// Copies `k` then `v` to the front of `dst` and returns the CRC-32C of
-/// what it wrote, checksumming each piece right after copying it.
+/// what it wrote, computed in the copy's pass ([`copy_crc_slice`]).
 fn fill(dst: &mut [u8], k: &[u8], v: &[u8]) -> u32 {
-    let mut crc = 0;
-    let mut at = 0;
-    for part in [k, v] {
-        for piece in part.chunks(CRC_CHUNK) {
-            let d = &mut dst[at..at + piece.len()];
-            d.copy_from_slice(piece);
-            crc = crc32c::crc32c_append(crc, d);
-            at += piece.len();
-        }
-    }
-    crc
+    let crc = copy_crc_slice(dst, k, 0);
+    copy_crc_slice(&mut dst[k.len()..], v, crc)
 }
 
 #[cfg(test)]
@@ -487,25 +484,26 @@ mod tests {
                 pool.write(1, b, slot, &k, &v);
             }
         }
-        let order = [table[4], table[1], table[5]];
+        // A triple and one more block: both paths of fill_blocks.
+        let order = [table[4], table[1], table[5], table[0]];
         let (k, v) = pool.gather_layer(1, &order).expect("gather");
         let (ks, vs) = pool.layer(1);
         let side = l.block_elems() * 2;
-        let mut dst = vec![0u8; 2 * 3 * side + 5];
-        let crc = fill_blocks(&mut dst, storage_bytes(&ks), storage_bytes(&vs), &order, side);
-        assert_eq!(&dst[..6 * side], &[k, v].concat()[..]);
-        assert_eq!(crc, crc32c::crc32c(&dst[..6 * side]));
+        let mut dst = vec![0u8; 2 * 4 * side + 5];
+        let crc = fill_blocks(&mut dst, storage_bytes(&ks), storage_bytes(&vs), &order, &Shift::new(side));
+        assert_eq!(&dst[..8 * side], &[k, v].concat()[..]);
+        assert_eq!(crc, crc32c::crc32c(&dst[..8 * side]));
     }
 
     #[test]
     fn fill_copies_k_then_v_and_checksums_what_it_wrote() {
-        let k: Vec<u8> = (0..40_000u32).map(|i| (i * 7) as u8).collect();
-        let v: Vec<u8> = (0..40_000u32).map(|i| (i * 13 + 1) as u8).collect();
-        let mut dst = vec![0u8; 100_000];
+        let k: Vec<u8> = (0..100_000u32).map(|i| (i * 7) as u8).collect();
+        let v: Vec<u8> = (0..100_000u32).map(|i| (i * 13 + 1) as u8).collect();
+        let mut dst = vec![0u8; 250_000];
         let crc = fill(&mut dst, &k, &v);
-        assert_eq!(&dst[..40_000], &k[..]);
-        assert_eq!(&dst[40_000..80_000], &v[..]);
-        assert!(dst[80_000..].iter().all(|&b| b == 0));
-        assert_eq!(crc, crc32c::crc32c(&dst[..80_000]));
+        assert_eq!(&dst[..100_000], &k[..]);
+        assert_eq!(&dst[100_000..200_000], &v[..]);
+        assert!(dst[200_000..].iter().all(|&b| b == 0));
+        assert_eq!(crc, crc32c::crc32c(&dst[..200_000]));
     }
 }

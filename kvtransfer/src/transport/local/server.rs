@@ -18,7 +18,7 @@ use tokio::time::{timeout, Instant};
 use super::shm::{ReceiverRing, DATA_OFFSET};
 use super::wire::{Msg, MsgReader, RingRefusal, WireError};
 use super::{next_msg, socket_path, write_all, write_msg, ReadError, Recent, WriteError};
-use crate::frame::{Abort, AbortReason, Frame, LayerData, RejectReason};
+use crate::frame::{Abort, AbortReason, Frame, RejectReason};
 use crate::session::Receiver;
 use crate::transport::{BlockSink, OwnedPayload};
 
@@ -374,11 +374,12 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
         let refusal = match msg {
             Msg::Data(d) => {
                 // Copy first, then credit the slot: from here the sender may
-                // rewrite it, and everything below reads only our copy.
+                // rewrite it, and everything below reads only our copy. The
+                // checksum is computed over that copy as it is made.
                 let mut buf = buffers.take(ring.slot_bytes());
-                if !ring.copy_out(d.slot as usize, d.header.payload_len, &mut buf) {
+                let Some(crc) = ring.copy_out(d.slot as usize, d.header.payload_len, &mut buf) else {
                     return LocalCloseReason::BadSlot { slot: d.slot, len: d.header.payload_len };
-                }
+                };
                 replies.credit(d.slot);
                 if replies.credits_due() {
                     if let Err(e) = replies.send(&mut stream, None).await {
@@ -386,20 +387,12 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                     }
                 }
                 let h = d.header;
-                let frame = LayerData {
-                    reservation: h.reservation,
-                    generation: h.generation,
-                    layer: h.layer,
-                    first_block: h.first_block,
-                    n_blocks: h.n_blocks,
-                    checksum: h.checksum,
-                    payload: buf,
-                };
                 let now = Instant::now().into_std();
                 let abort = |reason| Abort { reservation: h.reservation, generation: h.generation, reason };
                 let mut rx = lock(&shared.receiver);
-                match rx.on_layer(&frame, now) {
-                    Ok(w) => match sink.write_layer_owned(w, buffers.owned(frame.payload)) {
+                // `h.payload_len` is `buf.len()`: copy_out copied exactly that.
+                match rx.on_layer_checked(&h, crc, now) {
+                    Ok(w) => match sink.write_layer_owned(w, buffers.owned(buf)) {
                         Ok(()) => None,
                         Err(_) => {
                             // The blocks' content is now unknown: void the
@@ -412,7 +405,7 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                         }
                     },
                     Err(e) => {
-                        buffers.put(frame.payload);
+                        buffers.put(buf);
                         Some(abort(e.abort_reason()))
                     }
                 }

@@ -10,7 +10,7 @@
 //! prefill: TcpKvSender                         decode: TcpKvServer (one task per connection)
 //!   connect ─── Hello ─────────────────────▶  first frame must be Hello, else close (NotHello)
 //!          ◀── HelloAck | HelloReject ──────  reject: reply, then close (Rejected)
-//!   send_layer ─ LayerData … ──────────────▶  Receiver::on_layer → BlockSink::write_layer
+//!   send_layer ─ LayerData … ──────────────▶  Receiver::on_layer_checked → BlockSink::write_layer
 //!          ◀── Abort{reason} (once) ────────  the frame was refused: reservation-level error
 //!   complete ─── Complete ─────────────────▶  Receiver::on_complete
 //!          ◀── Ack | Abort ─────────────────
@@ -52,7 +52,11 @@
 //! one vectored write straight from the caller's gathered K and V, the
 //! checksum computed over the two ranges in place. The server reads each
 //! payload straight from the socket into a recycled buffer that it hands
-//! to the sink by value (`transport/stream.rs`).
+//! to the sink by value, checksumming each read's bytes right after the
+//! read, while they are in cache, so the [`Receiver`](crate::Receiver)
+//! gets the checksum with the frame
+//! ([`on_layer_checked`](crate::Receiver::on_layer_checked)) and never
+//! reads the payload again (`transport/stream.rs`).
 
 mod sender;
 mod server;
