@@ -77,6 +77,28 @@ pub fn unix_deadline(deadline: Option<Instant>) -> u64 {
     (now_ms + d.saturating_duration_since(Instant::now()).as_millis() as u64).max(1)
 }
 
+/// Binds the gRPC listener, prints `listening grpc=ADDR` and logs readiness.
+pub async fn bind_grpc(cfg: &CommonConfig, fingerprint: &LayoutFingerprint) -> anyhow::Result<tokio::net::TcpListener> {
+    let listener =
+        tokio::net::TcpListener::bind(cfg.grpc).await.with_context(|| format!("binding grpc {}", cfg.grpc))?;
+    let addr = listener.local_addr()?;
+    println!("listening grpc={addr}");
+    tracing::info!(%addr, fingerprint = %fingerprint, group = cfg.version_group.as_str(), "ready");
+    Ok(listener)
+}
+
+/// Serves `router` on `listener` until the returned token is cancelled;
+/// in-flight calls then finish before the task ends.
+pub fn spawn_grpc(
+    router: tonic::transport::server::Router,
+    listener: tokio::net::TcpListener,
+) -> (tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, tokio_util::sync::CancellationToken) {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let task = tokio::spawn(router.serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned()));
+    (task, stop)
+}
+
 /// Resolves on SIGTERM or SIGINT, naming which.
 pub async fn stop_signal() -> anyhow::Result<&'static str> {
     use tokio::signal::unix::{signal, SignalKind};

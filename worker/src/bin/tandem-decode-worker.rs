@@ -71,20 +71,10 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let reaper_stop = CancellationToken::new();
     let reaper = tokio::spawn(service.clone().reap_forever(reaper_stop.clone()));
 
-    let listener =
-        tokio::net::TcpListener::bind(common.grpc).await.with_context(|| format!("binding grpc {}", common.grpc))?;
-    let addr = listener.local_addr()?;
-    println!("listening grpc={addr}");
-    tracing::info!(%addr, fingerprint = %fingerprint, group = common.version_group.as_str(), "ready");
-
-    let stop = CancellationToken::new();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(DecodeWorkerServer::new(service.clone()))
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(listener),
-                stop.clone().cancelled_owned(),
-            ),
+    let listener = worker::serve::bind_grpc(common, &fingerprint).await?;
+    let (server, stop) = worker::serve::spawn_grpc(
+        tonic::transport::Server::builder().add_service(DecodeWorkerServer::new(service.clone())),
+        listener,
     );
     let signal = worker::serve::stop_signal().await?;
     tracing::info!(signal, "draining");

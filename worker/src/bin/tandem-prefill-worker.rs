@@ -44,20 +44,10 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     worker::prefill::metrics::describe();
     println!("listening metrics={metrics_addr}");
 
-    let listener =
-        tokio::net::TcpListener::bind(common.grpc).await.with_context(|| format!("binding grpc {}", common.grpc))?;
-    let addr = listener.local_addr()?;
-    println!("listening grpc={addr}");
-    tracing::info!(%addr, fingerprint = %fingerprint, group = common.version_group.as_str(), "ready");
-
-    let stop = CancellationToken::new();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(PrefillWorkerServer::new(service.clone()))
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(listener),
-                stop.clone().cancelled_owned(),
-            ),
+    let listener = worker::serve::bind_grpc(common, &fingerprint).await?;
+    let (server, stop) = worker::serve::spawn_grpc(
+        tonic::transport::Server::builder().add_service(PrefillWorkerServer::new(service.clone())),
+        listener,
     );
     let signal = worker::serve::stop_signal().await?;
     tracing::info!(signal, "draining");
