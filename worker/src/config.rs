@@ -99,6 +99,21 @@ pub struct CommonFlags {
     /// requires prefill workers to present one (mutual TLS). Env: TANDEM_QUIC_CA.
     #[arg(long, env = "TANDEM_QUIC_CA")]
     pub quic_ca: Option<PathBuf>,
+    /// etcd endpoints (comma-separated `http://host:port`): register this
+    /// worker under a lease so coordinators find it. Unset: no registration.
+    /// Env: TANDEM_ETCD.
+    #[arg(long, env = "TANDEM_ETCD")]
+    pub etcd: Option<String>,
+    /// Cluster prefix of the etcd keys. Env: TANDEM_CLUSTER_PREFIX. Default `tandem`.
+    #[arg(long, env = "TANDEM_CLUSTER_PREFIX")]
+    pub cluster_prefix: Option<String>,
+    /// This worker's registry id, unique per role in the cluster. Env:
+    /// TANDEM_WORKER_ID. Default `<host>-<pid>`.
+    #[arg(long, env = "TANDEM_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Registration lease TTL, whole seconds. Env: TANDEM_LEASE_TTL_S. Default 5.
+    #[arg(long, env = "TANDEM_LEASE_TTL_S")]
+    pub lease_ttl_s: Option<u64>,
 }
 
 /// Overlays the set fields of `$b` on `$a`.
@@ -127,7 +142,11 @@ impl CommonFlags {
             shutdown_timeout_ms,
             quic_cert,
             quic_key,
-            quic_ca
+            quic_ca,
+            etcd,
+            cluster_prefix,
+            worker_id,
+            lease_ttl_s
         );
     }
 }
@@ -149,6 +168,17 @@ pub struct CommonConfig {
     pub max_waiting: usize,
     pub shutdown_timeout: Duration,
     pub quic: QuicFiles,
+    /// Where to register, if anywhere.
+    pub registry: Option<RegistrySettings>,
+}
+
+/// etcd registration settings (see the flags).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegistrySettings {
+    pub endpoints: Vec<String>,
+    pub prefix: String,
+    pub worker_id: String,
+    pub lease_ttl: Duration,
 }
 
 /// PEM files for the QUIC transport (see the flags).
@@ -240,6 +270,27 @@ impl CommonFlags {
                     (None, Some(_)) => return Err(invalid("quic_cert", "is required with quic_key")),
                 },
                 ca: self.quic_ca.clone(),
+            },
+            registry: match &self.etcd {
+                None => None,
+                Some(e) => {
+                    let endpoints: Vec<String> =
+                        e.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect();
+                    if endpoints.is_empty() {
+                        return Err(invalid("etcd", "no endpoint given"));
+                    }
+                    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+                    let host: String =
+                        host.trim().chars().filter(|c| c.is_ascii_alphanumeric() || "-._".contains(*c)).collect();
+                    Some(RegistrySettings {
+                        endpoints,
+                        prefix: self.cluster_prefix.clone().unwrap_or_else(|| "tandem".into()),
+                        worker_id: self.worker_id.clone().unwrap_or_else(|| {
+                            format!("{}-{}", if host.is_empty() { "worker" } else { &host }, std::process::id())
+                        }),
+                        lease_ttl: Duration::from_secs(positive("lease_ttl_s", self.lease_ttl_s, 5)?),
+                    })
+                }
             },
         };
         for (field, path) in [("quic_cert", &self.quic_cert), ("quic_key", &self.quic_key), ("quic_ca", &self.quic_ca)]

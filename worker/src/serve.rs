@@ -109,3 +109,64 @@ pub async fn stop_signal() -> anyhow::Result<&'static str> {
         _ = int.recv() => "SIGINT",
     })
 }
+
+/// Registers this worker in etcd (when configured) and mirrors its fence
+/// into `set_fenced`: a worker that lost its lease takes no new work until
+/// it has re-registered. Returns the registration, to mark draining and
+/// deregister on shutdown.
+pub async fn register(
+    cfg: &CommonConfig,
+    mut info: registry::WorkerInfo,
+    set_fenced: impl Fn(bool) + Send + 'static,
+) -> anyhow::Result<Option<registry::Registration>> {
+    let Some(r) = &cfg.registry else { return Ok(None) };
+    info.id = r.worker_id.clone();
+    let mut config =
+        registry::RegistrationConfig::new(registry::EtcdConfig::new(r.endpoints.clone()), r.prefix.clone());
+    config.ttl = r.lease_ttl;
+    let reg = registry::Registration::register(config, info)
+        .await
+        .with_context(|| format!("registering in etcd at {:?}", r.endpoints))?;
+    let mut fence = reg.fence();
+    tokio::spawn(async move {
+        loop {
+            let serving = fence.borrow_and_update().is_serving();
+            set_fenced(!serving);
+            if !serving {
+                tracing::warn!("fenced: the etcd lease is lost or in doubt; taking no new work until re-registered");
+            }
+            if fence.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    tracing::info!(key = reg.key(), "registered in etcd");
+    Ok(Some(reg))
+}
+
+/// The common part of this worker's registry entry.
+pub fn worker_info(
+    cfg: &CommonConfig,
+    role: registry::Role,
+    fingerprint: &LayoutFingerprint,
+    grpc: std::net::SocketAddr,
+    metrics: std::net::SocketAddr,
+) -> registry::WorkerInfo {
+    registry::WorkerInfo {
+        id: String::new(),
+        role,
+        version_group: cfg.version_group.as_str().to_owned(),
+        layout_fingerprint: hex(fingerprint.as_bytes()),
+        grpc_addr: grpc.to_string(),
+        transfer: None,
+        metrics_addr: Some(metrics.to_string()),
+        capacity: registry::Capacity { kv_blocks_total: cfg.kv_blocks as u64, max_running: cfg.max_running as u32 },
+        draining: false,
+        started_at_unix_ms: registry::WorkerInfo::unix_ms_now(),
+    }
+}
+
+/// Lower-case hex of `bytes` (full length, unlike the fingerprints' short Display).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

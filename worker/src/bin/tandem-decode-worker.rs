@@ -53,9 +53,9 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let failures = WriteFailures::default();
     let sink = RunnerSink { runner: runner.clone(), failures: failures.clone() };
     let (kv_server, tls_cert_sha256) = bind_transfer(&cfg, receiver.clone(), sink).await?;
-    let transfer_addr = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr());
+    let advertised = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr());
     println!("listening transfer={}", kv_server.local_addr());
-    tracing::info!(transport = %cfg.transport, addr = %transfer_addr, "KV transfer listener");
+    tracing::info!(transport = %cfg.transport, addr = %advertised, "KV transfer listener");
 
     let settings = DecodeSettings {
         policy: cfg.policy,
@@ -63,7 +63,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
         reservation_ttl: cfg.reservation_ttl,
         max_prefill_attempts: cfg.max_prefill_attempts,
         max_pending_remote: common.max_waiting.max(1),
-        transfer_addr,
+        transfer_addr: advertised.clone(),
         transport: cfg.transport,
         tls_cert_sha256,
     };
@@ -72,12 +72,28 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let reaper = tokio::spawn(service.clone().reap_forever(reaper_stop.clone()));
 
     let listener = worker::serve::bind_grpc(common, &fingerprint).await?;
+    let listener_addr = listener.local_addr()?;
     let (server, stop) = worker::serve::spawn_grpc(
         tonic::transport::Server::builder().add_service(DecodeWorkerServer::new(service.clone())),
         listener,
     );
+    let mut info =
+        worker::serve::worker_info(common, registry::Role::Decode, &fingerprint, listener_addr, metrics_addr);
+    info.transfer = Some(registry::TransferEndpoint {
+        addr: advertised.clone(),
+        transport: cfg.transport.as_str().to_owned(),
+        cert_sha256: tls_cert_sha256.map(|f| worker::serve::hex(&f)),
+    });
+    let fenced = service.clone();
+    let registration = worker::serve::register(common, info, move |f| fenced.set_fenced(f)).await?;
     let signal = worker::serve::stop_signal().await?;
     tracing::info!(signal, "draining");
+    if let Some(r) = &registration {
+        // Coordinators stop routing here before the drain ends.
+        if let Err(e) = r.set_draining(true).await {
+            tracing::warn!(error = %e, "could not mark the registration draining");
+        }
+    }
     // Phase 1: stop admitting; requests waiting for remote KV join the batch.
     let left = service.drain(common.shutdown_timeout).await;
     stop.cancel();
@@ -94,6 +110,11 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     match tokio::time::timeout(left + Duration::from_secs(1), joined).await {
         Ok(Ok(Ok(_engine))) => tracing::info!("runner drained"),
         _ => tracing::warn!("runner thread did not exit cleanly"),
+    }
+    if let Some(r) = registration {
+        if let Err(e) = r.deregister().await {
+            tracing::warn!(error = %e, "deregistering failed; the lease will expire");
+        }
     }
     Ok(())
 }

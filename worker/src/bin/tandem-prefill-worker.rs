@@ -45,12 +45,22 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     println!("listening metrics={metrics_addr}");
 
     let listener = worker::serve::bind_grpc(common, &fingerprint).await?;
+    let listener_addr = listener.local_addr()?;
     let (server, stop) = worker::serve::spawn_grpc(
         tonic::transport::Server::builder().add_service(PrefillWorkerServer::new(service.clone())),
         listener,
     );
+    let info = worker::serve::worker_info(common, registry::Role::Prefill, &fingerprint, listener_addr, metrics_addr);
+    let fenced = service.clone();
+    let registration = worker::serve::register(common, info, move |f| fenced.set_fenced(f)).await?;
     let signal = worker::serve::stop_signal().await?;
     tracing::info!(signal, "draining");
+    if let Some(r) = &registration {
+        // Coordinators stop routing here before the drain ends.
+        if let Err(e) = r.set_draining(true).await {
+            tracing::warn!(error = %e, "could not mark the registration draining");
+        }
+    }
     // Phase 1: stop admitting. Phase 2: drain for the grace. Phase 3: cancel the rest.
     service.set_draining();
     stop.cancel();
@@ -64,6 +74,11 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     match tokio::time::timeout(grace + Duration::from_secs(1), joined).await {
         Ok(Ok(Ok(_engine))) => tracing::info!("runner drained"),
         _ => tracing::warn!("runner thread did not exit cleanly"),
+    }
+    if let Some(r) = registration {
+        if let Err(e) = r.deregister().await {
+            tracing::warn!(error = %e, "deregistering failed; the lease will expire");
+        }
     }
     Ok(())
 }

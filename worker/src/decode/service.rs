@@ -83,6 +83,8 @@ struct Inner {
     failures: WriteFailures,
     settings: DecodeSettings,
     ready: AtomicBool,
+    /// Set while the etcd lease is lost or in doubt (see `serve::register`).
+    fenced: AtomicBool,
     next_id: AtomicU64,
     /// Wire request id -> its cancellation token.
     running: Mutex<HashMap<String, CancellationToken>>,
@@ -189,6 +191,7 @@ impl DecodeService {
                 failures,
                 settings,
                 ready: AtomicBool::new(true),
+                fenced: AtomicBool::new(false),
                 next_id: AtomicU64::new(1),
                 running: Mutex::new(HashMap::new()),
                 pending_remote: AtomicUsize::new(0),
@@ -197,6 +200,11 @@ impl DecodeService {
                 reap_now: Notify::new(),
             }),
         }
+    }
+
+    /// Fenced: take no new work (the etcd lease is lost or in doubt).
+    pub fn set_fenced(&self, fenced: bool) {
+        self.inner.fenced.store(fenced, Ordering::SeqCst);
     }
 
     /// Stops admitting (new `Generate` calls answer `retryable`), then waits
@@ -308,6 +316,9 @@ impl DecodeService {
         let inner = &self.inner;
         if !inner.ready.load(Ordering::SeqCst) {
             return Err(err(ErrorKind::Retryable, "worker is draining"));
+        }
+        if inner.fenced.load(Ordering::SeqCst) {
+            return Err(err(ErrorKind::Retryable, "worker is fenced: its etcd lease is lost or in doubt"));
         }
         {
             let mut running = lock(&inner.running);
@@ -736,7 +747,8 @@ impl DecodeWorker for DecodeService {
     async fn health(&self, _request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
         let runner = self.inner.runner.clone();
         let stats = blocking(move || runner.stats()).await.map_err(|e| Status::internal(e.message))?;
-        let ready = self.inner.ready.load(Ordering::SeqCst) && stats.is_some();
+        let ready =
+            self.inner.ready.load(Ordering::SeqCst) && !self.inner.fenced.load(Ordering::SeqCst) && stats.is_some();
         let mut h = HealthResponse {
             live: true,
             ready,

@@ -81,6 +81,8 @@ struct Inner {
     /// Process-level token: cancelled at the end of shutdown.
     shutdown: CancellationToken,
     ready: AtomicBool,
+    /// Set while the etcd lease is lost or in doubt (see `serve::register`).
+    fenced: AtomicBool,
     next_id: AtomicU64,
     /// Wire request id -> engine id and the request's token.
     running: Mutex<HashMap<String, (u64, CancellationToken)>>,
@@ -140,11 +142,17 @@ impl PrefillService {
                 transfer,
                 shutdown,
                 ready: AtomicBool::new(true),
+                fenced: AtomicBool::new(false),
                 next_id: AtomicU64::new(1),
                 running: Mutex::new(HashMap::new()),
                 senders: Mutex::new(HashMap::new()),
             }),
         }
+    }
+
+    /// Fenced: take no new work (the etcd lease is lost or in doubt).
+    pub fn set_fenced(&self, fenced: bool) {
+        self.inner.fenced.store(fenced, Ordering::SeqCst);
     }
 
     /// Stops reporting ready (the first phase of shutdown).
@@ -232,6 +240,9 @@ impl PrefillService {
         let inner = &self.inner;
         if !inner.ready.load(Ordering::SeqCst) {
             return Err(err(ErrorKind::Retryable, "worker is draining"));
+        }
+        if inner.fenced.load(Ordering::SeqCst) {
+            return Err(err(ErrorKind::Retryable, "worker is fenced: its etcd lease is lost or in doubt"));
         }
         let engine_id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         let token = inner.shutdown.child_token();
@@ -444,7 +455,8 @@ impl PrefillWorker for PrefillService {
     async fn health(&self, _request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
         let runner = self.inner.runner.clone();
         let stats = blocking(move || runner.stats()).await.map_err(|e| Status::internal(e.message))?;
-        let ready = self.inner.ready.load(Ordering::SeqCst) && stats.is_some();
+        let ready =
+            self.inner.ready.load(Ordering::SeqCst) && !self.inner.fenced.load(Ordering::SeqCst) && stats.is_some();
         let mut h = HealthResponse {
             live: true,
             ready,

@@ -1,0 +1,63 @@
+//! Workers register themselves in a real etcd (started by the test on
+//! loopback ports) with what coordinators need, and deregister on SIGTERM.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{decode_worker, prefill_worker, within, TestResult};
+use registry::testing::Etcd;
+use registry::{EtcdConfig, Membership, MembershipConfig, MembershipView, Role};
+
+/// Waits until the membership view satisfies `ok`.
+async fn until(m: &Membership, what: &str, ok: impl Fn(&MembershipView) -> bool) -> TestResult {
+    let mut rx = m.subscribe();
+    within(what, async {
+        loop {
+            if ok(&rx.borrow_and_update()) {
+                return Ok::<_, String>(());
+            }
+            rx.changed().await.map_err(|_| "membership stopped".to_string())?;
+        }
+    })
+    .await??;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_register_with_their_addresses_and_deregister_on_sigterm() -> TestResult {
+    let etcd = Etcd::start().await?;
+    let ep = etcd.endpoint();
+    let m = Membership::start(MembershipConfig::new(EtcdConfig::new([ep.clone()]), "tandem-test")).await?;
+    m.wait_synced(Duration::from_secs(30)).await?;
+    let flags = ["--etcd", &ep, "--cluster-prefix", "tandem-test", "--lease-ttl-s", "2"];
+    let mut p = prefill_worker("g1", &[&flags[..], &["--worker-id", "p1"]].concat())?;
+    let mut dflags = flags.to_vec();
+    dflags.extend(["--worker-id", "d1", "--kv-load-failure-policy", "fail"]);
+    let mut d = decode_worker("g1", &dflags)?;
+
+    let (pg, dg) = (p.addr("grpc")?.to_string(), d.addr("grpc")?.to_string());
+    until(&m, "both workers registered", |v| v.contains(Role::Prefill, "p1") && v.contains(Role::Decode, "d1")).await?;
+    let view = m.view();
+    let dinfo = view.get(Role::Decode, "d1").ok_or("no d1")?;
+    assert_eq!((dinfo.version_group.as_str(), dinfo.grpc_addr.as_str()), ("g1", dg.as_str()));
+    let t = dinfo.transfer.as_ref().ok_or("decode registered no transfer endpoint")?;
+    assert_eq!((t.transport.as_str(), t.addr.as_str()), ("tcp", d.addr("transfer")?.to_string().as_str()));
+    assert_eq!(dinfo.capacity.kv_blocks_total, 256);
+    assert_eq!(dinfo.layout_fingerprint.len(), 64, "{dinfo:?}");
+    let pinfo = view.get(Role::Prefill, "p1").ok_or("no p1")?;
+    assert_eq!(pinfo.grpc_addr, pg);
+    assert_eq!(pinfo.layout_fingerprint, dinfo.layout_fingerprint, "same model and layout, same fingerprint");
+    assert_eq!(view.select(Role::Decode, "g1").count(), 1);
+
+    // SIGTERM: the entry goes (deregistered, not left to expire) and the worker exits 0.
+    d.signal("-TERM")?;
+    until(&m, "the decode worker deregistered", |v| !v.contains(Role::Decode, "d1")).await?;
+    assert_eq!(d.wait_exit()?.code(), Some(0));
+    p.signal("-TERM")?;
+    until(&m, "the prefill worker deregistered", |v| !v.contains(Role::Prefill, "p1")).await?;
+    assert_eq!(p.wait_exit()?.code(), Some(0));
+    m.stop().await;
+    drop(etcd);
+    Ok(())
+}
