@@ -1,16 +1,17 @@
 //! The workers this coordinator routes to, and one request's trip to them.
 //!
-//! Workers are given by address for now (`--decode`, `--prefill`); the etcd
-//! registry replaces the static lists with live membership. Routing: the
-//! decode worker with the fewest requests in flight from this coordinator
-//! (power of two choices between two random candidates would be the same
-//! at this size); prefill workers in round-robin order, the first as the
-//! choice and the rest as fallbacks for the `retry` policy. Whether a short
+//! Workers come from etcd membership (`--etcd`; only non-draining ones, a
+//! decode worker paired only with prefill workers of its own version group)
+//! or from fixed addresses (`--decode`, `--prefill`). Routing: the decode
+//! worker with the fewest requests in flight from this coordinator; prefill
+//! workers of its group in round-robin order, the first as the choice and
+//! the rest as fallbacks for the `retry` policy. Whether a short
 //! prompt is prefilled remotely at all is the decode worker's call
 //! (`local_prefill_max_tokens`).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use engine::sampler::SamplingParams;
@@ -21,17 +22,27 @@ use tonic::transport::{Channel, Endpoint};
 use crate::openai::ApiError;
 use axum::http::StatusCode;
 
-/// One decode worker.
-pub struct Decode {
-    pub addr: String,
+/// One decode worker's client and this coordinator's in-flight count for it.
+struct Decode {
     client: DecodeWorkerClient<Channel>,
     inflight: AtomicUsize,
 }
 
-/// The static worker set.
+/// Where the worker set comes from.
+pub enum Source {
+    /// Fixed addresses (`--decode`, `--prefill`): one version group assumed.
+    Static { decode: Vec<String>, prefill: Vec<String> },
+    /// etcd membership: only non-draining workers; a decode worker is paired
+    /// only with prefill workers of its own version group. While etcd is
+    /// unreachable the cached view is used for at most `max_stale`, then
+    /// requests get 503.
+    Etcd { membership: registry::Membership, max_stale: Duration },
+}
+
+/// The worker set and per-worker clients.
 pub struct Cluster {
-    decode: Vec<Decode>,
-    prefill: Vec<String>,
+    source: Source,
+    decode: Mutex<HashMap<String, Arc<Decode>>>,
     next_prefill: AtomicUsize,
     next_id: AtomicU64,
 }
@@ -42,13 +53,12 @@ pub type WorkerStream = tonic::Streaming<proto::worker::v1::GenerateResponse>;
 
 /// Holds a decode worker's in-flight count for one request.
 pub struct Lease {
-    cluster: Arc<Cluster>,
-    index: usize,
+    decode: Arc<Decode>,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.cluster.decode[self.index].inflight.fetch_sub(1, Ordering::Relaxed);
+        self.decode.inflight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -58,24 +68,44 @@ fn endpoint(addr: &str) -> Result<Endpoint, String> {
         .map_err(|e| format!("worker address {addr:?}: {e}"))
 }
 
+fn unavailable(code: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", code, message).retry_after(1)
+}
+
+/// One routing decision: a decode worker and the prefill workers (same
+/// version group) it may use, first choice first.
+struct Route {
+    decode: String,
+    prefill: Vec<PrefillTarget>,
+}
+
 impl Cluster {
     /// Lazy connections: a worker that is down now is tried per request.
-    pub fn new(decode: &[String], prefill: &[String]) -> Result<Self, String> {
-        let decode = decode
-            .iter()
-            .map(|a| {
-                Ok(Decode {
-                    addr: a.clone(),
-                    client: DecodeWorkerClient::new(endpoint(a)?.connect_lazy()),
-                    inflight: AtomicUsize::new(0),
-                })
-            })
-            .collect::<Result<Vec<_>, String>>()?;
-        Ok(Self { decode, prefill: prefill.to_vec(), next_prefill: AtomicUsize::new(0), next_id: AtomicU64::new(1) })
+    pub fn new(source: Source) -> Result<Self, String> {
+        if let Source::Static { decode, .. } = &source {
+            for a in decode {
+                endpoint(a)?;
+            }
+        }
+        Ok(Self {
+            source,
+            decode: Mutex::new(HashMap::new()),
+            next_prefill: AtomicUsize::new(0),
+            next_id: AtomicU64::new(1),
+        })
     }
 
-    pub fn decode_addrs(&self) -> impl Iterator<Item = &str> {
-        self.decode.iter().map(|d| d.addr.as_str())
+    /// Decode worker addresses known now (for readiness).
+    pub fn decode_addrs(&self) -> Vec<String> {
+        match &self.source {
+            Source::Static { decode, .. } => decode.clone(),
+            Source::Etcd { membership, .. } => membership
+                .view()
+                .workers()
+                .filter(|w| w.role == registry::Role::Decode && !w.draining)
+                .map(|w| w.grpc_addr.clone())
+                .collect(),
+        }
     }
 
     /// A fresh cluster-wide request id.
@@ -84,24 +114,67 @@ impl Cluster {
         format!("req-{}-{n}", std::process::id())
     }
 
-    fn pick_decode(self: &Arc<Self>) -> Option<Lease> {
-        let index = (0..self.decode.len()).min_by_key(|&i| self.decode[i].inflight.load(Ordering::Relaxed))?;
-        self.decode[index].inflight.fetch_add(1, Ordering::Relaxed);
-        Some(Lease { cluster: self.clone(), index })
+    fn decode_entry(&self, addr: &str) -> Result<Arc<Decode>, ApiError> {
+        let mut m = self.decode.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = m.get(addr) {
+            return Ok(d.clone());
+        }
+        let ep = endpoint(addr).map_err(|e| unavailable("worker_unavailable", e))?;
+        let d = Arc::new(Decode { client: DecodeWorkerClient::new(ep.connect_lazy()), inflight: AtomicUsize::new(0) });
+        m.insert(addr.to_owned(), d.clone());
+        Ok(d)
     }
 
-    fn prefill_order(&self) -> Vec<PrefillTarget> {
-        let n = self.prefill.len();
+    fn inflight(&self, addr: &str) -> usize {
+        let m = self.decode.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(addr).map_or(0, |d| d.inflight.load(Ordering::Relaxed))
+    }
+
+    /// Round-robin order of `addrs` (first choice, then fallbacks).
+    fn rotate(&self, addrs: Vec<(String, String)>) -> Vec<PrefillTarget> {
+        let n = addrs.len();
         if n == 0 {
             return Vec::new();
         }
         let start = self.next_prefill.fetch_add(1, Ordering::Relaxed) % n;
         (0..n)
             .map(|i| {
-                let addr = &self.prefill[(start + i) % n];
-                PrefillTarget { worker_id: addr.clone(), grpc_addr: addr.clone() }
+                let (id, addr) = &addrs[(start + i) % n];
+                PrefillTarget { worker_id: id.clone(), grpc_addr: addr.clone() }
             })
             .collect()
+    }
+
+    /// Picks the decode worker with the fewest requests in flight from
+    /// here, and the prefill workers of its version group.
+    fn route(&self) -> Result<Route, ApiError> {
+        match &self.source {
+            Source::Static { decode, prefill } => {
+                let d = decode
+                    .iter()
+                    .min_by_key(|a| self.inflight(a))
+                    .ok_or_else(|| unavailable("no_worker", "no decode worker configured"))?;
+                let p = prefill.iter().map(|a| (a.clone(), a.clone())).collect();
+                Ok(Route { decode: d.clone(), prefill: self.rotate(p) })
+            }
+            Source::Etcd { membership, max_stale } => {
+                let view = membership.view();
+                if !membership.healthy() && membership.last_sync_age().is_none_or(|age| age > *max_stale) {
+                    return Err(unavailable("registry_unavailable", "the worker registry (etcd) is unreachable"));
+                }
+                let d = view
+                    .workers()
+                    .filter(|w| w.role == registry::Role::Decode && !w.draining)
+                    .min_by_key(|w| self.inflight(&w.grpc_addr))
+                    .ok_or_else(|| unavailable("no_worker", "no ready decode worker is registered"))?;
+                let p = view
+                    .select(registry::Role::Prefill, &d.version_group)
+                    .filter(|w| !w.draining)
+                    .map(|w| (w.id.clone(), w.grpc_addr.clone()))
+                    .collect();
+                Ok(Route { decode: d.grpc_addr.clone(), prefill: self.rotate(p) })
+            }
+        }
     }
 
     /// Starts `Generate` on a decode worker and returns its stream.
@@ -112,34 +185,22 @@ impl Cluster {
         params: &SamplingParams,
         deadline_unix_ms: u64,
     ) -> Result<(WorkerStream, Lease), ApiError> {
-        let lease = self.pick_decode().ok_or_else(|| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded_error",
-                "no_worker",
-                "no decode worker configured",
-            )
-            .retry_after(1)
-        })?;
-        let d = &self.decode[lease.index];
+        let route = self.route()?;
+        let decode = self.decode_entry(&route.decode)?;
+        decode.inflight.fetch_add(1, Ordering::Relaxed);
+        let lease = Lease { decode: decode.clone() };
         let req = GenerateRequest {
             request_id,
             token_ids,
             sampling: Some(params.into()),
             deadline_unix_ms,
-            prefill: self.prefill_order(),
+            prefill: route.prefill,
             policy_override: None,
             cache_salt: 0,
         };
-        let mut client = d.client.clone();
+        let mut client = decode.client.clone();
         let stream = client.generate(req).await.map_err(|s| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded_error",
-                "worker_unavailable",
-                format!("decode worker {}: {}", d.addr, s.message()),
-            )
-            .retry_after(1)
+            unavailable("worker_unavailable", format!("decode worker {}: {}", route.decode, s.message()))
         })?;
         Ok((stream.into_inner(), lease))
     }

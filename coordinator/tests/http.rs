@@ -93,10 +93,8 @@ fn http(
     let sa: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
     let mut s = TcpStream::connect_timeout(&sa, WAIT).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(WAIT)).map_err(|e| e.to_string())?;
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
+    let mut head =
+        format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
     if !content_type.is_empty() {
         head.push_str(&format!("Content-Type: {content_type}\r\n"));
     }
@@ -300,5 +298,68 @@ fn openai_api_through_a_prefill_decode_pair() -> TestResult {
     let count = |ids: &[u32]| ids.iter().filter(|&&t| t == im_start[0]).count();
     assert_eq!(count(&fids), count(&bids), "only the template's own <|im_start|> tokens: {fids:?}");
     assert!(fids.len() > bids.len(), "the forged marker is encoded as text");
+    Ok(())
+}
+
+/// Polls `f` every 50 ms until it returns true; the error says what did not happen.
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) -> TestResult {
+    let until = std::time::Instant::now() + WAIT;
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        if f() {
+            return Ok(());
+        }
+        if std::time::Instant::now() > until {
+            return Err(format!("{what} did not happen within {WAIT:?}").into());
+        }
+    }
+}
+
+fn metric(addr: &str, series: &str) -> Result<f64, String> {
+    let (_, _, body) = http(addr, "GET", "/metrics", "", b"", &[])?;
+    Ok(body.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0.0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_from_etcd_within_one_version_group() -> TestResult {
+    let etcd = registry::testing::Etcd::start().await?;
+    let ep = etcd.endpoint();
+    let reg = ["--etcd", ep.as_str(), "--cluster-prefix", "t4", "--lease-ttl-s", "2", "--threads", "1"];
+    let with = |group: &'static str, id: &'static str| -> Vec<&str> {
+        let mut v = reg.to_vec();
+        v.extend(["--version-group", group, "--worker-id", id, "--kv-blocks", "256"]);
+        v
+    };
+    let p1 = start("tandem-prefill-worker", &with("g1", "p1"), &["grpc", "metrics"])?;
+    let p2 = start("tandem-prefill-worker", &with("g2", "p2"), &["grpc", "metrics"])?;
+    let mut dargs = with("g1", "d1");
+    dargs.extend(["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"]);
+    let mut d1 = start("tandem-decode-worker", &dargs, &["grpc", "transfer"])?;
+    let coord =
+        start("tandem-coordinator", &["--http", "127.0.0.1:0", "--etcd", &ep, "--cluster-prefix", "t4"], &["http"])?;
+    let h = coord.addr("http")?;
+    eventually("the coordinator is ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
+        .await?;
+
+    let req = json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
+    for _ in 0..3 {
+        let (s, _, body) = post(&h, "/v1/completions", &req)?;
+        assert_eq!(s, 200, "{body}");
+    }
+    // Every remote prefill went to g1's prefill worker; g2's never saw one.
+    let ok = "tandem_prefill_requests_total{outcome=\"ok\"}";
+    assert_eq!(metric(&p1.addr("metrics")?, ok)?, 3.0);
+    assert_eq!(metric(&p2.addr("metrics")?, ok)?, 0.0, "a request crossed version groups");
+
+    // The only decode worker leaves: it deregisters on SIGTERM, and the
+    // coordinator answers 503 + Retry-After instead of routing to it.
+    let _ = std::process::Command::new("kill").args(["-TERM", &d1.child.id().to_string()]).status();
+    let _ = d1.child.wait();
+    eventually("503 once no decode worker is registered", || {
+        post(&h, "/v1/completions", &req).is_ok_and(|(s, headers, _)| s == 503 && headers.contains_key("retry-after"))
+    })
+    .await?;
+    drop(etcd);
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! `tandem-coordinator`: serves the OpenAI-compatible HTTP API in front of
-//! decode workers (given by address), prints `listening http=ADDR` once
+//! the workers registered in etcd (or given by address), prints `listening http=ADDR` once
 //! bound, and on SIGTERM/SIGINT stops accepting and lets in-flight requests
 //! finish (bounded by `--shutdown-timeout-ms`).
 
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use coordinator::cluster::Cluster;
+use coordinator::cluster::{Cluster, Source};
 use coordinator::http::{router, App, HttpSettings};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
@@ -28,8 +28,19 @@ struct Flags {
     /// The model id clients name. Env: TANDEM_MODEL_NAME.
     #[arg(long, env = "TANDEM_MODEL_NAME", default_value = "SmolLM2-135M-Instruct")]
     model_name: String,
-    /// Decode worker gRPC addresses (repeat or comma-separate). Env: TANDEM_DECODE.
-    #[arg(long, env = "TANDEM_DECODE", value_delimiter = ',', required = true)]
+    /// etcd endpoints (comma-separated): route to the workers registered
+    /// there. Env: TANDEM_ETCD. Either this or `--decode`.
+    #[arg(long, env = "TANDEM_ETCD", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// Cluster prefix of the etcd keys. Env: TANDEM_CLUSTER_PREFIX.
+    #[arg(long, env = "TANDEM_CLUSTER_PREFIX", default_value = "tandem")]
+    cluster_prefix: String,
+    /// With etcd unreachable, keep routing from the cached membership this
+    /// long, ms; then 503. Env: TANDEM_REGISTRY_MAX_STALE_MS.
+    #[arg(long, env = "TANDEM_REGISTRY_MAX_STALE_MS", default_value_t = 30_000)]
+    registry_max_stale_ms: u64,
+    /// Decode worker gRPC addresses (repeat or comma-separate), without etcd. Env: TANDEM_DECODE.
+    #[arg(long, env = "TANDEM_DECODE", value_delimiter = ',')]
     decode: Vec<String>,
     /// Prefill worker gRPC addresses (repeat or comma-separate; none: decode
     /// workers prefill locally). Env: TANDEM_PREFILL.
@@ -73,7 +84,21 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
     let context = weights.config.context;
     drop(weights);
-    let cluster = Arc::new(Cluster::new(&flags.decode, &flags.prefill).map_err(anyhow::Error::msg)?);
+    let source = match (flags.etcd.is_empty(), flags.decode.is_empty()) {
+        (false, true) => {
+            let etcd = registry::EtcdConfig::new(flags.etcd.clone());
+            let membership =
+                registry::Membership::start(registry::MembershipConfig::new(etcd, flags.cluster_prefix.clone()))
+                    .await
+                    .context("starting the etcd membership cache")?;
+            Source::Etcd { membership, max_stale: Duration::from_millis(flags.registry_max_stale_ms) }
+        }
+        (true, false) => Source::Static { decode: flags.decode.clone(), prefill: flags.prefill.clone() },
+        _ => {
+            anyhow::bail!("config: give either `--etcd` or `--decode` (with optional `--prefill`), not both or neither")
+        }
+    };
+    let cluster = Arc::new(Cluster::new(source).map_err(anyhow::Error::msg)?);
     let settings = HttpSettings {
         model: flags.model_name.clone(),
         max_body_bytes: flags.max_body_bytes,
