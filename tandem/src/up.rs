@@ -2,14 +2,17 @@
 //! workers, decode workers and a coordinator serving the OpenAI API — with
 //! one command, and a clean stop on Ctrl-C/SIGTERM.
 //!
-//! Children are started on loopback ports they pick (they print
-//! `listening NAME=ADDR`), prefill and decode workers share one version
-//! group and move KV over shared memory (`local`), the coordinator gets the
-//! workers' addresses. Once `/ready` answers, the state file is written and
+//! Unless `--etcd URL` is given, a single-member etcd is started on free
+//! loopback ports (temporary data dir). Children are started on loopback
+//! ports they pick (they print `listening NAME=ADDR`), register in etcd
+//! under a prefix unique to this run, prefill and decode workers share one
+//! version group and move KV over shared memory (`local`), and the
+//! coordinator routes from etcd membership. Once `/ready` answers, the state file is written and
 //! a table printed. A child that exits on its own stops the whole cluster
 //! (exit status non-zero); a signal stops the coordinator first, then the
 //! decode workers, then the prefill workers, each with SIGTERM and its
-//! drain grace, then SIGKILL for anything left. No process is left behind.
+//! drain grace, then SIGKILL for anything left, then etcd. No process is
+//! left behind.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -27,6 +30,10 @@ pub struct Args {
     /// GGUF model file (default: the cached SmolLM2 file).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// An etcd to register in (`http://host:port`); default: start a
+    /// single-member etcd on free loopback ports with a temporary data dir.
+    #[arg(long)]
+    etcd: Option<String>,
     /// The coordinator's HTTP address.
     #[arg(long, default_value = "127.0.0.1:8000")]
     http: SocketAddr,
@@ -155,6 +162,19 @@ async fn up(a: Args) -> anyhow::Result<()> {
     if !model.is_file() {
         bail!("model {} not found: run `make model` or pass --model", model.display());
     }
+    // Our own etcd lives as long as this function: dropping it kills it and
+    // removes its data dir, after every worker has deregistered.
+    let (own_etcd, endpoint) = match &a.etcd {
+        Some(url) => (None, url.clone()),
+        None => {
+            let e = registry::testing::Etcd::start()
+                .await
+                .context("starting etcd (is etcd-server installed? `make deps`)")?;
+            let ep = e.endpoint();
+            (Some(e), ep)
+        }
+    };
+    let prefix = format!("tandem-up-{}", std::process::id());
     let model_s = model.display().to_string();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = a.threads.unwrap_or((cores / (a.prefill + a.decode)).max(1)).to_string();
@@ -163,11 +183,23 @@ async fn up(a: Args) -> anyhow::Result<()> {
     let mut running: Vec<Running> = Vec::new();
     let started = async {
         let common = |extra: &[&str]| -> Vec<String> {
-            let mut v: Vec<String> =
-                ["--model", &model_s, "--version-group", group, "--threads", &threads, "--shutdown-timeout-ms", &grace]
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect();
+            let mut v: Vec<String> = [
+                "--model",
+                &model_s,
+                "--version-group",
+                group,
+                "--threads",
+                &threads,
+                "--shutdown-timeout-ms",
+                &grace,
+                "--etcd",
+                &endpoint,
+                "--cluster-prefix",
+                &prefix,
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
             v.extend(extra.iter().map(|s| s.to_string()));
             v
         };
@@ -191,19 +223,21 @@ async fn up(a: Args) -> anyhow::Result<()> {
             ];
             running.push(spawn("decode", &dbin, &common(&extra), &["grpc", "metrics", "transfer"]).await?);
         }
-        let addrs = |role: &str| -> String {
-            running
-                .iter()
-                .filter(|r| r.component.role == role)
-                .filter_map(|r| r.component.grpc.clone())
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        let mut cargs = vec!["--http".to_owned(), a.http.to_string(), "--model".to_owned(), model_s.clone()];
-        cargs.extend(["--decode".to_owned(), addrs("decode"), "--shutdown-timeout-ms".to_owned(), grace.clone()]);
-        if a.prefill > 0 {
-            cargs.extend(["--prefill".to_owned(), addrs("prefill")]);
-        }
+        let cargs: Vec<String> = [
+            "--http",
+            &a.http.to_string(),
+            "--model",
+            &model_s,
+            "--etcd",
+            &endpoint,
+            "--cluster-prefix",
+            &prefix,
+            "--shutdown-timeout-ms",
+            &grace,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         let cbin = sibling("tandem-coordinator")?;
         running.push(spawn("coordinator", &cbin, &cargs, &["http"]).await?);
         // Ready: the coordinator reaches a ready decode worker.
@@ -230,7 +264,19 @@ async fn up(a: Args) -> anyhow::Result<()> {
         return Err(e);
     }
 
-    let components: Vec<Component> = running.iter().map(|r| r.component.clone()).collect();
+    let mut components: Vec<Component> = Vec::new();
+    if let Some(e) = &own_etcd {
+        let grpc = e.endpoint().trim_start_matches("http://").to_owned();
+        components.push(Component {
+            role: "etcd",
+            pid: e.pid().unwrap_or(0),
+            grpc: Some(grpc),
+            http: None,
+            metrics: None,
+            transfer: None,
+        });
+    }
+    components.extend(running.iter().map(|r| r.component.clone()));
     if let Some(path) = &a.state_file {
         let json = serde_json::to_string_pretty(&serde_json::json!({ "components": components }))?;
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
@@ -253,6 +299,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
         s = stop_signal() => { eprintln!("{s}: stopping the cluster"); Ok(()) }
     };
     stop_all(&mut running, Duration::from_millis(a.shutdown_timeout_ms)).await;
+    drop(own_etcd);
     if let Some(path) = &a.state_file {
         let _ = std::fs::remove_file(path);
     }

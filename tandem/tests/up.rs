@@ -1,5 +1,5 @@
-//! `tandem up` starts a real local cluster (prefill worker, decode worker,
-//! coordinator), writes the state file, serves the OpenAI API, and on
+//! `tandem up` starts a real local cluster (etcd, prefill worker, decode
+//! worker, coordinator routing from etcd), writes the state file, serves the OpenAI API, and on
 //! SIGTERM stops every process it started and exits 0.
 //!
 //! The worker and coordinator binaries are `tandem`'s siblings in the
@@ -85,13 +85,14 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> Result<(), Box<
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
         let comps = v["components"].as_array().ok_or("no components")?;
         let roles: Vec<&str> = comps.iter().filter_map(|c| c["role"].as_str()).collect();
-        assert_eq!(roles, ["prefill", "decode", "coordinator"], "{v}");
+        assert_eq!(roles, ["etcd", "prefill", "decode", "coordinator"], "{v}");
         for c in comps {
             assert!(c["pid"].as_u64().is_some_and(alive), "{c}");
         }
-        assert!(comps[0]["grpc"].is_string() && comps[0]["metrics"].is_string() && comps[0].get("http").is_none());
-        assert!(comps[1]["transfer"].as_str().is_some_and(|t| t.starts_with('@')), "shared memory by default: {v}");
-        let http = comps[2]["http"].as_str().ok_or("no http")?;
+        assert!(comps[0]["grpc"].is_string(), "etcd's client address: {v}");
+        assert!(comps[1]["grpc"].is_string() && comps[1]["metrics"].is_string() && comps[1].get("http").is_none());
+        assert!(comps[2]["transfer"].as_str().is_some_and(|t| t.starts_with('@')), "shared memory by default: {v}");
+        let http = comps[3]["http"].as_str().ok_or("no http")?;
         let (status, body) = post_chat(http)?;
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("chat.completion") && body.contains("Paris"), "{body}");
