@@ -170,6 +170,21 @@ async fn remote_prefill_over_local_shared_memory_matches_the_engine() -> TestRes
     remote_prefill_over("local").await
 }
 
+/// A decode worker (policy `fail`, always remote prefill, plus `extra`)
+/// whose advertised transfer address is a fault proxy in front of its real
+/// one, so the test can hold back or corrupt the KV prefill workers push.
+fn decode_behind_proxy(extra: &[&str]) -> Result<(Worker, Proxy), String> {
+    let transfer = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("pick a transfer port: {e}"))?;
+    let proxy = Proxy::start(transfer)?;
+    let (transfer_s, proxy_s) = (transfer.to_string(), proxy.addr.to_string());
+    let mut args = vec!["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"];
+    args.extend_from_slice(extra);
+    args.extend(["--transfer", &transfer_s, "--advertise-transfer", &proxy_s]);
+    Ok((decode_worker(GROUP, &args)?, proxy))
+}
+
 /// A prompt long enough that its KV (~7 MiB) is still streaming when the
 /// proxy holds it back.
 const FAULT_PROMPT: usize = 300;
@@ -180,25 +195,8 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
     let prompt = prompt_of(&tok, FAULT_PROMPT)?;
     let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
     let backup = prefill_worker(GROUP, &[])?;
-    // The decode worker's transfer address goes through the proxy, so the
-    // proxy can hold a doomed prefill worker's KV mid-stream.
-    let transfer = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let proxy = Proxy::start(transfer)?;
-    let proxy_addr = proxy.addr.to_string();
-    let transfer_s = transfer.to_string();
-    let decode = decode_worker(
-        GROUP,
-        &[
-            "--kv-load-failure-policy",
-            "fail",
-            "--local-prefill-max-tokens",
-            "0",
-            "--transfer",
-            &transfer_s,
-            "--advertise-transfer",
-            &proxy_addr,
-        ],
-    )?;
+    // The proxy holds a doomed prefill worker's KV mid-stream.
+    let (decode, proxy) = decode_behind_proxy(&[])?;
     let c = client(&decode).await?;
 
     for policy in [KvLoadFailurePolicy::Recompute, KvLoadFailurePolicy::Retry, KvLoadFailurePolicy::Fail] {
@@ -253,22 +251,7 @@ async fn corrupt_frame_is_refused_and_the_policy_applies() -> TestResult {
     let prompt = prompt_of(&tok, FAULT_PROMPT)?;
     let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
     let prefill = prefill_worker(GROUP, &[])?;
-    let transfer = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let proxy = Proxy::start(transfer)?;
-    let (transfer_s, proxy_s) = (transfer.to_string(), proxy.addr.to_string());
-    let decode = decode_worker(
-        GROUP,
-        &[
-            "--kv-load-failure-policy",
-            "fail",
-            "--local-prefill-max-tokens",
-            "0",
-            "--transfer",
-            &transfer_s,
-            "--advertise-transfer",
-            &proxy_s,
-        ],
-    )?;
+    let (decode, proxy) = decode_behind_proxy(&[])?;
     let mut c = client(&decode).await?;
     // 100 KiB into the stream: inside the first layer's payload.
     proxy.arm(Fault::FlipAt(100 << 10));
@@ -319,24 +302,7 @@ async fn expired_lease_frees_blocks_and_refuses_late_frames() -> TestResult {
     // Short: its prefill surely finishes and its KV (1.4 MiB) is sent within the lease.
     let prompt = prompt_of(&tok, 64)?;
     let prefill = prefill_worker(GROUP, &[])?;
-    let transfer = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let proxy = Proxy::start(transfer)?;
-    let (transfer_s, proxy_s) = (transfer.to_string(), proxy.addr.to_string());
-    let decode = decode_worker(
-        GROUP,
-        &[
-            "--kv-load-failure-policy",
-            "fail",
-            "--local-prefill-max-tokens",
-            "0",
-            "--reservation-ttl-ms",
-            "5000",
-            "--transfer",
-            &transfer_s,
-            "--advertise-transfer",
-            &proxy_s,
-        ],
-    )?;
+    let (decode, proxy) = decode_behind_proxy(&["--reservation-ttl-ms", "5000"])?;
     let mut c = client(&decode).await?;
     // The handshake and a partial first frame pass; the rest waits past the lease.
     proxy.arm(Fault::HoldAfter(4096));
