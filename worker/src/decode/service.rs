@@ -92,8 +92,6 @@ struct Inner {
     pending_remote: AtomicUsize,
     pending_changed: Notify,
     clients: Mutex<HashMap<String, PrefillWorkerClient<Channel>>>,
-    /// Wakes the reaper (a reservation may have ended).
-    reap_now: Notify,
 }
 
 /// Why one remote prefill attempt did not deliver usable KV.
@@ -197,7 +195,6 @@ impl DecodeService {
                 pending_remote: AtomicUsize::new(0),
                 pending_changed: Notify::new(),
                 clients: Mutex::new(HashMap::new()),
-                reap_now: Notify::new(),
             }),
         }
     }
@@ -231,8 +228,9 @@ impl DecodeService {
 
     /// Frees the blocks of reservations that ended without reaching the
     /// engine (lease expiry, corruption, the sender's abort) and refreshes
-    /// the transfer metrics. Runs on a timer (next lease deadline) and
-    /// whenever a request ends a reservation; stops when `stop` is cancelled.
+    /// the transfer metrics, on a timer (the next lease deadline, at most
+    /// 500 ms apart); requests also reap inline when they end a reservation.
+    /// Stops when `stop` is cancelled.
     pub async fn reap_forever(self, stop: CancellationToken) {
         loop {
             self.reap().await;
@@ -241,7 +239,6 @@ impl DecodeService {
             let wake = next.map_or(cap, |d| d.min(cap));
             tokio::select! {
                 _ = tokio::time::sleep_until(tokio::time::Instant::from_std(wake)) => {}
-                _ = self.inner.reap_now.notified() => {}
                 _ = stop.cancelled() => return,
             }
         }
@@ -270,15 +267,14 @@ impl DecodeService {
     }
 
     /// Ends a reservation that will not be used and frees its blocks: now if
-    /// it was still live, else through the reaper (it already ended and its
-    /// blocks wait in the receiver's outbox).
+    /// it was still live, else by reaping (it already ended and its blocks
+    /// wait in the receiver's outbox).
     async fn end_reservation(&self, r: Reservation) {
         let aborted = lock(&self.inner.receiver).abort(r);
         match aborted {
             Ok(blocks) => self.release(blocks).await,
-            Err(_) => self.inner.reap_now.notify_one(),
+            Err(_) => self.reap().await,
         }
-        self.reap().await;
     }
 
     fn validate(&self, req: &GenerateRequest) -> Result<(SamplingParams, KvLoadFailurePolicy), WorkerError> {
