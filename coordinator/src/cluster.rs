@@ -2,12 +2,12 @@
 //!
 //! Workers come from etcd membership (`--etcd`; only non-draining ones, a
 //! decode worker paired only with prefill workers of its own version group)
-//! or from fixed addresses (`--decode`, `--prefill`). Routing: the decode
-//! worker with the fewest requests in flight from this coordinator; prefill
-//! workers of its group in round-robin order, the first as the choice and
-//! the rest as fallbacks for the `retry` policy. Whether a short
-//! prompt is prefilled remotely at all is the decode worker's call
-//! (`local_prefill_max_tokens`).
+//! or from fixed addresses (`--decode`, `--prefill`). Their live load comes
+//! from the workers themselves ([`crate::load`]); the decision is
+//! [`crate::router::route`]: the decode worker with the most headroom, and
+//! prefill workers of its group by power of two choices (the rest as
+//! fallbacks for the `retry` policy), or none when the prompt is at most
+//! `local_prefill_max_tokens` long (the decode worker prefills it).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -19,7 +19,10 @@ use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, GenerateRequest, PrefillTarget};
 use tonic::transport::{Channel, Endpoint};
 
+use crate::load::{Kind, LoadBoard};
+use crate::metrics;
 use crate::openai::ApiError;
+use crate::router::{self, DecodeCandidate, NoRoute, PrefillCandidate, Rng};
 use axum::http::StatusCode;
 
 /// One decode worker's client and this coordinator's in-flight count for it.
@@ -39,11 +42,28 @@ pub enum Source {
     Etcd { membership: registry::Membership, max_stale: Duration },
 }
 
+/// Routing settings.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteSettings {
+    /// Prompts of at most this many tokens are prefilled by the decode worker.
+    pub local_prefill_max_tokens: usize,
+    /// How often each worker's load is polled.
+    pub load_poll: Duration,
+}
+
+impl Default for RouteSettings {
+    fn default() -> Self {
+        Self { local_prefill_max_tokens: 32, load_poll: Duration::from_millis(250) }
+    }
+}
+
 /// The worker set and per-worker clients.
 pub struct Cluster {
     source: Source,
+    settings: RouteSettings,
+    board: Arc<LoadBoard>,
     decode: Mutex<HashMap<String, Arc<Decode>>>,
-    next_prefill: AtomicUsize,
+    rng: Mutex<Rng>,
     next_id: AtomicU64,
 }
 
@@ -72,6 +92,9 @@ fn unavailable(code: &'static str, message: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", code, message).retry_after(1)
 }
 
+/// The group fixed-address workers are assumed to share.
+const STATIC_GROUP: &str = "static";
+
 /// One routing decision: a decode worker and the prefill workers (same
 /// version group) it may use, first choice first.
 struct Route {
@@ -81,18 +104,52 @@ struct Route {
 
 impl Cluster {
     /// Lazy connections: a worker that is down now is tried per request.
-    pub fn new(source: Source) -> Result<Self, String> {
+    /// Call [`Cluster::spawn_load_poller`] to learn the workers' load.
+    pub fn new(source: Source, settings: RouteSettings) -> Result<Self, String> {
         if let Source::Static { decode, .. } = &source {
             for a in decode {
                 endpoint(a)?;
             }
         }
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
         Ok(Self {
             source,
+            settings,
+            board: LoadBoard::new(settings.load_poll),
             decode: Mutex::new(HashMap::new()),
-            next_prefill: AtomicUsize::new(0),
+            rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
             next_id: AtomicU64::new(1),
         })
+    }
+
+    /// Starts polling every known worker's load (stops when the cluster is dropped).
+    pub fn spawn_load_poller(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let me = Arc::downgrade(self);
+        self.board.spawn(move || me.upgrade().map(|c| c.poll_targets()).unwrap_or_default())
+    }
+
+    /// The live-load board (read by `/ready` and metrics).
+    pub fn board(&self) -> &LoadBoard {
+        &self.board
+    }
+
+    fn poll_targets(&self) -> HashMap<String, Kind> {
+        match &self.source {
+            Source::Static { decode, prefill } => decode
+                .iter()
+                .map(|a| (a.clone(), Kind::Decode))
+                .chain(prefill.iter().map(|a| (a.clone(), Kind::Prefill)))
+                .collect(),
+            Source::Etcd { membership, .. } => membership
+                .view()
+                .workers()
+                .map(|w| {
+                    let kind = if w.role == registry::Role::Decode { Kind::Decode } else { Kind::Prefill };
+                    (w.grpc_addr.clone(), kind)
+                })
+                .collect(),
+        }
     }
 
     /// Decode worker addresses known now (for readiness).
@@ -125,56 +182,86 @@ impl Cluster {
         Ok(d)
     }
 
-    fn inflight(&self, addr: &str) -> usize {
-        let m = self.decode.lock().unwrap_or_else(|e| e.into_inner());
-        m.get(addr).map_or(0, |d| d.inflight.load(Ordering::Relaxed))
-    }
-
-    /// Round-robin order of `addrs` (first choice, then fallbacks).
-    fn rotate(&self, addrs: Vec<(String, String)>) -> Vec<PrefillTarget> {
-        let n = addrs.len();
-        if n == 0 {
-            return Vec::new();
-        }
-        let start = self.next_prefill.fetch_add(1, Ordering::Relaxed) % n;
-        (0..n)
-            .map(|i| {
-                let (id, addr) = &addrs[(start + i) % n];
-                PrefillTarget { worker_id: id.clone(), grpc_addr: addr.clone() }
-            })
-            .collect()
-    }
-
-    /// Picks the decode worker with the fewest requests in flight from
-    /// here, and the prefill workers of its version group.
-    fn route(&self) -> Result<Route, ApiError> {
-        match &self.source {
-            Source::Static { decode, prefill } => {
-                let d = decode
-                    .iter()
-                    .min_by_key(|a| self.inflight(a))
-                    .ok_or_else(|| unavailable("no_worker", "no decode worker configured"))?;
-                let p = prefill.iter().map(|a| (a.clone(), a.clone())).collect();
-                Ok(Route { decode: d.clone(), prefill: self.rotate(p) })
-            }
-            Source::Etcd { membership, max_stale } => {
-                let view = membership.view();
-                if !membership.healthy() && membership.last_sync_age().is_none_or(|age| age > *max_stale) {
-                    return Err(unavailable("registry_unavailable", "the worker registry (etcd) is unreachable"));
+    /// Picks the decode worker with the most headroom and the prefill
+    /// workers of its version group (see [`crate::router`]).
+    fn route(&self, prompt_tokens: usize) -> Result<Route, ApiError> {
+        let view;
+        let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {
+            let inflight = self.decode.lock().unwrap_or_else(|e| e.into_inner());
+            let inflight_of = |a: &str| inflight.get(a).map_or(0, |d| d.inflight.load(Ordering::Relaxed));
+            match &self.source {
+                Source::Static { decode, prefill } => (
+                    decode
+                        .iter()
+                        .map(|a| DecodeCandidate {
+                            addr: a,
+                            version_group: STATIC_GROUP,
+                            load: self.board.get(a),
+                            inflight: inflight_of(a),
+                            max_running: 0,
+                        })
+                        .collect(),
+                    prefill
+                        .iter()
+                        .map(|a| PrefillCandidate {
+                            id: a,
+                            addr: a,
+                            version_group: STATIC_GROUP,
+                            load: self.board.get(a),
+                        })
+                        .collect(),
+                ),
+                Source::Etcd { membership, max_stale } => {
+                    if !membership.healthy() && membership.last_sync_age().is_none_or(|age| age > *max_stale) {
+                        metrics::route_refused("registry_unavailable");
+                        return Err(unavailable("registry_unavailable", "the worker registry (etcd) is unreachable"));
+                    }
+                    view = membership.view();
+                    let live = view.workers().filter(|w| !w.draining);
+                    let (mut d, mut p) = (Vec::new(), Vec::new());
+                    for w in live {
+                        let load = self.board.get(&w.grpc_addr);
+                        if w.role == registry::Role::Decode {
+                            d.push(DecodeCandidate {
+                                addr: &w.grpc_addr,
+                                version_group: &w.version_group,
+                                load,
+                                inflight: inflight_of(&w.grpc_addr),
+                                max_running: w.capacity.max_running,
+                            });
+                        } else {
+                            p.push(PrefillCandidate {
+                                id: &w.id,
+                                addr: &w.grpc_addr,
+                                version_group: &w.version_group,
+                                load,
+                            });
+                        }
+                    }
+                    (d, p)
                 }
-                let d = view
-                    .workers()
-                    .filter(|w| w.role == registry::Role::Decode && !w.draining)
-                    .min_by_key(|w| self.inflight(&w.grpc_addr))
-                    .ok_or_else(|| unavailable("no_worker", "no ready decode worker is registered"))?;
-                let p = view
-                    .select(registry::Role::Prefill, &d.version_group)
-                    .filter(|w| !w.draining)
-                    .map(|w| (w.id.clone(), w.grpc_addr.clone()))
-                    .collect();
-                Ok(Route { decode: d.grpc_addr.clone(), prefill: self.rotate(p) })
             }
-        }
+        };
+        let decision = {
+            let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+            router::route(&decode, &prefill, prompt_tokens, self.settings.local_prefill_max_tokens, &mut rng)
+        };
+        let decision = decision.map_err(|e| {
+            metrics::route_refused(match e {
+                NoRoute::NoDecode => "no_decode",
+                NoRoute::NoneReady(_) => "none_ready",
+            });
+            unavailable("no_worker", e.to_string())
+        })?;
+        metrics::route_decided(decision.kind);
+        Ok(Route {
+            decode: decode[decision.decode].addr.to_owned(),
+            prefill: decision
+                .prefill
+                .iter()
+                .map(|&i| PrefillTarget { worker_id: prefill[i].id.to_owned(), grpc_addr: prefill[i].addr.to_owned() })
+                .collect(),
+        })
     }
 
     /// Starts `Generate` on a decode worker and returns its stream.
@@ -185,7 +272,7 @@ impl Cluster {
         params: &SamplingParams,
         deadline_unix_ms: u64,
     ) -> Result<(WorkerStream, Lease), ApiError> {
-        let route = self.route()?;
+        let route = self.route(token_ids.len())?;
         let decode = self.decode_entry(&route.decode)?;
         decode.inflight.fetch_add(1, Ordering::Relaxed);
         let lease = Lease { decode: decode.clone() };

@@ -15,5 +15,8 @@
 
 pub mod cluster;
 pub mod http;
+pub mod load;
+pub mod metrics;
 pub mod openai;
 pub mod prompt;
+pub mod router;

@@ -336,8 +336,11 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     let mut dargs = with("g1", "d1");
     dargs.extend(["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"]);
     let mut d1 = start("tandem-decode-worker", &dargs, &["grpc", "transfer"])?;
-    let coord =
-        start("tandem-coordinator", &["--http", "127.0.0.1:0", "--etcd", &ep, "--cluster-prefix", "t4"], &["http"])?;
+    let coord = start(
+        "tandem-coordinator",
+        &["--http", "127.0.0.1:0", "--etcd", &ep, "--cluster-prefix", "t4", "--local-prefill-max-tokens", "0"],
+        &["http"],
+    )?;
     let h = coord.addr("http")?;
     eventually("the coordinator is ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
         .await?;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use coordinator::cluster::{Cluster, Source};
+use coordinator::cluster::{Cluster, RouteSettings, Source};
 use coordinator::http::{router, App, HttpSettings};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
@@ -46,6 +46,13 @@ struct Flags {
     /// workers prefill locally). Env: TANDEM_PREFILL.
     #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',')]
     prefill: Vec<String>,
+    /// Prompts of at most this many tokens are prefilled by the decode
+    /// worker itself, not sent to a prefill worker. Env: TANDEM_LOCAL_PREFILL_MAX_TOKENS.
+    #[arg(long, env = "TANDEM_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 32)]
+    local_prefill_max_tokens: usize,
+    /// How often each worker's load (queue, KV headroom) is polled, ms. Env: TANDEM_LOAD_POLL_MS.
+    #[arg(long, env = "TANDEM_LOAD_POLL_MS", default_value_t = 250)]
+    load_poll_ms: u64,
     /// Largest request body in bytes (413 beyond). Env: TANDEM_MAX_BODY_BYTES.
     #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 1 << 20)]
     max_body_bytes: usize,
@@ -72,6 +79,7 @@ fn main() -> anyhow::Result<()> {
     for (name, v) in [("max_inflight", flags.max_inflight), ("max_body_bytes", flags.max_body_bytes)] {
         anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");
     }
+    anyhow::ensure!(flags.load_poll_ms > 0, "config field `load_poll_ms`: must be at least 1");
     anyhow::ensure!(flags.request_timeout_ms > 0, "config field `request_timeout_ms`: must be at least 1");
     anyhow::ensure!(flags.default_max_tokens > 0, "config field `default_max_tokens`: must be at least 1");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -98,7 +106,15 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
             anyhow::bail!("config: give either `--etcd` or `--decode` (with optional `--prefill`), not both or neither")
         }
     };
-    let cluster = Arc::new(Cluster::new(source).map_err(anyhow::Error::msg)?);
+    if let Source::Etcd { membership, .. } = &source {
+        tokio::spawn(coordinator::metrics::follow_membership(membership.subscribe()));
+    }
+    let routing = RouteSettings {
+        local_prefill_max_tokens: flags.local_prefill_max_tokens,
+        load_poll: Duration::from_millis(flags.load_poll_ms),
+    };
+    let cluster = Arc::new(Cluster::new(source, routing).map_err(anyhow::Error::msg)?);
+    cluster.spawn_load_poller();
     let settings = HttpSettings {
         model: flags.model_name.clone(),
         max_body_bytes: flags.max_body_bytes,

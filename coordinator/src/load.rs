@@ -1,0 +1,251 @@
+//! Live worker load, read straight from the workers.
+//!
+//! etcd carries who exists and their static capacity; how busy a worker is
+//! changes every step and would flood etcd with writes, so the coordinator
+//! asks each worker itself: a poller calls every known worker's `Health` RPC
+//! once per interval and keeps the last answer ([`Load`]). The router reads
+//! the board without waiting on the network.
+//!
+//! How answers age: a worker refusing connections is marked unreachable at
+//! once (the router skips it until it answers again). A slow answer (the
+//! engine thread is mid-prefill and answers after the step) keeps the last
+//! figures; once they are older than [`LoadBoard::max_age`] the worker counts
+//! as "unknown" and the router falls back to this coordinator's own
+//! in-flight count for it.
+//!
+//! Must not: block the request path, or let one slow worker delay the
+//! polling of the others.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
+use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
+use proto::worker::v1::{HealthRequest, HealthResponse};
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+
+/// Which service a worker's gRPC address speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Decode,
+    Prefill,
+}
+
+/// One worker's last answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Load {
+    /// Answered and said ready (not fenced, not draining, engine up).
+    pub ready: bool,
+    /// The last poll reached it; `false` means refused or reset.
+    pub reachable: bool,
+    pub kv_blocks_total: u32,
+    pub kv_blocks_used: u32,
+    pub running: u32,
+    pub waiting: u32,
+    /// When this answer arrived.
+    pub at: Instant,
+}
+
+impl Load {
+    /// From a Health answer received `at`.
+    pub fn from_health(h: &HealthResponse, at: Instant) -> Self {
+        Self {
+            ready: h.live && h.ready,
+            reachable: true,
+            kv_blocks_total: h.kv_blocks_total,
+            kv_blocks_used: h.kv_blocks_used,
+            running: h.running,
+            waiting: h.waiting,
+            at,
+        }
+    }
+
+    /// Requests on the worker: running plus queued.
+    pub fn queue(&self) -> u32 {
+        self.running.saturating_add(self.waiting)
+    }
+
+    /// Used fraction of the KV pool, 0..=1 (1 when the pool size is unknown).
+    pub fn kv_used_fraction(&self) -> f64 {
+        if self.kv_blocks_total == 0 {
+            return 1.0;
+        }
+        (f64::from(self.kv_blocks_used) / f64::from(self.kv_blocks_total)).min(1.0)
+    }
+}
+
+enum Client {
+    Decode(DecodeWorkerClient<Channel>),
+    Prefill(PrefillWorkerClient<Channel>),
+}
+
+impl Client {
+    async fn health(&mut self) -> Result<HealthResponse, tonic::Status> {
+        let r = match self {
+            Client::Decode(c) => c.health(HealthRequest {}).await,
+            Client::Prefill(c) => c.health(HealthRequest {}).await,
+        };
+        r.map(tonic::Response::into_inner)
+    }
+}
+
+/// The last known load of every polled worker, keyed by gRPC address.
+pub struct LoadBoard {
+    loads: RwLock<HashMap<String, Load>>,
+    interval: Duration,
+}
+
+/// What one poll of one worker found.
+enum Polled {
+    Answer(Load),
+    Refused(Instant),
+    Slow,
+}
+
+impl LoadBoard {
+    /// An empty board polled every `interval` once [`LoadBoard::spawn`] runs.
+    pub fn new(interval: Duration) -> Arc<Self> {
+        Arc::new(Self { loads: RwLock::new(HashMap::new()), interval: interval.max(Duration::from_millis(10)) })
+    }
+
+    /// Answers older than this count as unknown.
+    pub fn max_age(&self) -> Duration {
+        self.interval * 4
+    }
+
+    /// The worker's load if known and fresh.
+    pub fn get(&self, addr: &str) -> Option<Load> {
+        let loads = self.loads.read().unwrap_or_else(|e| e.into_inner());
+        let l = *loads.get(addr)?;
+        // An unreachable mark stays until the worker answers again.
+        (!l.reachable || l.at.elapsed() <= self.max_age()).then_some(l)
+    }
+
+    /// Records an answer (the poller's path; also for tests and benches).
+    pub fn set(&self, addr: &str, load: Load) {
+        let mut loads = self.loads.write().unwrap_or_else(|e| e.into_inner());
+        loads.insert(addr.to_owned(), load);
+    }
+
+    fn retain(&self, keep: &HashMap<String, Kind>) {
+        let mut loads = self.loads.write().unwrap_or_else(|e| e.into_inner());
+        loads.retain(|a, _| keep.contains_key(a));
+    }
+
+    /// Polls the workers `targets()` names every interval until the board
+    /// is dropped by everyone else. Each round asks all workers at once and
+    /// waits at most one interval for their answers.
+    pub fn spawn<F>(self: &Arc<Self>, targets: F) -> tokio::task::JoinHandle<()>
+    where
+        F: Fn() -> HashMap<String, Kind> + Send + 'static,
+    {
+        let board = Arc::downgrade(self);
+        let interval = self.interval;
+        tokio::spawn(async move {
+            let mut clients: HashMap<String, (Kind, Client)> = HashMap::new();
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(board) = board.upgrade() else { return };
+                let want = targets();
+                clients.retain(|a, (k, _)| want.get(a) == Some(k));
+                for (addr, kind) in &want {
+                    if !clients.contains_key(addr) {
+                        if let Some(c) = connect(addr, *kind) {
+                            clients.insert(addr.clone(), (*kind, c));
+                        }
+                    }
+                }
+                board.retain(&want);
+                let polls = clients.iter_mut().map(|(addr, (_, client))| async move {
+                    let polled = match tokio::time::timeout(interval, client.health()).await {
+                        Err(_) => Polled::Slow,
+                        Ok(Ok(h)) => Polled::Answer(Load::from_health(&h, Instant::now())),
+                        Ok(Err(s)) if s.code() == tonic::Code::Unavailable => Polled::Refused(Instant::now()),
+                        // Any other status: it answered, but not as a ready worker.
+                        Ok(Err(_)) => Polled::Answer(Load { ready: false, ..unreachable(Instant::now()) }),
+                    };
+                    (addr.clone(), polled)
+                });
+                for (addr, polled) in futures_util::future::join_all(polls).await {
+                    match polled {
+                        Polled::Answer(l) => board.set(&addr, Load { reachable: true, ..l }),
+                        Polled::Refused(at) => board.set(&addr, unreachable(at)),
+                        Polled::Slow => {}
+                    }
+                }
+            }
+        })
+    }
+}
+
+fn unreachable(at: Instant) -> Load {
+    Load { ready: false, reachable: false, kv_blocks_total: 0, kv_blocks_used: 0, running: 0, waiting: 0, at }
+}
+
+fn connect(addr: &str, kind: Kind) -> Option<Client> {
+    let ep =
+        Endpoint::from_shared(format!("http://{addr}")).ok()?.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true);
+    let ch = ep.connect_lazy();
+    Some(match kind {
+        Kind::Decode => Client::Decode(DecodeWorkerClient::new(ch)),
+        Kind::Prefill => Client::Prefill(PrefillWorkerClient::new(ch)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(used: u32, total: u32, running: u32, waiting: u32) -> Load {
+        Load {
+            ready: true,
+            reachable: true,
+            kv_blocks_total: total,
+            kv_blocks_used: used,
+            running,
+            waiting,
+            at: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn queue_and_kv_fraction() {
+        let l = load(30, 120, 3, 2);
+        assert_eq!(l.queue(), 5);
+        assert!((l.kv_used_fraction() - 0.25).abs() < 1e-9);
+        assert_eq!(load(0, 0, 0, 0).kv_used_fraction(), 1.0, "an unknown pool counts as full");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn answers_age_out_but_unreachable_marks_stay() {
+        let board = LoadBoard::new(Duration::from_millis(100));
+        board.set("a:1", load(0, 10, 1, 0));
+        board.set("b:1", unreachable(Instant::now()));
+        assert!(board.get("a:1").is_some());
+        tokio::time::advance(board.max_age() + Duration::from_millis(1)).await;
+        assert_eq!(board.get("a:1"), None, "a stale answer is unknown");
+        assert!(board.get("b:1").is_some_and(|l| !l.reachable), "unreachable until it answers again");
+    }
+
+    #[tokio::test]
+    async fn a_refused_worker_is_marked_unreachable() {
+        // A port nobody listens on: bind, take the port, drop the listener.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port());
+        let addr = format!("127.0.0.1:{}", port.expect("a free port"));
+        let board = LoadBoard::new(Duration::from_millis(50));
+        let target = addr.clone();
+        let task = board.spawn(move || HashMap::from([(target.clone(), Kind::Decode)]));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while board.get(&addr).is_none() {
+            assert!(Instant::now() < deadline, "the poller never recorded the refused worker");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let l = board.get(&addr).expect("recorded");
+        assert!(!l.reachable && !l.ready);
+        task.abort();
+    }
+}

@@ -1,0 +1,178 @@
+//! The coordinator's Prometheus metrics, served on `GET /metrics` of the
+//! HTTP port (no API key needed, like `/health` and `/ready`).
+//!
+//! Names are prefixed `tandem_coordinator_` so they never collide with the
+//! workers' `tandem_` series in one Prometheus. Every histogram has explicit
+//! buckets (the exporter would otherwise render a summary). The vLLM
+//! counterpart is named where one exists.
+
+use std::time::Duration;
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::router::Prefill;
+
+/// `tandem_coordinator_requests_total{api,status,code}`: finished requests
+/// by API (`chat`, `completions`, `grpc`), HTTP status and error code (`ok`
+/// when it succeeded). vLLM: `vllm:request_success_total{finished_reason}`.
+pub const REQUESTS: &str = "tandem_coordinator_requests_total";
+/// `tandem_coordinator_admission_shed_total{reason}`: requests refused by
+/// admission: `key_limit` (429), `queue_full` (503), `queue_deadline` (504,
+/// dropped before prefill), `closed` (shutting down). vLLM: none.
+pub const SHED: &str = "tandem_coordinator_admission_shed_total";
+/// `tandem_coordinator_queue_depth`: requests waiting in the central queue.
+/// vLLM: `vllm:num_requests_waiting` (per engine).
+pub const QUEUE_DEPTH: &str = "tandem_coordinator_queue_depth";
+/// `tandem_coordinator_queue_tokens`: token cost waiting in the central queue.
+pub const QUEUE_TOKENS: &str = "tandem_coordinator_queue_tokens";
+/// `tandem_coordinator_running`: requests admitted and dispatched to workers.
+pub const RUNNING: &str = "tandem_coordinator_running";
+/// `tandem_coordinator_queue_wait_seconds`: time from arrival to dispatch.
+/// vLLM: `vllm:request_queue_time_seconds`.
+pub const QUEUE_WAIT: &str = "tandem_coordinator_queue_wait_seconds";
+/// `tandem_coordinator_route_decisions_total{prefill}`: routed requests by
+/// `remote` or `local` prefill. vLLM: none.
+pub const ROUTE_DECISIONS: &str = "tandem_coordinator_route_decisions_total";
+/// `tandem_coordinator_route_refused_total{reason}`: no route (`no_decode`,
+/// `none_ready`, `registry_unavailable`).
+pub const ROUTE_REFUSED: &str = "tandem_coordinator_route_refused_total";
+/// `tandem_coordinator_workers{role,state}`: registered workers, by role and
+/// `serving`/`draining`.
+pub const WORKERS: &str = "tandem_coordinator_workers";
+/// `tandem_coordinator_membership_changes_total{change}`: workers `joined`,
+/// `left` or `updated` (e.g. started draining) as seen from etcd.
+pub const MEMBERSHIP_CHANGES: &str = "tandem_coordinator_membership_changes_total";
+/// `tandem_coordinator_registry_resyncs_total`: full re-lists of membership
+/// after a lost etcd watch (session loss, compaction, silence).
+pub const REGISTRY_RESYNCS: &str = "tandem_coordinator_registry_resyncs_total";
+/// `tandem_coordinator_registry_healthy`: 1 while the etcd watch is live.
+pub const REGISTRY_HEALTHY: &str = "tandem_coordinator_registry_healthy";
+/// `tandem_coordinator_time_to_first_token_seconds`: arrival to first token
+/// at the frontend (queueing included). vLLM: `vllm:time_to_first_token_seconds`.
+pub const TTFT: &str = "tandem_coordinator_time_to_first_token_seconds";
+/// `tandem_coordinator_time_per_output_token_seconds`: gap between tokens.
+/// vLLM: `vllm:inter_token_latency_seconds`.
+pub const TPOT: &str = "tandem_coordinator_time_per_output_token_seconds";
+/// `tandem_coordinator_e2e_request_latency_seconds`: arrival to the end.
+/// vLLM: `vllm:e2e_request_latency_seconds`.
+pub const E2E: &str = "tandem_coordinator_e2e_request_latency_seconds";
+/// `tandem_coordinator_idempotent_replays_total{state}`: requests answered
+/// from an earlier one with the same `Idempotency-Key` (`inflight` or `done`).
+pub const IDEMPOTENT_REPLAYS: &str = "tandem_coordinator_idempotent_replays_total";
+
+const LATENCY_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0];
+const TOKEN_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
+
+/// Installs the global recorder; render the returned handle on `/metrics`.
+pub fn install() -> Result<PrometheusHandle, BuildError> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets(LATENCY_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(TPOT.into()), TOKEN_BUCKETS)?
+        .install_recorder()?;
+    describe();
+    Ok(handle)
+}
+
+fn describe() {
+    describe_counter!(REQUESTS, "Finished requests by API, HTTP status and error code");
+    describe_counter!(SHED, "Requests refused by admission, by reason");
+    describe_gauge!(QUEUE_DEPTH, "Requests waiting in the central queue");
+    describe_gauge!(QUEUE_TOKENS, "Token cost waiting in the central queue");
+    describe_gauge!(RUNNING, "Requests dispatched to workers");
+    describe_histogram!(QUEUE_WAIT, metrics::Unit::Seconds, "Arrival to dispatch");
+    describe_counter!(ROUTE_DECISIONS, "Routed requests by remote or local prefill");
+    describe_counter!(ROUTE_REFUSED, "Requests with no route, by reason");
+    describe_gauge!(WORKERS, "Registered workers by role and state");
+    describe_counter!(MEMBERSHIP_CHANGES, "Membership changes seen from etcd");
+    describe_counter!(REGISTRY_RESYNCS, "Full membership re-lists after a lost etcd watch");
+    describe_gauge!(REGISTRY_HEALTHY, "1 while the etcd watch is live");
+    describe_histogram!(TTFT, metrics::Unit::Seconds, "Arrival to first token");
+    describe_histogram!(TPOT, metrics::Unit::Seconds, "Gap between output tokens");
+    describe_histogram!(E2E, metrics::Unit::Seconds, "Arrival to the last byte");
+    describe_counter!(IDEMPOTENT_REPLAYS, "Requests answered from an earlier one with the same Idempotency-Key");
+}
+
+pub fn route_decided(kind: Prefill) {
+    let prefill = match kind {
+        Prefill::Remote => "remote",
+        Prefill::Local => "local",
+    };
+    counter!(ROUTE_DECISIONS, "prefill" => prefill).increment(1);
+}
+
+pub fn route_refused(reason: &'static str) {
+    counter!(ROUTE_REFUSED, "reason" => reason).increment(1);
+}
+
+pub fn request_finished(api: &'static str, status: u16, code: &str) {
+    counter!(REQUESTS, "api" => api, "status" => status.to_string(), "code" => code.to_owned()).increment(1);
+}
+
+pub fn shed(reason: &'static str) {
+    counter!(SHED, "reason" => reason).increment(1);
+}
+
+pub fn queue(depth: usize, tokens: u64, running: usize) {
+    gauge!(QUEUE_DEPTH).set(depth as f64);
+    gauge!(QUEUE_TOKENS).set(tokens as f64);
+    gauge!(RUNNING).set(running as f64);
+}
+
+pub fn queue_wait(d: Duration) {
+    histogram!(QUEUE_WAIT).record(d.as_secs_f64());
+}
+
+pub fn ttft(d: Duration) {
+    histogram!(TTFT).record(d.as_secs_f64());
+}
+
+pub fn tpot(d: Duration) {
+    histogram!(TPOT).record(d.as_secs_f64());
+}
+
+pub fn e2e(d: Duration) {
+    histogram!(E2E).record(d.as_secs_f64());
+}
+
+pub fn idempotent_replay(state: &'static str) {
+    counter!(IDEMPOTENT_REPLAYS, "state" => state).increment(1);
+}
+
+/// Follows membership: worker gauges, change counts, resyncs and health.
+/// Ends when the membership cache stops (`rx` from `Membership::subscribe`).
+pub async fn follow_membership(mut rx: tokio::sync::watch::Receiver<registry::MembershipView>) {
+    use std::collections::HashMap;
+    let mut known: HashMap<(registry::Role, String), registry::WorkerInfo> = HashMap::new();
+    let mut resyncs = 0u64;
+    loop {
+        let view = rx.borrow_and_update().clone();
+        gauge!(REGISTRY_HEALTHY).set(if view.is_live() { 1.0 } else { 0.0 });
+        if view.resyncs() > resyncs {
+            counter!(REGISTRY_RESYNCS).increment(view.resyncs() - resyncs);
+            resyncs = view.resyncs();
+        }
+        let now: HashMap<_, _> = view.workers().map(|w| ((w.role, w.id.clone()), w.clone())).collect();
+        for (k, w) in &now {
+            match known.get(k) {
+                None => counter!(MEMBERSHIP_CHANGES, "change" => "joined").increment(1),
+                Some(old) if old != w => counter!(MEMBERSHIP_CHANGES, "change" => "updated").increment(1),
+                Some(_) => {}
+            }
+        }
+        let left = known.keys().filter(|k| !now.contains_key(*k)).count();
+        if left > 0 {
+            counter!(MEMBERSHIP_CHANGES, "change" => "left").increment(left as u64);
+        }
+        for role in [registry::Role::Prefill, registry::Role::Decode] {
+            for (state, draining) in [("serving", false), ("draining", true)] {
+                let n = now.values().filter(|w| w.role == role && w.draining == draining).count();
+                gauge!(WORKERS, "role" => role.as_str(), "state" => state).set(n as f64);
+            }
+        }
+        known = now;
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! Routing decisions, as pure functions over the candidates a caller lists.
+//!
+//! A request goes to one decode worker, and (unless its prompt is short)
+//! names the prefill workers of that worker's version group, first choice
+//! first; the decode worker falls back down that list under the `retry`
+//! policy. Pairing never crosses version groups: the caller lists only the
+//! decode worker's group as prefill candidates, and [`route`] checks it
+//! again.
+//!
+//! - Decode: the lowest score, where score = queue / max_running + used KV
+//!   fraction. The queue is the larger of what the worker last reported
+//!   (running + waiting) and what this coordinator has in flight there, so
+//!   a burst between two load polls still spreads. Workers that reported
+//!   not ready, or refused the last poll, are skipped.
+//! - Prefill: power of two choices on the reported queue (two candidates
+//!   drawn at random, the less busy one first), then the rest by queue as
+//!   fallbacks. Random pairs keep many coordinators from herding onto the
+//!   single least-loaded worker their stale views agree on.
+//!
+//! Must not: do I/O, allocate per candidate beyond the result, or panic.
+
+use crate::load::Load;
+
+/// A decode worker the request could go to.
+#[derive(Clone, Debug)]
+pub struct DecodeCandidate<'a> {
+    pub addr: &'a str,
+    pub version_group: &'a str,
+    /// Last reported load, if fresh.
+    pub load: Option<Load>,
+    /// Requests this coordinator has in flight there.
+    pub inflight: usize,
+    /// Most sequences it runs at once (its registration; 0 when unknown).
+    pub max_running: u32,
+}
+
+/// A prefill worker of the chosen group.
+#[derive(Clone, Debug)]
+pub struct PrefillCandidate<'a> {
+    pub id: &'a str,
+    pub addr: &'a str,
+    pub version_group: &'a str,
+    pub load: Option<Load>,
+}
+
+/// Why no route exists.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NoRoute {
+    #[error("no decode worker is registered")]
+    NoDecode,
+    #[error("no decode worker is ready ({0} known, none ready or reachable)")]
+    NoneReady(usize),
+}
+
+/// Whether the prompt is prefilled on a prefill worker or by the decode worker itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prefill {
+    Remote,
+    /// Short prompt (at most the threshold) or no prefill worker in the group.
+    Local,
+}
+
+/// One decision: indexes into the caller's candidate lists.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub decode: usize,
+    /// Prefill candidates, first choice first; empty for local prefill.
+    pub prefill: Vec<usize>,
+    pub kind: Prefill,
+}
+
+fn usable(load: &Option<Load>) -> bool {
+    load.is_none_or(|l| l.ready && l.reachable)
+}
+
+fn decode_score(c: &DecodeCandidate<'_>) -> f64 {
+    let reported = c.load.map_or(0, |l| l.queue() as usize);
+    let queue = reported.max(c.inflight) as f64;
+    let per_seat = queue / f64::from(c.max_running.max(1));
+    // Unknown KV use counts as half full: neither preferred nor avoided.
+    let kv = c.load.map_or(0.5, |l| l.kv_used_fraction());
+    per_seat + kv
+}
+
+/// The decode worker to use: the lowest score among usable ones (ties: the
+/// earlier candidate, so a caller's stable order gives stable choices).
+pub fn pick_decode(cands: &[DecodeCandidate<'_>]) -> Result<usize, NoRoute> {
+    if cands.is_empty() {
+        return Err(NoRoute::NoDecode);
+    }
+    let mut best: Option<(usize, f64)> = None;
+    for (i, c) in cands.iter().enumerate() {
+        if !usable(&c.load) {
+            continue;
+        }
+        let s = decode_score(c);
+        if best.is_none_or(|(_, b)| s < b) {
+            best = Some((i, s));
+        }
+    }
+    best.map(|(i, _)| i).ok_or(NoRoute::NoneReady(cands.len()))
+}
+
+/// A small xorshift generator: routing needs spread, not cryptography.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+fn prefill_queue(c: &PrefillCandidate<'_>) -> u32 {
+    // Unknown load sorts after every known one with an empty queue.
+    c.load.map_or(u32::MAX / 2, |l| l.queue())
+}
+
+/// Prefill candidates in the order to try: power of two choices for the
+/// first, then the rest by reported queue. Unusable ones are left out.
+pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut Rng) -> Vec<usize> {
+    let mut ok: Vec<usize> = (0..cands.len()).filter(|&i| usable(&cands[i].load)).collect();
+    if ok.len() < 2 {
+        return ok;
+    }
+    let a = rng.below(ok.len());
+    let mut b = rng.below(ok.len() - 1);
+    if b >= a {
+        b += 1;
+    }
+    let first = if prefill_queue(&cands[ok[b]]) < prefill_queue(&cands[ok[a]]) { b } else { a };
+    let first = ok.swap_remove(first);
+    ok.sort_by_key(|&i| (prefill_queue(&cands[i]), i));
+    ok.insert(0, first);
+    ok
+}
+
+/// The whole decision: a decode worker, then prefill workers of its version
+/// group unless the prompt is at most `local_prefill_max_tokens` long.
+pub fn route(
+    decode: &[DecodeCandidate<'_>],
+    prefill: &[PrefillCandidate<'_>],
+    prompt_tokens: usize,
+    local_prefill_max_tokens: usize,
+    rng: &mut Rng,
+) -> Result<Decision, NoRoute> {
+    let d = pick_decode(decode)?;
+    if prompt_tokens <= local_prefill_max_tokens {
+        return Ok(Decision { decode: d, prefill: Vec::new(), kind: Prefill::Local });
+    }
+    let group = decode[d].version_group;
+    let mut order = order_prefill(prefill, rng);
+    order.retain(|&i| prefill[i].version_group == group);
+    let kind = if order.is_empty() { Prefill::Local } else { Prefill::Remote };
+    Ok(Decision { decode: d, prefill: order, kind })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::Instant;
+
+    fn load(used: u32, running: u32, waiting: u32) -> Option<Load> {
+        Some(Load {
+            ready: true,
+            reachable: true,
+            kv_blocks_total: 100,
+            kv_blocks_used: used,
+            running,
+            waiting,
+            at: Instant::now(),
+        })
+    }
+
+    fn d<'a>(addr: &'a str, load: Option<Load>, inflight: usize) -> DecodeCandidate<'a> {
+        DecodeCandidate { addr, version_group: "g1", load, inflight, max_running: 8 }
+    }
+
+    #[test]
+    fn decode_prefers_headroom_and_short_queues() {
+        let c = [d("busy", load(90, 8, 4), 0), d("idle", load(10, 0, 0), 0), d("half", load(50, 4, 0), 0)];
+        assert_eq!(pick_decode(&c), Ok(1));
+        // Our own in-flight count wins over a stale report of an empty queue.
+        let c = [d("a", load(10, 0, 0), 16), d("b", load(20, 1, 0), 0)];
+        assert_eq!(pick_decode(&c), Ok(1));
+    }
+
+    #[test]
+    fn unready_and_unreachable_decode_workers_are_skipped() {
+        let down = load(0, 0, 0).map(|l| Load { reachable: false, ..l });
+        let fenced = load(0, 0, 0).map(|l| Load { ready: false, ..l });
+        let c = [d("down", down, 0), d("fenced", fenced, 0), d("busy", load(99, 8, 8), 3)];
+        assert_eq!(pick_decode(&c), Ok(2));
+        assert_eq!(pick_decode(&c[..2]), Err(NoRoute::NoneReady(2)));
+        assert_eq!(pick_decode(&[]), Err(NoRoute::NoDecode));
+        // Unknown load is usable.
+        assert_eq!(pick_decode(&[d("new", None, 0)]), Ok(0));
+    }
+
+    fn p<'a>(id: &'a str, group: &'a str, q: u32) -> PrefillCandidate<'a> {
+        PrefillCandidate { id, addr: id, version_group: group, load: load(0, q, 0) }
+    }
+
+    #[test]
+    fn power_of_two_choices_never_picks_the_busiest_of_a_pair() {
+        let c = [p("a", "g1", 0), p("b", "g1", 5), p("c", "g1", 9)];
+        let mut rng = Rng::new(7);
+        let mut firsts = [0usize; 3];
+        for _ in 0..3000 {
+            let o = order_prefill(&c, &mut rng);
+            assert_eq!(o.len(), 3);
+            let mut sorted = o.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, vec![0, 1, 2], "each candidate exactly once");
+            firsts[o[0]] += 1;
+            // The fallbacks are by queue.
+            let rest: Vec<u32> = o[1..].iter().map(|&i| prefill_queue(&c[i])).collect();
+            assert!(rest.windows(2).all(|w| w[0] <= w[1]));
+        }
+        assert_eq!(firsts[2], 0, "the busiest worker loses every pair it is drawn in");
+        // a wins both pairs it is in (2 of 3 pairs), b one of three.
+        assert!(firsts[0] > 1700 && firsts[1] > 700, "{firsts:?}");
+    }
+
+    #[test]
+    fn route_stays_in_the_decode_workers_group_and_honours_the_local_threshold() {
+        let dec = [DecodeCandidate { version_group: "g2", ..d("d", load(0, 0, 0), 0) }];
+        let pre = [p("p1", "g1", 0), p("p2", "g2", 3), p("p3", "g2", 1)];
+        let mut rng = Rng::new(1);
+        for _ in 0..100 {
+            let r = route(&dec, &pre, 100, 32, &mut rng).expect("a route");
+            assert_eq!(r.kind, Prefill::Remote);
+            assert!(r.prefill.iter().all(|&i| pre[i].version_group == "g2"), "{r:?}");
+            assert_eq!(r.prefill.len(), 2);
+        }
+        let r = route(&dec, &pre, 32, 32, &mut rng).expect("a route");
+        assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0));
+        let r = route(&dec, &pre[..1], 100, 32, &mut rng).expect("a route");
+        assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0), "no prefill worker in the group");
+    }
+}
