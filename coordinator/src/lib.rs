@@ -13,8 +13,10 @@
 
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod cluster;
 pub mod http;
+pub mod idempotency;
 pub mod load;
 pub mod metrics;
 pub mod openai;
