@@ -264,7 +264,9 @@ impl Cluster {
         })
     }
 
-    /// Starts `Generate` on a decode worker and returns its stream.
+    /// Starts `Generate` on a decode worker and returns its stream. A worker
+    /// that cannot be reached (connection refused: the request never got
+    /// there) is marked unreachable and the request is routed once more.
     pub async fn generate(
         self: &Arc<Self>,
         request_id: String,
@@ -272,26 +274,43 @@ impl Cluster {
         params: &SamplingParams,
         deadline_unix_ms: u64,
     ) -> Result<(WorkerStream, Lease), ApiError> {
-        let route = self.route(token_ids.len())?;
-        let decode = self.decode_entry(&route.decode)?;
-        decode.inflight.fetch_add(1, Ordering::Relaxed);
-        let lease = Lease { decode: decode.clone() };
-        let req = GenerateRequest {
+        let mut req = GenerateRequest {
             request_id,
             token_ids,
             sampling: Some(params.into()),
             deadline_unix_ms,
-            prefill: route.prefill,
+            prefill: Vec::new(),
             policy_override: None,
             cache_salt: 0,
         };
-        let mut client = decode.client.clone();
-        let stream = client.generate(req).await.map_err(|s| {
-            unavailable("worker_unavailable", format!("decode worker {}: {}", route.decode, s.message()))
-        })?;
-        Ok((stream.into_inner(), lease))
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let route = self.route(req.token_ids.len())?;
+            let decode = self.decode_entry(&route.decode)?;
+            decode.inflight.fetch_add(1, Ordering::Relaxed);
+            let lease = Lease { decode: decode.clone() };
+            req.prefill = route.prefill;
+            let mut client = decode.client.clone();
+            match client.generate(req.clone()).await {
+                Ok(stream) => return Ok((stream.into_inner(), lease)),
+                Err(s) if s.code() == tonic::Code::Unavailable && attempt < MAX_DECODE_ATTEMPTS => {
+                    tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker unreachable; routing again");
+                    self.board.mark_unreachable(&route.decode);
+                }
+                Err(s) => {
+                    return Err(unavailable(
+                        "worker_unavailable",
+                        format!("decode worker {}: {}", route.decode, s.message()),
+                    ))
+                }
+            }
+        }
     }
 }
+
+/// Decode workers tried for one request when the first cannot be reached.
+const MAX_DECODE_ATTEMPTS: u32 = 2;
 
 /// What one step of a worker stream means to the frontend.
 pub enum Step {

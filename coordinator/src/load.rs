@@ -129,6 +129,12 @@ impl LoadBoard {
         loads.insert(addr.to_owned(), load);
     }
 
+    /// Marks a worker unreachable now (a request could not connect); the
+    /// next answer from it clears the mark.
+    pub fn mark_unreachable(&self, addr: &str) {
+        self.set(addr, unreachable(Instant::now()));
+    }
+
     fn retain(&self, keep: &HashMap<String, Kind>) {
         let mut loads = self.loads.write().unwrap_or_else(|e| e.into_inner());
         loads.retain(|a, _| keep.contains_key(a));

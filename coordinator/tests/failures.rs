@@ -1,0 +1,276 @@
+//! Failures at the coordinator, on real processes and a real etcd: a decode
+//! worker killed mid-stream, etcd restarted and then down long enough for
+//! workers to fence themselves, and a client that goes away mid-stream.
+//! Each test proves its fault happened (process gone, worker fenced, tokens
+//! cut short) and ends with every worker's KV back to zero.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use serde_json::{json, Value};
+
+/// Sum of every series of `name` (all label sets) on a `/metrics` page.
+fn metric_sum(addr: &str, name: &str) -> Result<f64, String> {
+    let (_, _, body) = http(addr, "GET", "/metrics", "", b"", &[])?;
+    Ok(body
+        .lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{') || r.starts_with(' ')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+fn long_stream(max_tokens: u32) -> Value {
+    json!({
+        "model": MODEL, "prompt": "Once upon a time, in a quiet village by the sea,",
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true,
+    })
+}
+
+fn short() -> Value {
+    json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
+}
+
+/// Worker flags for a registered worker of group g1.
+fn worker_args<'a>(ep: &'a str, prefix: &'a str, id: &'a str, ttl: &'a str) -> Vec<&'a str> {
+    vec![
+        "--etcd",
+        ep,
+        "--cluster-prefix",
+        prefix,
+        "--lease-ttl-s",
+        ttl,
+        "--threads",
+        "1",
+        "--version-group",
+        "g1",
+        "--worker-id",
+        id,
+        "--kv-blocks",
+        "256",
+    ]
+}
+
+fn decode_args<'a>(ep: &'a str, prefix: &'a str, id: &'a str, ttl: &'a str) -> Vec<&'a str> {
+    let mut v = worker_args(ep, prefix, id, ttl);
+    v.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
+    v
+}
+
+/// Waits until the worker's KV pool and reservations are back to zero.
+async fn settled(p: &Proc, what: &str) -> TestResult {
+    let m = p.addr("metrics")?;
+    eventually(&format!("{what}: KV blocks back to 0"), || {
+        metric(&m, "tandem_kv_blocks_used").is_ok_and(|v| v == 0.0)
+            && metric(&m, "tandem_reservations_active").is_ok_and(|v| v == 0.0)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_worker_killed_mid_stream() -> TestResult {
+    let etcd = registry::testing::Etcd::start().await?;
+    let ep = etcd.endpoint();
+    let prefill = start("tandem-prefill-worker", &worker_args(&ep, "k9", "p1", "2"), &["grpc", "metrics"])?;
+    let d1 = start("tandem-decode-worker", &decode_args(&ep, "k9", "d1", "2"), &["grpc", "metrics"])?;
+    let d2 = start("tandem-decode-worker", &decode_args(&ep, "k9", "d2", "2"), &["grpc", "metrics"])?;
+    let coord = start(
+        "tandem-coordinator",
+        &["--http", "127.0.0.1:0", "--etcd", &ep, "--cluster-prefix", "k9", "--local-prefill-max-tokens", "0"],
+        &["http"],
+    )?;
+    let h = coord.addr("http")?;
+    eventually("the coordinator is ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
+        .await?;
+    let membership =
+        registry::Membership::start(registry::MembershipConfig::new(registry::EtcdConfig::new(etcd.endpoints()), "k9"))
+            .await?;
+    eventually("both decode workers are registered", || {
+        membership.view().workers().filter(|w| w.role == registry::Role::Decode).count() == 2
+    })
+    .await?;
+
+    // Two long streams: the router spreads them, one per decode worker.
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let mut s = open_stream(&h, "/v1/completions", &long_stream(300), &[])?;
+        assert_eq!(s.status, 200);
+        let first = s.next_event()?.ok_or("the stream ended before its first token")?;
+        assert!(first.contains("\"text\""), "{first}");
+        streams.push(s);
+    }
+    let (m1, m2) = (d1.addr("metrics")?, d2.addr("metrics")?);
+    // The gauge is refreshed by the coordinator's load polls.
+    eventually("one stream on each decode worker", || {
+        [&m1, &m2].iter().all(|m| metric(m, "tandem_num_requests_running").is_ok_and(|v| v == 1.0))
+    })
+    .await?;
+
+    signal(&d1, "-KILL");
+    let mut outcomes = Vec::new();
+    for s in streams {
+        let events = s.rest()?;
+        let last = events.last().cloned().unwrap_or_default();
+        outcomes.push(if last == "[DONE]" {
+            "done".to_owned()
+        } else {
+            // The killed worker's stream ends with a typed error event.
+            let v: Value = serde_json::from_str(&last).map_err(|e| format!("{e}: {last}"))?;
+            v["error"]["code"].as_str().map(str::to_owned).ok_or(format!("no error code: {last}"))?
+        });
+    }
+    outcomes.sort();
+    assert_eq!(outcomes, ["done", "worker_stream"], "one stream finished, the killed one ended typed");
+
+    // New requests succeed on the remaining worker at once: a refused
+    // connection is routed again, and the load poller marks d1 unreachable.
+    for _ in 0..4 {
+        let (s, _, body) = post(&h, "/v1/completions", &short())?;
+        assert_eq!(s, 200, "{body}");
+    }
+    // Its lease (2 s) runs out and it leaves membership.
+    eventually("d1 leaves membership", || !membership.view().contains(registry::Role::Decode, "d1")).await?;
+    for _ in 0..2 {
+        let (s, _, body) = post(&h, "/v1/completions", &short())?;
+        assert_eq!(s, 200, "{body}");
+    }
+    settled(&d2, "decode d2").await?;
+    settled(&prefill, "prefill").await?;
+    membership.stop().await;
+    drop(etcd);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_restart_then_outage_fences_workers() -> TestResult {
+    let mut etcd = registry::testing::Etcd::start().await?;
+    let ep = etcd.endpoint();
+    let prefill = start("tandem-prefill-worker", &worker_args(&ep, "er", "p1", "5"), &["grpc", "metrics"])?;
+    let decode = start("tandem-decode-worker", &decode_args(&ep, "er", "d1", "5"), &["grpc", "metrics"])?;
+    let coord = start(
+        "tandem-coordinator",
+        &[
+            "--http",
+            "127.0.0.1:0",
+            "--etcd",
+            &ep,
+            "--cluster-prefix",
+            "er",
+            "--local-prefill-max-tokens",
+            "0",
+            "--registry-max-stale-ms",
+            "120000",
+        ],
+        &["http"],
+    )?;
+    let h = coord.addr("http")?;
+    eventually("the coordinator is ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
+        .await?;
+
+    // Load runs through an etcd restart: served from the cached membership,
+    // every request completes.
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = {
+        let (h, stop) = (h.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut statuses = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                statuses.push(post(&h, "/v1/completions", &short()).map(|r| r.0));
+            }
+            statuses
+        })
+    };
+    let served_before = metric_sum(&decode.addr("metrics")?, "tandem_decode_requests_total")?;
+    etcd.restart().await?;
+    let m = decode.addr("metrics")?;
+    eventually("requests complete after the restart", || {
+        metric_sum(&m, "tandem_decode_requests_total").is_ok_and(|v| v >= served_before + 3.0)
+    })
+    .await?;
+    stop.store(true, Ordering::SeqCst);
+    let statuses = load.join().map_err(|_| "the load thread panicked")?;
+    assert!(statuses.len() >= 3, "{statuses:?}");
+    assert!(statuses.iter().all(|s| s.as_ref().is_ok_and(|s| *s == 200)), "{statuses:?}");
+
+    // etcd down past the lease TTL: the workers fence themselves, the
+    // coordinator stops routing to them (503 + Retry-After) and sends them
+    // nothing while fenced.
+    etcd.stop();
+    eventually("503 + Retry-After once the decode worker is fenced", || {
+        post(&h, "/v1/completions", &short()).is_ok_and(|(s, hd, _)| s == 503 && hd.contains_key("retry-after"))
+    })
+    .await?;
+    let (s, _, _) = http(&h, "GET", "/ready", "", b"", &[])?;
+    assert_eq!(s, 503, "not ready while every decode worker is fenced");
+    let seen = metric_sum(&m, "tandem_decode_requests_total")?;
+    for _ in 0..5 {
+        let (s, hd, body) = post(&h, "/v1/completions", &short())?;
+        assert_eq!(s, 503, "{body}");
+        assert!(hd.contains_key("retry-after"));
+    }
+    assert_eq!(metric_sum(&m, "tandem_decode_requests_total")?, seen, "a request reached a fenced worker");
+
+    // etcd back: the workers re-register with fresh leases and serve again.
+    etcd.restart().await?;
+    eventually("serving again after re-registration", || {
+        post(&h, "/v1/completions", &short()).is_ok_and(|(s, _, _)| s == 200)
+    })
+    .await?;
+    settled(&decode, "decode").await?;
+    settled(&prefill, "prefill").await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_and_frees_kv() -> TestResult {
+    let common = ["--version-group", "g", "--threads", "1", "--kv-blocks", "256"];
+    let prefill = start("tandem-prefill-worker", &common, &["grpc", "metrics"])?;
+    let mut dargs = common.to_vec();
+    dargs.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
+    let decode = start("tandem-decode-worker", &dargs, &["grpc", "metrics"])?;
+    let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
+    let coord = start(
+        "tandem-coordinator",
+        &["--http", "127.0.0.1:0", "--decode", &d, "--prefill", &p, "--local-prefill-max-tokens", "0"],
+        &["http"],
+    )?;
+    let h = coord.addr("http")?;
+    let m = decode.addr("metrics")?;
+
+    // Streaming: read a few tokens, then hang up.
+    let mut s = open_stream(&h, "/v1/completions", &long_stream(4000), &[])?;
+    assert_eq!(s.status, 200);
+    for _ in 0..3 {
+        s.next_event()?.ok_or("the stream ended early")?;
+    }
+    eventually("the stream runs", || metric(&m, "tandem_num_requests_running").is_ok_and(|v| v == 1.0)).await?;
+    drop(s);
+    eventually("the decode worker ends the abandoned stream", || {
+        metric(&m, "tandem_num_requests_running").is_ok_and(|v| v == 0.0)
+    })
+    .await?;
+    let generated = metric_sum(&m, "tandem_generation_tokens_total")?;
+    assert!(generated < 4000.0, "cancelled, not run to max_tokens: {generated} tokens");
+    settled(&decode, "decode").await?;
+    settled(&prefill, "prefill").await?;
+
+    // Non-streaming: the client sends its request and leaves before the answer.
+    let before = metric_sum(&m, "tandem_generation_tokens_total")?;
+    let mut body = long_stream(4000);
+    body["stream"] = json!(false);
+    let conn = send_only(&h, "/v1/completions", &body)?;
+    eventually("the non-streaming request runs", || metric(&m, "tandem_num_requests_running").is_ok_and(|v| v == 1.0))
+        .await?;
+    drop(conn);
+    eventually("the decode worker ends the abandoned request", || {
+        metric(&m, "tandem_num_requests_running").is_ok_and(|v| v == 0.0)
+    })
+    .await?;
+    let generated = metric_sum(&m, "tandem_generation_tokens_total")? - before;
+    assert!(generated < 4000.0, "cancelled, not run to max_tokens: {generated} tokens");
+    settled(&decode, "decode").await?;
+    settled(&prefill, "prefill").await?;
+    Ok(())
+}
