@@ -1,7 +1,8 @@
 # tandem — developer and CI entry points. Every target works on a fresh Debian
 # machine as root (Rust toolchain and cargo-nextest preinstalled).
 #
-#   make test       system deps + model, then the whole test suite (what CI runs)
+#   make test       system deps + model + Python venv (openai client), then the
+#                   whole test suite (what CI runs)
 #   make run        build and start a local cluster (prefill + decode workers,
 #                   coordinator) serving the OpenAI API on 127.0.0.1:8000
 #   make chat       build and generate one chat answer in-process (no cluster)
@@ -58,6 +59,8 @@ chat: deps model build
 test: deps model
 	$(MODEL_PATH); \
 	export TANDEM_MODEL="$$model"; \
+	python="$$(scripts/python-deps.sh | tail -n 1)"; \
+	export TANDEM_PYTHON="$$python"; \
 	cargo build --workspace --bins && \
 	if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --no-fail-fast --no-tests=warn; \

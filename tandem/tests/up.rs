@@ -14,13 +14,17 @@ use std::time::Duration;
 const WAIT: Duration = Duration::from_secs(180);
 
 fn post_chat(addr: &str) -> Result<(u16, String), String> {
+    let body = r#"{"model":"SmolLM2-135M-Instruct","messages":[{"role":"user","content":"What is the capital of France? Answer in one sentence."}],"max_tokens":32,"temperature":0}"#;
+    post(addr, "/v1/chat/completions", body)
+}
+
+fn post(addr: &str, path: &str, body: &str) -> Result<(u16, String), String> {
     let sa: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
     let mut s = TcpStream::connect_timeout(&sa, WAIT).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(WAIT)).map_err(|e| e.to_string())?;
-    let body = r#"{"model":"SmolLM2-135M-Instruct","messages":[{"role":"user","content":"What is the capital of France? Answer in one sentence."}],"max_tokens":32,"temperature":0}"#;
     write!(
         s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .map_err(|e| e.to_string())?;
@@ -28,6 +32,71 @@ fn post_chat(addr: &str) -> Result<(u16, String), String> {
     s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
     let status = raw.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or("no status")?;
     Ok((status, raw.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()))
+}
+
+/// Greedy continuation of `ids` from the single-process engine, as text.
+fn reference(ids: &[u32], max_tokens: u32) -> Result<String, Box<dyn std::error::Error>> {
+    use engine::batch::{Engine, EngineConfig, Request};
+    let path = engine::paths::default_model_path();
+    let (w, gguf) = engine::weights::Weights::from_gguf(&path)?;
+    let tok = engine::tokenizer::Tokenizer::from_gguf(&gguf)?;
+    let model = engine::model::Model::new(w, 1)?;
+    let mut e = Engine::new(model, EngineConfig::default(), tok.eos_ids().to_vec())?;
+    let params = engine::sampler::SamplingParams { max_tokens, ..Default::default() };
+    e.add(Request { id: 1, prompt: ids.to_vec(), params, salt: 0 })?;
+    let mut out = Vec::new();
+    while e.has_work() {
+        for ev in e.step()? {
+            if !tok.eos_ids().contains(&ev.token.id) {
+                out.push(ev.token.id);
+            }
+        }
+    }
+    Ok(tok.decode(&out, true)?)
+}
+
+/// The official `openai` Python client against the cluster: greedy chat and
+/// completions, streaming and not, equal the single-process engine's
+/// output, with usage. Python comes from `make test` (scripts/python-deps.sh
+/// sets TANDEM_PYTHON).
+fn openai_client_agrees_with_the_engine(http: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let python = std::env::var("TANDEM_PYTHON").map_err(|_| {
+        "TANDEM_PYTHON is not set: run `make test`, or `export TANDEM_PYTHON=$(scripts/python-deps.sh | tail -n 1)`"
+    })?;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/openai-client-check.py");
+    let out = Command::new(&python)
+        .args([script, "--base-url", &format!("http://{http}/v1"), "--max-tokens", "16"])
+        .stderr(Stdio::inherit())
+        .output()?;
+    assert!(out.status.success(), "the openai client failed: {}", String::from_utf8_lossy(&out.stdout));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(v["models"][0], "SmolLM2-135M-Instruct", "{v}");
+
+    let (s, body) =
+        post(http, "/tokenize", r#"{"messages":[{"role":"user","content":"What is the capital of France?"}]}"#)?;
+    assert_eq!(s, 200, "{body}");
+    let chat_ids: Vec<u32> =
+        serde_json::from_value(serde_json::from_str::<serde_json::Value>(&body)?["tokens"].clone())?;
+    let (s, body) = post(http, "/tokenize", r#"{"prompt":"The capital of France is"}"#)?;
+    assert_eq!(s, 200, "{body}");
+    let prompt_ids: Vec<u32> =
+        serde_json::from_value(serde_json::from_str::<serde_json::Value>(&body)?["tokens"].clone())?;
+    for (case, ids) in [
+        ("chat", &chat_ids),
+        ("chat_stream", &chat_ids),
+        ("completion", &prompt_ids),
+        ("completion_stream", &prompt_ids),
+    ] {
+        let want = reference(ids, 16)?;
+        let got = &v[case];
+        assert_eq!(got["text"].as_str(), Some(want.as_str()), "{case}: {v}");
+        assert_eq!(got["usage"]["prompt_tokens"], ids.len(), "{case}: {v}");
+        let completion_tokens = got["usage"]["completion_tokens"].as_u64().ok_or("no completion_tokens")?;
+        assert!((1..=16).contains(&completion_tokens), "{case}: {v}");
+        assert_eq!(got["usage"]["total_tokens"].as_u64(), Some(ids.len() as u64 + completion_tokens), "{case}: {v}");
+        assert!(matches!(got["finish"].as_str(), Some("stop" | "length")), "{case}: {v}");
+    }
+    Ok(())
 }
 
 /// Stops `tandem up` if the test fails midway: SIGTERM (it stops its
@@ -96,6 +165,7 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> Result<(), Box<
         let (status, body) = post_chat(http)?;
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("chat.completion") && body.contains("Paris"), "{body}");
+        openai_client_agrees_with_the_engine(http)?;
 
         Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
         let (etx, erx) = mpsc::channel();

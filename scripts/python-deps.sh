@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A Python virtual environment with what the tests and tours use from PyPI
+# (the official `openai` client), under $TANDEM_CACHE/venv. Idempotent: a
+# quick import check when it is already there. The last line on stdout is the
+# venv's python.
+set -euo pipefail
+
+LOG_PREFIX=python-deps
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+# Pinned: the client whose behaviour the compatibility test checks.
+readonly PACKAGES=("openai==2.54.0")
+readonly VENV="$TANDEM_CACHE/venv"
+readonly PY="$VENV/bin/python"
+
+if [[ -x $PY ]] && "$PY" -c 'import openai, sys; sys.exit(openai.__version__ != "2.54.0")' 2>/dev/null; then
+  echo "$PY"
+  exit 0
+fi
+
+command -v python3 >/dev/null || apt_install python3
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || apt_install python3-venv
+mkdir -p "$TANDEM_CACHE"
+log "creating $VENV with ${PACKAGES[*]}"
+python3 -m venv "$VENV" >&2
+"$PY" -m pip install --quiet --disable-pip-version-check "${PACKAGES[@]}" >&2
+echo "$PY"
