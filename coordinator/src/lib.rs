@@ -13,6 +13,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod cluster;
 pub mod http;
 pub mod openai;
