@@ -13,6 +13,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod auth;
 pub mod cluster;
 pub mod http;
