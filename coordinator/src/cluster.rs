@@ -97,9 +97,10 @@ const STATIC_GROUP: &str = "static";
 
 /// One routing decision: a decode worker and the prefill workers (same
 /// version group) it may use, first choice first.
-struct Route {
-    decode: String,
-    prefill: Vec<PrefillTarget>,
+#[derive(Debug)]
+pub struct Route {
+    pub decode: String,
+    pub prefill: Vec<PrefillTarget>,
 }
 
 impl Cluster {
@@ -183,8 +184,9 @@ impl Cluster {
     }
 
     /// Picks the decode worker with the most headroom and the prefill
-    /// workers of its version group (see [`crate::router`]).
-    fn route(&self, prompt_tokens: usize) -> Result<Route, ApiError> {
+    /// workers of its version group (see [`crate::router`]). No I/O: it
+    /// reads the membership cache and the load board.
+    pub fn route(&self, prompt_tokens: usize) -> Result<Route, ApiError> {
         let view;
         let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {
             let inflight = self.decode.lock().unwrap_or_else(|e| e.into_inner());

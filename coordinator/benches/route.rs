@@ -1,0 +1,111 @@
+//! Cost of one routing + admission decision with 1,000 registered workers
+//! (500 decode, 500 prefill, fake load on the board), against a baseline
+//! measured in the same run. `cargo bench -p coordinator --bench route`.
+//!
+//! - decision: `Admission::admit` (a free slot), `Cluster::route` for a
+//!   235-token prompt (score every decode worker, power of two choices over
+//!   the prefill workers, fallbacks sorted), and the slot dropped;
+//! - baseline: one pass over the same 1,000 load-board entries reading each
+//!   worker's queue (the least any load-aware router must do).
+//!
+//! The workers are fixed addresses (`Source::Static`): the candidate lists
+//! and the router are the same code as with etcd membership, whose view is
+//! an in-memory map read the same way.
+
+#![forbid(unsafe_code)]
+
+use std::error::Error;
+use std::sync::Arc;
+use std::time::{Duration, Instant as Clock};
+
+use coordinator::admission::{Admission, AdmissionConfig, Priority, Ticket};
+use coordinator::cluster::{Cluster, RouteSettings, Source};
+use coordinator::load::Load;
+use tokio::time::Instant;
+
+const WORKERS: usize = 1000;
+const OPS: usize = 20_000;
+const WARMUP: usize = 2_000;
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e6
+}
+
+fn report(name: &str, mut t: Vec<Duration>) -> (f64, f64) {
+    t.sort_unstable();
+    let (p50, p99) = (percentile(&t, 0.50), percentile(&t, 0.99));
+    println!("{name:<10} p50 {p50:>8.2} us   p99 {p99:>8.2} us   ({} ops)", t.len());
+    (p50, p99)
+}
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(run())
+}
+
+async fn run() -> Result<(), Box<dyn Error>> {
+    let addr = |role: &str, i: usize| format!("{role}-{i}.invalid:{}", 7000 + i);
+    let decode: Vec<String> = (0..WORKERS / 2).map(|i| addr("d", i)).collect();
+    let prefill: Vec<String> = (0..WORKERS / 2).map(|i| addr("p", i)).collect();
+    let cluster = Arc::new(Cluster::new(
+        Source::Static { decode: decode.clone(), prefill: prefill.clone() },
+        RouteSettings::default(),
+    )?);
+    // Fake load: every worker answered recently with a different queue and KV use.
+    let now = Instant::now();
+    for (i, a) in decode.iter().chain(&prefill).enumerate() {
+        cluster.board().set(
+            a,
+            Load {
+                ready: true,
+                reachable: true,
+                kv_blocks_total: 1024,
+                kv_blocks_used: (i * 37 % 1024) as u32,
+                running: (i % 16) as u32,
+                waiting: (i % 5) as u32,
+                at: now,
+            },
+        );
+    }
+    let admission = Admission::new(AdmissionConfig { max_running: 64, ..AdmissionConfig::default() })?;
+
+    let all: Vec<&String> = decode.iter().chain(&prefill).collect();
+    let mut base = Vec::with_capacity(OPS);
+    let mut sink = 0u64;
+    for i in 0..OPS + WARMUP {
+        let t = Clock::now();
+        for a in &all {
+            sink += cluster.board().get(a).map_or(0, |l| u64::from(l.queue()));
+        }
+        if i >= WARMUP {
+            base.push(t.elapsed());
+        }
+    }
+    std::hint::black_box(sink);
+
+    let mut decide = Vec::with_capacity(OPS);
+    let mut prefill_named = 0usize;
+    for i in 0..OPS + WARMUP {
+        let ticket = Ticket {
+            key: format!("key-{}", i % 1000),
+            priority: Priority::Normal,
+            cost: 235 + 64,
+            deadline: Instant::now() + Duration::from_secs(60),
+        };
+        let t = Clock::now();
+        let slot = admission.admit(ticket).await.map_err(|e| format!("admission refused: {e:?}"))?;
+        let route = cluster.route(235).map_err(|e| e.message)?;
+        drop(slot);
+        let took = t.elapsed();
+        prefill_named += route.prefill.len();
+        if i >= WARMUP {
+            decide.push(took);
+        }
+    }
+    assert_eq!(prefill_named, (OPS + WARMUP) * WORKERS / 2, "every decision names every prefill worker in order");
+    let (b50, b99) = report("baseline", base);
+    let (d50, d99) = report("decision", decide);
+    println!("decision / baseline: p50 {:.1}x, p99 {:.1}x ({WORKERS} workers)", d50 / b50, d99 / b99);
+    Ok(())
+}
