@@ -3,11 +3,11 @@
 //! prefill workers it may use), streams tokens back as text, and maps every
 //! worker error onto the documented HTTP contract.
 //!
-//! Built so far: the OpenAI-compatible HTTP frontend ([`http`]) over a
-//! static worker list ([`cluster`]). Next (see docs/ARCHITECTURE.md): etcd
-//! membership instead of the static list, version-group routing, the
-//! priority/fairness queue, idempotency keys, the gRPC frontend and
-//! `tandem up`.
+//! Built so far: the OpenAI-compatible HTTP frontend ([`http`]) over the
+//! frontend-independent request walk ([`pipeline`]: checks, deadline,
+//! admission, detokenizing with stop strings), routing from etcd membership
+//! or fixed worker addresses ([`cluster`]). Next (see docs/ARCHITECTURE.md):
+//! the priority/fairness queue, idempotency keys, the gRPC frontend.
 //!
 //! Must not: touch KV bytes, or hold a request past its deadline.
 
@@ -16,4 +16,5 @@
 pub mod cluster;
 pub mod http;
 pub mod openai;
+pub mod pipeline;
 pub mod prompt;

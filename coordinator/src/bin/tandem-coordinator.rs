@@ -12,6 +12,7 @@ use anyhow::Context;
 use clap::Parser;
 use coordinator::cluster::{Cluster, Source};
 use coordinator::http::{router, App, HttpSettings};
+use coordinator::pipeline::{Pipeline, Settings};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 
@@ -99,14 +100,14 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         }
     };
     let cluster = Arc::new(Cluster::new(source).map_err(anyhow::Error::msg)?);
-    let settings = HttpSettings {
+    let settings = Settings {
         model: flags.model_name.clone(),
-        max_body_bytes: flags.max_body_bytes,
         max_inflight: flags.max_inflight,
         default_timeout: Duration::from_millis(flags.request_timeout_ms),
         default_max_tokens: flags.default_max_tokens,
     };
-    let app = App::new(tokenizer, context, cluster, settings);
+    let pipeline = Pipeline::new(tokenizer, context, cluster, settings);
+    let app = App::new(pipeline, HttpSettings { max_body_bytes: flags.max_body_bytes });
     let listener =
         tokio::net::TcpListener::bind(flags.http).await.with_context(|| format!("binding {}", flags.http))?;
     println!("listening http={}", listener.local_addr()?);
