@@ -7,12 +7,11 @@
 //!
 //! A request's walk here: size cap and content type, JSON, model name,
 //! validation (400 naming the field), tokenization (once, here), context
-//! check, admission (a bounded number in flight; beyond it 503 +
-//! Retry-After), deadline (the `x-request-timeout-ms` header or the
-//! configured default, propagated to the workers; 504 when it passes), then
-//! the decode worker's stream is detokenized here with stop strings applied.
-//! A client that goes away drops the worker stream, which cancels the
-//! request on the decode and prefill workers and frees its KV.
+//! check and deadline (the `x-request-timeout-ms` header or the configured
+//! default); then [`Pipeline::run`] admits it and starts it on the workers,
+//! and this module shapes the run's text pieces as OpenAI JSON or SSE.
+//! A client that goes away drops the run, which cancels the request on the
+//! decode and prefill workers and frees its KV.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -25,46 +24,30 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use engine::sampler::{FinishReason as EngineFinish, StopChecker};
-use engine::tokenizer::{IncrementalDecoder as Detokenizer, Tokenizer};
 use futures_util::stream::Stream;
-use proto::worker::v1::{FinishReason, HealthRequest, TokenChunk};
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
 
-use crate::cluster::{next, Cluster, Lease, Step, WorkerStream};
-use crate::openai::{self, ApiError, Spec, Usage};
+use crate::openai::{self, ApiError};
+use crate::pipeline::{Event as RunEvent, Job, Pipeline, Run, TokenLogprob};
 use crate::prompt;
 
-/// Frontend settings.
+/// HTTP-only settings (the shared ones are in [`crate::pipeline::Settings`]).
 #[derive(Debug, Clone)]
 pub struct HttpSettings {
-    /// The model id clients must name.
-    pub model: String,
     /// Largest request body, bytes (413 beyond).
     pub max_body_bytes: usize,
-    /// Requests in flight at once (503 + Retry-After beyond).
-    pub max_inflight: usize,
-    /// Deadline when the request sets none.
-    pub default_timeout: Duration,
-    /// `max_tokens` when the request sets none.
-    pub default_max_tokens: u32,
 }
 
 /// Shared state.
 pub struct App {
-    pub tokenizer: Tokenizer,
-    /// The model's context length in tokens.
-    pub context: usize,
-    pub cluster: Arc<Cluster>,
+    pub pipeline: Arc<Pipeline>,
     pub settings: HttpSettings,
-    inflight: Arc<Semaphore>,
 }
 
 impl App {
-    pub fn new(tokenizer: Tokenizer, context: usize, cluster: Arc<Cluster>, settings: HttpSettings) -> Arc<Self> {
-        let inflight = Arc::new(Semaphore::new(settings.max_inflight));
-        Arc::new(Self { tokenizer, context, cluster, settings, inflight })
+    pub fn new(pipeline: Arc<Pipeline>, settings: HttpSettings) -> Arc<Self> {
+        Arc::new(Self { pipeline, settings })
     }
 }
 
@@ -101,20 +84,13 @@ fn now_secs() -> u64 {
 async fn models(State(app): State<Arc<App>>) -> Json<Value> {
     Json(json!({
         "object": "list",
-        "data": [{"id": app.settings.model, "object": "model", "created": 0, "owned_by": "tandem"}]
+        "data": [{"id": app.pipeline.settings.model, "object": "model", "created": 0, "owned_by": "tandem"}]
     }))
 }
 
 async fn ready(State(app): State<Arc<App>>) -> Response {
-    for addr in app.cluster.decode_addrs() {
-        let Ok(ep) = tonic::transport::Endpoint::from_shared(format!("http://{addr}")) else { continue };
-        let check = async {
-            let mut c = proto::worker::v1::decode_worker_client::DecodeWorkerClient::connect(ep).await.ok()?;
-            c.health(HealthRequest {}).await.ok().map(|h| h.into_inner().ready)
-        };
-        if let Ok(Some(true)) = tokio::time::timeout(Duration::from_secs(1), check).await {
-            return Json(json!({"status": "ready"})).into_response();
-        }
+    if app.pipeline.ready().await {
+        return Json(json!({"status": "ready"})).into_response();
     }
     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "not_ready", "no ready decode worker")
         .retry_after(1)
@@ -160,64 +136,23 @@ fn parse_json<T: serde::de::DeserializeOwned>(app: &App, headers: &HeaderMap, bo
         .map_err(|e| ApiError::invalid("body", format!("invalid JSON: {e}")).with_code("invalid_json"))
 }
 
-fn check_model(app: &App, model: &Option<String>) -> Result<(), ApiError> {
-    match model {
-        None => Err(ApiError::invalid("model", "`model` is required")),
-        Some(m) if *m == app.settings.model => Ok(()),
-        Some(m) => Err(ApiError {
-            status: StatusCode::NOT_FOUND,
-            message: format!("the model {m:?} does not exist; this cluster serves {:?}", app.settings.model),
-            kind: "invalid_request_error",
-            param: Some("model".into()),
-            code: Some("model_not_found"),
-            retry_after: None,
-        }),
-    }
-}
-
-fn check_context(app: &App, param: &str, prompt: usize, max_tokens: u32) -> Result<(), ApiError> {
-    if prompt + max_tokens as usize > app.context {
-        return Err(ApiError::invalid(
-            param,
-            format!(
-                "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of {} tokens",
-                app.context
-            ),
-        )
-        .with_code("context_length_exceeded"));
-    }
-    Ok(())
-}
-
 /// The deadline: `x-request-timeout-ms`, else the default.
 fn deadline(app: &App, headers: &HeaderMap) -> Result<Instant, ApiError> {
     let timeout = match headers.get("x-request-timeout-ms") {
-        None => app.settings.default_timeout,
+        None => None,
         Some(v) => match v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()) {
-            Some(ms) if ms > 0 => Duration::from_millis(ms),
+            Some(ms) if ms > 0 => Some(Duration::from_millis(ms)),
             _ => return Err(ApiError::invalid("x-request-timeout-ms", "must be a positive integer of milliseconds")),
         },
     };
-    Ok(Instant::now() + timeout)
+    Ok(app.pipeline.deadline(timeout))
 }
 
-fn unix_ms(d: Instant) -> u64 {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |n| n.as_millis() as u64);
-    (now + d.saturating_duration_since(Instant::now()).as_millis() as u64).max(1)
-}
-
+/// Which OpenAI endpoint a request came in on: it decides the answer's shape.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Api {
     Completions,
     Chat,
-}
-
-/// A validated, tokenized request ready to run.
-struct Job {
-    api: Api,
-    ids: Vec<u32>,
-    spec: Spec,
-    deadline: Instant,
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
@@ -227,14 +162,15 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
     };
     let job = (|| {
         let req: openai::CompletionRequest = parse_json(&app, &headers, &body)?;
-        check_model(&app, &req.model)?;
+        let p = &app.pipeline;
+        p.check_model(req.model.as_deref())?;
         let logprobs = openai::completion_logprobs(&req.logprobs)?;
-        let spec = openai::sampling(&req.sampling, logprobs, app.settings.default_max_tokens)?;
-        let ids = prompt::completion_tokens(&app.tokenizer, &req.prompt)?;
-        check_context(&app, "prompt", ids.len(), spec.params.max_tokens)?;
-        Ok::<_, ApiError>(Job { api: Api::Completions, ids, spec, deadline: deadline(&app, &headers)? })
+        let spec = openai::sampling(&req.sampling, logprobs, p.settings.default_max_tokens)?;
+        let ids = prompt::completion_tokens(&p.tokenizer, &req.prompt)?;
+        p.check_context("prompt", ids.len(), spec.params.max_tokens)?;
+        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers)? })
     })();
-    respond(app, job).await
+    respond(app, Api::Completions, job).await
 }
 
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
@@ -244,60 +180,37 @@ async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Re
     };
     let job = (|| {
         let req: openai::ChatRequest = parse_json(&app, &headers, &body)?;
-        check_model(&app, &req.model)?;
+        let p = &app.pipeline;
+        p.check_model(req.model.as_deref())?;
         let messages =
             req.messages.as_deref().ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
         let logprobs = openai::chat_logprobs(&req.logprobs, req.top_logprobs)?;
-        let spec = openai::sampling(&req.sampling, logprobs, app.settings.default_max_tokens)?;
-        let ids = prompt::chat_tokens(&app.tokenizer, messages)?;
-        check_context(&app, "messages", ids.len(), spec.params.max_tokens)?;
-        Ok::<_, ApiError>(Job { api: Api::Chat, ids, spec, deadline: deadline(&app, &headers)? })
+        let spec = openai::sampling(&req.sampling, logprobs, p.settings.default_max_tokens)?;
+        let ids = prompt::chat_tokens(&p.tokenizer, messages)?;
+        p.check_context("messages", ids.len(), spec.params.max_tokens)?;
+        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers)? })
     })();
-    respond(app, job).await
+    respond(app, Api::Chat, job).await
 }
 
-async fn respond(app: Arc<App>, job: Result<Job, ApiError>) -> Response {
+async fn respond(app: Arc<App>, api: Api, job: Result<Job, ApiError>) -> Response {
     let job = match job {
         Ok(j) => j,
         Err(e) => return e.into_response(),
     };
-    // Admission: a bounded number in flight; the rest are told to come back.
-    let permit = match app.inflight.clone().try_acquire_owned() {
-        Ok(p) => p,
-        Err(_) => {
-            return ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded_error",
-                "overloaded",
-                format!("{} requests in flight; retry later", app.settings.max_inflight),
-            )
-            .retry_after(1)
-            .into_response()
-        }
+    let stream = job.spec.stream;
+    let run = match app.pipeline.run(job).await {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
     };
-    let id = app.cluster.request_id();
-    let started = tokio::time::timeout_at(
-        job.deadline.into(),
-        app.cluster.generate(id.clone(), job.ids.clone(), &job.spec.params, unix_ms(job.deadline)),
-    )
-    .await;
-    let (stream, lease) = match started {
-        Err(_) => return deadline_error().into_response(),
-        Ok(Err(e)) => return e.into_response(),
-        Ok(Ok(s)) => s,
-    };
-    let run = Run::new(&app, &job, id, stream, lease);
-    if job.spec.stream {
+    let answer = Answer { api, created: now_secs(), model: app.pipeline.settings.model.clone(), run };
+    if stream {
         let (tx, rx) = mpsc::channel::<Event>(16);
-        tokio::spawn(async move {
-            let _permit = permit;
-            run.stream(tx).await;
-        });
+        tokio::spawn(answer.stream(tx));
         let events = tokio_stream::wrappers::ReceiverStream::new(rx);
         Sse::new(infallible(events)).into_response()
     } else {
-        let _permit = permit;
-        match run.collect().await {
+        match answer.collect().await {
             Ok(body) => Json(body).into_response(),
             Err(e) => e.into_response(),
         }
@@ -309,135 +222,33 @@ fn infallible(s: impl Stream<Item = Event>) -> impl Stream<Item = Result<Event, 
     s.map(Ok)
 }
 
-fn deadline_error() -> ApiError {
-    ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout_error", "deadline_exceeded", "the request's deadline passed")
+/// One token's `logprobs.content[]` entry.
+fn logprob_json(l: TokenLogprob) -> Value {
+    let top: Vec<Value> = l.top.into_iter().map(|a| json!({"token": a.token, "logprob": a.logprob})).collect();
+    json!({"token": l.token, "logprob": l.logprob, "top_logprobs": top})
 }
 
-/// One running generation: the worker stream, detokenized, with stop strings.
-struct Run {
+/// A run shaped as an OpenAI answer of one endpoint.
+struct Answer {
     api: Api,
-    id: String,
-    model: String,
     created: u64,
-    app: Arc<App>,
-    stream: WorkerStream,
-    _lease: Lease,
-    detok: Detokenizer,
-    stop: Option<StopChecker>,
-    deadline: Instant,
-    prompt_tokens: u32,
-    completion_tokens: u32,
-    logprobs: bool,
-    include_usage: bool,
+    model: String,
+    run: Run,
 }
 
-/// What one worker event turned into.
-struct Piece {
-    text: String,
-    logprob: Option<Value>,
-    finish: Option<&'static str>,
-}
-
-impl Run {
-    fn new(app: &Arc<App>, job: &Job, id: String, stream: WorkerStream, lease: Lease) -> Self {
-        let stop = StopChecker::new(&job.spec.params, app.tokenizer.eos_ids()).ok();
-        Self {
-            api: job.api,
-            id,
-            model: app.settings.model.clone(),
-            created: now_secs(),
-            app: app.clone(),
-            stream,
-            _lease: lease,
-            detok: Detokenizer::new(),
-            stop,
-            deadline: job.deadline,
-            prompt_tokens: job.ids.len() as u32,
-            completion_tokens: 0,
-            logprobs: job.spec.params.logprobs.is_some(),
-            include_usage: job.spec.include_usage,
-        }
-    }
-
-    fn piece_of(&mut self, t: &TokenChunk) -> Piece {
-        self.completion_tokens += 1;
-        let tok = &self.app.tokenizer;
-        let raw = self.detok.push(tok, t.id).unwrap_or_default();
-        let (text, finish) = match self.stop.as_mut() {
-            Some(s) => {
-                let d = s.on_token(t.id, &raw);
-                (d.emit, d.finished.map(finish_name))
-            }
-            None => (raw, None),
-        };
-        let logprob = self.logprobs.then(|| {
-            let piece = tok.token_piece(t.id).unwrap_or_default().to_owned();
-            let top: Vec<Value> = t
-                .top
-                .iter()
-                .map(|a| json!({"token": tok.token_piece(a.id).unwrap_or_default(), "logprob": a.logprob}))
-                .collect();
-            json!({"token": piece, "logprob": t.logprob, "top_logprobs": top})
-        });
-        Piece { text, logprob, finish }
-    }
-
-    /// The next piece, or the end (`Ok(None)` with the finish reason set).
-    async fn step(&mut self) -> Result<Result<Piece, &'static str>, ApiError> {
-        let event = tokio::time::timeout_at(self.deadline.into(), next(&mut self.stream)).await;
-        match event {
-            Err(_) => Err(deadline_error()),
-            Ok(Err(e)) => Err(e),
-            Ok(Ok(Step::Token(t))) => Ok(Ok(self.piece_of(&t))),
-            Ok(Ok(Step::Finished(f))) => Ok(Err(match f.reason() {
-                FinishReason::Length => "length",
-                _ => "stop",
-            })),
-        }
-    }
-
-    /// Text held back by the stop checker when the worker ends normally.
-    fn flush(&mut self) -> String {
-        let mut rest = self.detok.finish(&self.app.tokenizer).unwrap_or_default();
-        if let Some(s) = self.stop.as_mut() {
-            let d = s.push_text(&rest);
-            rest = d.emit;
-            if d.finished.is_none() {
-                rest.push_str(&s.flush());
-            }
-        }
-        rest
-    }
-
-    fn usage(&self) -> Usage {
-        Usage::new(self.prompt_tokens, self.completion_tokens)
-    }
-
+impl Answer {
     /// Runs to the end and builds the non-streaming body.
     async fn collect(mut self) -> Result<Value, ApiError> {
-        let mut text = String::new();
-        let mut logprobs = Vec::new();
-        let finish = loop {
-            match self.step().await? {
-                Ok(p) => {
-                    text.push_str(&p.text);
-                    logprobs.extend(p.logprob);
-                    if let Some(f) = p.finish {
-                        // A stop string (or the last token): dropping the stream cancels the worker.
-                        break f;
-                    }
-                }
-                Err(f) => {
-                    text.push_str(&self.flush());
-                    break f;
-                }
-            }
-        };
-        let usage = self.usage();
-        let lp = self.logprobs.then(|| json!({"content": logprobs}));
+        let c = self.run.collect().await?;
+        let usage = self.run.usage();
+        let lp = self
+            .run
+            .logprobs()
+            .then(|| json!({"content": c.logprobs.into_iter().map(logprob_json).collect::<Vec<_>>()}));
+        let (text, finish, id) = (c.text, c.finish.as_str(), self.run.id());
         Ok(match self.api {
             Api::Chat => json!({
-                "id": format!("chatcmpl-{}", self.id),
+                "id": format!("chatcmpl-{id}"),
                 "object": "chat.completion",
                 "created": self.created,
                 "model": self.model,
@@ -450,7 +261,7 @@ impl Run {
                 "usage": usage,
             }),
             Api::Completions => json!({
-                "id": format!("cmpl-{}", self.id),
+                "id": format!("cmpl-{id}"),
                 "object": "text_completion",
                 "created": self.created,
                 "model": self.model,
@@ -461,6 +272,7 @@ impl Run {
     }
 
     fn chunk(&self, text: Option<&str>, logprob: Option<Value>, finish: Option<&str>, first: bool) -> Value {
+        let id = self.run.id();
         match self.api {
             Api::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -471,7 +283,7 @@ impl Run {
                     delta.insert("content".into(), json!(t));
                 }
                 json!({
-                    "id": format!("chatcmpl-{}", self.id),
+                    "id": format!("chatcmpl-{id}"),
                     "object": "chat.completion.chunk",
                     "created": self.created,
                     "model": self.model,
@@ -484,7 +296,7 @@ impl Run {
                 })
             }
             Api::Completions => json!({
-                "id": format!("cmpl-{}", self.id),
+                "id": format!("cmpl-{id}"),
                 "object": "text_completion",
                 "created": self.created,
                 "model": self.model,
@@ -499,7 +311,7 @@ impl Run {
     }
 
     /// Streams SSE events until the end; a send failure means the client
-    /// went away, and returning drops the worker stream (cancelling it).
+    /// went away, and returning drops the run (cancelling it).
     async fn stream(mut self, tx: mpsc::Sender<Event>) {
         let send = |v: Value| Event::default().data(v.to_string());
         let mut first = true;
@@ -510,15 +322,16 @@ impl Run {
             first = false;
         }
         let finish = loop {
-            match self.step().await {
+            match self.run.step().await {
                 Err(e) => {
                     // Headers are gone already: the error travels as an event.
                     let _ = tx.send(send(e.body())).await;
                     return;
                 }
-                Ok(Ok(p)) => {
-                    if (!p.text.is_empty() || p.logprob.is_some())
-                        && tx.send(send(self.chunk(Some(&p.text), p.logprob, None, first))).await.is_err()
+                Ok(RunEvent::Piece(p)) => {
+                    let logprob = p.logprob.map(logprob_json);
+                    if (!p.text.is_empty() || logprob.is_some())
+                        && tx.send(send(self.chunk(Some(&p.text), logprob, None, first))).await.is_err()
                     {
                         return;
                     }
@@ -527,8 +340,8 @@ impl Run {
                         break f;
                     }
                 }
-                Ok(Err(f)) => {
-                    let rest = self.flush();
+                Ok(RunEvent::End(f)) => {
+                    let rest = self.run.flush();
                     if !rest.is_empty() && tx.send(send(self.chunk(Some(&rest), None, None, first))).await.is_err() {
                         return;
                     }
@@ -537,25 +350,18 @@ impl Run {
             }
         };
         let text = if self.api == Api::Chat { None } else { Some("") };
-        if tx.send(send(self.chunk(text, None, Some(finish), false))).await.is_err() {
+        if tx.send(send(self.chunk(text, None, Some(finish.as_str()), false))).await.is_err() {
             return;
         }
-        if self.include_usage {
+        if self.run.include_usage() {
             let mut u = self.chunk(text, None, None, false);
             u["choices"] = json!([]);
-            u["usage"] = json!(self.usage());
+            u["usage"] = json!(self.run.usage());
             if tx.send(send(u)).await.is_err() {
                 return;
             }
         }
         let _ = tx.send(Event::default().data("[DONE]")).await;
-    }
-}
-
-fn finish_name(f: EngineFinish) -> &'static str {
-    match f {
-        EngineFinish::Stop => "stop",
-        EngineFinish::Length => "length",
     }
 }
 
@@ -569,11 +375,11 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         let ids = if let Some(m) = v.get("messages") {
             let messages: Vec<openai::Message> = serde_json::from_value(m.clone())
                 .map_err(|e| ApiError::invalid("messages", format!("invalid messages: {e}")))?;
-            prompt::chat_tokens(&app.tokenizer, &messages)?
+            prompt::chat_tokens(&app.pipeline.tokenizer, &messages)?
         } else {
-            prompt::completion_tokens(&app.tokenizer, &v.get("prompt").cloned())?
+            prompt::completion_tokens(&app.pipeline.tokenizer, &v.get("prompt").cloned())?
         };
-        Ok::<_, ApiError>(json!({"tokens": ids, "count": ids.len(), "max_model_len": app.context}))
+        Ok::<_, ApiError>(json!({"tokens": ids, "count": ids.len(), "max_model_len": app.pipeline.context}))
     })();
     match r {
         Ok(v) => Json(v).into_response(),
@@ -592,10 +398,11 @@ async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body)
             .get("tokens")
             .and_then(|t| serde_json::from_value(t.clone()).ok())
             .ok_or_else(|| ApiError::invalid("tokens", "`tokens` must be a list of token ids"))?;
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= app.tokenizer.vocab_size()) {
+        let tokenizer = &app.pipeline.tokenizer;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= tokenizer.vocab_size()) {
             return Err(ApiError::invalid("tokens", format!("token id {bad} is outside the vocabulary")));
         }
-        let text = app.tokenizer.decode(&ids, false).map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
+        let text = tokenizer.decode(&ids, false).map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
         Ok(json!({"prompt": text}))
     })();
     match r {

@@ -78,7 +78,18 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
     let d2 = start("tandem-decode-worker", &decode_args(&ep, "k9", "d2", "2"), &["grpc", "metrics"])?;
     let coord = start(
         "tandem-coordinator",
-        &["--http", "127.0.0.1:0", "--etcd", &ep, "--cluster-prefix", "k9", "--local-prefill-max-tokens", "0"],
+        &[
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:0",
+            "--etcd",
+            &ep,
+            "--cluster-prefix",
+            "k9",
+            "--local-prefill-max-tokens",
+            "0",
+        ],
         &["http"],
     )?;
     let h = coord.addr("http")?;
@@ -153,6 +164,8 @@ async fn etcd_restart_then_outage_fences_workers() -> TestResult {
         "tandem-coordinator",
         &[
             "--http",
+            "127.0.0.1:0",
+            "--grpc",
             "127.0.0.1:0",
             "--etcd",
             &ep,
@@ -233,7 +246,18 @@ async fn client_disconnect_cancels_and_frees_kv() -> TestResult {
     let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
     let coord = start(
         "tandem-coordinator",
-        &["--http", "127.0.0.1:0", "--decode", &d, "--prefill", &p, "--local-prefill-max-tokens", "0"],
+        &[
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:0",
+            "--decode",
+            &d,
+            "--prefill",
+            &p,
+            "--local-prefill-max-tokens",
+            "0",
+        ],
         &["http"],
     )?;
     let h = coord.addr("http")?;

@@ -26,7 +26,18 @@ fn openai_api_through_a_prefill_decode_pair() -> TestResult {
     let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
     let coord = start(
         "tandem-coordinator",
-        &["--http", "127.0.0.1:0", "--decode", &d, "--prefill", &p, "--max-body-bytes", "65536"],
+        &[
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:0",
+            "--decode",
+            &d,
+            "--prefill",
+            &p,
+            "--max-body-bytes",
+            "65536",
+        ],
         &["http"],
     )?;
     let h = coord.addr("http")?;
@@ -158,7 +169,18 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     let mut d1 = start("tandem-decode-worker", &dargs, &["grpc", "transfer"])?;
     let coord = start(
         "tandem-coordinator",
-        &["--http", "127.0.0.1:0", "--etcd", &ep, "--cluster-prefix", "t4", "--local-prefill-max-tokens", "0"],
+        &[
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:0",
+            "--etcd",
+            &ep,
+            "--cluster-prefix",
+            "t4",
+            "--local-prefill-max-tokens",
+            "0",
+        ],
         &["http"],
     )?;
     let h = coord.addr("http")?;

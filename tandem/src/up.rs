@@ -1,11 +1,12 @@
 //! `tandem up`: a whole local cluster as child processes — prefill
 //! workers, decode workers and a coordinator serving the OpenAI API — with
-//! one command, and a clean stop on Ctrl-C/SIGTERM.
+//! one command, and a clean stop on Ctrl-C/SIGTERM. The coordinator also
+//! serves the gRPC frontend (`--grpc`).
 //!
 //! Unless `--etcd URL` is given, a single-member etcd is started on free
 //! loopback ports (temporary data dir). Children are started on loopback
-//! ports they pick (they print `listening NAME=ADDR`), register in etcd
-//! under a prefix unique to this run, prefill and decode workers share one
+//! ports they pick (they print `listening NAME=ADDR [NAME=ADDR ...]`),
+//! register in etcd under a prefix unique to this run, prefill and decode workers share one
 //! version group and move KV over shared memory (`local`), and the
 //! coordinator routes from etcd membership. Once `/ready` answers, the state file is written and
 //! a table printed. A child that exits on its own stops the whole cluster
@@ -37,6 +38,9 @@ pub struct Args {
     /// The coordinator's HTTP address.
     #[arg(long, default_value = "127.0.0.1:8000")]
     http: SocketAddr,
+    /// The coordinator's gRPC address (`tandem.frontend.v1.Frontend`, health, reflection).
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    grpc: SocketAddr,
     /// Prefill workers.
     #[arg(long, default_value_t = 1)]
     prefill: usize,
@@ -114,7 +118,9 @@ async fn spawn(role: &'static str, bin: &Path, args: &[String], wants: &[&str]) 
             let Some(line) = lines.next_line().await? else {
                 bail!("{role} (pid {pid}) exited before it was listening");
             };
-            if let Some((k, v)) = line.strip_prefix("listening ").and_then(|l| l.split_once('=')) {
+            // `listening NAME=ADDR [NAME=ADDR ...]`
+            let Some(pairs) = line.strip_prefix("listening ") else { continue };
+            for (k, v) in pairs.split_whitespace().filter_map(|p| p.split_once('=')) {
                 let slot = match k {
                     "grpc" => &mut c.grpc,
                     "http" => &mut c.http,
@@ -226,6 +232,8 @@ async fn up(a: Args) -> anyhow::Result<()> {
         let cargs: Vec<String> = [
             "--http",
             &a.http.to_string(),
+            "--grpc",
+            &a.grpc.to_string(),
             "--model",
             &model_s,
             "--etcd",
@@ -239,7 +247,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
         .map(|s| s.to_string())
         .collect();
         let cbin = sibling("tandem-coordinator")?;
-        running.push(spawn("coordinator", &cbin, &cargs, &["http"]).await?);
+        running.push(spawn("coordinator", &cbin, &cargs, &["http", "grpc"]).await?);
         // Ready: the coordinator reaches a ready decode worker.
         let http = running.last().and_then(|r| r.component.http.clone()).context("no coordinator address")?;
         let until = Instant::now() + START_TIMEOUT;

@@ -129,7 +129,18 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> Result<(), Box<
     std::fs::create_dir_all(&dir)?;
     let state = dir.join("state.json");
     let mut spawned = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["up", "--http", "127.0.0.1:0", "--threads", "1", "--shutdown-timeout-ms", "5000", "--state-file"])
+        .args([
+            "up",
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:0",
+            "--threads",
+            "1",
+            "--shutdown-timeout-ms",
+            "5000",
+        ])
+        .arg("--state-file")
         .arg(&state)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -161,6 +172,7 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> Result<(), Box<
         assert!(comps[0]["grpc"].is_string(), "etcd's client address: {v}");
         assert!(comps[1]["grpc"].is_string() && comps[1]["metrics"].is_string() && comps[1].get("http").is_none());
         assert!(comps[2]["transfer"].as_str().is_some_and(|t| t.starts_with('@')), "shared memory by default: {v}");
+        assert!(comps[3]["grpc"].is_string(), "the coordinator's gRPC frontend: {v}");
         let http = comps[3]["http"].as_str().ok_or("no http")?;
         let (status, body) = post_chat(http)?;
         assert_eq!(status, 200, "{body}");

@@ -1,7 +1,8 @@
-//! `tandem-coordinator`: serves the OpenAI-compatible HTTP API in front of
-//! the workers registered in etcd (or given by address), prints `listening http=ADDR` once
-//! bound, and on SIGTERM/SIGINT stops accepting and lets in-flight requests
-//! finish (bounded by `--shutdown-timeout-ms`).
+//! `tandem-coordinator`: serves the OpenAI-compatible HTTP API and the gRPC
+//! frontend (with health and reflection) in front of the workers registered
+//! in etcd (or given by address), prints `listening http=ADDR grpc=ADDR` (one
+//! line) once both are bound, and on SIGTERM/SIGINT stops accepting on both
+//! and lets in-flight requests finish (bounded by `--shutdown-timeout-ms`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -11,17 +12,24 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use coordinator::cluster::{Cluster, RouteSettings, Source};
+use coordinator::grpc;
 use coordinator::http::{router, App, HttpSettings};
+use coordinator::pipeline::{Pipeline, Settings};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
+use tokio_util::sync::CancellationToken;
 
 /// Flags (each also a `TANDEM_*` env var).
 #[derive(Debug, Parser)]
-#[command(name = "tandem-coordinator", about = "tandem coordinator: OpenAI-compatible HTTP front")]
+#[command(name = "tandem-coordinator", about = "tandem coordinator: OpenAI-compatible HTTP and gRPC fronts")]
 struct Flags {
     /// HTTP listen address. Env: TANDEM_HTTP.
     #[arg(long, env = "TANDEM_HTTP", default_value = "127.0.0.1:8000")]
     http: SocketAddr,
+    /// gRPC listen address (`tandem.frontend.v1.Frontend`, health,
+    /// reflection); port 0 picks a free one. Env: TANDEM_GRPC.
+    #[arg(long, env = "TANDEM_GRPC", default_value = "127.0.0.1:50051")]
+    grpc: SocketAddr,
     /// GGUF model file (its tokenizer and chat template are used here). Env: TANDEM_MODEL.
     #[arg(long, env = "TANDEM_MODEL")]
     model: Option<PathBuf>,
@@ -53,13 +61,15 @@ struct Flags {
     /// How often each worker's load (queue, KV headroom) is polled, ms. Env: TANDEM_LOAD_POLL_MS.
     #[arg(long, env = "TANDEM_LOAD_POLL_MS", default_value_t = 250)]
     load_poll_ms: u64,
-    /// Largest request body in bytes (413 beyond). Env: TANDEM_MAX_BODY_BYTES.
+    /// Largest request body in bytes (413 beyond), and largest gRPC request
+    /// message (OUT_OF_RANGE beyond). Env: TANDEM_MAX_BODY_BYTES.
     #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 1 << 20)]
     max_body_bytes: usize,
     /// Requests in flight at once (503 + Retry-After beyond). Env: TANDEM_MAX_INFLIGHT.
     #[arg(long, env = "TANDEM_MAX_INFLIGHT", default_value_t = 64)]
     max_inflight: usize,
-    /// Deadline of a request that sets no `x-request-timeout-ms`, ms. Env: TANDEM_REQUEST_TIMEOUT_MS.
+    /// Deadline of a request that sets no `x-request-timeout-ms` (HTTP) or
+    /// `grpc-timeout` (gRPC), ms. Env: TANDEM_REQUEST_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
     request_timeout_ms: u64,
     /// `max_tokens` of a request that sets none. Env: TANDEM_DEFAULT_MAX_TOKENS.
@@ -115,32 +125,42 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     };
     let cluster = Arc::new(Cluster::new(source, routing).map_err(anyhow::Error::msg)?);
     cluster.spawn_load_poller();
-    let settings = HttpSettings {
+    let settings = Settings {
         model: flags.model_name.clone(),
-        max_body_bytes: flags.max_body_bytes,
         max_inflight: flags.max_inflight,
         default_timeout: Duration::from_millis(flags.request_timeout_ms),
         default_max_tokens: flags.default_max_tokens,
     };
-    let app = App::new(tokenizer, context, cluster, settings);
-    let listener =
-        tokio::net::TcpListener::bind(flags.http).await.with_context(|| format!("binding {}", flags.http))?;
-    println!("listening http={}", listener.local_addr()?);
-    let (signalled_tx, signalled) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, router(app)).with_graceful_shutdown(async move {
-        stop_signal().await;
-        let _ = signalled_tx.send(());
+    let pipeline = Pipeline::new(tokenizer, context, cluster, settings);
+    let app = App::new(pipeline.clone(), HttpSettings { max_body_bytes: flags.max_body_bytes });
+    let http_listener =
+        tokio::net::TcpListener::bind(flags.http).await.with_context(|| format!("binding http {}", flags.http))?;
+    let grpc_listener =
+        tokio::net::TcpListener::bind(flags.grpc).await.with_context(|| format!("binding grpc {}", flags.grpc))?;
+    println!("listening http={} grpc={}", http_listener.local_addr()?, grpc_listener.local_addr()?);
+    // One token stops both servers: each stops accepting and lets its
+    // in-flight requests finish.
+    let stop = CancellationToken::new();
+    let http = axum::serve(http_listener, router(app)).with_graceful_shutdown(stop.clone().cancelled_owned());
+    let grpc_settings = grpc::GrpcSettings { max_message_bytes: flags.max_body_bytes };
+    let grpc = grpc::serve(pipeline, grpc_settings, grpc_listener, stop.clone());
+    let mut servers = tokio::spawn(async move {
+        tokio::try_join!(async { http.await.context("serving HTTP") }, async { grpc.await.context("serving gRPC") },)
+            .map(|_| ())
     });
-    let mut handle = tokio::spawn(async move { server.await });
-    let grace = Duration::from_millis(flags.shutdown_timeout_ms);
-    // After the signal, in-flight requests get the grace; then we exit anyway.
     tokio::select! {
-        r = &mut handle => r.context("HTTP server task")?.context("serving HTTP")?,
-        _ = async { if signalled.await.is_ok() { tokio::time::sleep(grace).await } else { std::future::pending::<()>().await } } => {
+        r = &mut servers => return r.context("server task")?,
+        () = stop_signal() => stop.cancel(),
+    }
+    // After the signal, in-flight requests get the grace; then we exit anyway.
+    let grace = Duration::from_millis(flags.shutdown_timeout_ms);
+    match tokio::time::timeout(grace, servers).await {
+        Ok(r) => r.context("server task")?,
+        Err(_) => {
             tracing::warn!(?grace, "in-flight requests did not finish within the grace");
+            Ok(())
         }
     }
-    Ok(())
 }
 
 /// Resolves on SIGTERM or SIGINT.

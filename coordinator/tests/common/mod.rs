@@ -61,7 +61,9 @@ pub fn start(name: &str, args: &[&str], wants: &[&str]) -> Result<Proc, String> 
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some((k, v)) = line.strip_prefix("listening ").and_then(|l| l.split_once('=')) {
+            // `listening NAME=ADDR [NAME=ADDR ...]`
+            let Some(pairs) = line.strip_prefix("listening ") else { continue };
+            for (k, v) in pairs.split_whitespace().filter_map(|p| p.split_once('=')) {
                 let _ = tx.send((k.to_owned(), v.to_owned()));
             }
         }

@@ -1,0 +1,503 @@
+//! The gRPC frontend (tonic): `tandem.frontend.v1.Frontend` (`Generate`,
+//! server-streaming; `ListModels`), the standard health service
+//! (`grpc.health.v1.Health`) and server reflection (v1 and v1alpha, so
+//! `grpcurl` and `grpc_cli` work without the .proto files).
+//!
+//! It is the HTTP frontend's twin: a request is validated with the same
+//! [`crate::openai`] rules (a [`GenerateRequest`] becomes the same `Spec`),
+//! tokenized by [`crate::prompt`], and run by [`Pipeline::run`], so
+//! admission, routing, deadlines and worker errors are shared. Only the
+//! shapes differ: text pieces stream as `Chunk` events and the end as one
+//! `Done`; a refusal or failure is the call's status ([`status_of`]).
+//!
+//! Deadline: the standard `grpc-timeout` header, else the configured
+//! default, measured from arrival and propagated to the workers. The handler
+//! returns the response stream at once and runs the request in a task, so a
+//! deadline that passes is always answered `DEADLINE_EXCEEDED` from the
+//! pipeline (tonic's own `grpc-timeout` guard, which answers `CANCELLED`,
+//! only covers the handler's quick return).
+//!
+//! A client that cancels the call or goes away drops the response stream;
+//! the request's task sees its channel close, even while it waits for the
+//! next token, and drops the run, which cancels the request on the workers.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use proto::frontend::v1::frontend_server::{Frontend, FrontendServer, SERVICE_NAME};
+use proto::frontend::v1::{
+    generate_request::Input, generate_response, Chunk, Done, FinishReason, GenerateRequest, GenerateResponse,
+    ListModelsRequest, ListModelsResponse, Model, TokenLogprob as WireLogprob, TopLogprob as WireTop,
+    Usage as WireUsage,
+};
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::metadata::{MetadataMap, MetadataValue};
+use tonic::{Code, Request, Response, Status};
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
+use tonic_health::server::{HealthReporter, HealthService};
+use tonic_health::ServingStatus;
+
+use crate::openai::{self, ApiError, Message, Sampling, Stop, StreamOptions};
+use crate::pipeline::{Event, Finish, Job, Pipeline, TokenLogprob};
+use crate::prompt;
+
+/// Metadata key carrying the OpenAI error code (`model_not_found`, ...).
+pub const ERROR_CODE_KEY: &str = "x-tandem-error-code";
+/// Metadata key carrying the OpenAI error type (`invalid_request_error`, ...).
+pub const ERROR_TYPE_KEY: &str = "x-tandem-error-type";
+/// Metadata key naming the offending request field.
+pub const ERROR_PARAM_KEY: &str = "x-tandem-error-param";
+/// Metadata key with the seconds to wait before retrying (as HTTP's header).
+pub const RETRY_AFTER_KEY: &str = "retry-after";
+
+/// How often the health service re-checks for a ready decode worker.
+const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Events buffered per response stream before the request waits for the client.
+const STREAM_BUFFER: usize = 16;
+
+/// The gRPC status for a refusal or failure: the status code from the HTTP
+/// status (the table below), the OpenAI code prefixing the message, and
+/// metadata [`ERROR_CODE_KEY`], [`ERROR_TYPE_KEY`], [`ERROR_PARAM_KEY`] and
+/// [`RETRY_AFTER_KEY`] where the error has them.
+///
+/// | HTTP | gRPC | why |
+/// |---|---|---|
+/// | 400, 415 | `INVALID_ARGUMENT` | the request is bad; never retry it unchanged |
+/// | 413 | `INVALID_ARGUMENT` | too large for this server's limits: as final as a bad field (`context_length_exceeded` is a 400 too); `RESOURCE_EXHAUSTED` means "retry later" to gRPC clients |
+/// | 401 | `UNAUTHENTICATED` | |
+/// | 403 | `PERMISSION_DENIED` | |
+/// | 404 | `NOT_FOUND` | unknown model |
+/// | 429 | `RESOURCE_EXHAUSTED` | a tenant over its limits: back off, then retry |
+/// | 503 | `UNAVAILABLE` | cluster full or no worker ready: retry after `retry-after` |
+/// | 504 | `DEADLINE_EXCEEDED` | |
+/// | 502 `worker_stream` | `UNAVAILABLE` | the connection to the decode worker broke; a retry may land elsewhere |
+/// | other 502, 500 | `INTERNAL` | a worker failed the request after its own recovery (KV load, version mismatch) or a bug: not transient |
+/// | other 4xx | `INVALID_ARGUMENT` | |
+pub fn status_of(e: &ApiError) -> Status {
+    let code = match e.status {
+        StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE => {
+            Code::InvalidArgument
+        }
+        StatusCode::UNAUTHORIZED => Code::Unauthenticated,
+        StatusCode::FORBIDDEN => Code::PermissionDenied,
+        StatusCode::NOT_FOUND => Code::NotFound,
+        StatusCode::TOO_MANY_REQUESTS => Code::ResourceExhausted,
+        StatusCode::SERVICE_UNAVAILABLE => Code::Unavailable,
+        StatusCode::GATEWAY_TIMEOUT => Code::DeadlineExceeded,
+        StatusCode::BAD_GATEWAY if e.code == Some("worker_stream") => Code::Unavailable,
+        s if s.is_client_error() => Code::InvalidArgument,
+        _ => Code::Internal,
+    };
+    let message = match e.code {
+        Some(c) => format!("{c}: {}", e.message),
+        None => e.message.clone(),
+    };
+    let mut md = MetadataMap::new();
+    let mut put = |key: &'static str, value: &str| {
+        // Only visible ASCII travels as metadata; our codes and field names are.
+        if let Ok(v) = MetadataValue::try_from(value) {
+            md.insert(key, v);
+        }
+    };
+    if let Some(c) = e.code {
+        put(ERROR_CODE_KEY, c);
+    }
+    put(ERROR_TYPE_KEY, e.kind);
+    if let Some(p) = &e.param {
+        put(ERROR_PARAM_KEY, p);
+    }
+    if let Some(s) = e.retry_after {
+        put(RETRY_AFTER_KEY, &s.to_string());
+    }
+    Status::with_metadata(code, message, md)
+}
+
+/// A `grpc-timeout` value: 1 to 8 digits and a unit (`H`ours, `M`inutes,
+/// `S`econds, `m`illis, `u` micros, `n`anos), per the gRPC HTTP/2 spec.
+pub fn parse_grpc_timeout(v: &str) -> Option<Duration> {
+    if !v.is_ascii() || v.len() < 2 || v.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = v.split_at(v.len() - 1);
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// The request's own timeout (`grpc-timeout`), if it set one.
+fn request_timeout(md: &MetadataMap) -> Result<Option<Duration>, ApiError> {
+    let Some(v) = md.get("grpc-timeout") else { return Ok(None) };
+    v.to_str()
+        .ok()
+        .and_then(parse_grpc_timeout)
+        .map(Some)
+        .ok_or_else(|| ApiError::invalid("grpc-timeout", "must be 1 to 8 digits and a unit (H, M, S, m, u or n)"))
+}
+
+/// A prompt given as token ids: non-empty, each in the vocabulary.
+fn token_ids(p: &Pipeline, ids: &[u32]) -> Result<Vec<u32>, ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::invalid("token_ids", "`token_ids` is empty"));
+    }
+    let vocab = p.tokenizer.vocab_size();
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(ApiError::invalid("token_ids", format!("token id {bad} is outside the vocabulary")));
+    }
+    Ok(ids.to_vec())
+}
+
+/// Validates and tokenizes a request into a job, with the HTTP API's rules.
+fn job_of(p: &Pipeline, req: &GenerateRequest, timeout: Option<Duration>) -> Result<Job, ApiError> {
+    // Measured from arrival, before the work of validating.
+    let deadline = p.deadline(timeout);
+    p.check_model((!req.model.is_empty()).then_some(req.model.as_str()))?;
+    let logprobs = openai::completion_logprobs(&req.logprobs.map(Value::from))?;
+    let sampling = Sampling {
+        max_tokens: req.max_tokens.map(i64::from),
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k.map(i64::from),
+        min_p: req.min_p,
+        seed: req.seed,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        repetition_penalty: req.repetition_penalty,
+        stop: (!req.stop.is_empty()).then(|| Stop::Many(req.stop.clone())),
+        // Always a stream; `include_usage` asks for Done.usage.
+        stream: true,
+        stream_options: Some(StreamOptions { include_usage: req.include_usage }),
+        ignore_eos: req.ignore_eos,
+        ..Sampling::default()
+    };
+    let spec = openai::sampling(&sampling, logprobs, p.settings.default_max_tokens)?;
+    let (param, ids) = match &req.input {
+        Some(Input::Prompt(text)) => {
+            ("prompt", prompt::completion_tokens(&p.tokenizer, &Some(Value::String(text.clone())))?)
+        }
+        Some(Input::Messages(chat)) => {
+            let messages: Vec<Message> = chat
+                .messages
+                .iter()
+                .map(|m| Message {
+                    role: Some(Value::String(m.role.clone())),
+                    content: Some(Value::String(m.content.clone())),
+                })
+                .collect();
+            ("messages", prompt::chat_tokens(&p.tokenizer, &messages)?)
+        }
+        Some(Input::TokenIds(t)) => ("token_ids", token_ids(p, &t.ids)?),
+        None => return Err(ApiError::invalid("input", "one of `prompt`, `messages` or `token_ids` is required")),
+    };
+    p.check_context(param, ids.len(), spec.params.max_tokens)?;
+    Ok(Job { ids, spec, deadline })
+}
+
+fn wire_logprob(l: TokenLogprob) -> WireLogprob {
+    WireLogprob {
+        id: l.id,
+        token: l.token,
+        logprob: l.logprob,
+        top: l.top.into_iter().map(|a| WireTop { id: a.id, token: a.token, logprob: a.logprob }).collect(),
+    }
+}
+
+fn chunk(text: String, token_ids: Vec<u32>, logprobs: Vec<WireLogprob>) -> GenerateResponse {
+    GenerateResponse { event: Some(generate_response::Event::Chunk(Chunk { text, token_ids, logprobs })) }
+}
+
+type Events = mpsc::Sender<Result<GenerateResponse, Status>>;
+
+/// Runs one job, streaming its events into `tx` until the end, an error or
+/// the client going away (`tx` closed). The run is dropped before the last
+/// event is sent, so by the time a client sees the end, the request's
+/// admission is released and its workers have been told to stop.
+async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
+    let started = tokio::select! {
+        r = pipeline.run(job) => r,
+        () = tx.closed() => return,
+    };
+    let mut run = match started {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = tx.send(Err(status_of(&e))).await;
+            return;
+        }
+    };
+    let finish = loop {
+        let event = tokio::select! {
+            e = run.step() => e,
+            // The client went away: returning drops the run, cancelling the workers.
+            () = tx.closed() => return,
+        };
+        match event {
+            Err(e) => {
+                drop(run);
+                let _ = tx.send(Err(status_of(&e))).await;
+                return;
+            }
+            Ok(Event::Piece(p)) => {
+                let logprobs = p.logprob.map(wire_logprob).into_iter().collect();
+                if tx.send(Ok(chunk(p.text, vec![p.token_id], logprobs))).await.is_err() {
+                    return;
+                }
+                if let Some(f) = p.finish {
+                    break f;
+                }
+            }
+            Ok(Event::End(f)) => {
+                let rest = run.flush();
+                if !rest.is_empty() && tx.send(Ok(chunk(rest, Vec::new(), Vec::new()))).await.is_err() {
+                    return;
+                }
+                break f;
+            }
+        }
+    };
+    let usage = run.include_usage().then(|| {
+        let u = run.usage();
+        WireUsage {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.total_tokens,
+        }
+    });
+    drop(run);
+    let finish_reason = match finish {
+        Finish::Stop => FinishReason::Stop,
+        Finish::Length => FinishReason::Length,
+    };
+    let done = Done { finish_reason: finish_reason as i32, usage };
+    let _ = tx.send(Ok(GenerateResponse { event: Some(generate_response::Event::Done(done)) })).await;
+}
+
+/// The `tandem.frontend.v1.Frontend` service.
+pub struct FrontendService {
+    pipeline: Arc<Pipeline>,
+}
+
+impl FrontendService {
+    pub fn new(pipeline: Arc<Pipeline>) -> Self {
+        Self { pipeline }
+    }
+}
+
+type GenerateStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Frontend for FrontendService {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let timeout = request_timeout(request.metadata()).map_err(|e| status_of(&e))?;
+        let job = job_of(&self.pipeline, request.get_ref(), timeout).map_err(|e| status_of(&e))?;
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        tokio::spawn(generate(self.pipeline.clone(), job, tx));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn list_models(&self, _: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
+        let model = Model { id: self.pipeline.settings.model.clone(), owned_by: "tandem".into() };
+        Ok(Response::new(ListModelsResponse { models: vec![model] }))
+    }
+}
+
+/// The names whose health is reported: the whole server ("") and the frontend.
+const HEALTH_NAMES: [&str; 2] = ["", SERVICE_NAME];
+
+async fn set_health(reporter: &HealthReporter, status: ServingStatus) {
+    for name in HEALTH_NAMES {
+        reporter.set_service_status(name, status).await;
+    }
+}
+
+/// Owns the health status: `SERVING` while a decode worker answers ready
+/// (what HTTP `/ready` checks), re-checked every [`HEALTH_INTERVAL`];
+/// `NOT_SERVING` otherwise and, for good, once `stop` is cancelled.
+/// Watchers hear of changes only.
+async fn track_readiness(pipeline: Arc<Pipeline>, reporter: HealthReporter, stop: CancellationToken) {
+    let mut last = None;
+    let mut tick = tokio::time::interval(HEALTH_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let ready = tokio::select! {
+            () = stop.cancelled() => break,
+            ready = async { tick.tick().await; pipeline.ready().await } => ready,
+        };
+        let status = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
+        if last != Some(status) {
+            set_health(&reporter, status).await;
+            last = Some(status);
+        }
+    }
+    set_health(&reporter, ServingStatus::NotServing).await;
+}
+
+type WatchStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<HealthCheckResponse, Status>> + Send>>;
+
+/// tonic-health's service, except that `Watch` streams end once the server
+/// drains (after a last `NOT_SERVING`): they never end on their own, and a
+/// graceful shutdown waits for every open stream, so one watching prober
+/// would otherwise hold the coordinator for the whole grace.
+struct DrainingHealth {
+    inner: HealthService,
+    drained: CancellationToken,
+}
+
+#[tonic::async_trait]
+impl Health for DrainingHealth {
+    type WatchStream = WatchStream;
+
+    async fn check(&self, request: Request<HealthCheckRequest>) -> Result<Response<HealthCheckResponse>, Status> {
+        self.inner.check(request).await
+    }
+
+    async fn watch(&self, request: Request<HealthCheckRequest>) -> Result<Response<WatchStream>, Status> {
+        use futures_util::StreamExt;
+        let updates = self.inner.watch(request).await?.into_inner();
+        let last =
+            HealthCheckResponse { status: tonic_health::pb::health_check_response::ServingStatus::NotServing as i32 };
+        let stream = updates
+            .take_until(self.drained.clone().cancelled_owned())
+            .chain(futures_util::stream::once(std::future::ready(Ok(last))));
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// Why the gRPC frontend could not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum GrpcError {
+    /// The reflection service refused a descriptor set (a build fault).
+    #[error("gRPC reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    /// The server failed (the listener broke).
+    #[error("serving gRPC: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// The reflection builder: every file of ours and health's, advertising only
+/// the services this server runs (the worker API's files are in the same
+/// descriptor set but not served here).
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name(SERVICE_NAME)
+        .with_service_name(tonic_health::pb::health_server::SERVICE_NAME)
+        .with_service_name(tonic_reflection::pb::v1::server_reflection_server::SERVICE_NAME)
+        .with_service_name(tonic_reflection::pb::v1alpha::server_reflection_server::SERVICE_NAME)
+}
+
+/// gRPC-only settings (the shared ones are in [`crate::pipeline::Settings`]).
+#[derive(Debug, Clone)]
+pub struct GrpcSettings {
+    /// Largest request message, bytes: the HTTP body cap, so both frontends
+    /// take the same prompts. tonic refuses a larger one with `OUT_OF_RANGE`
+    /// before it is decoded.
+    pub max_message_bytes: usize,
+}
+
+/// Serves the frontend, health and reflection on `listener` until `stop` is
+/// cancelled: then health turns `NOT_SERVING`, health watches end, new
+/// calls are refused and in-flight ones finish (the caller bounds how long
+/// it waits).
+pub async fn serve(
+    pipeline: Arc<Pipeline>,
+    settings: GrpcSettings,
+    listener: tokio::net::TcpListener,
+    stop: CancellationToken,
+) -> Result<(), GrpcError> {
+    let v1 = reflection().build_v1()?;
+    let v1alpha = reflection().build_v1alpha()?;
+    let frontend = FrontendServer::new(FrontendService::new(pipeline.clone()))
+        .max_decoding_message_size(settings.max_message_bytes);
+    let reporter = HealthReporter::new();
+    // Not serving until a decode worker answers ready.
+    set_health(&reporter, ServingStatus::NotServing).await;
+    let drained = CancellationToken::new();
+    let health = HealthServer::new(DrainingHealth {
+        inner: HealthService::from_health_reporter(reporter.clone()),
+        drained: drained.clone(),
+    });
+    let tracker = tokio::spawn(track_readiness(pipeline, reporter, stop.clone()));
+    let shutdown = async move {
+        stop.cancelled().await;
+        // Probes see NOT_SERVING before the listener closes; then health
+        // watches end so that only real work holds the drain.
+        let _ = tracker.await;
+        drained.cancel();
+    };
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(v1)
+        .add_service(v1alpha)
+        .add_service(frontend)
+        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_values() {
+        assert_eq!(parse_grpc_timeout("50m"), Some(Duration::from_millis(50)));
+        assert_eq!(parse_grpc_timeout("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_grpc_timeout("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(parse_grpc_timeout("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(parse_grpc_timeout("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        for bad in ["", "m", "5", "5x", "123456789S", "-1S", "1.5S", "5 m", "5é"] {
+            assert_eq!(parse_grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn api_errors_map_to_grpc_codes_with_their_metadata() {
+        let s = status_of(&ApiError::invalid("temperature", "too hot"));
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert_eq!(s.message(), "too hot");
+        assert_eq!(s.metadata().get(ERROR_PARAM_KEY).and_then(|v| v.to_str().ok()), Some("temperature"));
+        assert_eq!(s.metadata().get(ERROR_TYPE_KEY).and_then(|v| v.to_str().ok()), Some("invalid_request_error"));
+        assert!(s.metadata().get(ERROR_CODE_KEY).is_none());
+
+        let full =
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "overloaded", "full").retry_after(1);
+        let s = status_of(&full);
+        assert_eq!(s.code(), Code::Unavailable);
+        assert_eq!(s.message(), "overloaded: full");
+        assert_eq!(s.metadata().get(ERROR_CODE_KEY).and_then(|v| v.to_str().ok()), Some("overloaded"));
+        assert_eq!(s.metadata().get(RETRY_AFTER_KEY).and_then(|v| v.to_str().ok()), Some("1"));
+
+        for (status, code, want) in [
+            (StatusCode::NOT_FOUND, "model_not_found", Code::NotFound),
+            (StatusCode::PAYLOAD_TOO_LARGE, "request_too_large", Code::InvalidArgument),
+            (StatusCode::UNAUTHORIZED, "invalid_api_key", Code::Unauthenticated),
+            (StatusCode::TOO_MANY_REQUESTS, "rate_limited", Code::ResourceExhausted),
+            (StatusCode::GATEWAY_TIMEOUT, "deadline_exceeded", Code::DeadlineExceeded),
+            (StatusCode::BAD_GATEWAY, "worker_stream", Code::Unavailable),
+            (StatusCode::BAD_GATEWAY, "kv_load_failed", Code::Internal),
+            (StatusCode::INTERNAL_SERVER_ERROR, "internal", Code::Internal),
+        ] {
+            let s = status_of(&ApiError::new(status, "server_error", code, "x"));
+            assert_eq!(s.code(), want, "{status} {code}");
+        }
+    }
+}
