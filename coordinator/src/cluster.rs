@@ -92,6 +92,10 @@ fn unavailable(code: &'static str, message: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", code, message).retry_after(1)
 }
 
+/// Running requests assumed per fixed-address decode worker (the workers'
+/// default `max_running`).
+pub const STATIC_MAX_RUNNING: usize = 16;
+
 /// The group fixed-address workers are assumed to share.
 const STATIC_GROUP: &str = "static";
 
@@ -163,6 +167,58 @@ impl Cluster {
                 .filter(|w| w.role == registry::Role::Decode && !w.draining)
                 .map(|w| w.grpc_addr.clone())
                 .collect(),
+        }
+    }
+
+    /// Requests the cluster runs at once: the sum of the non-draining
+    /// decode workers' `max_running` (their registrations; fixed addresses
+    /// count [`STATIC_MAX_RUNNING`] each), at least 1 so a request can reach
+    /// routing and get its typed refusal when no worker exists.
+    pub fn capacity(&self) -> usize {
+        let n: usize = match &self.source {
+            Source::Static { decode, .. } => decode.len() * STATIC_MAX_RUNNING,
+            Source::Etcd { membership, .. } => membership
+                .view()
+                .workers()
+                .filter(|w| w.role == registry::Role::Decode && !w.draining)
+                .map(|w| w.capacity.max_running as usize)
+                .sum(),
+        };
+        n.max(1)
+    }
+
+    /// Whether the cluster can serve now: etcd reachable (with `--etcd`)
+    /// and a decode worker answering ready, with a ready prefill worker of
+    /// its version group (or none configured in static mode: the decode
+    /// worker prefills). Reads the load board; no I/O. The error says what
+    /// is missing.
+    pub fn ready(&self) -> Result<(), String> {
+        let ready = |addr: &str| self.board.get(addr).is_some_and(|l| l.ready && l.reachable);
+        match &self.source {
+            Source::Static { decode, prefill } => {
+                if !decode.iter().any(|a| ready(a)) {
+                    return Err("no decode worker answers ready".into());
+                }
+                if !prefill.is_empty() && !prefill.iter().any(|a| ready(a)) {
+                    return Err("no prefill worker answers ready".into());
+                }
+                Ok(())
+            }
+            Source::Etcd { membership, .. } => {
+                if !membership.healthy() {
+                    return Err("etcd is unreachable".into());
+                }
+                let view = membership.view();
+                let live = || view.workers().filter(|w| !w.draining && ready(&w.grpc_addr));
+                let paired = live()
+                    .filter(|d| d.role == registry::Role::Decode)
+                    .any(|d| live().any(|p| p.role == registry::Role::Prefill && p.version_group == d.version_group));
+                if paired {
+                    Ok(())
+                } else {
+                    Err("no ready prefill/decode pair in one version group".into())
+                }
+            }
         }
     }
 

@@ -43,7 +43,7 @@ use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::ServingStatus;
 
 use crate::openai::{self, ApiError, Message, Sampling, Stop, StreamOptions};
-use crate::pipeline::{Event, Finish, Job, Pipeline, TokenLogprob};
+use crate::pipeline::{priority_of, Event, Finish, Job, Pipeline, TokenLogprob};
 use crate::prompt;
 
 /// Metadata key carrying the OpenAI error code (`model_not_found`, ...).
@@ -163,9 +163,25 @@ fn token_ids(p: &Pipeline, ids: &[u32]) -> Result<Vec<u32>, ApiError> {
 }
 
 /// Validates and tokenizes a request into a job, with the HTTP API's rules.
-fn job_of(p: &Pipeline, req: &GenerateRequest, timeout: Option<Duration>) -> Result<Job, ApiError> {
+fn job_of(p: &Pipeline, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, ApiError> {
     // Measured from arrival, before the work of validating.
+    let arrived = std::time::Instant::now();
+    let headers = md.clone().into_headers();
+    let caller = p.keys.check(&headers)?;
+    let timeout = request_timeout(md)?;
     let deadline = p.deadline(timeout);
+    if !req.idempotency_key.is_empty() {
+        return Err(ApiError::invalid(
+            "idempotency_key",
+            "idempotent retries are offered by the HTTP API (Idempotency-Key) only, not over gRPC yet",
+        ));
+    }
+    let header_priority = match headers.get("x-priority") {
+        Some(v) => Some(v.to_str().map_err(|_| ApiError::invalid("x-priority", "not visible ASCII"))?),
+        None => None,
+    };
+    let field = (!req.priority.is_empty()).then(|| Value::String(req.priority.clone()));
+    let priority = priority_of(header_priority, field.as_ref())?;
     p.check_model((!req.model.is_empty()).then_some(req.model.as_str()))?;
     let logprobs = openai::completion_logprobs(&req.logprobs.map(Value::from))?;
     let sampling = Sampling {
@@ -205,7 +221,7 @@ fn job_of(p: &Pipeline, req: &GenerateRequest, timeout: Option<Duration>) -> Res
         None => return Err(ApiError::invalid("input", "one of `prompt`, `messages` or `token_ids` is required")),
     };
     p.check_context(param, ids.len(), spec.params.max_tokens)?;
-    Ok(Job { ids, spec, deadline })
+    Ok(Job { ids, spec, deadline, caller, priority, arrived })
 }
 
 fn wire_logprob(l: TokenLogprob) -> WireLogprob {
@@ -304,14 +320,14 @@ impl Frontend for FrontendService {
     type GenerateStream = GenerateStream;
 
     async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
-        let timeout = request_timeout(request.metadata()).map_err(|e| status_of(&e))?;
-        let job = job_of(&self.pipeline, request.get_ref(), timeout).map_err(|e| status_of(&e))?;
+        let job = job_of(&self.pipeline, request.metadata(), request.get_ref()).map_err(|e| status_of(&e))?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(generate(self.pipeline.clone(), job, tx));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
-    async fn list_models(&self, _: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
+    async fn list_models(&self, request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
+        self.pipeline.keys.check(&request.metadata().clone().into_headers()).map_err(|e| status_of(&e))?;
         let model = Model { id: self.pipeline.settings.model.clone(), owned_by: "tandem".into() };
         Ok(Response::new(ListModelsResponse { models: vec![model] }))
     }

@@ -3,15 +3,21 @@
 //! Routes: `GET /v1/models`, `POST /v1/completions`,
 //! `POST /v1/chat/completions` (JSON or SSE with `stream: true`),
 //! `POST /tokenize`, `POST /detokenize`, `GET /health` (liveness),
-//! `GET /ready` (a decode worker answers ready).
+//! `GET /ready` (etcd reachable and a ready prefill/decode pair),
+//! `GET /metrics` (Prometheus). With API keys configured, every route but
+//! health, ready and metrics needs one ([`crate::auth`]).
 //!
-//! A request's walk here: size cap and content type, JSON, model name,
+//! A request's walk here: API key (401), size cap and content type, JSON, model name,
 //! validation (400 naming the field), tokenization (once, here), context
 //! check and deadline (the `x-request-timeout-ms` header or the configured
 //! default); then [`Pipeline::run`] admits it and starts it on the workers,
 //! and this module shapes the run's text pieces as OpenAI JSON or SSE.
 //! A client that goes away drops the run, which cancels the request on the
 //! decode and prefill workers and frees its KV.
+//!
+//! `Idempotency-Key`: the first request with a key runs and records what it
+//! sends; a retry with the same key and body gets that answer (replayed,
+//! live if still running) instead of running twice ([`crate::idempotency`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -28,8 +34,10 @@ use futures_util::stream::Stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::idempotency::{self, Claim, Idempotency, Recorder, Replay, Replayed};
+use crate::metrics;
 use crate::openai::{self, ApiError};
-use crate::pipeline::{Event as RunEvent, Job, Pipeline, Run, TokenLogprob};
+use crate::pipeline::{priority_of, Event as RunEvent, Job, Pipeline, Run, TokenLogprob};
 use crate::prompt;
 
 /// HTTP-only settings (the shared ones are in [`crate::pipeline::Settings`]).
@@ -37,17 +45,42 @@ use crate::prompt;
 pub struct HttpSettings {
     /// Largest request body, bytes (413 beyond).
     pub max_body_bytes: usize,
+    /// How long a finished answer stays attached to its `Idempotency-Key`.
+    pub idempotency_window: Duration,
+    /// Most keys remembered at once (503 for a new key beyond, never a silent run).
+    pub idempotency_max_keys: usize,
+}
+
+/// What an idempotent request recorded: the whole JSON answer, or one SSE
+/// event's data.
+#[derive(Clone, Debug)]
+pub enum Recorded {
+    Json(StatusCode, Value),
+    Event(String),
 }
 
 /// Shared state.
 pub struct App {
     pub pipeline: Arc<Pipeline>,
     pub settings: HttpSettings,
+    idempotency: Arc<Idempotency<Recorded>>,
+    /// Renders `/metrics`; none when no recorder is installed (library use).
+    metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 impl App {
-    pub fn new(pipeline: Arc<Pipeline>, settings: HttpSettings) -> Arc<Self> {
-        Arc::new(Self { pipeline, settings })
+    pub fn new(
+        pipeline: Arc<Pipeline>,
+        settings: HttpSettings,
+        metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    ) -> Arc<Self> {
+        let idempotency = Idempotency::new(settings.idempotency_window, settings.idempotency_max_keys);
+        Arc::new(Self { pipeline, settings, idempotency, metrics })
+    }
+
+    /// The caller's name, or 401.
+    fn caller(&self, headers: &HeaderMap) -> Result<String, ApiError> {
+        self.pipeline.keys.check(headers)
     }
 }
 
@@ -60,6 +93,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(ready))
+        .route("/metrics", get(prometheus))
         // The cap is enforced while reading (`read_body`), with our error body.
         .layer(DefaultBodyLimit::disable())
         .with_state(app)
@@ -81,20 +115,34 @@ fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = app.caller(&headers) {
+        return e.into_response();
+    }
     Json(json!({
         "object": "list",
         "data": [{"id": app.pipeline.settings.model, "object": "model", "created": 0, "owned_by": "tandem"}]
     }))
+    .into_response()
 }
 
 async fn ready(State(app): State<Arc<App>>) -> Response {
-    if app.pipeline.ready().await {
-        return Json(json!({"status": "ready"})).into_response();
+    match app.pipeline.cluster.ready() {
+        Ok(()) => Json(json!({"status": "ready"})).into_response(),
+        Err(why) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "not_ready", why)
+            .retry_after(1)
+            .into_response(),
     }
-    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "not_ready", "no ready decode worker")
-        .retry_after(1)
-        .into_response()
+}
+
+async fn prometheus(State(app): State<Arc<App>>) -> Response {
+    let Some(handle) = &app.metrics else {
+        return (StatusCode::NOT_FOUND, "no metrics recorder is installed\n").into_response();
+    };
+    // Gauges read at scrape time, so they are exact when read.
+    let s = app.pipeline.admission.stats();
+    metrics::queue(s.queued, s.queued_tokens, s.running);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
 }
 
 /// Reads the body, refusing one over the cap (413) without buffering more than the cap.
@@ -136,8 +184,16 @@ fn parse_json<T: serde::de::DeserializeOwned>(app: &App, headers: &HeaderMap, bo
         .map_err(|e| ApiError::invalid("body", format!("invalid JSON: {e}")).with_code("invalid_json"))
 }
 
-/// The deadline: `x-request-timeout-ms`, else the default.
-fn deadline(app: &App, headers: &HeaderMap) -> Result<Instant, ApiError> {
+/// A header as text (400 naming it when it is not).
+fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>, ApiError> {
+    headers
+        .get(name)
+        .map(|v| v.to_str().map_err(|_| ApiError::invalid(name, "the header is not visible ASCII")))
+        .transpose()
+}
+
+/// The deadline, counted from arrival: `x-request-timeout-ms`, else the default.
+fn deadline(app: &App, headers: &HeaderMap, arrived: Instant) -> Result<Instant, ApiError> {
     let timeout = match headers.get("x-request-timeout-ms") {
         None => None,
         Some(v) => match v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()) {
@@ -145,7 +201,7 @@ fn deadline(app: &App, headers: &HeaderMap) -> Result<Instant, ApiError> {
             _ => return Err(ApiError::invalid("x-request-timeout-ms", "must be a positive integer of milliseconds")),
         },
     };
-    Ok(app.pipeline.deadline(timeout))
+    Ok(arrived + timeout.unwrap_or(app.pipeline.settings.default_timeout))
 }
 
 /// Which OpenAI endpoint a request came in on: it decides the answer's shape.
@@ -155,10 +211,24 @@ enum Api {
     Chat,
 }
 
+impl Api {
+    fn name(self) -> &'static str {
+        match self {
+            Api::Completions => "completions",
+            Api::Chat => "chat",
+        }
+    }
+}
+
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let arrived = Instant::now();
+    let caller = match app.caller(&headers) {
+        Ok(c) => c,
+        Err(e) => return finished(Api::Completions, e.into_response()),
+    };
     let body = match read_body(&app, body).await {
         Ok(b) => b,
-        Err(e) => return e.into_response(),
+        Err(e) => return finished(Api::Completions, e.into_response()),
     };
     let job = (|| {
         let req: openai::CompletionRequest = parse_json(&app, &headers, &body)?;
@@ -168,15 +238,21 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
         let spec = openai::sampling(&req.sampling, logprobs, p.settings.default_max_tokens)?;
         let ids = prompt::completion_tokens(&p.tokenizer, &req.prompt)?;
         p.check_context("prompt", ids.len(), spec.params.max_tokens)?;
-        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers)? })
+        let priority = priority_of(header_str(&headers, "x-priority")?, req.sampling.priority.as_ref())?;
+        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers, arrived)?, caller, priority, arrived })
     })();
-    respond(app, Api::Completions, job).await
+    respond(app, Api::Completions, &headers, &body, job).await
 }
 
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let arrived = Instant::now();
+    let caller = match app.caller(&headers) {
+        Ok(c) => c,
+        Err(e) => return finished(Api::Chat, e.into_response()),
+    };
     let body = match read_body(&app, body).await {
         Ok(b) => b,
-        Err(e) => return e.into_response(),
+        Err(e) => return finished(Api::Chat, e.into_response()),
     };
     let job = (|| {
         let req: openai::ChatRequest = parse_json(&app, &headers, &body)?;
@@ -188,33 +264,131 @@ async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Re
         let spec = openai::sampling(&req.sampling, logprobs, p.settings.default_max_tokens)?;
         let ids = prompt::chat_tokens(&p.tokenizer, messages)?;
         p.check_context("messages", ids.len(), spec.params.max_tokens)?;
-        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers)? })
+        let priority = priority_of(header_str(&headers, "x-priority")?, req.sampling.priority.as_ref())?;
+        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers, arrived)?, caller, priority, arrived })
     })();
-    respond(app, Api::Chat, job).await
+    respond(app, Api::Chat, &headers, &body, job).await
 }
 
-async fn respond(app: Arc<App>, api: Api, job: Result<Job, ApiError>) -> Response {
+/// Counts a finished request by its status and error code.
+fn finished(api: Api, r: Response) -> Response {
+    let code = if r.status().is_success() { "ok" } else { "error" };
+    metrics::request_finished(api.name(), r.status().as_u16(), code);
+    r
+}
+
+async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job: Result<Job, ApiError>) -> Response {
     let job = match job {
         Ok(j) => j,
-        Err(e) => return e.into_response(),
+        Err(e) => return finished(api, e.into_response()),
+    };
+    let key = match header_str(headers, "idempotency-key") {
+        Ok(k) => k,
+        Err(e) => return finished(api, e.into_response()),
+    };
+    let recorder = match key {
+        None => None,
+        Some(k) if k.is_empty() || k.len() > idempotency::MAX_KEY_LEN => {
+            let e = ApiError::invalid("idempotency-key", format!("must be 1..={} bytes", idempotency::MAX_KEY_LEN));
+            return finished(api, e.into_response());
+        }
+        Some(k) => {
+            let mut digest = body.to_vec();
+            digest.extend_from_slice(api.name().as_bytes());
+            match app.idempotency.claim(&job.caller, k, idempotency::fingerprint(&digest)) {
+                Claim::Leader(r) => Some(r),
+                Claim::Follower(replay) => return finished(api, replay_answer(replay, job.spec.stream).await),
+                Claim::Conflict => {
+                    let e = ApiError::new(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "invalid_request_error",
+                        "idempotency_key_reused",
+                        "this Idempotency-Key was used with a different request body",
+                    );
+                    return finished(api, e.into_response());
+                }
+                Claim::Full => {
+                    let e = ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "overloaded_error",
+                        "idempotency_table_full",
+                        "too many Idempotency-Keys are in use; retry later",
+                    )
+                    .retry_after(1);
+                    return finished(api, e.into_response());
+                }
+            }
+        }
     };
     let stream = job.spec.stream;
     let run = match app.pipeline.run(job).await {
         Ok(r) => r,
-        Err(e) => return e.into_response(),
+        Err(e) => {
+            // A refusal is kept only when a retry would get it again.
+            if let Some(rec) = recorder {
+                rec.finish(false);
+            }
+            return finished(api, e.into_response());
+        }
     };
-    let answer = Answer { api, created: now_secs(), model: app.pipeline.settings.model.clone(), run };
+    let answer = Answer { api, created: now_secs(), model: app.pipeline.settings.model.clone(), run, recorder };
     if stream {
         let (tx, rx) = mpsc::channel::<Event>(16);
         tokio::spawn(answer.stream(tx));
         let events = tokio_stream::wrappers::ReceiverStream::new(rx);
-        Sse::new(infallible(events)).into_response()
+        finished(api, Sse::new(infallible(events)).into_response())
     } else {
-        match answer.collect().await {
-            Ok(body) => Json(body).into_response(),
-            Err(e) => e.into_response(),
+        let (result, recorder) = answer.collect().await;
+        let (status, body) = match result {
+            Ok(body) => (StatusCode::OK, body),
+            Err(e) => (e.status, e.body()),
+        };
+        if let Some(rec) = recorder {
+            rec.push(Recorded::Json(status, body.clone()));
+            rec.finish(keeps(status));
         }
+        finished(api, (status, Json(body)).into_response())
     }
+}
+
+/// Whether a retry should get this status again rather than run anew.
+fn keeps(status: StatusCode) -> bool {
+    status.is_success() || (status.is_client_error() && status != StatusCode::TOO_MANY_REQUESTS)
+}
+
+/// The answer of a request that follows an earlier one with its key.
+async fn replay_answer(mut replay: Replay<Recorded>, stream: bool) -> Response {
+    metrics::idempotent_replay(if replay.leader_finished() { "done" } else { "inflight" });
+    let abandoned = || {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded_error",
+            "idempotent_original_failed",
+            "the first request with this Idempotency-Key ended without an answer; retry it",
+        )
+        .retry_after(1)
+    };
+    if !stream {
+        return match replay.next().await {
+            Replayed::Item(Recorded::Json(status, body)) => (status, Json(body)).into_response(),
+            _ => abandoned().into_response(),
+        };
+    }
+    let (tx, rx) = mpsc::channel::<Event>(16);
+    tokio::spawn(async move {
+        loop {
+            let event = match replay.next().await {
+                Replayed::Item(Recorded::Event(data)) => Event::default().data(data),
+                Replayed::Item(Recorded::Json(_, body)) => Event::default().data(body.to_string()),
+                Replayed::End => return,
+                Replayed::Abandoned => Event::default().data(abandoned().body().to_string()),
+            };
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
+    });
+    Sse::new(infallible(tokio_stream::wrappers::ReceiverStream::new(rx))).into_response()
 }
 
 fn infallible(s: impl Stream<Item = Event>) -> impl Stream<Item = Result<Event, Infallible>> {
@@ -234,11 +408,19 @@ struct Answer {
     created: u64,
     model: String,
     run: Run,
+    /// Set for a request with an `Idempotency-Key`: what is sent is recorded.
+    recorder: Option<Recorder<Recorded>>,
 }
 
 impl Answer {
-    /// Runs to the end and builds the non-streaming body.
-    async fn collect(mut self) -> Result<Value, ApiError> {
+    /// Runs to the end and builds the non-streaming body; hands the
+    /// recorder back for the caller to record the final answer.
+    async fn collect(mut self) -> (Result<Value, ApiError>, Option<Recorder<Recorded>>) {
+        let recorder = self.recorder.take();
+        (self.body().await, recorder)
+    }
+
+    async fn body(&mut self) -> Result<Value, ApiError> {
         let c = self.run.collect().await?;
         let usage = self.run.usage();
         let lp = self
@@ -313,10 +495,9 @@ impl Answer {
     /// Streams SSE events until the end; a send failure means the client
     /// went away, and returning drops the run (cancelling it).
     async fn stream(mut self, tx: mpsc::Sender<Event>) {
-        let send = |v: Value| Event::default().data(v.to_string());
         let mut first = true;
         if self.api == Api::Chat {
-            if tx.send(send(self.chunk(None, None, None, true))).await.is_err() {
+            if !self.emit(&tx, self.chunk(None, None, None, true).to_string()).await {
                 return;
             }
             first = false;
@@ -324,14 +505,17 @@ impl Answer {
         let finish = loop {
             match self.run.step().await {
                 Err(e) => {
-                    // Headers are gone already: the error travels as an event.
-                    let _ = tx.send(send(e.body())).await;
+                    // Headers are gone already: the error travels as an
+                    // event. Not kept for idempotent retries (dropping the
+                    // recorder abandons it): a retry runs anew.
+                    self.recorder = None;
+                    let _ = tx.send(Event::default().data(e.body().to_string())).await;
                     return;
                 }
                 Ok(RunEvent::Piece(p)) => {
                     let logprob = p.logprob.map(logprob_json);
                     if (!p.text.is_empty() || logprob.is_some())
-                        && tx.send(send(self.chunk(Some(&p.text), logprob, None, first))).await.is_err()
+                        && !self.emit(&tx, self.chunk(Some(&p.text), logprob, None, first).to_string()).await
                     {
                         return;
                     }
@@ -342,7 +526,8 @@ impl Answer {
                 }
                 Ok(RunEvent::End(f)) => {
                     let rest = self.run.flush();
-                    if !rest.is_empty() && tx.send(send(self.chunk(Some(&rest), None, None, first))).await.is_err() {
+                    if !rest.is_empty() && !self.emit(&tx, self.chunk(Some(&rest), None, None, first).to_string()).await
+                    {
                         return;
                     }
                     break f;
@@ -350,22 +535,38 @@ impl Answer {
             }
         };
         let text = if self.api == Api::Chat { None } else { Some("") };
-        if tx.send(send(self.chunk(text, None, Some(finish.as_str()), false))).await.is_err() {
+        if !self.emit(&tx, self.chunk(text, None, Some(finish.as_str()), false).to_string()).await {
             return;
         }
         if self.run.include_usage() {
             let mut u = self.chunk(text, None, None, false);
             u["choices"] = json!([]);
             u["usage"] = json!(self.run.usage());
-            if tx.send(send(u)).await.is_err() {
+            if !self.emit(&tx, u.to_string()).await {
                 return;
             }
         }
-        let _ = tx.send(Event::default().data("[DONE]")).await;
+        if self.emit(&tx, "[DONE]".to_owned()).await {
+            if let Some(rec) = self.recorder.take() {
+                rec.finish(true);
+            }
+        }
+    }
+
+    /// Records (for idempotent retries) and sends one SSE event; false when
+    /// the client went away.
+    async fn emit(&self, tx: &mpsc::Sender<Event>, data: String) -> bool {
+        if let Some(rec) = &self.recorder {
+            rec.push(Recorded::Event(data.clone()));
+        }
+        tx.send(Event::default().data(data)).await.is_ok()
     }
 }
 
 async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    if let Err(e) = app.caller(&headers) {
+        return e.into_response();
+    }
     let body = match read_body(&app, body).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
@@ -388,6 +589,9 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
 }
 
 async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    if let Err(e) = app.caller(&headers) {
+        return e.into_response();
+    }
     let body = match read_body(&app, body).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),

@@ -106,6 +106,9 @@ pub struct Sampling {
     /// Ignore the model's end-of-sequence token (vLLM extension).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Admission class: `high`, `normal` (default) or `low` (tandem
+    /// extension; the `x-priority` header does the same).
+    pub priority: Option<Value>,
 }
 
 /// `POST /v1/completions`.

@@ -17,22 +17,25 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::admission::{self, Admission, Priority, Shed, Slot, Ticket};
+use crate::auth::ApiKeys;
+use crate::cluster::{next, Cluster, Lease, Step, WorkerStream};
+use crate::metrics;
+use crate::openai::{ApiError, Spec, Usage};
 use axum::http::StatusCode;
 use engine::sampler::{FinishReason as EngineFinish, StopChecker};
 use engine::tokenizer::{IncrementalDecoder as Detokenizer, Tokenizer};
-use proto::worker::v1::{FinishReason as WireFinish, HealthRequest, TokenChunk};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-
-use crate::cluster::{next, Cluster, Lease, Step, WorkerStream};
-use crate::openai::{ApiError, Spec, Usage};
+use proto::worker::v1::{FinishReason as WireFinish, TokenChunk};
 
 /// Settings every frontend shares.
 #[derive(Debug, Clone)]
 pub struct Settings {
     /// The model id clients must name.
     pub model: String,
-    /// Requests in flight at once (503 + Retry-After beyond).
-    pub max_inflight: usize,
+    /// The central queue's bounds. `max_running` 0 means "the cluster's
+    /// capacity": the sum of the registered decode workers' `max_running`,
+    /// followed as workers come and go.
+    pub admission: admission::AdmissionConfig,
     /// Deadline when the request sets none.
     pub default_timeout: Duration,
     /// `max_tokens` when the request sets none.
@@ -46,7 +49,9 @@ pub struct Pipeline {
     pub context: usize,
     pub cluster: Arc<Cluster>,
     pub settings: Settings,
-    inflight: Arc<Semaphore>,
+    /// Who may call, and under which name.
+    pub keys: ApiKeys,
+    pub admission: Arc<Admission>,
 }
 
 /// A validated, tokenized request ready to run.
@@ -57,20 +62,61 @@ pub struct Job {
     pub spec: Spec,
     /// When the request must have ended; travels to the workers.
     pub deadline: Instant,
+    /// The caller's name ([`crate::auth`]): fairness and limits are per caller.
+    pub caller: String,
+    pub priority: Priority,
+    /// When it arrived (latency metrics count from here).
+    pub arrived: Instant,
 }
 
-/// A request's place among those admitted; released when dropped.
-pub struct Admission {
-    _permit: OwnedSemaphorePermit,
+/// The admission class a request asks for: the `x-priority` header, else
+/// the body's `priority` field, else normal.
+pub fn priority_of(header: Option<&str>, field: Option<&serde_json::Value>) -> Result<Priority, ApiError> {
+    let bad = |param: &str| ApiError::invalid(param, "must be one of \"high\", \"normal\", \"low\"");
+    if let Some(h) = header {
+        return Priority::parse(h.trim()).map_err(|_| bad("x-priority"));
+    }
+    match field {
+        None | Some(serde_json::Value::Null) => Ok(Priority::Normal),
+        Some(serde_json::Value::String(s)) => Priority::parse(s).map_err(|_| bad("priority")),
+        Some(_) => Err(bad("priority")),
+    }
 }
-
-/// How long a readiness probe waits for one decode worker.
-const READY_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl Pipeline {
-    pub fn new(tokenizer: Tokenizer, context: usize, cluster: Arc<Cluster>, settings: Settings) -> Arc<Self> {
-        let inflight = Arc::new(Semaphore::new(settings.max_inflight));
-        Arc::new(Self { tokenizer, context, cluster, settings, inflight })
+    /// Validates the admission bounds; with `max_running` 0 the capacity
+    /// follows the cluster (see [`Pipeline::follow_capacity`]).
+    pub fn new(
+        tokenizer: Tokenizer,
+        context: usize,
+        cluster: Arc<Cluster>,
+        settings: Settings,
+        keys: ApiKeys,
+    ) -> Result<Arc<Self>, admission::ConfigError> {
+        let mut config = settings.admission.clone();
+        let auto = config.max_running == 0;
+        if auto {
+            config.max_running = cluster.capacity();
+        }
+        let admission = Admission::new(config)?;
+        Ok(Arc::new(Self { tokenizer, context, cluster, settings, keys, admission }))
+    }
+
+    /// With `max_running` 0, keeps the admission capacity equal to the
+    /// cluster's as workers come and go (checked every `every`).
+    pub fn follow_capacity(self: &Arc<Self>, every: Duration) -> Option<tokio::task::JoinHandle<()>> {
+        if self.settings.admission.max_running != 0 {
+            return None;
+        }
+        let me = Arc::downgrade(self);
+        Some(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                let Some(p) = me.upgrade() else { return };
+                p.admission.set_max_running(p.cluster.capacity());
+            }
+        }))
     }
 
     /// The request names the served model (404 otherwise; 400 when absent).
@@ -109,25 +155,27 @@ impl Pipeline {
         Instant::now() + timeout.unwrap_or(self.settings.default_timeout)
     }
 
-    /// Admission: a bounded number in flight; the rest are told to come back
-    /// (503 + Retry-After). The priority/fairness queue replaces this one
-    /// function; it gets the job to weigh.
-    async fn admit(&self, _job: &Job) -> Result<Admission, ApiError> {
-        match self.inflight.clone().try_acquire_owned() {
-            Ok(permit) => Ok(Admission { _permit: permit }),
-            Err(_) => Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded_error",
-                "overloaded",
-                format!("{} requests in flight; retry later", self.settings.max_inflight),
-            )
-            .retry_after(1)),
+    /// Admission through the central queue: a slot at once, a wait in
+    /// line, or a typed refusal (429 / 503 / 504 with Retry-After where a
+    /// retry can help).
+    async fn admit(&self, job: &Job) -> Result<Slot, ApiError> {
+        let ticket = Ticket {
+            key: job.caller.clone(),
+            priority: job.priority,
+            cost: job.ids.len() as u64 + u64::from(job.spec.params.max_tokens),
+            deadline: job.deadline.into(),
+        };
+        match self.admission.admit(ticket).await {
+            Ok(slot) => {
+                metrics::queue_wait(slot.queue_wait());
+                Ok(slot)
+            }
+            Err(shed) => Err(shed_error(&shed)),
         }
     }
 
     /// Admits `job` and starts it on a decode worker, within its deadline.
     pub async fn run(self: &Arc<Self>, job: Job) -> Result<Run, ApiError> {
-        // The single admission step.
         let admission = self.admit(&job).await?;
         let id = self.cluster.request_id();
         let started = tokio::time::timeout_at(
@@ -142,20 +190,56 @@ impl Pipeline {
         Ok(Run::new(self.clone(), &job, id, stream, lease, admission))
     }
 
-    /// A decode worker answers its health check as ready (what `/ready` and
-    /// the gRPC health service report).
+    /// Whether the cluster can serve (what `/ready` and the gRPC health
+    /// service report): see [`Cluster::ready`].
     pub async fn ready(&self) -> bool {
-        for addr in self.cluster.decode_addrs() {
-            let Ok(ep) = tonic::transport::Endpoint::from_shared(format!("http://{addr}")) else { continue };
-            let check = async {
-                let mut c = proto::worker::v1::decode_worker_client::DecodeWorkerClient::connect(ep).await.ok()?;
-                c.health(HealthRequest {}).await.ok().map(|h| h.into_inner().ready)
-            };
-            if let Ok(Some(true)) = tokio::time::timeout(READY_PROBE_TIMEOUT, check).await {
-                return true;
-            }
+        self.cluster.ready().is_ok()
+    }
+}
+
+/// The frontend face of an admission refusal.
+pub fn shed_error(shed: &Shed) -> ApiError {
+    let secs = |d: Option<Duration>| d.map_or(1, |d| d.as_secs().max(1));
+    match shed {
+        Shed::KeyLimit { retry_after } => {
+            metrics::shed("key_limit");
+            ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                "this API key has too many requests or tokens queued; retry later",
+            )
+            .retry_after(secs(Some(*retry_after)))
         }
-        false
+        Shed::QueueFull { retry_after } => {
+            metrics::shed("queue_full");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded_error",
+                "queue_full",
+                "the cluster is at capacity and its queue is full; retry later",
+            )
+            .retry_after(secs(Some(*retry_after)))
+        }
+        Shed::Deadline => {
+            metrics::shed("queue_deadline");
+            ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout_error",
+                "deadline_exceeded",
+                "the request's deadline passed while it was queued; it was dropped before prefill",
+            )
+        }
+        Shed::Closed => {
+            metrics::shed("closed");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded_error",
+                "shutting_down",
+                "the coordinator is shutting down",
+            )
+            .retry_after(1)
+        }
     }
 }
 
@@ -263,9 +347,17 @@ pub struct Run {
     completion_tokens: u32,
     logprobs: bool,
     include_usage: bool,
+    arrived: Instant,
+    last_token: Option<Instant>,
     // Released last, with the run.
     _lease: Lease,
-    _admission: Admission,
+    _admission: Slot,
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        metrics::e2e(self.arrived.elapsed());
+    }
 }
 
 impl Run {
@@ -275,7 +367,7 @@ impl Run {
         id: String,
         stream: WorkerStream,
         lease: Lease,
-        admission: Admission,
+        admission: Slot,
     ) -> Self {
         let stop = StopChecker::new(&job.spec.params, pipeline.tokenizer.eos_ids()).ok();
         Self {
@@ -289,6 +381,8 @@ impl Run {
             completion_tokens: 0,
             logprobs: job.spec.params.logprobs.is_some(),
             include_usage: job.spec.include_usage,
+            arrived: job.arrived,
+            last_token: None,
             _lease: lease,
             _admission: admission,
         }
@@ -316,6 +410,12 @@ impl Run {
 
     fn piece_of(&mut self, t: &TokenChunk) -> Piece {
         self.completion_tokens += 1;
+        let now = Instant::now();
+        match self.last_token {
+            None => metrics::ttft(now.duration_since(self.arrived)),
+            Some(prev) => metrics::tpot(now.duration_since(prev)),
+        }
+        self.last_token = Some(now);
         let tok = &self.pipeline.tokenizer;
         let raw = self.detok.push(tok, t.id).unwrap_or_default();
         let (text, finish) = match self.stop.as_mut() {

@@ -130,10 +130,11 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     dargs.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
     let decode = start("tandem-decode-worker", &dargs, &["grpc", "transfer", "metrics"])?;
     let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
-    // One request in flight at a time, so that shedding can be shown; a
-    // drain grace far longer than the drain may take.
+    // One request running and one queued at a time, so that queueing and
+    // shedding can be shown; a drain grace far longer than the drain may take.
     let mut args = vec!["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--decode", &d, "--prefill", &p];
-    args.extend(["--max-inflight", "1", "--shutdown-timeout-ms", "60000", "--max-body-bytes", "65536"]);
+    args.extend(["--max-running", "1", "--max-queued", "1", "--shutdown-timeout-ms", "60000"]);
+    args.extend(["--max-body-bytes", "65536"]);
     // Both addresses come on one `listening http=.. grpc=..` line.
     let coord = start("tandem-coordinator", &args, &["http", "grpc"])?;
     let (h, g) = (coord.addr("http")?, coord.addr("grpc")?);
@@ -264,10 +265,10 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     let r = bounded("an answer to a bad grpc-timeout", client.clone().generate(bad_timeout)).await?;
     refused(r.map(|_| Answer::default()), Code::InvalidArgument, None, Some("grpc-timeout"))?;
 
-    // Admission: with the one slot taken, the next request is shed as
-    // UNAVAILABLE + retry-after. Then the first client goes away: the decode
-    // worker sees the request cancelled (not run to its 1000 tokens), and
-    // the slot is free again.
+    // Admission: with the one slot taken, the next request queues and the
+    // one after is shed as UNAVAILABLE + retry-after (queue full). Then the
+    // first client goes away: the decode worker sees the request cancelled
+    // (not run to its 1000 tokens), and the queued one runs.
     let cancelled = "tandem_decode_requests_total{outcome=\"cancelled\"}";
     let metrics = decode.addr("metrics")?;
     let before = metric(&metrics, cancelled)?;
@@ -275,16 +276,26 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     let mut first = client.clone();
     let mut stream = bounded("the long request starting", first.generate(long)).await??.into_inner();
     bounded("the long request's first chunk", stream.message()).await??.ok_or("the long request ended at once")?;
+    let queued = {
+        let client = client.clone();
+        let req = prompt_req(prompt, 2);
+        tokio::spawn(async move { generate(&client, req, None).await })
+    };
+    eventually("the second request waiting in the queue", || {
+        metric(&h, "tandem_coordinator_queue_depth").is_ok_and(|n| n == 1.0)
+    })
+    .await?;
     let r = generate(&client, prompt_req(prompt, 1), None).await?;
-    let s = refused(r, Code::Unavailable, Some("overloaded"), None)?;
-    assert_eq!(s.metadata().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"), "{s:?}");
+    let s = refused(r, Code::Unavailable, Some("queue_full"), None)?;
+    let retry_after = s.metadata().get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    assert!(retry_after.is_some_and(|r| (1..=60).contains(&r)), "{s:?}");
     drop(stream);
     eventually("the decode worker cancelling the abandoned request", || {
         metric(&metrics, cancelled).is_ok_and(|n| n == before + 1.0)
     })
     .await?;
-    let a = generate(&client, prompt_req(prompt, 2), None).await??;
-    assert!(a.done.is_some(), "admitted again once the abandoned request was dropped: {a:?}");
+    let a = bounded("the queued request", queued).await???.map_err(|s| format!("the queued request: {s:?}"))?;
+    assert!(a.done.is_some(), "the queued request ran once the abandoned one was dropped: {a:?}");
 
     // A deadline that cannot be met: DEADLINE_EXCEEDED, not a hung call.
     let slow = GenerateRequest { ignore_eos: true, ..prompt_req("Once upon a time", 200) };

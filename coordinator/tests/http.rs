@@ -45,8 +45,13 @@ fn openai_api_through_a_prefill_decode_pair() -> TestResult {
     let (s, _, body) = http(&h, "GET", "/v1/models", "", b"", &[])?;
     assert_eq!(s, 200);
     assert_eq!(json_of(&body)?["data"][0]["id"], MODEL);
-    let (s, _, _) = http(&h, "GET", "/ready", "", b"", &[])?;
-    assert_eq!(s, 200, "a ready decode worker exists");
+    // Ready once the coordinator's load poll has seen both workers ready.
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(eventually("the coordinator reporting ready", || {
+            http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200)
+        }))?;
 
     // Chat, JSON: the engine's greedy answer for the same token ids.
     let messages = json!([{"role": "user", "content": "What is the capital of France?"}]);

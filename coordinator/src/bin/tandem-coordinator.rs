@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use coordinator::admission::AdmissionConfig;
+use coordinator::auth::ApiKeys;
 use coordinator::cluster::{Cluster, RouteSettings, Source};
 use coordinator::grpc;
 use coordinator::http::{router, App, HttpSettings};
@@ -65,9 +67,35 @@ struct Flags {
     /// message (OUT_OF_RANGE beyond). Env: TANDEM_MAX_BODY_BYTES.
     #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 1 << 20)]
     max_body_bytes: usize,
-    /// Requests in flight at once (503 + Retry-After beyond). Env: TANDEM_MAX_INFLIGHT.
-    #[arg(long, env = "TANDEM_MAX_INFLIGHT", default_value_t = 64)]
-    max_inflight: usize,
+    /// Requests dispatched to workers at once; 0 follows the cluster's
+    /// capacity (the sum of the decode workers' max_running). Env: TANDEM_MAX_RUNNING.
+    #[arg(long, env = "TANDEM_MAX_RUNNING", default_value_t = 0)]
+    max_running: usize,
+    /// Requests waiting in the central queue (503 + Retry-After beyond). Env: TANDEM_MAX_QUEUED.
+    #[arg(long, env = "TANDEM_MAX_QUEUED", default_value_t = 64)]
+    max_queued: usize,
+    /// Token cost (prompt + max_tokens) waiting in the queue (503 beyond). Env: TANDEM_MAX_QUEUED_TOKENS.
+    #[arg(long, env = "TANDEM_MAX_QUEUED_TOKENS", default_value_t = 131_072)]
+    max_queued_tokens: u64,
+    /// Requests one API key may have queued (429 + Retry-After beyond). Env: TANDEM_PER_KEY_MAX_QUEUED.
+    #[arg(long, env = "TANDEM_PER_KEY_MAX_QUEUED", default_value_t = 16)]
+    per_key_max_queued: usize,
+    /// Token cost one API key may have queued (429 beyond). Env: TANDEM_PER_KEY_MAX_QUEUED_TOKENS.
+    #[arg(long, env = "TANDEM_PER_KEY_MAX_QUEUED_TOKENS", default_value_t = 32_768)]
+    per_key_max_queued_tokens: u64,
+    /// An API key clients must send (repeatable; with none and no keys
+    /// file, the API is open). Env: TANDEM_API_KEY (comma-separated).
+    #[arg(long, env = "TANDEM_API_KEY", value_delimiter = ',')]
+    api_key: Vec<String>,
+    /// A file of API keys, one `KEY [NAME]` per line. Env: TANDEM_API_KEYS_FILE.
+    #[arg(long, env = "TANDEM_API_KEYS_FILE")]
+    api_keys_file: Option<PathBuf>,
+    /// How long a finished answer stays attached to its Idempotency-Key, s. Env: TANDEM_IDEMPOTENCY_WINDOW_S.
+    #[arg(long, env = "TANDEM_IDEMPOTENCY_WINDOW_S", default_value_t = 600)]
+    idempotency_window_s: u64,
+    /// Most Idempotency-Keys remembered at once. Env: TANDEM_IDEMPOTENCY_MAX_KEYS.
+    #[arg(long, env = "TANDEM_IDEMPOTENCY_MAX_KEYS", default_value_t = 10_000)]
+    idempotency_max_keys: usize,
     /// Deadline of a request that sets no `x-request-timeout-ms` (HTTP) or
     /// `grpc-timeout` (gRPC), ms. Env: TANDEM_REQUEST_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
@@ -86,7 +114,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let flags = Flags::parse();
-    for (name, v) in [("max_inflight", flags.max_inflight), ("max_body_bytes", flags.max_body_bytes)] {
+    for (name, v) in [("max_body_bytes", flags.max_body_bytes), ("idempotency_max_keys", flags.idempotency_max_keys)] {
         anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");
     }
     anyhow::ensure!(flags.load_poll_ms > 0, "config field `load_poll_ms`: must be at least 1");
@@ -97,6 +125,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(flags: Flags) -> anyhow::Result<()> {
+    let prometheus = coordinator::metrics::install().context("installing the metrics recorder")?;
     let path = flags.model.clone().unwrap_or_else(engine::paths::default_model_path);
     let (weights, gguf) = Weights::from_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
@@ -125,14 +154,33 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     };
     let cluster = Arc::new(Cluster::new(source, routing).map_err(anyhow::Error::msg)?);
     cluster.spawn_load_poller();
+    let keys = ApiKeys::load(&flags.api_key, flags.api_keys_file.as_deref()).context("loading API keys")?;
+    if keys.enabled() {
+        tracing::info!(keys = keys.len(), "API keys required");
+    } else {
+        tracing::warn!("no API key configured: the API is open to anyone who can reach it");
+    }
+    let admission = AdmissionConfig {
+        max_running: flags.max_running,
+        max_queued: flags.max_queued,
+        max_queued_tokens: flags.max_queued_tokens,
+        per_key_max_queued: flags.per_key_max_queued,
+        per_key_max_queued_tokens: flags.per_key_max_queued_tokens,
+    };
     let settings = Settings {
         model: flags.model_name.clone(),
-        max_inflight: flags.max_inflight,
+        admission,
         default_timeout: Duration::from_millis(flags.request_timeout_ms),
         default_max_tokens: flags.default_max_tokens,
     };
-    let pipeline = Pipeline::new(tokenizer, context, cluster, settings);
-    let app = App::new(pipeline.clone(), HttpSettings { max_body_bytes: flags.max_body_bytes });
+    let pipeline = Pipeline::new(tokenizer, context, cluster, settings, keys).context("admission settings")?;
+    pipeline.follow_capacity(Duration::from_millis(500));
+    let http_settings = HttpSettings {
+        max_body_bytes: flags.max_body_bytes,
+        idempotency_window: Duration::from_secs(flags.idempotency_window_s),
+        idempotency_max_keys: flags.idempotency_max_keys,
+    };
+    let app = App::new(pipeline.clone(), http_settings, Some(prometheus));
     let http_listener =
         tokio::net::TcpListener::bind(flags.http).await.with_context(|| format!("binding http {}", flags.http))?;
     let grpc_listener =
