@@ -1,0 +1,242 @@
+//! The overload contract on real processes: API keys, the central queue
+//! (429 for a caller over its share, 503 when the queue is full, 504 for a
+//! deadline that passes in the queue, all with the OpenAI error body and
+//! Retry-After where a retry helps), priority classes, a burst at three
+//! times capacity, and Idempotency-Key retries that run once.
+//!
+//! One coordinator with one running slot and a queue of four, in front of
+//! one prefill and one decode worker. A long streaming request holds the
+//! slot while the queue is filled, so every refusal is decided while the
+//! slot is provably busy, and nothing depends on timing.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+
+use common::*;
+use serde_json::{json, Value};
+
+/// (status, headers, body) or why there was no answer.
+type Reply = Result<(u16, HashMap<String, String>, String), String>;
+
+fn bearer(key: &str) -> String {
+    format!("Bearer {key}")
+}
+
+fn completion(max_tokens: u32) -> Value {
+    json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0})
+}
+
+fn post_as(h: &str, key: &str, body: &Value, extra: &[(&str, &str)]) -> Reply {
+    let auth = bearer(key);
+    let mut headers = vec![("Authorization", auth.as_str())];
+    headers.extend_from_slice(extra);
+    http(h, "POST", "/v1/completions", "application/json", body.to_string().as_bytes(), &headers)
+}
+
+/// Posts on a thread; the answer arrives on the returned channel.
+fn spawn_post(h: &str, key: &str, body: Value, extra: Vec<(String, String)>) -> mpsc::Receiver<Reply> {
+    let (tx, rx) = mpsc::channel();
+    let (h, key) = (h.to_owned(), key.to_owned());
+    std::thread::spawn(move || {
+        let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let _ = tx.send(post_as(&h, &key, &body, &extra));
+    });
+    rx
+}
+
+fn answer(rx: &mpsc::Receiver<Reply>) -> Reply {
+    rx.recv_timeout(WAIT).map_err(|_| format!("no answer within {WAIT:?}"))?
+}
+
+fn code_of(body: &str) -> String {
+    serde_json::from_str::<Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["code"].as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn rss_kib(pid: u32) -> Result<u64, String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+        .ok_or_else(|| "no VmRSS".into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
+    let dir = std::env::temp_dir().join(format!("tandem-admission-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "# test keys\nsk-alice alice\nsk-bob bob\nsk-carol carol\n")?;
+    let keys = keys.to_str().ok_or("temp path")?.to_owned();
+
+    let common = ["--version-group", "g", "--threads", "1", "--kv-blocks", "512"];
+    let prefill = start("tandem-prefill-worker", &common, &["grpc", "metrics"])?;
+    let mut dargs = common.to_vec();
+    dargs.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
+    let decode = start("tandem-decode-worker", &dargs, &["grpc", "metrics"])?;
+    let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
+    let coord = start(
+        "tandem-coordinator",
+        &[
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:0",
+            "--decode",
+            &d,
+            "--prefill",
+            &p,
+            "--api-keys-file",
+            &keys,
+            "--max-running",
+            "1",
+            "--max-queued",
+            "4",
+            "--per-key-max-queued",
+            "2",
+        ],
+        &["http"],
+    )?;
+    let h = coord.addr("http")?;
+    eventually("the coordinator reporting ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
+        .await?;
+
+    // Keys: health, ready and metrics are open; everything else needs one.
+    let (s, _, b) = post(&h, "/v1/completions", &completion(2))?;
+    error_of(s, &b, 401, None)?;
+    assert_eq!(code_of(&b), "invalid_api_key");
+    let (s, _, b) = post_as(&h, "sk-mallory", &completion(2), &[])?;
+    error_of(s, &b, 401, None)?;
+    assert!(!b.contains("sk-mallory"), "a key is never echoed: {b}");
+    assert_eq!(http(&h, "GET", "/v1/models", "", b"", &[])?.0, 401);
+    assert_eq!(http(&h, "GET", "/v1/models", "", b"", &[("Authorization", &bearer("sk-bob"))])?.0, 200);
+    for open in ["/health", "/ready", "/metrics"] {
+        assert_eq!(http(&h, "GET", open, "", b"", &[])?.0, 200, "{open}");
+    }
+    let (s, _, b) = post_as(&h, "sk-alice", &completion(2), &[("x-priority", "urgent")])?;
+    error_of(s, &b, 400, Some("x-priority"))?;
+
+    // Idempotency: two identical requests with one key run once; a later
+    // retry gets the kept answer; the key with another body is refused.
+    let m = decode.addr("metrics")?;
+    let served = |m: &str| metric(m, "tandem_decode_requests_total{outcome=\"ok\"}");
+    let before = served(&m)?;
+    let key = vec![("Idempotency-Key".to_owned(), "order-42".to_owned())];
+    let first = spawn_post(&h, "sk-alice", completion(8), key.clone());
+    let second = spawn_post(&h, "sk-alice", completion(8), key.clone());
+    let (a, b) = (answer(&first)?, answer(&second)?);
+    assert_eq!((a.0, b.0), (200, 200), "{} / {}", a.2, b.2);
+    let (va, vb) = (json_of(&a.2)?, json_of(&b.2)?);
+    assert_eq!(va["id"], vb["id"], "the retry attached to the first request");
+    assert_eq!(va["choices"], vb["choices"]);
+    let (s, _, later) = post_as(&h, "sk-alice", &completion(8), &[("Idempotency-Key", "order-42")])?;
+    assert_eq!((s, json_of(&later)?["id"].clone()), (200, va["id"].clone()), "replayed after it finished");
+    assert_eq!(served(&m)?, before + 1.0, "three requests with one key ran once");
+    let (s, _, b) = post_as(&h, "sk-alice", &completion(9), &[("Idempotency-Key", "order-42")])?;
+    error_of(s, &b, 422, None)?;
+    assert_eq!(code_of(&b), "idempotency_key_reused");
+    // Keys are per caller: bob's "order-42" is his own request.
+    let (s, _, b) = post_as(&h, "sk-bob", &completion(8), &[("Idempotency-Key", "order-42")])?;
+    assert_eq!(s, 200, "{b}");
+    assert_ne!(json_of(&b)?["id"], va["id"]);
+
+    // Streaming with a key: the retry replays the same events, [DONE] included.
+    let mut streaming = completion(6);
+    streaming["stream"] = json!(true);
+    let auth = bearer("sk-carol");
+    let run = |b: &Value| -> Result<Vec<String>, String> {
+        open_stream(&h, "/v1/completions", b, &[("Authorization", &auth), ("Idempotency-Key", "s-1")])?.rest()
+    };
+    let before = served(&m)?;
+    let (e1, e2) = (run(&streaming)?, run(&streaming)?);
+    assert_eq!(e1.last().map(String::as_str), Some("[DONE]"), "{e1:?}");
+    assert_eq!(e1, e2, "the retry replays the recorded events");
+    assert_eq!(served(&m)?, before + 1.0, "two streaming requests with one key ran once");
+
+    // The slot is taken by a long stream (alice) for the rest of the test.
+    let long = json!({
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0,
+        "ignore_eos": true, "stream": true,
+    });
+    let mut holder = open_stream(&h, "/v1/completions", &long, &[("Authorization", &bearer("sk-alice"))])?;
+    assert_eq!(holder.status, 200);
+    holder.next_event()?.ok_or("the long stream ended at once")?;
+    let depth = |n: f64| {
+        let h = h.clone();
+        move || metric(&h, "tandem_coordinator_queue_depth").is_ok_and(|v| v == n)
+    };
+
+    // A deadline that passes in the queue: 504, dropped before prefill.
+    let pm = prefill.addr("metrics")?;
+    let prefills = || metric(&pm, "tandem_prefill_requests_total{outcome=\"ok\"}");
+    let prefilled = prefills()?;
+    let short_deadline = vec![("x-request-timeout-ms".to_owned(), "1000".to_owned())];
+    let (s, hd, b) = answer(&spawn_post(&h, "sk-carol", completion(4), short_deadline))?;
+    error_of(s, &b, 504, None)?;
+    assert!(b.contains("queued") && !hd.contains_key("retry-after"), "{b}");
+    assert_eq!(prefills()?, prefilled, "a request dropped in the queue never reached prefill");
+
+    // Alice fills her share of the queue (2, normal); the third is hers to wait for: 429.
+    let alice: Vec<_> = (0..2).map(|_| spawn_post(&h, "sk-alice", completion(3), Vec::new())).collect();
+    eventually("alice's two requests queued", depth(2.0)).await?;
+    let (s, hd, b) = post_as(&h, "sk-alice", &completion(3), &[])?;
+    error_of(s, &b, 429, None)?;
+    assert_eq!(code_of(&b), "rate_limit_exceeded");
+    assert!(hd.get("retry-after").and_then(|v| v.parse::<u64>().ok()).is_some_and(|r| (1..=60).contains(&r)), "{hd:?}");
+
+    // Bob queues one normal and one high: the queue is full (4).
+    let bob_normal = spawn_post(&h, "sk-bob", completion(3), Vec::new());
+    eventually("bob's normal request queued", depth(3.0)).await?;
+    let bob_high = spawn_post(&h, "sk-bob", completion(3), vec![("x-priority".to_owned(), "high".to_owned())]);
+    eventually("bob's high request queued", depth(4.0)).await?;
+
+    // A burst at three times the capacity (1 running + 4 queued) from a
+    // caller with nothing queued: every one is refused at once with
+    // 503 queue_full + Retry-After while the slot is still busy; nothing
+    // hangs and the coordinator's memory stays flat.
+    let rss_before = rss_kib(coord.child.id())?;
+    let burst: Vec<_> = (0..15).map(|_| spawn_post(&h, "sk-carol", completion(3), Vec::new())).collect();
+    for rx in &burst {
+        let (s, hd, b) = answer(rx)?;
+        error_of(s, &b, 503, None)?;
+        assert_eq!(code_of(&b), "queue_full");
+        assert!(hd.contains_key("retry-after"), "{hd:?}");
+    }
+    assert_eq!(holder.next_event()?.map(|e| e.contains("\"text\"")), Some(true), "the slot was busy throughout");
+    let rss_after = rss_kib(coord.child.id())?;
+    assert!(rss_after < rss_before + 32 * 1024, "RSS grew from {rss_before} to {rss_after} KiB");
+
+    // The long stream goes away; the queue drains in priority order, then
+    // fairness: bob's high request is served before everything queued earlier.
+    drop(holder);
+    let mut waits = vec![("bob-high", bob_high), ("bob-normal", bob_normal)];
+    waits.extend(alice.into_iter().map(|rx| ("alice", rx)));
+    let mut ids = Vec::new();
+    for (who, rx) in &waits {
+        let (s, _, b) = answer(rx)?;
+        assert_eq!(s, 200, "{who}: {b}");
+        // The request id carries the coordinator's dispatch sequence number.
+        let id = json_of(&b)?["id"].as_str().map(str::to_owned).ok_or("no id")?;
+        let seq: u64 = id.rsplit('-').next().and_then(|n| n.parse().ok()).ok_or("id without a sequence")?;
+        ids.push((seq, *who));
+    }
+    ids.sort();
+    assert_eq!(ids[0].1, "bob-high", "the high-priority request was dispatched first: {ids:?}");
+    // Inside the normal class, bob (one request) is not behind both of alice's.
+    let normal: Vec<&str> = ids[1..].iter().map(|(_, w)| *w).collect();
+    assert_ne!(normal, ["alice", "alice", "bob-normal"], "bob waited behind alice's whole backlog: {ids:?}");
+
+    // The contract shows up in the coordinator's metrics.
+    let shed = |r: &str| metric(&h, &format!("tandem_coordinator_admission_shed_total{{reason=\"{r}\"}}"));
+    assert_eq!(shed("queue_full")?, 15.0);
+    assert_eq!(shed("key_limit")?, 1.0);
+    assert_eq!(shed("queue_deadline")?, 1.0);
+    eventually("the decode worker's KV back to 0", || metric(&m, "tandem_kv_blocks_used").is_ok_and(|v| v == 0.0))
+        .await?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
