@@ -5,8 +5,9 @@
 //! - decision: `Admission::admit` (a free slot), `Cluster::route` for a
 //!   235-token prompt (score every decode worker, power of two choices over
 //!   the prefill workers, fallbacks sorted), and the slot dropped;
-//! - baseline: one pass over the same 1,000 load-board entries reading each
-//!   worker's queue (the least any load-aware router must do).
+//! - baseline: one pass over the same 1,000 load-board entries (one read
+//!   lock, a look-up per worker) reading each worker's queue: the least any
+//!   load-aware router over this board must do.
 //!
 //! The workers are fixed addresses (`Source::Static`): the candidate lists
 //! and the router are the same code as with etcd membership, whose view is
@@ -75,9 +76,11 @@ async fn run() -> Result<(), Box<dyn Error>> {
     let mut sink = 0u64;
     for i in 0..OPS + WARMUP {
         let t = Clock::now();
+        let loads = cluster.board().read();
         for a in &all {
-            sink += cluster.board().get(a).map_or(0, |l| u64::from(l.queue()));
+            sink += loads.get(a).map_or(0, |l| u64::from(l.queue()));
         }
+        drop(loads);
         if i >= WARMUP {
             base.push(t.elapsed());
         }

@@ -247,6 +247,7 @@ impl Cluster {
         let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {
             let inflight = self.decode.lock().unwrap_or_else(|e| e.into_inner());
             let inflight_of = |a: &str| inflight.get(a).map_or(0, |d| d.inflight.load(Ordering::Relaxed));
+            let loads = self.board.read();
             match &self.source {
                 Source::Static { decode, prefill } => (
                     decode
@@ -254,19 +255,14 @@ impl Cluster {
                         .map(|a| DecodeCandidate {
                             addr: a,
                             version_group: STATIC_GROUP,
-                            load: self.board.get(a),
+                            load: loads.get(a),
                             inflight: inflight_of(a),
                             max_running: 0,
                         })
                         .collect(),
                     prefill
                         .iter()
-                        .map(|a| PrefillCandidate {
-                            id: a,
-                            addr: a,
-                            version_group: STATIC_GROUP,
-                            load: self.board.get(a),
-                        })
+                        .map(|a| PrefillCandidate { id: a, addr: a, version_group: STATIC_GROUP, load: loads.get(a) })
                         .collect(),
                 ),
                 Source::Etcd { membership, max_stale } => {
@@ -278,7 +274,7 @@ impl Cluster {
                     let live = view.workers().filter(|w| !w.draining);
                     let (mut d, mut p) = (Vec::new(), Vec::new());
                     for w in live {
-                        let load = self.board.get(&w.grpc_addr);
+                        let load = loads.get(&w.grpc_addr);
                         if w.role == registry::Role::Decode {
                             d.push(DecodeCandidate {
                                 addr: &w.grpc_addr,

@@ -97,6 +97,22 @@ pub struct LoadBoard {
     interval: Duration,
 }
 
+/// The board under its read lock; drop it before any await.
+pub struct Loads<'a> {
+    loads: std::sync::RwLockReadGuard<'a, HashMap<String, Load>>,
+    now: Instant,
+    max_age: Duration,
+}
+
+impl Loads<'_> {
+    /// The worker's load if known and fresh.
+    pub fn get(&self, addr: &str) -> Option<Load> {
+        let l = *self.loads.get(addr)?;
+        // An unreachable mark stays until the worker answers again.
+        (!l.reachable || self.now.saturating_duration_since(l.at) <= self.max_age).then_some(l)
+    }
+}
+
 /// What one poll of one worker found.
 enum Polled {
     Answer(Load),
@@ -117,10 +133,16 @@ impl LoadBoard {
 
     /// The worker's load if known and fresh.
     pub fn get(&self, addr: &str) -> Option<Load> {
-        let loads = self.loads.read().unwrap_or_else(|e| e.into_inner());
-        let l = *loads.get(addr)?;
-        // An unreachable mark stays until the worker answers again.
-        (!l.reachable || l.at.elapsed() <= self.max_age()).then_some(l)
+        self.read().get(addr)
+    }
+
+    /// A read view for many look-ups under one lock (one routing decision).
+    pub fn read(&self) -> Loads<'_> {
+        Loads {
+            loads: self.loads.read().unwrap_or_else(|e| e.into_inner()),
+            now: Instant::now(),
+            max_age: self.max_age(),
+        }
     }
 
     /// Records an answer (the poller's path; also for tests and benches).
