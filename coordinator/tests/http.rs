@@ -11,7 +11,10 @@ mod common;
 use common::*;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
-use serde_json::json;
+use serde_json::{json, Value};
+
+/// One row of the bad-input table: name, path, content type, body, status, `param`.
+type Case<'a> = (&'a str, &'a str, &'a str, Vec<u8>, u16, Option<&'a str>);
 
 #[test]
 fn openai_api_through_a_prefill_decode_pair() -> TestResult {
@@ -108,29 +111,49 @@ fn openai_api_through_a_prefill_decode_pair() -> TestResult {
         None => assert_eq!(got, full),
     }
 
-    // Refusals, each in the OpenAI shape.
-    let (s, _, b) = http(&h, "POST", "/v1/chat/completions", "text/plain", req.to_string().as_bytes(), &[])?;
-    error_of(s, &b, 415, None)?;
-    let (s, _, b) = http(&h, "POST", "/v1/chat/completions", "application/json", b"{\"model\": ", &[])?;
-    error_of(s, &b, 400, Some("body"))?;
-    let (s, _, b) = post(&h, "/v1/chat/completions", &json!({"model": "gpt-9", "messages": messages}))?;
-    error_of(s, &b, 404, Some("model"))?;
-    let (s, _, b) = post(&h, "/v1/chat/completions", &json!({"model": MODEL, "messages": []}))?;
-    error_of(s, &b, 400, Some("messages"))?;
-    let bad_role = json!({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]});
-    let (s, _, b) = post(&h, "/v1/chat/completions", &bad_role)?;
-    error_of(s, &b, 400, Some("messages[0].role"))?;
-    let (s, _, b) = post(&h, "/v1/chat/completions", &json!({"model": MODEL, "messages": messages, "max_tokens": 0}))?;
-    error_of(s, &b, 400, Some("max_tokens"))?;
-    let (s, _, b) = post(&h, "/v1/chat/completions", &json!({"model": MODEL, "messages": messages, "top_p": 7}))?;
-    error_of(s, &b, 400, Some("top_p"))?;
-    let (s, _, b) = post(&h, "/v1/completions", &json!({"model": MODEL, "prompt": "hi", "max_tokens": 100_000}))?;
-    error_of(s, &b, 400, Some("prompt"))?;
-    let big = json!({"model": MODEL, "prompt": "x".repeat(70_000)});
-    let (s, _, b) = post(&h, "/v1/completions", &big)?;
-    error_of(s, &b, 413, None)?;
-    let (s, _, b) = http(&h, "POST", "/v1/completions", "application/json", &[0x7b, 0xff, 0xfe, 0x7d], &[])?;
-    error_of(s, &b, 400, Some("body"))?;
+    // The bad-input table: every refusal has its status, the OpenAI error
+    // shape and (for a field) the field's name in `param`.
+    let chat = "/v1/chat/completions";
+    let cmpl = "/v1/completions";
+    let with = |extra: Value| {
+        let mut v = json!({"model": MODEL, "messages": messages});
+        for (k, x) in extra.as_object().into_iter().flatten() {
+            v[k] = x.clone();
+        }
+        v.to_string().into_bytes()
+    };
+    let json_ct = "application/json";
+    #[rustfmt::skip]
+    let table: Vec<Case> = vec![
+        ("wrong content type", chat, "text/plain", req.to_string().into_bytes(), 415, None),
+        ("malformed JSON", chat, json_ct, b"{\"model\": ".to_vec(), 400, Some("body")),
+        ("NaN is not JSON", chat, json_ct, format!("{{\"model\":\"{MODEL}\",\"messages\":{messages},\"temperature\":NaN}}").into_bytes(), 400, Some("body")),
+        ("invalid UTF-8", cmpl, json_ct, vec![0x7b, 0xff, 0xfe, 0x7d], 400, Some("body")),
+        ("missing model", chat, json_ct, json!({"messages": messages}).to_string().into_bytes(), 400, Some("model")),
+        ("unknown model", chat, json_ct, json!({"model": "gpt-9", "messages": messages}).to_string().into_bytes(), 404, Some("model")),
+        ("missing messages", chat, json_ct, json!({"model": MODEL}).to_string().into_bytes(), 400, Some("messages")),
+        ("empty messages", chat, json_ct, json!({"model": MODEL, "messages": []}).to_string().into_bytes(), 400, Some("messages")),
+        ("bad role", chat, json_ct, json!({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).to_string().into_bytes(), 400, Some("messages[0].role")),
+        ("max_tokens 0", chat, json_ct, with(json!({"max_tokens": 0})), 400, Some("max_tokens")),
+        ("max_completion_tokens 0", chat, json_ct, with(json!({"max_completion_tokens": 0})), 400, Some("max_completion_tokens")),
+        ("temperature above 2", chat, json_ct, with(json!({"temperature": 2.5})), 400, Some("temperature")),
+        ("temperature negative", chat, json_ct, with(json!({"temperature": -1})), 400, Some("temperature")),
+        ("top_p above 1", chat, json_ct, with(json!({"top_p": 7})), 400, Some("top_p")),
+        ("presence_penalty above 2", chat, json_ct, with(json!({"presence_penalty": 3})), 400, Some("presence_penalty")),
+        ("frequency_penalty below -2", chat, json_ct, with(json!({"frequency_penalty": -3})), 400, Some("frequency_penalty")),
+        ("n above the cap", chat, json_ct, with(json!({"n": 2})), 400, Some("n")),
+        ("empty stop string", chat, json_ct, with(json!({"stop": [""]})), 400, Some("stop")),
+        ("top_logprobs above 20", chat, json_ct, with(json!({"logprobs": true, "top_logprobs": 50})), 400, Some("top_logprobs")),
+        ("bad priority", chat, json_ct, with(json!({"priority": "urgent"})), 400, Some("priority")),
+        ("prompt + max_tokens over the context", cmpl, json_ct, json!({"model": MODEL, "prompt": "hi", "max_tokens": 100_000}).to_string().into_bytes(), 400, Some("prompt")),
+        ("body over the cap", cmpl, json_ct, json!({"model": MODEL, "prompt": "x".repeat(70_000)}).to_string().into_bytes(), 413, None),
+    ];
+    for (case, path, ct, body, status, param) in &table {
+        let (s, _, b) = http(&h, "POST", path, ct, body, &[])?;
+        error_of(s, &b, *status, *param).map_err(|e| format!("{case}: {e}"))?;
+    }
+    let (s, _, b) = http(&h, "POST", chat, json_ct, &with(json!({})), &[("x-request-timeout-ms", "soon")])?;
+    error_of(s, &b, 400, Some("x-request-timeout-ms"))?;
     // A deadline that cannot be met: 504 in the same shape.
     let slow = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": true});
     let (s, _, b) = http(
