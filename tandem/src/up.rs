@@ -248,8 +248,12 @@ async fn up(a: Args) -> anyhow::Result<()> {
         .collect();
         let cbin = sibling("tandem-coordinator")?;
         running.push(spawn("coordinator", &cbin, &cargs, &["http", "grpc"]).await?);
-        // Ready: the coordinator reaches a ready decode worker.
         let http = running.last().and_then(|r| r.component.http.clone()).context("no coordinator address")?;
+        // The coordinator serves Prometheus on its HTTP port, path /metrics.
+        if let Some(c) = running.last_mut() {
+            c.component.metrics = Some(http.clone());
+        }
+        // Ready: etcd reachable and a ready prefill/decode pair (its /ready).
         let until = Instant::now() + START_TIMEOUT;
         loop {
             let h = http.clone();

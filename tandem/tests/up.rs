@@ -174,6 +174,7 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> Result<(), Box<
         assert!(comps[2]["transfer"].as_str().is_some_and(|t| t.starts_with('@')), "shared memory by default: {v}");
         assert!(comps[3]["grpc"].is_string(), "the coordinator's gRPC frontend: {v}");
         let http = comps[3]["http"].as_str().ok_or("no http")?;
+        assert_eq!(comps[3]["metrics"].as_str(), Some(http), "the coordinator's /metrics is on its HTTP port: {v}");
         let (status, body) = post_chat(http)?;
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("chat.completion") && body.contains("Paris"), "{body}");
