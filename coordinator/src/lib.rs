@@ -3,12 +3,13 @@
 //! prefill workers it may use), streams tokens back as text, and maps every
 //! worker error onto the documented HTTP and gRPC contracts.
 //!
-//! Built so far: the OpenAI-compatible HTTP frontend ([`http`]) and its gRPC
-//! twin ([`grpc`], with health and reflection) over the frontend-independent
-//! request walk ([`pipeline`]: checks, deadline, admission, detokenizing
-//! with stop strings), routing from etcd membership or fixed worker
-//! addresses ([`cluster`]). Next (see docs/ARCHITECTURE.md): the
-//! priority/fairness queue, idempotency keys.
+//! The OpenAI-compatible HTTP frontend ([`http`]) and its gRPC twin
+//! ([`grpc`], with health and reflection) share one request walk
+//! ([`pipeline`]): API key ([`auth`]), checks, deadline, the central queue
+//! ([`admission`]), routing on live worker load ([`load`], [`router`]) over
+//! etcd membership or fixed addresses ([`cluster`]), detokenizing with stop
+//! strings. HTTP adds `Idempotency-Key` replays ([`idempotency`]); both
+//! export [`metrics`]. See docs/ARCHITECTURE.md.
 //!
 //! Must not: touch KV bytes, or hold a request past its deadline.
 
