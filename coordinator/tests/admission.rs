@@ -73,33 +73,9 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     std::fs::write(&keys, "# test keys\nsk-alice alice\nsk-bob bob\nsk-carol carol\n")?;
     let keys = keys.to_str().ok_or("temp path")?.to_owned();
 
-    let common = ["--version-group", "g", "--threads", "1", "--kv-blocks", "512"];
-    let prefill = start("tandem-prefill-worker", &common, &["grpc", "metrics"])?;
-    let mut dargs = common.to_vec();
-    dargs.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
-    let decode = start("tandem-decode-worker", &dargs, &["grpc", "metrics"])?;
-    let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
-    let coord = start(
-        "tandem-coordinator",
-        &[
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:0",
-            "--decode",
-            &d,
-            "--prefill",
-            &p,
-            "--api-keys-file",
-            &keys,
-            "--max-running",
-            "1",
-            "--max-queued",
-            "4",
-            "--per-key-max-queued",
-            "2",
-        ],
-        &["http"],
+    let Pair { prefill, decode, coord } = start_pair(
+        "512",
+        &["--api-keys-file", &keys, "--max-running", "1", "--max-queued", "4", "--per-key-max-queued", "2"],
     )?;
     let h = coord.addr("http")?;
     eventually("the coordinator reporting ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))

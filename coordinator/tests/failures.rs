@@ -238,28 +238,7 @@ async fn etcd_restart_then_outage_fences_workers() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_cancels_and_frees_kv() -> TestResult {
-    let common = ["--version-group", "g", "--threads", "1", "--kv-blocks", "256"];
-    let prefill = start("tandem-prefill-worker", &common, &["grpc", "metrics"])?;
-    let mut dargs = common.to_vec();
-    dargs.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
-    let decode = start("tandem-decode-worker", &dargs, &["grpc", "metrics"])?;
-    let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
-    let coord = start(
-        "tandem-coordinator",
-        &[
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:0",
-            "--decode",
-            &d,
-            "--prefill",
-            &p,
-            "--local-prefill-max-tokens",
-            "0",
-        ],
-        &["http"],
-    )?;
+    let Pair { prefill, decode, coord } = start_pair("256", &["--local-prefill-max-tokens", "0"])?;
     let h = coord.addr("http")?;
     let m = decode.addr("metrics")?;
 

@@ -15,7 +15,7 @@ mod common;
 use std::future::Future;
 use std::time::Duration;
 
-use common::{eventually, metric, post, reference, start, TestResult, MODEL, WAIT};
+use common::{eventually, metric, post, reference, start_pair, Pair, TestResult, MODEL, WAIT};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 use proto::frontend::v1::frontend_client::FrontendClient;
@@ -124,19 +124,12 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     let path = engine::paths::default_model_path();
     let (_, gguf) = Weights::from_gguf(&path)?;
     let tok = Tokenizer::from_gguf(&gguf)?;
-    let common = ["--version-group", "g", "--threads", "1", "--kv-blocks", "256"];
-    let prefill = start("tandem-prefill-worker", &common, &["grpc"])?;
-    let mut dargs = common.to_vec();
-    dargs.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
-    let decode = start("tandem-decode-worker", &dargs, &["grpc", "transfer", "metrics"])?;
-    let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
     // One request running and one queued at a time, so that queueing and
     // shedding can be shown; a drain grace far longer than the drain may take.
-    let mut args = vec!["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--decode", &d, "--prefill", &p];
-    args.extend(["--max-running", "1", "--max-queued", "1", "--shutdown-timeout-ms", "60000"]);
-    args.extend(["--max-body-bytes", "65536"]);
-    // Both addresses come on one `listening http=.. grpc=..` line.
-    let coord = start("tandem-coordinator", &args, &["http", "grpc"])?;
+    let Pair { prefill: _prefill, decode, coord } = start_pair(
+        "256",
+        &["--max-running", "1", "--max-queued", "1", "--shutdown-timeout-ms", "60000", "--max-body-bytes", "65536"],
+    )?;
     let (h, g) = (coord.addr("http")?, coord.addr("grpc")?);
     let channel =
         bounded("connecting to the gRPC frontend", Endpoint::from_shared(format!("http://{g}"))?.connect()).await??;

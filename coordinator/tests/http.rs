@@ -21,28 +21,8 @@ fn openai_api_through_a_prefill_decode_pair() -> TestResult {
     let path = engine::paths::default_model_path();
     let (_, gguf) = Weights::from_gguf(&path)?;
     let tok = Tokenizer::from_gguf(&gguf)?;
-    let common = ["--version-group", "g", "--threads", "1", "--kv-blocks", "256"];
-    let prefill = start("tandem-prefill-worker", &common, &["grpc"])?;
-    let mut dargs = common.to_vec();
-    dargs.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
-    let decode = start("tandem-decode-worker", &dargs, &["grpc", "transfer"])?;
-    let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
-    let coord = start(
-        "tandem-coordinator",
-        &[
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:0",
-            "--decode",
-            &d,
-            "--prefill",
-            &p,
-            "--max-body-bytes",
-            "65536",
-        ],
-        &["http"],
-    )?;
+    let Pair { prefill: _prefill, decode: _decode, coord } =
+        start_pair("256", &["--max-body-bytes", "65536", "--local-prefill-max-tokens", "0"])?;
     let h = coord.addr("http")?;
 
     let (s, _, body) = http(&h, "GET", "/v1/models", "", b"", &[])?;

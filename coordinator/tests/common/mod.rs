@@ -274,3 +274,26 @@ pub fn send_only(addr: &str, path: &str, body: &Value) -> Result<TcpStream, Stri
     s.write_all(head.as_bytes()).and_then(|()| s.write_all(body.as_bytes())).map_err(|e| e.to_string())?;
     Ok(s)
 }
+
+/// A prefill and a decode worker (version group `g`, one thread each,
+/// `kv_blocks` KV blocks, policy `recompute`, every prompt prefilled
+/// remotely) and a coordinator in front of them by address, with
+/// `coordinator_args` added to its flags.
+pub struct Pair {
+    pub prefill: Proc,
+    pub decode: Proc,
+    pub coord: Proc,
+}
+
+pub fn start_pair(kv_blocks: &str, coordinator_args: &[&str]) -> Result<Pair, String> {
+    let common = ["--version-group", "g", "--threads", "1", "--kv-blocks", kv_blocks];
+    let prefill = start("tandem-prefill-worker", &common, &["grpc", "metrics"])?;
+    let mut dargs = common.to_vec();
+    dargs.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
+    let decode = start("tandem-decode-worker", &dargs, &["grpc", "metrics", "transfer"])?;
+    let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
+    let mut args = vec!["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--decode", &d, "--prefill", &p];
+    args.extend_from_slice(coordinator_args);
+    let coord = start("tandem-coordinator", &args, &["http", "grpc"])?;
+    Ok(Pair { prefill, decode, coord })
+}
