@@ -174,7 +174,7 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     let p2 = start("tandem-prefill-worker", &with("g2", "p2"), &["grpc", "metrics"])?;
     let mut dargs = with("g1", "d1");
     dargs.extend(["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"]);
-    let mut d1 = start("tandem-decode-worker", &dargs, &["grpc", "transfer"])?;
+    let mut d1 = start("tandem-decode-worker", &dargs, &["grpc", "transfer", "metrics"])?;
     let coord = start(
         "tandem-coordinator",
         &[
@@ -204,6 +204,59 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     let ok = "tandem_prefill_requests_total{outcome=\"ok\"}";
     assert_eq!(metric(&p1.addr("metrics")?, ok)?, 3.0);
     assert_eq!(metric(&p2.addr("metrics")?, ok)?, 0.0, "a request crossed version groups");
+
+    // Group g2 gets its own decode worker: both groups serve at once, and
+    // the KV bytes each group's prefill worker sent are exactly the bytes
+    // its own decode worker received. A second coordinator serves the same
+    // cluster meanwhile (no singleton duty between coordinators).
+    let mut d2args = with("g2", "d2");
+    d2args.extend(["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"]);
+    let d2 = start("tandem-decode-worker", &d2args, &["grpc", "metrics"])?;
+    let coord2 = start(
+        "tandem-coordinator",
+        &[
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:0",
+            "--etcd",
+            &ep,
+            "--cluster-prefix",
+            "t4",
+            "--local-prefill-max-tokens",
+            "0",
+        ],
+        &["http"],
+    )?;
+    let h2 = coord2.addr("http")?;
+    let dm2 = d2.addr("metrics")?;
+    let served2 = || metric(&dm2, "tandem_decode_requests_total{outcome=\"ok\"}");
+    eventually("the first coordinator routes to d2 as well", || {
+        // Concurrent requests spread over both decode workers (in-flight counts).
+        let burst: Vec<_> = (0..4)
+            .map(|_| {
+                let (h, req) = (h.clone(), req.clone());
+                std::thread::spawn(move || post(&h, "/v1/completions", &req).map(|r| r.0))
+            })
+            .collect();
+        let all_ok = burst.into_iter().all(|t| t.join().is_ok_and(|r| r == Ok(200)));
+        all_ok && served2().is_ok_and(|n| n > 0.0)
+    })
+    .await?;
+    let (s, _, body) = post(&h2, "/v1/completions", &req)?;
+    assert_eq!(s, 200, "the second coordinator: {body}");
+    let sent = |p: &Proc| metric(&p.addr("metrics")?, "tandem_kv_transfer_bytes_total");
+    let received = |addr: &str| metric(addr, "tandem_kv_received_bytes_total");
+    let d1m = d1.addr("metrics")?;
+    assert!(sent(&p2)? > 0.0, "g2 served remote prefills");
+    // The receiver's counters are exported as reservations are reaped.
+    eventually("g1: every byte sent by p1 landed on d1, and g2's on d2", || {
+        let same = |p: &Proc, d: &str| matches!((sent(p), received(d)), (Ok(a), Ok(b)) if a == b);
+        same(&p1, &d1m) && same(&p2, &dm2)
+    })
+    .await?;
+    drop(coord2);
+    let _ = std::process::Command::new("kill").args(["-TERM", &d2.child.id().to_string()]).status();
 
     // The only decode worker leaves: it deregisters on SIGTERM, and the
     // coordinator answers 503 + Retry-After instead of routing to it.
