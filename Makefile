@@ -8,6 +8,7 @@
 #   make chat       build and generate one chat answer in-process (no cluster)
 #   make fixtures   regenerate engine/tests/fixtures/llama_cpp_reference.json
 #   make bench      compare our engine with llama.cpp's llama-bench
+#   make bench-serve   serving latency/throughput: llama-server vs tandem up
 #
 # Downloads and reference builds are cached under $(TANDEM_CACHE).
 
@@ -24,7 +25,7 @@ THREADS ?= 2
 # assignment, so a failed fetch stops the recipe (set -e, pipefail).
 MODEL_PATH := model="$$(scripts/fetch-model.sh | tail -n 1)"
 
-.PHONY: help deps model build run chat test llama fixtures bench
+.PHONY: help deps model build run chat test llama fixtures bench bench-serve
 
 HTTP ?= 127.0.0.1:8000
 
@@ -82,3 +83,7 @@ bench: model llama build
 	$(MODEL_PATH); \
 	TANDEM_MODEL="$$model" ./target/release/tandem bench engine \
 		--llama-bench "$(LLAMA_BIN)/llama-bench" --threads $(THREADS)
+
+## llama-server and `tandem up` under the same seeded load (scripts/bench-serve.sh).
+bench-serve: model llama
+	LLAMA_SERVER="$(LLAMA_BIN)/llama-server" THREADS=$(THREADS) scripts/bench-serve.sh

@@ -1,3 +1,6 @@
+//! `tandem bench serve` (in `bench_serve.rs`): one seeded load against
+//! OpenAI-compatible servers side by side.
+//!
 //! `tandem bench engine`: prefill and decode throughput of this engine and
 //! of llama.cpp's `llama-bench` on the same GGUF and thread count, measured
 //! in the same run and printed side by side with their ratio.
@@ -15,10 +18,17 @@ use anyhow::{bail, Context, Result};
 use engine::kv::{KvDtype, KvPool};
 use engine::model::{Model, SeqChunk};
 
+// Declared here rather than in main.rs: it is a `bench` subcommand.
+#[path = "bench_serve.rs"]
+mod bench_serve;
+
 #[derive(clap::Subcommand)]
 pub enum Cmd {
     /// Engine throughput vs llama.cpp.
     Engine(EngineArgs),
+    /// Serving latency and throughput of OpenAI-compatible servers, side by
+    /// side (e.g. llama-server vs `tandem up`), under the same seeded load.
+    Serve(bench_serve::Args),
 }
 
 #[derive(clap::Args)]
@@ -56,6 +66,7 @@ struct Figures {
 pub fn run(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Engine(a) => engine_bench(a),
+        Cmd::Serve(a) => bench_serve::run(a),
     }
 }
 

@@ -1,0 +1,272 @@
+//! One request, sent and measured: HTTP/1.1 over hyper, the body read frame
+//! by frame against the request's deadline, SSE events timed as they
+//! arrive. Every way it can end is an [`Outcome`]; nothing here panics or
+//! waits past the plan's timeout.
+//!
+//! Each request has its own connection (no keep-alive pool). Servers close
+//! idle keep-alive connections at times of their choosing (llama-server
+//! does, right after a stream), and a request written to a connection the
+//! server is closing fails with "connection closed before message
+//! completed" without the server having seen it: a client artifact that
+//! would be counted against the server. A loopback connect costs tens of
+//! microseconds, far below any latency measured here.
+
+use std::error::Error as StdError;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+use tokio::time::{timeout_at, Instant};
+
+use crate::openai::{self, Chunk, Delta};
+use crate::plan::{Checked, Endpoint, Plan};
+use crate::report::{Outcome, Record};
+use crate::sse::SseParser;
+
+/// Largest SSE event, and largest whole or error body, we accept.
+const MAX_BODY: usize = 8 << 20;
+
+/// Sends a plan's requests; cheap to share between tasks.
+#[derive(Clone)]
+pub(crate) struct Sender {
+    http: Client<HttpConnector, Full<Bytes>>,
+    plan: Arc<Plan>,
+    checked: Arc<Checked>,
+}
+
+impl Sender {
+    pub fn new(plan: &Plan, checked: Checked) -> Self {
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        let http = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(conn);
+        Self { http, plan: Arc::new(plan.clone()), checked: Arc::new(checked) }
+    }
+
+    fn body(&self, prompt: &str) -> Value {
+        let p = &self.plan;
+        let mut b = json!({
+            "model": p.model,
+            "max_tokens": p.max_tokens,
+            "temperature": 0,
+            "stream": p.stream,
+        });
+        match p.endpoint {
+            Endpoint::Completions => b["prompt"] = json!(prompt),
+            Endpoint::Chat => b["messages"] = json!([{"role": "user", "content": prompt}]),
+        }
+        if p.stream && p.include_usage {
+            b["stream_options"] = json!({"include_usage": true});
+        }
+        if p.ignore_eos {
+            b["ignore_eos"] = json!(true);
+        }
+        b
+    }
+
+    /// Sends request `index` with `prompt`; `t0` is the run's start.
+    pub async fn send(&self, index: usize, prompt: &str, t0: Instant) -> Record {
+        let mut m = Meter::new(index, t0);
+        let deadline = m.start + self.plan.timeout;
+        let mut req = Request::new(Full::new(Bytes::from(self.body(prompt).to_string())));
+        *req.method_mut() = Method::POST;
+        *req.uri_mut() = self.checked.uri.clone();
+        *req.headers_mut() = self.checked.headers.clone();
+
+        let resp = match timeout_at(deadline, self.http.request(req)).await {
+            Err(_) => return m.end(Outcome::Timeout),
+            Ok(Err(e)) => return m.end(Outcome::Transport(chain(&e))),
+            Ok(Ok(r)) => r,
+        };
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if !status.is_success() {
+            let error = match read_all(&mut body, deadline).await {
+                Ok(b) => openai::read_error(&b),
+                Err(e) => openai::ErrorBody { code: None, message: format!("(error body unread: {e})") },
+            };
+            return m.end(Outcome::HttpError { status: status.as_u16(), code: error.code, message: error.message });
+        }
+        if !self.plan.stream {
+            let outcome = match read_all(&mut body, deadline).await {
+                Err(Read::Timeout) => Outcome::Timeout,
+                Err(Read::Transport(e)) => Outcome::Transport(e),
+                Err(Read::TooLarge) => Outcome::Protocol(format!("the response passed {MAX_BODY} bytes")),
+                Ok(b) => match openai::read_response(&b) {
+                    Err(e) => Outcome::Protocol(e),
+                    Ok(Chunk::Error(e)) => {
+                        Outcome::HttpError { status: status.as_u16(), code: e.code, message: e.message }
+                    }
+                    Ok(Chunk::Done) => Outcome::Protocol("a whole response cannot be [DONE]".into()),
+                    Ok(Chunk::Data(d)) => {
+                        m.whole(d);
+                        m.finished()
+                    }
+                },
+            };
+            return m.end(outcome);
+        }
+        let outcome = stream(&mut m, &mut body, deadline).await;
+        m.end(outcome)
+    }
+}
+
+/// Reads SSE events to the end of the stream.
+async fn stream(m: &mut Meter, body: &mut Incoming, deadline: Instant) -> Outcome {
+    let mut parser = SseParser::new(MAX_BODY);
+    let mut events = Vec::new();
+    loop {
+        let frame = match timeout_at(deadline, body.frame()).await {
+            Err(_) => return Outcome::Timeout,
+            Ok(None) => return m.finished(),
+            Ok(Some(Err(e))) => return Outcome::Transport(chain(&e)),
+            Ok(Some(Ok(f))) => f,
+        };
+        let Ok(bytes) = frame.into_data() else { continue };
+        let now = Instant::now();
+        if let Err(e) = parser.push(&bytes, &mut events) {
+            return Outcome::Protocol(e.to_string());
+        }
+        for ev in events.drain(..) {
+            match openai::read_event(ev.event.as_deref(), &ev.data) {
+                Err(e) => return Outcome::Protocol(e),
+                Ok(Chunk::Error(e)) => return Outcome::StreamError { code: e.code, message: e.message },
+                Ok(Chunk::Data(d)) => m.delta(d, now),
+                Ok(Chunk::Done) => return m.finished(),
+            }
+        }
+    }
+}
+
+/// A request's measurements so far.
+struct Meter {
+    index: usize,
+    t0: Instant,
+    start: Instant,
+    ttft: Option<Duration>,
+    last: Option<Instant>,
+    itl: Vec<Duration>,
+    content_events: u32,
+    usage_tokens: Option<u32>,
+    prompt_tokens: Option<u32>,
+    finish_reason: Option<String>,
+    text: String,
+}
+
+impl Meter {
+    fn new(index: usize, t0: Instant) -> Self {
+        Self {
+            index,
+            t0,
+            start: Instant::now(),
+            ttft: None,
+            last: None,
+            itl: Vec::new(),
+            content_events: 0,
+            usage_tokens: None,
+            prompt_tokens: None,
+            finish_reason: None,
+            text: String::new(),
+        }
+    }
+
+    /// One stream chunk, arrived at `now`.
+    fn delta(&mut self, d: Delta, now: Instant) {
+        self.usage(&d);
+        if let Some(c) = d.content.filter(|c| !c.is_empty()) {
+            match self.last {
+                None => self.ttft = Some(now - self.start),
+                Some(last) => self.itl.push(now - last),
+            }
+            self.last = Some(now);
+            self.content_events += 1;
+            self.text.push_str(&c);
+        }
+        if d.finish_reason.is_some() {
+            self.finish_reason = d.finish_reason;
+        }
+    }
+
+    /// A whole (non-streaming) answer.
+    fn whole(&mut self, d: Delta) {
+        self.usage(&d);
+        self.text = d.content.unwrap_or_default();
+        self.finish_reason = d.finish_reason;
+    }
+
+    fn usage(&mut self, d: &Delta) {
+        self.usage_tokens = d.completion_tokens.or(self.usage_tokens);
+        self.prompt_tokens = d.prompt_tokens.or(self.prompt_tokens);
+    }
+
+    /// The outcome of a body that ended normally.
+    fn finished(&self) -> Outcome {
+        match &self.finish_reason {
+            Some(r) => Outcome::Complete { finish_reason: r.clone() },
+            None => Outcome::Protocol("the answer ended without a finish_reason".into()),
+        }
+    }
+
+    fn end(self, outcome: Outcome) -> Record {
+        let end = Instant::now();
+        Record {
+            index: self.index,
+            outcome,
+            start: self.start - self.t0,
+            ttft: self.ttft,
+            itl: self.itl,
+            output_tokens: self.usage_tokens.unwrap_or(self.content_events),
+            usage_reported: self.usage_tokens.is_some(),
+            prompt_tokens: self.prompt_tokens,
+            e2e: end - self.start,
+            text: self.text,
+        }
+    }
+}
+
+/// Why a whole body could not be read.
+#[derive(Debug, thiserror::Error)]
+enum Read {
+    #[error("timed out")]
+    Timeout,
+    #[error("{0}")]
+    Transport(String),
+    #[error("more than {MAX_BODY} bytes")]
+    TooLarge,
+}
+
+async fn read_all(body: &mut Incoming, deadline: Instant) -> Result<Vec<u8>, Read> {
+    let mut out = Vec::new();
+    loop {
+        match timeout_at(deadline, body.frame()).await {
+            Err(_) => return Err(Read::Timeout),
+            Ok(None) => return Ok(out),
+            Ok(Some(Err(e))) => return Err(Read::Transport(chain(&e))),
+            Ok(Some(Ok(f))) => {
+                if let Ok(b) = f.into_data() {
+                    if out.len() + b.len() > MAX_BODY {
+                        return Err(Read::TooLarge);
+                    }
+                    out.extend_from_slice(&b);
+                }
+            }
+        }
+    }
+}
+
+/// An error and its sources, `a: b: c`.
+fn chain(e: &(dyn StdError + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}

@@ -1,0 +1,127 @@
+//! A load generator for OpenAI-compatible servers (`/v1/completions`,
+//! `/v1/chat/completions`), for benchmarks and failure drills.
+//!
+//! Describe a run with a [`Plan`] — target, endpoint, request count,
+//! arrivals (closed loop at a concurrency, or Poisson at a rate from a
+//! seed), prompts (a list, or generated ones unique per request so prefix
+//! caches do not help), `max_tokens`, streaming, optional deadline
+//! (`x-request-timeout-ms`), priority (`x-priority`) and API key — then
+//! [`run`] it. The [`Report`] holds one [`Record`] per request: its typed
+//! [`Outcome`], start offset, time to first token, inter-token gaps, output
+//! tokens, end-to-end time and text; [`Report::summary`] gives throughput,
+//! p50/p99 latencies and counts by outcome.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), loadgen::PlanError> {
+//! let mut plan = loadgen::Plan::new("http://127.0.0.1:8000", "SmolLM2-135M-Instruct");
+//! plan.requests = 8;
+//! let report = loadgen::run(&plan).await?;
+//! println!("{:.1} tok/s", report.summary().output_tok_per_s);
+//! # Ok(()) }
+//! ```
+//!
+//! Owns: sending, timing and classifying requests. Must not: panic or hang
+//! on anything a server sends (every request ends by the plan's client
+//! timeout, bodies and events are size-capped, malformed replies are
+//! [`Outcome::Protocol`]), retry (a drill wants to see each failure), or
+//! judge results — callers decide what a run's outcomes mean.
+//! Plain HTTP/1.1 only (no TLS): it is meant for servers on the same network.
+
+#![forbid(unsafe_code)]
+
+pub mod arrival;
+mod client;
+pub mod openai;
+mod plan;
+pub mod prompts;
+mod report;
+pub mod sse;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub use plan::{Arrival, Endpoint, Plan, PlanError, PromptSource};
+pub use report::{percentile, Outcome, Percentiles, Record, Report, Summary};
+
+use client::Sender;
+
+/// Ways to steer a run from outside, for drills.
+#[derive(Debug, Clone, Default)]
+pub struct Hooks {
+    /// Cancelled: no request starts after it; requests in flight still end
+    /// (by their timeout at the latest) and are reported.
+    pub cancel: CancellationToken,
+    /// Each record as its request ends, before the run is over.
+    pub records: Option<mpsc::UnboundedSender<Record>>,
+}
+
+/// Runs `plan` to the end.
+pub async fn run(plan: &Plan) -> Result<Report, PlanError> {
+    run_with(plan, Hooks::default()).await
+}
+
+/// Runs `plan`, observed and stoppable through `hooks`.
+pub async fn run_with(plan: &Plan, hooks: Hooks) -> Result<Report, PlanError> {
+    let checked = plan.validate()?;
+    let prompts: Arc<Vec<String>> = Arc::new(match &plan.prompts {
+        PromptSource::List(l) => (0..plan.requests).map(|i| l[i % l.len()].clone()).collect(),
+        PromptSource::Generated { tokens } => prompts::generate(plan.requests, *tokens, plan.seed),
+    });
+    let sender = Sender::new(plan, checked);
+    let hooks = Arc::new(hooks);
+    let t0 = Instant::now();
+    let mut tasks: JoinSet<Vec<Record>> = JoinSet::new();
+
+    match plan.arrival {
+        Arrival::Closed { concurrency } => {
+            let next = Arc::new(AtomicUsize::new(0));
+            for _ in 0..concurrency.min(plan.requests) {
+                let (sender, prompts, hooks, next) = (sender.clone(), prompts.clone(), hooks.clone(), next.clone());
+                tasks.spawn(async move {
+                    let mut mine = Vec::new();
+                    while !hooks.cancel.is_cancelled() {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(prompt) = prompts.get(i) else { break };
+                        mine.push(observe(&hooks, sender.send(i, prompt, t0).await));
+                    }
+                    mine
+                });
+            }
+        }
+        Arrival::Poisson { rate } => {
+            for (i, at) in arrival::poisson_offsets(plan.requests, rate, plan.seed).into_iter().enumerate() {
+                tokio::select! {
+                    _ = hooks.cancel.cancelled() => break,
+                    _ = tokio::time::sleep_until(t0 + at) => {}
+                }
+                let (sender, prompts, hooks) = (sender.clone(), prompts.clone(), hooks.clone());
+                tasks.spawn(async move {
+                    let Some(prompt) = prompts.get(i) else { return Vec::new() };
+                    vec![observe(&hooks, sender.send(i, prompt, t0).await)]
+                });
+            }
+        }
+    }
+
+    let mut records = Vec::with_capacity(plan.requests);
+    while let Some(done) = tasks.join_next().await {
+        // A task ends with its records; it never panics by design, and a
+        // panic would only lose that task's records.
+        records.extend(done.unwrap_or_default());
+    }
+    records.sort_by_key(|r| r.index);
+    let wall = records.iter().map(|r| r.start + r.e2e).max().unwrap_or_default();
+    Ok(Report { wall, records })
+}
+
+fn observe(hooks: &Hooks, r: Record) -> Record {
+    if let Some(tx) = &hooks.records {
+        let _ = tx.send(r.clone());
+    }
+    r
+}

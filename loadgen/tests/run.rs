@@ -1,0 +1,284 @@
+//! The generator against a small in-process axum server that fakes an
+//! OpenAI-compatible one. The prompt names what the fake does: stream an
+//! answer (with usage when asked), refuse with 503 and an OpenAI error
+//! body, fail mid-stream with an error event, send a data line that is not
+//! JSON, stop without a finish reason, or hang. Each must come back as its
+//! typed outcome with the right token counts.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::serve::ListenerExt;
+use axum::{Json, Router};
+use loadgen::{Arrival, Endpoint, Hooks, Outcome, Plan, PromptSource, Record, Report};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// Tokens a streamed answer has: `max_tokens`, each one word.
+fn word(i: u64) -> String {
+    format!(" w{i}")
+}
+
+async fn completions(headers: HeaderMap, Json(req): Json<Value>) -> Response {
+    let chat = req.get("messages").is_some();
+    let prompt = if chat { &req["messages"][0]["content"] } else { &req["prompt"] };
+    let prompt = prompt.as_str().unwrap_or_default().to_owned();
+    let n = req["max_tokens"].as_u64().unwrap_or(16);
+    let usage = req["stream_options"]["include_usage"].as_bool().unwrap_or(false);
+    if prompt == "busy" {
+        let body =
+            json!({"error": {"message": "busy", "type": "overloaded_error", "param": null, "code": "overloaded"}});
+        return (StatusCode::SERVICE_UNAVAILABLE, [("retry-after", "1")], Json(body)).into_response();
+    }
+    if prompt == "headers" {
+        // Echo what the plan's optional headers became.
+        let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).unwrap_or("-").to_owned();
+        let text = format!("{} {} {}", h("x-request-timeout-ms"), h("x-priority"), h("authorization"));
+        return Json(json!({"choices": [{"text": text, "finish_reason": "stop"}]})).into_response();
+    }
+    if req["stream"] != json!(true) {
+        let text: String = (0..n).map(word).collect();
+        return Json(json!({
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
+        }))
+        .into_response();
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    tokio::spawn(async move {
+        let send = |s: String| {
+            let tx = tx.clone();
+            async move { tx.send(Bytes::from(s)).await.is_ok() }
+        };
+        let event = |text: &str, finish: Option<&str>| {
+            let c = if chat {
+                json!({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]})
+            } else {
+                json!({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+            };
+            format!("data: {c}\n\n")
+        };
+        let tokens = match prompt.as_str() {
+            "fail-mid" | "garbage" | "cut" | "hang" => 2,
+            _ => n,
+        };
+        for i in 0..tokens {
+            // Each event in two writes, split inside the line.
+            let e = event(&word(i), None);
+            let (a, b) = e.split_at(e.len() / 2);
+            if !send(a.to_owned()).await {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            if !send(b.to_owned()).await {
+                return;
+            }
+        }
+        let tail = match prompt.as_str() {
+            "fail-mid" => {
+                let e = json!({"error": {"message": "deadline passed", "type": "timeout_error", "code": "deadline_exceeded"}});
+                format!("data: {e}\n\n")
+            }
+            "garbage" => "data: {not json\n\n".to_owned(),
+            "cut" => String::new(),
+            "hang" => {
+                // Hold the stream open until the client gives up.
+                tx.closed().await;
+                return;
+            }
+            _ => {
+                // Finish, usage and [DONE] in one write.
+                let mut t = event("", Some("length"));
+                if usage {
+                    let u = json!({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}});
+                    t.push_str(&format!("data: {u}\n\n"));
+                }
+                t.push_str("data: [DONE]\n\n");
+                t
+            }
+        };
+        send(tail).await;
+    });
+    let stream =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// Starts the fake server; its base URL.
+async fn fake_server() -> Result<String, std::io::Error> {
+    Ok(counted_server().await?.0)
+}
+
+/// Starts the fake server; its base URL and a count of accepted connections.
+async fn counted_server() -> Result<(String, Arc<AtomicUsize>), std::io::Error> {
+    let app =
+        Router::new().route("/v1/completions", post(completions)).route("/v1/chat/completions", post(completions));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    // Without TCP_NODELAY, Nagle holds each small write until the client's
+    // delayed ACK (~40 ms) and the events arrive in bursts.
+    let listener = listener.tap_io(move |tcp| {
+        let _ = tcp.set_nodelay(true);
+        count.fetch_add(1, Ordering::Relaxed);
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok((format!("http://{addr}"), accepted))
+}
+
+fn plan(url: &str, prompts: &[&str]) -> Plan {
+    let mut p = Plan::new(url, "fake");
+    p.prompts = PromptSource::List(prompts.iter().map(|s| s.to_string()).collect());
+    p.requests = prompts.len();
+    p.max_tokens = 5;
+    p.timeout = Duration::from_secs(10);
+    p
+}
+
+fn outcomes(r: &Report) -> Vec<String> {
+    r.records.iter().map(|r| r.outcome.label()).collect()
+}
+
+fn check_complete(r: &Record, tokens: u32, usage: bool) {
+    assert_eq!(r.outcome, Outcome::Complete { finish_reason: "length".into() }, "{r:?}");
+    assert_eq!((r.output_tokens, r.usage_reported), (tokens, usage), "{r:?}");
+    let text: String = (0..u64::from(tokens)).map(word).collect();
+    assert_eq!(r.text, text);
+    assert_eq!(r.itl.len(), tokens as usize - 1);
+    // The last token cannot arrive before the server slept 2 ms per token
+    // (gaps themselves shrink when a busy client reads late, in bursts).
+    let last = r.ttft.unwrap_or_default() + r.itl.iter().sum::<Duration>();
+    assert!(last >= Duration::from_millis(2 * u64::from(tokens - 1)), "{r:?}");
+    assert!(r.ttft.is_some() && r.e2e >= last, "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_answers_refusals_and_broken_streams_get_their_outcomes() -> TestResult {
+    let (url, accepted) = counted_server().await?;
+    let mut p = plan(&url, &["ok", "busy", "ok", "fail-mid", "garbage", "cut", "busy", "ok"]);
+    p.arrival = Arrival::Closed { concurrency: 3 };
+    let report = loadgen::run(&p).await?;
+    assert_eq!(
+        outcomes(&report),
+        ["complete", "http 503 overloaded", "complete", "stream_error deadline_exceeded", "protocol", "protocol"]
+            .into_iter()
+            .chain(["http 503 overloaded", "complete"])
+            .collect::<Vec<_>>()
+    );
+    for i in [0, 2, 7] {
+        check_complete(&report.records[i], 5, true);
+    }
+    let busy = &report.records[1];
+    assert_eq!(
+        busy.outcome,
+        Outcome::HttpError { status: 503, code: Some("overloaded".into()), message: "busy".into() }
+    );
+    assert_eq!((busy.output_tokens, busy.ttft), (0, None));
+    let mid = &report.records[3];
+    assert_eq!((mid.output_tokens, mid.usage_reported, mid.text.as_str()), (2, false, " w0 w1"));
+    assert!(matches!(&report.records[4].outcome, Outcome::Protocol(m) if m.contains("not JSON")));
+    assert!(matches!(&report.records[5].outcome, Outcome::Protocol(m) if m.contains("finish_reason")));
+
+    let s = report.summary();
+    assert_eq!((s.requests, s.ok, s.errors), (8, 3, 5));
+    assert_eq!(s.output_tokens, 3 * 5 + 2 + 2 + 2);
+    assert_eq!((s.ttft.count, s.itl.count, s.e2e.count), (3, 12, 3));
+    assert_eq!(s.mean_prompt_tokens, Some(3.0));
+    assert!(s.output_tok_per_s > 0.0);
+    assert!(report.records.windows(2).all(|w| w[0].index + 1 == w[1].index));
+    // No keep-alive reuse: a server closing an idle connection cannot fail a request.
+    assert_eq!(accepted.load(Ordering::Relaxed), 8, "one connection per request");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_usage_tokens_are_counted_from_content_events() -> TestResult {
+    let url = fake_server().await?;
+    let mut p = plan(&url, &["ok", "ok"]);
+    p.include_usage = false;
+    p.max_tokens = 7;
+    for r in loadgen::run(&p).await?.records {
+        check_complete(&r, 7, false);
+    }
+    p.endpoint = Endpoint::Chat;
+    for r in loadgen::run(&p).await?.records {
+        check_complete(&r, 7, false);
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streaming_answers_take_tokens_from_usage() -> TestResult {
+    let url = fake_server().await?;
+    let mut p = plan(&url, &["ok", "busy"]);
+    p.stream = false;
+    let r = loadgen::run(&p).await?;
+    assert_eq!(outcomes(&r), ["complete", "http 503 overloaded"]);
+    let ok = &r.records[0];
+    assert_eq!((ok.output_tokens, ok.usage_reported, ok.ttft), (5, true, None));
+    assert_eq!(ok.text, " w0 w1 w2 w3 w4");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_stream_times_out_and_a_closed_port_is_a_transport_error() -> TestResult {
+    let url = fake_server().await?;
+    let mut p = plan(&url, &["hang"]);
+    p.timeout = Duration::from_millis(300);
+    let r = loadgen::run(&p).await?;
+    let rec = &r.records[0];
+    assert_eq!(rec.outcome, Outcome::Timeout);
+    assert_eq!(rec.output_tokens, 2, "the tokens before the hang are kept");
+    assert!(rec.e2e >= Duration::from_millis(300) && rec.e2e < Duration::from_secs(5), "{rec:?}");
+
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let r = loadgen::run(&plan(&format!("http://{closed}"), &["ok"])).await?;
+    assert!(matches!(&r.records[0].outcome, Outcome::Transport(m) if !m.is_empty()), "{:?}", r.records[0]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poisson_arrivals_follow_the_seeded_schedule_and_headers_are_sent() -> TestResult {
+    let url = fake_server().await?;
+    let mut p = plan(&url, &["ok"]);
+    p.requests = 6;
+    p.arrival = Arrival::Poisson { rate: 50.0 };
+    p.seed = 11;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let r = loadgen::run_with(&p, Hooks { records: Some(tx), ..Hooks::default() }).await?;
+    let planned = loadgen::arrival::poisson_offsets(6, 50.0, 11);
+    for (rec, at) in r.records.iter().zip(&planned) {
+        check_complete(rec, 5, true);
+        assert!(rec.start >= *at && rec.start < *at + Duration::from_millis(500), "{:?} vs {at:?}", rec.start);
+    }
+    let mut seen = 0;
+    while rx.try_recv().is_ok() {
+        seen += 1;
+    }
+    assert_eq!(seen, 6, "every record is also sent as it ends");
+
+    let mut p = plan(&url, &["headers"]);
+    p.stream = false;
+    p.deadline = Some(Duration::from_millis(2500));
+    p.priority = Some("low".into());
+    p.api_key = Some("sk-test".into());
+    let r = loadgen::run(&p).await?;
+    assert_eq!(r.records[0].text, "2500 low Bearer sk-test");
+
+    let hooks = Hooks::default();
+    hooks.cancel.cancel();
+    assert!(loadgen::run_with(&plan(&url, &["ok"]), hooks).await?.records.is_empty());
+    Ok(())
+}

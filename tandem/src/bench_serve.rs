@@ -1,0 +1,235 @@
+//! `tandem bench serve`: the same seeded load against one or more
+//! OpenAI-compatible servers, one after another, printed side by side with
+//! each target's ratio to the first (the baseline). The load itself is the
+//! `loadgen` crate's; this file is flags, a table and the JSON file.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use loadgen::{Arrival, Endpoint, Plan, PromptSource, Report, Summary};
+
+/// A flag given twice takes the last value, so scripts can append overrides.
+#[derive(clap::Args)]
+#[command(args_override_self = true)]
+pub struct Args {
+    /// One target's base URL (e.g. http://127.0.0.1:8000).
+    #[arg(long, value_name = "URL", conflicts_with = "targets")]
+    url: Option<String>,
+    /// A named target, NAME=URL; repeat to compare servers in one run. The
+    /// first is the baseline of the ratios.
+    #[arg(long = "target", id = "targets", value_name = "NAME=URL", value_parser = parse_target)]
+    targets: Vec<Target>,
+    /// The `model` field of the requests.
+    #[arg(long, default_value = "SmolLM2-135M-Instruct")]
+    model: String,
+    /// completions (raw prompt) | chat (one user message).
+    #[arg(long, default_value = "completions")]
+    endpoint: Endpoint,
+    /// Requests per target.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Requests in flight (closed loop).
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Poisson arrivals at this many requests/s instead of the closed loop.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Length of the generated prompts, about (unique per request).
+    #[arg(long, default_value_t = 235)]
+    prompt_tokens: usize,
+    /// `max_tokens` of every request.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: u32,
+    /// Stream (SSE, with usage); false: whole answers, no TTFT or ITL.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    stream: bool,
+    /// Seed of the prompts and arrivals (the same for every target).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Send `ignore_eos: true`, so every answer has `--max-tokens` tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Client-side limit per request, ms.
+    #[arg(long, default_value_t = 300_000)]
+    timeout_ms: u64,
+    /// Server-side deadline sent as `x-request-timeout-ms`.
+    #[arg(long)]
+    deadline_ms: Option<u64>,
+    /// Sent as `x-priority`.
+    #[arg(long)]
+    priority: Option<String>,
+    /// Sent as `Authorization: Bearer KEY`.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Write the plan, summaries and every request's record here (JSON).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone)]
+struct Target {
+    name: String,
+    url: String,
+}
+
+fn parse_target(s: &str) -> Result<Target, String> {
+    match s.split_once('=') {
+        Some((n, u)) if !n.is_empty() && !u.is_empty() => Ok(Target { name: n.to_owned(), url: u.to_owned() }),
+        _ => Err(format!("`{s}`: expected NAME=URL")),
+    }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let targets = match (&a.url, a.targets.is_empty()) {
+        (Some(u), _) => vec![Target { name: "target".into(), url: u.clone() }],
+        (None, false) => a.targets.clone(),
+        (None, true) => bail!("give --url URL or one or more --target NAME=URL"),
+    };
+    let mut plan = Plan::new(targets[0].url.clone(), a.model.clone());
+    plan.endpoint = a.endpoint;
+    plan.requests = a.requests;
+    plan.arrival = match a.rate {
+        Some(rate) => Arrival::Poisson { rate },
+        None => Arrival::Closed { concurrency: a.concurrency },
+    };
+    plan.prompts = PromptSource::Generated { tokens: a.prompt_tokens };
+    plan.max_tokens = a.max_tokens;
+    plan.stream = a.stream;
+    plan.ignore_eos = a.ignore_eos;
+    plan.seed = a.seed;
+    plan.timeout = Duration::from_millis(a.timeout_ms);
+    plan.deadline = a.deadline_ms.map(Duration::from_millis);
+    plan.priority = a.priority.clone();
+    plan.api_key = a.api_key.clone();
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let mut results: Vec<(Target, Report)> = Vec::new();
+    for t in &targets {
+        plan.base_url = t.url.clone();
+        let arrival = match plan.arrival {
+            Arrival::Closed { concurrency } => format!("concurrency {concurrency}"),
+            Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
+        };
+        eprintln!("bench serve: {} ({}): {} requests, {arrival}", t.name, t.url, plan.requests);
+        let report = rt.block_on(loadgen::run(&plan)).with_context(|| format!("target {}", t.name))?;
+        results.push((t.clone(), report));
+    }
+
+    let summaries: Vec<(&str, Summary)> = results.iter().map(|(t, r)| (t.name.as_str(), r.summary())).collect();
+    print_table(&plan, &summaries);
+    if let Some(path) = &a.json {
+        // The plan as run, less the URL: each target has its own.
+        let mut plan_json = serde_json::to_value(&plan)?;
+        if let Some(o) = plan_json.as_object_mut() {
+            o.remove("base_url");
+        }
+        let json = serde_json::json!({
+            "plan": plan_json,
+            "targets": results.iter().zip(&summaries).map(|((t, r), (_, s))| serde_json::json!({
+                "name": t.name, "url": t.url, "summary": s, "report": r,
+            })).collect::<Vec<_>>(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bench serve: wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// A latency for the table: ms below a second, else s.
+fn dur(d: Option<Duration>) -> String {
+    match d {
+        None => "-".into(),
+        Some(d) if d < Duration::from_secs(1) => format!("{:.1} ms", d.as_secs_f64() * 1e3),
+        Some(d) => format!("{:.2} s", d.as_secs_f64()),
+    }
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+        _ => "-".into(),
+    }
+}
+
+fn print_table(plan: &Plan, rows: &[(&str, Summary)]) {
+    let mean = |s: &Summary| s.mean_prompt_tokens.map_or("-".into(), |m| format!("{m:.0}"));
+    println!(
+        "serving benchmark: {} requests, max_tokens {}, {}, stream {}, seed {}",
+        plan.requests,
+        plan.max_tokens,
+        match plan.arrival {
+            Arrival::Closed { concurrency } => format!("concurrency {concurrency}"),
+            Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
+        },
+        plan.stream,
+        plan.seed
+    );
+    let w = rows.iter().map(|(n, _)| n.len()).chain(rows.iter().skip(1).map(|(n, _)| n.len() + 8)).max().unwrap_or(6);
+    println!(
+        "{:<w$} {:>7} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "target", "ok/err", "out tok/s", "prompt", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "e2e p50"
+    );
+    for (name, s) in rows {
+        println!(
+            "{name:<w$} {:>7} {:>10.1} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            format!("{}/{}", s.ok, s.errors),
+            s.output_tok_per_s,
+            mean(s),
+            dur(s.ttft.p50),
+            dur(s.ttft.p99),
+            dur(s.itl.p50),
+            dur(s.itl.p99),
+            dur(s.e2e.p50)
+        );
+    }
+    if let Some((base_name, base)) = rows.first() {
+        let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
+        for (name, s) in rows.iter().skip(1) {
+            println!(
+                "{:<w$} {:>7} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                format!("{name} / {base_name}"),
+                "",
+                ratio(Some(s.output_tok_per_s), Some(base.output_tok_per_s)),
+                "",
+                ratio(secs(s.ttft.p50), secs(base.ttft.p50)),
+                ratio(secs(s.ttft.p99), secs(base.ttft.p99)),
+                ratio(secs(s.itl.p50), secs(base.itl.p50)),
+                ratio(secs(s.itl.p99), secs(base.itl.p99)),
+                ratio(secs(s.e2e.p50), secs(base.e2e.p50))
+            );
+        }
+    }
+    for (name, s) in rows {
+        if s.errors > 0 {
+            let counts: Vec<String> = s.counts.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+            println!("{name}: {}", counts.join(", "));
+        }
+    }
+    println!(
+        "prompt = mean usage.prompt_tokens; ratios are target / baseline (tok/s: higher is better; latencies: lower)"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_parse_as_name_equals_url() {
+        let t = parse_target("llama-server=http://127.0.0.1:1");
+        assert_eq!(t.map(|t| (t.name, t.url)), Ok(("llama-server".into(), "http://127.0.0.1:1".into())));
+        assert!(parse_target("http://127.0.0.1:1").is_err());
+        assert!(parse_target("=http://x").is_err());
+    }
+
+    #[test]
+    fn table_cells() {
+        assert_eq!(dur(Some(Duration::from_micros(33_260))), "33.3 ms");
+        assert_eq!(dur(Some(Duration::from_millis(3712))), "3.71 s");
+        assert_eq!(dur(None), "-");
+        assert_eq!(ratio(Some(3.0), Some(2.0)), "1.50x");
+        assert_eq!(ratio(Some(3.0), Some(0.0)), "-");
+    }
+}
