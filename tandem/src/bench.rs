@@ -18,9 +18,7 @@ use anyhow::{bail, Context, Result};
 use engine::kv::{KvDtype, KvPool};
 use engine::model::{Model, SeqChunk};
 
-// Declared here rather than in main.rs: it is a `bench` subcommand.
-#[path = "bench_serve.rs"]
-mod bench_serve;
+use crate::bench_serve;
 
 #[derive(clap::Subcommand)]
 pub enum Cmd {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use axum::serve::ListenerExt;
 use clap::Parser;
 use coordinator::admission::AdmissionConfig;
 use coordinator::auth::ApiKeys;
@@ -189,6 +190,12 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     // One token stops both servers: each stops accepting and lets its
     // in-flight requests finish.
     let stop = CancellationToken::new();
+    // Tokens are small writes: without TCP_NODELAY, Nagle holds SSE events back ~40 ms.
+    let http_listener = http_listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "setting TCP_NODELAY on an HTTP connection");
+        }
+    });
     let http = axum::serve(http_listener, router(app)).with_graceful_shutdown(stop.clone().cancelled_owned());
     let grpc_settings = grpc::GrpcSettings { max_message_bytes: flags.max_body_bytes };
     let grpc = grpc::serve(pipeline, grpc_settings, grpc_listener, stop.clone());
