@@ -99,7 +99,9 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     // Idempotency: two identical requests with one key run once; a later
     // retry gets the kept answer; the key with another body is refused.
     let m = decode.addr("metrics")?;
-    let served = |m: &str| metric(m, "tandem_decode_requests_total{outcome=\"ok\"}");
+    // Generate streams the decode worker ended, whatever the outcome (the
+    // coordinator may hang up after the last token, before the worker's end).
+    let served = |m: &str| metric_sum(m, "tandem_decode_requests_total");
     let before = served(&m)?;
     let key = vec![("Idempotency-Key".to_owned(), "order-42".to_owned())];
     let first = spawn_post(&h, "sk-alice", completion(8), key.clone());
@@ -109,6 +111,7 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     let (va, vb) = (json_of(&a.2)?, json_of(&b.2)?);
     assert_eq!(va["id"], vb["id"], "the retry attached to the first request");
     assert_eq!(va["choices"], vb["choices"]);
+    eventually("the decode worker ending the one run", || served(&m).is_ok_and(|n| n >= before + 1.0)).await?;
     let (s, _, later) = post_as(&h, "sk-alice", &completion(8), &[("Idempotency-Key", "order-42")])?;
     assert_eq!((s, json_of(&later)?["id"].clone()), (200, va["id"].clone()), "replayed after it finished");
     assert_eq!(served(&m)?, before + 1.0, "three requests with one key ran once");
@@ -128,7 +131,9 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
         open_stream(&h, "/v1/completions", b, &[("Authorization", &auth), ("Idempotency-Key", "s-1")])?.rest()
     };
     let before = served(&m)?;
-    let (e1, e2) = (run(&streaming)?, run(&streaming)?);
+    let e1 = run(&streaming)?;
+    eventually("the decode worker ending the streamed run", || served(&m).is_ok_and(|n| n >= before + 1.0)).await?;
+    let e2 = run(&streaming)?;
     assert_eq!(e1.last().map(String::as_str), Some("[DONE]"), "{e1:?}");
     assert_eq!(e1, e2, "the retry replays the recorded events");
     assert_eq!(served(&m)?, before + 1.0, "two streaming requests with one key ran once");

@@ -12,16 +12,6 @@ use std::sync::Arc;
 use common::*;
 use serde_json::{json, Value};
 
-/// Sum of every series of `name` (all label sets) on a `/metrics` page.
-fn metric_sum(addr: &str, name: &str) -> Result<f64, String> {
-    let (_, _, body) = http(addr, "GET", "/metrics", "", b"", &[])?;
-    Ok(body
-        .lines()
-        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{') || r.starts_with(' ')))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
-}
-
 fn long_stream(max_tokens: u32) -> Value {
     json!({
         "model": MODEL, "prompt": "Once upon a time, in a quiet village by the sea,",

@@ -297,3 +297,13 @@ pub fn start_pair(kv_blocks: &str, coordinator_args: &[&str]) -> Result<Pair, St
     let coord = start("tandem-coordinator", &args, &["http", "grpc"])?;
     Ok(Pair { prefill, decode, coord })
 }
+
+/// Sum of every series of `name` (all label sets) on a `/metrics` page.
+pub fn metric_sum(addr: &str, name: &str) -> Result<f64, String> {
+    let (_, _, body) = http(addr, "GET", "/metrics", "", b"", &[])?;
+    Ok(body
+        .lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{') || r.starts_with(' ')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
