@@ -1,0 +1,304 @@
+//! What must hold after every drill, whatever its fault (G1–G5 here; G6,
+//! the fault's own proof, is the drill's and is recorded the same way).
+
+use std::collections::BTreeMap;
+use std::os::unix::process::ExitStatusExt;
+use std::time::Duration;
+
+use loadgen::{Outcome, Report};
+
+use crate::cluster::{Cluster, Role};
+use crate::metrics::scrape;
+use crate::process::{proc_state, Signal};
+
+/// The guarantees a drill checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub enum Guarantee {
+    /// Every accepted request ends in a complete answer equal to the no-fault one, or a
+    /// typed error (of a kind the drill allows); none is lost or hangs.
+    G1,
+    /// After settling, no KV block is used and no reservation is active on any live worker.
+    G2,
+    /// No KV crosses version groups: per group, the bytes prefill workers sent in completed
+    /// transfers all landed in that group's decode workers.
+    G3,
+    /// No response bytes after a request's deadline (plus a small grace).
+    G4,
+    /// No panic in any log; every process alive or exited as the drill meant.
+    G5,
+    /// The fault provably happened.
+    G6,
+}
+
+/// One broken guarantee.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Violation {
+    pub guarantee: Guarantee,
+    pub detail: String,
+}
+
+impl Violation {
+    pub fn new(guarantee: Guarantee, detail: impl Into<String>) -> Self {
+        Self { guarantee, detail: detail.into() }
+    }
+}
+
+/// How one drill's run is judged.
+#[derive(Debug, Clone)]
+pub struct Invariants {
+    /// The deadline each request carried (`x-request-timeout-ms`).
+    pub deadline: Duration,
+    /// Slack past the deadline before G4 (and G1's "hang") counts it.
+    pub grace: Duration,
+    /// Every request must complete (the fault is one the cluster hides).
+    pub all_complete: bool,
+    /// Error codes the drill expects; `None` allows any typed error.
+    pub allowed_errors: Option<Vec<String>>,
+    /// Nothing cut a transfer short: per group, sent bytes equal received bytes.
+    pub transfers_intact: bool,
+    /// Bound on waiting for counters and KV to settle.
+    pub settle: Duration,
+}
+
+impl Default for Invariants {
+    fn default() -> Self {
+        Self {
+            deadline: Duration::from_secs(60),
+            grace: Duration::from_secs(2),
+            all_complete: false,
+            allowed_errors: None,
+            transfers_intact: false,
+            settle: Duration::from_secs(20),
+        }
+    }
+}
+
+/// Numbers the checks measured, for the report.
+#[derive(Debug, Clone, Default)]
+pub struct Measured {
+    pub leaked_blocks: f64,
+    pub active_reservations: f64,
+    pub g3_skipped_groups: Vec<String>,
+}
+
+impl Invariants {
+    /// G1–G5 over a finished run; `reference[i]` is request `i`'s no-fault answer.
+    pub async fn check(&self, cluster: &Cluster, report: &Report, reference: &[String]) -> Vec<Violation> {
+        self.check_measured(cluster, report, reference).await.0
+    }
+
+    pub(crate) async fn check_measured(
+        &self,
+        cluster: &Cluster,
+        report: &Report,
+        reference: &[String],
+    ) -> (Vec<Violation>, Measured) {
+        let mut v = self.requests(report, reference);
+        let mut m = Measured::default();
+        v.extend(self.kv_settled(cluster, &mut m).await);
+        v.extend(self.groups(cluster, &mut m).await);
+        v.extend(logs_and_processes(cluster));
+        (v, m)
+    }
+
+    /// G1 and G4, from the client's records.
+    pub fn requests(&self, report: &Report, reference: &[String]) -> Vec<Violation> {
+        let mut v = Vec::new();
+        for r in &report.records {
+            let i = r.index;
+            match &r.outcome {
+                Outcome::Complete { .. } => match reference.get(i) {
+                    Some(want) if *want != r.text => v.push(Violation::new(
+                        Guarantee::G1,
+                        format!(
+                            "request {i}: answer differs from the no-fault run:\n  got  {:?}\n  want {want:?}",
+                            r.text
+                        ),
+                    )),
+                    Some(_) => {}
+                    None => v.push(Violation::new(Guarantee::G1, format!("request {i}: no reference answer"))),
+                },
+                Outcome::HttpError { code: Some(c), .. } | Outcome::StreamError { code: Some(c), .. } => {
+                    if self.all_complete {
+                        v.push(Violation::new(
+                            Guarantee::G1,
+                            format!("request {i}: {} where every request should complete", r.outcome.label()),
+                        ));
+                    } else if self.allowed_errors.as_ref().is_some_and(|a| !a.iter().any(|x| x == c)) {
+                        v.push(Violation::new(
+                            Guarantee::G1,
+                            format!(
+                                "request {i}: error `{c}` is not one this drill expects ({:?})",
+                                self.allowed_errors
+                            ),
+                        ));
+                    }
+                }
+                Outcome::Timeout => v.push(Violation::new(
+                    Guarantee::G1,
+                    format!("request {i}: hung until the client gave up ({:?})", r.e2e),
+                )),
+                other => {
+                    v.push(Violation::new(Guarantee::G1, format!("request {i}: lost, not a typed outcome: {other:?}")))
+                }
+            }
+            if r.e2e > self.deadline + self.grace {
+                v.push(Violation::new(
+                    Guarantee::G4,
+                    format!(
+                        "request {i}: last byte {:?} after it started, past deadline {:?} + grace",
+                        r.e2e, self.deadline
+                    ),
+                ));
+            }
+        }
+        v
+    }
+
+    /// G2: every live worker's KV back to zero within `settle`.
+    async fn kv_settled(&self, cluster: &Cluster, m: &mut Measured) -> Vec<Violation> {
+        let live: Vec<_> = cluster.workers.iter().filter(|w| !cluster.is_faulted(&w.proc.name)).collect();
+        let until = tokio::time::Instant::now() + self.settle;
+        loop {
+            let mut left = Vec::new();
+            let (mut blocks, mut res) = (0.0, 0.0);
+            for w in &live {
+                match scrape(&w.proc.addr("metrics").unwrap_or_default()).await {
+                    Ok(p) => {
+                        let (b, r) = (p.sum("tandem_kv_blocks_used", &[]), p.sum("tandem_reservations_active", &[]));
+                        blocks += b;
+                        res += r;
+                        if b != 0.0 || r != 0.0 {
+                            left.push(format!("{}: {b} KV blocks used, {r} reservations active", w.proc.name));
+                        }
+                    }
+                    Err(e) => left.push(format!("{}: {e}", w.proc.name)),
+                }
+            }
+            (m.leaked_blocks, m.active_reservations) = (blocks, res);
+            if left.is_empty() {
+                return Vec::new();
+            }
+            if tokio::time::Instant::now() > until {
+                return left
+                    .into_iter()
+                    .map(|l| Violation::new(Guarantee::G2, format!("not settled after {:?}: {l}", self.settle)))
+                    .collect();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// G3: per version group, prefill bytes sent in completed transfers landed in that
+    /// group's decode workers (equal when nothing cut a transfer short). A group with a
+    /// killed member cannot be counted and is listed as skipped.
+    async fn groups(&self, cluster: &Cluster, m: &mut Measured) -> Vec<Violation> {
+        let mut groups: BTreeMap<&str, bool> = BTreeMap::new();
+        for w in &cluster.workers {
+            let whole = groups.entry(&w.group).or_insert(true);
+            *whole &= !cluster.is_faulted(&w.proc.name);
+        }
+        let mut out = Vec::new();
+        for (g, whole) in groups {
+            if !whole {
+                m.g3_skipped_groups.push(g.to_owned());
+                continue;
+            }
+            let until = tokio::time::Instant::now() + self.settle;
+            loop {
+                let (mut sent, mut got, mut err) = (0.0, 0.0, None);
+                for w in cluster.workers.iter().filter(|w| w.group == g) {
+                    match scrape(&w.proc.addr("metrics").unwrap_or_default()).await {
+                        Ok(p) if w.role == Role::Prefill => sent += p.sum("tandem_kv_transfer_bytes_total", &[]),
+                        Ok(p) => got += p.sum("tandem_kv_received_bytes_total", &[]),
+                        Err(e) => err = Some(e.to_string()),
+                    }
+                }
+                let ok = err.is_none() && if self.transfers_intact { sent == got } else { sent <= got };
+                if ok {
+                    break;
+                }
+                if tokio::time::Instant::now() > until {
+                    out.push(Violation::new(
+                        Guarantee::G3,
+                        format!(
+                            "group {g}: prefill workers sent {sent} bytes in completed transfers, its decode workers \
+                             received {got} ({}){}",
+                            if self.transfers_intact { "should be equal" } else { "should be at least as many" },
+                            err.map(|e| format!("; {e}")).unwrap_or_default()
+                        ),
+                    ));
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        out
+    }
+}
+
+/// G5, part one: no panic in any log; every process the drill did not fault is still running.
+pub fn logs_and_processes(cluster: &Cluster) -> Vec<Violation> {
+    let mut v = Vec::new();
+    for (name, path) in cluster.log_paths() {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        if let Some(line) = text.lines().find(|l| l.contains("panicked at")) {
+            v.push(Violation::new(Guarantee::G5, format!("{name} panicked ({}): {line}", path.display())));
+        }
+    }
+    for p in cluster.procs() {
+        if !cluster.is_faulted(&p.name) && matches!(proc_state(p.pid), None | Some('Z')) {
+            v.push(Violation::new(Guarantee::G5, format!("{} (pid {}) exited during the drill", p.name, p.pid)));
+        }
+    }
+    if cluster.etcd.pid().is_none_or(|pid| matches!(proc_state(pid), None | Some('Z'))) {
+        v.push(Violation::new(Guarantee::G5, "etcd is not running at the end of the drill"));
+    }
+    v
+}
+
+/// G5, part two: SIGTERM every process (coordinator first) and require a clean exit
+/// within `limit`; a process the drill SIGKILLed must have died of that signal.
+pub async fn shutdown(cluster: &mut Cluster, limit: Duration) -> Vec<Violation> {
+    let mut v = Vec::new();
+    let faulted = cluster.faulted.clone();
+    for p in cluster.procs() {
+        match faulted.get(&p.name) {
+            Some(Signal::Kill) => {}
+            Some(Signal::Stop) => {
+                let _ = p.signal(Signal::Cont);
+            }
+            _ => {}
+        }
+    }
+    // The coordinator first, so workers are not drained under a live frontend; then every
+    // worker at once.
+    let coordinator = vec![cluster.coordinator.name.clone()];
+    let workers: Vec<String> = cluster.workers.iter().map(|w| w.proc.name.clone()).collect();
+    for phase in [coordinator, workers] {
+        for name in &phase {
+            let Some(p) = cluster.procs_mut().find(|p| &p.name == name) else { continue };
+            if faulted.get(name) != Some(&Signal::Kill) && p.exited().is_none() {
+                if let Err(e) = p.signal(Signal::Term) {
+                    v.push(Violation::new(Guarantee::G5, e.to_string()));
+                }
+            }
+        }
+        for name in &phase {
+            let Some(p) = cluster.procs_mut().find(|p| &p.name == name) else { continue };
+            let killed = faulted.get(name) == Some(&Signal::Kill);
+            match p.wait_exit(limit).await {
+                Ok(st) if killed && st.signal() == Some(9) => {}
+                Ok(st) if killed => {
+                    v.push(Violation::new(Guarantee::G5, format!("{name} was SIGKILLed but exited with {st}")))
+                }
+                Ok(st) if st.success() => {}
+                Ok(st) => v.push(Violation::new(Guarantee::G5, format!("{name} exited with {st} after SIGTERM"))),
+                Err(e) => v.push(Violation::new(Guarantee::G5, format!("after SIGTERM: {e}"))),
+            }
+        }
+    }
+    let panics = logs_and_processes(cluster).into_iter().filter(|x| x.detail.contains("panicked"));
+    v.extend(panics);
+    v
+}

@@ -1,0 +1,75 @@
+//! Failure drills on a real tandem cluster.
+//!
+//! A drill starts a small cluster of real processes on loopback
+//! ([`Cluster`]: etcd, prefill and decode workers, a coordinator), applies
+//! one fault (a signal, a corrupted or held KV link through a [`Proxy`], an
+//! etcd restart, clients that hang up, offered load over capacity), proves
+//! the fault happened, drives [`loadgen`] load through it, and checks the
+//! invariants every drill shares ([`Invariants`], G1–G6 in [`Guarantee`]).
+//! [`run_drill`] does all of it and returns a serializable [`DrillReport`].
+//!
+//! Owns: starting and killing child processes (by pid, also when a test
+//! panics), fault tools, and judging a run. Must not: mock a component that
+//! can run for real, wait without a bound, or pass a drill whose fault did
+//! not happen (G6 is checked in every run; `skip_fault` shows it bites).
+
+#![forbid(unsafe_code)]
+
+mod cluster;
+mod drills;
+mod invariants;
+pub mod metrics;
+pub mod process;
+pub mod proxy;
+mod reference;
+
+use std::future::Future;
+use std::time::Duration;
+
+pub use cluster::{Cluster, ClusterSpec, Role, Worker, WorkerSpec};
+pub use drills::{drills, run_drill, DrillInfo, DrillOptions, DrillReport};
+pub use invariants::{Guarantee, Invariants, Violation};
+pub use process::{proc_state, socket_owner, Proc, Signal};
+pub use proxy::{Fault, Proxy, ProxyCounters};
+pub use reference::reference_texts;
+
+/// Why a drill could not be run or judged (as opposed to a [`Violation`], which it found).
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    /// Starting something failed (a binary missing, a process exited at start).
+    #[error("setup: {0}")]
+    Setup(String),
+    /// A bounded wait ran out; the message says what did not happen.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// A metrics page could not be read.
+    #[error("metrics: {0}")]
+    Metrics(String),
+    /// Applying a fault failed.
+    #[error("fault: {0}")]
+    Fault(String),
+    /// The drill name is not in [`drills`].
+    #[error("unknown drill `{0}`")]
+    UnknownDrill(String),
+    /// The load plan was refused.
+    #[error("load: {0}")]
+    Load(String),
+}
+
+/// Polls `f` every 50 ms until it is true; the error says `what` did not happen within `limit`.
+pub async fn eventually<F, Fut>(what: &str, limit: Duration, mut f: F) -> Result<(), HarnessError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let until = tokio::time::Instant::now() + limit;
+    loop {
+        if f().await {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > until {
+            return Err(HarnessError::Timeout(format!("{what} did not happen within {limit:?}")));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

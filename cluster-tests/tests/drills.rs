@@ -1,0 +1,73 @@
+//! Every drill once on its own small cluster, with no violation; and the
+//! vacuity check: a drill whose fault is skipped must fail its proof (G6).
+//!
+//! Needs the workspace binaries (`cargo build --workspace --bins`), the model
+//! (`make model`) and etcd on PATH.
+
+use cluster_tests::{run_drill, DrillOptions, DrillReport, Guarantee};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+async fn drill(name: &str) -> Result<DrillReport, Box<dyn std::error::Error + Send + Sync>> {
+    let r = run_drill(name, &DrillOptions::default()).await?;
+    eprintln!(
+        "{name}: {} requests, {} complete, errors {:?}, lost {}, p99 TTFT {:?} ms, wall {:.0} ms; proof: {}",
+        r.requests, r.complete, r.typed_errors, r.lost, r.p99_ttft_ms, r.wall_ms, r.proof
+    );
+    assert!(r.violations.is_empty(), "{name}: {:#?}", r.violations);
+    assert!(r.fault_proven, "{name}: {}", r.proof);
+    assert_eq!(r.lost, 0, "{name}");
+    Ok(r)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_kill() -> TestResult {
+    drill("decode-kill").await.map(drop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_kill_recompute() -> TestResult {
+    drill("prefill-kill-recompute").await.map(drop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_corrupt() -> TestResult {
+    drill("kv-corrupt").await.map(drop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_restart() -> TestResult {
+    let r = drill("etcd-restart").await?;
+    assert!(r.g3_skipped_groups.is_empty(), "both groups are counted: {:?}", r.g3_skipped_groups);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect() -> TestResult {
+    drill("client-disconnect").await.map(drop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_3x() -> TestResult {
+    let r = drill("overload-3x").await?;
+    assert!(!r.typed_errors.is_empty(), "3x the capacity, yet nothing was refused");
+    Ok(())
+}
+
+/// With its fault skipped, kv-corrupt runs clean — and must still fail, on G6.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drill_without_its_fault_fails_its_proof() -> TestResult {
+    let r = run_drill("kv-corrupt", &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+    assert!(!r.fault_proven, "{}", r.proof);
+    let g6 = r.of(Guarantee::G6);
+    assert_eq!(g6.len(), 1, "{:#?}", r.violations);
+    assert!(g6[0].detail.contains("flipped 0 bytes"), "{:?}", g6[0]);
+    assert_eq!(r.violations.len(), 1, "only G6: {:#?}", r.violations);
+    assert_eq!(r.complete, r.requests);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_unknown_drill_is_an_error() {
+    assert!(run_drill("no-such-drill", &DrillOptions::default()).await.is_err());
+}
