@@ -429,19 +429,22 @@ async fn fault(id: Id, c: &mut Cluster, progress: &Progress, skip: bool) -> Resu
             ev.notes.push("3 streaming clients hung up after their first token".into());
         }
         Id::Overload3x => {
-            // Probe while the load runs: a refusal must carry Retry-After.
+            // Once the queue is full (1 running, 2 queued), a probe must be refused with Retry-After.
             let h = c.http_addr()?;
             while !progress.finished.load(Ordering::SeqCst) {
-                let (status, retry_after) = probe(&h).await?;
-                if status == 429 || status == 503 {
-                    ev.seen = true;
-                    ev.notes.push(format!("a probe was refused {status}, Retry-After {retry_after:?}"));
-                    if retry_after.is_none() {
-                        return Err(HarnessError::Fault(format!("a {status} refusal without Retry-After")));
+                let depth = c.coordinator_metrics().await?.sum("tandem_coordinator_queue_depth", &[]);
+                if depth >= 2.0 {
+                    let (status, retry_after) = probe(&h).await?;
+                    if status == 429 || status == 503 {
+                        ev.seen = true;
+                        ev.notes.push(format!("a probe was refused {status}, Retry-After {retry_after:?}"));
+                        if retry_after.is_none() {
+                            return Err(HarnessError::Fault(format!("a {status} refusal without Retry-After")));
+                        }
+                        break;
                     }
-                    break;
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
     }

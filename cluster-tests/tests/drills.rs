@@ -9,10 +9,18 @@ use cluster_tests::{run_drill, DrillOptions, DrillReport, Guarantee};
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 async fn drill(name: &str) -> Result<DrillReport, Box<dyn std::error::Error + Send + Sync>> {
+    let t0 = std::time::Instant::now();
     let r = run_drill(name, &DrillOptions::default()).await?;
     eprintln!(
-        "{name}: {} requests, {} complete, errors {:?}, lost {}, p99 TTFT {:?} ms, wall {:.0} ms; proof: {}",
-        r.requests, r.complete, r.typed_errors, r.lost, r.p99_ttft_ms, r.wall_ms, r.proof
+        "{name} ({:.1} s): {} requests, {} complete, errors {:?}, lost {}, p99 TTFT {:?} ms, wall {:.0} ms; proof: {}",
+        t0.elapsed().as_secs_f64(),
+        r.requests,
+        r.complete,
+        r.typed_errors,
+        r.lost,
+        r.p99_ttft_ms,
+        r.wall_ms,
+        r.proof
     );
     assert!(r.violations.is_empty(), "{name}: {:#?}", r.violations);
     assert!(r.fault_proven, "{name}: {}", r.proof);
