@@ -6,6 +6,7 @@
 #   make run        build and start a local cluster (prefill + decode workers,
 #                   coordinator) serving the OpenAI API on 127.0.0.1:8000
 #   make chat       build and generate one chat answer in-process (no cluster)
+#   make drills     every failure drill three times (tandem drill --all --repeat 3)
 #   make fixtures   regenerate engine/tests/fixtures/llama_cpp_reference.json
 #   make bench      compare our engine with llama.cpp's llama-bench
 #   make bench-serve   serving latency/throughput: llama-server vs tandem up
@@ -25,12 +26,12 @@ THREADS ?= 2
 # assignment, so a failed fetch stops the recipe (set -e, pipefail).
 MODEL_PATH := model="$$(scripts/fetch-model.sh | tail -n 1)"
 
-.PHONY: help deps model build run chat test llama fixtures bench bench-serve
+.PHONY: help deps model build run chat test llama fixtures bench drills bench-serve
 
 HTTP ?= 127.0.0.1:8000
 
 help:
-	@echo "targets: deps model build run chat test llama fixtures bench"
+	@echo "targets: deps model build run chat test llama fixtures bench bench-serve drills"
 	@echo "cache:   $(TANDEM_CACHE)"
 
 ## System packages (apt only when something is missing).
@@ -69,6 +70,11 @@ test: deps model
 		echo "cargo-nextest not found; using cargo test" >&2; \
 		cargo test --workspace --no-fail-fast; \
 	fi
+
+## Every failure drill, three times, on fresh local clusters (tandem drill).
+drills: deps model build
+	$(MODEL_PATH); \
+	TANDEM_MODEL="$$model" ./target/release/tandem drill --all --repeat 3 --json $(TANDEM_CACHE)/drills.json
 
 ## llama.cpp b11434 reference binaries (llama-bench, llama-server), built once.
 llama:

@@ -7,6 +7,7 @@
 mod bench;
 mod bench_serve;
 mod convert;
+mod drill;
 mod generate;
 mod load;
 mod up;
@@ -31,6 +32,8 @@ enum Cmd {
     Bench(bench::Cmd),
     /// Start a local cluster (prefill and decode workers, coordinator) serving the OpenAI API.
     Up(up::Args),
+    /// Failure drills: start a small cluster, apply a fault, drive load, check invariants.
+    Drill(drill::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -47,6 +50,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Convert(a) => convert::run(a),
         Cmd::Bench(c) => bench::run(c),
         Cmd::Up(a) => up::run(a),
+        Cmd::Drill(a) => drill::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -107,3 +107,18 @@ fn bad_input_fails_cleanly() {
         Command::new(env!("CARGO_BIN_EXE_tandem")).args(["generate", "--max-tokens", "3"]).output().expect("run");
     assert!(!missing.status.success(), "--prompt or --chat is required");
 }
+
+#[test]
+fn drill_lists_its_drills_and_refuses_unknown_ones() {
+    let out = tandem(&["drill", "--list"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let listed = text(&out.stdout);
+    for name in
+        ["decode-kill", "prefill-kill-recompute", "kv-corrupt", "etcd-restart", "client-disconnect", "overload-3x"]
+    {
+        assert!(listed.lines().any(|l| l.starts_with(name)), "{name} missing from:\n{listed}");
+    }
+    assert_clean_failure(&tandem(&["drill", "run", "no-such-drill"]), "unknown drill `no-such-drill`");
+    assert_clean_failure(&tandem(&["drill"]), "tandem drill run NAME");
+    assert_clean_failure(&tandem(&["drill", "run", "kv-corrupt", "--repeat", "0"]), "--repeat");
+}
