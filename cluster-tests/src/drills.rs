@@ -35,9 +35,12 @@ enum Id {
     EtcdRestart,
     ClientDisconnect,
     Overload3x,
+    WorkerSigstop,
+    RollingDrain,
+    TightDeadlines,
 }
 
-const ALL: [(Id, DrillInfo); 6] = [
+const ALL: [(Id, DrillInfo); 9] = [
     (
         Id::DecodeKill,
         DrillInfo {
@@ -84,6 +87,30 @@ const ALL: [(Id, DrillInfo); 6] = [
             name: "overload-3x",
             description: "offer 3x what admission holds (--max-running 1 --max-queued 2): the excess is refused \
                           429/503 with Retry-After, nothing is lost, admitted answers are identical",
+        },
+    ),
+    (
+        Id::WorkerSigstop,
+        DrillInfo {
+            name: "worker-sigstop",
+            description: "SIGSTOP a decode worker (2 decode workers, lease TTL 2 s) past its lease, then SIGCONT: \
+                          it leaves membership, the load finishes on the other worker, and it registers again",
+        },
+    ),
+    (
+        Id::RollingDrain,
+        DrillInfo {
+            name: "rolling-drain",
+            description: "SIGTERM one decode worker, then one prefill worker, under load while a replacement of \
+                          each role serves: every request completes identically and each drained worker exits 0",
+        },
+    ),
+    (
+        Id::TightDeadlines,
+        DrillInfo {
+            name: "tight-deadlines",
+            description: "load with an x-request-timeout-ms some requests cannot meet (--max-running 1): each \
+                          completes or ends 504 deadline_exceeded, none past its deadline, KV back to 0",
         },
     ),
 ];
@@ -147,6 +174,10 @@ struct Evidence {
     before: f64,
     notes: Vec<String>,
     seen: bool,
+    /// What the fault step waited for and did not see.
+    missing: Vec<String>,
+    /// Drained workers: name, pid, exit code (`None`: did not exit, or not by `exit`).
+    drained: Vec<(String, u32, Option<i32>)>,
 }
 
 /// Progress of the load, for fault steps that wait on it.
@@ -220,8 +251,45 @@ fn setup(id: Id, skip_fault: bool) -> Setup {
                 ..inv
             },
         },
+        Id::WorkerSigstop => Setup {
+            spec: base.prefill("g1").decode("g1").decode("g1"),
+            requests: 12,
+            max_tokens: 32,
+            concurrency: 2,
+            invariants: Invariants {
+                allowed_errors: Some(vec![
+                    "worker_stream".into(),
+                    "retryable".into(),
+                    "no_worker".into(),
+                    "deadline_exceeded".into(),
+                ]),
+                ..inv
+            },
+        },
+        Id::RollingDrain => Setup {
+            spec: base.prefill("g1").prefill("g1").decode("g1").decode("g1"),
+            requests: 16,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, ..inv },
+        },
+        Id::TightDeadlines => Setup {
+            // One request runs at a time; the queue behind it outlives the deadline.
+            spec: base.prefill("g1").decode("g1").coordinator_args(&["--max-running", "1"]),
+            requests: 10,
+            max_tokens: 16,
+            concurrency: if skip_fault { 1 } else { 6 },
+            invariants: Invariants {
+                deadline: if skip_fault { inv.deadline } else { TIGHT_DEADLINE },
+                allowed_errors: Some(vec!["deadline_exceeded".into()]),
+                ..inv
+            },
+        },
     }
 }
+
+/// tight-deadlines' `x-request-timeout-ms`.
+const TIGHT_DEADLINE: Duration = Duration::from_millis(4000);
 
 /// Runs drill `name`: starts its cluster, runs the load with the fault, checks G1–G6,
 /// shuts the cluster down (SIGTERM must end every process cleanly: G5).
@@ -274,7 +342,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         .map_err(|e| HarnessError::Load(format!("load task: {e}")))?
         .map_err(|e| HarnessError::Load(e.to_string()))?;
     let evidence = evidence?;
-    let proof = prove(id, &cluster, &evidence).await;
+    let proof = prove(id, &cluster, &evidence, &report).await;
 
     let (mut violations, measured) = s.invariants.check_measured(&cluster, &report, &reference).await;
     if let Err(e) = &proof {
@@ -327,30 +395,7 @@ async fn fault(id: Id, c: &mut Cluster, progress: &Progress, skip: bool) -> Resu
     match id {
         Id::DecodeKill => {
             // The first decode worker seen running a request is the victim.
-            let decoders: Vec<(String, String)> = c
-                .workers_of(Role::Decode)
-                .map(|w| Ok((w.proc.name.clone(), w.metrics_addr()?)))
-                .collect::<Result<_, HarnessError>>()?;
-            let victim = std::sync::Mutex::new(None);
-            eventually("a decode worker runs a request", load_wait, || {
-                let (decoders, victim) = (&decoders, &victim);
-                async move {
-                    for (name, m) in decoders {
-                        if let Ok(p) = crate::metrics::scrape(m).await {
-                            if p.sum("tandem_num_requests_running", &[]) >= 1.0 {
-                                *victim.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
-                                return true;
-                            }
-                        }
-                    }
-                    false
-                }
-            })
-            .await?;
-            let name = victim
-                .into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .ok_or_else(|| HarnessError::Fault("no victim".into()))?;
+            let name = busy_decoder(c, load_wait).await?;
             let pid = c.worker(&name)?.proc.pid;
             if !skip {
                 c.signal(&name, Signal::Kill)?;
@@ -447,12 +492,123 @@ async fn fault(id: Id, c: &mut Cluster, progress: &Progress, skip: bool) -> Resu
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
+        Id::WorkerSigstop => {
+            let name = busy_decoder(c, load_wait).await?;
+            let pid = c.worker(&name)?.proc.pid;
+            ev.before = c.coordinator_metrics().await?.sum(MEMBERSHIP, &[("change", "left")]);
+            ev.victim = Some((name.clone(), pid));
+            if !skip {
+                c.signal(&name, Signal::Stop)?;
+                let stopped = eventually("the stopped worker's /proc state is T", Duration::from_secs(5), || async {
+                    proc_state(pid) == Some('T')
+                })
+                .await;
+                ev.seen = stopped.is_ok();
+                ev.notes.push(format!(
+                    "{name} (pid {pid}) was running a request; SIGSTOP: /proc state {:?}",
+                    proc_state(pid)
+                ));
+                // The lease (TTL 2 s) lapses; the coordinator must drop it. Continue it whatever happened.
+                let left = serving_becomes(c, Role::Decode, 1.0, Duration::from_secs(15)).await;
+                let t = ev.before + 0.0;
+                let now = c.coordinator_metrics().await.map_or(t, |p| p.sum(MEMBERSHIP, &[("change", "left")]));
+                ev.notes
+                    .push(format!("left membership: serving decode 1: {}; `left` changes {t} -> {now}", left.is_ok()));
+                if left.is_err() && now <= t {
+                    ev.missing.push("the coordinator never saw the stopped worker leave".into());
+                }
+                c.signal(&name, Signal::Cont)?;
+                match serving_becomes(c, Role::Decode, 2.0, Duration::from_secs(15)).await {
+                    Ok(()) => ev.notes.push("after SIGCONT it registered again: 2 decode serving".into()),
+                    Err(e) => ev.missing.push(format!("after SIGCONT: {e}")),
+                }
+            }
+        }
+        Id::RollingDrain => {
+            let done = progress.done.clone();
+            eventually("2 requests complete before the drain", load_wait, || {
+                let n = done.load(Ordering::SeqCst);
+                async move { n >= 2 }
+            })
+            .await?;
+            // A decode worker mid-answer first, then a prefill worker; each has a serving twin.
+            let decode = busy_decoder(c, load_wait).await?;
+            let prefill = c
+                .workers_of(Role::Prefill)
+                .next()
+                .map(|w| w.proc.name.clone())
+                .ok_or_else(|| HarnessError::Setup("no prefill".into()))?;
+            for (role, name) in [(Role::Decode, decode), (Role::Prefill, prefill)] {
+                let pid = c.worker(&name)?.proc.pid;
+                if skip {
+                    continue;
+                }
+                let under_load = !progress.finished.load(Ordering::SeqCst);
+                c.signal(&name, Signal::Term)?;
+                let code = match c.worker_mut(&name)?.proc.wait_exit(Duration::from_secs(20)).await {
+                    Ok(st) => {
+                        ev.notes
+                            .push(format!("{name} (pid {pid}) drained (load running: {under_load}) and exited {st}"));
+                        st.code()
+                    }
+                    Err(e) => {
+                        ev.missing.push(e.to_string());
+                        None
+                    }
+                };
+                ev.drained.push((name, pid, code));
+                if let Err(e) = serving_becomes(c, role, 1.0, Duration::from_secs(10)).await {
+                    ev.missing.push(e.to_string());
+                }
+            }
+        }
+        Id::TightDeadlines => {
+            // The fault is the load's own deadline (see `setup`); the proof reads the outcomes.
+        }
     }
     Ok(ev)
 }
 
+const MEMBERSHIP: &str = "tandem_coordinator_membership_changes_total";
+
+/// The first decode worker seen running a request.
+async fn busy_decoder(c: &Cluster, limit: Duration) -> Result<String, HarnessError> {
+    let decoders: Vec<(String, String)> = c
+        .workers_of(Role::Decode)
+        .map(|w| Ok((w.proc.name.clone(), w.metrics_addr()?)))
+        .collect::<Result<_, HarnessError>>()?;
+    let victim = std::sync::Mutex::new(None);
+    eventually("a decode worker runs a request", limit, || {
+        let (decoders, victim) = (&decoders, &victim);
+        async move {
+            for (name, m) in decoders {
+                if let Ok(p) = crate::metrics::scrape(m).await {
+                    if p.sum("tandem_num_requests_running", &[]) >= 1.0 {
+                        *victim.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
+                        return true;
+                    }
+                }
+            }
+            false
+        }
+    })
+    .await?;
+    victim.into_inner().unwrap_or_else(|e| e.into_inner()).ok_or_else(|| HarnessError::Fault("no victim".into()))
+}
+
+/// Waits until the coordinator counts `n` serving workers of `role`.
+async fn serving_becomes(c: &Cluster, role: Role, n: f64, limit: Duration) -> Result<(), HarnessError> {
+    let role = if role == Role::Prefill { "prefill" } else { "decode" };
+    eventually(&format!("the coordinator counts {n} serving {role} worker(s)"), limit, || async move {
+        c.coordinator_metrics()
+            .await
+            .is_ok_and(|p| p.sum("tandem_coordinator_workers", &[("role", role), ("state", "serving")]) == n)
+    })
+    .await
+}
+
 /// G6: the fault happened. Ok says what showed it; Err what did not.
-async fn prove(id: Id, c: &Cluster, ev: &Evidence) -> Result<String, String> {
+async fn prove(id: Id, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
     let gone = |pid: u32| matches!(proc_state(pid), None | Some('Z'));
     let victim = || ev.victim.clone().ok_or("no victim was chosen".to_owned());
     match id {
@@ -544,6 +700,48 @@ async fn prove(id: Id, c: &Cluster, ev: &Evidence) -> Result<String, String> {
                 return Err(format!("admission shed {shed} requests; a probe refused with Retry-After: {}", ev.seen));
             }
             Ok(format!("admission shed {shed} requests; {}", ev.notes.join("; ")))
+        }
+        Id::WorkerSigstop => {
+            let (name, pid) = victim()?;
+            if !ev.seen {
+                return Err(format!("{name} (pid {pid}) was never seen stopped (state T)"));
+            }
+            if !ev.missing.is_empty() {
+                return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
+            }
+            Ok(ev.notes.join("; "))
+        }
+        Id::RollingDrain => {
+            if ev.drained.len() != 2 || !ev.missing.is_empty() {
+                return Err(format!("drained {:?}; {}", ev.drained, ev.missing.join("; ")));
+            }
+            if let Some((name, pid, code)) = ev.drained.iter().find(|d| d.2 != Some(0)) {
+                return Err(format!("{name} (pid {pid}) exited {code:?} after SIGTERM, not 0"));
+            }
+            Ok(format!("{}; the coordinator counts 1 serving worker of each role", ev.notes.join("; ")))
+        }
+        Id::TightDeadlines => {
+            let complete = report.records.iter().filter(|r| matches!(r.outcome, Outcome::Complete { .. })).count();
+            let expired = |http: bool| {
+                report
+                    .records
+                    .iter()
+                    .filter(|r| match &r.outcome {
+                        Outcome::HttpError { status: 504, code: Some(c), .. } => http && c == "deadline_exceeded",
+                        Outcome::StreamError { code: Some(c), .. } => !http && c == "deadline_exceeded",
+                        _ => false,
+                    })
+                    .count()
+            };
+            let (http, stream) = (expired(true), expired(false));
+            if complete == 0 || http + stream == 0 {
+                return Err(format!("{complete} complete and {} deadline_exceeded: both must be seen", http + stream));
+            }
+            Ok(format!(
+                "{complete} complete, {} ended deadline_exceeded ({http} http 504, {stream} in-stream) at deadline \
+                 {TIGHT_DEADLINE:?}",
+                http + stream
+            ))
         }
     }
 }

@@ -62,6 +62,25 @@ async fn overload_3x() -> TestResult {
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_sigstop() -> TestResult {
+    drill("worker-sigstop").await.map(drop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_drain() -> TestResult {
+    let r = drill("rolling-drain").await?;
+    assert_eq!(r.complete, r.requests, "a drain lost a request");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tight_deadlines() -> TestResult {
+    let r = drill("tight-deadlines").await?;
+    assert!(r.typed_errors.keys().all(|k| k.contains("deadline_exceeded")), "{:?}", r.typed_errors);
+    Ok(())
+}
+
 /// With its fault skipped, kv-corrupt runs clean — and must still fail, on G6.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drill_without_its_fault_fails_its_proof() -> TestResult {
