@@ -126,6 +126,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(flags: Flags) -> anyhow::Result<()> {
+    // Installed before the addresses are printed: a SIGTERM from then on drains.
+    let mut signals = StopSignals::install()?;
     let prometheus = coordinator::metrics::install().context("installing the metrics recorder")?;
     let path = flags.model.clone().unwrap_or_else(engine::paths::default_model_path);
     let (weights, gguf) = Weights::from_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
@@ -205,7 +207,10 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     });
     tokio::select! {
         r = &mut servers => return r.context("server task")?,
-        () = stop_signal() => stop.cancel(),
+        s = signals.recv() => {
+            tracing::info!(signal = s, "draining");
+            stop.cancel();
+        }
     }
     // After the signal, in-flight requests get the grace; then we exit anyway.
     let grace = Duration::from_millis(flags.shutdown_timeout_ms);
@@ -218,16 +223,22 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     }
 }
 
-/// Resolves on SIGTERM or SIGINT.
-async fn stop_signal() {
-    {
+/// SIGTERM and SIGINT handlers, installed when created.
+struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> anyhow::Result<Self> {
         use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-            return std::future::pending().await;
-        };
+        Ok(Self { term: signal(SignalKind::terminate())?, int: signal(SignalKind::interrupt())? })
+    }
+
+    async fn recv(&mut self) -> &'static str {
         tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: draining"),
-            _ = int.recv() => tracing::info!("SIGINT: draining"),
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
         }
     }
 }

@@ -33,6 +33,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
+    // Before anything announces this worker: a SIGTERM from then on drains it.
+    let mut signals = worker::serve::StopSignals::install()?;
     let common = &cfg.common;
     tracing::info!(policy = %cfg.policy, "kv_load_failure_policy");
     let loaded = worker::serve::load(common)?;
@@ -86,7 +88,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     });
     let fenced = service.clone();
     let registration = worker::serve::register(common, info, move |f| fenced.set_fenced(f)).await?;
-    let signal = worker::serve::stop_signal().await?;
+    let signal = signals.recv().await;
     tracing::info!(signal, "draining");
     if let Some(r) = &registration {
         // Coordinators stop routing here before the drain ends.

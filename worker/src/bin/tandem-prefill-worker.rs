@@ -25,6 +25,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
+    // Before anything announces this worker: a SIGTERM from then on drains it.
+    let mut signals = worker::serve::StopSignals::install()?;
     let common = &cfg.common;
     let loaded = worker::serve::load(common)?;
     let (layout, fingerprint) = (loaded.layout, loaded.fingerprint);
@@ -53,7 +55,7 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     let info = worker::serve::worker_info(common, registry::Role::Prefill, &fingerprint, listener_addr, metrics_addr);
     let fenced = service.clone();
     let registration = worker::serve::register(common, info, move |f| fenced.set_fenced(f)).await?;
-    let signal = worker::serve::stop_signal().await?;
+    let signal = signals.recv().await;
     tracing::info!(signal, "draining");
     if let Some(r) = &registration {
         // Coordinators stop routing here before the drain ends.
