@@ -66,22 +66,7 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
     let prefill = start("tandem-prefill-worker", &worker_args(&ep, "k9", "p1", "2"), &["grpc", "metrics"])?;
     let d1 = start("tandem-decode-worker", &decode_args(&ep, "k9", "d1", "2"), &["grpc", "metrics"])?;
     let d2 = start("tandem-decode-worker", &decode_args(&ep, "k9", "d2", "2"), &["grpc", "metrics"])?;
-    let coord = start(
-        "tandem-coordinator",
-        &[
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:0",
-            "--etcd",
-            &ep,
-            "--cluster-prefix",
-            "k9",
-            "--local-prefill-max-tokens",
-            "0",
-        ],
-        &["http"],
-    )?;
+    let coord = start_etcd_coordinator(&ep, "k9", &[])?;
     let h = coord.addr("http")?;
     eventually("the coordinator is ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
         .await?;
@@ -150,24 +135,7 @@ async fn etcd_restart_then_outage_fences_workers() -> TestResult {
     let ep = etcd.endpoint();
     let prefill = start("tandem-prefill-worker", &worker_args(&ep, "er", "p1", "5"), &["grpc", "metrics"])?;
     let decode = start("tandem-decode-worker", &decode_args(&ep, "er", "d1", "5"), &["grpc", "metrics"])?;
-    let coord = start(
-        "tandem-coordinator",
-        &[
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:0",
-            "--etcd",
-            &ep,
-            "--cluster-prefix",
-            "er",
-            "--local-prefill-max-tokens",
-            "0",
-            "--registry-max-stale-ms",
-            "120000",
-        ],
-        &["http"],
-    )?;
+    let coord = start_etcd_coordinator(&ep, "er", &["--registry-max-stale-ms", "120000"])?;
     let h = coord.addr("http")?;
     eventually("the coordinator is ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
         .await?;

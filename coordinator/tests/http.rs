@@ -175,22 +175,7 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     let mut dargs = with("g1", "d1");
     dargs.extend(["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"]);
     let mut d1 = start("tandem-decode-worker", &dargs, &["grpc", "transfer", "metrics"])?;
-    let coord = start(
-        "tandem-coordinator",
-        &[
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:0",
-            "--etcd",
-            &ep,
-            "--cluster-prefix",
-            "t4",
-            "--local-prefill-max-tokens",
-            "0",
-        ],
-        &["http"],
-    )?;
+    let coord = start_etcd_coordinator(&ep, "t4", &[])?;
     let h = coord.addr("http")?;
     eventually("the coordinator is ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
         .await?;
@@ -212,22 +197,7 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     let mut d2args = with("g2", "d2");
     d2args.extend(["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"]);
     let d2 = start("tandem-decode-worker", &d2args, &["grpc", "metrics"])?;
-    let coord2 = start(
-        "tandem-coordinator",
-        &[
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:0",
-            "--etcd",
-            &ep,
-            "--cluster-prefix",
-            "t4",
-            "--local-prefill-max-tokens",
-            "0",
-        ],
-        &["http"],
-    )?;
+    let coord2 = start_etcd_coordinator(&ep, "t4", &[])?;
     let h2 = coord2.addr("http")?;
     let dm2 = d2.addr("metrics")?;
     let served2 = || metric(&dm2, "tandem_decode_requests_total{outcome=\"ok\"}");

@@ -307,3 +307,12 @@ pub fn metric_sum(addr: &str, name: &str) -> Result<f64, String> {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum())
 }
+
+/// A coordinator routing from etcd membership under `prefix` (every prompt
+/// prefilled remotely), with `extra` flags.
+pub fn start_etcd_coordinator(ep: &str, prefix: &str, extra: &[&str]) -> Result<Proc, String> {
+    let mut args = vec!["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--etcd", ep, "--cluster-prefix", prefix];
+    args.extend(["--local-prefill-max-tokens", "0"]);
+    args.extend_from_slice(extra);
+    start("tandem-coordinator", &args, &["http"])
+}
