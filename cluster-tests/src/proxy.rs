@@ -5,13 +5,17 @@
 //! Prefill workers keep one connection per destination for many transfers,
 //! so a fault is armed on the byte stream, not on a connection: it strikes
 //! the sender-to-receiver byte that many bytes after arming, on whichever
-//! connection carries it. The proxy counts what it did, which is how a
-//! drill proves the fault happened.
+//! connection carries it. A [`Fault::Delay`] instead stays armed: it delays
+//! every sender-to-receiver byte (latency, not a slower link: bytes queue in
+//! order behind their deadline and none waits for another). The proxy counts
+//! what it did, which is how a drill proves the fault happened.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::HarnessError;
 
@@ -25,6 +29,12 @@ pub enum Fault {
     /// Forward this many more bytes, then hold the connection that carries the next one:
     /// nothing more is read from it or forwarded until [`Proxy::release`].
     HoldAfter(usize),
+    /// Forward this many more bytes, then reset the connection that carries the next one:
+    /// both ends get an RST (SO_LINGER 0), not a FIN.
+    ResetAfter(usize),
+    /// Delay every sender-to-receiver byte by `base` ± up to `jitter` (uniform), in order,
+    /// until another fault is armed.
+    Delay { base: Duration, jitter: Duration },
 }
 
 /// What the proxy has done so far.
@@ -40,6 +50,12 @@ pub struct ProxyCounters {
     pub holds: u64,
     /// The sender's address (its local end) of the connection held last.
     pub held_peer: Option<SocketAddr>,
+    /// Connections reset.
+    pub resets: u64,
+    /// Chunks delayed, and the longest and shortest delay given (ms).
+    pub delayed_chunks: u64,
+    pub max_delay_ms: u64,
+    pub min_delay_ms: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -49,6 +65,8 @@ struct State {
     held_conn: Option<u64>,
     released: bool,
     stopped: bool,
+    /// xorshift state for the delay's jitter.
+    rng: u64,
 }
 
 type Shared = Arc<(Mutex<State>, Condvar)>;
@@ -76,6 +94,7 @@ impl Proxy {
                 held_conn: None,
                 released: false,
                 stopped: false,
+                rng: 0x9E37_79B9_7F4A_7C15,
             }),
             Condvar::new(),
         ));
@@ -91,8 +110,10 @@ impl Proxy {
                 let peer = down.peer_addr().ok();
                 let (Ok(down2), Ok(up2)) = (down.try_clone(), up.try_clone()) else { continue };
                 let st2 = st.clone();
-                std::thread::spawn(move || forward(down, up, id, peer, &st2));
-                std::thread::spawn(move || plain(up2, down2));
+                let reset = Arc::new(AtomicBool::new(false));
+                let reset2 = reset.clone();
+                std::thread::spawn(move || forward(down, up, id, peer, &st2, &reset));
+                std::thread::spawn(move || plain(up2, down2, &reset2));
             }
         });
         Ok(Self { addr, upstream, state })
@@ -134,15 +155,23 @@ impl Drop for Proxy {
     }
 }
 
-/// Sender to receiver, with the armed fault applied.
-fn forward(mut from: TcpStream, mut to: TcpStream, id: u64, peer: Option<SocketAddr>, st: &Shared) {
+/// Sender to receiver, with the armed fault applied. A writer thread sends
+/// each chunk at its deadline (now, unless a delay is armed).
+fn forward(mut from: TcpStream, to: TcpStream, id: u64, peer: Option<SocketAddr>, st: &Shared, reset: &AtomicBool) {
+    let Ok(to_ctl) = to.try_clone() else { return };
+    let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
+    let writer = std::thread::spawn(move || write_at_deadlines(to, &rx));
     let mut buf = vec![0u8; 64 << 10];
+    // Deadlines never go backwards, so jitter cannot reorder bytes.
+    let mut last_due = Instant::now();
     loop {
         let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
         let mut pass = n;
+        let mut reset_now = false;
+        let mut delay = Duration::ZERO;
         {
             let mut s = lock(st);
             match s.armed {
@@ -162,11 +191,32 @@ fn forward(mut from: TcpStream, mut to: TcpStream, id: u64, peer: Option<SocketA
                     st.1.notify_all();
                 }
                 Fault::HoldAfter(k) => s.armed = Fault::HoldAfter(k - n),
+                Fault::ResetAfter(k) if k < n => {
+                    pass = k;
+                    reset_now = true;
+                    s.armed = Fault::None;
+                    s.counters.resets += 1;
+                }
+                Fault::ResetAfter(k) => s.armed = Fault::ResetAfter(k - n),
+                Fault::Delay { base, jitter } => {
+                    delay = jittered(&mut s.rng, base, jitter);
+                    let ms = delay.as_millis() as u64;
+                    s.counters.delayed_chunks += 1;
+                    s.counters.max_delay_ms = s.counters.max_delay_ms.max(ms);
+                    s.counters.min_delay_ms = Some(s.counters.min_delay_ms.map_or(ms, |m| m.min(ms)));
+                }
                 Fault::None => {}
             }
             s.counters.bytes_forwarded += pass as u64;
         }
-        if to.write_all(&buf[..pass]).is_err() {
+        last_due = last_due.max(Instant::now() + delay);
+        if pass > 0 && tx.send((last_due, buf[..pass].to_vec())).is_err() {
+            break;
+        }
+        if reset_now {
+            reset.store(true, Ordering::SeqCst);
+            abort(&from);
+            abort(&to_ctl);
             break;
         }
         if pass < n {
@@ -175,17 +225,54 @@ fn forward(mut from: TcpStream, mut to: TcpStream, id: u64, peer: Option<SocketA
             let guard = cv.wait_while(guard, |s| !s.released && !s.stopped).unwrap_or_else(|e| e.into_inner());
             let go_on = !guard.stopped;
             drop(guard);
-            if !go_on || to.write_all(&buf[pass..n]).is_err() {
+            if !go_on || tx.send((Instant::now(), buf[pass..n].to_vec())).is_err() {
                 break;
             }
         }
     }
-    let _ = to.shutdown(Shutdown::Write);
-    let _ = from.shutdown(Shutdown::Both);
+    drop(tx);
+    let _ = writer.join();
+    if !reset.load(Ordering::SeqCst) {
+        let _ = to_ctl.shutdown(Shutdown::Write);
+        let _ = from.shutdown(Shutdown::Both);
+    }
+}
+
+/// Writes each chunk no earlier than its deadline; ends when the sender side ends.
+fn write_at_deadlines(mut to: TcpStream, rx: &mpsc::Receiver<(Instant, Vec<u8>)>) {
+    while let Ok((due, bytes)) = rx.recv() {
+        let now = Instant::now();
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+        if to.write_all(&bytes).is_err() {
+            return;
+        }
+    }
+}
+
+/// `base` ± a uniform draw up to `jitter`, never below zero.
+fn jittered(rng: &mut u64, base: Duration, jitter: Duration) -> Duration {
+    // xorshift64: enough to spread delays; the drill checks the spread it got.
+    *rng ^= *rng << 13;
+    *rng ^= *rng >> 7;
+    *rng ^= *rng << 17;
+    let j = jitter.as_micros() as i128;
+    if j == 0 {
+        return base;
+    }
+    let offset = (*rng % (2 * j as u64 + 1)) as i128 - j;
+    Duration::from_micros((base.as_micros() as i128 + offset).max(0) as u64)
+}
+
+/// Makes the socket's last close send an RST, and wakes every reader of it.
+fn abort(s: &TcpStream) {
+    let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
+    let _ = s.shutdown(Shutdown::Read);
 }
 
 /// Receiver to sender, untouched.
-fn plain(mut from: TcpStream, mut to: TcpStream) {
+fn plain(mut from: TcpStream, mut to: TcpStream, reset: &AtomicBool) {
     let mut buf = vec![0u8; 16 << 10];
     loop {
         let n = match from.read(&mut buf) {
@@ -196,5 +283,88 @@ fn plain(mut from: TcpStream, mut to: TcpStream) {
             break;
         }
     }
-    let _ = to.shutdown(Shutdown::Write);
+    if !reset.load(Ordering::SeqCst) {
+        let _ = to.shutdown(Shutdown::Write);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An upstream that echoes what it reads, on a thread per connection.
+    fn echo() -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(mut c) = c else { return };
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n) = c.read(&mut buf) {
+                        if n == 0 || c.write_all(&buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    fn client(p: &Proxy) -> TcpStream {
+        let c = TcpStream::connect(p.addr).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        c
+    }
+
+    #[test]
+    fn a_delay_holds_every_byte_back_and_keeps_order() {
+        let p = Proxy::start(echo()).expect("proxy");
+        let mut c = client(&p);
+        p.arm(Fault::Delay { base: Duration::from_millis(80), jitter: Duration::from_millis(40) });
+        let t0 = Instant::now();
+        let mut got = Vec::new();
+        for i in 0u8..5 {
+            c.write_all(&[i]).expect("write");
+            let mut b = [0u8; 1];
+            c.read_exact(&mut b).expect("read");
+            got.push(b[0]);
+        }
+        // Five round trips, each delayed at least base - jitter on the way up.
+        assert!(t0.elapsed() >= Duration::from_millis(5 * 40), "{:?}", t0.elapsed());
+        assert_eq!(got, [0, 1, 2, 3, 4]);
+        let k = p.counters();
+        assert_eq!(k.delayed_chunks, 5);
+        assert!(k.min_delay_ms.is_some_and(|m| m >= 40) && k.max_delay_ms <= 120, "{k:?}");
+        p.arm(Fault::None);
+        c.write_all(b"x").expect("write");
+        let mut b = [0u8; 1];
+        c.read_exact(&mut b).expect("read");
+        assert_eq!(p.counters().delayed_chunks, 5, "disarmed: no more delays");
+    }
+
+    #[test]
+    fn a_reset_reaches_the_sender_as_an_rst() {
+        let p = Proxy::start(echo()).expect("proxy");
+        let mut c = client(&p);
+        c.write_all(b"hello").expect("write");
+        let mut b = [0u8; 5];
+        c.read_exact(&mut b).expect("echo before the fault");
+        p.arm(Fault::ResetAfter(2));
+        c.write_all(b"abcdef").expect("write");
+        // Two bytes pass, then the connection is reset: reads end in ECONNRESET, not EOF.
+        let mut rest = Vec::new();
+        let err = loop {
+            let mut b = [0u8; 16];
+            match c.read(&mut b) {
+                Ok(0) => panic!("EOF (a FIN), not a reset; read {rest:?}"),
+                Ok(n) => rest.extend_from_slice(&b[..n]),
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
+        assert!(rest.len() <= 2, "{rest:?}");
+        assert_eq!(p.counters().resets, 1);
+    }
 }

@@ -319,8 +319,8 @@ impl Cluster {
     }
 
     /// Starts `Generate` on a decode worker and returns its stream. A worker
-    /// that cannot be reached (connection refused: the request never got
-    /// there) is marked unreachable and the request is routed once more.
+    /// that cannot be reached (connection refused or broken before it
+    /// answered) is marked unreachable and the request is routed once more.
     pub async fn generate(
         self: &Arc<Self>,
         request_id: String,
@@ -348,7 +348,12 @@ impl Cluster {
             let mut client = decode.client.clone();
             match client.generate(req.clone()).await {
                 Ok(stream) => return Ok((stream.into_inner(), lease)),
-                Err(s) if s.code() == tonic::Code::Unavailable && attempt < MAX_DECODE_ATTEMPTS => {
+                // The decode worker answers `Generate` at once and reports its own errors
+                // in the stream, so an error here is the transport's: the worker is gone or
+                // its connection broke before it answered (a SIGKILLed worker shows up as
+                // Unavailable, Cancelled or Unknown "h2 protocol error", depending on timing).
+                // Nothing reached the client yet, so another worker may take the request.
+                Err(s) if transport_failure(s.code()) && attempt < MAX_DECODE_ATTEMPTS => {
                     tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker unreachable; routing again");
                     self.board.mark_unreachable(&route.decode);
                 }
@@ -365,6 +370,11 @@ impl Cluster {
 
 /// Decode workers tried for one request when the first cannot be reached.
 const MAX_DECODE_ATTEMPTS: u32 = 2;
+
+/// A `Generate` call failed in the transport, before the worker answered.
+fn transport_failure(code: tonic::Code) -> bool {
+    matches!(code, tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown)
+}
 
 /// What one step of a worker stream means to the frontend.
 pub enum Step {

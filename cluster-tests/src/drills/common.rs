@@ -1,0 +1,166 @@
+//! Steps and probes several drills share.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+use super::MODEL;
+use crate::cluster::{Cluster, Role};
+use crate::process::proc_state;
+use crate::{eventually, HarnessError};
+
+pub(super) const MEMBERSHIP: &str = "tandem_coordinator_membership_changes_total";
+
+/// How long a fault step waits for the load to reach the point it strikes at.
+pub(super) const LOAD_WAIT: Duration = Duration::from_secs(60);
+
+/// The process is gone (or a zombie awaiting its reaper).
+pub(super) fn gone(pid: u32) -> bool {
+    matches!(proc_state(pid), None | Some('Z'))
+}
+
+/// The first decode worker seen running a request.
+pub(super) async fn busy_decoder(c: &Cluster, limit: Duration) -> Result<String, HarnessError> {
+    let decoders: Vec<(String, String)> = c
+        .workers_of(Role::Decode)
+        .map(|w| Ok((w.proc.name.clone(), w.metrics_addr()?)))
+        .collect::<Result<_, HarnessError>>()?;
+    let victim = std::sync::Mutex::new(None);
+    eventually("a decode worker runs a request", limit, || {
+        let (decoders, victim) = (&decoders, &victim);
+        async move {
+            for (name, m) in decoders {
+                if let Ok(p) = crate::metrics::scrape(m).await {
+                    if p.sum("tandem_num_requests_running", &[]) >= 1.0 {
+                        *victim.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
+                        return true;
+                    }
+                }
+            }
+            false
+        }
+    })
+    .await?;
+    victim.into_inner().unwrap_or_else(|e| e.into_inner()).ok_or_else(|| HarnessError::Fault("no victim".into()))
+}
+
+/// Waits until the coordinator counts `n` serving workers of `role`.
+pub(super) async fn serving_becomes(c: &Cluster, role: Role, n: f64, limit: Duration) -> Result<(), HarnessError> {
+    let role = if role == Role::Prefill { "prefill" } else { "decode" };
+    eventually(&format!("the coordinator counts {n} serving {role} worker(s)"), limit, || async move {
+        c.coordinator_metrics()
+            .await
+            .is_ok_and(|p| p.sum("tandem_coordinator_workers", &[("role", role), ("state", "serving")]) == n)
+    })
+    .await
+}
+
+/// The metrics address of the first decode worker the drill did not fault.
+pub(super) fn decode_metrics(c: &Cluster) -> Result<String, String> {
+    c.workers_of(Role::Decode)
+        .find(|w| !c.is_faulted(&w.proc.name))
+        .ok_or("no live decode worker")?
+        .metrics_addr()
+        .map_err(|e| e.to_string())
+}
+
+/// Failed KV loads the decode worker at `m` recomputed.
+pub(super) async fn recomputed(m: &str) -> Result<f64, HarnessError> {
+    Ok(crate::metrics::scrape(m).await?.sum("tandem_kv_load_policy_outcomes_total", &[("outcome", "recomputed")]))
+}
+
+/// Waits until `metric` (summed over `labels`) at `addr` reaches `at_least`; its last value either way.
+pub(super) async fn counter_reaches(
+    addr: &str,
+    metric: &str,
+    labels: &[(&str, &str)],
+    at_least: f64,
+    limit: Duration,
+) -> (Result<(), HarnessError>, f64) {
+    let now = std::sync::Mutex::new(0.0);
+    let r = eventually(&format!("{metric} at {addr} reaches {at_least}"), limit, || {
+        let now = &now;
+        async move {
+            let v = crate::metrics::scrape(addr).await.map_or(0.0, |p| p.sum(metric, labels));
+            *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
+            v >= at_least
+        }
+    })
+    .await;
+    (r, now.into_inner().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// A streaming completion read line by line; dropping it hangs up.
+pub(super) struct Stream(BufReader<TcpStream>);
+
+pub(super) async fn open_stream(addr: &str, i: usize) -> Result<Stream, HarnessError> {
+    let err = |e: std::io::Error| HarnessError::Fault(format!("stream to {addr}: {e}"));
+    let mut s = TcpStream::connect(addr).await.map_err(err)?;
+    let body = serde_json::json!({
+        "model": MODEL, "prompt": format!("Client {i} will hang up on this story about a lighthouse keeper:"),
+        "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true,
+    })
+    .to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.map_err(err)?;
+    s.write_all(body.as_bytes()).await.map_err(err)?;
+    Ok(Stream(BufReader::new(s)))
+}
+
+impl Stream {
+    pub(super) async fn line(&mut self) -> Result<Option<String>, HarnessError> {
+        let mut l = String::new();
+        let n = tokio::time::timeout(Duration::from_secs(60), self.0.read_line(&mut l))
+            .await
+            .map_err(|_| HarnessError::Timeout("no line of the stream within 60 s".into()))?
+            .map_err(|e| HarnessError::Fault(format!("reading the stream: {e}")))?;
+        Ok((n > 0).then_some(l))
+    }
+
+    pub(super) async fn first_data(&mut self) -> Result<(), HarnessError> {
+        while let Some(l) = self.line().await? {
+            if l.contains("\"text\"") {
+                return Ok(());
+            }
+        }
+        Err(HarnessError::Fault("the stream ended before its first token".into()))
+    }
+
+    pub(super) async fn read_to_end(&mut self) -> Result<(), HarnessError> {
+        while self.line().await?.is_some() {}
+        Ok(())
+    }
+}
+
+/// One short non-streaming request: (status, Retry-After).
+pub(super) async fn probe(addr: &str) -> Result<(u16, Option<String>), HarnessError> {
+    let mut s = Stream(BufReader::new(
+        TcpStream::connect(addr).await.map_err(|e| HarnessError::Fault(format!("probe {addr}: {e}")))?,
+    ));
+    let body = serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0}).to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.0.get_mut().write_all(head.as_bytes()).await.map_err(|e| HarnessError::Fault(format!("probe: {e}")))?;
+    let status_line = s.line().await?.unwrap_or_default();
+    let status = status_line.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let mut retry_after = None;
+    while let Some(l) = s.line().await? {
+        if l == "\r\n" {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            if k.eq_ignore_ascii_case("retry-after") {
+                retry_after = Some(v.trim().to_owned());
+            }
+        }
+    }
+    Ok((status, retry_after))
+}

@@ -1,0 +1,230 @@
+//! Drills where the clients are the fault: hang-ups, overload, deadlines.
+
+use std::time::Duration;
+
+use loadgen::{Outcome, Report};
+
+use super::common::{counter_reaches, decode_metrics, open_stream, probe};
+use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::cluster::{Cluster, ClusterSpec, Role};
+use crate::invariants::Invariants;
+use crate::HarnessError;
+
+const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("outcome", "cancelled")]);
+
+/// Clients hang up mid-stream.
+pub(super) struct ClientDisconnect;
+
+impl Drill for ClientDisconnect {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "client-disconnect",
+            description: "clients hang up on streaming requests mid-answer: each is cancelled on the decode \
+                          worker and its KV freed",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default().prefill("g1").decode("g1"),
+            requests: 6,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        _: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let m = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
+            let m = m.metrics_addr()?;
+            ev.before = crate::metrics::scrape(&m).await?.sum(CANCELLED.0, CANCELLED.1);
+            let h = c.http_addr()?;
+            ev.began();
+            for i in 0..3 {
+                let mut s = open_stream(&h, i).await?;
+                // Read up to the first token, so the request is mid-answer when dropped.
+                s.first_data().await?;
+                if skip {
+                    s.read_to_end().await?;
+                }
+                drop(s);
+            }
+            ev.ended();
+            ev.notes.push("3 streaming clients hung up after their first token".into());
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let m = decode_metrics(c)?;
+            let (seen, now) =
+                counter_reaches(&m, CANCELLED.0, CANCELLED.1, ev.before + 3.0, Duration::from_secs(10)).await;
+            seen.map_err(|e| format!("{e}: {} cancelled", now - ev.before))?;
+            Ok(format!("{}; the decode worker cancelled {}", ev.notes.join("; "), now - ev.before))
+        })
+    }
+}
+
+/// Offer 3x what admission holds.
+pub(super) struct Overload3x;
+
+impl Drill for Overload3x {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "overload-3x",
+            description: "offer 3x what admission holds (--max-running 1 --max-queued 2): the excess is refused \
+                          429/503 with Retry-After, nothing is lost, admitted answers are identical",
+        }
+    }
+
+    fn setup(&self, skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default().prefill("g1").decode("g1").coordinator_args(&[
+                "--max-running",
+                "1",
+                "--max-queued",
+                "2",
+            ]),
+            requests: 12,
+            max_tokens: 16,
+            // 3x the 3 requests admission holds; the no-fault run stays within them.
+            concurrency: if skip { 1 } else { 9 },
+            invariants: Invariants {
+                allowed_errors: Some(vec!["queue_full".into(), "rate_limit_exceeded".into()]),
+                transfers_intact: true,
+                ..Invariants::default()
+            },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        _skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            ev.began();
+            // Once the queue is full (1 running, 2 queued), a probe must be refused with Retry-After.
+            let h = c.http_addr()?;
+            while !load.finished() {
+                let depth = c.coordinator_metrics().await?.sum("tandem_coordinator_queue_depth", &[]);
+                if depth >= 2.0 {
+                    let (status, retry_after) = probe(&h).await?;
+                    if status == 429 || status == 503 {
+                        ev.seen = true;
+                        ev.notes.push(format!("a probe was refused {status}, Retry-After {retry_after:?}"));
+                        if retry_after.is_none() {
+                            return Err(HarnessError::Fault(format!("a {status} refusal without Retry-After")));
+                        }
+                        break;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let shed = c
+                .coordinator_metrics()
+                .await
+                .map_err(|e| e.to_string())?
+                .sum("tandem_coordinator_admission_shed_total", &[]);
+            if shed < 1.0 || !ev.seen {
+                return Err(format!("admission shed {shed} requests; a probe refused with Retry-After: {}", ev.seen));
+            }
+            Ok(format!("admission shed {shed} requests; {}", ev.notes.join("; ")))
+        })
+    }
+}
+
+/// tight-deadlines' `x-request-timeout-ms`.
+const TIGHT_DEADLINE: Duration = Duration::from_millis(4000);
+
+/// Deadlines some requests cannot meet.
+pub(super) struct TightDeadlines;
+
+impl Drill for TightDeadlines {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "tight-deadlines",
+            description: "load with an x-request-timeout-ms some requests cannot meet (--max-running 1): each \
+                          completes or ends 504 deadline_exceeded, none past its deadline, KV back to 0",
+        }
+    }
+
+    fn setup(&self, skip: bool) -> Setup {
+        let inv = Invariants::default();
+        Setup {
+            // One request runs at a time; the queue behind it outlives the deadline.
+            spec: ClusterSpec::default().prefill("g1").decode("g1").coordinator_args(&["--max-running", "1"]),
+            requests: 10,
+            max_tokens: 16,
+            concurrency: if skip { 1 } else { 6 },
+            invariants: Invariants {
+                deadline: if skip { inv.deadline } else { TIGHT_DEADLINE },
+                allowed_errors: Some(vec!["deadline_exceeded".into()]),
+                ..inv
+            },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        _: &'a mut Cluster,
+        _: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            // The fault is the load's own deadline (see `setup`); the proof reads the outcomes.
+            let mut ev = Evidence::default();
+            if !skip {
+                ev.began();
+            }
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        _: &'a Cluster,
+        _: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let complete = report.records.iter().filter(|r| matches!(r.outcome, Outcome::Complete { .. })).count();
+            let expired = |http: bool| {
+                report
+                    .records
+                    .iter()
+                    .filter(|r| match &r.outcome {
+                        Outcome::HttpError { status: 504, code: Some(c), .. } => http && c == "deadline_exceeded",
+                        Outcome::StreamError { code: Some(c), .. } => !http && c == "deadline_exceeded",
+                        _ => false,
+                    })
+                    .count()
+            };
+            let (http, stream) = (expired(true), expired(false));
+            if complete == 0 || http + stream == 0 {
+                return Err(format!("{complete} complete and {} deadline_exceeded: both must be seen", http + stream));
+            }
+            Ok(format!(
+                "{complete} complete, {} ended deadline_exceeded ({http} http 504, {stream} in-stream) at deadline \
+                 {TIGHT_DEADLINE:?}",
+                http + stream
+            ))
+        })
+    }
+}

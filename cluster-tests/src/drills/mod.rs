@@ -1,0 +1,294 @@
+//! The drills. Each is one [`Drill`]: a cluster and a load ([`Setup`]), one
+//! fault applied while the load runs, and the proof that the fault happened
+//! (G6). [`run_drill`] runs one and judges it with the shared invariants.
+//!
+//! Drills live in modules by what they break: processes ([`process`]), the KV
+//! link ([`kv`]), etcd ([`etcd`]), and the load itself ([`load`]). Adding a
+//! drill is one type implementing [`Drill`] in its module and one line in
+//! [`all`].
+
+mod common;
+mod etcd;
+mod kv;
+mod load;
+mod process;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use loadgen::{Arrival, Outcome, Plan, PromptSource, Report};
+use tokio_util::sync::CancellationToken;
+
+use crate::cluster::{Cluster, ClusterSpec};
+use crate::invariants::{self, Guarantee, Invariants, Violation};
+use crate::{eventually, reference_texts, HarnessError};
+
+const MODEL: &str = "SmolLM2-135M-Instruct";
+const PROMPT_TOKENS: usize = 40;
+
+/// A boxed future borrowing the drill's arguments.
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// One drill. Implementations are unit types in this module's children.
+pub(crate) trait Drill: Send + Sync {
+    fn info(&self) -> DrillInfo;
+    /// The cluster, the load and how the run is judged; `skip_fault` may shape the load
+    /// (a no-fault run of an overload drill offers no overload).
+    fn setup(&self, skip_fault: bool) -> Setup;
+    /// Applies the fault while the load runs (everything but the fault itself when `skip`),
+    /// and records what it observed for [`Drill::prove`].
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>>;
+    /// G6: the fault happened. Ok says what showed it; Err what did not.
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>>;
+}
+
+/// Every drill, in the order `--all` and the tests run them.
+fn all() -> Vec<Box<dyn Drill>> {
+    vec![
+        Box::new(process::DecodeKill),
+        Box::new(process::PrefillKillRecompute),
+        Box::new(kv::KvCorrupt),
+        Box::new(etcd::EtcdRestart),
+        Box::new(load::ClientDisconnect),
+        Box::new(load::Overload3x),
+        Box::new(process::WorkerSigstop),
+        Box::new(process::RollingDrain),
+        Box::new(load::TightDeadlines),
+    ]
+}
+
+/// A drill's name and what it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct DrillInfo {
+    pub name: &'static str,
+    pub description: &'static str,
+}
+
+/// Every drill, in the order the tests run them.
+pub fn drills() -> Vec<DrillInfo> {
+    all().iter().map(|d| d.info()).collect()
+}
+
+/// How to run a drill.
+#[derive(Debug, Clone, Default)]
+pub struct DrillOptions {
+    /// Do everything but the fault itself (to show the drill does not pass vacuously: G6 fails).
+    pub skip_fault: bool,
+    /// Keep the processes' logs after the run (their directory is in the report).
+    pub keep_logs: bool,
+    /// Requests in the load (default per drill).
+    pub requests: Option<usize>,
+}
+
+/// The result of one drill, for tests, the CLI and charts.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DrillReport {
+    pub drill: String,
+    pub description: String,
+    pub skip_fault: bool,
+    /// G6 held: the fault provably happened.
+    pub fault_proven: bool,
+    /// What the proof saw (or why it failed).
+    pub proof: String,
+    pub requests: usize,
+    pub complete: usize,
+    /// Typed errors by code (`http 503 queue_full` style labels).
+    pub typed_errors: BTreeMap<String, usize>,
+    /// Requests with no typed outcome (transport, protocol, timeout).
+    pub lost: usize,
+    /// KV blocks still used on live workers after settling.
+    pub leaked_blocks: f64,
+    pub p99_ttft_ms: Option<f64>,
+    pub wall_ms: f64,
+    /// When the fault was applied and lifted, in ms from the load's start
+    /// (`end` None: it lasted to the end of the load).
+    pub fault_window_ms: Option<(f64, Option<f64>)>,
+    /// Version groups G3 could not count (a member was killed).
+    pub g3_skipped_groups: Vec<String>,
+    pub violations: Vec<Violation>,
+    /// Where the processes' logs are (removed after the run unless `keep_logs`).
+    pub log_dir: String,
+    /// The load's records, for charts.
+    pub load: Report,
+}
+
+impl DrillReport {
+    /// Violations of one guarantee.
+    pub fn of(&self, g: Guarantee) -> Vec<&Violation> {
+        self.violations.iter().filter(|v| v.guarantee == g).collect()
+    }
+}
+
+/// What a fault step observed, for its proof.
+#[derive(Debug, Default)]
+pub(crate) struct Evidence {
+    pub victim: Option<(String, u32)>,
+    pub before: f64,
+    pub notes: Vec<String>,
+    pub seen: bool,
+    /// What the fault step waited for and did not see.
+    pub missing: Vec<String>,
+    /// Drained workers: name, pid, exit code (`None`: did not exit, or not by `exit`).
+    pub drained: Vec<(String, u32, Option<i32>)>,
+    /// When the fault was applied and lifted ([`Evidence::began`], [`Evidence::ended`]).
+    pub window: (Option<Instant>, Option<Instant>),
+}
+
+impl Evidence {
+    /// The fault is applied now (the chart's shaded window starts here).
+    pub fn began(&mut self) {
+        self.window.0.get_or_insert_with(Instant::now);
+    }
+
+    /// The fault is lifted now.
+    pub fn ended(&mut self) {
+        self.window.1 = Some(Instant::now());
+    }
+}
+
+/// Progress of the load, for fault steps that wait on it.
+#[derive(Clone)]
+pub(crate) struct Progress {
+    pub done: Arc<AtomicUsize>,
+    pub finished: Arc<AtomicBool>,
+}
+
+impl Progress {
+    /// Waits until `n` requests have ended.
+    pub async fn wait_done(&self, n: usize, limit: Duration) -> Result<(), HarnessError> {
+        let done = self.done.clone();
+        eventually(&format!("{n} requests end"), limit, || {
+            let k = done.load(Ordering::SeqCst);
+            async move { k >= n }
+        })
+        .await
+    }
+
+    pub fn finished(&self) -> bool {
+        self.finished.load(Ordering::SeqCst)
+    }
+}
+
+/// What a drill runs: its cluster, its load, and how it is judged.
+pub(crate) struct Setup {
+    pub spec: ClusterSpec,
+    pub requests: usize,
+    pub max_tokens: u32,
+    pub concurrency: usize,
+    pub invariants: Invariants,
+}
+
+/// Runs drill `name`: starts its cluster, runs the load with the fault, checks G1–G6,
+/// shuts the cluster down (SIGTERM must end every process cleanly: G5).
+pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, HarnessError> {
+    let drill =
+        all().into_iter().find(|d| d.info().name == name).ok_or_else(|| HarnessError::UnknownDrill(name.into()))?;
+    let info = drill.info();
+    let mut s = drill.setup(opts.skip_fault);
+    if let Some(n) = opts.requests {
+        s.requests = n;
+    }
+    let seed = 7;
+    let prompts = loadgen::prompts::generate(s.requests, PROMPT_TOKENS, seed);
+    let (p2, max) = (prompts.clone(), s.max_tokens);
+    let reference = tokio::task::spawn_blocking(move || reference_texts(&p2, max))
+        .await
+        .map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
+
+    let mut cluster = Cluster::start(&s.spec, opts.keep_logs).await?;
+    let mut plan = Plan::new(cluster.base_url()?, MODEL);
+    plan.requests = s.requests;
+    plan.arrival = Arrival::Closed { concurrency: s.concurrency };
+    plan.prompts = PromptSource::List(prompts);
+    plan.max_tokens = s.max_tokens;
+    plan.seed = seed;
+    plan.deadline = Some(s.invariants.deadline);
+    plan.timeout = s.invariants.deadline + s.invariants.grace + Duration::from_secs(10);
+
+    let progress = Progress { done: Arc::default(), finished: Arc::default() };
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx) };
+    {
+        let done = progress.done.clone();
+        tokio::spawn(async move {
+            while rx.recv().await.is_some() {
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+    }
+    let load_start = Instant::now();
+    let load = {
+        let (plan, finished) = (plan.clone(), progress.finished.clone());
+        tokio::spawn(async move {
+            let r = loadgen::run_with(&plan, hooks).await;
+            finished.store(true, Ordering::SeqCst);
+            r
+        })
+    };
+    let evidence = drill.fault(&mut cluster, &progress, opts.skip_fault).await;
+    let report = load
+        .await
+        .map_err(|e| HarnessError::Load(format!("load task: {e}")))?
+        .map_err(|e| HarnessError::Load(e.to_string()))?;
+    let evidence = evidence?;
+    let proof = drill.prove(&cluster, &evidence, &report).await;
+
+    let (mut violations, measured) = s.invariants.check_measured(&cluster, &report, &reference).await;
+    if let Err(e) = &proof {
+        violations.push(Violation::new(Guarantee::G6, e.clone()));
+    }
+    for v in invariants::shutdown(&mut cluster, Duration::from_secs(20)).await {
+        if !violations.contains(&v) {
+            violations.push(v);
+        }
+    }
+    let summary = report.summary();
+    let mut typed = BTreeMap::new();
+    let mut lost = 0;
+    for r in &report.records {
+        match &r.outcome {
+            Outcome::Complete { .. } => {}
+            Outcome::HttpError { code: Some(_), .. } | Outcome::StreamError { code: Some(_), .. } => {
+                *typed.entry(r.outcome.label()).or_insert(0) += 1
+            }
+            _ => lost += 1,
+        }
+    }
+    let ms = |t: Instant| t.saturating_duration_since(load_start).as_secs_f64() * 1e3;
+    Ok(DrillReport {
+        drill: info.name.into(),
+        description: info.description.into(),
+        skip_fault: opts.skip_fault,
+        fault_proven: proof.is_ok(),
+        proof: match proof {
+            Ok(p) => p,
+            Err(e) => e,
+        },
+        requests: summary.requests,
+        complete: summary.ok,
+        typed_errors: typed,
+        lost,
+        leaked_blocks: measured.leaked_blocks,
+        p99_ttft_ms: summary.ttft.p99.map(|d| d.as_secs_f64() * 1e3),
+        wall_ms: summary.wall.as_secs_f64() * 1e3,
+        fault_window_ms: evidence.window.0.map(|a| (ms(a), evidence.window.1.map(ms))),
+        g3_skipped_groups: measured.g3_skipped_groups,
+        violations,
+        log_dir: cluster.log_dir().display().to_string(),
+        load: report,
+    })
+}
