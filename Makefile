@@ -74,7 +74,8 @@ test: deps model
 ## Every failure drill, three times, on fresh local clusters (tandem drill).
 drills: deps model build
 	$(MODEL_PATH); \
-	TANDEM_MODEL="$$model" ./target/release/tandem drill --all --repeat 3 --json $(TANDEM_CACHE)/drills.json
+	TANDEM_MODEL="$$model" ./target/release/tandem drill --all --repeat 3 \
+		--json $(TANDEM_CACHE)/drills.json --charts $(TANDEM_CACHE)/drill-charts
 
 ## llama.cpp b11434 reference binaries (llama-bench, llama-server), built once.
 llama:

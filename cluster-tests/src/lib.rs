@@ -27,7 +27,7 @@ use std::future::Future;
 use std::time::Duration;
 
 pub use cluster::{Cluster, ClusterSpec, Role, Worker, WorkerSpec};
-pub use drills::{drills, run_drill, DrillInfo, DrillOptions, DrillReport};
+pub use drills::{drills, planned_requests, run_drill, DrillInfo, DrillOptions, DrillReport};
 pub use invariants::{Guarantee, Invariants, Violation};
 pub use process::{proc_state, socket_owner, Proc, Signal};
 pub use proxy::{Fault, Proxy, ProxyCounters};

@@ -92,6 +92,8 @@ pub struct DrillOptions {
     pub keep_logs: bool,
     /// Requests in the load (default per drill).
     pub requests: Option<usize>,
+    /// Counts the load's requests as they end (reset to 0 at the start), for a progress display.
+    pub progress: Option<Arc<AtomicUsize>>,
 }
 
 /// The result of one drill, for tests, the CLI and charts.
@@ -219,7 +221,9 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     plan.deadline = Some(s.invariants.deadline);
     plan.timeout = s.invariants.deadline + s.invariants.grace + Duration::from_secs(10);
 
-    let progress = Progress { done: Arc::default(), finished: Arc::default() };
+    let done = opts.progress.clone().unwrap_or_default();
+    done.store(0, Ordering::SeqCst);
+    let progress = Progress { done, finished: Arc::default() };
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx) };
     {
@@ -291,4 +295,9 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         log_dir: cluster.log_dir().display().to_string(),
         load: report,
     })
+}
+
+/// How many requests drill `name`'s load sends by default.
+pub fn planned_requests(name: &str) -> Option<usize> {
+    all().into_iter().find(|d| d.info().name == name).map(|d| d.setup(false).requests)
 }
