@@ -192,7 +192,7 @@ impl Drop for Ticker {
 /// `[2/9] decode-kill ▕██████····▏ 5/8 requests  12 s`
 fn progress_line(label: &str, done: usize, planned: usize, elapsed: Duration) -> String {
     const WIDTH: usize = 20;
-    let filled = if planned == 0 { 0 } else { done * WIDTH / planned };
+    let filled = (done * WIDTH).checked_div(planned).unwrap_or(0);
     format!(
         "{label} ▕{}{}▏ {done}/{planned} requests  {} s",
         "█".repeat(filled),
