@@ -114,3 +114,55 @@ async fn forward(mut client: TcpStream, s: Arc<Shared>) {
     }
     s.unserved.fetch_add(1, Ordering::SeqCst);
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A backend that answers every connection with its `tag` and closes.
+    async fn tagged(tag: u8) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = l.local_addr().expect("addr");
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = l.accept().await {
+                let _ = c.write_all(&[tag]).await;
+            }
+        });
+        addr
+    }
+
+    /// A port nothing listens on.
+    fn dead() -> SocketAddr {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    }
+
+    async fn ask(f: &Front) -> Vec<u8> {
+        let mut c = TcpStream::connect(f.addr).await.expect("connect");
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut got)).await.expect("answer").expect("read");
+        got
+    }
+
+    #[tokio::test]
+    async fn connections_take_turns_and_a_dead_backend_is_skipped() {
+        let (a, b) = (tagged(b'a').await, tagged(b'b').await);
+        let f = Front::start(vec![a, b]).await.expect("front");
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            seen.extend(ask(&f).await);
+        }
+        assert_eq!(seen, b"abab");
+        assert_eq!(f.counters().forwarded, vec![2, 2]);
+
+        let f = Front::start(vec![dead(), b]).await.expect("front");
+        for _ in 0..3 {
+            assert_eq!(ask(&f).await, b"b");
+        }
+        let k = f.counters();
+        assert_eq!((k.forwarded.clone(), k.unserved), (vec![0, 3], 0));
+        assert!(k.refused[0] >= 1, "{k:?}");
+    }
+}

@@ -325,3 +325,47 @@ pub async fn shutdown(cluster: &mut Cluster, limit: Duration) -> Vec<Violation> 
     v.extend(panics);
     v
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn transport(start_ms: u64, e2e_ms: u64) -> Record {
+        Record {
+            index: 0,
+            outcome: Outcome::Transport("connection closed before message completed".into()),
+            start: Duration::from_millis(start_ms),
+            ttft: None,
+            itl: Vec::new(),
+            output_tokens: 0,
+            usage_reported: false,
+            prompt_tokens: None,
+            e2e: Duration::from_millis(e2e_ms),
+            text: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_transport_error_is_allowed_only_across_a_coordinator_kill() {
+        let inv = Invariants {
+            coordinator_kills: vec![(Duration::from_millis(1000), Duration::from_millis(1020))],
+            ..Invariants::default()
+        };
+        let report = |r: Record| Report { wall: Duration::from_secs(5), records: vec![r] };
+        let reference = vec![String::new()];
+        // In flight across the kill, or connected while it was dying: counted, not a violation.
+        for r in [transport(500, 600), transport(1010, 2)] {
+            assert!(inv.coordinator_lost(&r), "{r:?}");
+            assert!(inv.requests(&report(r), &reference).is_empty());
+        }
+        // Ended before the kill, or started after the death was seen: lost (G1).
+        for r in [transport(100, 200), transport(1100, 50)] {
+            assert!(!inv.coordinator_lost(&r), "{r:?}");
+            let v = inv.requests(&report(r), &reference);
+            assert!(v.len() == 1 && v[0].detail.contains("lost, not a typed outcome"), "{v:?}");
+        }
+        // Where every request must complete, nothing is excused.
+        let strict = Invariants { all_complete: true, ..inv };
+        assert_eq!(strict.requests(&report(transport(500, 600)), &reference).len(), 1);
+    }
+}
