@@ -6,10 +6,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::task::JoinSet;
 
+use crate::front::Front;
 use crate::metrics::{get_status, scrape, Page};
 use crate::process::{Proc, Signal};
 use crate::proxy::Proxy;
@@ -45,6 +46,9 @@ pub struct ClusterSpec {
     pub lease_ttl_s: u32,
     /// Flags added to the coordinator's.
     pub coordinator_args: Vec<String>,
+    /// Coordinators serving the one membership (more than 1: clients reach them through a
+    /// round-robin [`Front`], and each listens on fixed ports so a restart keeps its flags).
+    pub coordinators: usize,
 }
 
 impl Default for ClusterSpec {
@@ -55,6 +59,7 @@ impl Default for ClusterSpec {
             kv_blocks: 256,
             lease_ttl_s: 2,
             coordinator_args: Vec::new(),
+            coordinators: 1,
         }
     }
 }
@@ -73,6 +78,23 @@ impl ClusterSpec {
     /// A decode worker whose KV link crosses a fault proxy.
     pub fn decode_behind_proxy(mut self, group: &str) -> Self {
         self.workers.push(WorkerSpec { role: Role::Decode, group: group.into(), behind_proxy: true, extra: vec![] });
+        self
+    }
+
+    /// A decode worker with extra flags (added last).
+    pub fn decode_with(mut self, group: &str, extra: &[&str]) -> Self {
+        self.workers.push(WorkerSpec {
+            role: Role::Decode,
+            group: group.into(),
+            behind_proxy: false,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        });
+        self
+    }
+
+    /// `n` coordinators on the same etcd membership, behind a round-robin front.
+    pub fn coordinators(mut self, n: usize) -> Self {
+        self.coordinators = n.max(1);
         self
     }
 
@@ -95,6 +117,19 @@ pub struct Worker {
     pub proc: Proc,
     /// The proxy on its KV link, for a decode worker started behind one.
     pub proxy: Option<Proxy>,
+    /// KV counters of its earlier lives (a restart resets them), for G3.
+    pub past: Vec<PastLife>,
+}
+
+/// What a worker's earlier life counted before it exited (last scrape before its exit).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PastLife {
+    pub pid: u32,
+    pub group: String,
+    /// `tandem_kv_transfer_bytes_total` (prefill).
+    pub kv_sent: f64,
+    /// `tandem_kv_received_bytes_total` (decode).
+    pub kv_received: f64,
 }
 
 impl Worker {
@@ -108,7 +143,15 @@ impl Worker {
 pub struct Cluster {
     pub etcd: registry::testing::Etcd,
     pub workers: Vec<Worker>,
+    /// The first coordinator (`coordinator`); [`Cluster::http_addr`] and the metrics helpers use it.
     pub coordinator: Proc,
+    /// Further coordinators (`coordinator-1`, ...) when [`ClusterSpec::coordinators`] > 1.
+    pub other_coordinators: Vec<Proc>,
+    /// The round-robin front clients use when there are several coordinators.
+    pub front: Option<Front>,
+    /// When a coordinator was SIGKILLed: (signal sent, death seen). A request in flight
+    /// across one may end in a transport error (counted as `coordinator_lost`).
+    pub coordinator_kills: Vec<(Instant, Instant)>,
     pub prefix: String,
     /// Per-process stderr logs (and etcd's, elsewhere: [`registry::testing::Etcd::log_path`]).
     pub log_dir: PathBuf,
@@ -209,7 +252,7 @@ impl Cluster {
             let (role, group, dir) = (w.role, w.group.clone(), log_dir.clone());
             starting.spawn(async move {
                 let proc = Proc::start(&name, bin, &args, wants, &dir).await?;
-                Ok::<_, HarnessError>(Worker { role, group, proc, proxy })
+                Ok::<_, HarnessError>(Worker { role, group, proc, proxy, past: Vec::new() })
             });
         }
         let mut workers = Vec::new();
@@ -234,27 +277,78 @@ impl Cluster {
         .map(|s| (*s).to_owned())
         .collect();
         cargs.extend(spec.coordinator_args.iter().cloned());
-        let coordinator = Proc::start("coordinator", "tandem-coordinator", &cargs, &["http", "grpc"], &log_dir).await?;
-        let cluster = Self { etcd, workers, coordinator, prefix, log_dir, faulted: BTreeMap::new(), keep_logs };
+        // With several coordinators, each listens on fixed ports, so a restart with the same
+        // flags comes back where the front expects it.
+        let fixed_ports = |mut args: Vec<String>| -> Result<(Vec<String>, std::net::SocketAddr), HarnessError> {
+            let (h, g) = (free_port()?, free_port()?);
+            for (flag, addr) in [("--http", h), ("--grpc", g)] {
+                if let Some(v) = args.iter().position(|a| a == flag).and_then(|k| args.get_mut(k + 1)) {
+                    *v = addr.to_string();
+                }
+            }
+            Ok((args, h))
+        };
+        let mut http = Vec::new();
+        let mut coordinators = Vec::new();
+        for i in 0..spec.coordinators.max(1) {
+            let name = if i == 0 { "coordinator".to_owned() } else { format!("coordinator-{i}") };
+            let args = if spec.coordinators > 1 {
+                let (args, h) = fixed_ports(cargs.clone())?;
+                http.push(h);
+                args
+            } else {
+                cargs.clone()
+            };
+            coordinators.push(Proc::start(&name, "tandem-coordinator", &args, &["http", "grpc"], &log_dir).await?);
+        }
+        let front = if http.len() > 1 { Some(Front::start(http).await?) } else { None };
+        let mut coordinators = coordinators.into_iter();
+        let coordinator = coordinators.next().ok_or_else(|| HarnessError::Setup("no coordinator".into()))?;
+        let other_coordinators: Vec<Proc> = coordinators.collect();
+        let cluster = Self {
+            etcd,
+            workers,
+            coordinator,
+            other_coordinators,
+            front,
+            coordinator_kills: Vec::new(),
+            prefix,
+            log_dir,
+            faulted: BTreeMap::new(),
+            keep_logs,
+        };
         cluster.wait_ready().await?;
         Ok(cluster)
     }
 
     /// Waits until `/ready` says 200 and the coordinator counts every worker as serving.
     pub async fn wait_ready(&self) -> Result<(), HarnessError> {
-        let h = self.http_addr()?;
+        for c in self.coordinators() {
+            self.wait_coordinator_ready(c).await?;
+        }
+        // Two load polls (250 ms each), so the router knows every worker's load, not just its lease.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        Ok(())
+    }
+
+    /// Waits until coordinator `c` says `/ready` 200 and counts every worker as serving.
+    pub async fn wait_coordinator_ready(&self, c: &Proc) -> Result<(), HarnessError> {
+        let h = c.addr("http")?;
         let want = |role: Role| self.workers.iter().filter(|w| w.role == role).count() as f64;
         let (np, nd) = (want(Role::Prefill), want(Role::Decode));
-        eventually("the coordinator is ready and sees every worker", Duration::from_secs(60), || async {
+        let what = format!("{} is ready and sees every worker", c.name);
+        eventually(&what, Duration::from_secs(60), || async {
             let Ok(200) = get_status(&h, "/ready").await else { return false };
             let Ok(page) = scrape(&h).await else { return false };
             let serving = |role| page.sum("tandem_coordinator_workers", &[("role", role), ("state", "serving")]);
             serving("prefill") == np && serving("decode") == nd
         })
-        .await?;
-        // Two load polls (250 ms each), so the router knows every worker's load, not just its lease.
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        Ok(())
+        .await
+    }
+
+    /// Every coordinator, the first one first.
+    pub fn coordinators(&self) -> impl Iterator<Item = &Proc> {
+        std::iter::once(&self.coordinator).chain(self.other_coordinators.iter())
     }
 
     /// The coordinator's HTTP address (`host:port`).
@@ -262,9 +356,12 @@ impl Cluster {
         self.coordinator.addr("http")
     }
 
-    /// The coordinator's base URL for loadgen.
+    /// The base URL for loadgen: the coordinator's, or the front's when there are several.
     pub fn base_url(&self) -> Result<String, HarnessError> {
-        Ok(format!("http://{}", self.http_addr()?))
+        match &self.front {
+            Some(f) => Ok(format!("http://{}", f.addr)),
+            None => Ok(format!("http://{}", self.http_addr()?)),
+        }
     }
 
     pub fn workers_of(&self, role: Role) -> impl Iterator<Item = &Worker> {
@@ -287,20 +384,104 @@ impl Cluster {
 
     /// Every child process except etcd.
     pub fn procs(&self) -> impl Iterator<Item = &Proc> {
-        self.workers.iter().map(|w| &w.proc).chain(std::iter::once(&self.coordinator))
+        self.workers
+            .iter()
+            .map(|w| &w.proc)
+            .chain(std::iter::once(&self.coordinator))
+            .chain(self.other_coordinators.iter())
     }
 
     pub fn procs_mut(&mut self) -> impl Iterator<Item = &mut Proc> {
-        self.workers.iter_mut().map(|w| &mut w.proc).chain(std::iter::once(&mut self.coordinator))
+        self.workers
+            .iter_mut()
+            .map(|w| &mut w.proc)
+            .chain(std::iter::once(&mut self.coordinator))
+            .chain(self.other_coordinators.iter_mut())
     }
 
-    /// Sends `sig` to worker `name` and records it as a deliberate fault.
+    /// The process (worker or coordinator) called `name`.
+    pub fn proc_mut(&mut self, name: &str) -> Result<&mut Proc, HarnessError> {
+        self.procs_mut().find(|p| p.name == name).ok_or_else(|| HarnessError::Setup(format!("no process {name}")))
+    }
+
+    /// Sends `sig` to process `name` (worker or coordinator) and records it as a deliberate fault.
     pub fn signal(&mut self, name: &str, sig: Signal) -> Result<u32, HarnessError> {
-        let w = self.worker(name)?;
-        w.proc.signal(sig)?;
-        let pid = w.proc.pid;
+        let p = self.proc_mut(name)?;
+        p.signal(sig)?;
+        let pid = p.pid;
         self.faulted.insert(name.to_owned(), sig);
         Ok(pid)
+    }
+
+    /// SIGKILLs coordinator `name` and waits until it is reaped; the window is recorded so
+    /// requests in flight on it may end in a transport error (see [`Cluster::coordinator_kills`]).
+    pub async fn kill_coordinator(&mut self, name: &str) -> Result<u32, HarnessError> {
+        if !self.coordinators().any(|c| c.name == name) {
+            return Err(HarnessError::Setup(format!("no coordinator {name}")));
+        }
+        let sent = Instant::now();
+        let pid = self.signal(name, Signal::Kill)?;
+        let r = self.proc_mut(name)?.wait_exit(Duration::from_secs(10)).await;
+        self.coordinator_kills.push((sent, Instant::now()));
+        r.map(|_| pid)
+    }
+
+    /// Starts the exited process `name` again with `args` (its old flags when `None`); it is
+    /// no longer counted as faulted: it must be alive at the end and stop cleanly (G5).
+    pub async fn restart(&mut self, name: &str, args: Option<Vec<String>>) -> Result<u32, HarnessError> {
+        let p = self.proc_mut(name)?;
+        p.restart(args).await?;
+        let pid = p.pid;
+        self.faulted.remove(name);
+        Ok(pid)
+    }
+
+    /// Drains worker `name` (SIGTERM), records its last KV counters as a past life, and starts
+    /// it again in version group `group` (its other flags unchanged). Returns the drained
+    /// life's exit status and how long the drain took.
+    pub async fn relabel_worker(
+        &mut self,
+        name: &str,
+        group: &str,
+        limit: Duration,
+    ) -> Result<(std::process::ExitStatus, Duration), HarnessError> {
+        let m = self.worker(name)?.metrics_addr()?;
+        let started = Instant::now();
+        let (old_pid, old_group) = (self.signal(name, Signal::Term)?, self.worker(name)?.group.clone());
+        // Scrape until it exits: the last page is what this life counted (its transfers ended
+        // in the drain's first phase, long before the process exits).
+        let mut last = scrape(&m).await.ok();
+        let status = loop {
+            if let Some(st) = self.worker_mut(name)?.proc.exited() {
+                break st;
+            }
+            if started.elapsed() > limit {
+                return Err(HarnessError::Timeout(format!(
+                    "{name} (pid {old_pid}) did not exit within {limit:?} of SIGTERM"
+                )));
+            }
+            if let Ok(p) = scrape(&m).await {
+                last = Some(p);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let took = started.elapsed();
+        let last = last.ok_or_else(|| HarnessError::Metrics(format!("{name}: no metrics page before it exited")))?;
+        let w = self.worker_mut(name)?;
+        w.past.push(PastLife {
+            pid: old_pid,
+            group: old_group.clone(),
+            kv_sent: last.sum("tandem_kv_transfer_bytes_total", &[]),
+            kv_received: last.sum("tandem_kv_received_bytes_total", &[]),
+        });
+        let mut args = w.proc.args().to_vec();
+        match args.iter().position(|a| a == "--version-group").and_then(|k| args.get_mut(k + 1)) {
+            Some(v) => *v = group.to_owned(),
+            None => args.extend(["--version-group".to_owned(), group.to_owned()]),
+        }
+        w.group = group.to_owned();
+        self.restart(name, Some(args)).await?;
+        Ok((status, took))
     }
 
     /// A live worker's `/metrics`.
@@ -318,7 +499,8 @@ impl Cluster {
     }
 
     pub fn log_paths(&self) -> Vec<(String, PathBuf)> {
-        let mut v: Vec<(String, PathBuf)> = self.procs().map(|p| (p.name.clone(), p.log_path().to_owned())).collect();
+        let mut v: Vec<(String, PathBuf)> =
+            self.procs().flat_map(|p| p.log_paths().map(|l| (p.name.clone(), l.to_owned()))).collect();
         v.push(("etcd".into(), self.etcd.log_path()));
         v
     }

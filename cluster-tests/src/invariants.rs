@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 
-use loadgen::{Outcome, Report};
+use loadgen::{Outcome, Record, Report};
 
 use crate::cluster::{Cluster, Role};
 use crate::metrics::scrape;
@@ -58,6 +58,12 @@ pub struct Invariants {
     pub transfers_intact: bool,
     /// Bound on waiting for counters and KV to settle.
     pub settle: Duration,
+    /// When a coordinator was SIGKILLed, from the load's start: (signal sent, death seen).
+    /// Filled by the drill runner from [`Cluster::coordinator_kills`]. A request in flight
+    /// across one of these windows may end in a transport error: its coordinator is gone,
+    /// so nobody is left to send a typed one. Such requests are counted apart
+    /// (`coordinator_lost`), never as complete and never silently.
+    pub coordinator_kills: Vec<(Duration, Duration)>,
 }
 
 impl Default for Invariants {
@@ -69,6 +75,7 @@ impl Default for Invariants {
             allowed_errors: None,
             transfers_intact: false,
             settle: Duration::from_secs(20),
+            coordinator_kills: Vec::new(),
         }
     }
 }
@@ -99,6 +106,13 @@ impl Invariants {
         v.extend(self.groups(cluster, &mut m).await);
         v.extend(logs_and_processes(cluster));
         (v, m)
+    }
+
+    /// Whether `r` ended in a transport error while in flight across a coordinator's SIGKILL:
+    /// started before its death was seen, and still running when the signal was sent.
+    pub fn coordinator_lost(&self, r: &Record) -> bool {
+        matches!(r.outcome, Outcome::Transport(_))
+            && self.coordinator_kills.iter().any(|&(sent, dead)| r.start <= dead && r.start + r.e2e >= sent)
     }
 
     /// G1 and G4, from the client's records.
@@ -134,6 +148,7 @@ impl Invariants {
                         ));
                     }
                 }
+                Outcome::Transport(_) if self.coordinator_lost(r) && !self.all_complete => {}
                 Outcome::Timeout => v.push(Violation::new(
                     Guarantee::G1,
                     format!("request {i}: hung until the client gave up ({:?})", r.e2e),
@@ -197,6 +212,9 @@ impl Invariants {
         for w in &cluster.workers {
             let whole = groups.entry(&w.group).or_insert(true);
             *whole &= !cluster.is_faulted(&w.proc.name);
+            for life in &w.past {
+                groups.entry(&life.group).or_insert(true);
+            }
         }
         let mut out = Vec::new();
         for (g, whole) in groups {
@@ -207,6 +225,11 @@ impl Invariants {
             let until = tokio::time::Instant::now() + self.settle;
             loop {
                 let (mut sent, mut got, mut err) = (0.0, 0.0, None);
+                // Earlier lives of restarted workers (their counters reset with the process).
+                for life in cluster.workers.iter().flat_map(|w| &w.past).filter(|l| l.group == g) {
+                    sent += life.kv_sent;
+                    got += life.kv_received;
+                }
                 for w in cluster.workers.iter().filter(|w| w.group == g) {
                     match scrape(&w.proc.addr("metrics").unwrap_or_default()).await {
                         Ok(p) if w.role == Role::Prefill => sent += p.sum("tandem_kv_transfer_bytes_total", &[]),
@@ -273,7 +296,7 @@ pub async fn shutdown(cluster: &mut Cluster, limit: Duration) -> Vec<Violation> 
     }
     // The coordinator first, so workers are not drained under a live frontend; then every
     // worker at once.
-    let coordinator = vec![cluster.coordinator.name.clone()];
+    let coordinator: Vec<String> = cluster.coordinators().map(|c| c.name.clone()).collect();
     let workers: Vec<String> = cluster.workers.iter().map(|w| w.proc.name.clone()).collect();
     for phase in [coordinator, workers] {
         for name in &phase {
@@ -301,4 +324,48 @@ pub async fn shutdown(cluster: &mut Cluster, limit: Duration) -> Vec<Violation> 
     let panics = logs_and_processes(cluster).into_iter().filter(|x| x.detail.contains("panicked"));
     v.extend(panics);
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn transport(start_ms: u64, e2e_ms: u64) -> Record {
+        Record {
+            index: 0,
+            outcome: Outcome::Transport("connection closed before message completed".into()),
+            start: Duration::from_millis(start_ms),
+            ttft: None,
+            itl: Vec::new(),
+            output_tokens: 0,
+            usage_reported: false,
+            prompt_tokens: None,
+            e2e: Duration::from_millis(e2e_ms),
+            text: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_transport_error_is_allowed_only_across_a_coordinator_kill() {
+        let inv = Invariants {
+            coordinator_kills: vec![(Duration::from_millis(1000), Duration::from_millis(1020))],
+            ..Invariants::default()
+        };
+        let report = |r: Record| Report { wall: Duration::from_secs(5), records: vec![r] };
+        let reference = vec![String::new()];
+        // In flight across the kill, or connected while it was dying: counted, not a violation.
+        for r in [transport(500, 600), transport(1010, 2)] {
+            assert!(inv.coordinator_lost(&r), "{r:?}");
+            assert!(inv.requests(&report(r), &reference).is_empty());
+        }
+        // Ended before the kill, or started after the death was seen: lost (G1).
+        for r in [transport(100, 200), transport(1100, 50)] {
+            assert!(!inv.coordinator_lost(&r), "{r:?}");
+            let v = inv.requests(&report(r), &reference);
+            assert!(v.len() == 1 && v[0].detail.contains("lost, not a typed outcome"), "{v:?}");
+        }
+        // Where every request must complete, nothing is excused.
+        let strict = Invariants { all_complete: true, ..inv };
+        assert_eq!(strict.requests(&report(transport(500, 600)), &reference).len(), 1);
+    }
 }

@@ -17,6 +17,7 @@
 
 mod cluster;
 mod drills;
+pub mod front;
 mod invariants;
 pub mod metrics;
 pub mod process;
@@ -26,8 +27,9 @@ mod reference;
 use std::future::Future;
 use std::time::Duration;
 
-pub use cluster::{Cluster, ClusterSpec, Role, Worker, WorkerSpec};
+pub use cluster::{Cluster, ClusterSpec, PastLife, Role, Worker, WorkerSpec};
 pub use drills::{drills, planned_requests, run_drill, DrillInfo, DrillOptions, DrillReport};
+pub use front::{Front, FrontCounters};
 pub use invariants::{Guarantee, Invariants, Violation};
 pub use process::{proc_state, socket_owner, Proc, Signal};
 pub use proxy::{Fault, Proxy, ProxyCounters};

@@ -47,6 +47,12 @@ pub struct Proc {
     log: PathBuf,
     /// How it ended, once reaped.
     exit: Option<ExitStatus>,
+    /// What started it, for [`Proc::restart`].
+    bin_name: String,
+    args: Vec<String>,
+    wants: Vec<String>,
+    /// Logs of its earlier lives (before a restart), still scanned for panics.
+    past_logs: Vec<PathBuf>,
 }
 
 impl Drop for Proc {
@@ -95,7 +101,18 @@ impl Proc {
             .map_err(|e| HarnessError::Setup(format!("spawn {bin_name}: {e}")))?;
         let stdout = child.stdout.take();
         let pid = child.id();
-        let mut p = Self { name: name.to_owned(), pid, child: Some(child), addrs: HashMap::new(), log, exit: None };
+        let mut p = Self {
+            name: name.to_owned(),
+            pid,
+            child: Some(child),
+            addrs: HashMap::new(),
+            log,
+            exit: None,
+            bin_name: bin_name.to_owned(),
+            args: args.to_vec(),
+            wants: wants.iter().map(|w| (*w).to_owned()).collect(),
+            past_logs: Vec::new(),
+        };
         let Some(stdout) = stdout else { return Err(HarnessError::Setup(format!("{name}: no stdout pipe"))) };
         let (tx, mut rx) = mpsc::unbounded_channel();
         // Keeps draining stdout for the process's life, so it never blocks on a full pipe.
@@ -135,6 +152,38 @@ impl Proc {
 
     pub fn log_path(&self) -> &Path {
         &self.log
+    }
+
+    /// Its current log and those of its earlier lives.
+    pub fn log_paths(&self) -> impl Iterator<Item = &Path> {
+        self.past_logs.iter().map(PathBuf::as_path).chain(std::iter::once(self.log.as_path()))
+    }
+
+    /// The flags it was started with.
+    pub fn args(&self) -> &[String] {
+        &self.args
+    }
+
+    /// Starts it again, same name and binary, with `args` (its old flags when `None`),
+    /// once it has exited; the old log is kept as `NAME.PID.log` (still scanned for panics).
+    pub async fn restart(&mut self, args: Option<Vec<String>>) -> Result<(), HarnessError> {
+        if self.exited().is_none() {
+            return Err(HarnessError::Fault(format!(
+                "{} (pid {}) is still running: not restarting it",
+                self.name, self.pid
+            )));
+        }
+        let dir = self.log.parent().map(Path::to_owned).unwrap_or_default();
+        let old = dir.join(format!("{}.{}.log", self.name, self.pid));
+        std::fs::rename(&self.log, &old)
+            .map_err(|e| HarnessError::Setup(format!("keep {}'s log as {}: {e}", self.name, old.display())))?;
+        let args = args.unwrap_or_else(|| self.args.clone());
+        let wants: Vec<&str> = self.wants.iter().map(String::as_str).collect();
+        let mut next = Self::start(&self.name, &self.bin_name, &args, &wants, &dir).await?;
+        next.past_logs = std::mem::take(&mut self.past_logs);
+        next.past_logs.push(old);
+        *self = next;
+        Ok(())
     }
 
     pub fn log_tail(&self) -> String {

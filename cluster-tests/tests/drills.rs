@@ -98,3 +98,40 @@ async fn a_drill_without_its_fault_fails_its_proof() -> TestResult {
 async fn an_unknown_drill_is_an_error() {
     assert!(run_drill("no-such-drill", &DrillOptions::default()).await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coordinator_kill() -> TestResult {
+    let r = drill("coordinator-kill").await?;
+    // Only the requests in flight on the killed coordinator may fail (a dropped connection).
+    assert!(r.typed_errors.is_empty(), "{:?}", r.typed_errors);
+    assert_eq!(r.complete + r.coordinator_lost, r.requests);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_relabel() -> TestResult {
+    let r = drill("version-relabel").await?;
+    assert_eq!(r.complete, r.requests, "a relabel lost a request");
+    assert!(r.g3_skipped_groups.is_empty(), "both groups are counted: {:?}", r.g3_skipped_groups);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_grace_short() -> TestResult {
+    let r = drill("drain-grace-short").await?;
+    assert!(r.typed_errors.keys().all(|k| k.ends_with("retryable")), "{:?}", r.typed_errors);
+    Ok(())
+}
+
+/// With its kill skipped, coordinator-kill fails on G6 alone: coordinator A is still running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coordinator_kill_without_its_fault_fails_its_proof() -> TestResult {
+    let r = run_drill("coordinator-kill", &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+    assert!(!r.fault_proven, "{}", r.proof);
+    let g6 = r.of(Guarantee::G6);
+    assert_eq!(g6.len(), 1, "{:#?}", r.violations);
+    assert!(g6[0].detail.contains("was never killed: it is still running"), "{:?}", g6[0]);
+    assert_eq!(r.violations.len(), 1, "only G6: {:#?}", r.violations);
+    assert_eq!((r.complete, r.coordinator_lost), (r.requests, 0));
+    Ok(())
+}

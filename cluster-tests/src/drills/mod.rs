@@ -68,6 +68,9 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(process::WorkerSigstop),
         Box::new(process::RollingDrain),
         Box::new(load::TightDeadlines),
+        Box::new(process::CoordinatorKill),
+        Box::new(process::VersionRelabel),
+        Box::new(process::DrainGraceShort),
     ]
 }
 
@@ -110,8 +113,11 @@ pub struct DrillReport {
     pub complete: usize,
     /// Typed errors by code (`http 503 queue_full` style labels).
     pub typed_errors: BTreeMap<String, usize>,
-    /// Requests with no typed outcome (transport, protocol, timeout).
+    /// Requests with no typed outcome (transport, protocol, timeout), except those below.
     pub lost: usize,
+    /// Requests that ended in a transport error while in flight across a coordinator's
+    /// SIGKILL (nobody was left to send a typed error); allowed, and counted here.
+    pub coordinator_lost: usize,
     /// KV blocks still used on live workers after settling.
     pub leaked_blocks: f64,
     pub p99_ttft_ms: Option<f64>,
@@ -250,6 +256,9 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         .map_err(|e| HarnessError::Load(e.to_string()))?;
     let evidence = evidence?;
     let proof = drill.prove(&cluster, &evidence, &report).await;
+    let since_start = |t: Instant| t.saturating_duration_since(load_start);
+    s.invariants.coordinator_kills =
+        cluster.coordinator_kills.iter().map(|&(sent, dead)| (since_start(sent), since_start(dead))).collect();
 
     let (mut violations, measured) = s.invariants.check_measured(&cluster, &report, &reference).await;
     if let Err(e) = &proof {
@@ -262,13 +271,14 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     }
     let summary = report.summary();
     let mut typed = BTreeMap::new();
-    let mut lost = 0;
+    let (mut lost, mut coordinator_lost) = (0, 0);
     for r in &report.records {
         match &r.outcome {
             Outcome::Complete { .. } => {}
             Outcome::HttpError { code: Some(_), .. } | Outcome::StreamError { code: Some(_), .. } => {
                 *typed.entry(r.outcome.label()).or_insert(0) += 1
             }
+            _ if s.invariants.coordinator_lost(r) => coordinator_lost += 1,
             _ => lost += 1,
         }
     }
@@ -286,6 +296,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         complete: summary.ok,
         typed_errors: typed,
         lost,
+        coordinator_lost,
         leaked_blocks: measured.leaked_blocks,
         p99_ttft_ms: summary.ttft.p99.map(|d| d.as_secs_f64() * 1e3),
         wall_ms: summary.wall.as_secs_f64() * 1e3,

@@ -160,6 +160,7 @@ mod tests {
             complete: 2,
             typed_errors: BTreeMap::new(),
             lost: 1,
+            coordinator_lost: 0,
             leaked_blocks: 0.0,
             p99_ttft_ms: None,
             wall_ms: 3800.0,

@@ -209,7 +209,10 @@ fn header() -> String {
 }
 
 fn row(r: &DrillReport, vacuity: bool) -> String {
-    let errors: Vec<String> = r.typed_errors.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
+    let mut errors: Vec<String> = r.typed_errors.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
+    if r.coordinator_lost > 0 {
+        errors.push(format!("coordinator_lost (transport) ×{}", r.coordinator_lost));
+    }
     let ttft = r.p99_ttft_ms.map_or_else(|| "-".to_owned(), |ms| format!("{:.2} s", ms / 1000.0));
     let proven = match (r.fault_proven, vacuity) {
         (true, false) => "yes",
