@@ -19,6 +19,7 @@ mod cluster;
 mod drills;
 mod invariants;
 pub mod metrics;
+pub mod netns;
 pub mod process;
 pub mod proxy;
 mod reference;
@@ -29,6 +30,7 @@ use std::time::Duration;
 pub use cluster::{Cluster, ClusterSpec, Role, Worker, WorkerSpec};
 pub use drills::{drills, run_drill, DrillInfo, DrillOptions, DrillReport};
 pub use invariants::{Guarantee, Invariants, Violation};
+pub use netns::Netns;
 pub use process::{proc_state, socket_owner, Proc, Signal};
 pub use proxy::{Fault, Proxy, ProxyCounters};
 pub use reference::reference_texts;
@@ -54,6 +56,9 @@ pub enum HarnessError {
     /// The load plan was refused.
     #[error("load: {0}")]
     Load(String),
+    /// A system command (`ip`, `iptables`) failed: which one, how it ended, its stderr.
+    #[error("`{command}` failed ({status}): {stderr}")]
+    Command { command: String, status: String, stderr: String },
 }
 
 /// Polls `f` every 50 ms until it is true; the error says `what` did not happen within `limit`.

@@ -84,9 +84,32 @@ impl Proc {
         wants: &[&str],
         log_dir: &Path,
     ) -> Result<Self, HarnessError> {
+        Self::start_with(&[], name, bin_name, args, wants, log_dir).await
+    }
+
+    /// [`Proc::start`] through `prefix` (e.g. a [`crate::Netns::exec_prefix`]): runs
+    /// `PREFIX... BIN ARGS...`. The prefix must exec the binary (not fork it), so the
+    /// pid is the binary's own.
+    pub async fn start_with(
+        prefix: &[String],
+        name: &str,
+        bin_name: &str,
+        args: &[String],
+        wants: &[&str],
+        log_dir: &Path,
+    ) -> Result<Self, HarnessError> {
         let log = log_dir.join(format!("{name}.log"));
         let err = File::create(&log).map_err(|e| HarnessError::Setup(format!("create {}: {e}", log.display())))?;
-        let mut child = Command::new(bin(bin_name)?)
+        let path = bin(bin_name)?;
+        let mut command = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&path);
+                c
+            }
+            None => Command::new(&path),
+        };
+        let mut child = command
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
