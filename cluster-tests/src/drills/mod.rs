@@ -68,6 +68,10 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(process::WorkerSigstop),
         Box::new(process::RollingDrain),
         Box::new(load::TightDeadlines),
+        Box::new(kv::KvDelay),
+        Box::new(kv::KvLoss),
+        Box::new(kv::KvBlackhole),
+        Box::new(kv::KvResets),
     ]
 }
 
