@@ -10,8 +10,8 @@
 //! namespace's own firewall, and [`Netns::rule_packets`] reads a rule's
 //! packet counter — how a drill proves its rule matched.
 //!
-//! Dropping a [`Netns`] deletes the namespace, and the veth pair with it
-//! (also when a test panics). A process killed before its drop leaves its
+//! Dropping a [`Netns`] deletes the veth pair and the namespace (also when
+//! a test panics). A process killed before its drop leaves its
 //! namespace behind; the next [`Netns::create`] sweeps every `tdm-<pid>-*`
 //! whose pid is dead, and never touches another live process's.
 //!
@@ -182,7 +182,11 @@ fn packets_of(listing: &str, comment: &str) -> Option<u64> {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        // Deleting the namespace destroys the veth pair (its inside end goes with it).
+        // The veth pair first: deleting the namespace would destroy it too, but later (the
+        // kernel cleans up namespaces asynchronously), keeping its subnet claimed meanwhile.
+        if !self.host_if.is_empty() {
+            let _ = run(&["ip", "link", "del", &self.host_if]);
+        }
         if let Err(e) = run(&["ip", "netns", "del", &self.name]) {
             eprintln!("netns: {e}");
         }
