@@ -20,6 +20,8 @@ readonly NEEDS=(
   "command -v protoc|protobuf-compiler"
   "command -v etcd && command -v etcdctl|etcd-server"
   "command -v etcdctl|etcd-client"
+  "command -v ip|iproute2"
+  "command -v iptables|iptables"
 )
 
 missing=()

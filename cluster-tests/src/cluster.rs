@@ -12,6 +12,7 @@ use tokio::task::JoinSet;
 
 use crate::front::Front;
 use crate::metrics::{get_status, scrape, Page};
+use crate::netns::Netns;
 use crate::process::{Proc, Signal};
 use crate::proxy::Proxy;
 use crate::{eventually, HarnessError};
@@ -31,6 +32,8 @@ pub struct WorkerSpec {
     pub group: String,
     /// Decode only: advertise a fault [`Proxy`] in front of the real KV listener.
     pub behind_proxy: bool,
+    /// Run it in its own [`Netns`], its listeners on the namespace's address.
+    pub netns: bool,
     /// Flags added last.
     pub extra: Vec<String>,
 }
@@ -66,18 +69,52 @@ impl Default for ClusterSpec {
 
 impl ClusterSpec {
     pub fn prefill(mut self, group: &str) -> Self {
-        self.workers.push(WorkerSpec { role: Role::Prefill, group: group.into(), behind_proxy: false, extra: vec![] });
+        self.workers.push(WorkerSpec {
+            role: Role::Prefill,
+            group: group.into(),
+            behind_proxy: false,
+            netns: false,
+            extra: vec![],
+        });
         self
     }
 
     pub fn decode(mut self, group: &str) -> Self {
-        self.workers.push(WorkerSpec { role: Role::Decode, group: group.into(), behind_proxy: false, extra: vec![] });
+        self.workers.push(WorkerSpec {
+            role: Role::Decode,
+            group: group.into(),
+            behind_proxy: false,
+            netns: false,
+            extra: vec![],
+        });
         self
     }
 
     /// A decode worker whose KV link crosses a fault proxy.
     pub fn decode_behind_proxy(mut self, group: &str) -> Self {
-        self.workers.push(WorkerSpec { role: Role::Decode, group: group.into(), behind_proxy: true, extra: vec![] });
+        self.workers.push(WorkerSpec {
+            role: Role::Decode,
+            group: group.into(),
+            behind_proxy: true,
+            netns: false,
+            extra: vec![],
+        });
+        self
+    }
+
+    /// A decode worker in its own network namespace: its gRPC, metrics and KV
+    /// listeners bind the namespace's address, it reaches etcd through a
+    /// forwarding [`Proxy`] on the namespace's gateway, and prefill workers
+    /// bind their gRPC on that gateway so it can call them. Faults then go
+    /// in with [`Netns::iptables`].
+    pub fn decode_in_netns(mut self, group: &str) -> Self {
+        self.workers.push(WorkerSpec {
+            role: Role::Decode,
+            group: group.into(),
+            behind_proxy: false,
+            netns: true,
+            extra: vec![],
+        });
         self
     }
 
@@ -87,6 +124,7 @@ impl ClusterSpec {
             role: Role::Decode,
             group: group.into(),
             behind_proxy: false,
+            netns: false,
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
         });
         self
@@ -119,6 +157,10 @@ pub struct Worker {
     pub proxy: Option<Proxy>,
     /// KV counters of its earlier lives (a restart resets them), for G3.
     pub past: Vec<PastLife>,
+    /// In a namespace: the plain proxy it reaches etcd through.
+    pub etcd_path: Option<Proxy>,
+    /// The namespace it runs in; last, so it is deleted after the process is killed.
+    pub netns: Option<Netns>,
 }
 
 /// What a worker's earlier life counted before it exited (last scrape before its exit).
@@ -187,6 +229,12 @@ fn temp_dir() -> Result<PathBuf, HarnessError> {
     Ok(dir)
 }
 
+/// `http://127.0.0.1:PORT` as a socket address.
+fn etcd_addr(endpoint: &str) -> Result<std::net::SocketAddr, HarnessError> {
+    let hostport = endpoint.strip_prefix("http://").unwrap_or(endpoint);
+    hostport.parse().map_err(|e| HarnessError::Setup(format!("etcd endpoint {endpoint:?}: {e}")))
+}
+
 fn free_port() -> Result<std::net::SocketAddr, HarnessError> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -202,15 +250,24 @@ impl Cluster {
         let ep = etcd.endpoint();
         let prefix = log_dir.file_name().map(|n| n.to_string_lossy().replace('-', "_")).unwrap_or_default();
 
+        // Namespaces first: prefill workers bind where a namespaced decode worker can call them.
+        let mut spaces =
+            spec.workers.iter().map(|w| w.netns.then(Netns::create).transpose()).collect::<Result<Vec<_>, _>>()?;
+        let gateway = spaces.iter().flatten().next().map(|ns| ns.host_ip);
         let mut starting = JoinSet::new();
         let mut counts = BTreeMap::<Role, usize>::new();
-        for w in &spec.workers {
+        for (w, netns) in spec.workers.iter().zip(spaces.iter_mut().map(Option::take)) {
             let n = counts.entry(w.role).or_insert(0);
             let name = format!("{}-{n}", if w.role == Role::Prefill { "prefill" } else { "decode" });
             *n += 1;
+            let etcd_path = match &netns {
+                Some(ns) => Some(Proxy::start_on(ns.host_ip.into(), etcd_addr(&ep)?)?),
+                None => None,
+            };
+            let worker_ep = etcd_path.as_ref().map_or_else(|| ep.clone(), |p| format!("http://{}", p.addr));
             let mut args: Vec<String> = [
                 "--etcd",
-                &ep,
+                &worker_ep,
                 "--cluster-prefix",
                 &prefix,
                 "--lease-ttl-s",
@@ -232,12 +289,25 @@ impl Cluster {
                 Role::Decode => ("tandem-decode-worker", &["grpc", "metrics", "transfer"]),
             };
             let mut proxy = None;
+            if let Some(ns) = &netns {
+                args.extend(
+                    ["--grpc", "--metrics"].into_iter().flat_map(|f| [f.to_owned(), format!("{}:0", ns.ns_ip)]),
+                );
+                if !w.behind_proxy {
+                    args.extend(["--transfer".into(), format!("{}:0", ns.ns_ip)]);
+                }
+            } else if let (Role::Prefill, Some(gw)) = (w.role, gateway) {
+                args.extend(["--grpc".into(), format!("{gw}:0")]);
+            }
             if w.role == Role::Decode {
                 args.extend(
                     ["--kv-load-failure-policy", &spec.policy, "--local-prefill-max-tokens", "0"].map(str::to_owned),
                 );
                 if w.behind_proxy {
-                    let transfer = free_port()?;
+                    let mut transfer = free_port()?;
+                    if let Some(ns) = &netns {
+                        transfer.set_ip(ns.ns_ip.into());
+                    }
                     let p = Proxy::start(transfer)?;
                     args.extend([
                         "--transfer".into(),
@@ -251,8 +321,9 @@ impl Cluster {
             args.extend(w.extra.iter().cloned());
             let (role, group, dir) = (w.role, w.group.clone(), log_dir.clone());
             starting.spawn(async move {
-                let proc = Proc::start(&name, bin, &args, wants, &dir).await?;
-                Ok::<_, HarnessError>(Worker { role, group, proc, proxy, past: Vec::new() })
+                let prefix = netns.as_ref().map(Netns::exec_prefix).unwrap_or_default();
+                let proc = Proc::start_with(&prefix, &name, bin, &args, wants, &dir).await?;
+                Ok::<_, HarnessError>(Worker { role, group, proc, proxy, past: Vec::new(), etcd_path, netns })
             });
         }
         let mut workers = Vec::new();

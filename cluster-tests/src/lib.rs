@@ -20,6 +20,7 @@ mod drills;
 pub mod front;
 mod invariants;
 pub mod metrics;
+pub mod netns;
 pub mod process;
 pub mod proxy;
 mod reference;
@@ -31,6 +32,7 @@ pub use cluster::{Cluster, ClusterSpec, PastLife, Role, Worker, WorkerSpec};
 pub use drills::{drills, planned_requests, run_drill, DrillInfo, DrillOptions, DrillReport};
 pub use front::{Front, FrontCounters};
 pub use invariants::{Guarantee, Invariants, Violation};
+pub use netns::Netns;
 pub use process::{proc_state, socket_owner, Proc, Signal};
 pub use proxy::{Fault, Proxy, ProxyCounters};
 pub use reference::reference_texts;
@@ -56,6 +58,9 @@ pub enum HarnessError {
     /// The load plan was refused.
     #[error("load: {0}")]
     Load(String),
+    /// A system command (`ip`, `iptables`) failed: which one, how it ended, its stderr.
+    #[error("`{command}` failed ({status}): {stderr}")]
+    Command { command: String, status: String, stderr: String },
 }
 
 /// Polls `f` every 50 ms until it is true; the error says `what` did not happen within `limit`.

@@ -51,6 +51,8 @@ pub struct Proc {
     bin_name: String,
     args: Vec<String>,
     wants: Vec<String>,
+    /// The command it runs under (`ip netns exec NAME`), if any.
+    prefix: Vec<String>,
     /// Logs of its earlier lives (before a restart), still scanned for panics.
     past_logs: Vec<PathBuf>,
 }
@@ -90,9 +92,32 @@ impl Proc {
         wants: &[&str],
         log_dir: &Path,
     ) -> Result<Self, HarnessError> {
+        Self::start_with(&[], name, bin_name, args, wants, log_dir).await
+    }
+
+    /// [`Proc::start`] through `prefix` (e.g. a [`crate::Netns::exec_prefix`]): runs
+    /// `PREFIX... BIN ARGS...`. The prefix must exec the binary (not fork it), so the
+    /// pid is the binary's own.
+    pub async fn start_with(
+        prefix: &[String],
+        name: &str,
+        bin_name: &str,
+        args: &[String],
+        wants: &[&str],
+        log_dir: &Path,
+    ) -> Result<Self, HarnessError> {
         let log = log_dir.join(format!("{name}.log"));
         let err = File::create(&log).map_err(|e| HarnessError::Setup(format!("create {}: {e}", log.display())))?;
-        let mut child = Command::new(bin(bin_name)?)
+        let path = bin(bin_name)?;
+        let mut command = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&path);
+                c
+            }
+            None => Command::new(&path),
+        };
+        let mut child = command
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -111,6 +136,7 @@ impl Proc {
             bin_name: bin_name.to_owned(),
             args: args.to_vec(),
             wants: wants.iter().map(|w| (*w).to_owned()).collect(),
+            prefix: prefix.to_vec(),
             past_logs: Vec::new(),
         };
         let Some(stdout) = stdout else { return Err(HarnessError::Setup(format!("{name}: no stdout pipe"))) };
@@ -179,7 +205,7 @@ impl Proc {
             .map_err(|e| HarnessError::Setup(format!("keep {}'s log as {}: {e}", self.name, old.display())))?;
         let args = args.unwrap_or_else(|| self.args.clone());
         let wants: Vec<&str> = self.wants.iter().map(String::as_str).collect();
-        let mut next = Self::start(&self.name, &self.bin_name, &args, &wants, &dir).await?;
+        let mut next = Self::start_with(&self.prefix, &self.name, &self.bin_name, &args, &wants, &dir).await?;
         next.past_logs = std::mem::take(&mut self.past_logs);
         next.past_logs.push(old);
         *self = next;

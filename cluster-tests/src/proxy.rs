@@ -85,7 +85,14 @@ pub struct Proxy {
 
 impl Proxy {
     pub fn start(upstream: SocketAddr) -> Result<Self, HarnessError> {
-        let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| HarnessError::Setup(format!("proxy bind: {e}")))?;
+        Self::start_on(std::net::Ipv4Addr::LOCALHOST.into(), upstream)
+    }
+
+    /// A proxy listening on `bind_ip` (any free port), e.g. a namespace's gateway
+    /// address, so processes inside a [`crate::Netns`] reach a host-loopback `upstream`.
+    pub fn start_on(bind_ip: std::net::IpAddr, upstream: SocketAddr) -> Result<Self, HarnessError> {
+        let listener = TcpListener::bind(SocketAddr::new(bind_ip, 0))
+            .map_err(|e| HarnessError::Setup(format!("proxy bind {bind_ip}: {e}")))?;
         let addr = listener.local_addr().map_err(|e| HarnessError::Setup(format!("proxy addr: {e}")))?;
         let state: Shared = Arc::new((
             Mutex::new(State {

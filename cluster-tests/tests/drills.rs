@@ -81,6 +81,53 @@ async fn tight_deadlines() -> TestResult {
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_delay() -> TestResult {
+    let r = drill("kv-delay").await?;
+    assert_eq!(r.complete, r.requests, "latency alone lost a request");
+    Ok(())
+}
+
+/// Needs root and iptables (`scripts/deps.sh`): the rule goes into the decode worker's namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_loss() -> TestResult {
+    let r = drill("kv-loss").await?;
+    assert_eq!(r.complete, r.requests, "{}", r.proof);
+    Ok(())
+}
+
+/// Needs root and iptables (`scripts/deps.sh`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_blackhole() -> TestResult {
+    let r = drill("kv-blackhole").await?;
+    assert_eq!(r.complete, r.requests, "{}", r.proof);
+    // Each load waits out its 3 s lease, then recomputes: slow, never hung.
+    let slowest = r.load.records.iter().map(|x| x.e2e).max().unwrap_or_default();
+    assert!(slowest < std::time::Duration::from_secs(20), "a request took {slowest:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_resets() -> TestResult {
+    let r = drill("kv-resets").await?;
+    assert_eq!(r.complete, r.requests, "{}", r.proof);
+    Ok(())
+}
+
+/// With its iptables rule never added, kv-blackhole runs clean — and fails on G6 alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackhole_never_applied_fails_its_proof() -> TestResult {
+    let r = run_drill("kv-blackhole", &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+    assert!(!r.fault_proven, "{}", r.proof);
+    let g6 = r.of(Guarantee::G6);
+    assert_eq!(g6.len(), 1, "{:#?}", r.violations);
+    assert!(g6[0].detail.contains("dropped 0 packet(s)"), "{:?}", g6[0]);
+    assert!(g6[0].detail.contains("0 load(s) failed"), "{:?}", g6[0]);
+    assert_eq!(r.violations.len(), 1, "only G6: {:#?}", r.violations);
+    assert_eq!(r.complete, r.requests);
+    Ok(())
+}
+
 /// With its fault skipped, kv-corrupt runs clean — and must still fail, on G6.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drill_without_its_fault_fails_its_proof() -> TestResult {

@@ -169,3 +169,92 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     assert_eq!(exit.code(), Some(0), "worker exit status after SIGTERM: {exit:?}");
     Ok(())
 }
+
+/// A Prefill whose caller goes away while its KV waits to be sent frees that KV, and
+/// `/metrics` says so once the worker is polled for health: the dropped handler never
+/// refreshes the gauges itself, so before the fix a finished request's refresh (taken
+/// while the other held its blocks) left `tandem_kv_blocks_used` above zero for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() -> TestResult {
+    let prompt = prompt()?;
+    let (layout, fp, _, _) = reference(&prompt)?;
+    let kv_blocks = KV_BLOCKS.to_string();
+    let args = [
+        "--grpc",
+        "127.0.0.1:0",
+        "--version-group",
+        GROUP,
+        "--threads",
+        "1",
+        "--kv-blocks",
+        &kv_blocks,
+        "--transfer-timeout-ms",
+        "600000",
+    ];
+    let worker = Worker::start(PREFILL_BIN, &args, &["grpc", "metrics"])?;
+    let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
+    // A KV destination whose kernel accepts the connection and which never answers the
+    // handshake: the transfer waits, the prompt's KV stays held for sending.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let n = prompt.len().div_ceil(layout.block_size);
+    let request = PrefillRequest {
+        request_id: "stuck".into(),
+        token_ids: prompt.clone(),
+        sampling: Some((&greedy()).into()),
+        deadline_unix_ms: 0,
+        cache_salt: 0,
+        destination: Some(KvDestination {
+            transfer_addr: silent.local_addr()?.to_string(),
+            transport: "tcp".into(),
+            reservation_id: 1,
+            generation: 1,
+            block_ids: (0..n as u32).collect(),
+            layout_fingerprint: fp.as_bytes().to_vec(),
+            version_group: GROUP.into(),
+            tls_cert_sha256: vec![],
+        }),
+    };
+    let mut client = within("gRPC connect", PrefillWorkerClient::connect(format!("http://{addr}"))).await??;
+    let stuck = tokio::spawn({
+        let (mut c, r) = (client.clone(), request.clone());
+        async move { c.prefill(r).await }
+    });
+    let used = |mut c: PrefillWorkerClient<tonic::transport::Channel>| async move {
+        within("Health answer", c.health(HealthRequest {}))
+            .await?
+            .map(|h| h.into_inner().kv_blocks_used)
+            .map_err(|e| e.to_string())
+    };
+    let held = within("the stuck request's KV is held", async {
+        loop {
+            match used(client.clone()).await {
+                Ok(0) => tokio::time::sleep(Duration::from_millis(50)).await,
+                other => return other,
+            }
+        }
+    })
+    .await??;
+    // A request that ends (refused) refreshes the gauges while the stuck one holds its blocks.
+    let mut wrong = request.clone();
+    wrong.request_id = "refused".into();
+    if let Some(d) = wrong.destination.as_mut() {
+        d.layout_fingerprint = vec![0x5a; 32];
+    }
+    within("Prefill answer (wrong fingerprint)", client.prefill(wrong)).await??;
+    let body = within("metrics scrape", tokio::task::spawn_blocking(move || scrape(metrics_addr))).await???;
+    assert_eq!(sample(&body, "tandem_kv_blocks_used"), Some(f64::from(held)), "{body}");
+
+    // The caller goes away: its HTTP/2 stream is reset and the handler dropped.
+    stuck.abort();
+    within("the stuck request's KV is freed", async {
+        while used(client.clone()).await? != 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok::<_, String>(())
+    })
+    .await??;
+    let body = within("metrics scrape", tokio::task::spawn_blocking(move || scrape(metrics_addr))).await???;
+    assert_eq!(sample(&body, "tandem_kv_blocks_used"), Some(0.0), "freed KV still shows as used:\n{body}");
+    drop(silent);
+    Ok(())
+}

@@ -1,13 +1,19 @@
-//! Drills on the KV link between prefill and decode workers.
+//! Drills on the KV link between prefill and decode workers: faults in a
+//! userspace proxy on the link (corruption, latency, resets) and in the
+//! kernel, by iptables inside the decode worker's own network namespace
+//! (packet loss, a blackhole).
+
+use std::time::Duration;
 
 use loadgen::Report;
 
-use super::common::decode_metrics;
+use super::common::{decode_metrics, LOAD_WAIT};
 use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
-use crate::cluster::{Cluster, ClusterSpec, Role};
+use crate::cluster::{Cluster, ClusterSpec, Role, Worker};
 use crate::invariants::Invariants;
+use crate::netns::Netns;
 use crate::proxy::Fault;
-use crate::HarnessError;
+use crate::{eventually, HarnessError};
 
 /// Flip one byte inside a KV frame's payload.
 pub(super) struct KvCorrupt;
@@ -68,6 +74,448 @@ impl Drill for KvCorrupt {
             Ok(format!(
                 "proxy flipped {flips} byte(s); {failures} failed load(s); {refused} frame(s) refused by checksum"
             ))
+        })
+    }
+}
+
+/// Failure reasons the decode worker counts (`tandem_kv_load_failures_total{reason}`).
+const REASONS: [&str; 7] =
+    ["rpc", "prefill_error", "version_mismatch", "corrupt", "lease_expired", "timeout", "incomplete"];
+
+/// The comment on every iptables rule a KV drill adds, to read its counter.
+const KV_RULE: &str = "tdm-kv-drill";
+
+/// Reservation lease of the namespaced decode worker in the iptables drills: how long it
+/// waits for KV that does not come before policy recompute prefills the prompt itself.
+const LEASE_MS: u64 = 3000;
+
+/// The decode worker's view of its KV loads.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Loads {
+    /// Loads that failed (any reason).
+    failed: f64,
+    /// Failed loads policy recompute answered by prefilling locally.
+    recomputed: f64,
+    /// Loads whose KV arrived intact and joined the batch.
+    loaded: f64,
+    /// Failed loads whose reservation lease ran out waiting (`lease_expired`, `timeout`).
+    lease_ran_out: f64,
+}
+
+impl Loads {
+    async fn of(c: &Cluster) -> Result<(Self, String), HarnessError> {
+        let p = crate::metrics::scrape(&decode_worker(c)?.metrics_addr()?).await?;
+        let by_reason: Vec<String> = REASONS
+            .iter()
+            .filter_map(|r| {
+                let n = p.sum("tandem_kv_load_failures_total", &[("reason", r)]);
+                (n > 0.0).then(|| format!("{r} {n}"))
+            })
+            .collect();
+        let loads = Self {
+            // (+ 0.0: an empty sum is -0.0)
+            failed: p.sum("tandem_kv_load_failures_total", &[]) + 0.0,
+            recomputed: p.sum("tandem_kv_load_policy_outcomes_total", &[("outcome", "recomputed")]) + 0.0,
+            loaded: p.sum("tandem_kv_load_seconds_count", &[]) + 0.0,
+            lease_ran_out: ["lease_expired", "timeout"]
+                .iter()
+                .map(|r| p.sum("tandem_kv_load_failures_total", &[("reason", r)]))
+                .sum::<f64>()
+                + 0.0,
+        };
+        let reasons = if by_reason.is_empty() { "none".into() } else { by_reason.join(", ") };
+        Ok((loads, reasons))
+    }
+}
+
+fn decode_worker(c: &Cluster) -> Result<&Worker, HarnessError> {
+    c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode worker".into()))
+}
+
+/// The decode worker's namespace and the port of its KV listener in there.
+fn kv_port(c: &Cluster) -> Result<(&Netns, String), HarnessError> {
+    let d = decode_worker(c)?;
+    let ns = d.netns.as_ref().ok_or_else(|| HarnessError::Setup("the decode worker is in no namespace".into()))?;
+    let transfer = d.proc.addr("transfer")?;
+    let port = transfer
+        .rsplit_once(':')
+        .map(|(_, p)| p.to_owned())
+        .ok_or_else(|| HarnessError::Setup(format!("transfer address {transfer:?} has no port")))?;
+    Ok((ns, port))
+}
+
+/// The INPUT rule spec (without `-A`/`-D`) dropping packets to the KV port; `matcher` narrows it.
+fn drop_rule(port: &str, matcher: &[&str]) -> Vec<String> {
+    let mut r: Vec<String> = ["INPUT", "-p", "tcp", "--dport", port].map(str::to_owned).to_vec();
+    r.extend(matcher.iter().map(|s| (*s).to_owned()));
+    r.extend(["-m", "comment", "--comment", KV_RULE, "-j", "DROP"].map(str::to_owned));
+    r
+}
+
+fn rule(op: &str, spec: &[String]) -> Vec<String> {
+    std::iter::once(op.to_owned()).chain(spec.iter().cloned()).collect()
+}
+
+fn iptables(ns: &Netns, args: &[String]) -> Result<String, HarnessError> {
+    ns.iptables(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// A cluster of one prefill worker and one decode worker in its own namespace
+/// (reservation lease [`LEASE_MS`]).
+fn netns_spec() -> ClusterSpec {
+    let mut spec = ClusterSpec::default().prefill("g1").decode_in_netns("g1");
+    for w in spec.workers.iter_mut().filter(|w| w.role == Role::Decode) {
+        w.extra.extend(["--reservation-ttl-ms".to_owned(), LEASE_MS.to_string()]);
+    }
+    spec
+}
+
+/// Waits (bounded) until the load has finished.
+async fn load_finished(load: &Progress) -> Result<(), HarnessError> {
+    eventually("the load finishes", Duration::from_secs(180), || async { load.finished() }).await
+}
+
+/// The slowest request of the load, in seconds.
+fn slowest(report: &Report) -> f64 {
+    report.records.iter().map(|r| r.e2e.as_secs_f64()).fold(0.0, f64::max)
+}
+
+/// 75 ms ± 50 ms latency on every KV chunk.
+pub(super) struct KvDelay;
+
+const DELAY: Duration = Duration::from_millis(75);
+const JITTER: Duration = Duration::from_millis(50);
+
+impl Drill for KvDelay {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "kv-delay",
+            description: "75 ms ± 50 ms latency on every chunk of a decode worker's KV link (proxy): every load \
+                          still succeeds within its lease, no recompute, answers identical",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default().prefill("g1").decode_behind_proxy("g1"),
+            requests: 6,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
+            ev.before = Loads::of(c).await?.0.failed;
+            if !skip {
+                ev.began();
+                proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
+            }
+            load_finished(load).await?;
+            proxy.arm(Fault::None);
+            ev.ended();
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let w = decode_worker(c).map_err(|e| e.to_string())?;
+            let k = w.proxy.as_ref().ok_or("no proxy")?.counters();
+            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+            let failed = l.failed - ev.before;
+            let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
+            let min = k.min_delay_ms.unwrap_or(0);
+            let delayed = format!(
+                "the proxy delayed {} chunk(s) by {min}..{} ms (want within [{lo}, {hi}])",
+                k.delayed_chunks, k.max_delay_ms
+            );
+            if k.delayed_chunks == 0 || min < lo || k.max_delay_ms > hi {
+                return Err(delayed);
+            }
+            let want = report.records.len() as f64;
+            if l.loaded < want || failed > 0.0 {
+                return Err(format!(
+                    "{delayed}, but the decode worker loaded {} of {want} KV transfers and {failed} failed ({reasons})",
+                    l.loaded
+                ));
+            }
+            let mean = crate::metrics::scrape(&w.metrics_addr().map_err(|e| e.to_string())?)
+                .await
+                .map(|p| p.sum("tandem_kv_load_seconds_sum", &[]) / l.loaded.max(1.0))
+                .unwrap_or(0.0);
+            Ok(format!(
+                "{delayed}; the decode worker loaded all {} KV transfers (mean load {:.0} ms), 0 failed",
+                l.loaded,
+                mean * 1e3
+            ))
+        })
+    }
+}
+
+/// 50% random packet loss on the KV port, inside the decode worker's namespace.
+pub(super) struct KvLoss;
+
+impl Drill for KvLoss {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "kv-loss",
+            description: "drop 50% of the packets to a decode worker's KV port (iptables in its namespace): \
+                          ~1 MB transfers stall in TCP backoff, each load that outlives its 3 s lease fails \
+                          (lease_expired) and is recomputed, answers identical",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: netns_spec(),
+            requests: 6,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, deadline: Duration::from_secs(30), ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let (ns, port) = kv_port(c)?;
+            let spec = drop_rule(&port, &["-m", "statistic", "--mode", "random", "--probability", "0.5"]);
+            if !skip {
+                ev.began();
+                iptables(ns, &rule("-A", &spec))?;
+            }
+            load_finished(load).await?;
+            // The rule stays until the namespace goes: the proof reads its counter.
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        _: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let (ns, port) = kv_port(c).map_err(|e| e.to_string())?;
+            let dropped = ns.rule_packets("INPUT", KV_RULE).map_err(|e| e.to_string())?.unwrap_or(0);
+            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+            let n = report.records.len() as f64;
+            let seen = format!(
+                "the 50% DROP rule on KV port {port} dropped {dropped} packet(s); of {n} KV loads {} arrived \
+                 intact and {} failed ({reasons}), {} recomputed; slowest request {:.1} s",
+                l.loaded,
+                l.failed,
+                l.recomputed,
+                slowest(report)
+            );
+            if dropped == 0 {
+                return Err(seen);
+            }
+            // Each request made one load: it arrived, or its lease ran out (loss slows a
+            // connection, it never cuts one) and it was recomputed.
+            if l.loaded + l.failed != n || l.recomputed != l.failed || l.lease_ran_out != l.failed {
+                return Err(format!(
+                    "{seen}: every load must arrive, or fail when its lease runs out and be recomputed"
+                ));
+            }
+            Ok(seen)
+        })
+    }
+}
+
+/// Drop every packet to the KV port until half the load is done, then let it through again.
+pub(super) struct KvBlackhole;
+
+impl Drill for KvBlackhole {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "kv-blackhole",
+            description: "drop every packet to a decode worker's KV port (iptables in its namespace) for half \
+                          the load: each load fails when its 3 s lease ends and is recomputed; once the rule \
+                          goes, loads arrive again; answers identical",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: netns_spec(),
+            requests: 8,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, deadline: Duration::from_secs(30), ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let (ns, port) = kv_port(c)?;
+            let spec = drop_rule(&port, &[]);
+            if !skip {
+                ev.began();
+                iptables(ns, &rule("-A", &spec))?;
+            }
+            load.wait_done(4, LOAD_WAIT).await?;
+            let (at_lift, _) = Loads::of(c).await?;
+            let dropped = ns.rule_packets("INPUT", KV_RULE)?.unwrap_or(0);
+            if !skip {
+                iptables(ns, &rule("-D", &spec))?;
+                ev.ended();
+            }
+            ev.seen = dropped > 0;
+            ev.before = at_lift.loaded;
+            ev.notes.push(format!(
+                "the DROP rule on KV port {port} dropped {dropped} packet(s) while 4 requests ended; meanwhile \
+                 {} load(s) failed and {} were recomputed, {} arrived",
+                at_lift.failed, at_lift.recomputed, at_lift.loaded
+            ));
+            if at_lift.failed < 1.0 || at_lift.recomputed != at_lift.failed {
+                ev.missing.push(format!(
+                    "{} failed and {} recomputed loads while the rule dropped the KV link",
+                    at_lift.failed, at_lift.recomputed
+                ));
+            }
+            load_finished(load).await?;
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+            let seen = format!(
+                "{}; after the rule went, {} more load(s) arrived (failure reasons overall: {reasons}); slowest \
+                 request {:.1} s (lease {:.1} s)",
+                ev.notes.join("; "),
+                l.loaded - ev.before,
+                slowest(report),
+                LEASE_MS as f64 / 1e3
+            );
+            if !ev.seen || !ev.missing.is_empty() {
+                return Err(format!("{seen}: {}", ev.missing.join("; ")));
+            }
+            if l.loaded - ev.before < 1.0 {
+                return Err(format!("{seen}: the KV link did not come back"));
+            }
+            Ok(seen)
+        })
+    }
+}
+
+/// Reset the KV connection again and again while the load runs.
+pub(super) struct KvResets;
+
+/// Bytes into the next transfer where a reset strikes (its first layers; a prompt's KV is ~1 MB).
+const RESET_AT: usize = 64 << 10;
+/// Resets a run aims for.
+const RESETS: u64 = 3;
+
+impl Drill for KvResets {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "kv-resets",
+            description: "reset a decode worker's KV connection (RST both ends, proxy) mid-transfer, re-armed \
+                          after each strike: each cut load fails at once and is recomputed, answers identical",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default().prefill("g1").decode_behind_proxy("g1"),
+            requests: 8,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
+            ev.before = Loads::of(c).await?.0.failed;
+            if skip {
+                load_finished(load).await?;
+                return Ok(ev);
+            }
+            ev.began();
+            let mut struck = proxy.counters().resets;
+            while struck < RESETS && !load.finished() {
+                proxy.arm(Fault::ResetAfter(RESET_AT));
+                let before = struck;
+                eventually("the proxy resets a KV connection (or the load ends)", LOAD_WAIT, || async {
+                    proxy.counters().resets > before || load.finished()
+                })
+                .await?;
+                struck = proxy.counters().resets;
+            }
+            proxy.arm(Fault::None);
+            ev.ended();
+            load_finished(load).await?;
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let resets =
+                decode_worker(c).map_err(|e| e.to_string())?.proxy.as_ref().ok_or("no proxy")?.counters().resets;
+            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+            let failed = l.failed - ev.before;
+            let seen = format!(
+                "the proxy reset {resets} KV connection(s); the decode worker counted {failed} failed load(s) \
+                 ({reasons}), {} recomputed, {} of {} arrived intact",
+                l.recomputed,
+                l.loaded,
+                report.records.len()
+            );
+            if resets < 2 || failed < 2.0 {
+                return Err(seen);
+            }
+            if l.recomputed != l.failed {
+                return Err(format!("{seen}: every failed load must be recomputed"));
+            }
+            Ok(seen)
         })
     }
 }

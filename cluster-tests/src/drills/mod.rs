@@ -71,6 +71,10 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(process::CoordinatorKill),
         Box::new(process::VersionRelabel),
         Box::new(process::DrainGraceShort),
+        Box::new(kv::KvDelay),
+        Box::new(kv::KvLoss),
+        Box::new(kv::KvBlackhole),
+        Box::new(kv::KvResets),
     ]
 }
 

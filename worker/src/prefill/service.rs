@@ -465,6 +465,9 @@ impl PrefillWorker for PrefillService {
             ..HealthResponse::default()
         };
         if let Some(s) = stats {
+            // Also the gauges: a Prefill whose caller went away (its handler dropped) never
+            // refreshes them, and /metrics would show its freed KV as used until the next one.
+            crate::metrics::record_stats(&s);
             h.kv_blocks_total = s.kv.total as u32;
             h.kv_blocks_used = s.kv.used as u32;
             h.running = s.running as u32;
