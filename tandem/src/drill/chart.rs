@@ -81,9 +81,11 @@ pub fn write(r: &DrillReport, path: &Path) -> anyhow::Result<()> {
             .label("fault window")
             .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], FAULT.mix(0.3).filled()));
     }
-    for (kind, colour, label) in
-        [(Kind::Complete, COMPLETE, "complete (e2e)"), (Kind::Typed, TYPED, "typed error"), (Kind::Lost, LOST, "lost")]
-    {
+    for (kind, colour, label) in [
+        (Kind::Complete, COMPLETE, "complete (e2e)"),
+        (Kind::Typed, TYPED, "typed error"),
+        (Kind::Lost, LOST, "no typed outcome (transport, timeout)"),
+    ] {
         let mine: Vec<(f64, f64)> = pts.iter().filter(|p| p.2 == kind).map(|p| (p.0, p.1)).collect();
         if mine.is_empty() {
             continue;
@@ -184,7 +186,7 @@ mod tests {
         assert_eq!(dots("#2E7D32"), 2 + 1, "complete dots and legend");
         assert_eq!(dots("#EF6C00"), 1 + 1);
         assert_eq!(dots("#C62828"), 1 + 1);
-        for label in ["fault window", "complete (e2e)", "typed error", "lost", "time to first token"] {
+        for label in ["fault window", "complete (e2e)", "typed error", "no typed outcome", "time to first token"] {
             assert!(svg.contains(label), "legend lacks {label}");
         }
     }
