@@ -465,6 +465,10 @@ impl PrefillWorker for PrefillService {
             ..HealthResponse::default()
         };
         if let Some(s) = stats {
+            // Refreshed here too (the coordinator polls Health every few hundred ms): set only
+            // after requests, the gauges could keep a concurrent request's blocks forever when
+            // two requests' after-request reads landed out of order.
+            crate::metrics::record_stats(&s);
             h.kv_blocks_total = s.kv.total as u32;
             h.kv_blocks_used = s.kv.used as u32;
             h.running = s.running as u32;
