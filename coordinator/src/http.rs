@@ -768,3 +768,31 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallGuard<T> {
         this.progress(r, cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_the_peer_does_not_take_fails_after_the_idle_limit() {
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        let limit = Duration::from_secs(3);
+        let mut g = StallGuard { io: ours, limit, stalled: None, timed_out: false };
+        // A reader that keeps taking bytes keeps the connection, however long it takes.
+        for _ in 0..5 {
+            g.write_all(&[1u8; 64]).await.expect("the buffer has room");
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let mut buf = [0u8; 64];
+            theirs.read_exact(&mut buf).await.expect("the bytes arrive");
+        }
+        // One that stops: the write fails once nothing moved for the limit, and stays failed.
+        let t = tokio::time::Instant::now();
+        let e = g.write_all(&[2u8; 256]).await.expect_err("the peer takes nothing");
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        assert!(t.elapsed() >= limit, "{:?}", t.elapsed());
+        let mut buf = [0u8; 64];
+        theirs.read_exact(&mut buf).await.expect("what was buffered");
+        assert!(g.write_all(&[3u8; 1]).await.is_err(), "a timed-out connection is failed for good");
+    }
+}
