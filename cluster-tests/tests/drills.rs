@@ -182,3 +182,38 @@ async fn coordinator_kill_without_its_fault_fails_its_proof() -> TestResult {
     assert_eq!((r.complete, r.coordinator_lost), (r.requests, 0));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_errors() -> TestResult {
+    let r = drill("prefill-errors").await?;
+    assert_eq!(r.complete, r.requests, "policy retry hides the faulty prefill worker");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_unavailable() -> TestResult {
+    let r = drill("prefill-unavailable").await?;
+    assert!(r.typed_errors.keys().any(|k| k == "http 503 prefill_unavailable"), "{:?}", r.typed_errors);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_reader() -> TestResult {
+    let r = drill("slow-reader").await?;
+    assert_eq!(r.complete, r.requests, "a slow reader held up the normal load");
+    Ok(())
+}
+
+/// With a healthy prefill worker, prefill-unavailable runs clean — and must fail on G6,
+/// saying no breaker opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_unavailable_without_its_fault_fails_its_proof() -> TestResult {
+    let r = run_drill("prefill-unavailable", &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+    assert!(!r.fault_proven, "{}", r.proof);
+    let g6 = r.of(Guarantee::G6);
+    assert_eq!(g6.len(), 1, "{:#?}", r.violations);
+    assert!(g6[0].detail.contains("no fast 503 behind an open breaker: breaker opened 0 time(s)"), "{:?}", g6[0]);
+    assert_eq!(r.violations.len(), 1, "only G6: {:#?}", r.violations);
+    assert_eq!(r.complete, r.requests);
+    Ok(())
+}

@@ -8,6 +8,10 @@
 //! prefill workers of its group by power of two choices (the rest as
 //! fallbacks for the `retry` policy), or none when the prompt is at most
 //! `local_prefill_max_tokens` long (the decode worker prefills it).
+//!
+//! Each request's stream reports the remote prefill attempts the decode
+//! worker made; they feed the per-prefill-worker circuit breakers
+//! ([`crate::breaker`]) that routing consults.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -16,9 +20,10 @@ use std::time::Duration;
 
 use engine::sampler::SamplingParams;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
-use proto::worker::v1::{generate_response, GenerateRequest, PrefillTarget};
+use proto::worker::v1::{generate_response, GenerateRequest, PrefillAttempt, PrefillTarget};
 use tonic::transport::{Channel, Endpoint};
 
+use crate::breaker::{BreakerConfig, Breakers, Gate, Outcome};
 use crate::load::{Kind, LoadBoard};
 use crate::metrics;
 use crate::openai::ApiError;
@@ -49,11 +54,13 @@ pub struct RouteSettings {
     pub local_prefill_max_tokens: usize,
     /// How often each worker's load is polled.
     pub load_poll: Duration,
+    /// The prefill workers' circuit breakers.
+    pub breaker: BreakerConfig,
 }
 
 impl Default for RouteSettings {
     fn default() -> Self {
-        Self { local_prefill_max_tokens: 32, load_poll: Duration::from_millis(250) }
+        Self { local_prefill_max_tokens: 32, load_poll: Duration::from_millis(250), breaker: BreakerConfig::default() }
     }
 }
 
@@ -62,6 +69,7 @@ pub struct Cluster {
     source: Source,
     settings: RouteSettings,
     board: Arc<LoadBoard>,
+    breakers: Breakers,
     decode: Mutex<HashMap<String, Arc<Decode>>>,
     rng: Mutex<Rng>,
     next_id: AtomicU64,
@@ -90,6 +98,15 @@ fn endpoint(addr: &str) -> Result<Endpoint, String> {
 
 fn unavailable(code: &'static str, message: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", code, message).retry_after(1)
+}
+
+/// The fast 503 when no prefill worker of the group may be used: Retry-After
+/// is the time until the first breaker lets a probe through (whole seconds, at least 1).
+fn prefill_unavailable(wait: Duration, message: String) -> ApiError {
+    metrics::route_refused("prefill_unavailable");
+    metrics::prefill_unavailable();
+    let secs = wait.as_millis().div_ceil(1000).max(1) as u64;
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "prefill_unavailable", message).retry_after(secs)
 }
 
 /// Running requests assumed per fixed-address decode worker (the workers'
@@ -122,6 +139,7 @@ impl Cluster {
             source,
             settings,
             board: LoadBoard::new(settings.load_poll),
+            breakers: Breakers::new(settings.breaker),
             decode: Mutex::new(HashMap::new()),
             rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
             next_id: AtomicU64::new(1),
@@ -137,6 +155,27 @@ impl Cluster {
     /// The live-load board (read by `/ready` and metrics).
     pub fn board(&self) -> &LoadBoard {
         &self.board
+    }
+
+    /// The prefill workers' circuit breakers.
+    pub fn breakers(&self) -> &Breakers {
+        &self.breakers
+    }
+
+    /// Feeds the remote prefill attempts a decode worker reported to the breakers.
+    pub fn record_prefill_attempts(&self, attempts: &[PrefillAttempt]) {
+        for a in attempts {
+            let Some(t) = a.target.as_ref() else { continue };
+            let (outcome, label) = match &a.error {
+                None => (Outcome::Success, "ok"),
+                // Busy is not broken.
+                Some(e) if e.kind() == proto::worker::v1::ErrorKind::Overloaded => (Outcome::Neutral, "overloaded"),
+                Some(_) => (Outcome::Failure, if a.reason.is_empty() { "failed" } else { a.reason.as_str() }),
+            };
+            metrics::prefill_attempt(&t.worker_id, label);
+            let why = a.error.as_ref().map_or("", |e| e.message.as_str());
+            self.breakers.record(&t.worker_id, &t.grpc_addr, outcome, why);
+        }
     }
 
     fn poll_targets(&self) -> HashMap<String, Kind> {
@@ -262,7 +301,13 @@ impl Cluster {
                         .collect(),
                     prefill
                         .iter()
-                        .map(|a| PrefillCandidate { id: a, addr: a, version_group: STATIC_GROUP, load: loads.get(a) })
+                        .map(|a| PrefillCandidate {
+                            id: a,
+                            addr: a,
+                            version_group: STATIC_GROUP,
+                            load: loads.get(a),
+                            gate: Gate::Closed,
+                        })
                         .collect(),
                 ),
                 Source::Etcd { membership, max_stale } => {
@@ -289,6 +334,7 @@ impl Cluster {
                                 addr: &w.grpc_addr,
                                 version_group: &w.version_group,
                                 load,
+                                gate: Gate::Closed,
                             });
                         }
                     }
@@ -296,17 +342,47 @@ impl Cluster {
                 }
             }
         };
+        let mut prefill = prefill;
+        let gates = self.breakers.gates(prefill.iter().map(|c| c.addr));
+        for (c, g) in prefill.iter_mut().zip(gates) {
+            c.gate = g;
+        }
         let decision = {
             let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
-            router::route(&decode, &prefill, prompt_tokens, self.settings.local_prefill_max_tokens, &mut rng)
+            let threshold = self.settings.local_prefill_max_tokens;
+            match router::route(&decode, &prefill, prompt_tokens, threshold, &mut rng) {
+                // Configured to: the decode worker prefills while its group's prefill workers are all open.
+                Err(NoRoute::PrefillUnavailable(_)) if self.settings.breaker.open_group_prefills_locally => {
+                    router::route(&decode, &[], prompt_tokens, threshold, &mut rng)
+                }
+                d => d,
+            }
         };
-        let decision = decision.map_err(|e| {
-            metrics::route_refused(match e {
-                NoRoute::NoDecode => "no_decode",
-                NoRoute::NoneReady(_) => "none_ready",
-            });
-            unavailable("no_worker", e.to_string())
+        let mut decision = decision.map_err(|e| match e {
+            NoRoute::PrefillUnavailable(wait) => prefill_unavailable(wait, e.to_string()),
+            NoRoute::NoDecode | NoRoute::NoneReady(_) => {
+                metrics::route_refused(if e == NoRoute::NoDecode { "no_decode" } else { "none_ready" });
+                unavailable("no_worker", e.to_string())
+            }
         })?;
+        // A probe goes first; if another request claimed it meanwhile, this one skips it.
+        if let Some(&first) = decision.prefill.first() {
+            if prefill[first].gate == Gate::Probe && !self.breakers.claim_probe(prefill[first].addr) {
+                decision.prefill.remove(0);
+                if decision.prefill.is_empty() {
+                    // Without the probe, the group is as good as open; treat it alike.
+                    if self.settings.breaker.open_group_prefills_locally {
+                        metrics::route_decided(router::Prefill::Local);
+                        return Ok(Route { decode: decode[decision.decode].addr.to_owned(), prefill: Vec::new() });
+                    }
+                    let wait = self.breakers.config().cooldown;
+                    return Err(prefill_unavailable(
+                        wait,
+                        "the version group's only prefill worker is being probed".into(),
+                    ));
+                }
+            }
+        }
         metrics::route_decided(decision.kind);
         Ok(Route {
             decode: decode[decision.decode].addr.to_owned(),
@@ -382,8 +458,9 @@ pub enum Step {
     Finished(proto::worker::v1::Finished),
 }
 
-/// The next event of a worker stream, with worker errors mapped to HTTP.
-pub async fn next(stream: &mut WorkerStream) -> Result<Step, ApiError> {
+/// The next event of a worker stream, with worker errors mapped to HTTP;
+/// remote prefill attempts it reports go to `cluster`'s breakers.
+pub async fn next(stream: &mut WorkerStream, cluster: &Cluster) -> Result<Step, ApiError> {
     let msg = stream.message().await.map_err(|s| {
         ApiError::new(
             StatusCode::BAD_GATEWAY,
@@ -392,6 +469,9 @@ pub async fn next(stream: &mut WorkerStream) -> Result<Step, ApiError> {
             format!("decode worker stream: {}", s.message()),
         )
     })?;
+    if let Some(m) = &msg {
+        cluster.record_prefill_attempts(&m.prefill_attempts);
+    }
     match msg.and_then(|m| m.event) {
         Some(generate_response::Event::Token(t)) => Ok(Step::Token(t)),
         Some(generate_response::Event::Finished(f)) => Ok(Step::Finished(f)),

@@ -43,7 +43,7 @@ use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::ServingStatus;
 
 use crate::openai::{self, ApiError, Message, Sampling, Stop, StreamOptions};
-use crate::pipeline::{priority_of, Event, Finish, Job, Pipeline, TokenLogprob};
+use crate::pipeline::{priority_of, send_within, Event, Finish, Job, Pipeline, TokenLogprob};
 use crate::prompt;
 
 /// Metadata key carrying the OpenAI error code (`model_not_found`, ...).
@@ -244,6 +244,8 @@ type Events = mpsc::Sender<Result<GenerateResponse, Status>>;
 /// event is sent, so by the time a client sees the end, the request's
 /// admission is released and its workers have been told to stop.
 async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
+    let idle = pipeline.settings.stream_idle_timeout;
+    let send = |m: Result<GenerateResponse, Status>| send_within(&tx, m, idle, "grpc");
     let started = tokio::select! {
         r = pipeline.run(job) => r,
         () = tx.closed() => return,
@@ -251,7 +253,7 @@ async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
     let mut run = match started {
         Ok(r) => r,
         Err(e) => {
-            let _ = tx.send(Err(status_of(&e))).await;
+            send(Err(status_of(&e))).await;
             return;
         }
     };
@@ -264,12 +266,12 @@ async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
         match event {
             Err(e) => {
                 drop(run);
-                let _ = tx.send(Err(status_of(&e))).await;
+                send(Err(status_of(&e))).await;
                 return;
             }
             Ok(Event::Piece(p)) => {
                 let logprobs = p.logprob.map(wire_logprob).into_iter().collect();
-                if tx.send(Ok(chunk(p.text, vec![p.token_id], logprobs))).await.is_err() {
+                if !send(Ok(chunk(p.text, vec![p.token_id], logprobs))).await {
                     return;
                 }
                 if let Some(f) = p.finish {
@@ -278,7 +280,7 @@ async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
             }
             Ok(Event::End(f)) => {
                 let rest = run.flush();
-                if !rest.is_empty() && tx.send(Ok(chunk(rest, Vec::new(), Vec::new()))).await.is_err() {
+                if !rest.is_empty() && !send(Ok(chunk(rest, Vec::new(), Vec::new()))).await {
                     return;
                 }
                 break f;
@@ -299,7 +301,7 @@ async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
         Finish::Length => FinishReason::Length,
     };
     let done = Done { finish_reason: finish_reason as i32, usage };
-    let _ = tx.send(Ok(GenerateResponse { event: Some(generate_response::Event::Done(done)) })).await;
+    send(Ok(GenerateResponse { event: Some(generate_response::Event::Done(done)) })).await;
 }
 
 /// The `tandem.frontend.v1.Frontend` service.

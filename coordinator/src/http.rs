@@ -15,6 +15,14 @@
 //! A client that goes away drops the run, which cancels the request on the
 //! decode and prefill workers and frees its KV.
 //!
+//! A client that stops reading a streamed answer: each SSE event must be
+//! taken within `stream_idle_timeout` (the pipeline's setting), else the
+//! answer ends, which cancels the request on the workers; and a connection
+//! whose socket accepts no byte for that long is closed
+//! ([`StallGuardListener`]). So a stuck reader holds neither KV nor an
+//! admission slot past the timeout, and what the coordinator buffers for it
+//! is bounded (a 16-event channel plus hyper's write buffer).
+//!
 //! `Idempotency-Key`: the first request with a key runs and records what it
 //! sends; a retry with the same key and body gets that answer (replayed,
 //! live if still running) instead of running twice ([`crate::idempotency`]).
@@ -37,7 +45,7 @@ use tokio::sync::mpsc;
 use crate::idempotency::{self, Claim, Idempotency, Recorder, Replay, Replayed};
 use crate::metrics;
 use crate::openai::{self, ApiError};
-use crate::pipeline::{priority_of, Event as RunEvent, Job, Pipeline, Run, TokenLogprob};
+use crate::pipeline::{priority_of, send_within, Event as RunEvent, Job, Pipeline, Run, TokenLogprob};
 use crate::prompt;
 
 /// HTTP-only settings (the shared ones are in [`crate::pipeline::Settings`]).
@@ -142,6 +150,7 @@ async fn prometheus(State(app): State<Arc<App>>) -> Response {
     // Gauges read at scrape time, so they are exact when read.
     let s = app.pipeline.admission.stats();
     metrics::queue(s.queued, s.queued_tokens, s.running);
+    app.pipeline.cluster.breakers().export();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
 }
 
@@ -297,7 +306,10 @@ async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job
             digest.extend_from_slice(api.name().as_bytes());
             match app.idempotency.claim(&job.caller, k, idempotency::fingerprint(&digest)) {
                 Claim::Leader(r) => Some(r),
-                Claim::Follower(replay) => return finished(api, replay_answer(replay, job.spec.stream).await),
+                Claim::Follower(replay) => {
+                    let idle = app.pipeline.settings.stream_idle_timeout;
+                    return finished(api, replay_answer(replay, job.spec.stream, idle).await);
+                }
                 Claim::Conflict => {
                     let e = ApiError::new(
                         StatusCode::UNPROCESSABLE_ENTITY,
@@ -331,7 +343,14 @@ async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job
             return finished(api, e.into_response());
         }
     };
-    let answer = Answer { api, created: now_secs(), model: app.pipeline.settings.model.clone(), run, recorder };
+    let answer = Answer {
+        api,
+        created: now_secs(),
+        model: app.pipeline.settings.model.clone(),
+        run,
+        recorder,
+        idle: app.pipeline.settings.stream_idle_timeout,
+    };
     if stream {
         let (tx, rx) = mpsc::channel::<Event>(16);
         tokio::spawn(answer.stream(tx));
@@ -357,7 +376,7 @@ fn keeps(status: StatusCode) -> bool {
 }
 
 /// The answer of a request that follows an earlier one with its key.
-async fn replay_answer(mut replay: Replay<Recorded>, stream: bool) -> Response {
+async fn replay_answer(mut replay: Replay<Recorded>, stream: bool, idle: Duration) -> Response {
     metrics::idempotent_replay(if replay.leader_finished() { "done" } else { "inflight" });
     let abandoned = || {
         ApiError::new(
@@ -383,7 +402,7 @@ async fn replay_answer(mut replay: Replay<Recorded>, stream: bool) -> Response {
                 Replayed::End => return,
                 Replayed::Abandoned => Event::default().data(abandoned().body().to_string()),
             };
-            if tx.send(event).await.is_err() {
+            if !send_within(&tx, event, idle, "http").await {
                 return;
             }
         }
@@ -410,6 +429,8 @@ struct Answer {
     run: Run,
     /// Set for a request with an `Idempotency-Key`: what is sent is recorded.
     recorder: Option<Recorder<Recorded>>,
+    /// How long the client may leave an event untaken before the stream ends.
+    idle: Duration,
 }
 
 impl Answer {
@@ -509,7 +530,7 @@ impl Answer {
                     // event. Not kept for idempotent retries (dropping the
                     // recorder abandons it): a retry runs anew.
                     self.recorder = None;
-                    let _ = tx.send(Event::default().data(e.body().to_string())).await;
+                    send_within(&tx, Event::default().data(e.body().to_string()), self.idle, "http").await;
                     return;
                 }
                 Ok(RunEvent::Piece(p)) => {
@@ -554,12 +575,12 @@ impl Answer {
     }
 
     /// Records (for idempotent retries) and sends one SSE event; false when
-    /// the client went away.
+    /// the client went away or took no event within the idle timeout.
     async fn emit(&self, tx: &mpsc::Sender<Event>, data: String) -> bool {
         if let Some(rec) = &self.recorder {
             rec.push(Recorded::Event(data.clone()));
         }
-        tx.send(Event::default().data(data)).await.is_ok()
+        send_within(tx, Event::default().data(data), self.idle, "http").await
     }
 }
 
@@ -612,5 +633,166 @@ async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body)
     match r {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+/// A listener whose connections fail a write that makes no progress for
+/// `limit`: the socket accepted no byte (the client stopped reading and
+/// every buffer on the way is full), so the connection is closed, which
+/// drops the answer being written and cancels its request on the workers.
+/// Idle keep-alive connections are not affected (nothing is being written).
+/// Counted as `tandem_coordinator_stream_send_timeouts_total{layer="connection"}`.
+pub struct StallGuardListener<L> {
+    inner: L,
+    limit: Duration,
+}
+
+impl<L> StallGuardListener<L> {
+    pub fn new(inner: L, limit: Duration) -> Self {
+        Self { inner, limit }
+    }
+}
+
+impl<L: axum::serve::Listener> axum::serve::Listener for StallGuardListener<L> {
+    type Io = StallGuard<L::Io>;
+    type Addr = L::Addr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let (io, addr) = self.inner.accept().await;
+        (StallGuard { io, limit: self.limit, stalled: None, timed_out: false }, addr)
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
+
+/// One connection under a [`StallGuardListener`].
+pub struct StallGuard<T> {
+    io: T,
+    limit: Duration,
+    /// Running while a write or flush waits on the socket.
+    stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// The limit passed once: the connection is failed for good.
+    timed_out: bool,
+}
+
+impl<T> StallGuard<T> {
+    /// The socket is not taking bytes: pending until the limit, then an error.
+    fn stalled<R>(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<R>> {
+        use std::future::Future;
+        let limit = self.limit;
+        let timer = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            std::task::Poll::Pending => std::task::Poll::Pending,
+            std::task::Poll::Ready(()) => {
+                if !self.timed_out {
+                    metrics::stream_send_timeout("http", "connection");
+                    tracing::info!(?limit, "the client took no byte within the stream idle timeout; closing");
+                    self.timed_out = true;
+                }
+                std::task::Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the client took no byte within the stream idle timeout",
+                )))
+            }
+        }
+    }
+
+    fn progress<R>(
+        &mut self,
+        r: std::task::Poll<std::io::Result<R>>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<R>> {
+        match r {
+            std::task::Poll::Pending => self.stalled(cx),
+            done if !self.timed_out => {
+                self.stalled = None;
+                done
+            }
+            _ => self.stalled(cx),
+        }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for StallGuard<T> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallGuard<T> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let r = std::pin::Pin::new(&mut this.io).poll_write(cx, buf);
+        this.progress(r, cx)
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let r = std::pin::Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.progress(r, cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let r = std::pin::Pin::new(&mut this.io).poll_flush(cx);
+        this.progress(r, cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let r = std::pin::Pin::new(&mut this.io).poll_shutdown(cx);
+        this.progress(r, cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_the_peer_does_not_take_fails_after_the_idle_limit() {
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        let limit = Duration::from_secs(3);
+        let mut g = StallGuard { io: ours, limit, stalled: None, timed_out: false };
+        // A reader that keeps taking bytes keeps the connection, however long it takes.
+        for _ in 0..5 {
+            g.write_all(&[1u8; 64]).await.expect("the buffer has room");
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let mut buf = [0u8; 64];
+            theirs.read_exact(&mut buf).await.expect("the bytes arrive");
+        }
+        // One that stops: the write fails once nothing moved for the limit, and stays failed.
+        let t = tokio::time::Instant::now();
+        let e = g.write_all(&[2u8; 256]).await.expect_err("the peer takes nothing");
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        assert!(t.elapsed() >= limit, "{:?}", t.elapsed());
+        let mut buf = [0u8; 64];
+        theirs.read_exact(&mut buf).await.expect("what was buffered");
+        assert!(g.write_all(&[3u8; 1]).await.is_err(), "a timed-out connection is failed for good");
     }
 }

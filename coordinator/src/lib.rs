@@ -17,6 +17,7 @@
 
 pub mod admission;
 pub mod auth;
+pub mod breaker;
 pub mod cluster;
 pub mod grpc;
 pub mod http;

@@ -60,6 +60,25 @@ pub const E2E: &str = "tandem_coordinator_e2e_request_latency_seconds";
 /// `tandem_coordinator_idempotent_replays_total{state}`: requests answered
 /// from an earlier one with the same `Idempotency-Key` (`inflight` or `done`).
 pub const IDEMPOTENT_REPLAYS: &str = "tandem_coordinator_idempotent_replays_total";
+/// `tandem_coordinator_prefill_breaker_state{worker}`: each prefill worker's
+/// circuit breaker: 0 closed, 1 half-open (a probe may go), 2 open. vLLM: none.
+pub const BREAKER_STATE: &str = "tandem_coordinator_prefill_breaker_state";
+/// `tandem_coordinator_prefill_breaker_transitions_total{worker,from,to}`:
+/// breaker state changes (`closed`, `open`, `half_open`).
+pub const BREAKER_TRANSITIONS: &str = "tandem_coordinator_prefill_breaker_transitions_total";
+/// `tandem_coordinator_prefill_attempts_total{worker,outcome}`: remote
+/// prefill attempts the decode workers reported (`ok`, or their failure reason).
+pub const PREFILL_ATTEMPTS: &str = "tandem_coordinator_prefill_attempts_total";
+/// `tandem_coordinator_prefill_unavailable_total`: requests answered 503
+/// `prefill_unavailable` at once because every prefill worker of the group
+/// had an open breaker.
+pub const PREFILL_UNAVAILABLE: &str = "tandem_coordinator_prefill_unavailable_total";
+/// `tandem_coordinator_stream_send_timeouts_total{api,layer}`: streamed
+/// answers ended because the client did not take what was sent for
+/// `--stream-idle-timeout-ms`: `layer="event"` when the next event could not
+/// be handed over, `layer="connection"` when the socket accepted no byte
+/// (the connection is closed). vLLM: none.
+pub const STREAM_SEND_TIMEOUTS: &str = "tandem_coordinator_stream_send_timeouts_total";
 
 const LATENCY_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0];
 const TOKEN_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
@@ -91,6 +110,32 @@ fn describe() {
     describe_histogram!(TPOT, metrics::Unit::Seconds, "Gap between output tokens");
     describe_histogram!(E2E, metrics::Unit::Seconds, "Arrival to the last byte");
     describe_counter!(IDEMPOTENT_REPLAYS, "Requests answered from an earlier one with the same Idempotency-Key");
+    describe_gauge!(BREAKER_STATE, "Prefill worker circuit breaker: 0 closed, 1 half-open, 2 open");
+    describe_counter!(BREAKER_TRANSITIONS, "Prefill worker circuit breaker state changes");
+    describe_counter!(PREFILL_ATTEMPTS, "Remote prefill attempts reported by decode workers, by outcome");
+    describe_counter!(PREFILL_UNAVAILABLE, "Requests refused at once: every prefill worker of the group open");
+    describe_counter!(STREAM_SEND_TIMEOUTS, "Streams ended because the client stopped reading");
+}
+
+pub fn breaker_state(worker: &str, state: crate::breaker::State) {
+    gauge!(BREAKER_STATE, "worker" => worker.to_owned()).set(state.level());
+}
+
+pub fn breaker_transition(worker: &str, from: crate::breaker::State, to: crate::breaker::State) {
+    counter!(BREAKER_TRANSITIONS, "worker" => worker.to_owned(), "from" => from.as_str(), "to" => to.as_str())
+        .increment(1);
+}
+
+pub fn prefill_attempt(worker: &str, outcome: &str) {
+    counter!(PREFILL_ATTEMPTS, "worker" => worker.to_owned(), "outcome" => outcome.to_owned()).increment(1);
+}
+
+pub fn prefill_unavailable() {
+    counter!(PREFILL_UNAVAILABLE).increment(1);
+}
+
+pub fn stream_send_timeout(api: &'static str, layer: &'static str) {
+    counter!(STREAM_SEND_TIMEOUTS, "api" => api, "layer" => layer).increment(1);
 }
 
 pub fn route_decided(kind: Prefill) {

@@ -40,6 +40,25 @@ pub struct Settings {
     pub default_timeout: Duration,
     /// `max_tokens` when the request sets none.
     pub default_max_tokens: u32,
+    /// A streamed answer whose client takes no event (HTTP: no byte) for
+    /// this long is ended: the request is cancelled on the workers (its KV
+    /// freed) and the connection closed (`--stream-idle-timeout-ms`).
+    pub stream_idle_timeout: Duration,
+}
+
+/// Hands `item` to a streamed answer's bounded channel within `idle`;
+/// false when the client went away or did not take it in time (counted as
+/// `tandem_coordinator_stream_send_timeouts_total{api,layer="event"}`).
+pub async fn send_within<T>(tx: &tokio::sync::mpsc::Sender<T>, item: T, idle: Duration, api: &'static str) -> bool {
+    match tx.send_timeout(item, idle).await {
+        Ok(()) => true,
+        Err(tokio::sync::mpsc::error::SendTimeoutError::Timeout(_)) => {
+            metrics::stream_send_timeout(api, "event");
+            tracing::info!(api, ?idle, "the client took no event within the stream idle timeout; ending the stream");
+            false
+        }
+        Err(tokio::sync::mpsc::error::SendTimeoutError::Closed(_)) => false,
+    }
 }
 
 /// What the frontends share: the tokenizer, the cluster and admission.
@@ -444,7 +463,7 @@ impl Run {
 
     /// The next piece, or the end; a worker error or the deadline is an error.
     pub async fn step(&mut self) -> Result<Event, ApiError> {
-        let event = tokio::time::timeout_at(self.deadline.into(), next(&mut self.stream)).await;
+        let event = tokio::time::timeout_at(self.deadline.into(), next(&mut self.stream, &self.pipeline.cluster)).await;
         match event {
             Err(_) => Err(deadline_error()),
             Ok(Err(e)) => Err(e),

@@ -16,9 +16,18 @@
 //!   drawn at random, the less busy one first), then the rest by queue as
 //!   fallbacks. Random pairs keep many coordinators from herding onto the
 //!   single least-loaded worker their stale views agree on.
+//! - Circuit breakers ([`crate::breaker`]): a prefill worker whose breaker
+//!   is open is left out; one whose cooldown passed goes first, as the
+//!   probe. A decode worker whose group has prefill workers but all of them
+//!   open is passed over for one whose group can prefill; when there is
+//!   none, the answer is [`NoRoute::PrefillUnavailable`] (a fast 503), never
+//!   a decode worker left waiting for KV that cannot come.
 //!
 //! Must not: do I/O, allocate per candidate beyond the result, or panic.
 
+use std::time::Duration;
+
+use crate::breaker::Gate;
 use crate::load::Load;
 
 /// A decode worker the request could go to.
@@ -41,6 +50,8 @@ pub struct PrefillCandidate<'a> {
     pub addr: &'a str,
     pub version_group: &'a str,
     pub load: Option<Load>,
+    /// Its circuit breaker's say.
+    pub gate: Gate,
 }
 
 /// Why no route exists.
@@ -50,6 +61,9 @@ pub enum NoRoute {
     NoDecode,
     #[error("no decode worker is ready ({0} known, none ready or reachable)")]
     NoneReady(usize),
+    /// Every prefill worker of every ready decode worker's group has an open circuit breaker.
+    #[error("every prefill worker of the version group keeps failing (circuit breakers open); retry in {0:?}")]
+    PrefillUnavailable(Duration),
 }
 
 /// Whether the prompt is prefilled on a prefill worker or by the decode worker itself.
@@ -85,12 +99,20 @@ fn decode_score(c: &DecodeCandidate<'_>) -> f64 {
 /// The decode worker to use: the lowest score among usable ones (ties: the
 /// earlier candidate, so a caller's stable order gives stable choices).
 pub fn pick_decode(cands: &[DecodeCandidate<'_>]) -> Result<usize, NoRoute> {
+    pick_decode_where(cands, |_| true)
+}
+
+/// [`pick_decode`] among the candidates `allowed` accepts.
+fn pick_decode_where(
+    cands: &[DecodeCandidate<'_>],
+    allowed: impl Fn(&DecodeCandidate<'_>) -> bool,
+) -> Result<usize, NoRoute> {
     if cands.is_empty() {
         return Err(NoRoute::NoDecode);
     }
     let mut best: Option<(usize, f64)> = None;
     for (i, c) in cands.iter().enumerate() {
-        if !usable(&c.load) {
+        if !usable(&c.load) || !allowed(c) {
             continue;
         }
         let s = decode_score(c);
@@ -148,8 +170,31 @@ pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut Rng) -> Vec<usize
     ok
 }
 
+/// The prefill workers of `group` in the order to try, breakers applied:
+/// a worker due a probe first (one only), then the closed ones; open ones
+/// are left out. `Err(wait)`: the group has usable prefill workers but every
+/// breaker is open, the first closing to a probe in `wait`.
+fn group_order(prefill: &[PrefillCandidate<'_>], group: &str, order: &[usize]) -> Result<Vec<usize>, Duration> {
+    let mut probe = None;
+    let mut closed = Vec::new();
+    let mut wait: Option<Duration> = None;
+    for &i in order.iter().filter(|&&i| prefill[i].version_group == group) {
+        match prefill[i].gate {
+            Gate::Closed => closed.push(i),
+            Gate::Probe if probe.is_none() => probe = Some(i),
+            Gate::Probe => {}
+            Gate::Open(w) => wait = Some(wait.map_or(w, |x| x.min(w))),
+        }
+    }
+    match (probe, wait) {
+        (None, Some(w)) if closed.is_empty() => Err(w),
+        _ => Ok(probe.into_iter().chain(closed).collect()),
+    }
+}
+
 /// The whole decision: a decode worker, then prefill workers of its version
-/// group unless the prompt is at most `local_prefill_max_tokens` long.
+/// group unless the prompt is at most `local_prefill_max_tokens` long (or
+/// the group has no prefill worker: local prefill).
 pub fn route(
     decode: &[DecodeCandidate<'_>],
     prefill: &[PrefillCandidate<'_>],
@@ -161,11 +206,20 @@ pub fn route(
     if prompt_tokens <= local_prefill_max_tokens {
         return Ok(Decision { decode: d, prefill: Vec::new(), kind: Prefill::Local });
     }
-    let group = decode[d].version_group;
-    let mut order = order_prefill(prefill, rng);
-    order.retain(|&i| prefill[i].version_group == group);
-    let kind = if order.is_empty() { Prefill::Local } else { Prefill::Remote };
-    Ok(Decision { decode: d, prefill: order, kind })
+    let all = order_prefill(prefill, rng);
+    let decided = |d: usize, order: Vec<usize>| {
+        let kind = if order.is_empty() { Prefill::Local } else { Prefill::Remote };
+        Decision { decode: d, prefill: order, kind }
+    };
+    let wait = match group_order(prefill, decode[d].version_group, &all) {
+        Ok(order) => return Ok(decided(d, order)),
+        Err(wait) => wait,
+    };
+    // The best decode worker's group cannot prefill now: the best one whose group can.
+    match pick_decode_where(decode, |c| group_order(prefill, c.version_group, &all).is_ok()) {
+        Ok(d) => Ok(decided(d, group_order(prefill, decode[d].version_group, &all).unwrap_or_default())),
+        Err(_) => Err(NoRoute::PrefillUnavailable(wait)),
+    }
 }
 
 #[cfg(test)]
@@ -211,7 +265,7 @@ mod tests {
     }
 
     fn p<'a>(id: &'a str, group: &'a str, q: u32) -> PrefillCandidate<'a> {
-        PrefillCandidate { id, addr: id, version_group: group, load: load(0, q, 0) }
+        PrefillCandidate { id, addr: id, version_group: group, load: load(0, q, 0), gate: Gate::Closed }
     }
 
     #[test]
@@ -250,5 +304,45 @@ mod tests {
         assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0));
         let r = route(&dec, &pre[..1], 100, 32, &mut rng).expect("a route");
         assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0), "no prefill worker in the group");
+    }
+
+    #[test]
+    fn open_breakers_keep_prefill_workers_out_and_a_due_probe_goes_first() {
+        let dec = [d("d", load(0, 0, 0), 0)];
+        let open = Gate::Open(Duration::from_secs(3));
+        let mut rng = Rng::new(3);
+        let pre = [PrefillCandidate { gate: open, ..p("bad", "g1", 0) }, p("good", "g1", 5)];
+        for _ in 0..50 {
+            let r = route(&dec, &pre, 100, 32, &mut rng).expect("a route");
+            assert_eq!((r.kind, r.prefill.clone()), (Prefill::Remote, vec![1]));
+        }
+        let pre = [PrefillCandidate { gate: Gate::Probe, ..p("bad", "g1", 9) }, p("good", "g1", 0)];
+        for _ in 0..50 {
+            let r = route(&dec, &pre, 100, 32, &mut rng).expect("a route");
+            assert_eq!(r.prefill, vec![0, 1], "the probe first, the healthy one as fallback");
+        }
+    }
+
+    #[test]
+    fn a_group_whose_prefill_workers_are_all_open_is_refused_fast_or_avoided() {
+        let mut rng = Rng::new(5);
+        let short = Gate::Open(Duration::from_millis(1500));
+        let long = Gate::Open(Duration::from_secs(4));
+        let pre =
+            [PrefillCandidate { gate: long, ..p("a", "g1", 0) }, PrefillCandidate { gate: short, ..p("b", "g1", 0) }];
+        let dec = [d("d", load(0, 0, 0), 0)];
+        assert_eq!(
+            route(&dec, &pre, 100, 32, &mut rng),
+            Err(NoRoute::PrefillUnavailable(Duration::from_millis(1500))),
+            "the soonest probe sets Retry-After"
+        );
+        // Short prompts never needed the prefill workers.
+        assert_eq!(route(&dec, &pre, 10, 32, &mut rng).map(|r| r.kind), Ok(Prefill::Local));
+        // A busier decode worker in a group that can prefill takes it instead.
+        let dec =
+            [d("idle", load(0, 0, 0), 0), DecodeCandidate { version_group: "g2", ..d("busy", load(80, 6, 0), 0) }];
+        let pre = [pre[0].clone(), pre[1].clone(), p("c", "g2", 0)];
+        let r = route(&dec, &pre, 100, 32, &mut rng).expect("a route");
+        assert_eq!((r.decode, r.prefill), (1, vec![2]));
     }
 }

@@ -36,7 +36,10 @@ impl DecodeWorker for EchoDecoder {
             .iter()
             .map(|&id| {
                 let token = TokenChunk { id, logprob: Some(-0.5), top: vec![TopLogprob { id, logprob: -0.5 }] };
-                Ok(GenerateResponse { event: Some(generate_response::Event::Token(token)) })
+                Ok(GenerateResponse {
+                    event: Some(generate_response::Event::Token(token)),
+                    prefill_attempts: Vec::new(),
+                })
             })
             .collect();
         let finished = Finished {
@@ -45,7 +48,10 @@ impl DecodeWorker for EchoDecoder {
             generated_tokens: req.token_ids.len() as u32,
             prefilled_remotely: !req.prefill.is_empty(),
         };
-        events.push(Ok(GenerateResponse { event: Some(generate_response::Event::Finished(finished)) }));
+        events.push(Ok(GenerateResponse {
+            event: Some(generate_response::Event::Finished(finished)),
+            prefill_attempts: Vec::new(),
+        }));
         Ok(Response::new(tokio_stream::iter(events)))
     }
 

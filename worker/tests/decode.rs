@@ -31,6 +31,8 @@ const MAX_TOKENS: u32 = 6;
 struct Outcome {
     tokens: Vec<u32>,
     end: Result<Finished, WorkerError>,
+    /// The remote prefill attempts reported on the stream: (worker_id, failure reason or "ok").
+    attempts: Vec<(String, String)>,
 }
 
 async fn client(w: &Worker) -> Result<DecodeWorkerClient<Channel>, String> {
@@ -66,11 +68,17 @@ async fn generate(c: &mut DecodeWorkerClient<Channel>, req: GenerateRequest) -> 
     let collect = async {
         let mut stream = c.generate(req).await.map_err(|s| format!("Generate {id}: {s}"))?.into_inner();
         let mut tokens = Vec::new();
+        let mut attempts = Vec::new();
         while let Some(msg) = stream.message().await.map_err(|s| format!("Generate {id} stream: {s}"))? {
+            for a in &msg.prefill_attempts {
+                let who = a.target.as_ref().map(|t| t.worker_id.clone()).unwrap_or_default();
+                let how = if a.error.is_none() { "ok".to_owned() } else { a.reason.clone() };
+                attempts.push((who, how));
+            }
             match msg.event {
                 Some(generate_response::Event::Token(t)) => tokens.push(t.id),
-                Some(generate_response::Event::Finished(f)) => return Ok(Outcome { tokens, end: Ok(f) }),
-                Some(generate_response::Event::Error(e)) => return Ok(Outcome { tokens, end: Err(e) }),
+                Some(generate_response::Event::Finished(f)) => return Ok(Outcome { tokens, end: Ok(f), attempts }),
+                Some(generate_response::Event::Error(e)) => return Ok(Outcome { tokens, end: Err(e), attempts }),
                 None => return Err(format!("Generate {id}: an empty event")),
             }
         }
@@ -214,6 +222,15 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
         doomed.kill9()?;
         proxy.release();
         let got = call.await??;
+        // Each attempt is reported, so the coordinator's breakers can learn who failed.
+        let (dead, alive) = (format!("pid-{}", doomed.pid), format!("pid-{}", backup.pid));
+        let failed = got.attempts.first().filter(|(w, how)| *w == dead && how != "ok");
+        assert!(failed.is_some(), "{policy:?}: the doomed worker's failure is reported: {:?}", got.attempts);
+        let rest: Vec<_> = got.attempts[1..].iter().map(|(w, how)| (w.as_str(), how.as_str())).collect();
+        match policy {
+            KvLoadFailurePolicy::Retry => assert_eq!(rest, [(alive.as_str(), "ok")], "retry: {:?}", got.attempts),
+            _ => assert!(rest.is_empty(), "{policy:?}: {:?}", got.attempts),
+        }
         match policy {
             KvLoadFailurePolicy::Recompute => {
                 assert_eq!(got.tokens, want, "recompute: {got:?}");

@@ -3,11 +3,13 @@
 //! (G6). [`run_drill`] runs one and judges it with the shared invariants.
 //!
 //! Drills live in modules by what they break: processes ([`process`]), the KV
-//! link ([`kv`]), etcd ([`etcd`]), and the load itself ([`load`]). Adding a
+//! link ([`kv`]), etcd ([`etcd`]), the load itself ([`load`]), and what the
+//! coordinator does for the cluster ([`coordinator`]: breakers, slow readers). Adding a
 //! drill is one type implementing [`Drill`] in its module and one line in
 //! [`all`].
 
 mod common;
+mod coordinator;
 mod etcd;
 mod kv;
 mod load;
@@ -75,6 +77,9 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(kv::KvLoss),
         Box::new(kv::KvBlackhole),
         Box::new(kv::KvResets),
+        Box::new(coordinator::PrefillErrors),
+        Box::new(coordinator::PrefillUnavailable),
+        Box::new(coordinator::SlowReader),
     ]
 }
 

@@ -14,9 +14,10 @@ use axum::serve::ListenerExt;
 use clap::Parser;
 use coordinator::admission::AdmissionConfig;
 use coordinator::auth::ApiKeys;
+use coordinator::breaker::BreakerConfig;
 use coordinator::cluster::{Cluster, RouteSettings, Source};
 use coordinator::grpc;
-use coordinator::http::{router, App, HttpSettings};
+use coordinator::http::{router, App, HttpSettings, StallGuardListener};
 use coordinator::pipeline::{Pipeline, Settings};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
@@ -104,6 +105,26 @@ struct Flags {
     /// `max_tokens` of a request that sets none. Env: TANDEM_DEFAULT_MAX_TOKENS.
     #[arg(long, env = "TANDEM_DEFAULT_MAX_TOKENS", default_value_t = 256)]
     default_max_tokens: u32,
+    /// A streamed answer whose client takes nothing for this long is ended
+    /// (request cancelled on the workers, KV freed, connection closed), ms.
+    /// Env: TANDEM_STREAM_IDLE_TIMEOUT_MS.
+    #[arg(long, env = "TANDEM_STREAM_IDLE_TIMEOUT_MS", default_value_t = 30_000)]
+    stream_idle_timeout_ms: u64,
+    /// Consecutive failed remote prefills (as the decode workers report
+    /// them) that open a prefill worker's circuit breaker; 0 disables the
+    /// breakers. Env: TANDEM_PREFILL_BREAKER_FAILURES.
+    #[arg(long, env = "TANDEM_PREFILL_BREAKER_FAILURES", default_value_t = 3)]
+    prefill_breaker_failures: u32,
+    /// How long an open breaker keeps its prefill worker out of routing
+    /// before one request probes it, ms. Env: TANDEM_PREFILL_BREAKER_COOLDOWN_MS.
+    #[arg(long, env = "TANDEM_PREFILL_BREAKER_COOLDOWN_MS", default_value_t = 5_000)]
+    prefill_breaker_cooldown_ms: u64,
+    /// What a long prompt gets while every prefill worker of its group has an
+    /// open breaker: `refuse` (503 `prefill_unavailable` + Retry-After, at
+    /// once) or `local` (the decode worker prefills it; for decode workers
+    /// running `kv_load_failure_policy = recompute`). Env: TANDEM_PREFILL_BREAKER_OPEN.
+    #[arg(long, env = "TANDEM_PREFILL_BREAKER_OPEN", default_value = "refuse", value_parser = ["refuse", "local"])]
+    prefill_breaker_open: String,
     /// Drain grace on SIGTERM/SIGINT, ms. Env: TANDEM_SHUTDOWN_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_SHUTDOWN_TIMEOUT_MS", default_value_t = 10_000)]
     shutdown_timeout_ms: u64,
@@ -121,6 +142,11 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(flags.load_poll_ms > 0, "config field `load_poll_ms`: must be at least 1");
     anyhow::ensure!(flags.request_timeout_ms > 0, "config field `request_timeout_ms`: must be at least 1");
     anyhow::ensure!(flags.default_max_tokens > 0, "config field `default_max_tokens`: must be at least 1");
+    anyhow::ensure!(flags.stream_idle_timeout_ms > 0, "config field `stream_idle_timeout_ms`: must be at least 1");
+    anyhow::ensure!(
+        flags.prefill_breaker_cooldown_ms > 0,
+        "config field `prefill_breaker_cooldown_ms`: must be at least 1"
+    );
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(run(flags))
 }
@@ -154,6 +180,11 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let routing = RouteSettings {
         local_prefill_max_tokens: flags.local_prefill_max_tokens,
         load_poll: Duration::from_millis(flags.load_poll_ms),
+        breaker: BreakerConfig {
+            failures: flags.prefill_breaker_failures,
+            cooldown: Duration::from_millis(flags.prefill_breaker_cooldown_ms),
+            open_group_prefills_locally: flags.prefill_breaker_open == "local",
+        },
     };
     let cluster = Arc::new(Cluster::new(source, routing).map_err(anyhow::Error::msg)?);
     cluster.spawn_load_poller();
@@ -175,6 +206,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         admission,
         default_timeout: Duration::from_millis(flags.request_timeout_ms),
         default_max_tokens: flags.default_max_tokens,
+        stream_idle_timeout: Duration::from_millis(flags.stream_idle_timeout_ms),
     };
     let pipeline = Pipeline::new(tokenizer, context, cluster, settings, keys).context("admission settings")?;
     pipeline.follow_capacity(Duration::from_millis(500));
@@ -198,6 +230,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
             tracing::warn!(error = %e, "setting TCP_NODELAY on an HTTP connection");
         }
     });
+    // A client that stops reading cannot hold its connection (and request) past the idle timeout.
+    let http_listener = StallGuardListener::new(http_listener, Duration::from_millis(flags.stream_idle_timeout_ms));
     let http = axum::serve(http_listener, router(app)).with_graceful_shutdown(stop.clone().cancelled_owned());
     let grpc_settings = grpc::GrpcSettings { max_message_bytes: flags.max_body_bytes };
     let grpc = grpc::serve(pipeline, grpc_settings, grpc_listener, stop.clone());

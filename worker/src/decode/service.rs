@@ -40,8 +40,8 @@ use proto::worker::v1::decode_worker_server::DecodeWorker;
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{
     generate_response, prefill_response, AbortRequest, AbortResponse, ErrorKind, FinishReason, Finished, FirstToken,
-    GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, KvDestination, PrefillRequest, PrefillTarget,
-    TokenChunk, TopLogprob, WorkerError,
+    GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, KvDestination, PrefillAttempt, PrefillRequest,
+    PrefillTarget, TokenChunk, TopLogprob, WorkerError,
 };
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
@@ -122,11 +122,15 @@ struct Out {
     arrived: Instant,
     last: Option<Instant>,
     sent: u32,
+    /// Remote prefill attempts not yet reported: they ride on the next
+    /// message (the first token or the error), for the coordinator's
+    /// circuit breakers.
+    attempts: Vec<PrefillAttempt>,
 }
 
 impl Out {
-    async fn send(&self, event: generate_response::Event) -> Result<(), WorkerError> {
-        let msg = GenerateResponse { event: Some(event) };
+    async fn send(&mut self, event: generate_response::Event) -> Result<(), WorkerError> {
+        let msg = GenerateResponse { event: Some(event), prefill_attempts: std::mem::take(&mut self.attempts) };
         self.tx.send(Ok(msg)).await.map_err(|_| err(ErrorKind::Cancelled, "the caller went away"))
     }
 
@@ -345,7 +349,7 @@ impl DecodeService {
         let remote = !req.prefill.is_empty() && req.token_ids.len() > inner.settings.local_prefill_max_tokens;
         if remote {
             m::record_route("remote");
-            match self.remote(&req, deadline, policy, token).await? {
+            match self.remote(&req, deadline, policy, token, &mut out.attempts).await? {
                 Remote::Loaded(blocks, first) => {
                     let reason = self.decode_prefilled(engine_req, blocks, first, deadline, out, token).await?;
                     return Ok(finished(reason, true));
@@ -366,6 +370,7 @@ impl DecodeService {
         deadline: Option<Instant>,
         policy: KvLoadFailurePolicy,
         token: &CancellationToken,
+        attempts_made: &mut Vec<PrefillAttempt>,
     ) -> Result<Remote, WorkerError> {
         let inner = &self.inner;
         let max = inner.settings.max_pending_remote;
@@ -381,7 +386,15 @@ impl DecodeService {
         };
         for (i, target) in req.prefill.iter().take(attempts).enumerate() {
             let failure = match self.attempt(req, target, deadline, token).await {
-                Ok(loaded) => return Ok(loaded),
+                Ok(loaded) => {
+                    attempts_made.push(PrefillAttempt {
+                        target: Some(target.clone()),
+                        error: None,
+                        reason: String::new(),
+                    });
+                    return Ok(loaded);
+                }
+                // Ours (deadline, cancel, no room here) or the request's: not the prefill worker's failure.
                 Err(Failure::Fatal(e)) => return Err(e),
                 Err(Failure::Load { reason, error }) => {
                     m::record_load_failure(reason);
@@ -389,6 +402,11 @@ impl DecodeService {
                         request = %req.request_id, target = %target.grpc_addr, reason, error = %error.message,
                         %policy, "remote KV load failed"
                     );
+                    attempts_made.push(PrefillAttempt {
+                        target: Some(target.clone()),
+                        error: Some(error.clone()),
+                        reason: reason.to_owned(),
+                    });
                     error
                 }
             };
@@ -693,7 +711,7 @@ impl DecodeService {
                 }
             })
         };
-        let mut out = Out { tx, arrived: Instant::now(), last: None, sent: 0 };
+        let mut out = Out { tx, arrived: Instant::now(), last: None, sent: 0, attempts: Vec::new() };
         let request_id = req.request_id.clone();
         let result = self.serve(req, &mut out, &token).await;
         let (event, outcome) = match result {

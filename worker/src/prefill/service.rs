@@ -466,7 +466,8 @@ impl PrefillWorker for PrefillService {
         };
         if let Some(s) = stats {
             // Also the gauges: a Prefill whose caller went away (its handler dropped) never
-            // refreshes them, and /metrics would show its freed KV as used until the next one.
+            // refreshes them, and two requests' after-request reads can land out of order;
+            // /metrics would show freed KV as used until the next request.
             crate::metrics::record_stats(&s);
             h.kv_blocks_total = s.kv.total as u32;
             h.kv_blocks_used = s.kv.used as u32;

@@ -1,0 +1,471 @@
+//! Drills on what the coordinator does for the cluster: stop routing to a
+//! prefill worker that keeps failing (circuit breakers, fast 503), and end
+//! streams whose clients stopped reading.
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use loadgen::{Outcome, Report};
+
+use super::common::{counter_reaches, decode_metrics, LOAD_WAIT};
+use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
+use crate::cluster::{Cluster, ClusterSpec, Role, WorkerSpec};
+use crate::invariants::Invariants;
+use crate::HarnessError;
+
+/// Consecutive failures that open a breaker, and its cooldown, in these drills.
+const BREAKER_FAILURES: u32 = 3;
+const BREAKER_COOLDOWN_MS: u64 = 3000;
+const TRANSITIONS: &str = "tandem_coordinator_prefill_breaker_transitions_total";
+const ATTEMPTS: &str = "tandem_coordinator_prefill_attempts_total";
+
+fn breaker_args() -> [String; 4] {
+    [
+        "--prefill-breaker-failures".into(),
+        BREAKER_FAILURES.to_string(),
+        "--prefill-breaker-cooldown-ms".into(),
+        BREAKER_COOLDOWN_MS.to_string(),
+    ]
+}
+
+/// A prefill worker in `group` whose KV layout differs from its group's
+/// (block size 32, the others 16) when `faulty`: a misdeployment the
+/// version-group label does not show. Routing pairs by label only, so it is
+/// chosen, and every prefill it is asked for is refused at the transfer
+/// handshake (`version_mismatch`).
+fn prefill(group: &str, faulty: bool) -> WorkerSpec {
+    WorkerSpec {
+        role: Role::Prefill,
+        group: group.into(),
+        behind_proxy: false,
+        netns: false,
+        extra: if faulty { vec!["--kv-block-size".into(), "32".into()] } else { Vec::new() },
+    }
+}
+
+/// Breaker state and counts the coordinator exports for one prefill worker.
+struct BreakerSeen {
+    opened: f64,
+    probes: f64,
+    failed: f64,
+    ok: f64,
+}
+
+async fn breaker_seen(c: &Cluster, worker: &str) -> Result<BreakerSeen, String> {
+    let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+    // `+ 0.0`: an empty sum is -0.0, which prints as "-0".
+    let sum = |name: &str, labels: &[(&str, &str)]| p.sum(name, labels) + 0.0;
+    let attempts = sum(ATTEMPTS, &[("worker", worker)]);
+    let ok = sum(ATTEMPTS, &[("worker", worker), ("outcome", "ok")]);
+    Ok(BreakerSeen {
+        opened: sum(TRANSITIONS, &[("worker", worker), ("to", "open")]),
+        probes: sum(TRANSITIONS, &[("worker", worker), ("to", "half_open")]),
+        failed: attempts - ok + 0.0,
+        ok,
+    })
+}
+
+/// The faulty worker's own count of prefills it refused for a layout mismatch.
+async fn refused_by(c: &Cluster, worker: &str) -> Result<f64, String> {
+    let p = c.worker_metrics(worker).await.map_err(|e| e.to_string())?;
+    Ok(p.sum("tandem_prefill_requests_total", &[("outcome", "version_mismatch")]))
+}
+
+/// Waits (bounded) for the coordinator to open `worker`'s breaker; notes what it saw.
+async fn wait_open(c: &Cluster, worker: &str, ev: &mut Evidence) -> Result<(), HarnessError> {
+    let h = c.http_addr()?;
+    let labels = [("worker", worker), ("to", "open")];
+    let (seen, _) = counter_reaches(&h, TRANSITIONS, &labels, 1.0, LOAD_WAIT).await;
+    match seen {
+        Ok(()) => {
+            ev.seen = true;
+            ev.notes.push(format!("the coordinator opened {worker}'s breaker"));
+        }
+        Err(e) => ev.missing.push(e.to_string()),
+    }
+    Ok(())
+}
+
+/// One of two prefill workers fails every prefill.
+pub(super) struct PrefillErrors;
+
+impl Drill for PrefillErrors {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "prefill-errors",
+            description: "one of two prefill workers refuses every prefill (its KV layout differs under the same \
+                          version-group label): after 3 failures its circuit breaker opens and every request goes \
+                          to the healthy one; policy retry keeps every answer identical",
+        }
+    }
+
+    fn setup(&self, skip: bool) -> Setup {
+        let mut spec = ClusterSpec::default().policy("retry");
+        spec.workers.push(prefill("g1", false));
+        spec.workers.push(prefill("g1", !skip));
+        spec = spec.decode("g1");
+        spec.coordinator_args.extend(breaker_args());
+        Setup {
+            spec,
+            requests: 20,
+            max_tokens: 8,
+            concurrency: 2,
+            // `retry` falls back to the healthy worker: the fault is one the cluster hides.
+            invariants: Invariants { all_complete: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        _: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            // The fault is in the cluster from the start (see `setup`); this watches it take effect.
+            if !skip {
+                ev.began();
+                wait_open(c, "prefill-1", &mut ev).await?;
+            }
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let bad = breaker_seen(c, "prefill-1").await?;
+            let good = breaker_seen(c, "prefill-0").await?;
+            let refused = refused_by(c, "prefill-1").await?;
+            let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
+            let mismatches = dm.sum("tandem_kv_load_failures_total", &[("reason", "version_mismatch")]);
+            let seen = format!(
+                "prefill-1: {} failed attempts reported (its own count of refusals {refused}, the decode worker's \
+                 {mismatches}), breaker opened {} time(s), {} probe(s); prefill-0: {} ok, breaker opened {} time(s)",
+                bad.failed, bad.opened, bad.probes, good.ok, good.opened
+            );
+            if bad.opened < 1.0 || bad.failed < f64::from(BREAKER_FAILURES) || refused < f64::from(BREAKER_FAILURES) {
+                return Err(format!("the faulty worker's breaker never opened: {seen}; {}", ev.missing.join("; ")));
+            }
+            // Once open, prefill-1 is tried only by requests already routed (at most the
+            // concurrency) and by one probe per cooldown.
+            let bound = f64::from(BREAKER_FAILURES) + 1.0 + bad.probes;
+            if bad.failed > bound {
+                return Err(format!(
+                    "prefill-1 kept being chosen after its breaker opened ({} > {bound}): {seen}",
+                    bad.failed
+                ));
+            }
+            if good.opened > 0.0 || good.ok < 1.0 {
+                return Err(format!("the healthy worker's breaker opened or it served nothing: {seen}"));
+            }
+            let complete = report.records.iter().filter(|r| r.outcome.is_complete()).count();
+            Ok(format!("{seen}; {complete}/{} requests complete", report.records.len()))
+        })
+    }
+}
+
+/// The group's only prefill worker fails every prefill.
+pub(super) struct PrefillUnavailable;
+
+impl Drill for PrefillUnavailable {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "prefill-unavailable",
+            description: "the version group's only prefill worker refuses every prefill: the first requests end \
+                          version_mismatch (typed), then its breaker opens and the rest are refused at once with \
+                          503 prefill_unavailable + Retry-After, never dispatched to the decode worker",
+        }
+    }
+
+    fn setup(&self, skip: bool) -> Setup {
+        let mut spec = ClusterSpec::default().policy("fail");
+        spec.workers.push(prefill("g1", !skip));
+        spec = spec.decode("g1");
+        spec.coordinator_args.extend(breaker_args());
+        Setup {
+            spec,
+            requests: 16,
+            max_tokens: 8,
+            concurrency: 2,
+            invariants: Invariants {
+                allowed_errors: Some(vec!["version_mismatch".into(), "prefill_unavailable".into()]),
+                ..Invariants::default()
+            },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        _: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            if skip {
+                return Ok(ev);
+            }
+            ev.began();
+            wait_open(c, "prefill-0", &mut ev).await?;
+            if ev.seen {
+                // While it is open, a request is refused at once, with Retry-After.
+                let t = Instant::now();
+                let (status, retry_after) = super::common::probe(&c.http_addr()?).await?;
+                ev.notes.push(format!(
+                    "a probe request got {status} with Retry-After {retry_after:?} in {:.0} ms",
+                    t.elapsed().as_secs_f64() * 1e3
+                ));
+                let secs = retry_after.as_deref().and_then(|s| s.parse::<u64>().ok());
+                let max = BREAKER_COOLDOWN_MS.div_ceil(1000);
+                // The probe may land just as the cooldown ends (half-open): then it is the breaker's probe.
+                if status == 503 && !secs.is_some_and(|s| (1..=max).contains(&s)) {
+                    ev.missing.push(format!("Retry-After {retry_after:?} is not within 1..={max} s"));
+                }
+            }
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let b = breaker_seen(c, "prefill-0").await?;
+            let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+            let fast = p.sum("tandem_coordinator_prefill_unavailable_total", &[]);
+            let refused: Vec<&loadgen::Record> = report
+                .records
+                .iter()
+                .filter(|r| {
+                    matches!(&r.outcome, Outcome::HttpError { status: 503, code: Some(c), .. } if c == "prefill_unavailable")
+                })
+                .collect();
+            let slowest = refused.iter().map(|r| r.e2e).max().unwrap_or_default();
+            // Every request the decode worker saw made exactly one prefill attempt: none was
+            // dispatched to wait for KV that could not come.
+            let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
+            let dispatched = dm.sum("tandem_decode_requests_total", &[]);
+            let seen = format!(
+                "breaker opened {} time(s), {} probe(s); {} failed attempts; {fast} fast 503s counted, {} in the load \
+                 (slowest {:.0} ms); the decode worker ran {dispatched} requests",
+                b.opened,
+                b.probes,
+                b.failed,
+                refused.len(),
+                slowest.as_secs_f64() * 1e3
+            );
+            if b.opened < 1.0 || fast < 1.0 || refused.is_empty() || !ev.seen {
+                return Err(format!("no fast 503 behind an open breaker: {seen}; {}", ev.missing.join("; ")));
+            }
+            if !ev.missing.is_empty() {
+                return Err(format!("{}: {seen}", ev.missing.join("; ")));
+            }
+            if dispatched != b.failed + b.ok {
+                return Err(format!("requests reached the decode worker without a prefill attempt: {seen}"));
+            }
+            if slowest > Duration::from_secs(2) {
+                return Err(format!("a prefill_unavailable refusal was not fast: {seen}"));
+            }
+            Ok(format!("{seen}; {}", ev.notes.join("; ")))
+        })
+    }
+}
+
+/// The slow readers' count, and the coordinator's idle timeout in this drill.
+const SLOW_CLIENTS: usize = 3;
+const IDLE_TIMEOUT_MS: u64 = 3000;
+const SEND_TIMEOUTS: &str = "tandem_coordinator_stream_send_timeouts_total";
+const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("outcome", "cancelled")]);
+
+/// A streaming request from a socket with a tiny receive buffer; returns the
+/// socket once the response head arrived (nothing after it is read).
+fn slow_stream(addr: SocketAddr, i: usize) -> Result<std::net::TcpStream, HarnessError> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let err = |e: std::io::Error| HarnessError::Fault(format!("slow client {i}: {e}"));
+    let s = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).map_err(err)?;
+    // Before connect, so the handshake announces them: a small window, and a small MSS.
+    // Loopback's 64 KiB MSS would let the coordinator's kernel grow its send buffer to
+    // over a megabyte, which a short drill's output fits in; at 536 bytes (a classic
+    // Internet MSS) it stays at tens of KiB, so the stall reaches the coordinator.
+    s.set_recv_buffer_size(1024).map_err(err)?;
+    s.set_tcp_mss(536).map_err(err)?;
+    s.connect_timeout(&addr.into(), Duration::from_secs(10)).map_err(err)?;
+    let mut s: std::net::TcpStream = s.into();
+    s.set_read_timeout(Some(Duration::from_secs(60))).map_err(err)?;
+    // Top-20 logprobs make each event ~1 KB, so the buffers on the way fill within ~100 tokens.
+    let body = serde_json::json!({
+        "model": MODEL, "prompt": format!("Slow reader {i} asks for a long story about a lighthouse keeper:"),
+        "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true, "logprobs": 20,
+    })
+    .to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).map_err(err)?;
+    let mut got = Vec::new();
+    let mut b = [0u8; 1];
+    while !got.ends_with(b"\r\n\r\n") {
+        match s.read(&mut b).map_err(err)? {
+            0 => return Err(HarnessError::Fault(format!("slow client {i}: closed before the response head"))),
+            _ => got.push(b[0]),
+        }
+    }
+    if !got.starts_with(b"HTTP/1.1 200") {
+        return Err(HarnessError::Fault(format!("slow client {i}: {}", String::from_utf8_lossy(&got))));
+    }
+    Ok(s)
+}
+
+/// Reads what is left on a slow socket: `Ok(bytes)` when the server closed it
+/// (EOF or reset), an error when it stays open past the bound.
+fn drained(mut s: std::net::TcpStream) -> Result<Vec<u8>, String> {
+    let until = Instant::now() + Duration::from_secs(30);
+    s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
+    let mut all = Vec::new();
+    let mut buf = [0u8; 4096];
+    while Instant::now() < until {
+        match s.read(&mut buf) {
+            Ok(0) => return Ok(all),
+            Ok(n) => all.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(all),
+            Err(e) => return Err(format!("the connection is still open after {} bytes: {e}", all.len())),
+        }
+    }
+    Err(format!("the server was still sending after 30 s ({} bytes)", all.len()))
+}
+
+/// Resident memory of `pid`, KiB.
+fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Streaming clients stop reading after the response head.
+pub(super) struct SlowReader;
+
+impl Drill for SlowReader {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "slow-reader",
+            description: "3 streaming clients with a 1 KiB receive buffer read nothing after the response head \
+                          (--stream-idle-timeout-ms 3000): each stream is ended and its connection closed, the \
+                          decode worker cancels it and frees its KV, the normal load completes identically",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default()
+                .prefill("g1")
+                .decode("g1")
+                .coordinator_args(&["--stream-idle-timeout-ms", &IDLE_TIMEOUT_MS.to_string()]),
+            requests: 8,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        _: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let dm = decode_metrics(c).map_err(HarnessError::Setup)?;
+            ev.before = crate::metrics::scrape(&dm).await?.sum(CANCELLED.0, CANCELLED.1);
+            let pid = c.coordinator.pid;
+            let rss_before = rss_kib(pid).unwrap_or(0);
+            let addr: SocketAddr =
+                c.http_addr()?.parse().map_err(|e| HarnessError::Setup(format!("coordinator address: {e}")))?;
+            ev.began();
+            let mut socks = Vec::new();
+            for i in 0..SLOW_CLIENTS {
+                socks.push(tokio::task::spawn_blocking(move || slow_stream(addr, i)));
+            }
+            let mut open = Vec::new();
+            for s in socks {
+                open.push(s.await.map_err(|e| HarnessError::Fault(format!("slow client task: {e}")))??);
+            }
+            ev.notes.push(format!("{SLOW_CLIENTS} slow clients got their response heads and stopped reading"));
+            if skip {
+                // Read everything, all at once and promptly: no timeout may fire.
+                let readers: Vec<_> =
+                    open.into_iter().map(|s| tokio::task::spawn_blocking(move || drained(s))).collect();
+                for r in readers {
+                    r.await
+                        .map_err(|e| HarnessError::Fault(format!("reader task: {e}")))?
+                        .map_err(HarnessError::Fault)?;
+                }
+                ev.ended();
+                return Ok(ev);
+            }
+            let h = c.http_addr()?;
+            let n = SLOW_CLIENTS as f64;
+            let (timeouts, now) = counter_reaches(&h, SEND_TIMEOUTS, &[], n, LOAD_WAIT).await;
+            if let Err(e) = timeouts {
+                ev.missing.push(format!("{e}: {now}"));
+            }
+            let rss_after = rss_kib(pid).unwrap_or(0);
+            ev.notes.push(format!("coordinator VmRSS {rss_before} KiB before, {rss_after} KiB with the slow streams"));
+            if rss_after > rss_before + 64 * 1024 {
+                ev.missing.push(format!("coordinator RSS grew by {} KiB", rss_after - rss_before));
+            }
+            // Still not reading from our side: the coordinator must have closed each connection.
+            let mut closed = 0;
+            for s in open {
+                let got = tokio::task::spawn_blocking(move || drained(s))
+                    .await
+                    .map_err(|e| HarnessError::Fault(format!("reader task: {e}")))?;
+                match got {
+                    Ok(bytes) if !String::from_utf8_lossy(&bytes).contains("[DONE]") => closed += 1,
+                    Ok(_) => ev.missing.push("a slow stream ran to [DONE]".into()),
+                    Err(e) => ev.missing.push(e),
+                }
+            }
+            ev.ended();
+            ev.notes.push(format!("{closed} slow connection(s) closed by the coordinator before [DONE]"));
+            ev.seen = closed == SLOW_CLIENTS;
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+            let timeouts = p.sum(SEND_TIMEOUTS, &[]);
+            let by_conn = p.sum(SEND_TIMEOUTS, &[("layer", "connection")]);
+            let m = decode_metrics(c)?;
+            let n = SLOW_CLIENTS as f64;
+            let (seen, now) =
+                counter_reaches(&m, CANCELLED.0, CANCELLED.1, ev.before + n, Duration::from_secs(10)).await;
+            let cancelled = now - ev.before;
+            let summary = format!(
+                "{timeouts} stream send timeouts ({by_conn} at the connection); the decode worker cancelled \
+                 {cancelled}; {}",
+                ev.notes.join("; ")
+            );
+            if timeouts < n || seen.is_err() || !ev.seen || !ev.missing.is_empty() {
+                return Err(format!("slow streams were not ended: {summary}; {}", ev.missing.join("; ")));
+            }
+            Ok(summary)
+        })
+    }
+}
