@@ -355,6 +355,10 @@ pub struct Collected {
 }
 
 /// One running generation: the worker stream, detokenized, with stop strings.
+/// How long an ended answer waits for the worker's own end (one message, sent
+/// right after the last token).
+const WORKER_END_WAIT: Duration = Duration::from_millis(500);
+
 pub struct Run {
     id: String,
     pipeline: Arc<Pipeline>,
@@ -467,12 +471,29 @@ impl Run {
         match event {
             Err(_) => Err(deadline_error()),
             Ok(Err(e)) => Err(e),
-            Ok(Ok(Step::Token(t))) => Ok(Event::Piece(self.piece_of(&t))),
+            Ok(Ok(Step::Token(t))) => {
+                let piece = self.piece_of(&t);
+                if piece.finish.is_some() {
+                    self.await_worker_end().await;
+                }
+                Ok(Event::Piece(piece))
+            }
             Ok(Ok(Step::Finished(f))) => Ok(Event::End(match f.reason() {
                 WireFinish::Length => Finish::Length,
                 _ => Finish::Stop,
             })),
         }
+    }
+
+    /// This side's stop checker ended the answer. Where the worker ended it
+    /// too (max_tokens, a stop token, EOS) its `Finished` follows at once:
+    /// read it, so the worker records a completion rather than a hang-up
+    /// (it counted these as `cancelled`). A stop string only this side sees:
+    /// the worker's next event is another token, and dropping the run then
+    /// cancels it. Bounded by [`WORKER_END_WAIT`] and the deadline.
+    async fn await_worker_end(&mut self) {
+        let until = (Instant::now() + WORKER_END_WAIT).min(self.deadline);
+        let _ = tokio::time::timeout_at(until.into(), next(&mut self.stream, &self.pipeline.cluster)).await;
     }
 
     /// Text held back by the detokenizer and stop checker, once the worker

@@ -99,8 +99,7 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     // Idempotency: two identical requests with one key run once; a later
     // retry gets the kept answer; the key with another body is refused.
     let m = decode.addr("metrics")?;
-    // Generate streams the decode worker ended, whatever the outcome (the
-    // coordinator may hang up after the last token, before the worker's end).
+    // Generate streams the decode worker ended, whatever the outcome.
     let served = |m: &str| metric_sum(m, "tandem_decode_requests_total");
     let before = served(&m)?;
     let key = vec![("Idempotency-Key".to_owned(), "order-42".to_owned())];
@@ -137,6 +136,10 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     assert_eq!(e1.last().map(String::as_str), Some("[DONE]"), "{e1:?}");
     assert_eq!(e1, e2, "the retry replays the recorded events");
     assert_eq!(served(&m)?, before + 1.0, "two streaming requests with one key ran once");
+    // Each answer ended at max_tokens: the coordinator read the worker's own end
+    // before hanging up, so none counts as a client cancel.
+    let cancelled = metric(&m, "tandem_decode_requests_total{outcome=\"cancelled\"}")?;
+    assert_eq!(cancelled, 0.0, "answers that ran to max_tokens were counted cancelled on the decode worker");
 
     // The slot is taken by a long stream (alice) for the rest of the test.
     let long = json!({
