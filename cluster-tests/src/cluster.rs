@@ -45,6 +45,12 @@ pub struct ClusterSpec {
     pub lease_ttl_s: u32,
     /// Flags added to the coordinator's.
     pub coordinator_args: Vec<String>,
+    /// etcd members (1, or 3 for failover and quorum drills). Every process gets all
+    /// their endpoints.
+    pub etcd_members: usize,
+    /// Processes (`decode-1`, `coordinator`, ...) whose etcd traffic crosses fault
+    /// proxies, one per member ([`Cluster::etcd_proxies`]), to cut them off alone.
+    pub etcd_via_proxy: Vec<String>,
 }
 
 impl Default for ClusterSpec {
@@ -55,6 +61,8 @@ impl Default for ClusterSpec {
             kv_blocks: 256,
             lease_ttl_s: 2,
             coordinator_args: Vec::new(),
+            etcd_members: 1,
+            etcd_via_proxy: Vec::new(),
         }
     }
 }
@@ -78,6 +86,19 @@ impl ClusterSpec {
 
     pub fn policy(mut self, p: &str) -> Self {
         self.policy = p.into();
+        self
+    }
+
+    /// Runs `n` etcd members instead of one.
+    pub fn etcd_members(mut self, n: usize) -> Self {
+        self.etcd_members = n;
+        self
+    }
+
+    /// Routes process `name`'s etcd traffic (`decode-0`, `prefill-1`, `coordinator`)
+    /// through fault proxies of its own.
+    pub fn etcd_via_proxy(mut self, name: &str) -> Self {
+        self.etcd_via_proxy.push(name.into());
         self
     }
 
@@ -106,11 +127,15 @@ impl Worker {
 /// A running cluster. Fields are public so drills can reach any process.
 #[derive(Debug)]
 pub struct Cluster {
-    pub etcd: registry::testing::Etcd,
+    /// etcd: [`ClusterSpec::etcd_members`] members.
+    pub etcd: registry::testing::EtcdCluster,
+    /// Fault proxies on a process's links to etcd (one per member, in member order), by
+    /// process name, for those in [`ClusterSpec::etcd_via_proxy`].
+    pub etcd_proxies: BTreeMap<String, Vec<Proxy>>,
     pub workers: Vec<Worker>,
     pub coordinator: Proc,
     pub prefix: String,
-    /// Per-process stderr logs (and etcd's, elsewhere: [`registry::testing::Etcd::log_path`]).
+    /// Per-process stderr logs (and etcd's, elsewhere: [`registry::testing::EtcdCluster::log_path`]).
     pub log_dir: PathBuf,
     /// Names of processes a drill killed, stopped or terminated on purpose,
     /// with what was done; the rest must be alive at the end.
@@ -155,8 +180,27 @@ impl Cluster {
     /// and sees every worker registered. `keep_logs` keeps the log directory after drop.
     pub async fn start(spec: &ClusterSpec, keep_logs: bool) -> Result<Self, HarnessError> {
         let log_dir = temp_dir()?;
-        let etcd = registry::testing::Etcd::start().await.map_err(|e| HarnessError::Setup(format!("etcd: {e}")))?;
-        let ep = etcd.endpoint();
+        let etcd = registry::testing::EtcdCluster::start(spec.etcd_members.max(1))
+            .await
+            .map_err(|e| HarnessError::Setup(format!("etcd: {e}")))?;
+        let mut etcd_proxies = BTreeMap::new();
+        // Every member's endpoint, or for a process behind proxies, its proxies'.
+        let mut etcd_flag = |name: &str| -> Result<String, HarnessError> {
+            if !spec.etcd_via_proxy.iter().any(|n| n == name) {
+                return Ok(etcd.endpoints().join(","));
+            }
+            let mut proxies = Vec::new();
+            for ep in etcd.endpoints() {
+                let addr = ep
+                    .trim_start_matches("http://")
+                    .parse()
+                    .map_err(|e| HarnessError::Setup(format!("etcd endpoint {ep}: {e}")))?;
+                proxies.push(Proxy::start(addr)?);
+            }
+            let flag = proxies.iter().map(|p| format!("http://{}", p.addr)).collect::<Vec<_>>().join(",");
+            etcd_proxies.insert(name.to_owned(), proxies);
+            Ok(flag)
+        };
         let prefix = log_dir.file_name().map(|n| n.to_string_lossy().replace('-', "_")).unwrap_or_default();
 
         let mut starting = JoinSet::new();
@@ -165,6 +209,7 @@ impl Cluster {
             let n = counts.entry(w.role).or_insert(0);
             let name = format!("{}-{n}", if w.role == Role::Prefill { "prefill" } else { "decode" });
             *n += 1;
+            let ep = etcd_flag(&name)?;
             let mut args: Vec<String> = [
                 "--etcd",
                 &ep,
@@ -218,6 +263,7 @@ impl Cluster {
         }
         workers.sort_by(|a, b| (a.role, &a.proc.name).cmp(&(b.role, &b.proc.name)));
 
+        let ep = etcd_flag("coordinator")?;
         let mut cargs: Vec<String> = [
             "--http",
             "127.0.0.1:0",
@@ -235,7 +281,8 @@ impl Cluster {
         .collect();
         cargs.extend(spec.coordinator_args.iter().cloned());
         let coordinator = Proc::start("coordinator", "tandem-coordinator", &cargs, &["http", "grpc"], &log_dir).await?;
-        let cluster = Self { etcd, workers, coordinator, prefix, log_dir, faulted: BTreeMap::new(), keep_logs };
+        let cluster =
+            Self { etcd, etcd_proxies, workers, coordinator, prefix, log_dir, faulted: BTreeMap::new(), keep_logs };
         cluster.wait_ready().await?;
         Ok(cluster)
     }
@@ -319,8 +366,33 @@ impl Cluster {
 
     pub fn log_paths(&self) -> Vec<(String, PathBuf)> {
         let mut v: Vec<(String, PathBuf)> = self.procs().map(|p| (p.name.clone(), p.log_path().to_owned())).collect();
-        v.push(("etcd".into(), self.etcd.log_path()));
+        v.extend(self.etcd.log_paths().into_iter().map(|(m, p)| (format!("etcd-{m}"), p)));
         v
+    }
+
+    /// Arms `fault` on every proxy between process `name` and etcd
+    /// ([`ClusterSpec::etcd_via_proxy`]); `Fault::Blackhole` cuts it off, `Fault::None` lifts that.
+    pub fn etcd_link(&self, name: &str, fault: crate::proxy::Fault) -> Result<(), HarnessError> {
+        let proxies = self
+            .etcd_proxies
+            .get(name)
+            .ok_or_else(|| HarnessError::Setup(format!("{name}'s etcd traffic crosses no proxy")))?;
+        for p in proxies {
+            p.arm(fault);
+        }
+        Ok(())
+    }
+
+    /// Bytes (both ways) the blackhole dropped on `name`'s etcd links so far.
+    pub fn etcd_link_dropped(&self, name: &str) -> u64 {
+        self.etcd_proxies.get(name).map_or(0, |ps| {
+            ps.iter()
+                .map(|p| {
+                    let k = p.counters();
+                    k.blackholed_bytes + k.blackholed_reply_bytes
+                })
+                .sum()
+        })
     }
 
     pub fn log_dir(&self) -> &Path {

@@ -68,6 +68,10 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(process::WorkerSigstop),
         Box::new(process::RollingDrain),
         Box::new(load::TightDeadlines),
+        Box::new(etcd::EtcdLeaderKill),
+        Box::new(etcd::EtcdQuorumLoss),
+        Box::new(etcd::WorkerEtcdCutoff),
+        Box::new(etcd::CoordinatorEtcdCutoff),
     ]
 }
 
@@ -144,6 +148,8 @@ pub(crate) struct Evidence {
     pub missing: Vec<String>,
     /// Drained workers: name, pid, exit code (`None`: did not exit, or not by `exit`).
     pub drained: Vec<(String, u32, Option<i32>)>,
+    /// Processes (etcd members included) the fault killed: name, pid.
+    pub killed: Vec<(String, u32)>,
     /// When the fault was applied and lifted ([`Evidence::began`], [`Evidence::ended`]).
     pub window: (Option<Instant>, Option<Instant>),
 }
