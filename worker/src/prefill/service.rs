@@ -465,6 +465,12 @@ impl PrefillWorker for PrefillService {
             ..HealthResponse::default()
         };
         if let Some(s) = stats {
+            // As the decode worker does: gauges follow the runner on every poll, not only
+            // after a request. Two overlapping prefills can record their snapshots out of
+            // order (the earlier one, taken while the other still held its blocks, last),
+            // leaving tandem_kv_blocks_used stuck above zero on an idle worker until the
+            // next request; seen once in worker-etcd-cutoff as a 3-block "leak" (G2).
+            crate::metrics::record_stats(&s);
             h.kv_blocks_total = s.kv.total as u32;
             h.kv_blocks_used = s.kv.used as u32;
             h.running = s.running as u32;
