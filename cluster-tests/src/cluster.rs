@@ -52,6 +52,12 @@ pub struct ClusterSpec {
     /// Coordinators serving the one membership (more than 1: clients reach them through a
     /// round-robin [`Front`], and each listens on fixed ports so a restart keeps its flags).
     pub coordinators: usize,
+    /// etcd members (1, or 3 for failover and quorum drills). Every process gets all
+    /// their endpoints.
+    pub etcd_members: usize,
+    /// Processes (`decode-1`, `coordinator`, ...) whose etcd traffic crosses fault
+    /// proxies, one per member ([`Cluster::etcd_proxies`]), to cut them off alone.
+    pub etcd_via_proxy: Vec<String>,
 }
 
 impl Default for ClusterSpec {
@@ -63,6 +69,8 @@ impl Default for ClusterSpec {
             lease_ttl_s: 2,
             coordinator_args: Vec::new(),
             coordinators: 1,
+            etcd_members: 1,
+            etcd_via_proxy: Vec::new(),
         }
     }
 }
@@ -141,6 +149,19 @@ impl ClusterSpec {
         self
     }
 
+    /// Runs `n` etcd members instead of one.
+    pub fn etcd_members(mut self, n: usize) -> Self {
+        self.etcd_members = n;
+        self
+    }
+
+    /// Routes process `name`'s etcd traffic (`decode-0`, `prefill-1`, `coordinator`)
+    /// through fault proxies of its own.
+    pub fn etcd_via_proxy(mut self, name: &str) -> Self {
+        self.etcd_via_proxy.push(name.into());
+        self
+    }
+
     pub fn coordinator_args(mut self, args: &[&str]) -> Self {
         self.coordinator_args.extend(args.iter().map(|s| (*s).to_owned()));
         self
@@ -183,7 +204,11 @@ impl Worker {
 /// A running cluster. Fields are public so drills can reach any process.
 #[derive(Debug)]
 pub struct Cluster {
-    pub etcd: registry::testing::Etcd,
+    /// etcd: [`ClusterSpec::etcd_members`] members.
+    pub etcd: registry::testing::EtcdCluster,
+    /// Fault proxies on a process's links to etcd (one per member, in member order), by
+    /// process name, for those in [`ClusterSpec::etcd_via_proxy`].
+    pub etcd_proxies: BTreeMap<String, Vec<Proxy>>,
     pub workers: Vec<Worker>,
     /// The first coordinator (`coordinator`); [`Cluster::http_addr`] and the metrics helpers use it.
     pub coordinator: Proc,
@@ -195,7 +220,7 @@ pub struct Cluster {
     /// across one may end in a transport error (counted as `coordinator_lost`).
     pub coordinator_kills: Vec<(Instant, Instant)>,
     pub prefix: String,
-    /// Per-process stderr logs (and etcd's, elsewhere: [`registry::testing::Etcd::log_path`]).
+    /// Per-process stderr logs (and etcd's, elsewhere: [`registry::testing::EtcdCluster::log_path`]).
     pub log_dir: PathBuf,
     /// Names of processes a drill killed, stopped or terminated on purpose,
     /// with what was done; the rest must be alive at the end.
@@ -246,8 +271,27 @@ impl Cluster {
     /// and sees every worker registered. `keep_logs` keeps the log directory after drop.
     pub async fn start(spec: &ClusterSpec, keep_logs: bool) -> Result<Self, HarnessError> {
         let log_dir = temp_dir()?;
-        let etcd = registry::testing::Etcd::start().await.map_err(|e| HarnessError::Setup(format!("etcd: {e}")))?;
-        let ep = etcd.endpoint();
+        let etcd = registry::testing::EtcdCluster::start(spec.etcd_members.max(1))
+            .await
+            .map_err(|e| HarnessError::Setup(format!("etcd: {e}")))?;
+        let mut etcd_proxies = BTreeMap::new();
+        // Every member's endpoint, or for a process behind proxies, its proxies'.
+        let mut etcd_flag = |name: &str| -> Result<String, HarnessError> {
+            if !spec.etcd_via_proxy.iter().any(|n| n == name) {
+                return Ok(etcd.endpoints().join(","));
+            }
+            let mut proxies = Vec::new();
+            for ep in etcd.endpoints() {
+                let addr = ep
+                    .trim_start_matches("http://")
+                    .parse()
+                    .map_err(|e| HarnessError::Setup(format!("etcd endpoint {ep}: {e}")))?;
+                proxies.push(Proxy::start(addr)?);
+            }
+            let flag = proxies.iter().map(|p| format!("http://{}", p.addr)).collect::<Vec<_>>().join(",");
+            etcd_proxies.insert(name.to_owned(), proxies);
+            Ok(flag)
+        };
         let prefix = log_dir.file_name().map(|n| n.to_string_lossy().replace('-', "_")).unwrap_or_default();
 
         // Namespaces first: prefill workers bind where a namespaced decode worker can call them.
@@ -260,8 +304,10 @@ impl Cluster {
             let n = counts.entry(w.role).or_insert(0);
             let name = format!("{}-{n}", if w.role == Role::Prefill { "prefill" } else { "decode" });
             *n += 1;
+            let ep = etcd_flag(&name)?;
+            // In a namespace, etcd (on loopback) is reached through a proxy on the gateway.
             let etcd_path = match &netns {
-                Some(ns) => Some(Proxy::start_on(ns.host_ip.into(), etcd_addr(&ep)?)?),
+                Some(ns) => Some(Proxy::start_on(ns.host_ip.into(), etcd_addr(&etcd.endpoint(0))?)?),
                 None => None,
             };
             let worker_ep = etcd_path.as_ref().map_or_else(|| ep.clone(), |p| format!("http://{}", p.addr));
@@ -332,6 +378,7 @@ impl Cluster {
         }
         workers.sort_by(|a, b| (a.role, &a.proc.name).cmp(&(b.role, &b.proc.name)));
 
+        let ep = etcd_flag("coordinator")?;
         let mut cargs: Vec<String> = [
             "--http",
             "127.0.0.1:0",
@@ -378,6 +425,7 @@ impl Cluster {
         let other_coordinators: Vec<Proc> = coordinators.collect();
         let cluster = Self {
             etcd,
+            etcd_proxies,
             workers,
             coordinator,
             other_coordinators,
@@ -572,8 +620,33 @@ impl Cluster {
     pub fn log_paths(&self) -> Vec<(String, PathBuf)> {
         let mut v: Vec<(String, PathBuf)> =
             self.procs().flat_map(|p| p.log_paths().map(|l| (p.name.clone(), l.to_owned()))).collect();
-        v.push(("etcd".into(), self.etcd.log_path()));
+        v.extend(self.etcd.log_paths().into_iter().map(|(m, p)| (format!("etcd-{m}"), p)));
         v
+    }
+
+    /// Arms `fault` on every proxy between process `name` and etcd
+    /// ([`ClusterSpec::etcd_via_proxy`]); `Fault::Blackhole` cuts it off, `Fault::None` lifts that.
+    pub fn etcd_link(&self, name: &str, fault: crate::proxy::Fault) -> Result<(), HarnessError> {
+        let proxies = self
+            .etcd_proxies
+            .get(name)
+            .ok_or_else(|| HarnessError::Setup(format!("{name}'s etcd traffic crosses no proxy")))?;
+        for p in proxies {
+            p.arm(fault);
+        }
+        Ok(())
+    }
+
+    /// Bytes (both ways) the blackhole dropped on `name`'s etcd links so far.
+    pub fn etcd_link_dropped(&self, name: &str) -> u64 {
+        self.etcd_proxies.get(name).map_or(0, |ps| {
+            ps.iter()
+                .map(|p| {
+                    let k = p.counters();
+                    k.blackholed_bytes + k.blackholed_reply_bytes
+                })
+                .sum()
+        })
     }
 
     pub fn log_dir(&self) -> &Path {

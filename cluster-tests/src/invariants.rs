@@ -274,8 +274,13 @@ pub fn logs_and_processes(cluster: &Cluster) -> Vec<Violation> {
             v.push(Violation::new(Guarantee::G5, format!("{} (pid {}) exited during the drill", p.name, p.pid)));
         }
     }
-    if cluster.etcd.pid().is_none_or(|pid| matches!(proc_state(pid), None | Some('Z'))) {
-        v.push(Violation::new(Guarantee::G5, "etcd is not running at the end of the drill"));
+    for i in 0..cluster.etcd.len() {
+        let name = format!("etcd-{}", cluster.etcd.name(i));
+        if !cluster.is_faulted(&name)
+            && cluster.etcd.pid(i).is_none_or(|pid| matches!(proc_state(pid), None | Some('Z')))
+        {
+            v.push(Violation::new(Guarantee::G5, format!("{name} is not running at the end of the drill")));
+        }
     }
     v
 }

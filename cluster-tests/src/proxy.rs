@@ -9,7 +9,15 @@
 //! every sender-to-receiver byte (latency, not a slower link: bytes queue in
 //! order behind their deadline and none waits for another). The proxy counts
 //! what it did, which is how a drill proves the fault happened.
+//!
+//! [`Fault::Blackhole`] is a partition rather than a fault on the stream: while armed no
+//! byte crosses either way on any connection, and new connections are accepted but never
+//! connected upstream, so the client sees silence (not a refusal or a reset). Lifting it
+//! (arming anything else) closes every connection that lost bytes, and every connection
+//! accepted meanwhile, so clients reconnect cleanly instead of waiting on a stream with a
+//! hole in it. Used between a process and etcd: no netem here, and a per-process link.
 
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,6 +43,10 @@ pub enum Fault {
     /// Delay every sender-to-receiver byte by `base` ± up to `jitter` (uniform), in order,
     /// until another fault is armed.
     Delay { base: Duration, jitter: Duration },
+    /// A partition, until another fault (e.g. [`Fault::None`]) is armed: bytes either way
+    /// are read and dropped, new connections are accepted and never connected upstream.
+    /// Lifting it closes the connections that lost bytes and those accepted meanwhile.
+    Blackhole,
 }
 
 /// What the proxy has done so far.
@@ -56,6 +68,15 @@ pub struct ProxyCounters {
     pub delayed_chunks: u64,
     pub max_delay_ms: u64,
     pub min_delay_ms: Option<u64>,
+    /// Sender-to-receiver bytes a blackhole dropped (including those sent on connections
+    /// accepted during it).
+    pub blackholed_bytes: u64,
+    /// Receiver-to-sender bytes a blackhole dropped.
+    pub blackholed_reply_bytes: u64,
+    /// Connections accepted during a blackhole (never connected upstream).
+    pub blackholed_connections: u64,
+    /// Connections closed when a blackhole was lifted.
+    pub blackhole_closed: u64,
 }
 
 #[derive(Debug)]
@@ -67,6 +88,32 @@ struct State {
     stopped: bool,
     /// xorshift state for the delay's jitter.
     rng: u64,
+    /// Both sockets of every connection being forwarded, to close those a blackhole hit.
+    live: HashMap<u64, [TcpStream; 2]>,
+    /// Connections that lost bytes to the blackhole armed now.
+    tainted: HashSet<u64>,
+    /// Connections accepted during the blackhole armed now.
+    pending: Vec<TcpStream>,
+}
+
+impl State {
+    /// Lifts a blackhole: closes the connections it hit and those it accepted.
+    fn lift(&mut self) {
+        let mut closed = 0;
+        for id in std::mem::take(&mut self.tainted) {
+            if let Some(socks) = self.live.remove(&id) {
+                for s in &socks {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                closed += 1;
+            }
+        }
+        for s in std::mem::take(&mut self.pending) {
+            let _ = s.shutdown(Shutdown::Both);
+            closed += 1;
+        }
+        self.counters.blackhole_closed += closed;
+    }
 }
 
 type Shared = Arc<(Mutex<State>, Condvar)>;
@@ -102,6 +149,9 @@ impl Proxy {
                 released: false,
                 stopped: false,
                 rng: 0x9E37_79B9_7F4A_7C15,
+                live: HashMap::new(),
+                tainted: HashSet::new(),
+                pending: Vec::new(),
             }),
             Condvar::new(),
         ));
@@ -112,23 +162,48 @@ impl Proxy {
                     return;
                 }
                 let Ok(down) = conn else { continue };
+                {
+                    let mut s = lock(&st);
+                    if s.armed == Fault::Blackhole {
+                        let Ok(keep) = down.try_clone() else { continue };
+                        s.pending.push(keep);
+                        s.counters.blackholed_connections += 1;
+                        let st2 = st.clone();
+                        std::thread::spawn(move || swallow(down, &st2));
+                        continue;
+                    }
+                }
                 let Ok(up) = TcpStream::connect(upstream) else { continue };
-                lock(&st).counters.connections += 1;
+                let (Ok(down2), Ok(up2), Ok(down3), Ok(up3)) =
+                    (down.try_clone(), up.try_clone(), down.try_clone(), up.try_clone())
+                else {
+                    continue;
+                };
+                {
+                    let mut s = lock(&st);
+                    s.counters.connections += 1;
+                    s.live.insert(id, [down3, up3]);
+                }
                 let peer = down.peer_addr().ok();
-                let (Ok(down2), Ok(up2)) = (down.try_clone(), up.try_clone()) else { continue };
-                let st2 = st.clone();
+                let (st2, st3) = (st.clone(), st.clone());
                 let reset = Arc::new(AtomicBool::new(false));
                 let reset2 = reset.clone();
                 std::thread::spawn(move || forward(down, up, id, peer, &st2, &reset));
-                std::thread::spawn(move || plain(up2, down2, &reset2));
+                std::thread::spawn(move || plain(up2, down2, id, &st3, &reset2));
             }
         });
         Ok(Self { addr, upstream, state })
     }
 
-    /// Arms `fault` on the stream from now on (replacing one not yet struck).
+    /// Arms `fault` on the stream from now on (replacing one not yet struck). Arming
+    /// anything but [`Fault::Blackhole`] while a blackhole is armed lifts it.
     pub fn arm(&self, fault: Fault) {
-        lock(&self.state).armed = fault;
+        let mut s = lock(&self.state);
+        let lifting = s.armed == Fault::Blackhole && fault != Fault::Blackhole;
+        s.armed = fault;
+        if lifting {
+            s.lift();
+        }
     }
 
     pub fn counters(&self) -> ProxyCounters {
@@ -155,7 +230,13 @@ impl Proxy {
 
 impl Drop for Proxy {
     fn drop(&mut self) {
-        lock(&self.state).stopped = true;
+        {
+            let mut s = lock(&self.state);
+            s.stopped = true;
+            for c in std::mem::take(&mut s.pending) {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+        }
         self.state.1.notify_all();
         // Wakes the accept loop so it sees `stopped`.
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
@@ -179,6 +260,7 @@ fn forward(mut from: TcpStream, to: TcpStream, id: u64, peer: Option<SocketAddr>
         let mut pass = n;
         let mut reset_now = false;
         let mut delay = Duration::ZERO;
+        let mut dropped = false;
         {
             let mut s = lock(st);
             match s.armed {
@@ -212,6 +294,12 @@ fn forward(mut from: TcpStream, to: TcpStream, id: u64, peer: Option<SocketAddr>
                     s.counters.max_delay_ms = s.counters.max_delay_ms.max(ms);
                     s.counters.min_delay_ms = Some(s.counters.min_delay_ms.map_or(ms, |m| m.min(ms)));
                 }
+                Fault::Blackhole => {
+                    pass = 0;
+                    dropped = true;
+                    s.counters.blackholed_bytes += n as u64;
+                    s.tainted.insert(id);
+                }
                 Fault::None => {}
             }
             s.counters.bytes_forwarded += pass as u64;
@@ -226,7 +314,7 @@ fn forward(mut from: TcpStream, to: TcpStream, id: u64, peer: Option<SocketAddr>
             abort(&to_ctl);
             break;
         }
-        if pass < n {
+        if pass < n && !dropped {
             let (m, cv) = &**st;
             let guard = m.lock().unwrap_or_else(|e| e.into_inner());
             let guard = cv.wait_while(guard, |s| !s.released && !s.stopped).unwrap_or_else(|e| e.into_inner());
@@ -239,6 +327,7 @@ fn forward(mut from: TcpStream, to: TcpStream, id: u64, peer: Option<SocketAddr>
     }
     drop(tx);
     let _ = writer.join();
+    lock(st).live.remove(&id);
     if !reset.load(Ordering::SeqCst) {
         let _ = to_ctl.shutdown(Shutdown::Write);
         let _ = from.shutdown(Shutdown::Both);
@@ -278,14 +367,33 @@ fn abort(s: &TcpStream) {
     let _ = s.shutdown(Shutdown::Read);
 }
 
-/// Receiver to sender, untouched.
-fn plain(mut from: TcpStream, mut to: TcpStream, reset: &AtomicBool) {
+/// Reads a connection accepted during a blackhole until it is closed, dropping every byte.
+fn swallow(mut from: TcpStream, st: &Shared) {
+    let mut buf = vec![0u8; 16 << 10];
+    while let Ok(n) = from.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        lock(st).counters.blackholed_bytes += n as u64;
+    }
+}
+
+/// Receiver to sender, untouched unless a blackhole is armed.
+fn plain(mut from: TcpStream, mut to: TcpStream, id: u64, st: &Shared, reset: &AtomicBool) {
     let mut buf = vec![0u8; 16 << 10];
     loop {
         let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        {
+            let mut s = lock(st);
+            if s.armed == Fault::Blackhole {
+                s.counters.blackholed_reply_bytes += n as u64;
+                s.tainted.insert(id);
+                continue;
+            }
+        }
         if to.write_all(&buf[..n]).is_err() {
             break;
         }
@@ -373,5 +481,89 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
         assert!(rest.len() <= 2, "{rest:?}");
         assert_eq!(p.counters().resets, 1);
+    }
+
+    /// What `c` reads within `wait`: `Some(bytes)` (empty: EOF), `None`: nothing (silence).
+    fn read_within(c: &mut TcpStream, wait: Duration) -> Option<Vec<u8>> {
+        c.set_read_timeout(Some(wait)).expect("timeout");
+        let mut b = [0u8; 64];
+        match c.read(&mut b) {
+            Ok(n) => Some(b[..n].to_vec()),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => None,
+            // A reset also ends the connection.
+            Err(_) => Some(Vec::new()),
+        }
+    }
+
+    #[test]
+    fn a_blackhole_is_silence_both_ways_until_lifted_then_closes_what_it_hit() {
+        let p = Proxy::start(echo()).expect("proxy");
+        let mut hit = client(&p);
+        hit.write_all(b"ping").expect("write");
+        let mut b = [0u8; 4];
+        hit.read_exact(&mut b).expect("echo before the blackhole");
+        let mut idle = client(&p);
+        idle.write_all(b"x").expect("write");
+        idle.read_exact(&mut b[..1]).expect("echo before the blackhole");
+
+        p.arm(Fault::Blackhole);
+        hit.write_all(b"lost").expect("write");
+        assert_eq!(read_within(&mut hit, Duration::from_millis(300)), None, "no echo through a blackhole");
+        // A new connection is accepted (no refusal) but goes nowhere.
+        let mut late = client(&p);
+        late.write_all(b"hello?").expect("write");
+        assert_eq!(read_within(&mut late, Duration::from_millis(300)), None, "no answer on a new connection");
+        let k = p.counters();
+        assert_eq!((k.connections, k.blackholed_connections), (2, 1), "{k:?}");
+        assert_eq!(k.blackholed_bytes, 10, "{k:?}");
+
+        p.arm(Fault::None);
+        // The connection that lost bytes and the one accepted meanwhile are closed: EOF.
+        assert_eq!(read_within(&mut hit, Duration::from_secs(5)), Some(vec![]), "the hit connection is closed");
+        assert_eq!(read_within(&mut late, Duration::from_secs(5)), Some(vec![]), "the late connection is closed");
+        assert_eq!(p.counters().blackhole_closed, 2);
+        // A connection that lost nothing goes on, and so do new ones.
+        idle.write_all(b"y").expect("write");
+        assert_eq!(read_within(&mut idle, Duration::from_secs(5)), Some(b"y".to_vec()));
+        let mut fresh = client(&p);
+        fresh.write_all(b"back").expect("write");
+        assert_eq!(read_within(&mut fresh, Duration::from_secs(5)), Some(b"back".to_vec()));
+    }
+
+    #[test]
+    fn a_blackhole_drops_the_receivers_bytes_too() {
+        // An upstream that answers each byte it reads 200 ms later.
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let up = l.local_addr().expect("addr");
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(mut c) = c else { return };
+                let mut b = [0u8; 1];
+                while let Ok(1) = c.read(&mut b) {
+                    std::thread::sleep(Duration::from_millis(200));
+                    if c.write_all(b"late answer").is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let p = Proxy::start(up).expect("proxy");
+        let mut c = client(&p);
+        c.write_all(b"q").expect("write");
+        let mut answer = [0u8; 11];
+        c.read_exact(&mut answer).expect("an answer before the blackhole");
+        c.write_all(b"r").expect("write");
+        // Arm only once "r" went up, so that only its answer meets the blackhole.
+        let t0 = Instant::now();
+        while p.counters().bytes_forwarded < 2 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "the proxy did not forward the second byte");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        p.arm(Fault::Blackhole);
+        assert_eq!(read_within(&mut c, Duration::from_millis(600)), None, "the answer must not cross");
+        let k = p.counters();
+        assert_eq!((k.bytes_forwarded, k.blackholed_bytes, k.blackholed_reply_bytes), (2, 0, 11), "{k:?}");
+        p.arm(Fault::None);
+        assert_eq!(read_within(&mut c, Duration::from_secs(5)), Some(vec![]), "closed on lift");
     }
 }

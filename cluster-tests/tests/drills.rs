@@ -217,3 +217,45 @@ async fn prefill_unavailable_without_its_fault_fails_its_proof() -> TestResult {
     assert_eq!(r.complete, r.requests);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_leader_kill() -> TestResult {
+    let r = drill("etcd-leader-kill").await?;
+    assert_eq!(r.complete, r.requests, "a follower took over, yet a request failed");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_quorum_loss() -> TestResult {
+    let r = drill("etcd-quorum-loss").await?;
+    assert!(r.complete >= 2, "requests before the outage complete: {} of {}", r.complete, r.requests);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_etcd_cutoff() -> TestResult {
+    let r = drill("worker-etcd-cutoff").await?;
+    assert_eq!(r.complete, r.requests, "the other decode worker should have carried the load");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coordinator_etcd_cutoff() -> TestResult {
+    let r = drill("coordinator-etcd-cutoff").await?;
+    assert!(r.typed_errors.keys().all(|k| k.contains("registry_unavailable")), "{:?}", r.typed_errors);
+    Ok(())
+}
+
+/// With its partition skipped, worker-etcd-cutoff runs clean — and must still fail, on G6,
+/// saying the proxy dropped nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_cutoff_without_its_partition_fails_its_proof() -> TestResult {
+    let r = run_drill("worker-etcd-cutoff", &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+    assert!(!r.fault_proven, "{}", r.proof);
+    let g6 = r.of(Guarantee::G6);
+    assert_eq!(g6.len(), 1, "{:#?}", r.violations);
+    assert!(g6[0].detail.contains("decode-1's etcd link dropped 0 bytes"), "{:?}", g6[0]);
+    assert_eq!(r.violations.len(), 1, "only G6: {:#?}", r.violations);
+    assert_eq!(r.complete, r.requests);
+    Ok(())
+}

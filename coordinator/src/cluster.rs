@@ -76,8 +76,34 @@ pub struct Cluster {
 }
 
 /// A request's stream from its decode worker; dropping it cancels the
-/// request there (and its KV transfer and prefill).
-pub type WorkerStream = tonic::Streaming<proto::worker::v1::GenerateResponse>;
+/// request there (and its KV transfer and prefill). Its first message was
+/// read by [`Cluster::generate`] (to route around a refusal) and is
+/// replayed first.
+pub struct WorkerStream {
+    first: Option<Result<Option<proto::worker::v1::GenerateResponse>, tonic::Status>>,
+    rest: tonic::Streaming<proto::worker::v1::GenerateResponse>,
+}
+
+impl WorkerStream {
+    /// The next message, as `tonic::Streaming::message`.
+    pub async fn message(&mut self) -> Result<Option<proto::worker::v1::GenerateResponse>, tonic::Status> {
+        match self.first.take() {
+            Some(first) => first,
+            None => self.rest.message().await,
+        }
+    }
+}
+
+/// The worker refused the request before starting it, in a way another
+/// worker may not: fenced (its etcd lease lost or in doubt) or draining.
+fn refused_at_start(first: &Result<Option<proto::worker::v1::GenerateResponse>, tonic::Status>) -> bool {
+    use proto::worker::v1::ErrorKind as K;
+    matches!(
+        first,
+        Ok(Some(proto::worker::v1::GenerateResponse { event: Some(generate_response::Event::Error(e)), .. }))
+            if e.kind() == K::Retryable
+    )
+}
 
 /// Holds a decode worker's in-flight count for one request.
 pub struct Lease {
@@ -423,7 +449,20 @@ impl Cluster {
             req.prefill = route.prefill;
             let mut client = decode.client.clone();
             match client.generate(req.clone()).await {
-                Ok(stream) => return Ok((stream.into_inner(), lease)),
+                Ok(stream) => {
+                    // The first message is the first token, or a refusal. A worker that
+                    // fenced itself (or began draining) after the last load poll refuses
+                    // with RETRYABLE before doing anything; nothing reached the client, so
+                    // another worker may take the request (seen in worker-etcd-cutoff).
+                    let mut rest = stream.into_inner();
+                    let first = rest.message().await;
+                    if refused_at_start(&first) && attempt < MAX_DECODE_ATTEMPTS {
+                        tracing::warn!(worker = %route.decode, "decode worker refused (fenced or draining); routing again");
+                        self.board.mark_not_ready(&route.decode);
+                        continue;
+                    }
+                    return Ok((WorkerStream { first: Some(first), rest }, lease));
+                }
                 // The decode worker answers `Generate` at once and reports its own errors
                 // in the stream, so an error here is the transport's: the worker is gone or
                 // its connection broke before it answered (a SIGKILLed worker shows up as

@@ -157,6 +157,13 @@ impl LoadBoard {
         self.set(addr, unreachable(Instant::now()));
     }
 
+    /// Marks a worker that refused work as not ready until its next poll answers.
+    pub fn mark_not_ready(&self, addr: &str) {
+        let now = Instant::now();
+        let load = self.get(addr).map_or_else(|| unreachable(now), |l| Load { ready: false, at: now, ..l });
+        self.set(addr, load);
+    }
+
     fn retain(&self, keep: &HashMap<String, Kind>) {
         let mut loads = self.loads.write().unwrap_or_else(|e| e.into_inner());
         loads.retain(|a, _| keep.contains_key(a));
@@ -275,5 +282,20 @@ mod tests {
         let l = board.get(&addr).expect("recorded");
         assert!(!l.reachable && !l.ready);
         task.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_that_refused_work_is_not_ready_until_it_answers() {
+        let board = LoadBoard::new(Duration::from_millis(100));
+        board.set("a:1", load(2, 10, 1, 0));
+        board.mark_not_ready("a:1");
+        let l = board.get("a:1").expect("still known");
+        assert!(!l.ready && l.reachable, "{l:?}");
+        assert_eq!((l.kv_blocks_used, l.running), (2, 1), "its load is kept");
+        // Never polled: not ready rather than unknown (which the router would take as ready).
+        board.mark_not_ready("b:1");
+        assert!(board.get("b:1").is_some_and(|l| !l.ready));
+        board.set("a:1", load(0, 10, 0, 0));
+        assert!(board.get("a:1").is_some_and(|l| l.ready), "the next answer clears the mark");
     }
 }

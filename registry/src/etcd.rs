@@ -50,8 +50,14 @@ impl EtcdConfig {
     }
 
     /// A fresh client. Cheap: the connection itself is made on the first request.
+    ///
+    /// Every request requires a leader (etcd's `hasleader` metadata): a member cut off
+    /// from quorum refuses unary calls and cancels watch and keepalive streams instead of
+    /// serving them locally. Without it, a watch on the one surviving member of a cluster
+    /// that lost quorum kept answering progress requests, so the membership cache stayed
+    /// "healthy" indefinitely while no lease could be renewed.
     pub async fn connect(&self) -> Result<Client, RegistryError> {
-        let options = ConnectOptions::new().with_connect_timeout(self.connect_timeout);
+        let options = ConnectOptions::new().with_connect_timeout(self.connect_timeout).with_require_leader(true);
         timed("connect", self.connect_timeout, Client::connect(&self.endpoints, Some(options))).await
     }
 }

@@ -10,7 +10,7 @@
 
 use std::net::SocketAddr;
 
-use metrics::{describe_gauge, gauge};
+use metrics::{counter, describe_counter, describe_gauge, gauge};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 use proto::worker::v1::ErrorKind;
 
@@ -30,6 +30,13 @@ pub const REQUESTS_RUNNING: &str = "tandem_num_requests_running";
 /// `tandem_num_requests_waiting`: requests queued for a running seat.
 /// vLLM: `vllm:num_requests_waiting`.
 pub const REQUESTS_WAITING: &str = "tandem_num_requests_waiting";
+
+/// `tandem_worker_fenced`: 1 while the worker is fenced (its etcd lease is
+/// lost or in doubt: it takes no new work until it has re-registered), else 0.
+/// vLLM: none.
+pub const FENCED: &str = "tandem_worker_fenced";
+/// `tandem_worker_fences_total`: times the worker fenced itself. vLLM: none.
+pub const FENCES: &str = "tandem_worker_fences_total";
 
 /// Default buckets for any histogram without its own: 5 ms .. 60 s.
 pub const DEFAULT_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0];
@@ -71,7 +78,19 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     describe_gauge!(KV_BLOCKS_USED, "KV blocks referenced by sequences, reservations and held prefills.");
     describe_gauge!(REQUESTS_RUNNING, "Requests in the engine's running batch.");
     describe_gauge!(REQUESTS_WAITING, "Requests waiting for a running seat.");
+    describe_gauge!(FENCED, "1 while fenced: the etcd lease is lost or in doubt, no new work is taken.");
+    describe_counter!(FENCES, "Times this worker fenced itself.");
+    gauge!(FENCED).set(0.0);
+    counter!(FENCES).absolute(0);
     Ok(addr)
+}
+
+/// Records the fence state: `fenced` now, and whether this is a new fencing.
+pub fn record_fence(fenced: bool, newly: bool) {
+    gauge!(FENCED).set(if fenced { 1.0 } else { 0.0 });
+    if newly {
+        counter!(FENCES).increment(1);
+    }
 }
 
 /// The `outcome` label of an error kind.

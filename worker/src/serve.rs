@@ -142,10 +142,17 @@ pub async fn register(
         .with_context(|| format!("registering in etcd at {:?}", r.endpoints))?;
     let mut fence = reg.fence();
     tokio::spawn(async move {
+        let mut was_fenced = false;
         loop {
-            let serving = fence.borrow_and_update().is_serving();
+            let (serving, fenced) = {
+                let f = fence.borrow_and_update();
+                (f.is_serving(), matches!(*f, registry::Fence::Fenced { .. }))
+            };
             set_fenced(!serving);
-            if !serving {
+            // Stopped (deregistered on shutdown) takes no work either, but is no fencing.
+            crate::metrics::record_fence(fenced, fenced && !was_fenced);
+            was_fenced = fenced;
+            if fenced {
                 tracing::warn!("fenced: the etcd lease is lost or in doubt; taking no new work until re-registered");
             }
             if fence.changed().await.is_err() {

@@ -1,16 +1,166 @@
-//! Drills on etcd and the workers' and coordinators' links to it.
+//! Drills on etcd and the workers' and coordinators' links to it: a restart, the
+//! leader's death and the loss of quorum in a three-member cluster, and one process
+//! partitioned from etcd alone (a [`Fault::Blackhole`] proxy on its etcd link).
 
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use loadgen::Report;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::common::{counter_reaches, gone, LOAD_WAIT};
-use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
-use crate::cluster::{Cluster, ClusterSpec};
+use super::common::{counter_reaches, gone, serving_becomes, LOAD_WAIT, MEMBERSHIP};
+use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
+use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
-use crate::HarnessError;
+use crate::metrics::{get_status, scrape};
+use crate::process::Signal;
+use crate::proxy::Fault;
+use crate::{eventually, HarnessError};
 
 const RESYNCS: &str = "tandem_coordinator_registry_resyncs_total";
+const REGISTRY_HEALTHY: &str = "tandem_coordinator_registry_healthy";
+const FENCED: &str = "tandem_worker_fenced";
+const FENCES: &str = "tandem_worker_fences_total";
+/// The coordinator's code for "etcd unreachable past `--registry-max-stale-ms`".
+const REGISTRY_UNAVAILABLE: &str = "registry_unavailable";
+/// `--registry-max-stale-ms` in the drills that outlast it.
+const MAX_STALE_MS: u64 = 3000;
+/// Bound on each wait for a consequence of a fault (fencing, a 503, a rejoin).
+const CONSEQUENCE_WAIT: Duration = Duration::from_secs(30);
+
+/// One short completion's answer: status, `Retry-After` and the error's `code`.
+#[derive(Debug, Clone, Default)]
+struct Answer {
+    status: u16,
+    retry_after: Option<String>,
+    code: Option<String>,
+}
+
+impl std::fmt::Display for Answer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.status)?;
+        if let Some(c) = &self.code {
+            write!(f, " {c}")?;
+        }
+        if let Some(r) = &self.retry_after {
+            write!(f, " (Retry-After: {r})")?;
+        }
+        Ok(())
+    }
+}
+
+/// Sends one short completion (max_tokens 1) to the coordinator at `addr`.
+async fn ask(addr: &str) -> Result<Answer, HarnessError> {
+    let body = serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0}).to_string();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(req.as_bytes()).await?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).await?;
+        Ok::<_, std::io::Error>(raw)
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(30), exchange)
+        .await
+        .map_err(|_| HarnessError::Timeout(format!("no answer from {addr} within 30 s")))?
+        .map_err(|e| HarnessError::Fault(format!("asking {addr}: {e}")))?;
+    let raw = String::from_utf8_lossy(&raw);
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let mut lines = head.lines();
+    let status = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let retry_after = lines
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.eq_ignore_ascii_case("retry-after"))
+        .map(|(_, v)| v.trim().to_owned());
+    let code = serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
+    Ok(Answer { status, retry_after, code })
+}
+
+/// Asks until an answer satisfies `want` (within `limit`); that answer.
+async fn ask_until(addr: &str, what: &str, limit: Duration, want: impl Fn(&Answer) -> bool) -> Result<Answer, String> {
+    let last = Mutex::new(None::<Answer>);
+    let found = Mutex::new(None::<Answer>);
+    let r = eventually(what, limit, || {
+        let (last, found, want) = (&last, &found, &want);
+        async move {
+            match ask(addr).await {
+                Ok(a) if want(&a) => {
+                    *found.lock().unwrap_or_else(|e| e.into_inner()) = Some(a);
+                    true
+                }
+                Ok(a) => {
+                    *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(a);
+                    false
+                }
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+    let found = found.into_inner().unwrap_or_else(|e| e.into_inner());
+    match (r, found) {
+        (Ok(()), Some(a)) => Ok(a),
+        (r, _) => {
+            let last = last.into_inner().unwrap_or_else(|e| e.into_inner());
+            Err(format!(
+                "{}; last answer {}",
+                r.err().map_or_else(|| what.to_owned(), |e| e.to_string()),
+                last.map_or_else(|| "none".to_owned(), |a| a.to_string())
+            ))
+        }
+    }
+}
+
+/// Waits until a member other than `not` reports itself leader; which one.
+async fn wait_leader(c: &Cluster, not: Option<usize>, limit: Duration) -> Result<usize, HarnessError> {
+    let found = Mutex::new(None);
+    eventually("an etcd member reports itself leader", limit, || {
+        let found = &found;
+        async move {
+            match c.etcd.leader().await {
+                Some(l) if Some(l) != not => {
+                    *found.lock().unwrap_or_else(|e| e.into_inner()) = Some(l);
+                    true
+                }
+                _ => false,
+            }
+        }
+    })
+    .await?;
+    found.into_inner().unwrap_or_else(|e| e.into_inner()).ok_or_else(|| HarnessError::Fault("no leader".into()))
+}
+
+/// A coordinator metric now (0 if it cannot be read).
+async fn coordinator_sum(c: &Cluster, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    // `+ 0.0` turns an empty sum's -0 into 0 for the notes.
+    c.coordinator_metrics().await.map_or(0.0, |p| p.sum(metric, labels)) + 0.0
+}
+
+/// Waits until `metric` at `addr` equals `value` exactly.
+async fn gauge_becomes(addr: &str, metric: &str, value: f64, limit: Duration) -> Result<(), HarnessError> {
+    eventually(&format!("{metric} at {addr} becomes {value}"), limit, || async move {
+        scrape(addr).await.is_ok_and(|p| p.sum(metric, &[]) == value)
+    })
+    .await
+}
+
+/// Records `r` as a note (`ok`) or as a missing consequence.
+fn note(ev: &mut Evidence, r: Result<String, String>) {
+    match r {
+        Ok(n) => ev.notes.push(n),
+        Err(e) => ev.missing.push(e),
+    }
+}
+
+fn ms(t: Instant) -> u128 {
+    t.elapsed().as_millis()
+}
 
 /// Restart etcd under load with two version groups.
 pub(super) struct EtcdRestart;
@@ -48,10 +198,10 @@ impl Drill for EtcdRestart {
         Box::pin(async move {
             let mut ev = Evidence { before: c.coordinator_metrics().await?.sum(RESYNCS, &[]), ..Evidence::default() };
             load.wait_done(2, LOAD_WAIT).await?;
-            ev.victim = c.etcd.pid().map(|p| ("etcd".to_owned(), p));
+            ev.victim = c.etcd.pid(0).map(|p| ("etcd".to_owned(), p));
             if !skip {
                 ev.began();
-                c.etcd.restart().await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
+                c.etcd.restart(0).await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
                 ev.ended();
             }
             Ok(ev)
@@ -69,9 +219,390 @@ impl Drill for EtcdRestart {
             seen.map_err(|e| format!("old etcd pid {pid} is gone, but {e}"))?;
             Ok(format!(
                 "old etcd pid {pid} gone, new pid {:?}; coordinator resyncs {} -> {now}",
-                c.etcd.pid(),
+                c.etcd.pid(0),
                 ev.before
             ))
+        })
+    }
+}
+
+/// SIGKILL the etcd leader (of three members) under load.
+pub(super) struct EtcdLeaderKill;
+
+impl Drill for EtcdLeaderKill {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "etcd-leader-kill",
+            description: "SIGKILL the leader of a three-member etcd under load: a follower is elected, leases and the \
+                          coordinator's watch carry on, every request completes",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            // Leases (5 s) outlive the election, so no worker should fence.
+            spec: ClusterSpec { lease_ttl_s: 5, ..ClusterSpec::default() }.etcd_members(3).prefill("g1").decode("g1"),
+            requests: 8,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            load.wait_done(2, LOAD_WAIT).await?;
+            let leader = wait_leader(c, None, Duration::from_secs(15)).await?;
+            let pid = c.etcd.pid(leader).ok_or_else(|| HarnessError::Fault("the leader has no pid".into()))?;
+            let name = format!("etcd-{}", c.etcd.name(leader));
+            ev.victim = Some((name.clone(), pid));
+            if skip {
+                return Ok(ev);
+            }
+            ev.began();
+            let t0 = Instant::now();
+            c.etcd.kill(leader);
+            c.faulted.insert(name.clone(), Signal::Kill);
+            ev.killed.push((name, pid));
+            let new = wait_leader(c, Some(leader), Duration::from_secs(15)).await?;
+            ev.ended();
+            ev.notes.push(format!("etcd-{} elected within {} ms", c.etcd.name(new), ms(t0)));
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let (name, pid) = ev.victim.clone().ok_or("no leader was found to kill")?;
+            if !gone(pid) {
+                return Err(format!("the etcd leader {name} (pid {pid}) is still running"));
+            }
+            let now = c.etcd.leader().await.ok_or_else(|| format!("{name} (pid {pid}) is gone but no member leads"))?;
+            let now = format!("etcd-{}", c.etcd.name(now));
+            if now == name {
+                return Err(format!("{name} still reported as leader after its kill"));
+            }
+            Ok(format!("leader {name} (pid {pid}) gone; {now} leads; {}", ev.notes.join("; ")))
+        })
+    }
+}
+
+/// Kill two of three etcd members under load, then restart them.
+pub(super) struct EtcdQuorumLoss;
+
+impl Drill for EtcdQuorumLoss {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "etcd-quorum-loss",
+            description: "kill two of three etcd members under load: workers fence, the coordinator serves from its \
+                          cache for --registry-max-stale-ms then answers 503 registry_unavailable; restart them: \
+                          workers re-register and serving resumes",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        let stale = MAX_STALE_MS.to_string();
+        Setup {
+            spec: ClusterSpec { lease_ttl_s: 2, ..ClusterSpec::default() }
+                .etcd_members(3)
+                .prefill("g1")
+                .decode("g1")
+                .coordinator_args(&["--registry-max-stale-ms", &stale]),
+            requests: 8,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants {
+                // While the cache is trusted but the workers are fenced: `no_worker` (none
+                // ready) or, in the moment before the coordinator sees a fence, `retryable`.
+                allowed_errors: Some(vec![REGISTRY_UNAVAILABLE.into(), "no_worker".into(), "retryable".into()]),
+                ..Invariants::default()
+            },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let h = c.http_addr()?;
+            load.wait_done(2, LOAD_WAIT).await?;
+            let leader = wait_leader(c, None, Duration::from_secs(15)).await?;
+            let follower = (0..c.etcd.len()).find(|&i| i != leader).unwrap_or(0);
+            if skip {
+                return Ok(ev);
+            }
+            ev.began();
+            let t0 = Instant::now();
+            for i in [leader, follower] {
+                let pid = c.etcd.pid(i);
+                c.etcd.kill(i);
+                if let Some(pid) = pid {
+                    ev.killed.push((format!("etcd-{}", c.etcd.name(i)), pid));
+                }
+            }
+            let refused = ask_until(&h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
+                a.status == 503 && a.code.as_deref() == Some(REGISTRY_UNAVAILABLE) && a.retry_after.is_some()
+            })
+            .await;
+            ev.seen = refused.is_ok();
+            note(&mut ev, refused.map(|a| format!("quorum lost; {a} after {} ms", ms(t0))));
+            let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
+            note(
+                &mut ev,
+                ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }),
+            );
+            for w in &c.workers {
+                let m = w.metrics_addr()?;
+                let fenced = gauge_becomes(&m, FENCED, 1.0, CONSEQUENCE_WAIT).await;
+                note(&mut ev, fenced.map(|()| format!("{} fenced", w.proc.name)).map_err(|e| e.to_string()));
+            }
+            // Quorum back: the first restart makes two of three.
+            for i in [follower, leader] {
+                c.etcd.restart(i).await.map_err(|e| HarnessError::Fault(format!("restarting etcd member {i}: {e}")))?;
+            }
+            ev.ended();
+            let t1 = Instant::now();
+            let back =
+                ask_until(&h, "a request served after quorum returned", CONSEQUENCE_WAIT, |a| a.status == 200).await;
+            note(&mut ev, back.map(|_| format!("served again {} ms after quorum returned", ms(t1))));
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            if ev.killed.len() < 2 {
+                return Err(format!("{} etcd member(s) killed, quorum needs two down", ev.killed.len()));
+            }
+            if let Some((name, pid)) = ev.killed.iter().find(|(_, pid)| !gone(*pid)) {
+                return Err(format!("{name} (pid {pid}) is still running"));
+            }
+            if !ev.missing.is_empty() {
+                return Err(format!("members killed, but: {}", ev.missing.join("; ")));
+            }
+            let mut fences = Vec::new();
+            for w in &c.workers {
+                let m = w.metrics_addr().map_err(|e| e.to_string())?;
+                let n = scrape(&m).await.map_err(|e| e.to_string())?.sum(FENCES, &[]);
+                if n < 1.0 {
+                    return Err(format!("{} never fenced ({FENCES} = {n})", w.proc.name));
+                }
+                fences.push(format!("{} {n}", w.proc.name));
+            }
+            let killed: Vec<String> = ev.killed.iter().map(|(n, p)| format!("{n} (pid {p})")).collect();
+            Ok(format!("killed {}; {}; fences: {}", killed.join(", "), ev.notes.join("; "), fences.join(", ")))
+        })
+    }
+}
+
+/// The decode worker whose etcd link the cutoff drill blackholes.
+const CUT_WORKER: &str = "decode-1";
+
+/// Partition one decode worker (of two) from etcd, then heal it.
+pub(super) struct WorkerEtcdCutoff;
+
+impl Drill for WorkerEtcdCutoff {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "worker-etcd-cutoff",
+            description: "blackhole one decode worker's etcd link (it alone): its lease lapses, it fences, the \
+                          coordinator drops it and the load runs on the other; lift the partition: it re-registers",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec { lease_ttl_s: 2, ..ClusterSpec::default() }
+                .prefill("g1")
+                .decode("g1")
+                .decode("g1")
+                .etcd_via_proxy(CUT_WORKER),
+            requests: 10,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let h = c.http_addr()?;
+            let m = c.worker(CUT_WORKER)?.metrics_addr()?;
+            let left0 = coordinator_sum(c, MEMBERSHIP, &[("change", "left")]).await;
+            let joined0 = coordinator_sum(c, MEMBERSHIP, &[("change", "joined")]).await;
+            load.wait_done(2, LOAD_WAIT).await?;
+            if skip {
+                return Ok(ev);
+            }
+            ev.began();
+            let t0 = Instant::now();
+            c.etcd_link(CUT_WORKER, Fault::Blackhole)?;
+            let fenced = gauge_becomes(&m, FENCED, 1.0, CONSEQUENCE_WAIT).await;
+            note(
+                &mut ev,
+                fenced.map(|()| format!("{CUT_WORKER} fenced after {} ms", ms(t0))).map_err(|e| e.to_string()),
+            );
+            let (left, n) = counter_reaches(&h, MEMBERSHIP, &[("change", "left")], left0 + 1.0, CONSEQUENCE_WAIT).await;
+            note(&mut ev, left.map(|()| format!("left {left0} -> {n} after {} ms", ms(t0))).map_err(|e| e.to_string()));
+            let one = serving_becomes(c, Role::Decode, 1.0, CONSEQUENCE_WAIT).await;
+            note(&mut ev, one.map(|()| "1 decode worker serving".into()).map_err(|e| e.to_string()));
+            c.etcd_link(CUT_WORKER, Fault::None)?;
+            ev.ended();
+            let t1 = Instant::now();
+            let (joined, n) =
+                counter_reaches(&h, MEMBERSHIP, &[("change", "joined")], joined0 + 1.0, CONSEQUENCE_WAIT).await;
+            note(
+                &mut ev,
+                joined
+                    .map(|()| format!("joined {joined0} -> {n} {} ms after the lift", ms(t1)))
+                    .map_err(|e| e.to_string()),
+            );
+            let two = serving_becomes(c, Role::Decode, 2.0, CONSEQUENCE_WAIT).await;
+            note(&mut ev, two.map(|()| "2 decode workers serving".into()).map_err(|e| e.to_string()));
+            let unfenced = gauge_becomes(&m, FENCED, 0.0, CONSEQUENCE_WAIT).await;
+            note(&mut ev, unfenced.map(|()| format!("{CUT_WORKER} unfenced")).map_err(|e| e.to_string()));
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let dropped = c.etcd_link_dropped(CUT_WORKER);
+            if dropped == 0 {
+                return Err(format!("the proxy on {CUT_WORKER}'s etcd link dropped 0 bytes: it was never cut off"));
+            }
+            if !ev.missing.is_empty() {
+                return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
+            }
+            let m = c.worker(CUT_WORKER).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
+            let fences = scrape(&m).await.map_err(|e| e.to_string())?.sum(FENCES, &[]);
+            if fences < 1.0 {
+                return Err(format!("{CUT_WORKER} never fenced ({FENCES} = {fences})"));
+            }
+            Ok(format!("proxy dropped {dropped} bytes; {}; {FENCES} = {fences}", ev.notes.join("; ")))
+        })
+    }
+}
+
+/// Partition the coordinator from etcd past its staleness bound, then heal it.
+pub(super) struct CoordinatorEtcdCutoff;
+
+impl Drill for CoordinatorEtcdCutoff {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "coordinator-etcd-cutoff",
+            description: "blackhole the coordinator's etcd link: it serves from its cached membership for \
+                          --registry-max-stale-ms, then answers 503 registry_unavailable and /ready 503; lift the \
+                          partition: it re-lists and serves again",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        let stale = MAX_STALE_MS.to_string();
+        Setup {
+            spec: ClusterSpec { lease_ttl_s: 2, ..ClusterSpec::default() }
+                .prefill("g1")
+                .decode("g1")
+                .etcd_via_proxy("coordinator")
+                .coordinator_args(&["--registry-max-stale-ms", &stale]),
+            requests: 8,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants {
+                allowed_errors: Some(vec![REGISTRY_UNAVAILABLE.into()]),
+                transfers_intact: true,
+                ..Invariants::default()
+            },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence { before: coordinator_sum(c, RESYNCS, &[]).await, ..Evidence::default() };
+            let h = c.http_addr()?;
+            load.wait_done(2, LOAD_WAIT).await?;
+            if skip {
+                return Ok(ev);
+            }
+            ev.began();
+            let t0 = Instant::now();
+            c.etcd_link("coordinator", Fault::Blackhole)?;
+            let refused = ask_until(&h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
+                a.status == 503 && a.code.as_deref() == Some(REGISTRY_UNAVAILABLE) && a.retry_after.is_some()
+            })
+            .await;
+            let served_for = ms(t0);
+            ev.seen = refused.is_ok();
+            note(&mut ev, refused.map(|a| format!("{a} after {served_for} ms cut off")));
+            // Refusals start once the last sync (a progress answer, about every second) is
+            // older than the bound, so about 2-3 s after the cut; a loaded machine can delay
+            // progress ticks, hence only a third of the bound is required.
+            if ev.seen && served_for < u128::from(MAX_STALE_MS / 3) {
+                ev.missing.push(format!(
+                    "refused {served_for} ms after the cut: the cache was not served for --registry-max-stale-ms \
+                     {MAX_STALE_MS} (less the last sync's age)"
+                ));
+            }
+            let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
+            note(
+                &mut ev,
+                ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }),
+            );
+            let healthy = coordinator_sum(c, REGISTRY_HEALTHY, &[]).await;
+            if healthy == 0.0 {
+                ev.notes.push(format!("{REGISTRY_HEALTHY} 0"));
+            } else {
+                ev.missing.push(format!("{REGISTRY_HEALTHY} {healthy} while cut off"));
+            }
+            c.etcd_link("coordinator", Fault::None)?;
+            ev.ended();
+            let t1 = Instant::now();
+            let back = ask_until(&h, "a request served after the lift", CONSEQUENCE_WAIT, |a| a.status == 200).await;
+            note(&mut ev, back.map(|_| format!("served again {} ms after the lift", ms(t1))));
+            let (resynced, n) = counter_reaches(&h, RESYNCS, &[], ev.before + 1.0, CONSEQUENCE_WAIT).await;
+            let before = ev.before;
+            note(&mut ev, resynced.map(|()| format!("resyncs {before} -> {n}")).map_err(|e| e.to_string()));
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let dropped = c.etcd_link_dropped("coordinator");
+            if dropped == 0 {
+                return Err("the proxy on the coordinator's etcd link dropped 0 bytes: it was never cut off".into());
+            }
+            if !ev.seen {
+                return Err(format!(
+                    "{dropped} bytes dropped, but no 503 {REGISTRY_UNAVAILABLE}: {}",
+                    ev.missing.join("; ")
+                ));
+            }
+            if !ev.missing.is_empty() {
+                return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
+            }
+            Ok(format!("proxy dropped {dropped} bytes; {}", ev.notes.join("; ")))
         })
     }
 }

@@ -80,6 +80,10 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(coordinator::PrefillErrors),
         Box::new(coordinator::PrefillUnavailable),
         Box::new(coordinator::SlowReader),
+        Box::new(etcd::EtcdLeaderKill),
+        Box::new(etcd::EtcdQuorumLoss),
+        Box::new(etcd::WorkerEtcdCutoff),
+        Box::new(etcd::CoordinatorEtcdCutoff),
     ]
 }
 
@@ -161,6 +165,8 @@ pub(crate) struct Evidence {
     pub missing: Vec<String>,
     /// Drained workers: name, pid, exit code (`None`: did not exit, or not by `exit`).
     pub drained: Vec<(String, u32, Option<i32>)>,
+    /// Processes (etcd members included) the fault killed: name, pid.
+    pub killed: Vec<(String, u32)>,
     /// When the fault was applied and lifted ([`Evidence::began`], [`Evidence::ended`]).
     pub window: (Option<Instant>, Option<Instant>),
 }

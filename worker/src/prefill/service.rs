@@ -465,9 +465,11 @@ impl PrefillWorker for PrefillService {
             ..HealthResponse::default()
         };
         if let Some(s) = stats {
-            // Also the gauges: a Prefill whose caller went away (its handler dropped) never
-            // refreshes them, and two requests' after-request reads can land out of order;
-            // /metrics would show freed KV as used until the next request.
+            // As the decode worker does: gauges follow the runner on every poll, not only
+            // after a request. Two overlapping prefills can record their snapshots out of
+            // order (the earlier one, taken while the other still held its blocks, last),
+            // leaving tandem_kv_blocks_used stuck above zero on an idle worker until the
+            // next request; seen once in worker-etcd-cutoff as a 3-block "leak" (G2).
             crate::metrics::record_stats(&s);
             h.kv_blocks_total = s.kv.total as u32;
             h.kv_blocks_used = s.kv.used as u32;
