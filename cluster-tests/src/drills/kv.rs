@@ -29,7 +29,7 @@ impl Drill for KvCorrupt {
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: ClusterSpec::default().prefill("g1").decode_behind_proxy("g1"),
+            spec: policy_only(ClusterSpec::default().prefill("g1").decode_behind_proxy("g1")),
             requests: 6,
             max_tokens: 16,
             concurrency: 2,
@@ -152,6 +152,16 @@ fn drop_rule(port: &str, matcher: &[&str]) -> Vec<String> {
     r
 }
 
+/// The KV-link drills rehearse the decode worker's `kv_load_failure_policy`,
+/// so the coordinator's prefill circuit breakers are off. Breakers are kept
+/// per prefill worker, and a broken link on the decode side fails that
+/// worker's attempts too: after a few, with one prefill worker, every later
+/// request would get the fast 503 `prefill_unavailable` (what the
+/// prefill-unavailable drill rehearses) and the policy would never run.
+fn policy_only(spec: ClusterSpec) -> ClusterSpec {
+    spec.coordinator_args(&["--prefill-breaker-failures", "0"])
+}
+
 fn rule(op: &str, spec: &[String]) -> Vec<String> {
     std::iter::once(op.to_owned()).chain(spec.iter().cloned()).collect()
 }
@@ -197,7 +207,7 @@ impl Drill for KvDelay {
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: ClusterSpec::default().prefill("g1").decode_behind_proxy("g1"),
+            spec: policy_only(ClusterSpec::default().prefill("g1").decode_behind_proxy("g1")),
             requests: 6,
             max_tokens: 16,
             concurrency: 2,
@@ -281,7 +291,7 @@ impl Drill for KvLoss {
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: netns_spec(),
+            spec: policy_only(netns_spec()),
             requests: 6,
             max_tokens: 16,
             concurrency: 2,
@@ -358,7 +368,7 @@ impl Drill for KvBlackhole {
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: netns_spec(),
+            spec: policy_only(netns_spec()),
             requests: 8,
             max_tokens: 16,
             concurrency: 2,
@@ -451,7 +461,7 @@ impl Drill for KvResets {
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: ClusterSpec::default().prefill("g1").decode_behind_proxy("g1"),
+            spec: policy_only(ClusterSpec::default().prefill("g1").decode_behind_proxy("g1")),
             requests: 8,
             max_tokens: 16,
             concurrency: 2,
