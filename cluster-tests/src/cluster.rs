@@ -147,6 +147,39 @@ impl ClusterSpec {
     }
 }
 
+/// What an [attached](Cluster::attach) cluster was found as.
+#[derive(Debug)]
+pub struct Attached {
+    /// The state file it was read from.
+    pub state: PathBuf,
+    /// Its etcd, when the state file lists one (adopted: left running).
+    pub etcd: Option<Proc>,
+}
+
+/// The lease TTL of workers `tandem up` starts: the workers' default (`--lease-ttl-s`),
+/// since `tandem up` passes none.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
+
+/// The version group of a worker whose state entry names none.
+pub const DEFAULT_VERSION_GROUP: &str = "default";
+
+/// One entry of `tandem up --state-file`.
+#[derive(Debug, serde::Deserialize)]
+struct StateEntry {
+    role: String,
+    pid: u32,
+    grpc: Option<String>,
+    http: Option<String>,
+    metrics: Option<String>,
+    transfer: Option<String>,
+    version_group: Option<String>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct StateFile {
+    components: Vec<StateEntry>,
+}
+
 /// A running worker.
 #[derive(Debug)]
 pub struct Worker {
@@ -183,7 +216,12 @@ impl Worker {
 /// A running cluster. Fields are public so drills can reach any process.
 #[derive(Debug)]
 pub struct Cluster {
-    pub etcd: registry::testing::Etcd,
+    /// The cluster's own test etcd; `None` for an [attached](Cluster::attach) cluster.
+    pub etcd: Option<registry::testing::Etcd>,
+    /// Set when the cluster was [attached](Cluster::attach) rather than started.
+    pub attached: Option<Attached>,
+    /// The workers' etcd lease TTL: how long a dead or stopped worker stays in membership.
+    pub lease_ttl: Duration,
     pub workers: Vec<Worker>,
     /// The first coordinator (`coordinator`); [`Cluster::http_addr`] and the metrics helpers use it.
     pub coordinator: Proc,
@@ -377,7 +415,9 @@ impl Cluster {
         let coordinator = coordinators.next().ok_or_else(|| HarnessError::Setup("no coordinator".into()))?;
         let other_coordinators: Vec<Proc> = coordinators.collect();
         let cluster = Self {
-            etcd,
+            etcd: Some(etcd),
+            attached: None,
+            lease_ttl: Duration::from_secs(spec.lease_ttl_s.into()),
             workers,
             coordinator,
             other_coordinators,
@@ -390,6 +430,95 @@ impl Cluster {
         };
         cluster.wait_ready().await?;
         Ok(cluster)
+    }
+
+    /// Attaches to a cluster already running, as `tandem up --state-file STATE` describes it:
+    /// every process is [adopted](Proc::adopt) (never signalled unless a drill's fault does,
+    /// never killed on drop). Workers are named `prefill-N`/`decode-N` in the file's order; a
+    /// worker entry without `version_group` is in [`DEFAULT_VERSION_GROUP`]; the lease TTL is
+    /// [`DEFAULT_LEASE_TTL`]. Fails unless every listed process is running and the coordinator
+    /// is ready and counts every listed worker as serving.
+    pub async fn attach(state: &Path) -> Result<Self, HarnessError> {
+        let text = std::fs::read_to_string(state)
+            .map_err(|e| HarnessError::Setup(format!("read the state file {}: {e}", state.display())))?;
+        let file: StateFile = serde_json::from_str(&text)
+            .map_err(|e| HarnessError::Setup(format!("state file {}: {e}", state.display())))?;
+        let mut etcd = None;
+        let mut workers = Vec::new();
+        let mut coordinators = Vec::new();
+        let mut counts = BTreeMap::<Role, usize>::new();
+        for e in file.components {
+            if matches!(crate::process::proc_state(e.pid), None | Some('Z')) {
+                return Err(HarnessError::Setup(format!(
+                    "{} (pid {}) listed in {} is not running",
+                    e.role,
+                    e.pid,
+                    state.display()
+                )));
+            }
+            let addrs: std::collections::HashMap<String, String> =
+                [("grpc", &e.grpc), ("http", &e.http), ("metrics", &e.metrics), ("transfer", &e.transfer)]
+                    .into_iter()
+                    .filter_map(|(k, v)| v.clone().map(|v| (k.to_owned(), v)))
+                    .collect();
+            let role = match e.role.as_str() {
+                "etcd" => {
+                    etcd = Some(Proc::adopt("etcd", e.pid, addrs));
+                    continue;
+                }
+                "coordinator" => {
+                    let name = if coordinators.is_empty() {
+                        "coordinator".into()
+                    } else {
+                        format!("coordinator-{}", coordinators.len())
+                    };
+                    coordinators.push(Proc::adopt(&name, e.pid, addrs));
+                    continue;
+                }
+                "prefill" => Role::Prefill,
+                "decode" => Role::Decode,
+                other => {
+                    return Err(HarnessError::Setup(format!("{}: unknown role {other:?}", state.display())));
+                }
+            };
+            let n = counts.entry(role).or_insert(0);
+            let name = format!("{}-{n}", e.role);
+            *n += 1;
+            workers.push(Worker {
+                role,
+                group: e.version_group.unwrap_or_else(|| DEFAULT_VERSION_GROUP.to_owned()),
+                proc: Proc::adopt(&name, e.pid, addrs),
+                proxy: None,
+                past: Vec::new(),
+                etcd_path: None,
+                netns: None,
+            });
+        }
+        let mut coordinators = coordinators.into_iter();
+        let coordinator = coordinators
+            .next()
+            .ok_or_else(|| HarnessError::Setup(format!("{} lists no coordinator", state.display())))?;
+        let cluster = Self {
+            etcd: None,
+            attached: Some(Attached { state: state.to_owned(), etcd }),
+            lease_ttl: DEFAULT_LEASE_TTL,
+            workers,
+            coordinator,
+            other_coordinators: coordinators.collect(),
+            front: None,
+            coordinator_kills: Vec::new(),
+            prefix: String::new(),
+            log_dir: temp_dir()?,
+            faulted: BTreeMap::new(),
+            keep_logs: false,
+        };
+        cluster.wait_ready().await?;
+        Ok(cluster)
+    }
+
+    /// Whether this cluster was [attached](Cluster::attach) (someone else's, to leave as found).
+    pub fn is_attached(&self) -> bool {
+        self.attached.is_some()
     }
 
     /// Waits until `/ready` says 200 and the coordinator counts every worker as serving.
@@ -572,7 +701,9 @@ impl Cluster {
     pub fn log_paths(&self) -> Vec<(String, PathBuf)> {
         let mut v: Vec<(String, PathBuf)> =
             self.procs().flat_map(|p| p.log_paths().map(|l| (p.name.clone(), l.to_owned()))).collect();
-        v.push(("etcd".into(), self.etcd.log_path()));
+        if let Some(e) = &self.etcd {
+            v.push(("etcd".into(), e.log_path()));
+        }
         v
     }
 

@@ -48,10 +48,12 @@ impl Drill for EtcdRestart {
         Box::pin(async move {
             let mut ev = Evidence { before: c.coordinator_metrics().await?.sum(RESYNCS, &[]), ..Evidence::default() };
             load.wait_done(2, LOAD_WAIT).await?;
-            ev.victim = c.etcd.pid().map(|p| ("etcd".to_owned(), p));
+            let etcd =
+                c.etcd.as_mut().ok_or_else(|| HarnessError::Setup("the cluster has no etcd of its own".into()))?;
+            ev.victim = etcd.pid().map(|p| ("etcd".to_owned(), p));
             if !skip {
                 ev.began();
-                c.etcd.restart().await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
+                etcd.restart().await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
                 ev.ended();
             }
             Ok(ev)
@@ -69,7 +71,7 @@ impl Drill for EtcdRestart {
             seen.map_err(|e| format!("old etcd pid {pid} is gone, but {e}"))?;
             Ok(format!(
                 "old etcd pid {pid} gone, new pid {:?}; coordinator resyncs {} -> {now}",
-                c.etcd.pid(),
+                c.etcd.as_ref().and_then(|e| e.pid()),
                 ev.before
             ))
         })
