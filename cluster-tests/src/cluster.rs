@@ -711,3 +711,23 @@ impl Cluster {
         &self.log_dir
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn attaching_to_a_state_file_whose_process_is_gone_is_an_error() {
+        let dir = temp_dir().expect("dir");
+        let state = dir.join("state.json");
+        // pid_max is at most 2^22: this pid is never running.
+        std::fs::write(&state, r#"{"components":[{"role":"coordinator","pid":4194304,"http":"127.0.0.1:1"}]}"#)
+            .expect("write");
+        let e = Cluster::attach(&state).await.expect_err("a dead coordinator");
+        assert!(e.to_string().contains("is not running"), "{e}");
+        std::fs::write(&state, r#"{"components":[]}"#).expect("write");
+        let e = Cluster::attach(&state).await.expect_err("no coordinator");
+        assert!(e.to_string().contains("no coordinator"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -339,3 +339,28 @@ pub fn socket_owner(local: std::net::SocketAddr, pids: &[u32]) -> Option<u32> {
         })
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_adopted_process_is_left_running_and_its_exit_seen_through_proc() {
+        let mut child = Command::new("sleep").arg("60").spawn().expect("spawn sleep");
+        let pid = child.id();
+        let addrs = HashMap::from([("http".to_owned(), "127.0.0.1:1".to_owned())]);
+        let mut p = Proc::adopt("adopted", pid, addrs);
+        assert!(p.is_adopted());
+        assert_eq!(p.addr("http").expect("addr"), "127.0.0.1:1");
+        assert_eq!(p.log_paths().count(), 0, "no log to scan");
+        assert!(p.exited().is_none());
+        drop(p);
+        assert!(matches!(proc_state(pid), Some(s) if s != 'Z'), "dropping an adopted process must not kill it");
+        let mut p = Proc::adopt("adopted", pid, HashMap::new());
+        assert!(p.restart(None).await.is_err(), "not ours to restart");
+        p.signal(Signal::Kill).expect("kill");
+        // Our child here, so reap it; an adopted one's exit shows as the pid gone (or a zombie).
+        let _ = child.wait();
+        assert!(p.wait_exit(Duration::from_secs(10)).await.is_ok());
+    }
+}
