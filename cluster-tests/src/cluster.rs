@@ -168,6 +168,39 @@ impl ClusterSpec {
     }
 }
 
+/// What an [attached](Cluster::attach) cluster was found as.
+#[derive(Debug)]
+pub struct Attached {
+    /// The state file it was read from.
+    pub state: PathBuf,
+    /// Its etcd, when the state file lists one (adopted: left running).
+    pub etcd: Option<Proc>,
+}
+
+/// The lease TTL of workers `tandem up` starts: the workers' default (`--lease-ttl-s`),
+/// since `tandem up` passes none.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
+
+/// The version group of a worker whose state entry names none.
+pub const DEFAULT_VERSION_GROUP: &str = "default";
+
+/// One entry of `tandem up --state-file`.
+#[derive(Debug, serde::Deserialize)]
+struct StateEntry {
+    role: String,
+    pid: u32,
+    grpc: Option<String>,
+    http: Option<String>,
+    metrics: Option<String>,
+    transfer: Option<String>,
+    version_group: Option<String>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct StateFile {
+    components: Vec<StateEntry>,
+}
+
 /// A running worker.
 #[derive(Debug)]
 pub struct Worker {
@@ -209,6 +242,11 @@ pub struct Cluster {
     /// Fault proxies on a process's links to etcd (one per member, in member order), by
     /// process name, for those in [`ClusterSpec::etcd_via_proxy`].
     pub etcd_proxies: BTreeMap<String, Vec<Proxy>>,
+    /// Set when the cluster was [attached](Cluster::attach) rather than started (then
+    /// `etcd` has no members: the attached etcd, if any, is in [`Attached`]).
+    pub attached: Option<Attached>,
+    /// The workers' etcd lease TTL: how long a dead or stopped worker stays in membership.
+    pub lease_ttl: Duration,
     pub workers: Vec<Worker>,
     /// The first coordinator (`coordinator`); [`Cluster::http_addr`] and the metrics helpers use it.
     pub coordinator: Proc,
@@ -426,6 +464,8 @@ impl Cluster {
         let cluster = Self {
             etcd,
             etcd_proxies,
+            attached: None,
+            lease_ttl: Duration::from_secs(spec.lease_ttl_s.into()),
             workers,
             coordinator,
             other_coordinators,
@@ -438,6 +478,96 @@ impl Cluster {
         };
         cluster.wait_ready().await?;
         Ok(cluster)
+    }
+
+    /// Attaches to a cluster already running, as `tandem up --state-file STATE` describes it:
+    /// every process is [adopted](Proc::adopt) (never signalled unless a drill's fault does,
+    /// never killed on drop). Workers are named `prefill-N`/`decode-N` in the file's order; a
+    /// worker entry without `version_group` is in [`DEFAULT_VERSION_GROUP`]; the lease TTL is
+    /// [`DEFAULT_LEASE_TTL`]. Fails unless every listed process is running and the coordinator
+    /// is ready and counts every listed worker as serving.
+    pub async fn attach(state: &Path) -> Result<Self, HarnessError> {
+        let text = std::fs::read_to_string(state)
+            .map_err(|e| HarnessError::Setup(format!("read the state file {}: {e}", state.display())))?;
+        let file: StateFile = serde_json::from_str(&text)
+            .map_err(|e| HarnessError::Setup(format!("state file {}: {e}", state.display())))?;
+        let mut etcd = None;
+        let mut workers = Vec::new();
+        let mut coordinators = Vec::new();
+        let mut counts = BTreeMap::<Role, usize>::new();
+        for e in file.components {
+            if matches!(crate::process::proc_state(e.pid), None | Some('Z')) {
+                return Err(HarnessError::Setup(format!(
+                    "{} (pid {}) listed in {} is not running",
+                    e.role,
+                    e.pid,
+                    state.display()
+                )));
+            }
+            let addrs: std::collections::HashMap<String, String> =
+                [("grpc", &e.grpc), ("http", &e.http), ("metrics", &e.metrics), ("transfer", &e.transfer)]
+                    .into_iter()
+                    .filter_map(|(k, v)| v.clone().map(|v| (k.to_owned(), v)))
+                    .collect();
+            let role = match e.role.as_str() {
+                "etcd" => {
+                    etcd = Some(Proc::adopt("etcd", e.pid, addrs));
+                    continue;
+                }
+                "coordinator" => {
+                    let name = if coordinators.is_empty() {
+                        "coordinator".into()
+                    } else {
+                        format!("coordinator-{}", coordinators.len())
+                    };
+                    coordinators.push(Proc::adopt(&name, e.pid, addrs));
+                    continue;
+                }
+                "prefill" => Role::Prefill,
+                "decode" => Role::Decode,
+                other => {
+                    return Err(HarnessError::Setup(format!("{}: unknown role {other:?}", state.display())));
+                }
+            };
+            let n = counts.entry(role).or_insert(0);
+            let name = format!("{}-{n}", e.role);
+            *n += 1;
+            workers.push(Worker {
+                role,
+                group: e.version_group.unwrap_or_else(|| DEFAULT_VERSION_GROUP.to_owned()),
+                proc: Proc::adopt(&name, e.pid, addrs),
+                proxy: None,
+                past: Vec::new(),
+                etcd_path: None,
+                netns: None,
+            });
+        }
+        let mut coordinators = coordinators.into_iter();
+        let coordinator = coordinators
+            .next()
+            .ok_or_else(|| HarnessError::Setup(format!("{} lists no coordinator", state.display())))?;
+        let cluster = Self {
+            etcd: registry::testing::EtcdCluster::none(),
+            etcd_proxies: BTreeMap::new(),
+            attached: Some(Attached { state: state.to_owned(), etcd }),
+            lease_ttl: DEFAULT_LEASE_TTL,
+            workers,
+            coordinator,
+            other_coordinators: coordinators.collect(),
+            front: None,
+            coordinator_kills: Vec::new(),
+            prefix: String::new(),
+            log_dir: temp_dir()?,
+            faulted: BTreeMap::new(),
+            keep_logs: false,
+        };
+        cluster.wait_ready().await?;
+        Ok(cluster)
+    }
+
+    /// Whether this cluster was [attached](Cluster::attach) (someone else's, to leave as found).
+    pub fn is_attached(&self) -> bool {
+        self.attached.is_some()
     }
 
     /// Waits until `/ready` says 200 and the coordinator counts every worker as serving.
@@ -651,5 +781,25 @@ impl Cluster {
 
     pub fn log_dir(&self) -> &Path {
         &self.log_dir
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn attaching_to_a_state_file_whose_process_is_gone_is_an_error() {
+        let dir = temp_dir().expect("dir");
+        let state = dir.join("state.json");
+        // pid_max is at most 2^22: this pid is never running.
+        std::fs::write(&state, r#"{"components":[{"role":"coordinator","pid":4194304,"http":"127.0.0.1:1"}]}"#)
+            .expect("write");
+        let e = Cluster::attach(&state).await.expect_err("a dead coordinator");
+        assert!(e.to_string().contains("is not running"), "{e}");
+        std::fs::write(&state, r#"{"components":[]}"#).expect("write");
+        let e = Cluster::attach(&state).await.expect_err("no coordinator");
+        assert!(e.to_string().contains("no coordinator"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

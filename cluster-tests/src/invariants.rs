@@ -282,6 +282,56 @@ pub fn logs_and_processes(cluster: &Cluster) -> Vec<Violation> {
             v.push(Violation::new(Guarantee::G5, format!("{name} is not running at the end of the drill")));
         }
     }
+    // An attached cluster's etcd, when its state file lists one.
+    if let Some(p) = cluster.attached.as_ref().and_then(|a| a.etcd.as_ref()) {
+        if matches!(proc_state(p.pid), None | Some('Z')) {
+            v.push(Violation::new(Guarantee::G5, "etcd is not running at the end of the drill"));
+        }
+    }
+    v
+}
+
+/// G5 for an [attached](Cluster::attach) cluster, instead of [`shutdown`] (it is not ours to
+/// stop): continue any process the drill stopped, then every process — faulted or not, since
+/// only reversible faults run against someone else's cluster — must be running (not stopped)
+/// and the coordinator's `/ready` must answer 200.
+pub async fn left_as_found(cluster: &Cluster) -> Vec<Violation> {
+    let mut v = Vec::new();
+    for p in cluster.procs() {
+        if cluster.faulted.get(&p.name) == Some(&Signal::Stop) {
+            if let Err(e) = p.signal(Signal::Cont) {
+                v.push(Violation::new(Guarantee::G5, format!("continuing {}: {e}", p.name)));
+            }
+        }
+    }
+    let etcd = cluster.attached.as_ref().and_then(|a| a.etcd.as_ref());
+    for p in cluster.procs().chain(etcd) {
+        let what = format!("{} (pid {}) runs (not stopped) after the drill", p.name, p.pid);
+        let running = crate::eventually(&what, Duration::from_secs(5), || async {
+            !matches!(proc_state(p.pid), None | Some('Z' | 'T'))
+        })
+        .await;
+        if let Err(e) = running {
+            v.push(Violation::new(Guarantee::G5, format!("{e}: state {:?}", proc_state(p.pid))));
+        }
+    }
+    match cluster.http_addr() {
+        Ok(h) => {
+            let ready = crate::eventually(
+                "the coordinator's /ready answers 200 after the drill",
+                cluster.lease_ttl * 3,
+                || {
+                    let h = h.clone();
+                    async move { crate::metrics::get_status(&h, "/ready").await.is_ok_and(|s| s == 200) }
+                },
+            )
+            .await;
+            if let Err(e) = ready {
+                v.push(Violation::new(Guarantee::G5, e.to_string()));
+            }
+        }
+        Err(e) => v.push(Violation::new(Guarantee::G5, e.to_string())),
+    }
     v
 }
 

@@ -28,8 +28,8 @@ mod reference;
 use std::future::Future;
 use std::time::Duration;
 
-pub use cluster::{Cluster, ClusterSpec, PastLife, Role, Worker, WorkerSpec};
-pub use drills::{drills, planned_requests, run_drill, DrillInfo, DrillOptions, DrillReport};
+pub use cluster::{Attached, Cluster, ClusterSpec, PastLife, Role, Worker, WorkerSpec};
+pub use drills::{drills, drills_against, planned_requests, run_drill, DrillInfo, DrillOptions, DrillReport};
 pub use front::{Front, FrontCounters};
 pub use invariants::{Guarantee, Invariants, Violation};
 pub use netns::Netns;
@@ -55,6 +55,9 @@ pub enum HarnessError {
     /// The drill name is not in [`drills`].
     #[error("unknown drill `{0}`")]
     UnknownDrill(String),
+    /// The drill cannot run against the attached cluster ([`DrillOptions::against`]).
+    #[error("{drill} cannot run against the cluster of {state}: {why}")]
+    NotAgainst { drill: String, state: String, why: String },
     /// The load plan was refused.
     #[error("load: {0}")]
     Load(String),

@@ -36,7 +36,9 @@ impl Signal {
     }
 }
 
-/// A running child; SIGKILLed (by its pid) and reaped when dropped.
+/// A running child; SIGKILLed (by its pid) and reaped when dropped. An *adopted* process
+/// ([`Proc::adopt`]: one of a running cluster's, not our child) is never killed on drop,
+/// has no log, and its exit is seen through `/proc`.
 #[derive(Debug)]
 pub struct Proc {
     /// A name unique in its cluster (`prefill-0`, `decode-1`, `coordinator`).
@@ -55,6 +57,8 @@ pub struct Proc {
     prefix: Vec<String>,
     /// Logs of its earlier lives (before a restart), still scanned for panics.
     past_logs: Vec<PathBuf>,
+    /// Not our child: found running ([`Proc::adopt`]); left running when dropped.
+    adopted: bool,
 }
 
 impl Drop for Proc {
@@ -138,6 +142,7 @@ impl Proc {
             wants: wants.iter().map(|w| (*w).to_owned()).collect(),
             prefix: prefix.to_vec(),
             past_logs: Vec::new(),
+            adopted: false,
         };
         let Some(stdout) = stdout else { return Err(HarnessError::Setup(format!("{name}: no stdout pipe"))) };
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -171,6 +176,31 @@ impl Proc {
         Ok(p)
     }
 
+    /// A process already running (not started by us, e.g. one `tandem up` started), known by
+    /// its pid and addresses. Dropping it leaves it running; it has no log (G5's log scan
+    /// skips it); [`Proc::exited`] sees its end through `/proc`; it cannot be restarted.
+    pub fn adopt(name: &str, pid: u32, addrs: HashMap<String, String>) -> Self {
+        Self {
+            name: name.to_owned(),
+            pid,
+            child: None,
+            addrs,
+            log: PathBuf::new(),
+            exit: None,
+            bin_name: String::new(),
+            args: Vec::new(),
+            wants: Vec::new(),
+            prefix: Vec::new(),
+            past_logs: Vec::new(),
+            adopted: true,
+        }
+    }
+
+    /// Whether it was adopted ([`Proc::adopt`]) rather than started.
+    pub fn is_adopted(&self) -> bool {
+        self.adopted
+    }
+
     /// The address it printed as `listening NAME=ADDR`.
     pub fn addr(&self, name: &str) -> Result<String, HarnessError> {
         self.addrs.get(name).cloned().ok_or_else(|| HarnessError::Setup(format!("{}: no `{name}` address", self.name)))
@@ -180,9 +210,10 @@ impl Proc {
         &self.log
     }
 
-    /// Its current log and those of its earlier lives.
+    /// Its current log and those of its earlier lives (none for an adopted process).
     pub fn log_paths(&self) -> impl Iterator<Item = &Path> {
-        self.past_logs.iter().map(PathBuf::as_path).chain(std::iter::once(self.log.as_path()))
+        let current = (!self.adopted).then_some(self.log.as_path());
+        self.past_logs.iter().map(PathBuf::as_path).chain(current)
     }
 
     /// The flags it was started with.
@@ -193,6 +224,12 @@ impl Proc {
     /// Starts it again, same name and binary, with `args` (its old flags when `None`),
     /// once it has exited; the old log is kept as `NAME.PID.log` (still scanned for panics).
     pub async fn restart(&mut self, args: Option<Vec<String>>) -> Result<(), HarnessError> {
+        if self.adopted {
+            return Err(HarnessError::Fault(format!(
+                "{} (pid {}) was not started by this drill: not restarting it",
+                self.name, self.pid
+            )));
+        }
         if self.exited().is_none() {
             return Err(HarnessError::Fault(format!(
                 "{} (pid {}) is still running: not restarting it",
@@ -213,6 +250,9 @@ impl Proc {
     }
 
     pub fn log_tail(&self) -> String {
+        if self.adopted {
+            return String::new();
+        }
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let start = text.len().saturating_sub(2000);
         text.get(start..).unwrap_or(&text).to_owned()
@@ -231,8 +271,13 @@ impl Proc {
         }
     }
 
-    /// Whether it has exited (reaping it if so).
+    /// Whether it has exited (reaping it if so). An adopted process is not ours to reap: once
+    /// `/proc` shows it gone (or a zombie) its status is unknown and reported as 0.
     pub fn exited(&mut self) -> Option<ExitStatus> {
+        if self.adopted && self.exit.is_none() && matches!(proc_state(self.pid), None | Some('Z')) {
+            use std::os::unix::process::ExitStatusExt;
+            self.exit = Some(ExitStatus::from_raw(0));
+        }
         if self.exit.is_none() {
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(st)) = c.try_wait() {
@@ -293,4 +338,29 @@ pub fn socket_owner(local: std::net::SocketAddr, pids: &[u32]) -> Option<u32> {
             dir.filter_map(Result::ok).any(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy() == link))
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_adopted_process_is_left_running_and_its_exit_seen_through_proc() {
+        let mut child = Command::new("sleep").arg("60").spawn().expect("spawn sleep");
+        let pid = child.id();
+        let addrs = HashMap::from([("http".to_owned(), "127.0.0.1:1".to_owned())]);
+        let mut p = Proc::adopt("adopted", pid, addrs);
+        assert!(p.is_adopted());
+        assert_eq!(p.addr("http").expect("addr"), "127.0.0.1:1");
+        assert_eq!(p.log_paths().count(), 0, "no log to scan");
+        assert!(p.exited().is_none());
+        drop(p);
+        assert!(matches!(proc_state(pid), Some(s) if s != 'Z'), "dropping an adopted process must not kill it");
+        let mut p = Proc::adopt("adopted", pid, HashMap::new());
+        assert!(p.restart(None).await.is_err(), "not ours to restart");
+        p.signal(Signal::Kill).expect("kill");
+        // Our child here, so reap it; an adopted one's exit shows as the pid gone (or a zombie).
+        let _ = child.wait();
+        assert!(p.wait_exit(Duration::from_secs(10)).await.is_ok());
+    }
 }

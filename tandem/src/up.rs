@@ -77,6 +77,9 @@ struct Component {
     metrics: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     transfer: Option<String>,
+    /// Prefill and decode workers: the version group they registered in.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    version_group: Option<String>,
 }
 
 struct Running {
@@ -105,7 +108,7 @@ async fn spawn(role: &'static str, bin: &Path, args: &[String], wants: &[&str]) 
         .spawn()
         .with_context(|| format!("starting {}", bin.display()))?;
     let pid = child.id().context("the child has no pid")?;
-    let mut c = Component { role, pid, grpc: None, http: None, metrics: None, transfer: None };
+    let mut c = Component { role, pid, grpc: None, http: None, metrics: None, transfer: None, version_group: None };
     let out = child.stdout.take().context("no stdout pipe")?;
     let mut lines = BufReader::new(out).lines();
     let read = async {
@@ -209,9 +212,13 @@ async fn up(a: Args) -> anyhow::Result<()> {
             v.extend(extra.iter().map(|s| s.to_string()));
             v
         };
+        let worker = |mut r: Running| {
+            r.component.version_group = Some(group.to_owned());
+            r
+        };
         let pbin = sibling("tandem-prefill-worker")?;
         for _ in 0..a.prefill {
-            running.push(spawn("prefill", &pbin, &common(&[]), &["grpc", "metrics"]).await?);
+            running.push(worker(spawn("prefill", &pbin, &common(&[]), &["grpc", "metrics"]).await?));
         }
         let dbin = sibling("tandem-decode-worker")?;
         for i in 0..a.decode {
@@ -227,7 +234,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
                 "--kv-load-failure-policy",
                 &a.kv_load_failure_policy,
             ];
-            running.push(spawn("decode", &dbin, &common(&extra), &["grpc", "metrics", "transfer"]).await?);
+            running.push(worker(spawn("decode", &dbin, &common(&extra), &["grpc", "metrics", "transfer"]).await?));
         }
         let cargs: Vec<String> = [
             "--http",
@@ -286,6 +293,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
             http: None,
             metrics: None,
             transfer: None,
+            version_group: None,
         });
     }
     components.extend(running.iter().map(|r| r.component.clone()));

@@ -4,11 +4,11 @@ use std::time::Duration;
 
 use loadgen::{Outcome, Report};
 
-use super::common::{counter_reaches, decode_metrics, open_stream, probe};
-use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use super::common::{open_stream, probe};
+use super::{own_cluster, BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
-use crate::HarnessError;
+use crate::{eventually, HarnessError};
 
 const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("outcome", "cancelled")]);
 
@@ -42,9 +42,10 @@ impl Drill for ClientDisconnect {
     ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
         Box::pin(async move {
             let mut ev = Evidence::default();
-            let m = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
-            let m = m.metrics_addr()?;
-            ev.before = crate::metrics::scrape(&m).await?.sum(CANCELLED.0, CANCELLED.1);
+            if c.workers_of(Role::Decode).next().is_none() {
+                return Err(HarnessError::Setup("no decode worker".into()));
+            }
+            ev.before = cancelled(c).await?;
             let h = c.http_addr()?;
             ev.began();
             for i in 0..3 {
@@ -62,21 +63,52 @@ impl Drill for ClientDisconnect {
         })
     }
 
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        match c.workers_of(Role::Decode).next() {
+            Some(_) => Ok(()),
+            None => Err("needs a decode worker".into()),
+        }
+    }
+
     fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
         Box::pin(async move {
-            let m = decode_metrics(c)?;
-            let (seen, now) =
-                counter_reaches(&m, CANCELLED.0, CANCELLED.1, ev.before + 3.0, Duration::from_secs(10)).await;
+            let now = std::sync::Mutex::new(ev.before);
+            let seen =
+                eventually("the decode workers count 3 more cancelled requests", Duration::from_secs(10), || {
+                    let now = &now;
+                    async move {
+                        let v = cancelled(c).await.unwrap_or(0.0);
+                        *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
+                        v >= ev.before + 3.0
+                    }
+                })
+                .await;
+            let now = now.into_inner().unwrap_or_else(|e| e.into_inner());
             seen.map_err(|e| format!("{e}: {} cancelled", now - ev.before))?;
-            Ok(format!("{}; the decode worker cancelled {}", ev.notes.join("; "), now - ev.before))
+            Ok(format!("{}; the decode workers cancelled {}", ev.notes.join("; "), now - ev.before))
         })
     }
+}
+
+/// Requests the decode workers counted as cancelled, summed over all of them (a hung-up
+/// stream may have been routed to any; the first drill cluster has one, `tandem up` may have
+/// several). An unreadable page is an error.
+async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
+    let mut sum = 0.0;
+    for w in c.workers_of(Role::Decode) {
+        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1);
+    }
+    Ok(sum)
 }
 
 /// Offer 3x what admission holds.
 pub(super) struct Overload3x;
 
 impl Drill for Overload3x {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it needs a coordinator started with --max-running 1 --max-queued 2")
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "overload-3x",
@@ -157,6 +189,10 @@ const TIGHT_DEADLINE: Duration = Duration::from_millis(4000);
 pub(super) struct TightDeadlines;
 
 impl Drill for TightDeadlines {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it needs a coordinator started with --max-running 1")
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "tight-deadlines",

@@ -17,6 +17,7 @@ mod process;
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -56,6 +57,17 @@ pub(crate) trait Drill: Send + Sync {
         ev: &'a Evidence,
         report: &'a Report,
     ) -> BoxFuture<'a, Result<String, String>>;
+    /// Whether the drill can run against `c`, a cluster someone else started
+    /// ([`Cluster::attach`]), and leave it as found; Err says why not. `tandem up` stops the
+    /// whole cluster when any of its processes exits, so only reversible faults qualify.
+    fn against(&self, _c: &Cluster) -> Result<(), String> {
+        own_cluster("its fault needs a cluster shaped for it (a fault proxy or network namespace on the KV link, or an etcd of its own to restart)")
+    }
+}
+
+/// [`Drill::against`]'s refusal: the drill needs a cluster of its own, because `why`.
+pub(super) fn own_cluster(why: &str) -> Result<(), String> {
+    Err(format!("needs its own cluster: {why}"))
 }
 
 /// Every drill, in the order `--all` and the tests run them.
@@ -110,6 +122,10 @@ pub struct DrillOptions {
     pub requests: Option<usize>,
     /// Counts the load's requests as they end (reset to 0 at the start), for a progress display.
     pub progress: Option<Arc<AtomicUsize>>,
+    /// Run against the running cluster this `tandem up --state-file` describes instead of
+    /// starting one ([`Cluster::attach`]): only drills whose [`Drill::against`] allows it; the
+    /// cluster is not shut down at the end (G5 checks it is left running instead).
+    pub against: Option<PathBuf>,
 }
 
 /// The result of one drill, for tests, the CLI and charts.
@@ -216,11 +232,27 @@ pub(crate) struct Setup {
 }
 
 /// Runs drill `name`: starts its cluster, runs the load with the fault, checks G1–G6,
-/// shuts the cluster down (SIGTERM must end every process cleanly: G5).
+/// shuts the cluster down (SIGTERM must end every process cleanly: G5). With
+/// [`DrillOptions::against`] it attaches to that running cluster instead (refusing a drill
+/// whose [`Drill::against`] says no, before anything runs) and leaves it running: G5 then
+/// checks every process still runs and `/ready` is 200.
 pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, HarnessError> {
     let drill =
         all().into_iter().find(|d| d.info().name == name).ok_or_else(|| HarnessError::UnknownDrill(name.into()))?;
     let info = drill.info();
+    // Refuse a drill that cannot run against the attached cluster before anything else.
+    let attached = match &opts.against {
+        Some(state) => {
+            let c = Cluster::attach(state).await?;
+            drill.against(&c).map_err(|why| HarnessError::NotAgainst {
+                drill: name.into(),
+                state: state.display().to_string(),
+                why,
+            })?;
+            Some(c)
+        }
+        None => None,
+    };
     let mut s = drill.setup(opts.skip_fault);
     if let Some(n) = opts.requests {
         s.requests = n;
@@ -232,7 +264,10 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         .await
         .map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
 
-    let mut cluster = Cluster::start(&s.spec, opts.keep_logs).await?;
+    let mut cluster = match attached {
+        Some(c) => c,
+        None => Cluster::start(&s.spec, opts.keep_logs).await?,
+    };
     let mut plan = Plan::new(cluster.base_url()?, MODEL);
     plan.requests = s.requests;
     plan.arrival = Arrival::Closed { concurrency: s.concurrency };
@@ -279,7 +314,12 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     if let Err(e) = &proof {
         violations.push(Violation::new(Guarantee::G6, e.clone()));
     }
-    for v in invariants::shutdown(&mut cluster, Duration::from_secs(20)).await {
+    let end = if cluster.is_attached() {
+        invariants::left_as_found(&cluster).await
+    } else {
+        invariants::shutdown(&mut cluster, Duration::from_secs(20)).await
+    };
+    for v in end {
         if !violations.contains(&v) {
             violations.push(v);
         }
@@ -321,6 +361,13 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         log_dir: cluster.log_dir().display().to_string(),
         load: report,
     })
+}
+
+/// Attaches to the cluster `state` describes (see [`Cluster::attach`]) and says, for every
+/// drill in `--all` order, whether it can run against it (Err: why not). Leaves it as found.
+pub async fn drills_against(state: &Path) -> Result<Vec<(DrillInfo, Result<(), String>)>, HarnessError> {
+    let c = Cluster::attach(state).await?;
+    Ok(all().iter().map(|d| (d.info(), d.against(&c))).collect())
 }
 
 /// How many requests drill `name`'s load sends by default.

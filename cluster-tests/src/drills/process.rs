@@ -8,7 +8,7 @@ use super::common::{
     busy_decoder, counter_reaches, decode_metrics, gone, open_stream, probe, recomputed, serving_becomes, Stream,
     LOAD_WAIT, MEMBERSHIP,
 };
-use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use super::{own_cluster, BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
 use crate::process::{proc_state, socket_owner, Signal};
@@ -19,6 +19,10 @@ use crate::{eventually, HarnessError};
 pub(super) struct DecodeKill;
 
 impl Drill for DecodeKill {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it SIGKILLs a decode worker; `tandem up` stops the whole cluster when any of its processes exits")
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "decode-kill",
@@ -76,6 +80,10 @@ impl Drill for DecodeKill {
 pub(super) struct PrefillKillRecompute;
 
 impl Drill for PrefillKillRecompute {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it SIGKILLs a prefill worker; `tandem up` stops the whole cluster when any of its processes exits")
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "prefill-kill-recompute",
@@ -194,6 +202,12 @@ impl Drill for WorkerSigstop {
             if skip {
                 return Ok(ev);
             }
+            // Every decode worker serves before; one fewer while it is stopped. The lease must
+            // lapse (the cluster's TTL: 2 s for a drill's own cluster, the workers' default for
+            // `tandem up`) and the coordinator see it, on a loaded machine.
+            let n = c.workers_of(Role::Decode).count() as f64;
+            let limit = c.lease_ttl * 3 + Duration::from_secs(10);
+            let ttl = c.lease_ttl;
             ev.began();
             c.signal(&name, Signal::Stop)?;
             let stopped = eventually("the stopped worker's /proc state is T", Duration::from_secs(5), || async {
@@ -203,22 +217,35 @@ impl Drill for WorkerSigstop {
             ev.seen = stopped.is_ok();
             ev.notes
                 .push(format!("{name} (pid {pid}) was running a request; SIGSTOP: /proc state {:?}", proc_state(pid)));
-            // The lease (TTL 2 s) lapses; the coordinator must drop it. Continue it whatever happened.
-            let left = serving_becomes(c, Role::Decode, 1.0, Duration::from_secs(15)).await;
+            // The lease (TTL `ttl`) lapses; the coordinator must drop it. Continue it whatever happened.
+            let left = serving_becomes(c, Role::Decode, n - 1.0, limit).await;
             let t = ev.before;
             let now = c.coordinator_metrics().await.map_or(t, |p| p.sum(MEMBERSHIP, &[("change", "left")]));
-            ev.notes.push(format!("left membership: serving decode 1: {}; `left` changes {t} -> {now}", left.is_ok()));
+            ev.notes.push(format!(
+                "left membership (lease TTL {ttl:?}): serving decode {}: {}; `left` changes {t} -> {now}",
+                n - 1.0,
+                left.is_ok()
+            ));
             if left.is_err() && now <= t {
                 ev.missing.push("the coordinator never saw the stopped worker leave".into());
             }
             c.signal(&name, Signal::Cont)?;
             ev.ended();
-            match serving_becomes(c, Role::Decode, 2.0, Duration::from_secs(15)).await {
-                Ok(()) => ev.notes.push("after SIGCONT it registered again: 2 decode serving".into()),
+            match serving_becomes(c, Role::Decode, n, limit).await {
+                Ok(()) => ev.notes.push(format!("after SIGCONT it registered again: {n} decode serving")),
                 Err(e) => ev.missing.push(format!("after SIGCONT: {e}")),
             }
             Ok(ev)
         })
+    }
+
+    /// Reversible (SIGCONT ends it), so it may run against a running cluster with a second
+    /// decode worker to finish the load.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        match c.workers_of(Role::Decode).count() {
+            n if n >= 2 => Ok(()),
+            n => Err(format!("needs at least 2 decode workers (one to stop, one to serve); the cluster has {n}")),
+        }
     }
 
     fn prove<'a>(&'a self, _: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
@@ -239,6 +266,10 @@ impl Drill for WorkerSigstop {
 pub(super) struct RollingDrain;
 
 impl Drill for RollingDrain {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it drains (SIGTERM) a decode and a prefill worker, which exit; `tandem up` stops the whole cluster when any of its processes exits")
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "rolling-drain",
@@ -353,6 +384,10 @@ async fn stream_end(s: &mut Stream) -> Result<Option<String>, String> {
 pub(super) struct CoordinatorKill;
 
 impl Drill for CoordinatorKill {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it SIGKILLs a coordinator (of several behind a front); `tandem up` stops the whole cluster when any of its processes exits")
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "coordinator-kill",
@@ -499,6 +534,10 @@ async fn registered_group(c: &Cluster, name: &str) -> Result<String, HarnessErro
 }
 
 impl Drill for VersionRelabel {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it drains a worker and restarts it in another version group")
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "version-relabel",
@@ -639,6 +678,10 @@ const EXIT_SLACK: Duration = Duration::from_secs(5);
 const LONG_STREAM_LOAD: usize = 2;
 
 impl Drill for DrainGraceShort {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it drains (SIGTERM) a worker with a short grace, which exits; `tandem up` stops the whole cluster when any of its processes exits")
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "drain-grace-short",

@@ -11,6 +11,13 @@
 //! through it and checks the invariants G1–G6. The table has one row per
 //! run; the exit status is non-zero when any run found a violation or could
 //! not be run. On a terminal a progress line shows the running drill.
+//!
+//! `--against STATEFILE` runs the drills against the cluster a running
+//! `tandem up --state-file STATEFILE` describes instead of starting one:
+//! only drills whose fault is reversible (the cluster is left running and as
+//! found; `tandem up` would stop the whole cluster if a process exited).
+//! `run NAME` of any other drill is an error saying why; `--all` runs those
+//! that can and lists the skipped ones with the reason.
 
 mod chart;
 
@@ -21,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use cluster_tests::{drills, planned_requests, run_drill, DrillOptions, DrillReport};
+use cluster_tests::{drills, drills_against, planned_requests, run_drill, DrillOptions, DrillReport};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -50,6 +57,10 @@ pub struct Args {
     /// Requests per drill (default: each drill's own).
     #[arg(long)]
     requests: Option<usize>,
+    /// Run against the running cluster this `tandem up --state-file` wrote, instead of starting
+    /// one per drill: only reversible drills (others are refused, or skipped with `--all`).
+    #[arg(long, value_name = "STATEFILE")]
+    against: Option<PathBuf>,
     /// `run NAME...`: the drills to run.
     names: Vec<String>,
 }
@@ -62,8 +73,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let names: Vec<String> = if a.all {
-        known.iter().map(|d| d.name.to_owned()).collect()
+        match &a.against {
+            Some(state) => {
+                let mut runnable = Vec::new();
+                for (d, can) in rt.block_on(drills_against(state))? {
+                    match can {
+                        Ok(()) => runnable.push(d.name.to_owned()),
+                        Err(why) => println!("skipped {}: {why}", d.name),
+                    }
+                }
+                if runnable.is_empty() {
+                    bail!("no drill can run against the cluster of {}", state.display());
+                }
+                runnable
+            }
+            None => known.iter().map(|d| d.name.to_owned()).collect(),
+        }
     } else {
         match a.names.split_first() {
             Some((first, rest)) if first == "run" && !rest.is_empty() => rest.to_vec(),
@@ -81,13 +108,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(dir) = &a.charts {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    if let (Some(state), false) = (&a.against, a.all) {
+        // Every named drill must be able to run against it: refuse before running any.
+        let can = rt.block_on(drills_against(state))?;
+        let refused: Vec<String> = names
+            .iter()
+            .filter_map(|n| {
+                can.iter()
+                    .find(|(d, _)| d.name == n)
+                    .and_then(|(_, c)| c.clone().err())
+                    .map(|why| format!("{n}: {why}"))
+            })
+            .collect();
+        if !refused.is_empty() {
+            bail!("cannot run against the cluster of {}:\n  {}", state.display(), refused.join("\n  "));
+        }
+    }
     let done = Arc::new(AtomicUsize::new(0));
     let options = DrillOptions {
         keep_logs: a.keep_logs,
         requests: a.requests,
         skip_fault: a.vacuity,
         progress: Some(done.clone()),
+        against: a.against.clone(),
     };
     let mut reports: Vec<DrillReport> = Vec::new();
     let mut failed = Vec::new();

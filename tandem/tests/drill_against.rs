@@ -1,0 +1,171 @@
+//! `tandem drill --against STATEFILE` runs the reversible drills against a
+//! cluster `tandem up` started and leaves it running as found; a drill that
+//! would end a process is refused with the reason, and nothing is touched.
+//!
+//! Real processes: `tandem up` (etcd, a prefill worker, 2 decode workers, a
+//! coordinator) and `tandem drill`, both this crate's binary.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// Bound on `tandem up` becoming ready and on each `tandem drill` run (a loaded machine).
+const WAIT: Duration = Duration::from_secs(180);
+
+/// Stops `tandem up` at the end, or if the test fails midway: SIGTERM (it stops its
+/// children), then SIGKILL if it does not exit.
+struct Guard(Option<std::process::Child>);
+
+impl Guard {
+    /// SIGTERM and wait (bounded); its exit status.
+    fn stop(&mut self) -> Result<std::process::ExitStatus, String> {
+        let mut c = self.0.take().ok_or("already stopped")?;
+        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        let (tx, rx) = mpsc::channel();
+        let pid = c.id();
+        std::thread::spawn(move || drop(tx.send(c.wait())));
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => {
+                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+                Err("tandem up did not exit within 60 s of SIGTERM".into())
+            }
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if self.0.is_some() {
+            let _ = self.stop();
+        }
+    }
+}
+
+/// The state letter of `/proc/PID/stat` (`None`: gone).
+fn proc_state(pid: u64) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
+}
+
+/// Running and not stopped.
+fn running(pid: u64) -> bool {
+    !matches!(proc_state(pid), None | Some('Z' | 'T'))
+}
+
+fn get_status(addr: &str, path: &str) -> Result<u16, String> {
+    let sa: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+    let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
+    raw.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| format!("no status in {raw:?}"))
+}
+
+/// `tandem ARGS`, killed if it runs past `limit`.
+fn tandem(args: &[&str], limit: Duration) -> Result<Output, String> {
+    let child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || drop(tx.send(child.wait_with_output())));
+    match rx.recv_timeout(limit) {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            Err(format!("tandem {args:?} did not finish within {limit:?}"))
+        }
+    }
+}
+
+#[test]
+fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = std::env::temp_dir().join(format!("tandem-drill-against-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let state = dir.join("state.json");
+    let mut spawned = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "up",
+            "--decode",
+            "2",
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:0",
+            "--threads",
+            "1",
+            "--shutdown-timeout-ms",
+            "5000",
+        ])
+        .arg("--state-file")
+        .arg(&state)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let out = spawned.stdout.take().ok_or("no stdout")?;
+    let mut guard = Guard(Some(spawned));
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let result = (|| -> Result<(), Box<dyn std::error::Error>> {
+        // The table is printed once the cluster is ready (after the state file is written).
+        let mut table = Vec::new();
+        while !table.iter().any(|l: &String| l.starts_with("coordinator")) {
+            table.push(
+                rx.recv_timeout(WAIT).map_err(|_| format!("tandem up printed no table within {WAIT:?}: {table:?}"))?,
+            );
+        }
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
+        let comps = v["components"].as_array().ok_or("no components")?;
+        let pids: Vec<(String, u64)> = comps
+            .iter()
+            .map(|c| Ok((c["role"].as_str().ok_or("role")?.to_owned(), c["pid"].as_u64().ok_or("pid")?)))
+            .collect::<Result<_, &str>>()?;
+        for c in comps.iter().filter(|c| matches!(c["role"].as_str(), Some("prefill" | "decode"))) {
+            assert_eq!(c["version_group"], "local", "workers' version group in the state file: {c}");
+        }
+        let http = comps.iter().find(|c| c["role"] == "coordinator").and_then(|c| c["http"].as_str()).ok_or("http")?;
+        let state_s = state.to_str().ok_or("state path")?;
+        let all_running = |when: &str| {
+            for (role, pid) in &pids {
+                assert!(running(*pid), "{when}: {role} (pid {pid}) is not running: {:?}", proc_state(*pid));
+            }
+        };
+
+        // A drill that kills a process is refused, with the reason, and touches nothing.
+        let refused = tandem(&["drill", "--against", state_s, "run", "decode-kill"], WAIT)?;
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success(), "decode-kill against a running cluster must be refused: {err}");
+        assert!(err.contains("decode-kill") && err.contains("needs its own cluster"), "the reason: {err}");
+        all_running("after the refused decode-kill");
+
+        let ran = tandem(&["drill", "--against", state_s, "run", "client-disconnect", "worker-sigstop"], WAIT)?;
+        let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
+        assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}");
+        for name in ["client-disconnect", "worker-sigstop"] {
+            let row =
+                stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row for {name}: {stdout}"))?;
+            assert_eq!(row.split_whitespace().nth(1), Some("yes"), "{name} proven: {row}");
+        }
+        all_running("after the drills");
+        assert_eq!(get_status(http, "/ready")?, 200, "the cluster still serves after the drills");
+        Ok(())
+    })();
+    // `tandem up` exits 0 on SIGTERM only if no child had exited on its own before.
+    let stopped = guard.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+    result?;
+    let status = stopped?;
+    assert!(status.success(), "tandem up exit after the drills: {status:?}");
+    Ok(())
+}
