@@ -28,6 +28,9 @@ pub enum Guarantee {
     G5,
     /// The fault provably happened.
     G6,
+    /// The drill's own outcome bound (overload: goodput against the no-overload maximum,
+    /// coordinator memory).
+    Drill,
 }
 
 /// One broken guarantee.
@@ -58,6 +61,11 @@ pub struct Invariants {
     pub transfers_intact: bool,
     /// Bound on waiting for counters and KV to settle.
     pub settle: Duration,
+    /// Overload drills: the admitted requests' generation rate must reach this fraction of a
+    /// no-overload baseline measured first in the same run (at concurrency 1), and the
+    /// coordinator's resident memory may grow at most [`Invariants::max_rss_growth_mib`].
+    pub goodput_floor: Option<f64>,
+    pub max_rss_growth_mib: f64,
     /// When a coordinator was SIGKILLed, from the load's start: (signal sent, death seen).
     /// Filled by the drill runner from [`Cluster::coordinator_kills`]. A request in flight
     /// across one of these windows may end in a transport error: its coordinator is gone,
@@ -75,6 +83,8 @@ impl Default for Invariants {
             allowed_errors: None,
             transfers_intact: false,
             settle: Duration::from_secs(20),
+            goodput_floor: None,
+            max_rss_growth_mib: 64.0,
             coordinator_kills: Vec::new(),
         }
     }

@@ -29,7 +29,7 @@ use std::future::Future;
 use std::time::Duration;
 
 pub use cluster::{Attached, Cluster, ClusterSpec, PastLife, Role, Worker, WorkerSpec};
-pub use drills::{drills, drills_against, planned_requests, run_drill, DrillInfo, DrillOptions, DrillReport};
+pub use drills::{drills, drills_against, planned_requests, run_drill, DrillInfo, DrillOptions, DrillReport, Goodput};
 pub use front::{Front, FrontCounters};
 pub use invariants::{Guarantee, Invariants, Violation};
 pub use netns::Netns;

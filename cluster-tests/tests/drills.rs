@@ -39,6 +39,21 @@ async fn prefill_kill_recompute() -> TestResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_kill_retry() -> TestResult {
+    let r = drill("prefill-kill-retry").await?;
+    assert_eq!(r.complete, r.requests, "policy retry: the other prefill worker pushes again");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_kill_fail() -> TestResult {
+    let r = drill("prefill-kill-fail").await?;
+    assert!(r.typed_errors.keys().all(|k| k.ends_with("kv_load_failed")), "{:?}", r.typed_errors);
+    assert!(!r.typed_errors.is_empty(), "policy fail: the cut request ends typed");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_corrupt() -> TestResult {
     drill("kv-corrupt").await.map(drop)
 }

@@ -65,11 +65,6 @@ pub(super) fn decode_metrics(c: &Cluster) -> Result<String, String> {
         .map_err(|e| e.to_string())
 }
 
-/// Failed KV loads the decode worker at `m` recomputed.
-pub(super) async fn recomputed(m: &str) -> Result<f64, HarnessError> {
-    Ok(crate::metrics::scrape(m).await?.sum("tandem_kv_load_policy_outcomes_total", &[("outcome", "recomputed")]))
-}
-
 /// Waits until `metric` (summed over `labels`) at `addr` reaches `at_least`; its last value either way.
 pub(super) async fn counter_reaches(
     addr: &str,

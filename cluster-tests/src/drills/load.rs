@@ -113,7 +113,8 @@ impl Drill for Overload3x {
         DrillInfo {
             name: "overload-3x",
             description: "offer 3x what admission holds (--max-running 1 --max-queued 2): the excess is refused \
-                          429/503 with Retry-After, nothing is lost, admitted answers are identical",
+                          429/503 with Retry-After, nothing is lost, admitted answers are identical, goodput at \
+                          least 90% of a no-overload baseline from the same run, coordinator memory bounded",
         }
     }
 
@@ -132,6 +133,8 @@ impl Drill for Overload3x {
             invariants: Invariants {
                 allowed_errors: Some(vec!["queue_full".into(), "rate_limit_exceeded".into()]),
                 transfers_intact: true,
+                // Refusing the excess must not cost the admitted work its throughput.
+                goodput_floor: Some(0.9),
                 ..Invariants::default()
             },
         }

@@ -74,7 +74,9 @@ pub(super) fn own_cluster(why: &str) -> Result<(), String> {
 fn all() -> Vec<Box<dyn Drill>> {
     vec![
         Box::new(process::DecodeKill),
-        Box::new(process::PrefillKillRecompute),
+        Box::new(process::PrefillKill { policy: "recompute" }),
+        Box::new(process::PrefillKill { policy: "retry" }),
+        Box::new(process::PrefillKill { policy: "fail" }),
         Box::new(kv::KvCorrupt),
         Box::new(etcd::EtcdRestart),
         Box::new(load::ClientDisconnect),
@@ -154,6 +156,8 @@ pub struct DrillReport {
     /// When the fault was applied and lifted, in ms from the load's start
     /// (`end` None: it lasted to the end of the load).
     pub fault_window_ms: Option<(f64, Option<f64>)>,
+    /// Overload drills: goodput against the no-overload baseline, and the coordinator's memory.
+    pub goodput: Option<Goodput>,
     /// Version groups G3 could not count (a member was killed).
     pub g3_skipped_groups: Vec<String>,
     pub violations: Vec<Violation>,
@@ -168,6 +172,46 @@ impl DrillReport {
     pub fn of(&self, g: Guarantee) -> Vec<&Violation> {
         self.violations.iter().filter(|v| v.guarantee == g).collect()
     }
+}
+
+/// Goodput under a drill's load against a no-overload baseline from the same run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Goodput {
+    /// Generation rate of completed requests (tokens after the first per second from
+    /// the first token to the end) at concurrency 1, before the drill's load.
+    pub baseline_tok_s: f64,
+    /// The same under the drill's load.
+    pub tok_s: f64,
+    /// The coordinator's VmRSS after the load less before it (MiB).
+    pub rss_growth_mib: Option<f64>,
+}
+
+/// Requests in a goodput baseline.
+const BASELINE_REQUESTS: usize = 4;
+
+/// Output tokens per second of the completed requests while they generated
+/// (from their first token to their end). With one request running at a time
+/// (the overload drill's `--max-running 1`) this is the serving slot's
+/// throughput; a wall-clock rate over a dozen requests is too noisy on a
+/// shared 2-core machine, and a closed-loop load cannot keep an overload
+/// going (refusals come back at once and use the requests up).
+fn completed_tok_per_s(r: &Report) -> f64 {
+    let (mut tokens, mut secs) = (0u64, 0.0);
+    for x in r.records.iter().filter(|x| matches!(x.outcome, Outcome::Complete { .. })) {
+        if let Some(ttft) = x.ttft.filter(|_| x.output_tokens > 1) {
+            tokens += u64::from(x.output_tokens - 1);
+            secs += x.e2e.saturating_sub(ttft).as_secs_f64();
+        }
+    }
+    tokens as f64 / secs.max(1e-9)
+}
+
+/// A process's resident memory (MiB), from /proc.
+fn rss_mib(pid: u32) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: f64 =
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb / 1024.0)
 }
 
 /// What a fault step observed, for its proof.
@@ -277,6 +321,19 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     plan.deadline = Some(s.invariants.deadline);
     plan.timeout = s.invariants.deadline + s.invariants.grace + Duration::from_secs(10);
 
+    // The no-overload maximum, for drills that bound goodput: the same cluster at concurrency 1.
+    let baseline = match s.invariants.goodput_floor {
+        Some(_) => {
+            let mut b = plan.clone();
+            b.requests = BASELINE_REQUESTS;
+            b.arrival = Arrival::Closed { concurrency: 1 };
+            b.prompts = PromptSource::List(loadgen::prompts::generate(BASELINE_REQUESTS, PROMPT_TOKENS, seed + 1));
+            let r = loadgen::run(&b).await.map_err(|e| HarnessError::Load(format!("baseline load: {e}")))?;
+            Some(completed_tok_per_s(&r))
+        }
+        None => None,
+    };
+    let rss_before = rss_mib(cluster.coordinator.pid);
     let done = opts.progress.clone().unwrap_or_default();
     done.store(0, Ordering::SeqCst);
     let progress = Progress { done, finished: Arc::default() };
@@ -311,6 +368,37 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         cluster.coordinator_kills.iter().map(|&(sent, dead)| (since_start(sent), since_start(dead))).collect();
 
     let (mut violations, measured) = s.invariants.check_measured(&cluster, &report, &reference).await;
+    let goodput = baseline.map(|base| Goodput {
+        baseline_tok_s: base,
+        tok_s: completed_tok_per_s(&report),
+        rss_growth_mib: rss_mib(cluster.coordinator.pid).zip(rss_before).map(|(a, b)| a - b),
+    });
+    if let (Some(g), Some(floor)) = (&goodput, s.invariants.goodput_floor) {
+        let ratio = g.tok_s / g.baseline_tok_s.max(f64::MIN_POSITIVE);
+        if ratio < floor {
+            violations.push(Violation::new(
+                Guarantee::Drill,
+                format!(
+                    "goodput {:.1} tok/s is {:.0}% of the no-overload {:.1} tok/s, below {:.0}%",
+                    g.tok_s,
+                    ratio * 100.0,
+                    g.baseline_tok_s,
+                    floor * 100.0
+                ),
+            ));
+        }
+        match g.rss_growth_mib {
+            Some(grew) if grew > s.invariants.max_rss_growth_mib => violations.push(Violation::new(
+                Guarantee::Drill,
+                format!(
+                    "the coordinator's memory grew {grew:.1} MiB under overload (bound {} MiB)",
+                    s.invariants.max_rss_growth_mib
+                ),
+            )),
+            Some(_) => {}
+            None => violations.push(Violation::new(Guarantee::Drill, "the coordinator's VmRSS could not be read")),
+        }
+    }
     if let Err(e) = &proof {
         violations.push(Violation::new(Guarantee::G6, e.clone()));
     }
@@ -356,6 +444,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         p99_ttft_ms: summary.ttft.p99.map(|d| d.as_secs_f64() * 1e3),
         wall_ms: summary.wall.as_secs_f64() * 1e3,
         fault_window_ms: evidence.window.0.map(|a| (ms(a), evidence.window.1.map(ms))),
+        goodput,
         g3_skipped_groups: measured.g3_skipped_groups,
         violations,
         log_dir: cluster.log_dir().display().to_string(),

@@ -5,8 +5,8 @@ use std::time::Duration;
 use loadgen::Report;
 
 use super::common::{
-    busy_decoder, counter_reaches, decode_metrics, gone, open_stream, probe, recomputed, serving_becomes, Stream,
-    LOAD_WAIT, MEMBERSHIP,
+    busy_decoder, counter_reaches, decode_metrics, gone, open_stream, probe, serving_becomes, Stream, LOAD_WAIT,
+    MEMBERSHIP,
 };
 use super::{own_cluster, BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
@@ -76,29 +76,67 @@ impl Drill for DecodeKill {
     }
 }
 
-/// SIGKILL the prefill worker whose KV push is held mid-transfer; policy recompute.
-pub(super) struct PrefillKillRecompute;
+/// SIGKILL the prefill worker whose KV push is held mid-transfer, under one
+/// `kv_load_failure_policy`: `recompute` (the decode worker prefills),
+/// `retry` (the other prefill worker pushes again), `fail` (a typed
+/// `kv_load_failed` for that request).
+pub(super) struct PrefillKill {
+    pub policy: &'static str,
+}
 
-impl Drill for PrefillKillRecompute {
+/// The policy's outcome label on `tandem_kv_load_policy_outcomes_total`.
+fn policy_outcome(policy: &str) -> &'static str {
+    match policy {
+        "retry" => "retried",
+        "fail" => "failed",
+        _ => "recomputed",
+    }
+}
+
+async fn policy_outcomes(m: &str, policy: &str) -> Result<f64, HarnessError> {
+    Ok(crate::metrics::scrape(m)
+        .await?
+        .sum("tandem_kv_load_policy_outcomes_total", &[("outcome", policy_outcome(policy))]))
+}
+
+impl Drill for PrefillKill {
     fn against(&self, _: &Cluster) -> Result<(), String> {
         own_cluster("it SIGKILLs a prefill worker; `tandem up` stops the whole cluster when any of its processes exits")
     }
 
     fn info(&self) -> DrillInfo {
-        DrillInfo {
-            name: "prefill-kill-recompute",
-            description: "SIGKILL the prefill worker whose KV push is held mid-transfer on the proxy (policy \
-                          recompute): the decode worker recomputes and every answer is identical",
+        match self.policy {
+            "retry" => DrillInfo {
+                name: "prefill-kill-retry",
+                description: "SIGKILL the prefill worker whose KV push is held mid-transfer on the proxy (policy \
+                              retry, 2 prefill workers): the other prefill worker pushes again, every answer identical",
+            },
+            "fail" => DrillInfo {
+                name: "prefill-kill-fail",
+                description: "SIGKILL the prefill worker whose KV push is held mid-transfer on the proxy (policy \
+                              fail): that request ends with the typed 502 kv_load_failed, the rest are identical",
+            },
+            _ => DrillInfo {
+                name: "prefill-kill-recompute",
+                description: "SIGKILL the prefill worker whose KV push is held mid-transfer on the proxy (policy \
+                              recompute): the decode worker recomputes and every answer is identical",
+            },
         }
     }
 
     fn setup(&self, _skip: bool) -> Setup {
+        let fail = self.policy == "fail";
         Setup {
-            spec: ClusterSpec::default().prefill("g1").prefill("g1").decode_behind_proxy("g1"),
+            spec: ClusterSpec::default().prefill("g1").prefill("g1").decode_behind_proxy("g1").policy(self.policy),
             requests: 6,
             max_tokens: 16,
             concurrency: 2,
-            invariants: Invariants { all_complete: true, ..Invariants::default() },
+            invariants: Invariants {
+                all_complete: !fail,
+                // Under `fail`, the held request; and one routed to the dead worker before its lease ran out.
+                allowed_errors: fail.then(|| vec!["kv_load_failed".into()]),
+                ..Invariants::default()
+            },
         }
     }
 
@@ -113,7 +151,7 @@ impl Drill for PrefillKillRecompute {
             let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
             let proxy = decode.proxy.as_ref().ok_or_else(|| HarnessError::Setup("decode not behind a proxy".into()))?;
             let m = decode.metrics_addr()?;
-            ev.before = recomputed(&m).await?;
+            ev.before = policy_outcomes(&m, self.policy).await?;
             // 16 KiB into the next push: inside the first layers' frames, long before its Ack.
             proxy.arm(Fault::HoldAfter(16 << 10));
             let prefills: Vec<u32> = c.workers_of(Role::Prefill).map(|w| w.proc.pid).collect();
@@ -141,18 +179,40 @@ impl Drill for PrefillKillRecompute {
         })
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
         Box::pin(async move {
             let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
             if !gone(pid) {
                 return Err(format!("prefill worker {name} (pid {pid}) is still running"));
             }
             let m = decode_metrics(c)?;
-            let now = recomputed(&m).await.map_err(|e| e.to_string())?;
+            let outcome = policy_outcome(self.policy);
+            let now = policy_outcomes(&m, self.policy).await.map_err(|e| e.to_string())?;
             if now <= ev.before {
-                return Err(format!("pid {pid} is gone but the decode worker recomputed no failed load"));
+                return Err(format!("pid {pid} is gone but the decode worker counted no `{outcome}` failed load"));
             }
-            Ok(format!("{}; pid {pid} gone; decode recomputed {} loads", ev.notes.join("; "), now - ev.before))
+            let typed = report
+                .records
+                .iter()
+                .filter(|r| match &r.outcome {
+                    loadgen::Outcome::HttpError { code: Some(c), .. }
+                    | loadgen::Outcome::StreamError { code: Some(c), .. } => c == "kv_load_failed",
+                    _ => false,
+                })
+                .count();
+            if self.policy == "fail" && typed == 0 {
+                return Err(format!("policy fail, {outcome} {}, but no request ended kv_load_failed", now - ev.before));
+            }
+            Ok(format!(
+                "{}; pid {pid} gone; the decode worker counted {} `{outcome}`; {typed} request(s) ended kv_load_failed",
+                ev.notes.join("; "),
+                now - ev.before
+            ))
         })
     }
 }
@@ -267,21 +327,22 @@ pub(super) struct RollingDrain;
 
 impl Drill for RollingDrain {
     fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it drains (SIGTERM) a decode and a prefill worker, which exit; `tandem up` stops the whole cluster when any of its processes exits")
+        own_cluster("it drains and restarts every worker; `tandem up` stops the whole cluster when one exits")
     }
 
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "rolling-drain",
-            description: "SIGTERM one decode worker, then one prefill worker, under load while a replacement of \
-                          each role serves: every request completes identically and each drained worker exits 0",
+            description: "a rolling restart under load: SIGTERM each of 2 prefill and 2 decode workers in turn, \
+                          wait for it to drain and exit 0, start it again, wait until it serves: every request \
+                          completes identically",
         }
     }
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             spec: ClusterSpec::default().prefill("g1").prefill("g1").decode("g1").decode("g1"),
-            requests: 16,
+            requests: 40,
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, ..Invariants::default() },
@@ -297,53 +358,58 @@ impl Drill for RollingDrain {
         Box::pin(async move {
             let mut ev = Evidence::default();
             load.wait_done(2, LOAD_WAIT).await?;
-            // A decode worker mid-answer first, then a prefill worker; each has a serving twin.
-            let decode = busy_decoder(c, LOAD_WAIT).await?;
-            let prefill = c
-                .workers_of(Role::Prefill)
-                .next()
-                .map(|w| w.proc.name.clone())
-                .ok_or_else(|| HarnessError::Setup("no prefill".into()))?;
-            for (role, name) in [(Role::Decode, decode), (Role::Prefill, prefill)] {
-                let pid = c.worker(&name)?.proc.pid;
-                if skip {
-                    continue;
-                }
+            // A decode worker mid-answer first, then the other workers; each time its twin serves.
+            let first = busy_decoder(c, LOAD_WAIT).await?;
+            let mut order = vec![(Role::Decode, first.clone())];
+            for w in c.workers.iter().filter(|w| w.proc.name != first) {
+                order.push((w.role, w.proc.name.clone()));
+            }
+            if skip {
+                return Ok(ev);
+            }
+            ev.began();
+            for (role, name) in order {
+                let (pid, group) = (c.worker(&name)?.proc.pid, c.worker(&name)?.group.clone());
                 let under_load = !load.finished();
-                ev.began();
-                c.signal(&name, Signal::Term)?;
-                let code = match c.worker_mut(&name)?.proc.wait_exit(Duration::from_secs(20)).await {
-                    Ok(st) => {
-                        ev.notes
-                            .push(format!("{name} (pid {pid}) drained (load running: {under_load}) and exited {st}"));
-                        st.code()
+                // Same group: a drain, then the same flags again.
+                match c.relabel_worker(&name, &group, Duration::from_secs(20)).await {
+                    Ok((st, took)) => {
+                        ev.notes.push(format!(
+                            "{name} (pid {pid}) drained in {:.1} s (load running: {under_load}), exited {st}",
+                            took.as_secs_f64()
+                        ));
+                        ev.drained.push((name.clone(), pid, st.code()));
                     }
                     Err(e) => {
-                        ev.missing.push(e.to_string());
-                        None
+                        ev.missing.push(format!("{name}: {e}"));
+                        ev.drained.push((name.clone(), pid, None));
+                        continue;
                     }
-                };
-                ev.drained.push((name, pid, code));
-                if let Err(e) = serving_becomes(c, role, 1.0, Duration::from_secs(10)).await {
-                    ev.missing.push(e.to_string());
+                }
+                if let Err(e) = serving_becomes(c, role, 2.0, Duration::from_secs(20)).await {
+                    ev.missing.push(format!("after restarting {name}: {e}"));
                 }
             }
-            if !skip {
-                ev.ended();
-            }
+            ev.ended();
             Ok(ev)
         })
     }
 
-    fn prove<'a>(&'a self, _: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
         Box::pin(async move {
-            if ev.drained.len() != 2 || !ev.missing.is_empty() {
-                return Err(format!("drained {:?}; {}", ev.drained, ev.missing.join("; ")));
+            if ev.drained.len() != c.workers.len() || !ev.missing.is_empty() {
+                return Err(format!(
+                    "drained {} of {} workers: {:?}; {}",
+                    ev.drained.len(),
+                    c.workers.len(),
+                    ev.drained,
+                    ev.missing.join("; ")
+                ));
             }
             if let Some((name, pid, code)) = ev.drained.iter().find(|d| d.2 != Some(0)) {
                 return Err(format!("{name} (pid {pid}) exited {code:?} after SIGTERM, not 0"));
             }
-            Ok(format!("{}; the coordinator counts 1 serving worker of each role", ev.notes.join("; ")))
+            Ok(format!("{}; each restarted and serving again", ev.notes.join("; ")))
         })
     }
 }

@@ -167,6 +167,7 @@ mod tests {
             p99_ttft_ms: None,
             wall_ms: 3800.0,
             fault_window_ms: Some((1100.0, Some(2000.0))),
+            goodput: None,
             g3_skipped_groups: Vec::new(),
             violations: Vec::new(),
             log_dir: String::new(),

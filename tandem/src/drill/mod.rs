@@ -155,6 +155,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             match result {
                 Ok(r) => {
                     println!("{}", row(&r, a.vacuity));
+                    if let Some(g) = &r.goodput {
+                        println!(
+                            "    goodput {:.1} tok/s = {:.0}% of the no-overload {:.1} tok/s; coordinator memory {}",
+                            g.tok_s,
+                            100.0 * g.tok_s / g.baseline_tok_s.max(f64::MIN_POSITIVE),
+                            g.baseline_tok_s,
+                            g.rss_growth_mib.map_or_else(|| "unread".to_owned(), |m| format!("{m:+.1} MiB"))
+                        );
+                    }
                     for v in r.violations.iter().filter(|_| !a.vacuity) {
                         println!("    {:?}: {}", v.guarantee, v.detail);
                     }
