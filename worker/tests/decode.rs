@@ -106,8 +106,13 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
     let tok = common::tokenizer()?;
     let prompts = vec![prompt_of(&tok, 1)?, prompt_of(&tok, 37)?, prompt_of(&tok, 1030)?];
     let want = reference(&prompts, MAX_TOKENS)?;
-    let prefill = prefill_worker(GROUP, &[])?;
-    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"])?;
+    // Bit-exactness, not timing: a 1030-token prefill on one thread of a loaded 2-core
+    // machine has outlived the default 30 s reservation lease (CI beside drills).
+    let prefill = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
+    let decode = decode_worker(
+        GROUP,
+        &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0", "--reservation-ttl-ms", "120000"],
+    )?;
     let mut c = client(&decode).await?;
 
     let mut remote_blocks = 0;
