@@ -289,7 +289,10 @@ const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("
 
 /// A streaming request from a socket with a tiny receive buffer; returns the
 /// socket once the response head arrived (nothing after it is read).
-fn slow_stream(addr: SocketAddr, i: usize) -> Result<std::net::TcpStream, HarnessError> {
+/// `small` shrinks the client's window and MSS (the fault's bite); a run with the fault
+/// skipped reads promptly with ordinary buffers (with the small ones, reading 400 tokens of
+/// top-20 logprobs takes longer than the read bound).
+fn slow_stream(addr: SocketAddr, i: usize, small: bool) -> Result<std::net::TcpStream, HarnessError> {
     use socket2::{Domain, Protocol, Socket, Type};
     let err = |e: std::io::Error| HarnessError::Fault(format!("slow client {i}: {e}"));
     let s = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).map_err(err)?;
@@ -297,8 +300,10 @@ fn slow_stream(addr: SocketAddr, i: usize) -> Result<std::net::TcpStream, Harnes
     // Loopback's 64 KiB MSS would let the coordinator's kernel grow its send buffer to
     // over a megabyte, which a short drill's output fits in; at 536 bytes (a classic
     // Internet MSS) it stays at tens of KiB, so the stall reaches the coordinator.
-    s.set_recv_buffer_size(1024).map_err(err)?;
-    s.set_tcp_mss(536).map_err(err)?;
+    if small {
+        s.set_recv_buffer_size(1024).map_err(err)?;
+        s.set_tcp_mss(536).map_err(err)?;
+    }
     s.connect_timeout(&addr.into(), Duration::from_secs(10)).map_err(err)?;
     let mut s: std::net::TcpStream = s.into();
     s.set_read_timeout(Some(Duration::from_secs(60))).map_err(err)?;
@@ -330,8 +335,8 @@ fn slow_stream(addr: SocketAddr, i: usize) -> Result<std::net::TcpStream, Harnes
 
 /// Reads what is left on a slow socket: `Ok(bytes)` when the server closed it
 /// (EOF or reset), an error when it stays open past the bound.
-fn drained(mut s: std::net::TcpStream) -> Result<Vec<u8>, String> {
-    let until = Instant::now() + Duration::from_secs(30);
+fn drained(mut s: std::net::TcpStream, limit: Duration) -> Result<Vec<u8>, String> {
+    let until = Instant::now() + limit;
     s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
     let mut all = Vec::new();
     let mut buf = [0u8; 4096];
@@ -343,7 +348,7 @@ fn drained(mut s: std::net::TcpStream) -> Result<Vec<u8>, String> {
             Err(e) => return Err(format!("the connection is still open after {} bytes: {e}", all.len())),
         }
     }
-    Err(format!("the server was still sending after 30 s ({} bytes)", all.len()))
+    Err(format!("the server was still sending after {limit:?} ({} bytes)", all.len()))
 }
 
 /// Resident memory of `pid`, KiB.
@@ -398,7 +403,7 @@ impl Drill for SlowReader {
             ev.began();
             let mut socks = Vec::new();
             for i in 0..SLOW_CLIENTS {
-                socks.push(tokio::task::spawn_blocking(move || slow_stream(addr, i)));
+                socks.push(tokio::task::spawn_blocking(move || slow_stream(addr, i, !skip)));
             }
             let mut open = Vec::new();
             for s in socks {
@@ -408,7 +413,10 @@ impl Drill for SlowReader {
             if skip {
                 // Read everything, all at once and promptly: no timeout may fire.
                 let readers: Vec<_> =
-                    open.into_iter().map(|s| tokio::task::spawn_blocking(move || drained(s))).collect();
+                    // Three whole 400-token answers beside the load: give them time to finish.
+                    open.into_iter()
+                        .map(|s| tokio::task::spawn_blocking(move || drained(s, Duration::from_secs(120))))
+                        .collect();
                 for r in readers {
                     r.await
                         .map_err(|e| HarnessError::Fault(format!("reader task: {e}")))?
@@ -431,7 +439,7 @@ impl Drill for SlowReader {
             // Still not reading from our side: the coordinator must have closed each connection.
             let mut closed = 0;
             for s in open {
-                let got = tokio::task::spawn_blocking(move || drained(s))
+                let got = tokio::task::spawn_blocking(move || drained(s, Duration::from_secs(30)))
                     .await
                     .map_err(|e| HarnessError::Fault(format!("reader task: {e}")))?;
                 match got {
