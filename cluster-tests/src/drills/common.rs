@@ -20,6 +20,15 @@ pub(super) fn gone(pid: u32) -> bool {
     matches!(proc_state(pid), None | Some('Z'))
 }
 
+/// Resident memory of `pid`, KiB (`VmRSS` in /proc).
+pub(super) fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
 /// The first decode worker seen running a request.
 pub(super) async fn busy_decoder(c: &Cluster, limit: Duration) -> Result<String, HarnessError> {
     let decoders: Vec<(String, String)> = c

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use loadgen::{Outcome, Report};
 
-use super::common::{counter_reaches, decode_metrics, LOAD_WAIT};
+use super::common::{counter_reaches, decode_metrics, rss_kib, LOAD_WAIT};
 use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
 use crate::cluster::{Cluster, ClusterSpec, Role, WorkerSpec};
 use crate::invariants::Invariants;
@@ -349,15 +349,6 @@ fn drained(mut s: std::net::TcpStream, limit: Duration) -> Result<Vec<u8>, Strin
         }
     }
     Err(format!("the server was still sending after {limit:?} ({} bytes)", all.len()))
-}
-
-/// Resident memory of `pid`, KiB.
-fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 /// Streaming clients stop reading after the response head.

@@ -208,10 +208,7 @@ fn completed_tok_per_s(r: &Report) -> f64 {
 
 /// A process's resident memory (MiB), from /proc.
 fn rss_mib(pid: u32) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kb: f64 =
-        status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
-    Some(kb / 1024.0)
+    common::rss_kib(pid).map(|kib| kib as f64 / 1024.0)
 }
 
 /// What a fault step observed, for its proof.
