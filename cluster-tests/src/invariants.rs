@@ -61,10 +61,10 @@ pub struct Invariants {
     pub transfers_intact: bool,
     /// Bound on waiting for counters and KV to settle.
     pub settle: Duration,
-    /// Overload drills: the admitted requests' generation rate must reach this fraction of a
-    /// no-overload baseline measured first in the same run (at concurrency 1), and the
-    /// coordinator's resident memory may grow at most [`Invariants::max_rss_growth_mib`].
-    pub goodput_floor: Option<f64>,
+    /// Overload drills: how the load is offered and how much goodput it must keep (see
+    /// [`GoodputBound`]); the coordinator's resident memory may grow at most
+    /// [`Invariants::max_rss_growth_mib`] under it.
+    pub goodput: Option<GoodputBound>,
     pub max_rss_growth_mib: f64,
     /// When a coordinator was SIGKILLed, from the load's start: (signal sent, death seen).
     /// Filled by the drill runner from [`Cluster::coordinator_kills`]. A request in flight
@@ -83,11 +83,34 @@ impl Default for Invariants {
             allowed_errors: None,
             transfers_intact: false,
             settle: Duration::from_secs(20),
-            goodput_floor: None,
+            goodput: None,
             max_rss_growth_mib: 64.0,
             coordinator_kills: Vec::new(),
         }
     }
+}
+
+/// An overload drill's load and its goodput bound.
+///
+/// The no-overload maximum is measured on the drill's own cluster, twice: a
+/// closed loop of `saturating` clients (enough to keep admission's running
+/// slots busy without a single refusal) before the overload and again after
+/// it. The overload is open-loop: Poisson arrivals at `factor` times the
+/// request rate the first measurement achieved, so the offered load stays
+/// `factor` times capacity whatever admission refuses (a closed loop cannot
+/// keep an overload going: its refusals come back at once and use the
+/// requests up). Goodput is the output tokens of completed requests per
+/// second from the first arrival to the last completion, and must reach
+/// `floor` times the mean of the two measurements, which brackets the
+/// overload in time so a machine that slows down during the run moves both
+/// sides.
+#[derive(Debug, Clone, Copy)]
+pub struct GoodputBound {
+    pub floor: f64,
+    pub factor: f64,
+    pub saturating: usize,
+    /// Requests in each no-overload measurement.
+    pub baseline_requests: usize,
 }
 
 /// Numbers the checks measured, for the report.

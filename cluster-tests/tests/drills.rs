@@ -74,6 +74,13 @@ async fn client_disconnect() -> TestResult {
 async fn overload_3x() -> TestResult {
     let r = drill("overload-3x").await?;
     assert!(!r.typed_errors.is_empty(), "3x the capacity, yet nothing was refused");
+    let g = r.goodput.ok_or("no goodput measured")?;
+    assert!(
+        g.offered_rps > 2.9 * g.capacity_rps,
+        "offered {} req/s against a capacity of {}",
+        g.offered_rps,
+        g.capacity_rps
+    );
     Ok(())
 }
 

@@ -27,7 +27,7 @@ use loadgen::{Arrival, Outcome, Plan, PromptSource, Report};
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster::{Cluster, ClusterSpec};
-use crate::invariants::{self, Guarantee, Invariants, Violation};
+use crate::invariants::{self, GoodputBound, Guarantee, Invariants, Violation};
 use crate::{eventually, reference_texts, HarnessError};
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
@@ -174,36 +174,80 @@ impl DrillReport {
     }
 }
 
-/// Goodput under a drill's load against a no-overload baseline from the same run.
+/// Goodput under an overload against the no-overload maximum measured on the same
+/// cluster just before and just after it (see [`GoodputBound`]).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Goodput {
-    /// Generation rate of completed requests (tokens after the first per second from
-    /// the first token to the end) at concurrency 1, before the drill's load.
-    pub baseline_tok_s: f64,
-    /// The same under the drill's load.
+    /// Output tokens per second of completed requests in the no-overload
+    /// measurements before and after the overload.
+    pub baseline_tok_s: [f64; 2],
+    /// The same under the overload.
     pub tok_s: f64,
+    /// `tok_s` over the mean of `baseline_tok_s`.
+    pub ratio: f64,
+    /// Requests per second the cluster completed in the first measurement (its capacity),
+    /// and the Poisson rate offered during the overload.
+    pub capacity_rps: f64,
+    pub offered_rps: f64,
     /// The coordinator's VmRSS after the load less before it (MiB).
     pub rss_growth_mib: Option<f64>,
 }
 
-/// Requests in a goodput baseline.
-const BASELINE_REQUESTS: usize = 4;
+/// What a load got done: completed requests and their output tokens, over the
+/// time from its first request's start to its last completion.
+#[derive(Debug, Clone, Copy)]
+struct Throughput {
+    completed: usize,
+    tokens: u64,
+    secs: f64,
+}
 
-/// Output tokens per second of the completed requests while they generated
-/// (from their first token to their end). With one request running at a time
-/// (the overload drill's `--max-running 1`) this is the serving slot's
-/// throughput; a wall-clock rate over a dozen requests is too noisy on a
-/// shared 2-core machine, and a closed-loop load cannot keep an overload
-/// going (refusals come back at once and use the requests up).
-fn completed_tok_per_s(r: &Report) -> f64 {
-    let (mut tokens, mut secs) = (0u64, 0.0);
-    for x in r.records.iter().filter(|x| matches!(x.outcome, Outcome::Complete { .. })) {
-        if let Some(ttft) = x.ttft.filter(|_| x.output_tokens > 1) {
-            tokens += u64::from(x.output_tokens - 1);
-            secs += x.e2e.saturating_sub(ttft).as_secs_f64();
+impl Throughput {
+    fn of(r: &Report) -> Self {
+        let first = r.records.iter().map(|x| x.start).min().unwrap_or_default();
+        let done = r.records.iter().filter(|x| matches!(x.outcome, Outcome::Complete { .. }));
+        let (mut completed, mut tokens, mut last) = (0, 0u64, first);
+        for x in done {
+            completed += 1;
+            tokens += u64::from(x.output_tokens);
+            last = last.max(x.start + x.e2e);
         }
+        Self { completed, tokens, secs: last.saturating_sub(first).as_secs_f64().max(1e-9) }
     }
-    tokens as f64 / secs.max(1e-9)
+
+    fn tok_s(self) -> f64 {
+        self.tokens as f64 / self.secs
+    }
+
+    fn rps(self) -> f64 {
+        self.completed as f64 / self.secs
+    }
+}
+
+/// The no-overload maximum (see [`GoodputBound`]): `bound.saturating` clients in a closed
+/// loop, on prompts no other phase uses (`seed`). `requests` from the bound, or fewer to warm
+/// a fresh cluster up (its first requests fault pages in and grow pools).
+async fn saturating_load(
+    plan: &Plan,
+    bound: &GoodputBound,
+    requests: usize,
+    seed: u64,
+) -> Result<Throughput, HarnessError> {
+    let mut b = plan.clone();
+    b.requests = requests;
+    b.arrival = Arrival::Closed { concurrency: bound.saturating };
+    b.prompts = PromptSource::List(loadgen::prompts::generate(requests, PROMPT_TOKENS, seed));
+    let r = loadgen::run(&b).await.map_err(|e| HarnessError::Load(format!("no-overload measurement: {e}")))?;
+    let t = Throughput::of(&r);
+    if t.completed < requests {
+        // A refusal here means `saturating` is more than admission holds: the measurement
+        // would not be a no-overload one.
+        return Err(HarnessError::Load(format!(
+            "the no-overload measurement completed {} of {requests} requests at concurrency {}",
+            t.completed, bound.saturating
+        )));
+    }
+    Ok(t)
 }
 
 /// A process's resident memory (MiB), from /proc.
@@ -318,15 +362,16 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     plan.deadline = Some(s.invariants.deadline);
     plan.timeout = s.invariants.deadline + s.invariants.grace + Duration::from_secs(10);
 
-    // The no-overload maximum, for drills that bound goodput: the same cluster at concurrency 1.
-    let baseline = match s.invariants.goodput_floor {
-        Some(_) => {
-            let mut b = plan.clone();
-            b.requests = BASELINE_REQUESTS;
-            b.arrival = Arrival::Closed { concurrency: 1 };
-            b.prompts = PromptSource::List(loadgen::prompts::generate(BASELINE_REQUESTS, PROMPT_TOKENS, seed + 1));
-            let r = loadgen::run(&b).await.map_err(|e| HarnessError::Load(format!("baseline load: {e}")))?;
-            Some(completed_tok_per_s(&r))
+    // Overload drills: the no-overload maximum first, then Poisson arrivals at a multiple of it.
+    let bound = s.invariants.goodput;
+    let before = match &bound {
+        Some(g) => {
+            saturating_load(&plan, g, g.saturating, seed + 3).await?;
+            let t = saturating_load(&plan, g, g.baseline_requests, seed + 1).await?;
+            if !opts.skip_fault {
+                plan.arrival = Arrival::Poisson { rate: g.factor * t.rps() };
+            }
+            Some(t)
         }
         None => None,
     };
@@ -360,27 +405,42 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         .map_err(|e| HarnessError::Load(e.to_string()))?;
     let evidence = evidence?;
     let proof = drill.prove(&cluster, &evidence, &report).await;
+    let rss_after = bound.and_then(|_| rss_mib(cluster.coordinator.pid));
     let since_start = |t: Instant| t.saturating_duration_since(load_start);
     s.invariants.coordinator_kills =
         cluster.coordinator_kills.iter().map(|&(sent, dead)| (since_start(sent), since_start(dead))).collect();
 
     let (mut violations, measured) = s.invariants.check_measured(&cluster, &report, &reference).await;
-    let goodput = baseline.map(|base| Goodput {
-        baseline_tok_s: base,
-        tok_s: completed_tok_per_s(&report),
-        rss_growth_mib: rss_mib(cluster.coordinator.pid).zip(rss_before).map(|(a, b)| a - b),
-    });
-    if let (Some(g), Some(floor)) = (&goodput, s.invariants.goodput_floor) {
-        let ratio = g.tok_s / g.baseline_tok_s.max(f64::MIN_POSITIVE);
-        if ratio < floor {
+    let goodput = match (bound, before) {
+        (Some(g), Some(before)) => {
+            let after = saturating_load(&plan, &g, g.baseline_requests, seed + 2).await?;
+            let tok_s = Throughput::of(&report).tok_s();
+            let ratio = tok_s / ((before.tok_s() + after.tok_s()) / 2.0).max(f64::MIN_POSITIVE);
+            Some(Goodput {
+                baseline_tok_s: [before.tok_s(), after.tok_s()],
+                tok_s,
+                ratio,
+                capacity_rps: before.rps(),
+                offered_rps: match plan.arrival {
+                    Arrival::Poisson { rate } => rate,
+                    Arrival::Closed { .. } => 0.0,
+                },
+                rss_growth_mib: rss_after.zip(rss_before).map(|(a, b)| a - b),
+            })
+        }
+        _ => None,
+    };
+    if let (Some(g), Some(bound)) = (&goodput, bound) {
+        if g.ratio < bound.floor {
             violations.push(Violation::new(
                 Guarantee::Drill,
                 format!(
-                    "goodput {:.1} tok/s is {:.0}% of the no-overload {:.1} tok/s, below {:.0}%",
+                    "goodput {:.1} tok/s is {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after), below {:.0}%",
                     g.tok_s,
-                    ratio * 100.0,
-                    g.baseline_tok_s,
-                    floor * 100.0
+                    g.ratio * 100.0,
+                    g.baseline_tok_s[0],
+                    g.baseline_tok_s[1],
+                    bound.floor * 100.0
                 ),
             ));
         }

@@ -157,10 +157,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     println!("{}", row(&r, a.vacuity));
                     if let Some(g) = &r.goodput {
                         println!(
-                            "    goodput {:.1} tok/s = {:.0}% of the no-overload {:.1} tok/s; coordinator memory {}",
+                            "    goodput {:.1} tok/s = {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after; \
+                             {:.2} req/s, offered {:.2} req/s); coordinator memory {}",
                             g.tok_s,
-                            100.0 * g.tok_s / g.baseline_tok_s.max(f64::MIN_POSITIVE),
-                            g.baseline_tok_s,
+                            100.0 * g.ratio,
+                            g.baseline_tok_s[0],
+                            g.baseline_tok_s[1],
+                            g.capacity_rps,
+                            g.offered_rps,
                             g.rss_growth_mib.map_or_else(|| "unread".to_owned(), |m| format!("{m:+.1} MiB"))
                         );
                     }
