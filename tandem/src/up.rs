@@ -167,6 +167,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 async fn up(a: Args) -> anyhow::Result<()> {
+    // Installed before any child starts, so a signal from then on stops the cluster cleanly.
+    let mut signals = registry::StopSignals::install().context("installing the SIGTERM/SIGINT handlers")?;
     let model = a.model.clone().unwrap_or_else(engine::paths::default_model_path);
     if !model.is_file() {
         bail!("model {} not found: run `make model` or pass --model", model.display());
@@ -276,7 +278,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
     };
     let outcome = tokio::select! {
         r = started => r,
-        _ = stop_signal() => Err(anyhow::anyhow!("interrupted during start-up")),
+        _ = signals.recv() => Err(anyhow::anyhow!("interrupted during start-up")),
     };
     if let Err(e) = outcome {
         stop_all(&mut running, Duration::from_millis(a.shutdown_timeout_ms)).await;
@@ -316,7 +318,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
     };
     let result = tokio::select! {
         (role, pid, status) = died => Err(anyhow::anyhow!("{role} (pid {pid}) exited on its own ({status}); stopping the cluster")),
-        s = stop_signal() => { eprintln!("{s}: stopping the cluster"); Ok(()) }
+        s = signals.recv() => { eprintln!("{s}: stopping the cluster"); Ok(()) }
     };
     stop_all(&mut running, Duration::from_millis(a.shutdown_timeout_ms)).await;
     drop(own_etcd);
@@ -369,15 +371,4 @@ fn print_table(components: &[Component]) {
         );
     }
     let _ = out.flush();
-}
-
-async fn stop_signal() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    }
 }
