@@ -177,10 +177,6 @@ pub struct Attached {
     pub etcd: Option<Proc>,
 }
 
-/// The lease TTL of workers `tandem up` starts: the workers' default (`--lease-ttl-s`),
-/// since `tandem up` passes none.
-pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
-
 /// The version group of a worker whose state entry names none.
 pub const DEFAULT_VERSION_GROUP: &str = "default";
 
@@ -194,6 +190,10 @@ struct StateEntry {
     metrics: Option<String>,
     transfer: Option<String>,
     version_group: Option<String>,
+    /// Workers: their etcd lease TTL, whole seconds.
+    lease_ttl_s: Option<u64>,
+    /// The file its stdout and stderr go to.
+    log: Option<PathBuf>,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -484,8 +484,9 @@ impl Cluster {
     /// every process is [adopted](Proc::adopt) (never signalled unless a drill's fault does,
     /// never killed on drop). Workers are named `prefill-N`/`decode-N` in the file's order; a
     /// worker entry without `version_group` is in [`DEFAULT_VERSION_GROUP`]; the lease TTL is
-    /// [`DEFAULT_LEASE_TTL`]. Fails unless every listed process is running and the coordinator
-    /// is ready and counts every listed worker as serving.
+    /// the longest of the workers' `lease_ttl_s`; each process's `log` is scanned by G5. Fails
+    /// unless every worker lists its lease TTL, every listed process is running and the
+    /// coordinator is ready and counts every listed worker as serving.
     pub async fn attach(state: &Path) -> Result<Self, HarnessError> {
         let text = std::fs::read_to_string(state)
             .map_err(|e| HarnessError::Setup(format!("read the state file {}: {e}", state.display())))?;
@@ -495,6 +496,7 @@ impl Cluster {
         let mut workers = Vec::new();
         let mut coordinators = Vec::new();
         let mut counts = BTreeMap::<Role, usize>::new();
+        let mut lease_ttl = Duration::ZERO;
         for e in file.components {
             if matches!(crate::process::proc_state(e.pid), None | Some('Z')) {
                 return Err(HarnessError::Setup(format!(
@@ -511,7 +513,7 @@ impl Cluster {
                     .collect();
             let role = match e.role.as_str() {
                 "etcd" => {
-                    etcd = Some(Proc::adopt("etcd", e.pid, addrs));
+                    etcd = Some(Proc::adopt("etcd", e.pid, addrs, e.log));
                     continue;
                 }
                 "coordinator" => {
@@ -520,7 +522,7 @@ impl Cluster {
                     } else {
                         format!("coordinator-{}", coordinators.len())
                     };
-                    coordinators.push(Proc::adopt(&name, e.pid, addrs));
+                    coordinators.push(Proc::adopt(&name, e.pid, addrs, e.log));
                     continue;
                 }
                 "prefill" => Role::Prefill,
@@ -532,10 +534,18 @@ impl Cluster {
             let n = counts.entry(role).or_insert(0);
             let name = format!("{}-{n}", e.role);
             *n += 1;
+            let ttl = e.lease_ttl_s.ok_or_else(|| {
+                HarnessError::Setup(format!(
+                    "{name} (pid {}) in {} has no lease_ttl_s (written by an older `tandem up`? restart it)",
+                    e.pid,
+                    state.display()
+                ))
+            })?;
+            lease_ttl = lease_ttl.max(Duration::from_secs(ttl));
             workers.push(Worker {
                 role,
                 group: e.version_group.unwrap_or_else(|| DEFAULT_VERSION_GROUP.to_owned()),
-                proc: Proc::adopt(&name, e.pid, addrs),
+                proc: Proc::adopt(&name, e.pid, addrs, e.log),
                 proxy: None,
                 past: Vec::new(),
                 etcd_path: None,
@@ -550,7 +560,7 @@ impl Cluster {
             etcd: registry::testing::EtcdCluster::none(),
             etcd_proxies: BTreeMap::new(),
             attached: Some(Attached { state: state.to_owned(), etcd }),
-            lease_ttl: DEFAULT_LEASE_TTL,
+            lease_ttl,
             workers,
             coordinator,
             other_coordinators: coordinators.collect(),
@@ -751,6 +761,8 @@ impl Cluster {
         let mut v: Vec<(String, PathBuf)> =
             self.procs().flat_map(|p| p.log_paths().map(|l| (p.name.clone(), l.to_owned()))).collect();
         v.extend(self.etcd.log_paths().into_iter().map(|(m, p)| (format!("etcd-{m}"), p)));
+        let attached_etcd = self.attached.as_ref().and_then(|a| a.etcd.as_ref());
+        v.extend(attached_etcd.into_iter().flat_map(|p| p.log_paths().map(|l| (p.name.clone(), l.to_owned()))));
         v
     }
 

@@ -38,7 +38,7 @@ impl Signal {
 
 /// A running child; SIGKILLed (by its pid) and reaped when dropped. An *adopted* process
 /// ([`Proc::adopt`]: one of a running cluster's, not our child) is never killed on drop,
-/// has no log, and its exit is seen through `/proc`.
+/// has the log its starter gave it (if any), and its exit is seen through `/proc`.
 #[derive(Debug)]
 pub struct Proc {
     /// A name unique in its cluster (`prefill-0`, `decode-1`, `coordinator`).
@@ -177,15 +177,17 @@ impl Proc {
     }
 
     /// A process already running (not started by us, e.g. one `tandem up` started), known by
-    /// its pid and addresses. Dropping it leaves it running; it has no log (G5's log scan
-    /// skips it); [`Proc::exited`] sees its end through `/proc`; it cannot be restarted.
-    pub fn adopt(name: &str, pid: u32, addrs: HashMap<String, String>) -> Self {
+    /// its pid, addresses and the file its output goes to (`log`; `None`: G5's log scan
+    /// skips it). Dropping it leaves it running; [`Proc::exited`] sees its end through
+    /// `/proc`; it cannot be restarted. Its log is scanned whole, so for a long-running
+    /// cluster a panic logged before this drill still counts.
+    pub fn adopt(name: &str, pid: u32, addrs: HashMap<String, String>, log: Option<PathBuf>) -> Self {
         Self {
             name: name.to_owned(),
             pid,
             child: None,
             addrs,
-            log: PathBuf::new(),
+            log: log.unwrap_or_default(),
             exit: None,
             bin_name: String::new(),
             args: Vec::new(),
@@ -210,9 +212,10 @@ impl Proc {
         &self.log
     }
 
-    /// Its current log and those of its earlier lives (none for an adopted process).
+    /// Its current log and those of its earlier lives (an adopted process: the log it was
+    /// adopted with, if any).
     pub fn log_paths(&self) -> impl Iterator<Item = &Path> {
-        let current = (!self.adopted).then_some(self.log.as_path());
+        let current = (!self.log.as_os_str().is_empty()).then_some(self.log.as_path());
         self.past_logs.iter().map(PathBuf::as_path).chain(current)
     }
 
@@ -250,7 +253,7 @@ impl Proc {
     }
 
     pub fn log_tail(&self) -> String {
-        if self.adopted {
+        if self.log.as_os_str().is_empty() {
             return String::new();
         }
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
@@ -349,14 +352,14 @@ mod tests {
         let mut child = Command::new("sleep").arg("60").spawn().expect("spawn sleep");
         let pid = child.id();
         let addrs = HashMap::from([("http".to_owned(), "127.0.0.1:1".to_owned())]);
-        let mut p = Proc::adopt("adopted", pid, addrs);
+        let mut p = Proc::adopt("adopted", pid, addrs, None);
         assert!(p.is_adopted());
         assert_eq!(p.addr("http").expect("addr"), "127.0.0.1:1");
         assert_eq!(p.log_paths().count(), 0, "no log to scan");
         assert!(p.exited().is_none());
         drop(p);
         assert!(matches!(proc_state(pid), Some(s) if s != 'Z'), "dropping an adopted process must not kill it");
-        let mut p = Proc::adopt("adopted", pid, HashMap::new());
+        let mut p = Proc::adopt("adopted", pid, HashMap::new(), None);
         assert!(p.restart(None).await.is_err(), "not ours to restart");
         p.signal(Signal::Kill).expect("kill");
         // Our child here, so reap it; an adopted one's exit shows as the pid gone (or a zombie).

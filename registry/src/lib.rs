@@ -11,6 +11,8 @@
 //!   etcd round trip, with its freshness ([`Membership::healthy`],
 //!   [`Membership::last_sync_age`]) so a coordinator can serve from it through an etcd blip
 //!   for a bounded time.
+//! - [`StopSignals`]: SIGTERM/SIGINT handling shared by every tandem process (here only
+//!   because this is the lowest crate they all depend on).
 //! - `testing::Etcd` (feature `testing`): a real etcd process on loopback ports for tests.
 //!
 //! # What it must not do
@@ -54,6 +56,7 @@ mod info;
 pub mod keys;
 pub mod membership;
 pub mod registration;
+mod shutdown;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -63,3 +66,4 @@ pub use info::{Capacity, Role, TransferEndpoint, WorkerInfo};
 pub use keys::ClusterPrefix;
 pub use membership::{Membership, MembershipConfig, MembershipView};
 pub use registration::{Fence, FenceReason, Registration, RegistrationConfig};
+pub use shutdown::StopSignals;

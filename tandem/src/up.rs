@@ -8,13 +8,20 @@
 //! ports they pick (they print `listening NAME=ADDR [NAME=ADDR ...]`),
 //! register in etcd under a prefix unique to this run, prefill and decode workers share one
 //! version group and move KV over shared memory (`local`), and the
-//! coordinator routes from etcd membership. Once `/ready` answers, the state file is written and
-//! a table printed. A child that exits on its own stops the whole cluster
-//! (exit status non-zero); a signal stops the coordinator first, then the
-//! decode workers, then the prefill workers, each with SIGTERM and its
-//! drain grace, then SIGKILL for anything left, then etcd. No process is
-//! left behind.
+//! coordinator routes from etcd membership. Each child's stdout and stderr go to its own file
+//! in the log directory (`--log-dir`; kept after the stop). Once `/ready` answers, the state
+//! file is written and a table printed. A child that exits on its own stops the whole cluster
+//! (exit status non-zero, the end of its log in the error); a signal stops the coordinator
+//! first, then the decode workers, then the prefill workers, each with SIGTERM and its drain
+//! grace, then SIGKILL for anything left, then etcd. No process is left behind.
+//!
+//! The state file (`--state-file`, removed on stop) is `{"components": [...]}`, one object per
+//! process: `role` (etcd | prefill | decode | coordinator), `pid`, the addresses it listens
+//! on (`grpc`, `http`, `metrics`, `transfer`, as it has them), `log` (the file its output goes
+//! to; etcd's is inside its temporary data dir) and, for workers, `version_group` and
+//! `lease_ttl_s` (its etcd lease TTL). `tandem drill --against` reads it.
 
+use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -62,6 +69,15 @@ pub struct Args {
     /// Drain grace per component on stop, ms.
     #[arg(long, default_value_t = 10_000)]
     shutdown_timeout_ms: u64,
+    /// The workers' etcd lease TTL, whole seconds: how long a dead or stopped worker stays in
+    /// membership (recorded in the state file).
+    #[arg(long, env = "TANDEM_LEASE_TTL_S", default_value_t = 5)]
+    lease_ttl_s: u64,
+    /// Where each process's stdout and stderr go, one file each (`prefill-0.log`,
+    /// `decode-0.log`, `coordinator.log`), kept after the stop. Default: `STATEFILE.logs`
+    /// next to `--state-file`, else `$TMPDIR/tandem-up-PID`.
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<PathBuf>,
 }
 
 /// One component, as written to the state file (a field only where the component has it).
@@ -80,6 +96,28 @@ struct Component {
     /// Prefill and decode workers: the version group they registered in.
     #[serde(skip_serializing_if = "Option::is_none")]
     version_group: Option<String>,
+    /// Prefill and decode workers: their etcd lease TTL, whole seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease_ttl_s: Option<u64>,
+    /// The file its stdout and stderr go to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log: Option<PathBuf>,
+}
+
+impl Component {
+    fn new(role: &'static str, pid: u32) -> Self {
+        Self {
+            role,
+            pid,
+            grpc: None,
+            http: None,
+            metrics: None,
+            transfer: None,
+            version_group: None,
+            lease_ttl_s: None,
+            log: None,
+        }
+    }
 }
 
 struct Running {
@@ -99,16 +137,44 @@ fn sibling(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-async fn spawn(role: &'static str, bin: &Path, args: &[String], wants: &[&str]) -> anyhow::Result<Running> {
+/// The log directory: `--log-dir`, else next to the state file, else a temporary one.
+fn log_dir(a: &Args) -> PathBuf {
+    match (&a.log_dir, &a.state_file) {
+        (Some(dir), _) => dir.clone(),
+        (None, Some(state)) => {
+            let mut name = state.as_os_str().to_owned();
+            name.push(".logs");
+            PathBuf::from(name)
+        }
+        (None, None) => std::env::temp_dir().join(format!("tandem-up-{}", std::process::id())),
+    }
+}
+
+/// The last lines of a log, for an error saying why a child failed.
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Starts `bin` with its stderr, and its stdout once read here, appended to `log` (emptied
+/// first); returns once it printed a `listening` address for each of `wants`.
+async fn spawn(role: &'static str, bin: &Path, args: &[String], wants: &[&str], log: &Path) -> anyhow::Result<Running> {
+    let opened = || File::options().create(true).append(true).open(log);
+    // Emptied first: a log left by an earlier run with the same --log-dir is not this one's.
+    File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    let err = opened().with_context(|| format!("opening {}", log.display()))?;
+    let mut copy = opened().with_context(|| format!("opening {}", log.display()))?;
     let mut child = Command::new(bin)
         .args(args)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::from(err))
         .kill_on_drop(true)
         .spawn()
         .with_context(|| format!("starting {}", bin.display()))?;
     let pid = child.id().context("the child has no pid")?;
-    let mut c = Component { role, pid, grpc: None, http: None, metrics: None, transfer: None, version_group: None };
+    let mut c = Component::new(role, pid);
+    c.log = Some(log.to_owned());
     let out = child.stdout.take().context("no stdout pipe")?;
     let mut lines = BufReader::new(out).lines();
     let read = async {
@@ -119,8 +185,9 @@ async fn spawn(role: &'static str, bin: &Path, args: &[String], wants: &[&str]) 
             _ => c.transfer.is_none(),
         }) {
             let Some(line) = lines.next_line().await? else {
-                bail!("{role} (pid {pid}) exited before it was listening");
+                bail!("{role} (pid {pid}) exited before it was listening; {}:\n{}", log.display(), log_tail(log));
             };
+            let _ = writeln!(copy, "{line}");
             // `listening NAME=ADDR [NAME=ADDR ...]`
             let Some(pairs) = line.strip_prefix("listening ") else { continue };
             for (k, v) in pairs.split_whitespace().filter_map(|p| p.split_once('=')) {
@@ -136,11 +203,15 @@ async fn spawn(role: &'static str, bin: &Path, args: &[String], wants: &[&str]) 
         }
         Ok(())
     };
-    tokio::time::timeout(START_TIMEOUT, read)
-        .await
-        .map_err(|_| anyhow::anyhow!("{role} (pid {pid}) did not start within {START_TIMEOUT:?}"))??;
-    // Keep draining its stdout so it never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    tokio::time::timeout(START_TIMEOUT, read).await.map_err(|_| {
+        anyhow::anyhow!("{role} (pid {pid}) did not start within {START_TIMEOUT:?}; see {}", log.display())
+    })??;
+    // Keep copying its stdout into its log, so it never blocks on a full pipe.
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            let _ = writeln!(copy, "{line}");
+        }
+    });
     Ok(Running { component: c, child })
 }
 
@@ -167,6 +238,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 async fn up(a: Args) -> anyhow::Result<()> {
+    // Installed before any child starts, so a signal from then on stops the cluster cleanly.
+    let mut signals = registry::StopSignals::install().context("installing the SIGTERM/SIGINT handlers")?;
     let model = a.model.clone().unwrap_or_else(engine::paths::default_model_path);
     if !model.is_file() {
         bail!("model {} not found: run `make model` or pass --model", model.display());
@@ -189,6 +262,10 @@ async fn up(a: Args) -> anyhow::Result<()> {
     let threads = a.threads.unwrap_or((cores / (a.prefill + a.decode)).max(1)).to_string();
     let grace = a.shutdown_timeout_ms.to_string();
     let group = "local";
+    let lease_ttl_s = a.lease_ttl_s.to_string();
+    let logs = log_dir(&a);
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating the log directory {}", logs.display()))?;
+    println!("logs in {}", logs.display());
     let mut running: Vec<Running> = Vec::new();
     let started = async {
         let common = |extra: &[&str]| -> Vec<String> {
@@ -205,6 +282,8 @@ async fn up(a: Args) -> anyhow::Result<()> {
                 &endpoint,
                 "--cluster-prefix",
                 &prefix,
+                "--lease-ttl-s",
+                &lease_ttl_s,
             ]
             .iter()
             .map(|s| s.to_string())
@@ -214,11 +293,13 @@ async fn up(a: Args) -> anyhow::Result<()> {
         };
         let worker = |mut r: Running| {
             r.component.version_group = Some(group.to_owned());
+            r.component.lease_ttl_s = Some(a.lease_ttl_s);
             r
         };
         let pbin = sibling("tandem-prefill-worker")?;
-        for _ in 0..a.prefill {
-            running.push(worker(spawn("prefill", &pbin, &common(&[]), &["grpc", "metrics"]).await?));
+        for i in 0..a.prefill {
+            let log = logs.join(format!("prefill-{i}.log"));
+            running.push(worker(spawn("prefill", &pbin, &common(&[]), &["grpc", "metrics"], &log).await?));
         }
         let dbin = sibling("tandem-decode-worker")?;
         for i in 0..a.decode {
@@ -234,7 +315,9 @@ async fn up(a: Args) -> anyhow::Result<()> {
                 "--kv-load-failure-policy",
                 &a.kv_load_failure_policy,
             ];
-            running.push(worker(spawn("decode", &dbin, &common(&extra), &["grpc", "metrics", "transfer"]).await?));
+            let log = logs.join(format!("decode-{i}.log"));
+            running
+                .push(worker(spawn("decode", &dbin, &common(&extra), &["grpc", "metrics", "transfer"], &log).await?));
         }
         let cargs: Vec<String> = [
             "--http",
@@ -254,7 +337,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
         .map(|s| s.to_string())
         .collect();
         let cbin = sibling("tandem-coordinator")?;
-        running.push(spawn("coordinator", &cbin, &cargs, &["http", "grpc"]).await?);
+        running.push(spawn("coordinator", &cbin, &cargs, &["http", "grpc"], &logs.join("coordinator.log")).await?);
         let http = running.last().and_then(|r| r.component.http.clone()).context("no coordinator address")?;
         // The coordinator serves Prometheus on its HTTP port, path /metrics.
         if let Some(c) = running.last_mut() {
@@ -276,7 +359,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
     };
     let outcome = tokio::select! {
         r = started => r,
-        _ = stop_signal() => Err(anyhow::anyhow!("interrupted during start-up")),
+        _ = signals.recv() => Err(anyhow::anyhow!("interrupted during start-up")),
     };
     if let Err(e) = outcome {
         stop_all(&mut running, Duration::from_millis(a.shutdown_timeout_ms)).await;
@@ -286,15 +369,10 @@ async fn up(a: Args) -> anyhow::Result<()> {
     let mut components: Vec<Component> = Vec::new();
     if let Some(e) = &own_etcd {
         let grpc = e.endpoint().trim_start_matches("http://").to_owned();
-        components.push(Component {
-            role: "etcd",
-            pid: e.pid().unwrap_or(0),
-            grpc: Some(grpc),
-            http: None,
-            metrics: None,
-            transfer: None,
-            version_group: None,
-        });
+        let mut c = Component::new("etcd", e.pid().unwrap_or(0));
+        c.grpc = Some(grpc);
+        c.log = Some(e.log_path());
+        components.push(c);
     }
     components.extend(running.iter().map(|r| r.component.clone()));
     if let Some(path) = &a.state_file {
@@ -308,15 +386,19 @@ async fn up(a: Args) -> anyhow::Result<()> {
         loop {
             for r in running.iter_mut() {
                 if let Ok(Some(status)) = r.child.try_wait() {
-                    return (r.component.role, r.component.pid, status);
+                    return (r.component.role, r.component.pid, status, r.component.log.clone().unwrap_or_default());
                 }
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     };
     let result = tokio::select! {
-        (role, pid, status) = died => Err(anyhow::anyhow!("{role} (pid {pid}) exited on its own ({status}); stopping the cluster")),
-        s = stop_signal() => { eprintln!("{s}: stopping the cluster"); Ok(()) }
+        (role, pid, status, log) = died => Err(anyhow::anyhow!(
+            "{role} (pid {pid}) exited on its own ({status}); stopping the cluster; {}:\n{}",
+            log.display(),
+            log_tail(&log)
+        )),
+        s = signals.recv() => { eprintln!("{s}: stopping the cluster"); Ok(()) }
     };
     stop_all(&mut running, Duration::from_millis(a.shutdown_timeout_ms)).await;
     drop(own_etcd);
@@ -369,15 +451,4 @@ fn print_table(components: &[Component]) {
         );
     }
     let _ = out.flush();
-}
-
-async fn stop_signal() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    }
 }

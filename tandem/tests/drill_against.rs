@@ -1,6 +1,8 @@
 //! `tandem drill --against STATEFILE` runs the reversible drills against a
 //! cluster `tandem up` started and leaves it running as found; a drill that
 //! would end a process is refused with the reason, and nothing is touched.
+//! The state file gives the workers' lease TTL and each process's log, and
+//! the drills scan those logs for panics (G5).
 //!
 //! Real processes: `tandem up` (etcd, a prefill worker, 2 decode workers, a
 //! coordinator) and `tandem drill`, both this crate's binary.
@@ -103,6 +105,8 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box
             "1",
             "--shutdown-timeout-ms",
             "5000",
+            "--lease-ttl-s",
+            "4",
         ])
         .arg("--state-file")
         .arg(&state)
@@ -133,7 +137,25 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box
             .collect::<Result<_, &str>>()?;
         for c in comps.iter().filter(|c| matches!(c["role"].as_str(), Some("prefill" | "decode"))) {
             assert_eq!(c["version_group"], "local", "workers' version group in the state file: {c}");
+            assert_eq!(c["lease_ttl_s"], 4, "workers' lease TTL in the state file: {c}");
         }
+        // Every process's output goes to its own file; by default in `STATEFILE.logs`.
+        let log_dir = dir.join("state.json.logs");
+        let mut logs = Vec::new();
+        for c in comps {
+            let log = std::path::PathBuf::from(c["log"].as_str().ok_or_else(|| format!("no log in {c}"))?);
+            assert!(log.is_file(), "{} is not a file: {c}", log.display());
+            if c["role"] != "etcd" {
+                assert_eq!(log.parent(), Some(log_dir.as_path()), "{c}");
+            }
+            logs.push(log);
+        }
+        logs.sort();
+        logs.dedup();
+        assert_eq!(logs.len(), comps.len(), "one log per process: {logs:?}");
+        let decode0 = log_dir.join("decode-0.log");
+        let text = std::fs::read_to_string(&decode0)?;
+        assert!(text.contains("listening "), "decode-0's stdout is in {}: {text}", decode0.display());
         let http = comps.iter().find(|c| c["role"] == "coordinator").and_then(|c| c["http"].as_str()).ok_or("http")?;
         let state_s = state.to_str().ok_or("state path")?;
         let all_running = |when: &str| {
@@ -159,6 +181,34 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box
         }
         all_running("after the drills");
         assert_eq!(get_status(http, "/ready")?, 200, "the cluster still serves after the drills");
+
+        // The logs are scanned: the same cluster, with decode-0's log swapped for a copy
+        // that holds a panic, fails G5 naming it (the live log is left alone).
+        let panicked = dir.join("decode-0-panicked.log");
+        std::fs::write(
+            &panicked,
+            format!(
+                "{text}thread 'tokio-runtime-worker' panicked at worker/src/injected.rs:1:1:\ninjected by the test\n"
+            ),
+        )?;
+        let mut v2 = v.clone();
+        for c in v2["components"].as_array_mut().ok_or("no components")? {
+            if c["log"].as_str() == decode0.to_str() {
+                c["log"] = serde_json::Value::from(panicked.to_str().ok_or("path")?);
+            }
+        }
+        assert_ne!(v2, v, "decode-0's log was swapped");
+        let state2 = dir.join("state-panicked.json");
+        std::fs::write(&state2, serde_json::to_string(&v2)?)?;
+        let ran = tandem(&["drill", "--against", state2.to_str().ok_or("path")?, "run", "client-disconnect"], WAIT)?;
+        let stdout = String::from_utf8_lossy(&ran.stdout);
+        assert!(!ran.status.success(), "a panic in a log must fail the drill:\n{stdout}");
+        let g5 = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with("G5:") && l.contains("decode-0 panicked"))
+            .ok_or_else(|| format!("no G5 violation naming decode-0's panic:\n{stdout}"))?;
+        assert!(g5.contains(panicked.to_str().ok_or("path")?), "it names the log: {g5}");
+        all_running("after the drill that found the panic");
         Ok(())
     })();
     // `tandem up` exits 0 on SIGTERM only if no child had exited on its own before.

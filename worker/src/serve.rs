@@ -99,30 +99,6 @@ pub fn spawn_grpc(
     (task, stop)
 }
 
-/// SIGTERM and SIGINT handlers, installed when this is created: from then
-/// on a stop signal drains the worker instead of killing it on the spot.
-/// Create it before the worker announces itself (prints its addresses or
-/// registers in etcd), so a signal sent right after is never lost.
-pub struct StopSignals {
-    term: tokio::signal::unix::Signal,
-    int: tokio::signal::unix::Signal,
-}
-
-impl StopSignals {
-    pub fn install() -> anyhow::Result<Self> {
-        use tokio::signal::unix::{signal, SignalKind};
-        Ok(Self { term: signal(SignalKind::terminate())?, int: signal(SignalKind::interrupt())? })
-    }
-
-    /// Resolves on the next SIGTERM or SIGINT, naming which.
-    pub async fn recv(&mut self) -> &'static str {
-        tokio::select! {
-            _ = self.term.recv() => "SIGTERM",
-            _ = self.int.recv() => "SIGINT",
-        }
-    }
-}
-
 /// Registers this worker in etcd (when configured) and mirrors its fence
 /// into `set_fenced`: a worker that lost its lease takes no new work until
 /// it has re-registered. Returns the registration, to mark draining and

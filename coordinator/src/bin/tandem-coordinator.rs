@@ -153,7 +153,7 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(flags: Flags) -> anyhow::Result<()> {
     // Installed before the addresses are printed: a SIGTERM from then on drains.
-    let mut signals = StopSignals::install()?;
+    let mut signals = registry::StopSignals::install()?;
     let prometheus = coordinator::metrics::install().context("installing the metrics recorder")?;
     let path = flags.model.clone().unwrap_or_else(engine::paths::default_model_path);
     let (weights, gguf) = Weights::from_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
@@ -253,26 +253,6 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         Err(_) => {
             tracing::warn!(?grace, "in-flight requests did not finish within the grace");
             Ok(())
-        }
-    }
-}
-
-/// SIGTERM and SIGINT handlers, installed when created.
-struct StopSignals {
-    term: tokio::signal::unix::Signal,
-    int: tokio::signal::unix::Signal,
-}
-
-impl StopSignals {
-    fn install() -> anyhow::Result<Self> {
-        use tokio::signal::unix::{signal, SignalKind};
-        Ok(Self { term: signal(SignalKind::terminate())?, int: signal(SignalKind::interrupt())? })
-    }
-
-    async fn recv(&mut self) -> &'static str {
-        tokio::select! {
-            _ = self.term.recv() => "SIGTERM",
-            _ = self.int.recv() => "SIGINT",
         }
     }
 }

@@ -34,7 +34,7 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     // Before anything announces this worker: a SIGTERM from then on drains it.
-    let mut signals = worker::serve::StopSignals::install()?;
+    let mut signals = registry::StopSignals::install()?;
     let common = &cfg.common;
     tracing::info!(policy = %cfg.policy, "kv_load_failure_policy");
     let loaded = worker::serve::load(common)?;

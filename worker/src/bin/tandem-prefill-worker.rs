@@ -26,7 +26,7 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     // Before anything announces this worker: a SIGTERM from then on drains it.
-    let mut signals = worker::serve::StopSignals::install()?;
+    let mut signals = registry::StopSignals::install()?;
     let common = &cfg.common;
     let loaded = worker::serve::load(common)?;
     let (layout, fingerprint) = (loaded.layout, loaded.fingerprint);

@@ -1,0 +1,116 @@
+//! SIGSTOP of a worker past its lease, then SIGCONT: a process that is alive but silent.
+
+use loadgen::Report;
+use std::time::Duration;
+
+use crate::cluster::{Cluster, ClusterSpec, Role};
+use crate::drills::common::{busy_decoder, serving_becomes, LOAD_WAIT, MEMBERSHIP};
+use crate::drills::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::invariants::Invariants;
+use crate::process::{proc_state, Signal};
+use crate::{eventually, HarnessError};
+
+/// SIGSTOP a decode worker past its lease, then SIGCONT.
+pub(in crate::drills) struct WorkerSigstop;
+
+impl Drill for WorkerSigstop {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "worker-sigstop",
+            description: "SIGSTOP a decode worker (2 decode workers, lease TTL 2 s) past its lease, then SIGCONT: \
+                          it leaves membership, the load finishes on the other worker, and it registers again",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default().prefill("g1").decode("g1").decode("g1"),
+            requests: 12,
+            max_tokens: 32,
+            concurrency: 2,
+            invariants: Invariants {
+                allowed_errors: Some(vec![
+                    "worker_stream".into(),
+                    "retryable".into(),
+                    "no_worker".into(),
+                    "deadline_exceeded".into(),
+                ]),
+                ..Invariants::default()
+            },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        _: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let name = busy_decoder(c, LOAD_WAIT).await?;
+            let pid = c.worker(&name)?.proc.pid;
+            ev.before = c.coordinator_metrics().await?.sum(MEMBERSHIP, &[("change", "left")]);
+            ev.victim = Some((name.clone(), pid));
+            if skip {
+                return Ok(ev);
+            }
+            // Every decode worker serves before; one fewer while it is stopped. The lease must
+            // lapse (the cluster's TTL: 2 s for a drill's own cluster, the workers' default for
+            // `tandem up`) and the coordinator see it, on a loaded machine.
+            let n = c.workers_of(Role::Decode).count() as f64;
+            let limit = c.lease_ttl * 3 + Duration::from_secs(10);
+            let ttl = c.lease_ttl;
+            ev.began();
+            c.signal(&name, Signal::Stop)?;
+            let stopped = eventually("the stopped worker's /proc state is T", Duration::from_secs(5), || async {
+                proc_state(pid) == Some('T')
+            })
+            .await;
+            ev.seen = stopped.is_ok();
+            ev.notes
+                .push(format!("{name} (pid {pid}) was running a request; SIGSTOP: /proc state {:?}", proc_state(pid)));
+            // The lease (TTL `ttl`) lapses; the coordinator must drop it. Continue it whatever happened.
+            let left = serving_becomes(c, Role::Decode, n - 1.0, limit).await;
+            let t = ev.before;
+            let now = c.coordinator_metrics().await.map_or(t, |p| p.sum(MEMBERSHIP, &[("change", "left")]));
+            ev.notes.push(format!(
+                "left membership (lease TTL {ttl:?}): serving decode {}: {}; `left` changes {t} -> {now}",
+                n - 1.0,
+                left.is_ok()
+            ));
+            if left.is_err() && now <= t {
+                ev.missing.push("the coordinator never saw the stopped worker leave".into());
+            }
+            c.signal(&name, Signal::Cont)?;
+            ev.ended();
+            match serving_becomes(c, Role::Decode, n, limit).await {
+                Ok(()) => ev.notes.push(format!("after SIGCONT it registered again: {n} decode serving")),
+                Err(e) => ev.missing.push(format!("after SIGCONT: {e}")),
+            }
+            Ok(ev)
+        })
+    }
+
+    /// Reversible (SIGCONT ends it), so it may run against a running cluster with a second
+    /// decode worker to finish the load.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        match c.workers_of(Role::Decode).count() {
+            n if n >= 2 => Ok(()),
+            n => Err(format!("needs at least 2 decode workers (one to stop, one to serve); the cluster has {n}")),
+        }
+    }
+
+    fn prove<'a>(&'a self, _: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
+            if !ev.seen {
+                return Err(format!("{name} (pid {pid}) was never seen stopped (state T)"));
+            }
+            if !ev.missing.is_empty() {
+                return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
+            }
+            Ok(ev.notes.join("; "))
+        })
+    }
+}
