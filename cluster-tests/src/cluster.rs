@@ -175,6 +175,10 @@ pub struct Attached {
     pub state: PathBuf,
     /// Its etcd, when the state file lists one (adopted: left running).
     pub etcd: Option<Proc>,
+    /// Each log's length when the drill attached: G5 reads only what was written after,
+    /// so a panic from before the drill (already reported, or the operator's to look at)
+    /// does not fail this drill and every later one.
+    pub log_starts: BTreeMap<PathBuf, u64>,
 }
 
 /// The version group of a worker whose state entry names none.
@@ -556,10 +560,10 @@ impl Cluster {
         let coordinator = coordinators
             .next()
             .ok_or_else(|| HarnessError::Setup(format!("{} lists no coordinator", state.display())))?;
-        let cluster = Self {
+        let mut cluster = Self {
             etcd: registry::testing::EtcdCluster::none(),
             etcd_proxies: BTreeMap::new(),
-            attached: Some(Attached { state: state.to_owned(), etcd }),
+            attached: Some(Attached { state: state.to_owned(), etcd, log_starts: BTreeMap::new() }),
             lease_ttl,
             workers,
             coordinator,
@@ -571,6 +575,17 @@ impl Cluster {
             faulted: BTreeMap::new(),
             keep_logs: false,
         };
+        let starts = cluster
+            .log_paths()
+            .into_iter()
+            .map(|(_, p)| {
+                let len = std::fs::metadata(&p).map_or(0, |m| m.len());
+                (p, len)
+            })
+            .collect();
+        if let Some(a) = cluster.attached.as_mut() {
+            a.log_starts = starts;
+        }
         cluster.wait_ready().await?;
         Ok(cluster)
     }
@@ -764,6 +779,12 @@ impl Cluster {
         let attached_etcd = self.attached.as_ref().and_then(|a| a.etcd.as_ref());
         v.extend(attached_etcd.into_iter().flat_map(|p| p.log_paths().map(|l| (p.name.clone(), l.to_owned()))));
         v
+    }
+
+    /// Where G5 starts reading log `path`: its length when an attached cluster was
+    /// attached ([`Attached::log_starts`]), else 0.
+    pub fn log_start(&self, path: &Path) -> u64 {
+        self.attached.as_ref().and_then(|a| a.log_starts.get(path).copied()).unwrap_or(0)
     }
 
     /// Arms `fault` on every proxy between process `name` and etcd

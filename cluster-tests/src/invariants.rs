@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
 use std::time::Duration;
 
 use loadgen::{Outcome, Record, Report};
@@ -293,11 +294,25 @@ impl Invariants {
     }
 }
 
+/// What `path` holds from byte `start` on (all of it when it has shrunk below `start`:
+/// rotated or truncated); empty when it cannot be read.
+fn log_since(path: &Path, start: u64) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else { return String::new() };
+    let len = f.metadata().map_or(0, |m| m.len());
+    let from = if start <= len { start } else { 0 };
+    let mut bytes = Vec::new();
+    if f.seek(SeekFrom::Start(from)).and_then(|_| f.read_to_end(&mut bytes)).is_err() {
+        return String::new();
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
 /// G5, part one: no panic in any log; every process the drill did not fault is still running.
 pub fn logs_and_processes(cluster: &Cluster) -> Vec<Violation> {
     let mut v = Vec::new();
     for (name, path) in cluster.log_paths() {
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let text = log_since(&path, cluster.log_start(&path));
         if let Some(line) = text.lines().find(|l| l.contains("panicked at")) {
             v.push(Violation::new(Guarantee::G5, format!("{name} panicked ({}): {line}", path.display())));
         }

@@ -58,17 +58,42 @@ fn running(pid: u64) -> bool {
 }
 
 fn get_status(addr: &str, path: &str) -> Result<u16, String> {
+    get(addr, path).map(|(status, _)| status)
+}
+
+/// `GET path`: status and the whole response (head and body).
+fn get(addr: &str, path: &str) -> Result<(u16, String), String> {
     let sa: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
     let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
     write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
     let mut raw = String::new();
     s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
-    raw.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| format!("no status in {raw:?}"))
+    let status = raw.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| format!("no status in {raw:?}"))?;
+    Ok((status, raw))
+}
+
+/// Requests the coordinator at `http` has finished (`tandem_coordinator_requests_total`).
+fn finished_requests(http: &str) -> Result<f64, String> {
+    let (_, raw) = get(http, "/metrics")?;
+    Ok(raw
+        .lines()
+        .filter(|l| l.starts_with("tandem_coordinator_requests_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
 }
 
 /// `tandem ARGS`, killed if it runs past `limit`.
 fn tandem(args: &[&str], limit: Duration) -> Result<Output, String> {
+    tandem_while(args, limit, || Ok(()))
+}
+
+/// `tandem ARGS`, killed if it runs past `limit`; `meanwhile` runs once it has started.
+fn tandem_while(
+    args: &[&str],
+    limit: Duration,
+    meanwhile: impl FnOnce() -> Result<(), String>,
+) -> Result<Output, String> {
     let child = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(args)
         .stdout(Stdio::piped())
@@ -76,6 +101,10 @@ fn tandem(args: &[&str], limit: Duration) -> Result<Output, String> {
         .spawn()
         .map_err(|e| e.to_string())?;
     let pid = child.id();
+    if let Err(e) = meanwhile() {
+        let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        return Err(e);
+    }
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || drop(tx.send(child.wait_with_output())));
     match rx.recv_timeout(limit) {
@@ -182,15 +211,13 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box
         all_running("after the drills");
         assert_eq!(get_status(http, "/ready")?, 200, "the cluster still serves after the drills");
 
-        // The logs are scanned: the same cluster, with decode-0's log swapped for a copy
-        // that holds a panic, fails G5 naming it (the live log is left alone).
+        // The logs are scanned, from where they stood when the drill attached: the same
+        // cluster with decode-0's log swapped for a copy (the live log is left alone). A
+        // panic already in it passes; one written during the drill fails G5, naming it.
         let panicked = dir.join("decode-0-panicked.log");
-        std::fs::write(
-            &panicked,
-            format!(
-                "{text}thread 'tokio-runtime-worker' panicked at worker/src/injected.rs:1:1:\ninjected by the test\n"
-            ),
-        )?;
+        let panic_line =
+            "thread 'tokio-runtime-worker' panicked at worker/src/injected.rs:1:1:\ninjected by the test\n";
+        std::fs::write(&panicked, format!("{text}{panic_line}"))?;
         let mut v2 = v.clone();
         for c in v2["components"].as_array_mut().ok_or("no components")? {
             if c["log"].as_str() == decode0.to_str() {
@@ -200,9 +227,26 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box
         assert_ne!(v2, v, "decode-0's log was swapped");
         let state2 = dir.join("state-panicked.json");
         std::fs::write(&state2, serde_json::to_string(&v2)?)?;
-        let ran = tandem(&["drill", "--against", state2.to_str().ok_or("path")?, "run", "client-disconnect"], WAIT)?;
+        let state2_s = state2.to_str().ok_or("path")?;
+        let ran = tandem(&["drill", "--against", state2_s, "run", "client-disconnect"], WAIT)?;
         let stdout = String::from_utf8_lossy(&ran.stdout);
-        assert!(!ran.status.success(), "a panic in a log must fail the drill:\n{stdout}");
+        assert!(ran.status.success(), "a panic from before the drill attached is not this drill's:\n{stdout}");
+
+        let before = finished_requests(http)?;
+        let ran = tandem_while(&["drill", "--against", state2_s, "run", "client-disconnect"], WAIT, || {
+            // The drill's load has begun (so it attached and took the logs' lengths): panic now.
+            let t0 = std::time::Instant::now();
+            while finished_requests(http)? <= before {
+                if t0.elapsed() > WAIT {
+                    return Err(format!("the drill finished no request within {WAIT:?}"));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let mut f = std::fs::OpenOptions::new().append(true).open(&panicked).map_err(|e| e.to_string())?;
+            f.write_all(panic_line.as_bytes()).map_err(|e| e.to_string())
+        })?;
+        let stdout = String::from_utf8_lossy(&ran.stdout);
+        assert!(!ran.status.success(), "a panic logged during the drill must fail it:\n{stdout}");
         let g5 = stdout
             .lines()
             .find(|l| l.trim_start().starts_with("G5:") && l.contains("decode-0 panicked"))
