@@ -39,6 +39,13 @@ async fn prefill_kill_recompute() -> TestResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_kill_before_kv() -> TestResult {
+    let r = drill("prefill-kill-before-kv").await?;
+    assert_eq!(r.complete, r.requests, "policy recompute: the decode worker prefills itself");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_kill_retry() -> TestResult {
     let r = drill("prefill-kill-retry").await?;
     assert_eq!(r.complete, r.requests, "policy retry: the other prefill worker pushes again");

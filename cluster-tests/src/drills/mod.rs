@@ -70,13 +70,17 @@ pub(super) fn own_cluster(why: &str) -> Result<(), String> {
     Err(format!("needs its own cluster: {why}"))
 }
 
+/// Where the prefill-kill drills hold a KV push: 16 KiB in, inside the first layers' frames.
+const MID_PUSH: usize = 16 << 10;
+
 /// Every drill, in the order `--all` and the tests run them.
 fn all() -> Vec<Box<dyn Drill>> {
     vec![
         Box::new(process::DecodeKill),
-        Box::new(process::PrefillKill { policy: "recompute" }),
-        Box::new(process::PrefillKill { policy: "retry" }),
-        Box::new(process::PrefillKill { policy: "fail" }),
+        Box::new(process::PrefillKill { policy: "recompute", hold_at: MID_PUSH }),
+        Box::new(process::PrefillKill { policy: "retry", hold_at: MID_PUSH }),
+        Box::new(process::PrefillKill { policy: "fail", hold_at: MID_PUSH }),
+        Box::new(process::PrefillKill { policy: "recompute", hold_at: 0 }),
         Box::new(kv::KvCorrupt),
         Box::new(etcd::EtcdRestart),
         Box::new(load::ClientDisconnect),

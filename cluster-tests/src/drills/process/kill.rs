@@ -79,6 +79,9 @@ impl Drill for DecodeKill {
 /// `kv_load_failed` for that request).
 pub(in crate::drills) struct PrefillKill {
     pub policy: &'static str,
+    /// Bytes of the KV push the proxy lets through before it holds the rest: 0 kills the
+    /// prefill worker before any KV (not even its Hello) reached the decode worker.
+    pub hold_at: usize,
 }
 
 /// The policy's outcome label on `tandem_kv_load_policy_outcomes_total`.
@@ -102,6 +105,14 @@ impl Drill for PrefillKill {
     }
 
     fn info(&self) -> DrillInfo {
+        if self.hold_at == 0 {
+            return DrillInfo {
+                name: "prefill-kill-before-kv",
+                description: "SIGKILL the prefill worker whose KV push is held on the proxy before its first byte \
+                              (policy recompute): the decode worker, which received nothing, recomputes and every \
+                              answer is identical",
+            };
+        }
         match self.policy {
             "retry" => DrillInfo {
                 name: "prefill-kill-retry",
@@ -149,8 +160,9 @@ impl Drill for PrefillKill {
             let proxy = decode.proxy.as_ref().ok_or_else(|| HarnessError::Setup("decode not behind a proxy".into()))?;
             let m = decode.metrics_addr()?;
             ev.before = policy_outcomes(&m, self.policy).await?;
-            // 16 KiB into the next push: inside the first layers' frames, long before its Ack.
-            proxy.arm(Fault::HoldAfter(16 << 10));
+            // By default 16 KiB into the next push: inside the first layers' frames, long
+            // before its Ack.
+            proxy.arm(Fault::HoldAfter(self.hold_at));
             let prefills: Vec<u32> = c.workers_of(Role::Prefill).map(|w| w.proc.pid).collect();
             let held = tokio::task::block_in_place(|| proxy.wait_held(LOAD_WAIT))?;
             let pid = socket_owner(held, &prefills).ok_or_else(|| {
