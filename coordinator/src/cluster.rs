@@ -285,15 +285,13 @@ impl Cluster {
                 }
                 let view = membership.view();
                 let live = || view.workers().filter(|w| !w.draining && ready(&w.grpc_addr));
-                let paired = live()
-                    .filter(|d| d.role == registry::Role::Decode)
-                    .any(|d| {
-                        live().any(|p| {
-                            p.role == registry::Role::Prefill
-                                && p.version_group == d.version_group
-                                && p.layout_fingerprint == d.layout_fingerprint
-                        })
-                    });
+                let paired = live().filter(|d| d.role == registry::Role::Decode).any(|d| {
+                    live().any(|p| {
+                        p.role == registry::Role::Prefill
+                            && p.version_group == d.version_group
+                            && p.layout_fingerprint == d.layout_fingerprint
+                    })
+                });
                 if paired {
                     Ok(())
                 } else {
@@ -492,8 +490,12 @@ impl Cluster {
                         self.board.mark_not_ready(&route.decode);
                         continue;
                     }
-                    let stream =
-                        WorkerStream { first: Some(first), rest, decode_id: route.decode_id, decode_addr: route.decode };
+                    let stream = WorkerStream {
+                        first: Some(first),
+                        rest,
+                        decode_id: route.decode_id,
+                        decode_addr: route.decode,
+                    };
                     return Ok((stream, lease));
                 }
                 // The decode worker answers `Generate` at once and reports its own errors
@@ -589,7 +591,11 @@ mod tests {
             prefill: prefill.iter().map(|s| (*s).to_owned()).collect(),
         };
         let settings = RouteSettings {
-            breaker: BreakerConfig { failures: 3, cooldown: Duration::from_secs(60), open_group_prefills_locally: false },
+            breaker: BreakerConfig {
+                failures: 3,
+                cooldown: Duration::from_secs(60),
+                open_group_prefills_locally: false,
+            },
             ..RouteSettings::default()
         };
         Cluster::new(source, settings).expect("a cluster")
@@ -598,7 +604,7 @@ mod tests {
     fn failed(prefill: &str) -> PrefillAttempt {
         PrefillAttempt {
             target: Some(PrefillTarget { worker_id: prefill.into(), grpc_addr: prefill.into() }),
-            error: Some(WorkerError { kind: ErrorKind::KvLoadFailed as i32, message: "link".into(), ..Default::default() }),
+            error: Some(WorkerError { kind: ErrorKind::KvLoadFailed as i32, message: "link".into() }),
             reason: "timeout".into(),
         }
     }
