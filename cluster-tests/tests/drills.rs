@@ -227,6 +227,27 @@ async fn prefill_unavailable() -> TestResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layout_mismatch() -> TestResult {
+    let r = drill("layout-mismatch").await?;
+    assert_eq!(r.complete, r.requests, "routing paired the decode worker with another KV layout");
+    Ok(())
+}
+
+/// With both prefill workers on one layout, layout-mismatch runs clean — and must fail on
+/// G6: routing skipped no pair.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layout_mismatch_without_its_fault_fails_its_proof() -> TestResult {
+    let r = run_drill("layout-mismatch", &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+    assert!(!r.fault_proven, "{}", r.proof);
+    let g6 = r.of(Guarantee::G6);
+    assert_eq!(g6.len(), 1, "{:#?}", r.violations);
+    assert!(g6[0].detail.contains("did not leave the mismatched prefill worker out"), "{:?}", g6[0]);
+    assert_eq!(r.violations.len(), 1, "only G6: {:#?}", r.violations);
+    assert_eq!(r.complete, r.requests);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_reader() -> TestResult {
     let r = drill("slow-reader").await?;
     assert_eq!(r.complete, r.requests, "a slow reader held up the normal load");

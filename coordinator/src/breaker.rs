@@ -1,24 +1,48 @@
-//! Per-prefill-worker circuit breakers: a prefill worker that keeps failing
-//! stops being chosen for a while.
+//! Circuit breakers per (prefill worker, decode worker) pair: a pair whose
+//! remote prefills keep failing stops being used for a while.
 //!
 //! The coordinator never talks to prefill workers on the request path; the
-//! decode worker drives the prefill and reports every attempt back on the
-//! request's stream (`GenerateResponse.prefill_attempts`: target, error,
-//! reason). Each report is one outcome for that worker's breaker:
+//! decode worker drives the prefill (the prefill worker pushes KV over the
+//! decode worker's KV link) and reports every attempt back on the request's
+//! stream (`GenerateResponse.prefill_attempts`: target, error, reason). An
+//! attempt decode worker D reports about prefill worker P is one outcome for
+//! the breaker of the pair (P, D), and only that pair: a failure says "P
+//! could not get KV to D", which may be P (broken) or D's KV link (lossy,
+//! blackholed, resetting). Keying by pair keeps a bad link on one decode
+//! worker from taking a healthy prefill worker away from every other
+//! decode worker. Each pair's breaker:
 //!
-//! - **closed**: chosen as usual; `failures` consecutive failures open it.
-//! - **open**: not chosen until `cooldown` has passed.
-//! - **half-open** (the cooldown passed): the next request that would use
-//!   the group's prefill workers probes it, first in its list; success
-//!   closes the breaker, failure opens it for another cooldown. Only one
-//!   probe at a time; a probe that never reports (its request was
-//!   cancelled before the prefill) frees the slot after another cooldown.
+//! - **closed**: used as usual; `failures` consecutive failures open it.
+//! - **open**: not used until `cooldown` has passed.
+//! - **half-open** (the cooldown passed): the next request routed to D that
+//!   would use P probes it, first in its list; success closes the breaker,
+//!   failure opens it for another cooldown. Only one probe per pair at a
+//!   time; a probe that never reports (its request was cancelled before the
+//!   prefill) frees the slot after another cooldown.
 //!
 //! Outcomes that say nothing about the worker's health (the prefill worker
 //! answered `overloaded`) are neither successes nor failures.
 //!
+//! **When pairs disagree** ((P, D1) open, (P, D2) closed), each is taken at
+//! its word: routing, having chosen D, reads only D's pairs. A decode worker
+//! all of whose pairs are open is passed over for one with a usable pair
+//! ([`crate::router`]); only when no ready decode worker has one is the
+//! request refused fast (503 `prefill_unavailable`). Nothing is inferred
+//! across pairs: a prefill worker that is broken for everyone opens each of
+//! its pairs on that pair's own reports, so it costs up to `failures` failed
+//! attempts per decode worker (and one probe per pair per cooldown) instead
+//! of `failures` in all. That is the price of never blaming a healthy
+//! prefill worker for one decode worker's link; with a handful of decode
+//! workers it is a few requests more, each still answered by the decode
+//! worker's `kv_load_failure_policy` (retry/recompute/fail).
+//!
+//! Pairs whose prefill or decode worker left the membership are dropped
+//! ([`Breakers::retain`], from routing), so the table holds at most one
+//! entry per live pair.
+//!
 //! [`Breaker`] is the pure state machine (time passed in); [`Breakers`] keys
-//! them by prefill worker address and exports their state as metrics.
+//! them by pair (gRPC addresses) and exports their state as metrics labelled
+//! `{prefill, decode}` (registry ids).
 //!
 //! Must not: do I/O, or block routing beyond one short lock.
 
@@ -35,9 +59,9 @@ use crate::metrics;
 pub struct BreakerConfig {
     /// Consecutive failures that open a closed breaker; 0 disables breakers.
     pub failures: u32,
-    /// How long an open breaker keeps its worker out of routing.
+    /// How long an open breaker keeps its pair out of routing.
     pub cooldown: Duration,
-    /// When every prefill worker of a group is open: false (the default)
+    /// When every ready decode worker's pairs are open: false (the default)
     /// answers long prompts 503 `prefill_unavailable` at once; true sends
     /// them to the decode worker to prefill itself (for decode workers that
     /// run `recompute` anyway and can afford the compute).
@@ -77,7 +101,7 @@ impl State {
     }
 }
 
-/// What routing may do with a worker now.
+/// What routing may do with a pair now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gate {
     /// Use it.
@@ -97,7 +121,7 @@ pub enum Outcome {
     Neutral,
 }
 
-/// One prefill worker's breaker. Pure: every method takes the time.
+/// One pair's breaker. Pure: every method takes the time.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Breaker {
     state: Inner,
@@ -184,16 +208,28 @@ impl Breaker {
     }
 }
 
-/// Every prefill worker's breaker, keyed by gRPC address.
+/// One (prefill worker, decode worker) pair: gRPC addresses key it, registry
+/// ids label its metrics (fixed-address workers use their address as id).
+#[derive(Clone, Copy, Debug)]
+pub struct Pair<'a> {
+    pub prefill_id: &'a str,
+    pub prefill_addr: &'a str,
+    pub decode_id: &'a str,
+    pub decode_addr: &'a str,
+}
+
+/// Every (prefill worker, decode worker) pair's breaker, keyed by their gRPC
+/// addresses (prefill, decode).
 pub struct Breakers {
     config: BreakerConfig,
-    map: Mutex<HashMap<String, Entry>>,
+    map: Mutex<HashMap<(String, String), Entry>>,
 }
 
 struct Entry {
     breaker: Breaker,
-    /// The worker's registry id, for metric labels.
-    worker: String,
+    /// The workers' registry ids, for metric labels.
+    prefill: String,
+    decode: String,
 }
 
 impl Breakers {
@@ -209,62 +245,109 @@ impl Breakers {
         self.config.failures > 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Entry>> {
         // Only bookkeeping happens under the lock; a poisoned map is still consistent.
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The gate of each address, in order (unknown workers are closed).
-    pub fn gates<'a>(&self, addrs: impl Iterator<Item = &'a str>) -> Vec<Gate> {
+    /// The gate of each (prefill, decode) pair, `[decode][prefill]` (pairs
+    /// never reported are closed). One lock for the whole table.
+    pub fn gates(&self, decode: &[&str], prefill: &[&str]) -> Vec<Vec<Gate>> {
         let now = Instant::now();
         let map = if self.enabled() { Some(self.lock()) } else { None };
-        addrs
-            .map(|a| match map.as_ref().and_then(|m| m.get(a)) {
-                Some(e) => e.breaker.gate(now, &self.config),
-                None => Gate::Closed,
+        decode
+            .iter()
+            .map(|d| {
+                prefill
+                    .iter()
+                    .map(|p| match map.as_ref().and_then(|m| m.get(&((*p).to_owned(), (*d).to_owned()))) {
+                        Some(e) => e.breaker.gate(now, &self.config),
+                        None => Gate::Closed,
+                    })
+                    .collect()
             })
             .collect()
     }
 
-    /// Claims the half-open probe of `addr`; false when another request took it.
-    pub fn claim_probe(&self, addr: &str) -> bool {
+    /// Claims the half-open probe of the (prefill, decode) pair; false when another request took it.
+    pub fn claim_probe(&self, prefill_addr: &str, decode_addr: &str) -> bool {
         let now = Instant::now();
         let mut map = self.lock();
-        let Some(e) = map.get_mut(addr) else { return true };
+        let Some(e) = map.get_mut(&(prefill_addr.to_owned(), decode_addr.to_owned())) else { return true };
         let ok = e.breaker.claim_probe(now, &self.config);
         if ok {
-            tracing::info!(worker = %e.worker, %addr, "prefill breaker half-open: probing");
-            metrics::breaker_transition(&e.worker, State::Open, State::HalfOpen);
-            metrics::breaker_state(&e.worker, State::HalfOpen);
+            tracing::info!(prefill = %e.prefill, decode = %e.decode, %prefill_addr, %decode_addr, "prefill breaker half-open: probing");
+            metrics::breaker_transition(&e.prefill, &e.decode, State::Open, State::HalfOpen);
+            metrics::breaker_state(&e.prefill, &e.decode, State::HalfOpen);
         }
         ok
     }
 
-    /// Feeds one reported attempt to its worker's breaker.
-    pub fn record(&self, worker: &str, addr: &str, outcome: Outcome, why: &str) {
+    /// Feeds one attempt, as the pair's decode worker reported it, to the pair's breaker.
+    pub fn record(&self, pair: Pair<'_>, outcome: Outcome, why: &str) {
         if !self.enabled() {
             return;
         }
         let now = Instant::now();
         let mut map = self.lock();
-        let e = map
-            .entry(addr.to_owned())
-            .or_insert_with(|| Entry { breaker: Breaker::default(), worker: worker.to_owned() });
-        if !worker.is_empty() && e.worker != worker {
-            worker.clone_into(&mut e.worker);
+        let e = map.entry((pair.prefill_addr.to_owned(), pair.decode_addr.to_owned())).or_insert_with(|| Entry {
+            breaker: Breaker::default(),
+            prefill: pair.prefill_id.to_owned(),
+            decode: pair.decode_id.to_owned(),
+        });
+        if !pair.prefill_id.is_empty() && e.prefill != pair.prefill_id {
+            pair.prefill_id.clone_into(&mut e.prefill);
+        }
+        if !pair.decode_id.is_empty() && e.decode != pair.decode_id {
+            pair.decode_id.clone_into(&mut e.decode);
         }
         if let Some((from, to)) = e.breaker.record(outcome, now, &self.config) {
-            tracing::warn!(worker = %e.worker, %addr, from = from.as_str(), to = to.as_str(), last = why, "prefill breaker");
-            metrics::breaker_transition(&e.worker, from, to);
+            tracing::warn!(
+                prefill = %e.prefill,
+                decode = %e.decode,
+                prefill_addr = %pair.prefill_addr,
+                decode_addr = %pair.decode_addr,
+                from = from.as_str(),
+                to = to.as_str(),
+                last = why,
+                "prefill breaker"
+            );
+            metrics::breaker_transition(&e.prefill, &e.decode, from, to);
         }
-        metrics::breaker_state(&e.worker, e.breaker.state(now));
+        metrics::breaker_state(&e.prefill, &e.decode, e.breaker.state(now));
+    }
+
+    /// Drops the breakers of pairs whose prefill or decode worker left the
+    /// membership (`member(addr)` is false for both roles' gone addresses);
+    /// their state gauge is set back to closed, since the exporter cannot
+    /// delete a series. Returns how many were dropped.
+    pub fn retain(&self, member: impl Fn(&str) -> bool) -> usize {
+        let mut map = self.lock();
+        let before = map.len();
+        map.retain(|(p, d), e| {
+            let keep = member(p) && member(d);
+            if !keep {
+                metrics::breaker_state(&e.prefill, &e.decode, State::Closed);
+            }
+            keep
+        });
+        before - map.len()
+    }
+
+    /// Pairs with a breaker (ever reported, not yet dropped).
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Refreshes the state gauges (an open breaker turns half-open by time alone); for `/metrics`.
     pub fn export(&self) {
         let now = Instant::now();
         for e in self.lock().values() {
-            metrics::breaker_state(&e.worker, e.breaker.state(now));
+            metrics::breaker_state(&e.prefill, &e.decode, e.breaker.state(now));
         }
     }
 }
@@ -366,19 +449,63 @@ mod tests {
         assert!(b.claim_probe(t1 + Duration::from_secs(5), &CFG));
     }
 
+    fn pair<'a>(p: &'a str, d: &'a str) -> Pair<'a> {
+        Pair { prefill_id: p, prefill_addr: p, decode_id: d, decode_addr: d }
+    }
+
     #[test]
-    fn breakers_are_per_worker_and_can_be_disabled() {
+    fn breakers_are_per_pair_and_can_be_disabled() {
         let on = Breakers::new(CFG);
         for _ in 0..3 {
-            on.record("p0", "a:1", Outcome::Failure, "test");
+            on.record(pair("p:1", "d:1"), Outcome::Failure, "test");
         }
-        let g = on.gates(["a:1", "b:2", "unknown:3"].into_iter());
-        assert!(matches!(g[0], Gate::Open(_)), "{g:?}");
-        assert_eq!(&g[1..], &[Gate::Closed, Gate::Closed]);
+        let g = on.gates(&["d:1", "d:2"], &["p:1", "p:2", "unknown:3"]);
+        assert!(matches!(g[0][0], Gate::Open(_)), "{g:?}");
+        assert_eq!(&g[0][1..], &[Gate::Closed, Gate::Closed]);
+        // Failures reported by d:1 say nothing about p:1's link to d:2.
+        assert_eq!(g[1], vec![Gate::Closed; 3], "{g:?}");
+        // The probe is per pair too.
+        assert!(on.claim_probe("p:1", "d:2"), "an unknown pair needs no probe");
         let off = Breakers::new(BreakerConfig { failures: 0, ..CFG });
         for _ in 0..10 {
-            off.record("p0", "a:1", Outcome::Failure, "test");
+            off.record(pair("p:1", "d:1"), Outcome::Failure, "test");
         }
-        assert_eq!(off.gates(["a:1"].into_iter()), vec![Gate::Closed]);
+        assert_eq!(off.gates(&["d:1"], &["p:1"]), vec![vec![Gate::Closed]]);
+        assert!(off.is_empty());
+    }
+
+    #[test]
+    fn a_prefill_worker_failing_everywhere_opens_each_pair_on_its_own_reports() {
+        let b = Breakers::new(CFG);
+        for _ in 0..3 {
+            b.record(pair("p", "d1"), Outcome::Failure, "test");
+        }
+        for _ in 0..2 {
+            b.record(pair("p", "d2"), Outcome::Failure, "test");
+        }
+        let g = b.gates(&["d1", "d2"], &["p"]);
+        assert!(matches!(g[0][0], Gate::Open(_)));
+        assert_eq!(g[1][0], Gate::Closed, "d2 has seen 2 failures, not 3");
+        b.record(pair("p", "d2"), Outcome::Failure, "test");
+        assert!(b.gates(&["d1", "d2"], &["p"]).iter().all(|row| matches!(row[0], Gate::Open(_))));
+    }
+
+    #[test]
+    fn pairs_of_workers_that_left_are_dropped() {
+        let b = Breakers::new(CFG);
+        for (p, d) in [("p1", "d1"), ("p1", "d2"), ("p2", "d1"), ("p2", "d2")] {
+            b.record(pair(p, d), Outcome::Failure, "test");
+        }
+        assert_eq!(b.len(), 4);
+        // p2 and d2 left: only (p1, d1) stays.
+        assert_eq!(b.retain(|a| a == "p1" || a == "d1"), 3);
+        assert_eq!(b.len(), 1);
+        // Workers coming and going leave no trace behind.
+        for i in 0..100 {
+            let d = format!("d-new-{i}");
+            b.record(pair("p1", &d), Outcome::Success, "test");
+            b.retain(|a| a == "p1" || a == "d1" || a == d);
+        }
+        assert_eq!(b.len(), 2);
     }
 }

@@ -1,7 +1,8 @@
 //! The workers this coordinator routes to, and one request's trip to them.
 //!
 //! Workers come from etcd membership (`--etcd`; only non-draining ones, a
-//! decode worker paired only with prefill workers of its own version group)
+//! decode worker paired only with prefill workers of its own version group
+//! and KV layout fingerprint)
 //! or from fixed addresses (`--decode`, `--prefill`). Their live load comes
 //! from the workers themselves ([`crate::load`]); the decision is
 //! [`crate::router::route`]: the decode worker with the most headroom, and
@@ -10,8 +11,9 @@
 //! `local_prefill_max_tokens` long (the decode worker prefills it).
 //!
 //! Each request's stream reports the remote prefill attempts the decode
-//! worker made; they feed the per-prefill-worker circuit breakers
-//! ([`crate::breaker`]) that routing consults.
+//! worker made; they feed the circuit breakers of the (prefill worker, that
+//! decode worker) pairs ([`crate::breaker`]) that routing consults. Pairs
+//! whose worker left the membership are dropped as routing sees it go.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -23,7 +25,7 @@ use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, GenerateRequest, PrefillAttempt, PrefillTarget};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::breaker::{BreakerConfig, Breakers, Gate, Outcome};
+use crate::breaker::{BreakerConfig, Breakers, Gate, Outcome, Pair};
 use crate::load::{Kind, LoadBoard};
 use crate::metrics;
 use crate::openai::ApiError;
@@ -41,7 +43,8 @@ pub enum Source {
     /// Fixed addresses (`--decode`, `--prefill`): one version group assumed.
     Static { decode: Vec<String>, prefill: Vec<String> },
     /// etcd membership: only non-draining workers; a decode worker is paired
-    /// only with prefill workers of its own version group. While etcd is
+    /// only with prefill workers of its own version group and registered KV
+    /// layout fingerprint. While etcd is
     /// unreachable the cached view is used for at most `max_stale`, then
     /// requests get 503.
     Etcd { membership: registry::Membership, max_stale: Duration },
@@ -82,6 +85,9 @@ pub struct Cluster {
 pub struct WorkerStream {
     first: Option<Result<Option<proto::worker::v1::GenerateResponse>, tonic::Status>>,
     rest: tonic::Streaming<proto::worker::v1::GenerateResponse>,
+    /// The decode worker (registry id, address): its prefill attempt reports feed its pairs' breakers.
+    decode_id: String,
+    decode_addr: String,
 }
 
 impl WorkerStream {
@@ -147,6 +153,8 @@ const STATIC_GROUP: &str = "static";
 #[derive(Debug)]
 pub struct Route {
     pub decode: String,
+    /// The decode worker's registry id (its address for fixed-address workers).
+    pub decode_id: String,
     pub prefill: Vec<PrefillTarget>,
 }
 
@@ -188,8 +196,9 @@ impl Cluster {
         &self.breakers
     }
 
-    /// Feeds the remote prefill attempts a decode worker reported to the breakers.
-    pub fn record_prefill_attempts(&self, attempts: &[PrefillAttempt]) {
+    /// Feeds the remote prefill attempts decode worker (`decode_id`,
+    /// `decode_addr`) reported to the breakers of its pairs.
+    pub fn record_prefill_attempts(&self, decode_id: &str, decode_addr: &str, attempts: &[PrefillAttempt]) {
         for a in attempts {
             let Some(t) = a.target.as_ref() else { continue };
             let (outcome, label) = match &a.error {
@@ -198,9 +207,10 @@ impl Cluster {
                 Some(e) if e.kind() == proto::worker::v1::ErrorKind::Overloaded => (Outcome::Neutral, "overloaded"),
                 Some(_) => (Outcome::Failure, if a.reason.is_empty() { "failed" } else { a.reason.as_str() }),
             };
-            metrics::prefill_attempt(&t.worker_id, label);
+            metrics::prefill_attempt(&t.worker_id, decode_id, label);
             let why = a.error.as_ref().map_or("", |e| e.message.as_str());
-            self.breakers.record(&t.worker_id, &t.grpc_addr, outcome, why);
+            let pair = Pair { prefill_id: &t.worker_id, prefill_addr: &t.grpc_addr, decode_id, decode_addr };
+            self.breakers.record(pair, outcome, why);
         }
     }
 
@@ -254,7 +264,7 @@ impl Cluster {
 
     /// Whether the cluster can serve now: etcd reachable (with `--etcd`)
     /// and a decode worker answering ready, with a ready prefill worker of
-    /// its version group (or none configured in static mode: the decode
+    /// its version group and layout (or none configured in static mode: the decode
     /// worker prefills). Reads the load board; no I/O. The error says what
     /// is missing.
     pub fn ready(&self) -> Result<(), String> {
@@ -275,13 +285,17 @@ impl Cluster {
                 }
                 let view = membership.view();
                 let live = || view.workers().filter(|w| !w.draining && ready(&w.grpc_addr));
-                let paired = live()
-                    .filter(|d| d.role == registry::Role::Decode)
-                    .any(|d| live().any(|p| p.role == registry::Role::Prefill && p.version_group == d.version_group));
+                let paired = live().filter(|d| d.role == registry::Role::Decode).any(|d| {
+                    live().any(|p| {
+                        p.role == registry::Role::Prefill
+                            && p.version_group == d.version_group
+                            && p.layout_fingerprint == d.layout_fingerprint
+                    })
+                });
                 if paired {
                     Ok(())
                 } else {
-                    Err("no ready prefill/decode pair in one version group".into())
+                    Err("no ready prefill/decode pair in one version group with one KV layout".into())
                 }
             }
         }
@@ -318,8 +332,10 @@ impl Cluster {
                     decode
                         .iter()
                         .map(|a| DecodeCandidate {
+                            id: a,
                             addr: a,
                             version_group: STATIC_GROUP,
+                            layout: "",
                             load: loads.get(a),
                             inflight: inflight_of(a),
                             max_running: 0,
@@ -331,8 +347,8 @@ impl Cluster {
                             id: a,
                             addr: a,
                             version_group: STATIC_GROUP,
+                            layout: "",
                             load: loads.get(a),
-                            gate: Gate::Closed,
                         })
                         .collect(),
                 ),
@@ -342,14 +358,22 @@ impl Cluster {
                         return Err(unavailable("registry_unavailable", "the worker registry (etcd) is unreachable"));
                     }
                     view = membership.view();
+                    // Breakers of pairs whose worker left the membership go with it.
+                    if !self.breakers.is_empty() {
+                        let members: std::collections::HashSet<&str> =
+                            view.workers().map(|w| w.grpc_addr.as_str()).collect();
+                        self.breakers.retain(|a| members.contains(a));
+                    }
                     let live = view.workers().filter(|w| !w.draining);
                     let (mut d, mut p) = (Vec::new(), Vec::new());
                     for w in live {
                         let load = loads.get(&w.grpc_addr);
                         if w.role == registry::Role::Decode {
                             d.push(DecodeCandidate {
+                                id: &w.id,
                                 addr: &w.grpc_addr,
                                 version_group: &w.version_group,
+                                layout: &w.layout_fingerprint,
                                 load,
                                 inflight: inflight_of(&w.grpc_addr),
                                 max_running: w.capacity.max_running,
@@ -359,8 +383,8 @@ impl Cluster {
                                 id: &w.id,
                                 addr: &w.grpc_addr,
                                 version_group: &w.version_group,
+                                layout: &w.layout_fingerprint,
                                 load,
-                                gate: Gate::Closed,
                             });
                         }
                     }
@@ -368,50 +392,55 @@ impl Cluster {
                 }
             }
         };
-        let mut prefill = prefill;
-        let gates = self.breakers.gates(prefill.iter().map(|c| c.addr));
-        for (c, g) in prefill.iter_mut().zip(gates) {
-            c.gate = g;
-        }
-        let decision = {
-            let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
-            let threshold = self.settings.local_prefill_max_tokens;
-            match router::route(&decode, &prefill, prompt_tokens, threshold, &mut rng) {
-                // Configured to: the decode worker prefills while its group's prefill workers are all open.
-                Err(NoRoute::PrefillUnavailable(_)) if self.settings.breaker.open_group_prefills_locally => {
-                    router::route(&decode, &[], prompt_tokens, threshold, &mut rng)
+        let mut gates = if prompt_tokens > self.settings.local_prefill_max_tokens && !prefill.is_empty() {
+            let d: Vec<&str> = decode.iter().map(|c| c.addr).collect();
+            let p: Vec<&str> = prefill.iter().map(|c| c.addr).collect();
+            self.breakers.gates(&d, &p)
+        } else {
+            Vec::new()
+        };
+        let threshold = self.settings.local_prefill_max_tokens;
+        // A pair due a probe goes first; when another request claimed that
+        // probe meanwhile, the pair is as good as open for this one: route
+        // again without it (another decode worker's pair may serve). Each
+        // lost claim closes one more pair, so this ends.
+        let decision = loop {
+            let gate = |d: usize, p: usize| gates.get(d).and_then(|row| row.get(p)).copied().unwrap_or(Gate::Closed);
+            let decision = {
+                let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+                match router::route(&decode, &prefill, gate, prompt_tokens, threshold, &mut rng) {
+                    // Configured to: the decode worker prefills while its pairs are all open.
+                    Err(NoRoute::PrefillUnavailable(_)) if self.settings.breaker.open_group_prefills_locally => {
+                        router::route(&decode, &[], gate, prompt_tokens, threshold, &mut rng)
+                    }
+                    d => d,
                 }
-                d => d,
+            };
+            let decision = decision.map_err(|e| match e {
+                NoRoute::PrefillUnavailable(wait) => prefill_unavailable(wait, e.to_string()),
+                NoRoute::NoDecode | NoRoute::NoneReady(_) => {
+                    metrics::route_refused(if e == NoRoute::NoDecode { "no_decode" } else { "none_ready" });
+                    unavailable("no_worker", e.to_string())
+                }
+            })?;
+            match decision.prefill.first() {
+                Some(&first)
+                    if gate(decision.decode, first) == Gate::Probe
+                        && !self.breakers.claim_probe(prefill[first].addr, decode[decision.decode].addr) =>
+                {
+                    if let Some(g) = gates.get_mut(decision.decode).and_then(|row| row.get_mut(first)) {
+                        *g = Gate::Open(self.breakers.config().cooldown);
+                    }
+                }
+                _ => break decision,
             }
         };
-        let mut decision = decision.map_err(|e| match e {
-            NoRoute::PrefillUnavailable(wait) => prefill_unavailable(wait, e.to_string()),
-            NoRoute::NoDecode | NoRoute::NoneReady(_) => {
-                metrics::route_refused(if e == NoRoute::NoDecode { "no_decode" } else { "none_ready" });
-                unavailable("no_worker", e.to_string())
-            }
-        })?;
-        // A probe goes first; if another request claimed it meanwhile, this one skips it.
-        if let Some(&first) = decision.prefill.first() {
-            if prefill[first].gate == Gate::Probe && !self.breakers.claim_probe(prefill[first].addr) {
-                decision.prefill.remove(0);
-                if decision.prefill.is_empty() {
-                    // Without the probe, the group is as good as open; treat it alike.
-                    if self.settings.breaker.open_group_prefills_locally {
-                        metrics::route_decided(router::Prefill::Local);
-                        return Ok(Route { decode: decode[decision.decode].addr.to_owned(), prefill: Vec::new() });
-                    }
-                    let wait = self.breakers.config().cooldown;
-                    return Err(prefill_unavailable(
-                        wait,
-                        "the version group's only prefill worker is being probed".into(),
-                    ));
-                }
-            }
-        }
+        metrics::route_pairs_skipped("layout_fingerprint", decision.layout_skipped);
+        let chosen = &decode[decision.decode];
         metrics::route_decided(decision.kind);
         Ok(Route {
-            decode: decode[decision.decode].addr.to_owned(),
+            decode: chosen.addr.to_owned(),
+            decode_id: chosen.id.to_owned(),
             prefill: decision
                 .prefill
                 .iter()
@@ -461,7 +490,13 @@ impl Cluster {
                         self.board.mark_not_ready(&route.decode);
                         continue;
                     }
-                    return Ok((WorkerStream { first: Some(first), rest }, lease));
+                    let stream = WorkerStream {
+                        first: Some(first),
+                        rest,
+                        decode_id: route.decode_id,
+                        decode_addr: route.decode,
+                    };
+                    return Ok((stream, lease));
                 }
                 // The decode worker answers `Generate` at once and reports its own errors
                 // in the stream, so an error here is the transport's: the worker is gone or
@@ -509,7 +544,7 @@ pub async fn next(stream: &mut WorkerStream, cluster: &Cluster) -> Result<Step, 
         )
     })?;
     if let Some(m) = &msg {
-        cluster.record_prefill_attempts(&m.prefill_attempts);
+        cluster.record_prefill_attempts(&stream.decode_id, &stream.decode_addr, &m.prefill_attempts);
     }
     match msg.and_then(|m| m.event) {
         Some(generate_response::Event::Token(t)) => Ok(Step::Token(t)),
@@ -542,5 +577,58 @@ pub fn worker_error(e: &proto::worker::v1::WorkerError) -> ApiError {
         err.retry_after(1)
     } else {
         err
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::worker::v1::{ErrorKind, WorkerError};
+
+    fn cluster(decode: &[&str], prefill: &[&str]) -> Cluster {
+        let source = Source::Static {
+            decode: decode.iter().map(|s| (*s).to_owned()).collect(),
+            prefill: prefill.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        let settings = RouteSettings {
+            breaker: BreakerConfig {
+                failures: 3,
+                cooldown: Duration::from_secs(60),
+                open_group_prefills_locally: false,
+            },
+            ..RouteSettings::default()
+        };
+        Cluster::new(source, settings).expect("a cluster")
+    }
+
+    fn failed(prefill: &str) -> PrefillAttempt {
+        PrefillAttempt {
+            target: Some(PrefillTarget { worker_id: prefill.into(), grpc_addr: prefill.into() }),
+            error: Some(WorkerError { kind: ErrorKind::KvLoadFailed as i32, message: "link".into() }),
+            reason: "timeout".into(),
+        }
+    }
+
+    #[test]
+    fn a_failure_reported_via_one_decode_worker_does_not_change_routing_for_another() {
+        let c = cluster(&["127.0.0.1:1", "127.0.0.1:2"], &["127.0.0.1:9"]);
+        // decode worker 1's link is bad: three failed attempts on the only prefill worker.
+        for _ in 0..3 {
+            c.record_prefill_attempts("127.0.0.1:1", "127.0.0.1:1", &[failed("127.0.0.1:9")]);
+        }
+        for _ in 0..20 {
+            let r = c.route(100).expect("decode worker 2's pair is closed");
+            assert_eq!(r.decode, "127.0.0.1:2", "decode worker 1 has no usable pair: {r:?}");
+            assert_eq!(r.prefill.len(), 1);
+            assert_eq!(r.prefill[0].grpc_addr, "127.0.0.1:9");
+        }
+        // Short prompts need no pair: both decode workers still take them.
+        assert_eq!(c.route(10).expect("a local route").decode, "127.0.0.1:1");
+        // The same prefill worker failing for decode worker 2 too: every pair is open.
+        for _ in 0..3 {
+            c.record_prefill_attempts("127.0.0.1:2", "127.0.0.1:2", &[failed("127.0.0.1:9")]);
+        }
+        let e = c.route(100).expect_err("no usable pair");
+        assert_eq!(e.code, Some("prefill_unavailable"), "{e:?}");
     }
 }

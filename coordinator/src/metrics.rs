@@ -60,15 +60,24 @@ pub const E2E: &str = "tandem_coordinator_e2e_request_latency_seconds";
 /// `tandem_coordinator_idempotent_replays_total{state}`: requests answered
 /// from an earlier one with the same `Idempotency-Key` (`inflight` or `done`).
 pub const IDEMPOTENT_REPLAYS: &str = "tandem_coordinator_idempotent_replays_total";
-/// `tandem_coordinator_prefill_breaker_state{worker}`: each prefill worker's
-/// circuit breaker: 0 closed, 1 half-open (a probe may go), 2 open. vLLM: none.
+/// `tandem_coordinator_prefill_breaker_state{prefill,decode}`: the circuit
+/// breaker of each (prefill worker, decode worker) pair, by registry id: 0
+/// closed, 1 half-open (a probe may go), 2 open. A pair whose worker left
+/// the membership is dropped and its series set back to 0. vLLM: none.
 pub const BREAKER_STATE: &str = "tandem_coordinator_prefill_breaker_state";
-/// `tandem_coordinator_prefill_breaker_transitions_total{worker,from,to}`:
-/// breaker state changes (`closed`, `open`, `half_open`).
+/// `tandem_coordinator_prefill_breaker_transitions_total{prefill,decode,from,to}`:
+/// breaker state changes of each pair (`closed`, `open`, `half_open`).
 pub const BREAKER_TRANSITIONS: &str = "tandem_coordinator_prefill_breaker_transitions_total";
-/// `tandem_coordinator_prefill_attempts_total{worker,outcome}`: remote
-/// prefill attempts the decode workers reported (`ok`, or their failure reason).
+/// `tandem_coordinator_prefill_attempts_total{worker,decode,outcome}`: remote
+/// prefill attempts on prefill worker `worker` that decode worker `decode`
+/// reported (`ok`, or their failure reason).
 pub const PREFILL_ATTEMPTS: &str = "tandem_coordinator_prefill_attempts_total";
+/// `tandem_coordinator_route_pairs_skipped_total{reason}`: prefill workers of
+/// the chosen decode worker's version group left out of a route because the
+/// pair cannot work: `layout_fingerprint` (their registered KV layout
+/// fingerprints differ; the transfer handshake would refuse it). Counted per
+/// routed request and skipped worker. vLLM: none.
+pub const ROUTE_PAIRS_SKIPPED: &str = "tandem_coordinator_route_pairs_skipped_total";
 /// `tandem_coordinator_prefill_unavailable_total`: requests answered 503
 /// `prefill_unavailable` at once because every prefill worker of the group
 /// had an open breaker.
@@ -110,24 +119,43 @@ fn describe() {
     describe_histogram!(TPOT, metrics::Unit::Seconds, "Gap between output tokens");
     describe_histogram!(E2E, metrics::Unit::Seconds, "Arrival to the last byte");
     describe_counter!(IDEMPOTENT_REPLAYS, "Requests answered from an earlier one with the same Idempotency-Key");
-    describe_gauge!(BREAKER_STATE, "Prefill worker circuit breaker: 0 closed, 1 half-open, 2 open");
-    describe_counter!(BREAKER_TRANSITIONS, "Prefill worker circuit breaker state changes");
+    describe_gauge!(BREAKER_STATE, "Prefill/decode pair circuit breaker: 0 closed, 1 half-open, 2 open");
+    describe_counter!(BREAKER_TRANSITIONS, "Prefill/decode pair circuit breaker state changes");
     describe_counter!(PREFILL_ATTEMPTS, "Remote prefill attempts reported by decode workers, by outcome");
+    describe_counter!(ROUTE_PAIRS_SKIPPED, "Prefill workers left out of a route because the pair cannot work");
     describe_counter!(PREFILL_UNAVAILABLE, "Requests refused at once: every prefill worker of the group open");
     describe_counter!(STREAM_SEND_TIMEOUTS, "Streams ended because the client stopped reading");
 }
 
-pub fn breaker_state(worker: &str, state: crate::breaker::State) {
-    gauge!(BREAKER_STATE, "worker" => worker.to_owned()).set(state.level());
+pub fn breaker_state(prefill: &str, decode: &str, state: crate::breaker::State) {
+    gauge!(BREAKER_STATE, "prefill" => prefill.to_owned(), "decode" => decode.to_owned()).set(state.level());
 }
 
-pub fn breaker_transition(worker: &str, from: crate::breaker::State, to: crate::breaker::State) {
-    counter!(BREAKER_TRANSITIONS, "worker" => worker.to_owned(), "from" => from.as_str(), "to" => to.as_str())
-        .increment(1);
+pub fn breaker_transition(prefill: &str, decode: &str, from: crate::breaker::State, to: crate::breaker::State) {
+    counter!(
+        BREAKER_TRANSITIONS,
+        "prefill" => prefill.to_owned(),
+        "decode" => decode.to_owned(),
+        "from" => from.as_str(),
+        "to" => to.as_str()
+    )
+    .increment(1);
 }
 
-pub fn prefill_attempt(worker: &str, outcome: &str) {
-    counter!(PREFILL_ATTEMPTS, "worker" => worker.to_owned(), "outcome" => outcome.to_owned()).increment(1);
+pub fn prefill_attempt(worker: &str, decode: &str, outcome: &str) {
+    counter!(
+        PREFILL_ATTEMPTS,
+        "worker" => worker.to_owned(),
+        "decode" => decode.to_owned(),
+        "outcome" => outcome.to_owned()
+    )
+    .increment(1);
+}
+
+pub fn route_pairs_skipped(reason: &'static str, n: usize) {
+    if n > 0 {
+        counter!(ROUTE_PAIRS_SKIPPED, "reason" => reason).increment(n as u64);
+    }
 }
 
 pub fn prefill_unavailable() {

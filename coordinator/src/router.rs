@@ -16,12 +16,19 @@
 //!   drawn at random, the less busy one first), then the rest by queue as
 //!   fallbacks. Random pairs keep many coordinators from herding onto the
 //!   single least-loaded worker their stale views agree on.
-//! - Circuit breakers ([`crate::breaker`]): a prefill worker whose breaker
-//!   is open is left out; one whose cooldown passed goes first, as the
-//!   probe. A decode worker whose group has prefill workers but all of them
-//!   open is passed over for one whose group can prefill; when there is
-//!   none, the answer is [`NoRoute::PrefillUnavailable`] (a fast 503), never
-//!   a decode worker left waiting for KV that cannot come.
+//! - Layout: a prefill worker is paired with a decode worker only when
+//!   their registered KV layout fingerprints are equal (the transfer
+//!   handshake would refuse the pair anyway; leaving it out saves the
+//!   failed attempt). The group's prefill workers left out this way are
+//!   counted in [`Decision::layout_skipped`]; a decode worker with none left
+//!   prefills locally, as one whose group has no prefill worker.
+//! - Circuit breakers ([`crate::breaker`]), one per (prefill, decode) pair:
+//!   having chosen a decode worker, a prefill worker whose pair breaker is
+//!   open is left out; one whose cooldown passed goes first, as the probe. A
+//!   decode worker whose group has prefill workers but all of its pairs open
+//!   is passed over for one that has a usable pair; when there is none, the
+//!   answer is [`NoRoute::PrefillUnavailable`] (a fast 503), never a decode
+//!   worker left waiting for KV that cannot come.
 //!
 //! Must not: do I/O, allocate per candidate beyond the result, or panic.
 
@@ -33,8 +40,12 @@ use crate::load::Load;
 /// A decode worker the request could go to.
 #[derive(Clone, Debug)]
 pub struct DecodeCandidate<'a> {
+    /// Registry id (the address for fixed-address workers).
+    pub id: &'a str,
     pub addr: &'a str,
     pub version_group: &'a str,
+    /// Registered KV layout fingerprint (hex; empty for fixed-address workers).
+    pub layout: &'a str,
     /// Last reported load, if fresh.
     pub load: Option<Load>,
     /// Requests this coordinator has in flight there.
@@ -49,9 +60,9 @@ pub struct PrefillCandidate<'a> {
     pub id: &'a str,
     pub addr: &'a str,
     pub version_group: &'a str,
+    /// Registered KV layout fingerprint (hex; empty for fixed-address workers).
+    pub layout: &'a str,
     pub load: Option<Load>,
-    /// Its circuit breaker's say.
-    pub gate: Gate,
 }
 
 /// Why no route exists.
@@ -61,7 +72,7 @@ pub enum NoRoute {
     NoDecode,
     #[error("no decode worker is ready ({0} known, none ready or reachable)")]
     NoneReady(usize),
-    /// Every prefill worker of every ready decode worker's group has an open circuit breaker.
+    /// Every ready decode worker's pairs with its group's prefill workers have open circuit breakers.
     #[error("every prefill worker of the version group keeps failing (circuit breakers open); retry in {0:?}")]
     PrefillUnavailable(Duration),
 }
@@ -81,6 +92,9 @@ pub struct Decision {
     /// Prefill candidates, first choice first; empty for local prefill.
     pub prefill: Vec<usize>,
     pub kind: Prefill,
+    /// Prefill workers of the decode worker's group left out because their
+    /// layout fingerprint differs from the decode worker's.
+    pub layout_skipped: usize,
 }
 
 fn usable(load: &Option<Load>) -> bool {
@@ -102,17 +116,14 @@ pub fn pick_decode(cands: &[DecodeCandidate<'_>]) -> Result<usize, NoRoute> {
     pick_decode_where(cands, |_| true)
 }
 
-/// [`pick_decode`] among the candidates `allowed` accepts.
-fn pick_decode_where(
-    cands: &[DecodeCandidate<'_>],
-    allowed: impl Fn(&DecodeCandidate<'_>) -> bool,
-) -> Result<usize, NoRoute> {
+/// [`pick_decode`] among the candidates `allowed` accepts (by index).
+fn pick_decode_where(cands: &[DecodeCandidate<'_>], allowed: impl Fn(usize) -> bool) -> Result<usize, NoRoute> {
     if cands.is_empty() {
         return Err(NoRoute::NoDecode);
     }
     let mut best: Option<(usize, f64)> = None;
     for (i, c) in cands.iter().enumerate() {
-        if !usable(&c.load) || !allowed(c) {
+        if !usable(&c.load) || !allowed(i) {
             continue;
         }
         let s = decode_score(c);
@@ -170,16 +181,30 @@ pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut Rng) -> Vec<usize
     ok
 }
 
-/// The prefill workers of `group` in the order to try, breakers applied:
-/// a worker due a probe first (one only), then the closed ones; open ones
-/// are left out. `Err(wait)`: the group has usable prefill workers but every
-/// breaker is open, the first closing to a probe in `wait`.
-fn group_order(prefill: &[PrefillCandidate<'_>], group: &str, order: &[usize]) -> Result<Vec<usize>, Duration> {
+/// The prefill workers paired with decode worker `d` in the order to try,
+/// breakers applied: its group's, with its layout fingerprint; a pair due a
+/// probe first (one only), then the closed ones; open pairs are left out.
+/// Ok: the order and how many of the group were left out for their layout.
+/// `Err(wait)`: usable pairs exist but every breaker is open, the first
+/// closing to a probe in `wait`.
+fn pair_order<G: Fn(usize, usize) -> Gate>(
+    decode: &[DecodeCandidate<'_>],
+    d: usize,
+    prefill: &[PrefillCandidate<'_>],
+    order: &[usize],
+    gate: &G,
+) -> Result<(Vec<usize>, usize), Duration> {
+    let (group, layout) = (decode[d].version_group, decode[d].layout);
     let mut probe = None;
     let mut closed = Vec::new();
     let mut wait: Option<Duration> = None;
+    let mut skipped = 0;
     for &i in order.iter().filter(|&&i| prefill[i].version_group == group) {
-        match prefill[i].gate {
+        if prefill[i].layout != layout {
+            skipped += 1;
+            continue;
+        }
+        match gate(d, i) {
             Gate::Closed => closed.push(i),
             Gate::Probe if probe.is_none() => probe = Some(i),
             Gate::Probe => {}
@@ -188,36 +213,39 @@ fn group_order(prefill: &[PrefillCandidate<'_>], group: &str, order: &[usize]) -
     }
     match (probe, wait) {
         (None, Some(w)) if closed.is_empty() => Err(w),
-        _ => Ok(probe.into_iter().chain(closed).collect()),
+        _ => Ok((probe.into_iter().chain(closed).collect(), skipped)),
     }
 }
 
-/// The whole decision: a decode worker, then prefill workers of its version
-/// group unless the prompt is at most `local_prefill_max_tokens` long (or
-/// the group has no prefill worker: local prefill).
-pub fn route(
+/// The whole decision: a decode worker, then the prefill workers it pairs
+/// with (its version group and layout fingerprint, `gate(decode, prefill)`
+/// the pair's breaker) unless the prompt is at most
+/// `local_prefill_max_tokens` long (or it pairs with no prefill worker:
+/// local prefill).
+pub fn route<G: Fn(usize, usize) -> Gate>(
     decode: &[DecodeCandidate<'_>],
     prefill: &[PrefillCandidate<'_>],
+    gate: G,
     prompt_tokens: usize,
     local_prefill_max_tokens: usize,
     rng: &mut Rng,
 ) -> Result<Decision, NoRoute> {
     let d = pick_decode(decode)?;
     if prompt_tokens <= local_prefill_max_tokens {
-        return Ok(Decision { decode: d, prefill: Vec::new(), kind: Prefill::Local });
+        return Ok(Decision { decode: d, prefill: Vec::new(), kind: Prefill::Local, layout_skipped: 0 });
     }
     let all = order_prefill(prefill, rng);
-    let decided = |d: usize, order: Vec<usize>| {
+    let decided = |d: usize, (order, layout_skipped): (Vec<usize>, usize)| {
         let kind = if order.is_empty() { Prefill::Local } else { Prefill::Remote };
-        Decision { decode: d, prefill: order, kind }
+        Decision { decode: d, prefill: order, kind, layout_skipped }
     };
-    let wait = match group_order(prefill, decode[d].version_group, &all) {
+    let wait = match pair_order(decode, d, prefill, &all, &gate) {
         Ok(order) => return Ok(decided(d, order)),
         Err(wait) => wait,
     };
-    // The best decode worker's group cannot prefill now: the best one whose group can.
-    match pick_decode_where(decode, |c| group_order(prefill, c.version_group, &all).is_ok()) {
-        Ok(d) => Ok(decided(d, group_order(prefill, decode[d].version_group, &all).unwrap_or_default())),
+    // The best decode worker cannot get a prefill now: the best one that can.
+    match pick_decode_where(decode, |i| pair_order(decode, i, prefill, &all, &gate).is_ok()) {
+        Ok(d) => Ok(decided(d, pair_order(decode, d, prefill, &all, &gate).unwrap_or_default())),
         Err(_) => Err(NoRoute::PrefillUnavailable(wait)),
     }
 }
@@ -240,7 +268,7 @@ mod tests {
     }
 
     fn d<'a>(addr: &'a str, load: Option<Load>, inflight: usize) -> DecodeCandidate<'a> {
-        DecodeCandidate { addr, version_group: "g1", load, inflight, max_running: 8 }
+        DecodeCandidate { id: addr, addr, version_group: "g1", layout: "ab", load, inflight, max_running: 8 }
     }
 
     #[test]
@@ -265,7 +293,12 @@ mod tests {
     }
 
     fn p<'a>(id: &'a str, group: &'a str, q: u32) -> PrefillCandidate<'a> {
-        PrefillCandidate { id, addr: id, version_group: group, load: load(0, q, 0), gate: Gate::Closed }
+        PrefillCandidate { id, addr: id, version_group: group, layout: "ab", load: load(0, q, 0) }
+    }
+
+    /// Every pair closed.
+    fn closed(_: usize, _: usize) -> Gate {
+        Gate::Closed
     }
 
     #[test]
@@ -295,15 +328,36 @@ mod tests {
         let pre = [p("p1", "g1", 0), p("p2", "g2", 3), p("p3", "g2", 1)];
         let mut rng = Rng::new(1);
         for _ in 0..100 {
-            let r = route(&dec, &pre, 100, 32, &mut rng).expect("a route");
+            let r = route(&dec, &pre, closed, 100, 32, &mut rng).expect("a route");
             assert_eq!(r.kind, Prefill::Remote);
             assert!(r.prefill.iter().all(|&i| pre[i].version_group == "g2"), "{r:?}");
             assert_eq!(r.prefill.len(), 2);
+            assert_eq!(r.layout_skipped, 0, "other groups are not counted");
         }
-        let r = route(&dec, &pre, 32, 32, &mut rng).expect("a route");
+        let r = route(&dec, &pre, closed, 32, 32, &mut rng).expect("a route");
         assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0));
-        let r = route(&dec, &pre[..1], 100, 32, &mut rng).expect("a route");
+        let r = route(&dec, &pre[..1], closed, 100, 32, &mut rng).expect("a route");
         assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0), "no prefill worker in the group");
+    }
+
+    #[test]
+    fn a_prefill_worker_with_another_layout_is_never_paired_and_is_counted() {
+        let dec = [d("d", load(0, 0, 0), 0)];
+        let pre = [PrefillCandidate { layout: "cd", ..p("other", "g1", 0) }, p("same", "g1", 5)];
+        let mut rng = Rng::new(11);
+        for _ in 0..100 {
+            let r = route(&dec, &pre, closed, 100, 32, &mut rng).expect("a route");
+            assert_eq!((r.kind, r.prefill.clone(), r.layout_skipped), (Prefill::Remote, vec![1], 1), "{r:?}");
+        }
+        // Only mismatched prefill workers in the group: the decode worker prefills itself.
+        let r = route(&dec, &pre[..1], closed, 100, 32, &mut rng).expect("a route");
+        assert_eq!((r.kind, r.prefill.len(), r.layout_skipped), (Prefill::Local, 0, 1));
+        // Short prompts never look at the prefill workers.
+        assert_eq!(route(&dec, &pre, closed, 10, 32, &mut rng).map(|r| r.layout_skipped), Ok(0));
+        // Each decode worker is paired by its own fingerprint.
+        let dec = [DecodeCandidate { layout: "cd", ..d("d-cd", load(0, 0, 0), 0) }];
+        let r = route(&dec, &pre, closed, 100, 32, &mut rng).expect("a route");
+        assert_eq!((r.prefill, r.layout_skipped), (vec![0], 1));
     }
 
     #[test]
@@ -311,16 +365,39 @@ mod tests {
         let dec = [d("d", load(0, 0, 0), 0)];
         let open = Gate::Open(Duration::from_secs(3));
         let mut rng = Rng::new(3);
-        let pre = [PrefillCandidate { gate: open, ..p("bad", "g1", 0) }, p("good", "g1", 5)];
+        let pre = [p("bad", "g1", 0), p("good", "g1", 5)];
+        let gate = |_: usize, i: usize| if i == 0 { open } else { Gate::Closed };
         for _ in 0..50 {
-            let r = route(&dec, &pre, 100, 32, &mut rng).expect("a route");
+            let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
             assert_eq!((r.kind, r.prefill.clone()), (Prefill::Remote, vec![1]));
         }
-        let pre = [PrefillCandidate { gate: Gate::Probe, ..p("bad", "g1", 9) }, p("good", "g1", 0)];
+        let pre = [p("bad", "g1", 9), p("good", "g1", 0)];
+        let gate = |_: usize, i: usize| if i == 0 { Gate::Probe } else { Gate::Closed };
         for _ in 0..50 {
-            let r = route(&dec, &pre, 100, 32, &mut rng).expect("a route");
+            let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
             assert_eq!(r.prefill, vec![0, 1], "the probe first, the healthy one as fallback");
         }
+    }
+
+    #[test]
+    fn breakers_are_read_for_the_chosen_decode_worker_only() {
+        // (p0, d0) is open (d0's link is bad); d0 is the idler decode worker.
+        let dec = [d("d0", load(0, 0, 0), 0), d("d1", load(50, 4, 0), 0)];
+        let pre = [p("p0", "g1", 0)];
+        let gate = |d: usize, _: usize| if d == 0 { Gate::Open(Duration::from_secs(2)) } else { Gate::Closed };
+        let mut rng = Rng::new(9);
+        for _ in 0..50 {
+            let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
+            assert_eq!((r.decode, r.prefill), (1, vec![0]), "d1's pair with p0 is closed: it takes the request");
+        }
+        // Short prompts need no pair: d0 still takes them.
+        assert_eq!(route(&dec, &pre, gate, 10, 32, &mut rng).map(|r| r.decode), Ok(0));
+        // With d1's pair open too, the request is refused fast.
+        let all_open = |_: usize, _: usize| Gate::Open(Duration::from_secs(2));
+        assert_eq!(
+            route(&dec, &pre, all_open, 100, 32, &mut rng),
+            Err(NoRoute::PrefillUnavailable(Duration::from_secs(2)))
+        );
     }
 
     #[test]
@@ -328,21 +405,25 @@ mod tests {
         let mut rng = Rng::new(5);
         let short = Gate::Open(Duration::from_millis(1500));
         let long = Gate::Open(Duration::from_secs(4));
-        let pre =
-            [PrefillCandidate { gate: long, ..p("a", "g1", 0) }, PrefillCandidate { gate: short, ..p("b", "g1", 0) }];
+        let pre = [p("a", "g1", 0), p("b", "g1", 0)];
+        let gate = |_: usize, i: usize| match i {
+            0 => long,
+            1 => short,
+            _ => Gate::Closed,
+        };
         let dec = [d("d", load(0, 0, 0), 0)];
         assert_eq!(
-            route(&dec, &pre, 100, 32, &mut rng),
+            route(&dec, &pre, gate, 100, 32, &mut rng),
             Err(NoRoute::PrefillUnavailable(Duration::from_millis(1500))),
             "the soonest probe sets Retry-After"
         );
         // Short prompts never needed the prefill workers.
-        assert_eq!(route(&dec, &pre, 10, 32, &mut rng).map(|r| r.kind), Ok(Prefill::Local));
+        assert_eq!(route(&dec, &pre, gate, 10, 32, &mut rng).map(|r| r.kind), Ok(Prefill::Local));
         // A busier decode worker in a group that can prefill takes it instead.
         let dec =
             [d("idle", load(0, 0, 0), 0), DecodeCandidate { version_group: "g2", ..d("busy", load(80, 6, 0), 0) }];
         let pre = [pre[0].clone(), pre[1].clone(), p("c", "g2", 0)];
-        let r = route(&dec, &pre, 100, 32, &mut rng).expect("a route");
+        let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
         assert_eq!((r.decode, r.prefill), (1, vec![2]));
     }
 }

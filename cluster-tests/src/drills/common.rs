@@ -168,3 +168,35 @@ pub(super) async fn probe(addr: &str) -> Result<(u16, Option<String>), HarnessEr
     }
     Ok((status, retry_after))
 }
+
+/// The coordinator's breaker transitions counter (labels `prefill`, `decode`, `from`, `to`).
+pub(super) const BREAKER_TRANSITIONS: &str = "tandem_coordinator_prefill_breaker_transitions_total";
+
+/// What the coordinator's breaker of one (prefill worker, decode worker) pair did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct PairBreaker {
+    /// Times it opened (from closed or after a failed probe).
+    pub opened: f64,
+    /// Probes handed out (open -> half-open).
+    pub probes: f64,
+    /// Times a probe closed it again.
+    pub closed: f64,
+}
+
+impl PairBreaker {
+    /// The pair's figures from the coordinator's metrics.
+    pub async fn of(c: &Cluster, prefill: &str, decode: &str) -> Result<Self, String> {
+        let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+        // `+ 0.0`: an empty sum is -0.0, which prints as "-0".
+        let n = |to: &str| p.sum(BREAKER_TRANSITIONS, &[("prefill", prefill), ("decode", decode), ("to", to)]) + 0.0;
+        Ok(Self { opened: n("open"), probes: n("half_open"), closed: n("closed") })
+    }
+
+    /// "breaker (p, d) opened N time(s), M probe(s), closed K time(s)", for proof notes.
+    pub fn note(&self, prefill: &str, decode: &str) -> String {
+        format!(
+            "breaker ({prefill}, {decode}) opened {} time(s), {} probe(s), closed again {} time(s)",
+            self.opened, self.probes, self.closed
+        )
+    }
+}

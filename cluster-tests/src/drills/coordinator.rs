@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 
 use loadgen::{Outcome, Report};
 
-use super::common::{counter_reaches, decode_metrics, rss_kib, LOAD_WAIT};
+use super::common::{counter_reaches, decode_metrics, rss_kib, PairBreaker, LOAD_WAIT};
 use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
 use crate::cluster::{Cluster, ClusterSpec, Role, WorkerSpec};
 use crate::invariants::Invariants;
+use crate::proxy::Fault;
 use crate::HarnessError;
 
 /// Consecutive failures that open a breaker, and its cooldown, in these drills.
@@ -29,19 +30,42 @@ fn breaker_args() -> [String; 4] {
     ]
 }
 
-/// A prefill worker in `group` whose KV layout differs from its group's
-/// (block size 32, the others 16) when `faulty`: a misdeployment the
-/// version-group label does not show. Routing pairs by label only, so it is
-/// chosen, and every prefill it is asked for is refused at the transfer
-/// handshake (`version_mismatch`).
+/// Latency the decode worker's KV link gets in the failing-prefill drills
+/// (proxy, every sender-to-receiver byte, no jitter).
+const LINK_DELAY: Duration = Duration::from_millis(50);
+/// The faulty prefill worker's KV transfer timeout (connect, each frame, Ack), ms.
+const FAULTY_TRANSFER_TIMEOUT_MS: u64 = 10;
+
+/// A prefill worker in `group` that fails every prefill it is asked for
+/// when `faulty`: its KV transfer timeout (10 ms) is shorter than the KV
+/// link's latency ([`LINK_DELAY`], armed on the decode worker's proxy by
+/// [`slow_link`]), so its handshake never completes (`HelloAck` times out)
+/// and it answers every prefill `kv_load_failed`; it stays healthy to its
+/// load polls. Its layout is the group's, so routing pairs it (a layout
+/// mismatch is no longer a way to fail prefills: routing filters it, see
+/// the layout-mismatch drill).
 fn prefill(group: &str, faulty: bool) -> WorkerSpec {
     WorkerSpec {
         role: Role::Prefill,
         group: group.into(),
         behind_proxy: false,
         netns: false,
-        extra: if faulty { vec!["--kv-block-size".into(), "32".into()] } else { Vec::new() },
+        extra: if faulty {
+            vec!["--transfer-timeout-ms".into(), FAULTY_TRANSFER_TIMEOUT_MS.to_string()]
+        } else {
+            Vec::new()
+        },
     }
+}
+
+/// Arms [`LINK_DELAY`] on the decode worker's KV link (it is behind a proxy in these drills).
+fn slow_link(c: &Cluster) -> Result<(), HarnessError> {
+    let proxy = c
+        .workers_of(Role::Decode)
+        .find_map(|w| w.proxy.as_ref())
+        .ok_or_else(|| HarnessError::Setup("no decode worker behind a proxy".into()))?;
+    proxy.arm(Fault::Delay { base: LINK_DELAY, jitter: Duration::ZERO });
+    Ok(())
 }
 
 /// Breaker state and counts the coordinator exports for one prefill worker.
@@ -58,29 +82,30 @@ async fn breaker_seen(c: &Cluster, worker: &str) -> Result<BreakerSeen, String> 
     let sum = |name: &str, labels: &[(&str, &str)]| p.sum(name, labels) + 0.0;
     let attempts = sum(ATTEMPTS, &[("worker", worker)]);
     let ok = sum(ATTEMPTS, &[("worker", worker), ("outcome", "ok")]);
+    // Summed over the prefill worker's pairs (one decode worker in these drills).
     Ok(BreakerSeen {
-        opened: sum(TRANSITIONS, &[("worker", worker), ("to", "open")]),
-        probes: sum(TRANSITIONS, &[("worker", worker), ("to", "half_open")]),
+        opened: sum(TRANSITIONS, &[("prefill", worker), ("to", "open")]),
+        probes: sum(TRANSITIONS, &[("prefill", worker), ("to", "half_open")]),
         failed: attempts - ok + 0.0,
         ok,
     })
 }
 
-/// The faulty worker's own count of prefills it refused for a layout mismatch.
+/// The faulty worker's own count of KV transfers that failed.
 async fn refused_by(c: &Cluster, worker: &str) -> Result<f64, String> {
     let p = c.worker_metrics(worker).await.map_err(|e| e.to_string())?;
-    Ok(p.sum("tandem_prefill_requests_total", &[("outcome", "version_mismatch")]))
+    Ok(p.sum("tandem_kv_transfer_failures_total", &[]) + 0.0)
 }
 
-/// Waits (bounded) for the coordinator to open `worker`'s breaker; notes what it saw.
+/// Waits (bounded) for the coordinator to open the breaker of (`worker`, decode-0); notes what it saw.
 async fn wait_open(c: &Cluster, worker: &str, ev: &mut Evidence) -> Result<(), HarnessError> {
     let h = c.http_addr()?;
-    let labels = [("worker", worker), ("to", "open")];
+    let labels = [("prefill", worker), ("decode", "decode-0"), ("to", "open")];
     let (seen, _) = counter_reaches(&h, TRANSITIONS, &labels, 1.0, LOAD_WAIT).await;
     match seen {
         Ok(()) => {
             ev.seen = true;
-            ev.notes.push(format!("the coordinator opened {worker}'s breaker"));
+            ev.notes.push(format!("the coordinator opened the breaker of ({worker}, decode-0)"));
         }
         Err(e) => ev.missing.push(e.to_string()),
     }
@@ -94,9 +119,9 @@ impl Drill for PrefillErrors {
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "prefill-errors",
-            description: "one of two prefill workers refuses every prefill (its KV layout differs under the same \
-                          version-group label): after 3 failures its circuit breaker opens and every request goes \
-                          to the healthy one; policy retry keeps every answer identical",
+            description: "one of two prefill workers fails every prefill (its 10 ms KV transfer timeout is shorter \
+                          than the 50 ms KV link): after 3 failures the breaker of its pair with the decode worker \
+                          opens and every request goes to the healthy one; policy retry keeps every answer identical",
         }
     }
 
@@ -104,11 +129,11 @@ impl Drill for PrefillErrors {
         let mut spec = ClusterSpec::default().policy("retry");
         spec.workers.push(prefill("g1", false));
         spec.workers.push(prefill("g1", !skip));
-        spec = spec.decode("g1");
+        spec = spec.decode_behind_proxy("g1");
         spec.coordinator_args.extend(breaker_args());
         Setup {
             spec,
-            requests: 20,
+            requests: 14,
             max_tokens: 8,
             concurrency: 2,
             // `retry` falls back to the healthy worker: the fault is one the cluster hides.
@@ -124,9 +149,11 @@ impl Drill for PrefillErrors {
     ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
         Box::pin(async move {
             let mut ev = Evidence::default();
-            // The fault is in the cluster from the start (see `setup`); this watches it take effect.
+            // The faulty worker is in the cluster from the start (see `setup`); the slow link makes
+            // its timeout fail. This arms it and watches the fault take effect.
             if !skip {
                 ev.began();
+                slow_link(c)?;
                 wait_open(c, "prefill-1", &mut ev).await?;
             }
             Ok(ev)
@@ -144,10 +171,11 @@ impl Drill for PrefillErrors {
             let good = breaker_seen(c, "prefill-0").await?;
             let refused = refused_by(c, "prefill-1").await?;
             let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-            let mismatches = dm.sum("tandem_kv_load_failures_total", &[("reason", "version_mismatch")]);
+            let mismatches = dm.sum("tandem_kv_load_failures_total", &[("reason", "prefill_error")]) + 0.0;
             let seen = format!(
-                "prefill-1: {} failed attempts reported (its own count of refusals {refused}, the decode worker's \
-                 {mismatches}), breaker opened {} time(s), {} probe(s); prefill-0: {} ok, breaker opened {} time(s)",
+                "prefill-1: {} failed attempts reported (its own count of failed transfers {refused}, the decode \
+                 worker's prefill_error loads {mismatches}), breaker (prefill-1, decode-0) opened {} time(s), {} \
+                 probe(s); prefill-0: {} ok, breaker (prefill-0, decode-0) opened {} time(s)",
                 bad.failed, bad.opened, bad.probes, good.ok, good.opened
             );
             if bad.opened < 1.0 || bad.failed < f64::from(BREAKER_FAILURES) || refused < f64::from(BREAKER_FAILURES) {
@@ -178,16 +206,17 @@ impl Drill for PrefillUnavailable {
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "prefill-unavailable",
-            description: "the version group's only prefill worker refuses every prefill: the first requests end \
-                          version_mismatch (typed), then its breaker opens and the rest are refused at once with \
-                          503 prefill_unavailable + Retry-After, never dispatched to the decode worker",
+            description: "the version group's only prefill worker fails every prefill (transfer timeout shorter than \
+                          the KV link's latency): the first requests end kv_load_failed (typed), then the breaker of \
+                          its pair with the only decode worker opens and the rest are refused at once with 503 \
+                          prefill_unavailable + Retry-After, never dispatched to the decode worker",
         }
     }
 
     fn setup(&self, skip: bool) -> Setup {
         let mut spec = ClusterSpec::default().policy("fail");
         spec.workers.push(prefill("g1", !skip));
-        spec = spec.decode("g1");
+        spec = spec.decode_behind_proxy("g1");
         spec.coordinator_args.extend(breaker_args());
         Setup {
             spec,
@@ -195,7 +224,7 @@ impl Drill for PrefillUnavailable {
             max_tokens: 8,
             concurrency: 2,
             invariants: Invariants {
-                allowed_errors: Some(vec!["version_mismatch".into(), "prefill_unavailable".into()]),
+                allowed_errors: Some(vec!["kv_load_failed".into(), "prefill_unavailable".into()]),
                 ..Invariants::default()
             },
         }
@@ -213,6 +242,7 @@ impl Drill for PrefillUnavailable {
                 return Ok(ev);
             }
             ev.began();
+            slow_link(c)?;
             wait_open(c, "prefill-0", &mut ev).await?;
             if ev.seen {
                 // While it is open, a request is refused at once, with Retry-After.
@@ -277,6 +307,98 @@ impl Drill for PrefillUnavailable {
                 return Err(format!("a prefill_unavailable refusal was not fast: {seen}"));
             }
             Ok(format!("{seen}; {}", ev.notes.join("; ")))
+        })
+    }
+}
+
+/// A prefill worker whose KV layout differs from its group's under the same label.
+pub(super) struct LayoutMismatch;
+
+/// The coordinator's count of prefill workers left out of routes for their layout.
+const LAYOUT_SKIPPED: (&str, &[(&str, &str)]) =
+    ("tandem_coordinator_route_pairs_skipped_total", &[("reason", "layout_fingerprint")]);
+
+impl Drill for LayoutMismatch {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "layout-mismatch",
+            description: "one of two prefill workers has another KV layout (block size 32, the group 16) under the \
+                          same version-group label: routing compares the registered layout fingerprints and never \
+                          pairs it with the decode worker, so no prefill fails and no breaker opens",
+        }
+    }
+
+    fn setup(&self, skip: bool) -> Setup {
+        let mut spec = ClusterSpec::default().policy("fail");
+        spec.workers.push(prefill("g1", false));
+        let mut other = prefill("g1", false);
+        if !skip {
+            other.extra.extend(["--kv-block-size".into(), "32".into()]);
+        }
+        spec.workers.push(other);
+        spec = spec.decode("g1");
+        spec.coordinator_args.extend(breaker_args());
+        Setup {
+            spec,
+            requests: 10,
+            max_tokens: 8,
+            concurrency: 2,
+            // Policy `fail`: a request paired with the mismatched worker would end version_mismatch.
+            invariants: Invariants { all_complete: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        _: &'a mut Cluster,
+        _: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            // The mismatched worker is in the cluster from the start (see `setup`).
+            let mut ev = Evidence::default();
+            if !skip {
+                ev.began();
+            }
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        _: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+            let skipped = p.sum(LAYOUT_SKIPPED.0, LAYOUT_SKIPPED.1) + 0.0;
+            let remote = p.sum("tandem_coordinator_route_decisions_total", &[("prefill", "remote")]) + 0.0;
+            let odd = breaker_seen(c, "prefill-1").await?;
+            let good = breaker_seen(c, "prefill-0").await?;
+            let pair = PairBreaker::of(c, "prefill-1", "decode-0").await?;
+            let asked = c
+                .worker_metrics("prefill-1")
+                .await
+                .map_err(|e| e.to_string())?
+                .sum("tandem_prefill_requests_total", &[])
+                + 0.0;
+            let seen = format!(
+                "{skipped} pair(s) skipped for their layout fingerprint over {remote} remote-prefill routes; \
+                 prefill-1 (block size 32) was asked for {asked} prefill(s), {} attempt(s) reported; prefill-0 \
+                 served {} ok; {}",
+                odd.failed + odd.ok,
+                good.ok,
+                pair.note("prefill-1", "decode-0")
+            );
+            if skipped < 1.0 || remote < 1.0 || skipped < remote {
+                return Err(format!("routing did not leave the mismatched prefill worker out of every route: {seen}"));
+            }
+            if asked > 0.0 || odd.failed + odd.ok > 0.0 || pair.opened > 0.0 || good.ok < 1.0 {
+                return Err(format!("the mismatched prefill worker was used: {seen}"));
+            }
+            let complete = report.records.iter().filter(|r| r.outcome.is_complete()).count();
+            Ok(format!("{seen}; {complete}/{} requests complete", report.records.len()))
         })
     }
 }

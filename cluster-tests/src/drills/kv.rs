@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use loadgen::Report;
 
-use super::common::{decode_metrics, LOAD_WAIT};
+use super::common::{decode_metrics, PairBreaker, LOAD_WAIT};
 use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role, Worker};
 use crate::invariants::Invariants;
@@ -29,7 +29,8 @@ impl Drill for KvCorrupt {
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: policy_only(ClusterSpec::default().prefill("g1").decode_behind_proxy("g1")),
+            // One flipped byte fails one load: the pair's breaker (3 failures) stays closed.
+            spec: ClusterSpec::default().prefill("g1").decode_behind_proxy("g1"),
             requests: 6,
             max_tokens: 16,
             concurrency: 2,
@@ -71,8 +72,10 @@ impl Drill for KvCorrupt {
                     "the proxy flipped {flips} bytes and the decode worker counted {failures} failed loads"
                 ));
             }
+            let pair = faulty_pair(c).await?;
             Ok(format!(
-                "proxy flipped {flips} byte(s); {failures} failed load(s); {refused} frame(s) refused by checksum"
+                "proxy flipped {flips} byte(s); {failures} failed load(s); {refused} frame(s) refused by checksum; \
+                 {pair}"
             ))
         })
     }
@@ -152,14 +155,29 @@ fn drop_rule(port: &str, matcher: &[&str]) -> Vec<String> {
     r
 }
 
-/// The KV-link drills rehearse the decode worker's `kv_load_failure_policy`,
-/// so the coordinator's prefill circuit breakers are off. Breakers are kept
-/// per prefill worker, and a broken link on the decode side fails that
-/// worker's attempts too: after a few, with one prefill worker, every later
-/// request would get the fast 503 `prefill_unavailable` (what the
-/// prefill-unavailable drill rehearses) and the policy would never run.
-fn policy_only(spec: ClusterSpec) -> ClusterSpec {
-    spec.coordinator_args(&["--prefill-breaker-failures", "0"])
+/// The KV-link drills run with the coordinator's prefill circuit breakers
+/// on (the defaults: 3 failures, 5 s cooldown). Breakers are kept per
+/// (prefill worker, decode worker) pair, so a broken link on `decode-0`
+/// opens only (prefill-0, decode-0): the drills where the fault fails 3
+/// loads in a row add a healthy `decode-1` (no fault on its link), which
+/// keeps serving long prompts while decode-0's pair is open. Before the
+/// breakers were kept per pair they had to be off here: the one prefill
+/// worker's breaker opened for every decode worker and the rest of the load
+/// got the fast 503 `prefill_unavailable`.
+fn with_healthy_decode(spec: ClusterSpec) -> ClusterSpec {
+    spec.decode("g1")
+}
+
+/// The faulty decode worker's pair with the one prefill worker, as the coordinator's breaker saw it.
+async fn faulty_pair(c: &Cluster) -> Result<String, String> {
+    Ok(PairBreaker::of(c, "prefill-0", "decode-0").await?.note("prefill-0", "decode-0"))
+}
+
+/// KV loads on the healthy decode worker (`decode-1`): (arrived, failed).
+async fn healthy_loads(c: &Cluster) -> Result<(f64, f64), String> {
+    let m = c.worker("decode-1").and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
+    let p = crate::metrics::scrape(&m).await.map_err(|e| e.to_string())?;
+    Ok((p.sum("tandem_kv_load_seconds_count", &[]) + 0.0, p.sum("tandem_kv_load_failures_total", &[]) + 0.0))
 }
 
 fn rule(op: &str, spec: &[String]) -> Vec<String> {
@@ -207,7 +225,8 @@ impl Drill for KvDelay {
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: policy_only(ClusterSpec::default().prefill("g1").decode_behind_proxy("g1")),
+            // Latency fails nothing: the pair's breaker stays closed.
+            spec: ClusterSpec::default().prefill("g1").decode_behind_proxy("g1"),
             requests: 6,
             max_tokens: 16,
             concurrency: 2,
@@ -267,8 +286,9 @@ impl Drill for KvDelay {
                 .await
                 .map(|p| p.sum("tandem_kv_load_seconds_sum", &[]) / l.loaded.max(1.0))
                 .unwrap_or(0.0);
+            let pair = faulty_pair(c).await?;
             Ok(format!(
-                "{delayed}; the decode worker loaded all {} KV transfers (mean load {:.0} ms), 0 failed",
+                "{delayed}; the decode worker loaded all {} KV transfers (mean load {:.0} ms), 0 failed; {pair}",
                 l.loaded,
                 mean * 1e3
             ))
@@ -283,15 +303,16 @@ impl Drill for KvLoss {
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "kv-loss",
-            description: "drop 50% of the packets to a decode worker's KV port (iptables in its namespace): \
-                          ~1 MB transfers stall in TCP backoff, each load that outlives its 3 s lease fails \
-                          (lease_expired) and is recomputed, answers identical",
+            description: "drop 50% of the packets to decode-0's KV port (iptables in its namespace): ~1 MB \
+                          transfers stall in TCP backoff, each load that outlives its 3 s lease fails \
+                          (lease_expired) and is recomputed; after 3 the breaker of (prefill-0, decode-0) opens and \
+                          decode-1 (healthy link) takes the load; answers identical",
         }
     }
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: policy_only(netns_spec()),
+            spec: with_healthy_decode(netns_spec()),
             requests: 6,
             max_tokens: 16,
             concurrency: 2,
@@ -329,10 +350,13 @@ impl Drill for KvLoss {
             let (ns, port) = kv_port(c).map_err(|e| e.to_string())?;
             let dropped = ns.rule_packets("INPUT", KV_RULE).map_err(|e| e.to_string())?.unwrap_or(0);
             let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+            let (healthy, healthy_failed) = healthy_loads(c).await?;
+            let pair = faulty_pair(c).await?;
             let n = report.records.len() as f64;
             let seen = format!(
-                "the 50% DROP rule on KV port {port} dropped {dropped} packet(s); of {n} KV loads {} arrived \
-                 intact and {} failed ({reasons}), {} recomputed; slowest request {:.1} s",
+                "the 50% DROP rule on KV port {port} dropped {dropped} packet(s); of {n} KV loads, decode-0's {} \
+                 arrived intact and {} failed ({reasons}), {} recomputed; decode-1 (healthy link) loaded {healthy}, \
+                 {healthy_failed} failed; {pair}; slowest request {:.1} s",
                 l.loaded,
                 l.failed,
                 l.recomputed,
@@ -343,9 +367,13 @@ impl Drill for KvLoss {
             }
             // Each request made one load: it arrived, or its lease ran out (loss slows a
             // connection, it never cuts one) and it was recomputed.
-            if l.loaded + l.failed != n || l.recomputed != l.failed || l.lease_ran_out != l.failed {
+            if l.loaded + l.failed + healthy + healthy_failed != n
+                || l.recomputed != l.failed
+                || l.lease_ran_out != l.failed
+                || healthy_failed > 0.0
+            {
                 return Err(format!(
-                    "{seen}: every load must arrive, or fail when its lease runs out and be recomputed"
+                    "{seen}: every load must arrive, or fail on decode-0 when its lease runs out and be recomputed"
                 ));
             }
             Ok(seen)
@@ -360,16 +388,18 @@ impl Drill for KvBlackhole {
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "kv-blackhole",
-            description: "drop every packet to a decode worker's KV port (iptables in its namespace) for half \
-                          the load: each load fails when its 3 s lease ends and is recomputed; once the rule \
-                          goes, loads arrive again; answers identical",
+            description: "drop every packet to decode-0's KV port (iptables in its namespace) for part of the \
+                          load: each of its loads fails when its 3 s lease ends and is recomputed while decode-1 \
+                          (healthy link) keeps serving; once the rule goes, decode-0 loads again (its pair's \
+                          breaker, if open, is probed after 2 s); answers identical",
         }
     }
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: policy_only(netns_spec()),
-            requests: 8,
+            // A 2 s cooldown: decode-0's pair, opened by the blackhole, is probed while the load still runs.
+            spec: with_healthy_decode(netns_spec()).coordinator_args(&["--prefill-breaker-cooldown-ms", "2000"]),
+            requests: 12,
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, deadline: Duration::from_secs(30), ..Invariants::default() },
@@ -391,6 +421,11 @@ impl Drill for KvBlackhole {
                 iptables(ns, &rule("-A", &spec))?;
             }
             load.wait_done(4, LOAD_WAIT).await?;
+            if !skip {
+                // decode-0 shares the load with the healthy decode-1: lift only once one of its loads failed.
+                let failed = || async { Loads::of(c).await.is_ok_and(|(l, _)| l.failed >= 1.0) };
+                let _ = eventually("decode-0 fails a KV load in the blackhole", LOAD_WAIT, failed).await;
+            }
             let (at_lift, _) = Loads::of(c).await?;
             let dropped = ns.rule_packets("INPUT", KV_RULE)?.unwrap_or(0);
             if !skip {
@@ -410,6 +445,9 @@ impl Drill for KvBlackhole {
                     at_lift.failed, at_lift.recomputed
                 ));
             }
+            // The link is back: decode-0 loads again (at once, or after its pair's breaker is probed).
+            let back = || async { Loads::of(c).await.is_ok_and(|(l, _)| l.loaded > at_lift.loaded) || load.finished() };
+            let _ = eventually("decode-0 loads KV again after the rule went", LOAD_WAIT, back).await;
             load_finished(load).await?;
             Ok(ev)
         })
@@ -423,9 +461,11 @@ impl Drill for KvBlackhole {
     ) -> BoxFuture<'a, Result<String, String>> {
         Box::pin(async move {
             let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+            let (healthy, _) = healthy_loads(c).await?;
+            let pair = faulty_pair(c).await?;
             let seen = format!(
-                "{}; after the rule went, {} more load(s) arrived (failure reasons overall: {reasons}); slowest \
-                 request {:.1} s (lease {:.1} s)",
+                "{}; after the rule went, {} more load(s) arrived on decode-0 (failure reasons overall: {reasons}); \
+                 decode-1 (healthy link) loaded {healthy}; {pair}; slowest request {:.1} s (lease {:.1} s)",
                 ev.notes.join("; "),
                 l.loaded - ev.before,
                 slowest(report),
@@ -454,14 +494,15 @@ impl Drill for KvResets {
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "kv-resets",
-            description: "reset a decode worker's KV connection (RST both ends, proxy) mid-transfer, re-armed \
-                          after each strike: each cut load fails at once and is recomputed, answers identical",
+            description: "reset decode-0's KV connection (RST both ends, proxy) mid-transfer, re-armed after each \
+                          strike: each cut load fails at once and is recomputed; 3 in a row open the breaker of \
+                          (prefill-0, decode-0) and decode-1 (healthy link) takes the load; answers identical",
         }
     }
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
-            spec: policy_only(ClusterSpec::default().prefill("g1").decode_behind_proxy("g1")),
+            spec: with_healthy_decode(ClusterSpec::default().prefill("g1").decode_behind_proxy("g1")),
             requests: 8,
             max_tokens: 16,
             concurrency: 2,
@@ -511,10 +552,12 @@ impl Drill for KvResets {
             let resets =
                 decode_worker(c).map_err(|e| e.to_string())?.proxy.as_ref().ok_or("no proxy")?.counters().resets;
             let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+            let (healthy, _) = healthy_loads(c).await?;
+            let pair = faulty_pair(c).await?;
             let failed = l.failed - ev.before;
             let seen = format!(
-                "the proxy reset {resets} KV connection(s); the decode worker counted {failed} failed load(s) \
-                 ({reasons}), {} recomputed, {} of {} arrived intact",
+                "the proxy reset {resets} KV connection(s); decode-0 counted {failed} failed load(s) ({reasons}), \
+                 {} recomputed, {} arrived intact; decode-1 (healthy link) loaded {healthy}; of {} requests; {pair}",
                 l.recomputed,
                 l.loaded,
                 report.records.len()

@@ -97,6 +97,7 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(kv::KvResets),
         Box::new(coordinator::PrefillErrors),
         Box::new(coordinator::PrefillUnavailable),
+        Box::new(coordinator::LayoutMismatch),
         Box::new(coordinator::SlowReader),
         Box::new(etcd::EtcdLeaderKill),
         Box::new(etcd::EtcdQuorumLoss),

@@ -110,17 +110,17 @@ struct Flags {
     /// Env: TANDEM_STREAM_IDLE_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_STREAM_IDLE_TIMEOUT_MS", default_value_t = 30_000)]
     stream_idle_timeout_ms: u64,
-    /// Consecutive failed remote prefills (as the decode workers report
-    /// them) that open a prefill worker's circuit breaker; 0 disables the
-    /// breakers. Env: TANDEM_PREFILL_BREAKER_FAILURES.
+    /// Consecutive failed remote prefills on one (prefill worker, decode
+    /// worker) pair, as that decode worker reports them, that open the
+    /// pair's circuit breaker; 0 disables the breakers. Env: TANDEM_PREFILL_BREAKER_FAILURES.
     #[arg(long, env = "TANDEM_PREFILL_BREAKER_FAILURES", default_value_t = 3)]
     prefill_breaker_failures: u32,
-    /// How long an open breaker keeps its prefill worker out of routing
-    /// before one request probes it, ms. Env: TANDEM_PREFILL_BREAKER_COOLDOWN_MS.
+    /// How long an open breaker keeps its pair out of routing before one
+    /// request probes it, ms. Env: TANDEM_PREFILL_BREAKER_COOLDOWN_MS.
     #[arg(long, env = "TANDEM_PREFILL_BREAKER_COOLDOWN_MS", default_value_t = 5_000)]
     prefill_breaker_cooldown_ms: u64,
-    /// What a long prompt gets while every prefill worker of its group has an
-    /// open breaker: `refuse` (503 `prefill_unavailable` + Retry-After, at
+    /// What a long prompt gets while every ready decode worker's pairs with
+    /// its group's prefill workers have open breakers: `refuse` (503 `prefill_unavailable` + Retry-After, at
     /// once) or `local` (the decode worker prefills it; for decode workers
     /// running `kv_load_failure_policy = recompute`). Env: TANDEM_PREFILL_BREAKER_OPEN.
     #[arg(long, env = "TANDEM_PREFILL_BREAKER_OPEN", default_value = "refuse", value_parser = ["refuse", "local"])]
