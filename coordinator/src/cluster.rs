@@ -459,7 +459,20 @@ impl Cluster {
                     if refused_at_start(&first) && attempt < MAX_DECODE_ATTEMPTS {
                         tracing::warn!(worker = %route.decode, "decode worker refused (fenced or draining); routing again");
                         self.board.mark_not_ready(&route.decode);
+                        metrics::decode_reroute("refused");
                         continue;
+                    }
+                    // The stream broke before its first message (the connection was reset
+                    // while the worker prefilled or loaded KV): still nothing reached the
+                    // client, so another worker may take the request. The worker sees its
+                    // stream end and cancels the request there, freeing its KV.
+                    if let Err(s) = &first {
+                        if transport_failure(s.code()) && attempt < MAX_DECODE_ATTEMPTS {
+                            tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker stream broke before its first token; routing again");
+                            self.board.mark_unreachable(&route.decode);
+                            metrics::decode_reroute("stream_broken");
+                            continue;
+                        }
                     }
                     return Ok((WorkerStream { first: Some(first), rest }, lease));
                 }
@@ -471,6 +484,7 @@ impl Cluster {
                 Err(s) if transport_failure(s.code()) && attempt < MAX_DECODE_ATTEMPTS => {
                     tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker unreachable; routing again");
                     self.board.mark_unreachable(&route.decode);
+                    metrics::decode_reroute("unreachable");
                 }
                 Err(s) => {
                     return Err(unavailable(
