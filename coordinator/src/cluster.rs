@@ -558,3 +558,99 @@ pub fn worker_error(e: &proto::worker::v1::WorkerError) -> ApiError {
         err
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::Load;
+    use proto::worker::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+    use proto::worker::v1::{
+        AbortRequest, AbortResponse, FinishReason, Finished, GenerateResponse, HealthRequest, HealthResponse,
+        TokenChunk,
+    };
+    use tonic::{Request, Response, Status};
+
+    /// A decode worker whose streams break before their first message (`broken`: the
+    /// status a reset connection gives), or answer one token and finish.
+    struct Fake {
+        broken: bool,
+        calls: Arc<AtomicUsize>,
+    }
+
+    #[tonic::async_trait]
+    impl DecodeWorker for Fake {
+        type GenerateStream = tokio_stream::Iter<std::vec::IntoIter<Result<GenerateResponse, Status>>>;
+
+        async fn generate(&self, _: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let event = |e| Ok(GenerateResponse { event: Some(e), prefill_attempts: Vec::new() });
+            let events = if self.broken {
+                vec![Err(Status::unavailable("error reading a body from connection: connection reset by peer"))]
+            } else {
+                vec![
+                    event(generate_response::Event::Token(TokenChunk { id: 7, logprob: None, top: Vec::new() })),
+                    event(generate_response::Event::Finished(Finished {
+                        reason: FinishReason::Length as i32,
+                        prompt_tokens: 3,
+                        generated_tokens: 1,
+                        prefilled_remotely: false,
+                    })),
+                ]
+            };
+            Ok(Response::new(tokio_stream::iter(events)))
+        }
+
+        async fn abort(&self, _: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+            Ok(Response::new(AbortResponse { found: false }))
+        }
+
+        async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+            Ok(Response::new(HealthResponse { live: true, ready: true, ..HealthResponse::default() }))
+        }
+    }
+
+    async fn serve(broken: bool) -> (String, Arc<AtomicUsize>) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = l.local_addr().expect("addr").to_string();
+        let svc = DecodeWorkerServer::new(Fake { broken, calls: calls.clone() });
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(l)),
+        );
+        (addr, calls)
+    }
+
+    fn idle(running: u32) -> Load {
+        Load {
+            ready: true,
+            reachable: true,
+            kv_blocks_total: 100,
+            kv_blocks_used: 0,
+            running,
+            waiting: 0,
+            at: tokio::time::Instant::now(),
+        }
+    }
+
+    /// A stream that breaks before its first message reached nobody: the request goes to
+    /// another decode worker instead of ending in a `worker_stream` error.
+    #[tokio::test]
+    async fn a_stream_broken_before_its_first_message_is_routed_again() {
+        let (broken, broken_calls) = serve(true).await;
+        let (fine, fine_calls) = serve(false).await;
+        let source = Source::Static { decode: vec![broken.clone(), fine.clone()], prefill: Vec::new() };
+        let c = Arc::new(Cluster::new(source, RouteSettings::default()).expect("cluster"));
+        // The broken worker looks idlest, so it is tried first.
+        c.board().set(&broken, idle(0));
+        c.board().set(&fine, idle(5));
+        let params = SamplingParams { max_tokens: 1, ..SamplingParams::default() };
+        let (mut stream, _lease) =
+            c.generate("r1".into(), vec![1, 2, 3], &params, 0).await.map_err(|e| e.message).expect("routed again");
+        let first = stream.message().await.expect("a message").and_then(|m| m.event);
+        assert!(matches!(first, Some(generate_response::Event::Token(TokenChunk { id: 7, .. }))), "{first:?}");
+        assert_eq!((broken_calls.load(Ordering::SeqCst), fine_calls.load(Ordering::SeqCst)), (1, 1));
+        assert!(c.board().get(&broken).is_some_and(|l| !l.reachable), "the broken worker is marked unreachable");
+    }
+}

@@ -330,7 +330,7 @@ impl Drill for ControlLinkResets {
                 }
             })
             .await;
-            let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before;
+            let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before + 0.0;
             let text = format!(
                 "the control proxy reset {resets} connection(s) ({}); {ended_typed} request(s) mid-answer ended in \
                  worker_stream, {rerouted} were routed again before their first token ({broken} of them on a \
