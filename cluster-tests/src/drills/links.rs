@@ -195,13 +195,19 @@ impl Drill for RequestLinkDelay {
         })
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, _: &'a Evidence, report: &'a Report) -> BoxFuture<'a, Result<String, String>> {
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        _: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
         Box::pin(async move {
             let k = client_proxy(c).map_err(|e| e.to_string())?.counters();
             let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
             let min = k.min_delay_ms.unwrap_or(0);
             let s = report.summary();
-            let ms = |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3));
+            let ms =
+                |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3));
             let text = format!(
                 "the proxy delayed {} chunk(s) to the clients by {min}..{} ms (want within [{lo}, {hi}]); {} of {} \
                  answers complete; TTFT p50 {} p99 {}",
@@ -277,9 +283,8 @@ impl Drill for ControlLinkResets {
                         if load.finished() {
                             return true;
                         }
-                        let running = crate::metrics::scrape(m)
-                            .await
-                            .map_or(0.0, |p| p.sum("tandem_num_requests_running", &[]));
+                        let running =
+                            crate::metrics::scrape(m).await.map_or(0.0, |p| p.sum("tandem_num_requests_running", &[]));
                         running >= 1.0 && proxy.counters().bytes_forwarded > forwarded + 200
                     }
                 })
