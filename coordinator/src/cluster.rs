@@ -431,7 +431,7 @@ impl Cluster {
         deadline_unix_ms: u64,
     ) -> Result<(WorkerStream, Lease), ApiError> {
         let mut req = GenerateRequest {
-            request_id,
+            request_id: request_id.clone(),
             token_ids,
             sampling: Some(params.into()),
             deadline_unix_ms,
@@ -442,6 +442,13 @@ impl Cluster {
         let mut attempt = 0;
         loop {
             attempt += 1;
+            if attempt > 1 {
+                // Each attempt has its own id: the route may lead back to the worker whose
+                // stream just broke (its load poll got through again), and that worker may
+                // still hold the first attempt until it sees the break; it refuses an id it
+                // runs (`invalid_argument`, seen in the control-link-resets drill).
+                req.request_id = format!("{request_id}.{attempt}");
+            }
             let route = self.route(req.token_ids.len())?;
             let decode = self.decode_entry(&route.decode)?;
             decode.inflight.fetch_add(1, Ordering::Relaxed);
@@ -574,15 +581,15 @@ mod tests {
     /// status a reset connection gives), or answer one token and finish.
     struct Fake {
         broken: bool,
-        calls: Arc<AtomicUsize>,
+        ids: Arc<Mutex<Vec<String>>>,
     }
 
     #[tonic::async_trait]
     impl DecodeWorker for Fake {
         type GenerateStream = tokio_stream::Iter<std::vec::IntoIter<Result<GenerateResponse, Status>>>;
 
-        async fn generate(&self, _: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
-            self.calls.fetch_add(1, Ordering::SeqCst);
+        async fn generate(&self, r: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+            self.ids.lock().unwrap_or_else(|e| e.into_inner()).push(r.into_inner().request_id);
             let event = |e| Ok(GenerateResponse { event: Some(e), prefill_attempts: Vec::new() });
             let events = if self.broken {
                 vec![Err(Status::unavailable("error reading a body from connection: connection reset by peer"))]
@@ -609,17 +616,17 @@ mod tests {
         }
     }
 
-    async fn serve(broken: bool) -> (String, Arc<AtomicUsize>) {
-        let calls = Arc::new(AtomicUsize::new(0));
+    async fn serve(broken: bool) -> (String, Arc<Mutex<Vec<String>>>) {
+        let ids = Arc::new(Mutex::new(Vec::new()));
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = l.local_addr().expect("addr").to_string();
-        let svc = DecodeWorkerServer::new(Fake { broken, calls: calls.clone() });
+        let svc = DecodeWorkerServer::new(Fake { broken, ids: ids.clone() });
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(svc)
                 .serve_with_incoming(tonic::transport::server::TcpIncoming::from(l)),
         );
-        (addr, calls)
+        (addr, ids)
     }
 
     fn idle(running: u32) -> Load {
@@ -635,11 +642,12 @@ mod tests {
     }
 
     /// A stream that breaks before its first message reached nobody: the request goes to
-    /// another decode worker instead of ending in a `worker_stream` error.
+    /// another decode worker instead of ending in a `worker_stream` error, under an id of
+    /// its own (a worker still holding the broken attempt would refuse the same id).
     #[tokio::test]
     async fn a_stream_broken_before_its_first_message_is_routed_again() {
-        let (broken, broken_calls) = serve(true).await;
-        let (fine, fine_calls) = serve(false).await;
+        let (broken, broken_ids) = serve(true).await;
+        let (fine, fine_ids) = serve(false).await;
         let source = Source::Static { decode: vec![broken.clone(), fine.clone()], prefill: Vec::new() };
         let c = Arc::new(Cluster::new(source, RouteSettings::default()).expect("cluster"));
         // The broken worker looks idlest, so it is tried first.
@@ -650,7 +658,8 @@ mod tests {
             c.generate("r1".into(), vec![1, 2, 3], &params, 0).await.map_err(|e| e.message).expect("routed again");
         let first = stream.message().await.expect("a message").and_then(|m| m.event);
         assert!(matches!(first, Some(generate_response::Event::Token(TokenChunk { id: 7, .. }))), "{first:?}");
-        assert_eq!((broken_calls.load(Ordering::SeqCst), fine_calls.load(Ordering::SeqCst)), (1, 1));
+        let ids = |m: &Mutex<Vec<String>>| m.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        assert_eq!((ids(&broken_ids), ids(&fine_ids)), (vec!["r1".to_owned()], vec!["r1.2".to_owned()]));
         assert!(c.board().get(&broken).is_some_and(|l| !l.reachable), "the broken worker is marked unreachable");
     }
 }

@@ -17,6 +17,8 @@ use crate::{eventually, HarnessError};
 
 const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("outcome", "cancelled")]);
 const REROUTES: &str = "tandem_coordinator_decode_reroutes_total";
+/// Requests a decode worker routed for prefill: counted as each arrives.
+const ROUTED: &str = "tandem_prefill_route_total";
 
 /// Waits (bounded) until the load has finished.
 async fn load_finished(load: &Progress) -> Result<(), HarnessError> {
@@ -245,10 +247,10 @@ impl Drill for ControlLinkResets {
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "control-link-resets",
-            description: "reset the coordinator's gRPC connection to a streaming decode worker (RST, proxy on the \
-                          control link), 3 times: requests before their first token go to the other decode \
-                          worker, those mid-answer end in a typed worker_stream error (never spliced), the worker \
-                          cancels them and frees their KV",
+            description: "reset the coordinator's gRPC connection to a decode worker (RST, proxy on the control \
+                          link) mid-answer, at a request's start, mid-answer again: requests before their first \
+                          token go to the other decode worker, those mid-answer end in a typed worker_stream error \
+                          (never spliced), the worker cancels them and frees their KV",
         }
     }
 
@@ -275,28 +277,36 @@ impl Drill for ControlLinkResets {
             ev.before = crate::metrics::scrape(&m).await?.sum(CANCELLED.0, CANCELLED.1) + 0.0;
             let mut strikes = 0;
             while strikes < STRIKES && !load.finished() {
-                // A request streams through the proxy: the worker runs it and has sent tokens since.
+                // Strikes alternate: mid-answer (the worker runs a request and has streamed
+                // tokens since), then just after a request arrived (the worker has routed its
+                // prompt to the prefill worker: its first token is a prefill away).
+                let mid_answer = strikes % 2 == 0;
                 let forwarded = proxy.counters().bytes_forwarded;
-                let busy = eventually(&format!("{BEHIND} streams a request (or the load ends)"), LOAD_WAIT, || {
+                let started = crate::metrics::scrape(&m).await?.sum(ROUTED, &[]);
+                let what = if mid_answer { "streams a request" } else { "starts a request" };
+                eventually(&format!("{BEHIND} {what} (or the load ends)"), LOAD_WAIT, || {
                     let m = &m;
                     async move {
                         if load.finished() {
                             return true;
                         }
-                        let running =
-                            crate::metrics::scrape(m).await.map_or(0.0, |p| p.sum("tandem_num_requests_running", &[]));
-                        running >= 1.0 && proxy.counters().bytes_forwarded > forwarded + 200
+                        let Ok(p) = crate::metrics::scrape(m).await else { return false };
+                        if mid_answer {
+                            p.sum("tandem_num_requests_running", &[]) >= 1.0
+                                && proxy.counters().bytes_forwarded > forwarded + 200
+                        } else {
+                            p.sum(ROUTED, &[]) > started
+                        }
                     }
                 })
-                .await;
-                busy?;
+                .await?;
                 if load.finished() {
                     break;
                 }
                 ev.began();
                 if !skip {
                     let n = proxy.reset_open();
-                    ev.notes.push(format!("reset {n} open connection(s)"));
+                    ev.notes.push(format!("{} {n}", if mid_answer { "mid-answer" } else { "at a request's start" }));
                 }
                 strikes += 1;
             }
@@ -337,7 +347,7 @@ impl Drill for ControlLinkResets {
             .await;
             let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before + 0.0;
             let text = format!(
-                "the control proxy reset {resets} connection(s) ({}); {ended_typed} request(s) mid-answer ended in \
+                "the control proxy reset {resets} connection(s) (open ones, by strike: {}); {ended_typed} request(s) mid-answer ended in \
                  worker_stream, {rerouted} were routed again before their first token ({broken} of them on a \
                  broken stream); {BEHIND} cancelled {cancelled}",
                 ev.notes.join(", ")
