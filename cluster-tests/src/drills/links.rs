@@ -163,7 +163,7 @@ impl Drill for RequestLinkDelay {
         DrillInfo {
             name: "request-link-delay",
             description: "75 ms ± 50 ms latency on every chunk the coordinator sends its clients (proxy on the \
-                          request link): every answer complete and identical, nothing lost, TTFT grows by the delay",
+                          request link): every answer complete and identical, nothing lost; TTFT p50/p99 in the proof",
         }
     }
 
