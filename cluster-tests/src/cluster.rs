@@ -58,6 +58,13 @@ pub struct ClusterSpec {
     /// Processes (`decode-1`, `coordinator`, ...) whose etcd traffic crosses fault
     /// proxies, one per member ([`Cluster::etcd_proxies`]), to cut them off alone.
     pub etcd_via_proxy: Vec<String>,
+    /// Clients (loadgen) reach the coordinator's HTTP port through a fault proxy acting on
+    /// its answers ([`Cluster::client_proxy`]): the request link.
+    pub clients_via_proxy: bool,
+    /// Decode workers (`decode-0`, ...) the coordinator reaches through a fault proxy acting
+    /// on their answers ([`Cluster::control_proxies`]): the control link. Each binds its gRPC
+    /// on a fixed port and advertises the proxy (`--advertise-grpc`).
+    pub control_via_proxy: Vec<String>,
 }
 
 impl Default for ClusterSpec {
@@ -71,6 +78,8 @@ impl Default for ClusterSpec {
             coordinators: 1,
             etcd_members: 1,
             etcd_via_proxy: Vec::new(),
+            clients_via_proxy: false,
+            control_via_proxy: Vec::new(),
         }
     }
 }
@@ -159,6 +168,20 @@ impl ClusterSpec {
     /// through fault proxies of its own.
     pub fn etcd_via_proxy(mut self, name: &str) -> Self {
         self.etcd_via_proxy.push(name.into());
+        self
+    }
+
+    /// Puts a fault proxy between the clients and the coordinator's HTTP port (its faults
+    /// act on the coordinator's answers).
+    pub fn clients_via_proxy(mut self) -> Self {
+        self.clients_via_proxy = true;
+        self
+    }
+
+    /// Puts a fault proxy between the coordinator and decode worker `name`'s gRPC port
+    /// (its faults act on the worker's answers: the token streams).
+    pub fn control_via_proxy(mut self, name: &str) -> Self {
+        self.control_via_proxy.push(name.into());
         self
     }
 
@@ -258,6 +281,11 @@ pub struct Cluster {
     pub other_coordinators: Vec<Proc>,
     /// The round-robin front clients use when there are several coordinators.
     pub front: Option<Front>,
+    /// The fault proxy clients reach the coordinator through ([`ClusterSpec::clients_via_proxy`]).
+    pub client_proxy: Option<Proxy>,
+    /// Fault proxies on the coordinator's gRPC link to decode workers, by worker name
+    /// ([`ClusterSpec::control_via_proxy`]).
+    pub control_proxies: BTreeMap<String, Proxy>,
     /// When a coordinator was SIGKILLed: (signal sent, death seen). A request in flight
     /// across one may end in a transport error (counted as `coordinator_lost`).
     pub coordinator_kills: Vec<(Instant, Instant)>,
@@ -341,6 +369,7 @@ impl Cluster {
             spec.workers.iter().map(|w| w.netns.then(Netns::create).transpose()).collect::<Result<Vec<_>, _>>()?;
         let gateway = spaces.iter().flatten().next().map(|ns| ns.host_ip);
         let mut starting = JoinSet::new();
+        let mut control_proxies = BTreeMap::new();
         let mut counts = BTreeMap::<Role, usize>::new();
         for (w, netns) in spec.workers.iter().zip(spaces.iter_mut().map(Option::take)) {
             let n = counts.entry(w.role).or_insert(0);
@@ -406,6 +435,12 @@ impl Cluster {
                     proxy = Some(p);
                 }
             }
+            if spec.control_via_proxy.contains(&name) {
+                let grpc = free_port()?;
+                let p = Proxy::start_replies(grpc)?;
+                args.extend(["--grpc".into(), grpc.to_string(), "--advertise-grpc".into(), p.addr.to_string()]);
+                control_proxies.insert(name.clone(), p);
+            }
             args.extend(w.extra.iter().cloned());
             let (role, group, dir) = (w.role, w.group.clone(), log_dir.clone());
             starting.spawn(async move {
@@ -464,6 +499,18 @@ impl Cluster {
         let front = if http.len() > 1 { Some(Front::start(http).await?) } else { None };
         let mut coordinators = coordinators.into_iter();
         let coordinator = coordinators.next().ok_or_else(|| HarnessError::Setup("no coordinator".into()))?;
+        let client_proxy = if spec.clients_via_proxy {
+            let upstream = match &front {
+                Some(f) => f.addr,
+                None => coordinator
+                    .addr("http")?
+                    .parse()
+                    .map_err(|e| HarnessError::Setup(format!("the coordinator's http address: {e}")))?,
+            };
+            Some(Proxy::start_replies(upstream)?)
+        } else {
+            None
+        };
         let other_coordinators: Vec<Proc> = coordinators.collect();
         let cluster = Self {
             etcd,
@@ -474,6 +521,8 @@ impl Cluster {
             coordinator,
             other_coordinators,
             front,
+            client_proxy,
+            control_proxies,
             coordinator_kills: Vec::new(),
             prefix,
             log_dir,
@@ -569,6 +618,8 @@ impl Cluster {
             coordinator,
             other_coordinators: coordinators.collect(),
             front: None,
+            client_proxy: None,
+            control_proxies: BTreeMap::new(),
             coordinator_kills: Vec::new(),
             prefix: String::new(),
             log_dir: temp_dir()?,
@@ -630,11 +681,13 @@ impl Cluster {
         self.coordinator.addr("http")
     }
 
-    /// The base URL for loadgen: the coordinator's, or the front's when there are several.
+    /// The base URL for loadgen: the client proxy's when there is one, else the front's
+    /// when there are several coordinators, else the coordinator's.
     pub fn base_url(&self) -> Result<String, HarnessError> {
-        match &self.front {
-            Some(f) => Ok(format!("http://{}", f.addr)),
-            None => Ok(format!("http://{}", self.http_addr()?)),
+        match (&self.client_proxy, &self.front) {
+            (Some(p), _) => Ok(format!("http://{}", p.addr)),
+            (None, Some(f)) => Ok(format!("http://{}", f.addr)),
+            (None, None) => Ok(format!("http://{}", self.http_addr()?)),
         }
     }
 

@@ -73,6 +73,10 @@ pub struct Invariants {
     /// so nobody is left to send a typed one. Such requests are counted apart
     /// (`coordinator_lost`), never as complete and never silently.
     pub coordinator_kills: Vec<(Duration, Duration)>,
+    /// The drill cuts client connections on purpose (a fault proxy on the request link
+    /// resets them): a transport error is such a request's expected end. Counted apart
+    /// (`cut_by_fault`); the drill's proof checks their number equals the proxy's resets.
+    pub cuts_allowed: bool,
 }
 
 impl Default for Invariants {
@@ -87,6 +91,7 @@ impl Default for Invariants {
             goodput: None,
             max_rss_growth_mib: 64.0,
             coordinator_kills: Vec::new(),
+            cuts_allowed: false,
         }
     }
 }
@@ -183,12 +188,28 @@ impl Invariants {
                     }
                 }
                 Outcome::Transport(_) if self.coordinator_lost(r) && !self.all_complete => {}
+                Outcome::Transport(_) if self.cuts_allowed => {}
                 Outcome::Timeout => v.push(Violation::new(
                     Guarantee::G1,
                     format!("request {i}: hung until the client gave up ({:?})", r.e2e),
                 )),
                 other => {
                     v.push(Violation::new(Guarantee::G1, format!("request {i}: lost, not a typed outcome: {other:?}")))
+                }
+            }
+            // Whatever reached the client before an error is the start of the no-fault answer:
+            // tokens are never duplicated, spliced from another attempt or reordered.
+            if !r.outcome.is_complete() && !r.text.is_empty() {
+                if let Some(want) = reference.get(i).filter(|w| !w.starts_with(&r.text)) {
+                    v.push(Violation::new(
+                        Guarantee::G1,
+                        format!(
+                            "request {i}: the text it got before `{}` is not the start of the no-fault answer:\n  \
+                             got  {:?}\n  want {want:?}",
+                            r.outcome.label(),
+                            r.text
+                        ),
+                    ));
                 }
             }
             if r.e2e > self.deadline + self.grace {

@@ -10,6 +10,17 @@
 //! order behind their deadline and none waits for another). The proxy counts
 //! what it did, which is how a drill proves the fault happened.
 //!
+//! Which way the faults act is the proxy's [`Direction`]: by default on the
+//! client's bytes to the upstream (a KV push), or with [`Proxy::start_replies`]
+//! on the upstream's answers to the client (an HTTP response stream, a gRPC
+//! token stream). The other direction is forwarded untouched.
+//!
+//! [`Fault::Reorder`] swaps two adjacent runs of bytes: in a byte stream,
+//! reordering can only mean bytes delivered out of order. [`Fault::ResetNextAfter`]
+//! picks a connection rather than a byte: the next one accepted, so that a
+//! client making one connection per request has exactly that request cut.
+//! [`Proxy::reset_open`] resets every connection open at that moment.
+//!
 //! [`Fault::Blackhole`] is a partition rather than a fault on the stream: while armed no
 //! byte crosses either way on any connection, and new connections are accepted but never
 //! connected upstream, so the client sees silence (not a refusal or a reset). Lifting it
@@ -43,6 +54,14 @@ pub enum Fault {
     /// Delay every sender-to-receiver byte by `base` ± up to `jitter` (uniform), in order,
     /// until another fault is armed.
     Delay { base: Duration, jitter: Duration },
+    /// The `len` bytes starting `after` bytes from arming trade places with the `len` bytes
+    /// that follow them (one swap, counted in [`ProxyCounters::swaps`]), on whichever
+    /// connection carries them. A sender that pauses meanwhile (it waits for an answer)
+    /// gets what was held delivered after [`REORDER_WAIT`], still swapped.
+    Reorder { after: usize, len: usize },
+    /// The next connection accepted from now on forwards this many bytes, then is reset
+    /// (both ends get an RST); one connection per arming.
+    ResetNextAfter(usize),
     /// A partition, until another fault (e.g. [`Fault::None`]) is armed: bytes either way
     /// are read and dropped, new connections are accepted and never connected upstream.
     /// Lifting it closes the connections that lost bytes and those accepted meanwhile.
@@ -62,8 +81,12 @@ pub struct ProxyCounters {
     pub holds: u64,
     /// The sender's address (its local end) of the connection held last.
     pub held_peer: Option<SocketAddr>,
-    /// Connections reset.
+    /// Connections reset (by [`Fault::ResetAfter`], [`Fault::ResetNextAfter`] or
+    /// [`Proxy::reset_open`]).
     pub resets: u64,
+    /// Adjacent runs of bytes swapped ([`Fault::Reorder`]), and the bytes they moved.
+    pub swaps: u64,
+    pub swapped_bytes: u64,
     /// Chunks delayed, and the longest and shortest delay given (ms).
     pub delayed_chunks: u64,
     pub max_delay_ms: u64,
@@ -79,6 +102,25 @@ pub struct ProxyCounters {
     pub blackhole_closed: u64,
 }
 
+/// Which bytes the armed fault acts on; the other direction is forwarded untouched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Direction {
+    /// The client's bytes to the upstream (requests, a KV push).
+    Requests,
+    /// The upstream's bytes to the client (responses, a token stream).
+    Replies,
+}
+
+/// How long a [`Fault::Reorder`] holds bytes for a sender that paused before the swap was whole.
+pub const REORDER_WAIT: Duration = Duration::from_millis(200);
+
+/// One connection's sockets, and whether it was reset (then it is not closed gracefully).
+#[derive(Debug)]
+struct Live {
+    socks: [TcpStream; 2],
+    reset: Arc<AtomicBool>,
+}
+
 #[derive(Debug)]
 struct State {
     armed: Fault,
@@ -89,7 +131,7 @@ struct State {
     /// xorshift state for the delay's jitter.
     rng: u64,
     /// Both sockets of every connection being forwarded, to close those a blackhole hit.
-    live: HashMap<u64, [TcpStream; 2]>,
+    live: HashMap<u64, Live>,
     /// Connections that lost bytes to the blackhole armed now.
     tainted: HashSet<u64>,
     /// Connections accepted during the blackhole armed now.
@@ -101,8 +143,8 @@ impl State {
     fn lift(&mut self) {
         let mut closed = 0;
         for id in std::mem::take(&mut self.tainted) {
-            if let Some(socks) = self.live.remove(&id) {
-                for s in &socks {
+            if let Some(l) = self.live.remove(&id) {
+                for s in &l.socks {
                     let _ = s.shutdown(Shutdown::Both);
                 }
                 closed += 1;
@@ -127,17 +169,29 @@ fn lock(s: &Shared) -> MutexGuard<'_, State> {
 pub struct Proxy {
     pub addr: SocketAddr,
     pub upstream: SocketAddr,
+    /// Which way its faults act.
+    pub direction: Direction,
     state: Shared,
 }
 
 impl Proxy {
+    /// A loopback proxy whose faults act on the client's bytes ([`Direction::Requests`]).
     pub fn start(upstream: SocketAddr) -> Result<Self, HarnessError> {
         Self::start_on(std::net::Ipv4Addr::LOCALHOST.into(), upstream)
+    }
+
+    /// A loopback proxy whose faults act on the upstream's answers ([`Direction::Replies`]).
+    pub fn start_replies(upstream: SocketAddr) -> Result<Self, HarnessError> {
+        Self::start_with(std::net::Ipv4Addr::LOCALHOST.into(), upstream, Direction::Replies)
     }
 
     /// A proxy listening on `bind_ip` (any free port), e.g. a namespace's gateway
     /// address, so processes inside a [`crate::Netns`] reach a host-loopback `upstream`.
     pub fn start_on(bind_ip: std::net::IpAddr, upstream: SocketAddr) -> Result<Self, HarnessError> {
+        Self::start_with(bind_ip, upstream, Direction::Requests)
+    }
+
+    fn start_with(bind_ip: std::net::IpAddr, upstream: SocketAddr, direction: Direction) -> Result<Self, HarnessError> {
         let listener = TcpListener::bind(SocketAddr::new(bind_ip, 0))
             .map_err(|e| HarnessError::Setup(format!("proxy bind {bind_ip}: {e}")))?;
         let addr = listener.local_addr().map_err(|e| HarnessError::Setup(format!("proxy addr: {e}")))?;
@@ -179,20 +233,45 @@ impl Proxy {
                 else {
                     continue;
                 };
-                {
+                let reset = Arc::new(AtomicBool::new(false));
+                let reset_next = {
                     let mut s = lock(&st);
                     s.counters.connections += 1;
-                    s.live.insert(id, [down3, up3]);
-                }
+                    s.live.insert(id, Live { socks: [down3, up3], reset: reset.clone() });
+                    match s.armed {
+                        Fault::ResetNextAfter(k) => {
+                            s.armed = Fault::None;
+                            Some(k)
+                        }
+                        _ => None,
+                    }
+                };
                 let peer = down.peer_addr().ok();
                 let (st2, st3) = (st.clone(), st.clone());
-                let reset = Arc::new(AtomicBool::new(false));
                 let reset2 = reset.clone();
-                std::thread::spawn(move || forward(down, up, id, peer, &st2, &reset));
-                std::thread::spawn(move || plain(up2, down2, id, &st3, &reset2));
+                let (sender, receiver, back_from, back_to) = match direction {
+                    Direction::Requests => (down, up, up2, down2),
+                    Direction::Replies => (up, down, down2, up2),
+                };
+                std::thread::spawn(move || forward(sender, receiver, id, peer, reset_next, &st2, &reset));
+                std::thread::spawn(move || plain(back_from, back_to, id, &st3, &reset2));
             }
         });
-        Ok(Self { addr, upstream, state })
+        Ok(Self { addr, upstream, direction, state })
+    }
+
+    /// Resets every connection open now (both ends get an RST); how many.
+    pub fn reset_open(&self) -> u64 {
+        let mut s = lock(&self.state);
+        let open: Vec<Live> = std::mem::take(&mut s.live).into_values().collect();
+        for l in &open {
+            l.reset.store(true, Ordering::SeqCst);
+            for sock in &l.socks {
+                abort(sock);
+            }
+        }
+        s.counters.resets += open.len() as u64;
+        open.len() as u64
     }
 
     /// Arms `fault` on the stream from now on (replacing one not yet struck). Arming
@@ -243,27 +322,102 @@ impl Drop for Proxy {
     }
 }
 
-/// Sender to receiver, with the armed fault applied. A writer thread sends
-/// each chunk at its deadline (now, unless a delay is armed).
-fn forward(mut from: TcpStream, to: TcpStream, id: u64, peer: Option<SocketAddr>, st: &Shared, reset: &AtomicBool) {
+/// A [`Fault::Reorder`] under way on one connection: the first run of bytes held,
+/// then the second gathered, until both are whole (or the sender pauses).
+struct Swap {
+    len: usize,
+    first: Vec<u8>,
+    second: Vec<u8>,
+}
+
+impl Swap {
+    /// Takes what of `bytes` the swap still needs; the rest is returned to pass on.
+    fn take<'b>(&mut self, bytes: &'b [u8]) -> &'b [u8] {
+        let mut rest = bytes;
+        for run in [&mut self.first, &mut self.second] {
+            let k = (self.len - run.len()).min(rest.len());
+            run.extend_from_slice(&rest[..k]);
+            rest = &rest[k..];
+        }
+        rest
+    }
+
+    fn whole(&self) -> bool {
+        self.second.len() == self.len
+    }
+
+    /// The held bytes, second run first; counts a swap when there was a second run.
+    fn deliver(self, st: &Shared) -> Vec<u8> {
+        let mut s = lock(st);
+        if !self.second.is_empty() {
+            s.counters.swaps += 1;
+            s.counters.swapped_bytes += (self.first.len() + self.second.len()) as u64;
+        }
+        s.counters.bytes_forwarded += (self.first.len() + self.second.len()) as u64;
+        drop(s);
+        let mut out = self.second;
+        out.extend_from_slice(&self.first);
+        out
+    }
+}
+
+/// Sender to receiver, with the armed fault applied (and `reset_next`, a
+/// [`Fault::ResetNextAfter`] this connection took when it was accepted). A writer
+/// thread sends each chunk at its deadline (now, unless a delay is armed).
+fn forward(
+    mut from: TcpStream,
+    to: TcpStream,
+    id: u64,
+    peer: Option<SocketAddr>,
+    mut reset_next: Option<usize>,
+    st: &Shared,
+    reset: &AtomicBool,
+) {
     let Ok(to_ctl) = to.try_clone() else { return };
     let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
     let writer = std::thread::spawn(move || write_at_deadlines(to, &rx));
     let mut buf = vec![0u8; 64 << 10];
     // Deadlines never go backwards, so jitter cannot reorder bytes.
     let mut last_due = Instant::now();
+    let mut swap: Option<Swap> = None;
     loop {
+        // While a swap waits for its second run, a pausing sender does not stall it forever.
+        let _ = from.set_read_timeout(swap.as_ref().map(|_| REORDER_WAIT));
         let n = match from.read(&mut buf) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
             Ok(n) => n,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                if let Some(sw) = swap.take() {
+                    if tx.send((last_due.max(Instant::now()), sw.deliver(st))).is_err() {
+                        break;
+                    }
+                }
+                continue;
+            }
+            Err(_) => break,
         };
+        if reset.load(Ordering::SeqCst) {
+            break;
+        }
+        let swapping = swap.is_some();
+        let mut start = 0;
         let mut pass = n;
         let mut reset_now = false;
         let mut delay = Duration::ZERO;
         let mut dropped = false;
         {
             let mut s = lock(st);
+            match reset_next {
+                Some(k) if k < n => {
+                    pass = k;
+                    reset_now = true;
+                    s.counters.resets += 1;
+                }
+                Some(k) => reset_next = Some(k - n),
+                None => {}
+            }
             match s.armed {
+                _ if reset_now => {}
                 Fault::FlipAfter(k) if k < n => {
                     buf[k] ^= 0xFF;
                     s.counters.flips += 1;
@@ -287,6 +441,12 @@ fn forward(mut from: TcpStream, to: TcpStream, id: u64, peer: Option<SocketAddr>
                     s.counters.resets += 1;
                 }
                 Fault::ResetAfter(k) => s.armed = Fault::ResetAfter(k - n),
+                Fault::Reorder { after, len } if after < n && swap.is_none() && len > 0 => {
+                    s.armed = Fault::None;
+                    swap = Some(Swap { len, first: Vec::with_capacity(len), second: Vec::with_capacity(len) });
+                    pass = after;
+                }
+                Fault::Reorder { after, len } if swap.is_none() => s.armed = Fault::Reorder { after: after - n, len },
                 Fault::Delay { base, jitter } => {
                     delay = jittered(&mut s.rng, base, jitter);
                     let ms = delay.as_millis() as u64;
@@ -300,11 +460,35 @@ fn forward(mut from: TcpStream, to: TcpStream, id: u64, peer: Option<SocketAddr>
                     s.counters.blackholed_bytes += n as u64;
                     s.tainted.insert(id);
                 }
-                Fault::None => {}
+                _ => {}
             }
-            s.counters.bytes_forwarded += pass as u64;
+            if swap.is_some() && !reset_now {
+                // Bytes before the swap's start go on; the swap takes what it needs of the rest.
+                start = if swapping { 0 } else { pass };
+                pass = n;
+                s.counters.bytes_forwarded += start as u64;
+            } else {
+                s.counters.bytes_forwarded += pass as u64;
+            }
         }
         last_due = last_due.max(Instant::now() + delay);
+        if let Some(sw) = swap.as_mut().filter(|_| !reset_now) {
+            // Before the swap, after it: what came in this read, in the order it leaves.
+            let before = &buf[..start];
+            let rest = sw.take(&buf[start..n]);
+            let mut out = before.to_vec();
+            if sw.whole() {
+                if let Some(sw) = swap.take() {
+                    out.extend(sw.deliver(st));
+                }
+                lock(st).counters.bytes_forwarded += rest.len() as u64;
+                out.extend_from_slice(rest);
+            }
+            if !out.is_empty() && tx.send((last_due, out)).is_err() {
+                break;
+            }
+            continue;
+        }
         if pass > 0 && tx.send((last_due, buf[..pass].to_vec())).is_err() {
             break;
         }
@@ -324,6 +508,9 @@ fn forward(mut from: TcpStream, to: TcpStream, id: u64, peer: Option<SocketAddr>
                 break;
             }
         }
+    }
+    if let Some(sw) = swap.take().filter(|_| !reset.load(Ordering::SeqCst)) {
+        let _ = tx.send((last_due, sw.deliver(st)));
     }
     drop(tx);
     let _ = writer.join();
@@ -565,5 +752,134 @@ mod tests {
         assert_eq!((k.bytes_forwarded, k.blackholed_bytes, k.blackholed_reply_bytes), (2, 0, 11), "{k:?}");
         p.arm(Fault::None);
         assert_eq!(read_within(&mut c, Duration::from_secs(5)), Some(vec![]), "closed on lift");
+    }
+
+    /// Reads until `want` bytes came or the connection ended; what came, and how it ended.
+    fn read_n(c: &mut TcpStream, want: usize) -> (Vec<u8>, Option<std::io::ErrorKind>) {
+        let mut got = Vec::new();
+        while got.len() < want {
+            let mut b = [0u8; 64];
+            match c.read(&mut b) {
+                Ok(0) => return (got, None),
+                Ok(n) => got.extend_from_slice(&b[..n]),
+                Err(e) => return (got, Some(e.kind())),
+            }
+        }
+        (got, None)
+    }
+
+    #[test]
+    fn a_reorder_swaps_two_adjacent_runs_of_bytes_once() {
+        let p = Proxy::start(echo()).expect("proxy");
+        let mut c = client(&p);
+        c.write_all(b"xy").expect("write");
+        assert_eq!(read_n(&mut c, 2).0, b"xy", "untouched before arming");
+        p.arm(Fault::Reorder { after: 4, len: 3 });
+        // Across writes (and so reads): the swap is by byte offset, not by chunk.
+        c.write_all(b"01234").expect("write");
+        c.write_all(b"56789").expect("write");
+        c.write_all(b"ABC").expect("write");
+        assert_eq!(read_n(&mut c, 13).0, b"0123789456ABC");
+        let k = p.counters();
+        assert_eq!((k.swaps, k.swapped_bytes, k.bytes_forwarded), (1, 6, 15), "{k:?}");
+        c.write_all(b"DEF").expect("write");
+        assert_eq!(read_n(&mut c, 3).0, b"DEF", "one swap per arming");
+        assert_eq!(p.counters().swaps, 1);
+    }
+
+    #[test]
+    fn a_reorder_whose_sender_pauses_lets_the_held_bytes_go_unswapped() {
+        let p = Proxy::start(echo()).expect("proxy");
+        let mut c = client(&p);
+        p.arm(Fault::Reorder { after: 0, len: 4 });
+        // Less than one run, then silence (a sender waiting for an answer): no deadlock.
+        c.write_all(b"ab").expect("write");
+        let t0 = Instant::now();
+        assert_eq!(read_n(&mut c, 2).0, b"ab");
+        assert!(t0.elapsed() >= REORDER_WAIT, "{:?}", t0.elapsed());
+        assert_eq!(p.counters().swaps, 0, "nothing came to swap with");
+    }
+
+    #[test]
+    fn reset_next_after_cuts_only_the_next_connection() {
+        let p = Proxy::start(echo()).expect("proxy");
+        let mut old = client(&p);
+        // An echo proves the proxy accepted it (connect returns before that).
+        old.write_all(b"0").expect("write");
+        assert_eq!(read_n(&mut old, 1).0, b"0");
+        p.arm(Fault::ResetNextAfter(3));
+        old.write_all(b"abcdef").expect("write");
+        assert_eq!(read_n(&mut old, 6).0, b"abcdef", "a connection opened before arming is not cut");
+        let mut next = client(&p);
+        next.write_all(b"abcdef").expect("write");
+        // Three bytes pass, then RST (which may overtake their echo): reset, never EOF.
+        let (got, end) = read_n(&mut next, 6);
+        assert!(b"abc".starts_with(&got), "{got:?}");
+        assert_eq!(end, Some(std::io::ErrorKind::ConnectionReset));
+        let mut later = client(&p);
+        later.write_all(b"ghi").expect("write");
+        assert_eq!(read_n(&mut later, 3).0, b"ghi", "one connection per arming");
+        assert_eq!(p.counters().resets, 1);
+    }
+
+    /// An upstream that greets every connection with `hello world`, then echoes.
+    fn greeter() -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(mut c) = c else { return };
+                std::thread::spawn(move || {
+                    if c.write_all(b"hello world").is_err() {
+                        return;
+                    }
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n) = c.read(&mut buf) {
+                        if n == 0 || c.write_all(&buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn a_replies_proxy_faults_the_upstreams_bytes() {
+        let p = Proxy::start_replies(greeter()).expect("proxy");
+        assert_eq!(p.direction, Direction::Replies);
+        p.arm(Fault::ResetNextAfter(5));
+        let mut c = client(&p);
+        let (got, end) = read_n(&mut c, 11);
+        assert!(b"hello".starts_with(&got), "{got:?}");
+        assert_eq!(end, Some(std::io::ErrorKind::ConnectionReset));
+        // The client's bytes are not counted: a delay on replies holds back the answer only.
+        p.arm(Fault::Delay { base: Duration::from_millis(60), jitter: Duration::ZERO });
+        let mut c = client(&p);
+        assert_eq!(read_n(&mut c, 11).0, b"hello world");
+        c.write_all(b"!").expect("write");
+        let t0 = Instant::now();
+        assert_eq!(read_n(&mut c, 1).0, b"!");
+        assert!(t0.elapsed() >= Duration::from_millis(60), "{:?}", t0.elapsed());
+        let k = p.counters();
+        assert_eq!((k.resets, k.delayed_chunks), (1, 2), "{k:?}");
+    }
+
+    #[test]
+    fn reset_open_resets_every_open_connection() {
+        let p = Proxy::start_replies(greeter()).expect("proxy");
+        let mut a = client(&p);
+        let mut b = client(&p);
+        assert_eq!(read_n(&mut a, 11).0, b"hello world");
+        assert_eq!(read_n(&mut b, 11).0, b"hello world");
+        assert_eq!(p.reset_open(), 2);
+        for c in [&mut a, &mut b] {
+            let (got, end) = read_n(c, 1);
+            assert_eq!((got.len(), end), (0, Some(std::io::ErrorKind::ConnectionReset)));
+        }
+        assert_eq!(p.counters().resets, 2);
+        let mut fresh = client(&p);
+        assert_eq!(read_n(&mut fresh, 11).0, b"hello world", "new connections go on");
     }
 }

@@ -309,3 +309,49 @@ async fn an_etcd_cutoff_without_its_partition_fails_its_proof() -> TestResult {
     assert_eq!(r.complete, r.requests);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_reorder() -> TestResult {
+    let r = drill("kv-reorder").await?;
+    assert_eq!(r.complete, r.requests, "policy recompute answers every request");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_link_resets() -> TestResult {
+    let r = drill("request-link-resets").await?;
+    // The cut requests end in transport errors, counted apart; the rest complete.
+    assert!(r.typed_errors.is_empty(), "{:?}", r.typed_errors);
+    assert!(r.cut_by_fault >= 1, "{}", r.proof);
+    assert_eq!(r.complete + r.cut_by_fault, r.requests);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_link_delay() -> TestResult {
+    let r = drill("request-link-delay").await?;
+    assert_eq!(r.complete, r.requests);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_link_resets() -> TestResult {
+    let r = drill("control-link-resets").await?;
+    // Mid-answer cuts end typed; the rest (re-routed before their first token, or untouched) complete.
+    assert!(r.typed_errors.keys().all(|k| k == "stream_error worker_stream"), "{:?}", r.typed_errors);
+    Ok(())
+}
+
+/// With its resets skipped, request-link-resets runs clean — and must still fail, on G6,
+/// saying the proxy reset nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_link_resets_without_its_resets_fails_its_proof() -> TestResult {
+    let r = run_drill("request-link-resets", &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+    assert!(!r.fault_proven, "{}", r.proof);
+    let g6 = r.of(Guarantee::G6);
+    assert_eq!(g6.len(), 1, "{:#?}", r.violations);
+    assert!(g6[0].detail.contains("the proxy reset 0 client connection(s)"), "{:?}", g6[0]);
+    assert_eq!(r.violations.len(), 1, "only G6: {:#?}", r.violations);
+    assert_eq!((r.complete, r.cut_by_fault), (r.requests, 0));
+    Ok(())
+}

@@ -460,7 +460,7 @@ impl Cluster {
         deadline_unix_ms: u64,
     ) -> Result<(WorkerStream, Lease), ApiError> {
         let mut req = GenerateRequest {
-            request_id,
+            request_id: request_id.clone(),
             token_ids,
             sampling: Some(params.into()),
             deadline_unix_ms,
@@ -471,6 +471,13 @@ impl Cluster {
         let mut attempt = 0;
         loop {
             attempt += 1;
+            if attempt > 1 {
+                // Each attempt has its own id: the route may lead back to the worker whose
+                // stream just broke (its load poll got through again), and that worker may
+                // still hold the first attempt until it sees the break; it refuses an id it
+                // runs (`invalid_argument`, seen in the control-link-resets drill).
+                req.request_id = format!("{request_id}.{attempt}");
+            }
             let route = self.route(req.token_ids.len())?;
             let decode = self.decode_entry(&route.decode)?;
             decode.inflight.fetch_add(1, Ordering::Relaxed);
@@ -488,7 +495,20 @@ impl Cluster {
                     if refused_at_start(&first) && attempt < MAX_DECODE_ATTEMPTS {
                         tracing::warn!(worker = %route.decode, "decode worker refused (fenced or draining); routing again");
                         self.board.mark_not_ready(&route.decode);
+                        metrics::decode_reroute("refused");
                         continue;
+                    }
+                    // The stream broke before its first message (the connection was reset
+                    // while the worker prefilled or loaded KV): still nothing reached the
+                    // client, so another worker may take the request. The worker sees its
+                    // stream end and cancels the request there, freeing its KV.
+                    if let Err(s) = &first {
+                        if transport_failure(s.code()) && attempt < MAX_DECODE_ATTEMPTS {
+                            tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker stream broke before its first token; routing again");
+                            self.board.mark_unreachable(&route.decode);
+                            metrics::decode_reroute("stream_broken");
+                            continue;
+                        }
                     }
                     let stream = WorkerStream {
                         first: Some(first),
@@ -506,6 +526,7 @@ impl Cluster {
                 Err(s) if transport_failure(s.code()) && attempt < MAX_DECODE_ATTEMPTS => {
                     tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker unreachable; routing again");
                     self.board.mark_unreachable(&route.decode);
+                    metrics::decode_reroute("unreachable");
                 }
                 Err(s) => {
                     return Err(unavailable(
@@ -583,7 +604,14 @@ pub fn worker_error(e: &proto::worker::v1::WorkerError) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::load::Load;
+    use proto::worker::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+    use proto::worker::v1::{
+        AbortRequest, AbortResponse, FinishReason, Finished, GenerateResponse, HealthRequest, HealthResponse,
+        TokenChunk,
+    };
     use proto::worker::v1::{ErrorKind, WorkerError};
+    use tonic::{Request, Response, Status};
 
     fn cluster(decode: &[&str], prefill: &[&str]) -> Cluster {
         let source = Source::Static {
@@ -630,5 +658,91 @@ mod tests {
         }
         let e = c.route(100).expect_err("no usable pair");
         assert_eq!(e.code, Some("prefill_unavailable"), "{e:?}");
+    }
+
+    /// A decode worker whose streams break before their first message (`broken`: the
+    /// status a reset connection gives), or answer one token and finish.
+    struct Fake {
+        broken: bool,
+        ids: Arc<Mutex<Vec<String>>>,
+    }
+
+    #[tonic::async_trait]
+    impl DecodeWorker for Fake {
+        type GenerateStream = tokio_stream::Iter<std::vec::IntoIter<Result<GenerateResponse, Status>>>;
+
+        async fn generate(&self, r: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+            self.ids.lock().unwrap_or_else(|e| e.into_inner()).push(r.into_inner().request_id);
+            let event = |e| Ok(GenerateResponse { event: Some(e), prefill_attempts: Vec::new() });
+            let events = if self.broken {
+                vec![Err(Status::unavailable("error reading a body from connection: connection reset by peer"))]
+            } else {
+                vec![
+                    event(generate_response::Event::Token(TokenChunk { id: 7, logprob: None, top: Vec::new() })),
+                    event(generate_response::Event::Finished(Finished {
+                        reason: FinishReason::Length as i32,
+                        prompt_tokens: 3,
+                        generated_tokens: 1,
+                        prefilled_remotely: false,
+                    })),
+                ]
+            };
+            Ok(Response::new(tokio_stream::iter(events)))
+        }
+
+        async fn abort(&self, _: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+            Ok(Response::new(AbortResponse { found: false }))
+        }
+
+        async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+            Ok(Response::new(HealthResponse { live: true, ready: true, ..HealthResponse::default() }))
+        }
+    }
+
+    async fn serve(broken: bool) -> (String, Arc<Mutex<Vec<String>>>) {
+        let ids = Arc::new(Mutex::new(Vec::new()));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = l.local_addr().expect("addr").to_string();
+        let svc = DecodeWorkerServer::new(Fake { broken, ids: ids.clone() });
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(l)),
+        );
+        (addr, ids)
+    }
+
+    fn idle(running: u32) -> Load {
+        Load {
+            ready: true,
+            reachable: true,
+            kv_blocks_total: 100,
+            kv_blocks_used: 0,
+            running,
+            waiting: 0,
+            at: tokio::time::Instant::now(),
+        }
+    }
+
+    /// A stream that breaks before its first message reached nobody: the request goes to
+    /// another decode worker instead of ending in a `worker_stream` error, under an id of
+    /// its own (a worker still holding the broken attempt would refuse the same id).
+    #[tokio::test]
+    async fn a_stream_broken_before_its_first_message_is_routed_again() {
+        let (broken, broken_ids) = serve(true).await;
+        let (fine, fine_ids) = serve(false).await;
+        let source = Source::Static { decode: vec![broken.clone(), fine.clone()], prefill: Vec::new() };
+        let c = Arc::new(Cluster::new(source, RouteSettings::default()).expect("cluster"));
+        // The broken worker looks idlest, so it is tried first.
+        c.board().set(&broken, idle(0));
+        c.board().set(&fine, idle(5));
+        let params = SamplingParams { max_tokens: 1, ..SamplingParams::default() };
+        let (mut stream, _lease) =
+            c.generate("r1".into(), vec![1, 2, 3], &params, 0).await.map_err(|e| e.message).expect("routed again");
+        let first = stream.message().await.expect("a message").and_then(|m| m.event);
+        assert!(matches!(first, Some(generate_response::Event::Token(TokenChunk { id: 7, .. }))), "{first:?}");
+        let ids = |m: &Mutex<Vec<String>>| m.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        assert_eq!((ids(&broken_ids), ids(&fine_ids)), (vec!["r1".to_owned()], vec!["r1.2".to_owned()]));
+        assert!(c.board().get(&broken).is_some_and(|l| !l.reachable), "the broken worker is marked unreachable");
     }
 }

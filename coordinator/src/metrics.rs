@@ -88,6 +88,12 @@ pub const PREFILL_UNAVAILABLE: &str = "tandem_coordinator_prefill_unavailable_to
 /// be handed over, `layer="connection"` when the socket accepted no byte
 /// (the connection is closed). vLLM: none.
 pub const STREAM_SEND_TIMEOUTS: &str = "tandem_coordinator_stream_send_timeouts_total";
+/// `tandem_coordinator_decode_reroutes_total{reason}`: requests sent to
+/// another decode worker before anything reached the client: `unreachable`
+/// (the `Generate` call failed in the transport), `stream_broken` (the
+/// stream broke before its first message), `refused` (the worker was fenced
+/// or draining). vLLM: none.
+pub const DECODE_REROUTES: &str = "tandem_coordinator_decode_reroutes_total";
 
 const LATENCY_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0];
 const TOKEN_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
@@ -125,6 +131,11 @@ fn describe() {
     describe_counter!(ROUTE_PAIRS_SKIPPED, "Prefill workers left out of a route because the pair cannot work");
     describe_counter!(PREFILL_UNAVAILABLE, "Requests refused at once: every prefill worker of the group open");
     describe_counter!(STREAM_SEND_TIMEOUTS, "Streams ended because the client stopped reading");
+    describe_counter!(DECODE_REROUTES, "Requests routed to another decode worker before their first token");
+}
+
+pub fn decode_reroute(reason: &'static str) {
+    counter!(DECODE_REROUTES, "reason" => reason).increment(1);
 }
 
 pub fn breaker_state(prefill: &str, decode: &str, state: crate::breaker::State) {

@@ -572,3 +572,106 @@ impl Drill for KvResets {
         })
     }
 }
+
+/// Deliver bytes of the KV stream out of order.
+pub(super) struct KvReorder;
+
+/// Bytes into the stream (from arming) where the first swapped run starts: inside a transfer's
+/// first layers (a prompt's KV is ~1 MB, ~36 KB a layer).
+const REORDER_AT: usize = 100 << 10;
+/// Length of each of the two swapped runs.
+const REORDER_LEN: usize = 8 << 10;
+/// Swaps a run aims for.
+const SWAPS: u64 = 2;
+
+impl Drill for KvReorder {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "kv-reorder",
+            description: "swap two adjacent 8 KiB runs of a decode worker's KV stream (proxy), twice: the receiver \
+                          refuses what arrives out of order (checksum or framing), the load fails and is \
+                          recomputed, answers identical",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default().prefill("g1").decode_behind_proxy("g1"),
+            requests: 6,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
+            let (l, _) = Loads::of(c).await?;
+            ev.before = l.failed;
+            if skip {
+                load_finished(load).await?;
+                return Ok(ev);
+            }
+            ev.began();
+            let mut swapped = proxy.counters().swaps;
+            while swapped < SWAPS && !load.finished() {
+                proxy.arm(Fault::Reorder { after: REORDER_AT, len: REORDER_LEN });
+                let before = swapped;
+                eventually("the proxy swaps two runs of KV bytes (or the load ends)", LOAD_WAIT, || async {
+                    proxy.counters().swaps > before || load.finished()
+                })
+                .await?;
+                swapped = proxy.counters().swaps;
+            }
+            proxy.arm(Fault::None);
+            ev.ended();
+            load_finished(load).await?;
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let k = decode_worker(c).map_err(|e| e.to_string())?.proxy.as_ref().ok_or("no proxy")?.counters();
+            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+            let p = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
+            let refused: Vec<String> = ["checksum", "payload_length", "block_range", "layer_out_of_range", "duplicate"]
+                .iter()
+                .filter_map(|r| {
+                    let n = p.sum("tandem_kv_frames_refused_total", &[("reason", r)]);
+                    (n > 0.0).then(|| format!("{r} {n}"))
+                })
+                .collect();
+            let failed = l.failed - ev.before;
+            let seen = format!(
+                "the proxy swapped {} pair(s) of runs ({} bytes); the decode worker refused frames ({}), counted \
+                 {failed} failed load(s) ({reasons}), {} recomputed, {} of {} arrived intact",
+                k.swaps,
+                k.swapped_bytes,
+                if refused.is_empty() { "none by the receiver".to_owned() } else { refused.join(", ") },
+                l.recomputed,
+                l.loaded,
+                report.records.len()
+            );
+            if k.swaps == 0 || failed < 1.0 {
+                return Err(seen);
+            }
+            if l.recomputed != l.failed {
+                return Err(format!("{seen}: every failed load must be recomputed"));
+            }
+            Ok(seen)
+        })
+    }
+}

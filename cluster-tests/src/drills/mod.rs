@@ -3,7 +3,8 @@
 //! (G6). [`run_drill`] runs one and judges it with the shared invariants.
 //!
 //! Drills live in modules by what they break: processes ([`process`]), the KV
-//! link ([`kv`]), etcd ([`etcd`]), the load itself ([`load`]), and what the
+//! link ([`kv`]), the request and control links ([`links`]), etcd ([`etcd`]), the load
+//! itself ([`load`]), and what the
 //! coordinator does for the cluster ([`coordinator`]: breakers, slow readers). Adding a
 //! drill is one type implementing [`Drill`] in its module and one line in
 //! [`all`].
@@ -12,6 +13,7 @@ mod common;
 mod coordinator;
 mod etcd;
 mod kv;
+mod links;
 mod load;
 mod process;
 
@@ -103,6 +105,10 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(etcd::EtcdQuorumLoss),
         Box::new(etcd::WorkerEtcdCutoff),
         Box::new(etcd::CoordinatorEtcdCutoff),
+        Box::new(kv::KvReorder),
+        Box::new(links::RequestLinkResets),
+        Box::new(links::RequestLinkDelay),
+        Box::new(links::ControlLinkResets),
     ]
 }
 
@@ -154,6 +160,9 @@ pub struct DrillReport {
     /// Requests that ended in a transport error while in flight across a coordinator's
     /// SIGKILL (nobody was left to send a typed error); allowed, and counted here.
     pub coordinator_lost: usize,
+    /// Requests whose client connection the drill cut on purpose (a reset on the request
+    /// link, [`Invariants::cuts_allowed`]): transport errors, allowed, and counted here.
+    pub cut_by_fault: usize,
     /// KV blocks still used on live workers after settling.
     pub leaked_blocks: f64,
     pub p99_ttft_ms: Option<f64>,
@@ -476,7 +485,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     }
     let summary = report.summary();
     let mut typed = BTreeMap::new();
-    let (mut lost, mut coordinator_lost) = (0, 0);
+    let (mut lost, mut coordinator_lost, mut cut_by_fault) = (0, 0, 0);
     for r in &report.records {
         match &r.outcome {
             Outcome::Complete { .. } => {}
@@ -484,6 +493,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
                 *typed.entry(r.outcome.label()).or_insert(0) += 1
             }
             _ if s.invariants.coordinator_lost(r) => coordinator_lost += 1,
+            Outcome::Transport(_) if s.invariants.cuts_allowed => cut_by_fault += 1,
             _ => lost += 1,
         }
     }
@@ -502,6 +512,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         typed_errors: typed,
         lost,
         coordinator_lost,
+        cut_by_fault,
         leaked_blocks: measured.leaked_blocks,
         p99_ttft_ms: summary.ttft.p99.map(|d| d.as_secs_f64() * 1e3),
         wall_ms: summary.wall.as_secs_f64() * 1e3,

@@ -163,6 +163,7 @@ mod tests {
             typed_errors: BTreeMap::new(),
             lost: 1,
             coordinator_lost: 0,
+            cut_by_fault: 0,
             leaked_blocks: 0.0,
             p99_ttft_ms: None,
             wall_ms: 3800.0,

@@ -269,6 +269,9 @@ fn row(r: &DrillReport, vacuity: bool) -> String {
     if r.coordinator_lost > 0 {
         errors.push(format!("coordinator_lost (transport) ×{}", r.coordinator_lost));
     }
+    if r.cut_by_fault > 0 {
+        errors.push(format!("cut_by_fault (transport) ×{}", r.cut_by_fault));
+    }
     let ttft = r.p99_ttft_ms.map_or_else(|| "-".to_owned(), |ms| format!("{:.2} s", ms / 1000.0));
     let proven = match (r.fault_proven, vacuity) {
         (true, false) => "yes",

@@ -81,6 +81,11 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     );
     let mut info =
         worker::serve::worker_info(common, registry::Role::Decode, &fingerprint, listener_addr, metrics_addr);
+    if let Some(a) = &cfg.advertise_grpc {
+        // Coordinators call this address (a proxy in the control-link drills).
+        tracing::info!(addr = %a, bound = %listener_addr, "advertised gRPC address");
+        info.grpc_addr = a.clone();
+    }
     info.transfer = Some(registry::TransferEndpoint {
         addr: advertised.clone(),
         transport: cfg.transport.as_str().to_owned(),

@@ -92,6 +92,11 @@ pub struct DecodeFlags {
     /// Default: the bound address.
     #[arg(long, env = "TANDEM_ADVERTISE_TRANSFER")]
     pub advertise_transfer: Option<String>,
+    /// gRPC address registered for coordinators, when it differs from the
+    /// bound one (NAT, 0.0.0.0 binds, a proxy). Env: TANDEM_ADVERTISE_GRPC.
+    /// Default: the bound address.
+    #[arg(long, env = "TANDEM_ADVERTISE_GRPC")]
+    pub advertise_grpc: Option<String>,
     /// Prompts of at most this many tokens are prefilled here even when a
     /// prefill worker is named (0: always remote). Env:
     /// TANDEM_LOCAL_PREFILL_MAX_TOKENS. Default 32.
@@ -120,6 +125,7 @@ pub struct DecodeConfig {
     /// host:port (tcp, quic) or a socket path / `@name` (local).
     pub transfer: String,
     pub advertise_transfer: Option<String>,
+    pub advertise_grpc: Option<String>,
     pub local_prefill_max_tokens: usize,
     pub reservation_ttl: Duration,
     pub max_prefill_attempts: usize,
@@ -141,6 +147,7 @@ impl DecodeConfig {
             kv_transport,
             transfer,
             advertise_transfer,
+            advertise_grpc,
             local_prefill_max_tokens,
             reservation_ttl_ms,
             max_prefill_attempts,
@@ -173,12 +180,16 @@ impl DecodeConfig {
                 socket_addr("advertise_transfer", a)?;
             }
         }
+        if let Some(a) = f.advertise_grpc.as_deref() {
+            socket_addr("advertise_grpc", a)?;
+        }
         Ok(Self {
             common,
             policy,
             transport,
             transfer,
             advertise_transfer: f.advertise_transfer.clone(),
+            advertise_grpc: f.advertise_grpc.clone(),
             local_prefill_max_tokens: f.local_prefill_max_tokens.unwrap_or(32),
             reservation_ttl: millis("reservation_ttl_ms", f.reservation_ttl_ms, 30_000)?,
             max_prefill_attempts: positive("max_prefill_attempts", f.max_prefill_attempts, 3)?,
@@ -223,6 +234,7 @@ mod tests {
             (DecodeFlags { transfer: Some("here".into()), ..flags(Some("fail")) }, "`transfer`"),
             (DecodeFlags { kv_transport: Some("carrier-pigeon".into()), ..flags(Some("fail")) }, "`kv_transport`"),
             (DecodeFlags { advertise_transfer: Some("x".into()), ..flags(Some("fail")) }, "`advertise_transfer`"),
+            (DecodeFlags { advertise_grpc: Some("x".into()), ..flags(Some("fail")) }, "`advertise_grpc`"),
         ];
         for (f, field) in cases {
             let err = DecodeConfig::resolve(&f).err().map(|e| e.to_string());

@@ -103,15 +103,20 @@ fn transfer_err(e: &TransferError) -> WorkerError {
 
 /// Removes the request's id mapping and, unless disarmed, aborts it in the
 /// engine (which also frees held blocks): covers the caller going away.
+/// `gone` is set first, for a submission still on the blocking pool when the
+/// caller went away: it aborts what it just submitted (the abort spawned here
+/// may run before it), so a prefill nobody waits for never keeps its blocks.
 struct Cleanup {
     inner: Arc<Inner>,
     request_id: String,
     engine_id: u64,
     armed: bool,
+    gone: Arc<AtomicBool>,
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
+        self.gone.store(true, Ordering::SeqCst);
         if let Ok(mut m) = self.inner.running.lock() {
             m.remove(&self.request_id);
         }
@@ -256,7 +261,15 @@ impl PrefillService {
             }
             m.insert(req.request_id.clone(), (engine_id, token.clone()));
         }
-        let mut cleanup = Cleanup { inner: inner.clone(), request_id: req.request_id.clone(), engine_id, armed: false };
+        let gone = Arc::new(AtomicBool::new(false));
+        // Armed before the submission: the caller may go away while it is on the blocking pool.
+        let mut cleanup = Cleanup {
+            inner: inner.clone(),
+            request_id: req.request_id.clone(),
+            engine_id,
+            armed: true,
+            gone: gone.clone(),
+        };
 
         // The engine streams each layer's newly complete blocks from inside
         // its forward pass; the push sends them while later layers (and
@@ -267,16 +280,23 @@ impl PrefillService {
         let engine_req = Request { id: engine_id, prompt: req.token_ids.clone(), params, salt: req.cache_salt };
         let started = Instant::now();
         blocking(move || {
-            runner.submit_prefill_streaming(
+            let submitted = runner.submit_prefill_streaming(
                 engine_req,
                 deadline,
                 Box::new(move |c| drop(layer_tx.send(c))),
                 Box::new(move |r| drop(done_tx.send(r))),
-            )
+            );
+            // The caller went away while this waited for a blocking thread (a control-link
+            // reset in the control-link-resets drill): nobody will push or release this
+            // prefill, and Cleanup's abort may have run before the submission. Seen as 3
+            // blocks held on the prefill worker until the request's deadline (G2).
+            if gone.load(Ordering::SeqCst) {
+                let _ = runner.abort(engine_id);
+            }
+            submitted
         })
         .await?
         .map_err(|e| runner_err(&e))?;
-        cleanup.armed = true;
 
         let push = self.push(&dest, reservation, layer_rx, done_rx, started, req.token_ids.len(), &token);
         let pushed = match deadline {

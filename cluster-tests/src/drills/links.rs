@@ -1,0 +1,364 @@
+//! Drills on the links around the coordinator: the request link (clients to
+//! the coordinator's HTTP port) and the control link (the coordinator's gRPC
+//! calls to a decode worker). A fault proxy on each acts on the answers
+//! flowing back: the SSE stream to the client, the token stream to the
+//! coordinator. (The KV link's drills are in [`super::kv`].)
+
+use std::time::Duration;
+
+use loadgen::{Outcome, Report};
+
+use super::common::LOAD_WAIT;
+use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::cluster::{Cluster, ClusterSpec, Role};
+use crate::invariants::Invariants;
+use crate::proxy::{Fault, Proxy};
+use crate::{eventually, HarnessError};
+
+const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("outcome", "cancelled")]);
+const REROUTES: &str = "tandem_coordinator_decode_reroutes_total";
+/// Requests a decode worker routed for prefill: counted as each arrives.
+const ROUTED: &str = "tandem_prefill_route_total";
+
+/// Waits (bounded) until the load has finished.
+async fn load_finished(load: &Progress) -> Result<(), HarnessError> {
+    eventually("the load finishes", Duration::from_secs(180), || async { load.finished() }).await
+}
+
+fn client_proxy(c: &Cluster) -> Result<&Proxy, HarnessError> {
+    c.client_proxy.as_ref().ok_or_else(|| HarnessError::Setup("the clients reach the coordinator directly".into()))
+}
+
+/// Requests the decode workers counted as cancelled (all of them).
+async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
+    let mut sum = 0.0;
+    for w in c.workers_of(Role::Decode) {
+        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1) + 0.0;
+    }
+    Ok(sum)
+}
+
+/// Requests whose client saw a transport error (the connection reset).
+fn transport_errors(report: &Report) -> usize {
+    report.records.iter().filter(|r| matches!(r.outcome, Outcome::Transport(_))).count()
+}
+
+/// Bytes of a response after which a cut client's connection is reset: the
+/// headers (~150 bytes) and the first two or three SSE events (~200 bytes each)
+/// of an answer of ~18 events.
+const CUT_AT: usize = 700;
+/// Client connections a run cuts.
+const CUTS: u64 = 3;
+
+/// Reset some clients' connections mid-answer on the request link.
+pub(super) struct RequestLinkResets;
+
+impl Drill for RequestLinkResets {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "request-link-resets",
+            description: "reset 3 clients' connections (RST, proxy on the request link) a few SSE events into \
+                          their answers: each is a client disconnect, cancelled on the decode worker, KV freed; \
+                          the cut requests and only they end in transport errors, the rest identical",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default().prefill("g1").decode("g1").clients_via_proxy(),
+            requests: 10,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, cuts_allowed: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let proxy = client_proxy(c)?;
+            ev.before = cancelled(c).await?;
+            if !skip {
+                ev.began();
+                let mut struck = proxy.counters().resets;
+                while struck < CUTS && !load.finished() {
+                    // The next request's connection: one connection per request (loadgen keeps none).
+                    proxy.arm(Fault::ResetNextAfter(CUT_AT));
+                    let before = struck;
+                    eventually("the proxy cuts a client's connection (or the load ends)", LOAD_WAIT, || async {
+                        proxy.counters().resets > before || load.finished()
+                    })
+                    .await?;
+                    struck = proxy.counters().resets;
+                }
+                proxy.arm(Fault::None);
+                ev.ended();
+            }
+            load_finished(load).await?;
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let resets = client_proxy(c).map_err(|e| e.to_string())?.counters().resets;
+            let cut = transport_errors(report);
+            // The decode worker counts a cut stream once the coordinator's write fails and it
+            // drops the worker stream: wait for as many cancellations as cuts (bounded).
+            let want = ev.before + resets as f64;
+            let now = std::sync::Mutex::new(ev.before);
+            let seen = eventually("the decode worker cancels every cut request", Duration::from_secs(10), || {
+                let now = &now;
+                async move {
+                    let v = cancelled(c).await.unwrap_or(0.0);
+                    *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
+                    v >= want
+                }
+            })
+            .await;
+            let got = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before;
+            let partial: Vec<usize> = report
+                .records
+                .iter()
+                .filter(|r| matches!(r.outcome, Outcome::Transport(_)))
+                .map(|r| r.text.chars().count())
+                .collect();
+            let text = format!(
+                "the proxy reset {resets} client connection(s) {CUT_AT} bytes into their answers; {cut} request(s) \
+                 ended in a transport error (characters received before the cut: {partial:?}); the decode worker \
+                 cancelled {got}"
+            );
+            if resets == 0 {
+                return Err(text);
+            }
+            if cut as u64 != resets {
+                return Err(format!("{text}: every cut request, and only those, must end in a transport error"));
+            }
+            if seen.is_err() {
+                return Err(format!("{text}: every cut request must be cancelled on the decode worker"));
+            }
+            Ok(text)
+        })
+    }
+}
+
+/// 75 ms ± 50 ms latency on the request link.
+pub(super) struct RequestLinkDelay;
+
+const DELAY: Duration = Duration::from_millis(75);
+const JITTER: Duration = Duration::from_millis(50);
+
+impl Drill for RequestLinkDelay {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "request-link-delay",
+            description: "75 ms ± 50 ms latency on every chunk the coordinator sends its clients (proxy on the \
+                          request link): every answer complete and identical, nothing lost; TTFT p50/p99 in the proof",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default().prefill("g1").decode("g1").clients_via_proxy(),
+            requests: 8,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let proxy = client_proxy(c)?;
+            if !skip {
+                ev.began();
+                proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
+            }
+            load_finished(load).await?;
+            proxy.arm(Fault::None);
+            ev.ended();
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        _: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let k = client_proxy(c).map_err(|e| e.to_string())?.counters();
+            let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
+            let min = k.min_delay_ms.unwrap_or(0);
+            let s = report.summary();
+            let ms =
+                |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3));
+            let text = format!(
+                "the proxy delayed {} chunk(s) to the clients by {min}..{} ms (want within [{lo}, {hi}]); {} of {} \
+                 answers complete; TTFT p50 {} p99 {}",
+                k.delayed_chunks,
+                k.max_delay_ms,
+                s.ok,
+                s.requests,
+                ms(s.ttft.p50),
+                ms(s.ttft.p99)
+            );
+            // Every answer crosses the proxy: at least its headers and its first event were delayed.
+            if (k.delayed_chunks as usize) < report.records.len() || min < lo || k.max_delay_ms > hi {
+                return Err(text);
+            }
+            Ok(text)
+        })
+    }
+}
+
+/// Reset the coordinator's gRPC connection to a decode worker while it streams.
+pub(super) struct ControlLinkResets;
+
+/// The decode worker behind the control proxy (the other one is reached directly).
+const BEHIND: &str = "decode-0";
+/// Times a run resets the control link.
+const STRIKES: u64 = 3;
+
+impl ControlLinkResets {
+    fn proxy(c: &Cluster) -> Result<&Proxy, HarnessError> {
+        c.control_proxies.get(BEHIND).ok_or_else(|| HarnessError::Setup(format!("{BEHIND} has no control proxy")))
+    }
+}
+
+impl Drill for ControlLinkResets {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "control-link-resets",
+            description: "reset the coordinator's gRPC connection to a decode worker (RST, proxy on the control \
+                          link) mid-answer, at a request's start, mid-answer again: requests before their first \
+                          token go to the other decode worker, those mid-answer end in a typed worker_stream error \
+                          (never spliced), the worker cancels them and frees their KV",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec::default().prefill("g1").decode("g1").decode("g1").control_via_proxy(BEHIND),
+            requests: 10,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { allowed_errors: Some(vec!["worker_stream".into()]), ..Invariants::default() },
+        }
+    }
+
+    fn fault<'a>(
+        &'a self,
+        c: &'a mut Cluster,
+        load: &'a Progress,
+        skip: bool,
+    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
+        Box::pin(async move {
+            let mut ev = Evidence::default();
+            let proxy = Self::proxy(c)?;
+            let m = c.worker(BEHIND)?.metrics_addr()?;
+            ev.before = crate::metrics::scrape(&m).await?.sum(CANCELLED.0, CANCELLED.1) + 0.0;
+            let mut strikes = 0;
+            while strikes < STRIKES && !load.finished() {
+                // Strikes alternate: mid-answer (the worker runs a request and has streamed
+                // tokens since), then just after a request arrived (the worker has routed its
+                // prompt to the prefill worker: its first token is a prefill away).
+                let mid_answer = strikes % 2 == 0;
+                let forwarded = proxy.counters().bytes_forwarded;
+                let started = crate::metrics::scrape(&m).await?.sum(ROUTED, &[]);
+                let what = if mid_answer { "streams a request" } else { "starts a request" };
+                eventually(&format!("{BEHIND} {what} (or the load ends)"), LOAD_WAIT, || {
+                    let m = &m;
+                    async move {
+                        if load.finished() {
+                            return true;
+                        }
+                        let Ok(p) = crate::metrics::scrape(m).await else { return false };
+                        if mid_answer {
+                            p.sum("tandem_num_requests_running", &[]) >= 1.0
+                                && proxy.counters().bytes_forwarded > forwarded + 200
+                        } else {
+                            p.sum(ROUTED, &[]) > started
+                        }
+                    }
+                })
+                .await?;
+                if load.finished() {
+                    break;
+                }
+                ev.began();
+                if !skip {
+                    let n = proxy.reset_open();
+                    ev.notes.push(format!("{} {n}", if mid_answer { "mid-answer" } else { "at a request's start" }));
+                }
+                strikes += 1;
+            }
+            ev.ended();
+            load_finished(load).await?;
+            Ok(ev)
+        })
+    }
+
+    fn prove<'a>(
+        &'a self,
+        c: &'a Cluster,
+        ev: &'a Evidence,
+        report: &'a Report,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let resets = Self::proxy(c).map_err(|e| e.to_string())?.counters().resets;
+            let m = c.worker(BEHIND).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
+            let ended_typed = report
+                .records
+                .iter()
+                .filter(|r| matches!(&r.outcome, Outcome::StreamError { code: Some(c), .. } if c == "worker_stream"))
+                .count();
+            let coord = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+            let rerouted = coord.sum(REROUTES, &[]) + 0.0;
+            let broken = coord.sum(REROUTES, &[("reason", "stream_broken")]) + 0.0;
+            // Every request cut on the worker is cancelled there (its KV freed: G2).
+            let want = ev.before + ended_typed as f64 + broken;
+            let now = std::sync::Mutex::new(ev.before);
+            let seen = eventually(&format!("{BEHIND} cancels every cut stream"), Duration::from_secs(10), || {
+                let (m, now) = (&m, &now);
+                async move {
+                    let v = crate::metrics::scrape(m).await.map_or(0.0, |p| p.sum(CANCELLED.0, CANCELLED.1));
+                    *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
+                    v >= want
+                }
+            })
+            .await;
+            let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before + 0.0;
+            let text = format!(
+                "the control proxy reset {resets} connection(s) (open ones, by strike: {}); {ended_typed} request(s) mid-answer ended in \
+                 worker_stream, {rerouted} were routed again before their first token ({broken} of them on a \
+                 broken stream); {BEHIND} cancelled {cancelled}",
+                ev.notes.join(", ")
+            );
+            if resets == 0 || (ended_typed == 0 && rerouted == 0.0) {
+                return Err(text);
+            }
+            if seen.is_err() {
+                return Err(format!("{text}: every stream cut on the worker must be cancelled there"));
+            }
+            Ok(text)
+        })
+    }
+}
