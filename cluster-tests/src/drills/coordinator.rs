@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use loadgen::{Outcome, Report};
 
 use super::common::{counter_reaches, decode_metrics, rss_kib, PairBreaker, LOAD_WAIT};
-use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
+use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
 use crate::cluster::{Cluster, ClusterSpec, Role, WorkerSpec};
 use crate::invariants::Invariants;
 use crate::proxy::Fault;
@@ -115,6 +115,7 @@ async fn wait_open(c: &Cluster, worker: &str, ev: &mut Evidence) -> Result<(), H
 /// One of two prefill workers fails every prefill.
 pub(super) struct PrefillErrors;
 
+#[async_trait::async_trait]
 impl Drill for PrefillErrors {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -141,67 +142,54 @@ impl Drill for PrefillErrors {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            // The faulty worker is in the cluster from the start (see `setup`); the slow link makes
-            // its timeout fail. This arms it and watches the fault take effect.
-            if !skip {
-                ev.began();
-                slow_link(c)?;
-                wait_open(c, "prefill-1", &mut ev).await?;
-            }
-            Ok(ev)
-        })
+    async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        // The faulty worker is in the cluster from the start (see `setup`); the slow link makes
+        // its timeout fail. This arms it and watches the fault take effect.
+        if !skip {
+            ev.began();
+            slow_link(c)?;
+            wait_open(c, "prefill-1", &mut ev).await?;
+        }
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let bad = breaker_seen(c, "prefill-1").await?;
-            let good = breaker_seen(c, "prefill-0").await?;
-            let refused = refused_by(c, "prefill-1").await?;
-            let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-            let mismatches = dm.sum("tandem_kv_load_failures_total", &[("reason", "prefill_error")]) + 0.0;
-            let seen = format!(
-                "prefill-1: {} failed attempts reported (its own count of failed transfers {refused}, the decode \
-                 worker's prefill_error loads {mismatches}), breaker (prefill-1, decode-0) opened {} time(s), {} \
-                 probe(s); prefill-0: {} ok, breaker (prefill-0, decode-0) opened {} time(s)",
-                bad.failed, bad.opened, bad.probes, good.ok, good.opened
-            );
-            if bad.opened < 1.0 || bad.failed < f64::from(BREAKER_FAILURES) || refused < f64::from(BREAKER_FAILURES) {
-                return Err(format!("the faulty worker's breaker never opened: {seen}; {}", ev.missing.join("; ")));
-            }
-            // Once open, prefill-1 is tried only by requests already routed (at most the
-            // concurrency) and by one probe per cooldown.
-            let bound = f64::from(BREAKER_FAILURES) + 1.0 + bad.probes;
-            if bad.failed > bound {
-                return Err(format!(
-                    "prefill-1 kept being chosen after its breaker opened ({} > {bound}): {seen}",
-                    bad.failed
-                ));
-            }
-            if good.opened > 0.0 || good.ok < 1.0 {
-                return Err(format!("the healthy worker's breaker opened or it served nothing: {seen}"));
-            }
-            let complete = report.records.iter().filter(|r| r.outcome.is_complete()).count();
-            Ok(format!("{seen}; {complete}/{} requests complete", report.records.len()))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let bad = breaker_seen(c, "prefill-1").await?;
+        let good = breaker_seen(c, "prefill-0").await?;
+        let refused = refused_by(c, "prefill-1").await?;
+        let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
+        let mismatches = dm.sum("tandem_kv_load_failures_total", &[("reason", "prefill_error")]) + 0.0;
+        let seen = format!(
+            "prefill-1: {} failed attempts reported (its own count of failed transfers {refused}, the decode \
+             worker's prefill_error loads {mismatches}), breaker (prefill-1, decode-0) opened {} time(s), {} \
+             probe(s); prefill-0: {} ok, breaker (prefill-0, decode-0) opened {} time(s)",
+            bad.failed, bad.opened, bad.probes, good.ok, good.opened
+        );
+        if bad.opened < 1.0 || bad.failed < f64::from(BREAKER_FAILURES) || refused < f64::from(BREAKER_FAILURES) {
+            return Err(format!("the faulty worker's breaker never opened: {seen}; {}", ev.missing.join("; ")));
+        }
+        // Once open, prefill-1 is tried only by requests already routed (at most the
+        // concurrency) and by one probe per cooldown.
+        let bound = f64::from(BREAKER_FAILURES) + 1.0 + bad.probes;
+        if bad.failed > bound {
+            return Err(format!(
+                "prefill-1 kept being chosen after its breaker opened ({} > {bound}): {seen}",
+                bad.failed
+            ));
+        }
+        if good.opened > 0.0 || good.ok < 1.0 {
+            return Err(format!("the healthy worker's breaker opened or it served nothing: {seen}"));
+        }
+        let complete = report.records.iter().filter(|r| r.outcome.is_complete()).count();
+        Ok(format!("{seen}; {complete}/{} requests complete", report.records.len()))
     }
 }
 
 /// The group's only prefill worker fails every prefill.
 pub(super) struct PrefillUnavailable;
 
+#[async_trait::async_trait]
 impl Drill for PrefillUnavailable {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -230,84 +218,70 @@ impl Drill for PrefillUnavailable {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            if skip {
-                return Ok(ev);
+    async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        if skip {
+            return Ok(ev);
+        }
+        ev.began();
+        slow_link(c)?;
+        wait_open(c, "prefill-0", &mut ev).await?;
+        if ev.seen {
+            // While it is open, a request is refused at once, with Retry-After.
+            let t = Instant::now();
+            let (status, retry_after) = super::common::probe(&c.http_addr()?).await?;
+            ev.notes.push(format!(
+                "a probe request got {status} with Retry-After {retry_after:?} in {:.0} ms",
+                t.elapsed().as_secs_f64() * 1e3
+            ));
+            let secs = retry_after.as_deref().and_then(|s| s.parse::<u64>().ok());
+            let max = BREAKER_COOLDOWN_MS.div_ceil(1000);
+            // The probe may land just as the cooldown ends (half-open): then it is the breaker's probe.
+            if status == 503 && !secs.is_some_and(|s| (1..=max).contains(&s)) {
+                ev.missing.push(format!("Retry-After {retry_after:?} is not within 1..={max} s"));
             }
-            ev.began();
-            slow_link(c)?;
-            wait_open(c, "prefill-0", &mut ev).await?;
-            if ev.seen {
-                // While it is open, a request is refused at once, with Retry-After.
-                let t = Instant::now();
-                let (status, retry_after) = super::common::probe(&c.http_addr()?).await?;
-                ev.notes.push(format!(
-                    "a probe request got {status} with Retry-After {retry_after:?} in {:.0} ms",
-                    t.elapsed().as_secs_f64() * 1e3
-                ));
-                let secs = retry_after.as_deref().and_then(|s| s.parse::<u64>().ok());
-                let max = BREAKER_COOLDOWN_MS.div_ceil(1000);
-                // The probe may land just as the cooldown ends (half-open): then it is the breaker's probe.
-                if status == 503 && !secs.is_some_and(|s| (1..=max).contains(&s)) {
-                    ev.missing.push(format!("Retry-After {retry_after:?} is not within 1..={max} s"));
-                }
-            }
-            Ok(ev)
-        })
+        }
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let b = breaker_seen(c, "prefill-0").await?;
-            let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-            let fast = p.sum("tandem_coordinator_prefill_unavailable_total", &[]);
-            let refused: Vec<&loadgen::Record> = report
-                .records
-                .iter()
-                .filter(|r| {
-                    matches!(&r.outcome, Outcome::HttpError { status: 503, code: Some(c), .. } if c == "prefill_unavailable")
-                })
-                .collect();
-            let slowest = refused.iter().map(|r| r.e2e).max().unwrap_or_default();
-            // Every request the decode worker saw made exactly one prefill attempt: none was
-            // dispatched to wait for KV that could not come.
-            let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-            let dispatched = dm.sum("tandem_decode_requests_total", &[]);
-            let seen = format!(
-                "breaker opened {} time(s), {} probe(s); {} failed attempts; {fast} fast 503s counted, {} in the load \
-                 (slowest {:.0} ms); the decode worker ran {dispatched} requests",
-                b.opened,
-                b.probes,
-                b.failed,
-                refused.len(),
-                slowest.as_secs_f64() * 1e3
-            );
-            if b.opened < 1.0 || fast < 1.0 || refused.is_empty() || !ev.seen {
-                return Err(format!("no fast 503 behind an open breaker: {seen}; {}", ev.missing.join("; ")));
-            }
-            if !ev.missing.is_empty() {
-                return Err(format!("{}: {seen}", ev.missing.join("; ")));
-            }
-            if dispatched != b.failed + b.ok {
-                return Err(format!("requests reached the decode worker without a prefill attempt: {seen}"));
-            }
-            if slowest > Duration::from_secs(2) {
-                return Err(format!("a prefill_unavailable refusal was not fast: {seen}"));
-            }
-            Ok(format!("{seen}; {}", ev.notes.join("; ")))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let b = breaker_seen(c, "prefill-0").await?;
+        let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+        let fast = p.sum("tandem_coordinator_prefill_unavailable_total", &[]);
+        let refused: Vec<&loadgen::Record> = report
+            .records
+            .iter()
+            .filter(|r| {
+                matches!(&r.outcome, Outcome::HttpError { status: 503, code: Some(c), .. } if c == "prefill_unavailable")
+            })
+            .collect();
+        let slowest = refused.iter().map(|r| r.e2e).max().unwrap_or_default();
+        // Every request the decode worker saw made exactly one prefill attempt: none was
+        // dispatched to wait for KV that could not come.
+        let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
+        let dispatched = dm.sum("tandem_decode_requests_total", &[]);
+        let seen = format!(
+            "breaker opened {} time(s), {} probe(s); {} failed attempts; {fast} fast 503s counted, {} in the load \
+             (slowest {:.0} ms); the decode worker ran {dispatched} requests",
+            b.opened,
+            b.probes,
+            b.failed,
+            refused.len(),
+            slowest.as_secs_f64() * 1e3
+        );
+        if b.opened < 1.0 || fast < 1.0 || refused.is_empty() || !ev.seen {
+            return Err(format!("no fast 503 behind an open breaker: {seen}; {}", ev.missing.join("; ")));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("{}: {seen}", ev.missing.join("; ")));
+        }
+        if dispatched != b.failed + b.ok {
+            return Err(format!("requests reached the decode worker without a prefill attempt: {seen}"));
+        }
+        if slowest > Duration::from_secs(2) {
+            return Err(format!("a prefill_unavailable refusal was not fast: {seen}"));
+        }
+        Ok(format!("{seen}; {}", ev.notes.join("; ")))
     }
 }
 
@@ -318,6 +292,7 @@ pub(super) struct LayoutMismatch;
 const LAYOUT_SKIPPED: (&str, &[(&str, &str)]) =
     ("tandem_coordinator_route_pairs_skipped_total", &[("reason", "layout_fingerprint")]);
 
+#[async_trait::async_trait]
 impl Drill for LayoutMismatch {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -348,58 +323,41 @@ impl Drill for LayoutMismatch {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        _: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            // The mismatched worker is in the cluster from the start (see `setup`).
-            let mut ev = Evidence::default();
-            if !skip {
-                ev.began();
-            }
-            Ok(ev)
-        })
+    async fn fault(&self, _: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        // The mismatched worker is in the cluster from the start (see `setup`).
+        let mut ev = Evidence::default();
+        if !skip {
+            ev.began();
+        }
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        _: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-            let skipped = p.sum(LAYOUT_SKIPPED.0, LAYOUT_SKIPPED.1) + 0.0;
-            let remote = p.sum("tandem_coordinator_route_decisions_total", &[("prefill", "remote")]) + 0.0;
-            let odd = breaker_seen(c, "prefill-1").await?;
-            let good = breaker_seen(c, "prefill-0").await?;
-            let pair = PairBreaker::of(c, "prefill-1", "decode-0").await?;
-            let asked = c
-                .worker_metrics("prefill-1")
-                .await
-                .map_err(|e| e.to_string())?
-                .sum("tandem_prefill_requests_total", &[])
+    async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
+        let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+        let skipped = p.sum(LAYOUT_SKIPPED.0, LAYOUT_SKIPPED.1) + 0.0;
+        let remote = p.sum("tandem_coordinator_route_decisions_total", &[("prefill", "remote")]) + 0.0;
+        let odd = breaker_seen(c, "prefill-1").await?;
+        let good = breaker_seen(c, "prefill-0").await?;
+        let pair = PairBreaker::of(c, "prefill-1", "decode-0").await?;
+        let asked =
+            c.worker_metrics("prefill-1").await.map_err(|e| e.to_string())?.sum("tandem_prefill_requests_total", &[])
                 + 0.0;
-            let seen = format!(
-                "{skipped} pair(s) skipped for their layout fingerprint over {remote} remote-prefill routes; \
-                 prefill-1 (block size 32) was asked for {asked} prefill(s), {} attempt(s) reported; prefill-0 \
-                 served {} ok; {}",
-                odd.failed + odd.ok,
-                good.ok,
-                pair.note("prefill-1", "decode-0")
-            );
-            if skipped < 1.0 || remote < 1.0 || skipped < remote {
-                return Err(format!("routing did not leave the mismatched prefill worker out of every route: {seen}"));
-            }
-            if asked > 0.0 || odd.failed + odd.ok > 0.0 || pair.opened > 0.0 || good.ok < 1.0 {
-                return Err(format!("the mismatched prefill worker was used: {seen}"));
-            }
-            let complete = report.records.iter().filter(|r| r.outcome.is_complete()).count();
-            Ok(format!("{seen}; {complete}/{} requests complete", report.records.len()))
-        })
+        let seen = format!(
+            "{skipped} pair(s) skipped for their layout fingerprint over {remote} remote-prefill routes; \
+             prefill-1 (block size 32) was asked for {asked} prefill(s), {} attempt(s) reported; prefill-0 \
+             served {} ok; {}",
+            odd.failed + odd.ok,
+            good.ok,
+            pair.note("prefill-1", "decode-0")
+        );
+        if skipped < 1.0 || remote < 1.0 || skipped < remote {
+            return Err(format!("routing did not leave the mismatched prefill worker out of every route: {seen}"));
+        }
+        if asked > 0.0 || odd.failed + odd.ok > 0.0 || pair.opened > 0.0 || good.ok < 1.0 {
+            return Err(format!("the mismatched prefill worker was used: {seen}"));
+        }
+        let complete = report.records.iter().filter(|r| r.outcome.is_complete()).count();
+        Ok(format!("{seen}; {complete}/{} requests complete", report.records.len()))
     }
 }
 
@@ -476,6 +434,7 @@ fn drained(mut s: std::net::TcpStream, limit: Duration) -> Result<Vec<u8>, Strin
 /// Streaming clients stop reading after the response head.
 pub(super) struct SlowReader;
 
+#[async_trait::async_trait]
 impl Drill for SlowReader {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -499,94 +458,82 @@ impl Drill for SlowReader {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let dm = decode_metrics(c).map_err(HarnessError::Setup)?;
-            ev.before = crate::metrics::scrape(&dm).await?.sum(CANCELLED.0, CANCELLED.1);
-            let pid = c.coordinator.pid;
-            let rss_before = rss_kib(pid).unwrap_or(0);
-            let addr: SocketAddr =
-                c.http_addr()?.parse().map_err(|e| HarnessError::Setup(format!("coordinator address: {e}")))?;
-            ev.began();
-            let mut socks = Vec::new();
-            for i in 0..SLOW_CLIENTS {
-                socks.push(tokio::task::spawn_blocking(move || slow_stream(addr, i, !skip)));
-            }
-            let mut open = Vec::new();
-            for s in socks {
-                open.push(s.await.map_err(|e| HarnessError::Fault(format!("slow client task: {e}")))??);
-            }
-            ev.notes.push(format!("{SLOW_CLIENTS} slow clients got their response heads and stopped reading"));
-            if skip {
-                // Read everything, all at once and promptly: no timeout may fire.
-                let readers: Vec<_> =
-                    // Three whole 400-token answers beside the load: give them time to finish.
-                    open.into_iter()
-                        .map(|s| tokio::task::spawn_blocking(move || drained(s, Duration::from_secs(120))))
-                        .collect();
-                for r in readers {
-                    r.await
-                        .map_err(|e| HarnessError::Fault(format!("reader task: {e}")))?
-                        .map_err(HarnessError::Fault)?;
-                }
-                ev.ended();
-                return Ok(ev);
-            }
-            let h = c.http_addr()?;
-            let n = SLOW_CLIENTS as f64;
-            let (timeouts, now) = counter_reaches(&h, SEND_TIMEOUTS, &[], n, LOAD_WAIT).await;
-            if let Err(e) = timeouts {
-                ev.missing.push(format!("{e}: {now}"));
-            }
-            let rss_after = rss_kib(pid).unwrap_or(0);
-            ev.notes.push(format!("coordinator VmRSS {rss_before} KiB before, {rss_after} KiB with the slow streams"));
-            if rss_after > rss_before + 64 * 1024 {
-                ev.missing.push(format!("coordinator RSS grew by {} KiB", rss_after - rss_before));
-            }
-            // Still not reading from our side: the coordinator must have closed each connection.
-            let mut closed = 0;
-            for s in open {
-                let got = tokio::task::spawn_blocking(move || drained(s, Duration::from_secs(30)))
-                    .await
-                    .map_err(|e| HarnessError::Fault(format!("reader task: {e}")))?;
-                match got {
-                    Ok(bytes) if !String::from_utf8_lossy(&bytes).contains("[DONE]") => closed += 1,
-                    Ok(_) => ev.missing.push("a slow stream ran to [DONE]".into()),
-                    Err(e) => ev.missing.push(e),
-                }
+    async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let dm = decode_metrics(c).map_err(HarnessError::Setup)?;
+        ev.before = crate::metrics::scrape(&dm).await?.sum(CANCELLED.0, CANCELLED.1);
+        let pid = c.coordinator.pid;
+        let rss_before = rss_kib(pid).unwrap_or(0);
+        let addr: SocketAddr =
+            c.http_addr()?.parse().map_err(|e| HarnessError::Setup(format!("coordinator address: {e}")))?;
+        ev.began();
+        let mut socks = Vec::new();
+        for i in 0..SLOW_CLIENTS {
+            socks.push(tokio::task::spawn_blocking(move || slow_stream(addr, i, !skip)));
+        }
+        let mut open = Vec::new();
+        for s in socks {
+            open.push(s.await.map_err(|e| HarnessError::Fault(format!("slow client task: {e}")))??);
+        }
+        ev.notes.push(format!("{SLOW_CLIENTS} slow clients got their response heads and stopped reading"));
+        if skip {
+            // Read everything, all at once and promptly: no timeout may fire.
+            let readers: Vec<_> =
+                // Three whole 400-token answers beside the load: give them time to finish.
+                open.into_iter()
+                    .map(|s| tokio::task::spawn_blocking(move || drained(s, Duration::from_secs(120))))
+                    .collect();
+            for r in readers {
+                r.await.map_err(|e| HarnessError::Fault(format!("reader task: {e}")))?.map_err(HarnessError::Fault)?;
             }
             ev.ended();
-            ev.notes.push(format!("{closed} slow connection(s) closed by the coordinator before [DONE]"));
-            ev.seen = closed == SLOW_CLIENTS;
-            Ok(ev)
-        })
+            return Ok(ev);
+        }
+        let h = c.http_addr()?;
+        let n = SLOW_CLIENTS as f64;
+        let (timeouts, now) = counter_reaches(&h, SEND_TIMEOUTS, &[], n, LOAD_WAIT).await;
+        if let Err(e) = timeouts {
+            ev.missing.push(format!("{e}: {now}"));
+        }
+        let rss_after = rss_kib(pid).unwrap_or(0);
+        ev.notes.push(format!("coordinator VmRSS {rss_before} KiB before, {rss_after} KiB with the slow streams"));
+        if rss_after > rss_before + 64 * 1024 {
+            ev.missing.push(format!("coordinator RSS grew by {} KiB", rss_after - rss_before));
+        }
+        // Still not reading from our side: the coordinator must have closed each connection.
+        let mut closed = 0;
+        for s in open {
+            let got = tokio::task::spawn_blocking(move || drained(s, Duration::from_secs(30)))
+                .await
+                .map_err(|e| HarnessError::Fault(format!("reader task: {e}")))?;
+            match got {
+                Ok(bytes) if !String::from_utf8_lossy(&bytes).contains("[DONE]") => closed += 1,
+                Ok(_) => ev.missing.push("a slow stream ran to [DONE]".into()),
+                Err(e) => ev.missing.push(e),
+            }
+        }
+        ev.ended();
+        ev.notes.push(format!("{closed} slow connection(s) closed by the coordinator before [DONE]"));
+        ev.seen = closed == SLOW_CLIENTS;
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-            let timeouts = p.sum(SEND_TIMEOUTS, &[]);
-            let by_conn = p.sum(SEND_TIMEOUTS, &[("layer", "connection")]);
-            let m = decode_metrics(c)?;
-            let n = SLOW_CLIENTS as f64;
-            let (seen, now) =
-                counter_reaches(&m, CANCELLED.0, CANCELLED.1, ev.before + n, Duration::from_secs(10)).await;
-            let cancelled = now - ev.before;
-            let summary = format!(
-                "{timeouts} stream send timeouts ({by_conn} at the connection); the decode worker cancelled \
-                 {cancelled}; {}",
-                ev.notes.join("; ")
-            );
-            if timeouts < n || seen.is_err() || !ev.seen || !ev.missing.is_empty() {
-                return Err(format!("slow streams were not ended: {summary}; {}", ev.missing.join("; ")));
-            }
-            Ok(summary)
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+        let timeouts = p.sum(SEND_TIMEOUTS, &[]);
+        let by_conn = p.sum(SEND_TIMEOUTS, &[("layer", "connection")]);
+        let m = decode_metrics(c)?;
+        let n = SLOW_CLIENTS as f64;
+        let (seen, now) = counter_reaches(&m, CANCELLED.0, CANCELLED.1, ev.before + n, Duration::from_secs(10)).await;
+        let cancelled = now - ev.before;
+        let summary = format!(
+            "{timeouts} stream send timeouts ({by_conn} at the connection); the decode worker cancelled \
+             {cancelled}; {}",
+            ev.notes.join("; ")
+        );
+        if timeouts < n || seen.is_err() || !ev.seen || !ev.missing.is_empty() {
+            return Err(format!("slow streams were not ended: {summary}; {}", ev.missing.join("; ")));
+        }
+        Ok(summary)
     }
 }

@@ -9,7 +9,7 @@ use loadgen::Report;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::common::{counter_reaches, gone, serving_becomes, LOAD_WAIT, MEMBERSHIP};
-use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
+use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
 use crate::metrics::{get_status, scrape};
@@ -165,6 +165,7 @@ fn ms(t: Instant) -> u128 {
 /// Restart etcd under load with two version groups.
 pub(super) struct EtcdRestart;
 
+#[async_trait::async_trait]
 impl Drill for EtcdRestart {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -189,46 +190,34 @@ impl Drill for EtcdRestart {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence { before: c.coordinator_metrics().await?.sum(RESYNCS, &[]), ..Evidence::default() };
-            load.wait_done(2, LOAD_WAIT).await?;
-            ev.victim = c.etcd.pid(0).map(|p| ("etcd".to_owned(), p));
-            if !skip {
-                ev.began();
-                c.etcd.restart(0).await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
-                ev.ended();
-            }
-            Ok(ev)
-        })
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence { before: c.coordinator_metrics().await?.sum(RESYNCS, &[]), ..Evidence::default() };
+        load.wait_done(2, LOAD_WAIT).await?;
+        ev.victim = c.etcd.pid(0).map(|p| ("etcd".to_owned(), p));
+        if !skip {
+            ev.began();
+            c.etcd.restart(0).await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
+            ev.ended();
+        }
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (_, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
-            if !gone(pid) {
-                return Err(format!("etcd (pid {pid}) is still the running member"));
-            }
-            let h = c.http_addr().map_err(|e| e.to_string())?;
-            let (seen, now) = counter_reaches(&h, RESYNCS, &[], ev.before + 1.0, Duration::from_secs(10)).await;
-            seen.map_err(|e| format!("old etcd pid {pid} is gone, but {e}"))?;
-            Ok(format!(
-                "old etcd pid {pid} gone, new pid {:?}; coordinator resyncs {} -> {now}",
-                c.etcd.pid(0),
-                ev.before
-            ))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let (_, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
+        if !gone(pid) {
+            return Err(format!("etcd (pid {pid}) is still the running member"));
+        }
+        let h = c.http_addr().map_err(|e| e.to_string())?;
+        let (seen, now) = counter_reaches(&h, RESYNCS, &[], ev.before + 1.0, Duration::from_secs(10)).await;
+        seen.map_err(|e| format!("old etcd pid {pid} is gone, but {e}"))?;
+        Ok(format!("old etcd pid {pid} gone, new pid {:?}; coordinator resyncs {} -> {now}", c.etcd.pid(0), ev.before))
     }
 }
 
 /// SIGKILL the etcd leader (of three members) under load.
 pub(super) struct EtcdLeaderKill;
 
+#[async_trait::async_trait]
 impl Drill for EtcdLeaderKill {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -249,53 +238,45 @@ impl Drill for EtcdLeaderKill {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            load.wait_done(2, LOAD_WAIT).await?;
-            let leader = wait_leader(c, None, Duration::from_secs(15)).await?;
-            let pid = c.etcd.pid(leader).ok_or_else(|| HarnessError::Fault("the leader has no pid".into()))?;
-            let name = format!("etcd-{}", c.etcd.name(leader));
-            ev.victim = Some((name.clone(), pid));
-            if skip {
-                return Ok(ev);
-            }
-            ev.began();
-            let t0 = Instant::now();
-            c.etcd.kill(leader);
-            c.faulted.insert(name.clone(), Signal::Kill);
-            ev.killed.push((name, pid));
-            let new = wait_leader(c, Some(leader), Duration::from_secs(15)).await?;
-            ev.ended();
-            ev.notes.push(format!("etcd-{} elected within {} ms", c.etcd.name(new), ms(t0)));
-            Ok(ev)
-        })
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        load.wait_done(2, LOAD_WAIT).await?;
+        let leader = wait_leader(c, None, Duration::from_secs(15)).await?;
+        let pid = c.etcd.pid(leader).ok_or_else(|| HarnessError::Fault("the leader has no pid".into()))?;
+        let name = format!("etcd-{}", c.etcd.name(leader));
+        ev.victim = Some((name.clone(), pid));
+        if skip {
+            return Ok(ev);
+        }
+        ev.began();
+        let t0 = Instant::now();
+        c.etcd.kill(leader);
+        c.faulted.insert(name.clone(), Signal::Kill);
+        ev.killed.push((name, pid));
+        let new = wait_leader(c, Some(leader), Duration::from_secs(15)).await?;
+        ev.ended();
+        ev.notes.push(format!("etcd-{} elected within {} ms", c.etcd.name(new), ms(t0)));
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (name, pid) = ev.victim.clone().ok_or("no leader was found to kill")?;
-            if !gone(pid) {
-                return Err(format!("the etcd leader {name} (pid {pid}) is still running"));
-            }
-            let now = c.etcd.leader().await.ok_or_else(|| format!("{name} (pid {pid}) is gone but no member leads"))?;
-            let now = format!("etcd-{}", c.etcd.name(now));
-            if now == name {
-                return Err(format!("{name} still reported as leader after its kill"));
-            }
-            Ok(format!("leader {name} (pid {pid}) gone; {now} leads; {}", ev.notes.join("; ")))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let (name, pid) = ev.victim.clone().ok_or("no leader was found to kill")?;
+        if !gone(pid) {
+            return Err(format!("the etcd leader {name} (pid {pid}) is still running"));
+        }
+        let now = c.etcd.leader().await.ok_or_else(|| format!("{name} (pid {pid}) is gone but no member leads"))?;
+        let now = format!("etcd-{}", c.etcd.name(now));
+        if now == name {
+            return Err(format!("{name} still reported as leader after its kill"));
+        }
+        Ok(format!("leader {name} (pid {pid}) gone; {now} leads; {}", ev.notes.join("; ")))
     }
 }
 
 /// Kill two of three etcd members under load, then restart them.
 pub(super) struct EtcdQuorumLoss;
 
+#[async_trait::async_trait]
 impl Drill for EtcdQuorumLoss {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -326,82 +307,69 @@ impl Drill for EtcdQuorumLoss {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let h = c.http_addr()?;
-            load.wait_done(2, LOAD_WAIT).await?;
-            let leader = wait_leader(c, None, Duration::from_secs(15)).await?;
-            let follower = (0..c.etcd.len()).find(|&i| i != leader).unwrap_or(0);
-            if skip {
-                return Ok(ev);
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let h = c.http_addr()?;
+        load.wait_done(2, LOAD_WAIT).await?;
+        let leader = wait_leader(c, None, Duration::from_secs(15)).await?;
+        let follower = (0..c.etcd.len()).find(|&i| i != leader).unwrap_or(0);
+        if skip {
+            return Ok(ev);
+        }
+        ev.began();
+        let t0 = Instant::now();
+        for i in [leader, follower] {
+            let pid = c.etcd.pid(i);
+            c.etcd.kill(i);
+            if let Some(pid) = pid {
+                ev.killed.push((format!("etcd-{}", c.etcd.name(i)), pid));
             }
-            ev.began();
-            let t0 = Instant::now();
-            for i in [leader, follower] {
-                let pid = c.etcd.pid(i);
-                c.etcd.kill(i);
-                if let Some(pid) = pid {
-                    ev.killed.push((format!("etcd-{}", c.etcd.name(i)), pid));
-                }
-            }
-            let refused = ask_until(&h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
-                a.status == 503 && a.code.as_deref() == Some(REGISTRY_UNAVAILABLE) && a.retry_after.is_some()
-            })
-            .await;
-            ev.seen = refused.is_ok();
-            note(&mut ev, refused.map(|a| format!("quorum lost; {a} after {} ms", ms(t0))));
-            let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
-            note(
-                &mut ev,
-                ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }),
-            );
-            for w in &c.workers {
-                let m = w.metrics_addr()?;
-                let fenced = gauge_becomes(&m, FENCED, 1.0, CONSEQUENCE_WAIT).await;
-                note(&mut ev, fenced.map(|()| format!("{} fenced", w.proc.name)).map_err(|e| e.to_string()));
-            }
-            // Quorum back: the first restart makes two of three.
-            for i in [follower, leader] {
-                c.etcd.restart(i).await.map_err(|e| HarnessError::Fault(format!("restarting etcd member {i}: {e}")))?;
-            }
-            ev.ended();
-            let t1 = Instant::now();
-            let back =
-                ask_until(&h, "a request served after quorum returned", CONSEQUENCE_WAIT, |a| a.status == 200).await;
-            note(&mut ev, back.map(|_| format!("served again {} ms after quorum returned", ms(t1))));
-            Ok(ev)
+        }
+        let refused = ask_until(&h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
+            a.status == 503 && a.code.as_deref() == Some(REGISTRY_UNAVAILABLE) && a.retry_after.is_some()
         })
+        .await;
+        ev.seen = refused.is_ok();
+        note(&mut ev, refused.map(|a| format!("quorum lost; {a} after {} ms", ms(t0))));
+        let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
+        note(&mut ev, ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }));
+        for w in &c.workers {
+            let m = w.metrics_addr()?;
+            let fenced = gauge_becomes(&m, FENCED, 1.0, CONSEQUENCE_WAIT).await;
+            note(&mut ev, fenced.map(|()| format!("{} fenced", w.proc.name)).map_err(|e| e.to_string()));
+        }
+        // Quorum back: the first restart makes two of three.
+        for i in [follower, leader] {
+            c.etcd.restart(i).await.map_err(|e| HarnessError::Fault(format!("restarting etcd member {i}: {e}")))?;
+        }
+        ev.ended();
+        let t1 = Instant::now();
+        let back = ask_until(&h, "a request served after quorum returned", CONSEQUENCE_WAIT, |a| a.status == 200).await;
+        note(&mut ev, back.map(|_| format!("served again {} ms after quorum returned", ms(t1))));
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            if ev.killed.len() < 2 {
-                return Err(format!("{} etcd member(s) killed, quorum needs two down", ev.killed.len()));
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        if ev.killed.len() < 2 {
+            return Err(format!("{} etcd member(s) killed, quorum needs two down", ev.killed.len()));
+        }
+        if let Some((name, pid)) = ev.killed.iter().find(|(_, pid)| !gone(*pid)) {
+            return Err(format!("{name} (pid {pid}) is still running"));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("members killed, but: {}", ev.missing.join("; ")));
+        }
+        let mut fences = Vec::new();
+        for w in &c.workers {
+            let m = w.metrics_addr().map_err(|e| e.to_string())?;
+            let n = scrape(&m).await.map_err(|e| e.to_string())?.sum(FENCES, &[]);
+            if n < 1.0 {
+                return Err(format!("{} never fenced ({FENCES} = {n})", w.proc.name));
             }
-            if let Some((name, pid)) = ev.killed.iter().find(|(_, pid)| !gone(*pid)) {
-                return Err(format!("{name} (pid {pid}) is still running"));
-            }
-            if !ev.missing.is_empty() {
-                return Err(format!("members killed, but: {}", ev.missing.join("; ")));
-            }
-            let mut fences = Vec::new();
-            for w in &c.workers {
-                let m = w.metrics_addr().map_err(|e| e.to_string())?;
-                let n = scrape(&m).await.map_err(|e| e.to_string())?.sum(FENCES, &[]);
-                if n < 1.0 {
-                    return Err(format!("{} never fenced ({FENCES} = {n})", w.proc.name));
-                }
-                fences.push(format!("{} {n}", w.proc.name));
-            }
-            let killed: Vec<String> = ev.killed.iter().map(|(n, p)| format!("{n} (pid {p})")).collect();
-            Ok(format!("killed {}; {}; fences: {}", killed.join(", "), ev.notes.join("; "), fences.join(", ")))
-        })
+            fences.push(format!("{} {n}", w.proc.name));
+        }
+        let killed: Vec<String> = ev.killed.iter().map(|(n, p)| format!("{n} (pid {p})")).collect();
+        Ok(format!("killed {}; {}; fences: {}", killed.join(", "), ev.notes.join("; "), fences.join(", ")))
     }
 }
 
@@ -411,6 +379,7 @@ const CUT_WORKER: &str = "decode-1";
 /// Partition one decode worker (of two) from etcd, then heal it.
 pub(super) struct WorkerEtcdCutoff;
 
+#[async_trait::async_trait]
 impl Drill for WorkerEtcdCutoff {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -434,75 +403,62 @@ impl Drill for WorkerEtcdCutoff {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let h = c.http_addr()?;
-            let m = c.worker(CUT_WORKER)?.metrics_addr()?;
-            let left0 = coordinator_sum(c, MEMBERSHIP, &[("change", "left")]).await;
-            let joined0 = coordinator_sum(c, MEMBERSHIP, &[("change", "joined")]).await;
-            load.wait_done(2, LOAD_WAIT).await?;
-            if skip {
-                return Ok(ev);
-            }
-            ev.began();
-            let t0 = Instant::now();
-            c.etcd_link(CUT_WORKER, Fault::Blackhole)?;
-            let fenced = gauge_becomes(&m, FENCED, 1.0, CONSEQUENCE_WAIT).await;
-            note(
-                &mut ev,
-                fenced.map(|()| format!("{CUT_WORKER} fenced after {} ms", ms(t0))).map_err(|e| e.to_string()),
-            );
-            let (left, n) = counter_reaches(&h, MEMBERSHIP, &[("change", "left")], left0 + 1.0, CONSEQUENCE_WAIT).await;
-            note(&mut ev, left.map(|()| format!("left {left0} -> {n} after {} ms", ms(t0))).map_err(|e| e.to_string()));
-            let one = serving_becomes(c, Role::Decode, 1.0, CONSEQUENCE_WAIT).await;
-            note(&mut ev, one.map(|()| "1 decode worker serving".into()).map_err(|e| e.to_string()));
-            c.etcd_link(CUT_WORKER, Fault::None)?;
-            ev.ended();
-            let t1 = Instant::now();
-            let (joined, n) =
-                counter_reaches(&h, MEMBERSHIP, &[("change", "joined")], joined0 + 1.0, CONSEQUENCE_WAIT).await;
-            note(
-                &mut ev,
-                joined
-                    .map(|()| format!("joined {joined0} -> {n} {} ms after the lift", ms(t1)))
-                    .map_err(|e| e.to_string()),
-            );
-            let two = serving_becomes(c, Role::Decode, 2.0, CONSEQUENCE_WAIT).await;
-            note(&mut ev, two.map(|()| "2 decode workers serving".into()).map_err(|e| e.to_string()));
-            let unfenced = gauge_becomes(&m, FENCED, 0.0, CONSEQUENCE_WAIT).await;
-            note(&mut ev, unfenced.map(|()| format!("{CUT_WORKER} unfenced")).map_err(|e| e.to_string()));
-            Ok(ev)
-        })
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let h = c.http_addr()?;
+        let m = c.worker(CUT_WORKER)?.metrics_addr()?;
+        let left0 = coordinator_sum(c, MEMBERSHIP, &[("change", "left")]).await;
+        let joined0 = coordinator_sum(c, MEMBERSHIP, &[("change", "joined")]).await;
+        load.wait_done(2, LOAD_WAIT).await?;
+        if skip {
+            return Ok(ev);
+        }
+        ev.began();
+        let t0 = Instant::now();
+        c.etcd_link(CUT_WORKER, Fault::Blackhole)?;
+        let fenced = gauge_becomes(&m, FENCED, 1.0, CONSEQUENCE_WAIT).await;
+        note(&mut ev, fenced.map(|()| format!("{CUT_WORKER} fenced after {} ms", ms(t0))).map_err(|e| e.to_string()));
+        let (left, n) = counter_reaches(&h, MEMBERSHIP, &[("change", "left")], left0 + 1.0, CONSEQUENCE_WAIT).await;
+        note(&mut ev, left.map(|()| format!("left {left0} -> {n} after {} ms", ms(t0))).map_err(|e| e.to_string()));
+        let one = serving_becomes(c, Role::Decode, 1.0, CONSEQUENCE_WAIT).await;
+        note(&mut ev, one.map(|()| "1 decode worker serving".into()).map_err(|e| e.to_string()));
+        c.etcd_link(CUT_WORKER, Fault::None)?;
+        ev.ended();
+        let t1 = Instant::now();
+        let (joined, n) =
+            counter_reaches(&h, MEMBERSHIP, &[("change", "joined")], joined0 + 1.0, CONSEQUENCE_WAIT).await;
+        note(
+            &mut ev,
+            joined.map(|()| format!("joined {joined0} -> {n} {} ms after the lift", ms(t1))).map_err(|e| e.to_string()),
+        );
+        let two = serving_becomes(c, Role::Decode, 2.0, CONSEQUENCE_WAIT).await;
+        note(&mut ev, two.map(|()| "2 decode workers serving".into()).map_err(|e| e.to_string()));
+        let unfenced = gauge_becomes(&m, FENCED, 0.0, CONSEQUENCE_WAIT).await;
+        note(&mut ev, unfenced.map(|()| format!("{CUT_WORKER} unfenced")).map_err(|e| e.to_string()));
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let dropped = c.etcd_link_dropped(CUT_WORKER);
-            if dropped == 0 {
-                return Err(format!("the proxy on {CUT_WORKER}'s etcd link dropped 0 bytes: it was never cut off"));
-            }
-            if !ev.missing.is_empty() {
-                return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
-            }
-            let m = c.worker(CUT_WORKER).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
-            let fences = scrape(&m).await.map_err(|e| e.to_string())?.sum(FENCES, &[]);
-            if fences < 1.0 {
-                return Err(format!("{CUT_WORKER} never fenced ({FENCES} = {fences})"));
-            }
-            Ok(format!("proxy dropped {dropped} bytes; {}; {FENCES} = {fences}", ev.notes.join("; ")))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let dropped = c.etcd_link_dropped(CUT_WORKER);
+        if dropped == 0 {
+            return Err(format!("the proxy on {CUT_WORKER}'s etcd link dropped 0 bytes: it was never cut off"));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
+        }
+        let m = c.worker(CUT_WORKER).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
+        let fences = scrape(&m).await.map_err(|e| e.to_string())?.sum(FENCES, &[]);
+        if fences < 1.0 {
+            return Err(format!("{CUT_WORKER} never fenced ({FENCES} = {fences})"));
+        }
+        Ok(format!("proxy dropped {dropped} bytes; {}; {FENCES} = {fences}", ev.notes.join("; ")))
     }
 }
 
 /// Partition the coordinator from etcd past its staleness bound, then heal it.
 pub(super) struct CoordinatorEtcdCutoff;
 
+#[async_trait::async_trait]
 impl Drill for CoordinatorEtcdCutoff {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -532,77 +488,65 @@ impl Drill for CoordinatorEtcdCutoff {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence { before: coordinator_sum(c, RESYNCS, &[]).await, ..Evidence::default() };
-            let h = c.http_addr()?;
-            load.wait_done(2, LOAD_WAIT).await?;
-            if skip {
-                return Ok(ev);
-            }
-            ev.began();
-            let t0 = Instant::now();
-            c.etcd_link("coordinator", Fault::Blackhole)?;
-            let refused = ask_until(&h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
-                a.status == 503 && a.code.as_deref() == Some(REGISTRY_UNAVAILABLE) && a.retry_after.is_some()
-            })
-            .await;
-            let served_for = ms(t0);
-            ev.seen = refused.is_ok();
-            note(&mut ev, refused.map(|a| format!("{a} after {served_for} ms cut off")));
-            // Refusals start once the last sync (a progress answer, about every second) is
-            // older than the bound, so about 2-3 s after the cut; a loaded machine can delay
-            // progress ticks, hence only a third of the bound is required.
-            if ev.seen && served_for < u128::from(MAX_STALE_MS / 3) {
-                ev.missing.push(format!(
-                    "refused {served_for} ms after the cut: the cache was not served for --registry-max-stale-ms \
-                     {MAX_STALE_MS} (less the last sync's age)"
-                ));
-            }
-            let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
-            note(
-                &mut ev,
-                ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }),
-            );
-            let healthy = coordinator_sum(c, REGISTRY_HEALTHY, &[]).await;
-            if healthy == 0.0 {
-                ev.notes.push(format!("{REGISTRY_HEALTHY} 0"));
-            } else {
-                ev.missing.push(format!("{REGISTRY_HEALTHY} {healthy} while cut off"));
-            }
-            c.etcd_link("coordinator", Fault::None)?;
-            ev.ended();
-            let t1 = Instant::now();
-            let back = ask_until(&h, "a request served after the lift", CONSEQUENCE_WAIT, |a| a.status == 200).await;
-            note(&mut ev, back.map(|_| format!("served again {} ms after the lift", ms(t1))));
-            let (resynced, n) = counter_reaches(&h, RESYNCS, &[], ev.before + 1.0, CONSEQUENCE_WAIT).await;
-            let before = ev.before;
-            note(&mut ev, resynced.map(|()| format!("resyncs {before} -> {n}")).map_err(|e| e.to_string()));
-            Ok(ev)
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence { before: coordinator_sum(c, RESYNCS, &[]).await, ..Evidence::default() };
+        let h = c.http_addr()?;
+        load.wait_done(2, LOAD_WAIT).await?;
+        if skip {
+            return Ok(ev);
+        }
+        ev.began();
+        let t0 = Instant::now();
+        c.etcd_link("coordinator", Fault::Blackhole)?;
+        let refused = ask_until(&h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
+            a.status == 503 && a.code.as_deref() == Some(REGISTRY_UNAVAILABLE) && a.retry_after.is_some()
         })
+        .await;
+        let served_for = ms(t0);
+        ev.seen = refused.is_ok();
+        note(&mut ev, refused.map(|a| format!("{a} after {served_for} ms cut off")));
+        // Refusals start once the last sync (a progress answer, about every second) is
+        // older than the bound, so about 2-3 s after the cut; a loaded machine can delay
+        // progress ticks, hence only a third of the bound is required.
+        if ev.seen && served_for < u128::from(MAX_STALE_MS / 3) {
+            ev.missing.push(format!(
+                "refused {served_for} ms after the cut: the cache was not served for --registry-max-stale-ms \
+                 {MAX_STALE_MS} (less the last sync's age)"
+            ));
+        }
+        let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
+        note(&mut ev, ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }));
+        let healthy = coordinator_sum(c, REGISTRY_HEALTHY, &[]).await;
+        if healthy == 0.0 {
+            ev.notes.push(format!("{REGISTRY_HEALTHY} 0"));
+        } else {
+            ev.missing.push(format!("{REGISTRY_HEALTHY} {healthy} while cut off"));
+        }
+        c.etcd_link("coordinator", Fault::None)?;
+        ev.ended();
+        let t1 = Instant::now();
+        let back = ask_until(&h, "a request served after the lift", CONSEQUENCE_WAIT, |a| a.status == 200).await;
+        note(&mut ev, back.map(|_| format!("served again {} ms after the lift", ms(t1))));
+        let (resynced, n) = counter_reaches(&h, RESYNCS, &[], ev.before + 1.0, CONSEQUENCE_WAIT).await;
+        let before = ev.before;
+        note(&mut ev, resynced.map(|()| format!("resyncs {before} -> {n}")).map_err(|e| e.to_string()));
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let dropped = c.etcd_link_dropped("coordinator");
-            if dropped == 0 {
-                return Err("the proxy on the coordinator's etcd link dropped 0 bytes: it was never cut off".into());
-            }
-            if !ev.seen {
-                return Err(format!(
-                    "{dropped} bytes dropped, but no 503 {REGISTRY_UNAVAILABLE}: {}",
-                    ev.missing.join("; ")
-                ));
-            }
-            if !ev.missing.is_empty() {
-                return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
-            }
-            Ok(format!("proxy dropped {dropped} bytes; {}", ev.notes.join("; ")))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let dropped = c.etcd_link_dropped("coordinator");
+        if dropped == 0 {
+            return Err("the proxy on the coordinator's etcd link dropped 0 bytes: it was never cut off".into());
+        }
+        if !ev.seen {
+            return Err(format!(
+                "{dropped} bytes dropped, but no 503 {REGISTRY_UNAVAILABLE}: {}",
+                ev.missing.join("; ")
+            ));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
+        }
+        Ok(format!("proxy dropped {dropped} bytes; {}", ev.notes.join("; ")))
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use loadgen::Report;
 
 use super::common::{decode_metrics, PairBreaker, LOAD_WAIT};
-use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role, Worker};
 use crate::invariants::Invariants;
 use crate::netns::Netns;
@@ -18,6 +18,7 @@ use crate::{eventually, HarnessError};
 /// Flip one byte inside a KV frame's payload.
 pub(super) struct KvCorrupt;
 
+#[async_trait::async_trait]
 impl Drill for KvCorrupt {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -38,46 +39,37 @@ impl Drill for KvCorrupt {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
-            let m = decode.metrics_addr()?;
-            ev.before = crate::metrics::scrape(&m).await?.sum("tandem_kv_load_failures_total", &[]);
-            if !skip {
-                // 100 KiB into the stream: inside a layer's payload, where only the checksum can tell.
-                if let Some(p) = decode.proxy.as_ref() {
-                    ev.began();
-                    p.arm(Fault::FlipAfter(100 << 10));
-                }
+    async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
+        let m = decode.metrics_addr()?;
+        ev.before = crate::metrics::scrape(&m).await?.sum("tandem_kv_load_failures_total", &[]);
+        if !skip {
+            // 100 KiB into the stream: inside a layer's payload, where only the checksum can tell.
+            if let Some(p) = decode.proxy.as_ref() {
+                ev.began();
+                p.arm(Fault::FlipAfter(100 << 10));
             }
-            Ok(ev)
-        })
+        }
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let proxy = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()).ok_or("no proxy")?;
-            let flips = proxy.counters().flips;
-            let p = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-            let failures = p.sum("tandem_kv_load_failures_total", &[]) - ev.before;
-            let refused = p.sum("tandem_kv_frames_refused_total", &[("reason", "checksum")]);
-            if flips == 0 || failures < 1.0 {
-                return Err(format!(
-                    "the proxy flipped {flips} bytes and the decode worker counted {failures} failed loads"
-                ));
-            }
-            let pair = faulty_pair(c).await?;
-            Ok(format!(
-                "proxy flipped {flips} byte(s); {failures} failed load(s); {refused} frame(s) refused by checksum; \
-                 {pair}"
-            ))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let proxy = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()).ok_or("no proxy")?;
+        let flips = proxy.counters().flips;
+        let p = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
+        let failures = p.sum("tandem_kv_load_failures_total", &[]) - ev.before;
+        let refused = p.sum("tandem_kv_frames_refused_total", &[("reason", "checksum")]);
+        if flips == 0 || failures < 1.0 {
+            return Err(format!(
+                "the proxy flipped {flips} bytes and the decode worker counted {failures} failed loads"
+            ));
+        }
+        let pair = faulty_pair(c).await?;
+        Ok(format!(
+            "proxy flipped {flips} byte(s); {failures} failed load(s); {refused} frame(s) refused by checksum; \
+             {pair}"
+        ))
     }
 }
 
@@ -214,6 +206,7 @@ pub(super) struct KvDelay;
 const DELAY: Duration = Duration::from_millis(75);
 const JITTER: Duration = Duration::from_millis(50);
 
+#[async_trait::async_trait]
 impl Drill for KvDelay {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -234,71 +227,58 @@ impl Drill for KvDelay {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
-            ev.before = Loads::of(c).await?.0.failed;
-            if !skip {
-                ev.began();
-                proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
-            }
-            load_finished(load).await?;
-            proxy.arm(Fault::None);
-            ev.ended();
-            Ok(ev)
-        })
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
+        ev.before = Loads::of(c).await?.0.failed;
+        if !skip {
+            ev.began();
+            proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
+        }
+        load_finished(load).await?;
+        proxy.arm(Fault::None);
+        ev.ended();
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let w = decode_worker(c).map_err(|e| e.to_string())?;
-            let k = w.proxy.as_ref().ok_or("no proxy")?.counters();
-            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
-            let failed = l.failed - ev.before;
-            let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
-            let min = k.min_delay_ms.unwrap_or(0);
-            let delayed = format!(
-                "the proxy delayed {} chunk(s) by {min}..{} ms (want within [{lo}, {hi}])",
-                k.delayed_chunks, k.max_delay_ms
-            );
-            if k.delayed_chunks == 0 || min < lo || k.max_delay_ms > hi {
-                return Err(delayed);
-            }
-            let want = report.records.len() as f64;
-            if l.loaded < want || failed > 0.0 {
-                return Err(format!(
-                    "{delayed}, but the decode worker loaded {} of {want} KV transfers and {failed} failed ({reasons})",
-                    l.loaded
-                ));
-            }
-            let mean = crate::metrics::scrape(&w.metrics_addr().map_err(|e| e.to_string())?)
-                .await
-                .map(|p| p.sum("tandem_kv_load_seconds_sum", &[]) / l.loaded.max(1.0))
-                .unwrap_or(0.0);
-            let pair = faulty_pair(c).await?;
-            Ok(format!(
-                "{delayed}; the decode worker loaded all {} KV transfers (mean load {:.0} ms), 0 failed; {pair}",
-                l.loaded,
-                mean * 1e3
-            ))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let w = decode_worker(c).map_err(|e| e.to_string())?;
+        let k = w.proxy.as_ref().ok_or("no proxy")?.counters();
+        let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+        let failed = l.failed - ev.before;
+        let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
+        let min = k.min_delay_ms.unwrap_or(0);
+        let delayed = format!(
+            "the proxy delayed {} chunk(s) by {min}..{} ms (want within [{lo}, {hi}])",
+            k.delayed_chunks, k.max_delay_ms
+        );
+        if k.delayed_chunks == 0 || min < lo || k.max_delay_ms > hi {
+            return Err(delayed);
+        }
+        let want = report.records.len() as f64;
+        if l.loaded < want || failed > 0.0 {
+            return Err(format!(
+                "{delayed}, but the decode worker loaded {} of {want} KV transfers and {failed} failed ({reasons})",
+                l.loaded
+            ));
+        }
+        let mean = crate::metrics::scrape(&w.metrics_addr().map_err(|e| e.to_string())?)
+            .await
+            .map(|p| p.sum("tandem_kv_load_seconds_sum", &[]) / l.loaded.max(1.0))
+            .unwrap_or(0.0);
+        let pair = faulty_pair(c).await?;
+        Ok(format!(
+            "{delayed}; the decode worker loaded all {} KV transfers (mean load {:.0} ms), 0 failed; {pair}",
+            l.loaded,
+            mean * 1e3
+        ))
     }
 }
 
 /// 50% random packet loss on the KV port, inside the decode worker's namespace.
 pub(super) struct KvLoss;
 
+#[async_trait::async_trait]
 impl Drill for KvLoss {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -320,70 +300,57 @@ impl Drill for KvLoss {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let (ns, port) = kv_port(c)?;
-            let spec = drop_rule(&port, &["-m", "statistic", "--mode", "random", "--probability", "0.5"]);
-            if !skip {
-                ev.began();
-                iptables(ns, &rule("-A", &spec))?;
-            }
-            load_finished(load).await?;
-            // The rule stays until the namespace goes: the proof reads its counter.
-            Ok(ev)
-        })
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let (ns, port) = kv_port(c)?;
+        let spec = drop_rule(&port, &["-m", "statistic", "--mode", "random", "--probability", "0.5"]);
+        if !skip {
+            ev.began();
+            iptables(ns, &rule("-A", &spec))?;
+        }
+        load_finished(load).await?;
+        // The rule stays until the namespace goes: the proof reads its counter.
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        _: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (ns, port) = kv_port(c).map_err(|e| e.to_string())?;
-            let dropped = ns.rule_packets("INPUT", KV_RULE).map_err(|e| e.to_string())?.unwrap_or(0);
-            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
-            let (healthy, healthy_failed) = healthy_loads(c).await?;
-            let pair = faulty_pair(c).await?;
-            let n = report.records.len() as f64;
-            let seen = format!(
-                "the 50% DROP rule on KV port {port} dropped {dropped} packet(s); of {n} KV loads, decode-0's {} \
-                 arrived intact and {} failed ({reasons}), {} recomputed; decode-1 (healthy link) loaded {healthy}, \
-                 {healthy_failed} failed; {pair}; slowest request {:.1} s",
-                l.loaded,
-                l.failed,
-                l.recomputed,
-                slowest(report)
-            );
-            if dropped == 0 {
-                return Err(seen);
-            }
-            // Each request made one load: it arrived, or its lease ran out (loss slows a
-            // connection, it never cuts one) and it was recomputed.
-            if l.loaded + l.failed + healthy + healthy_failed != n
-                || l.recomputed != l.failed
-                || l.lease_ran_out != l.failed
-                || healthy_failed > 0.0
-            {
-                return Err(format!(
-                    "{seen}: every load must arrive, or fail on decode-0 when its lease runs out and be recomputed"
-                ));
-            }
-            Ok(seen)
-        })
+    async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
+        let (ns, port) = kv_port(c).map_err(|e| e.to_string())?;
+        let dropped = ns.rule_packets("INPUT", KV_RULE).map_err(|e| e.to_string())?.unwrap_or(0);
+        let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+        let (healthy, healthy_failed) = healthy_loads(c).await?;
+        let pair = faulty_pair(c).await?;
+        let n = report.records.len() as f64;
+        let seen = format!(
+            "the 50% DROP rule on KV port {port} dropped {dropped} packet(s); of {n} KV loads, decode-0's {} \
+             arrived intact and {} failed ({reasons}), {} recomputed; decode-1 (healthy link) loaded {healthy}, \
+             {healthy_failed} failed; {pair}; slowest request {:.1} s",
+            l.loaded,
+            l.failed,
+            l.recomputed,
+            slowest(report)
+        );
+        if dropped == 0 {
+            return Err(seen);
+        }
+        // Each request made one load: it arrived, or its lease ran out (loss slows a
+        // connection, it never cuts one) and it was recomputed.
+        if l.loaded + l.failed + healthy + healthy_failed != n
+            || l.recomputed != l.failed
+            || l.lease_ran_out != l.failed
+            || healthy_failed > 0.0
+        {
+            return Err(format!(
+                "{seen}: every load must arrive, or fail on decode-0 when its lease runs out and be recomputed"
+            ));
+        }
+        Ok(seen)
     }
 }
 
 /// Drop every packet to the KV port until half the load is done, then let it through again.
 pub(super) struct KvBlackhole;
 
+#[async_trait::async_trait]
 impl Drill for KvBlackhole {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -406,79 +373,65 @@ impl Drill for KvBlackhole {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let (ns, port) = kv_port(c)?;
-            let spec = drop_rule(&port, &[]);
-            if !skip {
-                ev.began();
-                iptables(ns, &rule("-A", &spec))?;
-            }
-            load.wait_done(4, LOAD_WAIT).await?;
-            if !skip {
-                // decode-0 shares the load with the healthy decode-1: lift only once one of its loads failed.
-                let failed = || async { Loads::of(c).await.is_ok_and(|(l, _)| l.failed >= 1.0) };
-                let _ = eventually("decode-0 fails a KV load in the blackhole", LOAD_WAIT, failed).await;
-            }
-            let (at_lift, _) = Loads::of(c).await?;
-            let dropped = ns.rule_packets("INPUT", KV_RULE)?.unwrap_or(0);
-            if !skip {
-                iptables(ns, &rule("-D", &spec))?;
-                ev.ended();
-            }
-            ev.seen = dropped > 0;
-            ev.before = at_lift.loaded;
-            ev.notes.push(format!(
-                "the DROP rule on KV port {port} dropped {dropped} packet(s) while 4 requests ended; meanwhile \
-                 {} load(s) failed and {} were recomputed, {} arrived",
-                at_lift.failed, at_lift.recomputed, at_lift.loaded
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let (ns, port) = kv_port(c)?;
+        let spec = drop_rule(&port, &[]);
+        if !skip {
+            ev.began();
+            iptables(ns, &rule("-A", &spec))?;
+        }
+        load.wait_done(4, LOAD_WAIT).await?;
+        if !skip {
+            // decode-0 shares the load with the healthy decode-1: lift only once one of its loads failed.
+            let failed = || async { Loads::of(c).await.is_ok_and(|(l, _)| l.failed >= 1.0) };
+            let _ = eventually("decode-0 fails a KV load in the blackhole", LOAD_WAIT, failed).await;
+        }
+        let (at_lift, _) = Loads::of(c).await?;
+        let dropped = ns.rule_packets("INPUT", KV_RULE)?.unwrap_or(0);
+        if !skip {
+            iptables(ns, &rule("-D", &spec))?;
+            ev.ended();
+        }
+        ev.seen = dropped > 0;
+        ev.before = at_lift.loaded;
+        ev.notes.push(format!(
+            "the DROP rule on KV port {port} dropped {dropped} packet(s) while 4 requests ended; meanwhile \
+             {} load(s) failed and {} were recomputed, {} arrived",
+            at_lift.failed, at_lift.recomputed, at_lift.loaded
+        ));
+        if at_lift.failed < 1.0 || at_lift.recomputed != at_lift.failed {
+            ev.missing.push(format!(
+                "{} failed and {} recomputed loads while the rule dropped the KV link",
+                at_lift.failed, at_lift.recomputed
             ));
-            if at_lift.failed < 1.0 || at_lift.recomputed != at_lift.failed {
-                ev.missing.push(format!(
-                    "{} failed and {} recomputed loads while the rule dropped the KV link",
-                    at_lift.failed, at_lift.recomputed
-                ));
-            }
-            // The link is back: decode-0 loads again (at once, or after its pair's breaker is probed).
-            let back = || async { Loads::of(c).await.is_ok_and(|(l, _)| l.loaded > at_lift.loaded) || load.finished() };
-            let _ = eventually("decode-0 loads KV again after the rule went", LOAD_WAIT, back).await;
-            load_finished(load).await?;
-            Ok(ev)
-        })
+        }
+        // The link is back: decode-0 loads again (at once, or after its pair's breaker is probed).
+        let back = || async { Loads::of(c).await.is_ok_and(|(l, _)| l.loaded > at_lift.loaded) || load.finished() };
+        let _ = eventually("decode-0 loads KV again after the rule went", LOAD_WAIT, back).await;
+        load_finished(load).await?;
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
-            let (healthy, _) = healthy_loads(c).await?;
-            let pair = faulty_pair(c).await?;
-            let seen = format!(
-                "{}; after the rule went, {} more load(s) arrived on decode-0 (failure reasons overall: {reasons}); \
-                 decode-1 (healthy link) loaded {healthy}; {pair}; slowest request {:.1} s (lease {:.1} s)",
-                ev.notes.join("; "),
-                l.loaded - ev.before,
-                slowest(report),
-                LEASE_MS as f64 / 1e3
-            );
-            if !ev.seen || !ev.missing.is_empty() {
-                return Err(format!("{seen}: {}", ev.missing.join("; ")));
-            }
-            if l.loaded - ev.before < 1.0 {
-                return Err(format!("{seen}: the KV link did not come back"));
-            }
-            Ok(seen)
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+        let (healthy, _) = healthy_loads(c).await?;
+        let pair = faulty_pair(c).await?;
+        let seen = format!(
+            "{}; after the rule went, {} more load(s) arrived on decode-0 (failure reasons overall: {reasons}); \
+             decode-1 (healthy link) loaded {healthy}; {pair}; slowest request {:.1} s (lease {:.1} s)",
+            ev.notes.join("; "),
+            l.loaded - ev.before,
+            slowest(report),
+            LEASE_MS as f64 / 1e3
+        );
+        if !ev.seen || !ev.missing.is_empty() {
+            return Err(format!("{seen}: {}", ev.missing.join("; ")));
+        }
+        if l.loaded - ev.before < 1.0 {
+            return Err(format!("{seen}: the KV link did not come back"));
+        }
+        Ok(seen)
     }
 }
 
@@ -490,6 +443,7 @@ const RESET_AT: usize = 64 << 10;
 /// Resets a run aims for.
 const RESETS: u64 = 3;
 
+#[async_trait::async_trait]
 impl Drill for KvResets {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -510,66 +464,51 @@ impl Drill for KvResets {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
-            ev.before = Loads::of(c).await?.0.failed;
-            if skip {
-                load_finished(load).await?;
-                return Ok(ev);
-            }
-            ev.began();
-            let mut struck = proxy.counters().resets;
-            while struck < RESETS && !load.finished() {
-                proxy.arm(Fault::ResetAfter(RESET_AT));
-                let before = struck;
-                eventually("the proxy resets a KV connection (or the load ends)", LOAD_WAIT, || async {
-                    proxy.counters().resets > before || load.finished()
-                })
-                .await?;
-                struck = proxy.counters().resets;
-            }
-            proxy.arm(Fault::None);
-            ev.ended();
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
+        ev.before = Loads::of(c).await?.0.failed;
+        if skip {
             load_finished(load).await?;
-            Ok(ev)
-        })
+            return Ok(ev);
+        }
+        ev.began();
+        let mut struck = proxy.counters().resets;
+        while struck < RESETS && !load.finished() {
+            proxy.arm(Fault::ResetAfter(RESET_AT));
+            let before = struck;
+            eventually("the proxy resets a KV connection (or the load ends)", LOAD_WAIT, || async {
+                proxy.counters().resets > before || load.finished()
+            })
+            .await?;
+            struck = proxy.counters().resets;
+        }
+        proxy.arm(Fault::None);
+        ev.ended();
+        load_finished(load).await?;
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let resets =
-                decode_worker(c).map_err(|e| e.to_string())?.proxy.as_ref().ok_or("no proxy")?.counters().resets;
-            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
-            let (healthy, _) = healthy_loads(c).await?;
-            let pair = faulty_pair(c).await?;
-            let failed = l.failed - ev.before;
-            let seen = format!(
-                "the proxy reset {resets} KV connection(s); decode-0 counted {failed} failed load(s) ({reasons}), \
-                 {} recomputed, {} arrived intact; decode-1 (healthy link) loaded {healthy}; of {} requests; {pair}",
-                l.recomputed,
-                l.loaded,
-                report.records.len()
-            );
-            if resets < 2 || failed < 2.0 {
-                return Err(seen);
-            }
-            if l.recomputed != l.failed {
-                return Err(format!("{seen}: every failed load must be recomputed"));
-            }
-            Ok(seen)
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let resets = decode_worker(c).map_err(|e| e.to_string())?.proxy.as_ref().ok_or("no proxy")?.counters().resets;
+        let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+        let (healthy, _) = healthy_loads(c).await?;
+        let pair = faulty_pair(c).await?;
+        let failed = l.failed - ev.before;
+        let seen = format!(
+            "the proxy reset {resets} KV connection(s); decode-0 counted {failed} failed load(s) ({reasons}), \
+             {} recomputed, {} arrived intact; decode-1 (healthy link) loaded {healthy}; of {} requests; {pair}",
+            l.recomputed,
+            l.loaded,
+            report.records.len()
+        );
+        if resets < 2 || failed < 2.0 {
+            return Err(seen);
+        }
+        if l.recomputed != l.failed {
+            return Err(format!("{seen}: every failed load must be recomputed"));
+        }
+        Ok(seen)
     }
 }
 
@@ -584,6 +523,7 @@ const REORDER_LEN: usize = 8 << 10;
 /// Swaps a run aims for.
 const SWAPS: u64 = 2;
 
+#[async_trait::async_trait]
 impl Drill for KvReorder {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -604,74 +544,60 @@ impl Drill for KvReorder {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
-            let (l, _) = Loads::of(c).await?;
-            ev.before = l.failed;
-            if skip {
-                load_finished(load).await?;
-                return Ok(ev);
-            }
-            ev.began();
-            let mut swapped = proxy.counters().swaps;
-            while swapped < SWAPS && !load.finished() {
-                proxy.arm(Fault::Reorder { after: REORDER_AT, len: REORDER_LEN });
-                let before = swapped;
-                eventually("the proxy swaps two runs of KV bytes (or the load ends)", LOAD_WAIT, || async {
-                    proxy.counters().swaps > before || load.finished()
-                })
-                .await?;
-                swapped = proxy.counters().swaps;
-            }
-            proxy.arm(Fault::None);
-            ev.ended();
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
+        let (l, _) = Loads::of(c).await?;
+        ev.before = l.failed;
+        if skip {
             load_finished(load).await?;
-            Ok(ev)
-        })
+            return Ok(ev);
+        }
+        ev.began();
+        let mut swapped = proxy.counters().swaps;
+        while swapped < SWAPS && !load.finished() {
+            proxy.arm(Fault::Reorder { after: REORDER_AT, len: REORDER_LEN });
+            let before = swapped;
+            eventually("the proxy swaps two runs of KV bytes (or the load ends)", LOAD_WAIT, || async {
+                proxy.counters().swaps > before || load.finished()
+            })
+            .await?;
+            swapped = proxy.counters().swaps;
+        }
+        proxy.arm(Fault::None);
+        ev.ended();
+        load_finished(load).await?;
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let k = decode_worker(c).map_err(|e| e.to_string())?.proxy.as_ref().ok_or("no proxy")?.counters();
-            let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
-            let p = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-            let refused: Vec<String> = ["checksum", "payload_length", "block_range", "layer_out_of_range", "duplicate"]
-                .iter()
-                .filter_map(|r| {
-                    let n = p.sum("tandem_kv_frames_refused_total", &[("reason", r)]);
-                    (n > 0.0).then(|| format!("{r} {n}"))
-                })
-                .collect();
-            let failed = l.failed - ev.before;
-            let seen = format!(
-                "the proxy swapped {} pair(s) of runs ({} bytes); the decode worker refused frames ({}), counted \
-                 {failed} failed load(s) ({reasons}), {} recomputed, {} of {} arrived intact",
-                k.swaps,
-                k.swapped_bytes,
-                if refused.is_empty() { "none by the receiver".to_owned() } else { refused.join(", ") },
-                l.recomputed,
-                l.loaded,
-                report.records.len()
-            );
-            if k.swaps == 0 || failed < 1.0 {
-                return Err(seen);
-            }
-            if l.recomputed != l.failed {
-                return Err(format!("{seen}: every failed load must be recomputed"));
-            }
-            Ok(seen)
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let k = decode_worker(c).map_err(|e| e.to_string())?.proxy.as_ref().ok_or("no proxy")?.counters();
+        let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+        let p = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
+        let refused: Vec<String> = ["checksum", "payload_length", "block_range", "layer_out_of_range", "duplicate"]
+            .iter()
+            .filter_map(|r| {
+                let n = p.sum("tandem_kv_frames_refused_total", &[("reason", r)]);
+                (n > 0.0).then(|| format!("{r} {n}"))
+            })
+            .collect();
+        let failed = l.failed - ev.before;
+        let seen = format!(
+            "the proxy swapped {} pair(s) of runs ({} bytes); the decode worker refused frames ({}), counted \
+             {failed} failed load(s) ({reasons}), {} recomputed, {} of {} arrived intact",
+            k.swaps,
+            k.swapped_bytes,
+            if refused.is_empty() { "none by the receiver".to_owned() } else { refused.join(", ") },
+            l.recomputed,
+            l.loaded,
+            report.records.len()
+        );
+        if k.swaps == 0 || failed < 1.0 {
+            return Err(seen);
+        }
+        if l.recomputed != l.failed {
+            return Err(format!("{seen}: every failed load must be recomputed"));
+        }
+        Ok(seen)
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use loadgen::{Outcome, Report};
 
 use super::common::LOAD_WAIT;
-use super::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
 use crate::proxy::{Fault, Proxy};
@@ -53,6 +53,7 @@ const CUTS: u64 = 3;
 /// Reset some clients' connections mid-answer on the request link.
 pub(super) struct RequestLinkResets;
 
+#[async_trait::async_trait]
 impl Drill for RequestLinkResets {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -73,82 +74,68 @@ impl Drill for RequestLinkResets {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let proxy = client_proxy(c)?;
-            ev.before = cancelled(c).await?;
-            if !skip {
-                ev.began();
-                let mut struck = proxy.counters().resets;
-                while struck < CUTS && !load.finished() {
-                    // The next request's connection: one connection per request (loadgen keeps none).
-                    proxy.arm(Fault::ResetNextAfter(CUT_AT));
-                    let before = struck;
-                    eventually("the proxy cuts a client's connection (or the load ends)", LOAD_WAIT, || async {
-                        proxy.counters().resets > before || load.finished()
-                    })
-                    .await?;
-                    struck = proxy.counters().resets;
-                }
-                proxy.arm(Fault::None);
-                ev.ended();
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let proxy = client_proxy(c)?;
+        ev.before = cancelled(c).await?;
+        if !skip {
+            ev.began();
+            let mut struck = proxy.counters().resets;
+            while struck < CUTS && !load.finished() {
+                // The next request's connection: one connection per request (loadgen keeps none).
+                proxy.arm(Fault::ResetNextAfter(CUT_AT));
+                let before = struck;
+                eventually("the proxy cuts a client's connection (or the load ends)", LOAD_WAIT, || async {
+                    proxy.counters().resets > before || load.finished()
+                })
+                .await?;
+                struck = proxy.counters().resets;
             }
-            load_finished(load).await?;
-            Ok(ev)
-        })
+            proxy.arm(Fault::None);
+            ev.ended();
+        }
+        load_finished(load).await?;
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let resets = client_proxy(c).map_err(|e| e.to_string())?.counters().resets;
-            let cut = transport_errors(report);
-            // The decode worker counts a cut stream once the coordinator's write fails and it
-            // drops the worker stream: wait for as many cancellations as cuts (bounded).
-            let want = ev.before + resets as f64;
-            let now = std::sync::Mutex::new(ev.before);
-            let seen = eventually("the decode worker cancels every cut request", Duration::from_secs(10), || {
-                let now = &now;
-                async move {
-                    let v = cancelled(c).await.unwrap_or(0.0);
-                    *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
-                    v >= want
-                }
-            })
-            .await;
-            let got = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before;
-            let partial: Vec<usize> = report
-                .records
-                .iter()
-                .filter(|r| matches!(r.outcome, Outcome::Transport(_)))
-                .map(|r| r.text.chars().count())
-                .collect();
-            let text = format!(
-                "the proxy reset {resets} client connection(s) {CUT_AT} bytes into their answers; {cut} request(s) \
-                 ended in a transport error (characters received before the cut: {partial:?}); the decode worker \
-                 cancelled {got}"
-            );
-            if resets == 0 {
-                return Err(text);
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let resets = client_proxy(c).map_err(|e| e.to_string())?.counters().resets;
+        let cut = transport_errors(report);
+        // The decode worker counts a cut stream once the coordinator's write fails and it
+        // drops the worker stream: wait for as many cancellations as cuts (bounded).
+        let want = ev.before + resets as f64;
+        let now = std::sync::Mutex::new(ev.before);
+        let seen = eventually("the decode worker cancels every cut request", Duration::from_secs(10), || {
+            let now = &now;
+            async move {
+                let v = cancelled(c).await.unwrap_or(0.0);
+                *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
+                v >= want
             }
-            if cut as u64 != resets {
-                return Err(format!("{text}: every cut request, and only those, must end in a transport error"));
-            }
-            if seen.is_err() {
-                return Err(format!("{text}: every cut request must be cancelled on the decode worker"));
-            }
-            Ok(text)
         })
+        .await;
+        let got = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before;
+        let partial: Vec<usize> = report
+            .records
+            .iter()
+            .filter(|r| matches!(r.outcome, Outcome::Transport(_)))
+            .map(|r| r.text.chars().count())
+            .collect();
+        let text = format!(
+            "the proxy reset {resets} client connection(s) {CUT_AT} bytes into their answers; {cut} request(s) \
+             ended in a transport error (characters received before the cut: {partial:?}); the decode worker \
+             cancelled {got}"
+        );
+        if resets == 0 {
+            return Err(text);
+        }
+        if cut as u64 != resets {
+            return Err(format!("{text}: every cut request, and only those, must end in a transport error"));
+        }
+        if seen.is_err() {
+            return Err(format!("{text}: every cut request must be cancelled on the decode worker"));
+        }
+        Ok(text)
     }
 }
 
@@ -158,6 +145,7 @@ pub(super) struct RequestLinkDelay;
 const DELAY: Duration = Duration::from_millis(75);
 const JITTER: Duration = Duration::from_millis(50);
 
+#[async_trait::async_trait]
 impl Drill for RequestLinkDelay {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -177,55 +165,40 @@ impl Drill for RequestLinkDelay {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let proxy = client_proxy(c)?;
-            if !skip {
-                ev.began();
-                proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
-            }
-            load_finished(load).await?;
-            proxy.arm(Fault::None);
-            ev.ended();
-            Ok(ev)
-        })
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let proxy = client_proxy(c)?;
+        if !skip {
+            ev.began();
+            proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
+        }
+        load_finished(load).await?;
+        proxy.arm(Fault::None);
+        ev.ended();
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        _: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let k = client_proxy(c).map_err(|e| e.to_string())?.counters();
-            let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
-            let min = k.min_delay_ms.unwrap_or(0);
-            let s = report.summary();
-            let ms =
-                |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3));
-            let text = format!(
-                "the proxy delayed {} chunk(s) to the clients by {min}..{} ms (want within [{lo}, {hi}]); {} of {} \
-                 answers complete; TTFT p50 {} p99 {}",
-                k.delayed_chunks,
-                k.max_delay_ms,
-                s.ok,
-                s.requests,
-                ms(s.ttft.p50),
-                ms(s.ttft.p99)
-            );
-            // Every answer crosses the proxy: at least its headers and its first event were delayed.
-            if (k.delayed_chunks as usize) < report.records.len() || min < lo || k.max_delay_ms > hi {
-                return Err(text);
-            }
-            Ok(text)
-        })
+    async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
+        let k = client_proxy(c).map_err(|e| e.to_string())?.counters();
+        let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
+        let min = k.min_delay_ms.unwrap_or(0);
+        let s = report.summary();
+        let ms = |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3));
+        let text = format!(
+            "the proxy delayed {} chunk(s) to the clients by {min}..{} ms (want within [{lo}, {hi}]); {} of {} \
+             answers complete; TTFT p50 {} p99 {}",
+            k.delayed_chunks,
+            k.max_delay_ms,
+            s.ok,
+            s.requests,
+            ms(s.ttft.p50),
+            ms(s.ttft.p99)
+        );
+        // Every answer crosses the proxy: at least its headers and its first event were delayed.
+        if (k.delayed_chunks as usize) < report.records.len() || min < lo || k.max_delay_ms > hi {
+            return Err(text);
+        }
+        Ok(text)
     }
 }
 
@@ -243,6 +216,7 @@ impl ControlLinkResets {
     }
 }
 
+#[async_trait::async_trait]
 impl Drill for ControlLinkResets {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -264,101 +238,87 @@ impl Drill for ControlLinkResets {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let proxy = Self::proxy(c)?;
-            let m = c.worker(BEHIND)?.metrics_addr()?;
-            ev.before = crate::metrics::scrape(&m).await?.sum(CANCELLED.0, CANCELLED.1) + 0.0;
-            let mut strikes = 0;
-            while strikes < STRIKES && !load.finished() {
-                // Strikes alternate: mid-answer (the worker runs a request and has streamed
-                // tokens since), then just after a request arrived (the worker has routed its
-                // prompt to the prefill worker: its first token is a prefill away).
-                let mid_answer = strikes % 2 == 0;
-                let forwarded = proxy.counters().bytes_forwarded;
-                let started = crate::metrics::scrape(&m).await?.sum(ROUTED, &[]);
-                let what = if mid_answer { "streams a request" } else { "starts a request" };
-                eventually(&format!("{BEHIND} {what} (or the load ends)"), LOAD_WAIT, || {
-                    let m = &m;
-                    async move {
-                        if load.finished() {
-                            return true;
-                        }
-                        let Ok(p) = crate::metrics::scrape(m).await else { return false };
-                        if mid_answer {
-                            p.sum("tandem_num_requests_running", &[]) >= 1.0
-                                && proxy.counters().bytes_forwarded > forwarded + 200
-                        } else {
-                            p.sum(ROUTED, &[]) > started
-                        }
-                    }
-                })
-                .await?;
-                if load.finished() {
-                    break;
-                }
-                ev.began();
-                if !skip {
-                    let n = proxy.reset_open();
-                    ev.notes.push(format!("{} {n}", if mid_answer { "mid-answer" } else { "at a request's start" }));
-                }
-                strikes += 1;
-            }
-            ev.ended();
-            load_finished(load).await?;
-            Ok(ev)
-        })
-    }
-
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let resets = Self::proxy(c).map_err(|e| e.to_string())?.counters().resets;
-            let m = c.worker(BEHIND).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
-            let ended_typed = report
-                .records
-                .iter()
-                .filter(|r| matches!(&r.outcome, Outcome::StreamError { code: Some(c), .. } if c == "worker_stream"))
-                .count();
-            let coord = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-            let rerouted = coord.sum(REROUTES, &[]) + 0.0;
-            let broken = coord.sum(REROUTES, &[("reason", "stream_broken")]) + 0.0;
-            // Every request cut on the worker is cancelled there (its KV freed: G2).
-            let want = ev.before + ended_typed as f64 + broken;
-            let now = std::sync::Mutex::new(ev.before);
-            let seen = eventually(&format!("{BEHIND} cancels every cut stream"), Duration::from_secs(10), || {
-                let (m, now) = (&m, &now);
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let proxy = Self::proxy(c)?;
+        let m = c.worker(BEHIND)?.metrics_addr()?;
+        ev.before = crate::metrics::scrape(&m).await?.sum(CANCELLED.0, CANCELLED.1) + 0.0;
+        let mut strikes = 0;
+        while strikes < STRIKES && !load.finished() {
+            // Strikes alternate: mid-answer (the worker runs a request and has streamed
+            // tokens since), then just after a request arrived (the worker has routed its
+            // prompt to the prefill worker: its first token is a prefill away).
+            let mid_answer = strikes % 2 == 0;
+            let forwarded = proxy.counters().bytes_forwarded;
+            let started = crate::metrics::scrape(&m).await?.sum(ROUTED, &[]);
+            let what = if mid_answer { "streams a request" } else { "starts a request" };
+            eventually(&format!("{BEHIND} {what} (or the load ends)"), LOAD_WAIT, || {
+                let m = &m;
                 async move {
-                    let v = crate::metrics::scrape(m).await.map_or(0.0, |p| p.sum(CANCELLED.0, CANCELLED.1));
-                    *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
-                    v >= want
+                    if load.finished() {
+                        return true;
+                    }
+                    let Ok(p) = crate::metrics::scrape(m).await else { return false };
+                    if mid_answer {
+                        p.sum("tandem_num_requests_running", &[]) >= 1.0
+                            && proxy.counters().bytes_forwarded > forwarded + 200
+                    } else {
+                        p.sum(ROUTED, &[]) > started
+                    }
                 }
             })
-            .await;
-            let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before + 0.0;
-            let text = format!(
-                "the control proxy reset {resets} connection(s) (open ones, by strike: {}); {ended_typed} request(s) mid-answer ended in \
-                 worker_stream, {rerouted} were routed again before their first token ({broken} of them on a \
-                 broken stream); {BEHIND} cancelled {cancelled}",
-                ev.notes.join(", ")
-            );
-            if resets == 0 || (ended_typed == 0 && rerouted == 0.0) {
-                return Err(text);
+            .await?;
+            if load.finished() {
+                break;
             }
-            if seen.is_err() {
-                return Err(format!("{text}: every stream cut on the worker must be cancelled there"));
+            ev.began();
+            if !skip {
+                let n = proxy.reset_open();
+                ev.notes.push(format!("{} {n}", if mid_answer { "mid-answer" } else { "at a request's start" }));
             }
-            Ok(text)
+            strikes += 1;
+        }
+        ev.ended();
+        load_finished(load).await?;
+        Ok(ev)
+    }
+
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let resets = Self::proxy(c).map_err(|e| e.to_string())?.counters().resets;
+        let m = c.worker(BEHIND).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
+        let ended_typed = report
+            .records
+            .iter()
+            .filter(|r| matches!(&r.outcome, Outcome::StreamError { code: Some(c), .. } if c == "worker_stream"))
+            .count();
+        let coord = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+        let rerouted = coord.sum(REROUTES, &[]) + 0.0;
+        let broken = coord.sum(REROUTES, &[("reason", "stream_broken")]) + 0.0;
+        // Every request cut on the worker is cancelled there (its KV freed: G2).
+        let want = ev.before + ended_typed as f64 + broken;
+        let now = std::sync::Mutex::new(ev.before);
+        let seen = eventually(&format!("{BEHIND} cancels every cut stream"), Duration::from_secs(10), || {
+            let (m, now) = (&m, &now);
+            async move {
+                let v = crate::metrics::scrape(m).await.map_or(0.0, |p| p.sum(CANCELLED.0, CANCELLED.1));
+                *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
+                v >= want
+            }
         })
+        .await;
+        let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before + 0.0;
+        let text = format!(
+            "the control proxy reset {resets} connection(s) (open ones, by strike: {}); {ended_typed} request(s) mid-answer ended in \
+             worker_stream, {rerouted} were routed again before their first token ({broken} of them on a \
+             broken stream); {BEHIND} cancelled {cancelled}",
+            ev.notes.join(", ")
+        );
+        if resets == 0 || (ended_typed == 0 && rerouted == 0.0) {
+            return Err(text);
+        }
+        if seen.is_err() {
+            return Err(format!("{text}: every stream cut on the worker must be cancelled there"));
+        }
+        Ok(text)
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use loadgen::{Outcome, Report};
 
 use super::common::{open_stream, probe};
-use super::{own_cluster, BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use super::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::{GoodputBound, Invariants};
 use crate::{eventually, HarnessError};
@@ -15,6 +15,7 @@ const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("
 /// Clients hang up mid-stream.
 pub(super) struct ClientDisconnect;
 
+#[async_trait::async_trait]
 impl Drill for ClientDisconnect {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -34,33 +35,26 @@ impl Drill for ClientDisconnect {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            if c.workers_of(Role::Decode).next().is_none() {
-                return Err(HarnessError::Setup("no decode worker".into()));
+    async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        if c.workers_of(Role::Decode).next().is_none() {
+            return Err(HarnessError::Setup("no decode worker".into()));
+        }
+        ev.before = cancelled(c).await?;
+        let h = c.http_addr()?;
+        ev.began();
+        for i in 0..3 {
+            let mut s = open_stream(&h, i).await?;
+            // Read up to the first token, so the request is mid-answer when dropped.
+            s.first_data().await?;
+            if skip {
+                s.read_to_end().await?;
             }
-            ev.before = cancelled(c).await?;
-            let h = c.http_addr()?;
-            ev.began();
-            for i in 0..3 {
-                let mut s = open_stream(&h, i).await?;
-                // Read up to the first token, so the request is mid-answer when dropped.
-                s.first_data().await?;
-                if skip {
-                    s.read_to_end().await?;
-                }
-                drop(s);
-            }
-            ev.ended();
-            ev.notes.push("3 streaming clients hung up after their first token".into());
-            Ok(ev)
-        })
+            drop(s);
+        }
+        ev.ended();
+        ev.notes.push("3 streaming clients hung up after their first token".into());
+        Ok(ev)
     }
 
     fn against(&self, c: &Cluster) -> Result<(), String> {
@@ -70,23 +64,20 @@ impl Drill for ClientDisconnect {
         }
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let now = std::sync::Mutex::new(ev.before);
-            let seen =
-                eventually("the decode workers count 3 more cancelled requests", Duration::from_secs(10), || {
-                    let now = &now;
-                    async move {
-                        let v = cancelled(c).await.unwrap_or(0.0);
-                        *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
-                        v >= ev.before + 3.0
-                    }
-                })
-                .await;
-            let now = now.into_inner().unwrap_or_else(|e| e.into_inner());
-            seen.map_err(|e| format!("{e}: {} cancelled", now - ev.before))?;
-            Ok(format!("{}; the decode workers cancelled {}", ev.notes.join("; "), now - ev.before))
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let now = std::sync::Mutex::new(ev.before);
+        let seen = eventually("the decode workers count 3 more cancelled requests", Duration::from_secs(10), || {
+            let now = &now;
+            async move {
+                let v = cancelled(c).await.unwrap_or(0.0);
+                *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
+                v >= ev.before + 3.0
+            }
         })
+        .await;
+        let now = now.into_inner().unwrap_or_else(|e| e.into_inner());
+        seen.map_err(|e| format!("{e}: {} cancelled", now - ev.before))?;
+        Ok(format!("{}; the decode workers cancelled {}", ev.notes.join("; "), now - ev.before))
     }
 }
 
@@ -104,6 +95,7 @@ async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
 /// Offer 3x what admission holds.
 pub(super) struct Overload3x;
 
+#[async_trait::async_trait]
 impl Drill for Overload3x {
     fn against(&self, _: &Cluster) -> Result<(), String> {
         own_cluster("it needs a coordinator started with --max-running 1 --max-queued 2")
@@ -146,48 +138,39 @@ impl Drill for Overload3x {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        _skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            ev.began();
-            // Once the queue is full (1 running, 2 queued), a probe must be refused with Retry-After.
-            let h = c.http_addr()?;
-            while !load.finished() {
-                let depth = c.coordinator_metrics().await?.sum("tandem_coordinator_queue_depth", &[]);
-                if depth >= 2.0 {
-                    let (status, retry_after) = probe(&h).await?;
-                    if status == 429 || status == 503 {
-                        ev.seen = true;
-                        ev.notes.push(format!("a probe was refused {status}, Retry-After {retry_after:?}"));
-                        if retry_after.is_none() {
-                            return Err(HarnessError::Fault(format!("a {status} refusal without Retry-After")));
-                        }
-                        break;
+    async fn fault(&self, c: &mut Cluster, load: &Progress, _skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        ev.began();
+        // Once the queue is full (1 running, 2 queued), a probe must be refused with Retry-After.
+        let h = c.http_addr()?;
+        while !load.finished() {
+            let depth = c.coordinator_metrics().await?.sum("tandem_coordinator_queue_depth", &[]);
+            if depth >= 2.0 {
+                let (status, retry_after) = probe(&h).await?;
+                if status == 429 || status == 503 {
+                    ev.seen = true;
+                    ev.notes.push(format!("a probe was refused {status}, Retry-After {retry_after:?}"));
+                    if retry_after.is_none() {
+                        return Err(HarnessError::Fault(format!("a {status} refusal without Retry-After")));
                     }
+                    break;
                 }
-                tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            Ok(ev)
-        })
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let shed = c
-                .coordinator_metrics()
-                .await
-                .map_err(|e| e.to_string())?
-                .sum("tandem_coordinator_admission_shed_total", &[]);
-            if shed < 1.0 || !ev.seen {
-                return Err(format!("admission shed {shed} requests; a probe refused with Retry-After: {}", ev.seen));
-            }
-            Ok(format!("admission shed {shed} requests; {}", ev.notes.join("; ")))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let shed = c
+            .coordinator_metrics()
+            .await
+            .map_err(|e| e.to_string())?
+            .sum("tandem_coordinator_admission_shed_total", &[]);
+        if shed < 1.0 || !ev.seen {
+            return Err(format!("admission shed {shed} requests; a probe refused with Retry-After: {}", ev.seen));
+        }
+        Ok(format!("admission shed {shed} requests; {}", ev.notes.join("; ")))
     }
 }
 
@@ -197,6 +180,7 @@ const TIGHT_DEADLINE: Duration = Duration::from_millis(4000);
 /// Deadlines some requests cannot meet.
 pub(super) struct TightDeadlines;
 
+#[async_trait::async_trait]
 impl Drill for TightDeadlines {
     fn against(&self, _: &Cluster) -> Result<(), String> {
         own_cluster("it needs a coordinator started with --max-running 1")
@@ -226,50 +210,36 @@ impl Drill for TightDeadlines {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        _: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            // The fault is the load's own deadline (see `setup`); the proof reads the outcomes.
-            let mut ev = Evidence::default();
-            if !skip {
-                ev.began();
-            }
-            Ok(ev)
-        })
+    async fn fault(&self, _: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        // The fault is the load's own deadline (see `setup`); the proof reads the outcomes.
+        let mut ev = Evidence::default();
+        if !skip {
+            ev.began();
+        }
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        _: &'a Cluster,
-        _: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let complete = report.records.iter().filter(|r| matches!(r.outcome, Outcome::Complete { .. })).count();
-            let expired = |http: bool| {
-                report
-                    .records
-                    .iter()
-                    .filter(|r| match &r.outcome {
-                        Outcome::HttpError { status: 504, code: Some(c), .. } => http && c == "deadline_exceeded",
-                        Outcome::StreamError { code: Some(c), .. } => !http && c == "deadline_exceeded",
-                        _ => false,
-                    })
-                    .count()
-            };
-            let (http, stream) = (expired(true), expired(false));
-            if complete == 0 || http + stream == 0 {
-                return Err(format!("{complete} complete and {} deadline_exceeded: both must be seen", http + stream));
-            }
-            Ok(format!(
-                "{complete} complete, {} ended deadline_exceeded ({http} http 504, {stream} in-stream) at deadline \
-                 {TIGHT_DEADLINE:?}",
-                http + stream
-            ))
-        })
+    async fn prove(&self, _: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
+        let complete = report.records.iter().filter(|r| matches!(r.outcome, Outcome::Complete { .. })).count();
+        let expired = |http: bool| {
+            report
+                .records
+                .iter()
+                .filter(|r| match &r.outcome {
+                    Outcome::HttpError { status: 504, code: Some(c), .. } => http && c == "deadline_exceeded",
+                    Outcome::StreamError { code: Some(c), .. } => !http && c == "deadline_exceeded",
+                    _ => false,
+                })
+                .count()
+        };
+        let (http, stream) = (expired(true), expired(false));
+        if complete == 0 || http + stream == 0 {
+            return Err(format!("{complete} complete and {} deadline_exceeded: both must be seen", http + stream));
+        }
+        Ok(format!(
+            "{complete} complete, {} ended deadline_exceeded ({http} http 504, {stream} in-stream) at deadline \
+             {TIGHT_DEADLINE:?}",
+            http + stream
+        ))
     }
 }

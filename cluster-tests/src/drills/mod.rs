@@ -18,9 +18,7 @@ mod load;
 mod process;
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,10 +33,8 @@ use crate::{eventually, reference_texts, HarnessError};
 const MODEL: &str = "SmolLM2-135M-Instruct";
 const PROMPT_TOKENS: usize = 40;
 
-/// A boxed future borrowing the drill's arguments.
-pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
 /// One drill. Implementations are unit types in this module's children.
+#[async_trait::async_trait]
 pub(crate) trait Drill: Send + Sync {
     fn info(&self) -> DrillInfo;
     /// The cluster, the load and how the run is judged; `skip_fault` may shape the load
@@ -46,19 +42,9 @@ pub(crate) trait Drill: Send + Sync {
     fn setup(&self, skip_fault: bool) -> Setup;
     /// Applies the fault while the load runs (everything but the fault itself when `skip`),
     /// and records what it observed for [`Drill::prove`].
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>>;
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError>;
     /// G6: the fault happened. Ok says what showed it; Err what did not.
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>>;
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String>;
     /// Whether the drill can run against `c`, a cluster someone else started
     /// ([`Cluster::attach`]), and leave it as found; Err says why not. `tandem up` stops the
     /// whole cluster when any of its processes exits, so only reversible faults qualify.

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::stream_end;
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::drills::common::{counter_reaches, decode_metrics, gone, open_stream, probe, LOAD_WAIT};
-use crate::drills::{own_cluster, BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::drills::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::invariants::Invariants;
 use crate::{eventually, HarnessError};
 
@@ -18,6 +18,7 @@ async fn cancelled(m: &str) -> Result<f64, HarnessError> {
 /// SIGKILL one of two coordinators mid-stream, then restart it.
 pub(in crate::drills) struct CoordinatorKill;
 
+#[async_trait::async_trait]
 impl Drill for CoordinatorKill {
     fn against(&self, _: &Cluster) -> Result<(), String> {
         own_cluster("it SIGKILLs a coordinator (of several behind a front); `tandem up` stops the whole cluster when any of its processes exits")
@@ -43,106 +44,93 @@ impl Drill for CoordinatorKill {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let a = c.coordinator.addr("http")?;
-            let pid = c.coordinator.pid;
-            let m = decode_metrics(c).map_err(HarnessError::Setup)?;
-            ev.before = cancelled(&m).await?;
-            // A client of A mid-stream for sure (a long answer), besides the load's own.
-            let mut long = open_stream(&a, 0).await?;
-            long.first_data().await?;
-            let a_busy = eventually("coordinator A runs a load request besides the long stream", LOAD_WAIT, || {
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let a = c.coordinator.addr("http")?;
+        let pid = c.coordinator.pid;
+        let m = decode_metrics(c).map_err(HarnessError::Setup)?;
+        ev.before = cancelled(&m).await?;
+        // A client of A mid-stream for sure (a long answer), besides the load's own.
+        let mut long = open_stream(&a, 0).await?;
+        long.first_data().await?;
+        let a_busy =
+            eventually("coordinator A runs a load request besides the long stream", LOAD_WAIT, || {
                 let a = a.clone();
                 async move {
                     crate::metrics::scrape(&a).await.is_ok_and(|p| p.sum("tandem_coordinator_running", &[]) >= 2.0)
                 }
             })
             .await;
+        ev.notes.push(format!(
+            "coordinator (pid {pid}) streaming a long answer; a load request on it too: {}",
+            a_busy.is_ok()
+        ));
+        ev.victim = Some(("coordinator".into(), pid));
+        if skip {
+            drop(long);
+            return Ok(ev);
+        }
+        ev.began();
+        c.kill_coordinator("coordinator").await?;
+        let to_b = c.front.as_ref().map_or(0, |f| f.counters().forwarded.get(1).copied().unwrap_or(0));
+        match stream_end(&mut long).await {
+            Err(e) => ev.notes.push(format!("A's long-stream client: {e}")),
+            Ok(end) => ev.missing.push(format!("A's long stream ended as if A were alive: {end:?}")),
+        }
+        let (r, now) = counter_reaches(
+            &m,
+            "tandem_decode_requests_total",
+            &[("outcome", "cancelled")],
+            ev.before + 1.0,
+            Duration::from_secs(20),
+        )
+        .await;
+        match r {
+            Ok(()) => ev.notes.push(format!("decode-0 cancelled {} orphaned stream(s)", now - ev.before)),
+            Err(e) => ev.missing.push(format!("the decode worker cancelled none of A's streams: {e}")),
+        }
+        // Restart A once the load is done (behind the front, a coordinator that has not yet
+        // listed membership would answer no_worker), with the very same flags.
+        eventually("the load finishes", LOAD_WAIT * 2, || async { load.finished() }).await?;
+        let new_pid = c.restart("coordinator", None).await?;
+        c.wait_coordinator_ready(&c.coordinator).await?;
+        ev.ended();
+        let (status, _) = probe(&a).await?;
+        ev.notes.push(format!("restarted as pid {new_pid} on {a}: a request through it answered {status}"));
+        if status != 200 {
+            ev.missing.push(format!("the restarted coordinator answered {status}"));
+        }
+        if let Some(f) = &c.front {
+            let k = f.counters();
             ev.notes.push(format!(
-                "coordinator (pid {pid}) streaming a long answer; a load request on it too: {}",
-                a_busy.is_ok()
+                "front: forwarded {:?}, connects refused {:?} (A dead: sent on to B)",
+                k.forwarded, k.refused
             ));
-            ev.victim = Some(("coordinator".into(), pid));
-            if skip {
-                drop(long);
-                return Ok(ev);
-            }
-            ev.began();
-            c.kill_coordinator("coordinator").await?;
-            let to_b = c.front.as_ref().map_or(0, |f| f.counters().forwarded.get(1).copied().unwrap_or(0));
-            match stream_end(&mut long).await {
-                Err(e) => ev.notes.push(format!("A's long-stream client: {e}")),
-                Ok(end) => ev.missing.push(format!("A's long stream ended as if A were alive: {end:?}")),
-            }
-            let (r, now) = counter_reaches(
-                &m,
-                "tandem_decode_requests_total",
-                &[("outcome", "cancelled")],
-                ev.before + 1.0,
-                Duration::from_secs(20),
-            )
-            .await;
-            match r {
-                Ok(()) => ev.notes.push(format!("decode-0 cancelled {} orphaned stream(s)", now - ev.before)),
-                Err(e) => ev.missing.push(format!("the decode worker cancelled none of A's streams: {e}")),
-            }
-            // Restart A once the load is done (behind the front, a coordinator that has not yet
-            // listed membership would answer no_worker), with the very same flags.
-            eventually("the load finishes", LOAD_WAIT * 2, || async { load.finished() }).await?;
-            let new_pid = c.restart("coordinator", None).await?;
-            c.wait_coordinator_ready(&c.coordinator).await?;
-            ev.ended();
-            let (status, _) = probe(&a).await?;
-            ev.notes.push(format!("restarted as pid {new_pid} on {a}: a request through it answered {status}"));
-            if status != 200 {
-                ev.missing.push(format!("the restarted coordinator answered {status}"));
-            }
-            if let Some(f) = &c.front {
-                let k = f.counters();
-                ev.notes.push(format!(
-                    "front: forwarded {:?}, connects refused {:?} (A dead: sent on to B)",
-                    k.forwarded, k.refused
-                ));
-                let to_b_now = k.forwarded.get(1).copied().unwrap_or(0);
-                ev.notes.push(format!("{} load connection(s) went to B after the kill", to_b_now - to_b));
-                ev.seen = k.refused.first().is_some_and(|&n| n > 0) && to_b_now > to_b;
-            }
-            Ok(ev)
-        })
+            let to_b_now = k.forwarded.get(1).copied().unwrap_or(0);
+            ev.notes.push(format!("{} load connection(s) went to B after the kill", to_b_now - to_b));
+            ev.seen = k.refused.first().is_some_and(|&n| n > 0) && to_b_now > to_b;
+        }
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
-            if !gone(pid) || c.coordinator_kills.is_empty() {
-                return Err(format!("coordinator {name} (pid {pid}) was never killed: it is still running"));
-            }
-            if !ev.missing.is_empty() {
-                return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
-            }
-            // G1 holds every request to complete unless it was in flight across the kill; here:
-            // load requests did reach B after A died (the front sent them on).
-            if !ev.seen {
-                return Err(format!(
-                    "{}; but no load request was sent on to B after A died (no refused connect to A, or none \
-                     forwarded to B after the kill)",
-                    ev.notes.join("; ")
-                ));
-            }
-            let lost = report.records.iter().filter(|r| matches!(r.outcome, loadgen::Outcome::Transport(_))).count();
-            Ok(format!("{}; {lost} load request(s) lost with A; pid {pid} is gone from /proc", ev.notes.join("; ")))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
+        if !gone(pid) || c.coordinator_kills.is_empty() {
+            return Err(format!("coordinator {name} (pid {pid}) was never killed: it is still running"));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
+        }
+        // G1 holds every request to complete unless it was in flight across the kill; here:
+        // load requests did reach B after A died (the front sent them on).
+        if !ev.seen {
+            return Err(format!(
+                "{}; but no load request was sent on to B after A died (no refused connect to A, or none \
+                 forwarded to B after the kill)",
+                ev.notes.join("; ")
+            ));
+        }
+        let lost = report.records.iter().filter(|r| matches!(r.outcome, loadgen::Outcome::Transport(_))).count();
+        Ok(format!("{}; {lost} load request(s) lost with A; pid {pid} is gone from /proc", ev.notes.join("; ")))
     }
 }

@@ -9,7 +9,7 @@ use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::drills::common::{
     busy_decoder, counter_reaches, open_stream, probe, serving_becomes, LOAD_WAIT, MEMBERSHIP,
 };
-use crate::drills::{own_cluster, BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::drills::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::invariants::Invariants;
 use crate::process::Signal;
 use crate::{eventually, HarnessError};
@@ -17,6 +17,7 @@ use crate::{eventually, HarnessError};
 /// SIGTERM a decode then a prefill worker under load.
 pub(in crate::drills) struct RollingDrain;
 
+#[async_trait::async_trait]
 impl Drill for RollingDrain {
     fn against(&self, _: &Cluster) -> Result<(), String> {
         own_cluster("it drains and restarts every worker; `tandem up` stops the whole cluster when one exits")
@@ -41,68 +42,59 @@ impl Drill for RollingDrain {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            load.wait_done(2, LOAD_WAIT).await?;
-            // A decode worker mid-answer first, then the other workers; each time its twin serves.
-            let first = busy_decoder(c, LOAD_WAIT).await?;
-            let mut order = vec![(Role::Decode, first.clone())];
-            for w in c.workers.iter().filter(|w| w.proc.name != first) {
-                order.push((w.role, w.proc.name.clone()));
-            }
-            if skip {
-                return Ok(ev);
-            }
-            ev.began();
-            for (role, name) in order {
-                let (pid, group) = (c.worker(&name)?.proc.pid, c.worker(&name)?.group.clone());
-                let under_load = !load.finished();
-                // Same group: a drain, then the same flags again.
-                match c.relabel_worker(&name, &group, Duration::from_secs(20)).await {
-                    Ok((st, took)) => {
-                        ev.notes.push(format!(
-                            "{name} (pid {pid}) drained in {:.1} s (load running: {under_load}), exited {st}",
-                            took.as_secs_f64()
-                        ));
-                        ev.drained.push((name.clone(), pid, st.code()));
-                    }
-                    Err(e) => {
-                        ev.missing.push(format!("{name}: {e}"));
-                        ev.drained.push((name.clone(), pid, None));
-                        continue;
-                    }
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        load.wait_done(2, LOAD_WAIT).await?;
+        // A decode worker mid-answer first, then the other workers; each time its twin serves.
+        let first = busy_decoder(c, LOAD_WAIT).await?;
+        let mut order = vec![(Role::Decode, first.clone())];
+        for w in c.workers.iter().filter(|w| w.proc.name != first) {
+            order.push((w.role, w.proc.name.clone()));
+        }
+        if skip {
+            return Ok(ev);
+        }
+        ev.began();
+        for (role, name) in order {
+            let (pid, group) = (c.worker(&name)?.proc.pid, c.worker(&name)?.group.clone());
+            let under_load = !load.finished();
+            // Same group: a drain, then the same flags again.
+            match c.relabel_worker(&name, &group, Duration::from_secs(20)).await {
+                Ok((st, took)) => {
+                    ev.notes.push(format!(
+                        "{name} (pid {pid}) drained in {:.1} s (load running: {under_load}), exited {st}",
+                        took.as_secs_f64()
+                    ));
+                    ev.drained.push((name.clone(), pid, st.code()));
                 }
-                if let Err(e) = serving_becomes(c, role, 2.0, Duration::from_secs(20)).await {
-                    ev.missing.push(format!("after restarting {name}: {e}"));
+                Err(e) => {
+                    ev.missing.push(format!("{name}: {e}"));
+                    ev.drained.push((name.clone(), pid, None));
+                    continue;
                 }
             }
-            ev.ended();
-            Ok(ev)
-        })
+            if let Err(e) = serving_becomes(c, role, 2.0, Duration::from_secs(20)).await {
+                ev.missing.push(format!("after restarting {name}: {e}"));
+            }
+        }
+        ev.ended();
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            if ev.drained.len() != c.workers.len() || !ev.missing.is_empty() {
-                return Err(format!(
-                    "drained {} of {} workers: {:?}; {}",
-                    ev.drained.len(),
-                    c.workers.len(),
-                    ev.drained,
-                    ev.missing.join("; ")
-                ));
-            }
-            if let Some((name, pid, code)) = ev.drained.iter().find(|d| d.2 != Some(0)) {
-                return Err(format!("{name} (pid {pid}) exited {code:?} after SIGTERM, not 0"));
-            }
-            Ok(format!("{}; each restarted and serving again", ev.notes.join("; ")))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        if ev.drained.len() != c.workers.len() || !ev.missing.is_empty() {
+            return Err(format!(
+                "drained {} of {} workers: {:?}; {}",
+                ev.drained.len(),
+                c.workers.len(),
+                ev.drained,
+                ev.missing.join("; ")
+            ));
+        }
+        if let Some((name, pid, code)) = ev.drained.iter().find(|d| d.2 != Some(0)) {
+            return Err(format!("{name} (pid {pid}) exited {code:?} after SIGTERM, not 0"));
+        }
+        Ok(format!("{}; each restarted and serving again", ev.notes.join("; ")))
     }
 }
 
@@ -127,6 +119,7 @@ async fn registered_group(c: &Cluster, name: &str) -> Result<String, HarnessErro
         .ok_or_else(|| HarnessError::Fault(format!("{name} is not registered")))
 }
 
+#[async_trait::async_trait]
 impl Drill for VersionRelabel {
     fn against(&self, _: &Cluster) -> Result<(), String> {
         own_cluster("it drains a worker and restarts it in another version group")
@@ -152,112 +145,102 @@ impl Drill for VersionRelabel {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let name = "decode-1";
-            if c.worker(name)?.group != "g2" {
-                return Err(HarnessError::Setup(format!("{name} is not in g2")));
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let name = "decode-1";
+        if c.worker(name)?.group != "g2" {
+            return Err(HarnessError::Setup(format!("{name} is not in g2")));
+        }
+        load.wait_done(2, LOAD_WAIT).await?;
+        let h = c.http_addr()?;
+        let cm = c.coordinator_metrics().await?;
+        let (left0, joined0) = (cm.sum(MEMBERSHIP, &[("change", "left")]), cm.sum(MEMBERSHIP, &[("change", "joined")]));
+        let pid = c.worker(name)?.proc.pid;
+        ev.victim = Some((name.into(), pid));
+        if skip {
+            return Ok(ev);
+        }
+        ev.began();
+        let (status, took) = c.relabel_worker(name, "g1", Duration::from_secs(30)).await?;
+        let new_pid = c.worker(name)?.proc.pid;
+        ev.drained.push((name.into(), pid, status.code()));
+        ev.notes.push(format!(
+            "{name} (pid {pid}, g2) drained in {took:?} and exited {status}; started again as pid {new_pid} in g1"
+        ));
+        // Both changes seen by the coordinator: it left (g2) and joined again (g1).
+        for (change, was) in [("left", left0), ("joined", joined0)] {
+            let (r, now) =
+                counter_reaches(&h, MEMBERSHIP, &[("change", change)], was + 1.0, Duration::from_secs(20)).await;
+            match r {
+                Ok(()) => ev.notes.push(format!("membership `{change}` {} -> {now}", was + 0.0)),
+                Err(e) => ev.missing.push(e.to_string()),
             }
-            load.wait_done(2, LOAD_WAIT).await?;
-            let h = c.http_addr()?;
-            let cm = c.coordinator_metrics().await?;
-            let (left0, joined0) =
-                (cm.sum(MEMBERSHIP, &[("change", "left")]), cm.sum(MEMBERSHIP, &[("change", "joined")]));
-            let pid = c.worker(name)?.proc.pid;
-            ev.victim = Some((name.into(), pid));
-            if skip {
-                return Ok(ev);
-            }
-            ev.began();
-            let (status, took) = c.relabel_worker(name, "g1", Duration::from_secs(30)).await?;
-            let new_pid = c.worker(name)?.proc.pid;
-            ev.drained.push((name.into(), pid, status.code()));
-            ev.notes.push(format!(
-                "{name} (pid {pid}, g2) drained in {took:?} and exited {status}; started again as pid {new_pid} in g1"
-            ));
-            // Both changes seen by the coordinator: it left (g2) and joined again (g1).
-            for (change, was) in [("left", left0), ("joined", joined0)] {
-                let (r, now) =
-                    counter_reaches(&h, MEMBERSHIP, &[("change", change)], was + 1.0, Duration::from_secs(20)).await;
-                match r {
-                    Ok(()) => ev.notes.push(format!("membership `{change}` {} -> {now}", was + 0.0)),
-                    Err(e) => ev.missing.push(e.to_string()),
+        }
+        if let Err(e) = serving_becomes(c, Role::Decode, 2.0, Duration::from_secs(20)).await {
+            ev.missing.push(e.to_string());
+        }
+        // The membership the coordinator routes from, read the same way: its entry is in g1 now.
+        match registered_group(c, name).await {
+            Ok(g) if g == "g1" => ev.notes.push(format!("etcd membership lists {name} in {g}")),
+            Ok(g) => ev.missing.push(format!("etcd membership lists {name} in {g}, not g1")),
+            Err(e) => ev.missing.push(format!("reading membership: {e}")),
+        }
+        let g2_sent = sent_bytes(c, "prefill-1").await;
+        // It must now take work; if the load has ended, a few probes through the coordinator.
+        let m = c.worker(name)?.metrics_addr()?;
+        let got = eventually(&format!("{name} receives KV in g1"), Duration::from_secs(30), || {
+            let (m, h) = (m.clone(), h.clone());
+            async move {
+                let got =
+                    crate::metrics::scrape(&m).await.map_or(0.0, |p| p.sum("tandem_kv_received_bytes_total", &[]));
+                if got > 0.0 {
+                    return true;
                 }
+                let _ = probe(&h).await;
+                false
             }
-            if let Err(e) = serving_becomes(c, Role::Decode, 2.0, Duration::from_secs(20)).await {
-                ev.missing.push(e.to_string());
-            }
-            // The membership the coordinator routes from, read the same way: its entry is in g1 now.
-            match registered_group(c, name).await {
-                Ok(g) if g == "g1" => ev.notes.push(format!("etcd membership lists {name} in {g}")),
-                Ok(g) => ev.missing.push(format!("etcd membership lists {name} in {g}, not g1")),
-                Err(e) => ev.missing.push(format!("reading membership: {e}")),
-            }
-            let g2_sent = sent_bytes(c, "prefill-1").await;
-            // It must now take work; if the load has ended, a few probes through the coordinator.
-            let m = c.worker(name)?.metrics_addr()?;
-            let got = eventually(&format!("{name} receives KV in g1"), Duration::from_secs(30), || {
-                let (m, h) = (m.clone(), h.clone());
-                async move {
-                    let got =
-                        crate::metrics::scrape(&m).await.map_or(0.0, |p| p.sum("tandem_kv_received_bytes_total", &[]));
-                    if got > 0.0 {
-                        return true;
-                    }
-                    let _ = probe(&h).await;
-                    false
-                }
-            })
-            .await;
-            if let Err(e) = got {
-                ev.missing.push(e.to_string());
-            }
-            ev.ended();
-            ev.before = g2_sent;
-            Ok(ev)
         })
+        .await;
+        if let Err(e) = got {
+            ev.missing.push(e.to_string());
+        }
+        ev.ended();
+        ev.before = g2_sent;
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, c: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
-            let w = c.worker(&name).map_err(|e| e.to_string())?;
-            if w.group != "g1" || w.past.is_empty() {
-                return Err(format!(
-                    "{name} (pid {pid}) was never relabelled: it is still pid {} in {}",
-                    w.proc.pid, w.group
-                ));
-            }
-            if !ev.missing.is_empty() {
-                return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
-            }
-            if let Some(d) = ev.drained.iter().find(|d| d.2 != Some(0)) {
-                return Err(format!("{} (pid {}) exited {:?} after SIGTERM, not 0", d.0, d.1, d.2));
-            }
-            let page = c.worker_metrics(&name).await.map_err(|e| e.to_string())?;
-            let got = page.sum("tandem_kv_received_bytes_total", &[]);
-            let rejected = page.sum("tandem_kv_handshakes_rejected_total", &[]);
-            let g1_sent = sent_bytes(c, "prefill-0").await;
-            let g2_sent = sent_bytes(c, "prefill-1").await;
-            if rejected > 0.0 || g2_sent != ev.before || got > g1_sent {
-                return Err(format!(
-                    "{name} in g1 received {got} bytes, refused {rejected} handshakes; g1's prefill sent {g1_sent}, \
-                     g2's prefill sent {} after the relabel",
-                    g2_sent - ev.before
-                ));
-            }
-            Ok(format!(
-                "{}; in g1 it received {got} KV bytes (g1's prefill sent {g1_sent} in all), refused no handshake; g2's \
-                 prefill sent nothing after the relabel",
-                ev.notes.join("; ")
-            ))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
+        let w = c.worker(&name).map_err(|e| e.to_string())?;
+        if w.group != "g1" || w.past.is_empty() {
+            return Err(format!(
+                "{name} (pid {pid}) was never relabelled: it is still pid {} in {}",
+                w.proc.pid, w.group
+            ));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
+        }
+        if let Some(d) = ev.drained.iter().find(|d| d.2 != Some(0)) {
+            return Err(format!("{} (pid {}) exited {:?} after SIGTERM, not 0", d.0, d.1, d.2));
+        }
+        let page = c.worker_metrics(&name).await.map_err(|e| e.to_string())?;
+        let got = page.sum("tandem_kv_received_bytes_total", &[]);
+        let rejected = page.sum("tandem_kv_handshakes_rejected_total", &[]);
+        let g1_sent = sent_bytes(c, "prefill-0").await;
+        let g2_sent = sent_bytes(c, "prefill-1").await;
+        if rejected > 0.0 || g2_sent != ev.before || got > g1_sent {
+            return Err(format!(
+                "{name} in g1 received {got} bytes, refused {rejected} handshakes; g1's prefill sent {g1_sent}, \
+                 g2's prefill sent {} after the relabel",
+                g2_sent - ev.before
+            ));
+        }
+        Ok(format!(
+            "{}; in g1 it received {got} KV bytes (g1's prefill sent {g1_sent} in all), refused no handshake; g2's \
+             prefill sent nothing after the relabel",
+            ev.notes.join("; ")
+        ))
     }
 }
 
@@ -271,6 +254,7 @@ const EXIT_SLACK: Duration = Duration::from_secs(5);
 /// The load's concurrency in [`DrainGraceShort`].
 const LONG_STREAM_LOAD: usize = 2;
 
+#[async_trait::async_trait]
 impl Drill for DrainGraceShort {
     fn against(&self, _: &Cluster) -> Result<(), String> {
         own_cluster("it drains (SIGTERM) a worker with a short grace, which exits; `tandem up` stops the whole cluster when any of its processes exits")
@@ -299,99 +283,89 @@ impl Drill for DrainGraceShort {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        load: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let name = "decode-0";
-            let h = c.http_addr()?;
-            load.wait_done(1, LOAD_WAIT).await?;
-            // Long answers (400 tokens, ignore_eos), spread by the router over both workers, until
-            // the victim runs more requests than the load's concurrency: then at least one of
-            // them is a long one.
-            let m = c.worker(name)?.metrics_addr()?;
-            let (mut streams, mut running) = (Vec::new(), 0.0);
-            for i in 0..6 {
-                let mut s = open_stream(&h, i).await?;
-                s.first_data().await?;
-                streams.push(s);
-                let want = LONG_STREAM_LOAD as f64 + 1.0;
-                let enough;
-                (enough, running) =
-                    counter_reaches(&m, "tandem_num_requests_running", &[], want, Duration::from_secs(2)).await;
-                if enough.is_ok() {
-                    break;
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let name = "decode-0";
+        let h = c.http_addr()?;
+        load.wait_done(1, LOAD_WAIT).await?;
+        // Long answers (400 tokens, ignore_eos), spread by the router over both workers, until
+        // the victim runs more requests than the load's concurrency: then at least one of
+        // them is a long one.
+        let m = c.worker(name)?.metrics_addr()?;
+        let (mut streams, mut running) = (Vec::new(), 0.0);
+        for i in 0..6 {
+            let mut s = open_stream(&h, i).await?;
+            s.first_data().await?;
+            streams.push(s);
+            let want = LONG_STREAM_LOAD as f64 + 1.0;
+            let enough;
+            (enough, running) =
+                counter_reaches(&m, "tandem_num_requests_running", &[], want, Duration::from_secs(2)).await;
+            if enough.is_ok() {
+                break;
+            }
+        }
+        let pid = c.worker(name)?.proc.pid;
+        ev.victim = Some((name.into(), pid));
+        ev.notes.push(format!(
+            "{name} (pid {pid}, grace {SHORT_GRACE:?}) running {running} request(s) ({} long streams open)",
+            streams.len()
+        ));
+        if skip {
+            return Ok(ev);
+        }
+        ev.began();
+        let t0 = std::time::Instant::now();
+        c.signal(name, Signal::Term)?;
+        // The long streams end as they end; read them while the worker drains.
+        let mut ends = tokio::task::JoinSet::new();
+        for (i, mut s) in streams.into_iter().enumerate() {
+            ends.spawn(async move { (i, stream_end(&mut s).await) });
+        }
+        let exit = c.worker_mut(name)?.proc.wait_exit(SHORT_GRACE + EXIT_SLACK + Duration::from_secs(20)).await;
+        let took = t0.elapsed();
+        match exit {
+            Ok(st) => {
+                ev.drained.push((name.into(), pid, st.code()));
+                ev.notes.push(format!("exited {st} {took:?} after SIGTERM"));
+                if took > SHORT_GRACE + EXIT_SLACK {
+                    ev.missing.push(format!("it took {took:?} to exit, past grace {SHORT_GRACE:?} + {EXIT_SLACK:?}"));
                 }
             }
-            let pid = c.worker(name)?.proc.pid;
-            ev.victim = Some((name.into(), pid));
-            ev.notes.push(format!(
-                "{name} (pid {pid}, grace {SHORT_GRACE:?}) running {running} request(s) ({} long streams open)",
-                streams.len()
-            ));
-            if skip {
-                return Ok(ev);
+            Err(e) => ev.missing.push(e.to_string()),
+        }
+        ev.ended();
+        // The drained worker's streams ended (typed) by its exit; the others go on for their
+        // 400 tokens: 3 s more for the relay, then those are hung up on (their worker cancels them).
+        let until = tokio::time::Instant::now() + Duration::from_secs(3);
+        let mut typed = Vec::new();
+        while let Ok(Some(Ok((i, end)))) = tokio::time::timeout_at(until, ends.join_next()).await {
+            match end {
+                Ok(Some(code)) => typed.push(format!("stream {i}: {code}")),
+                Ok(None) => ev.notes.push(format!("long stream {i} completed")),
+                Err(e) => ev.missing.push(format!("long stream {i} ended untyped: {e}")),
             }
-            ev.began();
-            let t0 = std::time::Instant::now();
-            c.signal(name, Signal::Term)?;
-            // The long streams end as they end; read them while the worker drains.
-            let mut ends = tokio::task::JoinSet::new();
-            for (i, mut s) in streams.into_iter().enumerate() {
-                ends.spawn(async move { (i, stream_end(&mut s).await) });
-            }
-            let exit = c.worker_mut(name)?.proc.wait_exit(SHORT_GRACE + EXIT_SLACK + Duration::from_secs(20)).await;
-            let took = t0.elapsed();
-            match exit {
-                Ok(st) => {
-                    ev.drained.push((name.into(), pid, st.code()));
-                    ev.notes.push(format!("exited {st} {took:?} after SIGTERM"));
-                    if took > SHORT_GRACE + EXIT_SLACK {
-                        ev.missing
-                            .push(format!("it took {took:?} to exit, past grace {SHORT_GRACE:?} + {EXIT_SLACK:?}"));
-                    }
-                }
-                Err(e) => ev.missing.push(e.to_string()),
-            }
-            ev.ended();
-            // The drained worker's streams ended (typed) by its exit; the others go on for their
-            // 400 tokens: 3 s more for the relay, then those are hung up on (their worker cancels them).
-            let until = tokio::time::Instant::now() + Duration::from_secs(3);
-            let mut typed = Vec::new();
-            while let Ok(Some(Ok((i, end)))) = tokio::time::timeout_at(until, ends.join_next()).await {
-                match end {
-                    Ok(Some(code)) => typed.push(format!("stream {i}: {code}")),
-                    Ok(None) => ev.notes.push(format!("long stream {i} completed")),
-                    Err(e) => ev.missing.push(format!("long stream {i} ended untyped: {e}")),
-                }
-            }
-            ends.abort_all();
-            ev.seen = !typed.is_empty();
-            ev.notes.push(format!("long streams ended typed: {typed:?}"));
-            Ok(ev)
-        })
+        }
+        ends.abort_all();
+        ev.seen = !typed.is_empty();
+        ev.notes.push(format!("long streams ended typed: {typed:?}"));
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, _: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
-            let Some((_, _, code)) = ev.drained.first() else {
-                return Err(format!("{name} (pid {pid}) was never drained: {}", ev.notes.join("; ")));
-            };
-            if !ev.missing.is_empty() {
-                return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
-            }
-            if *code != Some(0) {
-                return Err(format!("{name} (pid {pid}) exited {code:?} after SIGTERM, not 0"));
-            }
-            if !ev.seen {
-                return Err(format!("{}; but no long stream ended with a typed drain error", ev.notes.join("; ")));
-            }
-            Ok(ev.notes.join("; "))
-        })
+    async fn prove(&self, _: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
+        let Some((_, _, code)) = ev.drained.first() else {
+            return Err(format!("{name} (pid {pid}) was never drained: {}", ev.notes.join("; ")));
+        };
+        if !ev.missing.is_empty() {
+            return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
+        }
+        if *code != Some(0) {
+            return Err(format!("{name} (pid {pid}) exited {code:?} after SIGTERM, not 0"));
+        }
+        if !ev.seen {
+            return Err(format!("{}; but no long stream ended with a typed drain error", ev.notes.join("; ")));
+        }
+        Ok(ev.notes.join("; "))
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::drills::common::{busy_decoder, decode_metrics, gone, LOAD_WAIT};
-use crate::drills::{own_cluster, BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::drills::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::invariants::Invariants;
 use crate::process::{socket_owner, Signal};
 use crate::proxy::Fault;
@@ -15,6 +15,7 @@ use crate::HarnessError;
 /// SIGKILL a decode worker mid-stream.
 pub(in crate::drills) struct DecodeKill;
 
+#[async_trait::async_trait]
 impl Drill for DecodeKill {
     fn against(&self, _: &Cluster) -> Result<(), String> {
         own_cluster("it SIGKILLs a decode worker; `tandem up` stops the whole cluster when any of its processes exits")
@@ -41,35 +42,26 @@ impl Drill for DecodeKill {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            // The first decode worker seen running a request is the victim.
-            let name = busy_decoder(c, LOAD_WAIT).await?;
-            let pid = c.worker(&name)?.proc.pid;
-            if !skip {
-                ev.began();
-                c.signal(&name, Signal::Kill)?;
-            }
-            ev.notes.push(format!("{name} (pid {pid}) was running a request"));
-            ev.victim = Some((name, pid));
-            Ok(ev)
-        })
+    async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        // The first decode worker seen running a request is the victim.
+        let name = busy_decoder(c, LOAD_WAIT).await?;
+        let pid = c.worker(&name)?.proc.pid;
+        if !skip {
+            ev.began();
+            c.signal(&name, Signal::Kill)?;
+        }
+        ev.notes.push(format!("{name} (pid {pid}) was running a request"));
+        ev.victim = Some((name, pid));
+        Ok(ev)
     }
 
-    fn prove<'a>(&'a self, _: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
-            if !gone(pid) {
-                return Err(format!("decode worker {name} (pid {pid}) is still running"));
-            }
-            Ok(format!("{}; pid {pid} is gone from /proc", ev.notes.join("; ")))
-        })
+    async fn prove(&self, _: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
+        if !gone(pid) {
+            return Err(format!("decode worker {name} (pid {pid}) is still running"));
+        }
+        Ok(format!("{}; pid {pid} is gone from /proc", ev.notes.join("; ")))
     }
 }
 
@@ -99,6 +91,7 @@ async fn policy_outcomes(m: &str, policy: &str) -> Result<f64, HarnessError> {
         .sum("tandem_kv_load_policy_outcomes_total", &[("outcome", policy_outcome(policy))]))
 }
 
+#[async_trait::async_trait]
 impl Drill for PrefillKill {
     fn against(&self, _: &Cluster) -> Result<(), String> {
         own_cluster("it SIGKILLs a prefill worker; `tandem up` stops the whole cluster when any of its processes exits")
@@ -148,80 +141,65 @@ impl Drill for PrefillKill {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
-            let proxy = decode.proxy.as_ref().ok_or_else(|| HarnessError::Setup("decode not behind a proxy".into()))?;
-            let m = decode.metrics_addr()?;
-            ev.before = policy_outcomes(&m, self.policy).await?;
-            // By default 16 KiB into the next push: inside the first layers' frames, long
-            // before its Ack.
-            proxy.arm(Fault::HoldAfter(self.hold_at));
-            let prefills: Vec<u32> = c.workers_of(Role::Prefill).map(|w| w.proc.pid).collect();
-            let held = tokio::task::block_in_place(|| proxy.wait_held(LOAD_WAIT))?;
-            let pid = socket_owner(held, &prefills).ok_or_else(|| {
-                HarnessError::Fault(format!("no prefill worker owns the held connection from {held}"))
-            })?;
-            let name = c
-                .workers
-                .iter()
-                .find(|w| w.proc.pid == pid)
-                .map(|w| w.proc.name.clone())
-                .ok_or_else(|| HarnessError::Fault(format!("pid {pid} is no worker")))?;
-            ev.notes.push(format!("{name} (pid {pid}) owns the held KV connection from {held}"));
-            if !skip {
-                ev.began();
-                c.signal(&name, Signal::Kill)?;
-                let _ = c.worker_mut(&name)?.proc.wait_exit(Duration::from_secs(10)).await;
-            }
-            if let Some(p) = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()) {
-                p.release();
-            }
-            ev.victim = Some((name, pid));
-            Ok(ev)
-        })
+    async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
+        let proxy = decode.proxy.as_ref().ok_or_else(|| HarnessError::Setup("decode not behind a proxy".into()))?;
+        let m = decode.metrics_addr()?;
+        ev.before = policy_outcomes(&m, self.policy).await?;
+        // By default 16 KiB into the next push: inside the first layers' frames, long
+        // before its Ack.
+        proxy.arm(Fault::HoldAfter(self.hold_at));
+        let prefills: Vec<u32> = c.workers_of(Role::Prefill).map(|w| w.proc.pid).collect();
+        let held = tokio::task::block_in_place(|| proxy.wait_held(LOAD_WAIT))?;
+        let pid = socket_owner(held, &prefills)
+            .ok_or_else(|| HarnessError::Fault(format!("no prefill worker owns the held connection from {held}")))?;
+        let name = c
+            .workers
+            .iter()
+            .find(|w| w.proc.pid == pid)
+            .map(|w| w.proc.name.clone())
+            .ok_or_else(|| HarnessError::Fault(format!("pid {pid} is no worker")))?;
+        ev.notes.push(format!("{name} (pid {pid}) owns the held KV connection from {held}"));
+        if !skip {
+            ev.began();
+            c.signal(&name, Signal::Kill)?;
+            let _ = c.worker_mut(&name)?.proc.wait_exit(Duration::from_secs(10)).await;
+        }
+        if let Some(p) = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()) {
+            p.release();
+        }
+        ev.victim = Some((name, pid));
+        Ok(ev)
     }
 
-    fn prove<'a>(
-        &'a self,
-        c: &'a Cluster,
-        ev: &'a Evidence,
-        report: &'a Report,
-    ) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
-            if !gone(pid) {
-                return Err(format!("prefill worker {name} (pid {pid}) is still running"));
-            }
-            let m = decode_metrics(c)?;
-            let outcome = policy_outcome(self.policy);
-            let now = policy_outcomes(&m, self.policy).await.map_err(|e| e.to_string())?;
-            if now <= ev.before {
-                return Err(format!("pid {pid} is gone but the decode worker counted no `{outcome}` failed load"));
-            }
-            let typed = report
-                .records
-                .iter()
-                .filter(|r| match &r.outcome {
-                    loadgen::Outcome::HttpError { code: Some(c), .. }
-                    | loadgen::Outcome::StreamError { code: Some(c), .. } => c == "kv_load_failed",
-                    _ => false,
-                })
-                .count();
-            if self.policy == "fail" && typed == 0 {
-                return Err(format!("policy fail, {outcome} {}, but no request ended kv_load_failed", now - ev.before));
-            }
-            Ok(format!(
-                "{}; pid {pid} gone; the decode worker counted {} `{outcome}`; {typed} request(s) ended kv_load_failed",
-                ev.notes.join("; "),
-                now - ev.before
-            ))
-        })
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
+        if !gone(pid) {
+            return Err(format!("prefill worker {name} (pid {pid}) is still running"));
+        }
+        let m = decode_metrics(c)?;
+        let outcome = policy_outcome(self.policy);
+        let now = policy_outcomes(&m, self.policy).await.map_err(|e| e.to_string())?;
+        if now <= ev.before {
+            return Err(format!("pid {pid} is gone but the decode worker counted no `{outcome}` failed load"));
+        }
+        let typed = report
+            .records
+            .iter()
+            .filter(|r| match &r.outcome {
+                loadgen::Outcome::HttpError { code: Some(c), .. }
+                | loadgen::Outcome::StreamError { code: Some(c), .. } => c == "kv_load_failed",
+                _ => false,
+            })
+            .count();
+        if self.policy == "fail" && typed == 0 {
+            return Err(format!("policy fail, {outcome} {}, but no request ended kv_load_failed", now - ev.before));
+        }
+        Ok(format!(
+            "{}; pid {pid} gone; the decode worker counted {} `{outcome}`; {typed} request(s) ended kv_load_failed",
+            ev.notes.join("; "),
+            now - ev.before
+        ))
     }
 }

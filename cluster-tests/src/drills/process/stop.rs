@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::drills::common::{busy_decoder, serving_becomes, LOAD_WAIT, MEMBERSHIP};
-use crate::drills::{BoxFuture, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::drills::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::invariants::Invariants;
 use crate::process::{proc_state, Signal};
 use crate::{eventually, HarnessError};
@@ -13,6 +13,7 @@ use crate::{eventually, HarnessError};
 /// SIGSTOP a decode worker past its lease, then SIGCONT.
 pub(in crate::drills) struct WorkerSigstop;
 
+#[async_trait::async_trait]
 impl Drill for WorkerSigstop {
     fn info(&self) -> DrillInfo {
         DrillInfo {
@@ -40,56 +41,48 @@ impl Drill for WorkerSigstop {
         }
     }
 
-    fn fault<'a>(
-        &'a self,
-        c: &'a mut Cluster,
-        _: &'a Progress,
-        skip: bool,
-    ) -> BoxFuture<'a, Result<Evidence, HarnessError>> {
-        Box::pin(async move {
-            let mut ev = Evidence::default();
-            let name = busy_decoder(c, LOAD_WAIT).await?;
-            let pid = c.worker(&name)?.proc.pid;
-            ev.before = c.coordinator_metrics().await?.sum(MEMBERSHIP, &[("change", "left")]);
-            ev.victim = Some((name.clone(), pid));
-            if skip {
-                return Ok(ev);
-            }
-            // Every decode worker serves before; one fewer while it is stopped. The lease must
-            // lapse (the cluster's TTL: 2 s for a drill's own cluster, the workers' default for
-            // `tandem up`) and the coordinator see it, on a loaded machine.
-            let n = c.workers_of(Role::Decode).count() as f64;
-            let limit = c.lease_ttl * 3 + Duration::from_secs(10);
-            let ttl = c.lease_ttl;
-            ev.began();
-            c.signal(&name, Signal::Stop)?;
-            let stopped = eventually("the stopped worker's /proc state is T", Duration::from_secs(5), || async {
-                proc_state(pid) == Some('T')
-            })
-            .await;
-            ev.seen = stopped.is_ok();
-            ev.notes
-                .push(format!("{name} (pid {pid}) was running a request; SIGSTOP: /proc state {:?}", proc_state(pid)));
-            // The lease (TTL `ttl`) lapses; the coordinator must drop it. Continue it whatever happened.
-            let left = serving_becomes(c, Role::Decode, n - 1.0, limit).await;
-            let t = ev.before;
-            let now = c.coordinator_metrics().await.map_or(t, |p| p.sum(MEMBERSHIP, &[("change", "left")]));
-            ev.notes.push(format!(
-                "left membership (lease TTL {ttl:?}): serving decode {}: {}; `left` changes {t} -> {now}",
-                n - 1.0,
-                left.is_ok()
-            ));
-            if left.is_err() && now <= t {
-                ev.missing.push("the coordinator never saw the stopped worker leave".into());
-            }
-            c.signal(&name, Signal::Cont)?;
-            ev.ended();
-            match serving_becomes(c, Role::Decode, n, limit).await {
-                Ok(()) => ev.notes.push(format!("after SIGCONT it registered again: {n} decode serving")),
-                Err(e) => ev.missing.push(format!("after SIGCONT: {e}")),
-            }
-            Ok(ev)
+    async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let name = busy_decoder(c, LOAD_WAIT).await?;
+        let pid = c.worker(&name)?.proc.pid;
+        ev.before = c.coordinator_metrics().await?.sum(MEMBERSHIP, &[("change", "left")]);
+        ev.victim = Some((name.clone(), pid));
+        if skip {
+            return Ok(ev);
+        }
+        // Every decode worker serves before; one fewer while it is stopped. The lease must
+        // lapse (the cluster's TTL: 2 s for a drill's own cluster, the workers' default for
+        // `tandem up`) and the coordinator see it, on a loaded machine.
+        let n = c.workers_of(Role::Decode).count() as f64;
+        let limit = c.lease_ttl * 3 + Duration::from_secs(10);
+        let ttl = c.lease_ttl;
+        ev.began();
+        c.signal(&name, Signal::Stop)?;
+        let stopped = eventually("the stopped worker's /proc state is T", Duration::from_secs(5), || async {
+            proc_state(pid) == Some('T')
         })
+        .await;
+        ev.seen = stopped.is_ok();
+        ev.notes.push(format!("{name} (pid {pid}) was running a request; SIGSTOP: /proc state {:?}", proc_state(pid)));
+        // The lease (TTL `ttl`) lapses; the coordinator must drop it. Continue it whatever happened.
+        let left = serving_becomes(c, Role::Decode, n - 1.0, limit).await;
+        let t = ev.before;
+        let now = c.coordinator_metrics().await.map_or(t, |p| p.sum(MEMBERSHIP, &[("change", "left")]));
+        ev.notes.push(format!(
+            "left membership (lease TTL {ttl:?}): serving decode {}: {}; `left` changes {t} -> {now}",
+            n - 1.0,
+            left.is_ok()
+        ));
+        if left.is_err() && now <= t {
+            ev.missing.push("the coordinator never saw the stopped worker leave".into());
+        }
+        c.signal(&name, Signal::Cont)?;
+        ev.ended();
+        match serving_becomes(c, Role::Decode, n, limit).await {
+            Ok(()) => ev.notes.push(format!("after SIGCONT it registered again: {n} decode serving")),
+            Err(e) => ev.missing.push(format!("after SIGCONT: {e}")),
+        }
+        Ok(ev)
     }
 
     /// Reversible (SIGCONT ends it), so it may run against a running cluster with a second
@@ -101,16 +94,14 @@ impl Drill for WorkerSigstop {
         }
     }
 
-    fn prove<'a>(&'a self, _: &'a Cluster, ev: &'a Evidence, _: &'a Report) -> BoxFuture<'a, Result<String, String>> {
-        Box::pin(async move {
-            let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
-            if !ev.seen {
-                return Err(format!("{name} (pid {pid}) was never seen stopped (state T)"));
-            }
-            if !ev.missing.is_empty() {
-                return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
-            }
-            Ok(ev.notes.join("; "))
-        })
+    async fn prove(&self, _: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
+        if !ev.seen {
+            return Err(format!("{name} (pid {pid}) was never seen stopped (state T)"));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
+        }
+        Ok(ev.notes.join("; "))
     }
 }
