@@ -5,9 +5,10 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
-use super::MODEL;
+use super::{Progress, MODEL};
 use crate::cluster::{Cluster, Role};
 use crate::process::proc_state;
+use crate::proxy::{Fault, Proxy, ProxyCounters};
 use crate::{eventually, HarnessError};
 
 pub(super) const MEMBERSHIP: &str = "tandem_coordinator_membership_changes_total";
@@ -199,4 +200,29 @@ impl PairBreaker {
             self.opened, self.probes, self.closed
         )
     }
+}
+
+/// Strikes `n` times with `fault` on `proxy`: arms it, waits until `count` (one of the
+/// proxy's counters) rises or the load ends, and arms it again, until `count` reaches `n`;
+/// then disarms the proxy. `what` names one strike for the timeout message.
+pub(super) async fn strike(
+    proxy: &Proxy,
+    fault: Fault,
+    n: u64,
+    count: impl Fn(&ProxyCounters) -> u64,
+    load: &Progress,
+    what: &str,
+) -> Result<(), HarnessError> {
+    let mut struck = count(&proxy.counters());
+    while struck < n && !load.finished() {
+        proxy.arm(fault);
+        let before = struck;
+        eventually(&format!("{what} (or the load ends)"), LOAD_WAIT, || async {
+            count(&proxy.counters()) > before || load.finished()
+        })
+        .await?;
+        struck = count(&proxy.counters());
+    }
+    proxy.arm(Fault::None);
+    Ok(())
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use loadgen::Report;
 
-use super::common::{decode_metrics, PairBreaker, LOAD_WAIT};
+use super::common::{decode_metrics, strike, PairBreaker, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role, Worker};
 use crate::invariants::Invariants;
@@ -473,17 +473,8 @@ impl Drill for KvResets {
             return Ok(ev);
         }
         ev.began();
-        let mut struck = proxy.counters().resets;
-        while struck < RESETS && !load.finished() {
-            proxy.arm(Fault::ResetAfter(RESET_AT));
-            let before = struck;
-            eventually("the proxy resets a KV connection (or the load ends)", LOAD_WAIT, || async {
-                proxy.counters().resets > before || load.finished()
-            })
-            .await?;
-            struck = proxy.counters().resets;
-        }
-        proxy.arm(Fault::None);
+        let fault = Fault::ResetAfter(RESET_AT);
+        strike(proxy, fault, RESETS, |k| k.resets, load, "the proxy resets a KV connection").await?;
         ev.ended();
         load_finished(load).await?;
         Ok(ev)
@@ -554,17 +545,8 @@ impl Drill for KvReorder {
             return Ok(ev);
         }
         ev.began();
-        let mut swapped = proxy.counters().swaps;
-        while swapped < SWAPS && !load.finished() {
-            proxy.arm(Fault::Reorder { after: REORDER_AT, len: REORDER_LEN });
-            let before = swapped;
-            eventually("the proxy swaps two runs of KV bytes (or the load ends)", LOAD_WAIT, || async {
-                proxy.counters().swaps > before || load.finished()
-            })
-            .await?;
-            swapped = proxy.counters().swaps;
-        }
-        proxy.arm(Fault::None);
+        let fault = Fault::Reorder { after: REORDER_AT, len: REORDER_LEN };
+        strike(proxy, fault, SWAPS, |k| k.swaps, load, "the proxy swaps two runs of KV bytes").await?;
         ev.ended();
         load_finished(load).await?;
         Ok(ev)

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use loadgen::{Outcome, Report};
 
-use super::common::LOAD_WAIT;
+use super::common::{strike, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
@@ -80,18 +80,9 @@ impl Drill for RequestLinkResets {
         ev.before = cancelled(c).await?;
         if !skip {
             ev.began();
-            let mut struck = proxy.counters().resets;
-            while struck < CUTS && !load.finished() {
-                // The next request's connection: one connection per request (loadgen keeps none).
-                proxy.arm(Fault::ResetNextAfter(CUT_AT));
-                let before = struck;
-                eventually("the proxy cuts a client's connection (or the load ends)", LOAD_WAIT, || async {
-                    proxy.counters().resets > before || load.finished()
-                })
-                .await?;
-                struck = proxy.counters().resets;
-            }
-            proxy.arm(Fault::None);
+            // The next request's connection: one connection per request (loadgen keeps none).
+            let fault = Fault::ResetNextAfter(CUT_AT);
+            strike(proxy, fault, CUTS, |k| k.resets, load, "the proxy cuts a client's connection").await?;
             ev.ended();
         }
         load_finished(load).await?;
