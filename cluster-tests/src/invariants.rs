@@ -105,8 +105,10 @@ impl Default for Invariants {
 /// request rate the first measurement achieved, so the offered load stays
 /// `factor` times capacity whatever admission refuses (a closed loop cannot
 /// keep an overload going: its refusals come back at once and use the
-/// requests up). Goodput is the output tokens of completed requests per
-/// second from the first arrival to the last completion, and must reach
+/// requests up). Every request of such a drill generates exactly
+/// `max_tokens` (`ignore_eos`, the reference too), so requests are the same
+/// work whichever are admitted. Goodput is the output tokens of completed
+/// requests per second from the first arrival to the last completion, and must reach
 /// `floor` times the mean of the two measurements, which brackets the
 /// overload in time so a machine that slows down during the run moves both
 /// sides.

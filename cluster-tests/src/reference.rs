@@ -1,6 +1,7 @@
 //! The no-fault answers G1 compares against: the single-process engine's
 //! greedy continuation of each prompt, tokenized as the coordinator does for
-//! `/v1/completions` (no special tokens), stopping at EOS or `max_tokens`.
+//! `/v1/completions` (no special tokens), stopping at EOS (unless
+//! `ignore_eos`, as the request said) or `max_tokens`.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -13,22 +14,24 @@ use engine::weights::Weights;
 
 use crate::HarnessError;
 
-type Key = (Vec<String>, u32);
+type Key = (Vec<String>, u32, bool);
 
-/// Greedy answers of `prompts`, as text; memoized per (prompts, max_tokens) for the process.
-pub fn reference_texts(prompts: &[String], max_tokens: u32) -> Result<Vec<String>, HarnessError> {
+/// Greedy answers of `prompts`, as text; memoized per (prompts, max_tokens, ignore_eos) for
+/// the process.
+pub fn reference_texts(prompts: &[String], max_tokens: u32, ignore_eos: bool) -> Result<Vec<String>, HarnessError> {
     static CACHE: OnceLock<Mutex<HashMap<Key, Vec<String>>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
-    let key = (prompts.to_vec(), max_tokens);
+    let key = (prompts.to_vec(), max_tokens, ignore_eos);
     if let Some(v) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(v.clone());
     }
-    let v = compute(prompts, max_tokens).map_err(|e| HarnessError::Setup(format!("reference engine: {e}")))?;
+    let v =
+        compute(prompts, max_tokens, ignore_eos).map_err(|e| HarnessError::Setup(format!("reference engine: {e}")))?;
     cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, v.clone());
     Ok(v)
 }
 
-fn compute(prompts: &[String], max_tokens: u32) -> Result<Vec<String>, String> {
+fn compute(prompts: &[String], max_tokens: u32, ignore_eos: bool) -> Result<Vec<String>, String> {
     let path = engine::paths::default_model_path();
     let (w, f) = Weights::from_gguf(&path).map_err(|e| format!("load {} (run `make model`): {e}", path.display()))?;
     let tok = Tokenizer::from_gguf(&f).map_err(|e| e.to_string())?;
@@ -37,7 +40,7 @@ fn compute(prompts: &[String], max_tokens: u32) -> Result<Vec<String>, String> {
     let mut e = Engine::new(model, cfg, tok.eos_ids().to_vec()).map_err(|e| e.to_string())?;
     for (i, p) in prompts.iter().enumerate() {
         let ids = tok.encode(p, false).map_err(|e| e.to_string())?;
-        let params = SamplingParams { max_tokens, ..SamplingParams::default() };
+        let params = SamplingParams { max_tokens, ignore_eos, ..SamplingParams::default() };
         e.add(Request { id: i as u64, prompt: ids, params, salt: 0 }).map_err(|e| e.to_string())?;
     }
     let mut out = vec![Vec::new(); prompts.len()];

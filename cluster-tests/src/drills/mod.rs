@@ -344,8 +344,12 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     }
     let seed = 7;
     let prompts = loadgen::prompts::generate(s.requests, PROMPT_TOKENS, seed);
+    // Goodput compares loads whose requests must be the same work whichever are admitted:
+    // each generates exactly `max_tokens` (an answer ending early at EOS costs a whole
+    // prefill for fewer tokens, and moved the ratio by 10% here).
+    let ignore_eos = s.invariants.goodput.is_some();
     let (p2, max) = (prompts.clone(), s.max_tokens);
-    let reference = tokio::task::spawn_blocking(move || reference_texts(&p2, max))
+    let reference = tokio::task::spawn_blocking(move || reference_texts(&p2, max, ignore_eos))
         .await
         .map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
 
@@ -358,6 +362,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     plan.arrival = Arrival::Closed { concurrency: s.concurrency };
     plan.prompts = PromptSource::List(prompts);
     plan.max_tokens = s.max_tokens;
+    plan.ignore_eos = ignore_eos;
     plan.seed = seed;
     plan.deadline = Some(s.invariants.deadline);
     plan.timeout = s.invariants.deadline + s.invariants.grace + Duration::from_secs(10);
