@@ -165,8 +165,10 @@ async fn remote_prefill_over(transport: &str) -> TestResult {
         assert_eq!(got.tokens, want[i], "prompt of {} tokens over {transport}", p.len());
         blocks += p.len().div_ceil(16);
     }
+    // Exported as each frame lands: exact once the answers are back, with no wait.
     let metrics = decode.addr("metrics")?;
-    wait_metric(metrics, "tandem_kv_received_bytes_total", |v| v == (blocks * 368_640) as f64).await?;
+    let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
+    assert_eq!(sample(&body, "tandem_kv_received_bytes_total"), Some((blocks * 368_640) as f64), "{body}");
     assert_no_kv_left(transport, &decode).await
 }
 

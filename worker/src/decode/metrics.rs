@@ -112,9 +112,14 @@ pub fn record_token_gap(seconds: f64) {
     counter!(GENERATION_TOKENS).increment(1);
 }
 
-/// Mirrors the KV receiver's own counters (absolute values, never reset).
+/// K+V payload bytes of one accepted frame, posted to the pool.
+pub fn record_received(bytes: u64) {
+    counter!(KV_RECEIVED_BYTES).increment(bytes);
+}
+
+/// Mirrors the KV receiver's own counters (absolute values, never reset);
+/// received bytes are counted as each frame lands ([`record_received`]).
 pub fn record_receiver(c: &kvtransfer::ReceiverCounters, active: usize) {
-    counter!(KV_RECEIVED_BYTES).absolute(c.payload_bytes_accepted);
     counter!(KV_TRANSFERS_COMPLETED).absolute(c.reservations_completed);
     counter!(RESERVATIONS_EXPIRED).absolute(c.reservations_expired);
     for reason in [

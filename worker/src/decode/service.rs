@@ -243,9 +243,11 @@ impl DecodeService {
             let wake = next.map_or(cap, |d| d.min(cap));
             tokio::select! {
                 _ = tokio::time::sleep_until(tokio::time::Instant::from_std(wake)) => {}
-                _ = stop.cancelled() => return,
+                _ = stop.cancelled() => break,
             }
         }
+        // Once more, so what ended since the last pass is freed and exported before exit.
+        self.reap().await;
     }
 
     async fn reap(&self) {
