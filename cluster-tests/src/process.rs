@@ -179,8 +179,8 @@ impl Proc {
     /// A process already running (not started by us, e.g. one `tandem up` started), known by
     /// its pid, addresses and the file its output goes to (`log`; `None`: G5's log scan
     /// skips it). Dropping it leaves it running; [`Proc::exited`] sees its end through
-    /// `/proc`; it cannot be restarted. Its log is scanned whole, so for a long-running
-    /// cluster a panic logged before this drill still counts.
+    /// `/proc`; it cannot be restarted. G5 scans its log from where it stood when the
+    /// cluster was attached ([`crate::Cluster::log_start`]).
     pub fn adopt(name: &str, pid: u32, addrs: HashMap<String, String>, log: Option<PathBuf>) -> Self {
         Self {
             name: name.to_owned(),
