@@ -5,7 +5,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
-use super::{Progress, MODEL};
+use super::{Evidence, Progress, MODEL};
 use crate::cluster::{Cluster, Role};
 use crate::process::proc_state;
 use crate::proxy::{Fault, Proxy, ProxyCounters};
@@ -225,4 +225,39 @@ pub(super) async fn strike(
     }
     proxy.arm(Fault::None);
     Ok(())
+}
+
+/// Latency the delay drills put on a link: `DELAY` ± `JITTER` per chunk.
+pub(super) const DELAY: Duration = Duration::from_millis(75);
+pub(super) const JITTER: Duration = Duration::from_millis(50);
+
+/// Delays every chunk through `proxy` by [`DELAY`] ± [`JITTER`] while the load runs (the
+/// window marked on `ev`; nothing armed when `skip`), then disarms it.
+pub(super) async fn delay_during_load(
+    proxy: &Proxy,
+    load: &Progress,
+    skip: bool,
+    mut ev: Evidence,
+) -> Result<Evidence, HarnessError> {
+    if !skip {
+        ev.began();
+        proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
+    }
+    load.wait_finished().await?;
+    proxy.arm(Fault::None);
+    ev.ended();
+    Ok(ev)
+}
+
+/// What `proxy`'s counters show of [`delay_during_load`] (`to`: whose chunks, for the
+/// text), and whether at least `min_chunks` were delayed, every one within [`DELAY`] ± [`JITTER`].
+pub(super) fn delays_seen(k: &ProxyCounters, to: &str, min_chunks: u64) -> (String, bool) {
+    let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
+    let min = k.min_delay_ms.unwrap_or(0);
+    let text = format!(
+        "the proxy delayed {} chunk(s){to} by {min}..{} ms (want within [{lo}, {hi}])",
+        k.delayed_chunks, k.max_delay_ms
+    );
+    let ok = k.delayed_chunks >= min_chunks.max(1) && min >= lo && k.max_delay_ms <= hi;
+    (text, ok)
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use loadgen::Report;
 
-use super::common::{decode_metrics, strike, PairBreaker, LOAD_WAIT};
+use super::common::{decode_metrics, delay_during_load, delays_seen, strike, PairBreaker, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role, Worker};
 use crate::invariants::Invariants;
@@ -190,11 +190,6 @@ fn netns_spec() -> ClusterSpec {
     spec
 }
 
-/// Waits (bounded) until the load has finished.
-async fn load_finished(load: &Progress) -> Result<(), HarnessError> {
-    eventually("the load finishes", Duration::from_secs(180), || async { load.finished() }).await
-}
-
 /// The slowest request of the load, in seconds.
 fn slowest(report: &Report) -> f64 {
     report.records.iter().map(|r| r.e2e.as_secs_f64()).fold(0.0, f64::max)
@@ -202,9 +197,6 @@ fn slowest(report: &Report) -> f64 {
 
 /// 75 ms ± 50 ms latency on every KV chunk.
 pub(super) struct KvDelay;
-
-const DELAY: Duration = Duration::from_millis(75);
-const JITTER: Duration = Duration::from_millis(50);
 
 #[async_trait::async_trait]
 impl Drill for KvDelay {
@@ -231,14 +223,7 @@ impl Drill for KvDelay {
         let mut ev = Evidence::default();
         let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
         ev.before = Loads::of(c).await?.0.failed;
-        if !skip {
-            ev.began();
-            proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
-        }
-        load_finished(load).await?;
-        proxy.arm(Fault::None);
-        ev.ended();
-        Ok(ev)
+        delay_during_load(proxy, load, skip, ev).await
     }
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
@@ -246,13 +231,8 @@ impl Drill for KvDelay {
         let k = w.proxy.as_ref().ok_or("no proxy")?.counters();
         let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
         let failed = l.failed - ev.before;
-        let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
-        let min = k.min_delay_ms.unwrap_or(0);
-        let delayed = format!(
-            "the proxy delayed {} chunk(s) by {min}..{} ms (want within [{lo}, {hi}])",
-            k.delayed_chunks, k.max_delay_ms
-        );
-        if k.delayed_chunks == 0 || min < lo || k.max_delay_ms > hi {
+        let (delayed, in_bounds) = delays_seen(&k, "", 1);
+        if !in_bounds {
             return Err(delayed);
         }
         let want = report.records.len() as f64;
@@ -308,7 +288,7 @@ impl Drill for KvLoss {
             ev.began();
             iptables(ns, &rule("-A", &spec))?;
         }
-        load_finished(load).await?;
+        load.wait_finished().await?;
         // The rule stays until the namespace goes: the proof reads its counter.
         Ok(ev)
     }
@@ -409,7 +389,7 @@ impl Drill for KvBlackhole {
         // The link is back: decode-0 loads again (at once, or after its pair's breaker is probed).
         let back = || async { Loads::of(c).await.is_ok_and(|(l, _)| l.loaded > at_lift.loaded) || load.finished() };
         let _ = eventually("decode-0 loads KV again after the rule went", LOAD_WAIT, back).await;
-        load_finished(load).await?;
+        load.wait_finished().await?;
         Ok(ev)
     }
 
@@ -469,14 +449,14 @@ impl Drill for KvResets {
         let proxy = decode_worker(c)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup("no proxy".into()))?;
         ev.before = Loads::of(c).await?.0.failed;
         if skip {
-            load_finished(load).await?;
+            load.wait_finished().await?;
             return Ok(ev);
         }
         ev.began();
         let fault = Fault::ResetAfter(RESET_AT);
         strike(proxy, fault, RESETS, |k| k.resets, load, "the proxy resets a KV connection").await?;
         ev.ended();
-        load_finished(load).await?;
+        load.wait_finished().await?;
         Ok(ev)
     }
 
@@ -541,14 +521,14 @@ impl Drill for KvReorder {
         let (l, _) = Loads::of(c).await?;
         ev.before = l.failed;
         if skip {
-            load_finished(load).await?;
+            load.wait_finished().await?;
             return Ok(ev);
         }
         ev.began();
         let fault = Fault::Reorder { after: REORDER_AT, len: REORDER_LEN };
         strike(proxy, fault, SWAPS, |k| k.swaps, load, "the proxy swaps two runs of KV bytes").await?;
         ev.ended();
-        load_finished(load).await?;
+        load.wait_finished().await?;
         Ok(ev)
     }
 

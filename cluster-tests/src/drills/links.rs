@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use loadgen::{Outcome, Report};
 
-use super::common::{strike, LOAD_WAIT};
+use super::common::{delay_during_load, delays_seen, strike, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
@@ -19,11 +19,6 @@ const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("
 const REROUTES: &str = "tandem_coordinator_decode_reroutes_total";
 /// Requests a decode worker routed for prefill: counted as each arrives.
 const ROUTED: &str = "tandem_prefill_route_total";
-
-/// Waits (bounded) until the load has finished.
-async fn load_finished(load: &Progress) -> Result<(), HarnessError> {
-    eventually("the load finishes", Duration::from_secs(180), || async { load.finished() }).await
-}
 
 fn client_proxy(c: &Cluster) -> Result<&Proxy, HarnessError> {
     c.client_proxy.as_ref().ok_or_else(|| HarnessError::Setup("the clients reach the coordinator directly".into()))
@@ -85,7 +80,7 @@ impl Drill for RequestLinkResets {
             strike(proxy, fault, CUTS, |k| k.resets, load, "the proxy cuts a client's connection").await?;
             ev.ended();
         }
-        load_finished(load).await?;
+        load.wait_finished().await?;
         Ok(ev)
     }
 
@@ -133,9 +128,6 @@ impl Drill for RequestLinkResets {
 /// 75 ms ± 50 ms latency on the request link.
 pub(super) struct RequestLinkDelay;
 
-const DELAY: Duration = Duration::from_millis(75);
-const JITTER: Duration = Duration::from_millis(50);
-
 #[async_trait::async_trait]
 impl Drill for RequestLinkDelay {
     fn info(&self) -> DrillInfo {
@@ -157,36 +149,23 @@ impl Drill for RequestLinkDelay {
     }
 
     async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
-        let mut ev = Evidence::default();
-        let proxy = client_proxy(c)?;
-        if !skip {
-            ev.began();
-            proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
-        }
-        load_finished(load).await?;
-        proxy.arm(Fault::None);
-        ev.ended();
-        Ok(ev)
+        delay_during_load(client_proxy(c)?, load, skip, Evidence::default()).await
     }
 
     async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
         let k = client_proxy(c).map_err(|e| e.to_string())?.counters();
-        let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
-        let min = k.min_delay_ms.unwrap_or(0);
+        // Every answer crosses the proxy: at least its headers and its first event were delayed.
+        let (delayed, in_bounds) = delays_seen(&k, " to the clients", report.records.len() as u64);
         let s = report.summary();
         let ms = |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3));
         let text = format!(
-            "the proxy delayed {} chunk(s) to the clients by {min}..{} ms (want within [{lo}, {hi}]); {} of {} \
-             answers complete; TTFT p50 {} p99 {}",
-            k.delayed_chunks,
-            k.max_delay_ms,
+            "{delayed}; {} of {} answers complete; TTFT p50 {} p99 {}",
             s.ok,
             s.requests,
             ms(s.ttft.p50),
             ms(s.ttft.p99)
         );
-        // Every answer crosses the proxy: at least its headers and its first event were delayed.
-        if (k.delayed_chunks as usize) < report.records.len() || min < lo || k.max_delay_ms > hi {
+        if !in_bounds {
             return Err(text);
         }
         Ok(text)
@@ -270,7 +249,7 @@ impl Drill for ControlLinkResets {
             strikes += 1;
         }
         ev.ended();
-        load_finished(load).await?;
+        load.wait_finished().await?;
         Ok(ev)
     }
 

@@ -305,6 +305,11 @@ impl Progress {
     pub fn finished(&self) -> bool {
         self.finished.load(Ordering::SeqCst)
     }
+
+    /// Waits (bounded: 180 s) until the load has finished.
+    pub async fn wait_finished(&self) -> Result<(), HarnessError> {
+        eventually("the load finishes", Duration::from_secs(180), || async { self.finished() }).await
+    }
 }
 
 /// What a drill runs: its cluster, its load, and how it is judged.
