@@ -480,7 +480,14 @@ impl DecodeService {
                 return Err(f);
             }
         };
-        let taken = lock(&inner.receiver).take_ready(r);
+        let (taken, counters, live) = {
+            let mut rx = lock(&inner.receiver);
+            let taken = rx.take_ready(r);
+            (taken, rx.counters().clone(), rx.live_reservations())
+        };
+        // Exported now, not at the next reap (up to 500 ms later): a scrape made
+        // after this request's answer must already count its transfer as completed.
+        m::record_receiver(&counters, live);
         let blocks = match taken {
             Ok(b) => b,
             Err(e) => {
