@@ -87,7 +87,9 @@ pub use session::{
     ReservationError, ReservationId, ReservationState, ReserveError, ReserveRefusal, WriteInstruction,
 };
 pub use transport::any::{KvSender, TransportKind};
-pub use transport::local::{LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, LocalServerStats};
+pub use transport::local::{
+    LocalCloseReason, LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, LocalServerStats,
+};
 pub use transport::quic::{
     CertFingerprint, PeerTrust, QuicKvSender, QuicKvServer, QuicSenderConfig, QuicServerConfig, QuicServerStats,
     QuicTuning, TlsError, TlsIdentity,

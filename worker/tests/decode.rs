@@ -315,8 +315,14 @@ async fn other_version_group_or_block_size_is_refused() -> TestResult {
     }
     let metrics = decode.addr("metrics")?;
     wait_metric(metrics, "tandem_kv_load_failures_total{reason=\"version_mismatch\"}", |v| v == 2.0).await?;
+    // Refused before any KV connection (the destination names its group and layout).
+    // Bytes that are not a frame end a connection with a reason of their own.
+    let mut raw = tokio::net::TcpStream::connect(decode.addr("transfer")?).await?;
+    tokio::io::AsyncWriteExt::write_all(&mut raw, &[0xA5; 256]).await?;
+    wait_metric(metrics, "tandem_kv_connections_closed_total{reason=\"decode\"}", |v| v == 1.0).await?;
     let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
     assert_eq!(sample(&body, "tandem_kv_received_bytes_total").unwrap_or(0.0), 0.0, "KV crossed groups:\n{body}");
+    assert_eq!(sample(&body, "tandem_kv_connections_accepted_total"), Some(1.0), "{body}");
     assert_no_kv_left("after refusals", &decode).await
 }
 

@@ -13,8 +13,8 @@ use anyhow::Context;
 use clap::Parser;
 use engine::runner::{Runner, RunnerConfig};
 use kvtransfer::{
-    LocalKvServer, LocalServerConfig, Peer, PeerTrust, QuicKvServer, QuicServerConfig, Receiver, ReceiverConfig,
-    TcpKvServer, TcpServerConfig, TlsIdentity, TransportKind,
+    CloseReason, LocalCloseReason, LocalKvServer, LocalServerConfig, Peer, PeerTrust, QuicKvServer, QuicServerConfig,
+    Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig, TlsIdentity, TransportKind,
 };
 use proto::worker::v1::decode_worker_server::DecodeWorkerServer;
 use tokio_util::sync::CancellationToken;
@@ -57,6 +57,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let (kv_server, tls_cert_sha256) = bind_transfer(&cfg, receiver.clone(), sink).await?;
     let advertised = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr());
     println!("listening transfer={}", kv_server.local_addr());
+    kv_server.export_stats();
     tracing::info!(transport = %cfg.transport, addr = %advertised, "KV transfer listener");
 
     let settings = DecodeSettings {
@@ -142,6 +143,18 @@ impl KvServer {
         }
     }
 
+    /// Exports the listener's connection counters to `/metrics` as they
+    /// change (a task that ends when the listener stops).
+    fn export_stats(&self) {
+        match self {
+            Self::Tcp(s) => export(s.watch_stats(), &CloseReason::LABELS, |s| (s.connections_accepted, &s.closed)),
+            Self::Quic(s) => export(s.watch_stats(), &CloseReason::LABELS, |s| (s.connections_accepted, &s.closed)),
+            Self::Local(s) => {
+                export(s.watch_stats(), &LocalCloseReason::LABELS, |s| (s.connections_accepted, &s.closed))
+            }
+        }
+    }
+
     fn shutdown(self) {
         match self {
             Self::Tcp(s) => s.shutdown(),
@@ -149,6 +162,27 @@ impl KvServer {
             Self::Local(s) => s.shutdown(),
         }
     }
+}
+
+/// Spawns a task that records `(accepted, closed by label)` from `rx` at
+/// every change, until the listener drops its side of the watch.
+fn export<T: Send + Sync + 'static>(
+    mut rx: tokio::sync::watch::Receiver<T>,
+    labels: &'static [&'static str],
+    view: fn(&T) -> (u64, &[u64]),
+) {
+    tokio::spawn(async move {
+        loop {
+            {
+                let stats = rx.borrow_and_update();
+                let (accepted, closed) = view(&stats);
+                worker::decode::metrics::record_connections(accepted, labels, closed);
+            }
+            if rx.changed().await.is_err() {
+                break;
+            }
+        }
+    });
 }
 
 /// Binds the KV listener; for QUIC with no configured certificate, makes a

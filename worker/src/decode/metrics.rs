@@ -35,6 +35,16 @@ pub const HANDSHAKES_REJECTED: &str = "tandem_kv_handshakes_rejected_total";
 /// refused and never wrote (`expired`, `checksum`, `stale_generation`,
 /// `aborted`, ... — kvtransfer's `FrameError::REASONS`).
 pub const FRAMES_REFUSED: &str = "tandem_kv_frames_refused_total";
+/// `tandem_kv_connections_accepted_total`: KV connections the transfer
+/// listener accepted (QUIC: connections, each carrying frame streams).
+pub const CONNECTIONS_ACCEPTED: &str = "tandem_kv_connections_accepted_total";
+/// `tandem_kv_connections_closed_total{reason}`: KV connections (QUIC: frame
+/// streams) that ended, by reason: `peer_closed` is the normal end; `decode`
+/// (bytes that are not a frame), `truncated`, `io`, `idle`, `not_hello`,
+/// `rejected`, `unexpected_frame`, `tls` and the shared-memory transport's
+/// `ring_refused`, `bad_slot`, `unexpected_message`, `peer_uid` are a peer or
+/// link at fault (kvtransfer's `CloseReason`/`LocalCloseReason` labels).
+pub const CONNECTIONS_CLOSED: &str = "tandem_kv_connections_closed_total";
 /// `tandem_kv_load_seconds`: reserve to acknowledged KV (the remote prefill
 /// and its transfer), for loads that succeeded.
 pub const KV_LOAD_SECONDS: &str = "tandem_kv_load_seconds";
@@ -72,6 +82,8 @@ pub fn describe(policy: super::KvLoadFailurePolicy) {
     describe_counter!(KV_TRANSFERS_COMPLETED, "Reservations whose KV arrived complete.");
     describe_counter!(HANDSHAKES_REJECTED, "KV connections refused at the handshake, by reason.");
     describe_counter!(FRAMES_REFUSED, "KV frames refused and never written, by reason.");
+    describe_counter!(CONNECTIONS_ACCEPTED, "KV connections the transfer listener accepted.");
+    describe_counter!(CONNECTIONS_CLOSED, "KV connections (QUIC: frame streams) that ended, by reason.");
     describe_histogram!(KV_LOAD_SECONDS, Unit::Seconds, "Reserve to acknowledged KV, successful loads.");
     describe_gauge!(RESERVATIONS_ACTIVE, "KV reservations live now.");
     describe_counter!(RESERVATIONS_EXPIRED, "Reservations whose lease ran out before the KV arrived.");
@@ -115,6 +127,15 @@ pub fn record_token_gap(seconds: f64) {
 /// K+V payload bytes of one accepted frame, posted to the pool.
 pub fn record_received(bytes: u64) {
     counter!(KV_RECEIVED_BYTES).increment(bytes);
+}
+
+/// Mirrors the transfer listener's connection counters (absolute values,
+/// never reset): `closed[i]` is the count of `labels[i]`.
+pub fn record_connections(accepted: u64, labels: &[&'static str], closed: &[u64]) {
+    counter!(CONNECTIONS_ACCEPTED).absolute(accepted);
+    for (label, n) in labels.iter().zip(closed) {
+        counter!(CONNECTIONS_CLOSED, "reason" => *label).absolute(*n);
+    }
 }
 
 /// Mirrors the KV receiver's own counters (absolute values, never reset);
