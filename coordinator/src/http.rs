@@ -201,16 +201,36 @@ fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>,
         .transpose()
 }
 
-/// The deadline, counted from arrival: `x-request-timeout-ms`, else the default.
+/// The deadline: the earlier of `x-request-timeout-ms` (relative to
+/// arrival) and `x-request-deadline` (absolute, Unix time in milliseconds,
+/// as the client's clock reads it), else the configured default. A deadline
+/// that has already passed is a 504 at once: no work starts for it.
 fn deadline(app: &App, headers: &HeaderMap, arrived: Instant) -> Result<Instant, ApiError> {
-    let timeout = match headers.get("x-request-timeout-ms") {
-        None => None,
-        Some(v) => match v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()) {
-            Some(ms) if ms > 0 => Some(Duration::from_millis(ms)),
-            _ => return Err(ApiError::invalid("x-request-timeout-ms", "must be a positive integer of milliseconds")),
-        },
+    let positive_ms = |name: &str| -> Result<Option<u64>, ApiError> {
+        match header_str(headers, name)? {
+            None => Ok(None),
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(ms) if ms > 0 => Ok(Some(ms)),
+                _ => Err(ApiError::invalid(name, "must be a positive integer of milliseconds")),
+            },
+        }
     };
-    Ok(arrived + timeout.unwrap_or(app.pipeline.settings.default_timeout))
+    let timeout = positive_ms("x-request-timeout-ms")?.map(|ms| arrived + Duration::from_millis(ms));
+    let absolute = match positive_ms("x-request-deadline")? {
+        None => None,
+        Some(ms) => {
+            let at = UNIX_EPOCH + Duration::from_millis(ms);
+            match at.duration_since(SystemTime::now()) {
+                Ok(left) => Some(Instant::now() + left),
+                Err(_) => return Err(crate::pipeline::deadline_error()),
+            }
+        }
+    };
+    Ok(match (timeout, absolute) {
+        (None, None) => arrived + app.pipeline.settings.default_timeout,
+        (Some(t), None) | (None, Some(t)) => t,
+        (Some(a), Some(b)) => a.min(b),
+    })
 }
 
 /// Which OpenAI endpoint a request came in on: it decides the answer's shape.

@@ -162,6 +162,20 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     let (s, hd, b) = answer(&spawn_post(&h, "sk-carol", completion(4), short_deadline))?;
     error_of(s, &b, 504, None)?;
     assert!(b.contains("queued") && !hd.contains_key("retry-after"), "{b}");
+    // The same with an absolute deadline (Unix ms) one second ahead.
+    let unix_ms = |ahead_ms: i64| -> Result<String, String> {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_err(|e| e.to_string())?;
+        Ok((now.as_millis() as i64 + ahead_ms).to_string())
+    };
+    let absolute = vec![("x-request-deadline".to_owned(), unix_ms(1000)?)];
+    let (s, _, b) = answer(&spawn_post(&h, "sk-carol", completion(4), absolute))?;
+    error_of(s, &b, 504, None)?;
+    assert!(b.contains("queued"), "{b}");
+    // One already past is refused at arrival, before the queue.
+    let past = vec![("x-request-deadline".to_owned(), unix_ms(-1000)?)];
+    let (s, _, b) = answer(&spawn_post(&h, "sk-carol", completion(4), past))?;
+    error_of(s, &b, 504, None)?;
+    assert!(!b.contains("queued") && code_of(&b) == "deadline_exceeded", "{b}");
     assert_eq!(prefills()?, prefilled, "a request dropped in the queue never reached prefill");
 
     // Alice fills her share of the queue (2, normal); the third is hers to wait for: 429.
@@ -218,7 +232,7 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     let shed = |r: &str| metric(&h, &format!("tandem_coordinator_admission_shed_total{{reason=\"{r}\"}}"));
     assert_eq!(shed("queue_full")?, 15.0);
     assert_eq!(shed("key_limit")?, 1.0);
-    assert_eq!(shed("queue_deadline")?, 1.0);
+    assert_eq!(shed("queue_deadline")?, 2.0, "the relative and the absolute deadline that passed in the queue");
     eventually("the decode worker's KV back to 0", || metric(&m, "tandem_kv_blocks_used").is_ok_and(|v| v == 0.0))
         .await?;
     let _ = std::fs::remove_dir_all(&dir);

@@ -134,6 +134,8 @@ fn openai_api_through_a_prefill_decode_pair() -> TestResult {
     }
     let (s, _, b) = http(&h, "POST", chat, json_ct, &with(json!({})), &[("x-request-timeout-ms", "soon")])?;
     error_of(s, &b, 400, Some("x-request-timeout-ms"))?;
+    let (s, _, b) = http(&h, "POST", chat, json_ct, &with(json!({})), &[("x-request-deadline", "tomorrow")])?;
+    error_of(s, &b, 400, Some("x-request-deadline"))?;
     // A deadline that cannot be met: 504 in the same shape.
     let slow = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": true});
     let (s, _, b) = http(
