@@ -7,75 +7,21 @@
 //! Real processes: `tandem up` (etcd, a prefill worker, 2 decode workers, a
 //! coordinator) and `tandem drill`, both this crate's binary.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+mod common;
+
+use common::{proc_state, running, TestResult, Up, WAIT};
+use std::io::Write;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-/// Bound on `tandem up` becoming ready and on each `tandem drill` run (a loaded machine).
-const WAIT: Duration = Duration::from_secs(180);
-
-/// Stops `tandem up` at the end, or if the test fails midway: SIGTERM (it stops its
-/// children), then SIGKILL if it does not exit.
-struct Guard(Option<std::process::Child>);
-
-impl Guard {
-    /// SIGTERM and wait (bounded); its exit status.
-    fn stop(&mut self) -> Result<std::process::ExitStatus, String> {
-        let mut c = self.0.take().ok_or("already stopped")?;
-        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
-        let (tx, rx) = mpsc::channel();
-        let pid = c.id();
-        std::thread::spawn(move || drop(tx.send(c.wait())));
-        match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(r) => r.map_err(|e| e.to_string()),
-            Err(_) => {
-                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
-                Err("tandem up did not exit within 60 s of SIGTERM".into())
-            }
-        }
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if self.0.is_some() {
-            let _ = self.stop();
-        }
-    }
-}
-
-/// The state letter of `/proc/PID/stat` (`None`: gone).
-fn proc_state(pid: u64) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
-}
-
-/// Running and not stopped.
-fn running(pid: u64) -> bool {
-    !matches!(proc_state(pid), None | Some('Z' | 'T'))
-}
-
 fn get_status(addr: &str, path: &str) -> Result<u16, String> {
-    get(addr, path).map(|(status, _)| status)
-}
-
-/// `GET path`: status and the whole response (head and body).
-fn get(addr: &str, path: &str) -> Result<(u16, String), String> {
-    let sa: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
-    let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
-    let status = raw.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| format!("no status in {raw:?}"))?;
-    Ok((status, raw))
+    common::request(addr, "GET", path, None).map(|(status, _)| status)
 }
 
 /// Requests the coordinator at `http` has finished (`tandem_coordinator_requests_total`).
 fn finished_requests(http: &str) -> Result<f64, String> {
-    let (_, raw) = get(http, "/metrics")?;
+    let (_, raw) = common::request(http, "GET", "/metrics", None)?;
     Ok(raw
         .lines()
         .filter(|l| l.starts_with("tandem_coordinator_requests_total"))
@@ -117,49 +63,13 @@ fn tandem_while(
 }
 
 #[test]
-fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box<dyn std::error::Error>> {
-    let dir = std::env::temp_dir().join(format!("tandem-drill-against-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let state = dir.join("state.json");
-    let mut spawned = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args([
-            "up",
-            "--decode",
-            "2",
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:0",
-            "--threads",
-            "1",
-            "--shutdown-timeout-ms",
-            "5000",
-            "--lease-ttl-s",
-            "4",
-        ])
-        .arg("--state-file")
-        .arg(&state)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    let out = spawned.stdout.take().ok_or("no stdout")?;
-    let mut guard = Guard(Some(spawned));
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let result = (|| -> Result<(), Box<dyn std::error::Error>> {
-        // The table is printed once the cluster is ready (after the state file is written).
-        let mut table = Vec::new();
-        while !table.iter().any(|l: &String| l.starts_with("coordinator")) {
-            table.push(
-                rx.recv_timeout(WAIT).map_err(|_| format!("tandem up printed no table within {WAIT:?}: {table:?}"))?,
-            );
-        }
-        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
-        let comps = v["components"].as_array().ok_or("no components")?;
+fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
+    let dir = common::temp_dir("tandem-drill-against")?;
+    let mut up = Up::start(&dir, &["--decode", "2", "--lease-ttl-s", "4"])?;
+    let state = up.state_file.clone();
+    let result = (|| -> TestResult {
+        let v = &up.state;
+        let comps = up.components()?;
         let pids: Vec<(String, u64)> = comps
             .iter()
             .map(|c| Ok((c["role"].as_str().ok_or("role")?.to_owned(), c["pid"].as_u64().ok_or("pid")?)))
@@ -185,7 +95,8 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box
         let decode0 = log_dir.join("decode-0.log");
         let text = std::fs::read_to_string(&decode0)?;
         assert!(text.contains("listening "), "decode-0's stdout is in {}: {text}", decode0.display());
-        let http = comps.iter().find(|c| c["role"] == "coordinator").and_then(|c| c["http"].as_str()).ok_or("http")?;
+        let http = up.http()?;
+        let http = http.as_str();
         let state_s = state.to_str().ok_or("state path")?;
         let all_running = |when: &str| {
             for (role, pid) in &pids {
@@ -224,7 +135,7 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box
                 c["log"] = serde_json::Value::from(panicked.to_str().ok_or("path")?);
             }
         }
-        assert_ne!(v2, v, "decode-0's log was swapped");
+        assert_ne!(&v2, v, "decode-0's log was swapped");
         let state2 = dir.join("state-panicked.json");
         std::fs::write(&state2, serde_json::to_string(&v2)?)?;
         let state2_s = state2.to_str().ok_or("path")?;
@@ -256,7 +167,7 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> Result<(), Box
         Ok(())
     })();
     // `tandem up` exits 0 on SIGTERM only if no child had exited on its own before.
-    let stopped = guard.stop();
+    let stopped = up.stop();
     let _ = std::fs::remove_dir_all(&dir);
     result?;
     let status = stopped?;

@@ -5,33 +5,14 @@
 //! The worker and coordinator binaries are `tandem`'s siblings in the
 //! target directory (`make test` builds every binary first).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+mod common;
 
-const WAIT: Duration = Duration::from_secs(180);
+use common::{post, running, TestResult, Up};
+use std::process::{Command, Stdio};
 
 fn post_chat(addr: &str) -> Result<(u16, String), String> {
     let body = r#"{"model":"SmolLM2-135M-Instruct","messages":[{"role":"user","content":"What is the capital of France? Answer in one sentence."}],"max_tokens":32,"temperature":0}"#;
     post(addr, "/v1/chat/completions", body)
-}
-
-fn post(addr: &str, path: &str, body: &str) -> Result<(u16, String), String> {
-    let sa: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
-    let mut s = TcpStream::connect_timeout(&sa, WAIT).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(WAIT)).map_err(|e| e.to_string())?;
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .map_err(|e| e.to_string())?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
-    let status = raw.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or("no status")?;
-    Ok((status, raw.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()))
 }
 
 /// Greedy continuation of `ids` from the single-process engine, as text.
@@ -99,101 +80,44 @@ fn openai_client_agrees_with_the_engine(http: &str) -> Result<(), Box<dyn std::e
     Ok(())
 }
 
-/// Stops `tandem up` if the test fails midway: SIGTERM (it stops its
-/// children), then SIGKILL if it does not exit.
-struct Guard(Option<std::process::Child>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
-            let (tx, rx) = mpsc::channel();
-            let pid = c.id();
-            std::thread::spawn(move || {
-                let _ = rx.recv_timeout(Duration::from_secs(30));
-                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
-            });
-            let _ = c.wait();
-            let _ = tx.send(());
-        }
-    }
-}
-
-fn alive(pid: u64) -> bool {
-    Command::new("kill").args(["-0", &pid.to_string()]).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
-}
-
 #[test]
-fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> Result<(), Box<dyn std::error::Error>> {
-    let dir = std::env::temp_dir().join(format!("tandem-up-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let state = dir.join("state.json");
-    let mut spawned = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args([
-            "up",
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:0",
-            "--threads",
-            "1",
-            "--shutdown-timeout-ms",
-            "5000",
-        ])
-        .arg("--state-file")
-        .arg(&state)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    let out = spawned.stdout.take().ok_or("no stdout")?;
-    let pid = spawned.id();
-    let mut guard = Guard(Some(spawned));
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    // The table is printed once the cluster is ready (after the state file is written).
-    let mut table = Vec::new();
-    let result = (|| -> Result<(), Box<dyn std::error::Error>> {
-        while !table.iter().any(|l: &String| l.starts_with("coordinator")) {
-            table.push(
-                rx.recv_timeout(WAIT).map_err(|_| format!("tandem up printed no table within {WAIT:?}: {table:?}"))?,
-            );
-        }
-        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
-        let comps = v["components"].as_array().ok_or("no components")?;
+fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> TestResult {
+    let dir = common::temp_dir("tandem-up-test")?;
+    let mut up = Up::start(&dir, &[])?;
+    let result = (|| -> TestResult {
+        let v = &up.state;
+        let comps = up.components()?;
         let roles: Vec<&str> = comps.iter().filter_map(|c| c["role"].as_str()).collect();
         assert_eq!(roles, ["etcd", "prefill", "decode", "coordinator"], "{v}");
         for c in comps {
-            assert!(c["pid"].as_u64().is_some_and(alive), "{c}");
+            assert!(c["pid"].as_u64().is_some_and(running), "{c}");
         }
         assert!(comps[0]["grpc"].is_string(), "etcd's client address: {v}");
         assert!(comps[1]["grpc"].is_string() && comps[1]["metrics"].is_string() && comps[1].get("http").is_none());
         assert!(comps[2]["transfer"].as_str().is_some_and(|t| t.starts_with('@')), "shared memory by default: {v}");
         assert!(comps[3]["grpc"].is_string(), "the coordinator's gRPC frontend: {v}");
-        let http = comps[3]["http"].as_str().ok_or("no http")?;
-        assert_eq!(comps[3]["metrics"].as_str(), Some(http), "the coordinator's /metrics is on its HTTP port: {v}");
-        let (status, body) = post_chat(http)?;
+        let http = up.http()?;
+        assert_eq!(
+            comps[3]["metrics"].as_str(),
+            Some(http.as_str()),
+            "the coordinator's /metrics is on its HTTP port: {v}"
+        );
+        let (status, body) = post_chat(&http)?;
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("chat.completion") && body.contains("Paris"), "{body}");
-        openai_client_agrees_with_the_engine(http)?;
+        openai_client_agrees_with_the_engine(&http)?;
 
-        Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
-        let (etx, erx) = mpsc::channel();
-        let mut c = guard.0.take().ok_or("no child")?;
-        std::thread::spawn(move || drop(etx.send(c.wait())));
-        let status = erx.recv_timeout(WAIT).map_err(|_| "tandem up did not exit after SIGTERM")??;
+        let pids: Vec<(String, u64)> =
+            comps.iter().filter_map(|c| Some((c["role"].to_string(), c["pid"].as_u64()?))).collect();
+        let status = up.stop()?;
         assert!(status.success(), "tandem up exit: {status:?}");
-        for c in comps {
-            let pid = c["pid"].as_u64().ok_or("pid")?;
-            assert!(!alive(pid), "{} (pid {pid}) is still running", c["role"]);
+        for (role, pid) in pids {
+            assert!(!running(pid), "{role} (pid {pid}) is still running");
         }
-        assert!(!state.exists(), "the state file is removed on stop");
+        assert!(!up.state_file.exists(), "the state file is removed on stop");
         Ok(())
     })();
-    drop(guard);
+    drop(up);
     let _ = std::fs::remove_dir_all(&dir);
     result
 }

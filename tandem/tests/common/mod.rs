@@ -1,0 +1,142 @@
+//! Shared by the tests that start `tandem up`: start it and wait for its
+//! table, read its state file, stop it (bounded), and plain HTTP/1.1 calls.
+
+#![allow(dead_code)] // each test binary uses its own part of this module
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// Bound on `tandem up` becoming ready, on its stop, and on a request (a loaded machine).
+pub const WAIT: Duration = Duration::from_secs(180);
+
+pub type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// A running `tandem up`. Dropping it stops it (SIGTERM, SIGKILL if it does
+/// not exit), so a failing test leaves no cluster behind.
+pub struct Up {
+    child: Option<Child>,
+    pub pid: u32,
+    pub state_file: PathBuf,
+    /// The state file as written once the cluster was ready.
+    pub state: serde_json::Value,
+}
+
+impl Up {
+    /// `tandem up ARGS --http 127.0.0.1:0 --grpc 127.0.0.1:0 --threads 1
+    /// --shutdown-timeout-ms 5000 --state-file DIR/state.json`, returned
+    /// once it has printed its table (printed after the state file is written).
+    pub fn start(dir: &Path, args: &[&str]) -> Result<Up, Box<dyn std::error::Error>> {
+        let state_file = dir.join("state.json");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .arg("up")
+            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--threads", "1"])
+            .args(["--shutdown-timeout-ms", "5000"])
+            .args(args)
+            .arg("--state-file")
+            .arg(&state_file)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let out = child.stdout.take().ok_or("no stdout")?;
+        let mut up = Up { pid: child.id(), child: Some(child), state_file, state: serde_json::Value::Null };
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut table = Vec::new();
+        while !table.iter().any(|l: &String| l.starts_with("coordinator")) {
+            table.push(
+                rx.recv_timeout(WAIT).map_err(|_| format!("tandem up printed no table within {WAIT:?}: {table:?}"))?,
+            );
+        }
+        up.state = serde_json::from_str(&std::fs::read_to_string(&up.state_file)?)?;
+        Ok(up)
+    }
+
+    /// The state file's components.
+    pub fn components(&self) -> Result<&Vec<serde_json::Value>, String> {
+        self.state["components"].as_array().ok_or_else(|| format!("no components in {}", self.state))
+    }
+
+    /// The coordinator's HTTP address.
+    pub fn http(&self) -> Result<String, String> {
+        let comps = self.components()?;
+        let c = comps.iter().find(|c| c["role"] == "coordinator").ok_or("no coordinator in the state file")?;
+        c["http"].as_str().map(str::to_owned).ok_or_else(|| format!("no http in {c}"))
+    }
+
+    /// SIGTERM and wait up to 60 s (then SIGKILL); its exit status.
+    pub fn stop(&mut self) -> Result<ExitStatus, String> {
+        let mut c = self.child.take().ok_or("already stopped")?;
+        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        let (tx, rx) = mpsc::channel();
+        let pid = c.id();
+        std::thread::spawn(move || drop(tx.send(c.wait())));
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => {
+                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+                Err("tandem up did not exit within 60 s of SIGTERM".into())
+            }
+        }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = self.stop();
+        }
+    }
+}
+
+/// A fresh temporary directory for one test, named after it and this process.
+pub fn temp_dir(name: &str) -> std::io::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// `METHOD path` with an optional JSON body, `Connection: close`: the status
+/// and the whole response (head and body).
+pub fn request(addr: &str, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String), String> {
+    let sa: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+    let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(|e| format!("{addr}: {e}"))?;
+    s.set_read_timeout(Some(WAIT)).map_err(|e| e.to_string())?;
+    let head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    match body {
+        Some(b) => {
+            write!(s, "{head}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len())
+        }
+        None => write!(s, "{head}\r\n"),
+    }
+    .map_err(|e| e.to_string())?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
+    let status = raw.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| format!("no status in {raw:?}"))?;
+    Ok((status, raw))
+}
+
+/// `POST path` with a JSON body: the status and the response body.
+pub fn post(addr: &str, path: &str, body: &str) -> Result<(u16, String), String> {
+    let (status, raw) = request(addr, "POST", path, Some(body))?;
+    Ok((status, raw.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()))
+}
+
+/// The state letter of `/proc/PID/stat` (`None`: gone).
+pub fn proc_state(pid: u64) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
+}
+
+/// Running and not stopped (a zombie or a stopped process is not).
+pub fn running(pid: u64) -> bool {
+    !matches!(proc_state(pid), None | Some('Z' | 'T'))
+}
