@@ -54,9 +54,17 @@ pub struct Args {
     /// Decode workers.
     #[arg(long, default_value_t = 1)]
     decode: usize,
-    /// Compute threads per worker (default: cores / workers, at least 1).
+    /// Compute threads per worker (default: every core, for each worker: on
+    /// one host the prefill and decode workers seldom peak together, and an
+    /// even split left the prefill worker, the bottleneck, half the machine).
     #[arg(long)]
     threads: Option<usize>,
+    /// Compute threads per prefill worker (default: --threads).
+    #[arg(long)]
+    prefill_threads: Option<usize>,
+    /// Compute threads per decode worker (default: --threads).
+    #[arg(long)]
+    decode_threads: Option<usize>,
     /// KV transport between the workers: local (shared memory) | tcp | quic.
     #[arg(long, default_value = "local")]
     kv_transport: String,
@@ -259,7 +267,9 @@ async fn up(a: Args) -> anyhow::Result<()> {
     let prefix = format!("tandem-up-{}", std::process::id());
     let model_s = model.display().to_string();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = a.threads.unwrap_or((cores / (a.prefill + a.decode)).max(1)).to_string();
+    let threads = a.threads.unwrap_or(cores);
+    let prefill_threads = a.prefill_threads.unwrap_or(threads).to_string();
+    let decode_threads = a.decode_threads.unwrap_or(threads).to_string();
     let grace = a.shutdown_timeout_ms.to_string();
     let group = "local";
     let lease_ttl_s = a.lease_ttl_s.to_string();
@@ -268,14 +278,14 @@ async fn up(a: Args) -> anyhow::Result<()> {
     println!("logs in {}", logs.display());
     let mut running: Vec<Running> = Vec::new();
     let started = async {
-        let common = |extra: &[&str]| -> Vec<String> {
+        let common = |threads: &str, extra: &[&str]| -> Vec<String> {
             let mut v: Vec<String> = [
                 "--model",
                 &model_s,
                 "--version-group",
                 group,
                 "--threads",
-                &threads,
+                threads,
                 "--shutdown-timeout-ms",
                 &grace,
                 "--etcd",
@@ -299,7 +309,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
         let pbin = sibling("tandem-prefill-worker")?;
         for i in 0..a.prefill {
             let log = logs.join(format!("prefill-{i}.log"));
-            running.push(worker(spawn("prefill", &pbin, &common(&[]), &["grpc", "metrics"], &log).await?));
+            running.push(worker(spawn("prefill", &pbin, &common(&prefill_threads, &[]), &["grpc", "metrics"], &log).await?));
         }
         let dbin = sibling("tandem-decode-worker")?;
         for i in 0..a.decode {
@@ -317,7 +327,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
             ];
             let log = logs.join(format!("decode-{i}.log"));
             running
-                .push(worker(spawn("decode", &dbin, &common(&extra), &["grpc", "metrics", "transfer"], &log).await?));
+                .push(worker(spawn("decode", &dbin, &common(&decode_threads, &extra), &["grpc", "metrics", "transfer"], &log).await?));
         }
         let cargs: Vec<String> = [
             "--http",
