@@ -46,7 +46,7 @@
 //!
 //! Must not: do I/O, or block routing beyond one short lock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -222,7 +222,41 @@ pub struct Pair<'a> {
 /// addresses (prefill, decode).
 pub struct Breakers {
     config: BreakerConfig,
-    map: Mutex<HashMap<(String, String), Entry>>,
+    map: Mutex<Table>,
+}
+
+/// The breakers, and which of them are not closed: a routing decision reads
+/// only those ([`Breakers::gates`]), so its cost does not grow with the
+/// pairs that ever reported (up to prefill x decode workers).
+#[derive(Default)]
+struct Table {
+    entries: HashMap<(String, String), Entry>,
+    /// Keys of `entries` whose breaker is open or half-open.
+    not_closed: HashSet<(String, String)>,
+}
+
+/// The gates of one routing decision: the pairs whose breaker is not
+/// closed, by decode then prefill address; every other pair is closed.
+#[derive(Debug, Default)]
+pub struct Gates {
+    by_decode: HashMap<String, HashMap<String, Gate>>,
+}
+
+impl Gates {
+    /// The gate of the (prefill, decode) pair; a look-up with no allocation.
+    pub fn get(&self, prefill_addr: &str, decode_addr: &str) -> Gate {
+        self.by_decode.get(decode_addr).and_then(|m| m.get(prefill_addr)).copied().unwrap_or(Gate::Closed)
+    }
+
+    /// The gates of one decode worker's pairs that are not closed, by prefill address.
+    pub fn row(&self, decode_addr: &str) -> Option<&HashMap<String, Gate>> {
+        self.by_decode.get(decode_addr)
+    }
+
+    /// Sets the pair's gate for the rest of this decision (a probe another request claimed).
+    pub fn set(&mut self, prefill_addr: &str, decode_addr: &str, gate: Gate) {
+        self.by_decode.entry(decode_addr.to_owned()).or_default().insert(prefill_addr.to_owned(), gate);
+    }
 }
 
 struct Entry {
@@ -234,7 +268,7 @@ struct Entry {
 
 impl Breakers {
     pub fn new(config: BreakerConfig) -> Self {
-        Self { config, map: Mutex::new(HashMap::new()) }
+        Self { config, map: Mutex::new(Table::default()) }
     }
 
     pub fn config(&self) -> BreakerConfig {
@@ -245,35 +279,35 @@ impl Breakers {
         self.config.failures > 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
         // Only bookkeeping happens under the lock; a poisoned map is still consistent.
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The gate of each (prefill, decode) pair, `[decode][prefill]` (pairs
-    /// never reported are closed). One lock for the whole table.
-    pub fn gates(&self, decode: &[&str], prefill: &[&str]) -> Vec<Vec<Gate>> {
+    /// The gates of the pairs whose breaker is not closed now (one lock; the
+    /// cost follows those pairs, not all pairs).
+    pub fn gates(&self) -> Gates {
+        let mut gates = Gates::default();
+        if !self.enabled() {
+            return gates;
+        }
         let now = Instant::now();
-        let map = if self.enabled() { Some(self.lock()) } else { None };
-        decode
-            .iter()
-            .map(|d| {
-                prefill
-                    .iter()
-                    .map(|p| match map.as_ref().and_then(|m| m.get(&((*p).to_owned(), (*d).to_owned()))) {
-                        Some(e) => e.breaker.gate(now, &self.config),
-                        None => Gate::Closed,
-                    })
-                    .collect()
-            })
-            .collect()
+        let t = self.lock();
+        for key in &t.not_closed {
+            let Some(e) = t.entries.get(key) else { continue };
+            let gate = e.breaker.gate(now, &self.config);
+            if gate != Gate::Closed {
+                gates.set(&key.0, &key.1, gate);
+            }
+        }
+        gates
     }
 
     /// Claims the half-open probe of the (prefill, decode) pair; false when another request took it.
     pub fn claim_probe(&self, prefill_addr: &str, decode_addr: &str) -> bool {
         let now = Instant::now();
-        let mut map = self.lock();
-        let Some(e) = map.get_mut(&(prefill_addr.to_owned(), decode_addr.to_owned())) else { return true };
+        let mut t = self.lock();
+        let Some(e) = t.entries.get_mut(&(prefill_addr.to_owned(), decode_addr.to_owned())) else { return true };
         let ok = e.breaker.claim_probe(now, &self.config);
         if ok {
             tracing::info!(prefill = %e.prefill, decode = %e.decode, %prefill_addr, %decode_addr, "prefill breaker half-open: probing");
@@ -289,8 +323,9 @@ impl Breakers {
             return;
         }
         let now = Instant::now();
-        let mut map = self.lock();
-        let e = map.entry((pair.prefill_addr.to_owned(), pair.decode_addr.to_owned())).or_insert_with(|| Entry {
+        let mut t = self.lock();
+        let key = (pair.prefill_addr.to_owned(), pair.decode_addr.to_owned());
+        let e = t.entries.entry(key.clone()).or_insert_with(|| Entry {
             breaker: Breaker::default(),
             prefill: pair.prefill_id.to_owned(),
             decode: pair.decode_id.to_owned(),
@@ -314,7 +349,13 @@ impl Breakers {
             );
             metrics::breaker_transition(&e.prefill, &e.decode, from, to);
         }
-        metrics::breaker_state(&e.prefill, &e.decode, e.breaker.state(now));
+        let state = e.breaker.state(now);
+        metrics::breaker_state(&e.prefill, &e.decode, state);
+        if state == State::Closed {
+            t.not_closed.remove(&key);
+        } else {
+            t.not_closed.insert(key);
+        }
     }
 
     /// Drops the breakers of pairs whose prefill or decode worker left the
@@ -322,21 +363,22 @@ impl Breakers {
     /// their state gauge is set back to closed, since the exporter cannot
     /// delete a series. Returns how many were dropped.
     pub fn retain(&self, member: impl Fn(&str) -> bool) -> usize {
-        let mut map = self.lock();
-        let before = map.len();
-        map.retain(|(p, d), e| {
+        let mut t = self.lock();
+        let before = t.entries.len();
+        t.entries.retain(|(p, d), e| {
             let keep = member(p) && member(d);
             if !keep {
                 metrics::breaker_state(&e.prefill, &e.decode, State::Closed);
             }
             keep
         });
-        before - map.len()
+        t.not_closed.retain(|(p, d)| member(p) && member(d));
+        before - t.entries.len()
     }
 
     /// Pairs with a breaker (ever reported, not yet dropped).
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().entries.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -346,7 +388,7 @@ impl Breakers {
     /// Refreshes the state gauges (an open breaker turns half-open by time alone); for `/metrics`.
     pub fn export(&self) {
         let now = Instant::now();
-        for e in self.lock().values() {
+        for e in self.lock().entries.values() {
             metrics::breaker_state(&e.prefill, &e.decode, e.breaker.state(now));
         }
     }
@@ -459,18 +501,18 @@ mod tests {
         for _ in 0..3 {
             on.record(pair("p:1", "d:1"), Outcome::Failure, "test");
         }
-        let g = on.gates(&["d:1", "d:2"], &["p:1", "p:2", "unknown:3"]);
-        assert!(matches!(g[0][0], Gate::Open(_)), "{g:?}");
-        assert_eq!(&g[0][1..], &[Gate::Closed, Gate::Closed]);
+        let g = on.gates();
+        assert!(matches!(g.get("p:1", "d:1"), Gate::Open(_)), "{g:?}");
+        assert_eq!([g.get("p:2", "d:1"), g.get("unknown:3", "d:1")], [Gate::Closed, Gate::Closed]);
         // Failures reported by d:1 say nothing about p:1's link to d:2.
-        assert_eq!(g[1], vec![Gate::Closed; 3], "{g:?}");
+        assert_eq!(g.get("p:1", "d:2"), Gate::Closed, "{g:?}");
         // The probe is per pair too.
         assert!(on.claim_probe("p:1", "d:2"), "an unknown pair needs no probe");
         let off = Breakers::new(BreakerConfig { failures: 0, ..CFG });
         for _ in 0..10 {
             off.record(pair("p:1", "d:1"), Outcome::Failure, "test");
         }
-        assert_eq!(off.gates(&["d:1"], &["p:1"]), vec![vec![Gate::Closed]]);
+        assert_eq!(off.gates().get("p:1", "d:1"), Gate::Closed);
         assert!(off.is_empty());
     }
 
@@ -483,11 +525,12 @@ mod tests {
         for _ in 0..2 {
             b.record(pair("p", "d2"), Outcome::Failure, "test");
         }
-        let g = b.gates(&["d1", "d2"], &["p"]);
-        assert!(matches!(g[0][0], Gate::Open(_)));
-        assert_eq!(g[1][0], Gate::Closed, "d2 has seen 2 failures, not 3");
+        let g = b.gates();
+        assert!(matches!(g.get("p", "d1"), Gate::Open(_)));
+        assert_eq!(g.get("p", "d2"), Gate::Closed, "d2 has seen 2 failures, not 3");
         b.record(pair("p", "d2"), Outcome::Failure, "test");
-        assert!(b.gates(&["d1", "d2"], &["p"]).iter().all(|row| matches!(row[0], Gate::Open(_))));
+        let g = b.gates();
+        assert!(["d1", "d2"].iter().all(|d| matches!(g.get("p", d), Gate::Open(_))), "{g:?}");
     }
 
     #[test]
@@ -507,5 +550,34 @@ mod tests {
             b.retain(|a| a == "p1" || a == "d1" || a == d);
         }
         assert_eq!(b.len(), 2);
+    }
+
+    /// A decision reads only the pairs that are not closed: a pair that opened
+    /// is in its gates, and leaves them when a probe closes it again.
+    #[tokio::test(start_paused = true)]
+    async fn gates_hold_only_the_pairs_not_closed() {
+        let b = Breakers::new(CFG);
+        for i in 0..50 {
+            b.record(pair("p", &format!("d{i}")), Outcome::Success, "test");
+        }
+        for _ in 0..3 {
+            b.record(pair("p", "d7"), Outcome::Failure, "test");
+        }
+        assert_eq!(b.len(), 50);
+        let g = b.gates();
+        assert_eq!(g.by_decode.len(), 1, "{g:?}");
+        assert!(matches!(g.get("p", "d7"), Gate::Open(_)));
+        tokio::time::advance(CFG.cooldown).await;
+        assert_eq!(b.gates().get("p", "d7"), Gate::Probe);
+        assert!(b.claim_probe("p", "d7"));
+        assert!(matches!(b.gates().get("p", "d7"), Gate::Open(_)), "the probe is out: no second one");
+        b.record(pair("p", "d7"), Outcome::Success, "test");
+        assert!(b.gates().by_decode.is_empty(), "closed again: no gate left");
+        // Dropped pairs leave the gates too.
+        for _ in 0..3 {
+            b.record(pair("p", "d8"), Outcome::Failure, "test");
+        }
+        b.retain(|a| a != "d8");
+        assert!(b.gates().by_decode.is_empty());
     }
 }

@@ -25,7 +25,7 @@ use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, GenerateRequest, PrefillAttempt, PrefillTarget};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::breaker::{BreakerConfig, Breakers, Gate, Outcome, Pair};
+use crate::breaker::{BreakerConfig, Breakers, Gate, Gates, Outcome, Pair};
 use crate::load::{Kind, LoadBoard};
 use crate::metrics;
 use crate::openai::ApiError;
@@ -73,6 +73,8 @@ pub struct Cluster {
     settings: RouteSettings,
     board: Arc<LoadBoard>,
     breakers: Breakers,
+    /// (membership revision, breaker count) when breakers of departed workers were last dropped.
+    pruned: Mutex<(i64, usize)>,
     decode: Mutex<HashMap<String, Arc<Decode>>>,
     rng: Mutex<Rng>,
     next_id: AtomicU64,
@@ -174,6 +176,7 @@ impl Cluster {
             settings,
             board: LoadBoard::new(settings.load_poll),
             breakers: Breakers::new(settings.breaker),
+            pruned: Mutex::new((0, 0)),
             decode: Mutex::new(HashMap::new()),
             rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
             next_id: AtomicU64::new(1),
@@ -358,12 +361,17 @@ impl Cluster {
                         return Err(unavailable("registry_unavailable", "the worker registry (etcd) is unreachable"));
                     }
                     view = membership.view();
-                    // Breakers of pairs whose worker left the membership go with it.
-                    if !self.breakers.is_empty() {
+                    // Breakers of pairs whose worker left the membership go with it: checked
+                    // when the membership or the set of breakers changed, not per decision.
+                    let mark = (view.revision(), self.breakers.len());
+                    let mut pruned = self.pruned.lock().unwrap_or_else(|e| e.into_inner());
+                    if mark.1 > 0 && *pruned != mark {
                         let members: std::collections::HashSet<&str> =
                             view.workers().map(|w| w.grpc_addr.as_str()).collect();
                         self.breakers.retain(|a| members.contains(a));
+                        *pruned = (view.revision(), self.breakers.len());
                     }
+                    drop(pruned);
                     let live = view.workers().filter(|w| !w.draining);
                     let (mut d, mut p) = (Vec::new(), Vec::new());
                     for w in live {
@@ -393,11 +401,9 @@ impl Cluster {
             }
         };
         let mut gates = if prompt_tokens > self.settings.local_prefill_max_tokens && !prefill.is_empty() {
-            let d: Vec<&str> = decode.iter().map(|c| c.addr).collect();
-            let p: Vec<&str> = prefill.iter().map(|c| c.addr).collect();
-            self.breakers.gates(&d, &p)
+            self.breakers.gates()
         } else {
-            Vec::new()
+            Gates::default()
         };
         let threshold = self.settings.local_prefill_max_tokens;
         // A pair due a probe goes first; when another request claimed that
@@ -405,7 +411,20 @@ impl Cluster {
         // again without it (another decode worker's pair may serve). Each
         // lost claim closes one more pair, so this ends.
         let decision = loop {
-            let gate = |d: usize, p: usize| gates.get(d).and_then(|row| row.get(p)).copied().unwrap_or(Gate::Closed);
+            // One decode worker's row serves its run of look-ups (the router asks about
+            // one decode worker's pairs at a time): one hash per row, not per pair.
+            let row_of = std::cell::Cell::new((usize::MAX, None));
+            let gate = |d: usize, p: usize| {
+                let row = match row_of.get() {
+                    (cached, row) if cached == d => row,
+                    _ => {
+                        let row = gates.row(decode[d].addr);
+                        row_of.set((d, row));
+                        row
+                    }
+                };
+                row.and_then(|r| r.get(prefill[p].addr)).copied().unwrap_or(Gate::Closed)
+            };
             let decision = {
                 let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
                 match router::route(&decode, &prefill, gate, prompt_tokens, threshold, &mut rng) {
@@ -428,9 +447,8 @@ impl Cluster {
                     if gate(decision.decode, first) == Gate::Probe
                         && !self.breakers.claim_probe(prefill[first].addr, decode[decision.decode].addr) =>
                 {
-                    if let Some(g) = gates.get_mut(decision.decode).and_then(|row| row.get_mut(first)) {
-                        *g = Gate::Open(self.breakers.config().cooldown);
-                    }
+                    let open = Gate::Open(self.breakers.config().cooldown);
+                    gates.set(prefill[first].addr, decode[decision.decode].addr, open);
                 }
                 _ => break decision,
             }
