@@ -309,7 +309,9 @@ async fn up(a: Args) -> anyhow::Result<()> {
         let pbin = sibling("tandem-prefill-worker")?;
         for i in 0..a.prefill {
             let log = logs.join(format!("prefill-{i}.log"));
-            running.push(worker(spawn("prefill", &pbin, &common(&prefill_threads, &[]), &["grpc", "metrics"], &log).await?));
+            running.push(worker(
+                spawn("prefill", &pbin, &common(&prefill_threads, &[]), &["grpc", "metrics"], &log).await?,
+            ));
         }
         let dbin = sibling("tandem-decode-worker")?;
         for i in 0..a.decode {
@@ -326,8 +328,10 @@ async fn up(a: Args) -> anyhow::Result<()> {
                 &a.kv_load_failure_policy,
             ];
             let log = logs.join(format!("decode-{i}.log"));
-            running
-                .push(worker(spawn("decode", &dbin, &common(&decode_threads, &extra), &["grpc", "metrics", "transfer"], &log).await?));
+            running.push(worker(
+                spawn("decode", &dbin, &common(&decode_threads, &extra), &["grpc", "metrics", "transfer"], &log)
+                    .await?,
+            ));
         }
         let cargs: Vec<String> = [
             "--http",
