@@ -252,43 +252,48 @@ impl Api {
     }
 }
 
-async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+/// The steps both generation routes share: the caller (401), the body (413),
+/// then `prepare` turns the parsed request into its prompt ids, sampling spec
+/// and `priority` field; the priority (header over field) and the deadline
+/// come from the request the same way for both, and [`respond`] runs it.
+async fn generation<R: serde::de::DeserializeOwned>(
+    app: Arc<App>,
+    api: Api,
+    headers: HeaderMap,
+    body: Body,
+    prepare: impl FnOnce(&Pipeline, R) -> Result<(Vec<u32>, openai::Spec, Option<Value>), ApiError>,
+) -> Response {
     let arrived = Instant::now();
     let caller = match app.caller(&headers) {
         Ok(c) => c,
-        Err(e) => return finished(Api::Completions, e.into_response()),
+        Err(e) => return finished(api, e.into_response()),
     };
     let body = match read_body(&app, body).await {
         Ok(b) => b,
-        Err(e) => return finished(Api::Completions, e.into_response()),
+        Err(e) => return finished(api, e.into_response()),
     };
     let job = (|| {
-        let req: openai::CompletionRequest = parse_json(&app, &headers, &body)?;
-        let p = &app.pipeline;
+        let (ids, spec, priority) = prepare(&app.pipeline, parse_json(&app, &headers, &body)?)?;
+        let priority = priority_of(header_str(&headers, "x-priority")?, priority.as_ref())?;
+        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers, arrived)?, caller, priority, arrived })
+    })();
+    respond(app, api, &headers, &body, job).await
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    generation(app, Api::Completions, headers, body, |p, req: openai::CompletionRequest| {
         p.check_model(req.model.as_deref())?;
         let logprobs = openai::completion_logprobs(&req.logprobs)?;
         let spec = openai::sampling(&req.sampling, logprobs, p.settings.default_max_tokens)?;
         let ids = prompt::completion_tokens(&p.tokenizer, &req.prompt)?;
         p.check_context("prompt", ids.len(), spec.params.max_tokens)?;
-        let priority = priority_of(header_str(&headers, "x-priority")?, req.sampling.priority.as_ref())?;
-        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers, arrived)?, caller, priority, arrived })
-    })();
-    respond(app, Api::Completions, &headers, &body, job).await
+        Ok((ids, spec, req.sampling.priority))
+    })
+    .await
 }
 
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    let arrived = Instant::now();
-    let caller = match app.caller(&headers) {
-        Ok(c) => c,
-        Err(e) => return finished(Api::Chat, e.into_response()),
-    };
-    let body = match read_body(&app, body).await {
-        Ok(b) => b,
-        Err(e) => return finished(Api::Chat, e.into_response()),
-    };
-    let job = (|| {
-        let req: openai::ChatRequest = parse_json(&app, &headers, &body)?;
-        let p = &app.pipeline;
+    generation(app, Api::Chat, headers, body, |p, req: openai::ChatRequest| {
         p.check_model(req.model.as_deref())?;
         let messages =
             req.messages.as_deref().ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
@@ -296,10 +301,9 @@ async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Re
         let spec = openai::sampling(&req.sampling, logprobs, p.settings.default_max_tokens)?;
         let ids = prompt::chat_tokens(&p.tokenizer, messages)?;
         p.check_context("messages", ids.len(), spec.params.max_tokens)?;
-        let priority = priority_of(header_str(&headers, "x-priority")?, req.sampling.priority.as_ref())?;
-        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers, arrived)?, caller, priority, arrived })
-    })();
-    respond(app, Api::Chat, &headers, &body, job).await
+        Ok((ids, spec, req.sampling.priority))
+    })
+    .await
 }
 
 /// Counts a finished request by its status and error code.
