@@ -251,15 +251,21 @@ impl DecodeService {
     }
 
     async fn reap(&self) {
-        let (released, counters, live) = {
-            let mut rx = lock(&self.inner.receiver);
-            let released = rx.poll_released(Instant::now());
-            (released, rx.counters().clone(), rx.live_reservations())
-        };
+        let released = lock(&self.inner.receiver).poll_released(Instant::now());
         for r in released {
             tracing::info!(reservation = %r.reservation, cause = ?r.cause, blocks = r.blocks.len(), "reservation ended; freeing its blocks");
             self.release(r.blocks).await;
         }
+        self.export_receiver();
+    }
+
+    /// Mirrors the KV receiver's counters and live reservations to `/metrics`
+    /// (read under the lock, recorded after it).
+    fn export_receiver(&self) {
+        let (counters, live) = {
+            let rx = lock(&self.inner.receiver);
+            (rx.counters().clone(), rx.live_reservations())
+        };
         m::record_receiver(&counters, live);
     }
 
@@ -480,14 +486,10 @@ impl DecodeService {
                 return Err(f);
             }
         };
-        let (taken, counters, live) = {
-            let mut rx = lock(&inner.receiver);
-            let taken = rx.take_ready(r);
-            (taken, rx.counters().clone(), rx.live_reservations())
-        };
+        let taken = lock(&inner.receiver).take_ready(r);
         // Exported now, not at the next reap (up to 500 ms later): a scrape made
         // after this request's answer must already count its transfer as completed.
-        m::record_receiver(&counters, live);
+        self.export_receiver();
         let blocks = match taken {
             Ok(b) => b,
             Err(e) => {
