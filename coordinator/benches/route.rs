@@ -112,7 +112,6 @@ async fn run() -> Result<(), Box<dyn Error>> {
     std::hint::black_box(sink);
 
     let mut decide = Vec::with_capacity(OPS);
-    let mut prefill_named = 0usize;
     for i in 0..OPS + WARMUP {
         let ticket = Ticket {
             key: format!("key-{}", i % 1000),
@@ -128,12 +127,10 @@ async fn run() -> Result<(), Box<dyn Error>> {
         // A decode worker with an open pair is offered every prefill worker but that one.
         let open = decode[..10].contains(&route.decode);
         assert_eq!(route.prefill.len(), WORKERS / 2 - usize::from(open), "decode worker {}", route.decode);
-        prefill_named += route.prefill.len();
         if i >= WARMUP {
             decide.push(took);
         }
     }
-    assert!(prefill_named >= (OPS + WARMUP) * (WORKERS / 2 - 1), "every decision names its prefill workers in order");
     let (b50, b99) = report("baseline", base);
     let (d50, d99) = report("decision", decide);
     println!("decision / baseline: p50 {:.1}x, p99 {:.1}x ({WORKERS} workers)", d50 / b50, d99 / b99);
