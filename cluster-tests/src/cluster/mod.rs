@@ -125,7 +125,32 @@ fn etcd_addr(endpoint: &str) -> Result<std::net::SocketAddr, HarnessError> {
     hostport.parse().map_err(|e| HarnessError::Setup(format!("etcd endpoint {endpoint:?}: {e}")))
 }
 
+/// A loopback port free now, for a process that must be told its port before it
+/// starts. Chosen below the kernel's ephemeral range: a port probed inside it can be
+/// taken, before the child binds it, as the source port of any outgoing connection on
+/// the machine (CI lost a run that way: "Address already in use" for a decode worker's
+/// `--grpc`); below it only another explicit bind can take it.
 fn free_port() -> Result<std::net::SocketAddr, HarnessError> {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let ephemeral_lo = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (lo, hi) = (ephemeral_lo / 2, ephemeral_lo);
+    if lo >= 1024 {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let mut x = nanos as u64 ^ (u64::from(std::process::id()) << 32) ^ SEQ.fetch_add(1, Ordering::Relaxed);
+        for _ in 0..64 {
+            // xorshift: a different start per process and call, so concurrent harnesses spread out.
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let port = lo + (x % u64::from(hi - lo)) as u16;
+            if let Ok(a) = std::net::TcpListener::bind(("127.0.0.1", port)).and_then(|l| l.local_addr()) {
+                return Ok(a);
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| HarnessError::Setup(format!("pick a port: {e}")))
@@ -554,5 +579,21 @@ impl Cluster {
 
     pub fn log_dir(&self) -> &Path {
         &self.log_dir
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probed_ports_lie_below_the_ephemeral_range_and_are_free() {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").expect("port range");
+        let lo: u16 = range.split_whitespace().next().and_then(|p| p.parse().ok()).expect("range start");
+        for _ in 0..20 {
+            let a = free_port().expect("a port");
+            assert!(a.port() < lo && a.port() >= lo / 2, "{a} is not below the ephemeral range {range}");
+            drop(std::net::TcpListener::bind(a).expect("still free"));
+        }
     }
 }
