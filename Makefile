@@ -10,6 +10,9 @@
 #   make fixtures   regenerate engine/tests/fixtures/llama_cpp_reference.json
 #   make bench      compare our engine with llama.cpp's llama-bench
 #   make bench-serve   serving latency/throughput: llama-server vs tandem up
+#   make fresh-check   the two commands above (run, test) on a fresh minimal Debian
+#                   root (debootstrap, host's Rust toolchain read-only): catches a
+#                   system package the Makefile forgot to install
 #
 # Downloads and reference builds are cached under $(TANDEM_CACHE).
 
@@ -26,12 +29,13 @@ THREADS ?= 2
 # assignment, so a failed fetch stops the recipe (set -e, pipefail).
 MODEL_PATH := model="$$(scripts/fetch-model.sh | tail -n 1)"
 
-.PHONY: help deps model build run chat test llama fixtures bench drills bench-serve
+.PHONY: help deps model build run chat test llama fixtures bench drills bench-serve fresh-check
 
 HTTP ?= 127.0.0.1:8000
+GRPC ?= 127.0.0.1:50051
 
 help:
-	@echo "targets: deps model build run chat test llama fixtures bench bench-serve drills"
+	@echo "targets: deps model build run chat test llama fixtures bench bench-serve drills fresh-check"
 	@echo "cache:   $(TANDEM_CACHE)"
 
 ## System packages (apt only when something is missing).
@@ -51,7 +55,7 @@ run: deps model build
 	echo "starting the cluster; once the table is printed, try:"; \
 	echo "  curl -s $(HTTP)/v1/chat/completions -H 'content-type: application/json' \\"; \
 	echo "    -d '{\"model\":\"SmolLM2-135M-Instruct\",\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}]}'"; \
-	./target/release/tandem up --model "$$model" --http $(HTTP) --state-file $(TANDEM_CACHE)/cluster.json
+	./target/release/tandem up --model "$$model" --http $(HTTP) --grpc $(GRPC) --state-file $(TANDEM_CACHE)/cluster.json
 
 chat: deps model build
 	$(MODEL_PATH); \
@@ -94,3 +98,8 @@ bench: model llama build
 ## llama-server and `tandem up` under the same seeded load (scripts/bench-serve.sh).
 bench-serve: model llama
 	LLAMA_SERVER="$(LLAMA_BIN)/llama-server" THREADS=$(THREADS) scripts/bench-serve.sh
+
+## `make run` and `make test` on a fresh Debian root (FRESH_STEPS=run: stop after the
+## chat request; KEEP_ROOT=1 keeps the root). See scripts/fresh-root.sh.
+fresh-check:
+	scripts/fresh-root.sh

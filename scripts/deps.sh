@@ -16,8 +16,16 @@ readonly NEEDS=(
   "command -v python3|python3"
   "python3 -m pip --version|python3-pip"
   "command -v sha256sum|coreutils"
+  # cargo (crates.io) and pip (pip.conf's cert=) read the CA bundle itself; today it
+  # only arrives as a dependency of python3-pip.
+  "test -f /etc/ssl/certs/ca-certificates.crt|ca-certificates"
+  # tandem up and the tests exec kill(1) (a minimal Debian has only the shell builtin).
+  "type -P kill|procps"
   "command -v flock|util-linux"
   "command -v protoc|protobuf-compiler"
+  # etcd-client's build script (and ours) import google/protobuf/*.proto; Debian ships the
+  # well-known protos in libprotobuf-dev, which protobuf-compiler does not pull in.
+  "test -f /usr/include/google/protobuf/descriptor.proto|libprotobuf-dev"
   "command -v etcd && command -v etcdctl|etcd-server"
   "command -v etcdctl|etcd-client"
   "command -v ip|iproute2"
