@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # fresh-root.sh — prove the README's two commands (`make run`, `make test`) work
-# on a truly fresh Debian machine whose only prerequisite is the Rust toolchain.
+# on a truly fresh Debian machine whose only prerequisites are the Rust toolchain
+# (with cargo-nextest) and make itself.
 #
 #   scripts/fresh-root.sh            (or: make fresh-check)
 #
 # CI's machine keeps whatever was ever installed on it by hand, which once hid a
 # missing libprotobuf-dev. This script builds a minimal Debian root
-# (debootstrap --variant=minbase, plus curl: the check's own tool), mounts the
-# host's Rust toolchain read-only into it (an empty CARGO_HOME, so the crate
+# (debootstrap --variant=minbase, plus make and curl, the check's own tool), mounts
+# the host's Rust toolchain read-only into it (an empty CARGO_HOME, so the crate
 # registry starts empty), copies a clean clone of HEAD to /src/tandem and, as
 # root inside it: `make run` (which installs what it needs through
 # scripts/deps.sh) until the cluster is ready, one chat request with curl,
@@ -51,6 +52,10 @@ readonly MODEL="SmolLM2-135M-Instruct"
 # Inside the root: where the host's toolchain is mounted, and the clone.
 readonly RUST_DIR=/opt/rust
 readonly SRC=/src/tandem
+# Added to the minimal root: curl is the check's own tool (the chat request), nothing
+# the project needs; make is the one thing the README's commands need that no
+# Makefile can install (a minimal Debian has none). Everything else is the project's job.
+readonly INCLUDE=curl,make
 
 # ---------------------------------------------------------------- shared helpers
 
@@ -359,8 +364,8 @@ step_root() {
   command -v debootstrap >/dev/null || apt_install debootstrap
   mirror=$(host_mirror | head -n 1)
   [[ -n $mirror ]] || { echo "no apt source for suite $FRESH_SUITE on this host" >&2; return 1; }
-  echo "== debootstrap --variant=minbase --include=curl $FRESH_SUITE $r $mirror"
-  debootstrap --variant=minbase --include=curl "$FRESH_SUITE" "$r" "$mirror"
+  echo "== debootstrap --variant=minbase --include=$INCLUDE $FRESH_SUITE $r $mirror"
+  debootstrap --variant=minbase --include="$INCLUDE" "$FRESH_SUITE" "$r" "$mirror"
   # The host's apt configuration, so the root reaches the same registries.
   rm -f "$r/etc/apt/sources.list"
   [[ -f /etc/apt/sources.list ]] && cp /etc/apt/sources.list "$r/etc/apt/"
