@@ -376,6 +376,12 @@ step_root() {
     [[ -d /etc/apt/$d ]] && mkdir -p "$r/etc/apt/$d" && cp -a "/etc/apt/$d/." "$r/etc/apt/$d/"
   done
   cp -L /etc/resolv.conf "$r/etc/resolv.conf"
+  # The host's local CA certificates (a TLS-intercepting egress proxy's, say): they join
+  # the bundle when the project installs ca-certificates (update-ca-certificates).
+  if [[ -d /usr/local/share/ca-certificates ]]; then
+    mkdir -p "$r/usr/local/share/ca-certificates"
+    cp -a /usr/local/share/ca-certificates/. "$r/usr/local/share/ca-certificates/"
+  fi
   [[ -s $r/etc/hosts ]] || printf '127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' >"$r/etc/hosts"
   # pip's configuration (PIP_* variables are passed to every command in the root).
   [[ -f /etc/pip.conf ]] && cp /etc/pip.conf "$r/etc/pip.conf"
