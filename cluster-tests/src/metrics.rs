@@ -30,6 +30,19 @@ impl Page {
         Self(out)
     }
 
+    /// Sum of the series `name` whose labels include every `key="value"` of `labels`, or
+    /// `None` when no such series is on the page (a check must not read a renamed or
+    /// missing metric as 0).
+    pub fn find(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let mut found = None;
+        for (n, l, v) in &self.0 {
+            if n == name && labels.iter().all(|(k, want)| l.contains(&format!("{k}=\"{want}\""))) {
+                *found.get_or_insert(0.0) += v;
+            }
+        }
+        found
+    }
+
     /// Sum of the series `name` whose labels include every `key="value"` of `labels`.
     pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         self.0

@@ -21,6 +21,8 @@ pub struct Up {
     child: Option<Child>,
     pub pid: u32,
     pub state_file: PathBuf,
+    /// Where its stderr goes (its restart and give-up lines).
+    pub stderr: PathBuf,
     /// The state file as written once the cluster was ready.
     pub state: serde_json::Value,
 }
@@ -29,8 +31,10 @@ impl Up {
     /// `tandem up ARGS --http 127.0.0.1:0 --grpc 127.0.0.1:0 --threads 1
     /// --shutdown-timeout-ms 5000 --state-file DIR/state.json`, returned
     /// once it has printed its table (printed after the state file is written).
+    /// Its stderr goes to DIR/tandem-up.stderr.
     pub fn start(dir: &Path, args: &[&str]) -> Result<Up, Box<dyn std::error::Error>> {
         let state_file = dir.join("state.json");
+        let stderr = dir.join("tandem-up.stderr");
         let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
             .arg("up")
             .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--threads", "1"])
@@ -39,10 +43,10 @@ impl Up {
             .arg("--state-file")
             .arg(&state_file)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(std::fs::File::create(&stderr)?)
             .spawn()?;
         let out = child.stdout.take().ok_or("no stdout")?;
-        let mut up = Up { pid: child.id(), child: Some(child), state_file, state: serde_json::Value::Null };
+        let mut up = Up { pid: child.id(), child: Some(child), state_file, stderr, state: serde_json::Value::Null };
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
@@ -51,12 +55,35 @@ impl Up {
         });
         let mut table = Vec::new();
         while !table.iter().any(|l: &String| l.starts_with("coordinator")) {
-            table.push(
-                rx.recv_timeout(WAIT).map_err(|_| format!("tandem up printed no table within {WAIT:?}: {table:?}"))?,
-            );
+            let line = rx.recv_timeout(WAIT).map_err(|_| {
+                format!("tandem up printed no table within {WAIT:?}: {table:?}; stderr:\n{}", up.stderr_text())
+            })?;
+            table.push(line);
         }
         up.state = serde_json::from_str(&std::fs::read_to_string(&up.state_file)?)?;
         Ok(up)
+    }
+
+    /// What it wrote to stderr so far.
+    pub fn stderr_text(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Reads the state file again (it is rewritten on every exit and restart).
+    pub fn reload(&mut self) -> Result<(), String> {
+        let text =
+            std::fs::read_to_string(&self.state_file).map_err(|e| format!("{}: {e}", self.state_file.display()))?;
+        self.state = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", self.state_file.display()))?;
+        Ok(())
+    }
+
+    /// The component named `name` (`prefill-1`) in the state file as last read.
+    pub fn component(&self, name: &str) -> Result<serde_json::Value, String> {
+        self.components()?
+            .iter()
+            .find(|c| c["name"] == name)
+            .cloned()
+            .ok_or_else(|| format!("no {name} in the state file: {}", self.state))
     }
 
     /// The state file's components.

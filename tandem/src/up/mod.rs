@@ -1,0 +1,399 @@
+//! `tandem up`: a whole local cluster as child processes — prefill
+//! workers, decode workers and a coordinator serving the OpenAI API — with
+//! one command, supervised, and a clean stop on Ctrl-C/SIGTERM. The
+//! coordinator also serves the gRPC frontend (`--grpc`).
+//!
+//! Unless `--etcd URL` is given, a single-member etcd is started on free
+//! loopback ports (its data dir under the log directory, or `--etcd-data-dir`). Children are
+//! started on loopback ports they pick (they print `listening NAME=ADDR [NAME=ADDR ...]`),
+//! register in etcd under a prefix unique to this run with their component name as worker id,
+//! prefill and decode workers share one version group and move KV over shared memory
+//! (`local`), and the coordinator routes from etcd membership. Each child's stdout and stderr
+//! go to its own file in the log directory (`--log-dir`; kept after the stop). Once `/ready`
+//! answers, the state file is written and a table printed.
+//!
+//! From then on every process is supervised ([`supervise`]): one that exits on its own is
+//! started again after a capped exponential backoff (`--restart`, default `on-failure`) on the
+//! same addresses, its log appended after a separator line, and one line printed per exit and
+//! restart; one that exits `--give-up-after` times within a minute is left down, loudly, while
+//! the rest keep serving. A signal stops the coordinator first, then the decode workers, then
+//! the prefill workers, each with SIGTERM and its drain grace, then SIGKILL for anything left,
+//! then etcd. No process is left behind.
+//!
+//! The state file (`--state-file`, removed on stop, rewritten on every exit and restart) is
+//! `{"restart": POLICY, "components": [...]}`, one object per process: `role` (etcd | prefill
+//! | decode | coordinator), `name`, `pid`, the addresses it listens on (`grpc`, `http`,
+//! `metrics`, `transfer`, as it has them), `log` (the file its output goes to), `state`
+//! (running | restarting | exited | given_up), `restarts`, `last_exit` and, for workers,
+//! `version_group` and `lease_ttl_s` (its etcd lease TTL). `tandem drill --against` reads it.
+
+mod child;
+mod etcd;
+mod state;
+mod supervise;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use child::{get_status, sibling, start, stop_all, Ready, Running, Spec, START_TIMEOUT};
+use state::{print_table, Component, State};
+use supervise::{supervise, Policy, Rules};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// GGUF model file (default: the cached SmolLM2 file).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// An etcd to register in (`http://host:port`); default: start a
+    /// single-member etcd on free loopback ports with a temporary data dir.
+    #[arg(long)]
+    etcd: Option<String>,
+    /// The coordinator's HTTP address.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    http: SocketAddr,
+    /// The coordinator's gRPC address (`tandem.frontend.v1.Frontend`, health, reflection).
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    grpc: SocketAddr,
+    /// Prefill workers.
+    #[arg(long, default_value_t = 1)]
+    prefill: usize,
+    /// Decode workers.
+    #[arg(long, default_value_t = 1)]
+    decode: usize,
+    /// Compute threads per worker (default: every core, for each worker: on
+    /// one host the prefill and decode workers seldom peak together, and an
+    /// even split left the prefill worker, the bottleneck, half the machine).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Compute threads per prefill worker (default: --threads).
+    #[arg(long)]
+    prefill_threads: Option<usize>,
+    /// Compute threads per decode worker (default: --threads).
+    #[arg(long)]
+    decode_threads: Option<usize>,
+    /// KV transport between the workers: local (shared memory) | tcp | quic.
+    #[arg(long, default_value = "local")]
+    kv_transport: String,
+    /// The decode workers' kv_load_failure_policy: recompute | retry | fail.
+    #[arg(long, default_value = "recompute")]
+    kv_load_failure_policy: String,
+    /// Write the cluster's components as JSON here once it is ready.
+    #[arg(long)]
+    state_file: Option<PathBuf>,
+    /// Drain grace per component on stop, ms.
+    #[arg(long, default_value_t = 10_000)]
+    shutdown_timeout_ms: u64,
+    /// The workers' etcd lease TTL, whole seconds: how long a dead or stopped worker stays in
+    /// membership (recorded in the state file).
+    #[arg(long, env = "TANDEM_LEASE_TTL_S", default_value_t = 5)]
+    lease_ttl_s: u64,
+    /// Where each process's stdout and stderr go, one file each (`prefill-0.log`,
+    /// `decode-0.log`, `coordinator.log`), kept after the stop. Default: `STATEFILE.logs`
+    /// next to `--state-file`, else `$TMPDIR/tandem-up-PID`.
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<PathBuf>,
+    /// Our etcd's data dir, kept after the stop (default: `etcd-data` in the log directory,
+    /// removed on stop). Ignored with --etcd.
+    #[arg(long, value_name = "DIR")]
+    etcd_data_dir: Option<PathBuf>,
+    /// What happens to a process that exits on its own: never (leave it down), on-failure
+    /// (start it again unless it exited 0, as a drained worker does), always.
+    #[arg(long, value_enum, default_value = "on-failure")]
+    restart: Policy,
+    /// The first wait before a restart, ms; it doubles with each exit up to
+    /// --restart-backoff-max-ms, and starts over after a process ran a minute.
+    #[arg(long, default_value_t = 1_000)]
+    restart_backoff_ms: u64,
+    /// The longest wait before a restart, ms.
+    #[arg(long, default_value_t = 30_000)]
+    restart_backoff_max_ms: u64,
+    /// A process that exits this many times within a minute is given up on: it stays down,
+    /// reported, and the rest of the cluster keeps running.
+    #[arg(long, default_value_t = 5)]
+    give_up_after: usize,
+}
+
+/// The log directory: `--log-dir`, else next to the state file, else a temporary one.
+fn log_dir(a: &Args) -> PathBuf {
+    match (&a.log_dir, &a.state_file) {
+        (Some(dir), _) => dir.clone(),
+        (None, Some(state)) => {
+            let mut name = state.as_os_str().to_owned();
+            name.push(".logs");
+            PathBuf::from(name)
+        }
+        (None, None) => std::env::temp_dir().join(format!("tandem-up-{}", std::process::id())),
+    }
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.prefill == 0 && a.decode == 0 {
+        bail!("nothing to start: --prefill and --decode are both 0");
+    }
+    if a.decode == 0 {
+        bail!("--decode must be at least 1");
+    }
+    if a.give_up_after == 0 {
+        bail!("--give-up-after must be at least 1");
+    }
+    if a.restart_backoff_ms == 0 || a.restart_backoff_max_ms < a.restart_backoff_ms {
+        bail!("--restart-backoff-ms must be above 0 and at most --restart-backoff-max-ms");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(up(a))
+}
+
+/// A component started once, with what its supervisor needs to start it again.
+struct Started {
+    spec: Spec,
+    component: Component,
+    run: Running,
+}
+
+/// Stop order: no new requests first, etcd (which the others deregister from) last.
+const STOP_ORDER: [&str; 4] = ["coordinator", "decode", "prefill", "etcd"];
+
+async fn up(a: Args) -> anyhow::Result<()> {
+    // Installed before any child starts, so a signal from then on stops the cluster cleanly.
+    let mut signals = registry::StopSignals::install().context("installing the SIGTERM/SIGINT handlers")?;
+    let model = a.model.clone().unwrap_or_else(engine::paths::default_model_path);
+    if !model.is_file() {
+        bail!("model {} not found: run `make model` or pass --model", model.display());
+    }
+    let logs = log_dir(&a);
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating the log directory {}", logs.display()))?;
+    println!("logs in {}", logs.display());
+    let grace = Duration::from_millis(a.shutdown_timeout_ms);
+    // Our own etcd's data dir: kept when the operator named it, else removed on stop.
+    let etcd_data = a.etcd_data_dir.clone().unwrap_or_else(|| logs.join("etcd-data"));
+    let mut started: Vec<Started> = Vec::new();
+    let outcome = tokio::select! {
+        r = start_cluster(&a, &model, &logs, &etcd_data, &mut started) => r,
+        _ = signals.recv() => Err(anyhow::anyhow!("interrupted during start-up")),
+    };
+    if let Err(e) = outcome {
+        let mut running: Vec<(Component, Running)> = started.into_iter().map(|s| (s.component, s.run)).collect();
+        stop_all(&mut running, &STOP_ORDER, grace).await;
+        remove_etcd_data(&a, &etcd_data);
+        return Err(e);
+    }
+
+    let policy = a.restart;
+    let mut components: Vec<Component> = started.iter().map(|s| s.component.clone()).collect();
+    let write_state = |components: &[Component]| -> anyhow::Result<()> {
+        match &a.state_file {
+            Some(path) => state::write(path, policy.as_str(), components),
+            None => Ok(()),
+        }
+    };
+    write_state(&components)?;
+    print_table(&components);
+
+    let rules = Rules {
+        policy,
+        backoff: Duration::from_millis(a.restart_backoff_ms),
+        backoff_max: Duration::from_millis(a.restart_backoff_max_ms),
+        healthy_after: Duration::from_secs(60),
+        give_up_after: a.give_up_after,
+        window: Duration::from_secs(60),
+    };
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let stop = CancellationToken::new();
+    let supervisors: Vec<_> = started
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| tokio::spawn(supervise(i, s.spec, s.component, s.run, rules, events_tx.clone(), stop.clone())))
+        .collect();
+    drop(events_tx);
+
+    // Serve until a signal; report every exit and restart as it happens.
+    let signal = loop {
+        tokio::select! {
+            s = signals.recv() => break s,
+            Some(ev) = events.recv() => {
+                let given_up = ev.component.state == State::GivenUp;
+                eprintln!("{}", ev.line);
+                if let Some(slot) = components.get_mut(ev.index) {
+                    *slot = ev.component;
+                }
+                if let Err(e) = write_state(&components) {
+                    eprintln!("tandem up: {e:#}");
+                }
+                if given_up && components.iter().all(|c| matches!(c.state, State::GivenUp | State::Exited)) {
+                    eprintln!("tandem up: every component is down; still supervising until Ctrl-C");
+                }
+            }
+        }
+    };
+    eprintln!("{signal}: stopping the cluster");
+    stop.cancel();
+    let mut running = Vec::new();
+    for s in supervisors {
+        if let Ok(Some(r)) = s.await {
+            running.push(r);
+        }
+    }
+    stop_all(&mut running, &STOP_ORDER, grace).await;
+    remove_etcd_data(&a, &etcd_data);
+    if let Some(path) = &a.state_file {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
+/// Our etcd's data dir goes with the cluster unless the operator named it.
+fn remove_etcd_data(a: &Args, dir: &std::path::Path) {
+    if a.etcd.is_none() && a.etcd_data_dir.is_none() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// Starts etcd (unless `--etcd`), the prefill and decode workers and the coordinator, in that
+/// order, each once it is listening, then waits for the coordinator's `/ready`. What started
+/// is in `started`, also on error, for the caller to stop.
+async fn start_cluster(
+    a: &Args,
+    model: &std::path::Path,
+    logs: &std::path::Path,
+    etcd_data: &std::path::Path,
+    started: &mut Vec<Started>,
+) -> anyhow::Result<()> {
+    let endpoint = match &a.etcd {
+        Some(url) => url.clone(),
+        None => {
+            let log = logs.join("etcd.log");
+            let mut attempt = 0;
+            // A port probed free can be taken before etcd binds it: try others a few times.
+            loop {
+                attempt += 1;
+                let (spec, addr) = etcd::spec(etcd_data, &log)?;
+                let mut c = Component::new("etcd", "etcd");
+                c.grpc = Some(addr.clone());
+                match start(&spec, &mut c, None).await {
+                    Ok(run) => {
+                        started.push(Started { spec, component: c, run });
+                        break format!("http://{addr}");
+                    }
+                    Err(e) if attempt < 5 => {
+                        eprintln!("tandem up: etcd did not start ({e:#}); trying other ports");
+                        let _ = std::fs::remove_dir_all(etcd_data);
+                    }
+                    Err(e) => return Err(e.context("starting etcd (is etcd-server installed? `make deps`)")),
+                }
+            }
+        }
+    };
+    let prefix = format!("tandem-up-{}", std::process::id());
+    let model_s = model.display().to_string();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = a.threads.unwrap_or(cores);
+    let prefill_threads = a.prefill_threads.unwrap_or(threads).to_string();
+    let decode_threads = a.decode_threads.unwrap_or(threads).to_string();
+    let grace = a.shutdown_timeout_ms.to_string();
+    let group = "local";
+    let lease_ttl_s = a.lease_ttl_s.to_string();
+    let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<String>>();
+    let worker_args = |name: &str, threads: &str, extra: &[&str]| {
+        let mut v = strings(&[
+            "--model",
+            &model_s,
+            "--version-group",
+            group,
+            "--threads",
+            threads,
+            "--shutdown-timeout-ms",
+            &grace,
+            "--etcd",
+            &endpoint,
+            "--cluster-prefix",
+            &prefix,
+            "--lease-ttl-s",
+            &lease_ttl_s,
+            "--worker-id",
+            name,
+        ]);
+        v.extend(strings(extra));
+        v
+    };
+    let loopback = || "127.0.0.1:0".to_owned();
+    let pbin = sibling("tandem-prefill-worker")?;
+    for i in 0..a.prefill {
+        let name = format!("prefill-{i}");
+        let spec = Spec {
+            bin: pbin.clone(),
+            args: worker_args(&name, &prefill_threads, &[]),
+            addrs: vec![("--grpc", "grpc", loopback()), ("--metrics", "metrics", loopback())],
+            ready: Ready::Listening(vec!["grpc", "metrics"]),
+            log: logs.join(format!("{name}.log")),
+        };
+        started.push(start_worker(a, spec, "prefill", name, group).await?);
+    }
+    let dbin = sibling("tandem-decode-worker")?;
+    for i in 0..a.decode {
+        let name = format!("decode-{i}");
+        let transfer = match a.kv_transport.as_str() {
+            "local" => format!("@tandem-up-{}-{i}", std::process::id()),
+            _ => loopback(),
+        };
+        let extra = ["--kv-transport", &a.kv_transport, "--kv-load-failure-policy", &a.kv_load_failure_policy];
+        let spec = Spec {
+            bin: dbin.clone(),
+            args: worker_args(&name, &decode_threads, &extra),
+            addrs: vec![
+                ("--grpc", "grpc", loopback()),
+                ("--metrics", "metrics", loopback()),
+                ("--transfer", "transfer", transfer),
+            ],
+            ready: Ready::Listening(vec!["grpc", "metrics", "transfer"]),
+            log: logs.join(format!("{name}.log")),
+        };
+        started.push(start_worker(a, spec, "decode", name, group).await?);
+    }
+    let spec = Spec {
+        bin: sibling("tandem-coordinator")?,
+        args: strings(&[
+            "--model",
+            &model_s,
+            "--etcd",
+            &endpoint,
+            "--cluster-prefix",
+            &prefix,
+            "--shutdown-timeout-ms",
+            &grace,
+        ]),
+        addrs: vec![("--http", "http", a.http.to_string()), ("--grpc", "grpc", a.grpc.to_string())],
+        ready: Ready::Listening(vec!["http", "grpc"]),
+        log: logs.join("coordinator.log"),
+    };
+    let mut c = Component::new("coordinator", "coordinator");
+    let run = start(&spec, &mut c, None).await?;
+    let http = c.http.clone().context("no coordinator address")?;
+    // The coordinator serves Prometheus on its HTTP port, path /metrics.
+    c.metrics = Some(http.clone());
+    started.push(Started { spec, component: c, run });
+    // Ready: etcd reachable and a ready prefill/decode pair (its /ready).
+    let until = tokio::time::Instant::now() + START_TIMEOUT;
+    loop {
+        let h = http.clone();
+        if tokio::task::spawn_blocking(move || get_status(&h, "/ready")).await? == Some(200) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > until {
+            bail!("the cluster was not ready within {START_TIMEOUT:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn start_worker(a: &Args, spec: Spec, role: &'static str, name: String, group: &str) -> anyhow::Result<Started> {
+    let mut c = Component::new(role, name);
+    c.version_group = Some(group.to_owned());
+    c.lease_ttl_s = Some(a.lease_ttl_s);
+    let run = start(&spec, &mut c, None).await?;
+    Ok(Started { spec, component: c, run })
+}

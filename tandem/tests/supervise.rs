@@ -1,0 +1,213 @@
+//! `tandem up` supervises its processes: a worker killed with SIGKILL under
+//! load comes back (new pid, same addresses, `restarts: 1`) while the others
+//! keep serving, and a worker that crashes at every start is given up on
+//! while the cluster keeps serving with the rest.
+//!
+//! Real processes: `tandem up` (etcd, workers, coordinator) and the
+//! `loadgen` client over loopback.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use cluster_tests::metrics::scrape;
+use common::{running, TestResult, Up};
+use loadgen::{Arrival, Hooks, Outcome, Plan, PromptSource, Record};
+
+/// Bound on a killed worker being back and serving: its backoff, its start-up, and the
+/// lease of its dead predecessor running out (2 s) before it can register under its name.
+const BACK_WITHIN: Duration = Duration::from_secs(90);
+
+fn kill9(pid: u64) -> Result<(), String> {
+    let ok =
+        std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().map_err(|e| e.to_string())?;
+    if ok.success() {
+        Ok(())
+    } else {
+        Err(format!("kill -9 {pid} failed"))
+    }
+}
+
+/// Polls `check` (every 100 ms) until it gives `Some`, or fails after `limit` with `what`.
+fn wait_for<T>(limit: Duration, what: &str, mut check: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
+    let until = Instant::now() + limit;
+    let mut last = String::new();
+    loop {
+        match check() {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last = e,
+        }
+        if Instant::now() > until {
+            return Err(format!("{what} did not happen within {limit:?} (last error: {last})"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The series `name{labels}` on `addr`'s /metrics; an error when the page lacks it.
+fn metric(rt: &tokio::runtime::Runtime, addr: &str, name: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
+    let page = rt.block_on(scrape(addr)).map_err(|e| e.to_string())?;
+    page.find(name, labels).ok_or_else(|| format!("{addr}/metrics has no {name}{labels:?}"))
+}
+
+/// Waits until the state file shows `name` running again with `restarts` restarts and a pid
+/// other than `old`, and that pid alive; returns the new pid.
+fn back(up: &mut Up, name: &str, old: u64, restarts: u64) -> Result<u64, String> {
+    wait_for(BACK_WITHIN, &format!("{name} restarted (restarts: {restarts})"), || {
+        up.reload()?;
+        let c = up.component(name)?;
+        let pid = c["pid"].as_u64().ok_or("no pid")?;
+        let ok = c["state"] == "running" && c["restarts"].as_u64() == Some(restarts) && pid != old && running(pid);
+        Ok(ok.then_some(pid))
+    })
+}
+
+/// Waits until the coordinator counts `n` serving workers of `role`.
+fn serving(rt: &tokio::runtime::Runtime, http: &str, role: &str, n: f64) -> Result<(), String> {
+    wait_for(BACK_WITHIN, &format!("{n} {role} workers serving"), || {
+        let v = metric(rt, http, coordinator::metrics::WORKERS, &[("role", role), ("state", "serving")])?;
+        Ok((v == n).then_some(()))
+    })
+}
+
+/// A steady closed-loop load of short streaming completions, until cancelled.
+fn plan(http: &str) -> Plan {
+    let mut p = Plan::new(format!("http://{http}"), "SmolLM2-135M-Instruct");
+    p.requests = 10_000;
+    p.arrival = Arrival::Closed { concurrency: 3 };
+    p.prompts = PromptSource::Generated { tokens: 48 };
+    p.max_tokens = 24;
+    p.timeout = Duration::from_secs(120);
+    p
+}
+
+#[test]
+fn killed_workers_come_back_while_the_others_keep_serving() -> TestResult {
+    let dir = common::temp_dir("tandem-supervise-kill")?;
+    let mut up =
+        Up::start(&dir, &["--prefill", "2", "--decode", "2", "--restart-backoff-ms", "500", "--lease-ttl-s", "2"])?;
+    let result = (|| -> TestResult {
+        let rt = tokio::runtime::Runtime::new()?;
+        let http = up.http()?;
+        let hooks = Hooks::default();
+        let (tx, mut done) = tokio::sync::mpsc::unbounded_channel::<Record>();
+        let hooks = Hooks { records: Some(tx), ..hooks };
+        let cancel = hooks.cancel.clone();
+        let p = plan(&http);
+        let load = rt.spawn(async move { loadgen::run_with(&p, hooks).await });
+        let mut completed = 0usize;
+        let mut progress = |n: usize, what: &str| -> Result<(), String> {
+            let want = completed + n;
+            wait_for(BACK_WITHIN, what, || {
+                while let Ok(r) = done.try_recv() {
+                    completed += usize::from(r.outcome.is_complete());
+                }
+                Ok((completed >= want).then_some(()))
+            })
+        };
+        progress(3, "3 requests completing before any kill")?;
+
+        for name in ["prefill-1", "decode-0"] {
+            let old = up.component(name)?["pid"].as_u64().ok_or("no pid")?;
+            let addrs: Vec<String> = ["grpc", "metrics"]
+                .iter()
+                .map(|k| up.component(name).map(|c| c[*k].to_string()))
+                .collect::<Result<_, _>>()?;
+            kill9(old)?;
+            let new = back(&mut up, name, old, 1)?;
+            let c = up.component(name)?;
+            assert_eq!(c["last_exit"], "signal 9 (SIGKILL)", "{c}");
+            let again: Vec<String> = ["grpc", "metrics"].iter().map(|k| c[*k].to_string()).collect();
+            assert_eq!(addrs, again, "{name} keeps its addresses across the restart");
+            let role = if name.starts_with("prefill") { "prefill" } else { "decode" };
+            serving(&rt, &http, role, 2.0)?;
+            progress(3, &format!("3 more requests completing after {name} came back as pid {new}"))?;
+        }
+        cancel.cancel();
+        let report = rt.block_on(load)??;
+
+        // Only the streams running on the killed decode worker may fail, and only typed.
+        let failed: Vec<&Outcome> = report.records.iter().map(|r| &r.outcome).filter(|o| !o.is_complete()).collect();
+        for o in &failed {
+            let typed = matches!(o, Outcome::StreamError { code: Some(c), .. } | Outcome::HttpError { code: Some(c), .. }
+                if c == "worker_stream");
+            assert!(typed, "a request failed other than with a typed worker_stream error: {o:?}");
+        }
+        assert!(failed.len() <= 3, "more failures than streams in flight (3): {failed:?}");
+        assert!(report.records.len() > failed.len() + 9, "the load kept completing: {} records", report.records.len());
+
+        // Every worker, the restarted ones included, ends with no KV in use.
+        for c in up.components()?.iter().filter(|c| c["role"] == "prefill" || c["role"] == "decode") {
+            let m = c["metrics"].as_str().ok_or("no metrics address")?.to_owned();
+            wait_for(Duration::from_secs(30), &format!("{} KV back to 0", c["name"]), || {
+                let used = metric(&rt, &m, worker::metrics::KV_BLOCKS_USED, &[])?;
+                Ok((used == 0.0).then_some(()))
+            })?;
+        }
+        let err = up.stderr_text();
+        for line in ["prefill-1 (pid", "decode-0 restarted as pid"] {
+            assert!(err.contains(line), "tandem up's stderr says {line:?}: {err}");
+        }
+        Ok(())
+    })();
+    let result = result.map_err(|e| format!("{e}\ntandem up's stderr:\n{}", up.stderr_text()).into());
+    let status = up.stop()?;
+    assert!(status.success(), "tandem up exit: {status:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+#[test]
+fn a_worker_crashing_at_every_start_is_given_up_and_the_cluster_keeps_serving() -> TestResult {
+    let dir = common::temp_dir("tandem-supervise-crashloop")?;
+    // The workers read this copy; once they run, a broken file takes its place, so only a
+    // process started after that fails (a bad model rollout on one host).
+    let model = dir.join("model.gguf");
+    std::fs::copy(engine::paths::default_model_path(), &model)?;
+    let model_s = model.display().to_string();
+    let mut up = Up::start(
+        &dir,
+        &["--model", &model_s, "--prefill", "2", "--restart-backoff-ms", "100", "--restart-backoff-max-ms", "400"],
+    )?;
+    let result = (|| -> TestResult {
+        let broken = dir.join("model.gguf.new");
+        std::fs::write(&broken, b"GGUF but not a model")?;
+        std::fs::rename(&broken, &model)?;
+        let old = up.component("prefill-1")?["pid"].as_u64().ok_or("no pid")?;
+        kill9(old)?;
+        let c = wait_for(Duration::from_secs(120), "prefill-1 given up", || {
+            up.reload()?;
+            let c = up.component("prefill-1")?;
+            Ok((c["state"] == "given_up").then_some(c))
+        })?;
+        // The kill and four failed starts: five exits within a minute.
+        assert_eq!(c["restarts"], 4, "{c}");
+        // It exits before it listens: the start itself fails.
+        assert!(c["last_exit"].as_str().is_some_and(|e| e.starts_with("start failed")), "{c}");
+        assert!(!running(c["pid"].as_u64().unwrap_or(0)), "{c}");
+        let err = up.stderr_text();
+        assert!(err.contains("GIVING UP on prefill-1"), "{err}");
+        let log = std::fs::read_to_string(c["log"].as_str().ok_or("no log")?)?;
+        assert_eq!(log.matches("===== tandem up: restart").count(), 4, "one separator per restart");
+        assert_eq!(log.matches("Error: loading").count(), 4, "each restart failed on the model: {log}");
+
+        // Everything else still runs and serves.
+        for c in up.components()?.iter().filter(|c| c["name"] != "prefill-1") {
+            assert_eq!(c["state"], "running", "{c}");
+            assert!(c["pid"].as_u64().is_some_and(running), "{c}");
+        }
+        let (status, body) = common::post(
+            &up.http()?,
+            "/v1/completions",
+            r#"{"model":"SmolLM2-135M-Instruct","prompt":"The capital of France is","max_tokens":4,"temperature":0}"#,
+        )?;
+        assert_eq!(status, 200, "{body}");
+        Ok(())
+    })();
+    let result = result.map_err(|e| format!("{e}\ntandem up's stderr:\n{}", up.stderr_text()).into());
+    let status = up.stop()?;
+    assert!(status.success(), "tandem up exit: {status:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
