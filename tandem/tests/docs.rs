@@ -9,6 +9,7 @@
 //!   such constant is documented;
 //! - error codes: README's overload-contract table against the `code`s the
 //!   coordinator's sources can put in an error body;
+//! - `tandem up` flags: README's up-flags table against `tandem up --help`.
 //! - coordinator flags: README's flag table against `tandem-coordinator`'s
 //!   clap struct;
 //! - crates and paths: every workspace member is in README's map, and every
@@ -309,4 +310,32 @@ fn every_crate_is_mapped_and_every_named_source_path_exists() {
             }
         }
     }
+}
+
+#[test]
+fn the_tandem_up_flag_table_matches_tandem_up_help() {
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_tandem")).args(["up", "--help"]).output().expect("running tandem up --help");
+    assert!(out.status.success(), "tandem up --help: {out:?}");
+    let help = String::from_utf8_lossy(&out.stdout);
+    // Option lines: `      --name <VALUE>` or `  -h, --help`.
+    let flags: BTreeSet<String> = help
+        .lines()
+        .filter_map(|l| l.trim_start().trim_start_matches("-h, ").split_whitespace().next())
+        .filter(|w| w.starts_with("--") && *w != "--help")
+        .map(str::to_owned)
+        .collect();
+    assert!(flags.len() > 10, "found too few flags in tandem up --help: {flags:?}");
+    let readme = read(&root().join("README.md"));
+    let mut documented = BTreeSet::new();
+    for row in table(&readme, "up-flags") {
+        for tick in row.iter().flat_map(|cell| ticks(cell)) {
+            documented.extend(
+                tick.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+                    .filter(|w| w.starts_with("--"))
+                    .map(str::to_owned),
+            );
+        }
+    }
+    assert_same("tandem up flags", &documented, &flags, "tandem up --help");
 }
