@@ -1,8 +1,12 @@
 //! Generates the tonic/prost code for every .proto file under `proto/`, and
 //! their encoded descriptor set for gRPC reflection.
 //!
-//! protoc is a system tool (Debian `protobuf-compiler`), installed by
+//! protoc is a system tool (Debian `protobuf-compiler`, with the well-known
+//! `google/protobuf/*.proto` files from `libprotobuf-dev`), installed by
 //! `make deps` (scripts/deps.sh); `PROTOC` may point at another binary.
+//! It stays a system tool because etcd-client's build script runs protoc
+//! too, and a crate cannot hand another crate's build script a protoc path:
+//! a vendored or pure-Rust compiler here would leave that dependency in place.
 
 use std::io;
 use std::process::ExitCode;
@@ -37,8 +41,8 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) if err.kind() == io::ErrorKind::NotFound => {
             eprintln!(
-                "error: protoc was not found: install protobuf-compiler (make deps), \
-                 or set PROTOC to the protoc binary.\n({err})"
+                "error: protoc was not found: install protobuf-compiler and libprotobuf-dev \
+                 (make deps), or set PROTOC to the protoc binary.\n({err})"
             );
             ExitCode::FAILURE
         }
