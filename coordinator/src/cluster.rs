@@ -235,6 +235,14 @@ impl Cluster {
         }
     }
 
+    /// Known workers that are stale (no load poll answered for the board's
+    /// max age), as (decode, prefill); they get no requests.
+    pub fn stale_workers(&self) -> (usize, usize) {
+        let targets = self.poll_targets();
+        let of = |k: Kind| self.board.count_stale(targets.iter().filter(|(_, t)| **t == k).map(|(a, _)| a.as_str()));
+        (of(Kind::Decode), of(Kind::Prefill))
+    }
+
     /// Decode worker addresses known now (for readiness).
     pub fn decode_addrs(&self) -> Vec<String> {
         match &self.source {
@@ -340,6 +348,7 @@ impl Cluster {
                             version_group: STATIC_GROUP,
                             layout: "",
                             load: loads.get(a),
+                            stale: loads.stale(a),
                             inflight: inflight_of(a),
                             max_running: 0,
                         })
@@ -352,6 +361,7 @@ impl Cluster {
                             version_group: STATIC_GROUP,
                             layout: "",
                             load: loads.get(a),
+                            stale: loads.stale(a),
                         })
                         .collect(),
                 ),
@@ -375,7 +385,7 @@ impl Cluster {
                     let live = view.workers().filter(|w| !w.draining);
                     let (mut d, mut p) = (Vec::new(), Vec::new());
                     for w in live {
-                        let load = loads.get(&w.grpc_addr);
+                        let (load, stale) = (loads.get(&w.grpc_addr), loads.stale(&w.grpc_addr));
                         if w.role == registry::Role::Decode {
                             d.push(DecodeCandidate {
                                 id: &w.id,
@@ -383,6 +393,7 @@ impl Cluster {
                                 version_group: &w.version_group,
                                 layout: &w.layout_fingerprint,
                                 load,
+                                stale,
                                 inflight: inflight_of(&w.grpc_addr),
                                 max_running: w.capacity.max_running,
                             });
@@ -393,6 +404,7 @@ impl Cluster {
                                 version_group: &w.version_group,
                                 layout: &w.layout_fingerprint,
                                 load,
+                                stale,
                             });
                         }
                     }

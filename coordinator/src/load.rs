@@ -9,9 +9,15 @@
 //! How answers age: a worker refusing connections is marked unreachable at
 //! once (the router skips it until it answers again). A slow answer (the
 //! engine thread is mid-prefill and answers after the step) keeps the last
-//! figures; once they are older than [`LoadBoard::max_age`] the worker counts
-//! as "unknown" and the router falls back to this coordinator's own
-//! in-flight count for it.
+//! figures; once they are older than [`LoadBoard::max_age`] (4 poll
+//! intervals) the worker is *stale* and the router fails closed: it sends
+//! it nothing until it answers again. A worker that was never answered is
+//! stale once it has been asked for that long. Stale is not unreachable: a
+//! frozen process (SIGSTOP, a stuck host) still completes TCP handshakes,
+//! so only the missing answers show it, and routing to it would hang each
+//! request until its deadline. Workers answer Health from their gRPC
+//! runtime without waiting for a long engine step, so a busy worker is
+//! never taken for a frozen one.
 //!
 //! Must not: block the request path, or let one slow worker delay the
 //! polling of the others.
@@ -93,13 +99,20 @@ impl Client {
 
 /// The last known load of every polled worker, keyed by gRPC address.
 pub struct LoadBoard {
-    loads: RwLock<HashMap<String, Load>>,
+    state: RwLock<Board>,
     interval: Duration,
+}
+
+#[derive(Default)]
+struct Board {
+    loads: HashMap<String, Load>,
+    /// When the poller first asked a worker it has no answer from.
+    asked: HashMap<String, Instant>,
 }
 
 /// The board under its read lock; drop it before any await.
 pub struct Loads<'a> {
-    loads: std::sync::RwLockReadGuard<'a, HashMap<String, Load>>,
+    board: std::sync::RwLockReadGuard<'a, Board>,
     now: Instant,
     max_age: Duration,
 }
@@ -107,9 +120,24 @@ pub struct Loads<'a> {
 impl Loads<'_> {
     /// The worker's load if known and fresh.
     pub fn get(&self, addr: &str) -> Option<Load> {
-        let l = *self.loads.get(addr)?;
+        let l = *self.board.loads.get(addr)?;
         // An unreachable mark stays until the worker answers again.
         (!l.reachable || self.now.saturating_duration_since(l.at) <= self.max_age).then_some(l)
+    }
+
+    /// Whether the worker has not answered for longer than the max age:
+    /// its last answer (or, never answered, the first question) is older.
+    /// Unreachable workers are not stale: they are already unusable.
+    pub fn stale(&self, addr: &str) -> bool {
+        let since = match self.board.loads.get(addr) {
+            Some(l) if !l.reachable => return false,
+            Some(l) => l.at,
+            None => match self.board.asked.get(addr) {
+                Some(&t) => t,
+                None => return false,
+            },
+        };
+        self.now.saturating_duration_since(since) > self.max_age
     }
 }
 
@@ -123,10 +151,10 @@ enum Polled {
 impl LoadBoard {
     /// An empty board polled every `interval` once [`LoadBoard::spawn`] runs.
     pub fn new(interval: Duration) -> Arc<Self> {
-        Arc::new(Self { loads: RwLock::new(HashMap::new()), interval: interval.max(Duration::from_millis(10)) })
+        Arc::new(Self { state: RwLock::new(Board::default()), interval: interval.max(Duration::from_millis(10)) })
     }
 
-    /// Answers older than this count as unknown.
+    /// Answers older than this count as unknown, and the worker as stale.
     pub fn max_age(&self) -> Duration {
         self.interval * 4
     }
@@ -139,7 +167,7 @@ impl LoadBoard {
     /// A read view for many look-ups under one lock (one routing decision).
     pub fn read(&self) -> Loads<'_> {
         Loads {
-            loads: self.loads.read().unwrap_or_else(|e| e.into_inner()),
+            board: self.state.read().unwrap_or_else(|e| e.into_inner()),
             now: Instant::now(),
             max_age: self.max_age(),
         }
@@ -147,8 +175,27 @@ impl LoadBoard {
 
     /// Records an answer (the poller's path; also for tests and benches).
     pub fn set(&self, addr: &str, load: Load) {
-        let mut loads = self.loads.write().unwrap_or_else(|e| e.into_inner());
-        loads.insert(addr.to_owned(), load);
+        let mut b = self.write();
+        b.asked.remove(addr);
+        b.loads.insert(addr.to_owned(), load);
+    }
+
+    /// Records that the poller asked `addr` at `at`, if it has no answer yet.
+    fn asked(&self, addr: &str, at: Instant) {
+        let mut b = self.write();
+        if !b.loads.contains_key(addr) {
+            b.asked.entry(addr.to_owned()).or_insert(at);
+        }
+    }
+
+    /// How many of `addrs` are stale now (see [`Loads::stale`]).
+    pub fn count_stale<'a>(&self, addrs: impl IntoIterator<Item = &'a str>) -> usize {
+        let loads = self.read();
+        addrs.into_iter().filter(|a| loads.stale(a)).count()
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Board> {
+        self.state.write().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Marks a worker unreachable now (a request could not connect); the
@@ -165,8 +212,9 @@ impl LoadBoard {
     }
 
     fn retain(&self, keep: &HashMap<String, Kind>) {
-        let mut loads = self.loads.write().unwrap_or_else(|e| e.into_inner());
-        loads.retain(|a, _| keep.contains_key(a));
+        let mut b = self.write();
+        b.loads.retain(|a, _| keep.contains_key(a));
+        b.asked.retain(|a, _| keep.contains_key(a));
     }
 
     /// Polls the workers `targets()` names every interval until the board
@@ -195,6 +243,10 @@ impl LoadBoard {
                     }
                 }
                 board.retain(&want);
+                let asked = Instant::now();
+                for addr in clients.keys() {
+                    board.asked(addr, asked);
+                }
                 let polls = clients.iter_mut().map(|(addr, (_, client))| async move {
                     let polled = match tokio::time::timeout(interval, client.health()).await {
                         Err(_) => Polled::Slow,
@@ -264,6 +316,31 @@ mod tests {
         tokio::time::advance(board.max_age() + Duration::from_millis(1)).await;
         assert_eq!(board.get("a:1"), None, "a stale answer is unknown");
         assert!(board.get("b:1").is_some_and(|l| !l.reachable), "unreachable until it answers again");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_silent_for_the_max_age_is_stale_until_it_answers() {
+        let board = LoadBoard::new(Duration::from_millis(100));
+        board.set("a:1", load(0, 10, 1, 0));
+        board.asked("new:1", Instant::now());
+        board.set("gone:1", unreachable(Instant::now()));
+        let all = ["a:1", "new:1", "gone:1", "unpolled:1"];
+        tokio::time::advance(board.max_age()).await;
+        assert_eq!(board.count_stale(all), 0, "at the max age nothing is stale yet");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let loads = board.read();
+        assert!(loads.stale("a:1"), "no answer for 4 intervals");
+        assert!(loads.stale("new:1"), "asked 4 intervals ago, never answered");
+        assert!(!loads.stale("gone:1"), "unreachable is its own state");
+        assert!(!loads.stale("unpolled:1"), "never asked: not stale");
+        drop(loads);
+        assert_eq!(board.count_stale(all), 2);
+        // Asking again does not reset the clock of a worker that never answered.
+        board.asked("new:1", Instant::now());
+        assert!(board.read().stale("new:1"));
+        board.set("a:1", load(0, 10, 1, 0));
+        board.set("new:1", load(0, 10, 0, 0));
+        assert_eq!(board.count_stale(all), 0, "an answer makes it fresh again");
     }
 
     #[tokio::test]

@@ -40,6 +40,11 @@ pub const ROUTE_REFUSED: &str = "tandem_coordinator_route_refused_total";
 /// `tandem_coordinator_workers{role,state}`: registered workers, by role and
 /// `serving`/`draining`.
 pub const WORKERS: &str = "tandem_coordinator_workers";
+/// `tandem_coordinator_workers_stale{role}`: known workers (`prefill` or
+/// `decode`) that have not answered a load poll for 4 poll intervals
+/// (`--load-poll-ms`): they get no requests until they answer again. Read
+/// at scrape time. vLLM: none.
+pub const WORKERS_STALE: &str = "tandem_coordinator_workers_stale";
 /// `tandem_coordinator_membership_changes_total{change}`: workers `joined`,
 /// `left` or `updated` (e.g. started draining) as seen from etcd.
 pub const MEMBERSHIP_CHANGES: &str = "tandem_coordinator_membership_changes_total";
@@ -118,6 +123,7 @@ fn describe() {
     describe_counter!(ROUTE_DECISIONS, "Routed requests by remote or local prefill");
     describe_counter!(ROUTE_REFUSED, "Requests with no route, by reason");
     describe_gauge!(WORKERS, "Registered workers by role and state");
+    describe_gauge!(WORKERS_STALE, "Workers not routed to: no load poll answered for 4 intervals");
     describe_counter!(MEMBERSHIP_CHANGES, "Membership changes seen from etcd");
     describe_counter!(REGISTRY_RESYNCS, "Full membership re-lists after a lost etcd watch");
     describe_gauge!(REGISTRY_HEALTHY, "1 while the etcd watch is live");
@@ -183,6 +189,11 @@ pub fn route_decided(kind: Prefill) {
         Prefill::Local => "local",
     };
     counter!(ROUTE_DECISIONS, "prefill" => prefill).increment(1);
+}
+
+/// Stale workers by role (`prefill`, `decode`).
+pub fn workers_stale(role: &'static str, n: usize) {
+    gauge!(WORKERS_STALE, "role" => role).set(n as f64);
 }
 
 pub fn route_refused(reason: &'static str) {

@@ -11,7 +11,8 @@
 //!   fraction. The queue is the larger of what the worker last reported
 //!   (running + waiting) and what this coordinator has in flight there, so
 //!   a burst between two load polls still spreads. Workers that reported
-//!   not ready, or refused the last poll, are skipped.
+//!   not ready, refused the last poll, or are stale (no answer for the load
+//!   board's max age: fail closed, see [`crate::load`]) are skipped.
 //! - Prefill: power of two choices on the reported queue (two candidates
 //!   drawn at random, the less busy one first), then the rest by queue as
 //!   fallbacks. Random pairs keep many coordinators from herding onto the
@@ -48,6 +49,8 @@ pub struct DecodeCandidate<'a> {
     pub layout: &'a str,
     /// Last reported load, if fresh.
     pub load: Option<Load>,
+    /// No answer for the load board's max age: not routable.
+    pub stale: bool,
     /// Requests this coordinator has in flight there.
     pub inflight: usize,
     /// Most sequences it runs at once (its registration; 0 when unknown).
@@ -63,6 +66,8 @@ pub struct PrefillCandidate<'a> {
     /// Registered KV layout fingerprint (hex; empty for fixed-address workers).
     pub layout: &'a str,
     pub load: Option<Load>,
+    /// No answer for the load board's max age: not routable.
+    pub stale: bool,
 }
 
 /// Why no route exists.
@@ -70,7 +75,7 @@ pub struct PrefillCandidate<'a> {
 pub enum NoRoute {
     #[error("no decode worker is registered")]
     NoDecode,
-    #[error("no decode worker is ready ({0} known, none ready or reachable)")]
+    #[error("no decode worker is ready ({0} known, none ready, reachable and answering its load polls)")]
     NoneReady(usize),
     /// Every ready decode worker's pairs with its group's prefill workers have open circuit breakers.
     #[error("every prefill worker of the version group keeps failing (circuit breakers open); retry in {0:?}")]
@@ -97,8 +102,10 @@ pub struct Decision {
     pub layout_skipped: usize,
 }
 
-fn usable(load: &Option<Load>) -> bool {
-    load.is_none_or(|l| l.ready && l.reachable)
+/// Ready and reachable by its last answer, and not stale. A worker not yet
+/// polled (no answer, not stale) is usable: it has just joined.
+fn usable(load: &Option<Load>, stale: bool) -> bool {
+    !stale && load.is_none_or(|l| l.ready && l.reachable)
 }
 
 fn decode_score(c: &DecodeCandidate<'_>) -> f64 {
@@ -123,7 +130,7 @@ fn pick_decode_where(cands: &[DecodeCandidate<'_>], allowed: impl Fn(usize) -> b
     }
     let mut best: Option<(usize, f64)> = None;
     for (i, c) in cands.iter().enumerate() {
-        if !usable(&c.load) || !allowed(i) {
+        if !usable(&c.load, c.stale) || !allowed(i) {
             continue;
         }
         let s = decode_score(c);
@@ -165,7 +172,7 @@ fn prefill_queue(c: &PrefillCandidate<'_>) -> u32 {
 /// Prefill candidates in the order to try: power of two choices for the
 /// first, then the rest by reported queue. Unusable ones are left out.
 pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut Rng) -> Vec<usize> {
-    let mut ok: Vec<usize> = (0..cands.len()).filter(|&i| usable(&cands[i].load)).collect();
+    let mut ok: Vec<usize> = (0..cands.len()).filter(|&i| usable(&cands[i].load, cands[i].stale)).collect();
     if ok.len() < 2 {
         return ok;
     }
@@ -268,7 +275,16 @@ mod tests {
     }
 
     fn d<'a>(addr: &'a str, load: Option<Load>, inflight: usize) -> DecodeCandidate<'a> {
-        DecodeCandidate { id: addr, addr, version_group: "g1", layout: "ab", load, inflight, max_running: 8 }
+        DecodeCandidate {
+            id: addr,
+            addr,
+            version_group: "g1",
+            layout: "ab",
+            load,
+            stale: false,
+            inflight,
+            max_running: 8,
+        }
     }
 
     #[test]
@@ -292,8 +308,26 @@ mod tests {
         assert_eq!(pick_decode(&[d("new", None, 0)]), Ok(0));
     }
 
+    #[test]
+    fn stale_workers_are_never_routed_to() {
+        // The stale worker looks idlest by its last figures (or has none).
+        let frozen = DecodeCandidate { stale: true, ..d("frozen", load(0, 0, 0), 0) };
+        let silent = DecodeCandidate { stale: true, ..d("silent", None, 0) };
+        let c = [frozen.clone(), silent.clone(), d("busy", load(90, 8, 8), 5)];
+        assert_eq!(pick_decode(&c), Ok(2));
+        assert_eq!(pick_decode(&[frozen, silent]), Err(NoRoute::NoneReady(2)), "every decode worker stale: refused");
+        let pre = [PrefillCandidate { stale: true, ..p("frozen", "g1", 0) }, p("busy", "g1", 9)];
+        let mut rng = Rng::new(13);
+        for _ in 0..50 {
+            assert_eq!(order_prefill(&pre, &mut rng), vec![1]);
+        }
+        let dec = [d("d", load(0, 0, 0), 0)];
+        let r = route(&dec, &pre[..1], closed, 100, 32, &mut rng).expect("a route");
+        assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0), "a stale prefill worker is not paired");
+    }
+
     fn p<'a>(id: &'a str, group: &'a str, q: u32) -> PrefillCandidate<'a> {
-        PrefillCandidate { id, addr: id, version_group: group, layout: "ab", load: load(0, q, 0) }
+        PrefillCandidate { id, addr: id, version_group: group, layout: "ab", load: load(0, q, 0), stale: false }
     }
 
     /// Every pair closed.

@@ -235,3 +235,62 @@ async fn client_disconnect_cancels_and_frees_kv() -> TestResult {
     settled(&prefill, "prefill").await?;
     Ok(())
 }
+
+/// A frozen decode worker (SIGSTOP: its TCP stack still accepts, nothing
+/// answers) is taken out of routing once its load polls go unanswered for 4
+/// intervals, counted stale, and with every decode worker frozen a request
+/// gets a typed 503 at once instead of hanging; after SIGCONT both serve again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_decode_workers_are_stale_and_refused_fast() -> TestResult {
+    let args =
+        ["--version-group", "g", "--threads", "1", "--kv-blocks", "256", "--kv-load-failure-policy", "recompute"];
+    let d1 = start("tandem-decode-worker", &args, &["grpc", "metrics"])?;
+    let d2 = start("tandem-decode-worker", &args, &["grpc", "metrics"])?;
+    let decode = format!("{},{}", d1.addr("grpc")?, d2.addr("grpc")?);
+    let coord = start(
+        "tandem-coordinator",
+        &["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--decode", &decode, "--load-poll-ms", "100"],
+        &["http"],
+    )?;
+    let h = coord.addr("http")?;
+    eventually("the coordinator reporting ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
+        .await?;
+    let stale = |h: &str| metric(h, &format!("{}{{role=\"decode\"}}", coordinator::metrics::WORKERS_STALE));
+    assert_eq!(stale(&h)?, 0.0, "both workers answer their polls");
+    // A request that reached a frozen worker would wait out this deadline (504).
+    let timeout = [("x-request-timeout-ms", "10000")];
+    let ask =
+        |h: &str| http(h, "POST", "/v1/completions", "application/json", short().to_string().as_bytes(), &timeout);
+
+    signal(&d1, "-STOP");
+    let stopped = std::time::Instant::now();
+    eventually("the frozen decode worker counted stale", || stale(&h).is_ok_and(|v| v == 1.0)).await?;
+    // 4 intervals of 100 ms after its last answer, plus a poll round and the scrape.
+    assert!(stopped.elapsed() < std::time::Duration::from_secs(2), "stale only after {:?}", stopped.elapsed());
+    let served = |p: &Proc| -> Result<f64, String> { metric_sum(&p.addr("metrics")?, "tandem_decode_requests_total") };
+    let before = served(&d2)?;
+    for i in 0..6 {
+        let (s, _, b) = ask(&h)?;
+        assert_eq!(s, 200, "request {i} with one worker frozen: {b}");
+    }
+    eventually("the live worker ending all six", || served(&d2).is_ok_and(|n| n >= before + 6.0)).await?;
+
+    signal(&d2, "-STOP");
+    eventually("both decode workers counted stale", || stale(&h).is_ok_and(|v| v == 2.0)).await?;
+    let asked = std::time::Instant::now();
+    let (s, hd, b) = ask(&h)?;
+    let took = asked.elapsed();
+    error_of(s, &b, 503, None)?;
+    assert_eq!(json_of(&b)?["error"]["code"], "no_worker", "{b}");
+    assert!(hd.get("retry-after").and_then(|v| v.parse::<u64>().ok()).is_some_and(|r| r >= 1), "{hd:?}");
+    assert!(took < std::time::Duration::from_secs(1), "the refusal took {took:?}");
+    assert_eq!(http(&h, "GET", "/ready", "", b"", &[])?.0, 503, "no decode worker answers: not ready");
+
+    signal(&d1, "-CONT");
+    signal(&d2, "-CONT");
+    eventually("both workers answering again", || stale(&h).is_ok_and(|v| v == 0.0)).await?;
+    let (s, _, b) = ask(&h)?;
+    assert_eq!(s, 200, "after SIGCONT: {b}");
+    settled(&d1, "decode worker 1").await?;
+    settled(&d2, "decode worker 2").await
+}

@@ -17,6 +17,7 @@
 
 pub mod config;
 pub mod decode;
+pub mod health;
 pub mod metrics;
 pub mod prefill;
 pub mod serve;

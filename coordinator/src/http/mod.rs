@@ -154,6 +154,9 @@ async fn prometheus(State(app): State<Arc<App>>) -> Response {
     let s = app.pipeline.admission.stats();
     metrics::queue(s.queued, s.queued_tokens, s.running);
     app.pipeline.cluster.breakers().export();
+    let (decode, prefill) = app.pipeline.cluster.stale_workers();
+    metrics::workers_stale("decode", decode);
+    metrics::workers_stale("prefill", prefill);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
 }
 

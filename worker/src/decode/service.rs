@@ -78,6 +78,8 @@ pub struct DecodeService {
 
 struct Inner {
     runner: RunnerHandle,
+    /// The runner's last counters, for Health while the runner is mid-step.
+    stats: crate::health::StatsCache,
     local: Peer,
     receiver: Arc<Mutex<Receiver>>,
     failures: WriteFailures,
@@ -188,6 +190,7 @@ impl DecodeService {
         Self {
             inner: Arc::new(Inner {
                 runner,
+                stats: crate::health::StatsCache::default(),
                 local,
                 receiver,
                 failures,
@@ -770,8 +773,7 @@ impl DecodeWorker for DecodeService {
     }
 
     async fn health(&self, _request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        let runner = self.inner.runner.clone();
-        let stats = blocking(move || runner.stats()).await.map_err(|e| Status::internal(e.message))?;
+        let stats = self.inner.stats.read(&self.inner.runner).await.map_err(|e| Status::internal(e.message))?;
         let ready =
             self.inner.ready.load(Ordering::SeqCst) && !self.inner.fenced.load(Ordering::SeqCst) && stats.is_some();
         let mut h = HealthResponse {

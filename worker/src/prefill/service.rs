@@ -75,6 +75,8 @@ pub struct PrefillService {
 
 struct Inner {
     runner: RunnerHandle,
+    /// The runner's last counters, for Health while the runner is mid-step.
+    stats: crate::health::StatsCache,
     layout: KvLayout,
     local: Peer,
     transfer: TransferSettings,
@@ -142,6 +144,7 @@ impl PrefillService {
         Self {
             inner: Arc::new(Inner {
                 runner,
+                stats: crate::health::StatsCache::default(),
                 layout,
                 local,
                 transfer,
@@ -473,8 +476,7 @@ impl PrefillWorker for PrefillService {
     }
 
     async fn health(&self, _request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        let runner = self.inner.runner.clone();
-        let stats = blocking(move || runner.stats()).await.map_err(|e| Status::internal(e.message))?;
+        let stats = self.inner.stats.read(&self.inner.runner).await.map_err(|e| Status::internal(e.message))?;
         let ready =
             self.inner.ready.load(Ordering::SeqCst) && !self.inner.fenced.load(Ordering::SeqCst) && stats.is_some();
         let mut h = HealthResponse {

@@ -1,0 +1,55 @@
+//! The runner's counters for the `Health` RPC, without waiting out a long
+//! engine step.
+//!
+//! The runner thread answers a stats question between steps, and one step
+//! (a 512-token prefill chunk on one CPU thread) can take seconds. The
+//! coordinator takes a worker whose Health goes unanswered for 4 poll
+//! intervals as frozen and routes nothing to it, so Health must not wait
+//! for the step: it waits [`STATS_WAIT`], then answers the last snapshot
+//! (the question stays asked; its answer becomes the next snapshot). A
+//! frozen process answers nothing at all, which is what the coordinator
+//! needs to see. A runner that has given no snapshot for [`STUCK_AFTER`]
+//! is reported not ready rather than reported with figures that old.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use engine::runner::{RunnerHandle, RunnerStats};
+use proto::worker::v1::WorkerError;
+
+use crate::serve::blocking;
+
+/// How long Health waits for the runner before answering the last snapshot.
+pub const STATS_WAIT: Duration = Duration::from_millis(50);
+/// A snapshot older than this means the runner is stuck: not ready.
+pub const STUCK_AFTER: Duration = Duration::from_secs(30);
+
+/// The runner's last counters and when they were read.
+#[derive(Clone, Default)]
+pub struct StatsCache {
+    last: Arc<Mutex<Option<(RunnerStats, Instant)>>>,
+}
+
+impl StatsCache {
+    /// The runner's counters now, or the last snapshot when the runner is
+    /// mid-step; `None` once the runner thread has exited or is stuck.
+    pub async fn read(&self, runner: &RunnerHandle) -> Result<Option<RunnerStats>, WorkerError> {
+        let (runner, last) = (runner.clone(), self.last.clone());
+        let ask = blocking(move || {
+            let s = runner.stats();
+            let mut l = last.lock().unwrap_or_else(|e| e.into_inner());
+            *l = s.clone().map(|s| (s, Instant::now()));
+            s
+        });
+        match tokio::time::timeout(STATS_WAIT, ask).await {
+            Ok(r) => r,
+            Err(_) => Ok(self.snapshot(STUCK_AFTER)),
+        }
+    }
+
+    /// The last snapshot if it is at most `max_age` old.
+    fn snapshot(&self, max_age: Duration) -> Option<RunnerStats> {
+        let l = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        l.as_ref().filter(|(_, at)| at.elapsed() <= max_age).map(|(s, _)| s.clone())
+    }
+}
