@@ -102,6 +102,14 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> TestResult {
             Some(http.as_str()),
             "the coordinator's /metrics is on its HTTP port: {v}"
         );
+        // Prometheus file_sd: one target per process, at the address the state file names.
+        let targets = dir.join("state.json.logs").join("prometheus-targets.json");
+        let sd: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&targets)?)?;
+        let listed: Vec<&str> =
+            sd.as_array().ok_or("not a list")?.iter().filter_map(|g| g["targets"][0].as_str()).collect();
+        let metrics: Vec<&str> = comps.iter().filter_map(|c| c["metrics"].as_str()).collect();
+        assert_eq!(listed, metrics, "{sd}");
+        assert_eq!(listed.len(), comps.len(), "every process has a target: {sd}");
         let (status, body) = post_chat(&http)?;
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("chat.completion") && body.contains("Paris"), "{body}");
@@ -115,6 +123,7 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> TestResult {
             assert!(!running(pid), "{role} (pid {pid}) is still running");
         }
         assert!(!up.state_file.exists(), "the state file is removed on stop");
+        assert!(!targets.exists(), "the Prometheus targets file is removed on stop");
         Ok(())
     })();
     drop(up);

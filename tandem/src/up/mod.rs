@@ -101,6 +101,11 @@ pub struct Args {
     /// removed on stop). Ignored with --etcd.
     #[arg(long, value_name = "DIR")]
     etcd_data_dir: Option<PathBuf>,
+    /// A Prometheus `file_sd_configs` file listing every process's /metrics target, written
+    /// once the cluster is ready and again on every exit and restart, removed on stop.
+    /// Default: `prometheus-targets.json` in the log directory.
+    #[arg(long, value_name = "PATH")]
+    prometheus_targets: Option<PathBuf>,
     /// What happens to a process that exits on its own: never (leave it down), on-failure
     /// (start it again unless it exited 0, as a drained worker does), always.
     #[arg(long, value_enum, default_value = "on-failure")]
@@ -185,7 +190,9 @@ async fn up(a: Args) -> anyhow::Result<()> {
 
     let policy = a.restart;
     let mut components: Vec<Component> = started.iter().map(|s| s.component.clone()).collect();
+    let targets = a.prometheus_targets.clone().unwrap_or_else(|| logs.join("prometheus-targets.json"));
     let write_state = |components: &[Component]| -> anyhow::Result<()> {
+        state::write_targets(&targets, components)?;
         match &a.state_file {
             Some(path) => state::write(path, policy.as_str(), components),
             None => Ok(()),
@@ -193,6 +200,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
     };
     write_state(&components)?;
     print_table(&components);
+    println!("prometheus targets in {}", targets.display());
 
     let rules = Rules {
         policy,
@@ -240,6 +248,7 @@ async fn up(a: Args) -> anyhow::Result<()> {
     }
     stop_all(&mut running, &STOP_ORDER, grace).await;
     remove_etcd_data(&a, &etcd_data);
+    let _ = std::fs::remove_file(&targets);
     if let Some(path) = &a.state_file {
         let _ = std::fs::remove_file(path);
     }
@@ -274,6 +283,8 @@ async fn start_cluster(
                 let (spec, addr) = etcd::spec(etcd_data, &log)?;
                 let mut c = Component::new("etcd", "etcd");
                 c.grpc = Some(addr.clone());
+                // etcd serves Prometheus /metrics on its client port.
+                c.metrics = Some(addr.clone());
                 match start(&spec, &mut c, None).await {
                     Ok(run) => {
                         started.push(Started { spec, component: c, run });

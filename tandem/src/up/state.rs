@@ -112,11 +112,34 @@ struct StateFile<'a> {
 /// Writes the state file whole, through a temporary file and a rename, so a reader never
 /// sees half of it.
 pub fn write(path: &Path, restart: &str, components: &[Component]) -> anyhow::Result<()> {
-    let json = serde_json::to_string_pretty(&StateFile { restart, components })?;
+    replace(path, &serde_json::to_string_pretty(&StateFile { restart, components })?)
+}
+
+/// Writes a Prometheus `file_sd_configs` file: one target group per component that serves
+/// `/metrics` (every worker, the coordinator on its HTTP port, etcd on its client port), labelled
+/// with its `role`, `component` name and `version_group`. Given-up and exited components stay
+/// listed, so their targets show as down (`up == 0`) instead of vanishing.
+pub fn write_targets(path: &Path, components: &[Component]) -> anyhow::Result<()> {
+    let groups: Vec<serde_json::Value> = components
+        .iter()
+        .filter_map(|c| {
+            let target = c.metrics.as_ref()?;
+            let mut labels = serde_json::json!({ "role": c.role, "component": c.name });
+            if let Some(g) = &c.version_group {
+                labels["version_group"] = g.clone().into();
+            }
+            Some(serde_json::json!({ "targets": [target], "labels": labels }))
+        })
+        .collect();
+    replace(path, &serde_json::to_string_pretty(&groups)?)
+}
+
+/// Replaces `path`'s content whole, through a temporary file and a rename.
+fn replace(path: &Path, text: &str) -> anyhow::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, json).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }
 
@@ -219,6 +242,22 @@ mod tests {
         assert_eq!(v["components"][0]["state"], "running");
         assert_eq!(v["components"][0]["last_exit"], "signal 9 (SIGKILL)");
         assert!(!dir.join("state.json.tmp").exists(), "the temporary file is renamed away");
+
+        let mut w = Component::new("decode", "decode-0");
+        w.metrics = Some("127.0.0.1:9100".into());
+        w.version_group = Some("g1".into());
+        let mut e = Component::new("etcd", "etcd");
+        e.metrics = Some("127.0.0.1:2379".into());
+        let silent = Component::new("prefill", "prefill-0"); // no metrics address: no target
+        let targets = dir.join("targets.json");
+        write_targets(&targets, &[w, e, silent]).expect("write targets");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&targets).expect("read")).expect("json");
+        assert_eq!(v.as_array().map(Vec::len), Some(2), "{v}");
+        assert_eq!(v[0]["targets"][0], "127.0.0.1:9100");
+        assert_eq!(v[0]["labels"]["component"], "decode-0");
+        assert_eq!(v[0]["labels"]["version_group"], "g1");
+        assert_eq!(v[1]["labels"]["role"], "etcd");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
