@@ -220,6 +220,11 @@ impl Admission {
         st.queued_by_priority = [0; 3];
     }
 
+    /// Whether [`Admission::close`] was called (the coordinator is draining).
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
     /// What admission is doing now, for metrics and for draining.
     pub fn stats(&self) -> AdmissionStats {
         let st = self.lock();

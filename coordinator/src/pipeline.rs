@@ -210,9 +210,37 @@ impl Pipeline {
     }
 
     /// Whether the cluster can serve (what `/ready` and the gRPC health
-    /// service report): see [`Cluster::ready`].
+    /// service report): not while draining, else see [`Cluster::ready`].
     pub async fn ready(&self) -> bool {
-        self.cluster.ready().is_ok()
+        self.readiness().is_ok()
+    }
+
+    /// [`Pipeline::ready`] with the reason when not.
+    pub fn readiness(&self) -> Result<(), String> {
+        if self.admission.is_closed() {
+            return Err("the coordinator is shutting down".into());
+        }
+        self.cluster.ready()
+    }
+
+    /// The first phase of shutdown: every queued request and every later
+    /// one is refused at once with 503 `shutting_down` (Retry-After: another
+    /// coordinator can take it), `/ready` and gRPC health turn not ready,
+    /// and requests already dispatched run on. Returns when none is left
+    /// running, or after `grace`; `true` when all finished.
+    pub async fn drain(&self, grace: Duration) -> bool {
+        self.admission.close();
+        let until = tokio::time::Instant::now() + grace;
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        loop {
+            tick.tick().await;
+            if self.admission.stats().running == 0 {
+                return true;
+            }
+            if tokio::time::Instant::now() >= until {
+                return false;
+            }
+        }
     }
 }
 

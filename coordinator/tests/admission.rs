@@ -238,3 +238,59 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
+
+/// SIGTERM drains the coordinator in phases: every queued request, and one
+/// arriving during the drain, is refused at once with 503 `shutting_down` +
+/// Retry-After (never a dropped connection at the end of the grace), the
+/// request already running finishes, and the process exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_refuses_the_queue_at_once_and_drains_the_running() -> TestResult {
+    let Pair { prefill: _p, decode: _d, coord } =
+        start_pair("512", &["--max-running", "1", "--max-queued", "8", "--shutdown-timeout-ms", "60000"])?;
+    let mut coord = coord;
+    let h = coord.addr("http")?;
+    eventually("the coordinator reporting ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
+        .await?;
+    let long = json!({
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+        "ignore_eos": true, "stream": true,
+    });
+    let mut holder = open_stream(&h, "/v1/completions", &long, &[])?;
+    assert_eq!(holder.status, 200);
+    holder.next_event()?.ok_or("the long stream ended at once")?;
+    let queued: Vec<_> = (0..3).map(|_| spawn_post(&h, "none", completion(3), Vec::new())).collect();
+    eventually("three requests queued", || metric(&h, "tandem_coordinator_queue_depth").is_ok_and(|v| v == 3.0))
+        .await?;
+
+    signal(&coord, "-TERM");
+    let signalled = std::time::Instant::now();
+    for rx in &queued {
+        let (s, hd, b) = rx.recv_timeout(WAIT).map_err(|_| "a queued request got no answer")??;
+        error_of(s, &b, 503, None)?;
+        assert_eq!(code_of(&b), "shutting_down", "{b}");
+        assert!(hd.get("retry-after").and_then(|v| v.parse::<u64>().ok()).is_some_and(|r| r >= 1), "{hd:?}");
+    }
+    let took = signalled.elapsed();
+    assert!(took < std::time::Duration::from_secs(1), "the queued requests were answered after {took:?}");
+    // A request arriving during the drain hears why too; the probe says not ready.
+    let (s, hd, b) = post(&h, "/v1/completions", &completion(3))?;
+    error_of(s, &b, 503, None)?;
+    assert_eq!(code_of(&b), "shutting_down", "{b}");
+    assert!(hd.contains_key("retry-after"), "{hd:?}");
+    assert_eq!(http(&h, "GET", "/ready", "", b"", &[])?.0, 503, "draining: not ready");
+
+    // The running request was not cut: it ends with [DONE] after every token.
+    let rest = holder.rest()?;
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "the in-flight stream was cut: {:?}", rest.last());
+    let texts = rest.iter().filter(|e| e.contains("\"text\"")).count();
+    assert!(texts >= 390, "only {texts} token events after the first");
+    let mut exit = None;
+    eventually("the coordinator exiting after the drain", || {
+        exit = coord.child.try_wait().ok().flatten();
+        exit.is_some()
+    })
+    .await?;
+    let status = exit.ok_or("no exit status")?;
+    assert_eq!(status.code(), Some(0), "exit status after a clean drain");
+    Ok(())
+}

@@ -1,8 +1,9 @@
 //! `tandem-coordinator`: serves the OpenAI-compatible HTTP API and the gRPC
 //! frontend (with health and reflection) in front of the workers registered
 //! in etcd (or given by address), prints `listening http=ADDR grpc=ADDR` (one
-//! line) once both are bound, and on SIGTERM/SIGINT stops accepting on both
-//! and lets in-flight requests finish (bounded by `--shutdown-timeout-ms`).
+//! line) once both are bound, and on SIGTERM/SIGINT drains: queued and new
+//! requests get 503 `shutting_down` at once, in-flight ones finish (bounded
+//! by `--shutdown-timeout-ms`), then both servers stop and it exits 0.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -209,6 +210,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         stream_idle_timeout: Duration::from_millis(flags.stream_idle_timeout_ms),
     };
     let pipeline = Pipeline::new(tokenizer, context, cluster, settings, keys).context("admission settings")?;
+    let drainer = pipeline.clone();
     pipeline.follow_capacity(Duration::from_millis(500));
     let http_settings = HttpSettings {
         max_body_bytes: flags.max_body_bytes,
@@ -241,14 +243,20 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     });
     tokio::select! {
         r = &mut servers => return r.context("server task")?,
-        s = signals.recv() => {
-            tracing::info!(signal = s, "draining");
-            stop.cancel();
-        }
+        s = signals.recv() => tracing::info!(signal = s, "draining"),
     }
-    // After the signal, in-flight requests get the grace; then we exit anyway.
+    // Shutdown in phases, all within the grace: queued and new requests are
+    // refused at once (503 shutting_down) while the listeners stay open, so
+    // a client hears why instead of a refused connection; dispatched ones
+    // run on. Once none is left the servers stop accepting and close their
+    // idle connections; after the grace we exit anyway.
     let grace = Duration::from_millis(flags.shutdown_timeout_ms);
-    match tokio::time::timeout(grace, servers).await {
+    let until = tokio::time::Instant::now() + grace;
+    if !drainer.drain(grace).await {
+        tracing::warn!(?grace, "in-flight requests did not finish within the grace");
+    }
+    stop.cancel();
+    match tokio::time::timeout_at(until, servers).await {
         Ok(r) => r.context("server task")?,
         Err(_) => {
             tracing::warn!(?grace, "in-flight requests did not finish within the grace");

@@ -138,7 +138,7 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
 }
 
 async fn ready(State(app): State<Arc<App>>) -> Response {
-    match app.pipeline.cluster.ready() {
+    match app.pipeline.readiness() {
         Ok(()) => Json(json!({"status": "ready"})).into_response(),
         Err(why) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "not_ready", why)
             .retry_after(1)
