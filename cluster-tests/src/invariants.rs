@@ -270,7 +270,7 @@ impl Invariants {
             let whole = groups.entry(&w.group).or_insert(true);
             *whole &= !cluster.is_faulted(&w.proc.name);
             for life in &w.past {
-                groups.entry(&life.group).or_insert(true);
+                *groups.entry(&life.group).or_insert(true) &= life.counted;
             }
         }
         let mut out = Vec::new();
@@ -288,6 +288,10 @@ impl Invariants {
                     got += life.kv_received;
                 }
                 for w in cluster.workers.iter().filter(|w| w.group == g) {
+                    // An attached cluster: only what moved since the drill attached.
+                    let (s0, r0) = cluster.kv_at_attach(&w.proc.name);
+                    sent -= s0;
+                    got -= r0;
                     match scrape(&w.proc.addr("metrics").unwrap_or_default()).await {
                         Ok(p) if w.role == Role::Prefill => sent += p.sum("tandem_kv_transfer_bytes_total", &[]),
                         Ok(p) => got += p.sum("tandem_kv_received_bytes_total", &[]),

@@ -28,7 +28,7 @@ mod reference;
 use std::future::Future;
 use std::time::Duration;
 
-pub use cluster::{Attached, Cluster, ClusterSpec, PastLife, Role, Worker, WorkerSpec};
+pub use cluster::{Attached, Cluster, ClusterSpec, PastLife, Restarted, Role, Worker, WorkerSpec};
 pub use drills::{drills, drills_against, planned_requests, run_drill, DrillInfo, DrillOptions, DrillReport, Goodput};
 pub use front::{Front, FrontCounters};
 pub use invariants::{Guarantee, Invariants, Violation};

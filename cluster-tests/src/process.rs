@@ -198,6 +198,20 @@ impl Proc {
         }
     }
 
+    /// An adopted process its supervisor started again (`tandem up` restarts a process on the
+    /// same addresses, appending to the same log): follow its new `pid` from now on.
+    pub fn supervisor_restarted(&mut self, pid: u32) -> Result<(), HarnessError> {
+        if !self.adopted {
+            return Err(HarnessError::Fault(format!(
+                "{} (pid {}) is this drill's child: no supervisor restarts it",
+                self.name, self.pid
+            )));
+        }
+        self.pid = pid;
+        self.exit = None;
+        Ok(())
+    }
+
     /// Whether it was adopted ([`Proc::adopt`]) rather than started.
     pub fn is_adopted(&self) -> bool {
         self.adopted

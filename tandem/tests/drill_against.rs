@@ -1,10 +1,12 @@
-//! `tandem drill --against STATEFILE` runs the reversible drills against a
-//! cluster `tandem up` started and leaves it running as found; a drill that
-//! would end a process is refused with the reason, and nothing is touched.
-//! The state file gives the workers' lease TTL and each process's log, and
-//! the drills scan those logs for panics (G5).
+//! `tandem drill --against STATEFILE` runs drills against a cluster `tandem
+//! up` started and leaves it running as found: reversible faults (SIGSTOP),
+//! and faults that end a worker (SIGKILL, a drain) which `tandem up`'s
+//! supervisor undoes, when its restart policy restarts that exit. A drill
+//! that cannot run there is refused with the reason, and nothing is touched.
+//! The state file gives the workers' lease TTL, each process's log and the
+//! restart policy, and the drills scan those logs for panics (G5).
 //!
-//! Real processes: `tandem up` (etcd, a prefill worker, 2 decode workers, a
+//! Real processes: `tandem up` (etcd, prefill and decode workers, a
 //! coordinator) and `tandem drill`, both this crate's binary.
 
 mod common;
@@ -104,12 +106,17 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
             }
         };
 
-        // A drill that kills a process is refused, with the reason, and touches nothing.
-        let refused = tandem(&["drill", "--against", state_s, "run", "decode-kill"], WAIT)?;
+        // A drill that needs a cluster shaped for it (a proxy on the KV link) is refused, and
+        // so is a drain under the default policy (`on-failure` leaves a worker that exited 0
+        // down), each with the reason; nothing is touched.
+        assert_eq!(v["restart"], "on-failure", "the default policy in the state file");
+        let refused = tandem(&["drill", "--against", state_s, "run", "prefill-kill-recompute", "rolling-drain"], WAIT)?;
         let err = String::from_utf8_lossy(&refused.stderr);
-        assert!(!refused.status.success(), "decode-kill against a running cluster must be refused: {err}");
-        assert!(err.contains("decode-kill") && err.contains("needs its own cluster"), "the reason: {err}");
-        all_running("after the refused decode-kill");
+        assert!(!refused.status.success(), "prefill-kill and rolling-drain must be refused: {err}");
+        assert!(err.contains("prefill-kill-recompute: needs its own cluster") && err.contains("proxy"), "{err}");
+        let drain = err.lines().find(|l| l.contains("rolling-drain:")).ok_or_else(|| format!("no reason: {err}"))?;
+        assert!(drain.contains("--restart on-failure") && drain.contains("--restart always"), "the reason: {drain}");
+        all_running("after the refused drills");
 
         let ran = tandem(&["drill", "--against", state_s, "run", "client-disconnect", "worker-sigstop"], WAIT)?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
@@ -167,6 +174,71 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
         Ok(())
     })();
     // `tandem up` exits 0 on SIGTERM only if no child had exited on its own before.
+    let stopped = up.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+    result?;
+    let status = stopped?;
+    assert!(status.success(), "tandem up exit after the drills: {status:?}");
+    Ok(())
+}
+
+/// A supervised cluster (`--restart always`, short lease and backoff): a SIGKILLed decode
+/// worker and every drained worker is started again by `tandem up`, the drills wait for it
+/// and follow the new pids, and the cluster is left with the same components, running.
+#[test]
+fn drills_that_end_a_worker_run_against_a_supervised_cluster() -> TestResult {
+    let dir = common::temp_dir("tandem-drill-against-supervised")?;
+    let args = ["--prefill", "2", "--decode", "2", "--restart", "always", "--lease-ttl-s", "2"];
+    let mut up = Up::start(&dir, &[&args[..], &["--restart-backoff-ms", "300"]].concat())?;
+    let state = up.state_file.clone();
+    let result = (|| -> TestResult {
+        let before: Vec<(String, u64)> = up
+            .components()?
+            .iter()
+            .map(|c| Ok((c["name"].as_str().ok_or("name")?.to_owned(), c["pid"].as_u64().ok_or("pid")?)))
+            .collect::<Result<_, &str>>()?;
+        let state_s = state.to_str().ok_or("state path")?;
+        let drills = ["decode-kill", "rolling-drain", "worker-sigstop"];
+        let t0 = std::time::Instant::now();
+        let ran =
+            tandem(&[&["drill", "--against", state_s, "--requests", "10", "run"][..], &drills].concat(), WAIT * 2)?;
+        let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
+        eprintln!("the drills took {:?}:\n{stdout}", t0.elapsed());
+        assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}\n{}", up.stderr_text());
+        for name in drills {
+            let row =
+                stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row for {name}: {stdout}"))?;
+            assert_eq!(row.split_whitespace().nth(1), Some("yes"), "{name} proven: {row}");
+        }
+
+        // Left as found: the same components, each running, the workers under new pids.
+        up.reload()?;
+        let after = up.components()?;
+        let names: Vec<&str> = after.iter().filter_map(|c| c["name"].as_str()).collect();
+        assert_eq!(names, before.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), "the same components");
+        let mut decode_restarts = 0;
+        for ((name, old_pid), c) in before.iter().zip(after) {
+            let pid = c["pid"].as_u64().ok_or("pid")?;
+            assert_eq!(c["state"], "running", "{c}");
+            assert!(running(pid), "{name} (pid {pid}) is not running: {:?}", proc_state(pid));
+            let restarts = c["restarts"].as_u64().ok_or("restarts")?;
+            match c["role"].as_str() {
+                Some("prefill" | "decode") => {
+                    // Every worker was drained once (rolling-drain); a decode worker also killed.
+                    assert!(restarts >= 1 && pid != *old_pid, "{name} was restarted: {c}");
+                    if c["role"] == "decode" {
+                        decode_restarts += restarts;
+                    }
+                    let log = std::fs::read_to_string(c["log"].as_str().ok_or("log")?)?;
+                    assert!(log.contains("===== tandem up: restart 1 of"), "{name}'s log has a separator: {log}");
+                }
+                _ => assert_eq!((restarts, pid), (0, *old_pid), "{name} was not touched: {c}"),
+            }
+        }
+        assert!(decode_restarts >= 3, "2 decode workers drained and one killed: {after:?}");
+        assert_eq!(get_status(&up.http()?, "/ready")?, 200, "the cluster still serves after the drills");
+        Ok(())
+    })();
     let stopped = up.stop();
     let _ = std::fs::remove_dir_all(&dir);
     result?;

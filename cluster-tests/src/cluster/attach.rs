@@ -1,11 +1,19 @@
 //! [`Cluster::attach`]: a cluster someone else started (`tandem up --state-file`),
 //! adopted so drills can run against it and leave it as found.
+//!
+//! `tandem up` supervises its processes: one that exits is started again on the same
+//! addresses, its log appended, and the state file rewritten with the new pid. A drill
+//! whose victim exits (a kill, a drain) therefore does not start it again itself: it
+//! waits until the state file shows the supervisor did ([`Cluster::await_restart`]) and
+//! follows the new pid, so the later checks (KV settled, logs, every process running)
+//! see the cluster as it is.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::{temp_dir, Cluster, Role, Worker};
+use super::{temp_dir, Cluster, PastLife, Role, Worker};
+use crate::metrics::scrape;
 use crate::process::Proc;
 use crate::HarnessError;
 
@@ -20,7 +28,30 @@ pub struct Attached {
     /// so a panic from before the drill (already reported, or the operator's to look at)
     /// does not fail this drill and every later one.
     pub log_starts: BTreeMap<PathBuf, u64>,
+    /// What its supervisor does with a process that exits (`never`, `on-failure`, `always`);
+    /// `None`: the state file names no policy (a `tandem up` that did not restart anything).
+    pub restart: Option<String>,
+    /// Each component's `restarts` as last read from the state file, by name.
+    pub restarts: BTreeMap<String, u32>,
+    /// Each worker's KV counters when the drill attached (`tandem_kv_transfer_bytes_total`,
+    /// `tandem_kv_received_bytes_total`): G3 counts only what moved during the drill, since
+    /// an earlier drill's SIGKILL leaves totals no check can balance.
+    pub kv_at_attach: BTreeMap<String, (f64, f64)>,
 }
+
+/// A component the supervisor started again ([`Cluster::await_restart`]).
+#[derive(Debug, Clone)]
+pub struct Restarted {
+    pub pid: u32,
+    /// Its `restarts` in the state file now.
+    pub restarts: u32,
+    /// How the previous process ended, as the supervisor saw it (`exit status 0`,
+    /// `signal 9 (SIGKILL)`).
+    pub last_exit: Option<String>,
+}
+
+/// How long [`Cluster::attach`] waits for a component the supervisor is restarting.
+const RESTARTING_WAIT: Duration = Duration::from_secs(60);
 
 /// The version group of a worker whose state entry names none.
 pub const DEFAULT_VERSION_GROUP: &str = "default";
@@ -29,7 +60,15 @@ pub const DEFAULT_VERSION_GROUP: &str = "default";
 #[derive(Debug, serde::Deserialize)]
 struct StateEntry {
     role: String,
+    /// `prefill-0`, `decode-1`, `coordinator`, `etcd` (older files: none, then named by order).
+    name: Option<String>,
     pid: u32,
+    /// `running`, `restarting`, `exited`, `given_up` (older files: none, meaning running).
+    state: Option<String>,
+    /// Times the supervisor started it again.
+    #[serde(default)]
+    restarts: u32,
+    last_exit: Option<String>,
     grpc: Option<String>,
     http: Option<String>,
     metrics: Option<String>,
@@ -43,7 +82,58 @@ struct StateEntry {
 
 #[derive(Debug, serde::Deserialize)]
 struct StateFile {
+    /// The supervisor's restart policy.
+    restart: Option<String>,
     components: Vec<StateEntry>,
+}
+
+fn read_state(state: &Path) -> Result<StateFile, HarnessError> {
+    let text = std::fs::read_to_string(state)
+        .map_err(|e| HarnessError::Setup(format!("read the state file {}: {e}", state.display())))?;
+    serde_json::from_str(&text).map_err(|e| HarnessError::Setup(format!("state file {}: {e}", state.display())))
+}
+
+/// `exit status 3` or `signal 9 (SIGKILL)` (how `tandem up` describes an exit) as a status.
+pub fn parse_exit(described: &str) -> Option<std::process::ExitStatus> {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(code) = described.strip_prefix("exit status ") {
+        return code.trim().parse::<i32>().ok().map(|c| std::process::ExitStatus::from_raw(c << 8));
+    }
+    let sig = described.strip_prefix("signal ")?.split_whitespace().next()?.parse::<i32>().ok()?;
+    Some(std::process::ExitStatus::from_raw(sig))
+}
+
+/// Reads `state` until no component is `restarting` (bounded by `limit`); refuses one
+/// that is down for good (`exited`, `given_up`).
+async fn settled_state(state: &Path, limit: Duration) -> Result<StateFile, HarnessError> {
+    let until = tokio::time::Instant::now() + limit;
+    loop {
+        let file = read_state(state)?;
+        let down = |e: &StateEntry| format!("{} (pid {})", e.name.as_deref().unwrap_or(&e.role), e.pid);
+        if let Some(e) = file.components.iter().find(|e| matches!(e.state.as_deref(), Some("exited" | "given_up"))) {
+            return Err(HarnessError::Setup(format!(
+                "{} in {} is {} (last exit: {}): its supervisor will not start it again, so the cluster is \
+                 not whole; restart `tandem up`",
+                down(e),
+                state.display(),
+                e.state.as_deref().unwrap_or_default(),
+                e.last_exit.as_deref().unwrap_or("unknown")
+            )));
+        }
+        let Some(e) = file.components.iter().find(|e| e.state.as_deref() == Some("restarting")) else {
+            return Ok(file);
+        };
+        if tokio::time::Instant::now() > until {
+            return Err(HarnessError::Timeout(format!(
+                "{} in {} was still restarting after {limit:?} (restart {}, last exit: {}): attach once it runs",
+                down(e),
+                state.display(),
+                e.restarts + 1,
+                e.last_exit.as_deref().unwrap_or("unknown")
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 impl Cluster {
@@ -53,12 +143,12 @@ impl Cluster {
     /// worker entry without `version_group` is in [`DEFAULT_VERSION_GROUP`]; the lease TTL is
     /// the longest of the workers' `lease_ttl_s`; each process's `log` is scanned by G5. Fails
     /// unless every worker lists its lease TTL, every listed process is running and the
-    /// coordinator is ready and counts every listed worker as serving.
+    /// coordinator is ready and counts every listed worker as serving. A component its
+    /// supervisor is restarting is waited for (bounded); one it left down is refused.
     pub async fn attach(state: &Path) -> Result<Self, HarnessError> {
-        let text = std::fs::read_to_string(state)
-            .map_err(|e| HarnessError::Setup(format!("read the state file {}: {e}", state.display())))?;
-        let file: StateFile = serde_json::from_str(&text)
-            .map_err(|e| HarnessError::Setup(format!("state file {}: {e}", state.display())))?;
+        let file = settled_state(state, RESTARTING_WAIT).await?;
+        let restart = file.restart.clone();
+        let restarts = file.components.iter().filter_map(|e| Some((e.name.clone()?, e.restarts))).collect();
         let mut etcd = None;
         let mut workers = Vec::new();
         let mut coordinators = Vec::new();
@@ -99,7 +189,7 @@ impl Cluster {
                 }
             };
             let n = counts.entry(role).or_insert(0);
-            let name = format!("{}-{n}", e.role);
+            let name = e.name.clone().unwrap_or_else(|| format!("{}-{n}", e.role));
             *n += 1;
             let ttl = e.lease_ttl_s.ok_or_else(|| {
                 HarnessError::Setup(format!(
@@ -126,7 +216,14 @@ impl Cluster {
         let mut cluster = Self {
             etcd: registry::testing::EtcdCluster::none(),
             etcd_proxies: BTreeMap::new(),
-            attached: Some(Attached { state: state.to_owned(), etcd, log_starts: BTreeMap::new() }),
+            attached: Some(Attached {
+                state: state.to_owned(),
+                etcd,
+                log_starts: BTreeMap::new(),
+                restart,
+                restarts,
+                kv_at_attach: BTreeMap::new(),
+            }),
             lease_ttl,
             workers,
             coordinator,
@@ -152,7 +249,84 @@ impl Cluster {
             a.log_starts = starts;
         }
         cluster.wait_ready().await?;
+        let mut kv = BTreeMap::new();
+        for w in &cluster.workers {
+            let p = scrape(&w.metrics_addr()?).await?;
+            kv.insert(
+                w.proc.name.clone(),
+                (p.sum("tandem_kv_transfer_bytes_total", &[]), p.sum("tandem_kv_received_bytes_total", &[])),
+            );
+        }
+        if let Some(a) = cluster.attached.as_mut() {
+            a.kv_at_attach = kv;
+        }
         Ok(cluster)
+    }
+
+    /// The attached cluster's restart policy (`never`, `on-failure`, `always`); `None` when
+    /// the cluster is ours or its state file names none.
+    pub fn restart_policy(&self) -> Option<&str> {
+        self.attached.as_ref().and_then(|a| a.restart.as_deref())
+    }
+
+    /// Waits (up to `limit`) until the attached cluster's supervisor has started process
+    /// `name` (pid `old_pid`, which exited) again: the state file lists it `running` under a
+    /// new pid with `restarts` one higher than before; then follows the new pid (it is no
+    /// longer counted as faulted: it must run at the end) and waits until the coordinator
+    /// counts every worker as serving. A worker killed without a last scrape is recorded as
+    /// a life whose KV G3 cannot count.
+    pub async fn await_restart(
+        &mut self,
+        name: &str,
+        old_pid: u32,
+        limit: Duration,
+    ) -> Result<Restarted, HarnessError> {
+        let a = self.attached.as_ref().ok_or_else(|| {
+            HarnessError::Setup(format!("{name}: this drill's own cluster has no supervisor to restart it"))
+        })?;
+        let (state, want) = (a.state.clone(), a.restarts.get(name).copied().unwrap_or(0) + 1);
+        let mut found = None;
+        let mut seen = String::from("not listed");
+        let what = format!(
+            "the supervisor restarts {name} (pid {old_pid}): {} lists it running under a new pid with restarts {want}",
+            state.display()
+        );
+        let r = crate::eventually(&what, limit, || {
+            let entry = read_state(&state)
+                .ok()
+                .and_then(|f| f.components.into_iter().find(|e| e.name.as_deref() == Some(name) || e.role == name));
+            if let Some(e) = entry {
+                seen = format!(
+                    "pid {}, state {}, restarts {}, last exit {}",
+                    e.pid,
+                    e.state.as_deref().unwrap_or("?"),
+                    e.restarts,
+                    e.last_exit.as_deref().unwrap_or("none")
+                );
+                let alive = !matches!(crate::process::proc_state(e.pid), None | Some('Z'));
+                if e.state.as_deref() == Some("running") && e.pid != old_pid && e.restarts >= want && alive {
+                    found = Some(Restarted { pid: e.pid, restarts: e.restarts, last_exit: e.last_exit });
+                }
+            }
+            std::future::ready(found.is_some())
+        })
+        .await;
+        if let Err(e) = r {
+            return Err(HarnessError::Timeout(format!("{e}; last seen: {seen}")));
+        }
+        let restarted = found.ok_or_else(|| HarnessError::Fault(format!("{what}: not found")))?;
+        if let Ok(w) = self.worker_mut(name) {
+            if !w.past.iter().any(|l| l.pid == old_pid) {
+                w.past.push(PastLife::uncounted(old_pid, &w.group));
+            }
+        }
+        self.proc_mut(name)?.supervisor_restarted(restarted.pid)?;
+        self.faulted.remove(name);
+        if let Some(a) = self.attached.as_mut() {
+            a.restarts.insert(name.to_owned(), restarted.restarts);
+        }
+        self.wait_ready().await?;
+        Ok(restarted)
     }
 }
 
@@ -173,5 +347,48 @@ mod tests {
         let e = Cluster::attach(&state).await.expect_err("no coordinator");
         assert!(e.to_string().contains("no coordinator"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_component_restarting_is_waited_for_and_one_left_down_refused() {
+        let dir = temp_dir().expect("dir");
+        let state = dir.join("state.json");
+        let me = std::process::id();
+        let file = |s: &str| {
+            format!(
+                r#"{{"restart":"always","components":[{{"role":"decode","name":"decode-0","pid":{me},"state":"{s}",
+                "restarts":2,"last_exit":"signal 9 (SIGKILL)"}}]}}"#
+            )
+        };
+        std::fs::write(&state, file("restarting")).expect("write");
+        let e = settled_state(&state, Duration::from_millis(300)).await.expect_err("still restarting");
+        let e = e.to_string();
+        assert!(e.contains("decode-0") && e.contains("still restarting") && e.contains("restart 3"), "{e}");
+        // It runs again while attach waits.
+        let later = {
+            let (state, running) = (state.clone(), file("running"));
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                std::fs::write(&state, running).expect("write");
+            })
+        };
+        let f = settled_state(&state, Duration::from_secs(10)).await.expect("it runs");
+        assert_eq!((f.restart.as_deref(), f.components[0].restarts), (Some("always"), 2));
+        later.await.expect("writer");
+        for down in ["exited", "given_up"] {
+            std::fs::write(&state, file(down)).expect("write");
+            let e = Cluster::attach(&state).await.expect_err("left down").to_string();
+            assert!(e.contains("decode-0") && e.contains(down) && e.contains("SIGKILL"), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn exits_read_as_tandem_up_describes_them() {
+        assert_eq!(parse_exit("exit status 0").and_then(|s| s.code()), Some(0));
+        assert_eq!(parse_exit("exit status 3").and_then(|s| s.code()), Some(3));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(parse_exit("signal 9 (SIGKILL)").and_then(|s| s.signal()), Some(9));
+        assert!(parse_exit("start failed: no such file").is_none());
     }
 }

@@ -20,7 +20,7 @@ use crate::{eventually, HarnessError};
 mod attach;
 mod spec;
 
-pub use attach::Attached;
+pub use attach::{parse_exit, Attached, Restarted};
 pub use spec::{ClusterSpec, Role, WorkerSpec};
 
 /// A running worker.
@@ -48,6 +48,16 @@ pub struct PastLife {
     pub kv_sent: f64,
     /// `tandem_kv_received_bytes_total` (decode).
     pub kv_received: f64,
+    /// False for a life that was SIGKILLed with no last scrape: its counters are unknown, so
+    /// G3 cannot count its group.
+    pub counted: bool,
+}
+
+impl PastLife {
+    /// A life that ended with counters nobody read (SIGKILL).
+    pub fn uncounted(pid: u32, group: &str) -> Self {
+        Self { pid, group: group.to_owned(), kv_sent: 0.0, kv_received: 0.0, counted: false }
+    }
 }
 
 impl Worker {
@@ -106,6 +116,10 @@ impl Drop for Cluster {
         }
     }
 }
+
+/// How long a supervisor may take to start an exited worker again, besides waiting out its
+/// predecessor's lease: its backoff and a model load on a busy 2-core machine.
+pub const RESTART_WAIT: Duration = Duration::from_secs(90);
 
 fn temp_dir() -> Result<PathBuf, HarnessError> {
     static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -477,7 +491,9 @@ impl Cluster {
 
     /// Drains worker `name` (SIGTERM), records its last KV counters as a past life, and starts
     /// it again in version group `group` (its other flags unchanged). Returns the drained
-    /// life's exit status and how long the drain took.
+    /// life's exit status and how long the drain took. In an attached cluster its supervisor
+    /// starts it again ([`Cluster::await_restart`], same group only: the supervisor chose its
+    /// flags), and the exit status is the one the supervisor saw.
     pub async fn relabel_worker(
         &mut self,
         name: &str,
@@ -485,6 +501,12 @@ impl Cluster {
         limit: Duration,
     ) -> Result<(std::process::ExitStatus, Duration), HarnessError> {
         let m = self.worker(name)?.metrics_addr()?;
+        let supervised = self.worker(name)?.proc.is_adopted();
+        if supervised && self.worker(name)?.group != group {
+            return Err(HarnessError::Fault(format!(
+                "{name} belongs to a cluster someone else started: its supervisor restarts it in its own group, not {group}"
+            )));
+        }
         let started = Instant::now();
         let (old_pid, old_group) = (self.signal(name, Signal::Term)?, self.worker(name)?.group.clone());
         // Scrape until it exits: the last page is what this life counted (its transfers ended
@@ -512,7 +534,18 @@ impl Cluster {
             group: old_group.clone(),
             kv_sent: last.sum("tandem_kv_transfer_bytes_total", &[]),
             kv_received: last.sum("tandem_kv_received_bytes_total", &[]),
+            counted: true,
         });
+        if supervised {
+            let r = self.await_restart(name, old_pid, self.lease_ttl * 2 + RESTART_WAIT).await?;
+            let described = r.last_exit.unwrap_or_default();
+            let status = parse_exit(&described).ok_or_else(|| {
+                HarnessError::Fault(format!(
+                    "{name} (pid {old_pid}): the supervisor saw an exit it did not describe: {described:?}"
+                ))
+            })?;
+            return Ok((status, took));
+        }
         let mut args = w.proc.args().to_vec();
         match args.iter().position(|a| a == "--version-group").and_then(|k| args.get_mut(k + 1)) {
             Some(v) => *v = group.to_owned(),
@@ -550,6 +583,12 @@ impl Cluster {
     /// attached ([`Attached::log_starts`]), else 0.
     pub fn log_start(&self, path: &Path) -> u64 {
         self.attached.as_ref().and_then(|a| a.log_starts.get(path).copied()).unwrap_or(0)
+    }
+
+    /// Worker `name`'s KV counters (sent, received) when an attached cluster was attached
+    /// ([`Attached::kv_at_attach`]), else zero.
+    pub fn kv_at_attach(&self, name: &str) -> (f64, f64) {
+        self.attached.as_ref().and_then(|a| a.kv_at_attach.get(name).copied()).unwrap_or_default()
     }
 
     /// Arms `fault` on every proxy between process `name` and etcd

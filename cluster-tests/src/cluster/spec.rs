@@ -9,6 +9,16 @@ pub enum Role {
     Decode,
 }
 
+impl Role {
+    /// `prefill` or `decode`, as metrics label it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
 /// One worker to start.
 #[derive(Debug, Clone)]
 pub struct WorkerSpec {

@@ -55,6 +55,39 @@ pub(super) async fn busy_decoder(c: &Cluster, limit: Duration) -> Result<String,
     victim.into_inner().unwrap_or_else(|e| e.into_inner()).ok_or_else(|| HarnessError::Fault("no victim".into()))
 }
 
+/// After a fault ended process `name` (pid `pid`) in an attached cluster: its exit seen,
+/// then its supervisor's restart awaited and followed ([`Cluster::await_restart`]), so the
+/// cluster is left as found; what happened goes to `ev.notes`, what did not to `ev.missing`.
+/// Nothing to do in a drill's own cluster, whose processes nobody restarts.
+pub(super) async fn await_supervisor(c: &mut Cluster, name: &str, pid: u32, ev: &mut Evidence) {
+    if !c.is_attached() {
+        return;
+    }
+    match c.worker_mut(name) {
+        Ok(w) => {
+            if let Err(e) = w.proc.wait_exit(Duration::from_secs(10)).await {
+                ev.missing.push(e.to_string());
+                return;
+            }
+        }
+        Err(e) => {
+            ev.missing.push(e.to_string());
+            return;
+        }
+    }
+    let limit = c.lease_ttl * 2 + crate::cluster::RESTART_WAIT;
+    match c.await_restart(name, pid, limit).await {
+        Ok(r) => ev.notes.push(format!(
+            "its supervisor restarted it as pid {} (restart {}, it saw {}), and the coordinator counts every worker \
+             serving again",
+            r.pid,
+            r.restarts,
+            r.last_exit.as_deref().unwrap_or("no exit")
+        )),
+        Err(e) => ev.missing.push(e.to_string()),
+    }
+}
+
 /// Waits until the coordinator counts `n` serving workers of `role`.
 pub(super) async fn serving_becomes(c: &Cluster, role: Role, n: f64, limit: Duration) -> Result<(), HarnessError> {
     let role = if role == Role::Prefill { "prefill" } else { "decode" };

@@ -46,8 +46,9 @@ pub(crate) trait Drill: Send + Sync {
     /// G6: the fault happened. Ok says what showed it; Err what did not.
     async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String>;
     /// Whether the drill can run against `c`, a cluster someone else started
-    /// ([`Cluster::attach`]), and leave it as found; Err says why not. `tandem up` stops the
-    /// whole cluster when any of its processes exits, so only reversible faults qualify.
+    /// ([`Cluster::attach`]), and leave it as found; Err says why not. A fault must be
+    /// reversible there: lifted by the drill (SIGCONT) or, for a process that exits, undone
+    /// by the cluster's supervisor ([`supervisor_restarts`]).
     fn against(&self, _c: &Cluster) -> Result<(), String> {
         own_cluster("its fault needs a cluster shaped for it (a fault proxy or network namespace on the KV link, or an etcd of its own to restart)")
     }
@@ -56,6 +57,49 @@ pub(crate) trait Drill: Send + Sync {
 /// [`Drill::against`]'s refusal: the drill needs a cluster of its own, because `why`.
 pub(super) fn own_cluster(why: &str) -> Result<(), String> {
     Err(format!("needs its own cluster: {why}"))
+}
+
+/// How a drill's victim exits, for [`supervisor_restarts`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Exit {
+    /// SIGKILL: a failure to every restart policy but `never`.
+    Killed,
+    /// SIGTERM: the worker drains and exits 0, which only `always` restarts.
+    Drained,
+}
+
+/// [`Drill::against`]'s check for a drill whose victim exits: the attached cluster's
+/// supervisor must start it again (the drill waits for that, so the cluster is left as
+/// found). Err says which `tandem up --restart` would.
+pub(super) fn supervisor_restarts(c: &Cluster, exit: Exit) -> Result<(), String> {
+    let policy = c.restart_policy();
+    let restarts = match (policy, exit) {
+        (Some("always"), _) | (Some("on-failure"), Exit::Killed) => return Ok(()),
+        (None, _) => {
+            return Err("its victim exits, and the state file names no restart policy: the `tandem up` that \
+                        wrote it restarts nothing (a newer one supervises)"
+                .into())
+        }
+        (Some(p), _) => p,
+    };
+    Err(match exit {
+        Exit::Killed => format!(
+            "it SIGKILLs a worker, which `tandem up --restart {restarts}` leaves down: run `tandem up --restart \
+             on-failure` (the default) or `--restart always`"
+        ),
+        Exit::Drained => format!(
+            "it drains workers (SIGTERM: each exits 0), which `tandem up --restart {restarts}` leaves down: run \
+             `tandem up --restart always`"
+        ),
+    })
+}
+
+/// At least `n` workers of `role`, so one is faulted while another serves.
+pub(super) fn at_least(c: &Cluster, role: crate::cluster::Role, n: usize, why: &str) -> Result<(), String> {
+    match c.workers_of(role).count() {
+        k if k >= n => Ok(()),
+        k => Err(format!("needs at least {n} {} workers ({why}); the cluster has {k}", role.as_str())),
+    }
 }
 
 /// Where the prefill-kill drills hold a KV push: 16 KiB in, inside the first layers' frames.

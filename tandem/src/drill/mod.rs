@@ -13,9 +13,12 @@
 //! not be run. On a terminal a progress line shows the running drill.
 //!
 //! `--against STATEFILE` runs the drills against the cluster a running
-//! `tandem up --state-file STATEFILE` describes instead of starting one:
-//! only drills whose fault is reversible (the cluster is left running and as
-//! found; `tandem up` would stop the whole cluster if a process exited).
+//! `tandem up --state-file STATEFILE` describes instead of starting one, and
+//! leaves it running as found: drills whose fault the drill lifts itself
+//! (SIGSTOP, then SIGCONT) and drills whose victim exits (SIGKILL, a drain)
+//! when `tandem up`'s supervisor starts it again under the state file's
+//! restart policy (a kill: `on-failure` or `always`; a drain, which exits 0:
+//! `always`); the drill waits for the restart and follows the new pid.
 //! `run NAME` of any other drill is an error saying why; `--all` runs those
 //! that can and lists the skipped ones with the reason.
 
@@ -58,7 +61,8 @@ pub struct Args {
     #[arg(long)]
     requests: Option<usize>,
     /// Run against the running cluster this `tandem up --state-file` wrote, instead of starting
-    /// one per drill: only reversible drills (others are refused, or skipped with `--all`).
+    /// one per drill: only drills it recovers from (SIGSTOP; a kill or drain its supervisor
+    /// restarts); others are refused with the reason, or skipped with `--all`.
     #[arg(long, value_name = "STATEFILE")]
     against: Option<PathBuf>,
     /// `run NAME...`: the drills to run.

@@ -20,8 +20,14 @@ pub(in crate::drills) struct CoordinatorKill;
 
 #[async_trait::async_trait]
 impl Drill for CoordinatorKill {
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it SIGKILLs a coordinator (of several behind a front); `tandem up` stops the whole cluster when any of its processes exits")
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        let n = c.coordinators().count();
+        own_cluster(&format!(
+            "it SIGKILLs one of several coordinators behind a round-robin front, which sends new requests on to \
+             the others; this cluster has {n} coordinator{} and no front (`tandem up` runs one), so the kill would \
+             drop every client",
+            if n == 1 { "" } else { "s" }
+        ))
     }
 
     fn info(&self) -> DrillInfo {

@@ -9,7 +9,7 @@ use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::drills::common::{
     busy_decoder, counter_reaches, open_stream, probe, serving_becomes, LOAD_WAIT, MEMBERSHIP,
 };
-use crate::drills::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::drills::{at_least, own_cluster, supervisor_restarts, Drill, DrillInfo, Evidence, Exit, Progress, Setup};
 use crate::invariants::Invariants;
 use crate::process::Signal;
 use crate::{eventually, HarnessError};
@@ -19,8 +19,23 @@ pub(in crate::drills) struct RollingDrain;
 
 #[async_trait::async_trait]
 impl Drill for RollingDrain {
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it drains and restarts every worker; `tandem up` stops the whole cluster when one exits")
+    /// Against a supervised cluster the supervisor starts each drained worker again (only
+    /// under `--restart always`: a drained worker exits 0), on the same flags and group.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        let why = "one drains while its twin serves, so every request completes";
+        let reasons: Vec<String> = [
+            supervisor_restarts(c, Exit::Drained),
+            at_least(c, Role::Prefill, 2, why),
+            at_least(c, Role::Decode, 2, why),
+        ]
+        .into_iter()
+        .filter_map(Result::err)
+        .collect();
+        if reasons.is_empty() {
+            Ok(())
+        } else {
+            Err(reasons.join("; "))
+        }
     }
 
     fn info(&self) -> DrillInfo {
@@ -73,7 +88,8 @@ impl Drill for RollingDrain {
                     continue;
                 }
             }
-            if let Err(e) = serving_becomes(c, role, 2.0, Duration::from_secs(20)).await {
+            let n = c.workers_of(role).count() as f64;
+            if let Err(e) = serving_becomes(c, role, n, Duration::from_secs(20)).await {
                 ev.missing.push(format!("after restarting {name}: {e}"));
             }
         }
@@ -122,7 +138,10 @@ async fn registered_group(c: &Cluster, name: &str) -> Result<String, HarnessErro
 #[async_trait::async_trait]
 impl Drill for VersionRelabel {
     fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it drains a worker and restarts it in another version group")
+        own_cluster(
+            "it starts a drained worker again in another version group (g2 to g1); a running cluster's \
+             supervisor restarts a worker with the flags it chose, in the same group",
+        )
     }
 
     fn info(&self) -> DrillInfo {
@@ -257,7 +276,10 @@ const LONG_STREAM_LOAD: usize = 2;
 #[async_trait::async_trait]
 impl Drill for DrainGraceShort {
     fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it drains (SIGTERM) a worker with a short grace, which exits; `tandem up` stops the whole cluster when any of its processes exits")
+        own_cluster(
+            "its victim must drain with --shutdown-timeout-ms 1000, far shorter than its answers, and its exit is \
+             timed against that grace; `tandem up` chose every worker's grace and the state file does not say it",
+        )
     }
 
     fn info(&self) -> DrillInfo {

@@ -5,8 +5,8 @@ use loadgen::Report;
 use std::time::Duration;
 
 use crate::cluster::{Cluster, ClusterSpec, Role};
-use crate::drills::common::{busy_decoder, decode_metrics, gone, LOAD_WAIT};
-use crate::drills::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::drills::common::{await_supervisor, busy_decoder, decode_metrics, gone, LOAD_WAIT};
+use crate::drills::{at_least, own_cluster, supervisor_restarts, Drill, DrillInfo, Evidence, Exit, Progress, Setup};
 use crate::invariants::Invariants;
 use crate::process::{socket_owner, Signal};
 use crate::proxy::Fault;
@@ -17,8 +17,11 @@ pub(in crate::drills) struct DecodeKill;
 
 #[async_trait::async_trait]
 impl Drill for DecodeKill {
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it SIGKILLs a decode worker; `tandem up` stops the whole cluster when any of its processes exits")
+    /// Against a supervised cluster: the supervisor starts the victim again, and the drill
+    /// waits for that before it judges.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        at_least(c, Role::Decode, 2, "one to kill, one to finish the load")?;
+        supervisor_restarts(c, Exit::Killed)
     }
 
     fn info(&self) -> DrillInfo {
@@ -47,12 +50,13 @@ impl Drill for DecodeKill {
         // The first decode worker seen running a request is the victim.
         let name = busy_decoder(c, LOAD_WAIT).await?;
         let pid = c.worker(&name)?.proc.pid;
+        ev.notes.push(format!("{name} (pid {pid}) was running a request"));
+        ev.victim = Some((name.clone(), pid));
         if !skip {
             ev.began();
             c.signal(&name, Signal::Kill)?;
+            await_supervisor(c, &name, pid, &mut ev).await;
         }
-        ev.notes.push(format!("{name} (pid {pid}) was running a request"));
-        ev.victim = Some((name, pid));
         Ok(ev)
     }
 
@@ -60,6 +64,9 @@ impl Drill for DecodeKill {
         let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
         if !gone(pid) {
             return Err(format!("decode worker {name} (pid {pid}) is still running"));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("{}; pid {pid} is gone, but {}", ev.notes.join("; "), ev.missing.join("; ")));
         }
         Ok(format!("{}; pid {pid} is gone from /proc", ev.notes.join("; ")))
     }
@@ -94,7 +101,11 @@ async fn policy_outcomes(m: &str, policy: &str) -> Result<f64, HarnessError> {
 #[async_trait::async_trait]
 impl Drill for PrefillKill {
     fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it SIGKILLs a prefill worker; `tandem up` stops the whole cluster when any of its processes exits")
+        own_cluster(
+            "it kills the prefill worker whose KV push a fault proxy on the decode worker's KV link holds \
+             mid-transfer; a running cluster's KV link has no such proxy (`tandem up` moves KV over shared memory \
+             by default), so the moment it strikes at cannot be made",
+        )
     }
 
     fn info(&self) -> DrillInfo {
