@@ -69,6 +69,7 @@ impl DecodeWorker for EchoDecoder {
             kv_blocks_used: 17,
             running: 2,
             waiting: 1,
+            preemptions: 3,
         }))
     }
 }
@@ -132,6 +133,7 @@ async fn decode_worker_streams_tokens_and_reports_health_over_tcp() -> TestResul
             kv_blocks_used: 17,
             running: 2,
             waiting: 1,
+            preemptions: 3,
         }
     );
 

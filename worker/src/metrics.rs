@@ -31,6 +31,15 @@ pub const REQUESTS_RUNNING: &str = "tandem_num_requests_running";
 /// vLLM: `vllm:num_requests_waiting`.
 pub const REQUESTS_WAITING: &str = "tandem_num_requests_waiting";
 
+/// `tandem_num_preemptions_total{reason}`: sequences the engine preempted
+/// since start. `reason="kv_exhausted"`: the KV pool ran out during a step
+/// and the most recently admitted sequence was evicted, to be recomputed
+/// (the engine has no other kind of preemption). Rising under load means
+/// the pool is too small for `max_running`. vLLM: `vllm:num_preemptions_total`.
+pub const PREEMPTIONS: &str = "tandem_num_preemptions_total";
+/// The `reason` of every preemption the engine makes today.
+pub const PREEMPTION_KV_EXHAUSTED: &str = "kv_exhausted";
+
 /// `tandem_worker_fenced`: 1 while the worker is fenced (its etcd lease is
 /// lost or in doubt: it takes no new work until it has re-registered), else 0.
 /// vLLM: none.
@@ -80,8 +89,10 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     describe_gauge!(REQUESTS_WAITING, "Requests waiting for a running seat.");
     describe_gauge!(FENCED, "1 while fenced: the etcd lease is lost or in doubt, no new work is taken.");
     describe_counter!(FENCES, "Times this worker fenced itself.");
+    describe_counter!(PREEMPTIONS, "Sequences preempted (evicted, to be recomputed), by reason.");
     gauge!(FENCED).set(0.0);
     counter!(FENCES).absolute(0);
+    counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(0);
     Ok(addr)
 }
 
@@ -115,4 +126,5 @@ pub fn record_stats(s: &engine::runner::RunnerStats) {
     gauge!(KV_BLOCKS_USED).set(s.kv.used as f64);
     gauge!(REQUESTS_RUNNING).set(s.running as f64);
     gauge!(REQUESTS_WAITING).set(s.waiting as f64);
+    counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(s.preemptions);
 }

@@ -461,3 +461,35 @@ async fn beyond_the_buffer_requests_are_refused_as_overloaded() -> TestResult {
     }
     assert_no_kv_left("after overload", &decode).await
 }
+
+/// A KV pool too small for the batch's growth makes the engine preempt
+/// (evict by recompute); the decode worker exports the count as
+/// `tandem_num_preemptions_total{reason="kv_exhausted"}` and in its Health
+/// reply, and every request still ends with all its tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preemptions_under_a_tiny_kv_pool_are_exported() -> TestResult {
+    // 8 blocks of 16 tokens; four requests of ~20 prompt + 40 generated tokens need 16.
+    let w = decode_worker(GROUP, &["--kv-blocks", "8", "--kv-load-failure-policy", "recompute"])?;
+    let tok = common::tokenizer()?;
+    let series = format!("{}{{reason=\"{}\"}}", worker::metrics::PREEMPTIONS, worker::metrics::PREEMPTION_KV_EXHAUSTED);
+    let metrics = w.addr("metrics")?;
+    assert_eq!(sample(&scrape(metrics)?, &series), Some(0.0), "the series exists, at 0, before any request");
+    let mut runs = Vec::new();
+    for (i, n) in [17, 19, 21, 23].into_iter().enumerate() {
+        let mut c = client(&w).await?;
+        let mut req = request(&format!("p{i}"), &prompt_of(&tok, n)?, Vec::new());
+        req.sampling = Some((&common::greedy(40)).into());
+        runs.push(tokio::spawn(async move { generate(&mut c, req).await }));
+    }
+    for r in runs {
+        let o = r.await??;
+        let f = o.end.map_err(|e| format!("a request failed: {e:?}"))?;
+        assert_eq!((o.tokens.len(), f.generated_tokens), (40, 40), "every request ends with all its tokens");
+    }
+    let mut c = client(&w).await?;
+    let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
+    assert!(h.preemptions > 0, "16 blocks of demand on an 8-block pool preempted nothing: {h:?}");
+    let exported = wait_metric(metrics, &series, |v| v > 0.0).await?;
+    assert_eq!(exported, h.preemptions as f64, "the metric and Health agree");
+    assert_no_kv_left("after preemptions", &w).await
+}

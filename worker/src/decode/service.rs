@@ -788,6 +788,7 @@ impl DecodeWorker for DecodeService {
             h.kv_blocks_total = s.kv.total as u32;
             h.kv_blocks_used = s.kv.used as u32;
             h.running = s.running as u32;
+            h.preemptions = s.preemptions;
             h.waiting = s.waiting as u32 + self.inner.pending_remote.load(Ordering::SeqCst) as u32;
         }
         Ok(Response::new(h))

@@ -496,6 +496,7 @@ impl PrefillWorker for PrefillService {
             h.kv_blocks_total = s.kv.total as u32;
             h.kv_blocks_used = s.kv.used as u32;
             h.running = s.running as u32;
+            h.preemptions = s.preemptions;
             h.waiting = s.waiting as u32;
         }
         Ok(Response::new(h))
