@@ -30,6 +30,9 @@ readonly NEEDS=(
   "command -v etcdctl|etcd-client"
   "command -v ip|iproute2"
   "command -v iptables|iptables"
+  # promtool checks and unit-tests deploy/prometheus (tandem/tests/deploy.rs); the package
+  # also brings the prometheus server, which the cluster test of the rules runs itself.
+  "command -v promtool && command -v prometheus|prometheus"
 )
 
 missing=()
@@ -47,4 +50,15 @@ if [[ ${#missing[@]} == 0 ]]; then
   log "all system dependencies present"
   exit 0
 fi
+# Debian's prometheus postinst starts and enables a server on :9090. We only want the
+# binaries: deny service starts during the install (policy-rc.d, when none is there
+# already), and disable the unit afterwards on a systemd host.
+if [[ " ${missing[*]} " == *" prometheus "* && ! -e /usr/sbin/policy-rc.d ]]; then
+  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+  chmod +x /usr/sbin/policy-rc.d
+  trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+fi
 apt_install "${missing[@]}"
+if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
+  systemctl disable --now prometheus.service >&2 || true
+fi
