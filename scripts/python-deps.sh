@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A Python virtual environment with what the tests and tours use from PyPI
-# (the official `openai` client), under $TANDEM_CACHE/venv. Idempotent: a
+# (the official `openai` client; `kubernetes-validate`, which checks deploy/k8s against the
+# Kubernetes schemas offline), under $TANDEM_CACHE/venv. Idempotent: a
 # quick import check when it is already there. The last line on stdout is the
 # venv's python.
 set -euo pipefail
@@ -9,12 +10,14 @@ LOG_PREFIX=python-deps
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-# Pinned: the client whose behaviour the compatibility test checks.
-readonly PACKAGES=("openai==2.54.0")
+# Pinned: the client whose behaviour the compatibility test checks, and the schema
+# validator (with the Kubernetes schemas it bundles) tandem/tests/deploy.rs runs.
+readonly PACKAGES=("openai==2.54.0" "kubernetes-validate==1.37.0")
 readonly VENV="$TANDEM_CACHE/venv"
 readonly PY="$VENV/bin/python"
 
-if [[ -x $PY ]] && "$PY" -c 'import openai, sys; sys.exit(openai.__version__ != "2.54.0")' 2>/dev/null; then
+if [[ -x $PY ]] && "$PY" -c 'import openai, sys; sys.exit(openai.__version__ != "2.54.0")' 2>/dev/null \
+  && [[ $("$VENV/bin/kubernetes-validate" --version 2>/dev/null) == *1.37.0* ]]; then
   echo "$PY"
   exit 0
 fi
