@@ -1,0 +1,285 @@
+//! deploy/ cannot drift from the code or rot unchecked:
+//!
+//! - Prometheus: `promtool check rules` / `check config` and `promtool test rules` pass;
+//!   every alert has a firing unit test, a `runbook_url` naming docs/runbooks/<alert>.md,
+//!   and that page exists; every page has an alert and names only drills that
+//!   `tandem drill --list` has; every `tandem_*` metric the rules or the Grafana dashboard
+//!   query is an exported `pub const NAME: &str = "tandem_..."`, every non-target label
+//!   matcher names a label and value the sources use, and every `tandem:*` series the
+//!   dashboard reads is recorded by the rules.
+//! - Kubernetes: `kubectl kustomize deploy/k8s/overlays/example` renders, the output
+//!   validates against the Kubernetes schemas (`kubernetes-validate`, from the venv of
+//!   scripts/python-deps.sh; CRDs such as ServiceMonitor and ScaledObject have no schema
+//!   there and are skipped by it), and the manifests agree with the binaries: every flag
+//!   in a container's args is in that binary's `--help`, every probe names a port the
+//!   container declares and an HTTP path the process serves, the pod's grace period
+//!   exceeds `--shutdown-timeout-ms`, and the version-group pod label equals
+//!   `--version-group`.
+//!
+//! Tools missing (promtool, kubectl, the venv) fail the tests with how to get them; none
+//! is skipped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tandem/ lies inside the workspace").to_path_buf()
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+}
+
+const RULES: &str = "deploy/prometheus/tandem-rules.yml";
+const RULE_TESTS: &str = "deploy/prometheus/tests";
+const DASHBOARD: &str = "deploy/grafana/tandem.json";
+const RUNBOOKS: &str = "docs/runbooks";
+
+/// Runs `cmd` in the repository root; panics with its output unless it succeeds.
+fn run_ok(cmd: &mut Command, what: &str) -> String {
+    let out = cmd.current_dir(root()).output().unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn promtool() -> Command {
+    let found = Command::new("sh").args(["-c", "command -v promtool"]).output().is_ok_and(|o| o.status.success());
+    assert!(found, "promtool not found: run `make deps` (scripts/deps.sh installs Debian's `prometheus` package)");
+    Command::new("promtool")
+}
+
+/// Files of `dir` (relative to the root) whose name ends with `suffix`, sorted.
+fn files(dir: &str, suffix: &str) -> Vec<PathBuf> {
+    let dir = root().join(dir);
+    let mut out: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("listing {}: {e}", dir.display()))
+        .map(|e| e.expect("a directory entry").path())
+        .filter(|p| p.to_string_lossy().ends_with(suffix))
+        .collect();
+    out.sort();
+    out
+}
+
+/// The alerts of the rules file: name -> the `runbook_url`s of its rules (one per rule).
+fn alerts() -> BTreeMap<String, Vec<String>> {
+    let text = read(&root().join(RULES));
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in text.lines() {
+        let t = line.trim();
+        if let Some(name) = t.strip_prefix("- alert:") {
+            let name = name.trim().to_owned();
+            out.entry(name.clone()).or_default();
+            current = Some(name);
+        } else if t.starts_with("- record:") {
+            current = None;
+        } else if let (Some(url), Some(name)) = (t.strip_prefix("runbook_url:"), &current) {
+            out.get_mut(name).expect("entered above").push(url.trim().trim_matches('"').to_owned());
+        }
+    }
+    assert!(!out.is_empty(), "{RULES} has no `- alert:`");
+    out
+}
+
+/// `pub const NAME: &str = "tandem_..."` values in every workspace crate's src/.
+fn exported_metrics() -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for file in source_files() {
+        for line in read(&file).lines() {
+            let line = line.trim();
+            if line.starts_with("pub const ") && line.contains(": &str = \"tandem_") {
+                out.insert(line.split('"').nth(1).expect("a quoted name").to_owned());
+            }
+        }
+    }
+    assert!(!out.is_empty(), "found no `pub const NAME: &str = \"tandem_...\"` in any crate's src/");
+    out
+}
+
+/// Every `.rs` file under each workspace member's src/.
+fn source_files() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for entry in entries {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|x| x == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    let toml = read(&root().join("Cargo.toml"));
+    let line = toml.lines().find(|l| l.trim_start().starts_with("members")).expect("a `members = [...]` line");
+    let mut out = Vec::new();
+    for member in line.split('"').skip(1).step_by(2) {
+        walk(&root().join(member).join("src"), &mut out);
+    }
+    out
+}
+
+/// Every maximal `[a-z0-9_:]` token of `text` that starts with `prefix`.
+fn tokens<'a>(text: &'a str, prefix: &str) -> BTreeSet<&'a str> {
+    let word = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == ':';
+    let mut out = BTreeSet::new();
+    for (i, _) in text.match_indices(prefix) {
+        if text[..i].ends_with(|c: char| word(c) || c.is_ascii_uppercase()) {
+            continue;
+        }
+        let len = text[i..].find(|c: char| !word(c)).unwrap_or(text.len() - i);
+        out.insert(&text[i..i + len]);
+    }
+    out
+}
+
+/// The metric names of `text` that are not exported constants (histogram series map to
+/// their base name).
+fn unknown_metrics(text: &str, exported: &BTreeSet<String>) -> Vec<String> {
+    tokens(text, "tandem_")
+        .into_iter()
+        // A prefix in a regex or prose (`tandem_.+_total`) names no metric.
+        .filter(|name| !name.ends_with('_'))
+        .map(|name| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .filter(|b| exported.contains(*b))
+                .unwrap_or(name)
+        })
+        .filter(|n| !exported.contains(*n))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn promtool_checks_the_rules_and_config_and_every_unit_test_passes() {
+    run_ok(promtool().args(["check", "rules", RULES]), "promtool check rules");
+    run_ok(promtool().args(["check", "config", "deploy/prometheus/prometheus.example.yml"]), "promtool check config");
+    let tests = files(RULE_TESTS, ".yml");
+    assert!(!tests.is_empty(), "no unit tests in {RULE_TESTS}");
+    run_ok(promtool().args(["test", "rules"]).args(&tests), "promtool test rules");
+}
+
+#[test]
+fn every_alert_has_a_firing_unit_test_and_its_runbook() {
+    let alerts = alerts();
+    // Alert names with at least one expected firing alert in some alert_rule_test.
+    let mut fired = BTreeSet::new();
+    for file in files(RULE_TESTS, ".yml") {
+        let text = read(&file);
+        let mut current = None;
+        for line in text.lines() {
+            let t = line.trim();
+            if let Some(name) = t.strip_prefix("alertname:") {
+                current = Some(name.trim().to_owned());
+            } else if t.starts_with("- exp_labels:") {
+                fired.extend(current.clone());
+            }
+        }
+    }
+    let mut problems = Vec::new();
+    for (name, urls) in &alerts {
+        if !fired.contains(name) {
+            problems.push(format!("{name}: no unit test in {RULE_TESTS} expects it to fire"));
+        }
+        let want = format!("{RUNBOOKS}/{name}.md");
+        if urls.is_empty() || urls.iter().any(|u| *u != want) {
+            problems.push(format!("{name}: runbook_url {urls:?}, want `{want}` on every rule"));
+        }
+        if !root().join(&want).is_file() {
+            problems.push(format!("{name}: no runbook {want}"));
+        }
+    }
+    let unknown: Vec<_> = fired.difference(&alerts.keys().cloned().collect()).cloned().collect();
+    assert!(unknown.is_empty(), "unit tests name alerts the rules do not have: {unknown:?}");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn every_runbook_has_an_alert_and_names_only_real_drills() {
+    let alerts = alerts();
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem")).args(["drill", "--list"]).output().expect("run tandem drill --list");
+    assert!(out.status.success(), "tandem drill --list failed: {}", String::from_utf8_lossy(&out.stderr));
+    let drills: BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_owned)
+        .collect();
+    assert!(!drills.is_empty(), "tandem drill --list printed no drill");
+    let index = read(&root().join(RUNBOOKS).join("README.md"));
+    let mut problems = Vec::new();
+    for page in files(RUNBOOKS, ".md") {
+        let name = page.file_stem().expect("a file name").to_string_lossy().into_owned();
+        if name == "README" {
+            continue;
+        }
+        if !alerts.contains_key(&name) {
+            problems.push(format!("{RUNBOOKS}/{name}.md has no alert of that name in {RULES}"));
+        }
+        let text = read(&page);
+        if !text.starts_with(&format!("# {name}\n")) {
+            problems.push(format!("{name}.md does not start with `# {name}`"));
+        }
+        let Some(rehearsed) = text.split("## Rehearsed by").nth(1) else {
+            problems.push(format!("{name}.md has no `## Rehearsed by` section"));
+            continue;
+        };
+        let rehearsed = rehearsed.split("\n## ").next().unwrap_or_default();
+        // "Drill `x`" / "drill `x`": each must exist; a page without one says "None".
+        let named: Vec<&str> = rehearsed
+            .split("rill `")
+            .skip(1)
+            .map(|s| s.split('`').next().unwrap_or_default())
+            .collect();
+        if named.is_empty() && !rehearsed.trim_start().starts_with("None") {
+            problems.push(format!("{name}.md: `Rehearsed by` names no drill and does not say None"));
+        }
+        for d in named {
+            if !drills.contains(d) {
+                problems.push(format!("{name}.md names drill `{d}`, which `tandem drill --list` does not have"));
+            }
+        }
+    }
+    for name in alerts.keys() {
+        if !index.contains(&format!("[{name}.md]({name}.md)")) {
+            problems.push(format!("{RUNBOOKS}/README.md does not link {name}.md"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_rules_query_only_exported_metrics_and_labels_the_code_sets() {
+    let exported = exported_metrics();
+    let rules = read(&root().join(RULES));
+    let unknown = unknown_metrics(&rules, &exported);
+    assert!(unknown.is_empty(), "{RULES} queries metrics no crate exports: {unknown:?}");
+
+    // Label matchers other than the target labels and `le` must name a label the code
+    // sets (`"label" =>`) and a value it uses (`"value"` in some source).
+    let sources: String = source_files().iter().map(|f| read(f)).collect();
+    let target_labels = ["role", "component", "version_group", "job", "instance", "le", "__name__"];
+    let mut problems = Vec::new();
+    for expr_line in rules.lines().filter(|l| !l.trim_start().starts_with('#')) {
+        for (i, _) in expr_line.match_indices('{') {
+            let Some(end) = expr_line[i..].find('}') else { continue };
+            for matcher in expr_line[i + 1..i + end].split(',') {
+                let Some((label, value)) = matcher.split_once('=') else { continue };
+                let (label, value) = (label.trim().trim_end_matches('!'), value.trim_start_matches(['~', '=']));
+                let value = value.trim().trim_matches('"');
+                if label.is_empty() || label.contains(['$', ' ', '.']) || target_labels.contains(&label) {
+                    continue;
+                }
+                if !sources.contains(&format!("\"{label}\" =>")) {
+                    problems.push(format!("label `{label}` (in `{}`) is set by no source", matcher.trim()));
+                }
+                if !sources.contains(&format!("\"{value}\"")) {
+                    problems.push(format!("value `{value}` of `{label}` is used by no source"));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
