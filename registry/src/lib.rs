@@ -24,13 +24,13 @@
 //!   has a timeout and failures are typed ([`RegistryError`]).
 //!
 //! # Fencing rule
-//! A worker takes new work only while its [`Registration`] reads [`Fence::Serving`]. The
-//! keeper flips to [`Fence::Fenced`] when etcd answers a keepalive with TTL 0, when no
-//! keepalive has been acknowledged for 9/10 of the TTL (counted from the *send* time of the
-//! last acknowledged one, so before etcd can have expired it), or when the key turns out to
-//! belong to someone else. Only after fencing does it grant a new lease and reclaim the key
-//! (a transaction: absent, unleased, or still held by our old lease); then it flips back
-//! to `Serving`. Details in [`registration`].
+//! A worker takes new work only while its [`Registration`] reads [`Fence::Serving`]. An
+//! unreachable etcd fences nothing (static stability: the data plane outlives a control
+//! plane outage). When a reachable etcd says the lease is gone (keepalive TTL 0) or the key
+//! is not ours, the keeper claims the key again under a fresh lease while still serving
+//! (a transaction: absent, unleased, or still held by our old lease); only if another lease
+//! holds it — another process has this id — does it flip to [`Fence::Fenced`] until it
+//! holds the key again. Details in [`registration`].
 //!
 //! # etcd 3.4 caveats (Debian's etcd-server with etcd-client 0.21)
 //! - `KvClient::get_stream` is a 3.7 API ("unknown method RangeStream" on 3.4): listing

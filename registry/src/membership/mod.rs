@@ -44,6 +44,12 @@ pub struct MembershipConfig {
     pub retry_max: Duration,
     /// Keys per `get` page while listing. Default 500.
     pub page_size: i64,
+    /// How long a worker whose key disappeared while it was not draining stays in
+    /// [`MembershipView::departed`] (and so in [`MembershipView::routable`]). Covers the
+    /// gap between etcd expiring a healthy worker's lease during an outage and the worker
+    /// claiming its key again (a keepalive interval plus a claim, about 2 s with 5 s
+    /// leases). Zero: none kept. Default 10 s.
+    pub departed_grace: Duration,
 }
 
 impl MembershipConfig {
@@ -57,6 +63,7 @@ impl MembershipConfig {
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(2),
             page_size: 500,
+            departed_grace: Duration::from_secs(10),
         }
     }
 
@@ -92,7 +99,8 @@ impl Membership {
     /// [`Membership::wait_synced`] to wait for the first list.
     pub async fn start(config: MembershipConfig) -> Result<Self, RegistryError> {
         let prefix = config.validate()?;
-        let (tx, view) = watch::channel(MembershipView::empty());
+        let (tx, view) =
+            watch::channel(MembershipView { departed_grace: config.departed_grace, ..MembershipView::empty() });
         let cancel = CancellationToken::new();
         let silence_timeout = config.silence_timeout;
         let task = tokio::spawn(sync::Syncer::new(config, prefix, tx).run(cancel.clone()));

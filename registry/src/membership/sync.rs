@@ -107,7 +107,11 @@ impl Syncer {
         }
         let now = Instant::now();
         self.view.send_modify(|v| {
+            // Keys that went away while this cache was not watching (an outage, a restart).
+            let gone: Vec<WorkerInfo> =
+                v.workers.iter().filter(|(slot, _)| !workers.contains_key(*slot)).map(|(_, w)| w.clone()).collect();
             v.workers = Arc::new(workers);
+            v.depart(gone, now);
             v.revision = revision;
             v.live = true;
             v.last_contact = Some(now);
@@ -176,6 +180,7 @@ impl Syncer {
             return;
         }
         self.view.send_modify(|v| {
+            let mut gone = Vec::new();
             let workers = Arc::make_mut(&mut v.workers);
             for event in answer.events() {
                 let Some(kv) = event.kv() else { continue };
@@ -192,12 +197,13 @@ impl Syncer {
                         }
                     },
                     EventType::Delete => {
-                        if let Some(slot) = self.slot(kv) {
-                            workers.remove(&slot);
+                        if let Some(w) = self.slot(kv).and_then(|slot| workers.remove(&slot)) {
+                            gone.push(w);
                         }
                     }
                 }
             }
+            v.depart(gone, now);
             v.revision = v.revision.max(revision);
             v.live = true;
             v.last_contact = Some(now);

@@ -14,6 +14,10 @@ use crate::{Role, WorkerInfo};
 #[derive(Clone, Debug)]
 pub struct MembershipView {
     pub(super) workers: Arc<BTreeMap<(Role, String), WorkerInfo>>,
+    /// Workers whose key went away while they were not draining, and when this cache saw it;
+    /// read through [`MembershipView::departed`] within `departed_grace`.
+    pub(super) departed: Arc<BTreeMap<(Role, String), (WorkerInfo, Instant)>>,
+    pub(super) departed_grace: Duration,
     pub(super) revision: i64,
     pub(super) live: bool,
     pub(super) last_contact: Option<Instant>,
@@ -22,12 +26,53 @@ pub struct MembershipView {
 
 impl MembershipView {
     pub(super) fn empty() -> Self {
-        Self { workers: Arc::default(), revision: 0, live: false, last_contact: None, resyncs: 0 }
+        Self {
+            workers: Arc::default(),
+            departed: Arc::default(),
+            departed_grace: Duration::ZERO,
+            revision: 0,
+            live: false,
+            last_contact: None,
+            resyncs: 0,
+        }
+    }
+
+    /// Records that the workers in `gone` left the registry now: the not-draining ones are
+    /// kept as departed for the grace. A key that comes back leaves the departed set.
+    pub(super) fn depart(&mut self, gone: impl IntoIterator<Item = WorkerInfo>, now: Instant) {
+        let grace = self.departed_grace;
+        let departed = Arc::make_mut(&mut self.departed);
+        departed.retain(|_, (_, at)| now.saturating_duration_since(*at) < grace);
+        for w in gone {
+            if !w.draining && !grace.is_zero() {
+                departed.insert((w.role, w.id.clone()), (w, now));
+            }
+        }
+        let workers = &self.workers;
+        departed.retain(|slot, _| !workers.contains_key(slot));
     }
 
     /// Every known worker, ordered by role then id.
     pub fn workers(&self) -> impl Iterator<Item = &WorkerInfo> + '_ {
         self.workers.values()
+    }
+
+    /// Workers whose key was deleted (or expired) while they were not draining, within the
+    /// last `departed_grace` (see [`crate::MembershipConfig::departed_grace`]), ordered by
+    /// role then id. A worker that deregisters drains first, so it is never here; one whose
+    /// key comes back leaves at once.
+    pub fn departed(&self) -> impl Iterator<Item = &WorkerInfo> + '_ {
+        let grace = self.departed_grace;
+        self.departed.values().filter(move |(_, at)| at.elapsed() < grace).map(|(w, _)| w)
+    }
+
+    /// The workers a router may consider: [`Self::workers`], then [`Self::departed`].
+    ///
+    /// A departed worker is one that may have lost only its lease, not its health (etcd
+    /// expired it during an outage and it is re-registering); the router must still route
+    /// only to workers that answer its health checks ready.
+    pub fn routable(&self) -> impl Iterator<Item = &WorkerInfo> + '_ {
+        self.workers().chain(self.departed())
     }
 
     /// How many workers are known.
@@ -140,5 +185,29 @@ mod tests {
         assert!(v.contains(Role::Decode, "d1"));
         assert!(!v.contains(Role::Prefill, "d1"));
         assert_eq!(v.len(), 5);
+    }
+
+    #[test]
+    fn departed_workers_stay_routable_for_the_grace_unless_draining_or_back() {
+        let mut v = MembershipView { departed_grace: Duration::from_secs(10), ..view(vec![]) };
+        let now = Instant::now();
+        v.depart([worker(Role::Decode, "d0", "a", false), worker(Role::Decode, "d1", "a", true)], now);
+        let ids = |v: &MembershipView| v.routable().map(|w| w.id.clone()).collect::<Vec<_>>();
+        // A draining worker left on purpose: not kept.
+        assert_eq!(ids(&v), ["d0"]);
+        assert_eq!(v.len(), 0, "departed workers are not members");
+        // Back in the registry: a member again, no longer departed.
+        v.workers = Arc::new([((Role::Decode, "d0".to_owned()), worker(Role::Decode, "d0", "a", false))].into());
+        v.depart([], now);
+        assert_eq!(v.departed().count(), 0);
+        assert_eq!(ids(&v), ["d0"]);
+        // Past the grace: gone.
+        v.workers = Arc::default();
+        v.depart([worker(Role::Decode, "d0", "a", false)], now - Duration::from_secs(11));
+        assert_eq!(v.departed().count(), 0);
+        // No grace: nothing kept.
+        v.departed_grace = Duration::ZERO;
+        v.depart([worker(Role::Decode, "d0", "a", false)], now);
+        assert_eq!(v.departed().count(), 0);
     }
 }

@@ -26,6 +26,15 @@ pub(super) struct Lease {
     acked_at: Instant,
 }
 
+/// What a reachable etcd said is gone.
+#[derive(Clone, Copy, Debug)]
+enum Lost {
+    /// A keepalive answered TTL 0: the lease expired or was revoked (and its key with it).
+    LeaseExpired,
+    /// A write found the key deleted or held by another lease.
+    Key,
+}
+
 /// Why the task stops.
 enum Stop {
     /// Cancelled (abandoned or dropped): leave the lease to expire.
@@ -79,19 +88,20 @@ impl Keeper {
     ) {
         tracing::info!(key = %self.key, lease = format_args!("{:x}", lease.id), ttl = ?lease.ttl, "registered");
         let stop = loop {
-            let reason = match self.serve(&lease, &mut commands, &cancel).await {
-                Ok(reason) => reason,
+            let lost = match self.serve(&lease, &mut commands, &cancel).await {
+                Ok(lost) => lost,
                 Err(stop) => break stop,
             };
-            // Fence first: from here until a new lease holds the key, take no new work.
-            fence.send_replace(Fence::Fenced { reason });
-            tracing::warn!(key = %self.key, lease = format_args!("{:x}", lease.id), ?reason, "fenced; re-registering");
-            lease = match self.reregister(lease.id, &mut commands, &cancel).await {
+            // etcd answered: the lease or the key is gone. Still serving: the worker did
+            // nothing wrong, and unless another lease holds the key nobody else has its id.
+            tracing::warn!(key = %self.key, lease = format_args!("{:x}", lease.id), ?lost, "lease or key lost; claiming the key again");
+            lease = match self.reclaim(lease.id, &fence, &mut commands, &cancel).await {
                 Ok(new) => new,
                 Err(stop) => break stop,
             };
+            let was_fenced = !fence.borrow().is_serving();
             fence.send_replace(Fence::Serving { lease_id: lease.id });
-            tracing::info!(key = %self.key, lease = format_args!("{:x}", lease.id), "re-registered");
+            tracing::info!(key = %self.key, lease = format_args!("{:x}", lease.id), was_fenced, "re-registered");
         };
         fence.send_replace(Fence::Stopped);
         if let Stop::Deregister(reply) = stop {
@@ -102,17 +112,19 @@ impl Keeper {
         }
     }
 
-    /// Keeps `lease` alive and serves commands until the lease is (or may be) lost.
+    /// Keeps `lease` alive and serves commands until a reachable etcd says the lease or the
+    /// key is gone. An unreachable etcd ends nothing: the worker serves on (static
+    /// stability) and keeps trying, however long it lasts.
     async fn serve(
         &mut self,
         lease: &Lease,
         commands: &mut mpsc::Receiver<Command>,
         cancel: &CancellationToken,
-    ) -> Result<FenceReason, Stop> {
+    ) -> Result<Lost, Stop> {
         let interval = lease.ttl / 3;
         // etcd refreshed the lease no earlier than we sent the keepalive, so it cannot expire
-        // before `sent + ttl`; fencing a tenth earlier keeps "fenced before gone".
-        let fence_after = lease.ttl - lease.ttl / 10;
+        // before `sent + ttl`: only past that may it be gone. Logged once per silence.
+        let mut lapse_logged = false;
         let op_timeout = interval.min(self.config.etcd.request_timeout);
         let mut acked_at = lease.acked_at;
         let mut stream: Option<KeepAlive> = None;
@@ -127,15 +139,19 @@ impl Keeper {
                     Ok(Some(answer)) if answer.ttl() > 0 => {
                         if let Some(sent) = pending.take() {
                             acked_at = acked_at.max(sent);
+                            lapse_logged = false;
                         }
                     }
-                    Ok(Some(_)) => return Ok(FenceReason::LeaseExpired),
+                    Ok(Some(_)) => return Ok(Lost::LeaseExpired),
                     Ok(None) | Err(_) => {
                         tracing::debug!(key = %self.key, "keepalive stream ended; reopening");
                         (stream, pending, self.client) = (None, None, None);
                     }
                 },
-                () = tokio::time::sleep_until(acked_at + fence_after) => return Ok(FenceReason::Unreachable),
+                () = tokio::time::sleep_until(acked_at + lease.ttl), if !lapse_logged => {
+                    lapse_logged = true;
+                    tracing::warn!(key = %self.key, ttl = ?lease.ttl, "no keepalive acknowledged for the lease TTL: etcd is unreachable and may expire the lease; serving on");
+                }
                 cmd = commands.recv() => match cmd {
                     None => return Err(Stop::Exit),
                     Some(Command::Deregister(reply)) => return Err(Stop::Deregister(reply)),
@@ -148,7 +164,7 @@ impl Keeper {
                             Ok(false) => {
                                 // Kept in `info`; the re-registration writes it.
                                 let _ = reply.send(Ok(()));
-                                return Ok(FenceReason::KeyLost);
+                                return Ok(Lost::Key);
                             }
                             Err(e) => {
                                 self.client = None;
@@ -174,9 +190,10 @@ impl Keeper {
                             // Opening sends one keepalive and waits for its answer.
                             Ok(Some(s)) => {
                                 acked_at = acked_at.max(sent);
+                                lapse_logged = false;
                                 stream = Some(s);
                             }
-                            Ok(None) => return Ok(FenceReason::LeaseExpired),
+                            Ok(None) => return Ok(Lost::LeaseExpired),
                             Err(e) => {
                                 tracing::debug!(key = %self.key, error = %e, "opening keepalive failed");
                                 self.client = None;
@@ -188,16 +205,23 @@ impl Keeper {
         }
     }
 
-    /// Retries registration with bounded backoff until it succeeds or the task is stopped.
-    async fn reregister(
+    /// Claims the key again under a fresh lease, retrying with bounded backoff until it
+    /// succeeds or the task is stopped. Fences only while another lease holds the key:
+    /// then another process has this worker's id. An etcd error is no such answer: the
+    /// worker serves on and retries.
+    async fn reclaim(
         &mut self,
         old: i64,
+        fence: &watch::Sender<Fence>,
         commands: &mut mpsc::Receiver<Command>,
         cancel: &CancellationToken,
     ) -> Result<Lease, Stop> {
         let mut backoff = Backoff::new(self.config.retry_min, self.config.retry_max);
+        let mut first = true;
         loop {
-            let wake = tokio::time::sleep(backoff.next_delay());
+            // The first attempt at once: a healthy worker's key is absent only briefly.
+            let wake = tokio::time::sleep(if first { Duration::ZERO } else { backoff.next_delay() });
+            first = false;
             tokio::pin!(wake);
             loop {
                 tokio::select! {
@@ -207,6 +231,7 @@ impl Keeper {
                         None => return Err(Stop::Exit),
                         Some(Command::Deregister(reply)) => return Err(Stop::Deregister(reply)),
                         Some(Command::SetDraining(draining, reply)) => {
+                            // Written by the claim.
                             self.info.draining = draining;
                             let _ = reply.send(Ok(()));
                         }
@@ -216,7 +241,14 @@ impl Keeper {
             }
             match self.try_register(Some(old)).await {
                 Ok(lease) => return Ok(lease),
-                Err(e) => tracing::warn!(key = %self.key, error = %e, "re-registration failed; retrying"),
+                // Lease 0: the key moved under us three times; no holder to name, so no answer yet.
+                Err(RegistryError::KeyHeld { lease: holder, .. }) if holder != 0 => {
+                    if fence.borrow().is_serving() {
+                        fence.send_replace(Fence::Fenced { reason: FenceReason::KeyTaken { lease: holder } });
+                        tracing::warn!(key = %self.key, holder = format_args!("{holder:x}"), "fenced: another lease holds this worker's key; taking no new work");
+                    }
+                }
+                Err(e) => tracing::warn!(key = %self.key, error = %e, "re-registration failed; serving on and retrying"),
             }
         }
     }

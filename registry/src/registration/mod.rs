@@ -1,18 +1,23 @@
 //! A worker's registration: its [`WorkerInfo`] under a lease, kept alive by one owned task.
 //!
-//! # Fencing
+//! # Fencing, and static stability
 //! The task publishes a [`Fence`] on a `watch` channel. The worker accepts new work only
-//! while it reads [`Fence::Serving`]. The task flips it to [`Fence::Fenced`] as soon as
-//! the lease is or may be gone:
-//! - a keepalive answer says TTL 0 (the lease expired or was revoked);
-//! - no keepalive has been acknowledged for nine tenths of the TTL, counted from when the
-//!   last acknowledged keepalive was *sent* (etcd cannot have expired the lease earlier
-//!   than that, so the worker stops taking work before anyone may see it gone);
-//! - a write of the worker's key finds it owned by another lease or deleted.
+//! while it reads [`Fence::Serving`]. etcd is the control plane, not the data plane: a
+//! worker that cannot reach it keeps serving, however long that lasts (coordinators route
+//! from their cached membership to workers that answer their health checks; see
+//! `docs/REGISTRY.md` for the bound and the split-brain argument). So the task fences
+//! only on an *answer* from etcd:
+//! - a keepalive answers TTL 0 (the lease expired or was revoked), or a write finds the key
+//!   deleted or held by another lease: the task claims the key again at once under a fresh
+//!   lease, still serving. If the key is free that succeeds and nothing changes for the
+//!   worker: nobody else has its id. If another lease holds the key, another process
+//!   registered this id: the task flips to [`Fence::Fenced`] ([`FenceReason::KeyTaken`])
+//!   and stays there until it holds the key again.
+//! - An etcd that does not answer (down, paused, partitioned) fences nothing; the task keeps
+//!   reopening the keepalive and logs once per silence that the lease may lapse.
 //!
-//! Only then does it grant a fresh lease and claim the key again; after that succeeds it
-//! publishes `Serving` with the new lease id. So between losing a lease and holding a new
-//! one the worker is never `Serving`.
+//! Being cut off from the coordinators is the worker's other reason to fence; the worker
+//! decides that itself (it sees their health checks), not this crate.
 //!
 //! # Claiming the key
 //! The key is written with a transaction that succeeds only if the key is absent, has no
@@ -80,12 +85,13 @@ impl RegistrationConfig {
 /// Whether the worker may take new work.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fence {
-    /// Registered under a live lease: take new work.
+    /// Take new work: registered, or unable to reach etcd (which then may have expired the
+    /// lease; nobody else has claimed the key, or etcd would have said so).
     Serving {
-        /// The lease the key is attached to.
+        /// The last lease granted; the key is attached to it as far as this worker knows.
         lease_id: i64,
     },
-    /// The lease is or may be lost; re-registration is under way. Take no new work.
+    /// Another process holds this worker's key; re-claiming it is under way. Take no new work.
     Fenced {
         /// Why.
         reason: FenceReason,
@@ -112,12 +118,12 @@ impl Fence {
 /// Why a registration fenced itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FenceReason {
-    /// etcd said the lease does not exist (TTL 0): it expired or was revoked.
-    LeaseExpired,
-    /// No keepalive was acknowledged within the TTL; etcd may have expired the lease.
-    Unreachable,
-    /// The key was deleted or taken by another lease.
-    KeyLost,
+    /// A reachable etcd said this registration's lease or key is gone, and the key is held
+    /// by another lease: another process registered this worker id.
+    KeyTaken {
+        /// The lease holding the key.
+        lease: i64,
+    },
 }
 
 enum Command {

@@ -123,3 +123,41 @@ pub async fn key_lease(etcd: &Etcd, key: &str) -> i64 {
 pub async fn client(etcd: &Etcd) -> etcd_client::Client {
     etcd_client::Client::connect(etcd.endpoints(), None).await.expect("connect")
 }
+
+/// Every fence value a registration published, as seen by a task that follows its channel
+/// (a flip back within one scheduling step could coalesce; the keeper holds `Fenced` at
+/// least one retry delay, so it is seen).
+pub struct FenceLog {
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Fence>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FenceLog {
+    pub fn follow(mut rx: watch::Receiver<Fence>) -> Self {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(vec![rx.borrow_and_update().clone()]));
+        let log = seen.clone();
+        let task = tokio::spawn(async move {
+            while rx.changed().await.is_ok() {
+                let f = rx.borrow_and_update().clone();
+                log.lock().unwrap().push(f);
+            }
+        });
+        Self { seen, task }
+    }
+
+    pub fn seen(&self) -> Vec<Fence> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Panics if any value seen so far was not `Serving`.
+    pub fn assert_always_serving(&self, what: &str) {
+        let seen = self.seen();
+        assert!(seen.iter().all(Fence::is_serving), "{what}: the fence left Serving: {seen:?}");
+    }
+}
+
+impl Drop for FenceLog {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
