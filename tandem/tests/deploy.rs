@@ -283,3 +283,74 @@ fn the_rules_query_only_exported_metrics_and_labels_the_code_sets() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// The series names recorded by the rules (`- record: NAME`).
+fn recorded() -> BTreeSet<String> {
+    read(&root().join(RULES))
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- record:"))
+        .map(|n| n.trim().to_owned())
+        .collect()
+}
+
+#[test]
+fn the_dashboard_queries_only_exported_metrics_and_recorded_series() {
+    let text = read(&root().join(DASHBOARD));
+    let dash: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{DASHBOARD} is not JSON: {e}"));
+    let panels = dash["panels"].as_array().unwrap_or_else(|| panic!("{DASHBOARD} has no `panels`"));
+    let (exported, recorded) = (exported_metrics(), recorded());
+    let mut problems = Vec::new();
+    let mut ids = BTreeSet::new();
+    let mut queries = 0;
+    for p in panels {
+        let title = p["title"].as_str().unwrap_or("?");
+        if !ids.insert(p["id"].as_u64().unwrap_or_else(|| panic!("panel `{title}` has no numeric id"))) {
+            problems.push(format!("panel `{title}`: duplicate id {}", p["id"]));
+        }
+        if p["type"] == "row" {
+            continue;
+        }
+        if p["datasource"]["uid"] != "${datasource}" {
+            problems.push(format!("panel `{title}`: datasource is not the ${{datasource}} variable"));
+        }
+        let targets = p["targets"].as_array().map(Vec::as_slice).unwrap_or_default();
+        if targets.is_empty() {
+            problems.push(format!("panel `{title}` has no query"));
+        }
+        for t in targets {
+            let expr = t["expr"].as_str().unwrap_or_default();
+            queries += 1;
+            for m in unknown_metrics(expr, &exported) {
+                problems.push(format!("panel `{title}` queries `{m}`, which no crate exports"));
+            }
+            for r in tokens(expr, "tandem:") {
+                if !recorded.contains(r) {
+                    problems.push(format!("panel `{title}` reads `{r}`, which {RULES} does not record"));
+                }
+            }
+        }
+    }
+    assert!(queries > 0, "{DASHBOARD} has no query");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+
+    // Every query parses as PromQL: promtool checks them as recording rules, with
+    // Grafana's variables replaced by what they expand to.
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (i, expr) in panels.iter().flat_map(|p| p["targets"].as_array().into_iter().flatten()).enumerate() {
+        let expr = expr["expr"].as_str().unwrap_or_default();
+        let expr = expr.replace("$__rate_interval", "5m").replace("$version_group", ".*");
+        rules.push_str(&format!("      - record: dashboard:q{i}\n        expr: {}\n", serde_json::Value::from(expr)));
+    }
+    let file = std::env::temp_dir().join(format!("tandem-dashboard-rules-{}.yml", std::process::id()));
+    std::fs::write(&file, rules).expect("writing the dashboard's queries");
+    let checked = promtool().args(["check", "rules"]).arg(&file).current_dir(root()).output();
+    let _ = std::fs::remove_file(&file);
+    let out = checked.expect("run promtool");
+    assert!(
+        out.status.success(),
+        "a dashboard query is not valid PromQL:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
