@@ -67,6 +67,15 @@ impl Default for RouteSettings {
     }
 }
 
+/// Whether the membership cache is past trusting: etcd has not confirmed it for
+/// `max_stale`. Routing and readiness share this test, so `/ready` and requests
+/// turn together. Workers whose key just went away stay routable for the
+/// cache's departed grace ([`registry::MembershipView::routable`]): only those
+/// answering their health checks get requests (docs/REGISTRY.md).
+fn registry_expired(membership: &registry::Membership, max_stale: Duration) -> bool {
+    !membership.healthy() && membership.last_sync_age().is_none_or(|age| age > max_stale)
+}
+
 /// The worker set and per-worker clients.
 pub struct Cluster {
     source: Source,
@@ -226,7 +235,7 @@ impl Cluster {
                 .collect(),
             Source::Etcd { membership, .. } => membership
                 .view()
-                .workers()
+                .routable()
                 .map(|w| {
                     let kind = if w.role == registry::Role::Decode { Kind::Decode } else { Kind::Prefill };
                     (w.grpc_addr.clone(), kind)
@@ -249,7 +258,7 @@ impl Cluster {
             Source::Static { decode, .. } => decode.clone(),
             Source::Etcd { membership, .. } => membership
                 .view()
-                .workers()
+                .routable()
                 .filter(|w| w.role == registry::Role::Decode && !w.draining)
                 .map(|w| w.grpc_addr.clone())
                 .collect(),
@@ -265,7 +274,7 @@ impl Cluster {
             Source::Static { decode, .. } => decode.len() * STATIC_MAX_RUNNING,
             Source::Etcd { membership, .. } => membership
                 .view()
-                .workers()
+                .routable()
                 .filter(|w| w.role == registry::Role::Decode && !w.draining)
                 .map(|w| w.capacity.max_running as usize)
                 .sum(),
@@ -273,10 +282,11 @@ impl Cluster {
         n.max(1)
     }
 
-    /// Whether the cluster can serve now: etcd reachable (with `--etcd`)
-    /// and a decode worker answering ready, with a ready prefill worker of
-    /// its version group and layout (or none configured in static mode: the decode
-    /// worker prefills). Reads the load board; no I/O. The error says what
+    /// Whether the cluster can serve now: membership within its stale bound
+    /// (with `--etcd`: an etcd blip changes nothing) and a decode worker
+    /// answering ready, with a ready prefill worker of its version group and
+    /// layout (or none configured in static mode: the decode worker
+    /// prefills). Reads the load board; no I/O. The error says what
     /// is missing.
     pub fn ready(&self) -> Result<(), String> {
         let ready = |addr: &str| self.board.get(addr).is_some_and(|l| l.ready && l.reachable);
@@ -290,12 +300,13 @@ impl Cluster {
                 }
                 Ok(())
             }
-            Source::Etcd { membership, .. } => {
-                if !membership.healthy() {
-                    return Err("etcd is unreachable".into());
+            Source::Etcd { membership, max_stale } => {
+                if registry_expired(membership, *max_stale) {
+                    let ms = max_stale.as_millis();
+                    return Err(format!("etcd unreachable past --registry-max-stale-ms ({ms} ms)"));
                 }
                 let view = membership.view();
-                let live = || view.workers().filter(|w| !w.draining && ready(&w.grpc_addr));
+                let live = || view.routable().filter(|w| !w.draining && ready(&w.grpc_addr));
                 let paired = live().filter(|d| d.role == registry::Role::Decode).any(|d| {
                     live().any(|p| {
                         p.role == registry::Role::Prefill
@@ -366,7 +377,7 @@ impl Cluster {
                         .collect(),
                 ),
                 Source::Etcd { membership, max_stale } => {
-                    if !membership.healthy() && membership.last_sync_age().is_none_or(|age| age > *max_stale) {
+                    if registry_expired(membership, *max_stale) {
                         metrics::route_refused("registry_unavailable");
                         return Err(unavailable("registry_unavailable", "the worker registry (etcd) is unreachable"));
                     }
@@ -377,12 +388,12 @@ impl Cluster {
                     let mut pruned = self.pruned.lock().unwrap_or_else(|e| e.into_inner());
                     if mark.1 > 0 && *pruned != mark {
                         let members: std::collections::HashSet<&str> =
-                            view.workers().map(|w| w.grpc_addr.as_str()).collect();
+                            view.routable().map(|w| w.grpc_addr.as_str()).collect();
                         self.breakers.retain(|a| members.contains(a));
                         *pruned = (view.revision(), self.breakers.len());
                     }
                     drop(pruned);
-                    let live = view.workers().filter(|w| !w.draining);
+                    let live = view.routable().filter(|w| !w.draining);
                     let (mut d, mut p) = (Vec::new(), Vec::new());
                     for w in live {
                         let (load, stale) = (loads.get(&w.grpc_addr), loads.stale(&w.grpc_addr));

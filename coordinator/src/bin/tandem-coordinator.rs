@@ -48,9 +48,13 @@ struct Flags {
     /// Cluster prefix of the etcd keys. Env: TANDEM_CLUSTER_PREFIX.
     #[arg(long, env = "TANDEM_CLUSTER_PREFIX", default_value = "tandem")]
     cluster_prefix: String,
-    /// With etcd unreachable, keep routing from the cached membership this
-    /// long, ms; then 503. Env: TANDEM_REGISTRY_MAX_STALE_MS.
-    #[arg(long, env = "TANDEM_REGISTRY_MAX_STALE_MS", default_value_t = 30_000)]
+    /// With etcd unreachable, keep routing from the cached membership (to
+    /// workers that answer their health checks) and stay ready this long
+    /// after etcd last confirmed it, ms; then 503 registry_unavailable and
+    /// /ready 503. A minute outlasts elections, restarts and short partitions;
+    /// docs/REGISTRY.md says why routing on it is safe. Env:
+    /// TANDEM_REGISTRY_MAX_STALE_MS.
+    #[arg(long, env = "TANDEM_REGISTRY_MAX_STALE_MS", default_value_t = 60_000)]
     registry_max_stale_ms: u64,
     /// Decode worker gRPC addresses (repeat or comma-separate), without etcd. Env: TANDEM_DECODE.
     #[arg(long, env = "TANDEM_DECODE", value_delimiter = ',')]

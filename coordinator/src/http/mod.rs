@@ -3,7 +3,7 @@
 //! Routes: `GET /v1/models`, `POST /v1/completions`,
 //! `POST /v1/chat/completions` (JSON or SSE with `stream: true`),
 //! `POST /tokenize`, `POST /detokenize`, `GET /health` (liveness),
-//! `GET /ready` (etcd reachable and a ready prefill/decode pair),
+//! `GET /ready` (membership within its stale bound and a ready prefill/decode pair),
 //! `GET /metrics` (Prometheus). With API keys configured, every route but
 //! health, ready and metrics needs one ([`crate::auth`]).
 //!
