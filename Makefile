@@ -69,10 +69,10 @@ test: deps model
 	export TANDEM_PYTHON="$$python"; \
 	cargo build --workspace --bins && \
 	if cargo nextest --version >/dev/null 2>&1; then \
-		cargo nextest run --workspace --no-fail-fast --no-tests=warn; \
+		cargo nextest run --workspace --features kvtransfer/pool --no-fail-fast --no-tests=warn; \
 	else \
 		echo "cargo-nextest not found; using cargo test" >&2; \
-		cargo test --workspace --no-fail-fast; \
+		cargo test --workspace --features kvtransfer/pool --no-fail-fast; \
 	fi
 
 ## Every failure drill, three times, on fresh local clusters (tandem drill).

@@ -12,7 +12,7 @@
 //! copy and checksum on the way:
 //! - `gather`: `gather_layer_into` then `send_layer`, the sink scattering
 //!   into the pool inline (what `benches/tcp.rs` measures for TCP);
-//! - `direct`: `send_pool_layer` (blocks copied from the pool straight into
+//! - `direct`: `send_stored_blocks` (blocks copied from the pool straight into
 //!   the slots), inline sink;
 //! - `direct, deferred sink`: as `direct`, but the sink hands each payload
 //!   to another thread that scatters it, as the decode worker's sink hands
@@ -58,8 +58,8 @@ impl Variant {
     fn label(self) -> &'static str {
         match self {
             Self::Gather => "pool -> pool, gather + send_layer",
-            Self::Direct => "pool -> pool, send_pool_layer",
-            Self::DirectDeferred => "pool -> pool, send_pool_layer, deferred sink",
+            Self::Direct => "pool -> pool, send_stored_blocks",
+            Self::DirectDeferred => "pool -> pool, send_stored_blocks, deferred sink",
             Self::Memory => "memory -> memory",
         }
     }
@@ -246,7 +246,8 @@ impl Bench {
                     tx.send_layer(r, layer, &k, &vv).await?;
                 }
                 Variant::Direct | Variant::DirectDeferred => {
-                    tx.send_pool_layer(r, layer, &self.pool_a, &self.table_a).await?
+                    let (ks, vs) = layer_bytes(&self.pool_a, layer);
+                    tx.send_stored_blocks(r, layer, 0, ks, vs, &self.table_a).await?
                 }
                 Variant::Memory => {
                     let (k, vv) = &self.layers[layer];
@@ -363,4 +364,18 @@ fn memcpy_run(total: usize, chunk: usize) -> Duration {
     let elapsed = start.elapsed();
     std::hint::black_box(&dst);
     elapsed
+}
+
+/// One layer's K and V storage of `pool` as bytes (native order, little-endian here): what
+/// `LocalKvSender::send_stored_blocks` reads blocks from.
+pub fn layer_bytes(pool: &engine::kv::KvPool, layer: usize) -> (&[u8], &[u8]) {
+    let (k, v) = pool.layer(layer);
+    (slice_bytes(k), slice_bytes(v))
+}
+
+fn slice_bytes(s: kernels::attention::KvSlice<'_>) -> &[u8] {
+    match s {
+        kernels::attention::KvSlice::F32(x) => bytemuck::cast_slice(x),
+        kernels::attention::KvSlice::F16(x) => bytemuck::cast_slice(x),
+    }
 }

@@ -28,7 +28,6 @@ use common::{
     cpu_seconds, dst_sink, expected_dst, frame_payload, frame_sizes, gbps, lock, peer, rates, read_into, write_layers,
     Res, BLOCKS, LAYOUT, SIDE, TOTAL,
 };
-use engine::kv::BlockId;
 use kvtransfer::transport::quic::tls::ALPN;
 use kvtransfer::{
     PeerTrust, QuicKvSender, QuicKvServer, QuicSenderConfig, QuicServerConfig, QuicTuning, Receiver, ReceiverConfig,
@@ -37,6 +36,7 @@ use kvtransfer::{
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use types::kv::BlockId;
 
 const RUNS: usize = 5;
 

@@ -9,8 +9,8 @@
 
 use std::fmt;
 
-use engine::kv::{KvDtype, KvLayout};
 use sha2::{Digest, Sha256};
+use types::kv::{KvDtype, KvLayout};
 
 /// Domain separation: this hash can never collide with another tandem digest
 /// of the same bytes.

@@ -7,7 +7,7 @@
 //! self-contained: the receiver can write it the moment it arrives, in any
 //! order relative to other frames.
 
-use engine::kv::KvLayout;
+use types::kv::KvLayout;
 
 use crate::frame::{LayerData, LAYER_DATA_OVERHEAD};
 use crate::session::Reservation;
@@ -122,7 +122,7 @@ impl ExactSizeIterator for LayerChunks<'_> {}
 
 #[cfg(test)]
 mod tests {
-    use engine::kv::KvDtype;
+    use types::kv::KvDtype;
 
     use super::*;
     use crate::frame::Frame;

@@ -43,7 +43,7 @@ use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use engine::kv::{BlockId, KvLayout};
+use types::kv::{BlockId, KvLayout};
 
 use crate::fingerprint::{LayoutFingerprint, VersionGroup};
 use crate::frame::{
@@ -645,7 +645,8 @@ impl Receiver {
     }
 }
 
-#[cfg(test)]
+// Checks the receiver against the engine's real pool: needs feature `pool`.
+#[cfg(all(test, feature = "pool"))]
 mod prop_tests;
 #[cfg(test)]
 mod tests;

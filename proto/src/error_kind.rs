@@ -1,7 +1,7 @@
 //! What a caller may do with a [`WorkerError`]: the one decision every hop
 //! makes from an error kind, kept beside the enum so that all hops agree.
 
-use engine::sampler::SamplerError;
+use types::sampling::SamplerError;
 
 use crate::worker::v1::{ErrorKind, WorkerError};
 

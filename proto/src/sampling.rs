@@ -1,11 +1,11 @@
-//! [`SamplingParams`] on the wire <-> [`engine::sampler::SamplingParams`].
+//! [`SamplingParams`] on the wire <-> [`types::sampling::SamplingParams`] (the engine's).
 //!
 //! Both directions destructure every field, so adding a field to either
 //! struct fails to compile here until the mapping is extended. The wire
 //! struct is a field-for-field mirror, so engine -> wire is infallible and
 //! wire -> engine only has to validate.
 
-use engine::sampler::{SamplerError, SamplingParams as EngineParams};
+use types::sampling::{SamplerError, SamplingParams as EngineParams};
 
 use crate::worker::v1::SamplingParams;
 

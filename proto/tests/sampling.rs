@@ -1,8 +1,8 @@
 //! Sampling parameters survive engine -> wire -> engine unchanged, and a bad
 //! wire value becomes the engine's typed error, never a silent default.
 
-use engine::sampler::{SamplerError, SamplingParams as EngineParams};
 use proto::worker::v1::{ErrorKind, SamplingParams, WorkerError};
+use types::sampling::{SamplerError, SamplingParams as EngineParams};
 
 fn round_trip(p: &EngineParams) -> Result<EngineParams, SamplerError> {
     let wire = SamplingParams::from(p);

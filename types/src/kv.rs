@@ -1,7 +1,10 @@
 //! What a KV block is, in bytes — the description two processes must agree
-//! on before one writes blocks for the other.
+//! on before one writes blocks for the other — and how blocks are named.
 
 use serde::{Deserialize, Serialize};
+
+/// A block's index in a KV pool.
+pub type BlockId = u32;
 
 /// Element type of cached K and V.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -16,7 +16,7 @@ pub const MAX_ABS_PENALTY: f32 = 2.0;
 
 /// How to pick each next token and when to stop. Build with struct-update
 /// syntax over [`SamplingParams::default`] and call [`SamplingParams::validate`]
-/// (the [`super::Sampler`] and [`super::StopChecker`] constructors do).
+/// (the engine's `Sampler` and `StopChecker` constructors do).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SamplingParams {

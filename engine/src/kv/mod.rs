@@ -11,11 +11,10 @@
 //! sequence only writes into blocks it owns alone, so no block is written
 //! while another sequence reads it.
 
-mod layout;
 mod pool;
 
-pub use layout::{KvDtype, KvLayout};
-pub use pool::{BlockId, KvPool, KvStats, PrefixHash};
+pub use pool::{KvPool, KvStats, PrefixHash};
+pub use types::kv::{BlockId, KvDtype, KvLayout};
 
 /// KV cache errors.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -5,9 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use kernels::attention::KvSlice;
 use sha2::{Digest, Sha256};
 
-use super::{KvDtype, KvError, KvLayout};
-
-pub type BlockId = u32;
+use super::{BlockId, KvDtype, KvError, KvLayout};
 
 /// Chained hash of a full block: identifies its tokens *and* everything
 /// before them (and the salt).

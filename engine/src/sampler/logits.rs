@@ -2,7 +2,7 @@
 //! run before the greedy / random split. Free functions over slices, so the
 //! [`super::Sampler`] can lend them its reusable buffers.
 
-use super::params::SamplerError;
+use super::SamplerError;
 
 /// Lanes of the argmax scan. Sixteen independent running maxima let LLVM
 /// vectorise the loop (a single running max is a serial dependency chain).

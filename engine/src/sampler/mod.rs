@@ -48,14 +48,13 @@
 mod filter;
 mod logits;
 mod logprobs;
-mod params;
 mod rng;
 mod stop;
 
 use serde::Serialize;
 
-pub use params::{SamplerError, SamplingParams, MAX_ABS_PENALTY, MAX_LOGPROBS};
 pub use stop::{FinishReason, StopChecker, StopDecision};
+pub use types::sampling::{SamplerError, SamplingParams, MAX_ABS_PENALTY, MAX_LOGPROBS};
 
 use filter::Filters;
 use logits::Penalties;

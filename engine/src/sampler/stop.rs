@@ -16,7 +16,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::params::{SamplerError, SamplingParams};
+use super::{SamplerError, SamplingParams};
 
 /// Why a sequence ended, as reported in `finish_reason`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -5,9 +5,9 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use engine::kv::{BlockId, KvDtype, KvLayout};
 use kvtransfer::{BlockSink, FnSink, LayoutFingerprint, Peer, VersionGroup};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use types::kv::{BlockId, KvDtype, KvLayout};
 
 pub type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use engine::kv::BlockId;
+use types::kv::BlockId;
 
 use super::{Reservation, ReservationState};
 use crate::frame::AbortReason;

@@ -1,6 +1,6 @@
 use std::time::{Duration, Instant};
 
-use engine::kv::{BlockId, KvDtype, KvLayout};
+use types::kv::{BlockId, KvDtype, KvLayout};
 
 use super::*;
 use crate::frame::{Abort, AbortReason, Complete, Hello, LayerData, RejectReason};

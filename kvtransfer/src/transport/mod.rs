@@ -28,15 +28,15 @@ mod stream;
 pub use error::TransferError;
 pub use serve::{CloseReason, ServerStats};
 
-use std::sync::{Arc, Mutex};
-
-use engine::kv::{BlockId, KvPool};
+#[cfg(feature = "pool")]
+use engine::kv::KvPool;
+use types::kv::BlockId;
 
 use crate::session::WriteInstruction;
 
 /// Where accepted KV lands: one layer's K and V of some blocks, written in
 /// place. The bytes are little-endian elements of the layout's dtype, blocks
-/// in `blocks` order — what [`KvPool::scatter_layer`] takes. The write
+/// in `blocks` order — what the engine's `KvPool::scatter_layer` takes. The write
 /// happens while the transport holds the receiver, after
 /// [`Receiver::on_layer`](crate::Receiver::on_layer) (or
 /// [`on_layer_checked`](crate::Receiver::on_layer_checked)) accepted the frame, so
@@ -64,10 +64,12 @@ pub trait BlockSink: Send {
 /// guard over a shared-memory slot that frees the slot when dropped.
 pub type OwnedPayload = Box<dyn AsRef<[u8]> + Send>;
 
-/// The decode worker's pool behind a lock. Lock order: a transport takes the
+/// The engine's pool behind a lock (feature `pool`: tests and benches; the decode worker
+/// writes through its runner's own sink). Lock order: a transport takes the
 /// receiver's lock, then this one; the owner of both must never hold the
 /// pool's lock while it waits for the receiver's.
-impl BlockSink for Arc<Mutex<KvPool>> {
+#[cfg(feature = "pool")]
+impl BlockSink for std::sync::Arc<std::sync::Mutex<KvPool>> {
     fn write_layer(&mut self, layer: usize, blocks: &[BlockId], k: &[u8], v: &[u8]) -> Result<(), String> {
         // A poisoned lock means another thread panicked mid-write; the pool's
         // own bookkeeping is still consistent (scatter only copies bytes),

@@ -5,9 +5,9 @@
 use std::io;
 use std::time::Duration;
 
-use engine::kv::KvLayout;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::timeout;
+use types::kv::KvLayout;
 
 use super::error::TransferError;
 use super::stream::{frame_name, write_frame, write_parts, FrameReader, Incoming, PayloadPool, ReadError, Recent};

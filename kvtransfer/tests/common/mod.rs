@@ -1,5 +1,7 @@
 //! Helpers shared by the kvtransfer integration tests.
 
+#![allow(dead_code)] // each test binary uses its own part of this module
+
 use engine::kv::{BlockId, KvLayout, KvPool};
 
 /// Prefill side: a pool of `pool_blocks` whose `n` allocated blocks (ids
@@ -20,4 +22,18 @@ pub fn source(l: KvLayout, n: usize, pool_blocks: usize) -> (KvPool, Vec<BlockId
         }
     }
     (pool, table)
+}
+
+/// One layer's K and V storage of `pool` as bytes (native order, little-endian here): what
+/// `LocalKvSender::send_stored_blocks` reads blocks from.
+pub fn layer_bytes(pool: &KvPool, layer: usize) -> (&[u8], &[u8]) {
+    let (k, v) = pool.layer(layer);
+    (slice_bytes(k), slice_bytes(v))
+}
+
+fn slice_bytes(s: kernels::attention::KvSlice<'_>) -> &[u8] {
+    match s {
+        kernels::attention::KvSlice::F32(x) => bytemuck::cast_slice(x),
+        kernels::attention::KvSlice::F16(x) => bytemuck::cast_slice(x),
+    }
 }

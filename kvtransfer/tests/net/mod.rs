@@ -5,8 +5,8 @@ use std::future::Future;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use engine::kv::{KvDtype, KvLayout};
 use kvtransfer::{LayoutFingerprint, Peer, VersionGroup};
+use types::kv::{KvDtype, KvLayout};
 
 /// The longest any awaited event may take.
 pub const WAIT: Duration = Duration::from_secs(10);

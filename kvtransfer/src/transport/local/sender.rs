@@ -5,12 +5,11 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 use std::time::Duration;
 
-use engine::kv::{BlockId, KvLayout, KvPool};
-use kernels::attention::KvSlice;
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 use tokio::time::{timeout, Instant};
+use types::kv::{BlockId, KvLayout};
 
 use super::shm::{copy_crc3, copy_crc_slice, SenderRing, Shift};
 use super::wire::{Msg, MsgReader, RingSpec, SlotData};
@@ -181,7 +180,7 @@ impl LocalKvSender {
     }
 
     /// Sends one layer's K and V of the reservation's blocks (as
-    /// [`KvPool::gather_layer`](engine::kv::KvPool::gather_layer) returns
+    /// the engine's `KvPool::gather_layer` returns
     /// them), cut into frames of whole blocks of at most `slot_bytes`,
     /// each copied once, into a free slot. Waits (up to the timeout) for a
     /// credit when every slot is in flight. Fails fast with
@@ -215,52 +214,40 @@ impl LocalKvSender {
         .await
     }
 
-    /// Sends one layer of `table`'s blocks straight from `pool`: the same
-    /// frames as [`gather_layer`](KvPool::gather_layer) followed by
-    /// [`send_layer`](Self::send_layer), with one copy fewer — each block's
-    /// K and V go from the pool's storage directly into the slot. For a
-    /// caller that can lend the pool while the layer is sent.
-    pub async fn send_pool_layer(
-        &mut self,
-        r: Reservation,
-        layer: usize,
-        pool: &KvPool,
-        table: &[BlockId],
-    ) -> Result<(), TransferError> {
-        self.send_pool_blocks(r, layer, 0, pool, table).await
-    }
-
-    /// [`send_blocks`](Self::send_blocks) straight from `pool`: `blocks`
-    /// (pool ids) are the reservation's blocks `first_block..`, as
-    /// [`send_pool_layer`](Self::send_pool_layer) sends a whole table.
-    pub async fn send_pool_blocks(
+    /// Sends one layer of `blocks` straight from where they are stored: `ks` and `vs` are
+    /// that layer's whole K and V storage as little-endian bytes, block `b` at
+    /// `b * block_bytes` (an engine pool's layer storage, say); `blocks` are the
+    /// reservation's blocks `first_block..`. The same frames as gathering the blocks and
+    /// [`send_blocks`](Self::send_blocks), with one copy fewer: each block's K and V go
+    /// from the storage directly into the slot. For a caller that can lend the storage while
+    /// the layer is sent.
+    pub async fn send_stored_blocks(
         &mut self,
         r: Reservation,
         layer: usize,
         first_block: usize,
-        pool: &KvPool,
+        ks: &[u8],
+        vs: &[u8],
         blocks: &[BlockId],
     ) -> Result<(), TransferError> {
-        if *pool.layout() != self.layout {
-            return Err(invalid(&format!("pool layout {:?} is not the connection's {:?}", pool.layout(), self.layout)));
-        }
-        if let Some(b) = blocks.iter().find(|&&b| b as usize >= pool.num_blocks()) {
-            return Err(invalid(&format!("block {b} is outside the pool of {}", pool.num_blocks())));
-        }
         let side = self.side();
+        if ks.len() != vs.len() || ks.len() % side != 0 {
+            return Err(invalid(&format!(
+                "K and V storage of {} and {} bytes are not whole blocks of {side}",
+                ks.len(),
+                vs.len()
+            )));
+        }
+        let stored = ks.len() / side;
+        if let Some(b) = blocks.iter().find(|&&b| b as usize >= stored) {
+            return Err(invalid(&format!("block {b} is outside the {stored} stored blocks")));
+        }
         if blocks.is_empty() {
             return Err(SplitError::Shape { len: 0, per_block: 2 * side }.into());
         }
         if layer >= self.layout.n_layers {
             return Err(SplitError::LayerOutOfRange { layer, n_layers: self.layout.n_layers }.into());
         }
-        if cfg!(target_endian = "big") {
-            // The pool stores native elements and the wire wants little-endian.
-            let (k, v) = pool.gather_layer(layer, blocks).map_err(|e| invalid(&e.to_string()))?;
-            return self.send_blocks(r, layer, first_block, &k, &v).await;
-        }
-        let (ks, vs) = pool.layer(layer);
-        let (ks, vs) = (storage_bytes(&ks), storage_bytes(&vs));
         let shift = self.shift.clone();
         self.send_frames(r, layer, first_block, blocks.len(), |dst, i, n| {
             fill_blocks(dst, ks, vs, &blocks[i..i + n], &shift)
@@ -424,15 +411,6 @@ impl LocalKvSender {
     }
 }
 
-/// One layer's K or V storage as bytes (native order: the caller checked
-/// the host is little-endian, the wire's order).
-fn storage_bytes<'a>(s: &KvSlice<'a>) -> &'a [u8] {
-    match *s {
-        KvSlice::F32(x) => bytemuck::cast_slice(x),
-        KvSlice::F16(x) => bytemuck::cast_slice(x),
-    }
-}
-
 fn invalid(why: &str) -> TransferError {
     TransferError::Io(io::Error::new(io::ErrorKind::InvalidInput, why.to_owned()))
 }
@@ -473,26 +451,21 @@ mod tests {
 
     #[test]
     fn fill_blocks_matches_a_gather() {
-        use engine::kv::KvDtype;
-        let l = KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 4, block_size: 2, dtype: KvDtype::F16 };
-        let mut pool = KvPool::new(l, 6).expect("pool");
-        let table = pool.allocate(6).expect("alloc");
-        for (i, &b) in table.iter().enumerate() {
-            for slot in 0..2 {
-                let k: Vec<f32> = (0..4).map(|j| (i * 10 + slot * 4 + j) as f32).collect();
-                let v: Vec<f32> = k.iter().map(|x| -x).collect();
-                pool.write(1, b, slot, &k, &v);
-            }
-        }
+        // Six blocks of 16 bytes per side, each byte naming its block and side.
+        let side = 16;
+        let ks: Vec<u8> = (0..6 * side).map(|i| (i / side * 10 + i % side) as u8).collect();
+        let vs: Vec<u8> = ks.iter().map(|b| b.wrapping_add(128)).collect();
         // A triple and one more block: both paths of fill_blocks.
-        let order = [table[4], table[1], table[5], table[0]];
-        let (k, v) = pool.gather_layer(1, &order).expect("gather");
-        let (ks, vs) = pool.layer(1);
-        let side = l.block_elems() * 2;
-        let mut dst = vec![0u8; 2 * 4 * side + 5];
-        let crc = fill_blocks(&mut dst, storage_bytes(&ks), storage_bytes(&vs), &order, &Shift::new(side));
-        assert_eq!(&dst[..8 * side], &[k, v].concat()[..]);
+        let order: [BlockId; 4] = [4, 1, 5, 0];
+        let gather = |s: &[u8]| -> Vec<u8> {
+            order.iter().flat_map(|&b| s[b as usize * side..(b as usize + 1) * side].to_vec()).collect()
+        };
+        let want = [gather(&ks), gather(&vs)].concat();
+        let mut dst = vec![0u8; 8 * side + 5];
+        let crc = fill_blocks(&mut dst, &ks, &vs, &order, &Shift::new(side));
+        assert_eq!(&dst[..8 * side], &want[..]);
         assert_eq!(crc, crc32c::crc32c(&dst[..8 * side]));
+        assert!(dst[8 * side..].iter().all(|&b| b == 0), "nothing written past the blocks");
     }
 
     #[test]

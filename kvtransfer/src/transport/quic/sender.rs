@@ -5,10 +5,10 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use engine::kv::KvLayout;
 use quinn::{ConnectError, RecvStream, SendStream};
 use tokio::net::{lookup_host, ToSocketAddrs};
 use tokio::time::timeout;
+use types::kv::KvLayout;
 
 use super::tls::{self, PeerTrust, Refusal, TlsError, TlsIdentity};
 use super::{connection_error, QuicTuning, CLOSE_DONE};

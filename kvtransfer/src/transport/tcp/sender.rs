@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
-use engine::kv::KvLayout;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpStream, ToSocketAddrs};
 use tokio::time::timeout;
+use types::kv::KvLayout;
 
 use super::super::send::FrameSender;
 use super::DEFAULT_MAX_FRAME_BYTES;

@@ -1,0 +1,12 @@
+//! The types that cross crate boundaries: what a KV block is (layout, dtype,
+//! block ids) and how to sample (parameters and their validation).
+//!
+//! A leaf: it depends on nothing of tandem's, so the KV transfer (`kvtransfer`)
+//! and the wire API (`proto`) can speak of blocks and sampling without
+//! compiling the engine, its tokenizer or its kernels. It owns no behaviour
+//! beyond describing and validating these values.
+
+#![forbid(unsafe_code)]
+
+pub mod kv;
+pub mod sampling;
