@@ -311,6 +311,8 @@ inner() {
   STATE_DIR="$FRESH_LOGS/.state"
   mkdir -p "$STATE_DIR"
   trap inner_cleanup EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
   run_step toolchain step_toolchain
   run_step clone step_clone
   case $FRESH_STEPS in
@@ -365,7 +367,10 @@ step_root() {
   mirror=$(host_mirror | head -n 1)
   [[ -n $mirror ]] || { echo "no apt source for suite $FRESH_SUITE on this host" >&2; return 1; }
   echo "== debootstrap --variant=minbase --include=$INCLUDE $FRESH_SUITE $r $mirror"
-  debootstrap --variant=minbase --include="$INCLUDE" "$FRESH_SUITE" "$r" "$mirror"
+  # In a private mount namespace too: the /proc and /sys debootstrap mounts in the root
+  # go with it even when debootstrap is killed.
+  unshare --mount --propagation private -- \
+    debootstrap --variant=minbase --include="$INCLUDE" "$FRESH_SUITE" "$r" "$mirror"
   # The host's apt configuration, so the root reaches the same registries.
   rm -f "$r/etc/apt/sources.list"
   [[ -f /etc/apt/sources.list ]] && cp /etc/apt/sources.list "$r/etc/apt/"
