@@ -354,3 +354,316 @@ fn the_dashboard_queries_only_exported_metrics_and_recorded_series() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+// ---- Kubernetes ------------------------------------------------------------------------
+
+const OVERLAY: &str = "deploy/k8s/overlays/example";
+const VERSION_GROUP_LABEL: &str = "tandem.io/version-group";
+
+/// The venv python of scripts/python-deps.sh (PyYAML and kubernetes-validate live there).
+fn venv_python() -> PathBuf {
+    let python = std::env::var_os("TANDEM_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
+        let cache = std::env::var_os("TANDEM_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/tandem"));
+        cache.join("venv/bin/python")
+    });
+    assert!(
+        python.is_file(),
+        "{} not found: run `make test`, or `export TANDEM_PYTHON=$(scripts/python-deps.sh | tail -n 1)`",
+        python.display()
+    );
+    python
+}
+
+/// `kubectl kustomize` of the example overlay, as YAML text.
+fn rendered() -> String {
+    run_ok(Command::new("kubectl").args(["kustomize", OVERLAY]), "kubectl kustomize (kubectl is /usr/bin/kubectl)")
+}
+
+/// YAML documents -> JSON values, through the venv's PyYAML.
+fn yaml_docs(yaml: &str) -> Vec<serde_json::Value> {
+    use std::io::Write;
+    let mut child = Command::new(venv_python())
+        .args(["-c", "import sys, json, yaml; json.dump([d for d in yaml.safe_load_all(sys.stdin) if d], sys.stdout)"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run the venv python");
+    child.stdin.take().expect("stdin").write_all(yaml.as_bytes()).expect("write YAML");
+    let out = child.wait_with_output().expect("python");
+    assert!(out.status.success(), "YAML did not parse: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice::<Vec<serde_json::Value>>(&out.stdout).expect("JSON from python")
+}
+
+/// The long flags a binary's `--help` lists.
+fn help_flags(binary: &Path) -> BTreeSet<String> {
+    let out = Command::new(binary).arg("--help").output().unwrap_or_else(|e| panic!("{}: {e}", binary.display()));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let flags: BTreeSet<String> = tokens(&text.replace('-', "_"), "__")
+        .into_iter()
+        .map(|t| t.trim_end_matches(':').replace('_', "-"))
+        .filter(|f| f.len() > 2)
+        .collect();
+    assert!(!flags.is_empty(), "{} --help listed no flag", binary.display());
+    flags
+}
+
+/// `--name=value` / `--name value` pairs of a container's args.
+fn args_of(container: &serde_json::Value) -> Vec<(String, Option<String>)> {
+    let args: Vec<&str> = container["args"].as_array().into_iter().flatten().filter_map(|a| a.as_str()).collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i];
+        assert!(a.starts_with("--"), "container `{}`: arg `{a}` is not a --flag", container["name"]);
+        if let Some((k, v)) = a.split_once('=') {
+            out.push((k.to_owned(), Some(v.to_owned())));
+        } else if args.get(i + 1).is_some_and(|n| !n.starts_with("--")) {
+            out.push((a.to_owned(), Some(args[i + 1].to_owned())));
+            i += 1;
+        } else {
+            out.push((a.to_owned(), None));
+        }
+        i += 1;
+    }
+    out
+}
+
+fn arg<'a>(args: &'a [(String, Option<String>)], name: &str) -> Option<&'a str> {
+    args.iter().find(|(k, _)| k == name).and_then(|(_, v)| v.as_deref())
+}
+
+/// The port of `host:port` (`$(POD_IP):7000` too).
+fn port_of(addr: &str) -> u64 {
+    addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no port in `{addr}`"))
+}
+
+/// HTTP status of `GET path` on `addr` (HTTP/1.0, no client crate).
+fn http_status(addr: &str, path: &str) -> u16 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10))).expect("timeout");
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("send");
+    let mut head = String::new();
+    let _ = s.read_to_string(&mut head);
+    head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("GET {path}: `{head}`"))
+}
+
+/// The HTTP paths a real coordinator answers other than 404, among `paths`.
+fn coordinator_serves(paths: &BTreeSet<String>) -> BTreeSet<String> {
+    use std::io::BufRead;
+    let model = engine::paths::default_model_path();
+    assert!(model.is_file(), "test model {} not found: run `make model`", model.display());
+    let bin = Path::new(env!("CARGO_BIN_EXE_tandem")).with_file_name("tandem-coordinator");
+    // Fixed addresses of no worker: it starts, is alive, and is not ready.
+    let mut child = Command::new(&bin)
+        .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--decode", "127.0.0.1:9"])
+        .arg("--model")
+        .arg(&model)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+    let stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut http = None;
+    for line in stdout.lines().map_while(Result::ok) {
+        if let Some(rest) = line.strip_prefix("listening http=") {
+            http = rest.split_whitespace().next().map(str::to_owned);
+            break;
+        }
+    }
+    let served = http.map(|addr| paths.iter().filter(|p| http_status(&addr, p) != 404).cloned().collect());
+    let _ = child.kill();
+    let _ = child.wait();
+    served.expect("the coordinator printed no `listening http=`")
+}
+
+#[test]
+fn the_example_overlay_renders_and_validates_against_the_kubernetes_schemas() {
+    let yaml = rendered();
+    let file = std::env::temp_dir().join(format!("tandem-k8s-{}.yaml", std::process::id()));
+    std::fs::write(&file, &yaml).expect("write the rendered manifests");
+    let validator = venv_python().with_file_name("kubernetes-validate");
+    let out = Command::new(&validator)
+        .args(["--strict", "--kubernetes-version", "1.32.0"])
+        .arg(&file)
+        .arg(root().join("deploy/k8s/alternatives/hpa-decode.yaml"))
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (scripts/python-deps.sh installs it)", validator.display()));
+    let _ = std::fs::remove_file(&file);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "kubernetes-validate failed:\n{text}");
+    // Only the CRDs (no schema in kubernetes-validate) may go unchecked.
+    for line in text.lines().filter(|l| l.contains("Couldn't find schema")) {
+        assert!(
+            ["ServiceMonitor", "PrometheusRule", "ScaledObject"].iter().any(|k| line.contains(&format!("kind {k} "))),
+            "unexpected unvalidated resource: {line}"
+        );
+    }
+    let docs = yaml_docs(&yaml);
+    let kinds: BTreeSet<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    for want in
+        ["StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor", "ScaledObject", "PrometheusRule"]
+    {
+        assert!(kinds.contains(want), "the example overlay renders no {want}");
+    }
+    let unknown = unknown_metrics(&yaml, &exported_metrics());
+    assert!(unknown.is_empty(), "the manifests name metrics no crate exports: {unknown:?}");
+}
+
+#[test]
+fn the_prometheusrule_is_the_rules_file() {
+    let rules = read(&root().join(RULES));
+    let groups = &rules[rules.find("\ngroups:").expect("`groups:` in the rules file") + 1..];
+    let cr = read(&root().join("deploy/k8s/base/prometheusrule.yaml"));
+    let spec = &cr[cr.find("\nspec:\n").expect("`spec:` in prometheusrule.yaml") + 7..];
+    let dedented: String = spec.lines().map(|l| format!("{}\n", l.strip_prefix("  ").unwrap_or(l))).collect();
+    assert!(
+        dedented == groups,
+        "deploy/k8s/base/prometheusrule.yaml differs from {RULES}: regenerate it (the command is in its header)"
+    );
+}
+
+#[test]
+fn the_manifests_agree_with_the_binaries() {
+    let docs = yaml_docs(&rendered());
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_tandem")).parent().expect("target dir").to_path_buf();
+    let mut problems = Vec::new();
+    let mut coordinator_paths = BTreeSet::new();
+    let mut seen = BTreeSet::new();
+    for d in &docs {
+        let kind = d["kind"].as_str().unwrap_or_default();
+        if kind != "Deployment" && kind != "StatefulSet" {
+            continue;
+        }
+        let name = d["metadata"]["name"].as_str().unwrap_or("?").to_owned();
+        let pod = &d["spec"]["template"];
+        let grace = pod["spec"]["terminationGracePeriodSeconds"].as_f64();
+        for c in pod["spec"]["containers"].as_array().into_iter().flatten() {
+            let binary = c["command"][0].as_str().unwrap_or_default().to_owned();
+            let at = format!("{name}/{}", c["name"].as_str().unwrap_or("?"));
+            let exe = if binary == "etcd" {
+                PathBuf::from("etcd")
+            } else {
+                assert!(binary.starts_with("tandem-"), "{at}: command `{binary}` is not a tandem binary");
+                bin_dir.join(&binary)
+            };
+            seen.insert(binary.clone());
+            let known = help_flags(&exe);
+            let args = args_of(c);
+            for (flag, _) in &args {
+                if !known.contains(flag) {
+                    problems.push(format!("{at}: `{flag}` is not a flag of `{binary} --help`"));
+                }
+            }
+            // Named ports and their numbers, and the flag that binds each.
+            let ports: BTreeMap<String, u64> = c["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| (p["name"].as_str().unwrap_or_default().to_owned(), p["containerPort"].as_u64().unwrap_or(0)))
+                .collect();
+            let bound = [("http", "--http"), ("grpc", "--grpc"), ("metrics", "--metrics"), ("transfer", "--transfer")];
+            for (port, flag) in bound {
+                if let (Some(n), Some(addr)) = (ports.get(port), arg(&args, flag)) {
+                    if port_of(addr) != *n {
+                        problems.push(format!("{at}: port `{port}` is {n} but {flag}={addr}"));
+                    }
+                }
+            }
+            // Probes: a declared port, a path the process serves.
+            for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
+                let p = &c[probe];
+                if p.is_null() {
+                    if binary != "etcd" || probe != "startupProbe" {
+                        problems.push(format!("{at}: no {probe}"));
+                    }
+                    continue;
+                }
+                let port = p["httpGet"]["port"].clone();
+                let port = if port.is_null() { p["tcpSocket"]["port"].clone() } else { port };
+                if let Some(port) = port.as_str() {
+                    if !ports.contains_key(port) {
+                        problems.push(format!("{at}: {probe} names port `{port}`, which the container does not declare"));
+                    }
+                } else if let Some(n) = port.as_u64() {
+                    if !ports.values().any(|v| *v == n) {
+                        problems.push(format!("{at}: {probe} port {n} is not a container port"));
+                    }
+                }
+                let path = p["httpGet"]["path"].as_str();
+                match (binary.as_str(), path) {
+                    ("tandem-coordinator", Some(path)) => {
+                        coordinator_paths.insert(path.to_owned());
+                        let want = if probe == "readinessProbe" { "/ready" } else { "/health" };
+                        if path != want {
+                            problems.push(format!("{at}: {probe} is {path}; it must be {want} (README: Health and readiness)"));
+                        }
+                    }
+                    ("tandem-prefill-worker" | "tandem-decode-worker", Some(path)) if path != "/metrics" => {
+                        problems.push(format!("{at}: {probe} path {path}: workers serve HTTP only on /metrics"));
+                    }
+                    _ => {}
+                }
+                if let Some(cmd) = p["exec"]["command"].as_array() {
+                    let cmd: String = cmd.iter().filter_map(|s| s.as_str()).collect::<Vec<_>>().join(" ");
+                    let metrics = ports.get("metrics").copied().unwrap_or(0);
+                    if !cmd.contains(&format!("127.0.0.1:{metrics}/metrics")) {
+                        problems.push(format!("{at}: {probe} `{cmd}` does not read this container's metrics port {metrics}"));
+                    }
+                    if !cmd.contains(&format!("'{} 0'", worker::metrics::FENCED)) {
+                        problems.push(format!("{at}: {probe} `{cmd}` does not check {} 0", worker::metrics::FENCED));
+                    }
+                }
+            }
+            if binary == "etcd" {
+                continue;
+            }
+            // Drain: preStop sends SIGTERM; the grace outlasts its sleep and the drain.
+            let pre_stop: String = c["lifecycle"]["preStop"]["exec"]["command"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(" ");
+            if !pre_stop.contains("kill -TERM 1") {
+                problems.push(format!("{at}: preStop `{pre_stop}` does not start the drain (kill -TERM 1)"));
+            }
+            let slept: f64 = pre_stop
+                .split("sleep ")
+                .skip(1)
+                .filter_map(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse::<f64>().ok())
+                .filter(|s| *s > 1.0)
+                .sum();
+            let timeout_ms: f64 = arg(&args, "--shutdown-timeout-ms").and_then(|v| v.parse().ok()).unwrap_or(10_000.0);
+            match grace {
+                Some(g) if g > slept + timeout_ms / 1000.0 => {}
+                g => problems.push(format!(
+                    "{at}: terminationGracePeriodSeconds {g:?} must exceed the preStop sleep {slept} s + \
+                     --shutdown-timeout-ms {timeout_ms} ms"
+                )),
+            }
+            // Workers: the version-group label of the pod (and the selector) is the worker's group.
+            if binary != "tandem-coordinator" {
+                let group = arg(&args, "--version-group");
+                let label = pod["metadata"]["labels"][VERSION_GROUP_LABEL].as_str();
+                let selector = d["spec"]["selector"]["matchLabels"][VERSION_GROUP_LABEL].as_str();
+                if group.is_none() || label != group || selector != group {
+                    problems.push(format!(
+                        "{at}: --version-group {group:?}, pod label {VERSION_GROUP_LABEL} {label:?}, selector {selector:?}"
+                    ));
+                }
+            }
+        }
+    }
+    for want in ["tandem-coordinator", "tandem-prefill-worker", "tandem-decode-worker", "etcd"] {
+        assert!(seen.contains(want), "no container runs {want}");
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    let served = coordinator_serves(&coordinator_paths);
+    let missing: Vec<_> = coordinator_paths.difference(&served).collect();
+    assert!(missing.is_empty(), "the coordinator answers 404 on probe paths {missing:?}");
+}
