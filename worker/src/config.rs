@@ -114,6 +114,13 @@ pub struct CommonFlags {
     /// Registration lease TTL, whole seconds. Env: TANDEM_LEASE_TTL_S. Default 5.
     #[arg(long, env = "TANDEM_LEASE_TTL_S")]
     pub lease_ttl_s: Option<u64>,
+    /// Fence (take no new work) once no coordinator has called `Health` for
+    /// this long, ms, after one has: the worker is cut off from its
+    /// coordinators. Never before the first call. 0: off. Env:
+    /// TANDEM_COORDINATOR_SILENCE_FENCE_MS. Default 5000 (20 of the
+    /// coordinator's 250 ms load polls; the default lease TTL).
+    #[arg(long, env = "TANDEM_COORDINATOR_SILENCE_FENCE_MS")]
+    pub coordinator_silence_fence_ms: Option<u64>,
 }
 
 /// Overlays the set fields of `$b` on `$a`.
@@ -146,7 +153,8 @@ impl CommonFlags {
             etcd,
             cluster_prefix,
             worker_id,
-            lease_ttl_s
+            lease_ttl_s,
+            coordinator_silence_fence_ms
         );
     }
 }
@@ -170,6 +178,9 @@ pub struct CommonConfig {
     pub quic: QuicFiles,
     /// Where to register, if anywhere.
     pub registry: Option<RegistrySettings>,
+    /// Fence after this long without a coordinator's `Health` call (once
+    /// one has called); `None`: never.
+    pub coordinator_silence_fence: Option<Duration>,
 }
 
 /// etcd registration settings (see the flags).
@@ -249,7 +260,9 @@ impl CommonFlags {
         let dtype_text = self.kv_dtype.as_deref().unwrap_or("f16");
         let kv_dtype =
             KvDtype::parse(dtype_text).ok_or_else(|| invalid("kv_dtype", format!("{dtype_text:?}: use f16 or f32")))?;
+        let silence_ms = self.coordinator_silence_fence_ms.unwrap_or(5000);
         let cfg = CommonConfig {
+            coordinator_silence_fence: (silence_ms > 0).then(|| Duration::from_millis(silence_ms)),
             model: self.model.clone().unwrap_or_else(engine::paths::default_model_path),
             grpc,
             metrics,

@@ -90,7 +90,9 @@ pub async fn bind_grpc(cfg: &CommonConfig, fingerprint: &LayoutFingerprint) -> a
 /// Serves `router` on `listener` until the returned token is cancelled;
 /// in-flight calls then finish before the task ends.
 pub fn spawn_grpc(
-    router: tonic::transport::server::Router,
+    router: tonic::transport::server::Router<
+        tower::layer::util::Stack<HealthSeenLayer, tower::layer::util::Identity>,
+    >,
     listener: tokio::net::TcpListener,
 ) -> (tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, tokio_util::sync::CancellationToken) {
     let stop = tokio_util::sync::CancellationToken::new();
@@ -99,14 +101,144 @@ pub fn spawn_grpc(
     (task, stop)
 }
 
+/// Whether this worker takes new work, from its two reasons not to:
+/// another process holds its etcd key (the registry says so), or it is cut
+/// off from its coordinators (no `Health` call for the configured silence,
+/// after at least one). An unreachable etcd is neither: the worker serves on
+/// (docs/REGISTRY.md, "Serving through an etcd outage").
+pub struct Fencing {
+    state: std::sync::Mutex<FenceState>,
+    apply: Box<dyn Fn(bool) + Send + Sync>,
+}
+
+#[derive(Default)]
+struct FenceState {
+    registry: bool,
+    cut_off: bool,
+    /// The last coordinator `Health` call; `None` until the first.
+    last_health: Option<tokio::time::Instant>,
+    fenced: bool,
+}
+
+impl Fencing {
+    /// Starts serving (unfenced); `apply(fenced)` is told every change. With
+    /// `silence`, a task fences once no `Health` call came for that long.
+    pub fn start(silence: Option<Duration>, apply: impl Fn(bool) + Send + Sync + 'static) -> std::sync::Arc<Self> {
+        let me = std::sync::Arc::new(Self { state: Default::default(), apply: Box::new(apply) });
+        crate::metrics::record_fence(false, false);
+        if let Some(silence) = silence {
+            let weak = std::sync::Arc::downgrade(&me);
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval((silence / 10).max(Duration::from_millis(20)));
+                loop {
+                    tick.tick().await;
+                    let Some(me) = weak.upgrade() else { return };
+                    me.check_silence(silence);
+                }
+            });
+        }
+        me
+    }
+
+    /// A coordinator called `Health`: it reaches this worker.
+    pub fn health_called(&self) {
+        self.change(|s| {
+            s.last_health = Some(tokio::time::Instant::now());
+            if s.cut_off {
+                tracing::info!("a coordinator reaches this worker again; unfenced");
+            }
+            s.cut_off = false;
+        });
+    }
+
+    /// A layer for the gRPC server that calls [`Fencing::health_called`] on every `Health` call.
+    pub fn layer(self: &std::sync::Arc<Self>) -> HealthSeenLayer {
+        HealthSeenLayer(self.clone())
+    }
+
+    /// Whether the worker is fenced now.
+    pub fn is_fenced(&self) -> bool {
+        self.lock().fenced
+    }
+
+    fn check_silence(&self, silence: Duration) {
+        self.change(|s| {
+            if let Some(last) = s.last_health.filter(|l| !s.cut_off && l.elapsed() >= silence) {
+                s.cut_off = true;
+                let ms = last.elapsed().as_millis();
+                tracing::warn!(silent_ms = ms, "fenced: no coordinator has called Health for {ms} ms; taking no new work");
+            }
+        });
+    }
+
+    fn set_registry(&self, fenced: bool) {
+        self.change(|s| s.registry = fenced);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FenceState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn change(&self, f: impl FnOnce(&mut FenceState)) {
+        let mut s = self.lock();
+        f(&mut s);
+        let fenced = s.registry || s.cut_off;
+        if fenced != s.fenced {
+            s.fenced = fenced;
+            (self.apply)(fenced);
+            crate::metrics::record_fence(fenced, fenced);
+        }
+    }
+}
+
+/// See [`Fencing::layer`].
+#[derive(Clone)]
+pub struct HealthSeenLayer(std::sync::Arc<Fencing>);
+
+impl<S> tower::Layer<S> for HealthSeenLayer {
+    type Service = HealthSeen<S>;
+    fn layer(&self, inner: S) -> HealthSeen<S> {
+        HealthSeen { inner, fencing: self.0.clone() }
+    }
+}
+
+/// A gRPC service that notes coordinators' `Health` calls before serving them
+/// (so the answer to the call that ends a silence already says ready).
+#[derive(Clone)]
+pub struct HealthSeen<S> {
+    inner: S,
+    fencing: std::sync::Arc<Fencing>,
+}
+
+impl<S, B> tower::Service<tonic::codegen::http::Request<B>> for HealthSeen<S>
+where
+    S: tower::Service<tonic::codegen::http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> S::Future {
+        // Only coordinators call Health (decode workers call Prefill).
+        if req.uri().path().ends_with("/Health") {
+            self.fencing.health_called();
+        }
+        self.inner.call(req)
+    }
+}
+
 /// Registers this worker in etcd (when configured) and mirrors its fence
-/// into `set_fenced`: a worker that lost its lease takes no new work until
-/// it has re-registered. Returns the registration, to mark draining and
-/// deregister on shutdown.
+/// into `fencing`: a worker whose key another process holds takes no new
+/// work until it holds it again. Returns the registration, to mark draining
+/// and deregister on shutdown.
 pub async fn register(
     cfg: &CommonConfig,
     mut info: registry::WorkerInfo,
-    set_fenced: impl Fn(bool) + Send + 'static,
+    fencing: std::sync::Arc<Fencing>,
 ) -> anyhow::Result<Option<registry::Registration>> {
     let Some(r) = &cfg.registry else { return Ok(None) };
     info.id = r.worker_id.clone();
@@ -118,19 +250,10 @@ pub async fn register(
         .with_context(|| format!("registering in etcd at {:?}", r.endpoints))?;
     let mut fence = reg.fence();
     tokio::spawn(async move {
-        let mut was_fenced = false;
         loop {
-            let (serving, fenced) = {
-                let f = fence.borrow_and_update();
-                (f.is_serving(), matches!(*f, registry::Fence::Fenced { .. }))
-            };
-            set_fenced(!serving);
-            // Stopped (deregistered on shutdown) takes no work either, but is no fencing.
-            crate::metrics::record_fence(fenced, fenced && !was_fenced);
-            was_fenced = fenced;
-            if fenced {
-                tracing::warn!("fenced: the etcd lease is lost or in doubt; taking no new work until re-registered");
-            }
+            // Stopped (deregistered on shutdown) is no fencing: the drain refuses work itself.
+            let fenced = matches!(*fence.borrow_and_update(), registry::Fence::Fenced { .. });
+            fencing.set_registry(fenced);
             if fence.changed().await.is_err() {
                 return;
             }
@@ -165,4 +288,34 @@ pub fn worker_info(
 /// Lower-case hex of `bytes` (full length, unlike the fingerprints' short Display).
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn silence_fences_only_after_a_first_health_call_and_a_call_unfences() {
+        let applied = Arc::new(AtomicBool::new(false));
+        let seen = applied.clone();
+        let f = Fencing::start(Some(Duration::from_millis(200)), move |v| seen.store(v, Ordering::SeqCst));
+        // Never polled: nobody to be cut off from.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!f.is_fenced() && !applied.load(Ordering::SeqCst));
+        f.health_called();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(f.is_fenced() && applied.load(Ordering::SeqCst), "silent past the bound, not fenced");
+        // A coordinator reaches it again: unfenced at once.
+        f.health_called();
+        assert!(!f.is_fenced() && !applied.load(Ordering::SeqCst));
+        // The registry's fence holds whatever the coordinators do.
+        f.set_registry(true);
+        f.health_called();
+        assert!(f.is_fenced());
+        f.set_registry(false);
+        assert!(!f.is_fenced());
+    }
 }
