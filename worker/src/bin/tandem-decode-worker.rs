@@ -76,8 +76,12 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
 
     let listener = worker::serve::bind_grpc(common, &fingerprint).await?;
     let listener_addr = listener.local_addr()?;
+    let fenced = service.clone();
+    let fencing = worker::serve::Fencing::start(common.coordinator_silence_fence, move |f| fenced.set_fenced(f));
     let (server, stop) = worker::serve::spawn_grpc(
-        tonic::transport::Server::builder().add_service(DecodeWorkerServer::new(service.clone())),
+        tonic::transport::Server::builder()
+            .layer(fencing.layer())
+            .add_service(DecodeWorkerServer::new(service.clone())),
         listener,
     );
     let mut info =
@@ -92,8 +96,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
         transport: cfg.transport.as_str().to_owned(),
         cert_sha256: tls_cert_sha256.map(|f| worker::serve::hex(&f)),
     });
-    let fenced = service.clone();
-    let registration = worker::serve::register(common, info, move |f| fenced.set_fenced(f)).await?;
+    let registration = worker::serve::register(common, info, fencing).await?;
     let signal = signals.recv().await;
     tracing::info!(signal, "draining");
     if let Some(r) = &registration {

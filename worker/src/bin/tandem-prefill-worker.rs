@@ -48,13 +48,16 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
 
     let listener = worker::serve::bind_grpc(common, &fingerprint).await?;
     let listener_addr = listener.local_addr()?;
+    let fenced = service.clone();
+    let fencing = worker::serve::Fencing::start(common.coordinator_silence_fence, move |f| fenced.set_fenced(f));
     let (server, stop) = worker::serve::spawn_grpc(
-        tonic::transport::Server::builder().add_service(PrefillWorkerServer::new(service.clone())),
+        tonic::transport::Server::builder()
+            .layer(fencing.layer())
+            .add_service(PrefillWorkerServer::new(service.clone())),
         listener,
     );
     let info = worker::serve::worker_info(common, registry::Role::Prefill, &fingerprint, listener_addr, metrics_addr);
-    let fenced = service.clone();
-    let registration = worker::serve::register(common, info, move |f| fenced.set_fenced(f)).await?;
+    let registration = worker::serve::register(common, info, fencing).await?;
     let signal = signals.recv().await;
     tracing::info!(signal, "draining");
     if let Some(r) = &registration {
