@@ -637,7 +637,7 @@ fn the_manifests_agree_with_the_binaries() {
                 .skip(1)
                 .filter_map(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse::<f64>().ok())
                 .filter(|s| *s > 1.0)
-                .sum();
+                .fold(0.0, |a, s| a + s);
             let timeout_ms: f64 = arg(&args, "--shutdown-timeout-ms").and_then(|v| v.parse().ok()).unwrap_or(10_000.0);
             match grace {
                 Some(g) if g > slept + timeout_ms / 1000.0 => {}
