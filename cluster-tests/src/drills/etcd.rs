@@ -550,3 +550,149 @@ impl Drill for CoordinatorEtcdCutoff {
         Ok(format!("proxy dropped {dropped} bytes; {}", ev.notes.join("; ")))
     }
 }
+
+/// How long `etcd-stall` keeps etcd stopped: past the 2 s lease TTL several times over, and
+/// past the coordinator's 3 s watch silence timeout, well within `--registry-max-stale-ms`.
+const STALL: Duration = Duration::from_secs(8);
+
+/// Whether process `pid` is stopped (state `T` in /proc).
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+        .unwrap_or(false)
+}
+
+/// Sends `sig` (`-STOP`, `-CONT`) to `pid`.
+fn signal(pid: u32, sig: &str) -> Result<(), HarnessError> {
+    let status = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .map_err(|e| HarnessError::Fault(format!("kill {sig} {pid}: {e}")))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(HarnessError::Fault(format!("kill {sig} {pid} failed: {status}")))
+    }
+}
+
+/// `tandem_worker_fences_total` on every worker; Err if a worker does not export it.
+async fn fences(c: &Cluster) -> Result<Vec<(String, f64)>, String> {
+    let mut out = Vec::new();
+    for w in &c.workers {
+        let m = w.metrics_addr().map_err(|e| e.to_string())?;
+        let page = scrape(&m).await.map_err(|e| e.to_string())?;
+        let n = page
+            .find(worker::metrics::FENCES, &[])
+            .ok_or_else(|| format!("{} exports no {}", w.proc.name, worker::metrics::FENCES))?;
+        out.push((w.proc.name.clone(), n));
+    }
+    Ok(out)
+}
+
+/// SIGSTOP the only etcd for 8 s under load.
+pub(super) struct EtcdStall;
+
+#[async_trait::async_trait]
+impl Drill for EtcdStall {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "etcd-stall",
+            description: "SIGSTOP etcd for 8 s (4 lease TTLs) under load: static stability — every request \
+                          succeeds, /ready stays 200, no worker fences; after SIGCONT the workers re-register \
+                          and membership is whole again",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: ClusterSpec { lease_ttl_s: 2, ..ClusterSpec::default() }.prefill("g1").decode("g1"),
+            requests: 10,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+        }
+    }
+
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let h = c.http_addr()?;
+        let before = fences(c).await.map_err(HarnessError::Fault)?;
+        ev.notes.push(format!("fences before: {before:?}"));
+        let resyncs0 = coordinator_sum(c, coordinator::metrics::REGISTRY_RESYNCS, &[]).await;
+        load.wait_done(2, LOAD_WAIT).await?;
+        let pid = c.etcd.pid(0).ok_or_else(|| HarnessError::Fault("etcd has no pid".into()))?;
+        ev.victim = Some(("etcd".into(), pid));
+        ev.began();
+        if !skip {
+            signal(pid, "-STOP")?;
+        }
+        // Sample through the stall: a probe request and /ready, every ~half second.
+        let t0 = Instant::now();
+        let (mut asked, mut failed, mut samples, mut unready) = (0, Vec::new(), 0, Vec::new());
+        while t0.elapsed() < STALL {
+            ev.seen |= stopped(pid);
+            match ask(&h).await {
+                Ok(a) if a.status == 200 => {}
+                Ok(a) => failed.push(format!("{a} at {} ms", ms(t0))),
+                Err(e) => failed.push(format!("{e} at {} ms", ms(t0))),
+            }
+            asked += 1;
+            match get_status(&h, "/ready").await {
+                Ok(200) => {}
+                Ok(s) => unready.push(format!("{s} at {} ms", ms(t0))),
+                Err(e) => unready.push(format!("{e} at {} ms", ms(t0))),
+            }
+            samples += 1;
+            tokio::time::sleep(Duration::from_millis(400)).await;
+        }
+        let healthy = coordinator_sum(c, coordinator::metrics::REGISTRY_HEALTHY, &[]).await;
+        if !skip {
+            signal(pid, "-CONT")?;
+        }
+        ev.ended();
+        ev.notes.push(format!("etcd stopped {} ms; {REGISTRY_HEALTHY} {healthy} at the end", STALL.as_millis()));
+        if failed.is_empty() {
+            ev.notes.push(format!("{asked} probe requests during the stall, all 200"));
+        } else {
+            ev.missing.push(format!("{} of {asked} probe requests failed during the stall: {failed:?}", failed.len()));
+        }
+        if unready.is_empty() {
+            ev.notes.push(format!("/ready 200 in all {samples} samples"));
+        } else {
+            ev.missing.push(format!("/ready not 200 in {} of {samples} samples: {unready:?}", unready.len()));
+        }
+        // etcd back: membership whole and live again.
+        let t1 = Instant::now();
+        let n = c.workers.len() as f64;
+        let whole = eventually("membership whole and etcd healthy again", CONSEQUENCE_WAIT, || async {
+            c.coordinator_metrics().await.is_ok_and(|p| {
+                p.find(coordinator::metrics::WORKERS, &[]) == Some(n)
+                    && p.find(coordinator::metrics::REGISTRY_HEALTHY, &[]) == Some(1.0)
+                    && p.sum(coordinator::metrics::REGISTRY_RESYNCS, &[]) > resyncs0
+            })
+        })
+        .await;
+        note(&mut ev, whole.map(|()| format!("{n} workers listed, re-listed, healthy {} ms after SIGCONT", ms(t1))).map_err(|e| e.to_string()));
+        let back = ask_until(&h, "a request served after SIGCONT", CONSEQUENCE_WAIT, |a| a.status == 200).await;
+        note(&mut ev, back.map(|_| "served after SIGCONT".into()));
+        ev.before = before.iter().map(|(_, n)| n).sum();
+        Ok(ev)
+    }
+
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let (_, pid) = ev.victim.clone().ok_or("no etcd pid was found")?;
+        if !ev.seen {
+            return Err(format!("etcd (pid {pid}) was never seen stopped (state T): the stall did not happen"));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("etcd (pid {pid}) stopped {} s, but: {}", STALL.as_secs(), ev.missing.join("; ")));
+        }
+        let after = fences(c).await?;
+        let total: f64 = after.iter().map(|(_, n)| n).sum();
+        if total != ev.before {
+            return Err(format!("a worker fenced: {} {} -> {after:?}", worker::metrics::FENCES, ev.before));
+        }
+        Ok(format!("etcd (pid {pid}) stopped {} s; {}; no fence: {after:?}", STALL.as_secs(), ev.notes.join("; ")))
+    }
+}

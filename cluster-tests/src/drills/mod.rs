@@ -135,6 +135,7 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(etcd::EtcdQuorumLoss),
         Box::new(etcd::WorkerEtcdCutoff),
         Box::new(etcd::CoordinatorEtcdCutoff),
+        Box::new(etcd::EtcdStall),
         Box::new(kv::KvReorder),
         Box::new(links::RequestLinkResets),
         Box::new(links::RequestLinkDelay),
