@@ -10,12 +10,18 @@
 //! frozen process answers nothing at all, which is what the coordinator
 //! needs to see. A runner that has given no snapshot for [`STUCK_AFTER`]
 //! is reported not ready rather than reported with figures that old.
+//!
+//! One question at a time: while one is out, Health waits (the same
+//! [`STATS_WAIT`]) for its answer instead of asking again, so polls during
+//! a long step do not pile up blocked threads all waiting on one runner.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::runner::{RunnerHandle, RunnerStats};
 use proto::worker::v1::WorkerError;
+use tokio::sync::Notify;
 
 use crate::serve::blocking;
 
@@ -28,14 +34,37 @@ pub const STUCK_AFTER: Duration = Duration::from_secs(30);
 #[derive(Clone, Default)]
 pub struct StatsCache {
     last: Arc<Mutex<Option<(RunnerStats, Instant)>>>,
+    /// A question is out to the runner; its answer becomes `last`.
+    asking: Arc<AtomicBool>,
+    /// Wakes those waiting for the question out.
+    answered: Arc<Notify>,
+}
+
+/// Clears [`StatsCache::asking`] and wakes its waiters when the question
+/// is answered (or its task ends otherwise).
+struct Asked(Arc<AtomicBool>, Arc<Notify>);
+
+impl Drop for Asked {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+        self.1.notify_waiters();
+    }
 }
 
 impl StatsCache {
     /// The runner's counters now, or the last snapshot when the runner is
     /// mid-step; `None` once the runner thread has exited or is stuck.
     pub async fn read(&self, runner: &RunnerHandle) -> Result<Option<RunnerStats>, WorkerError> {
+        // Made before the check, so an answer between the two still wakes it.
+        let answered = self.answered.notified();
+        if self.asking.swap(true, Ordering::SeqCst) {
+            let _ = tokio::time::timeout(STATS_WAIT, answered).await;
+            return Ok(self.snapshot(STUCK_AFTER));
+        }
+        let asked = Asked(self.asking.clone(), self.answered.clone());
         let (runner, last) = (runner.clone(), self.last.clone());
         let ask = blocking(move || {
+            let _asked = asked;
             let s = runner.stats();
             let mut l = last.lock().unwrap_or_else(|e| e.into_inner());
             *l = s.clone().map(|s| (s, Instant::now()));

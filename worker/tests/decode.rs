@@ -493,3 +493,50 @@ async fn preemptions_under_a_tiny_kv_pool_are_exported() -> TestResult {
     assert_eq!(exported, h.preemptions as f64, "the metric and Health agree");
     assert_no_kv_left("after preemptions", &w).await
 }
+
+/// Health answers from the runner's last snapshot while the runner is in a
+/// long step, instead of waiting the step out: a decode worker prefilling a
+/// 300-token prompt in one engine step (seconds on one thread; well under
+/// the 30 s after which a silent runner counts as stuck) still answers
+/// every poll fast, ready, with its figures. A frozen worker (SIGSTOP)
+/// answers nothing, and only that is what the coordinator takes for stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_answers_from_the_last_snapshot_during_a_long_step() -> TestResult {
+    // The bound on one Health answer: the worker waits 50 ms for the runner,
+    // then answers; the rest is slack for two shared cores (814 ms seen
+    // with another worker prefilling beside it).
+    const HEALTH_BOUND: Duration = Duration::from_secs(1);
+    let tok = common::tokenizer()?;
+    let w = decode_worker(GROUP, &["--kv-load-failure-policy", "fail"])?;
+    let mut c = client(&w).await?;
+    // The coordinator polls from the start; so the snapshot exists before any step.
+    let first = within("Health", c.health(HealthRequest {})).await??.into_inner();
+    assert!(first.ready && first.kv_blocks_total == 256, "{first:?}");
+    let mut req = request("long", &prompt_of(&tok, 300)?, vec![]);
+    req.sampling = Some((&common::greedy(1)).into());
+    let mut gc = c.clone();
+    let started = std::time::Instant::now();
+    let call = tokio::spawn(async move { generate(&mut gc, req).await });
+    let mut answers = Vec::new();
+    while !call.is_finished() {
+        let asked = std::time::Instant::now();
+        let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
+        answers.push((asked.elapsed(), h));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let step = started.elapsed();
+    let got = call.await??;
+    assert!(got.end.is_ok(), "{got:?}");
+    let mut took: Vec<Duration> = answers.iter().map(|(t, _)| *t).collect();
+    took.sort();
+    let (median, slowest) = (took.get(took.len() / 2).copied(), took.last().copied());
+    eprintln!("health: {} answers during a {step:?} prefill, median {median:?}, slowest {slowest:?}", took.len());
+    // Else the step was too short to tell waiting from not waiting.
+    assert!(step > HEALTH_BOUND * 2, "the 300-token prefill took only {step:?}");
+    for (took, h) in &answers {
+        assert!(*took <= HEALTH_BOUND, "a Health answer took {took:?} during a {step:?} step: {h:?}");
+        assert!(h.ready && h.live && h.kv_blocks_total == 256, "{h:?}");
+    }
+    assert!(answers.len() >= 3, "{} answers during a {step:?} step", answers.len());
+    Ok(())
+}
