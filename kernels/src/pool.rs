@@ -134,6 +134,29 @@ impl ThreadPool {
         let chunk = chunk.max(1);
         self.for_each(n.div_ceil(chunk), &|i| f(i * chunk..((i + 1) * chunk).min(n)));
     }
+
+    /// Splits `data` into items of `item` elements and calls `f(range, part)` on consecutive
+    /// ranges of at most `chunk` items covering them all, where `part` is those items of
+    /// `data`, lent mutably: the parts are disjoint by construction, so a caller cannot write
+    /// another range's items. `data.len()` must be a multiple of `item` (which must not be 0).
+    pub fn for_chunks_mut<T: Copy + Send>(
+        &self,
+        data: &mut [T],
+        item: usize,
+        chunk: usize,
+        f: &(dyn Fn(Range<usize>, &mut [T]) + Sync),
+    ) {
+        assert!(item > 0 && data.len() % item == 0, "{} elements are not whole items of {item}", data.len());
+        let n = data.len() / item;
+        let shared = SharedSlice::new(data);
+        self.for_ranges(n, chunk, &|r| {
+            // SAFETY: `for_ranges` calls every range of a partition of 0..n exactly once
+            // (`for_each`'s contract), so the element ranges handed out here are disjoint,
+            // and `data` stays exclusively borrowed until this function returns.
+            let part = unsafe { shared.range_mut(r.start * item..r.end * item) };
+            f(r, part)
+        });
+    }
 }
 
 /// Closes the current job on drop and waits for the workers inside it, so a
@@ -252,21 +275,30 @@ impl<'a, T: Copy> SharedSlice<'a, T> {
         Self { ptr: s.as_mut_ptr(), len: s.len(), _borrow: std::marker::PhantomData }
     }
 
-    /// Writes element `i`. Threads must write disjoint indices.
+    /// Writes element `i` (bounds-checked).
+    ///
+    /// # Safety
+    /// No other thread may read or write element `i` while this slice lives: callers
+    /// partition the indices between threads (each thread its own output rows).
     #[inline]
-    pub fn set(&self, i: usize, v: T) {
+    pub unsafe fn set(&self, i: usize, v: T) {
         assert!(i < self.len, "SharedSlice index {i} out of bounds {}", self.len);
-        // SAFETY: in bounds (checked above); disjointness is the caller's
-        // contract documented on the type, and `T: Copy` has no drop.
+        // SAFETY: in bounds (checked above); exclusive access to `i` is the caller's
+        // contract, and `T: Copy` has no drop.
         unsafe { self.ptr.add(i).write(v) }
     }
 
-    /// A mutable sub-slice `range`. Threads must take disjoint ranges.
+    /// A mutable sub-slice `range` (bounds-checked).
+    ///
+    /// # Safety
+    /// No other reference to any element of `range` may exist while the returned slice
+    /// lives: ranges taken by different threads (or twice by one) must not overlap.
+    /// [`ThreadPool::for_chunks_mut`] is the safe way to split a slice between threads.
     #[inline]
     #[allow(clippy::mut_from_ref)]
-    pub fn range_mut(&self, range: std::ops::Range<usize>) -> &mut [T] {
+    pub unsafe fn range_mut(&self, range: std::ops::Range<usize>) -> &mut [T] {
         assert!(range.start <= range.end && range.end <= self.len, "SharedSlice range out of bounds");
-        // SAFETY: in bounds; disjoint ranges per thread (caller's contract).
+        // SAFETY: in bounds; no overlapping reference (the caller's contract).
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
     }
 }

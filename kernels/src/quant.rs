@@ -9,6 +9,9 @@
 //! In Q4 blocks byte `j` holds element `j` in its low nibble and element
 //! `j + 16` in its high nibble.
 
+// `quantize_par` splits three buffers between threads by rows (`SharedSlice::range_mut`).
+#![allow(unsafe_code)]
+
 use crate::f16::{bf16_bits_to_f32, f16_bits_to_f32, le_u16};
 use crate::matmul::WeightType;
 
@@ -107,12 +110,17 @@ impl QActs {
         let d = crate::pool::SharedSlice::new(&mut self.d);
         let s = crate::pool::SharedSlice::new(&mut self.s);
         pool.for_ranges(rows, 8, &|r| {
-            quantize_blocks(
-                &x[r.start * k..r.end * k],
-                qs.range_mut(r.start * k..r.end * k),
-                d.range_mut(r.start * nb_row..r.end * nb_row),
-                s.range_mut(r.start * nb_row..r.end * nb_row),
-            );
+            // SAFETY: `for_ranges` hands each row range to exactly one call, and each slice's
+            // sub-range is a function of the rows alone, so no two calls overlap in any of
+            // the three; the buffers stay borrowed until the pool returns.
+            let (qs, d, s) = unsafe {
+                (
+                    qs.range_mut(r.start * k..r.end * k),
+                    d.range_mut(r.start * nb_row..r.end * nb_row),
+                    s.range_mut(r.start * nb_row..r.end * nb_row),
+                )
+            };
+            quantize_blocks(&x[r.start * k..r.end * k], qs, d, s);
         });
     }
 

@@ -14,7 +14,6 @@ pub use config::LlamaConfig;
 use kernels::attention::{attend_group, AttnShape};
 use kernels::matmul::{matmul, matmul_multi, MatmulScratch};
 use kernels::ops::{add_in_place, rmsnorm, swiglu, RopeTable};
-use kernels::pool::SharedSlice;
 use kernels::{Isa, ThreadPool};
 
 use crate::kv::{BlockId, KvLayout, KvPool};
@@ -260,18 +259,19 @@ impl Model {
             after_kv(l, kv);
             // Attention: work items are (token, kv head) pairs.
             let (ks, vs) = kv.layer(l);
-            let att = SharedSlice::new(&mut s.att);
             let q = &s.q;
             let items = n_tok * cfg.n_kv_heads;
             let isa = self.isa;
             let where_ref = &where_;
             let chunk = if items < 64 { 1 } else { 4 };
-            self.pool.for_ranges(items, chunk, &|range| {
+            // Item (i, g) owns att[i * h + g * group_w..][..group_w]: h = n_kv_heads * group_w,
+            // so that is item * group_w, and the pool lends each range of items its own part.
+            self.pool.for_chunks_mut(&mut s.att[..items * group_w], group_w, chunk, &|range, part| {
                 let mut scores = Vec::new();
-                for item in range {
+                for (k, item) in range.enumerate() {
                     let (i, g) = (item / cfg.n_kv_heads, item % cfg.n_kv_heads);
                     let (ci, pos) = where_ref[i];
-                    let out = att.range_mut(i * h + g * group_w..i * h + (g + 1) * group_w);
+                    let out = &mut part[k * group_w..(k + 1) * group_w];
                     attend_group(
                         isa,
                         &shape,
@@ -328,17 +328,15 @@ impl Model {
 fn par_rmsnorm(pool: &ThreadPool, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
     let rows = x.len() / n;
-    let out = SharedSlice::new(out);
-    pool.for_ranges(rows, 16, &|r| {
-        rmsnorm(&x[r.start * n..r.end * n], weight, eps, out.range_mut(r.start * n..r.end * n));
+    pool.for_chunks_mut(&mut out[..rows * n], n, 16, &|r, out| {
+        rmsnorm(&x[r.start * n..r.end * n], weight, eps, out);
     });
 }
 
 /// `gate = silu(gate) * up` row by row across the pool (one `exp` per element adds up in prefill).
 fn par_swiglu(pool: &ThreadPool, gate: &mut [f32], up: &[f32], width: usize) {
     let rows = gate.len() / width;
-    let g = SharedSlice::new(gate);
-    pool.for_ranges(rows, 8, &|r| {
-        swiglu(g.range_mut(r.start * width..r.end * width), &up[r.start * width..r.end * width]);
+    pool.for_chunks_mut(&mut gate[..rows * width], width, 8, &|r, g| {
+        swiglu(g, &up[r.start * width..r.end * width]);
     });
 }

@@ -21,10 +21,15 @@ fn available() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
 
-pub fn quant_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+/// [`super::scalar::quant_rows`] with AVX2 where the CPU has it.
+///
+/// # Safety
+/// As [`super::scalar::quant_rows`]: concurrent callers pass disjoint `rows`.
+pub unsafe fn quant_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
     #[cfg(target_arch = "x86_64")]
     if available() {
-        // SAFETY: the CPU supports avx2, fma and f16c (checked just above).
+        // SAFETY: the CPU supports avx2, fma and f16c (checked just above); `rows` are this
+        // caller's alone (the function's contract).
         unsafe {
             match w.ty {
                 WeightType::Q4_1 => q4_rows::<true>(w, acts, rows, out),
@@ -35,7 +40,8 @@ pub fn quant_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &Share
         }
         return;
     }
-    super::scalar::quant_rows(w, acts, rows, out)
+    // SAFETY: the function's contract.
+    unsafe { super::scalar::quant_rows(w, acts, rows, out) }
 }
 
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -91,6 +97,8 @@ pub(crate) fn hsum(v: __m256) -> f32 {
 /// streams past them.
 const X_TILE: usize = 32;
 
+/// # Safety
+/// The CPU has avx2, fma and f16c, and concurrent callers pass disjoint `rows`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
@@ -105,14 +113,16 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
                 // SAFETY: same target features as this function.
                 let v = unsafe { q4_kernel::<4, Q41>(wrow, acts, i) };
                 for (j, v) in v.into_iter().enumerate() {
-                    out.set((i + j) * w.rows + r, v);
+                    // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
+                    unsafe { out.set((i + j) * w.rows + r, v) };
                 }
                 i += 4;
             }
             while i < t1 {
                 // SAFETY: as above.
                 let v = unsafe { q4_kernel::<1, Q41>(wrow, acts, i) };
-                out.set(i * w.rows + r, v[0]);
+                // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
+                unsafe { out.set(i * w.rows + r, v[0]) };
                 i += 1;
             }
         }
@@ -180,6 +190,8 @@ unsafe fn f16_ptr(p: *const u8) -> f32 {
     }
 }
 
+/// # Safety
+/// The CPU has avx2, fma and f16c, and concurrent callers pass disjoint `rows`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
@@ -191,14 +203,16 @@ unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &Share
             // SAFETY: same target features as this function.
             let v = unsafe { q8_kernel::<4>(wrow, acts, i) };
             for (j, v) in v.into_iter().enumerate() {
-                out.set((i + j) * w.rows + r, v);
+                // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
+                unsafe { out.set((i + j) * w.rows + r, v) };
             }
             i += 4;
         }
         while i < m {
             // SAFETY: as above.
             let v = unsafe { q8_kernel::<1>(wrow, acts, i) };
-            out.set(i * w.rows + r, v[0]);
+            // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
+            unsafe { out.set(i * w.rows + r, v[0]) };
             i += 1;
         }
     }

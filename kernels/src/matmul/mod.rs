@@ -11,6 +11,9 @@
 //! thread computes it, so a token's logits do not depend on what else is in
 //! its batch — the engine's batch-invariance tests rely on that.
 
+// Row ranges of one output are written from several threads (`SharedSlice`); see the SAFETY notes.
+#![allow(unsafe_code)]
+
 mod avx2;
 mod scalar;
 
@@ -150,17 +153,25 @@ pub fn matmul_multi(
             if lo == hi {
                 continue;
             }
-            match (w.ty.is_quantized(), isa) {
-                (true, Isa::Avx2) => avx2::quant_rows(w, acts, lo..hi, out),
-                (true, Isa::Scalar) => scalar::quant_rows(w, acts, lo..hi, out),
-                (false, _) => float_rows(isa, w, x, m, lo..hi, out),
+            // SAFETY: `for_ranges` hands each range of the concatenated rows to exactly one
+            // call, so `lo..hi` of this matrix is this call's alone: no other thread writes
+            // these rows' outputs, and `ys` stays borrowed until the pool returns.
+            unsafe {
+                match (w.ty.is_quantized(), isa) {
+                    (true, Isa::Avx2) => avx2::quant_rows(w, acts, lo..hi, out),
+                    (true, Isa::Scalar) => scalar::quant_rows(w, acts, lo..hi, out),
+                    (false, _) => float_rows(isa, w, x, m, lo..hi, out),
+                }
             }
         }
     });
 }
 
 /// Float weights: each row is widened to f32 once, then dotted with every x row.
-fn float_rows(
+///
+/// # Safety
+/// Concurrent callers pass disjoint `rows` (see `SharedSlice::set`).
+unsafe fn float_rows(
     isa: Isa,
     w: &QMatrix<'_>,
     x: &[f32],
@@ -178,7 +189,8 @@ fn float_rows(
                 Isa::Avx2 => avx2::dot_f32(&wrow, xi),
                 Isa::Scalar => scalar::dot_f32(&wrow, xi),
             };
-            out.set(i * w.rows + r, v);
+            // SAFETY: row r is this caller's alone (the function's contract).
+            unsafe { out.set(i * w.rows + r, v) };
         }
     }
 }

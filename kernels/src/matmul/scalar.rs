@@ -1,5 +1,8 @@
 //! Portable reference kernels.
 
+// Its row writer shares one output slice between threads (`SharedSlice::set`, an `unsafe fn`).
+#![allow(unsafe_code)]
+
 use std::ops::Range;
 
 use crate::f16::{f16_bits_to_f32, le_u16};
@@ -47,11 +50,17 @@ pub fn dot_row(ty: WeightType, wrow: &[u8], acts: &QActs, xr: usize) -> f32 {
     acc
 }
 
-pub fn quant_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+/// Writes `out[i * w.rows + r]` for every activation row `i` and weight row `r` in `rows`.
+///
+/// # Safety
+/// No other thread may touch those elements of `out` meanwhile: concurrent callers pass
+/// disjoint `rows` (see `SharedSlice::set`).
+pub unsafe fn quant_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
     for r in rows {
         let wrow = w.row(r);
         for i in 0..acts.rows {
-            out.set(i * w.rows + r, dot_row(w.ty, wrow, acts, i));
+            // SAFETY: row r is this caller's alone (the function's contract).
+            unsafe { out.set(i * w.rows + r, dot_row(w.ty, wrow, acts, i)) };
         }
     }
 }
