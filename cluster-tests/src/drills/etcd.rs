@@ -19,8 +19,6 @@ use crate::{eventually, HarnessError};
 
 const RESYNCS: &str = "tandem_coordinator_registry_resyncs_total";
 const REGISTRY_HEALTHY: &str = "tandem_coordinator_registry_healthy";
-const FENCED: &str = "tandem_worker_fenced";
-const FENCES: &str = "tandem_worker_fences_total";
 /// The coordinator's code for "etcd unreachable past `--registry-max-stale-ms`".
 const REGISTRY_UNAVAILABLE: &str = "registry_unavailable";
 /// `--registry-max-stale-ms` in the drills that outlast it.
@@ -281,9 +279,9 @@ impl Drill for EtcdQuorumLoss {
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "etcd-quorum-loss",
-            description: "kill two of three etcd members under load: workers fence, the coordinator serves from its \
-                          cache for --registry-max-stale-ms then answers 503 registry_unavailable; restart them: \
-                          workers re-register and serving resumes",
+            description: "kill two of three etcd members under load: no worker fences (static stability), the \
+                          coordinator serves from its cache for --registry-max-stale-ms then answers 503 \
+                          registry_unavailable; restart them: serving resumes",
         }
     }
 
@@ -299,9 +297,8 @@ impl Drill for EtcdQuorumLoss {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants {
-                // While the cache is trusted but the workers are fenced: `no_worker` (none
-                // ready) or, in the moment before the coordinator sees a fence, `retryable`.
-                allowed_errors: Some(vec![REGISTRY_UNAVAILABLE.into(), "no_worker".into(), "retryable".into()]),
+                // Past the bound only: workers serve on and stay ready throughout.
+                allowed_errors: Some(vec![REGISTRY_UNAVAILABLE.into()]),
                 ..Invariants::default()
             },
         }
@@ -333,11 +330,6 @@ impl Drill for EtcdQuorumLoss {
         note(&mut ev, refused.map(|a| format!("quorum lost; {a} after {} ms", ms(t0))));
         let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
         note(&mut ev, ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }));
-        for w in &c.workers {
-            let m = w.metrics_addr()?;
-            let fenced = gauge_becomes(&m, FENCED, 1.0, CONSEQUENCE_WAIT).await;
-            note(&mut ev, fenced.map(|()| format!("{} fenced", w.proc.name)).map_err(|e| e.to_string()));
-        }
         // Quorum back: the first restart makes two of three.
         for i in [follower, leader] {
             c.etcd.restart(i).await.map_err(|e| HarnessError::Fault(format!("restarting etcd member {i}: {e}")))?;
@@ -359,17 +351,12 @@ impl Drill for EtcdQuorumLoss {
         if !ev.missing.is_empty() {
             return Err(format!("members killed, but: {}", ev.missing.join("; ")));
         }
-        let mut fences = Vec::new();
-        for w in &c.workers {
-            let m = w.metrics_addr().map_err(|e| e.to_string())?;
-            let n = scrape(&m).await.map_err(|e| e.to_string())?.sum(FENCES, &[]);
-            if n < 1.0 {
-                return Err(format!("{} never fenced ({FENCES} = {n})", w.proc.name));
-            }
-            fences.push(format!("{} {n}", w.proc.name));
+        let fences = fences(c).await?;
+        if let Some((name, n)) = fences.iter().find(|(_, n)| *n != 0.0) {
+            return Err(format!("{name} fenced ({} = {n}) while etcd only lacked quorum", worker::metrics::FENCES));
         }
         let killed: Vec<String> = ev.killed.iter().map(|(n, p)| format!("{n} (pid {p})")).collect();
-        Ok(format!("killed {}; {}; fences: {}", killed.join(", "), ev.notes.join("; "), fences.join(", ")))
+        Ok(format!("killed {}; {}; no fence: {fences:?}", killed.join(", "), ev.notes.join("; ")))
     }
 }
 
@@ -384,8 +371,9 @@ impl Drill for WorkerEtcdCutoff {
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "worker-etcd-cutoff",
-            description: "blackhole one decode worker's etcd link (it alone): its lease lapses, it fences, the \
-                          coordinator drops it and the load runs on the other; lift the partition: it re-registers",
+            description: "blackhole one decode worker's etcd link (it alone): its lease lapses but it does not \
+                          fence (its coordinator still reaches it); the coordinator drops it after the departed \
+                          grace and the load runs on the other; lift the partition: it re-registers unfenced",
         }
     }
 
@@ -416,8 +404,6 @@ impl Drill for WorkerEtcdCutoff {
         ev.began();
         let t0 = Instant::now();
         c.etcd_link(CUT_WORKER, Fault::Blackhole)?;
-        let fenced = gauge_becomes(&m, FENCED, 1.0, CONSEQUENCE_WAIT).await;
-        note(&mut ev, fenced.map(|()| format!("{CUT_WORKER} fenced after {} ms", ms(t0))).map_err(|e| e.to_string()));
         let (left, n) = counter_reaches(&h, MEMBERSHIP, &[("change", "left")], left0 + 1.0, CONSEQUENCE_WAIT).await;
         note(&mut ev, left.map(|()| format!("left {left0} -> {n} after {} ms", ms(t0))).map_err(|e| e.to_string()));
         let one = serving_becomes(c, Role::Decode, 1.0, CONSEQUENCE_WAIT).await;
@@ -433,8 +419,8 @@ impl Drill for WorkerEtcdCutoff {
         );
         let two = serving_becomes(c, Role::Decode, 2.0, CONSEQUENCE_WAIT).await;
         note(&mut ev, two.map(|()| "2 decode workers serving".into()).map_err(|e| e.to_string()));
-        let unfenced = gauge_becomes(&m, FENCED, 0.0, CONSEQUENCE_WAIT).await;
-        note(&mut ev, unfenced.map(|()| format!("{CUT_WORKER} unfenced")).map_err(|e| e.to_string()));
+        let unfenced = gauge_becomes(&m, worker::metrics::FENCED, 0.0, CONSEQUENCE_WAIT).await;
+        note(&mut ev, unfenced.map(|()| format!("{CUT_WORKER} not fenced")).map_err(|e| e.to_string()));
         Ok(ev)
     }
 
@@ -447,11 +433,18 @@ impl Drill for WorkerEtcdCutoff {
             return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
         }
         let m = c.worker(CUT_WORKER).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
-        let fences = scrape(&m).await.map_err(|e| e.to_string())?.sum(FENCES, &[]);
-        if fences < 1.0 {
-            return Err(format!("{CUT_WORKER} never fenced ({FENCES} = {fences})"));
+        let fences = scrape(&m)
+            .await
+            .map_err(|e| e.to_string())?
+            .find(worker::metrics::FENCES, &[])
+            .ok_or_else(|| format!("{CUT_WORKER} exports no {}", worker::metrics::FENCES))?;
+        if fences != 0.0 {
+            return Err(format!(
+                "{CUT_WORKER} fenced ({} = {fences}) though its coordinator reached it",
+                worker::metrics::FENCES
+            ));
         }
-        Ok(format!("proxy dropped {dropped} bytes; {}; {FENCES} = {fences}", ev.notes.join("; ")))
+        Ok(format!("proxy dropped {dropped} bytes; {}; {} = 0", ev.notes.join("; "), worker::metrics::FENCES))
     }
 }
 
@@ -673,7 +666,12 @@ impl Drill for EtcdStall {
             })
         })
         .await;
-        note(&mut ev, whole.map(|()| format!("{n} workers listed, re-listed, healthy {} ms after SIGCONT", ms(t1))).map_err(|e| e.to_string()));
+        note(
+            &mut ev,
+            whole
+                .map(|()| format!("{n} workers listed, re-listed, healthy {} ms after SIGCONT", ms(t1)))
+                .map_err(|e| e.to_string()),
+        );
         let back = ask_until(&h, "a request served after SIGCONT", CONSEQUENCE_WAIT, |a| a.status == 200).await;
         note(&mut ev, back.map(|_| "served after SIGCONT".into()));
         ev.before = before.iter().map(|(_, n)| n).sum();
