@@ -67,6 +67,8 @@ pub fn attend_group(
     let scale = 1.0 / (hd as f32).sqrt();
     let heads = kv_head * group..(kv_head + 1) * group;
     let use_simd = isa == Isa::Avx2 && hd % 8 == 0 && simd::available();
+    #[cfg(test)]
+    crate::isa::trace::hit(if use_simd { Isa::Avx2 } else { Isa::Scalar });
 
     // Scores: heads of the group share each K row load.
     for t in 0..n_ctx {
@@ -270,22 +272,29 @@ mod tests {
                 vp[dst..dst + row].copy_from_slice(&vf[t * row..(t + 1) * row]);
             }
             let shape = AttnShape { block_size: bs, ..shape1 };
-            let scalar = run(Isa::Scalar, &shape, KvSlice::F32(&kp), KvSlice::F32(&vp), &table, n, &q);
+            let scalar = crate::isa::trace::assert_ran(Isa::Scalar, "attention scalar", || {
+                run(Isa::Scalar, &shape, KvSlice::F32(&kp), KvSlice::F32(&vp), &table, n, &q)
+            });
             assert_eq!(scalar, reference, "scalar result changed with block size {bs}");
-            let simd = run(Isa::detect(), &shape, KvSlice::F32(&kp), KvSlice::F32(&vp), &table, n, &q);
-            let simd1 = run(Isa::detect(), &shape1, KvSlice::F32(&kf), KvSlice::F32(&vf), &ident, n, &q);
-            assert_eq!(simd, simd1, "simd result changed with block size {bs}");
-            for (a, b) in simd.iter().zip(&reference) {
-                assert!((a - b).abs() < 1e-5, "simd {a} vs scalar {b}");
-            }
-            // F16 storage agrees with F32 to half precision.
             let kh: Vec<u16> = kp.iter().map(|&x| crate::f16::f32_to_f16_bits(x)).collect();
             let vh: Vec<u16> = vp.iter().map(|&x| crate::f16::f32_to_f16_bits(x)).collect();
-            let h_simd = run(Isa::detect(), &shape, KvSlice::F16(&kh), KvSlice::F16(&vh), &table, n, &q);
             let h_scalar = run(Isa::Scalar, &shape, KvSlice::F16(&kh), KvSlice::F16(&vh), &table, n, &q);
-            for ((a, b), r) in h_simd.iter().zip(&h_scalar).zip(&reference) {
-                assert!((a - b).abs() < 1e-5, "f16 simd {a} vs scalar {b}");
-                assert!((a - r).abs() < 5e-3, "f16 {a} vs f32 {r}");
+            for isa in crate::isa::trace::simd_levels("attention") {
+                let what = format!("attention {} bs={bs}", isa.name());
+                let simd = crate::isa::trace::assert_ran(isa, &what, || {
+                    run(isa, &shape, KvSlice::F32(&kp), KvSlice::F32(&vp), &table, n, &q)
+                });
+                for (a, b) in simd.iter().zip(&reference) {
+                    assert!((a - b).abs() < 1e-5, "{what}: simd {a} vs scalar {b}");
+                }
+                // F16 storage agrees with F32 to half precision.
+                let h_simd = crate::isa::trace::assert_ran(isa, &what, || {
+                    run(isa, &shape, KvSlice::F16(&kh), KvSlice::F16(&vh), &table, n, &q)
+                });
+                for ((a, b), r) in h_simd.iter().zip(&h_scalar).zip(&reference) {
+                    assert!((a - b).abs() < 1e-5, "{what}: f16 simd {a} vs scalar {b}");
+                    assert!((a - r).abs() < 5e-3, "{what}: f16 {a} vs f32 {r}");
+                }
             }
         }
     }

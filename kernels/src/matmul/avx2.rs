@@ -56,6 +56,8 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(test)]
+    crate::isa::trace::hit(crate::Isa::Avx2);
     let n = a.len().min(b.len());
     let mut acc0 = _mm256_setzero_ps();
     let mut acc1 = _mm256_setzero_ps();
@@ -102,6 +104,8 @@ const X_TILE: usize = 32;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+    #[cfg(test)]
+    crate::isa::trace::hit(crate::Isa::Avx2);
     let m = acts.rows;
     let mut t0 = 0;
     while t0 < m {
@@ -195,6 +199,8 @@ unsafe fn f16_ptr(p: *const u8) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+    #[cfg(test)]
+    crate::isa::trace::hit(crate::Isa::Avx2);
     let m = acts.rows;
     for r in rows {
         let wrow = w.row(r);

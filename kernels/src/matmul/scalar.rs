@@ -11,6 +11,8 @@ use crate::pool::SharedSlice;
 use crate::quant::{QActs, QK};
 
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(test)]
+    crate::isa::trace::hit(crate::Isa::Scalar);
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
@@ -56,6 +58,8 @@ pub fn dot_row(ty: WeightType, wrow: &[u8], acts: &QActs, xr: usize) -> f32 {
 /// No other thread may touch those elements of `out` meanwhile: concurrent callers pass
 /// disjoint `rows` (see `SharedSlice::set`).
 pub unsafe fn quant_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+    #[cfg(test)]
+    crate::isa::trace::hit(crate::Isa::Scalar);
     for r in rows {
         let wrow = w.row(r);
         for i in 0..acts.rows {

@@ -96,20 +96,29 @@ fn simd_matches_scalar_and_reference_for_every_type() {
             let data = random_weights(&mut rng, ty, rows, cols);
             let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
             let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
-            let scalar = run(Isa::Scalar, 1, &w, &x, m);
-            let simd = run(Isa::detect(), 2, &w, &x, m);
+            // One thread: the pool runs the kernels here, where the path trace is kept.
+            let scalar = crate::isa::trace::assert_ran(Isa::Scalar, &format!("{ty:?} scalar"), || {
+                run(Isa::Scalar, 1, &w, &x, m)
+            });
             let exact = reference(&w, &x, m);
             let scale = exact.iter().fold(0f32, |a, v| a.max(v.abs())).max(1.0);
             for i in 0..exact.len() {
-                assert!(
-                    (scalar[i] - simd[i]).abs() <= 1e-4 * scale,
-                    "{ty:?} {rows}x{cols} m={m} [{i}]: scalar {} simd {}",
-                    scalar[i],
-                    simd[i]
-                );
                 // Activation quantization costs ~1% of the value's scale.
                 let tol = if ty.is_quantized() { 0.02 * scale } else { 1e-4 * scale };
                 assert!((scalar[i] - exact[i]).abs() <= tol, "{ty:?} [{i}]: {} vs exact {}", scalar[i], exact[i]);
+            }
+            for isa in crate::isa::trace::simd_levels("matmul") {
+                let what = format!("{ty:?} {rows}x{cols} m={m} {}", isa.name());
+                let simd = crate::isa::trace::assert_ran(isa, &what, || run(isa, 1, &w, &x, m));
+                assert_eq!(simd, run(isa, 2, &w, &x, m), "{what}: 1 and 2 threads differ");
+                for i in 0..exact.len() {
+                    assert!(
+                        (scalar[i] - simd[i]).abs() <= 1e-4 * scale,
+                        "{what} [{i}]: scalar {} simd {}",
+                        scalar[i],
+                        simd[i]
+                    );
+                }
             }
         }
     }
