@@ -124,7 +124,7 @@ use tokio::time::timeout;
 
 pub use sender::{LocalKvSender, LocalSenderConfig};
 pub use server::{LocalCloseReason, LocalKvServer, LocalServerConfig, LocalServerStats};
-pub use wire::{RingRefusal, RingSpec, WireError};
+pub use wire::{check_decode, RingRefusal, RingSpec, WireError};
 
 use wire::{Msg, MsgReader};
 
