@@ -1,13 +1,15 @@
 //! Failures at the coordinator, on real processes and a real etcd: a decode
-//! worker killed mid-stream, etcd restarted and then down long enough for
-//! workers to fence themselves, and a client that goes away mid-stream.
-//! Each test proves its fault happened (process gone, worker fenced, tokens
-//! cut short) and ends with every worker's KV back to zero.
+//! worker killed mid-stream, etcd restarted and then down past the lease TTL
+//! (no worker fences, served until the stale bound, then 503) and past
+//! `--registry-max-stale-ms`, and a client that goes away mid-stream.
+//! Each test proves its fault happened (process gone, etcd unreachable past
+//! the bound, tokens cut short) and ends with every worker's KV back to zero.
 
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
@@ -129,16 +131,45 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
     Ok(())
 }
 
+/// `worker::metrics::FENCES` on a worker's `/metrics`; a page without the
+/// series is an error, not 0 (a renamed counter must not pass as "never fenced").
+fn fences(p: &Proc) -> Result<f64, String> {
+    let m = p.addr("metrics")?;
+    let (_, _, body) = http(&m, "GET", "/metrics", "", b"", &[])?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(worker::metrics::FENCES)?.strip_prefix(' ')?.trim().parse().ok())
+        .ok_or_else(|| format!("no {} series on {m}", worker::metrics::FENCES))
+}
+
+/// Static stability: etcd is the control plane, the data plane outlives it.
+/// An etcd restart under load loses nothing; an etcd down past the workers'
+/// lease TTL fences no worker and the coordinator keeps serving (and stays
+/// ready) from its last membership, until `--registry-max-stale-ms`; past
+/// that bound it refuses with 503 `registry_unavailable` + Retry-After and
+/// `/ready` 503; etcd back, it serves again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn etcd_restart_then_outage_fences_workers() -> TestResult {
+async fn etcd_outage_serves_until_the_stale_bound_and_fences_no_worker() -> TestResult {
+    // Lease TTL 2 s; the coordinator serves from a membership etcd last
+    // confirmed up to 10 s ago. The test fails if a worker fences within
+    // 5 s (2.5 TTLs) of etcd going down, or the coordinator refuses then.
+    const TTL_S: &str = "2";
+    const MAX_STALE: Duration = Duration::from_secs(10);
+    const PAST_TTL: Duration = Duration::from_secs(5);
     let mut etcd = registry::testing::Etcd::start().await?;
     let ep = etcd.endpoint();
-    let prefill = start("tandem-prefill-worker", &worker_args(&ep, "er", "p1", "5"), &["grpc", "metrics"])?;
-    let decode = start("tandem-decode-worker", &decode_args(&ep, "er", "d1", "5"), &["grpc", "metrics"])?;
-    let coord = start_etcd_coordinator(&ep, "er", &["--registry-max-stale-ms", "120000"])?;
+    let prefill = start("tandem-prefill-worker", &worker_args(&ep, "er", "p1", TTL_S), &["grpc", "metrics"])?;
+    let decode = start("tandem-decode-worker", &decode_args(&ep, "er", "d1", TTL_S), &["grpc", "metrics"])?;
+    let max_stale_ms = MAX_STALE.as_millis().to_string();
+    let coord = start_etcd_coordinator(&ep, "er", &["--registry-max-stale-ms", &max_stale_ms])?;
     let h = coord.addr("http")?;
     eventually("the coordinator is ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
         .await?;
+    let (s, _, body) = post(&h, "/v1/completions", &short())?;
+    assert_eq!(s, 200, "{body}");
+    let workers = [("prefill", &prefill), ("decode", &decode)];
+    for (name, w) in workers {
+        assert_eq!(fences(w)?, 0.0, "{name} fenced before any fault");
+    }
 
     // Load runs through an etcd restart: served from the cached membership,
     // every request completes.
@@ -148,14 +179,14 @@ async fn etcd_restart_then_outage_fences_workers() -> TestResult {
         std::thread::spawn(move || {
             let mut statuses = Vec::new();
             while !stop.load(Ordering::SeqCst) {
-                statuses.push(post(&h, "/v1/completions", &short()).map(|r| r.0));
+                statuses.push(post(&h, "/v1/completions", &short()).map(|r| (r.0, r.2)));
             }
             statuses
         })
     };
-    let served_before = metric_sum(&decode.addr("metrics")?, "tandem_decode_requests_total")?;
-    etcd.restart().await?;
     let m = decode.addr("metrics")?;
+    let served_before = metric_sum(&m, "tandem_decode_requests_total")?;
+    etcd.restart().await?;
     eventually("requests complete after the restart", || {
         metric_sum(&m, "tandem_decode_requests_total").is_ok_and(|v| v >= served_before + 3.0)
     })
@@ -163,32 +194,55 @@ async fn etcd_restart_then_outage_fences_workers() -> TestResult {
     stop.store(true, Ordering::SeqCst);
     let statuses = load.join().map_err(|_| "the load thread panicked")?;
     assert!(statuses.len() >= 3, "{statuses:?}");
-    assert!(statuses.iter().all(|s| s.as_ref().is_ok_and(|s| *s == 200)), "{statuses:?}");
+    assert!(statuses.iter().all(|s| s.as_ref().is_ok_and(|s| s.0 == 200)), "{statuses:?}");
 
-    // etcd down past the lease TTL: the workers fence themselves, the
-    // coordinator stops routing to them (503 + Retry-After) and sends them
-    // nothing while fenced.
+    // etcd down past the lease TTL: no worker fences (an unreachable etcd
+    // is no reason to), and the coordinator keeps routing from its last
+    // membership, ready, every request 200.
     etcd.stop();
-    eventually("503 + Retry-After once the decode worker is fenced", || {
-        post(&h, "/v1/completions", &short()).is_ok_and(|(s, hd, _)| s == 503 && hd.contains_key("retry-after"))
+    let down = std::time::Instant::now();
+    let mut served = 0;
+    while down.elapsed() < PAST_TTL {
+        let (s, _, body) = post(&h, "/v1/completions", &short())?;
+        assert_eq!(s, 200, "{:?} into the etcd outage, within the stale bound: {body}", down.elapsed());
+        let (s, _, body) = http(&h, "GET", "/ready", "", b"", &[])?;
+        assert_eq!(s, 200, "{:?} into the etcd outage, within the stale bound: {body}", down.elapsed());
+        served += 1;
+    }
+    assert!(served >= 3, "only {served} requests in {PAST_TTL:?}: the outage phase proved nothing");
+    for (name, w) in workers {
+        assert_eq!(fences(w)?, 0.0, "{name} fenced with etcd down {:?} (lease TTL {TTL_S} s)", down.elapsed());
+    }
+
+    // Past the stale bound: an explicit, retryable refusal, and not ready.
+    eventually("503 registry_unavailable once the membership is older than the bound", || {
+        post(&h, "/v1/completions", &short()).is_ok_and(|(s, _, _)| s == 503)
     })
     .await?;
-    let (s, _, _) = http(&h, "GET", "/ready", "", b"", &[])?;
-    assert_eq!(s, 503, "not ready while every decode worker is fenced");
-    let seen = metric_sum(&m, "tandem_decode_requests_total")?;
-    for _ in 0..5 {
+    assert!(down.elapsed() >= MAX_STALE - Duration::from_secs(2), "refused {:?} into the outage", down.elapsed());
+    for _ in 0..3 {
         let (s, hd, body) = post(&h, "/v1/completions", &short())?;
-        assert_eq!(s, 503, "{body}");
-        assert!(hd.contains_key("retry-after"));
+        error_of(s, &body, 503, None)?;
+        assert_eq!(json_of(&body)?["error"]["code"], "registry_unavailable", "{body}");
+        assert!(hd.contains_key("retry-after"), "{hd:?}");
     }
-    assert_eq!(metric_sum(&m, "tandem_decode_requests_total")?, seen, "a request reached a fenced worker");
+    let (s, _, body) = http(&h, "GET", "/ready", "", b"", &[])?;
+    assert_eq!(s, 503, "ready past the stale bound: {body}");
+    for (name, w) in workers {
+        assert_eq!(fences(w)?, 0.0, "{name} fenced with etcd down {:?}", down.elapsed());
+    }
 
-    // etcd back: the workers re-register with fresh leases and serve again.
+    // etcd back: the coordinator re-lists and serves again; still no fence.
     etcd.restart().await?;
-    eventually("serving again after re-registration", || {
+    eventually("serving again once etcd is back", || {
         post(&h, "/v1/completions", &short()).is_ok_and(|(s, _, _)| s == 200)
     })
     .await?;
+    eventually("ready again once etcd is back", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
+        .await?;
+    for (name, w) in workers {
+        assert_eq!(fences(w)?, 0.0, "{name} fenced after etcd came back");
+    }
     settled(&decode, "decode").await?;
     settled(&prefill, "prefill").await?;
     Ok(())
