@@ -51,9 +51,11 @@ use tokio::time::Instant;
 
 mod config;
 mod queue;
+mod retry;
 mod ticket;
 
 pub use config::{AdmissionConfig, ConfigError};
+pub use retry::{retry_after, BASE as RETRY_AFTER_BASE, JITTER as RETRY_AFTER_JITTER};
 pub use ticket::{Priority, PriorityParseError, Shed, Ticket};
 
 use queue::{Place, State, Verdict};
@@ -223,6 +225,13 @@ impl Admission {
     /// Whether [`Admission::close`] was called (the coordinator is draining).
     pub fn is_closed(&self) -> bool {
         self.lock().closed
+    }
+
+    /// How long the queue takes to drain at the throughput measured so
+    /// far (whole seconds in [1, 60]); `None` before any slot came back.
+    /// The estimate behind `Retry-After` where the refusal is about load.
+    pub fn drain_estimate(&self) -> Option<Duration> {
+        self.lock().drain_estimate()
     }
 
     /// What admission is doing now, for metrics and for draining.

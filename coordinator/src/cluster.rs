@@ -25,6 +25,7 @@ use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, GenerateRequest, PrefillAttempt, PrefillTarget};
 use tonic::transport::{Channel, Endpoint};
 
+use crate::admission::{self, Admission};
 use crate::breaker::{BreakerConfig, Breakers, Gate, Gates, Outcome, Pair};
 use crate::load::{Kind, LoadBoard};
 use crate::metrics;
@@ -139,16 +140,21 @@ fn endpoint(addr: &str) -> Result<Endpoint, String> {
         .map_err(|e| format!("worker address {addr:?}: {e}"))
 }
 
+/// A 503 with nothing measured to say when to come back: Retry-After is
+/// the jittered base ([`admission::retry_after`]).
 fn unavailable(code: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", code, message).retry_after(1)
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", code, message)
+        .retry_after(admission::retry_after(None))
 }
 
 /// The fast 503 when no prefill worker of the group may be used: Retry-After
-/// is the time until the first breaker lets a probe through (whole seconds, at least 1).
-fn prefill_unavailable(wait: Duration, message: String) -> ApiError {
+/// is the time until the first breaker lets a probe through, jittered, but
+/// never past a whole cooldown (by then every breaker probes).
+fn prefill_unavailable(wait: Duration, cooldown: Duration, message: String) -> ApiError {
     metrics::route_refused("prefill_unavailable");
     metrics::prefill_unavailable();
-    let secs = wait.as_millis().div_ceil(1000).max(1) as u64;
+    let most = cooldown.as_millis().div_ceil(1000).max(1) as u64;
+    let secs = admission::retry_after(Some(wait)).min(most);
     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "prefill_unavailable", message).retry_after(secs)
 }
 
@@ -459,7 +465,9 @@ impl Cluster {
                 }
             };
             let decision = decision.map_err(|e| match e {
-                NoRoute::PrefillUnavailable(wait) => prefill_unavailable(wait, e.to_string()),
+                NoRoute::PrefillUnavailable(wait) => {
+                    prefill_unavailable(wait, self.breakers.config().cooldown, e.to_string())
+                }
                 NoRoute::NoDecode | NoRoute::NoneReady(_) => {
                     metrics::route_refused(if e == NoRoute::NoDecode { "no_decode" } else { "none_ready" });
                     unavailable("no_worker", e.to_string())
@@ -594,9 +602,10 @@ pub enum Step {
     Finished(proto::worker::v1::Finished),
 }
 
-/// The next event of a worker stream, with worker errors mapped to HTTP;
-/// remote prefill attempts it reports go to `cluster`'s breakers.
-pub async fn next(stream: &mut WorkerStream, cluster: &Cluster) -> Result<Step, ApiError> {
+/// The next event of a worker stream, with worker errors mapped to HTTP
+/// (a 503's Retry-After from `admission`'s drain estimate); remote prefill
+/// attempts it reports go to `cluster`'s breakers.
+pub async fn next(stream: &mut WorkerStream, cluster: &Cluster, admission: &Admission) -> Result<Step, ApiError> {
     let msg = stream.message().await.map_err(|s| {
         ApiError::new(
             StatusCode::BAD_GATEWAY,
@@ -611,7 +620,7 @@ pub async fn next(stream: &mut WorkerStream, cluster: &Cluster) -> Result<Step, 
     match msg.and_then(|m| m.event) {
         Some(generate_response::Event::Token(t)) => Ok(Step::Token(t)),
         Some(generate_response::Event::Finished(f)) => Ok(Step::Finished(f)),
-        Some(generate_response::Event::Error(e)) => Err(worker_error(&e)),
+        Some(generate_response::Event::Error(e)) => Err(worker_error(&e, admission.drain_estimate())),
         None => Err(ApiError::new(
             StatusCode::BAD_GATEWAY,
             "server_error",
@@ -621,8 +630,10 @@ pub async fn next(stream: &mut WorkerStream, cluster: &Cluster) -> Result<Step, 
     }
 }
 
-/// The HTTP face of a worker's typed error (the overload contract in the README).
-pub fn worker_error(e: &proto::worker::v1::WorkerError) -> ApiError {
+/// The HTTP face of a worker's typed error (the overload contract in the
+/// README). A 503's Retry-After is `drain` (the queue's measured drain
+/// time, when known) with jitter.
+pub fn worker_error(e: &proto::worker::v1::WorkerError, drain: Option<Duration>) -> ApiError {
     use proto::worker::v1::ErrorKind as K;
     let (status, kind, code) = match e.kind() {
         K::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_argument"),
@@ -636,7 +647,7 @@ pub fn worker_error(e: &proto::worker::v1::WorkerError) -> ApiError {
     };
     let err = ApiError::new(status, kind, code, e.message.clone());
     if status == StatusCode::SERVICE_UNAVAILABLE {
-        err.retry_after(1)
+        err.retry_after(admission::retry_after(drain))
     } else {
         err
     }

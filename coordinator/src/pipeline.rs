@@ -246,7 +246,6 @@ impl Pipeline {
 
 /// The frontend face of an admission refusal.
 pub fn shed_error(shed: &Shed) -> ApiError {
-    let secs = |d: Option<Duration>| d.map_or(1, |d| d.as_secs().max(1));
     match shed {
         Shed::KeyLimit { retry_after } => {
             metrics::shed("key_limit");
@@ -256,7 +255,7 @@ pub fn shed_error(shed: &Shed) -> ApiError {
                 "rate_limit_exceeded",
                 "this API key has too many requests or tokens queued; retry later",
             )
-            .retry_after(secs(Some(*retry_after)))
+            .retry_after(admission::retry_after(Some(*retry_after)))
         }
         Shed::QueueFull { retry_after } => {
             metrics::shed("queue_full");
@@ -266,7 +265,7 @@ pub fn shed_error(shed: &Shed) -> ApiError {
                 "queue_full",
                 "the cluster is at capacity and its queue is full; retry later",
             )
-            .retry_after(secs(Some(*retry_after)))
+            .retry_after(admission::retry_after(Some(*retry_after)))
         }
         Shed::Deadline => {
             metrics::shed("queue_deadline");
@@ -285,7 +284,7 @@ pub fn shed_error(shed: &Shed) -> ApiError {
                 "shutting_down",
                 "the coordinator is shutting down",
             )
-            .retry_after(1)
+            .retry_after(admission::retry_after(None))
         }
     }
 }
@@ -495,7 +494,11 @@ impl Run {
 
     /// The next piece, or the end; a worker error or the deadline is an error.
     pub async fn step(&mut self) -> Result<Event, ApiError> {
-        let event = tokio::time::timeout_at(self.deadline.into(), next(&mut self.stream, &self.pipeline.cluster)).await;
+        let event = tokio::time::timeout_at(
+            self.deadline.into(),
+            next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission),
+        )
+        .await;
         match event {
             Err(_) => Err(deadline_error()),
             Ok(Err(e)) => Err(e),
@@ -521,7 +524,11 @@ impl Run {
     /// cancels it. Bounded by [`WORKER_END_WAIT`] and the deadline.
     async fn await_worker_end(&mut self) {
         let until = (Instant::now() + WORKER_END_WAIT).min(self.deadline);
-        let _ = tokio::time::timeout_at(until.into(), next(&mut self.stream, &self.pipeline.cluster)).await;
+        let _ = tokio::time::timeout_at(
+            until.into(),
+            next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission),
+        )
+        .await;
     }
 
     /// Text held back by the detokenizer and stop checker, once the worker

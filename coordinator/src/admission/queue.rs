@@ -132,17 +132,21 @@ impl State {
     }
 
     /// Time for the cluster to work through what is queued now: queued
-    /// tokens over (per-slot rate x slots), whole seconds in [1, 60]; 1 s
-    /// before any slot has come back. It errs long rather than short, so
-    /// retries do not arrive before there is room.
+    /// tokens over (per-slot rate x slots), whole seconds in [1, 60];
+    /// [`BASE`](super::retry::BASE) before any slot has come back. It errs
+    /// long rather than short, so retries do not arrive before there is
+    /// room. Refusals add jitter on top ([`super::retry_after`]).
     fn retry_after(&self) -> Duration {
-        let Some(rate) = self.slot_rate else {
-            return Duration::from_secs(1);
-        };
+        self.drain_estimate().unwrap_or(super::retry::BASE)
+    }
+
+    /// [`State::retry_after`], `None` before any throughput was measured.
+    pub(super) fn drain_estimate(&self) -> Option<Duration> {
+        let rate = self.slot_rate?;
         let per_second = rate * self.cfg.max_running.max(1) as f64;
         let secs = (self.queued_tokens as f64 / per_second).ceil();
         let secs = if secs.is_finite() { secs.clamp(RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S) } else { RETRY_AFTER_MAX_S };
-        Duration::from_secs(secs as u64)
+        Some(Duration::from_secs(secs as u64))
     }
 
     pub(super) fn record_rate(&mut self, cost: u64, held: Duration) {

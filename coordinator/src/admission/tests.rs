@@ -261,7 +261,7 @@ async fn a_key_over_its_share_is_refused_while_others_get_in() {
     let _a1 = queued(&a, ticket("a", Priority::Normal, 100));
     let _a2 = queued(&a, ticket("a", Priority::Low, 100));
     let refused = shed(&a, ticket("a", Priority::High, 1));
-    assert_eq!(refused, Some(Shed::KeyLimit { retry_after: Duration::from_secs(1) }), "by count");
+    assert_eq!(refused, Some(Shed::KeyLimit { retry_after: RETRY_AFTER_BASE }), "by count");
     let _b1 = queued(&a, ticket("b", Priority::Normal, 900));
     let refused = shed(&a, ticket("b", Priority::Normal, 200));
     assert_eq!(refused.map(|s| s.http_status()), Some(StatusCode::TOO_MANY_REQUESTS), "by tokens");
@@ -277,7 +277,7 @@ async fn a_full_queue_refuses_its_own_class_and_above() {
     let _holder = granted(&a, ticket("h", Priority::Normal, 1));
     let _w = [queued(&a, ticket("a", Priority::Normal, 600)), queued(&a, ticket("b", Priority::Normal, 300))];
     let refused = shed(&a, ticket("c", Priority::Normal, 200));
-    assert_eq!(refused, Some(Shed::QueueFull { retry_after: Duration::from_secs(1) }), "by tokens");
+    assert_eq!(refused, Some(Shed::QueueFull { retry_after: RETRY_AFTER_BASE }), "by tokens");
     let _c = queued(&a, ticket("c", Priority::Normal, 100));
     let refused = shed(&a, ticket("d", Priority::Low, 1));
     assert_eq!(refused.map(|s| s.http_status()), Some(StatusCode::SERVICE_UNAVAILABLE), "by count");
@@ -294,7 +294,7 @@ async fn a_full_queue_sheds_lower_classes_to_make_room() {
     let _normal = queued(&a, ticket("c", Priority::Normal, 700));
     let _high = queued(&a, ticket("d", Priority::High, 150));
     let displaced = poll(&mut low2).and_then(|r| r.err());
-    assert_eq!(displaced, Some(Shed::QueueFull { retry_after: Duration::from_secs(1) }), "last-placed Low");
+    assert_eq!(displaced, Some(Shed::QueueFull { retry_after: RETRY_AFTER_BASE }), "last-placed Low");
     assert!(poll(&mut low1).is_none(), "one was enough");
     // Shedding low1 would not make room for 300 tokens: nothing is shed.
     assert!(matches!(shed(&a, ticket("e", Priority::Normal, 300)), Some(Shed::QueueFull { .. })));
@@ -429,11 +429,13 @@ async fn retry_after_is_queued_tokens_over_measured_throughput() {
     let a = admission(AdmissionConfig { max_queued: 1, ..running(1) });
     let done = granted(&a, ticket("h", Priority::Normal, 1000));
     tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(a.drain_estimate(), None, "nothing measured yet");
     drop(done); // 1,000 tokens per second per slot.
     let _holder = granted(&a, ticket("h", Priority::Normal, 1));
     let mut f = queued(&a, ticket("a", Priority::Normal, 4500));
     let refused = shed(&a, ticket("b", Priority::Normal, 1));
     assert_eq!(refused.and_then(|s| s.retry_after()), Some(Duration::from_secs(5)));
+    assert_eq!(a.drain_estimate(), Some(Duration::from_secs(5)), "what worker refusals are told");
     drop(f);
     f = queued(&a, ticket("a", Priority::Normal, 100_000));
     let refused = shed(&a, ticket("b", Priority::Normal, 1));

@@ -42,6 +42,7 @@ use futures_util::stream::Stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::admission;
 use crate::idempotency::{self, Claim, Idempotency, Recorder, Replay, Replayed};
 use crate::metrics;
 use crate::openai::{self, ApiError};
@@ -356,7 +357,7 @@ async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job
                         "idempotency_table_full",
                         "too many Idempotency-Keys are in use; retry later",
                     )
-                    .retry_after(1);
+                    .retry_after(admission::retry_after(None));
                     return finished(api, e.into_response());
                 }
             }
@@ -415,7 +416,7 @@ async fn replay_answer(mut replay: Replay<Recorded>, stream: bool, idle: Duratio
             "idempotent_original_failed",
             "the first request with this Idempotency-Key ended without an answer; retry it",
         )
-        .retry_after(1)
+        .retry_after(admission::retry_after(None))
     };
     if !stream {
         return match replay.next().await {
