@@ -118,10 +118,15 @@ impl Worker {
 pub const PREFILL_BIN: &str = env!("CARGO_BIN_EXE_tandem-prefill-worker");
 pub const DECODE_BIN: &str = env!("CARGO_BIN_EXE_tandem-decode-worker");
 
-/// Worker flags: `group`, 1 thread and 256 KV blocks unless `extra` sets them, then `extra`.
+/// Worker flags: `group`, 1 thread, 256 KV blocks and no coordinator-silence fence unless
+/// `extra` sets them, then `extra`.
 fn worker_args<'a>(group: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["--version-group", group];
-    for (flag, default) in [("--threads", "1"), ("--kv-blocks", "256")] {
+    // These tests call Health as they please, then go quiet for longer than a
+    // coordinator would: the silence fence (on by default) would fence the
+    // worker mid-test. A test of that fence passes the flag itself.
+    let defaults = [("--threads", "1"), ("--kv-blocks", "256"), ("--coordinator-silence-fence-ms", "0")];
+    for (flag, default) in defaults {
         if !extra.contains(&flag) {
             args.extend([flag, default]);
         }
