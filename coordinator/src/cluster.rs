@@ -258,6 +258,13 @@ impl Cluster {
         (of(Kind::Decode), of(Kind::Prefill))
     }
 
+    /// (decode, prefill) workers whose load is known and fresh (see [`LoadBoard::count_known`]).
+    pub fn load_known_workers(&self) -> (usize, usize) {
+        let targets = self.poll_targets();
+        let of = |k: Kind| self.board.count_known(targets.iter().filter(|(_, t)| **t == k).map(|(a, _)| a.as_str()));
+        (of(Kind::Decode), of(Kind::Prefill))
+    }
+
     /// Decode worker addresses known now (for readiness).
     pub fn decode_addrs(&self) -> Vec<String> {
         match &self.source {

@@ -194,6 +194,13 @@ impl LoadBoard {
         addrs.into_iter().filter(|a| loads.stale(a)).count()
     }
 
+    /// How many of `addrs` have a fresh load reading (answered a poll within the max age,
+    /// and reachable): the workers routing can score on their real load.
+    pub fn count_known<'a>(&self, addrs: impl IntoIterator<Item = &'a str>) -> usize {
+        let loads = self.read();
+        addrs.into_iter().filter(|a| loads.get(a).is_some_and(|l| l.reachable)).count()
+    }
+
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Board> {
         self.state.write().unwrap_or_else(|e| e.into_inner())
     }

@@ -45,6 +45,11 @@ pub const WORKERS: &str = "tandem_coordinator_workers";
 /// (`--load-poll-ms`): they get no requests until they answer again. Read
 /// at scrape time. vLLM: none.
 pub const WORKERS_STALE: &str = "tandem_coordinator_workers_stale";
+/// `tandem_coordinator_workers_load_known{role}`: known workers whose load the last polls
+/// answered (fresh and reachable), so routing scores them on real figures. Equal to the
+/// serving count once the coordinator has heard from every worker; tests wait on it instead
+/// of sleeping through poll intervals. Read at scrape time. vLLM: none.
+pub const WORKERS_LOAD_KNOWN: &str = "tandem_coordinator_workers_load_known";
 /// `tandem_coordinator_membership_changes_total{change}`: workers `joined`,
 /// `left` or `updated` (e.g. started draining) as seen from etcd.
 pub const MEMBERSHIP_CHANGES: &str = "tandem_coordinator_membership_changes_total";
@@ -124,6 +129,7 @@ fn describe() {
     describe_counter!(ROUTE_REFUSED, "Requests with no route, by reason");
     describe_gauge!(WORKERS, "Registered workers by role and state");
     describe_gauge!(WORKERS_STALE, "Workers not routed to: no load poll answered for 4 intervals");
+    describe_gauge!(WORKERS_LOAD_KNOWN, "Workers whose load the last polls answered");
     describe_counter!(MEMBERSHIP_CHANGES, "Membership changes seen from etcd");
     describe_counter!(REGISTRY_RESYNCS, "Full membership re-lists after a lost etcd watch");
     describe_gauge!(REGISTRY_HEALTHY, "1 while the etcd watch is live");
@@ -189,6 +195,11 @@ pub fn route_decided(kind: Prefill) {
         Prefill::Local => "local",
     };
     counter!(ROUTE_DECISIONS, "prefill" => prefill).increment(1);
+}
+
+/// Workers with a fresh load reading, by role (`prefill`, `decode`).
+pub fn workers_load_known(role: &'static str, n: usize) {
+    gauge!(WORKERS_LOAD_KNOWN, "role" => role).set(n as f64);
 }
 
 /// Stale workers by role (`prefill`, `decode`).

@@ -377,12 +377,11 @@ impl Cluster {
         for c in self.coordinators() {
             self.wait_coordinator_ready(c).await?;
         }
-        // Two load polls (250 ms each), so the router knows every worker's load, not just its lease.
-        tokio::time::sleep(Duration::from_millis(600)).await;
         Ok(())
     }
 
-    /// Waits until coordinator `c` says `/ready` 200 and counts every worker as serving.
+    /// Waits until coordinator `c` says `/ready` 200, counts every worker as serving and
+    /// knows every worker's load (its polls answered), so routing scores them on real figures.
     pub async fn wait_coordinator_ready(&self, c: &Proc) -> Result<(), HarnessError> {
         let h = c.addr("http")?;
         let want = |role: Role| self.workers.iter().filter(|w| w.role == role).count() as f64;
@@ -391,8 +390,18 @@ impl Cluster {
         eventually(&what, Duration::from_secs(60), || async {
             let Ok(200) = get_status(&h, "/ready").await else { return false };
             let Ok(page) = scrape(&h).await else { return false };
-            let serving = |role| page.sum("tandem_coordinator_workers", &[("role", role), ("state", "serving")]);
-            serving("prefill") == np && serving("decode") == nd
+            let count = |name, role, extra: &[(&str, &str)]| {
+                let mut labels = vec![("role", role)];
+                labels.extend_from_slice(extra);
+                page.find(name, &labels)
+            };
+            let serving = |role| count(coordinator::metrics::WORKERS, role, &[("state", "serving")]);
+            let known = |role| count(coordinator::metrics::WORKERS_LOAD_KNOWN, role, &[]);
+            // A series missing is not ready (and not 0): the check cannot pass on a renamed metric.
+            serving("prefill") == Some(np)
+                && serving("decode") == Some(nd)
+                && known("prefill") == Some(np)
+                && known("decode") == Some(nd)
         })
         .await
     }

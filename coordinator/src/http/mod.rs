@@ -158,6 +158,9 @@ async fn prometheus(State(app): State<Arc<App>>) -> Response {
     let (decode, prefill) = app.pipeline.cluster.stale_workers();
     metrics::workers_stale("decode", decode);
     metrics::workers_stale("prefill", prefill);
+    let (decode, prefill) = app.pipeline.cluster.load_known_workers();
+    metrics::workers_load_known("decode", decode);
+    metrics::workers_load_known("prefill", prefill);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
 }
 
