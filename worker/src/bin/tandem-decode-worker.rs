@@ -36,7 +36,10 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     // Before anything announces this worker: a SIGTERM from then on drains it.
     let mut signals = registry::StopSignals::install()?;
     let common = &cfg.common;
-    tracing::info!(policy = %cfg.policy, "kv_load_failure_policy");
+    tracing::info!(
+        policy = %cfg.policy, max_absorbed_prefill_tokens_per_s = cfg.max_absorbed_prefill_tokens_per_s,
+        "kv_load_failure_policy"
+    );
     let loaded = worker::serve::load(common)?;
     let (layout, fingerprint) = (loaded.layout, loaded.fingerprint);
     let (runner, join) = Runner::spawn(loaded.engine, RunnerConfig { max_waiting: common.max_waiting })?;
@@ -69,6 +72,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
         transfer_addr: advertised.clone(),
         transport: cfg.transport,
         tls_cert_sha256,
+        max_absorbed_prefill_tokens_per_s: cfg.max_absorbed_prefill_tokens_per_s,
     };
     let service = DecodeService::new(runner.clone(), local, receiver, failures, settings);
     let reaper_stop = CancellationToken::new();

@@ -19,8 +19,18 @@ pub const POLICY_INFO: &str = "tandem_kv_load_failure_policy";
 /// `lease_expired`; `timeout` — the lease ran out waiting for it).
 pub const KV_LOAD_FAILURES: &str = "tandem_kv_load_failures_total";
 /// `tandem_kv_load_policy_outcomes_total{policy,outcome}`: what the policy
-/// did about a failed load: `recomputed`, `retried`, `failed`.
+/// did about a failed load: `recomputed`, `retried`, `failed`; and, under
+/// `recompute` when the prefill worker refused as overloaded,
+/// `overload_absorbed` (prefilled here, within
+/// `max_absorbed_prefill_tokens_per_s`) or `overload_refused` (over it:
+/// answered `overloaded`).
 pub const POLICY_OUTCOMES: &str = "tandem_kv_load_policy_outcomes_total";
+/// [`POLICY_OUTCOMES`] label values.
+pub const OUTCOME_RECOMPUTED: &str = "recomputed";
+pub const OUTCOME_RETRIED: &str = "retried";
+pub const OUTCOME_FAILED: &str = "failed";
+pub const OUTCOME_OVERLOAD_ABSORBED: &str = "overload_absorbed";
+pub const OUTCOME_OVERLOAD_REFUSED: &str = "overload_refused";
 /// `tandem_kv_received_bytes_total`: K+V payload bytes written into this
 /// worker's pool by transfers (all frames accepted, whether or not the
 /// reservation completed).

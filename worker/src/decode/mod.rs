@@ -5,6 +5,7 @@
 //! arrived intact; if the remote KV does not arrive, the
 //! [`KvLoadFailurePolicy`] decides what happens. See `service` for the walk.
 
+pub mod absorb;
 pub mod metrics;
 pub mod service;
 pub mod sink;
@@ -65,6 +66,10 @@ impl fmt::Display for KvLoadFailurePolicy {
     }
 }
 
+/// The default of [`DecodeFlags::max_absorbed_prefill_tokens_per_s`]: one
+/// default engine step's token budget (`max_batch_tokens`) per second.
+pub const DEFAULT_MAX_ABSORBED_PREFILL_TOKENS_PER_S: u64 = 512;
+
 /// `tandem-decode-worker` flags (each also a `TANDEM_*` env var and a TOML key).
 #[derive(Debug, Default, Clone, Parser, Deserialize)]
 #[command(name = "tandem-decode-worker", about = "tandem decode worker")]
@@ -114,6 +119,13 @@ pub struct DecodeFlags {
     /// TANDEM_TRANSFER_IDLE_TIMEOUT_MS. Default 30000.
     #[arg(long, env = "TANDEM_TRANSFER_IDLE_TIMEOUT_MS")]
     pub transfer_idle_timeout_ms: Option<u64>,
+    /// Under `recompute`, prompt tokens per second this worker prefills
+    /// itself for requests whose prefill worker refused them as overloaded;
+    /// beyond it such a request is refused as `overloaded` (503 +
+    /// Retry-After at the coordinator), so running streams keep their pace.
+    /// 0: never. Env: TANDEM_MAX_ABSORBED_PREFILL_TOKENS_PER_S. Default 512.
+    #[arg(long, env = "TANDEM_MAX_ABSORBED_PREFILL_TOKENS_PER_S")]
+    pub max_absorbed_prefill_tokens_per_s: Option<u64>,
 }
 
 /// The validated decode worker config.
@@ -130,6 +142,8 @@ pub struct DecodeConfig {
     pub reservation_ttl: Duration,
     pub max_prefill_attempts: usize,
     pub transfer_idle_timeout: Duration,
+    /// See [`DecodeFlags::max_absorbed_prefill_tokens_per_s`].
+    pub max_absorbed_prefill_tokens_per_s: u64,
 }
 
 impl DecodeConfig {
@@ -151,7 +165,8 @@ impl DecodeConfig {
             local_prefill_max_tokens,
             reservation_ttl_ms,
             max_prefill_attempts,
-            transfer_idle_timeout_ms
+            transfer_idle_timeout_ms,
+            max_absorbed_prefill_tokens_per_s
         );
         Self::resolve(&merged)
     }
@@ -194,6 +209,9 @@ impl DecodeConfig {
             reservation_ttl: millis("reservation_ttl_ms", f.reservation_ttl_ms, 30_000)?,
             max_prefill_attempts: positive("max_prefill_attempts", f.max_prefill_attempts, 3)?,
             transfer_idle_timeout: millis("transfer_idle_timeout_ms", f.transfer_idle_timeout_ms, 30_000)?,
+            max_absorbed_prefill_tokens_per_s: f
+                .max_absorbed_prefill_tokens_per_s
+                .unwrap_or(DEFAULT_MAX_ABSORBED_PREFILL_TOKENS_PER_S),
         })
     }
 }

@@ -48,6 +48,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request as GrpcRequest, Response, Status};
 
+use super::absorb::AbsorbBudget;
 use super::metrics as m;
 use super::sink::WriteFailures;
 use super::KvLoadFailurePolicy;
@@ -68,6 +69,9 @@ pub struct DecodeSettings {
     pub transport: kvtransfer::TransportKind,
     /// QUIC with a self-signed certificate: its SHA-256, for prefill workers to pin.
     pub tls_cert_sha256: Option<[u8; 32]>,
+    /// Under `recompute`, prompt tokens per second prefilled here for
+    /// requests a prefill worker refused as overloaded ([`AbsorbBudget`]).
+    pub max_absorbed_prefill_tokens_per_s: u64,
 }
 
 /// Shared state of the service (cheap to clone).
@@ -94,6 +98,8 @@ struct Inner {
     pending_remote: AtomicUsize,
     pending_changed: Notify,
     clients: Mutex<HashMap<String, PrefillWorkerClient<Channel>>>,
+    /// Local prefill taken over from overloaded prefill workers.
+    absorb: Mutex<AbsorbBudget>,
 }
 
 /// Why one remote prefill attempt did not deliver usable KV.
@@ -187,6 +193,7 @@ impl DecodeService {
         failures: WriteFailures,
         settings: DecodeSettings,
     ) -> Self {
+        let absorb = Mutex::new(AbsorbBudget::new(settings.max_absorbed_prefill_tokens_per_s, Instant::now()));
         Self {
             inner: Arc::new(Inner {
                 runner,
@@ -202,6 +209,7 @@ impl DecodeService {
                 pending_remote: AtomicUsize::new(0),
                 pending_changed: Notify::new(),
                 clients: Mutex::new(HashMap::new()),
+                absorb,
             }),
         }
     }
@@ -423,20 +431,23 @@ impl DecodeService {
             };
             let last = i + 1 == attempts;
             match policy {
+                KvLoadFailurePolicy::Recompute if failure.kind() == ErrorKind::Overloaded => {
+                    return self.absorb_or_refuse(req, target, &failure);
+                }
                 KvLoadFailurePolicy::Recompute => {
-                    m::record_policy(policy, "recomputed");
+                    m::record_policy(policy, m::OUTCOME_RECOMPUTED);
                     return Ok(Remote::Recompute);
                 }
-                KvLoadFailurePolicy::Retry if !last => m::record_policy(policy, "retried"),
+                KvLoadFailurePolicy::Retry if !last => m::record_policy(policy, m::OUTCOME_RETRIED),
                 KvLoadFailurePolicy::Retry => {
-                    m::record_policy(policy, "failed");
+                    m::record_policy(policy, m::OUTCOME_FAILED);
                     return Err(err(
                         ErrorKind::KvLoadFailed,
                         format!("KV load failed on all {attempts} prefill workers tried; last: {}", failure.message),
                     ));
                 }
                 KvLoadFailurePolicy::Fail => {
-                    m::record_policy(policy, "failed");
+                    m::record_policy(policy, m::OUTCOME_FAILED);
                     let kind = match failure.kind() {
                         ErrorKind::VersionMismatch => ErrorKind::VersionMismatch,
                         _ => ErrorKind::KvLoadFailed,
@@ -447,6 +458,42 @@ impl DecodeService {
         }
         // Only reached with no targets, which the route excludes.
         Err(err(ErrorKind::Internal, "no prefill worker to try"))
+    }
+
+    /// `recompute`, and the prefill worker refused the request as
+    /// overloaded (busy, not broken): prefill here while the absorb budget
+    /// lasts; past it, refuse as `overloaded` so the coordinator can shed
+    /// with 503 + Retry-After, rather than slow every running stream down.
+    fn absorb_or_refuse(
+        &self,
+        req: &GenerateRequest,
+        target: &PrefillTarget,
+        refusal: &WorkerError,
+    ) -> Result<Remote, WorkerError> {
+        let tokens = req.token_ids.len();
+        let cap = self.inner.settings.max_absorbed_prefill_tokens_per_s;
+        let taken = lock(&self.inner.absorb).try_take(tokens, Instant::now());
+        let policy = KvLoadFailurePolicy::Recompute;
+        if taken {
+            m::record_policy(policy, m::OUTCOME_OVERLOAD_ABSORBED);
+            tracing::warn!(
+                request = %req.request_id, prefill = %target.grpc_addr, reason = %refusal.message, tokens,
+                cap_tokens_per_s = cap, "prefill worker overloaded: prefilling here (absorbed)"
+            );
+            return Ok(Remote::Recompute);
+        }
+        m::record_policy(policy, m::OUTCOME_OVERLOAD_REFUSED);
+        tracing::warn!(
+            request = %req.request_id, prefill = %target.grpc_addr, reason = %refusal.message, tokens,
+            cap_tokens_per_s = cap, "prefill worker overloaded and the local absorb budget is spent: refusing as overloaded"
+        );
+        Err(err(
+            ErrorKind::Overloaded,
+            format!(
+                "prefill worker {} is overloaded ({}), and this decode worker already prefills the most it takes                  over ({cap} tokens/s)",
+                target.grpc_addr, refusal.message
+            ),
+        ))
     }
 
     /// One reservation and one `Prefill` call.

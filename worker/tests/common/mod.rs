@@ -48,12 +48,18 @@ impl Worker {
     /// Starts `bin` with `args` and waits until it printed a
     /// `listening NAME=ADDR` line for each of `names`.
     pub fn start(bin: &str, args: &[&str], names: &[&str]) -> Result<Self, String> {
-        let mut child = Command::new(bin)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("spawn {bin}: {e}"))?;
+        Self::start_with(bin, args, names, None)
+    }
+
+    /// [`Worker::start`], with its info-level log written to `log` when given.
+    pub fn start_with(bin: &str, args: &[&str], names: &[&str], log: Option<&std::path::Path>) -> Result<Self, String> {
+        let mut cmd = Command::new(bin);
+        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        if let Some(path) = log {
+            let f = std::fs::File::create(path).map_err(|e| format!("create {}: {e}", path.display()))?;
+            cmd.env("RUST_LOG", "info").env("NO_COLOR", "1").stderr(f);
+        }
+        let mut child = cmd.spawn().map_err(|e| format!("spawn {bin}: {e}"))?;
         let stdout = child.stdout.take().ok_or("no stdout pipe")?;
         let pid = child.id();
         let mut w = Self { child: Some(child), pid, addrs: HashMap::new() };
@@ -144,6 +150,11 @@ pub fn prefill_worker(group: &str, extra: &[&str]) -> Result<Worker, String> {
 /// `--kv-load-failure-policy` unless a config sets it.
 pub fn decode_worker(group: &str, extra: &[&str]) -> Result<Worker, String> {
     Worker::start(DECODE_BIN, &worker_args(group, extra), &["grpc", "metrics", "transfer"])
+}
+
+/// [`decode_worker`], its info-level log in `log`.
+pub fn decode_worker_logged(group: &str, extra: &[&str], log: &std::path::Path) -> Result<Worker, String> {
+    Worker::start_with(DECODE_BIN, &worker_args(group, extra), &["grpc", "metrics", "transfer"], Some(log))
 }
 
 /// GETs `/metrics` with a bare HTTP/1.1 request; returns the body.
