@@ -17,8 +17,7 @@ use crate::process::Signal;
 use crate::proxy::Fault;
 use crate::{eventually, HarnessError};
 
-const RESYNCS: &str = "tandem_coordinator_registry_resyncs_total";
-const REGISTRY_HEALTHY: &str = "tandem_coordinator_registry_healthy";
+use coordinator::metrics::{REGISTRY_HEALTHY, REGISTRY_RESYNCS as RESYNCS};
 /// The coordinator's code for "etcd unreachable past `--registry-max-stale-ms`".
 const REGISTRY_UNAVAILABLE: &str = "registry_unavailable";
 /// `--registry-max-stale-ms` in the drills that outlast it.
@@ -138,6 +137,14 @@ async fn wait_leader(c: &Cluster, not: Option<usize>, limit: Duration) -> Result
 async fn coordinator_sum(c: &Cluster, metric: &str, labels: &[(&str, &str)]) -> f64 {
     // `+ 0.0` turns an empty sum's -0 into 0 for the notes.
     c.coordinator_metrics().await.map_or(0.0, |p| p.sum(metric, labels)) + 0.0
+}
+
+/// A coordinator metric now; Err when the page cannot be read or has no such series
+/// (a renamed or missing metric must not read as 0).
+async fn coordinator_find(c: &Cluster, metric: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
+    let page = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+    let v = page.find(metric, labels).ok_or_else(|| format!("the coordinator exports no {metric} {labels:?}"))?;
+    Ok(v + 0.0)
 }
 
 /// Waits until `metric` at `addr` equals `value` exactly.
@@ -482,7 +489,8 @@ impl Drill for CoordinatorEtcdCutoff {
     }
 
     async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
-        let mut ev = Evidence { before: coordinator_sum(c, RESYNCS, &[]).await, ..Evidence::default() };
+        let before = coordinator_find(c, RESYNCS, &[]).await.map_err(HarnessError::Metrics)?;
+        let mut ev = Evidence { before, ..Evidence::default() };
         let h = c.http_addr()?;
         load.wait_done(2, LOAD_WAIT).await?;
         if skip {
@@ -509,11 +517,10 @@ impl Drill for CoordinatorEtcdCutoff {
         }
         let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
         note(&mut ev, ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }));
-        let healthy = coordinator_sum(c, REGISTRY_HEALTHY, &[]).await;
-        if healthy == 0.0 {
-            ev.notes.push(format!("{REGISTRY_HEALTHY} 0"));
-        } else {
-            ev.missing.push(format!("{REGISTRY_HEALTHY} {healthy} while cut off"));
+        match coordinator_find(c, REGISTRY_HEALTHY, &[]).await {
+            Ok(healthy) if healthy == 0.0 => ev.notes.push(format!("{REGISTRY_HEALTHY} 0")),
+            Ok(healthy) => ev.missing.push(format!("{REGISTRY_HEALTHY} {healthy} while cut off")),
+            Err(e) => ev.missing.push(e),
         }
         c.etcd_link("coordinator", Fault::None)?;
         ev.ended();
@@ -540,7 +547,15 @@ impl Drill for CoordinatorEtcdCutoff {
         if !ev.missing.is_empty() {
             return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
         }
-        Ok(format!("proxy dropped {dropped} bytes; {}", ev.notes.join("; ")))
+        // The workers kept their etcd links and their coordinator's Health polls.
+        let fences = fences(c).await?;
+        if let Some((name, n)) = fences.iter().find(|(_, n)| *n != 0.0) {
+            return Err(format!(
+                "{name} fenced ({} = {n}) while only the coordinator was cut off from etcd",
+                worker::metrics::FENCES
+            ));
+        }
+        Ok(format!("proxy dropped {dropped} bytes; {}; no fence: {fences:?}", ev.notes.join("; ")))
     }
 }
 
