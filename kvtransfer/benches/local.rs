@@ -26,6 +26,10 @@
 //! Run: `cargo bench -p kvtransfer --bench local` (optional args: rings as
 //! slot KiB x slots, e.g. `-- 256x8 1024x16`).
 
+// The tests' pool helpers (layer storage as bytes), shared rather than copied.
+#[path = "../tests/common/mod.rs"]
+mod pool_common;
+
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -246,7 +250,7 @@ impl Bench {
                     tx.send_layer(r, layer, &k, &vv).await?;
                 }
                 Variant::Direct | Variant::DirectDeferred => {
-                    let (ks, vs) = layer_bytes(&self.pool_a, layer);
+                    let (ks, vs) = pool_common::layer_bytes(&self.pool_a, layer);
                     tx.send_stored_blocks(r, layer, 0, ks, vs, &self.table_a).await?
                 }
                 Variant::Memory => {
@@ -364,18 +368,4 @@ fn memcpy_run(total: usize, chunk: usize) -> Duration {
     let elapsed = start.elapsed();
     std::hint::black_box(&dst);
     elapsed
-}
-
-/// One layer's K and V storage of `pool` as bytes (native order, little-endian here): what
-/// `LocalKvSender::send_stored_blocks` reads blocks from.
-pub fn layer_bytes(pool: &engine::kv::KvPool, layer: usize) -> (&[u8], &[u8]) {
-    let (k, v) = pool.layer(layer);
-    (slice_bytes(k), slice_bytes(v))
-}
-
-fn slice_bytes(s: kernels::attention::KvSlice<'_>) -> &[u8] {
-    match s {
-        kernels::attention::KvSlice::F32(x) => bytemuck::cast_slice(x),
-        kernels::attention::KvSlice::F16(x) => bytemuck::cast_slice(x),
-    }
 }
