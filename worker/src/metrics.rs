@@ -40,8 +40,10 @@ pub const PREEMPTIONS: &str = "tandem_num_preemptions_total";
 /// The `reason` of every preemption the engine makes today.
 pub const PREEMPTION_KV_EXHAUSTED: &str = "kv_exhausted";
 
-/// `tandem_worker_fenced`: 1 while the worker is fenced (its etcd lease is
-/// lost or in doubt: it takes no new work until it has re-registered), else 0.
+/// `tandem_worker_fenced`: 1 while the worker is fenced (another process holds
+/// its etcd key, or no coordinator has called `Health` for
+/// `--coordinator-silence-fence-ms`: it takes no new work), else 0. An
+/// unreachable etcd does not fence ([`crate::serve::Fencing`]).
 /// vLLM: none.
 pub const FENCED: &str = "tandem_worker_fenced";
 /// `tandem_worker_fences_total`: times the worker fenced itself. vLLM: none.
@@ -87,7 +89,7 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     describe_gauge!(KV_BLOCKS_USED, "KV blocks referenced by sequences, reservations and held prefills.");
     describe_gauge!(REQUESTS_RUNNING, "Requests in the engine's running batch.");
     describe_gauge!(REQUESTS_WAITING, "Requests waiting for a running seat.");
-    describe_gauge!(FENCED, "1 while fenced: the etcd lease is lost or in doubt, no new work is taken.");
+    describe_gauge!(FENCED, "1 while fenced (another process holds this worker's etcd key, or no coordinator has called Health for --coordinator-silence-fence-ms): no new work is taken.");
     describe_counter!(FENCES, "Times this worker fenced itself.");
     describe_counter!(PREEMPTIONS, "Sequences preempted (evicted, to be recomputed), by reason.");
     gauge!(FENCED).set(0.0);

@@ -83,7 +83,8 @@ struct Inner {
     /// Process-level token: cancelled at the end of shutdown.
     shutdown: CancellationToken,
     ready: AtomicBool,
-    /// Set while the etcd lease is lost or in doubt (see `serve::register`).
+    /// Set while fenced: another process holds this worker's etcd key, or no
+    /// coordinator has called `Health` for the silence bound (`serve::Fencing`).
     fenced: AtomicBool,
     next_id: AtomicU64,
     /// Wire request id -> engine id and the request's token.
@@ -158,7 +159,10 @@ impl PrefillService {
         }
     }
 
-    /// Fenced: take no new work (the etcd lease is lost or in doubt).
+    /// Fenced: take no new work. Told by [`crate::serve::Fencing`], which fences
+    /// when another process holds this worker's etcd key (`FenceReason::KeyTaken`)
+    /// or when no coordinator has called `Health` for `--coordinator-silence-fence-ms`;
+    /// never because etcd is unreachable (docs/REGISTRY.md, static stability).
     pub fn set_fenced(&self, fenced: bool) {
         self.inner.fenced.store(fenced, Ordering::SeqCst);
     }
@@ -250,7 +254,7 @@ impl PrefillService {
             return Err(err(ErrorKind::Retryable, "worker is draining"));
         }
         if inner.fenced.load(Ordering::SeqCst) {
-            return Err(err(ErrorKind::Retryable, "worker is fenced: its etcd lease is lost or in doubt"));
+            return Err(err(ErrorKind::Retryable, "worker is fenced: another process holds its etcd key, or no coordinator has reached it"));
         }
         let engine_id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         let token = inner.shutdown.child_token();
