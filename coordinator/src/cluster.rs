@@ -113,7 +113,7 @@ impl WorkerStream {
 }
 
 /// The worker refused the request before starting it, in a way another
-/// worker may not: fenced (its etcd lease lost or in doubt) or draining.
+/// worker may not: fenced (another process holds its etcd key, or no coordinator reached it) or draining.
 fn refused_at_start(first: &Result<Option<proto::worker::v1::GenerateResponse>, tonic::Status>) -> bool {
     use proto::worker::v1::ErrorKind as K;
     matches!(

@@ -145,12 +145,11 @@ async fn lost_lease_and_lost_key_reregister_without_fencing() {
 
     // Someone revokes the lease: the next keepalive answer says TTL 0, and the key is free.
     etcd_client.lease_revoke(first).await.expect("revoke");
-    let second = wait_fence(&mut fence, SEEN, "re-registering with a new lease", |f| {
-        f.lease_id().is_some_and(|l| l != first)
-    })
-    .await
-    .lease_id()
-    .expect("serving");
+    let second =
+        wait_fence(&mut fence, SEEN, "re-registering with a new lease", |f| f.lease_id().is_some_and(|l| l != first))
+            .await
+            .lease_id()
+            .expect("serving");
     wait_view(&mut view, SEEN, "d0 back in membership", |v| v.contains(Role::Decode, "d0")).await;
     assert_eq!(key_lease(&etcd, reg.key()).await, second);
 

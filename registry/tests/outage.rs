@@ -94,10 +94,7 @@ async fn membership_started_during_an_outage_syncs_when_etcd_appears() {
 
 /// d0 registered through a freezing proxy (so its etcd link alone can go silent), and a
 /// membership cache on etcd directly.
-async fn via_proxy(
-    etcd: &registry::testing::Etcd,
-    ttl_secs: u64,
-) -> (proxy::FreezingProxy, Registration, Membership) {
+async fn via_proxy(etcd: &registry::testing::Etcd, ttl_secs: u64) -> (proxy::FreezingProxy, Registration, Membership) {
     let upstream = etcd.endpoint().trim_start_matches("http://").to_owned();
     let proxy = proxy::FreezingProxy::start(upstream).await;
     let mut reg_config = registration_config(etcd, ttl_secs);
@@ -171,8 +168,8 @@ async fn lease_expired_with_the_key_free_reregisters_without_fencing_and_stays_r
 
     // Back: etcd says TTL 0; the key is free, so d0 claims it under a new lease, serving throughout.
     proxy.freeze(false);
-    let back = wait_view(&mut view, Duration::from_secs(10), "d0 re-registered", |v| v.contains(Role::Decode, "d0"))
-        .await;
+    let back =
+        wait_view(&mut view, Duration::from_secs(10), "d0 re-registered", |v| v.contains(Role::Decode, "d0")).await;
     assert_eq!(back.departed().count(), 0, "d0 still departed after coming back");
     let mut fence = reg.fence();
     let lease = wait_fence(&mut fence, Duration::from_secs(5), "d0 serving under a new lease", |f| {
@@ -210,7 +207,7 @@ async fn key_taken_by_another_lease_fences_until_it_is_free() {
 
     // The other holder goes: d0 claims its key and serves again.
     c.lease_revoke(other).await.expect("revoke");
-    let serving = wait_fence(&mut fence, Duration::from_secs(10), "d0 serving once its key is free", Fence::is_serving)
-        .await;
+    let serving =
+        wait_fence(&mut fence, Duration::from_secs(10), "d0 serving once its key is free", Fence::is_serving).await;
     assert_eq!(key_lease(&etcd, reg.key()).await, serving.lease_id().expect("serving"));
 }

@@ -200,7 +200,8 @@ fn every_alert_has_a_firing_unit_test_and_its_runbook() {
 #[test]
 fn every_runbook_has_an_alert_and_names_only_real_drills() {
     let alerts = alerts();
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem")).args(["drill", "--list"]).output().expect("run tandem drill --list");
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_tandem")).args(["drill", "--list"]).output().expect("run tandem drill --list");
     assert!(out.status.success(), "tandem drill --list failed: {}", String::from_utf8_lossy(&out.stderr));
     let drills: BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -228,11 +229,8 @@ fn every_runbook_has_an_alert_and_names_only_real_drills() {
         };
         let rehearsed = rehearsed.split("\n## ").next().unwrap_or_default();
         // "Drill `x`" / "drill `x`": each must exist; a page without one says "None".
-        let named: Vec<&str> = rehearsed
-            .split("rill `")
-            .skip(1)
-            .map(|s| s.split('`').next().unwrap_or_default())
-            .collect();
+        let named: Vec<&str> =
+            rehearsed.split("rill `").skip(1).map(|s| s.split('`').next().unwrap_or_default()).collect();
         if named.is_empty() && !rehearsed.trim_start().starts_with("None") {
             problems.push(format!("{name}.md: `Rehearsed by` names no drill and does not say None"));
         }
@@ -504,9 +502,15 @@ fn the_example_overlay_renders_and_validates_against_the_kubernetes_schemas() {
     }
     let docs = yaml_docs(&yaml);
     let kinds: BTreeSet<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
-    for want in
-        ["StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor", "ScaledObject", "PrometheusRule"]
-    {
+    for want in [
+        "StatefulSet",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "ServiceMonitor",
+        "ScaledObject",
+        "PrometheusRule",
+    ] {
         assert!(kinds.contains(want), "the example overlay renders no {want}");
     }
     let unknown = unknown_metrics(&yaml, &exported_metrics());
@@ -586,7 +590,8 @@ fn the_manifests_agree_with_the_binaries() {
                 let port = if port.is_null() { p["tcpSocket"]["port"].clone() } else { port };
                 if let Some(port) = port.as_str() {
                     if !ports.contains_key(port) {
-                        problems.push(format!("{at}: {probe} names port `{port}`, which the container does not declare"));
+                        problems
+                            .push(format!("{at}: {probe} names port `{port}`, which the container does not declare"));
                     }
                 } else if let Some(n) = port.as_u64() {
                     if !ports.values().any(|v| *v == n) {
@@ -599,7 +604,9 @@ fn the_manifests_agree_with_the_binaries() {
                         coordinator_paths.insert(path.to_owned());
                         let want = if probe == "readinessProbe" { "/ready" } else { "/health" };
                         if path != want {
-                            problems.push(format!("{at}: {probe} is {path}; it must be {want} (README: Health and readiness)"));
+                            problems.push(format!(
+                                "{at}: {probe} is {path}; it must be {want} (README: Health and readiness)"
+                            ));
                         }
                     }
                     ("tandem-prefill-worker" | "tandem-decode-worker", Some(path)) if path != "/metrics" => {
@@ -611,7 +618,9 @@ fn the_manifests_agree_with_the_binaries() {
                     let cmd: String = cmd.iter().filter_map(|s| s.as_str()).collect::<Vec<_>>().join(" ");
                     let metrics = ports.get("metrics").copied().unwrap_or(0);
                     if !cmd.contains(&format!("127.0.0.1:{metrics}/metrics")) {
-                        problems.push(format!("{at}: {probe} `{cmd}` does not read this container's metrics port {metrics}"));
+                        problems.push(format!(
+                            "{at}: {probe} `{cmd}` does not read this container's metrics port {metrics}"
+                        ));
                     }
                     if !cmd.contains(&format!("'{} 0'", worker::metrics::FENCED)) {
                         problems.push(format!("{at}: {probe} `{cmd}` does not check {} 0", worker::metrics::FENCED));

@@ -8,11 +8,10 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use cluster_tests::metrics::scrape;
-use common::{running, TestResult, Up};
-use loadgen::{Arrival, Hooks, Outcome, Plan, PromptSource, Record};
+use common::{metric, plan, running, serving, wait_for, TestResult, Up};
+use loadgen::{Hooks, Outcome, Record};
 
 /// Bound on a killed worker being back and serving: its backoff, its start-up, and the
 /// lease of its dead predecessor running out (2 s) before it can register under its name.
@@ -28,29 +27,6 @@ fn kill9(pid: u64) -> Result<(), String> {
     }
 }
 
-/// Polls `check` (every 100 ms) until it gives `Some`, or fails after `limit` with `what`.
-fn wait_for<T>(limit: Duration, what: &str, mut check: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    let until = Instant::now() + limit;
-    let mut last = String::new();
-    loop {
-        match check() {
-            Ok(Some(v)) => return Ok(v),
-            Ok(None) => {}
-            Err(e) => last = e,
-        }
-        if Instant::now() > until {
-            return Err(format!("{what} did not happen within {limit:?} (last error: {last})"));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// The series `name{labels}` on `addr`'s /metrics; an error when the page lacks it.
-fn metric(rt: &tokio::runtime::Runtime, addr: &str, name: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
-    let page = rt.block_on(scrape(addr)).map_err(|e| e.to_string())?;
-    page.find(name, labels).ok_or_else(|| format!("{addr}/metrics has no {name}{labels:?}"))
-}
-
 /// Waits until the state file shows `name` running again with `restarts` restarts and a pid
 /// other than `old`, and that pid alive; returns the new pid.
 fn back(up: &mut Up, name: &str, old: u64, restarts: u64) -> Result<u64, String> {
@@ -61,25 +37,6 @@ fn back(up: &mut Up, name: &str, old: u64, restarts: u64) -> Result<u64, String>
         let ok = c["state"] == "running" && c["restarts"].as_u64() == Some(restarts) && pid != old && running(pid);
         Ok(ok.then_some(pid))
     })
-}
-
-/// Waits until the coordinator counts `n` serving workers of `role`.
-fn serving(rt: &tokio::runtime::Runtime, http: &str, role: &str, n: f64) -> Result<(), String> {
-    wait_for(BACK_WITHIN, &format!("{n} {role} workers serving"), || {
-        let v = metric(rt, http, coordinator::metrics::WORKERS, &[("role", role), ("state", "serving")])?;
-        Ok((v == n).then_some(()))
-    })
-}
-
-/// A steady closed-loop load of short streaming completions, until cancelled.
-fn plan(http: &str) -> Plan {
-    let mut p = Plan::new(format!("http://{http}"), "SmolLM2-135M-Instruct");
-    p.requests = 10_000;
-    p.arrival = Arrival::Closed { concurrency: 3 };
-    p.prompts = PromptSource::Generated { tokens: 48 };
-    p.max_tokens = 24;
-    p.timeout = Duration::from_secs(120);
-    p
 }
 
 #[test]
@@ -121,7 +78,7 @@ fn killed_workers_come_back_while_the_others_keep_serving() -> TestResult {
             let again: Vec<String> = ["grpc", "metrics"].iter().map(|k| c[*k].to_string()).collect();
             assert_eq!(addrs, again, "{name} keeps its addresses across the restart");
             let role = if name.starts_with("prefill") { "prefill" } else { "decode" };
-            serving(&rt, &http, role, 2.0)?;
+            serving(&rt, &http, role, 2.0, BACK_WITHIN)?;
             progress(3, &format!("3 more requests completing after {name} came back as pid {new}"))?;
         }
         cancel.cancel();

@@ -90,9 +90,7 @@ pub async fn bind_grpc(cfg: &CommonConfig, fingerprint: &LayoutFingerprint) -> a
 /// Serves `router` on `listener` until the returned token is cancelled;
 /// in-flight calls then finish before the task ends.
 pub fn spawn_grpc(
-    router: tonic::transport::server::Router<
-        tower::layer::util::Stack<HealthSeenLayer, tower::layer::util::Identity>,
-    >,
+    router: tonic::transport::server::Router<tower::layer::util::Stack<HealthSeenLayer, tower::layer::util::Identity>>,
     listener: tokio::net::TcpListener,
 ) -> (tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, tokio_util::sync::CancellationToken) {
     let stop = tokio_util::sync::CancellationToken::new();
@@ -166,7 +164,10 @@ impl Fencing {
             if let Some(last) = s.last_health.filter(|l| !s.cut_off && l.elapsed() >= silence) {
                 s.cut_off = true;
                 let ms = last.elapsed().as_millis();
-                tracing::warn!(silent_ms = ms, "fenced: no coordinator has called Health for {ms} ms; taking no new work");
+                tracing::warn!(
+                    silent_ms = ms,
+                    "fenced: no coordinator has called Health for {ms} ms; taking no new work"
+                );
             }
         });
     }

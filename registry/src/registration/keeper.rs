@@ -248,7 +248,9 @@ impl Keeper {
                         tracing::warn!(key = %self.key, holder = format_args!("{holder:x}"), "fenced: another lease holds this worker's key; taking no new work");
                     }
                 }
-                Err(e) => tracing::warn!(key = %self.key, error = %e, "re-registration failed; serving on and retrying"),
+                Err(e) => {
+                    tracing::warn!(key = %self.key, error = %e, "re-registration failed; serving on and retrying")
+                }
             }
         }
     }

@@ -8,7 +8,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use cluster_tests::metrics::scrape;
+use loadgen::{Arrival, Plan, PromptSource};
 
 /// Bound on `tandem up` becoming ready, on its stop, and on a request (a loaded machine).
 pub const WAIT: Duration = Duration::from_secs(180);
@@ -166,4 +169,50 @@ pub fn proc_state(pid: u64) -> Option<char> {
 /// Running and not stopped (a zombie or a stopped process is not).
 pub fn running(pid: u64) -> bool {
     !matches!(proc_state(pid), None | Some('Z' | 'T'))
+}
+
+/// Polls `check` (every 100 ms) until it gives `Some`, or fails after `limit` with `what`.
+pub fn wait_for<T>(
+    limit: Duration,
+    what: &str,
+    mut check: impl FnMut() -> Result<Option<T>, String>,
+) -> Result<T, String> {
+    let until = Instant::now() + limit;
+    let mut last = String::new();
+    loop {
+        match check() {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last = e,
+        }
+        if Instant::now() > until {
+            return Err(format!("{what} did not happen within {limit:?} (last error: {last})"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The series `name{labels}` on `addr`'s /metrics; an error when the page lacks it.
+pub fn metric(rt: &tokio::runtime::Runtime, addr: &str, name: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
+    let page = rt.block_on(scrape(addr)).map_err(|e| e.to_string())?;
+    page.find(name, labels).ok_or_else(|| format!("{addr}/metrics has no {name}{labels:?}"))
+}
+
+/// Waits until the coordinator counts `n` serving workers of `role`.
+pub fn serving(rt: &tokio::runtime::Runtime, http: &str, role: &str, n: f64, within: Duration) -> Result<(), String> {
+    wait_for(within, &format!("{n} {role} workers serving"), || {
+        let v = metric(rt, http, coordinator::metrics::WORKERS, &[("role", role), ("state", "serving")])?;
+        Ok((v == n).then_some(()))
+    })
+}
+
+/// A steady closed-loop load of short streaming completions, until cancelled.
+pub fn plan(http: &str) -> Plan {
+    let mut p = Plan::new(format!("http://{http}"), "SmolLM2-135M-Instruct");
+    p.requests = 10_000;
+    p.arrival = Arrival::Closed { concurrency: 3 };
+    p.prompts = PromptSource::Generated { tokens: 48 };
+    p.max_tokens = 24;
+    p.timeout = Duration::from_secs(120);
+    p
 }

@@ -89,7 +89,8 @@ struct Inner {
     failures: WriteFailures,
     settings: DecodeSettings,
     ready: AtomicBool,
-    /// Set while the etcd lease is lost or in doubt (see `serve::register`).
+    /// Set while fenced: another process holds this worker's etcd key, or no coordinator has
+    /// called Health within `--coordinator-silence-fence-ms` (see `serve`).
     fenced: AtomicBool,
     next_id: AtomicU64,
     /// Wire request id -> its cancellation token.
@@ -214,7 +215,7 @@ impl DecodeService {
         }
     }
 
-    /// Fenced: take no new work (the etcd lease is lost or in doubt).
+    /// Fenced: take no new work (another process holds its etcd key, or no coordinator reaches it).
     pub fn set_fenced(&self, fenced: bool) {
         self.inner.fenced.store(fenced, Ordering::SeqCst);
     }
@@ -337,7 +338,10 @@ impl DecodeService {
             return Err(err(ErrorKind::Retryable, "worker is draining"));
         }
         if inner.fenced.load(Ordering::SeqCst) {
-            return Err(err(ErrorKind::Retryable, "worker is fenced: its etcd lease is lost or in doubt"));
+            return Err(err(
+                ErrorKind::Retryable,
+                "worker is fenced: another process holds its etcd key, or no coordinator has reached it",
+            ));
         }
         {
             let mut running = lock(&inner.running);

@@ -254,7 +254,10 @@ impl PrefillService {
             return Err(err(ErrorKind::Retryable, "worker is draining"));
         }
         if inner.fenced.load(Ordering::SeqCst) {
-            return Err(err(ErrorKind::Retryable, "worker is fenced: another process holds its etcd key, or no coordinator has reached it"));
+            return Err(err(
+                ErrorKind::Retryable,
+                "worker is fenced: another process holds its etcd key, or no coordinator has reached it",
+            ));
         }
         let engine_id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         let token = inner.shutdown.child_token();
