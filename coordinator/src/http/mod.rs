@@ -142,7 +142,7 @@ async fn ready(State(app): State<Arc<App>>) -> Response {
     match app.pipeline.readiness() {
         Ok(()) => Json(json!({"status": "ready"})).into_response(),
         Err(why) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "not_ready", why)
-            .retry_after(1)
+            .retry_after(admission::retry_after(None))
             .into_response(),
     }
 }
