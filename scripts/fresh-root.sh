@@ -64,11 +64,14 @@ record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$FRESH_LOGS/steps.tsv"; }
 
 # run_step NAME FUNCTION : runs FUNCTION (in a subshell, so `set -e` holds in it)
 # with its output in $FRESH_LOGS/NAME.log; on failure prints the log's tail and exits.
+STEP_NAME="" STEP_T0=0
 run_step() {
   local name=$1 fn=$2 log="$FRESH_LOGS/$1.log" t0=$SECONDS rc=0
+  STEP_NAME=$name STEP_T0=$t0
   log "step $name ... (log: $log)"
   "$fn" >>"$log" 2>&1 </dev/null &
   wait "$!" || rc=$?
+  STEP_NAME=""
   local dt=$((SECONDS - t0))
   if ((rc != 0)); then
     record "$name" "$dt" "FAILED (exit $rc)"
@@ -81,6 +84,13 @@ run_step() {
 }
 
 skip() { record "$1" - skipped; }
+
+# A signal stopped the script during a step: say so in the summary.
+record_interrupted() {
+  [[ -n $STEP_NAME ]] || return 0
+  record "$STEP_NAME" $((SECONDS - STEP_T0)) "interrupted (exit $1)"
+  STEP_NAME=""
+}
 
 # The pids of processes whose root directory is the fresh root (same device and inode).
 root_pids() {
@@ -301,6 +311,7 @@ step_test() {
 
 inner_cleanup() {
   local rc=$?
+  record_interrupted "$rc"
   # A step that failed with the cluster up: stop it like a user would, then make sure.
   stop_cluster >>"$FRESH_LOGS/stop.log" 2>&1 || true
   kill_root_pids
@@ -426,6 +437,9 @@ outer_cleanup() {
   local rc=$?
   trap - EXIT INT TERM
   set +e
+  # The namespace's part records its own steps.
+  [[ $STEP_NAME == inner ]] && STEP_NAME=""
+  record_interrupted "$rc"
   # Nothing of the root may outlive the check (the namespace's mounts go with it).
   kill_root_pids
   if [[ $KEEP_ROOT == 1 ]]; then
@@ -474,7 +488,9 @@ outer() {
 
   run_step root step_root
   # The rest in a private mount namespace: its mounts end with it.
+  STEP_NAME=inner
   unshare --mount --propagation private -- bash "$SELF" --inner
+  STEP_NAME=""
 }
 
 if [[ ${1:-} == --inner ]]; then
