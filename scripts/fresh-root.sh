@@ -188,7 +188,8 @@ step_clone() {
   echo "$head" >"$FRESH_LOGS/head"
 }
 
-# A TCP port below the ephemeral range that nothing on the host uses (listening or connected).
+# free_port [NOT] : a TCP port below the ephemeral range that nothing on the host uses
+# (listening or connected), other than NOT.
 free_port() {
   local lo p hex _
   read -r lo _ </proc/sys/net/ipv4/ip_local_port_range
@@ -196,8 +197,7 @@ free_port() {
     p=$((10000 + RANDOM % (lo - 10000)))
     hex=$(printf ':%04X ' "$p")
     grep -q "$hex" /proc/net/tcp /proc/net/tcp6 2>/dev/null && continue
-    [[ " ${USED_PORTS:-} " == *" $p "* ]] && continue
-    USED_PORTS="${USED_PORTS:-} $p"
+    [[ $p == "${1:-}" ]] && continue
     echo "$p"
     return 0
   done
@@ -207,8 +207,9 @@ free_port() {
 
 step_run() {
   local http grpc state="$FRESH_ROOT/root/.cache/tandem/cluster.json" log="$FRESH_LOGS/run.log"
-  http="127.0.0.1:$(free_port)"
-  grpc="127.0.0.1:$(free_port)"
+  http=$(free_port)
+  grpc="127.0.0.1:$(free_port "$http")"
+  http="127.0.0.1:$http"
   echo "$http" >"$STATE_DIR/http"
   echo "== make run HTTP=$http GRPC=$grpc (own process group)"
   # setsid: make leads its own process group, which Ctrl-C (SIGINT) goes to (a
@@ -284,7 +285,7 @@ stop_cluster() {
 step_stop() {
   stop_cluster
   sleep 2
-  local pids
+  local pids p
   pids=$(root_pids)
   if [[ -n $pids ]]; then
     echo "== processes still running in the root after Ctrl-C:"
