@@ -84,6 +84,11 @@ pub async fn start(spec: &Spec, c: &mut Component, restart: Option<u32>) -> anyh
         .stdout(Stdio::piped())
         .stderr(Stdio::from(err))
         .kill_on_drop(true)
+        // A process group of its own: a terminal's Ctrl-C reaches `tandem up` alone, which
+        // stops the children in order (coordinator first, etcd last). In the terminal's group
+        // every child got SIGINT at once, etcd died of it, and its supervisor could read that
+        // as a crash to restart.
+        .process_group(0)
         .spawn()
         .with_context(|| format!("starting {}", spec.bin.display()))?;
     let pid = child.id().context("the child has no pid")?;
