@@ -144,6 +144,10 @@ alive() {
 step_toolchain() {
   local r=$FRESH_ROOT
   set -x
+  # The root a mount point of its own, as / is on a machine: `ip netns exec` (the tests'
+  # network namespaces) runs `mount --make-rslave /`, which fails with "Invalid argument"
+  # when / is a plain directory. First, so the mounts below land on top of it.
+  mount --bind "$r" "$r"
   # Kernel filesystems a Debian machine has; private to this namespace.
   mount -t proc proc "$r/proc"
   mount -t sysfs sysfs "$r/sys"
