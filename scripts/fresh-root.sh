@@ -449,7 +449,7 @@ outer_cleanup() {
   kill_root_pids
   if [[ $KEEP_ROOT == 1 ]]; then
     log "kept the root: $FRESH_ROOT"
-  elif grep -qF " $FRESH_ROOT/" /proc/self/mountinfo; then
+  elif awk -v r="$FRESH_ROOT" '$5 == r || index($5, r "/") == 1 { found = 1 } END { exit !found }' /proc/self/mountinfo; then
     # Mounts are made in the private namespace only; this would be a bug. Keep it.
     log "error: something is mounted under $FRESH_ROOT here; not deleting it"
   else
