@@ -131,14 +131,14 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
     Ok(())
 }
 
-/// `worker::metrics::FENCES` on a worker's `/metrics`; a page without the
+/// `worker_common::metrics::FENCES` on a worker's `/metrics`; a page without the
 /// series is an error, not 0 (a renamed counter must not pass as "never fenced").
 fn fences(p: &Proc) -> Result<f64, String> {
     let m = p.addr("metrics")?;
     let (_, _, body) = http(&m, "GET", "/metrics", "", b"", &[])?;
     body.lines()
-        .find_map(|l| l.strip_prefix(worker::metrics::FENCES)?.strip_prefix(' ')?.trim().parse().ok())
-        .ok_or_else(|| format!("no {} series on {m}", worker::metrics::FENCES))
+        .find_map(|l| l.strip_prefix(worker_common::metrics::FENCES)?.strip_prefix(' ')?.trim().parse().ok())
+        .ok_or_else(|| format!("no {} series on {m}", worker_common::metrics::FENCES))
 }
 
 /// Static stability: etcd is the control plane, the data plane outlives it.

@@ -625,8 +625,8 @@ fn the_manifests_agree_with_the_binaries() {
                             "{at}: {probe} `{cmd}` does not read this container's metrics port {metrics}"
                         ));
                     }
-                    if !cmd.contains(&format!("'{} 0'", worker::metrics::FENCED)) {
-                        problems.push(format!("{at}: {probe} `{cmd}` does not check {} 0", worker::metrics::FENCED));
+                    if !cmd.contains(&format!("'{} 0'", worker_common::metrics::FENCED)) {
+                        problems.push(format!("{at}: {probe} `{cmd}` does not check {} 0", worker_common::metrics::FENCED));
                     }
                 }
             }

@@ -36,7 +36,7 @@ fn a_stalled_etcd_does_not_stop_serving() -> TestResult {
             .filter_map(|c| c["metrics"].as_str().map(str::to_owned))
             .collect();
         let fences = |rt: &tokio::runtime::Runtime| -> Result<f64, String> {
-            workers.iter().map(|m| metric(rt, m, worker::metrics::FENCES, &[])).sum()
+            workers.iter().map(|m| metric(rt, m, worker_common::metrics::FENCES, &[])).sum()
         };
         let fences_before = fences(&rt)?;
         let (tx, mut done) = tokio::sync::mpsc::unbounded_channel::<Record>();
@@ -87,7 +87,7 @@ fn a_stalled_etcd_does_not_stop_serving() -> TestResult {
         assert_eq!(fences(&rt)?, fences_before, "a worker fenced while etcd was stalled");
         for m in &workers {
             wait_for(Duration::from_secs(30), &format!("{m} KV back to 0"), || {
-                Ok((metric(&rt, m, worker::metrics::KV_BLOCKS_USED, &[])? == 0.0).then_some(()))
+                Ok((metric(&rt, m, worker_common::metrics::KV_BLOCKS_USED, &[])? == 0.0).then_some(()))
             })?;
         }
         Ok(())

@@ -360,7 +360,7 @@ impl Drill for EtcdQuorumLoss {
         }
         let fences = fences(c).await?;
         if let Some((name, n)) = fences.iter().find(|(_, n)| *n != 0.0) {
-            return Err(format!("{name} fenced ({} = {n}) while etcd only lacked quorum", worker::metrics::FENCES));
+            return Err(format!("{name} fenced ({} = {n}) while etcd only lacked quorum", worker_common::metrics::FENCES));
         }
         let killed: Vec<String> = ev.killed.iter().map(|(n, p)| format!("{n} (pid {p})")).collect();
         Ok(format!("killed {}; {}; no fence: {fences:?}", killed.join(", "), ev.notes.join("; ")))
@@ -426,7 +426,7 @@ impl Drill for WorkerEtcdCutoff {
         );
         let two = serving_becomes(c, Role::Decode, 2.0, CONSEQUENCE_WAIT).await;
         note(&mut ev, two.map(|()| "2 decode workers serving".into()).map_err(|e| e.to_string()));
-        let unfenced = gauge_becomes(&m, worker::metrics::FENCED, 0.0, CONSEQUENCE_WAIT).await;
+        let unfenced = gauge_becomes(&m, worker_common::metrics::FENCED, 0.0, CONSEQUENCE_WAIT).await;
         note(&mut ev, unfenced.map(|()| format!("{CUT_WORKER} not fenced")).map_err(|e| e.to_string()));
         Ok(ev)
     }
@@ -443,15 +443,15 @@ impl Drill for WorkerEtcdCutoff {
         let fences = scrape(&m)
             .await
             .map_err(|e| e.to_string())?
-            .find(worker::metrics::FENCES, &[])
-            .ok_or_else(|| format!("{CUT_WORKER} exports no {}", worker::metrics::FENCES))?;
+            .find(worker_common::metrics::FENCES, &[])
+            .ok_or_else(|| format!("{CUT_WORKER} exports no {}", worker_common::metrics::FENCES))?;
         if fences != 0.0 {
             return Err(format!(
                 "{CUT_WORKER} fenced ({} = {fences}) though its coordinator reached it",
-                worker::metrics::FENCES
+                worker_common::metrics::FENCES
             ));
         }
-        Ok(format!("proxy dropped {dropped} bytes; {}; {} = 0", ev.notes.join("; "), worker::metrics::FENCES))
+        Ok(format!("proxy dropped {dropped} bytes; {}; {} = 0", ev.notes.join("; "), worker_common::metrics::FENCES))
     }
 }
 
@@ -552,7 +552,7 @@ impl Drill for CoordinatorEtcdCutoff {
         if let Some((name, n)) = fences.iter().find(|(_, n)| *n != 0.0) {
             return Err(format!(
                 "{name} fenced ({} = {n}) while only the coordinator was cut off from etcd",
-                worker::metrics::FENCES
+                worker_common::metrics::FENCES
             ));
         }
         Ok(format!("proxy dropped {dropped} bytes; {}; no fence: {fences:?}", ev.notes.join("; ")))
@@ -591,8 +591,8 @@ async fn fences(c: &Cluster) -> Result<Vec<(String, f64)>, String> {
         let m = w.metrics_addr().map_err(|e| e.to_string())?;
         let page = scrape(&m).await.map_err(|e| e.to_string())?;
         let n = page
-            .find(worker::metrics::FENCES, &[])
-            .ok_or_else(|| format!("{} exports no {}", w.proc.name, worker::metrics::FENCES))?;
+            .find(worker_common::metrics::FENCES, &[])
+            .ok_or_else(|| format!("{} exports no {}", w.proc.name, worker_common::metrics::FENCES))?;
         out.push((w.proc.name.clone(), n));
     }
     Ok(out)
@@ -704,7 +704,7 @@ impl Drill for EtcdStall {
         let after = fences(c).await?;
         let total: f64 = after.iter().map(|(_, n)| n).sum();
         if total != ev.before {
-            return Err(format!("a worker fenced: {} {} -> {after:?}", worker::metrics::FENCES, ev.before));
+            return Err(format!("a worker fenced: {} {} -> {after:?}", worker_common::metrics::FENCES, ev.before));
         }
         Ok(format!("etcd (pid {pid}) stopped {} s; {}; no fence: {after:?}", STALL.as_secs(), ev.notes.join("; ")))
     }

@@ -6,7 +6,7 @@
 //! Every request gets its own `cache_salt`, so neither side's prefix cache
 //! helps; runs alternate remote/local so drift hits both alike.
 //!
-//! Run: `cargo bench -p worker --bench ttft` (optional args: runs, prompt
+//! Run: `cargo bench -p decode-worker --bench ttft` (optional args: runs, prompt
 //! tokens, threads; defaults 7, 1024, 2). Goal: remote/local <= 1.10.
 
 #[path = "../tests/common/mod.rs"]

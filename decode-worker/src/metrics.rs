@@ -77,12 +77,12 @@ pub const LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 /// Buckets of the per-token gap: 1 ms .. 2.5 s.
 pub const TPOT_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
 
-/// Buckets per histogram, for [`crate::metrics::install`].
+/// Buckets per histogram, for [`worker_common::metrics::install`].
 pub const BUCKETS: &[(&str, &[f64])] =
     &[(TTFT, LATENCY_BUCKETS), (KV_LOAD_SECONDS, LATENCY_BUCKETS), (TPOT, TPOT_BUCKETS)];
 
 /// Describes this role's metrics and sets the policy info metric.
-pub fn describe(policy: super::KvLoadFailurePolicy) {
+pub fn describe(policy: crate::KvLoadFailurePolicy) {
     describe_counter!(DECODE_REQUESTS, "Generate streams ended, by outcome.");
     describe_counter!(PREFILL_ROUTE, "Requests by where their prompt was first prefilled.");
     describe_gauge!(POLICY_INFO, "1 for the configured kv_load_failure_policy.");
@@ -100,7 +100,7 @@ pub fn describe(policy: super::KvLoadFailurePolicy) {
     describe_histogram!(TTFT, Unit::Seconds, "Generate arrival to the first token sent.");
     describe_histogram!(TPOT, Unit::Seconds, "Gap between consecutive streamed tokens.");
     describe_counter!(GENERATION_TOKENS, Unit::Count, "Tokens streamed.");
-    for p in super::KvLoadFailurePolicy::ALL {
+    for p in crate::KvLoadFailurePolicy::ALL {
         gauge!(POLICY_INFO, "policy" => p.as_str()).set(if p == policy { 1.0 } else { 0.0 });
     }
 }
@@ -117,7 +117,7 @@ pub fn record_load_failure(reason: &'static str) {
     counter!(KV_LOAD_FAILURES, "reason" => reason).increment(1);
 }
 
-pub fn record_policy(policy: super::KvLoadFailurePolicy, outcome: &'static str) {
+pub fn record_policy(policy: crate::KvLoadFailurePolicy, outcome: &'static str) {
     counter!(POLICY_OUTCOMES, "policy" => policy.as_str(), "outcome" => outcome).increment(1);
 }
 

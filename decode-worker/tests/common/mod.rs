@@ -121,8 +121,32 @@ impl Worker {
     }
 }
 
-pub const PREFILL_BIN: &str = env!("CARGO_BIN_EXE_tandem-prefill-worker");
-pub const DECODE_BIN: &str = env!("CARGO_BIN_EXE_tandem-decode-worker");
+/// The worker binary of this package comes from cargo (`CARGO_BIN_EXE_*`); the
+/// other role's is found beside the test executable (`cargo build --workspace
+/// --bins` builds it, as `make test` does).
+fn bin(own: Option<&'static str>, name: &str) -> String {
+    if let Some(path) = own {
+        return path.to_owned();
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    exe.ancestors()
+        .skip(1)
+        .take(2)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| panic!("{name} is not built beside {}: run `cargo build --workspace --bins`", exe.display()))
+}
+
+#[allow(non_snake_case)]
+pub fn PREFILL_BIN() -> String {
+    bin(option_env!("CARGO_BIN_EXE_tandem-prefill-worker"), "tandem-prefill-worker")
+}
+
+#[allow(non_snake_case)]
+pub fn DECODE_BIN() -> String {
+    bin(option_env!("CARGO_BIN_EXE_tandem-decode-worker"), "tandem-decode-worker")
+}
 
 /// Worker flags: `group`, 1 thread, 256 KV blocks and no coordinator-silence fence unless
 /// `extra` sets them, then `extra`.
@@ -143,18 +167,18 @@ fn worker_args<'a>(group: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 
 /// A prefill worker in `group` (see `worker_args`).
 pub fn prefill_worker(group: &str, extra: &[&str]) -> Result<Worker, String> {
-    Worker::start(PREFILL_BIN, &worker_args(group, extra), &["grpc", "metrics"])
+    Worker::start(&PREFILL_BIN(), &worker_args(group, extra), &["grpc", "metrics"])
 }
 
 /// A decode worker in `group` (see `worker_args`); `extra` must include
 /// `--kv-load-failure-policy` unless a config sets it.
 pub fn decode_worker(group: &str, extra: &[&str]) -> Result<Worker, String> {
-    Worker::start(DECODE_BIN, &worker_args(group, extra), &["grpc", "metrics", "transfer"])
+    Worker::start(&DECODE_BIN(), &worker_args(group, extra), &["grpc", "metrics", "transfer"])
 }
 
 /// [`decode_worker`], its info-level log in `log`.
 pub fn decode_worker_logged(group: &str, extra: &[&str], log: &std::path::Path) -> Result<Worker, String> {
-    Worker::start_with(DECODE_BIN, &worker_args(group, extra), &["grpc", "metrics", "transfer"], Some(log))
+    Worker::start_with(&DECODE_BIN(), &worker_args(group, extra), &["grpc", "metrics", "transfer"], Some(log))
 }
 
 /// GETs `/metrics` with a bare HTTP/1.1 request; returns the body.

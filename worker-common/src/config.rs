@@ -35,7 +35,7 @@ pub enum ConfigError {
     Invalid { field: &'static str, why: String },
 }
 
-pub(crate) fn invalid(field: &'static str, why: impl Into<String>) -> ConfigError {
+pub fn invalid(field: &'static str, why: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { field, why: why.into() }
 }
 
@@ -124,10 +124,11 @@ pub struct CommonFlags {
 }
 
 /// Overlays the set fields of `$b` on `$a`.
+#[macro_export]
 macro_rules! overlay {
     ($a:expr, $b:expr, $($f:ident),* $(,)?) => { $( if $b.$f.is_some() { $a.$f = $b.$f.clone(); } )* };
 }
-pub(crate) use overlay;
+pub use crate::overlay;
 
 impl CommonFlags {
     /// Overlays the fields `later` sets.
@@ -227,12 +228,12 @@ impl CommonConfig {
 }
 
 /// Parses `text` (the value of `field`) as host:port.
-pub(crate) fn socket_addr(field: &'static str, text: &str) -> Result<SocketAddr, ConfigError> {
+pub fn socket_addr(field: &'static str, text: &str) -> Result<SocketAddr, ConfigError> {
     text.parse().map_err(|e| invalid(field, format!("{text:?} is not host:port ({e})")))
 }
 
 /// A value that must be at least 1, or its default.
-pub(crate) fn positive<T: Copy + PartialEq + Default>(
+pub fn positive<T: Copy + PartialEq + Default>(
     field: &'static str,
     v: Option<T>,
     default: T,
@@ -244,7 +245,7 @@ pub(crate) fn positive<T: Copy + PartialEq + Default>(
 }
 
 /// A duration in milliseconds that must be at least 1 ms, or its default.
-pub(crate) fn millis(field: &'static str, v: Option<u64>, default: u64) -> Result<Duration, ConfigError> {
+pub fn millis(field: &'static str, v: Option<u64>, default: u64) -> Result<Duration, ConfigError> {
     positive(field, v, default).map(Duration::from_millis)
 }
 
@@ -333,18 +334,26 @@ pub fn read_file<F: CommandFactory + DeserializeOwned>(path: &Path) -> Result<F,
     table.try_into().map_err(|e: toml::de::Error| parse(e.to_string()))
 }
 
-#[cfg(test)]
-pub(crate) mod tests {
+/// Config fixtures for the role crates' unit tests (plain functions, no
+/// test-only dependencies, so no feature gate).
+pub mod fixtures {
     use super::*;
 
     /// Any existing file passes the `model` check.
-    pub(crate) fn some_file() -> PathBuf {
+    pub fn some_file() -> PathBuf {
         PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
     }
 
-    pub(crate) fn common(group: Option<&str>) -> CommonFlags {
+    /// Common flags with a model and (optionally) a version group set.
+    pub fn common(group: Option<&str>) -> CommonFlags {
         CommonFlags { model: Some(some_file()), version_group: group.map(Into::into), ..CommonFlags::default() }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fixtures::common;
+    use super::*;
 
     #[test]
     fn version_group_is_required_and_named() {

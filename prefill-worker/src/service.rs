@@ -21,7 +21,6 @@ use engine::kv::KvLayout;
 use engine::runner::{PrefillDone, RunnerError, RunnerHandle};
 use engine::sampler::SampledToken;
 
-use crate::serve::{blocking, err, local_deadline, runner_err};
 use kvtransfer::{
     AbortReason, CertFingerprint, KvSender, LayoutFingerprint, LocalKvSender, LocalSenderConfig, Peer, PeerTrust,
     QuicKvSender, QuicSenderConfig, RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig,
@@ -35,6 +34,7 @@ use proto::worker::v1::{
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request as GrpcRequest, Response, Status};
+use worker_common::serve::{blocking, err, local_deadline, runner_err};
 
 type Slot = Arc<tokio::sync::Mutex<Option<KvSender>>>;
 
@@ -76,7 +76,7 @@ pub struct PrefillService {
 struct Inner {
     runner: RunnerHandle,
     /// The runner's last counters, for Health while the runner is mid-step.
-    stats: crate::health::StatsCache,
+    stats: worker_common::health::StatsCache,
     layout: KvLayout,
     local: Peer,
     transfer: TransferSettings,
@@ -93,7 +93,7 @@ struct Inner {
 }
 
 fn transfer_err(e: &TransferError) -> WorkerError {
-    crate::prefill::metrics::record_transfer_failure(e.as_str());
+    crate::metrics::record_transfer_failure(e.as_str());
     let kind = match e {
         TransferError::Io(_) => ErrorKind::Retryable,
         TransferError::Rejected { reason: RejectReason::Fingerprint | RejectReason::VersionGroup } => {
@@ -145,7 +145,7 @@ impl PrefillService {
         Self {
             inner: Arc::new(Inner {
                 runner,
-                stats: crate::health::StatsCache::default(),
+                stats: worker_common::health::StatsCache::default(),
                 layout,
                 local,
                 transfer,
@@ -159,7 +159,7 @@ impl PrefillService {
         }
     }
 
-    /// Fenced: take no new work. Told by [`crate::serve::Fencing`], which fences
+    /// Fenced: take no new work. Told by [`worker_common::serve::Fencing`], which fences
     /// when another process holds this worker's etcd key (`FenceReason::KeyTaken`)
     /// or when no coordinator has called `Health` for `--coordinator-silence-fence-ms`;
     /// never because etcd is unreachable (docs/REGISTRY.md, static stability).
@@ -313,7 +313,7 @@ impl PrefillService {
             Some(d) => match tokio::time::timeout_at(tokio::time::Instant::from_std(d), push).await {
                 Ok(r) => r,
                 Err(_) => {
-                    crate::prefill::metrics::record_transfer_failure("deadline");
+                    crate::metrics::record_transfer_failure("deadline");
                     Err(err(ErrorKind::Deadline, "deadline passed during the prefill or its KV transfer"))
                 }
             },
@@ -326,7 +326,7 @@ impl PrefillService {
         blocking(move || runner.abort(engine_id)).await?;
         cleanup.armed = false;
         let (first, bytes, transfer_seconds) = pushed?;
-        crate::prefill::metrics::record_transfer(bytes, transfer_seconds);
+        crate::metrics::record_transfer(bytes, transfer_seconds);
         Ok(FirstToken {
             id: first.id,
             logprob: first.logprob,
@@ -437,7 +437,7 @@ impl PrefillService {
                 return Err(runner_err(&e));
             }
         };
-        crate::prefill::metrics::record_prefill(prompt_tokens, started.elapsed().as_secs_f64());
+        crate::metrics::record_prefill(prompt_tokens, started.elapsed().as_secs_f64());
         let expected = (finished.blocks.len() * inner.layout.block_bytes()) as u64;
         if bytes != expected {
             let _ = sender.abort(r, AbortReason::PrefillFailed).await;
@@ -454,19 +454,19 @@ impl PrefillWorker for PrefillService {
     async fn prefill(&self, request: GrpcRequest<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
         let outcome = match self.prefill_inner(request.into_inner()).await {
             Ok(first) => {
-                crate::prefill::metrics::record_outcome("ok");
+                crate::metrics::record_outcome("ok");
                 prefill_response::Outcome::FirstToken(first)
             }
             Err(e) => {
                 tracing::info!(kind = ?e.kind(), message = %e.message, "prefill failed");
-                crate::prefill::metrics::record_outcome(crate::metrics::outcome_label(e.kind()));
+                crate::metrics::record_outcome(worker_common::metrics::outcome_label(e.kind()));
                 prefill_response::Outcome::Error(e)
             }
         };
         // Gauges follow the runner after every request (a stopped runner leaves them as they were).
         let runner = self.inner.runner.clone();
         if let Ok(Some(stats)) = blocking(move || runner.stats()).await {
-            crate::metrics::record_stats(&stats);
+            worker_common::metrics::record_stats(&stats);
         }
         Ok(Response::new(PrefillResponse { outcome: Some(outcome) }))
     }
@@ -499,7 +499,7 @@ impl PrefillWorker for PrefillService {
             // order (the earlier one, taken while the other still held its blocks, last),
             // leaving tandem_kv_blocks_used stuck above zero on an idle worker until the
             // next request; seen once in worker-etcd-cutoff as a 3-block "leak" (G2).
-            crate::metrics::record_stats(&s);
+            worker_common::metrics::record_stats(&s);
             h.kv_blocks_total = s.kv.total as u32;
             h.kv_blocks_used = s.kv.used as u32;
             h.running = s.running as u32;

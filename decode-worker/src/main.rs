@@ -11,6 +11,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use decode_worker::service::{DecodeService, DecodeSettings};
+use decode_worker::sink::{RunnerSink, WriteFailures};
+use decode_worker::{DecodeConfig, DecodeFlags};
 use engine::runner::{Runner, RunnerConfig};
 use kvtransfer::{
     CloseReason, LocalCloseReason, LocalKvServer, LocalServerConfig, Peer, PeerTrust, QuicKvServer, QuicServerConfig,
@@ -18,9 +21,6 @@ use kvtransfer::{
 };
 use proto::worker::v1::decode_worker_server::DecodeWorkerServer;
 use tokio_util::sync::CancellationToken;
-use worker::decode::service::{DecodeService, DecodeSettings};
-use worker::decode::sink::{RunnerSink, WriteFailures};
-use worker::decode::{DecodeConfig, DecodeFlags};
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -40,13 +40,13 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
         policy = %cfg.policy, max_absorbed_prefill_tokens_per_s = cfg.max_absorbed_prefill_tokens_per_s,
         "kv_load_failure_policy"
     );
-    let loaded = worker::serve::load(common)?;
+    let loaded = worker_common::serve::load(common)?;
     let (layout, fingerprint) = (loaded.layout, loaded.fingerprint);
     let (runner, join) = Runner::spawn(loaded.engine, RunnerConfig { max_waiting: common.max_waiting })?;
 
-    let metrics_addr = worker::metrics::install(common.metrics, worker::decode::metrics::BUCKETS)
+    let metrics_addr = worker_common::metrics::install(common.metrics, decode_worker::metrics::BUCKETS)
         .with_context(|| format!("serving metrics on {}", common.metrics))?;
-    worker::decode::metrics::describe(cfg.policy);
+    decode_worker::metrics::describe(cfg.policy);
     println!("listening metrics={metrics_addr}");
 
     let local = Peer { version_group: common.version_group.clone(), fingerprint };
@@ -78,18 +78,18 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let reaper_stop = CancellationToken::new();
     let reaper = tokio::spawn(service.clone().reap_forever(reaper_stop.clone()));
 
-    let listener = worker::serve::bind_grpc(common, &fingerprint).await?;
+    let listener = worker_common::serve::bind_grpc(common, &fingerprint).await?;
     let listener_addr = listener.local_addr()?;
     let fenced = service.clone();
-    let fencing = worker::serve::Fencing::start(common.coordinator_silence_fence, move |f| fenced.set_fenced(f));
-    let (server, stop) = worker::serve::spawn_grpc(
+    let fencing = worker_common::serve::Fencing::start(common.coordinator_silence_fence, move |f| fenced.set_fenced(f));
+    let (server, stop) = worker_common::serve::spawn_grpc(
         tonic::transport::Server::builder()
             .layer(fencing.layer())
             .add_service(DecodeWorkerServer::new(service.clone())),
         listener,
     );
     let mut info =
-        worker::serve::worker_info(common, registry::Role::Decode, &fingerprint, listener_addr, metrics_addr);
+        worker_common::serve::worker_info(common, registry::Role::Decode, &fingerprint, listener_addr, metrics_addr);
     if let Some(a) = &cfg.advertise_grpc {
         // Coordinators call this address (a proxy in the control-link drills).
         tracing::info!(addr = %a, bound = %listener_addr, "advertised gRPC address");
@@ -98,9 +98,9 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     info.transfer = Some(registry::TransferEndpoint {
         addr: advertised.clone(),
         transport: cfg.transport.as_str().to_owned(),
-        cert_sha256: tls_cert_sha256.map(|f| worker::serve::hex(&f)),
+        cert_sha256: tls_cert_sha256.map(|f| worker_common::serve::hex(&f)),
     });
-    let registration = worker::serve::register(common, info, fencing).await?;
+    let registration = worker_common::serve::register(common, info, fencing).await?;
     let signal = signals.recv().await;
     tracing::info!(signal, "draining");
     if let Some(r) = &registration {
@@ -183,7 +183,7 @@ fn export<T: Send + Sync + 'static>(
             {
                 let stats = rx.borrow_and_update();
                 let (accepted, closed) = view(&stats);
-                worker::decode::metrics::record_connections(accepted, labels, closed);
+                decode_worker::metrics::record_connections(accepted, labels, closed);
             }
             if rx.changed().await.is_err() {
                 break;

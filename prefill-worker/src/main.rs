@@ -9,10 +9,10 @@ use anyhow::Context;
 use clap::Parser;
 use engine::runner::{Runner, RunnerConfig};
 use kvtransfer::Peer;
+use prefill_worker::service::{PrefillService, TransferSettings};
+use prefill_worker::{PrefillConfig, PrefillFlags};
 use proto::worker::v1::prefill_worker_server::PrefillWorkerServer;
 use tokio_util::sync::CancellationToken;
-use worker::prefill::service::{PrefillService, TransferSettings};
-use worker::prefill::{PrefillConfig, PrefillFlags};
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -28,7 +28,7 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     // Before anything announces this worker: a SIGTERM from then on drains it.
     let mut signals = registry::StopSignals::install()?;
     let common = &cfg.common;
-    let loaded = worker::serve::load(common)?;
+    let loaded = worker_common::serve::load(common)?;
     let (layout, fingerprint) = (loaded.layout, loaded.fingerprint);
     let (runner, join) = Runner::spawn(loaded.engine, RunnerConfig { max_waiting: common.max_waiting })?;
 
@@ -41,23 +41,24 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     };
     let service = PrefillService::new(runner.clone(), layout, local, transfer, process.clone());
 
-    let metrics_addr = worker::metrics::install(common.metrics, worker::prefill::metrics::BUCKETS)
+    let metrics_addr = worker_common::metrics::install(common.metrics, prefill_worker::metrics::BUCKETS)
         .with_context(|| format!("serving metrics on {}", common.metrics))?;
-    worker::prefill::metrics::describe();
+    prefill_worker::metrics::describe();
     println!("listening metrics={metrics_addr}");
 
-    let listener = worker::serve::bind_grpc(common, &fingerprint).await?;
+    let listener = worker_common::serve::bind_grpc(common, &fingerprint).await?;
     let listener_addr = listener.local_addr()?;
     let fenced = service.clone();
-    let fencing = worker::serve::Fencing::start(common.coordinator_silence_fence, move |f| fenced.set_fenced(f));
-    let (server, stop) = worker::serve::spawn_grpc(
+    let fencing = worker_common::serve::Fencing::start(common.coordinator_silence_fence, move |f| fenced.set_fenced(f));
+    let (server, stop) = worker_common::serve::spawn_grpc(
         tonic::transport::Server::builder()
             .layer(fencing.layer())
             .add_service(PrefillWorkerServer::new(service.clone())),
         listener,
     );
-    let info = worker::serve::worker_info(common, registry::Role::Prefill, &fingerprint, listener_addr, metrics_addr);
-    let registration = worker::serve::register(common, info, fencing).await?;
+    let info =
+        worker_common::serve::worker_info(common, registry::Role::Prefill, &fingerprint, listener_addr, metrics_addr);
+    let registration = worker_common::serve::register(common, info, fencing).await?;
     let signal = signals.recv().await;
     tracing::info!(signal, "draining");
     if let Some(r) = &registration {

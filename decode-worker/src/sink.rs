@@ -69,7 +69,7 @@ impl BlockSink for RunnerSink {
             // counters: a mirror lagged up to the reaper's 500 ms and missed a drained
             // worker's last transfer entirely (the rolling-drain drill's G3 saw 72 KiB
             // fewer received than sent).
-            super::metrics::record_received(bytes);
+            crate::metrics::record_received(bytes);
             Ok(())
         } else {
             Err("the engine thread has exited".into())

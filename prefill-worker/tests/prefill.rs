@@ -75,7 +75,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     let (layout, fp, want_first, want_kv) = reference(&prompt)?;
     let kv_blocks = KV_BLOCKS.to_string();
     let args = ["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1", "--kv-blocks", &kv_blocks];
-    let mut worker = Worker::start(PREFILL_BIN, &args, &["grpc", "metrics"])?;
+    let mut worker = Worker::start(&PREFILL_BIN(), &args, &["grpc", "metrics"])?;
     let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
 
     // The decode side.
@@ -191,7 +191,7 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
         "--transfer-timeout-ms",
         "600000",
     ];
-    let worker = Worker::start(PREFILL_BIN, &args, &["grpc", "metrics"])?;
+    let worker = Worker::start(&PREFILL_BIN(), &args, &["grpc", "metrics"])?;
     let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
     // A KV destination whose kernel accepts the connection and which never answers the
     // handshake: the transfer waits, the prompt's KV stays held for sending.

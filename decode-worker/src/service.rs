@@ -48,13 +48,13 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request as GrpcRequest, Response, Status};
 
-use super::absorb::AbsorbBudget;
-use super::metrics as m;
-use super::sink::WriteFailures;
-use super::KvLoadFailurePolicy;
-use crate::serve::{blocking, err, local_deadline, runner_err, unix_deadline};
+use crate::absorb::AbsorbBudget;
+use crate::metrics as m;
+use crate::sink::WriteFailures;
+use crate::KvLoadFailurePolicy;
+use worker_common::serve::{blocking, err, local_deadline, runner_err, unix_deadline};
 
-/// The service's knobs (from [`super::DecodeConfig`]).
+/// The service's knobs (from [`crate::DecodeConfig`]).
 #[derive(Debug, Clone)]
 pub struct DecodeSettings {
     pub policy: KvLoadFailurePolicy,
@@ -83,7 +83,7 @@ pub struct DecodeService {
 struct Inner {
     runner: RunnerHandle,
     /// The runner's last counters, for Health while the runner is mid-step.
-    stats: crate::health::StatsCache,
+    stats: worker_common::health::StatsCache,
     local: Peer,
     receiver: Arc<Mutex<Receiver>>,
     failures: WriteFailures,
@@ -198,7 +198,7 @@ impl DecodeService {
         Self {
             inner: Arc::new(Inner {
                 runner,
-                stats: crate::health::StatsCache::default(),
+                stats: worker_common::health::StatsCache::default(),
                 local,
                 receiver,
                 failures,
@@ -786,7 +786,7 @@ impl DecodeService {
             }
             Err(e) => {
                 tracing::info!(request = %request_id, kind = ?e.kind(), message = %e.message, "generate failed");
-                let label = crate::metrics::outcome_label(e.kind());
+                let label = worker_common::metrics::outcome_label(e.kind());
                 (generate_response::Event::Error(e), label)
             }
         };
@@ -796,7 +796,7 @@ impl DecodeService {
         watcher.abort();
         let runner = self.inner.runner.clone();
         if let Ok(Some(stats)) = blocking(move || runner.stats()).await {
-            crate::metrics::record_stats(&stats);
+            worker_common::metrics::record_stats(&stats);
         }
     }
 }
@@ -835,7 +835,7 @@ impl DecodeWorker for DecodeService {
             ..HealthResponse::default()
         };
         if let Some(s) = stats {
-            crate::metrics::record_stats(&s);
+            worker_common::metrics::record_stats(&s);
             h.kv_blocks_total = s.kv.total as u32;
             h.kv_blocks_used = s.kv.used as u32;
             h.running = s.running as u32;

@@ -33,11 +33,11 @@ pub const KV_TRANSFER_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 /// Buckets of `tandem_prefill_seconds`: 5 ms .. 60 s (CPU prefill of long prompts is slow).
 pub const PREFILL_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0];
 
-/// Buckets per histogram, for [`crate::metrics::install`].
+/// Buckets per histogram, for [`worker_common::metrics::install`].
 pub const BUCKETS: &[(&str, &[f64])] =
     &[(KV_TRANSFER_SECONDS, KV_TRANSFER_BUCKETS), (PREFILL_SECONDS, PREFILL_BUCKETS)];
 
-/// Describes this role's metrics (after [`crate::metrics::install`]).
+/// Describes this role's metrics (after [`worker_common::metrics::install`]).
 pub fn describe() {
     describe_counter!(PREFILL_REQUESTS, "Prefill RPCs answered, by outcome.");
     describe_counter!(PROMPT_TOKENS, Unit::Count, "Prompt tokens prefilled by the engine.");

@@ -2,8 +2,14 @@
 //! through the engine as prefill-only requests, and pushes every layer's KV
 //! into the decode worker's reservation over kvtransfer.
 //!
+//! Owns: the `tandem-prefill-worker` binary, its config ([`PrefillConfig`]),
+//! its gRPC service ([`service`]), the KV push, and its metrics ([`metrics`]).
+//! What both workers share is in `worker-common`.
+//!
 //! Must not keep KV after a request: its blocks are released whether the
 //! transfer succeeded or not, because the decode worker owns the request.
+
+#![forbid(unsafe_code)]
 
 pub mod metrics;
 pub mod service;
@@ -13,7 +19,7 @@ use std::time::Duration;
 use clap::Parser;
 use serde::Deserialize;
 
-use crate::config::{millis, read_file, CommonConfig, CommonFlags, ConfigError};
+use worker_common::config::{millis, read_file, CommonConfig, CommonFlags, ConfigError};
 
 /// `tandem-prefill-worker` flags (each also a `TANDEM_*` env var and a TOML key).
 #[derive(Debug, Default, Clone, Parser, Deserialize)]
@@ -43,7 +49,7 @@ impl PrefillConfig {
             None => PrefillFlags::default(),
         };
         merged.common.overlay(&flags.common);
-        crate::config::overlay!(merged, flags, transfer_timeout_ms);
+        worker_common::overlay!(merged, flags, transfer_timeout_ms);
         Self::resolve(&merged)
     }
 
@@ -58,7 +64,7 @@ impl PrefillConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::tests::{common, some_file};
+    use worker_common::config::fixtures::{common, some_file};
 
     #[test]
     fn zero_transfer_timeout_is_named() {
@@ -93,5 +99,22 @@ mod tests {
         flags.common.config = Some(path);
         let err = PrefillConfig::load(&flags).err().map(|e| e.to_string());
         assert!(err.as_deref().is_some_and(|e| e.contains("unknown field `kv_blokcs`")), "{err:?}");
+    }
+}
+
+#[cfg(test)]
+mod shipped_config {
+    use super::*;
+
+    /// The shipped config parses.
+    #[test]
+    fn shipped_config_loads() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/prefill-worker.toml");
+        let p = read_file::<PrefillFlags>(&path).map_err(|e| e.to_string());
+        let p = p.and_then(|mut f| {
+            f.common.model = Some(worker_common::config::fixtures::some_file());
+            PrefillConfig::resolve(&f).map_err(|e| e.to_string())
+        });
+        assert!(p.is_ok(), "{p:?}");
     }
 }

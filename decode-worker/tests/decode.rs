@@ -471,7 +471,11 @@ async fn preemptions_under_a_tiny_kv_pool_are_exported() -> TestResult {
     // 8 blocks of 16 tokens; four requests of ~20 prompt + 40 generated tokens need 16.
     let w = decode_worker(GROUP, &["--kv-blocks", "8", "--kv-load-failure-policy", "recompute"])?;
     let tok = common::tokenizer()?;
-    let series = format!("{}{{reason=\"{}\"}}", worker::metrics::PREEMPTIONS, worker::metrics::PREEMPTION_KV_EXHAUSTED);
+    let series = format!(
+        "{}{{reason=\"{}\"}}",
+        worker_common::metrics::PREEMPTIONS,
+        worker_common::metrics::PREEMPTION_KV_EXHAUSTED
+    );
     let metrics = w.addr("metrics")?;
     assert_eq!(sample(&scrape(metrics)?, &series), Some(0.0), "the series exists, at 0, before any request");
     let mut runs = Vec::new();
@@ -560,7 +564,7 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
     let (stop, stopped) = tokio::sync::oneshot::channel();
     let mut c1 = c.clone();
     let running = tokio::spawn(async move { timed(&mut c1, req, stopped).await });
-    wait_metric(metrics, worker::decode::metrics::GENERATION_TOKENS, |v| v >= 10.0).await?;
+    wait_metric(metrics, decode_worker::metrics::GENERATION_TOKENS, |v| v >= 10.0).await?;
 
     let prompt = prompt_of(&tok, ABSORB_PROMPT)?;
     let flood_started = std::time::Instant::now();
@@ -598,15 +602,15 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
 
     // Counted, under their own outcome labels.
     for (outcome, n) in [
-        (worker::decode::metrics::OUTCOME_OVERLOAD_ABSORBED, absorbed.len()),
-        (worker::decode::metrics::OUTCOME_OVERLOAD_REFUSED, refused.len()),
+        (decode_worker::metrics::OUTCOME_OVERLOAD_ABSORBED, absorbed.len()),
+        (decode_worker::metrics::OUTCOME_OVERLOAD_REFUSED, refused.len()),
     ] {
         let series =
-            format!("{}{{policy=\"recompute\",outcome=\"{outcome}\"}}", worker::decode::metrics::POLICY_OUTCOMES);
+            format!("{}{{policy=\"recompute\",outcome=\"{outcome}\"}}", decode_worker::metrics::POLICY_OUTCOMES);
         wait_metric(metrics, &series, |v| v == n as f64).await?;
     }
     let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
-    let plain = format!("{}{{policy=\"recompute\",outcome=\"recomputed\"}}", worker::decode::metrics::POLICY_OUTCOMES);
+    let plain = format!("{}{{policy=\"recompute\",outcome=\"recomputed\"}}", decode_worker::metrics::POLICY_OUTCOMES);
     assert_eq!(sample(&body, &plain).unwrap_or(0.0), 0.0, "an overload is not a plain recompute:\n{body}");
 
     // Logged: one line per decision naming the request, the prefill worker and the reason.

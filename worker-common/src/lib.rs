@@ -1,0 +1,18 @@
+//! What tandem's two worker processes share, and nothing role-specific:
+//! `prefill-worker` and `decode-worker` build their binaries on it.
+//!
+//! Owns: the config layers both read ([`config`]: flags over env over TOML
+//! over defaults, with a named field in every error), model start-up, the
+//! layout fingerprint, deadlines and runner-error mapping ([`serve`]), the
+//! `Health` statistics cache ([`health`]), and the Prometheus install plus
+//! the metrics both roles export ([`metrics`]).
+//!
+//! Must not: know a role's service, its KV path or its policy; those live in
+//! the role crates.
+
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod health;
+pub mod metrics;
+pub mod serve;
