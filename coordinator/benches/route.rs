@@ -121,7 +121,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
         };
         let t = Clock::now();
         let slot = admission.admit(ticket).await.map_err(|e| format!("admission refused: {e:?}"))?;
-        let route = cluster.route(235).map_err(|e| e.message)?;
+        let route = cluster.route(235).map_err(|e| e.to_string())?;
         drop(slot);
         let took = t.elapsed();
         // A decode worker with an open pair is offered every prefill worker but that one.

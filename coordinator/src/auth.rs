@@ -4,8 +4,8 @@
 //! keys (`--api-key KEY`, repeatable, and/or `--api-keys-file PATH`), every
 //! route except `/health`, `/ready` and `/metrics` (HTTP) and the standard
 //! health service (gRPC) needs one, as `Authorization: Bearer KEY` (what
-//! OpenAI clients send) or `x-api-key: KEY`; a missing or wrong key is 401
-//! with the OpenAI error body (`invalid_api_key`).
+//! OpenAI clients send) or `x-api-key: KEY`; a missing or wrong key is
+//! refused with `invalid_api_key` (HTTP 401, gRPC `UNAUTHENTICATED`).
 //!
 //! The caller's *name* — never the key itself — is what admission uses for
 //! per-caller limits and fairness, what scopes idempotency keys, and what
@@ -19,9 +19,9 @@
 
 use std::path::Path;
 
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap};
 
-use crate::openai::ApiError;
+use crate::error::Error;
 
 /// The caller of a request without configured keys.
 pub const ANONYMOUS: &str = "anonymous";
@@ -128,8 +128,9 @@ impl ApiKeys {
         found
     }
 
-    /// The caller of an HTTP request, or 401.
-    pub fn check(&self, headers: &HeaderMap) -> Result<String, ApiError> {
+    /// The caller of a request (HTTP headers, or gRPC metadata as headers),
+    /// or why it has none.
+    pub fn check(&self, headers: &HeaderMap) -> Result<String, Error> {
         if !self.enabled() {
             return Ok(ANONYMOUS.to_owned());
         }
@@ -139,15 +140,10 @@ impl ApiKeys {
             .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
         let presented = bearer.or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
         let Some(presented) = presented else {
-            return Err(unauthorized("no API key given: send `Authorization: Bearer KEY`"));
+            return Err(Error::MissingApiKey);
         };
-        self.caller_of(presented.trim()).map(str::to_owned).ok_or_else(|| unauthorized("incorrect API key provided"))
+        self.caller_of(presented.trim()).map(str::to_owned).ok_or(Error::WrongApiKey)
     }
-}
-
-/// 401 in the OpenAI shape.
-pub fn unauthorized(message: &str) -> ApiError {
-    ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", "invalid_api_key", message)
 }
 
 /// Constant-time for equal lengths; lengths are not secret.
@@ -189,9 +185,9 @@ mod tests {
         assert_eq!(k.check(&headers(&[("authorization", "Bearer sk-search")])).expect("ok"), "search");
         assert_eq!(k.check(&headers(&[("x-api-key", "sk-anon")])).expect("ok"), "key-3");
         let e = k.check(&headers(&[("authorization", "Bearer sk-nope")])).expect_err("wrong key");
-        assert_eq!((e.status, e.code), (StatusCode::UNAUTHORIZED, Some("invalid_api_key")));
-        assert!(!e.message.contains("sk-nope"), "a key is never echoed");
-        assert!(k.check(&HeaderMap::new()).is_err());
+        assert_eq!(e, Error::WrongApiKey);
+        assert!(!e.to_string().contains("sk-nope"), "a key is never echoed");
+        assert_eq!(k.check(&HeaderMap::new()), Err(Error::MissingApiKey));
         assert!(k.check(&headers(&[("authorization", "Basic sk-flag")])).is_err());
         assert!(!format!("{k:?}").contains("sk-"), "Debug shows names only");
         std::fs::remove_dir_all(&dir).ok();

@@ -25,13 +25,12 @@ use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, GenerateRequest, PrefillAttempt, PrefillTarget};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::admission::{self, Admission};
+use crate::admission::Admission;
 use crate::breaker::{BreakerConfig, Breakers, Gate, Gates, Outcome, Pair};
+use crate::error::Error;
 use crate::load::{Kind, LoadBoard};
 use crate::metrics;
-use crate::openai::ApiError;
 use crate::router::{self, DecodeCandidate, NoRoute, PrefillCandidate, Rng};
-use axum::http::StatusCode;
 
 /// One decode worker's client and this coordinator's in-flight count for it.
 struct Decode {
@@ -138,24 +137,6 @@ fn endpoint(addr: &str) -> Result<Endpoint, String> {
     Endpoint::from_shared(format!("http://{addr}"))
         .map(|e| e.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true))
         .map_err(|e| format!("worker address {addr:?}: {e}"))
-}
-
-/// A 503 with nothing measured to say when to come back: Retry-After is
-/// the jittered base ([`admission::retry_after`]).
-fn unavailable(code: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", code, message)
-        .retry_after(admission::retry_after(None))
-}
-
-/// The fast 503 when no prefill worker of the group may be used: Retry-After
-/// is the time until the first breaker lets a probe through, jittered, but
-/// never past a whole cooldown (by then every breaker probes).
-fn prefill_unavailable(wait: Duration, cooldown: Duration, message: String) -> ApiError {
-    metrics::route_refused("prefill_unavailable");
-    metrics::prefill_unavailable();
-    let most = cooldown.as_millis().div_ceil(1000).max(1) as u64;
-    let secs = admission::retry_after(Some(wait)).min(most);
-    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "prefill_unavailable", message).retry_after(secs)
 }
 
 /// Running requests assumed per fixed-address decode worker (the workers'
@@ -342,12 +323,12 @@ impl Cluster {
         format!("req-{}-{n}", std::process::id())
     }
 
-    fn decode_entry(&self, addr: &str) -> Result<Arc<Decode>, ApiError> {
+    fn decode_entry(&self, addr: &str) -> Result<Arc<Decode>, Error> {
         let mut m = self.decode.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(d) = m.get(addr) {
             return Ok(d.clone());
         }
-        let ep = endpoint(addr).map_err(|e| unavailable("worker_unavailable", e))?;
+        let ep = endpoint(addr).map_err(Error::WorkerUnavailable)?;
         let d = Arc::new(Decode { client: DecodeWorkerClient::new(ep.connect_lazy()), inflight: AtomicUsize::new(0) });
         m.insert(addr.to_owned(), d.clone());
         Ok(d)
@@ -356,7 +337,7 @@ impl Cluster {
     /// Picks the decode worker with the most headroom and the prefill
     /// workers of its version group (see [`crate::router`]). No I/O: it
     /// reads the membership cache and the load board.
-    pub fn route(&self, prompt_tokens: usize) -> Result<Route, ApiError> {
+    pub fn route(&self, prompt_tokens: usize) -> Result<Route, Error> {
         let view;
         let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {
             let inflight = self.decode.lock().unwrap_or_else(|e| e.into_inner());
@@ -392,7 +373,7 @@ impl Cluster {
                 Source::Etcd { membership, max_stale } => {
                     if registry_expired(membership, *max_stale) {
                         metrics::route_refused("registry_unavailable");
-                        return Err(unavailable("registry_unavailable", "the worker registry (etcd) is unreachable"));
+                        return Err(Error::RegistryUnavailable);
                     }
                     view = membership.view();
                     // Breakers of pairs whose worker left the membership go with it: checked
@@ -471,14 +452,16 @@ impl Cluster {
                     d => d,
                 }
             };
-            let decision = decision.map_err(|e| match e {
-                NoRoute::PrefillUnavailable(wait) => {
-                    prefill_unavailable(wait, self.breakers.config().cooldown, e.to_string())
+            let decision = decision.map_err(|why| {
+                match why {
+                    NoRoute::PrefillUnavailable(_) => {
+                        metrics::route_refused("prefill_unavailable");
+                        metrics::prefill_unavailable();
+                    }
+                    NoRoute::NoDecode => metrics::route_refused("no_decode"),
+                    NoRoute::NoneReady(_) => metrics::route_refused("none_ready"),
                 }
-                NoRoute::NoDecode | NoRoute::NoneReady(_) => {
-                    metrics::route_refused(if e == NoRoute::NoDecode { "no_decode" } else { "none_ready" });
-                    unavailable("no_worker", e.to_string())
-                }
+                Error::NoRoute { why, breaker_cooldown: self.breakers.config().cooldown }
             })?;
             match decision.prefill.first() {
                 Some(&first)
@@ -514,7 +497,7 @@ impl Cluster {
         token_ids: Vec<u32>,
         params: &SamplingParams,
         deadline_unix_ms: u64,
-    ) -> Result<(WorkerStream, Lease), ApiError> {
+    ) -> Result<(WorkerStream, Lease), Error> {
         let mut req = GenerateRequest {
             request_id: request_id.clone(),
             token_ids,
@@ -585,10 +568,7 @@ impl Cluster {
                     metrics::decode_reroute("unreachable");
                 }
                 Err(s) => {
-                    return Err(unavailable(
-                        "worker_unavailable",
-                        format!("decode worker {}: {}", route.decode, s.message()),
-                    ))
+                    return Err(Error::WorkerUnavailable(format!("decode worker {}: {}", route.decode, s.message())))
                 }
             }
         }
@@ -609,54 +589,22 @@ pub enum Step {
     Finished(proto::worker::v1::Finished),
 }
 
-/// The next event of a worker stream, with worker errors mapped to HTTP
-/// (a 503's Retry-After from `admission`'s drain estimate); remote prefill
+/// The next event of a worker stream; a worker's typed error comes with
+/// `admission`'s drain estimate (when a retry may help). Remote prefill
 /// attempts it reports go to `cluster`'s breakers.
-pub async fn next(stream: &mut WorkerStream, cluster: &Cluster, admission: &Admission) -> Result<Step, ApiError> {
-    let msg = stream.message().await.map_err(|s| {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "server_error",
-            "worker_stream",
-            format!("decode worker stream: {}", s.message()),
-        )
-    })?;
+pub async fn next(stream: &mut WorkerStream, cluster: &Cluster, admission: &Admission) -> Result<Step, Error> {
+    let msg =
+        stream.message().await.map_err(|s| Error::WorkerStream(format!("decode worker stream: {}", s.message())))?;
     if let Some(m) = &msg {
         cluster.record_prefill_attempts(&stream.decode_id, &stream.decode_addr, &m.prefill_attempts);
     }
     match msg.and_then(|m| m.event) {
         Some(generate_response::Event::Token(t)) => Ok(Step::Token(t)),
         Some(generate_response::Event::Finished(f)) => Ok(Step::Finished(f)),
-        Some(generate_response::Event::Error(e)) => Err(worker_error(&e, admission.drain_estimate())),
-        None => Err(ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "server_error",
-            "worker_stream",
-            "decode worker stream ended without a result",
-        )),
-    }
-}
-
-/// The HTTP face of a worker's typed error (the overload contract in the
-/// README). A 503's Retry-After is `drain` (the queue's measured drain
-/// time, when known) with jitter.
-pub fn worker_error(e: &proto::worker::v1::WorkerError, drain: Option<Duration>) -> ApiError {
-    use proto::worker::v1::ErrorKind as K;
-    let (status, kind, code) = match e.kind() {
-        K::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_argument"),
-        K::Overloaded => (StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "overloaded"),
-        K::Retryable => (StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "retryable"),
-        K::Deadline => (StatusCode::GATEWAY_TIMEOUT, "timeout_error", "deadline_exceeded"),
-        K::KvLoadFailed => (StatusCode::BAD_GATEWAY, "server_error", "kv_load_failed"),
-        K::VersionMismatch => (StatusCode::BAD_GATEWAY, "server_error", "version_mismatch"),
-        K::Cancelled => (StatusCode::SERVICE_UNAVAILABLE, "server_error", "cancelled"),
-        _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal"),
-    };
-    let err = ApiError::new(status, kind, code, e.message.clone());
-    if status == StatusCode::SERVICE_UNAVAILABLE {
-        err.retry_after(admission::retry_after(drain))
-    } else {
-        err
+        Some(generate_response::Event::Error(e)) => {
+            Err(Error::Worker { kind: e.kind(), message: e.message, drain: admission.drain_estimate() })
+        }
+        None => Err(Error::WorkerStream("decode worker stream ended without a result".into())),
     }
 }
 
@@ -716,7 +664,7 @@ mod tests {
             c.record_prefill_attempts("127.0.0.1:2", "127.0.0.1:2", &[failed("127.0.0.1:9")]);
         }
         let e = c.route(100).expect_err("no usable pair");
-        assert_eq!(e.code, Some("prefill_unavailable"), "{e:?}");
+        assert!(matches!(e, Error::NoRoute { why: NoRoute::PrefillUnavailable(_), .. }), "{e:?}");
     }
 
     /// A decode worker whose streams break before their first message (`broken`: the
@@ -797,7 +745,7 @@ mod tests {
         c.board().set(&fine, idle(5));
         let params = SamplingParams { max_tokens: 1, ..SamplingParams::default() };
         let (mut stream, _lease) =
-            c.generate("r1".into(), vec![1, 2, 3], &params, 0).await.map_err(|e| e.message).expect("routed again");
+            c.generate("r1".into(), vec![1, 2, 3], &params, 0).await.map_err(|e| e.to_string()).expect("routed again");
         let first = stream.message().await.expect("a message").and_then(|m| m.event);
         assert!(matches!(first, Some(generate_response::Event::Token(TokenChunk { id: 7, .. }))), "{first:?}");
         let ids = |m: &Mutex<Vec<String>>| m.lock().unwrap_or_else(|e| e.into_inner()).clone();

@@ -8,7 +8,8 @@
 //! tokenized by [`crate::prompt`], and run by [`Pipeline::run`], so
 //! admission, routing, deadlines and worker errors are shared. Only the
 //! shapes differ: text pieces stream as `Chunk` events and the end as one
-//! `Done`; a refusal or failure is the call's status ([`status_of`]).
+//! `Done`; a refusal or failure is the call's status, chosen from the
+//! [`Error`] here and nowhere else ([`status_of`]).
 //!
 //! Deadline: the standard `grpc-timeout` header, else the configured
 //! default, measured from arrival and propagated to the workers. The handler
@@ -25,13 +26,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::StatusCode;
 use proto::frontend::v1::frontend_server::{Frontend, FrontendServer, SERVICE_NAME};
 use proto::frontend::v1::{
     generate_request::Input, generate_response, Chunk, Done, FinishReason, GenerateRequest, GenerateResponse,
     ListModelsRequest, ListModelsResponse, Model, TokenLogprob as WireLogprob, TopLogprob as WireTop,
     Usage as WireUsage,
 };
+use proto::worker::v1::ErrorKind;
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -42,9 +43,12 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::ServingStatus;
 
-use crate::openai::{self, ApiError, Message, Sampling, Stop, StreamOptions};
+use crate::admission::Shed;
+use crate::error::Error;
+use crate::openai::{self, Message, Sampling, Stop, StreamOptions};
 use crate::pipeline::{priority_of, send_within, Event, Finish, Job, Pipeline, TokenLogprob};
 use crate::prompt;
+use crate::router::NoRoute;
 
 /// Metadata key carrying the OpenAI error code (`model_not_found`, ...).
 pub const ERROR_CODE_KEY: &str = "x-tandem-error-code";
@@ -61,42 +65,66 @@ const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 /// Events buffered per response stream before the request waits for the client.
 const STREAM_BUFFER: usize = 16;
 
-/// The gRPC status for a refusal or failure: the status code from the HTTP
-/// status (the table below), the OpenAI code prefixing the message, and
-/// metadata [`ERROR_CODE_KEY`], [`ERROR_TYPE_KEY`], [`ERROR_PARAM_KEY`] and
-/// [`RETRY_AFTER_KEY`] where the error has them.
+/// The gRPC code of an error: what a gRPC client should do about it.
 ///
-/// | HTTP | gRPC | why |
-/// |---|---|---|
-/// | 400, 415 | `INVALID_ARGUMENT` | the request is bad; never retry it unchanged |
-/// | 413 | `INVALID_ARGUMENT` | too large for this server's limits: as final as a bad field (`context_length_exceeded` is a 400 too); `RESOURCE_EXHAUSTED` means "retry later" to gRPC clients |
-/// | 401 | `UNAUTHENTICATED` | |
-/// | 403 | `PERMISSION_DENIED` | |
-/// | 404 | `NOT_FOUND` | unknown model |
-/// | 429 | `RESOURCE_EXHAUSTED` | a tenant over its limits: back off, then retry |
-/// | 503 | `UNAVAILABLE` | cluster full or no worker ready: retry after `retry-after` |
-/// | 504 | `DEADLINE_EXCEEDED` | |
-/// | 502 `worker_stream` | `UNAVAILABLE` | the connection to the decode worker broke; a retry may land elsewhere |
-/// | other 502, 500 | `INTERNAL` | a worker failed the request after its own recovery (KV load, version mismatch) or a bug: not transient |
-/// | other 4xx | `INVALID_ARGUMENT` | |
-pub fn status_of(e: &ApiError) -> Status {
-    let code = match e.status {
-        StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE => {
-            Code::InvalidArgument
-        }
-        StatusCode::UNAUTHORIZED => Code::Unauthenticated,
-        StatusCode::FORBIDDEN => Code::PermissionDenied,
-        StatusCode::NOT_FOUND => Code::NotFound,
-        StatusCode::TOO_MANY_REQUESTS => Code::ResourceExhausted,
-        StatusCode::SERVICE_UNAVAILABLE => Code::Unavailable,
-        StatusCode::GATEWAY_TIMEOUT => Code::DeadlineExceeded,
-        StatusCode::BAD_GATEWAY if e.code == Some("worker_stream") => Code::Unavailable,
-        s if s.is_client_error() => Code::InvalidArgument,
-        _ => Code::Internal,
-    };
-    let message = match e.code {
-        Some(c) => format!("{c}: {}", e.message),
-        None => e.message.clone(),
+/// - `INVALID_ARGUMENT`: the request is bad; never resend it unchanged.
+///   A body over the cap too: as final as a bad field (`RESOURCE_EXHAUSTED`
+///   would invite a retry); and a reused idempotency key (HTTP only).
+/// - `UNAUTHENTICATED`, `NOT_FOUND`: a missing or wrong API key; an unknown model.
+/// - `RESOURCE_EXHAUSTED`: this caller is over its share; back off, retry.
+/// - `UNAVAILABLE`: retry; the code gRPC clients and retry policies retry.
+///   With `retry-after` when the cluster is full, draining or has no
+///   usable worker; without when a decode worker's stream broke (the retry
+///   may land elsewhere) or it could not load the KV (`kv_load_failed`:
+///   that fails before the first token, so nothing reached the client, and
+///   the call sent again is routed anew; the failed pair's breaker counted it).
+/// - `FAILED_PRECONDITION`: `version_mismatch`, a deployment fault (the
+///   pair's version groups or KV layouts differ); retrying does not cure
+///   it until the deployment is fixed.
+/// - `DEADLINE_EXCEEDED`: the deadline passed, queued or running.
+/// - `INTERNAL`: a worker failed internally.
+pub fn code_of(e: &Error) -> Code {
+    use ErrorKind as K;
+    match e {
+        Error::Invalid { .. }
+        | Error::InvalidJson { .. }
+        | Error::ContextLength { .. }
+        | Error::BodyTooLarge { .. }
+        | Error::UnsupportedMediaType { .. }
+        | Error::IdempotencyKeyReused => Code::InvalidArgument,
+        Error::MissingApiKey | Error::WrongApiKey => Code::Unauthenticated,
+        Error::ModelNotFound { .. } => Code::NotFound,
+        Error::Shed(shed) => match shed {
+            Shed::KeyLimit { .. } => Code::ResourceExhausted,
+            Shed::QueueFull { .. } | Shed::Closed => Code::Unavailable,
+            Shed::Deadline => Code::DeadlineExceeded,
+        },
+        Error::IdempotencyTableFull
+        | Error::IdempotentOriginalFailed
+        | Error::NotReady(_)
+        | Error::RegistryUnavailable
+        | Error::NoRoute { why: NoRoute::NoDecode | NoRoute::NoneReady(_) | NoRoute::PrefillUnavailable(_), .. }
+        | Error::WorkerUnavailable(_)
+        | Error::WorkerStream(_) => Code::Unavailable,
+        Error::Worker { kind, .. } => match kind {
+            K::InvalidArgument => Code::InvalidArgument,
+            K::Overloaded | K::Retryable | K::Cancelled | K::KvLoadFailed => Code::Unavailable,
+            K::VersionMismatch => Code::FailedPrecondition,
+            K::Deadline => Code::DeadlineExceeded,
+            K::Internal | K::Unspecified => Code::Internal,
+        },
+        Error::Deadline => Code::DeadlineExceeded,
+    }
+}
+
+/// The call's status for an error: [`code_of`], the OpenAI code prefixing
+/// the message, and metadata [`ERROR_CODE_KEY`], [`ERROR_TYPE_KEY`],
+/// [`ERROR_PARAM_KEY`] and [`RETRY_AFTER_KEY`] where the error has them.
+pub fn status_of(e: &Error) -> Status {
+    let code = e.code();
+    let message = match code {
+        Some(c) => format!("{c}: {e}"),
+        None => e.to_string(),
     };
     let mut md = MetadataMap::new();
     let mut put = |key: &'static str, value: &str| {
@@ -105,17 +133,17 @@ pub fn status_of(e: &ApiError) -> Status {
             md.insert(key, v);
         }
     };
-    if let Some(c) = e.code {
+    if let Some(c) = code {
         put(ERROR_CODE_KEY, c);
     }
-    put(ERROR_TYPE_KEY, e.kind);
-    if let Some(p) = &e.param {
+    put(ERROR_TYPE_KEY, e.openai_type());
+    if let Some(p) = e.param() {
         put(ERROR_PARAM_KEY, p);
     }
-    if let Some(s) = e.retry_after {
+    if let Some(s) = e.retry_after() {
         put(RETRY_AFTER_KEY, &s.to_string());
     }
-    Status::with_metadata(code, message, md)
+    Status::with_metadata(code_of(e), message, md)
 }
 
 /// A `grpc-timeout` value: 1 to 8 digits and a unit (`H`ours, `M`inutes,
@@ -141,29 +169,29 @@ pub fn parse_grpc_timeout(v: &str) -> Option<Duration> {
 }
 
 /// The request's own timeout (`grpc-timeout`), if it set one.
-fn request_timeout(md: &MetadataMap) -> Result<Option<Duration>, ApiError> {
+fn request_timeout(md: &MetadataMap) -> Result<Option<Duration>, Error> {
     let Some(v) = md.get("grpc-timeout") else { return Ok(None) };
     v.to_str()
         .ok()
         .and_then(parse_grpc_timeout)
         .map(Some)
-        .ok_or_else(|| ApiError::invalid("grpc-timeout", "must be 1 to 8 digits and a unit (H, M, S, m, u or n)"))
+        .ok_or_else(|| Error::invalid("grpc-timeout", "must be 1 to 8 digits and a unit (H, M, S, m, u or n)"))
 }
 
 /// A prompt given as token ids: non-empty, each in the vocabulary.
-fn token_ids(p: &Pipeline, ids: &[u32]) -> Result<Vec<u32>, ApiError> {
+fn token_ids(p: &Pipeline, ids: &[u32]) -> Result<Vec<u32>, Error> {
     if ids.is_empty() {
-        return Err(ApiError::invalid("token_ids", "`token_ids` is empty"));
+        return Err(Error::invalid("token_ids", "`token_ids` is empty"));
     }
     let vocab = p.tokenizer.vocab_size();
     if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-        return Err(ApiError::invalid("token_ids", format!("token id {bad} is outside the vocabulary")));
+        return Err(Error::invalid("token_ids", format!("token id {bad} is outside the vocabulary")));
     }
     Ok(ids.to_vec())
 }
 
 /// Validates and tokenizes a request into a job, with the HTTP API's rules.
-fn job_of(p: &Pipeline, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, ApiError> {
+fn job_of(p: &Pipeline, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, Error> {
     // Measured from arrival, before the work of validating.
     let arrived = std::time::Instant::now();
     let headers = md.clone().into_headers();
@@ -171,13 +199,13 @@ fn job_of(p: &Pipeline, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, 
     let timeout = request_timeout(md)?;
     let deadline = p.deadline(timeout);
     if !req.idempotency_key.is_empty() {
-        return Err(ApiError::invalid(
+        return Err(Error::invalid(
             "idempotency_key",
             "idempotent retries are offered by the HTTP API (Idempotency-Key) only, not over gRPC yet",
         ));
     }
     let header_priority = match headers.get("x-priority") {
-        Some(v) => Some(v.to_str().map_err(|_| ApiError::invalid("x-priority", "not visible ASCII"))?),
+        Some(v) => Some(v.to_str().map_err(|_| Error::invalid("x-priority", "not visible ASCII"))?),
         None => None,
     };
     let field = (!req.priority.is_empty()).then(|| Value::String(req.priority.clone()));
@@ -218,7 +246,7 @@ fn job_of(p: &Pipeline, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, 
             ("messages", prompt::chat_tokens(&p.tokenizer, &messages)?)
         }
         Some(Input::TokenIds(t)) => ("token_ids", token_ids(p, &t.ids)?),
-        None => return Err(ApiError::invalid("input", "one of `prompt`, `messages` or `token_ids` is required")),
+        None => return Err(Error::invalid("input", "one of `prompt`, `messages` or `token_ids` is required")),
     };
     p.check_context(param, ids.len(), spec.params.max_tokens)?;
     Ok(Job { ids, spec, deadline, caller, priority, arrived })
@@ -488,34 +516,13 @@ mod tests {
     }
 
     #[test]
-    fn api_errors_map_to_grpc_codes_with_their_metadata() {
-        let s = status_of(&ApiError::invalid("temperature", "too hot"));
+    fn a_plain_invalid_field_has_no_code_but_names_its_field() {
+        let s = status_of(&Error::invalid("temperature", "too hot"));
         assert_eq!(s.code(), Code::InvalidArgument);
         assert_eq!(s.message(), "too hot");
         assert_eq!(s.metadata().get(ERROR_PARAM_KEY).and_then(|v| v.to_str().ok()), Some("temperature"));
         assert_eq!(s.metadata().get(ERROR_TYPE_KEY).and_then(|v| v.to_str().ok()), Some("invalid_request_error"));
         assert!(s.metadata().get(ERROR_CODE_KEY).is_none());
-
-        let full =
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "overloaded", "full").retry_after(1);
-        let s = status_of(&full);
-        assert_eq!(s.code(), Code::Unavailable);
-        assert_eq!(s.message(), "overloaded: full");
-        assert_eq!(s.metadata().get(ERROR_CODE_KEY).and_then(|v| v.to_str().ok()), Some("overloaded"));
-        assert_eq!(s.metadata().get(RETRY_AFTER_KEY).and_then(|v| v.to_str().ok()), Some("1"));
-
-        for (status, code, want) in [
-            (StatusCode::NOT_FOUND, "model_not_found", Code::NotFound),
-            (StatusCode::PAYLOAD_TOO_LARGE, "request_too_large", Code::InvalidArgument),
-            (StatusCode::UNAUTHORIZED, "invalid_api_key", Code::Unauthenticated),
-            (StatusCode::TOO_MANY_REQUESTS, "rate_limited", Code::ResourceExhausted),
-            (StatusCode::GATEWAY_TIMEOUT, "deadline_exceeded", Code::DeadlineExceeded),
-            (StatusCode::BAD_GATEWAY, "worker_stream", Code::Unavailable),
-            (StatusCode::BAD_GATEWAY, "kv_load_failed", Code::Internal),
-            (StatusCode::INTERNAL_SERVER_ERROR, "internal", Code::Internal),
-        ] {
-            let s = status_of(&ApiError::new(status, "server_error", code, "x"));
-            assert_eq!(s.code(), want, "{status} {code}");
-        }
+        assert!(s.metadata().get(RETRY_AFTER_KEY).is_none());
     }
 }

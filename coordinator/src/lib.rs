@@ -9,7 +9,9 @@
 //! ([`admission`]), routing on live worker load ([`load`], [`router`]) over
 //! etcd membership or fixed addresses ([`cluster`]), detokenizing with stop
 //! strings. HTTP adds `Idempotency-Key` replays ([`idempotency`]); both
-//! export [`metrics`]. See docs/ARCHITECTURE.md.
+//! export [`metrics`]. Every refusal or failure is an [`error::Error`]
+//! saying what went wrong, turned into a status only at each frontend's
+//! edge. See docs/ARCHITECTURE.md.
 //!
 //! Must not: touch KV bytes, or hold a request past its deadline.
 
@@ -19,6 +21,7 @@ pub mod admission;
 pub mod auth;
 pub mod breaker;
 pub mod cluster;
+pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod idempotency;

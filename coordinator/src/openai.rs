@@ -1,15 +1,15 @@
-//! The OpenAI-compatible request and response shapes, their validation,
-//! and the error body every refusal uses:
-//! `{"error":{"message","type","param","code"}}`.
+//! The OpenAI-compatible request and response shapes and their validation.
 //!
-//! Validation happens before admission and names the offending field in
-//! `param`. Unknown fields are ignored (clients send many we do not use);
+//! Validation happens before admission; a refusal is an
+//! [`Error::Invalid`] naming the offending field (the HTTP answer's
+//! `param`). Unknown fields are ignored (clients send many we do not use);
 //! known fields with the wrong type or an out-of-range value are refused.
 
-use axum::http::StatusCode;
 use engine::sampler::SamplingParams;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use crate::error::Error;
 
 /// Most completions per request (`n`); only 1 is supported today.
 pub const MAX_N: u32 = 1;
@@ -17,58 +17,6 @@ pub const MAX_N: u32 = 1;
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// Most stop strings.
 pub const MAX_STOP: usize = 4;
-
-/// A refusal in the OpenAI error shape, with its HTTP status.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub message: String,
-    /// `invalid_request_error`, `server_error`, `overloaded_error`, ...
-    pub kind: &'static str,
-    pub param: Option<String>,
-    pub code: Option<&'static str>,
-    /// Seconds for a `Retry-After` header (429/503).
-    pub retry_after: Option<u64>,
-}
-
-impl ApiError {
-    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: Some(param.into()),
-            code: None,
-            retry_after: None,
-        }
-    }
-
-    pub fn new(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), kind, param: None, code: Some(code), retry_after: None }
-    }
-
-    pub fn with_code(mut self, code: &'static str) -> Self {
-        self.code = Some(code);
-        self
-    }
-
-    pub fn retry_after(mut self, seconds: u64) -> Self {
-        self.retry_after = Some(seconds);
-        self
-    }
-
-    /// The JSON body.
-    pub fn body(&self) -> Value {
-        serde_json::json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        })
-    }
-}
 
 /// `stop`: a string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
@@ -149,20 +97,20 @@ pub struct Spec {
     pub include_usage: bool,
 }
 
-fn finite(param: &str, v: f64, lo: f64, hi: f64, what: &str) -> Result<f32, ApiError> {
+fn finite(param: &str, v: f64, lo: f64, hi: f64, what: &str) -> Result<f32, Error> {
     if !v.is_finite() || v < lo || v > hi {
-        return Err(ApiError::invalid(param, format!("`{param}` must be {what}; got {v}")));
+        return Err(Error::invalid(param, format!("`{param}` must be {what}; got {v}")));
     }
     Ok(v as f32)
 }
 
 /// Validates the sampling fields into engine parameters. `logprobs` is the
 /// number of alternatives asked for (None: no logprobs).
-pub fn sampling(s: &Sampling, logprobs: Option<u32>, default_max_tokens: u32) -> Result<Spec, ApiError> {
+pub fn sampling(s: &Sampling, logprobs: Option<u32>, default_max_tokens: u32) -> Result<Spec, Error> {
     let mut p = SamplingParams::default();
     if let Some(n) = s.n {
         if n < 1 || n > MAX_N as i64 {
-            return Err(ApiError::invalid("n", format!("`n` must be between 1 and {MAX_N}; got {n}")));
+            return Err(Error::invalid("n", format!("`n` must be between 1 and {MAX_N}; got {n}")));
         }
     }
     let max = match (s.max_completion_tokens, s.max_tokens) {
@@ -171,8 +119,8 @@ pub fn sampling(s: &Sampling, logprobs: Option<u32>, default_max_tokens: u32) ->
     };
     p.max_tokens = match max.1 {
         None => default_max_tokens,
-        Some(m) if m < 1 => return Err(ApiError::invalid(max.0, format!("`{}` must be at least 1; got {m}", max.0))),
-        Some(m) => u32::try_from(m).map_err(|_| ApiError::invalid(max.0, format!("`{}` is too large", max.0)))?,
+        Some(m) if m < 1 => return Err(Error::invalid(max.0, format!("`{}` must be at least 1; got {m}", max.0))),
+        Some(m) => u32::try_from(m).map_err(|_| Error::invalid(max.0, format!("`{}` is too large", max.0)))?,
     };
     if let Some(t) = s.temperature {
         p.temperature = finite("temperature", t, 0.0, 2.0, "between 0 and 2")?;
@@ -180,17 +128,17 @@ pub fn sampling(s: &Sampling, logprobs: Option<u32>, default_max_tokens: u32) ->
     if let Some(t) = s.top_p {
         p.top_p = finite("top_p", t, 0.0, 1.0, "in (0, 1]")?;
         if p.top_p <= 0.0 {
-            return Err(ApiError::invalid("top_p", "`top_p` must be in (0, 1]; got 0"));
+            return Err(Error::invalid("top_p", "`top_p` must be in (0, 1]; got 0"));
         }
     }
     if let Some(k) = s.top_k {
         // -1 and 0 both mean "off" (vLLM uses -1).
-        p.top_k = if k <= 0 { 0 } else { u32::try_from(k).map_err(|_| ApiError::invalid("top_k", "too large"))? };
+        p.top_k = if k <= 0 { 0 } else { u32::try_from(k).map_err(|_| Error::invalid("top_k", "too large"))? };
     }
     if let Some(m) = s.min_p {
         p.min_p = finite("min_p", m, 0.0, 1.0, "in [0, 1)")?;
         if p.min_p >= 1.0 {
-            return Err(ApiError::invalid("min_p", "`min_p` must be in [0, 1); got 1"));
+            return Err(Error::invalid("min_p", "`min_p` must be in [0, 1); got 1"));
         }
     }
     if let Some(v) = s.presence_penalty {
@@ -210,44 +158,44 @@ pub fn sampling(s: &Sampling, logprobs: Option<u32>, default_max_tokens: u32) ->
         Some(Stop::Many(v)) => v.clone(),
     };
     if p.stop_strings.len() > MAX_STOP {
-        return Err(ApiError::invalid("stop", format!("at most {MAX_STOP} stop strings")));
+        return Err(Error::invalid("stop", format!("at most {MAX_STOP} stop strings")));
     }
     if p.stop_strings.iter().any(String::is_empty) {
-        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+        return Err(Error::invalid("stop", "stop strings must not be empty"));
     }
     p.logprobs = logprobs;
-    p.validate().map_err(|e| ApiError::invalid(e.field().unwrap_or("body"), e.to_string()))?;
+    p.validate().map_err(|e| Error::invalid(e.field().unwrap_or("body"), e.to_string()))?;
     let include_usage = s.stream_options.as_ref().is_some_and(|o| o.include_usage);
     if s.stream_options.is_some() && !s.stream {
-        return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed with `stream: true`"));
+        return Err(Error::invalid("stream_options", "`stream_options` is only allowed with `stream: true`"));
     }
     Ok(Spec { params: p, stream: s.stream, include_usage })
 }
 
 /// The completions API's `logprobs` (an integer 0..=20, or null).
-pub fn completion_logprobs(v: &Option<Value>) -> Result<Option<u32>, ApiError> {
+pub fn completion_logprobs(v: &Option<Value>) -> Result<Option<u32>, Error> {
     match v {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => match n.as_u64() {
             Some(k) if k <= MAX_TOP_LOGPROBS as u64 => Ok(Some(k as u32)),
-            _ => Err(ApiError::invalid("logprobs", format!("`logprobs` must be an integer 0..={MAX_TOP_LOGPROBS}"))),
+            _ => Err(Error::invalid("logprobs", format!("`logprobs` must be an integer 0..={MAX_TOP_LOGPROBS}"))),
         },
-        Some(_) => Err(ApiError::invalid("logprobs", "`logprobs` must be an integer")),
+        Some(_) => Err(Error::invalid("logprobs", "`logprobs` must be an integer")),
     }
 }
 
 /// The chat API's `logprobs` (bool) and `top_logprobs` (0..=20).
-pub fn chat_logprobs(logprobs: &Option<Value>, top: Option<i64>) -> Result<Option<u32>, ApiError> {
+pub fn chat_logprobs(logprobs: &Option<Value>, top: Option<i64>) -> Result<Option<u32>, Error> {
     let on = match logprobs {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::invalid("logprobs", "`logprobs` must be a boolean")),
+        Some(_) => return Err(Error::invalid("logprobs", "`logprobs` must be a boolean")),
     };
     match (on, top) {
         (_, Some(k)) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&k) => {
-            Err(ApiError::invalid("top_logprobs", format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}")))
+            Err(Error::invalid("top_logprobs", format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}")))
         }
-        (false, Some(_)) => Err(ApiError::invalid("top_logprobs", "`top_logprobs` requires `logprobs: true`")),
+        (false, Some(_)) => Err(Error::invalid("top_logprobs", "`top_logprobs` requires `logprobs: true`")),
         (false, None) => Ok(None),
         (true, k) => Ok(Some(k.unwrap_or(0) as u32)),
     }
@@ -271,16 +219,16 @@ impl Usage {
 mod tests {
     use super::*;
 
-    fn spec(json: &str) -> Result<Spec, ApiError> {
-        let s: Sampling = serde_json::from_str(json).map_err(|e| ApiError::invalid("body", e.to_string()))?;
+    fn spec(json: &str) -> Result<Spec, Error> {
+        let s: Sampling = serde_json::from_str(json).map_err(|e| Error::invalid("body", e.to_string()))?;
         sampling(&s, None, 16)
     }
 
     #[test]
     fn defaults_and_max_tokens() {
-        let s = spec("{}").map_err(|e| e.message);
+        let s = spec("{}").map_err(|e| e.to_string());
         assert_eq!(s.as_ref().map(|s| s.params.max_tokens), Ok(16));
-        let s = spec(r#"{"max_tokens": 5, "max_completion_tokens": 7}"#).map_err(|e| e.message);
+        let s = spec(r#"{"max_tokens": 5, "max_completion_tokens": 7}"#).map_err(|e| e.to_string());
         assert_eq!(s.map(|s| s.params.max_tokens), Ok(7), "max_completion_tokens wins");
     }
 
@@ -301,27 +249,18 @@ mod tests {
             (r#"{"stream_options": {"include_usage": true}}"#, "stream_options"),
         ] {
             let e = spec(json).err();
-            assert_eq!(e.as_ref().and_then(|e| e.param.as_deref()), Some(param), "{json}: {e:?}");
-            assert_eq!(e.map(|e| e.status), Some(StatusCode::BAD_REQUEST));
+            assert_eq!(e.as_ref().and_then(Error::param), Some(param), "{json}: {e:?}");
+            assert!(matches!(e, Some(Error::Invalid { .. })), "{json}: {e:?}");
         }
     }
 
     #[test]
     fn logprob_fields() {
-        assert_eq!(chat_logprobs(&Some(Value::Bool(true)), Some(3)).map_err(|e| e.message), Ok(Some(3)));
-        assert_eq!(chat_logprobs(&None, None).map_err(|e| e.message), Ok(None));
+        assert_eq!(chat_logprobs(&Some(Value::Bool(true)), Some(3)).map_err(|e| e.to_string()), Ok(Some(3)));
+        assert_eq!(chat_logprobs(&None, None).map_err(|e| e.to_string()), Ok(None));
         assert!(chat_logprobs(&None, Some(2)).is_err());
         assert!(chat_logprobs(&Some(Value::Bool(true)), Some(21)).is_err());
-        assert_eq!(completion_logprobs(&Some(serde_json::json!(2))).map_err(|e| e.message), Ok(Some(2)));
+        assert_eq!(completion_logprobs(&Some(serde_json::json!(2))).map_err(|e| e.to_string()), Ok(Some(2)));
         assert!(completion_logprobs(&Some(serde_json::json!(-1))).is_err());
-    }
-
-    #[test]
-    fn error_body_has_the_openai_shape() {
-        let b = ApiError::invalid("top_p", "bad").body();
-        assert_eq!(b["error"]["param"], "top_p");
-        assert_eq!(b["error"]["type"], "invalid_request_error");
-        assert_eq!(b["error"]["message"], "bad");
-        assert!(b["error"].get("code").is_some());
     }
 }

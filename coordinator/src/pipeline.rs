@@ -8,7 +8,8 @@
 //! validation and [`crate::prompt`]'s tokenization), call
 //! [`Pipeline::run`], and shape the [`Run`]'s events for their wire. So both
 //! admit, route, time out and fail the same way; every refusal is an
-//! [`ApiError`], which each frontend maps onto its own status codes.
+//! [`Error`] saying what went wrong, which each frontend maps onto its own
+//! wire at its edge.
 //!
 //! Dropping a [`Run`] drops the worker stream, which cancels the request on
 //! the decode and prefill workers and frees its KV; it also releases the
@@ -20,9 +21,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::admission::{self, Admission, Priority, Shed, Slot, Ticket};
 use crate::auth::ApiKeys;
 use crate::cluster::{next, Cluster, Lease, Step, WorkerStream};
+use crate::error::Error;
 use crate::metrics;
-use crate::openai::{ApiError, Spec, Usage};
-use axum::http::StatusCode;
+use crate::openai::{Spec, Usage};
 use engine::sampler::{FinishReason as EngineFinish, StopChecker};
 use engine::tokenizer::{IncrementalDecoder as Detokenizer, Tokenizer};
 use proto::worker::v1::{FinishReason as WireFinish, TokenChunk};
@@ -90,8 +91,8 @@ pub struct Job {
 
 /// The admission class a request asks for: the `x-priority` header, else
 /// the body's `priority` field, else normal.
-pub fn priority_of(header: Option<&str>, field: Option<&serde_json::Value>) -> Result<Priority, ApiError> {
-    let bad = |param: &str| ApiError::invalid(param, "must be one of \"high\", \"normal\", \"low\"");
+pub fn priority_of(header: Option<&str>, field: Option<&serde_json::Value>) -> Result<Priority, Error> {
+    let bad = |param: &str| Error::invalid(param, "must be one of \"high\", \"normal\", \"low\"");
     if let Some(h) = header {
         return Priority::parse(h.trim()).map_err(|_| bad("x-priority"));
     }
@@ -138,33 +139,19 @@ impl Pipeline {
         }))
     }
 
-    /// The request names the served model (404 otherwise; 400 when absent).
-    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    /// The request names the served model (`model` is required).
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), Error> {
         match model {
-            None => Err(ApiError::invalid("model", "`model` is required")),
+            None => Err(Error::invalid("model", "`model` is required")),
             Some(m) if m == self.settings.model => Ok(()),
-            Some(m) => Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!("the model {m:?} does not exist; this cluster serves {:?}", self.settings.model),
-                kind: "invalid_request_error",
-                param: Some("model".into()),
-                code: Some("model_not_found"),
-                retry_after: None,
-            }),
+            Some(m) => Err(Error::ModelNotFound { asked: m.to_owned(), served: self.settings.model.clone() }),
         }
     }
 
-    /// The prompt plus `max_tokens` fits the model's context (400 naming `param` otherwise).
-    pub fn check_context(&self, param: &str, prompt: usize, max_tokens: u32) -> Result<(), ApiError> {
+    /// The prompt (named by `param`) plus `max_tokens` fits the model's context.
+    pub fn check_context(&self, param: &'static str, prompt: usize, max_tokens: u32) -> Result<(), Error> {
         if prompt + max_tokens as usize > self.context {
-            return Err(ApiError::invalid(
-                param,
-                format!(
-                    "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of {} tokens",
-                    self.context
-                ),
-            )
-            .with_code("context_length_exceeded"));
+            return Err(Error::ContextLength { param, prompt, max_tokens, context: self.context });
         }
         Ok(())
     }
@@ -175,9 +162,8 @@ impl Pipeline {
     }
 
     /// Admission through the central queue: a slot at once, a wait in
-    /// line, or a typed refusal (429 / 503 / 504 with Retry-After where a
-    /// retry can help).
-    async fn admit(&self, job: &Job) -> Result<Slot, ApiError> {
+    /// line, or a typed refusal ([`Shed`]).
+    async fn admit(&self, job: &Job) -> Result<Slot, Error> {
         let ticket = Ticket {
             key: job.caller.clone(),
             priority: job.priority,
@@ -189,12 +175,15 @@ impl Pipeline {
                 metrics::queue_wait(slot.queue_wait());
                 Ok(slot)
             }
-            Err(shed) => Err(shed_error(&shed)),
+            Err(shed) => {
+                metrics::shed(shed_label(&shed));
+                Err(Error::Shed(shed))
+            }
         }
     }
 
     /// Admits `job` and starts it on a decode worker, within its deadline.
-    pub async fn run(self: &Arc<Self>, job: Job) -> Result<Run, ApiError> {
+    pub async fn run(self: &Arc<Self>, job: Job) -> Result<Run, Error> {
         let admission = self.admit(&job).await?;
         let id = self.cluster.request_id();
         let started = tokio::time::timeout_at(
@@ -203,7 +192,7 @@ impl Pipeline {
         )
         .await;
         let (stream, lease) = match started {
-            Err(_) => return Err(deadline_error()),
+            Err(_) => return Err(Error::Deadline),
             Ok(r) => r?,
         };
         Ok(Run::new(self.clone(), &job, id, stream, lease, admission))
@@ -244,54 +233,14 @@ impl Pipeline {
     }
 }
 
-/// The frontend face of an admission refusal.
-pub fn shed_error(shed: &Shed) -> ApiError {
+/// The `reason` label of [`metrics::SHED`].
+fn shed_label(shed: &Shed) -> &'static str {
     match shed {
-        Shed::KeyLimit { retry_after } => {
-            metrics::shed("key_limit");
-            ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "rate_limit_exceeded",
-                "this API key has too many requests or tokens queued; retry later",
-            )
-            .retry_after(admission::retry_after(Some(*retry_after)))
-        }
-        Shed::QueueFull { retry_after } => {
-            metrics::shed("queue_full");
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded_error",
-                "queue_full",
-                "the cluster is at capacity and its queue is full; retry later",
-            )
-            .retry_after(admission::retry_after(Some(*retry_after)))
-        }
-        Shed::Deadline => {
-            metrics::shed("queue_deadline");
-            ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "timeout_error",
-                "deadline_exceeded",
-                "the request's deadline passed while it was queued; it was dropped before prefill",
-            )
-        }
-        Shed::Closed => {
-            metrics::shed("closed");
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded_error",
-                "shutting_down",
-                "the coordinator is shutting down",
-            )
-            .retry_after(admission::retry_after(None))
-        }
+        Shed::KeyLimit { .. } => "key_limit",
+        Shed::QueueFull { .. } => "queue_full",
+        Shed::Deadline => "queue_deadline",
+        Shed::Closed => "closed",
     }
-}
-
-/// The refusal for a request whose deadline passed (504).
-pub fn deadline_error() -> ApiError {
-    ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout_error", "deadline_exceeded", "the request's deadline passed")
 }
 
 /// A monotonic deadline as wall-clock ms since the epoch, for the wire.
@@ -493,14 +442,14 @@ impl Run {
     }
 
     /// The next piece, or the end; a worker error or the deadline is an error.
-    pub async fn step(&mut self) -> Result<Event, ApiError> {
+    pub async fn step(&mut self) -> Result<Event, Error> {
         let event = tokio::time::timeout_at(
             self.deadline.into(),
             next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission),
         )
         .await;
         match event {
-            Err(_) => Err(deadline_error()),
+            Err(_) => Err(Error::Deadline),
             Ok(Err(e)) => Err(e),
             Ok(Ok(Step::Token(t))) => {
                 let piece = self.piece_of(&t);
@@ -546,7 +495,7 @@ impl Run {
     }
 
     /// Runs to the end: the whole text, logprobs and finish reason.
-    pub async fn collect(&mut self) -> Result<Collected, ApiError> {
+    pub async fn collect(&mut self) -> Result<Collected, Error> {
         let mut text = String::new();
         let mut logprobs = Vec::new();
         let finish = loop {

@@ -5,7 +5,6 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use axum::http::StatusCode;
 use thiserror::Error;
 use tokio::time::Instant;
 
@@ -94,8 +93,8 @@ pub enum Shed {
     /// never reached a worker.
     #[error("the request deadline passed while it was queued")]
     Deadline,
-    /// The coordinator is shutting down: HTTP 503, no `Retry-After` (try
-    /// another coordinator).
+    /// The coordinator is shutting down: HTTP 503 with the base
+    /// `Retry-After` (another coordinator can take it).
     #[error("the coordinator is shutting down")]
     Closed,
 }
@@ -107,15 +106,6 @@ impl Shed {
         match self {
             Shed::KeyLimit { retry_after } | Shed::QueueFull { retry_after } => Some(*retry_after),
             Shed::Deadline | Shed::Closed => None,
-        }
-    }
-
-    /// The HTTP status of the overload contract for this refusal.
-    pub fn http_status(&self) -> StatusCode {
-        match self {
-            Shed::KeyLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Shed::QueueFull { .. } | Shed::Closed => StatusCode::SERVICE_UNAVAILABLE,
-            Shed::Deadline => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 }

@@ -26,6 +26,9 @@
 //! `Idempotency-Key`: the first request with a key runs and records what it
 //! sends; a retry with the same key and body gets that answer (replayed,
 //! live if still running) instead of running twice ([`crate::idempotency`]).
+//!
+//! Every refusal or failure is a [`crate::error::Error`] until the answer is
+//! written; [`error`] gives it its status, body and `Retry-After`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -33,7 +36,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -42,13 +45,14 @@ use futures_util::stream::Stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::admission;
+use crate::error::Error;
 use crate::idempotency::{self, Claim, Idempotency, Recorder, Replay, Replayed};
 use crate::metrics;
-use crate::openai::{self, ApiError};
+use crate::openai;
 use crate::pipeline::{priority_of, send_within, Event as RunEvent, Job, Pipeline, Run, TokenLogprob};
 use crate::prompt;
 
+pub mod error;
 mod stall;
 pub use stall::{StallGuard, StallGuardListener};
 
@@ -91,7 +95,7 @@ impl App {
     }
 
     /// The caller's name, or 401.
-    fn caller(&self, headers: &HeaderMap) -> Result<String, ApiError> {
+    fn caller(&self, headers: &HeaderMap) -> Result<String, Error> {
         self.pipeline.keys.check(headers)
     }
 }
@@ -109,18 +113,6 @@ pub fn router(app: Arc<App>) -> Router {
         // The cap is enforced while reading (`read_body`), with our error body.
         .layer(DefaultBodyLimit::disable())
         .with_state(app)
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut r = (self.status, Json(self.body())).into_response();
-        if let Some(s) = self.retry_after {
-            if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
-                r.headers_mut().insert(header::RETRY_AFTER, v);
-            }
-        }
-        r
-    }
 }
 
 fn now_secs() -> u64 {
@@ -141,9 +133,7 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
 async fn ready(State(app): State<Arc<App>>) -> Response {
     match app.pipeline.readiness() {
         Ok(()) => Json(json!({"status": "ready"})).into_response(),
-        Err(why) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", "not_ready", why)
-            .retry_after(admission::retry_after(None))
-            .into_response(),
+        Err(why) => Error::NotReady(why).into_response(),
     }
 }
 
@@ -165,49 +155,30 @@ async fn prometheus(State(app): State<Arc<App>>) -> Response {
 }
 
 /// Reads the body, refusing one over the cap (413) without buffering more than the cap.
-async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
+async fn read_body(app: &App, body: Body) -> Result<Bytes, Error> {
     let cap = app.settings.max_body_bytes;
-    axum::body::to_bytes(body, cap).await.map_err(|_| {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "request_too_large",
-            format!("the body is larger than the limit of {cap} bytes"),
-        )
-    })
+    axum::body::to_bytes(body, cap).await.map_err(|_| Error::BodyTooLarge { limit: cap, size: None })
 }
 
 /// Content type, size cap and JSON, in that order.
-fn parse_json<T: serde::de::DeserializeOwned>(app: &App, headers: &HeaderMap, body: &Bytes) -> Result<T, ApiError> {
+fn parse_json<T: serde::de::DeserializeOwned>(app: &App, headers: &HeaderMap, body: &Bytes) -> Result<T, Error> {
     let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     if !ct.split(';').next().is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json")) {
-        return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "invalid_request_error",
-            "unsupported_media_type",
-            format!("Content-Type must be application/json, got {ct:?}"),
-        ));
+        return Err(Error::UnsupportedMediaType { content_type: ct.to_owned() });
     }
     if body.len() > app.settings.max_body_bytes {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "request_too_large",
-            format!("the body is {} bytes; the limit is {}", body.len(), app.settings.max_body_bytes),
-        ));
+        return Err(Error::BodyTooLarge { limit: app.settings.max_body_bytes, size: Some(body.len()) });
     }
-    let text = std::str::from_utf8(body).map_err(|e| {
-        ApiError::invalid("body", format!("the body is not valid UTF-8: {e}")).with_code("invalid_json")
-    })?;
-    serde_json::from_str(text)
-        .map_err(|e| ApiError::invalid("body", format!("invalid JSON: {e}")).with_code("invalid_json"))
+    let text = std::str::from_utf8(body)
+        .map_err(|e| Error::InvalidJson { message: format!("the body is not valid UTF-8: {e}") })?;
+    serde_json::from_str(text).map_err(|e| Error::InvalidJson { message: format!("invalid JSON: {e}") })
 }
 
 /// A header as text (400 naming it when it is not).
-fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>, ApiError> {
+fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>, Error> {
     headers
         .get(name)
-        .map(|v| v.to_str().map_err(|_| ApiError::invalid(name, "the header is not visible ASCII")))
+        .map(|v| v.to_str().map_err(|_| Error::invalid(name, "the header is not visible ASCII")))
         .transpose()
 }
 
@@ -215,13 +186,13 @@ fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>,
 /// arrival) and `x-request-deadline` (absolute, Unix time in milliseconds,
 /// as the client's clock reads it), else the configured default. A deadline
 /// that has already passed is a 504 at once: no work starts for it.
-fn deadline(app: &App, headers: &HeaderMap, arrived: Instant) -> Result<Instant, ApiError> {
-    let positive_ms = |name: &str| -> Result<Option<u64>, ApiError> {
+fn deadline(app: &App, headers: &HeaderMap, arrived: Instant) -> Result<Instant, Error> {
+    let positive_ms = |name: &str| -> Result<Option<u64>, Error> {
         match header_str(headers, name)? {
             None => Ok(None),
             Some(v) => match v.trim().parse::<u64>() {
                 Ok(ms) if ms > 0 => Ok(Some(ms)),
-                _ => Err(ApiError::invalid(name, "must be a positive integer of milliseconds")),
+                _ => Err(Error::invalid(name, "must be a positive integer of milliseconds")),
             },
         }
     };
@@ -232,7 +203,7 @@ fn deadline(app: &App, headers: &HeaderMap, arrived: Instant) -> Result<Instant,
             let at = UNIX_EPOCH + Duration::from_millis(ms);
             match at.duration_since(SystemTime::now()) {
                 Ok(left) => Some(Instant::now() + left),
-                Err(_) => return Err(crate::pipeline::deadline_error()),
+                Err(_) => return Err(Error::Deadline),
             }
         }
     };
@@ -268,7 +239,7 @@ async fn generation<R: serde::de::DeserializeOwned>(
     api: Api,
     headers: HeaderMap,
     body: Body,
-    prepare: impl FnOnce(&Pipeline, R) -> Result<(Vec<u32>, openai::Spec, Option<Value>), ApiError>,
+    prepare: impl FnOnce(&Pipeline, R) -> Result<(Vec<u32>, openai::Spec, Option<Value>), Error>,
 ) -> Response {
     let arrived = Instant::now();
     let caller = match app.caller(&headers) {
@@ -282,7 +253,7 @@ async fn generation<R: serde::de::DeserializeOwned>(
     let job = (|| {
         let (ids, spec, priority) = prepare(&app.pipeline, parse_json(&app, &headers, &body)?)?;
         let priority = priority_of(header_str(&headers, "x-priority")?, priority.as_ref())?;
-        Ok::<_, ApiError>(Job { ids, spec, deadline: deadline(&app, &headers, arrived)?, caller, priority, arrived })
+        Ok::<_, Error>(Job { ids, spec, deadline: deadline(&app, &headers, arrived)?, caller, priority, arrived })
     })();
     respond(app, api, &headers, &body, job).await
 }
@@ -302,8 +273,7 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     generation(app, Api::Chat, headers, body, |p, req: openai::ChatRequest| {
         p.check_model(req.model.as_deref())?;
-        let messages =
-            req.messages.as_deref().ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
+        let messages = req.messages.as_deref().ok_or_else(|| Error::invalid("messages", "`messages` is required"))?;
         let logprobs = openai::chat_logprobs(&req.logprobs, req.top_logprobs)?;
         let spec = openai::sampling(&req.sampling, logprobs, p.settings.default_max_tokens)?;
         let ids = prompt::chat_tokens(&p.tokenizer, messages)?;
@@ -320,7 +290,7 @@ fn finished(api: Api, r: Response) -> Response {
     r
 }
 
-async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job: Result<Job, ApiError>) -> Response {
+async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job: Result<Job, Error>) -> Response {
     let job = match job {
         Ok(j) => j,
         Err(e) => return finished(api, e.into_response()),
@@ -332,7 +302,7 @@ async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job
     let recorder = match key {
         None => None,
         Some(k) if k.is_empty() || k.len() > idempotency::MAX_KEY_LEN => {
-            let e = ApiError::invalid("idempotency-key", format!("must be 1..={} bytes", idempotency::MAX_KEY_LEN));
+            let e = Error::invalid("idempotency-key", format!("must be 1..={} bytes", idempotency::MAX_KEY_LEN));
             return finished(api, e.into_response());
         }
         Some(k) => {
@@ -344,25 +314,8 @@ async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job
                     let idle = app.pipeline.settings.stream_idle_timeout;
                     return finished(api, replay_answer(replay, job.spec.stream, idle).await);
                 }
-                Claim::Conflict => {
-                    let e = ApiError::new(
-                        StatusCode::UNPROCESSABLE_ENTITY,
-                        "invalid_request_error",
-                        "idempotency_key_reused",
-                        "this Idempotency-Key was used with a different request body",
-                    );
-                    return finished(api, e.into_response());
-                }
-                Claim::Full => {
-                    let e = ApiError::new(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "overloaded_error",
-                        "idempotency_table_full",
-                        "too many Idempotency-Keys are in use; retry later",
-                    )
-                    .retry_after(admission::retry_after(None));
-                    return finished(api, e.into_response());
-                }
+                Claim::Conflict => return finished(api, Error::IdempotencyKeyReused.into_response()),
+                Claim::Full => return finished(api, Error::IdempotencyTableFull.into_response()),
             }
         }
     };
@@ -394,7 +347,7 @@ async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job
         let (result, recorder) = answer.collect().await;
         let (status, body) = match result {
             Ok(body) => (StatusCode::OK, body),
-            Err(e) => (e.status, e.body()),
+            Err(e) => (error::status(&e), error::body(&e)),
         };
         if let Some(rec) = recorder {
             rec.push(Recorded::Json(status, body.clone()));
@@ -412,19 +365,10 @@ fn keeps(status: StatusCode) -> bool {
 /// The answer of a request that follows an earlier one with its key.
 async fn replay_answer(mut replay: Replay<Recorded>, stream: bool, idle: Duration) -> Response {
     metrics::idempotent_replay(if replay.leader_finished() { "done" } else { "inflight" });
-    let abandoned = || {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded_error",
-            "idempotent_original_failed",
-            "the first request with this Idempotency-Key ended without an answer; retry it",
-        )
-        .retry_after(admission::retry_after(None))
-    };
     if !stream {
         return match replay.next().await {
             Replayed::Item(Recorded::Json(status, body)) => (status, Json(body)).into_response(),
-            _ => abandoned().into_response(),
+            _ => Error::IdempotentOriginalFailed.into_response(),
         };
     }
     let (tx, rx) = mpsc::channel::<Event>(16);
@@ -434,7 +378,7 @@ async fn replay_answer(mut replay: Replay<Recorded>, stream: bool, idle: Duratio
                 Replayed::Item(Recorded::Event(data)) => Event::default().data(data),
                 Replayed::Item(Recorded::Json(_, body)) => Event::default().data(body.to_string()),
                 Replayed::End => return,
-                Replayed::Abandoned => Event::default().data(abandoned().body().to_string()),
+                Replayed::Abandoned => Event::default().data(error::body(&Error::IdempotentOriginalFailed).to_string()),
             };
             if !send_within(&tx, event, idle, "http").await {
                 return;
@@ -470,12 +414,12 @@ struct Answer {
 impl Answer {
     /// Runs to the end and builds the non-streaming body; hands the
     /// recorder back for the caller to record the final answer.
-    async fn collect(mut self) -> (Result<Value, ApiError>, Option<Recorder<Recorded>>) {
+    async fn collect(mut self) -> (Result<Value, Error>, Option<Recorder<Recorded>>) {
         let recorder = self.recorder.take();
         (self.body().await, recorder)
     }
 
-    async fn body(&mut self) -> Result<Value, ApiError> {
+    async fn body(&mut self) -> Result<Value, Error> {
         let c = self.run.collect().await?;
         let usage = self.run.usage();
         let lp = self
@@ -564,7 +508,7 @@ impl Answer {
                     // event. Not kept for idempotent retries (dropping the
                     // recorder abandons it): a retry runs anew.
                     self.recorder = None;
-                    send_within(&tx, Event::default().data(e.body().to_string()), self.idle, "http").await;
+                    send_within(&tx, Event::default().data(error::body(&e).to_string()), self.idle, "http").await;
                     return;
                 }
                 Ok(RunEvent::Piece(p)) => {
@@ -630,12 +574,12 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         let v: Value = parse_json(&app, &headers, &body)?;
         let ids = if let Some(m) = v.get("messages") {
             let messages: Vec<openai::Message> = serde_json::from_value(m.clone())
-                .map_err(|e| ApiError::invalid("messages", format!("invalid messages: {e}")))?;
+                .map_err(|e| Error::invalid("messages", format!("invalid messages: {e}")))?;
             prompt::chat_tokens(&app.pipeline.tokenizer, &messages)?
         } else {
             prompt::completion_tokens(&app.pipeline.tokenizer, &v.get("prompt").cloned())?
         };
-        Ok::<_, ApiError>(json!({"tokens": ids, "count": ids.len(), "max_model_len": app.pipeline.context}))
+        Ok::<_, Error>(json!({"tokens": ids, "count": ids.len(), "max_model_len": app.pipeline.context}))
     })();
     match r {
         Ok(v) => Json(v).into_response(),
@@ -656,12 +600,12 @@ async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body)
         let ids: Vec<u32> = v
             .get("tokens")
             .and_then(|t| serde_json::from_value(t.clone()).ok())
-            .ok_or_else(|| ApiError::invalid("tokens", "`tokens` must be a list of token ids"))?;
+            .ok_or_else(|| Error::invalid("tokens", "`tokens` must be a list of token ids"))?;
         let tokenizer = &app.pipeline.tokenizer;
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= tokenizer.vocab_size()) {
-            return Err(ApiError::invalid("tokens", format!("token id {bad} is outside the vocabulary")));
+            return Err(Error::invalid("tokens", format!("token id {bad} is outside the vocabulary")));
         }
-        let text = tokenizer.decode(&ids, false).map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
+        let text = tokenizer.decode(&ids, false).map_err(|e| Error::invalid("tokens", e.to_string()))?;
         Ok(json!({"prompt": text}))
     })();
     match r {

@@ -1,0 +1,409 @@
+//! What went wrong with a request, in the coordinator's own terms: a bad
+//! field and which one, a cap and by how much, an unknown model, an
+//! admission refusal ([`Shed`]), no route ([`NoRoute`]), a decode worker's
+//! typed error ([`ErrorKind`]), a deadline. Validation, [`crate::pipeline`]
+//! and [`crate::cluster`] return an [`Error`] and never a wire status; each
+//! frontend turns it into its own wire once, at its edge:
+//! [`crate::http::error`] into an HTTP status, the OpenAI error body and
+//! `Retry-After`, [`crate::grpc::status_of`] into a `tonic::Code` with
+//! metadata. Both are one exhaustive `match` over the variants (and over
+//! the worker kinds, shed reasons and route failures inside them), so a new
+//! variant does not compile until each edge has chosen for it, and no
+//! mapping goes from one wire's status to the other's.
+//!
+//! What the two wires share is decided here, once: the OpenAI `type` and
+//! `code` strings (README's error-code table; over gRPC they travel as
+//! metadata), the offending field, and `Retry-After` (one rule for the HTTP
+//! header and the gRPC `retry-after` metadata, see [`admission::retry_after`]).
+
+use std::time::Duration;
+
+use proto::worker::v1::ErrorKind;
+
+use crate::admission::{self, Shed};
+use crate::router::NoRoute;
+
+/// Why a request was refused or failed. Each variant names a cause a
+/// caller can act on; how it shows on the wire is the frontends' business.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// A request field or header is missing or invalid: `param` names it,
+    /// `message` says what is wrong (with the allowed range where there is one).
+    #[error("{message}")]
+    Invalid { param: String, message: String },
+    /// The body is not UTF-8 or not JSON.
+    #[error("{message}")]
+    InvalidJson { message: String },
+    /// The prompt (`param`: `prompt`, `messages` or `token_ids`) plus
+    /// `max_tokens` does not fit the model's context.
+    #[error(
+        "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of {context} tokens"
+    )]
+    ContextLength { param: &'static str, prompt: usize, max_tokens: u32, context: usize },
+    /// The body is over the `limit` in bytes; `size` when it was read whole.
+    #[error("{}", too_large(.limit, .size))]
+    BodyTooLarge { limit: usize, size: Option<usize> },
+    /// `Content-Type` is not `application/json`.
+    #[error("Content-Type must be application/json, got {content_type:?}")]
+    UnsupportedMediaType { content_type: String },
+    /// API keys are configured and the request carries none.
+    #[error("no API key given: send `Authorization: Bearer KEY`")]
+    MissingApiKey,
+    /// The request's API key is not one of the configured ones (never echoed).
+    #[error("incorrect API key provided")]
+    WrongApiKey,
+    /// The request names a model this cluster does not serve.
+    #[error("the model {asked:?} does not exist; this cluster serves {served:?}")]
+    ModelNotFound { asked: String, served: String },
+    /// An `Idempotency-Key` sent again with a different body.
+    #[error("this Idempotency-Key was used with a different request body")]
+    IdempotencyKeyReused,
+    /// Too many `Idempotency-Key`s are in use to take one more; the request
+    /// is refused rather than run without the guarantee.
+    #[error("too many Idempotency-Keys are in use; retry later")]
+    IdempotencyTableFull,
+    /// A retry attached to the first request with its key, which ended
+    /// without an answer; running it anew is safe.
+    #[error("the first request with this Idempotency-Key ended without an answer; retry it")]
+    IdempotentOriginalFailed,
+    /// Admission refused the request; nothing was started for it.
+    #[error("{}", shed_message(.0))]
+    Shed(Shed),
+    /// The cluster cannot serve now (`/ready` only); the reason.
+    #[error("{0}")]
+    NotReady(String),
+    /// etcd has not confirmed the membership for longer than its stale bound.
+    #[error("the worker registry (etcd) is unreachable")]
+    RegistryUnavailable,
+    /// Routing found no decode worker to use, or none with a usable prefill
+    /// pair. `breaker_cooldown` bounds the Retry-After of
+    /// [`NoRoute::PrefillUnavailable`]: by then every breaker lets a probe through.
+    #[error("{why}")]
+    NoRoute { why: NoRoute, breaker_cooldown: Duration },
+    /// A decode worker could not be called: its address is not a usable
+    /// endpoint, or its `Generate` failed before it answered and no other
+    /// worker was left to try.
+    #[error("{0}")]
+    WorkerUnavailable(String),
+    /// The decode worker's stream broke after it answered, or ended
+    /// without a result.
+    #[error("{0}")]
+    WorkerStream(String),
+    /// The decode worker ended the request with a typed error. `drain` is
+    /// the admission queue's drain estimate when it came: the Retry-After
+    /// of the kinds a retry can cure.
+    #[error("{message}")]
+    Worker { kind: ErrorKind, message: String, drain: Option<Duration> },
+    /// The request's deadline passed after admission (on arrival, while
+    /// starting or while running); in the queue it is [`Shed::Deadline`].
+    #[error("the request's deadline passed")]
+    Deadline,
+}
+
+fn too_large(limit: &usize, size: &Option<usize>) -> String {
+    match size {
+        Some(size) => format!("the body is {size} bytes; the limit is {limit}"),
+        None => format!("the body is larger than the limit of {limit} bytes"),
+    }
+}
+
+fn shed_message(shed: &Shed) -> &'static str {
+    match shed {
+        Shed::KeyLimit { .. } => "this API key has too many requests or tokens queued; retry later",
+        Shed::QueueFull { .. } => "the cluster is at capacity and its queue is full; retry later",
+        Shed::Deadline => "the request's deadline passed while it was queued; it was dropped before prefill",
+        Shed::Closed => "the coordinator is shutting down",
+    }
+}
+
+impl Error {
+    /// A missing or invalid field or header, named by `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Invalid { param: param.into(), message: message.into() }
+    }
+
+    /// The OpenAI error `type` and `code` (README's error-code table), the
+    /// same over both frontends. Only a plain invalid field has no code.
+    pub fn openai(&self) -> (&'static str, Option<&'static str>) {
+        use ErrorKind as K;
+        let (kind, code) = match self {
+            Self::Invalid { .. } => return ("invalid_request_error", None),
+            Self::InvalidJson { .. } => ("invalid_request_error", "invalid_json"),
+            Self::ContextLength { .. } => ("invalid_request_error", "context_length_exceeded"),
+            Self::BodyTooLarge { .. } => ("invalid_request_error", "request_too_large"),
+            Self::UnsupportedMediaType { .. } => ("invalid_request_error", "unsupported_media_type"),
+            Self::MissingApiKey | Self::WrongApiKey => ("invalid_request_error", "invalid_api_key"),
+            Self::ModelNotFound { .. } => ("invalid_request_error", "model_not_found"),
+            Self::IdempotencyKeyReused => ("invalid_request_error", "idempotency_key_reused"),
+            Self::IdempotencyTableFull => ("overloaded_error", "idempotency_table_full"),
+            Self::IdempotentOriginalFailed => ("overloaded_error", "idempotent_original_failed"),
+            Self::Shed(shed) => match shed {
+                Shed::KeyLimit { .. } => ("rate_limit_error", "rate_limit_exceeded"),
+                Shed::QueueFull { .. } => ("overloaded_error", "queue_full"),
+                Shed::Deadline => ("timeout_error", "deadline_exceeded"),
+                Shed::Closed => ("overloaded_error", "shutting_down"),
+            },
+            Self::NotReady(_) => ("overloaded_error", "not_ready"),
+            Self::RegistryUnavailable => ("overloaded_error", "registry_unavailable"),
+            Self::NoRoute { why, .. } => match why {
+                NoRoute::NoDecode | NoRoute::NoneReady(_) => ("overloaded_error", "no_worker"),
+                NoRoute::PrefillUnavailable(_) => ("overloaded_error", "prefill_unavailable"),
+            },
+            Self::WorkerUnavailable(_) => ("overloaded_error", "worker_unavailable"),
+            Self::WorkerStream(_) => ("server_error", "worker_stream"),
+            Self::Worker { kind, .. } => match kind {
+                K::InvalidArgument => ("invalid_request_error", "invalid_argument"),
+                K::Overloaded => ("overloaded_error", "overloaded"),
+                K::Retryable => ("overloaded_error", "retryable"),
+                K::Deadline => ("timeout_error", "deadline_exceeded"),
+                K::KvLoadFailed => ("server_error", "kv_load_failed"),
+                K::VersionMismatch => ("server_error", "version_mismatch"),
+                K::Cancelled => ("server_error", "cancelled"),
+                K::Internal | K::Unspecified => ("server_error", "internal"),
+            },
+            Self::Deadline => ("timeout_error", "deadline_exceeded"),
+        };
+        (kind, Some(code))
+    }
+
+    /// The OpenAI error `type`: `invalid_request_error`, `overloaded_error`, ...
+    pub fn openai_type(&self) -> &'static str {
+        self.openai().0
+    }
+
+    /// The OpenAI error `code` (`queue_full`, `kv_load_failed`, ...).
+    pub fn code(&self) -> Option<&'static str> {
+        self.openai().1
+    }
+
+    /// The request field or header at fault, when there is one.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            Self::Invalid { param, .. } => Some(param),
+            Self::InvalidJson { .. } => Some("body"),
+            Self::ContextLength { param, .. } => Some(param),
+            Self::ModelNotFound { .. } => Some("model"),
+            _ => None,
+        }
+    }
+
+    /// Seconds the client should wait before sending the request again,
+    /// for the refusals a later retry can cure (the overload contract: 429
+    /// and every 503 over HTTP); `None` where retrying is pointless or
+    /// nothing is known of when it would help. Jittered: each call draws anew.
+    pub fn retry_after(&self) -> Option<u64> {
+        use ErrorKind as K;
+        match self {
+            Self::Shed(Shed::KeyLimit { retry_after } | Shed::QueueFull { retry_after }) => {
+                Some(admission::retry_after(Some(*retry_after)))
+            }
+            Self::Worker { kind: K::Overloaded | K::Retryable | K::Cancelled, drain, .. } => {
+                Some(admission::retry_after(*drain))
+            }
+            Self::NoRoute { why: NoRoute::PrefillUnavailable(wait), breaker_cooldown } => {
+                // Never past a whole cooldown: by then every breaker probes.
+                let most = breaker_cooldown.as_millis().div_ceil(1000).max(1) as u64;
+                Some(admission::retry_after(Some(*wait)).min(most))
+            }
+            Self::Shed(Shed::Closed)
+            | Self::NoRoute { why: NoRoute::NoDecode | NoRoute::NoneReady(_), .. }
+            | Self::RegistryUnavailable
+            | Self::WorkerUnavailable(_)
+            | Self::IdempotencyTableFull
+            | Self::IdempotentOriginalFailed
+            | Self::NotReady(_) => Some(admission::retry_after(None)),
+            Self::Shed(Shed::Deadline)
+            | Self::Worker { .. }
+            | Self::Invalid { .. }
+            | Self::InvalidJson { .. }
+            | Self::ContextLength { .. }
+            | Self::BodyTooLarge { .. }
+            | Self::UnsupportedMediaType { .. }
+            | Self::MissingApiKey
+            | Self::WrongApiKey
+            | Self::ModelNotFound { .. }
+            | Self::IdempotencyKeyReused
+            | Self::WorkerStream(_)
+            | Self::Deadline => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+    use tonic::Code;
+
+    /// One error of every variant, every worker kind (all the wire enum
+    /// has, so a new kind joins by itself), every shed reason and every
+    /// route failure.
+    fn every_error() -> Vec<Error> {
+        let d = Duration::from_secs(3);
+        let mut all = vec![
+            Error::invalid("temperature", "too hot"),
+            Error::InvalidJson { message: "invalid JSON".into() },
+            Error::ContextLength { param: "prompt", prompt: 9, max_tokens: 9, context: 16 },
+            Error::BodyTooLarge { limit: 10, size: None },
+            Error::BodyTooLarge { limit: 10, size: Some(11) },
+            Error::UnsupportedMediaType { content_type: "text/plain".into() },
+            Error::MissingApiKey,
+            Error::WrongApiKey,
+            Error::ModelNotFound { asked: "x".into(), served: "y".into() },
+            Error::IdempotencyKeyReused,
+            Error::IdempotencyTableFull,
+            Error::IdempotentOriginalFailed,
+            Error::Shed(Shed::KeyLimit { retry_after: d }),
+            Error::Shed(Shed::QueueFull { retry_after: d }),
+            Error::Shed(Shed::Deadline),
+            Error::Shed(Shed::Closed),
+            Error::NotReady("no decode worker answers ready".into()),
+            Error::RegistryUnavailable,
+            Error::NoRoute { why: NoRoute::NoDecode, breaker_cooldown: d },
+            Error::NoRoute { why: NoRoute::NoneReady(2), breaker_cooldown: d },
+            Error::NoRoute { why: NoRoute::PrefillUnavailable(d), breaker_cooldown: d },
+            Error::WorkerUnavailable("decode worker 127.0.0.1:1: refused".into()),
+            Error::WorkerStream("decode worker stream: reset".into()),
+            Error::Deadline,
+        ];
+        let kinds: Vec<ErrorKind> = (0..64).filter_map(|k| ErrorKind::try_from(k).ok()).collect();
+        assert!(kinds.len() >= 9, "the wire has at least the nine kinds of v1: {kinds:?}");
+        all.extend(kinds.into_iter().map(|kind| Error::Worker { kind, message: "w".into(), drain: Some(d) }));
+        all
+    }
+
+    /// The contract, one row per variant, worker kind, shed reason and route
+    /// failure: HTTP status, `code`, gRPC code, and whether Retry-After is
+    /// sent (header and metadata alike). Exhaustive, so a new variant does
+    /// not compile until its row is chosen here too.
+    ///
+    /// `kv_load_failed` is UNAVAILABLE (what gRPC clients retry: it fails
+    /// before the first token and a fresh call is routed anew) and
+    /// `version_mismatch` FAILED_PRECONDITION (a deployment fault); see
+    /// [`crate::grpc::code_of`].
+    fn contract(e: &Error) -> (StatusCode, Option<&'static str>, Code, bool) {
+        use ErrorKind as K;
+        use StatusCode as H;
+        match e {
+            Error::Invalid { .. } => (H::BAD_REQUEST, None, Code::InvalidArgument, false),
+            Error::InvalidJson { .. } => (H::BAD_REQUEST, Some("invalid_json"), Code::InvalidArgument, false),
+            Error::ContextLength { .. } => {
+                (H::BAD_REQUEST, Some("context_length_exceeded"), Code::InvalidArgument, false)
+            }
+            // As final as a bad field; RESOURCE_EXHAUSTED would invite a retry.
+            Error::BodyTooLarge { .. } => {
+                (H::PAYLOAD_TOO_LARGE, Some("request_too_large"), Code::InvalidArgument, false)
+            }
+            Error::UnsupportedMediaType { .. } => {
+                (H::UNSUPPORTED_MEDIA_TYPE, Some("unsupported_media_type"), Code::InvalidArgument, false)
+            }
+            Error::MissingApiKey | Error::WrongApiKey => {
+                (H::UNAUTHORIZED, Some("invalid_api_key"), Code::Unauthenticated, false)
+            }
+            Error::ModelNotFound { .. } => (H::NOT_FOUND, Some("model_not_found"), Code::NotFound, false),
+            Error::IdempotencyKeyReused => {
+                (H::UNPROCESSABLE_ENTITY, Some("idempotency_key_reused"), Code::InvalidArgument, false)
+            }
+            Error::IdempotencyTableFull => {
+                (H::SERVICE_UNAVAILABLE, Some("idempotency_table_full"), Code::Unavailable, true)
+            }
+            Error::IdempotentOriginalFailed => {
+                (H::SERVICE_UNAVAILABLE, Some("idempotent_original_failed"), Code::Unavailable, true)
+            }
+            Error::Shed(Shed::KeyLimit { .. }) => {
+                (H::TOO_MANY_REQUESTS, Some("rate_limit_exceeded"), Code::ResourceExhausted, true)
+            }
+            Error::Shed(Shed::QueueFull { .. }) => {
+                (H::SERVICE_UNAVAILABLE, Some("queue_full"), Code::Unavailable, true)
+            }
+            Error::Shed(Shed::Deadline) => {
+                (H::GATEWAY_TIMEOUT, Some("deadline_exceeded"), Code::DeadlineExceeded, false)
+            }
+            Error::Shed(Shed::Closed) => (H::SERVICE_UNAVAILABLE, Some("shutting_down"), Code::Unavailable, true),
+            Error::NotReady(_) => (H::SERVICE_UNAVAILABLE, Some("not_ready"), Code::Unavailable, true),
+            Error::RegistryUnavailable => {
+                (H::SERVICE_UNAVAILABLE, Some("registry_unavailable"), Code::Unavailable, true)
+            }
+            Error::NoRoute { why: NoRoute::NoDecode | NoRoute::NoneReady(_), .. } => {
+                (H::SERVICE_UNAVAILABLE, Some("no_worker"), Code::Unavailable, true)
+            }
+            Error::NoRoute { why: NoRoute::PrefillUnavailable(_), .. } => {
+                (H::SERVICE_UNAVAILABLE, Some("prefill_unavailable"), Code::Unavailable, true)
+            }
+            Error::WorkerUnavailable(_) => {
+                (H::SERVICE_UNAVAILABLE, Some("worker_unavailable"), Code::Unavailable, true)
+            }
+            Error::WorkerStream(_) => (H::BAD_GATEWAY, Some("worker_stream"), Code::Unavailable, false),
+            Error::Deadline => (H::GATEWAY_TIMEOUT, Some("deadline_exceeded"), Code::DeadlineExceeded, false),
+            Error::Worker { kind, .. } => match kind {
+                K::InvalidArgument => (H::BAD_REQUEST, Some("invalid_argument"), Code::InvalidArgument, false),
+                K::Overloaded => (H::SERVICE_UNAVAILABLE, Some("overloaded"), Code::Unavailable, true),
+                K::Retryable => (H::SERVICE_UNAVAILABLE, Some("retryable"), Code::Unavailable, true),
+                K::Cancelled => (H::SERVICE_UNAVAILABLE, Some("cancelled"), Code::Unavailable, true),
+                K::Deadline => (H::GATEWAY_TIMEOUT, Some("deadline_exceeded"), Code::DeadlineExceeded, false),
+                K::KvLoadFailed => (H::BAD_GATEWAY, Some("kv_load_failed"), Code::Unavailable, false),
+                K::VersionMismatch => (H::BAD_GATEWAY, Some("version_mismatch"), Code::FailedPrecondition, false),
+                K::Internal | K::Unspecified => (H::INTERNAL_SERVER_ERROR, Some("internal"), Code::Internal, false),
+            },
+        }
+    }
+
+    fn header<'a>(r: &'a axum::response::Response, name: &str) -> Option<&'a str> {
+        r.headers().get(name).and_then(|v| v.to_str().ok())
+    }
+
+    #[test]
+    fn every_error_maps_to_its_http_status_and_code_and_its_grpc_code() {
+        use axum::response::IntoResponse;
+        for e in every_error() {
+            let (status, code, grpc, retry) = contract(&e);
+            let body = crate::http::error::body(&e);
+            assert_eq!(crate::http::error::status(&e), status, "HTTP status of {e:?}");
+            assert_eq!(body["error"]["code"].as_str(), code, "HTTP code of {e:?}");
+            assert_eq!(body["error"]["type"].as_str(), Some(e.openai_type()), "{e:?}");
+            assert_eq!(body["error"]["message"].as_str(), Some(e.to_string().as_str()), "{e:?}");
+            assert_eq!(body["error"]["param"].as_str(), e.param(), "{e:?}");
+            let r = e.clone().into_response();
+            assert_eq!(r.status(), status, "{e:?}");
+            let seconds = header(&r, "retry-after").and_then(|s| s.parse::<u64>().ok());
+            assert_eq!(seconds.is_some(), retry, "HTTP Retry-After of {e:?}");
+            assert!(seconds.is_none_or(|s| (1..=60).contains(&s)), "{e:?}: {seconds:?}");
+
+            let s = crate::grpc::status_of(&e);
+            assert_eq!(s.code(), grpc, "gRPC code of {e:?}");
+            let md = |key: &str| s.metadata().get(key).and_then(|v| v.to_str().ok()).map(str::to_owned);
+            assert_eq!(md(crate::grpc::ERROR_CODE_KEY).as_deref(), code, "gRPC code metadata of {e:?}");
+            assert_eq!(md(crate::grpc::ERROR_TYPE_KEY).as_deref(), Some(e.openai_type()), "{e:?}");
+            assert_eq!(md(crate::grpc::ERROR_PARAM_KEY).as_deref(), e.param(), "{e:?}");
+            assert_eq!(md(crate::grpc::RETRY_AFTER_KEY).is_some(), retry, "gRPC retry-after of {e:?}");
+            let message = match code {
+                Some(c) => format!("{c}: {e}"),
+                None => e.to_string(),
+            };
+            assert_eq!(s.message(), message, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn a_kv_load_failure_and_a_version_mismatch_are_told_apart_over_grpc() {
+        let worker = |kind| Error::Worker { kind, message: "x".into(), drain: None };
+        let kv = crate::grpc::status_of(&worker(ErrorKind::KvLoadFailed));
+        let version = crate::grpc::status_of(&worker(ErrorKind::VersionMismatch));
+        assert_eq!((kv.code(), version.code()), (Code::Unavailable, Code::FailedPrecondition));
+        // The HTTP contract is unchanged: both are 502.
+        let http = |kind| crate::http::error::status(&worker(kind));
+        assert_eq!(http(ErrorKind::KvLoadFailed), StatusCode::BAD_GATEWAY);
+        assert_eq!(http(ErrorKind::VersionMismatch), StatusCode::BAD_GATEWAY);
+    }
+
+    #[test]
+    fn a_prefill_unavailable_retry_after_never_passes_a_breaker_cooldown() {
+        let e = Error::NoRoute {
+            why: NoRoute::PrefillUnavailable(Duration::from_secs(30)),
+            breaker_cooldown: Duration::from_millis(1500),
+        };
+        for _ in 0..50 {
+            assert!(e.retry_after().is_some_and(|s| (1..=2).contains(&s)), "{:?}", e.retry_after());
+        }
+    }
+}
