@@ -33,6 +33,11 @@ readonly NEEDS=(
   # promtool checks and unit-tests deploy/prometheus (tandem/tests/deploy.rs); the package
   # also brings the prometheus server, which the cluster test of the rules runs itself.
   "command -v promtool && command -v prometheus|prometheus"
+  # The ucx KV transport: ucx-sys runs bindgen over <ucp/api/ucp.h> (libclang) and links
+  # libucp; ucx_perftest (ucx-utils) is the ucx bench's baseline.
+  "test -f /usr/include/ucp/api/ucp.h && pkg-config --exists ucx|libucx-dev"
+  "ls /usr/lib/llvm-*/lib/libclang.so|libclang-dev"
+  "command -v ucx_perftest|ucx-utils"
 )
 
 missing=()

@@ -1,0 +1,768 @@
+//! UCX's `ucp` API for tandem's one-sided KV transport.
+//!
+//! [`raw`] is the bindgen binding of Debian's `libucx-dev` (1.13). The rest
+//! of this crate is the safe wrapper, and the only place in the project that
+//! calls into it: every `unsafe` block says why it is sound.
+//!
+//! The model is UCX's own, in single-thread mode: one [`Context`] per process
+//! (transports and memory registrations), one [`Worker`] per thread that
+//! drives progress, [`Endpoint`]s to peers' workers, [`Region`]s of
+//! registered memory whose packed key lets a peer write into them with
+//! [`Endpoint::put`], and small active messages ([`Endpoint::send_am`],
+//! [`Worker::on_am`]) for control. All of these are `!Send`: they live on the
+//! thread that created them, which must also be the one calling
+//! [`Worker::progress`]. Operations return a [`Request`], a future that
+//! completes when progress reports the operation done; dropping an unfinished
+//! one cancels it and progresses until UCX no longer touches its buffers.
+//!
+//! Transports are chosen by UCX's environment (`UCX_TLS`, `UCX_NET_DEVICES`):
+//! shared memory, CMA and TCP on a plain host, RDMA verbs (rc, dc) where a
+//! NIC has them. The same calls run over all of them.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::cell::{Cell, RefCell};
+use std::ffi::{c_void, CStr, CString};
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::os::fd::RawFd;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context as TaskContext, Poll, Waker};
+
+#[allow(non_camel_case_types, non_upper_case_globals, non_snake_case, dead_code, clippy::all)]
+pub mod raw {
+    include!(concat!(env!("OUT_DIR"), "/ucp.rs"));
+}
+
+use raw::ucs_status_t;
+
+/// A UCX call that failed: which call, and UCX's status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{op}: {}", status_text(*.status))]
+pub struct Error {
+    pub op: &'static str,
+    pub status: ucs_status_t,
+}
+
+impl Error {
+    fn new(op: &'static str, status: ucs_status_t) -> Self {
+        Self { op, status }
+    }
+
+    /// The peer is gone or unreachable (as opposed to a local misuse or a
+    /// resource limit): what a transport reports as a link failure.
+    pub fn is_peer_failure(&self) -> bool {
+        use ucs_status_t::*;
+        matches!(
+            self.status,
+            UCS_ERR_UNREACHABLE
+                | UCS_ERR_CONNECTION_RESET
+                | UCS_ERR_ENDPOINT_TIMEOUT
+                | UCS_ERR_REJECTED
+                | UCS_ERR_IO_ERROR
+                | UCS_ERR_CANCELED
+                | UCS_ERR_NOT_CONNECTED
+        ) || (self.status as i32) <= ucs_status_t::UCS_ERR_FIRST_LINK_FAILURE as i32
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// UCX's own text for a status.
+pub fn status_text(status: ucs_status_t) -> String {
+    // SAFETY: ucs_status_string accepts any status value and returns a pointer
+    // to a static NUL-terminated string (or "Unknown error" text), never null.
+    let p = unsafe { raw::ucs_status_string(status) };
+    if p.is_null() {
+        return format!("status {}", status as i32);
+    }
+    // SAFETY: non-null, static, NUL-terminated (above).
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+fn check(op: &'static str, status: ucs_status_t) -> Result<()> {
+    match status {
+        ucs_status_t::UCS_OK => Ok(()),
+        s => Err(Error::new(op, s)),
+    }
+}
+
+/// The UCX library version, e.g. "1.13.1".
+pub fn version() -> String {
+    // SAFETY: returns a static NUL-terminated string.
+    let p = unsafe { raw::ucp_get_version_string() };
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: as above.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// A UCP context: the transports UCX found and the memory it registers.
+/// Configured from the environment (`UCX_*`), like every UCX program.
+pub struct Context {
+    h: raw::ucp_context_h,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Context {
+    /// A context with remote memory access, active messages and wake-up on
+    /// an event fd.
+    pub fn new(name: &str) -> Result<Rc<Self>> {
+        let name = CString::new(name.replace('\0', "")).unwrap_or_default();
+        let mut config: *mut raw::ucp_config_t = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean "UCX_ env vars, no file"; config is an out pointer.
+        check("ucp_config_read", unsafe { raw::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) })?;
+        let params = raw::ucp_params_t {
+            field_mask: (raw::UCP_PARAM_FIELD_FEATURES | raw::UCP_PARAM_FIELD_NAME) as u64,
+            features: (raw::UCP_FEATURE_RMA | raw::UCP_FEATURE_AM | raw::UCP_FEATURE_WAKEUP) as u64,
+            name: name.as_ptr(),
+            ..Default::default()
+        };
+        let mut h: raw::ucp_context_h = std::ptr::null_mut();
+        // SAFETY: params and config are valid for the call (name outlives it); h is an out
+        // pointer. ucp_init is an inline wrapper of ucp_init_version with these constants.
+        let status = unsafe { raw::ucp_init_version(raw::UCP_API_MAJOR, raw::UCP_API_MINOR, &params, config, &mut h) };
+        // SAFETY: config came from ucp_config_read and is released exactly once.
+        unsafe { raw::ucp_config_release(config) };
+        check("ucp_init", status)?;
+        Ok(Rc::new(Self { h, _not_send: PhantomData }))
+    }
+
+    /// Allocates and registers `len` bytes (zeroed) that peers may write into
+    /// with the region's packed key.
+    pub fn map(self: &Rc<Self>, len: usize) -> Result<Region> {
+        if len == 0 {
+            return Err(Error::new("ucp_mem_map", ucs_status_t::UCS_ERR_INVALID_PARAM));
+        }
+        let params = raw::ucp_mem_map_params_t {
+            field_mask: (raw::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | raw::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | raw::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64,
+            address: std::ptr::null_mut(),
+            length: len,
+            flags: raw::UCP_MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        let mut memh: raw::ucp_mem_h = std::ptr::null_mut();
+        // SAFETY: the context is alive (self); params ask UCX to allocate the memory itself.
+        check("ucp_mem_map", unsafe { raw::ucp_mem_map(self.h, &params, &mut memh) })?;
+        let mut attr = raw::ucp_mem_attr_t {
+            field_mask: (raw::UCP_MEM_ATTR_FIELD_ADDRESS | raw::UCP_MEM_ATTR_FIELD_LENGTH) as u64,
+            ..Default::default()
+        };
+        // SAFETY: memh was just returned by ucp_mem_map.
+        let queried = check("ucp_mem_query", unsafe { raw::ucp_mem_query(memh, &mut attr) });
+        if let Err(e) = queried.and_then(|()| {
+            if attr.address.is_null() || attr.length < len {
+                Err(Error::new("ucp_mem_query", ucs_status_t::UCS_ERR_NO_MEMORY))
+            } else {
+                Ok(())
+            }
+        }) {
+            // SAFETY: memh is ours and unmapped once, on this error path only.
+            unsafe { raw::ucp_mem_unmap(self.h, memh) };
+            return Err(e);
+        }
+        let region = Region { ctx: self.clone(), memh, base: attr.address.cast::<u8>(), len };
+        region.write(0, &vec![0; len]).map_err(|_| Error::new("ucp_mem_map", ucs_status_t::UCS_ERR_NO_MEMORY))?;
+        Ok(region)
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every worker and region holds an Rc of this context, so none is alive.
+        unsafe { raw::ucp_cleanup(self.h) };
+    }
+}
+
+/// A byte range outside a [`Region`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("range {offset}+{len} is outside the {size}-byte region")]
+pub struct OutOfRange {
+    pub offset: usize,
+    pub len: usize,
+    pub size: usize,
+}
+
+/// Registered memory, allocated by UCX, that peers write into with one-sided
+/// puts. Local code never holds a Rust reference into it (a peer's write may
+/// land at any time): it copies in and out with [`Region::read`] and
+/// [`Region::write`]. Dropping it unregisters it, after which a put with its
+/// key fails at the sender instead of landing.
+pub struct Region {
+    ctx: Rc<Context>,
+    memh: raw::ucp_mem_h,
+    base: *mut u8,
+    len: usize,
+}
+
+impl Region {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address a peer puts to for offset 0 (remote address = this + offset).
+    pub fn remote_base(&self) -> u64 {
+        self.base as u64
+    }
+
+    /// The key a peer unpacks ([`Endpoint::unpack_key`]) to write here.
+    pub fn pack_key(&self) -> Result<Vec<u8>> {
+        let mut buf: *mut c_void = std::ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: context and memh are alive; buf/size are out pointers.
+        check("ucp_rkey_pack", unsafe { raw::ucp_rkey_pack(self.ctx.h, self.memh, &mut buf, &mut size) })?;
+        // SAFETY: UCX returned `size` readable bytes at buf; copied, then released once.
+        let key = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }.to_vec();
+        // SAFETY: buf came from ucp_rkey_pack.
+        unsafe { raw::ucp_rkey_buffer_release(buf) };
+        Ok(key)
+    }
+
+    fn range(&self, offset: usize, len: usize) -> std::result::Result<(), OutOfRange> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(OutOfRange { offset, len, size: self.len }),
+        }
+    }
+
+    /// Copies `out.len()` bytes at `offset` out of the region.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> std::result::Result<(), OutOfRange> {
+        self.range(offset, out.len())?;
+        // SAFETY: the range is inside the allocation (checked); `out` is a distinct Rust
+        // buffer. A peer's concurrent put into the same bytes is a protocol error the
+        // caller's checksum detects, not a Rust reference being aliased: no reference
+        // into the region is ever created.
+        unsafe { std::ptr::copy_nonoverlapping(self.base.add(offset), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> std::result::Result<(), OutOfRange> {
+        self.range(offset, data.len())?;
+        // SAFETY: as in read, in the other direction.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.base.add(offset), data.len()) };
+        Ok(())
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: memh is ours; after this no key packed from it is valid, which is the point.
+        unsafe { raw::ucp_mem_unmap(self.ctx.h, self.memh) };
+    }
+}
+
+type AmHandler = Box<dyn FnMut(AmMessage<'_>)>;
+
+/// An active message as delivered: valid only during the handler call.
+pub struct AmMessage<'a> {
+    pub header: &'a [u8],
+    /// `None` when the sender used the rendezvous protocol, which this wrapper
+    /// does not accept (control messages are small and sent eager).
+    pub data: Option<&'a [u8]>,
+}
+
+struct WorkerInner {
+    /// Kept alive while the worker is: destroyed after it.
+    _ctx: Rc<Context>,
+    h: raw::ucp_worker_h,
+    handlers: RefCell<Vec<(u16, *mut AmHandler)>>,
+    /// Requests whose [`Request`] was dropped before they completed: freed by
+    /// [`Worker::progress`] once their callback ran (UCX may still be reading
+    /// their buffers until then; the buffers live in the completion).
+    orphans: RefCell<Vec<(raw::ucs_status_ptr_t, Rc<Completion>)>>,
+}
+
+impl WorkerInner {
+    fn progress(&self) -> u32 {
+        // SAFETY: worker alive, and used only from its own thread (the types are !Send).
+        let n = unsafe { raw::ucp_worker_progress(self.h) };
+        self.orphans.borrow_mut().retain(|(req, done)| {
+            if done.status.get().is_none() {
+                return true;
+            }
+            // SAFETY: completed (its callback ran), never freed before, freed once.
+            unsafe { raw::ucp_request_free(*req) };
+            false
+        });
+        n
+    }
+}
+
+impl Drop for WorkerInner {
+    fn drop(&mut self) {
+        // Endpoints hold an Rc of this worker, so all are closed (forced), which completed
+        // every operation on them: orphans are done, and freed here.
+        for (req, _) in self.orphans.borrow_mut().drain(..) {
+            // SAFETY: a request of this worker, not yet freed.
+            unsafe { raw::ucp_request_free(req) };
+        }
+        // SAFETY: endpoints, keys and requests hold an Rc of this worker, so none is alive;
+        // after destroy no handler can run, so their boxes are freed after it.
+        unsafe { raw::ucp_worker_destroy(self.h) };
+        for (_, p) in self.handlers.borrow_mut().drain(..) {
+            // SAFETY: p came from Box::into_raw in on_am and is freed once.
+            drop(unsafe { Box::from_raw(p) });
+        }
+    }
+}
+
+/// A UCP worker: the progress engine, owned by one thread.
+#[derive(Clone)]
+pub struct Worker {
+    inner: Rc<WorkerInner>,
+}
+
+impl Worker {
+    pub fn new(ctx: &Rc<Context>) -> Result<Self> {
+        let params = raw::ucp_worker_params_t {
+            field_mask: raw::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
+            thread_mode: raw::UCS_THREAD_MODE_SINGLE,
+            ..Default::default()
+        };
+        let mut h: raw::ucp_worker_h = std::ptr::null_mut();
+        // SAFETY: context alive; params valid; h is an out pointer.
+        check("ucp_worker_create", unsafe { raw::ucp_worker_create(ctx.h, &params, &mut h) })?;
+        Ok(Self {
+            inner: Rc::new(WorkerInner {
+                _ctx: ctx.clone(),
+                h,
+                handlers: RefCell::new(Vec::new()),
+                orphans: RefCell::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// This worker's address, for a peer's [`Worker::connect`].
+    pub fn address(&self) -> Result<Vec<u8>> {
+        let mut addr: *mut raw::ucp_address_t = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: worker alive; out pointers.
+        check("ucp_worker_get_address", unsafe { raw::ucp_worker_get_address(self.inner.h, &mut addr, &mut len) })?;
+        // SAFETY: UCX returned len readable bytes; copied, then released once.
+        let out = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) }.to_vec();
+        // SAFETY: addr came from ucp_worker_get_address on this worker.
+        unsafe { raw::ucp_worker_release_address(self.inner.h, addr) };
+        Ok(out)
+    }
+
+    /// Runs pending communication; returns how many events it handled.
+    /// Completion callbacks and active-message handlers run inside it.
+    pub fn progress(&self) -> u32 {
+        self.inner.progress()
+    }
+
+    /// The fd that becomes readable when there is work for [`Worker::progress`]
+    /// (after a successful [`Worker::arm`]).
+    pub fn event_fd(&self) -> Result<RawFd> {
+        let mut fd: i32 = -1;
+        // SAFETY: worker alive (created with the WAKEUP feature); fd is an out pointer.
+        check("ucp_worker_get_efd", unsafe { raw::ucp_worker_get_efd(self.inner.h, &mut fd) })?;
+        Ok(fd)
+    }
+
+    /// Arms the event fd. `Ok(false)`: events are already pending, call
+    /// [`Worker::progress`] again instead of waiting.
+    pub fn arm(&self) -> Result<bool> {
+        // SAFETY: worker alive.
+        match unsafe { raw::ucp_worker_arm(self.inner.h) } {
+            ucs_status_t::UCS_OK => Ok(true),
+            ucs_status_t::UCS_ERR_BUSY => Ok(false),
+            s => Err(Error::new("ucp_worker_arm", s)),
+        }
+    }
+
+    /// An endpoint to the worker at `address` (from its [`Worker::address`]),
+    /// in peer error-handling mode: a dead peer fails its requests instead of
+    /// hanging them, and [`Endpoint::failure`] reports it.
+    pub fn connect(&self, address: &[u8]) -> Result<Endpoint> {
+        let failed = Box::into_raw(Box::new(Cell::new(None::<ucs_status_t>)));
+        let params = raw::ucp_ep_params_t {
+            field_mask: (raw::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | raw::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | raw::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64,
+            address: address.as_ptr().cast(),
+            err_mode: raw::UCP_ERR_HANDLING_MODE_PEER,
+            err_handler: raw::ucp_err_handler_t { cb: Some(on_ep_error), arg: failed.cast() },
+            ..Default::default()
+        };
+        let mut h: raw::ucp_ep_h = std::ptr::null_mut();
+        // SAFETY: worker alive; the address bytes outlive the call (UCX copies what it
+        // needs); `failed` stays allocated until the endpoint is closed (EpInner::drop).
+        let status = unsafe { raw::ucp_ep_create(self.inner.h, &params, &mut h) };
+        if let Err(e) = check("ucp_ep_create", status) {
+            // SAFETY: no endpoint holds the pointer; freed once.
+            drop(unsafe { Box::from_raw(failed) });
+            return Err(e);
+        }
+        Ok(Endpoint { inner: Rc::new(EpInner { worker: self.inner.clone(), h, failed }) })
+    }
+
+    /// Calls `handler` for every active message with `id` that arrives, from
+    /// inside [`Worker::progress`]. One handler per id; a second call replaces it.
+    pub fn on_am(&self, id: u16, handler: impl FnMut(AmMessage<'_>) + 'static) -> Result<()> {
+        let boxed: *mut AmHandler = Box::into_raw(Box::new(Box::new(handler) as AmHandler));
+        let params = raw::ucp_am_handler_param_t {
+            field_mask: (raw::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | raw::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | raw::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64,
+            id: u32::from(id),
+            cb: Some(on_am_message),
+            arg: boxed.cast(),
+            ..Default::default()
+        };
+        // SAFETY: worker alive; `boxed` stays allocated while the worker lives (freed in
+        // WorkerInner::drop, after ucp_worker_destroy).
+        let status = unsafe { raw::ucp_worker_set_am_recv_handler(self.inner.h, &params) };
+        if let Err(e) = check("ucp_worker_set_am_recv_handler", status) {
+            // SAFETY: UCX did not take the pointer.
+            drop(unsafe { Box::from_raw(boxed) });
+            return Err(e);
+        }
+        // A replaced handler is kept until the worker is destroyed: a handler may be
+        // replaced from inside another handler (during progress), so freeing it here
+        // could free a closure that is running.
+        self.inner.handlers.borrow_mut().push((id, boxed));
+        Ok(())
+    }
+
+    /// Completes every operation this worker started, on every endpoint.
+    pub fn flush(&self) -> Result<Request> {
+        let (param, done) = Request::param(None);
+        // SAFETY: worker alive; param valid for the call; the completion's Rc is
+        // released by the callback or by Request (see Request::from_status).
+        let ptr = unsafe { raw::ucp_worker_flush_nbx(self.inner.h, &param) };
+        Request::from_status("ucp_worker_flush_nbx", &self.inner, ptr, done)
+    }
+}
+
+unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: raw::ucp_ep_h, status: ucs_status_t) {
+    // SAFETY: arg is the endpoint's `failed` cell, alive until the endpoint is closed,
+    // and this runs on the worker's thread inside progress.
+    let failed = unsafe { &*arg.cast::<Cell<Option<ucs_status_t>>>() };
+    failed.set(Some(status));
+}
+
+unsafe extern "C" fn on_am_message(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const raw::ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: arg is the boxed handler registered in on_am, alive while registered;
+    // this runs on the worker's thread inside progress, never reentrantly for one worker.
+    let handler = unsafe { &mut *arg.cast::<AmHandler>() };
+    // SAFETY: UCX passes header_length readable bytes at header (or 0 and maybe null).
+    let header = if header_length == 0 || header.is_null() {
+        &[][..]
+    } else {
+        unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length) }
+    };
+    // SAFETY: param is valid for the call.
+    let rndv = !param.is_null() && unsafe { (*param).recv_attr } & raw::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0;
+    let data = if rndv {
+        None
+    } else if length == 0 || data.is_null() {
+        Some(&[][..])
+    } else {
+        // SAFETY: eager data: `length` readable bytes valid for this call.
+        Some(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) })
+    };
+    handler(AmMessage { header, data });
+    // UCS_OK: we did not keep the data (UCX may reuse it at once).
+    ucs_status_t::UCS_OK
+}
+
+struct EpInner {
+    worker: Rc<WorkerInner>,
+    h: raw::ucp_ep_h,
+    failed: *mut Cell<Option<ucs_status_t>>,
+}
+
+impl Drop for EpInner {
+    fn drop(&mut self) {
+        let param = raw::ucp_request_param_t {
+            op_attr_mask: raw::UCP_OP_ATTR_FIELD_FLAGS,
+            flags: raw::UCP_EP_CLOSE_FLAG_FORCE,
+            ..Default::default()
+        };
+        // SAFETY: ep alive, closed once. Forced close: does not wait for the peer, and
+        // fails (completes) every outstanding operation on it.
+        let req = unsafe { raw::ucp_ep_close_nbx(self.h, &param) };
+        if is_request(req) {
+            // SAFETY: req is a live request of this worker: progress until UCX reports it
+            // done, then free it. A forced close completes without the peer.
+            while unsafe { raw::ucp_request_check_status(req) } == ucs_status_t::UCS_INPROGRESS {
+                unsafe { raw::ucp_worker_progress(self.worker.h) };
+            }
+            unsafe { raw::ucp_request_free(req) };
+        }
+        // SAFETY: the endpoint is closed: its error handler can no longer run.
+        drop(unsafe { Box::from_raw(self.failed) });
+    }
+}
+
+/// A connection to a peer's worker.
+#[derive(Clone)]
+pub struct Endpoint {
+    inner: Rc<EpInner>,
+}
+
+impl Endpoint {
+    /// The error UCX reported for this endpoint (the peer died or became
+    /// unreachable), if any. Every later operation on it fails.
+    pub fn failure(&self) -> Option<Error> {
+        // SAFETY: the cell lives as long as the endpoint; same thread.
+        unsafe { &*self.inner.failed }.get().map(|s| Error::new("endpoint", s))
+    }
+
+    /// A peer region's key, from its [`Region::pack_key`].
+    pub fn unpack_key(&self, packed: &[u8]) -> Result<RemoteKey> {
+        if packed.is_empty() {
+            return Err(Error::new("ucp_ep_rkey_unpack", ucs_status_t::UCS_ERR_INVALID_PARAM));
+        }
+        let mut h: raw::ucp_rkey_h = std::ptr::null_mut();
+        // SAFETY: ep alive; packed bytes valid for the call; h is an out pointer. UCX
+        // parses the buffer it is given; a malformed key is an error status.
+        check("ucp_ep_rkey_unpack", unsafe { raw::ucp_ep_rkey_unpack(self.inner.h, packed.as_ptr().cast(), &mut h) })?;
+        Ok(RemoteKey { h, _ep: self.inner.clone() })
+    }
+
+    /// Writes `src` into the peer's memory at `remote_addr` (inside the region
+    /// `key` was packed from). The request completes when UCX no longer needs
+    /// `src` (it is dropped then); the bytes are at the peer after a later
+    /// [`Endpoint::flush`] completes.
+    pub fn put(&self, src: impl AsRef<[u8]> + 'static, remote_addr: u64, key: &RemoteKey) -> Result<Request> {
+        if !Rc::ptr_eq(&key._ep, &self.inner) {
+            return Err(Error::new("ucp_put_nbx", ucs_status_t::UCS_ERR_INVALID_PARAM));
+        }
+        let src = Box::new(src);
+        let (ptr_src, len) = ((*src).as_ref().as_ptr(), (*src).as_ref().len());
+        let (param, done) = Request::param(Some(src as Buffer));
+        // SAFETY: ep and rkey alive (the key belongs to this endpoint, checked). The
+        // source bytes are owned by the completion (boxed: moving the box does not move
+        // them), which lives until UCX called back or completed at once.
+        let ptr = unsafe { raw::ucp_put_nbx(self.inner.h, ptr_src.cast(), len, remote_addr, key.h, &param) };
+        Request::from_status("ucp_put_nbx", &self.inner.worker, ptr, done)
+    }
+
+    /// Sends a small active message (eager protocol) to the peer's handler for
+    /// `id`; `message` is the header (first `header_len` bytes) and the data.
+    pub fn send_am(&self, id: u16, header: Vec<u8>, data: Vec<u8>) -> Result<Request> {
+        let (hp, hl, dp, dl) = (header.as_ptr(), header.len(), data.as_ptr(), data.len());
+        let (mut param, done) = Request::param(Some(Box::new((header, data))));
+        param.op_attr_mask |= raw::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = raw::UCP_AM_SEND_FLAG_EAGER;
+        // SAFETY: ep alive; header and data are owned by the completion (their heap
+        // storage does not move with the tuple) until UCX is done with them.
+        let ptr = unsafe { raw::ucp_am_send_nbx(self.inner.h, u32::from(id), hp.cast(), hl, dp.cast(), dl, &param) };
+        Request::from_status("ucp_am_send_nbx", &self.inner.worker, ptr, done)
+    }
+
+    /// Completes (at the peer) every operation this endpoint started.
+    pub fn flush(&self) -> Result<Request> {
+        let (param, done) = Request::param(None);
+        // SAFETY: ep alive; param valid for the call.
+        let ptr = unsafe { raw::ucp_ep_flush_nbx(self.inner.h, &param) };
+        Request::from_status("ucp_ep_flush_nbx", &self.inner.worker, ptr, done)
+    }
+}
+
+/// An unpacked remote key, usable with the endpoint it was unpacked on.
+pub struct RemoteKey {
+    h: raw::ucp_rkey_h,
+    _ep: Rc<EpInner>,
+}
+
+impl Drop for RemoteKey {
+    fn drop(&mut self) {
+        // SAFETY: rkey ours, destroyed once, before its endpoint (we hold it).
+        unsafe { raw::ucp_rkey_destroy(self.h) };
+    }
+}
+
+fn is_request(p: raw::ucs_status_ptr_t) -> bool {
+    // UCS_PTR_IS_PTR: neither NULL (done) nor an encoded error (>= (uintptr_t)UCS_ERR_LAST).
+    !p.is_null() && (p as usize) < (ucs_status_t::UCS_ERR_LAST as isize as usize)
+}
+
+fn ptr_status(p: raw::ucs_status_ptr_t) -> ucs_status_t {
+    if p.is_null() {
+        return ucs_status_t::UCS_OK;
+    }
+    // UCS_PTR_STATUS: an error pointer is the status value, sign-extended. The value is
+    // looked up among the declared statuses (never transmuted): one UCX does not
+    // declare reads as an I/O error.
+    let v = p as isize as i32;
+    STATUSES.iter().copied().find(|s| *s as i32 == v).unwrap_or(ucs_status_t::UCS_ERR_IO_ERROR)
+}
+
+const STATUSES: &[ucs_status_t] = {
+    use ucs_status_t::*;
+    &[
+        UCS_ERR_NO_MESSAGE,
+        UCS_ERR_NO_RESOURCE,
+        UCS_ERR_IO_ERROR,
+        UCS_ERR_NO_MEMORY,
+        UCS_ERR_INVALID_PARAM,
+        UCS_ERR_UNREACHABLE,
+        UCS_ERR_INVALID_ADDR,
+        UCS_ERR_NOT_IMPLEMENTED,
+        UCS_ERR_MESSAGE_TRUNCATED,
+        UCS_ERR_NO_PROGRESS,
+        UCS_ERR_BUFFER_TOO_SMALL,
+        UCS_ERR_NO_ELEM,
+        UCS_ERR_SOME_CONNECTS_FAILED,
+        UCS_ERR_NO_DEVICE,
+        UCS_ERR_BUSY,
+        UCS_ERR_CANCELED,
+        UCS_ERR_SHMEM_SEGMENT,
+        UCS_ERR_ALREADY_EXISTS,
+        UCS_ERR_OUT_OF_RANGE,
+        UCS_ERR_TIMED_OUT,
+        UCS_ERR_EXCEEDS_LIMIT,
+        UCS_ERR_UNSUPPORTED,
+        UCS_ERR_REJECTED,
+        UCS_ERR_NOT_CONNECTED,
+        UCS_ERR_CONNECTION_RESET,
+        UCS_ERR_FIRST_LINK_FAILURE,
+        UCS_ERR_LAST_LINK_FAILURE,
+        UCS_ERR_FIRST_ENDPOINT_FAILURE,
+        UCS_ERR_ENDPOINT_TIMEOUT,
+        UCS_ERR_LAST_ENDPOINT_FAILURE,
+    ]
+};
+
+/// Bytes an operation sends, owned (type-erased) until UCX is done with them.
+type Buffer = Box<dyn std::any::Any>;
+
+/// Where a request's completion lands (shared by the callback and the
+/// Request), and the buffers UCX may read until then.
+struct Completion {
+    status: Cell<Option<ucs_status_t>>,
+    waker: RefCell<Option<Waker>>,
+    buffer: RefCell<Option<Buffer>>,
+}
+
+unsafe extern "C" fn on_send_done(_request: *mut c_void, status: ucs_status_t, user_data: *mut c_void) {
+    // SAFETY: user_data is an Rc<Completion> leaked for this callback in Request::param
+    // and reclaimed here exactly once (UCX calls the callback once per request it
+    // returned; for an immediate completion it does not call it, and from_status
+    // reclaims that reference instead).
+    let done = unsafe { Rc::from_raw(user_data.cast::<Completion>()) };
+    done.status.set(Some(status));
+    let buffer = done.buffer.borrow_mut().take();
+    drop(buffer);
+    let waker = done.waker.borrow_mut().take();
+    if let Some(w) = waker {
+        w.wake();
+    }
+}
+
+/// An operation in flight. Await it (with the worker progressing, e.g. a
+/// driver task calling [`Worker::progress`] on event-fd wake-ups), or
+/// [`Request::wait`] for it. Dropping it early does not wait: the operation
+/// goes on, its buffers stay owned until UCX is done, and the worker frees
+/// it then.
+pub struct Request {
+    worker: Rc<WorkerInner>,
+    req: raw::ucs_status_ptr_t,
+    done: Rc<Completion>,
+}
+
+impl Request {
+    fn param(buffer: Option<Buffer>) -> (raw::ucp_request_param_t, Rc<Completion>) {
+        let done =
+            Rc::new(Completion { status: Cell::new(None), waker: RefCell::new(None), buffer: RefCell::new(buffer) });
+        let mut param = raw::ucp_request_param_t {
+            op_attr_mask: raw::UCP_OP_ATTR_FIELD_CALLBACK | raw::UCP_OP_ATTR_FIELD_USER_DATA,
+            user_data: Rc::into_raw(done.clone()).cast_mut().cast(),
+            ..Default::default()
+        };
+        param.cb.send = Some(on_send_done);
+        (param, done)
+    }
+
+    fn from_status(
+        op: &'static str,
+        worker: &Rc<WorkerInner>,
+        ptr: raw::ucs_status_ptr_t,
+        done: Rc<Completion>,
+    ) -> Result<Self> {
+        if !is_request(ptr) {
+            // Completed (or failed) at once: UCX will not call the callback, so its
+            // reference to the completion, and the buffers, are released here.
+            // SAFETY: the pointer made by Rc::into_raw in param, reclaimed once.
+            drop(unsafe { Rc::from_raw(Rc::as_ptr(&done)) });
+            let buffer = done.buffer.borrow_mut().take();
+            drop(buffer);
+            check(op, ptr_status(ptr))?;
+            done.status.set(Some(ucs_status_t::UCS_OK));
+            return Ok(Self { worker: worker.clone(), req: std::ptr::null_mut(), done });
+        }
+        Ok(Self { worker: worker.clone(), req: ptr, done })
+    }
+
+    /// Done yet? `Some` once progress reported the operation complete.
+    pub fn poll_done(&self) -> Option<Result<()>> {
+        self.done.status.get().map(|s| check("request", s))
+    }
+
+    /// Progresses the worker until this request is done (a busy loop: for
+    /// tests and shutdown, not the data path; a peer that must progress for
+    /// it to finish has to be progressing elsewhere).
+    pub fn wait(self) -> Result<()> {
+        loop {
+            if let Some(r) = self.poll_done() {
+                return r;
+            }
+            self.worker.progress();
+        }
+    }
+}
+
+impl Future for Request {
+    type Output = Result<()>;
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        if let Some(r) = self.poll_done() {
+            return Poll::Ready(r);
+        }
+        *self.done.waker.borrow_mut() = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if self.req.is_null() {
+            return;
+        }
+        if self.done.status.get().is_none() {
+            // Still in flight: the worker frees it once its callback ran.
+            self.worker.orphans.borrow_mut().push((self.req, self.done.clone()));
+            return;
+        }
+        // SAFETY: completed (callback ran); freed once.
+        unsafe { raw::ucp_request_free(self.req) };
+    }
+}
+
+impl fmt::Debug for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Request").field("done", &self.done.status.get()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests;
