@@ -63,7 +63,7 @@ async fn settled(p: &Proc, what: &str) -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_worker_killed_mid_stream() -> TestResult {
-    let etcd = registry::testing::Etcd::start().await?;
+    let etcd = testkit::etcd::Etcd::start().await?;
     let ep = etcd.endpoint();
     let prefill = start("tandem-prefill-worker", &worker_args(&ep, "k9", "p1", "2"), &["grpc", "metrics"])?;
     let d1 = start("tandem-decode-worker", &decode_args(&ep, "k9", "d1", "2"), &["grpc", "metrics"])?;
@@ -155,7 +155,7 @@ async fn etcd_outage_serves_until_the_stale_bound_and_fences_no_worker() -> Test
     const TTL_S: &str = "2";
     const MAX_STALE: Duration = Duration::from_secs(10);
     const PAST_TTL: Duration = Duration::from_secs(5);
-    let mut etcd = registry::testing::Etcd::start().await?;
+    let mut etcd = testkit::etcd::Etcd::start().await?;
     let ep = etcd.endpoint();
     let prefill = start("tandem-prefill-worker", &worker_args(&ep, "er", "p1", TTL_S), &["grpc", "metrics"])?;
     let decode = start("tandem-decode-worker", &decode_args(&ep, "er", "d1", TTL_S), &["grpc", "metrics"])?;

@@ -164,7 +164,7 @@ fn openai_api_through_a_prefill_decode_pair() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_from_etcd_within_one_version_group() -> TestResult {
-    let etcd = registry::testing::Etcd::start().await?;
+    let etcd = testkit::etcd::Etcd::start().await?;
     let ep = etcd.endpoint();
     let reg = ["--etcd", ep.as_str(), "--cluster-prefix", "t4", "--lease-ttl-s", "2", "--threads", "1"];
     let with = |group: &'static str, id: &'static str| -> Vec<&str> {

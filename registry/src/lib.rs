@@ -13,7 +13,6 @@
 //!   for a bounded time.
 //! - [`StopSignals`]: SIGTERM/SIGINT handling shared by every tandem process (here only
 //!   because this is the lowest crate they all depend on).
-//! - `testing::Etcd` (feature `testing`): a real etcd process on loopback ports for tests.
 //!
 //! # What it must not do
 //! - Carry load: queue depth and KV headroom change per request and reach coordinators
@@ -57,8 +56,6 @@ pub mod keys;
 pub mod membership;
 pub mod registration;
 mod shutdown;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 pub use error::RegistryError;
 pub use etcd::EtcdConfig;

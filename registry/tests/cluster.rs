@@ -1,4 +1,4 @@
-//! A three-member etcd (`registry::testing::EtcdCluster`): the leader's death is invisible to registrations and the
+//! A three-member etcd (`testkit::etcd::EtcdCluster`): the leader's death is invisible to registrations and the
 //! membership cache; losing quorum fences no worker (static stability) but makes the cache unhealthy (while it
 //! stays readable), and restoring quorum brings both back.
 
@@ -7,8 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use registry::testing::EtcdCluster;
 use registry::{EtcdConfig, Membership, MembershipConfig, Registration, RegistrationConfig, Role};
+use testkit::etcd::EtcdCluster;
+use testkit::eventually;
 
 fn cluster_config(etcd: &EtcdCluster) -> EtcdConfig {
     let mut config = EtcdConfig::new(etcd.endpoints());
@@ -18,14 +19,11 @@ fn cluster_config(etcd: &EtcdCluster) -> EtcdConfig {
 }
 
 async fn wait_leader(etcd: &EtcdCluster, limit: Duration) -> usize {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(l) = etcd.leader().await {
-            return l;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no member reported leader within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    testkit::poll("a member reporting itself leader", limit, || async {
+        Ok::<_, std::convert::Infallible>(etcd.leader().await)
+    })
+    .await
+    .expect("a leader")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -61,12 +59,9 @@ async fn leader_failover_and_quorum_loss() {
     assert_ne!(new, leader, "killed member {leader} (pid {old}) still reported as leader");
     let mut fence = d0.fence();
     wait_fence(&mut fence, Duration::from_secs(10), "d0 serving after failover", |f| f.is_serving()).await;
-    within(Duration::from_secs(10), "the cache healthy after failover", async {
-        while !members.healthy() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    eventually("the cache healthy after failover", Duration::from_secs(10), || async { members.healthy() })
+        .await
+        .expect("healthy");
 
     // A second member dies: no quorum. The worker serves on (nothing answers that its lease
     // is gone); the cache stays readable but reports itself unhealthy, so a coordinator
@@ -74,12 +69,9 @@ async fn leader_failover_and_quorum_loss() {
     let second = (0..3).find(|&i| i != leader && i != survivor).expect("a third member");
     let log = FenceLog::follow(d0.fence());
     etcd.kill(second);
-    within(Duration::from_secs(10), "the cache unhealthy without quorum", async {
-        while members.healthy() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    eventually("the cache unhealthy without quorum", Duration::from_secs(10), || async { !members.healthy() })
+        .await
+        .expect("unhealthy");
     assert_eq!(members.view().len(), 1, "the cached view stays readable");
     // Past the 2 s TTL without quorum: still serving.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -88,11 +80,8 @@ async fn leader_failover_and_quorum_loss() {
     // Quorum back: the worker re-registers and the cache is healthy again.
     etcd.restart(second).await.expect("restarting a member");
     wait_fence(&mut fence, Duration::from_secs(15), "d0 serving after quorum returns", |f| f.is_serving()).await;
-    within(Duration::from_secs(15), "the cache healthy after quorum returns", async {
-        while !members.healthy() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    eventually("the cache healthy after quorum returns", Duration::from_secs(15), || async { members.healthy() })
+        .await
+        .expect("healthy");
     wait_view(&mut view, Duration::from_secs(10), "d0 listed after quorum returns", |v| v.len() == 1).await;
 }

@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use common::*;
 use registry::{Fence, FenceReason, Membership, Registration, RegistryError, Role};
+use testkit::etcd::Etcd;
+use testkit::proxy::{Fault, Proxy};
 
 #[tokio::test]
 async fn etcd_restart_fences_no_one_and_the_cache_recovers() {
@@ -58,12 +60,13 @@ async fn etcd_restart_fences_no_one_and_the_cache_recovers() {
     }
     d0_log.assert_always_serving("d0 through an etcd restart");
     p0_log.assert_always_serving("p0 through an etcd restart");
-    within(Duration::from_secs(5), "membership healthy again", async {
+    testkit::within("membership healthy again", Duration::from_secs(5), async {
         while !members.healthy() {
             view.changed().await.expect("membership task alive");
         }
     })
-    .await;
+    .await
+    .expect("healthy");
 }
 
 #[tokio::test]
@@ -92,13 +95,18 @@ async fn membership_started_during_an_outage_syncs_when_etcd_appears() {
     wait_view(&mut view, Duration::from_secs(5), "p0 appearing", |v| v.contains(Role::Prefill, "p0")).await;
 }
 
-/// d0 registered through a freezing proxy (so its etcd link alone can go silent), and a
+/// A proxy in front of `etcd`, to freeze ([`Fault::Freeze`]: silent, connections kept open).
+fn etcd_proxy(etcd: &Etcd) -> Proxy {
+    let upstream = etcd.endpoint().trim_start_matches("http://").parse().expect("etcd's host:port");
+    Proxy::start(upstream).expect("proxy")
+}
+
+/// d0 registered through a proxy (so its etcd link alone can go silent), and a
 /// membership cache on etcd directly.
-async fn via_proxy(etcd: &registry::testing::Etcd, ttl_secs: u64) -> (proxy::FreezingProxy, Registration, Membership) {
-    let upstream = etcd.endpoint().trim_start_matches("http://").to_owned();
-    let proxy = proxy::FreezingProxy::start(upstream).await;
+async fn via_proxy(etcd: &Etcd, ttl_secs: u64) -> (Proxy, Registration, Membership) {
+    let proxy = etcd_proxy(etcd);
     let mut reg_config = registration_config(etcd, ttl_secs);
-    reg_config.etcd.endpoints = vec![proxy.endpoint()];
+    reg_config.etcd.endpoints = vec![format!("http://{}", proxy.addr)];
     let members = Membership::start(membership_config(etcd)).await.expect("membership");
     let reg = Registration::register(reg_config, worker(Role::Decode, "d0", "g1")).await.expect("register");
     let mut view = members.subscribe();
@@ -109,10 +117,9 @@ async fn via_proxy(etcd: &registry::testing::Etcd, ttl_secs: u64) -> (proxy::Fre
 #[tokio::test]
 async fn silent_etcd_past_the_ttl_fences_no_one_and_the_cache_goes_stale_then_recovers() {
     let etcd = etcd().await;
-    let upstream = etcd.endpoint().trim_start_matches("http://").to_owned();
-    let proxy = proxy::FreezingProxy::start(upstream).await;
+    let proxy = etcd_proxy(&etcd);
     let via_proxy = |mut config: registry::EtcdConfig| {
-        config.endpoints = vec![proxy.endpoint()];
+        config.endpoints = vec![format!("http://{}", proxy.addr)];
         config
     };
     let mut member_config = membership_config(&etcd);
@@ -127,7 +134,7 @@ async fn silent_etcd_past_the_ttl_fences_no_one_and_the_cache_goes_stale_then_re
     let log = FenceLog::follow(reg.fence());
 
     // Connections stay open but nothing moves: no error, no reset, only silence.
-    proxy.freeze(true);
+    proxy.arm(Fault::Freeze);
     let limit = Duration::from_secs(3);
     let stale = wait_view(&mut view, limit, "membership noticing the silent watch", |v| !v.is_live()).await;
     assert!(stale.contains(Role::Decode, "d0"), "the cache dropped d0 while etcd was silent");
@@ -136,16 +143,15 @@ async fn silent_etcd_past_the_ttl_fences_no_one_and_the_cache_goes_stale_then_re
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(reg.is_serving(), "fenced while etcd was only unreachable: {:?}", reg.current());
 
-    proxy.freeze(false);
+    proxy.arm(Fault::None);
     let limit = Duration::from_secs(10);
     wait_view(&mut view, limit, "membership live again with d0", |v| v.is_live() && v.contains(Role::Decode, "d0"))
         .await;
-    within(limit, "d0's key under its current lease", async {
-        while key_lease(&etcd, reg.key()).await != reg.current().lease_id().unwrap_or(-1) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+    testkit::eventually("d0's key under its current lease", limit, || async {
+        key_lease(&etcd, reg.key()).await == reg.current().lease_id().unwrap_or(-1)
     })
-    .await;
+    .await
+    .expect("d0's key");
     log.assert_always_serving("d0 through a silent etcd");
 }
 
@@ -158,7 +164,7 @@ async fn lease_expired_with_the_key_free_reregisters_without_fencing_and_stays_r
     let log = FenceLog::follow(reg.fence());
 
     // d0 alone is cut off; etcd runs on and expires its lease, deleting the key.
-    proxy.freeze(true);
+    proxy.arm(Fault::Freeze);
     let limit = Duration::from_secs(5);
     let gone = wait_view(&mut view, limit, "d0's key expiring", |v| !v.contains(Role::Decode, "d0")).await;
     // The cache keeps it as departed: routable while it answers health checks.
@@ -167,7 +173,7 @@ async fn lease_expired_with_the_key_free_reregisters_without_fencing_and_stays_r
     assert!(reg.is_serving(), "fenced while only etcd was unreachable: {:?}", reg.current());
 
     // Back: etcd says TTL 0; the key is free, so d0 claims it under a new lease, serving throughout.
-    proxy.freeze(false);
+    proxy.arm(Fault::None);
     let back =
         wait_view(&mut view, Duration::from_secs(10), "d0 re-registered", |v| v.contains(Role::Decode, "d0")).await;
     assert_eq!(back.departed().count(), 0, "d0 still departed after coming back");
@@ -189,7 +195,7 @@ async fn key_taken_by_another_lease_fences_until_it_is_free() {
     let mut view = members.subscribe();
     let mut fence = reg.fence();
 
-    proxy.freeze(true);
+    proxy.arm(Fault::Freeze);
     wait_view(&mut view, Duration::from_secs(5), "d0's key expiring", |v| !v.contains(Role::Decode, "d0")).await;
     // Another process registers the same id meanwhile.
     let mut c = client(&etcd).await;
@@ -197,7 +203,7 @@ async fn key_taken_by_another_lease_fences_until_it_is_free() {
     let value = serde_json::to_vec(&worker(Role::Decode, "d0", "g1")).expect("json");
     c.put(reg.key(), value, Some(etcd_client::PutOptions::new().with_lease(other))).await.expect("put");
 
-    proxy.freeze(false);
+    proxy.arm(Fault::None);
     let fenced = wait_fence(&mut fence, Duration::from_secs(10), "d0 fencing: its key is held by another lease", |f| {
         !f.is_serving()
     })

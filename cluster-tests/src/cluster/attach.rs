@@ -214,7 +214,7 @@ impl Cluster {
             .next()
             .ok_or_else(|| HarnessError::Setup(format!("{} lists no coordinator", state.display())))?;
         let mut cluster = Self {
-            etcd: registry::testing::EtcdCluster::none(),
+            etcd: testkit::etcd::EtcdCluster::none(),
             etcd_proxies: BTreeMap::new(),
             attached: Some(Attached {
                 state: state.to_owned(),

@@ -70,7 +70,7 @@ impl Worker {
 #[derive(Debug)]
 pub struct Cluster {
     /// etcd: [`ClusterSpec::etcd_members`] members.
-    pub etcd: registry::testing::EtcdCluster,
+    pub etcd: testkit::etcd::EtcdCluster,
     /// Fault proxies on a process's links to etcd (one per member, in member order), by
     /// process name, for those in [`ClusterSpec::etcd_via_proxy`].
     pub etcd_proxies: BTreeMap<String, Vec<Proxy>>,
@@ -95,7 +95,7 @@ pub struct Cluster {
     /// across one may end in a transport error (counted as `coordinator_lost`).
     pub coordinator_kills: Vec<(Instant, Instant)>,
     pub prefix: String,
-    /// Per-process stderr logs (and etcd's, elsewhere: [`registry::testing::EtcdCluster::log_path`]).
+    /// Per-process stderr logs (and etcd's, elsewhere: [`testkit::etcd::EtcdCluster::log_path`]).
     pub log_dir: PathBuf,
     /// Names of processes a drill killed, stopped or terminated on purpose,
     /// with what was done; the rest must be alive at the end.
@@ -175,7 +175,7 @@ impl Cluster {
     /// and sees every worker registered. `keep_logs` keeps the log directory after drop.
     pub async fn start(spec: &ClusterSpec, keep_logs: bool) -> Result<Self, HarnessError> {
         let log_dir = temp_dir()?;
-        let etcd = registry::testing::EtcdCluster::start(spec.etcd_members.max(1))
+        let etcd = testkit::etcd::EtcdCluster::start(spec.etcd_members.max(1))
             .await
             .map_err(|e| HarnessError::Setup(format!("etcd: {e}")))?;
         let mut etcd_proxies = BTreeMap::new();

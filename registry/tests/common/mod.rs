@@ -1,18 +1,15 @@
-//! Shared helpers for the registry tests: configs with short timings, worker values, and
-//! bounded waits whose panics say what did not happen.
+//! What the registry tests share beyond testkit: configs with short timings, worker values,
+//! and waits on the registry's own watch channels whose panics say what did not happen.
 
 #![allow(dead_code)]
 
-pub mod proxy;
-
-use std::future::Future;
 use std::time::Duration;
 
-use registry::testing::Etcd;
 use registry::{
     Capacity, EtcdConfig, Fence, MembershipConfig, MembershipView, RegistrationConfig, Role, TransferEndpoint,
     WorkerInfo,
 };
+use testkit::etcd::Etcd;
 use tokio::sync::watch;
 
 pub const PREFIX: &str = "tandem-test";
@@ -71,14 +68,6 @@ pub fn worker(role: Role, id: &str, group: &str) -> WorkerInfo {
     }
 }
 
-/// Awaits `fut` for at most `within`, panicking with `what` if it does not finish.
-pub async fn within<T>(within: Duration, what: &str, fut: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(within, fut).await {
-        Ok(v) => v,
-        Err(_) => panic!("within {within:?}: {what} did not happen"),
-    }
-}
-
 /// Waits until the membership view satisfies `pred`.
 pub async fn wait_view(
     rx: &mut watch::Receiver<MembershipView>,
@@ -116,7 +105,8 @@ pub async fn wait_fence(
 /// The lease the key is attached to in etcd now (0 if absent).
 pub async fn key_lease(etcd: &Etcd, key: &str) -> i64 {
     let mut client = etcd_client::Client::connect(etcd.endpoints(), None).await.expect("connect");
-    let got = within(Duration::from_secs(2), "get", client.get(key, None)).await.expect("get");
+    let got =
+        testkit::within("get", Duration::from_secs(2), client.get(key, None)).await.expect("bounded").expect("get");
     got.kvs().first().map_or(0, |kv| kv.lease())
 }
 
