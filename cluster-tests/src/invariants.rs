@@ -8,8 +8,12 @@ use std::time::Duration;
 
 use loadgen::{Outcome, Record, Report};
 
+use decode_worker::metrics::{KV_RECEIVED_BYTES, RESERVATIONS_ACTIVE};
+use prefill_worker::metrics::KV_TRANSFER_BYTES;
+use worker_common::metrics::KV_BLOCKS_USED;
+
 use crate::cluster::{Cluster, Role};
-use crate::metrics::scrape;
+use crate::metrics::{scrape, Page};
 use crate::process::{proc_state, Signal};
 
 /// The guarantees a drill checks.
@@ -232,21 +236,12 @@ impl Invariants {
         let live: Vec<_> = cluster.workers.iter().filter(|w| !cluster.is_faulted(&w.proc.name)).collect();
         let until = tokio::time::Instant::now() + self.settle;
         loop {
-            let mut left = Vec::new();
-            let (mut blocks, mut res) = (0.0, 0.0);
+            let mut pages = Vec::new();
             for w in &live {
-                match scrape(&w.proc.addr("metrics").unwrap_or_default()).await {
-                    Ok(p) => {
-                        let (b, r) = (p.sum("tandem_kv_blocks_used", &[]), p.sum("tandem_reservations_active", &[]));
-                        blocks += b;
-                        res += r;
-                        if b != 0.0 || r != 0.0 {
-                            left.push(format!("{}: {b} KV blocks used, {r} reservations active", w.proc.name));
-                        }
-                    }
-                    Err(e) => left.push(format!("{}: {e}", w.proc.name)),
-                }
+                let page = scrape(&w.proc.addr("metrics").unwrap_or_default()).await.map_err(|e| e.to_string());
+                pages.push((w.proc.name.as_str(), w.role, page));
             }
+            let (left, blocks, res) = kv_left(&pages);
             (m.leaked_blocks, m.active_reservations) = (blocks, res);
             if left.is_empty() {
                 return Vec::new();
@@ -292,10 +287,11 @@ impl Invariants {
                     let (s0, r0) = cluster.kv_at_attach(&w.proc.name);
                     sent -= s0;
                     got -= r0;
-                    match scrape(&w.proc.addr("metrics").unwrap_or_default()).await {
-                        Ok(p) if w.role == Role::Prefill => sent += p.sum("tandem_kv_transfer_bytes_total", &[]),
-                        Ok(p) => got += p.sum("tandem_kv_received_bytes_total", &[]),
-                        Err(e) => err = Some(e.to_string()),
+                    let page = scrape(&w.proc.addr("metrics").unwrap_or_default()).await;
+                    match page.map_err(|e| e.to_string()).and_then(|p| kv_moved(w.role, &p)) {
+                        Ok(bytes) if w.role == Role::Prefill => sent += bytes,
+                        Ok(bytes) => got += bytes,
+                        Err(e) => err = Some(format!("{}: {e}", w.proc.name)),
                     }
                 }
                 let ok = err.is_none() && if self.transfers_intact { sent == got } else { sent <= got };
@@ -319,6 +315,46 @@ impl Invariants {
         }
         out
     }
+}
+
+/// One round of G2 over the live workers' pages (name, role, page or why it could not be
+/// read): what is not settled, one line per worker, and the KV blocks used and reservations
+/// active counted in all. A page that lacks a series G2 reads is not settled.
+pub(crate) fn kv_left(pages: &[(&str, Role, Result<Page, String>)]) -> (Vec<String>, f64, f64) {
+    let mut left = Vec::new();
+    let (mut blocks, mut res) = (0.0, 0.0);
+    for (name, role, page) in pages {
+        match page.as_ref().map_err(Clone::clone).and_then(|p| kv_held(*role, p)) {
+            Ok((b, r)) => {
+                blocks += b;
+                res += r;
+                if b != 0.0 || r != 0.0 {
+                    left.push(format!("{name}: {b} KV blocks used, {r} reservations active"));
+                }
+            }
+            Err(e) => left.push(format!("{name}: {e}")),
+        }
+    }
+    (left, blocks, res)
+}
+
+/// What G2 reads of one live worker: (KV blocks used, reservations active), by the names
+/// the workers export. An error names a series the page lacks, so a renamed metric fails
+/// G2 instead of reading as "nothing leaked". A prefill worker holds no reservations.
+pub(crate) fn kv_held(role: Role, page: &Page) -> Result<(f64, f64), String> {
+    let blocks = page.get(KV_BLOCKS_USED, &[]).map_err(|e| e.to_string())?;
+    let reservations = match role {
+        Role::Decode => page.get(RESERVATIONS_ACTIVE, &[]).map_err(|e| e.to_string())?,
+        Role::Prefill => 0.0,
+    };
+    Ok((blocks, reservations))
+}
+
+/// What G3 reads of one worker: KV bytes a prefill worker sent in completed transfers, or a
+/// decode worker received; an error names the missing series.
+pub(crate) fn kv_moved(role: Role, page: &Page) -> Result<f64, String> {
+    let name = if role == Role::Prefill { KV_TRANSFER_BYTES } else { KV_RECEIVED_BYTES };
+    page.get(name, &[]).map_err(|e| e.to_string())
 }
 
 /// What `path` holds from byte `start` on (all of it when it has shrunk below `start`:
@@ -459,6 +495,48 @@ pub async fn shutdown(cluster: &mut Cluster, limit: Duration) -> Vec<Violation> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `/metrics` of an idle decode and prefill worker, captured after their first Health
+    /// poll (a coordinator in front; `curl http://METRICS/metrics`).
+    const DECODE_PAGE: &str = include_str!("../fixtures/decode-worker.metrics");
+    const PREFILL_PAGE: &str = include_str!("../fixtures/prefill-worker.metrics");
+
+    fn page(text: &str) -> Result<Page, String> {
+        Page::parse(text).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn g2_fails_naming_the_series_when_a_metric_it_reads_is_renamed() {
+        let idle = [("decode-0", Role::Decode, page(DECODE_PAGE)), ("prefill-0", Role::Prefill, page(PREFILL_PAGE))];
+        assert_eq!(kv_left(&idle), (Vec::new(), 0.0, 0.0), "idle workers are settled");
+        for (role, text, name) in [
+            (Role::Decode, DECODE_PAGE, KV_BLOCKS_USED),
+            (Role::Decode, DECODE_PAGE, RESERVATIONS_ACTIVE),
+            (Role::Prefill, PREFILL_PAGE, KV_BLOCKS_USED),
+        ] {
+            assert!(text.contains(&format!("\n{name} 0\n")), "the captured page exports {name}");
+            let renamed = text.replace(name, &format!("{name}_v2"));
+            let (left, _, _) = kv_left(&[("w", role, page(&renamed))]);
+            assert_eq!(left.len(), 1, "{role:?} without {name}: {left:?}");
+            assert!(left[0].starts_with("w: ") && left[0].contains(&format!("no series {name} ")), "{left:?}");
+        }
+        // And a page that cannot be read is not settled either.
+        let (left, _, _) = kv_left(&[("w", Role::Decode, Err("connect: refused".into()))]);
+        assert_eq!(left, ["w: connect: refused"]);
+    }
+
+    #[test]
+    fn g3_fails_naming_the_series_when_a_kv_counter_is_renamed() {
+        assert_eq!(kv_moved(Role::Decode, &page(DECODE_PAGE).expect("parse")), Ok(0.0));
+        assert_eq!(kv_moved(Role::Prefill, &page(PREFILL_PAGE).expect("parse")), Ok(0.0));
+        for (role, text, name) in
+            [(Role::Decode, DECODE_PAGE, KV_RECEIVED_BYTES), (Role::Prefill, PREFILL_PAGE, KV_TRANSFER_BYTES)]
+        {
+            let renamed = page(&text.replace(name, "tandem_kv_bytes_moved_total")).expect("parse");
+            let e = kv_moved(role, &renamed).expect_err("a renamed counter must fail G3");
+            assert!(e.contains(&format!("no series {name} ")), "{e}");
+        }
+    }
 
     fn transport(start_ms: u64, e2e_ms: u64) -> Record {
         Record {

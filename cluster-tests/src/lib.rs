@@ -8,10 +8,12 @@
 //! invariants every drill shares ([`Invariants`], G1–G6 in [`Guarantee`]).
 //! [`run_drill`] does all of it and returns a serializable [`DrillReport`].
 //!
-//! Owns: starting and killing child processes (by pid, also when a test
-//! panics), fault tools, and judging a run. Must not: mock a component that
-//! can run for real, wait without a bound, or pass a drill whose fault did
-//! not happen (G6 is checked in every run; `skip_fault` shows it bites).
+//! Owns: the cluster's shape, the drills' faults and judging a run. The tools
+//! under them (processes, the fault proxy, etcd, HTTP, metric pages, waits)
+//! are `testkit`'s, shared with every crate's tests. Must not: mock a
+//! component that can run for real, wait without a bound, read a metric by a
+//! string copy of its name or a missing series as 0, or pass a drill whose
+//! fault did not happen (G6 is checked in every run; `skip_fault` shows it bites).
 
 #![forbid(unsafe_code)]
 
@@ -21,9 +23,9 @@ pub mod front;
 mod invariants;
 pub mod metrics;
 pub mod netns;
-pub mod process;
-pub mod proxy;
 mod reference;
+
+pub use testkit::{process, proxy};
 
 use std::future::Future;
 use std::time::Duration;
@@ -66,20 +68,22 @@ pub enum HarnessError {
     Command { command: String, status: String, stderr: String },
 }
 
-/// Polls `f` every 50 ms until it is true; the error says `what` did not happen within `limit`.
-pub async fn eventually<F, Fut>(what: &str, limit: Duration, mut f: F) -> Result<(), HarnessError>
+impl From<testkit::Error> for HarnessError {
+    fn from(e: testkit::Error) -> Self {
+        match e {
+            testkit::Error::Timeout(what) => Self::Timeout(what),
+            testkit::Error::Http(e) | testkit::Error::Metric(e) => Self::Metrics(e),
+            e @ (testkit::Error::Process(_) | testkit::Error::Io { .. }) => Self::Setup(e.to_string()),
+        }
+    }
+}
+
+/// [`testkit::eventually`] with the drills' error: polls `f` until it is true; the error
+/// says `what` did not happen within `limit`.
+pub async fn eventually<F, Fut>(what: &str, limit: Duration, f: F) -> Result<(), HarnessError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let until = tokio::time::Instant::now() + limit;
-    loop {
-        if f().await {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > until {
-            return Err(HarnessError::Timeout(format!("{what} did not happen within {limit:?}")));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    Ok(testkit::eventually(what, limit, f).await?)
 }

@@ -45,6 +45,8 @@ pub fn describe() {
     describe_histogram!(KV_TRANSFER_SECONDS, Unit::Seconds, "Wall time of one completed KV transfer.");
     describe_counter!(KV_TRANSFER_FAILURES, "KV transfers that failed, by reason.");
     describe_histogram!(PREFILL_SECONDS, Unit::Seconds, "Engine time of one prefill, queueing included.");
+    // Exported from the start, so a check that reads it can tell 0 from a missing series.
+    counter!(KV_TRANSFER_BYTES).absolute(0);
 }
 
 /// Counts one answered Prefill under `outcome`.

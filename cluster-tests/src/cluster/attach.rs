@@ -252,10 +252,9 @@ impl Cluster {
         let mut kv = BTreeMap::new();
         for w in &cluster.workers {
             let p = scrape(&w.metrics_addr()?).await?;
-            kv.insert(
-                w.proc.name.clone(),
-                (p.sum("tandem_kv_transfer_bytes_total", &[]), p.sum("tandem_kv_received_bytes_total", &[])),
-            );
+            let moved = crate::invariants::kv_moved(w.role, &p).map_err(HarnessError::Metrics)?;
+            let counted = if w.role == Role::Prefill { (moved, 0.0) } else { (0.0, moved) };
+            kv.insert(w.proc.name.clone(), counted);
         }
         if let Some(a) = cluster.attached.as_mut() {
             a.kv_at_attach = kv;

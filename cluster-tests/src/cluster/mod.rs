@@ -11,11 +11,12 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinSet;
 
 use crate::front::Front;
+use crate::invariants::kv_moved;
 use crate::metrics::{get_status, scrape, Page};
 use crate::netns::Netns;
 use crate::process::{Proc, Signal};
 use crate::proxy::Proxy;
-use crate::{eventually, HarnessError};
+use crate::HarnessError;
 
 mod attach;
 mod spec;
@@ -62,7 +63,7 @@ impl PastLife {
 
 impl Worker {
     pub fn metrics_addr(&self) -> Result<String, HarnessError> {
-        self.proc.addr("metrics")
+        Ok(self.proc.addr("metrics")?)
     }
 }
 
@@ -153,13 +154,11 @@ fn free_port() -> Result<std::net::SocketAddr, HarnessError> {
     let (lo, hi) = (ephemeral_lo / 2, ephemeral_lo);
     if lo >= 1024 {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let mut x = nanos as u64 ^ (u64::from(std::process::id()) << 32) ^ SEQ.fetch_add(1, Ordering::Relaxed);
+        // A different start per process and call, so concurrent harnesses spread out.
+        let seed = nanos as u64 ^ (u64::from(std::process::id()) << 32) ^ SEQ.fetch_add(1, Ordering::Relaxed);
+        let mut rng = testkit::rng::XorShift64::new(seed);
         for _ in 0..64 {
-            // xorshift: a different start per process and call, so concurrent harnesses spread out.
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let port = lo + (x % u64::from(hi - lo)) as u16;
+            let port = lo + rng.below(u64::from(hi - lo)) as u16;
             if let Ok(a) = std::net::TcpListener::bind(("127.0.0.1", port)).and_then(|l| l.local_addr()) {
                 return Ok(a);
             }
@@ -387,23 +386,25 @@ impl Cluster {
         let want = |role: Role| self.workers.iter().filter(|w| w.role == role).count() as f64;
         let (np, nd) = (want(Role::Prefill), want(Role::Decode));
         let what = format!("{} is ready and sees every worker", c.name);
-        eventually(&what, Duration::from_secs(60), || async {
-            let Ok(200) = get_status(&h, "/ready").await else { return false };
-            let Ok(page) = scrape(&h).await else { return false };
+        let ready = testkit::poll(&what, Duration::from_secs(60), || async {
+            let status = get_status(&h, "/ready").await?;
+            if status != 200 {
+                return Err(HarnessError::Setup(format!("/ready answers {status}")));
+            }
+            let page = scrape(&h).await?;
             let count = |name, role, extra: &[(&str, &str)]| {
                 let mut labels = vec![("role", role)];
                 labels.extend_from_slice(extra);
-                page.find(name, &labels)
+                page.get(name, &labels)
             };
             let serving = |role| count(coordinator::metrics::WORKERS, role, &[("state", "serving")]);
             let known = |role| count(coordinator::metrics::WORKERS_LOAD_KNOWN, role, &[]);
-            // A series missing is not ready (and not 0): the check cannot pass on a renamed metric.
-            serving("prefill") == Some(np)
-                && serving("decode") == Some(nd)
-                && known("prefill") == Some(np)
-                && known("decode") == Some(nd)
-        })
-        .await
+            // A series missing is an error (the wait's last one), not 0: the check cannot pass on
+            // a renamed metric.
+            let counted = [serving("prefill")?, serving("decode")?, known("prefill")?, known("decode")?];
+            Ok::<_, HarnessError>((counted == [np, nd, np, nd]).then_some(()))
+        });
+        Ok(ready.await?)
     }
 
     /// Every coordinator, the first one first.
@@ -413,7 +414,7 @@ impl Cluster {
 
     /// The coordinator's HTTP address (`host:port`).
     pub fn http_addr(&self) -> Result<String, HarnessError> {
-        self.coordinator.addr("http")
+        Ok(self.coordinator.addr("http")?)
     }
 
     /// The base URL for loadgen: the client proxy's when there is one, else the front's
@@ -485,7 +486,7 @@ impl Cluster {
         let pid = self.signal(name, Signal::Kill)?;
         let r = self.proc_mut(name)?.wait_exit(Duration::from_secs(10)).await;
         self.coordinator_kills.push((sent, Instant::now()));
-        r.map(|_| pid)
+        Ok(r.map(|_| pid)?)
     }
 
     /// Starts the exited process `name` again with `args` (its old flags when `None`); it is
@@ -541,8 +542,16 @@ impl Cluster {
         w.past.push(PastLife {
             pid: old_pid,
             group: old_group.clone(),
-            kv_sent: last.sum("tandem_kv_transfer_bytes_total", &[]),
-            kv_received: last.sum("tandem_kv_received_bytes_total", &[]),
+            kv_sent: if w.role == Role::Prefill {
+                kv_moved(Role::Prefill, &last).map_err(HarnessError::Metrics)?
+            } else {
+                0.0
+            },
+            kv_received: if w.role == Role::Decode {
+                kv_moved(Role::Decode, &last).map_err(HarnessError::Metrics)?
+            } else {
+                0.0
+            },
             counted: true,
         });
         if supervised {

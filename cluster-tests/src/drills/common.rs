@@ -2,16 +2,16 @@
 
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpStream;
+use testkit::http::{EventStream, Request};
 
 use super::{Evidence, Progress, MODEL};
 use crate::cluster::{Cluster, Role};
 use crate::process::proc_state;
 use crate::proxy::{Fault, Proxy, ProxyCounters};
 use crate::{eventually, HarnessError};
+use worker_common::metrics::REQUESTS_RUNNING;
 
-pub(super) const MEMBERSHIP: &str = "tandem_coordinator_membership_changes_total";
+pub(super) use coordinator::metrics::MEMBERSHIP_CHANGES as MEMBERSHIP;
 
 /// How long a fault step waits for the load to reach the point it strikes at.
 pub(super) const LOAD_WAIT: Duration = Duration::from_secs(60);
@@ -36,23 +36,23 @@ pub(super) async fn busy_decoder(c: &Cluster, limit: Duration) -> Result<String,
         .workers_of(Role::Decode)
         .map(|w| Ok((w.proc.name.clone(), w.metrics_addr()?)))
         .collect::<Result<_, HarnessError>>()?;
-    let victim = std::sync::Mutex::new(None);
-    eventually("a decode worker runs a request", limit, || {
-        let (decoders, victim) = (&decoders, &victim);
+    let victim = testkit::poll("a decode worker runs a request", limit, || {
+        let decoders = &decoders;
         async move {
+            // A worker that does not answer, or lacks the series, is the last error if none runs one.
+            let mut last = None;
             for (name, m) in decoders {
-                if let Ok(p) = crate::metrics::scrape(m).await {
-                    if p.sum("tandem_num_requests_running", &[]) >= 1.0 {
-                        *victim.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
-                        return true;
-                    }
+                match crate::metrics::scrape(m).await.and_then(|p| Ok(p.get(REQUESTS_RUNNING, &[])?)) {
+                    Ok(n) if n >= 1.0 => return Ok(Some(name.clone())),
+                    Ok(_) => {}
+                    Err(e) => last = Some(e),
                 }
             }
-            false
+            last.map_or(Ok(None), Err)
         }
     })
     .await?;
-    victim.into_inner().unwrap_or_else(|e| e.into_inner()).ok_or_else(|| HarnessError::Fault("no victim".into()))
+    Ok(victim)
 }
 
 /// After a fault ended process `name` (pid `pid`) in an attached cluster: its exit seen,
@@ -91,12 +91,13 @@ pub(super) async fn await_supervisor(c: &mut Cluster, name: &str, pid: u32, ev: 
 /// Waits until the coordinator counts `n` serving workers of `role`.
 pub(super) async fn serving_becomes(c: &Cluster, role: Role, n: f64, limit: Duration) -> Result<(), HarnessError> {
     let role = if role == Role::Prefill { "prefill" } else { "decode" };
-    eventually(&format!("the coordinator counts {n} serving {role} worker(s)"), limit, || async move {
-        c.coordinator_metrics()
-            .await
-            .is_ok_and(|p| p.sum("tandem_coordinator_workers", &[("role", role), ("state", "serving")]) == n)
-    })
-    .await
+    let what = format!("the coordinator counts {n} serving {role} worker(s)");
+    let counted = testkit::poll(&what, limit, || async move {
+        let p = c.coordinator_metrics().await?;
+        let serving = p.get(coordinator::metrics::WORKERS, &[("role", role), ("state", "serving")])?;
+        Ok::<_, HarnessError>((serving == n).then_some(()))
+    });
+    Ok(counted.await?)
 }
 
 /// The metrics address of the first decode worker the drill did not fault.
@@ -108,7 +109,10 @@ pub(super) fn decode_metrics(c: &Cluster) -> Result<String, String> {
         .map_err(|e| e.to_string())
 }
 
-/// Waits until `metric` (summed over `labels`) at `addr` reaches `at_least`; its last value either way.
+/// Waits until counter `metric` (summed over `labels`) at `addr` reaches `at_least`; its
+/// last value either way. A counter with labels is rendered from its first increment, so
+/// while no series matches it counts as 0; the wait only passes once the series exists with
+/// a value of at least `at_least` (> 0), so a renamed counter fails it.
 pub(super) async fn counter_reaches(
     addr: &str,
     metric: &str,
@@ -120,7 +124,7 @@ pub(super) async fn counter_reaches(
     let r = eventually(&format!("{metric} at {addr} reaches {at_least}"), limit, || {
         let now = &now;
         async move {
-            let v = crate::metrics::scrape(addr).await.map_or(0.0, |p| p.sum(metric, labels));
+            let v = crate::metrics::scrape(addr).await.map_or(0.0, |p| p.absent_as_zero(metric, labels));
             *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
             v >= at_least
         }
@@ -129,82 +133,53 @@ pub(super) async fn counter_reaches(
     (r, now.into_inner().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// A streaming completion read line by line; dropping it hangs up.
-pub(super) struct Stream(BufReader<TcpStream>);
+/// A streaming completion read event by event; dropping it hangs up.
+pub(super) struct Stream(EventStream);
 
+/// How long a stream may go without an event.
+const EVENT_WAIT: Duration = Duration::from_secs(60);
+
+/// Opens a long streaming completion (400 tokens, `ignore_eos`) for client `i`; returns once
+/// the answer's head arrived.
 pub(super) async fn open_stream(addr: &str, i: usize) -> Result<Stream, HarnessError> {
-    let err = |e: std::io::Error| HarnessError::Fault(format!("stream to {addr}: {e}"));
-    let mut s = TcpStream::connect(addr).await.map_err(err)?;
     let body = serde_json::json!({
         "model": MODEL, "prompt": format!("Client {i} will hang up on this story about a lighthouse keeper:"),
         "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true,
-    })
-    .to_string();
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).await.map_err(err)?;
-    s.write_all(body.as_bytes()).await.map_err(err)?;
-    Ok(Stream(BufReader::new(s)))
+    });
+    let s = Request::post(addr, "/v1/completions").json(&body).timeout(EVENT_WAIT).stream().await?;
+    Ok(Stream(s))
 }
 
 impl Stream {
-    pub(super) async fn line(&mut self) -> Result<Option<String>, HarnessError> {
-        let mut l = String::new();
-        let n = tokio::time::timeout(Duration::from_secs(60), self.0.read_line(&mut l))
-            .await
-            .map_err(|_| HarnessError::Timeout("no line of the stream within 60 s".into()))?
-            .map_err(|e| HarnessError::Fault(format!("reading the stream: {e}")))?;
-        Ok((n > 0).then_some(l))
+    /// The next event's data, `None` at the end of the answer.
+    pub(super) async fn event(&mut self) -> Result<Option<String>, HarnessError> {
+        Ok(self.0.next_event().await?)
     }
 
     pub(super) async fn first_data(&mut self) -> Result<(), HarnessError> {
-        while let Some(l) = self.line().await? {
-            if l.contains("\"text\"") {
+        while let Some(e) = self.event().await? {
+            if e.contains("\"text\"") {
                 return Ok(());
             }
         }
-        Err(HarnessError::Fault("the stream ended before its first token".into()))
+        Err(HarnessError::Fault(format!("the stream ({}) ended before its first token", self.0.status)))
     }
 
     pub(super) async fn read_to_end(&mut self) -> Result<(), HarnessError> {
-        while self.line().await?.is_some() {}
+        while self.event().await?.is_some() {}
         Ok(())
     }
 }
 
 /// One short non-streaming request: (status, Retry-After).
 pub(super) async fn probe(addr: &str) -> Result<(u16, Option<String>), HarnessError> {
-    let mut s = Stream(BufReader::new(
-        TcpStream::connect(addr).await.map_err(|e| HarnessError::Fault(format!("probe {addr}: {e}")))?,
-    ));
-    let body = serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0}).to_string();
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.0.get_mut().write_all(head.as_bytes()).await.map_err(|e| HarnessError::Fault(format!("probe: {e}")))?;
-    let status_line = s.line().await?.unwrap_or_default();
-    let status = status_line.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let mut retry_after = None;
-    while let Some(l) = s.line().await? {
-        if l == "\r\n" {
-            break;
-        }
-        if let Some((k, v)) = l.split_once(':') {
-            if k.eq_ignore_ascii_case("retry-after") {
-                retry_after = Some(v.trim().to_owned());
-            }
-        }
-    }
-    Ok((status, retry_after))
+    let body = serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0});
+    let r = Request::post(addr, "/v1/completions").json(&body).timeout(EVENT_WAIT).send().await?;
+    Ok((r.status, r.header("retry-after").map(str::to_owned)))
 }
 
 /// The coordinator's breaker transitions counter (labels `prefill`, `decode`, `from`, `to`).
-pub(super) const BREAKER_TRANSITIONS: &str = "tandem_coordinator_prefill_breaker_transitions_total";
+pub(super) use coordinator::metrics::BREAKER_TRANSITIONS;
 
 /// What the coordinator's breaker of one (prefill worker, decode worker) pair did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -221,8 +196,9 @@ impl PairBreaker {
     /// The pair's figures from the coordinator's metrics.
     pub async fn of(c: &Cluster, prefill: &str, decode: &str) -> Result<Self, String> {
         let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        // `+ 0.0`: an empty sum is -0.0, which prints as "-0".
-        let n = |to: &str| p.sum(BREAKER_TRANSITIONS, &[("prefill", prefill), ("decode", decode), ("to", to)]) + 0.0;
+        // A pair's transitions are rendered from its first one: none yet counts 0.
+        let n =
+            |to: &str| p.absent_as_zero(BREAKER_TRANSITIONS, &[("prefill", prefill), ("decode", decode), ("to", to)]);
         Ok(Self { opened: n("open"), probes: n("half_open"), closed: n("closed") })
     }
 

@@ -18,8 +18,16 @@ use crate::HarnessError;
 /// Consecutive failures that open a breaker, and its cooldown, in these drills.
 const BREAKER_FAILURES: u32 = 3;
 const BREAKER_COOLDOWN_MS: u64 = 3000;
-const TRANSITIONS: &str = "tandem_coordinator_prefill_breaker_transitions_total";
-const ATTEMPTS: &str = "tandem_coordinator_prefill_attempts_total";
+use coordinator::metrics::{
+    BREAKER_TRANSITIONS as TRANSITIONS, PREFILL_ATTEMPTS as ATTEMPTS, PREFILL_UNAVAILABLE, ROUTE_DECISIONS,
+    ROUTE_PAIRS_SKIPPED, STREAM_SEND_TIMEOUTS as SEND_TIMEOUTS,
+};
+use decode_worker::metrics::{DECODE_REQUESTS, KV_LOAD_FAILURES};
+use prefill_worker::metrics::{KV_TRANSFER_FAILURES, PREFILL_REQUESTS};
+
+// Counters with labels are rendered from their first increment, so a proof reads them with
+// `absent_as_zero` and requires the ones its fault must raise to be at least 1 (a renamed
+// counter fails that); a run without the fault reads 0 and fails its proof, as it must.
 
 fn breaker_args() -> [String; 4] {
     [
@@ -78,8 +86,7 @@ struct BreakerSeen {
 
 async fn breaker_seen(c: &Cluster, worker: &str) -> Result<BreakerSeen, String> {
     let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-    // `+ 0.0`: an empty sum is -0.0, which prints as "-0".
-    let sum = |name: &str, labels: &[(&str, &str)]| p.sum(name, labels) + 0.0;
+    let sum = |name: &str, labels: &[(&str, &str)]| p.absent_as_zero(name, labels);
     let attempts = sum(ATTEMPTS, &[("worker", worker)]);
     let ok = sum(ATTEMPTS, &[("worker", worker), ("outcome", "ok")]);
     // Summed over the prefill worker's pairs (one decode worker in these drills).
@@ -94,7 +101,7 @@ async fn breaker_seen(c: &Cluster, worker: &str) -> Result<BreakerSeen, String> 
 /// The faulty worker's own count of KV transfers that failed.
 async fn refused_by(c: &Cluster, worker: &str) -> Result<f64, String> {
     let p = c.worker_metrics(worker).await.map_err(|e| e.to_string())?;
-    Ok(p.sum("tandem_kv_transfer_failures_total", &[]) + 0.0)
+    Ok(p.absent_as_zero(KV_TRANSFER_FAILURES, &[]))
 }
 
 /// Waits (bounded) for the coordinator to open the breaker of (`worker`, decode-0); notes what it saw.
@@ -159,7 +166,7 @@ impl Drill for PrefillErrors {
         let good = breaker_seen(c, "prefill-0").await?;
         let refused = refused_by(c, "prefill-1").await?;
         let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-        let mismatches = dm.sum("tandem_kv_load_failures_total", &[("reason", "prefill_error")]) + 0.0;
+        let mismatches = dm.absent_as_zero(KV_LOAD_FAILURES, &[("reason", "prefill_error")]);
         let seen = format!(
             "prefill-1: {} failed attempts reported (its own count of failed transfers {refused}, the decode \
              worker's prefill_error loads {mismatches}), breaker (prefill-1, decode-0) opened {} time(s), {} \
@@ -247,7 +254,7 @@ impl Drill for PrefillUnavailable {
     async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
         let b = breaker_seen(c, "prefill-0").await?;
         let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let fast = p.sum("tandem_coordinator_prefill_unavailable_total", &[]);
+        let fast = p.absent_as_zero(PREFILL_UNAVAILABLE, &[]);
         let refused: Vec<&loadgen::Record> = report
             .records
             .iter()
@@ -259,7 +266,7 @@ impl Drill for PrefillUnavailable {
         // Every request the decode worker saw made exactly one prefill attempt: none was
         // dispatched to wait for KV that could not come.
         let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-        let dispatched = dm.sum("tandem_decode_requests_total", &[]);
+        let dispatched = dm.absent_as_zero(DECODE_REQUESTS, &[]);
         let seen = format!(
             "breaker opened {} time(s), {} probe(s); {} failed attempts; {fast} fast 503s counted, {} in the load \
              (slowest {:.0} ms); the decode worker ran {dispatched} requests",
@@ -289,8 +296,7 @@ impl Drill for PrefillUnavailable {
 pub(super) struct LayoutMismatch;
 
 /// The coordinator's count of prefill workers left out of routes for their layout.
-const LAYOUT_SKIPPED: (&str, &[(&str, &str)]) =
-    ("tandem_coordinator_route_pairs_skipped_total", &[("reason", "layout_fingerprint")]);
+const LAYOUT_SKIPPED: (&str, &[(&str, &str)]) = (ROUTE_PAIRS_SKIPPED, &[("reason", "layout_fingerprint")]);
 
 #[async_trait::async_trait]
 impl Drill for LayoutMismatch {
@@ -334,14 +340,13 @@ impl Drill for LayoutMismatch {
 
     async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
         let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let skipped = p.sum(LAYOUT_SKIPPED.0, LAYOUT_SKIPPED.1) + 0.0;
-        let remote = p.sum("tandem_coordinator_route_decisions_total", &[("prefill", "remote")]) + 0.0;
+        let skipped = p.absent_as_zero(LAYOUT_SKIPPED.0, LAYOUT_SKIPPED.1);
+        let remote = p.absent_as_zero(ROUTE_DECISIONS, &[("prefill", "remote")]);
         let odd = breaker_seen(c, "prefill-1").await?;
         let good = breaker_seen(c, "prefill-0").await?;
         let pair = PairBreaker::of(c, "prefill-1", "decode-0").await?;
         let asked =
-            c.worker_metrics("prefill-1").await.map_err(|e| e.to_string())?.sum("tandem_prefill_requests_total", &[])
-                + 0.0;
+            c.worker_metrics("prefill-1").await.map_err(|e| e.to_string())?.absent_as_zero(PREFILL_REQUESTS, &[]);
         let seen = format!(
             "{skipped} pair(s) skipped for their layout fingerprint over {remote} remote-prefill routes; \
              prefill-1 (block size 32) was asked for {asked} prefill(s), {} attempt(s) reported; prefill-0 \
@@ -364,11 +369,12 @@ impl Drill for LayoutMismatch {
 /// The slow readers' count, and the coordinator's idle timeout in this drill.
 const SLOW_CLIENTS: usize = 3;
 const IDLE_TIMEOUT_MS: u64 = 3000;
-const SEND_TIMEOUTS: &str = "tandem_coordinator_stream_send_timeouts_total";
-const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("outcome", "cancelled")]);
+const CANCELLED: (&str, &[(&str, &str)]) = (DECODE_REQUESTS, &[("outcome", "cancelled")]);
 
 /// A streaming request from a socket with a tiny receive buffer; returns the
-/// socket once the response head arrived (nothing after it is read).
+/// socket once the response head arrived (nothing after it is read). Raw on purpose: the
+/// fault is the socket itself (receive window and MSS set before connect, never read after
+/// the head), below what an HTTP client exposes; testkit's client is for well-behaved ones.
 /// `small` shrinks the client's window and MSS (the fault's bite); a run with the fault
 /// skipped reads promptly with ordinary buffers (with the small ones, reading 400 tokens of
 /// top-20 logprobs takes longer than the read bound).
@@ -461,7 +467,7 @@ impl Drill for SlowReader {
     async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         let mut ev = Evidence::default();
         let dm = decode_metrics(c).map_err(HarnessError::Setup)?;
-        ev.before = crate::metrics::scrape(&dm).await?.sum(CANCELLED.0, CANCELLED.1);
+        ev.before = crate::metrics::scrape(&dm).await?.absent_as_zero(CANCELLED.0, CANCELLED.1);
         let pid = c.coordinator.pid;
         let rss_before = rss_kib(pid).unwrap_or(0);
         let addr: SocketAddr =
@@ -520,8 +526,8 @@ impl Drill for SlowReader {
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
         let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let timeouts = p.sum(SEND_TIMEOUTS, &[]);
-        let by_conn = p.sum(SEND_TIMEOUTS, &[("layer", "connection")]);
+        let timeouts = p.absent_as_zero(SEND_TIMEOUTS, &[]);
+        let by_conn = p.absent_as_zero(SEND_TIMEOUTS, &[("layer", "connection")]);
         let m = decode_metrics(c)?;
         let n = SLOW_CLIENTS as f64;
         let (seen, now) = counter_reaches(&m, CANCELLED.0, CANCELLED.1, ev.before + n, Duration::from_secs(10)).await;

@@ -6,7 +6,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use loadgen::Report;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use testkit::http::Request;
+use worker_common::metrics::{FENCED, FENCES};
 
 use super::common::{counter_reaches, gone, serving_becomes, LOAD_WAIT, MEMBERSHIP};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
@@ -48,35 +49,14 @@ impl std::fmt::Display for Answer {
 
 /// Sends one short completion (max_tokens 1) to the coordinator at `addr`.
 async fn ask(addr: &str) -> Result<Answer, HarnessError> {
-    let body = serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0}).to_string();
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.write_all(req.as_bytes()).await?;
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).await?;
-        Ok::<_, std::io::Error>(raw)
-    };
-    let raw = tokio::time::timeout(Duration::from_secs(30), exchange)
-        .await
-        .map_err(|_| HarnessError::Timeout(format!("no answer from {addr} within 30 s")))?
-        .map_err(|e| HarnessError::Fault(format!("asking {addr}: {e}")))?;
-    let raw = String::from_utf8_lossy(&raw);
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let mut lines = head.lines();
-    let status = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let retry_after = lines
-        .filter_map(|l| l.split_once(':'))
-        .find(|(k, _)| k.eq_ignore_ascii_case("retry-after"))
-        .map(|(_, v)| v.trim().to_owned());
-    let code = serde_json::from_str::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
-    Ok(Answer { status, retry_after, code })
+    let body = serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0});
+    let r = Request::post(addr, "/v1/completions").json(&body).timeout(Duration::from_secs(30)).send().await;
+    let r = r.map_err(|e| match e {
+        testkit::Error::Timeout(what) => HarnessError::Timeout(what),
+        e => HarnessError::Fault(format!("asking {addr}: {e}")),
+    })?;
+    let code = r.json().ok().and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
+    Ok(Answer { status: r.status, retry_after: r.header("retry-after").map(str::to_owned), code })
 }
 
 /// Asks until an answer satisfies `want` (within `limit`); that answer.
@@ -133,26 +113,29 @@ async fn wait_leader(c: &Cluster, not: Option<usize>, limit: Duration) -> Result
     found.into_inner().unwrap_or_else(|e| e.into_inner()).ok_or_else(|| HarnessError::Fault("no leader".into()))
 }
 
-/// A coordinator metric now (0 if it cannot be read).
-async fn coordinator_sum(c: &Cluster, metric: &str, labels: &[(&str, &str)]) -> f64 {
-    // `+ 0.0` turns an empty sum's -0 into 0 for the notes.
-    c.coordinator_metrics().await.map_or(0.0, |p| p.sum(metric, labels)) + 0.0
+/// A coordinator counter before a fault (0 if it cannot be read, or while it has not been
+/// incremented: counters are rendered from their first increment). The drill then waits for
+/// it to rise ([`counter_reaches`]), which a renamed counter never does.
+async fn counter_before(c: &Cluster, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    c.coordinator_metrics().await.map_or(0.0, |p| p.absent_as_zero(metric, labels))
 }
 
 /// A coordinator metric now; Err when the page cannot be read or has no such series
 /// (a renamed or missing metric must not read as 0).
 async fn coordinator_find(c: &Cluster, metric: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
     let page = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-    let v = page.find(metric, labels).ok_or_else(|| format!("the coordinator exports no {metric} {labels:?}"))?;
-    Ok(v + 0.0)
+    page.get(metric, labels).map_err(|e| format!("the coordinator: {e}"))
 }
 
-/// Waits until `metric` at `addr` equals `value` exactly.
+/// Waits until gauge `metric` at `addr` equals `value` exactly (a missing series never does,
+/// and is the wait's last error).
 async fn gauge_becomes(addr: &str, metric: &str, value: f64, limit: Duration) -> Result<(), HarnessError> {
-    eventually(&format!("{metric} at {addr} becomes {value}"), limit, || async move {
-        scrape(addr).await.is_ok_and(|p| p.sum(metric, &[]) == value)
-    })
-    .await
+    let what = format!("{metric} at {addr} becomes {value}");
+    let became = testkit::poll(&what, limit, || async move {
+        let v = scrape(addr).await?.get(metric, &[])?;
+        Ok::<_, HarnessError>((v == value).then_some(()))
+    });
+    Ok(became.await?)
 }
 
 /// Records `r` as a note (`ok`) or as a missing consequence.
@@ -196,7 +179,7 @@ impl Drill for EtcdRestart {
     }
 
     async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
-        let mut ev = Evidence { before: c.coordinator_metrics().await?.sum(RESYNCS, &[]), ..Evidence::default() };
+        let mut ev = Evidence { before: counter_before(c, RESYNCS, &[]).await, ..Evidence::default() };
         load.wait_done(2, LOAD_WAIT).await?;
         ev.victim = c.etcd.pid(0).map(|p| ("etcd".to_owned(), p));
         if !skip {
@@ -360,7 +343,10 @@ impl Drill for EtcdQuorumLoss {
         }
         let fences = fences(c).await?;
         if let Some((name, n)) = fences.iter().find(|(_, n)| *n != 0.0) {
-            return Err(format!("{name} fenced ({} = {n}) while etcd only lacked quorum", worker_common::metrics::FENCES));
+            return Err(format!(
+                "{name} fenced ({} = {n}) while etcd only lacked quorum",
+                worker_common::metrics::FENCES
+            ));
         }
         let killed: Vec<String> = ev.killed.iter().map(|(n, p)| format!("{n} (pid {p})")).collect();
         Ok(format!("killed {}; {}; no fence: {fences:?}", killed.join(", "), ev.notes.join("; ")))
@@ -402,8 +388,8 @@ impl Drill for WorkerEtcdCutoff {
         let mut ev = Evidence::default();
         let h = c.http_addr()?;
         let m = c.worker(CUT_WORKER)?.metrics_addr()?;
-        let left0 = coordinator_sum(c, MEMBERSHIP, &[("change", "left")]).await;
-        let joined0 = coordinator_sum(c, MEMBERSHIP, &[("change", "joined")]).await;
+        let left0 = counter_before(c, MEMBERSHIP, &[("change", "left")]).await;
+        let joined0 = counter_before(c, MEMBERSHIP, &[("change", "joined")]).await;
         load.wait_done(2, LOAD_WAIT).await?;
         if skip {
             return Ok(ev);
@@ -426,7 +412,7 @@ impl Drill for WorkerEtcdCutoff {
         );
         let two = serving_becomes(c, Role::Decode, 2.0, CONSEQUENCE_WAIT).await;
         note(&mut ev, two.map(|()| "2 decode workers serving".into()).map_err(|e| e.to_string()));
-        let unfenced = gauge_becomes(&m, worker_common::metrics::FENCED, 0.0, CONSEQUENCE_WAIT).await;
+        let unfenced = gauge_becomes(&m, FENCED, 0.0, CONSEQUENCE_WAIT).await;
         note(&mut ev, unfenced.map(|()| format!("{CUT_WORKER} not fenced")).map_err(|e| e.to_string()));
         Ok(ev)
     }
@@ -440,11 +426,8 @@ impl Drill for WorkerEtcdCutoff {
             return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
         }
         let m = c.worker(CUT_WORKER).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
-        let fences = scrape(&m)
-            .await
-            .map_err(|e| e.to_string())?
-            .find(worker_common::metrics::FENCES, &[])
-            .ok_or_else(|| format!("{CUT_WORKER} exports no {}", worker_common::metrics::FENCES))?;
+        let fences =
+            scrape(&m).await.map_err(|e| e.to_string())?.get(FENCES, &[]).map_err(|e| format!("{CUT_WORKER}: {e}"))?;
         if fences != 0.0 {
             return Err(format!(
                 "{CUT_WORKER} fenced ({} = {fences}) though its coordinator reached it",
@@ -590,9 +573,7 @@ async fn fences(c: &Cluster) -> Result<Vec<(String, f64)>, String> {
     for w in &c.workers {
         let m = w.metrics_addr().map_err(|e| e.to_string())?;
         let page = scrape(&m).await.map_err(|e| e.to_string())?;
-        let n = page
-            .find(worker_common::metrics::FENCES, &[])
-            .ok_or_else(|| format!("{} exports no {}", w.proc.name, worker_common::metrics::FENCES))?;
+        let n = page.get(FENCES, &[]).map_err(|e| format!("{}: {e}", w.proc.name))?;
         out.push((w.proc.name.clone(), n));
     }
     Ok(out)
@@ -627,7 +608,7 @@ impl Drill for EtcdStall {
         let h = c.http_addr()?;
         let before = fences(c).await.map_err(HarnessError::Fault)?;
         ev.notes.push(format!("fences before: {before:?}"));
-        let resyncs0 = coordinator_sum(c, coordinator::metrics::REGISTRY_RESYNCS, &[]).await;
+        let resyncs0 = counter_before(c, RESYNCS, &[]).await;
         load.wait_done(2, LOAD_WAIT).await?;
         let pid = c.etcd.pid(0).ok_or_else(|| HarnessError::Fault("etcd has no pid".into()))?;
         ev.victim = Some(("etcd".into(), pid));
@@ -654,7 +635,10 @@ impl Drill for EtcdStall {
             samples += 1;
             tokio::time::sleep(Duration::from_millis(400)).await;
         }
-        let healthy = coordinator_sum(c, coordinator::metrics::REGISTRY_HEALTHY, &[]).await;
+        let healthy = coordinator_find(c, REGISTRY_HEALTHY, &[]).await.unwrap_or_else(|e| {
+            ev.missing.push(e);
+            f64::NAN
+        });
         if !skip {
             signal(pid, "-CONT")?;
         }
@@ -673,12 +657,12 @@ impl Drill for EtcdStall {
         // etcd back: membership whole and live again.
         let t1 = Instant::now();
         let n = c.workers.len() as f64;
-        let whole = eventually("membership whole and etcd healthy again", CONSEQUENCE_WAIT, || async {
-            c.coordinator_metrics().await.is_ok_and(|p| {
-                p.find(coordinator::metrics::WORKERS, &[]) == Some(n)
-                    && p.find(coordinator::metrics::REGISTRY_HEALTHY, &[]) == Some(1.0)
-                    && p.sum(coordinator::metrics::REGISTRY_RESYNCS, &[]) > resyncs0
-            })
+        let whole = testkit::poll("membership whole and etcd healthy again", CONSEQUENCE_WAIT, || async {
+            let p = c.coordinator_metrics().await?;
+            // Every worker of every role and state, the watch live, and a resync since the stall.
+            let (listed, healthy) = (p.sum(coordinator::metrics::WORKERS, &[])?, p.get(REGISTRY_HEALTHY, &[])?);
+            let resynced = p.sum(RESYNCS, &[])? > resyncs0;
+            Ok::<_, HarnessError>((listed == n && healthy == 1.0 && resynced).then_some(()))
         })
         .await;
         note(

@@ -6,6 +6,10 @@
 use std::time::Duration;
 
 use loadgen::Report;
+// The decode worker's counters are rendered from their first increment (a histogram from its
+// first sample): read with `absent_as_zero`, and every proof needs the ones its fault raises
+// to be at least 1, which a renamed metric fails.
+use decode_worker::metrics::{FRAMES_REFUSED, KV_LOAD_FAILURES, KV_LOAD_SECONDS, OUTCOME_RECOMPUTED, POLICY_OUTCOMES};
 
 use super::common::{decode_metrics, delay_during_load, delays_seen, strike, PairBreaker, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
@@ -43,7 +47,7 @@ impl Drill for KvCorrupt {
         let mut ev = Evidence::default();
         let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
         let m = decode.metrics_addr()?;
-        ev.before = crate::metrics::scrape(&m).await?.sum("tandem_kv_load_failures_total", &[]);
+        ev.before = crate::metrics::scrape(&m).await?.absent_as_zero(KV_LOAD_FAILURES, &[]);
         if !skip {
             // 100 KiB into the stream: inside a layer's payload, where only the checksum can tell.
             if let Some(p) = decode.proxy.as_ref() {
@@ -58,8 +62,8 @@ impl Drill for KvCorrupt {
         let proxy = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()).ok_or("no proxy")?;
         let flips = proxy.counters().flips;
         let p = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-        let failures = p.sum("tandem_kv_load_failures_total", &[]) - ev.before;
-        let refused = p.sum("tandem_kv_frames_refused_total", &[("reason", "checksum")]);
+        let failures = p.absent_as_zero(KV_LOAD_FAILURES, &[]) - ev.before;
+        let refused = p.absent_as_zero(FRAMES_REFUSED, &[("reason", "checksum")]);
         if flips == 0 || failures < 1.0 {
             return Err(format!(
                 "the proxy flipped {flips} bytes and the decode worker counted {failures} failed loads"
@@ -73,7 +77,7 @@ impl Drill for KvCorrupt {
     }
 }
 
-/// Failure reasons the decode worker counts (`tandem_kv_load_failures_total{reason}`).
+/// Failure reasons the decode worker counts ([`KV_LOAD_FAILURES`]`{reason}`).
 const REASONS: [&str; 7] =
     ["rpc", "prefill_error", "version_mismatch", "corrupt", "lease_expired", "timeout", "incomplete"];
 
@@ -103,20 +107,18 @@ impl Loads {
         let by_reason: Vec<String> = REASONS
             .iter()
             .filter_map(|r| {
-                let n = p.sum("tandem_kv_load_failures_total", &[("reason", r)]);
+                let n = p.absent_as_zero(KV_LOAD_FAILURES, &[("reason", r)]);
                 (n > 0.0).then(|| format!("{r} {n}"))
             })
             .collect();
         let loads = Self {
-            // (+ 0.0: an empty sum is -0.0)
-            failed: p.sum("tandem_kv_load_failures_total", &[]) + 0.0,
-            recomputed: p.sum("tandem_kv_load_policy_outcomes_total", &[("outcome", "recomputed")]) + 0.0,
-            loaded: p.sum("tandem_kv_load_seconds_count", &[]) + 0.0,
+            failed: p.absent_as_zero(KV_LOAD_FAILURES, &[]),
+            recomputed: p.absent_as_zero(POLICY_OUTCOMES, &[("outcome", OUTCOME_RECOMPUTED)]),
+            loaded: p.absent_as_zero(&format!("{KV_LOAD_SECONDS}_count"), &[]),
             lease_ran_out: ["lease_expired", "timeout"]
                 .iter()
-                .map(|r| p.sum("tandem_kv_load_failures_total", &[("reason", r)]))
-                .sum::<f64>()
-                + 0.0,
+                .map(|r| p.absent_as_zero(KV_LOAD_FAILURES, &[("reason", r)]))
+                .sum::<f64>(),
         };
         let reasons = if by_reason.is_empty() { "none".into() } else { by_reason.join(", ") };
         Ok((loads, reasons))
@@ -169,7 +171,7 @@ async fn faulty_pair(c: &Cluster) -> Result<String, String> {
 async fn healthy_loads(c: &Cluster) -> Result<(f64, f64), String> {
     let m = c.worker("decode-1").and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
     let p = crate::metrics::scrape(&m).await.map_err(|e| e.to_string())?;
-    Ok((p.sum("tandem_kv_load_seconds_count", &[]) + 0.0, p.sum("tandem_kv_load_failures_total", &[]) + 0.0))
+    Ok((p.absent_as_zero(&format!("{KV_LOAD_SECONDS}_count"), &[]), p.absent_as_zero(KV_LOAD_FAILURES, &[])))
 }
 
 fn rule(op: &str, spec: &[String]) -> Vec<String> {
@@ -244,7 +246,7 @@ impl Drill for KvDelay {
         }
         let mean = crate::metrics::scrape(&w.metrics_addr().map_err(|e| e.to_string())?)
             .await
-            .map(|p| p.sum("tandem_kv_load_seconds_sum", &[]) / l.loaded.max(1.0))
+            .map(|p| p.absent_as_zero(&format!("{KV_LOAD_SECONDS}_sum"), &[]) / l.loaded.max(1.0))
             .unwrap_or(0.0);
         let pair = faulty_pair(c).await?;
         Ok(format!(
@@ -539,7 +541,7 @@ impl Drill for KvReorder {
         let refused: Vec<String> = ["checksum", "payload_length", "block_range", "layer_out_of_range", "duplicate"]
             .iter()
             .filter_map(|r| {
-                let n = p.sum("tandem_kv_frames_refused_total", &[("reason", r)]);
+                let n = p.absent_as_zero(FRAMES_REFUSED, &[("reason", r)]);
                 (n > 0.0).then(|| format!("{r} {n}"))
             })
             .collect();

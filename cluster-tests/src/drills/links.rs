@@ -15,10 +15,14 @@ use crate::invariants::Invariants;
 use crate::proxy::{Fault, Proxy};
 use crate::{eventually, HarnessError};
 
-const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("outcome", "cancelled")]);
-const REROUTES: &str = "tandem_coordinator_decode_reroutes_total";
+// Counters with labels appear on their first increment: read with `absent_as_zero`; the proofs
+// need the ones their fault raises to be at least 1.
+const CANCELLED: (&str, &[(&str, &str)]) = (DECODE_REQUESTS, &[("outcome", "cancelled")]);
+use coordinator::metrics::DECODE_REROUTES as REROUTES;
+use decode_worker::metrics::DECODE_REQUESTS;
 /// Requests a decode worker routed for prefill: counted as each arrives.
-const ROUTED: &str = "tandem_prefill_route_total";
+use decode_worker::metrics::PREFILL_ROUTE as ROUTED;
+use worker_common::metrics::REQUESTS_RUNNING;
 
 fn client_proxy(c: &Cluster) -> Result<&Proxy, HarnessError> {
     c.client_proxy.as_ref().ok_or_else(|| HarnessError::Setup("the clients reach the coordinator directly".into()))
@@ -28,7 +32,7 @@ fn client_proxy(c: &Cluster) -> Result<&Proxy, HarnessError> {
 async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
     let mut sum = 0.0;
     for w in c.workers_of(Role::Decode) {
-        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1) + 0.0;
+        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.absent_as_zero(CANCELLED.0, CANCELLED.1);
     }
     Ok(sum)
 }
@@ -212,7 +216,7 @@ impl Drill for ControlLinkResets {
         let mut ev = Evidence::default();
         let proxy = Self::proxy(c)?;
         let m = c.worker(BEHIND)?.metrics_addr()?;
-        ev.before = crate::metrics::scrape(&m).await?.sum(CANCELLED.0, CANCELLED.1) + 0.0;
+        ev.before = crate::metrics::scrape(&m).await?.absent_as_zero(CANCELLED.0, CANCELLED.1);
         let mut strikes = 0;
         while strikes < STRIKES && !load.finished() {
             // Strikes alternate: mid-answer (the worker runs a request and has streamed
@@ -220,7 +224,7 @@ impl Drill for ControlLinkResets {
             // prompt to the prefill worker: its first token is a prefill away).
             let mid_answer = strikes % 2 == 0;
             let forwarded = proxy.counters().bytes_forwarded;
-            let started = crate::metrics::scrape(&m).await?.sum(ROUTED, &[]);
+            let started = crate::metrics::scrape(&m).await?.absent_as_zero(ROUTED, &[]);
             let what = if mid_answer { "streams a request" } else { "starts a request" };
             eventually(&format!("{BEHIND} {what} (or the load ends)"), LOAD_WAIT, || {
                 let m = &m;
@@ -230,10 +234,10 @@ impl Drill for ControlLinkResets {
                     }
                     let Ok(p) = crate::metrics::scrape(m).await else { return false };
                     if mid_answer {
-                        p.sum("tandem_num_requests_running", &[]) >= 1.0
+                        p.get(REQUESTS_RUNNING, &[]).is_ok_and(|n| n >= 1.0)
                             && proxy.counters().bytes_forwarded > forwarded + 200
                     } else {
-                        p.sum(ROUTED, &[]) > started
+                        p.absent_as_zero(ROUTED, &[]) > started
                     }
                 }
             })
@@ -262,15 +266,15 @@ impl Drill for ControlLinkResets {
             .filter(|r| matches!(&r.outcome, Outcome::StreamError { code: Some(c), .. } if c == "worker_stream"))
             .count();
         let coord = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let rerouted = coord.sum(REROUTES, &[]) + 0.0;
-        let broken = coord.sum(REROUTES, &[("reason", "stream_broken")]) + 0.0;
+        let rerouted = coord.absent_as_zero(REROUTES, &[]);
+        let broken = coord.absent_as_zero(REROUTES, &[("reason", "stream_broken")]);
         // Every request cut on the worker is cancelled there (its KV freed: G2).
         let want = ev.before + ended_typed as f64 + broken;
         let now = std::sync::Mutex::new(ev.before);
         let seen = eventually(&format!("{BEHIND} cancels every cut stream"), Duration::from_secs(10), || {
             let (m, now) = (&m, &now);
             async move {
-                let v = crate::metrics::scrape(m).await.map_or(0.0, |p| p.sum(CANCELLED.0, CANCELLED.1));
+                let v = crate::metrics::scrape(m).await.map_or(0.0, |p| p.absent_as_zero(CANCELLED.0, CANCELLED.1));
                 *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
                 v >= want
             }

@@ -10,7 +10,9 @@ use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::{GoodputBound, Invariants};
 use crate::{eventually, HarnessError};
 
-const CANCELLED: (&str, &[(&str, &str)]) = ("tandem_decode_requests_total", &[("outcome", "cancelled")]);
+/// A labelled counter, rendered from its first increment: read with `absent_as_zero`; the
+/// proof needs it to rise.
+const CANCELLED: (&str, &[(&str, &str)]) = (decode_worker::metrics::DECODE_REQUESTS, &[("outcome", "cancelled")]);
 
 /// Clients hang up mid-stream.
 pub(super) struct ClientDisconnect;
@@ -87,7 +89,7 @@ impl Drill for ClientDisconnect {
 async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
     let mut sum = 0.0;
     for w in c.workers_of(Role::Decode) {
-        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1);
+        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.absent_as_zero(CANCELLED.0, CANCELLED.1);
     }
     Ok(sum)
 }
@@ -144,8 +146,14 @@ impl Drill for Overload3x {
         // Once the queue is full (1 running, 2 queued), a probe must be refused with Retry-After.
         let h = c.http_addr()?;
         while !load.finished() {
-            let depth = c.coordinator_metrics().await?.sum("tandem_coordinator_queue_depth", &[]);
-            if depth >= 2.0 {
+            // Set from the first admission on: until then (or if it is renamed) the queue is not
+            // seen full, no probe is refused and the proof fails.
+            let depth = c.coordinator_metrics().await?.get(coordinator::metrics::QUEUE_DEPTH, &[]);
+            if let Err(e) = &depth {
+                ev.notes.retain(|n| !n.starts_with("queue depth unread"));
+                ev.notes.push(format!("queue depth unread: {e}"));
+            }
+            if depth.is_ok_and(|d| d >= 2.0) {
                 let (status, retry_after) = probe(&h).await?;
                 if status == 429 || status == 503 {
                     ev.seen = true;
@@ -162,11 +170,8 @@ impl Drill for Overload3x {
     }
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
-        let shed = c
-            .coordinator_metrics()
-            .await
-            .map_err(|e| e.to_string())?
-            .sum("tandem_coordinator_admission_shed_total", &[]);
+        let shed =
+            c.coordinator_metrics().await.map_err(|e| e.to_string())?.absent_as_zero(coordinator::metrics::SHED, &[]);
         if shed < 1.0 || !ev.seen {
             return Err(format!("admission shed {shed} requests; a probe refused with Retry-After: {}", ev.seen));
         }

@@ -19,9 +19,9 @@ use super::common::Stream;
 async fn stream_end(s: &mut Stream) -> Result<Option<String>, String> {
     let mut finished = false;
     loop {
-        match s.line().await {
-            Ok(Some(l)) => {
-                let Some(data) = l.trim().strip_prefix("data:").map(str::trim) else { continue };
+        match s.event().await {
+            Ok(Some(data)) => {
+                let data = data.trim();
                 if data == "[DONE]" {
                     return if finished { Ok(None) } else { Err("[DONE] without a finish reason".into()) };
                 }

@@ -12,7 +12,10 @@ use crate::{eventually, HarnessError};
 
 /// Cancelled Generate streams the decode worker at `m` counted.
 async fn cancelled(m: &str) -> Result<f64, HarnessError> {
-    Ok(crate::metrics::scrape(m).await?.sum("tandem_decode_requests_total", &[("outcome", "cancelled")]))
+    // Rendered from its first increment; the proof needs it to rise.
+    Ok(crate::metrics::scrape(m)
+        .await?
+        .absent_as_zero(decode_worker::metrics::DECODE_REQUESTS, &[("outcome", "cancelled")]))
 }
 
 /// SIGKILL one of two coordinators mid-stream, then restart it.
@@ -59,14 +62,14 @@ impl Drill for CoordinatorKill {
         // A client of A mid-stream for sure (a long answer), besides the load's own.
         let mut long = open_stream(&a, 0).await?;
         long.first_data().await?;
-        let a_busy =
-            eventually("coordinator A runs a load request besides the long stream", LOAD_WAIT, || {
-                let a = a.clone();
-                async move {
-                    crate::metrics::scrape(&a).await.is_ok_and(|p| p.sum("tandem_coordinator_running", &[]) >= 2.0)
-                }
-            })
-            .await;
+        let a_busy = eventually("coordinator A runs a load request besides the long stream", LOAD_WAIT, || {
+            let a = a.clone();
+            async move {
+                let p = crate::metrics::scrape(&a).await;
+                p.is_ok_and(|p| p.get(coordinator::metrics::RUNNING, &[]).is_ok_and(|n| n >= 2.0))
+            }
+        })
+        .await;
         ev.notes.push(format!(
             "coordinator (pid {pid}) streaming a long answer; a load request on it too: {}",
             a_busy.is_ok()
@@ -85,7 +88,7 @@ impl Drill for CoordinatorKill {
         }
         let (r, now) = counter_reaches(
             &m,
-            "tandem_decode_requests_total",
+            decode_worker::metrics::DECODE_REQUESTS,
             &[("outcome", "cancelled")],
             ev.before + 1.0,
             Duration::from_secs(20),

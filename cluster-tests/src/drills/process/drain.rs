@@ -10,7 +10,7 @@ use crate::drills::common::{
     busy_decoder, counter_reaches, open_stream, probe, serving_becomes, LOAD_WAIT, MEMBERSHIP,
 };
 use crate::drills::{at_least, own_cluster, supervisor_restarts, Drill, DrillInfo, Evidence, Exit, Progress, Setup};
-use crate::invariants::Invariants;
+use crate::invariants::{kv_moved, Invariants};
 use crate::process::Signal;
 use crate::{eventually, HarnessError};
 
@@ -117,9 +117,11 @@ impl Drill for RollingDrain {
 /// Drain g2's decode worker and start it again in g1.
 pub(in crate::drills) struct VersionRelabel;
 
-/// `tandem_kv_transfer_bytes_total` of worker `name` (0 if unreadable).
-async fn sent_bytes(c: &Cluster, name: &str) -> f64 {
-    c.worker_metrics(name).await.map_or(0.0, |p| p.sum("tandem_kv_transfer_bytes_total", &[]))
+/// KV bytes prefill worker `name` sent in completed transfers; an error when its page cannot
+/// be read or lacks the series.
+async fn sent_bytes(c: &Cluster, name: &str) -> Result<f64, String> {
+    let page = c.worker_metrics(name).await.map_err(|e| e.to_string())?;
+    kv_moved(Role::Prefill, &page).map_err(|e| format!("{name}: {e}"))
 }
 
 /// The version group decode worker `name` is registered under in the cluster's etcd membership.
@@ -173,7 +175,9 @@ impl Drill for VersionRelabel {
         load.wait_done(2, LOAD_WAIT).await?;
         let h = c.http_addr()?;
         let cm = c.coordinator_metrics().await?;
-        let (left0, joined0) = (cm.sum(MEMBERSHIP, &[("change", "left")]), cm.sum(MEMBERSHIP, &[("change", "joined")]));
+        // Counted from the first change on; the drill waits for each to rise.
+        let left0 = cm.absent_as_zero(MEMBERSHIP, &[("change", "left")]);
+        let joined0 = cm.absent_as_zero(MEMBERSHIP, &[("change", "joined")]);
         let pid = c.worker(name)?.proc.pid;
         ev.victim = Some((name.into(), pid));
         if skip {
@@ -204,14 +208,14 @@ impl Drill for VersionRelabel {
             Ok(g) => ev.missing.push(format!("etcd membership lists {name} in {g}, not g1")),
             Err(e) => ev.missing.push(format!("reading membership: {e}")),
         }
-        let g2_sent = sent_bytes(c, "prefill-1").await;
+        let g2_sent = sent_bytes(c, "prefill-1").await.map_err(HarnessError::Metrics)?;
         // It must now take work; if the load has ended, a few probes through the coordinator.
         let m = c.worker(name)?.metrics_addr()?;
         let got = eventually(&format!("{name} receives KV in g1"), Duration::from_secs(30), || {
             let (m, h) = (m.clone(), h.clone());
             async move {
-                let got =
-                    crate::metrics::scrape(&m).await.map_or(0.0, |p| p.sum("tandem_kv_received_bytes_total", &[]));
+                let page = crate::metrics::scrape(&m).await;
+                let got = page.map_or(0.0, |p| kv_moved(Role::Decode, &p).unwrap_or(0.0));
                 if got > 0.0 {
                     return true;
                 }
@@ -244,15 +248,16 @@ impl Drill for VersionRelabel {
             return Err(format!("{} (pid {}) exited {:?} after SIGTERM, not 0", d.0, d.1, d.2));
         }
         let page = c.worker_metrics(&name).await.map_err(|e| e.to_string())?;
-        let got = page.sum("tandem_kv_received_bytes_total", &[]);
-        let rejected = page.sum("tandem_kv_handshakes_rejected_total", &[]);
-        let g1_sent = sent_bytes(c, "prefill-0").await;
-        let g2_sent = sent_bytes(c, "prefill-1").await;
-        if rejected > 0.0 || g2_sent != ev.before || got > g1_sent {
+        let got = kv_moved(Role::Decode, &page)?;
+        // Mirrored for every reason from the receiver's start, so present even at 0.
+        let rejected = page.sum(decode_worker::metrics::HANDSHAKES_REJECTED, &[]).map_err(|e| e.to_string())?;
+        let g1_sent = sent_bytes(c, "prefill-0").await?;
+        let g2_after = sent_bytes(c, "prefill-1").await?;
+        if rejected > 0.0 || g2_after != ev.before || got > g1_sent {
             return Err(format!(
                 "{name} in g1 received {got} bytes, refused {rejected} handshakes; g1's prefill sent {g1_sent}, \
                  g2's prefill sent {} after the relabel",
-                g2_sent - ev.before
+                g2_after - ev.before
             ));
         }
         Ok(format!(
@@ -322,7 +327,7 @@ impl Drill for DrainGraceShort {
             let want = LONG_STREAM_LOAD as f64 + 1.0;
             let enough;
             (enough, running) =
-                counter_reaches(&m, "tandem_num_requests_running", &[], want, Duration::from_secs(2)).await;
+                counter_reaches(&m, worker_common::metrics::REQUESTS_RUNNING, &[], want, Duration::from_secs(2)).await;
             if enough.is_ok() {
                 break;
             }
