@@ -105,6 +105,11 @@ pub const STREAM_SEND_TIMEOUTS: &str = "tandem_coordinator_stream_send_timeouts_
 /// or draining). vLLM: none.
 pub const DECODE_REROUTES: &str = "tandem_coordinator_decode_reroutes_total";
 
+/// `tandem_process_start_time_seconds`: when this process started, Unix
+/// seconds; changes with every restart (the restart alert counts them).
+/// vLLM: none.
+pub const PROCESS_START: &str = "tandem_process_start_time_seconds";
+
 const LATENCY_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0];
 const TOKEN_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
 
@@ -115,6 +120,8 @@ pub fn install() -> Result<PrometheusHandle, BuildError> {
         .set_buckets_for_metric(Matcher::Full(TPOT.into()), TOKEN_BUCKETS)?
         .install_recorder()?;
     describe();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    gauge!(PROCESS_START).set(now);
     Ok(handle)
 }
 
@@ -122,6 +129,7 @@ fn describe() {
     describe_counter!(REQUESTS, "Finished requests by API, HTTP status and error code");
     describe_counter!(SHED, "Requests refused by admission, by reason");
     describe_gauge!(QUEUE_DEPTH, "Requests waiting in the central queue");
+    describe_gauge!(PROCESS_START, "When this process started, Unix seconds");
     describe_gauge!(QUEUE_TOKENS, "Token cost waiting in the central queue");
     describe_gauge!(RUNNING, "Requests dispatched to workers");
     describe_histogram!(QUEUE_WAIT, metrics::Unit::Seconds, "Arrival to dispatch");

@@ -49,6 +49,18 @@ pub const FENCED: &str = "tandem_worker_fenced";
 /// `tandem_worker_fences_total`: times the worker fenced itself. vLLM: none.
 pub const FENCES: &str = "tandem_worker_fences_total";
 
+/// `tandem_process_start_time_seconds`: when this process started, Unix
+/// seconds. It changes with every restart, however fast, which is how the
+/// restart alert counts them. vLLM: none (the Python client's
+/// `process_start_time_seconds`).
+pub const PROCESS_START: &str = "tandem_process_start_time_seconds";
+
+/// Sets [`PROCESS_START`] to now (every tandem process calls it once).
+pub fn record_process_start() {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    gauge!(PROCESS_START).set(now);
+}
+
 /// Default buckets for any histogram without its own: 5 ms .. 60 s.
 pub const DEFAULT_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0];
 
@@ -92,6 +104,8 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     describe_gauge!(FENCED, "1 while fenced (another process holds this worker's etcd key, or no coordinator has called Health for --coordinator-silence-fence-ms): no new work is taken.");
     describe_counter!(FENCES, "Times this worker fenced itself.");
     describe_counter!(PREEMPTIONS, "Sequences preempted (evicted, to be recomputed), by reason.");
+    describe_gauge!(PROCESS_START, "When this process started, Unix seconds.");
+    record_process_start();
     gauge!(FENCED).set(0.0);
     counter!(FENCES).absolute(0);
     counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(0);
