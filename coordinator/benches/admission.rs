@@ -24,6 +24,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant as Clock};
 
 use coordinator::admission::{Admission, AdmissionConfig, Priority, Shed, Slot, Ticket};
+use testkit::rng::XorShift64;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
@@ -58,15 +59,12 @@ impl Wake for Wakeup {
     }
 }
 
-/// xorshift64: reproducible keys and classes.
-struct Rng(u64);
+/// Reproducible keys and classes.
+struct Rng(XorShift64);
 
 impl Rng {
     fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
+        self.0.below(n)
     }
 
     /// A ticket from one of `KEYS` keys; mostly Normal, some High and Low.
@@ -224,7 +222,7 @@ fn queued(rng: &mut Rng) -> Result<(Vec<u64>, Vec<u64>), Box<dyn Error>> {
 fn main() -> Result<(), Box<dyn Error>> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
     rt.block_on(async {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = Rng(XorShift64::new(0x9e37_79b9_7f4a_7c15));
         let started = Clock::now();
         println!("admission: {KEYS} keys, {RUNNING} slots, {QUEUED} queued on the queued paths");
         let base = summarize("baseline", baseline());

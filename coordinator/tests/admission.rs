@@ -11,14 +11,17 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::sync::mpsc;
 
 use common::*;
+use coordinator::metrics::{QUEUE_DEPTH, SHED};
+use decode_worker::metrics::DECODE_REQUESTS;
+use prefill_worker::metrics::PREFILL_REQUESTS;
 use serde_json::{json, Value};
+use worker_common::metrics::KV_BLOCKS_USED;
 
 /// (status, headers, body) or why there was no answer.
-type Reply = Result<(u16, HashMap<String, String>, String), String>;
+type Reply = Result<(u16, HeaderMap, String), String>;
 
 fn bearer(key: &str) -> String {
     format!("Bearer {key}")
@@ -33,6 +36,7 @@ fn post_as(h: &str, key: &str, body: &Value, extra: &[(&str, &str)]) -> Reply {
     let mut headers = vec![("Authorization", auth.as_str())];
     headers.extend_from_slice(extra);
     http(h, "POST", "/v1/completions", "application/json", body.to_string().as_bytes(), &headers)
+        .map_err(|e| e.to_string())
 }
 
 /// Posts on a thread; the answer arrives on the returned channel.
@@ -100,8 +104,10 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     // retry gets the kept answer; the key with another body is refused.
     let m = decode.addr("metrics")?;
     // Generate streams the decode worker ended, whatever the outcome.
-    let served = |m: &str| metric_sum(m, "tandem_decode_requests_total");
-    let before = served(&m)?;
+    let served = |m: &str| metric_sum(m, DECODE_REQUESTS, &[]);
+    // None yet (the requests above were refused at admission): it appears with the first;
+    // the reads below need it.
+    let before = counter_before(&m, DECODE_REQUESTS, &[])?;
     let key = vec![("Idempotency-Key".to_owned(), "order-42".to_owned())];
     let first = spawn_post(&h, "sk-alice", completion(8), key.clone());
     let second = spawn_post(&h, "sk-alice", completion(8), key.clone());
@@ -126,7 +132,7 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     let mut streaming = completion(6);
     streaming["stream"] = json!(true);
     let auth = bearer("sk-carol");
-    let run = |b: &Value| -> Result<Vec<String>, String> {
+    let run = |b: &Value| -> testkit::Result<Vec<String>> {
         open_stream(&h, "/v1/completions", b, &[("Authorization", &auth), ("Idempotency-Key", "s-1")])?.rest()
     };
     let before = served(&m)?;
@@ -138,7 +144,8 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     assert_eq!(served(&m)?, before + 1.0, "two streaming requests with one key ran once");
     // Each answer ended at max_tokens: the coordinator read the worker's own end
     // before hanging up, so none counts as a client cancel.
-    let cancelled = metric(&m, "tandem_decode_requests_total{outcome=\"cancelled\"}")?;
+    // The family is exported (`served` read it); `cancelled` appears with its first cancel.
+    let cancelled = counter_before(&m, DECODE_REQUESTS, &[("outcome", "cancelled")])?;
     assert_eq!(cancelled, 0.0, "answers that ran to max_tokens were counted cancelled on the decode worker");
 
     // The slot is taken by a long stream (alice) for the rest of the test.
@@ -151,12 +158,14 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     holder.next_event()?.ok_or("the long stream ended at once")?;
     let depth = |n: f64| {
         let h = h.clone();
-        move || metric(&h, "tandem_coordinator_queue_depth").is_ok_and(|v| v == n)
+        move || metric(&h, QUEUE_DEPTH, &[]).is_ok_and(|v| v == n)
     };
 
     // A deadline that passes in the queue: 504, dropped before prefill.
     let pm = prefill.addr("metrics")?;
-    let prefills = || metric(&pm, "tandem_prefill_requests_total{outcome=\"ok\"}");
+    // Short prompts are prefilled on the decode worker here, so this counter may not exist
+    // yet (it is rendered from its first increment): read as 0 until it does.
+    let prefills = || counter_before(&pm, PREFILL_REQUESTS, &[("outcome", "ok")]);
     let prefilled = prefills()?;
     let short_deadline = vec![("x-request-timeout-ms".to_owned(), "1000".to_owned())];
     let (s, hd, b) = answer(&spawn_post(&h, "sk-carol", completion(4), short_deadline))?;
@@ -184,7 +193,8 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     let (s, hd, b) = post_as(&h, "sk-alice", &completion(3), &[])?;
     error_of(s, &b, 429, None)?;
     assert_eq!(code_of(&b), "rate_limit_exceeded");
-    assert!(hd.get("retry-after").and_then(|v| v.parse::<u64>().ok()).is_some_and(|r| (1..=60).contains(&r)), "{hd:?}");
+    let retry_after = hd.get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    assert!(retry_after.is_some_and(|r| (1..=60).contains(&r)), "{hd:?}");
 
     // Bob queues one normal and one high: the queue is full (4).
     let bob_normal = spawn_post(&h, "sk-bob", completion(3), Vec::new());
@@ -196,7 +206,7 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     // caller with nothing queued: every one is refused at once with
     // 503 queue_full + Retry-After while the slot is still busy; nothing
     // hangs and the coordinator's memory stays flat.
-    let rss_before = rss_kib(coord.child.id())?;
+    let rss_before = rss_kib(coord.pid)?;
     let burst: Vec<_> = (0..15).map(|_| spawn_post(&h, "sk-carol", completion(3), Vec::new())).collect();
     for rx in &burst {
         let (s, hd, b) = answer(rx)?;
@@ -205,7 +215,7 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
         assert!(hd.contains_key("retry-after"), "{hd:?}");
     }
     assert_eq!(holder.next_event()?.map(|e| e.contains("\"text\"")), Some(true), "the slot was busy throughout");
-    let rss_after = rss_kib(coord.child.id())?;
+    let rss_after = rss_kib(coord.pid)?;
     assert!(rss_after < rss_before + 32 * 1024, "RSS grew from {rss_before} to {rss_after} KiB");
 
     // The long stream goes away; the queue drains in priority order, then
@@ -229,12 +239,11 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     assert_ne!(normal, ["alice", "alice", "bob-normal"], "bob waited behind alice's whole backlog: {ids:?}");
 
     // The contract shows up in the coordinator's metrics.
-    let shed = |r: &str| metric(&h, &format!("tandem_coordinator_admission_shed_total{{reason=\"{r}\"}}"));
+    let shed = |r: &str| metric(&h, SHED, &[("reason", r)]);
     assert_eq!(shed("queue_full")?, 15.0);
     assert_eq!(shed("key_limit")?, 1.0);
     assert_eq!(shed("queue_deadline")?, 2.0, "the relative and the absolute deadline that passed in the queue");
-    eventually("the decode worker's KV back to 0", || metric(&m, "tandem_kv_blocks_used").is_ok_and(|v| v == 0.0))
-        .await?;
+    eventually("the decode worker's KV back to 0", || metric(&m, KV_BLOCKS_USED, &[]).is_ok_and(|v| v == 0.0)).await?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -259,16 +268,16 @@ async fn sigterm_refuses_the_queue_at_once_and_drains_the_running() -> TestResul
     assert_eq!(holder.status, 200);
     holder.next_event()?.ok_or("the long stream ended at once")?;
     let queued: Vec<_> = (0..3).map(|_| spawn_post(&h, "none", completion(3), Vec::new())).collect();
-    eventually("three requests queued", || metric(&h, "tandem_coordinator_queue_depth").is_ok_and(|v| v == 3.0))
-        .await?;
+    eventually("three requests queued", || metric(&h, QUEUE_DEPTH, &[]).is_ok_and(|v| v == 3.0)).await?;
 
-    signal(&coord, "-TERM");
+    coord.signal(Signal::Term)?;
     let signalled = std::time::Instant::now();
     for rx in &queued {
         let (s, hd, b) = rx.recv_timeout(WAIT).map_err(|_| "a queued request got no answer")??;
         error_of(s, &b, 503, None)?;
         assert_eq!(code_of(&b), "shutting_down", "{b}");
-        assert!(hd.get("retry-after").and_then(|v| v.parse::<u64>().ok()).is_some_and(|r| r >= 1), "{hd:?}");
+        let retry_after = hd.get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        assert!(retry_after.is_some_and(|r| r >= 1), "{hd:?}");
     }
     let took = signalled.elapsed();
     assert!(took < std::time::Duration::from_secs(1), "the queued requests were answered after {took:?}");
@@ -286,7 +295,7 @@ async fn sigterm_refuses_the_queue_at_once_and_drains_the_running() -> TestResul
     assert!(texts >= 390, "only {texts} token events after the first");
     let mut exit = None;
     eventually("the coordinator exiting after the drain", || {
-        exit = coord.child.try_wait().ok().flatten();
+        exit = coord.exited();
         exit.is_some()
     })
     .await?;

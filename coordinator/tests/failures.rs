@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use decode_worker::metrics::{DECODE_REQUESTS, GENERATION_TOKENS, RESERVATIONS_ACTIVE};
 use serde_json::{json, Value};
+use worker_common::metrics::{KV_BLOCKS_USED, REQUESTS_RUNNING};
 
 fn long_stream(max_tokens: u32) -> Value {
     json!({
@@ -51,12 +53,14 @@ fn decode_args<'a>(ep: &'a str, prefix: &'a str, id: &'a str, ttl: &'a str) -> V
     v
 }
 
-/// Waits until the worker's KV pool and reservations are back to zero.
+/// Waits until the worker's KV pool (and a decode worker's reservations: a prefill worker
+/// holds none) is back to zero; a missing series never is.
 async fn settled(p: &Proc, what: &str) -> TestResult {
     let m = p.addr("metrics")?;
+    let decode = p.name == "tandem-decode-worker";
     eventually(&format!("{what}: KV blocks back to 0"), || {
-        metric(&m, "tandem_kv_blocks_used").is_ok_and(|v| v == 0.0)
-            && metric(&m, "tandem_reservations_active").is_ok_and(|v| v == 0.0)
+        metric(&m, KV_BLOCKS_USED, &[]).is_ok_and(|v| v == 0.0)
+            && (!decode || metric(&m, RESERVATIONS_ACTIVE, &[]).is_ok_and(|v| v == 0.0))
     })
     .await
 }
@@ -92,11 +96,11 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
     let (m1, m2) = (d1.addr("metrics")?, d2.addr("metrics")?);
     // The gauge is refreshed by the coordinator's load polls.
     eventually("one stream on each decode worker", || {
-        [&m1, &m2].iter().all(|m| metric(m, "tandem_num_requests_running").is_ok_and(|v| v == 1.0))
+        [&m1, &m2].iter().all(|m| metric(m, REQUESTS_RUNNING, &[]).is_ok_and(|v| v == 1.0))
     })
     .await?;
 
-    signal(&d1, "-KILL");
+    d1.signal(Signal::Kill)?;
     let mut outcomes = Vec::new();
     for s in streams {
         let events = s.rest()?;
@@ -133,12 +137,8 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
 
 /// `worker_common::metrics::FENCES` on a worker's `/metrics`; a page without the
 /// series is an error, not 0 (a renamed counter must not pass as "never fenced").
-fn fences(p: &Proc) -> Result<f64, String> {
-    let m = p.addr("metrics")?;
-    let (_, _, body) = http(&m, "GET", "/metrics", "", b"", &[])?;
-    body.lines()
-        .find_map(|l| l.strip_prefix(worker_common::metrics::FENCES)?.strip_prefix(' ')?.trim().parse().ok())
-        .ok_or_else(|| format!("no {} series on {m}", worker_common::metrics::FENCES))
+fn fences(p: &Proc) -> testkit::Result<f64> {
+    metric(&p.addr("metrics")?, worker_common::metrics::FENCES, &[])
 }
 
 /// Static stability: etcd is the control plane, the data plane outlives it.
@@ -185,10 +185,10 @@ async fn etcd_outage_serves_until_the_stale_bound_and_fences_no_worker() -> Test
         })
     };
     let m = decode.addr("metrics")?;
-    let served_before = metric_sum(&m, "tandem_decode_requests_total")?;
+    let served_before = metric_sum(&m, DECODE_REQUESTS, &[])?;
     etcd.restart().await?;
     eventually("requests complete after the restart", || {
-        metric_sum(&m, "tandem_decode_requests_total").is_ok_and(|v| v >= served_before + 3.0)
+        metric_sum(&m, DECODE_REQUESTS, &[]).is_ok_and(|v| v >= served_before + 3.0)
     })
     .await?;
     stop.store(true, Ordering::SeqCst);
@@ -260,30 +260,29 @@ async fn client_disconnect_cancels_and_frees_kv() -> TestResult {
     for _ in 0..3 {
         s.next_event()?.ok_or("the stream ended early")?;
     }
-    eventually("the stream runs", || metric(&m, "tandem_num_requests_running").is_ok_and(|v| v == 1.0)).await?;
+    eventually("the stream runs", || metric(&m, REQUESTS_RUNNING, &[]).is_ok_and(|v| v == 1.0)).await?;
     drop(s);
     eventually("the decode worker ends the abandoned stream", || {
-        metric(&m, "tandem_num_requests_running").is_ok_and(|v| v == 0.0)
+        metric(&m, REQUESTS_RUNNING, &[]).is_ok_and(|v| v == 0.0)
     })
     .await?;
-    let generated = metric_sum(&m, "tandem_generation_tokens_total")?;
+    let generated = metric_sum(&m, GENERATION_TOKENS, &[])?;
     assert!(generated < 4000.0, "cancelled, not run to max_tokens: {generated} tokens");
     settled(&decode, "decode").await?;
     settled(&prefill, "prefill").await?;
 
     // Non-streaming: the client sends its request and leaves before the answer.
-    let before = metric_sum(&m, "tandem_generation_tokens_total")?;
+    let before = metric_sum(&m, GENERATION_TOKENS, &[])?;
     let mut body = long_stream(4000);
     body["stream"] = json!(false);
-    let conn = send_only(&h, "/v1/completions", &body)?;
-    eventually("the non-streaming request runs", || metric(&m, "tandem_num_requests_running").is_ok_and(|v| v == 1.0))
-        .await?;
+    let conn = testkit::http::Request::post(&h, "/v1/completions").json(&body).start();
+    eventually("the non-streaming request runs", || metric(&m, REQUESTS_RUNNING, &[]).is_ok_and(|v| v == 1.0)).await?;
     drop(conn);
     eventually("the decode worker ends the abandoned request", || {
-        metric(&m, "tandem_num_requests_running").is_ok_and(|v| v == 0.0)
+        metric(&m, REQUESTS_RUNNING, &[]).is_ok_and(|v| v == 0.0)
     })
     .await?;
-    let generated = metric_sum(&m, "tandem_generation_tokens_total")? - before;
+    let generated = metric_sum(&m, GENERATION_TOKENS, &[])? - before;
     assert!(generated < 4000.0, "cancelled, not run to max_tokens: {generated} tokens");
     settled(&decode, "decode").await?;
     settled(&prefill, "prefill").await?;
@@ -309,39 +308,41 @@ async fn frozen_decode_workers_are_stale_and_refused_fast() -> TestResult {
     let h = coord.addr("http")?;
     eventually("the coordinator reporting ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
         .await?;
-    let stale = |h: &str| metric(h, &format!("{}{{role=\"decode\"}}", coordinator::metrics::WORKERS_STALE));
+    let stale = |h: &str| metric(h, coordinator::metrics::WORKERS_STALE, &[("role", "decode")]);
     assert_eq!(stale(&h)?, 0.0, "both workers answer their polls");
     // A request that reached a frozen worker would wait out this deadline (504).
     let timeout = [("x-request-timeout-ms", "10000")];
     let ask =
         |h: &str| http(h, "POST", "/v1/completions", "application/json", short().to_string().as_bytes(), &timeout);
 
-    signal(&d1, "-STOP");
+    d1.signal(Signal::Stop)?;
     let stopped = std::time::Instant::now();
     eventually("the frozen decode worker counted stale", || stale(&h).is_ok_and(|v| v == 1.0)).await?;
     // 4 intervals of 100 ms after its last answer, plus a poll round and the scrape.
     assert!(stopped.elapsed() < std::time::Duration::from_secs(2), "stale only after {:?}", stopped.elapsed());
-    let served = |p: &Proc| -> Result<f64, String> { metric_sum(&p.addr("metrics")?, "tandem_decode_requests_total") };
-    let before = served(&d2)?;
+    let served = |p: &Proc| -> testkit::Result<f64> { metric_sum(&p.addr("metrics")?, DECODE_REQUESTS, &[]) };
+    // None served yet: the counter appears with the first; the wait below reads it strictly.
+    let before = counter_before(&d2.addr("metrics")?, DECODE_REQUESTS, &[])?;
     for i in 0..6 {
         let (s, _, b) = ask(&h)?;
         assert_eq!(s, 200, "request {i} with one worker frozen: {b}");
     }
     eventually("the live worker ending all six", || served(&d2).is_ok_and(|n| n >= before + 6.0)).await?;
 
-    signal(&d2, "-STOP");
+    d2.signal(Signal::Stop)?;
     eventually("both decode workers counted stale", || stale(&h).is_ok_and(|v| v == 2.0)).await?;
     let asked = std::time::Instant::now();
     let (s, hd, b) = ask(&h)?;
     let took = asked.elapsed();
     error_of(s, &b, 503, None)?;
     assert_eq!(json_of(&b)?["error"]["code"], "no_worker", "{b}");
-    assert!(hd.get("retry-after").and_then(|v| v.parse::<u64>().ok()).is_some_and(|r| r >= 1), "{hd:?}");
+    let retry_after = hd.get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    assert!(retry_after.is_some_and(|r| r >= 1), "{hd:?}");
     assert!(took < std::time::Duration::from_secs(1), "the refusal took {took:?}");
     assert_eq!(http(&h, "GET", "/ready", "", b"", &[])?.0, 503, "no decode worker answers: not ready");
 
-    signal(&d1, "-CONT");
-    signal(&d2, "-CONT");
+    d1.signal(Signal::Cont)?;
+    d2.signal(Signal::Cont)?;
     eventually("both workers answering again", || stale(&h).is_ok_and(|v| v == 0.0)).await?;
     let (s, _, b) = ask(&h)?;
     assert_eq!(s, 200, "after SIGCONT: {b}");

@@ -15,7 +15,8 @@ mod common;
 use std::future::Future;
 use std::time::Duration;
 
-use common::{eventually, metric, post, reference, start_pair, Pair, TestResult, MODEL, WAIT};
+use common::{counter_before, eventually, metric, post, reference, start_pair, Pair, Signal, TestResult, MODEL, WAIT};
+use decode_worker::metrics::DECODE_REQUESTS;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 use proto::frontend::v1::frontend_client::FrontendClient;
@@ -262,9 +263,9 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     // one after is shed as UNAVAILABLE + retry-after (queue full). Then the
     // first client goes away: the decode worker sees the request cancelled
     // (not run to its 1000 tokens), and the queued one runs.
-    let cancelled = "tandem_decode_requests_total{outcome=\"cancelled\"}";
+    let cancelled = [("outcome", "cancelled")];
     let metrics = decode.addr("metrics")?;
-    let before = metric(&metrics, cancelled)?;
+    let before = counter_before(&metrics, DECODE_REQUESTS, &cancelled)?;
     let long = GenerateRequest { ignore_eos: true, ..prompt_req("Once upon a time", 1000) };
     let mut first = client.clone();
     let mut stream = bounded("the long request starting", first.generate(long)).await??.into_inner();
@@ -275,7 +276,7 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
         tokio::spawn(async move { generate(&client, req, None).await })
     };
     eventually("the second request waiting in the queue", || {
-        metric(&h, "tandem_coordinator_queue_depth").is_ok_and(|n| n == 1.0)
+        metric(&h, coordinator::metrics::QUEUE_DEPTH, &[]).is_ok_and(|n| n == 1.0)
     })
     .await?;
     let r = generate(&client, prompt_req(prompt, 1), None).await?;
@@ -284,7 +285,7 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     assert!(retry_after.is_some_and(|r| (1..=60).contains(&r)), "{s:?}");
     drop(stream);
     eventually("the decode worker cancelling the abandoned request", || {
-        metric(&metrics, cancelled).is_ok_and(|n| n == before + 1.0)
+        metric(&metrics, DECODE_REQUESTS, &cancelled).is_ok_and(|n| n == before + 1.0)
     })
     .await?;
     let a = bounded("the queued request", queued).await???.map_err(|s| format!("the queued request: {s:?}"))?;
@@ -302,8 +303,7 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     let mut stream = bounded("the draining request starting", first.generate(draining)).await??.into_inner();
     bounded("the draining request's first chunk", stream.message()).await??.ok_or("it ended at once")?;
     let signalled = std::time::Instant::now();
-    let kill = std::process::Command::new("kill").args(["-TERM", &coord.child.id().to_string()]).status()?;
-    assert!(kill.success());
+    coord.signal(Signal::Term)?;
     let saw_not_serving = bounded("the health watch ending on SIGTERM", async {
         let mut seen = false;
         while let Some(r) = watch.message().await? {
@@ -323,7 +323,7 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     let mut coord = coord;
     let mut exit = None;
     eventually("the coordinator exiting after SIGTERM", || {
-        exit = coord.child.try_wait().ok().flatten();
+        exit = coord.exited();
         exit.is_some()
     })
     .await?;

@@ -9,8 +9,10 @@
 mod common;
 
 use common::*;
+use decode_worker::metrics::{DECODE_REQUESTS, KV_RECEIVED_BYTES};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
+use prefill_worker::metrics::{KV_TRANSFER_BYTES, PREFILL_REQUESTS};
 use serde_json::{json, Value};
 
 /// One row of the bad-input table: name, path, content type, body, status, `param`.
@@ -57,7 +59,8 @@ fn openai_api_through_a_prefill_decode_pair() -> TestResult {
     sreq["stream_options"] = json!({"include_usage": true});
     let (s, headers, body) = post(&h, "/v1/chat/completions", &sreq)?;
     assert_eq!(s, 200, "{body}");
-    assert!(headers.get("content-type").is_some_and(|c| c.starts_with("text/event-stream")), "{headers:?}");
+    let content_type = headers.get("content-type").and_then(|c| c.to_str().ok());
+    assert!(content_type.is_some_and(|c| c.starts_with("text/event-stream")), "{headers:?}");
     let events: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
     let mut text = String::new();
@@ -188,9 +191,12 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
         assert_eq!(s, 200, "{body}");
     }
     // Every remote prefill went to g1's prefill worker; g2's never saw one.
-    let ok = "tandem_prefill_requests_total{outcome=\"ok\"}";
-    assert_eq!(metric(&p1.addr("metrics")?, ok)?, 3.0);
-    assert_eq!(metric(&p2.addr("metrics")?, ok)?, 0.0, "a request crossed version groups");
+    let ok = [("outcome", "ok")];
+    assert_eq!(metric(&p1.addr("metrics")?, PREFILL_REQUESTS, &ok)?, 3.0);
+    // p2 answered no Prefill (its counter is rendered from the first); its KV counter is
+    // exported from the start and must read 0.
+    assert_eq!(counter_before(&p2.addr("metrics")?, PREFILL_REQUESTS, &ok)?, 0.0, "a request crossed version groups");
+    assert_eq!(metric(&p2.addr("metrics")?, KV_TRANSFER_BYTES, &[])?, 0.0, "KV crossed version groups");
 
     // Group g2 gets its own decode worker: both groups serve at once, and
     // the KV bytes each group's prefill worker sent are exactly the bytes
@@ -202,7 +208,7 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     let coord2 = start_etcd_coordinator(&ep, "t4", &[])?;
     let h2 = coord2.addr("http")?;
     let dm2 = d2.addr("metrics")?;
-    let served2 = || metric(&dm2, "tandem_decode_requests_total{outcome=\"ok\"}");
+    let served2 = || metric(&dm2, DECODE_REQUESTS, &[("outcome", "ok")]);
     eventually("the first coordinator routes to d2 as well", || {
         // Concurrent requests spread over both decode workers (in-flight counts).
         let burst: Vec<_> = (0..4)
@@ -211,14 +217,14 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
                 std::thread::spawn(move || post(&h, "/v1/completions", &req).map(|r| r.0))
             })
             .collect();
-        let all_ok = burst.into_iter().all(|t| t.join().is_ok_and(|r| r == Ok(200)));
+        let all_ok = burst.into_iter().all(|t| t.join().is_ok_and(|r| r.is_ok_and(|s| s == 200)));
         all_ok && served2().is_ok_and(|n| n > 0.0)
     })
     .await?;
     let (s, _, body) = post(&h2, "/v1/completions", &req)?;
     assert_eq!(s, 200, "the second coordinator: {body}");
-    let sent = |p: &Proc| metric(&p.addr("metrics")?, "tandem_kv_transfer_bytes_total");
-    let received = |addr: &str| metric(addr, "tandem_kv_received_bytes_total");
+    let sent = |p: &Proc| metric(&p.addr("metrics")?, KV_TRANSFER_BYTES, &[]);
+    let received = |addr: &str| metric(addr, KV_RECEIVED_BYTES, &[]);
     let d1m = d1.addr("metrics")?;
     assert!(sent(&p2)? > 0.0, "g2 served remote prefills");
     // The receiver's counters are exported as reservations are reaped.
@@ -228,12 +234,12 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     })
     .await?;
     drop(coord2);
-    let _ = std::process::Command::new("kill").args(["-TERM", &d2.child.id().to_string()]).status();
+    d2.signal(Signal::Term)?;
 
     // The only decode worker leaves: it deregisters on SIGTERM, and the
     // coordinator answers 503 + Retry-After instead of routing to it.
-    let _ = std::process::Command::new("kill").args(["-TERM", &d1.child.id().to_string()]).status();
-    let _ = d1.child.wait();
+    d1.signal(Signal::Term)?;
+    d1.wait_exit(WAIT).await?;
     eventually("503 once no decode worker is registered", || {
         post(&h, "/v1/completions", &req).is_ok_and(|(s, headers, _)| s == 503 && headers.contains_key("retry-after"))
     })

@@ -442,18 +442,6 @@ async fn retry_after_is_queued_tokens_over_measured_throughput() {
     drop(f);
 }
 
-/// xorshift64: a seeded, dependency-free source of test sequences.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 struct Waiting<'a> {
     ticket: Ticket,
     arrived: Instant,
@@ -473,7 +461,7 @@ async fn random_run(seed: u64) {
         per_key_max_queued_tokens: 1500,
     };
     let a = admission(cfg.clone());
-    let mut rng = Rng(seed);
+    let mut rng = testkit::rng::XorShift64::new(seed);
     let mut max_running = cfg.max_running;
     let mut slots: Vec<Slot> = Vec::new();
     let mut waiting: Vec<Waiting<'_>> = Vec::new();
