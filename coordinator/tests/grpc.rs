@@ -13,6 +13,7 @@
 mod common;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{counter_before, eventually, metric, post, reference, start_pair, Pair, Signal, TestResult, MODEL, WAIT};
@@ -152,6 +153,70 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     let overall = health.check(HealthCheckRequest { service: String::new() }).await?.into_inner();
     assert_eq!(overall.status, ServingStatus::Serving as i32, "the server as a whole");
 
+    let cx = Arc::new(Cx {
+        client,
+        channel,
+        h: h.clone(),
+        tok,
+        decode_metrics: decode.addr("metrics")?,
+        service: service.clone(),
+    });
+
+    // Each part runs in a task of its own, on this one cluster: a failed
+    // assertion fails its part, and the parts after it still run, so one
+    // failure does not hide the others. SIGTERM comes last (it stops the
+    // coordinator).
+    let mut failed = Vec::new();
+    for (name, part) in [
+        ("models and reflection", tokio::spawn(models_and_reflection(cx.clone()))),
+        ("completions", tokio::spawn(completions(cx.clone()))),
+        ("chat with logprobs", tokio::spawn(chat_with_logprobs(cx.clone()))),
+        ("refusals", tokio::spawn(refusals(cx.clone()))),
+    ] {
+        record(&mut failed, name, part.await);
+    }
+    // These two share the one running seat: one after the other.
+    record(&mut failed, "admission", tokio::spawn(admission(cx.clone())).await);
+    record(&mut failed, "deadline", tokio::spawn(deadline(cx.clone())).await);
+    record(&mut failed, "SIGTERM drain", tokio::spawn(drain(cx.clone(), coord, watch)).await);
+    assert!(failed.is_empty(), "{} part(s) failed:\n{}", failed.len(), failed.join("\n"));
+    Ok(())
+}
+
+/// A part's outcome: an error it returned or an assertion it failed, named.
+fn record(failed: &mut Vec<String>, name: &str, r: Result<TestResult, tokio::task::JoinError>) {
+    let why = match r {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => match e.try_into_panic() {
+            Ok(p) => p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "a panic".into()),
+            Err(e) => e.to_string(),
+        },
+    };
+    failed.push(format!("{name}: {why}"));
+}
+
+/// What every part needs of the cluster.
+struct Cx {
+    client: FrontendClient<Channel>,
+    channel: Channel,
+    h: String,
+    tok: Tokenizer,
+    decode_metrics: String,
+    service: String,
+}
+
+const PROMPT: &str = "The capital of France is";
+
+/// ListModels, and reflection listing what this server runs.
+async fn models_and_reflection(cx: Arc<Cx>) -> TestResult {
+    let client = cx.client.clone();
+    let channel = cx.channel.clone();
+    let service = cx.service.clone();
     // ListModels.
     let models = client.clone().list_models(ListModelsRequest {}).await?.into_inner();
     assert_eq!(models.models.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(), [MODEL]);
@@ -194,8 +259,16 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
         }
     }
 
+    Ok(())
+}
+
+/// Greedy completion: the engine's answer, and the HTTP API's, token for token.
+async fn completions(cx: Arc<Cx>) -> TestResult {
+    let client = cx.client.clone();
+    let h = cx.h.as_str();
+    let tok = &cx.tok;
+    let prompt = PROMPT;
     // Greedy completion: the engine's answer, and the HTTP API's, token for token.
-    let prompt = "The capital of France is";
     let pids = tok.encode(prompt, false)?;
     let want = reference(&tok, &pids, 16)?;
     let a = generate(&client, GenerateRequest { include_usage: true, ..prompt_req(prompt, 16) }, None).await??;
@@ -220,6 +293,13 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     assert_eq!(b.text, want, "token-id input");
     assert!(b.done.as_ref().is_some_and(|d| d.usage.is_none()), "{:?}", b.done);
 
+    Ok(())
+}
+
+/// Chat with logprobs: the HTTP chat answer, each token with 2 alternatives.
+async fn chat_with_logprobs(cx: Arc<Cx>) -> TestResult {
+    let client = cx.client.clone();
+    let h = cx.h.as_str();
     // Chat with logprobs: the HTTP chat answer, each token with 2 alternatives.
     let question = "What is the capital of France?";
     let chat = GenerateRequest {
@@ -242,6 +322,13 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
         }
     }
 
+    Ok(())
+}
+
+/// Refusals: each a status code with the OpenAI code and field as metadata.
+async fn refusals(cx: Arc<Cx>) -> TestResult {
+    let client = cx.client.clone();
+    let prompt = PROMPT;
     // Refusals: each a status code with the OpenAI code and field as metadata.
     let r = generate(&client, GenerateRequest { model: "gpt-9".into(), ..prompt_req(prompt, 4) }, None).await?;
     refused(r, Code::NotFound, Some("model_not_found"), Some("model"))?;
@@ -259,12 +346,20 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     let r = bounded("an answer to a bad grpc-timeout", client.clone().generate(bad_timeout)).await?;
     refused(r.map(|_| Answer::default()), Code::InvalidArgument, None, Some("grpc-timeout"))?;
 
+    Ok(())
+}
+
+/// Admission with one seat and a queue of one.
+async fn admission(cx: Arc<Cx>) -> TestResult {
+    let client = cx.client.clone();
+    let h = cx.h.as_str();
+    let metrics = cx.decode_metrics.as_str();
+    let prompt = PROMPT;
     // Admission: with the one slot taken, the next request queues and the
     // one after is shed as UNAVAILABLE + retry-after (queue full). Then the
     // first client goes away: the decode worker sees the request cancelled
     // (not run to its 1000 tokens), and the queued one runs.
     let cancelled = [("outcome", "cancelled")];
-    let metrics = decode.addr("metrics")?;
     let before = counter_before(&metrics, DECODE_REQUESTS, &cancelled)?;
     let long = GenerateRequest { ignore_eos: true, ..prompt_req("Once upon a time", 1000) };
     let mut first = client.clone();
@@ -291,14 +386,32 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     let a = bounded("the queued request", queued).await???.map_err(|s| format!("the queued request: {s:?}"))?;
     assert!(a.done.is_some(), "the queued request ran once the abandoned one was dropped: {a:?}");
 
+    Ok(())
+}
+
+/// A deadline that cannot be met.
+async fn deadline(cx: Arc<Cx>) -> TestResult {
+    let client = cx.client.clone();
     // A deadline that cannot be met: DEADLINE_EXCEEDED, not a hung call.
     let slow = GenerateRequest { ignore_eos: true, ..prompt_req("Once upon a time", 200) };
     let r = generate(&client, slow, Some(Duration::from_millis(50))).await?;
     refused(r, Code::DeadlineExceeded, Some("deadline_exceeded"), None)?;
 
+    Ok(())
+}
+
+/// SIGTERM drains the coordinator.
+async fn drain(
+    cx: Arc<Cx>,
+    coord: common::Proc,
+    mut watch: tonic::Streaming<tonic_health::pb::HealthCheckResponse>,
+) -> TestResult {
+    let client = cx.client.clone();
+    let prompt = PROMPT;
     // SIGTERM drains: health turns NOT_SERVING and the watch ends (it must
     // not hold the drain), the request in flight still ends with Done, and
     // the coordinator exits 0 well inside its grace.
+    let mut first = client.clone();
     let draining = GenerateRequest { ignore_eos: true, ..prompt_req(prompt, 24) };
     let mut stream = bounded("the draining request starting", first.generate(draining)).await??.into_inner();
     bounded("the draining request's first chunk", stream.message()).await??.ok_or("it ended at once")?;
