@@ -11,7 +11,7 @@
 
 mod common;
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use common::*;
 use coordinator::metrics::{QUEUE_DEPTH, SHED};
@@ -85,6 +85,54 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     eventually("the coordinator reporting ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
         .await?;
 
+    let cx = Arc::new(Cx {
+        h: h.clone(),
+        decode_metrics: decode.addr("metrics")?,
+        prefill_metrics: prefill.addr("metrics")?,
+        coord_pid: coord.pid,
+    });
+
+    // Each part runs in a task of its own, one after another on this cluster (they
+    // share its one running seat): a failed assertion fails its part and the later
+    // parts still run, so one failure does not hide the others.
+    let mut failed = Vec::new();
+    record(&mut failed, "keys", tokio::spawn(api_keys(cx.clone())).await);
+    record(&mut failed, "idempotency", tokio::spawn(idempotency(cx.clone())).await);
+    record(&mut failed, "idempotent streaming", tokio::spawn(idempotent_streaming(cx.clone())).await);
+    record(&mut failed, "queue contract", tokio::spawn(queue_contract(cx.clone())).await);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failed.is_empty(), "{} part(s) failed:\n{}", failed.len(), failed.join("\n"));
+    Ok(())
+}
+
+/// What every part needs of the cluster.
+struct Cx {
+    h: String,
+    decode_metrics: String,
+    prefill_metrics: String,
+    coord_pid: u32,
+}
+
+/// A part's outcome: an error it returned or an assertion it failed, named.
+fn record(failed: &mut Vec<String>, name: &str, r: Result<TestResult, tokio::task::JoinError>) {
+    let why = match r {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => match e.try_into_panic() {
+            Ok(p) => p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "a panic".into()),
+            Err(e) => e.to_string(),
+        },
+    };
+    failed.push(format!("{name}: {why}"));
+}
+
+/// Keys: health, ready and metrics are open; everything else needs one.
+async fn api_keys(cx: Arc<Cx>) -> TestResult {
+    let h = cx.h.clone();
     // Keys: health, ready and metrics are open; everything else needs one.
     let (s, _, b) = post(&h, "/v1/completions", &completion(2))?;
     error_of(s, &b, 401, None)?;
@@ -100,11 +148,18 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     let (s, _, b) = post_as(&h, "sk-alice", &completion(2), &[("x-priority", "urgent")])?;
     error_of(s, &b, 400, Some("x-priority"))?;
 
-    // Idempotency: two identical requests with one key run once; a later
-    // retry gets the kept answer; the key with another body is refused.
-    let m = decode.addr("metrics")?;
+    Ok(())
+}
+
+/// Two identical requests with one Idempotency-Key run once; a later retry gets
+/// the kept answer; the key with another body is refused; keys are per caller.
+async fn idempotency(cx: Arc<Cx>) -> TestResult {
+    let h = cx.h.clone();
+    let m = cx.decode_metrics.clone();
     // Generate streams the decode worker ended, whatever the outcome.
     let served = |m: &str| metric_sum(m, DECODE_REQUESTS, &[]);
+    // Idempotency: two identical requests with one key run once; a later
+    // retry gets the kept answer; the key with another body is refused.
     // None yet (the requests above were refused at admission): it appears with the first;
     // the reads below need it.
     let before = counter_before(&m, DECODE_REQUESTS, &[])?;
@@ -128,6 +183,15 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     assert_eq!(s, 200, "{b}");
     assert_ne!(json_of(&b)?["id"], va["id"]);
 
+    Ok(())
+}
+
+/// Streaming with a key: the retry replays the same events, [DONE] included.
+async fn idempotent_streaming(cx: Arc<Cx>) -> TestResult {
+    let h = cx.h.clone();
+    let m = cx.decode_metrics.clone();
+    // Generate streams the decode worker ended, whatever the outcome.
+    let served = |m: &str| metric_sum(m, DECODE_REQUESTS, &[]);
     // Streaming with a key: the retry replays the same events, [DONE] included.
     let mut streaming = completion(6);
     streaming["stream"] = json!(true);
@@ -148,6 +212,14 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     let cancelled = counter_before(&m, DECODE_REQUESTS, &[("outcome", "cancelled")])?;
     assert_eq!(cancelled, 0.0, "answers that ran to max_tokens were counted cancelled on the decode worker");
 
+    Ok(())
+}
+
+/// One long stream holds the seat: queue deadlines, per-key shares, a burst at
+/// three times capacity, priority then fairness, and the metrics of it all.
+async fn queue_contract(cx: Arc<Cx>) -> TestResult {
+    let h = cx.h.clone();
+    let m = cx.decode_metrics.clone();
     // The slot is taken by a long stream (alice) for the rest of the test.
     let long = json!({
         "model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0,
@@ -162,7 +234,7 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     };
 
     // A deadline that passes in the queue: 504, dropped before prefill.
-    let pm = prefill.addr("metrics")?;
+    let pm = cx.prefill_metrics.clone();
     // Short prompts are prefilled on the decode worker here, so this counter may not exist
     // yet (it is rendered from its first increment): read as 0 until it does.
     let prefills = || counter_before(&pm, PREFILL_REQUESTS, &[("outcome", "ok")]);
@@ -206,7 +278,7 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     // caller with nothing queued: every one is refused at once with
     // 503 queue_full + Retry-After while the slot is still busy; nothing
     // hangs and the coordinator's memory stays flat.
-    let rss_before = rss_kib(coord.pid)?;
+    let rss_before = rss_kib(cx.coord_pid)?;
     let burst: Vec<_> = (0..15).map(|_| spawn_post(&h, "sk-carol", completion(3), Vec::new())).collect();
     for rx in &burst {
         let (s, hd, b) = answer(rx)?;
@@ -215,7 +287,7 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
         assert!(hd.contains_key("retry-after"), "{hd:?}");
     }
     assert_eq!(holder.next_event()?.map(|e| e.contains("\"text\"")), Some(true), "the slot was busy throughout");
-    let rss_after = rss_kib(coord.pid)?;
+    let rss_after = rss_kib(cx.coord_pid)?;
     assert!(rss_after < rss_before + 32 * 1024, "RSS grew from {rss_before} to {rss_after} KiB");
 
     // The long stream goes away; the queue drains in priority order, then
@@ -244,14 +316,9 @@ async fn overload_contract_keys_priorities_and_idempotency() -> TestResult {
     assert_eq!(shed("key_limit")?, 1.0);
     assert_eq!(shed("queue_deadline")?, 2.0, "the relative and the absolute deadline that passed in the queue");
     eventually("the decode worker's KV back to 0", || metric(&m, KV_BLOCKS_USED, &[]).is_ok_and(|v| v == 0.0)).await?;
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 
-/// SIGTERM drains the coordinator in phases: every queued request, and one
-/// arriving during the drain, is refused at once with 503 `shutting_down` +
-/// Retry-After (never a dropped connection at the end of the grace), the
-/// request already running finishes, and the process exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_refuses_the_queue_at_once_and_drains_the_running() -> TestResult {
     let Pair { prefill: _p, decode: _d, coord } =
