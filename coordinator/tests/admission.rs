@@ -113,23 +113,6 @@ struct Cx {
     coord_pid: u32,
 }
 
-/// A part's outcome: an error it returned or an assertion it failed, named.
-fn record(failed: &mut Vec<String>, name: &str, r: Result<TestResult, tokio::task::JoinError>) {
-    let why = match r {
-        Ok(Ok(())) => return,
-        Ok(Err(e)) => e.to_string(),
-        Err(e) => match e.try_into_panic() {
-            Ok(p) => p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_else(|| "a panic".into()),
-            Err(e) => e.to_string(),
-        },
-    };
-    failed.push(format!("{name}: {why}"));
-}
-
 /// Keys: health, ready and metrics are open; everything else needs one.
 async fn api_keys(cx: Arc<Cx>) -> TestResult {
     let h = cx.h.clone();

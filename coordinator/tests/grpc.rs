@@ -16,7 +16,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{counter_before, eventually, metric, post, reference, start_pair, Pair, Signal, TestResult, MODEL, WAIT};
+use common::{
+    counter_before, eventually, metric, post, record, reference, start_pair, Pair, Signal, TestResult, MODEL, WAIT,
+};
 use decode_worker::metrics::DECODE_REQUESTS;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
@@ -181,23 +183,6 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     record(&mut failed, "SIGTERM drain", tokio::spawn(drain(cx.clone(), coord, watch)).await);
     assert!(failed.is_empty(), "{} part(s) failed:\n{}", failed.len(), failed.join("\n"));
     Ok(())
-}
-
-/// A part's outcome: an error it returned or an assertion it failed, named.
-fn record(failed: &mut Vec<String>, name: &str, r: Result<TestResult, tokio::task::JoinError>) {
-    let why = match r {
-        Ok(Ok(())) => return,
-        Ok(Err(e)) => e.to_string(),
-        Err(e) => match e.try_into_panic() {
-            Ok(p) => p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_else(|| "a panic".into()),
-            Err(e) => e.to_string(),
-        },
-    };
-    failed.push(format!("{name}: {why}"));
 }
 
 /// What every part needs of the cluster.

@@ -151,3 +151,21 @@ pub fn start_etcd_coordinator(ep: &str, prefix: &str, extra: &[&str]) -> testkit
     args.extend_from_slice(extra);
     start("tandem-coordinator", &args, &["http"])
 }
+
+/// A test part's outcome (a part run as a task): an error it returned or an assertion it
+/// failed, named, so a scenario test can run every part and report all that failed.
+pub fn record(failed: &mut Vec<String>, name: &str, r: Result<TestResult, tokio::task::JoinError>) {
+    let why = match r {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => match e.try_into_panic() {
+            Ok(p) => p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "a panic".into()),
+            Err(e) => e.to_string(),
+        },
+    };
+    failed.push(format!("{name}: {why}"));
+}
