@@ -13,9 +13,15 @@ mod common;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::{
-    decode_worker, prefill_worker, prompt_of, reference, sample, scrape, wait_metric, within, Fault, Proxy, TestResult,
-    Worker,
+    decode_worker, prefill_worker, prompt_of, reference, scrape, wait_metric, within, Fault, Proxy, Signal, TestResult,
+    Worker, WAIT,
 };
+use decode_worker::metrics::{
+    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, DECODE_REQUESTS, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
+    KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE, RESERVATIONS_ACTIVE, RESERVATIONS_EXPIRED,
+    TTFT,
+};
+use prefill_worker::metrics::KV_TRANSFER_BYTES;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{
     generate_response, ErrorKind, Finished, GenerateRequest, HealthRequest, KvLoadFailurePolicy, PrefillTarget,
@@ -36,14 +42,15 @@ struct Outcome {
 }
 
 async fn client(w: &Worker) -> Result<DecodeWorkerClient<Channel>, String> {
-    let addr = w.addr("grpc")?;
+    let addr = w.addr("grpc").map_err(|e| e.to_string())?;
     within("gRPC connect", DecodeWorkerClient::connect(format!("http://{addr}")))
-        .await?
+        .await
+        .map_err(|e| e.to_string())?
         .map_err(|e| format!("connect to the decode worker {addr}: {e}"))
 }
 
 fn target(w: &Worker) -> Result<PrefillTarget, String> {
-    Ok(PrefillTarget { worker_id: format!("pid-{}", w.pid), grpc_addr: w.addr("grpc")?.to_string() })
+    Ok(PrefillTarget { worker_id: format!("pid-{}", w.pid), grpc_addr: w.addr("grpc").map_err(|e| e.to_string())? })
 }
 
 fn request(id: &str, prompt: &[u32], prefill: Vec<PrefillTarget>) -> GenerateRequest {
@@ -84,13 +91,13 @@ async fn generate(c: &mut DecodeWorkerClient<Channel>, req: GenerateRequest) -> 
         }
         Err(format!("Generate {id}: the stream ended without Finished or an error"))
     };
-    within(&format!("Generate {id} to end"), collect).await?
+    within(&format!("Generate {id} to end"), collect).await.map_err(|e| e.to_string())?
 }
 
 /// The decode worker's used KV blocks and live reservations, once settled.
 async fn assert_no_kv_left(name: &str, w: &Worker) -> TestResult {
     let metrics = w.addr("metrics")?;
-    wait_metric(metrics, "tandem_reservations_active", |v| v == 0.0).await?;
+    wait_metric(&metrics, RESERVATIONS_ACTIVE, &[], |v| v == 0.0).await?;
     let mut c = client(w).await?;
     let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
     assert_eq!(h.kv_blocks_used, 0, "{name}: KV blocks left in use: {h:?}");
@@ -132,18 +139,16 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
     // The KV crossed the wire: every layer of every reserved block, once.
     let per_block = 30 * 2 * 3 * 64 * 2 * 16; // layers x (K, V) x heads x dim x f16 x block
     let metrics = decode.addr("metrics")?;
-    let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
-    let series = |s: &str| sample(&body, s).ok_or_else(|| format!("no `{s}` in /metrics:\n{body}"));
-    assert_eq!(series("tandem_kv_received_bytes_total")?, (remote_blocks * per_block) as f64, "{body}");
-    assert_eq!(series("tandem_kv_transfers_completed_total")?, prompts.len() as f64);
-    assert_eq!(series("tandem_prefill_route_total{route=\"remote\"}")?, 3.0);
-    assert_eq!(series("tandem_prefill_route_total{route=\"local\"}")?, 1.0);
-    assert_eq!(series("tandem_decode_requests_total{outcome=\"ok\"}")?, 4.0);
-    assert_eq!(series("tandem_time_to_first_token_seconds_count")?, 4.0);
-    assert_eq!(series("tandem_kv_load_failure_policy{policy=\"fail\"}")?, 1.0);
-    let pm = prefill.addr("metrics")?;
-    let pbody = tokio::task::spawn_blocking(move || scrape(pm)).await??;
-    assert_eq!(sample(&pbody, "tandem_kv_transfer_bytes_total"), Some((remote_blocks * per_block) as f64));
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, (remote_blocks * per_block) as f64);
+    assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, prompts.len() as f64);
+    assert_eq!(page.get(PREFILL_ROUTE, &[("route", "remote")])?, 3.0);
+    assert_eq!(page.get(PREFILL_ROUTE, &[("route", "local")])?, 1.0);
+    assert_eq!(page.get(DECODE_REQUESTS, &[("outcome", "ok")])?, 4.0);
+    assert_eq!(page.get(&format!("{TTFT}_count"), &[])?, 4.0);
+    assert_eq!(page.get(POLICY_INFO, &[("policy", "fail")])?, 1.0);
+    let ppage = scrape(&prefill.addr("metrics")?).await?;
+    assert_eq!(ppage.get(KV_TRANSFER_BYTES, &[])?, (remote_blocks * per_block) as f64);
     assert_no_kv_left("after remote prefill", &decode).await
 }
 
@@ -167,8 +172,7 @@ async fn remote_prefill_over(transport: &str) -> TestResult {
     }
     // Exported as each frame lands: exact once the answers are back, with no wait.
     let metrics = decode.addr("metrics")?;
-    let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
-    assert_eq!(sample(&body, "tandem_kv_received_bytes_total"), Some((blocks * 368_640) as f64), "{body}");
+    assert_eq!(scrape(&metrics).await?.get(KV_RECEIVED_BYTES, &[])?, (blocks * 368_640) as f64);
     assert_no_kv_left(transport, &decode).await
 }
 
@@ -188,10 +192,10 @@ async fn remote_prefill_over_local_shared_memory_matches_the_engine() -> TestRes
 /// A decode worker (policy `fail`, always remote prefill, plus `extra`)
 /// whose advertised transfer address is a fault proxy in front of its real
 /// one, so the test can hold back or corrupt the KV prefill workers push.
-fn decode_behind_proxy(extra: &[&str]) -> Result<(Worker, Proxy), String> {
+fn decode_behind_proxy(extra: &[&str]) -> testkit::Result<(Worker, Proxy)> {
     let transfer = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
-        .map_err(|e| format!("pick a transfer port: {e}"))?;
+        .map_err(|e| testkit::Error::Process(format!("pick a transfer port: {e}")))?;
     let proxy = Proxy::start(transfer)?;
     let (transfer_s, proxy_s) = (transfer.to_string(), proxy.addr.to_string());
     let mut args = vec!["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"];
@@ -216,7 +220,7 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
 
     for policy in [KvLoadFailurePolicy::Recompute, KvLoadFailurePolicy::Retry, KvLoadFailurePolicy::Fail] {
         let mut doomed = prefill_worker(GROUP, &[])?;
-        proxy.arm(Fault::HoldAfter(1 << 20));
+        proxy.arm(Fault::BufferAfter(1 << 20));
         let req = with_policy(
             request(&format!("kill-{policy:?}"), &prompt, vec![target(&doomed)?, target(&backup)?]),
             policy,
@@ -225,8 +229,8 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
         let call = tokio::spawn(async move { generate(&mut c2, req).await });
         // Mid-transfer: 1 MiB delivered, at least 1 MiB more held back.
         let p = proxy.clone();
-        tokio::task::spawn_blocking(move || p.wait_held(1 << 20)).await??;
-        doomed.kill9()?;
+        tokio::task::spawn_blocking(move || p.wait_buffered(1 << 20, WAIT)).await??;
+        doomed.kill9().await?;
         proxy.release();
         let got = call.await??;
         // Each attempt is reported, so the coordinator's breakers can learn who failed.
@@ -256,16 +260,14 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
     }
     let metrics = decode.addr("metrics")?;
     for (p, o) in [("recompute", "recomputed"), ("retry", "retried"), ("fail", "failed")] {
-        let series = format!("tandem_kv_load_policy_outcomes_total{{policy=\"{p}\",outcome=\"{o}\"}}");
-        wait_metric(metrics, &series, |v| v == 1.0).await?;
+        wait_metric(&metrics, POLICY_OUTCOMES, &[("policy", p), ("outcome", o)], |v| v == 1.0).await?;
     }
-    wait_metric(metrics, "tandem_kv_load_failures_total{reason=\"rpc\"}", |v| v == 3.0).await?;
+    wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "rpc")], |v| v == 3.0).await?;
     let mut b = backup;
     let bm = b.addr("metrics")?;
-    let body = tokio::task::spawn_blocking(move || scrape(bm)).await??;
-    assert_eq!(sample(&body, "tandem_kv_cache_usage_ratio"), Some(0.0), "the backup kept KV:\n{body}");
-    b.signal("-TERM")?;
-    assert_eq!(b.wait_exit()?.code(), Some(0));
+    assert_eq!(scrape(&bm).await?.get(worker_common::metrics::KV_CACHE_USAGE, &[])?, 0.0, "the backup kept KV");
+    b.signal(Signal::Term)?;
+    assert_eq!(b.wait_exit(WAIT).await?.code(), Some(0));
     Ok(())
 }
 
@@ -278,15 +280,15 @@ async fn corrupt_frame_is_refused_and_the_policy_applies() -> TestResult {
     let (decode, proxy) = decode_behind_proxy(&[])?;
     let mut c = client(&decode).await?;
     // 100 KiB into the stream: inside the first layer's payload.
-    proxy.arm(Fault::FlipAt(100 << 10));
+    proxy.arm(Fault::FlipAfter(100 << 10));
     let got = generate(&mut c, request("corrupt-fail", &prompt, vec![target(&prefill)?])).await?;
     assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "{got:?}");
     assert!(got.tokens.is_empty(), "tokens from corrupt KV: {got:?}");
     let metrics = decode.addr("metrics")?;
-    wait_metric(metrics, "tandem_kv_load_failures_total{reason=\"corrupt\"}", |v| v == 1.0).await?;
+    wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "corrupt")], |v| v == 1.0).await?;
     assert_no_kv_left("after corruption", &decode).await?;
 
-    proxy.arm(Fault::FlipAt(100 << 10));
+    proxy.arm(Fault::FlipAfter(100 << 10));
     let req =
         with_policy(request("corrupt-recompute", &prompt, vec![target(&prefill)?]), KvLoadFailurePolicy::Recompute);
     let got = generate(&mut c, req).await?;
@@ -296,7 +298,7 @@ async fn corrupt_frame_is_refused_and_the_policy_applies() -> TestResult {
     let got = generate(&mut c, request("clean", &prompt, vec![target(&prefill)?])).await?;
     assert_eq!(got.tokens, want, "{got:?}");
     assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "{got:?}");
-    assert!(proxy.connections() >= 3, "each corrupt transfer should drop its connection");
+    assert!(proxy.counters().connections >= 3, "each corrupt transfer should drop its connection");
     assert_no_kv_left("after recompute", &decode).await
 }
 
@@ -314,15 +316,15 @@ async fn other_version_group_or_block_size_is_refused() -> TestResult {
         assert!(got.tokens.is_empty());
     }
     let metrics = decode.addr("metrics")?;
-    wait_metric(metrics, "tandem_kv_load_failures_total{reason=\"version_mismatch\"}", |v| v == 2.0).await?;
+    wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "version_mismatch")], |v| v == 2.0).await?;
     // Refused before any KV connection (the destination names its group and layout).
     // Bytes that are not a frame end a connection with a reason of their own.
     let mut raw = tokio::net::TcpStream::connect(decode.addr("transfer")?).await?;
     tokio::io::AsyncWriteExt::write_all(&mut raw, &[0xA5; 256]).await?;
-    wait_metric(metrics, "tandem_kv_connections_closed_total{reason=\"decode\"}", |v| v == 1.0).await?;
-    let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
-    assert_eq!(sample(&body, "tandem_kv_received_bytes_total").unwrap_or(0.0), 0.0, "KV crossed groups:\n{body}");
-    assert_eq!(sample(&body, "tandem_kv_connections_accepted_total"), Some(1.0), "{body}");
+    wait_metric(&metrics, CONNECTIONS_CLOSED, &[("reason", "decode")], |v| v == 1.0).await?;
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, 0.0, "KV crossed groups");
+    assert_eq!(page.get(CONNECTIONS_ACCEPTED, &[])?, 1.0);
     assert_no_kv_left("after refusals", &decode).await
 }
 
@@ -335,24 +337,23 @@ async fn expired_lease_frees_blocks_and_refuses_late_frames() -> TestResult {
     let (decode, proxy) = decode_behind_proxy(&["--reservation-ttl-ms", "5000"])?;
     let mut c = client(&decode).await?;
     // The handshake and a partial first frame pass; the rest waits past the lease.
-    proxy.arm(Fault::HoldAfter(4096));
+    proxy.arm(Fault::BufferAfter(4096));
     let req = request("late", &prompt, vec![target(&prefill)?]);
     let call = tokio::spawn(async move { generate(&mut c, req).await });
     // Frames were sent within the lease and are held in the proxy.
     let p = proxy.clone();
-    tokio::task::spawn_blocking(move || p.wait_held(64 << 10)).await??;
+    tokio::task::spawn_blocking(move || p.wait_buffered(64 << 10, WAIT)).await??;
     let got = call.await??;
     assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "{got:?}");
     assert!(got.tokens.is_empty());
     let metrics = decode.addr("metrics")?;
-    wait_metric(metrics, "tandem_reservations_expired_total", |v| v == 1.0).await?;
-    wait_metric(metrics, "tandem_kv_load_failures_total{reason=\"lease_expired\"}", |v| v == 1.0).await?;
+    wait_metric(&metrics, RESERVATIONS_EXPIRED, &[], |v| v == 1.0).await?;
+    wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "lease_expired")], |v| v == 1.0).await?;
     assert_no_kv_left("after expiry", &decode).await?;
     // The late frames arrive now and are refused, never written.
     proxy.release();
-    wait_metric(metrics, "tandem_kv_frames_refused_total{reason=\"expired\"}", |v| v >= 1.0).await?;
-    let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
-    assert_eq!(sample(&body, "tandem_kv_transfers_completed_total").unwrap_or(0.0), 0.0, "{body}");
+    wait_metric(&metrics, FRAMES_REFUSED, &[("reason", "expired")], |v| v >= 1.0).await?;
+    assert_eq!(scrape(&metrics).await?.get(KV_TRANSFERS_COMPLETED, &[])?, 0.0);
     assert_no_kv_left("after late frames", &decode).await
 }
 
@@ -413,14 +414,14 @@ async fn sigterm_finishes_in_flight_requests() -> TestResult {
         calls.push(tokio::spawn(async move { generate(&mut c, req).await }));
     }
     // Every request is in flight (waiting for KV or decoding) before the signal.
-    wait_metric(decode.addr("metrics")?, "tandem_prefill_route_total{route=\"remote\"}", |v| v == 4.0).await?;
-    decode.signal("-TERM")?;
+    wait_metric(&decode.addr("metrics")?, PREFILL_ROUTE, &[("route", "remote")], |v| v == 4.0).await?;
+    decode.signal(Signal::Term)?;
     for (i, call) in calls.into_iter().enumerate() {
         let got = call.await??;
         assert!(got.end.is_ok(), "request {i} did not finish across SIGTERM: {got:?}");
         assert_eq!(got.tokens, want[i], "request {i}");
     }
-    let exit = decode.wait_exit()?;
+    let exit = decode.wait_exit(WAIT).await?;
     assert_eq!(exit.code(), Some(0), "decode worker exit after SIGTERM: {exit:?}");
     Ok(())
 }
@@ -471,13 +472,10 @@ async fn preemptions_under_a_tiny_kv_pool_are_exported() -> TestResult {
     // 8 blocks of 16 tokens; four requests of ~20 prompt + 40 generated tokens need 16.
     let w = decode_worker(GROUP, &["--kv-blocks", "8", "--kv-load-failure-policy", "recompute"])?;
     let tok = common::tokenizer()?;
-    let series = format!(
-        "{}{{reason=\"{}\"}}",
-        worker_common::metrics::PREEMPTIONS,
-        worker_common::metrics::PREEMPTION_KV_EXHAUSTED
-    );
+    let (preemptions, reason) =
+        (worker_common::metrics::PREEMPTIONS, [("reason", worker_common::metrics::PREEMPTION_KV_EXHAUSTED)]);
     let metrics = w.addr("metrics")?;
-    assert_eq!(sample(&scrape(metrics)?, &series), Some(0.0), "the series exists, at 0, before any request");
+    assert_eq!(scrape(&metrics).await?.get(preemptions, &reason)?, 0.0, "the series exists, at 0, before any request");
     let mut runs = Vec::new();
     for (i, n) in [17, 19, 21, 23].into_iter().enumerate() {
         let mut c = client(&w).await?;
@@ -493,7 +491,7 @@ async fn preemptions_under_a_tiny_kv_pool_are_exported() -> TestResult {
     let mut c = client(&w).await?;
     let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
     assert!(h.preemptions > 0, "16 blocks of demand on an 8-block pool preempted nothing: {h:?}");
-    let exported = wait_metric(metrics, &series, |v| v > 0.0).await?;
+    let exported = wait_metric(&metrics, preemptions, &reason, |v| v > 0.0).await?;
     assert_eq!(exported, h.preemptions as f64, "the metric and Health agree");
     assert_no_kv_left("after preemptions", &w).await
 }
@@ -564,7 +562,7 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
     let (stop, stopped) = tokio::sync::oneshot::channel();
     let mut c1 = c.clone();
     let running = tokio::spawn(async move { timed(&mut c1, req, stopped).await });
-    wait_metric(metrics, decode_worker::metrics::GENERATION_TOKENS, |v| v >= 10.0).await?;
+    wait_metric(&metrics, decode_worker::metrics::GENERATION_TOKENS, &[], |v| v >= 10.0).await?;
 
     let prompt = prompt_of(&tok, ABSORB_PROMPT)?;
     let flood_started = std::time::Instant::now();
@@ -605,13 +603,17 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
         (decode_worker::metrics::OUTCOME_OVERLOAD_ABSORBED, absorbed.len()),
         (decode_worker::metrics::OUTCOME_OVERLOAD_REFUSED, refused.len()),
     ] {
-        let series =
-            format!("{}{{policy=\"recompute\",outcome=\"{outcome}\"}}", decode_worker::metrics::POLICY_OUTCOMES);
-        wait_metric(metrics, &series, |v| v == n as f64).await?;
+        wait_metric(&metrics, POLICY_OUTCOMES, &[("policy", "recompute"), ("outcome", outcome)], |v| v == n as f64)
+            .await?;
     }
-    let body = tokio::task::spawn_blocking(move || scrape(metrics)).await??;
-    let plain = format!("{}{{policy=\"recompute\",outcome=\"recomputed\"}}", decode_worker::metrics::POLICY_OUTCOMES);
-    assert_eq!(sample(&body, &plain).unwrap_or(0.0), 0.0, "an overload is not a plain recompute:\n{body}");
+    // Rendered from its first increment: the family is exported (read just above), the plain
+    // recompute outcome must not be among it.
+    let plain = [("policy", "recompute"), ("outcome", decode_worker::metrics::OUTCOME_RECOMPUTED)];
+    assert_eq!(
+        scrape(&metrics).await?.absent_as_zero(POLICY_OUTCOMES, &plain),
+        0.0,
+        "an overload is not a plain recompute"
+    );
 
     // Logged: one line per decision naming the request, the prefill worker and the reason.
     let text = std::fs::read_to_string(&log)?;

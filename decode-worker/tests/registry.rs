@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{decode_worker, prefill_worker, within, TestResult};
+use common::{decode_worker, prefill_worker, within, Signal, TestResult, WAIT};
 use registry::{EtcdConfig, Membership, MembershipConfig, MembershipView, Role};
 use testkit::etcd::Etcd;
 
@@ -51,12 +51,12 @@ async fn workers_register_with_their_addresses_and_deregister_on_sigterm() -> Te
     assert_eq!(view.select(Role::Decode, "g1").count(), 1);
 
     // SIGTERM: the entry goes (deregistered, not left to expire) and the worker exits 0.
-    d.signal("-TERM")?;
+    d.signal(Signal::Term)?;
     until(&m, "the decode worker deregistered", |v| !v.contains(Role::Decode, "d1")).await?;
-    assert_eq!(d.wait_exit()?.code(), Some(0));
-    p.signal("-TERM")?;
+    assert_eq!(d.wait_exit(WAIT).await?.code(), Some(0));
+    p.signal(Signal::Term)?;
     until(&m, "the prefill worker deregistered", |v| !v.contains(Role::Prefill, "p1")).await?;
-    assert_eq!(p.wait_exit()?.code(), Some(0));
+    assert_eq!(p.wait_exit(WAIT).await?.code(), Some(0));
     m.stop().await;
     drop(etcd);
     Ok(())

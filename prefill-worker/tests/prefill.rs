@@ -2,16 +2,15 @@
 //! a KvPool, a kvtransfer Receiver and a TcpKvServer on loopback. The first
 //! token and the KV it pushes must equal a single-process engine's, bit for bit.
 //!
-//! It also scrapes the worker's Prometheus `/metrics` over plain HTTP/1.1.
+//! It also reads the worker's Prometheus `/metrics`, by the exported names.
 //!
-//! Every wait is bounded and says what did not happen; nothing sleeps.
+//! Every wait is bounded and says what did not happen; nothing sleeps. Processes, metric
+//! pages and waits are testkit's.
 
-mod common;
-
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{sample, scrape, within, TestResult, Worker, PREFILL_BIN};
 use engine::batch::{Engine, EngineConfig, Request};
 use engine::kv::{KvDtype, KvLayout, KvPool};
 use engine::model::Model;
@@ -19,8 +18,32 @@ use engine::sampler::SamplingParams;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 use kvtransfer::{LayoutFingerprint, Peer, Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig, VersionGroup};
+use prefill_worker::metrics::{
+    KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS, PREFILL_REQUESTS, PREFILL_SECONDS, PROMPT_TOKENS,
+};
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{prefill_response, ErrorKind, HealthRequest, KvDestination, PrefillRequest};
+use testkit::process::{Launch, Proc, Signal};
+use worker_common::metrics::{KV_BLOCKS_USED, KV_CACHE_USAGE};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// Model loading on a busy 2-core machine; a hang hits this.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Awaits `fut` for at most [`WAIT`]; the error says `what` did not happen.
+async fn within<T>(what: &str, fut: impl Future<Output = T>) -> testkit::Result<T> {
+    testkit::within(what, WAIT, fut).await
+}
+
+/// This package's worker with `args`, once it printed its gRPC and metrics addresses.
+fn worker(args: &[&str]) -> testkit::Result<Proc> {
+    Launch::path(env!("CARGO_BIN_EXE_tandem-prefill-worker"))
+        .args(args)
+        .wants(&["grpc", "metrics"])
+        .wait(WAIT)
+        .start_blocking()
+}
 
 const GROUP: &str = "test-group";
 const KV_BLOCKS: usize = 64;
@@ -75,7 +98,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     let (layout, fp, want_first, want_kv) = reference(&prompt)?;
     let kv_blocks = KV_BLOCKS.to_string();
     let args = ["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1", "--kv-blocks", &kv_blocks];
-    let mut worker = Worker::start(&PREFILL_BIN(), &args, &["grpc", "metrics"])?;
+    let mut worker = worker(&args)?;
     let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
 
     // The decode side.
@@ -150,22 +173,21 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     }
 
     // Both answers are counted before they are sent, so one scrape sees them.
-    let body = within("metrics scrape", tokio::task::spawn_blocking(move || scrape(metrics_addr))).await???;
-    let series = |s: &str| sample(&body, s).ok_or_else(|| format!("no `{s}` sample in /metrics:\n{body}"));
-    assert_eq!(series("tandem_kv_transfer_bytes_total")?, first.kv_bytes_sent as f64, "{body}");
-    assert_eq!(series("tandem_prefill_requests_total{outcome=\"ok\"}")?, 1.0, "{body}");
-    assert_eq!(series("tandem_prefill_requests_total{outcome=\"version_mismatch\"}")?, 1.0, "{body}");
-    assert_eq!(series("tandem_prompt_tokens_total")?, prompt.len() as f64, "{body}");
-    assert_eq!(series("tandem_kv_transfer_seconds_count")?, 1.0, "{body}");
-    assert_eq!(series("tandem_prefill_seconds_count")?, 1.0, "{body}");
-    assert_eq!(series("tandem_kv_cache_usage_ratio")?, 0.0, "the worker kept KV: {body}");
-    for h in ["tandem_kv_transfer_seconds", "tandem_prefill_seconds"] {
-        assert!(body.contains(&format!("{h}_bucket{{le=")), "{h} is not rendered as a histogram:\n{body}");
-        assert!(!body.contains(&format!("{h}{{quantile=")), "{h} is rendered as a summary:\n{body}");
+    let page = testkit::prom::scrape_within(&metrics_addr, WAIT).await?;
+    assert_eq!(page.get(KV_TRANSFER_BYTES, &[])?, first.kv_bytes_sent as f64);
+    assert_eq!(page.get(PREFILL_REQUESTS, &[("outcome", "ok")])?, 1.0);
+    assert_eq!(page.get(PREFILL_REQUESTS, &[("outcome", "version_mismatch")])?, 1.0);
+    assert_eq!(page.get(PROMPT_TOKENS, &[])?, prompt.len() as f64);
+    assert_eq!(page.get(&format!("{KV_TRANSFER_SECONDS}_count"), &[])?, 1.0);
+    assert_eq!(page.get(&format!("{PREFILL_SECONDS}_count"), &[])?, 1.0);
+    assert_eq!(page.get(KV_CACHE_USAGE, &[])?, 0.0, "the worker kept KV");
+    for h in [KV_TRANSFER_SECONDS, PREFILL_SECONDS] {
+        assert!(page.has(&format!("{h}_bucket")), "{h} is not rendered as a histogram: {:?}", page.samples());
+        assert!(!page.series(h).any(|s| s.labels.contains_key("quantile")), "{h} is rendered as a summary");
     }
 
-    worker.signal("-TERM")?;
-    let exit = worker.wait_exit()?;
+    worker.signal(Signal::Term)?;
+    let exit = worker.wait_exit(WAIT).await?;
     assert_eq!(exit.code(), Some(0), "worker exit status after SIGTERM: {exit:?}");
     Ok(())
 }
@@ -191,7 +213,7 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
         "--transfer-timeout-ms",
         "600000",
     ];
-    let worker = Worker::start(&PREFILL_BIN(), &args, &["grpc", "metrics"])?;
+    let worker = worker(&args)?;
     let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
     // A KV destination whose kernel accepts the connection and which never answers the
     // handshake: the transfer waits, the prompt's KV stays held for sending.
@@ -221,19 +243,16 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
     });
     let used = |mut c: PrefillWorkerClient<tonic::transport::Channel>| async move {
         within("Health answer", c.health(HealthRequest {}))
-            .await?
+            .await
+            .map_err(|e| e.to_string())?
             .map(|h| h.into_inner().kv_blocks_used)
             .map_err(|e| e.to_string())
     };
-    let held = within("the stuck request's KV is held", async {
-        loop {
-            match used(client.clone()).await {
-                Ok(0) => tokio::time::sleep(Duration::from_millis(50)).await,
-                other => return other,
-            }
-        }
+    let held = testkit::poll("the stuck request's KV is held", WAIT, || {
+        let c = client.clone();
+        async move { used(c).await.map(|n| (n > 0).then_some(n)) }
     })
-    .await??;
+    .await?;
     // A request that ends (refused) refreshes the gauges while the stuck one holds its blocks.
     let mut wrong = request.clone();
     wrong.request_id = "refused".into();
@@ -241,20 +260,18 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
         d.layout_fingerprint = vec![0x5a; 32];
     }
     within("Prefill answer (wrong fingerprint)", client.prefill(wrong)).await??;
-    let body = within("metrics scrape", tokio::task::spawn_blocking(move || scrape(metrics_addr))).await???;
-    assert_eq!(sample(&body, "tandem_kv_blocks_used"), Some(f64::from(held)), "{body}");
+    let page = testkit::prom::scrape_within(&metrics_addr, WAIT).await?;
+    assert_eq!(page.get(KV_BLOCKS_USED, &[])?, f64::from(held));
 
     // The caller goes away: its HTTP/2 stream is reset and the handler dropped.
     stuck.abort();
-    within("the stuck request's KV is freed", async {
-        while used(client.clone()).await? != 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Ok::<_, String>(())
+    testkit::poll("the stuck request's KV is freed", WAIT, || {
+        let c = client.clone();
+        async move { used(c).await.map(|n| (n == 0).then_some(())) }
     })
-    .await??;
-    let body = within("metrics scrape", tokio::task::spawn_blocking(move || scrape(metrics_addr))).await???;
-    assert_eq!(sample(&body, "tandem_kv_blocks_used"), Some(0.0), "freed KV still shows as used:\n{body}");
+    .await?;
+    let page = testkit::prom::scrape_within(&metrics_addr, WAIT).await?;
+    assert_eq!(page.get(KV_BLOCKS_USED, &[])?, 0.0, "freed KV still shows as used");
     drop(silent);
     Ok(())
 }

@@ -155,6 +155,8 @@ struct State {
     stopped: bool,
     /// The delay's jitter.
     rng: XorShift64,
+    /// Bytes held back by the [`Fault::BufferAfter`] armed last (0 until it strikes).
+    buffered_now: u64,
     /// Both sockets of every connection being forwarded, to close those a blackhole hit.
     live: HashMap<u64, Live>,
     /// Connections that lost bytes to the blackhole armed now.
@@ -237,6 +239,7 @@ impl Proxy {
                 released: false,
                 stopped: false,
                 rng: XorShift64::new(0x9E37_79B9_7F4A_7C15),
+                buffered_now: 0,
                 live: HashMap::new(),
                 tainted: HashSet::new(),
                 pending: Vec::new(),
@@ -315,6 +318,9 @@ impl Proxy {
         let mut s = lock(&self.state);
         let lifting = s.armed == Fault::Blackhole && fault != Fault::Blackhole;
         s.armed = fault;
+        if matches!(fault, Fault::BufferAfter(_)) {
+            s.buffered_now = 0;
+        }
         if lifting {
             s.lift();
         }
@@ -335,19 +341,18 @@ impl Proxy {
         s.counters.held_peer.ok_or_else(|| Error::Timeout(format!("the proxy held no connection within {limit:?}")))
     }
 
-    /// Waits until a [`Fault::BufferAfter`] holds back at least `bytes`.
+    /// Waits until the [`Fault::BufferAfter`] armed last holds back at least `bytes` (bytes
+    /// an earlier one held do not count).
     pub fn wait_buffered(&self, bytes: u64, limit: Duration) -> Result<()> {
         let (m, cv) = &*self.state;
         let guard = m.lock().unwrap_or_else(|e| e.into_inner());
-        let (s, _) = cv
-            .wait_timeout_while(guard, limit, |s| s.counters.buffered_bytes < bytes)
-            .unwrap_or_else(|e| e.into_inner());
-        if s.counters.buffered_bytes >= bytes {
+        let (s, _) = cv.wait_timeout_while(guard, limit, |s| s.buffered_now < bytes).unwrap_or_else(|e| e.into_inner());
+        if s.buffered_now >= bytes {
             Ok(())
         } else {
             Err(Error::Timeout(format!(
-                "the proxy held back {} bytes, not {bytes}, within {limit:?}",
-                s.counters.buffered_bytes
+                "the proxy's last buffer held back {} bytes, not {bytes}, within {limit:?}",
+                s.buffered_now
             )))
         }
     }
@@ -470,6 +475,8 @@ fn forward(
                     break;
                 }
             }
+            // This connection's bytes wait behind a gate not yet released.
+            let held = buffering && !s.released;
             match reset_next {
                 Some(k) if k < n => {
                     pass = k;
@@ -497,7 +504,7 @@ fn forward(
                     st.1.notify_all();
                 }
                 Fault::HoldAfter(k) => s.armed = Fault::HoldAfter(k - n),
-                Fault::BufferAfter(k) if k < n && !buffering => {
+                Fault::BufferAfter(k) if k < n && !held => {
                     pass = k;
                     gate_now = true;
                     buffering = true;
@@ -505,7 +512,7 @@ fn forward(
                     s.released = false;
                     s.counters.buffers += 1;
                 }
-                Fault::BufferAfter(k) if !buffering => s.armed = Fault::BufferAfter(k - n),
+                Fault::BufferAfter(k) if !held => s.armed = Fault::BufferAfter(k - n),
                 Fault::ResetAfter(k) if k < n => {
                     pass = k;
                     reset_now = true;
@@ -542,10 +549,12 @@ fn forward(
             } else if gate_now {
                 s.counters.bytes_forwarded += pass as u64;
                 s.counters.buffered_bytes += (n - pass) as u64;
+                s.buffered_now += (n - pass) as u64;
                 st.1.notify_all();
             } else if buffering && !s.released {
                 // Queued behind the gate.
                 s.counters.buffered_bytes += pass as u64;
+                s.buffered_now += pass as u64;
                 st.1.notify_all();
             } else {
                 s.counters.bytes_forwarded += pass as u64;

@@ -311,6 +311,12 @@ fn a_buffer_keeps_reading_and_delivers_everything_after_release() {
     let k = p.counters();
     assert_eq!((k.buffers, k.buffered_bytes), (1, 4 << 20), "{k:?}");
     assert!(p.wait_buffered(5 << 20, Duration::from_millis(50)).is_err(), "a wait for more than was held runs out");
+    // Armed again: what the last buffer held does not count for the next.
+    p.arm(Fault::BufferAfter(0));
+    assert!(p.wait_buffered(1, Duration::from_millis(100)).is_err(), "nothing held since arming");
+    c.write_all(b"12").expect("write");
+    p.wait_buffered(2, Duration::from_secs(10)).expect("held by the new buffer");
+    assert_eq!(p.counters().buffers, 2);
 }
 
 #[test]
