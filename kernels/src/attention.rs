@@ -66,20 +66,22 @@ pub fn attend_group(
     scores.resize(group * n_ctx, 0.0);
     let scale = 1.0 / (hd as f32).sqrt();
     let heads = kv_head * group..(kv_head + 1) * group;
-    let use_simd = isa == Isa::Avx2 && hd % 8 == 0 && simd::available();
+    let path = simd::path(isa, hd);
     #[cfg(test)]
-    crate::isa::trace::hit(if use_simd { Isa::Avx2 } else { Isa::Scalar });
+    crate::isa::trace::hit(path);
 
     // Scores: heads of the group share each K row load.
     for t in 0..n_ctx {
         let off = shape.offset(table, t, kv_head);
         for (gi, h) in heads.clone().enumerate() {
             let qh = &q[h * hd..(h + 1) * hd];
-            let dot = match (k, use_simd) {
-                (KvSlice::F32(s), true) => simd::dot_f32(qh, &s[off..off + hd]),
-                (KvSlice::F16(s), true) => simd::dot_f16(qh, &s[off..off + hd]),
-                (KvSlice::F32(s), false) => qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * b).sum(),
-                (KvSlice::F16(s), false) => {
+            let dot = match (k, path) {
+                (KvSlice::F32(s), Isa::Avx512) => simd512::dot_f32(qh, &s[off..off + hd]),
+                (KvSlice::F16(s), Isa::Avx512) => simd512::dot_f16(qh, &s[off..off + hd]),
+                (KvSlice::F32(s), Isa::Avx2) => simd::dot_f32(qh, &s[off..off + hd]),
+                (KvSlice::F16(s), Isa::Avx2) => simd::dot_f16(qh, &s[off..off + hd]),
+                (KvSlice::F32(s), Isa::Scalar) => qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * b).sum(),
+                (KvSlice::F16(s), Isa::Scalar) => {
                     qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * crate::f16::f16_bits_to_f32(*b)).sum()
                 }
             };
@@ -97,15 +99,17 @@ pub fn attend_group(
         for gi in 0..group {
             let p = scores[gi * n_ctx + t];
             let oh = &mut out[gi * hd..(gi + 1) * hd];
-            match (v, use_simd) {
-                (KvSlice::F32(s), true) => simd::axpy_f32(p, &s[off..off + hd], oh),
-                (KvSlice::F16(s), true) => simd::axpy_f16(p, &s[off..off + hd], oh),
-                (KvSlice::F32(s), false) => {
+            match (v, path) {
+                (KvSlice::F32(s), Isa::Avx512) => simd512::axpy_f32(p, &s[off..off + hd], oh),
+                (KvSlice::F16(s), Isa::Avx512) => simd512::axpy_f16(p, &s[off..off + hd], oh),
+                (KvSlice::F32(s), Isa::Avx2) => simd::axpy_f32(p, &s[off..off + hd], oh),
+                (KvSlice::F16(s), Isa::Avx2) => simd::axpy_f16(p, &s[off..off + hd], oh),
+                (KvSlice::F32(s), Isa::Scalar) => {
                     for (o, x) in oh.iter_mut().zip(&s[off..off + hd]) {
                         *o += p * x;
                     }
                 }
-                (KvSlice::F16(s), false) => {
+                (KvSlice::F16(s), Isa::Scalar) => {
                     for (o, x) in oh.iter_mut().zip(&s[off..off + hd]) {
                         *o += p * crate::f16::f16_bits_to_f32(*x);
                     }
@@ -115,22 +119,23 @@ pub fn attend_group(
     }
 }
 
+/// AVX2 + FMA + F16C.
 mod simd {
+    use crate::Isa;
     #[cfg(target_arch = "x86_64")]
     use std::arch::x86_64::*;
 
-    pub fn available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
+    /// The code `isa` runs for heads of `hd` elements: the level asked for if the CPU has
+    /// it and the head fills whole registers, else the next level down.
+    pub fn path(isa: Isa, hd: usize) -> Isa {
+        match isa {
+            Isa::Avx512 if hd % 16 == 0 && Isa::Avx512.available() => Isa::Avx512,
+            Isa::Avx512 | Isa::Avx2 if hd % 8 == 0 && Isa::Avx2.available() => Isa::Avx2,
+            _ => Isa::Scalar,
         }
     }
 
-    // Callers use these only when `available()` is true; slice lengths are
+    // Callers use these only when `path` chose AVX2; slice lengths are
     // asserted equal and a multiple of 8 before any unsafe load.
 
     pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -224,6 +229,105 @@ mod simd {
     }
 }
 
+/// AVX-512F + F16C: one register is a quarter of a 64-element head.
+mod simd512 {
+    #[cfg(target_arch = "x86_64")]
+    use std::arch::x86_64::*;
+
+    // Callers use these only when `simd::path` chose AVX-512, which checked the CPU;
+    // slice lengths are asserted equal and a multiple of 16 before any unsafe load.
+
+    pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        assert!(a.len() == b.len() && a.len() % 16 == 0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: features checked by the caller via `simd::path`; lengths asserted.
+        return unsafe { dot_f32_k(a, b) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!()
+    }
+
+    pub fn dot_f16(a: &[f32], b: &[u16]) -> f32 {
+        assert!(a.len() == b.len() && a.len() % 16 == 0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        return unsafe { dot_f16_k(a, b) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!()
+    }
+
+    /// `out += p * x`.
+    pub fn axpy_f32(p: f32, x: &[f32], out: &mut [f32]) {
+        assert!(x.len() == out.len() && x.len() % 16 == 0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        unsafe {
+            axpy_f32_k(p, x, out)
+        }
+    }
+
+    pub fn axpy_f16(p: f32, x: &[u16], out: &mut [f32]) {
+        assert!(x.len() == out.len() && x.len() % 16 == 0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        unsafe {
+            axpy_f16_k(p, x, out)
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn dot_f32_k(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = _mm512_setzero_ps();
+        for i in (0..a.len()).step_by(16) {
+            // SAFETY: i + 16 <= len for both slices (len % 16 == 0).
+            acc =
+                unsafe { _mm512_fmadd_ps(_mm512_loadu_ps(a.as_ptr().add(i)), _mm512_loadu_ps(b.as_ptr().add(i)), acc) };
+        }
+        crate::matmul::hsum_avx512(acc)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn dot_f16_k(a: &[f32], b: &[u16]) -> f32 {
+        let mut acc = _mm512_setzero_ps();
+        for i in (0..a.len()).step_by(16) {
+            // SAFETY: 16 u16 (one 256-bit load) and 16 f32 in bounds.
+            unsafe {
+                let bh = _mm512_cvtph_ps(_mm256_loadu_si256(b.as_ptr().add(i) as *const __m256i));
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(a.as_ptr().add(i)), bh, acc);
+            }
+        }
+        crate::matmul::hsum_avx512(acc)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn axpy_f32_k(p: f32, x: &[f32], out: &mut [f32]) {
+        let pv = _mm512_set1_ps(p);
+        for i in (0..x.len()).step_by(16) {
+            // SAFETY: in bounds as above.
+            unsafe {
+                let o = out.as_mut_ptr().add(i);
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x.as_ptr().add(i)), _mm512_loadu_ps(o)));
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn axpy_f16_k(p: f32, x: &[u16], out: &mut [f32]) {
+        let pv = _mm512_set1_ps(p);
+        for i in (0..x.len()).step_by(16) {
+            // SAFETY: in bounds as above.
+            unsafe {
+                let o = out.as_mut_ptr().add(i);
+                let xv = _mm512_cvtph_ps(_mm256_loadu_si256(x.as_ptr().add(i) as *const __m256i));
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(pv, xv, _mm512_loadu_ps(o)));
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,7 +383,10 @@ mod tests {
             let kh: Vec<u16> = kp.iter().map(|&x| crate::f16::f32_to_f16_bits(x)).collect();
             let vh: Vec<u16> = vp.iter().map(|&x| crate::f16::f32_to_f16_bits(x)).collect();
             let h_scalar = run(Isa::Scalar, &shape, KvSlice::F16(&kh), KvSlice::F16(&vh), &table, n, &q);
-            for isa in crate::isa::trace::simd_levels("attention") {
+            for isa in Isa::ALL {
+                if !crate::isa::trace::runnable("attention", isa) {
+                    continue;
+                }
                 let what = format!("attention {} bs={bs}", isa.name());
                 let simd = crate::isa::trace::assert_ran(isa, &what, || {
                     run(isa, &shape, KvSlice::F32(&kp), KvSlice::F32(&vp), &table, n, &q)

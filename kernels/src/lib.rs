@@ -21,7 +21,7 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 
-pub use isa::Isa;
+pub use isa::{Isa, IsaError};
 pub use matmul::{QMatrix, WeightType};
 pub use pool::ThreadPool;
 

@@ -15,6 +15,7 @@
 #![allow(unsafe_code)]
 
 mod avx2;
+mod avx512;
 mod scalar;
 
 use crate::pool::{SharedSlice, ThreadPool};
@@ -158,6 +159,7 @@ pub fn matmul_multi(
             // these rows' outputs, and `ys` stays borrowed until the pool returns.
             unsafe {
                 match (w.ty.is_quantized(), isa) {
+                    (true, Isa::Avx512) => avx512::quant_rows(w, acts, lo..hi, out),
                     (true, Isa::Avx2) => avx2::quant_rows(w, acts, lo..hi, out),
                     (true, Isa::Scalar) => scalar::quant_rows(w, acts, lo..hi, out),
                     (false, _) => float_rows(isa, w, x, m, lo..hi, out),
@@ -186,6 +188,7 @@ unsafe fn float_rows(
         for i in 0..m {
             let xi = &x[i * k..(i + 1) * k];
             let v = match isa {
+                Isa::Avx512 => avx512::dot_f32(&wrow, xi),
                 Isa::Avx2 => avx2::dot_f32(&wrow, xi),
                 Isa::Scalar => scalar::dot_f32(&wrow, xi),
             };
@@ -198,6 +201,7 @@ unsafe fn float_rows(
 /// The dot product of two f32 vectors with the chosen ISA.
 pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
+        Isa::Avx512 => avx512::dot_f32(a, b),
         Isa::Avx2 => avx2::dot_f32(a, b),
         Isa::Scalar => scalar::dot_f32(a, b),
     }
@@ -205,6 +209,8 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::hsum as hsum_avx;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::hsum512 as hsum_avx512;
 
 #[cfg(test)]
 pub(crate) mod tests;

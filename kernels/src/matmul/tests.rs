@@ -92,7 +92,8 @@ const ALL: [WeightType; 6] =
 fn simd_matches_scalar_and_reference_for_every_type() {
     let mut rng = Rng::new(7);
     for ty in ALL {
-        for (rows, cols, m) in [(17, 64, 1), (40, 576, 5), (9, 1536, 9)] {
+        // 96 columns: an odd number of blocks, the AVX-512 kernels' half-register tail.
+        for (rows, cols, m) in [(17, 64, 1), (40, 576, 5), (9, 1536, 9), (12, 96, 6)] {
             let data = random_weights(&mut rng, ty, rows, cols);
             let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
             let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
@@ -107,15 +108,19 @@ fn simd_matches_scalar_and_reference_for_every_type() {
                 let tol = if ty.is_quantized() { 0.02 * scale } else { 1e-4 * scale };
                 assert!((scalar[i] - exact[i]).abs() <= tol, "{ty:?} [{i}]: {} vs exact {}", scalar[i], exact[i]);
             }
-            for isa in crate::isa::trace::simd_levels("matmul") {
+            for isa in Isa::ALL {
+                if !crate::isa::trace::runnable("matmul", isa) {
+                    continue;
+                }
                 let what = format!("{ty:?} {rows}x{cols} m={m} {}", isa.name());
                 let simd = crate::isa::trace::assert_ran(isa, &what, || run(isa, 1, &w, &x, m));
                 assert_eq!(simd, run(isa, 2, &w, &x, m), "{what}: 1 and 2 threads differ");
                 for i in 0..exact.len() {
                     assert!(
                         (scalar[i] - simd[i]).abs() <= 1e-4 * scale,
-                        "{what} [{i}]: scalar {} simd {}",
+                        "{what} [{i}]: scalar {} {} {}",
                         scalar[i],
+                        isa.name(),
                         simd[i]
                     );
                 }
@@ -127,16 +132,40 @@ fn simd_matches_scalar_and_reference_for_every_type() {
 #[test]
 fn output_is_independent_of_batch_and_threads() {
     let mut rng = Rng::new(11);
-    for ty in ALL {
-        let (rows, cols) = (33, 128);
-        let data = random_weights(&mut rng, ty, rows, cols);
-        let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
-        let m = 7;
-        let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
-        let batched = run(Isa::detect(), 2, &w, &x, m);
-        for i in 0..m {
-            let alone = run(Isa::detect(), 1, &w, &x[i * cols..(i + 1) * cols], 1);
-            assert_eq!(&batched[i * rows..(i + 1) * rows], &alone[..], "{ty:?} row {i}");
+    for isa in Isa::ALL {
+        if !crate::isa::trace::runnable("batch invariance", isa) {
+            continue;
+        }
+        for ty in ALL {
+            for (rows, cols) in [(33, 128), (13, 96)] {
+                let data = random_weights(&mut rng, ty, rows, cols);
+                let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
+                let m = 7;
+                let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+                let batched = run(isa, 2, &w, &x, m);
+                for i in 0..m {
+                    let alone = run(isa, 1, &w, &x[i * cols..(i + 1) * cols], 1);
+                    assert_eq!(&batched[i * rows..(i + 1) * rows], &alone[..], "{ty:?} {} row {i}", isa.name());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn dot_f32_matches_scalar_on_every_level() {
+    let mut rng = Rng::new(13);
+    for n in [0usize, 7, 16, 33, 64, 100] {
+        let a: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+        let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+        let scalar = crate::isa::trace::assert_ran(Isa::Scalar, "dot scalar", || dot_f32(Isa::Scalar, &a, &b));
+        for isa in Isa::ALL {
+            if !crate::isa::trace::runnable("dot_f32", isa) {
+                continue;
+            }
+            let what = format!("dot_f32 n={n} {}", isa.name());
+            let got = crate::isa::trace::assert_ran(isa, &what, || dot_f32(isa, &a, &b));
+            assert!((got - scalar).abs() <= 1e-5 * n.max(1) as f32, "{what}: {got} vs scalar {scalar}");
         }
     }
 }
@@ -158,12 +187,17 @@ fn multi_equals_separate_products() {
     let ws: Vec<QMatrix<'_>> =
         shapes.iter().zip(&datas).map(|(&(ty, rows), d)| QMatrix::new(ty, rows, cols, d).expect("shape")).collect();
     let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
-    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
-    {
-        let mut refs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-        matmul_multi(&pool, Isa::detect(), &ws, &x, m, &mut refs, &mut MatmulScratch::default());
-    }
-    for (w, y) in ws.iter().zip(&ys) {
-        assert_eq!(*y, run(Isa::detect(), 1, w, &x, m), "{:?}", w.ty);
+    for isa in Isa::ALL {
+        if !crate::isa::trace::runnable("matmul_multi", isa) {
+            continue;
+        }
+        let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
+        {
+            let mut refs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+            matmul_multi(&pool, isa, &ws, &x, m, &mut refs, &mut MatmulScratch::default());
+        }
+        for (w, y) in ws.iter().zip(&ys) {
+            assert_eq!(*y, run(isa, 1, w, &x, m), "{:?} {}", w.ty, isa.name());
+        }
     }
 }
