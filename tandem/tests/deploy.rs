@@ -441,44 +441,25 @@ fn port_of(addr: &str) -> u64 {
     addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no port in `{addr}`"))
 }
 
-/// HTTP status of `GET path` on `addr` (HTTP/1.0, no client crate).
-fn http_status(addr: &str, path: &str) -> u16 {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    s.set_read_timeout(Some(std::time::Duration::from_secs(10))).expect("timeout");
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("send");
-    let mut head = String::new();
-    let _ = s.read_to_string(&mut head);
-    head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("GET {path}: `{head}`"))
-}
-
 /// The HTTP paths a real coordinator answers other than 404, among `paths`.
 fn coordinator_serves(paths: &BTreeSet<String>) -> BTreeSet<String> {
-    use std::io::BufRead;
     let model = engine::paths::default_model_path();
     assert!(model.is_file(), "test model {} not found: run `make model`", model.display());
     let bin = Path::new(env!("CARGO_BIN_EXE_tandem")).with_file_name("tandem-coordinator");
     // Fixed addresses of no worker: it starts, is alive, and is not ready.
-    let mut child = Command::new(&bin)
+    let coordinator = testkit::process::Launch::path(&bin)
         .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--decode", "127.0.0.1:9"])
         .arg("--model")
-        .arg(&model)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
+        .arg(model.to_string_lossy())
+        .wants(&["http"])
+        .start_blocking()
         .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
-    let stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
-    let mut http = None;
-    for line in stdout.lines().map_while(Result::ok) {
-        if let Some(rest) = line.strip_prefix("listening http=") {
-            http = rest.split_whitespace().next().map(str::to_owned);
-            break;
-        }
-    }
-    let served = http.map(|addr| paths.iter().filter(|p| http_status(&addr, p) != 404).cloned().collect());
-    let _ = child.kill();
-    let _ = child.wait();
-    served.expect("the coordinator printed no `listening http=`")
+    let addr = coordinator.addr("http").expect("the coordinator printed `listening http=`");
+    let status = |p: &str| {
+        testkit::http::blocking::status(&addr, p, std::time::Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("GET {p}: {e}"))
+    };
+    paths.iter().filter(|p| status(p) != 404).cloned().collect()
 }
 
 #[test]
@@ -626,7 +607,8 @@ fn the_manifests_agree_with_the_binaries() {
                         ));
                     }
                     if !cmd.contains(&format!("'{} 0'", worker_common::metrics::FENCED)) {
-                        problems.push(format!("{at}: {probe} `{cmd}` does not check {} 0", worker_common::metrics::FENCED));
+                        problems
+                            .push(format!("{at}: {probe} `{cmd}` does not check {} 0", worker_common::metrics::FENCED));
                     }
                 }
             }

@@ -18,17 +18,14 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 fn get_status(addr: &str, path: &str) -> Result<u16, String> {
-    common::request(addr, "GET", path, None).map(|(status, _)| status)
+    common::get(addr, path).map(|(status, _)| status).map_err(|e| e.to_string())
 }
 
-/// Requests the coordinator at `http` has finished (`tandem_coordinator_requests_total`).
+/// Requests the coordinator at `http` has finished ([`coordinator::metrics::REQUESTS`], every
+/// label set); an error when it exports none.
 fn finished_requests(http: &str) -> Result<f64, String> {
-    let (_, raw) = common::request(http, "GET", "/metrics", None)?;
-    Ok(raw
-        .lines()
-        .filter(|l| l.starts_with("tandem_coordinator_requests_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
+    let page = testkit::prom::scrape_blocking(http).map_err(|e| e.to_string())?;
+    page.sum(coordinator::metrics::REQUESTS, &[]).map_err(|e| e.to_string())
 }
 
 /// `tandem ARGS`, killed if it runs past `limit`.

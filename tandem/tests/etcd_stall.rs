@@ -35,10 +35,9 @@ fn a_stalled_etcd_does_not_stop_serving() -> TestResult {
             .filter(|c| c["role"] == "prefill" || c["role"] == "decode")
             .filter_map(|c| c["metrics"].as_str().map(str::to_owned))
             .collect();
-        let fences = |rt: &tokio::runtime::Runtime| -> Result<f64, String> {
-            workers.iter().map(|m| metric(rt, m, worker_common::metrics::FENCES, &[])).sum()
-        };
-        let fences_before = fences(&rt)?;
+        let fences =
+            || -> Result<f64, String> { workers.iter().map(|m| metric(m, worker_common::metrics::FENCES, &[])).sum() };
+        let fences_before = fences()?;
         let (tx, mut done) = tokio::sync::mpsc::unbounded_channel::<Record>();
         let hooks = Hooks { records: Some(tx), ..Hooks::default() };
         let cancel = hooks.cancel.clone();
@@ -61,7 +60,7 @@ fn a_stalled_etcd_does_not_stop_serving() -> TestResult {
         let before = n;
         let mut probes = 0;
         while stalled.elapsed() < STALL {
-            let (status, body) = common::request(&http, "GET", "/ready", None)?;
+            let (status, body) = common::get(&http, "/ready").map_err(|e| e.to_string())?;
             assert_eq!(status, 200, "/ready during the etcd stall ({:?} in): {body}", stalled.elapsed());
             probes += 1;
             std::thread::sleep(Duration::from_millis(250));
@@ -73,8 +72,8 @@ fn a_stalled_etcd_does_not_stop_serving() -> TestResult {
 
         // etcd back: the workers are registered (their leases may have expired meanwhile) and
         // the load goes on.
-        serving(&rt, &http, "prefill", 1.0, Duration::from_secs(30))?;
-        serving(&rt, &http, "decode", 1.0, Duration::from_secs(30))?;
+        serving(&http, "prefill", 1.0, Duration::from_secs(30))?;
+        serving(&http, "decode", 1.0, Duration::from_secs(30))?;
         let after = n;
         wait_for(Duration::from_secs(60), "2 more requests completing after the stall", || {
             completed(&mut done, &mut n);
@@ -84,10 +83,10 @@ fn a_stalled_etcd_does_not_stop_serving() -> TestResult {
         let report = rt.block_on(load)??;
         let failed: Vec<_> = report.records.iter().filter(|r| !r.outcome.is_complete()).collect();
         assert!(failed.is_empty(), "every request completes through the stall: {failed:?}");
-        assert_eq!(fences(&rt)?, fences_before, "a worker fenced while etcd was stalled");
+        assert_eq!(fences()?, fences_before, "a worker fenced while etcd was stalled");
         for m in &workers {
             wait_for(Duration::from_secs(30), &format!("{m} KV back to 0"), || {
-                Ok((metric(&rt, m, worker_common::metrics::KV_BLOCKS_USED, &[])? == 0.0).then_some(()))
+                Ok((metric(m, worker_common::metrics::KV_BLOCKS_USED, &[])? == 0.0).then_some(()))
             })?;
         }
         Ok(())

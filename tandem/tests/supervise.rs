@@ -78,7 +78,7 @@ fn killed_workers_come_back_while_the_others_keep_serving() -> TestResult {
             let again: Vec<String> = ["grpc", "metrics"].iter().map(|k| c[*k].to_string()).collect();
             assert_eq!(addrs, again, "{name} keeps its addresses across the restart");
             let role = if name.starts_with("prefill") { "prefill" } else { "decode" };
-            serving(&rt, &http, role, 2.0, BACK_WITHIN)?;
+            serving(&http, role, 2.0, BACK_WITHIN)?;
             progress(3, &format!("3 more requests completing after {name} came back as pid {new}"))?;
         }
         cancel.cancel();
@@ -98,7 +98,7 @@ fn killed_workers_come_back_while_the_others_keep_serving() -> TestResult {
         for c in up.components()?.iter().filter(|c| c["role"] == "prefill" || c["role"] == "decode") {
             let m = c["metrics"].as_str().ok_or("no metrics address")?.to_owned();
             wait_for(Duration::from_secs(30), &format!("{} KV back to 0", c["name"]), || {
-                let used = metric(&rt, &m, worker_common::metrics::KV_BLOCKS_USED, &[])?;
+                let used = metric(&m, worker_common::metrics::KV_BLOCKS_USED, &[])?;
                 Ok((used == 0.0).then_some(()))
             })?;
         }

@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 
 fn post_chat(addr: &str) -> Result<(u16, String), String> {
     let body = r#"{"model":"SmolLM2-135M-Instruct","messages":[{"role":"user","content":"What is the capital of France? Answer in one sentence."}],"max_tokens":32,"temperature":0}"#;
-    post(addr, "/v1/chat/completions", body)
+    post(addr, "/v1/chat/completions", body).map_err(|e| e.to_string())
 }
 
 /// Greedy continuation of `ids` from the single-process engine, as text.
