@@ -20,6 +20,8 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cfg = PrefillConfig::load(&PrefillFlags::parse())?;
+    // Before any thread exists, so that every thread inherits the placement.
+    worker_common::cpu::apply(cfg.common.nice, cfg.common.cpus.as_ref())?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(run(cfg))
 }

@@ -27,6 +27,9 @@ pub enum Cmd {
     /// Serving latency and throughput of OpenAI-compatible servers, side by
     /// side (e.g. llama-server vs `tandem up`), under the same seeded load.
     Serve(bench_serve::Args),
+    /// What long prompts cost running streams when prefill and decode
+    /// workers share cores, for several `tandem up` configurations.
+    Interference(crate::bench_interference::Args),
 }
 
 #[derive(clap::Args)]
@@ -65,7 +68,24 @@ pub fn run(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Engine(a) => engine_bench(a),
         Cmd::Serve(a) => bench_serve::run(a),
+        Cmd::Interference(a) => crate::bench_interference::run(&a),
     }
+}
+
+/// The machine a figure was measured on: core count, model name, and the
+/// SIMD flags that matter to the kernels (every benchmark prints it).
+pub fn cpu_summary() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |k: &str| {
+        info.lines().find_map(|l| l.split_once(':').filter(|(a, _)| a.trim() == k).map(|(_, v)| v.trim().to_owned()))
+    };
+    let flags = field("flags").unwrap_or_default();
+    let have: Vec<&str> = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_tile"]
+        .into_iter()
+        .filter(|f| flags.split_whitespace().any(|x| x == *f))
+        .collect();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    format!("{cores} cores, {}, flags: {}", field("model name").unwrap_or_default(), have.join(" "))
 }
 
 fn engine_bench(a: EngineArgs) -> Result<()> {

@@ -218,6 +218,8 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
     let mut up = Kid(
         Command::new(env!("CARGO_BIN_EXE_tandem"))
             .args(["up", "--http", &http, "--grpc", &grpc, "--restart", "on-failure", "--restart-backoff-ms", "500"])
+            // Placement reaches the workers (checked below, also after restarts).
+            .args(["--prefill-nice", "3"])
             .arg("--state-file")
             .arg(&state_file)
             .arg("--prometheus-targets")
@@ -299,6 +301,11 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
     }
     eventually("TandemProcessRestarting firing after two kill -9s", WAIT, || firing(&prom, "TandemProcessRestarting"))
         .await?;
+    let st = state(&state_file)?;
+    for (name, want) in [("prefill-0", 3), ("decode-0", 0)] {
+        let pid = component(&st, name)?["pid"].as_u64().ok_or("no pid")?;
+        assert_eq!(nice_of(pid)?, want, "{name}'s nice level (tandem up --prefill-nice 3)");
+    }
 
     // Every dashboard panel's query answers; with a series where its metrics exist.
     let board: Value = serde_json::from_str(&std::fs::read_to_string(root().join("deploy/grafana/tandem.json"))?)?;
@@ -351,6 +358,14 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
     assert!(exited, "tandem up exited with an error after SIGTERM");
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// A process's nice level (`/proc/PID/stat` field 19).
+fn nice_of(pid: u64) -> Result<i64, String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| e.to_string())?;
+    // After the `(comm)` field, which may hold spaces: state is field 3, nice field 19.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).ok_or("no comm")?;
+    rest.split_whitespace().nth(16).and_then(|v| v.parse().ok()).ok_or_else(|| format!("bad stat: {stat}"))
 }
 
 /// The metric and recording-rule names an expression reads (`tandem_...`, `tandem:...`, `up`).

@@ -60,6 +60,15 @@ pub struct CommonFlags {
     /// Model compute threads. Env: TANDEM_THREADS. Default: available cores.
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
+    /// Nice level of the whole process (-20..19), applied before any thread
+    /// starts: on a host where workers share cores, a prefill worker niced
+    /// above the decode worker gives way to decode steps and still uses
+    /// every cycle they leave. Env: TANDEM_NICE. Default: unchanged.
+    #[arg(long, env = "TANDEM_NICE", allow_negative_numbers = true)]
+    pub nice: Option<i32>,
+    /// Pin the process to these CPUs (`0-3,6`). Env: TANDEM_CPUS. Default: unpinned.
+    #[arg(long, env = "TANDEM_CPUS")]
+    pub cpus: Option<String>,
     /// Version group label (required). Env: TANDEM_VERSION_GROUP.
     #[arg(long, env = "TANDEM_VERSION_GROUP")]
     pub version_group: Option<String>,
@@ -140,6 +149,8 @@ impl CommonFlags {
             grpc,
             metrics,
             threads,
+            nice,
+            cpus,
             version_group,
             kv_block_size,
             kv_dtype,
@@ -168,6 +179,9 @@ pub struct CommonConfig {
     /// Where `/metrics` is served (port 0: any free port, printed at start-up).
     pub metrics: SocketAddr,
     pub threads: usize,
+    /// See the flags; `None`: leave as inherited.
+    pub nice: Option<i32>,
+    pub cpus: Option<crate::cpu::CpuList>,
     pub version_group: VersionGroup,
     pub kv_block_size: usize,
     pub kv_dtype: KvDtype,
@@ -268,6 +282,15 @@ impl CommonFlags {
             grpc,
             metrics,
             threads,
+            nice: match self.nice {
+                Some(n) if !(-20..=19).contains(&n) => return Err(invalid("nice", format!("{n} is outside -20..19"))),
+                n => n,
+            },
+            cpus: self
+                .cpus
+                .as_deref()
+                .map(|t| crate::cpu::CpuList::parse(t).map_err(|e| invalid("cpus", format!("{t:?}: {e}"))))
+                .transpose()?,
             version_group,
             kv_block_size: positive("kv_block_size", self.kv_block_size, 16)?,
             kv_dtype,
@@ -368,6 +391,8 @@ mod tests {
             (CommonFlags { kv_dtype: Some("bf8".into()), ..base() }, "`kv_dtype`"),
             (CommonFlags { kv_blocks: Some(0), ..base() }, "`kv_blocks`"),
             (CommonFlags { threads: Some(0), ..base() }, "`threads`"),
+            (CommonFlags { nice: Some(20), ..base() }, "`nice`"),
+            (CommonFlags { cpus: Some("2-1".into()), ..base() }, "`cpus`"),
             (CommonFlags { grpc: Some("nowhere".into()), ..base() }, "`grpc`"),
             (CommonFlags { metrics: Some("localhost".into()), ..base() }, "`metrics`"),
             (CommonFlags { version_group: Some("a b".into()), ..base() }, "`version_group`"),

@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod cpu;
 pub mod health;
 pub mod metrics;
 pub mod serve;

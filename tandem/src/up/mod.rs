@@ -76,6 +76,22 @@ pub struct Args {
     /// Compute threads per decode worker (default: --threads).
     #[arg(long)]
     decode_threads: Option<usize>,
+    /// Nice level of the prefill workers (-20..19; each worker's --nice). On
+    /// one host the workers share cores: a prefill worker niced above the
+    /// decode workers gives way to decode steps, so running streams keep
+    /// their pace while a long prompt prefills, and still uses every cycle
+    /// decode leaves idle. README's "Sharing cores" says how to measure the curve.
+    #[arg(long, allow_negative_numbers = true, default_value_t = DEFAULT_PREFILL_NICE)]
+    prefill_nice: i32,
+    /// Nice level of the decode workers (each worker's --nice).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
+    decode_nice: i32,
+    /// Pin the prefill workers to these CPUs (`0-3,6`; each worker's --cpus). Default: unpinned.
+    #[arg(long)]
+    prefill_cpus: Option<String>,
+    /// Pin the decode workers to these CPUs. Default: unpinned.
+    #[arg(long)]
+    decode_cpus: Option<String>,
     /// KV transport between the workers: local (shared memory) | tcp | quic.
     #[arg(long, default_value = "local")]
     kv_transport: String,
@@ -309,7 +325,7 @@ async fn start_cluster(
     let group = "local";
     let lease_ttl_s = a.lease_ttl_s.to_string();
     let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<String>>();
-    let worker_args = |name: &str, threads: &str, extra: &[&str]| {
+    let worker_args = |name: &str, threads: &str, extra: &[String]| {
         let mut v = strings(&[
             "--model",
             &model_s,
@@ -328,7 +344,7 @@ async fn start_cluster(
             "--worker-id",
             name,
         ]);
-        v.extend(strings(extra));
+        v.extend(extra.iter().cloned());
         v
     };
     let loopback = || "127.0.0.1:0".to_owned();
@@ -337,7 +353,7 @@ async fn start_cluster(
         let name = format!("prefill-{i}");
         let spec = Spec {
             bin: pbin.clone(),
-            args: worker_args(&name, &prefill_threads, &[]),
+            args: worker_args(&name, &prefill_threads, &placement(a.prefill_nice, &a.prefill_cpus)),
             addrs: vec![("--grpc", "grpc", loopback()), ("--metrics", "metrics", loopback())],
             ready: Ready::Listening(vec!["grpc", "metrics"]),
             log: logs.join(format!("{name}.log")),
@@ -351,7 +367,8 @@ async fn start_cluster(
             "local" => format!("@tandem-up-{}-{i}", std::process::id()),
             _ => loopback(),
         };
-        let extra = ["--kv-transport", &a.kv_transport, "--kv-load-failure-policy", &a.kv_load_failure_policy];
+        let mut extra = placement(a.decode_nice, &a.decode_cpus);
+        extra.extend(["--kv-transport", &a.kv_transport, "--kv-load-failure-policy", &a.kv_load_failure_policy].map(String::from));
         let spec = Spec {
             bin: dbin.clone(),
             args: worker_args(&name, &decode_threads, &extra),
@@ -407,4 +424,19 @@ async fn start_worker(a: &Args, spec: Spec, role: &'static str, name: String, gr
     c.lease_ttl_s = Some(a.lease_ttl_s);
     let run = start(&spec, &mut c, None).await?;
     Ok(Started { spec, component: c, run })
+}
+
+/// `tandem up --prefill-nice`'s default: 0, i.e. no change, until the trade-off
+/// curve (`tandem bench interference`) is measured on a quiet machine; the only
+/// run so far was taken under an outside load of 15-20 and says nothing (README,
+/// "Sharing cores").
+const DEFAULT_PREFILL_NICE: i32 = 0;
+
+/// A worker's placement flags.
+fn placement(nice: i32, cpus: &Option<String>) -> Vec<String> {
+    let mut v = vec!["--nice".to_owned(), nice.to_string()];
+    if let Some(c) = cpus {
+        v.extend(["--cpus".to_owned(), c.clone()]);
+    }
+    v
 }

@@ -1,0 +1,245 @@
+//! `tandem bench interference`: what a long prompt costs the streams already
+//! running when prefill and decode workers share one host's cores, for one or
+//! more `tandem up` configurations, each measured in the same run.
+//!
+//! Per configuration: start `tandem up` with its flags; run two streaming
+//! decoders alone for `--window-s` (the idle baseline); then the same two
+//! decoders while ~`--prompt-tokens`-token prompts arrive at `--rate`/s
+//! (Poisson, one output token each, so their end-to-end time is their time
+//! to first token). Reported: decode tokens/s kept under interference (over
+//! idle), the worst gap between two tokens of a stream, idle ITL p99, and the
+//! long prompts' TTFT. Only tokens inside each window count.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use loadgen::{Arrival, Hooks, Plan, PromptSource, Record, Report};
+use tokio::process::{Child, Command};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A configuration, NAME=FLAGS: `tandem up` flags, space-separated (e.g.
+    /// `nice10=--prefill-nice 10`). Repeat; each gets a fresh cluster.
+    #[arg(long = "config", value_name = "NAME=FLAGS", required = true)]
+    configs: Vec<String>,
+    /// GGUF model (default: the cached SmolLM2 file).
+    #[arg(long, env = "TANDEM_MODEL")]
+    model: Option<PathBuf>,
+    /// Length of each measured window (idle, then under interference), s.
+    #[arg(long, default_value_t = 40)]
+    window_s: u64,
+    /// Long prompts per second during the interference window (Poisson).
+    #[arg(long, default_value_t = 0.5)]
+    rate: f64,
+    /// Length of the long prompts, about, in tokens.
+    #[arg(long, default_value_t = 1080)]
+    prompt_tokens: usize,
+    /// Streaming decoders running throughout.
+    #[arg(long, default_value_t = 2)]
+    decoders: usize,
+    /// Seed of prompts and arrivals (the same for every configuration).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// One configuration's figures.
+#[derive(Debug, Default)]
+struct Figures {
+    idle_tok_s: f64,
+    busy_tok_s: f64,
+    idle_itl_p99_ms: f64,
+    worst_gap_ms: f64,
+    long_done: usize,
+    long_sent: usize,
+    long_ttft_p50_s: f64,
+    long_ttft_max_s: f64,
+}
+
+pub fn run(a: &Args) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(run_all(a))
+}
+
+async fn run_all(a: &Args) -> Result<()> {
+    println!("cpu: {}", crate::bench::cpu_summary());
+    let mut rows = Vec::new();
+    for c in &a.configs {
+        let (name, flags) = c.split_once('=').with_context(|| format!("--config {c:?}: expected NAME=FLAGS"))?;
+        let flags: Vec<String> = flags.split_whitespace().map(str::to_owned).collect();
+        eprintln!("== {name}: tandem up {}", flags.join(" "));
+        let f = measure(a, &flags).await.with_context(|| format!("configuration {name}"))?;
+        rows.push((name.to_owned(), f));
+    }
+    println!(
+        "{:<14} {:>10} {:>10} {:>6} {:>12} {:>12} {:>10} {:>10} {:>8}",
+        "config", "idle tok/s", "busy tok/s", "kept", "idle ITL p99", "worst gap", "TTFT p50", "TTFT max", "long ok"
+    );
+    for (name, f) in &rows {
+        println!(
+            "{:<14} {:>10.1} {:>10.1} {:>5.2}x {:>10.0} ms {:>9.0} ms {:>8.1} s {:>8.1} s {:>4}/{:<3}",
+            name,
+            f.idle_tok_s,
+            f.busy_tok_s,
+            f.busy_tok_s / f.idle_tok_s.max(f64::MIN_POSITIVE),
+            f.idle_itl_p99_ms,
+            f.worst_gap_ms,
+            f.long_ttft_p50_s,
+            f.long_ttft_max_s,
+            f.long_done,
+            f.long_sent
+        );
+    }
+    Ok(())
+}
+
+/// A `tandem up` cluster of this process's own, stopped (SIGTERM, then
+/// waited for) when dropped through [`Cluster::stop`].
+struct Cluster {
+    child: Child,
+    url: String,
+    _dir: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Cluster {
+    async fn start(a: &Args, flags: &[String]) -> Result<Self> {
+        let dir = TempDir(std::env::temp_dir().join(format!("tandem-interference-{}-{}", std::process::id(), free_port()?)));
+        std::fs::create_dir_all(&dir.0)?;
+        let http = format!("127.0.0.1:{}", free_port()?);
+        let grpc = format!("127.0.0.1:{}", free_port()?);
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.arg("up").args(["--http", &http, "--grpc", &grpc]);
+        cmd.arg("--state-file").arg(dir.0.join("cluster.json"));
+        if let Some(m) = &a.model {
+            cmd.arg("--model").arg(m);
+        }
+        let log = std::fs::File::create(dir.0.join("up.log"))?;
+        let child = cmd
+            .args(flags)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting tandem up")?;
+        let c = Self { child, url: format!("http://{http}"), _dir: dir };
+        // Ready when a one-token request completes (bounded: model loads on 2 cores).
+        let mut probe = Plan::new(&c.url, "SmolLM2-135M-Instruct");
+        probe.requests = 1;
+        probe.max_tokens = 1;
+        probe.timeout = Duration::from_secs(10);
+        let until = tokio::time::Instant::now() + Duration::from_secs(180);
+        loop {
+            let r = loadgen::run(&probe).await?;
+            if r.records.iter().all(|r| r.outcome.is_complete()) {
+                return Ok(c);
+            }
+            if tokio::time::Instant::now() > until {
+                bail!("the cluster did not answer within 180 s; log: {}", c._dir.0.join("up.log").display());
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    async fn stop(mut self) -> Result<()> {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+        }
+        tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .context("tandem up did not stop within 60 s of SIGTERM")??;
+        Ok(())
+    }
+}
+
+/// Runs `decoders` streams until `window` has passed; returns their records.
+async fn decoders(a: &Args, url: &str, window: Duration) -> Result<(Report, Duration)> {
+    let mut p = Plan::new(url, "SmolLM2-135M-Instruct");
+    p.requests = 10_000;
+    p.arrival = Arrival::Closed { concurrency: a.decoders };
+    p.prompts = PromptSource::Generated { tokens: 32 };
+    p.max_tokens = 256;
+    p.ignore_eos = true;
+    p.seed = a.seed;
+    let hooks = Hooks::default();
+    let cancel = hooks.cancel.clone();
+    let stopper = tokio::spawn(async move {
+        tokio::time::sleep(window).await;
+        cancel.cancel();
+    });
+    let report = loadgen::run_with(&p, hooks).await?;
+    stopper.abort();
+    Ok((report, window))
+}
+
+/// The moments (from the run's start) at which a record's tokens arrived.
+fn token_times(r: &Record) -> Vec<Duration> {
+    let Some(first) = r.ttft else { return Vec::new() };
+    let mut t = r.start + first;
+    let mut out = vec![t];
+    for gap in &r.itl {
+        t += *gap;
+        out.push(t);
+    }
+    out
+}
+
+fn in_window(report: &Report, window: Duration) -> (f64, f64, f64) {
+    let mut tokens = 0usize;
+    let mut gaps: Vec<f64> = Vec::new();
+    for r in &report.records {
+        let times = token_times(r);
+        tokens += times.iter().filter(|t| **t <= window).count();
+        gaps.extend(times.windows(2).filter(|w| w[1] <= window).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3));
+    }
+    gaps.sort_by(f64::total_cmp);
+    let p99 = loadgen::percentile(&gaps, 0.99).unwrap_or(0.0);
+    let worst = gaps.last().copied().unwrap_or(0.0);
+    (tokens as f64 / window.as_secs_f64(), p99, worst)
+}
+
+async fn measure(a: &Args, flags: &[String]) -> Result<Figures> {
+    let cluster = Cluster::start(a, flags).await?;
+    let window = Duration::from_secs(a.window_s);
+    let (idle, _) = decoders(a, &cluster.url, window).await?;
+    let (idle_tok_s, idle_itl_p99_ms, _) = in_window(&idle, window);
+
+    let mut long = Plan::new(&cluster.url, "SmolLM2-135M-Instruct");
+    long.requests = ((a.window_s as f64) * a.rate).round().max(1.0) as usize;
+    long.arrival = Arrival::Poisson { rate: a.rate };
+    long.prompts = PromptSource::Generated { tokens: a.prompt_tokens };
+    long.max_tokens = 1;
+    long.seed = a.seed.wrapping_add(1);
+    long.timeout = Duration::from_secs(120);
+    let (busy, long) = tokio::join!(decoders(a, &cluster.url, window), loadgen::run(&long));
+    let (busy, _) = busy?;
+    let long = long?;
+    let (busy_tok_s, _, worst_gap_ms) = in_window(&busy, window);
+    let mut ttft: Vec<f64> =
+        long.records.iter().filter(|r| r.outcome.is_complete()).map(|r| r.e2e.as_secs_f64()).collect();
+    ttft.sort_by(f64::total_cmp);
+    cluster.stop().await?;
+    Ok(Figures {
+        idle_tok_s,
+        busy_tok_s,
+        idle_itl_p99_ms,
+        worst_gap_ms,
+        long_done: ttft.len(),
+        long_sent: long.records.len(),
+        long_ttft_p50_s: loadgen::percentile(&ttft, 0.5).unwrap_or(f64::NAN),
+        long_ttft_max_s: ttft.last().copied().unwrap_or(f64::NAN),
+    })
+}
