@@ -104,10 +104,13 @@ fn main() -> Res<()> {
 
         let mut times: Vec<Vec<Duration>> = vec![Vec::new(); Variant::ALL.len()];
         let mut mem = Vec::new();
+        let mut locks: Vec<Option<String>> = vec![None; Variant::ALL.len()];
         for _ in 0..RUNS {
             for (i, v) in Variant::ALL.into_iter().enumerate() {
                 lock(&bench.pool_b).clear(&bench.table_b)?;
+                lock_take();
                 times[i].push(rt.block_on(bench.run(v, &decodes[i], &config))?);
+                locks[i] = lock_take();
                 if v != Variant::Memory && lock(&bench.pool_b).gather(&bench.table_b)? != bench.want {
                     return Err(format!("{}: KV differs after the transfer", v.label()).into());
                 }
@@ -126,8 +129,43 @@ fn main() -> Res<()> {
             );
         }
         println!("  (goal: pool -> pool at >= 0.8 of memcpy)");
+        for (v, l) in Variant::ALL.into_iter().zip(&locks) {
+            if let Some(l) = l {
+                println!("  receiver lock, {} (last run): {l}", v.label());
+            }
+        }
+        if locks[0].is_some() {
+            println!("  frames per transfer: {}", total.div_ceil(chunk));
+        }
     }
     Ok(())
+}
+
+/// The receiver lock's figures since the last call (feature `lock-stats`;
+/// `None` without it), and a fresh start for the next.
+fn lock_take() -> Option<String> {
+    #[cfg(feature = "lock-stats")]
+    {
+        let s = kvtransfer::transport::lock_stats::snapshot();
+        kvtransfer::transport::lock_stats::reset();
+        let us = |ns: u64| ns as f64 / 1e3;
+        Some(format!(
+            "{} acquisitions, {} contended; hold mean {:.2} us, p50 <= {:.2}, p99 <= {:.2}, max {:.2}; \
+             contended wait mean {:.2} us, max {:.2}; held {:.2} ms in all; waited {:.3} us per acquisition",
+            s.acquired,
+            s.contended,
+            s.hold.mean_ns() / 1e3,
+            us(s.hold.quantile_ns(0.5)),
+            us(s.hold.quantile_ns(0.99)),
+            us(s.hold.max_ns),
+            s.wait.mean_ns() / 1e3,
+            us(s.wait.max_ns),
+            s.hold.sum_ns as f64 / 1e6,
+            s.wait.sum_ns as f64 / 1e3 / s.acquired.max(1) as f64,
+        ))
+    }
+    #[cfg(not(feature = "lock-stats"))]
+    None
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    cpu_seconds, dst_sink, expected_dst, frame_payload, frame_sizes, gbps, lock, peer, rates, read_into, write_layers,
-    Res, BLOCKS, LAYOUT, SIDE, TOTAL,
+    actor_hops, cpu_seconds, dst_sink, expected_dst, frame_payload, frame_sizes, gbps, lock, lock_take, peer, rates,
+    read_into, summary_us, write_layers, Res, BLOCKS, LAYOUT, SIDE, TOTAL,
 };
 use kvtransfer::transport::quic::tls::ALPN;
 use kvtransfer::{
@@ -75,6 +75,7 @@ fn main() -> Res<()> {
         let chunk = frame_payload(max_frame);
         println!("\nframes <= {} KiB ({chunk} bytes of payload)", max_frame >> 10);
         let [mut quic, mut raw_quic, mut tls]: [Vec<Duration>; 3] = Default::default();
+        let mut last_lock = None;
         for _ in 0..RUNS {
             let buf = std::mem::take(&mut *lock(&dst));
             let (t, buf) = rt.block_on(tls_run(&layers, buf, chunk / 2))?;
@@ -82,7 +83,9 @@ fn main() -> Res<()> {
             let (t, buf) = rt.block_on(raw_quic_run(&layers, buf, chunk / 2))?;
             raw_quic.push(t);
             *lock(&dst) = buf;
+            lock_take();
             quic.push(rt.block_on(quic_run(&layers, &dst, max_frame, &id))?);
+            last_lock = lock_take();
         }
         if *lock(&dst) != expected_dst(&layers, chunk) {
             return Err("bytes differ after the QUIC transfer".into());
@@ -93,7 +96,12 @@ fn main() -> Res<()> {
         println!("  rustls over tcp:                   {:6.2} GB/s best, {:6.2} median", t.0, t.1);
         println!("  ratio quic transport / rustls-tcp: {:.2} best, {:.2} median (goal >= 0.8)", q.0 / t.0, q.1 / t.1);
         println!("  ratio raw quic / rustls-tcp:       {:.2} best, {:.2} median", r.0 / t.0, r.1 / t.1);
+        if let Some(l) = last_lock {
+            println!("  receiver lock (last run): {l}");
+        }
     }
+    let idle = rt.block_on(actor_hops(Arc::new(std::sync::atomic::AtomicBool::new(true)), 100_000));
+    println!("\nactor round trip (a request to an owning task and its answer), idle runtime: {}", summary_us(&idle));
     Ok(())
 }
 

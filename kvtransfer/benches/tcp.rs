@@ -27,12 +27,13 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    cpu_seconds, dst_sink, expected_dst, frame_payload, frame_sizes, gbps, lock, peer, rates, read_into, write_layers,
-    Res, BLOCKS, LAYOUT, SIDE, TOTAL,
+    actor_hops, cpu_seconds, dst_sink, expected_dst, frame_payload, frame_sizes, gbps, lock, lock_take, peer, rates,
+    read_into, summary_us, write_layers, Res, BLOCKS, LAYOUT, SIDE, TOTAL,
 };
 use engine::kv::{BlockId, KvPool};
 use kvtransfer::{Receiver, ReceiverConfig, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig};
@@ -40,6 +41,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 const RUNS: usize = 7;
+/// Senders at once in the parallel variant.
+const PARALLEL: usize = 4;
 
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -90,16 +93,23 @@ fn main() -> Res<()> {
     for max_frame in frames {
         let chunk = frame_payload(max_frame);
         println!("\nframes <= {} KiB ({chunk} bytes of payload, {} blocks)", max_frame >> 10, chunk / (2 * SIDE));
-        let [mut mem, mut pool, mut gather, mut raw, mut hot, mut copy]: [Vec<Duration>; 6] = Default::default();
+        let [mut mem, mut pool, mut gather, mut raw, mut hot, mut copy, mut par]: [Vec<Duration>; 7] =
+            Default::default();
+        let mut locks: [Option<String>; 3] = Default::default();
         for _ in 0..RUNS {
             let buf = std::mem::take(&mut *lock(&dst));
             let (t, buf) = rt.block_on(raw_same_memory_run(&layers, buf, chunk / 2))?;
             *lock(&dst) = buf;
             raw.push(t);
+            lock_take();
             mem.push(rt.block_on(transport_mem_run(&layers, &dst, max_frame))?);
+            locks[0] = lock_take();
             let (t, g) = rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame))?;
+            locks[1] = lock_take();
             pool.push(t);
             gather.push(g);
+            par.push(rt.block_on(transport_parallel_run(&layers, PARALLEL, max_frame))?);
+            locks[2] = lock_take();
             hot.push(rt.block_on(raw_hot_run(total, chunk))?);
             copy.push(memcpy_run(total, chunk));
         }
@@ -116,6 +126,11 @@ fn main() -> Res<()> {
             "  transport, pool -> pool:       {:6.2} GB/s best, {:6.2} median  (gather_layer alone: {:.2} GB/s)",
             p.0, p.1, g.0
         );
+        let q = rates(&par);
+        println!(
+            "  transport, {PARALLEL} senders at once:   {:6.2} GB/s best, {:6.2} median  (deferred sink, lock taken every ms)",
+            q.0, q.1
+        );
         println!("  raw tcp, same memory:          {:6.2} GB/s best, {:6.2} median", r.0, r.1);
         println!("  raw tcp, hot buffer:           {:6.2} GB/s best, {:6.2} median", h.0, h.1);
         println!("  memcpy:                        {:6.2} GB/s best, {:6.2} median", c.0, c.1);
@@ -127,6 +142,32 @@ fn main() -> Res<()> {
         println!("  ratio transport/raw same memory, pool -> pool:     {:.2} best, {:.2} median", p.0 / r.0, p.1 / r.1);
         println!("  ratio transport/raw hot buffer,  memory -> memory: {:.2} best, {:.2} median", m.0 / h.0, m.1 / h.1);
         println!("  ratio transport/raw hot buffer,  pool -> pool:     {:.2} best, {:.2} median", p.0 / h.0, p.1 / h.1);
+        let what = ["memory -> memory", "pool -> pool", "senders at once"];
+        for (w, l) in what.iter().zip(&locks) {
+            if let Some(l) = l {
+                println!("  receiver lock, {w} (last run): {l}");
+            }
+        }
+        if locks[0].is_some() {
+            let frames = TOTAL.div_ceil(chunk);
+            println!("  frames per transfer: {frames}");
+        }
+    }
+    // The alternative to the lock, priced on the same runtime: idle, then
+    // while the parallel variant runs (its lock figures alongside).
+    let idle = rt.block_on(actor_hops(Arc::new(AtomicBool::new(true)), 100_000));
+    println!("\nactor round trip (a request to an owning task and its answer), idle runtime: {}", summary_us(&idle));
+    let stop = Arc::new(AtomicBool::new(false));
+    lock_take();
+    let (t, hops) = rt.block_on(async {
+        let hops = tokio::spawn(actor_hops(stop.clone(), 1));
+        let t = transport_parallel_run(&layers, PARALLEL, 1 << 20).await;
+        stop.store(true, Ordering::Relaxed);
+        (t, hops.await)
+    });
+    println!("while {PARALLEL} senders run (1 MiB frames, {:.2} GB/s): actor {}", gbps(t?), summary_us(&hops?));
+    if let Some(l) = lock_take() {
+        println!("  receiver lock meanwhile: {l}");
     }
     Ok(())
 }
@@ -219,6 +260,96 @@ async fn transport_mem_run(
     let elapsed = start.elapsed();
     server.shutdown();
     Ok(elapsed)
+}
+
+/// `n` senders at once, each its own connection and a reservation of its
+/// share of the blocks, into one receiver whose sink hands each payload to
+/// another thread (as the decode worker's sink hands it to the engine
+/// thread), while a task takes the receiver's lock every millisecond (as
+/// the decode worker's reaper and request tasks do). Clocked until every
+/// sender's `Complete` was acknowledged.
+async fn transport_parallel_run(layers: &[(Vec<u8>, Vec<u8>)], n: usize, max_frame: usize) -> Res<Duration> {
+    let (jobs, done) = std::sync::mpsc::channel::<kvtransfer::OwnedPayload>();
+    let drain = std::thread::spawn(move || {
+        let mut bytes = 0usize;
+        for p in done {
+            bytes += (*p).as_ref().len();
+        }
+        bytes
+    });
+    let sink = Deferred(jobs);
+    let rx = Arc::new(Mutex::new(Receiver::new(peer(), ReceiverConfig::new(LAYOUT))?));
+    let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), sink, TcpServerConfig::default()).await?;
+    let per = BLOCKS / n;
+    let mut reservations = Vec::new();
+    for i in 0..n {
+        let ids: Vec<BlockId> = ((i * per) as BlockId..((i + 1) * per) as BlockId).collect();
+        reservations.push(lock(&rx).reserve(ids, Duration::from_secs(60), tokio::time::Instant::now().into_std())?);
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let poller = {
+        let (rx, stop) = (rx.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                {
+                    let mut r = lock(&rx);
+                    let _ = r.poll_released(tokio::time::Instant::now().into_std());
+                    std::hint::black_box(r.counters().clone());
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+    };
+    let config = TcpSenderConfig { max_frame_bytes: max_frame, ..TcpSenderConfig::default() };
+    let start = Instant::now();
+    let mut senders = tokio::task::JoinSet::new();
+    for (i, r) in reservations.into_iter().enumerate() {
+        let addr = server.local_addr();
+        let config = config.clone();
+        let layers: Vec<(Vec<u8>, Vec<u8>)> = layers
+            .iter()
+            .map(|(k, v)| {
+                (k[i * per * SIDE..(i + 1) * per * SIDE].to_vec(), v[i * per * SIDE..(i + 1) * per * SIDE].to_vec())
+            })
+            .collect();
+        senders.spawn(async move {
+            let mut tx = TcpKvSender::connect(addr, &peer(), LAYOUT, config).await?;
+            for (layer, (k, v)) in layers.iter().enumerate() {
+                tx.send_layer(r, layer, k, v).await?;
+            }
+            tx.complete(r).await?;
+            Ok::<_, kvtransfer::TransferError>(())
+        });
+    }
+    while let Some(r) = senders.join_next().await {
+        r??;
+    }
+    let elapsed = start.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    poller.await?;
+    server.shutdown();
+    drop(rx);
+    let _ = drain.join();
+    // Per-sender copies of the layers were made before the clock started.
+    Ok(elapsed.mul_f64(TOTAL as f64 / (n * per * 2 * SIDE * LAYOUT.n_layers) as f64))
+}
+
+/// Hands each payload to another thread, as the decode worker's sink does.
+#[derive(Clone)]
+struct Deferred(std::sync::mpsc::Sender<kvtransfer::OwnedPayload>);
+
+impl kvtransfer::BlockSink for Deferred {
+    fn write_layer(&mut self, _: usize, _: &[BlockId], _: &[u8], _: &[u8]) -> Result<(), String> {
+        Err("payloads by value only".into())
+    }
+
+    fn write_layer_owned(
+        &mut self,
+        _w: kvtransfer::WriteInstruction,
+        payload: kvtransfer::OwnedPayload,
+    ) -> Result<(), String> {
+        self.0.send(payload).map_err(|_| "drain thread gone".to_string())
+    }
 }
 
 /// The same layer bytes over a plain socket pair: K then V pieces of

@@ -1,5 +1,12 @@
-//! The receiver side of a KV transfer: a state machine owned by one task of
-//! the decode worker, with time passed in and no I/O.
+//! The receiver side of a KV transfer: a state machine with time passed in
+//! and no I/O.
+//!
+//! The decode worker keeps one behind a `std::sync::Mutex`, shared by its
+//! transfer connections (each frame is checked here and its write posted
+//! while the lock is held), its request tasks (reserve, take, abort) and its
+//! reaper (`poll_released` on the lease timer). Every hold is short and
+//! synchronous, never across an await; why a lock and not an owning task,
+//! with the measurements, is in `transport/lock.rs`.
 //!
 //! The decode worker allocates blocks from its pool and registers them with
 //! [`Receiver::reserve`]; from then on the receiver holds them. Frames from
@@ -17,9 +24,10 @@
 //!
 //! Endings the caller asks for return the blocks directly; endings that
 //! happen to it (a peer's frame, the clock) queue them for
-//! [`Receiver::poll_released`], which the owning task calls after every
-//! event and when [`Receiver::next_deadline`] passes — the quinn-proto
-//! `poll_*` shape, so one loop frees blocks and tells the request why.
+//! [`Receiver::poll_released`], which the caller polls when
+//! [`Receiver::next_deadline`] passes and after ending a reservation (the
+//! decode worker's reaper and its request tasks) — the quinn-proto `poll_*`
+//! shape, so one place frees blocks and tells the request why.
 //!
 //! The lease covers the whole time the receiver holds the blocks, including
 //! `Ready` before [`Receiver::take_ready`]: whatever the peer or the engine
@@ -305,7 +313,7 @@ impl Receiver {
         (slot.generation == r.generation).then_some(state)
     }
 
-    /// The earliest lease deadline, for the owning task's timer.
+    /// The earliest lease deadline, for the caller's timer (the decode worker's reaper).
     pub fn next_deadline(&self) -> Option<Instant> {
         self.slots
             .iter()

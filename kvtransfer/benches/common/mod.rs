@@ -128,3 +128,75 @@ pub async fn read_into<R: AsyncRead + Unpin>(r: &mut R, dst: &mut [u8]) -> std::
     }
     Ok(())
 }
+
+/// The receiver lock's figures since the last call (feature `lock-stats`;
+/// `None` without it), and a fresh start for the next.
+pub fn lock_take() -> Option<String> {
+    #[cfg(feature = "lock-stats")]
+    {
+        let s = kvtransfer::transport::lock_stats::snapshot();
+        kvtransfer::transport::lock_stats::reset();
+        let us = |ns: u64| ns as f64 / 1e3;
+        Some(format!(
+            "{} acquisitions, {} contended ({:.2}%); hold mean {:.2} us, p50 <= {:.2}, p99 <= {:.2}, max {:.2}; \
+             contended wait mean {:.2} us, p99 <= {:.2}, max {:.2}; held {:.2} ms in all; waited {:.3} us per acquisition",
+            s.acquired,
+            s.contended,
+            100.0 * s.contended as f64 / s.acquired.max(1) as f64,
+            s.hold.mean_ns() / 1e3,
+            us(s.hold.quantile_ns(0.5)),
+            us(s.hold.quantile_ns(0.99)),
+            us(s.hold.max_ns),
+            s.wait.mean_ns() / 1e3,
+            us(s.wait.quantile_ns(0.99)),
+            us(s.wait.max_ns),
+            s.hold.sum_ns as f64 / 1e6,
+            s.wait.sum_ns as f64 / 1e3 / s.acquired.max(1) as f64,
+        ))
+    }
+    #[cfg(not(feature = "lock-stats"))]
+    None
+}
+
+/// What one frame would pay if the receiver were owned by a task instead of
+/// locked: a request to the owner over a bounded channel and its answer
+/// back, each a task wake-up, made one after another on the current
+/// runtime until `stop` is set (at least `min` of them). Returns each round
+/// trip in ns, sorted.
+pub async fn actor_hops(stop: std::sync::Arc<std::sync::atomic::AtomicBool>, min: usize) -> Vec<u64> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(u64, tokio::sync::oneshot::Sender<u64>)>(64);
+    let owner = tokio::spawn(async move {
+        let mut state = 0u64;
+        while let Some((v, reply)) = rx.recv().await {
+            state = state.wrapping_add(v);
+            let _ = reply.send(state);
+        }
+    });
+    let client = tokio::spawn(async move {
+        let mut times = Vec::new();
+        let mut i = 0u64;
+        while times.len() < min || !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let t = std::time::Instant::now();
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            if tx.send((i, reply)).await.is_err() {
+                break;
+            }
+            let _ = answer.await;
+            times.push(t.elapsed().as_nanos() as u64);
+            i += 1;
+        }
+        times
+    });
+    let mut times = client.await.unwrap_or_default();
+    let _ = owner.await;
+    times.sort_unstable();
+    times
+}
+
+/// Mean, median and 99th percentile of sorted ns, as "mean X us, p50 Y, p99 Z".
+pub fn summary_us(sorted_ns: &[u64]) -> String {
+    let n = sorted_ns.len().max(1);
+    let at = |q: f64| sorted_ns.get(((n as f64 * q) as usize).min(n - 1)).copied().unwrap_or(0) as f64 / 1e3;
+    let mean = sorted_ns.iter().sum::<u64>() as f64 / n as f64 / 1e3;
+    format!("{} round trips, mean {mean:.2} us, p50 {:.2}, p99 {:.2}", sorted_ns.len(), at(0.5), at(0.99))
+}

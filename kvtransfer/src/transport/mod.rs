@@ -21,12 +21,17 @@ pub mod quic;
 pub mod tcp;
 
 mod error;
+mod lock;
 mod send;
 mod serve;
 mod stream;
 
 pub use error::TransferError;
+#[cfg(feature = "lock-stats")]
+pub use lock::stats as lock_stats;
 pub use serve::{CloseReason, ServerStats};
+
+use std::task::{Context, Poll};
 
 #[cfg(feature = "pool")]
 use engine::kv::KvPool;
@@ -40,8 +45,29 @@ use crate::session::WriteInstruction;
 /// happens while the transport holds the receiver, after
 /// [`Receiver::on_layer`](crate::Receiver::on_layer) (or
 /// [`on_layer_checked`](crate::Receiver::on_layer_checked)) accepted the frame, so
-/// the blocks cannot be released (and reused) during it.
+/// the blocks cannot be released (and reused) during it. The server waits
+/// for [`poll_ready`](BlockSink::poll_ready) first, without the receiver.
 pub trait BlockSink: Send {
+    /// Whether the sink can take a write of `payload_len` bytes now; if not,
+    /// `cx` is woken when it can. A server polls it to readiness for every
+    /// `LayerData` frame *before* it takes the receiver and calls
+    /// [`write_layer_owned`](Self::write_layer_owned) with that frame, so a
+    /// sink that defers writes to another thread (the decode worker's
+    /// engine) bounds what waits there: while it is not ready the
+    /// connection stops reading, which is back-pressure on the sender, and
+    /// nothing else waits (the receiver is not held). The default is always
+    /// ready (a sink that writes in place).
+    fn poll_ready(&mut self, cx: &mut Context<'_>, payload_len: usize) -> Poll<()> {
+        let _ = (cx, payload_len);
+        Poll::Ready(())
+    }
+
+    /// The frame [`poll_ready`](Self::poll_ready) was last polled for will
+    /// not be written (the receiver refused it): give back whatever was set
+    /// aside for it, so a connection whose frames are refused holds nothing
+    /// while it idles. The default has nothing to give back.
+    fn unready(&mut self) {}
+
     /// Writes `k` and `v` of `layer` into `blocks`. An error voids the
     /// reservation: the transport aborts it and its blocks come back through
     /// [`Receiver::poll_released`](crate::Receiver::poll_released).

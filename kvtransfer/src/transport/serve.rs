@@ -2,14 +2,16 @@
 //! then every frame through the shared [`Receiver`] into the [`BlockSink`].
 //! The TCP and QUIC servers run it once per connection (or stream).
 
+use std::future::poll_fn;
 use std::io;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::lock::lock;
 use super::stream::{frame_name, write_frame, FrameReader, Incoming, PayloadPool, ReadError, Recent, WriteError};
 use super::BlockSink;
 use crate::frame::{Abort, AbortReason, DecodeError, DecodeLimits, Frame, LayerDataHeader, RejectReason};
@@ -142,13 +144,6 @@ impl Shared {
     }
 }
 
-/// The receiver never panics while locked (it is a plain state machine), so
-/// a poisoned lock can only come from a panicking sink; its state is still
-/// consistent.
-fn lock(rx: &Mutex<Receiver>) -> MutexGuard<'_, Receiver> {
-    rx.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Runs one frame stream to its end and says why it ended.
 pub(crate) async fn serve<R, W, S>(rd: &mut R, wr: &mut W, shared: &Shared, sink: &mut S) -> CloseReason
 where
@@ -185,17 +180,20 @@ where
             Ok(None) => return CloseReason::PeerClosed,
             Err(e) => return e.into(),
         };
-        let now = Instant::now().into_std();
         let reply = match frame {
-            Incoming::Layer { header, payload, crc32c } => layer(shared, sink, &header, payload, crc32c, now),
+            Incoming::Layer { header, payload, crc32c } => {
+                poll_fn(|cx| sink.poll_ready(cx, payload.len())).await;
+                layer(shared, sink, &header, payload, crc32c, Instant::now().into_std())
+            }
             // Not from FrameReader::next (its LayerData come as Layer); checked the slow way all the same.
             Incoming::Frame(Frame::LayerData(d)) => {
                 let crc = d.payload_checksum();
-                layer(shared, sink, &d.header(), d.payload, crc, now)
+                poll_fn(|cx| sink.poll_ready(cx, d.payload.len())).await;
+                layer(shared, sink, &d.header(), d.payload, crc, Instant::now().into_std())
             }
             Incoming::Frame(Frame::Complete(c)) => {
                 // Bound first: the guard must not live across the await below.
-                let verdict = lock(&shared.receiver).on_complete(&c, now);
+                let verdict = lock(&shared.receiver).on_complete(&c, Instant::now().into_std());
                 match verdict {
                     Ok(ack) => {
                         if let Err(e) = write_frame(wr, &mut out, &Frame::Ack(ack), idle).await {
@@ -210,7 +208,7 @@ where
             }
             Incoming::Frame(Frame::Abort(a)) => {
                 // Refused only when the reservation already ended: nothing to do.
-                let _ = lock(&shared.receiver).on_abort(&a, now);
+                let _ = lock(&shared.receiver).on_abort(&a, Instant::now().into_std());
                 None
             }
             Incoming::Frame(other) => return CloseReason::UnexpectedFrame { got: frame_name(&other) },
@@ -256,6 +254,175 @@ fn layer<S: BlockSink>(
                 Some(a)
             }
         },
-        Err(e) => Some(abort(e.abort_reason())),
+        Err(e) => {
+            sink.unready();
+            Some(abort(e.abort_reason()))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::task::{Context, Poll, Waker};
+
+    use tokio::io::{duplex, split, DuplexStream, ReadHalf, WriteHalf};
+    use types::kv::{BlockId, KvDtype, KvLayout};
+
+    use super::*;
+    use crate::fingerprint::{LayoutFingerprint, VersionGroup};
+    use crate::session::{Peer, ReceiverConfig, ReleaseCause, ReservationState};
+    use crate::transport::send::FrameSender;
+    use crate::transport::{FnSink, OwnedPayload};
+    use crate::WriteInstruction;
+
+    const LAYOUT: KvLayout = KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F16 };
+    /// Bytes of one block's K (or V) in one layer.
+    const SIDE: usize = 4 * 8 * 2;
+    const WAIT: Duration = Duration::from_secs(1);
+
+    fn peer() -> Peer {
+        Peer {
+            version_group: VersionGroup::new("g1").expect("label"),
+            fingerprint: LayoutFingerprint::new(&LAYOUT, &[1; 32], &[2; 32]),
+        }
+    }
+
+    type Sender = FrameSender<ReadHalf<DuplexStream>, WriteHalf<DuplexStream>>;
+
+    /// A server on one end of an in-memory stream (no I/O driver, so a paused
+    /// clock moves only when told), a handshaken sender on the other.
+    async fn pair<S: BlockSink + 'static>(
+        sink: S,
+    ) -> (Arc<Mutex<Receiver>>, Sender, tokio::task::JoinHandle<CloseReason>) {
+        let rx = Arc::new(Mutex::new(Receiver::new(peer(), ReceiverConfig::new(LAYOUT)).expect("config")));
+        let shared = Shared::new(rx.clone(), DecodeLimits::default(), Duration::from_secs(30));
+        let (client, server) = duplex(1 << 16);
+        let task = tokio::spawn(async move {
+            let (mut rd, mut wr) = split(server);
+            let mut sink = sink;
+            serve(&mut rd, &mut wr, &shared, &mut sink).await
+        });
+        let (rd, wr) = split(client);
+        let tx = FrameSender::handshake(rd, wr, &peer(), LAYOUT, WAIT, 1 << 20).await.expect("handshake");
+        (rx, tx, task)
+    }
+
+    /// Lets the server task run until `done` says so (a bounded number of
+    /// turns: the clock does not move meanwhile).
+    async fn until(what: &str, mut done: impl FnMut() -> bool) {
+        for _ in 0..10_000 {
+            if done() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("{what} did not happen");
+    }
+
+    /// A lease set on tokio's clock expires on it through a server: frames
+    /// within the lease land, the clock is advanced past it, the next frame
+    /// is refused as expired and the blocks come back as `LeaseExpired`. The
+    /// clock is paused, so the five-second lease costs no real time.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_expires_on_tokios_paused_clock_through_the_server() {
+        let real = std::time::Instant::now();
+        let (rx, mut tx, _server) = pair(FnSink(|_: usize, _: &[BlockId], _: &[u8], _: &[u8]| Ok(()))).await;
+        let ttl = Duration::from_secs(5);
+        let r = lock(&rx).reserve(vec![10, 11], ttl, Instant::now().into_std()).expect("reserve");
+        let (k, v) = (vec![1u8; 2 * SIDE], vec![2u8; 2 * SIDE]);
+
+        tx.send_blocks(r, 0, 0, &k, &v).await.expect("send layer 0");
+        until("layer 0 accepted", || lock(&rx).counters().layer_frames_accepted == 1).await;
+        tokio::time::advance(ttl - Duration::from_millis(1)).await;
+        assert!(lock(&rx).poll_released(Instant::now().into_std()).is_empty(), "not expired 1 ms before the lease end");
+
+        tokio::time::advance(Duration::from_millis(1)).await;
+        tx.send_blocks(r, 1, 0, &k, &v).await.expect("send layer 1");
+        until("layer 1 refused", || lock(&rx).counters().refused("expired") == 1).await;
+        assert_eq!(lock(&rx).state(r), Some(ReservationState::Expired));
+        let released = lock(&rx).poll_released(Instant::now().into_std());
+        assert_eq!(released.len(), 1);
+        assert_eq!((released[0].blocks.clone(), released[0].cause), (vec![10, 11], ReleaseCause::LeaseExpired));
+        assert!(real.elapsed() < Duration::from_secs(2), "waited in real time: {:?}", real.elapsed());
+    }
+
+    /// A sink that takes one write per credit it is given, and is not ready
+    /// without one.
+    #[derive(Clone, Default)]
+    struct Gated(Arc<Mutex<GateState>>);
+
+    #[derive(Default)]
+    struct GateState {
+        credits: usize,
+        written: VecDeque<usize>,
+        waiting: Option<Waker>,
+        polled: usize,
+    }
+
+    impl Gated {
+        fn give(&self, n: usize) {
+            let mut g = self.0.lock().expect("gate");
+            g.credits += n;
+            if let Some(w) = g.waiting.take() {
+                w.wake();
+            }
+        }
+
+        fn state<T>(&self, f: impl FnOnce(&GateState) -> T) -> T {
+            f(&self.0.lock().expect("gate"))
+        }
+    }
+
+    impl BlockSink for Gated {
+        fn poll_ready(&mut self, cx: &mut Context<'_>, _len: usize) -> Poll<()> {
+            let mut g = self.0.lock().expect("gate");
+            g.polled += 1;
+            if g.credits > 0 {
+                return Poll::Ready(());
+            }
+            g.waiting = Some(cx.waker().clone());
+            Poll::Pending
+        }
+
+        fn write_layer(&mut self, _: usize, _: &[BlockId], _: &[u8], _: &[u8]) -> Result<(), String> {
+            Err("owned only".into())
+        }
+
+        fn write_layer_owned(&mut self, w: WriteInstruction, _payload: OwnedPayload) -> Result<(), String> {
+            let mut g = self.0.lock().expect("gate");
+            g.credits = g.credits.checked_sub(1).ok_or("written without a credit")?;
+            g.written.push_back(w.layer);
+            Ok(())
+        }
+    }
+
+    /// While the sink is not ready the server neither checks nor writes the
+    /// frame, and holds no lock: the receiver stays free for everyone else.
+    /// Once the sink is ready the frame lands, in order.
+    #[tokio::test]
+    async fn a_sink_that_is_not_ready_holds_the_frame_back_without_the_receiver() {
+        let gate = Gated::default();
+        let (rx, mut tx, _server) = pair(gate.clone()).await;
+        let r = lock(&rx).reserve(vec![3, 4], Duration::from_secs(60), Instant::now().into_std()).expect("reserve");
+        let (k, v) = (vec![1u8; 2 * SIDE], vec![2u8; 2 * SIDE]);
+        tx.send_blocks(r, 0, 0, &k, &v).await.expect("send layer 0");
+        tx.send_blocks(r, 1, 0, &k, &v).await.expect("send layer 1");
+        until("the server waits for the sink", || gate.state(|g| g.polled > 0 && g.waiting.is_some())).await;
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        // Free, and nothing checked yet.
+        let counters = rx.try_lock().expect("the receiver is not held while the sink is not ready").counters().clone();
+        assert_eq!(counters.layer_frames_accepted, 0);
+
+        gate.give(1);
+        until("layer 0 written", || gate.state(|g| g.written.len() == 1)).await;
+        assert_eq!(lock(&rx).counters().layer_frames_accepted, 1, "one credit, one frame");
+        gate.give(1);
+        until("layer 1 written", || gate.state(|g| g.written.len() == 2)).await;
+        assert_eq!(gate.state(|g| g.written.iter().copied().collect::<Vec<_>>()), vec![0, 1]);
+        let ack = tx.complete(r).await.expect("complete");
+        assert_eq!((ack.reservation, ack.generation), (r.id.0, r.generation));
     }
 }

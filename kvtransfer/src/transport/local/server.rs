@@ -1,11 +1,12 @@
 //! The decode worker's side: accepts connections on a Unix socket, maps
 //! each sender's ring and feeds a [`Receiver`].
 
+use std::future::poll_fn;
 use std::io::{self, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
@@ -20,6 +21,7 @@ use super::wire::{Msg, MsgReader, RingRefusal, WireError};
 use super::{next_msg, socket_path, write_all, write_msg, ReadError, Recent, WriteError};
 use crate::frame::{Abort, AbortReason, Frame, RejectReason};
 use crate::session::Receiver;
+use crate::transport::lock::lock;
 use crate::transport::{BlockSink, OwnedPayload};
 
 /// Descriptors taken from one read; more are closed by the kernel.
@@ -189,13 +191,6 @@ struct Shared {
     config: LocalServerConfig,
     stats: watch::Sender<LocalServerStats>,
     buffers: Buffers,
-}
-
-/// The receiver never panics while locked (it is a plain state machine), so
-/// a poisoned lock can only come from a panicking sink; its state is still
-/// consistent.
-fn lock(rx: &Mutex<Receiver>) -> MutexGuard<'_, Receiver> {
-    rx.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The decode worker's same-host KV listener. Accepts connections on the
@@ -387,6 +382,8 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                     }
                 }
                 let h = d.header;
+                // The sink's room first, without the receiver (see BlockSink::poll_ready).
+                poll_fn(|cx| sink.poll_ready(cx, buf.len())).await;
                 let now = Instant::now().into_std();
                 let abort = |reason| Abort { reservation: h.reservation, generation: h.generation, reason };
                 let mut rx = lock(&shared.receiver);
@@ -405,6 +402,7 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                         }
                     },
                     Err(e) => {
+                        sink.unready();
                         buffers.put(buf);
                         Some(abort(e.abort_reason()))
                     }
