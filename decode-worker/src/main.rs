@@ -58,7 +58,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     rx_config.max_lease = rx_config.max_lease.max(cfg.reservation_ttl);
     let receiver = Arc::new(Mutex::new(Receiver::new(local.clone(), rx_config)?));
     let failures = WriteFailures::default();
-    let sink = RunnerSink { runner: runner.clone(), failures: failures.clone() };
+    let sink = RunnerSink::new(runner.clone(), failures.clone());
     let (kv_server, tls_cert_sha256) = bind_transfer(&cfg, receiver.clone(), sink).await?;
     let advertised = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr());
     println!("listening transfer={}", kv_server.local_addr());
@@ -115,7 +115,11 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let left = service.drain(common.shutdown_timeout).await;
     stop.cancel();
     // Phase 2: the engine finishes what it can within the grace, fails the rest.
-    runner.shutdown(left);
+    // Off the async threads: queueing it may wait for room (engine/src/runner).
+    let r = runner.clone();
+    if let Err(e) = worker_common::serve::blocking(move || r.shutdown(left)).await {
+        tracing::warn!(error = %e.message, "could not tell the runner to drain");
+    }
     // Streams end once the engine has answered every request.
     if tokio::time::timeout(left + Duration::from_secs(1), server).await.is_err() {
         tracing::warn!("in-flight streams did not end within the grace");

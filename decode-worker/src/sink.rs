@@ -2,7 +2,20 @@
 //! thread owns. The transport hands each accepted frame's payload over by
 //! value; the sink posts the write to the engine thread without waiting
 //! ([`RunnerHandle::post_pool`]), so the transport never stalls behind a
-//! decode step and no byte is copied twice.
+//! decode step while it holds the receiver, and no byte is copied twice.
+//!
+//! What waits for the engine is bounded by a credit: a write holds
+//! [`units`] of [`CREDIT_UNITS`] (one per 64 KiB of payload, at least one)
+//! from before it is posted until it has run (or was dropped unrun), so at
+//! most [`CREDIT_BYTES`] (64 MiB) and [`CREDIT_UNITS`] writes wait — within
+//! the runner's [`POST_ROOM`]. The server waits for the credit in
+//! [`BlockSink::poll_ready`], before it takes the receiver: while the engine
+//! is behind, the connection stops reading and TCP (or the local ring)
+//! pushes back on the prefill worker. Nothing waits while holding anything
+//! the engine needs, so this cannot deadlock: the engine thread only ever
+//! returns credit. 64 MiB is about one 2,800-token prompt of SmolLM2-135M
+//! (23 KiB of KV per token): a transfer waits only when more than that
+//! arrives within one engine step.
 //!
 //! Ordering is what makes this safe. The transport posts the write while it
 //! holds the receiver's lock, right after `Receiver::on_layer` accepted the
@@ -18,10 +31,28 @@
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use engine::kv::BlockId;
-use engine::runner::RunnerHandle;
+use engine::runner::{PostError, RunnerHandle, POST_ROOM};
 use kvtransfer::{BlockSink, OwnedPayload, Reservation, WriteInstruction};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::PollSemaphore;
+
+/// Bytes of payload one credit unit stands for.
+pub const CREDIT_UNIT_BYTES: usize = 64 << 10;
+/// Credit units: one per queued write at least, so never more writes than
+/// the runner keeps room for.
+pub const CREDIT_UNITS: usize = POST_ROOM;
+/// Most payload bytes posted to the engine thread and not yet written.
+pub const CREDIT_BYTES: usize = CREDIT_UNITS * CREDIT_UNIT_BYTES;
+
+/// Credit units a write of `payload_len` bytes holds: one per started 64
+/// KiB, at least one, at most all (a frame larger than 64 MiB then waits
+/// for the queue to empty rather than forever).
+pub fn units(payload_len: usize) -> u32 {
+    payload_len.div_ceil(CREDIT_UNIT_BYTES).clamp(1, CREDIT_UNITS) as u32
+}
 
 /// Reservations with a failed write, shared by the sink and the service.
 #[derive(Debug, Clone, Default)]
@@ -39,14 +70,56 @@ impl WriteFailures {
     }
 }
 
-/// Posts accepted KV frames to the engine thread.
-#[derive(Clone)]
+/// Posts accepted KV frames to the engine thread. Clones (one per
+/// connection) share the credit.
 pub struct RunnerSink {
-    pub runner: RunnerHandle,
-    pub failures: WriteFailures,
+    runner: RunnerHandle,
+    failures: WriteFailures,
+    credit: PollSemaphore,
+    /// Taken by `poll_ready` for the frame about to be written.
+    held: Option<OwnedSemaphorePermit>,
+}
+
+impl RunnerSink {
+    pub fn new(runner: RunnerHandle, failures: WriteFailures) -> Self {
+        let credit = PollSemaphore::new(Arc::new(Semaphore::new(CREDIT_UNITS)));
+        Self { runner, failures, credit, held: None }
+    }
+
+    /// Credit units not held by a queued write (for tests).
+    pub fn credit_available(&self) -> usize {
+        self.credit.available_permits()
+    }
+}
+
+impl Clone for RunnerSink {
+    fn clone(&self) -> Self {
+        Self { runner: self.runner.clone(), failures: self.failures.clone(), credit: self.credit.clone(), held: None }
+    }
 }
 
 impl BlockSink for RunnerSink {
+    fn poll_ready(&mut self, cx: &mut Context<'_>, payload_len: usize) -> Poll<()> {
+        let want = units(payload_len);
+        if self.held.as_ref().is_some_and(|p| p.num_permits() == want as usize) {
+            return Poll::Ready(());
+        }
+        // A credit taken for a frame the receiver then refused, of another size.
+        self.held = None;
+        match self.credit.poll_acquire_many(cx, want) {
+            Poll::Ready(permit) => {
+                // `None` only if the semaphore were closed, which nothing does.
+                self.held = permit;
+                Poll::Ready(())
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn unready(&mut self) {
+        self.held = None;
+    }
+
     fn write_layer(&mut self, _layer: usize, _blocks: &[BlockId], _k: &[u8], _v: &[u8]) -> Result<(), String> {
         // Every transport passes payloads by value; a borrowed one could not
         // outlive this call on the way to the engine thread.
@@ -56,23 +129,38 @@ impl BlockSink for RunnerSink {
     fn write_layer_owned(&mut self, w: WriteInstruction, payload: OwnedPayload) -> Result<(), String> {
         let r = w.reservation;
         let failures = self.failures.clone();
-        let bytes = (*payload).as_ref().len() as u64;
+        let len = (*payload).as_ref().len();
+        // Every server polls `poll_ready` for this frame first; a caller that
+        // did not gets the credit only if it is there now.
+        let credit = match self.held.take() {
+            Some(p) => p,
+            None => self.credit.clone_inner().try_acquire_many_owned(units(len)).map_err(|_| {
+                format!("no credit for a {len}-byte KV write: {CREDIT_BYTES} bytes already wait for the engine")
+            })?,
+        };
         let posted = self.runner.post_pool(move |pool| {
             let (k, v) = w.split_payload((*payload).as_ref());
             if let Err(e) = pool.scatter_layer(w.layer, &w.blocks, k, v) {
                 tracing::error!(layer = w.layer, error = %e, "writing received KV into the pool failed");
                 failures.add(r);
             }
+            // Returned once the write has run (or with the job, dropped unrun).
+            drop(credit);
         });
-        if posted {
-            // Counted here, as the frame is accepted, not mirrored later from the receiver's
-            // counters: a mirror lagged up to the reaper's 500 ms and missed a drained
-            // worker's last transfer entirely (the rolling-drain drill's G3 saw 72 KiB
-            // fewer received than sent).
-            crate::metrics::record_received(bytes);
-            Ok(())
-        } else {
-            Err("the engine thread has exited".into())
+        match posted {
+            Ok(()) => {
+                // Counted here, as the frame is accepted, not mirrored later from the receiver's
+                // counters: a mirror lagged up to the reaper's 500 ms and missed a drained
+                // worker's last transfer entirely (the rolling-drain drill's G3 saw 72 KiB
+                // fewer received than sent).
+                crate::metrics::record_received(len as u64);
+                Ok(())
+            }
+            Err(e @ PostError::Full { .. }) => {
+                tracing::warn!(error = %e, "KV write refused: the engine's command queue is full");
+                Err(e.to_string())
+            }
+            Err(e @ PostError::Exited) => Err(e.to_string()),
         }
     }
 }

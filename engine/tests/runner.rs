@@ -6,12 +6,16 @@
 mod common;
 
 use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::{engine, greedy, run_all};
 use engine::batch::{Engine, EngineConfig, Request};
-use engine::runner::{ErrorKind, PrefillDone, Runner, RunnerConfig, RunnerError, RunnerEvent, RunnerHandle, Sink};
+use engine::runner::{
+    ErrorKind, PostError, PrefillDone, Runner, RunnerConfig, RunnerError, RunnerEvent, RunnerHandle, Sink,
+    COMMAND_QUEUE,
+};
 use engine::sampler::FinishReason;
 use engine::tokenizer::Tokenizer;
 
@@ -270,4 +274,68 @@ fn prefill_runner_to_decode_runner_equals_one_engine() {
     prefill.shutdown(Duration::ZERO);
     assert_eq!(join(dj).kv_stats().used, 0);
     assert_eq!(join(pj).kv_stats().used, 0);
+}
+
+/// The command queue is bounded and `post_pool` never waits on it: with the
+/// runner thread held inside a job, posts fill the queue, the next one is
+/// refused `Full` at once (and dropped unrun), and every queued job runs,
+/// in order, once the thread is free. An ask made meanwhile (which waits
+/// for room as it waits for its answer) is answered.
+#[test]
+fn post_pool_refuses_a_full_queue_at_once_and_runs_what_it_queued_in_order() {
+    let (h, j, _) = spawn(cfg(), 4);
+    let (entered_tx, entered) = mpsc::channel();
+    let (open_tx, open) = mpsc::channel::<()>();
+    h.post_pool(move |_| {
+        let _ = entered_tx.send(());
+        let _ = open.recv_timeout(WAIT);
+    })
+    .expect("the gate job is queued");
+    entered.recv_timeout(WAIT).expect("the runner thread never took the gate job");
+
+    let ran = Arc::new(Mutex::new(Vec::new()));
+    for i in 0..COMMAND_QUEUE {
+        let ran = ran.clone();
+        h.post_pool(move |_| ran.lock().expect("ran").push(i)).unwrap_or_else(|e| panic!("post {i}: {e}"));
+    }
+    let refused = Arc::new(Mutex::new(false));
+    let flag = refused.clone();
+    let t = Instant::now();
+    assert_eq!(
+        h.post_pool(move |_| *flag.lock().expect("flag") = true),
+        Err(PostError::Full { capacity: COMMAND_QUEUE })
+    );
+    assert!(t.elapsed() < Duration::from_secs(1), "post_pool waited {:?} on a full queue", t.elapsed());
+
+    let asker = {
+        let h = h.clone();
+        std::thread::spawn(move || h.stats().map(|s| s.kv.used))
+    };
+    open_tx.send(()).expect("the gate job is waiting");
+    assert_eq!(asker.join().expect("asker"), Some(0), "the ask made while the queue was full is answered");
+    h.with_pool(|_| ()).expect("barrier");
+    assert_eq!(*ran.lock().expect("ran"), (0..COMMAND_QUEUE).collect::<Vec<_>>(), "every queued job ran, in order");
+    assert!(!*refused.lock().expect("flag"), "the refused job never runs");
+    h.shutdown(Duration::ZERO);
+    assert_eq!(join(j).kv_stats().used, 0);
+    assert_eq!(h.post_pool(|_| {}), Err(PostError::Exited));
+}
+
+/// A request's sink queue sized by `max_events` holds every event it can
+/// get: one per token (at most `max_tokens`, at most the context) plus the
+/// terminal one.
+#[test]
+fn max_events_counts_every_token_and_the_terminal_event() {
+    let (e, _) = engine(cfg());
+    let context = e.model().config().context;
+    let (h, j) = Runner::spawn(e, RunnerConfig::default()).expect("spawn runner");
+    assert_eq!(h.max_events(5), 6);
+    assert_eq!(h.max_events(u32::MAX), context + 1);
+    let p = vec![1u32; 3];
+    let (s, rx) = sink();
+    h.submit(req(1, &p, 7), None, s).expect("submit");
+    let (tokens, end) = drain(&rx, "max_events request");
+    assert!(tokens.len() < h.max_events(7), "{} tokens and {end:?} within {}", tokens.len(), h.max_events(7));
+    h.shutdown(Duration::ZERO);
+    join(j);
 }

@@ -72,7 +72,11 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     // Phase 1: stop admitting. Phase 2: drain for the grace. Phase 3: cancel the rest.
     service.set_draining();
     stop.cancel();
-    runner.shutdown(common.shutdown_timeout);
+    // Off the async threads: queueing it may wait for room (engine/src/runner).
+    let (r, grace) = (runner.clone(), common.shutdown_timeout);
+    if let Err(e) = worker_common::serve::blocking(move || r.shutdown(grace)).await {
+        tracing::warn!(error = %e.message, "could not tell the runner to drain");
+    }
     let grace = common.shutdown_timeout + cfg.transfer_timeout;
     if tokio::time::timeout(grace, server).await.is_err() {
         tracing::warn!(?grace, "in-flight RPCs did not finish within the grace; cancelling them");

@@ -74,3 +74,15 @@ impl RunnerError {
         }
     }
 }
+
+/// Why [`RunnerHandle::post_pool`](super::RunnerHandle::post_pool) did not queue a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PostError {
+    /// The command queue is full (overload: see the runner's module docs);
+    /// the job was dropped unrun. Never waited for: the caller decides.
+    #[error("the runner's command queue is full ({capacity} commands)")]
+    Full { capacity: usize },
+    /// The runner thread has exited.
+    #[error("the engine thread has exited")]
+    Exited,
+}

@@ -18,17 +18,35 @@
 //! Time: deadlines are [`Instant`]s compared with `Instant::now()` on the
 //! runner thread, checked once per loop turn, i.e. before every step. A
 //! request whose deadline has passed when it is submitted is accepted and
-//! then failed with `Deadline` before any work is done for it.
+//! then failed with `Deadline` before any work is done for it. The thread is
+//! not async, so it reads the real clock; the workers keep their deadlines
+//! on tokio's clock and hand them over as `tokio::time::Instant::into_std`.
 //!
 //! Sinks run on the runner thread, between steps: they must be quick (push
-//! into a channel). A sink that panics is treated as a client that went
-//! away: the panic is caught, the request aborted and its blocks freed, and
-//! the sink is not called again.
+//! into a channel) and must never block on the caller's side, nor call the
+//! handle (the thread would wait for itself). A sink that panics is treated
+//! as a client that went away: the panic is caught, the request aborted and
+//! its blocks freed, and the sink is not called again.
+//!
+//! The command queue is bounded ([`COMMAND_QUEUE`] commands). Nothing on the
+//! runner thread ever sends into it, so a full queue can only make a
+//! *sender* wait, never the thread that empties it; and who waits is chosen
+//! by what the sender is doing:
+//! - a call that waits for its answer (`submit`, `reserve`, `with_pool`,
+//!   `stats`, ...) waits for room too: it was about to block until the
+//!   runner's next turn anyway, and each such caller has one command
+//!   queued, so asks in the queue never outnumber the threads asking;
+//! - [`RunnerHandle::post_pool`] never waits: the KV transport calls it from
+//!   an async task while it holds the KV receiver, so a full queue answers
+//!   [`PostError::Full`] at once. Its callers bound what they post
+//!   themselves (the decode worker's sink takes a credit, see
+//!   [`POST_ROOM`]), so only more than [`ASK_ROOM`] threads asking at once
+//!   can leave a post no room: overload, which fails that KV write.
 
 mod error;
 mod worker;
 
-use std::sync::mpsc;
+use std::sync::mpsc::{self, TrySendError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -36,8 +54,29 @@ use crate::batch::{Engine, LayerSink, Request};
 use crate::kv::{BlockId, KvPool, KvStats};
 use crate::sampler::{FinishReason, SampledToken};
 
-pub use error::{ErrorKind, RunnerError};
+pub use error::{ErrorKind, PostError, RunnerError};
 use worker::{Command, Worker};
+
+/// Queue room for posted pool jobs ([`RunnerHandle::post_pool`]): a caller
+/// that posts keeps at most this many unexecuted (the decode worker's KV
+/// sink holds one credit per post until its job has run). Each job carries
+/// one received KV frame; the sink's credit also bounds their bytes.
+pub const POST_ROOM: usize = 1024;
+
+/// Queue room for commands whose sender waits for the answer. Each such
+/// command is one thread blocked in the handle (the workers ask from
+/// tokio's blocking pool), so this is how many may queue before more wait
+/// for room instead of for their answer. A worker's requests ask one at a
+/// time each, and the runner admits `max_running + max_waiting` of them
+/// (16 + 64 by default; the decode worker adds `max_waiting` more waiting
+/// for remote KV): 256 is room for all of them with their reaper,
+/// health and abort calls; only a flood of asks beyond it takes room that
+/// posts would use, and then a post is refused rather than waited for.
+pub const ASK_ROOM: usize = 256;
+
+/// The command queue's capacity: [`ASK_ROOM`] + [`POST_ROOM`]. Its slots
+/// are allocated when the runner starts (264 bytes each: about 340 KB).
+pub const COMMAND_QUEUE: usize = ASK_ROOM + POST_ROOM;
 
 /// Runner knobs (the engine's own are in [`crate::batch::EngineConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,11 +142,12 @@ impl Runner {
     /// dropped and the in-flight requests have ended; joining it gives the
     /// engine back (with its pool empty of requests).
     pub fn spawn(engine: Engine, cfg: RunnerConfig) -> std::io::Result<(RunnerHandle, JoinHandle<Engine>)> {
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(COMMAND_QUEUE);
         let block_size = engine.config().block_size;
+        let context = engine.model().config().context;
         let worker = Worker::new(engine, cfg, rx);
         let join = std::thread::Builder::new().name("tandem-runner".into()).spawn(move || worker.run())?;
-        Ok((RunnerHandle { tx, block_size }, join))
+        Ok((RunnerHandle { tx, block_size, context }, join))
     }
 }
 
@@ -116,14 +156,18 @@ impl Runner {
 /// `ShuttingDown` (or `false` / nothing where they return no error).
 #[derive(Clone)]
 pub struct RunnerHandle {
-    tx: mpsc::Sender<Command>,
+    tx: mpsc::SyncSender<Command>,
     block_size: usize,
+    /// The model's context length, in tokens.
+    context: usize,
 }
 
 impl RunnerHandle {
-    /// Sends a command that carries `reply` and waits for the answer.
-    fn ask<T>(&self, make: impl FnOnce(mpsc::Sender<T>) -> Command) -> Option<T> {
-        let (reply, rx) = mpsc::channel();
+    /// Sends a command that carries `reply` and waits for the answer
+    /// (first for room in the queue, if it is full: see the module docs).
+    fn ask<T>(&self, make: impl FnOnce(mpsc::SyncSender<T>) -> Command) -> Option<T> {
+        // One answer per command: room for exactly it, so answering never waits.
+        let (reply, rx) = mpsc::sync_channel(1);
         self.tx.send(make(reply)).ok()?;
         // The thread answers every command it takes; an error means it exited.
         rx.recv().ok()
@@ -210,12 +254,21 @@ impl RunnerHandle {
     /// [`submit_prefilled`](Self::submit_prefilled) of the same blocks lands
     /// before it. A panic in `f` is caught and dropped; `f` reports its own
     /// failures (e.g. through a flag the caller checks with a later
-    /// [`with_pool`](Self::with_pool)). Returns false once the runner has exited.
-    pub fn post_pool(&self, f: impl FnOnce(&mut KvPool) + Send + 'static) -> bool {
+    /// [`with_pool`](Self::with_pool)).
+    ///
+    /// Never waits: with the command queue full it answers
+    /// [`PostError::Full`] (and `f` is dropped unrun); a caller keeps at most
+    /// [`POST_ROOM`] posts unexecuted so that this means overload. Once the
+    /// runner has exited, [`PostError::Exited`]. A job still queued when the
+    /// runner exits is dropped unrun.
+    pub fn post_pool(&self, f: impl FnOnce(&mut KvPool) + Send + 'static) -> Result<(), PostError> {
         let job = move |pool: &mut KvPool| {
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(pool)));
         };
-        self.tx.send(Command::WithPool(Box::new(job))).is_ok()
+        self.tx.try_send(Command::WithPool(Box::new(job))).map_err(|e| match e {
+            TrySendError::Full(_) => PostError::Full { capacity: COMMAND_QUEUE },
+            TrySendError::Disconnected(_) => PostError::Exited,
+        })
     }
 
     /// Frees a finished prefill-only request's held blocks. Returns whether it was held.
@@ -239,6 +292,14 @@ impl RunnerHandle {
         prompt_len.div_ceil(self.block_size)
     }
 
+    /// The most events a streaming request with `max_tokens` can send its
+    /// sink (no round trip): one per token — at most `max_tokens`, and at
+    /// most the model's context, where the engine ends any sequence — plus
+    /// the terminal one. A sink's queue this deep is never full.
+    pub fn max_events(&self, max_tokens: u32) -> usize {
+        (max_tokens as usize).min(self.context) + 1
+    }
+
     /// Stops a request wherever it is and frees its blocks; its sink gets
     /// `Failed(Cancelled)` (a held prefill-only request is just released).
     /// Returns whether it existed.
@@ -253,8 +314,10 @@ impl RunnerHandle {
 
     /// Stops admitting (new work answers `ShuttingDown`), lets in-flight
     /// requests run for up to `grace`, then fails the rest with
-    /// `ShuttingDown`, frees every block and ends the thread. Returns at
-    /// once; join the thread to wait. A second call can only shorten the grace.
+    /// `ShuttingDown`, frees every block and ends the thread. Returns once
+    /// the command is queued (waiting for room, as an ask does: call it off
+    /// the async threads); join the thread to wait for the drain. A second
+    /// call can only shorten the grace.
     pub fn shutdown(&self, grace: Duration) {
         // If the thread is already gone there is nothing left to stop.
         let _ = self.tx.send(Command::Shutdown { grace });

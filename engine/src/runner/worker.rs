@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use super::{ErrorKind, OnDone, PrefillDone, RunnerConfig, RunnerError, RunnerEvent, RunnerStats, Sink};
@@ -16,7 +16,8 @@ use crate::batch::{Engine, LayerSink, Request, TokenEvent};
 use crate::kv::{BlockId, KvPool};
 use crate::sampler::SampledToken;
 
-type Reply<T> = Sender<T>;
+/// One answer: a channel with room for exactly it, so answering never waits.
+type Reply<T> = SyncSender<T>;
 
 /// What a handle asks of the runner thread.
 pub(super) enum Command {
