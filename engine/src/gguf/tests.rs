@@ -151,13 +151,8 @@ fn unknown_tensor_type_and_bad_shape() {
 #[test]
 fn random_mutations_never_panic() {
     let base = sample();
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut rng = testkit::rng::XorShift64::new(0x9E37_79B9_7F4A_7C15);
+    let mut next = || rng.next_u64();
     for _ in 0..20_000 {
         let mut f = base.clone();
         for _ in 0..(next() % 4 + 1) {

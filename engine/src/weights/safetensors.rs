@@ -362,13 +362,8 @@ mod tests {
     #[test]
     fn random_mutations_never_panic() {
         let base = sample();
-        let mut state = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = testkit::rng::XorShift64::new(0x2545_F491_4F6C_DD1D);
+        let mut next = || rng.next_u64();
         let mut parsed = 0;
         for _ in 0..20_000 {
             let mut f = base.clone();

@@ -13,22 +13,8 @@ use crate::weights::safetensors::{encode_header, Dtype, TensorSpec};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
-/// xorshift64: deterministic test data without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform in [-1, 1).
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+/// Deterministic test data: the workspace's seeded xorshift.
+use testkit::rng::XorShift64 as Rng;
 
 /// A scratch directory, removed on drop.
 struct TempDir(PathBuf);
@@ -74,7 +60,7 @@ struct Tensor {
 
 /// Random tensors for `cfg` under HF names, cycling through the three float types.
 fn tiny_tensors(cfg: &LlamaConfig) -> Vec<Tensor> {
-    let mut rng = Rng(0x1234_5678_9ABC_DEF1);
+    let mut rng = Rng::new(0x1234_5678_9ABC_DEF1);
     let dtypes = [Dtype::F32, Dtype::BF16, Dtype::F16];
     llama_tensors(cfg)
         .into_iter()
@@ -84,7 +70,7 @@ fn tiny_tensors(cfg: &LlamaConfig) -> Vec<Tensor> {
             let n: usize = shape.iter().product();
             let mut data = Vec::with_capacity(n * dtype.size());
             for _ in 0..n {
-                let v = rng.f32();
+                let v = rng.f32_signed();
                 match dtype {
                     Dtype::F32 => data.extend_from_slice(&v.to_le_bytes()),
                     Dtype::BF16 => data.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
@@ -197,9 +183,9 @@ fn permutation_matches_llama_cpp_reshape() -> TestResult {
 
 #[test]
 fn permutation_round_trips() -> TestResult {
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     for (rows, n_head, row_bytes) in [(12, 3, 6), (64, 1, 4), (576, 9, 2), (192, 3, 20)] {
-        let m: Vec<u8> = (0..rows * row_bytes).map(|_| rng.next() as u8).collect();
+        let m: Vec<u8> = (0..rows * row_bytes).map(|_| rng.next_u64() as u8).collect();
         let gguf = permute_qk(&m, rows, n_head, QkOrder::HfToGguf)?;
         assert_ne!(gguf, m);
         assert_eq!(permute_qk(&gguf, rows, n_head, QkOrder::GgufToHf)?, m);
@@ -219,9 +205,9 @@ fn permutation_round_trips() -> TestResult {
 fn rope_layouts_agree() -> TestResult {
     let (n_head, hd, cols, theta) = (2, 8, 6, 10_000f32);
     let rows = n_head * hd;
-    let mut rng = Rng(99);
-    let w_gguf: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
-    let x: Vec<f32> = (0..cols).map(|_| rng.f32()).collect();
+    let mut rng = Rng::new(99);
+    let w_gguf: Vec<f32> = (0..rows * cols).map(|_| rng.f32_signed()).collect();
+    let x: Vec<f32> = (0..cols).map(|_| rng.f32_signed()).collect();
     let bytes: Vec<u8> = w_gguf.iter().flat_map(|v| v.to_le_bytes()).collect();
     let hf_bytes = permute_qk(&bytes, rows, n_head, QkOrder::GgufToHf)?;
     let w_hf: Vec<f32> = hf_bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
