@@ -103,12 +103,27 @@ command -v cmake >/dev/null || need+=(cmake)
 [[ ${#need[@]} == 0 ]] || apt_install "${need[@]}"
 
 # --- build ---------------------------------------------------------------------
+# The reference is built for this CPU's ISA, but never with AMX: on the VMs of
+# this kind whose flags list AMX, ggml's AMX matmul (GGML_NATIVE=ON picks it)
+# segfaults in ggml_backend_amx_mul_mat. So no -march=native: each extension
+# the CPU lists is switched on by name, AMX off.
+flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+has() { [[ $flags == *" $1 "* ]] && echo ON || echo OFF; }
+isa=(
+  -DGGML_NATIVE=OFF
+  -DGGML_SSE42="$(has sse4_2)" -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)"
+  -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)" -DGGML_BMI2="$(has bmi2)"
+  -DGGML_AVX_VNNI="$(has avx_vnni)"
+  -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)"
+  -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)"
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+)
 jobs="${JOBS:-$(nproc)}"
-log "building ${TARGETS[*]} with ${jobs} jobs (log: ${root}/build.log)"
+log "building ${TARGETS[*]} with ${jobs} jobs (${isa[*]}; log: ${root}/build.log)"
 {
   cmake -S "${src}/llama.cpp" -B "$build" \
     -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON \
+    "${isa[@]}" \
     -DGGML_CUDA=OFF \
     -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
