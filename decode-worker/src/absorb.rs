@@ -15,9 +15,10 @@
 //! charged. So one prompt longer than a second's budget still passes when
 //! the bucket is full (and the next wait is longer), and over any window of
 //! `t` seconds at most `tokens_per_s * (1 + t)` tokens plus one prompt are
-//! absorbed. Time is passed in, so it is tested without a clock.
+//! absorbed. Time is passed in (tokio's clock in the service), so it is
+//! tested without one, or on a paused one.
 
-use std::time::Instant;
+use tokio::time::Instant;
 
 /// The bucket. 0 tokens per second absorbs nothing.
 #[derive(Debug)]
@@ -89,6 +90,24 @@ mod tests {
         let mut b = AbsorbBudget::new(0, t0);
         assert!(!b.try_take(1, t0));
         assert!(!b.try_take(1, t0 + Duration::from_secs(60)));
+    }
+
+    /// The service reads tokio's clock, so a paused clock refills the
+    /// bucket exactly as far as it is advanced, with no real waiting.
+    #[tokio::test(start_paused = true)]
+    async fn the_bucket_refills_on_tokios_paused_clock() {
+        let real = std::time::Instant::now();
+        let mut b = AbsorbBudget::new(100, Instant::now());
+        assert!(b.try_take(150, Instant::now()), "a full bucket takes a long prompt, into debt");
+        assert!(!b.try_take(1, Instant::now()), "spent");
+        tokio::time::advance(Duration::from_millis(499)).await;
+        assert!(!b.try_take(1, Instant::now()), "49.9 of the 50 tokens owed are back: still spent");
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert!(b.try_take(1, Instant::now()), "the debt is paid 500 ms on");
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(b.try_take(100, Instant::now()), "refilled");
+        assert!(!b.try_take(1, Instant::now()), "an hour idle is one second's worth");
+        assert!(real.elapsed() < Duration::from_secs(2), "waited in real time: {:?}", real.elapsed());
     }
 
     /// Over any window the bound in the module docs holds, whatever the arrivals.

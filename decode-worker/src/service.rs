@@ -29,11 +29,11 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use engine::batch::Request;
 use engine::kv::BlockId;
-use engine::runner::{RunnerEvent, RunnerHandle};
+use engine::runner::{RunnerEvent, RunnerHandle, Sink};
 use engine::sampler::{FinishReason as EngineFinish, SampledToken, SamplingParams};
 use kvtransfer::{Peer, Receiver, Reservation, ReservationState};
 use proto::worker::v1::decode_worker_server::DecodeWorker;
@@ -43,7 +43,11 @@ use proto::worker::v1::{
     GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, KvDestination, PrefillAttempt, PrefillRequest,
     PrefillTarget, TokenChunk, TopLogprob, WorkerError,
 };
+use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, Notify};
+// Deadlines, leases and timeouts on tokio's clock (paused in tests); the
+// receiver and the runner take them as `into_std()`.
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request as GrpcRequest, Response, Status};
@@ -252,9 +256,9 @@ impl DecodeService {
             self.reap().await;
             let next = lock(&self.inner.receiver).next_deadline();
             let cap = Instant::now() + Duration::from_millis(500);
-            let wake = next.map_or(cap, |d| d.min(cap));
+            let wake = next.map_or(cap, |d| Instant::from_std(d).min(cap));
             tokio::select! {
-                _ = tokio::time::sleep_until(tokio::time::Instant::from_std(wake)) => {}
+                _ = tokio::time::sleep_until(wake) => {}
                 _ = stop.cancelled() => break,
             }
         }
@@ -263,7 +267,7 @@ impl DecodeService {
     }
 
     async fn reap(&self) {
-        let released = lock(&self.inner.receiver).poll_released(Instant::now());
+        let released = lock(&self.inner.receiver).poll_released(Instant::now().into_std());
         for r in released {
             tracing::info!(reservation = %r.reservation, cause = ?r.cause, blocks = r.blocks.len(), "reservation ended; freeing its blocks");
             self.release(r.blocks).await;
@@ -519,7 +523,8 @@ impl DecodeService {
             .await
             .map_err(Failure::Fatal)?
             .map_err(|e| Failure::Fatal(runner_err(&e)))?;
-        let reserved = lock(&inner.receiver).reserve(blocks.clone(), inner.settings.reservation_ttl, started);
+        let reserved =
+            lock(&inner.receiver).reserve(blocks.clone(), inner.settings.reservation_ttl, started.into_std());
         let r = match reserved {
             Ok(r) => r,
             Err(e) => {
@@ -641,7 +646,7 @@ impl DecodeService {
         // Dropping the call (timeout, cancel) resets its HTTP/2 stream, which
         // cancels the prefill worker's handler and frees its KV there.
         let answer = tokio::select! {
-            a = tokio::time::timeout_at(tokio::time::Instant::from_std(limit), client.prefill(call)) => a,
+            a = tokio::time::timeout_at(limit, client.prefill(call)) => a,
             _ = token.cancelled() => return Err(Failure::Fatal(err(ErrorKind::Cancelled, "aborted"))),
         };
         let deadline_passed = || deadline.is_some_and(|d| Instant::now() >= d);
@@ -687,13 +692,12 @@ impl DecodeService {
             logprob: first.logprob,
             top: first.top.iter().map(|t| (t.id, t.logprob)).collect(),
         };
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(self.inner.runner.max_events(req.params.max_tokens));
         let id = req.id;
         let runner = self.inner.runner.clone();
         let (b, s) = (blocks.clone(), sampled.clone());
-        let joined =
-            blocking(move || runner.submit_prefilled(req, b, s, deadline, Box::new(move |ev| drop(tx.send(ev)))))
-                .await?;
+        let deadline = deadline.map(Instant::into_std);
+        let joined = blocking(move || runner.submit_prefilled(req, b, s, deadline, event_sink(tx))).await?;
         if let Err(e) = joined {
             // Not joined: the blocks are still ours.
             self.release(blocks).await;
@@ -714,12 +718,11 @@ impl DecodeService {
         out: &mut Out,
         token: &CancellationToken,
     ) -> Result<FinishReason, WorkerError> {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(self.inner.runner.max_events(req.params.max_tokens));
         let id = req.id;
         let runner = self.inner.runner.clone();
-        blocking(move || runner.submit(req, deadline, Box::new(move |ev| drop(tx.send(ev)))))
-            .await?
-            .map_err(|e| runner_err(&e))?;
+        let deadline = deadline.map(Instant::into_std);
+        blocking(move || runner.submit(req, deadline, event_sink(tx))).await?.map_err(|e| runner_err(&e))?;
         self.forward(id, rx, out, token).await
     }
 
@@ -733,7 +736,7 @@ impl DecodeService {
     async fn forward(
         &self,
         id: u64,
-        mut events: mpsc::UnboundedReceiver<RunnerEvent>,
+        mut events: mpsc::Receiver<RunnerEvent>,
         out: &mut Out,
         token: &CancellationToken,
     ) -> Result<FinishReason, WorkerError> {
@@ -759,7 +762,12 @@ impl DecodeService {
                     })
                 }
                 Some(RunnerEvent::Failed(e)) => return Err(runner_err(&e)),
-                None => return Err(err(ErrorKind::Internal, "the engine dropped the request")),
+                None => {
+                    // The sink is gone without a terminal event (it panicked, or cut
+                    // the stream, see `event_sink`): make sure the engine stops too.
+                    self.abort_engine(id).await;
+                    return Err(err(ErrorKind::Internal, "the engine's event stream ended without a terminal event"));
+                }
             }
         }
     }
@@ -799,6 +807,24 @@ impl DecodeService {
             worker_common::metrics::record_stats(&stats);
         }
     }
+}
+
+/// The runner's sink for one request: events into `tx`, never waiting (it
+/// runs on the engine thread). `tx` is as deep as the request has events
+/// ([`RunnerHandle::max_events`]), so it is never full; should the engine
+/// ever break that bound, the stream is cut rather than left with a gap:
+/// the forwarder reads what came before, sees the end, and aborts the
+/// request. A closed `tx` (the forwarder already returned and aborts the
+/// request itself) drops the event.
+fn event_sink(tx: mpsc::Sender<RunnerEvent>) -> Sink {
+    let mut tx = Some(tx);
+    Box::new(move |ev| {
+        let Some(t) = &tx else { return };
+        if let Err(TrySendError::Full(_)) = t.try_send(ev) {
+            tracing::error!(capacity = t.max_capacity(), "a request's event queue is full; cutting its stream");
+            tx = None;
+        }
+    })
 }
 
 type GenerateStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<GenerateResponse, Status>> + Send>>;

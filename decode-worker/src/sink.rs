@@ -46,6 +46,8 @@ pub const CREDIT_UNIT_BYTES: usize = 64 << 10;
 pub const CREDIT_UNITS: usize = POST_ROOM;
 /// Most payload bytes posted to the engine thread and not yet written.
 pub const CREDIT_BYTES: usize = CREDIT_UNITS * CREDIT_UNIT_BYTES;
+// Each write holds at least one unit: never more writes waiting than the runner has room for.
+const _: () = assert!(CREDIT_UNITS <= POST_ROOM);
 
 /// Credit units a write of `payload_len` bytes holds: one per started 64
 /// KiB, at least one, at most all (a frame larger than 64 MiB then waits
@@ -84,11 +86,6 @@ impl RunnerSink {
     pub fn new(runner: RunnerHandle, failures: WriteFailures) -> Self {
         let credit = PollSemaphore::new(Arc::new(Semaphore::new(CREDIT_UNITS)));
         Self { runner, failures, credit, held: None }
-    }
-
-    /// Credit units not held by a queued write (for tests).
-    pub fn credit_available(&self) -> usize {
-        self.credit.available_permits()
     }
 }
 
@@ -162,5 +159,25 @@ impl BlockSink for RunnerSink {
             }
             Err(e @ PostError::Exited) => Err(e.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write holds one unit per started 64 KiB, at least one and at most
+    /// all of them, so the units bound both the writes waiting (one each,
+    /// within the runner's room for posts) and their bytes.
+    #[test]
+    fn credit_units_bound_writes_and_bytes() {
+        assert_eq!(units(0), 1);
+        assert_eq!(units(1), 1);
+        assert_eq!(units(CREDIT_UNIT_BYTES), 1);
+        assert_eq!(units(CREDIT_UNIT_BYTES + 1), 2);
+        assert_eq!(units(1 << 20), 16);
+        assert_eq!(units(CREDIT_BYTES), CREDIT_UNITS as u32);
+        assert_eq!(units(usize::MAX), CREDIT_UNITS as u32, "a frame above the whole credit waits for all of it");
+        assert_eq!(CREDIT_BYTES, 64 << 20);
     }
 }

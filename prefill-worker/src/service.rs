@@ -13,7 +13,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use engine::batch::LayerBlocks;
 use engine::batch::Request;
@@ -32,6 +31,10 @@ use proto::worker::v1::{
     PrefillRequest, PrefillResponse, TopLogprob, WorkerError,
 };
 use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+// Deadlines and timeouts on tokio's clock (paused in tests); the runner
+// takes them as `into_std()`.
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request as GrpcRequest, Response, Status};
 use worker_common::serve::{blocking, err, local_deadline, runner_err};
@@ -283,17 +286,23 @@ impl PrefillService {
 
         // The engine streams each layer's newly complete blocks from inside
         // its forward pass; the push sends them while later layers (and
-        // later chunks) compute.
-        let (layer_tx, layer_rx) = mpsc::unbounded_channel::<LayerBlocks>();
+        // later chunks) compute. Every message carries at least one block
+        // and each (layer, block) comes once, so the prompt's messages never
+        // outnumber layers x blocks: a queue that deep is never full, and
+        // holds at most one copy of the prompt's KV (which the engine's pool
+        // holds anyway) however far the push falls behind.
+        let depth = (inner.layout.n_layers * inner.runner.blocks_for(req.token_ids.len())).max(1);
+        let (layer_tx, layer_rx) = mpsc::channel::<LayerBlocks>(depth);
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Result<PrefillDone, RunnerError>>();
         let runner = inner.runner.clone();
         let engine_req = Request { id: engine_id, prompt: req.token_ids.clone(), params, salt: req.cache_salt };
         let started = Instant::now();
+        let runner_deadline = deadline.map(Instant::into_std);
         blocking(move || {
             let submitted = runner.submit_prefill_streaming(
                 engine_req,
-                deadline,
-                Box::new(move |c| drop(layer_tx.send(c))),
+                runner_deadline,
+                layer_sink(layer_tx),
                 Box::new(move |r| drop(done_tx.send(r))),
             );
             // The caller went away while this waited for a blocking thread (a control-link
@@ -310,7 +319,7 @@ impl PrefillService {
 
         let push = self.push(&dest, reservation, layer_rx, done_rx, started, req.token_ids.len(), &token);
         let pushed = match deadline {
-            Some(d) => match tokio::time::timeout_at(tokio::time::Instant::from_std(d), push).await {
+            Some(d) => match tokio::time::timeout_at(d, push).await {
                 Ok(r) => r,
                 Err(_) => {
                     crate::metrics::record_transfer_failure("deadline");
@@ -379,7 +388,7 @@ impl PrefillService {
         &self,
         dest: &Dest,
         r: Reservation,
-        layers: mpsc::UnboundedReceiver<LayerBlocks>,
+        layers: mpsc::Receiver<LayerBlocks>,
         done: tokio::sync::oneshot::Receiver<Result<PrefillDone, RunnerError>>,
         started: Instant,
         prompt_tokens: usize,
@@ -408,7 +417,7 @@ impl PrefillService {
         conn: &mut Option<KvSender>,
         dest: &Dest,
         r: Reservation,
-        mut layers: mpsc::UnboundedReceiver<LayerBlocks>,
+        mut layers: mpsc::Receiver<LayerBlocks>,
         done: tokio::sync::oneshot::Receiver<Result<PrefillDone, RunnerError>>,
         started: Instant,
         prompt_tokens: usize,
@@ -447,6 +456,24 @@ impl PrefillService {
         let seconds = first_sent.map_or(0.0, |t| t.elapsed().as_secs_f64());
         Ok((finished.first, bytes, seconds))
     }
+}
+
+/// The engine's sink for one streaming prefill: blocks into `tx`, never
+/// waiting (it runs on the engine thread, mid-step). `tx` is deep enough
+/// for every message of the prompt, so it is never full; should the engine
+/// ever break that bound, the stream is cut instead of waiting or leaving a
+/// gap: the push sees the end, counts fewer bytes than the prompt has, and
+/// aborts the transfer. A closed `tx` (the push is gone; the request is
+/// being aborted) drops the blocks.
+fn layer_sink(tx: mpsc::Sender<LayerBlocks>) -> engine::batch::LayerSink {
+    let mut tx = Some(tx);
+    Box::new(move |c| {
+        let Some(t) = &tx else { return };
+        if let Err(TrySendError::Full(_)) = t.try_send(c) {
+            tracing::error!(capacity = t.max_capacity(), "a prefill's KV queue is full; cutting its stream");
+            tx = None;
+        }
+    })
 }
 
 #[tonic::async_trait]

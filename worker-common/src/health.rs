@@ -17,11 +17,13 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use engine::runner::{RunnerHandle, RunnerStats};
 use proto::worker::v1::WorkerError;
 use tokio::sync::Notify;
+// The snapshot's age is a timeout: on tokio's clock, like every other.
+use tokio::time::Instant;
 
 use crate::serve::blocking;
 

@@ -2,7 +2,7 @@
 //! into an engine, computing the layout fingerprint, mapping runner errors
 //! onto wire kinds, deadlines, and waiting for a stop signal.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use engine::batch::Engine;
@@ -60,21 +60,26 @@ pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static)
     tokio::task::spawn_blocking(f).await.map_err(|e| err(ErrorKind::Internal, format!("runner call failed: {e}")))
 }
 
-/// The wire's wall-clock deadline as a local monotonic one; `None` for 0.
-pub fn local_deadline(unix_ms: u64) -> Option<Instant> {
+/// The wire's wall-clock deadline on tokio's clock; `None` for 0.
+///
+/// Only the time left is taken from the wall clock, once, here; from then
+/// on the deadline is a `tokio::time::Instant`, so every timeout and check
+/// against it follows tokio's clock (paused in tests). The runner thread,
+/// which is not async, takes it as `into_std()`.
+pub fn local_deadline(unix_ms: u64) -> Option<tokio::time::Instant> {
     if unix_ms == 0 {
         return None;
     }
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    Some(Instant::now() + Duration::from_millis(unix_ms.saturating_sub(now_ms)))
+    Some(tokio::time::Instant::now() + Duration::from_millis(unix_ms.saturating_sub(now_ms)))
 }
 
-/// A local monotonic deadline as wall-clock ms for the wire; 0 for none.
-pub fn unix_deadline(deadline: Option<Instant>) -> u64 {
+/// A deadline on tokio's clock as wall-clock ms for the wire; 0 for none.
+pub fn unix_deadline(deadline: Option<tokio::time::Instant>) -> u64 {
     let Some(d) = deadline else { return 0 };
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     // At least 1 ms from the epoch: 0 would mean "no deadline".
-    (now_ms + d.saturating_duration_since(Instant::now()).as_millis() as u64).max(1)
+    (now_ms + d.saturating_duration_since(tokio::time::Instant::now()).as_millis() as u64).max(1)
 }
 
 /// Binds the gRPC listener, prints `listening grpc=ADDR` and logs readiness.
@@ -297,6 +302,37 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+
+    fn unix_ms_now() -> u64 {
+        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    }
+
+    /// A wire deadline becomes one on tokio's clock: with the clock paused
+    /// it has not passed a millisecond before its time, a timeout on it
+    /// fires exactly when the clock reaches it, and what goes back on the
+    /// wire is the time left on that clock. Ten seconds of deadline, no
+    /// real waiting.
+    #[tokio::test(start_paused = true)]
+    async fn a_wire_deadline_fires_on_tokios_paused_clock() {
+        assert_eq!(local_deadline(0), None);
+        assert_eq!(unix_deadline(None), 0);
+        let real = std::time::Instant::now();
+        let d = local_deadline(unix_ms_now() + 10_000).expect("a deadline");
+        let left = d.saturating_duration_since(tokio::time::Instant::now());
+        assert!(left > Duration::from_secs(9) && left <= Duration::from_secs(10), "{left:?} left");
+
+        tokio::time::advance(left - Duration::from_millis(1)).await;
+        assert!(tokio::time::Instant::now() < d, "passed before its time");
+        let wire = unix_deadline(Some(d));
+        let wire_left = wire.saturating_sub(unix_ms_now());
+        assert!(wire_left <= 2, "the wire gets the time left on tokio's clock, not the wall's: {wire_left} ms");
+
+        let timed_out = tokio::time::timeout_at(d, std::future::pending::<()>()).await;
+        assert!(timed_out.is_err(), "a timeout at the deadline fires");
+        let over = tokio::time::Instant::now().saturating_duration_since(d);
+        assert!(tokio::time::Instant::now() >= d && over <= Duration::from_millis(1), "the clock is {over:?} past it");
+        assert!(real.elapsed() < Duration::from_secs(2), "waited in real time: {:?}", real.elapsed());
+    }
 
     #[tokio::test]
     async fn silence_fences_only_after_a_first_health_call_and_a_call_unfences() {
