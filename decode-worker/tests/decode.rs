@@ -402,7 +402,12 @@ async fn deadline_shorter_than_prefill_is_a_typed_error_and_frees_everything() -
 async fn sigterm_finishes_in_flight_requests() -> TestResult {
     let tok = common::tokenizer()?;
     let prefill = prefill_worker(GROUP, &[])?;
-    let mut decode = decode_worker(GROUP, &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"])?;
+    // A grace far longer than the drain takes on a quiet machine (~2 s): the test is
+    // that in-flight requests finish, not how fast; the default 10 s ran out on a
+    // 2-core machine shared with other builds (request 0 at 15 of 24 tokens).
+    let args =
+        ["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0", "--shutdown-timeout-ms", "60000"];
+    let mut decode = decode_worker(GROUP, &args)?;
     let c = client(&decode).await?;
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt_of(&tok, 40 + i)).collect::<Result<_, _>>()?;
     let want = reference(&prompts, 24)?;
