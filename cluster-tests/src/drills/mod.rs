@@ -434,6 +434,8 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     let done = opts.progress.clone().unwrap_or_default();
     done.store(0, Ordering::SeqCst);
     let progress = Progress { done, finished: Arc::default() };
+    // loadgen's hook takes an unbounded sender; it carries one record per request of a
+    // finite plan, and the task below drains it as they come.
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx) };
     {

@@ -226,6 +226,10 @@ async fn up(a: Args) -> anyhow::Result<()> {
         give_up_after: a.give_up_after,
         window: Duration::from_secs(60),
     };
+    // Unbounded on purpose, and bounded in practice: a supervisor sends one line per
+    // exit, restart or give-up of its process, at most one per backoff (>= 1 s by
+    // default, give-up after --give-up-after exits a minute), and the loop below reads
+    // it at once. A bounded channel could only make a supervisor wait on the printer.
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let stop = CancellationToken::new();
     let supervisors: Vec<_> = started
