@@ -255,11 +255,11 @@ async fn completions(cx: Arc<Cx>) -> TestResult {
     let prompt = PROMPT;
     // Greedy completion: the engine's answer, and the HTTP API's, token for token.
     let pids = tok.encode(prompt, false)?;
-    let want = reference(&tok, &pids, 16)?;
+    let want = reference(tok, &pids, 16)?;
     let a = generate(&client, GenerateRequest { include_usage: true, ..prompt_req(prompt, 16) }, None).await??;
     assert_eq!(a.text, want, "gRPC differs from the single-process engine");
     let (s, _, body) =
-        post(&h, "/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0}))?;
+        post(h, "/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0}))?;
     assert_eq!(s, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body)?;
     assert_eq!(v["choices"][0]["text"], a.text.as_str(), "gRPC differs from HTTP");
@@ -296,7 +296,7 @@ async fn chat_with_logprobs(cx: Arc<Cx>) -> TestResult {
     };
     let c = generate(&client, chat, None).await??;
     let hreq = json!({"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0});
-    let (s, _, body) = post(&h, "/v1/chat/completions", &hreq)?;
+    let (s, _, body) = post(h, "/v1/chat/completions", &hreq)?;
     assert_eq!(s, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body)?;
     assert_eq!(v["choices"][0]["message"]["content"], c.text.as_str(), "gRPC chat differs from HTTP");
@@ -345,7 +345,7 @@ async fn admission(cx: Arc<Cx>) -> TestResult {
     // first client goes away: the decode worker sees the request cancelled
     // (not run to its 1000 tokens), and the queued one runs.
     let cancelled = [("outcome", "cancelled")];
-    let before = counter_before(&metrics, DECODE_REQUESTS, &cancelled)?;
+    let before = counter_before(metrics, DECODE_REQUESTS, &cancelled)?;
     let long = GenerateRequest { ignore_eos: true, ..prompt_req("Once upon a time", 1000) };
     let mut first = client.clone();
     let mut stream = bounded("the long request starting", first.generate(long)).await??.into_inner();
@@ -356,7 +356,7 @@ async fn admission(cx: Arc<Cx>) -> TestResult {
         tokio::spawn(async move { generate(&client, req, None).await })
     };
     eventually("the second request waiting in the queue", || {
-        metric(&h, coordinator::metrics::QUEUE_DEPTH, &[]).is_ok_and(|n| n == 1.0)
+        metric(h, coordinator::metrics::QUEUE_DEPTH, &[]).is_ok_and(|n| n == 1.0)
     })
     .await?;
     let r = generate(&client, prompt_req(prompt, 1), None).await?;
@@ -365,7 +365,7 @@ async fn admission(cx: Arc<Cx>) -> TestResult {
     assert!(retry_after.is_some_and(|r| (1..=60).contains(&r)), "{s:?}");
     drop(stream);
     eventually("the decode worker cancelling the abandoned request", || {
-        metric(&metrics, DECODE_REQUESTS, &cancelled).is_ok_and(|n| n == before + 1.0)
+        metric(metrics, DECODE_REQUESTS, &cancelled).is_ok_and(|n| n == before + 1.0)
     })
     .await?;
     let a = bounded("the queued request", queued).await???.map_err(|s| format!("the queued request: {s:?}"))?;

@@ -80,10 +80,11 @@ pub fn cpu_summary() -> String {
         info.lines().find_map(|l| l.split_once(':').filter(|(a, _)| a.trim() == k).map(|(_, v)| v.trim().to_owned()))
     };
     let flags = field("flags").unwrap_or_default();
-    let have: Vec<&str> = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_tile"]
-        .into_iter()
-        .filter(|f| flags.split_whitespace().any(|x| x == *f))
-        .collect();
+    let have: Vec<&str> =
+        ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_tile"]
+            .into_iter()
+            .filter(|f| flags.split_whitespace().any(|x| x == *f))
+            .collect();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     format!("{cores} cores, {}, flags: {}", field("model name").unwrap_or_default(), have.join(" "))
 }

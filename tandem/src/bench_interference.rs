@@ -116,7 +116,8 @@ fn free_port() -> Result<u16> {
 
 impl Cluster {
     async fn start(a: &Args, flags: &[String]) -> Result<Self> {
-        let dir = TempDir(std::env::temp_dir().join(format!("tandem-interference-{}-{}", std::process::id(), free_port()?)));
+        let dir =
+            TempDir(std::env::temp_dir().join(format!("tandem-interference-{}-{}", std::process::id(), free_port()?)));
         std::fs::create_dir_all(&dir.0)?;
         let http = format!("127.0.0.1:{}", free_port()?);
         let grpc = format!("127.0.0.1:{}", free_port()?);

@@ -158,7 +158,8 @@ async fn kill_and_await_restart(state_file: &Path, name: &str) -> TestResult {
     assert!(killed.success(), "kill -9 {pid}");
     poll(&format!("{name} restarted after kill -9 {pid}"), WAIT, || async {
         let c = component(&state(state_file)?, name)?;
-        let ok = c["restarts"].as_u64() == Some(restarts + 1) && c["pid"].as_u64() != Some(pid) && c["state"] == "running";
+        let ok =
+            c["restarts"].as_u64() == Some(restarts + 1) && c["pid"].as_u64() != Some(pid) && c["state"] == "running";
         Ok::<_, String>(ok.then_some(()))
     })
     .await?;
@@ -215,21 +216,19 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
     let http = format!("127.0.0.1:{}", free_port()?);
     let grpc = format!("127.0.0.1:{}", free_port()?);
     let up_log = std::fs::File::create(dir.join("up.log"))?;
-    let mut up = Kid(
-        Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args(["up", "--http", &http, "--grpc", &grpc, "--restart", "on-failure", "--restart-backoff-ms", "500"])
-            // Placement reaches the workers (checked below, also after restarts).
-            .args(["--prefill-nice", "3"])
-            .arg("--state-file")
-            .arg(&state_file)
-            .arg("--prometheus-targets")
-            .arg(&targets)
-            .env("TANDEM_MAX_QUEUED", "2")
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(up_log.try_clone()?))
-            .stderr(Stdio::from(up_log))
-            .spawn()?,
-    );
+    let mut up = Kid(Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["up", "--http", &http, "--grpc", &grpc, "--restart", "on-failure", "--restart-backoff-ms", "500"])
+        // Placement reaches the workers (checked below, also after restarts).
+        .args(["--prefill-nice", "3"])
+        .arg("--state-file")
+        .arg(&state_file)
+        .arg("--prometheus-targets")
+        .arg(&targets)
+        .env("TANDEM_MAX_QUEUED", "2")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(up_log.try_clone()?))
+        .stderr(Stdio::from(up_log))
+        .spawn()?);
     eventually("the cluster ready (/ready 200)", WAIT, || async {
         testkit::http::status(&http, "/ready", Duration::from_secs(2)).await.is_ok_and(|s| s == 200)
     })
@@ -246,17 +245,15 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
     std::fs::write(dir.join("prometheus.yml"), config)?;
     let prom = format!("127.0.0.1:{}", free_port()?);
     let prom_log = std::fs::File::create(dir.join("prometheus.log"))?;
-    let _prometheus = Kid(
-        Command::new("prometheus")
-            .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
-            .arg(format!("--web.listen-address={prom}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(prom_log.try_clone()?))
-            .stderr(Stdio::from(prom_log))
-            .spawn()
-            .map_err(|e| format!("starting prometheus ({e}): run `make deps` (Debian's prometheus package)"))?,
-    );
+    let _prometheus = Kid(Command::new("prometheus")
+        .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
+        .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+        .arg(format!("--web.listen-address={prom}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(prom_log.try_clone()?))
+        .stderr(Stdio::from(prom_log))
+        .spawn()
+        .map_err(|e| format!("starting prometheus ({e}): run `make deps` (Debian's prometheus package)"))?);
     eventually("Prometheus ready", WAIT, || async {
         testkit::http::status(&prom, "/-/ready", Duration::from_secs(2)).await.is_ok_and(|s| s == 200)
     })
@@ -271,7 +268,8 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
     // Overload: 24 callers against 16 seats and a queue of 2.
     let stop = tokio_util::sync::CancellationToken::new();
     let load = tokio::spawn(flood(http.clone(), 24, stop.clone()));
-    let shed = eventually("TandemShedRateHigh firing under the overload", WAIT, || firing(&prom, "TandemShedRateHigh")).await;
+    let shed =
+        eventually("TandemShedRateHigh firing under the overload", WAIT, || firing(&prom, "TandemShedRateHigh")).await;
     let queue = poll("the queue recording rule with data", WAIT, || async {
         let r = query(&prom, "tandem:queue_depth").await?;
         Ok::<_, String>((!r.is_empty()).then_some(r))
@@ -374,8 +372,11 @@ fn metric_names(expr: &str) -> Vec<String> {
     let bytes: Vec<char> = expr.chars().collect();
     let mut i = 0;
     while i < bytes.len() {
-        let word_start = i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == '_' || bytes[i - 1] == ':');
-        if word_start && (expr[i..].starts_with("tandem_") || expr[i..].starts_with("tandem:") || expr[i..].starts_with("up{")) {
+        let word_start =
+            i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == '_' || bytes[i - 1] == ':');
+        if word_start
+            && (expr[i..].starts_with("tandem_") || expr[i..].starts_with("tandem:") || expr[i..].starts_with("up{"))
+        {
             let mut j = i;
             while j < bytes.len() && (bytes[j].is_ascii_alphanumeric() || bytes[j] == '_' || bytes[j] == ':') {
                 j += 1;

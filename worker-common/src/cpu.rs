@@ -23,7 +23,8 @@ impl CpuList {
         let mut cpus = Vec::new();
         for part in text.split(',').map(str::trim) {
             let (a, b) = part.split_once('-').unwrap_or((part, part));
-            let parse = |s: &str| s.trim().parse::<usize>().map_err(|_| format!("{part:?} is not a CPU or a range a-b"));
+            let parse =
+                |s: &str| s.trim().parse::<usize>().map_err(|_| format!("{part:?} is not a CPU or a range a-b"));
             let (a, b) = (parse(a)?, parse(b)?);
             if a > b {
                 return Err(format!("{part:?}: the range runs backwards"));

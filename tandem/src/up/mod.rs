@@ -372,7 +372,10 @@ async fn start_cluster(
             _ => loopback(),
         };
         let mut extra = placement(a.decode_nice, &a.decode_cpus);
-        extra.extend(["--kv-transport", &a.kv_transport, "--kv-load-failure-policy", &a.kv_load_failure_policy].map(String::from));
+        extra.extend(
+            ["--kv-transport", &a.kv_transport, "--kv-load-failure-policy", &a.kv_load_failure_policy]
+                .map(String::from),
+        );
         let spec = Spec {
             bin: dbin.clone(),
             args: worker_args(&name, &decode_threads, &extra),
