@@ -23,15 +23,7 @@ use proto::worker::v1::decode_worker_server::DecodeWorkerServer;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
-    let cfg = DecodeConfig::load(&DecodeFlags::parse())?;
-    // Before any thread exists, so that every thread inherits the placement.
-    worker_common::cpu::apply(cfg.common.nice, cfg.common.cpus.as_ref())?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(run(cfg))
+    worker_common::serve::main(|| DecodeConfig::load(&DecodeFlags::parse()), |c| &c.common, run)
 }
 
 async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
@@ -105,12 +97,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let registration = worker_common::serve::register(common, info, fencing).await?;
     let signal = signals.recv().await;
     tracing::info!(signal, "draining");
-    if let Some(r) = &registration {
-        // Coordinators stop routing here before the drain ends.
-        if let Err(e) = r.set_draining(true).await {
-            tracing::warn!(error = %e, "could not mark the registration draining");
-        }
-    }
+    worker_common::serve::announce_draining(registration.as_ref()).await;
     // Phase 1: stop admitting; requests waiting for remote KV join the batch.
     let left = service.drain(common.shutdown_timeout).await;
     stop.cancel();
@@ -127,16 +114,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     reaper_stop.cancel();
     let _ = reaper.await;
     kv_server.shutdown();
-    let joined = tokio::task::spawn_blocking(move || join.join());
-    match tokio::time::timeout(left + Duration::from_secs(1), joined).await {
-        Ok(Ok(Ok(_engine))) => tracing::info!("runner drained"),
-        _ => tracing::warn!("runner thread did not exit cleanly"),
-    }
-    if let Some(r) = registration {
-        if let Err(e) = r.deregister().await {
-            tracing::warn!(error = %e, "deregistering failed; the lease will expire");
-        }
-    }
+    worker_common::serve::finish(join, left + Duration::from_secs(1), registration).await;
     Ok(())
 }
 

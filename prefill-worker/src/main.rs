@@ -15,15 +15,7 @@ use proto::worker::v1::prefill_worker_server::PrefillWorkerServer;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
-    let cfg = PrefillConfig::load(&PrefillFlags::parse())?;
-    // Before any thread exists, so that every thread inherits the placement.
-    worker_common::cpu::apply(cfg.common.nice, cfg.common.cpus.as_ref())?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(run(cfg))
+    worker_common::serve::main(|| PrefillConfig::load(&PrefillFlags::parse()), |c| &c.common, run)
 }
 
 async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
@@ -63,12 +55,7 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     let registration = worker_common::serve::register(common, info, fencing).await?;
     let signal = signals.recv().await;
     tracing::info!(signal, "draining");
-    if let Some(r) = &registration {
-        // Coordinators stop routing here before the drain ends.
-        if let Err(e) = r.set_draining(true).await {
-            tracing::warn!(error = %e, "could not mark the registration draining");
-        }
-    }
+    worker_common::serve::announce_draining(registration.as_ref()).await;
     // Phase 1: stop admitting. Phase 2: drain for the grace. Phase 3: cancel the rest.
     service.set_draining();
     stop.cancel();
@@ -82,15 +69,6 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
         tracing::warn!(?grace, "in-flight RPCs did not finish within the grace; cancelling them");
     }
     process.cancel();
-    let joined = tokio::task::spawn_blocking(move || join.join());
-    match tokio::time::timeout(grace + Duration::from_secs(1), joined).await {
-        Ok(Ok(Ok(_engine))) => tracing::info!("runner drained"),
-        _ => tracing::warn!("runner thread did not exit cleanly"),
-    }
-    if let Some(r) = registration {
-        if let Err(e) = r.deregister().await {
-            tracing::warn!(error = %e, "deregistering failed; the lease will expire");
-        }
-    }
+    worker_common::serve::finish(join, grace + Duration::from_secs(1), registration).await;
     Ok(())
 }

@@ -1,6 +1,8 @@
 //! Start-up and request plumbing shared by both workers: loading the model
 //! into an engine, computing the layout fingerprint, mapping runner errors
-//! onto wire kinds, deadlines, and waiting for a stop signal.
+//! onto wire kinds, deadlines, and the start and end of both binaries
+//! (logging, CPU placement, runtime; announcing the drain, joining the
+//! runner, deregistering).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -234,6 +236,59 @@ where
             self.fencing.health_called();
         }
         self.inner.call(req)
+    }
+}
+
+/// The start both worker binaries share: logs to stderr (filtered by
+/// `RUST_LOG`), the config from `load`, its CPU placement applied before any
+/// thread exists (so that every thread inherits it), and `run` on a
+/// two-thread runtime.
+pub fn main<C, E, F>(
+    load: impl FnOnce() -> Result<C, E>,
+    common: impl FnOnce(&C) -> &CommonConfig,
+    run: impl FnOnce(C) -> F,
+) -> anyhow::Result<()>
+where
+    E: std::error::Error + Send + Sync + 'static,
+    F: std::future::Future<Output = anyhow::Result<()>>,
+{
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = load()?;
+    let c = common(&cfg);
+    crate::cpu::apply(c.nice, c.cpus.as_ref())?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(run(cfg))
+}
+
+/// Marks the registration draining, so that coordinators stop routing here
+/// before the drain ends. Best effort: a failure is logged and the drain
+/// goes on (the lease still expires after the process exits).
+pub async fn announce_draining(registration: Option<&registry::Registration>) {
+    let Some(r) = registration else { return };
+    if let Err(e) = r.set_draining(true).await {
+        tracing::warn!(error = %e, "could not mark the registration draining");
+    }
+}
+
+/// The end both workers share, after their own drain: waits up to `within`
+/// for the runner thread to hand back its engine, then deregisters.
+pub async fn finish(
+    join: std::thread::JoinHandle<Engine>,
+    within: Duration,
+    registration: Option<registry::Registration>,
+) {
+    let joined = tokio::task::spawn_blocking(move || join.join());
+    match tokio::time::timeout(within, joined).await {
+        Ok(Ok(Ok(_engine))) => tracing::info!("runner drained"),
+        _ => tracing::warn!("runner thread did not exit cleanly"),
+    }
+    if let Some(r) = registration {
+        if let Err(e) = r.deregister().await {
+            tracing::warn!(error = %e, "deregistering failed; the lease will expire");
+        }
     }
 }
 
