@@ -850,24 +850,9 @@ impl DecodeWorker for DecodeService {
     }
 
     async fn health(&self, _request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        let stats = self.inner.stats.read(&self.inner.runner).await.map_err(|e| Status::internal(e.message))?;
-        let ready =
-            self.inner.ready.load(Ordering::SeqCst) && !self.inner.fenced.load(Ordering::SeqCst) && stats.is_some();
-        let mut h = HealthResponse {
-            live: true,
-            ready,
-            version_group: self.inner.local.version_group.as_str().to_owned(),
-            layout_fingerprint: self.inner.local.fingerprint.as_bytes().to_vec(),
-            ..HealthResponse::default()
-        };
-        if let Some(s) = stats {
-            worker_common::metrics::record_stats(&s);
-            h.kv_blocks_total = s.kv.total as u32;
-            h.kv_blocks_used = s.kv.used as u32;
-            h.running = s.running as u32;
-            h.preemptions = s.preemptions;
-            h.waiting = s.waiting as u32 + self.inner.pending_remote.load(Ordering::SeqCst) as u32;
-        }
-        Ok(Response::new(h))
+        let i = &self.inner;
+        let ready = i.ready.load(Ordering::SeqCst) && !i.fenced.load(Ordering::SeqCst);
+        let extra = i.pending_remote.load(Ordering::SeqCst) as u32;
+        worker_common::health::answer(&i.stats, &i.runner, ready, &i.local, extra).await.map(Response::new)
     }
 }

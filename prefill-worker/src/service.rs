@@ -510,29 +510,9 @@ impl PrefillWorker for PrefillService {
     }
 
     async fn health(&self, _request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        let stats = self.inner.stats.read(&self.inner.runner).await.map_err(|e| Status::internal(e.message))?;
-        let ready =
-            self.inner.ready.load(Ordering::SeqCst) && !self.inner.fenced.load(Ordering::SeqCst) && stats.is_some();
-        let mut h = HealthResponse {
-            live: true,
-            ready,
-            version_group: self.inner.local.version_group.as_str().to_owned(),
-            layout_fingerprint: self.inner.local.fingerprint.as_bytes().to_vec(),
-            ..HealthResponse::default()
-        };
-        if let Some(s) = stats {
-            // As the decode worker does: gauges follow the runner on every poll, not only
-            // after a request. Two overlapping prefills can record their snapshots out of
-            // order (the earlier one, taken while the other still held its blocks, last),
-            // leaving tandem_kv_blocks_used stuck above zero on an idle worker until the
-            // next request; seen once in worker-etcd-cutoff as a 3-block "leak" (G2).
-            worker_common::metrics::record_stats(&s);
-            h.kv_blocks_total = s.kv.total as u32;
-            h.kv_blocks_used = s.kv.used as u32;
-            h.running = s.running as u32;
-            h.preemptions = s.preemptions;
-            h.waiting = s.waiting as u32;
-        }
-        Ok(Response::new(h))
+        let i = &self.inner;
+        let ready = i.ready.load(Ordering::SeqCst) && !i.fenced.load(Ordering::SeqCst);
+        let extra = 0;
+        worker_common::health::answer(&i.stats, &i.runner, ready, &i.local, extra).await.map(Response::new)
     }
 }

@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use engine::runner::{RunnerHandle, RunnerStats};
-use proto::worker::v1::WorkerError;
+use kvtransfer::Peer;
+use proto::worker::v1::{HealthResponse, WorkerError};
 use tokio::sync::Notify;
 // The snapshot's age is a timeout: on tokio's clock, like every other.
 use tokio::time::Instant;
@@ -83,4 +84,41 @@ impl StatsCache {
         let l = self.last.lock().unwrap_or_else(|e| e.into_inner());
         l.as_ref().filter(|(_, at)| at.elapsed() <= max_age).map(|(s, _)| s.clone())
     }
+}
+
+/// The `Health` answer both workers give: live; ready when the worker says
+/// so (`ready`: started, not fenced, not draining as it defines them) and the
+/// runner answered; and the runner's counters, with `extra_waiting` added
+/// to its waiting (the decode worker's requests that wait for remote KV).
+///
+/// The counters are also recorded as gauges here, on every poll and not
+/// only after a request: two overlapping requests can record their
+/// snapshots out of order (the earlier one, taken while the other still
+/// held its blocks, last), which left `tandem_kv_blocks_used` above zero on
+/// an idle worker until the next request (seen once in the
+/// worker-etcd-cutoff drill as a 3-block "leak", invariant G2).
+pub async fn answer(
+    cache: &StatsCache,
+    runner: &RunnerHandle,
+    ready: bool,
+    local: &Peer,
+    extra_waiting: u32,
+) -> Result<HealthResponse, tonic::Status> {
+    let stats = cache.read(runner).await.map_err(|e| tonic::Status::internal(e.message))?;
+    let mut h = HealthResponse {
+        live: true,
+        ready: ready && stats.is_some(),
+        version_group: local.version_group.as_str().to_owned(),
+        layout_fingerprint: local.fingerprint.as_bytes().to_vec(),
+        ..HealthResponse::default()
+    };
+    if let Some(s) = stats {
+        crate::metrics::record_stats(&s);
+        h.kv_blocks_total = s.kv.total as u32;
+        h.kv_blocks_used = s.kv.used as u32;
+        h.running = s.running as u32;
+        h.preemptions = s.preemptions;
+        h.waiting = s.waiting as u32 + extra_waiting;
+    }
+    Ok(h)
 }
