@@ -21,6 +21,7 @@
 //!    [`KvLoadFailurePolicy`] decides: `recompute` prefills here, `retry`
 //!    tries the next named prefill worker, `fail` answers `kv_load_failed`.
 //!    No token is ever produced from a partial or unverified reservation.
+//!    Steps 3 and 4 live in `service/remote.rs`.
 //! 5. Tokens stream back as the engine produces them; the stream ends with
 //!    exactly one `Finished` or one `WorkerError`. A caller that goes away
 //!    (or `Abort`) cancels the request wherever it is and frees its KV.
@@ -35,13 +36,12 @@ use engine::batch::Request;
 use engine::kv::BlockId;
 use engine::runner::{RunnerEvent, RunnerHandle, Sink};
 use engine::sampler::{FinishReason as EngineFinish, SampledToken, SamplingParams};
-use kvtransfer::{Peer, Receiver, Reservation, ReservationState};
+use kvtransfer::{Peer, Receiver, Reservation};
 use proto::worker::v1::decode_worker_server::DecodeWorker;
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{
-    generate_response, prefill_response, AbortRequest, AbortResponse, ErrorKind, FinishReason, Finished, FirstToken,
-    GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, KvDestination, PrefillAttempt, PrefillRequest,
-    PrefillTarget, TokenChunk, TopLogprob, WorkerError,
+    generate_response, AbortRequest, AbortResponse, ErrorKind, FinishReason, Finished, FirstToken, GenerateRequest,
+    GenerateResponse, HealthRequest, HealthResponse, PrefillAttempt, TokenChunk, TopLogprob, WorkerError,
 };
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, Notify};
@@ -49,14 +49,16 @@ use tokio::sync::{mpsc, Notify};
 // receiver and the runner take them as `into_std()`.
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::absorb::AbsorbBudget;
 use crate::metrics as m;
 use crate::sink::WriteFailures;
 use crate::KvLoadFailurePolicy;
-use worker_common::serve::{blocking, err, local_deadline, runner_err, unix_deadline};
+use worker_common::serve::{blocking, err, local_deadline, runner_err};
+
+mod remote;
 
 /// The service's knobs (from [`crate::DecodeConfig`]).
 #[derive(Debug, Clone)]
@@ -388,293 +390,6 @@ impl DecodeService {
         }
         let reason = self.decode_local(engine_req, deadline, out, token).await?;
         Ok(finished(reason, false))
-    }
-
-    /// Has a prefill worker fill a reservation, applying the policy on failure.
-    async fn remote(
-        &self,
-        req: &GenerateRequest,
-        deadline: Option<Instant>,
-        policy: KvLoadFailurePolicy,
-        token: &CancellationToken,
-        attempts_made: &mut Vec<PrefillAttempt>,
-    ) -> Result<Remote, WorkerError> {
-        let inner = &self.inner;
-        let max = inner.settings.max_pending_remote;
-        if inner.pending_remote.fetch_add(1, Ordering::SeqCst) >= max {
-            inner.pending_remote.fetch_sub(1, Ordering::SeqCst);
-            inner.pending_changed.notify_waiters();
-            return Err(err(ErrorKind::Overloaded, format!("{max} requests are already waiting for remote KV")));
-        }
-        let _pending = Pending(inner);
-        let attempts = match policy {
-            KvLoadFailurePolicy::Retry => inner.settings.max_prefill_attempts.min(req.prefill.len()),
-            _ => 1,
-        };
-        for (i, target) in req.prefill.iter().take(attempts).enumerate() {
-            let failure = match self.attempt(req, target, deadline, token).await {
-                Ok(loaded) => {
-                    attempts_made.push(PrefillAttempt {
-                        target: Some(target.clone()),
-                        error: None,
-                        reason: String::new(),
-                    });
-                    return Ok(loaded);
-                }
-                // Ours (deadline, cancel, no room here) or the request's: not the prefill worker's failure.
-                Err(Failure::Fatal(e)) => return Err(e),
-                Err(Failure::Load { reason, error }) => {
-                    m::record_load_failure(reason);
-                    tracing::info!(
-                        request = %req.request_id, target = %target.grpc_addr, reason, error = %error.message,
-                        %policy, "remote KV load failed"
-                    );
-                    attempts_made.push(PrefillAttempt {
-                        target: Some(target.clone()),
-                        error: Some(error.clone()),
-                        reason: reason.to_owned(),
-                    });
-                    error
-                }
-            };
-            let last = i + 1 == attempts;
-            match policy {
-                KvLoadFailurePolicy::Recompute if failure.kind() == ErrorKind::Overloaded => {
-                    return self.absorb_or_refuse(req, target, &failure);
-                }
-                KvLoadFailurePolicy::Recompute => {
-                    m::record_policy(policy, m::OUTCOME_RECOMPUTED);
-                    return Ok(Remote::Recompute);
-                }
-                KvLoadFailurePolicy::Retry if !last => m::record_policy(policy, m::OUTCOME_RETRIED),
-                KvLoadFailurePolicy::Retry => {
-                    m::record_policy(policy, m::OUTCOME_FAILED);
-                    return Err(err(
-                        ErrorKind::KvLoadFailed,
-                        format!("KV load failed on all {attempts} prefill workers tried; last: {}", failure.message),
-                    ));
-                }
-                KvLoadFailurePolicy::Fail => {
-                    m::record_policy(policy, m::OUTCOME_FAILED);
-                    let kind = match failure.kind() {
-                        ErrorKind::VersionMismatch => ErrorKind::VersionMismatch,
-                        _ => ErrorKind::KvLoadFailed,
-                    };
-                    return Err(err(kind, format!("KV load failed: {}", failure.message)));
-                }
-            }
-        }
-        // Only reached with no targets, which the route excludes.
-        Err(err(ErrorKind::Internal, "no prefill worker to try"))
-    }
-
-    /// `recompute`, and the prefill worker refused the request as
-    /// overloaded (busy, not broken): prefill here while the absorb budget
-    /// lasts; past it, refuse as `overloaded` so the coordinator can shed
-    /// with 503 + Retry-After, rather than slow every running stream down.
-    fn absorb_or_refuse(
-        &self,
-        req: &GenerateRequest,
-        target: &PrefillTarget,
-        refusal: &WorkerError,
-    ) -> Result<Remote, WorkerError> {
-        let tokens = req.token_ids.len();
-        let cap = self.inner.settings.max_absorbed_prefill_tokens_per_s;
-        let taken = lock(&self.inner.absorb).try_take(tokens, Instant::now());
-        let policy = KvLoadFailurePolicy::Recompute;
-        if taken {
-            m::record_policy(policy, m::OUTCOME_OVERLOAD_ABSORBED);
-            tracing::warn!(
-                request = %req.request_id, prefill = %target.grpc_addr, reason = %refusal.message, tokens,
-                cap_tokens_per_s = cap, "prefill worker overloaded: prefilling here (absorbed)"
-            );
-            return Ok(Remote::Recompute);
-        }
-        m::record_policy(policy, m::OUTCOME_OVERLOAD_REFUSED);
-        tracing::warn!(
-            request = %req.request_id, prefill = %target.grpc_addr, reason = %refusal.message, tokens,
-            cap_tokens_per_s = cap, "prefill worker overloaded and the local absorb budget is spent: refusing as overloaded"
-        );
-        Err(err(
-            ErrorKind::Overloaded,
-            format!(
-                "prefill worker {} is overloaded ({}), and this decode worker already prefills the most it takes                  over ({cap} tokens/s)",
-                target.grpc_addr, refusal.message
-            ),
-        ))
-    }
-
-    /// One reservation and one `Prefill` call.
-    async fn attempt(
-        &self,
-        req: &GenerateRequest,
-        target: &PrefillTarget,
-        deadline: Option<Instant>,
-        token: &CancellationToken,
-    ) -> Result<Remote, Failure> {
-        let inner = &self.inner;
-        let started = Instant::now();
-        if deadline.is_some_and(|d| started >= d) {
-            return Err(Failure::Fatal(err(ErrorKind::Deadline, "deadline passed before the KV load")));
-        }
-        let n = inner.runner.blocks_for(req.token_ids.len());
-        let runner = inner.runner.clone();
-        let blocks = blocking(move || runner.reserve(n))
-            .await
-            .map_err(Failure::Fatal)?
-            .map_err(|e| Failure::Fatal(runner_err(&e)))?;
-        let reserved =
-            lock(&inner.receiver).reserve(blocks.clone(), inner.settings.reservation_ttl, started.into_std());
-        let r = match reserved {
-            Ok(r) => r,
-            Err(e) => {
-                self.release(blocks).await;
-                return Err(Failure::Fatal(err(ErrorKind::Overloaded, format!("KV reservation refused: {e}"))));
-            }
-        };
-        let lease_end = started + inner.settings.reservation_ttl;
-        let limit = deadline.map_or(lease_end, |d| d.min(lease_end));
-        let result = self.call_prefill(req, target, r, &blocks, limit, deadline, token).await;
-        let first = match result {
-            Ok(first) => first,
-            Err(f) => {
-                // Expire first, so a lease that ran out is named as such.
-                self.reap().await;
-                let f = self.classify(r, f);
-                self.end_reservation(r).await;
-                return Err(f);
-            }
-        };
-        let taken = lock(&inner.receiver).take_ready(r);
-        // Exported now, not at the next reap (up to 500 ms later): a scrape made
-        // after this request's answer must already count its transfer as completed.
-        self.export_receiver();
-        let blocks = match taken {
-            Ok(b) => b,
-            Err(e) => {
-                let f = self.classify(
-                    r,
-                    Failure::Load { reason: "incomplete", error: err(ErrorKind::KvLoadFailed, e.to_string()) },
-                );
-                self.end_reservation(r).await;
-                return Err(f);
-            }
-        };
-        // Barrier: runs on the engine thread after every posted write of r.
-        let (runner, failures) = (inner.runner.clone(), inner.failures.clone());
-        let failed = blocking(move || runner.with_pool(move |_| failures.take(r)))
-            .await
-            .map_err(Failure::Fatal)?
-            .map_err(|e| Failure::Fatal(runner_err(&e)));
-        match failed {
-            Ok(false) => {
-                m::record_load(started.elapsed().as_secs_f64());
-                Ok(Remote::Loaded(blocks, first))
-            }
-            Ok(true) => {
-                self.release(blocks).await;
-                Err(Failure::Load {
-                    reason: "corrupt",
-                    error: err(ErrorKind::KvLoadFailed, "a KV write into the pool failed"),
-                })
-            }
-            Err(f) => {
-                self.release(blocks).await;
-                Err(f)
-            }
-        }
-    }
-
-    /// Names a load failure after what the receiver saw, which is more
-    /// precise than the prefill worker's view (a checksum failure or an
-    /// expired lease there is just an `Abort` from us).
-    fn classify(&self, r: Reservation, f: Failure) -> Failure {
-        let Failure::Load { reason, error } = f else { return f };
-        let reason = match lock(&self.inner.receiver).state(r) {
-            Some(ReservationState::Failed) => "corrupt",
-            Some(ReservationState::Expired) => "lease_expired",
-            _ => reason,
-        };
-        Failure::Load { reason, error }
-    }
-
-    fn client(&self, addr: &str) -> Result<PrefillWorkerClient<Channel>, WorkerError> {
-        let mut clients = lock(&self.inner.clients);
-        if let Some(c) = clients.get(addr) {
-            return Ok(c.clone());
-        }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| err(ErrorKind::InvalidArgument, format!("prefill grpc_addr {addr:?}: {e}")))?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true);
-        let c = PrefillWorkerClient::new(endpoint.connect_lazy());
-        clients.insert(addr.to_owned(), c.clone());
-        Ok(c)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn call_prefill(
-        &self,
-        req: &GenerateRequest,
-        target: &PrefillTarget,
-        r: Reservation,
-        blocks: &[BlockId],
-        limit: Instant,
-        deadline: Option<Instant>,
-        token: &CancellationToken,
-    ) -> Result<FirstToken, Failure> {
-        let inner = &self.inner;
-        let mut client = self.client(&target.grpc_addr).map_err(Failure::Fatal)?;
-        let call = PrefillRequest {
-            request_id: req.request_id.clone(),
-            token_ids: req.token_ids.clone(),
-            sampling: req.sampling.clone(),
-            deadline_unix_ms: unix_deadline(Some(limit)),
-            cache_salt: req.cache_salt,
-            destination: Some(KvDestination {
-                transfer_addr: inner.settings.transfer_addr.clone(),
-                transport: inner.settings.transport.as_str().into(),
-                reservation_id: r.id.0,
-                generation: r.generation,
-                block_ids: blocks.to_vec(),
-                layout_fingerprint: inner.local.fingerprint.as_bytes().to_vec(),
-                version_group: inner.local.version_group.as_str().to_owned(),
-                tls_cert_sha256: inner.settings.tls_cert_sha256.map(|f| f.to_vec()).unwrap_or_default(),
-            }),
-        };
-        let load = |reason, kind, message: String| Failure::Load { reason, error: err(kind, message) };
-        // Dropping the call (timeout, cancel) resets its HTTP/2 stream, which
-        // cancels the prefill worker's handler and frees its KV there.
-        let answer = tokio::select! {
-            a = tokio::time::timeout_at(limit, client.prefill(call)) => a,
-            _ = token.cancelled() => return Err(Failure::Fatal(err(ErrorKind::Cancelled, "aborted"))),
-        };
-        let deadline_passed = || deadline.is_some_and(|d| Instant::now() >= d);
-        match answer {
-            Err(_) if deadline_passed() => {
-                Err(Failure::Fatal(err(ErrorKind::Deadline, "deadline passed while waiting for the remote prefill")))
-            }
-            Err(_) => Err(load(
-                "timeout",
-                ErrorKind::KvLoadFailed,
-                format!("no KV from {} within the reservation lease", target.grpc_addr),
-            )),
-            Ok(Err(status)) => Err(load(
-                "rpc",
-                ErrorKind::Retryable,
-                format!("Prefill on {}: {} ({:?})", target.grpc_addr, status.message(), status.code()),
-            )),
-            Ok(Ok(resp)) => match resp.into_inner().outcome {
-                Some(prefill_response::Outcome::FirstToken(first)) => Ok(first),
-                Some(prefill_response::Outcome::Error(e)) => match e.kind() {
-                    ErrorKind::InvalidArgument => Err(Failure::Fatal(e)),
-                    ErrorKind::Deadline if deadline_passed() => Err(Failure::Fatal(e)),
-                    ErrorKind::VersionMismatch => Err(Failure::Load { reason: "version_mismatch", error: e }),
-                    _ => Err(Failure::Load { reason: "prefill_error", error: e }),
-                },
-                None => Err(load("prefill_error", ErrorKind::Internal, "Prefill answered no outcome".into())),
-            },
-        }
     }
 
     /// Joins a remotely prefilled sequence and streams its tokens.
