@@ -120,6 +120,7 @@ pub fn install() -> Result<PrometheusHandle, BuildError> {
         .set_buckets_for_metric(Matcher::Full(TPOT.into()), TOKEN_BUCKETS)?
         .install_recorder()?;
     describe();
+    zero();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     gauge!(PROCESS_START).set(now);
     Ok(handle)
@@ -154,7 +155,43 @@ fn describe() {
     describe_counter!(DECODE_REROUTES, "Requests routed to another decode worker before their first token");
 }
 
+/// Label values of the counters with a fixed label set, each exported at 0
+/// from the start: a labelled counter otherwise appears only at its first
+/// increment, so a reader (a drill, an alert's `increase()`) could not tell
+/// "none yet" from "no such series". The per-worker-pair series (breakers,
+/// prefill attempts) and the requests counter (status x code) appear as
+/// they happen.
+pub const SHED_REASONS: [&str; 4] = ["key_limit", "queue_full", "queue_deadline", "closed"];
+pub const ROUTE_REFUSED_REASONS: [&str; 4] = ["no_decode", "none_ready", "registry_unavailable", "prefill_unavailable"];
+pub const REROUTE_REASONS: [&str; 3] = ["unreachable", "stream_broken", "refused"];
+pub const MEMBERSHIP_CHANGE_KINDS: [&str; 3] = ["joined", "left", "updated"];
+pub const ROUTE_PREFILL_KINDS: [&str; 2] = ["remote", "local"];
+/// `(api, layer)` of [`STREAM_SEND_TIMEOUTS`].
+pub const SEND_TIMEOUT_LABELS: [(&str, &str); 3] = [("http", "event"), ("http", "connection"), ("grpc", "event")];
+
+fn zero() {
+    let labelled: [(&'static str, &'static str, &[&'static str]); 6] = [
+        (SHED, "reason", &SHED_REASONS),
+        (ROUTE_REFUSED, "reason", &ROUTE_REFUSED_REASONS),
+        (DECODE_REROUTES, "reason", &REROUTE_REASONS),
+        (MEMBERSHIP_CHANGES, "change", &MEMBERSHIP_CHANGE_KINDS),
+        (ROUTE_DECISIONS, "prefill", &ROUTE_PREFILL_KINDS),
+        (ROUTE_PAIRS_SKIPPED, "reason", &["layout_fingerprint"]),
+    ];
+    for (name, label, values) in labelled {
+        for v in values {
+            counter!(name, label => *v).increment(0);
+        }
+    }
+    for (api, layer) in SEND_TIMEOUT_LABELS {
+        counter!(STREAM_SEND_TIMEOUTS, "api" => api, "layer" => layer).increment(0);
+    }
+    counter!(PREFILL_UNAVAILABLE).increment(0);
+    counter!(REGISTRY_RESYNCS).increment(0);
+}
+
 pub fn decode_reroute(reason: &'static str) {
+    debug_assert!(REROUTE_REASONS.contains(&reason), "unlisted reason {reason}");
     counter!(DECODE_REROUTES, "reason" => reason).increment(1);
 }
 
@@ -194,6 +231,7 @@ pub fn prefill_unavailable() {
 }
 
 pub fn stream_send_timeout(api: &'static str, layer: &'static str) {
+    debug_assert!(SEND_TIMEOUT_LABELS.contains(&(api, layer)), "unlisted labels {api} {layer}");
     counter!(STREAM_SEND_TIMEOUTS, "api" => api, "layer" => layer).increment(1);
 }
 
@@ -216,6 +254,7 @@ pub fn workers_stale(role: &'static str, n: usize) {
 }
 
 pub fn route_refused(reason: &'static str) {
+    debug_assert!(ROUTE_REFUSED_REASONS.contains(&reason), "unlisted reason {reason}");
     counter!(ROUTE_REFUSED, "reason" => reason).increment(1);
 }
 

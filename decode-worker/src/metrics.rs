@@ -18,6 +18,10 @@ pub const POLICY_INFO: &str = "tandem_kv_load_failure_policy";
 /// `prefill_error` — it answered an error; `version_mismatch`; `corrupt`;
 /// `lease_expired`; `timeout` — the lease ran out waiting for it).
 pub const KV_LOAD_FAILURES: &str = "tandem_kv_load_failures_total";
+/// Every [`KV_LOAD_FAILURES`] reason (`incomplete`: the prefill worker
+/// answered before every layer arrived).
+pub const LOAD_FAILURE_REASONS: [&str; 7] =
+    ["rpc", "prefill_error", "version_mismatch", "corrupt", "lease_expired", "timeout", "incomplete"];
 /// `tandem_kv_load_policy_outcomes_total{policy,outcome}`: what the policy
 /// did about a failed load: `recomputed`, `retried`, `failed`; and, under
 /// `recompute` when the prefill worker refused as overloaded,
@@ -31,6 +35,11 @@ pub const OUTCOME_RETRIED: &str = "retried";
 pub const OUTCOME_FAILED: &str = "failed";
 pub const OUTCOME_OVERLOAD_ABSORBED: &str = "overload_absorbed";
 pub const OUTCOME_OVERLOAD_REFUSED: &str = "overload_refused";
+const POLICY_OUTCOME_LABELS: [&str; 5] =
+    [OUTCOME_RECOMPUTED, OUTCOME_RETRIED, OUTCOME_FAILED, OUTCOME_OVERLOAD_ABSORBED, OUTCOME_OVERLOAD_REFUSED];
+/// [`PREFILL_ROUTE`] label values.
+pub const ROUTE_LOCAL: &str = "local";
+pub const ROUTE_REMOTE: &str = "remote";
 /// `tandem_kv_received_bytes_total`: K+V payload bytes written into this
 /// worker's pool by transfers (all frames accepted, whether or not the
 /// reservation completed).
@@ -103,23 +112,34 @@ pub fn describe(policy: crate::KvLoadFailurePolicy) {
     for p in crate::KvLoadFailurePolicy::ALL {
         gauge!(POLICY_INFO, "policy" => p.as_str()).set(if p == policy { 1.0 } else { 0.0 });
     }
-    // Exported from the start, so a check that reads it can tell 0 from a missing series.
+    // Exported from the start, so a check that reads them can tell 0 from a missing series.
     counter!(KV_RECEIVED_BYTES).absolute(0);
+    worker_common::metrics::zero(DECODE_REQUESTS, "outcome", &worker_common::metrics::OUTCOMES);
+    worker_common::metrics::zero(PREFILL_ROUTE, "route", &[ROUTE_LOCAL, ROUTE_REMOTE]);
+    worker_common::metrics::zero(KV_LOAD_FAILURES, "reason", &LOAD_FAILURE_REASONS);
+    for o in POLICY_OUTCOME_LABELS {
+        counter!(POLICY_OUTCOMES, "policy" => policy.as_str(), "outcome" => o).increment(0);
+    }
 }
 
 pub fn record_outcome(outcome: &'static str) {
+    debug_assert!(worker_common::metrics::OUTCOMES.contains(&outcome), "unlisted outcome {outcome}");
     counter!(DECODE_REQUESTS, "outcome" => outcome).increment(1);
 }
 
 pub fn record_route(route: &'static str) {
+    debug_assert!([ROUTE_LOCAL, ROUTE_REMOTE].contains(&route), "unlisted route {route}");
     counter!(PREFILL_ROUTE, "route" => route).increment(1);
 }
 
 pub fn record_load_failure(reason: &'static str) {
+    // A reason missing from the list would not be exported before its first count.
+    debug_assert!(LOAD_FAILURE_REASONS.contains(&reason), "unlisted reason {reason}");
     counter!(KV_LOAD_FAILURES, "reason" => reason).increment(1);
 }
 
 pub fn record_policy(policy: crate::KvLoadFailurePolicy, outcome: &'static str) {
+    debug_assert!(POLICY_OUTCOME_LABELS.contains(&outcome), "unlisted outcome {outcome}");
     counter!(POLICY_OUTCOMES, "policy" => policy.as_str(), "outcome" => outcome).increment(1);
 }
 

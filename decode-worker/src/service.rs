@@ -377,7 +377,7 @@ impl DecodeService {
 
         let remote = !req.prefill.is_empty() && req.token_ids.len() > inner.settings.local_prefill_max_tokens;
         if remote {
-            m::record_route("remote");
+            m::record_route(m::ROUTE_REMOTE);
             match self.remote(&req, deadline, policy, token, &mut out.attempts).await? {
                 Remote::Loaded(blocks, first) => {
                     let reason = self.decode_prefilled(engine_req, blocks, first, deadline, out, token).await?;
@@ -386,7 +386,7 @@ impl DecodeService {
                 Remote::Recompute => {}
             }
         } else {
-            m::record_route("local");
+            m::record_route(m::ROUTE_LOCAL);
         }
         let reason = self.decode_local(engine_req, deadline, out, token).await?;
         Ok(finished(reason, false))

@@ -24,6 +24,10 @@ pub const KV_TRANSFER_SECONDS: &str = "tandem_kv_transfer_seconds";
 /// `deadline` — the request's deadline passed mid-transfer). vLLM: none
 /// (closest: `vllm:kv_connector` failed-transfer counts).
 pub const KV_TRANSFER_FAILURES: &str = "tandem_kv_transfer_failures_total";
+/// Every [`KV_TRANSFER_FAILURES`] reason: kvtransfer's `TransferError`
+/// kinds (and `tls`, QUIC's handshake) plus `deadline`.
+pub const TRANSFER_FAILURE_REASONS: [&str; 8] =
+    ["io", "rejected", "timeout", "protocol", "peer_abort", "layer", "tls", "deadline"];
 /// `tandem_prefill_seconds`: engine time of one prefill (submit to first
 /// token, queueing included). vLLM: `vllm:request_prefill_time_seconds`.
 pub const PREFILL_SECONDS: &str = "tandem_prefill_seconds";
@@ -47,10 +51,13 @@ pub fn describe() {
     describe_histogram!(PREFILL_SECONDS, Unit::Seconds, "Engine time of one prefill, queueing included.");
     // Exported from the start, so a check that reads it can tell 0 from a missing series.
     counter!(KV_TRANSFER_BYTES).absolute(0);
+    worker_common::metrics::zero(PREFILL_REQUESTS, "outcome", &worker_common::metrics::OUTCOMES);
+    worker_common::metrics::zero(KV_TRANSFER_FAILURES, "reason", &TRANSFER_FAILURE_REASONS);
 }
 
 /// Counts one answered Prefill under `outcome`.
 pub fn record_outcome(outcome: &'static str) {
+    debug_assert!(worker_common::metrics::OUTCOMES.contains(&outcome), "unlisted outcome {outcome}");
     counter!(PREFILL_REQUESTS, "outcome" => outcome).increment(1);
 }
 

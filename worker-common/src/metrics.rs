@@ -120,6 +120,30 @@ pub fn record_fence(fenced: bool, newly: bool) {
     }
 }
 
+/// Every `outcome` label of a worker's request counter: `ok` and each of
+/// [`outcome_label`]'s.
+pub const OUTCOMES: [&str; 9] = [
+    "ok",
+    "invalid_argument",
+    "version_mismatch",
+    "kv_load_failed",
+    "retryable",
+    "deadline",
+    "overloaded",
+    "cancelled",
+    "internal",
+];
+
+/// Exports `name{label=v}` at 0 for every `v` of `values`, before anything
+/// is counted: a labelled counter otherwise appears only at its first
+/// increment, so a reader (a drill, an alert's `increase()`) could not tell
+/// "none yet" from "no such series" (e.g. a renamed metric).
+pub fn zero(name: &'static str, label: &'static str, values: &[&'static str]) {
+    for v in values {
+        counter!(name, label => *v).increment(0);
+    }
+}
+
 /// The `outcome` label of an error kind.
 pub fn outcome_label(kind: ErrorKind) -> &'static str {
     match kind {
@@ -143,4 +167,19 @@ pub fn record_stats(s: &engine::runner::RunnerStats) {
     gauge!(REQUESTS_RUNNING).set(s.running as f64);
     gauge!(REQUESTS_WAITING).set(s.waiting as f64);
     counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(s.preemptions);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_kind_has_a_listed_outcome() {
+        let kinds: Vec<ErrorKind> = (0..64).filter_map(|i| ErrorKind::try_from(i).ok()).collect();
+        assert!(kinds.len() >= 8, "only {} kinds decoded", kinds.len());
+        for k in kinds {
+            assert!(OUTCOMES.contains(&outcome_label(k)), "{k:?} -> {} is not in OUTCOMES", outcome_label(k));
+        }
+        assert!(OUTCOMES.contains(&"ok"));
+    }
 }
