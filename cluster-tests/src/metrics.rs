@@ -6,6 +6,11 @@ pub use testkit::prom::{Page, SCRAPE_TIMEOUT};
 
 use crate::HarnessError;
 
+/// [`Page::sum`] with the error as text, for proofs (which answer `Result<String, String>`).
+pub fn sum(p: &Page, name: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
+    p.sum(name, labels).map_err(|e| e.to_string())
+}
+
 /// GETs `http://addr/metrics` and parses it.
 pub async fn scrape(addr: &str) -> Result<Page, HarnessError> {
     Ok(testkit::prom::scrape(addr).await?)

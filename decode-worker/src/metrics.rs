@@ -120,6 +120,9 @@ pub fn describe(policy: crate::KvLoadFailurePolicy) {
     for o in POLICY_OUTCOME_LABELS {
         counter!(POLICY_OUTCOMES, "policy" => policy.as_str(), "outcome" => o).increment(0);
     }
+    worker_common::metrics::zero(FRAMES_REFUSED, "reason", &kvtransfer::FrameError::REASONS);
+    counter!(KV_TRANSFERS_COMPLETED).increment(0);
+    counter!(RESERVATIONS_EXPIRED).increment(0);
 }
 
 pub fn record_outcome(outcome: &'static str) {

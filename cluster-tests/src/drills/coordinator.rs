@@ -25,7 +25,11 @@ use coordinator::metrics::{
 use decode_worker::metrics::{DECODE_REQUESTS, KV_LOAD_FAILURES};
 use prefill_worker::metrics::{KV_TRANSFER_FAILURES, PREFILL_REQUESTS};
 
-// Counters with labels are rendered from their first increment, so a proof reads them with
+use crate::metrics::sum;
+
+// Counters with a fixed label set are exported at 0 from the start and read with `sum`,
+// which fails on a missing (or renamed) series. The per-pair series (breaker transitions,
+// prefill attempts) appear at their first increment: a proof reads them with
 // `absent_as_zero` and requires the ones its fault must raise to be at least 1 (a renamed
 // counter fails that); a run without the fault reads 0 and fails its proof, as it must.
 
@@ -101,7 +105,7 @@ async fn breaker_seen(c: &Cluster, worker: &str) -> Result<BreakerSeen, String> 
 /// The faulty worker's own count of KV transfers that failed.
 async fn refused_by(c: &Cluster, worker: &str) -> Result<f64, String> {
     let p = c.worker_metrics(worker).await.map_err(|e| e.to_string())?;
-    Ok(p.absent_as_zero(KV_TRANSFER_FAILURES, &[]))
+    sum(&p, KV_TRANSFER_FAILURES, &[])
 }
 
 /// Waits (bounded) for the coordinator to open the breaker of (`worker`, decode-0); notes what it saw.
@@ -166,7 +170,7 @@ impl Drill for PrefillErrors {
         let good = breaker_seen(c, "prefill-0").await?;
         let refused = refused_by(c, "prefill-1").await?;
         let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-        let mismatches = dm.absent_as_zero(KV_LOAD_FAILURES, &[("reason", "prefill_error")]);
+        let mismatches = sum(&dm, KV_LOAD_FAILURES, &[("reason", "prefill_error")])?;
         let seen = format!(
             "prefill-1: {} failed attempts reported (its own count of failed transfers {refused}, the decode \
              worker's prefill_error loads {mismatches}), breaker (prefill-1, decode-0) opened {} time(s), {} \
@@ -254,7 +258,7 @@ impl Drill for PrefillUnavailable {
     async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
         let b = breaker_seen(c, "prefill-0").await?;
         let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let fast = p.absent_as_zero(PREFILL_UNAVAILABLE, &[]);
+        let fast = sum(&p, PREFILL_UNAVAILABLE, &[])?;
         let refused: Vec<&loadgen::Record> = report
             .records
             .iter()
@@ -266,7 +270,7 @@ impl Drill for PrefillUnavailable {
         // Every request the decode worker saw made exactly one prefill attempt: none was
         // dispatched to wait for KV that could not come.
         let dm = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-        let dispatched = dm.absent_as_zero(DECODE_REQUESTS, &[]);
+        let dispatched = sum(&dm, DECODE_REQUESTS, &[])?;
         let seen = format!(
             "breaker opened {} time(s), {} probe(s); {} failed attempts; {fast} fast 503s counted, {} in the load \
              (slowest {:.0} ms); the decode worker ran {dispatched} requests",
@@ -340,13 +344,12 @@ impl Drill for LayoutMismatch {
 
     async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
         let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let skipped = p.absent_as_zero(LAYOUT_SKIPPED.0, LAYOUT_SKIPPED.1);
-        let remote = p.absent_as_zero(ROUTE_DECISIONS, &[("prefill", "remote")]);
+        let skipped = sum(&p, LAYOUT_SKIPPED.0, LAYOUT_SKIPPED.1)?;
+        let remote = sum(&p, ROUTE_DECISIONS, &[("prefill", "remote")])?;
         let odd = breaker_seen(c, "prefill-1").await?;
         let good = breaker_seen(c, "prefill-0").await?;
         let pair = PairBreaker::of(c, "prefill-1", "decode-0").await?;
-        let asked =
-            c.worker_metrics("prefill-1").await.map_err(|e| e.to_string())?.absent_as_zero(PREFILL_REQUESTS, &[]);
+        let asked = sum(&c.worker_metrics("prefill-1").await.map_err(|e| e.to_string())?, PREFILL_REQUESTS, &[])?;
         let seen = format!(
             "{skipped} pair(s) skipped for their layout fingerprint over {remote} remote-prefill routes; \
              prefill-1 (block size 32) was asked for {asked} prefill(s), {} attempt(s) reported; prefill-0 \
@@ -467,7 +470,7 @@ impl Drill for SlowReader {
     async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         let mut ev = Evidence::default();
         let dm = decode_metrics(c).map_err(HarnessError::Setup)?;
-        ev.before = crate::metrics::scrape(&dm).await?.absent_as_zero(CANCELLED.0, CANCELLED.1);
+        ev.before = crate::metrics::scrape(&dm).await?.sum(CANCELLED.0, CANCELLED.1)?;
         let pid = c.coordinator.pid;
         let rss_before = rss_kib(pid).unwrap_or(0);
         let addr: SocketAddr =
@@ -526,8 +529,8 @@ impl Drill for SlowReader {
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
         let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let timeouts = p.absent_as_zero(SEND_TIMEOUTS, &[]);
-        let by_conn = p.absent_as_zero(SEND_TIMEOUTS, &[("layer", "connection")]);
+        let timeouts = sum(&p, SEND_TIMEOUTS, &[])?;
+        let by_conn = sum(&p, SEND_TIMEOUTS, &[("layer", "connection")])?;
         let m = decode_metrics(c)?;
         let n = SLOW_CLIENTS as f64;
         let (seen, now) = counter_reaches(&m, CANCELLED.0, CANCELLED.1, ev.before + n, Duration::from_secs(10)).await;

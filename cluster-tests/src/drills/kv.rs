@@ -6,15 +6,19 @@
 use std::time::Duration;
 
 use loadgen::Report;
-// The decode worker's counters are rendered from their first increment (a histogram from its
-// first sample): read with `absent_as_zero`, and every proof needs the ones its fault raises
-// to be at least 1, which a renamed metric fails.
-use decode_worker::metrics::{FRAMES_REFUSED, KV_LOAD_FAILURES, KV_LOAD_SECONDS, OUTCOME_RECOMPUTED, POLICY_OUTCOMES};
+// The decode worker exports its counters at 0 from the start, so they are read with
+// `Page::sum`, which fails on a missing (or renamed) series. Its load-time histogram
+// appears at its first sample: read with `absent_as_zero`, and the proofs that use it
+// need it to have counted every load, which a renamed metric fails.
+use decode_worker::metrics::{
+    FRAMES_REFUSED, KV_LOAD_FAILURES, KV_LOAD_SECONDS, LOAD_FAILURE_REASONS, OUTCOME_RECOMPUTED, POLICY_OUTCOMES,
+};
 
 use super::common::{decode_metrics, delay_during_load, delays_seen, strike, PairBreaker, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role, Worker};
 use crate::invariants::Invariants;
+use crate::metrics::sum;
 use crate::netns::Netns;
 use crate::proxy::Fault;
 use crate::{eventually, HarnessError};
@@ -47,7 +51,7 @@ impl Drill for KvCorrupt {
         let mut ev = Evidence::default();
         let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
         let m = decode.metrics_addr()?;
-        ev.before = crate::metrics::scrape(&m).await?.absent_as_zero(KV_LOAD_FAILURES, &[]);
+        ev.before = crate::metrics::scrape(&m).await?.sum(KV_LOAD_FAILURES, &[])?;
         if !skip {
             // 100 KiB into the stream: inside a layer's payload, where only the checksum can tell.
             if let Some(p) = decode.proxy.as_ref() {
@@ -62,8 +66,8 @@ impl Drill for KvCorrupt {
         let proxy = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()).ok_or("no proxy")?;
         let flips = proxy.counters().flips;
         let p = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-        let failures = p.absent_as_zero(KV_LOAD_FAILURES, &[]) - ev.before;
-        let refused = p.absent_as_zero(FRAMES_REFUSED, &[("reason", "checksum")]);
+        let failures = sum(&p, KV_LOAD_FAILURES, &[])? - ev.before;
+        let refused = sum(&p, FRAMES_REFUSED, &[("reason", "checksum")])?;
         if flips == 0 || failures < 1.0 {
             return Err(format!(
                 "the proxy flipped {flips} bytes and the decode worker counted {failures} failed loads"
@@ -76,10 +80,6 @@ impl Drill for KvCorrupt {
         ))
     }
 }
-
-/// Failure reasons the decode worker counts ([`KV_LOAD_FAILURES`]`{reason}`).
-const REASONS: [&str; 7] =
-    ["rpc", "prefill_error", "version_mismatch", "corrupt", "lease_expired", "timeout", "incomplete"];
 
 /// The comment on every iptables rule a KV drill adds, to read its counter.
 const KV_RULE: &str = "tdm-kv-drill";
@@ -104,21 +104,19 @@ struct Loads {
 impl Loads {
     async fn of(c: &Cluster) -> Result<(Self, String), HarnessError> {
         let p = crate::metrics::scrape(&decode_worker(c)?.metrics_addr()?).await?;
-        let by_reason: Vec<String> = REASONS
-            .iter()
-            .filter_map(|r| {
-                let n = p.absent_as_zero(KV_LOAD_FAILURES, &[("reason", r)]);
-                (n > 0.0).then(|| format!("{r} {n}"))
-            })
-            .collect();
+        let mut by_reason = Vec::new();
+        for r in LOAD_FAILURE_REASONS {
+            let n = p.sum(KV_LOAD_FAILURES, &[("reason", r)])?;
+            if n > 0.0 {
+                by_reason.push(format!("{r} {n}"));
+            }
+        }
         let loads = Self {
-            failed: p.absent_as_zero(KV_LOAD_FAILURES, &[]),
-            recomputed: p.absent_as_zero(POLICY_OUTCOMES, &[("outcome", OUTCOME_RECOMPUTED)]),
+            failed: p.sum(KV_LOAD_FAILURES, &[])?,
+            recomputed: p.sum(POLICY_OUTCOMES, &[("outcome", OUTCOME_RECOMPUTED)])?,
             loaded: p.absent_as_zero(&format!("{KV_LOAD_SECONDS}_count"), &[]),
-            lease_ran_out: ["lease_expired", "timeout"]
-                .iter()
-                .map(|r| p.absent_as_zero(KV_LOAD_FAILURES, &[("reason", r)]))
-                .sum::<f64>(),
+            lease_ran_out: p.sum(KV_LOAD_FAILURES, &[("reason", "lease_expired")])?
+                + p.sum(KV_LOAD_FAILURES, &[("reason", "timeout")])?,
         };
         let reasons = if by_reason.is_empty() { "none".into() } else { by_reason.join(", ") };
         Ok((loads, reasons))
@@ -171,7 +169,7 @@ async fn faulty_pair(c: &Cluster) -> Result<String, String> {
 async fn healthy_loads(c: &Cluster) -> Result<(f64, f64), String> {
     let m = c.worker("decode-1").and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
     let p = crate::metrics::scrape(&m).await.map_err(|e| e.to_string())?;
-    Ok((p.absent_as_zero(&format!("{KV_LOAD_SECONDS}_count"), &[]), p.absent_as_zero(KV_LOAD_FAILURES, &[])))
+    Ok((p.absent_as_zero(&format!("{KV_LOAD_SECONDS}_count"), &[]), sum(&p, KV_LOAD_FAILURES, &[])?))
 }
 
 fn rule(op: &str, spec: &[String]) -> Vec<String> {
@@ -538,13 +536,13 @@ impl Drill for KvReorder {
         let k = decode_worker(c).map_err(|e| e.to_string())?.proxy.as_ref().ok_or("no proxy")?.counters();
         let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
         let p = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
-        let refused: Vec<String> = ["checksum", "payload_length", "block_range", "layer_out_of_range", "duplicate"]
-            .iter()
-            .filter_map(|r| {
-                let n = p.absent_as_zero(FRAMES_REFUSED, &[("reason", r)]);
-                (n > 0.0).then(|| format!("{r} {n}"))
-            })
-            .collect();
+        let mut refused = Vec::new();
+        for r in ["checksum", "payload_length", "block_range", "layer_out_of_range", "duplicate"] {
+            let n = sum(&p, FRAMES_REFUSED, &[("reason", r)])?;
+            if n > 0.0 {
+                refused.push(format!("{r} {n}"));
+            }
+        }
         let failed = l.failed - ev.before;
         let seen = format!(
             "the proxy swapped {} pair(s) of runs ({} bytes); the decode worker refused frames ({}), counted \

@@ -15,8 +15,8 @@ use crate::invariants::Invariants;
 use crate::proxy::{Fault, Proxy};
 use crate::{eventually, HarnessError};
 
-// Counters with labels appear on their first increment: read with `absent_as_zero`; the proofs
-// need the ones their fault raises to be at least 1.
+// The workers and the coordinator export these counters at 0 from the start: read with
+// `sum`, which fails on a missing (or renamed) series.
 const CANCELLED: (&str, &[(&str, &str)]) = (DECODE_REQUESTS, &[("outcome", "cancelled")]);
 use coordinator::metrics::DECODE_REROUTES as REROUTES;
 use decode_worker::metrics::DECODE_REQUESTS;
@@ -32,7 +32,7 @@ fn client_proxy(c: &Cluster) -> Result<&Proxy, HarnessError> {
 async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
     let mut sum = 0.0;
     for w in c.workers_of(Role::Decode) {
-        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.absent_as_zero(CANCELLED.0, CANCELLED.1);
+        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1)?;
     }
     Ok(sum)
 }
@@ -216,7 +216,7 @@ impl Drill for ControlLinkResets {
         let mut ev = Evidence::default();
         let proxy = Self::proxy(c)?;
         let m = c.worker(BEHIND)?.metrics_addr()?;
-        ev.before = crate::metrics::scrape(&m).await?.absent_as_zero(CANCELLED.0, CANCELLED.1);
+        ev.before = crate::metrics::scrape(&m).await?.sum(CANCELLED.0, CANCELLED.1)?;
         let mut strikes = 0;
         while strikes < STRIKES && !load.finished() {
             // Strikes alternate: mid-answer (the worker runs a request and has streamed
@@ -224,7 +224,7 @@ impl Drill for ControlLinkResets {
             // prompt to the prefill worker: its first token is a prefill away).
             let mid_answer = strikes % 2 == 0;
             let forwarded = proxy.counters().bytes_forwarded;
-            let started = crate::metrics::scrape(&m).await?.absent_as_zero(ROUTED, &[]);
+            let started = crate::metrics::scrape(&m).await?.sum(ROUTED, &[])?;
             let what = if mid_answer { "streams a request" } else { "starts a request" };
             eventually(&format!("{BEHIND} {what} (or the load ends)"), LOAD_WAIT, || {
                 let m = &m;
@@ -237,7 +237,7 @@ impl Drill for ControlLinkResets {
                         p.get(REQUESTS_RUNNING, &[]).is_ok_and(|n| n >= 1.0)
                             && proxy.counters().bytes_forwarded > forwarded + 200
                     } else {
-                        p.absent_as_zero(ROUTED, &[]) > started
+                        p.sum(ROUTED, &[]).is_ok_and(|n| n > started)
                     }
                 }
             })
@@ -266,15 +266,18 @@ impl Drill for ControlLinkResets {
             .filter(|r| matches!(&r.outcome, Outcome::StreamError { code: Some(c), .. } if c == "worker_stream"))
             .count();
         let coord = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let rerouted = coord.absent_as_zero(REROUTES, &[]);
-        let broken = coord.absent_as_zero(REROUTES, &[("reason", "stream_broken")]);
+        let rerouted = crate::metrics::sum(&coord, REROUTES, &[])?;
+        let broken = crate::metrics::sum(&coord, REROUTES, &[("reason", "stream_broken")])?;
         // Every request cut on the worker is cancelled there (its KV freed: G2).
         let want = ev.before + ended_typed as f64 + broken;
         let now = std::sync::Mutex::new(ev.before);
         let seen = eventually(&format!("{BEHIND} cancels every cut stream"), Duration::from_secs(10), || {
             let (m, now) = (&m, &now);
             async move {
-                let v = crate::metrics::scrape(m).await.map_or(0.0, |p| p.absent_as_zero(CANCELLED.0, CANCELLED.1));
+                // NaN (never enough) while the page or its series cannot be read.
+                let v = crate::metrics::scrape(m)
+                    .await
+                    .map_or(f64::NAN, |p| p.sum(CANCELLED.0, CANCELLED.1).unwrap_or(f64::NAN));
                 *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
                 v >= want
             }

@@ -10,7 +10,7 @@ use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::{GoodputBound, Invariants};
 use crate::{eventually, HarnessError};
 
-/// A labelled counter, rendered from its first increment: read with `absent_as_zero`; the
+/// Exported at 0 from the start (read with `sum`, which fails on a missing series); the
 /// proof needs it to rise.
 const CANCELLED: (&str, &[(&str, &str)]) = (decode_worker::metrics::DECODE_REQUESTS, &[("outcome", "cancelled")]);
 
@@ -89,7 +89,7 @@ impl Drill for ClientDisconnect {
 async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
     let mut sum = 0.0;
     for w in c.workers_of(Role::Decode) {
-        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.absent_as_zero(CANCELLED.0, CANCELLED.1);
+        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1)?;
     }
     Ok(sum)
 }
@@ -170,8 +170,8 @@ impl Drill for Overload3x {
     }
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
-        let shed =
-            c.coordinator_metrics().await.map_err(|e| e.to_string())?.absent_as_zero(coordinator::metrics::SHED, &[]);
+        let page = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+        let shed = crate::metrics::sum(&page, coordinator::metrics::SHED, &[])?;
         if shed < 1.0 || !ev.seen {
             return Err(format!("admission shed {shed} requests; a probe refused with Retry-After: {}", ev.seen));
         }

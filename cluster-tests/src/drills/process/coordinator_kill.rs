@@ -12,10 +12,8 @@ use crate::{eventually, HarnessError};
 
 /// Cancelled Generate streams the decode worker at `m` counted.
 async fn cancelled(m: &str) -> Result<f64, HarnessError> {
-    // Rendered from its first increment; the proof needs it to rise.
-    Ok(crate::metrics::scrape(m)
-        .await?
-        .absent_as_zero(decode_worker::metrics::DECODE_REQUESTS, &[("outcome", "cancelled")]))
+    // Exported at 0 from the start; the proof needs it to rise.
+    Ok(crate::metrics::scrape(m).await?.sum(decode_worker::metrics::DECODE_REQUESTS, &[("outcome", "cancelled")])?)
 }
 
 /// SIGKILL one of two coordinators mid-stream, then restart it.

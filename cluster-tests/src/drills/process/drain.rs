@@ -175,9 +175,9 @@ impl Drill for VersionRelabel {
         load.wait_done(2, LOAD_WAIT).await?;
         let h = c.http_addr()?;
         let cm = c.coordinator_metrics().await?;
-        // Counted from the first change on; the drill waits for each to rise.
-        let left0 = cm.absent_as_zero(MEMBERSHIP, &[("change", "left")]);
-        let joined0 = cm.absent_as_zero(MEMBERSHIP, &[("change", "joined")]);
+        // Exported at 0 from the start; the drill waits for each to rise.
+        let left0 = cm.sum(MEMBERSHIP, &[("change", "left")])?;
+        let joined0 = cm.sum(MEMBERSHIP, &[("change", "joined")])?;
         let pid = c.worker(name)?.proc.pid;
         ev.victim = Some((name.into(), pid));
         if skip {

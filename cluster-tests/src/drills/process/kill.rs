@@ -93,9 +93,9 @@ fn policy_outcome(policy: &str) -> &'static str {
 }
 
 async fn policy_outcomes(m: &str, policy: &str) -> Result<f64, HarnessError> {
-    // Rendered from its first increment; the proof needs it to rise.
+    // Exported at 0 from the start; the proof needs it to rise.
     let outcomes = decode_worker::metrics::POLICY_OUTCOMES;
-    Ok(crate::metrics::scrape(m).await?.absent_as_zero(outcomes, &[("outcome", policy_outcome(policy))]))
+    Ok(crate::metrics::scrape(m).await?.sum(outcomes, &[("outcome", policy_outcome(policy))])?)
 }
 
 #[async_trait::async_trait]

@@ -45,7 +45,7 @@ impl Drill for WorkerSigstop {
         let mut ev = Evidence::default();
         let name = busy_decoder(c, LOAD_WAIT).await?;
         let pid = c.worker(&name)?.proc.pid;
-        ev.before = c.coordinator_metrics().await?.absent_as_zero(MEMBERSHIP, &[("change", "left")]);
+        ev.before = c.coordinator_metrics().await?.sum(MEMBERSHIP, &[("change", "left")])?;
         ev.victim = Some((name.clone(), pid));
         if skip {
             return Ok(ev);
@@ -67,7 +67,8 @@ impl Drill for WorkerSigstop {
         // The lease (TTL `ttl`) lapses; the coordinator must drop it. Continue it whatever happened.
         let left = serving_becomes(c, Role::Decode, n - 1.0, limit).await;
         let t = ev.before;
-        let now = c.coordinator_metrics().await.map_or(t, |p| p.absent_as_zero(MEMBERSHIP, &[("change", "left")]));
+        // Unreadable or missing reads as unchanged: the drill then fails unless the serving count fell.
+        let now = c.coordinator_metrics().await.map_or(t, |p| p.sum(MEMBERSHIP, &[("change", "left")]).unwrap_or(t));
         ev.notes.push(format!(
             "left membership (lease TTL {ttl:?}): serving decode {}: {}; `left` changes {t} -> {now}",
             n - 1.0,
