@@ -62,22 +62,28 @@ async fn run() -> Result<(), Box<dyn Error>> {
             ..RouteSettings::default()
         },
     )?);
-    // Fake load: every worker answered recently with a different queue and KV use.
-    let now = Instant::now();
-    for (i, a) in decode.iter().chain(&prefill).enumerate() {
-        cluster.board().set(
-            a,
-            Load {
-                ready: true,
-                reachable: true,
-                kv_blocks_total: 1024,
-                kv_blocks_used: (i * 37 % 1024) as u32,
-                running: (i % 16) as u32,
-                waiting: (i % 5) as u32,
-                at: now,
-            },
-        );
-    }
+    // Fake load: every worker answered recently with a different queue and KV use. A
+    // reading goes stale after 4 poll intervals (about 1 s), less than setting up the
+    // 250,000 breakers or running the loops takes on a slow machine: so it is set again
+    // before each loop and every 1,000 operations, outside the timed part (stale workers
+    // would leave no route at all).
+    let refresh = || {
+        let now = Instant::now();
+        for (i, a) in decode.iter().chain(&prefill).enumerate() {
+            cluster.board().set(
+                a,
+                Load {
+                    ready: true,
+                    reachable: true,
+                    kv_blocks_total: 1024,
+                    kv_blocks_used: (i * 37 % 1024) as u32,
+                    running: (i % 16) as u32,
+                    waiting: (i % 5) as u32,
+                    at: now,
+                },
+            );
+        }
+    };
     // Every pair reported a success; the first 10 decode workers' pairs with prefill-0 are open.
     for d in &decode {
         for p in &prefill {
@@ -99,6 +105,9 @@ async fn run() -> Result<(), Box<dyn Error>> {
     let mut base = Vec::with_capacity(OPS);
     let mut sink = 0u64;
     for i in 0..OPS + WARMUP {
+        if i % 1000 == 0 {
+            refresh();
+        }
         let t = Clock::now();
         let loads = cluster.board().read();
         for a in &all {
@@ -113,6 +122,9 @@ async fn run() -> Result<(), Box<dyn Error>> {
 
     let mut decide = Vec::with_capacity(OPS);
     for i in 0..OPS + WARMUP {
+        if i % 1000 == 0 {
+            refresh();
+        }
         let ticket = Ticket {
             key: format!("key-{}", i % 1000),
             priority: Priority::Normal,

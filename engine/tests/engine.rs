@@ -207,3 +207,68 @@ fn stop_token_ends_sequence_and_max_tokens_counts() {
     let first = free[0].iter().position(|&t| t == stop).expect("present");
     assert_eq!(out[0], free[0][..=first].to_vec());
 }
+
+/// Steps `e` with sequence 1 decoding and a long prompt (sequence 2) arriving, until the
+/// prompt is computed; returns the prompt tokens each step computed. Every step must give
+/// sequence 1 its next token.
+fn chunks_beside_a_decoder(e: &mut engine::batch::Engine, short: &[u32], long: &[u32]) -> Vec<usize> {
+    e.add(Request { id: 1, prompt: short.to_vec(), params: greedy(4096), salt: 0 }).expect("add");
+    while !e.step().expect("step").iter().any(|t| t.id == 1) {}
+    e.add(Request { id: 2, prompt: long.to_vec(), params: greedy(2), salt: 0 }).expect("add");
+    let (mut chunks, mut before) = (Vec::new(), 0);
+    while before < long.len() {
+        let events = e.step().expect("step");
+        assert!(events.iter().any(|t| t.id == 1), "the decoding sequence skipped a step");
+        let done = e.computed_tokens(2).unwrap_or(long.len());
+        chunks.push(done - before);
+        before = done;
+        assert!(chunks.len() < 1000, "the prompt never finished");
+    }
+    e.abort(1);
+    e.abort(2);
+    assert_eq!(e.kv_stats().used, 0);
+    chunks
+}
+
+#[test]
+fn a_decode_stall_budget_cuts_prefill_chunks_only_while_sequences_decode() {
+    let long_text = "The history of the lighthouse is long and varied. ".repeat(12);
+    let cfg = |ms| EngineConfig { max_decode_stall_ms: ms, prefix_cache: false, ..EngineConfig::default() };
+    let (mut e, tok) = engine(cfg(Some(0.001)));
+    let short = tok.encode("Once upon a time", false).expect("encode");
+    let long = tok.encode(&long_text, false).expect("encode");
+    assert!(long.len() > 100 && long.len() < 500, "{} tokens", long.len());
+    let bs = e.config().block_size;
+
+    // A budget no step can meet: one block per step, the decoder never waits longer.
+    let tight = chunks_beside_a_decoder(&mut e, &short, &long);
+    assert!(tight.iter().all(|n| *n <= bs), "chunks {tight:?} over one block ({bs})");
+    assert_eq!(tight.len(), long.len().div_ceil(bs), "chunks {tight:?}");
+
+    // Without decoders the budget does not apply: the prompt goes in one step.
+    e.add(Request { id: 3, prompt: long.clone(), params: greedy(1), salt: 0 }).expect("add");
+    e.step().expect("step");
+    assert_eq!(e.computed_tokens(3).unwrap_or(long.len()), long.len());
+    e.abort(3);
+
+    // A budget the prompt fits in (the decoder's own prompt measured the cost per token):
+    // nothing is cut.
+    let (mut e, _) = engine(cfg(Some(60_000.0)));
+    assert_eq!(chunks_beside_a_decoder(&mut e, &short, &long), vec![long.len()]);
+
+    // No budget: the whole prompt in the step it arrives.
+    let (mut e, _) = engine(cfg(None));
+    assert_eq!(chunks_beside_a_decoder(&mut e, &short, &long), vec![long.len()]);
+}
+
+#[test]
+fn a_stall_budget_changes_no_token() {
+    let (mut base, tok) = engine(EngineConfig { prefix_cache: false, ..EngineConfig::default() });
+    let ps = prompts(&tok);
+    let reference = run_all(&mut base, &ps, &greedy(N));
+    drop(base);
+    let cfg = EngineConfig { max_decode_stall_ms: Some(0.001), prefix_cache: false, ..EngineConfig::default() };
+    let (mut e, _) = engine(cfg);
+    assert_eq!(run_all(&mut e, &ps, &greedy(N)), reference);
+    assert_eq!(e.kv_stats().used, 0);
+}

@@ -30,6 +30,9 @@ pub enum Cmd {
     /// What long prompts cost running streams when prefill and decode
     /// workers share cores, for several `tandem up` configurations.
     Interference(crate::bench_interference::Args),
+    /// What a long prompt prefilled on a decode worker costs its running
+    /// streams, for several `max_decode_stall_ms` budgets (engine only).
+    Stall(crate::bench_stall::Args),
 }
 
 #[derive(clap::Args)]
@@ -69,6 +72,7 @@ pub fn run(cmd: Cmd) -> Result<()> {
         Cmd::Engine(a) => engine_bench(a),
         Cmd::Serve(a) => bench_serve::run(a),
         Cmd::Interference(a) => crate::bench_interference::run(&a),
+        Cmd::Stall(a) => crate::bench_stall::run(&a),
     }
 }
 
@@ -100,6 +104,8 @@ fn engine_bench(a: EngineArgs) -> Result<()> {
     };
     let ours = our_bench(&path, &a)?;
     let rss_mib = peak_rss_kib().map(|k| k as f64 / 1024.0);
+    let per_token = bytes_per_token(&path)?;
+    let bandwidth = read_bandwidth(a.threads);
 
     println!(
         "engine benchmark: {} ({} threads, pp{}, tg{}, {} reps)",
@@ -119,7 +125,21 @@ fn engine_bench(a: EngineArgs) -> Result<()> {
     if let Some(r) = rss_mib {
         println!("tandem peak RSS: {r:.0} MiB");
     }
-    let json = serde_json::json!({ "threads": a.threads, "tandem": ours, "llama_cpp": theirs, "tandem_peak_rss_mib": rss_mib });
+    // Decode streams every weight once per token: the memory bound on tok/s.
+    let used = per_token as f64 * ours.decode_tps / 1e9;
+    println!(
+        "decode reads {:.1} MiB of weights per token: {used:.1} GB/s at {:.1} tok/s, {:.0}% of the {bandwidth:.1} GB/s \
+         read bandwidth measured here ({} threads; limit {:.0} tok/s)",
+        per_token as f64 / (1 << 20) as f64,
+        ours.decode_tps,
+        100.0 * used / bandwidth,
+        a.threads,
+        bandwidth * 1e9 / per_token as f64
+    );
+    let json = serde_json::json!({
+        "threads": a.threads, "tandem": ours, "llama_cpp": theirs, "tandem_peak_rss_mib": rss_mib,
+        "weight_bytes_per_token": per_token, "read_bandwidth_gbps": bandwidth,
+    });
     eprintln!("{json}");
     Ok(())
 }
@@ -171,6 +191,38 @@ fn our_bench(path: &std::path::Path, a: &EngineArgs) -> Result<Figures> {
         prefill_tps: a.prompt_tokens as f64 * reps / prefill,
         decode_tps: a.gen_tokens as f64 * reps / decode,
     })
+}
+
+/// Weight bytes one decode step reads: every tensor, except that with a
+/// separate output matrix the token embedding gives only one row.
+fn bytes_per_token(path: &std::path::Path) -> Result<usize> {
+    let (weights, _) = engine::weights::Weights::from_gguf(path)?;
+    let all: usize = weights.tensors.values().map(|t| t.len).sum();
+    let embedding = match (weights.tensors.get("output.weight"), weights.tensors.get("token_embd.weight")) {
+        (Some(_), Some(e)) => e.len - e.len / weights.config.vocab.max(1),
+        _ => 0,
+    };
+    Ok(all - embedding)
+}
+
+/// Read bandwidth of this machine, GB/s: `threads` threads summing
+/// disjoint parts of a 512 MiB buffer (far beyond any cache), best of 3.
+fn read_bandwidth(threads: usize) -> f64 {
+    let words = 64usize << 20;
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let part = words.div_ceil(threads.max(1));
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let total = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                buf.chunks(part).map(|c| s.spawn(move || c.iter().fold(0u64, |a, x| a.wrapping_add(*x)))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
 }
 
 fn argmax(v: &[f32]) -> u32 {

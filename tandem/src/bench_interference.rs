@@ -8,9 +8,16 @@
 //! (Poisson, one output token each, so their end-to-end time is their time
 //! to first token). Reported: decode tokens/s kept under interference (over
 //! idle), the worst gap between two tokens of a stream, idle ITL p99, and the
-//! long prompts' TTFT. Only tokens inside each window count.
+//! long prompts' TTFT.
+//!
+//! With `--llama-server BIN`, llama.cpp's server on the same model, threads
+//! and load is measured first as the reference row (`-t 2 --parallel 4
+//! -c 8192`, as `make bench-serve` starts it), and each configuration's
+//! figures are then set against the targets: decode tokens kept >= 0.9x,
+//! worst gap <= 3x the idle ITL p99, long-prompt TTFT <= 1.2x
+//! llama-server's. Only tokens inside each window count.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -42,6 +49,17 @@ pub struct Args {
     /// Seed of prompts and arrivals (the same for every configuration).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// llama.cpp's `llama-server` binary (`make llama` builds it): measured
+    /// first, under the same load, as the reference row.
+    #[arg(long)]
+    llama_server: Option<PathBuf>,
+}
+
+/// What a row measures: `tandem up` with flags, or llama.cpp's server.
+#[derive(Clone, Copy)]
+enum Launch<'a> {
+    Tandem(&'a [String]),
+    Llama(&'a Path),
 }
 
 /// One configuration's figures.
@@ -65,11 +83,18 @@ pub fn run(a: &Args) -> Result<()> {
 async fn run_all(a: &Args) -> Result<()> {
     println!("cpu: {}", crate::bench::cpu_summary());
     let mut rows = Vec::new();
+    let mut reference = None;
+    if let Some(bin) = &a.llama_server {
+        eprintln!("== llama-server: {}", bin.display());
+        let f = measure(a, Launch::Llama(bin)).await.context("llama-server")?;
+        rows.push(("llama-server".to_owned(), f));
+        reference = rows.last().map(|(_, f)| f.long_ttft_p50_s);
+    }
     for c in &a.configs {
         let (name, flags) = c.split_once('=').with_context(|| format!("--config {c:?}: expected NAME=FLAGS"))?;
         let flags: Vec<String> = flags.split_whitespace().map(str::to_owned).collect();
         eprintln!("== {name}: tandem up {}", flags.join(" "));
-        let f = measure(a, &flags).await.with_context(|| format!("configuration {name}"))?;
+        let f = measure(a, Launch::Tandem(&flags)).await.with_context(|| format!("configuration {name}"))?;
         rows.push((name.to_owned(), f));
     }
     println!(
@@ -91,11 +116,28 @@ async fn run_all(a: &Args) -> Result<()> {
             f.long_sent
         );
     }
+    if let Some(llama_ttft) = reference {
+        println!(
+            "against the targets (kept >= 0.90x, worst gap <= 3x idle ITL p99, long TTFT p50 <= 1.2x llama-server's):"
+        );
+        for (name, f) in rows.iter().filter(|(n, _)| n != "llama-server") {
+            let kept = f.busy_tok_s / f.idle_tok_s.max(f64::MIN_POSITIVE);
+            let gap = f.worst_gap_ms / f.idle_itl_p99_ms.max(f64::MIN_POSITIVE);
+            let ttft = f.long_ttft_p50_s / llama_ttft;
+            let mark = |ok: bool| if ok { "ok" } else { "MISSED" };
+            println!(
+                "{name:<14} kept {kept:.2}x {}  worst gap {gap:.1}x idle p99 {}  long TTFT {ttft:.2}x llama-server {}",
+                mark(kept >= 0.9),
+                mark(gap <= 3.0),
+                mark(ttft <= 1.2)
+            );
+        }
+    }
     Ok(())
 }
 
-/// A `tandem up` cluster of this process's own, stopped (SIGTERM, then
-/// waited for) when dropped through [`Cluster::stop`].
+/// A `tandem up` cluster (or a llama-server) of this process's own, stopped
+/// (SIGTERM, then waited for) through [`Cluster::stop`], killed if dropped.
 struct Cluster {
     child: Child,
     url: String,
@@ -115,27 +157,41 @@ fn free_port() -> Result<u16> {
 }
 
 impl Cluster {
-    async fn start(a: &Args, flags: &[String]) -> Result<Self> {
+    async fn start(a: &Args, launch: Launch<'_>) -> Result<Self> {
         let dir =
             TempDir(std::env::temp_dir().join(format!("tandem-interference-{}-{}", std::process::id(), free_port()?)));
         std::fs::create_dir_all(&dir.0)?;
-        let http = format!("127.0.0.1:{}", free_port()?);
-        let grpc = format!("127.0.0.1:{}", free_port()?);
-        let mut cmd = Command::new(std::env::current_exe()?);
-        cmd.arg("up").args(["--http", &http, "--grpc", &grpc]);
-        cmd.arg("--state-file").arg(dir.0.join("cluster.json"));
-        if let Some(m) = &a.model {
-            cmd.arg("--model").arg(m);
-        }
+        let port = free_port()?;
+        let http = format!("127.0.0.1:{port}");
+        let mut cmd = match launch {
+            Launch::Tandem(flags) => {
+                let grpc = format!("127.0.0.1:{}", free_port()?);
+                let mut cmd = Command::new(std::env::current_exe()?);
+                cmd.arg("up").args(["--http", &http, "--grpc", &grpc]);
+                cmd.arg("--state-file").arg(dir.0.join("cluster.json"));
+                if let Some(m) = &a.model {
+                    cmd.arg("--model").arg(m);
+                }
+                cmd.args(flags);
+                cmd
+            }
+            Launch::Llama(bin) => {
+                let model = crate::load::model_path(a.model.clone())?;
+                let mut cmd = Command::new(bin);
+                cmd.arg("-m").arg(model);
+                cmd.args(["-t", "2", "--parallel", "4", "-c", "8192", "--host", "127.0.0.1"]);
+                cmd.args(["--port", &port.to_string()]);
+                cmd
+            }
+        };
         let log = std::fs::File::create(dir.0.join("up.log"))?;
         let child = cmd
-            .args(flags)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log))
             .kill_on_drop(true)
             .spawn()
-            .context("starting tandem up")?;
+            .context("starting the server")?;
         let c = Self { child, url: format!("http://{http}"), _dir: dir };
         // Ready when a one-token request completes (bounded: model loads on 2 cores).
         let mut probe = Plan::new(&c.url, "SmolLM2-135M-Instruct");
@@ -161,7 +217,7 @@ impl Cluster {
         }
         tokio::time::timeout(Duration::from_secs(60), self.child.wait())
             .await
-            .context("tandem up did not stop within 60 s of SIGTERM")??;
+            .context("the server did not stop within 60 s of SIGTERM")??;
         Ok(())
     }
 }
@@ -212,8 +268,8 @@ fn in_window(report: &Report, window: Duration) -> (f64, f64, f64) {
     (tokens as f64 / window.as_secs_f64(), p99, worst)
 }
 
-async fn measure(a: &Args, flags: &[String]) -> Result<Figures> {
-    let cluster = Cluster::start(a, flags).await?;
+async fn measure(a: &Args, launch: Launch<'_>) -> Result<Figures> {
+    let cluster = Cluster::start(a, launch).await?;
     let window = Duration::from_secs(a.window_s);
     let (idle, _) = decoders(a, &cluster.url, window).await?;
     let (idle_tok_s, idle_itl_p99_ms, _) = in_window(&idle, window);

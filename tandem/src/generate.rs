@@ -98,6 +98,7 @@ pub fn run(a: Args) -> Result<()> {
         max_batch_tokens: 512,
         max_running: 1,
         prefix_cache: false,
+        max_decode_stall_ms: None,
     };
     let mut engine = Engine::new(model, cfg, tok.eos_ids().to_vec())?;
     engine.add(Request { id: 0, prompt: prompt.clone(), params: params.clone(), salt: 0 })?;

@@ -7,6 +7,7 @@
 mod bench;
 mod bench_interference;
 mod bench_serve;
+mod bench_stall;
 mod convert;
 mod drill;
 mod generate;

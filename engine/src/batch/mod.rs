@@ -12,9 +12,15 @@
 //! are released and it goes back to the front of the queue with every token
 //! it has so far, to be prefilled again later. Its sampler (and so its
 //! random stream and penalties) carries on unchanged.
+//!
+//! With `max_decode_stall_ms` set, a step that carries decodes takes only
+//! the prefill that fits in that time beside them (see `stall`), so a long
+//! prompt arriving at a decode worker delays its running streams by at most
+//! about that much per token.
 
 mod remote;
 mod seq;
+mod stall;
 
 use std::collections::{HashMap, VecDeque};
 
@@ -23,6 +29,7 @@ use crate::model::{ForwardError, Model, SeqChunk};
 use crate::sampler::{FinishReason, SampledToken, SamplerError, SamplingParams};
 
 use seq::Seq;
+use stall::StepCost;
 
 /// Engine sizing and scheduling knobs.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -39,6 +46,12 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Share full blocks between sequences with a common prefix.
     pub prefix_cache: bool,
+    /// While any running sequence decodes, the longest a step should take,
+    /// ms: prefill chunks are cut to what fits beside the decodes by the
+    /// measured step costs (at least one block per step, so prompts always
+    /// progress). `None`: chunks take the whole `max_batch_tokens`.
+    #[serde(default)]
+    pub max_decode_stall_ms: Option<f64>,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +63,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running: 16,
             prefix_cache: true,
+            max_decode_stall_ms: None,
         }
     }
 }
@@ -65,6 +79,11 @@ impl EngineConfig {
         }
         if self.max_batch_tokens == 0 {
             return bad("max_batch_tokens", "must be positive".into());
+        }
+        if let Some(ms) = self.max_decode_stall_ms {
+            if !(ms.is_finite() && ms > 0.0) {
+                return bad("max_decode_stall_ms", format!("must be a positive number of ms, got {ms}"));
+            }
         }
         if self.max_running == 0 || self.max_running > self.max_batch_tokens {
             return bad(
@@ -185,6 +204,8 @@ pub struct Engine {
     preemptions: u64,
     /// Streaming prefills of the step in progress (see `step`).
     streams_scratch: Vec<Streaming>,
+    /// Measured step costs, for `max_decode_stall_ms`.
+    cost: StepCost,
 }
 
 impl Engine {
@@ -203,6 +224,7 @@ impl Engine {
             held: HashMap::new(),
             preemptions: 0,
             streams_scratch: Vec::new(),
+            cost: StepCost::default(),
         })
     }
 
@@ -311,8 +333,12 @@ impl Engine {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
+        let decodes = plan.iter().filter(|(id, _)| self.seqs[id].is_decoding()).count();
+        let prefill = plan.iter().map(|(_, n)| n).sum::<usize>() - decodes;
         self.streams_scratch = self.take_streams(&plan);
+        let started = std::time::Instant::now();
         let result = self.run_step(&plan);
+        self.cost.observe(decodes, prefill, started.elapsed().as_secs_f64() * 1e3);
         // Sinks go back to their sequences (or are dropped when done), also on error.
         let streams = std::mem::take(&mut self.streams_scratch);
         self.return_streams(streams);
@@ -430,6 +456,13 @@ impl Engine {
         let bs = self.cfg.block_size;
         let mut budget = self.cfg.max_batch_tokens;
         let mut plan = Vec::new();
+        // Prefill tokens this step may take: all the budget, unless sequences
+        // decode and a stall budget is set.
+        let decoding = self.running.iter().any(|id| self.seqs.get(id).is_some_and(Seq::is_decoding));
+        let mut prefill_left = match self.cfg.max_decode_stall_ms {
+            Some(ms) if decoding => self.cost.allowance(ms, bs),
+            _ => usize::MAX,
+        };
 
         // 1. Running sequences, oldest first: decodes take one token,
         //    prefills take what the budget leaves.
@@ -437,7 +470,13 @@ impl Engine {
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
             let s = &self.seqs[&id];
-            let n = (s.tokens.len() - s.computed).min(budget);
+            let decode = s.is_decoding();
+            let n = (s.tokens.len() - s.computed).min(budget).min(if decode { 1 } else { prefill_left });
+            if n == 0 {
+                // A prefill past this step's allowance: it goes on next step.
+                i += 1;
+                continue;
+            }
             let need = (s.computed + n).div_ceil(bs).saturating_sub(s.table.len());
             if need > self.pool.available() && !self.make_room(need, i)? {
                 // `make_room` preempted this very sequence.
@@ -448,6 +487,9 @@ impl Engine {
             s.table.extend(blocks);
             plan.push((id, n));
             budget -= n;
+            if !decode {
+                prefill_left -= n;
+            }
             i += 1;
         }
 
@@ -458,9 +500,9 @@ impl Engine {
             if self.cfg.prefix_cache && s.table.is_empty() {
                 s.acquire_prefix(&mut self.pool);
             }
-            let n = (s.tokens.len() - s.computed).min(budget);
+            let n = (s.tokens.len() - s.computed).min(budget).min(prefill_left);
             let need = (s.computed + n).div_ceil(bs).saturating_sub(s.table.len());
-            if need > self.pool.available() {
+            if n == 0 || need > self.pool.available() {
                 // Keep its prefix blocks; it will try again next step.
                 break;
             }
@@ -470,6 +512,7 @@ impl Engine {
             self.running.push(id);
             plan.push((id, n));
             budget -= n;
+            prefill_left -= n;
         }
         Ok(plan)
     }

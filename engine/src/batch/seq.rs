@@ -28,6 +28,11 @@ pub(super) struct Seq {
 }
 
 impl Seq {
+    /// Past its prompt: each step computes its one newest token.
+    pub fn is_decoding(&self) -> bool {
+        !self.generated.is_empty() && self.tokens.len() - self.computed == 1
+    }
+
     pub fn new(req: &Request, eos: &[u32]) -> Result<Self, EngineError> {
         Ok(Self {
             tokens: req.prompt.clone(),
