@@ -87,6 +87,23 @@ impl ApiKeys {
         Ok(keys)
     }
 
+    /// Keys from (key, caller) pairs, where several keys may name one caller
+    /// (a tenant's keys, from the tenants file).
+    pub fn from_pairs(pairs: impl IntoIterator<Item = (String, String)>) -> Result<Self, KeysError> {
+        let mut keys = Self::default();
+        for (i, (key, name)) in pairs.into_iter().enumerate() {
+            let key = key.trim();
+            if key.is_empty() {
+                return Err(KeysError::Empty(i + 1));
+            }
+            if let Some((_, other)) = keys.keys.iter().find(|(k, _)| equal(k, key.as_bytes())) {
+                return Err(KeysError::DuplicateKey(other.clone(), name));
+            }
+            keys.keys.push((key.as_bytes().to_vec(), name));
+        }
+        Ok(keys)
+    }
+
     fn add(&mut self, key: &str, name: String) -> Result<(), KeysError> {
         if let Some((_, other)) = self.keys.iter().find(|(_, n)| *n == name) {
             return Err(KeysError::DuplicateName(other.clone()));

@@ -488,7 +488,9 @@ impl Cluster {
         })
     }
 
-    /// Starts `Generate` on a decode worker and returns its stream. A worker
+    /// Starts `Generate` on a decode worker and returns its stream;
+    /// `cache_salt` scopes the request's prefix-cache entries (its tenant's
+    /// [`crate::tenants::CacheScope`]), so no other scope can hit them. A worker
     /// that cannot be reached (connection refused or broken before it
     /// answered) is marked unreachable and the request is routed once more.
     pub async fn generate(
@@ -497,6 +499,7 @@ impl Cluster {
         token_ids: Vec<u32>,
         params: &SamplingParams,
         deadline_unix_ms: u64,
+        cache_salt: u64,
     ) -> Result<(WorkerStream, Lease), Error> {
         let mut req = GenerateRequest {
             request_id: request_id.clone(),
@@ -505,7 +508,7 @@ impl Cluster {
             deadline_unix_ms,
             prefill: Vec::new(),
             policy_override: None,
-            cache_salt: 0,
+            cache_salt,
         };
         let mut attempt = 0;
         loop {
@@ -744,8 +747,11 @@ mod tests {
         c.board().set(&broken, idle(0));
         c.board().set(&fine, idle(5));
         let params = SamplingParams { max_tokens: 1, ..SamplingParams::default() };
-        let (mut stream, _lease) =
-            c.generate("r1".into(), vec![1, 2, 3], &params, 0).await.map_err(|e| e.to_string()).expect("routed again");
+        let (mut stream, _lease) = c
+            .generate("r1".into(), vec![1, 2, 3], &params, 0, 7)
+            .await
+            .map_err(|e| e.to_string())
+            .expect("routed again");
         let first = stream.message().await.expect("a message").and_then(|m| m.event);
         assert!(matches!(first, Some(generate_response::Event::Token(TokenChunk { id: 7, .. }))), "{first:?}");
         let ids = |m: &Mutex<Vec<String>>| m.lock().unwrap_or_else(|e| e.into_inner()).clone();

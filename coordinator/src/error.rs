@@ -22,6 +22,7 @@ use proto::worker::v1::ErrorKind;
 
 use crate::admission::{self, Shed};
 use crate::router::NoRoute;
+use crate::tenants::{Cap, TenantLimit};
 
 /// Why a request was refused or failed. Each variant names a cause a
 /// caller can act on; how it shows on the wire is the frontends' business.
@@ -98,6 +99,25 @@ pub enum Error {
     /// starting or while running); in the queue it is [`Shed::Deadline`].
     #[error("the request's deadline passed")]
     Deadline,
+    /// The caller's tenant is over one of its limits (a rate or a count);
+    /// nothing was started. `wait`: when the limit is a bucket, how long
+    /// until it holds what was asked (the Retry-After); `None` for counts.
+    #[error("tenant {tenant:?} is over its {}", .limit.describe())]
+    TenantLimit { tenant: String, limit: TenantLimit, wait: Option<Duration> },
+    /// A request asks for more than its tenant's cap on one field (`param`).
+    #[error("{param} is {got}, over this tenant's cap of {cap} ({})", .what.describe())]
+    OverCap { param: &'static str, what: Cap, cap: u64, got: u64 },
+    /// The tokenizer pool's queue is full: the request was shed before
+    /// anything was tokenized.
+    #[error("the coordinator's tokenizer queue is full")]
+    TokenizerBusy,
+    /// The client did not send the whole body within the body read timeout.
+    #[error("the request body did not arrive within {}", fmt_ms(.after))]
+    BodyTimeout { after: Duration },
+}
+
+fn fmt_ms(d: &Duration) -> String {
+    format!("{} ms", d.as_millis())
 }
 
 fn too_large(limit: &usize, size: &Option<usize>) -> String {
@@ -162,6 +182,18 @@ impl Error {
                 K::Internal | K::Unspecified => ("server_error", "internal"),
             },
             Self::Deadline => ("timeout_error", "deadline_exceeded"),
+            // Spelled out (not `limit.code()`): README's table is checked against these literals.
+            Self::TenantLimit { limit, .. } => match limit {
+                TenantLimit::Requests => ("rate_limit_error", "rate_limit_requests"),
+                TenantLimit::PromptTokens => ("rate_limit_error", "rate_limit_prompt_tokens"),
+                TenantLimit::OutputTokens => ("rate_limit_error", "rate_limit_output_tokens"),
+                TenantLimit::InFlight => ("rate_limit_error", "too_many_in_flight"),
+                TenantLimit::Streams => ("rate_limit_error", "too_many_streams"),
+            },
+            Self::OverCap { what: Cap::MaxTokens, .. } => ("invalid_request_error", "max_tokens_too_large"),
+            Self::OverCap { what: Cap::PromptTokens, .. } => ("invalid_request_error", "prompt_too_long"),
+            Self::TokenizerBusy => ("overloaded_error", "tokenizer_busy"),
+            Self::BodyTimeout { .. } => ("invalid_request_error", "request_timeout"),
         };
         (kind, Some(code))
     }
@@ -181,7 +213,7 @@ impl Error {
         match self {
             Self::Invalid { param, .. } => Some(param),
             Self::InvalidJson { .. } => Some("body"),
-            Self::ContextLength { param, .. } => Some(param),
+            Self::ContextLength { param, .. } | Self::OverCap { param, .. } => Some(param),
             Self::ModelNotFound { .. } => Some("model"),
             _ => None,
         }
@@ -211,7 +243,13 @@ impl Error {
             | Self::WorkerUnavailable(_)
             | Self::IdempotencyTableFull
             | Self::IdempotentOriginalFailed
+            | Self::TokenizerBusy
             | Self::NotReady(_) => Some(admission::retry_after(None)),
+            // A bucket: when it will hold what was asked, rounded up, so the
+            // retry finds it there (not jittered below it).
+            Self::TenantLimit { wait: Some(wait), .. } => Some(crate::tenants::retry_after_secs(*wait)),
+            // A count: frees as the tenant's own requests end.
+            Self::TenantLimit { wait: None, .. } => Some(admission::retry_after(None)),
             Self::Shed(Shed::Deadline)
             | Self::Worker { .. }
             | Self::Invalid { .. }
@@ -224,6 +262,8 @@ impl Error {
             | Self::ModelNotFound { .. }
             | Self::IdempotencyKeyReused
             | Self::WorkerStream(_)
+            | Self::OverCap { .. }
+            | Self::BodyTimeout { .. }
             | Self::Deadline => None,
         }
     }
@@ -232,6 +272,7 @@ impl Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tenants::{Cap, TenantLimit};
     use axum::http::StatusCode;
     use tonic::Code;
 
@@ -265,7 +306,14 @@ mod tests {
             Error::WorkerUnavailable("decode worker 127.0.0.1:1: refused".into()),
             Error::WorkerStream("decode worker stream: reset".into()),
             Error::Deadline,
+            Error::TokenizerBusy,
+            Error::BodyTimeout { after: d },
+            Error::OverCap { param: "max_tokens", what: Cap::MaxTokens, cap: 16, got: 64 },
+            Error::OverCap { param: "messages", what: Cap::PromptTokens, cap: 16, got: 64 },
         ];
+        for limit in TenantLimit::ALL {
+            all.push(Error::TenantLimit { tenant: "t".into(), limit, wait: limit.is_rate().then_some(d) });
+        }
         let kinds: Vec<ErrorKind> = (0..64).filter_map(|k| ErrorKind::try_from(k).ok()).collect();
         assert!(kinds.len() >= 9, "the wire has at least the nine kinds of v1: {kinds:?}");
         all.extend(kinds.into_iter().map(|kind| Error::Worker { kind, message: "w".into(), drain: Some(d) }));
@@ -335,6 +383,17 @@ mod tests {
             }
             Error::WorkerStream(_) => (H::BAD_GATEWAY, Some("worker_stream"), Code::Unavailable, false),
             Error::Deadline => (H::GATEWAY_TIMEOUT, Some("deadline_exceeded"), Code::DeadlineExceeded, false),
+            Error::TenantLimit { limit, .. } => {
+                (H::TOO_MANY_REQUESTS, Some(limit.code()), Code::ResourceExhausted, true)
+            }
+            Error::OverCap { what: Cap::MaxTokens, .. } => {
+                (H::BAD_REQUEST, Some("max_tokens_too_large"), Code::InvalidArgument, false)
+            }
+            Error::OverCap { what: Cap::PromptTokens, .. } => {
+                (H::PAYLOAD_TOO_LARGE, Some("prompt_too_long"), Code::InvalidArgument, false)
+            }
+            Error::TokenizerBusy => (H::SERVICE_UNAVAILABLE, Some("tokenizer_busy"), Code::Unavailable, true),
+            Error::BodyTimeout { .. } => (H::REQUEST_TIMEOUT, Some("request_timeout"), Code::DeadlineExceeded, false),
             Error::Worker { kind, .. } => match kind {
                 K::InvalidArgument => (H::BAD_REQUEST, Some("invalid_argument"), Code::InvalidArgument, false),
                 K::Overloaded => (H::SERVICE_UNAVAILABLE, Some("overloaded"), Code::Unavailable, true),
@@ -382,6 +441,33 @@ mod tests {
             };
             assert_eq!(s.message(), message, "{e:?}");
         }
+    }
+
+    #[test]
+    fn a_rate_limit_retry_after_is_the_refill_rounded_up_and_names_its_limit() {
+        let e = Error::TenantLimit {
+            tenant: "a".into(),
+            limit: TenantLimit::PromptTokens,
+            wait: Some(Duration::from_millis(4200)),
+        };
+        for _ in 0..20 {
+            assert_eq!(e.retry_after(), Some(5), "not jittered below the refill");
+        }
+        assert_eq!(e.code(), Some("rate_limit_prompt_tokens"));
+        let codes: Vec<_> = TenantLimit::ALL.iter().map(|l| l.code()).collect();
+        assert_eq!(
+            codes,
+            [
+                "rate_limit_requests",
+                "rate_limit_prompt_tokens",
+                "rate_limit_output_tokens",
+                "too_many_in_flight",
+                "too_many_streams"
+            ]
+        );
+        let cap = Error::OverCap { param: "max_tokens", what: Cap::MaxTokens, cap: 16, got: 64 };
+        assert_eq!(cap.param(), Some("max_tokens"));
+        assert!(cap.to_string().contains("16") && cap.to_string().contains("64"), "{cap}");
     }
 
     #[test]

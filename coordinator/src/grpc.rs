@@ -46,8 +46,7 @@ use tonic_health::ServingStatus;
 use crate::admission::Shed;
 use crate::error::Error;
 use crate::openai::{self, Message, Sampling, Stop, StreamOptions};
-use crate::pipeline::{priority_of, send_within, Event, Finish, Job, Pipeline, TokenLogprob};
-use crate::prompt;
+use crate::pipeline::{priority_of, send_within, Draft, Event, Finish, Job, Pipeline, PromptInput, TokenLogprob};
 use crate::router::NoRoute;
 
 /// Metadata key carrying the OpenAI error code (`model_not_found`, ...).
@@ -71,7 +70,9 @@ const STREAM_BUFFER: usize = 16;
 ///   A body over the cap too: as final as a bad field (`RESOURCE_EXHAUSTED`
 ///   would invite a retry); and a reused idempotency key (HTTP only).
 /// - `UNAUTHENTICATED`, `NOT_FOUND`: a missing or wrong API key; an unknown model.
-/// - `RESOURCE_EXHAUSTED`: this caller is over its share; back off, retry.
+/// - `RESOURCE_EXHAUSTED`: this caller is over its share of the queue, or
+///   its tenant over a rate or count (`rate_limit_*`, `too_many_*`); back
+///   off for `retry-after`, retry. A tenant cap passed is `INVALID_ARGUMENT`.
 /// - `UNAVAILABLE`: retry; the code gRPC clients and retry policies retry.
 ///   With `retry-after` when the cluster is full, draining or has no
 ///   usable worker; without when a decode worker's stream broke (the retry
@@ -114,6 +115,11 @@ pub fn code_of(e: &Error) -> Code {
             K::Internal | K::Unspecified => Code::Internal,
         },
         Error::Deadline => Code::DeadlineExceeded,
+        Error::TenantLimit { .. } => Code::ResourceExhausted,
+        Error::OverCap { .. } => Code::InvalidArgument,
+        Error::TokenizerBusy => Code::Unavailable,
+        // HTTP only: gRPC messages are read by tonic, bounded by its own limits.
+        Error::BodyTimeout { .. } => Code::DeadlineExceeded,
     }
 }
 
@@ -190,12 +196,13 @@ fn token_ids(p: &Pipeline, ids: &[u32]) -> Result<Vec<u32>, Error> {
     Ok(ids.to_vec())
 }
 
-/// Validates and tokenizes a request into a job, with the HTTP API's rules.
-fn job_of(p: &Pipeline, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, Error> {
+/// Validates and tokenizes a request into a job, with the HTTP API's rules
+/// and order: the caller's tenant limits first, tokenizing (in the pool) last.
+async fn job_of(p: &Arc<Pipeline>, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, Error> {
     // Measured from arrival, before the work of validating.
     let arrived = std::time::Instant::now();
     let headers = md.clone().into_headers();
-    let caller = p.keys.check(&headers)?;
+    let pass = p.gate.enter(&headers)?;
     let timeout = request_timeout(md)?;
     let deadline = p.deadline(timeout);
     if !req.idempotency_key.is_empty() {
@@ -229,11 +236,9 @@ fn job_of(p: &Pipeline, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, 
         ignore_eos: req.ignore_eos,
         ..Sampling::default()
     };
-    let spec = openai::sampling(&sampling, logprobs, p.settings.default_max_tokens)?;
-    let (param, ids) = match &req.input {
-        Some(Input::Prompt(text)) => {
-            ("prompt", prompt::completion_tokens(&p.tokenizer, &Some(Value::String(text.clone())))?)
-        }
+    let spec = openai::sampling(&sampling, logprobs, pass.default_max_tokens(p.settings.default_max_tokens))?;
+    let (param, input) = match &req.input {
+        Some(Input::Prompt(text)) => ("prompt", PromptInput::Completion(Some(Value::String(text.clone())))),
         Some(Input::Messages(chat)) => {
             let messages: Vec<Message> = chat
                 .messages
@@ -243,13 +248,13 @@ fn job_of(p: &Pipeline, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, 
                     content: Some(Value::String(m.content.clone())),
                 })
                 .collect();
-            ("messages", prompt::chat_tokens(&p.tokenizer, &messages)?)
+            ("messages", PromptInput::Chat(messages))
         }
-        Some(Input::TokenIds(t)) => ("token_ids", token_ids(p, &t.ids)?),
+        Some(Input::TokenIds(t)) => ("token_ids", PromptInput::Ids(token_ids(p, &t.ids)?)),
         None => return Err(Error::invalid("input", "one of `prompt`, `messages` or `token_ids` is required")),
     };
-    p.check_context(param, ids.len(), spec.params.max_tokens)?;
-    Ok(Job { ids, spec, deadline, caller, priority, arrived })
+    let draft = Draft { input, param, spec, max_tokens_param: "max_tokens", priority, deadline, arrived };
+    p.prepare(pass, draft).await
 }
 
 fn wire_logprob(l: TokenLogprob) -> WireLogprob {
@@ -350,14 +355,14 @@ impl Frontend for FrontendService {
     type GenerateStream = GenerateStream;
 
     async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
-        let job = job_of(&self.pipeline, request.metadata(), request.get_ref()).map_err(|e| status_of(&e))?;
+        let job = job_of(&self.pipeline, request.metadata(), request.get_ref()).await.map_err(|e| status_of(&e))?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(generate(self.pipeline.clone(), job, tx));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
     async fn list_models(&self, request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
-        self.pipeline.keys.check(&request.metadata().clone().into_headers()).map_err(|e| status_of(&e))?;
+        self.pipeline.gate.caller(&request.metadata().clone().into_headers()).map_err(|e| status_of(&e))?;
         let model = Model { id: self.pipeline.settings.model.clone(), owned_by: "tandem".into() };
         Ok(Response::new(ListModelsResponse { models: vec![model] }))
     }

@@ -5,7 +5,9 @@
 //!
 //! The OpenAI-compatible HTTP frontend ([`http`]) and its gRPC twin
 //! ([`grpc`], with health and reflection) share one request walk
-//! ([`pipeline`]): API key ([`auth`]), checks, deadline, the central queue
+//! ([`pipeline`]): API key ([`auth`]) and tenant limits ([`tenants`], one
+//! budget across every coordinator: [`fleet`]), checks, tokenizing in a
+//! bounded pool off the reactor ([`prompt::pool`]), deadline, the central queue
 //! ([`admission`]), routing on live worker load ([`load`], [`router`]) over
 //! etcd membership or fixed addresses ([`cluster`]), detokenizing with stop
 //! strings. HTTP adds `Idempotency-Key` replays ([`idempotency`]); both
@@ -22,6 +24,7 @@ pub mod auth;
 pub mod breaker;
 pub mod cluster;
 pub mod error;
+pub mod fleet;
 pub mod grpc;
 pub mod http;
 pub mod idempotency;
@@ -31,3 +34,4 @@ pub mod openai;
 pub mod pipeline;
 pub mod prompt;
 pub mod router;
+pub mod tenants;

@@ -105,6 +105,43 @@ pub const STREAM_SEND_TIMEOUTS: &str = "tandem_coordinator_stream_send_timeouts_
 /// or draining). vLLM: none.
 pub const DECODE_REROUTES: &str = "tandem_coordinator_decode_reroutes_total";
 
+/// `tandem_coordinator_tenant_requests_total{tenant,outcome}`: requests by
+/// tenant (its name in the tenants file, or `default`) that passed every
+/// tenant check (`admitted`) or were refused by one, by error code
+/// (`rate_limit_requests`, `too_many_streams`, `max_tokens_too_large`, ...).
+/// Bounded by the tenants file. vLLM: none.
+pub const TENANT_REQUESTS: &str = "tandem_coordinator_tenant_requests_total";
+/// `tandem_coordinator_tenant_tokens_total{tenant,kind}`: prompt tokens
+/// admitted and output tokens generated (`kind`: `prompt`, `output`), by
+/// tenant. vLLM: `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`.
+pub const TENANT_TOKENS: &str = "tandem_coordinator_tenant_tokens_total";
+/// `tandem_coordinator_tenants`: tenants configured (1 without a tenants file).
+pub const TENANTS: &str = "tandem_coordinator_tenants";
+/// `tandem_coordinator_tenants_reloads_total{outcome}`: tenants file reloads
+/// (SIGHUP or a change on disk), `applied` or `refused` (the file did not
+/// validate; the previous one stays in force and the log says why).
+pub const TENANTS_RELOADS: &str = "tandem_coordinator_tenants_reloads_total";
+/// `tandem_coordinator_fleet_split`: how many coordinators every tenant
+/// budget is split between here (live ones in etcd, or the fallback while
+/// etcd cannot tell). vLLM: none.
+pub const FLEET_SPLIT: &str = "tandem_coordinator_fleet_split";
+/// `tandem_coordinator_tokenizer_queue`: requests waiting for or in the
+/// tokenizer pool. vLLM: none.
+pub const TOKENIZER_QUEUE: &str = "tandem_coordinator_tokenizer_queue";
+/// `tandem_coordinator_http_connections`: open HTTP connections (bounded
+/// by `--http-max-connections`).
+pub const HTTP_CONNECTIONS: &str = "tandem_coordinator_http_connections";
+/// `tandem_coordinator_http_timeouts_total{phase}`: HTTP requests whose
+/// `body` did not arrive within `--http-body-timeout-ms` (answered 408 and
+/// closed). A head that is too slow is closed by the HTTP server itself.
+pub const HTTP_TIMEOUTS: &str = "tandem_coordinator_http_timeouts_total";
+/// `tandem_coordinator_metric_pairs_unlabelled`: (prefill, decode) pairs
+/// beyond the first [`PAIR_LABELS`] seen: their breaker states are not
+/// exported per pair, and their transitions and prefill attempts are
+/// counted under `decode="_other"`, so a P×D fleet cannot grow the series
+/// count past `PAIR_LABELS` + P. vLLM: none.
+pub const PAIRS_UNLABELLED: &str = "tandem_coordinator_metric_pairs_unlabelled";
+
 /// `tandem_process_start_time_seconds`: when this process started, Unix
 /// seconds; changes with every restart (the restart alert counts them).
 /// vLLM: none.
@@ -153,6 +190,87 @@ fn describe() {
     describe_counter!(PREFILL_UNAVAILABLE, "Requests refused at once: every prefill worker of the group open");
     describe_counter!(STREAM_SEND_TIMEOUTS, "Streams ended because the client stopped reading");
     describe_counter!(DECODE_REROUTES, "Requests routed to another decode worker before their first token");
+    describe_counter!(TENANT_REQUESTS, "Requests by tenant: admitted, or refused by a tenant check (by code)");
+    describe_counter!(TENANT_TOKENS, "Prompt tokens admitted and output tokens generated, by tenant");
+    describe_gauge!(TENANTS, "Tenants configured");
+    describe_counter!(TENANTS_RELOADS, "Tenants file reloads, applied or refused");
+    describe_gauge!(FLEET_SPLIT, "Coordinators every tenant budget is split between");
+    describe_gauge!(TOKENIZER_QUEUE, "Requests waiting for or in the tokenizer pool");
+    describe_gauge!(HTTP_CONNECTIONS, "Open HTTP connections");
+    describe_counter!(HTTP_TIMEOUTS, "HTTP requests whose body did not arrive in time");
+    describe_gauge!(PAIRS_UNLABELLED, "Prefill/decode pairs past the label budget");
+}
+
+/// How many (prefill, decode) pairs get series of their own.
+pub const PAIR_LABELS: usize = 256;
+
+/// The label budget for pair series: the first [`PAIR_LABELS`] pairs seen
+/// keep their names; later ones are `None` (not exported per pair).
+fn pair_labelled(prefill: &str, decode: &str) -> bool {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static SEEN: OnceLock<Mutex<HashSet<(String, String)>>> = OnceLock::new();
+    static OVER: OnceLock<Mutex<HashSet<(String, String)>>> = OnceLock::new();
+    let seen = SEEN.get_or_init(Mutex::default);
+    let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
+    let pair = (prefill.to_owned(), decode.to_owned());
+    if seen.contains(&pair) {
+        return true;
+    }
+    if seen.len() < PAIR_LABELS {
+        seen.insert(pair);
+        return true;
+    }
+    drop(seen);
+    // Counted once per pair; bounded by the fleet, not by requests.
+    let over = OVER.get_or_init(Mutex::default);
+    let mut over = over.lock().unwrap_or_else(|e| e.into_inner());
+    if over.len() < 1 << 20 && over.insert(pair) {
+        gauge!(PAIRS_UNLABELLED).set(over.len() as f64);
+    }
+    false
+}
+
+/// The `decode` label of a pair series: its own within the budget, else `_other`.
+fn decode_label(prefill: &str, decode: &str) -> String {
+    if pair_labelled(prefill, decode) {
+        decode.to_owned()
+    } else {
+        "_other".to_owned()
+    }
+}
+
+pub fn tenant_outcome(tenant: &str, outcome: &'static str) {
+    counter!(TENANT_REQUESTS, "tenant" => tenant.to_owned(), "outcome" => outcome).increment(1);
+}
+
+pub fn tenant_tokens(tenant: &str, kind: &'static str, n: u64) {
+    counter!(TENANT_TOKENS, "tenant" => tenant.to_owned(), "kind" => kind).increment(n);
+}
+
+pub fn tenants_loaded(n: usize) {
+    gauge!(TENANTS).set(n as f64);
+}
+
+pub fn tenants_reload(outcome: &'static str) {
+    debug_assert!(TENANTS_RELOAD_OUTCOMES.contains(&outcome), "unlisted outcome {outcome}");
+    counter!(TENANTS_RELOADS, "outcome" => outcome).increment(1);
+}
+
+pub fn fleet_split(n: usize) {
+    gauge!(FLEET_SPLIT).set(n as f64);
+}
+
+pub fn tokenizer_queue(n: usize) {
+    gauge!(TOKENIZER_QUEUE).set(n as f64);
+}
+
+pub fn http_connections(n: usize) {
+    gauge!(HTTP_CONNECTIONS).set(n as f64);
+}
+
+pub fn http_timeout(phase: &'static str) {
+    counter!(HTTP_TIMEOUTS, "phase" => phase).increment(1);
 }
 
 /// Label values of the counters with a fixed label set, each exported at 0
@@ -188,7 +306,14 @@ fn zero() {
     }
     counter!(PREFILL_UNAVAILABLE).increment(0);
     counter!(REGISTRY_RESYNCS).increment(0);
+    for outcome in TENANTS_RELOAD_OUTCOMES {
+        counter!(TENANTS_RELOADS, "outcome" => outcome).increment(0);
+    }
+    counter!(HTTP_TIMEOUTS, "phase" => "body").increment(0);
 }
+
+/// `outcome` of [`TENANTS_RELOADS`].
+pub const TENANTS_RELOAD_OUTCOMES: [&str; 2] = ["applied", "refused"];
 
 pub fn decode_reroute(reason: &'static str) {
     debug_assert!(REROUTE_REASONS.contains(&reason), "unlisted reason {reason}");
@@ -196,14 +321,16 @@ pub fn decode_reroute(reason: &'static str) {
 }
 
 pub fn breaker_state(prefill: &str, decode: &str, state: crate::breaker::State) {
-    gauge!(BREAKER_STATE, "prefill" => prefill.to_owned(), "decode" => decode.to_owned()).set(state.level());
+    if pair_labelled(prefill, decode) {
+        gauge!(BREAKER_STATE, "prefill" => prefill.to_owned(), "decode" => decode.to_owned()).set(state.level());
+    }
 }
 
 pub fn breaker_transition(prefill: &str, decode: &str, from: crate::breaker::State, to: crate::breaker::State) {
     counter!(
         BREAKER_TRANSITIONS,
         "prefill" => prefill.to_owned(),
-        "decode" => decode.to_owned(),
+        "decode" => decode_label(prefill, decode),
         "from" => from.as_str(),
         "to" => to.as_str()
     )
@@ -214,10 +341,21 @@ pub fn prefill_attempt(worker: &str, decode: &str, outcome: &str) {
     counter!(
         PREFILL_ATTEMPTS,
         "worker" => worker.to_owned(),
-        "decode" => decode.to_owned(),
-        "outcome" => outcome.to_owned()
+        "decode" => decode_label(worker, decode),
+        "outcome" => bounded_reason(outcome)
     )
     .increment(1);
+}
+
+/// A failure reason a worker reported, as a label: short snake_case words
+/// pass, anything else is `other` (a peer's text must not mint series).
+fn bounded_reason(reason: &str) -> String {
+    let ok = !reason.is_empty() && reason.len() <= 32 && reason.bytes().all(|b| b.is_ascii_lowercase() || b == b'_');
+    if ok {
+        reason.to_owned()
+    } else {
+        "other".to_owned()
+    }
 }
 
 pub fn route_pairs_skipped(reason: &'static str, n: usize) {
@@ -327,5 +465,45 @@ pub async fn follow_membership(mut rx: tokio::sync::watch::Receiver<registry::Me
         if rx.changed().await.is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::breaker::State;
+
+    /// Series of `name` in a rendered page (its sample lines).
+    fn series(page: &str, name: &str) -> usize {
+        page.lines().filter(|l| !l.starts_with('#') && l.split(['{', ' ']).next() == Some(name)).count()
+    }
+
+    #[test]
+    fn a_thousand_workers_give_a_bounded_series_count() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let (p, d) = (500, 500);
+        metrics::with_local_recorder(&recorder, || {
+            for i in 0..p {
+                for j in 0..d {
+                    let (prefill, decode) = (format!("prefill-{i}"), format!("decode-{j}"));
+                    prefill_attempt(&prefill, &decode, "ok");
+                    breaker_transition(&prefill, &decode, State::Closed, State::Open);
+                    breaker_state(&prefill, &decode, State::Open);
+                }
+            }
+        });
+        let page = handle.render();
+        // 250,000 pairs: per pair that would be 750,000 series.
+        let bound = PAIR_LABELS + p;
+        for name in [PREFILL_ATTEMPTS, BREAKER_TRANSITIONS] {
+            let n = series(&page, name);
+            assert!(n > 0 && n <= bound, "{name}: {n} series, bound {bound}");
+        }
+        let n = series(&page, BREAKER_STATE);
+        assert!(n > 0 && n <= PAIR_LABELS, "{BREAKER_STATE}: {n} series");
+        let total = page.lines().filter(|l| !l.starts_with('#')).count();
+        assert!(total <= 3 * bound, "{total} series in all");
+        assert!(page.contains("decode=\"_other\""), "pairs past the budget are counted, not dropped");
     }
 }

@@ -19,11 +19,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::admission::{self, Admission, Priority, Shed, Slot, Ticket};
-use crate::auth::ApiKeys;
 use crate::cluster::{next, Cluster, Lease, Step, WorkerStream};
 use crate::error::Error;
 use crate::metrics;
-use crate::openai::{Spec, Usage};
+use crate::openai::{Message, Spec, Usage};
+use crate::prompt::{self, pool::Pool};
+use crate::tenants::{Gate, Pass};
 use engine::sampler::{FinishReason as EngineFinish, StopChecker};
 use engine::tokenizer::{IncrementalDecoder as Detokenizer, Tokenizer};
 use proto::worker::v1::{FinishReason as WireFinish, TokenChunk};
@@ -69,13 +70,42 @@ pub struct Pipeline {
     pub context: usize,
     pub cluster: Arc<Cluster>,
     pub settings: Settings,
-    /// Who may call, and under which name.
-    pub keys: ApiKeys,
+    /// Who may call, under which name and tenant, and within which limits.
+    pub gate: Arc<Gate>,
+    /// Where prompts are templated and tokenized, off the reactor.
+    pub pool: Pool,
     pub admission: Arc<Admission>,
 }
 
-/// A validated, tokenized request ready to run.
+/// A request's prompt before tokenizing.
 #[derive(Debug, Clone)]
+pub enum PromptInput {
+    /// A completions `prompt` (text or token ids).
+    Completion(Option<serde_json::Value>),
+    /// Chat messages (the chat template is applied).
+    Chat(Vec<Message>),
+    /// Token ids already checked against the vocabulary (gRPC `token_ids`).
+    Ids(Vec<u32>),
+}
+
+/// A request parsed and validated by its frontend, before any token is
+/// counted: what [`Pipeline::prepare`] turns into a [`Job`].
+#[derive(Debug)]
+pub struct Draft {
+    pub input: PromptInput,
+    /// The field the prompt came in (`prompt`, `messages`, `token_ids`).
+    pub param: &'static str,
+    pub spec: Spec,
+    /// The field `max_tokens` came in (`max_tokens` or `max_completion_tokens`).
+    pub max_tokens_param: &'static str,
+    /// The class the request asked for, if any.
+    pub priority: Option<Priority>,
+    pub deadline: Instant,
+    pub arrived: Instant,
+}
+
+/// A validated, tokenized request ready to run.
+#[derive(Debug)]
 pub struct Job {
     /// The prompt's token ids (chat template applied).
     pub ids: Vec<u32>,
@@ -87,18 +117,21 @@ pub struct Job {
     pub priority: Priority,
     /// When it arrived (latency metrics count from here).
     pub arrived: Instant,
+    /// Its place inside its tenant's limits, held until the run ends.
+    pub pass: Pass,
 }
 
 /// The admission class a request asks for: the `x-priority` header, else
-/// the body's `priority` field, else normal.
-pub fn priority_of(header: Option<&str>, field: Option<&serde_json::Value>) -> Result<Priority, Error> {
+/// the body's `priority` field, else none (its tenant's class, see
+/// [`crate::tenants::Tenant::class_of`]).
+pub fn priority_of(header: Option<&str>, field: Option<&serde_json::Value>) -> Result<Option<Priority>, Error> {
     let bad = |param: &str| Error::invalid(param, "must be one of \"high\", \"normal\", \"low\"");
     if let Some(h) = header {
-        return Priority::parse(h.trim()).map_err(|_| bad("x-priority"));
+        return Priority::parse(h.trim()).map(Some).map_err(|_| bad("x-priority"));
     }
     match field {
-        None | Some(serde_json::Value::Null) => Ok(Priority::Normal),
-        Some(serde_json::Value::String(s)) => Priority::parse(s).map_err(|_| bad("priority")),
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(s)) => Priority::parse(s).map(Some).map_err(|_| bad("priority")),
         Some(_) => Err(bad("priority")),
     }
 }
@@ -111,7 +144,8 @@ impl Pipeline {
         context: usize,
         cluster: Arc<Cluster>,
         settings: Settings,
-        keys: ApiKeys,
+        gate: Arc<Gate>,
+        pool: Pool,
     ) -> Result<Arc<Self>, admission::ConfigError> {
         let mut config = settings.admission.clone();
         let auto = config.max_running == 0;
@@ -119,7 +153,7 @@ impl Pipeline {
             config.max_running = cluster.capacity();
         }
         let admission = Admission::new(config)?;
-        Ok(Arc::new(Self { tokenizer, context, cluster, settings, keys, admission }))
+        Ok(Arc::new(Self { tokenizer, context, cluster, settings, gate, pool, admission }))
     }
 
     /// With `max_running` 0, keeps the admission capacity equal to the
@@ -161,6 +195,50 @@ impl Pipeline {
         Instant::now() + timeout.unwrap_or(self.settings.default_timeout)
     }
 
+    /// Turns a parsed request into a job, cheapest refusal first: the
+    /// tenant's `max_tokens` cap, its streams, its output-token and prompt
+    /// buckets (none of which needs a token count), then the prompt is
+    /// tokenized in the pool and the context, the prompt cap and the
+    /// prompt-token bucket are checked.
+    pub async fn prepare(self: &Arc<Self>, mut pass: Pass, draft: Draft) -> Result<Job, Error> {
+        let max_tokens = draft.spec.params.max_tokens;
+        // A max_tokens no prompt fits with is the context's refusal (400
+        // context_length_exceeded, after tokenizing), whatever the cap.
+        if (max_tokens as usize) < self.context {
+            pass.check_max_tokens(draft.max_tokens_param, max_tokens)?;
+        }
+        if draft.spec.stream {
+            pass.open_stream()?;
+        }
+        pass.charge_output(max_tokens)?;
+        pass.check_prompt_budget()?;
+        let ids = self.tokenize(&pass.tenant().name, draft.input).await?;
+        self.check_context(draft.param, ids.len(), max_tokens)?;
+        pass.charge_prompt(draft.param, ids.len())?;
+        Ok(Job {
+            ids,
+            spec: draft.spec,
+            deadline: draft.deadline,
+            caller: pass.caller().to_owned(),
+            priority: pass.tenant().class_of(draft.priority),
+            arrived: draft.arrived,
+            pass,
+        })
+    }
+
+    /// The prompt's token ids, templated and tokenized in the pool (a
+    /// queue for `tenant`); ids given as ids need no pool.
+    pub async fn tokenize(self: &Arc<Self>, tenant: &str, input: PromptInput) -> Result<Vec<u32>, Error> {
+        let me = self.clone();
+        match input {
+            PromptInput::Ids(ids) => Ok(ids),
+            PromptInput::Completion(p) => {
+                self.pool.run(tenant, move || prompt::completion_tokens(&me.tokenizer, &p)).await?
+            }
+            PromptInput::Chat(m) => self.pool.run(tenant, move || prompt::chat_tokens(&me.tokenizer, &m)).await?,
+        }
+    }
+
     /// Admission through the central queue: a slot at once, a wait in
     /// line, or a typed refusal ([`Shed`]).
     async fn admit(&self, job: &Job) -> Result<Slot, Error> {
@@ -184,18 +262,20 @@ impl Pipeline {
 
     /// Admits `job` and starts it on a decode worker, within its deadline.
     pub async fn run(self: &Arc<Self>, job: Job) -> Result<Run, Error> {
+        job.pass.admitted();
         let admission = self.admit(&job).await?;
         let id = self.cluster.request_id();
+        let salt = job.pass.tenant().cache_salt;
         let started = tokio::time::timeout_at(
             job.deadline.into(),
-            self.cluster.generate(id.clone(), job.ids.clone(), &job.spec.params, unix_ms(job.deadline)),
+            self.cluster.generate(id.clone(), job.ids.clone(), &job.spec.params, unix_ms(job.deadline), salt),
         )
         .await;
         let (stream, lease) = match started {
             Err(_) => return Err(Error::Deadline),
             Ok(r) => r?,
         };
-        Ok(Run::new(self.clone(), &job, id, stream, lease, admission))
+        Ok(Run::new(self.clone(), job, id, stream, lease, admission))
     }
 
     /// Whether the cluster can serve (what `/ready` and the gRPC health
@@ -351,23 +431,18 @@ pub struct Run {
     // Released last, with the run.
     _lease: Lease,
     _admission: Slot,
+    pass: Pass,
 }
 
 impl Drop for Run {
     fn drop(&mut self) {
         metrics::e2e(self.arrived.elapsed());
+        self.pass.generated(self.completion_tokens);
     }
 }
 
 impl Run {
-    fn new(
-        pipeline: Arc<Pipeline>,
-        job: &Job,
-        id: String,
-        stream: WorkerStream,
-        lease: Lease,
-        admission: Slot,
-    ) -> Self {
+    fn new(pipeline: Arc<Pipeline>, job: Job, id: String, stream: WorkerStream, lease: Lease, admission: Slot) -> Self {
         let stop = StopChecker::new(&job.spec.params, pipeline.tokenizer.eos_ids()).ok();
         Self {
             id,
@@ -384,6 +459,7 @@ impl Run {
             last_token: None,
             _lease: lease,
             _admission: admission,
+            pass: job.pass,
         }
     }
 

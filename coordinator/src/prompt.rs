@@ -8,6 +8,8 @@
 //! sentinels; template pieces are encoded with special tokens parsed and
 //! message contents with special-token parsing off.
 
+pub mod pool;
+
 use engine::tokenizer::{ChatMessage, Tokenizer};
 use serde_json::Value;
 

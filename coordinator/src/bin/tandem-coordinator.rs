@@ -11,15 +11,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::serve::ListenerExt;
 use clap::Parser;
 use coordinator::admission::AdmissionConfig;
 use coordinator::auth::ApiKeys;
 use coordinator::breaker::BreakerConfig;
 use coordinator::cluster::{Cluster, RouteSettings, Source};
 use coordinator::grpc;
-use coordinator::http::{router, App, HttpSettings, StallGuardListener};
+use coordinator::http::{router, App, HttpSettings, ServeSettings};
 use coordinator::pipeline::{Pipeline, Settings};
+use coordinator::prompt::pool::Pool;
+use coordinator::tenants::{Gate, Split, Tenant};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 use tokio_util::sync::CancellationToken;
@@ -97,6 +98,42 @@ struct Flags {
     /// A file of API keys, one `KEY [NAME]` per line. Env: TANDEM_API_KEYS_FILE.
     #[arg(long, env = "TANDEM_API_KEYS_FILE")]
     api_keys_file: Option<PathBuf>,
+    /// The tenants file (TOML: API keys per tenant, its class and limits;
+    /// config/tenants.example.toml), reloaded on SIGHUP and when it
+    /// changes. Instead of --api-key / --api-keys-file. Env: TANDEM_TENANTS.
+    #[arg(long, env = "TANDEM_TENANTS", conflicts_with_all = ["api_key", "api_keys_file"])]
+    tenants: Option<PathBuf>,
+    /// This coordinator's id in etcd's fleet range (unique per live
+    /// coordinator). Env: TANDEM_COORDINATOR_ID.
+    #[arg(long, env = "TANDEM_COORDINATOR_ID")]
+    coordinator_id: Option<String>,
+    /// Lease TTL of this coordinator's fleet key in etcd, s: how long the
+    /// others take to count it out when it dies. Env: TANDEM_FLEET_LEASE_TTL_S.
+    #[arg(long, env = "TANDEM_FLEET_LEASE_TTL_S", default_value_t = 5)]
+    fleet_lease_ttl_s: u64,
+    /// The least number of coordinators every tenant budget is split
+    /// between: the split without --etcd, and while etcd cannot tell
+    /// (then the last fleet size seen counts too). Env: TANDEM_FLEET_MIN_SPLIT.
+    #[arg(long, env = "TANDEM_FLEET_MIN_SPLIT", default_value_t = 1)]
+    fleet_min_split: usize,
+    /// Threads that template and tokenize prompts (off the async reactor). Env: TANDEM_TOKENIZER_THREADS.
+    #[arg(long, env = "TANDEM_TOKENIZER_THREADS", default_value_t = 2)]
+    tokenizer_threads: usize,
+    /// Requests waiting for a tokenizer thread (503 tokenizer_busy beyond;
+    /// one tenant at most a quarter). Env: TANDEM_TOKENIZER_QUEUE.
+    #[arg(long, env = "TANDEM_TOKENIZER_QUEUE", default_value_t = 64)]
+    tokenizer_queue: usize,
+    /// HTTP connections open at once (more wait in the accept backlog). Env: TANDEM_HTTP_MAX_CONNECTIONS.
+    #[arg(long, env = "TANDEM_HTTP_MAX_CONNECTIONS", default_value_t = 1024)]
+    http_max_connections: usize,
+    /// A request head must arrive within this long, ms (else the
+    /// connection is closed). Env: TANDEM_HTTP_HEADER_TIMEOUT_MS.
+    #[arg(long, env = "TANDEM_HTTP_HEADER_TIMEOUT_MS", default_value_t = 10_000)]
+    http_header_timeout_ms: u64,
+    /// A request body must arrive within this long, ms (else 408
+    /// request_timeout and the connection closed). Env: TANDEM_HTTP_BODY_TIMEOUT_MS.
+    #[arg(long, env = "TANDEM_HTTP_BODY_TIMEOUT_MS", default_value_t = 30_000)]
+    http_body_timeout_ms: u64,
     /// How long a finished answer stays attached to its Idempotency-Key, s. Env: TANDEM_IDEMPOTENCY_WINDOW_S.
     #[arg(long, env = "TANDEM_IDEMPOTENCY_WINDOW_S", default_value_t = 600)]
     idempotency_window_s: u64,
@@ -152,6 +189,17 @@ fn main() -> anyhow::Result<()> {
         flags.prefill_breaker_cooldown_ms > 0,
         "config field `prefill_breaker_cooldown_ms`: must be at least 1"
     );
+    for (name, v) in [
+        ("fleet_lease_ttl_s", flags.fleet_lease_ttl_s),
+        ("fleet_min_split", flags.fleet_min_split as u64),
+        ("tokenizer_threads", flags.tokenizer_threads as u64),
+        ("tokenizer_queue", flags.tokenizer_queue as u64),
+        ("http_max_connections", flags.http_max_connections as u64),
+        ("http_header_timeout_ms", flags.http_header_timeout_ms),
+        ("http_body_timeout_ms", flags.http_body_timeout_ms),
+    ] {
+        anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(run(flags))
 }
@@ -193,12 +241,28 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     };
     let cluster = Arc::new(Cluster::new(source, routing).map_err(anyhow::Error::msg)?);
     cluster.spawn_load_poller();
-    let keys = ApiKeys::load(&flags.api_key, flags.api_keys_file.as_deref()).context("loading API keys")?;
-    if keys.enabled() {
-        tracing::info!(keys = keys.len(), "API keys required");
-    } else {
-        tracing::warn!("no API key configured: the API is open to anyone who can reach it");
-    }
+    // Every tenant budget is split between the live coordinators (etcd), or `--fleet-min-split`.
+    let split = Split::new(flags.fleet_min_split);
+    coordinator::metrics::fleet_split(split.get());
+    let gate = match &flags.tenants {
+        Some(path) => {
+            let gate = Gate::from_file(path, split.clone()).context("loading the tenants file")?;
+            tracing::info!(path = %path.display(), tenants = gate.tenant_count(), "tenants file loaded");
+            gate
+        }
+        None => {
+            let keys = ApiKeys::load(&flags.api_key, flags.api_keys_file.as_deref()).context("loading API keys")?;
+            if keys.enabled() {
+                tracing::info!(keys = keys.len(), "API keys required");
+            } else {
+                tracing::warn!("no API key configured: the API is open to anyone who can reach it");
+            }
+            coordinator::metrics::tenants_loaded(1);
+            Gate::builtin(keys, Tenant::builtin(), split.clone())
+        }
+    };
+    // Before the addresses are printed: SIGHUP's default action would end the process.
+    gate.spawn_reloader().context("installing the SIGHUP handler")?;
     let admission = AdmissionConfig {
         max_running: flags.max_running,
         max_queued: flags.max_queued,
@@ -213,13 +277,15 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         default_max_tokens: flags.default_max_tokens,
         stream_idle_timeout: Duration::from_millis(flags.stream_idle_timeout_ms),
     };
-    let pipeline = Pipeline::new(tokenizer, context, cluster, settings, keys).context("admission settings")?;
+    let pool = Pool::new(flags.tokenizer_threads, flags.tokenizer_queue).context("starting the tokenizer threads")?;
+    let pipeline = Pipeline::new(tokenizer, context, cluster, settings, gate, pool).context("admission settings")?;
     let drainer = pipeline.clone();
     pipeline.follow_capacity(Duration::from_millis(500));
     let http_settings = HttpSettings {
         max_body_bytes: flags.max_body_bytes,
         idempotency_window: Duration::from_secs(flags.idempotency_window_s),
         idempotency_max_keys: flags.idempotency_max_keys,
+        body_timeout: Duration::from_millis(flags.http_body_timeout_ms),
     };
     let app = App::new(pipeline.clone(), http_settings, Some(prometheus));
     let http_listener =
@@ -230,15 +296,23 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     // One token stops both servers: each stops accepting and lets its
     // in-flight requests finish.
     let stop = CancellationToken::new();
-    // Tokens are small writes: without TCP_NODELAY, Nagle holds SSE events back ~40 ms.
-    let http_listener = http_listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!(error = %e, "setting TCP_NODELAY on an HTTP connection");
-        }
-    });
-    // A client that stops reading cannot hold its connection (and request) past the idle timeout.
-    let http_listener = StallGuardListener::new(http_listener, Duration::from_millis(flags.stream_idle_timeout_ms));
-    let http = axum::serve(http_listener, router(app)).with_graceful_shutdown(stop.clone().cancelled_owned());
+    if !flags.etcd.is_empty() {
+        let fleet = coordinator::fleet::FleetConfig {
+            etcd: registry::EtcdConfig::new(flags.etcd.clone()),
+            prefix: flags.cluster_prefix.clone(),
+            id: flags.coordinator_id.clone().unwrap_or_else(coordinator::fleet::default_id),
+            ttl: Duration::from_secs(flags.fleet_lease_ttl_s),
+            min_split: flags.fleet_min_split,
+        };
+        coordinator::fleet::spawn(fleet, split, stop.clone()).context("joining the coordinator fleet")?;
+    }
+    let serve = ServeSettings {
+        max_connections: flags.http_max_connections,
+        header_timeout: Duration::from_millis(flags.http_header_timeout_ms),
+        // A client that stops reading cannot hold its connection (and request) past the idle timeout.
+        stall_limit: Duration::from_millis(flags.stream_idle_timeout_ms),
+    };
+    let http = coordinator::http::serve(http_listener, router(app), serve, stop.clone());
     let grpc_settings = grpc::GrpcSettings { max_message_bytes: flags.max_body_bytes };
     let grpc = grpc::serve(pipeline, grpc_settings, grpc_listener, stop.clone());
     let mut servers = tokio::spawn(async move {

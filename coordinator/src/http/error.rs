@@ -12,13 +12,16 @@ use serde_json::Value;
 use crate::admission::Shed;
 use crate::error::Error;
 use crate::router::NoRoute;
+use crate::tenants::Cap;
 
 /// The status of an error's answer.
 ///
 /// 502 is for a decode worker that failed the request after its own
 /// recovery (`kv_load_failed`, `version_mismatch`) or whose stream broke;
 /// 503 (always with Retry-After) for a full or not yet ready cluster; 504
-/// for a spent deadline wherever it ran out.
+/// for a spent deadline wherever it ran out. A tenant over a rate or count
+/// is 429 (with Retry-After); over a cap, 400 (`max_tokens`) or 413 (the
+/// prompt); a body that does not arrive in time, 408.
 pub fn status(e: &Error) -> StatusCode {
     use ErrorKind as K;
     match e {
@@ -48,6 +51,11 @@ pub fn status(e: &Error) -> StatusCode {
             K::Internal | K::Unspecified => StatusCode::INTERNAL_SERVER_ERROR,
         },
         Error::Deadline => StatusCode::GATEWAY_TIMEOUT,
+        Error::TenantLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
+        Error::OverCap { what: Cap::MaxTokens, .. } => StatusCode::BAD_REQUEST,
+        Error::OverCap { what: Cap::PromptTokens, .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        Error::TokenizerBusy => StatusCode::SERVICE_UNAVAILABLE,
+        Error::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
     }
 }
 
@@ -68,6 +76,11 @@ pub fn body(e: &Error) -> Value {
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
         let mut r = (status(&self), Json(body(&self))).into_response();
+        if matches!(self, Error::BodyTimeout { .. }) {
+            // The rest of the body may still trickle in: the connection is
+            // not reused, whatever the client asked.
+            r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if let Some(s) = self.retry_after() {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 r.headers_mut().insert(header::RETRY_AFTER, v);

@@ -49,11 +49,15 @@ use crate::error::Error;
 use crate::idempotency::{self, Claim, Idempotency, Recorder, Replay, Replayed};
 use crate::metrics;
 use crate::openai;
-use crate::pipeline::{priority_of, send_within, Event as RunEvent, Job, Pipeline, Run, TokenLogprob};
-use crate::prompt;
+use crate::pipeline::{
+    priority_of, send_within, Draft, Event as RunEvent, Job, Pipeline, PromptInput, Run, TokenLogprob,
+};
+use crate::tenants::Pass;
 
 pub mod error;
+mod serve;
 mod stall;
+pub use serve::{serve, ServeSettings};
 pub use stall::{StallGuard, StallGuardListener};
 
 /// HTTP-only settings (the shared ones are in [`crate::pipeline::Settings`]).
@@ -65,6 +69,9 @@ pub struct HttpSettings {
     pub idempotency_window: Duration,
     /// Most keys remembered at once (503 for a new key beyond, never a silent run).
     pub idempotency_max_keys: usize,
+    /// The whole body must arrive within this long of the handler asking
+    /// for it (408 `request_timeout` and the connection closed beyond).
+    pub body_timeout: Duration,
 }
 
 /// What an idempotent request recorded: the whole JSON answer, or one SSE
@@ -96,7 +103,7 @@ impl App {
 
     /// The caller's name, or 401.
     fn caller(&self, headers: &HeaderMap) -> Result<String, Error> {
-        self.pipeline.keys.check(headers)
+        self.pipeline.gate.caller(headers)
     }
 }
 
@@ -154,10 +161,18 @@ async fn prometheus(State(app): State<Arc<App>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
 }
 
-/// Reads the body, refusing one over the cap (413) without buffering more than the cap.
+/// Reads the body, refusing one over the cap (413) without buffering more
+/// than the cap, and one that does not arrive within the body timeout (408).
 async fn read_body(app: &App, body: Body) -> Result<Bytes, Error> {
     let cap = app.settings.max_body_bytes;
-    axum::body::to_bytes(body, cap).await.map_err(|_| Error::BodyTooLarge { limit: cap, size: None })
+    let after = app.settings.body_timeout;
+    match tokio::time::timeout(after, axum::body::to_bytes(body, cap)).await {
+        Ok(read) => read.map_err(|_| Error::BodyTooLarge { limit: cap, size: None }),
+        Err(_) => {
+            metrics::http_timeout("body");
+            Err(Error::BodyTimeout { after })
+        }
+    }
 }
 
 /// Content type, size cap and JSON, in that order.
@@ -230,55 +245,98 @@ impl Api {
     }
 }
 
-/// The steps both generation routes share: the caller (401), the body (413),
-/// then `prepare` turns the parsed request into its prompt ids, sampling spec
-/// and `priority` field; the priority (header over field) and the deadline
-/// come from the request the same way for both, and [`respond`] runs it.
+/// What a generation route reads from its parsed body, before any token
+/// is counted.
+struct Parsed {
+    input: PromptInput,
+    /// The prompt's field.
+    param: &'static str,
+    spec: openai::Spec,
+    /// The field `max_tokens` came in ([`max_tokens_param`]).
+    max_tokens_param: &'static str,
+    priority: Option<Value>,
+}
+
+/// The field `max_tokens` came in.
+fn max_tokens_param(s: &openai::Sampling) -> &'static str {
+    if s.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    }
+}
+
+/// The steps both generation routes share, cheapest refusal first: the
+/// caller and its tenant's in-flight and request-rate limits (401, 429)
+/// before the body is read; the body (413, 408); then `parse` validates the
+/// request (with the tenant's default `max_tokens`) and
+/// [`Pipeline::prepare`] checks the tenant's caps and token budgets around
+/// tokenizing it in the pool; the priority (header over field) and the
+/// deadline come from the request the same way for both, and [`respond`]
+/// runs it.
 async fn generation<R: serde::de::DeserializeOwned>(
     app: Arc<App>,
     api: Api,
     headers: HeaderMap,
     body: Body,
-    prepare: impl FnOnce(&Pipeline, R) -> Result<(Vec<u32>, openai::Spec, Option<Value>), Error>,
+    parse: impl FnOnce(&Pipeline, &Pass, R) -> Result<Parsed, Error>,
 ) -> Response {
     let arrived = Instant::now();
-    let caller = match app.caller(&headers) {
-        Ok(c) => c,
+    let pass = match app.pipeline.gate.enter(&headers) {
+        Ok(p) => p,
         Err(e) => return finished(api, e.into_response()),
     };
     let body = match read_body(&app, body).await {
         Ok(b) => b,
         Err(e) => return finished(api, e.into_response()),
     };
-    let job = (|| {
-        let (ids, spec, priority) = prepare(&app.pipeline, parse_json(&app, &headers, &body)?)?;
-        let priority = priority_of(header_str(&headers, "x-priority")?, priority.as_ref())?;
-        Ok::<_, Error>(Job { ids, spec, deadline: deadline(&app, &headers, arrived)?, caller, priority, arrived })
-    })();
+    let job = async {
+        let parsed = parse(&app.pipeline, &pass, parse_json(&app, &headers, &body)?)?;
+        let priority = priority_of(header_str(&headers, "x-priority")?, parsed.priority.as_ref())?;
+        let draft = Draft {
+            max_tokens_param: parsed.max_tokens_param,
+            input: parsed.input,
+            param: parsed.param,
+            spec: parsed.spec,
+            priority,
+            deadline: deadline(&app, &headers, arrived)?,
+            arrived,
+        };
+        app.pipeline.prepare(pass, draft).await
+    }
+    .await;
     respond(app, api, &headers, &body, job).await
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    generation(app, Api::Completions, headers, body, |p, req: openai::CompletionRequest| {
+    generation(app, Api::Completions, headers, body, |p, pass, req: openai::CompletionRequest| {
         p.check_model(req.model.as_deref())?;
         let logprobs = openai::completion_logprobs(&req.logprobs)?;
-        let spec = openai::sampling(&req.sampling, logprobs, p.settings.default_max_tokens)?;
-        let ids = prompt::completion_tokens(&p.tokenizer, &req.prompt)?;
-        p.check_context("prompt", ids.len(), spec.params.max_tokens)?;
-        Ok((ids, spec, req.sampling.priority))
+        let spec = openai::sampling(&req.sampling, logprobs, pass.default_max_tokens(p.settings.default_max_tokens))?;
+        Ok(Parsed {
+            input: PromptInput::Completion(req.prompt),
+            param: "prompt",
+            spec,
+            max_tokens_param: max_tokens_param(&req.sampling),
+            priority: req.sampling.priority,
+        })
     })
     .await
 }
 
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    generation(app, Api::Chat, headers, body, |p, req: openai::ChatRequest| {
+    generation(app, Api::Chat, headers, body, |p, pass, req: openai::ChatRequest| {
         p.check_model(req.model.as_deref())?;
-        let messages = req.messages.as_deref().ok_or_else(|| Error::invalid("messages", "`messages` is required"))?;
+        let messages = req.messages.ok_or_else(|| Error::invalid("messages", "`messages` is required"))?;
         let logprobs = openai::chat_logprobs(&req.logprobs, req.top_logprobs)?;
-        let spec = openai::sampling(&req.sampling, logprobs, p.settings.default_max_tokens)?;
-        let ids = prompt::chat_tokens(&p.tokenizer, messages)?;
-        p.check_context("messages", ids.len(), spec.params.max_tokens)?;
-        Ok((ids, spec, req.sampling.priority))
+        let spec = openai::sampling(&req.sampling, logprobs, pass.default_max_tokens(p.settings.default_max_tokens))?;
+        Ok(Parsed {
+            input: PromptInput::Chat(messages),
+            param: "messages",
+            spec,
+            max_tokens_param: max_tokens_param(&req.sampling),
+            priority: req.sampling.priority,
+        })
     })
     .await
 }
@@ -563,24 +621,29 @@ impl Answer {
 }
 
 async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    if let Err(e) = app.caller(&headers) {
-        return e.into_response();
-    }
+    // Tokenizing is the expensive part: the tenant's request limits apply.
+    let pass = match app.pipeline.gate.enter(&headers) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
     let body = match read_body(&app, body).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
-    let r = (|| {
+    let r = async {
         let v: Value = parse_json(&app, &headers, &body)?;
-        let ids = if let Some(m) = v.get("messages") {
+        let input = if let Some(m) = v.get("messages") {
             let messages: Vec<openai::Message> = serde_json::from_value(m.clone())
                 .map_err(|e| Error::invalid("messages", format!("invalid messages: {e}")))?;
-            prompt::chat_tokens(&app.pipeline.tokenizer, &messages)?
+            PromptInput::Chat(messages)
         } else {
-            prompt::completion_tokens(&app.pipeline.tokenizer, &v.get("prompt").cloned())?
+            PromptInput::Completion(v.get("prompt").cloned())
         };
+        let ids = app.pipeline.tokenize(&pass.tenant().name, input).await?;
         Ok::<_, Error>(json!({"tokens": ids, "count": ids.len(), "max_model_len": app.pipeline.context}))
-    })();
+    }
+    .await;
+    drop(pass);
     match r {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),

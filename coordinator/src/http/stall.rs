@@ -47,6 +47,11 @@ pub struct StallGuard<T> {
 }
 
 impl<T> StallGuard<T> {
+    /// Guards `io`: a write that makes no progress for `limit` fails.
+    pub fn new(io: T, limit: Duration) -> Self {
+        Self { io, limit, stalled: None, timed_out: false }
+    }
+
     /// The socket is not taking bytes: pending until the limit, then an error.
     fn stalled<R>(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<R>> {
         use std::future::Future;

@@ -3,7 +3,7 @@
 //! coordinator to test against, the single-process engine's reference output, the OpenAI
 //! error shape, and testkit's calls with these tests' bound and shapes.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::time::Duration;
 
