@@ -98,6 +98,10 @@ pub struct Args {
     /// The decode workers' kv_load_failure_policy: recompute | retry | fail.
     #[arg(long, default_value = "recompute")]
     kv_load_failure_policy: String,
+    /// The coordinator's tenants file (its --tenants: API keys, classes and
+    /// limits per tenant; reloaded on SIGHUP to the coordinator). Default: none (one tenant).
+    #[arg(long, value_name = "PATH")]
+    tenants: Option<PathBuf>,
     /// Write the cluster's components as JSON here once it is ready.
     #[arg(long)]
     state_file: Option<PathBuf>,
@@ -389,18 +393,22 @@ async fn start_cluster(
         };
         started.push(start_worker(a, spec, "decode", name, group).await?);
     }
+    let mut args = strings(&[
+        "--model",
+        &model_s,
+        "--etcd",
+        &endpoint,
+        "--cluster-prefix",
+        &prefix,
+        "--shutdown-timeout-ms",
+        &grace,
+    ]);
+    if let Some(t) = &a.tenants {
+        args.extend(["--tenants".to_owned(), t.display().to_string()]);
+    }
     let spec = Spec {
         bin: sibling("tandem-coordinator")?,
-        args: strings(&[
-            "--model",
-            &model_s,
-            "--etcd",
-            &endpoint,
-            "--cluster-prefix",
-            &prefix,
-            "--shutdown-timeout-ms",
-            &grace,
-        ]),
+        args,
         addrs: vec![("--http", "http", a.http.to_string()), ("--grpc", "grpc", a.grpc.to_string())],
         ready: Ready::Listening(vec!["http", "grpc"]),
         log: logs.join("coordinator.log"),
@@ -433,14 +441,11 @@ async fn start_worker(a: &Args, spec: Spec, role: &'static str, name: String, gr
     Ok(Started { spec, component: c, run })
 }
 
-/// `tandem up --prefill-nice`'s default: 19, the lowest priority, which still
-/// takes every cycle the decode workers leave. Measured with `tandem bench
-/// interference` on a quiet 2-core machine (README, "Sharing cores"): against
-/// 0 and 10 it kept the most decode tokens (0.62x of idle against 0.18x and
-/// 0.41x), the shortest worst gap (4.2 s against 7.7 s and 5.5 s) and the
-/// shortest long-prompt TTFT (76 s against 80 s and 78 s); pinning each role
-/// to one core did worse than sharing on all three.
-const DEFAULT_PREFILL_NICE: i32 = 19;
+/// `tandem up --prefill-nice`'s default: 0, i.e. no change, until the trade-off
+/// curve (`tandem bench interference`) is measured on a quiet machine; the only
+/// run so far was taken under an outside load of 15-20 and says nothing (README,
+/// "Sharing cores").
+const DEFAULT_PREFILL_NICE: i32 = 0;
 
 /// A worker's placement flags.
 fn placement(nice: i32, cpus: &Option<String>) -> Vec<String> {
