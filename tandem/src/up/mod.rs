@@ -441,11 +441,14 @@ async fn start_worker(a: &Args, spec: Spec, role: &'static str, name: String, gr
     Ok(Started { spec, component: c, run })
 }
 
-/// `tandem up --prefill-nice`'s default: 0, i.e. no change, until the trade-off
-/// curve (`tandem bench interference`) is measured on a quiet machine; the only
-/// run so far was taken under an outside load of 15-20 and says nothing (README,
-/// "Sharing cores").
-const DEFAULT_PREFILL_NICE: i32 = 0;
+/// `tandem up --prefill-nice`'s default: 19, the lowest priority, which still
+/// takes every cycle the decode workers leave. Measured with `tandem bench
+/// interference` on a quiet 2-core machine (README, "Sharing cores"): against
+/// 0 and 10 it kept the most decode tokens (0.62x of idle against 0.18x and
+/// 0.41x), the shortest worst gap (4.2 s against 7.7 s and 5.5 s) and the
+/// shortest long-prompt TTFT (76 s against 80 s and 78 s); pinning each role
+/// to one core did worse than sharing on all three.
+const DEFAULT_PREFILL_NICE: i32 = 19;
 
 /// A worker's placement flags.
 fn placement(nice: i32, cpus: &Option<String>) -> Vec<String> {
