@@ -95,13 +95,16 @@ pub struct DecodeFlags {
     #[arg(long, env = "TANDEM_KV_LOAD_FAILURE_POLICY")]
     pub kv_load_failure_policy: Option<String>,
     /// KV transport prefill workers push over: tcp (trusted network) |
-    /// quic (TLS; see the quic_* fields) | local (same host, shared memory).
+    /// quic (TLS; see the quic_* fields) | local (same host, shared memory) |
+    /// ucx (one-sided puts into a registered landing region; UCX picks
+    /// RDMA, shared memory or TCP from `UCX_TLS`).
     /// Env: TANDEM_KV_TRANSPORT. Default tcp.
     #[arg(long, env = "TANDEM_KV_TRANSPORT")]
     pub kv_transport: Option<String>,
     /// KV transfer listen address: host:port for tcp and quic (default
     /// 127.0.0.1:0), a Unix socket path or `@name` for local (default
-    /// `@tandem-kv-<pid>`). Env: TANDEM_TRANSFER.
+    /// `@tandem-kv-<pid>`). Not used by ucx (UCX binds its own transports;
+    /// the worker advertises its UCX worker address). Env: TANDEM_TRANSFER.
     #[arg(long, env = "TANDEM_TRANSFER")]
     pub transfer: Option<String>,
     /// Transfer address given to prefill workers, when it differs from the
@@ -131,6 +134,11 @@ pub struct DecodeFlags {
     /// TANDEM_TRANSFER_IDLE_TIMEOUT_MS. Default 30000.
     #[arg(long, env = "TANDEM_TRANSFER_IDLE_TIMEOUT_MS")]
     pub transfer_idle_timeout_ms: Option<u64>,
+    /// ucx only: MiB of the landing region registered at start, the most KV
+    /// in flight (and quarantined) at once; a reservation that does not fit
+    /// is refused as `landing_full`. Env: TANDEM_UCX_LANDING_MIB. Default 256.
+    #[arg(long, env = "TANDEM_UCX_LANDING_MIB")]
+    pub ucx_landing_mib: Option<usize>,
     /// Under `recompute`, prompt tokens per second this worker prefills
     /// itself for requests whose prefill worker refused them as overloaded;
     /// beyond it such a request is refused as `overloaded` (503 +
@@ -156,6 +164,8 @@ pub struct DecodeConfig {
     pub transfer_idle_timeout: Duration,
     /// See [`DecodeFlags::max_absorbed_prefill_tokens_per_s`].
     pub max_absorbed_prefill_tokens_per_s: u64,
+    /// ucx: bytes of the landing region.
+    pub ucx_landing_bytes: usize,
 }
 
 impl DecodeConfig {
@@ -178,7 +188,8 @@ impl DecodeConfig {
             reservation_ttl_ms,
             max_prefill_attempts,
             transfer_idle_timeout_ms,
-            max_absorbed_prefill_tokens_per_s
+            max_absorbed_prefill_tokens_per_s,
+            ucx_landing_mib
         );
         Self::resolve(&merged)
     }
@@ -193,18 +204,29 @@ impl DecodeConfig {
             .ok_or_else(|| invalid("kv_load_failure_policy", format!("{text:?}: use recompute, retry or fail")))?;
         let transport_text = f.kv_transport.as_deref().unwrap_or("tcp");
         let transport = kvtransfer::TransportKind::parse(transport_text)
-            .ok_or_else(|| invalid("kv_transport", format!("{transport_text:?}: use tcp, quic or local")))?;
+            .ok_or_else(|| invalid("kv_transport", format!("{transport_text:?}: use tcp, quic, local or ucx")))?;
         let transfer = match (transport, f.transfer.as_deref()) {
             (kvtransfer::TransportKind::Local, None) => format!("@tandem-kv-{}", std::process::id()),
             (kvtransfer::TransportKind::Local, Some("")) => {
                 return Err(invalid("transfer", "is empty"));
             }
             (kvtransfer::TransportKind::Local, Some(a)) => a.to_owned(),
+            // UCX binds its own transports; the address is the worker's, known once it starts.
+            (kvtransfer::TransportKind::Ucx, _) => String::new(),
             (_, a) => socket_addr("transfer", a.unwrap_or("127.0.0.1:0"))?.to_string(),
         };
         if let Some(a) = f.advertise_transfer.as_deref() {
-            if transport != kvtransfer::TransportKind::Local {
-                socket_addr("advertise_transfer", a)?;
+            match transport {
+                kvtransfer::TransportKind::Local => {}
+                kvtransfer::TransportKind::Ucx => {
+                    return Err(invalid(
+                        "advertise_transfer",
+                        "does not apply to ucx (the UCX worker address is advertised)",
+                    ))
+                }
+                _ => {
+                    socket_addr("advertise_transfer", a)?;
+                }
             }
         }
         if let Some(a) = f.advertise_grpc.as_deref() {
@@ -224,6 +246,9 @@ impl DecodeConfig {
             max_absorbed_prefill_tokens_per_s: f
                 .max_absorbed_prefill_tokens_per_s
                 .unwrap_or(DEFAULT_MAX_ABSORBED_PREFILL_TOKENS_PER_S),
+            ucx_landing_bytes: positive("ucx_landing_mib", f.ucx_landing_mib, 256)?
+                .checked_mul(1 << 20)
+                .ok_or_else(|| invalid("ucx_landing_mib", "is too large"))?,
         })
     }
 }
@@ -265,6 +290,15 @@ mod tests {
             (DecodeFlags { kv_transport: Some("carrier-pigeon".into()), ..flags(Some("fail")) }, "`kv_transport`"),
             (DecodeFlags { advertise_transfer: Some("x".into()), ..flags(Some("fail")) }, "`advertise_transfer`"),
             (DecodeFlags { advertise_grpc: Some("x".into()), ..flags(Some("fail")) }, "`advertise_grpc`"),
+            (DecodeFlags { ucx_landing_mib: Some(0), ..flags(Some("fail")) }, "`ucx_landing_mib`"),
+            (
+                DecodeFlags {
+                    kv_transport: Some("ucx".into()),
+                    advertise_transfer: Some("10.0.0.1:7003".into()),
+                    ..flags(Some("fail"))
+                },
+                "`advertise_transfer`",
+            ),
         ];
         for (f, field) in cases {
             let err = DecodeConfig::resolve(&f).err().map(|e| e.to_string());

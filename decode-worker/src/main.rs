@@ -1,4 +1,4 @@
-//! `tandem-decode-worker`: loads the model, listens for KV transfers (TCP),
+//! `tandem-decode-worker`: loads the model, listens for KV transfers (tcp, quic, local or ucx),
 //! serves `DecodeWorker` on gRPC and Prometheus `/metrics` on HTTP, prints
 //! `listening metrics=ADDR`, `listening transfer=ADDR` and then
 //! `listening grpc=ADDR` once all are bound. On SIGTERM/SIGINT it stops
@@ -17,7 +17,8 @@ use decode_worker::{DecodeConfig, DecodeFlags};
 use engine::runner::{Runner, RunnerConfig};
 use kvtransfer::{
     CloseReason, LocalCloseReason, LocalKvServer, LocalServerConfig, Peer, PeerTrust, QuicKvServer, QuicServerConfig,
-    Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig, TlsIdentity, TransportKind,
+    Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig, TlsIdentity, TransportKind, UcxCloseReason, UcxKvServer,
+    UcxServerConfig,
 };
 use proto::worker::v1::decode_worker_server::DecodeWorkerServer;
 use tokio_util::sync::CancellationToken;
@@ -55,6 +56,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let advertised = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr());
     println!("listening transfer={}", kv_server.local_addr());
     kv_server.export_stats();
+    decode_worker::metrics::record_transport(cfg.transport);
     tracing::info!(transport = %cfg.transport, addr = %advertised, "KV transfer listener");
 
     let settings = DecodeSettings {
@@ -123,6 +125,7 @@ enum KvServer {
     Tcp(TcpKvServer),
     Quic(QuicKvServer),
     Local(LocalKvServer),
+    Ucx(UcxKvServer),
 }
 
 impl KvServer {
@@ -131,6 +134,7 @@ impl KvServer {
             Self::Tcp(s) => s.local_addr().to_string(),
             Self::Quic(s) => s.local_addr().to_string(),
             Self::Local(s) => s.local_addr().to_owned(),
+            Self::Ucx(s) => s.local_addr().to_owned(),
         }
     }
 
@@ -143,6 +147,18 @@ impl KvServer {
             Self::Local(s) => {
                 export(s.watch_stats(), &LocalCloseReason::LABELS, |s| (s.connections_accepted, &s.closed))
             }
+            Self::Ucx(s) => {
+                export(s.watch_stats(), &UcxCloseReason::LABELS, |s| (s.connections_accepted, &s.closed));
+                let mut rx = s.watch_stats();
+                tokio::spawn(async move {
+                    loop {
+                        decode_worker::metrics::record_ucx(&rx.borrow_and_update());
+                        if rx.changed().await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
         }
     }
 
@@ -151,6 +167,7 @@ impl KvServer {
             Self::Tcp(s) => s.shutdown(),
             Self::Quic(s) => s.shutdown(),
             Self::Local(s) => s.shutdown(),
+            Self::Ucx(s) => s.shutdown(),
         }
     }
 }
@@ -195,6 +212,12 @@ async fn bind_transfer(
             let config = TcpServerConfig { idle_timeout: cfg.transfer_idle_timeout, ..TcpServerConfig::default() };
             let s = TcpKvServer::bind(addr, receiver, sink, config).await.map_err(bound)?;
             Ok((KvServer::Tcp(s), None))
+        }
+        TransportKind::Ucx => {
+            let config = UcxServerConfig { landing_bytes: cfg.ucx_landing_bytes, ..UcxServerConfig::default() };
+            let s = UcxKvServer::bind(receiver, sink, config).await.context("starting the UCX KV server")?;
+            tracing::info!(ucx_tls = %kvtransfer::transport::ucx::ucx_tls(), landing_bytes = cfg.ucx_landing_bytes, "UCX landing region registered");
+            Ok((KvServer::Ucx(s), None))
         }
         TransportKind::Quic => {
             let files = &cfg.common.quic;

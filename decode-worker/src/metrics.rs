@@ -72,6 +72,26 @@ pub const RESERVATIONS_ACTIVE: &str = "tandem_reservations_active";
 /// `tandem_reservations_expired_total`: reservations whose lease ran out
 /// before the KV arrived (their blocks were freed, their late frames refused).
 pub const RESERVATIONS_EXPIRED: &str = "tandem_reservations_expired_total";
+/// `tandem_kv_transport_info{transport,ucx_tls}`: 1 for the KV transport
+/// this worker receives on; `ucx_tls` is `UCX_TLS` (or `default`) for ucx,
+/// `none` for the others. vLLM: none (its KV connector is in its config).
+pub const TRANSPORT_INFO: &str = "tandem_kv_transport_info";
+/// `tandem_kv_ucx_quarantined_bytes` / `_ranges`: landing-region bytes and
+/// ranges of reservations that ended unfinished, held until their sender is
+/// fenced (ucx only). Stuck above 0: a sender stalled or cut off.
+pub const UCX_QUARANTINED_BYTES: &str = "tandem_kv_ucx_quarantined_bytes";
+pub const UCX_QUARANTINED_RANGES: &str = "tandem_kv_ucx_quarantined_ranges";
+/// `tandem_kv_ucx_landing_in_use_bytes` of `tandem_kv_ucx_landing_bytes`:
+/// the landing region granted to transfers or quarantined (ucx only).
+pub const UCX_LANDING_IN_USE: &str = "tandem_kv_ucx_landing_in_use_bytes";
+pub const UCX_LANDING_BYTES: &str = "tandem_kv_ucx_landing_bytes";
+/// `tandem_kv_ucx_landing_refused_total{reason}`: reservations refused
+/// landing space (`landing_full`: back-pressure; `landing_too_large`,
+/// `not_receiving`, `claimed`) — kvtransfer's `LandingRefusal` labels.
+pub const UCX_LANDING_REFUSED: &str = "tandem_kv_ucx_landing_refused_total";
+/// `tandem_kv_ucx_fences_total`: quarantined ranges freed after their
+/// sender flushed or went away.
+pub const UCX_FENCES: &str = "tandem_kv_ucx_fences_total";
 /// `tandem_time_to_first_token_seconds`: Generate arrival to the first
 /// token sent. vLLM: `vllm:time_to_first_token_seconds`.
 pub const TTFT: &str = "tandem_time_to_first_token_seconds";
@@ -106,6 +126,13 @@ pub fn describe(policy: crate::KvLoadFailurePolicy) {
     describe_histogram!(KV_LOAD_SECONDS, Unit::Seconds, "Reserve to acknowledged KV, successful loads.");
     describe_gauge!(RESERVATIONS_ACTIVE, "KV reservations live now.");
     describe_counter!(RESERVATIONS_EXPIRED, "Reservations whose lease ran out before the KV arrived.");
+    describe_gauge!(TRANSPORT_INFO, "1 for the KV transport this worker receives on (ucx_tls: UCX_TLS).");
+    describe_gauge!(UCX_QUARANTINED_BYTES, Unit::Bytes, "UCX landing bytes quarantined until their sender is fenced.");
+    describe_gauge!(UCX_QUARANTINED_RANGES, "UCX landing ranges quarantined until their sender is fenced.");
+    describe_gauge!(UCX_LANDING_IN_USE, Unit::Bytes, "UCX landing bytes granted or quarantined.");
+    describe_gauge!(UCX_LANDING_BYTES, Unit::Bytes, "UCX landing region size.");
+    describe_counter!(UCX_LANDING_REFUSED, "Reservations refused UCX landing space, by reason.");
+    describe_counter!(UCX_FENCES, "Quarantined UCX landing ranges freed after their sender was fenced.");
     describe_histogram!(TTFT, Unit::Seconds, "Generate arrival to the first token sent.");
     describe_histogram!(TPOT, Unit::Seconds, "Gap between consecutive streamed tokens.");
     describe_counter!(GENERATION_TOKENS, Unit::Count, "Tokens streamed.");
@@ -171,6 +198,27 @@ pub fn record_connections(accepted: u64, labels: &[&'static str], closed: &[u64]
     for (label, n) in labels.iter().zip(closed) {
         counter!(CONNECTIONS_CLOSED, "reason" => *label).absolute(*n);
     }
+}
+
+/// Sets the transport info metric.
+pub fn record_transport(transport: kvtransfer::TransportKind) {
+    let tls = match transport {
+        kvtransfer::TransportKind::Ucx => kvtransfer::transport::ucx::ucx_tls(),
+        _ => "none".to_owned(),
+    };
+    gauge!(TRANSPORT_INFO, "transport" => transport.as_str(), "ucx_tls" => tls).set(1.0);
+}
+
+/// Mirrors the UCX server's landing-region counters (absolute values).
+pub fn record_ucx(s: &kvtransfer::UcxServerStats) {
+    gauge!(UCX_QUARANTINED_BYTES).set(s.quarantined_bytes as f64);
+    gauge!(UCX_QUARANTINED_RANGES).set(s.quarantined_ranges as f64);
+    gauge!(UCX_LANDING_IN_USE).set(s.landing_in_use_bytes as f64);
+    gauge!(UCX_LANDING_BYTES).set(s.landing_bytes as f64);
+    for (i, r) in kvtransfer::LandingRefusal::ALL.iter().enumerate() {
+        counter!(UCX_LANDING_REFUSED, "reason" => r.as_str()).absolute(s.refused[i]);
+    }
+    counter!(UCX_FENCES).absolute(s.fences_completed);
 }
 
 /// Mirrors the KV receiver's own counters (absolute values, never reset);

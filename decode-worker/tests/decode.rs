@@ -19,7 +19,7 @@ use common::{
 use decode_worker::metrics::{
     CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, DECODE_REQUESTS, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
     KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE, RESERVATIONS_ACTIVE, RESERVATIONS_EXPIRED,
-    TTFT,
+    TRANSPORT_INFO, TTFT, UCX_LANDING_IN_USE, UCX_QUARANTINED_RANGES,
 };
 use prefill_worker::metrics::KV_TRANSFER_BYTES;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
@@ -172,7 +172,14 @@ async fn remote_prefill_over(transport: &str) -> TestResult {
     }
     // Exported as each frame lands: exact once the answers are back, with no wait.
     let metrics = decode.addr("metrics")?;
-    assert_eq!(scrape(&metrics).await?.get(KV_RECEIVED_BYTES, &[])?, (blocks * 368_640) as f64);
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, (blocks * 368_640) as f64);
+    assert_eq!(page.get(TRANSPORT_INFO, &[("transport", transport)])?, 1.0);
+    if transport == "ucx" {
+        // Every transfer completed, so no landing range is held or quarantined.
+        wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v == 0.0).await?;
+        assert_eq!(scrape(&metrics).await?.get(UCX_QUARANTINED_RANGES, &[])?, 0.0);
+    }
     assert_no_kv_left(transport, &decode).await
 }
 
@@ -187,6 +194,15 @@ async fn remote_prefill_over_quic_matches_the_engine() -> TestResult {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_prefill_over_local_shared_memory_matches_the_engine() -> TestResult {
     remote_prefill_over("local").await
+}
+
+/// UCX: one-sided puts into the decode worker's landing region, with UCX's
+/// transports from the environment (shared memory and CMA between two
+/// processes on one host, unless `UCX_TLS` says otherwise); same greedy
+/// tokens as the engine, and so as TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_over_ucx_matches_the_engine() -> TestResult {
+    remote_prefill_over("ucx").await
 }
 
 /// A decode worker (policy `fail`, always remote prefill, plus `extra`)

@@ -14,8 +14,11 @@
 //! - [`transport::quic`]: QUIC with TLS 1.3 for untrusted links
 //!   ([`QuicKvServer`], [`QuicKvSender`]): the same frames and rules as TCP.
 //!
-//! UCX and CUDA transports come later, behind the same
-//! shape.
+//! - [`transport::ucx`]: one-sided puts through UCX into a registered
+//!   landing region ([`UcxKvServer`], [`UcxKvSender`]), fenced so a late
+//!   write never reaches pool blocks.
+//!
+//! A CUDA transport comes later, behind the same shape.
 //!
 //! Must not: know about models beyond [`engine::kv::KvLayout`]. Outside
 //! [`transport`], must not open sockets, read a clock or spawn tasks either:
@@ -95,6 +98,9 @@ pub use transport::quic::{
     QuicTuning, TlsError, TlsIdentity,
 };
 pub use transport::tcp::{TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TcpServerStats};
+pub use transport::ucx::{
+    LandingRefusal, UcxCloseReason, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig, UcxServerStats,
+};
 pub use transport::{BlockSink, FnSink, OwnedPayload};
 pub use transport::{CloseReason, ServerStats, TransferError};
 

@@ -313,6 +313,17 @@ impl Receiver {
         (slot.generation == r.generation).then_some(state)
     }
 
+    /// How many blocks `r` holds while it is receiving (within its lease at
+    /// the last check, not yet complete); `None` otherwise. What a one-sided
+    /// transport sizes the landing space of a transfer by.
+    pub fn receiving_blocks(&self, r: Reservation) -> Option<usize> {
+        let slot = self.slots.get(usize::try_from(r.id.0).ok()?)?;
+        match &slot.state {
+            SlotState::Live(l) if slot.generation == r.generation && !l.ready => Some(l.blocks.len()),
+            _ => None,
+        }
+    }
+
     /// The earliest lease deadline, for the caller's timer (the decode worker's reaper).
     pub fn next_deadline(&self) -> Option<Instant> {
         self.slots

@@ -21,13 +21,14 @@ pub const KV_TRANSFER_BYTES: &str = "tandem_kv_transfer_bytes_total";
 pub const KV_TRANSFER_SECONDS: &str = "tandem_kv_transfer_seconds";
 /// `tandem_kv_transfer_failures_total{reason}`: transfers that failed, by
 /// reason (`io`, `rejected`, `timeout`, `protocol`, `peer_abort`, `layer`,
+/// `tls`, `landing` — ucx: the decode worker had no landing space —,
 /// `deadline` — the request's deadline passed mid-transfer). vLLM: none
 /// (closest: `vllm:kv_connector` failed-transfer counts).
 pub const KV_TRANSFER_FAILURES: &str = "tandem_kv_transfer_failures_total";
 /// Every [`KV_TRANSFER_FAILURES`] reason: kvtransfer's `TransferError`
 /// kinds (and `tls`, QUIC's handshake) plus `deadline`.
-pub const TRANSFER_FAILURE_REASONS: [&str; 8] =
-    ["io", "rejected", "timeout", "protocol", "peer_abort", "layer", "tls", "deadline"];
+pub const TRANSFER_FAILURE_REASONS: [&str; 9] =
+    ["io", "rejected", "timeout", "protocol", "peer_abort", "layer", "tls", "landing", "deadline"];
 /// `tandem_prefill_seconds`: engine time of one prefill (submit to first
 /// token, queueing included). vLLM: `vllm:request_prefill_time_seconds`.
 pub const PREFILL_SECONDS: &str = "tandem_prefill_seconds";

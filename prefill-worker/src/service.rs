@@ -23,7 +23,7 @@ use engine::sampler::SampledToken;
 use kvtransfer::{
     AbortReason, CertFingerprint, KvSender, LayoutFingerprint, LocalKvSender, LocalSenderConfig, Peer, PeerTrust,
     QuicKvSender, QuicSenderConfig, RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig,
-    TlsIdentity, TransferError, TransportKind,
+    TlsIdentity, TransferError, TransportKind, UcxKvSender, UcxSenderConfig,
 };
 use proto::worker::v1::prefill_worker_server::PrefillWorker;
 use proto::worker::v1::{
@@ -192,7 +192,7 @@ impl PrefillService {
         let Some(kind) = TransportKind::parse(&d.transport) else {
             return Err(err(
                 ErrorKind::InvalidArgument,
-                format!("destination.transport {:?} is not supported (tcp, quic, local)", d.transport),
+                format!("destination.transport {:?} is not supported (tcp, quic, local, ucx)", d.transport),
             ));
         };
         if d.transfer_addr.is_empty() {
@@ -362,6 +362,10 @@ impl PrefillService {
             TransportKind::Local => {
                 let config = LocalSenderConfig { timeout: t.timeout, ..LocalSenderConfig::default() };
                 LocalKvSender::connect(addr, local, layout, config).await.map(KvSender::Local)
+            }
+            TransportKind::Ucx => {
+                let config = UcxSenderConfig { timeout: t.timeout };
+                UcxKvSender::connect(addr, local, layout, config).await.map(KvSender::Ucx)
             }
             TransportKind::Quic => {
                 let trust = match (&t.quic_ca, dest.pin) {

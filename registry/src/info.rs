@@ -14,6 +14,9 @@ use crate::RegistryError;
 
 /// Longest worker id, version group or address accepted.
 const MAX_LABEL: usize = 256;
+/// Longest transfer address: a UCX worker address, hex-encoded, runs to a
+/// few hundred bytes per transport and NIC it lists.
+const MAX_TRANSFER_ADDR: usize = 8192;
 
 /// What a worker does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -59,7 +62,8 @@ impl FromStr for Role {
 /// Where a decode worker receives KV pushes.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransferEndpoint {
-    /// `host:port` (or a socket path for the `local` transport).
+    /// `host:port` (a socket path for the `local` transport, the UCX worker
+    /// address in hex for `ucx`).
     pub addr: String,
     /// The transport's name as the workers' `--kv-transport` spells it (`tcp`, `quic`, `local`, ...).
     pub transport: String,
@@ -131,7 +135,7 @@ impl WorkerInfo {
                 return Err(RegistryError::invalid("info.transfer", "a decode worker needs a transfer endpoint"));
             }
             (Some(t), _) => {
-                check_label("info.transfer.addr", &t.addr)?;
+                check_text("info.transfer.addr", &t.addr, MAX_TRANSFER_ADDR)?;
                 check_name("info.transfer.transport", &t.transport)?;
                 if let Some(fp) = &t.cert_sha256 {
                     check_hex("info.transfer.cert_sha256", fp)?;
@@ -158,8 +162,12 @@ pub(crate) fn check_name(field: &'static str, s: &str) -> Result<(), RegistryErr
 }
 
 fn check_label(field: &'static str, s: &str) -> Result<(), RegistryError> {
-    if s.is_empty() || s.len() > MAX_LABEL {
-        return Err(RegistryError::invalid(field, format!("must be 1..={MAX_LABEL} bytes")));
+    check_text(field, s, MAX_LABEL)
+}
+
+fn check_text(field: &'static str, s: &str, max: usize) -> Result<(), RegistryError> {
+    if s.is_empty() || s.len() > max {
+        return Err(RegistryError::invalid(field, format!("must be 1..={max} bytes")));
     }
     if s.chars().any(|c| c.is_control() || c.is_whitespace()) {
         return Err(RegistryError::invalid(field, "must not contain whitespace or control characters"));

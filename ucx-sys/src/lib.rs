@@ -316,6 +316,19 @@ impl Drop for WorkerInner {
     }
 }
 
+/// A worker's event fd, for a reactor; holds the worker alive (see
+/// [`Worker::async_event_fd`]).
+pub struct EventFd {
+    fd: RawFd,
+    _worker: Rc<WorkerInner>,
+}
+
+impl std::os::fd::AsRawFd for EventFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd
+    }
+}
+
 /// A UCP worker: the progress engine, owned by one thread.
 #[derive(Clone)]
 pub struct Worker {
@@ -368,6 +381,20 @@ impl Worker {
         // SAFETY: worker alive (created with the WAKEUP feature); fd is an out pointer.
         check("ucp_worker_get_efd", unsafe { raw::ucp_worker_get_efd(self.inner.h, &mut fd) })?;
         Ok(fd)
+    }
+
+    /// The event fd in the current tokio runtime's reactor (call it inside
+    /// one): readable when there is work for [`Worker::progress`] after a
+    /// successful [`Worker::arm`]. The [`EventFd`] keeps this worker, which
+    /// owns the descriptor, alive while it is registered.
+    pub fn async_event_fd(&self) -> std::io::Result<tokio::io::unix::AsyncFd<EventFd>> {
+        let fd = self.event_fd().map_err(|e| std::io::Error::other(e.to_string()))?;
+        let efd = EventFd { fd, _worker: self.inner.clone() };
+        // SAFETY: the descriptor is the UCX worker's and stays open until
+        // ucp_worker_destroy, which runs only when the last Rc of the worker
+        // goes; the EventFd inside the AsyncFd holds one, so the fd is open and
+        // unreplaced for as long as the reactor has it registered.
+        unsafe { tokio::io::unix::AsyncFd::register(efd) }.map_err(std::io::Error::from)
     }
 
     /// Arms the event fd. `Ok(false)`: events are already pending, call

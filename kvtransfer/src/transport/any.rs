@@ -11,6 +11,7 @@ use super::error::TransferError;
 use super::local::LocalKvSender;
 use super::quic::QuicKvSender;
 use super::tcp::TcpKvSender;
+use super::ucx::UcxKvSender;
 
 /// The transports a destination can name on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -21,10 +22,13 @@ pub enum TransportKind {
     Quic,
     /// Same-host shared memory (a Unix socket path or `@name`).
     Local,
+    /// One-sided puts through UCX into the receiver's landing region (the
+    /// address is its UCX worker address, hex).
+    Ucx,
 }
 
 impl TransportKind {
-    pub const ALL: [Self; 3] = [Self::Tcp, Self::Quic, Self::Local];
+    pub const ALL: [Self; 4] = [Self::Tcp, Self::Quic, Self::Local, Self::Ucx];
 
     /// The wire name (`KvDestination.transport`).
     pub fn as_str(self) -> &'static str {
@@ -32,6 +36,7 @@ impl TransportKind {
             Self::Tcp => "tcp",
             Self::Quic => "quic",
             Self::Local => "local",
+            Self::Ucx => "ucx",
         }
     }
 
@@ -52,6 +57,7 @@ pub enum KvSender {
     Tcp(TcpKvSender),
     Quic(QuicKvSender),
     Local(LocalKvSender),
+    Ucx(UcxKvSender),
 }
 
 impl KvSender {
@@ -60,6 +66,7 @@ impl KvSender {
             Self::Tcp(_) => TransportKind::Tcp,
             Self::Quic(_) => TransportKind::Quic,
             Self::Local(_) => TransportKind::Local,
+            Self::Ucx(_) => TransportKind::Ucx,
         }
     }
 
@@ -76,6 +83,7 @@ impl KvSender {
             Self::Tcp(s) => s.send_blocks(r, layer, first_block, k, v).await,
             Self::Quic(s) => s.send_blocks(r, layer, first_block, k, v).await,
             Self::Local(s) => s.send_blocks(r, layer, first_block, k, v).await,
+            Self::Ucx(s) => s.send_blocks(r, layer, first_block, k, v).await,
         }
     }
 
@@ -85,6 +93,7 @@ impl KvSender {
             Self::Tcp(s) => s.complete(r).await,
             Self::Quic(s) => s.complete(r).await,
             Self::Local(s) => s.complete(r).await,
+            Self::Ucx(s) => s.complete(r).await,
         }
     }
 
@@ -94,6 +103,7 @@ impl KvSender {
             Self::Tcp(s) => s.abort(r, reason).await,
             Self::Quic(s) => s.abort(r, reason).await,
             Self::Local(s) => s.abort(r, reason).await,
+            Self::Ucx(s) => s.abort(r, reason).await,
         }
     }
 
@@ -102,6 +112,7 @@ impl KvSender {
             Self::Tcp(s) => s.bytes_sent(),
             Self::Quic(s) => s.bytes_sent(),
             Self::Local(s) => s.bytes_sent(),
+            Self::Ucx(s) => s.bytes_sent(),
         }
     }
 }

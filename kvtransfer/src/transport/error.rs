@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::quic::TlsError;
 use super::stream::{ReadError, WriteError};
+use super::ucx::LandingRefusal;
 use crate::frame::{AbortReason, RejectReason};
 use crate::sender::SplitError;
 use crate::ErrorKind;
@@ -32,6 +33,10 @@ pub enum TransferError {
     /// The caller's K/V bytes do not fit the layout (a local bug).
     #[error("layer not sendable: {0}")]
     Layer(#[from] SplitError),
+    /// UCX only: the decode worker has no landing space for the
+    /// reservation now, or will never have (see [`LandingRefusal`]).
+    #[error("landing refused: {refusal}")]
+    Landing { refusal: LandingRefusal },
     /// QUIC only: a certificate was refused (the receiver's by us, or ours
     /// by the receiver), or the TLS settings are unusable.
     #[error("TLS: {0}")]
@@ -47,6 +52,7 @@ impl TransferError {
             Self::Protocol(_) | Self::Layer(_) => ErrorKind::InvalidInput,
             Self::PeerAbort { reason } => reason.kind(),
             Self::Tls(e) => e.kind(),
+            Self::Landing { refusal } => refusal.kind(),
         }
     }
 
@@ -60,6 +66,7 @@ impl TransferError {
             Self::PeerAbort { .. } => "peer_abort",
             Self::Layer(_) => "layer",
             Self::Tls(_) => "tls",
+            Self::Landing { .. } => "landing",
         }
     }
 

@@ -14,11 +14,15 @@
 //! - [`quic`]: QUIC (TLS 1.3) for links the cluster does not trust: the
 //!   same frames on one stream per connection, certificates checked
 //!   against a cluster CA or a pinned fingerprint.
+//! - [`ucx`]: one-sided puts through UCX (RDMA verbs where present, shared
+//!   memory, CMA or TCP otherwise) into a registered landing region, never
+//!   into the pool; the receiver checksums its own copy.
 
 pub mod any;
 pub mod local;
 pub mod quic;
 pub mod tcp;
+pub mod ucx;
 
 mod error;
 mod lock;

@@ -92,7 +92,8 @@ pub struct Args {
     /// Pin the decode workers to these CPUs. Default: unpinned.
     #[arg(long)]
     decode_cpus: Option<String>,
-    /// KV transport between the workers: local (shared memory) | tcp | quic.
+    /// KV transport between the workers: local (shared memory) | tcp | quic | ucx (one-sided puts; UCX_TLS picks
+    /// shared memory, TCP or RDMA).
     #[arg(long, default_value = "local")]
     kv_transport: String,
     /// The decode workers' kv_load_failure_policy: recompute | retry | fail.

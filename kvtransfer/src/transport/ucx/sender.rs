@@ -1,0 +1,498 @@
+//! The prefill worker's side: a thread per connection that owns a UCX
+//! worker and one endpoint to the decode worker, driven by commands from
+//! the async [`UcxKvSender`] handle.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::timeout;
+use types::kv::KvLayout;
+use ucx_sys::{Context, Endpoint, RemoteKey, Request, Worker};
+
+use super::driver::{mail, Driver};
+use super::wire::{Grant, LandingRefusal, Msg, TO_SENDER, TO_SERVER};
+use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
+use crate::sender::SplitError;
+use crate::session::{Peer, Reservation, ReservationId};
+use crate::transport::error::TransferError;
+use crate::transport::send::LayerPlan;
+
+/// Sender settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UcxSenderConfig {
+    /// The handshake, each layer's puts and flush, a landing grant, the Ack.
+    pub timeout: Duration,
+}
+
+impl Default for UcxSenderConfig {
+    /// 10 s.
+    fn default() -> Self {
+        Self { timeout: Duration::from_secs(10) }
+    }
+}
+
+type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
+
+enum Cmd {
+    Send { r: Reservation, layer: usize, first_block: usize, k: Vec<u8>, v: Vec<u8>, reply: Reply<()> },
+    Complete { r: Reservation, reply: Reply<Ack> },
+    Abort { r: Reservation, reason: AbortReason, reply: Reply<()> },
+}
+
+/// The prefill worker's end of one UCX connection to a decode worker.
+/// Dropping it ends the connection: its thread flushes every put it
+/// started, tells the server (`Bye`, which frees any landing range it
+/// held in quarantine) and exits.
+#[derive(Debug)]
+pub struct UcxKvSender {
+    cmds: mpsc::Sender<Cmd>,
+    layout: KvLayout,
+    bytes_sent: u64,
+    /// Detached on drop: the thread's goodbye is bounded by the timeout.
+    _thread: JoinHandle<()>,
+}
+
+impl UcxKvSender {
+    /// Connects to the server at `addr` (its [`local_addr`](super::UcxKvServer::local_addr))
+    /// and does the handshake as `local`, whose KV has `layout`.
+    pub async fn connect(
+        addr: &str,
+        local: &Peer,
+        layout: KvLayout,
+        config: UcxSenderConfig,
+    ) -> Result<Self, TransferError> {
+        let server = super::unhex(addr).ok_or_else(|| {
+            TransferError::Io(io::Error::new(io::ErrorKind::InvalidInput, "a UCX address is hex-encoded bytes"))
+        })?;
+        let hello = Hello {
+            version_group: local.version_group.clone(),
+            fingerprint: local.fingerprint,
+            protocol_version: crate::PROTOCOL_VERSION,
+        };
+        let (cmds, rx) = mpsc::channel(1);
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let wait = config.timeout;
+        let thread = std::thread::Builder::new()
+            .name("tandem-ucx-send".into())
+            .spawn(move || link_thread(server, hello, layout, config, ready_tx, rx))?;
+        match timeout(wait + Duration::from_secs(1), ready_rx).await {
+            Ok(Ok(Ok(()))) => Ok(Self { cmds, layout, bytes_sent: 0, _thread: thread }),
+            Ok(Ok(Err(e))) => Err(e),
+            Ok(Err(_)) => Err(gone()),
+            Err(_) => Err(TransferError::Timeout { what: "the UCX handshake", after: wait }),
+        }
+    }
+
+    /// Payload bytes put so far.
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
+    }
+
+    /// Puts K and V of blocks `first_block..` of one layer into the
+    /// reservation's landing range (claimed on first use), flushes, then
+    /// sends the layer's completion with the CRC-32C of what was put.
+    pub async fn send_blocks(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), TransferError> {
+        // Shape checks before any copy or message.
+        LayerPlan::new(&self.layout, layer, k, v, usize::MAX)?;
+        let (k, v) = (k.to_vec(), v.to_vec());
+        let n = k.len() + v.len();
+        self.call(|reply| Cmd::Send { r, layer, first_block, k, v, reply }).await?;
+        self.bytes_sent += n as u64;
+        Ok(())
+    }
+
+    /// [`send_blocks`](Self::send_blocks) from block 0.
+    pub async fn send_layer(&mut self, r: Reservation, layer: usize, k: &[u8], v: &[u8]) -> Result<(), TransferError> {
+        self.send_blocks(r, layer, 0, k, v).await
+    }
+
+    /// Sends `Complete` and waits for the `Ack`.
+    pub async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
+        self.call(|reply| Cmd::Complete { r, reply }).await
+    }
+
+    /// Flushes this connection's puts, then sends `Abort` (the server frees
+    /// the reservation's landing range at once: nothing is left in flight).
+    pub async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
+        self.call(|reply| Cmd::Abort { r, reason, reply }).await
+    }
+
+    async fn call<T>(&self, cmd: impl FnOnce(Reply<T>) -> Cmd) -> Result<T, TransferError> {
+        let (tx, rx) = oneshot::channel();
+        self.cmds.send(cmd(tx)).await.map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+}
+
+fn gone() -> TransferError {
+    TransferError::Io(io::Error::new(io::ErrorKind::BrokenPipe, "the UCX connection's thread has ended"))
+}
+
+fn ucx_err(what: &str, e: ucx_sys::Error) -> TransferError {
+    let kind = if e.is_peer_failure() { io::ErrorKind::ConnectionReset } else { io::ErrorKind::Other };
+    TransferError::Io(io::Error::new(kind, format!("{what}: {e}")))
+}
+
+fn link_thread(
+    server: Vec<u8>,
+    hello: Hello,
+    layout: KvLayout,
+    config: UcxSenderConfig,
+    ready: oneshot::Sender<Result<(), TransferError>>,
+    mut cmds: mpsc::Receiver<Cmd>,
+) {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = ready.send(Err(TransferError::Io(e)));
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let setup = || -> Result<_, TransferError> {
+            let ctx = Context::new("tandem-kv-prefill").map_err(|e| ucx_err("UCX context", e))?;
+            let worker = Worker::new(&ctx).map_err(|e| ucx_err("UCX worker", e))?;
+            let me = worker.address().map_err(|e| ucx_err("UCX address", e))?;
+            let ep = worker.connect(&server).map_err(|e| ucx_err("connecting", e))?;
+            let driver = Driver::new(worker, TO_SENDER).map_err(|e| TransferError::Io(io::Error::other(e)))?;
+            Ok((ctx, driver, me, ep))
+        };
+        let (_ctx, driver, me, ep) = match setup() {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        let d = &driver;
+        let link = driver.run(Link::handshake(d, ep, me, hello, layout, config.timeout)).await;
+        let mut link = match link {
+            Ok(link) => link,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        if ready.send(Ok(())).is_err() {
+            driver.run(link.goodbye()).await;
+            return;
+        }
+        driver
+            .run(async {
+                while let Some(cmd) = cmds.recv().await {
+                    match cmd {
+                        Cmd::Send { r, layer, first_block, k, v, reply } => {
+                            let _ = reply.send(link.send_blocks(r, layer, first_block, k, v).await);
+                        }
+                        Cmd::Complete { r, reply } => {
+                            let _ = reply.send(link.complete(r).await);
+                        }
+                        Cmd::Abort { r, reason, reply } => {
+                            let _ = reply.send(link.abort(r, reason).await);
+                        }
+                    }
+                }
+                link.goodbye().await;
+            })
+            .await;
+    });
+}
+
+/// What the server told us, by reservation (bounded).
+#[derive(Default)]
+struct Heard {
+    grants: HashMap<Reservation, Grant>,
+    refused: HashMap<Reservation, LandingRefusal>,
+    aborts: VecDeque<(Reservation, AbortReason)>,
+    acks: VecDeque<Reservation>,
+}
+
+/// Reservations remembered as aborted or acknowledged.
+const REMEMBERED: usize = 64;
+
+/// Appends `x`, forgetting the oldest entry beyond [`REMEMBERED`].
+fn remember<T>(q: &mut VecDeque<T>, x: T) {
+    if q.len() == REMEMBERED {
+        q.pop_front();
+    }
+    q.push_back(x);
+}
+
+impl Heard {
+    fn abort_of(&self, r: Reservation) -> Option<AbortReason> {
+        self.aborts.iter().find(|(x, _)| *x == r).map(|(_, reason)| *reason)
+    }
+
+    fn note(&mut self, msg: Msg) {
+        match msg {
+            Msg::Grant(g) => {
+                self.grants.insert(g.reservation, g);
+            }
+            Msg::Refused { reservation, refusal } => {
+                self.refused.insert(reservation, refusal);
+            }
+            Msg::Frame(Frame::Abort(a)) => {
+                let r = Reservation { id: ReservationId(a.reservation), generation: a.generation };
+                remember(&mut self.aborts, (r, a.reason));
+            }
+            Msg::Frame(Frame::Ack(a)) => {
+                let r = Reservation { id: ReservationId(a.reservation), generation: a.generation };
+                remember(&mut self.acks, r);
+            }
+            // Anything else is not for a sender after the handshake: ignored.
+            _ => {}
+        }
+    }
+}
+
+/// One connection, on its thread.
+struct Link<'d> {
+    d: &'d Driver,
+    ep: Endpoint,
+    key: RemoteKey,
+    base: u64,
+    conn: u64,
+    layout: KvLayout,
+    side: usize,
+    timeout: Duration,
+    heard: Heard,
+    /// Reservations this side fenced (flushed and told the server), bounded.
+    fenced: VecDeque<Reservation>,
+}
+
+impl<'d> Link<'d> {
+    async fn handshake(
+        d: &'d Driver,
+        ep: Endpoint,
+        me: Vec<u8>,
+        hello: Hello,
+        layout: KvLayout,
+        wait: Duration,
+    ) -> Result<Link<'d>, TransferError> {
+        let (h, b) = Msg::Hello { addr: me, frame: Frame::Hello(hello) }.encode(0);
+        let sent = ep.send_am(TO_SERVER, h, b).map_err(|e| ucx_err("sending Hello", e))?;
+        let answer = async {
+            sent.await.map_err(|e| ucx_err("sending Hello", e))?;
+            let mut acked = None;
+            loop {
+                while let Some(m) = d.pop() {
+                    let Ok((conn, msg)) = m else { continue };
+                    match msg {
+                        Msg::Frame(Frame::HelloAck(a)) if a.protocol_version == crate::PROTOCOL_VERSION => {
+                            acked = Some(conn)
+                        }
+                        Msg::Frame(Frame::HelloAck(a)) => {
+                            return Err(TransferError::Protocol(format!(
+                                "HelloAck for protocol version {}",
+                                a.protocol_version
+                            )))
+                        }
+                        Msg::Frame(Frame::HelloReject(r)) => return Err(TransferError::Rejected { reason: r.reason }),
+                        Msg::Key { base, rkey } if acked == Some(conn) => return Ok((conn, base, rkey)),
+                        other => return Err(TransferError::Protocol(format!("{} during the handshake", other.name()))),
+                    }
+                }
+                if let Some(e) = ep.failure() {
+                    return Err(ucx_err("the decode worker's endpoint", e));
+                }
+                mail(d).await;
+            }
+        };
+        let (conn, base, rkey) = timeout(wait, answer)
+            .await
+            .map_err(|_| TransferError::Timeout { what: "HelloAck and the landing key", after: wait })??;
+        let key = ep.unpack_key(&rkey).map_err(|e| ucx_err("unpacking the landing key", e))?;
+        let side = layout.block_elems() * layout.dtype.size();
+        Ok(Link {
+            d,
+            ep,
+            key,
+            base,
+            conn,
+            layout,
+            side,
+            timeout: wait,
+            heard: Heard::default(),
+            fenced: VecDeque::new(),
+        })
+    }
+
+    fn absorb(&mut self) {
+        while let Some(m) = self.d.pop() {
+            if let Ok((_, msg)) = m {
+                self.heard.note(msg);
+            }
+        }
+    }
+
+    async fn message(&self, msg: &Msg, what: &'static str) -> Result<(), TransferError> {
+        let (h, b) = msg.encode(self.conn);
+        let req = self.ep.send_am(TO_SERVER, h, b).map_err(|e| ucx_err(what, e))?;
+        self.bounded(req, what).await
+    }
+
+    /// Waits for a request, within the timeout, failing early if the
+    /// endpoint fails.
+    async fn bounded(&self, req: Request, what: &'static str) -> Result<(), TransferError> {
+        match timeout(self.timeout, req).await {
+            Ok(r) => r.map_err(|e| ucx_err(what, e)),
+            Err(_) => Err(TransferError::Timeout { what, after: self.timeout }),
+        }
+    }
+
+    /// Waits until `check` finds what it waits for in what the server sent.
+    async fn until<T>(
+        &mut self,
+        what: &'static str,
+        mut check: impl FnMut(&mut Heard) -> Option<T>,
+    ) -> Result<T, TransferError> {
+        let wait = self.timeout;
+        let waiting = async {
+            loop {
+                self.absorb();
+                if let Some(out) = check(&mut self.heard) {
+                    return Ok(out);
+                }
+                if let Some(e) = self.ep.failure() {
+                    return Err(ucx_err("the decode worker's endpoint", e));
+                }
+                mail(self.d).await;
+            }
+        };
+        timeout(wait, waiting).await.map_err(|_| TransferError::Timeout { what, after: wait })?
+    }
+
+    /// The server aborted `r`: flush every put we started (after which none
+    /// of ours can land), tell it so, and report the abort.
+    async fn fenced_abort(&mut self, r: Reservation, reason: AbortReason) -> TransferError {
+        if !self.fenced.contains(&r) {
+            remember(&mut self.fenced, r);
+            self.heard.grants.remove(&r);
+            if self.flush().await.is_ok() {
+                let _ = self.message(&Msg::Fenced(r), "sending Fenced").await;
+            }
+        }
+        TransferError::PeerAbort { reason }
+    }
+
+    async fn flush(&self) -> Result<(), TransferError> {
+        let req = self.ep.flush().map_err(|e| ucx_err("flushing puts", e))?;
+        self.bounded(req, "flushing puts").await
+    }
+
+    async fn check_not_aborted(&mut self, r: Reservation) -> Result<(), TransferError> {
+        self.absorb();
+        match self.heard.abort_of(r) {
+            Some(reason) => Err(self.fenced_abort(r, reason).await),
+            None => Ok(()),
+        }
+    }
+
+    async fn grant(&mut self, r: Reservation) -> Result<Grant, TransferError> {
+        if let Some(g) = self.heard.grants.get(&r) {
+            return Ok(*g);
+        }
+        self.message(&Msg::Claim(r), "sending Claim").await?;
+        let heard = self
+            .until("a landing grant", |h| {
+                if let Some(g) = h.grants.get(&r) {
+                    return Some(Ok(*g));
+                }
+                if let Some(refusal) = h.refused.remove(&r) {
+                    return Some(Err(Ok(refusal)));
+                }
+                h.abort_of(r).map(|reason| Err(Err(reason)))
+            })
+            .await?;
+        match heard {
+            Ok(g) => Ok(g),
+            Err(Ok(refusal)) => Err(TransferError::Landing { refusal }),
+            Err(Err(reason)) => Err(self.fenced_abort(r, reason).await),
+        }
+    }
+
+    async fn send_blocks(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        k: Vec<u8>,
+        v: Vec<u8>,
+    ) -> Result<(), TransferError> {
+        self.check_not_aborted(r).await?;
+        let plan = LayerPlan::new(&self.layout, layer, &k, &v, usize::MAX)?;
+        let g = self.grant(r).await?;
+        let (nb, side) = (g.n_blocks as usize, self.side);
+        let end = first_block.checked_add(plan.n_blocks).filter(|end| *end <= nb);
+        if end.is_none() {
+            return Err(SplitError::TooManyBlocks { n_blocks: first_block.saturating_add(plan.n_blocks) }.into());
+        }
+        let layer_at = self.base + g.offset + (layer * 2 * nb * side) as u64;
+        let k_at = layer_at + (first_block * side) as u64;
+        let v_at = layer_at + ((nb + first_block) * side) as u64;
+        // The checksum is of exactly the bytes handed to UCX below.
+        let header = LayerDataHeader {
+            reservation: r.id.0,
+            generation: r.generation,
+            layer: layer as u32,
+            first_block: first_block as u32,
+            n_blocks: plan.n_blocks as u32,
+            checksum: crc32c::crc32c_append(crc32c::crc32c(&k), &v),
+            payload_len: k.len() + v.len(),
+        };
+        let put_k = self.ep.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;
+        let put_v = self.ep.put(v, v_at, &self.key).map_err(|e| ucx_err("putting V", e))?;
+        // The flush completes once both puts are in the decode worker's
+        // memory; only then may the server copy the layer out.
+        self.flush().await?;
+        self.bounded(put_k, "putting K").await?;
+        self.bounded(put_v, "putting V").await?;
+        self.message(&Msg::Layer(header), "sending a layer's completion").await
+    }
+
+    async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
+        self.check_not_aborted(r).await?;
+        let c = Complete { reservation: r.id.0, generation: r.generation, n_layers: self.layout.n_layers as u32 };
+        self.message(&Msg::Frame(Frame::Complete(c)), "sending Complete").await?;
+        let heard = self
+            .until("Ack", |h| {
+                if h.acks.contains(&r) {
+                    return Some(None);
+                }
+                h.abort_of(r).map(Some)
+            })
+            .await?;
+        match heard {
+            None => {
+                self.heard.grants.remove(&r);
+                Ok(Ack { reservation: r.id.0, generation: r.generation })
+            }
+            Some(reason) => Err(self.fenced_abort(r, reason).await),
+        }
+    }
+
+    async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
+        self.flush().await?;
+        self.heard.grants.remove(&r);
+        let a = Abort { reservation: r.id.0, generation: r.generation, reason };
+        self.message(&Msg::Frame(Frame::Abort(a)), "sending Abort").await
+    }
+
+    /// Flushes, says `Bye`, and flushes again so the `Bye` is at the server
+    /// before the endpoint closes (best effort: a dead server needs neither).
+    async fn goodbye(&mut self) {
+        if self.flush().await.is_ok() && self.message(&Msg::Bye, "sending Bye").await.is_ok() {
+            let _ = self.flush().await;
+        }
+    }
+}

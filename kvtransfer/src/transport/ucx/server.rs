@@ -1,0 +1,644 @@
+//! The decode worker's side: one thread that owns a UCX worker and the
+//! landing region, answers senders' active messages and feeds a [`Receiver`].
+
+use std::collections::{HashMap, VecDeque};
+use std::future::poll_fn;
+use std::io;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tokio::sync::{oneshot, watch};
+use tokio::time::{Instant, MissedTickBehavior};
+use types::kv::KvLayout;
+use ucx_sys::{Context, Endpoint, Region, Request, Worker};
+
+use super::driver::{mail, Driver, Inbound};
+use super::landing::Landing;
+use super::wire::{Grant, LandingRefusal, Msg, TO_SENDER, TO_SERVER};
+use crate::frame::{Abort, AbortReason, Complete, Frame, Hello, LayerDataHeader};
+use crate::session::{Receiver, Reservation, ReservationId, ReservationState};
+use crate::transport::lock::lock;
+use crate::transport::BlockSink;
+
+/// Server settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UcxServerConfig {
+    /// Bytes of the landing region, registered once at start: the most KV
+    /// in flight (and in quarantine) at once. A reservation that does not
+    /// fit is refused ([`LandingRefusal::Full`]).
+    pub landing_bytes: usize,
+    /// How often the server looks for reservations that ended (lease,
+    /// abort, corruption) and for senders whose endpoint failed.
+    pub sweep_interval: Duration,
+    /// Senders served at once; a `Hello` beyond it is ignored.
+    pub max_connections: usize,
+}
+
+impl Default for UcxServerConfig {
+    /// 256 MiB of landing region, a 20 ms sweep, 256 senders.
+    fn default() -> Self {
+        Self { landing_bytes: 256 << 20, sweep_interval: Duration::from_millis(20), max_connections: 256 }
+    }
+}
+
+/// Why the server ended a sender's connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UcxCloseReason {
+    /// The sender said `Bye` after flushing: the normal end.
+    Bye,
+    /// UCX reported the endpoint to the sender failed (the process died or
+    /// became unreachable).
+    PeerFailed,
+    /// The handshake was refused (after telling the sender).
+    Rejected,
+    /// `max_connections` senders were being served.
+    Busy,
+}
+
+impl UcxCloseReason {
+    /// Every [`as_str`](Self::as_str) label, in [`UcxServerStats::closed`] order.
+    pub const LABELS: [&'static str; 4] = ["bye", "peer_failed", "rejected", "busy"];
+
+    pub fn as_str(self) -> &'static str {
+        Self::LABELS[self as usize]
+    }
+}
+
+/// What the server has done, for metrics and tests. Frame-level counts live
+/// in [`Receiver::counters`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UcxServerStats {
+    pub connections_accepted: u64,
+    /// Ended connections by [`UcxCloseReason`], in [`UcxCloseReason::LABELS`] order.
+    pub closed: [u64; UcxCloseReason::LABELS.len()],
+    /// Landing ranges granted.
+    pub grants: u64,
+    /// Claims refused, by [`LandingRefusal`], in [`LandingRefusal::ALL`] order.
+    pub refused: [u64; LandingRefusal::ALL.len()],
+    /// `Abort`s sent (at most one per reservation and connection).
+    pub aborts_sent: u64,
+    /// Accepted layers the [`BlockSink`] failed to store.
+    pub sink_failures: u64,
+    /// Messages that did not decode, named an unknown connection, or are
+    /// not for a server.
+    pub bad_messages: u64,
+    pub landing_bytes: u64,
+    /// Granted or quarantined.
+    pub landing_in_use_bytes: u64,
+    /// Ranges of reservations that ended while their sender may still write:
+    /// not reusable until the sender is fenced.
+    pub quarantined_bytes: u64,
+    pub quarantined_ranges: u64,
+    /// Quarantined ranges freed because their sender was fenced.
+    pub fences_completed: u64,
+}
+
+impl UcxServerStats {
+    pub fn connections_closed(&self) -> u64 {
+        self.closed.iter().sum()
+    }
+
+    pub fn closed_by(&self, reason: UcxCloseReason) -> u64 {
+        self.closed[reason as usize]
+    }
+
+    pub fn refused_by(&self, refusal: LandingRefusal) -> u64 {
+        LandingRefusal::ALL.iter().position(|r| *r == refusal).map_or(0, |i| self.refused[i])
+    }
+}
+
+/// Called on the server thread with the landing region and a layer's K
+/// range just before that layer is copied out (tests: a write that lands
+/// between a sender's put and the server's copy).
+#[cfg(test)]
+pub(super) type BeforeCopy = Box<dyn FnMut(&Region, Range<usize>) + Send>;
+
+/// The decode worker's UCX KV server: a thread with its own UCX context
+/// and worker, one registered landing region, and the [`Receiver`] shared
+/// with the rest of the worker. Dropping it (or
+/// [`shutdown`](Self::shutdown)) ends the thread, which closes every
+/// endpoint and unregisters the region.
+#[derive(Debug)]
+pub struct UcxKvServer {
+    addr: String,
+    stats: watch::Receiver<UcxServerStats>,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl UcxKvServer {
+    /// Starts the server thread, maps the landing region and returns once
+    /// the worker's address is known. UCX picks its transports from the
+    /// environment (`UCX_TLS`, `UCX_NET_DEVICES`).
+    pub async fn bind<S>(receiver: Arc<Mutex<Receiver>>, sink: S, config: UcxServerConfig) -> io::Result<Self>
+    where
+        S: BlockSink + 'static,
+    {
+        Self::start(receiver, sink, config, Hooks::default()).await
+    }
+
+    #[cfg(test)]
+    pub(super) async fn bind_with_hook<S>(
+        receiver: Arc<Mutex<Receiver>>,
+        sink: S,
+        config: UcxServerConfig,
+        before_copy: BeforeCopy,
+    ) -> io::Result<Self>
+    where
+        S: BlockSink + 'static,
+    {
+        Self::start(receiver, sink, config, Hooks { before_copy: Some(before_copy) }).await
+    }
+
+    async fn start<S>(
+        receiver: Arc<Mutex<Receiver>>,
+        sink: S,
+        config: UcxServerConfig,
+        hooks: Hooks,
+    ) -> io::Result<Self>
+    where
+        S: BlockSink + 'static,
+    {
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let (stats_tx, stats) = watch::channel(UcxServerStats::default());
+        let thread = std::thread::Builder::new().name("tandem-ucx-kv".into()).spawn(move || {
+            serve_thread(receiver, sink, config, hooks, ready_tx, stop_rx, stats_tx);
+        })?;
+        let addr = match ready_rx.await {
+            Ok(Ok(addr)) => addr,
+            Ok(Err(e)) => return Err(io::Error::other(format!("starting the UCX KV server: {e}"))),
+            Err(_) => return Err(io::Error::other("the UCX KV server thread ended during start-up")),
+        };
+        Ok(Self { addr, stats, stop: Some(stop_tx), thread: Some(thread) })
+    }
+
+    /// The address a [`UcxKvSender`](super::UcxKvSender) connects to: this
+    /// worker's UCX address, hex-encoded.
+    pub fn local_addr(&self) -> &str {
+        &self.addr
+    }
+
+    pub fn stats(&self) -> UcxServerStats {
+        self.stats.borrow().clone()
+    }
+
+    /// A watch on the counters, to await an event instead of polling.
+    pub fn watch_stats(&self) -> watch::Receiver<UcxServerStats> {
+        self.stats.clone()
+    }
+
+    /// Ends the server thread and waits for it.
+    pub fn shutdown(self) {
+        // Drop does it all.
+    }
+}
+
+impl Drop for UcxKvServer {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            // The thread stops at its next poll (the stop channel wakes it) and
+            // only force-closes endpoints on its way out: a short wait.
+            let _ = t.join();
+        }
+    }
+}
+
+#[derive(Default)]
+struct Hooks {
+    #[cfg(test)]
+    before_copy: Option<BeforeCopy>,
+}
+
+impl Hooks {
+    #[cfg(test)]
+    fn before_copy(&mut self, region: &Region, k_range: Range<usize>) {
+        if let Some(hook) = self.before_copy.as_mut() {
+            hook(region, k_range);
+        }
+    }
+
+    #[cfg(not(test))]
+    fn before_copy(&mut self, _: &Region, _: Range<usize>) {}
+}
+
+fn serve_thread<S: BlockSink>(
+    receiver: Arc<Mutex<Receiver>>,
+    sink: S,
+    config: UcxServerConfig,
+    hooks: Hooks,
+    ready: oneshot::Sender<Result<String, String>>,
+    stop: oneshot::Receiver<()>,
+    stats: watch::Sender<UcxServerStats>,
+) {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = ready.send(Err(format!("runtime: {e}")));
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let layout = lock(&receiver).config().layout;
+        let setup = || -> Result<_, String> {
+            let ctx = Context::new("tandem-kv-decode").map_err(|e| e.to_string())?;
+            let worker = Worker::new(&ctx).map_err(|e| e.to_string())?;
+            let region = ctx.map(config.landing_bytes).map_err(|e| e.to_string())?;
+            let rkey = region.pack_key().map_err(|e| e.to_string())?;
+            let addr = worker.address().map_err(|e| e.to_string())?;
+            let driver = Driver::new(worker, TO_SERVER)?;
+            Ok((ctx, driver, region, rkey, addr))
+        };
+        let (_ctx, driver, region, rkey, addr) = match setup() {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        let mut state = State {
+            receiver,
+            sink,
+            layout,
+            side: layout.block_elems() * layout.dtype.size(),
+            landing: Landing::new(region.len()),
+            region,
+            rkey,
+            conns: HashMap::new(),
+            owner: HashMap::new(),
+            next_conn: 1,
+            lingering: Vec::new(),
+            counts: UcxServerStats::default(),
+            stats,
+            config,
+            hooks,
+        };
+        state.publish();
+        if ready.send(Ok(super::hex(&addr))).is_err() {
+            return;
+        }
+        driver.run(state.serve(&driver, stop)).await;
+        // Endpoints close (forced) before the worker and the region go.
+        state.conns.clear();
+        state.lingering.clear();
+    });
+}
+
+/// One sender.
+struct Conn {
+    ep: Endpoint,
+    /// Live transfers' landing ranges, with their reservation's block count.
+    grants: HashMap<Reservation, (Range<usize>, usize)>,
+    /// Ranges of transfers that ended unfinished, until the sender fences.
+    quarantine: HashMap<Reservation, Range<usize>>,
+    /// Reservations this sender was told to abort (bounded).
+    aborted: VecDeque<Reservation>,
+}
+
+/// Reservations remembered per connection as aborted.
+const REMEMBERED: usize = 64;
+
+struct State<S> {
+    receiver: Arc<Mutex<Receiver>>,
+    sink: S,
+    layout: KvLayout,
+    /// Bytes of one block's K (or V) in one layer.
+    side: usize,
+    landing: Landing,
+    region: Region,
+    rkey: Vec<u8>,
+    conns: HashMap<u64, Conn>,
+    /// Which connection holds each granted reservation.
+    owner: HashMap<Reservation, u64>,
+    next_conn: u64,
+    /// Endpoints kept only until their last message (a `HelloReject`) arrived.
+    lingering: Vec<(Endpoint, Option<Request>)>,
+    counts: UcxServerStats,
+    stats: watch::Sender<UcxServerStats>,
+    config: UcxServerConfig,
+    hooks: Hooks,
+}
+
+fn send(ep: &Endpoint, conn: u64, msg: &Msg) -> Option<Request> {
+    let (header, body) = msg.encode(conn);
+    // A failed send means a failed endpoint, which the sweep notices.
+    ep.send_am(TO_SENDER, header, body).ok()
+}
+
+fn now() -> std::time::Instant {
+    Instant::now().into_std()
+}
+
+impl<S: BlockSink> State<S> {
+    async fn serve(&mut self, d: &Driver, mut stop: oneshot::Receiver<()>) {
+        let mut tick = tokio::time::interval(self.config.sweep_interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        loop {
+            while let Some(m) = d.pop() {
+                self.handle(d, m).await;
+                self.publish();
+            }
+            tokio::select! {
+                biased;
+                _ = &mut stop => return,
+                _ = mail(d) => {}
+                _ = tick.tick() => {
+                    self.sweep();
+                    self.publish();
+                }
+            }
+        }
+    }
+
+    fn publish(&mut self) {
+        let c = &mut self.counts;
+        c.landing_bytes = self.landing.size() as u64;
+        c.landing_in_use_bytes = self.landing.in_use() as u64;
+        let (bytes, ranges) = self.landing.quarantined();
+        (c.quarantined_bytes, c.quarantined_ranges) = (bytes as u64, ranges as u64);
+        let now = self.counts.clone();
+        self.stats.send_if_modified(|s| {
+            let changed = *s != now;
+            *s = now;
+            changed
+        });
+    }
+
+    async fn handle(&mut self, d: &Driver, m: Inbound) {
+        let Ok((conn, msg)) = m else {
+            self.counts.bad_messages += 1;
+            return;
+        };
+        if !matches!(msg, Msg::Hello { .. }) && !self.conns.contains_key(&conn) {
+            self.counts.bad_messages += 1;
+            return;
+        }
+        match msg {
+            Msg::Hello { addr, frame: Frame::Hello(h) } => self.hello(&d.worker, &addr, &h),
+            Msg::Claim(r) => self.claim(conn, r),
+            Msg::Layer(h) => self.layer(conn, h).await,
+            Msg::Frame(Frame::Complete(c)) => self.complete(conn, c),
+            Msg::Frame(Frame::Abort(a)) => self.peer_abort(conn, a),
+            Msg::Fenced(r) => self.fenced(conn, r),
+            Msg::Bye => self.close(conn, UcxCloseReason::Bye),
+            _ => self.counts.bad_messages += 1,
+        }
+    }
+
+    fn hello(&mut self, worker: &Worker, addr: &[u8], h: &Hello) {
+        if self.conns.len() >= self.config.max_connections {
+            self.counts.closed[UcxCloseReason::Busy as usize] += 1;
+            return;
+        }
+        let Ok(ep) = worker.connect(addr) else {
+            self.counts.bad_messages += 1;
+            return;
+        };
+        let id = self.next_conn;
+        self.next_conn += 1;
+        // The handshake first: the key to the landing region goes only to a
+        // sender whose group and layout fingerprint match.
+        let verdict = lock(&self.receiver).on_hello(h);
+        match verdict {
+            Ok(ack) => {
+                send(&ep, id, &Msg::Frame(Frame::HelloAck(ack)));
+                let key = Msg::Key { base: self.region.remote_base(), rkey: self.rkey.clone() };
+                send(&ep, id, &key);
+                self.counts.connections_accepted += 1;
+                let conn = Conn { ep, grants: HashMap::new(), quarantine: HashMap::new(), aborted: VecDeque::new() };
+                self.conns.insert(id, conn);
+            }
+            Err(reject) => {
+                send(&ep, id, &Msg::Frame(Frame::HelloReject(reject)));
+                // Kept until the rejection is at the sender (a flush completes
+                // remotely), so closing the endpoint cannot drop it.
+                let flushed = ep.flush().ok();
+                self.counts.closed[UcxCloseReason::Rejected as usize] += 1;
+                self.lingering.push((ep, flushed));
+            }
+        }
+    }
+
+    fn claim(&mut self, id: u64, r: Reservation) {
+        let Some(conn) = self.conns.get_mut(&id) else { return };
+        if let Some((range, n_blocks)) = conn.grants.get(&r) {
+            let grant = Grant { reservation: r, offset: range.start as u64, n_blocks: *n_blocks as u32 };
+            send(&conn.ep, id, &Msg::Grant(grant));
+            return;
+        }
+        let verdict = if self.owner.contains_key(&r) {
+            Err(LandingRefusal::Claimed)
+        } else {
+            match lock(&self.receiver).receiving_blocks(r) {
+                None => Err(LandingRefusal::NotReceiving),
+                Some(n_blocks) => {
+                    let len = self.layout.n_layers.saturating_mul(n_blocks).saturating_mul(2 * self.side);
+                    self.landing.alloc(len).map(|range| (range, n_blocks))
+                }
+            }
+        };
+        match verdict {
+            Ok((range, n_blocks)) => {
+                let grant = Grant { reservation: r, offset: range.start as u64, n_blocks: n_blocks as u32 };
+                send(&conn.ep, id, &Msg::Grant(grant));
+                conn.grants.insert(r, (range, n_blocks));
+                self.owner.insert(r, id);
+                self.counts.grants += 1;
+            }
+            Err(refusal) => {
+                send(&conn.ep, id, &Msg::Refused { reservation: r, refusal });
+                if let Some(i) = LandingRefusal::ALL.iter().position(|x| *x == refusal) {
+                    self.counts.refused[i] += 1;
+                }
+            }
+        }
+    }
+
+    /// A layer the sender put and flushed: copy it out of the landing
+    /// region, checksum the copy, and hand the copy to the receiver and sink
+    /// exactly as a `LayerData` frame's payload.
+    async fn layer(&mut self, id: u64, h: LayerDataHeader) {
+        let r = Reservation { id: ReservationId(h.reservation), generation: h.generation };
+        let Some(conn) = self.conns.get(&id) else { return };
+        let Some((range, n_blocks)) = conn.grants.get(&r).cloned() else {
+            if !conn.quarantine.contains_key(&r) {
+                self.abort_once(id, r, AbortReason::ProtocolViolation);
+            }
+            return;
+        };
+        let (layer, first, n) = (h.layer as usize, h.first_block as usize, h.n_blocks as usize);
+        let side = self.side;
+        let fits = layer < self.layout.n_layers
+            && n > 0
+            && first.checked_add(n).is_some_and(|end| end <= n_blocks)
+            && h.payload_len == 2 * n * side;
+        if !fits {
+            // Nothing is read outside the reservation's own range.
+            self.abort_once(id, r, AbortReason::ProtocolViolation);
+            return;
+        }
+        let layer_at = range.start + layer * 2 * n_blocks * side;
+        let (k_at, v_at, half) = (layer_at + first * side, layer_at + (n_blocks + first) * side, n * side);
+        self.hooks.before_copy(&self.region, k_at..k_at + half);
+        // The copy is the KV: from here nothing reads the landing region
+        // for this layer, and the checksum below is of exactly these bytes.
+        let mut buf = vec![0u8; 2 * half];
+        let (k, v) = buf.split_at_mut(half);
+        if self.region.read(k_at, k).is_err() || self.region.read(v_at, v).is_err() {
+            self.abort_once(id, r, AbortReason::ProtocolViolation);
+            return;
+        }
+        let crc = crc32c::crc32c(&buf);
+        let sink = &mut self.sink;
+        poll_fn(|cx| sink.poll_ready(cx, buf.len())).await;
+        let now = now();
+        let mut rx = lock(&self.receiver);
+        let refusal = match rx.on_layer_checked(&h, crc, now) {
+            Ok(w) => match self.sink.write_layer_owned(w, Box::new(buf)) {
+                Ok(()) => None,
+                Err(_) => {
+                    let a = Abort { reservation: r.id.0, generation: r.generation, reason: AbortReason::Corrupt };
+                    let _ = rx.on_abort(&a, now);
+                    self.counts.sink_failures += 1;
+                    Some(AbortReason::Corrupt)
+                }
+            },
+            Err(e) => {
+                self.sink.unready();
+                Some(e.abort_reason())
+            }
+        };
+        drop(rx);
+        if let Some(reason) = refusal {
+            self.abort_once(id, r, reason);
+            self.settle(id, r);
+        }
+    }
+
+    fn complete(&mut self, id: u64, c: Complete) {
+        let r = Reservation { id: ReservationId(c.reservation), generation: c.generation };
+        let verdict = lock(&self.receiver).on_complete(&c, now());
+        match verdict {
+            Ok(ack) => {
+                if let Some(conn) = self.conns.get_mut(&id) {
+                    send(&conn.ep, id, &Msg::Frame(Frame::Ack(ack)));
+                    // Every layer was flushed by the sender before its Layer
+                    // message, and each was copied out: the range is done.
+                    if let Some((range, _)) = conn.grants.remove(&r) {
+                        self.owner.remove(&r);
+                        self.landing.free(range);
+                    }
+                }
+            }
+            Err(e) => {
+                self.abort_once(id, r, e.abort_reason());
+                self.settle(id, r);
+            }
+        }
+    }
+
+    /// The sender flushes before it sends `Abort`: its range is free at once.
+    fn peer_abort(&mut self, id: u64, a: Abort) {
+        let _ = lock(&self.receiver).on_abort(&a, now());
+        self.fenced(id, Reservation { id: ReservationId(a.reservation), generation: a.generation });
+    }
+
+    /// The sender flushed its endpoint after its last put for `r`.
+    fn fenced(&mut self, id: u64, r: Reservation) {
+        let Some(conn) = self.conns.get_mut(&id) else { return };
+        if let Some(range) = conn.quarantine.remove(&r) {
+            self.landing.release(range);
+            self.counts.fences_completed += 1;
+        } else if let Some((range, _)) = conn.grants.remove(&r) {
+            self.owner.remove(&r);
+            self.landing.free(range);
+        }
+    }
+
+    /// Ends a connection: its sender flushed and left, or UCX says it is
+    /// gone. Either way it can no longer write, so its ranges are free.
+    fn close(&mut self, id: u64, reason: UcxCloseReason) {
+        let Some(conn) = self.conns.remove(&id) else { return };
+        for (r, (range, _)) in conn.grants {
+            self.owner.remove(&r);
+            self.landing.free(range);
+        }
+        for (_, range) in conn.quarantine {
+            self.landing.release(range);
+            self.counts.fences_completed += 1;
+        }
+        self.counts.closed[reason as usize] += 1;
+    }
+
+    /// Moves `r`'s range to quarantine if its reservation no longer receives.
+    fn settle(&mut self, id: u64, r: Reservation) {
+        let state = lock(&self.receiver).state(r);
+        self.settle_as(id, r, state);
+    }
+
+    fn settle_as(&mut self, id: u64, r: Reservation, state: Option<ReservationState>) {
+        let reason = match state {
+            Some(ReservationState::Receiving) => return,
+            Some(ReservationState::Ready | ReservationState::Taken) => None,
+            Some(ReservationState::Failed) => Some(AbortReason::Corrupt),
+            Some(ReservationState::Aborted) => Some(AbortReason::Cancelled),
+            Some(ReservationState::Expired) | None => Some(AbortReason::LeaseExpired),
+        };
+        let Some(conn) = self.conns.get_mut(&id) else { return };
+        let Some((range, _)) = conn.grants.remove(&r) else { return };
+        self.owner.remove(&r);
+        match reason {
+            // Completed through this connection: nothing left to write.
+            None => self.landing.free(range),
+            Some(reason) => {
+                // The sender may still have puts in flight for it.
+                self.landing.quarantine(&range);
+                conn.quarantine.insert(r, range);
+                self.abort_once(id, r, reason);
+            }
+        }
+    }
+
+    fn abort_once(&mut self, id: u64, r: Reservation, reason: AbortReason) {
+        let Some(conn) = self.conns.get_mut(&id) else { return };
+        if conn.aborted.contains(&r) {
+            return;
+        }
+        if conn.aborted.len() == REMEMBERED {
+            conn.aborted.pop_front();
+        }
+        conn.aborted.push_back(r);
+        let a = Abort { reservation: r.id.0, generation: r.generation, reason };
+        send(&conn.ep, id, &Msg::Frame(Frame::Abort(a)));
+        self.counts.aborts_sent += 1;
+    }
+
+    /// Closes connections whose endpoint failed, quarantines the ranges of
+    /// reservations that ended (lease, local abort), drops sent rejections.
+    fn sweep(&mut self) {
+        let failed: Vec<u64> = self.conns.iter().filter(|(_, c)| c.ep.failure().is_some()).map(|(id, _)| *id).collect();
+        for id in failed {
+            self.close(id, UcxCloseReason::PeerFailed);
+        }
+        let mut ended: Vec<(u64, Reservation, Option<ReservationState>)> = Vec::new();
+        {
+            let rx = lock(&self.receiver);
+            for (id, c) in &self.conns {
+                for r in c.grants.keys() {
+                    let state = rx.state(*r);
+                    if state != Some(ReservationState::Receiving) {
+                        ended.push((*id, *r, state));
+                    }
+                }
+            }
+        }
+        for (id, r, state) in ended {
+            self.settle_as(id, r, state);
+        }
+        self.lingering
+            .retain(|(ep, req)| ep.failure().is_none() && req.as_ref().is_some_and(|r| r.poll_done().is_none()));
+    }
+}

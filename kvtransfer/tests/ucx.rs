@@ -1,0 +1,268 @@
+//! The UCX transport on loopback: KV put into the decode side's landing
+//! region reaches the pool byte-exact through the receiver, a reservation
+//! that ends unfinished holds its landing range in quarantine until its
+//! sender is fenced, and every failure is a typed error in bounded time.
+//!
+//! UCX picks its transports from the environment: with `UCX_TLS` unset it
+//! uses shared memory and CMA between these two in-process workers (TCP on
+//! `lo` is there too); `UCX_TLS=tcp` runs the same tests over TCP.
+//! `UCX_NET_DEVICES` is set to `lo` unless the caller set it. Every wait is
+//! bounded and named; events are awaited on the server's stats watch.
+
+mod common;
+mod net;
+
+use net::{layout, lock, now, peer, side, within, WAIT};
+
+use std::sync::{Arc, Mutex, Once};
+use std::time::Duration;
+
+use engine::kv::{BlockId, KvLayout, KvPool};
+use kvtransfer::{
+    AbortReason, ErrorKind, LandingRefusal, Peer, Receiver, ReceiverConfig, RejectReason, ReleaseCause, Reservation,
+    ReservationState, TransferError, UcxCloseReason, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig,
+    UcxServerStats,
+};
+
+fn ucx_env() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("UCX_NET_DEVICES").is_none() {
+            std::env::set_var("UCX_NET_DEVICES", "lo");
+        }
+    });
+}
+
+/// Landing bytes of one reservation of `n` blocks.
+fn landing_of(l: &KvLayout, n: usize) -> usize {
+    l.n_layers * n * 2 * side(l)
+}
+
+struct DecodeSide {
+    layout: KvLayout,
+    rx: Arc<Mutex<Receiver>>,
+    pool: Arc<Mutex<KvPool>>,
+    server: UcxKvServer,
+}
+
+impl DecodeSide {
+    async fn start(config: UcxServerConfig) -> Self {
+        ucx_env();
+        let l = layout();
+        let rx = Arc::new(Mutex::new(Receiver::new(peer(&l, "smollm2", 0x11), ReceiverConfig::new(l)).expect("rx")));
+        let pool = Arc::new(Mutex::new(KvPool::new(l, 32).expect("pool B")));
+        let _decoys = lock(&pool).allocate(3).expect("decoys");
+        let server = within("the UCX server up", UcxKvServer::bind(rx.clone(), pool.clone(), config)).await;
+        Self { layout: l, rx, pool, server: server.expect("bind") }
+    }
+
+    fn reserve(&self, n: usize, ttl: Duration) -> (Reservation, Vec<BlockId>) {
+        let blocks = lock(&self.pool).allocate(n).expect("alloc B");
+        (lock(&self.rx).reserve(blocks.clone(), ttl, now()).expect("reserve"), blocks)
+    }
+
+    async fn wait_stats(&self, what: &str, pred: impl FnMut(&UcxServerStats) -> bool) -> UcxServerStats {
+        let mut w = self.server.watch_stats();
+        let s = within(what, w.wait_for(pred)).await.expect("server alive").clone();
+        s
+    }
+
+    async fn connect(&self, p: &Peer) -> Result<UcxKvSender, TransferError> {
+        let config = UcxSenderConfig { timeout: Duration::from_secs(3) };
+        within("handshake", UcxKvSender::connect(self.server.local_addr(), p, self.layout, config)).await
+    }
+
+    /// Frees what `poll_released` hands back, as the decode worker's reaper does.
+    fn reap(&self, at: std::time::Instant) -> Vec<kvtransfer::Released> {
+        let released = lock(&self.rx).poll_released(at);
+        for r in &released {
+            lock(&self.pool).release(&r.blocks).expect("release");
+        }
+        released
+    }
+}
+
+/// Polls `cond` (every 5 ms) until it holds; fails the test after [`WAIT`].
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    within(what, async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+}
+
+async fn send_layers(tx: &mut UcxKvSender, pool: &KvPool, table: &[BlockId], r: Reservation, layers: &[usize]) {
+    for &layer in layers {
+        let (k, v) = pool.gather_layer(layer, table).expect("gather layer");
+        within("a layer sent", tx.send_layer(r, layer, &k, &v)).await.expect("send layer");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_lands_byte_exact_through_the_landing_region() {
+    let d = DecodeSide::start(UcxServerConfig::default()).await;
+    let l = d.layout;
+    let (pool_a, table_a) = common::source(l, 5, 32);
+    let (r, table_b) = d.reserve(5, Duration::from_secs(30));
+    assert_ne!(table_a, table_b, "the test must move KV between different ids");
+
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11)).await.expect("connect");
+    // Layers in reverse, and layer 1 in two pieces (blocks 0..3, then 3..5), as
+    // the prefill engine streams newly complete blocks.
+    for layer in (0..l.n_layers).rev() {
+        let (k, v) = pool_a.gather_layer(layer, &table_a).expect("gather");
+        if layer == 1 {
+            let cut = 3 * side(&l);
+            within("piece", tx.send_blocks(r, 1, 0, &k[..cut], &v[..cut])).await.expect("piece 1");
+            within("piece", tx.send_blocks(r, 1, 3, &k[cut..], &v[cut..])).await.expect("piece 2");
+        } else {
+            within("a layer sent", tx.send_layer(r, layer, &k, &v)).await.expect("send layer");
+        }
+    }
+    assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Receiving), "not readable before Complete");
+    let ack = within("Ack", tx.complete(r)).await.expect("complete");
+    assert_eq!((ack.reservation, ack.generation), (r.id.0, r.generation));
+    assert_eq!(lock(&d.rx).take_ready(r).expect("ready after Ack"), table_b);
+
+    for layer in 0..l.n_layers {
+        let a = pool_a.gather_layer(layer, &table_a).expect("gather A");
+        let b = lock(&d.pool).gather_layer(layer, &table_b).expect("gather B");
+        assert_eq!(a, b, "layer {layer} differs after the transfer");
+    }
+    let bytes = (l.n_layers * 5 * 2 * side(&l)) as u64;
+    assert_eq!(tx.bytes_sent(), bytes, "sender: blocks x block bytes");
+    assert_eq!(lock(&d.rx).counters().payload_bytes_accepted, bytes, "receiver: blocks x block bytes");
+    let s = d.wait_stats("the range freed", |s| s.landing_in_use_bytes == 0).await;
+    assert_eq!((s.grants, s.aborts_sent, s.quarantined_ranges), (1, 0, 0));
+    drop(tx);
+    d.wait_stats("the sender's Bye", |s| s.closed_by(UcxCloseReason::Bye) == 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layout_or_group_mismatch_is_refused_before_any_key_or_byte_moves() {
+    let d = DecodeSide::start(UcxServerConfig::default()).await;
+    let l = d.layout;
+    match d.connect(&peer(&l, "smollm2", 0x99)).await {
+        Err(e @ TransferError::Rejected { reason: RejectReason::Fingerprint }) => {
+            assert_eq!(e.kind(), ErrorKind::VersionMismatch)
+        }
+        other => panic!("expected a fingerprint rejection, got {other:?}"),
+    }
+    match d.connect(&peer(&l, "llama-8b", 0x11)).await {
+        Err(TransferError::Rejected { reason: RejectReason::VersionGroup }) => {}
+        other => panic!("expected a version-group rejection, got {other:?}"),
+    }
+    let s = d.wait_stats("two rejections", |s| s.closed_by(UcxCloseReason::Rejected) == 2).await;
+    assert_eq!((s.connections_accepted, s.grants, s.landing_in_use_bytes), (0, 0, 0));
+    let c = lock(&d.rx).counters().clone();
+    assert_eq!((c.hello_accepted, c.layer_frames_accepted, c.payload_bytes_accepted), (0, 0, 0));
+}
+
+/// The fence: a reservation whose lease ran out while its sender still held
+/// a landing range keeps that range out of use until the sender is fenced —
+/// it flushes and says so when it next acts, or it goes away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_reservations_range_is_quarantined_until_its_sender_is_fenced() {
+    let l = layout();
+    // Room for exactly one 4-block reservation.
+    let config = UcxServerConfig { landing_bytes: landing_of(&l, 4), ..UcxServerConfig::default() };
+    let d = DecodeSide::start(config).await;
+    let (pool_a, table_a) = common::source(l, 4, 32);
+    let ttl = Duration::from_secs(30);
+    let me = peer(&l, "smollm2", 0x11);
+
+    // 1: a sender puts one layer, then stalls past the lease.
+    let (r1, _) = d.reserve(4, ttl);
+    let mut stalled = d.connect(&me).await.expect("connect");
+    send_layers(&mut stalled, &pool_a, &table_a, r1, &[0]).await;
+    eventually("layer 0 accepted", || lock(&d.rx).counters().layer_frames_accepted == 1).await;
+    let released = d.reap(now() + ttl + Duration::from_millis(1));
+    assert_eq!(released.len(), 1);
+    assert_eq!(released[0].cause, ReleaseCause::LeaseExpired, "blocks back to the pool at once");
+    let s = d.wait_stats("the range quarantined", |s| s.quarantined_ranges == 1).await;
+    assert_eq!(s.quarantined_bytes as usize, landing_of(&l, 4));
+
+    // Another transfer cannot have those bytes: back-pressure, typed.
+    let (r2, table_b) = d.reserve(4, ttl);
+    let mut other = d.connect(&me).await.expect("connect");
+    let (k, v) = pool_a.gather_layer(0, &table_a).expect("gather");
+    match within("refusal", other.send_layer(r2, 0, &k, &v)).await {
+        Err(e @ TransferError::Landing { refusal: LandingRefusal::Full }) => {
+            assert_eq!(e.kind(), ErrorKind::Overloaded)
+        }
+        other => panic!("expected landing_full while the range is quarantined, got {other:?}"),
+    }
+    assert_eq!(d.server.stats().quarantined_ranges, 1, "still quarantined: the stalled sender was not fenced");
+
+    // The stalled sender resumes. Its late layer, if put before it heard of
+    // the expiry, lands in the quarantined range and goes no further; at the
+    // latest its Complete learns of the expiry, and it flushes and fences.
+    match within("the late layer", stalled.send_layer(r1, 1, &k, &v)).await {
+        Ok(()) | Err(TransferError::PeerAbort { reason: AbortReason::LeaseExpired }) => {}
+        other => panic!("expected the late layer put or refused as lease_expired, got {other:?}"),
+    }
+    match within("the late Complete", stalled.complete(r1)).await {
+        Err(TransferError::PeerAbort { reason: AbortReason::LeaseExpired }) => {}
+        other => panic!("expected the late transfer refused as lease_expired, got {other:?}"),
+    }
+    let s = d.wait_stats("the fence completed", |s| s.quarantined_ranges == 0 && s.fences_completed == 1).await;
+    assert_eq!(s.landing_in_use_bytes, 0);
+    assert_eq!(lock(&d.rx).counters().layer_frames_accepted, 1, "the late layer never reached the receiver");
+
+    // Now the other transfer gets the range and lands.
+    send_layers(&mut other, &pool_a, &table_a, r2, &(0..l.n_layers).collect::<Vec<_>>()).await;
+    within("Ack", other.complete(r2)).await.expect("complete");
+    assert_eq!(lock(&d.rx).take_ready(r2).expect("ready"), table_b);
+
+    // 2: a sender that never acts again is fenced by closing its endpoint.
+    let (r3, _) = d.reserve(4, ttl);
+    let mut silent = d.connect(&me).await.expect("connect");
+    send_layers(&mut silent, &pool_a, &table_a, r3, &[2]).await;
+    let blocks = lock(&d.rx).abort(r3).expect("the decode side cancels");
+    lock(&d.pool).release(&blocks).expect("release");
+    d.wait_stats("the cancelled range quarantined", |s| s.quarantined_ranges == 1).await;
+    drop(silent);
+    let closed = |s: &UcxServerStats| s.quarantined_ranges == 0 && s.closed_by(UcxCloseReason::Bye) >= 1;
+    let s = d.wait_stats("released by the sender's close", closed).await;
+    assert_eq!((s.fences_completed, s.landing_in_use_bytes), (2, 0));
+    assert_eq!(lock(&d.rx).held_blocks(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_peers_give_typed_errors_in_bounded_time_and_leak_nothing() {
+    let d = DecodeSide::start(UcxServerConfig::default()).await;
+    let l = d.layout;
+    let (pool_a, table_a) = common::source(l, 3, 32);
+    let me = peer(&l, "smollm2", 0x11);
+    let free_before = lock(&d.pool).available();
+
+    // The sender goes away mid-transfer: the lease returns the blocks once,
+    // and its close frees its landing range.
+    let ttl = Duration::from_secs(30);
+    let (r, _) = d.reserve(3, ttl);
+    let mut tx = d.connect(&me).await.expect("connect");
+    send_layers(&mut tx, &pool_a, &table_a, r, &[0, 1]).await;
+    drop(tx);
+    d.wait_stats("the sender's close", |s| s.closed_by(UcxCloseReason::Bye) == 1 && s.landing_in_use_bytes == 0).await;
+    assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Receiving), "never readable without Complete");
+    let released = d.reap(now() + ttl);
+    assert_eq!(released.len(), 1);
+    assert!(d.reap(now() + ttl).is_empty(), "blocks come back exactly once");
+    assert_eq!(lock(&d.pool).available(), free_before, "every reserved block is back in the pool");
+
+    // The decode side goes away: the sender's next step fails, typed, within its timeout.
+    let (r2, _) = d.reserve(3, ttl);
+    let mut tx = d.connect(&me).await.expect("connect");
+    let DecodeSide { server, .. } = d;
+    server.shutdown();
+    let (k, v) = pool_a.gather_layer(0, &table_a).expect("gather");
+    let started = std::time::Instant::now();
+    match within("the sender giving up", tx.send_layer(r2, 0, &k, &v)).await {
+        Err(e @ (TransferError::Timeout { .. } | TransferError::Io(_))) => {
+            assert!(matches!(e.kind(), ErrorKind::Deadline | ErrorKind::Retryable), "{e}")
+        }
+        other => panic!("expected a timeout or connection error, got {other:?}"),
+    }
+    assert!(started.elapsed() < WAIT, "bounded by the sender's timeout");
+}
