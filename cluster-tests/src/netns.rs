@@ -39,6 +39,17 @@ pub struct Netns {
     pub host_if: String,
 }
 
+/// A veth pair between two namespaces ([`Netns::join`]).
+#[derive(Debug, Clone)]
+pub struct Join {
+    /// The interface and address in the namespace `join` was called on.
+    pub here_if: String,
+    pub here_ip: Ipv4Addr,
+    /// The interface and address in the other namespace.
+    pub there_if: String,
+    pub there_ip: Ipv4Addr,
+}
+
 /// Runs `argv`; its stdout, or which command failed and its stderr.
 pub(crate) fn run(argv: &[&str]) -> Result<String, HarnessError> {
     let command = argv.join(" ");
@@ -159,6 +170,42 @@ impl Netns {
             swept.push(name.to_owned());
         }
         Ok(swept)
+    }
+
+    /// Joins this namespace to `other` with a veth pair of their own (a
+    /// direct link, no host in between): `tdmj<k>` here holds
+    /// `10.78.a.b+1/30`, `tdmk<k>` in `other` holds `.b+2/30`. The pair goes
+    /// with the namespaces (deleting either end's namespace deletes it).
+    pub fn join(&self, other: &Netns) -> Result<Join, HarnessError> {
+        let start = std::process::id().wrapping_mul(64).wrapping_add(self.name.len() as u32 * 131);
+        let mut last = None;
+        for k in (0..64).map(|i| start.wrapping_add(i) % SUBNETS) {
+            let (here_if, there_if) = (format!("tdmj{k}"), format!("tdmk{k}"));
+            // Made in the host namespace, where names are unique (a taken one is
+            // "File exists": try the next), then moved into the two namespaces.
+            match run(&["ip", "link", "add", &here_if, "type", "veth", "peer", "name", &there_if]) {
+                Ok(_) => {}
+                Err(e @ HarnessError::Command { .. }) if e.to_string().contains("File exists") => {
+                    last = Some(e);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+            let moved = run(&["ip", "link", "set", &here_if, "netns", &self.name])
+                .and_then(|_| run(&["ip", "link", "set", &there_if, "netns", &other.name]));
+            if let Err(e) = moved {
+                let _ = run(&["ip", "link", "del", &here_if]);
+                return Err(e);
+            }
+            let base = u32::from(Ipv4Addr::new(10, 78, 0, 0)) + 4 * k;
+            let (here_ip, there_ip) = (Ipv4Addr::from(base + 1), Ipv4Addr::from(base + 2));
+            self.exec(&["ip", "addr", "add", &format!("{here_ip}/30"), "dev", &here_if])?;
+            self.exec(&["ip", "link", "set", &here_if, "up"])?;
+            other.exec(&["ip", "addr", "add", &format!("{there_ip}/30"), "dev", &there_if])?;
+            other.exec(&["ip", "link", "set", &there_if, "up"])?;
+            return Ok(Join { here_if, here_ip, there_if, there_ip });
+        }
+        Err(last.unwrap_or_else(|| HarnessError::Setup("no free 10.78.0.0/16 subnet".into())))
     }
 
     /// Whether namespace `name` exists.
