@@ -78,8 +78,8 @@ pub fn attend_group(
             let dot = match (k, path) {
                 (KvSlice::F32(s), Isa::Avx512) => simd512::dot_f32(qh, &s[off..off + hd]),
                 (KvSlice::F16(s), Isa::Avx512) => simd512::dot_f16(qh, &s[off..off + hd]),
-                (KvSlice::F32(s), Isa::Avx2) => simd::dot_f32(qh, &s[off..off + hd]),
-                (KvSlice::F16(s), Isa::Avx2) => simd::dot_f16(qh, &s[off..off + hd]),
+                (KvSlice::F32(s), Isa::Avx2 | Isa::AvxVnni) => simd::dot_f32(qh, &s[off..off + hd]),
+                (KvSlice::F16(s), Isa::Avx2 | Isa::AvxVnni) => simd::dot_f16(qh, &s[off..off + hd]),
                 (KvSlice::F32(s), Isa::Scalar) => qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * b).sum(),
                 (KvSlice::F16(s), Isa::Scalar) => {
                     qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * crate::f16::f16_bits_to_f32(*b)).sum()
@@ -102,8 +102,8 @@ pub fn attend_group(
             match (v, path) {
                 (KvSlice::F32(s), Isa::Avx512) => simd512::axpy_f32(p, &s[off..off + hd], oh),
                 (KvSlice::F16(s), Isa::Avx512) => simd512::axpy_f16(p, &s[off..off + hd], oh),
-                (KvSlice::F32(s), Isa::Avx2) => simd::axpy_f32(p, &s[off..off + hd], oh),
-                (KvSlice::F16(s), Isa::Avx2) => simd::axpy_f16(p, &s[off..off + hd], oh),
+                (KvSlice::F32(s), Isa::Avx2 | Isa::AvxVnni) => simd::axpy_f32(p, &s[off..off + hd], oh),
+                (KvSlice::F16(s), Isa::Avx2 | Isa::AvxVnni) => simd::axpy_f16(p, &s[off..off + hd], oh),
                 (KvSlice::F32(s), Isa::Scalar) => {
                     for (o, x) in oh.iter_mut().zip(&s[off..off + hd]) {
                         *o += p * x;
@@ -130,7 +130,7 @@ mod simd {
     pub fn path(isa: Isa, hd: usize) -> Isa {
         match isa {
             Isa::Avx512 if hd % 16 == 0 && Isa::Avx512.available() => Isa::Avx512,
-            Isa::Avx512 | Isa::Avx2 if hd % 8 == 0 && Isa::Avx2.available() => Isa::Avx2,
+            Isa::Avx512 | Isa::AvxVnni | Isa::Avx2 if hd % 8 == 0 && Isa::Avx2.available() => Isa::Avx2,
             _ => Isa::Scalar,
         }
     }
@@ -388,14 +388,14 @@ mod tests {
                     continue;
                 }
                 let what = format!("attention {} bs={bs}", isa.name());
-                let simd = crate::isa::trace::assert_ran(isa, &what, || {
+                let simd = crate::isa::trace::assert_ran(isa.float(), &what, || {
                     run(isa, &shape, KvSlice::F32(&kp), KvSlice::F32(&vp), &table, n, &q)
                 });
                 for (a, b) in simd.iter().zip(&reference) {
                     assert!((a - b).abs() < 1e-5, "{what}: simd {a} vs scalar {b}");
                 }
                 // F16 storage agrees with F32 to half precision.
-                let h_simd = crate::isa::trace::assert_ran(isa, &what, || {
+                let h_simd = crate::isa::trace::assert_ran(isa.float(), &what, || {
                     run(isa, &shape, KvSlice::F16(&kh), KvSlice::F16(&vh), &table, n, &q)
                 });
                 for ((a, b), r) in h_simd.iter().zip(&h_scalar).zip(&reference) {

@@ -11,6 +11,10 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// x86-64 AVX-VNNI (`vpdpbusd` on 256-bit registers) on top of AVX2's set, as CPUs
+    /// without AVX-512 have it (e.g. E-core Xeons): the quantized matmuls' integer dot
+    /// products; float math runs AVX2's code ([`Isa::float`]).
+    AvxVnni,
     /// x86-64 AVX-512 F/BW/VL with VNNI (`vpdpbusd`), on top of AVX2's set.
     Avx512,
 }
@@ -19,7 +23,7 @@ pub enum Isa {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum IsaError {
     /// The value names no level the kernels have.
-    #[error("TANDEM_ISA={0:?} is not one of scalar, avx2, avx512")]
+    #[error("TANDEM_ISA={0:?} is not one of scalar, avx2, avxvnni, avx512")]
     Unknown(String),
     /// The level exists but this CPU lacks the flags it needs.
     #[error("TANDEM_ISA={} but this CPU lacks {}", .isa.name(), .missing.join(" "))]
@@ -33,7 +37,16 @@ pub enum IsaError {
 
 impl Isa {
     /// Every level the kernels have, the reference first, then by increasing width.
-    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512];
+
+    /// The level whose code runs `self`'s float math: AVX-VNNI adds only integer dot
+    /// products, so its floats are AVX2's.
+    pub fn float(self) -> Isa {
+        match self {
+            Isa::AvxVnni => Isa::Avx2,
+            i => i,
+        }
+    }
 
     /// Whether this CPU can run `self`'s code (a kernel asked for a level the CPU lacks
     /// falls back to a lower one).
@@ -56,6 +69,8 @@ impl Isa {
                 ("fma", || is_x86_feature_detected!("fma")),
                 ("f16c", || is_x86_feature_detected!("f16c")),
             ];
+            const AVX_VNNI: [(&str, fn() -> bool); 4] =
+                [AVX2[0], AVX2[1], AVX2[2], ("avx_vnni", || is_x86_feature_detected!("avxvnni"))];
             const AVX512: [(&str, fn() -> bool); 7] = [
                 AVX2[0],
                 AVX2[1],
@@ -68,6 +83,7 @@ impl Isa {
             match self {
                 Isa::Scalar => &[],
                 Isa::Avx2 => &AVX2,
+                Isa::AvxVnni => &AVX_VNNI,
                 Isa::Avx512 => &AVX512,
             }
         }
@@ -76,13 +92,13 @@ impl Isa {
             const NEVER: [(&str, fn() -> bool); 1] = [("x86_64", || false)];
             match self {
                 Isa::Scalar => &[],
-                Isa::Avx2 | Isa::Avx512 => &NEVER,
+                Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 => &NEVER,
             }
         }
     }
 
     /// The level to use: the best this CPU has, or the one `TANDEM_ISA`
-    /// (`scalar`, `avx2`, `avx512`) asks for. An unknown value or a level the
+    /// (`scalar`, `avx2`, `avxvnni`, `avx512`) asks for. An unknown value or a level the
     /// CPU lacks is not silently ignored: it is reported once on stderr and the
     /// best level is used. Callers that would rather refuse to start use
     /// [`Isa::from_env`].
@@ -124,6 +140,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avxvnni",
             Isa::Avx512 => "avx512",
         }
     }
@@ -192,7 +209,7 @@ mod tests {
     #[test]
     fn choose_honours_the_request_or_says_why_not() {
         let all = |_: Isa| true;
-        let avx2_only = |i: Isa| i != Isa::Avx512;
+        let avx2_only = |i: Isa| matches!(i, Isa::Scalar | Isa::Avx2);
         assert_eq!(Isa::choose(None, all), Ok(Isa::Avx512));
         assert_eq!(Isa::choose(Some(""), avx2_only), Ok(Isa::Avx2));
         assert_eq!(Isa::choose(None, |i| i == Isa::Scalar), Ok(Isa::Scalar));
@@ -203,6 +220,11 @@ mod tests {
         assert_eq!(Isa::choose(Some("scalar"), avx2_only), Ok(Isa::Scalar));
         assert!(matches!(Isa::choose(Some("avx512"), avx2_only), Err(IsaError::Unsupported { isa: Isa::Avx512, .. })));
         assert_eq!(Isa::choose(Some("avx1024"), all), Err(IsaError::Unknown("avx1024".into())));
+        // A CPU with AVX-VNNI but no AVX-512 (E-core Xeons) gets the VNNI matmuls.
+        let vnni_no_512 = |i: Isa| i != Isa::Avx512;
+        assert_eq!(Isa::choose(None, vnni_no_512), Ok(Isa::AvxVnni));
+        assert_eq!(Isa::AvxVnni.float(), Isa::Avx2);
+        assert_eq!(Isa::Avx512.float(), Isa::Avx512);
     }
 
     #[test]
@@ -218,5 +240,6 @@ mod tests {
         }
         // Wider levels include the narrower ones' flags, so "best" is well defined.
         assert!(Isa::Avx512.missing().len() >= Isa::Avx2.missing().len());
+        assert!(Isa::AvxVnni.missing().len() >= Isa::Avx2.missing().len());
     }
 }

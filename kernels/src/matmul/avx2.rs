@@ -1,7 +1,12 @@
-//! AVX2 + FMA + F16C kernels.
+//! AVX2 + FMA + F16C kernels, and the AVX-VNNI variant of the quantized ones.
 //!
 //! Quantized dot products use `vpmaddubsw` (u8 × i8 → i16 pairs) and
 //! `vpmaddwd` (→ i32), then one FMA per block with the product of scales.
+//! With AVX-VNNI, one `vpdpbusd` (u8 × i8, four at a time, → i32) replaces
+//! the pair; the i32 sums are the same (the pairs never saturate: weights
+//! are at most 15 in Q4 and 127 in magnitude in Q8), so both give the same
+//! bits. The kernels are written once, generic over `VNNI`, and inlined
+//! into one entry point per instruction set.
 //! Up to four activation rows share one unpacked weight block, which is
 //! where prefill gets its reuse; every output still sees the identical
 //! instruction sequence (see the module doc of `matmul`).
@@ -42,6 +47,30 @@ pub unsafe fn quant_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out:
     }
     // SAFETY: the function's contract.
     unsafe { super::scalar::quant_rows(w, acts, rows, out) }
+}
+
+/// [`quant_rows`] with AVX-VNNI's `vpdpbusd` for the integer dot products where
+/// the CPU has it (else [`quant_rows`]).
+///
+/// # Safety
+/// As [`super::scalar::quant_rows`]: concurrent callers pass disjoint `rows`.
+pub unsafe fn quant_rows_vnni(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::Isa::AvxVnni.available() {
+        // SAFETY: the CPU supports avx2, fma, f16c and avxvnni (checked just above);
+        // `rows` are this caller's alone (the function's contract).
+        unsafe {
+            match w.ty {
+                WeightType::Q4_1 => q4_rows_vnni::<true>(w, acts, rows, out),
+                WeightType::Q4_0 => q4_rows_vnni::<false>(w, acts, rows, out),
+                WeightType::Q8_0 => q8_rows_vnni(w, acts, rows, out),
+                _ => super::scalar::quant_rows(w, acts, rows, out),
+            }
+        }
+        return;
+    }
+    // SAFETY: the function's contract.
+    unsafe { quant_rows(w, acts, rows, out) }
 }
 
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -104,8 +133,33 @@ const X_TILE: usize = 32;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+    // SAFETY: this function's contract; the body is inlined with these features.
+    unsafe { q4_rows_with::<Q41, false>(w, acts, rows, out) }
+}
+
+/// # Safety
+/// The CPU has avx2, fma, f16c and avxvnni, and concurrent callers pass disjoint `rows`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn q4_rows_vnni<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+    // SAFETY: this function's contract; the body is inlined with these features.
+    unsafe { q4_rows_with::<Q41, true>(w, acts, rows, out) }
+}
+
+/// The body of [`q4_rows`] and [`q4_rows_vnni`], inlined into each.
+///
+/// # Safety
+/// Only called from those two, whose target features it runs with.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
+    w: &QMatrix<'_>,
+    acts: &QActs,
+    rows: Range<usize>,
+    out: &SharedSlice<f32>,
+) {
     #[cfg(test)]
-    crate::isa::trace::hit(crate::Isa::Avx2);
+    crate::isa::trace::hit(if VNNI { crate::Isa::AvxVnni } else { crate::Isa::Avx2 });
     let m = acts.rows;
     let mut t0 = 0;
     while t0 < m {
@@ -115,7 +169,7 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
             let mut i = t0;
             while i + 4 <= t1 {
                 // SAFETY: same target features as this function.
-                let v = unsafe { q4_kernel::<4, Q41>(wrow, acts, i) };
+                let v = unsafe { q4_kernel::<4, Q41, VNNI>(wrow, acts, i) };
                 for (j, v) in v.into_iter().enumerate() {
                     // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
                     unsafe { out.set((i + j) * w.rows + r, v) };
@@ -124,7 +178,7 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
             }
             while i < t1 {
                 // SAFETY: as above.
-                let v = unsafe { q4_kernel::<1, Q41>(wrow, acts, i) };
+                let v = unsafe { q4_kernel::<1, Q41, VNNI>(wrow, acts, i) };
                 // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
                 unsafe { out.set(i * w.rows + r, v[0]) };
                 i += 1;
@@ -135,10 +189,16 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
 }
 
 /// `R` activation rows starting at `x0` against one Q4_0/Q4_1 weight row.
+///
+/// # Safety
+/// Inlined only into functions with avx2, fma and f16c (and avxvnni when `VNNI`).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q4_kernel<const R: usize, const Q41: bool>(wrow: &[u8], acts: &QActs, x0: usize) -> [f32; R] {
+#[inline(always)]
+unsafe fn q4_kernel<const R: usize, const Q41: bool, const VNNI: bool>(
+    wrow: &[u8],
+    acts: &QActs,
+    x0: usize,
+) -> [f32; R] {
     let nb = acts.blocks_per_row();
     let bb = if Q41 { 20 } else { 18 };
     let qoff = if Q41 { 4 } else { 2 };
@@ -171,7 +231,7 @@ unsafe fn q4_kernel<const R: usize, const Q41: bool>(wrow: &[u8], acts: &QActs, 
                 let idx = j * nb + b;
                 (_mm256_loadu_si256(xq0.add(idx * 32) as *const __m256i), *d0.add(idx), *s0.add(idx))
             };
-            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones));
+            let p = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(wq, xq, ones));
             acc[j] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx), acc[j]);
             accm[j] += mw * sx;
         }
@@ -181,6 +241,21 @@ unsafe fn q4_kernel<const R: usize, const Q41: bool>(wrow: &[u8], acts: &QActs, 
         res[j] = hsum(acc[j]) + accm[j];
     }
     res
+}
+
+/// Sums of four adjacent u8 × i8 products, as i32 lanes: one `vpdpbusd` with
+/// AVX-VNNI, else `vpmaddubsw` + `vpmaddwd` (`ones`: i16 ones).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn dot_u8_i8<const VNNI: bool>(u: __m256i, s: __m256i, ones: __m256i) -> __m256i {
+    // SAFETY: inlined only into functions with avx2 (and avxvnni when `VNNI`).
+    unsafe {
+        if VNNI {
+            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+        } else {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones)
+        }
+    }
 }
 
 /// An f16 at `p` (unaligned) as f32.
@@ -199,15 +274,35 @@ unsafe fn f16_ptr(p: *const u8) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+    // SAFETY: this function's contract; the body is inlined with these features.
+    unsafe { q8_rows_with::<false>(w, acts, rows, out) }
+}
+
+/// # Safety
+/// The CPU has avx2, fma, f16c and avxvnni, and concurrent callers pass disjoint `rows`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn q8_rows_vnni(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+    // SAFETY: this function's contract; the body is inlined with these features.
+    unsafe { q8_rows_with::<true>(w, acts, rows, out) }
+}
+
+/// The body of [`q8_rows`] and [`q8_rows_vnni`], inlined into each.
+///
+/// # Safety
+/// Only called from those two, whose target features it runs with.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q8_rows_with<const VNNI: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
     #[cfg(test)]
-    crate::isa::trace::hit(crate::Isa::Avx2);
+    crate::isa::trace::hit(if VNNI { crate::Isa::AvxVnni } else { crate::Isa::Avx2 });
     let m = acts.rows;
     for r in rows {
         let wrow = w.row(r);
         let mut i = 0;
         while i + 4 <= m {
             // SAFETY: same target features as this function.
-            let v = unsafe { q8_kernel::<4>(wrow, acts, i) };
+            let v = unsafe { q8_kernel::<4, VNNI>(wrow, acts, i) };
             for (j, v) in v.into_iter().enumerate() {
                 // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
                 unsafe { out.set((i + j) * w.rows + r, v) };
@@ -216,7 +311,7 @@ unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &Share
         }
         while i < m {
             // SAFETY: as above.
-            let v = unsafe { q8_kernel::<1>(wrow, acts, i) };
+            let v = unsafe { q8_kernel::<1, VNNI>(wrow, acts, i) };
             // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
             unsafe { out.set(i * w.rows + r, v[0]) };
             i += 1;
@@ -224,10 +319,13 @@ unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &Share
     }
 }
 
+/// `R` activation rows starting at `x0` against one Q8_0 weight row.
+///
+/// # Safety
+/// Inlined only into functions with avx2, fma and f16c (and avxvnni when `VNNI`).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q8_kernel<const R: usize>(wrow: &[u8], acts: &QActs, x0: usize) -> [f32; R] {
+#[inline(always)]
+unsafe fn q8_kernel<const R: usize, const VNNI: bool>(wrow: &[u8], acts: &QActs, x0: usize) -> [f32; R] {
     let nb = acts.blocks_per_row();
     assert!(wrow.len() >= nb * 34, "weight row shorter than the activation row");
     assert!((x0 + R) * nb <= acts.d.len(), "activation rows out of range");
@@ -250,7 +348,7 @@ unsafe fn q8_kernel<const R: usize>(wrow: &[u8], acts: &QActs, x0: usize) -> [f3
                 (_mm256_loadu_si256(xq0.add(idx * 32) as *const __m256i), *d0.add(idx))
             };
             let sx = _mm256_sign_epi8(xq, wq);
-            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+            let p = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(aw, sx, ones));
             *acc_j = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx), *acc_j);
         }
     }

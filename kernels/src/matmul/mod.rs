@@ -160,6 +160,7 @@ pub fn matmul_multi(
             unsafe {
                 match (w.ty.is_quantized(), isa) {
                     (true, Isa::Avx512) => avx512::quant_rows(w, acts, lo..hi, out),
+                    (true, Isa::AvxVnni) => avx2::quant_rows_vnni(w, acts, lo..hi, out),
                     (true, Isa::Avx2) => avx2::quant_rows(w, acts, lo..hi, out),
                     (true, Isa::Scalar) => scalar::quant_rows(w, acts, lo..hi, out),
                     (false, _) => float_rows(isa, w, x, m, lo..hi, out),
@@ -189,7 +190,7 @@ unsafe fn float_rows(
             let xi = &x[i * k..(i + 1) * k];
             let v = match isa {
                 Isa::Avx512 => avx512::dot_f32(&wrow, xi),
-                Isa::Avx2 => avx2::dot_f32(&wrow, xi),
+                Isa::Avx2 | Isa::AvxVnni => avx2::dot_f32(&wrow, xi),
                 Isa::Scalar => scalar::dot_f32(&wrow, xi),
             };
             // SAFETY: row r is this caller's alone (the function's contract).
@@ -202,7 +203,7 @@ unsafe fn float_rows(
 pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
         Isa::Avx512 => avx512::dot_f32(a, b),
-        Isa::Avx2 => avx2::dot_f32(a, b),
+        Isa::Avx2 | Isa::AvxVnni => avx2::dot_f32(a, b),
         Isa::Scalar => scalar::dot_f32(a, b),
     }
 }
