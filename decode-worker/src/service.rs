@@ -340,15 +340,7 @@ impl DecodeService {
     ) -> Result<Finished, WorkerError> {
         let (params, policy) = self.validate(&req)?;
         let inner = &self.inner;
-        if !inner.ready.load(Ordering::SeqCst) {
-            return Err(err(ErrorKind::Retryable, "worker is draining"));
-        }
-        if inner.fenced.load(Ordering::SeqCst) {
-            return Err(err(
-                ErrorKind::Retryable,
-                "worker is fenced: another process holds its etcd key, or no coordinator has reached it",
-            ));
-        }
+        worker_common::serve::accepting(&inner.ready, &inner.fenced)?;
         {
             let mut running = lock(&inner.running);
             if running.contains_key(&req.request_id) {

@@ -253,15 +253,7 @@ impl PrefillService {
         let (params, reservation, dest) = self.validate(&req)?;
         let deadline = local_deadline(req.deadline_unix_ms);
         let inner = &self.inner;
-        if !inner.ready.load(Ordering::SeqCst) {
-            return Err(err(ErrorKind::Retryable, "worker is draining"));
-        }
-        if inner.fenced.load(Ordering::SeqCst) {
-            return Err(err(
-                ErrorKind::Retryable,
-                "worker is fenced: another process holds its etcd key, or no coordinator has reached it",
-            ));
-        }
+        worker_common::serve::accepting(&inner.ready, &inner.fenced)?;
         let engine_id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         let token = inner.shutdown.child_token();
         {

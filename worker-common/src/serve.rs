@@ -292,6 +292,26 @@ pub async fn finish(
     }
 }
 
+/// Whether a worker takes new work: `ready` (cleared when it starts draining)
+/// and not `fenced`; else the typed `retryable` refusal that sends the
+/// caller elsewhere.
+pub fn accepting(
+    ready: &std::sync::atomic::AtomicBool,
+    fenced: &std::sync::atomic::AtomicBool,
+) -> Result<(), WorkerError> {
+    use std::sync::atomic::Ordering;
+    if !ready.load(Ordering::SeqCst) {
+        return Err(err(ErrorKind::Retryable, "worker is draining"));
+    }
+    if fenced.load(Ordering::SeqCst) {
+        return Err(err(
+            ErrorKind::Retryable,
+            "worker is fenced: another process holds its etcd key, or no coordinator has reached it",
+        ));
+    }
+    Ok(())
+}
+
 /// Registers this worker in etcd (when configured) and mirrors its fence
 /// into `fencing`: a worker whose key another process holds takes no new
 /// work until it holds it again. Returns the registration, to mark draining
