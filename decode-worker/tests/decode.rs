@@ -9,6 +9,8 @@
 //! the decode worker advertises as its transfer address.
 
 mod common;
+#[path = "common/rpc.rs"]
+mod rpc;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -18,95 +20,14 @@ use common::{
 };
 use decode_worker::metrics::{
     CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, DECODE_REQUESTS, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
-    KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE, RESERVATIONS_ACTIVE, RESERVATIONS_EXPIRED,
-    TRANSPORT_INFO, TTFT, UCX_LANDING_IN_USE, UCX_QUARANTINED_RANGES,
+    KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE, RESERVATIONS_EXPIRED, TRANSPORT_INFO, TTFT,
+    UCX_LANDING_IN_USE, UCX_QUARANTINED_RANGES,
 };
 use prefill_worker::metrics::KV_TRANSFER_BYTES;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
-use proto::worker::v1::{
-    generate_response, ErrorKind, Finished, GenerateRequest, HealthRequest, KvLoadFailurePolicy, PrefillTarget,
-    WorkerError,
-};
+use proto::worker::v1::{generate_response, ErrorKind, GenerateRequest, HealthRequest, KvLoadFailurePolicy};
+use rpc::{assert_no_kv_left, client, generate, kind, request, target, with_policy, GROUP, MAX_TOKENS};
 use tonic::transport::Channel;
-
-const GROUP: &str = "g1";
-const MAX_TOKENS: u32 = 6;
-
-/// What a Generate stream delivered.
-#[derive(Debug)]
-struct Outcome {
-    tokens: Vec<u32>,
-    end: Result<Finished, WorkerError>,
-    /// The remote prefill attempts reported on the stream: (worker_id, failure reason or "ok").
-    attempts: Vec<(String, String)>,
-}
-
-async fn client(w: &Worker) -> Result<DecodeWorkerClient<Channel>, String> {
-    let addr = w.addr("grpc").map_err(|e| e.to_string())?;
-    within("gRPC connect", DecodeWorkerClient::connect(format!("http://{addr}")))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("connect to the decode worker {addr}: {e}"))
-}
-
-fn target(w: &Worker) -> Result<PrefillTarget, String> {
-    Ok(PrefillTarget { worker_id: format!("pid-{}", w.pid), grpc_addr: w.addr("grpc").map_err(|e| e.to_string())? })
-}
-
-fn request(id: &str, prompt: &[u32], prefill: Vec<PrefillTarget>) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.into(),
-        token_ids: prompt.to_vec(),
-        sampling: Some((&common::greedy(MAX_TOKENS)).into()),
-        deadline_unix_ms: 0,
-        prefill,
-        policy_override: None,
-        cache_salt: 0,
-    }
-}
-
-fn with_policy(mut r: GenerateRequest, p: KvLoadFailurePolicy) -> GenerateRequest {
-    r.policy_override = Some(p as i32);
-    r
-}
-
-async fn generate(c: &mut DecodeWorkerClient<Channel>, req: GenerateRequest) -> Result<Outcome, String> {
-    let id = req.request_id.clone();
-    let collect = async {
-        let mut stream = c.generate(req).await.map_err(|s| format!("Generate {id}: {s}"))?.into_inner();
-        let mut tokens = Vec::new();
-        let mut attempts = Vec::new();
-        while let Some(msg) = stream.message().await.map_err(|s| format!("Generate {id} stream: {s}"))? {
-            for a in &msg.prefill_attempts {
-                let who = a.target.as_ref().map(|t| t.worker_id.clone()).unwrap_or_default();
-                let how = if a.error.is_none() { "ok".to_owned() } else { a.reason.clone() };
-                attempts.push((who, how));
-            }
-            match msg.event {
-                Some(generate_response::Event::Token(t)) => tokens.push(t.id),
-                Some(generate_response::Event::Finished(f)) => return Ok(Outcome { tokens, end: Ok(f), attempts }),
-                Some(generate_response::Event::Error(e)) => return Ok(Outcome { tokens, end: Err(e), attempts }),
-                None => return Err(format!("Generate {id}: an empty event")),
-            }
-        }
-        Err(format!("Generate {id}: the stream ended without Finished or an error"))
-    };
-    within(&format!("Generate {id} to end"), collect).await.map_err(|e| e.to_string())?
-}
-
-/// The decode worker's used KV blocks and live reservations, once settled.
-async fn assert_no_kv_left(name: &str, w: &Worker) -> TestResult {
-    let metrics = w.addr("metrics")?;
-    wait_metric(&metrics, RESERVATIONS_ACTIVE, &[], |v| v == 0.0).await?;
-    let mut c = client(w).await?;
-    let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
-    assert_eq!(h.kv_blocks_used, 0, "{name}: KV blocks left in use: {h:?}");
-    Ok(())
-}
-
-fn kind(o: &Outcome) -> Option<ErrorKind> {
-    o.end.as_ref().err().map(|e| e.kind())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
@@ -152,15 +73,27 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
     assert_no_kv_left("after remote prefill", &decode).await
 }
 
-/// Remote prefill over `transport` gives the engine's output and moves every block.
-async fn remote_prefill_over(transport: &str) -> TestResult {
+/// Remote prefill over `transport` of prompts `lengths` tokens long gives the engine's
+/// output and moves every block, counted as blocks x block bytes on both sides.
+async fn remote_prefill_over(transport: &str, lengths: &[usize]) -> TestResult {
     let tok = common::tokenizer()?;
-    let prompts = vec![prompt_of(&tok, 37)?, prompt_of(&tok, 300)?];
+    let prompts = lengths.iter().map(|&n| prompt_of(&tok, n)).collect::<Result<Vec<_>, _>>()?;
     let want = reference(&prompts, MAX_TOKENS)?;
-    let prefill = prefill_worker(GROUP, &[])?;
+    // Bit-exactness, not timing: leases long enough for a 1,030-token prefill on one
+    // thread of a loaded 2-core machine (see remote_prefill_matches_the_single_process_engine).
+    let prefill = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
     let decode = decode_worker(
         GROUP,
-        &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0", "--kv-transport", transport],
+        &[
+            "--kv-load-failure-policy",
+            "fail",
+            "--local-prefill-max-tokens",
+            "0",
+            "--reservation-ttl-ms",
+            "120000",
+            "--kv-transport",
+            transport,
+        ],
     )?;
     let mut c = client(&decode).await?;
     let mut blocks = 0;
@@ -174,7 +107,10 @@ async fn remote_prefill_over(transport: &str) -> TestResult {
     let metrics = decode.addr("metrics")?;
     let page = scrape(&metrics).await?;
     assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, (blocks * 368_640) as f64);
+    assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, prompts.len() as f64);
     assert_eq!(page.get(TRANSPORT_INFO, &[("transport", transport)])?, 1.0);
+    let ppage = scrape(&prefill.addr("metrics")?).await?;
+    assert_eq!(ppage.get(KV_TRANSFER_BYTES, &[])?, (blocks * 368_640) as f64, "{transport}: bytes the sender counted");
     if transport == "ucx" {
         // Every transfer completed, so no landing range is held or quarantined.
         wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v == 0.0).await?;
@@ -187,22 +123,23 @@ async fn remote_prefill_over(transport: &str) -> TestResult {
 /// every destination carries its fingerprint for the prefill worker to pin.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_prefill_over_quic_matches_the_engine() -> TestResult {
-    remote_prefill_over("quic").await
+    remote_prefill_over("quic", &[37, 300]).await
 }
 
 /// Shared memory: a memfd ring passed over a Unix socket in the abstract namespace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_prefill_over_local_shared_memory_matches_the_engine() -> TestResult {
-    remote_prefill_over("local").await
+    remote_prefill_over("local", &[37, 300]).await
 }
 
 /// UCX: one-sided puts into the decode worker's landing region, with UCX's
 /// transports from the environment (shared memory and CMA between two
 /// processes on one host, unless `UCX_TLS` says otherwise); same greedy
-/// tokens as the engine, and so as TCP.
+/// tokens as the engine, and so as TCP, for a one-token prompt (one partial
+/// block), 37 tokens (a partial last block) and 1,030 (65 blocks, 23 MiB).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_prefill_over_ucx_matches_the_engine() -> TestResult {
-    remote_prefill_over("ucx").await
+    remote_prefill_over("ucx", &[1, 37, 1030]).await
 }
 
 /// A decode worker (policy `fail`, always remote prefill, plus `extra`)

@@ -1,0 +1,95 @@
+//! The decode worker's Generate and Health RPCs as the process tests call
+//! them: one request's walk to its end, with every wait bounded.
+//!
+//! Included by path (`#[path = "common/rpc.rs"] mod rpc;`) beside `mod common;`.
+#![allow(dead_code)] // each test binary uses its own part of this module
+
+use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
+use proto::worker::v1::{
+    generate_response, ErrorKind, Finished, GenerateRequest, HealthRequest, KvLoadFailurePolicy, PrefillTarget,
+    WorkerError,
+};
+use tonic::transport::Channel;
+
+use crate::common::{self, wait_metric, within, TestResult, Worker};
+use decode_worker::metrics::RESERVATIONS_ACTIVE;
+
+pub const GROUP: &str = "g1";
+pub const MAX_TOKENS: u32 = 6;
+
+/// What a Generate stream delivered.
+#[derive(Debug)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub end: Result<Finished, WorkerError>,
+    /// The remote prefill attempts reported on the stream: (worker_id, failure reason or "ok").
+    pub attempts: Vec<(String, String)>,
+}
+
+pub async fn client(w: &Worker) -> Result<DecodeWorkerClient<Channel>, String> {
+    let addr = w.addr("grpc").map_err(|e| e.to_string())?;
+    within("gRPC connect", DecodeWorkerClient::connect(format!("http://{addr}")))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("connect to the decode worker {addr}: {e}"))
+}
+
+pub fn target(w: &Worker) -> Result<PrefillTarget, String> {
+    Ok(PrefillTarget { worker_id: format!("pid-{}", w.pid), grpc_addr: w.addr("grpc").map_err(|e| e.to_string())? })
+}
+
+pub fn request(id: &str, prompt: &[u32], prefill: Vec<PrefillTarget>) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.into(),
+        token_ids: prompt.to_vec(),
+        sampling: Some((&common::greedy(MAX_TOKENS)).into()),
+        deadline_unix_ms: 0,
+        prefill,
+        policy_override: None,
+        cache_salt: 0,
+        priority: 0,
+    }
+}
+
+pub fn with_policy(mut r: GenerateRequest, p: KvLoadFailurePolicy) -> GenerateRequest {
+    r.policy_override = Some(p as i32);
+    r
+}
+
+pub async fn generate(c: &mut DecodeWorkerClient<Channel>, req: GenerateRequest) -> Result<Outcome, String> {
+    let id = req.request_id.clone();
+    let collect = async {
+        let mut stream = c.generate(req).await.map_err(|s| format!("Generate {id}: {s}"))?.into_inner();
+        let mut tokens = Vec::new();
+        let mut attempts = Vec::new();
+        while let Some(msg) = stream.message().await.map_err(|s| format!("Generate {id} stream: {s}"))? {
+            for a in &msg.prefill_attempts {
+                let who = a.target.as_ref().map(|t| t.worker_id.clone()).unwrap_or_default();
+                let how = if a.error.is_none() { "ok".to_owned() } else { a.reason.clone() };
+                attempts.push((who, how));
+            }
+            match msg.event {
+                Some(generate_response::Event::Token(t)) => tokens.push(t.id),
+                Some(generate_response::Event::Finished(f)) => return Ok(Outcome { tokens, end: Ok(f), attempts }),
+                Some(generate_response::Event::Error(e)) => return Ok(Outcome { tokens, end: Err(e), attempts }),
+                None => return Err(format!("Generate {id}: an empty event")),
+            }
+        }
+        Err(format!("Generate {id}: the stream ended without Finished or an error"))
+    };
+    within(&format!("Generate {id} to end"), collect).await.map_err(|e| e.to_string())?
+}
+
+/// The decode worker's used KV blocks and live reservations, once settled.
+pub async fn assert_no_kv_left(name: &str, w: &Worker) -> TestResult {
+    let metrics = w.addr("metrics")?;
+    wait_metric(&metrics, RESERVATIONS_ACTIVE, &[], |v| v == 0.0).await?;
+    let mut c = client(w).await?;
+    let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
+    assert_eq!(h.kv_blocks_used, 0, "{name}: KV blocks left in use: {h:?}");
+    Ok(())
+}
+
+pub fn kind(o: &Outcome) -> Option<ErrorKind> {
+    o.end.as_ref().err().map(|e| e.kind())
+}
