@@ -1,0 +1,126 @@
+//! The ucx transport's fence, with real worker processes: a prefill worker
+//! stopped (SIGSTOP) in the middle of its one-sided puts outlives its
+//! reservation's lease while the decode worker serves other requests on the
+//! same pool and landing region, then resumes (SIGCONT).
+//!
+//! What must hold: the other requests' outputs are the engine's bit for bit;
+//! the stopped sender's transfer is refused (its load counted failed as
+//! `lease_expired`, none of its bytes accepted after the lease); its landing
+//! range stays quarantined for as long as it is stopped, however much the
+//! region is reused meanwhile, and is released only by its fence once it
+//! runs again. Every step waits on metrics, never on time.
+
+mod common;
+#[path = "common/rpc.rs"]
+mod rpc;
+
+use common::{decode_worker, prefill_worker, prompt_of, reference, scrape, wait_metric, Signal, TestResult};
+use decode_worker::metrics::{
+    KV_LOAD_FAILURES, KV_RECEIVED_BYTES, KV_TRANSFERS_COMPLETED, RESERVATIONS_EXPIRED, UCX_FENCES, UCX_LANDING_IN_USE,
+    UCX_QUARANTINED_BYTES, UCX_QUARANTINED_RANGES,
+};
+use prefill_worker::metrics::KV_TRANSFER_BYTES;
+use proto::worker::v1::{ErrorKind, KvLoadFailurePolicy};
+use rpc::{assert_no_kv_left, client, generate, kind, request, target, with_policy, GROUP, MAX_TOKENS};
+
+/// K+V bytes of one block of the model's KV (30 layers x K,V x 3 heads x 64 x f16 x 16).
+const BLOCK_BYTES: usize = 368_640;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_sender_past_its_lease_never_writes_into_reused_kv() -> TestResult {
+    let tok = common::tokenizer()?;
+    // The stalled transfer: 65 blocks, so its prefill runs for seconds after the
+    // first put, which is when the sender is stopped.
+    let stalled_prompt = prompt_of(&tok, 1030)?;
+    // The first two need more blocks (19, 20) than the pool has beside the stalled
+    // reservation's 65 of 80: they run on blocks it held.
+    let others = vec![prompt_of(&tok, 300)?, prompt_of(&tok, 310)?, prompt_of(&tok, 37)?];
+    let want = reference(&others, MAX_TOKENS)?;
+
+    let stalled = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
+    let healthy = prefill_worker(GROUP, &[])?;
+    // The lease is what the stopped sender outlives; the healthy worker's prompts
+    // (at most 310 tokens) prefill well within it. 48 MiB of landing: the stalled
+    // range (65 blocks, 22.9 MiB) plus room for one other transfer at a time.
+    let decode = decode_worker(
+        GROUP,
+        &[
+            "--kv-transport",
+            "ucx",
+            "--kv-load-failure-policy",
+            "fail",
+            "--local-prefill-max-tokens",
+            "0",
+            "--reservation-ttl-ms",
+            "15000",
+            "--kv-blocks",
+            "80",
+            "--ucx-landing-mib",
+            "48",
+        ],
+    )?;
+    let metrics = decode.addr("metrics")?;
+    let c = client(&decode).await?;
+
+    // 1. The stalled request: stopped once the decode worker granted its landing range,
+    //    i.e. after its first put began and long before its last.
+    let req = with_policy(request("stalled", &stalled_prompt, vec![target(&stalled)?]), KvLoadFailurePolicy::Fail);
+    let mut c1 = c.clone();
+    let call = tokio::spawn(async move { generate(&mut c1, req).await });
+    wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v > 0.0).await?;
+    stalled.signal(Signal::Stop)?;
+
+    // 2. Its lease runs out: the load fails as lease_expired, its pool blocks go back (no
+    //    remote write can reach the pool), its landing range is quarantined.
+    let got = call.await??;
+    assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "the stalled request: {got:?}");
+    assert!(got.tokens.is_empty(), "tokens from a transfer that never completed: {got:?}");
+    wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "lease_expired")], |v| v == 1.0).await?;
+    assert_no_kv_left("after the lease", &decode).await?;
+    let stalled_landing = (65 * BLOCK_BYTES) as f64;
+    wait_metric(&metrics, UCX_QUARANTINED_BYTES, &[], |v| v == stalled_landing).await?;
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.get(RESERVATIONS_EXPIRED, &[])?, 1.0);
+    assert_eq!(page.get(UCX_QUARANTINED_RANGES, &[])?, 1.0);
+    assert_eq!(page.get(UCX_FENCES, &[])?, 0.0, "a fence completed while its sender was stopped");
+    // What the stalled sender delivered before it stopped, and all it will ever deliver.
+    let stalled_bytes = page.get(KV_RECEIVED_BYTES, &[])?;
+    assert!(stalled_bytes < stalled_landing, "the stalled transfer was not mid-way: {stalled_bytes} bytes in");
+
+    // 3. Other requests on the same pool and landing region while the sender is stopped:
+    //    the engine's tokens, and the quarantined range never handed out or freed.
+    let mut blocks = 0;
+    for (i, p) in others.iter().enumerate() {
+        let mut ci = c.clone();
+        let got = generate(&mut ci, request(&format!("other-{i}"), p, vec![target(&healthy)?])).await?;
+        assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "other {i}: {got:?}");
+        assert_eq!(got.tokens, want[i], "other {i} ({} tokens) differs from the engine", p.len());
+        blocks += p.len().div_ceil(16);
+        let page = scrape(&metrics).await?;
+        assert_eq!(page.get(UCX_QUARANTINED_BYTES, &[])?, stalled_landing, "after other {i}");
+        assert_eq!(page.get(UCX_FENCES, &[])?, 0.0, "after other {i}: fenced while stopped");
+    }
+    let others_bytes = (blocks * BLOCK_BYTES) as f64;
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, stalled_bytes + others_bytes);
+    assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, others.len() as f64);
+
+    // 4. The sender runs again: whatever it still puts lands in its quarantined range; it
+    //    learns of the Abort, flushes and fences, and only then is the range released.
+    stalled.signal(Signal::Cont)?;
+    wait_metric(&metrics, UCX_FENCES, &[], |v| v == 1.0).await?;
+    wait_metric(&metrics, UCX_QUARANTINED_RANGES, &[], |v| v == 0.0).await?;
+    wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v == 0.0).await?;
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, stalled_bytes + others_bytes, "late bytes were accepted");
+    assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, others.len() as f64, "the late transfer completed");
+    let sp = scrape(&stalled.addr("metrics")?).await?;
+    assert_eq!(sp.get(KV_TRANSFER_BYTES, &[])?, 0.0, "the stalled sender counted a completed transfer");
+
+    // 5. The released range serves again, and the answers are still the engine's.
+    let mut ci = c.clone();
+    let got = generate(&mut ci, request("after-fence", &others[0], vec![target(&healthy)?])).await?;
+    assert_eq!(got.tokens, want[0], "after the fence: {got:?}");
+    assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "after the fence: {got:?}");
+    assert_no_kv_left("at the end", &decode).await
+}
