@@ -37,7 +37,9 @@ readonly NEEDS=(
   # libucp; ucx_perftest (ucx-utils) is the ucx bench's baseline.
   "test -f /usr/include/ucp/api/ucp.h && pkg-config --exists ucx|libucx-dev"
   "ls /usr/lib/llvm-*/lib/libclang.so|libclang-dev"
-  "command -v ucx_perftest|ucx-utils"
+  # The file the package installs, not any ucx_perftest on PATH (a source build of UCX
+  # in /usr/local may be another version than the libucp the binding links).
+  "test -x /usr/bin/ucx_perftest|ucx-utils"
 )
 
 missing=()
