@@ -67,6 +67,7 @@ async fn generate(
         prefill,
         policy_override: None,
         cache_salt: 0,
+        priority: 0,
     };
     let collect = async {
         let mut stream = c.generate(req).await.map_err(|s| format!("Generate {id}: {s}"))?.into_inner();

@@ -25,7 +25,7 @@ use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, GenerateRequest, PrefillAttempt, PrefillTarget};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::admission::Admission;
+use crate::admission::{Admission, Priority};
 use crate::breaker::{BreakerConfig, Breakers, Gate, Gates, Outcome, Pair};
 use crate::error::Error;
 use crate::load::{Kind, LoadBoard};
@@ -154,6 +154,17 @@ pub struct Route {
     /// The decode worker's registry id (its address for fixed-address workers).
     pub decode_id: String,
     pub prefill: Vec<PrefillTarget>,
+}
+
+/// What a request carries to the workers from its tenant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerTags {
+    /// Scopes the request's prefix-cache entries (its tenant's
+    /// [`crate::tenants::CacheScope`]), so no other scope can hit them.
+    pub cache_salt: u64,
+    /// Its class: the workers' queues serve higher classes first and
+    /// preempt lower ones first.
+    pub priority: Priority,
 }
 
 impl Cluster {
@@ -488,9 +499,8 @@ impl Cluster {
         })
     }
 
-    /// Starts `Generate` on a decode worker and returns its stream;
-    /// `cache_salt` scopes the request's prefix-cache entries (its tenant's
-    /// [`crate::tenants::CacheScope`]), so no other scope can hit them. A worker
+    /// Starts `Generate` on a decode worker and returns its stream; `tags`
+    /// carry the request's tenant scope and class to the workers. A worker
     /// that cannot be reached (connection refused or broken before it
     /// answered) is marked unreachable and the request is routed once more.
     pub async fn generate(
@@ -499,7 +509,7 @@ impl Cluster {
         token_ids: Vec<u32>,
         params: &SamplingParams,
         deadline_unix_ms: u64,
-        cache_salt: u64,
+        tags: WorkerTags,
     ) -> Result<(WorkerStream, Lease), Error> {
         let mut req = GenerateRequest {
             request_id: request_id.clone(),
@@ -508,7 +518,8 @@ impl Cluster {
             deadline_unix_ms,
             prefill: Vec::new(),
             policy_override: None,
-            cache_salt,
+            cache_salt: tags.cache_salt,
+            priority: proto::worker::v1::Priority::from(tags.priority) as i32,
         };
         let mut attempt = 0;
         loop {
@@ -748,7 +759,7 @@ mod tests {
         c.board().set(&fine, idle(5));
         let params = SamplingParams { max_tokens: 1, ..SamplingParams::default() };
         let (mut stream, _lease) = c
-            .generate("r1".into(), vec![1, 2, 3], &params, 0, 7)
+            .generate("r1".into(), vec![1, 2, 3], &params, 0, WorkerTags { cache_salt: 7, priority: Priority::Low })
             .await
             .map_err(|e| e.to_string())
             .expect("routed again");

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::admission::{self, Admission, Priority, Shed, Slot, Ticket};
-use crate::cluster::{next, Cluster, Lease, Step, WorkerStream};
+use crate::cluster::{next, Cluster, Lease, Step, WorkerStream, WorkerTags};
 use crate::error::Error;
 use crate::metrics;
 use crate::openai::{Message, Spec, Usage};
@@ -265,10 +265,10 @@ impl Pipeline {
         job.pass.admitted();
         let admission = self.admit(&job).await?;
         let id = self.cluster.request_id();
-        let salt = job.pass.tenant().cache_salt;
+        let tags = WorkerTags { cache_salt: job.pass.tenant().cache_salt, priority: job.priority };
         let started = tokio::time::timeout_at(
             job.deadline.into(),
-            self.cluster.generate(id.clone(), job.ids.clone(), &job.spec.params, unix_ms(job.deadline), salt),
+            self.cluster.generate(id.clone(), job.ids.clone(), &job.spec.params, unix_ms(job.deadline), tags),
         )
         .await;
         let (stream, lease) = match started {

@@ -15,6 +15,9 @@
 //! - A flood of 1 MiB prompts from one tenant: another tenant's requests
 //!   still answer promptly (compared with the same requests alone, in this
 //!   test, with generous bounds).
+//! - Priority end to end: a tenant's class (and a client's `x-priority`
+//!   within what the tenant allows) reaches both workers, counted by the
+//!   class each received.
 
 mod common;
 
@@ -27,6 +30,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use coordinator::metrics::{TENANTS_RELOADS, TENANT_REQUESTS, TOKENIZER_QUEUE};
 use serde_json::{json, Value};
+use worker_common::metrics::REQUESTS_BY_PRIORITY;
 
 const HEADER_TIMEOUT_MS: u64 = 1000;
 const BODY_TIMEOUT_MS: u64 = 1000;
@@ -46,6 +50,14 @@ keys = ["sk-quiet", "sk-quiet-old"]
 
 [tenants.flood]
 keys = ["sk-flood"]
+
+[tenants.urgent]
+keys = ["sk-urgent"]
+priority = "high"
+
+[tenants.batch]
+keys = ["sk-batch"]
+priority = "low"
 "#;
 
 fn completion(max_tokens: u32) -> Value {
@@ -69,6 +81,8 @@ struct Cx {
     h: String,
     pid: u32,
     file: std::path::PathBuf,
+    /// The workers' metrics addresses: decode, prefill.
+    worker_metrics: [String; 2],
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -79,7 +93,7 @@ async fn the_abuse_table() -> TestResult {
     std::fs::write(&file, TENANTS)?;
     let path = file.to_str().ok_or("temp path")?.to_owned();
     let (ht, bt) = (HEADER_TIMEOUT_MS.to_string(), BODY_TIMEOUT_MS.to_string());
-    let Pair { prefill: _p, decode: _d, coord } = start_pair(
+    let Pair { prefill, decode, coord } = start_pair(
         "512",
         &[
             "--tenants",
@@ -96,7 +110,8 @@ async fn the_abuse_table() -> TestResult {
     let h = coord.addr("http")?;
     eventually("the coordinator reporting ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
         .await?;
-    let cx = Arc::new(Cx { h, pid: coord.pid, file });
+    let worker_metrics = [decode.addr("metrics")?.to_string(), prefill.addr("metrics")?.to_string()];
+    let cx = Arc::new(Cx { h, pid: coord.pid, file, worker_metrics });
 
     let mut failed = Vec::new();
     record(&mut failed, "max_tokens cap", tokio::spawn(max_tokens_cap(cx.clone())).await);
@@ -122,6 +137,7 @@ async fn the_abuse_table() -> TestResult {
     );
     record(&mut failed, "unknown and revoked keys", tokio::spawn(keys_and_reload(cx.clone())).await);
     record(&mut failed, "1 MiB prompt flood", tokio::spawn(flood(cx.clone())).await);
+    record(&mut failed, "priority reaches the workers", tokio::spawn(priority_reaches_the_workers(cx.clone())).await);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failed.is_empty(), "{} part(s) failed:\n{}", failed.len(), failed.join("\n"));
     Ok(())
@@ -360,5 +376,44 @@ async fn flood(cx: Arc<Cx>) -> TestResult {
     );
     let bound = alone * 5.0 + 2.0;
     assert!(during <= bound, "quiet's median {during:.3} s during the flood, {alone:.3} s alone (bound {bound:.3} s)");
+    Ok(())
+}
+
+/// Each request's class arrives at the decode worker (`Generate`) and the
+/// prefill worker (`Prefill`; the prompt is past the local-prefill limit): the
+/// tenant's own class, or a lower one the client asks for with
+/// `x-priority`. Only this part sends high or low requests.
+async fn priority_reaches_the_workers(cx: Arc<Cx>) -> TestResult {
+    let count = |class: &str| -> testkit::Result<[f64; 2]> {
+        let [d, p] = &cx.worker_metrics;
+        Ok([
+            metric(d, REQUESTS_BY_PRIORITY, &[("priority", class)])?,
+            metric(p, REQUESTS_BY_PRIORITY, &[("priority", class)])?,
+        ])
+    };
+    // Past the coordinator's local-prefill limit (32 tokens), so the
+    // prefill worker is asked too.
+    let long = json!({"model": MODEL, "prompt": "Tell me about the history of Paris. ".repeat(6), "max_tokens": 2});
+    let before = [count("high")?, count("normal")?, count("low")?];
+    for key in ["sk-urgent", "sk-batch", "sk-batch"] {
+        let (s, _, b) = post_as(&cx.h, key, "/v1/completions", &long)?;
+        assert_eq!(s, 200, "{key}: {b}");
+    }
+    // The high tenant asks for less than its class: allowed.
+    let body = long.to_string();
+    let (s, _, b) = http(
+        &cx.h,
+        "POST",
+        "/v1/completions",
+        "application/json",
+        body.as_bytes(),
+        &[("Authorization", "Bearer sk-urgent"), ("x-priority", "low")],
+    )?;
+    assert_eq!(s, 200, "{b}");
+    let after = [count("high")?, count("normal")?, count("low")?];
+    let sent = |i: usize| [after[i][0] - before[i][0], after[i][1] - before[i][1]];
+    assert_eq!(sent(0), [1.0, 1.0], "high requests at (decode, prefill)");
+    assert_eq!(sent(2), [3.0, 3.0], "low requests at (decode, prefill)");
+    assert_eq!(sent(1), [0.0, 0.0], "nothing arrived as normal");
     Ok(())
 }

@@ -64,6 +64,7 @@ fn main() -> Res<()> {
             prefill: if remote { vec![target.clone()] } else { vec![] },
             policy_override: None,
             cache_salt: salt,
+            priority: 0,
         };
         // Warm-up: connections, page cache, allocator.
         ttft(&mut c, request(1_000_000, true)).await?;

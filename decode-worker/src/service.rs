@@ -358,6 +358,7 @@ impl DecodeService {
             prompt: req.token_ids.clone(),
             params,
             salt: req.cache_salt,
+            priority: req.priority().into(),
         };
         let prompt_tokens = req.token_ids.len() as u32;
         let finished = |reason, prefilled_remotely| Finished {
@@ -542,7 +543,9 @@ impl DecodeWorker for DecodeService {
 
     async fn generate(&self, request: GrpcRequest<GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
         let (tx, rx) = mpsc::channel(32);
-        tokio::spawn(self.clone().run(request.into_inner(), tx));
+        let req = request.into_inner();
+        worker_common::metrics::record_request_class(req.priority().into());
+        tokio::spawn(self.clone().run(req, tx));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 

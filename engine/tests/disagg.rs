@@ -26,7 +26,15 @@ fn prefill_here_decode_there_equals_one_engine() {
 
     for (i, p) in prompts.iter().enumerate() {
         let id = i as u64;
-        prefill.add_prefill_only(Request { id, prompt: p.clone(), params: greedy(12), salt: 0 }).expect("add");
+        prefill
+            .add_prefill_only(Request {
+                id,
+                prompt: p.clone(),
+                params: greedy(12),
+                salt: 0,
+                priority: Default::default(),
+            })
+            .expect("add");
         let mut first = None;
         while first.is_none() {
             for ev in prefill.step().expect("step") {
@@ -49,7 +57,11 @@ fn prefill_here_decode_there_equals_one_engine() {
         let mut out = vec![first.id];
         assert_eq!(
             decode
-                .add_prefilled(Request { id, prompt: p.clone(), params: greedy(12), salt: 0 }, dst, &first)
+                .add_prefilled(
+                    Request { id, prompt: p.clone(), params: greedy(12), salt: 0, priority: Default::default() },
+                    dst,
+                    &first
+                )
                 .expect("join"),
             None
         );
@@ -67,7 +79,11 @@ fn joining_with_wrong_blocks_or_a_final_first_token() {
     let p = tok.encode("The capital of France is", false).expect("encode");
     let blocks = e.reserve_blocks(3).expect("reserve");
     let first = engine::sampler::SampledToken { id: 7042, logprob: None, top: vec![] };
-    let err = e.add_prefilled(Request { id: 1, prompt: p.clone(), params: greedy(4), salt: 0 }, blocks.clone(), &first);
+    let err = e.add_prefilled(
+        Request { id: 1, prompt: p.clone(), params: greedy(4), salt: 0, priority: Default::default() },
+        blocks.clone(),
+        &first,
+    );
     assert!(matches!(err, Err(EngineError::InvalidPrompt(_))), "1 block needed, 3 given");
     // On error the caller still owns them.
     e.release_reserved(&blocks).expect("release");
@@ -75,7 +91,9 @@ fn joining_with_wrong_blocks_or_a_final_first_token() {
     // A first token that is a stop token ends the request at once and frees the blocks.
     let blocks = e.reserve_blocks(1).expect("reserve");
     let params = engine::sampler::SamplingParams { stop_token_ids: vec![7042], ..greedy(4) };
-    let done = e.add_prefilled(Request { id: 2, prompt: p, params, salt: 0 }, blocks, &first).expect("join");
+    let done = e
+        .add_prefilled(Request { id: 2, prompt: p, params, salt: 0, priority: Default::default() }, blocks, &first)
+        .expect("join");
     assert_eq!(done, Some(FinishReason::Stop));
     assert_eq!(e.kv_stats().used, 0);
     assert!(!e.has_work());
@@ -96,7 +114,7 @@ fn streamed_prefill_kv_equals_the_held_blocks_exactly_once() {
     let mut all_chunks = Vec::new();
     for (id, p) in [(1u64, prompt.clone()), (2, prompt.clone())] {
         let (tx, rx) = std::sync::mpsc::channel();
-        let req = Request { id, prompt: p.clone(), params: greedy(1), salt: 0 };
+        let req = Request { id, prompt: p.clone(), params: greedy(1), salt: 0, priority: Default::default() };
         e.add_prefill_streaming(req, Box::new(move |c| drop(tx.send(c)))).expect("add");
         let mut chunks = Vec::new();
         let mut steps = 0;

@@ -287,7 +287,13 @@ impl PrefillService {
         let (layer_tx, layer_rx) = mpsc::channel::<LayerBlocks>(depth);
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Result<PrefillDone, RunnerError>>();
         let runner = inner.runner.clone();
-        let engine_req = Request { id: engine_id, prompt: req.token_ids.clone(), params, salt: req.cache_salt };
+        let engine_req = Request {
+            id: engine_id,
+            prompt: req.token_ids.clone(),
+            params,
+            salt: req.cache_salt,
+            priority: req.priority().into(),
+        };
         let started = Instant::now();
         let runner_deadline = deadline.map(Instant::into_std);
         blocking(move || {
@@ -475,7 +481,9 @@ fn layer_sink(tx: mpsc::Sender<LayerBlocks>) -> engine::batch::LayerSink {
 #[tonic::async_trait]
 impl PrefillWorker for PrefillService {
     async fn prefill(&self, request: GrpcRequest<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
-        let outcome = match self.prefill_inner(request.into_inner()).await {
+        let req = request.into_inner();
+        worker_common::metrics::record_request_class(req.priority().into());
+        let outcome = match self.prefill_inner(req).await {
             Ok(first) => {
                 crate::metrics::record_outcome("ok");
                 prefill_response::Outcome::FirstToken(first)

@@ -62,8 +62,14 @@ fn reference(prompt: &[u32]) -> Result<(KvLayout, LayoutFingerprint, u32, Vec<u8
     let digest = engine::weights::digest::weights_digest(&path).map_err(|e| e.to_string())?;
     let fp = LayoutFingerprint::new(&layout, &digest, &tok.digest());
     let mut e = Engine::new(model, engine_config(), tok.eos_ids().to_vec()).map_err(|e| e.to_string())?;
-    e.add_prefill_only(Request { id: 7, prompt: prompt.to_vec(), params: greedy(), salt: 0 })
-        .map_err(|e| e.to_string())?;
+    e.add_prefill_only(Request {
+        id: 7,
+        prompt: prompt.to_vec(),
+        params: greedy(),
+        salt: 0,
+        priority: Default::default(),
+    })
+    .map_err(|e| e.to_string())?;
     let mut first = None;
     for _ in 0..10_000 {
         if !e.has_work() {
@@ -135,6 +141,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
         sampling: Some((&greedy()).into()),
         deadline_unix_ms: 0,
         cache_salt: 0,
+        priority: 0,
         destination: Some(destination.clone()),
     };
     let resp = within("Prefill answer", client.prefill(request.clone())).await??.into_inner();
@@ -225,6 +232,7 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
         sampling: Some((&greedy()).into()),
         deadline_unix_ms: 0,
         cache_salt: 0,
+        priority: 0,
         destination: Some(KvDestination {
             transfer_addr: silent.local_addr()?.to_string(),
             transport: "tcp".into(),

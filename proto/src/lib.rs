@@ -7,7 +7,8 @@
 //! coordinator -> decode worker ([`worker::v1::decode_worker_server`]) and
 //! decode worker -> prefill worker ([`worker::v1::prefill_worker_server`]) —
 //! plus small, lossless conversions between wire types and the engine's types
-//! ([`worker::v1::SamplingParams`] <-> [`engine::sampler::SamplingParams`]).
+//! ([`worker::v1::SamplingParams`] <-> [`engine::sampler::SamplingParams`],
+//! [`worker::v1::Priority`] <-> [`types::priority::Priority`]).
 //!
 //! It must not hold logic: no I/O, no policy, no state. Servers and clients
 //! live in the worker and coordinator crates. Conversions that can fail return
@@ -20,6 +21,7 @@
 #![forbid(unsafe_code)]
 
 mod error_kind;
+mod priority;
 mod sampling;
 
 /// Worker API: `DecodeWorker` (served by decode workers, called by the

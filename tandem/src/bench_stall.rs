@@ -128,6 +128,7 @@ fn measure(path: &std::path::Path, a: &Args, budget_ms: u64, rep: u64) -> Result
             prompt: tokens(16, rep * 100 + d as u64, vocab),
             params: params(100_000),
             salt: 0,
+            priority: Default::default(),
         })?;
     }
     // Warm up: every decoder streams a few tokens; the last gaps are the idle figure.
@@ -165,6 +166,7 @@ fn measure(path: &std::path::Path, a: &Args, budget_ms: u64, rep: u64) -> Result
                 prompt: tokens(a.prompt_tokens, rep * 100 + 99, vocab),
                 params: params(1),
                 salt: 0,
+                priority: Default::default(),
             })?;
             arrived = Some(Instant::now());
         }

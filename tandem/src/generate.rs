@@ -101,7 +101,13 @@ pub fn run(a: Args) -> Result<()> {
         max_decode_stall_ms: None,
     };
     let mut engine = Engine::new(model, cfg, tok.eos_ids().to_vec())?;
-    engine.add(Request { id: 0, prompt: prompt.clone(), params: params.clone(), salt: 0 })?;
+    engine.add(Request {
+        id: 0,
+        prompt: prompt.clone(),
+        params: params.clone(),
+        salt: 0,
+        priority: Default::default(),
+    })?;
 
     let mut stop = StopChecker::new(&params, tok.eos_ids())?;
     let mut detok = IncrementalDecoder::new();

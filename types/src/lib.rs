@@ -1,5 +1,6 @@
 //! The types that cross crate boundaries: what a KV block is (layout, dtype,
-//! block ids) and how to sample (parameters and their validation).
+//! block ids), how to sample (parameters and their validation) and a
+//! request's priority class.
 //!
 //! A leaf: it depends on nothing of tandem's, so the KV transfer (`kvtransfer`)
 //! and the wire API (`proto`) can speak of blocks and sampling without
@@ -9,4 +10,5 @@
 #![forbid(unsafe_code)]
 
 pub mod kv;
+pub mod priority;
 pub mod sampling;

@@ -10,6 +10,7 @@
 
 use std::net::SocketAddr;
 
+use engine::batch::Priority;
 use metrics::{counter, describe_counter, describe_gauge, gauge};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 use proto::worker::v1::ErrorKind;
@@ -39,6 +40,21 @@ pub const REQUESTS_WAITING: &str = "tandem_num_requests_waiting";
 pub const PREEMPTIONS: &str = "tandem_num_preemptions_total";
 /// The `reason` of every preemption the engine makes today.
 pub const PREEMPTION_KV_EXHAUSTED: &str = "kv_exhausted";
+
+/// `tandem_num_preemptions_by_priority_total{priority}`: the same
+/// preemptions by the evicted sequence's class (`high`, `normal`, `low`).
+/// The engine evicts the lowest class first, so `high` rising means the
+/// pool is too small even for the high class alone. vLLM: none.
+pub const PREEMPTIONS_BY_PRIORITY: &str = "tandem_num_preemptions_by_priority_total";
+/// `tandem_num_requests_waiting_by_priority{priority}`: requests queued for
+/// a running seat, by class. The queue serves classes strictly (see
+/// engine `batch/order.rs`), so a `low` that stays up while `high` and
+/// `normal` keep the seats is starvation in the making. vLLM: none.
+pub const REQUESTS_WAITING_BY_PRIORITY: &str = "tandem_num_requests_waiting_by_priority";
+/// `tandem_worker_requests_by_priority_total{priority}`: requests this
+/// worker received (decode: `Generate`; prefill: `Prefill`), by the class
+/// they carried. vLLM: none.
+pub const REQUESTS_BY_PRIORITY: &str = "tandem_worker_requests_by_priority_total";
 
 /// `tandem_worker_fenced`: 1 while the worker is fenced (another process holds
 /// its etcd key, or no coordinator has called `Health` for
@@ -104,11 +120,19 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     describe_gauge!(FENCED, "1 while fenced (another process holds this worker's etcd key, or no coordinator has called Health for --coordinator-silence-fence-ms): no new work is taken.");
     describe_counter!(FENCES, "Times this worker fenced itself.");
     describe_counter!(PREEMPTIONS, "Sequences preempted (evicted, to be recomputed), by reason.");
+    describe_counter!(PREEMPTIONS_BY_PRIORITY, "Sequences preempted, by the evicted sequence's priority class.");
+    describe_gauge!(REQUESTS_WAITING_BY_PRIORITY, "Requests waiting for a running seat, by priority class.");
+    describe_counter!(REQUESTS_BY_PRIORITY, "Requests received, by the priority class they carried.");
     describe_gauge!(PROCESS_START, "When this process started, Unix seconds.");
     record_process_start();
     gauge!(FENCED).set(0.0);
     counter!(FENCES).absolute(0);
     counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(0);
+    for p in Priority::ALL {
+        counter!(PREEMPTIONS_BY_PRIORITY, "priority" => p.as_str()).absolute(0);
+        gauge!(REQUESTS_WAITING_BY_PRIORITY, "priority" => p.as_str()).set(0.0);
+        counter!(REQUESTS_BY_PRIORITY, "priority" => p.as_str()).absolute(0);
+    }
     Ok(addr)
 }
 
@@ -167,6 +191,15 @@ pub fn record_stats(s: &engine::runner::RunnerStats) {
     gauge!(REQUESTS_RUNNING).set(s.running as f64);
     gauge!(REQUESTS_WAITING).set(s.waiting as f64);
     counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(s.preemptions);
+    for p in Priority::ALL {
+        gauge!(REQUESTS_WAITING_BY_PRIORITY, "priority" => p.as_str()).set(s.waiting_by_class[p.index()] as f64);
+        counter!(PREEMPTIONS_BY_PRIORITY, "priority" => p.as_str()).absolute(s.preemptions_by_class[p.index()]);
+    }
+}
+
+/// Counts a request received with class `p` ([`REQUESTS_BY_PRIORITY`]).
+pub fn record_request_class(p: Priority) {
+    counter!(REQUESTS_BY_PRIORITY, "priority" => p.as_str()).increment(1);
 }
 
 #[cfg(test)]

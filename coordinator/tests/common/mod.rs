@@ -96,7 +96,8 @@ pub fn reference(tok: &Tokenizer, ids: &[u32], max_tokens: u32) -> Result<String
     let model = Model::new(w, 2).map_err(|e| e.to_string())?;
     let mut e = Engine::new(model, EngineConfig::default(), tok.eos_ids().to_vec()).map_err(|e| e.to_string())?;
     let params = SamplingParams { max_tokens, ..SamplingParams::default() };
-    e.add(Request { id: 1, prompt: ids.to_vec(), params, salt: 0 }).map_err(|e| e.to_string())?;
+    e.add(Request { id: 1, prompt: ids.to_vec(), params, salt: 0, priority: Default::default() })
+        .map_err(|e| e.to_string())?;
     let mut out = Vec::new();
     while e.has_work() {
         for ev in e.step().map_err(|e| e.to_string())? {

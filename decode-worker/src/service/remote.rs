@@ -266,6 +266,7 @@ impl DecodeService {
             sampling: req.sampling.clone(),
             deadline_unix_ms: unix_deadline(Some(limit)),
             cache_salt: req.cache_salt,
+            priority: req.priority,
             destination: Some(KvDestination {
                 transfer_addr: inner.settings.transfer_addr.clone(),
                 transport: inner.settings.transport.as_str().into(),

@@ -127,8 +127,14 @@ pub fn reference(prompts: &[Vec<u32>], max_tokens: u32) -> Result<Vec<Vec<u32>>,
     let cfg = EngineConfig { kv_blocks: 512, ..EngineConfig::default() };
     let mut e = Engine::new(model, cfg, tok.eos_ids().to_vec()).map_err(|e| e.to_string())?;
     for (i, p) in prompts.iter().enumerate() {
-        e.add(Request { id: i as u64, prompt: p.clone(), params: greedy(max_tokens), salt: 0 })
-            .map_err(|e| e.to_string())?;
+        e.add(Request {
+            id: i as u64,
+            prompt: p.clone(),
+            params: greedy(max_tokens),
+            salt: 0,
+            priority: Default::default(),
+        })
+        .map_err(|e| e.to_string())?;
     }
     let mut out = vec![Vec::new(); prompts.len()];
     for _ in 0..100_000 {

@@ -7,17 +7,24 @@
 //! prompt is therefore spread over several steps (chunked prefill) instead
 //! of stalling every decode behind it.
 //!
+//! Requests carry a priority class (`Request::priority`): the waiting queue
+//! is ordered highest class first, FIFO inside a class, and the running
+//! list likewise, so higher classes get a step's tokens first (see `order`
+//! for the rule and its starvation story).
+//!
 //! When a decoding sequence needs a new block and the pool is exhausted,
-//! the most recently admitted sequence is preempted by recompute: its blocks
-//! are released and it goes back to the front of the queue with every token
-//! it has so far, to be prefilled again later. Its sampler (and so its
-//! random stream and penalties) carries on unchanged.
+//! the lowest class's most recently admitted sequence is preempted by
+//! recompute: its blocks are released and it goes back to the front of its
+//! class in the queue with every token it has so far, to be prefilled again
+//! later. Its sampler (and so its random stream and penalties) carries on
+//! unchanged.
 //!
 //! With `max_decode_stall_ms` set, a step that carries decodes takes only
 //! the prefill that fits in that time beside them (see `stall`), so a long
 //! prompt arriving at a decode worker delays its running streams by at most
 //! about that much per token.
 
+mod order;
 mod remote;
 mod seq;
 mod stall;
@@ -30,6 +37,8 @@ use crate::sampler::{FinishReason, SampledToken, SamplerError, SamplingParams};
 
 use seq::Seq;
 use stall::StepCost;
+
+pub use types::priority::Priority;
 
 /// Engine sizing and scheduling knobs.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -103,6 +112,9 @@ pub struct Request {
     pub params: SamplingParams,
     /// Scopes prefix-cache sharing (e.g. per tenant); equal salts share.
     pub salt: u64,
+    /// Its class: the waiting queue serves higher classes first and
+    /// preemption evicts lower ones first.
+    pub priority: Priority,
 }
 
 /// One generated token of one sequence.
@@ -196,12 +208,16 @@ pub struct Engine {
     cfg: EngineConfig,
     eos: Vec<u32>,
     seqs: HashMap<u64, Seq>,
+    /// Highest class first, FIFO inside a class (`order::behind_class`).
     waiting: VecDeque<u64>,
-    /// Admission order; the back is preempted first.
+    /// Highest class first, admission order inside a class; the back is
+    /// preempted first.
     running: Vec<u64>,
     /// Finished prefill-only sequences whose blocks wait to be sent.
     held: HashMap<u64, Seq>,
     preemptions: u64,
+    /// `preemptions` by the evicted sequence's class (`Priority::index`).
+    preemptions_by_class: [u64; 3],
     /// Streaming prefills of the step in progress (see `step`).
     streams_scratch: Vec<Streaming>,
     /// Measured step costs, for `max_decode_stall_ms`.
@@ -223,6 +239,7 @@ impl Engine {
             running: Vec::new(),
             held: HashMap::new(),
             preemptions: 0,
+            preemptions_by_class: [0; 3],
             streams_scratch: Vec::new(),
             cost: StepCost::default(),
         })
@@ -265,6 +282,54 @@ impl Engine {
         self.preemptions
     }
 
+    /// [`preemptions`](Self::preemptions) by the evicted sequence's class,
+    /// indexed by [`Priority::index`].
+    pub fn preemptions_by_class(&self) -> [u64; 3] {
+        self.preemptions_by_class
+    }
+
+    /// Waiting requests by class, indexed by [`Priority::index`].
+    pub fn waiting_by_class(&self) -> [usize; 3] {
+        let mut n = [0; 3];
+        for id in &self.waiting {
+            n[self.class_of(*id).index()] += 1;
+        }
+        n
+    }
+
+    /// The waiting requests' ids in the order they will be admitted.
+    pub fn waiting_order(&self) -> impl Iterator<Item = u64> + '_ {
+        self.waiting.iter().copied()
+    }
+
+    /// The running sequences' ids, highest class first; the last is
+    /// preempted first.
+    pub fn running_order(&self) -> impl Iterator<Item = u64> + '_ {
+        self.running.iter().copied()
+    }
+
+    fn class_of(&self, id: u64) -> Priority {
+        self.seqs.get(&id).map_or(Priority::Normal, |s| s.priority)
+    }
+
+    /// Queues `id` behind every waiting request of its class or higher.
+    fn enqueue(&mut self, id: u64) {
+        let at = order::behind_class(self.waiting.iter().map(|w| self.class_of(*w)), self.class_of(id));
+        self.waiting.insert(at, id);
+    }
+
+    /// Queues a preempted `id` in front of its own class.
+    fn requeue(&mut self, id: u64) {
+        let at = order::front_of_class(self.waiting.iter().map(|w| self.class_of(*w)), self.class_of(id));
+        self.waiting.insert(at, id);
+    }
+
+    /// Seats `id` behind every running sequence of its class or higher.
+    fn seat(&mut self, id: u64) {
+        let at = order::behind_class(self.running.iter().map(|r| self.class_of(*r)), self.class_of(id));
+        self.running.insert(at, id);
+    }
+
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
@@ -281,7 +346,7 @@ impl Engine {
     pub fn add(&mut self, req: Request) -> Result<(), EngineError> {
         let seq = self.validate(&req)?;
         self.seqs.insert(req.id, seq);
-        self.waiting.push_back(req.id);
+        self.enqueue(req.id);
         Ok(())
     }
 
@@ -464,8 +529,9 @@ impl Engine {
             _ => usize::MAX,
         };
 
-        // 1. Running sequences, oldest first: decodes take one token,
-        //    prefills take what the budget leaves.
+        // 1. Running sequences, highest class first and oldest first inside
+        //    a class: decodes take one token, prefills take what the budget
+        //    leaves.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -493,7 +559,10 @@ impl Engine {
             i += 1;
         }
 
-        // 2. Admit waiting sequences while seats, budget and blocks allow.
+        // 2. Admit waiting sequences, in queue order (highest class first),
+        //    while seats, budget and blocks allow. A request that cannot
+        //    have its blocks stops admission: a lower class never takes the
+        //    blocks a higher one waits for.
         while budget > 0 && self.running.len() < self.cfg.max_running {
             let Some(&id) = self.waiting.front() else { break };
             let s = self.seqs.get_mut(&id).ok_or(EngineError::Internal("scheduled sequence missing"))?;
@@ -509,7 +578,7 @@ impl Engine {
             let blocks = self.pool.allocate(need)?;
             s.table.extend(blocks);
             self.waiting.pop_front();
-            self.running.push(id);
+            self.seat(id);
             plan.push((id, n));
             budget -= n;
             prefill_left -= n;
@@ -517,16 +586,20 @@ impl Engine {
         Ok(plan)
     }
 
-    /// Preempts sequences from the back of `running` until `need` blocks are
-    /// available. Returns false if the sequence at `index` itself had to go.
+    /// Preempts sequences from the back of `running` (the lowest class's
+    /// newest; everything behind `index` is of its class or lower) until
+    /// `need` blocks are available. Returns false if the sequence at `index`
+    /// itself had to go.
     fn make_room(&mut self, need: usize, index: usize) -> Result<bool, EngineError> {
         while need > self.pool.available() {
             let Some(victim) = self.running.pop() else { return Ok(false) };
             let s = self.seqs.get_mut(&victim).ok_or(EngineError::Internal("preempted sequence missing"))?;
             s.release(&mut self.pool);
-            self.waiting.push_front(victim);
+            let class = s.priority;
+            self.requeue(victim);
             self.preemptions += 1;
-            tracing::debug!(victim, "preempted by recompute: KV pool exhausted");
+            self.preemptions_by_class[class.index()] += 1;
+            tracing::debug!(victim, %class, "preempted by recompute: KV pool exhausted");
             if self.running.len() == index {
                 return Ok(false);
             }

@@ -29,7 +29,7 @@ impl Engine {
         let mut seq = self.validate(&req)?;
         seq.hold = true;
         self.seqs.insert(id, seq);
-        self.waiting.push_back(id);
+        self.enqueue(id);
         Ok(())
     }
 
@@ -112,7 +112,7 @@ impl Engine {
             return Ok(finished);
         }
         self.seqs.insert(req.id, seq);
-        self.waiting.push_back(req.id);
+        self.enqueue(req.id);
         Ok(None)
     }
 }

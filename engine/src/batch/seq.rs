@@ -21,6 +21,7 @@ pub(super) struct Seq {
     pub stream: Option<super::LayerSink>,
     /// Prompt blocks already streamed (for every layer).
     pub streamed: usize,
+    pub priority: super::Priority,
     salt: u64,
     /// Full blocks already in the prefix index, and the hash chain so far.
     registered: usize,
@@ -44,6 +45,7 @@ impl Seq {
             hold: false,
             stream: None,
             streamed: 0,
+            priority: req.priority,
             salt: req.salt,
             registered: 0,
             last_hash: None,

@@ -121,6 +121,10 @@ pub struct RunnerStats {
     pub held: usize,
     pub kv: KvStats,
     pub preemptions: u64,
+    /// `preemptions` by the evicted sequence's class (`Priority::index`).
+    pub preemptions_by_class: [u64; 3],
+    /// `waiting` by class (`Priority::index`).
+    pub waiting_by_class: [usize; 3],
     /// Requests that ended normally (prefill-only ones included).
     pub finished: u64,
     /// Every error the runner answered a request with, at admission or as

@@ -386,6 +386,8 @@ impl Worker {
             held: self.held.len(),
             kv: self.engine.kv_stats(),
             preemptions: self.engine.preemptions(),
+            preemptions_by_class: self.engine.preemptions_by_class(),
+            waiting_by_class: self.engine.waiting_by_class(),
             finished: self.finished,
             failed_by_kind: self.failed.clone(),
         }

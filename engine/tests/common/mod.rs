@@ -34,7 +34,14 @@ pub fn greedy(max_tokens: u32) -> SamplingParams {
 /// Runs requests to completion; returns each one's generated tokens, in request order.
 pub fn run_all(e: &mut Engine, prompts: &[Vec<u32>], params: &SamplingParams) -> Vec<Vec<u32>> {
     for (i, p) in prompts.iter().enumerate() {
-        e.add(Request { id: i as u64, prompt: p.clone(), params: params.clone(), salt: 0 }).expect("add");
+        e.add(Request {
+            id: i as u64,
+            prompt: p.clone(),
+            params: params.clone(),
+            salt: 0,
+            priority: Default::default(),
+        })
+        .expect("add");
     }
     let mut out = vec![Vec::new(); prompts.len()];
     let mut steps = 0;
