@@ -1,0 +1,317 @@
+//! UCX transport throughput, pool to pool, against `ucx_perftest`'s put
+//! bandwidth on the same `UCX_TLS`, and beside the local and tcp transports
+//! moving the same data, all in the same run.
+//!
+//! Moves the KV of a 1,024-token prompt (64 blocks of the real SmolLM2-135M
+//! layout: 30 layers, 3 KV heads, head dim 64, block size 16, F16; 23.6 MB)
+//! from one pool into other block ids of a second pool, sender and receiver
+//! in this one process, each transport with everything a worker does:
+//! `gather_layer_into` on the sender, the transport, checksums, and the
+//! scatter into pool B. Runs are interleaved so that other load on the
+//! machine hits all of them alike:
+//! - ucx: one-sided puts of each layer's K and V into the decode side's
+//!   landing region, flush, the `Layer` message; the server copies the layer
+//!   out, CRCs its copy and scatters it (the transport's whole path);
+//! - `ucx_perftest -t ucp_put_bw`, a server and a client process, with
+//!   messages the size of one ucx put here (one layer's K of the 64 blocks),
+//!   on the `UCX_TLS` and `UCX_NET_DEVICES` this bench runs with: what UCX
+//!   itself moves with puts on this machine and these transports;
+//! - tcp and local (shared-memory ring): the same pools, the same blocks.
+//!
+//! `UCX_NET_DEVICES` is set to `lo` unless the caller set it. UCX picks its
+//! transports from `UCX_TLS` (shared memory and CMA between processes when
+//! unset); run once per setting to compare, e.g. `UCX_TLS=tcp`.
+//!
+//! Run: `cargo bench -p kvtransfer --features pool --bench ucx` (optional arg: runs,
+//! default 7). Goal: ucx pool -> pool >= 0.8x ucx_perftest's put bandwidth.
+
+// The raw-stream baselines and frame helpers there are the tcp and quic benches'.
+#[allow(dead_code)]
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{lock, peer, Res, LAYOUT, SIDE};
+use engine::kv::{BlockId, KvPool};
+use kvtransfer::{
+    LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, Receiver, ReceiverConfig, TcpKvSender,
+    TcpKvServer, TcpSenderConfig, TcpServerConfig, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig,
+};
+
+/// 1,024 tokens.
+const BLOCKS: usize = 64;
+/// Bytes of one transfer: 64 x 368,640.
+const TOTAL: usize = BLOCKS * 2 * SIDE * LAYOUT.n_layers;
+/// One ucx put: one layer's K (or V) of the reservation.
+const PUT: usize = BLOCKS * SIDE;
+/// Puts per `ucx_perftest` run (ten transfers' worth), and its warm-up.
+const PERF_ITERS: usize = 10 * 2 * LAYOUT.n_layers;
+const PERF_WARMUP: usize = 2 * LAYOUT.n_layers;
+/// Debian's (ucx-utils), against the same libucp as the binding; `make deps` installs it.
+const PERFTEST: &str = "/usr/bin/ucx_perftest";
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Ucx,
+    Tcp,
+    Local,
+}
+
+impl Kind {
+    const ALL: [Kind; 3] = [Self::Ucx, Self::Tcp, Self::Local];
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Ucx => "ucx, pool -> pool",
+            Self::Tcp => "tcp, pool -> pool",
+            Self::Local => "local, pool -> pool",
+        }
+    }
+}
+
+fn main() -> Res<()> {
+    let runs = std::env::args().skip(1).find_map(|a| a.parse::<usize>().ok()).unwrap_or(7).max(1);
+    if std::env::var_os("UCX_NET_DEVICES").is_none() {
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    }
+    let tls = kvtransfer::transport::ucx::ucx_tls();
+    let devices = std::env::var("UCX_NET_DEVICES").unwrap_or_default();
+    println!(
+        "layout {LAYOUT:?}; {BLOCKS} blocks (1,024 tokens) = {:.1} MB per transfer; UCX_TLS={tls} \
+         UCX_NET_DEVICES={devices}; best and median of {runs} interleaved runs",
+        TOTAL as f64 / 1e6
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let b = Bench::new()?;
+    let servers = rt.block_on(b.servers())?;
+    // One connection per transport for the whole bench, as the prefill worker keeps one
+    // per destination; one untimed transfer each first (connection set-up, first touch).
+    let mut senders = Vec::new();
+    for k in Kind::ALL {
+        let mut tx = rt.block_on(servers.connect(k))?;
+        rt.block_on(b.run(k, &servers, &mut tx))?;
+        senders.push(tx);
+    }
+
+    let mut times: Vec<Vec<Duration>> = vec![Vec::new(); Kind::ALL.len()];
+    let mut perf = Vec::new();
+    for _ in 0..runs {
+        for (i, k) in Kind::ALL.into_iter().enumerate() {
+            lock(&b.pool_b).clear(&b.table_b)?;
+            times[i].push(rt.block_on(b.run(k, &servers, &mut senders[i]))?);
+            if lock(&b.pool_b).gather(&b.table_b)? != b.want {
+                return Err(format!("{}: KV differs after the transfer", k.label()).into());
+            }
+        }
+        perf.push(perftest_put_gbps()?);
+    }
+    perf.sort_by(|a, b| b.total_cmp(a));
+    let (pb, pm) = (perf[0], perf[perf.len() / 2]);
+    println!("  {:28} {pb:6.2} GB/s best, {pm:6.2} median  ({PUT}-byte puts)", "ucx_perftest ucp_put_bw");
+    let mut ucx = (0.0, 0.0);
+    for (k, t) in Kind::ALL.into_iter().zip(&times) {
+        let (best, median) = rates(t);
+        if matches!(k, Kind::Ucx) {
+            ucx = (best, median);
+        }
+        println!("  {:28} {best:6.2} GB/s best, {median:6.2} median", k.label());
+    }
+    println!(
+        "  ratio ucx pool -> pool / ucx_perftest put: {:.2} best, {:.2} median (goal >= 0.8)",
+        ucx.0 / pb,
+        ucx.1 / pm
+    );
+    let s = servers.ucx.stats();
+    if s.quarantined_ranges != 0 || s.landing_in_use_bytes != 0 || s.aborts_sent != 0 {
+        return Err(format!("ucx server left state behind: {s:?}").into());
+    }
+    Ok(())
+}
+
+/// (best, median) in GB/s (10^9 bytes per second) for transfers of [`TOTAL`] bytes.
+fn rates(times: &[Duration]) -> (f64, f64) {
+    let mut r: Vec<f64> = times.iter().map(|t| TOTAL as f64 / t.as_secs_f64() / 1e9).collect();
+    r.sort_by(|a, b| b.total_cmp(a));
+    (r[0], r[r.len() / 2])
+}
+
+struct Bench {
+    pool_a: KvPool,
+    table_a: Vec<BlockId>,
+    pool_b: Arc<Mutex<KvPool>>,
+    table_b: Vec<BlockId>,
+    /// What pool B's blocks must hold after a transfer.
+    want: Vec<u8>,
+}
+
+/// The decode sides, bound once as a worker's are.
+struct Servers {
+    ucx: UcxKvServer,
+    tcp: TcpKvServer,
+    local: LocalKvServer,
+    rx: [Arc<Mutex<Receiver>>; 3],
+}
+
+impl Bench {
+    fn new() -> Res<Self> {
+        let mut pool_a = KvPool::new(LAYOUT, BLOCKS + 3)?;
+        let _skip = pool_a.allocate(3)?;
+        let table_a = pool_a.allocate(BLOCKS)?;
+        let row = LAYOUT.row_elems();
+        let (mut k, mut v) = (vec![0f32; row], vec![0f32; row]);
+        for layer in 0..LAYOUT.n_layers {
+            for (i, &b) in table_a.iter().enumerate() {
+                for slot in 0..LAYOUT.block_size {
+                    for j in 0..row {
+                        k[j] = ((layer * 31 + i * 7 + slot * 3 + j) % 2048) as f32 * 0.125;
+                        v[j] = -k[j];
+                    }
+                    pool_a.write(layer, b, slot, &k, &v);
+                }
+            }
+        }
+        let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
+        let _decoys = lock(&pool_b).allocate(7)?;
+        let table_b = lock(&pool_b).allocate(BLOCKS)?;
+        let want = pool_a.gather(&table_a)?;
+        Ok(Self { pool_a, table_a, pool_b, table_b, want })
+    }
+
+    async fn servers(&self) -> Res<Servers> {
+        let rx = || Receiver::new(peer(), ReceiverConfig::new(LAYOUT)).map(|r| Arc::new(Mutex::new(r)));
+        let rx = [rx()?, rx()?, rx()?];
+        let ucx = UcxKvServer::bind(rx[0].clone(), self.pool_b.clone(), UcxServerConfig::default()).await?;
+        let tcp =
+            TcpKvServer::bind("127.0.0.1:0", rx[1].clone(), self.pool_b.clone(), TcpServerConfig::default()).await?;
+        let name = format!("@tandem-kv-bench-ucx-{}", std::process::id());
+        let local = LocalKvServer::bind(name, rx[2].clone(), self.pool_b.clone(), LocalServerConfig::default()).await?;
+        Ok(Servers { ucx, tcp, local, rx })
+    }
+
+    /// One transfer on `tx`, timed from the first gather to the Ack.
+    async fn run(&self, kind: Kind, s: &Servers, tx: &mut Tx) -> Res<Duration> {
+        let rx = &s.rx[kind as usize];
+        let r =
+            lock(rx).reserve(self.table_b.clone(), Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
+        let start = Instant::now();
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for layer in 0..LAYOUT.n_layers {
+            self.pool_a.gather_layer_into(layer, &self.table_a, &mut k, &mut v)?;
+            match &mut *tx {
+                Tx::Ucx(t) => t.send_layer(r, layer, &k, &v).await?,
+                Tx::Tcp(t) => t.send_layer(r, layer, &k, &v).await?,
+                Tx::Local(t) => t.send_layer(r, layer, &k, &v).await?,
+            }
+        }
+        match tx {
+            Tx::Ucx(t) => drop(t.complete(r).await?),
+            Tx::Tcp(t) => drop(t.complete(r).await?),
+            Tx::Local(t) => drop(t.complete(r).await?),
+        }
+        let elapsed = start.elapsed();
+        if lock(rx).take_ready(r)? != self.table_b {
+            return Err(format!("{}: the reservation's blocks changed", kind.label()).into());
+        }
+        Ok(elapsed)
+    }
+}
+
+impl Servers {
+    async fn connect(&self, kind: Kind) -> Res<Tx> {
+        Ok(match kind {
+            Kind::Ucx => {
+                Tx::Ucx(UcxKvSender::connect(self.ucx.local_addr(), &peer(), LAYOUT, UcxSenderConfig::default()).await?)
+            }
+            Kind::Tcp => {
+                Tx::Tcp(TcpKvSender::connect(self.tcp.local_addr(), &peer(), LAYOUT, TcpSenderConfig::default()).await?)
+            }
+            Kind::Local => Tx::Local(
+                LocalKvSender::connect(self.local.local_addr(), &peer(), LAYOUT, LocalSenderConfig::default()).await?,
+            ),
+        })
+    }
+}
+
+enum Tx {
+    Ucx(UcxKvSender),
+    Tcp(TcpKvSender),
+    Local(LocalKvSender),
+}
+
+/// One `ucx_perftest` put-bandwidth run (server and client process on this
+/// host, the environment's `UCX_*`), in GB/s.
+fn perftest_put_gbps() -> Res<f64> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
+    let mut server = Command::new(PERFTEST)
+        .args(["-p", &port])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("start {PERFTEST} (Debian's ucx-utils; make deps installs it): {e}"))?;
+    // Started when its port listens: the client refuses to retry.
+    let listening = wait_listening(&port, Duration::from_secs(20));
+    let client = listening.and_then(|()| {
+        let out = Command::new(PERFTEST)
+            .args(["127.0.0.1", "-p", &port, "-t", "ucp_put_bw"])
+            .args(["-s", &PUT.to_string(), "-n", &PERF_ITERS.to_string(), "-w", &PERF_WARMUP.to_string()])
+            .stderr(Stdio::inherit())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("start the {PERFTEST} client: {e}"))?;
+        final_mib_per_s(out)
+    });
+    if client.is_err() {
+        let _ = server.kill();
+    }
+    let status = server.wait()?;
+    let mib = client?;
+    if !status.success() {
+        return Err(format!("{PERFTEST} server: {status}").into());
+    }
+    Ok(mib * (1 << 20) as f64 / 1e9)
+}
+
+/// The overall bandwidth of the client's `Final:` line (ucx_perftest's MB are MiB).
+fn final_mib_per_s(mut child: std::process::Child) -> Res<f64> {
+    let stdout = child.stdout.take().ok_or("no stdout")?;
+    let mut found = None;
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        if let Some(rest) = line.trim().strip_prefix("Final:") {
+            // iterations, latency 50%/average/overall, bandwidth average/overall, rate average/overall
+            let cols: Vec<f64> = rest.split_whitespace().filter_map(|c| c.parse().ok()).collect();
+            found = cols.get(5).copied();
+        }
+    }
+    let status = child.wait()?;
+    match found {
+        Some(mib) if status.success() => Ok(mib),
+        _ => Err(format!("{PERFTEST} client ({status}) printed no Final bandwidth").into()),
+    }
+}
+
+/// Waits until a socket listens on 127.0.0.1:`port` (/proc/net/tcp), at most `wait`.
+fn wait_listening(port: &str, wait: Duration) -> Res<()> {
+    let hex = format!("{:04X}", port.parse::<u16>()?);
+    let deadline = Instant::now() + wait;
+    loop {
+        for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+            let text = std::fs::read_to_string(table).unwrap_or_default();
+            // sl local_address rem_address st ...; st 0A = LISTEN
+            let listens = text.lines().skip(1).any(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.get(1).and_then(|a| a.rsplit(':').next()) == Some(hex.as_str()) && f.get(3) == Some(&"0A")
+            });
+            if listens {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{PERFTEST} server did not listen on port {port} within {wait:?}").into());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
