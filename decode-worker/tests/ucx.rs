@@ -9,6 +9,11 @@
 //! range stays quarantined for as long as it is stopped, however much the
 //! region is reused meanwhile, and is released only by its fence once it
 //! runs again. Every step waits on metrics, never on time.
+//!
+//! And the other KV-load failures over ucx: a prefill worker killed (kill -9)
+//! mid-transfer under each `kv_load_failure_policy`, its range released once
+//! UCX reports the dead endpoint; another version group refused before any
+//! landing range or byte.
 
 mod common;
 #[path = "common/rpc.rs"]
@@ -16,8 +21,9 @@ mod rpc;
 
 use common::{decode_worker, prefill_worker, prompt_of, reference, scrape, wait_metric, Signal, TestResult};
 use decode_worker::metrics::{
-    KV_LOAD_FAILURES, KV_RECEIVED_BYTES, KV_TRANSFERS_COMPLETED, RESERVATIONS_EXPIRED, UCX_FENCES, UCX_LANDING_IN_USE,
-    UCX_QUARANTINED_BYTES, UCX_QUARANTINED_RANGES,
+    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES, KV_TRANSFERS_COMPLETED,
+    POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_FENCES, UCX_LANDING_IN_USE, UCX_LANDING_REFUSED, UCX_QUARANTINED_BYTES,
+    UCX_QUARANTINED_RANGES,
 };
 use prefill_worker::metrics::KV_TRANSFER_BYTES;
 use proto::worker::v1::{ErrorKind, KvLoadFailurePolicy};
@@ -123,4 +129,110 @@ async fn a_stopped_sender_past_its_lease_never_writes_into_reused_kv() -> TestRe
     assert_eq!(got.tokens, want[0], "after the fence: {got:?}");
     assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "after the fence: {got:?}");
     assert_no_kv_left("at the end", &decode).await
+}
+
+/// Long enough that the kill lands while its KV is still being put (about 40 blocks).
+const KILL_PROMPT: usize = 600;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompt = prompt_of(&tok, KILL_PROMPT)?;
+    let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
+    // Outcomes, not timing: leases long enough for a killed attempt and a whole retry on
+    // a loaded 2-core machine.
+    let backup = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
+    let decode = decode_worker(
+        GROUP,
+        &[
+            "--kv-transport",
+            "ucx",
+            "--kv-load-failure-policy",
+            "fail",
+            "--local-prefill-max-tokens",
+            "0",
+            "--reservation-ttl-ms",
+            "120000",
+        ],
+    )?;
+    let metrics = decode.addr("metrics")?;
+    let c = client(&decode).await?;
+
+    let policies = [KvLoadFailurePolicy::Recompute, KvLoadFailurePolicy::Retry, KvLoadFailurePolicy::Fail];
+    for (round, policy) in policies.into_iter().enumerate() {
+        let mut doomed = prefill_worker(GROUP, &[])?;
+        let req = with_policy(
+            request(&format!("kill-{policy:?}"), &prompt, vec![target(&doomed)?, target(&backup)?]),
+            policy,
+        );
+        let mut c2 = c.clone();
+        let call = tokio::spawn(async move { generate(&mut c2, req).await });
+        // Mid-transfer: the doomed worker was granted its landing range (first put under way).
+        wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v > 0.0).await?;
+        doomed.kill9().await?;
+        let got = call.await??;
+        let (dead, alive) = (format!("pid-{}", doomed.pid), format!("pid-{}", backup.pid));
+        let failed = got.attempts.first().filter(|(w, how)| *w == dead && how != "ok");
+        assert!(failed.is_some(), "{policy:?}: the doomed worker's failure is reported: {:?}", got.attempts);
+        let rest: Vec<_> = got.attempts[1..].iter().map(|(w, how)| (w.as_str(), how.as_str())).collect();
+        match policy {
+            KvLoadFailurePolicy::Retry => {
+                assert_eq!(rest, [(alive.as_str(), "ok")], "retry: {:?}", got.attempts);
+                assert_eq!(got.tokens, want, "retry: {got:?}");
+                assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "retry: {got:?}");
+            }
+            KvLoadFailurePolicy::Recompute => {
+                assert!(rest.is_empty(), "recompute: {:?}", got.attempts);
+                assert_eq!(got.tokens, want, "recompute: {got:?}");
+                assert!(got.end.as_ref().is_ok_and(|f| !f.prefilled_remotely), "recompute: {got:?}");
+            }
+            _ => {
+                assert!(rest.is_empty(), "fail: {:?}", got.attempts);
+                assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "fail: {got:?}");
+                assert!(got.tokens.is_empty(), "fail: tokens before the error: {got:?}");
+            }
+        }
+        // The dead sender's range is held (granted, or quarantined once the reservation
+        // ended) until UCX reports its endpoint failed; then the connection closes as
+        // peer_failed and the whole landing region is free again.
+        let dead_links = (round + 1) as f64;
+        wait_metric(&metrics, CONNECTIONS_CLOSED, &[("reason", "peer_failed")], |v| v == dead_links).await?;
+        wait_metric(&metrics, UCX_QUARANTINED_RANGES, &[], |v| v == 0.0).await?;
+        wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v == 0.0).await?;
+        assert_no_kv_left(&format!("{policy:?}"), &decode).await?;
+    }
+    for (p, o) in [("recompute", "recomputed"), ("retry", "retried"), ("fail", "failed")] {
+        wait_metric(&metrics, POLICY_OUTCOMES, &[("policy", p), ("outcome", o)], |v| v == 1.0).await?;
+    }
+    wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "rpc")], |v| v == 3.0).await?;
+    // Only the retried transfer completed: the killed ones' bytes never counted as a transfer.
+    assert_eq!(scrape(&metrics).await?.get(KV_TRANSFERS_COMPLETED, &[])?, 1.0);
+    Ok(())
+}
+
+/// A prefill worker of another version group is refused before it connects: no UCX
+/// connection, no landing range, no byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_version_group_moves_zero_bytes() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompt = prompt_of(&tok, 64)?;
+    let other_group = prefill_worker("g2", &[])?;
+    let decode = decode_worker(
+        GROUP,
+        &["--kv-transport", "ucx", "--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"],
+    )?;
+    let mut c = client(&decode).await?;
+    let got = generate(&mut c, request("other-group", &prompt, vec![target(&other_group)?])).await?;
+    assert_eq!(kind(&got), Some(ErrorKind::VersionMismatch), "{got:?}");
+    assert!(got.tokens.is_empty(), "{got:?}");
+    let metrics = decode.addr("metrics")?;
+    wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "version_mismatch")], |v| v == 1.0).await?;
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, 0.0, "KV crossed groups");
+    assert_eq!(page.get(CONNECTIONS_ACCEPTED, &[])?, 0.0, "a UCX connection from another group");
+    assert_eq!(page.get(UCX_LANDING_IN_USE, &[])?, 0.0);
+    assert_eq!(page.sum(UCX_LANDING_REFUSED, &[])?, 0.0, "a landing claim from another group");
+    let op = scrape(&other_group.addr("metrics")?).await?;
+    assert_eq!(op.get(KV_TRANSFER_BYTES, &[])?, 0.0);
+    assert_no_kv_left("after the refusal", &decode).await
 }
