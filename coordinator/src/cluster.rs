@@ -30,6 +30,7 @@ use crate::breaker::{BreakerConfig, Breakers, Gate, Gates, Outcome, Pair};
 use crate::error::Error;
 use crate::load::{Kind, LoadBoard};
 use crate::metrics;
+use crate::prefix::{self, Query};
 use crate::router::{self, DecodeCandidate, NoRoute, PrefillCandidate, Rng};
 
 /// One decode worker's client and this coordinator's in-flight count for it.
@@ -59,11 +60,20 @@ pub struct RouteSettings {
     pub load_poll: Duration,
     /// The prefill workers' circuit breakers.
     pub breaker: BreakerConfig,
+    /// What a worker holding the whole prompt in its prefix cache is worth
+    /// in load (decode: score units, a full batch's queue is 1; prefill:
+    /// queued requests); a partial prefix in proportion. 0 = load only.
+    pub prefix_affinity: f64,
 }
 
 impl Default for RouteSettings {
     fn default() -> Self {
-        Self { local_prefill_max_tokens: 32, load_poll: Duration::from_millis(250), breaker: BreakerConfig::default() }
+        Self {
+            local_prefill_max_tokens: 32,
+            load_poll: Duration::from_millis(250),
+            breaker: BreakerConfig::default(),
+            prefix_affinity: 1.0,
+        }
     }
 }
 
@@ -346,14 +356,30 @@ impl Cluster {
     }
 
     /// Picks the decode worker with the most headroom and the prefill
-    /// workers of its version group (see [`crate::router`]). No I/O: it
-    /// reads the membership cache and the load board.
+    /// workers of its version group (see [`crate::router`]), by load only.
+    /// No I/O: it reads the membership cache and the load board.
     pub fn route(&self, prompt_tokens: usize) -> Result<Route, Error> {
+        self.route_prompt(prompt_tokens, None)
+    }
+
+    /// [`Cluster::route`] with prefix affinity: each worker's reported
+    /// prefix blocks are matched against `tokens` under `salt`
+    /// ([`crate::prefix`]).
+    pub fn route_for(&self, tokens: &[u32], salt: u64) -> Result<Route, Error> {
+        self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)))
+    }
+
+    fn route_prompt(&self, prompt_tokens: usize, mut query: Option<Query<'_>>) -> Result<Route, Error> {
+        let affinity = self.settings.prefix_affinity;
         let view;
         let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {
             let inflight = self.decode.lock().unwrap_or_else(|e| e.into_inner());
             let inflight_of = |a: &str| inflight.get(a).map_or(0, |d| d.inflight.load(Ordering::Relaxed));
             let loads = self.board.read();
+            let mut bonus = |addr: &str| match query.as_mut() {
+                Some(q) if affinity > 0.0 => prefix::bonus(affinity, loads.prefixes(addr), q).0,
+                _ => 0.0,
+            };
             match &self.source {
                 Source::Static { decode, prefill } => (
                     decode
@@ -367,6 +393,7 @@ impl Cluster {
                             stale: loads.stale(a),
                             inflight: inflight_of(a),
                             max_running: 0,
+                            prefix_bonus: bonus(a),
                         })
                         .collect(),
                     prefill
@@ -378,6 +405,7 @@ impl Cluster {
                             layout: "",
                             load: loads.get(a),
                             stale: loads.stale(a),
+                            prefix_bonus: bonus(a),
                         })
                         .collect(),
                 ),
@@ -412,6 +440,7 @@ impl Cluster {
                                 stale,
                                 inflight: inflight_of(&w.grpc_addr),
                                 max_running: w.capacity.max_running,
+                                prefix_bonus: bonus(&w.grpc_addr),
                             });
                         } else {
                             p.push(PrefillCandidate {
@@ -421,6 +450,7 @@ impl Cluster {
                                 layout: &w.layout_fingerprint,
                                 load,
                                 stale,
+                                prefix_bonus: bonus(&w.grpc_addr),
                             });
                         }
                     }
@@ -531,7 +561,7 @@ impl Cluster {
                 // runs (`invalid_argument`, seen in the control-link-resets drill).
                 req.request_id = format!("{request_id}.{attempt}");
             }
-            let route = self.route(req.token_ids.len())?;
+            let route = self.route_for(&req.token_ids, req.cache_salt)?;
             let decode = self.decode_entry(&route.decode)?;
             decode.inflight.fetch_add(1, Ordering::Relaxed);
             let lease = Lease { decode: decode.clone() };

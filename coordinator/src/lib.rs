@@ -32,6 +32,7 @@ pub mod load;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;
+pub mod prefix;
 pub mod prompt;
 pub mod router;
 pub mod tenants;

@@ -19,6 +19,10 @@
 //! runtime without waiting for a long engine step, so a busy worker is
 //! never taken for a frozen one.
 //!
+//! Each answer may carry the worker's cached prefix blocks
+//! ([`crate::prefix`]); the poller tells the worker which epoch of that set
+//! it holds, so only a changed set travels.
+//!
 //! Must not: block the request path, or let one slow worker delay the
 //! polling of the others.
 
@@ -31,6 +35,8 @@ use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{HealthRequest, HealthResponse};
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
+
+use crate::prefix::Prefixes;
 
 /// Which service a worker's gRPC address speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,10 +94,11 @@ enum Client {
 }
 
 impl Client {
-    async fn health(&mut self) -> Result<HealthResponse, tonic::Status> {
+    async fn health(&mut self, prefix_epoch: u64) -> Result<HealthResponse, tonic::Status> {
+        let req = HealthRequest { prefix_epoch };
         let r = match self {
-            Client::Decode(c) => c.health(HealthRequest {}).await,
-            Client::Prefill(c) => c.health(HealthRequest {}).await,
+            Client::Decode(c) => c.health(req).await,
+            Client::Prefill(c) => c.health(req).await,
         };
         r.map(tonic::Response::into_inner)
     }
@@ -108,6 +115,8 @@ struct Board {
     loads: HashMap<String, Load>,
     /// When the poller first asked a worker it has no answer from.
     asked: HashMap<String, Instant>,
+    /// Each worker's last reported prefix blocks.
+    prefixes: HashMap<String, Arc<Prefixes>>,
 }
 
 /// The board under its read lock; drop it before any await.
@@ -139,11 +148,16 @@ impl Loads<'_> {
         };
         self.now.saturating_duration_since(since) > self.max_age
     }
+
+    /// The worker's last reported prefix blocks.
+    pub fn prefixes(&self, addr: &str) -> Option<&Prefixes> {
+        self.board.prefixes.get(addr).map(|p| &**p)
+    }
 }
 
 /// What one poll of one worker found.
 enum Polled {
-    Answer(Load),
+    Answer(Load, Option<Prefixes>),
     Refused(Instant),
     Slow,
 }
@@ -218,10 +232,16 @@ impl LoadBoard {
         self.set(addr, load);
     }
 
+    /// Records a worker's prefix blocks (the poller's path; also for tests and benches).
+    pub fn set_prefixes(&self, addr: &str, p: Prefixes) {
+        self.write().prefixes.insert(addr.to_owned(), Arc::new(p));
+    }
+
     fn retain(&self, keep: &HashMap<String, Kind>) {
         let mut b = self.write();
         b.loads.retain(|a, _| keep.contains_key(a));
         b.asked.retain(|a, _| keep.contains_key(a));
+        b.prefixes.retain(|a, _| keep.contains_key(a));
     }
 
     /// Polls the workers `targets()` names every interval until the board
@@ -254,19 +274,34 @@ impl LoadBoard {
                 for addr in clients.keys() {
                     board.asked(addr, asked);
                 }
-                let polls = clients.iter_mut().map(|(addr, (_, client))| async move {
-                    let polled = match tokio::time::timeout(interval, client.health()).await {
-                        Err(_) => Polled::Slow,
-                        Ok(Ok(h)) => Polled::Answer(Load::from_health(&h, Instant::now())),
-                        Ok(Err(s)) if s.code() == tonic::Code::Unavailable => Polled::Refused(Instant::now()),
-                        // Any other status: it answered, but not as a ready worker.
-                        Ok(Err(_)) => Polled::Answer(Load { ready: false, ..unreachable(Instant::now()) }),
-                    };
-                    (addr.clone(), polled)
+                let known: HashMap<String, u64> = {
+                    let b = board.state.read().unwrap_or_else(|e| e.into_inner());
+                    b.prefixes.iter().map(|(a, p)| (a.clone(), p.epoch)).collect()
+                };
+                let polls = clients.iter_mut().map(|(addr, (_, client))| {
+                    let epoch = known.get(addr).copied().unwrap_or(0);
+                    async move {
+                        let polled = match tokio::time::timeout(interval, client.health(epoch)).await {
+                            Err(_) => Polled::Slow,
+                            Ok(Ok(h)) => {
+                                let prefixes = h.prefix.as_ref().map(|r| Prefixes::from_report(h.prefix_epoch, r));
+                                Polled::Answer(Load::from_health(&h, Instant::now()), prefixes)
+                            }
+                            Ok(Err(s)) if s.code() == tonic::Code::Unavailable => Polled::Refused(Instant::now()),
+                            // Any other status: it answered, but not as a ready worker.
+                            Ok(Err(_)) => Polled::Answer(Load { ready: false, ..unreachable(Instant::now()) }, None),
+                        };
+                        (addr.clone(), polled)
+                    }
                 });
                 for (addr, polled) in futures_util::future::join_all(polls).await {
                     match polled {
-                        Polled::Answer(l) => board.set(&addr, Load { reachable: true, ..l }),
+                        Polled::Answer(l, prefixes) => {
+                            board.set(&addr, Load { reachable: true, ..l });
+                            if let Some(p) = prefixes {
+                                board.set_prefixes(&addr, p);
+                            }
+                        }
                         Polled::Refused(at) => board.set(&addr, unreachable(at)),
                         Polled::Slow => {}
                     }

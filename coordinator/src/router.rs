@@ -7,8 +7,14 @@
 //! decode worker's group as prefill candidates, and [`route`] checks it
 //! again.
 //!
+//! - Prefix affinity: each candidate carries a `prefix_bonus`, the caller's
+//!   `--prefix-affinity` times the share of the prompt that worker holds in
+//!   its prefix cache under the request's salt ([`crate::prefix`]), taken
+//!   off its score: load and cached prefix are traded in one number, so a
+//!   longer cached prefix wins at equal load and a busier worker wins only
+//!   when its prefix saves more than its extra load costs.
 //! - Decode: the lowest score, where score = queue / max_running + used KV
-//!   fraction. The queue is the larger of what the worker last reported
+//!   fraction - prefix bonus. The queue is the larger of what the worker last reported
 //!   (running + waiting) and what this coordinator has in flight there, so
 //!   a burst between two load polls still spreads. Workers that reported
 //!   not ready, refused the last poll, or are stale (no answer for the load
@@ -16,7 +22,11 @@
 //! - Prefill: power of two choices on the reported queue (two candidates
 //!   drawn at random, the less busy one first), then the rest by queue as
 //!   fallbacks. Random pairs keep many coordinators from herding onto the
-//!   single least-loaded worker their stale views agree on.
+//!   single least-loaded worker their stale views agree on. When some
+//!   worker holds part of the prompt, the first choice is instead the
+//!   lowest queue - prefix bonus over all of them (the bonus in queued
+//!   requests: a fully cached prompt is worth `affinity` requests of queue);
+//!   herding there is the point, since only that worker can skip the work.
 //! - Layout: a prefill worker is paired with a decode worker only when
 //!   their registered KV layout fingerprints are equal (the transfer
 //!   handshake would refuse the pair anyway; leaving it out saves the
@@ -55,6 +65,8 @@ pub struct DecodeCandidate<'a> {
     pub inflight: usize,
     /// Most sequences it runs at once (its registration; 0 when unknown).
     pub max_running: u32,
+    /// Taken off its score for the prompt's prefix it holds (see the module doc); 0 = none.
+    pub prefix_bonus: f64,
 }
 
 /// A prefill worker of the chosen group.
@@ -68,6 +80,8 @@ pub struct PrefillCandidate<'a> {
     pub load: Option<Load>,
     /// No answer for the load board's max age: not routable.
     pub stale: bool,
+    /// Taken off its queue for the prompt's prefix it holds, in queued requests; 0 = none.
+    pub prefix_bonus: f64,
 }
 
 /// Why no route exists.
@@ -114,7 +128,7 @@ fn decode_score(c: &DecodeCandidate<'_>) -> f64 {
     let per_seat = queue / f64::from(c.max_running.max(1));
     // Unknown KV use counts as half full: neither preferred nor avoided.
     let kv = c.load.map_or(0.5, |l| l.kv_used_fraction());
-    per_seat + kv
+    per_seat + kv - c.prefix_bonus
 }
 
 /// The decode worker to use: the lowest score among usable ones (ties: the
@@ -176,12 +190,22 @@ pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut Rng) -> Vec<usize
     if ok.len() < 2 {
         return ok;
     }
-    let a = rng.below(ok.len());
-    let mut b = rng.below(ok.len() - 1);
-    if b >= a {
-        b += 1;
-    }
-    let first = if prefill_queue(&cands[ok[b]]) < prefill_queue(&cands[ok[a]]) { b } else { a };
+    let first = if ok.iter().any(|&i| cands[i].prefix_bonus > 0.0) {
+        // Someone holds part of the prompt: the best trade of queue and prefix.
+        let score = |i: usize| f64::from(prefill_queue(&cands[ok[i]])) - cands[ok[i]].prefix_bonus;
+        (0..ok.len()).fold(0, |best, i| if score(i) < score(best) { i } else { best })
+    } else {
+        let a = rng.below(ok.len());
+        let mut b = rng.below(ok.len() - 1);
+        if b >= a {
+            b += 1;
+        }
+        if prefill_queue(&cands[ok[b]]) < prefill_queue(&cands[ok[a]]) {
+            b
+        } else {
+            a
+        }
+    };
     let first = ok.swap_remove(first);
     ok.sort_by_key(|&i| (prefill_queue(&cands[i]), i));
     ok.insert(0, first);
@@ -284,6 +308,7 @@ mod tests {
             stale: false,
             inflight,
             max_running: 8,
+            prefix_bonus: 0.0,
         }
     }
 
@@ -327,7 +352,15 @@ mod tests {
     }
 
     fn p<'a>(id: &'a str, group: &'a str, q: u32) -> PrefillCandidate<'a> {
-        PrefillCandidate { id, addr: id, version_group: group, layout: "ab", load: load(0, q, 0), stale: false }
+        PrefillCandidate {
+            id,
+            addr: id,
+            version_group: group,
+            layout: "ab",
+            load: load(0, q, 0),
+            stale: false,
+            prefix_bonus: 0.0,
+        }
     }
 
     /// Every pair closed.
@@ -459,5 +492,107 @@ mod tests {
         let pre = [pre[0].clone(), pre[1].clone(), p("c", "g2", 0)];
         let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
         assert_eq!((r.decode, r.prefill), (1, vec![2]));
+    }
+
+    /// Prefix affinity through the real match: the workers hold a prompt's
+    /// first blocks under salt 7 (the tenant's scope), as reported.
+    mod prefix_affinity {
+        use super::*;
+        use crate::prefix::{bonus, Prefixes, Query};
+
+        const AFFINITY: f64 = 1.0;
+
+        fn holding(prompt: &[u32], tokens: usize, salt: u64) -> Prefixes {
+            let hashes = engine::kv::prefix_hashes(&prompt[..tokens], 16, salt).into_iter().collect();
+            Prefixes { epoch: 1, block_size: 16, hashes }
+        }
+
+        /// Decode candidates for `prompt` asked under `salt`, one per (load, held prefix).
+        fn decode_for<'a>(
+            workers: &[(&'a str, Option<Load>, Prefixes)],
+            prompt: &[u32],
+            salt: u64,
+        ) -> Vec<DecodeCandidate<'a>> {
+            let mut q = Query::new(prompt, salt);
+            workers
+                .iter()
+                .map(|(id, l, held)| DecodeCandidate {
+                    prefix_bonus: bonus(AFFINITY, Some(held), &mut q).0,
+                    ..d(id, *l, 0)
+                })
+                .collect()
+        }
+
+        fn prompt() -> Vec<u32> {
+            (0..129).collect()
+        }
+
+        #[test]
+        fn the_longest_cached_prefix_wins_at_equal_load() {
+            let p = prompt();
+            let w = [
+                ("short", load(20, 2, 0), holding(&p, 32, 7)),
+                ("long", load(20, 2, 0), holding(&p, 96, 7)),
+                ("none", load(20, 2, 0), Prefixes::default()),
+            ];
+            assert_eq!(pick_decode(&decode_for(&w, &p, 7)), Ok(1));
+            let pre: Vec<PrefillCandidate<'_>> = {
+                let mut q = Query::new(&p, 7);
+                w.iter()
+                    .map(|(id, _, held)| PrefillCandidate {
+                        prefix_bonus: bonus(AFFINITY, Some(held), &mut q).0,
+                        ..p_(id, 3)
+                    })
+                    .collect()
+            };
+            for seed in 1..50 {
+                assert_eq!(order_prefill(&pre, &mut Rng::new(seed))[0], 1, "seed {seed}");
+            }
+        }
+
+        #[test]
+        fn load_outweighs_a_short_prefix() {
+            let p = prompt();
+            // One block of 129 tokens cached (bonus 0.12) does not pay for a
+            // queue of 8 on 8 seats and a fuller pool.
+            let w =
+                [("cached-busy", load(60, 8, 0), holding(&p, 16, 7)), ("idle", load(10, 0, 0), Prefixes::default())];
+            assert_eq!(pick_decode(&decode_for(&w, &p, 7)), Ok(1));
+            // The whole prompt cached there (bonus 0.99) still loses to an idle
+            // worker when it is that much busier...
+            let w =
+                [("cached-busy", load(90, 12, 0), holding(&p, 128, 7)), ("idle", load(10, 0, 0), Prefixes::default())];
+            assert_eq!(pick_decode(&decode_for(&w, &p, 7)), Ok(1));
+            // ...and wins when the difference in load is smaller than what it saves.
+            let w = [("cached", load(30, 2, 0), holding(&p, 128, 7)), ("idle", load(10, 0, 0), Prefixes::default())];
+            assert_eq!(pick_decode(&decode_for(&w, &p, 7)), Ok(0));
+            // Prefill: a queue of 3 more requests outweighs a fully cached prompt (worth 1).
+            let mut q = Query::new(&p, 7);
+            let pre = [
+                PrefillCandidate {
+                    prefix_bonus: bonus(AFFINITY, Some(&holding(&p, 128, 7)), &mut q).0,
+                    ..p_("cached", 4)
+                },
+                p_("idle", 1),
+            ];
+            assert_eq!(order_prefill(&pre, &mut Rng::new(3))[0], 1);
+        }
+
+        #[test]
+        fn another_tenants_cache_never_matches() {
+            let p = prompt();
+            // Worker "a" holds the whole prompt, but under salt 7; the request
+            // comes with salt 8: no bonus, so the idler worker wins as without
+            // any cache.
+            let w = [("a", load(20, 1, 0), holding(&p, 128, 7)), ("b", load(10, 0, 0), Prefixes::default())];
+            let c = decode_for(&w, &p, 8);
+            assert_eq!(c[0].prefix_bonus, 0.0);
+            assert_eq!(pick_decode(&c), Ok(1));
+            assert_eq!(pick_decode(&decode_for(&w, &p, 7)), Ok(0), "the owner's own requests do match");
+        }
+
+        fn p_<'a>(id: &'a str, q: u32) -> PrefillCandidate<'a> {
+            p(id, "g1", q)
+        }
     }
 }

@@ -340,7 +340,7 @@ async fn deadline_shorter_than_prefill_is_a_typed_error_and_frees_everything() -
     let waited = within("prefill worker idle", async {
         loop {
             tick.tick().await;
-            let h = pc.health(HealthRequest {}).await?.into_inner();
+            let h = pc.health(HealthRequest::default()).await?.into_inner();
             if h.kv_blocks_used == 0 && h.running == 0 && h.waiting == 0 {
                 return Ok::<_, tonic::Status>(h);
             }
@@ -404,7 +404,7 @@ async fn beyond_the_buffer_requests_are_refused_as_overloaded() -> TestResult {
     within("one running and one waiting", async {
         loop {
             tick.tick().await;
-            let h = hc.health(HealthRequest {}).await?.into_inner();
+            let h = hc.health(HealthRequest::default()).await?.into_inner();
             if h.running == 1 && h.waiting == 1 {
                 return Ok::<_, tonic::Status>(());
             }
@@ -447,7 +447,7 @@ async fn preemptions_under_a_tiny_kv_pool_are_exported() -> TestResult {
         assert_eq!((o.tokens.len(), f.generated_tokens), (40, 40), "every request ends with all its tokens");
     }
     let mut c = client(&w).await?;
-    let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
+    let h = within("Health", c.health(HealthRequest::default())).await??.into_inner();
     assert!(h.preemptions > 0, "16 blocks of demand on an 8-block pool preempted nothing: {h:?}");
     let exported = wait_metric(&metrics, preemptions, &reason, |v| v > 0.0).await?;
     assert_eq!(exported, h.preemptions as f64, "the metric and Health agree");
@@ -620,7 +620,7 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
     within("the decode worker's KV freed", async {
         loop {
             tick.tick().await;
-            let h = hc.health(HealthRequest {}).await?.into_inner();
+            let h = hc.health(HealthRequest::default()).await?.into_inner();
             if h.kv_blocks_used == 0 && h.running == 0 {
                 return Ok::<_, tonic::Status>(());
             }
@@ -646,7 +646,7 @@ async fn health_answers_from_the_last_snapshot_during_a_long_step() -> TestResul
     let w = decode_worker(GROUP, &["--kv-load-failure-policy", "fail"])?;
     let mut c = client(&w).await?;
     // The coordinator polls from the start; so the snapshot exists before any step.
-    let first = within("Health", c.health(HealthRequest {})).await??.into_inner();
+    let first = within("Health", c.health(HealthRequest::default())).await??.into_inner();
     assert!(first.ready && first.kv_blocks_total == 256, "{first:?}");
     let mut req = request("long", &prompt_of(&tok, 300)?, vec![]);
     req.sampling = Some((&common::greedy(1)).into());
@@ -656,7 +656,7 @@ async fn health_answers_from_the_last_snapshot_during_a_long_step() -> TestResul
     let mut answers = Vec::new();
     while !call.is_finished() {
         let asked = std::time::Instant::now();
-        let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
+        let h = within("Health", c.health(HealthRequest::default())).await??.into_inner();
         answers.push((asked.elapsed(), h));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -513,10 +513,11 @@ impl PrefillWorker for PrefillService {
         Ok(Response::new(AbortResponse { found: true }))
     }
 
-    async fn health(&self, _request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+    async fn health(&self, request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        let known = request.into_inner().prefix_epoch;
         let i = &self.inner;
         let ready = i.ready.load(Ordering::SeqCst) && !i.fenced.load(Ordering::SeqCst);
         let extra = 0;
-        worker_common::health::answer(&i.stats, &i.runner, ready, &i.local, extra).await.map(Response::new)
+        worker_common::health::answer(&i.stats, &i.runner, ready, &i.local, extra, known).await.map(Response::new)
     }
 }

@@ -157,7 +157,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     let got = pool.lock().map_err(|_| "pool lock")?.gather(&ready)?;
     assert!(got == want_kv, "received KV differs from the local engine's ({} vs {} bytes)", got.len(), want_kv.len());
 
-    let health = within("Health answer", client.health(HealthRequest {})).await??.into_inner();
+    let health = within("Health answer", client.health(HealthRequest::default())).await??.into_inner();
     assert!(health.live && health.ready, "{health:?}");
     assert_eq!(
         (health.kv_blocks_used, health.kv_blocks_total as usize),
@@ -250,7 +250,7 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
         async move { c.prefill(r).await }
     });
     let used = |mut c: PrefillWorkerClient<tonic::transport::Channel>| async move {
-        within("Health answer", c.health(HealthRequest {}))
+        within("Health answer", c.health(HealthRequest::default()))
             .await
             .map_err(|e| e.to_string())?
             .map(|h| h.into_inner().kv_blocks_used)

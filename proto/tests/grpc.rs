@@ -9,7 +9,7 @@ use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
 use proto::worker::v1::{
     generate_response, AbortRequest, AbortResponse, FinishReason, Finished, GenerateRequest, GenerateResponse,
-    HealthRequest, HealthResponse, TokenChunk, TopLogprob,
+    HealthRequest, HealthResponse, PrefixReport, TokenChunk, TopLogprob,
 };
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
@@ -70,6 +70,8 @@ impl DecodeWorker for EchoDecoder {
             running: 2,
             waiting: 1,
             preemptions: 3,
+            prefix_epoch: 5,
+            prefix: Some(PrefixReport { block_size: 16, hashes: vec![1, u64::MAX] }),
         }))
     }
 }
@@ -121,7 +123,7 @@ async fn decode_worker_streams_tokens_and_reports_health_over_tcp() -> TestResul
     assert_eq!(first.logprob, Some(-0.5));
     assert_eq!(first.top, [TopLogprob { id: 11, logprob: -0.5 }]);
 
-    let health = within("Health call", client.health(HealthRequest {})).await??.into_inner();
+    let health = within("Health call", client.health(HealthRequest::default())).await??.into_inner();
     assert_eq!(
         health,
         HealthResponse {
@@ -134,6 +136,8 @@ async fn decode_worker_streams_tokens_and_reports_health_over_tcp() -> TestResul
             running: 2,
             waiting: 1,
             preemptions: 3,
+            prefix_epoch: 5,
+            prefix: Some(PrefixReport { block_size: 16, hashes: vec![1, u64::MAX] }),
         }
     );
 

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use engine::runner::{RunnerHandle, RunnerStats};
 use kvtransfer::Peer;
-use proto::worker::v1::{HealthResponse, WorkerError};
+use proto::worker::v1::{HealthResponse, PrefixReport, WorkerError};
 use tokio::sync::Notify;
 // The snapshot's age is a timeout: on tokio's clock, like every other.
 use tokio::time::Instant;
@@ -90,6 +90,9 @@ impl StatsCache {
 /// so (`ready`: started, not fenced, not draining as it defines them) and the
 /// runner answered; and the runner's counters, with `extra_waiting` added
 /// to its waiting (the decode worker's requests that wait for remote KV).
+/// The cached prefix blocks go along only when the caller's `known_epoch`
+/// (what it holds) differs from the pool's, so a poll of an unchanged
+/// worker carries 8 bytes of it, not the set.
 ///
 /// The counters are also recorded as gauges here, on every poll and not
 /// only after a request: two overlapping requests can record their
@@ -103,6 +106,7 @@ pub async fn answer(
     ready: bool,
     local: &Peer,
     extra_waiting: u32,
+    known_epoch: u64,
 ) -> Result<HealthResponse, tonic::Status> {
     let stats = cache.read(runner).await.map_err(|e| tonic::Status::internal(e.message))?;
     let mut h = HealthResponse {
@@ -119,6 +123,22 @@ pub async fn answer(
         h.running = s.running as u32;
         h.preemptions = s.preemptions;
         h.waiting = s.waiting as u32 + extra_waiting;
+        h.prefix_epoch = prefix_epoch(s.prefix_epoch);
+        if h.prefix_epoch != known_epoch {
+            h.prefix = Some(PrefixReport { block_size: runner.block_size() as u32, hashes: s.prefixes.to_vec() });
+        }
     }
     Ok(h)
+}
+
+/// The pool's prefix epoch as this process reports it: offset by a number
+/// drawn at start, so a restarted worker (whose pool counts from 0 again)
+/// never repeats the epoch a coordinator holds from its predecessor; never 0.
+fn prefix_epoch(pool_epoch: u64) -> u64 {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(|| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        (now.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)) | 1
+    });
+    start.wrapping_add(pool_epoch).max(1)
 }

@@ -68,6 +68,13 @@ struct Flags {
     /// worker itself, not sent to a prefill worker. Env: TANDEM_LOCAL_PREFILL_MAX_TOKENS.
     #[arg(long, env = "TANDEM_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 32)]
     local_prefill_max_tokens: usize,
+    /// Prefix-aware routing: what a worker holding a prompt's whole prefix
+    /// in its cache (under the request's tenant scope) is worth in load, a
+    /// part in proportion; decode workers' load in score units (a full batch
+    /// queued is 1), prefill workers' in queued requests. 0 routes on load
+    /// only. Env: TANDEM_PREFIX_AFFINITY.
+    #[arg(long, env = "TANDEM_PREFIX_AFFINITY", default_value_t = 1.0)]
+    prefix_affinity: f64,
     /// How often each worker's load (queue, KV headroom) is polled, ms. Env: TANDEM_LOAD_POLL_MS.
     #[arg(long, env = "TANDEM_LOAD_POLL_MS", default_value_t = 250)]
     load_poll_ms: u64,
@@ -182,6 +189,11 @@ fn main() -> anyhow::Result<()> {
         anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");
     }
     anyhow::ensure!(flags.load_poll_ms > 0, "config field `load_poll_ms`: must be at least 1");
+    anyhow::ensure!(
+        flags.prefix_affinity.is_finite() && flags.prefix_affinity >= 0.0,
+        "config field `prefix_affinity`: must be a finite number >= 0, got {}",
+        flags.prefix_affinity
+    );
     anyhow::ensure!(flags.request_timeout_ms > 0, "config field `request_timeout_ms`: must be at least 1");
     anyhow::ensure!(flags.default_max_tokens > 0, "config field `default_max_tokens`: must be at least 1");
     anyhow::ensure!(flags.stream_idle_timeout_ms > 0, "config field `stream_idle_timeout_ms`: must be at least 1");
@@ -233,6 +245,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let routing = RouteSettings {
         local_prefill_max_tokens: flags.local_prefill_max_tokens,
         load_poll: Duration::from_millis(flags.load_poll_ms),
+        prefix_affinity: flags.prefix_affinity,
         breaker: BreakerConfig {
             failures: flags.prefill_breaker_failures,
             cooldown: Duration::from_millis(flags.prefill_breaker_cooldown_ms),

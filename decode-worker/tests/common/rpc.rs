@@ -85,7 +85,7 @@ pub async fn assert_no_kv_left(name: &str, w: &Worker) -> TestResult {
     let metrics = w.addr("metrics")?;
     wait_metric(&metrics, RESERVATIONS_ACTIVE, &[], |v| v == 0.0).await?;
     let mut c = client(w).await?;
-    let h = within("Health", c.health(HealthRequest {})).await??.into_inner();
+    let h = within("Health", c.health(HealthRequest::default())).await??.into_inner();
     assert_eq!(h.kv_blocks_used, 0, "{name}: KV blocks left in use: {h:?}");
     Ok(())
 }

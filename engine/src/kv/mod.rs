@@ -13,7 +13,7 @@
 
 mod pool;
 
-pub use pool::{KvPool, KvStats, PrefixHash};
+pub use pool::{prefix_hashes, KvPool, KvStats, PrefixHash};
 pub use types::kv::{BlockId, KvDtype, KvLayout};
 
 /// KV cache errors.

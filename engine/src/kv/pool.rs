@@ -151,6 +151,32 @@ pub struct KvPool {
     evictable: BTreeMap<u64, BlockId>,
     evict_tick: Vec<u64>,
     tick: u64,
+    /// Changes whenever `by_hash` gains or loses an entry.
+    prefix_epoch: u64,
+}
+
+/// Chained hashes of the full blocks of `tokens` in blocks of `block_size`
+/// tokens under `salt`: block i's hash covers its tokens and, through its
+/// parent's, every token before them and the salt. The coordinator computes
+/// the same chain to ask which worker holds a prompt's prefix.
+pub fn prefix_hashes(tokens: &[u32], block_size: usize, salt: u64) -> Vec<PrefixHash> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let mut parent = salt;
+    tokens
+        .chunks_exact(block_size)
+        .map(|chunk| {
+            let mut h = Sha256::new();
+            h.update(parent.to_le_bytes());
+            for t in chunk {
+                h.update(t.to_le_bytes());
+            }
+            let d = h.finalize();
+            parent = u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]]);
+            parent
+        })
+        .collect()
 }
 
 impl KvPool {
@@ -177,6 +203,7 @@ impl KvPool {
             evictable: BTreeMap::new(),
             evict_tick: vec![0; num_blocks],
             tick: 0,
+            prefix_epoch: 0,
         })
     }
 
@@ -217,6 +244,7 @@ impl KvPool {
                     })?;
                     if let Some(h) = self.hash_of[b as usize].take() {
                         self.by_hash.remove(&h);
+                        self.prefix_epoch += 1;
                     }
                     b
                 }
@@ -258,23 +286,22 @@ impl KvPool {
         Ok(())
     }
 
-    /// Chained hashes of the full blocks of `tokens`.
+    /// Chained hashes of the full blocks of `tokens` ([`prefix_hashes`]).
     pub fn prefix_hashes(&self, tokens: &[u32], salt: u64) -> Vec<PrefixHash> {
-        let bs = self.layout.block_size;
-        let mut parent = salt;
-        tokens
-            .chunks_exact(bs)
-            .map(|chunk| {
-                let mut h = Sha256::new();
-                h.update(parent.to_le_bytes());
-                for t in chunk {
-                    h.update(t.to_le_bytes());
-                }
-                let d = h.finalize();
-                parent = u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]]);
-                parent
-            })
-            .collect()
+        prefix_hashes(tokens, self.layout.block_size, salt)
+    }
+
+    /// A number that changes whenever the set of indexed prefixes does.
+    pub fn prefix_epoch(&self) -> u64 {
+        self.prefix_epoch
+    }
+
+    /// Hashes of indexed blocks, at most `max`: those in use first, then
+    /// cached ones, most recently released first (the last to be evicted).
+    pub fn cached_prefixes(&self, max: usize) -> Vec<PrefixHash> {
+        let in_use = self.hash_of.iter().zip(&self.refs).filter(|(_, &r)| r > 0).filter_map(|(h, _)| *h);
+        let cached = self.evictable.values().rev().filter_map(|&b| self.hash_of[b as usize]);
+        in_use.chain(cached).take(max).collect()
     }
 
     /// Takes a reference to the longest run of cached blocks matching
@@ -304,6 +331,7 @@ impl KvPool {
         if self.hash_of[i].is_none() && !self.by_hash.contains_key(&hash) {
             self.by_hash.insert(hash, block);
             self.hash_of[i] = Some(hash);
+            self.prefix_epoch += 1;
         }
         Ok(())
     }

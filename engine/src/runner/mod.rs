@@ -78,6 +78,10 @@ pub const ASK_ROOM: usize = 256;
 /// are allocated when the runner starts (264 bytes each: about 340 KB).
 pub const COMMAND_QUEUE: usize = ASK_ROOM + POST_ROOM;
 
+/// Most prefix hashes a stats snapshot carries (64 KiB): a pool larger than
+/// this reports the blocks in use and the most recently released ones.
+pub const MAX_PREFIX_REPORT: usize = 8192;
+
 /// Runner knobs (the engine's own are in [`crate::batch::EngineConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunnerConfig {
@@ -125,6 +129,11 @@ pub struct RunnerStats {
     pub preemptions_by_class: [u64; 3],
     /// `waiting` by class (`Priority::index`).
     pub waiting_by_class: [usize; 3],
+    /// Changes whenever the pool's set of cached prefix blocks does.
+    pub prefix_epoch: u64,
+    /// Hashes of the pool's cached prefix blocks (in use or evictable), at
+    /// most [`MAX_PREFIX_REPORT`]; shared, rebuilt only when the epoch moves.
+    pub prefixes: std::sync::Arc<[u64]>,
     /// Requests that ended normally (prefill-only ones included).
     pub finished: u64,
     /// Every error the runner answered a request with, at admission or as
@@ -292,6 +301,10 @@ impl RunnerHandle {
     }
 
     /// Blocks a prompt of `prompt_len` tokens needs (no round trip).
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
     pub fn blocks_for(&self, prompt_len: usize) -> usize {
         prompt_len.div_ceil(self.block_size)
     }

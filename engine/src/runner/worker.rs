@@ -101,6 +101,8 @@ pub(super) struct Worker {
     disconnected: bool,
     finished: u64,
     failed: BTreeMap<ErrorKind, u64>,
+    /// The pool's prefix epoch and cached hashes at the last stats call.
+    prefixes: (u64, std::sync::Arc<[u64]>),
 }
 
 /// Calls a sink; false if it panicked (the client is treated as gone).
@@ -125,6 +127,7 @@ impl Worker {
             disconnected: false,
             finished: 0,
             failed: BTreeMap::new(),
+            prefixes: (0, std::sync::Arc::from(Vec::new())),
         }
     }
 
@@ -379,7 +382,11 @@ impl Worker {
         Ok(())
     }
 
-    fn stats(&self) -> RunnerStats {
+    fn stats(&mut self) -> RunnerStats {
+        let epoch = self.engine.pool().prefix_epoch();
+        if self.prefixes.0 != epoch {
+            self.prefixes = (epoch, self.engine.pool().cached_prefixes(super::MAX_PREFIX_REPORT).into());
+        }
         RunnerStats {
             running: self.engine.num_running(),
             waiting: self.engine.num_waiting(),
@@ -387,6 +394,8 @@ impl Worker {
             kv: self.engine.kv_stats(),
             preemptions: self.engine.preemptions(),
             preemptions_by_class: self.engine.preemptions_by_class(),
+            prefix_epoch: self.prefixes.0,
+            prefixes: self.prefixes.1.clone(),
             waiting_by_class: self.engine.waiting_by_class(),
             finished: self.finished,
             failed_by_kind: self.failed.clone(),
