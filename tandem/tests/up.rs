@@ -130,3 +130,36 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> TestResult {
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
+
+/// `tandem up --kv-transport ucx`: the decode worker receives KV by UCX puts,
+/// and the cluster serves a chat completion whose prompt was prefilled by
+/// the prefill worker and crossed over ucx.
+#[test]
+fn up_with_the_ucx_transport_serves_a_chat_completion() -> TestResult {
+    use decode_worker::metrics::{KV_RECEIVED_BYTES, PREFILL_ROUTE, TRANSPORT_INFO, UCX_LANDING_IN_USE};
+    let dir = common::temp_dir("tandem-up-ucx-test")?;
+    let mut up = Up::start(&dir, &["--kv-transport", "ucx"])?;
+    let result = (|| -> TestResult {
+        let decode = up.component("decode-0")?;
+        let metrics = decode["metrics"].as_str().ok_or_else(|| format!("no decode metrics address: {decode}"))?;
+        assert_eq!(common::metric(metrics, TRANSPORT_INFO, &[("transport", "ucx")])?, 1.0, "{decode}");
+        let http = up.http()?;
+        let (status, body) = post_chat(&http)?;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("chat.completion") && body.contains("Paris"), "{body}");
+        // The templated prompt is past the local-prefill limit: its KV came over ucx.
+        assert_eq!(common::metric(metrics, PREFILL_ROUTE, &[("route", "remote")])?, 1.0, "{}", up.stderr_text());
+        let bytes = common::metric(metrics, KV_RECEIVED_BYTES, &[])?;
+        assert!(bytes > 0.0 && bytes % 368_640.0 == 0.0, "KV bytes over ucx: {bytes}");
+        // Freed at Complete; the gauge follows the server's stats a moment later.
+        common::wait_for(std::time::Duration::from_secs(30), "the landing region free again", || {
+            Ok((common::metric(metrics, UCX_LANDING_IN_USE, &[])? == 0.0).then_some(()))
+        })?;
+        let status = up.stop()?;
+        assert!(status.success(), "tandem up exit: {status:?}");
+        Ok(())
+    })();
+    drop(up);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
