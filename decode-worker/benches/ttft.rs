@@ -1,13 +1,15 @@
 //! Time to first token of a 1,024-token prompt with remote prefill (a
 //! prefill worker process computes it and streams the KV into the decode
-//! worker over TCP) against local prefill (the decode worker computes it),
-//! both measured in this run with the same thread count per engine.
+//! worker over TCP, or the transport named on the command line) against
+//! local prefill (the decode worker computes it), both measured in this run
+//! with the same thread count per engine.
 //!
 //! Every request gets its own `cache_salt`, so neither side's prefix cache
 //! helps; runs alternate remote/local so drift hits both alike.
 //!
 //! Run: `cargo bench -p decode-worker --bench ttft` (optional args: runs, prompt
-//! tokens, threads; defaults 7, 1024, 2). Goal: remote/local <= 1.10.
+//! tokens, threads; defaults 7, 1024, 2; and a transport, `tcp` (default),
+//! `quic`, `local` or `ucx`, e.g. `-- 7 1024 2 ucx`). Goal: remote/local <= 1.10.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -45,6 +47,8 @@ fn main() -> Res<()> {
     let runs = args.first().copied().unwrap_or(7);
     let tokens = args.get(1).copied().unwrap_or(1024);
     let threads = args.get(2).copied().unwrap_or(2).to_string();
+    let transport = std::env::args().skip(1).find(|a| a.parse::<usize>().is_err() && !a.starts_with('-'));
+    let transport = transport.unwrap_or_else(|| "tcp".to_owned());
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
         let tok = common::tokenizer()?;
@@ -52,7 +56,16 @@ fn main() -> Res<()> {
         let p: Worker = prefill_worker("bench", &["--threads", &threads])?;
         let d: Worker = decode_worker(
             "bench",
-            &["--threads", &threads, "--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"],
+            &[
+                "--threads",
+                &threads,
+                "--kv-load-failure-policy",
+                "fail",
+                "--local-prefill-max-tokens",
+                "0",
+                "--kv-transport",
+                &transport,
+            ],
         )?;
         let mut c = DecodeWorkerClient::connect(format!("http://{}", d.addr("grpc")?)).await?;
         let target = PrefillTarget { worker_id: "p".into(), grpc_addr: p.addr("grpc")?.to_string() };
@@ -77,7 +90,10 @@ fn main() -> Res<()> {
         let (rb, rm) = stats(remote);
         let (lb, lm) = stats(local);
         let kv_mib = (tokens.div_ceil(16) * 368_640) as f64 / (1 << 20) as f64;
-        println!("prompt {tokens} tokens ({kv_mib:.1} MiB of KV), {threads} threads per engine, {runs} runs each");
+        println!(
+            "prompt {tokens} tokens ({kv_mib:.1} MiB of KV over {transport}), {threads} threads per engine, \
+             {runs} runs each"
+        );
         println!(
             "local  prefill TTFT: best {:>8.1} ms  median {:>8.1} ms",
             lb.as_secs_f64() * 1e3,
