@@ -14,6 +14,7 @@
 
 use crate::f16::{bf16_bits_to_f32, f16_bits_to_f32, le_u16};
 use crate::matmul::WeightType;
+use crate::Isa;
 
 pub const QK: usize = 32;
 
@@ -97,13 +98,14 @@ pub struct QActs {
 impl QActs {
     /// Quantizes `rows` rows of `k` floats each from `x` (row-major),
     /// reusing this buffer's allocations.
-    pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize) {
+    /// Every level gives the same bytes as the scalar reference.
+    pub fn quantize(&mut self, isa: Isa, x: &[f32], rows: usize, k: usize) {
         self.reshape(rows, k);
-        quantize_blocks(x, &mut self.qs, &mut self.d, &mut self.s);
+        quantize_blocks(isa, x, &mut self.qs, &mut self.d, &mut self.s);
     }
 
     /// As [`quantize`](Self::quantize), with the rows split across the pool.
-    pub fn quantize_par(&mut self, pool: &crate::ThreadPool, x: &[f32], rows: usize, k: usize) {
+    pub fn quantize_par(&mut self, pool: &crate::ThreadPool, isa: Isa, x: &[f32], rows: usize, k: usize) {
         self.reshape(rows, k);
         let nb_row = k / QK;
         let qs = crate::pool::SharedSlice::new(&mut self.qs);
@@ -120,7 +122,7 @@ impl QActs {
                     s.range_mut(r.start * nb_row..r.end * nb_row),
                 )
             };
-            quantize_blocks(&x[r.start * k..r.end * k], qs, d, s);
+            quantize_blocks(isa, &x[r.start * k..r.end * k], qs, d, s);
         });
     }
 
@@ -140,10 +142,27 @@ impl QActs {
     }
 }
 
-/// Quantizes whole blocks of `x` into `qs`, with per-block scale `d` and `s = d * sum(q)`.
-fn quantize_blocks(x: &[f32], qs: &mut [i8], d_out: &mut [f32], s_out: &mut [f32]) {
+/// Quantizes whole blocks of `x` into `qs`, with per-block scale `d` and `s = d * sum(q)`,
+/// using `isa`'s code: every SIMD level gives the scalar reference's bytes.
+///
+/// This runs before every quantized matmul, over every activation element: in scalar
+/// code each element's rounding is a libm call (x86-64's baseline has no `roundps`),
+/// which cost about 5% of a decode step.
+fn quantize_blocks(isa: Isa, x: &[f32], qs: &mut [i8], d_out: &mut [f32], s_out: &mut [f32]) {
     assert_eq!(x.len(), qs.len());
     assert_eq!(x.len(), d_out.len() * QK);
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar && Isa::Avx2.available() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked just above); lengths were checked.
+        unsafe { quantize_blocks_avx2(x, qs, d_out, s_out) };
+        return;
+    }
+    let _ = isa;
+    quantize_blocks_scalar(x, qs, d_out, s_out);
+}
+
+/// The reference [`quantize_blocks`].
+fn quantize_blocks_scalar(x: &[f32], qs: &mut [i8], d_out: &mut [f32], s_out: &mut [f32]) {
     for (b, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
         let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
@@ -158,6 +177,54 @@ fn quantize_blocks(x: &[f32], qs: &mut [i8], d_out: &mut [f32], s_out: &mut [f32
         // Scales are kept at f16 precision, as ggml's Q8_0/Q8_1 blocks
         // store them: products then round the way llama.cpp's do, which
         // keeps greedy output aligned with the reference at near-ties.
+        d_out[b] = round_f16(d);
+        s_out[b] = round_f16(d * sum as f32);
+    }
+}
+
+/// [`quantize_blocks_scalar`] on eight lanes: the same operations in the same order per
+/// element (the block maximum and the integer sum do not depend on order), so the bytes
+/// are the reference's. NaN elements quantize to 0 and are ignored by the maximum, as in
+/// the reference (`f32::max` drops NaN, `NaN as i32` is 0).
+///
+/// # Safety
+/// The CPU has AVX2; `x.len() == qs.len() == d_out.len() * 32 == s_out.len() * 32`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_blocks_avx2(x: &[f32], qs: &mut [i8], d_out: &mut [f32], s_out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(x.len() == qs.len() && x.len() == d_out.len() * QK && d_out.len() == s_out.len());
+    let sign = _mm256_set1_ps(-0.0);
+    // packs_epi32 then packs_epi16 interleave the 128-bit lanes; this puts the dwords back.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for b in 0..d_out.len() {
+        // SAFETY: block b's 32 floats and 32 bytes lie inside x and qs (asserted above).
+        let (xp, qp) = unsafe { (x.as_ptr().add(b * QK), qs.as_mut_ptr().add(b * QK)) };
+        let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(xp.add(8 * i)) });
+        // max(|v|, m) keeps m when |v| is NaN (the second operand wins on NaN).
+        let mut m = _mm256_setzero_ps();
+        for vi in v {
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, vi), m);
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<0b01>(m2, m2)));
+        let d = amax / 127.0;
+        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let idv = _mm256_set1_ps(id);
+        let q: [__m256i; 4] = std::array::from_fn(|i| {
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v[i], idv));
+            // NaN lanes (a NaN or infinite input) become 0, as `NaN as i32` does.
+            _mm256_cvtps_epi32(_mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(r, r)))
+        });
+        let sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256::<1>(sum8));
+        let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<0b01>(s2)));
+        // Every value is in [-127, 127], so the saturating packs are exact.
+        let w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        // SAFETY: 32 bytes of block b (see above).
+        unsafe { _mm256_storeu_si256(qp as *mut __m256i, _mm256_permutevar8x32_epi32(w, order)) };
         d_out[b] = round_f16(d);
         s_out[b] = round_f16(d * sum as f32);
     }
@@ -195,11 +262,48 @@ mod tests {
         assert_eq!(out[16], 5.0);
     }
 
+    /// Every SIMD level quantizes activations to the reference's bytes, scales and sums,
+    /// including ties (x·127/amax exactly k + 0.5), zero, NaN and infinite blocks.
+    #[test]
+    fn simd_quantize_matches_the_reference_bit_for_bit() {
+        let mut rng = crate::matmul::tests::Rng::new(11);
+        let k = 32 * 24;
+        let mut x: Vec<f32> = (0..3 * k).map(|_| rng.f32() * 4.0).collect();
+        // Block 1: amax 127 so id = 1, and halves that must round to even.
+        for (j, v) in x[32..64].iter_mut().enumerate() {
+            *v = if j == 0 { 127.0 } else { (j as f32 - 16.0) + 0.5 };
+        }
+        x[64..96].fill(0.0);
+        x[96..128].fill(-0.0);
+        x[130] = f32::NAN;
+        x[170] = f32::INFINITY;
+        x[200..232].fill(f32::NAN);
+        x[300] = 1e30;
+        x[333] = -1e-30;
+        let mut want = QActs::default();
+        want.quantize(Isa::Scalar, &x, 3, k);
+        for isa in Isa::ALL.into_iter().skip(1) {
+            if !crate::isa::trace::runnable("simd_quantize_matches_the_reference_bit_for_bit", isa) {
+                continue;
+            }
+            let mut got = QActs::default();
+            got.quantize(isa, &x, 3, k);
+            assert_eq!(got.qs, want.qs, "{}: quantized values", isa.name());
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.d), bits(&want.d), "{}: scales", isa.name());
+            assert_eq!(bits(&got.s), bits(&want.s), "{}: sums", isa.name());
+        }
+        // The ties really are ties: 0.5 -> 0, 1.5 -> 2, -0.5 -> -0, -1.5 -> -2.
+        assert_eq!(&want.qs[32 + 16..32 + 18], &[0, 2]);
+        assert_eq!(&want.qs[32 + 15], &0);
+        assert_eq!(&want.qs[32 + 14], &-2);
+    }
+
     #[test]
     fn qacts_sum_term() {
         let x: Vec<f32> = (0..32).map(|i| i as f32 - 10.0).collect();
         let mut a = QActs::default();
-        a.quantize(&x, 1, 32);
+        a.quantize(Isa::Scalar, &x, 1, 32);
         let back: f32 = a.qs.iter().map(|&q| q as f32 * a.d[0]).sum();
         // s is stored at f16 precision (relative error 2^-11).
         assert!((back - a.s[0]).abs() <= back.abs() * 1e-3, "{back} vs {}", a.s[0]);

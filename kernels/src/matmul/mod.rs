@@ -136,7 +136,7 @@ pub fn matmul_multi(
         assert_eq!(y.len(), m * w.rows, "matmul: y is not m x rows");
     }
     if ws.iter().any(|w| w.ty.is_quantized()) {
-        scratch.acts.quantize_par(pool, x, m, k);
+        scratch.acts.quantize_par(pool, isa, x, m, k);
     }
     let acts = &scratch.acts;
     let outs: Vec<SharedSlice<'_, f32>> = ys.iter_mut().map(|y| SharedSlice::new(y)).collect();
