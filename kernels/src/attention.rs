@@ -60,12 +60,38 @@ pub fn attend_group(
     scores: &mut Vec<f32>,
 ) {
     let group = shape.n_heads / shape.n_kv_heads;
+    attend_heads(isa, shape, k, v, table, n_ctx, kv_head * group..(kv_head + 1) * group, q, out, scores);
+}
+
+/// [`attend_group`] for some of one KV head's query heads: `heads` (query head indices)
+/// must share a KV head, and `out` receives `heads.len() * head_dim` values. Each head's
+/// arithmetic is the same whichever heads are computed together, so splitting a group
+/// (to spread a single token's attention over more threads) does not change results.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_heads(
+    isa: Isa,
+    shape: &AttnShape,
+    k: KvSlice<'_>,
+    v: KvSlice<'_>,
+    table: &[u32],
+    n_ctx: usize,
+    heads: std::ops::Range<usize>,
+    q: &[f32],
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let per_kv = shape.n_heads / shape.n_kv_heads;
+    let kv_head = heads.start / per_kv;
+    assert!(
+        !heads.is_empty() && heads.end <= shape.n_heads && (heads.end - 1) / per_kv == kv_head,
+        "query heads {heads:?} do not share one KV head"
+    );
+    let group = heads.len();
     let hd = shape.head_dim;
     assert!(n_ctx > 0 && n_ctx.div_ceil(shape.block_size) <= table.len(), "block table too short for context");
     scores.clear();
     scores.resize(group * n_ctx, 0.0);
     let scale = 1.0 / (hd as f32).sqrt();
-    let heads = kv_head * group..(kv_head + 1) * group;
     let path = simd::path(isa, hd);
     #[cfg(test)]
     crate::isa::trace::hit(path);
@@ -404,6 +430,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Heads computed one at a time give the group's result bit for bit (the model splits
+    /// a lone decode token's groups into heads to use every thread).
+    #[test]
+    fn single_heads_equal_their_group() {
+        let mut rng = Rng::new(5);
+        let (nh, nkv, hd, n, bs) = (9, 3, 64, 21usize, 4);
+        let shape = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, block_size: bs };
+        let row = nkv * hd;
+        let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
+        let kh: Vec<u16> = (0..table.len() * bs * row).map(|_| crate::f16::f32_to_f16_bits(rng.f32())).collect();
+        let vh: Vec<u16> = (0..table.len() * bs * row).map(|_| crate::f16::f32_to_f16_bits(rng.f32())).collect();
+        let q: Vec<f32> = (0..nh * hd).map(|_| rng.f32()).collect();
+        for isa in Isa::ALL {
+            if !crate::isa::trace::runnable("single_heads_equal_their_group", isa) {
+                continue;
+            }
+            let (k, v) = (KvSlice::F16(&kh), KvSlice::F16(&vh));
+            let grouped = run(isa, &shape, k, v, &table, n, &q);
+            let mut split = vec![0f32; nh * hd];
+            let mut scratch = Vec::new();
+            for h in 0..nh {
+                attend_heads(
+                    isa,
+                    &shape,
+                    k,
+                    v,
+                    &table,
+                    n,
+                    h..h + 1,
+                    &q,
+                    &mut split[h * hd..(h + 1) * hd],
+                    &mut scratch,
+                );
+            }
+            assert_eq!(split, grouped, "{}", isa.name());
+        }
+        let mut out = vec![0f32; 2 * hd];
+        let crosses = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            attend_heads(
+                Isa::Scalar,
+                &shape,
+                KvSlice::F16(&kh),
+                KvSlice::F16(&vh),
+                &table,
+                n,
+                2..4,
+                &q,
+                &mut out,
+                &mut Vec::new(),
+            )
+        }));
+        assert!(crosses.is_err(), "heads 2 and 3 belong to different KV heads");
     }
 
     #[test]

@@ -11,7 +11,7 @@ mod config;
 
 pub use config::LlamaConfig;
 
-use kernels::attention::{attend_group, AttnShape};
+use kernels::attention::{attend_heads, AttnShape};
 use kernels::matmul::{matmul, matmul_multi, MatmulScratch};
 use kernels::ops::{add_in_place, rmsnorm, swiglu, RopeTable};
 use kernels::{Isa, ThreadPool};
@@ -257,29 +257,35 @@ impl Model {
                 kv.write(l, c.table[pos / bs], pos % bs, &s.k[i * kvd..(i + 1) * kvd], &s.v[i * kvd..(i + 1) * kvd]);
             }
             after_kv(l, kv);
-            // Attention: work items are (token, kv head) pairs.
+            // Attention: work items are (token, KV head) pairs, whose query heads share each
+            // K/V load; with too few of them to keep every thread busy (a lone decode token
+            // has n_kv_heads = 3 items for 2 threads, so one thread did two), items are
+            // single (token, query head) pairs instead. Results are the same either way.
             let (ks, vs) = kv.layer(l);
             let q = &s.q;
-            let items = n_tok * cfg.n_kv_heads;
+            let per_item = if n_tok * cfg.n_kv_heads < 2 * self.pool.threads() { 1 } else { group_w / hd };
+            let item_w = per_item * hd;
+            let per_tok = cfg.n_heads / per_item;
+            let items = n_tok * per_tok;
             let isa = self.isa;
             let where_ref = &where_;
             let chunk = if items < 64 { 1 } else { 4 };
-            // Item (i, g) owns att[i * h + g * group_w..][..group_w]: h = n_kv_heads * group_w,
-            // so that is item * group_w, and the pool lends each range of items its own part.
-            self.pool.for_chunks_mut(&mut s.att[..items * group_w], group_w, chunk, &|range, part| {
+            // Item (i, j) owns att[i * h + j * item_w..][..item_w]: h = per_tok * item_w, so
+            // that is item * item_w, and the pool lends each range of items its own part.
+            self.pool.for_chunks_mut(&mut s.att[..items * item_w], item_w, chunk, &|range, part| {
                 let mut scores = Vec::new();
                 for (k, item) in range.enumerate() {
-                    let (i, g) = (item / cfg.n_kv_heads, item % cfg.n_kv_heads);
+                    let (i, j) = (item / per_tok, item % per_tok);
                     let (ci, pos) = where_ref[i];
-                    let out = &mut part[k * group_w..(k + 1) * group_w];
-                    attend_group(
+                    let out = &mut part[k * item_w..(k + 1) * item_w];
+                    attend_heads(
                         isa,
                         &shape,
                         ks,
                         vs,
                         batch[ci].table,
                         pos + 1,
-                        g,
+                        j * per_item..(j + 1) * per_item,
                         &q[i * h..(i + 1) * h],
                         out,
                         &mut scores,
@@ -333,10 +339,17 @@ fn par_rmsnorm(pool: &ThreadPool, x: &[f32], weight: &[f32], eps: f32, out: &mut
     });
 }
 
-/// `gate = silu(gate) * up` row by row across the pool (one `exp` per element adds up in prefill).
+/// `gate = silu(gate) * up` across the pool (one `exp` per element adds up in prefill, and
+/// in a decode step it was serial work while the other threads waited). The op is
+/// element-wise, so it is split by runs of elements, not rows: a lone decode row is
+/// shared too, and no element's result depends on the split.
 fn par_swiglu(pool: &ThreadPool, gate: &mut [f32], up: &[f32], width: usize) {
-    let rows = gate.len() / width;
-    pool.for_chunks_mut(&mut gate[..rows * width], width, 8, &|r, g| {
-        swiglu(g, &up[r.start * width..r.end * width]);
+    const RUN: usize = 256;
+    let n = gate.len() / width * width;
+    let whole = n / RUN * RUN;
+    let (head, tail) = gate[..n].split_at_mut(whole);
+    pool.for_chunks_mut(head, RUN, 4, &|r, g| {
+        swiglu(g, &up[r.start * RUN..r.end * RUN]);
     });
+    swiglu(tail, &up[whole..n]);
 }
