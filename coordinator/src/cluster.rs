@@ -135,6 +135,10 @@ fn refused_at_start(first: &Result<Option<proto::worker::v1::GenerateResponse>, 
 /// Holds a decode worker's in-flight count for one request.
 pub struct Lease {
     decode: Arc<Decode>,
+    /// Prompt tokens the worker that prefills it (the first prefill worker,
+    /// or the decode worker for local prefill) reported holding in its
+    /// prefix cache under the request's salt when it was routed.
+    pub cached_tokens: usize,
 }
 
 impl Drop for Lease {
@@ -164,6 +168,10 @@ pub struct Route {
     /// The decode worker's registry id (its address for fixed-address workers).
     pub decode_id: String,
     pub prefill: Vec<PrefillTarget>,
+    /// Prompt tokens the worker that prefills (the first prefill worker, or
+    /// the decode worker) reported cached under the request's salt; 0 when
+    /// routed without a prompt to match.
+    pub cached_tokens: usize,
 }
 
 /// What a request carries to the workers from its tenant.
@@ -518,7 +526,13 @@ impl Cluster {
         metrics::route_pairs_skipped("layout_fingerprint", decision.layout_skipped);
         let chosen = &decode[decision.decode];
         metrics::route_decided(decision.kind);
+        let prefiller = decision.prefill.first().map_or(chosen.addr, |&i| prefill[i].addr);
+        let cached_tokens = match query.as_mut() {
+            Some(q) => prefix::bonus(1.0, self.board.read().prefixes(prefiller), q).1,
+            None => 0,
+        };
         Ok(Route {
+            cached_tokens,
             decode: chosen.addr.to_owned(),
             decode_id: chosen.id.to_owned(),
             prefill: decision
@@ -564,7 +578,7 @@ impl Cluster {
             let route = self.route_for(&req.token_ids, req.cache_salt)?;
             let decode = self.decode_entry(&route.decode)?;
             decode.inflight.fetch_add(1, Ordering::Relaxed);
-            let lease = Lease { decode: decode.clone() };
+            let lease = Lease { decode: decode.clone(), cached_tokens: route.cached_tokens };
             req.prefill = route.prefill;
             let mut client = decode.client.clone();
             match client.generate(req.clone()).await {

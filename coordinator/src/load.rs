@@ -299,6 +299,7 @@ impl LoadBoard {
                         Polled::Answer(l, prefixes) => {
                             board.set(&addr, Load { reachable: true, ..l });
                             if let Some(p) = prefixes {
+                                crate::metrics::worker_prefix_blocks(&addr, p.hashes.len());
                                 board.set_prefixes(&addr, p);
                             }
                         }

@@ -115,6 +115,19 @@ pub const TENANT_REQUESTS: &str = "tandem_coordinator_tenant_requests_total";
 /// admitted and output tokens generated (`kind`: `prompt`, `output`), by
 /// tenant. vLLM: `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`.
 pub const TENANT_TOKENS: &str = "tandem_coordinator_tenant_tokens_total";
+/// `tandem_coordinator_prefix_cached_tokens_total{scope}`: prompt tokens of
+/// routed requests that the worker chosen to prefill them (the first
+/// prefill worker, or the decode worker for local prefill) reported holding
+/// in its prefix cache under the request's scope (`tenant:NAME` or
+/// `shared:POOL`), as prefix-aware routing saw it: the hits routing
+/// expects. The workers' `tandem_prefix_cache_hit_tokens_total` counts the
+/// hits they make (all scopes together). vLLM: none.
+pub const PREFIX_CACHED_TOKENS: &str = "tandem_coordinator_prefix_cached_tokens_total";
+/// `tandem_coordinator_worker_prefix_blocks{worker}`: prefix blocks the
+/// worker (gRPC address) last reported cached, as this coordinator routes
+/// by them; a worker that never reports stays absent. Per worker, so as
+/// many series as workers. vLLM: none.
+pub const WORKER_PREFIX_BLOCKS: &str = "tandem_coordinator_worker_prefix_blocks";
 /// `tandem_coordinator_tenants`: tenants configured (1 without a tenants file).
 pub const TENANTS: &str = "tandem_coordinator_tenants";
 /// `tandem_coordinator_tenants_reloads_total{outcome}`: tenants file reloads
@@ -193,6 +206,8 @@ fn describe() {
     describe_counter!(TENANT_REQUESTS, "Requests by tenant: admitted, or refused by a tenant check (by code)");
     describe_counter!(TENANT_TOKENS, "Prompt tokens admitted and output tokens generated, by tenant");
     describe_gauge!(TENANTS, "Tenants configured");
+    describe_gauge!(WORKER_PREFIX_BLOCKS, "Prefix blocks each worker last reported cached");
+    describe_counter!(PREFIX_CACHED_TOKENS, "Prompt tokens routed to a worker that reported them cached, by scope");
     describe_counter!(TENANTS_RELOADS, "Tenants file reloads, applied or refused");
     describe_gauge!(FLEET_SPLIT, "Coordinators every tenant budget is split between");
     describe_gauge!(TOKENIZER_QUEUE, "Requests waiting for or in the tokenizer pool");
@@ -246,6 +261,14 @@ pub fn tenant_outcome(tenant: &str, outcome: &'static str) {
 
 pub fn tenant_tokens(tenant: &str, kind: &'static str, n: u64) {
     counter!(TENANT_TOKENS, "tenant" => tenant.to_owned(), "kind" => kind).increment(n);
+}
+
+pub fn prefix_cached_tokens(scope: String, n: usize) {
+    counter!(PREFIX_CACHED_TOKENS, "scope" => scope).increment(n as u64);
+}
+
+pub fn worker_prefix_blocks(worker: &str, n: usize) {
+    gauge!(WORKER_PREFIX_BLOCKS, "worker" => worker.to_owned()).set(n as f64);
 }
 
 pub fn tenants_loaded(n: usize) {

@@ -275,6 +275,8 @@ impl Pipeline {
             Err(_) => return Err(Error::Deadline),
             Ok(r) => r?,
         };
+        let tenant = job.pass.tenant();
+        metrics::prefix_cached_tokens(tenant.cache_scope.label(&tenant.name), lease.cached_tokens);
         Ok(Run::new(self.clone(), job, id, stream, lease, admission))
     }
 

@@ -42,3 +42,24 @@ fn the_reported_prefixes_match_the_prompts_hash_chain_and_the_epoch_follows_the_
     }
     assert_ne!(e.pool().prefix_epoch(), epoch1);
 }
+
+/// The hit counter a worker exports: a repeat under the same salt takes
+/// every full block but the last token's from the cache; the same prompt
+/// under another salt takes nothing.
+#[test]
+fn prefix_hit_tokens_count_only_same_salt_repeats() {
+    let (mut e, tok) = engine(EngineConfig { block_size: 16, kv_blocks: 64, ..EngineConfig::default() });
+    let prompt = tok.encode(&"The history of Paris is long and rich. ".repeat(5), false).expect("encode");
+    let mut run = |id: u64, salt: u64| {
+        e.add(Request { id, prompt: prompt.clone(), params: greedy(2), salt, priority: Default::default() })
+            .expect("add");
+        while e.has_work() {
+            e.step().expect("step");
+        }
+        e.prefix_hit_tokens()
+    };
+    assert_eq!(run(1, 42), 0, "a cold cache");
+    let full = ((prompt.len() - 1) / 16 * 16) as u64;
+    assert_eq!(run(2, 42), full, "the repeat: every full block before the last token");
+    assert_eq!(run(3, 43), full, "another salt hits nothing");
+}

@@ -41,6 +41,12 @@ pub const PREEMPTIONS: &str = "tandem_num_preemptions_total";
 /// The `reason` of every preemption the engine makes today.
 pub const PREEMPTION_KV_EXHAUSTED: &str = "kv_exhausted";
 
+/// `tandem_prefix_cache_hit_tokens_total`: prompt tokens whose KV came from
+/// this worker's prefix cache instead of being computed (hits are only ever
+/// within one `cache_salt`, i.e. one tenant scope). vLLM:
+/// `vllm:prefix_cache_hits_total` (tokens).
+pub const PREFIX_CACHE_HIT_TOKENS: &str = "tandem_prefix_cache_hit_tokens_total";
+
 /// `tandem_num_preemptions_by_priority_total{priority}`: the same
 /// preemptions by the evicted sequence's class (`high`, `normal`, `low`).
 /// The engine evicts the lowest class first, so `high` rising means the
@@ -120,6 +126,7 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     describe_gauge!(FENCED, "1 while fenced (another process holds this worker's etcd key, or no coordinator has called Health for --coordinator-silence-fence-ms): no new work is taken.");
     describe_counter!(FENCES, "Times this worker fenced itself.");
     describe_counter!(PREEMPTIONS, "Sequences preempted (evicted, to be recomputed), by reason.");
+    describe_counter!(PREFIX_CACHE_HIT_TOKENS, "Prompt tokens served from the prefix cache instead of computed.");
     describe_counter!(PREEMPTIONS_BY_PRIORITY, "Sequences preempted, by the evicted sequence's priority class.");
     describe_gauge!(REQUESTS_WAITING_BY_PRIORITY, "Requests waiting for a running seat, by priority class.");
     describe_counter!(REQUESTS_BY_PRIORITY, "Requests received, by the priority class they carried.");
@@ -128,6 +135,7 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     gauge!(FENCED).set(0.0);
     counter!(FENCES).absolute(0);
     counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(0);
+    counter!(PREFIX_CACHE_HIT_TOKENS).absolute(0);
     for p in Priority::ALL {
         counter!(PREEMPTIONS_BY_PRIORITY, "priority" => p.as_str()).absolute(0);
         gauge!(REQUESTS_WAITING_BY_PRIORITY, "priority" => p.as_str()).set(0.0);
@@ -191,6 +199,7 @@ pub fn record_stats(s: &engine::runner::RunnerStats) {
     gauge!(REQUESTS_RUNNING).set(s.running as f64);
     gauge!(REQUESTS_WAITING).set(s.waiting as f64);
     counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(s.preemptions);
+    counter!(PREFIX_CACHE_HIT_TOKENS).absolute(s.prefix_hit_tokens);
     for p in Priority::ALL {
         gauge!(REQUESTS_WAITING_BY_PRIORITY, "priority" => p.as_str()).set(s.waiting_by_class[p.index()] as f64);
         counter!(PREEMPTIONS_BY_PRIORITY, "priority" => p.as_str()).absolute(s.preemptions_by_class[p.index()]);

@@ -69,6 +69,14 @@ impl CacheScope {
         h.max(1)
     }
 
+    /// The scope as metrics label it: `tenant:NAME` or `shared:POOL`.
+    pub fn label(&self, tenant: &str) -> String {
+        match self {
+            Self::Tenant => format!("tenant:{tenant}"),
+            Self::Shared(p) => format!("shared:{p}"),
+        }
+    }
+
     pub fn describe(&self) -> String {
         match self {
             Self::Tenant => "tenant".into(),

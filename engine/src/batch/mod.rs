@@ -218,6 +218,8 @@ pub struct Engine {
     preemptions: u64,
     /// `preemptions` by the evicted sequence's class (`Priority::index`).
     preemptions_by_class: [u64; 3],
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    prefix_hit_tokens: u64,
     /// Streaming prefills of the step in progress (see `step`).
     streams_scratch: Vec<Streaming>,
     /// Measured step costs, for `max_decode_stall_ms`.
@@ -240,6 +242,7 @@ impl Engine {
             held: HashMap::new(),
             preemptions: 0,
             preemptions_by_class: [0; 3],
+            prefix_hit_tokens: 0,
             streams_scratch: Vec::new(),
             cost: StepCost::default(),
         })
@@ -286,6 +289,12 @@ impl Engine {
     /// indexed by [`Priority::index`].
     pub fn preemptions_by_class(&self) -> [u64; 3] {
         self.preemptions_by_class
+    }
+
+    /// Tokens taken from the prefix cache instead of computed, since start
+    /// (a preempted sequence's re-admission counts again: it is saved again).
+    pub fn prefix_hit_tokens(&self) -> u64 {
+        self.prefix_hit_tokens
     }
 
     /// Waiting requests by class, indexed by [`Priority::index`].
@@ -568,6 +577,7 @@ impl Engine {
             let s = self.seqs.get_mut(&id).ok_or(EngineError::Internal("scheduled sequence missing"))?;
             if self.cfg.prefix_cache && s.table.is_empty() {
                 s.acquire_prefix(&mut self.pool);
+                self.prefix_hit_tokens += s.computed as u64;
             }
             let n = (s.tokens.len() - s.computed).min(budget).min(prefill_left);
             let need = (s.computed + n).div_ceil(bs).saturating_sub(s.table.len());

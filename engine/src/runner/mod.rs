@@ -125,6 +125,8 @@ pub struct RunnerStats {
     pub held: usize,
     pub kv: KvStats,
     pub preemptions: u64,
+    /// Prompt tokens served from the prefix cache since start.
+    pub prefix_hit_tokens: u64,
     /// `preemptions` by the evicted sequence's class (`Priority::index`).
     pub preemptions_by_class: [u64; 3],
     /// `waiting` by class (`Priority::index`).
