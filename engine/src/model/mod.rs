@@ -273,24 +273,25 @@ impl Model {
             // Item (i, j) owns att[i * h + j * item_w..][..item_w]: h = per_tok * item_w, so
             // that is item * item_w, and the pool lends each range of items its own part.
             self.pool.for_chunks_mut(&mut s.att[..items * item_w], item_w, chunk, &|range, part| {
-                let mut scores = Vec::new();
-                for (k, item) in range.enumerate() {
-                    let (i, j) = (item / per_tok, item % per_tok);
-                    let (ci, pos) = where_ref[i];
-                    let out = &mut part[k * item_w..(k + 1) * item_w];
-                    attend_heads(
-                        isa,
-                        &shape,
-                        ks,
-                        vs,
-                        batch[ci].table,
-                        pos + 1,
-                        j * per_item..(j + 1) * per_item,
-                        &q[i * h..(i + 1) * h],
-                        out,
-                        &mut scores,
-                    );
-                }
+                SCORES.with_borrow_mut(|scores| {
+                    for (k, item) in range.enumerate() {
+                        let (i, j) = (item / per_tok, item % per_tok);
+                        let (ci, pos) = where_ref[i];
+                        let out = &mut part[k * item_w..(k + 1) * item_w];
+                        attend_heads(
+                            isa,
+                            &shape,
+                            ks,
+                            vs,
+                            batch[ci].table,
+                            pos + 1,
+                            j * per_item..(j + 1) * per_item,
+                            &q[i * h..(i + 1) * h],
+                            out,
+                            scores,
+                        );
+                    }
+                })
             });
             matmul(&self.pool, self.isa, &w(O, h, h)?, &s.att, n_tok, &mut s.tmp, &mut s.mm);
             add_in_place(&mut s.x, &s.tmp);
@@ -328,6 +329,12 @@ impl Model {
         matmul(&self.pool, self.isa, &out, &s.xn[..n_out * h], n_out, &mut s.logits, &mut s.mm);
         Ok(&s.logits)
     }
+}
+
+thread_local! {
+    /// Each pool thread's attention scores, kept from step to step: a fresh buffer per
+    /// work item was an allocation per item and layer in every decode step.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// RMSNorm of each row, rows split across the pool (prefill has hundreds).
