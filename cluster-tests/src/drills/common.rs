@@ -17,6 +17,19 @@ pub(super) use coordinator::metrics::MEMBERSHIP_CHANGES as MEMBERSHIP;
 pub(super) const LOAD_WAIT: Duration = Duration::from_secs(60);
 
 /// The process is gone (or a zombie awaiting its reaper).
+/// The decode workers' counter of requests cancelled by their client.
+pub(super) const CANCELLED: (&str, &[(&str, &str)]) =
+    (decode_worker::metrics::DECODE_REQUESTS, &[("outcome", "cancelled")]);
+
+/// Requests the decode workers counted as cancelled (all of them).
+pub(super) async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
+    let mut sum = 0.0;
+    for w in c.workers_of(Role::Decode) {
+        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1)?;
+    }
+    Ok(sum)
+}
+
 pub(super) fn gone(pid: u32) -> bool {
     matches!(proc_state(pid), None | Some('Z'))
 }

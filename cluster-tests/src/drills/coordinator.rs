@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use loadgen::{Outcome, Report};
 
-use super::common::{counter_reaches, decode_metrics, rss_kib, PairBreaker, LOAD_WAIT};
+use super::common::{counter_reaches, decode_metrics, rss_kib, PairBreaker, CANCELLED, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
 use crate::cluster::{Cluster, ClusterSpec, Role, WorkerSpec};
 use crate::invariants::Invariants;
@@ -372,7 +372,6 @@ impl Drill for LayoutMismatch {
 /// The slow readers' count, and the coordinator's idle timeout in this drill.
 const SLOW_CLIENTS: usize = 3;
 const IDLE_TIMEOUT_MS: u64 = 3000;
-const CANCELLED: (&str, &[(&str, &str)]) = (DECODE_REQUESTS, &[("outcome", "cancelled")]);
 
 /// A streaming request from a socket with a tiny receive buffer; returns the
 /// socket once the response head arrived (nothing after it is read). Raw on purpose: the

@@ -8,33 +8,22 @@ use std::time::Duration;
 
 use loadgen::{Outcome, Report};
 
-use super::common::{delay_during_load, delays_seen, strike, LOAD_WAIT};
+use super::common::{cancelled, delay_during_load, delays_seen, strike, CANCELLED, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
-use crate::cluster::{Cluster, ClusterSpec, Role};
+use crate::cluster::{Cluster, ClusterSpec};
 use crate::invariants::Invariants;
 use crate::proxy::{Fault, Proxy};
 use crate::{eventually, HarnessError};
 
 // The workers and the coordinator export these counters at 0 from the start: read with
 // `sum`, which fails on a missing (or renamed) series.
-const CANCELLED: (&str, &[(&str, &str)]) = (DECODE_REQUESTS, &[("outcome", "cancelled")]);
 use coordinator::metrics::DECODE_REROUTES as REROUTES;
-use decode_worker::metrics::DECODE_REQUESTS;
 /// Requests a decode worker routed for prefill: counted as each arrives.
 use decode_worker::metrics::PREFILL_ROUTE as ROUTED;
 use worker_common::metrics::REQUESTS_RUNNING;
 
 fn client_proxy(c: &Cluster) -> Result<&Proxy, HarnessError> {
     c.client_proxy.as_ref().ok_or_else(|| HarnessError::Setup("the clients reach the coordinator directly".into()))
-}
-
-/// Requests the decode workers counted as cancelled (all of them).
-async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
-    let mut sum = 0.0;
-    for w in c.workers_of(Role::Decode) {
-        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1)?;
-    }
-    Ok(sum)
 }
 
 /// Requests whose client saw a transport error (the connection reset).

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use loadgen::{Outcome, Report};
 
-use super::common::{open_stream, probe};
+use super::common::{cancelled, open_stream, probe};
 use super::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::{GoodputBound, Invariants};
@@ -12,7 +12,6 @@ use crate::{eventually, HarnessError};
 
 /// Exported at 0 from the start (read with `sum`, which fails on a missing series); the
 /// proof needs it to rise.
-const CANCELLED: (&str, &[(&str, &str)]) = (decode_worker::metrics::DECODE_REQUESTS, &[("outcome", "cancelled")]);
 
 /// Clients hang up mid-stream.
 pub(super) struct ClientDisconnect;
@@ -81,17 +80,6 @@ impl Drill for ClientDisconnect {
         seen.map_err(|e| format!("{e}: {} cancelled", now - ev.before))?;
         Ok(format!("{}; the decode workers cancelled {}", ev.notes.join("; "), now - ev.before))
     }
-}
-
-/// Requests the decode workers counted as cancelled, summed over all of them (a hung-up
-/// stream may have been routed to any; the first drill cluster has one, `tandem up` may have
-/// several). An unreadable page is an error.
-async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
-    let mut sum = 0.0;
-    for w in c.workers_of(Role::Decode) {
-        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1)?;
-    }
-    Ok(sum)
 }
 
 /// Offer 3x what admission holds.
