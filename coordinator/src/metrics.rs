@@ -128,6 +128,11 @@ pub const PREFIX_CACHED_TOKENS: &str = "tandem_coordinator_prefix_cached_tokens_
 /// by them; a worker that never reports stays absent. Per worker, so as
 /// many series as workers. vLLM: none.
 pub const WORKER_PREFIX_BLOCKS: &str = "tandem_coordinator_worker_prefix_blocks";
+/// `tandem_coordinator_admission_capacity`: requests this coordinator may
+/// have dispatched at once (`--max-running`, or its share of the decode
+/// workers' seats when that is 0: the cluster's capacity split between the
+/// live coordinators). vLLM: none.
+pub const ADMISSION_CAPACITY: &str = "tandem_coordinator_admission_capacity";
 /// `tandem_coordinator_tenants`: tenants configured (1 without a tenants file).
 pub const TENANTS: &str = "tandem_coordinator_tenants";
 /// `tandem_coordinator_tenants_reloads_total{outcome}`: tenants file reloads
@@ -206,6 +211,7 @@ fn describe() {
     describe_counter!(TENANT_REQUESTS, "Requests by tenant: admitted, or refused by a tenant check (by code)");
     describe_counter!(TENANT_TOKENS, "Prompt tokens admitted and output tokens generated, by tenant");
     describe_gauge!(TENANTS, "Tenants configured");
+    describe_gauge!(ADMISSION_CAPACITY, "Requests this coordinator may have dispatched at once");
     describe_gauge!(WORKER_PREFIX_BLOCKS, "Prefix blocks each worker last reported cached");
     describe_counter!(PREFIX_CACHED_TOKENS, "Prompt tokens routed to a worker that reported them cached, by scope");
     describe_counter!(TENANTS_RELOADS, "Tenants file reloads, applied or refused");
@@ -269,6 +275,10 @@ pub fn prefix_cached_tokens(scope: String, n: usize) {
 
 pub fn worker_prefix_blocks(worker: &str, n: usize) {
     gauge!(WORKER_PREFIX_BLOCKS, "worker" => worker.to_owned()).set(n as f64);
+}
+
+pub fn admission_capacity(n: usize) {
+    gauge!(ADMISSION_CAPACITY).set(n as f64);
 }
 
 pub fn tenants_loaded(n: usize) {

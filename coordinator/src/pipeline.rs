@@ -136,6 +136,18 @@ pub fn priority_of(header: Option<&str>, field: Option<&serde_json::Value>) -> R
     }
 }
 
+/// One coordinator's share of the cluster's `capacity` (running seats)
+/// when `split` coordinators share it: `max(1, floor(capacity / split))`,
+/// the rule of every count cap across coordinators (docs/ARCHITECTURE.md,
+/// "Tenant budgets across coordinators": at most `max(capacity, split)` in
+/// all). A cluster without capacity stays at 0.
+pub fn capacity_share(capacity: usize, split: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    (capacity / split.max(1)).max(1)
+}
+
 impl Pipeline {
     /// Validates the admission bounds; with `max_running` 0 the capacity
     /// follows the cluster (see [`Pipeline::follow_capacity`]).
@@ -150,14 +162,18 @@ impl Pipeline {
         let mut config = settings.admission.clone();
         let auto = config.max_running == 0;
         if auto {
-            config.max_running = cluster.capacity();
+            config.max_running = capacity_share(cluster.capacity(), gate.split().get());
         }
+        metrics::admission_capacity(config.max_running);
         let admission = Admission::new(config)?;
         Ok(Arc::new(Self { tokenizer, context, cluster, settings, gate, pool, admission }))
     }
 
-    /// With `max_running` 0, keeps the admission capacity equal to the
-    /// cluster's as workers come and go (checked every `every`).
+    /// With `max_running` 0, keeps the admission capacity at this
+    /// coordinator's share of the cluster's as workers and coordinators
+    /// come and go (checked every `every`): the cluster's capacity split
+    /// like a tenant's count caps (see [`capacity_share`]), so N
+    /// coordinators together dispatch no more than the cluster runs.
     pub fn follow_capacity(self: &Arc<Self>, every: Duration) -> Option<tokio::task::JoinHandle<()>> {
         if self.settings.admission.max_running != 0 {
             return None;
@@ -168,7 +184,9 @@ impl Pipeline {
             loop {
                 tick.tick().await;
                 let Some(p) = me.upgrade() else { return };
-                p.admission.set_max_running(p.cluster.capacity());
+                let share = capacity_share(p.cluster.capacity(), p.gate.split().get());
+                p.admission.set_max_running(share);
+                metrics::admission_capacity(share);
             }
         }))
     }
@@ -593,5 +611,20 @@ impl Run {
             }
         };
         Ok(Collected { text, logprobs, finish })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::capacity_share;
+
+    #[test]
+    fn the_capacity_splits_like_a_count_cap() {
+        assert_eq!(capacity_share(6, 3), 2);
+        assert_eq!(capacity_share(7, 3), 2, "rounded down: never more than the cluster runs");
+        assert_eq!(capacity_share(2, 3), 1, "at least one each (then at most max(C, n) in all)");
+        assert_eq!(capacity_share(6, 1), 6);
+        assert_eq!(capacity_share(6, 0), 6, "a split of 0 is read as 1");
+        assert_eq!(capacity_share(0, 3), 0, "no capacity stays none");
     }
 }
