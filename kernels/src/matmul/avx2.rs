@@ -210,37 +210,88 @@ unsafe fn q4_kernel<const R: usize, const Q41: bool, const VNNI: bool>(
     let mask = _mm_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
+    // The offset terms are summed in scalar, block by block (a product, then a sum), the
+    // order the kernels have always used: greedy output is checked against llama.cpp's,
+    // and a changed rounding here flipped a token.
     let mut accm = [0f32; R];
     let wp = wrow.as_ptr();
-    // SAFETY (all `add`s and loads below): block b < nb of row x0 + j < x0 + R,
-    // within the lengths asserted above.
+    // SAFETY (all `add`s and loads below): block g + b < nb of row x0 + j < x0 + R,
+    // within the lengths asserted above; masked-off lanes are not read.
     let (xq0, d0, s0) =
         unsafe { (acts.qs.as_ptr().add(x0 * nb * 32), acts.d.as_ptr().add(x0 * nb), acts.s.as_ptr().add(x0 * nb)) };
-    for b in 0..nb {
-        let (dw, mw, qs) = unsafe {
-            let blk = wp.add(b * bb);
-            let dw = f16_ptr(blk);
-            let mw = if Q41 { f16_ptr(blk.add(2)) } else { -8.0 * dw };
-            (dw, mw, _mm_loadu_si128(blk.add(qoff) as *const __m128i))
-        };
-        let lo = _mm_and_si128(qs, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-        let wq = _mm256_set_m128i(hi, lo);
+    let mut g = 0;
+    while g < nb {
+        let n = (nb - g).min(GROUP);
+        let live = live_lanes(n);
+        let gp = unsafe { wp.add(g * bb) };
+        let (dw, mw) = unsafe { block_scales(gp, bb, live) };
+        let mw = if Q41 { mw } else { _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)) };
+        let mut scales = [_mm256_setzero_ps(); R];
         for j in 0..R {
-            let (xq, dx, sx) = unsafe {
-                let idx = j * nb + b;
-                (_mm256_loadu_si256(xq0.add(idx * 32) as *const __m256i), *d0.add(idx), *s0.add(idx))
-            };
-            let p = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(wq, xq, ones));
-            acc[j] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx), acc[j]);
-            accm[j] += mw * sx;
+            let idx = j * nb + g;
+            let (dx, sx) = unsafe { (_mm256_maskload_ps(d0.add(idx), live), _mm256_maskload_ps(s0.add(idx), live)) };
+            scales[j] = _mm256_mul_ps(dw, dx);
+            let mut offs = [0f32; GROUP];
+            // SAFETY: `offs` holds eight f32.
+            unsafe { _mm256_storeu_ps(offs.as_mut_ptr(), _mm256_mul_ps(mw, sx)) };
+            for o in &offs[..n] {
+                accm[j] += o;
+            }
         }
+        for b in 0..n {
+            let qs = unsafe { _mm_loadu_si128(gp.add(b * bb + qoff) as *const __m128i) };
+            let lo = _mm_and_si128(qs, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+            let wq = _mm256_set_m128i(hi, lo);
+            let sel = _mm256_set1_epi32(b as i32);
+            for j in 0..R {
+                let xq = unsafe { _mm256_loadu_si256(xq0.add((j * nb + g + b) * 32) as *const __m256i) };
+                let p = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(wq, xq, ones));
+                acc[j] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(scales[j], sel), acc[j]);
+            }
+        }
+        g += GROUP;
     }
     let mut res = [0f32; R];
     for j in 0..R {
         res[j] = hsum(acc[j]) + accm[j];
     }
     res
+}
+
+/// Blocks whose scales are fetched and multiplied together, one per lane.
+const GROUP: usize = 8;
+
+/// All-ones in the first `n` of eight i32 lanes (the mask of a group of `n` blocks).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn live_lanes(n: usize) -> __m256i {
+    // SAFETY: inlined only into avx2-enabled kernels.
+    unsafe { _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)) }
+}
+
+/// The first two f16 of each of up to eight blocks `bb` bytes apart from `gp` (a block's
+/// `d`, and `m` in Q4_1), as f32 lanes, by one gather: a block's scales then cost a lane
+/// each instead of two scalar f16 conversions and a multiply per block. Lanes not in
+/// `live` are 0 and read nothing.
+///
+/// # Safety
+/// Every live lane's four bytes at `gp + lane * bb` are readable; avx2 and f16c.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn block_scales(gp: *const u8, bb: usize, live: __m256i) -> (__m256, __m256) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bb as i32));
+        let dm = _mm256_mask_i32gather_epi32::<1>(_mm256_setzero_si256(), gp as *const i32, offsets, live);
+        // In each 128-bit half: the four low u16 into bytes 0..8, the four high into 8..16;
+        // then the halves' quadwords [lo0, hi0, lo1, hi1] become [lo0, lo1, hi0, hi1].
+        let split = _mm256_setr_epi8(
+            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+        );
+        let s = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(dm, split));
+        (_mm256_cvtph_ps(_mm256_castsi256_si128(s)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(s)))
+    }
 }
 
 /// Sums of four adjacent u8 × i8 products, as i32 lanes: one `vpdpbusd` with
@@ -255,17 +306,6 @@ fn dot_u8_i8<const VNNI: bool>(u: __m256i, s: __m256i, ones: __m256i) -> __m256i
         } else {
             _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones)
         }
-    }
-}
-
-/// An f16 at `p` (unaligned) as f32.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn f16_ptr(p: *const u8) -> f32 {
-    // SAFETY: the caller guarantees 2 readable bytes at `p`; only reached from f16c-enabled kernels.
-    unsafe {
-        let bits = (p as *const u16).read_unaligned();
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 }
 
@@ -333,24 +373,32 @@ unsafe fn q8_kernel<const R: usize, const VNNI: bool>(wrow: &[u8], acts: &QActs,
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
     let wp = wrow.as_ptr();
-    // SAFETY (all `add`s and loads below): within the lengths asserted above.
+    // SAFETY (all `add`s and loads below): within the lengths asserted above; masked-off
+    // lanes are not read. A gather reads 4 bytes at a block start (a block is 34).
     let (xq0, d0) = unsafe { (acts.qs.as_ptr().add(x0 * nb * 32), acts.d.as_ptr().add(x0 * nb)) };
-    for b in 0..nb {
-        let (dw, wq) = unsafe {
-            let blk = wp.add(b * 34);
-            (f16_ptr(blk), _mm256_loadu_si256(blk.add(2) as *const __m256i))
-        };
-        // |w| as u8 and x with w's sign: maddubs needs an unsigned operand.
-        let aw = _mm256_sign_epi8(wq, wq);
-        for (j, acc_j) in acc.iter_mut().enumerate() {
-            let (xq, dx) = unsafe {
-                let idx = j * nb + b;
-                (_mm256_loadu_si256(xq0.add(idx * 32) as *const __m256i), *d0.add(idx))
-            };
-            let sx = _mm256_sign_epi8(xq, wq);
-            let p = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(aw, sx, ones));
-            *acc_j = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx), *acc_j);
+    let mut g = 0;
+    while g < nb {
+        let n = (nb - g).min(GROUP);
+        let live = live_lanes(n);
+        let gp = unsafe { wp.add(g * 34) };
+        let (dw, _) = unsafe { block_scales(gp, 34, live) };
+        let mut scales = [_mm256_setzero_ps(); R];
+        for (j, s) in scales.iter_mut().enumerate() {
+            *s = _mm256_mul_ps(dw, unsafe { _mm256_maskload_ps(d0.add(j * nb + g), live) });
         }
+        for b in 0..n {
+            let wq = unsafe { _mm256_loadu_si256(gp.add(b * 34 + 2) as *const __m256i) };
+            // |w| as u8 and x with w's sign: maddubs needs an unsigned operand.
+            let aw = _mm256_sign_epi8(wq, wq);
+            let sel = _mm256_set1_epi32(b as i32);
+            for (j, acc_j) in acc.iter_mut().enumerate() {
+                let xq = unsafe { _mm256_loadu_si256(xq0.add((j * nb + g + b) * 32) as *const __m256i) };
+                let sx = _mm256_sign_epi8(xq, wq);
+                let p = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(aw, sx, ones));
+                *acc_j = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(scales[j], sel), *acc_j);
+            }
+        }
+        g += GROUP;
     }
     let mut res = [0f32; R];
     for j in 0..R {
