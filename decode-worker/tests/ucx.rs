@@ -12,8 +12,10 @@
 //!
 //! And the other KV-load failures over ucx: a prefill worker killed (kill -9)
 //! mid-transfer under each `kv_load_failure_policy`, its range released once
-//! UCX reports the dead endpoint; another version group refused before any
-//! landing range or byte.
+//! UCX reports the dead endpoint; a byte flipped in the sender's buffer
+//! after its checksum was taken (the prefill worker's `--fault-kv-corrupt`
+//! drill hook) refused by checksum under each policy; another version group
+//! refused before any landing range or byte.
 
 mod common;
 #[path = "common/rpc.rs"]
@@ -21,11 +23,11 @@ mod rpc;
 
 use common::{decode_worker, prefill_worker, prompt_of, reference, scrape, wait_metric, Signal, TestResult};
 use decode_worker::metrics::{
-    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES, KV_TRANSFERS_COMPLETED,
-    POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_FENCES, UCX_LANDING_IN_USE, UCX_LANDING_REFUSED, UCX_QUARANTINED_BYTES,
-    UCX_QUARANTINED_RANGES,
+    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
+    KV_TRANSFERS_COMPLETED, POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_FENCES, UCX_LANDING_IN_USE, UCX_LANDING_REFUSED,
+    UCX_QUARANTINED_BYTES, UCX_QUARANTINED_RANGES,
 };
-use prefill_worker::metrics::KV_TRANSFER_BYTES;
+use prefill_worker::metrics::{FAULTS_INJECTED, KV_TRANSFER_BYTES};
 use proto::worker::v1::{ErrorKind, KvLoadFailurePolicy};
 use rpc::{assert_no_kv_left, client, generate, kind, request, target, with_policy, GROUP, MAX_TOKENS};
 
@@ -207,6 +209,93 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
     wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "rpc")], |v| v == 3.0).await?;
     // Only the retried transfer completed: the killed ones' bytes never counted as a transfer.
     assert_eq!(scrape(&metrics).await?.get(KV_TRANSFERS_COMPLETED, &[])?, 1.0);
+    Ok(())
+}
+
+/// A byte of a transfer's first put flipped in the prefill worker's buffer after the
+/// checksum was taken (`--fault-kv-corrupt`, one transfer per policy): the decode worker's
+/// CRC over its copy of the landing range refuses it, the load fails as `corrupt`, and each
+/// policy does its part with the engine's tokens where there are tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_flipped_after_the_checksum_is_refused_under_each_policy() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompt = prompt_of(&tok, 64)?;
+    let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
+    let policies = [KvLoadFailurePolicy::Recompute, KvLoadFailurePolicy::Retry, KvLoadFailurePolicy::Fail];
+    let n = policies.len().to_string();
+    let corrupter = prefill_worker(GROUP, &["--fault-kv-corrupt", &n, "--transfer-timeout-ms", "120000"])?;
+    let healthy = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
+    // Outcomes, not timing: a lease long enough for a refused attempt and a retry under load.
+    let decode = decode_worker(
+        GROUP,
+        &[
+            "--kv-transport",
+            "ucx",
+            "--kv-load-failure-policy",
+            "fail",
+            "--local-prefill-max-tokens",
+            "0",
+            "--reservation-ttl-ms",
+            "120000",
+        ],
+    )?;
+    let metrics = decode.addr("metrics")?;
+    let corrupter_metrics = corrupter.addr("metrics")?;
+    let c = client(&decode).await?;
+    let (bad, good) = (format!("pid-{}", corrupter.pid), format!("pid-{}", healthy.pid));
+    let flipped = [("fault", "kv_corrupt")];
+    assert_eq!(scrape(&corrupter_metrics).await?.get(FAULTS_INJECTED, &flipped)?, 0.0, "flipped before any transfer");
+
+    for (round, policy) in policies.into_iter().enumerate() {
+        let req = with_policy(
+            request(&format!("corrupt-{policy:?}"), &prompt, vec![target(&corrupter)?, target(&healthy)?]),
+            policy,
+        );
+        let mut ci = c.clone();
+        let got = generate(&mut ci, req).await?;
+        let first = got.attempts.first().map(|(w, how)| (w.as_str(), how.as_str()));
+        assert_eq!(first, Some((bad.as_str(), "corrupt")), "{policy:?}: the corrupted attempt: {:?}", got.attempts);
+        let rest: Vec<_> = got.attempts[1..].iter().map(|(w, how)| (w.as_str(), how.as_str())).collect();
+        match policy {
+            KvLoadFailurePolicy::Retry => {
+                assert_eq!(rest, [(good.as_str(), "ok")], "retry: {:?}", got.attempts);
+                assert_eq!(got.tokens, want, "retry: {got:?}");
+                assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "retry: {got:?}");
+            }
+            KvLoadFailurePolicy::Recompute => {
+                assert!(rest.is_empty(), "recompute: {:?}", got.attempts);
+                assert_eq!(got.tokens, want, "recompute: {got:?}");
+                assert!(got.end.as_ref().is_ok_and(|f| !f.prefilled_remotely), "recompute: {got:?}");
+            }
+            _ => {
+                assert!(rest.is_empty(), "fail: {:?}", got.attempts);
+                assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "fail: {got:?}");
+                assert!(got.tokens.is_empty(), "fail: tokens before the error: {got:?}");
+            }
+        }
+        // The fault took effect exactly once per round, and the receiver, not the link,
+        // refused it: by checksum, over its own copy of the landing range.
+        let rounds = (round + 1) as f64;
+        assert_eq!(scrape(&corrupter_metrics).await?.get(FAULTS_INJECTED, &flipped)?, rounds, "{policy:?}");
+        let page = scrape(&metrics).await?;
+        assert_eq!(page.get(FRAMES_REFUSED, &[("reason", "checksum")])?, rounds, "{policy:?}");
+        assert_eq!(page.get(KV_LOAD_FAILURES, &[("reason", "corrupt")])?, rounds, "{policy:?}");
+        assert_eq!(page.sum(KV_LOAD_FAILURES, &[])?, rounds, "{policy:?}: a failure other than the checksum");
+        // The refused range is quarantined until the corrupter learns of the Abort and
+        // fences; then the whole landing region is free, and so is the pool.
+        wait_metric(&metrics, UCX_FENCES, &[], |v| v == rounds).await?;
+        wait_metric(&metrics, UCX_QUARANTINED_RANGES, &[], |v| v == 0.0).await?;
+        wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v == 0.0).await?;
+        assert_no_kv_left(&format!("{policy:?}"), &decode).await?;
+    }
+    for (p, o) in [("recompute", "recomputed"), ("retry", "retried"), ("fail", "failed")] {
+        wait_metric(&metrics, POLICY_OUTCOMES, &[("policy", p), ("outcome", o)], |v| v == 1.0).await?;
+    }
+    // Only the retry's transfer from the healthy worker completed; the corrupter completed none.
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, 1.0);
+    assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, (prompt.len().div_ceil(16) * BLOCK_BYTES) as f64);
+    assert_eq!(scrape(&corrupter_metrics).await?.get(KV_TRANSFER_BYTES, &[])?, 0.0, "the corrupter completed one");
     Ok(())
 }
 

@@ -32,6 +32,14 @@ pub struct PrefillFlags {
     /// KV transfer timeout (connect, each frame, Ack), ms. Env: TANDEM_TRANSFER_TIMEOUT_MS. Default 10000.
     #[arg(long, env = "TANDEM_TRANSFER_TIMEOUT_MS")]
     pub transfer_timeout_ms: Option<u64>,
+    /// Drills only: flip one byte of the first ucx put of each of the next N
+    /// KV transfers after its checksum is taken, so the decode worker refuses
+    /// it by checksum (a one-sided put has no link a fault proxy can sit in).
+    /// Logged as a warning at start and counted in
+    /// `tandem_faults_injected_total{fault="kv_corrupt"}`. Env:
+    /// TANDEM_FAULT_KV_CORRUPT. Default 0 (off).
+    #[arg(long, env = "TANDEM_FAULT_KV_CORRUPT")]
+    pub fault_kv_corrupt: Option<u64>,
 }
 
 /// The validated prefill worker config.
@@ -39,6 +47,8 @@ pub struct PrefillFlags {
 pub struct PrefillConfig {
     pub common: CommonConfig,
     pub transfer_timeout: Duration,
+    /// ucx KV transfers to corrupt after their checksum (drills; 0 = off).
+    pub fault_kv_corrupt: u64,
 }
 
 impl PrefillConfig {
@@ -49,7 +59,7 @@ impl PrefillConfig {
             None => PrefillFlags::default(),
         };
         merged.common.overlay(&flags.common);
-        worker_common::overlay!(merged, flags, transfer_timeout_ms);
+        worker_common::overlay!(merged, flags, transfer_timeout_ms, fault_kv_corrupt);
         Self::resolve(&merged)
     }
 
@@ -57,6 +67,7 @@ impl PrefillConfig {
         Ok(Self {
             common: f.common.resolve()?,
             transfer_timeout: millis("transfer_timeout_ms", f.transfer_timeout_ms, 10_000)?,
+            fault_kv_corrupt: f.fault_kv_corrupt.unwrap_or(0),
         })
     }
 }
@@ -68,7 +79,7 @@ mod tests {
 
     #[test]
     fn zero_transfer_timeout_is_named() {
-        let f = PrefillFlags { common: common(Some("g")), transfer_timeout_ms: Some(0) };
+        let f = PrefillFlags { common: common(Some("g")), transfer_timeout_ms: Some(0), ..PrefillFlags::default() };
         let err = PrefillConfig::resolve(&f).err().map(|e| e.to_string());
         assert!(err.as_deref().is_some_and(|e| e.contains("`transfer_timeout_ms`")), "{err:?}");
     }
@@ -95,6 +106,7 @@ mod tests {
         assert_eq!(cfg.common.version_group.as_str(), "file-g");
         assert_eq!(cfg.common.metrics, std::net::SocketAddr::from(([127, 0, 0, 1], 9464)));
         assert_eq!(cfg.transfer_timeout, Duration::from_millis(250));
+        assert_eq!(cfg.fault_kv_corrupt, 0, "the corruption fault is off unless asked for");
         std::fs::write(&path, "kv_blokcs = 1\n").ok();
         flags.common.config = Some(path);
         let err = PrefillConfig::load(&flags).err().map(|e| e.to_string());

@@ -22,6 +22,17 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     // Before anything announces this worker: a SIGTERM from then on drains it.
     let mut signals = registry::StopSignals::install()?;
     let common = &cfg.common;
+    if cfg.fault_kv_corrupt > 0 {
+        tracing::warn!(
+            transfers = cfg.fault_kv_corrupt,
+            "FAULT INJECTION ON (fault_kv_corrupt): the next ucx KV transfers get one byte flipped after their \
+             checksum; drills only"
+        );
+        kvtransfer::transport::ucx::fault::arm_corrupt(
+            cfg.fault_kv_corrupt,
+            prefill_worker::metrics::record_kv_corrupt_fault,
+        );
+    }
     let loaded = worker_common::serve::load(common)?;
     let (layout, fingerprint) = (loaded.layout, loaded.fingerprint);
     let (runner, join) = Runner::spawn(loaded.engine, RunnerConfig { max_waiting: common.max_waiting })?;

@@ -29,6 +29,11 @@ pub const KV_TRANSFER_FAILURES: &str = "tandem_kv_transfer_failures_total";
 /// kinds (and `tls`, QUIC's handshake) plus `deadline`.
 pub const TRANSFER_FAILURE_REASONS: [&str; 9] =
     ["io", "rejected", "timeout", "protocol", "peer_abort", "layer", "tls", "landing", "deadline"];
+/// `tandem_faults_injected_total{fault}`: faults this worker injected into
+/// its own work because a drill asked it to (`kv_corrupt`: ucx transfers
+/// with a byte flipped after the checksum, `--fault-kv-corrupt`). 0 in
+/// production. vLLM: none.
+pub const FAULTS_INJECTED: &str = "tandem_faults_injected_total";
 /// `tandem_prefill_seconds`: engine time of one prefill (submit to first
 /// token, queueing included). vLLM: `vllm:request_prefill_time_seconds`.
 pub const PREFILL_SECONDS: &str = "tandem_prefill_seconds";
@@ -50,8 +55,10 @@ pub fn describe() {
     describe_histogram!(KV_TRANSFER_SECONDS, Unit::Seconds, "Wall time of one completed KV transfer.");
     describe_counter!(KV_TRANSFER_FAILURES, "KV transfers that failed, by reason.");
     describe_histogram!(PREFILL_SECONDS, Unit::Seconds, "Engine time of one prefill, queueing included.");
+    describe_counter!(FAULTS_INJECTED, "Faults injected by drill flags, by fault (0 in production).");
     // Exported from the start, so a check that reads it can tell 0 from a missing series.
     counter!(KV_TRANSFER_BYTES).absolute(0);
+    counter!(FAULTS_INJECTED, "fault" => "kv_corrupt").absolute(0);
     worker_common::metrics::zero(PREFILL_REQUESTS, "outcome", &worker_common::metrics::OUTCOMES);
     worker_common::metrics::zero(KV_TRANSFER_FAILURES, "reason", &TRANSFER_FAILURE_REASONS);
 }
@@ -77,4 +84,10 @@ pub fn record_transfer(bytes: u64, seconds: f64) {
 /// Counts one failed KV transfer under `reason`.
 pub fn record_transfer_failure(reason: &'static str) {
     counter!(KV_TRANSFER_FAILURES, "reason" => reason).increment(1);
+}
+
+/// Counts one ucx transfer the `--fault-kv-corrupt` drill hook corrupted
+/// (called on the sender's thread at the flip, before the put).
+pub fn record_kv_corrupt_fault() {
+    counter!(FAULTS_INJECTED, "fault" => "kv_corrupt").increment(1);
 }

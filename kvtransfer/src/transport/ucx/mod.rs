@@ -69,6 +69,7 @@
 //! worker addresses, hex-encoded; UCX parses the one a `Hello` carries.
 
 mod driver;
+pub mod fault;
 mod landing;
 mod sender;
 mod server;

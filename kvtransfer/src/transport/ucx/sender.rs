@@ -426,7 +426,7 @@ impl<'d> Link<'d> {
         r: Reservation,
         layer: usize,
         first_block: usize,
-        k: Vec<u8>,
+        mut k: Vec<u8>,
         v: Vec<u8>,
     ) -> Result<(), TransferError> {
         self.check_not_aborted(r).await?;
@@ -450,6 +450,8 @@ impl<'d> Link<'d> {
             checksum: crc32c::crc32c_append(crc32c::crc32c(&k), &v),
             payload_len: k.len() + v.len(),
         };
+        // Drills only (off unless armed): a byte flipped after the checksum.
+        super::fault::after_checksum(layer, first_block, &mut k);
         let put_k = self.ep.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;
         let put_v = self.ep.put(v, v_at, &self.key).map_err(|e| ucx_err("putting V", e))?;
         // The flush completes once both puts are in the decode worker's

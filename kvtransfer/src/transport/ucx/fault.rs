@@ -1,0 +1,97 @@
+//! Fault injection for drills: corrupt the KV a ucx transfer puts *after*
+//! the sender took its checksum, as a flipped bit on an RDMA link, in a NIC
+//! or in the sender's memory would. A fault proxy on a TCP link cannot do
+//! this to one-sided puts (there is no stream to sit in), so the sender
+//! does it to itself, at the one point where the checksum is taken.
+//!
+//! Off unless the process arms it ([`arm_corrupt`]; the prefill worker's
+//! `--fault-kv-corrupt` / `TANDEM_FAULT_KV_CORRUPT`, read once at start,
+//! off by default). Process-wide, because it is armed once for the process.
+//! Never armed by anything else: a production sender pays one atomic load
+//! per transfer.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// Transfers still to corrupt.
+static LEFT: AtomicU64 = AtomicU64::new(0);
+/// Transfers corrupted so far.
+static DONE: AtomicU64 = AtomicU64::new(0);
+/// Called on the sender's thread after each flip (the process counts it).
+static ON_FLIP: OnceLock<fn()> = OnceLock::new();
+
+/// Arms the fault for this process: each of the next `transfers` ucx
+/// transfers it sends gets one byte of its first put flipped after the
+/// checksum is taken (0 disarms). `on_flip` runs after each flip, before
+/// the put (the first arming's is kept).
+pub fn arm_corrupt(transfers: u64, on_flip: fn()) {
+    let _ = ON_FLIP.set(on_flip);
+    LEFT.store(transfers, Ordering::SeqCst);
+}
+
+/// Transfers this process corrupted (each one byte).
+pub fn corrupted() -> u64 {
+    DONE.load(Ordering::SeqCst)
+}
+
+/// The hook at the sender's checksum point: `k` is layer `layer`'s K from
+/// block `first_block`, whose CRC-32C is already in the `Layer` header and
+/// which is about to be put.
+pub(super) fn after_checksum(layer: usize, first_block: usize, k: &mut [u8]) {
+    if flip_first_put(&LEFT, &DONE, layer, first_block, k) {
+        if let Some(f) = ON_FLIP.get() {
+            f();
+        }
+    }
+}
+
+/// Flips one byte in the middle of `k` if this is a transfer's first put
+/// (layer 0 from block 0: exactly once per reservation, however the layers
+/// are split into block ranges) and `left` allows one more.
+fn flip_first_put(left: &AtomicU64, done: &AtomicU64, layer: usize, first_block: usize, k: &mut [u8]) -> bool {
+    if layer != 0 || first_block != 0 || k.is_empty() {
+        return false;
+    }
+    if left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_err() {
+        return false;
+    }
+    k[k.len() / 2] ^= 0xff;
+    done.fetch_add(1, Ordering::SeqCst);
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flips_one_byte_of_each_first_put_while_armed() {
+        let (left, done) = (AtomicU64::new(2), AtomicU64::new(0));
+        let clean = vec![7u8; 64];
+        let mut k = clean.clone();
+        // Not a transfer's first put: untouched, nothing spent.
+        assert!(!flip_first_put(&left, &done, 1, 0, &mut k));
+        assert!(!flip_first_put(&left, &done, 0, 3, &mut k));
+        assert_eq!((k.as_slice(), left.load(Ordering::SeqCst)), (clean.as_slice(), 2));
+        assert!(flip_first_put(&left, &done, 0, 0, &mut k));
+        let changed: Vec<usize> = (0..k.len()).filter(|&i| k[i] != clean[i]).collect();
+        assert_eq!(changed, [32]);
+        assert_ne!(crc32c::crc32c(&k), crc32c::crc32c(&clean));
+        let mut k2 = clean.clone();
+        assert!(flip_first_put(&left, &done, 0, 0, &mut k2));
+        // Spent: the third transfer is left alone.
+        let mut k3 = clean.clone();
+        assert!(!flip_first_put(&left, &done, 0, 0, &mut k3));
+        assert_ne!(k2, clean);
+        assert_eq!(k3, clean);
+        assert_eq!((left.load(Ordering::SeqCst), done.load(Ordering::SeqCst)), (0, 2));
+    }
+
+    #[test]
+    fn unarmed_touches_nothing() {
+        let (left, done) = (AtomicU64::new(0), AtomicU64::new(0));
+        let mut k = vec![1u8; 16];
+        assert!(!flip_first_put(&left, &done, 0, 0, &mut k));
+        assert_eq!((k, done.load(Ordering::SeqCst)), (vec![1u8; 16], 0));
+    }
+}
