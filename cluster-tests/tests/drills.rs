@@ -355,3 +355,44 @@ async fn request_link_resets_without_its_resets_fails_its_proof() -> TestResult 
     assert_eq!((r.complete, r.cut_by_fault), (r.requests, 0));
     Ok(())
 }
+
+/// The KV-link drills that apply to one-sided transfer, with KV over ucx (the decode
+/// workers' `--kv-transport ucx`; the prefill workers put into their landing region).
+/// prefill-kill under each policy: the push held by stopping its sender once the decode
+/// worker granted it a landing range, then SIGKILL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_kill_over_ucx_under_each_policy() -> TestResult {
+    let r = drill("prefill-kill-recompute-ucx").await?;
+    assert_eq!(r.complete, r.requests, "policy recompute: the decode worker prefills itself");
+    let r = drill("prefill-kill-retry-ucx").await?;
+    assert_eq!(r.complete, r.requests, "policy retry: the other prefill worker pushes again");
+    let r = drill("prefill-kill-fail-ucx").await?;
+    assert!(r.typed_errors.keys().all(|k| k.ends_with("kv_load_failed")), "{:?}", r.typed_errors);
+    assert!(!r.typed_errors.is_empty(), "policy fail: the cut request ends typed");
+    Ok(())
+}
+
+/// kv-corrupt over ucx (the byte flipped by the sender after its checksum), and
+/// version-relabel with the relabelled decode worker's KV over ucx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_corrupt_and_version_relabel_over_ucx() -> TestResult {
+    let r = drill("kv-corrupt-ucx").await?;
+    assert!(r.proof.contains("refused by checksum"), "{}", r.proof);
+    let r = drill("version-relabel-ucx").await?;
+    assert_eq!(r.complete, r.requests, "a relabel lost a request");
+    Ok(())
+}
+
+/// The ucx drills' proofs fail when their fault is skipped: no flag, no flipped byte; a
+/// stopped sender continued instead of killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_drills_without_their_fault_fail_their_proof() -> TestResult {
+    for name in ["kv-corrupt-ucx", "prefill-kill-recompute-ucx"] {
+        let r = run_drill(name, &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+        assert!(!r.fault_proven, "{name}: {}", r.proof);
+        assert_eq!(r.of(Guarantee::G6).len(), 1, "{name}: {:#?}", r.violations);
+        assert_eq!(r.violations.len(), 1, "{name}: only G6: {:#?}", r.violations);
+        assert_eq!(r.complete, r.requests, "{name}");
+    }
+    Ok(())
+}

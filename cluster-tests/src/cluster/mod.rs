@@ -253,6 +253,9 @@ impl Cluster {
                 args.extend(
                     ["--kv-load-failure-policy", &spec.policy, "--local-prefill-max-tokens", "0"].map(str::to_owned),
                 );
+                if let Some(t) = &spec.kv_transport {
+                    args.extend(["--kv-transport".to_owned(), t.clone()]);
+                }
                 if w.behind_proxy {
                     let mut transfer = free_port()?;
                     if let Some(ns) = &netns {

@@ -59,6 +59,9 @@ pub struct ClusterSpec {
     /// on their answers ([`Cluster::control_proxies`]): the control link. Each binds its gRPC
     /// on a fixed port and advertises the proxy (`--advertise-grpc`).
     pub control_via_proxy: Vec<String>,
+    /// Decode workers' `--kv-transport` (`None`: the workers' default, tcp). Prefill workers
+    /// follow each destination's transport.
+    pub kv_transport: Option<String>,
 }
 
 impl Default for ClusterSpec {
@@ -74,6 +77,7 @@ impl Default for ClusterSpec {
             etcd_via_proxy: Vec::new(),
             clients_via_proxy: false,
             control_via_proxy: Vec::new(),
+            kv_transport: None,
         }
     }
 }
@@ -176,6 +180,12 @@ impl ClusterSpec {
     /// (its faults act on the worker's answers: the token streams).
     pub fn control_via_proxy(mut self, name: &str) -> Self {
         self.control_via_proxy.push(name.into());
+        self
+    }
+
+    /// Decode workers receive KV over `transport` (`tcp`, `quic`, `local`, `ucx`).
+    pub fn kv_transport(mut self, transport: &str) -> Self {
+        self.kv_transport = Some(transport.into());
         self
     }
 

@@ -24,11 +24,33 @@ use crate::proxy::Fault;
 use crate::{eventually, HarnessError};
 
 /// Flip one byte inside a KV frame's payload.
-pub(super) struct KvCorrupt;
+pub(super) struct KvCorrupt {
+    /// KV over ucx: one-sided puts have no stream a proxy can sit in, so the prefill
+    /// worker flips the byte in its own buffer after the checksum (`--fault-kv-corrupt`).
+    pub ucx: bool,
+}
+
+/// The prefill workers' count of transfers they corrupted (`--fault-kv-corrupt`).
+async fn corrupted_by_prefill(c: &Cluster) -> Result<f64, String> {
+    let mut n = 0.0;
+    for w in c.workers_of(Role::Prefill) {
+        let p = c.worker_metrics(&w.proc.name).await.map_err(|e| e.to_string())?;
+        n += sum(&p, prefill_worker::metrics::FAULTS_INJECTED, &[("fault", "kv_corrupt")])?;
+    }
+    Ok(n)
+}
 
 #[async_trait::async_trait]
 impl Drill for KvCorrupt {
     fn info(&self) -> DrillInfo {
+        if self.ucx {
+            return DrillInfo {
+                name: "kv-corrupt-ucx",
+                description: "KV over ucx: the prefill worker flips one byte of a transfer in its own buffer after \
+                              the checksum (--fault-kv-corrupt 1): the decode worker's CRC over its landing copy \
+                              refuses it, the load is counted as failed, and policy recompute gives identical answers",
+            };
+        }
         DrillInfo {
             name: "kv-corrupt",
             description: "flip one byte on a decode worker's KV link: the frame is refused, the load counted as \
@@ -36,10 +58,20 @@ impl Drill for KvCorrupt {
         }
     }
 
-    fn setup(&self, _skip: bool) -> Setup {
+    fn setup(&self, skip: bool) -> Setup {
+        let spec = if self.ucx {
+            let mut spec = ClusterSpec::default().prefill("g1").decode("g1").kv_transport("ucx");
+            // The fault is armed at start (the flag is read once), so a skipped run has no flag.
+            if !skip {
+                spec.workers[0].extra.extend(["--fault-kv-corrupt".to_owned(), "1".to_owned()]);
+            }
+            spec
+        } else {
+            ClusterSpec::default().prefill("g1").decode_behind_proxy("g1")
+        };
         Setup {
             // One flipped byte fails one load: the pair's breaker (3 failures) stays closed.
-            spec: ClusterSpec::default().prefill("g1").decode_behind_proxy("g1"),
+            spec,
             requests: 6,
             max_tokens: 16,
             concurrency: 2,
@@ -52,6 +84,13 @@ impl Drill for KvCorrupt {
         let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
         let m = decode.metrics_addr()?;
         ev.before = crate::metrics::scrape(&m).await?.sum(KV_LOAD_FAILURES, &[])?;
+        if self.ucx {
+            // Armed from the prefill worker's start: its first transfer is the corrupted one.
+            if !skip {
+                ev.began();
+            }
+            return Ok(ev);
+        }
         if !skip {
             // 100 KiB into the stream: inside a layer's payload, where only the checksum can tell.
             if let Some(p) = decode.proxy.as_ref() {
@@ -63,21 +102,24 @@ impl Drill for KvCorrupt {
     }
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
-        let proxy = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()).ok_or("no proxy")?;
-        let flips = proxy.counters().flips;
+        let (flips, by) = if self.ucx {
+            (corrupted_by_prefill(c).await?, "the prefill worker (after the checksum) flipped")
+        } else {
+            let proxy = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()).ok_or("no proxy")?;
+            (proxy.counters().flips as f64, "the proxy flipped")
+        };
         let p = crate::metrics::scrape(&decode_metrics(c)?).await.map_err(|e| e.to_string())?;
         let failures = sum(&p, KV_LOAD_FAILURES, &[])? - ev.before;
         let refused = sum(&p, FRAMES_REFUSED, &[("reason", "checksum")])?;
-        if flips == 0 || failures < 1.0 {
+        // Over ucx only the receiver's CRC can catch the byte (no framing to break): it must have.
+        if flips == 0.0 || failures < 1.0 || (self.ucx && refused < flips) {
             return Err(format!(
-                "the proxy flipped {flips} bytes and the decode worker counted {failures} failed loads"
+                "{by} {flips} bytes and the decode worker counted {failures} failed loads ({refused} frame(s) \
+                 refused by checksum)"
             ));
         }
         let pair = faulty_pair(c).await?;
-        Ok(format!(
-            "proxy flipped {flips} byte(s); {failures} failed load(s); {refused} frame(s) refused by checksum; \
-             {pair}"
-        ))
+        Ok(format!("{by} {flips} byte(s); {failures} failed load(s); {refused} frame(s) refused by checksum; {pair}"))
     }
 }
 

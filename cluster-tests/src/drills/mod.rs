@@ -109,11 +109,11 @@ const MID_PUSH: usize = 16 << 10;
 fn all() -> Vec<Box<dyn Drill>> {
     vec![
         Box::new(process::DecodeKill),
-        Box::new(process::PrefillKill { policy: "recompute", hold_at: MID_PUSH }),
-        Box::new(process::PrefillKill { policy: "retry", hold_at: MID_PUSH }),
-        Box::new(process::PrefillKill { policy: "fail", hold_at: MID_PUSH }),
-        Box::new(process::PrefillKill { policy: "recompute", hold_at: 0 }),
-        Box::new(kv::KvCorrupt),
+        Box::new(process::PrefillKill { policy: "recompute", hold_at: MID_PUSH, ucx: false }),
+        Box::new(process::PrefillKill { policy: "retry", hold_at: MID_PUSH, ucx: false }),
+        Box::new(process::PrefillKill { policy: "fail", hold_at: MID_PUSH, ucx: false }),
+        Box::new(process::PrefillKill { policy: "recompute", hold_at: 0, ucx: false }),
+        Box::new(kv::KvCorrupt { ucx: false }),
         Box::new(etcd::EtcdRestart),
         Box::new(load::ClientDisconnect),
         Box::new(load::Overload3x),
@@ -121,7 +121,7 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(process::RollingDrain),
         Box::new(load::TightDeadlines),
         Box::new(process::CoordinatorKill),
-        Box::new(process::VersionRelabel),
+        Box::new(process::VersionRelabel { ucx: false }),
         Box::new(process::DrainGraceShort),
         Box::new(kv::KvDelay),
         Box::new(kv::KvLoss),
@@ -140,6 +140,12 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(links::RequestLinkResets),
         Box::new(links::RequestLinkDelay),
         Box::new(links::ControlLinkResets),
+        // The KV-link drills that apply to one-sided transfer, with KV over ucx.
+        Box::new(process::PrefillKill { policy: "recompute", hold_at: MID_PUSH, ucx: true }),
+        Box::new(process::PrefillKill { policy: "retry", hold_at: MID_PUSH, ucx: true }),
+        Box::new(process::PrefillKill { policy: "fail", hold_at: MID_PUSH, ucx: true }),
+        Box::new(kv::KvCorrupt { ucx: true }),
+        Box::new(process::VersionRelabel { ucx: true }),
     ]
 }
 

@@ -115,7 +115,10 @@ impl Drill for RollingDrain {
 }
 
 /// Drain g2's decode worker and start it again in g1.
-pub(in crate::drills) struct VersionRelabel;
+pub(in crate::drills) struct VersionRelabel {
+    /// Decode workers receive KV over ucx.
+    pub ucx: bool,
+}
 
 /// KV bytes prefill worker `name` sent in completed transfers; an error when its page cannot
 /// be read or lacks the series.
@@ -147,6 +150,13 @@ impl Drill for VersionRelabel {
     }
 
     fn info(&self) -> DrillInfo {
+        if self.ucx {
+            return DrillInfo {
+                name: "version-relabel-ucx",
+                description: "version-relabel with KV over ucx: g2's decode worker, drained and started again in g1, \
+                              takes KV only from g1's prefill worker over ucx; every request completes identically",
+            };
+        }
         DrillInfo {
             name: "version-relabel",
             description: "Two version groups g1/g2 (prefill+decode each): under load, SIGTERM g2's decode worker and \
@@ -158,7 +168,14 @@ impl Drill for VersionRelabel {
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             // prefill-0 g1, prefill-1 g2, decode-0 g1, decode-1 g2.
-            spec: ClusterSpec::default().prefill("g1").prefill("g2").decode("g1").decode("g2"),
+            spec: {
+                let spec = ClusterSpec::default().prefill("g1").prefill("g2").decode("g1").decode("g2");
+                if self.ucx {
+                    spec.kv_transport("ucx")
+                } else {
+                    spec
+                }
+            },
             requests: 12,
             max_tokens: 16,
             concurrency: 2,

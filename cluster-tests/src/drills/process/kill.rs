@@ -8,7 +8,7 @@ use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::drills::common::{await_supervisor, busy_decoder, decode_metrics, gone, LOAD_WAIT};
 use crate::drills::{at_least, own_cluster, supervisor_restarts, Drill, DrillInfo, Evidence, Exit, Progress, Setup};
 use crate::invariants::Invariants;
-use crate::process::{socket_owner, Signal};
+use crate::process::{signal, socket_owner, Signal};
 use crate::proxy::Fault;
 use crate::HarnessError;
 
@@ -81,6 +81,56 @@ pub(in crate::drills) struct PrefillKill {
     /// Bytes of the KV push the proxy lets through before it holds the rest: 0 kills the
     /// prefill worker before any KV (not even its Hello) reached the decode worker.
     pub hold_at: usize,
+    /// KV over ucx (one-sided puts, no stream a proxy can hold): the push is held by
+    /// stopping its sender once the decode worker granted it a landing range.
+    pub ucx: bool,
+}
+
+/// Attempts at stopping a ucx sender mid-transfer (each on a later request of the load).
+const UCX_HOLD_TRIES: usize = 8;
+
+/// Holds a ucx KV push mid-transfer: waits until the decode worker (`m`) has a landing range
+/// granted while exactly one prefill worker has a Prefill in flight (received, not yet
+/// answered; the load runs one request at a time), SIGSTOPs that worker, and keeps it stopped only if its range is still granted and no
+/// transfer completed meanwhile (else it continues it and waits for the next request).
+/// Returns the stopped worker's name and pid.
+async fn hold_ucx_push(c: &Cluster, m: &str) -> Result<(String, u32), HarnessError> {
+    use decode_worker::metrics::{KV_TRANSFERS_COMPLETED, UCX_LANDING_IN_USE};
+    use prefill_worker::metrics::PREFILL_REQUESTS;
+    use worker_common::metrics::REQUESTS_BY_PRIORITY;
+    let prefills: Vec<(String, u32, String)> = c
+        .workers_of(Role::Prefill)
+        .map(|w| Ok((w.proc.name.clone(), w.proc.pid, w.metrics_addr()?)))
+        .collect::<Result<_, HarnessError>>()?;
+    let mut seen = Vec::new();
+    for _ in 0..UCX_HOLD_TRIES {
+        let sender = testkit::poll("a prefill worker mid-way through a ucx KV push", LOAD_WAIT, || async {
+            let d = crate::metrics::scrape(m).await?;
+            if d.get(UCX_LANDING_IN_USE, &[])? == 0.0 {
+                return Ok(None);
+            }
+            let done = d.get(KV_TRANSFERS_COMPLETED, &[])?;
+            let mut holding = Vec::new();
+            for (name, pid, pm) in &prefills {
+                let p = crate::metrics::scrape(pm).await?;
+                if p.sum(REQUESTS_BY_PRIORITY, &[])? > p.sum(PREFILL_REQUESTS, &[])? {
+                    holding.push((name.clone(), *pid));
+                }
+            }
+            Ok::<_, HarnessError>((holding.len() == 1).then(|| (holding.remove(0), done)))
+        })
+        .await?;
+        let ((name, pid), done) = sender;
+        signal(pid, Signal::Stop)?;
+        let d = crate::metrics::scrape(m).await?;
+        let (landing, now) = (d.get(UCX_LANDING_IN_USE, &[])?, d.get(KV_TRANSFERS_COMPLETED, &[])?);
+        if landing > 0.0 && now == done {
+            return Ok((name, pid));
+        }
+        seen.push(format!("{name} had finished its push when it stopped"));
+        signal(pid, Signal::Cont)?;
+    }
+    Err(HarnessError::Fault(format!("no ucx KV push was stopped mid-way: {}", seen.join("; "))))
 }
 
 /// The policy's outcome label on `tandem_kv_load_policy_outcomes_total`.
@@ -109,6 +159,28 @@ impl Drill for PrefillKill {
     }
 
     fn info(&self) -> DrillInfo {
+        if self.ucx {
+            return match self.policy {
+                "retry" => DrillInfo {
+                    name: "prefill-kill-retry-ucx",
+                    description: "KV over ucx (policy retry, 2 prefill workers): SIGKILL the prefill worker stopped \
+                                  while the decode worker holds its landing range; the other pushes again, every \
+                                  answer identical, the dead sender's range freed",
+                },
+                "fail" => DrillInfo {
+                    name: "prefill-kill-fail-ucx",
+                    description: "KV over ucx (policy fail): SIGKILL the prefill worker stopped while the decode \
+                                  worker holds its landing range; that request ends with the typed 502 \
+                                  kv_load_failed, the rest are identical",
+                },
+                _ => DrillInfo {
+                    name: "prefill-kill-recompute-ucx",
+                    description: "KV over ucx (policy recompute): SIGKILL the prefill worker stopped while the \
+                                  decode worker holds its landing range; the decode worker recomputes, every answer \
+                                  identical",
+                },
+            };
+        }
         if self.hold_at == 0 {
             return DrillInfo {
                 name: "prefill-kill-before-kv",
@@ -138,11 +210,13 @@ impl Drill for PrefillKill {
 
     fn setup(&self, _skip: bool) -> Setup {
         let fail = self.policy == "fail";
+        let spec = ClusterSpec::default().prefill("g1").prefill("g1").policy(self.policy);
         Setup {
-            spec: ClusterSpec::default().prefill("g1").prefill("g1").decode_behind_proxy("g1").policy(self.policy),
+            spec: if self.ucx { spec.decode("g1").kv_transport("ucx") } else { spec.decode_behind_proxy("g1") },
             requests: 6,
             max_tokens: 16,
-            concurrency: 2,
+            // Over ucx one request at a time: the one prefill worker holding KV is the sender.
+            concurrency: if self.ucx { 1 } else { 2 },
             invariants: Invariants {
                 all_complete: !fail,
                 // Under `fail`, the held request; and one routed to the dead worker before its lease ran out.
@@ -155,9 +229,22 @@ impl Drill for PrefillKill {
     async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         let mut ev = Evidence::default();
         let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
-        let proxy = decode.proxy.as_ref().ok_or_else(|| HarnessError::Setup("decode not behind a proxy".into()))?;
         let m = decode.metrics_addr()?;
         ev.before = policy_outcomes(&m, self.policy).await?;
+        if self.ucx {
+            let (name, pid) = hold_ucx_push(c, &m).await?;
+            ev.notes.push(format!("{name} (pid {pid}) was stopped while the decode worker held its landing range"));
+            if !skip {
+                ev.began();
+                c.signal(&name, Signal::Kill)?;
+                let _ = c.worker_mut(&name)?.proc.wait_exit(Duration::from_secs(10)).await;
+            } else {
+                signal(pid, Signal::Cont)?;
+            }
+            ev.victim = Some((name, pid));
+            return Ok(ev);
+        }
+        let proxy = decode.proxy.as_ref().ok_or_else(|| HarnessError::Setup("decode not behind a proxy".into()))?;
         // By default 16 KiB into the next push: inside the first layers' frames, long
         // before its Ack.
         proxy.arm(Fault::HoldAfter(self.hold_at));
