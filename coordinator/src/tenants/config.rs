@@ -99,7 +99,8 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 /// how it is split between coordinators).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Limits {
-    /// Requests per second (the bucket holds one second's worth, at least 1).
+    /// Requests per second (the bucket holds one second's worth, at least
+    /// [`super::MIN_REQUEST_BURST`]).
     pub requests_per_s: f64,
     /// Prompt tokens per minute (the bucket holds one minute's worth).
     pub prompt_tokens_per_min: u64,

@@ -179,13 +179,20 @@ struct Share {
     streams: u32,
 }
 
+/// The smallest request bucket, in requests. One token would lose the
+/// refill that accrues while a full bucket waits for the next request: a
+/// tenant sending Poisson arrivals at k times its share gets k/(k+1) of it
+/// (91% at 10x, half at 1x). With two, a full-then-waiting bucket is rare
+/// under any real excess, at the price of a fleet burst of 2n requests.
+pub const MIN_REQUEST_BURST: f64 = 2.0;
+
 impl Share {
     fn of(l: &Limits, n: usize) -> Self {
         let n = n.max(1) as f64;
         let per_min = |v: u64| Refill { capacity: (v as f64 / n).max(1.0), per_s: v as f64 / n / 60.0 };
         let count = |v: u32| ((f64::from(v) / n).floor() as u32).max(1);
         Self {
-            requests: Refill { capacity: (l.requests_per_s / n).max(1.0), per_s: l.requests_per_s / n },
+            requests: Refill { capacity: (l.requests_per_s / n).max(MIN_REQUEST_BURST), per_s: l.requests_per_s / n },
             prompt: per_min(l.prompt_tokens_per_min),
             output: per_min(l.output_tokens_per_min),
             in_flight: count(l.max_in_flight),
