@@ -29,7 +29,7 @@ use decode_worker::metrics::{
 };
 use prefill_worker::metrics::{FAULTS_INJECTED, KV_TRANSFER_BYTES};
 use proto::worker::v1::{ErrorKind, KvLoadFailurePolicy};
-use rpc::{assert_no_kv_left, client, generate, kind, request, target, with_policy, GROUP, MAX_TOKENS};
+use rpc::{assert_no_kv_left, client, generate, kind, request, target, with_policy, Outcome, GROUP, MAX_TOKENS};
 
 /// K+V bytes of one block of the model's KV (30 layers x K,V x 3 heads x 64 x f16 x 16).
 const BLOCK_BYTES: usize = 368_640;
@@ -133,18 +133,36 @@ async fn a_stopped_sender_past_its_lease_never_writes_into_reused_kv() -> TestRe
     assert_no_kv_left("at the end", &decode).await
 }
 
-/// Long enough that the kill lands while its KV is still being put (about 40 blocks).
-const KILL_PROMPT: usize = 600;
+/// What `policy` made of a request whose first prefill attempt failed: under retry a second
+/// attempt on `alive` and the engine's tokens (`want`) from its KV; under recompute no other
+/// attempt and the engine's tokens prefilled here; under fail a typed `KvLoadFailed` and no
+/// token.
+fn assert_policy_outcome(policy: KvLoadFailurePolicy, got: &Outcome, alive: &str, want: &[u32]) {
+    let rest: Vec<_> = got.attempts.iter().skip(1).map(|(w, how)| (w.as_str(), how.as_str())).collect();
+    match policy {
+        KvLoadFailurePolicy::Retry => {
+            assert_eq!(rest, [(alive, "ok")], "retry: {:?}", got.attempts);
+            assert_eq!(got.tokens, want, "retry: {got:?}");
+            assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "retry: {got:?}");
+        }
+        KvLoadFailurePolicy::Recompute => {
+            assert!(rest.is_empty(), "recompute: {:?}", got.attempts);
+            assert_eq!(got.tokens, want, "recompute: {got:?}");
+            assert!(got.end.as_ref().is_ok_and(|f| !f.prefilled_remotely), "recompute: {got:?}");
+        }
+        _ => {
+            assert!(rest.is_empty(), "fail: {:?}", got.attempts);
+            assert_eq!(kind(got), Some(ErrorKind::KvLoadFailed), "fail: {got:?}");
+            assert!(got.tokens.is_empty(), "fail: tokens before the error: {got:?}");
+        }
+    }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
-    let tok = common::tokenizer()?;
-    let prompt = prompt_of(&tok, KILL_PROMPT)?;
-    let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
-    // Outcomes, not timing: leases long enough for a killed attempt and a whole retry on
-    // a loaded 2-core machine.
-    let backup = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
-    let decode = decode_worker(
+/// A decode worker receiving KV over ucx, policy fail unless a request overrides it, every
+/// prompt prefilled remotely; leases long enough (120 s) for a failed attempt and a whole
+/// retry on a loaded 2-core machine (these tests judge outcomes, not timing).
+fn ucx_decode_worker() -> testkit::Result<common::Worker> {
+    decode_worker(
         GROUP,
         &[
             "--kv-transport",
@@ -156,7 +174,19 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
             "--reservation-ttl-ms",
             "120000",
         ],
-    )?;
+    )
+}
+
+/// Long enough that the kill lands while its KV is still being put (about 40 blocks).
+const KILL_PROMPT: usize = 600;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompt = prompt_of(&tok, KILL_PROMPT)?;
+    let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
+    let backup = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
+    let decode = ucx_decode_worker()?;
     let metrics = decode.addr("metrics")?;
     let c = client(&decode).await?;
 
@@ -176,24 +206,7 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
         let (dead, alive) = (format!("pid-{}", doomed.pid), format!("pid-{}", backup.pid));
         let failed = got.attempts.first().filter(|(w, how)| *w == dead && how != "ok");
         assert!(failed.is_some(), "{policy:?}: the doomed worker's failure is reported: {:?}", got.attempts);
-        let rest: Vec<_> = got.attempts[1..].iter().map(|(w, how)| (w.as_str(), how.as_str())).collect();
-        match policy {
-            KvLoadFailurePolicy::Retry => {
-                assert_eq!(rest, [(alive.as_str(), "ok")], "retry: {:?}", got.attempts);
-                assert_eq!(got.tokens, want, "retry: {got:?}");
-                assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "retry: {got:?}");
-            }
-            KvLoadFailurePolicy::Recompute => {
-                assert!(rest.is_empty(), "recompute: {:?}", got.attempts);
-                assert_eq!(got.tokens, want, "recompute: {got:?}");
-                assert!(got.end.as_ref().is_ok_and(|f| !f.prefilled_remotely), "recompute: {got:?}");
-            }
-            _ => {
-                assert!(rest.is_empty(), "fail: {:?}", got.attempts);
-                assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "fail: {got:?}");
-                assert!(got.tokens.is_empty(), "fail: tokens before the error: {got:?}");
-            }
-        }
+        assert_policy_outcome(policy, &got, &alive, &want);
         // The dead sender's range is held (granted, or quarantined once the reservation
         // ended) until UCX reports its endpoint failed; then the connection closes as
         // peer_failed and the whole landing region is free again.
@@ -225,20 +238,7 @@ async fn a_byte_flipped_after_the_checksum_is_refused_under_each_policy() -> Tes
     let n = policies.len().to_string();
     let corrupter = prefill_worker(GROUP, &["--fault-kv-corrupt", &n, "--transfer-timeout-ms", "120000"])?;
     let healthy = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
-    // Outcomes, not timing: a lease long enough for a refused attempt and a retry under load.
-    let decode = decode_worker(
-        GROUP,
-        &[
-            "--kv-transport",
-            "ucx",
-            "--kv-load-failure-policy",
-            "fail",
-            "--local-prefill-max-tokens",
-            "0",
-            "--reservation-ttl-ms",
-            "120000",
-        ],
-    )?;
+    let decode = ucx_decode_worker()?;
     let metrics = decode.addr("metrics")?;
     let corrupter_metrics = corrupter.addr("metrics")?;
     let c = client(&decode).await?;
@@ -255,24 +255,7 @@ async fn a_byte_flipped_after_the_checksum_is_refused_under_each_policy() -> Tes
         let got = generate(&mut ci, req).await?;
         let first = got.attempts.first().map(|(w, how)| (w.as_str(), how.as_str()));
         assert_eq!(first, Some((bad.as_str(), "corrupt")), "{policy:?}: the corrupted attempt: {:?}", got.attempts);
-        let rest: Vec<_> = got.attempts[1..].iter().map(|(w, how)| (w.as_str(), how.as_str())).collect();
-        match policy {
-            KvLoadFailurePolicy::Retry => {
-                assert_eq!(rest, [(good.as_str(), "ok")], "retry: {:?}", got.attempts);
-                assert_eq!(got.tokens, want, "retry: {got:?}");
-                assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "retry: {got:?}");
-            }
-            KvLoadFailurePolicy::Recompute => {
-                assert!(rest.is_empty(), "recompute: {:?}", got.attempts);
-                assert_eq!(got.tokens, want, "recompute: {got:?}");
-                assert!(got.end.as_ref().is_ok_and(|f| !f.prefilled_remotely), "recompute: {got:?}");
-            }
-            _ => {
-                assert!(rest.is_empty(), "fail: {:?}", got.attempts);
-                assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "fail: {got:?}");
-                assert!(got.tokens.is_empty(), "fail: tokens before the error: {got:?}");
-            }
-        }
+        assert_policy_outcome(policy, &got, &good, &want);
         // The fault took effect exactly once per round, and the receiver, not the link,
         // refused it: by checksum, over its own copy of the landing range.
         let rounds = (round + 1) as f64;
