@@ -30,7 +30,7 @@ pub use testkit::{process, proxy};
 use std::future::Future;
 use std::time::Duration;
 
-pub use cluster::{Attached, Cluster, ClusterSpec, PastLife, Restarted, Role, Worker, WorkerSpec};
+pub use cluster::{Attached, Cluster, ClusterSpec, PastLife, Restarted, Role, TenantsSpec, Worker, WorkerSpec};
 pub use drills::{drills, drills_against, planned_requests, run_drill, DrillInfo, DrillOptions, DrillReport, Goodput};
 pub use front::{Front, FrontCounters};
 pub use invariants::{Guarantee, Invariants, Violation};

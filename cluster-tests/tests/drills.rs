@@ -396,3 +396,21 @@ async fn ucx_drills_without_their_fault_fail_their_proof() -> TestResult {
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn noisy_neighbour() -> TestResult {
+    let r = drill("noisy-neighbour").await?;
+    assert_eq!(r.complete, r.requests, "B's requests all complete");
+    Ok(())
+}
+
+/// Without A's flood the run is clean, and the proof fails: A was never refused and
+/// admitted nothing near its quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn noisy_neighbour_without_its_flood_fails_its_proof() -> TestResult {
+    let r = run_drill("noisy-neighbour", &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+    assert!(!r.fault_proven, "{}", r.proof);
+    assert!(r.proof.contains("A's flood did not run"), "{}", r.proof);
+    assert_eq!(r.violations.len(), 1, "only G6: {:#?}", r.violations);
+    Ok(())
+}

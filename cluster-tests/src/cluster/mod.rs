@@ -22,7 +22,7 @@ mod attach;
 mod spec;
 
 pub use attach::{parse_exit, Attached, Restarted};
-pub use spec::{ClusterSpec, Role, WorkerSpec};
+pub use spec::{ClusterSpec, Role, TenantsSpec, WorkerSpec};
 
 /// A running worker.
 #[derive(Debug)]
@@ -250,8 +250,9 @@ impl Cluster {
                 args.extend(["--grpc".into(), format!("{gw}:0")]);
             }
             if w.role == Role::Decode {
+                let local = spec.local_prefill_max_tokens.to_string();
                 args.extend(
-                    ["--kv-load-failure-policy", &spec.policy, "--local-prefill-max-tokens", "0"].map(str::to_owned),
+                    ["--kv-load-failure-policy", &spec.policy, "--local-prefill-max-tokens", &local].map(str::to_owned),
                 );
                 if let Some(t) = &spec.kv_transport {
                     args.extend(["--kv-transport".to_owned(), t.clone()]);
@@ -302,12 +303,18 @@ impl Cluster {
             "--cluster-prefix",
             &prefix,
             "--local-prefill-max-tokens",
-            "0",
+            &spec.local_prefill_max_tokens.to_string(),
         ]
         .iter()
         .map(|s| (*s).to_owned())
         .collect();
         cargs.extend(spec.coordinator_args.iter().cloned());
+        if let Some(t) = &spec.tenants {
+            let file = log_dir.join("tenants.toml");
+            std::fs::write(&file, &t.toml)
+                .map_err(|e| HarnessError::Setup(format!("write {}: {e}", file.display())))?;
+            cargs.extend(["--tenants".to_owned(), file.display().to_string()]);
+        }
         // With several coordinators, each listens on fixed ports, so a restart with the same
         // flags comes back where the front expects it.
         let fixed_ports = |mut args: Vec<String>| -> Result<(Vec<String>, std::net::SocketAddr), HarnessError> {

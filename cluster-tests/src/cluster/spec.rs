@@ -62,6 +62,22 @@ pub struct ClusterSpec {
     /// Decode workers' `--kv-transport` (`None`: the workers' default, tcp). Prefill workers
     /// follow each destination's transport.
     pub kv_transport: Option<String>,
+    /// A tenants file every coordinator is started with (`--tenants`), and the key the
+    /// drill's load presents ([`ClusterSpec::tenants`]).
+    pub tenants: Option<TenantsSpec>,
+    /// `--local-prefill-max-tokens` of the coordinators and decode workers: prompts this
+    /// short are prefilled on the decode worker. 0 (the default): every prompt crosses the
+    /// KV link.
+    pub local_prefill_max_tokens: usize,
+}
+
+/// The coordinators' tenants file and the API key of the tenant the drill's load runs as.
+#[derive(Debug, Clone)]
+pub struct TenantsSpec {
+    /// The file's TOML (coordinator/src/tenants/config.rs has the format).
+    pub toml: String,
+    /// Sent by the load as `Authorization: Bearer`.
+    pub load_key: String,
 }
 
 impl Default for ClusterSpec {
@@ -78,6 +94,8 @@ impl Default for ClusterSpec {
             clients_via_proxy: false,
             control_via_proxy: Vec::new(),
             kv_transport: None,
+            tenants: None,
+            local_prefill_max_tokens: 0,
         }
     }
 }
@@ -180,6 +198,13 @@ impl ClusterSpec {
     /// (its faults act on the worker's answers: the token streams).
     pub fn control_via_proxy(mut self, name: &str) -> Self {
         self.control_via_proxy.push(name.into());
+        self
+    }
+
+    /// Starts every coordinator with this tenants file; the drill's load runs as the tenant
+    /// of `load_key`.
+    pub fn tenants(mut self, toml: &str, load_key: &str) -> Self {
+        self.tenants = Some(TenantsSpec { toml: toml.into(), load_key: load_key.into() });
         self
     }
 

@@ -4,7 +4,7 @@
 //!
 //! Drills live in modules by what they break: processes ([`process`]), the KV
 //! link ([`kv`]), the request and control links ([`links`]), etcd ([`etcd`]), the load
-//! itself ([`load`]), and what the
+//! itself ([`load`]), a tenant flooding its quota ([`tenants`]), and what the
 //! coordinator does for the cluster ([`coordinator`]: breakers, slow readers). Adding a
 //! drill is one type implementing [`Drill`] in its module and one line in
 //! [`all`].
@@ -16,6 +16,7 @@ mod kv;
 mod links;
 mod load;
 mod process;
+mod tenants;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -146,6 +147,7 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(process::PrefillKill { policy: "fail", hold_at: MID_PUSH, ucx: true }),
         Box::new(kv::KvCorrupt { ucx: true }),
         Box::new(process::VersionRelabel { ucx: true }),
+        Box::new(tenants::NoisyNeighbour),
     ]
 }
 
@@ -321,6 +323,9 @@ pub(crate) struct Evidence {
     pub killed: Vec<(String, u32)>,
     /// When the fault was applied and lifted ([`Evidence::began`], [`Evidence::ended`]).
     pub window: (Option<Instant>, Option<Instant>),
+    /// Requests of the load ended when the fault step passed each of its marks, for proofs
+    /// that judge the load by phase (before and during the fault).
+    pub done_at: Vec<usize>,
 }
 
 impl Evidence {
@@ -420,6 +425,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     plan.max_tokens = s.max_tokens;
     plan.ignore_eos = ignore_eos;
     plan.seed = seed;
+    plan.api_key = s.spec.tenants.as_ref().map(|t| t.load_key.clone());
     plan.deadline = Some(s.invariants.deadline);
     plan.timeout = s.invariants.deadline + s.invariants.grace + Duration::from_secs(10);
 

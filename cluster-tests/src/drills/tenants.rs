@@ -1,0 +1,294 @@
+//! Drills where one tenant is the fault: a noisy neighbour flooding its quota.
+
+use std::time::{Duration, Instant};
+
+use loadgen::{Arrival, Outcome, Plan, PromptSource, Report};
+use testkit::http::Request;
+use tokio_util::sync::CancellationToken;
+
+use super::common::LOAD_WAIT;
+use super::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
+use crate::cluster::{Cluster, ClusterSpec, Role};
+use crate::invariants::Invariants;
+use crate::metrics::scrape;
+use crate::{eventually, HarnessError};
+use coordinator::metrics::{FLEET_SPLIT, TENANT_REQUESTS};
+use worker_common::metrics::PREFIX_CACHE_HIT_TOKENS;
+
+/// Tenant A's request quota for the whole fleet, requests per second: each coordinator
+/// refills half, so A's admitted work stays a small part of what two 1-thread workers do.
+const A_QUOTA: f64 = 1.0;
+/// What A offers: this many times its quota, Poisson arrivals through the front.
+const A_OFFERED: f64 = 10.0;
+const A_KEY: &str = "sk-noisy-a";
+const B_KEY: &str = "sk-steady-b";
+/// B's requests measured alone before the flood, and under it; the rest run alone after it.
+const B_ALONE: usize = 8;
+const B_FLOOD: usize = 20;
+/// A's admitted counters are read this often under the flood; the rate is their slope
+/// from [`RATE_FROM`] on (after the buckets' initial burst).
+const SAMPLE_EVERY: Duration = Duration::from_millis(250);
+const RATE_FROM: Duration = Duration::from_secs(3);
+/// B's TTFT p99 under the flood may be at most this many times its p99 alone.
+const TTFT_BOUND: f64 = 1.5;
+/// A's admitted rate, summed over both coordinators, within this fraction of its quota.
+const RATE_TOLERANCE: f64 = 0.10;
+/// Prompts this short are prefilled on the decode worker: B's (the drills' ~40 tokens), not A's.
+const LOCAL_PREFILL_MAX_TOKENS: usize = 64;
+/// A's prompts: a long shared preamble (tokens) and a short unique tail.
+const A_PREAMBLE_TOKENS: usize = 240;
+const A_TAIL_TOKENS: usize = 16;
+
+/// The tenants file: A limited to [`A_QUOTA`] requests per second fleet-wide (split
+/// between the coordinators), B with the defaults. Same class: B is protected by A's
+/// quota alone, not by priority.
+fn tenants_file() -> String {
+    format!("[tenants.a]\nkeys = [\"{A_KEY}\"]\nrequests_per_s = {A_QUOTA}\n\n[tenants.b]\nkeys = [\"{B_KEY}\"]\n")
+}
+
+/// A's prompts: one long preamble shared by all (a system prompt; cached in A's own
+/// scope after the first) and a unique tail each.
+fn a_prompts(n: usize) -> Vec<String> {
+    let preamble = loadgen::prompts::generate(1, A_PREAMBLE_TOKENS, 101).remove(0);
+    loadgen::prompts::generate(n, A_TAIL_TOKENS, 102).into_iter().map(|t| format!("{preamble} {t}")).collect()
+}
+
+/// Tenant A sends ten times its quota of long prompts through both coordinators while
+/// tenant B sends a steady light load.
+pub(super) struct NoisyNeighbour;
+
+/// A coordinator series on every coordinator, in order (absent: 0, which no check here
+/// takes for a pass).
+async fn over_coordinators(c: &Cluster, name: &str, labels: &[(&str, &str)]) -> Result<Vec<f64>, HarnessError> {
+    let mut out = Vec::new();
+    for p in c.coordinators() {
+        out.push(scrape(&p.addr("http")?).await?.absent_as_zero(name, labels));
+    }
+    Ok(out)
+}
+
+fn admitted_a() -> [(&'static str, &'static str); 2] {
+    [("tenant", "a"), ("outcome", "admitted")]
+}
+
+/// One request as A through the front, `max_tokens` 1: (status, Retry-After, body).
+async fn as_a(front: &str, prompt: &str) -> Result<(u16, Option<String>, String), HarnessError> {
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0});
+    let r = Request::post(front, "/v1/completions")
+        .header("authorization", &format!("Bearer {A_KEY}"))
+        .json(&body)
+        .timeout(LOAD_WAIT)
+        .send()
+        .await?;
+    Ok((r.status, r.header("retry-after").map(str::to_owned), r.text()))
+}
+
+/// TTFT p99 (s) of the records whose index is in one of `ranges`, and how many there were.
+fn ttft_p99(report: &Report, ranges: &[std::ops::Range<usize>]) -> (Option<f64>, usize) {
+    let mut v: Vec<f64> = report
+        .records
+        .iter()
+        .filter(|r| ranges.iter().any(|x| x.contains(&r.index)))
+        .filter_map(|r| r.ttft.map(|t| t.as_secs_f64()))
+        .collect();
+    v.sort_by(f64::total_cmp);
+    (loadgen::percentile(&v, 0.99), v.len())
+}
+
+/// Least-squares slope of `(t, y)` points: a rate from a counter read at known times, not
+/// at the instants its increments happened.
+fn slope(points: &[(f64, f64)]) -> Option<f64> {
+    let n = points.len() as f64;
+    let (mt, my) = points.iter().fold((0.0, 0.0), |(a, b), (t, y)| (a + t / n, b + y / n));
+    let (num, den) = points.iter().fold((0.0, 0.0), |(a, b), (t, y)| (a + (t - mt) * (y - my), b + (t - mt).powi(2)));
+    (points.len() >= 2 && den > 0.0).then(|| num / den)
+}
+
+#[async_trait::async_trait]
+impl Drill for NoisyNeighbour {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "noisy-neighbour",
+            description: "two coordinators behind a round-robin front; tenant A offers 10x its request quota of \
+                          long prompts while tenant B sends a steady light load: B's TTFT p99 within 1.5x of B \
+                          alone (before and after the flood), nothing of B's refused, A refused 429 with \
+                          Retry-After, A's admitted rate summed over both coordinators within 10% of its quota",
+        }
+    }
+
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it needs coordinators started with its tenants file")
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            // B's short prompts are prefilled on the decode worker, A's long ones on the
+            // prefill worker: what a deployment does with prompts this short.
+            spec: ClusterSpec { local_prefill_max_tokens: LOCAL_PREFILL_MAX_TOKENS, ..ClusterSpec::default() }
+                .prefill("g1")
+                .decode("g1")
+                .coordinators(2)
+                .tenants(&tenants_file(), B_KEY),
+            // B: one request at a time, short answers; the first few run while A's preamble
+            // is warmed, then B_ALONE alone, B_FLOOD under the flood, the rest alone again.
+            requests: 46,
+            max_tokens: 4,
+            concurrency: 1,
+            // Nothing of B's may be refused.
+            invariants: Invariants { all_complete: true, ..Invariants::default() },
+        }
+    }
+
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let c: &Cluster = c;
+        let mut ev = Evidence::default();
+        let front = c.base_url()?.trim_start_matches("http://").to_owned();
+        let done = || load.done.load(std::sync::atomic::Ordering::SeqCst);
+        // Both coordinators count each other before anything is measured: each enforces half.
+        let split = eventually("both coordinators split tenant budgets by 2", LOAD_WAIT, || async {
+            over_coordinators(c, FLEET_SPLIT, &[]).await.is_ok_and(|v| v.iter().all(|&n| n == 2.0))
+        });
+        split.await?;
+        let prompts = a_prompts((A_QUOTA * A_OFFERED * 120.0) as usize);
+        // A's preamble into A's prefix cache (its first request prefills it whole), so the
+        // flood's admitted requests cost what a cached system prompt costs.
+        let (status, _, body) = as_a(&front, &prompts[0]).await?;
+        if status != 200 {
+            return Err(HarnessError::Fault(format!("A's warm-up request answered {status}: {body}")));
+        }
+        // With one request at a time, `done` = d means requests 0..d ended and d may run:
+        // B alone is d0+1..d1, under the flood d1+1..d2, alone again d2+1...
+        let d0 = done();
+        load.wait_done(d0 + 1 + B_ALONE, LOAD_WAIT * 2).await?;
+        let d1 = done();
+        if skip {
+            load.wait_done(d1 + 1 + B_FLOOD, LOAD_WAIT * 2).await?;
+            ev.done_at = vec![d0, d1, done()];
+            load.wait_finished().await?;
+            return Ok(ev);
+        }
+
+        let mut plan = Plan::new(c.base_url()?, MODEL);
+        plan.requests = prompts.len();
+        plan.arrival = Arrival::Poisson { rate: A_QUOTA * A_OFFERED };
+        plan.prompts = PromptSource::List(prompts);
+        plan.max_tokens = 1;
+        plan.api_key = Some(A_KEY.into());
+        plan.seed = 11;
+        plan.deadline = Some(Duration::from_secs(60));
+        let cancel = CancellationToken::new();
+        let hooks = loadgen::Hooks { cancel: cancel.clone(), records: None };
+        ev.before = over_coordinators(c, TENANT_REQUESTS, &admitted_a()).await?.iter().sum();
+        ev.began();
+        let t0 = Instant::now();
+        let flood = tokio::spawn(async move { loadgen::run_with(&plan, hooks).await });
+        // A's admitted count over time, for its rate.
+        let mut samples = Vec::new();
+        let mut probed = false;
+        while done() < d1 + 1 + B_FLOOD && !load.finished() {
+            let admitted: f64 = over_coordinators(c, TENANT_REQUESTS, &admitted_a()).await?.iter().sum();
+            let at = t0.elapsed();
+            if at >= RATE_FROM {
+                samples.push((at.as_secs_f64(), admitted));
+            }
+            // Once A is being refused, a request of A's own must be refused with a Retry-After.
+            if !probed && at >= RATE_FROM {
+                probed = true;
+                let (status, retry_after, body) = as_a(&front, "A probe over its quota").await?;
+                ev.seen = status == 429 && retry_after.is_some() && body.contains("rate_limit_requests");
+                ev.notes.push(format!("A's probe under the flood: {status}, Retry-After {retry_after:?}"));
+            }
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
+        cancel.cancel();
+        let secs = t0.elapsed().as_secs_f64();
+        // B runs alone again only once A's last admitted requests have ended.
+        let a = flood
+            .await
+            .map_err(|e| HarnessError::Load(format!("A's flood: {e}")))?
+            .map_err(|e| HarnessError::Load(format!("A's flood: {e}")))?;
+        ev.ended();
+        ev.done_at = vec![d0, d1, done()];
+        let mut by = std::collections::BTreeMap::<String, usize>::new();
+        for r in &a.records {
+            *by.entry(r.outcome.label()).or_insert(0) += 1;
+        }
+        ev.notes.push(format!("A offered {} in {secs:.1} s: {by:?}", a.records.len()));
+        // Every admitted request of A's ends complete: the quota refuses, nothing else does.
+        let other = a
+            .records
+            .iter()
+            .filter(|r| {
+                !r.outcome.is_complete()
+                    && !matches!(&r.outcome, Outcome::HttpError { status: 429, code: Some(c), .. } if c == "rate_limit_requests")
+            })
+            .count();
+        if other > 0 {
+            ev.missing.push(format!("{other} of A's requests ended neither complete nor 429 rate_limit_requests"));
+        }
+        match slope(&samples) {
+            Some(rate) => {
+                let span = samples.last().map_or(0.0, |s| s.0) - samples.first().map_or(0.0, |s| s.0);
+                ev.notes.push(format!(
+                    "A's admitted rate summed over both coordinators {rate:.3}/s over {span:.1} s (quota {A_QUOTA}/s)"
+                ));
+                if (rate / A_QUOTA - 1.0).abs() > RATE_TOLERANCE {
+                    ev.missing
+                        .push(format!("A's admitted rate {rate:.3}/s is not within 10% of its quota {A_QUOTA}/s"));
+                }
+            }
+            None => ev.missing.push(format!("the flood was too short to measure A's rate ({} samples)", samples.len())),
+        }
+        Ok(ev)
+    }
+
+    async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
+        let mut out = ev.notes.clone();
+        let mut bad = ev.missing.clone();
+        let admitted = over_coordinators(c, TENANT_REQUESTS, &admitted_a()).await.map_err(|e| e.to_string())?;
+        let refused = over_coordinators(c, TENANT_REQUESTS, &[("tenant", "a"), ("outcome", "rate_limit_requests")])
+            .await
+            .map_err(|e| e.to_string())?;
+        out.push(format!("A per coordinator: admitted {admitted:?}, refused {refused:?}"));
+        if ev.window.0.is_none() {
+            bad.push("A's flood did not run".into());
+        }
+        if refused.iter().sum::<f64>() < 1.0 || !ev.seen {
+            bad.push("A was not refused 429 rate_limit_requests with a Retry-After".into());
+        }
+        let b_refused = report.records.iter().filter(|r| !r.outcome.is_complete()).count();
+        if b_refused > 0 {
+            bad.push(format!("{b_refused} of B's requests did not complete"));
+        }
+        let [d0, d1, d2] = ev.done_at[..] else { return Err("the fault step marked no phases".into()) };
+        let (alone, na) = ttft_p99(report, &[d0 + 1..d1, d2 + 1..usize::MAX]);
+        let (flood, nf) = ttft_p99(report, &[d1 + 1..d2]);
+        match (alone, flood) {
+            (Some(a), Some(f)) if na >= B_ALONE + 4 && nf >= B_FLOOD - 2 => {
+                out.push(format!(
+                    "B's TTFT p99 alone {:.0} ms ({na} requests, before and after), under the flood {:.0} ms \
+                     ({nf}): {:.2}x",
+                    a * 1e3,
+                    f * 1e3,
+                    f / a
+                ));
+                if f > TTFT_BOUND * a {
+                    bad.push(format!("B's TTFT p99 under the flood is {:.2}x alone (bound {TTFT_BOUND}x)", f / a));
+                }
+            }
+            _ => bad.push(format!("B's phases too short: {na} alone, {nf} under the flood")),
+        }
+        // What A's admitted requests cost: their shared preamble came from A's cache.
+        let mut hits = 0.0;
+        for w in c.workers_of(Role::Prefill) {
+            let page = scrape(&w.metrics_addr().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+            hits += crate::metrics::sum(&page, PREFIX_CACHE_HIT_TOKENS, &[])?;
+        }
+        out.push(format!("prefill workers' prefix-cache hit tokens {hits}"));
+        if bad.is_empty() {
+            Ok(out.join("; "))
+        } else {
+            Err(format!("{} ({})", bad.join("; "), out.join("; ")))
+        }
+    }
+}
