@@ -288,6 +288,23 @@ impl Cluster {
         }
     }
 
+    /// The decode workers' KV cache as this coordinator knows it, for
+    /// tenants' `max_kv_share`: (tokens, the largest block size), from each
+    /// non-draining decode worker's last load report (its pool's blocks)
+    /// and prefix report (its block size). A worker not yet heard from
+    /// counts nothing, so an unknown cluster is a small one: shares err on
+    /// the side of refusing.
+    pub fn kv_capacity(&self) -> (u64, usize) {
+        let loads = self.board.read();
+        let (mut tokens, mut block) = (0u64, 1usize);
+        for addr in self.decode_addrs() {
+            let (Some(load), Some(p)) = (loads.get(&addr), loads.prefixes(&addr)) else { continue };
+            tokens += u64::from(load.kv_blocks_total) * p.block_size as u64;
+            block = block.max(p.block_size);
+        }
+        (tokens, block)
+    }
+
     /// Requests the cluster runs at once: the sum of the non-draining
     /// decode workers' `max_running` (their registrations; fixed addresses
     /// count [`STATIC_MAX_RUNNING`] each), at least 1 so a request can reach

@@ -189,6 +189,7 @@ impl Error {
                 TenantLimit::OutputTokens => ("rate_limit_error", "rate_limit_output_tokens"),
                 TenantLimit::InFlight => ("rate_limit_error", "too_many_in_flight"),
                 TenantLimit::Streams => ("rate_limit_error", "too_many_streams"),
+                TenantLimit::KvShare => ("rate_limit_error", "kv_share"),
             },
             Self::OverCap { what: Cap::MaxTokens, .. } => ("invalid_request_error", "max_tokens_too_large"),
             Self::OverCap { what: Cap::PromptTokens, .. } => ("invalid_request_error", "prompt_too_long"),
@@ -462,7 +463,8 @@ mod tests {
                 "rate_limit_prompt_tokens",
                 "rate_limit_output_tokens",
                 "too_many_in_flight",
-                "too_many_streams"
+                "too_many_streams",
+                "kv_share"
             ]
         );
         let cap = Error::OverCap { param: "max_tokens", what: Cap::MaxTokens, cap: 16, got: 64 };

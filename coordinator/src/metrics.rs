@@ -115,6 +115,11 @@ pub const TENANT_REQUESTS: &str = "tandem_coordinator_tenant_requests_total";
 /// admitted and output tokens generated (`kind`: `prompt`, `output`), by
 /// tenant. vLLM: `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`.
 pub const TENANT_TOKENS: &str = "tandem_coordinator_tenant_tokens_total";
+/// `tandem_coordinator_tenant_kv_tokens{tenant}`: KV tokens this
+/// coordinator holds against the tenant's `max_kv_share` (prompt plus
+/// `max_tokens` of its requests admitted and not ended, in whole blocks);
+/// tenants whose share is 1 are not counted. vLLM: none.
+pub const TENANT_KV_TOKENS: &str = "tandem_coordinator_tenant_kv_tokens";
 /// `tandem_coordinator_prefix_cached_tokens_total{scope}`: prompt tokens of
 /// routed requests that the worker chosen to prefill them (the first
 /// prefill worker, or the decode worker for local prefill) reported holding
@@ -210,6 +215,7 @@ fn describe() {
     describe_counter!(DECODE_REROUTES, "Requests routed to another decode worker before their first token");
     describe_counter!(TENANT_REQUESTS, "Requests by tenant: admitted, or refused by a tenant check (by code)");
     describe_counter!(TENANT_TOKENS, "Prompt tokens admitted and output tokens generated, by tenant");
+    describe_gauge!(TENANT_KV_TOKENS, "KV tokens held against each tenant's max_kv_share");
     describe_gauge!(TENANTS, "Tenants configured");
     describe_gauge!(ADMISSION_CAPACITY, "Requests this coordinator may have dispatched at once");
     describe_gauge!(WORKER_PREFIX_BLOCKS, "Prefix blocks each worker last reported cached");
@@ -263,6 +269,10 @@ fn decode_label(prefill: &str, decode: &str) -> String {
 
 pub fn tenant_outcome(tenant: &str, outcome: &'static str) {
     counter!(TENANT_REQUESTS, "tenant" => tenant.to_owned(), "outcome" => outcome).increment(1);
+}
+
+pub fn tenant_kv_tokens(tenant: &str, held: u64) {
+    gauge!(TENANT_KV_TOKENS, "tenant" => tenant.to_owned()).set(held as f64);
 }
 
 pub fn tenant_tokens(tenant: &str, kind: &'static str, n: u64) {

@@ -216,8 +216,8 @@ impl Pipeline {
     /// Turns a parsed request into a job, cheapest refusal first: the
     /// tenant's `max_tokens` cap, its streams, its output-token and prompt
     /// buckets (none of which needs a token count), then the prompt is
-    /// tokenized in the pool and the context, the prompt cap and the
-    /// prompt-token bucket are checked.
+    /// tokenized in the pool and the context, the prompt cap, the
+    /// prompt-token bucket and the tenant's KV share are checked.
     pub async fn prepare(self: &Arc<Self>, mut pass: Pass, draft: Draft) -> Result<Job, Error> {
         let max_tokens = draft.spec.params.max_tokens;
         // A max_tokens no prompt fits with is the context's refusal (400
@@ -233,6 +233,11 @@ impl Pipeline {
         let ids = self.tokenize(&pass.tenant().name, draft.input).await?;
         self.check_context(draft.param, ids.len(), max_tokens)?;
         pass.charge_prompt(draft.param, ids.len())?;
+        // The most KV the request can hold on a decode worker: prompt and
+        // answer, in whole blocks.
+        let (cluster_kv, block) = self.cluster.kv_capacity();
+        let need = (ids.len() as u64 + u64::from(max_tokens)).div_ceil(block as u64) * block as u64;
+        pass.hold_kv(need, cluster_kv)?;
         Ok(Job {
             ids,
             spec: draft.spec,

@@ -15,6 +15,10 @@
 //! - A flood of 1 MiB prompts from one tenant: another tenant's requests
 //!   still answer promptly (compared with the same requests alone, in this
 //!   test, with generous bounds).
+//! - The KV share: a tenant whose open stream holds most of its
+//!   `max_kv_share` of the decode worker's pool gets 429 `kv_share` (with
+//!   Retry-After) for a request that would pass it, and is served once the
+//!   stream ends.
 //! - Priority end to end: a tenant's class (and a client's `x-priority`
 //!   within what the tenant allows) reaches both workers, counted by the
 //!   class each received.
@@ -28,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use coordinator::metrics::{TENANTS_RELOADS, TENANT_REQUESTS, TOKENIZER_QUEUE};
+use coordinator::metrics::{TENANTS_RELOADS, TENANT_KV_TOKENS, TENANT_REQUESTS, TOKENIZER_QUEUE};
 use serde_json::{json, Value};
 use worker_common::metrics::REQUESTS_BY_PRIORITY;
 
@@ -58,6 +62,10 @@ priority = "high"
 [tenants.batch]
 keys = ["sk-batch"]
 priority = "low"
+
+[tenants.kvcap]
+keys = ["sk-kvcap"]
+max_kv_share = 0.05
 "#;
 
 fn completion(max_tokens: u32) -> Value {
@@ -137,6 +145,7 @@ async fn the_abuse_table() -> TestResult {
     );
     record(&mut failed, "unknown and revoked keys", tokio::spawn(keys_and_reload(cx.clone())).await);
     record(&mut failed, "1 MiB prompt flood", tokio::spawn(flood(cx.clone())).await);
+    record(&mut failed, "kv share", tokio::spawn(kv_share(cx.clone())).await);
     record(&mut failed, "priority reaches the workers", tokio::spawn(priority_reaches_the_workers(cx.clone())).await);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failed.is_empty(), "{} part(s) failed:\n{}", failed.len(), failed.join("\n"));
@@ -188,6 +197,48 @@ async fn too_many_streams(cx: Arc<Cx>) -> TestResult {
     short["stream"] = json!(true);
     eventually("a stream place again", || {
         post_as(&h, "sk-capped", "/v1/completions", &short).is_ok_and(|r| r.0 == 200 && r.2.contains("[DONE]"))
+    })
+    .await?;
+    Ok(())
+}
+
+/// `kvcap` may hold 5% of the decode worker's 512 blocks of 16: 409 tokens.
+/// An open stream holding 320 (6 prompt tokens and 300 to generate, in whole
+/// blocks) leaves no room for 112 more; once it ends there is.
+async fn kv_share(cx: Arc<Cx>) -> TestResult {
+    let h = cx.h.clone();
+    let mut long = completion(300);
+    long["stream"] = json!(true);
+    long["ignore_eos"] = json!(true);
+    let auth = "Bearer sk-kvcap".to_owned();
+    let first = {
+        let (h, long, auth) = (h.clone(), long.clone(), auth.clone());
+        tokio::task::spawn_blocking(move || open_stream(&h, "/v1/completions", &long, &[("Authorization", &auth)]))
+            .await??
+    };
+    let (s, headers, b) = post_as(&h, "sk-kvcap", "/v1/completions", &completion(96))?;
+    error_of(s, &b, 429, None)?;
+    assert_eq!(code_of(&b), "kv_share", "{b}");
+    let retry = headers.get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    assert!(retry.is_some_and(|s| (1..=60).contains(&s)), "Retry-After: {retry:?}");
+    // The stream's hold is what the coordinator shows: 5 + 300 tokens in 20 blocks.
+    let page = testkit::prom::scrape_blocking(&h)?;
+    assert_eq!(page.get(TENANT_KV_TOKENS, &[("tenant", "kvcap")])?, 320.0);
+    // Under the share a request passes beside it.
+    let (s, _, b) = post_as(&h, "sk-kvcap", "/v1/completions", &completion(8))?;
+    assert_eq!(s, 200, "6 + 8 tokens (one block) fit beside the stream: {b}");
+    // The client goes away: the stream's hold ends with its request.
+    drop(first);
+    eventually("the stream's KV share comes back", || {
+        post_as(&h, "sk-kvcap", "/v1/completions", &completion(96)).is_ok_and(|r| r.0 == 200)
+    })
+    .await?;
+    let page = testkit::prom::scrape_blocking(&h)?;
+    assert!(page.get(TENANT_REQUESTS, &[("tenant", "kvcap"), ("outcome", "kv_share")])? >= 1.0);
+    // Nothing of kvcap's runs now: nothing held.
+    eventually("kvcap's hold back to 0", || {
+        testkit::prom::scrape_blocking(&h)
+            .is_ok_and(|p| p.get(TENANT_KV_TOKENS, &[("tenant", "kvcap")]).is_ok_and(|v| v == 0.0))
     })
     .await?;
     Ok(())

@@ -117,9 +117,10 @@ pub struct Limits {
     pub max_in_flight: u32,
     /// Streamed answers open at once (429 `too_many_streams` beyond).
     pub max_streams: u32,
-    /// Largest fraction of the cluster's KV cache the tenant should hold.
-    /// Parsed and shown; the coordinator cannot see KV per tenant, so it is
-    /// not enforced here yet (workers would have to).
+    /// Largest fraction of the cluster's KV cache the tenant's requests may
+    /// hold, counted by the coordinators as prompt plus `max_tokens` of each
+    /// request admitted and not yet ended (429 `kv_share` beyond; see
+    /// [`super::Pass::hold_kv`]). 1 (the default) counts nothing.
     pub max_kv_share: f64,
 }
 

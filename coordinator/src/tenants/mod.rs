@@ -58,15 +58,18 @@ pub enum TenantLimit {
     OutputTokens,
     InFlight,
     Streams,
+    /// The tenant's share of the cluster's KV cache ([`Pass::hold_kv`]).
+    KvShare,
 }
 
 impl TenantLimit {
-    pub const ALL: [TenantLimit; 5] = [
+    pub const ALL: [TenantLimit; 6] = [
         TenantLimit::Requests,
         TenantLimit::PromptTokens,
         TenantLimit::OutputTokens,
         TenantLimit::InFlight,
         TenantLimit::Streams,
+        TenantLimit::KvShare,
     ];
 
     /// The OpenAI error `code` (README's error table).
@@ -77,6 +80,7 @@ impl TenantLimit {
             TenantLimit::OutputTokens => "rate_limit_output_tokens",
             TenantLimit::InFlight => "too_many_in_flight",
             TenantLimit::Streams => "too_many_streams",
+            TenantLimit::KvShare => "kv_share",
         }
     }
 
@@ -87,6 +91,7 @@ impl TenantLimit {
             TenantLimit::OutputTokens => "output tokens per minute",
             TenantLimit::InFlight => "requests in flight",
             TenantLimit::Streams => "concurrent streams",
+            TenantLimit::KvShare => "share of the cluster's KV cache",
         }
     }
 
@@ -167,6 +172,8 @@ struct Usage {
     output: Bucket,
     in_flight: u32,
     streams: u32,
+    /// KV tokens its admitted requests may hold ([`Pass::hold_kv`]).
+    kv_tokens: u64,
 }
 
 /// This coordinator's share of a tenant's limits, for a split of `n`.
@@ -322,7 +329,7 @@ impl Gate {
             metrics::tenant_outcome(&tenant.name, limit.code());
             return Err(Error::TenantLimit { tenant: tenant.name.clone(), limit, wait });
         }
-        Ok(Pass { gate: self.clone(), caller, tenant, stream: false, output_charged: 0, generated: 0 })
+        Ok(Pass { gate: self.clone(), caller, tenant, stream: false, output_charged: 0, generated: 0, kv_tokens: 0 })
     }
 
     /// Runs `f` on the tenant's usage (created if it is new).
@@ -336,6 +343,7 @@ impl Gate {
             output: Bucket::full(share.output, now),
             in_flight: 0,
             streams: 0,
+            kv_tokens: 0,
         });
         f(u, share, now)
     }
@@ -344,6 +352,17 @@ impl Gate {
     pub fn counts(&self, tenant: &str) -> (u32, u32) {
         self.usage().get(tenant).map_or((0, 0), |u| (u.in_flight, u.streams))
     }
+
+    /// KV tokens a tenant's requests hold on this coordinator ([`Pass::hold_kv`]).
+    pub fn kv_held(&self, tenant: &str) -> u64 {
+        self.usage().get(tenant).map_or(0, |u| u.kv_tokens)
+    }
+}
+
+/// KV tokens one coordinator lets a tenant hold: its `share` of the
+/// cluster's `cluster_tokens`, split between `n` coordinators.
+pub fn kv_limit(share: f64, cluster_tokens: u64, n: usize) -> u64 {
+    (share * cluster_tokens as f64 / n.max(1) as f64).floor() as u64
 }
 
 fn book_of(file: TenantsFile) -> Book {
@@ -358,6 +377,8 @@ pub struct Pass {
     stream: bool,
     output_charged: u32,
     generated: u32,
+    /// KV tokens this request holds against its tenant's share.
+    kv_tokens: u64,
 }
 
 impl std::fmt::Debug for Pass {
@@ -457,6 +478,35 @@ impl Pass {
         }
     }
 
+    /// Holds `tokens` of KV (the most the request can fill: prompt plus
+    /// `max_tokens`, in whole blocks) against the tenant's `max_kv_share` of
+    /// `cluster_tokens`, the cluster's KV capacity as this coordinator knows
+    /// it (429 `kv_share` beyond). The share is split between coordinators
+    /// like every budget: each holds at most `share x cluster / n`. A
+    /// tenant holding nothing here always gets one request through, so a
+    /// request larger than the share still runs, alone. Released when the
+    /// pass drops. A share of 1 is no limit beyond the cluster's own (its
+    /// workers refuse what does not fit) and is not counted.
+    pub fn hold_kv(&mut self, tokens: u64, cluster_tokens: u64) -> Result<(), Error> {
+        let share = self.tenant.limits.max_kv_share;
+        if share >= 1.0 || self.kv_tokens > 0 {
+            return Ok(());
+        }
+        let tenant = self.tenant.clone();
+        let n = self.gate.split.get();
+        let held = self.gate.with_usage(&tenant, |u, _, _| {
+            if u.kv_tokens > 0 && u.kv_tokens + tokens > kv_limit(share, cluster_tokens, n) {
+                return None;
+            }
+            u.kv_tokens += tokens;
+            Some(u.kv_tokens)
+        });
+        let Some(held) = held else { return Err(self.refused(TenantLimit::KvShare, None)) };
+        metrics::tenant_kv_tokens(&tenant.name, held);
+        self.kv_tokens = tokens;
+        Ok(())
+    }
+
     /// Every check passed: counted as admitted for the tenant.
     pub fn admitted(&self) {
         metrics::tenant_outcome(&self.tenant.name, "admitted");
@@ -476,17 +526,22 @@ impl Pass {
 impl Drop for Pass {
     fn drop(&mut self) {
         let unused = self.output_charged.saturating_sub(self.generated);
-        let stream = self.stream;
+        let (stream, kv_tokens) = (self.stream, self.kv_tokens);
         let tenant = self.tenant.clone();
-        self.gate.with_usage(&tenant, |u, share, now| {
+        let kv_held = self.gate.with_usage(&tenant, |u, share, now| {
             u.in_flight = u.in_flight.saturating_sub(1);
+            u.kv_tokens = u.kv_tokens.saturating_sub(kv_tokens);
             if stream {
                 u.streams = u.streams.saturating_sub(1);
             }
             if unused > 0 {
                 u.output.give_back(f64::from(unused), share.output, now);
             }
+            u.kv_tokens
         });
+        if kv_tokens > 0 {
+            metrics::tenant_kv_tokens(&tenant.name, kv_held);
+        }
         if self.generated > 0 {
             metrics::tenant_tokens(&self.tenant.name, "output", u64::from(self.generated));
         }

@@ -220,3 +220,42 @@ async fn a_flood_of_ten_times_a_small_share_is_admitted_at_the_share() {
     let rate = (f64::from(admitted) - MIN_REQUEST_BURST) / secs;
     assert!((rate / 0.5 - 1.0).abs() < 0.01, "admitted {admitted} in {secs} s: {rate}/s against 0.5/s");
 }
+
+const KV: &str = "[tenants.a]\nkeys=[\"sk-a\"]\nmax_kv_share = 0.25\n\n[tenants.b]\nkeys=[\"sk-b\"]\n";
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_holds_at_most_its_kv_share_split_between_coordinators() {
+    let f = TempFile::new("kv", KV);
+    let split = Split::new(2);
+    let gate = Gate::from_file(&f.0, split.clone()).expect("valid");
+    // A cluster of 1,000 KV tokens: a's share is 250, 125 per coordinator.
+    assert_eq!(kv_limit(0.25, 1000, 2), 125);
+    let mut first = gate.enter(&as_key("sk-a")).expect("in");
+    first.hold_kv(100, 1000).expect("100 of 125");
+    let mut second = gate.enter(&as_key("sk-a")).expect("in");
+    let e = second.hold_kv(50, 1000).expect_err("150 of 125");
+    assert_eq!(limit_of(&e), Some(TenantLimit::KvShare));
+    assert_eq!(e.code(), Some("kv_share"));
+    assert_eq!(crate::http::error::status(&e), axum::http::StatusCode::TOO_MANY_REQUESTS);
+    assert!(e.retry_after().is_some(), "frees as a's own requests end");
+    second.hold_kv(25, 1000).expect("125 of 125");
+    assert_eq!(gate.kv_held("a"), 125);
+    // b's share is the whole cluster: nothing counted.
+    let mut b = gate.enter(&as_key("sk-b")).expect("in");
+    b.hold_kv(1000, 1000).expect("b is unlimited");
+    assert_eq!(gate.kv_held("b"), 0);
+    // One coordinator: the whole 250 here.
+    split.set(1);
+    let mut third = gate.enter(&as_key("sk-a")).expect("in");
+    third.hold_kv(125, 1000).expect("250 of 250");
+    drop(first);
+    assert_eq!(gate.kv_held("a"), 150, "an ended request gives its KV back");
+    drop((second, third));
+    // Holding nothing, a request larger than the share still runs, alone.
+    let mut big = gate.enter(&as_key("sk-a")).expect("in");
+    big.hold_kv(600, 1000).expect("alone");
+    let mut next = gate.enter(&as_key("sk-a")).expect("in");
+    assert_eq!(limit_of(&next.hold_kv(1, 1000).expect_err("over, behind it")), Some(TenantLimit::KvShare));
+    drop(big);
+    next.hold_kv(1, 1000).expect("free again");
+}
