@@ -384,16 +384,26 @@ async fn kv_corrupt_and_version_relabel_over_ucx() -> TestResult {
 }
 
 /// The ucx drills' proofs fail when their fault is skipped: no flag, no flipped byte; a
-/// stopped sender continued instead of killed.
+/// stopped sender continued instead of killed; no rule, no dropped packet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_drills_without_their_fault_fail_their_proof() -> TestResult {
-    for name in ["kv-corrupt-ucx", "prefill-kill-recompute-ucx"] {
+    for name in ["kv-corrupt-ucx", "prefill-kill-recompute-ucx", "kv-blackhole-ucx"] {
         let r = run_drill(name, &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
         assert!(!r.fault_proven, "{name}: {}", r.proof);
         assert_eq!(r.of(Guarantee::G6).len(), 1, "{name}: {:#?}", r.violations);
         assert_eq!(r.violations.len(), 1, "{name}: only G6: {:#?}", r.violations);
         assert_eq!(r.complete, r.requests, "{name}");
     }
+    Ok(())
+}
+
+/// kv-blackhole with KV over ucx: UCX over TCP on decode-0's veth, every UCX packet into its
+/// namespace dropped for part of the load. Needs root and iptables (`scripts/deps.sh`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_blackhole_over_ucx() -> TestResult {
+    let r = drill("kv-blackhole-ucx").await?;
+    assert_eq!(r.complete, r.requests, "{}", r.proof);
+    assert!(r.proof.contains("UCX over TCP"), "{}", r.proof);
     Ok(())
 }
 

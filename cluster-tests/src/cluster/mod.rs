@@ -201,6 +201,12 @@ impl Cluster {
         let mut spaces =
             spec.workers.iter().map(|w| w.netns.then(Netns::create).transpose()).collect::<Result<Vec<_>, _>>()?;
         let gateway = spaces.iter().flatten().next().map(|ns| ns.host_ip);
+        // KV over ucx with a namespace: UCX over TCP on the veth only (each side's end of it),
+        // so the KV crosses the link the drill faults (UCX's shared memory and loopback reach
+        // across namespaces on one host).
+        let ucx_if = (spec.kv_transport.as_deref() == Some("ucx"))
+            .then(|| spaces.iter().flatten().next().map(|ns| ns.host_if.clone()))
+            .flatten();
         let mut starting = JoinSet::new();
         let mut control_proxies = BTreeMap::new();
         let mut counts = BTreeMap::<Role, usize>::new();
@@ -279,9 +285,13 @@ impl Cluster {
                 control_proxies.insert(name.clone(), p);
             }
             args.extend(w.extra.iter().cloned());
-            let (role, group, dir) = (w.role, w.group.clone(), log_dir.clone());
+            let (role, group, dir, ucx_if) = (w.role, w.group.clone(), log_dir.clone(), ucx_if.clone());
             starting.spawn(async move {
-                let prefix = netns.as_ref().map(Netns::exec_prefix).unwrap_or_default();
+                let mut prefix = netns.as_ref().map(Netns::exec_prefix).unwrap_or_default();
+                if let Some(host_if) = ucx_if {
+                    let dev = if netns.is_some() { "veth0".to_owned() } else { host_if };
+                    prefix.extend(["env".into(), "UCX_TLS=tcp".into(), format!("UCX_NET_DEVICES={dev}")]);
+                }
                 let proc = Proc::start_with(&prefix, &name, bin, &args, wants, &dir).await?;
                 Ok::<_, HarnessError>(Worker { role, group, proc, proxy, past: Vec::new(), etcd_path, netns })
             });

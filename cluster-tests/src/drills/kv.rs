@@ -171,14 +171,15 @@ fn decode_worker(c: &Cluster) -> Result<&Worker, HarnessError> {
 
 /// The decode worker's namespace and the port of its KV listener in there.
 fn kv_port(c: &Cluster) -> Result<(&Netns, String), HarnessError> {
+    let (d, ns) = decode_ns(c)?;
+    Ok((ns, port_of(&d.proc.addr("transfer")?)?))
+}
+
+/// The decode worker and its namespace.
+fn decode_ns(c: &Cluster) -> Result<(&Worker, &Netns), HarnessError> {
     let d = decode_worker(c)?;
     let ns = d.netns.as_ref().ok_or_else(|| HarnessError::Setup("the decode worker is in no namespace".into()))?;
-    let transfer = d.proc.addr("transfer")?;
-    let port = transfer
-        .rsplit_once(':')
-        .map(|(_, p)| p.to_owned())
-        .ok_or_else(|| HarnessError::Setup(format!("transfer address {transfer:?} has no port")))?;
-    Ok((ns, port))
+    Ok((d, ns))
 }
 
 /// The INPUT rule spec (without `-A`/`-D`) dropping packets to the KV port; `matcher` narrows it.
@@ -370,11 +371,55 @@ impl Drill for KvLoss {
 }
 
 /// Drop every packet to the KV port until half the load is done, then let it through again.
-pub(super) struct KvBlackhole;
+pub(super) struct KvBlackhole {
+    /// KV over ucx (UCX over TCP on the namespace's veth): UCX's ports are its own
+    /// ephemeral ones, so the rule drops every TCP packet into the namespace except the
+    /// decode worker's gRPC, metrics and etcd paths and the prefill workers' gRPC.
+    pub ucx: bool,
+}
+
+/// Port of `addr` (`host:port`).
+fn port_of(addr: &str) -> Result<String, HarnessError> {
+    addr.rsplit_once(':')
+        .map(|(_, p)| p.to_owned())
+        .ok_or_else(|| HarnessError::Setup(format!("address {addr:?} has no port")))
+}
+
+/// The INPUT rule (without `-A`/`-D`) that blackholes decode-0's KV link, and what it drops.
+fn blackhole_rule(c: &Cluster, ucx: bool) -> Result<(&Netns, Vec<String>, String), HarnessError> {
+    if !ucx {
+        let (ns, port) = kv_port(c)?;
+        return Ok((ns, drop_rule(&port, &[]), format!("KV port {port}")));
+    }
+    let (d, ns) = decode_ns(c)?;
+    let mut keep = vec![port_of(&d.proc.addr("grpc")?)?, port_of(&d.metrics_addr()?)?];
+    if let Some(p) = &d.etcd_path {
+        keep.push(p.addr.port().to_string());
+    }
+    for w in c.workers_of(Role::Prefill) {
+        keep.push(port_of(&w.proc.addr("grpc")?)?);
+    }
+    let keep = keep.join(",");
+    let rule = ["INPUT", "-p", "tcp", "-m", "multiport", "!", "--ports", &keep, "-m", "comment", "--comment", KV_RULE]
+        .into_iter()
+        .chain(["-j", "DROP"])
+        .map(str::to_owned)
+        .collect();
+    Ok((ns, rule, format!("every TCP port but {keep} (UCX over TCP)")))
+}
 
 #[async_trait::async_trait]
 impl Drill for KvBlackhole {
     fn info(&self) -> DrillInfo {
+        if self.ucx {
+            return DrillInfo {
+                name: "kv-blackhole-ucx",
+                description: "kv-blackhole with KV over ucx (UCX over TCP on decode-0's veth): every packet of its \
+                              UCX connections dropped for part of the load; each of its loads fails when its 3 s lease \
+                              ends and is recomputed while decode-1 keeps serving; once the rule goes, decode-0 loads \
+                              again; answers identical",
+            };
+        }
         DrillInfo {
             name: "kv-blackhole",
             description: "drop every packet to decode-0's KV port (iptables in its namespace) for part of the \
@@ -387,7 +432,15 @@ impl Drill for KvBlackhole {
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             // A 2 s cooldown: decode-0's pair, opened by the blackhole, is probed while the load still runs.
-            spec: with_healthy_decode(netns_spec()).coordinator_args(&["--prefill-breaker-cooldown-ms", "2000"]),
+            spec: {
+                let spec =
+                    with_healthy_decode(netns_spec()).coordinator_args(&["--prefill-breaker-cooldown-ms", "2000"]);
+                if self.ucx {
+                    spec.kv_transport("ucx")
+                } else {
+                    spec
+                }
+            },
             requests: 12,
             max_tokens: 16,
             concurrency: 2,
@@ -397,8 +450,7 @@ impl Drill for KvBlackhole {
 
     async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         let mut ev = Evidence::default();
-        let (ns, port) = kv_port(c)?;
-        let spec = drop_rule(&port, &[]);
+        let (ns, spec, dropping) = blackhole_rule(c, self.ucx)?;
         if !skip {
             ev.began();
             iptables(ns, &rule("-A", &spec))?;
@@ -418,7 +470,7 @@ impl Drill for KvBlackhole {
         ev.seen = dropped > 0;
         ev.before = at_lift.loaded;
         ev.notes.push(format!(
-            "the DROP rule on KV port {port} dropped {dropped} packet(s) while 4 requests ended; meanwhile \
+            "the DROP rule on {dropping} dropped {dropped} packet(s) while 4 requests ended; meanwhile \
              {} load(s) failed and {} were recomputed, {} arrived",
             at_lift.failed, at_lift.recomputed, at_lift.loaded
         ));

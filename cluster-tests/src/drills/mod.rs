@@ -126,7 +126,7 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(process::DrainGraceShort),
         Box::new(kv::KvDelay),
         Box::new(kv::KvLoss),
-        Box::new(kv::KvBlackhole),
+        Box::new(kv::KvBlackhole { ucx: false }),
         Box::new(kv::KvResets),
         Box::new(coordinator::PrefillErrors),
         Box::new(coordinator::PrefillUnavailable),
@@ -147,6 +147,7 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(process::PrefillKill { policy: "fail", hold_at: MID_PUSH, ucx: true }),
         Box::new(kv::KvCorrupt { ucx: true }),
         Box::new(process::VersionRelabel { ucx: true }),
+        Box::new(kv::KvBlackhole { ucx: true }),
         Box::new(tenants::NoisyNeighbour),
     ]
 }
