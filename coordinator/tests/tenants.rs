@@ -170,24 +170,35 @@ async fn max_tokens_cap(cx: Arc<Cx>) -> TestResult {
     Ok(())
 }
 
+/// A streamed completion of `max_tokens` (no early end) as `key`, open once its head arrived.
+async fn open_long_stream(h: &str, key: &str, max_tokens: u32) -> testkit::Result<EventStream> {
+    let mut long = completion(max_tokens);
+    long["stream"] = json!(true);
+    long["ignore_eos"] = json!(true);
+    let (h, auth) = (h.to_owned(), format!("Bearer {key}"));
+    tokio::task::spawn_blocking(move || open_stream(&h, "/v1/completions", &long, &[("Authorization", &auth)]))
+        .await
+        .map_err(|e| testkit::Error::Process(format!("stream task: {e}")))?
+}
+
+/// `body` (with `headers`) is a 429 of `code` with a Retry-After of 1 to 60 s.
+fn refused_429(status: u16, headers: &HeaderMap, body: &str, code: &str) -> TestResult {
+    error_of(status, body, 429, None)?;
+    assert_eq!(code_of(body), code, "{body}");
+    let retry = headers.get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    assert!(retry.is_some_and(|s| (1..=60).contains(&s)), "Retry-After: {retry:?}");
+    Ok(())
+}
+
 /// One stream open: a second is 429 `too_many_streams` with Retry-After, a
 /// non-streamed request still runs, and a stream opens again once the first ends.
 async fn too_many_streams(cx: Arc<Cx>) -> TestResult {
     let h = cx.h.clone();
-    let mut long = completion(64);
-    long["stream"] = json!(true);
-    long["ignore_eos"] = json!(true);
-    let auth = "Bearer sk-capped".to_owned();
-    let first = {
-        let (h, long, auth) = (h.clone(), long.clone(), auth.clone());
-        tokio::task::spawn_blocking(move || open_stream(&h, "/v1/completions", &long, &[("Authorization", &auth)]))
-            .await??
-    };
-    let (s, headers, b) = post_as(&h, "sk-capped", "/v1/completions", &long)?;
-    error_of(s, &b, 429, None)?;
-    assert_eq!(code_of(&b), "too_many_streams", "{b}");
-    let retry = headers.get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    assert!(retry.is_some_and(|s| (1..=60).contains(&s)), "Retry-After: {retry:?}");
+    let first = open_long_stream(&h, "sk-capped", 64).await?;
+    let mut second = completion(64);
+    second["stream"] = json!(true);
+    let (s, headers, b) = post_as(&h, "sk-capped", "/v1/completions", &second)?;
+    refused_429(s, &headers, &b, "too_many_streams")?;
     let (s, _, b) = post_as(&h, "sk-capped", "/v1/completions", &completion(2))?;
     assert_eq!(s, 200, "an answer that is not streamed is not a stream: {b}");
     let events = tokio::task::spawn_blocking(move || first.rest()).await??;
@@ -203,24 +214,13 @@ async fn too_many_streams(cx: Arc<Cx>) -> TestResult {
 }
 
 /// `kvcap` may hold 5% of the decode worker's 512 blocks of 16: 409 tokens.
-/// An open stream holding 320 (6 prompt tokens and 300 to generate, in whole
+/// An open stream holding 320 (5 prompt tokens and 300 to generate, in whole
 /// blocks) leaves no room for 112 more; once it ends there is.
 async fn kv_share(cx: Arc<Cx>) -> TestResult {
     let h = cx.h.clone();
-    let mut long = completion(300);
-    long["stream"] = json!(true);
-    long["ignore_eos"] = json!(true);
-    let auth = "Bearer sk-kvcap".to_owned();
-    let first = {
-        let (h, long, auth) = (h.clone(), long.clone(), auth.clone());
-        tokio::task::spawn_blocking(move || open_stream(&h, "/v1/completions", &long, &[("Authorization", &auth)]))
-            .await??
-    };
+    let first = open_long_stream(&h, "sk-kvcap", 300).await?;
     let (s, headers, b) = post_as(&h, "sk-kvcap", "/v1/completions", &completion(96))?;
-    error_of(s, &b, 429, None)?;
-    assert_eq!(code_of(&b), "kv_share", "{b}");
-    let retry = headers.get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    assert!(retry.is_some_and(|s| (1..=60).contains(&s)), "Retry-After: {retry:?}");
+    refused_429(s, &headers, &b, "kv_share")?;
     // The stream's hold is what the coordinator shows: 5 + 300 tokens in 20 blocks.
     let page = testkit::prom::scrape_blocking(&h)?;
     assert_eq!(page.get(TENANT_KV_TOKENS, &[("tenant", "kvcap")])?, 320.0);
