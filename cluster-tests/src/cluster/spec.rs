@@ -151,6 +151,18 @@ impl ClusterSpec {
         self
     }
 
+    /// A prefill worker with extra flags (added last).
+    pub fn prefill_with(mut self, group: &str, extra: &[&str]) -> Self {
+        self.workers.push(WorkerSpec {
+            role: Role::Prefill,
+            group: group.into(),
+            behind_proxy: false,
+            netns: false,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        });
+        self
+    }
+
     /// A decode worker with extra flags (added last).
     pub fn decode_with(mut self, group: &str, extra: &[&str]) -> Self {
         self.workers.push(WorkerSpec {

@@ -24,10 +24,11 @@ const A_KEY: &str = "sk-noisy-a";
 const B_KEY: &str = "sk-steady-b";
 /// B's requests measured alone before the flood, and under it; the rest run alone after it.
 const B_ALONE: usize = 8;
-const B_FLOOD: usize = 20;
+const B_FLOOD: usize = 36;
 /// A's admitted counters are read this often under the flood; the rate is their slope
-/// from [`RATE_FROM`] on (after the buckets' initial burst).
-const SAMPLE_EVERY: Duration = Duration::from_millis(250);
+/// from [`RATE_FROM`] on (after the buckets' initial burst). Not faster: rendering two
+/// coordinators' metrics pages four times a second cost B's TTFT more than A's flood did.
+const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 const RATE_FROM: Duration = Duration::from_secs(3);
 /// B's TTFT p99 under the flood may be at most this many times its p99 alone.
 const TTFT_BOUND: f64 = 1.5;
@@ -36,7 +37,7 @@ const RATE_TOLERANCE: f64 = 0.10;
 /// Prompts this short are prefilled on the decode worker: B's (the drills' ~40 tokens), not A's.
 const LOCAL_PREFILL_MAX_TOKENS: usize = 64;
 /// A's prompts: a long shared preamble (tokens) and a short unique tail.
-const A_PREAMBLE_TOKENS: usize = 240;
+const A_PREAMBLE_TOKENS: usize = 112;
 const A_TAIL_TOKENS: usize = 16;
 
 /// The tenants file: A limited to [`A_QUOTA`] requests per second fleet-wide (split
@@ -121,17 +122,21 @@ impl Drill for NoisyNeighbour {
     }
 
     fn setup(&self, _skip: bool) -> Setup {
+        // Each worker on a core of its own where there are two.
+        let two = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
+        let (prefill, decode): (&[&str], &[&str]) = if two { (&["--cpus", "1"], &["--cpus", "0"]) } else { (&[], &[]) };
         Setup {
             // B's short prompts are prefilled on the decode worker, A's long ones on the
-            // prefill worker: what a deployment does with prompts this short.
+            // prefill worker: what a deployment does with prompts this short. On one host
+            // each worker gets a core of its own (DESIGN: one machine, several roles).
             spec: ClusterSpec { local_prefill_max_tokens: LOCAL_PREFILL_MAX_TOKENS, ..ClusterSpec::default() }
-                .prefill("g1")
-                .decode("g1")
+                .prefill_with("g1", prefill)
+                .decode_with("g1", decode)
                 .coordinators(2)
                 .tenants(&tenants_file(), B_KEY),
             // B: one request at a time, short answers; the first few run while A's preamble
             // is warmed, then B_ALONE alone, B_FLOOD under the flood, the rest alone again.
-            requests: 46,
+            requests: 64,
             max_tokens: 4,
             concurrency: 1,
             // Nothing of B's may be refused.
