@@ -101,26 +101,24 @@ impl Default for ClusterSpec {
 }
 
 impl ClusterSpec {
-    pub fn prefill(mut self, group: &str) -> Self {
+    /// A plain worker of `role` with `extra` flags (added last).
+    fn worker(mut self, role: Role, group: &str, extra: &[&str]) -> Self {
         self.workers.push(WorkerSpec {
-            role: Role::Prefill,
+            role,
             group: group.into(),
             behind_proxy: false,
             netns: false,
-            extra: vec![],
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
         });
         self
     }
 
-    pub fn decode(mut self, group: &str) -> Self {
-        self.workers.push(WorkerSpec {
-            role: Role::Decode,
-            group: group.into(),
-            behind_proxy: false,
-            netns: false,
-            extra: vec![],
-        });
-        self
+    pub fn prefill(self, group: &str) -> Self {
+        self.worker(Role::Prefill, group, &[])
+    }
+
+    pub fn decode(self, group: &str) -> Self {
+        self.worker(Role::Decode, group, &[])
     }
 
     /// A decode worker whose KV link crosses a fault proxy.
@@ -152,27 +150,13 @@ impl ClusterSpec {
     }
 
     /// A prefill worker with extra flags (added last).
-    pub fn prefill_with(mut self, group: &str, extra: &[&str]) -> Self {
-        self.workers.push(WorkerSpec {
-            role: Role::Prefill,
-            group: group.into(),
-            behind_proxy: false,
-            netns: false,
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-        });
-        self
+    pub fn prefill_with(self, group: &str, extra: &[&str]) -> Self {
+        self.worker(Role::Prefill, group, extra)
     }
 
     /// A decode worker with extra flags (added last).
-    pub fn decode_with(mut self, group: &str, extra: &[&str]) -> Self {
-        self.workers.push(WorkerSpec {
-            role: Role::Decode,
-            group: group.into(),
-            behind_proxy: false,
-            netns: false,
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-        });
-        self
+    pub fn decode_with(self, group: &str, extra: &[&str]) -> Self {
+        self.worker(Role::Decode, group, extra)
     }
 
     /// `n` coordinators on the same etcd membership, behind a round-robin front.
