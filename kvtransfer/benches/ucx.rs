@@ -92,6 +92,9 @@ fn main() -> Res<()> {
     let mut senders = Vec::new();
     for k in Kind::ALL {
         let mut tx = rt.block_on(servers.connect(k))?;
+        if let Tx::Ucx(t) = &tx {
+            println!("  ucx puts go over: {}", t.transports().join(", "));
+        }
         rt.block_on(b.run(k, &servers, &mut tx))?;
         senders.push(tx);
     }

@@ -329,6 +329,22 @@ impl std::os::fd::AsRawFd for EventFd {
     }
 }
 
+/// What an endpoint does when its peer dies or becomes unreachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerFailure {
+    /// UCX's peer error-handling mode: requests fail instead of hanging and
+    /// [`Endpoint::failure`] reports it. UCX then uses only transports that
+    /// can detect a dead peer: in UCX 1.13 that excludes the shared-memory
+    /// ones (sysv, posix) and CMA, leaving TCP (or verbs) even between two
+    /// processes of one host.
+    Reported,
+    /// No error handling: UCX may use every transport (shared memory and CMA
+    /// on one host), but an operation to a dead peer may never complete.
+    /// Bound every wait on such an endpoint, and learn of the peer's death
+    /// from a [`PeerFailure::Reported`] endpoint to the same worker.
+    Unreported,
+}
+
 /// A UCP worker: the progress engine, owned by one thread.
 #[derive(Clone)]
 pub struct Worker {
@@ -412,13 +428,23 @@ impl Worker {
     /// in peer error-handling mode: a dead peer fails its requests instead of
     /// hanging them, and [`Endpoint::failure`] reports it.
     pub fn connect(&self, address: &[u8]) -> Result<Endpoint> {
+        self.connect_with(address, PeerFailure::Reported)
+    }
+
+    /// An endpoint to the worker at `address` with the given handling of a
+    /// peer's failure (see [`PeerFailure`]).
+    pub fn connect_with(&self, address: &[u8], peer_failure: PeerFailure) -> Result<Endpoint> {
         let failed = Box::into_raw(Box::new(Cell::new(None::<ucs_status_t>)));
+        let err_mode = match peer_failure {
+            PeerFailure::Reported => raw::UCP_ERR_HANDLING_MODE_PEER,
+            PeerFailure::Unreported => raw::UCP_ERR_HANDLING_MODE_NONE,
+        };
         let params = raw::ucp_ep_params_t {
             field_mask: (raw::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | raw::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                 | raw::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64,
             address: address.as_ptr().cast(),
-            err_mode: raw::UCP_ERR_HANDLING_MODE_PEER,
+            err_mode,
             err_handler: raw::ucp_err_handler_t { cb: Some(on_ep_error), arg: failed.cast() },
             ..Default::default()
         };
@@ -554,6 +580,37 @@ impl Endpoint {
         unsafe { &*self.inner.failed }.get().map(|s| Error::new("endpoint", s))
     }
 
+    /// The transports UCX chose for this endpoint's lanes, as UCX names them
+    /// (`"tcp/lo"`, `"sysv/memory"`, `"cma/memory"`, `"rc_mlx5/mlx5_0:1"`),
+    /// in lane order without repeats: what `UCX_TLS` and the endpoint's
+    /// error-handling mode left. Parsed from `ucp_ep_print_info` (UCX has no
+    /// structured query for it in 1.13); empty if that output changes shape.
+    pub fn transports(&self) -> Vec<String> {
+        extern "C" {
+            fn open_memstream(ptr: *mut *mut std::os::raw::c_char, size: *mut usize) -> *mut raw::FILE;
+            fn fclose(f: *mut raw::FILE) -> i32;
+            fn free(p: *mut c_void);
+        }
+        let (mut buf, mut len) = (std::ptr::null_mut(), 0usize);
+        // SAFETY: glibc's open_memstream with valid out pointers; the stream is closed
+        // once, after which buf holds len bytes (NUL-terminated) that we free once.
+        let text = unsafe {
+            let f = open_memstream(&mut buf, &mut len);
+            if f.is_null() {
+                return Vec::new();
+            }
+            raw::ucp_ep_print_info(self.inner.h, f);
+            fclose(f);
+            if buf.is_null() {
+                return Vec::new();
+            }
+            let text = String::from_utf8_lossy(std::slice::from_raw_parts(buf.cast::<u8>(), len)).into_owned();
+            free(buf.cast());
+            text
+        };
+        lane_transports(&text)
+    }
+
     /// A peer region's key, from its [`Region::pack_key`].
     pub fn unpack_key(&self, packed: &[u8]) -> Result<RemoteKey> {
         if packed.is_empty() {
@@ -604,6 +661,26 @@ impl Endpoint {
         let ptr = unsafe { raw::ucp_ep_flush_nbx(self.inner.h, &param) };
         Request::from_status("ucp_ep_flush_nbx", &self.inner.worker, ptr, done)
     }
+}
+
+/// `tcp/lo` from a lane line of `ucp_ep_print_info`, e.g.
+/// `#                 lane[0]:  1:tcp/lo.0 md[1]  -> md[1]/tcp/sysdev[255] am am_bw#0`
+/// (the resource after `N:`, without the `.0` path index), each once, in lane order.
+fn lane_transports(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.split_once("lane[").and_then(|(_, r)| r.split_once("]:")).map(|(_, r)| r) else {
+            continue;
+        };
+        let Some(resource) = rest.split_whitespace().next().and_then(|t| t.split_once(':')).map(|(_, r)| r) else {
+            continue;
+        };
+        let name = resource.rsplit_once('.').map_or(resource, |(n, _)| n).to_owned();
+        if !out.contains(&name) {
+            out.push(name);
+        }
+    }
+    out
 }
 
 /// An unpacked remote key, usable with the endpoint it was unpacked on.

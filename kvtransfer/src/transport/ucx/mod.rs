@@ -60,6 +60,17 @@
 //! runtime that progresses the worker on its event fd. The async handles
 //! ([`UcxKvServer`], [`UcxKvSender`]) talk to them by channels.
 //!
+//! # Two endpoints per sender
+//!
+//! A sender reaches the server's worker twice: active messages go on an
+//! endpoint in UCX's peer error-handling mode (a dead server fails the
+//! connection at once), puts and their flushes on one without error
+//! handling (`ucx_sys::PeerFailure::Unreported`). UCX 1.13 selects only
+//! transports that can report a dead peer for the first kind, which on one
+//! host leaves TCP loopback; the second kind may use shared memory and CMA.
+//! Every wait on the put endpoint is bounded and ends early when the
+//! control endpoint fails.
+//!
 //! # Trust model
 //!
 //! As TCP: a trusted cluster network. A sender that knows the key can put

@@ -3,14 +3,17 @@
 //! the async [`UcxKvSender`] handle.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::{poll_fn, Future};
 use std::io;
+use std::pin::pin;
+use std::task::Poll;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::timeout;
 use types::kv::KvLayout;
-use ucx_sys::{Context, Endpoint, RemoteKey, Request, Worker};
+use ucx_sys::{Context, Endpoint, PeerFailure, RemoteKey, Request, Worker};
 
 use super::driver::{mail, Driver};
 use super::wire::{Grant, LandingRefusal, Msg, TO_SENDER, TO_SERVER};
@@ -51,6 +54,7 @@ pub struct UcxKvSender {
     cmds: mpsc::Sender<Cmd>,
     layout: KvLayout,
     bytes_sent: u64,
+    transports: Vec<String>,
     /// Detached on drop: the thread's goodbye is bounded by the timeout.
     _thread: JoinHandle<()>,
 }
@@ -79,11 +83,17 @@ impl UcxKvSender {
             .name("tandem-ucx-send".into())
             .spawn(move || link_thread(server, hello, layout, config, ready_tx, rx))?;
         match timeout(wait + Duration::from_secs(1), ready_rx).await {
-            Ok(Ok(Ok(()))) => Ok(Self { cmds, layout, bytes_sent: 0, _thread: thread }),
+            Ok(Ok(Ok(transports))) => Ok(Self { cmds, layout, bytes_sent: 0, transports, _thread: thread }),
             Ok(Ok(Err(e))) => Err(e),
             Ok(Err(_)) => Err(gone()),
             Err(_) => Err(TransferError::Timeout { what: "the UCX handshake", after: wait }),
         }
+    }
+
+    /// The transports UCX chose for the puts (`"sysv/memory"`, `"cma/memory"`,
+    /// `"tcp/lo"`, `"rc_mlx5/mlx5_0:1"`, ...), as [`ucx_sys::Endpoint::transports`].
+    pub fn transports(&self) -> &[String] {
+        &self.transports
     }
 
     /// Payload bytes put so far.
@@ -148,7 +158,7 @@ fn link_thread(
     hello: Hello,
     layout: KvLayout,
     config: UcxSenderConfig,
-    ready: oneshot::Sender<Result<(), TransferError>>,
+    ready: oneshot::Sender<Result<Vec<String>, TransferError>>,
     mut cmds: mpsc::Receiver<Cmd>,
 ) {
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
@@ -175,7 +185,7 @@ fn link_thread(
             }
         };
         let d = &driver;
-        let link = driver.run(Link::handshake(d, ep, me, hello, layout, config.timeout)).await;
+        let link = driver.run(Link::handshake(d, ep, &server, me, hello, layout, config.timeout)).await;
         let mut link = match link {
             Ok(link) => link,
             Err(e) => {
@@ -183,7 +193,7 @@ fn link_thread(
                 return;
             }
         };
-        if ready.send(Ok(())).is_err() {
+        if ready.send(Ok(link.data.transports())).is_err() {
             driver.run(link.goodbye()).await;
             return;
         }
@@ -258,7 +268,15 @@ impl Heard {
 /// One connection, on its thread.
 struct Link<'d> {
     d: &'d Driver,
+    /// Control: active messages both ways, and the peer's liveness (UCX
+    /// reports its failure).
     ep: Endpoint,
+    /// The puts, on an endpoint without peer-failure handling so that UCX
+    /// may use shared memory and CMA on one host (see
+    /// [`PeerFailure::Reported`]). Its waits are bounded and end early when
+    /// the control endpoint fails.
+    data: Endpoint,
+    /// The landing region's key, unpacked on `data`.
     key: RemoteKey,
     base: u64,
     conn: u64,
@@ -274,6 +292,7 @@ impl<'d> Link<'d> {
     async fn handshake(
         d: &'d Driver,
         ep: Endpoint,
+        server: &[u8],
         me: Vec<u8>,
         hello: Hello,
         layout: KvLayout,
@@ -311,11 +330,16 @@ impl<'d> Link<'d> {
         let (conn, base, rkey) = timeout(wait, answer)
             .await
             .map_err(|_| TransferError::Timeout { what: "HelloAck and the landing key", after: wait })??;
-        let key = ep.unpack_key(&rkey).map_err(|e| ucx_err("unpacking the landing key", e))?;
+        let data = d
+            .worker
+            .connect_with(server, PeerFailure::Unreported)
+            .map_err(|e| ucx_err("connecting the put endpoint", e))?;
+        let key = data.unpack_key(&rkey).map_err(|e| ucx_err("unpacking the landing key", e))?;
         let side = layout.block_elems() * layout.dtype.size();
         Ok(Link {
             d,
             ep,
+            data,
             key,
             base,
             conn,
@@ -342,10 +366,22 @@ impl<'d> Link<'d> {
     }
 
     /// Waits for a request, within the timeout, failing early if the
-    /// endpoint fails.
+    /// control endpoint fails (the put endpoint does not report it; UCX
+    /// wakes the driver on the control connection's failure, and the driver
+    /// polls this again).
     async fn bounded(&self, req: Request, what: &'static str) -> Result<(), TransferError> {
-        match timeout(self.timeout, req).await {
-            Ok(r) => r.map_err(|e| ucx_err(what, e)),
+        let mut req = pin!(req);
+        let done = poll_fn(|cx| {
+            if let Poll::Ready(r) = req.as_mut().poll(cx) {
+                return Poll::Ready(r.map_err(|e| ucx_err(what, e)));
+            }
+            match self.ep.failure() {
+                Some(e) => Poll::Ready(Err(ucx_err("the decode worker's endpoint", e))),
+                None => Poll::Pending,
+            }
+        });
+        match timeout(self.timeout, done).await {
+            Ok(r) => r,
             Err(_) => Err(TransferError::Timeout { what, after: self.timeout }),
         }
     }
@@ -385,8 +421,10 @@ impl<'d> Link<'d> {
         TransferError::PeerAbort { reason }
     }
 
+    /// Completes every put at the decode worker (after which none of ours
+    /// can land).
     async fn flush(&self) -> Result<(), TransferError> {
-        let req = self.ep.flush().map_err(|e| ucx_err("flushing puts", e))?;
+        let req = self.data.flush().map_err(|e| ucx_err("flushing puts", e))?;
         self.bounded(req, "flushing puts").await
     }
 
@@ -452,8 +490,8 @@ impl<'d> Link<'d> {
         };
         // Drills only (off unless armed): a byte flipped after the checksum.
         super::fault::after_checksum(layer, first_block, &mut k);
-        let put_k = self.ep.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;
-        let put_v = self.ep.put(v, v_at, &self.key).map_err(|e| ucx_err("putting V", e))?;
+        let put_k = self.data.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;
+        let put_v = self.data.put(v, v_at, &self.key).map_err(|e| ucx_err("putting V", e))?;
         // The flush completes once both puts are in the decode worker's
         // memory; only then may the server copy the layer out.
         self.flush().await?;
@@ -490,11 +528,14 @@ impl<'d> Link<'d> {
         self.message(&Msg::Frame(Frame::Abort(a)), "sending Abort").await
     }
 
-    /// Flushes, says `Bye`, and flushes again so the `Bye` is at the server
-    /// before the endpoint closes (best effort: a dead server needs neither).
+    /// Flushes the puts, says `Bye`, and flushes the control endpoint so the
+    /// `Bye` is at the server before it closes (best effort: a dead server
+    /// needs neither).
     async fn goodbye(&mut self) {
         if self.flush().await.is_ok() && self.message(&Msg::Bye, "sending Bye").await.is_ok() {
-            let _ = self.flush().await;
+            if let Ok(req) = self.ep.flush() {
+                let _ = self.bounded(req, "flushing Bye").await;
+            }
         }
     }
 }
