@@ -93,7 +93,7 @@ fixtures: llama model
 bench: model llama build
 	$(MODEL_PATH); \
 	TANDEM_MODEL="$$model" ./target/release/tandem bench engine \
-		--llama-bench "$(LLAMA_BIN)/llama-bench" --threads $(THREADS)
+		--llama-bench "$(LLAMA_BIN)/llama-bench" --threads $(THREADS) --rounds 5
 
 ## llama-server and `tandem up` under the same seeded load (scripts/bench-serve.sh).
 bench-serve: model llama

@@ -9,6 +9,13 @@
 //! `--prompt-tokens` prompt (llama-bench's `pp`), decode = `--gen-tokens`
 //! single-token steps from an empty context (llama-bench's `tg`), each
 //! repeated `--reps` times and averaged.
+//!
+//! With `--rounds N` the two alternate N times (llama.cpp, this engine,
+//! llama.cpp, ...) and the ratio printed is the median of the rounds' own
+//! ratios: a shared host whose speed drifts between the two measurements
+//! (memory bandwidth here moved between 10 and 17 GB/s within minutes)
+//! then moves both sides of most rounds alike instead of deciding the
+//! ratio.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -52,6 +59,10 @@ pub struct EngineArgs {
     /// Repetitions (averaged).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Rounds of (llama-bench, this engine), alternated; the ratio is the
+    /// median of the rounds' ratios.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// llama.cpp's llama-bench binary (`make llama` builds it). Without it
     /// only this engine is measured.
     #[arg(long)]
@@ -94,34 +105,63 @@ pub fn cpu_summary() -> String {
 }
 
 fn engine_bench(a: EngineArgs) -> Result<()> {
-    if a.threads == 0 || a.reps == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
-        bail!("--threads, --reps, --prompt-tokens and --gen-tokens must be positive");
+    if a.threads == 0 || a.reps == 0 || a.rounds == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
+        bail!("--threads, --reps, --rounds, --prompt-tokens and --gen-tokens must be positive");
     }
     let path = crate::load::model_path(a.model.clone())?;
-    let theirs = match &a.llama_bench {
-        Some(bin) => Some(llama_bench(bin, &path, &a)?),
-        None => None,
+    let mut rounds: Vec<(Figures, Option<Figures>)> = Vec::new();
+    for _ in 0..a.rounds {
+        let theirs = match &a.llama_bench {
+            Some(bin) => Some(llama_bench(bin, &path, &a)?),
+            None => None,
+        };
+        rounds.push((our_bench(&path, &a)?, theirs));
+    }
+    let ours = Figures {
+        prefill_tps: median(rounds.iter().map(|r| r.0.prefill_tps)),
+        decode_tps: median(rounds.iter().map(|r| r.0.decode_tps)),
     };
-    let ours = our_bench(&path, &a)?;
+    let theirs = a.llama_bench.as_ref().map(|_| Figures {
+        prefill_tps: median(rounds.iter().filter_map(|r| r.1.map(|t| t.prefill_tps))),
+        decode_tps: median(rounds.iter().filter_map(|r| r.1.map(|t| t.decode_tps))),
+    });
+    // Each round's ratio: both sides measured minutes apart at most.
+    let ratios: Vec<(f64, f64)> = rounds
+        .iter()
+        .filter_map(|(o, t)| t.map(|t| (o.prefill_tps / t.prefill_tps, o.decode_tps / t.decode_tps)))
+        .collect();
     let rss_mib = peak_rss_kib().map(|k| k as f64 / 1024.0);
     let per_token = bytes_per_token(&path)?;
     let bandwidth = read_bandwidth(a.threads);
 
     println!(
-        "engine benchmark: {} ({} threads, pp{}, tg{}, {} reps)",
+        "engine benchmark: {} ({} threads, pp{}, tg{}, {} reps, {} round(s)); {}",
         path.display(),
         a.threads,
         a.prompt_tokens,
         a.gen_tokens,
-        a.reps
+        a.reps,
+        a.rounds,
+        cpu_summary()
     );
+    let median_ratio = |f: fn(&(f64, f64)) -> f64| median(ratios.iter().map(f));
+    let (prefill_ratio, decode_ratio) = (median_ratio(|r| r.0), median_ratio(|r| r.1));
     println!("{:<10} {:>14} {:>14} {:>8}", "", "tandem tok/s", "llama.cpp", "ratio");
-    let row = |name: &str, o: f64, t: Option<f64>| match t {
-        Some(t) => println!("{name:<10} {o:>14.1} {t:>14.1} {:>7.2}x", o / t),
+    let row = |name: &str, o: f64, t: Option<f64>, ratio: f64| match t {
+        Some(t) => println!("{name:<10} {o:>14.1} {t:>14.1} {ratio:>7.2}x"),
         None => println!("{name:<10} {o:>14.1} {:>14} {:>8}", "-", "-"),
     };
-    row(&format!("prefill{}", a.prompt_tokens), ours.prefill_tps, theirs.map(|t| t.prefill_tps));
-    row(&format!("decode{}", a.gen_tokens), ours.decode_tps, theirs.map(|t| t.decode_tps));
+    row(&format!("prefill{}", a.prompt_tokens), ours.prefill_tps, theirs.map(|t| t.prefill_tps), prefill_ratio);
+    row(&format!("decode{}", a.gen_tokens), ours.decode_tps, theirs.map(|t| t.decode_tps), decode_ratio);
+    if ratios.len() > 1 {
+        let list =
+            |f: fn(&(f64, f64)) -> f64| ratios.iter().map(|r| format!("{:.2}", f(r))).collect::<Vec<_>>().join(" ");
+        println!(
+            "rounds' ratios (tok/s above and ratio are medians): prefill {}; decode {}",
+            list(|r| r.0),
+            list(|r| r.1)
+        );
+    }
     if let Some(r) = rss_mib {
         println!("tandem peak RSS: {r:.0} MiB");
     }
@@ -139,6 +179,8 @@ fn engine_bench(a: EngineArgs) -> Result<()> {
     let json = serde_json::json!({
         "threads": a.threads, "tandem": ours, "llama_cpp": theirs, "tandem_peak_rss_mib": rss_mib,
         "weight_bytes_per_token": per_token, "read_bandwidth_gbps": bandwidth,
+        "ratio": {"prefill": prefill_ratio, "decode": decode_ratio},
+        "rounds": rounds.iter().map(|(o, t)| serde_json::json!({"tandem": o, "llama_cpp": t})).collect::<Vec<_>>(),
     });
     eprintln!("{json}");
     Ok(())
@@ -225,6 +267,21 @@ fn read_bandwidth(threads: usize) -> f64 {
     best
 }
 
+/// The median (the mean of the middle two for an even count); NaN for none.
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
 fn argmax(v: &[f32]) -> u32 {
     v.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
 }
@@ -262,4 +319,16 @@ fn peak_rss_kib() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
     line.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn median_of_odd_even_and_no_values() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), 2.0);
+        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), 2.5);
+        assert!(median(std::iter::empty()).is_nan());
+    }
 }

@@ -10,9 +10,6 @@ use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::{GoodputBound, Invariants};
 use crate::{eventually, HarnessError};
 
-/// Exported at 0 from the start (read with `sum`, which fails on a missing series); the
-/// proof needs it to rise.
-
 /// Clients hang up mid-stream.
 pub(super) struct ClientDisconnect;
 
