@@ -267,19 +267,12 @@ fn read_bandwidth(threads: usize) -> f64 {
     best
 }
 
-/// The median (the mean of the middle two for an even count); NaN for none.
+/// The median (the mean of the middle two for an even count: loadgen's
+/// interpolating percentile at 0.5); NaN for none.
 fn median(values: impl Iterator<Item = f64>) -> f64 {
     let mut v: Vec<f64> = values.collect();
-    if v.is_empty() {
-        return f64::NAN;
-    }
     v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
+    loadgen::percentile(&v, 0.5).unwrap_or(f64::NAN)
 }
 
 fn argmax(v: &[f32]) -> u32 {
