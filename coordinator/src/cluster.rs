@@ -347,17 +347,29 @@ impl Cluster {
                 }
                 let view = membership.view();
                 let live = || view.routable().filter(|w| !w.draining && ready(&w.grpc_addr));
-                let paired = live().filter(|d| d.role == registry::Role::Decode).any(|d| {
-                    live().any(|p| {
-                        p.role == registry::Role::Prefill
-                            && p.version_group == d.version_group
-                            && p.layout_fingerprint == d.layout_fingerprint
-                    })
+                // A decode worker can serve when a ready prefill worker of its group and
+                // layout can prefill for it, or when its group has no prefill worker at all
+                // (a decode-only group prefills locally, as routing does). A group whose
+                // prefill workers are registered but none ready is not served: routing
+                // would answer prefill_unavailable.
+                let serving = live().filter(|d| d.role == registry::Role::Decode).any(|d| {
+                    let group_prefill = || {
+                        view.routable()
+                            .filter(|p| p.role == registry::Role::Prefill && p.version_group == d.version_group)
+                    };
+                    group_prefill().next().is_none()
+                        || live().any(|p| {
+                            p.role == registry::Role::Prefill
+                                && p.version_group == d.version_group
+                                && p.layout_fingerprint == d.layout_fingerprint
+                        })
                 });
-                if paired {
+                if serving {
                     Ok(())
                 } else {
-                    Err("no ready prefill/decode pair in one version group with one KV layout".into())
+                    Err("no ready decode worker with a ready prefill worker of its version group and KV layout \
+                         (or in a group without prefill workers)"
+                        .into())
                 }
             }
         }
@@ -766,6 +778,7 @@ mod tests {
                         prompt_tokens: 3,
                         generated_tokens: 1,
                         prefilled_remotely: false,
+                        cached_prompt_tokens: 0,
                     })),
                 ]
             };

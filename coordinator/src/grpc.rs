@@ -326,6 +326,7 @@ async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
             total_tokens: u.total_tokens,
+            cached_prompt_tokens: u.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
         }
     });
     drop(run);

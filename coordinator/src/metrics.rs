@@ -128,6 +128,13 @@ pub const TENANT_KV_TOKENS: &str = "tandem_coordinator_tenant_kv_tokens";
 /// expects. The workers' `tandem_prefix_cache_hit_tokens_total` counts the
 /// hits they make (all scopes together). vLLM: none.
 pub const PREFIX_CACHED_TOKENS: &str = "tandem_coordinator_prefix_cached_tokens_total";
+/// `tandem_coordinator_prefix_hit_tokens_total{scope}`: prompt tokens the
+/// workers reported taking from their prefix caches for this coordinator's
+/// requests (each answer's `usage.prompt_tokens_details.cached_tokens`), by
+/// the request's cache scope: the hits made, where
+/// `tandem_coordinator_prefix_cached_tokens_total` is the hits routing
+/// expected. vLLM: `vllm:prefix_cache_hits_total` (not by tenant).
+pub const PREFIX_HIT_TOKENS: &str = "tandem_coordinator_prefix_hit_tokens_total";
 /// `tandem_coordinator_worker_prefix_blocks{worker}`: prefix blocks the
 /// worker (gRPC address) last reported cached, as this coordinator routes
 /// by them; a worker that never reports stays absent. Per worker, so as
@@ -220,6 +227,7 @@ fn describe() {
     describe_gauge!(ADMISSION_CAPACITY, "Requests this coordinator may have dispatched at once");
     describe_gauge!(WORKER_PREFIX_BLOCKS, "Prefix blocks each worker last reported cached");
     describe_counter!(PREFIX_CACHED_TOKENS, "Prompt tokens routed to a worker that reported them cached, by scope");
+    describe_counter!(PREFIX_HIT_TOKENS, "Prompt tokens the workers took from their prefix caches, by scope");
     describe_counter!(TENANTS_RELOADS, "Tenants file reloads, applied or refused");
     describe_gauge!(FLEET_SPLIT, "Coordinators every tenant budget is split between");
     describe_gauge!(TOKENIZER_QUEUE, "Requests waiting for or in the tokenizer pool");
@@ -281,6 +289,10 @@ pub fn tenant_tokens(tenant: &str, kind: &'static str, n: u64) {
 
 pub fn prefix_cached_tokens(scope: String, n: usize) {
     counter!(PREFIX_CACHED_TOKENS, "scope" => scope).increment(n as u64);
+}
+
+pub fn prefix_hit_tokens(scope: &str, n: u32) {
+    counter!(PREFIX_HIT_TOKENS, "scope" => scope.to_owned()).increment(u64::from(n));
 }
 
 pub fn worker_prefix_blocks(worker: &str, n: usize) {

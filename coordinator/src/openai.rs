@@ -207,17 +207,44 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    /// Present when the worker reported how much of the prompt its prefix
+    /// cache supplied (absent when the answer ended on this side before the
+    /// worker's end arrived, e.g. on a stop string only the coordinator saw).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose KV came from a prefix cache instead of being computed.
+    pub cached_tokens: u32,
 }
 
 impl Usage {
-    pub fn new(prompt: u32, completion: u32) -> Self {
-        Self { prompt_tokens: prompt, completion_tokens: completion, total_tokens: prompt + completion }
+    pub fn new(prompt: u32, completion: u32, cached: Option<u32>) -> Self {
+        Self {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: cached.map(|cached_tokens| PromptTokensDetails { cached_tokens }),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_names_cached_tokens_only_when_known() -> Result<(), serde_json::Error> {
+        let known = serde_json::to_value(Usage::new(40, 3, Some(32)))?;
+        assert_eq!(known["total_tokens"], 43);
+        assert_eq!(known["prompt_tokens_details"]["cached_tokens"], 32);
+        let unknown = serde_json::to_value(Usage::new(40, 3, None))?;
+        assert!(unknown.get("prompt_tokens_details").is_none(), "{unknown}");
+        Ok(())
+    }
 
     fn spec(json: &str) -> Result<Spec, Error> {
         let s: Sampling = serde_json::from_str(json).map_err(|e| Error::invalid("body", e.to_string()))?;

@@ -27,7 +27,7 @@ use crate::prompt::{self, pool::Pool};
 use crate::tenants::{Gate, Pass};
 use engine::sampler::{FinishReason as EngineFinish, StopChecker};
 use engine::tokenizer::{IncrementalDecoder as Detokenizer, Tokenizer};
-use proto::worker::v1::{FinishReason as WireFinish, TokenChunk};
+use proto::worker::v1::{FinishReason as WireFinish, Finished, TokenChunk};
 
 /// Settings every frontend shares.
 #[derive(Debug, Clone)]
@@ -449,6 +449,10 @@ pub struct Run {
     deadline: Instant,
     prompt_tokens: u32,
     completion_tokens: u32,
+    /// From the worker's `Finished`, once it arrived.
+    cached_prompt_tokens: Option<u32>,
+    /// The tenant's cache scope label, for the hit metric.
+    scope: String,
     logprobs: bool,
     include_usage: bool,
     arrived: Instant,
@@ -478,6 +482,8 @@ impl Run {
             deadline: job.deadline,
             prompt_tokens: job.ids.len() as u32,
             completion_tokens: 0,
+            cached_prompt_tokens: None,
+            scope: job.pass.tenant().cache_scope.label(&job.pass.tenant().name),
             logprobs: job.spec.params.logprobs.is_some(),
             include_usage: job.spec.include_usage,
             arrived: job.arrived,
@@ -505,7 +511,7 @@ impl Run {
 
     /// Token counts so far.
     pub fn usage(&self) -> Usage {
-        Usage::new(self.prompt_tokens, self.completion_tokens)
+        Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens)
     }
 
     fn piece_of(&mut self, t: &TokenChunk) -> Piece {
@@ -559,10 +565,13 @@ impl Run {
                 }
                 Ok(Event::Piece(piece))
             }
-            Ok(Ok(Step::Finished(f))) => Ok(Event::End(match f.reason() {
-                WireFinish::Length => Finish::Length,
-                _ => Finish::Stop,
-            })),
+            Ok(Ok(Step::Finished(f))) => {
+                self.worker_ended(&f);
+                Ok(Event::End(match f.reason() {
+                    WireFinish::Length => Finish::Length,
+                    _ => Finish::Stop,
+                }))
+            }
         }
     }
 
@@ -574,11 +583,22 @@ impl Run {
     /// cancels it. Bounded by [`WORKER_END_WAIT`] and the deadline.
     async fn await_worker_end(&mut self) {
         let until = (Instant::now() + WORKER_END_WAIT).min(self.deadline);
-        let _ = tokio::time::timeout_at(
+        let end = tokio::time::timeout_at(
             until.into(),
             next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission),
         )
         .await;
+        if let Ok(Ok(Step::Finished(f))) = end {
+            self.worker_ended(&f);
+        }
+    }
+
+    /// The worker's own end of the answer arrived: what its prefix cache saved.
+    fn worker_ended(&mut self, f: &Finished) {
+        if self.cached_prompt_tokens.is_none() {
+            metrics::prefix_hit_tokens(&self.scope, f.cached_prompt_tokens);
+        }
+        self.cached_prompt_tokens = Some(f.cached_prompt_tokens);
     }
 
     /// Text held back by the detokenizer and stop checker, once the worker

@@ -25,7 +25,7 @@ mod common;
 use std::time::Instant;
 
 use common::*;
-use coordinator::metrics::{PREFIX_CACHED_TOKENS, WORKER_PREFIX_BLOCKS};
+use coordinator::metrics::{PREFIX_CACHED_TOKENS, PREFIX_HIT_TOKENS, WORKER_PREFIX_BLOCKS};
 use coordinator::tenants::CacheScope;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::GenerateRequest;
@@ -48,7 +48,9 @@ fn prompt(tag: &str, i: usize) -> String {
         + &"The river runs under old stone bridges through the city, past markets and towers. ".repeat(6)
 }
 
-fn complete(h: &str, key: &str, prompt: &str) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> {
+/// One `max_tokens: 1` completion: its latency in seconds and its
+/// `usage.prompt_tokens_details.cached_tokens`.
+fn complete(h: &str, key: &str, prompt: &str) -> Result<(f64, u64), Box<dyn std::error::Error + Send + Sync>> {
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}).to_string();
     let auth = format!("Bearer {key}");
     let t = Instant::now();
@@ -58,7 +60,10 @@ fn complete(h: &str, key: &str, prompt: &str) -> Result<f64, Box<dyn std::error:
     if s != 200 {
         return Err(format!("{key}: {s} {b}").into());
     }
-    Ok(took)
+    let cached = json_of(&b)?["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .ok_or_else(|| format!("no usage.prompt_tokens_details.cached_tokens in {b}"))?;
+    Ok((took, cached))
 }
 
 /// Mann-Whitney U, normal approximation (no tie correction: latencies in
@@ -218,8 +223,9 @@ async fn prefix_routing_and_no_side_channel_across_tenants() -> TestResult {
 
     // 2. Tenant a's request goes to the worker holding its prefix and hits.
     assert_eq!(hits(&c)?, [0.0, 0.0], "nothing was a hit before");
-    complete(&c.h, "sk-a", &warm)?;
+    let (_, cached) = complete(&c.h, "sk-a", &warm)?;
     let mut total = blocks * 16.0;
+    assert_eq!(cached as f64, total, "the answer's usage says the cached prompt tokens");
     let after = hits_reach(&c, total).await?;
     assert_eq!(after, [0.0, total], "the second worker (not the first, which wins ties) served every full block");
     assert_eq!(metric(&c.h, PREFIX_CACHED_TOKENS, &[("scope", "tenant:a")])?, blocks * 16.0);
@@ -231,15 +237,18 @@ async fn prefix_routing_and_no_side_channel_across_tenants() -> TestResult {
     for i in 0..N {
         let (p, q) = (prompt("Shared", i), prompt("Fresh", i));
         let (np, nq) = (tokens(&c, &p)?, tokens(&c, &q)?);
-        complete(&c.h, "sk-a", &p)?;
-        // b's two in turns, so neither always runs first.
-        if i % 2 == 0 {
-            b_cached.push(complete(&c.h, "sk-b", &p)?);
-            b_cold.push(complete(&c.h, "sk-b", &q)?);
+        assert_eq!(complete(&c.h, "sk-a", &p)?.1, 0, "pair {i}: a's first P is cold");
+        // b's two in turns, so neither always runs first; neither is a hit.
+        let (bp, bq) = if i % 2 == 0 {
+            let bp = complete(&c.h, "sk-b", &p)?;
+            (bp, complete(&c.h, "sk-b", &q)?)
         } else {
-            b_cold.push(complete(&c.h, "sk-b", &q)?);
-            b_cached.push(complete(&c.h, "sk-b", &p)?);
-        }
+            let bq = complete(&c.h, "sk-b", &q)?;
+            (complete(&c.h, "sk-b", &p)?, bq)
+        };
+        assert_eq!((bp.1, bq.1), (0, 0), "pair {i}: b's usage reports no cached tokens");
+        b_cached.push(bp.0);
+        b_cold.push(bq.0);
         // The three new prompts' full blocks (a's P, b's P, b's Q: three
         // scopes-and-prompts) reported to the coordinator before a repeats,
         // so the repeat is routed on a current view.
@@ -249,13 +258,18 @@ async fn prefix_routing_and_no_side_channel_across_tenants() -> TestResult {
             n(&c.grpc[0]) + n(&c.grpc[1]) >= registered as f64
         })
         .await?;
-        a_hit.push(complete(&c.h, "sk-a", &p)?);
+        let (took, cached) = complete(&c.h, "sk-a", &p)?;
+        a_hit.push(took);
         // Only a's repeat may hit, and all of it.
         let gain = ((np - 1) / 16 * 16) as f64;
+        assert_eq!(cached as f64, gain, "pair {i}: a's repeat reports its cached tokens in usage");
         total += gain;
         let now = hits_reach(&c, total).await?;
         assert_eq!(now[0] + now[1], total, "pair {i}: a hit beyond a's own repeat (b's requests hit a's cache?)");
     }
+    // The coordinator counts the hits the workers reported, by scope: all a's.
+    assert_eq!(metric(&c.h, PREFIX_HIT_TOKENS, &[("scope", "tenant:a")])?, total);
+    assert_eq!(metric(&c.h, PREFIX_HIT_TOKENS, &[("scope", "tenant:b")])?, 0.0);
     let z_side = mann_whitney_z(&b_cached, &b_cold);
     let z_power = mann_whitney_z(&a_hit, &b_cold);
     eprintln!("b on a's prompts {b_cached:.3?}\nb cold {b_cold:.3?}\na's hits {a_hit:.3?}\nz: side {z_side:.2}, power {z_power:.2}");

@@ -361,11 +361,12 @@ impl DecodeService {
             priority: req.priority().into(),
         };
         let prompt_tokens = req.token_ids.len() as u32;
-        let finished = |reason, prefilled_remotely| Finished {
+        let finished = |(reason, cached): (FinishReason, u32), prefilled_remotely| Finished {
             reason: reason as i32,
             prompt_tokens,
             generated_tokens: 0,
             prefilled_remotely,
+            cached_prompt_tokens: cached,
         };
 
         let remote = !req.prefill.is_empty() && req.token_ids.len() > inner.settings.local_prefill_max_tokens;
@@ -373,16 +374,18 @@ impl DecodeService {
             m::record_route(m::ROUTE_REMOTE);
             match self.remote(&req, deadline, policy, token, &mut out.attempts).await? {
                 Remote::Loaded(blocks, first) => {
-                    let reason = self.decode_prefilled(engine_req, blocks, first, deadline, out, token).await?;
-                    return Ok(finished(reason, true));
+                    // The prefill worker's cache, not this one, saved the work.
+                    let cached = first.cached_prompt_tokens;
+                    let (reason, _) = self.decode_prefilled(engine_req, blocks, first, deadline, out, token).await?;
+                    return Ok(finished((reason, cached), true));
                 }
                 Remote::Recompute => {}
             }
         } else {
             m::record_route(m::ROUTE_LOCAL);
         }
-        let reason = self.decode_local(engine_req, deadline, out, token).await?;
-        Ok(finished(reason, false))
+        let ended = self.decode_local(engine_req, deadline, out, token).await?;
+        Ok(finished(ended, false))
     }
 
     /// Joins a remotely prefilled sequence and streams its tokens.
@@ -394,7 +397,7 @@ impl DecodeService {
         deadline: Option<Instant>,
         out: &mut Out,
         token: &CancellationToken,
-    ) -> Result<FinishReason, WorkerError> {
+    ) -> Result<(FinishReason, u32), WorkerError> {
         let sampled = SampledToken {
             id: first.id,
             logprob: first.logprob,
@@ -425,7 +428,7 @@ impl DecodeService {
         deadline: Option<Instant>,
         out: &mut Out,
         token: &CancellationToken,
-    ) -> Result<FinishReason, WorkerError> {
+    ) -> Result<(FinishReason, u32), WorkerError> {
         let (tx, rx) = mpsc::channel(self.inner.runner.max_events(req.params.max_tokens));
         let id = req.id;
         let runner = self.inner.runner.clone();
@@ -440,14 +443,15 @@ impl DecodeService {
         let _ = blocking(move || runner.abort(id)).await;
     }
 
-    /// Streams engine events until the request ends.
+    /// Streams engine events until the request ends; returns why, and the
+    /// prompt tokens the engine took from its prefix cache.
     async fn forward(
         &self,
         id: u64,
         mut events: mpsc::Receiver<RunnerEvent>,
         out: &mut Out,
         token: &CancellationToken,
-    ) -> Result<FinishReason, WorkerError> {
+    ) -> Result<(FinishReason, u32), WorkerError> {
         loop {
             let event = tokio::select! {
                 ev = events.recv() => ev,
@@ -463,11 +467,12 @@ impl DecodeService {
                         return Err(e);
                     }
                 }
-                Some(RunnerEvent::Finished(reason)) => {
-                    return Ok(match reason {
+                Some(RunnerEvent::Finished { reason, cached_prompt_tokens }) => {
+                    let reason = match reason {
                         EngineFinish::Stop => FinishReason::Stop,
                         EngineFinish::Length => FinishReason::Length,
-                    })
+                    };
+                    return Ok((reason, u32::try_from(cached_prompt_tokens).unwrap_or(u32::MAX)));
                 }
                 Some(RunnerEvent::Failed(e)) => return Err(runner_err(&e)),
                 None => {

@@ -52,6 +52,13 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
         assert_eq!((fin.prompt_tokens as usize, fin.generated_tokens), (p.len(), MAX_TOKENS));
         remote_blocks += p.len().div_ceil(16);
     }
+    // A repeat takes its full blocks from the prefill worker's prefix cache,
+    // and the answer says how many prompt tokens that was.
+    let again = generate(&mut c, request("r1-again", &prompts[1], vec![target(&prefill)?])).await?;
+    let fin = again.end.as_ref().map_err(|e| format!("the repeat failed: {e:?}"))?;
+    assert_eq!(again.tokens, want[1], "the cached prefill's output differs from the engine's");
+    assert_eq!((fin.prefilled_remotely, fin.cached_prompt_tokens as usize), (true, (prompts[1].len() - 1) / 16 * 16));
+    remote_blocks += prompts[1].len().div_ceil(16);
     // The same prompt without a prefill worker takes the local route.
     let local = generate(&mut c, request("local", &prompts[1], vec![])).await?;
     assert_eq!(local.tokens, want[1]);
@@ -62,11 +69,11 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
     let metrics = decode.addr("metrics")?;
     let page = scrape(&metrics).await?;
     assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, (remote_blocks * per_block) as f64);
-    assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, prompts.len() as f64);
-    assert_eq!(page.get(PREFILL_ROUTE, &[("route", "remote")])?, 3.0);
+    assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, (prompts.len() + 1) as f64);
+    assert_eq!(page.get(PREFILL_ROUTE, &[("route", "remote")])?, 4.0);
     assert_eq!(page.get(PREFILL_ROUTE, &[("route", "local")])?, 1.0);
-    assert_eq!(page.get(DECODE_REQUESTS, &[("outcome", "ok")])?, 4.0);
-    assert_eq!(page.get(&format!("{TTFT}_count"), &[])?, 4.0);
+    assert_eq!(page.get(DECODE_REQUESTS, &[("outcome", "ok")])?, 5.0);
+    assert_eq!(page.get(&format!("{TTFT}_count"), &[])?, 5.0);
     assert_eq!(page.get(POLICY_INFO, &[("policy", "fail")])?, 1.0);
     let ppage = scrape(&prefill.addr("metrics")?).await?;
     assert_eq!(ppage.get(KV_TRANSFER_BYTES, &[])?, (remote_blocks * per_block) as f64);

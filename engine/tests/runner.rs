@@ -96,7 +96,11 @@ fn concurrent_submits_match_a_plain_engine() {
                 rxs.into_iter()
                     .map(|(i, rx)| {
                         let (toks, end) = drain(&rx, &format!("request {i}"));
-                        assert_eq!(end, RunnerEvent::Finished(FinishReason::Length), "request {i}");
+                        assert_eq!(
+                            end,
+                            RunnerEvent::Finished { reason: FinishReason::Length, cached_prompt_tokens: 0 },
+                            "request {i}"
+                        );
                         (i, toks)
                     })
                     .collect::<Vec<_>>()
@@ -171,7 +175,10 @@ fn abort_deadline_and_a_panicking_sink_free_everything() {
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     let (s, rx) = sink();
     h.submit(req(7, &p, 3), None, s).expect("still serving");
-    assert_eq!(drain(&rx, "request after the panic").1, RunnerEvent::Finished(FinishReason::Length));
+    assert_eq!(
+        drain(&rx, "request after the panic").1,
+        RunnerEvent::Finished { reason: FinishReason::Length, cached_prompt_tokens: 0 }
+    );
     h.shutdown(Duration::ZERO);
     assert_eq!(join(j).kv_stats().used, 0);
 }
@@ -200,6 +207,37 @@ fn overload_is_synchronous_and_zero_grace_fails_in_flight() {
     assert!(h.stats().is_none());
 }
 
+/// A prompt seen before reports the prompt tokens it took from the prefix
+/// cache (whole blocks, at least one token left to compute); a new one 0.
+#[test]
+fn a_repeated_prompt_reports_its_cached_prompt_tokens() {
+    let (h, j, tok) = spawn(EngineConfig { prefix_cache: true, ..EngineConfig::default() }, 16);
+    let long = "The lighthouse keeper climbed the stairs every evening. ".repeat(8);
+    let p = prompts(&tok, &[long.as_str()]).remove(0);
+    let block_size = h.block_size();
+    let mut ends = Vec::new();
+    let mut outputs = Vec::new();
+    for i in 0..2u64 {
+        let (s, rx) = sink();
+        h.submit(req(i, &p, 4), None, s).expect("submit");
+        let (toks, end) = drain(&rx, &format!("run {i}"));
+        outputs.push(toks);
+        ends.push(end);
+    }
+    let expect_cached = (p.len() - 1) / block_size * block_size;
+    assert!(expect_cached > 0, "the prompt spans whole blocks ({} tokens, block {block_size})", p.len());
+    assert_eq!(
+        ends,
+        [
+            RunnerEvent::Finished { reason: FinishReason::Length, cached_prompt_tokens: 0 },
+            RunnerEvent::Finished { reason: FinishReason::Length, cached_prompt_tokens: expect_cached },
+        ]
+    );
+    assert_eq!(outputs[0], outputs[1], "the cached run generates the same tokens");
+    h.shutdown(Duration::ZERO);
+    join(j);
+}
+
 #[test]
 fn shutdown_with_grace_finishes_in_flight_and_refuses_new_work() {
     let (h, j, tok) = spawn(cfg(), 16);
@@ -219,7 +257,11 @@ fn shutdown_with_grace_finishes_in_flight_and_refuses_new_work() {
     assert_eq!(h.reserve(1), Err(RunnerError::ShuttingDown));
     for (i, rx) in rxs.iter().enumerate() {
         let (toks, end) = drain(rx, &format!("request {i} during the drain"));
-        assert_eq!((toks.len(), end), (6, RunnerEvent::Finished(FinishReason::Length)), "request {i}");
+        assert_eq!(
+            (toks.len(), end),
+            (6, RunnerEvent::Finished { reason: FinishReason::Length, cached_prompt_tokens: 0 }),
+            "request {i}"
+        );
     }
     assert_eq!(join(j).kv_stats().used, 0);
 }
@@ -239,9 +281,10 @@ fn prefill_runner_to_decode_runner_equals_one_engine() {
         let id = i as u64;
         let (tx, rx) = mpsc::channel();
         prefill.submit_prefill_only(req(id, p, 10), None, Box::new(move |r| drop(tx.send(r)))).expect("prefill");
-        let PrefillDone { first, blocks: src } =
+        let PrefillDone { first, blocks: src, cached_prompt_tokens } =
             rx.recv_timeout(WAIT).expect("prefill-only request never finished").expect("prefill ok");
         assert_eq!(src.len(), prefill.blocks_for(p.len()));
+        assert_eq!(cached_prompt_tokens, 0, "no prefix cache, nothing cached");
 
         let dst = decode.reserve(decode.blocks_for(p.len())).expect("reserve");
         let kv = prefill
@@ -259,7 +302,7 @@ fn prefill_runner_to_decode_runner_equals_one_engine() {
         let (s, srx) = sink();
         decode.submit_prefilled(req(id, p, 10), dst, first.clone(), None, s).expect("join");
         let (toks, end) = drain(&srx, &format!("decode of prompt {i}"));
-        assert_eq!(end, RunnerEvent::Finished(FinishReason::Length));
+        assert_eq!(end, RunnerEvent::Finished { reason: FinishReason::Length, cached_prompt_tokens: 0 });
         let out: Vec<u32> = std::iter::once(first.id).chain(toks).collect();
         assert_eq!(out, reference[i], "prompt {i} ({} tokens)", p.len());
         assert_eq!(stats_used(&decode), 0);

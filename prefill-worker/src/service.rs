@@ -332,14 +332,15 @@ impl PrefillService {
         let runner = inner.runner.clone();
         blocking(move || runner.abort(engine_id)).await?;
         cleanup.armed = false;
-        let (first, bytes, transfer_seconds) = pushed?;
-        crate::metrics::record_transfer(bytes, transfer_seconds);
+        let Pushed { first, cached_prompt_tokens, bytes, seconds } = pushed?;
+        crate::metrics::record_transfer(bytes, seconds);
         Ok(FirstToken {
             id: first.id,
             logprob: first.logprob,
             top: first.top.iter().map(|&(id, logprob)| TopLogprob { id, logprob }).collect(),
             kv_layers_sent: inner.layout.n_layers as u32,
             kv_bytes_sent: bytes,
+            cached_prompt_tokens: cached_prompt_tokens as u32,
         })
     }
 
@@ -383,8 +384,7 @@ impl PrefillService {
     }
 
     /// Sends the streamed blocks as they come, then (once the engine is
-    /// done) `Complete`; returns (first token, payload bytes, seconds from
-    /// the first frame sent to the Ack).
+    /// done) `Complete`.
     #[allow(clippy::too_many_arguments)]
     async fn push(
         &self,
@@ -395,7 +395,7 @@ impl PrefillService {
         started: Instant,
         prompt_tokens: usize,
         token: &CancellationToken,
-    ) -> Result<(SampledToken, u64, f64), WorkerError> {
+    ) -> Result<Pushed, WorkerError> {
         let slot = self.slot(dest)?;
         let mut guard = slot.lock().await;
         // Out of the slot while in use: if this future is dropped mid-frame
@@ -423,7 +423,7 @@ impl PrefillService {
         done: tokio::sync::oneshot::Receiver<Result<PrefillDone, RunnerError>>,
         started: Instant,
         prompt_tokens: usize,
-    ) -> Result<(SampledToken, u64, f64), WorkerError> {
+    ) -> Result<Pushed, WorkerError> {
         let inner = &self.inner;
         if conn.is_none() {
             // Connects while the engine computes the first layers.
@@ -456,8 +456,19 @@ impl PrefillService {
         }
         sender.complete(r).await.map_err(|e| transfer_err(&e))?;
         let seconds = first_sent.map_or(0.0, |t| t.elapsed().as_secs_f64());
-        Ok((finished.first, bytes, seconds))
+        Ok(Pushed { first: finished.first, cached_prompt_tokens: finished.cached_prompt_tokens, bytes, seconds })
     }
+}
+
+/// A prefill whose KV was pushed and acknowledged.
+struct Pushed {
+    first: SampledToken,
+    /// Prompt tokens this worker's prefix cache supplied (not computed).
+    cached_prompt_tokens: usize,
+    /// KV payload bytes sent.
+    bytes: u64,
+    /// From the first frame sent to the Ack.
+    seconds: f64,
 }
 
 /// The engine's sink for one streaming prefill: blocks into `tx`, never

@@ -47,6 +47,7 @@ impl DecodeWorker for EchoDecoder {
             prompt_tokens: req.token_ids.len() as u32,
             generated_tokens: req.token_ids.len() as u32,
             prefilled_remotely: !req.prefill.is_empty(),
+            cached_prompt_tokens: 0,
         };
         events.push(Ok(GenerateResponse {
             event: Some(generate_response::Event::Finished(finished)),

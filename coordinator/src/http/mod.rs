@@ -3,7 +3,8 @@
 //! Routes: `GET /v1/models`, `POST /v1/completions`,
 //! `POST /v1/chat/completions` (JSON or SSE with `stream: true`),
 //! `POST /tokenize`, `POST /detokenize`, `GET /health` (liveness),
-//! `GET /ready` (membership within its stale bound and a ready prefill/decode pair),
+//! `GET /ready` (membership within its stale bound and a ready prefill/decode
+//! pair, or a ready decode worker of a group without prefill workers),
 //! `GET /metrics` (Prometheus). With API keys configured, every route but
 //! health, ready and metrics needs one ([`crate::auth`]).
 //!

@@ -124,6 +124,9 @@ pub struct TokenEvent {
     pub token: SampledToken,
     /// Set on the sequence's last token; its KV blocks are already released.
     pub finished: Option<FinishReason>,
+    /// Prompt tokens the sequence took from the prefix cache (see
+    /// `Seq::cached`), for usage accounting.
+    pub cached_prompt_tokens: usize,
 }
 
 /// One layer's K and V of a run of a streaming prefill-only request's
@@ -498,7 +501,7 @@ impl Engine {
             if finished.is_some() {
                 done.push(id);
             }
-            events.push(TokenEvent { id, token: tok, finished });
+            events.push(TokenEvent { id, token: tok, finished, cached_prompt_tokens: s.cached });
         }
         self.streams_scratch = streams;
         for id in done {

@@ -22,6 +22,10 @@ pub(super) struct Seq {
     /// Prompt blocks already streamed (for every layer).
     pub streamed: usize,
     pub priority: super::Priority,
+    /// Prompt tokens whose KV the latest admission took from the prefix
+    /// cache instead of computing (0 without a hit, or when the KV came
+    /// from elsewhere, as for a prefilled sequence).
+    pub cached: usize,
     salt: u64,
     /// Full blocks already in the prefix index, and the hash chain so far.
     registered: usize,
@@ -46,6 +50,7 @@ impl Seq {
             stream: None,
             streamed: 0,
             priority: req.priority,
+            cached: 0,
             salt: req.salt,
             registered: 0,
             last_hash: None,
@@ -73,6 +78,9 @@ impl Seq {
         let hashes = pool.prefix_hashes(&self.tokens[..usable], self.salt);
         let blocks = pool.acquire_prefix(&hashes);
         self.computed = blocks.len() * bs;
+        // After a preemption `tokens` holds generated ones too; only the
+        // prompt's count.
+        self.cached = self.computed.min(self.tokens.len() - self.generated.len());
         self.registered = blocks.len();
         self.last_hash = blocks.len().checked_sub(1).map(|i| hashes[i]);
         self.table = blocks;

@@ -100,8 +100,14 @@ impl Default for RunnerConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RunnerEvent {
     Token(SampledToken),
-    /// Terminal: the last `Token` was the final one.
-    Finished(FinishReason),
+    /// Terminal: the last `Token` was the final one. `cached_prompt_tokens`:
+    /// prompt tokens whose KV came from the prefix cache rather than being
+    /// computed for this request (the `usage.prompt_tokens_details.cached_tokens`
+    /// of the OpenAI API).
+    Finished {
+        reason: FinishReason,
+        cached_prompt_tokens: usize,
+    },
     /// Terminal: the request stopped early; its blocks are already freed.
     Failed(RunnerError),
 }
@@ -114,6 +120,8 @@ pub enum RunnerEvent {
 pub struct PrefillDone {
     pub first: SampledToken,
     pub blocks: Vec<BlockId>,
+    /// Prompt tokens taken from this engine's prefix cache, not computed.
+    pub cached_prompt_tokens: usize,
 }
 
 /// A point-in-time view of the runner, for metrics and routing.

@@ -336,7 +336,7 @@ impl Worker {
                     Some(reason) => {
                         // The first token already ended it; the engine freed the blocks.
                         self.finished += 1;
-                        deliver(&mut sink, RunnerEvent::Finished(reason));
+                        deliver(&mut sink, RunnerEvent::Finished { reason, cached_prompt_tokens: 0 });
                     }
                 }
                 Ok(())
@@ -472,7 +472,7 @@ impl Worker {
                 match ev.finished {
                     Some(reason) => {
                         self.finished += 1;
-                        deliver(sink, RunnerEvent::Finished(reason));
+                        deliver(sink, RunnerEvent::Finished { reason, cached_prompt_tokens: ev.cached_prompt_tokens });
                     }
                     None => {
                         self.live.insert(ev.id, entry);
@@ -492,7 +492,10 @@ impl Worker {
                 };
                 self.finished += 1;
                 self.held.insert(ev.id, entry.deadline);
-                if !deliver_once(on_done, Ok(PrefillDone { first: ev.token, blocks })) {
+                if !deliver_once(
+                    on_done,
+                    Ok(PrefillDone { first: ev.token, blocks, cached_prompt_tokens: ev.cached_prompt_tokens }),
+                ) {
                     tracing::warn!(id = ev.id, "prefill callback panicked; releasing its blocks");
                     self.held.remove(&ev.id);
                     self.engine.release_held(ev.id);
