@@ -29,7 +29,7 @@ THREADS ?= 2
 # assignment, so a failed fetch stops the recipe (set -e, pipefail).
 MODEL_PATH := model="$$(scripts/fetch-model.sh | tail -n 1)"
 
-.PHONY: help deps model build run chat test llama fixtures bench drills bench-serve fresh-check
+.PHONY: help deps model build run chat test llama fixtures bench drills bench-serve bench-prefix fresh-check
 
 HTTP ?= 127.0.0.1:8000
 GRPC ?= 127.0.0.1:50051
@@ -98,6 +98,11 @@ bench: model llama build
 ## llama-server and `tandem up` under the same seeded load (scripts/bench-serve.sh).
 bench-serve: model llama
 	LLAMA_SERVER="$(LLAMA_BIN)/llama-server" THREADS=$(THREADS) scripts/bench-serve.sh
+
+## Prefix-aware vs load-only routing on multi-turn chats, two clusters side by side
+## (scripts/bench-prefix.sh).
+bench-prefix: model
+	scripts/bench-prefix.sh
 
 ## `make run` and `make test` on a fresh Debian root (FRESH_STEPS=run: stop after the
 ## chat request; KEEP_ROOT=1 keeps the root). See scripts/fresh-root.sh.

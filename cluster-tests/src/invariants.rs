@@ -548,6 +548,7 @@ mod tests {
             output_tokens: 0,
             usage_reported: false,
             prompt_tokens: None,
+            cached_tokens: None,
             e2e: Duration::from_millis(e2e_ms),
             text: String::new(),
         }

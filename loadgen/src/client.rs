@@ -32,6 +32,21 @@ use crate::sse::SseParser;
 /// Largest SSE event, and largest whole or error body, we accept.
 const MAX_BODY: usize = 8 << 20;
 
+/// What one request sends.
+pub(crate) enum Input<'a> {
+    /// A prompt: raw text on completions, one user message on chat.
+    Text(&'a str),
+    /// A conversation so far (chat endpoint).
+    Messages(&'a [Message]),
+}
+
+/// One chat message.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct Message {
+    pub role: &'static str,
+    pub content: String,
+}
+
 /// Sends a plan's requests; cheap to share between tasks.
 #[derive(Clone)]
 pub(crate) struct Sender {
@@ -48,7 +63,7 @@ impl Sender {
         Self { http, plan: Arc::new(plan.clone()), checked: Arc::new(checked) }
     }
 
-    fn body(&self, prompt: &str) -> Value {
+    fn body(&self, input: &Input<'_>) -> Value {
         let p = &self.plan;
         let mut b = json!({
             "model": p.model,
@@ -56,9 +71,11 @@ impl Sender {
             "temperature": 0,
             "stream": p.stream,
         });
-        match p.endpoint {
-            Endpoint::Completions => b["prompt"] = json!(prompt),
-            Endpoint::Chat => b["messages"] = json!([{"role": "user", "content": prompt}]),
+        match (input, p.endpoint) {
+            (Input::Text(prompt), Endpoint::Completions) => b["prompt"] = json!(prompt),
+            (Input::Text(prompt), Endpoint::Chat) => b["messages"] = json!([{"role": "user", "content": prompt}]),
+            // `Plan::validate` keeps conversations to the chat endpoint.
+            (Input::Messages(m), _) => b["messages"] = json!(m),
         }
         if p.stream && p.include_usage {
             b["stream_options"] = json!({"include_usage": true});
@@ -69,11 +86,11 @@ impl Sender {
         b
     }
 
-    /// Sends request `index` with `prompt`; `t0` is the run's start.
-    pub async fn send(&self, index: usize, prompt: &str, t0: Instant) -> Record {
+    /// Sends request `index` with `input`; `t0` is the run's start.
+    pub async fn send(&self, index: usize, input: &Input<'_>, t0: Instant) -> Record {
         let mut m = Meter::new(index, t0);
         let deadline = m.start + self.plan.timeout;
-        let mut req = Request::new(Full::new(Bytes::from(self.body(prompt).to_string())));
+        let mut req = Request::new(Full::new(Bytes::from(self.body(input).to_string())));
         *req.method_mut() = Method::POST;
         *req.uri_mut() = self.checked.uri.clone();
         *req.headers_mut() = self.checked.headers.clone();
@@ -154,6 +171,7 @@ struct Meter {
     content_events: u32,
     usage_tokens: Option<u32>,
     prompt_tokens: Option<u32>,
+    cached_tokens: Option<u32>,
     finish_reason: Option<String>,
     text: String,
 }
@@ -170,6 +188,7 @@ impl Meter {
             content_events: 0,
             usage_tokens: None,
             prompt_tokens: None,
+            cached_tokens: None,
             finish_reason: None,
             text: String::new(),
         }
@@ -202,6 +221,7 @@ impl Meter {
     fn usage(&mut self, d: &Delta) {
         self.usage_tokens = d.completion_tokens.or(self.usage_tokens);
         self.prompt_tokens = d.prompt_tokens.or(self.prompt_tokens);
+        self.cached_tokens = d.cached_tokens.or(self.cached_tokens);
     }
 
     /// The outcome of a body that ended normally.
@@ -223,6 +243,7 @@ impl Meter {
             output_tokens: self.usage_tokens.unwrap_or(self.content_events),
             usage_reported: self.usage_tokens.is_some(),
             prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
             e2e: end - self.start,
             text: self.text,
         }

@@ -3,8 +3,9 @@
 //!
 //! Describe a run with a [`Plan`] — target, endpoint, request count,
 //! arrivals (closed loop at a concurrency, or Poisson at a rate from a
-//! seed), prompts (a list, or generated ones unique per request so prefix
-//! caches do not help), `max_tokens`, streaming, optional deadline
+//! seed), prompts (a list, generated ones unique per request so prefix
+//! caches do not help, or multi-turn chats on shared system prompts so they
+//! do), `max_tokens`, streaming, optional deadline
 //! (`x-request-timeout-ms`), priority (`x-priority`) and API key — then
 //! [`run`] it. The [`Report`] holds one [`Record`] per request: its typed
 //! [`Outcome`], start offset, time to first token, inter-token gaps, output
@@ -48,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 pub use plan::{Arrival, Endpoint, Plan, PlanError, PromptSource};
 pub use report::{percentile, Outcome, Percentiles, Record, Report, Summary};
 
-use client::Sender;
+use client::{Input, Message, Sender};
 
 /// Ways to steer a run from outside, for drills.
 #[derive(Debug, Clone, Default)]
@@ -68,42 +69,39 @@ pub async fn run(plan: &Plan) -> Result<Report, PlanError> {
 /// Runs `plan`, observed and stoppable through `hooks`.
 pub async fn run_with(plan: &Plan, hooks: Hooks) -> Result<Report, PlanError> {
     let checked = plan.validate()?;
-    let prompts: Arc<Vec<String>> = Arc::new(match &plan.prompts {
-        PromptSource::List(l) => (0..plan.requests).map(|i| l[i % l.len()].clone()).collect(),
-        PromptSource::Generated { tokens } => prompts::generate(plan.requests, *tokens, plan.seed),
-    });
+    let work = Arc::new(Work::new(plan));
     let sender = Sender::new(plan, checked);
     let hooks = Arc::new(hooks);
     let t0 = Instant::now();
     let mut tasks: JoinSet<Vec<Record>> = JoinSet::new();
+    let jobs = work.jobs();
 
     match plan.arrival {
         Arrival::Closed { concurrency } => {
             let next = Arc::new(AtomicUsize::new(0));
-            for _ in 0..concurrency.min(plan.requests) {
-                let (sender, prompts, hooks, next) = (sender.clone(), prompts.clone(), hooks.clone(), next.clone());
+            for _ in 0..concurrency.min(jobs) {
+                let (sender, work, hooks, next) = (sender.clone(), work.clone(), hooks.clone(), next.clone());
                 tasks.spawn(async move {
                     let mut mine = Vec::new();
                     while !hooks.cancel.is_cancelled() {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(prompt) = prompts.get(i) else { break };
-                        mine.push(observe(&hooks, sender.send(i, prompt, t0).await));
+                        let job = next.fetch_add(1, Ordering::Relaxed);
+                        if job >= jobs {
+                            break;
+                        }
+                        mine.extend(work.run(job, &sender, &hooks, t0).await);
                     }
                     mine
                 });
             }
         }
         Arrival::Poisson { rate } => {
-            for (i, at) in arrival::poisson_offsets(plan.requests, rate, plan.seed).into_iter().enumerate() {
+            for (job, at) in arrival::poisson_offsets(jobs, rate, plan.seed).into_iter().enumerate() {
                 tokio::select! {
                     _ = hooks.cancel.cancelled() => break,
                     _ = tokio::time::sleep_until(t0 + at) => {}
                 }
-                let (sender, prompts, hooks) = (sender.clone(), prompts.clone(), hooks.clone());
-                tasks.spawn(async move {
-                    let Some(prompt) = prompts.get(i) else { return Vec::new() };
-                    vec![observe(&hooks, sender.send(i, prompt, t0).await)]
-                });
+                let (sender, work, hooks) = (sender.clone(), work.clone(), hooks.clone());
+                tasks.spawn(async move { work.run(job, &sender, &hooks, t0).await });
             }
         }
     }
@@ -117,6 +115,64 @@ pub async fn run_with(plan: &Plan, hooks: Hooks) -> Result<Report, PlanError> {
     records.sort_by_key(|r| r.index);
     let wall = records.iter().map(|r| r.start + r.e2e).max().unwrap_or_default();
     Ok(Report { wall, records })
+}
+
+/// A run's requests, in jobs the arrivals start: one request each, or one
+/// conversation each (its turns in order).
+enum Work {
+    Prompts(Vec<String>),
+    /// `users[i]` is request `i`'s new user message; conversation `c` is
+    /// requests `c * turns ..` and opens with `system[c % system.len()]`.
+    Chats {
+        system: Vec<String>,
+        users: Vec<String>,
+        turns: usize,
+    },
+}
+
+impl Work {
+    fn new(plan: &Plan) -> Self {
+        match &plan.prompts {
+            PromptSource::List(l) => Work::Prompts((0..plan.requests).map(|i| l[i % l.len()].clone()).collect()),
+            PromptSource::Generated { tokens } => Work::Prompts(prompts::generate(plan.requests, *tokens, plan.seed)),
+            PromptSource::Chats { system_prompts, system_tokens, turns, user_tokens } => Work::Chats {
+                system: prompts::generate(*system_prompts, *system_tokens, plan.seed),
+                // Another stream than the system prompts', so no user message
+                // starts like a system prompt.
+                users: prompts::generate(plan.requests, *user_tokens, plan.seed.wrapping_add(1)),
+                turns: *turns,
+            },
+        }
+    }
+
+    fn jobs(&self) -> usize {
+        match self {
+            Work::Prompts(p) => p.len(),
+            Work::Chats { users, turns, .. } => users.len().div_ceil(*turns),
+        }
+    }
+
+    async fn run(&self, job: usize, sender: &Sender, hooks: &Hooks, t0: Instant) -> Vec<Record> {
+        match self {
+            Work::Prompts(p) => vec![observe(hooks, sender.send(job, &Input::Text(&p[job]), t0).await)],
+            Work::Chats { system, users, turns } => {
+                let mut messages = vec![Message { role: "system", content: system[job % system.len()].clone() }];
+                let mut out = Vec::new();
+                for (i, user) in users.iter().enumerate().skip(job * turns).take(*turns) {
+                    if hooks.cancel.is_cancelled() {
+                        break;
+                    }
+                    messages.push(Message { role: "user", content: user.clone() });
+                    let r = observe(hooks, sender.send(i, &Input::Messages(&messages), t0).await);
+                    // Whatever came back, as a client would keep it: a failed
+                    // turn's partial answer (or none) is the next turn's history.
+                    messages.push(Message { role: "assistant", content: r.text.clone() });
+                    out.push(r);
+                }
+                out
+            }
+        }
+    }
 }
 
 fn observe(hooks: &Hooks, r: Record) -> Record {

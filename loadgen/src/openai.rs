@@ -21,6 +21,9 @@ pub struct Delta {
     pub finish_reason: Option<String>,
     pub prompt_tokens: Option<u32>,
     pub completion_tokens: Option<u32>,
+    /// `usage.prompt_tokens_details.cached_tokens`: prompt tokens the server
+    /// took from its prefix cache.
+    pub cached_tokens: Option<u32>,
 }
 
 /// One SSE data payload, read.
@@ -92,12 +95,14 @@ fn delta_of(v: &Value) -> Delta {
         .into_iter()
         .find_map(Value::as_str)
         .map(str::to_owned);
-    let count = |k: &str| v["usage"][k].as_u64().map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+    let count = |n: &Value| n.as_u64().map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+    let usage = &v["usage"];
     Delta {
         content,
         finish_reason: choice["finish_reason"].as_str().map(str::to_owned),
-        prompt_tokens: count("prompt_tokens"),
-        completion_tokens: count("completion_tokens"),
+        prompt_tokens: count(&usage["prompt_tokens"]),
+        completion_tokens: count(&usage["completion_tokens"]),
+        cached_tokens: count(&usage["prompt_tokens_details"]["cached_tokens"]),
     }
 }
 
@@ -127,6 +132,10 @@ mod tests {
         assert_eq!(data(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#).content, None);
         let last = data(r#"{"choices":[],"usage":{"prompt_tokens":235,"completion_tokens":64}}"#);
         assert_eq!((last.content, last.prompt_tokens, last.completion_tokens), (None, Some(235), Some(64)));
+        assert_eq!(last.cached_tokens, None);
+        let cached =
+            data(r#"{"choices":[],"usage":{"prompt_tokens":235,"prompt_tokens_details":{"cached_tokens":224}}}"#);
+        assert_eq!(cached.cached_tokens, Some(224));
         let fin = data(r#"{"choices":[{"text":"","finish_reason":"length"}]}"#);
         assert_eq!(fin.finish_reason.as_deref(), Some("length"));
         assert_eq!(read_event(None, "[DONE]"), Ok(Chunk::Done));

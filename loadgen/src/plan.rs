@@ -60,6 +60,18 @@ pub enum PromptSource {
     /// Word-list text of about `tokens` tokens, unique per request from its
     /// first word on, so a server's prefix cache cannot help (see [`crate::prompts`]).
     Generated { tokens: usize },
+    /// Multi-turn chats, where a prefix cache can help (chat endpoint only).
+    /// The plan's requests are split into conversations of `turns` requests
+    /// (the last may be shorter). Conversation `c` opens with system prompt
+    /// `c % system_prompts` of about `system_tokens` tokens, shared with the
+    /// other conversations that use it; each turn adds a fresh user message
+    /// of about `user_tokens` tokens, and sends the system prompt, every
+    /// earlier user message with the server's own answer to it, and the new
+    /// message. A conversation's turns go one after another (the next once
+    /// the answer is in); the plan's arrivals start conversations, not
+    /// requests: closed loop, `concurrency` conversations at a time; Poisson,
+    /// conversations at `rate` per second.
+    Chats { system_prompts: usize, system_tokens: usize, turns: usize, user_tokens: usize },
 }
 
 /// One load run against one server. Sampling is greedy (`temperature: 0`).
@@ -150,6 +162,28 @@ impl Plan {
             }
             PromptSource::Generated { tokens: 0 } => {
                 return Err(PlanError::Invalid { field: "prompts", reason: "tokens must be at least 1".into() })
+            }
+            PromptSource::Chats { .. } if self.endpoint != Endpoint::Chat => {
+                return Err(PlanError::Invalid {
+                    field: "prompts",
+                    reason: "chats need the chat endpoint (they send messages)".into(),
+                })
+            }
+            PromptSource::Chats { system_prompts, system_tokens, turns, user_tokens } => {
+                let zero = [
+                    ("system_prompts", system_prompts),
+                    ("system_tokens", system_tokens),
+                    ("turns", turns),
+                    ("user_tokens", user_tokens),
+                ]
+                .into_iter()
+                .find(|(_, n)| **n == 0);
+                if let Some((name, _)) = zero {
+                    return Err(PlanError::Invalid {
+                        field: "prompts",
+                        reason: format!("chats: {name} must be at least 1"),
+                    });
+                }
             }
             _ => {}
         }
@@ -246,6 +280,11 @@ mod tests {
         assert_eq!(field(Plan { arrival: Arrival::Poisson { rate: f64::NAN }, ..base.clone() }), "arrival");
         assert_eq!(field(Plan { arrival: Arrival::Closed { concurrency: 0 }, ..base.clone() }), "arrival");
         assert_eq!(field(Plan { prompts: PromptSource::List(vec![]), ..base.clone() }), "prompts");
+        let chats = PromptSource::Chats { system_prompts: 2, system_tokens: 50, turns: 3, user_tokens: 20 };
+        assert_eq!(field(Plan { prompts: chats.clone(), ..base.clone() }), "prompts", "chats on completions");
+        assert_eq!(field(Plan { prompts: chats.clone(), endpoint: Endpoint::Chat, ..base.clone() }), "ok");
+        let no_turns = PromptSource::Chats { system_prompts: 2, system_tokens: 50, turns: 0, user_tokens: 20 };
+        assert_eq!(field(Plan { prompts: no_turns, endpoint: Endpoint::Chat, ..base.clone() }), "prompts");
         assert_eq!(field(Plan { priority: Some("a\nb".into()), ..base.clone() }), "priority");
         assert_eq!(field(Plan { deadline: Some(Duration::from_micros(10)), ..base.clone() }), "deadline");
         assert_eq!(field(base), "ok");

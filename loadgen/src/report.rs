@@ -72,6 +72,8 @@ pub struct Record {
     pub usage_reported: bool,
     /// `usage.prompt_tokens`, when sent.
     pub prompt_tokens: Option<u32>,
+    /// `usage.prompt_tokens_details.cached_tokens`, when sent.
+    pub cached_tokens: Option<u32>,
     /// Until the outcome was known.
     #[serde(rename = "e2e_ms", serialize_with = "ms")]
     pub e2e: Duration,
@@ -100,6 +102,13 @@ impl Report {
         let output_tokens: u64 = self.records.iter().map(|r| u64::from(r.output_tokens)).sum();
         let secs = self.wall.as_secs_f64();
         let prompts: Vec<f64> = done.iter().filter_map(|r| r.prompt_tokens).map(f64::from).collect();
+        // Computed = prompt - cached, over completed requests; only when every
+        // one of them said both (a partial sum would undercount).
+        let computed = done
+            .iter()
+            .map(|r| Some(u64::from(r.prompt_tokens?.saturating_sub(r.cached_tokens?))))
+            .sum::<Option<u64>>()
+            .filter(|_| !done.is_empty());
         Summary {
             requests: self.records.len(),
             ok: done.len(),
@@ -109,6 +118,8 @@ impl Report {
             output_tokens,
             output_tok_per_s: if secs > 0.0 { output_tokens as f64 / secs } else { 0.0 },
             mean_prompt_tokens: (!prompts.is_empty()).then(|| prompts.iter().sum::<f64>() / prompts.len() as f64),
+            prompt_tokens: prompts.iter().sum::<f64>() as u64,
+            computed_prompt_tokens: computed,
             ttft: Percentiles::of(done.iter().filter_map(|r| r.ttft)),
             itl: Percentiles::of(done.iter().flat_map(|r| r.itl.iter().copied())),
             e2e: Percentiles::of(done.iter().map(|r| r.e2e)),
@@ -134,6 +145,12 @@ pub struct Summary {
     pub output_tok_per_s: f64,
     /// Mean `usage.prompt_tokens` of completed requests, when reported.
     pub mean_prompt_tokens: Option<f64>,
+    /// Sum of `usage.prompt_tokens` of completed requests (0 when none reported).
+    pub prompt_tokens: u64,
+    /// Prompt tokens the server computed for the completed requests:
+    /// `prompt_tokens - prompt_tokens_details.cached_tokens` summed; `None`
+    /// unless every completed request reported both.
+    pub computed_prompt_tokens: Option<u64>,
     pub ttft: Percentiles,
     /// All inter-token gaps of all completed requests, pooled.
     pub itl: Percentiles,
@@ -214,6 +231,7 @@ mod tests {
             output_tokens: tokens,
             usage_reported: true,
             prompt_tokens: Some(10),
+            cached_tokens: Some(4),
             e2e: Duration::from_millis(ttft_ms + itl_ms.iter().sum::<u64>()),
             text: String::new(),
         }
@@ -243,7 +261,19 @@ mod tests {
         assert_eq!((s.itl.count, s.itl.p50), (3, Some(Duration::from_millis(20))));
         assert_eq!(s.e2e.count, 2);
         assert_eq!(s.mean_prompt_tokens, Some(10.0));
+        assert_eq!((s.prompt_tokens, s.computed_prompt_tokens), (20, Some(12)), "(10 - 4) x 2 completed");
         assert_eq!(Report { wall: Duration::ZERO, records: vec![] }.summary().ttft, Percentiles::default());
+    }
+
+    #[test]
+    fn computed_prompt_tokens_need_every_completed_request_to_say() {
+        let ok = || Outcome::Complete { finish_reason: "stop".into() };
+        let mut unsaid = rec(ok(), 10, &[], 1);
+        unsaid.cached_tokens = None;
+        let report = Report { wall: Duration::from_secs(1), records: vec![rec(ok(), 10, &[], 1), unsaid] };
+        assert_eq!(report.summary().computed_prompt_tokens, None, "one request did not report cached tokens");
+        let none = Report { wall: Duration::from_secs(1), records: vec![] };
+        assert_eq!(none.summary().computed_prompt_tokens, None);
     }
 
     #[test]

@@ -282,3 +282,67 @@ async fn poisson_arrivals_follow_the_seeded_schedule_and_headers_are_sent() -> T
     assert!(loadgen::run_with(&plan(&url, &["ok"]), hooks).await?.records.is_empty());
     Ok(())
 }
+
+/// Every request body the conversation server saw, in arrival order.
+type Seen = Arc<std::sync::Mutex<Vec<Value>>>;
+
+/// Answers a chat with `a<N>` (N = messages received), whole, with usage
+/// saying the whole prompt but the last message was cached.
+async fn conversation(axum::extract::State(seen): axum::extract::State<Seen>, Json(req): Json<Value>) -> Response {
+    let n = req["messages"].as_array().map_or(0, Vec::len);
+    seen.lock().unwrap_or_else(|e| e.into_inner()).push(req);
+    Json(json!({
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("a{n}")}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 10 * n, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 10 * n - 10}},
+    }))
+    .into_response()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chats_carry_their_history_and_share_system_prompts() -> TestResult {
+    let seen: Seen = Arc::default();
+    let app = Router::new().route("/v1/chat/completions", post(conversation)).with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let mut p = Plan::new(&url, "fake");
+    p.endpoint = Endpoint::Chat;
+    p.stream = false;
+    p.requests = 8;
+    p.arrival = Arrival::Closed { concurrency: 2 };
+    p.prompts = PromptSource::Chats { system_prompts: 2, system_tokens: 30, turns: 3, user_tokens: 12 };
+    let r = loadgen::run(&p).await?;
+    // 8 requests in conversations of 3: 3 + 3 + 2 turns.
+    assert_eq!(r.records.iter().map(|r| r.outcome.label()).collect::<Vec<_>>(), vec!["complete"; 8]);
+    let texts: Vec<&str> = r.records.iter().map(|r| r.text.as_str()).collect();
+    assert_eq!(texts, ["a2", "a4", "a6", "a2", "a4", "a6", "a2", "a4"], "turn t sends 2t + 2 messages");
+
+    let bodies = seen.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    assert_eq!(bodies.len(), 8);
+    let content = |b: &Value, i: usize| b["messages"][i]["content"].as_str().unwrap_or_default().to_owned();
+    let roles = |b: &Value| -> Vec<String> {
+        b["messages"].as_array().into_iter().flatten().filter_map(|m| m["role"].as_str()).map(str::to_owned).collect()
+    };
+    // Each conversation's turns arrive in order, each extending the last
+    // with the answer it got and a new user message.
+    let mut systems = Vec::new();
+    for b in &bodies {
+        let rs = roles(b);
+        assert_eq!(rs[0], "system");
+        assert!(rs[1..].chunks(2).all(|c| c[0] == "user" && c.get(1).is_none_or(|r| r == "assistant")), "{rs:?}");
+        for (k, i) in (2..rs.len()).step_by(2).enumerate() {
+            assert_eq!(content(b, i), format!("a{}", 2 * k + 2), "the answer to turn {k} is in the history");
+        }
+        systems.push(content(b, 0));
+    }
+    let distinct: std::collections::HashSet<&String> = systems.iter().collect();
+    assert_eq!(distinct.len(), 2, "conversations 0 and 2 share system prompt 0, conversation 1 has prompt 1");
+    let users: std::collections::HashSet<String> =
+        bodies.iter().map(|b| content(b, b["messages"].as_array().map_or(1, Vec::len) - 1)).collect();
+    assert_eq!(users.len(), 8, "every turn's user message is new");
+
+    let s = r.summary();
+    assert_eq!((s.prompt_tokens, s.computed_prompt_tokens), (20 * 3 + 40 * 3 + 60 * 2, Some(80)), "10 per request");
+    Ok(())
+}

@@ -23,16 +23,36 @@ pub struct Args {
     /// The `model` field of the requests.
     #[arg(long, default_value = "SmolLM2-135M-Instruct")]
     model: String,
-    /// completions (raw prompt) | chat (one user message).
-    #[arg(long, default_value = "completions")]
-    endpoint: Endpoint,
+    /// completions (raw prompt) | chat (one user message). Default: completions,
+    /// chat for `--workload chats`.
+    #[arg(long)]
+    endpoint: Option<Endpoint>,
+    /// unique: generated prompts of `--prompt-tokens`, unique from their first
+    /// word (a prefix cache cannot help) | chats: multi-turn chats on shared
+    /// system prompts (`--system-prompts`, `--turns`, ...), where a prefix
+    /// cache and prefix-aware routing can.
+    #[arg(long, value_enum, default_value = "unique")]
+    workload: Workload,
+    /// chats: distinct system prompts, shared round-robin by the conversations.
+    #[arg(long, default_value_t = 4)]
+    system_prompts: usize,
+    /// chats: length of each system prompt, about.
+    #[arg(long, default_value_t = 200)]
+    system_tokens: usize,
+    /// chats: turns per conversation (`--requests` / turns conversations).
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// chats: length of each new user message, about.
+    #[arg(long, default_value_t = 40)]
+    user_tokens: usize,
     /// Requests per target.
     #[arg(long, default_value_t = 32)]
     requests: usize,
-    /// Requests in flight (closed loop).
+    /// Requests in flight (closed loop); for chats, conversations in flight.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
-    /// Poisson arrivals at this many requests/s instead of the closed loop.
+    /// Poisson arrivals at this many requests/s (chats: conversations/s)
+    /// instead of the closed loop.
     #[arg(long)]
     rate: Option<f64>,
     /// Length of the generated prompts, about (unique per request).
@@ -67,6 +87,12 @@ pub struct Args {
     json: Option<PathBuf>,
 }
 
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Workload {
+    Unique,
+    Chats,
+}
+
 #[derive(Debug, Clone)]
 struct Target {
     name: String,
@@ -87,13 +113,24 @@ pub fn run(a: Args) -> Result<()> {
         (None, true) => bail!("give --url URL or one or more --target NAME=URL"),
     };
     let mut plan = Plan::new(targets[0].url.clone(), a.model.clone());
-    plan.endpoint = a.endpoint;
+    plan.endpoint = a.endpoint.unwrap_or(match a.workload {
+        Workload::Unique => Endpoint::Completions,
+        Workload::Chats => Endpoint::Chat,
+    });
     plan.requests = a.requests;
     plan.arrival = match a.rate {
         Some(rate) => Arrival::Poisson { rate },
         None => Arrival::Closed { concurrency: a.concurrency },
     };
-    plan.prompts = PromptSource::Generated { tokens: a.prompt_tokens };
+    plan.prompts = match a.workload {
+        Workload::Unique => PromptSource::Generated { tokens: a.prompt_tokens },
+        Workload::Chats => PromptSource::Chats {
+            system_prompts: a.system_prompts,
+            system_tokens: a.system_tokens,
+            turns: a.turns,
+            user_tokens: a.user_tokens,
+        },
+    };
     plan.max_tokens = a.max_tokens;
     plan.stream = a.stream;
     plan.ignore_eos = a.ignore_eos;
@@ -155,8 +192,16 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> String {
 
 fn print_table(plan: &Plan, rows: &[(&str, Summary)]) {
     let mean = |s: &Summary| s.mean_prompt_tokens.map_or("-".into(), |m| format!("{m:.0}"));
+    let computed = |s: &Summary| s.computed_prompt_tokens.map_or("-".into(), |c| c.to_string());
+    let workload = match &plan.prompts {
+        PromptSource::Chats { system_prompts, system_tokens, turns, user_tokens } => format!(
+            "chats ({system_prompts} system prompts of ~{system_tokens} tokens, {turns} turns of ~{user_tokens}-token user messages)"
+        ),
+        PromptSource::Generated { tokens } => format!("unique prompts of ~{tokens} tokens"),
+        PromptSource::List(l) => format!("{} listed prompts", l.len()),
+    };
     println!(
-        "serving benchmark: {} requests, max_tokens {}, {}, stream {}, seed {}",
+        "serving benchmark: {workload}, {} requests, max_tokens {}, {}, stream {}, seed {}",
         plan.requests,
         plan.max_tokens,
         match plan.arrival {
@@ -168,15 +213,16 @@ fn print_table(plan: &Plan, rows: &[(&str, Summary)]) {
     );
     let w = rows.iter().map(|(n, _)| n.len()).chain(rows.iter().skip(1).map(|(n, _)| n.len() + 8)).max().unwrap_or(6);
     println!(
-        "{:<w$} {:>7} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
-        "target", "ok/err", "out tok/s", "prompt", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "e2e p50"
+        "{:<w$} {:>7} {:>10} {:>8} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "target", "ok/err", "out tok/s", "prompt", "computed", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "e2e p50"
     );
     for (name, s) in rows {
         println!(
-            "{name:<w$} {:>7} {:>10.1} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "{name:<w$} {:>7} {:>10.1} {:>8} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10}",
             format!("{}/{}", s.ok, s.errors),
             s.output_tok_per_s,
             mean(s),
+            computed(s),
             dur(s.ttft.p50),
             dur(s.ttft.p99),
             dur(s.itl.p50),
@@ -187,12 +233,14 @@ fn print_table(plan: &Plan, rows: &[(&str, Summary)]) {
     if let Some((base_name, base)) = rows.first() {
         let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
         for (name, s) in rows.iter().skip(1) {
+            let computed = |s: &Summary| s.computed_prompt_tokens.map(|c| c as f64);
             println!(
-                "{:<w$} {:>7} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                "{:<w$} {:>7} {:>10} {:>8} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10}",
                 format!("{name} / {base_name}"),
                 "",
                 ratio(Some(s.output_tok_per_s), Some(base.output_tok_per_s)),
                 "",
+                ratio(computed(s), computed(base)),
                 ratio(secs(s.ttft.p50), secs(base.ttft.p50)),
                 ratio(secs(s.ttft.p99), secs(base.ttft.p99)),
                 ratio(secs(s.itl.p50), secs(base.itl.p50)),
@@ -208,7 +256,9 @@ fn print_table(plan: &Plan, rows: &[(&str, Summary)]) {
         }
     }
     println!(
-        "prompt = mean usage.prompt_tokens; ratios are target / baseline (tok/s: higher is better; latencies: lower)"
+        "prompt = mean usage.prompt_tokens; computed = prompt tokens the server computed, summed over completed \
+         requests (usage.prompt_tokens - prompt_tokens_details.cached_tokens; - when not reported); ratios are \
+         target / baseline (tok/s: higher is better; computed and latencies: lower)"
     );
 }
 

@@ -131,6 +131,29 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> TestResult {
     result
 }
 
+/// `tandem up --prefill 0`: decode workers alone, prefilling locally, make a
+/// cluster the coordinator calls ready and that serves.
+#[test]
+fn up_with_decode_workers_only_is_ready_and_serves() -> TestResult {
+    let dir = common::temp_dir("tandem-up-decode-only-test")?;
+    let mut up = Up::start(&dir, &["--prefill", "0"])?;
+    let result = (|| -> TestResult {
+        let roles: Vec<String> =
+            up.components()?.iter().filter_map(|c| c["role"].as_str().map(str::to_owned)).collect();
+        assert_eq!(roles, ["etcd", "decode", "coordinator"], "{}", up.state);
+        let http = up.http()?;
+        let (status, body) = post_chat(&http)?;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("Paris"), "{body}");
+        let status = up.stop()?;
+        assert!(status.success(), "tandem up exit: {status:?}");
+        Ok(())
+    })();
+    drop(up);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 /// `tandem up --kv-transport ucx`: the decode worker receives KV by UCX puts,
 /// and the cluster serves a chat completion whose prompt was prefilled by
 /// the prefill worker and crossed over ucx.

@@ -137,6 +137,7 @@ mod tests {
             output_tokens: 4,
             usage_reported: true,
             prompt_tokens: Some(40),
+            cached_tokens: None,
             e2e: Duration::from_millis(e2e_ms),
             text: String::new(),
         }

@@ -103,6 +103,11 @@ pub struct Args {
     /// limits per tenant; reloaded on SIGHUP to the coordinator). Default: none (one tenant).
     #[arg(long, value_name = "PATH")]
     tenants: Option<PathBuf>,
+    /// The coordinator's --prefix-affinity: how much a decode (or prefill)
+    /// worker's cached share of the prompt counts against its load when
+    /// routing; 0 routes by load alone. Default: the coordinator's.
+    #[arg(long)]
+    prefix_affinity: Option<f64>,
     /// Write the cluster's components as JSON here once it is ready.
     #[arg(long)]
     state_file: Option<PathBuf>,
@@ -407,6 +412,9 @@ async fn start_cluster(
     if let Some(t) = &a.tenants {
         args.extend(["--tenants".to_owned(), t.display().to_string()]);
     }
+    if let Some(x) = a.prefix_affinity {
+        args.extend(["--prefix-affinity".to_owned(), x.to_string()]);
+    }
     let spec = Spec {
         bin: sibling("tandem-coordinator")?,
         args,
@@ -420,7 +428,7 @@ async fn start_cluster(
     // The coordinator serves Prometheus on its HTTP port, path /metrics.
     c.metrics = Some(http.clone());
     started.push(Started { spec, component: c, run });
-    // Ready: etcd reachable and a ready prefill/decode pair (its /ready).
+    // Ready: etcd reachable and a ready prefill/decode pair, or with --prefill 0 a ready decode worker (its /ready).
     let until = tokio::time::Instant::now() + START_TIMEOUT;
     loop {
         let h = http.clone();
