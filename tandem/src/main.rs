@@ -33,7 +33,7 @@ enum Cmd {
     #[command(subcommand)]
     Bench(bench::Cmd),
     /// Start a local cluster (prefill and decode workers, coordinator) serving the OpenAI API.
-    Up(up::Args),
+    Up(Box<up::Args>),
     /// Failure drills: start a small cluster, apply a fault, drive load, check invariants.
     Drill(drill::Args),
 }
@@ -51,7 +51,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Generate(a) => generate::run(a),
         Cmd::Convert(a) => convert::run(a),
         Cmd::Bench(c) => bench::run(c),
-        Cmd::Up(a) => up::run(a),
+        Cmd::Up(a) => up::run(*a),
         Cmd::Drill(a) => drill::run(a),
     };
     match result {

@@ -501,7 +501,7 @@ impl Drill for CoordinatorEtcdCutoff {
         let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
         note(&mut ev, ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }));
         match coordinator_find(c, REGISTRY_HEALTHY, &[]).await {
-            Ok(healthy) if healthy == 0.0 => ev.notes.push(format!("{REGISTRY_HEALTHY} 0")),
+            Ok(0.0) => ev.notes.push(format!("{REGISTRY_HEALTHY} 0")),
             Ok(healthy) => ev.missing.push(format!("{REGISTRY_HEALTHY} {healthy} while cut off")),
             Err(e) => ev.missing.push(e),
         }

@@ -267,7 +267,7 @@ impl Drill for NoisyNeighbour {
         }
         let [d0, d1, d2] = ev.done_at[..] else { return Err("the fault step marked no phases".into()) };
         let (alone, na) = ttft_p99(report, &[d0 + 1..d1, d2 + 1..usize::MAX]);
-        let (flood, nf) = ttft_p99(report, &[d1 + 1..d2]);
+        let (flood, nf) = ttft_p99(report, std::slice::from_ref(&(d1 + 1..d2)));
         match (alone, flood) {
             (Some(a), Some(f)) if na >= B_ALONE + 4 && nf >= B_FLOOD - 2 => {
                 out.push(format!(

@@ -129,14 +129,14 @@ impl FenceLog {
         let task = tokio::spawn(async move {
             while rx.changed().await.is_ok() {
                 let f = rx.borrow_and_update().clone();
-                log.lock().unwrap().push(f);
+                log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(f);
             }
         });
         Self { seen, task }
     }
 
     pub fn seen(&self) -> Vec<Fence> {
-        self.seen.lock().unwrap().clone()
+        self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     /// Panics if any value seen so far was not `Serving`.
