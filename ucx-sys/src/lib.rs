@@ -245,6 +245,21 @@ impl Region {
         Ok(())
     }
 
+    /// Appends the region's `len` bytes at `offset` to `out`, without zeroing
+    /// the new room first (`out` keeps its capacity from earlier use).
+    pub fn read_append(&self, offset: usize, len: usize, out: &mut Vec<u8>) -> std::result::Result<(), OutOfRange> {
+        self.range(offset, len)?;
+        out.reserve(len);
+        // SAFETY: the range is inside the allocation (checked); `reserve` made room for
+        // `len` bytes past `out.len()`, which the copy initializes before `set_len` makes
+        // them part of `out`. As in `read`, no reference into the region is created.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.base.add(offset), out.as_mut_ptr().add(out.len()), len);
+            out.set_len(out.len() + len);
+        }
+        Ok(())
+    }
+
     /// Copies `data` into the region at `offset`.
     pub fn write(&self, offset: usize, data: &[u8]) -> std::result::Result<(), OutOfRange> {
         self.range(offset, data.len())?;
