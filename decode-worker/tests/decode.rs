@@ -638,8 +638,8 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
 }
 
 /// Health answers from the runner's last snapshot while the runner is in a
-/// long step, instead of waiting the step out: a decode worker prefilling a
-/// 300-token prompt in one engine step (seconds on one thread; well under
+/// long step, instead of waiting the step out: a decode worker prefilling an
+/// 800-token prompt in one engine step (seconds on one thread; well under
 /// the 30 s after which a silent runner counts as stuck) still answers
 /// every poll fast, ready, with its figures. A frozen worker (SIGSTOP)
 /// answers nothing, and only that is what the coordinator takes for stale.
@@ -650,12 +650,14 @@ async fn health_answers_from_the_last_snapshot_during_a_long_step() -> TestResul
     // with another worker prefilling beside it).
     const HEALTH_BOUND: Duration = Duration::from_secs(1);
     let tok = common::tokenizer()?;
-    let w = decode_worker(GROUP, &["--kv-load-failure-policy", "fail"])?;
+    // One step for the whole prompt (the default budget is 512 tokens). 300 tokens
+    // took 1.5 s on a quick machine (AMD EPYC): too short to tell the two apart.
+    let w = decode_worker(GROUP, &["--kv-load-failure-policy", "fail", "--max-batch-tokens", "1024"])?;
     let mut c = client(&w).await?;
     // The coordinator polls from the start; so the snapshot exists before any step.
     let first = within("Health", c.health(HealthRequest::default())).await??.into_inner();
     assert!(first.ready && first.kv_blocks_total == 256, "{first:?}");
-    let mut req = request("long", &prompt_of(&tok, 300)?, vec![]);
+    let mut req = request("long", &prompt_of(&tok, 800)?, vec![]);
     req.sampling = Some((&common::greedy(1)).into());
     let mut gc = c.clone();
     let started = std::time::Instant::now();
@@ -675,7 +677,7 @@ async fn health_answers_from_the_last_snapshot_during_a_long_step() -> TestResul
     let (median, slowest) = (took.get(took.len() / 2).copied(), took.last().copied());
     eprintln!("health: {} answers during a {step:?} prefill, median {median:?}, slowest {slowest:?}", took.len());
     // Else the step was too short to tell waiting from not waiting.
-    assert!(step > HEALTH_BOUND * 2, "the 300-token prefill took only {step:?}");
+    assert!(step > HEALTH_BOUND * 2, "the 800-token prefill took only {step:?}");
     for (took, h) in &answers {
         assert!(*took <= HEALTH_BOUND, "a Health answer took {took:?} during a {step:?} step: {h:?}");
         assert!(h.ready && h.live && h.kv_blocks_total == 256, "{h:?}");

@@ -22,9 +22,16 @@ const A_QUOTA: f64 = 1.0;
 const A_OFFERED: f64 = 10.0;
 const A_KEY: &str = "sk-noisy-a";
 const B_KEY: &str = "sk-steady-b";
-/// B's requests measured alone before the flood, and under it; the rest run alone after it.
+/// B's requests measured alone before the flood, and under it (at least); the rest run
+/// alone after it, at least [`B_AFTER`] of the [`B_REQUESTS`].
 const B_ALONE: usize = 8;
 const B_FLOOD: usize = 36;
+const B_AFTER: usize = 12;
+const B_REQUESTS: usize = 96;
+/// The flood lasts at least this long (while B has requests to spare): A's rate is a
+/// slope over whole admissions at about one a second, so a flood that ends after
+/// B_FLOOD fast requests (7 s on a quick machine) measures it to +-15%, not 10%.
+const FLOOD_MIN: Duration = Duration::from_secs(16);
 /// A's admitted counters are read this often under the flood; the rate is their slope
 /// from [`RATE_FROM`] on (after the buckets' initial burst). Not faster: rendering two
 /// coordinators' metrics pages four times a second cost B's TTFT more than A's flood did.
@@ -136,7 +143,7 @@ impl Drill for NoisyNeighbour {
                 .tenants(&tenants_file(), B_KEY),
             // B: one request at a time, short answers; the first few run while A's preamble
             // is warmed, then B_ALONE alone, B_FLOOD under the flood, the rest alone again.
-            requests: 64,
+            requests: B_REQUESTS,
             max_tokens: 4,
             concurrency: 1,
             // Nothing of B's may be refused.
@@ -190,7 +197,11 @@ impl Drill for NoisyNeighbour {
         // A's admitted count over time, for its rate.
         let mut samples = Vec::new();
         let mut probed = false;
-        while done() < d1 + 1 + B_FLOOD && !load.finished() {
+        let flood_over = || {
+            let d = done();
+            d >= d1 + 1 + B_FLOOD && (t0.elapsed() >= FLOOD_MIN || d + B_AFTER >= B_REQUESTS)
+        };
+        while !flood_over() && !load.finished() {
             let admitted: f64 = over_coordinators(c, TENANT_REQUESTS, &admitted_a()).await?.iter().sum();
             let at = t0.elapsed();
             if at >= RATE_FROM {
