@@ -165,6 +165,7 @@ unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
     while t0 < m {
         let t1 = (t0 + X_TILE).min(m);
         for r in rows.clone() {
+            super::prefetch_ahead(w, r, &rows);
             let wrow = w.row(r);
             let mut i = t0;
             while i + 4 <= t1 {
@@ -337,7 +338,8 @@ unsafe fn q8_rows_with<const VNNI: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Ra
     #[cfg(test)]
     crate::isa::trace::hit(if VNNI { crate::Isa::AvxVnni } else { crate::Isa::Avx2 });
     let m = acts.rows;
-    for r in rows {
+    for r in rows.clone() {
+        super::prefetch_ahead(w, r, &rows);
         let wrow = w.row(r);
         let mut i = 0;
         while i + 4 <= m {

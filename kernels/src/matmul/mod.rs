@@ -96,6 +96,32 @@ impl<'a> QMatrix<'a> {
     }
 }
 
+/// Weight rows the SIMD kernels ask for ahead of the one they compute. A
+/// decode step reads each weight byte once; without the hint, over half of
+/// the AVX-512 Q4 kernel's samples sat on the first load of each row (the
+/// gather of its block scales), which the hardware prefetcher does not run
+/// ahead of. 2 rows gave decode 1.30x llama.cpp against 1.17x without, and
+/// 1.27x at 4 (`tandem bench engine --rounds 5`, AMD EPYC, AVX-512).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_ROWS: usize = 2;
+
+/// Asks for row `r + PREFETCH_ROWS` of `w` (when `rows` has it) to be
+/// brought into L1, one request per cache line. Only a hint: results do not
+/// depend on it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_ahead(w: &QMatrix<'_>, r: usize, rows: &std::ops::Range<usize>) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = r + PREFETCH_ROWS;
+    if ahead < rows.end {
+        for line in w.row(ahead).chunks(64) {
+            // SAFETY: a prefetch of an address inside the row (SSE, which every x86_64 has);
+            // it reads nothing architecturally and cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast::<i8>()) };
+        }
+    }
+}
+
 /// Reusable buffers for [`matmul`].
 #[derive(Debug, Default)]
 pub struct MatmulScratch {
