@@ -353,11 +353,7 @@ impl Cluster {
                 // prefill workers are registered but none ready is not served: routing
                 // would answer prefill_unavailable.
                 let serving = live().filter(|d| d.role == registry::Role::Decode).any(|d| {
-                    let group_prefill = || {
-                        view.routable()
-                            .filter(|p| p.role == registry::Role::Prefill && p.version_group == d.version_group)
-                    };
-                    group_prefill().next().is_none()
+                    !view.routable().any(|p| p.role == registry::Role::Prefill && p.version_group == d.version_group)
                         || live().any(|p| {
                             p.role == registry::Role::Prefill
                                 && p.version_group == d.version_group

@@ -291,8 +291,8 @@ pub fn prefix_cached_tokens(scope: String, n: usize) {
     counter!(PREFIX_CACHED_TOKENS, "scope" => scope).increment(n as u64);
 }
 
-pub fn prefix_hit_tokens(scope: &str, n: u32) {
-    counter!(PREFIX_HIT_TOKENS, "scope" => scope.to_owned()).increment(u64::from(n));
+pub fn prefix_hit_tokens(scope: String, n: u32) {
+    counter!(PREFIX_HIT_TOKENS, "scope" => scope).increment(u64::from(n));
 }
 
 pub fn worker_prefix_blocks(worker: &str, n: usize) {

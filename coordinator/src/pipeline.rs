@@ -451,8 +451,6 @@ pub struct Run {
     completion_tokens: u32,
     /// From the worker's `Finished`, once it arrived.
     cached_prompt_tokens: Option<u32>,
-    /// The tenant's cache scope label, for the hit metric.
-    scope: String,
     logprobs: bool,
     include_usage: bool,
     arrived: Instant,
@@ -483,7 +481,6 @@ impl Run {
             prompt_tokens: job.ids.len() as u32,
             completion_tokens: 0,
             cached_prompt_tokens: None,
-            scope: job.pass.tenant().cache_scope.label(&job.pass.tenant().name),
             logprobs: job.spec.params.logprobs.is_some(),
             include_usage: job.spec.include_usage,
             arrived: job.arrived,
@@ -596,7 +593,8 @@ impl Run {
     /// The worker's own end of the answer arrived: what its prefix cache saved.
     fn worker_ended(&mut self, f: &Finished) {
         if self.cached_prompt_tokens.is_none() {
-            metrics::prefix_hit_tokens(&self.scope, f.cached_prompt_tokens);
+            let tenant = self.pass.tenant();
+            metrics::prefix_hit_tokens(tenant.cache_scope.label(&tenant.name), f.cached_prompt_tokens);
         }
         self.cached_prompt_tokens = Some(f.cached_prompt_tokens);
     }

@@ -340,7 +340,7 @@ impl PrefillService {
             top: first.top.iter().map(|&(id, logprob)| TopLogprob { id, logprob }).collect(),
             kv_layers_sent: inner.layout.n_layers as u32,
             kv_bytes_sent: bytes,
-            cached_prompt_tokens: cached_prompt_tokens as u32,
+            cached_prompt_tokens: u32::try_from(cached_prompt_tokens).unwrap_or(u32::MAX),
         })
     }
 

@@ -15,7 +15,7 @@
 
 use std::ops::Range;
 
-use crate::matmul::{prefetch_ahead, QMatrix, WeightType};
+use crate::matmul::{QMatrix, WeightType};
 use crate::pool::SharedSlice;
 use crate::quant::QActs;
 
@@ -119,7 +119,7 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
     while t0 < m {
         let t1 = (t0 + X_TILE).min(m);
         for r in rows.clone() {
-            prefetch_ahead(w, r, &rows);
+            super::prefetch_ahead(w, r, &rows);
             let wrow = w.row(r);
             let mut i = t0;
             while i + 4 <= t1 {
@@ -242,7 +242,7 @@ unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &Share
     crate::isa::trace::hit(crate::Isa::Avx512);
     let m = acts.rows;
     for r in rows.clone() {
-        prefetch_ahead(w, r, &rows);
+        super::prefetch_ahead(w, r, &rows);
         let wrow = w.row(r);
         let mut i = 0;
         while i + 4 <= m {
