@@ -23,13 +23,9 @@
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_void, CStr, CString};
-use std::fmt;
-use std::future::Future;
 use std::marker::PhantomData;
 use std::os::fd::RawFd;
-use std::pin::Pin;
 use std::rc::Rc;
-use std::task::{Context as TaskContext, Poll, Waker};
 
 #[allow(non_camel_case_types, non_upper_case_globals, non_snake_case, dead_code, clippy::all)]
 pub mod raw {
@@ -37,6 +33,13 @@ pub mod raw {
 }
 
 use raw::ucs_status_t;
+
+mod region;
+mod request;
+
+pub use region::{OutOfRange, Region};
+pub use request::Request;
+use request::{is_request, Buffer, Completion};
 
 /// A UCX call that failed: which call, and UCX's status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -130,149 +133,12 @@ impl Context {
         check("ucp_init", status)?;
         Ok(Rc::new(Self { h, _not_send: PhantomData }))
     }
-
-    /// Allocates and registers `len` bytes (zeroed) that peers may write into
-    /// with the region's packed key.
-    pub fn map(self: &Rc<Self>, len: usize) -> Result<Region> {
-        if len == 0 {
-            return Err(Error::new("ucp_mem_map", ucs_status_t::UCS_ERR_INVALID_PARAM));
-        }
-        let params = raw::ucp_mem_map_params_t {
-            field_mask: (raw::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-                | raw::UCP_MEM_MAP_PARAM_FIELD_LENGTH
-                | raw::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64,
-            address: std::ptr::null_mut(),
-            length: len,
-            flags: raw::UCP_MEM_MAP_ALLOCATE,
-            ..Default::default()
-        };
-        let mut memh: raw::ucp_mem_h = std::ptr::null_mut();
-        // SAFETY: the context is alive (self); params ask UCX to allocate the memory itself.
-        check("ucp_mem_map", unsafe { raw::ucp_mem_map(self.h, &params, &mut memh) })?;
-        let mut attr = raw::ucp_mem_attr_t {
-            field_mask: (raw::UCP_MEM_ATTR_FIELD_ADDRESS | raw::UCP_MEM_ATTR_FIELD_LENGTH) as u64,
-            ..Default::default()
-        };
-        // SAFETY: memh was just returned by ucp_mem_map.
-        let queried = check("ucp_mem_query", unsafe { raw::ucp_mem_query(memh, &mut attr) });
-        if let Err(e) = queried.and_then(|()| {
-            if attr.address.is_null() || attr.length < len {
-                Err(Error::new("ucp_mem_query", ucs_status_t::UCS_ERR_NO_MEMORY))
-            } else {
-                Ok(())
-            }
-        }) {
-            // SAFETY: memh is ours and unmapped once, on this error path only.
-            unsafe { raw::ucp_mem_unmap(self.h, memh) };
-            return Err(e);
-        }
-        let region = Region { ctx: self.clone(), memh, base: attr.address.cast::<u8>(), len };
-        region.write(0, &vec![0; len]).map_err(|_| Error::new("ucp_mem_map", ucs_status_t::UCS_ERR_NO_MEMORY))?;
-        Ok(region)
-    }
 }
 
 impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: every worker and region holds an Rc of this context, so none is alive.
         unsafe { raw::ucp_cleanup(self.h) };
-    }
-}
-
-/// A byte range outside a [`Region`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("range {offset}+{len} is outside the {size}-byte region")]
-pub struct OutOfRange {
-    pub offset: usize,
-    pub len: usize,
-    pub size: usize,
-}
-
-/// Registered memory, allocated by UCX, that peers write into with one-sided
-/// puts. Local code never holds a Rust reference into it (a peer's write may
-/// land at any time): it copies in and out with [`Region::read`] and
-/// [`Region::write`]. Dropping it unregisters it, after which a put with its
-/// key fails at the sender instead of landing.
-pub struct Region {
-    ctx: Rc<Context>,
-    memh: raw::ucp_mem_h,
-    base: *mut u8,
-    len: usize,
-}
-
-impl Region {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The address a peer puts to for offset 0 (remote address = this + offset).
-    pub fn remote_base(&self) -> u64 {
-        self.base as u64
-    }
-
-    /// The key a peer unpacks ([`Endpoint::unpack_key`]) to write here.
-    pub fn pack_key(&self) -> Result<Vec<u8>> {
-        let mut buf: *mut c_void = std::ptr::null_mut();
-        let mut size = 0usize;
-        // SAFETY: context and memh are alive; buf/size are out pointers.
-        check("ucp_rkey_pack", unsafe { raw::ucp_rkey_pack(self.ctx.h, self.memh, &mut buf, &mut size) })?;
-        // SAFETY: UCX returned `size` readable bytes at buf; copied, then released once.
-        let key = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }.to_vec();
-        // SAFETY: buf came from ucp_rkey_pack.
-        unsafe { raw::ucp_rkey_buffer_release(buf) };
-        Ok(key)
-    }
-
-    fn range(&self, offset: usize, len: usize) -> std::result::Result<(), OutOfRange> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(OutOfRange { offset, len, size: self.len }),
-        }
-    }
-
-    /// Copies `out.len()` bytes at `offset` out of the region.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> std::result::Result<(), OutOfRange> {
-        self.range(offset, out.len())?;
-        // SAFETY: the range is inside the allocation (checked); `out` is a distinct Rust
-        // buffer. A peer's concurrent put into the same bytes is a protocol error the
-        // caller's checksum detects, not a Rust reference being aliased: no reference
-        // into the region is ever created.
-        unsafe { std::ptr::copy_nonoverlapping(self.base.add(offset), out.as_mut_ptr(), out.len()) };
-        Ok(())
-    }
-
-    /// Appends the region's `len` bytes at `offset` to `out`, without zeroing
-    /// the new room first (`out` keeps its capacity from earlier use).
-    pub fn read_append(&self, offset: usize, len: usize, out: &mut Vec<u8>) -> std::result::Result<(), OutOfRange> {
-        self.range(offset, len)?;
-        out.reserve(len);
-        // SAFETY: the range is inside the allocation (checked); `reserve` made room for
-        // `len` bytes past `out.len()`, which the copy initializes before `set_len` makes
-        // them part of `out`. As in `read`, no reference into the region is created.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.base.add(offset), out.as_mut_ptr().add(out.len()), len);
-            out.set_len(out.len() + len);
-        }
-        Ok(())
-    }
-
-    /// Copies `data` into the region at `offset`.
-    pub fn write(&self, offset: usize, data: &[u8]) -> std::result::Result<(), OutOfRange> {
-        self.range(offset, data.len())?;
-        // SAFETY: as in read, in the other direction.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.base.add(offset), data.len()) };
-        Ok(())
-    }
-}
-
-impl Drop for Region {
-    fn drop(&mut self) {
-        // SAFETY: memh is ours; after this no key packed from it is valid, which is the point.
-        unsafe { raw::ucp_mem_unmap(self.ctx.h, self.memh) };
     }
 }
 
@@ -708,178 +574,6 @@ impl Drop for RemoteKey {
     fn drop(&mut self) {
         // SAFETY: rkey ours, destroyed once, before its endpoint (we hold it).
         unsafe { raw::ucp_rkey_destroy(self.h) };
-    }
-}
-
-fn is_request(p: raw::ucs_status_ptr_t) -> bool {
-    // UCS_PTR_IS_PTR: neither NULL (done) nor an encoded error (>= (uintptr_t)UCS_ERR_LAST).
-    !p.is_null() && (p as usize) < (ucs_status_t::UCS_ERR_LAST as isize as usize)
-}
-
-fn ptr_status(p: raw::ucs_status_ptr_t) -> ucs_status_t {
-    if p.is_null() {
-        return ucs_status_t::UCS_OK;
-    }
-    // UCS_PTR_STATUS: an error pointer is the status value, sign-extended. The value is
-    // looked up among the declared statuses (never transmuted): one UCX does not
-    // declare reads as an I/O error.
-    let v = p as isize as i32;
-    STATUSES.iter().copied().find(|s| *s as i32 == v).unwrap_or(ucs_status_t::UCS_ERR_IO_ERROR)
-}
-
-const STATUSES: &[ucs_status_t] = {
-    use ucs_status_t::*;
-    &[
-        UCS_ERR_NO_MESSAGE,
-        UCS_ERR_NO_RESOURCE,
-        UCS_ERR_IO_ERROR,
-        UCS_ERR_NO_MEMORY,
-        UCS_ERR_INVALID_PARAM,
-        UCS_ERR_UNREACHABLE,
-        UCS_ERR_INVALID_ADDR,
-        UCS_ERR_NOT_IMPLEMENTED,
-        UCS_ERR_MESSAGE_TRUNCATED,
-        UCS_ERR_NO_PROGRESS,
-        UCS_ERR_BUFFER_TOO_SMALL,
-        UCS_ERR_NO_ELEM,
-        UCS_ERR_SOME_CONNECTS_FAILED,
-        UCS_ERR_NO_DEVICE,
-        UCS_ERR_BUSY,
-        UCS_ERR_CANCELED,
-        UCS_ERR_SHMEM_SEGMENT,
-        UCS_ERR_ALREADY_EXISTS,
-        UCS_ERR_OUT_OF_RANGE,
-        UCS_ERR_TIMED_OUT,
-        UCS_ERR_EXCEEDS_LIMIT,
-        UCS_ERR_UNSUPPORTED,
-        UCS_ERR_REJECTED,
-        UCS_ERR_NOT_CONNECTED,
-        UCS_ERR_CONNECTION_RESET,
-        UCS_ERR_FIRST_LINK_FAILURE,
-        UCS_ERR_LAST_LINK_FAILURE,
-        UCS_ERR_FIRST_ENDPOINT_FAILURE,
-        UCS_ERR_ENDPOINT_TIMEOUT,
-        UCS_ERR_LAST_ENDPOINT_FAILURE,
-    ]
-};
-
-/// Bytes an operation sends, owned (type-erased) until UCX is done with them.
-type Buffer = Box<dyn std::any::Any>;
-
-/// Where a request's completion lands (shared by the callback and the
-/// Request), and the buffers UCX may read until then.
-struct Completion {
-    status: Cell<Option<ucs_status_t>>,
-    waker: RefCell<Option<Waker>>,
-    buffer: RefCell<Option<Buffer>>,
-}
-
-unsafe extern "C" fn on_send_done(_request: *mut c_void, status: ucs_status_t, user_data: *mut c_void) {
-    // SAFETY: user_data is an Rc<Completion> leaked for this callback in Request::param
-    // and reclaimed here exactly once (UCX calls the callback once per request it
-    // returned; for an immediate completion it does not call it, and from_status
-    // reclaims that reference instead).
-    let done = unsafe { Rc::from_raw(user_data.cast::<Completion>()) };
-    done.status.set(Some(status));
-    let buffer = done.buffer.borrow_mut().take();
-    drop(buffer);
-    let waker = done.waker.borrow_mut().take();
-    if let Some(w) = waker {
-        w.wake();
-    }
-}
-
-/// An operation in flight. Await it (with the worker progressing, e.g. a
-/// driver task calling [`Worker::progress`] on event-fd wake-ups), or
-/// [`Request::wait`] for it. Dropping it early does not wait: the operation
-/// goes on, its buffers stay owned until UCX is done, and the worker frees
-/// it then.
-pub struct Request {
-    worker: Rc<WorkerInner>,
-    req: raw::ucs_status_ptr_t,
-    done: Rc<Completion>,
-}
-
-impl Request {
-    fn param(buffer: Option<Buffer>) -> (raw::ucp_request_param_t, Rc<Completion>) {
-        let done =
-            Rc::new(Completion { status: Cell::new(None), waker: RefCell::new(None), buffer: RefCell::new(buffer) });
-        let mut param = raw::ucp_request_param_t {
-            op_attr_mask: raw::UCP_OP_ATTR_FIELD_CALLBACK | raw::UCP_OP_ATTR_FIELD_USER_DATA,
-            user_data: Rc::into_raw(done.clone()).cast_mut().cast(),
-            ..Default::default()
-        };
-        param.cb.send = Some(on_send_done);
-        (param, done)
-    }
-
-    fn from_status(
-        op: &'static str,
-        worker: &Rc<WorkerInner>,
-        ptr: raw::ucs_status_ptr_t,
-        done: Rc<Completion>,
-    ) -> Result<Self> {
-        if !is_request(ptr) {
-            // Completed (or failed) at once: UCX will not call the callback, so its
-            // reference to the completion, and the buffers, are released here.
-            // SAFETY: the pointer made by Rc::into_raw in param, reclaimed once.
-            drop(unsafe { Rc::from_raw(Rc::as_ptr(&done)) });
-            let buffer = done.buffer.borrow_mut().take();
-            drop(buffer);
-            check(op, ptr_status(ptr))?;
-            done.status.set(Some(ucs_status_t::UCS_OK));
-            return Ok(Self { worker: worker.clone(), req: std::ptr::null_mut(), done });
-        }
-        Ok(Self { worker: worker.clone(), req: ptr, done })
-    }
-
-    /// Done yet? `Some` once progress reported the operation complete.
-    pub fn poll_done(&self) -> Option<Result<()>> {
-        self.done.status.get().map(|s| check("request", s))
-    }
-
-    /// Progresses the worker until this request is done (a busy loop: for
-    /// tests and shutdown, not the data path; a peer that must progress for
-    /// it to finish has to be progressing elsewhere).
-    pub fn wait(self) -> Result<()> {
-        loop {
-            if let Some(r) = self.poll_done() {
-                return r;
-            }
-            self.worker.progress();
-        }
-    }
-}
-
-impl Future for Request {
-    type Output = Result<()>;
-    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
-        if let Some(r) = self.poll_done() {
-            return Poll::Ready(r);
-        }
-        *self.done.waker.borrow_mut() = Some(cx.waker().clone());
-        Poll::Pending
-    }
-}
-
-impl Drop for Request {
-    fn drop(&mut self) {
-        if self.req.is_null() {
-            return;
-        }
-        if self.done.status.get().is_none() {
-            // Still in flight: the worker frees it once its callback ran.
-            self.worker.orphans.borrow_mut().push((self.req, self.done.clone()));
-            return;
-        }
-        // SAFETY: completed (callback ran); freed once.
-        unsafe { raw::ucp_request_free(self.req) };
-    }
-}
-
-impl fmt::Debug for Request {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Request").field("done", &self.done.status.get()).finish()
     }
 }
 

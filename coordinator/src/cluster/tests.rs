@@ -1,0 +1,141 @@
+use super::*;
+use crate::load::Load;
+use proto::worker::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+use proto::worker::v1::{
+    AbortRequest, AbortResponse, FinishReason, Finished, GenerateResponse, HealthRequest, HealthResponse, TokenChunk,
+};
+use proto::worker::v1::{ErrorKind, WorkerError};
+use tonic::{Request, Response, Status};
+
+fn cluster(decode: &[&str], prefill: &[&str]) -> Cluster {
+    let source = Source::Static {
+        decode: decode.iter().map(|s| (*s).to_owned()).collect(),
+        prefill: prefill.iter().map(|s| (*s).to_owned()).collect(),
+    };
+    let settings = RouteSettings {
+        breaker: BreakerConfig { failures: 3, cooldown: Duration::from_secs(60), open_group_prefills_locally: false },
+        ..RouteSettings::default()
+    };
+    Cluster::new(source, settings).expect("a cluster")
+}
+
+fn failed(prefill: &str) -> PrefillAttempt {
+    PrefillAttempt {
+        target: Some(PrefillTarget { worker_id: prefill.into(), grpc_addr: prefill.into() }),
+        error: Some(WorkerError { kind: ErrorKind::KvLoadFailed as i32, message: "link".into() }),
+        reason: "timeout".into(),
+    }
+}
+
+#[test]
+fn a_failure_reported_via_one_decode_worker_does_not_change_routing_for_another() {
+    let c = cluster(&["127.0.0.1:1", "127.0.0.1:2"], &["127.0.0.1:9"]);
+    // decode worker 1's link is bad: three failed attempts on the only prefill worker.
+    for _ in 0..3 {
+        c.record_prefill_attempts("127.0.0.1:1", "127.0.0.1:1", &[failed("127.0.0.1:9")]);
+    }
+    for _ in 0..20 {
+        let r = c.route(100).expect("decode worker 2's pair is closed");
+        assert_eq!(r.decode, "127.0.0.1:2", "decode worker 1 has no usable pair: {r:?}");
+        assert_eq!(r.prefill.len(), 1);
+        assert_eq!(r.prefill[0].grpc_addr, "127.0.0.1:9");
+    }
+    // Short prompts need no pair: both decode workers still take them.
+    assert_eq!(c.route(10).expect("a local route").decode, "127.0.0.1:1");
+    // The same prefill worker failing for decode worker 2 too: every pair is open.
+    for _ in 0..3 {
+        c.record_prefill_attempts("127.0.0.1:2", "127.0.0.1:2", &[failed("127.0.0.1:9")]);
+    }
+    let e = c.route(100).expect_err("no usable pair");
+    assert!(matches!(e, Error::NoRoute { why: NoRoute::PrefillUnavailable(_), .. }), "{e:?}");
+}
+
+/// A decode worker whose streams break before their first message (`broken`: the
+/// status a reset connection gives), or answer one token and finish.
+struct Fake {
+    broken: bool,
+    ids: Arc<Mutex<Vec<String>>>,
+}
+
+#[tonic::async_trait]
+impl DecodeWorker for Fake {
+    type GenerateStream = tokio_stream::Iter<std::vec::IntoIter<Result<GenerateResponse, Status>>>;
+
+    async fn generate(&self, r: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        self.ids.lock().unwrap_or_else(|e| e.into_inner()).push(r.into_inner().request_id);
+        let event = |e| Ok(GenerateResponse { event: Some(e), prefill_attempts: Vec::new() });
+        let events = if self.broken {
+            vec![Err(Status::unavailable("error reading a body from connection: connection reset by peer"))]
+        } else {
+            vec![
+                event(generate_response::Event::Token(TokenChunk { id: 7, logprob: None, top: Vec::new() })),
+                event(generate_response::Event::Finished(Finished {
+                    reason: FinishReason::Length as i32,
+                    prompt_tokens: 3,
+                    generated_tokens: 1,
+                    prefilled_remotely: false,
+                    cached_prompt_tokens: 0,
+                })),
+            ]
+        };
+        Ok(Response::new(tokio_stream::iter(events)))
+    }
+
+    async fn abort(&self, _: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        Ok(Response::new(AbortResponse { found: false }))
+    }
+
+    async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        Ok(Response::new(HealthResponse { live: true, ready: true, ..HealthResponse::default() }))
+    }
+}
+
+async fn serve(broken: bool) -> (String, Arc<Mutex<Vec<String>>>) {
+    let ids = Arc::new(Mutex::new(Vec::new()));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    let svc = DecodeWorkerServer::new(Fake { broken, ids: ids.clone() });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(l)),
+    );
+    (addr, ids)
+}
+
+fn idle(running: u32) -> Load {
+    Load {
+        ready: true,
+        reachable: true,
+        kv_blocks_total: 100,
+        kv_blocks_used: 0,
+        running,
+        waiting: 0,
+        at: tokio::time::Instant::now(),
+    }
+}
+
+/// A stream that breaks before its first message reached nobody: the request goes to
+/// another decode worker instead of ending in a `worker_stream` error, under an id of
+/// its own (a worker still holding the broken attempt would refuse the same id).
+#[tokio::test]
+async fn a_stream_broken_before_its_first_message_is_routed_again() {
+    let (broken, broken_ids) = serve(true).await;
+    let (fine, fine_ids) = serve(false).await;
+    let source = Source::Static { decode: vec![broken.clone(), fine.clone()], prefill: Vec::new() };
+    let c = Arc::new(Cluster::new(source, RouteSettings::default()).expect("cluster"));
+    // The broken worker looks idlest, so it is tried first.
+    c.board().set(&broken, idle(0));
+    c.board().set(&fine, idle(5));
+    let params = SamplingParams { max_tokens: 1, ..SamplingParams::default() };
+    let (mut stream, _lease) = c
+        .generate("r1".into(), vec![1, 2, 3], &params, 0, WorkerTags { cache_salt: 7, priority: Priority::Low })
+        .await
+        .map_err(|e| e.to_string())
+        .expect("routed again");
+    let first = stream.message().await.expect("a message").and_then(|m| m.event);
+    assert!(matches!(first, Some(generate_response::Event::Token(TokenChunk { id: 7, .. }))), "{first:?}");
+    let ids = |m: &Mutex<Vec<String>>| m.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    assert_eq!((ids(&broken_ids), ids(&fine_ids)), (vec!["r1".to_owned()], vec!["r1.2".to_owned()]));
+    assert!(c.board().get(&broken).is_some_and(|l| !l.reachable), "the broken worker is marked unreachable");
+}
