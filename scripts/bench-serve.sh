@@ -57,4 +57,4 @@ wait_ready "http://127.0.0.1:${tandem_port}/ready" "$tandem_pid" "tandem up" "${
 "$tandem" bench serve \
   --target "llama-server=http://127.0.0.1:${llama_port}" \
   --target "tandem=http://127.0.0.1:${tandem_port}" \
-  --requests 32 --concurrency 4 --prompt-tokens 235 --max-tokens 64 "$@"
+  --requests 32 --concurrency 4 --prompt-tokens 235 --max-tokens 64 --rounds 3 "$@"

@@ -92,6 +92,18 @@ pub struct Report {
 }
 
 impl Report {
+    /// Several runs of one target as one: their records together (a
+    /// percentile over all of them) and their walls summed, so the pooled
+    /// output tokens/s is every run's tokens over every run's time.
+    pub fn pooled<'a>(runs: impl IntoIterator<Item = &'a Report>) -> Report {
+        let mut all = Report { wall: Duration::ZERO, records: Vec::new() };
+        for r in runs {
+            all.wall += r.wall;
+            all.records.extend(r.records.iter().cloned());
+        }
+        all
+    }
+
     /// Statistics over the records.
     pub fn summary(&self) -> Summary {
         let done: Vec<&Record> = self.records.iter().filter(|r| r.outcome.is_complete()).collect();
@@ -263,6 +275,20 @@ mod tests {
         assert_eq!(s.mean_prompt_tokens, Some(10.0));
         assert_eq!((s.prompt_tokens, s.computed_prompt_tokens), (20, Some(12)), "(10 - 4) x 2 completed");
         assert_eq!(Report { wall: Duration::ZERO, records: vec![] }.summary().ttft, Percentiles::default());
+    }
+
+    #[test]
+    fn pooled_runs_sum_their_walls_and_rank_all_records_together() {
+        let ok = || Outcome::Complete { finish_reason: "length".into() };
+        let a = Report { wall: Duration::from_secs(1), records: vec![rec(ok(), 100, &[10], 4)] };
+        let b =
+            Report { wall: Duration::from_secs(3), records: vec![rec(ok(), 300, &[30], 4), rec(ok(), 500, &[], 4)] };
+        let s = Report::pooled([&a, &b]).summary();
+        assert_eq!((s.requests, s.ok, s.wall, s.output_tokens), (3, 3, Duration::from_secs(4), 12));
+        assert_eq!(s.output_tok_per_s, 3.0, "12 tokens over 1 s + 3 s, not the mean of 4 and 2.67 tok/s");
+        assert_eq!(s.ttft.p50, Some(Duration::from_millis(300)), "the middle of all three");
+        assert_eq!(s.itl.count, 2);
+        assert_eq!(Report::pooled([]).summary().requests, 0);
     }
 
     #[test]

@@ -64,9 +64,17 @@ pub struct Args {
     /// Stream (SSE, with usage); false: whole answers, no TTFT or ITL.
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
     stream: bool,
-    /// Seed of the prompts and arrivals (the same for every target).
+    /// Seed of the prompts and arrivals (the same for every target; round k
+    /// uses seed + k).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Rounds: each loads every target once, in turn, on its own seed, the
+    /// order reversed every other round so that no target always follows
+    /// another. With more than one, the tables of each round are followed by
+    /// one over all rounds pooled (every record ranked together; tokens/s
+    /// over the summed time) and the range of each round's ratios.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
     /// Send `ignore_eos: true`, so every answer has `--max-tokens` tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -141,20 +149,50 @@ pub fn run(a: Args) -> Result<()> {
     plan.api_key = a.api_key.clone();
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let mut results: Vec<(Target, Report)> = Vec::new();
-    for t in &targets {
-        plan.base_url = t.url.clone();
-        let arrival = match plan.arrival {
-            Arrival::Closed { concurrency } => format!("concurrency {concurrency}"),
-            Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
-        };
-        eprintln!("bench serve: {} ({}): {} requests, {arrival}", t.name, t.url, plan.requests);
-        let report = rt.block_on(loadgen::run(&plan)).with_context(|| format!("target {}", t.name))?;
-        results.push((t.clone(), report));
+    // rounds[k][i]: target i's report in round k (targets in their given order).
+    let mut rounds: Vec<Vec<Report>> = Vec::new();
+    let seed = a.seed;
+    for k in 0..a.rounds {
+        plan.seed = seed.wrapping_add(u64::from(k));
+        let mut reports: Vec<Option<Report>> = vec![None; targets.len()];
+        for i in round_order(targets.len(), k) {
+            let t = &targets[i];
+            plan.base_url = t.url.clone();
+            let arrival = match plan.arrival {
+                Arrival::Closed { concurrency } => format!("concurrency {concurrency}"),
+                Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
+            };
+            eprintln!(
+                "bench serve: round {}/{}: {} ({}): {} requests, {arrival}, seed {}",
+                k + 1,
+                a.rounds,
+                t.name,
+                t.url,
+                plan.requests,
+                plan.seed
+            );
+            let report = rt.block_on(loadgen::run(&plan)).with_context(|| format!("target {}", t.name))?;
+            reports[i] = Some(report);
+        }
+        let reports: Vec<Report> = reports.into_iter().flatten().collect();
+        let summaries: Vec<(&str, Summary)> =
+            targets.iter().zip(&reports).map(|(t, r)| (t.name.as_str(), r.summary())).collect();
+        print_table(&plan, &summaries, &format!("round {}/{}", k + 1, a.rounds));
+        rounds.push(reports);
     }
-
-    let summaries: Vec<(&str, Summary)> = results.iter().map(|(t, r)| (t.name.as_str(), r.summary())).collect();
-    print_table(&plan, &summaries);
+    plan.seed = seed;
+    let pooled: Vec<Report> =
+        (0..targets.len()).map(|i| Report::pooled(rounds.iter().map(|reports| &reports[i]))).collect();
+    let summaries: Vec<(&str, Summary)> =
+        targets.iter().zip(&pooled).map(|(t, r)| (t.name.as_str(), r.summary())).collect();
+    if a.rounds > 1 {
+        print_table(
+            &plan,
+            &summaries,
+            &format!("all {} rounds pooled, seeds {seed}-{}", a.rounds, seed.wrapping_add(u64::from(a.rounds - 1))),
+        );
+        print_ratio_ranges(&targets, &rounds);
+    }
     if let Some(path) = &a.json {
         // The plan as run, less the URL: each target has its own.
         let mut plan_json = serde_json::to_value(&plan)?;
@@ -163,8 +201,10 @@ pub fn run(a: Args) -> Result<()> {
         }
         let json = serde_json::json!({
             "plan": plan_json,
-            "targets": results.iter().zip(&summaries).map(|((t, r), (_, s))| serde_json::json!({
-                "name": t.name, "url": t.url, "summary": s, "report": r,
+            "rounds": a.rounds,
+            "targets": targets.iter().enumerate().zip(&summaries).map(|((i, t), (_, s))| serde_json::json!({
+                "name": t.name, "url": t.url, "summary": s,
+                "rounds": rounds.iter().map(|reports| &reports[i]).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
@@ -172,6 +212,47 @@ pub fn run(a: Args) -> Result<()> {
         eprintln!("bench serve: wrote {}", path.display());
     }
     Ok(())
+}
+
+/// The order targets are loaded in round `k`: as given in even rounds,
+/// reversed in odd ones (drift on the host then hits every target alike).
+fn round_order(n: usize, k: u32) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if k % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
+/// For each target after the first, the lowest and highest of the rounds'
+/// ratios to the first (output tok/s, TTFT p99, ITL p99).
+fn print_ratio_ranges(targets: &[Target], rounds: &[Vec<Report>]) {
+    let summaries: Vec<Vec<Summary>> = rounds.iter().map(|r| r.iter().map(Report::summary).collect()).collect();
+    let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
+    for (i, t) in targets.iter().enumerate().skip(1) {
+        let each = |f: &dyn Fn(&Summary) -> Option<f64>| -> String {
+            let mut r: Vec<f64> = summaries
+                .iter()
+                .filter_map(|s| match (f(&s[i]), f(&s[0])) {
+                    (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+                    _ => None,
+                })
+                .collect();
+            r.sort_by(f64::total_cmp);
+            match (r.first(), r.last()) {
+                (Some(lo), Some(hi)) => format!("{lo:.2}-{hi:.2}x"),
+                _ => "-".into(),
+            }
+        };
+        println!(
+            "{} / {}, range over rounds: out tok/s {}, TTFT p99 {}, ITL p99 {}",
+            t.name,
+            targets[0].name,
+            each(&|s| Some(s.output_tok_per_s)),
+            each(&|s| secs(s.ttft.p99)),
+            each(&|s| secs(s.itl.p99))
+        );
+    }
 }
 
 /// A latency for the table: ms below a second, else s.
@@ -190,7 +271,7 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> String {
     }
 }
 
-fn print_table(plan: &Plan, rows: &[(&str, Summary)]) {
+fn print_table(plan: &Plan, rows: &[(&str, Summary)], title: &str) {
     let mean = |s: &Summary| s.mean_prompt_tokens.map_or("-".into(), |m| format!("{m:.0}"));
     let computed = |s: &Summary| s.computed_prompt_tokens.map_or("-".into(), |c| c.to_string());
     let workload = match &plan.prompts {
@@ -201,7 +282,7 @@ fn print_table(plan: &Plan, rows: &[(&str, Summary)]) {
         PromptSource::List(l) => format!("{} listed prompts", l.len()),
     };
     println!(
-        "serving benchmark: {workload}, {} requests, max_tokens {}, {}, stream {}, seed {}",
+        "serving benchmark ({title}): {workload}, {} requests, max_tokens {}, {}, stream {}, seed {}",
         plan.requests,
         plan.max_tokens,
         match plan.arrival {
@@ -281,5 +362,13 @@ mod tests {
         assert_eq!(dur(None), "-");
         assert_eq!(ratio(Some(3.0), Some(2.0)), "1.50x");
         assert_eq!(ratio(Some(3.0), Some(0.0)), "-");
+    }
+
+    #[test]
+    fn rounds_alternate_the_order_of_targets() {
+        assert_eq!(round_order(3, 0), [0, 1, 2]);
+        assert_eq!(round_order(3, 1), [2, 1, 0]);
+        assert_eq!(round_order(3, 2), [0, 1, 2]);
+        assert_eq!(round_order(1, 1), [0]);
     }
 }
