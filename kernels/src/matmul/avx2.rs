@@ -211,10 +211,14 @@ unsafe fn q4_kernel<const R: usize, const Q41: bool, const VNNI: bool>(
     let mask = _mm_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
-    // The offset terms are summed in scalar, block by block (a product, then a sum), the
+    // The offset terms are summed block by block in order (a product, then a sum), the
     // order the kernels have always used: greedy output is checked against llama.cpp's,
-    // and a changed rounding here flipped a token.
+    // and a changed rounding here flipped a token (summing them in lanes and reducing at
+    // the end, as the AVX-512 kernel does, flips one of the fixture's tokens). With four
+    // activation rows, lane j of `accm4` is row j's sum, and one 4-lane add per block
+    // does the four rows' scalar adds in the same order, so the bits are the same.
     let mut accm = [0f32; R];
+    let mut accm4 = _mm_setzero_ps();
     let wp = wrow.as_ptr();
     // SAFETY (all `add`s and loads below): block g + b < nb of row x0 + j < x0 + R,
     // within the lengths asserted above; masked-off lanes are not read.
@@ -228,15 +232,26 @@ unsafe fn q4_kernel<const R: usize, const Q41: bool, const VNNI: bool>(
         let (dw, mw) = unsafe { block_scales(gp, bb, live) };
         let mw = if Q41 { mw } else { _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)) };
         let mut scales = [_mm256_setzero_ps(); R];
+        let mut offs = [_mm256_setzero_ps(); R];
         for j in 0..R {
             let idx = j * nb + g;
             let (dx, sx) = unsafe { (_mm256_maskload_ps(d0.add(idx), live), _mm256_maskload_ps(s0.add(idx), live)) };
             scales[j] = _mm256_mul_ps(dw, dx);
-            let mut offs = [0f32; GROUP];
-            // SAFETY: `offs` holds eight f32.
-            unsafe { _mm256_storeu_ps(offs.as_mut_ptr(), _mm256_mul_ps(mw, sx)) };
-            for o in &offs[..n] {
-                accm[j] += o;
+            offs[j] = _mm256_mul_ps(mw, sx);
+        }
+        if R == 4 {
+            // Block b's four rows' terms in one 4-lane vector, added in block order.
+            for v in &transpose_4x8(&offs)[..n] {
+                accm4 = _mm_add_ps(accm4, *v);
+            }
+        } else {
+            for j in 0..R {
+                let mut o = [0f32; GROUP];
+                // SAFETY: `o` holds eight f32.
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), offs[j]) };
+                for o in &o[..n] {
+                    accm[j] += o;
+                }
             }
         }
         for b in 0..n {
@@ -253,11 +268,49 @@ unsafe fn q4_kernel<const R: usize, const Q41: bool, const VNNI: bool>(
         }
         g += GROUP;
     }
+    if R == 4 {
+        let mut lanes = [0f32; 4];
+        // SAFETY: `lanes` holds four f32.
+        unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), accm4) };
+        accm.copy_from_slice(&lanes[..R]);
+    }
     let mut res = [0f32; R];
     for j in 0..R {
         res[j] = hsum(acc[j]) + accm[j];
     }
     res
+}
+
+/// Four rows of eight lanes (`rows[j]` lane b) as eight columns of four
+/// (`out[b]` lane j). Generic over the row count only so that kernels with
+/// other `R` compile their (never taken) `R == 4` branch; it reads rows 0-3.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn transpose_4x8<const R: usize>(rows: &[__m256; R]) -> [__m128; 8] {
+    // SAFETY: inlined only into avx2-enabled kernels (all SSE/AVX shuffles).
+    unsafe {
+        let (r0, r1, r2, r3) = (rows[0], rows[1], rows[2], rows[3]);
+        // [r0b0 r1b0 r0b1 r1b1 | r0b4 r1b4 r0b5 r1b5] and the like.
+        let t0 = _mm256_unpacklo_ps(r0, r1);
+        let t1 = _mm256_unpackhi_ps(r0, r1);
+        let t2 = _mm256_unpacklo_ps(r2, r3);
+        let t3 = _mm256_unpackhi_ps(r2, r3);
+        // [b0 | b4], [b1 | b5], [b2 | b6], [b3 | b7], each four rows.
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        [
+            _mm256_castps256_ps128(u0),
+            _mm256_castps256_ps128(u1),
+            _mm256_castps256_ps128(u2),
+            _mm256_castps256_ps128(u3),
+            _mm256_extractf128_ps::<1>(u0),
+            _mm256_extractf128_ps::<1>(u1),
+            _mm256_extractf128_ps::<1>(u2),
+            _mm256_extractf128_ps::<1>(u3),
+        ]
+    }
 }
 
 /// Blocks whose scales are fetched and multiplied together, one per lane.
