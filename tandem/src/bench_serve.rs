@@ -177,7 +177,7 @@ pub fn run(a: Args) -> Result<()> {
         let reports: Vec<Report> = reports.into_iter().flatten().collect();
         let summaries: Vec<(&str, Summary)> =
             targets.iter().zip(&reports).map(|(t, r)| (t.name.as_str(), r.summary())).collect();
-        print_table(&plan, &summaries, &format!("round {}/{}", k + 1, a.rounds));
+        print_table(&plan, &summaries, &format!("round {}/{}, seed {}", k + 1, a.rounds, plan.seed));
         rounds.push(reports);
     }
     plan.seed = seed;
@@ -282,15 +282,14 @@ fn print_table(plan: &Plan, rows: &[(&str, Summary)], title: &str) {
         PromptSource::List(l) => format!("{} listed prompts", l.len()),
     };
     println!(
-        "serving benchmark ({title}): {workload}, {} requests, max_tokens {}, {}, stream {}, seed {}",
+        "serving benchmark ({title}): {workload}, {} requests a round, max_tokens {}, {}, stream {}",
         plan.requests,
         plan.max_tokens,
         match plan.arrival {
             Arrival::Closed { concurrency } => format!("concurrency {concurrency}"),
             Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
         },
-        plan.stream,
-        plan.seed
+        plan.stream
     );
     let w = rows.iter().map(|(n, _)| n.len()).chain(rows.iter().skip(1).map(|(n, _)| n.len() + 8)).max().unwrap_or(6);
     println!(
