@@ -121,9 +121,7 @@ fn main() -> Res<()> {
     }
     let mut perf_rates = Vec::new();
     for (i, (size, ..)) in PERF_RUNS.iter().enumerate() {
-        let mut r: Vec<f64> = perf.iter().map(|p| p[i]).collect();
-        r.sort_by(|a, b| b.total_cmp(a));
-        let (pb, pm) = (r[0], r[r.len() / 2]);
+        let (pb, pm) = best_and_median(perf.iter().map(|p| p[i]).collect());
         println!("  {:28} {pb:6.2} GB/s best, {pm:6.2} median  ({size}-byte puts)", "ucx_perftest ucp_put_bw");
         perf_rates.push((*size, pb, pm));
     }
@@ -151,9 +149,13 @@ fn main() -> Res<()> {
 
 /// (best, median) in GB/s (10^9 bytes per second) for transfers of [`TOTAL`] bytes.
 fn rates(times: &[Duration]) -> (f64, f64) {
-    let mut r: Vec<f64> = times.iter().map(|t| TOTAL as f64 / t.as_secs_f64() / 1e9).collect();
-    r.sort_by(|a, b| b.total_cmp(a));
-    (r[0], r[r.len() / 2])
+    best_and_median(times.iter().map(|t| TOTAL as f64 / t.as_secs_f64() / 1e9).collect())
+}
+
+/// The highest and the median of `rates` (at least one).
+fn best_and_median(mut rates: Vec<f64>) -> (f64, f64) {
+    rates.sort_by(|a, b| b.total_cmp(a));
+    (rates[0], rates[rates.len() / 2])
 }
 
 struct Bench {

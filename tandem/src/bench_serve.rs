@@ -149,19 +149,18 @@ pub fn run(a: Args) -> Result<()> {
     plan.api_key = a.api_key.clone();
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    // rounds[k][i]: target i's report in round k (targets in their given order).
+    // rounds[k][i]: target i's report in round k (targets in their given order), and
+    // its summary.
     let mut rounds: Vec<Vec<Report>> = Vec::new();
+    let mut round_summaries: Vec<Vec<Summary>> = Vec::new();
     let seed = a.seed;
+    let arrival = arrival_text(&plan.arrival);
     for k in 0..a.rounds {
         plan.seed = seed.wrapping_add(u64::from(k));
         let mut reports: Vec<Option<Report>> = vec![None; targets.len()];
         for i in round_order(targets.len(), k) {
             let t = &targets[i];
             plan.base_url = t.url.clone();
-            let arrival = match plan.arrival {
-                Arrival::Closed { concurrency } => format!("concurrency {concurrency}"),
-                Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
-            };
             eprintln!(
                 "bench serve: round {}/{}: {} ({}): {} requests, {arrival}, seed {}",
                 k + 1,
@@ -175,10 +174,12 @@ pub fn run(a: Args) -> Result<()> {
             reports[i] = Some(report);
         }
         let reports: Vec<Report> = reports.into_iter().flatten().collect();
-        let summaries: Vec<(&str, Summary)> =
-            targets.iter().zip(&reports).map(|(t, r)| (t.name.as_str(), r.summary())).collect();
-        print_table(&plan, &summaries, &format!("round {}/{}, seed {}", k + 1, a.rounds, plan.seed));
+        let summaries: Vec<Summary> = reports.iter().map(Report::summary).collect();
+        let rows: Vec<(&str, Summary)> =
+            targets.iter().map(|t| t.name.as_str()).zip(summaries.iter().cloned()).collect();
+        print_table(&plan, &rows, &format!("round {}/{}, seed {}", k + 1, a.rounds, plan.seed));
         rounds.push(reports);
+        round_summaries.push(summaries);
     }
     plan.seed = seed;
     let pooled: Vec<Report> =
@@ -191,7 +192,7 @@ pub fn run(a: Args) -> Result<()> {
             &summaries,
             &format!("all {} rounds pooled, seeds {seed}-{}", a.rounds, seed.wrapping_add(u64::from(a.rounds - 1))),
         );
-        print_ratio_ranges(&targets, &rounds);
+        print_ratio_ranges(&targets, &round_summaries);
     }
     if let Some(path) = &a.json {
         // The plan as run, less the URL: each target has its own.
@@ -225,19 +226,12 @@ fn round_order(n: usize, k: u32) -> Vec<usize> {
 }
 
 /// For each target after the first, the lowest and highest of the rounds'
-/// ratios to the first (output tok/s, TTFT p99, ITL p99).
-fn print_ratio_ranges(targets: &[Target], rounds: &[Vec<Report>]) {
-    let summaries: Vec<Vec<Summary>> = rounds.iter().map(|r| r.iter().map(Report::summary).collect()).collect();
-    let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
+/// ratios to the first (output tok/s, TTFT p99, ITL p99); `summaries[k][i]`
+/// is target i's in round k.
+fn print_ratio_ranges(targets: &[Target], summaries: &[Vec<Summary>]) {
     for (i, t) in targets.iter().enumerate().skip(1) {
         let each = |f: &dyn Fn(&Summary) -> Option<f64>| -> String {
-            let mut r: Vec<f64> = summaries
-                .iter()
-                .filter_map(|s| match (f(&s[i]), f(&s[0])) {
-                    (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-                    _ => None,
-                })
-                .collect();
+            let mut r: Vec<f64> = summaries.iter().filter_map(|s| ratio_of(f(&s[i]), f(&s[0]))).collect();
             r.sort_by(f64::total_cmp);
             match (r.first(), r.last()) {
                 (Some(lo), Some(hi)) => format!("{lo:.2}-{hi:.2}x"),
@@ -264,10 +258,26 @@ fn dur(d: Option<Duration>) -> String {
     }
 }
 
-fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+/// `a / b`, when both are known and `b` is positive.
+fn ratio_of(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
-        _ => "-".into(),
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+    ratio_of(a, b).map_or("-".into(), |r| format!("{r:.2}x"))
+}
+
+fn secs(d: Option<Duration>) -> Option<f64> {
+    d.map(|d| d.as_secs_f64())
+}
+
+fn arrival_text(arrival: &Arrival) -> String {
+    match arrival {
+        Arrival::Closed { concurrency } => format!("concurrency {concurrency}"),
+        Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
     }
 }
 
@@ -285,10 +295,7 @@ fn print_table(plan: &Plan, rows: &[(&str, Summary)], title: &str) {
         "serving benchmark ({title}): {workload}, {} requests a round, max_tokens {}, {}, stream {}",
         plan.requests,
         plan.max_tokens,
-        match plan.arrival {
-            Arrival::Closed { concurrency } => format!("concurrency {concurrency}"),
-            Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
-        },
+        arrival_text(&plan.arrival),
         plan.stream
     );
     let w = rows.iter().map(|(n, _)| n.len()).chain(rows.iter().skip(1).map(|(n, _)| n.len() + 8)).max().unwrap_or(6);
@@ -311,7 +318,6 @@ fn print_table(plan: &Plan, rows: &[(&str, Summary)], title: &str) {
         );
     }
     if let Some((base_name, base)) = rows.first() {
-        let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
         for (name, s) in rows.iter().skip(1) {
             let computed = |s: &Summary| s.computed_prompt_tokens.map(|c| c as f64);
             println!(

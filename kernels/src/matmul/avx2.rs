@@ -239,9 +239,9 @@ unsafe fn q4_kernel<const R: usize, const Q41: bool, const VNNI: bool>(
             scales[j] = _mm256_mul_ps(dw, dx);
             offs[j] = _mm256_mul_ps(mw, sx);
         }
-        if R == 4 {
+        if let Ok(four) = <&[__m256; 4]>::try_from(offs.as_slice()) {
             // Block b's four rows' terms in one 4-lane vector, added in block order.
-            for v in &transpose_4x8(&offs)[..n] {
+            for v in &transpose_4x8(four)[..n] {
                 accm4 = _mm_add_ps(accm4, *v);
             }
         } else {
@@ -268,11 +268,9 @@ unsafe fn q4_kernel<const R: usize, const Q41: bool, const VNNI: bool>(
         }
         g += GROUP;
     }
-    if R == 4 {
-        let mut lanes = [0f32; 4];
-        // SAFETY: `lanes` holds four f32.
-        unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), accm4) };
-        accm.copy_from_slice(&lanes[..R]);
+    if let Ok(four) = <&mut [f32; 4]>::try_from(accm.as_mut_slice()) {
+        // SAFETY: `four` holds four f32.
+        unsafe { _mm_storeu_ps(four.as_mut_ptr(), accm4) };
     }
     let mut res = [0f32; R];
     for j in 0..R {
@@ -282,11 +280,10 @@ unsafe fn q4_kernel<const R: usize, const Q41: bool, const VNNI: bool>(
 }
 
 /// Four rows of eight lanes (`rows[j]` lane b) as eight columns of four
-/// (`out[b]` lane j). Generic over the row count only so that kernels with
-/// other `R` compile their (never taken) `R == 4` branch; it reads rows 0-3.
+/// (`out[b]` lane j).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn transpose_4x8<const R: usize>(rows: &[__m256; R]) -> [__m128; 8] {
+fn transpose_4x8(rows: &[__m256; 4]) -> [__m128; 8] {
     // SAFETY: inlined only into avx2-enabled kernels (all SSE/AVX shuffles).
     unsafe {
         let (r0, r1, r2, r3) = (rows[0], rows[1], rows[2], rows[3]);
