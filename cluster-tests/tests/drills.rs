@@ -22,6 +22,15 @@ async fn drill(name: &str) -> Result<DrillReport, Box<dyn std::error::Error + Se
         r.wall_ms,
         r.proof
     );
+    if let Some(g) = &r.goodput {
+        eprintln!(
+            "{name}: goodput {:.1} tok/s, {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after)",
+            g.tok_s,
+            g.ratio * 100.0,
+            g.baseline_tok_s[0],
+            g.baseline_tok_s[1]
+        );
+    }
     assert!(r.violations.is_empty(), "{name}: {:#?}", r.violations);
     assert!(r.fault_proven, "{name}: {}", r.proof);
     assert_eq!(r.lost, 0, "{name}");

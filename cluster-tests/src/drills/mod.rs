@@ -237,7 +237,7 @@ pub struct Goodput {
     pub baseline_tok_s: [f64; 2],
     /// The same under the overload.
     pub tok_s: f64,
-    /// `tok_s` over the mean of `baseline_tok_s`.
+    /// `tok_s` over the lower of `baseline_tok_s` (see [`GoodputBound`]).
     pub ratio: f64,
     /// Requests per second the cluster completed in the first measurement (its capacity),
     /// and the Poisson rate offered during the overload.
@@ -485,7 +485,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         (Some(g), Some(before)) => {
             let after = saturating_load(&plan, &g, g.baseline_requests, seed + 2).await?;
             let tok_s = Throughput::of(&report).tok_s();
-            let ratio = tok_s / ((before.tok_s() + after.tok_s()) / 2.0).max(f64::MIN_POSITIVE);
+            let ratio = tok_s / before.tok_s().min(after.tok_s()).max(f64::MIN_POSITIVE);
             Some(Goodput {
                 baseline_tok_s: [before.tok_s(), after.tok_s()],
                 tok_s,
