@@ -46,6 +46,14 @@ fn worker(args: &[&str]) -> testkit::Result<Proc> {
 }
 
 const GROUP: &str = "test-group";
+
+/// [`worker`] on loopback in [`GROUP`] with one thread and [`KV_BLOCKS`], plus `extra`.
+fn one_thread_worker(extra: &[&str]) -> testkit::Result<Proc> {
+    let kv_blocks = KV_BLOCKS.to_string();
+    let mut args = vec!["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1", "--kv-blocks", &kv_blocks];
+    args.extend_from_slice(extra);
+    worker(&args)
+}
 const KV_BLOCKS: usize = 64;
 
 fn engine_config() -> EngineConfig {
@@ -102,9 +110,7 @@ fn prompt() -> Result<Vec<u32>, String> {
 async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResult {
     let prompt = prompt()?;
     let (layout, fp, want_first, want_kv) = reference(&prompt)?;
-    let kv_blocks = KV_BLOCKS.to_string();
-    let args = ["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1", "--kv-blocks", &kv_blocks];
-    let mut worker = worker(&args)?;
+    let mut worker = one_thread_worker(&[])?;
     let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
 
     // The decode side.
@@ -157,13 +163,18 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     let got = pool.lock().map_err(|_| "pool lock")?.gather(&ready)?;
     assert!(got == want_kv, "received KV differs from the local engine's ({} vs {} bytes)", got.len(), want_kv.len());
 
-    let health = within("Health answer", client.health(HealthRequest::default())).await??.into_inner();
+    // The answer goes out before the runner takes the release of the prompt's blocks
+    // (between steps: at once here, idle), so the worker holds them for a moment after.
+    let health = testkit::poll("the worker releasing the prompt's KV", WAIT, || {
+        let mut c = client.clone();
+        async move {
+            let h = c.health(HealthRequest::default()).await.map_err(|e| e.to_string())?.into_inner();
+            Ok::<_, String>((h.kv_blocks_used == 0).then_some(h))
+        }
+    })
+    .await?;
     assert!(health.live && health.ready, "{health:?}");
-    assert_eq!(
-        (health.kv_blocks_used, health.kv_blocks_total as usize),
-        (0, KV_BLOCKS),
-        "the worker kept KV: {health:?}"
-    );
+    assert_eq!(health.kv_blocks_total as usize, KV_BLOCKS, "{health:?}");
     assert_eq!(health.layout_fingerprint, fp.as_bytes().to_vec());
     assert_eq!(health.version_group, GROUP);
 
@@ -207,20 +218,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
 async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() -> TestResult {
     let prompt = prompt()?;
     let (layout, fp, _, _) = reference(&prompt)?;
-    let kv_blocks = KV_BLOCKS.to_string();
-    let args = [
-        "--grpc",
-        "127.0.0.1:0",
-        "--version-group",
-        GROUP,
-        "--threads",
-        "1",
-        "--kv-blocks",
-        &kv_blocks,
-        "--transfer-timeout-ms",
-        "600000",
-    ];
-    let worker = worker(&args)?;
+    let worker = one_thread_worker(&["--transfer-timeout-ms", "600000"])?;
     let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
     // A KV destination whose kernel accepts the connection and which never answers the
     // handshake: the transfer waits, the prompt's KV stays held for sending.
@@ -281,5 +279,99 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
     let page = testkit::prom::scrape_within(&metrics_addr, WAIT).await?;
     assert_eq!(page.get(KV_BLOCKS_USED, &[])?, 0.0, "freed KV still shows as used");
     drop(silent);
+    Ok(())
+}
+
+/// One in-test decode side: a receiver and pool behind a TCP KV server, with a
+/// reservation of `tokens`' blocks, and the destination naming it.
+async fn decode_side(
+    layout: KvLayout,
+    fp: LayoutFingerprint,
+    tokens: usize,
+) -> Result<(Arc<Mutex<Receiver>>, TcpKvServer, KvDestination), Box<dyn std::error::Error + Send + Sync>> {
+    let local = Peer { version_group: VersionGroup::new(GROUP)?, fingerprint: fp };
+    let rx = Arc::new(Mutex::new(Receiver::new(local, ReceiverConfig::new(layout))?));
+    let pool = Arc::new(Mutex::new(KvPool::new(layout, KV_BLOCKS)?));
+    let blocks = pool.lock().map_err(|_| "pool lock")?.allocate(tokens.div_ceil(layout.block_size))?;
+    let r = rx.lock().map_err(|_| "rx lock")?.reserve(
+        blocks.clone(),
+        Duration::from_secs(120),
+        tokio::time::Instant::now().into_std(),
+    )?;
+    let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool, TcpServerConfig::default()).await?;
+    let destination = KvDestination {
+        transfer_addr: server.local_addr().to_string(),
+        transport: "tcp".into(),
+        reservation_id: r.id.0,
+        generation: r.generation,
+        block_ids: blocks,
+        layout_fingerprint: fp.as_bytes().to_vec(),
+        version_group: GROUP.into(),
+        tls_cert_sha256: vec![],
+    };
+    Ok((rx, server, destination))
+}
+
+fn frames(rx: &Mutex<Receiver>) -> Result<u64, String> {
+    Ok(rx.lock().map_err(|_| "rx lock")?.counters().layer_frames_accepted)
+}
+
+/// A prompt whose KV is pushed is answered then, not once the runner next
+/// takes a command. A prompt A is sent, and once its first layer's KV
+/// arrived (its step runs), a long one B: A runs alone in the first step
+/// and B, first come first served in 256-token steps, in the next three.
+/// A's answer must come before B's second step ends: fewer than two steps
+/// of B's KV frames (one per layer per step) are in. Before the fix the
+/// answer waited for the release of A's blocks and then a gauge refresh,
+/// two asks the runner takes between steps, so it came after two of B's
+/// steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_prompt_is_answered_while_another_prompts_steps_run() -> TestResult {
+    let words = prompt()?;
+    // A long enough for its step to outlast a poll, short enough to run alone.
+    let short: Vec<u32> = words.iter().copied().cycle().take(120).collect();
+    let long: Vec<u32> = words.iter().copied().cycle().take(730).collect();
+    let (layout, fp, _, _) = reference(&words)?;
+    let worker = one_thread_worker(&["--max-batch-tokens", "256"])?;
+    let addr = worker.addr("grpc")?;
+    // Two decode sides: pushes to one destination share a connection, one at a time.
+    let (rx_a, _server_a, dest_a) = decode_side(layout, fp, short.len()).await?;
+    let (rx_b, _server_b, dest_b) = decode_side(layout, fp, long.len()).await?;
+    let request = |id: &str, tokens: &[u32], destination: KvDestination| PrefillRequest {
+        request_id: id.into(),
+        token_ids: tokens.to_vec(),
+        sampling: Some((&greedy()).into()),
+        deadline_unix_ms: 0,
+        cache_salt: 0,
+        priority: 0,
+        destination: Some(destination),
+    };
+    let client = within("gRPC connect", PrefillWorkerClient::connect(format!("http://{addr}"))).await??;
+    let a = tokio::spawn({
+        let (mut c, r, rx_b) = (client.clone(), request("a", &short, dest_a), rx_b.clone());
+        async move {
+            let answer = c.prefill(r).await;
+            (answer, frames(&rx_b))
+        }
+    });
+    testkit::poll("A's first layer arriving", WAIT, || {
+        let n = frames(&rx_a);
+        async move { n.map(|n| (n > 0).then_some(())) }
+    })
+    .await?;
+    let b = tokio::spawn({
+        let (mut c, r) = (client.clone(), request("b", &long, dest_b));
+        async move { c.prefill(r).await }
+    });
+    let (a, b_at_a) = within("A's answer", a).await??;
+    let (a, b_at_a) = (a?.into_inner(), b_at_a?);
+    assert!(matches!(a.outcome, Some(prefill_response::Outcome::FirstToken(_))), "A was not prefilled: {a:?}");
+    assert!(frames(&rx_a)? > 0, "A's KV never arrived");
+    let b = within("B's answer", b).await???.into_inner();
+    assert!(matches!(b.outcome, Some(prefill_response::Outcome::FirstToken(_))), "B was not prefilled: {b:?}");
+    let (b_all, layers) = (frames(&rx_b)?, layout.n_layers as u64);
+    eprintln!("B's KV frames: {b_at_a} when A was answered, {b_all} in all ({layers} layers)");
+    assert!(b_all >= 3 * layers, "B took fewer than three steps ({b_all} frames): the test shows nothing");
+    assert!(b_at_a < 2 * layers, "A was answered with {b_at_a} of B's {b_all} KV frames in: two of B's steps later");
     Ok(())
 }
