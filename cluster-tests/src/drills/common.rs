@@ -16,6 +16,16 @@ pub(super) use coordinator::metrics::MEMBERSHIP_CHANGES as MEMBERSHIP;
 /// How long a fault step waits for the load to reach the point it strikes at.
 pub(super) const LOAD_WAIT: Duration = Duration::from_secs(60);
 
+/// The prefill and the decode worker's CPU arguments for a one-pair cluster: a core of
+/// its own each where the machine has two (core 1 and core 0), none otherwise.
+pub(super) fn core_each() -> (&'static [&'static str], &'static [&'static str]) {
+    if std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2) {
+        (&["--cpus", "1"], &["--cpus", "0"])
+    } else {
+        (&[], &[])
+    }
+}
+
 /// The process is gone (or a zombie awaiting its reaper).
 /// The decode workers' counter of requests cancelled by their client.
 pub(super) const CANCELLED: (&str, &[(&str, &str)]) =

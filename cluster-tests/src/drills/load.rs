@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use loadgen::{Outcome, Report};
 
-use super::common::{cancelled, open_stream, probe};
+use super::common::{cancelled, core_each, open_stream, probe};
 use super::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::{GoodputBound, Invariants};
@@ -100,14 +100,12 @@ impl Drill for Overload3x {
 
     fn setup(&self, skip: bool) -> Setup {
         Setup {
-            // Each worker on a core of its own where there are two, as in noisy-neighbour:
+            // Each worker on a core of its own where there are two (`core_each`), as in noisy-neighbour:
             // unpinned, the coordinator's and the load's work for the refused requests
             // (5 arrivals a second) landed on the decode worker's cores and slowed every
             // admitted answer's steps, so the drill measured the 2-core box, not admission.
             spec: {
-                let two = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
-                let (prefill, decode): (&[&str], &[&str]) =
-                    if two { (&["--cpus", "1"], &["--cpus", "0"]) } else { (&[], &[]) };
+                let (prefill, decode) = core_each();
                 ClusterSpec::default().prefill_with("g1", prefill).decode_with("g1", decode).coordinator_args(&[
                     "--max-running",
                     "1",

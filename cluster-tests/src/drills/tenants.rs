@@ -6,7 +6,7 @@ use loadgen::{Arrival, Outcome, Plan, PromptSource, Report};
 use testkit::http::Request;
 use tokio_util::sync::CancellationToken;
 
-use super::common::LOAD_WAIT;
+use super::common::{core_each, LOAD_WAIT};
 use super::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
@@ -132,9 +132,7 @@ impl Drill for NoisyNeighbour {
     }
 
     fn setup(&self, _skip: bool) -> Setup {
-        // Each worker on a core of its own where there are two.
-        let two = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
-        let (prefill, decode): (&[&str], &[&str]) = if two { (&["--cpus", "1"], &["--cpus", "0"]) } else { (&[], &[]) };
+        let (prefill, decode) = core_each();
         Setup {
             // B's short prompts are prefilled on the decode worker, A's long ones on the
             // prefill worker: what a deployment does with prompts this short. On one host
