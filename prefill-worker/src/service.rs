@@ -108,7 +108,9 @@ fn transfer_err(e: &TransferError) -> WorkerError {
 }
 
 /// Removes the request's id mapping and, unless disarmed, aborts it in the
-/// engine (which also frees held blocks): covers the caller going away.
+/// engine (which also frees held blocks) and then refreshes the gauges, on
+/// the blocking pool without waiting: covers the caller going away, and a
+/// pushed prompt released behind its answer.
 /// `gone` is set first, for a submission still on the blocking pool when the
 /// caller went away: it aborts what it just submitted (the abort spawned here
 /// may run before it), so a prefill nobody waits for never keeps its blocks.
@@ -131,7 +133,10 @@ impl Drop for Cleanup {
             let id = self.engine_id;
             // Outside a runtime (never in practice) the runner's own deadline frees it.
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn_blocking(move || runner.abort(id));
+                rt.spawn_blocking(move || {
+                    runner.abort(id);
+                    refresh_gauges(&runner);
+                });
             }
         }
     }
@@ -330,21 +335,16 @@ impl PrefillService {
         // Abort covers both ends: a request still computing (the push failed
         // early) is stopped, a finished one's held blocks are released. A
         // failed one is stopped before the answer goes out. A pushed one is
-        // answered at once, and its held blocks are released (then the gauges
-        // refreshed) behind the answer: the runner takes a command only
-        // between steps, and waiting for it held the first token back by
-        // whatever step ran meanwhile, often other prompts' whole prefill (a
-        // wave of four prompts at once: 0.85 s on two of them).
-        let runner = inner.runner.clone();
-        if pushed.is_ok() {
-            tokio::task::spawn_blocking(move || {
-                runner.abort(engine_id);
-                refresh_gauges(&runner);
-            });
-        } else {
+        // answered at once, and `cleanup` (still armed) releases its held
+        // blocks and refreshes the gauges behind the answer: the runner takes
+        // a command only between steps, and waiting for it held the first
+        // token back by whatever step ran meanwhile, often other prompts'
+        // whole prefill (a wave of four prompts at once: 0.85 s on two).
+        if pushed.is_err() {
+            let runner = inner.runner.clone();
             blocking(move || runner.abort(engine_id)).await?;
+            cleanup.armed = false;
         }
-        cleanup.armed = false;
         let Pushed { first, cached_prompt_tokens, bytes, seconds } = pushed?;
         crate::metrics::record_transfer(bytes, seconds);
         Ok(FirstToken {
@@ -524,7 +524,7 @@ impl PrefillWorker for PrefillService {
                 tracing::info!(kind = ?e.kind(), message = %e.message, "prefill failed");
                 crate::metrics::record_outcome(worker_common::metrics::outcome_label(e.kind()));
                 // Gauges follow the runner after every request; a pushed one's are
-                // refreshed behind its answer, with its release (`prefill_inner`).
+                // refreshed behind its answer, with its release (`Cleanup`).
                 let runner = self.inner.runner.clone();
                 let _ = blocking(move || refresh_gauges(&runner)).await;
                 prefill_response::Outcome::Error(e)

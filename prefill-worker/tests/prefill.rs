@@ -211,9 +211,10 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
 }
 
 /// A Prefill whose caller goes away while its KV waits to be sent frees that KV, and
-/// `/metrics` says so once the worker is polled for health: the dropped handler never
-/// refreshes the gauges itself, so before the fix a finished request's refresh (taken
-/// while the other held its blocks) left `tandem_kv_blocks_used` above zero for good.
+/// `/metrics` says so once the worker is polled for health (the dropped handler's release
+/// also refreshes the gauges once the runner took it). Before the fix the handler's
+/// gauges came only from finished requests, so one taken while the other held its blocks
+/// left `tandem_kv_blocks_used` above zero for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() -> TestResult {
     let prompt = prompt()?;
