@@ -102,10 +102,8 @@ pub fn attend_heads(
         for (gi, h) in heads.clone().enumerate() {
             let qh = &q[h * hd..(h + 1) * hd];
             let dot = match (k, path) {
-                (KvSlice::F32(s), Isa::Avx512) => simd512::dot_f32(qh, &s[off..off + hd]),
-                (KvSlice::F16(s), Isa::Avx512) => simd512::dot_f16(qh, &s[off..off + hd]),
-                (KvSlice::F32(s), Isa::Avx2 | Isa::AvxVnni) => simd::dot_f32(qh, &s[off..off + hd]),
-                (KvSlice::F16(s), Isa::Avx2 | Isa::AvxVnni) => simd::dot_f16(qh, &s[off..off + hd]),
+                (KvSlice::F32(s), Isa::Avx2 | Isa::AvxVnni | Isa::Avx512) => simd::dot_f32(qh, &s[off..off + hd]),
+                (KvSlice::F16(s), Isa::Avx2 | Isa::AvxVnni | Isa::Avx512) => simd::dot_f16(qh, &s[off..off + hd]),
                 (KvSlice::F32(s), Isa::Scalar) => qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * b).sum(),
                 (KvSlice::F16(s), Isa::Scalar) => {
                     qh.iter().zip(&s[off..off + hd]).map(|(a, b)| a * crate::f16::f16_bits_to_f32(*b)).sum()
@@ -126,10 +124,8 @@ pub fn attend_heads(
             let p = scores[gi * n_ctx + t];
             let oh = &mut out[gi * hd..(gi + 1) * hd];
             match (v, path) {
-                (KvSlice::F32(s), Isa::Avx512) => simd512::axpy_f32(p, &s[off..off + hd], oh),
-                (KvSlice::F16(s), Isa::Avx512) => simd512::axpy_f16(p, &s[off..off + hd], oh),
-                (KvSlice::F32(s), Isa::Avx2 | Isa::AvxVnni) => simd::axpy_f32(p, &s[off..off + hd], oh),
-                (KvSlice::F16(s), Isa::Avx2 | Isa::AvxVnni) => simd::axpy_f16(p, &s[off..off + hd], oh),
+                (KvSlice::F32(s), Isa::Avx2 | Isa::AvxVnni | Isa::Avx512) => simd::axpy_f32(p, &s[off..off + hd], oh),
+                (KvSlice::F16(s), Isa::Avx2 | Isa::AvxVnni | Isa::Avx512) => simd::axpy_f16(p, &s[off..off + hd], oh),
                 (KvSlice::F32(s), Isa::Scalar) => {
                     for (o, x) in oh.iter_mut().zip(&s[off..off + hd]) {
                         *o += p * x;
@@ -151,11 +147,16 @@ mod simd {
     #[cfg(target_arch = "x86_64")]
     use std::arch::x86_64::*;
 
-    /// The code `isa` runs for heads of `hd` elements: the level asked for if the CPU has
-    /// it and the head fills whole registers, else the next level down.
+    /// The code `isa` runs for heads of `hd` elements: AVX2's on every SIMD level when
+    /// the CPU has it and the head fills whole registers, else scalar. AVX-512 runs
+    /// AVX2's code too: attention is a small share of a step, and with one code path
+    /// (and the quantized matmuls' shared rounding) every SIMD level computes the same
+    /// bits, so a prompt prefilled on an AVX-512 host and decoded on an AVX2 one gives
+    /// what either host alone would. A 16-lane version summed in another order and
+    /// moved the engine's greedy output against llama.cpp's fixture (a chosen-token
+    /// log-probability drift of 0.40 against the test's 0.35 bound).
     pub fn path(isa: Isa, hd: usize) -> Isa {
         match isa {
-            Isa::Avx512 if hd % 16 == 0 && Isa::Avx512.available() => Isa::Avx512,
             Isa::Avx512 | Isa::AvxVnni | Isa::Avx2 if hd % 8 == 0 && Isa::Avx2.available() => Isa::Avx2,
             _ => Isa::Scalar,
         }
@@ -255,105 +256,6 @@ mod simd {
     }
 }
 
-/// AVX-512F + F16C: one register is a quarter of a 64-element head.
-mod simd512 {
-    #[cfg(target_arch = "x86_64")]
-    use std::arch::x86_64::*;
-
-    // Callers use these only when `simd::path` chose AVX-512, which checked the CPU;
-    // slice lengths are asserted equal and a multiple of 16 before any unsafe load.
-
-    pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-        assert!(a.len() == b.len() && a.len() % 16 == 0);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: features checked by the caller via `simd::path`; lengths asserted.
-        return unsafe { dot_f32_k(a, b) };
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!()
-    }
-
-    pub fn dot_f16(a: &[f32], b: &[u16]) -> f32 {
-        assert!(a.len() == b.len() && a.len() % 16 == 0);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        return unsafe { dot_f16_k(a, b) };
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!()
-    }
-
-    /// `out += p * x`.
-    pub fn axpy_f32(p: f32, x: &[f32], out: &mut [f32]) {
-        assert!(x.len() == out.len() && x.len() % 16 == 0);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        unsafe {
-            axpy_f32_k(p, x, out)
-        }
-    }
-
-    pub fn axpy_f16(p: f32, x: &[u16], out: &mut [f32]) {
-        assert!(x.len() == out.len() && x.len() % 16 == 0);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        unsafe {
-            axpy_f16_k(p, x, out)
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn dot_f32_k(a: &[f32], b: &[f32]) -> f32 {
-        let mut acc = _mm512_setzero_ps();
-        for i in (0..a.len()).step_by(16) {
-            // SAFETY: i + 16 <= len for both slices (len % 16 == 0).
-            acc =
-                unsafe { _mm512_fmadd_ps(_mm512_loadu_ps(a.as_ptr().add(i)), _mm512_loadu_ps(b.as_ptr().add(i)), acc) };
-        }
-        crate::matmul::hsum_avx512(acc)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn dot_f16_k(a: &[f32], b: &[u16]) -> f32 {
-        let mut acc = _mm512_setzero_ps();
-        for i in (0..a.len()).step_by(16) {
-            // SAFETY: 16 u16 (one 256-bit load) and 16 f32 in bounds.
-            unsafe {
-                let bh = _mm512_cvtph_ps(_mm256_loadu_si256(b.as_ptr().add(i) as *const __m256i));
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(a.as_ptr().add(i)), bh, acc);
-            }
-        }
-        crate::matmul::hsum_avx512(acc)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn axpy_f32_k(p: f32, x: &[f32], out: &mut [f32]) {
-        let pv = _mm512_set1_ps(p);
-        for i in (0..x.len()).step_by(16) {
-            // SAFETY: in bounds as above.
-            unsafe {
-                let o = out.as_mut_ptr().add(i);
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x.as_ptr().add(i)), _mm512_loadu_ps(o)));
-            }
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn axpy_f16_k(p: f32, x: &[u16], out: &mut [f32]) {
-        let pv = _mm512_set1_ps(p);
-        for i in (0..x.len()).step_by(16) {
-            // SAFETY: in bounds as above.
-            unsafe {
-                let o = out.as_mut_ptr().add(i);
-                let xv = _mm512_cvtph_ps(_mm256_loadu_si256(x.as_ptr().add(i) as *const __m256i));
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(pv, xv, _mm512_loadu_ps(o)));
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -414,14 +316,14 @@ mod tests {
                     continue;
                 }
                 let what = format!("attention {} bs={bs}", isa.name());
-                let simd = crate::isa::trace::assert_ran(isa.float(), &what, || {
+                let simd = crate::isa::trace::assert_ran(simd::path(isa, hd), &what, || {
                     run(isa, &shape, KvSlice::F32(&kp), KvSlice::F32(&vp), &table, n, &q)
                 });
                 for (a, b) in simd.iter().zip(&reference) {
                     assert!((a - b).abs() < 1e-5, "{what}: simd {a} vs scalar {b}");
                 }
                 // F16 storage agrees with F32 to half precision.
-                let h_simd = crate::isa::trace::assert_ran(isa.float(), &what, || {
+                let h_simd = crate::isa::trace::assert_ran(simd::path(isa, hd), &what, || {
                     run(isa, &shape, KvSlice::F16(&kh), KvSlice::F16(&vh), &table, n, &q)
                 });
                 for ((a, b), r) in h_simd.iter().zip(&h_scalar).zip(&reference) {

@@ -7,9 +7,17 @@
 //! are at most 15 in Q4 and 127 in magnitude in Q8), so both give the same
 //! bits. The kernels are written once, generic over `VNNI`, and inlined
 //! into one entry point per instruction set.
-//! Up to four activation rows share one unpacked weight block, which is
-//! where prefill gets its reuse; every output still sees the identical
-//! instruction sequence (see the module doc of `matmul`).
+//!
+//! Q4 weights go eight rows at a time with one row per 32-bit lane (a
+//! *panel*, unpacked once from the file's layout by a transpose of the
+//! rows' nibbles), and each activation block is broadcast four bytes at a
+//! time, so a block's eight integer dot products come out in one register
+//! with no horizontal sums, and every activation row of the batch reuses the
+//! unpacked panel; this is where prefill gets its reuse. Q8_0 (the output
+//! head) shares one unpacked weight group between up to four activation rows
+//! and reduces each row's eight block sums with one `vphaddd` tree. Every
+//! output sees the identical instruction sequence whatever the batch (see
+//! the module doc of `matmul`).
 #![allow(unsafe_code)]
 
 use std::ops::Range;
@@ -123,11 +131,6 @@ pub(crate) fn hsum(v: __m256) -> f32 {
     }
 }
 
-/// Activation rows per cache tile: 32 rows of quantized activations
-/// (~18 KiB for 576 columns) stay in L1 while a chunk of weight rows
-/// streams past them.
-const X_TILE: usize = 32;
-
 /// # Safety
 /// The CPU has avx2, fma and f16c, and concurrent callers pass disjoint `rows`.
 #[cfg(target_arch = "x86_64")]
@@ -146,7 +149,37 @@ unsafe fn q4_rows_vnni<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Ran
     unsafe { q4_rows_with::<Q41, true>(w, acts, rows, out) }
 }
 
+/// Weight rows one Q4 panel holds: one per i32 lane.
+const PANEL: usize = 8;
+
+/// Panels whose rows are asked for ahead of the one being computed.
+const PANEL_AHEAD: usize = 2;
+
+/// Eight weight rows' blocks, unpacked so that lanes are rows: `w[k]` holds
+/// elements `4k..4k + 4` of the block of each of the panel's rows (lane l,
+/// four u8), the order in which a block's activations are broadcast four at
+/// a time; `d` and `m` are the rows' block scales (`m` is `-8 d` in Q4_0).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct PanelBlock {
+    w: [__m256i; 8],
+    d: __m256,
+    m: __m256,
+}
+
 /// The body of [`q4_rows`] and [`q4_rows_vnni`], inlined into each.
+///
+/// Rows are taken eight at a time (a panel; a last panel of fewer rows
+/// repeats its last row in the spare lanes, which are not stored). A panel's
+/// blocks are unpacked once into [`PanelBlock`]s (a transpose of the rows'
+/// nibbles, so a lane holds one row), then every activation row of the batch
+/// runs against them: per block and four-element group, one broadcast of
+/// four activation bytes and one `vpmaddubsw` + `vpmaddwd` (or `vpdpbusd`)
+/// give the eight rows' exact partial dot products at once, with no
+/// horizontal sums and one weight unpack per panel instead of one per
+/// activation row. The rounding is ggml's (see [`panel_dots`]); an output is
+/// one lane, the same instruction sequence whatever the batch and whichever
+/// rows share its panel.
 ///
 /// # Safety
 /// Only called from those two, whose target features it runs with.
@@ -160,153 +193,173 @@ unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
 ) {
     #[cfg(test)]
     crate::isa::trace::hit(if VNNI { crate::Isa::AvxVnni } else { crate::Isa::Avx2 });
+    let nb = acts.blocks_per_row();
     let m = acts.rows;
-    let mut t0 = 0;
-    while t0 < m {
-        let t1 = (t0 + X_TILE).min(m);
-        for r in rows.clone() {
-            super::prefetch_ahead(w, r, &rows);
-            let wrow = w.row(r);
-            let mut i = t0;
-            while i + 4 <= t1 {
-                // SAFETY: same target features as this function.
-                let v = unsafe { q4_kernel::<4, Q41, VNNI>(wrow, acts, i) };
-                for (j, v) in v.into_iter().enumerate() {
-                    // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
-                    unsafe { out.set((i + j) * w.rows + r, v) };
-                }
-                i += 4;
-            }
-            while i < t1 {
-                // SAFETY: as above.
-                let v = unsafe { q4_kernel::<1, Q41, VNNI>(wrow, acts, i) };
-                // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
-                unsafe { out.set(i * w.rows + r, v[0]) };
-                i += 1;
+    assert!(w.cols == nb * 32, "weight columns differ from the activation row");
+    assert!(m * nb * 32 <= acts.qs.len() && m * nb <= acts.d.len() && m * nb <= acts.s.len(), "activations short");
+    let zero = PanelBlock { w: [_mm256_setzero_si256(); 8], d: _mm256_setzero_ps(), m: _mm256_setzero_ps() };
+    let mut panel = vec![zero; nb];
+    let mut r0 = rows.start;
+    while r0 < rows.end {
+        let live = (rows.end - r0).min(PANEL);
+        // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this function.
+        unsafe { unpack_panel::<Q41>(w, r0, live, &mut panel) };
+        // The panel PANEL_AHEAD ahead (all of them up to it before the first).
+        let first = if r0 == rows.start { r0 + PANEL } else { r0 + PANEL_AHEAD * PANEL };
+        for r in first..(r0 + (PANEL_AHEAD + 1) * PANEL).min(rows.end) {
+            super::prefetch_row(w, r);
+        }
+        let mut lanes = [0f32; PANEL];
+        for i in 0..m {
+            // SAFETY: activation row i < m, within the lengths asserted above; `lanes` holds
+            // eight f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), panel_dots::<VNNI>(&panel, acts, i)) };
+            for (l, x) in lanes.iter().take(live).enumerate() {
+                // SAFETY: rows r0..r0 + live are this caller's alone (the contract: disjoint rows).
+                unsafe { out.set(i * w.rows + r0 + l, *x) };
             }
         }
-        t0 = t1;
+        r0 += PANEL;
     }
 }
 
-/// `R` activation rows starting at `x0` against one Q4_0/Q4_1 weight row.
+/// Unpacks rows `r0..r0 + live` of `w` (`live` <= 8; spare lanes repeat the
+/// last row) into `panel`, one [`PanelBlock`] per block.
 ///
 /// # Safety
-/// Inlined only into functions with avx2, fma and f16c (and avxvnni when `VNNI`).
+/// Rows `r0..r0 + live` exist in `w`, `live` >= 1, `panel` has a block per
+/// block of a row; avx2, fma and f16c.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn q4_kernel<const R: usize, const Q41: bool, const VNNI: bool>(
-    wrow: &[u8],
-    acts: &QActs,
-    x0: usize,
-) -> [f32; R] {
-    let nb = acts.blocks_per_row();
+unsafe fn unpack_panel<const Q41: bool>(w: &QMatrix<'_>, r0: usize, live: usize, panel: &mut [PanelBlock]) {
     let bb = if Q41 { 20 } else { 18 };
     let qoff = if Q41 { 4 } else { 2 };
-    // Every pointer below stays inside these bounds; checking once here
-    // keeps bounds checks out of the inner loop (they were 30% of its instructions).
-    assert!(wrow.len() >= nb * bb, "weight row shorter than the activation row");
-    assert!((x0 + R) * nb <= acts.d.len() && (x0 + R) * nb <= acts.s.len(), "activation rows out of range");
-    assert!((x0 + R) * nb * 32 <= acts.qs.len(), "activation rows out of range");
-    let mask = _mm_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); R];
-    // The offset terms are summed block by block in order (a product, then a sum), the
-    // order the kernels have always used: greedy output is checked against llama.cpp's,
-    // and a changed rounding here flipped a token (summing them in lanes and reducing at
-    // the end, as the AVX-512 kernel does, flips one of the fixture's tokens). With four
-    // activation rows, lane j of `accm4` is row j's sum, and one 4-lane add per block
-    // does the four rows' scalar adds in the same order, so the bits are the same.
-    let mut accm = [0f32; R];
-    let mut accm4 = _mm_setzero_ps();
-    let wp = wrow.as_ptr();
-    // SAFETY (all `add`s and loads below): block g + b < nb of row x0 + j < x0 + R,
-    // within the lengths asserted above; masked-off lanes are not read.
-    let (xq0, d0, s0) =
-        unsafe { (acts.qs.as_ptr().add(x0 * nb * 32), acts.d.as_ptr().add(x0 * nb), acts.s.as_ptr().add(x0 * nb)) };
-    let mut g = 0;
-    while g < nb {
-        let n = (nb - g).min(GROUP);
-        let live = live_lanes(n);
-        let gp = unsafe { wp.add(g * bb) };
-        let (dw, mw) = unsafe { block_scales(gp, bb, live) };
-        let mw = if Q41 { mw } else { _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)) };
-        let mut scales = [_mm256_setzero_ps(); R];
-        let mut offs = [_mm256_setzero_ps(); R];
-        for j in 0..R {
-            let idx = j * nb + g;
-            let (dx, sx) = unsafe { (_mm256_maskload_ps(d0.add(idx), live), _mm256_maskload_ps(s0.add(idx), live)) };
-            scales[j] = _mm256_mul_ps(dw, dx);
-            offs[j] = _mm256_mul_ps(mw, sx);
-        }
-        if let Ok(four) = <&[__m256; 4]>::try_from(offs.as_slice()) {
-            // Block b's four rows' terms in one 4-lane vector, added in block order.
-            for v in &transpose_4x8(four)[..n] {
-                accm4 = _mm_add_ps(accm4, *v);
+    let row: [*const u8; PANEL] = std::array::from_fn(|l| w.row(r0 + l.min(live - 1)).as_ptr());
+    let rb = w.ty.row_bytes(w.cols);
+    assert!(panel.len() * bb <= rb, "panel longer than a row");
+    // Byte offsets of the lanes' rows from the first (for the scale gather).
+    let base = row[0];
+    let offs = _mm256_setr_epi32(
+        0,
+        (row[1] as usize - base as usize) as i32,
+        (row[2] as usize - base as usize) as i32,
+        (row[3] as usize - base as usize) as i32,
+        (row[4] as usize - base as usize) as i32,
+        (row[5] as usize - base as usize) as i32,
+        (row[6] as usize - base as usize) as i32,
+        (row[7] as usize - base as usize) as i32,
+    );
+    let nib = _mm256_set1_epi8(0x0F);
+    let split = _mm256_setr_epi8(
+        0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+    );
+    for (b, pb) in panel.iter_mut().enumerate() {
+        // SAFETY (loads and the gather): block b of each lane's row lies within the row
+        // (`panel.len() * bb <= rb`, asserted above).
+        unsafe {
+            macro_rules! q {
+                ($l:expr) => {
+                    _mm_loadu_si128(row[$l].add(b * bb + qoff) as *const __m128i)
+                };
             }
-        } else {
-            for j in 0..R {
-                let mut o = [0f32; GROUP];
-                // SAFETY: `o` holds eight f32.
-                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), offs[j]) };
-                for o in &o[..n] {
-                    accm[j] += o;
-                }
+            // Rows l and l + 4 in one register; then a 4x4 transpose of dwords in each half.
+            let t0 = _mm256_set_m128i(q!(4), q!(0));
+            let t1 = _mm256_set_m128i(q!(5), q!(1));
+            let t2 = _mm256_set_m128i(q!(6), q!(2));
+            let t3 = _mm256_set_m128i(q!(7), q!(3));
+            let a = _mm256_unpacklo_epi32(t0, t1);
+            let c = _mm256_unpackhi_epi32(t0, t1);
+            let e = _mm256_unpacklo_epi32(t2, t3);
+            let f = _mm256_unpackhi_epi32(t2, t3);
+            // Dword k of every row: bytes 4k..4k + 4, whose low nibbles are elements
+            // 4k..4k + 4 and high nibbles 16 + 4k..16 + 4k + 4.
+            let dw = [
+                _mm256_unpacklo_epi64(a, e),
+                _mm256_unpackhi_epi64(a, e),
+                _mm256_unpacklo_epi64(c, f),
+                _mm256_unpackhi_epi64(c, f),
+            ];
+            for (k, d) in dw.into_iter().enumerate() {
+                pb.w[k] = _mm256_and_si256(d, nib);
+                pb.w[4 + k] = _mm256_and_si256(_mm256_srli_epi16::<4>(d), nib);
             }
+            // Each row's d (and m) from the block's first four bytes, as in `block_scales`.
+            let dm = _mm256_i32gather_epi32::<1>(base.add(b * bb) as *const i32, offs);
+            let s = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(dm, split));
+            pb.d = _mm256_cvtph_ps(_mm256_castsi256_si128(s));
+            pb.m = if Q41 {
+                _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(s))
+            } else {
+                _mm256_mul_ps(pb.d, _mm256_set1_ps(-8.0))
+            };
         }
-        for b in 0..n {
-            let qs = unsafe { _mm_loadu_si128(gp.add(b * bb + qoff) as *const __m128i) };
-            let lo = _mm_and_si128(qs, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-            let wq = _mm256_set_m128i(hi, lo);
-            let sel = _mm256_set1_epi32(b as i32);
-            for j in 0..R {
-                let xq = unsafe { _mm256_loadu_si256(xq0.add((j * nb + g + b) * 32) as *const __m256i) };
-                let p = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(wq, xq, ones));
-                acc[j] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(scales[j], sel), acc[j]);
-            }
-        }
-        g += GROUP;
     }
-    if let Ok(four) = <&mut [f32; 4]>::try_from(accm.as_mut_slice()) {
-        // SAFETY: `four` holds four f32.
-        unsafe { _mm_storeu_ps(four.as_mut_ptr(), accm4) };
-    }
-    let mut res = [0f32; R];
-    for j in 0..R {
-        res[j] = hsum(acc[j]) + accm[j];
-    }
-    res
 }
 
-/// Four rows of eight lanes (`rows[j]` lane b) as eight columns of four
-/// (`out[b]` lane j).
+/// The panel's eight rows against activation row `xr`: lane l is row l's dot
+/// product with it.
+///
+/// The rounding is ggml's `vec_dot_q4_1_q8_1` on AVX2 (and this crate's
+/// earlier kernels'), lane by lane: each of a block's eight four-element
+/// groups `k` has its own f32 accumulator, `a[k] += dot_k * (dw * dx)` with
+/// one FMA per block; the offset terms `mw * sx` are rounded and added one
+/// block at a time; at the end `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 +
+/// a7))`, then the offsets. So every level (AVX2, AVX-VNNI, AVX-512) returns
+/// the same bits, and greedy output keeps matching llama.cpp's, which a
+/// cheaper order (one i16 sum per block and one FMA) did not: it moved
+/// choices at top-2 gaps of 0.16-0.27 in the fixture.
+///
+/// # Safety
+/// Activation row `xr` exists in `acts` with `panel.len()` blocks; avx2, fma
+/// and f16c (and avxvnni when `VNNI`).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn transpose_4x8(rows: &[__m256; 4]) -> [__m128; 8] {
-    // SAFETY: inlined only into avx2-enabled kernels (all SSE/AVX shuffles).
+unsafe fn panel_dots<const VNNI: bool>(panel: &[PanelBlock], acts: &QActs, xr: usize) -> __m256 {
+    let nb = panel.len();
+    let ones = _mm256_set1_epi16(1);
+    let mut a = [_mm256_setzero_ps(); 8];
+    let mut offs = _mm256_setzero_ps();
+    for (b, pb) in panel.iter().enumerate() {
+        let idx = xr * nb + b;
+        // SAFETY: block b of activation row xr (the caller's contract).
+        unsafe {
+            let xp = acts.qs.as_ptr().add(idx * 32) as *const i32;
+            let scale = _mm256_mul_ps(pb.d, _mm256_set1_ps(*acts.d.get_unchecked(idx)));
+            for (k, a) in a.iter_mut().enumerate() {
+                let x = _mm256_set1_epi32(xp.add(k).read_unaligned());
+                let dot = dot_u8_i8::<VNNI>(pb.w[k], x, ones);
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *a);
+            }
+            offs = _mm256_add_ps(offs, _mm256_mul_ps(pb.m, _mm256_set1_ps(*acts.s.get_unchecked(idx))));
+        }
+    }
+    let s04 = _mm256_add_ps(a[0], a[4]);
+    let s26 = _mm256_add_ps(a[2], a[6]);
+    let s15 = _mm256_add_ps(a[1], a[5]);
+    let s37 = _mm256_add_ps(a[3], a[7]);
+    _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(s04, s26), _mm256_add_ps(s15, s37)), offs)
+}
+
+/// Lane b of the result: the sum of the eight i32 lanes of `p[b]` (exact: a
+/// block's dot product is at most 32 x 15 x 127 in magnitude for Q4 and
+/// 32 x 128 x 127 for Q8).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn block_sums(p: &[__m256i; GROUP]) -> __m256i {
+    // SAFETY: inlined only into avx2-enabled kernels.
     unsafe {
-        let (r0, r1, r2, r3) = (rows[0], rows[1], rows[2], rows[3]);
-        // [r0b0 r1b0 r0b1 r1b1 | r0b4 r1b4 r0b5 r1b5] and the like.
-        let t0 = _mm256_unpacklo_ps(r0, r1);
-        let t1 = _mm256_unpackhi_ps(r0, r1);
-        let t2 = _mm256_unpacklo_ps(r2, r3);
-        let t3 = _mm256_unpackhi_ps(r2, r3);
-        // [b0 | b4], [b1 | b5], [b2 | b6], [b3 | b7], each four rows.
-        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-        [
-            _mm256_castps256_ps128(u0),
-            _mm256_castps256_ps128(u1),
-            _mm256_castps256_ps128(u2),
-            _mm256_castps256_ps128(u3),
-            _mm256_extractf128_ps::<1>(u0),
-            _mm256_extractf128_ps::<1>(u1),
-            _mm256_extractf128_ps::<1>(u2),
-            _mm256_extractf128_ps::<1>(u3),
-        ]
+        // [p0 01, p0 23, p1 01, p1 23 | p0 45, p0 67, p1 45, p1 67], lanes summed in pairs.
+        let h01 = _mm256_hadd_epi32(p[0], p[1]);
+        let h23 = _mm256_hadd_epi32(p[2], p[3]);
+        let h45 = _mm256_hadd_epi32(p[4], p[5]);
+        let h67 = _mm256_hadd_epi32(p[6], p[7]);
+        // [p0 0..4, p1 0..4, p2 0..4, p3 0..4 | the same of lanes 4..8].
+        let h0123 = _mm256_hadd_epi32(h01, h23);
+        let h4567 = _mm256_hadd_epi32(h45, h67);
+        // Lanes 0..4 of blocks 0..8, then lanes 4..8 of them.
+        let lo = _mm256_permute2x128_si256::<0x20>(h0123, h4567);
+        let hi = _mm256_permute2x128_si256::<0x31>(h0123, h4567);
+        _mm256_add_epi32(lo, hi)
     }
 }
 
@@ -434,21 +487,30 @@ unsafe fn q8_kernel<const R: usize, const VNNI: bool>(wrow: &[u8], acts: &QActs,
         let live = live_lanes(n);
         let gp = unsafe { wp.add(g * 34) };
         let (dw, _) = unsafe { block_scales(gp, 34, live) };
-        let mut scales = [_mm256_setzero_ps(); R];
-        for (j, s) in scales.iter_mut().enumerate() {
-            *s = _mm256_mul_ps(dw, unsafe { _mm256_maskload_ps(d0.add(j * nb + g), live) });
-        }
+        // The group's weights once for all rows: |w| as u8 (maddubs needs an unsigned
+        // operand) and w itself, whose sign moves onto x. Blocks past `n` stay zero.
+        let mut wq = [_mm256_setzero_si256(); GROUP];
+        let mut aw = [_mm256_setzero_si256(); GROUP];
         for b in 0..n {
-            let wq = unsafe { _mm256_loadu_si256(gp.add(b * 34 + 2) as *const __m256i) };
-            // |w| as u8 and x with w's sign: maddubs needs an unsigned operand.
-            let aw = _mm256_sign_epi8(wq, wq);
-            let sel = _mm256_set1_epi32(b as i32);
-            for (j, acc_j) in acc.iter_mut().enumerate() {
-                let xq = unsafe { _mm256_loadu_si256(xq0.add((j * nb + g + b) * 32) as *const __m256i) };
-                let sx = _mm256_sign_epi8(xq, wq);
-                let p = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(aw, sx, ones));
-                *acc_j = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(scales[j], sel), *acc_j);
+            wq[b] = unsafe { _mm256_loadu_si256(gp.add(b * 34 + 2) as *const __m256i) };
+            aw[b] = _mm256_sign_epi8(wq[b], wq[b]);
+        }
+        for (j, acc_j) in acc.iter_mut().enumerate() {
+            let dx = unsafe { _mm256_maskload_ps(d0.add(j * nb + g), live) };
+            let xj = unsafe { xq0.add((j * nb + g) * 32) };
+            let mut p = [_mm256_setzero_si256(); GROUP];
+            if n == GROUP {
+                for (b, p) in p.iter_mut().enumerate() {
+                    let xq = unsafe { _mm256_loadu_si256(xj.add(b * 32) as *const __m256i) };
+                    *p = dot_u8_i8::<VNNI>(aw[b], _mm256_sign_epi8(xq, wq[b]), ones);
+                }
+            } else {
+                for (b, p) in p.iter_mut().enumerate().take(n) {
+                    let xq = unsafe { _mm256_loadu_si256(xj.add(b * 32) as *const __m256i) };
+                    *p = dot_u8_i8::<VNNI>(aw[b], _mm256_sign_epi8(xq, wq[b]), ones);
+                }
             }
+            *acc_j = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(&p)), _mm256_mul_ps(dw, dx), *acc_j);
         }
         g += GROUP;
     }

@@ -6,11 +6,12 @@
 //! activations signed, which is the operand order `vpdpbusd` wants; Q8_0
 //! weights are signed, so they go in as |w| with w's sign moved onto x.
 //!
-//! As in the AVX2 kernels, up to four activation rows share one unpacked
-//! pair of weight blocks, and each output sees the same instruction
-//! sequence whatever the batch (see the module doc of `matmul`). A row with
-//! an odd number of blocks ends with a half-register step whose upper half
-//! is zero.
+//! Q4 weights go sixteen rows at a time, one row per 32-bit lane, as in the
+//! AVX2 kernels' panels; Q8_0 (the output head) shares one unpacked pair of
+//! weight blocks between up to four activation rows. Each output sees the
+//! same instruction sequence whatever the batch (see the module doc of
+//! `matmul`). A Q8_0 row with an odd number of blocks ends with a
+//! half-register step whose upper half is zero.
 #![allow(unsafe_code)]
 
 use std::ops::Range;
@@ -104,9 +105,30 @@ pub(crate) fn hsum512(v: __m512) -> f32 {
     }
 }
 
-/// Activation rows per cache tile, as in the AVX2 kernels.
-const X_TILE: usize = 32;
+/// Weight rows one Q4 panel holds: one per i32 lane.
+const PANEL: usize = 16;
 
+/// Panels whose rows are asked for ahead of the one being computed.
+const PANEL_AHEAD: usize = 2;
+
+/// Sixteen weight rows' blocks with lanes as rows, as the AVX2 kernel's
+/// `PanelBlock` with twice the rows: `w[k]` holds elements `4k..4k + 4` of
+/// each row's block, `d` and `m` the rows' scales (`m` is `-8 d` in Q4_0).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct PanelBlock {
+    w: [__m512i; 8],
+    d: __m512,
+    m: __m512,
+}
+
+/// Rows go sixteen at a time, one per lane, as in the AVX2 kernel (see its
+/// `q4_rows_with`): a panel's blocks are unpacked once, then each activation
+/// row runs against them with eight broadcasts and eight `vpdpbusd` per
+/// block, which give the sixteen rows' exact block dot products, and one FMA
+/// per block for the scales. An output is one lane summed over blocks in
+/// order, whatever the batch and whichever rows share its panel.
+///
 /// # Safety
 /// The CPU has `Isa::Avx512`'s flags, and concurrent callers pass disjoint `rows`.
 #[cfg(target_arch = "x86_64")]
@@ -114,123 +136,133 @@ const X_TILE: usize = 32;
 unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
     #[cfg(test)]
     crate::isa::trace::hit(crate::Isa::Avx512);
+    let nb = acts.blocks_per_row();
     let m = acts.rows;
-    let mut t0 = 0;
-    while t0 < m {
-        let t1 = (t0 + X_TILE).min(m);
-        for r in rows.clone() {
-            super::prefetch_ahead(w, r, &rows);
-            let wrow = w.row(r);
-            let mut i = t0;
-            while i + 4 <= t1 {
-                // SAFETY: same target features as this function.
-                let v = unsafe { q4_kernel::<4, Q41>(wrow, acts, i) };
-                for (j, v) in v.into_iter().enumerate() {
-                    // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
-                    unsafe { out.set((i + j) * w.rows + r, v) };
-                }
-                i += 4;
-            }
-            while i < t1 {
-                // SAFETY: as above.
-                let v = unsafe { q4_kernel::<1, Q41>(wrow, acts, i) };
-                // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
-                unsafe { out.set(i * w.rows + r, v[0]) };
-                i += 1;
+    assert!(w.cols == nb * 32, "weight columns differ from the activation row");
+    assert!(m * nb * 32 <= acts.qs.len() && m * nb <= acts.d.len() && m * nb <= acts.s.len(), "activations short");
+    let zero = PanelBlock { w: [_mm512_setzero_si512(); 8], d: _mm512_setzero_ps(), m: _mm512_setzero_ps() };
+    let mut panel = vec![zero; nb];
+    let mut r0 = rows.start;
+    while r0 < rows.end {
+        let live = (rows.end - r0).min(PANEL);
+        // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this function.
+        unsafe { unpack_panel::<Q41>(w, r0, live, &mut panel) };
+        // The panel PANEL_AHEAD ahead (all of them up to it before the first).
+        let first = if r0 == rows.start { r0 + PANEL } else { r0 + PANEL_AHEAD * PANEL };
+        for r in first..(r0 + (PANEL_AHEAD + 1) * PANEL).min(rows.end) {
+            super::prefetch_row(w, r);
+        }
+        let mut lanes = [0f32; PANEL];
+        for i in 0..m {
+            // SAFETY: activation row i < m, within the lengths asserted above; `lanes` holds
+            // sixteen f32.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), panel_dots(&panel, acts, i)) };
+            for (l, x) in lanes.iter().take(live).enumerate() {
+                // SAFETY: rows r0..r0 + live are this caller's alone (the contract: disjoint rows).
+                unsafe { out.set(i * w.rows + r0 + l, *x) };
             }
         }
-        t0 = t1;
+        r0 += PANEL;
     }
 }
 
-/// Blocks whose scales are fetched and multiplied together, one per lane.
-const GROUP: usize = 16;
-
-/// `R` activation rows starting at `x0` against one Q4_0/Q4_1 weight row.
+/// Unpacks rows `r0..r0 + live` of `w` (`live` <= 16; spare lanes repeat the
+/// last row) into `panel`, one [`PanelBlock`] per block.
 ///
-/// Per group of up to 16 blocks, one gather fetches every block's `d` and `m`
-/// (the first four bytes of each block), so block scales cost a lane each
-/// instead of scalar f16 conversions per block; each pair of blocks then
-/// picks its two scales out of that register with one permute.
+/// # Safety
+/// Rows `r0..r0 + live` exist in `w`, `live` >= 1; `Isa::Avx512`'s flags.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn q4_kernel<const R: usize, const Q41: bool>(wrow: &[u8], acts: &QActs, x0: usize) -> [f32; R] {
-    let nb = acts.blocks_per_row();
-    let bb: usize = if Q41 { 20 } else { 18 };
+unsafe fn unpack_panel<const Q41: bool>(w: &QMatrix<'_>, r0: usize, live: usize, panel: &mut [PanelBlock]) {
+    let bb = if Q41 { 20 } else { 18 };
     let qoff = if Q41 { 4 } else { 2 };
-    // Every pointer below stays inside these bounds; checking once here keeps
-    // bounds checks out of the inner loop.
-    assert!(wrow.len() >= nb * bb, "weight row shorter than the activation row");
-    assert!((x0 + R) * nb <= acts.d.len() && (x0 + R) * nb <= acts.s.len(), "activation rows out of range");
-    assert!((x0 + R) * nb * 32 <= acts.qs.len(), "activation rows out of range");
+    let row: [*const u8; PANEL] = std::array::from_fn(|l| w.row(r0 + l.min(live - 1)).as_ptr());
+    assert!(panel.len() * bb <= w.ty.row_bytes(w.cols), "panel longer than a row");
+    let base = row[0];
+    let mut off = [0i32; PANEL];
+    for (o, r) in off.iter_mut().zip(&row) {
+        *o = (*r as usize - base as usize) as i32;
+    }
+    // SAFETY: `off` holds sixteen i32.
+    let offs = unsafe { _mm512_loadu_si512(off.as_ptr().cast()) };
     let nib = _mm512_set1_epi8(0x0F);
-    let offsets = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(bb as i32),
-    );
-    // Lanes 0..8 take block b's scale, 8..16 block b + 1's.
-    let pair_sel = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut accm = [_mm512_setzero_ps(); R];
-    let wp = wrow.as_ptr();
-    // SAFETY (all `add`s, loads and gathers below): blocks g + i < nb of rows x0 + j < x0 + R,
-    // within the lengths asserted above; masked-off lanes are not read.
-    let (xq0, d0, s0) =
-        unsafe { (acts.qs.as_ptr().add(x0 * nb * 32), acts.d.as_ptr().add(x0 * nb), acts.s.as_ptr().add(x0 * nb)) };
-    let mut g = 0;
-    while g < nb {
-        let n = (nb - g).min(GROUP);
-        let k: __mmask16 = if n == GROUP { !0 } else { (1u16 << n) - 1 };
-        let gp = unsafe { wp.add(g * bb) };
-        let dm = unsafe { _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, offsets, gp as *const i32) };
-        let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
-        let mw = if Q41 {
-            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dm)))
-        } else {
-            _mm512_mul_ps(dw, _mm512_set1_ps(-8.0))
-        };
-        let mut scales = [_mm512_setzero_ps(); R];
-        for j in 0..R {
-            let idx = j * nb + g;
-            let (dx, sx) = unsafe { (_mm512_maskz_loadu_ps(k, d0.add(idx)), _mm512_maskz_loadu_ps(k, s0.add(idx))) };
-            scales[j] = _mm512_mul_ps(dw, dx);
-            accm[j] = _mm512_fmadd_ps(mw, sx, accm[j]);
-        }
-        let mut b = 0;
-        while b < n {
-            // Groups are even-sized, so a lone block only ends a row with an odd count.
-            let pair = b + 1 < n;
-            let blk = unsafe { gp.add(b * bb) };
-            // [q0 | q1] (q1 zero for a lone block), then [q0, q0>>4, q1, q1>>4] & 0x0F:
-            // low nibbles are elements 0..16 of a block, high nibbles 16..32.
-            let q0 = unsafe { _mm_loadu_si128(blk.add(qoff) as *const __m128i) };
-            let q1 = if pair {
-                unsafe { _mm_loadu_si128(blk.add(bb + qoff) as *const __m128i) }
-            } else {
-                _mm_setzero_si128()
-            };
-            let q = _mm256_set_m128i(q1, q0);
-            let qq = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q), _mm256_srli_epi16::<4>(q));
-            let wq = _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(qq, qq), nib);
-            let sel = _mm512_add_epi32(pair_sel, _mm512_set1_epi32(b as i32));
-            // Two blocks' activations are contiguous; a lone block loads only its 32 bytes.
-            let xmask: __mmask64 = if pair { !0 } else { 0xFFFF_FFFF };
-            for j in 0..R {
-                let xq = unsafe { _mm512_maskz_loadu_epi8(xmask, xq0.add((j * nb + g + b) * 32)) };
-                let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq));
-                // A lone block's upper lanes are zero products times a masked-off (zero) scale.
-                acc[j] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(sel, scales[j]), acc[j]);
+    for (b, pb) in panel.iter_mut().enumerate() {
+        // SAFETY (loads and the gather): block b of each lane's row lies within the row.
+        unsafe {
+            macro_rules! q {
+                ($l:expr) => {
+                    _mm_loadu_si128(row[$l].add(b * bb + qoff) as *const __m128i)
+                };
             }
-            b += 2;
+            // Register i holds rows i, 4 + i, 8 + i and 12 + i; then a 4x4 transpose of
+            // dwords in each 128-bit quarter puts row 4q + i in lane 4q + i.
+            macro_rules! four {
+                ($i:expr) => {{
+                    let lo = _mm256_set_m128i(q!(4 + $i), q!($i));
+                    let hi = _mm256_set_m128i(q!(12 + $i), q!(8 + $i));
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                }};
+            }
+            let (t0, t1, t2, t3) = (four!(0), four!(1), four!(2), four!(3));
+            let a = _mm512_unpacklo_epi32(t0, t1);
+            let c = _mm512_unpackhi_epi32(t0, t1);
+            let e = _mm512_unpacklo_epi32(t2, t3);
+            let f = _mm512_unpackhi_epi32(t2, t3);
+            let dw = [
+                _mm512_unpacklo_epi64(a, e),
+                _mm512_unpackhi_epi64(a, e),
+                _mm512_unpacklo_epi64(c, f),
+                _mm512_unpackhi_epi64(c, f),
+            ];
+            for (k, d) in dw.into_iter().enumerate() {
+                pb.w[k] = _mm512_and_si512(d, nib);
+                pb.w[4 + k] = _mm512_and_si512(_mm512_srli_epi16::<4>(d), nib);
+            }
+            let dm = _mm512_i32gather_epi32::<1>(offs, base.add(b * bb) as *const i32);
+            pb.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+            pb.m = if Q41 {
+                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dm)))
+            } else {
+                _mm512_mul_ps(pb.d, _mm512_set1_ps(-8.0))
+            };
         }
-        g += GROUP;
     }
-    let mut res = [0f32; R];
-    for j in 0..R {
-        res[j] = hsum512(acc[j]) + hsum512(accm[j]);
+}
+
+/// The panel's sixteen rows against activation row `xr`: lane l is row l's
+/// dot product with it, rounded exactly as the AVX2 kernel's `panel_dots`
+/// (ggml's order), so both levels return the same bits.
+///
+/// # Safety
+/// Activation row `xr` exists in `acts` with `panel.len()` blocks;
+/// `Isa::Avx512`'s flags.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn panel_dots(panel: &[PanelBlock], acts: &QActs, xr: usize) -> __m512 {
+    let nb = panel.len();
+    let mut a = [_mm512_setzero_ps(); 8];
+    let mut offs = _mm512_setzero_ps();
+    for (b, pb) in panel.iter().enumerate() {
+        let idx = xr * nb + b;
+        // SAFETY: block b of activation row xr (the caller's contract).
+        unsafe {
+            let xp = acts.qs.as_ptr().add(idx * 32) as *const i32;
+            let scale = _mm512_mul_ps(pb.d, _mm512_set1_ps(*acts.d.get_unchecked(idx)));
+            for (k, a) in a.iter_mut().enumerate() {
+                let x = _mm512_set1_epi32(xp.add(k).read_unaligned());
+                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pb.w[k], x);
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
+            }
+            offs = _mm512_add_ps(offs, _mm512_mul_ps(pb.m, _mm512_set1_ps(*acts.s.get_unchecked(idx))));
+        }
     }
-    res
+    let s04 = _mm512_add_ps(a[0], a[4]);
+    let s26 = _mm512_add_ps(a[2], a[6]);
+    let s15 = _mm512_add_ps(a[1], a[5]);
+    let s37 = _mm512_add_ps(a[3], a[7]);
+    _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(s04, s26), _mm512_add_ps(s15, s37)), offs)
 }
 
 /// # Safety
@@ -264,8 +296,13 @@ unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &Share
     }
 }
 
-/// `R` activation rows starting at `x0` against one Q8_0 weight row; scales
-/// as in [`q4_kernel`].
+/// Blocks whose scales are fetched and multiplied together, one per lane.
+const GROUP: usize = 16;
+
+/// `R` activation rows starting at `x0` against one Q8_0 weight row. Per
+/// group of up to 16 blocks, one gather fetches every block's `d` (the first
+/// bytes of each block), and each pair of blocks picks its two scales out of
+/// that register with one permute.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]

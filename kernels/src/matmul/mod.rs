@@ -122,6 +122,19 @@ pub(crate) fn prefetch_ahead(w: &QMatrix<'_>, r: usize, rows: &std::ops::Range<u
     }
 }
 
+/// Asks for row `r` of `w` to be brought into L1, one request per cache line
+/// (a hint, as [`prefetch_ahead`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_row(w: &QMatrix<'_>, r: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    for line in w.row(r).chunks(64) {
+        // SAFETY: a prefetch of an address inside the row (SSE, which every x86_64 has);
+        // it reads nothing architecturally and cannot fault.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast::<i8>()) };
+    }
+}
+
 /// Reusable buffers for [`matmul`].
 #[derive(Debug, Default)]
 pub struct MatmulScratch {
@@ -236,8 +249,6 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::hsum as hsum_avx;
-#[cfg(target_arch = "x86_64")]
-pub(crate) use avx512::hsum512 as hsum_avx512;
 
 #[cfg(test)]
 pub(crate) mod tests;

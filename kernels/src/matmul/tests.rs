@@ -131,6 +131,32 @@ fn simd_matches_scalar_and_reference_for_every_type() {
     }
 }
 
+/// Q4 products round alike on every SIMD level (ggml's AVX2 order, lane by lane: see
+/// `avx2::panel_dots`), so a prompt prefilled on one host and decoded on another with
+/// a different instruction set sees the same numbers. 40 rows: five whole AVX2 panels,
+/// two AVX-512 panels and a part one; 9 rows: a part panel on both.
+#[test]
+fn q4_products_are_the_same_bits_on_every_simd_level() {
+    let mut rng = Rng::new(11);
+    for ty in [WeightType::Q4_0, WeightType::Q4_1] {
+        for (rows, cols, m) in [(40, 576, 5), (9, 1536, 3), (16, 96, 1)] {
+            let data = random_weights(&mut rng, ty, rows, cols);
+            let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+            let levels: Vec<Isa> = [Isa::Avx2, Isa::AvxVnni, Isa::Avx512]
+                .into_iter()
+                .filter(|i| crate::isa::trace::runnable("matmul", *i))
+                .collect();
+            let Some((first, rest)) = levels.split_first() else { continue };
+            let want = crate::isa::trace::assert_ran(*first, "q4 bits", || run(*first, 1, &w, &x, m));
+            for isa in rest {
+                let got = crate::isa::trace::assert_ran(*isa, "q4 bits", || run(*isa, 1, &w, &x, m));
+                assert_eq!(got, want, "{ty:?} {rows}x{cols} m={m}: {} differs from {}", isa.name(), first.name());
+            }
+        }
+    }
+}
+
 #[test]
 fn output_is_independent_of_batch_and_threads() {
     let mut rng = Rng::new(11);
