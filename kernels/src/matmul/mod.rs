@@ -96,12 +96,14 @@ impl<'a> QMatrix<'a> {
     }
 }
 
-/// Weight rows the SIMD kernels ask for ahead of the one they compute. A
-/// decode step reads each weight byte once; without the hint, over half of
-/// the AVX-512 Q4 kernel's samples sat on the first load of each row (the
-/// gather of its block scales), which the hardware prefetcher does not run
-/// ahead of. 2 rows gave decode 1.30x llama.cpp against 1.17x without, and
-/// 1.27x at 4 (`tandem bench engine --rounds 5`, AMD EPYC, AVX-512).
+/// Weight rows the row-at-a-time SIMD kernels (Q8_0) ask for ahead of the
+/// one they compute; the Q4 panel kernels ask for whole panels ahead
+/// ([`prefetch_row`]). A decode step reads each weight byte once; without
+/// the hint, over half of the AVX-512 Q4 row kernel's samples sat on the
+/// first load of each row (the gather of its block scales), which the
+/// hardware prefetcher does not run ahead of. 2 rows gave decode 1.30x
+/// llama.cpp against 1.17x without, and 1.27x at 4 (`tandem bench engine
+/// --rounds 5`, AMD EPYC, AVX-512).
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_ROWS: usize = 2;
 
