@@ -167,6 +167,12 @@ struct PanelBlock {
     m: __m256,
 }
 
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Each thread's unpacked panel, reused across calls.
+    static PANEL_BUF: std::cell::Cell<Vec<PanelBlock>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// The body of [`q4_rows`] and [`q4_rows_vnni`], inlined into each.
 ///
 /// Rows are taken eight at a time (a panel; a last panel of fewer rows
@@ -198,12 +204,18 @@ unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
     assert!(w.cols == nb * 32, "weight columns differ from the activation row");
     assert!(m * nb * 32 <= acts.qs.len() && m * nb <= acts.d.len() && m * nb <= acts.s.len(), "activations short");
     let zero = PanelBlock { w: [_mm256_setzero_si256(); 8], d: _mm256_setzero_ps(), m: _mm256_setzero_ps() };
-    let mut panel = vec![zero; nb];
+    // The panel buffer is kept per thread: a fresh one per call (up to 30 KiB, zeroed)
+    // cost a decode step hundreds of allocations and memsets.
+    let mut buf = PANEL_BUF.take();
+    if buf.len() < nb {
+        buf.resize(nb, zero);
+    }
+    let panel = &mut buf[..nb];
     let mut r0 = rows.start;
     while r0 < rows.end {
         let live = (rows.end - r0).min(PANEL);
         // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this function.
-        unsafe { unpack_panel::<Q41>(w, r0, live, &mut panel) };
+        unsafe { unpack_panel::<Q41>(w, r0, live, panel) };
         // The panel PANEL_AHEAD ahead (all of them up to it before the first).
         let first = if r0 == rows.start { r0 + PANEL } else { r0 + PANEL_AHEAD * PANEL };
         for r in first..(r0 + (PANEL_AHEAD + 1) * PANEL).min(rows.end) {
@@ -213,7 +225,7 @@ unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
         for i in 0..m {
             // SAFETY: activation row i < m, within the lengths asserted above; `lanes` holds
             // eight f32.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), panel_dots::<VNNI>(&panel, acts, i)) };
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), panel_dots::<VNNI>(panel, acts, i)) };
             for (l, x) in lanes.iter().take(live).enumerate() {
                 // SAFETY: rows r0..r0 + live are this caller's alone (the contract: disjoint rows).
                 unsafe { out.set(i * w.rows + r0 + l, *x) };
@@ -221,6 +233,7 @@ unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
         }
         r0 += PANEL;
     }
+    PANEL_BUF.set(buf);
 }
 
 /// Unpacks rows `r0..r0 + live` of `w` (`live` <= 8; spare lanes repeat the

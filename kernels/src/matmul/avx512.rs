@@ -122,6 +122,12 @@ struct PanelBlock {
     m: __m512,
 }
 
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Each thread's unpacked panel, reused across calls.
+    static PANEL_BUF: std::cell::Cell<Vec<PanelBlock>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// Rows go sixteen at a time, one per lane, as in the AVX2 kernel (see its
 /// `q4_rows_with`): a panel's blocks are unpacked once, then each activation
 /// row runs against them with eight broadcasts and eight `vpdpbusd` per
@@ -141,12 +147,18 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
     assert!(w.cols == nb * 32, "weight columns differ from the activation row");
     assert!(m * nb * 32 <= acts.qs.len() && m * nb <= acts.d.len() && m * nb <= acts.s.len(), "activations short");
     let zero = PanelBlock { w: [_mm512_setzero_si512(); 8], d: _mm512_setzero_ps(), m: _mm512_setzero_ps() };
-    let mut panel = vec![zero; nb];
+    // The panel buffer is kept per thread: a fresh one per call (up to 30 KiB, zeroed)
+    // cost a decode step hundreds of allocations and memsets.
+    let mut buf = PANEL_BUF.take();
+    if buf.len() < nb {
+        buf.resize(nb, zero);
+    }
+    let panel = &mut buf[..nb];
     let mut r0 = rows.start;
     while r0 < rows.end {
         let live = (rows.end - r0).min(PANEL);
         // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this function.
-        unsafe { unpack_panel::<Q41>(w, r0, live, &mut panel) };
+        unsafe { unpack_panel::<Q41>(w, r0, live, panel) };
         // The panel PANEL_AHEAD ahead (all of them up to it before the first).
         let first = if r0 == rows.start { r0 + PANEL } else { r0 + PANEL_AHEAD * PANEL };
         for r in first..(r0 + (PANEL_AHEAD + 1) * PANEL).min(rows.end) {
@@ -156,7 +168,7 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
         for i in 0..m {
             // SAFETY: activation row i < m, within the lengths asserted above; `lanes` holds
             // sixteen f32.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), panel_dots(&panel, acts, i)) };
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), panel_dots(panel, acts, i)) };
             for (l, x) in lanes.iter().take(live).enumerate() {
                 // SAFETY: rows r0..r0 + live are this caller's alone (the contract: disjoint rows).
                 unsafe { out.set(i * w.rows + r0 + l, *x) };
@@ -164,6 +176,7 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
         }
         r0 += PANEL;
     }
+    PANEL_BUF.set(buf);
 }
 
 /// Unpacks rows `r0..r0 + live` of `w` (`live` <= 16; spare lanes repeat the
