@@ -204,7 +204,8 @@ unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
     assert!(w.cols == nb * 32, "weight columns differ from the activation row");
     assert!(m * nb * 32 <= acts.qs.len() && m * nb <= acts.d.len() && m * nb <= acts.s.len(), "activations short");
     let zero = PanelBlock { w: [_mm256_setzero_si256(); 8], d: _mm256_setzero_ps(), m: _mm256_setzero_ps() };
-    // The panel buffer is kept per thread: a fresh one per call (up to 30 KiB, zeroed)
+    // The panel buffer is kept per thread: a fresh one per call (15 KiB on AVX2, 30 on
+    // AVX-512 for a 1,536-column matrix, zeroed)
     // cost a decode step hundreds of allocations and memsets.
     let mut buf = PANEL_BUF.take();
     if buf.len() < nb {
@@ -250,6 +251,8 @@ unsafe fn unpack_panel<const Q41: bool>(w: &QMatrix<'_>, r0: usize, live: usize,
     let row: [*const u8; PANEL] = std::array::from_fn(|l| w.row(r0 + l.min(live - 1)).as_ptr());
     let rb = w.ty.row_bytes(w.cols);
     assert!(panel.len() * bb <= rb, "panel longer than a row");
+    // The gather's lane offsets (rows apart from the first) must fit an i32.
+    assert!(rb * PANEL <= i32::MAX as usize, "rows too long for a panel");
     // Byte offsets of the lanes' rows from the first (for the scale gather).
     let base = row[0];
     let offs = _mm256_setr_epi32(

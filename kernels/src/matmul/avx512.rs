@@ -147,7 +147,8 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
     assert!(w.cols == nb * 32, "weight columns differ from the activation row");
     assert!(m * nb * 32 <= acts.qs.len() && m * nb <= acts.d.len() && m * nb <= acts.s.len(), "activations short");
     let zero = PanelBlock { w: [_mm512_setzero_si512(); 8], d: _mm512_setzero_ps(), m: _mm512_setzero_ps() };
-    // The panel buffer is kept per thread: a fresh one per call (up to 30 KiB, zeroed)
+    // The panel buffer is kept per thread: a fresh one per call (15 KiB on AVX2, 30 on
+    // AVX-512 for a 1,536-column matrix, zeroed)
     // cost a decode step hundreds of allocations and memsets.
     let mut buf = PANEL_BUF.take();
     if buf.len() < nb {
@@ -192,6 +193,8 @@ unsafe fn unpack_panel<const Q41: bool>(w: &QMatrix<'_>, r0: usize, live: usize,
     let qoff = if Q41 { 4 } else { 2 };
     let row: [*const u8; PANEL] = std::array::from_fn(|l| w.row(r0 + l.min(live - 1)).as_ptr());
     assert!(panel.len() * bb <= w.ty.row_bytes(w.cols), "panel longer than a row");
+    // The gather's lane offsets (rows apart from the first) must fit an i32.
+    assert!(w.ty.row_bytes(w.cols) * PANEL <= i32::MAX as usize, "rows too long for a panel");
     let base = row[0];
     let mut off = [0i32; PANEL];
     for (o, r) in off.iter_mut().zip(&row) {
