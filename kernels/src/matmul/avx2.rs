@@ -217,11 +217,7 @@ unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
         let live = (rows.end - r0).min(PANEL);
         // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this function.
         unsafe { unpack_panel::<Q41>(w, r0, live, panel) };
-        // The panel PANEL_AHEAD ahead (all of them up to it before the first).
-        let first = if r0 == rows.start { r0 + PANEL } else { r0 + PANEL_AHEAD * PANEL };
-        for r in first..(r0 + (PANEL_AHEAD + 1) * PANEL).min(rows.end) {
-            super::prefetch_row(w, r);
-        }
+        super::prefetch_panels_ahead(w, r0, &rows, PANEL, PANEL_AHEAD);
         let mut lanes = [0f32; PANEL];
         for i in 0..m {
             // SAFETY: activation row i < m, within the lengths asserted above; `lanes` holds

@@ -113,14 +113,27 @@ const PREFETCH_ROWS: usize = 2;
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_ahead(w: &QMatrix<'_>, r: usize, rows: &std::ops::Range<usize>) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
     let ahead = r + PREFETCH_ROWS;
     if ahead < rows.end {
-        for line in w.row(ahead).chunks(64) {
-            // SAFETY: a prefetch of an address inside the row (SSE, which every x86_64 has);
-            // it reads nothing architecturally and cannot fault.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast::<i8>()) };
-        }
+        prefetch_row(w, ahead);
+    }
+}
+
+/// For a panel kernel at the panel of `panel` rows starting at `r0` in `rows`: asks
+/// for the rows of the panel `panels_ahead` after it, and before the first panel for
+/// every panel up to that one, so the hint runs that far ahead from the start.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_panels_ahead(
+    w: &QMatrix<'_>,
+    r0: usize,
+    rows: &std::ops::Range<usize>,
+    panel: usize,
+    panels_ahead: usize,
+) {
+    let first = if r0 == rows.start { r0 + panel } else { r0 + panels_ahead * panel };
+    for r in first..(r0 + (panels_ahead + 1) * panel).min(rows.end) {
+        prefetch_row(w, r);
     }
 }
 
