@@ -499,7 +499,7 @@ pub async fn serve(
         .add_service(v1)
         .add_service(v1alpha)
         .add_service(frontend)
-        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), shutdown)
+        .serve_with_incoming_shutdown(registry::grpc::incoming(listener), shutdown)
         .await?;
     Ok(())
 }

@@ -11,8 +11,9 @@
 //!   etcd round trip, with its freshness ([`Membership::healthy`],
 //!   [`Membership::last_sync_age`]) so a coordinator can serve from it through an etcd blip
 //!   for a bounded time.
-//! - [`StopSignals`]: SIGTERM/SIGINT handling shared by every tandem process (here only
-//!   because this is the lowest crate they all depend on).
+//! - [`StopSignals`]: SIGTERM/SIGINT handling shared by every tandem process, and
+//!   [`grpc::incoming`], the accepted connections of every tandem gRPC server (`TCP_NODELAY`
+//!   on); here only because this is the lowest crate they all depend on.
 //!
 //! # What it must not do
 //! - Carry load: queue depth and KV headroom change per request and reach coordinators
@@ -51,6 +52,7 @@
 
 mod error;
 mod etcd;
+pub mod grpc;
 mod info;
 pub mod keys;
 pub mod membership;

@@ -101,7 +101,7 @@ pub fn spawn_grpc(
     listener: tokio::net::TcpListener,
 ) -> (tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, tokio_util::sync::CancellationToken) {
     let stop = tokio_util::sync::CancellationToken::new();
-    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let incoming = registry::grpc::incoming(listener);
     let task = tokio::spawn(router.serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned()));
     (task, stop)
 }
