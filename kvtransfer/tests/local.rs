@@ -519,6 +519,33 @@ async fn silent_peers_time_out_on_both_sides() {
     drop(listener);
 }
 
+/// See the TCP test of the same name: `check_open` fails once the server
+/// closed the pooled connection for idling.
+#[tokio::test]
+async fn check_open_sees_the_idle_close() {
+    let config = LocalServerConfig { idle_timeout: Duration::from_millis(200), ..LocalServerConfig::default() };
+    let d = DecodeSide::start(config).await;
+    let l = d.layout;
+    let (pool_a, table_a) = common::source(l, 2, 16);
+    let (r, _) = d.reserve(2, Duration::from_secs(30));
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 2, 1 << 16).await.expect("connect");
+    send_layers(&mut tx, &pool_a, &table_a, r, &[0, 1, 2, 3]).await;
+    within("Ack", tx.complete(r)).await.expect("complete");
+    tx.check_open().expect("open after a transfer");
+    d.wait_stats("the idle close counted", |s| s.closed_by("idle") == 1).await;
+    let e = within("check_open failing", async {
+        loop {
+            match tx.check_open() {
+                Err(e) => break e,
+                Ok(()) => tokio::task::yield_now().await,
+            }
+        }
+    })
+    .await;
+    assert!(matches!(e, TransferError::Io(_)), "{e:?}");
+    assert_eq!(e.kind(), kvtransfer::ErrorKind::Retryable);
+}
+
 #[tokio::test]
 async fn sender_learns_of_an_abort_and_stops() {
     let d = DecodeSide::start(LocalServerConfig::default()).await;

@@ -459,6 +459,34 @@ async fn a_peer_that_goes_silent_mid_transfer_ends_in_timeouts_on_both_sides() {
     assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Receiving));
 }
 
+/// See the TCP test of the same name: `check_open` fails once the server
+/// closed the pooled frame stream for idling.
+#[tokio::test]
+async fn check_open_sees_the_idle_close() {
+    let id = TlsIdentity::self_signed(&["tandem-kv"]).expect("self-signed");
+    let pin = PeerTrust::Pinned(id.fingerprint());
+    let config = QuicServerConfig { idle_timeout: Duration::from_millis(300), ..QuicServerConfig::new(id) };
+    let d = DecodeSide::start(config).await;
+    let l = d.layout;
+    let (pool_a, table_a) = common::source(l, 2, 32);
+    let (r, _) = d.reserve(2, Duration::from_secs(30));
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), sender_config(pin)).await.expect("connect");
+    send_layers(&mut tx, &pool_a, &table_a, r, &[0, 1, 2, 3]).await;
+    within("Ack", tx.complete(r)).await.expect("complete");
+    tx.check_open().expect("open after a transfer");
+    d.wait_stats("the idle close counted", |s| s.closed_by("idle") == 1).await;
+    let e = within("check_open failing", async {
+        loop {
+            match tx.check_open() {
+                Err(e) => break e,
+                Ok(()) => tokio::task::yield_now().await,
+            }
+        }
+    })
+    .await;
+    assert_eq!(e.kind(), ErrorKind::Retryable, "{e:?}");
+}
+
 #[tokio::test]
 async fn any_configured_path_datagram_size_completes_the_handshake() {
     // Loopback carries 64 KB datagrams; sizes above 9000 are clamped (larger

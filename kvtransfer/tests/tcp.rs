@@ -305,6 +305,34 @@ async fn idle_connection_is_closed() {
     assert_eq!(st.closed_by("idle"), 1);
 }
 
+/// A pooled sender asks `check_open` before reusing its connection: open
+/// while the server holds it, failing once the server closed it for idling
+/// (the prefill worker then connects anew instead of failing a transfer).
+#[tokio::test]
+async fn check_open_sees_the_idle_close() {
+    let config = TcpServerConfig { idle_timeout: Duration::from_millis(200), ..TcpServerConfig::default() };
+    let d = DecodeSide::start(config).await;
+    let l = d.layout;
+    let (pool_a, table_a) = source(l, 2);
+    let (r, _) = d.reserve(2, Duration::from_secs(30));
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 1 << 20).await.expect("connect");
+    send_layers(&mut tx, &pool_a, &table_a, r, &[0, 1, 2, 3]).await;
+    within("Ack", tx.complete(r)).await.expect("complete");
+    tx.check_open().expect("open after a transfer");
+    d.wait_stats("the idle close counted", |s| s.closed_by("idle") == 1).await;
+    let e = within("check_open failing", async {
+        loop {
+            match tx.check_open() {
+                Err(e) => break e,
+                Ok(()) => tokio::task::yield_now().await,
+            }
+        }
+    })
+    .await;
+    assert!(matches!(e, TransferError::Io(_)), "{e:?}");
+    assert_eq!(e.kind(), kvtransfer::ErrorKind::Retryable);
+}
+
 #[tokio::test]
 async fn sender_learns_of_an_abort_and_stops() {
     let d = DecodeSide::start(TcpServerConfig::default()).await;

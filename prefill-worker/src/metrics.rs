@@ -29,6 +29,11 @@ pub const KV_TRANSFER_FAILURES: &str = "tandem_kv_transfer_failures_total";
 /// kinds (and `tls`, QUIC's handshake) plus `deadline`.
 pub const TRANSFER_FAILURE_REASONS: [&str; 9] =
     ["io", "rejected", "timeout", "protocol", "peer_abort", "layer", "tls", "landing", "deadline"];
+/// `tandem_kv_stale_connections_total`: pooled KV connections found closed
+/// by the decode worker (its idle timeout, a restart) when a transfer was
+/// about to use them, and replaced by a fresh one before any frame went out:
+/// the transfer itself does not fail. vLLM: none.
+pub const KV_STALE_CONNECTIONS: &str = "tandem_kv_stale_connections_total";
 /// `tandem_faults_injected_total{fault}`: faults this worker injected into
 /// its own work because a drill asked it to (`kv_corrupt`: ucx transfers
 /// with a byte flipped after the checksum, `--fault-kv-corrupt`). 0 in
@@ -55,9 +60,14 @@ pub fn describe() {
     describe_histogram!(KV_TRANSFER_SECONDS, Unit::Seconds, "Wall time of one completed KV transfer.");
     describe_counter!(KV_TRANSFER_FAILURES, "KV transfers that failed, by reason.");
     describe_histogram!(PREFILL_SECONDS, Unit::Seconds, "Engine time of one prefill, queueing included.");
+    describe_counter!(
+        KV_STALE_CONNECTIONS,
+        "Pooled KV connections found closed by the decode worker before a transfer, and replaced."
+    );
     describe_counter!(FAULTS_INJECTED, "Faults injected by drill flags, by fault (0 in production).");
     // Exported from the start, so a check that reads it can tell 0 from a missing series.
     counter!(KV_TRANSFER_BYTES).absolute(0);
+    counter!(KV_STALE_CONNECTIONS).absolute(0);
     counter!(FAULTS_INJECTED, "fault" => "kv_corrupt").absolute(0);
     worker_common::metrics::zero(PREFILL_REQUESTS, "outcome", &worker_common::metrics::OUTCOMES);
     worker_common::metrics::zero(KV_TRANSFER_FAILURES, "reason", &TRANSFER_FAILURE_REASONS);
@@ -79,6 +89,11 @@ pub fn record_prefill(tokens: usize, seconds: f64) {
 pub fn record_transfer(bytes: u64, seconds: f64) {
     counter!(KV_TRANSFER_BYTES).increment(bytes);
     histogram!(KV_TRANSFER_SECONDS).record(seconds);
+}
+
+/// Counts one pooled KV connection found closed and replaced.
+pub fn record_stale_connection() {
+    counter!(KV_STALE_CONNECTIONS).increment(1);
 }
 
 /// Counts one failed KV transfer under `reason`.

@@ -8,7 +8,8 @@
 //! One KV connection per destination address is kept and reused; a
 //! transfer holds it for its whole length (transfers to one decode worker
 //! are serialised; they are bandwidth-bound anyway). Any error drops the
-//! connection so the next request reconnects.
+//! connection so the next request reconnects, and one the receiver closed
+//! while it sat in the pool is replaced before a transfer uses it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -438,6 +439,14 @@ impl PrefillService {
         prompt_tokens: usize,
     ) -> Result<Pushed, WorkerError> {
         let inner = &self.inner;
+        // A pooled connection the receiver has closed meanwhile (its idle
+        // timeout, 30 s by default; a restart) would fail this transfer on its
+        // first frame: replace it first. Nothing of this transfer went out on it.
+        if let Some(Err(e)) = conn.as_mut().map(KvSender::check_open) {
+            tracing::info!(dest = %dest.addr, error = %e, "the pooled KV connection was closed by the receiver; reconnecting");
+            crate::metrics::record_stale_connection();
+            *conn = None;
+        }
         if conn.is_none() {
             // Connects while the engine computes the first layers.
             *conn = Some(self.connect(dest).await?);

@@ -19,7 +19,8 @@ use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 use kvtransfer::{LayoutFingerprint, Peer, Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig, VersionGroup};
 use prefill_worker::metrics::{
-    KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS, PREFILL_REQUESTS, PREFILL_SECONDS, PROMPT_TOKENS,
+    KV_STALE_CONNECTIONS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS, PREFILL_REQUESTS,
+    PREFILL_SECONDS, PROMPT_TOKENS,
 };
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{prefill_response, ErrorKind, HealthRequest, KvDestination, PrefillRequest};
@@ -207,6 +208,78 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     worker.signal(Signal::Term)?;
     let exit = worker.wait_exit(WAIT).await?;
     assert_eq!(exit.code(), Some(0), "worker exit status after SIGTERM: {exit:?}");
+    Ok(())
+}
+
+/// A decode worker closes a KV connection that carried nothing for its idle
+/// timeout (30 s by default), while the prefill worker keeps it pooled. The
+/// next transfer must not fail on it: the worker sees the close, connects
+/// anew, and the KV lands bit for bit. Before the fix that transfer failed
+/// (`retryable`: "receiver closed the connection while the sender was
+/// busy"), and under `recompute` the decode worker prefilled the prompt
+/// itself: in `tandem bench interference` its running streams stalled
+/// 250-400 ms per step for seconds after every idle spell over 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_the_decode_side_closed_when_idle_is_replaced() -> TestResult {
+    let prompt = prompt()?;
+    let (layout, fp, want_first, want_kv) = reference(&prompt)?;
+    let worker = one_thread_worker(&[])?;
+    let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
+    let local = Peer { version_group: VersionGroup::new(GROUP)?, fingerprint: fp };
+    let rx = Arc::new(Mutex::new(Receiver::new(local, ReceiverConfig::new(layout))?));
+    let pool = Arc::new(Mutex::new(KvPool::new(layout, KV_BLOCKS)?));
+    let config = TcpServerConfig { idle_timeout: Duration::from_millis(300), ..TcpServerConfig::default() };
+    let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool.clone(), config).await?;
+    let mut client = within("gRPC connect", PrefillWorkerClient::connect(format!("http://{addr}"))).await??;
+
+    let n = prompt.len().div_ceil(layout.block_size);
+    for round in 1..=2 {
+        let blocks = pool.lock().map_err(|_| "pool lock")?.allocate(n)?;
+        let r = rx.lock().map_err(|_| "rx lock")?.reserve(
+            blocks.clone(),
+            Duration::from_secs(120),
+            tokio::time::Instant::now().into_std(),
+        )?;
+        let request = PrefillRequest {
+            request_id: format!("req-{round}"),
+            token_ids: prompt.clone(),
+            sampling: Some((&greedy()).into()),
+            deadline_unix_ms: 0,
+            cache_salt: 0,
+            priority: 0,
+            destination: Some(KvDestination {
+                transfer_addr: server.local_addr().to_string(),
+                transport: "tcp".into(),
+                reservation_id: r.id.0,
+                generation: r.generation,
+                block_ids: blocks.clone(),
+                layout_fingerprint: fp.as_bytes().to_vec(),
+                version_group: GROUP.into(),
+                tls_cert_sha256: vec![],
+            }),
+        };
+        let resp = within("Prefill answer", client.prefill(request)).await??.into_inner();
+        let Some(prefill_response::Outcome::FirstToken(first)) = resp.outcome else {
+            return Err(format!("round {round}: Prefill did not return a first token: {resp:?}").into());
+        };
+        assert_eq!(first.id, want_first, "round {round}: first token differs from the single-process engine");
+        let ready = rx.lock().map_err(|_| "rx lock")?.take_ready(r)?;
+        let got = pool.lock().map_err(|_| "pool lock")?.gather(&ready)?;
+        assert!(got == want_kv, "round {round}: received KV differs from the local engine's");
+        pool.lock().map_err(|_| "pool lock")?.release(&ready)?;
+        if round == 1 {
+            // The worker keeps the connection; the decode side closes it once idle.
+            let mut stats = server.watch_stats();
+            within("the decode side closing the idle connection", stats.wait_for(|s| s.closed_by("idle") == 1))
+                .await??;
+        }
+    }
+    let stats = server.stats();
+    assert_eq!(stats.connections_accepted, 2, "the worker did not reconnect once: {stats:?}");
+    let page = testkit::prom::scrape_within(&metrics_addr, WAIT).await?;
+    assert_eq!(page.get(KV_STALE_CONNECTIONS, &[])?, 1.0);
+    assert_eq!(page.get(PREFILL_REQUESTS, &[("outcome", "ok")])?, 2.0);
+    assert_eq!(page.get(KV_TRANSFER_FAILURES, &[("reason", "io")])?, 0.0);
     Ok(())
 }
 

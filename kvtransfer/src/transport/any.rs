@@ -70,6 +70,16 @@ impl KvSender {
         }
     }
 
+    /// See [`TcpKvSender::check_open`].
+    pub fn check_open(&mut self) -> Result<(), TransferError> {
+        match self {
+            Self::Tcp(s) => s.check_open(),
+            Self::Quic(s) => s.check_open(),
+            Self::Local(s) => s.check_open(),
+            Self::Ucx(s) => s.check_open(),
+        }
+    }
+
     /// See [`TcpKvSender::send_blocks`].
     pub async fn send_blocks(
         &mut self,

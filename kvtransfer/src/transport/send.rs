@@ -246,6 +246,12 @@ where
             .map_err(|e| TransferError::write(e, "sending Abort"))
     }
 
+    /// Takes in whatever the receiver already sent, without waiting; fails
+    /// when it closed the stream. See `TcpKvSender::check_open`.
+    pub(crate) fn check_open(&mut self) -> Result<(), TransferError> {
+        self.drain()
+    }
+
     /// Takes in whatever the receiver already sent, without waiting, then
     /// fails if it aborted `r`.
     pub(crate) fn check_not_aborted(&mut self, r: Reservation) -> Result<(), TransferError> {

@@ -179,6 +179,11 @@ impl LocalKvSender {
         self.bytes_sent
     }
 
+    /// See [`TcpKvSender::check_open`](crate::TcpKvSender::check_open).
+    pub fn check_open(&mut self) -> Result<(), TransferError> {
+        self.drain()
+    }
+
     /// Sends one layer's K and V of the reservation's blocks (as
     /// the engine's `KvPool::gather_layer` returns
     /// them), cut into frames of whole blocks of at most `slot_bytes`,

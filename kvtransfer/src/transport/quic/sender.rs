@@ -123,6 +123,17 @@ impl QuicKvSender {
         self.inner.as_ref().map_or(0, |i| i.bytes_sent())
     }
 
+    /// See [`TcpKvSender::check_open`](crate::TcpKvSender::check_open); a
+    /// closed QUIC connection is named by its close reason.
+    pub fn check_open(&mut self) -> Result<(), TransferError> {
+        let res = self.frames().and_then(|f| f.check_open());
+        match (res, self.conn.close_reason()) {
+            (Ok(()), None) => Ok(()),
+            (Ok(()), Some(_)) => Err(self.refine(TransferError::Io(io::Error::from(io::ErrorKind::NotConnected)))),
+            (Err(e), _) => Err(self.refine(e)),
+        }
+    }
+
     /// The QUIC stack's counters for this connection (path MTU, packets,
     /// losses, congestion window): for metrics and tuning.
     pub fn connection_stats(&self) -> quinn::ConnectionStats {

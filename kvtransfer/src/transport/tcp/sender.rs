@@ -58,6 +58,15 @@ impl TcpKvSender {
         self.inner.bytes_sent()
     }
 
+    /// Fails when the receiver has closed this connection (its idle
+    /// timeout, a restart) or broke the protocol on it: a look that does
+    /// not wait, taking in whatever the receiver already sent. A pooled
+    /// connection is checked so before it carries a new transfer, which
+    /// would otherwise fail on its first frame.
+    pub fn check_open(&mut self) -> Result<(), TransferError> {
+        self.inner.check_open()
+    }
+
     /// Sends one layer's K and V of the reservation's blocks (as
     /// [`KvPool::gather_layer`](engine::kv::KvPool::gather_layer) returns
     /// them), cut into frames of whole blocks as

@@ -101,6 +101,16 @@ impl UcxKvSender {
         self.bytes_sent
     }
 
+    /// See [`TcpKvSender::check_open`](crate::TcpKvSender::check_open): here,
+    /// only whether the connection's thread still runs. The UCX server keeps
+    /// no idle timeout, and an endpoint error shows on the next put.
+    pub fn check_open(&mut self) -> Result<(), TransferError> {
+        if self.cmds.is_closed() {
+            return Err(gone());
+        }
+        Ok(())
+    }
+
     /// Puts K and V of blocks `first_block..` of one layer into the
     /// reservation's landing range (claimed on first use), flushes, then
     /// sends the layer's completion with the CRC-32C of what was put.
