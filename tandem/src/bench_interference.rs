@@ -53,6 +53,14 @@ pub struct Args {
     /// first, under the same load, as the reference row.
     #[arg(long)]
     llama_server: Option<PathBuf>,
+    /// Write every request's record (start, TTFT, each inter-token gap) here as
+    /// `NAME-idle.json`, `NAME-busy.json` and `NAME-long.json`, to place a gap
+    /// against the long prompts' arrivals (both busy-window runs start together),
+    /// each cluster's process logs in `NAME-logs`, and every process's
+    /// `/metrics` page, read once the busy window's requests ended, as
+    /// `NAME-metrics-COMPONENT.prom`.
+    #[arg(long, value_name = "DIR")]
+    records: Option<PathBuf>,
 }
 
 /// What a row measures: `tandem up` with flags, or llama.cpp's server.
@@ -86,7 +94,7 @@ async fn run_all(a: &Args) -> Result<()> {
     let mut reference = None;
     if let Some(bin) = &a.llama_server {
         eprintln!("== llama-server: {}", bin.display());
-        let f = measure(a, Launch::Llama(bin)).await.context("llama-server")?;
+        let f = measure(a, "llama-server", Launch::Llama(bin)).await.context("llama-server")?;
         rows.push(("llama-server".to_owned(), f));
         reference = rows.last().map(|(_, f)| f.long_ttft_p50_s);
     }
@@ -94,7 +102,7 @@ async fn run_all(a: &Args) -> Result<()> {
         let (name, flags) = c.split_once('=').with_context(|| format!("--config {c:?}: expected NAME=FLAGS"))?;
         let flags: Vec<String> = flags.split_whitespace().map(str::to_owned).collect();
         eprintln!("== {name}: tandem up {}", flags.join(" "));
-        let f = measure(a, Launch::Tandem(&flags)).await.with_context(|| format!("configuration {name}"))?;
+        let f = measure(a, name, Launch::Tandem(&flags)).await.with_context(|| format!("configuration {name}"))?;
         rows.push((name.to_owned(), f));
     }
     println!(
@@ -157,7 +165,7 @@ fn free_port() -> Result<u16> {
 }
 
 impl Cluster {
-    async fn start(a: &Args, launch: Launch<'_>) -> Result<Self> {
+    async fn start(a: &Args, name: &str, launch: Launch<'_>) -> Result<Self> {
         let dir =
             TempDir(std::env::temp_dir().join(format!("tandem-interference-{}-{}", std::process::id(), free_port()?)));
         std::fs::create_dir_all(&dir.0)?;
@@ -169,6 +177,9 @@ impl Cluster {
                 let mut cmd = Command::new(std::env::current_exe()?);
                 cmd.arg("up").args(["--http", &http, "--grpc", &grpc]);
                 cmd.arg("--state-file").arg(dir.0.join("cluster.json"));
+                if let Some(records) = &a.records {
+                    cmd.arg("--log-dir").arg(records.join(format!("{name}-logs")));
+                }
                 if let Some(m) = &a.model {
                     cmd.arg("--model").arg(m);
                 }
@@ -268,8 +279,43 @@ fn in_window(report: &Report, window: Duration) -> (f64, f64, f64) {
     (tokens as f64 / window.as_secs_f64(), p99, worst)
 }
 
-async fn measure(a: &Args, launch: Launch<'_>) -> Result<Figures> {
-    let cluster = Cluster::start(a, launch).await?;
+/// Writes `report` as `DIR/NAME-WHAT.json` when `--records DIR` was given.
+fn keep_records(a: &Args, name: &str, what: &str, report: &Report) -> Result<()> {
+    let Some(dir) = &a.records else { return Ok(()) };
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(format!("{name}-{what}.json"));
+    std::fs::write(&path, serde_json::to_vec(report)?).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Saves each `/metrics` page `tandem up` lists in its Prometheus targets file.
+async fn keep_metrics(dir: &Path, name: &str) -> Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let targets = dir.join(format!("{name}-logs")).join("prometheus-targets.json");
+    let text = std::fs::read_to_string(&targets).with_context(|| format!("reading {}", targets.display()))?;
+    let groups: Vec<serde_json::Value> = serde_json::from_str(&text)?;
+    for g in &groups {
+        let (Some(addr), Some(component)) = (g["targets"][0].as_str(), g["labels"]["component"].as_str()) else {
+            continue;
+        };
+        let page = async {
+            let mut s = tokio::net::TcpStream::connect(addr).await?;
+            s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
+            let mut page = Vec::new();
+            s.read_to_end(&mut page).await?;
+            std::io::Result::Ok(page)
+        };
+        let page = tokio::time::timeout(Duration::from_secs(10), page)
+            .await
+            .with_context(|| format!("{component}'s /metrics at {addr} did not answer within 10 s"))?
+            .with_context(|| format!("reading {component}'s /metrics at {addr}"))?;
+        let path = dir.join(format!("{name}-metrics-{component}.prom"));
+        std::fs::write(&path, page).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+async fn measure(a: &Args, name: &str, launch: Launch<'_>) -> Result<Figures> {
+    let cluster = Cluster::start(a, name, launch).await?;
     let window = Duration::from_secs(a.window_s);
     let (idle, _) = decoders(a, &cluster.url, window).await?;
     let (idle_tok_s, idle_itl_p99_ms, _) = in_window(&idle, window);
@@ -284,6 +330,12 @@ async fn measure(a: &Args, launch: Launch<'_>) -> Result<Figures> {
     let (busy, long) = tokio::join!(decoders(a, &cluster.url, window), loadgen::run(&long));
     let (busy, _) = busy?;
     let long = long?;
+    keep_records(a, name, "idle", &idle)?;
+    keep_records(a, name, "busy", &busy)?;
+    keep_records(a, name, "long", &long)?;
+    if let Some(dir) = &a.records {
+        keep_metrics(dir, name).await?;
+    }
     let (busy_tok_s, _, worst_gap_ms) = in_window(&busy, window);
     let mut ttft: Vec<f64> =
         long.records.iter().filter(|r| r.outcome.is_complete()).map(|r| r.e2e.as_secs_f64()).collect();
