@@ -333,7 +333,7 @@ async fn measure(a: &Args, name: &str, launch: Launch<'_>) -> Result<Figures> {
     keep_records(a, name, "idle", &idle)?;
     keep_records(a, name, "busy", &busy)?;
     keep_records(a, name, "long", &long)?;
-    if let Some(dir) = &a.records {
+    if let (Some(dir), Launch::Tandem(_)) = (&a.records, launch) {
         keep_metrics(dir, name).await?;
     }
     let (busy_tok_s, _, worst_gap_ms) = in_window(&busy, window);

@@ -8,7 +8,9 @@
 //! started on loopback ports they pick (they print `listening NAME=ADDR [NAME=ADDR ...]`),
 //! register in etcd under a prefix unique to this run with their component name as worker id,
 //! prefill and decode workers share one version group and move KV over shared memory
-//! (`local`), and the coordinator routes from etcd membership. Each child's stdout and stderr
+//! (`local`), and the coordinator routes from etcd membership. The decode workers get half
+//! the host's CPUs to themselves unless CPUs are given or `--share-cpus` ([`placement`]).
+//! Each child's stdout and stderr
 //! go to its own file in the log directory (`--log-dir`; kept after the stop). Once `/ready`
 //! answers, the state file is written and a table printed.
 //!
@@ -29,6 +31,7 @@
 
 mod child;
 mod etcd;
+mod placement;
 mod state;
 mod supervise;
 
@@ -65,9 +68,8 @@ pub struct Args {
     /// Decode workers.
     #[arg(long, default_value_t = 1)]
     decode: usize,
-    /// Compute threads per worker (default: every core, for each worker: on
-    /// one host the prefill and decode workers seldom peak together, and an
-    /// even split left the prefill worker, the bottleneck, half the machine).
+    /// Compute threads per worker (default: one per CPU its role is pinned
+    /// to, else one per core).
     #[arg(long)]
     threads: Option<usize>,
     /// Compute threads per prefill worker (default: --threads).
@@ -76,22 +78,32 @@ pub struct Args {
     /// Compute threads per decode worker (default: --threads).
     #[arg(long)]
     decode_threads: Option<usize>,
-    /// Nice level of the prefill workers (-20..19; each worker's --nice). On
-    /// one host the workers share cores: a prefill worker niced above the
-    /// decode workers gives way to decode steps, so running streams keep
-    /// their pace while a long prompt prefills, and still uses every cycle
-    /// decode leaves idle. README's "Sharing cores" says how to measure the curve.
+    /// Nice level of the prefill workers (-20..19; each worker's --nice). Where
+    /// they share CPUs with decode workers (--share-cpus) a prefill worker
+    /// niced above them gives way to decode steps; on its own CPUs it still
+    /// gives way to the coordinator and etcd. README's "Sharing cores" says
+    /// how to measure the curve.
     #[arg(long, allow_negative_numbers = true, default_value_t = DEFAULT_PREFILL_NICE)]
     prefill_nice: i32,
     /// Nice level of the decode workers (each worker's --nice).
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     decode_nice: i32,
-    /// Pin the prefill workers to these CPUs (`0-3,6`; each worker's --cpus). Default: unpinned.
+    /// Pin the prefill workers to these CPUs (`0-3,6`; each worker's --cpus).
+    /// Default: unpinned, on every CPU at --prefill-nice, taking what decode
+    /// leaves idle.
     #[arg(long)]
     prefill_cpus: Option<String>,
-    /// Pin the decode workers to these CPUs. Default: unpinned.
+    /// Pin the decode workers to these CPUs. Default, when neither role's
+    /// CPUs are given: the second half of the CPUs this process may use
+    /// (the larger half on an odd count), unless --share-cpus, one CPU, or
+    /// no prefill worker.
     #[arg(long)]
     decode_cpus: Option<String>,
+    /// Leave the decode workers unpinned too: both roles on every CPU, the
+    /// prefill workers niced (the old default). Measured worse on two cores:
+    /// the decode streams keep every core busy and the niced prefill starves.
+    #[arg(long, conflicts_with_all = ["prefill_cpus", "decode_cpus"])]
+    share_cpus: bool,
     /// KV transport between the workers: local (shared memory) | tcp | quic | ucx (one-sided puts; UCX_TLS picks
     /// shared memory, TCP or RDMA).
     #[arg(long, default_value = "local")]
@@ -332,9 +344,23 @@ async fn start_cluster(
     let prefix = format!("tandem-up-{}", std::process::id());
     let model_s = model.display().to_string();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = a.threads.unwrap_or(cores);
-    let prefill_threads = a.prefill_threads.unwrap_or(threads).to_string();
-    let decode_threads = a.decode_threads.unwrap_or(threads).to_string();
+    let (prefill_cpus, decode_cpus) = role_cpus(&a)?;
+    // Per role: its flag, else --threads, else one per CPU of its set, else every core.
+    let threads_of = |role: Option<usize>, cpus: &Option<placement::Cpus>| {
+        role.or(a.threads).unwrap_or_else(|| cpus.as_ref().map_or(cores, Vec::len))
+    };
+    let prefill_threads = threads_of(a.prefill_threads, &prefill_cpus).to_string();
+    let decode_threads = threads_of(a.decode_threads, &decode_cpus).to_string();
+    let shown = |cpus: &Option<placement::Cpus>| cpus.as_deref().map_or("every CPU".to_owned(), placement::format);
+    println!(
+        "placement: prefill on {} ({prefill_threads} threads, nice {}), decode on {} ({decode_threads} threads, nice {})",
+        shown(&prefill_cpus),
+        a.prefill_nice,
+        shown(&decode_cpus),
+        a.decode_nice
+    );
+    let prefill_cpus = prefill_cpus.as_deref().map(placement::format);
+    let decode_cpus = decode_cpus.as_deref().map(placement::format);
     let grace = a.shutdown_timeout_ms.to_string();
     let group = "local";
     let lease_ttl_s = a.lease_ttl_s.to_string();
@@ -367,7 +393,7 @@ async fn start_cluster(
         let name = format!("prefill-{i}");
         let spec = Spec {
             bin: pbin.clone(),
-            args: worker_args(&name, &prefill_threads, &placement(a.prefill_nice, &a.prefill_cpus)),
+            args: worker_args(&name, &prefill_threads, &placement_args(a.prefill_nice, &prefill_cpus)),
             addrs: vec![("--grpc", "grpc", loopback()), ("--metrics", "metrics", loopback())],
             ready: Ready::Listening(vec!["grpc", "metrics"]),
             log: logs.join(format!("{name}.log")),
@@ -381,7 +407,7 @@ async fn start_cluster(
             "local" => format!("@tandem-up-{}-{i}", std::process::id()),
             _ => loopback(),
         };
-        let mut extra = placement(a.decode_nice, &a.decode_cpus);
+        let mut extra = placement_args(a.decode_nice, &decode_cpus);
         extra.extend(
             ["--kv-transport", &a.kv_transport, "--kv-load-failure-policy", &a.kv_load_failure_policy]
                 .map(String::from),
@@ -450,17 +476,26 @@ async fn start_worker(a: &Args, spec: Spec, role: &'static str, name: String, gr
     Ok(Started { spec, component: c, run })
 }
 
-/// `tandem up --prefill-nice`'s default: 19, the lowest priority, which still
-/// takes every cycle the decode workers leave. Measured with `tandem bench
-/// interference` on a quiet 2-core machine (README, "Sharing cores"): against
-/// 0 and 10 it kept the most decode tokens (0.62x of idle against 0.18x and
-/// 0.41x), the shortest worst gap (4.2 s against 7.7 s and 5.5 s) and the
-/// shortest long-prompt TTFT (76 s against 80 s and 78 s); pinning each role
-/// to one core did worse than sharing on all three.
+/// `tandem up --prefill-nice`'s default: 19, the lowest priority: on the
+/// decode workers' CPUs the prefill threads take only what decode leaves,
+/// and everywhere they let the coordinator, etcd and the tokenizer threads
+/// in at once. Measured best of 0, 10 and 19 with both roles on every CPU
+/// (README, "Sharing cores").
 const DEFAULT_PREFILL_NICE: i32 = 19;
 
+/// Each role's CPUs: as given, else the default (see [`placement`]):
+/// decode on the second half, prefill everywhere.
+fn role_cpus(a: &Args) -> anyhow::Result<(Option<placement::Cpus>, Option<placement::Cpus>)> {
+    let given = |s: &Option<String>| s.as_deref().map(placement::parse).transpose();
+    let (p, d) = (given(&a.prefill_cpus)?, given(&a.decode_cpus)?);
+    if p.is_some() || d.is_some() || a.share_cpus || a.prefill == 0 {
+        return Ok((p, d));
+    }
+    Ok((None, placement::decode_half(&placement::allowed()?)))
+}
+
 /// A worker's placement flags.
-fn placement(nice: i32, cpus: &Option<String>) -> Vec<String> {
+fn placement_args(nice: i32, cpus: &Option<String>) -> Vec<String> {
     let mut v = vec!["--nice".to_owned(), nice.to_string()];
     if let Some(c) = cpus {
         v.extend(["--cpus".to_owned(), c.clone()]);
