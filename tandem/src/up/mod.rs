@@ -344,7 +344,7 @@ async fn start_cluster(
     let prefix = format!("tandem-up-{}", std::process::id());
     let model_s = model.display().to_string();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (prefill_cpus, decode_cpus) = role_cpus(&a)?;
+    let (prefill_cpus, decode_cpus) = role_cpus(a)?;
     // Per role: its flag, else --threads, else one per CPU of its set, else every core.
     let threads_of = |role: Option<usize>, cpus: &Option<placement::Cpus>| {
         role.or(a.threads).unwrap_or_else(|| cpus.as_ref().map_or(cores, Vec::len))

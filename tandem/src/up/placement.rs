@@ -85,10 +85,10 @@ mod tests {
 
     #[test]
     fn lists_parse_and_format_back() {
-        assert_eq!(parse("0-3,6").unwrap(), vec![0, 1, 2, 3, 6]);
-        assert_eq!(parse(" 5, 1-2 ,2\n").unwrap(), vec![1, 2, 5]);
+        assert_eq!(parse("0-3,6").expect("a list"), vec![0, 1, 2, 3, 6]);
+        assert_eq!(parse(" 5, 1-2 ,2\n").expect("a list"), vec![1, 2, 5]);
         assert_eq!(format(&[0, 1, 2, 3, 6, 8, 9]), "0-3,6,8-9");
-        assert_eq!(format(&parse("7").unwrap()), "7");
+        assert_eq!(format(&parse("7").expect("a list")), "7");
         for bad in ["", "a", "3-1", "1-", "1,,2"] {
             assert!(parse(bad).is_err(), "{bad:?} parsed");
         }
@@ -105,7 +105,7 @@ mod tests {
 
     #[test]
     fn this_process_may_run_somewhere() {
-        let cpus = allowed().unwrap();
+        let cpus = allowed().expect("the allowed CPUs");
         assert!(!cpus.is_empty(), "no CPU allowed");
         assert!(cpus.windows(2).all(|w| w[0] < w[1]), "{cpus:?}");
     }
