@@ -8,8 +8,8 @@
 //! started on loopback ports they pick (they print `listening NAME=ADDR [NAME=ADDR ...]`),
 //! register in etcd under a prefix unique to this run with their component name as worker id,
 //! prefill and decode workers share one version group and move KV over shared memory
-//! (`local`), and the coordinator routes from etcd membership. The decode workers get half
-//! the host's CPUs to themselves unless CPUs are given or `--share-cpus` ([`placement`]).
+//! (`local`), and the coordinator routes from etcd membership. The host's CPUs are split
+//! between the roles unless CPUs are given or `--share-cpus` ([`placement`]).
 //! Each child's stdout and stderr
 //! go to its own file in the log directory (`--log-dir`; kept after the stop). Once `/ready`
 //! answers, the state file is written and a table printed.
@@ -89,19 +89,20 @@ pub struct Args {
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     decode_nice: i32,
     /// Pin the prefill workers to these CPUs (`0-3,6`; each worker's --cpus).
-    /// Default: unpinned, on every CPU at --prefill-nice, taking what decode
-    /// leaves idle.
+    /// Default, when neither role's CPUs are given: the first half of the
+    /// CPUs this process may use (the decode workers get the rest), unless
+    /// --share-cpus, one CPU, or no prefill worker. Given for one role only,
+    /// the other stays unpinned.
     #[arg(long)]
     prefill_cpus: Option<String>,
-    /// Pin the decode workers to these CPUs. Default, when neither role's
-    /// CPUs are given: the second half of the CPUs this process may use
-    /// (the larger half on an odd count), unless --share-cpus, one CPU, or
-    /// no prefill worker.
+    /// Pin the decode workers to these CPUs. Default: the CPUs the prefill
+    /// workers do not get (see --prefill-cpus).
     #[arg(long)]
     decode_cpus: Option<String>,
-    /// Leave the decode workers unpinned too: both roles on every CPU, the
-    /// prefill workers niced (the old default). Measured worse on two cores:
-    /// the decode streams keep every core busy and the niced prefill starves.
+    /// Run both roles on every CPU, the prefill workers niced (the old
+    /// default), instead of splitting the CPUs between them. Measured worse
+    /// on two cores: the decode streams keep every core busy and the niced
+    /// prefill starves.
     #[arg(long, conflicts_with_all = ["prefill_cpus", "decode_cpus"])]
     share_cpus: bool,
     /// KV transport between the workers: local (shared memory) | tcp | quic | ucx (one-sided puts; UCX_TLS picks
@@ -476,22 +477,20 @@ async fn start_worker(a: &Args, spec: Spec, role: &'static str, name: String, gr
     Ok(Started { spec, component: c, run })
 }
 
-/// `tandem up --prefill-nice`'s default: 19, the lowest priority: on the
-/// decode workers' CPUs the prefill threads take only what decode leaves,
-/// and everywhere they let the coordinator, etcd and the tokenizer threads
-/// in at once. Measured best of 0, 10 and 19 with both roles on every CPU
-/// (README, "Sharing cores").
+/// `tandem up --prefill-nice`'s default: 19, the lowest priority: on its own
+/// CPUs (the default split) the prefill worker lets the coordinator, etcd and
+/// the tokenizer threads in at once; with --share-cpus it gives way to decode
+/// steps, where it measured best of 0, 10 and 19 (README, "Sharing cores").
 const DEFAULT_PREFILL_NICE: i32 = 19;
 
-/// Each role's CPUs: as given, else the default (see [`placement`]):
-/// decode on the second half, prefill everywhere.
+/// Each role's CPUs: as given, else the default split (see [`placement`]).
 fn role_cpus(a: &Args) -> anyhow::Result<(Option<placement::Cpus>, Option<placement::Cpus>)> {
     let given = |s: &Option<String>| s.as_deref().map(placement::parse).transpose();
     let (p, d) = (given(&a.prefill_cpus)?, given(&a.decode_cpus)?);
     if p.is_some() || d.is_some() || a.share_cpus || a.prefill == 0 {
         return Ok((p, d));
     }
-    Ok((None, placement::decode_half(&placement::allowed()?)))
+    Ok(placement::split(&placement::allowed()?).map_or((None, None), |(p, d)| (Some(p), Some(d))))
 }
 
 /// A worker's placement flags.

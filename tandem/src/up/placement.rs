@@ -1,23 +1,23 @@
 //! Where each role's workers run on this host: `tandem up`'s default CPU
-//! placement and the thread counts that follow from it.
+//! split and the thread counts that follow from it.
 //!
 //! Default: when neither `--prefill-cpus` nor `--decode-cpus` is given, the
-//! decode workers are pinned to the second half of the CPUs this process
-//! may use (the larger half on an odd count) and run one compute thread per
-//! CPU there; the prefill workers stay on every CPU, one thread per CPU, at
-//! `--prefill-nice` 19. Decode steps then never share a CPU with a thread
-//! of equal priority, and prefill still takes whatever decode leaves idle
-//! (the kernels' pool lets a descheduled thread claim nothing, so a prefill
-//! thread starved on a decode CPU does not stall the others).
+//! CPUs this process may use are split in two, the first half to the
+//! prefill workers and the rest (the larger half on an odd count) to the
+//! decode workers, each worker running one compute thread per CPU of its
+//! role. Decode steps then never wait for a prefill thread.
 //!
-//! Measured with `tandem bench interference` on two cores in one run
-//! (README, "Sharing cores"), against llama-server's long-prompt TTFT:
-//! this placement kept 0.94x of the idle decode tokens, a worst gap of 2.1x
-//! the idle ITL p99 and 1.13x the TTFT; a full split (prefill on the first
-//! half only) 0.88x, 2.3x and 1.33x; both roles on every CPU with prefill
-//! niced (`--share-cpus`, the old default) 0.76x, 30x and 1.84x, because
-//! the decode streams keep every core busy and the niced prefill starves.
-//! One CPU, or no prefill worker, leaves everything unpinned.
+//! Measured with `tandem bench interference` on two cores (README, "Sharing
+//! cores"), two runs against llama-server, kept decode tokens / worst gap
+//! over idle ITL p99 / long-prompt TTFT over llama-server's: the split
+//! 0.88x / 2.3x / 1.33x and 0.99x / 1.5x / 1.07x; decode pinned with
+//! prefill on every CPU at nice 19 0.94x / 2.1x / 1.13x and 0.98x / 15x /
+//! 1.53x (a prefill thread descheduled mid-item on the decode CPU holds its
+//! whole pool up, so prefill fell behind until reservations expired and the
+//! decode worker recomputed); both roles on every CPU with prefill niced
+//! (`--share-cpus`, the old default) 0.76x / 30x / 1.84x and 0.58x / 155x /
+//! 1.61x. The split has the steadiest gap. One CPU, or no prefill worker,
+//! leaves everything unpinned.
 
 use anyhow::{bail, Context, Result};
 
@@ -70,13 +70,14 @@ pub fn allowed() -> Result<Cpus> {
     parse(line)
 }
 
-/// The decode workers' default CPUs among `allowed`: its second half, the
-/// larger one on an odd count. `None` below two CPUs.
-pub fn decode_half(allowed: &[usize]) -> Option<Cpus> {
+/// The default split of `allowed` between (prefill, decode): the first
+/// half to prefill, the rest to decode. `None` below two CPUs.
+pub fn split(allowed: &[usize]) -> Option<(Cpus, Cpus)> {
     if allowed.len() < 2 {
         return None;
     }
-    Some(allowed[allowed.len() / 2..].to_vec())
+    let (p, d) = allowed.split_at(allowed.len() / 2);
+    Some((p.to_vec(), d.to_vec()))
 }
 
 #[cfg(test)]
@@ -95,12 +96,12 @@ mod tests {
     }
 
     #[test]
-    fn decode_gets_the_larger_second_half_and_needs_two_cpus() {
-        assert_eq!(decode_half(&[0, 1]), Some(vec![1]));
-        assert_eq!(decode_half(&[0, 1, 2]), Some(vec![1, 2]));
-        assert_eq!(decode_half(&[2, 3, 6, 7]), Some(vec![6, 7]));
-        assert_eq!(decode_half(&[4]), None);
-        assert_eq!(decode_half(&[]), None);
+    fn the_split_gives_decode_the_larger_half_and_needs_two_cpus() {
+        assert_eq!(split(&[0, 1]), Some((vec![0], vec![1])));
+        assert_eq!(split(&[0, 1, 2]), Some((vec![0], vec![1, 2])));
+        assert_eq!(split(&[2, 3, 6, 7]), Some((vec![2, 3], vec![6, 7])));
+        assert_eq!(split(&[4]), None);
+        assert_eq!(split(&[]), None);
     }
 
     #[test]
