@@ -320,15 +320,7 @@ async fn check_open_sees_the_idle_close() {
     within("Ack", tx.complete(r)).await.expect("complete");
     tx.check_open().expect("open after a transfer");
     d.wait_stats("the idle close counted", |s| s.closed_by("idle") == 1).await;
-    let e = within("check_open failing", async {
-        loop {
-            match tx.check_open() {
-                Err(e) => break e,
-                Ok(()) => tokio::task::yield_now().await,
-            }
-        }
-    })
-    .await;
+    let e = common::until_closed(|| tx.check_open()).await;
     assert!(matches!(e, TransferError::Io(_)), "{e:?}");
     assert_eq!(e.kind(), kvtransfer::ErrorKind::Retryable);
 }

@@ -2,7 +2,28 @@
 
 #![allow(dead_code)] // each test binary uses its own part of this module
 
+use std::time::Duration;
+
 use engine::kv::{BlockId, KvLayout, KvPool};
+use kvtransfer::TransferError;
+
+/// Calls `check` (a sender's `check_open`) until it fails and returns the
+/// error, yielding between calls so the runtime can take in the peer's
+/// close; panics if it has not failed within 120 s.
+pub async fn until_closed(mut check: impl FnMut() -> Result<(), TransferError>) -> TransferError {
+    let polling = async {
+        loop {
+            match check() {
+                Err(e) => break e,
+                Ok(()) => tokio::task::yield_now().await,
+            }
+        }
+    };
+    match tokio::time::timeout(Duration::from_secs(120), polling).await {
+        Ok(e) => e,
+        Err(_) => panic!("check_open still reported the connection open after 120 s"),
+    }
+}
 
 /// Prefill side: a pool of `pool_blocks` whose `n` allocated blocks (ids
 /// offset by two, so they differ from a fresh pool's) hold distinct known
