@@ -289,7 +289,6 @@ fn keep_records(a: &Args, name: &str, what: &str, report: &Report) -> Result<()>
 
 /// Saves each `/metrics` page `tandem up` lists in its Prometheus targets file.
 async fn keep_metrics(dir: &Path, name: &str) -> Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let targets = dir.join(format!("{name}-logs")).join("prometheus-targets.json");
     let text = std::fs::read_to_string(&targets).with_context(|| format!("reading {}", targets.display()))?;
     let groups: Vec<serde_json::Value> = serde_json::from_str(&text)?;
@@ -297,17 +296,12 @@ async fn keep_metrics(dir: &Path, name: &str) -> Result<()> {
         let (Some(addr), Some(component)) = (g["targets"][0].as_str(), g["labels"]["component"].as_str()) else {
             continue;
         };
-        let page = async {
-            let mut s = tokio::net::TcpStream::connect(addr).await?;
-            s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
-            let mut page = Vec::new();
-            s.read_to_end(&mut page).await?;
-            std::io::Result::Ok(page)
+        let target = addr.to_owned();
+        let page = match tokio::task::spawn_blocking(move || crate::up::http_get(&target, "/metrics")).await? {
+            Some((200, page)) => page,
+            Some((status, _)) => bail!("{component}'s /metrics at {addr} answered {status}"),
+            None => bail!("{component}'s /metrics at {addr} could not be read"),
         };
-        let page = tokio::time::timeout(Duration::from_secs(10), page)
-            .await
-            .with_context(|| format!("{component}'s /metrics at {addr} did not answer within 10 s"))?
-            .with_context(|| format!("reading {component}'s /metrics at {addr}"))?;
         let path = dir.join(format!("{name}-metrics-{component}.prom"));
         std::fs::write(&path, page).with_context(|| format!("writing {}", path.display()))?;
     }

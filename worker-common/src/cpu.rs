@@ -34,6 +34,11 @@ impl CpuList {
             }
             cpus.extend(a..=b);
         }
+        Self::new(cpus)
+    }
+
+    /// The set of `cpus` (any order, repeats allowed); at least one.
+    pub fn new(mut cpus: Vec<usize>) -> Result<Self, String> {
         cpus.sort_unstable();
         cpus.dedup();
         if cpus.is_empty() {
@@ -47,10 +52,18 @@ impl CpuList {
     }
 }
 
+/// The kernel's list syntax, runs as ranges (`0-3,6`).
 impl fmt::Display for CpuList {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s: Vec<String> = self.0.iter().map(usize::to_string).collect();
-        f.write_str(&s.join(","))
+        let mut parts = Vec::new();
+        let mut rest = self.0.as_slice();
+        while let Some(&first) = rest.first() {
+            let run = rest.windows(2).take_while(|w| w[1] == w[0] + 1).count() + 1;
+            let last = rest[run - 1];
+            parts.push(if run == 1 { first.to_string() } else { format!("{first}-{last}") });
+            rest = &rest[run..];
+        }
+        f.write_str(&parts.join(","))
     }
 }
 
@@ -93,6 +106,9 @@ mod tests {
     fn cpu_lists_parse_like_the_kernel_writes_them() {
         assert_eq!(CpuList::parse("0-2,5").map(|l| l.cpus().to_vec()), Ok(vec![0, 1, 2, 5]));
         assert_eq!(CpuList::parse("3, 1,1").map(|l| l.to_string()), Ok("1,3".into()));
+        assert_eq!(CpuList::parse("6,0-3,8, 9").map(|l| l.to_string()), Ok("0-3,6,8-9".into()));
+        assert_eq!(CpuList::new(vec![2, 1, 2]).map(|l| l.cpus().to_vec()), Ok(vec![1, 2]));
+        assert!(CpuList::new(Vec::new()).is_err());
         for bad in ["", "a", "2-1", "1-", "99999"] {
             assert!(CpuList::parse(bad).is_err(), "{bad:?} parsed");
         }

@@ -160,13 +160,21 @@ pub async fn start(spec: &Spec, c: &mut Component, restart: Option<u32>) -> anyh
 
 /// GET `path` on `addr`; the status code.
 pub fn get_status(addr: &str, path: &str) -> Option<u16> {
+    http_get(addr, path).map(|(status, _)| status)
+}
+
+/// GET `path` on `addr` (2 s to connect, 5 s per read): the status code and
+/// the body. HTTP/1.0, so the body comes whole, never chunked.
+pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     let sa: SocketAddr = addr.parse().ok()?;
     let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(2)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
     let mut buf = String::new();
     s.read_to_string(&mut buf).ok()?;
-    buf.split(' ').nth(1)?.parse().ok()
+    let status = buf.split(' ').nth(1)?.parse().ok()?;
+    let body = buf.split_once("\r\n\r\n").map_or("", |(_, body)| body).to_owned();
+    Some((status, body))
 }
 
 /// Stops what is running, one role at a time in `order` (the coordinator first, so no new

@@ -42,7 +42,9 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use worker_common::cpu::CpuList;
 
+pub(crate) use child::http_get;
 use child::{get_status, sibling, start, stop_all, Ready, Running, Spec, START_TIMEOUT};
 use state::{print_table, Component, State};
 use supervise::{supervise, Policy, Rules};
@@ -347,12 +349,12 @@ async fn start_cluster(
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let (prefill_cpus, decode_cpus) = role_cpus(a)?;
     // Per role: its flag, else --threads, else one per CPU of its set, else every core.
-    let threads_of = |role: Option<usize>, cpus: &Option<placement::Cpus>| {
-        role.or(a.threads).unwrap_or_else(|| cpus.as_ref().map_or(cores, Vec::len))
+    let threads_of = |role: Option<usize>, cpus: &Option<CpuList>| {
+        role.or(a.threads).unwrap_or_else(|| cpus.as_ref().map_or(cores, |c| c.cpus().len()))
     };
     let prefill_threads = threads_of(a.prefill_threads, &prefill_cpus).to_string();
     let decode_threads = threads_of(a.decode_threads, &decode_cpus).to_string();
-    let shown = |cpus: &Option<placement::Cpus>| cpus.as_deref().map_or("every CPU".to_owned(), placement::format);
+    let shown = |cpus: &Option<CpuList>| cpus.as_ref().map_or("every CPU".to_owned(), ToString::to_string);
     println!(
         "placement: prefill on {} ({prefill_threads} threads, nice {}), decode on {} ({decode_threads} threads, nice {})",
         shown(&prefill_cpus),
@@ -360,8 +362,8 @@ async fn start_cluster(
         shown(&decode_cpus),
         a.decode_nice
     );
-    let prefill_cpus = prefill_cpus.as_deref().map(placement::format);
-    let decode_cpus = decode_cpus.as_deref().map(placement::format);
+    let prefill_cpus = prefill_cpus.as_ref().map(ToString::to_string);
+    let decode_cpus = decode_cpus.as_ref().map(ToString::to_string);
     let grace = a.shutdown_timeout_ms.to_string();
     let group = "local";
     let lease_ttl_s = a.lease_ttl_s.to_string();
@@ -484,9 +486,11 @@ async fn start_worker(a: &Args, spec: Spec, role: &'static str, name: String, gr
 const DEFAULT_PREFILL_NICE: i32 = 19;
 
 /// Each role's CPUs: as given, else the default split (see [`placement`]).
-fn role_cpus(a: &Args) -> anyhow::Result<(Option<placement::Cpus>, Option<placement::Cpus>)> {
-    let given = |s: &Option<String>| s.as_deref().map(placement::parse).transpose();
-    let (p, d) = (given(&a.prefill_cpus)?, given(&a.decode_cpus)?);
+fn role_cpus(a: &Args) -> anyhow::Result<(Option<CpuList>, Option<CpuList>)> {
+    let given = |flag: &str, s: &Option<String>| {
+        s.as_deref().map(|t| CpuList::parse(t).map_err(|e| anyhow::anyhow!("{flag} {t:?}: {e}"))).transpose()
+    };
+    let (p, d) = (given("--prefill-cpus", &a.prefill_cpus)?, given("--decode-cpus", &a.decode_cpus)?);
     if p.is_some() || d.is_some() || a.share_cpus || a.prefill == 0 {
         return Ok((p, d));
     }

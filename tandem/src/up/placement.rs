@@ -19,95 +19,50 @@
 //! 1.61x. The split has the steadiest gap. One CPU, or no prefill worker,
 //! leaves everything unpinned.
 
-use anyhow::{bail, Context, Result};
-
-/// CPUs, ascending, without repeats.
-pub type Cpus = Vec<usize>;
-
-/// Parses a CPU list as the workers' `--cpus` and `taskset -c` take it: `0-3,6`.
-pub fn parse(text: &str) -> Result<Cpus> {
-    let mut out = Vec::new();
-    for part in text.trim().split(',').map(str::trim) {
-        let (lo, hi) = match part.split_once('-') {
-            Some((a, b)) => (a.trim(), b.trim()),
-            None => (part, part),
-        };
-        let lo: usize = lo.parse().with_context(|| format!("CPU list {text:?}: {part:?} is not a CPU or range"))?;
-        let hi: usize = hi.parse().with_context(|| format!("CPU list {text:?}: {part:?} is not a CPU or range"))?;
-        if hi < lo {
-            bail!("CPU list {text:?}: range {part:?} runs backwards");
-        }
-        out.extend(lo..=hi);
-    }
-    out.sort_unstable();
-    out.dedup();
-    Ok(out)
-}
-
-/// Writes `cpus` as a CPU list (`0-3,6`).
-pub fn format(cpus: &[usize]) -> String {
-    let mut parts = Vec::new();
-    let mut i = 0;
-    while i < cpus.len() {
-        let mut j = i;
-        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
-            j += 1;
-        }
-        parts.push(if i == j { cpus[i].to_string() } else { format!("{}-{}", cpus[i], cpus[j]) });
-        i = j + 1;
-    }
-    parts.join(",")
-}
+use anyhow::{anyhow, Context, Result};
+use worker_common::cpu::CpuList;
 
 /// The CPUs this process may run on (`Cpus_allowed_list` in
 /// `/proc/self/status`: taskset, cgroup cpusets and offline CPUs included).
-pub fn allowed() -> Result<Cpus> {
+pub fn allowed() -> Result<CpuList> {
     let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let line = status
         .lines()
         .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
         .context("/proc/self/status has no Cpus_allowed_list")?;
-    parse(line)
+    CpuList::parse(line.trim()).map_err(|e| anyhow!("Cpus_allowed_list {line:?}: {e}"))
 }
 
 /// The default split of `allowed` between (prefill, decode): the first
 /// half to prefill, the rest to decode. `None` below two CPUs.
-pub fn split(allowed: &[usize]) -> Option<(Cpus, Cpus)> {
-    if allowed.len() < 2 {
+pub fn split(allowed: &CpuList) -> Option<(CpuList, CpuList)> {
+    let cpus = allowed.cpus();
+    if cpus.len() < 2 {
         return None;
     }
-    let (p, d) = allowed.split_at(allowed.len() / 2);
-    Some((p.to_vec(), d.to_vec()))
+    let (p, d) = cpus.split_at(cpus.len() / 2);
+    Some((CpuList::new(p.to_vec()).ok()?, CpuList::new(d.to_vec()).ok()?))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn lists_parse_and_format_back() {
-        assert_eq!(parse("0-3,6").expect("a list"), vec![0, 1, 2, 3, 6]);
-        assert_eq!(parse(" 5, 1-2 ,2\n").expect("a list"), vec![1, 2, 5]);
-        assert_eq!(format(&[0, 1, 2, 3, 6, 8, 9]), "0-3,6,8-9");
-        assert_eq!(format(&parse("7").expect("a list")), "7");
-        for bad in ["", "a", "3-1", "1-", "1,,2"] {
-            assert!(parse(bad).is_err(), "{bad:?} parsed");
-        }
+    fn list(text: &str) -> CpuList {
+        CpuList::parse(text).expect("a CPU list")
     }
 
     #[test]
     fn the_split_gives_decode_the_larger_half_and_needs_two_cpus() {
-        assert_eq!(split(&[0, 1]), Some((vec![0], vec![1])));
-        assert_eq!(split(&[0, 1, 2]), Some((vec![0], vec![1, 2])));
-        assert_eq!(split(&[2, 3, 6, 7]), Some((vec![2, 3], vec![6, 7])));
-        assert_eq!(split(&[4]), None);
-        assert_eq!(split(&[]), None);
+        assert_eq!(split(&list("0-1")), Some((list("0"), list("1"))));
+        assert_eq!(split(&list("0-2")), Some((list("0"), list("1-2"))));
+        assert_eq!(split(&list("2-3,6-7")), Some((list("2-3"), list("6-7"))));
+        assert_eq!(split(&list("4")), None);
     }
 
     #[test]
     fn this_process_may_run_somewhere() {
         let cpus = allowed().expect("the allowed CPUs");
-        assert!(!cpus.is_empty(), "no CPU allowed");
-        assert!(cpus.windows(2).all(|w| w[0] < w[1]), "{cpus:?}");
+        assert!(!cpus.cpus().is_empty(), "no CPU allowed");
     }
 }
