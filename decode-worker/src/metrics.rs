@@ -72,6 +72,12 @@ pub const RESERVATIONS_ACTIVE: &str = "tandem_reservations_active";
 /// `tandem_reservations_expired_total`: reservations whose lease ran out
 /// before the KV arrived (their blocks were freed, their late frames refused).
 pub const RESERVATIONS_EXPIRED: &str = "tandem_reservations_expired_total";
+/// `tandem_kv_lease_renewals_total`: reservation leases renewed because the
+/// prefill worker reported the prompt still queued there (`PrefillStatus`):
+/// rising steadily means prompts wait in prefill queues for longer than a
+/// third of `reservation_ttl_ms` — prefill capacity is short, while decode
+/// KV stays reserved for them.
+pub const LEASE_RENEWALS: &str = "tandem_kv_lease_renewals_total";
 /// `tandem_kv_transport_info{transport,ucx_tls}`: 1 for the KV transport
 /// this worker receives on; `ucx_tls` is `UCX_TLS` (or `default`) for ucx,
 /// `none` for the others. vLLM: none (its KV connector is in its config).
@@ -132,6 +138,7 @@ pub fn describe(policy: crate::KvLoadFailurePolicy) {
     describe_gauge!(UCX_LANDING_IN_USE, Unit::Bytes, "UCX landing bytes granted or quarantined.");
     describe_gauge!(UCX_LANDING_BYTES, Unit::Bytes, "UCX landing region size.");
     describe_counter!(UCX_LANDING_REFUSED, "Reservations refused UCX landing space, by reason.");
+    describe_counter!(LEASE_RENEWALS, "Reservation leases renewed while their prompt was queued on a prefill worker.");
     describe_counter!(UCX_FENCES, "Quarantined UCX landing ranges freed after their sender was fenced.");
     describe_histogram!(TTFT, Unit::Seconds, "Generate arrival to the first token sent.");
     describe_histogram!(TPOT, Unit::Seconds, "Gap between consecutive streamed tokens.");
@@ -150,6 +157,7 @@ pub fn describe(policy: crate::KvLoadFailurePolicy) {
     worker_common::metrics::zero(FRAMES_REFUSED, "reason", &kvtransfer::FrameError::REASONS);
     counter!(KV_TRANSFERS_COMPLETED).increment(0);
     counter!(RESERVATIONS_EXPIRED).increment(0);
+    counter!(LEASE_RENEWALS).increment(0);
 }
 
 pub fn record_outcome(outcome: &'static str) {
@@ -171,6 +179,10 @@ pub fn record_load_failure(reason: &'static str) {
 pub fn record_policy(policy: crate::KvLoadFailurePolicy, outcome: &'static str) {
     debug_assert!(POLICY_OUTCOME_LABELS.contains(&outcome), "unlisted outcome {outcome}");
     counter!(POLICY_OUTCOMES, "policy" => policy.as_str(), "outcome" => outcome).increment(1);
+}
+
+pub fn record_lease_renewal() {
+    counter!(LEASE_RENEWALS).increment(1);
 }
 
 pub fn record_load(seconds: f64) {

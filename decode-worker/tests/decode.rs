@@ -685,3 +685,122 @@ async fn health_answers_from_the_last_snapshot_during_a_long_step() -> TestResul
     assert!(answers.len() >= 3, "{} answers during a {step:?} step", answers.len());
     Ok(())
 }
+
+/// A Prefill sent straight to `prefill` (as a decode worker would) whose KV goes to a listener
+/// that never answers the handshake: once its first layer is computed it holds its blocks on
+/// the prefill worker until the returned call is dropped. With `--kv-blocks` at its block
+/// count, every later prompt waits in that worker's queue meanwhile.
+async fn hold_prefill_worker(
+    prefill: &Worker,
+    id: &str,
+    prompt: &[u32],
+    silent: &std::net::TcpListener,
+) -> Result<
+    tokio::task::JoinHandle<Result<tonic::Response<proto::worker::v1::PrefillResponse>, tonic::Status>>,
+    Box<dyn std::error::Error + Send + Sync>,
+> {
+    use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
+    use proto::worker::v1::{KvDestination, PrefillRequest, PrefillState, PrefillStatusRequest};
+    let mut pc =
+        within("gRPC connect", PrefillWorkerClient::connect(format!("http://{}", prefill.addr("grpc")?))).await??;
+    let health = within("Health", pc.health(HealthRequest::default())).await??.into_inner();
+    let call = PrefillRequest {
+        request_id: id.into(),
+        token_ids: prompt.to_vec(),
+        sampling: Some((&common::greedy(1)).into()),
+        deadline_unix_ms: 0,
+        cache_salt: 0,
+        priority: 0,
+        destination: Some(KvDestination {
+            transfer_addr: silent.local_addr()?.to_string(),
+            transport: "tcp".into(),
+            reservation_id: 1,
+            generation: 1,
+            block_ids: (0..prompt.len().div_ceil(16) as u32).collect(),
+            layout_fingerprint: health.layout_fingerprint,
+            version_group: GROUP.into(),
+            tls_cert_sha256: vec![],
+        }),
+    };
+    let held = tokio::spawn({
+        let mut pc = pc.clone();
+        async move { pc.prefill(call).await }
+    });
+    testkit::poll("the holder's first layer computed", WAIT, || {
+        let (mut pc, id) = (pc.clone(), id.to_owned());
+        async move {
+            let ask = PrefillStatusRequest { request_id: id };
+            let state = pc.prefill_status(ask).await.map_err(|e| e.to_string())?.into_inner().state();
+            Ok::<_, String>((state == PrefillState::Running).then_some(()))
+        }
+    })
+    .await?;
+    Ok(held)
+}
+
+/// A prompt queued on a busy prefill worker keeps its reservation however long the queue
+/// takes, and loses it one lease after the worker stops answering. The prefill worker's
+/// whole KV pool is held by another prompt (`hold_prefill_worker`), so a request routed
+/// there waits in its queue; the decode worker's lease is 1.5 s. While the prefill worker
+/// answers `PrefillStatus` with QUEUED the lease is renewed (three renewals: over a lease
+/// and a half of waiting), and once the holder goes the request completes with the engine's
+/// output and no failed load. A second queued request's prefill worker is then stopped
+/// (SIGSTOP): renewals stop, the load fails as `lease_expired` (policy `fail`), and no KV
+/// stays reserved. Before renewals, a queue wait over the lease always failed the load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_queued_on_a_busy_prefill_worker_keeps_its_lease_until_the_worker_goes_silent() -> TestResult {
+    use decode_worker::metrics::LEASE_RENEWALS;
+    let tok = common::tokenizer()?;
+    let holder = prompt_of(&tok, 64)?;
+    let prompt = prompt_of(&tok, 40)?;
+    let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?;
+    let blocks = holder.len().div_ceil(16).to_string();
+    let prefill = prefill_worker(GROUP, &["--kv-blocks", &blocks, "--transfer-timeout-ms", "600000"])?;
+    let args = ["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0", "--reservation-ttl-ms", "1500"];
+    let decode = decode_worker(GROUP, &args)?;
+    let metrics = decode.addr("metrics")?;
+    let c = client(&decode).await?;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0")?;
+
+    // 1. Queued behind the holder for three renewals, then served once the holder goes.
+    let held = hold_prefill_worker(&prefill, "holder-1", &holder, &silent).await?;
+    let mut req = request("queued", &prompt, vec![target(&prefill)?]);
+    req.cache_salt = 7; // none of the holder's blocks to share
+    let mut call = tokio::spawn({
+        let mut c = c.clone();
+        async move { generate(&mut c, req).await }
+    });
+    tokio::select! {
+        renewed = wait_metric(&metrics, LEASE_RENEWALS, &[], |v| v >= 3.0) => drop(renewed?),
+        ended = &mut call => return Err(format!("the request ended while its prompt was queued: {ended:?}").into()),
+    }
+    held.abort();
+    let got = call.await??;
+    let fin = got.end.as_ref().map_err(|e| format!("the queued request failed: {e:?}"))?;
+    assert!(fin.prefilled_remotely, "{got:?}");
+    assert_eq!(got.tokens, want[0], "the queued prompt's output differs from the engine's");
+    let page = scrape(&metrics).await?;
+    assert_eq!(page.sum(KV_LOAD_FAILURES, &[])?, 0.0, "a load failed while its prompt waited");
+    assert_eq!(page.get(RESERVATIONS_EXPIRED, &[])?, 0.0);
+    assert_no_kv_left("after the queued request", &decode).await?;
+
+    // 2. Queued again; the prefill worker stops answering: the lease runs out.
+    let held = hold_prefill_worker(&prefill, "holder-2", &holder, &silent).await?;
+    let renewed = scrape(&metrics).await?.get(LEASE_RENEWALS, &[])?;
+    let mut req = request("stranded", &prompt, vec![target(&prefill)?]);
+    req.cache_salt = 7;
+    let call = tokio::spawn({
+        let mut c = c.clone();
+        async move { generate(&mut c, req).await }
+    });
+    wait_metric(&metrics, LEASE_RENEWALS, &[], |v| v > renewed).await?;
+    prefill.signal(Signal::Stop)?;
+    let got = call.await??;
+    assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "{got:?}");
+    wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "lease_expired")], |v| v == 1.0).await?;
+    assert_no_kv_left("after the stranded request", &decode).await?;
+    prefill.signal(Signal::Cont)?;
+    held.abort();
+    drop(silent);
+    Ok(())
+}

@@ -548,6 +548,43 @@ impl Receiver {
         Ok(self.end_returning(idx, ReservationState::Taken))
     }
 
+    /// Moves a live reservation's lease end to `now + ttl` if that is later
+    /// (a renewal never shortens a lease) and returns the lease end. The
+    /// decode worker renews while the prefill worker reports the prompt
+    /// still queued there: the lease bounds how long blocks wait on a peer
+    /// that shows no sign of progress, not how long a busy peer's queue is.
+    /// A lease that already ran out is not revived: the reservation expires
+    /// here (its blocks go to [`Receiver::poll_released`]).
+    pub fn renew(&mut self, r: Reservation, ttl: Duration, now: Instant) -> Result<Instant, ReservationError> {
+        let max = self.config.max_lease;
+        let until = match now.checked_add(ttl) {
+            Some(t) if !ttl.is_zero() && ttl <= max => t,
+            _ => return Err(ReservationError::InvalidTtl { ttl, max }),
+        };
+        let idx = self.find(r)?;
+        match &mut self.slots[idx].state {
+            SlotState::Live(l) if now >= l.deadline => {
+                self.end_to_outbox(idx, ReservationState::Expired, ReleaseCause::LeaseExpired);
+                Err(ReservationError::Ended { reservation: r, state: ReservationState::Expired })
+            }
+            SlotState::Live(l) => {
+                l.deadline = l.deadline.max(until);
+                Ok(l.deadline)
+            }
+            SlotState::Ended(state) => Err(ReservationError::Ended { reservation: r, state: *state }),
+        }
+    }
+
+    /// When a live reservation's lease ends; `None` once it has ended (or
+    /// for a reservation this receiver does not know).
+    pub fn lease_end(&self, r: Reservation) -> Option<Instant> {
+        let slot = self.slots.get(usize::try_from(r.id.0).ok()?)?;
+        match &slot.state {
+            SlotState::Live(l) if slot.generation == r.generation => Some(l.deadline),
+            _ => None,
+        }
+    }
+
     /// Ends a live reservation on the caller's behalf (request cancelled,
     /// shutting down) and returns its blocks. The caller tells the sender
     /// with an `Abort` frame.

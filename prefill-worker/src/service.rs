@@ -29,7 +29,8 @@ use kvtransfer::{
 use proto::worker::v1::prefill_worker_server::PrefillWorker;
 use proto::worker::v1::{
     prefill_response, AbortRequest, AbortResponse, ErrorKind, FirstToken, HealthRequest, HealthResponse,
-    PrefillRequest, PrefillResponse, TopLogprob, WorkerError,
+    PrefillRequest, PrefillResponse, PrefillState, PrefillStatusRequest, PrefillStatusResponse, TopLogprob,
+    WorkerError,
 };
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -41,6 +42,16 @@ use tonic::{Request as GrpcRequest, Response, Status};
 use worker_common::serve::{blocking, err, local_deadline, runner_err};
 
 type Slot = Arc<tokio::sync::Mutex<Option<KvSender>>>;
+
+/// One request this worker has accepted and not yet answered.
+#[derive(Clone)]
+struct Running {
+    engine_id: u64,
+    token: CancellationToken,
+    /// Set by the engine's sink with the first computed layer: from then on
+    /// the prompt is computing or being pushed, no longer queued.
+    started: Arc<AtomicBool>,
+}
 
 /// How this worker connects to destinations.
 #[derive(Debug, Clone)]
@@ -91,8 +102,9 @@ struct Inner {
     /// coordinator has called `Health` for the silence bound (`serve::Fencing`).
     fenced: AtomicBool,
     next_id: AtomicU64,
-    /// Wire request id -> engine id and the request's token.
-    running: Mutex<HashMap<String, (u64, CancellationToken)>>,
+    /// Wire request id -> engine id, the request's token, and whether the
+    /// engine has computed a layer of it yet (`PrefillStatus`).
+    running: Mutex<HashMap<String, Running>>,
     senders: Mutex<HashMap<String, Slot>>,
 }
 
@@ -262,6 +274,7 @@ impl PrefillService {
         worker_common::serve::accepting(&inner.ready, &inner.fenced)?;
         let engine_id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         let token = inner.shutdown.child_token();
+        let computing = Arc::new(AtomicBool::new(false));
         {
             let mut m = inner.running.lock().map_err(|_| err(ErrorKind::Internal, "request map poisoned"))?;
             if m.contains_key(&req.request_id) {
@@ -270,7 +283,7 @@ impl PrefillService {
                     format!("request_id {:?} is already running here", req.request_id),
                 ));
             }
-            m.insert(req.request_id.clone(), (engine_id, token.clone()));
+            m.insert(req.request_id.clone(), Running { engine_id, token: token.clone(), started: computing.clone() });
         }
         let gone = Arc::new(AtomicBool::new(false));
         // Armed before the submission: the caller may go away while it is on the blocking pool.
@@ -306,7 +319,7 @@ impl PrefillService {
             let submitted = runner.submit_prefill_streaming(
                 engine_req,
                 runner_deadline,
-                layer_sink(layer_tx),
+                layer_sink(layer_tx, computing),
                 Box::new(move |r| drop(done_tx.send(r))),
             );
             // The caller went away while this waited for a blocking thread (a control-link
@@ -508,9 +521,10 @@ struct Pushed {
 /// gap: the push sees the end, counts fewer bytes than the prompt has, and
 /// aborts the transfer. A closed `tx` (the push is gone; the request is
 /// being aborted) drops the blocks.
-fn layer_sink(tx: mpsc::Sender<LayerBlocks>) -> engine::batch::LayerSink {
+fn layer_sink(tx: mpsc::Sender<LayerBlocks>, started: Arc<AtomicBool>) -> engine::batch::LayerSink {
     let mut tx = Some(tx);
     Box::new(move |c| {
+        started.store(true, Ordering::Relaxed);
         let Some(t) = &tx else { return };
         if let Err(TrySendError::Full(_)) = t.try_send(c) {
             tracing::error!(capacity = t.max_capacity(), "a prefill's KV queue is full; cutting its stream");
@@ -545,12 +559,28 @@ impl PrefillWorker for PrefillService {
     async fn abort(&self, request: GrpcRequest<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
         let id = request.into_inner().request_id;
         let found = self.inner.running.lock().ok().and_then(|m| m.get(&id).cloned());
-        let Some((engine_id, token)) = found else { return Ok(Response::new(AbortResponse { found: false })) };
+        let Some(Running { engine_id, token, .. }) = found else {
+            return Ok(Response::new(AbortResponse { found: false }));
+        };
         // Token first: a gather that runs after the engine abort sees it.
         token.cancel();
         let runner = self.inner.runner.clone();
         blocking(move || runner.abort(engine_id)).await.map_err(|e| Status::internal(e.message))?;
         Ok(Response::new(AbortResponse { found: true }))
+    }
+
+    async fn prefill_status(
+        &self,
+        request: GrpcRequest<PrefillStatusRequest>,
+    ) -> Result<Response<PrefillStatusResponse>, Status> {
+        let id = request.into_inner().request_id;
+        let running = self.inner.running.lock().map_err(|_| Status::internal("request map poisoned"))?;
+        let state = match running.get(&id) {
+            None => PrefillState::Unknown,
+            Some(r) if r.started.load(Ordering::Relaxed) => PrefillState::Running,
+            Some(_) => PrefillState::Queued,
+        };
+        Ok(Response::new(PrefillStatusResponse { state: state.into() }))
     }
 
     async fn health(&self, request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {

@@ -449,3 +449,80 @@ async fn a_finished_prompt_is_answered_while_another_prompts_steps_run() -> Test
     assert!(b_at_a < 2 * layers, "A was answered with {b_at_a} of B's {b_all} KV frames in: two of B's steps later");
     Ok(())
 }
+
+/// `PrefillStatus` says where a prompt is: QUEUED until the engine computed a layer of it,
+/// RUNNING from then until it is answered, UNKNOWN before and after (and for ids never
+/// sent). The worker's KV pool has room for one prompt, and both prompts push to a listener
+/// that never answers the handshake, so A holds every block until its caller goes away and B
+/// waits in the queue meanwhile (another cache salt: no blocks to share).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_status_follows_a_prompt_from_queued_to_running_to_gone() -> TestResult {
+    use proto::worker::v1::{PrefillState, PrefillStatusRequest};
+    let prompt = prompt()?;
+    let (layout, fp, _, _) = reference(&prompt)?;
+    let n = prompt.len().div_ceil(layout.block_size);
+    let blocks = n.to_string();
+    let kv_blocks = ["--kv-blocks", &blocks, "--transfer-timeout-ms", "600000"];
+    let args = ["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1"];
+    let worker = worker(&[&args[..], &kv_blocks[..]].concat())?;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let request = |id: &str, salt: u64| PrefillRequest {
+        request_id: id.into(),
+        token_ids: prompt.clone(),
+        sampling: Some((&greedy()).into()),
+        deadline_unix_ms: 0,
+        cache_salt: salt,
+        priority: 0,
+        destination: Some(KvDestination {
+            transfer_addr: silent.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            transport: "tcp".into(),
+            reservation_id: 1,
+            generation: 1,
+            block_ids: (0..n as u32).collect(),
+            layout_fingerprint: fp.as_bytes().to_vec(),
+            version_group: GROUP.into(),
+            tls_cert_sha256: vec![],
+        }),
+    };
+    let client =
+        within("gRPC connect", PrefillWorkerClient::connect(format!("http://{}", worker.addr("grpc")?))).await??;
+    let status = |id: &str| {
+        let (mut c, ask) = (client.clone(), PrefillStatusRequest { request_id: id.into() });
+        async move { c.prefill_status(ask).await.map(|a| a.into_inner().state()).map_err(|e| e.to_string()) }
+    };
+    let until = |id: &'static str, want: PrefillState| async move {
+        let what = format!("{id} {want:?}");
+        testkit::poll(&what, WAIT, || {
+            let s = status(id);
+            async move { s.await.map(|s| (s == want).then_some(())) }
+        })
+        .await
+    };
+    assert_eq!(status("a").await?, PrefillState::Unknown, "before it was sent");
+    let spawn = |r: PrefillRequest| {
+        let mut c = client.clone();
+        tokio::spawn(async move { c.prefill(r).await })
+    };
+    let a = spawn(request("a", 0));
+    until("a", PrefillState::Running).await?;
+    let b = spawn(request("b", 1));
+    testkit::poll("b waiting in the engine's queue", WAIT, || {
+        let mut c = client.clone();
+        async move {
+            let h = c.health(HealthRequest::default()).await.map_err(|e| e.to_string())?.into_inner();
+            Ok::<_, String>((h.waiting == 1).then_some(()))
+        }
+    })
+    .await?;
+    assert_eq!(status("b").await?, PrefillState::Queued);
+    assert_eq!(status("a").await?, PrefillState::Running);
+    assert_eq!(status("never-sent").await?, PrefillState::Unknown);
+    // A's caller goes away: its blocks are freed and B runs.
+    a.abort();
+    until("b", PrefillState::Running).await?;
+    until("a", PrefillState::Unknown).await?;
+    b.abort();
+    until("b", PrefillState::Unknown).await?;
+    drop(silent);
+    Ok(())
+}

@@ -13,7 +13,7 @@ use kvtransfer::{Reservation, ReservationState};
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{
     prefill_response, ErrorKind, FirstToken, GenerateRequest, KvDestination, PrefillAttempt, PrefillRequest,
-    PrefillTarget, WorkerError,
+    PrefillState, PrefillStatusRequest, PrefillTarget, WorkerError,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -167,9 +167,7 @@ impl DecodeService {
                 return Err(Failure::Fatal(err(ErrorKind::Overloaded, format!("KV reservation refused: {e}"))));
             }
         };
-        let lease_end = started + inner.settings.reservation_ttl;
-        let limit = deadline.map_or(lease_end, |d| d.min(lease_end));
-        let result = self.call_prefill(req, target, r, &blocks, limit, deadline, token).await;
+        let result = self.call_prefill(req, target, r, &blocks, deadline, token).await;
         let first = match result {
             Ok(first) => first,
             Err(f) => {
@@ -247,24 +245,28 @@ impl DecodeService {
         Ok(c)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// The `Prefill` call, bounded by the request's deadline and by the
+    /// reservation's lease, which [`Self::hold_lease`] renews while the
+    /// prefill worker reports the prompt queued.
     async fn call_prefill(
         &self,
         req: &GenerateRequest,
         target: &PrefillTarget,
         r: Reservation,
         blocks: &[BlockId],
-        limit: Instant,
         deadline: Option<Instant>,
         token: &CancellationToken,
     ) -> Result<FirstToken, Failure> {
         let inner = &self.inner;
         let mut client = self.client(&target.grpc_addr).map_err(Failure::Fatal)?;
+        let status_client = client.clone();
+        // The request's own deadline: the prefill worker may queue the prompt
+        // for longer than a lease, and drops it when this call goes away.
         let call = PrefillRequest {
             request_id: req.request_id.clone(),
             token_ids: req.token_ids.clone(),
             sampling: req.sampling.clone(),
-            deadline_unix_ms: unix_deadline(Some(limit)),
+            deadline_unix_ms: unix_deadline(deadline),
             cache_salt: req.cache_salt,
             priority: req.priority,
             destination: Some(KvDestination {
@@ -282,25 +284,29 @@ impl DecodeService {
         // Dropping the call (timeout, cancel) resets its HTTP/2 stream, which
         // cancels the prefill worker's handler and frees its KV there.
         let answer = tokio::select! {
-            a = tokio::time::timeout_at(limit, client.prefill(call)) => a,
+            a = client.prefill(call) => Some(a),
+            () = self.hold_lease(status_client, &req.request_id, r, deadline) => None,
             _ = token.cancelled() => return Err(Failure::Fatal(err(ErrorKind::Cancelled, "aborted"))),
         };
         let deadline_passed = || deadline.is_some_and(|d| Instant::now() >= d);
-        match answer {
-            Err(_) if deadline_passed() => {
-                Err(Failure::Fatal(err(ErrorKind::Deadline, "deadline passed while waiting for the remote prefill")))
+        let Some(answer) = answer else {
+            if deadline_passed() {
+                let e = err(ErrorKind::Deadline, "deadline passed while waiting for the remote prefill");
+                return Err(Failure::Fatal(e));
             }
-            Err(_) => Err(load(
+            return Err(load(
                 "timeout",
                 ErrorKind::KvLoadFailed,
                 format!("no KV from {} within the reservation lease", target.grpc_addr),
-            )),
-            Ok(Err(status)) => Err(load(
+            ));
+        };
+        match answer {
+            Err(status) => Err(load(
                 "rpc",
                 ErrorKind::Retryable,
                 format!("Prefill on {}: {} ({:?})", target.grpc_addr, status.message(), status.code()),
             )),
-            Ok(Ok(resp)) => match resp.into_inner().outcome {
+            Ok(resp) => match resp.into_inner().outcome {
                 Some(prefill_response::Outcome::FirstToken(first)) => Ok(first),
                 Some(prefill_response::Outcome::Error(e)) => match e.kind() {
                     ErrorKind::InvalidArgument => Err(Failure::Fatal(e)),
@@ -310,6 +316,91 @@ impl DecodeService {
                 },
                 None => Err(load("prefill_error", ErrorKind::Internal, "Prefill answered no outcome".into())),
             },
+        }
+    }
+
+    /// Returns once reservation `r`'s lease has run out or the request's
+    /// deadline has passed; the `Prefill` call runs beside it and, when it
+    /// answers first, this is dropped.
+    ///
+    /// Every third of `reservation_ttl_ms` it asks the prefill worker where
+    /// the prompt is (`PrefillStatus`): while the answer is `QUEUED`, the
+    /// lease is renewed to a full TTL from now, so a prompt waiting behind
+    /// others on a busy prefill worker keeps its blocks however long its
+    /// turn takes (admission and `--max-waiting` bound that queue, not the
+    /// lease). The first `RUNNING` after `QUEUED` renews once more — the
+    /// transfer gets a whole lease from (at most a period after) its start —
+    /// and the probing stops. No answer within a period renews nothing: a
+    /// stopped or unreachable prefill worker's reservation expires one TTL
+    /// after its last renewal, as it always did. A worker without the RPC
+    /// (`UNIMPLEMENTED`) is not asked again: its leases count from the
+    /// reservation, as before the RPC existed.
+    ///
+    /// A reservation that ended otherwise (a corrupt frame, the sender's
+    /// abort) is explained by the call's answer, which gets one more TTL.
+    async fn hold_lease(
+        &self,
+        mut client: PrefillWorkerClient<Channel>,
+        request_id: &str,
+        r: Reservation,
+        deadline: Option<Instant>,
+    ) {
+        let inner = &self.inner;
+        let ttl = inner.settings.reservation_ttl;
+        let period = ttl / 3;
+        let mut probe_at = Some(Instant::now() + period);
+        let mut queued = false;
+        let mut ended_at = None;
+        loop {
+            let now = Instant::now();
+            let (end, state) = {
+                let rx = lock(&inner.receiver);
+                (rx.lease_end(r), rx.state(r))
+            };
+            let end = match (end, state) {
+                (Some(end), _) => Instant::from_std(end),
+                (None, Some(ReservationState::Expired) | None) => return,
+                (None, Some(_)) => {
+                    probe_at = None;
+                    *ended_at.get_or_insert(now + ttl)
+                }
+            };
+            let stop = deadline.map_or(end, |d| d.min(end));
+            if now >= stop {
+                return;
+            }
+            let Some(at) = probe_at.filter(|&at| at < stop) else {
+                tokio::time::sleep_until(stop).await;
+                continue;
+            };
+            tokio::time::sleep_until(at).await;
+            let ask = PrefillStatusRequest { request_id: request_id.to_owned() };
+            let answer = tokio::time::timeout_at((at + period).min(stop), client.prefill_status(ask)).await;
+            probe_at = Some(at + period);
+            let renew = match answer {
+                Ok(Ok(a)) => match a.into_inner().state() {
+                    PrefillState::Queued => {
+                        queued = true;
+                        true
+                    }
+                    PrefillState::Running => {
+                        probe_at = None;
+                        queued
+                    }
+                    PrefillState::Unknown | PrefillState::Unspecified => {
+                        probe_at = None;
+                        false
+                    }
+                },
+                Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => {
+                    probe_at = None;
+                    false
+                }
+                Ok(Err(_)) | Err(_) => false,
+            };
+            if renew && lock(&inner.receiver).renew(r, ttl, Instant::now().into_std()).is_ok() {
+                m::record_lease_renewal();
+            }
         }
     }
 }

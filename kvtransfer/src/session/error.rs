@@ -135,6 +135,9 @@ pub enum ReservationError {
     /// The reservation already ended; its blocks were handed back then.
     #[error("reservation {reservation} already ended: {state:?}")]
     Ended { reservation: Reservation, state: ReservationState },
+    /// A renewal asked for a lease of zero or over `ReceiverConfig::max_lease`.
+    #[error("a lease of {ttl:?} is not in (0, {max:?}]")]
+    InvalidTtl { ttl: Duration, max: Duration },
 }
 
 /// A reservation that was not made. The blocks come back in the error so

@@ -178,6 +178,39 @@ fn a_late_frame_expires_the_reservation_and_blocks_come_back_once() {
 }
 
 #[test]
+fn a_renewed_lease_outlives_its_first_end_and_never_shrinks_or_revives() {
+    let mut rx = rx_with(1);
+    let t0 = Instant::now();
+    let r = rx.reserve(vec![5, 6], SEC, t0).expect("reserve");
+    assert_eq!(rx.lease_end(r), Some(t0 + SEC));
+    // Renewed at 0.9 s: it now ends at 1.9 s, so 1.5 s is within the lease.
+    assert_eq!(rx.renew(r, SEC, t0 + SEC * 9 / 10), Ok(t0 + SEC * 19 / 10));
+    assert!(rx.poll_released(t0 + SEC * 3 / 2).is_empty(), "expired at its first end despite the renewal");
+    rx.on_layer(&data(r, 0, 0, 2), t0 + SEC * 3 / 2).expect("a frame within the renewed lease");
+    // A shorter renewal keeps the later end.
+    assert_eq!(rx.renew(r, SEC / 10, t0 + SEC * 3 / 2), Ok(t0 + SEC * 19 / 10));
+    // Leases the receiver would not grant are refused, and change nothing.
+    let max = rx.config().max_lease;
+    assert_eq!(rx.renew(r, Duration::ZERO, t0), Err(ReservationError::InvalidTtl { ttl: Duration::ZERO, max }));
+    let over = max + SEC;
+    assert_eq!(rx.renew(r, over, t0), Err(ReservationError::InvalidTtl { ttl: over, max }));
+    assert_eq!(rx.lease_end(r), Some(t0 + SEC * 19 / 10));
+    // Past its end, a renewal does not revive it: it expires then and there, once.
+    let ended = ReservationError::Ended { reservation: r, state: ReservationState::Expired };
+    assert_eq!(rx.renew(r, SEC, t0 + 2 * SEC), Err(ended.clone()));
+    assert_eq!(rx.lease_end(r), None);
+    let released = rx.poll_released(t0 + 2 * SEC);
+    assert_eq!(released, [Released { reservation: r, blocks: vec![5, 6], cause: ReleaseCause::LeaseExpired }]);
+    assert_eq!(rx.renew(r, SEC, t0 + 2 * SEC), Err(ended));
+    assert_eq!(rx.counters().reservations_expired, 1);
+    // One slot: the next reservation reuses it, and the old generation is not renewed.
+    let next = rx.reserve(vec![7], SEC, t0 + 2 * SEC).expect("reserve");
+    assert_eq!(next.id, r.id);
+    assert!(matches!(rx.renew(r, SEC, t0 + 2 * SEC), Err(ReservationError::StaleGeneration { .. })));
+    assert_eq!((rx.lease_end(r), rx.lease_end(next)), (None, Some(t0 + 3 * SEC)));
+}
+
+#[test]
 fn poll_expires_idle_reservations_including_untaken_ready_ones() {
     let mut rx = rx();
     let t0 = Instant::now();
