@@ -191,12 +191,14 @@ mod simd {
     const CHUNKS: usize = TILED_HEAD_DIM / 8;
 
     /// K/V storage read 8 elements at a time as f32.
+    #[cfg(target_arch = "x86_64")]
     pub trait Lanes: Copy {
         /// # Safety
         /// `p..p + 8` is in bounds; the caller is an AVX2 + F16C function.
         unsafe fn load8(p: *const Self) -> __m256;
     }
 
+    #[cfg(target_arch = "x86_64")]
     impl Lanes for f32 {
         #[inline(always)]
         unsafe fn load8(p: *const f32) -> __m256 {
@@ -205,6 +207,7 @@ mod simd {
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
     impl Lanes for u16 {
         #[inline(always)]
         unsafe fn load8(p: *const u16) -> __m256 {
@@ -282,13 +285,9 @@ mod simd {
                     s += 4;
                 }
                 while s < n_in {
-                    let kp = k[base + s * row..].as_ptr();
-                    let mut acc = _mm256_setzero_ps();
-                    for c in 0..CHUNKS {
-                        // SAFETY: as above.
-                        unsafe { acc = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c * 8)), T::load8(kp.add(c * 8)), acc) };
-                    }
-                    sc[t0 + s] = crate::matmul::hsum_avx(acc) * scale;
+                    let off = base + s * row;
+                    // SAFETY: both slices are 64 long; the features are this function's.
+                    sc[t0 + s] = unsafe { dot_k(&q[h * HD..(h + 1) * HD], &k[off..off + HD]) } * scale;
                     s += 1;
                 }
             }
@@ -334,7 +333,7 @@ mod simd {
         assert!(a.len() == b.len() && a.len() % 8 == 0);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: features checked by the caller via `available()`; lengths asserted.
-        return unsafe { dot_f32_k(a, b) };
+        return unsafe { dot_k(a, b) };
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!()
     }
@@ -343,7 +342,7 @@ mod simd {
         assert!(a.len() == b.len() && a.len() % 8 == 0);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        return unsafe { dot_f16_k(a, b) };
+        return unsafe { dot_k(a, b) };
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!()
     }
@@ -354,7 +353,7 @@ mod simd {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         unsafe {
-            axpy_f32_k(p, x, out)
+            axpy_k(p, x, out)
         }
     }
 
@@ -363,59 +362,32 @@ mod simd {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         unsafe {
-            axpy_f16_k(p, x, out)
+            axpy_k(p, x, out)
         }
     }
 
+    /// `a · b`: one 8-lane FMA chain over the row, then the horizontal sum.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_f32_k(a: &[f32], b: &[f32]) -> f32 {
+    unsafe fn dot_k<T: Lanes>(a: &[f32], b: &[T]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for i in (0..a.len()).step_by(8) {
-            // SAFETY: i + 8 <= len for both slices (len % 8 == 0).
-            acc =
-                unsafe { _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc) };
+            // SAFETY: i + 8 <= len for both slices (len % 8 == 0, asserted by the callers).
+            acc = unsafe { _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), T::load8(b.as_ptr().add(i)), acc) };
         }
         crate::matmul::hsum_avx(acc)
     }
 
+    /// `out += p * x`, through memory.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_f16_k(a: &[f32], b: &[u16]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        for i in (0..a.len()).step_by(8) {
-            // SAFETY: 8 u16 (one 128-bit load) and 8 f32 in bounds.
-            unsafe {
-                let bh = _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(i) as *const __m128i));
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), bh, acc);
-            }
-        }
-        crate::matmul::hsum_avx(acc)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn axpy_f32_k(p: f32, x: &[f32], out: &mut [f32]) {
+    unsafe fn axpy_k<T: Lanes>(p: f32, x: &[T], out: &mut [f32]) {
         let pv = _mm256_set1_ps(p);
         for i in (0..x.len()).step_by(8) {
             // SAFETY: in bounds as above.
             unsafe {
                 let o = out.as_mut_ptr().add(i);
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(o)));
-            }
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn axpy_f16_k(p: f32, x: &[u16], out: &mut [f32]) {
-        let pv = _mm256_set1_ps(p);
-        for i in (0..x.len()).step_by(8) {
-            // SAFETY: in bounds as above.
-            unsafe {
-                let o = out.as_mut_ptr().add(i);
-                let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i) as *const __m128i));
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(pv, xv, _mm256_loadu_ps(o)));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(pv, T::load8(x.as_ptr().add(i)), _mm256_loadu_ps(o)));
             }
         }
     }
