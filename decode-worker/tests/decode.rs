@@ -26,7 +26,9 @@ use decode_worker::metrics::{
 use prefill_worker::metrics::KV_TRANSFER_BYTES;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, ErrorKind, GenerateRequest, HealthRequest, KvLoadFailurePolicy};
-use rpc::{assert_no_kv_left, client, generate, kind, request, target, with_policy, GROUP, MAX_TOKENS};
+use rpc::{
+    assert_no_kv_left, client, generate, hold_prefill_worker, kind, request, target, with_policy, GROUP, MAX_TOKENS,
+};
 use tonic::transport::Channel;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -684,58 +686,6 @@ async fn health_answers_from_the_last_snapshot_during_a_long_step() -> TestResul
     }
     assert!(answers.len() >= 3, "{} answers during a {step:?} step", answers.len());
     Ok(())
-}
-
-/// A Prefill sent straight to `prefill` (as a decode worker would) whose KV goes to a listener
-/// that never answers the handshake: once its first layer is computed it holds its blocks on
-/// the prefill worker until the returned call is dropped. With `--kv-blocks` at its block
-/// count, every later prompt waits in that worker's queue meanwhile.
-async fn hold_prefill_worker(
-    prefill: &Worker,
-    id: &str,
-    prompt: &[u32],
-    silent: &std::net::TcpListener,
-) -> Result<
-    tokio::task::JoinHandle<Result<tonic::Response<proto::worker::v1::PrefillResponse>, tonic::Status>>,
-    Box<dyn std::error::Error + Send + Sync>,
-> {
-    use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
-    use proto::worker::v1::{KvDestination, PrefillRequest, PrefillState, PrefillStatusRequest};
-    let mut pc =
-        within("gRPC connect", PrefillWorkerClient::connect(format!("http://{}", prefill.addr("grpc")?))).await??;
-    let health = within("Health", pc.health(HealthRequest::default())).await??.into_inner();
-    let call = PrefillRequest {
-        request_id: id.into(),
-        token_ids: prompt.to_vec(),
-        sampling: Some((&common::greedy(1)).into()),
-        deadline_unix_ms: 0,
-        cache_salt: 0,
-        priority: 0,
-        destination: Some(KvDestination {
-            transfer_addr: silent.local_addr()?.to_string(),
-            transport: "tcp".into(),
-            reservation_id: 1,
-            generation: 1,
-            block_ids: (0..prompt.len().div_ceil(16) as u32).collect(),
-            layout_fingerprint: health.layout_fingerprint,
-            version_group: GROUP.into(),
-            tls_cert_sha256: vec![],
-        }),
-    };
-    let held = tokio::spawn({
-        let mut pc = pc.clone();
-        async move { pc.prefill(call).await }
-    });
-    testkit::poll("the holder's first layer computed", WAIT, || {
-        let (mut pc, id) = (pc.clone(), id.to_owned());
-        async move {
-            let ask = PrefillStatusRequest { request_id: id };
-            let state = pc.prefill_status(ask).await.map_err(|e| e.to_string())?.into_inner().state();
-            Ok::<_, String>((state == PrefillState::Running).then_some(()))
-        }
-    })
-    .await?;
-    Ok(held)
 }
 
 /// A prompt queued on a busy prefill worker keeps its reservation however long the queue

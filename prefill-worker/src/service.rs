@@ -50,7 +50,7 @@ struct Running {
     token: CancellationToken,
     /// Set by the engine's sink with the first computed layer: from then on
     /// the prompt is computing or being pushed, no longer queued.
-    started: Arc<AtomicBool>,
+    computing: Arc<AtomicBool>,
 }
 
 /// How this worker connects to destinations.
@@ -283,7 +283,7 @@ impl PrefillService {
                     format!("request_id {:?} is already running here", req.request_id),
                 ));
             }
-            m.insert(req.request_id.clone(), Running { engine_id, token: token.clone(), started: computing.clone() });
+            m.insert(req.request_id.clone(), Running { engine_id, token: token.clone(), computing: computing.clone() });
         }
         let gone = Arc::new(AtomicBool::new(false));
         // Armed before the submission: the caller may go away while it is on the blocking pool.
@@ -521,10 +521,10 @@ struct Pushed {
 /// gap: the push sees the end, counts fewer bytes than the prompt has, and
 /// aborts the transfer. A closed `tx` (the push is gone; the request is
 /// being aborted) drops the blocks.
-fn layer_sink(tx: mpsc::Sender<LayerBlocks>, started: Arc<AtomicBool>) -> engine::batch::LayerSink {
+fn layer_sink(tx: mpsc::Sender<LayerBlocks>, computing: Arc<AtomicBool>) -> engine::batch::LayerSink {
     let mut tx = Some(tx);
     Box::new(move |c| {
-        started.store(true, Ordering::Relaxed);
+        computing.store(true, Ordering::Relaxed);
         let Some(t) = &tx else { return };
         if let Err(TrySendError::Full(_)) = t.try_send(c) {
             tracing::error!(capacity = t.max_capacity(), "a prefill's KV queue is full; cutting its stream");
@@ -577,7 +577,7 @@ impl PrefillWorker for PrefillService {
         let running = self.inner.running.lock().map_err(|_| Status::internal("request map poisoned"))?;
         let state = match running.get(&id) {
             None => PrefillState::Unknown,
-            Some(r) if r.started.load(Ordering::Relaxed) => PrefillState::Running,
+            Some(r) if r.computing.load(Ordering::Relaxed) => PrefillState::Running,
             Some(_) => PrefillState::Queued,
         };
         Ok(Response::new(PrefillStatusResponse { state: state.into() }))

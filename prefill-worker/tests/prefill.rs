@@ -17,7 +17,10 @@ use engine::model::Model;
 use engine::sampler::SamplingParams;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
-use kvtransfer::{LayoutFingerprint, Peer, Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig, VersionGroup};
+use kvtransfer::{
+    LayoutFingerprint, Peer, Receiver, ReceiverConfig, Reservation, ReservationId, TcpKvServer, TcpServerConfig,
+    VersionGroup,
+};
 use prefill_worker::metrics::{
     KV_STALE_CONNECTIONS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS, PREFILL_REQUESTS,
     PREFILL_SECONDS, PROMPT_TOKENS,
@@ -107,6 +110,46 @@ fn prompt() -> Result<Vec<u32>, String> {
     tok.encode(text, false).map_err(|e| e.to_string())
 }
 
+/// A tcp destination in [`GROUP`] with layout `fp`: reservation `r`'s `blocks` at `addr`.
+fn tcp_destination(addr: String, fp: LayoutFingerprint, r: Reservation, blocks: Vec<u32>) -> KvDestination {
+    KvDestination {
+        transfer_addr: addr,
+        transport: "tcp".into(),
+        reservation_id: r.id.0,
+        generation: r.generation,
+        block_ids: blocks,
+        layout_fingerprint: fp.as_bytes().to_vec(),
+        version_group: GROUP.into(),
+        tls_cert_sha256: vec![],
+    }
+}
+
+/// A greedy one-token prefill of `tokens` under cache salt `salt`, no deadline,
+/// pushing its KV to `destination`.
+fn prefill_request(id: &str, tokens: &[u32], salt: u64, destination: KvDestination) -> PrefillRequest {
+    PrefillRequest {
+        request_id: id.into(),
+        token_ids: tokens.to_vec(),
+        sampling: Some((&greedy()).into()),
+        deadline_unix_ms: 0,
+        cache_salt: salt,
+        priority: 0,
+        destination: Some(destination),
+    }
+}
+
+/// A destination whose kernel accepts the connection and which never answers the
+/// handshake: a transfer to it waits (`silent` listens there), and the prompt's KV
+/// stays held on the worker until its caller goes away.
+fn silent_destination(
+    silent: &std::net::TcpListener,
+    fp: LayoutFingerprint,
+    blocks: usize,
+) -> std::io::Result<KvDestination> {
+    let r = Reservation { id: ReservationId(1), generation: 1 };
+    Ok(tcp_destination(silent.local_addr()?.to_string(), fp, r, (0..blocks as u32).collect()))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResult {
     let prompt = prompt()?;
@@ -132,25 +175,8 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool.clone(), TcpServerConfig::default()).await?;
 
     let mut client = within("gRPC connect", PrefillWorkerClient::connect(format!("http://{addr}"))).await??;
-    let destination = KvDestination {
-        transfer_addr: server.local_addr().to_string(),
-        transport: "tcp".into(),
-        reservation_id: r.id.0,
-        generation: r.generation,
-        block_ids: blocks.clone(),
-        layout_fingerprint: fp.as_bytes().to_vec(),
-        version_group: GROUP.into(),
-        tls_cert_sha256: vec![],
-    };
-    let request = PrefillRequest {
-        request_id: "req-1".into(),
-        token_ids: prompt.clone(),
-        sampling: Some((&greedy()).into()),
-        deadline_unix_ms: 0,
-        cache_salt: 0,
-        priority: 0,
-        destination: Some(destination.clone()),
-    };
+    let destination = tcp_destination(server.local_addr().to_string(), fp, r, blocks.clone());
+    let request = prefill_request("req-1", &prompt, 0, destination.clone());
     let resp = within("Prefill answer", client.prefill(request.clone())).await??.into_inner();
     let Some(prefill_response::Outcome::FirstToken(first)) = resp.outcome else {
         return Err(format!("Prefill did not return a first token: {resp:?}").into());
@@ -240,24 +266,8 @@ async fn a_pooled_connection_the_decode_side_closed_when_idle_is_replaced() -> T
             Duration::from_secs(120),
             tokio::time::Instant::now().into_std(),
         )?;
-        let request = PrefillRequest {
-            request_id: format!("req-{round}"),
-            token_ids: prompt.clone(),
-            sampling: Some((&greedy()).into()),
-            deadline_unix_ms: 0,
-            cache_salt: 0,
-            priority: 0,
-            destination: Some(KvDestination {
-                transfer_addr: server.local_addr().to_string(),
-                transport: "tcp".into(),
-                reservation_id: r.id.0,
-                generation: r.generation,
-                block_ids: blocks.clone(),
-                layout_fingerprint: fp.as_bytes().to_vec(),
-                version_group: GROUP.into(),
-                tls_cert_sha256: vec![],
-            }),
-        };
+        let destination = tcp_destination(server.local_addr().to_string(), fp, r, blocks.clone());
+        let request = prefill_request(&format!("req-{round}"), &prompt, 0, destination);
         let resp = within("Prefill answer", client.prefill(request)).await??.into_inner();
         let Some(prefill_response::Outcome::FirstToken(first)) = resp.outcome else {
             return Err(format!("round {round}: Prefill did not return a first token: {resp:?}").into());
@@ -294,28 +304,10 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
     let (layout, fp, _, _) = reference(&prompt)?;
     let worker = one_thread_worker(&["--transfer-timeout-ms", "600000"])?;
     let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
-    // A KV destination whose kernel accepts the connection and which never answers the
-    // handshake: the transfer waits, the prompt's KV stays held for sending.
+    // The transfer waits on a silent destination; the prompt's KV stays held for sending.
     let silent = std::net::TcpListener::bind("127.0.0.1:0")?;
     let n = prompt.len().div_ceil(layout.block_size);
-    let request = PrefillRequest {
-        request_id: "stuck".into(),
-        token_ids: prompt.clone(),
-        sampling: Some((&greedy()).into()),
-        deadline_unix_ms: 0,
-        cache_salt: 0,
-        priority: 0,
-        destination: Some(KvDestination {
-            transfer_addr: silent.local_addr()?.to_string(),
-            transport: "tcp".into(),
-            reservation_id: 1,
-            generation: 1,
-            block_ids: (0..n as u32).collect(),
-            layout_fingerprint: fp.as_bytes().to_vec(),
-            version_group: GROUP.into(),
-            tls_cert_sha256: vec![],
-        }),
-    };
+    let request = prefill_request("stuck", &prompt, 0, silent_destination(&silent, fp, n)?);
     let mut client = within("gRPC connect", PrefillWorkerClient::connect(format!("http://{addr}"))).await??;
     let stuck = tokio::spawn({
         let (mut c, r) = (client.clone(), request.clone());
@@ -373,16 +365,7 @@ async fn decode_side(
         tokio::time::Instant::now().into_std(),
     )?;
     let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool, TcpServerConfig::default()).await?;
-    let destination = KvDestination {
-        transfer_addr: server.local_addr().to_string(),
-        transport: "tcp".into(),
-        reservation_id: r.id.0,
-        generation: r.generation,
-        block_ids: blocks,
-        layout_fingerprint: fp.as_bytes().to_vec(),
-        version_group: GROUP.into(),
-        tls_cert_sha256: vec![],
-    };
+    let destination = tcp_destination(server.local_addr().to_string(), fp, r, blocks);
     Ok((rx, server, destination))
 }
 
@@ -411,18 +394,9 @@ async fn a_finished_prompt_is_answered_while_another_prompts_steps_run() -> Test
     // Two decode sides: pushes to one destination share a connection, one at a time.
     let (rx_a, _server_a, dest_a) = decode_side(layout, fp, short.len()).await?;
     let (rx_b, _server_b, dest_b) = decode_side(layout, fp, long.len()).await?;
-    let request = |id: &str, tokens: &[u32], destination: KvDestination| PrefillRequest {
-        request_id: id.into(),
-        token_ids: tokens.to_vec(),
-        sampling: Some((&greedy()).into()),
-        deadline_unix_ms: 0,
-        cache_salt: 0,
-        priority: 0,
-        destination: Some(destination),
-    };
     let client = within("gRPC connect", PrefillWorkerClient::connect(format!("http://{addr}"))).await??;
     let a = tokio::spawn({
-        let (mut c, r, rx_b) = (client.clone(), request("a", &short, dest_a), rx_b.clone());
+        let (mut c, r, rx_b) = (client.clone(), prefill_request("a", &short, 0, dest_a), rx_b.clone());
         async move {
             let answer = c.prefill(r).await;
             (answer, frames(&rx_b))
@@ -434,7 +408,7 @@ async fn a_finished_prompt_is_answered_while_another_prompts_steps_run() -> Test
     })
     .await?;
     let b = tokio::spawn({
-        let (mut c, r) = (client.clone(), request("b", &long, dest_b));
+        let (mut c, r) = (client.clone(), prefill_request("b", &long, 0, dest_b));
         async move { c.prefill(r).await }
     });
     let (a, b_at_a) = within("A's answer", a).await??;
@@ -466,24 +440,8 @@ async fn prefill_status_follows_a_prompt_from_queued_to_running_to_gone() -> Tes
     let args = ["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1"];
     let worker = worker(&[&args[..], &kv_blocks[..]].concat())?;
     let silent = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let request = |id: &str, salt: u64| PrefillRequest {
-        request_id: id.into(),
-        token_ids: prompt.clone(),
-        sampling: Some((&greedy()).into()),
-        deadline_unix_ms: 0,
-        cache_salt: salt,
-        priority: 0,
-        destination: Some(KvDestination {
-            transfer_addr: silent.local_addr().map(|a| a.to_string()).unwrap_or_default(),
-            transport: "tcp".into(),
-            reservation_id: 1,
-            generation: 1,
-            block_ids: (0..n as u32).collect(),
-            layout_fingerprint: fp.as_bytes().to_vec(),
-            version_group: GROUP.into(),
-            tls_cert_sha256: vec![],
-        }),
-    };
+    let destination = silent_destination(&silent, fp, n)?;
+    let request = |id: &str, salt: u64| prefill_request(id, &prompt, salt, destination.clone());
     let client =
         within("gRPC connect", PrefillWorkerClient::connect(format!("http://{}", worker.addr("grpc")?))).await??;
     let status = |id: &str| {

@@ -1,5 +1,6 @@
 //! The decode worker's Generate and Health RPCs as the process tests call
-//! them: one request's walk to its end, with every wait bounded.
+//! them: one request's walk to its end, with every wait bounded; and a
+//! prefill worker held busy by a Prefill of the tests' own.
 //!
 //! Included by path (`#[path = "common/rpc.rs"] mod rpc;`) beside `mod common;`.
 #![allow(dead_code)] // each test binary uses its own part of this module
@@ -11,7 +12,7 @@ use proto::worker::v1::{
 };
 use tonic::transport::Channel;
 
-use crate::common::{self, wait_metric, within, TestResult, Worker};
+use crate::common::{self, wait_metric, within, TestResult, Worker, WAIT};
 use decode_worker::metrics::RESERVATIONS_ACTIVE;
 
 pub const GROUP: &str = "g1";
@@ -92,4 +93,56 @@ pub async fn assert_no_kv_left(name: &str, w: &Worker) -> TestResult {
 
 pub fn kind(o: &Outcome) -> Option<ErrorKind> {
     o.end.as_ref().err().map(|e| e.kind())
+}
+
+/// A Prefill sent straight to `prefill` (as a decode worker would) whose KV goes to a listener
+/// that never answers the handshake: once its first layer is computed it holds its blocks on
+/// the prefill worker until the returned call is dropped. With `--kv-blocks` at its block
+/// count, every later prompt waits in that worker's queue meanwhile.
+pub async fn hold_prefill_worker(
+    prefill: &Worker,
+    id: &str,
+    prompt: &[u32],
+    silent: &std::net::TcpListener,
+) -> Result<
+    tokio::task::JoinHandle<Result<tonic::Response<proto::worker::v1::PrefillResponse>, tonic::Status>>,
+    Box<dyn std::error::Error + Send + Sync>,
+> {
+    use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
+    use proto::worker::v1::{KvDestination, PrefillRequest, PrefillState, PrefillStatusRequest};
+    let mut pc =
+        within("gRPC connect", PrefillWorkerClient::connect(format!("http://{}", prefill.addr("grpc")?))).await??;
+    let health = within("Health", pc.health(HealthRequest::default())).await??.into_inner();
+    let call = PrefillRequest {
+        request_id: id.into(),
+        token_ids: prompt.to_vec(),
+        sampling: Some((&common::greedy(1)).into()),
+        deadline_unix_ms: 0,
+        cache_salt: 0,
+        priority: 0,
+        destination: Some(KvDestination {
+            transfer_addr: silent.local_addr()?.to_string(),
+            transport: "tcp".into(),
+            reservation_id: 1,
+            generation: 1,
+            block_ids: (0..prompt.len().div_ceil(16) as u32).collect(),
+            layout_fingerprint: health.layout_fingerprint,
+            version_group: GROUP.into(),
+            tls_cert_sha256: vec![],
+        }),
+    };
+    let held = tokio::spawn({
+        let mut pc = pc.clone();
+        async move { pc.prefill(call).await }
+    });
+    testkit::poll("the holder's first layer computed", WAIT, || {
+        let (mut pc, id) = (pc.clone(), id.to_owned());
+        async move {
+            let ask = PrefillStatusRequest { request_id: id };
+            let state = pc.prefill_status(ask).await.map_err(|e| e.to_string())?.into_inner().state();
+            Ok::<_, String>((state == PrefillState::Running).then_some(()))
+        }
+    })
+    .await?;
+    Ok(held)
 }

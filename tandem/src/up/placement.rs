@@ -1,5 +1,5 @@
 //! Where each role's workers run on this host: `tandem up`'s default CPU
-//! split and the thread counts that follow from it.
+//! split (the thread counts that follow from it are set in `start_cluster`).
 //!
 //! Default: when neither `--prefill-cpus` nor `--decode-cpus` is given, the
 //! CPUs this process may use are split in two, the first half to the
