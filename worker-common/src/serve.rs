@@ -36,7 +36,14 @@ pub fn load(cfg: &CommonConfig) -> anyhow::Result<Loaded> {
     let layout = model.kv_layout(cfg.kv_block_size, cfg.kv_dtype);
     let digest = weights_digest(&cfg.model).with_context(|| format!("hashing {}", cfg.model.display()))?;
     let fingerprint = LayoutFingerprint::new(&layout, &digest, &tokenizer.digest());
-    let engine = Engine::new(model, cfg.engine(), tokenizer.eos_ids().to_vec()).context("building the engine")?;
+    let mut engine = Engine::new(model, cfg.engine(), tokenizer.eos_ids().to_vec()).context("building the engine")?;
+    // Back the KV pool with memory before serving: otherwise the engine
+    // thread faults it in block by block under load (a stall in a running
+    // stream's step), and a pool the host cannot hold is found out by the
+    // OOM killer mid-request instead of here.
+    let started = std::time::Instant::now();
+    let bytes = engine.pool_mut().commit().context("committing the KV pool (lower `kv_blocks`?)")?;
+    tracing::info!(mib = bytes >> 20, ms = started.elapsed().as_millis() as u64, "KV pool committed");
     Ok(Loaded { engine, layout, fingerprint, tokenizer })
 }
 

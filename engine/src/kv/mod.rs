@@ -12,6 +12,7 @@
 //! while another sequence reads it.
 
 mod pool;
+mod region;
 
 pub use pool::{prefix_hashes, KvPool, KvStats, PrefixHash};
 pub use types::kv::{BlockId, KvDtype, KvLayout};
@@ -29,6 +30,9 @@ pub enum KvError {
     /// The pool configuration is unusable.
     #[error("invalid KV configuration: {0}")]
     Config(String),
+    /// The host could not map or back the pool's memory.
+    #[error("KV pool memory: {0}")]
+    Memory(String),
     /// A buffer does not match the layout for a gather/scatter.
     #[error("KV buffer shape: {0}")]
     Shape(String),
