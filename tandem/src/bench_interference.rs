@@ -3,12 +3,21 @@
 //! more `tandem up` configurations, each measured in the same run.
 //!
 //! Per configuration: start `tandem up` with its flags; run two streaming
-//! decoders alone for `--window-s` (the idle baseline); then the same two
-//! decoders while ~`--prompt-tokens`-token prompts arrive at `--rate`/s
-//! (Poisson, one output token each, so their end-to-end time is their time
-//! to first token). Reported: decode tokens/s kept under interference (over
-//! idle), the worst gap between two tokens of a stream, idle ITL p99, and the
-//! long prompts' TTFT.
+//! decoders alone for `--window-s` (idle); then the same two decoders while
+//! ~`--prompt-tokens`-token prompts arrive at `--rate`/s (Poisson, one
+//! output token each, so their end-to-end time is their time to first
+//! token); then, once every long prompt has ended, the two decoders alone
+//! again for `--window-s`. Reported: decode tokens/s kept under
+//! interference over the mean of the two idle windows, the worst gap
+//! between two tokens of a stream, the idle ITL p99 (both idle windows) and
+//! the long prompts' TTFT.
+//!
+//! Why idle on both sides: the shared VMs this runs on change speed by
+//! ±10-30% within minutes (the same one-thread decode measured 94-144
+//! tok/s in one session), so a baseline taken only before the busy window
+//! puts the host's drift into the ratio. Bracketing cancels a drift that is
+//! steady over the run; both idle rates are printed, and a large difference
+//! between them says the run was too noisy to read.
 //!
 //! With `--llama-server BIN`, llama.cpp's server on the same model, threads
 //! and load is measured first as the reference row (`-t 2 --parallel 4
@@ -34,7 +43,7 @@ pub struct Args {
     /// GGUF model (default: the cached SmolLM2 file).
     #[arg(long, env = "TANDEM_MODEL")]
     model: Option<PathBuf>,
-    /// Length of each measured window (idle, then under interference), s.
+    /// Length of each measured window (idle, under interference, idle again), s.
     #[arg(long, default_value_t = 40)]
     window_s: u64,
     /// Long prompts per second during the interference window (Poisson).
@@ -54,10 +63,11 @@ pub struct Args {
     #[arg(long)]
     llama_server: Option<PathBuf>,
     /// Write every request's record (start, TTFT, each inter-token gap) here as
-    /// `NAME-idle.json`, `NAME-busy.json` and `NAME-long.json`, to place a gap
+    /// `NAME-idle.json`, `NAME-busy.json`, `NAME-long.json` and
+    /// `NAME-idle-after.json`, to place a gap
     /// against the long prompts' arrivals (both busy-window runs start together),
     /// each cluster's process logs in `NAME-logs`, and every process's
-    /// `/metrics` page, read once the busy window's requests ended, as
+    /// `/metrics` page, read at the end (after the second idle window), as
     /// `NAME-metrics-COMPONENT.prom`.
     #[arg(long, value_name = "DIR")]
     records: Option<PathBuf>,
@@ -73,7 +83,10 @@ enum Launch<'a> {
 /// One configuration's figures.
 #[derive(Debug, Default)]
 struct Figures {
+    /// Mean of the idle windows before and after the busy one.
     idle_tok_s: f64,
+    idle_before_tok_s: f64,
+    idle_after_tok_s: f64,
     busy_tok_s: f64,
     idle_itl_p99_ms: f64,
     worst_gap_ms: f64,
@@ -106,14 +119,25 @@ async fn run_all(a: &Args) -> Result<()> {
         rows.push((name.to_owned(), f));
     }
     println!(
-        "{:<14} {:>10} {:>10} {:>6} {:>12} {:>12} {:>10} {:>10} {:>8}",
-        "config", "idle tok/s", "busy tok/s", "kept", "idle ITL p99", "worst gap", "TTFT p50", "TTFT max", "long ok"
+        "{:<14} {:>10} {:>13} {:>10} {:>6} {:>12} {:>12} {:>10} {:>10} {:>8}",
+        "config",
+        "idle tok/s",
+        "before/after",
+        "busy tok/s",
+        "kept",
+        "idle ITL p99",
+        "worst gap",
+        "TTFT p50",
+        "TTFT max",
+        "long ok"
     );
     for (name, f) in &rows {
         println!(
-            "{:<14} {:>10.1} {:>10.1} {:>5.2}x {:>10.0} ms {:>9.0} ms {:>8.1} s {:>8.1} s {:>4}/{:<3}",
+            "{:<14} {:>10.1} {:>6.0}/{:<6.0} {:>10.1} {:>5.2}x {:>10.0} ms {:>9.0} ms {:>8.1} s {:>8.1} s {:>4}/{:<3}",
             name,
             f.idle_tok_s,
+            f.idle_before_tok_s,
+            f.idle_after_tok_s,
             f.busy_tok_s,
             f.busy_tok_s / f.idle_tok_s.max(f64::MIN_POSITIVE),
             f.idle_itl_p99_ms,
@@ -265,18 +289,36 @@ fn token_times(r: &Record) -> Vec<Duration> {
     out
 }
 
-fn in_window(report: &Report, window: Duration) -> (f64, f64, f64) {
-    let mut tokens = 0usize;
-    let mut gaps: Vec<f64> = Vec::new();
-    for r in &report.records {
-        let times = token_times(r);
-        tokens += times.iter().filter(|t| **t <= window).count();
-        gaps.extend(times.windows(2).filter(|w| w[1] <= window).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3));
+/// The tokens of one decoders run that arrived inside its window.
+struct Window {
+    tok_s: f64,
+    /// Every gap between two tokens of a stream, ms, sorted.
+    gaps_ms: Vec<f64>,
+}
+
+impl Window {
+    fn of(report: &Report, window: Duration) -> Self {
+        let mut tokens = 0usize;
+        let mut gaps_ms: Vec<f64> = Vec::new();
+        for r in &report.records {
+            let times = token_times(r);
+            tokens += times.iter().filter(|t| **t <= window).count();
+            gaps_ms.extend(times.windows(2).filter(|w| w[1] <= window).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3));
+        }
+        gaps_ms.sort_by(f64::total_cmp);
+        Self { tok_s: tokens as f64 / window.as_secs_f64(), gaps_ms }
     }
+
+    fn worst_ms(&self) -> f64 {
+        self.gaps_ms.last().copied().unwrap_or(0.0)
+    }
+}
+
+/// ITL p99 over the gaps of several windows together, ms.
+fn p99_ms(windows: &[&Window]) -> f64 {
+    let mut gaps: Vec<f64> = windows.iter().flat_map(|w| w.gaps_ms.iter().copied()).collect();
     gaps.sort_by(f64::total_cmp);
-    let p99 = loadgen::percentile(&gaps, 0.99).unwrap_or(0.0);
-    let worst = gaps.last().copied().unwrap_or(0.0);
-    (tokens as f64 / window.as_secs_f64(), p99, worst)
+    loadgen::percentile(&gaps, 0.99).unwrap_or(0.0)
 }
 
 /// Writes `report` as `DIR/NAME-WHAT.json` when `--records DIR` was given.
@@ -312,7 +354,6 @@ async fn measure(a: &Args, name: &str, launch: Launch<'_>) -> Result<Figures> {
     let cluster = Cluster::start(a, name, launch).await?;
     let window = Duration::from_secs(a.window_s);
     let (idle, _) = decoders(a, &cluster.url, window).await?;
-    let (idle_tok_s, idle_itl_p99_ms, _) = in_window(&idle, window);
 
     let mut long = Plan::new(&cluster.url, "SmolLM2-135M-Instruct");
     long.requests = ((a.window_s as f64) * a.rate).round().max(1.0) as usize;
@@ -324,22 +365,27 @@ async fn measure(a: &Args, name: &str, launch: Launch<'_>) -> Result<Figures> {
     let (busy, long) = tokio::join!(decoders(a, &cluster.url, window), loadgen::run(&long));
     let (busy, _) = busy?;
     let long = long?;
+    // Every long prompt has ended (or failed): the host is as quiet as before.
+    let (after, _) = decoders(a, &cluster.url, window).await?;
     keep_records(a, name, "idle", &idle)?;
     keep_records(a, name, "busy", &busy)?;
     keep_records(a, name, "long", &long)?;
+    keep_records(a, name, "idle-after", &after)?;
     if let (Some(dir), Launch::Tandem(_)) = (&a.records, launch) {
         keep_metrics(dir, name).await?;
     }
-    let (busy_tok_s, _, worst_gap_ms) = in_window(&busy, window);
+    let (before, busy, after) = (Window::of(&idle, window), Window::of(&busy, window), Window::of(&after, window));
     let mut ttft: Vec<f64> =
         long.records.iter().filter(|r| r.outcome.is_complete()).map(|r| r.e2e.as_secs_f64()).collect();
     ttft.sort_by(f64::total_cmp);
     cluster.stop().await?;
     Ok(Figures {
-        idle_tok_s,
-        busy_tok_s,
-        idle_itl_p99_ms,
-        worst_gap_ms,
+        idle_tok_s: (before.tok_s + after.tok_s) / 2.0,
+        idle_before_tok_s: before.tok_s,
+        idle_after_tok_s: after.tok_s,
+        busy_tok_s: busy.tok_s,
+        idle_itl_p99_ms: p99_ms(&[&before, &after]),
+        worst_gap_ms: busy.worst_ms(),
         long_done: ttft.len(),
         long_sent: long.records.len(),
         long_ttft_p50_s: loadgen::percentile(&ttft, 0.5).unwrap_or(f64::NAN),
