@@ -225,8 +225,8 @@ impl KvPool {
         &self.layout
     }
 
-    /// Backs the whole pool with memory now (huge pages where the host
-    /// allows them); returns its bytes.
+    /// Backs the whole pool with memory now (4 KiB pages, see
+    /// `kv/region.rs` for why not huge ones); returns its bytes.
     ///
     /// The storage is zeroed anonymous memory, which the kernel backs only at
     /// each page's first write. Uncommitted, a worker's pool is faulted in by
