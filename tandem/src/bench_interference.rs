@@ -83,8 +83,6 @@ enum Launch<'a> {
 /// One configuration's figures.
 #[derive(Debug, Default)]
 struct Figures {
-    /// Mean of the idle windows before and after the busy one.
-    idle_tok_s: f64,
     idle_before_tok_s: f64,
     idle_after_tok_s: f64,
     busy_tok_s: f64,
@@ -94,6 +92,18 @@ struct Figures {
     long_sent: usize,
     long_ttft_p50_s: f64,
     long_ttft_max_s: f64,
+}
+
+impl Figures {
+    /// Mean of the idle windows before and after the busy one.
+    fn idle_tok_s(&self) -> f64 {
+        (self.idle_before_tok_s + self.idle_after_tok_s) / 2.0
+    }
+
+    /// Decode tokens/s under interference over idle.
+    fn kept(&self) -> f64 {
+        self.busy_tok_s / self.idle_tok_s().max(f64::MIN_POSITIVE)
+    }
 }
 
 pub fn run(a: &Args) -> Result<()> {
@@ -135,11 +145,11 @@ async fn run_all(a: &Args) -> Result<()> {
         println!(
             "{:<14} {:>10.1} {:>6.0}/{:<6.0} {:>10.1} {:>5.2}x {:>10.0} ms {:>9.0} ms {:>8.1} s {:>8.1} s {:>4}/{:<3}",
             name,
-            f.idle_tok_s,
+            f.idle_tok_s(),
             f.idle_before_tok_s,
             f.idle_after_tok_s,
             f.busy_tok_s,
-            f.busy_tok_s / f.idle_tok_s.max(f64::MIN_POSITIVE),
+            f.kept(),
             f.idle_itl_p99_ms,
             f.worst_gap_ms,
             f.long_ttft_p50_s,
@@ -153,7 +163,7 @@ async fn run_all(a: &Args) -> Result<()> {
             "against the targets (kept >= 0.90x, worst gap <= 3x idle ITL p99, long TTFT p50 <= 1.2x llama-server's):"
         );
         for (name, f) in rows.iter().filter(|(n, _)| n != "llama-server") {
-            let kept = f.busy_tok_s / f.idle_tok_s.max(f64::MIN_POSITIVE);
+            let kept = f.kept();
             let gap = f.worst_gap_ms / f.idle_itl_p99_ms.max(f64::MIN_POSITIVE);
             let ttft = f.long_ttft_p50_s / llama_ttft;
             let mark = |ok: bool| if ok { "ok" } else { "MISSED" };
@@ -380,7 +390,6 @@ async fn measure(a: &Args, name: &str, launch: Launch<'_>) -> Result<Figures> {
     ttft.sort_by(f64::total_cmp);
     cluster.stop().await?;
     Ok(Figures {
-        idle_tok_s: (before.tok_s + after.tok_s) / 2.0,
         idle_before_tok_s: before.tok_s,
         idle_after_tok_s: after.tok_s,
         busy_tok_s: busy.tok_s,

@@ -57,8 +57,8 @@ impl<T: bytemuck::Pod> Region<T> {
             }
         }
         let bytes = self.bytes();
-        let step = PAGE_BYTES / std::mem::size_of::<T>().max(1);
-        for x in self.iter_mut().step_by(step.max(1)) {
+        let step = (PAGE_BYTES / std::mem::size_of::<T>().max(1)).max(1);
+        for x in self.iter_mut().step_by(step) {
             // `black_box` keeps the store from being proven redundant (the
             // region is known to be zero).
             *x = std::hint::black_box(T::zeroed());
