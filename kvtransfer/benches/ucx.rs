@@ -9,9 +9,10 @@
 //! `gather_layer_into` on the sender, the transport, checksums, and the
 //! scatter into pool B. Runs are interleaved so that other load on the
 //! machine hits all of them alike:
-//! - ucx: one-sided puts of each layer's K and V into the decode side's
-//!   landing region, flush, the `Layer` message; the server copies the layer
-//!   out, CRCs its copy and scatters it (the transport's whole path);
+//! - ucx: one-sided puts of each layer's K and V (buffers handed over, as
+//!   the prefill worker does) into the decode side's landing region, flush,
+//!   the `Layer` message; the server copies the layer out, CRCs its copy and
+//!   scatters it (the transport's whole path);
 //! - `ucx_perftest -t ucp_put_bw`, a server and a client process, on the
 //!   `UCX_TLS` and `UCX_NET_DEVICES` this bench runs with, twice per run:
 //!   with messages the size of one ucx put here (one layer's K of the 64
@@ -221,7 +222,8 @@ impl Bench {
         for layer in 0..LAYOUT.n_layers {
             self.pool_a.gather_layer_into(layer, &self.table_a, &mut k, &mut v)?;
             match &mut *tx {
-                Tx::Ucx(t) => t.send_layer(r, layer, &k, &v).await?,
+                // As the prefill worker: the engine hands each layer over in buffers of its own.
+                Tx::Ucx(t) => t.send_blocks_owned(r, layer, 0, std::mem::take(&mut k), std::mem::take(&mut v)).await?,
                 Tx::Tcp(t) => t.send_layer(r, layer, &k, &v).await?,
                 Tx::Local(t) => t.send_layer(r, layer, &k, &v).await?,
             }

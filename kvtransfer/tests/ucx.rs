@@ -266,3 +266,35 @@ async fn dead_peers_give_typed_errors_in_bounded_time_and_leak_nothing() {
     }
     assert!(started.elapsed() < WAIT, "bounded by the sender's timeout");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_side_lost_after_the_grant_fails_the_transfer_by_its_complete_at_the_latest() {
+    // A layer's send returns once its puts are posted; its flush and
+    // completion message go out afterwards. When those fail, the failure
+    // must reach the caller on a later call for the same reservation, never
+    // be lost: this transfer can only end in a typed error.
+    let d = DecodeSide::start(UcxServerConfig::default()).await;
+    let l = d.layout;
+    let (pool_a, table_a) = common::source(l, 3, 32);
+    let me = peer(&l, "smollm2", 0x11);
+    let (r, _) = d.reserve(3, Duration::from_secs(30));
+    let mut tx = d.connect(&me).await.expect("connect");
+    send_layers(&mut tx, &pool_a, &table_a, r, &[0]).await;
+    let DecodeSide { server, .. } = d;
+    server.shutdown();
+    let started = std::time::Instant::now();
+    let mut failure = None;
+    for layer in 1..l.n_layers {
+        let (k, v) = pool_a.gather_layer(layer, &table_a).expect("gather");
+        if let Err(e) = within("a layer after the loss", tx.send_layer(r, layer, &k, &v)).await {
+            failure = Some(e);
+            break;
+        }
+    }
+    let failure = match failure {
+        Some(e) => e,
+        None => within("Complete after the loss", tx.complete(r)).await.expect_err("no Ack from a dead decode side"),
+    };
+    assert!(matches!(failure.kind(), ErrorKind::Deadline | ErrorKind::Retryable), "{failure}");
+    assert!(started.elapsed() < WAIT, "bounded by the sender's timeout");
+}

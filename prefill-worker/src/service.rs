@@ -471,8 +471,9 @@ impl PrefillService {
         // the request failed (then `done` says how).
         while let Some(c) = layers.recv().await {
             first_sent.get_or_insert_with(Instant::now);
-            sender.send_blocks(r, c.layer, c.first_block, &c.k, &c.v).await.map_err(|e| transfer_err(&e))?;
-            bytes += (c.k.len() + c.v.len()) as u64;
+            let n = (c.k.len() + c.v.len()) as u64;
+            sender.send_blocks_owned(r, c.layer, c.first_block, c.k, c.v).await.map_err(|e| transfer_err(&e))?;
+            bytes += n;
         }
         let finished = done.await.map_err(|_| err(ErrorKind::Internal, "runner dropped the request"))?;
         let finished = match finished {

@@ -97,6 +97,23 @@ impl KvSender {
         }
     }
 
+    /// [`send_blocks`](Self::send_blocks) of buffers the caller gives up:
+    /// ucx puts them as they are (its `send_blocks` would copy them to its
+    /// connection's thread); the other transports write from them.
+    pub async fn send_blocks_owned(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        k: Vec<u8>,
+        v: Vec<u8>,
+    ) -> Result<(), TransferError> {
+        match self {
+            Self::Ucx(s) => s.send_blocks_owned(r, layer, first_block, k, v).await,
+            _ => self.send_blocks(r, layer, first_block, &k, &v).await,
+        }
+    }
+
     /// See [`TcpKvSender::complete`].
     pub async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
         match self {

@@ -114,6 +114,14 @@ impl UcxKvSender {
     /// Puts K and V of blocks `first_block..` of one layer into the
     /// reservation's landing range (claimed on first use), flushes, then
     /// sends the layer's completion with the CRC-32C of what was put.
+    ///
+    /// Returns once the puts are posted: the flush and the completion
+    /// message go out while the caller prepares the next layer (the
+    /// connection's thread finishes them before it takes the next command),
+    /// and if they fail, the next call for the same reservation (a layer,
+    /// [`complete`](Self::complete) or [`abort`](Self::abort)) returns that
+    /// error. Copies `k` and `v` once; [`send_blocks_owned`](Self::send_blocks_owned)
+    /// does not.
     pub async fn send_blocks(
         &mut self,
         r: Reservation,
@@ -124,7 +132,20 @@ impl UcxKvSender {
     ) -> Result<(), TransferError> {
         // Shape checks before any copy or message.
         LayerPlan::new(&self.layout, layer, k, v, usize::MAX)?;
-        let (k, v) = (k.to_vec(), v.to_vec());
+        self.send_blocks_owned(r, layer, first_block, k.to_vec(), v.to_vec()).await
+    }
+
+    /// [`send_blocks`](Self::send_blocks) of buffers the caller gives up:
+    /// they are put as they are, with no copy on this side.
+    pub async fn send_blocks_owned(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        k: Vec<u8>,
+        v: Vec<u8>,
+    ) -> Result<(), TransferError> {
+        LayerPlan::new(&self.layout, layer, &k, &v, usize::MAX)?;
         let n = k.len() + v.len();
         self.call(|reply| Cmd::Send { r, layer, first_block, k, v, reply }).await?;
         self.bytes_sent += n as u64;
@@ -212,12 +233,34 @@ fn link_thread(
                 while let Some(cmd) = cmds.recv().await {
                     match cmd {
                         Cmd::Send { r, layer, first_block, k, v, reply } => {
-                            let _ = reply.send(link.send_blocks(r, layer, first_block, k, v).await);
+                            if let Err(e) = link.deferred_failure(r) {
+                                let _ = reply.send(Err(e));
+                                continue;
+                            }
+                            match link.post_blocks(r, layer, first_block, k, v).await {
+                                Ok(posted) => {
+                                    // The caller goes on to its next layer while this one
+                                    // is flushed and announced.
+                                    let _ = reply.send(Ok(()));
+                                    if let Err(e) = link.finish_blocks(posted).await {
+                                        link.deferred = Some((r, e));
+                                    }
+                                }
+                                Err(e) => {
+                                    let _ = reply.send(Err(e));
+                                }
+                            }
                         }
                         Cmd::Complete { r, reply } => {
-                            let _ = reply.send(link.complete(r).await);
+                            let _ = match link.deferred_failure(r) {
+                                Ok(()) => reply.send(link.complete(r).await),
+                                Err(e) => reply.send(Err(e)),
+                            };
                         }
                         Cmd::Abort { r, reason, reply } => {
+                            // The caller gives up on `r` anyway: a failure of its last
+                            // layer changes nothing, and the abort still fences.
+                            let _ = link.deferred_failure(r);
                             let _ = reply.send(link.abort(r, reason).await);
                         }
                     }
@@ -296,6 +339,17 @@ struct Link<'d> {
     heard: Heard,
     /// Reservations this side fenced (flushed and told the server), bounded.
     fenced: VecDeque<Reservation>,
+    /// How finishing a layer (its flush or its completion message) failed
+    /// after the caller was told the layer was posted: the next command for
+    /// that reservation returns it.
+    deferred: Option<(Reservation, TransferError)>,
+}
+
+/// A layer whose puts are posted: what [`Link::finish_blocks`] waits for and announces.
+struct Posted {
+    put_k: Request,
+    put_v: Request,
+    header: LayerDataHeader,
 }
 
 impl<'d> Link<'d> {
@@ -358,6 +412,7 @@ impl<'d> Link<'d> {
             timeout: wait,
             heard: Heard::default(),
             fenced: VecDeque::new(),
+            deferred: None,
         })
     }
 
@@ -469,14 +524,26 @@ impl<'d> Link<'d> {
         }
     }
 
-    async fn send_blocks(
+    /// The failure [`finish_blocks`](Self::finish_blocks) deferred, if it was
+    /// `r`'s; one of another reservation is dropped (that caller has moved on,
+    /// and a broken connection fails the new command by itself).
+    fn deferred_failure(&mut self, r: Reservation) -> Result<(), TransferError> {
+        match self.deferred.take() {
+            Some((of, e)) if of == r => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks, claims the landing range if needed, takes the checksum and
+    /// posts the puts of one layer's blocks.
+    async fn post_blocks(
         &mut self,
         r: Reservation,
         layer: usize,
         first_block: usize,
         mut k: Vec<u8>,
         v: Vec<u8>,
-    ) -> Result<(), TransferError> {
+    ) -> Result<Posted, TransferError> {
         self.check_not_aborted(r).await?;
         let plan = LayerPlan::new(&self.layout, layer, &k, &v, usize::MAX)?;
         let g = self.grant(r).await?;
@@ -502,12 +569,18 @@ impl<'d> Link<'d> {
         super::fault::after_checksum(layer, first_block, &mut k);
         let put_k = self.data.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;
         let put_v = self.data.put(v, v_at, &self.key).map_err(|e| ucx_err("putting V", e))?;
+        Ok(Posted { put_k, put_v, header })
+    }
+
+    /// Waits until a posted layer is in the decode worker's memory, then
+    /// sends its completion.
+    async fn finish_blocks(&mut self, p: Posted) -> Result<(), TransferError> {
         // The flush completes once both puts are in the decode worker's
         // memory; only then may the server copy the layer out.
         self.flush().await?;
-        self.bounded(put_k, "putting K").await?;
-        self.bounded(put_v, "putting V").await?;
-        self.message(&Msg::Layer(header), "sending a layer's completion").await
+        self.bounded(p.put_k, "putting K").await?;
+        self.bounded(p.put_v, "putting V").await?;
+        self.message(&Msg::Layer(p.header), "sending a layer's completion").await
     }
 
     async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
