@@ -5,8 +5,9 @@
 //! With AVX-VNNI, one `vpdpbusd` (u8 × i8, four at a time, → i32) replaces
 //! the pair; the i32 sums are the same (the pairs never saturate: weights
 //! are at most 15 in Q4 and 127 in magnitude in Q8), so both give the same
-//! bits. The kernels are written once, generic over `VNNI`, and inlined
-//! into one entry point per instruction set.
+//! bits. The kernels are written once, generic over `DOT` (which of the
+//! three), and inlined into one entry point per instruction set; the
+//! AVX-512 level's small-batch entry points (`avx512.rs`) are a third.
 //!
 //! Q4 weights go eight rows at a time with one row per 32-bit lane (a
 //! *panel*, unpacked once from the file's layout by a transpose of the
@@ -137,7 +138,7 @@ pub(crate) fn hsum(v: __m256) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
     // SAFETY: this function's contract; the body is inlined with these features.
-    unsafe { q4_rows_with::<Q41, false>(w, acts, rows, out) }
+    unsafe { q4_rows_with::<Q41, MADD>(w, acts, rows, out) }
 }
 
 /// # Safety
@@ -146,7 +147,7 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 unsafe fn q4_rows_vnni<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
     // SAFETY: this function's contract; the body is inlined with these features.
-    unsafe { q4_rows_with::<Q41, true>(w, acts, rows, out) }
+    unsafe { q4_rows_with::<Q41, VEX>(w, acts, rows, out) }
 }
 
 /// Weight rows one Q4 panel holds: one per i32 lane.
@@ -191,14 +192,14 @@ thread_local! {
 /// Only called from those two, whose target features it runs with.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
+pub(super) unsafe fn q4_rows_with<const Q41: bool, const DOT: u8>(
     w: &QMatrix<'_>,
     acts: &QActs,
     rows: Range<usize>,
     out: &SharedSlice<f32>,
 ) {
     #[cfg(test)]
-    crate::isa::trace::hit(if VNNI { crate::Isa::AvxVnni } else { crate::Isa::Avx2 });
+    crate::isa::trace::hit(dot_isa(DOT));
     let nb = acts.blocks_per_row();
     let m = acts.rows;
     assert!(w.cols == nb * 32, "weight columns differ from the activation row");
@@ -222,7 +223,7 @@ unsafe fn q4_rows_with<const Q41: bool, const VNNI: bool>(
         for i in 0..m {
             // SAFETY: activation row i < m, within the lengths asserted above; `lanes` holds
             // eight f32.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), panel_dots::<VNNI>(panel, acts, i)) };
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), panel_dots::<DOT>(panel, acts, i)) };
             for (l, x) in lanes.iter().take(live).enumerate() {
                 // SAFETY: rows r0..r0 + live are this caller's alone (the contract: disjoint rows).
                 unsafe { out.set(i * w.rows + r0 + l, *x) };
@@ -323,10 +324,10 @@ unsafe fn unpack_panel<const Q41: bool>(w: &QMatrix<'_>, r0: usize, live: usize,
 ///
 /// # Safety
 /// Activation row `xr` exists in `acts` with `panel.len()` blocks; avx2, fma
-/// and f16c (and avxvnni when `VNNI`).
+/// and f16c (and the `vpdpbusd` flags `DOT` needs).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn panel_dots<const VNNI: bool>(panel: &[PanelBlock], acts: &QActs, xr: usize) -> __m256 {
+unsafe fn panel_dots<const DOT: u8>(panel: &[PanelBlock], acts: &QActs, xr: usize) -> __m256 {
     let nb = panel.len();
     let ones = _mm256_set1_epi16(1);
     let mut a = [_mm256_setzero_ps(); 8];
@@ -339,7 +340,7 @@ unsafe fn panel_dots<const VNNI: bool>(panel: &[PanelBlock], acts: &QActs, xr: u
             let scale = _mm256_mul_ps(pb.d, _mm256_set1_ps(*acts.d.get_unchecked(idx)));
             for (k, a) in a.iter_mut().enumerate() {
                 let x = _mm256_set1_epi32(xp.add(k).read_unaligned());
-                let dot = dot_u8_i8::<VNNI>(pb.w[k], x, ones);
+                let dot = dot_u8_i8::<DOT>(pb.w[k], x, ones);
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *a);
             }
             offs = _mm256_add_ps(offs, _mm256_mul_ps(pb.m, _mm256_set1_ps(*acts.s.get_unchecked(idx))));
@@ -410,17 +411,37 @@ unsafe fn block_scales(gp: *const u8, bb: usize, live: __m256i) -> (__m256, __m2
     }
 }
 
+/// How the 256-bit kernels take u8 × i8 dot products (their `DOT` parameter):
+/// `vpmaddubsw` + `vpmaddwd` (AVX2) ...
+pub(super) const MADD: u8 = 0;
+/// ... one VEX `vpdpbusd` (AVX-VNNI) ...
+pub(super) const VEX: u8 = 1;
+/// ... or one EVEX `vpdpbusd` on 256-bit registers (AVX-512 VNNI + VL: the
+/// AVX-512 level's kernels for small batches, see `avx512::quant_rows`).
+pub(super) const EVEX: u8 = 2;
+
+/// The level a kernel with `DOT` runs at (what the tests' trace records).
+#[cfg(test)]
+fn dot_isa(dot: u8) -> crate::Isa {
+    match dot {
+        MADD => crate::Isa::Avx2,
+        VEX => crate::Isa::AvxVnni,
+        _ => crate::Isa::Avx512,
+    }
+}
+
 /// Sums of four adjacent u8 × i8 products, as i32 lanes: one `vpdpbusd` with
-/// AVX-VNNI, else `vpmaddubsw` + `vpmaddwd` (`ones`: i16 ones).
+/// AVX-VNNI or AVX-512 VNNI, else `vpmaddubsw` + `vpmaddwd` (`ones`: i16 ones).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn dot_u8_i8<const VNNI: bool>(u: __m256i, s: __m256i, ones: __m256i) -> __m256i {
-    // SAFETY: inlined only into functions with avx2 (and avxvnni when `VNNI`).
+fn dot_u8_i8<const DOT: u8>(u: __m256i, s: __m256i, ones: __m256i) -> __m256i {
+    // SAFETY: inlined only into functions with avx2, and avxvnni when `DOT` is `VEX`,
+    // avx512vnni and avx512vl when it is `EVEX`.
     unsafe {
-        if VNNI {
-            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
-        } else {
-            _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones)
+        match DOT {
+            VEX => _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s),
+            EVEX => _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s),
+            _ => _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones),
         }
     }
 }
@@ -431,7 +452,7 @@ fn dot_u8_i8<const VNNI: bool>(u: __m256i, s: __m256i, ones: __m256i) -> __m256i
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
     // SAFETY: this function's contract; the body is inlined with these features.
-    unsafe { q8_rows_with::<false>(w, acts, rows, out) }
+    unsafe { q8_rows_with::<MADD>(w, acts, rows, out) }
 }
 
 /// # Safety
@@ -440,7 +461,7 @@ unsafe fn q8_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &Share
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 unsafe fn q8_rows_vnni(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
     // SAFETY: this function's contract; the body is inlined with these features.
-    unsafe { q8_rows_with::<true>(w, acts, rows, out) }
+    unsafe { q8_rows_with::<VEX>(w, acts, rows, out) }
 }
 
 /// The body of [`q8_rows`] and [`q8_rows_vnni`], inlined into each.
@@ -449,9 +470,14 @@ unsafe fn q8_rows_vnni(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &
 /// Only called from those two, whose target features it runs with.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn q8_rows_with<const VNNI: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+pub(super) unsafe fn q8_rows_with<const DOT: u8>(
+    w: &QMatrix<'_>,
+    acts: &QActs,
+    rows: Range<usize>,
+    out: &SharedSlice<f32>,
+) {
     #[cfg(test)]
-    crate::isa::trace::hit(if VNNI { crate::Isa::AvxVnni } else { crate::Isa::Avx2 });
+    crate::isa::trace::hit(dot_isa(DOT));
     let m = acts.rows;
     for r in rows.clone() {
         super::prefetch_ahead(w, r, &rows);
@@ -459,7 +485,7 @@ unsafe fn q8_rows_with<const VNNI: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Ra
         let mut i = 0;
         while i + 4 <= m {
             // SAFETY: same target features as this function.
-            let v = unsafe { q8_kernel::<4, VNNI>(wrow, acts, i) };
+            let v = unsafe { q8_kernel::<4, DOT>(wrow, acts, i) };
             for (j, v) in v.into_iter().enumerate() {
                 // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
                 unsafe { out.set((i + j) * w.rows + r, v) };
@@ -468,7 +494,7 @@ unsafe fn q8_rows_with<const VNNI: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Ra
         }
         while i < m {
             // SAFETY: as above.
-            let v = unsafe { q8_kernel::<1, VNNI>(wrow, acts, i) };
+            let v = unsafe { q8_kernel::<1, DOT>(wrow, acts, i) };
             // SAFETY: rows are this caller's alone (the function's contract: disjoint rows per thread).
             unsafe { out.set(i * w.rows + r, v[0]) };
             i += 1;
@@ -479,10 +505,10 @@ unsafe fn q8_rows_with<const VNNI: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Ra
 /// `R` activation rows starting at `x0` against one Q8_0 weight row.
 ///
 /// # Safety
-/// Inlined only into functions with avx2, fma and f16c (and avxvnni when `VNNI`).
+/// Inlined only into functions with avx2, fma and f16c (and the `vpdpbusd` flags `DOT` needs).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn q8_kernel<const R: usize, const VNNI: bool>(wrow: &[u8], acts: &QActs, x0: usize) -> [f32; R] {
+unsafe fn q8_kernel<const R: usize, const DOT: u8>(wrow: &[u8], acts: &QActs, x0: usize) -> [f32; R] {
     let nb = acts.blocks_per_row();
     assert!(wrow.len() >= nb * 34, "weight row shorter than the activation row");
     assert!((x0 + R) * nb <= acts.d.len(), "activation rows out of range");
@@ -514,12 +540,12 @@ unsafe fn q8_kernel<const R: usize, const VNNI: bool>(wrow: &[u8], acts: &QActs,
             if n == GROUP {
                 for (b, p) in p.iter_mut().enumerate() {
                     let xq = unsafe { _mm256_loadu_si256(xj.add(b * 32) as *const __m256i) };
-                    *p = dot_u8_i8::<VNNI>(aw[b], _mm256_sign_epi8(xq, wq[b]), ones);
+                    *p = dot_u8_i8::<DOT>(aw[b], _mm256_sign_epi8(xq, wq[b]), ones);
                 }
             } else {
                 for (b, p) in p.iter_mut().enumerate().take(n) {
                     let xq = unsafe { _mm256_loadu_si256(xj.add(b * 32) as *const __m256i) };
-                    *p = dot_u8_i8::<VNNI>(aw[b], _mm256_sign_epi8(xq, wq[b]), ones);
+                    *p = dot_u8_i8::<DOT>(aw[b], _mm256_sign_epi8(xq, wq[b]), ones);
                 }
             }
             *acc_j = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(&p)), _mm256_mul_ps(dw, dx), *acc_j);

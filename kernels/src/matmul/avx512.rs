@@ -15,6 +15,7 @@
 #![allow(unsafe_code)]
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::matmul::{QMatrix, WeightType};
 use crate::pool::SharedSlice;
@@ -37,10 +38,13 @@ pub unsafe fn quant_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out:
     if available() {
         // SAFETY: the CPU has every flag `Isa::Avx512` needs (checked just above), which
         // covers the kernels' target features; `rows` are this caller's alone (the contract).
+        let wide = acts.rows > SMALL_BATCH.load(Ordering::Relaxed);
         unsafe {
             match w.ty {
-                WeightType::Q4_1 => q4_rows::<true>(w, acts, rows, out),
-                WeightType::Q4_0 => q4_rows::<false>(w, acts, rows, out),
+                WeightType::Q4_1 if wide => q4_rows::<true>(w, acts, rows, out),
+                WeightType::Q4_0 if wide => q4_rows::<false>(w, acts, rows, out),
+                WeightType::Q4_1 => q4_rows_256::<true>(w, acts, rows, out),
+                WeightType::Q4_0 => q4_rows_256::<false>(w, acts, rows, out),
                 WeightType::Q8_0 => q8_rows(w, acts, rows, out),
                 _ => super::scalar::quant_rows(w, acts, rows, out),
             }
@@ -103,6 +107,25 @@ pub(crate) fn hsum512(v: __m512) -> f32 {
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
         super::avx2::hsum(_mm256_add_ps(lo, hi))
     }
+}
+
+/// Activation rows up to which Q4 products take the 256-bit panel kernel
+/// (eight weight rows per panel, EVEX `vpdpbusd`); above it, sixteen-row
+/// panels in 512-bit registers. See [`super::set_avx512_small_batch`].
+pub(super) static SMALL_BATCH: AtomicUsize = AtomicUsize::new(super::AVX512_SMALL_BATCH);
+
+/// The 256-bit Q4 panel kernel of the AVX2 and AVX-VNNI levels with
+/// AVX-512 VNNI's `vpdpbusd` (which runs on 256-bit registers with VL).
+/// Both widths return the same bits, so which one a batch takes changes no
+/// output.
+///
+/// # Safety
+/// The CPU has `Isa::Avx512`'s flags, and concurrent callers pass disjoint `rows`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4_rows_256<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
+    // SAFETY: this function's contract; the body is inlined with these features.
+    unsafe { super::avx2::q4_rows_with::<Q41, { super::avx2::EVEX }>(w, acts, rows, out) }
 }
 
 /// Weight rows one Q4 panel holds: one per i32 lane.

@@ -8,8 +8,11 @@
 //!
 //! Work is split across the pool by weight rows. Each output element is
 //! computed by the same instruction sequence whatever `m` is and whichever
-//! thread computes it, so a token's logits do not depend on what else is in
-//! its batch — the engine's batch-invariance tests rely on that.
+//! thread computes it (on the AVX-512 level, Q4 products up to
+//! [`AVX512_SMALL_BATCH`] rows take a 256-bit kernel and larger ones a
+//! 512-bit one, which do the same lane arithmetic and return the same
+//! bits), so a token's logits do not depend on what else is in its batch —
+//! the engine's batch-invariance tests rely on that.
 
 // Row ranges of one output are written from several threads (`SharedSlice`); see the SAFETY notes.
 #![allow(unsafe_code)]
@@ -148,6 +151,26 @@ pub(crate) fn prefetch_row(w: &QMatrix<'_>, r: usize) {
         // it reads nothing architecturally and cannot fault.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast::<i8>()) };
     }
+}
+
+/// Batches of up to this many activation rows take the AVX-512 level's
+/// 256-bit Q4 kernel (eight weight rows per panel), larger ones its 512-bit
+/// kernel (sixteen). Decode steps (a few rows) read every weight once, and
+/// the wider panel reads sixteen weight rows side by side, which streamed
+/// slower: on the 2-core AMD EPYC hosts here (Zen 4, which runs 512-bit
+/// instructions as two 256-bit halves, and Zen 5) the 256-bit kernels
+/// decoded faster, while prefill (hundreds of rows, each panel reused by
+/// all of them) gains from the width. Chosen with `cargo bench -p kernels
+/// --bench q4`, which times both widths at each batch size over weights
+/// larger than the cache.
+pub const AVX512_SMALL_BATCH: usize = 4;
+
+/// Sets the batch size up to which the AVX-512 level takes its 256-bit Q4
+/// kernel ([`AVX512_SMALL_BATCH`] by default; 0: always the 512-bit one).
+/// For benchmarks: both kernels return the same bits, so no result depends
+/// on it.
+pub fn set_avx512_small_batch(rows: usize) {
+    avx512::SMALL_BATCH.store(rows, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Reusable buffers for [`matmul`].

@@ -229,3 +229,36 @@ fn multi_equals_separate_products() {
         }
     }
 }
+
+/// The AVX-512 level's two Q4 kernels (256-bit with eight-row panels for
+/// small batches, 512-bit with sixteen-row panels above
+/// `AVX512_SMALL_BATCH`) return the same bits at every batch size, so the
+/// switch between them never changes an output. Run here only where the
+/// CPU has the level.
+#[test]
+fn avx512_q4_kernel_widths_return_the_same_bits() {
+    if !crate::isa::trace::runnable("avx512 q4 widths", Isa::Avx512) {
+        return;
+    }
+    let mut rng = Rng::new(17);
+    for ty in [WeightType::Q4_0, WeightType::Q4_1] {
+        for (rows, cols) in [(40, 576), (9, 1536)] {
+            let data = random_weights(&mut rng, ty, rows, cols);
+            let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
+            for m in 1..=2 * super::AVX512_SMALL_BATCH + 1 {
+                let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+                super::set_avx512_small_batch(usize::MAX);
+                let narrow = run(Isa::Avx512, 2, &w, &x, m);
+                super::set_avx512_small_batch(0);
+                let wide = run(Isa::Avx512, 2, &w, &x, m);
+                super::set_avx512_small_batch(super::AVX512_SMALL_BATCH);
+                assert_eq!(narrow, wide, "{ty:?} {rows}x{cols} m={m}: the 256- and 512-bit kernels differ");
+                assert_eq!(
+                    narrow,
+                    run(Isa::Avx2, 1, &w, &x, m),
+                    "{ty:?} {rows}x{cols} m={m}: AVX-512 differs from AVX2"
+                );
+            }
+        }
+    }
+}
