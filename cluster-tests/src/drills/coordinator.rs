@@ -143,6 +143,12 @@ impl Drill for PrefillErrors {
         spec.workers.push(prefill("g1", !skip));
         spec = spec.decode_behind_proxy("g1");
         spec.coordinator_args.extend(breaker_args());
+        // Prefill choice by load alone. With prefix affinity every request shares the chat
+        // template's first blocks, which only the healthy worker ever caches, so after its
+        // first success it took nearly every request and the faulty one could see fewer
+        // than the breaker's 3 failures before the workload ended (seen under `make test`'s
+        // parallel load: 2 of 14).
+        spec.coordinator_args.extend(["--prefix-affinity".into(), "0".into()]);
         Setup {
             spec,
             requests: 14,
