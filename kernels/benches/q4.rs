@@ -36,24 +36,7 @@ fn main() {
         );
         return;
     }
-    let flags = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| c.lines().find(|l| l.starts_with("flags")).map(str::to_owned))
-        .unwrap_or_default();
-    let listed: Vec<&str> = ["avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8"]
-        .into_iter()
-        .filter(|f| flags.split_whitespace().any(|x| x == *f))
-        .collect();
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            let field = |k: &str| {
-                c.lines().find(|l| l.starts_with(k)).and_then(|l| l.split(':').nth(1)).map(|v| v.trim().to_owned())
-            };
-            Some(format!("{} (family {}, model {})", field("model name")?, field("cpu family")?, field("model")?))
-        })
-        .unwrap_or_default();
-    println!("q4 kernel widths, {threads} threads, {steps} steps each; {model}; flags: {}", listed.join(" "));
+    println!("q4 kernel widths, {threads} threads, {steps} steps each; {}", cpu());
     let shapes =
         [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)];
     let mut seed = 0x2545_f491_4f6c_dd1du64;
@@ -102,6 +85,25 @@ fn main() {
     }
     set_avx512_small_batch(AVX512_SMALL_BATCH);
     println!("AVX512_SMALL_BATCH = {AVX512_SMALL_BATCH}: batches up to it take the 256-bit kernel");
+}
+
+/// The machine, as `tandem::bench::cpu_summary` prints it for the other
+/// benchmarks (that crate has no library to call it from here), plus the CPU
+/// family and model, which tell the generations of one model name apart.
+fn cpu() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |k: &str| {
+        info.lines().find_map(|l| l.split_once(':').filter(|(a, _)| a.trim() == k).map(|(_, v)| v.trim().to_owned()))
+    };
+    let flags = field("flags").unwrap_or_default();
+    let have: Vec<&str> =
+        ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_tile"]
+            .into_iter()
+            .filter(|f| flags.split_whitespace().any(|x| x == *f))
+            .collect();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let [name, family, model] = ["model name", "cpu family", "model"].map(|k| field(k).unwrap_or_default());
+    format!("{cores} cores, {name} (family {family}, model {model}), flags: {}", have.join(" "))
 }
 
 /// A Q4_1 matrix of random nibbles with small positive f16 scales and offsets.

@@ -470,12 +470,7 @@ unsafe fn q8_rows_vnni(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &
 /// Only called from those two, whose target features it runs with.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn q8_rows_with<const DOT: u8>(
-    w: &QMatrix<'_>,
-    acts: &QActs,
-    rows: Range<usize>,
-    out: &SharedSlice<f32>,
-) {
+unsafe fn q8_rows_with<const DOT: u8>(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out: &SharedSlice<f32>) {
     #[cfg(test)]
     crate::isa::trace::hit(dot_isa(DOT));
     let m = acts.rows;
