@@ -26,4 +26,16 @@ impl Mapped {
     pub fn bytes(&self) -> &[u8] {
         &self.map
     }
+
+    /// Lets the kernel drop the resident pages of `range` (e.g. weights
+    /// that were copied elsewhere at load); a later read of them faults the
+    /// same bytes back in from the file. Only a hint: errors are ignored.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        // SAFETY: the map is read-only and private, so MADV_DONTNEED discards no writes: the
+        // pages' next access reads them again from the file, which holds the same bytes
+        // (the module doc's immutability contract). Bytes borrowed from the map therefore
+        // never change. memmap2 checks the range against the map.
+        let _ =
+            unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
+    }
 }

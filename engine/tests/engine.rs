@@ -8,6 +8,7 @@ use common::{engine, greedy, run_all};
 use engine::batch::{EngineConfig, EngineError, Request};
 use engine::kv::KvDtype;
 use engine::sampler::SamplingParams;
+use engine::weights::Weights;
 
 fn prompts(tok: &engine::tokenizer::Tokenizer) -> Vec<Vec<u32>> {
     let texts = [
@@ -277,4 +278,40 @@ fn a_stall_budget_changes_no_token() {
     let (mut e, _) = engine(cfg);
     assert_eq!(run_all(&mut e, &ps, &greedy(N)), reference);
     assert_eq!(e.kv_stats().used, 0);
+}
+
+/// Every Q4 matrix of the real model is repacked at load (`Weights::pack_panels`), and
+/// its products are the same bits as the file layout's, one activation row (a decode
+/// step, read straight from the packed panels) and several (unpacked from them).
+#[test]
+fn packed_q4_weights_give_the_file_layouts_bits() {
+    use kernels::matmul::{matmul, MatmulScratch};
+    let (plain, _) = Weights::from_gguf(&common::model_path()).expect("load model");
+    let (mut packed, _) = Weights::from_gguf(&common::model_path()).expect("load model");
+    packed.pack_panels();
+    let q4: Vec<(String, Vec<usize>)> = plain
+        .tensors
+        .iter()
+        .filter(|(_, t)| t.dims.len() == 2 && kernels::matmul::panels::is_packed_type(t.ty))
+        .map(|(n, t)| (n.clone(), t.dims.clone()))
+        .collect();
+    assert!(q4.len() >= 7 * plain.config.n_layers, "the test model's layer matrices are Q4 ({} found)", q4.len());
+    let pool = kernels::ThreadPool::new(2).expect("pool");
+    let isa = kernels::Isa::detect();
+    for (name, dims) in &q4 {
+        let (rows, cols) = (dims[0], dims[1]);
+        let (a, b) =
+            (plain.matrix(name, rows, cols).expect("matrix"), packed.matrix(name, rows, cols).expect("matrix"));
+        assert!(!a.has_panels() && b.has_panels(), "{name}: packed after pack_panels only");
+        if !name.starts_with("blk.0.") && !name.starts_with("blk.29.") {
+            continue;
+        }
+        for m in [1, 5] {
+            let x: Vec<f32> = (0..m * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+            let (mut ya, mut yb) = (vec![0f32; m * rows], vec![0f32; m * rows]);
+            matmul(&pool, isa, &a, &x, m, &mut ya, &mut MatmulScratch::default());
+            matmul(&pool, isa, &b, &x, m, &mut yb, &mut MatmulScratch::default());
+            assert_eq!(ya, yb, "{name} m={m} on {}", isa.name());
+        }
+    }
 }

@@ -95,7 +95,8 @@ pub struct Model {
 impl Model {
     /// Checks every tensor's presence and shape up front, so a forward pass
     /// never meets a missing or misshapen weight.
-    pub fn new(weights: Weights, threads: usize) -> Result<Self, WeightsError> {
+    pub fn new(mut weights: Weights, threads: usize) -> Result<Self, WeightsError> {
+        weights.pack_panels();
         let cfg = weights.config.clone();
         let (h, kvd, ffn) = (cfg.hidden, cfg.kv_dim(), cfg.ffn);
         let mut layers = Vec::with_capacity(cfg.n_layers);

@@ -25,6 +25,6 @@ impl Weights {
         let backing = Backing::Mapped(
             crate::mmap::Mapped::open(path).map_err(|source| WeightsError::Io { path: path.to_owned(), source })?,
         );
-        Ok((Weights { backing, tensors, config }, file))
+        Ok((Weights { backing, tensors, config, panels: Default::default() }, file))
     }
 }

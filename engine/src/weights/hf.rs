@@ -266,7 +266,7 @@ impl Weights {
                 permute_into(&hf_rows, region, rows, n_head, QkOrder::HfToGguf).map_err(|e| bad(&e))?;
             }
         }
-        Ok(Weights { backing: Backing::Owned(backing), tensors, config })
+        Ok(Weights { backing: Backing::Owned(backing), tensors, config, panels: Default::default() })
     }
 }
 

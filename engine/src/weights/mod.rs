@@ -53,6 +53,13 @@ impl Backing {
             Backing::Owned(v) => v,
         }
     }
+
+    /// Resident pages of `range` may go (a mapped file reads them back on use).
+    fn release(&self, range: std::ops::Range<usize>) {
+        if let Backing::Mapped(m) = self {
+            m.release(range);
+        }
+    }
 }
 
 /// A typed region of the backing. `dims` are outermost-first: `[rows, cols]`
@@ -70,6 +77,9 @@ pub struct Weights {
     pub(crate) backing: Backing,
     pub tensors: HashMap<String, TensorRef>,
     pub config: LlamaConfig,
+    /// Q4 matrices' whole panels repacked for the SIMD kernels
+    /// ([`Weights::pack_panels`]), by tensor name.
+    pub(crate) panels: HashMap<String, Vec<u8>>,
 }
 
 impl Weights {
@@ -87,11 +97,45 @@ impl Weights {
         if t.dims != [rows, cols] {
             return Err(WeightsError::Shape { name: name.into(), expected: vec![rows, cols], found: t.dims.clone() });
         }
-        QMatrix::new(t.ty, rows, cols, self.bytes(t)).map_err(|e| WeightsError::Shape {
+        let shape_error = |e: kernels::KernelError| WeightsError::Shape {
             name: format!("{name} ({e})"),
             expected: vec![rows, cols],
             found: t.dims.clone(),
-        })
+        };
+        let w = QMatrix::new(t.ty, rows, cols, self.bytes(t)).map_err(shape_error)?;
+        match self.panels.get(name) {
+            Some(p) => w.with_panels(p).map_err(shape_error),
+            None => Ok(w),
+        }
+    }
+
+    /// Repacks every Q4 matrix's whole panels into the layout the SIMD
+    /// kernels read (`kernels::matmul::panels`), once, at load: a decode
+    /// step then streams each panel with no transpose. Products return the
+    /// same bits either way. A mapped file's pages of those tensors are
+    /// released as each is packed, so resident memory stays about the
+    /// model's size (the rows are read back from the file only for the last
+    /// part panel of a matrix whose rows are not a multiple of eight).
+    pub fn pack_panels(&mut self) {
+        let mut names: Vec<&String> = self
+            .tensors
+            .iter()
+            .filter(|(n, t)| {
+                t.dims.len() == 2 && kernels::matmul::panels::is_packed_type(t.ty) && !self.panels.contains_key(*n)
+            })
+            .map(|(n, _)| n)
+            .collect();
+        names.sort();
+        let mut packed = Vec::with_capacity(names.len());
+        for name in names {
+            let t = &self.tensors[name];
+            let Ok(w) = QMatrix::new(t.ty, t.dims[0], t.dims[1], self.bytes(t)) else { continue };
+            if let Some(p) = kernels::matmul::panels::pack_q4_panels(&w) {
+                self.backing.release(t.offset..t.offset + t.len);
+                packed.push((name.clone(), p));
+            }
+        }
+        self.panels.extend(packed);
     }
 
     /// A vector of `n` values widened to f32.

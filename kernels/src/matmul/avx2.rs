@@ -202,6 +202,7 @@ pub(super) unsafe fn q4_rows_with<const Q41: bool, const DOT: u8>(
     crate::isa::trace::hit(dot_isa(DOT));
     let nb = acts.blocks_per_row();
     let m = acts.rows;
+    let bb = w.ty.block_bytes();
     assert!(w.cols == nb * 32, "weight columns differ from the activation row");
     assert!(m * nb * 32 <= acts.qs.len() && m * nb <= acts.d.len() && m * nb <= acts.s.len(), "activations short");
     let zero = PanelBlock { w: [_mm256_setzero_si256(); 8], d: _mm256_setzero_ps(), m: _mm256_setzero_ps() };
@@ -216,17 +217,46 @@ pub(super) unsafe fn q4_rows_with<const Q41: bool, const DOT: u8>(
     let mut r0 = rows.start;
     while r0 < rows.end {
         let live = (rows.end - r0).min(PANEL);
-        // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this function.
-        unsafe { unpack_panel::<Q41>(w, r0, live, panel) };
+        // A whole packed panel (its spare lanes, past `live`, are rows of `w` too, computed
+        // and not stored) or rows from the file layout.
+        let packed = if r0 % PANEL == 0 { w.packed_panel(r0 / PANEL) } else { None };
         super::prefetch_panels_ahead(w, r0, &rows, PANEL, PANEL_AHEAD);
         let mut lanes = [0f32; PANEL];
-        for i in 0..m {
-            // SAFETY: activation row i < m, within the lengths asserted above; `lanes` holds
-            // eight f32.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), panel_dots::<DOT>(panel, acts, i)) };
+        let mut store = |i: usize, v: __m256| {
+            // SAFETY: `lanes` holds eight f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
             for (l, x) in lanes.iter().take(live).enumerate() {
                 // SAFETY: rows r0..r0 + live are this caller's alone (the contract: disjoint rows).
                 unsafe { out.set(i * w.rows + r0 + l, *x) };
+            }
+        };
+        match packed {
+            // One activation row (a decode step): straight from the packed bytes, with no
+            // unpacked copy to store and read back.
+            Some(pp) if m == 1 => {
+                assert!(pp.len() >= nb * PANEL * bb, "packed panel shorter than a row's blocks");
+                // SAFETY: `pp` holds the panel's nb packed blocks (asserted), activation
+                // row 0 has nb blocks (asserted above); same target features as this function.
+                store(0, unsafe { panel_dots::<DOT>(nb, |b| packed_block::<Q41>(pp.as_ptr(), b), acts, 0) });
+            }
+            _ => {
+                match packed {
+                    Some(pp) => {
+                        assert!(pp.len() >= nb * PANEL * bb, "packed panel shorter than a row's blocks");
+                        for (b, pb) in panel.iter_mut().enumerate() {
+                            // SAFETY: block b < nb of the packed panel (asserted); same target
+                            // features as this function.
+                            *pb = unsafe { packed_block::<Q41>(pp.as_ptr(), b) };
+                        }
+                    }
+                    // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this
+                    // function.
+                    None => unsafe { unpack_panel::<Q41>(w, r0, live, panel) },
+                }
+                for i in 0..m {
+                    // SAFETY: activation row i < m, within the lengths asserted above.
+                    store(i, unsafe { panel_dots::<DOT>(nb, |b| panel[b], acts, i) });
+                }
             }
         }
         r0 += PANEL;
@@ -309,8 +339,40 @@ unsafe fn unpack_panel<const Q41: bool>(w: &QMatrix<'_>, r0: usize, live: usize,
     }
 }
 
+/// Block `b` of a packed panel (see `panels`) as a [`PanelBlock`]: the
+/// dwords are already transposed, so four loads and a nibble split give the
+/// eight weight registers, and the scales are two loads.
+///
+/// # Safety
+/// `pp` points at a packed panel with more than `b` blocks; avx2 and f16c.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn packed_block<const Q41: bool>(pp: *const u8, b: usize) -> PanelBlock {
+    let bb = if Q41 { 20 } else { 18 };
+    let nib = _mm256_set1_epi8(0x0F);
+    // SAFETY: block b's `PANEL * bb` bytes are in the panel (the caller's contract): 128
+    // bytes of nibbles, then eight f16 `d` and (Q4_1) eight f16 `m`.
+    unsafe {
+        let p = pp.add(b * PANEL * bb);
+        let mut w = [_mm256_setzero_si256(); 8];
+        for k in 0..4 {
+            let d = _mm256_loadu_si256(p.add(32 * k) as *const __m256i);
+            w[k] = _mm256_and_si256(d, nib);
+            w[4 + k] = _mm256_and_si256(_mm256_srli_epi16::<4>(d), nib);
+        }
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(p.add(128) as *const __m128i));
+        let m = if Q41 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.add(144) as *const __m128i))
+        } else {
+            _mm256_mul_ps(d, _mm256_set1_ps(-8.0))
+        };
+        PanelBlock { w, d, m }
+    }
+}
+
 /// The panel's eight rows against activation row `xr`: lane l is row l's dot
-/// product with it.
+/// product with it. `block(b)` gives the panel's block b (unpacked earlier,
+/// or read from packed weights).
 ///
 /// The rounding is ggml's `vec_dot_q4_1_q8_1` on AVX2 (and this crate's
 /// earlier kernels'), lane by lane: each of a block's eight four-element
@@ -323,16 +385,16 @@ unsafe fn unpack_panel<const Q41: bool>(w: &QMatrix<'_>, r0: usize, live: usize,
 /// choices at top-2 gaps of 0.16-0.27 in the fixture.
 ///
 /// # Safety
-/// Activation row `xr` exists in `acts` with `panel.len()` blocks; avx2, fma
-/// and f16c (and the `vpdpbusd` flags `DOT` needs).
+/// Activation row `xr` exists in `acts` with `nb` blocks; avx2, fma and f16c
+/// (and the `vpdpbusd` flags `DOT` needs).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn panel_dots<const DOT: u8>(panel: &[PanelBlock], acts: &QActs, xr: usize) -> __m256 {
-    let nb = panel.len();
+unsafe fn panel_dots<const DOT: u8>(nb: usize, block: impl Fn(usize) -> PanelBlock, acts: &QActs, xr: usize) -> __m256 {
     let ones = _mm256_set1_epi16(1);
     let mut a = [_mm256_setzero_ps(); 8];
     let mut offs = _mm256_setzero_ps();
-    for (b, pb) in panel.iter().enumerate() {
+    for b in 0..nb {
+        let pb = block(b);
         let idx = xr * nb + b;
         // SAFETY: block b of activation row xr (the caller's contract).
         unsafe {

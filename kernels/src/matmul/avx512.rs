@@ -181,8 +181,16 @@ unsafe fn q4_rows<const Q41: bool>(w: &QMatrix<'_>, acts: &QActs, rows: Range<us
     let mut r0 = rows.start;
     while r0 < rows.end {
         let live = (rows.end - r0).min(PANEL);
-        // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this function.
-        unsafe { unpack_panel::<Q41>(w, r0, live, panel) };
+        // Two whole packed eight-row panels (spare lanes past `live` are rows of `w` too,
+        // computed and not stored), or rows from the file layout.
+        let half = super::panels::PANEL_ROWS;
+        let packed = if r0 % half == 0 { w.packed_panel(r0 / half).zip(w.packed_panel(r0 / half + 1)) } else { None };
+        match packed {
+            // SAFETY: both hold `nb` packed blocks (the assert inside); same target features.
+            Some((lo, hi)) => unsafe { unpack_packed::<Q41>(lo, hi, panel) },
+            // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this function.
+            None => unsafe { unpack_panel::<Q41>(w, r0, live, panel) },
+        }
         super::prefetch_panels_ahead(w, r0, &rows, PANEL, PANEL_AHEAD);
         let mut lanes = [0f32; PANEL];
         for i in 0..m {
@@ -261,6 +269,45 @@ unsafe fn unpack_panel<const Q41: bool>(w: &QMatrix<'_>, r0: usize, live: usize,
             } else {
                 _mm512_mul_ps(pb.d, _mm512_set1_ps(-8.0))
             };
+        }
+    }
+}
+
+/// Fills `panel` from two packed eight-row panels (see `panels`): `lo` gives
+/// lanes 0..8 and `hi` lanes 8..16, each block's dwords already transposed.
+///
+/// # Safety
+/// `Isa::Avx512`'s flags.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_packed<const Q41: bool>(lo: &[u8], hi: &[u8], panel: &mut [PanelBlock]) {
+    let bb = if Q41 { 20 } else { 18 };
+    let len = super::panels::PANEL_ROWS * bb;
+    assert!(lo.len() >= panel.len() * len && hi.len() >= panel.len() * len, "packed panel shorter than a row");
+    let nib = _mm512_set1_epi8(0x0F);
+    for (b, pb) in panel.iter_mut().enumerate() {
+        // SAFETY: block b's `len` bytes lie in both panels (asserted above): 128 bytes of
+        // nibbles, eight f16 `d`, then (Q4_1) eight f16 `m`.
+        unsafe {
+            let (l, h) = (lo.as_ptr().add(b * len), hi.as_ptr().add(b * len));
+            let both = |off: usize| {
+                let a = _mm256_loadu_si256(l.add(off) as *const __m256i);
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), _mm256_loadu_si256(h.add(off) as *const __m256i))
+            };
+            for k in 0..4 {
+                let d = both(32 * k);
+                pb.w[k] = _mm512_and_si512(d, nib);
+                pb.w[4 + k] = _mm512_and_si512(_mm512_srli_epi16::<4>(d), nib);
+            }
+            let f16s = |off: usize| {
+                _mm256_set_m128i(
+                    _mm_loadu_si128(h.add(off) as *const __m128i),
+                    _mm_loadu_si128(l.add(off) as *const __m128i),
+                )
+            };
+            pb.d = _mm512_cvtph_ps(f16s(128));
+            pb.m = if Q41 { _mm512_cvtph_ps(f16s(144)) } else { _mm512_mul_ps(pb.d, _mm512_set1_ps(-8.0)) };
         }
     }
 }

@@ -19,6 +19,7 @@
 
 mod avx2;
 mod avx512;
+pub mod panels;
 mod scalar;
 
 use crate::pool::{SharedSlice, ThreadPool};
@@ -71,6 +72,9 @@ pub struct QMatrix<'a> {
     pub rows: usize,
     pub cols: usize,
     data: &'a [u8],
+    /// The whole panels repacked for the SIMD kernels, when the loader did
+    /// that (see [`panels`]).
+    panels: Option<&'a [u8]>,
 }
 
 impl<'a> QMatrix<'a> {
@@ -81,7 +85,7 @@ impl<'a> QMatrix<'a> {
                 detail: format!("{ty:?} {rows}x{cols} needs {} bytes, got {}", rows * ty.row_bytes(cols), data.len()),
             });
         }
-        Ok(Self { ty, rows, cols, data })
+        Ok(Self { ty, rows, cols, data, panels: None })
     }
 
     pub fn row(&self, r: usize) -> &'a [u8] {
@@ -135,8 +139,25 @@ pub(crate) fn prefetch_panels_ahead(
     panels_ahead: usize,
 ) {
     let first = if r0 == rows.start { r0 + panel } else { r0 + panels_ahead * panel };
-    for r in first..(r0 + (panels_ahead + 1) * panel).min(rows.end) {
-        prefetch_row(w, r);
+    let end = (r0 + (panels_ahead + 1) * panel).min(rows.end);
+    // Rows of a packed panel are asked for where the kernel will read them.
+    let mut r = first;
+    while r < end {
+        let packed = if r % panels::PANEL_ROWS == 0 && r + panels::PANEL_ROWS <= end {
+            w.packed_panel(r / panels::PANEL_ROWS)
+        } else {
+            None
+        };
+        match packed {
+            Some(bytes) => {
+                prefetch_bytes(bytes);
+                r += panels::PANEL_ROWS;
+            }
+            None => {
+                prefetch_row(w, r);
+                r += 1;
+            }
+        }
     }
 }
 
@@ -156,9 +177,16 @@ pub(crate) fn prefetch_panels_ahead(
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_row(w: &QMatrix<'_>, r: usize) {
+    prefetch_bytes(w.row(r));
+}
+
+/// Asks for `bytes` to be brought into the outer caches, as [`prefetch_row`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_bytes(bytes: &[u8]) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T2};
-    for line in w.row(r).chunks(64) {
-        // SAFETY: a prefetch of an address inside the row (SSE, which every x86_64 has);
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch of an address inside `bytes` (SSE, which every x86_64 has);
         // it reads nothing architecturally and cannot fault.
         unsafe { _mm_prefetch::<_MM_HINT_T2>(line.as_ptr().cast::<i8>()) };
     }

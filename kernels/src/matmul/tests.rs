@@ -262,3 +262,95 @@ fn avx512_q4_kernel_widths_return_the_same_bits() {
         }
     }
 }
+
+/// Q4 matrices with their whole panels repacked at load (`panels`) give the
+/// same bits as the file layout, on every level, at every batch size (one
+/// row reads the packed bytes directly, a few rows unpack them, the AVX-512
+/// level's large batches pair two into a sixteen-row panel) and thread
+/// count. 13 rows: a part panel read from the file layout after a packed one.
+#[test]
+fn packed_panels_return_the_same_bits_as_the_file_layout() {
+    let mut rng = Rng::new(23);
+    for ty in [WeightType::Q4_0, WeightType::Q4_1] {
+        for (rows, cols) in [(40, 576), (13, 1536), (16, 96), (8, 64)] {
+            let data = random_weights(&mut rng, ty, rows, cols);
+            let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
+            let packed = panels::pack_q4_panels(&w).expect("a Q4 type packs");
+            assert_eq!(packed.len(), rows / 8 * 8 * ty.row_bytes(cols));
+            let wp = w.with_panels(&packed).expect("packed length");
+            for isa in Isa::ALL {
+                if !crate::isa::trace::runnable("packed panels", isa) {
+                    continue;
+                }
+                for m in [1, 2, 3, 5, 9] {
+                    let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+                    let want = run(isa, 1, &w, &x, m);
+                    for threads in [1, 2] {
+                        let got = crate::isa::trace::assert_ran(isa, "packed", || run(isa, threads, &wp, &x, m));
+                        assert_eq!(got, want, "{ty:?} {rows}x{cols} m={m} {} {threads} threads", isa.name());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// In a product of several matrices a packed matrix's rows may start off a
+/// panel boundary (the rows of all matrices are split together); those
+/// panels are read from the file layout and the bits stay the same.
+#[test]
+fn packed_panels_after_an_unaligned_matrix_in_a_multi_product() {
+    let mut rng = Rng::new(29);
+    let pool = ThreadPool::new(2).expect("pool");
+    let (cols, m) = (128, 1);
+    let a = random_weights(&mut rng, WeightType::Q4_1, 13, cols);
+    let b = random_weights(&mut rng, WeightType::Q4_1, 64, cols);
+    let wa = QMatrix::new(WeightType::Q4_1, 13, cols, &a).expect("shape");
+    let wb = QMatrix::new(WeightType::Q4_1, 64, cols, &b).expect("shape");
+    let (pa, pb) = (panels::pack_q4_panels(&wa).expect("q4"), panels::pack_q4_panels(&wb).expect("q4"));
+    let packed = [wa.with_panels(&pa).expect("len"), wb.with_panels(&pb).expect("len")];
+    let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+    for isa in Isa::ALL {
+        if !crate::isa::trace::runnable("packed multi", isa) {
+            continue;
+        }
+        let (mut ya, mut yb) = (vec![0f32; 13 * m], vec![0f32; 64 * m]);
+        matmul_multi(&pool, isa, &packed, &x, m, &mut [&mut ya, &mut yb], &mut MatmulScratch::default());
+        assert_eq!(ya, run(isa, 1, &wa, &x, m), "{}: first matrix", isa.name());
+        assert_eq!(yb, run(isa, 1, &wb, &x, m), "{}: second matrix", isa.name());
+    }
+}
+
+/// The packed layout puts dword k of row l's block at `32k + 4l`, row l's
+/// `d` at `128 + 2l` and its `m` at `144 + 2l` (see `panels`).
+#[test]
+fn packed_layout_transposes_each_blocks_dwords() {
+    let mut rng = Rng::new(31);
+    let (rows, cols) = (8, 64);
+    let data = random_weights(&mut rng, WeightType::Q4_1, rows, cols);
+    let w = QMatrix::new(WeightType::Q4_1, rows, cols, &data).expect("shape");
+    let p = panels::pack_q4_panels(&w).expect("q4");
+    for b in 0..2 {
+        let blk = &p[b * 160..(b + 1) * 160];
+        for l in 0..rows {
+            let src = &w.row(l)[b * 20..(b + 1) * 20];
+            for k in 0..4 {
+                assert_eq!(&blk[32 * k + 4 * l..32 * k + 4 * l + 4], &src[4 + 4 * k..8 + 4 * k], "b{b} l{l} k{k}");
+            }
+            assert_eq!(&blk[128 + 2 * l..130 + 2 * l], &src[..2], "d of b{b} l{l}");
+            assert_eq!(&blk[144 + 2 * l..146 + 2 * l], &src[2..4], "m of b{b} l{l}");
+        }
+    }
+}
+
+#[test]
+fn panels_of_the_wrong_length_or_type_are_refused() {
+    let data = vec![0u8; 16 * 40];
+    let w = QMatrix::new(WeightType::Q4_1, 16, 64, &data).expect("shape");
+    assert!(w.with_panels(&data[..16 * 40 - 1]).is_err());
+    assert!(w.with_panels(&data).is_ok());
+    let q8 = vec![0u8; 16 * 68];
+    let w8 = QMatrix::new(WeightType::Q8_0, 16, 64, &q8).expect("shape");
+    assert!(panels::pack_q4_panels(&w8).is_none());
+    assert!(w8.with_panels(&q8).is_err());
+}
