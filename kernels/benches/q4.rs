@@ -1,21 +1,28 @@
-//! The AVX-512 level's two Q4 kernels against each other, batch size by
-//! batch size: 256-bit registers with eight weight rows per panel, and
-//! 512-bit registers with sixteen. `AVX512_SMALL_BATCH` (the batch size up to
-//! which the first is used) is chosen from this.
+//! The Q4 kernels over weights larger than the cache, batch size by batch
+//! size, in two comparisons, each alternating its two sides step by step so
+//! that host noise hits both alike (median step times and their ratio):
+//!
+//! 1. Packed panels (`kernels::matmul::panels`, what the engine multiplies
+//!    with) against the file layout, at the CPU's best level, with a plain
+//!    read of the same bytes through the same pool as the ceiling at one
+//!    activation row (a decode step).
+//! 2. The AVX-512 level's two kernel widths against each other, over packed
+//!    panels as the engine runs them: 256-bit
+//!    registers with eight weight rows per panel, and 512-bit registers with
+//!    sixteen. `AVX512_SMALL_BATCH` (the batch size up to which the first is
+//!    used) is chosen from this. Only on CPUs with AVX-512 F/BW/VL and VNNI.
 //!
 //! Each step multiplies a batch of activation rows by every Q4_1 matrix of
 //! a 30-layer SmolLM2-135M-shaped model (576 wide, 1,536 in the MLP; 66 MB,
 //! more than this host's cache, so weights stream from memory as in a
-//! decode step), on a pool of `--threads` threads (default 2). The two
-//! kernels alternate step by step so that host noise hits both alike; the
-//! median step time of each is printed with their ratio.
+//! decode step), on a pool of `--threads` threads (default 2).
 //!
-//! Run: `cargo bench -p kernels --bench q4` (args: steps per kernel and
-//! batch size, default 15; threads, default 2). Needs a CPU with AVX-512
-//! F/BW/VL and VNNI; elsewhere it says so and exits.
+//! Run: `cargo bench -p kernels --bench q4` (args: steps per side and batch
+//! size, default 15; threads, default 2).
 
 use std::time::{Duration, Instant};
 
+use kernels::matmul::panels::pack_q4_panels;
 use kernels::matmul::{matmul, set_avx512_small_batch, MatmulScratch, AVX512_SMALL_BATCH};
 use kernels::{Isa, QMatrix, ThreadPool, WeightType};
 
@@ -29,14 +36,7 @@ fn main() {
     let mut args = std::env::args().skip(1).filter_map(|a| a.parse::<usize>().ok());
     let steps = args.next().unwrap_or(15).max(1);
     let threads = args.next().unwrap_or(2).max(1);
-    if !Isa::Avx512.available() {
-        println!(
-            "q4 kernel widths: this CPU lacks {} (AVX-512 level); nothing to compare",
-            Isa::Avx512.missing().join(" ")
-        );
-        return;
-    }
-    println!("q4 kernel widths, {threads} threads, {steps} steps each; {}", cpu());
+    println!("q4 kernels, {threads} threads, {steps} steps each; {}", cpu());
     let shapes =
         [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)];
     let mut seed = 0x2545_f491_4f6c_dd1du64;
@@ -60,6 +60,50 @@ fn main() {
     println!("{} matrices, {:.1} MB of Q4_1 weights per step", mats.len(), bytes as f64 / 1e6);
     let pool = ThreadPool::new(threads).expect("thread pool");
     let mut scratch = MatmulScratch::default();
+    let packs: Vec<Vec<u8>> = mats.iter().map(|w| pack_q4_panels(w).expect("Q4 packs")).collect();
+    let packed: Vec<QMatrix<'_>> =
+        mats.iter().zip(&packs).map(|(w, p)| w.with_panels(p).expect("packed length")).collect();
+    let isa = Isa::detect();
+    println!("\npacked panels against the file layout ({} level)", isa.name());
+    println!("{:>6} {:>12} {:>12} {:>14}", "batch", "file ms", "packed ms", "packed / file");
+    for m in BATCHES {
+        let x: Vec<f32> = (0..m * FFN).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        let mut y = vec![0f32; m * FFN];
+        let mut times = [Vec::new(), Vec::new()];
+        let mut step = |ws: &[QMatrix<'_>]| {
+            let start = Instant::now();
+            for w in ws {
+                matmul(&pool, isa, w, &x[..m * w.cols], m, &mut y[..m * w.rows], &mut scratch);
+            }
+            start.elapsed()
+        };
+        step(&mats);
+        step(&packed);
+        for _ in 0..steps {
+            times[0].push(step(&mats));
+            times[1].push(step(&packed));
+        }
+        let [f, p] = times.map(median);
+        println!("{m:>6} {:>12.2} {:>12.2} {:>13.2}x", ms(f), ms(p), p.as_secs_f64() / f.as_secs_f64());
+        if m == 1 {
+            let read = median((0..steps).map(|_| plain_read(&pool, &mats)).collect());
+            let gbs = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
+            println!(
+                "       one row: file {:.1} GB/s, packed {:.1} GB/s, a plain read of the same bytes {:.1} GB/s",
+                gbs(f),
+                gbs(p),
+                gbs(read)
+            );
+        }
+    }
+    if !Isa::Avx512.available() {
+        println!(
+            "\nq4 kernel widths: this CPU lacks {} (AVX-512 level); nothing to compare",
+            Isa::Avx512.missing().join(" ")
+        );
+        return;
+    }
+    println!("\nthe AVX-512 level's kernel widths (packed panels, as the engine runs them)");
     println!("{:>6} {:>12} {:>12} {:>14}", "batch", "256-bit ms", "512-bit ms", "512 / 256 time");
     for m in BATCHES {
         let x: Vec<f32> = (0..m * FFN).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
@@ -68,7 +112,7 @@ fn main() {
         let mut step = |narrow: bool| {
             set_avx512_small_batch(if narrow { usize::MAX } else { 0 });
             let start = Instant::now();
-            for w in &mats {
+            for w in &packed {
                 matmul(&pool, Isa::Avx512, w, &x[..m * w.cols], m, &mut y[..m * w.rows], &mut scratch);
             }
             start.elapsed()
@@ -85,6 +129,27 @@ fn main() {
     }
     set_avx512_small_batch(AVX512_SMALL_BATCH);
     println!("AVX512_SMALL_BATCH = {AVX512_SMALL_BATCH}: batches up to it take the 256-bit kernel");
+}
+
+/// One pass over every matrix's bytes, split across the pool by rows as the
+/// matmul splits them, summing them as u64 words: the rate a kernel that
+/// only read its weights would reach.
+fn plain_read(pool: &ThreadPool, mats: &[QMatrix<'_>]) -> Duration {
+    let start = Instant::now();
+    for w in mats {
+        let rb = w.data().len() / w.rows;
+        let total = std::sync::atomic::AtomicU64::new(0);
+        let chunk = w.rows.div_ceil(pool.threads() * 8).max(16).next_multiple_of(8);
+        pool.for_ranges(w.rows, chunk, &|r| {
+            let bytes = &w.data()[r.start * rb..r.end * rb];
+            let sum = bytes
+                .chunks_exact(8)
+                .fold(0u64, |a, c| a.wrapping_add(u64::from_le_bytes(c.try_into().expect("8 bytes"))));
+            total.fetch_add(sum, std::sync::atomic::Ordering::Relaxed);
+        });
+        std::hint::black_box(total.into_inner());
+    }
+    start.elapsed()
 }
 
 /// The machine, as `tandem::bench::cpu_summary` prints it for the other
