@@ -27,14 +27,18 @@ impl Mapped {
         &self.map
     }
 
-    /// Lets the kernel drop the resident pages of `range` (e.g. weights
-    /// that were copied elsewhere at load); a later read of them faults the
-    /// same bytes back in from the file. Only a hint: errors are ignored.
+    /// Lets the kernel drop this process's resident pages of `range` (e.g.
+    /// weights that were copied elsewhere at load), lowering its RSS; the
+    /// pages stay in the page cache, and a later read of them faults the
+    /// same bytes back in. Only a hint: errors are ignored.
     pub fn release(&self, range: std::ops::Range<usize>) {
-        // SAFETY: the map is read-only and private, so MADV_DONTNEED discards no writes: the
-        // pages' next access reads them again from the file, which holds the same bytes
+        // SAFETY: the map is a read-only shared mapping of the file, so MADV_DONTNEED only
+        // drops this process's page-table entries (no write exists to lose): the pages' next
+        // access reads them again from the page cache or the file, which holds the same bytes
         // (the module doc's immutability contract). Bytes borrowed from the map therefore
-        // never change. memmap2 checks the range against the map.
+        // never change. memmap2 rejects an offset or length beyond the map and rounds the
+        // start down to a page, so neighbouring bytes in that page may be dropped too; they
+        // fault back in the same way.
         let _ =
             unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
     }

@@ -96,8 +96,8 @@ impl Model {
     /// Checks every tensor's presence and shape up front, so a forward pass
     /// never meets a missing or misshapen weight.
     pub fn new(mut weights: Weights, threads: usize) -> Result<Self, WeightsError> {
-        weights.pack_panels();
         let cfg = weights.config.clone();
+        let isa = Isa::detect();
         let (h, kvd, ffn) = (cfg.hidden, cfg.kv_dim(), cfg.ffn);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
@@ -117,21 +117,19 @@ impl Model {
         weights.matrix("token_embd.weight", cfg.vocab, h)?;
         let output_name = if cfg.tied_embeddings { "token_embd.weight" } else { "output.weight" }.to_owned();
         weights.matrix(&output_name, cfg.vocab, h)?;
+        // The matrices a forward pass multiplies with get packed panels (the
+        // SIMD kernels read those; the scalar ones read the file layout, so
+        // for them a packed copy would only cost memory). An untied
+        // `token_embd` is only looked up row by row and stays as it is.
+        if isa != Isa::Scalar {
+            let names = layers.iter().flat_map(|l| l.names.iter()).chain([&output_name]);
+            weights.pack_panels(names.map(String::as_str));
+        }
         let output_norm = weights.vector("output_norm.weight", h)?;
         let rope = RopeTable::new(cfg.head_dim, cfg.rope_dims, cfg.rope_theta, cfg.context);
         let pool =
             ThreadPool::new(threads).map_err(|source| WeightsError::Io { path: "<thread pool>".into(), source })?;
-        Ok(Self {
-            cfg,
-            weights,
-            layers,
-            output_norm,
-            output_name,
-            rope,
-            pool,
-            isa: Isa::detect(),
-            s: Scratch::default(),
-        })
+        Ok(Self { cfg, weights, layers, output_norm, output_name, rope, pool, isa, s: Scratch::default() })
     }
 
     pub fn config(&self) -> &LlamaConfig {

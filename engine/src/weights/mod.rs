@@ -109,30 +109,28 @@ impl Weights {
         }
     }
 
-    /// Repacks every Q4 matrix's whole panels into the layout the SIMD
-    /// kernels read (`kernels::matmul::panels`), once, at load: a decode
-    /// step then streams each panel with no transpose. Products return the
-    /// same bits either way. A mapped file's pages of those tensors are
-    /// released as each is packed, so resident memory stays about the
+    /// Repacks the whole panels of the named Q4 matrices (the ones a
+    /// forward pass multiplies with) into the layout the SIMD kernels read
+    /// (`kernels::matmul::panels`), once, at load: a decode step then
+    /// streams each panel with no transpose. Products return the same bits
+    /// either way. A mapped file's pages of those tensors are released as
+    /// each is packed, so this process's resident memory stays about the
     /// model's size (the rows are read back from the file only for the last
-    /// part panel of a matrix whose rows are not a multiple of eight).
-    pub fn pack_panels(&mut self) {
-        let mut names: Vec<&String> = self
-            .tensors
-            .iter()
-            .filter(|(n, t)| {
-                t.dims.len() == 2 && kernels::matmul::panels::is_packed_type(t.ty) && !self.panels.contains_key(*n)
-            })
-            .map(|(n, _)| n)
-            .collect();
-        names.sort();
-        let mut packed = Vec::with_capacity(names.len());
+    /// part panel of a matrix whose rows are not a multiple of eight, and
+    /// for a thread's rows that start off a panel boundary). Other names,
+    /// other types and tensors already packed are left as they are.
+    pub fn pack_panels<'n>(&mut self, names: impl IntoIterator<Item = &'n str>) {
+        let mut packed = Vec::new();
         for name in names {
-            let t = &self.tensors[name];
+            let Some(t) = self.tensors.get(name) else { continue };
+            if t.dims.len() != 2 || !kernels::matmul::panels::is_packed_type(t.ty) || self.panels.contains_key(name) {
+                continue;
+            }
+            // A misshapen tensor is left for `matrix` to report.
             let Ok(w) = QMatrix::new(t.ty, t.dims[0], t.dims[1], self.bytes(t)) else { continue };
             if let Some(p) = kernels::matmul::panels::pack_q4_panels(&w) {
                 self.backing.release(t.offset..t.offset + t.len);
-                packed.push((name.clone(), p));
+                packed.push((name.to_owned(), p));
             }
         }
         self.panels.extend(packed);

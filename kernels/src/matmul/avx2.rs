@@ -203,6 +203,7 @@ pub(super) unsafe fn q4_rows_with<const Q41: bool, const DOT: u8>(
     let nb = acts.blocks_per_row();
     let m = acts.rows;
     let bb = w.ty.block_bytes();
+    assert_eq!(bb, if Q41 { 20 } else { 18 }, "the kernel's Q4 type differs from the matrix's");
     assert!(w.cols == nb * 32, "weight columns differ from the activation row");
     assert!(m * nb * 32 <= acts.qs.len() && m * nb <= acts.d.len() && m * nb <= acts.s.len(), "activations short");
     let zero = PanelBlock { w: [_mm256_setzero_si256(); 8], d: _mm256_setzero_ps(), m: _mm256_setzero_ps() };

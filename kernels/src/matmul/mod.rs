@@ -140,14 +140,11 @@ pub(crate) fn prefetch_panels_ahead(
 ) {
     let first = if r0 == rows.start { r0 + panel } else { r0 + panels_ahead * panel };
     let end = (r0 + (panels_ahead + 1) * panel).min(rows.end);
-    // Rows of a packed panel are asked for where the kernel will read them.
+    // Rows of a packed panel are asked for where the kernel will read them: the kernels
+    // read a whole packed panel at a panel boundary, even where the range ends inside it.
     let mut r = first;
     while r < end {
-        let packed = if r % panels::PANEL_ROWS == 0 && r + panels::PANEL_ROWS <= end {
-            w.packed_panel(r / panels::PANEL_ROWS)
-        } else {
-            None
-        };
+        let packed = if r % panels::PANEL_ROWS == 0 { w.packed_panel(r / panels::PANEL_ROWS) } else { None };
         match packed {
             Some(bytes) => {
                 prefetch_bytes(bytes);

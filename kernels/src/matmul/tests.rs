@@ -319,26 +319,96 @@ fn packed_panels_after_an_unaligned_matrix_in_a_multi_product() {
         assert_eq!(ya, run(isa, 1, &wa, &x, m), "{}: first matrix", isa.name());
         assert_eq!(yb, run(isa, 1, &wb, &x, m), "{}: second matrix", isa.name());
     }
+    // After an eight-row matrix the second one's rows split at 8 and 24: on the AVX-512
+    // level a batch of nine pairs packed panels 1 and 2 into one sixteen-row panel.
+    let (c, d) =
+        (random_weights(&mut rng, WeightType::Q4_0, 8, cols), random_weights(&mut rng, WeightType::Q4_0, 40, cols));
+    let wc = QMatrix::new(WeightType::Q4_0, 8, cols, &c).expect("shape");
+    let wd = QMatrix::new(WeightType::Q4_0, 40, cols, &d).expect("shape");
+    let (pc, pd) = (panels::pack_q4_panels(&wc).expect("q4"), panels::pack_q4_panels(&wd).expect("q4"));
+    let packed = [wc.with_panels(&pc).expect("len"), wd.with_panels(&pd).expect("len")];
+    for m in [1, 9] {
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+        for isa in Isa::ALL {
+            if !crate::isa::trace::runnable("packed multi", isa) {
+                continue;
+            }
+            let (mut yc, mut yd) = (vec![0f32; 8 * m], vec![0f32; 40 * m]);
+            matmul_multi(&pool, isa, &packed, &x, m, &mut [&mut yc, &mut yd], &mut MatmulScratch::default());
+            assert_eq!(yc, run(isa, 1, &wc, &x, m), "{} m={m}: first matrix", isa.name());
+            assert_eq!(yd, run(isa, 1, &wd, &x, m), "{} m={m}: second matrix", isa.name());
+        }
+    }
 }
 
 /// The packed layout puts dword k of row l's block at `32k + 4l`, row l's
-/// `d` at `128 + 2l` and its `m` at `144 + 2l` (see `panels`).
+/// `d` at `128 + 2l` and (Q4_1) its `m` at `144 + 2l` (see `panels`).
 #[test]
 fn packed_layout_transposes_each_blocks_dwords() {
     let mut rng = Rng::new(31);
     let (rows, cols) = (8, 64);
-    let data = random_weights(&mut rng, WeightType::Q4_1, rows, cols);
-    let w = QMatrix::new(WeightType::Q4_1, rows, cols, &data).expect("shape");
-    let p = panels::pack_q4_panels(&w).expect("q4");
-    for b in 0..2 {
-        let blk = &p[b * 160..(b + 1) * 160];
-        for l in 0..rows {
-            let src = &w.row(l)[b * 20..(b + 1) * 20];
-            for k in 0..4 {
-                assert_eq!(&blk[32 * k + 4 * l..32 * k + 4 * l + 4], &src[4 + 4 * k..8 + 4 * k], "b{b} l{l} k{k}");
+    for ty in [WeightType::Q4_0, WeightType::Q4_1] {
+        let (bb, qoff) = (ty.block_bytes(), ty.block_bytes() - 16);
+        let data = random_weights(&mut rng, ty, rows, cols);
+        let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
+        let p = panels::pack_q4_panels(&w).expect("q4");
+        assert_eq!(p.len(), 2 * 8 * bb);
+        for b in 0..2 {
+            let blk = &p[b * 8 * bb..(b + 1) * 8 * bb];
+            for l in 0..rows {
+                let src = &w.row(l)[b * bb..(b + 1) * bb];
+                for k in 0..4 {
+                    let dw = &src[qoff + 4 * k..qoff + 4 * k + 4];
+                    assert_eq!(&blk[32 * k + 4 * l..32 * k + 4 * l + 4], dw, "{ty:?} b{b} l{l} k{k}");
+                }
+                assert_eq!(&blk[128 + 2 * l..130 + 2 * l], &src[..2], "{ty:?} d of b{b} l{l}");
+                if ty == WeightType::Q4_1 {
+                    assert_eq!(&blk[144 + 2 * l..146 + 2 * l], &src[2..4], "{ty:?} m of b{b} l{l}");
+                }
             }
-            assert_eq!(&blk[128 + 2 * l..130 + 2 * l], &src[..2], "d of b{b} l{l}");
-            assert_eq!(&blk[144 + 2 * l..146 + 2 * l], &src[2..4], "m of b{b} l{l}");
+        }
+    }
+}
+
+/// The SIMD kernels really read the packed panels: with every packed block's
+/// nibbles altered, every row of a whole panel changes, at one row (read
+/// straight from the packed bytes), a few (unpacked from them) and, on the
+/// AVX-512 level, a large batch (sixteen-row panels paired from them); the
+/// rows past the last whole panel, read from the file layout, do not.
+#[test]
+fn altered_packed_panels_change_exactly_the_packed_rows() {
+    let mut rng = Rng::new(37);
+    let (rows, cols) = (21, 128);
+    for ty in [WeightType::Q4_0, WeightType::Q4_1] {
+        let bb = ty.block_bytes();
+        let data = random_weights(&mut rng, ty, rows, cols);
+        let w = QMatrix::new(ty, rows, cols, &data).expect("shape");
+        let mut altered = panels::pack_q4_panels(&w).expect("q4");
+        for blk in altered.chunks_exact_mut(8 * bb) {
+            for byte in &mut blk[..128] {
+                *byte ^= 0x5A;
+            }
+        }
+        let wa = w.with_panels(&altered).expect("packed length");
+        for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512] {
+            if !crate::isa::trace::runnable("altered packed panels", isa) {
+                continue;
+            }
+            for m in [1, 3, 9] {
+                let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
+                let (file, packed) = (run(isa, 2, &w, &x, m), run(isa, 2, &wa, &x, m));
+                for i in 0..m {
+                    for r in 0..rows {
+                        let (a, b) = (file[i * rows + r], packed[i * rows + r]);
+                        let what = format!("{ty:?} {} m={m} x{i} row {r}", isa.name());
+                        if r < 16 {
+                            assert_ne!(a, b, "{what}: a packed row read the file layout");
+                        } else {
+                            assert_eq!(a, b, "{what}: a row past the whole panels changed");
+                        }
+                    }
+                }
+            }
         }
     }
 }
