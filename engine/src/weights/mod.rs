@@ -120,7 +120,6 @@ impl Weights {
     /// for a thread's rows that start off a panel boundary). Other names,
     /// other types and tensors already packed are left as they are.
     pub fn pack_panels<'n>(&mut self, names: impl IntoIterator<Item = &'n str>) {
-        let mut packed = Vec::new();
         for name in names {
             let Some(t) = self.tensors.get(name) else { continue };
             if t.dims.len() != 2 || !kernels::matmul::panels::is_packed_type(t.ty) || self.panels.contains_key(name) {
@@ -130,10 +129,9 @@ impl Weights {
             let Ok(w) = QMatrix::new(t.ty, t.dims[0], t.dims[1], self.bytes(t)) else { continue };
             if let Some(p) = kernels::matmul::panels::pack_q4_panels(&w) {
                 self.backing.release(t.offset..t.offset + t.len);
-                packed.push((name.to_owned(), p));
+                self.panels.insert(name.to_owned(), p);
             }
         }
-        self.panels.extend(packed);
     }
 
     /// A vector of `n` values widened to f32.

@@ -221,6 +221,9 @@ pub(super) unsafe fn q4_rows_with<const Q41: bool, const DOT: u8>(
         // A whole packed panel (its spare lanes, past `live`, are rows of `w` too, computed
         // and not stored) or rows from the file layout.
         let packed = if r0 % PANEL == 0 { w.packed_panel(r0 / PANEL) } else { None };
+        if let Some(pp) = packed {
+            assert!(pp.len() >= nb * PANEL * bb, "packed panel shorter than a row's blocks");
+        }
         super::prefetch_panels_ahead(w, r0, &rows, PANEL, PANEL_AHEAD);
         let mut lanes = [0f32; PANEL];
         let mut store = |i: usize, v: __m256| {
@@ -231,33 +234,28 @@ pub(super) unsafe fn q4_rows_with<const Q41: bool, const DOT: u8>(
                 unsafe { out.set(i * w.rows + r0 + l, *x) };
             }
         };
-        match packed {
+        if let (Some(pp), 1) = (packed, m) {
             // One activation row (a decode step): straight from the packed bytes, with no
             // unpacked copy to store and read back.
-            Some(pp) if m == 1 => {
-                assert!(pp.len() >= nb * PANEL * bb, "packed panel shorter than a row's blocks");
-                // SAFETY: `pp` holds the panel's nb packed blocks (asserted), activation
-                // row 0 has nb blocks (asserted above); same target features as this function.
-                store(0, unsafe { panel_dots::<DOT>(nb, |b| packed_block::<Q41>(pp.as_ptr(), b), acts, 0) });
-            }
-            _ => {
-                match packed {
-                    Some(pp) => {
-                        assert!(pp.len() >= nb * PANEL * bb, "packed panel shorter than a row's blocks");
-                        for (b, pb) in panel.iter_mut().enumerate() {
-                            // SAFETY: block b < nb of the packed panel (asserted); same target
-                            // features as this function.
-                            *pb = unsafe { packed_block::<Q41>(pp.as_ptr(), b) };
-                        }
+            // SAFETY: `pp` holds the panel's nb packed blocks (asserted), activation row 0
+            // has nb blocks (asserted above); same target features as this function.
+            store(0, unsafe { panel_dots::<DOT>(nb, |b| packed_block::<Q41>(pp.as_ptr(), b), acts, 0) });
+        } else {
+            match packed {
+                Some(pp) => {
+                    for (b, pb) in panel.iter_mut().enumerate() {
+                        // SAFETY: block b < nb of the packed panel (asserted); same target
+                        // features as this function.
+                        *pb = unsafe { packed_block::<Q41>(pp.as_ptr(), b) };
                     }
-                    // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this
-                    // function.
-                    None => unsafe { unpack_panel::<Q41>(w, r0, live, panel) },
                 }
-                for i in 0..m {
-                    // SAFETY: activation row i < m, within the lengths asserted above.
-                    store(i, unsafe { panel_dots::<DOT>(nb, |b| panel[b], acts, i) });
-                }
+                // SAFETY: rows r0..r0 + live are rows of `w`; same target features as this
+                // function.
+                None => unsafe { unpack_panel::<Q41>(w, r0, live, panel) },
+            }
+            for i in 0..m {
+                // SAFETY: activation row i < m, within the lengths asserted above.
+                store(i, unsafe { panel_dots::<DOT>(nb, |b| panel[b], acts, i) });
             }
         }
         r0 += PANEL;

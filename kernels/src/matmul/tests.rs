@@ -297,46 +297,37 @@ fn packed_panels_return_the_same_bits_as_the_file_layout() {
 
 /// In a product of several matrices a packed matrix's rows may start off a
 /// panel boundary (the rows of all matrices are split together); those
-/// panels are read from the file layout and the bits stay the same.
+/// panels are read from the file layout and the bits stay the same. After
+/// an eight-row matrix the second one's rows split at 8 and 24: on the
+/// AVX-512 level a batch of nine pairs packed panels 1 and 2 into one
+/// sixteen-row panel.
 #[test]
 fn packed_panels_after_an_unaligned_matrix_in_a_multi_product() {
     let mut rng = Rng::new(29);
     let pool = ThreadPool::new(2).expect("pool");
-    let (cols, m) = (128, 1);
-    let a = random_weights(&mut rng, WeightType::Q4_1, 13, cols);
-    let b = random_weights(&mut rng, WeightType::Q4_1, 64, cols);
-    let wa = QMatrix::new(WeightType::Q4_1, 13, cols, &a).expect("shape");
-    let wb = QMatrix::new(WeightType::Q4_1, 64, cols, &b).expect("shape");
-    let (pa, pb) = (panels::pack_q4_panels(&wa).expect("q4"), panels::pack_q4_panels(&wb).expect("q4"));
-    let packed = [wa.with_panels(&pa).expect("len"), wb.with_panels(&pb).expect("len")];
-    let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
-    for isa in Isa::ALL {
-        if !crate::isa::trace::runnable("packed multi", isa) {
-            continue;
-        }
-        let (mut ya, mut yb) = (vec![0f32; 13 * m], vec![0f32; 64 * m]);
-        matmul_multi(&pool, isa, &packed, &x, m, &mut [&mut ya, &mut yb], &mut MatmulScratch::default());
-        assert_eq!(ya, run(isa, 1, &wa, &x, m), "{}: first matrix", isa.name());
-        assert_eq!(yb, run(isa, 1, &wb, &x, m), "{}: second matrix", isa.name());
-    }
-    // After an eight-row matrix the second one's rows split at 8 and 24: on the AVX-512
-    // level a batch of nine pairs packed panels 1 and 2 into one sixteen-row panel.
-    let (c, d) =
-        (random_weights(&mut rng, WeightType::Q4_0, 8, cols), random_weights(&mut rng, WeightType::Q4_0, 40, cols));
-    let wc = QMatrix::new(WeightType::Q4_0, 8, cols, &c).expect("shape");
-    let wd = QMatrix::new(WeightType::Q4_0, 40, cols, &d).expect("shape");
-    let (pc, pd) = (panels::pack_q4_panels(&wc).expect("q4"), panels::pack_q4_panels(&wd).expect("q4"));
-    let packed = [wc.with_panels(&pc).expect("len"), wd.with_panels(&pd).expect("len")];
-    for m in [1, 9] {
+    multi_packed_equals_separate(&mut rng, &pool, WeightType::Q4_1, [13, 64], &[1]);
+    multi_packed_equals_separate(&mut rng, &pool, WeightType::Q4_0, [8, 40], &[1, 9]);
+}
+
+/// Two packed matrices of `rows` multiplied together (`matmul_multi`) give
+/// each one's product alone from the file layout, at each batch size in `ms`.
+fn multi_packed_equals_separate(rng: &mut Rng, pool: &ThreadPool, ty: WeightType, rows: [usize; 2], ms: &[usize]) {
+    let cols = 128;
+    let datas = rows.map(|r| random_weights(rng, ty, r, cols));
+    let plain: Vec<QMatrix<'_>> =
+        rows.iter().zip(&datas).map(|(&r, d)| QMatrix::new(ty, r, cols, d).expect("shape")).collect();
+    let packs: Vec<Vec<u8>> = plain.iter().map(|w| panels::pack_q4_panels(w).expect("q4")).collect();
+    let packed: Vec<QMatrix<'_>> = plain.iter().zip(&packs).map(|(w, p)| w.with_panels(p).expect("len")).collect();
+    for &m in ms {
         let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
         for isa in Isa::ALL {
             if !crate::isa::trace::runnable("packed multi", isa) {
                 continue;
             }
-            let (mut yc, mut yd) = (vec![0f32; 8 * m], vec![0f32; 40 * m]);
-            matmul_multi(&pool, isa, &packed, &x, m, &mut [&mut yc, &mut yd], &mut MatmulScratch::default());
-            assert_eq!(yc, run(isa, 1, &wc, &x, m), "{} m={m}: first matrix", isa.name());
-            assert_eq!(yd, run(isa, 1, &wd, &x, m), "{} m={m}: second matrix", isa.name());
+            let (mut y0, mut y1) = (vec![0f32; rows[0] * m], vec![0f32; rows[1] * m]);
+            matmul_multi(pool, isa, &packed, &x, m, &mut [&mut y0, &mut y1], &mut MatmulScratch::default());
+            assert_eq!(y0, run(isa, 1, &plain[0], &x, m), "{ty:?} {rows:?} {} m={m}: first matrix", isa.name());
+            assert_eq!(y1, run(isa, 1, &plain[1], &x, m), "{ty:?} {rows:?} {} m={m}: second matrix", isa.name());
         }
     }
 }
