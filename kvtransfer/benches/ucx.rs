@@ -20,7 +20,13 @@
 //!   with one message the size of the whole transfer (23.6 MB, the same
 //!   working set as the pools, so memory rather than cache bounds it): what
 //!   UCX itself moves with puts on this machine and these transports;
-//! - tcp and local (shared-memory ring): the same pools, the same blocks.
+//! - tcp and local (shared-memory ring): the same pools, the same blocks;
+//! - two floors (`floor/mod.rs`): the same bytes moved by two threads with
+//!   no transport at all, doing only the copies and checksums of the
+//!   transport as built (landing region), and of a sender writing straight
+//!   into the decode pool with its checksum fused into the copy. What they
+//!   reach against `ucx_perftest` bounds what any transport of that shape
+//!   can reach on this host.
 //!
 //! `UCX_NET_DEVICES` is set to `lo` unless the caller set it. UCX picks its
 //! transports from `UCX_TLS` (shared memory and CMA between processes when
@@ -32,6 +38,7 @@
 // The raw-stream baselines and frame helpers there are the tcp and quic benches'.
 #[allow(dead_code)]
 mod common;
+mod floor;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -106,6 +113,8 @@ fn main() -> Res<()> {
 
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); Kind::ALL.len()];
     let mut perf = Vec::new();
+    let mut floor = floor::Floor::new(LAYOUT.n_layers, BLOCKS, SIDE);
+    let mut floor_times: Vec<Vec<Duration>> = vec![Vec::new(); floor::Shape::ALL.len()];
     for _ in 0..runs {
         for (i, k) in Kind::ALL.into_iter().enumerate() {
             lock(&b.pool_b).clear(&b.table_b)?;
@@ -119,6 +128,9 @@ fn main() -> Res<()> {
             *slot = perftest_put_gbps(size, iters, warmup)?;
         }
         perf.push(row);
+        for (t, shape) in floor_times.iter_mut().zip(floor::Shape::ALL) {
+            t.push(floor.run(shape)?);
+        }
     }
     let mut perf_rates = Vec::new();
     for (i, (size, ..)) in PERF_RUNS.iter().enumerate() {
@@ -134,12 +146,23 @@ fn main() -> Res<()> {
         }
         println!("  {:28} {best:6.2} GB/s best, {median:6.2} median", k.label());
     }
+    let mut floors = Vec::new();
+    for (shape, t) in floor::Shape::ALL.into_iter().zip(&floor_times) {
+        let (best, median) = rates(t);
+        println!("  {:28} {best:6.2} GB/s best, {median:6.2} median  (no transport)", shape.label());
+        floors.push((shape.label(), best, median));
+    }
     for (size, pb, pm) in perf_rates {
         println!(
             "  ratio ucx pool -> pool / ucx_perftest {size}-byte puts: {:.2} best, {:.2} median (goal >= 0.8)",
             ucx.0 / pb,
             ucx.1 / pm
         );
+        if size == TOTAL {
+            for (label, best, median) in &floors {
+                println!("    {label} / the same: {:.2} best, {:.2} median", best / pb, median / pm);
+            }
+        }
     }
     let s = servers.ucx.stats();
     if s.quarantined_ranges != 0 || s.landing_in_use_bytes != 0 || s.aborts_sent != 0 {

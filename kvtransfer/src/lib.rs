@@ -69,10 +69,11 @@
 //!   abort, lease expiry, corruption) hands its blocks back to the caller
 //!   exactly once, so the caller's pool never leaks or double-frees.
 
-// `deny`, not `forbid`: transport::local::shm (memory mappings) is the one
-// module allowed `unsafe`.
+// `deny`, not `forbid`: transport::local::shm (memory mappings) and
+// checksum (the fused copy loop) are the modules allowed `unsafe`.
 #![deny(unsafe_code)]
 
+pub mod checksum;
 pub mod fingerprint;
 pub mod frame;
 pub mod sender;

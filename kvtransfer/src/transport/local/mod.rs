@@ -31,7 +31,7 @@
 //! Copies. The sender copies K and V into a free slot and the receiver
 //! copies the slot into a payload buffer of its own; each computes the
 //! CRC-32C *in* its copy, on every 8-byte word between its load and its
-//! store (`shm::copy_crc`: three interleaved CRC streams, merged with a
+//! store (`checksum::copy_crc`: three interleaved CRC streams, merged with a
 //! precomputed shift), so the checksum costs no pass over memory of its own.
 //! Copying a chunk and then checksumming it from L1 (16-64 KiB chunks) was
 //! measured first and was slower than copy-then-checksum here: the CRC is

@@ -11,9 +11,10 @@ use tokio::net::UnixStream;
 use tokio::time::{timeout, Instant};
 use types::kv::{BlockId, KvLayout};
 
-use super::shm::{copy_crc3, copy_crc_slice, SenderRing, Shift};
+use super::shm::SenderRing;
 use super::wire::{Msg, MsgReader, RingSpec, SlotData};
 use super::{next_msg, socket_path, write_msg, ReadError, Recent, WriteError, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES};
+use crate::checksum::{copy_crc3, copy_crc32c, Shift};
 use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
 use crate::sender::SplitError;
 use crate::session::{Peer, Reservation};
@@ -436,7 +437,7 @@ fn fill_blocks(dst: &mut [u8], ks: &[u8], vs: &[u8], blocks: &[BlockId], shift: 
             at += 3 * side;
         }
         for &b in triples.remainder() {
-            crc = copy_crc_slice(&mut dst[at..], block(b), crc);
+            crc = copy_crc32c(&mut dst[at..], block(b), crc);
             at += side;
         }
     }
@@ -444,10 +445,10 @@ fn fill_blocks(dst: &mut [u8], ks: &[u8], vs: &[u8], blocks: &[BlockId], shift: 
 }
 
 /// Copies `k` then `v` to the front of `dst` and returns the CRC-32C of
-/// what it wrote, computed in the copy's pass ([`copy_crc_slice`]).
+/// what it wrote, computed in the copy's pass ([`copy_crc32c`]).
 fn fill(dst: &mut [u8], k: &[u8], v: &[u8]) -> u32 {
-    let crc = copy_crc_slice(dst, k, 0);
-    copy_crc_slice(&mut dst[k.len()..], v, crc)
+    let crc = copy_crc32c(dst, k, 0);
+    copy_crc32c(&mut dst[k.len()..], v, crc)
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! The shared-memory ring: a sealed memfd of `slots` slots, mapped
 //! read-write by the sender and read-only by the receiver. The only
-//! `unsafe` code of the local transport: writing into the sender's mapping,
-//! copying out of the receiver's, and the copy loop both sides use, which
-//! computes the CRC-32C on the words it moves ([`copy_crc`]).
+//! `unsafe` code of the local transport: writing into the sender's mapping
+//! and copying out of the receiver's (with [`copy_crc`], which computes the
+//! CRC-32C on the words it moves).
 //!
 //! Slot `i` starts at `i * stride` and its payload at [`DATA_OFFSET`] past
 //! that; `stride` is the payload size plus the offset, rounded up to 4 KiB.
@@ -34,6 +34,7 @@ use memmap2::{MmapOptions, MmapRaw};
 use rustix::fs::{MemfdFlags, SealFlags};
 
 use super::wire::RingRefusal;
+use crate::checksum::copy_crc;
 
 /// Slot alignment: a page, so slots never share one.
 const SLOT_ALIGN: usize = 4096;
@@ -192,164 +193,10 @@ impl ReceiverRing {
     }
 }
 
-/// Bytes each of the three checksum streams of [`copy_crc`] covers per
-/// round: 3 x 16 KiB beat 3 x 4 KiB and 3 x 1 KiB (fewer stream merges) in
-/// a 256 MiB copy-and-checksum microbenchmark here.
-const STREAM: usize = 16 << 10;
-
-/// Multiplication by x^(8n) modulo the CRC-32C polynomial, on raw (not
-/// inverted) CRC registers: appending `n` bytes to a message shifts its
-/// register by this, then XORs in the register of those bytes alone, so
-/// three streams of `n` bytes checksummed side by side merge into one.
-/// Linear, so a table per byte of the register.
-#[derive(Debug)]
-pub(super) struct Shift {
-    n: usize,
-    table: Box<[[u32; 256]; 4]>,
-}
-
-impl Shift {
-    /// The operator for `n` bytes (built from `crc32c_combine`, which
-    /// applies it to its first argument).
-    pub(super) fn new(n: usize) -> Self {
-        let basis: Vec<u32> = (0..32).map(|i| crc32c::crc32c_combine(1 << i, 0, n)).collect();
-        let mut table = Box::new([[0u32; 256]; 4]);
-        for (k, row) in table.iter_mut().enumerate() {
-            for (b, v) in row.iter_mut().enumerate() {
-                *v = (0..8).filter(|bit| b >> bit & 1 == 1).fold(0, |acc, bit| acc ^ basis[k * 8 + bit]);
-            }
-        }
-        Self { n, table }
-    }
-
-    /// The byte count it shifts by.
-    pub(super) fn n(&self) -> usize {
-        self.n
-    }
-
-    fn apply(&self, x: u32) -> u32 {
-        let t = &self.table;
-        t[0][(x & 0xff) as usize]
-            ^ t[1][(x >> 8 & 0xff) as usize]
-            ^ t[2][(x >> 16 & 0xff) as usize]
-            ^ t[3][(x >> 24) as usize]
-    }
-}
-
-fn stream_shift() -> &'static Shift {
-    static SHIFT: std::sync::OnceLock<Shift> = std::sync::OnceLock::new();
-    SHIFT.get_or_init(|| Shift::new(STREAM))
-}
-
-/// Whether the fused loop can run here.
-fn fused() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return std::is_x86_feature_detected!("sse4.2");
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-/// Copies `src` to the front of `dst` and returns `crc32c_append(crc, src)`,
-/// computed in the same pass (see [`copy_crc`]).
-///
-/// # Panics
-/// If `dst` is shorter than `src`.
-pub(super) fn copy_crc_slice(dst: &mut [u8], src: &[u8], crc: u32) -> u32 {
-    let dst = &mut dst[..src.len()];
-    // SAFETY: both ranges are valid for `src.len()` bytes, and a `&mut`
-    // cannot overlap a `&`.
-    unsafe { copy_crc(src.as_ptr(), dst.as_mut_ptr(), src.len(), crc) }
-}
-
-/// Copies the three `shift.n`-byte `srcs` one after another to the front
-/// of `dst` and returns `crc32c_append(crc, <them>)`, in one pass (three
-/// streams, as in [`copy_crc`]): for gathering blocks of `shift.n` bytes.
-///
-/// # Panics
-/// If a source is not `shift.n` bytes or `dst` is shorter than all three.
-pub(super) fn copy_crc3(dst: &mut [u8], srcs: [&[u8]; 3], shift: &Shift, crc: u32) -> u32 {
-    let n = shift.n;
-    assert!(srcs.iter().all(|s| s.len() == n), "sources of {n} bytes");
-    let dst = &mut dst[..3 * n];
-    if n % 8 != 0 || !fused() {
-        let crc = copy_crc_slice(dst, srcs[0], crc);
-        let crc = copy_crc_slice(&mut dst[n..], srcs[1], crc);
-        return copy_crc_slice(&mut dst[2 * n..], srcs[2], crc);
-    }
-    // SAFETY: each source is valid for `n` bytes, `dst` for `3n`, a `&mut`
-    // overlaps no `&`; `n` is a multiple of 8; SSE 4.2 is present (`fused`).
-    #[cfg(target_arch = "x86_64")]
-    return unsafe { round_sse42(srcs.map(<[u8]>::as_ptr), dst.as_mut_ptr(), shift, crc) };
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("fused() is false off x86_64")
-}
-
-/// Copies `len` bytes from `src` to `dst` and returns
-/// `crc32c_append(crc, <the bytes written>)`. Where SSE 4.2 is there, the
-/// checksum is computed on each 8-byte word between its load and its
-/// store: the copy's one pass over memory is the checksum's too (three
-/// interleaved streams hide the CRC instruction's latency). Elsewhere, and
-/// for the last `< 3 * STREAM` bytes, it copies and then checksums `dst`.
-/// Either way the checksum is of what was written, never a second read of
-/// `src`, which a peer may be changing.
-///
-/// # Safety
-/// `src` valid for reads and `dst` for writes of `len` bytes; the ranges do
-/// not overlap; nothing else reads or writes `dst` meanwhile.
-unsafe fn copy_crc(src: *const u8, dst: *mut u8, len: usize, crc: u32) -> u32 {
-    let mut done = 0;
-    let mut crc = crc;
-    #[cfg(target_arch = "x86_64")]
-    if fused() {
-        let shift = stream_shift();
-        while len - done >= 3 * STREAM {
-            let s = src.add(done);
-            // SAFETY: the caller's contract, for these 3 * STREAM bytes.
-            crc = unsafe { round_sse42([s, s.add(STREAM), s.add(2 * STREAM)], dst.add(done), shift, crc) };
-            done += 3 * STREAM;
-        }
-    }
-    // SAFETY: the caller's contract, for the rest; `dst[done..len]` is
-    // initialised by the copy before the slice is formed.
-    unsafe {
-        std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done);
-        crc32c::crc32c_append(crc, std::slice::from_raw_parts(dst.add(done), len - done))
-    }
-}
-
-/// Copies `shift.n` bytes from each of `src` to `dst`, one after another,
-/// and returns `crc32c_append(crc, <them>)`.
-///
-/// # Safety
-/// As [`copy_crc`], for each source's `shift.n` bytes and `dst`'s
-/// `3 * shift.n`; `shift.n` a multiple of 8; SSE 4.2 present.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse4.2")]
-unsafe fn round_sse42(src: [*const u8; 3], dst: *mut u8, shift: &Shift, crc: u32) -> u32 {
-    use std::arch::x86_64::_mm_crc32_u64;
-    let n = shift.n;
-    let (mut c0, mut c1, mut c2) = (u64::from(!crc), 0u64, 0u64);
-    let mut i = 0;
-    while i < n {
-        // Each word is loaded once: the value checksummed is the value stored.
-        let w0 = src[0].add(i).cast::<u64>().read_unaligned();
-        let w1 = src[1].add(i).cast::<u64>().read_unaligned();
-        let w2 = src[2].add(i).cast::<u64>().read_unaligned();
-        dst.add(i).cast::<u64>().write_unaligned(w0);
-        dst.add(n + i).cast::<u64>().write_unaligned(w1);
-        dst.add(2 * n + i).cast::<u64>().write_unaligned(w2);
-        c0 = _mm_crc32_u64(c0, w0);
-        c1 = _mm_crc32_u64(c1, w1);
-        c2 = _mm_crc32_u64(c2, w2);
-        i += 8;
-    }
-    // The instruction keeps the register in its low 32 bits.
-    !(shift.apply(shift.apply(c0 as u32) ^ c1 as u32) ^ c2 as u32)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checksum::STREAM;
 
     #[test]
     fn bytes_written_by_the_sender_are_read_by_the_receiver() {
@@ -367,8 +214,7 @@ mod tests {
     }
 
     #[test]
-    fn the_copy_checksums_exactly_what_it_copied() {
-        let mut dst = vec![0u8; 7 * 3 * STREAM + 5000];
+    fn the_copy_out_checksums_exactly_what_it_copied() {
         let size = 7 * 3 * STREAM + 5000;
         let mut tx = SenderRing::create(2, size).expect("ring");
         let rx = ReceiverRing::map(tx.fd().try_clone_to_owned().expect("dup"), 2, size).expect("map");
@@ -378,20 +224,6 @@ mod tests {
         for len in [size, 3 * STREAM, 3 * STREAM - 1, 3 * STREAM + 13, 6 * STREAM + 8, 1, 0] {
             assert_eq!(rx.copy_out(1, len, &mut out), Some(crc32c::crc32c(&bytes[..len])), "{len}");
             assert_eq!(out, bytes[..len]);
-        }
-        // Three separate blocks, gathered.
-        let shift = Shift::new(4104);
-        let blocks = [&bytes[9000..13104], &bytes[..4104], &bytes[50_001..54_105]];
-        let crc = copy_crc3(&mut dst, blocks, &shift, 7);
-        assert_eq!(crc, crc32c::crc32c_append(7, &blocks.concat()));
-        assert_eq!(&dst[..3 * 4104], &blocks.concat()[..]);
-        let odd = Shift::new(5);
-        assert_eq!(copy_crc3(&mut dst, [b"abcde", b"fghij", b"klmno"], &odd, 0), crc32c::crc32c(b"abcdefghijklmno"));
-        // From any alignment, appending to any checksum.
-        for (from, len) in [(3, 3 * STREAM + 5), (1, size - 1), (8, 2)] {
-            let src = &bytes[from..from + len];
-            assert_eq!(copy_crc_slice(&mut dst[1..], src, 0xdead), crc32c::crc32c_append(0xdead, src));
-            assert_eq!(&dst[1..1 + len], src);
         }
     }
 
