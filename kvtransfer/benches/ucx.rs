@@ -68,16 +68,18 @@ const PERFTEST: &str = "/usr/bin/ucx_perftest";
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     Ucx,
+    UcxPuts,
     Tcp,
     Local,
 }
 
 impl Kind {
-    const ALL: [Kind; 3] = [Self::Ucx, Self::Tcp, Self::Local];
+    const ALL: [Kind; 4] = [Self::Ucx, Self::UcxPuts, Self::Tcp, Self::Local];
 
     fn label(self) -> &'static str {
         match self {
             Self::Ucx => "ucx, pool -> pool",
+            Self::UcxPuts => "ucx puts only, pool -> pool",
             Self::Tcp => "tcp, pool -> pool",
             Self::Local => "local, pool -> pool",
         }
@@ -104,7 +106,7 @@ fn main() -> Res<()> {
     let mut senders = Vec::new();
     for k in Kind::ALL {
         let mut tx = rt.block_on(servers.connect(k))?;
-        if let Tx::Ucx(t) = &tx {
+        if let (Tx::Ucx(t), Kind::Ucx) = (&tx, k) {
             println!("  ucx puts go over: {}", t.transports().join(", "));
         }
         rt.block_on(b.run(k, &servers, &mut tx))?;
@@ -164,6 +166,16 @@ fn main() -> Res<()> {
             }
         }
     }
+    for (k, tx) in Kind::ALL.into_iter().zip(&senders) {
+        if let Tx::Ucx(t) = tx {
+            let sends = (runs + 1) * LAYOUT.n_layers;
+            println!(
+                "  {}: {} of {sends} layers stored through the mapped landing region",
+                k.label(),
+                t.mapped_layers()
+            );
+        }
+    }
     let s = servers.ucx.stats();
     if s.quarantined_ranges != 0 || s.landing_in_use_bytes != 0 || s.aborts_sent != 0 {
         return Err(format!("ucx server left state behind: {s:?}").into());
@@ -196,6 +208,7 @@ struct Servers {
     ucx: UcxKvServer,
     tcp: TcpKvServer,
     local: LocalKvServer,
+    /// The ucx, tcp and local servers' receivers.
     rx: [Arc<Mutex<Receiver>>; 3],
 }
 
@@ -237,7 +250,11 @@ impl Bench {
 
     /// One transfer on `tx`, timed from the first gather to the Ack.
     async fn run(&self, kind: Kind, s: &Servers, tx: &mut Tx) -> Res<Duration> {
-        let rx = &s.rx[kind as usize];
+        let rx = &s.rx[match kind {
+            Kind::Ucx | Kind::UcxPuts => 0,
+            Kind::Tcp => 1,
+            Kind::Local => 2,
+        }];
         let r =
             lock(rx).reserve(self.table_b.clone(), Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
         let start = Instant::now();
@@ -267,8 +284,9 @@ impl Bench {
 impl Servers {
     async fn connect(&self, kind: Kind) -> Res<Tx> {
         Ok(match kind {
-            Kind::Ucx => {
-                Tx::Ucx(UcxKvSender::connect(self.ucx.local_addr(), &peer(), LAYOUT, UcxSenderConfig::default()).await?)
+            Kind::Ucx | Kind::UcxPuts => {
+                let config = UcxSenderConfig { mapped_stores: matches!(kind, Kind::Ucx), ..UcxSenderConfig::default() };
+                Tx::Ucx(UcxKvSender::connect(self.ucx.local_addr(), &peer(), LAYOUT, config).await?)
             }
             Kind::Tcp => {
                 Tx::Tcp(TcpKvSender::connect(self.tcp.local_addr(), &peer(), LAYOUT, TcpSenderConfig::default()).await?)

@@ -85,6 +85,27 @@ pub fn copy_crc32c(dst: &mut [u8], src: &[u8], crc: u32) -> u32 {
     unsafe { copy_crc(src.as_ptr(), dst.as_mut_ptr(), src.len(), crc) }
 }
 
+/// Appends `len` bytes read from `src` to `out` and returns
+/// `crc32c_append(crc, <the bytes appended>)`, in one pass ([`copy_crc`]):
+/// for copying out of memory a peer can write, whose bytes are read once.
+///
+/// # Safety
+/// `src` is valid for reads of `len` bytes for the whole call and does not
+/// overlap `out`'s allocation (memory another process writes is fine: it is
+/// only read through raw pointers, never a reference).
+pub(crate) unsafe fn append_crc(src: *const u8, len: usize, out: &mut Vec<u8>, crc: u32) -> u32 {
+    out.reserve(len);
+    let at = out.len();
+    // SAFETY: `reserve` made room for `len` bytes past `at`, which `copy_crc`
+    // initialises before `set_len` makes them part of `out`; the source is the
+    // caller's contract, and it cannot overlap `out`.
+    unsafe {
+        let crc = copy_crc(src, out.as_mut_ptr().add(at), len, crc);
+        out.set_len(at + len);
+        crc
+    }
+}
+
 /// Copies the three `shift.n`-byte `srcs` one after another to the front
 /// of `dst` and returns `crc32c_append(crc, <them>)`, in one pass (three
 /// streams, as in [`copy_crc`]): for gathering blocks of `shift.n` bytes.
@@ -188,6 +209,13 @@ mod tests {
         assert_eq!(&dst[..3 * 4104], &blocks.concat()[..]);
         let odd = Shift::new(5);
         assert_eq!(copy_crc3(&mut dst, [b"abcde", b"fghij", b"klmno"], &odd, 0), crc32c::crc32c(b"abcdefghijklmno"));
+        // Appended to a buffer with bytes in it already, as a copy out of a peer's memory.
+        let mut out = b"head".to_vec();
+        // SAFETY: `bytes` holds at least 3 * STREAM + 7 bytes past 5 and is not `out`.
+        let crc = unsafe { append_crc(bytes[5..].as_ptr(), 3 * STREAM + 7, &mut out, 9) };
+        assert_eq!(crc, crc32c::crc32c_append(9, &bytes[5..5 + 3 * STREAM + 7]));
+        assert_eq!(&out[..4], b"head");
+        assert_eq!(&out[4..], &bytes[5..5 + 3 * STREAM + 7]);
         // From any alignment, appending to any checksum, across the fused rounds' edges.
         for (from, len) in [(3, 3 * STREAM + 5), (1, size - 1), (8, 2), (0, 3 * STREAM), (5, 6 * STREAM - 8), (0, 0)] {
             let src = &bytes[from..from + len];

@@ -69,8 +69,10 @@
 //!   abort, lease expiry, corruption) hands its blocks back to the caller
 //!   exactly once, so the caller's pool never leaks or double-frees.
 
-// `deny`, not `forbid`: transport::local::shm (memory mappings) and
-// checksum (the fused copy loop) are the modules allowed `unsafe`.
+// `deny`, not `forbid`: transport::local::shm (memory mappings), checksum
+// (the fused copy loop), and the UCX transport's two calls of it on the
+// landing region (the sender's `store_mapped`, the server's `copy_out`) are
+// allowed `unsafe`.
 #![deny(unsafe_code)]
 
 pub mod checksum;

@@ -68,7 +68,12 @@ impl DecodeSide {
     }
 
     async fn connect(&self, p: &Peer) -> Result<UcxKvSender, TransferError> {
-        let config = UcxSenderConfig { timeout: Duration::from_secs(3) };
+        self.connect_with(p, true).await
+    }
+
+    /// With [`UcxSenderConfig::mapped_stores`] as given.
+    async fn connect_with(&self, p: &Peer, mapped_stores: bool) -> Result<UcxKvSender, TransferError> {
+        let config = UcxSenderConfig { timeout: Duration::from_secs(3), mapped_stores };
         within("handshake", UcxKvSender::connect(self.server.local_addr(), p, self.layout, config)).await
     }
 
@@ -101,13 +106,26 @@ async fn send_layers(tx: &mut UcxKvSender, pool: &KvPool, table: &[BlockId], r: 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transfer_lands_byte_exact_through_the_landing_region() {
+    transfer_lands_byte_exact(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_lands_byte_exact_through_the_landing_region_with_puts_only() {
+    transfer_lands_byte_exact(false).await;
+}
+
+/// One transfer of 5 blocks (31 sends: every layer, one of them in two
+/// pieces): byte-exact, counted on both sides, nothing left behind; stored
+/// through the mapped landing region where UCX reaches the server through
+/// shared memory and `mapped_stores` is on, put otherwise.
+async fn transfer_lands_byte_exact(mapped_stores: bool) {
     let d = DecodeSide::start(UcxServerConfig::default()).await;
     let l = d.layout;
     let (pool_a, table_a) = common::source(l, 5, 32);
     let (r, table_b) = d.reserve(5, Duration::from_secs(30));
     assert_ne!(table_a, table_b, "the test must move KV between different ids");
 
-    let mut tx = d.connect(&peer(&l, "smollm2", 0x11)).await.expect("connect");
+    let mut tx = d.connect_with(&peer(&l, "smollm2", 0x11), mapped_stores).await.expect("connect");
     // Layers in reverse, and layer 1 in two pieces (blocks 0..3, then 3..5), as
     // the prefill engine streams newly complete blocks.
     for layer in (0..l.n_layers).rev() {
@@ -130,6 +148,10 @@ async fn a_transfer_lands_byte_exact_through_the_landing_region() {
         let b = lock(&d.pool).gather_layer(layer, &table_b).expect("gather B");
         assert_eq!(a, b, "layer {layer} differs after the transfer");
     }
+    let shared = tx.transports().iter().any(|t| t.starts_with("sysv") || t.starts_with("posix"));
+    let sends = l.n_layers as u64 + 1;
+    let want = if mapped_stores && shared { sends } else { 0 };
+    assert_eq!(tx.mapped_layers(), want, "sends stored through the mapping, over {:?}", tx.transports());
     let bytes = (l.n_layers * 5 * 2 * side(&l)) as u64;
     assert_eq!(tx.bytes_sent(), bytes, "sender: blocks x block bytes");
     assert_eq!(lock(&d.rx).counters().payload_bytes_accepted, bytes, "receiver: blocks x block bytes");

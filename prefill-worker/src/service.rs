@@ -390,7 +390,7 @@ impl PrefillService {
                 LocalKvSender::connect(addr, local, layout, config).await.map(KvSender::Local)
             }
             TransportKind::Ucx => {
-                let config = UcxSenderConfig { timeout: t.timeout };
+                let config = UcxSenderConfig { timeout: t.timeout, ..UcxSenderConfig::default() };
                 UcxKvSender::connect(addr, local, layout, config).await.map(KvSender::Ucx)
             }
             TransportKind::Quic => {

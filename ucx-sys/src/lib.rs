@@ -25,6 +25,7 @@ use std::cell::{Cell, RefCell};
 use std::ffi::{c_void, CStr, CString};
 use std::marker::PhantomData;
 use std::os::fd::RawFd;
+use std::ptr::NonNull;
 use std::rc::Rc;
 
 #[allow(non_camel_case_types, non_upper_case_globals, non_snake_case, dead_code, clippy::all)]
@@ -568,6 +569,38 @@ fn lane_transports(text: &str) -> Vec<String> {
 pub struct RemoteKey {
     h: raw::ucp_rkey_h,
     _ep: Rc<EpInner>,
+}
+
+impl RemoteKey {
+    /// Where the peer's bytes `remote_addr..remote_addr + len` (inside the
+    /// region the key was packed from) are mapped into this process, when
+    /// UCX reaches the peer through shared memory (its posix and sysv
+    /// transports; `ucp_rkey_ptr`). `None` where it does not (tcp, CMA,
+    /// RDMA: puts only), for an empty range, and for one UCX does not map
+    /// as one contiguous piece. UCX answers for the whole segment behind
+    /// the region, which may run past the region's end: the caller keeps to
+    /// the bytes the peer gave it. The pointer stays valid while this key
+    /// lives. Storing through it writes the peer's memory as a put over
+    /// those transports does (UCX's put there is a copy into the same
+    /// mapping); nothing orders such stores but the caller's own fences.
+    pub fn mapped(&self, remote_addr: u64, len: usize) -> Option<NonNull<u8>> {
+        let last = remote_addr.checked_add(u64::try_from(len).ok()?.checked_sub(1)?)?;
+        let first = self.local(remote_addr)?;
+        let end = self.local(last)?;
+        (end.as_ptr() as usize).checked_sub(first.as_ptr() as usize).filter(|d| *d == len - 1).map(|_| first)
+    }
+
+    fn local(&self, remote_addr: u64) -> Option<NonNull<u8>> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the key is alive (self); p is an out pointer. UCX checks the address
+        // against the key's region and answers with a status.
+        let status = unsafe { raw::ucp_rkey_ptr(self.h, remote_addr, &mut p) };
+        if status == ucs_status_t::UCS_OK {
+            NonNull::new(p.cast())
+        } else {
+            None
+        }
+    }
 }
 
 impl Drop for RemoteKey {

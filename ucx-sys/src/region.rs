@@ -103,6 +103,15 @@ impl Region {
         }
     }
 
+    /// Where the region's `len` bytes at `offset` are, for a caller that
+    /// copies them out with its own loop. Valid while the region lives; a
+    /// peer may write those bytes at any time, so never form a reference
+    /// to them (copy out with raw reads, as [`Region::read`] does).
+    pub fn ptr(&self, offset: usize, len: usize) -> std::result::Result<*const u8, OutOfRange> {
+        self.range(offset, len)?;
+        Ok(self.base.wrapping_add(offset).cast_const())
+    }
+
     /// Copies `out.len()` bytes at `offset` out of the region.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> std::result::Result<(), OutOfRange> {
         self.range(offset, out.len())?;
@@ -111,21 +120,6 @@ impl Region {
         // caller's checksum detects, not a Rust reference being aliased: no reference
         // into the region is ever created.
         unsafe { std::ptr::copy_nonoverlapping(self.base.add(offset), out.as_mut_ptr(), out.len()) };
-        Ok(())
-    }
-
-    /// Appends the region's `len` bytes at `offset` to `out`, without zeroing
-    /// the new room first (`out` keeps its capacity from earlier use).
-    pub fn read_append(&self, offset: usize, len: usize, out: &mut Vec<u8>) -> std::result::Result<(), OutOfRange> {
-        self.range(offset, len)?;
-        out.reserve(len);
-        // SAFETY: the range is inside the allocation (checked); `reserve` made room for
-        // `len` bytes past `out.len()`, which the copy initializes before `set_len` makes
-        // them part of `out`. As in `read`, no reference into the region is created.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.base.add(offset), out.as_mut_ptr().add(out.len()), len);
-            out.set_len(out.len() + len);
-        }
         Ok(())
     }
 

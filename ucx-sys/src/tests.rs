@@ -189,3 +189,30 @@ fn lane_lines_name_their_transports_once_in_order() {
     assert_eq!(lane_transports(text), ["sysv/memory", "posix/memory", "cma/memory"]);
     assert!(lane_transports("garbage\nlane[x\n").is_empty());
 }
+
+#[test]
+fn over_shared_memory_the_key_maps_the_peer_region() {
+    let (decode, prefill) = (side("decode"), side("prefill"));
+    let region = decode._ctx.map(64 * 1024).expect("map");
+    let key = region.pack_key().expect("pack");
+    let ep = prefill.worker.connect(&decode.worker.address().expect("address")).expect("connect");
+    let rkey = ep.unpack_key(&key).expect("unpack");
+    let base = region.remote_base();
+    let shared = ep.transports().iter().any(|t| t.starts_with("sysv") || t.starts_with("posix"));
+    let Some(at) = rkey.mapped(base + 4096, 100) else {
+        assert!(!shared, "UCX reaches the peer over {:?} yet mapped nothing", ep.transports());
+        return;
+    };
+    let data = pattern(100, 3);
+    // SAFETY: `mapped` answered for these 100 bytes, and the key lives to the end of the test.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::ptr::copy_nonoverlapping(data.as_ptr(), at.as_ptr(), data.len())
+    };
+    let mut back = vec![0; 100];
+    region.read(4096, &mut back).expect("read");
+    assert_eq!(back, data, "a store through the mapping is in the peer's region");
+    assert!(rkey.mapped(base + 4096, 0).is_none(), "empty range");
+    assert!(rkey.mapped(base + region.len() as u64 - 10, 10).is_some(), "the region's last bytes");
+    assert!(rkey.mapped(u64::MAX, 2).is_none(), "overflowing range");
+}

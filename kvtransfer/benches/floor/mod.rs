@@ -10,10 +10,12 @@
 //! layer's K then V, each one run of blocks, as the consecutive blocks of
 //! the benches' reservations are in a pool):
 //! - [`Shape::Landing`], the UCX transport as built: the sender gathers a
-//!   layer into a buffer, checksums it and copies it into a landing region
-//!   (on shared memory a put is that copy); the receiver copies it out,
-//!   checksums its copy and scatters it into the pool. Four copies and two
-//!   checksum passes, split over the two threads.
+//!   layer into a buffer (the prefill engine does, on its own thread) and
+//!   stores it into a landing region with its checksum taken in the same
+//!   pass (on shared memory the sender writes the mapped region; a put is
+//!   that copy); the receiver copies it out with its checksum in the same
+//!   pass and scatters the copy into the pool. Four copies, the checksums
+//!   inside two of them.
 //! - [`Shape::Direct`]: one copy, pool to pool, with the sender's checksum
 //!   taken in the same pass as the copy ([`kvtransfer::checksum::copy_crc32c`],
 //!   the loop the local transport uses), the receiver checksumming what
@@ -81,8 +83,7 @@ impl Floor {
                     let mut gathered = vec![0u8; layer];
                     for (from, to) in src.chunks(layer).zip(landing.chunks_mut(layer)) {
                         gathered.copy_from_slice(from);
-                        let crc = crc32c::crc32c(&gathered);
-                        to.copy_from_slice(&gathered);
+                        let crc = copy_crc32c(to, &gathered, 0);
                         sent.push(crc);
                         let _ = tx.send((to, crc));
                     }
@@ -125,15 +126,14 @@ fn next<T>(rx: &Receiver<T>) -> Option<T> {
     }
 }
 
-/// Copies each landed layer out, checksums the copy and scatters it into
-/// the destination pool's blocks.
+/// Copies each landed layer out with its checksum in the same pass and
+/// scatters the copy into the destination pool's blocks.
 fn landing_receiver<'a>(rx: Receiver<(&'a mut [u8], u32)>, mut dst: impl Iterator<Item = &'a mut [u8]>) -> Vec<u32> {
     let mut crcs = Vec::new();
     let mut copy = Vec::new();
     while let Some((landed, _)) = next(&rx) {
-        copy.clear();
-        copy.extend_from_slice(landed);
-        crcs.push(crc32c::crc32c(&copy));
+        copy.resize(landed.len(), 0);
+        crcs.push(copy_crc32c(&mut copy, landed, 0));
         let Some(to) = dst.next() else { break };
         to.copy_from_slice(&copy);
     }

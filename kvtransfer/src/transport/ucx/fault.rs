@@ -36,13 +36,17 @@ pub fn corrupted() -> u64 {
 
 /// The hook at the sender's checksum point: `k` is layer `layer`'s K from
 /// block `first_block`, whose CRC-32C is already in the `Layer` header and
-/// which is about to be put.
-pub(super) fn after_checksum(layer: usize, first_block: usize, k: &mut [u8]) {
-    if flip_first_put(&LEFT, &DONE, layer, first_block, k) {
-        if let Some(f) = ON_FLIP.get() {
-            f();
-        }
+/// which is about to be put (or was just stored through the mapped landing
+/// region). Returns the offset of the byte it flipped in `k`, which a
+/// sender that already stored `k` stores again.
+pub(super) fn after_checksum(layer: usize, first_block: usize, k: &mut [u8]) -> Option<usize> {
+    if !flip_first_put(&LEFT, &DONE, layer, first_block, k) {
+        return None;
     }
+    if let Some(f) = ON_FLIP.get() {
+        f();
+    }
+    Some(k.len() / 2)
 }
 
 /// Flips one byte in the middle of `k` if this is a transfer's first put

@@ -6,6 +6,9 @@ use std::collections::{HashMap, VecDeque};
 use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::pin;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::Poll;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -17,6 +20,7 @@ use ucx_sys::{Context, Endpoint, PeerFailure, RemoteKey, Request, Worker};
 
 use super::driver::{mail, Driver};
 use super::wire::{Grant, LandingRefusal, Msg, TO_SENDER, TO_SERVER};
+use crate::checksum;
 use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
 use crate::sender::SplitError;
 use crate::session::{Peer, Reservation, ReservationId};
@@ -28,12 +32,17 @@ use crate::transport::send::LayerPlan;
 pub struct UcxSenderConfig {
     /// The handshake, each layer's puts and flush, a landing grant, the Ack.
     pub timeout: Duration,
+    /// Where UCX reaches the decode worker through shared memory (one host),
+    /// store each layer through the landing region mapped into this process
+    /// with its checksum taken in the same pass, instead of a checksum pass
+    /// and a put. `false`: always put, as over tcp or RDMA.
+    pub mapped_stores: bool,
 }
 
 impl Default for UcxSenderConfig {
-    /// 10 s.
+    /// 10 s; mapped stores on.
     fn default() -> Self {
-        Self { timeout: Duration::from_secs(10) }
+        Self { timeout: Duration::from_secs(10), mapped_stores: true }
     }
 }
 
@@ -55,6 +64,8 @@ pub struct UcxKvSender {
     layout: KvLayout,
     bytes_sent: u64,
     transports: Vec<String>,
+    /// Layers stored through the mapped landing region (the rest were put).
+    mapped_layers: Arc<AtomicU64>,
     /// Detached on drop: the thread's goodbye is bounded by the timeout.
     _thread: JoinHandle<()>,
 }
@@ -79,11 +90,15 @@ impl UcxKvSender {
         let (cmds, rx) = mpsc::channel(1);
         let (ready_tx, ready_rx) = oneshot::channel();
         let wait = config.timeout;
+        let mapped_layers = Arc::new(AtomicU64::new(0));
+        let counted = mapped_layers.clone();
         let thread = std::thread::Builder::new()
             .name("tandem-ucx-send".into())
-            .spawn(move || link_thread(server, hello, layout, config, ready_tx, rx))?;
+            .spawn(move || link_thread(server, hello, layout, config, counted, ready_tx, rx))?;
         match timeout(wait + Duration::from_secs(1), ready_rx).await {
-            Ok(Ok(Ok(transports))) => Ok(Self { cmds, layout, bytes_sent: 0, transports, _thread: thread }),
+            Ok(Ok(Ok(transports))) => {
+                Ok(Self { cmds, layout, bytes_sent: 0, transports, mapped_layers, _thread: thread })
+            }
             Ok(Ok(Err(e))) => Err(e),
             Ok(Err(_)) => Err(gone()),
             Err(_) => Err(TransferError::Timeout { what: "the UCX handshake", after: wait }),
@@ -99,6 +114,13 @@ impl UcxKvSender {
     /// Payload bytes put so far.
     pub fn bytes_sent(&self) -> u64 {
         self.bytes_sent
+    }
+
+    /// How many layer sends (one per `send_blocks` call) were stored through
+    /// the mapped landing region rather than put
+    /// ([`UcxSenderConfig::mapped_stores`]).
+    pub fn mapped_layers(&self) -> u64 {
+        self.mapped_layers.load(Ordering::Relaxed)
     }
 
     /// See [`TcpKvSender::check_open`](crate::TcpKvSender::check_open): here,
@@ -175,6 +197,23 @@ impl UcxKvSender {
     }
 }
 
+/// Stores `src` at `to` (bytes of the decode worker's landing region mapped
+/// into this process) and returns `crc32c_append(crc, src)`, computed on
+/// the words as they are stored ([`checksum::copy_crc`]).
+#[allow(unsafe_code)]
+fn store_mapped(to: NonNull<u8>, src: &[u8], crc: u32) -> u32 {
+    // SAFETY: `to` is what `RemoteKey::mapped` answered for at least
+    // `src.len()` bytes inside this reservation's granted range (the caller
+    // asked for exactly K's and V's ranges, or one byte of K's), and the key
+    // that keeps the mapping alive is held by the `Link` for as long as the
+    // connection lives. `src` is this thread's own buffer and cannot overlap a
+    // shared mapping of the peer's memory. No reference into the mapping is
+    // formed. Only this reservation's sender is granted these bytes, and the
+    // server reads them only after our `Layer` message; a peer that writes
+    // them anyway changes only what it will checksum and refuse itself.
+    unsafe { checksum::copy_crc(src.as_ptr(), to.as_ptr(), src.len(), crc) }
+}
+
 fn gone() -> TransferError {
     TransferError::Io(io::Error::new(io::ErrorKind::BrokenPipe, "the UCX connection's thread has ended"))
 }
@@ -189,6 +228,7 @@ fn link_thread(
     hello: Hello,
     layout: KvLayout,
     config: UcxSenderConfig,
+    mapped_layers: Arc<AtomicU64>,
     ready: oneshot::Sender<Result<Vec<String>, TransferError>>,
     mut cmds: mpsc::Receiver<Cmd>,
 ) {
@@ -218,7 +258,7 @@ fn link_thread(
         let d = &driver;
         let link = driver.run(Link::handshake(d, ep, &server, me, hello, layout, config.timeout)).await;
         let mut link = match link {
-            Ok(link) => link,
+            Ok(link) => Link { mapped_stores: config.mapped_stores, mapped_layers, ..link },
             Err(e) => {
                 let _ = ready.send(Err(e));
                 return;
@@ -343,12 +383,18 @@ struct Link<'d> {
     /// after the caller was told the layer was posted: the next command for
     /// that reservation returns it.
     deferred: Option<(Reservation, TransferError)>,
+    /// [`UcxSenderConfig::mapped_stores`].
+    mapped_stores: bool,
+    /// Shared with the handle: layers stored through the mapping.
+    mapped_layers: Arc<AtomicU64>,
 }
 
-/// A layer whose puts are posted: what [`Link::finish_blocks`] waits for and announces.
+/// A layer whose bytes are on their way: what [`Link::finish_blocks`] waits
+/// for and announces.
 struct Posted {
-    put_k: Request,
-    put_v: Request,
+    /// The K and V puts, or `None` when the layer was stored through the
+    /// mapped landing region (already in the decode worker's memory).
+    puts: Option<(Request, Request)>,
     header: LayerDataHeader,
 }
 
@@ -413,6 +459,8 @@ impl<'d> Link<'d> {
             heard: Heard::default(),
             fenced: VecDeque::new(),
             deferred: None,
+            mapped_stores: false,
+            mapped_layers: Arc::default(),
         })
     }
 
@@ -555,31 +603,52 @@ impl<'d> Link<'d> {
         let layer_at = self.base + g.offset + (layer * 2 * nb * side) as u64;
         let k_at = layer_at + (first_block * side) as u64;
         let v_at = layer_at + ((nb + first_block) * side) as u64;
-        // The checksum is of exactly the bytes handed to UCX below.
-        let header = LayerDataHeader {
+        let mut header = LayerDataHeader {
             reservation: r.id.0,
             generation: r.generation,
             layer: layer as u32,
             first_block: first_block as u32,
             n_blocks: plan.n_blocks as u32,
-            checksum: crc32c::crc32c_append(crc32c::crc32c(&k), &v),
+            checksum: 0,
             payload_len: k.len() + v.len(),
         };
+        // Where UCX reaches the decode worker through shared memory, its landing region
+        // is mapped here: store the layer with the checksum taken in the same pass (a put
+        // there is the same copy, with the checksum a second pass over the bytes).
+        let mapped = |at, len| self.mapped_stores.then(|| self.key.mapped(at, len)).flatten();
+        if let (Some(k_to), Some(v_to)) = (mapped(k_at, k.len()), mapped(v_at, v.len())) {
+            header.checksum = store_mapped(v_to, &v, store_mapped(k_to, &k, 0));
+            // Drills only (off unless armed): a byte flipped after the checksum.
+            if let Some(at) = super::fault::after_checksum(layer, first_block, &mut k) {
+                if let Some(byte) = self.key.mapped(k_at + at as u64, 1) {
+                    store_mapped(byte, &k[at..=at], 0);
+                }
+            }
+            // The stores are complete before anything this thread sends next (the
+            // `Layer` message, a fence): copies may use weakly ordered stores.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            self.mapped_layers.fetch_add(1, Ordering::Relaxed);
+            return Ok(Posted { puts: None, header });
+        }
+        // The checksum is of exactly the bytes handed to UCX below.
+        header.checksum = crc32c::crc32c_append(crc32c::crc32c(&k), &v);
         // Drills only (off unless armed): a byte flipped after the checksum.
-        super::fault::after_checksum(layer, first_block, &mut k);
+        let _ = super::fault::after_checksum(layer, first_block, &mut k);
         let put_k = self.data.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;
         let put_v = self.data.put(v, v_at, &self.key).map_err(|e| ucx_err("putting V", e))?;
-        Ok(Posted { put_k, put_v, header })
+        Ok(Posted { puts: Some((put_k, put_v)), header })
     }
 
     /// Waits until a posted layer is in the decode worker's memory, then
     /// sends its completion.
     async fn finish_blocks(&mut self, p: Posted) -> Result<(), TransferError> {
-        // The flush completes once both puts are in the decode worker's
-        // memory; only then may the server copy the layer out.
-        self.flush().await?;
-        self.bounded(p.put_k, "putting K").await?;
-        self.bounded(p.put_v, "putting V").await?;
+        if let Some((put_k, put_v)) = p.puts {
+            // The flush completes once both puts are in the decode worker's
+            // memory; only then may the server copy the layer out.
+            self.flush().await?;
+            self.bounded(put_k, "putting K").await?;
+            self.bounded(put_v, "putting V").await?;
+        }
         self.message(&Msg::Layer(p.header), "sending a layer's completion").await
     }
 

@@ -12,11 +12,12 @@ use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 use types::kv::KvLayout;
-use ucx_sys::{Context, Endpoint, Region, Request, Worker};
+use ucx_sys::{Context, Endpoint, OutOfRange, Region, Request, Worker};
 
 use super::driver::{mail, Driver, Inbound};
 use super::landing::Landing;
 use super::wire::{Grant, LandingRefusal, Msg, TO_SENDER, TO_SERVER};
+use crate::checksum;
 use crate::frame::{Abort, AbortReason, Complete, Frame, Hello, LayerDataHeader};
 use crate::session::{Receiver, Reservation, ReservationId, ReservationState};
 use crate::transport::lock::lock;
@@ -369,6 +370,19 @@ impl Drop for Loaned {
     }
 }
 
+/// Appends the landing region's `len` bytes at `at` to `out` and returns
+/// `crc32c_append(crc, <them>)`, taken on the words as they are stored into
+/// `out` (one pass, [`checksum::append_crc`]): the checksum is of the copy.
+#[allow(unsafe_code)]
+fn copy_out(region: &Region, at: usize, len: usize, out: &mut Vec<u8>, crc: u32) -> Result<u32, OutOfRange> {
+    let src = region.ptr(at, len)?;
+    // SAFETY: `Region::ptr` checked that the `len` bytes at `at` lie inside the
+    // region, which the borrow keeps mapped for the call; `out` is this
+    // thread's own buffer, not part of the region. A sender may write the
+    // bytes meanwhile: they are read once, through raw pointers.
+    Ok(unsafe { checksum::append_crc(src, len, out, crc) })
+}
+
 fn send(ep: &Endpoint, conn: u64, msg: &Msg) -> Option<Request> {
     let (header, body) = msg.encode(conn);
     // A failed send means a failed endpoint, which the sweep notices.
@@ -533,13 +547,12 @@ impl<S: BlockSink> State<S> {
         // The copy is the KV: from here nothing reads the landing region
         // for this layer, and the checksum below is of exactly these bytes.
         let mut buf = self.buffers.take();
-        if self.region.read_append(k_at, half, &mut buf).is_err()
-            || self.region.read_append(v_at, half, &mut buf).is_err()
-        {
+        let copied = copy_out(&self.region, k_at, half, &mut buf, 0)
+            .and_then(|crc| copy_out(&self.region, v_at, half, &mut buf, crc));
+        let Ok(crc) = copied else {
             self.abort_once(id, r, AbortReason::ProtocolViolation);
             return;
-        }
-        let crc = crc32c::crc32c(&buf);
+        };
         let buf = Loaned { buf, home: self.buffers.clone() };
         let sink = &mut self.sink;
         poll_fn(|cx| sink.poll_ready(cx, buf.buf.len())).await;
