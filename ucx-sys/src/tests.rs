@@ -41,6 +41,13 @@ fn wait_both(req: Request, a: &Worker, b: &Worker) -> Result<()> {
     out.unwrap_or(Ok(()))
 }
 
+/// `prefill` connected to `decode`, with `region`'s key unpacked on that endpoint.
+fn keyed(decode: &Side, prefill: &Side, region: &Region) -> (Endpoint, RemoteKey) {
+    let ep = prefill.worker.connect(&decode.worker.address().expect("address")).expect("connect");
+    let rkey = ep.unpack_key(&region.pack_key().expect("pack")).expect("unpack");
+    (ep, rkey)
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
@@ -49,9 +56,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 fn a_put_lands_in_the_peer_region_at_the_offset_and_nowhere_else() {
     let (decode, prefill) = (side("decode"), side("prefill"));
     let region = decode._ctx.map(64 * 1024).expect("map");
-    let key = region.pack_key().expect("pack");
-    let ep = prefill.worker.connect(&decode.worker.address().expect("address")).expect("connect");
-    let rkey = ep.unpack_key(&key).expect("unpack");
+    let (ep, rkey) = keyed(&decode, &prefill, &region);
 
     let data = pattern(10_000, 7);
     let offset = 4096;
@@ -122,8 +127,7 @@ fn region_reads_and_writes_outside_the_region_are_errors() {
 fn requests_dropped_in_flight_finish_later_and_the_peer_gets_the_bytes() {
     let (decode, prefill) = (side("decode"), side("prefill"));
     let region = decode._ctx.map(1 << 20).expect("map");
-    let ep = prefill.worker.connect(&decode.worker.address().expect("address")).expect("connect");
-    let rkey = ep.unpack_key(&region.pack_key().expect("pack")).expect("unpack");
+    let (ep, rkey) = keyed(&decode, &prefill, &region);
     let data = pattern(1 << 20, 3);
     // Dropped at once: the puts go on with their buffers owned by UCX's completions.
     for _ in 0..4 {
@@ -140,8 +144,7 @@ fn requests_dropped_in_flight_finish_later_and_the_peer_gets_the_bytes() {
 fn dropping_the_endpoint_with_puts_in_flight_does_not_wait_for_the_peer() {
     let (decode, prefill) = (side("decode"), side("prefill"));
     let region = decode._ctx.map(1 << 20).expect("map");
-    let ep = prefill.worker.connect(&decode.worker.address().expect("address")).expect("connect");
-    let rkey = ep.unpack_key(&region.pack_key().expect("pack")).expect("unpack");
+    let (ep, rkey) = keyed(&decode, &prefill, &region);
     // The decode side never progresses here: a forced close must not need it.
     let reqs: Vec<_> = (0..4).map(|_| ep.put(pattern(1 << 20, 5), region.remote_base(), &rkey).expect("put")).collect();
     drop(rkey);
@@ -194,9 +197,7 @@ fn lane_lines_name_their_transports_once_in_order() {
 fn over_shared_memory_the_key_maps_the_peer_region() {
     let (decode, prefill) = (side("decode"), side("prefill"));
     let region = decode._ctx.map(64 * 1024).expect("map");
-    let key = region.pack_key().expect("pack");
-    let ep = prefill.worker.connect(&decode.worker.address().expect("address")).expect("connect");
-    let rkey = ep.unpack_key(&key).expect("unpack");
+    let (ep, rkey) = keyed(&decode, &prefill, &region);
     let base = region.remote_base();
     let shared = ep.transports().iter().any(|t| t.starts_with("sysv") || t.starts_with("posix"));
     let Some(at) = rkey.mapped(base + 4096, 100) else {

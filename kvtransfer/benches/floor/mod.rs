@@ -75,7 +75,7 @@ impl Floor {
         let dst_layers = self.dst.chunks_mut(layer);
         let start = Instant::now();
         let (sent, got) = std::thread::scope(|s| {
-            let (tx, rx) = mpsc::channel::<(&mut [u8], u32)>();
+            let (tx, rx) = mpsc::channel::<&mut [u8]>();
             let mut sent = Vec::with_capacity(src.len() / layer);
             let receiver = match shape {
                 Shape::Landing => {
@@ -85,7 +85,7 @@ impl Floor {
                         gathered.copy_from_slice(from);
                         let crc = copy_crc32c(to, &gathered, 0);
                         sent.push(crc);
-                        let _ = tx.send((to, crc));
+                        let _ = tx.send(to);
                     }
                     receiver
                 }
@@ -94,7 +94,7 @@ impl Floor {
                     for (from, to) in src.chunks(layer).zip(dst_layers) {
                         let crc = copy_crc32c(to, from, 0);
                         sent.push(crc);
-                        let _ = tx.send((to, crc));
+                        let _ = tx.send(to);
                     }
                     receiver
                 }
@@ -128,10 +128,10 @@ fn next<T>(rx: &Receiver<T>) -> Option<T> {
 
 /// Copies each landed layer out with its checksum in the same pass and
 /// scatters the copy into the destination pool's blocks.
-fn landing_receiver<'a>(rx: Receiver<(&'a mut [u8], u32)>, mut dst: impl Iterator<Item = &'a mut [u8]>) -> Vec<u32> {
+fn landing_receiver<'a>(rx: Receiver<&'a mut [u8]>, mut dst: impl Iterator<Item = &'a mut [u8]>) -> Vec<u32> {
     let mut crcs = Vec::new();
     let mut copy = Vec::new();
-    while let Some((landed, _)) = next(&rx) {
+    while let Some(landed) = next(&rx) {
         copy.resize(landed.len(), 0);
         crcs.push(copy_crc32c(&mut copy, landed, 0));
         let Some(to) = dst.next() else { break };
@@ -141,9 +141,9 @@ fn landing_receiver<'a>(rx: Receiver<(&'a mut [u8], u32)>, mut dst: impl Iterato
 }
 
 /// Checksums each layer where it landed, in the destination pool.
-fn direct_receiver(rx: Receiver<(&mut [u8], u32)>) -> Vec<u32> {
+fn direct_receiver(rx: Receiver<&mut [u8]>) -> Vec<u32> {
     let mut crcs = Vec::new();
-    while let Some((landed, _)) = next(&rx) {
+    while let Some(landed) = next(&rx) {
         crcs.push(crc32c::crc32c(landed));
     }
     crcs

@@ -111,7 +111,7 @@ impl UcxKvSender {
         &self.transports
     }
 
-    /// Payload bytes put so far.
+    /// Payload bytes sent so far (put, or stored through the mapped landing region).
     pub fn bytes_sent(&self) -> u64 {
         self.bytes_sent
     }
