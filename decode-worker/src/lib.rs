@@ -139,6 +139,13 @@ pub struct DecodeFlags {
     /// is refused as `landing_full`. Env: TANDEM_UCX_LANDING_MIB. Default 256.
     #[arg(long, env = "TANDEM_UCX_LANDING_MIB")]
     pub ucx_landing_mib: Option<usize>,
+    /// ucx only: keep the KV pool in memory UCX registered, so that prefill
+    /// workers on this host (shared memory) store KV straight into the
+    /// pool blocks of their reservation, fenced per reservation; senders
+    /// elsewhere, or UCX without a shared-memory mapping, use the landing
+    /// region. Env: TANDEM_UCX_DIRECT. Default true.
+    #[arg(long, env = "TANDEM_UCX_DIRECT")]
+    pub ucx_direct: Option<bool>,
     /// Under `recompute`, prompt tokens per second this worker prefills
     /// itself for requests whose prefill worker refused them as overloaded;
     /// beyond it such a request is refused as `overloaded` (503 +
@@ -166,6 +173,8 @@ pub struct DecodeConfig {
     pub max_absorbed_prefill_tokens_per_s: u64,
     /// ucx: bytes of the landing region.
     pub ucx_landing_bytes: usize,
+    /// ucx: the pool in UCX memory for direct writes ([`DecodeFlags::ucx_direct`]).
+    pub ucx_direct: bool,
 }
 
 impl DecodeConfig {
@@ -189,7 +198,8 @@ impl DecodeConfig {
             max_prefill_attempts,
             transfer_idle_timeout_ms,
             max_absorbed_prefill_tokens_per_s,
-            ucx_landing_mib
+            ucx_landing_mib,
+            ucx_direct
         );
         Self::resolve(&merged)
     }
@@ -249,6 +259,7 @@ impl DecodeConfig {
             ucx_landing_bytes: positive("ucx_landing_mib", f.ucx_landing_mib, 256)?
                 .checked_mul(1 << 20)
                 .ok_or_else(|| invalid("ucx_landing_mib", "is too large"))?,
+            ucx_direct: f.ucx_direct.unwrap_or(true),
         })
     }
 }

@@ -14,7 +14,7 @@ use clap::Parser;
 use decode_worker::service::{DecodeService, DecodeSettings};
 use decode_worker::sink::{RunnerSink, WriteFailures};
 use decode_worker::{DecodeConfig, DecodeFlags};
-use engine::runner::{Runner, RunnerConfig};
+use engine::runner::{Runner, RunnerConfig, RunnerHandle};
 use kvtransfer::{
     CloseReason, LocalCloseReason, LocalKvServer, LocalServerConfig, Peer, PeerTrust, QuicKvServer, QuicServerConfig,
     Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig, TlsIdentity, TransportKind, UcxCloseReason, UcxKvServer,
@@ -52,7 +52,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let receiver = Arc::new(Mutex::new(Receiver::new(local.clone(), rx_config)?));
     let failures = WriteFailures::default();
     let sink = RunnerSink::new(runner.clone(), failures.clone());
-    let (kv_server, tls_cert_sha256) = bind_transfer(&cfg, receiver.clone(), sink).await?;
+    let (kv_server, tls_cert_sha256) = bind_transfer(&cfg, receiver.clone(), sink, &runner).await?;
     let advertised = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr());
     println!("listening transfer={}", kv_server.local_addr());
     kv_server.export_stats();
@@ -199,6 +199,7 @@ async fn bind_transfer(
     cfg: &DecodeConfig,
     receiver: Arc<Mutex<Receiver>>,
     sink: RunnerSink,
+    runner: &RunnerHandle,
 ) -> anyhow::Result<(KvServer, Option<[u8; 32]>)> {
     let addr = cfg.transfer.as_str();
     let bound = |e: std::io::Error| anyhow::anyhow!("binding transfer {addr}: {e}");
@@ -214,9 +215,27 @@ async fn bind_transfer(
             Ok((KvServer::Tcp(s), None))
         }
         TransportKind::Ucx => {
-            let config = UcxServerConfig { landing_bytes: cfg.ucx_landing_bytes, ..UcxServerConfig::default() };
-            let s = UcxKvServer::bind(receiver, sink, config).await.context("starting the UCX KV server")?;
+            let pool_blocks = if cfg.ucx_direct {
+                let r = runner.clone();
+                Some(tokio::task::spawn_blocking(move || r.with_pool(|p| p.num_blocks())).await??)
+            } else {
+                None
+            };
+            let config =
+                UcxServerConfig { landing_bytes: cfg.ucx_landing_bytes, pool_blocks, ..UcxServerConfig::default() };
+            let mut s = UcxKvServer::bind(receiver, sink, config).await.context("starting the UCX KV server")?;
             tracing::info!(ucx_tls = %kvtransfer::transport::ucx::ucx_tls(), landing_bytes = cfg.ucx_landing_bytes, "UCX landing region registered");
+            if let Some(memory) = s.pool_memory() {
+                // The pool moves into the registered memory before any request can use it
+                // (nothing is announced yet); only then may senders write it directly.
+                let (r, bytes) = (runner.clone(), memory.len());
+                let shared = memory.into_shared();
+                tokio::task::spawn_blocking(move || r.with_pool(move |p| p.adopt(shared)))
+                    .await??
+                    .context("moving the KV pool into UCX memory (ucx_direct)")?;
+                s.enable_direct();
+                tracing::info!(bytes, "KV pool in UCX-registered memory: senders on this host write it directly");
+            }
             Ok((KvServer::Ucx(s), None))
         }
         TransportKind::Quic => {

@@ -98,6 +98,19 @@ pub const UCX_LANDING_REFUSED: &str = "tandem_kv_ucx_landing_refused_total";
 /// `tandem_kv_ucx_fences_total`: quarantined ranges freed after their
 /// sender flushed or went away.
 pub const UCX_FENCES: &str = "tandem_kv_ucx_fences_total";
+/// `tandem_kv_ucx_quarantined_blocks`: pool blocks of ended reservations
+/// that a sender on this host wrote directly and has not been fenced for
+/// (ucx with `ucx_direct`). Stuck above 0: a sender stalled, or cut off from
+/// its control connection while its process still runs.
+pub const UCX_QUARANTINED_BLOCKS: &str = "tandem_kv_ucx_quarantined_blocks";
+/// `tandem_kv_ucx_direct_grants_total` / `tandem_kv_ucx_direct_layers_total`:
+/// reservations granted their pool blocks to write directly, and layers
+/// accepted that way (the rest went through the landing region).
+pub const UCX_DIRECT_GRANTS: &str = "tandem_kv_ucx_direct_grants_total";
+pub const UCX_DIRECT_LAYERS: &str = "tandem_kv_ucx_direct_layers_total";
+/// `tandem_kv_ucx_granted_transfers`: transfers under way now, holding a
+/// landing range or their pool blocks (ucx only).
+pub const UCX_GRANTED_TRANSFERS: &str = "tandem_kv_ucx_granted_transfers";
 /// `tandem_time_to_first_token_seconds`: Generate arrival to the first
 /// token sent. vLLM: `vllm:time_to_first_token_seconds`.
 pub const TTFT: &str = "tandem_time_to_first_token_seconds";
@@ -139,7 +152,17 @@ pub fn describe(policy: crate::KvLoadFailurePolicy) {
     describe_gauge!(UCX_LANDING_BYTES, Unit::Bytes, "UCX landing region size.");
     describe_counter!(UCX_LANDING_REFUSED, "Reservations refused UCX landing space, by reason.");
     describe_counter!(LEASE_RENEWALS, "Reservation leases renewed while their prompt was queued on a prefill worker.");
-    describe_counter!(UCX_FENCES, "Quarantined UCX landing ranges freed after their sender was fenced.");
+    describe_counter!(
+        UCX_FENCES,
+        "Quarantined UCX landing ranges and direct reservations freed after their sender was fenced."
+    );
+    describe_gauge!(
+        UCX_QUARANTINED_BLOCKS,
+        "Pool blocks written directly over UCX, quarantined until their sender is fenced."
+    );
+    describe_counter!(UCX_DIRECT_GRANTS, "Reservations whose sender was granted their pool blocks to write directly.");
+    describe_counter!(UCX_DIRECT_LAYERS, "Layers written directly into the pool over UCX and accepted.");
+    describe_gauge!(UCX_GRANTED_TRANSFERS, "UCX transfers under way, holding a landing range or their pool blocks.");
     describe_histogram!(TTFT, Unit::Seconds, "Generate arrival to the first token sent.");
     describe_histogram!(TPOT, Unit::Seconds, "Gap between consecutive streamed tokens.");
     describe_counter!(GENERATION_TOKENS, Unit::Count, "Tokens streamed.");
@@ -231,6 +254,10 @@ pub fn record_ucx(s: &kvtransfer::UcxServerStats) {
         counter!(UCX_LANDING_REFUSED, "reason" => r.as_str()).absolute(s.refused[i]);
     }
     counter!(UCX_FENCES).absolute(s.fences_completed);
+    gauge!(UCX_QUARANTINED_BLOCKS).set(s.quarantined_blocks as f64);
+    counter!(UCX_DIRECT_GRANTS).absolute(s.direct_grants);
+    counter!(UCX_DIRECT_LAYERS).absolute(s.direct_layers);
+    gauge!(UCX_GRANTED_TRANSFERS).set(s.granted_transfers as f64);
 }
 
 /// Mirrors the KV receiver's own counters (absolute values, never reset);

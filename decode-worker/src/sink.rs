@@ -123,6 +123,11 @@ impl BlockSink for RunnerSink {
         Err("RunnerSink takes payloads only through write_layer_owned".into())
     }
 
+    fn landed_in_place(&mut self, _w: &WriteInstruction, payload_len: usize) {
+        // Already in the pool (the UCX direct path): nothing waits for the engine.
+        crate::metrics::record_received(payload_len as u64);
+    }
+
     fn write_layer_owned(&mut self, w: WriteInstruction, payload: OwnedPayload) -> Result<(), String> {
         let r = w.reservation;
         let failures = self.failures.clone();

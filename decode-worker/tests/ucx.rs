@@ -1,21 +1,25 @@
-//! The ucx transport's fence, with real worker processes: a prefill worker
-//! stopped (SIGSTOP) in the middle of its one-sided puts outlives its
-//! reservation's lease while the decode worker serves other requests on the
-//! same pool and landing region, then resumes (SIGCONT).
+//! The ucx transport's fence, with real worker processes on one host, where
+//! the prefill worker stores KV straight into the decode worker's pool
+//! blocks (the direct path, `--ucx-direct`, on by default): a prefill worker
+//! stopped (SIGSTOP) in the middle of its stores outlives its reservation's
+//! lease while the decode worker serves other requests on the same pool,
+//! then resumes (SIGCONT).
 //!
 //! What must hold: the other requests' outputs are the engine's bit for bit;
 //! the stopped sender's transfer is refused (its load counted failed as
-//! `lease_expired`, none of its bytes accepted after the lease); its landing
-//! range stays quarantined for as long as it is stopped, however much the
-//! region is reused meanwhile, and is released only by its fence once it
-//! runs again. Every step waits on metrics, never on time.
+//! `lease_expired`, none of its bytes accepted after the lease); its pool
+//! blocks stay quarantined — out of the pool — for as long as it is
+//! stopped, and come back only by its fence once it runs again. Every step
+//! waits on metrics, never on time. (The landing region's own fence, for
+//! senders on other hosts, is tested in `kvtransfer/tests/ucx.rs` and
+//! across namespaces in `cluster-tests/tests/ucx_netns.rs`.)
 //!
 //! And the other KV-load failures over ucx: a prefill worker killed (kill -9)
-//! mid-transfer under each `kv_load_failure_policy`, its range released once
-//! UCX reports the dead endpoint; a byte flipped in the sender's buffer
-//! after its checksum was taken (the prefill worker's `--fault-kv-corrupt`
-//! drill hook) refused by checksum under each policy; another version group
-//! refused before any landing range or byte.
+//! mid-transfer under each `kv_load_failure_policy`, its blocks released
+//! once UCX reports the dead endpoint and its process is gone; a byte
+//! flipped after its checksum was taken (the prefill worker's
+//! `--fault-kv-corrupt` drill hook) refused by checksum under each policy;
+//! another version group refused before any grant or byte.
 
 mod common;
 #[path = "common/rpc.rs"]
@@ -24,12 +28,14 @@ mod rpc;
 use common::{decode_worker, prefill_worker, prompt_of, reference, scrape, wait_metric, Signal, TestResult};
 use decode_worker::metrics::{
     CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
-    KV_TRANSFERS_COMPLETED, POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_FENCES, UCX_LANDING_IN_USE, UCX_LANDING_REFUSED,
-    UCX_QUARANTINED_BYTES, UCX_QUARANTINED_RANGES,
+    KV_TRANSFERS_COMPLETED, POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_DIRECT_GRANTS, UCX_FENCES, UCX_LANDING_IN_USE,
+    UCX_LANDING_REFUSED, UCX_QUARANTINED_BLOCKS, UCX_QUARANTINED_RANGES,
 };
 use prefill_worker::metrics::{FAULTS_INJECTED, KV_TRANSFER_BYTES};
 use proto::worker::v1::{ErrorKind, KvLoadFailurePolicy};
-use rpc::{assert_no_kv_left, client, generate, kind, request, target, with_policy, Outcome, GROUP, MAX_TOKENS};
+use rpc::{
+    assert_kv_used, assert_no_kv_left, client, generate, kind, request, target, with_policy, Outcome, GROUP, MAX_TOKENS,
+};
 
 /// K+V bytes of one block of the model's KV (30 layers x K,V x 3 heads x 64 x f16 x 16).
 const BLOCK_BYTES: usize = 368_640;
@@ -40,16 +46,15 @@ async fn a_stopped_sender_past_its_lease_never_writes_into_reused_kv() -> TestRe
     // The stalled transfer: 65 blocks, so its prefill runs for seconds after the
     // first put, which is when the sender is stopped.
     let stalled_prompt = prompt_of(&tok, 1030)?;
-    // The first two need more blocks (19, 20) than the pool has beside the stalled
-    // reservation's 65 of 80: they run on blocks it held.
+    // They need 19, 20 and 3 blocks: the pool (100) holds each beside the stalled
+    // reservation's 65, which are never theirs.
     let others = vec![prompt_of(&tok, 300)?, prompt_of(&tok, 310)?, prompt_of(&tok, 37)?];
     let want = reference(&others, MAX_TOKENS)?;
 
     let stalled = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
     let healthy = prefill_worker(GROUP, &[])?;
     // The lease is what the stopped sender outlives; the healthy worker's prompts
-    // (at most 310 tokens) prefill well within it. 48 MiB of landing: the stalled
-    // range (65 blocks, 22.9 MiB) plus room for one other transfer at a time.
+    // (at most 310 tokens) prefill well within it.
     let decode = decode_worker(
         GROUP,
         &[
@@ -62,41 +67,39 @@ async fn a_stopped_sender_past_its_lease_never_writes_into_reused_kv() -> TestRe
             "--reservation-ttl-ms",
             "15000",
             "--kv-blocks",
-            "80",
-            "--ucx-landing-mib",
-            "48",
+            "100",
         ],
     )?;
     let metrics = decode.addr("metrics")?;
     let c = client(&decode).await?;
 
-    // 1. The stalled request: stopped once the decode worker granted its landing range,
-    //    i.e. after its first put began and long before its last.
+    // 1. The stalled request: stopped once the decode worker granted it its pool blocks,
+    //    i.e. after its first store began and long before its last.
     let req = with_policy(request("stalled", &stalled_prompt, vec![target(&stalled)?]), KvLoadFailurePolicy::Fail);
     let mut c1 = c.clone();
     let call = tokio::spawn(async move { generate(&mut c1, req).await });
-    wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v > 0.0).await?;
+    wait_metric(&metrics, UCX_DIRECT_GRANTS, &[], |v| v == 1.0).await?;
     stalled.signal(Signal::Stop)?;
 
-    // 2. Its lease runs out: the load fails as lease_expired, its pool blocks go back (no
-    //    remote write can reach the pool), its landing range is quarantined.
+    // 2. Its lease runs out: the load fails as lease_expired, its reservation ends, and its
+    //    65 pool blocks stay out of the pool: the stopped sender may still store into them.
     let got = call.await??;
     assert_eq!(kind(&got), Some(ErrorKind::KvLoadFailed), "the stalled request: {got:?}");
     assert!(got.tokens.is_empty(), "tokens from a transfer that never completed: {got:?}");
     wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "lease_expired")], |v| v == 1.0).await?;
-    assert_no_kv_left("after the lease", &decode).await?;
-    let stalled_landing = (65 * BLOCK_BYTES) as f64;
-    wait_metric(&metrics, UCX_QUARANTINED_BYTES, &[], |v| v == stalled_landing).await?;
+    wait_metric(&metrics, UCX_QUARANTINED_BLOCKS, &[], |v| v == 65.0).await?;
+    assert_kv_used("after the lease", &decode, 65).await?;
     let page = scrape(&metrics).await?;
     assert_eq!(page.get(RESERVATIONS_EXPIRED, &[])?, 1.0);
-    assert_eq!(page.get(UCX_QUARANTINED_RANGES, &[])?, 1.0);
     assert_eq!(page.get(UCX_FENCES, &[])?, 0.0, "a fence completed while its sender was stopped");
+    assert_eq!(page.get(UCX_LANDING_IN_USE, &[])?, 0.0, "the stalled transfer went through the landing region");
     // What the stalled sender delivered before it stopped, and all it will ever deliver.
     let stalled_bytes = page.get(KV_RECEIVED_BYTES, &[])?;
-    assert!(stalled_bytes < stalled_landing, "the stalled transfer was not mid-way: {stalled_bytes} bytes in");
+    let stalled_all = (65 * BLOCK_BYTES) as f64;
+    assert!(stalled_bytes < stalled_all, "the stalled transfer was not mid-way: {stalled_bytes} bytes in");
 
-    // 3. Other requests on the same pool and landing region while the sender is stopped:
-    //    the engine's tokens, and the quarantined range never handed out or freed.
+    // 3. Other requests on the same pool while the sender is stopped: the engine's tokens,
+    //    written directly too, and the quarantined blocks never handed out or freed.
     let mut blocks = 0;
     for (i, p) in others.iter().enumerate() {
         let mut ci = c.clone();
@@ -105,20 +108,22 @@ async fn a_stopped_sender_past_its_lease_never_writes_into_reused_kv() -> TestRe
         assert_eq!(got.tokens, want[i], "other {i} ({} tokens) differs from the engine", p.len());
         blocks += p.len().div_ceil(16);
         let page = scrape(&metrics).await?;
-        assert_eq!(page.get(UCX_QUARANTINED_BYTES, &[])?, stalled_landing, "after other {i}");
+        assert_eq!(page.get(UCX_QUARANTINED_BLOCKS, &[])?, 65.0, "after other {i}");
         assert_eq!(page.get(UCX_FENCES, &[])?, 0.0, "after other {i}: fenced while stopped");
+        assert_kv_used(&format!("after other {i}"), &decode, 65).await?;
     }
     let others_bytes = (blocks * BLOCK_BYTES) as f64;
     let page = scrape(&metrics).await?;
     assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, stalled_bytes + others_bytes);
     assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, others.len() as f64);
+    assert_eq!(page.get(UCX_DIRECT_GRANTS, &[])?, 1.0 + others.len() as f64, "every transfer went to the pool");
 
-    // 4. The sender runs again: whatever it still puts lands in its quarantined range; it
-    //    learns of the Abort, flushes and fences, and only then is the range released.
+    // 4. The sender runs again: whatever it still stores lands in its quarantined blocks;
+    //    it learns of the Abort and fences, and only then do its blocks go back.
     stalled.signal(Signal::Cont)?;
     wait_metric(&metrics, UCX_FENCES, &[], |v| v == 1.0).await?;
-    wait_metric(&metrics, UCX_QUARANTINED_RANGES, &[], |v| v == 0.0).await?;
-    wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v == 0.0).await?;
+    wait_metric(&metrics, UCX_QUARANTINED_BLOCKS, &[], |v| v == 0.0).await?;
+    assert_no_kv_left("after the fence", &decode).await?;
     let page = scrape(&metrics).await?;
     assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, stalled_bytes + others_bytes, "late bytes were accepted");
     assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, others.len() as f64, "the late transfer completed");
@@ -199,21 +204,26 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
         );
         let mut c2 = c.clone();
         let call = tokio::spawn(async move { generate(&mut c2, req).await });
-        // Mid-transfer: the doomed worker was granted its landing range (first put under way).
-        wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v > 0.0).await?;
+        // Mid-transfer: the doomed worker was granted its pool blocks (first store under way).
+        let grants = match round {
+            0 => 1.0,
+            // Each earlier round: the doomed transfer, and under retry the backup's.
+            r => 1.0 + r as f64 + f64::from(r > 1),
+        };
+        wait_metric(&metrics, UCX_DIRECT_GRANTS, &[], |v| v == grants).await?;
         doomed.kill9().await?;
         let got = call.await??;
         let (dead, alive) = (format!("pid-{}", doomed.pid), format!("pid-{}", backup.pid));
         let failed = got.attempts.first().filter(|(w, how)| *w == dead && how != "ok");
         assert!(failed.is_some(), "{policy:?}: the doomed worker's failure is reported: {:?}", got.attempts);
         assert_policy_outcome(policy, &got, &alive, &want);
-        // The dead sender's range is held (granted, or quarantined once the reservation
-        // ended) until UCX reports its endpoint failed; then the connection closes as
-        // peer_failed and the whole landing region is free again.
+        // The dead sender's blocks are held (granted, or quarantined once the reservation
+        // ended) until UCX reports its endpoint failed and its process is gone; then the
+        // connection closes as peer_failed and every block is back in the pool.
         let dead_links = (round + 1) as f64;
         wait_metric(&metrics, CONNECTIONS_CLOSED, &[("reason", "peer_failed")], |v| v == dead_links).await?;
-        wait_metric(&metrics, UCX_QUARANTINED_RANGES, &[], |v| v == 0.0).await?;
-        wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v == 0.0).await?;
+        wait_metric(&metrics, UCX_QUARANTINED_BLOCKS, &[], |v| v == 0.0).await?;
+        assert_eq!(scrape(&metrics).await?.get(UCX_LANDING_IN_USE, &[])?, 0.0, "{policy:?}: landed, not direct");
         assert_no_kv_left(&format!("{policy:?}"), &decode).await?;
     }
     for (p, o) in [("recompute", "recomputed"), ("retry", "retried"), ("fail", "failed")] {
@@ -225,10 +235,10 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
     Ok(())
 }
 
-/// A byte of a transfer's first put flipped in the prefill worker's buffer after the
+/// A byte of a transfer's first store flipped in the decode worker's pool after the
 /// checksum was taken (`--fault-kv-corrupt`, one transfer per policy): the decode worker's
-/// CRC over its copy of the landing range refuses it, the load fails as `corrupt`, and each
-/// policy does its part with the engine's tokens where there are tokens.
+/// CRC over its own pool blocks refuses it, the load fails as `corrupt`, and each policy
+/// does its part with the engine's tokens where there are tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_byte_flipped_after_the_checksum_is_refused_under_each_policy() -> TestResult {
     let tok = common::tokenizer()?;
@@ -257,18 +267,21 @@ async fn a_byte_flipped_after_the_checksum_is_refused_under_each_policy() -> Tes
         assert_eq!(first, Some((bad.as_str(), "corrupt")), "{policy:?}: the corrupted attempt: {:?}", got.attempts);
         assert_policy_outcome(policy, &got, &good, &want);
         // The fault took effect exactly once per round, and the receiver, not the link,
-        // refused it: by checksum, over its own copy of the landing range.
+        // refused it: by checksum, over its own pool blocks.
         let rounds = (round + 1) as f64;
         assert_eq!(scrape(&corrupter_metrics).await?.get(FAULTS_INJECTED, &flipped)?, rounds, "{policy:?}");
         let page = scrape(&metrics).await?;
         assert_eq!(page.get(FRAMES_REFUSED, &[("reason", "checksum")])?, rounds, "{policy:?}");
         assert_eq!(page.get(KV_LOAD_FAILURES, &[("reason", "corrupt")])?, rounds, "{policy:?}");
         assert_eq!(page.sum(KV_LOAD_FAILURES, &[])?, rounds, "{policy:?}: a failure other than the checksum");
-        // The refused range is quarantined until the corrupter learns of the Abort and
-        // fences; then the whole landing region is free, and so is the pool.
+        // The refused blocks are quarantined until the corrupter learns of the Abort and
+        // fences; then every block is back in the pool.
         wait_metric(&metrics, UCX_FENCES, &[], |v| v == rounds).await?;
-        wait_metric(&metrics, UCX_QUARANTINED_RANGES, &[], |v| v == 0.0).await?;
-        wait_metric(&metrics, UCX_LANDING_IN_USE, &[], |v| v == 0.0).await?;
+        wait_metric(&metrics, UCX_QUARANTINED_BLOCKS, &[], |v| v == 0.0).await?;
+        let page = scrape(&metrics).await?;
+        assert_eq!(page.get(UCX_LANDING_IN_USE, &[])?, 0.0, "{policy:?}");
+        assert_eq!(page.get(UCX_QUARANTINED_RANGES, &[])?, 0.0, "{policy:?}");
+        assert_eq!(page.get(UCX_DIRECT_GRANTS, &[])?, rounds + f64::from(round > 0), "{policy:?}: not to the pool");
         assert_no_kv_left(&format!("{policy:?}"), &decode).await?;
     }
     for (p, o) in [("recompute", "recomputed"), ("retry", "retried"), ("fail", "failed")] {

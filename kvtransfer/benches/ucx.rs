@@ -9,10 +9,15 @@
 //! `gather_layer_into` on the sender, the transport, checksums, and the
 //! scatter into pool B. Runs are interleaved so that other load on the
 //! machine hits all of them alike:
-//! - ucx: one-sided puts of each layer's K and V (buffers handed over, as
-//!   the prefill worker does) into the decode side's landing region, flush,
-//!   the `Layer` message; the server copies the layer out, CRCs its copy and
-//!   scatters it (the transport's whole path);
+//! - ucx: pool B lives in memory the UCX server registered (`KvPool::adopt`),
+//!   and where UCX maps it here (shared memory) the sender stores each
+//!   layer's blocks straight into the reservation's blocks of pool B, with
+//!   the checksum taken as it stores; the `Layer` message; the server
+//!   checksums the blocks in pool B (the direct path, the default);
+//! - ucx landing: the same sender told not to use the pool (`direct:
+//!   false`): stores (or, without a mapping, puts) into the landing region,
+//!   and the server copies the layer out, CRCs its copy and scatters it;
+//! - ucx puts only: the landing path with puts and a flush, no mapping;
 //! - `ucx_perftest -t ucp_put_bw`, a server and a client process, on the
 //!   `UCX_TLS` and `UCX_NET_DEVICES` this bench runs with, twice per run:
 //!   with messages the size of one ucx put here (one layer's K of the 64
@@ -23,10 +28,10 @@
 //! - tcp and local (shared-memory ring): the same pools, the same blocks;
 //! - two floors (`floor/mod.rs`): the same bytes moved by two threads with
 //!   no transport at all, doing only the copies and checksums of the
-//!   transport as built (landing region), and of a sender writing straight
-//!   into the decode pool with its checksum fused into the copy. What they
-//!   reach against `ucx_perftest` bounds what any transport of that shape
-//!   can reach on this host.
+//!   landing path, and of a sender writing straight into the decode pool
+//!   with its checksum fused into the copy (the direct path's least work:
+//!   no gather on the sender). What they reach against `ucx_perftest`
+//!   bounds what any transport of that shape can reach on this host.
 //!
 //! `UCX_NET_DEVICES` is set to `lo` unless the caller set it. UCX picks its
 //! transports from `UCX_TLS` (shared memory and CMA between processes when
@@ -68,17 +73,19 @@ const PERFTEST: &str = "/usr/bin/ucx_perftest";
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     Ucx,
+    UcxLanding,
     UcxPuts,
     Tcp,
     Local,
 }
 
 impl Kind {
-    const ALL: [Kind; 4] = [Self::Ucx, Self::UcxPuts, Self::Tcp, Self::Local];
+    const ALL: [Kind; 5] = [Self::Ucx, Self::UcxLanding, Self::UcxPuts, Self::Tcp, Self::Local];
 
     fn label(self) -> &'static str {
         match self {
             Self::Ucx => "ucx, pool -> pool",
+            Self::UcxLanding => "ucx landing, pool -> pool",
             Self::UcxPuts => "ucx puts only, pool -> pool",
             Self::Tcp => "tcp, pool -> pool",
             Self::Local => "local, pool -> pool",
@@ -99,7 +106,7 @@ fn main() -> Res<()> {
         TOTAL as f64 / 1e6
     );
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let b = Bench::new()?;
+    let mut b = Bench::new()?;
     let servers = rt.block_on(b.servers())?;
     // One connection per transport for the whole bench, as the prefill worker keeps one
     // per destination; one untimed transfer each first (connection set-up, first touch).
@@ -170,14 +177,15 @@ fn main() -> Res<()> {
         if let Tx::Ucx(t) = tx {
             let sends = (runs + 1) * LAYOUT.n_layers;
             println!(
-                "  {}: {} of {sends} layers stored through the mapped landing region",
+                "  {}: {} of {sends} layers stored through a mapping, {} of them straight into pool blocks",
                 k.label(),
-                t.mapped_layers()
+                t.mapped_layers(),
+                t.direct_layers()
             );
         }
     }
     let s = servers.ucx.stats();
-    if s.quarantined_ranges != 0 || s.landing_in_use_bytes != 0 || s.aborts_sent != 0 {
+    if s.quarantined_ranges != 0 || s.quarantined_blocks != 0 || s.landing_in_use_bytes != 0 || s.aborts_sent != 0 {
         return Err(format!("ucx server left state behind: {s:?}").into());
     }
     Ok(())
@@ -230,17 +238,23 @@ impl Bench {
                 }
             }
         }
+        // Its blocks are allocated once it lives in the UCX server's memory (`servers`).
         let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
-        let _decoys = lock(&pool_b).allocate(7)?;
-        let table_b = lock(&pool_b).allocate(BLOCKS)?;
         let want = pool_a.gather(&table_a)?;
-        Ok(Self { pool_a, table_a, pool_b, table_b, want })
+        Ok(Self { pool_a, table_a, pool_b, table_b: Vec::new(), want })
     }
 
-    async fn servers(&self) -> Res<Servers> {
+    async fn servers(&mut self) -> Res<Servers> {
         let rx = || Receiver::new(peer(), ReceiverConfig::new(LAYOUT)).map(|r| Arc::new(Mutex::new(r)));
         let rx = [rx()?, rx()?, rx()?];
-        let ucx = UcxKvServer::bind(rx[0].clone(), self.pool_b.clone(), UcxServerConfig::default()).await?;
+        let config = UcxServerConfig { pool_blocks: Some(BLOCKS + 7), ..UcxServerConfig::default() };
+        let mut ucx = UcxKvServer::bind(rx[0].clone(), self.pool_b.clone(), config).await?;
+        // As the decode worker: pool B moves into the registered memory, then direct writes start.
+        let memory = ucx.pool_memory().ok_or("the UCX server mapped no pool")?;
+        lock(&self.pool_b).adopt(memory.into_shared())?;
+        ucx.enable_direct();
+        let _decoys = lock(&self.pool_b).allocate(7)?;
+        self.table_b = lock(&self.pool_b).allocate(BLOCKS)?;
         let tcp =
             TcpKvServer::bind("127.0.0.1:0", rx[1].clone(), self.pool_b.clone(), TcpServerConfig::default()).await?;
         let name = format!("@tandem-kv-bench-ucx-{}", std::process::id());
@@ -251,7 +265,7 @@ impl Bench {
     /// One transfer on `tx`, timed from the first gather to the Ack.
     async fn run(&self, kind: Kind, s: &Servers, tx: &mut Tx) -> Res<Duration> {
         let rx = &s.rx[match kind {
-            Kind::Ucx | Kind::UcxPuts => 0,
+            Kind::Ucx | Kind::UcxLanding | Kind::UcxPuts => 0,
             Kind::Tcp => 1,
             Kind::Local => 2,
         }];
@@ -284,8 +298,12 @@ impl Bench {
 impl Servers {
     async fn connect(&self, kind: Kind) -> Res<Tx> {
         Ok(match kind {
-            Kind::Ucx | Kind::UcxPuts => {
-                let config = UcxSenderConfig { mapped_stores: matches!(kind, Kind::Ucx), ..UcxSenderConfig::default() };
+            Kind::Ucx | Kind::UcxLanding | Kind::UcxPuts => {
+                let config = UcxSenderConfig {
+                    mapped_stores: !matches!(kind, Kind::UcxPuts),
+                    direct: matches!(kind, Kind::Ucx),
+                    ..UcxSenderConfig::default()
+                };
                 Tx::Ucx(UcxKvSender::connect(self.ucx.local_addr(), &peer(), LAYOUT, config).await?)
             }
             Kind::Tcp => {

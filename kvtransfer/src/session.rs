@@ -47,7 +47,7 @@
 mod coverage;
 mod error;
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -173,6 +173,9 @@ pub enum ReleaseCause {
     Corrupt,
     /// The sender aborted the transfer.
     PeerAborted(AbortReason),
+    /// This side ended it ([`Receiver::abort`]) while a peer could still
+    /// write its blocks: they come back once that peer is fenced.
+    Aborted,
 }
 
 /// A reservation that ended without reaching the engine, and its blocks,
@@ -231,6 +234,9 @@ struct Live {
     deadline: Instant,
     coverage: Coverage,
     ready: bool,
+    /// A peer writes the blocks in place ([`Receiver::expose`]) and has not
+    /// been fenced since.
+    exposed: bool,
 }
 
 #[derive(Debug)]
@@ -260,6 +266,9 @@ pub struct Receiver {
     /// Every block the receiver holds (live reservations and the outbox).
     held: HashSet<BlockId>,
     outbox: Vec<Released>,
+    /// Ended reservations whose blocks a peer may still write: they go to
+    /// the outbox only at [`Receiver::fence`].
+    quarantine: HashMap<Reservation, Released>,
     counters: ReceiverCounters,
 }
 
@@ -276,6 +285,7 @@ impl Receiver {
             next_generation: 1,
             held: HashSet::new(),
             outbox: Vec::new(),
+            quarantine: HashMap::new(),
             counters: ReceiverCounters::default(),
         })
     }
@@ -322,6 +332,46 @@ impl Receiver {
             SlotState::Live(l) if slot.generation == r.generation && !l.ready => Some(l.blocks.len()),
             _ => None,
         }
+    }
+
+    /// Marks a receiving `r` as written in place by a peer (a one-sided
+    /// transport writing straight into the pool) and returns its blocks, in
+    /// reservation order; `None` if it is not receiving. From here until
+    /// [`fence`](Self::fence) (or its `Complete` is acknowledged), an end
+    /// of `r` — lease, abort on either side, corruption — does not give its
+    /// blocks back: they wait in quarantine, counted as held, because the
+    /// peer may still be writing them.
+    pub fn expose(&mut self, r: Reservation) -> Option<Vec<BlockId>> {
+        let slot = self.slots.get_mut(usize::try_from(r.id.0).ok()?)?;
+        match &mut slot.state {
+            SlotState::Live(l) if slot.generation == r.generation && !l.ready => {
+                l.exposed = true;
+                Some(l.blocks.clone())
+            }
+            _ => None,
+        }
+    }
+
+    /// The peer that wrote `r` in place can write no more (it flushed and
+    /// said so, or it is gone). A quarantined `r`'s blocks go to
+    /// [`poll_released`](Self::poll_released) (returns `true`); a live one
+    /// ends normally from now on. Unknown or unexposed: nothing happens.
+    pub fn fence(&mut self, r: Reservation) -> bool {
+        if let Some(released) = self.quarantine.remove(&r) {
+            self.outbox.push(released);
+            return true;
+        }
+        if let Ok(idx) = self.find(r) {
+            if let SlotState::Live(l) = &mut self.slots[idx].state {
+                l.exposed = false;
+            }
+        }
+        false
+    }
+
+    /// Blocks of ended reservations waiting for their writer's fence.
+    pub fn quarantined_blocks(&self) -> usize {
+        self.quarantine.values().map(|r| r.blocks.len()).sum()
     }
 
     /// The earliest lease deadline, for the caller's timer (the decode worker's reaper).
@@ -397,8 +447,10 @@ impl Receiver {
         self.next_generation = self.next_generation.checked_add(1).unwrap_or(1);
         self.held.extend(blocks.iter().copied());
         let coverage = Coverage::new(self.config.layout.n_layers, blocks.len());
-        self.slots[idx] =
-            Slot { generation, state: SlotState::Live(Live { blocks, deadline, coverage, ready: false }) };
+        self.slots[idx] = Slot {
+            generation,
+            state: SlotState::Live(Live { blocks, deadline, coverage, ready: false, exposed: false }),
+        };
         self.counters.reservations_created += 1;
         Ok(Reservation { id: ReservationId(idx as u64), generation })
     }
@@ -518,6 +570,9 @@ impl Receiver {
             return Err(FrameError::Incomplete { written: live.coverage.written(), expected: live.coverage.total() });
         }
         live.ready = true;
+        // Every layer was announced after its last write and checked since:
+        // the sender has nothing more to write for it.
+        live.exposed = false;
         Ok(Ack { reservation: c.reservation, generation: c.generation })
     }
 
@@ -587,11 +642,18 @@ impl Receiver {
 
     /// Ends a live reservation on the caller's behalf (request cancelled,
     /// shutting down) and returns its blocks. The caller tells the sender
-    /// with an `Abort` frame.
+    /// with an `Abort` frame. An [`expose`](Self::expose)d reservation
+    /// returns none: its blocks wait in quarantine for the writer's
+    /// [`fence`](Self::fence), then come back through `poll_released`.
     pub fn abort(&mut self, r: Reservation) -> Result<Vec<BlockId>, ReservationError> {
         let idx = self.find(r)?;
         if let SlotState::Ended(state) = self.slots[idx].state {
             return Err(ReservationError::Ended { reservation: r, state });
+        }
+        if matches!(&self.slots[idx].state, SlotState::Live(l) if l.exposed) {
+            // `end_to_outbox` counts it and quarantines the blocks.
+            self.end_to_outbox(idx, ReservationState::Aborted, ReleaseCause::Aborted);
+            return Ok(Vec::new());
         }
         self.counters.reservations_aborted += 1;
         Ok(self.end_returning(idx, ReservationState::Aborted))
@@ -680,9 +742,15 @@ impl Receiver {
             _ => {}
         }
         let generation = self.slots[idx].generation;
+        let exposed = matches!(&self.slots[idx].state, SlotState::Live(l) if l.exposed);
         let blocks = self.end(idx, state);
         let reservation = Reservation { id: ReservationId(idx as u64), generation };
-        self.outbox.push(Released { reservation, blocks, cause });
+        let released = Released { reservation, blocks, cause };
+        if exposed {
+            self.quarantine.insert(reservation, released);
+        } else {
+            self.outbox.push(released);
+        }
     }
 
     /// Marks a live slot ended and takes its blocks. Callers end only live

@@ -51,9 +51,20 @@ impl DecodeSide {
         let l = layout();
         let rx = Arc::new(Mutex::new(Receiver::new(peer(&l, "smollm2", 0x11), ReceiverConfig::new(l)).expect("rx")));
         let pool = Arc::new(Mutex::new(KvPool::new(l, 32).expect("pool B")));
-        let _decoys = lock(&pool).allocate(3).expect("decoys");
         let server = within("the UCX server up", UcxKvServer::bind(rx.clone(), pool.clone(), config)).await;
-        Self { layout: l, rx, pool, server: server.expect("bind") }
+        let mut server = server.expect("bind");
+        if let Some(memory) = server.pool_memory() {
+            // As the decode worker does: the pool moves into UCX memory, then direct writes start.
+            lock(&pool).adopt(memory.into_shared()).expect("the pool adopts the UCX memory");
+            server.enable_direct();
+        }
+        let _decoys = lock(&pool).allocate(3).expect("decoys");
+        Self { layout: l, rx, pool, server }
+    }
+
+    /// A server whose pool (32 blocks) is in UCX memory, written directly by senders on this host.
+    async fn start_direct() -> Self {
+        Self::start(UcxServerConfig { pool_blocks: Some(32), ..UcxServerConfig::default() }).await
     }
 
     fn reserve(&self, n: usize, ttl: Duration) -> (Reservation, Vec<BlockId>) {
@@ -73,7 +84,7 @@ impl DecodeSide {
 
     /// With [`UcxSenderConfig::mapped_stores`] as given.
     async fn connect_with(&self, p: &Peer, mapped_stores: bool) -> Result<UcxKvSender, TransferError> {
-        let config = UcxSenderConfig { timeout: Duration::from_secs(3), mapped_stores };
+        let config = UcxSenderConfig { timeout: Duration::from_secs(3), mapped_stores, ..UcxSenderConfig::default() };
         within("handshake", UcxKvSender::connect(self.server.local_addr(), p, self.layout, config)).await
     }
 
@@ -106,20 +117,33 @@ async fn send_layers(tx: &mut UcxKvSender, pool: &KvPool, table: &[BlockId], r: 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transfer_lands_byte_exact_through_the_landing_region() {
-    transfer_lands_byte_exact(true).await;
+    transfer_lands_byte_exact(true, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transfer_lands_byte_exact_through_the_landing_region_with_puts_only() {
-    transfer_lands_byte_exact(false).await;
+    transfer_lands_byte_exact(false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_transfer_lands_byte_exact_in_its_pool_blocks() {
+    transfer_lands_byte_exact(true, true).await;
+}
+
+/// Whether UCX reaches the server through shared memory (mapped stores and
+/// the direct path are possible).
+fn shared_lanes(tx: &UcxKvSender) -> bool {
+    tx.transports().iter().any(|t| t.starts_with("sysv") || t.starts_with("posix"))
 }
 
 /// One transfer of 5 blocks (31 sends: every layer, one of them in two
 /// pieces): byte-exact, counted on both sides, nothing left behind; stored
 /// through the mapped landing region where UCX reaches the server through
-/// shared memory and `mapped_stores` is on, put otherwise.
-async fn transfer_lands_byte_exact(mapped_stores: bool) {
-    let d = DecodeSide::start(UcxServerConfig::default()).await;
+/// shared memory and `mapped_stores` is on, put otherwise; with `direct`
+/// (the pool in UCX memory) stored straight into the reservation's pool
+/// blocks where UCX maps them.
+async fn transfer_lands_byte_exact(mapped_stores: bool, direct: bool) {
+    let d = if direct { DecodeSide::start_direct().await } else { DecodeSide::start(UcxServerConfig::default()).await };
     let l = d.layout;
     let (pool_a, table_a) = common::source(l, 5, 32);
     let (r, table_b) = d.reserve(5, Duration::from_secs(30));
@@ -148,15 +172,19 @@ async fn transfer_lands_byte_exact(mapped_stores: bool) {
         let b = lock(&d.pool).gather_layer(layer, &table_b).expect("gather B");
         assert_eq!(a, b, "layer {layer} differs after the transfer");
     }
-    let shared = tx.transports().iter().any(|t| t.starts_with("sysv") || t.starts_with("posix"));
     let sends = l.n_layers as u64 + 1;
-    let want = if mapped_stores && shared { sends } else { 0 };
+    let mapped = mapped_stores && shared_lanes(&tx);
+    let want = if mapped { sends } else { 0 };
     assert_eq!(tx.mapped_layers(), want, "sends stored through the mapping, over {:?}", tx.transports());
+    let want_direct = if mapped && direct { sends } else { 0 };
+    assert_eq!(tx.direct_layers(), want_direct, "sends stored in the pool blocks, over {:?}", tx.transports());
     let bytes = (l.n_layers * 5 * 2 * side(&l)) as u64;
     assert_eq!(tx.bytes_sent(), bytes, "sender: blocks x block bytes");
     assert_eq!(lock(&d.rx).counters().payload_bytes_accepted, bytes, "receiver: blocks x block bytes");
     let s = d.wait_stats("the range freed", |s| s.landing_in_use_bytes == 0).await;
-    assert_eq!((s.grants, s.aborts_sent, s.quarantined_ranges), (1, 0, 0));
+    let (landing, pool) = if want_direct > 0 { (0, 1) } else { (1, 0) };
+    assert_eq!((s.grants, s.direct_grants, s.direct_layers), (landing, pool, want_direct));
+    assert_eq!((s.aborts_sent, s.quarantined_ranges, s.quarantined_blocks), (0, 0, 0));
     drop(tx);
     d.wait_stats("the sender's Bye", |s| s.closed_by(UcxCloseReason::Bye) == 1).await;
 }
@@ -249,6 +277,83 @@ async fn an_expired_reservations_range_is_quarantined_until_its_sender_is_fenced
     let s = d.wait_stats("released by the sender's close", closed).await;
     assert_eq!((s.fences_completed, s.landing_in_use_bytes), (2, 0));
     assert_eq!(lock(&d.rx).held_blocks(), 0);
+}
+
+/// The fence of the direct path, in one process: a sender writing pool
+/// blocks stalls past its lease; its blocks stay out of the pool (however
+/// the reservation ended) while another transfer runs, and come back only
+/// once the sender fenced. Its late layer lands in its own quarantined
+/// blocks, never in the other transfer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_direct_reservations_blocks_stay_out_of_the_pool_until_its_sender_is_fenced() {
+    let d = DecodeSide::start_direct().await;
+    let l = d.layout;
+    let (pool_a, table_a) = common::source(l, 4, 32);
+    let ttl = Duration::from_secs(30);
+    let me = peer(&l, "smollm2", 0x11);
+    let free_before = lock(&d.pool).available();
+
+    let (r1, blocks1) = d.reserve(4, ttl);
+    let mut stalled = d.connect(&me).await.expect("connect");
+    send_layers(&mut stalled, &pool_a, &table_a, r1, &[0]).await;
+    eventually("layer 0 accepted", || lock(&d.rx).counters().layer_frames_accepted == 1).await;
+    if !shared_lanes(&stalled) {
+        // No shared memory between the workers (e.g. UCX_TLS=tcp): the landing
+        // region's own test covers this fence; nothing went to the pool directly.
+        assert_eq!((stalled.direct_layers(), d.server.stats().direct_grants), (0, 0));
+        return;
+    }
+    assert_eq!(stalled.direct_layers(), 1);
+    // The lease runs out: nothing comes back to the pool yet.
+    assert!(d.reap(now() + ttl + Duration::from_millis(1)).is_empty(), "blocks held for the fence");
+    assert_eq!(lock(&d.rx).state(r1), Some(ReservationState::Expired));
+    let s = d.wait_stats("the blocks quarantined", |s| s.quarantined_blocks == 4).await;
+    assert_eq!(s.direct_grants, 1);
+    assert_eq!(lock(&d.pool).available(), free_before - 4, "the pool cannot hand them out");
+
+    // Another transfer, meanwhile, gets other blocks and lands byte-exact.
+    let (r2, table_b) = d.reserve(4, ttl);
+    assert!(table_b.iter().all(|b| !blocks1.contains(b)), "quarantined blocks are not reused");
+    let mut other = d.connect(&me).await.expect("connect");
+    send_layers(&mut other, &pool_a, &table_a, r2, &(0..l.n_layers).collect::<Vec<_>>()).await;
+    within("Ack", other.complete(r2)).await.expect("complete");
+    assert_eq!(lock(&d.rx).take_ready(r2).expect("ready"), table_b);
+
+    // The stalled sender resumes: its late layer goes to its own quarantined
+    // blocks or is refused; its Complete learns of the expiry; it fences.
+    let (k, v) = pool_a.gather_layer(1, &table_a).expect("gather");
+    match within("the late layer", stalled.send_layer(r1, 1, &k, &v)).await {
+        Ok(()) | Err(TransferError::PeerAbort { reason: AbortReason::LeaseExpired }) => {}
+        other => panic!("expected the late layer stored or refused as lease_expired, got {other:?}"),
+    }
+    match within("the late Complete", stalled.complete(r1)).await {
+        Err(TransferError::PeerAbort { reason: AbortReason::LeaseExpired }) => {}
+        other => panic!("expected the late transfer refused as lease_expired, got {other:?}"),
+    }
+    let s = d.wait_stats("the fence completed", |s| s.quarantined_blocks == 0 && s.fences_completed == 1).await;
+    assert_eq!(s.landing_in_use_bytes, 0);
+    let released = d.reap(now());
+    assert_eq!(released.len(), 1);
+    assert_eq!((released[0].cause, &released[0].blocks), (ReleaseCause::LeaseExpired, &blocks1));
+    for layer in 0..l.n_layers {
+        let a = pool_a.gather_layer(layer, &table_a).expect("gather A");
+        let b = lock(&d.pool).gather_layer(layer, &table_b).expect("gather B");
+        assert_eq!(a, b, "layer {layer} of the other transfer changed");
+    }
+    lock(&d.pool).release(&table_b).expect("release");
+    assert_eq!(lock(&d.pool).available(), free_before);
+
+    // A cancelled direct reservation: `abort` hands back nothing until the
+    // sender's close fences it.
+    let (r3, _) = d.reserve(4, ttl);
+    let mut silent = d.connect(&me).await.expect("connect");
+    send_layers(&mut silent, &pool_a, &table_a, r3, &[2]).await;
+    assert_eq!(lock(&d.rx).abort(r3).expect("the decode side cancels"), Vec::<BlockId>::new());
+    d.wait_stats("the cancelled blocks quarantined", |s| s.quarantined_blocks == 4).await;
+    drop(silent);
+    d.wait_stats("released by the sender's close", |s| s.quarantined_blocks == 0).await;
+    assert_eq!(d.reap(now()).len(), 1);
+    assert_eq!((lock(&d.rx).held_blocks(), lock(&d.pool).available()), (0, free_before));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

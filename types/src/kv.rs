@@ -62,4 +62,24 @@ impl KvLayout {
     pub fn token_bytes(&self) -> usize {
         2 * self.n_layers * self.row_elems() * self.dtype.size()
     }
+
+    /// Bytes of one block's K (or V) in one layer.
+    pub fn side_bytes(&self) -> usize {
+        self.block_elems() * self.dtype.size()
+    }
+
+    /// Bytes of a pool of `num_blocks` blocks held as one allocation in the
+    /// order [`pool_offset`](Self::pool_offset) gives: what a pool that a
+    /// peer writes into (UCX) maps; `None` if that overflows.
+    pub fn pool_bytes(&self, num_blocks: usize) -> Option<usize> {
+        self.side_bytes().checked_mul(num_blocks)?.checked_mul(2 * self.n_layers)
+    }
+
+    /// Where block `block`'s K (`v == false`) or V of `layer` starts in such
+    /// an allocation: each layer's K of every block, then its V, layer after
+    /// layer. The engine's pool and the peer that writes into it agree on
+    /// this one formula. Callers keep `layer < n_layers` and `block < num_blocks`.
+    pub fn pool_offset(&self, num_blocks: usize, layer: usize, v: bool, block: usize) -> usize {
+        ((2 * layer + usize::from(v)) * num_blocks + block) * self.side_bytes()
+    }
 }

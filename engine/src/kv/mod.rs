@@ -15,6 +15,7 @@ mod pool;
 mod region;
 
 pub use pool::{prefix_hashes, KvPool, KvStats, PrefixHash};
+pub use region::SharedMemory;
 pub use types::kv::{BlockId, KvDtype, KvLayout};
 
 /// KV cache errors.

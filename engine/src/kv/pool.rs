@@ -5,8 +5,9 @@ use std::collections::{BTreeMap, HashMap};
 use kernels::attention::KvSlice;
 use sha2::{Digest, Sha256};
 
-use super::region::Region;
+use super::region::{Region, SharedMemory};
 use super::{BlockId, KvDtype, KvError, KvLayout};
+use std::sync::Arc;
 
 /// Chained hash of a full block: identifies its tokens *and* everything
 /// before them (and the salt).
@@ -23,6 +24,14 @@ impl Storage {
         Ok(match dtype {
             KvDtype::F32 => Storage::F32(Region::zeroed(n)?),
             KvDtype::F16 => Storage::F16(Region::zeroed(n)?),
+        })
+    }
+
+    /// `n` elements at byte `at` of `mem`.
+    fn shared(dtype: KvDtype, mem: &Arc<SharedMemory>, at: usize, n: usize) -> Option<Self> {
+        Some(match dtype {
+            KvDtype::F32 => Storage::F32(Region::shared(mem, at, n)?),
+            KvDtype::F16 => Storage::F16(Region::shared(mem, at, n)?),
         })
     }
 
@@ -247,6 +256,40 @@ impl KvPool {
 
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+
+    /// Moves the pool's storage into `mem`, laid out as
+    /// [`KvLayout::pool_offset`] says (each layer's K of every block, then
+    /// its V), so that a peer holding the same layout and block ids can
+    /// write a block's KV straight where the engine reads it (the UCX
+    /// transport's direct path). Only an empty pool can move: no block in
+    /// use or cached, since nothing is copied. The old storage is freed.
+    pub fn adopt(&mut self, mem: SharedMemory) -> Result<(), KvError> {
+        if self.free.len() != self.num_blocks {
+            return Err(KvError::Config(format!(
+                "a pool moves into shared memory only while empty; {} of {} blocks are in use or cached",
+                self.num_blocks - self.free.len(),
+                self.num_blocks
+            )));
+        }
+        let need =
+            self.layout.pool_bytes(self.num_blocks).ok_or_else(|| KvError::Config("pool size overflows".into()))?;
+        if mem.len() < need {
+            return Err(KvError::Memory(format!("{} bytes of shared memory for a {need}-byte pool", mem.len())));
+        }
+        let (mem, n, nb) = (Arc::new(mem), self.num_blocks * self.layout.block_elems(), self.num_blocks);
+        let side = |v: bool| -> Result<Vec<Storage>, KvError> {
+            (0..self.layout.n_layers)
+                .map(|l| {
+                    let at = self.layout.pool_offset(nb, l, v, 0);
+                    Storage::shared(self.layout.dtype, &mem, at, n)
+                        .ok_or_else(|| KvError::Memory(format!("shared memory misaligned for the pool at byte {at}")))
+                })
+                .collect()
+        };
+        let (k, v) = (side(false)?, side(true)?);
+        (self.k, self.v) = (k, v);
+        Ok(())
     }
 
     pub fn stats(&self) -> KvStats {
@@ -506,6 +549,54 @@ mod tests {
 
     fn layout() -> KvLayout {
         KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 4, block_size: 2, dtype: KvDtype::F16 }
+    }
+
+    /// Zeroed, 8-byte-aligned memory as a `SharedMemory`, and where it is.
+    #[allow(unsafe_code)]
+    fn shared(bytes: usize) -> (SharedMemory, *const u8) {
+        let mut words = vec![0u64; bytes.div_ceil(8)].into_boxed_slice();
+        let ptr = std::ptr::NonNull::new(words.as_mut_ptr().cast::<u8>()).expect("non-null");
+        // SAFETY: the box owns `bytes` zeroed bytes at `ptr` and moves (unmoved
+        // on the heap) into the owner; nothing else references them.
+        let mem = unsafe { SharedMemory::new(ptr, bytes, Box::new(words)) };
+        (mem, ptr.as_ptr())
+    }
+
+    /// The pool's blocks live where `KvLayout::pool_offset` says once it adopts
+    /// shared memory: a peer writing there is what the engine reads.
+    #[test]
+    #[allow(unsafe_code)]
+    fn an_adopted_pool_keeps_each_block_where_pool_offset_says() {
+        let l = layout();
+        let mut p = KvPool::new(l, 3).expect("pool");
+        let (mem, base) = shared(l.pool_bytes(3).expect("size"));
+        p.adopt(mem).expect("adopt");
+        let b = p.allocate(3).expect("blocks");
+        let (row, side) = (l.row_elems(), l.side_bytes());
+        for (i, &blk) in b.iter().enumerate() {
+            for layer in 0..l.n_layers {
+                let k: Vec<f32> = (0..row).map(|e| (100 * i + 10 * layer + e) as f32).collect();
+                let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                p.write(layer, blk, 1, &k, &v);
+            }
+        }
+        for &blk in &b {
+            for layer in 0..l.n_layers {
+                let (k, v) = p.gather_layer(layer, &[blk]).expect("gather");
+                for (side_v, want) in [(false, k), (true, v)] {
+                    let at = l.pool_offset(3, layer, side_v, blk as usize);
+                    // SAFETY: `at + side` lies inside the adopted memory, which `p` keeps alive.
+                    let got = unsafe { std::slice::from_raw_parts(base.add(at), side) };
+                    assert_eq!(got, &want[..], "layer {layer} block {blk} v={side_v}");
+                }
+            }
+        }
+        // A pool in use cannot move; nor can one into memory too small.
+        let (mem, _) = shared(l.pool_bytes(3).expect("size"));
+        assert!(matches!(p.adopt(mem), Err(KvError::Config(_))));
+        p.release(&b).expect("release");
+        let (small, _) = shared(l.pool_bytes(3).expect("size") - 1);
+        assert!(matches!(p.adopt(small), Err(KvError::Memory(_))));
     }
 
     /// This process's resident bytes (`/proc/self/statm`, pages of 4 KiB).

@@ -1,6 +1,8 @@
 //! Memory for the KV pool: one anonymous, page-aligned, zeroed mapping per
 //! layer's K or V, which the kernel backs with pages at their first write
-//! unless [`Region::commit`] backs it all at once.
+//! unless [`Region::commit`] backs it all at once — or a part of a
+//! [`SharedMemory`] the pool adopted, which a peer process writes into
+//! ([`KvPool::adopt`](super::KvPool::adopt)).
 //!
 //! Why a mapping and not a `Vec`: a committed region is populated by one
 //! `MADV_POPULATE_WRITE` call, which returns ENOMEM as an error where a
@@ -15,6 +17,8 @@
 use std::io;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+use std::sync::Arc;
 
 use memmap2::MmapMut;
 
@@ -22,9 +26,71 @@ use memmap2::MmapMut;
 /// common aarch64 kernels); touching a larger page more than once is harmless.
 const PAGE_BYTES: usize = 4096;
 
+/// Memory the pool can live in that something else allocated: a UCX
+/// registration that peers write KV into with one-sided stores. What a
+/// peer may write, and when, is the transport's contract (kvtransfer's UCX
+/// fence): only blocks reserved for a transfer it was granted and not yet
+/// handed to the engine, so the engine never reads or writes a block while
+/// a peer may write it. The engine holds references over whole layers, as
+/// it does over its own mappings; that is the same standing as any memory
+/// shared with another process (a `memmap2::MmapMut` of a shared file).
+pub struct SharedMemory {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// Keeps the memory mapped; dropped after the last region over it.
+    _owner: Box<dyn Send + Sync>,
+}
+
+// SAFETY: the memory is plain bytes owned through `_owner` (Send + Sync),
+// with no thread affinity; the pool's own `&`/`&mut` rules govern access.
+#[allow(unsafe_code)]
+unsafe impl Send for SharedMemory {}
+// SAFETY: as above.
+#[allow(unsafe_code)]
+unsafe impl Sync for SharedMemory {}
+
+impl SharedMemory {
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, zeroed or
+    /// otherwise initialised, for as long as `owner` lives, and not be
+    /// reachable through any Rust reference elsewhere in this process.
+    #[allow(unsafe_code)]
+    pub unsafe fn new(ptr: NonNull<u8>, len: usize, owner: Box<dyn Send + Sync>) -> Self {
+        Self { ptr, len, _owner: owner }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first byte (where a peer's offsets start).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl std::fmt::Debug for SharedMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedMemory").field("ptr", &self.ptr).field("len", &self.len).finish()
+    }
+}
+
+enum Backing {
+    Own(MmapMut),
+    /// Bytes `at..` of a shared allocation.
+    Shared {
+        mem: Arc<SharedMemory>,
+        at: usize,
+    },
+}
+
 /// `len` elements of `T`, zeroed.
 pub(super) struct Region<T> {
-    map: MmapMut,
+    backing: Backing,
     len: usize,
     _elem: PhantomData<T>,
 }
@@ -36,7 +102,23 @@ impl<T: bytemuck::Pod> Region<T> {
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "KV region size overflows"))?;
         // A zero-length mapping is refused by the kernel; one byte stands in.
         let map = MmapMut::map_anon(bytes.max(1))?;
-        Ok(Self { map, len, _elem: PhantomData })
+        Ok(Self { backing: Backing::Own(map), len, _elem: PhantomData })
+    }
+
+    /// `len` elements at byte `at` of `mem`, or `None` if they do not fit or
+    /// `at` is not aligned for `T` there.
+    pub(super) fn shared(mem: &Arc<SharedMemory>, at: usize, len: usize) -> Option<Self> {
+        let bytes = len.checked_mul(std::mem::size_of::<T>())?;
+        let fits = at.checked_add(bytes).is_some_and(|end| end <= mem.len);
+        let aligned = (mem.ptr.as_ptr() as usize).wrapping_add(at) % std::mem::align_of::<T>() == 0;
+        (fits && aligned).then(|| Self { backing: Backing::Shared { mem: mem.clone(), at }, len, _elem: PhantomData })
+    }
+
+    fn base(&self) -> *mut u8 {
+        match &self.backing {
+            Backing::Own(map) => map.as_ptr().cast_mut(),
+            Backing::Shared { mem, at } => mem.ptr.as_ptr().wrapping_add(*at),
+        }
     }
 
     fn bytes(&self) -> usize {
@@ -47,9 +129,14 @@ impl<T: bytemuck::Pod> Region<T> {
     /// error (ENOMEM: the host cannot hold the pool) leaves the region
     /// usable but possibly only partly backed.
     pub(super) fn commit(&mut self) -> io::Result<usize> {
+        if let Backing::Shared { .. } = self.backing {
+            // Its owner backed it (UCX zero-fills what it allocates); touching it
+            // here could overwrite what a peer already wrote.
+            return Ok(self.bytes());
+        }
         #[cfg(target_os = "linux")]
-        {
-            match self.map.advise(memmap2::Advice::PopulateWrite) {
+        if let Backing::Own(map) = &self.backing {
+            match map.advise(memmap2::Advice::PopulateWrite) {
                 Ok(()) => return Ok(self.bytes()),
                 // Kernels before 5.14 do not know the advice: touch instead.
                 Err(e) if e.kind() == io::ErrorKind::InvalidInput => {}
@@ -70,16 +157,22 @@ impl<T: bytemuck::Pod> Region<T> {
 impl<T: bytemuck::Pod> Deref for Region<T> {
     type Target = [T];
 
+    #[allow(unsafe_code)]
     fn deref(&self) -> &[T] {
-        // The mapping is page-aligned and `bytes()` long: a whole number of `T`s.
-        bytemuck::cast_slice(&self.map[..self.bytes()])
+        // SAFETY: `base()` is aligned for `T` (a page-aligned mapping, or
+        // checked by `shared`) and valid for `len` elements while `self`
+        // keeps the mapping or the shared memory alive; any bit pattern is a
+        // `T` (Pod). What a peer may write meanwhile is `SharedMemory`'s contract.
+        unsafe { std::slice::from_raw_parts(self.base().cast_const().cast::<T>(), self.len) }
     }
 }
 
 impl<T: bytemuck::Pod> DerefMut for Region<T> {
+    #[allow(unsafe_code)]
     fn deref_mut(&mut self) -> &mut [T] {
-        let bytes = self.bytes();
-        bytemuck::cast_slice_mut(&mut self.map[..bytes])
+        // SAFETY: as in `deref`; `&mut self` makes this the only reference
+        // into the region from this process.
+        unsafe { std::slice::from_raw_parts_mut(self.base().cast::<T>(), self.len) }
     }
 }
 

@@ -511,3 +511,58 @@ fn checked_entry_checks_everything_else_before_the_checksum() {
     }
     assert_eq!(a.counters(), b.counters());
 }
+
+/// The quarantine behind the UCX transport's direct path: blocks a peer
+/// writes in place are not handed back, however their reservation ends,
+/// until that peer is fenced; a completed one needs no fence.
+#[test]
+fn exposed_blocks_come_back_only_after_their_writer_is_fenced() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    // Ended by its lease while exposed: held in quarantine, not released.
+    let late = rx.reserve(vec![5, 6], SEC, t0).expect("reserve");
+    assert_eq!(rx.expose(late), Some(vec![5, 6]));
+    assert!(rx.poll_released(t0 + SEC).is_empty(), "an exposed reservation's blocks wait for the fence");
+    assert_eq!(rx.state(late), Some(ReservationState::Expired));
+    assert_eq!((rx.quarantined_blocks(), rx.held_blocks()), (2, 2));
+    assert_eq!(rx.expose(late), None, "an ended reservation cannot be exposed again");
+    // Ended by this side: `abort` returns nothing to free now.
+    let cancelled = rx.reserve(vec![7], 10 * SEC, t0).expect("reserve");
+    rx.expose(cancelled).expect("receiving");
+    assert_eq!(rx.abort(cancelled), Ok(vec![]));
+    assert_eq!(rx.quarantined_blocks(), 3);
+    // Ended by corruption.
+    let corrupt = rx.reserve(vec![8], 10 * SEC, t0).expect("reserve");
+    rx.expose(corrupt).expect("receiving");
+    let mut bad = data(corrupt, 0, 0, 1);
+    bad.checksum ^= 1;
+    assert!(rx.on_layer(&bad, t0).is_err());
+    assert!(rx.poll_released(t0 + 2 * SEC).is_empty());
+    assert_eq!(rx.quarantined_blocks(), 4);
+    // Each fence releases exactly its reservation's blocks, once, with the original cause.
+    assert!(rx.fence(late));
+    assert!(!rx.fence(late), "fenced once");
+    assert_eq!(
+        rx.poll_released(t0 + 2 * SEC),
+        [Released { reservation: late, blocks: vec![5, 6], cause: ReleaseCause::LeaseExpired }]
+    );
+    assert!(rx.fence(cancelled) && rx.fence(corrupt));
+    let rest = rx.poll_released(t0 + 2 * SEC);
+    assert_eq!(
+        rest.iter().map(|r| (r.blocks.clone(), r.cause)).collect::<Vec<_>>(),
+        [(vec![7], ReleaseCause::Aborted), (vec![8], ReleaseCause::Corrupt)]
+    );
+    assert_eq!((rx.quarantined_blocks(), rx.held_blocks()), (0, 0));
+    // Completed while exposed: the writer announced every layer, no fence needed.
+    let done = rx.reserve(vec![9, 10], 10 * SEC, t0).expect("reserve");
+    rx.expose(done).expect("receiving");
+    fill(&mut rx, done, 2, t0);
+    rx.on_complete(&complete(done), t0).expect("complete");
+    assert_eq!(rx.take_ready(done), Ok(vec![9, 10]));
+    // Fenced while live (its writer left): a later end releases at once.
+    let left = rx.reserve(vec![11], SEC, t0).expect("reserve");
+    rx.expose(left).expect("receiving");
+    assert!(!rx.fence(left), "nothing was quarantined");
+    assert_eq!(rx.poll_released(t0 + SEC).len(), 1);
+    assert_eq!(rx.held_blocks(), 0);
+}

@@ -88,6 +88,16 @@ pub trait BlockSink: Send {
         let (k, v) = w.split_payload((*payload).as_ref());
         self.write_layer(w.layer, &w.blocks, k, v)
     }
+
+    /// A layer of `payload_len` bytes that a peer wrote straight into the
+    /// pool's memory, which the receiver has now accepted (checksummed over
+    /// that memory): there is nothing to write. Only a transport whose pool
+    /// memory the engine adopted calls it (the UCX transport's direct path,
+    /// `UcxKvServer::enable_direct`). A sink that counts what arrives
+    /// counts it here; the default does nothing.
+    fn landed_in_place(&mut self, w: &WriteInstruction, payload_len: usize) {
+        let _ = (w, payload_len);
+    }
 }
 
 /// An accepted frame's payload, owned: a `Vec<u8>` read off a socket, or a

@@ -81,21 +81,23 @@ pub(in crate::drills) struct PrefillKill {
     /// Bytes of the KV push the proxy lets through before it holds the rest: 0 kills the
     /// prefill worker before any KV (not even its Hello) reached the decode worker.
     pub hold_at: usize,
-    /// KV over ucx (one-sided puts, no stream a proxy can hold): the push is held by
-    /// stopping its sender once the decode worker granted it a landing range.
+    /// KV over ucx (one-sided writes, no stream a proxy can hold): the push is held by
+    /// stopping its sender once the decode worker granted it a landing range or its
+    /// pool blocks.
     pub ucx: bool,
 }
 
 /// Attempts at stopping a ucx sender mid-transfer (each on a later request of the load).
 const UCX_HOLD_TRIES: usize = 8;
 
-/// Holds a ucx KV push mid-transfer: waits until the decode worker (`m`) has a landing range
-/// granted while exactly one prefill worker has a Prefill in flight (received, not yet
-/// answered; the load runs one request at a time), SIGSTOPs that worker, and keeps it stopped only if its range is still granted and no
+/// Holds a ucx KV push mid-transfer: waits until the decode worker (`m`) has a transfer
+/// granted (a landing range or its pool blocks) while exactly one prefill worker has a
+/// Prefill in flight (received, not yet answered; the load runs one request at a time),
+/// SIGSTOPs that worker, and keeps it stopped only if its grant still stands and no
 /// transfer completed meanwhile (else it continues it and waits for the next request).
 /// Returns the stopped worker's name and pid.
 async fn hold_ucx_push(c: &Cluster, m: &str) -> Result<(String, u32), HarnessError> {
-    use decode_worker::metrics::{KV_TRANSFERS_COMPLETED, UCX_LANDING_IN_USE};
+    use decode_worker::metrics::{KV_TRANSFERS_COMPLETED, UCX_GRANTED_TRANSFERS};
     use prefill_worker::metrics::PREFILL_REQUESTS;
     use worker_common::metrics::REQUESTS_BY_PRIORITY;
     let prefills: Vec<(String, u32, String)> = c
@@ -106,7 +108,7 @@ async fn hold_ucx_push(c: &Cluster, m: &str) -> Result<(String, u32), HarnessErr
     for _ in 0..UCX_HOLD_TRIES {
         let sender = testkit::poll("a prefill worker mid-way through a ucx KV push", LOAD_WAIT, || async {
             let d = crate::metrics::scrape(m).await?;
-            if d.get(UCX_LANDING_IN_USE, &[])? == 0.0 {
+            if d.get(UCX_GRANTED_TRANSFERS, &[])? == 0.0 {
                 return Ok(None);
             }
             let done = d.get(KV_TRANSFERS_COMPLETED, &[])?;
@@ -123,8 +125,8 @@ async fn hold_ucx_push(c: &Cluster, m: &str) -> Result<(String, u32), HarnessErr
         let ((name, pid), done) = sender;
         signal(pid, Signal::Stop)?;
         let d = crate::metrics::scrape(m).await?;
-        let (landing, now) = (d.get(UCX_LANDING_IN_USE, &[])?, d.get(KV_TRANSFERS_COMPLETED, &[])?);
-        if landing > 0.0 && now == done {
+        let (granted, now) = (d.get(UCX_GRANTED_TRANSFERS, &[])?, d.get(KV_TRANSFERS_COMPLETED, &[])?);
+        if granted > 0.0 && now == done {
             return Ok((name, pid));
         }
         seen.push(format!("{name} had finished its push when it stopped"));

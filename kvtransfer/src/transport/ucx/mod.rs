@@ -1,52 +1,70 @@
-//! UCX transport: KV lands by one-sided puts (RDMA where the fabric has it;
-//! shared memory, CMA or TCP otherwise, chosen by `UCX_TLS`), control goes
-//! by active messages.
+//! UCX transport: KV lands by one-sided writes (RDMA where the fabric has
+//! it; shared memory, CMA or TCP otherwise, chosen by `UCX_TLS`), control
+//! goes by active messages.
 //!
 //! # Design
 //!
 //! ```text
-//! prefill: UcxKvSender (thread, UCX worker)        decode: UcxKvServer (thread, UCX worker, landing region)
-//!   AM Hello{its worker address, Hello} ─────────▶  connect back; Receiver::on_hello
-//!          ◀── HelloAck + Key{base, rkey} | HelloReject   (the key only after the handshake passed)
+//! prefill: UcxKvSender (thread, UCX worker)        decode: UcxKvServer (thread, UCX worker, landing region,
+//!                                                          and with pool_blocks the KV pool's own memory)
+//!   AM Hello{its worker address, its process, Hello} ─▶  connect back; Receiver::on_hello
+//!          ◀── HelloAck [+ PoolKey{base, num_blocks, rkey}] + Key{base, rkey} | HelloReject
+//!              (keys only after the handshake passed; the pool's only to a process it can see)
 //!   first layer of a reservation:
-//!   AM Claim{res, gen} ──────────────────────────▶  Receiver::receiving_blocks → landing range
+//!   AM ClaimDirect{res, gen} (pool mapped here) ─▶  Receiver::expose → the reservation's blocks
+//!          ◀── Blocks{res, gen, block ids}
+//!   or AM Claim{res, gen} ───────────────────────▶  Receiver::receiving_blocks → landing range
 //!          ◀── Grant{res, gen, offset, n_blocks} | Refused{landing_full, …}
 //!   each layer (blocks as computed):
-//!   put K, put V → landing range; flush
-//!   AM Layer{LayerData header, crc32c} ──────────▶  copy K‖V out of the landing range into an owned
-//!                                                   buffer, CRC the copy, Receiver::on_layer_checked
-//!                                                   → BlockSink::write_layer_owned
-//!          ◀── Abort{reason} (once) ──────────────  refused; the range goes to quarantine
-//!   AM Complete ─────────────────────────────────▶  Receiver::on_complete; the range is free
+//!   direct: store K, V into its pool blocks (CRC as it stores), fence
+//!   landing: put (or store) K, V → landing range; flush
+//!   AM Layer{LayerData header, crc32c} ──────────▶  direct: CRC the blocks in the pool;
+//!                                                   landing: copy K‖V out, CRC the copy;
+//!                                                   Receiver::on_layer_checked → BlockSink
+//!          ◀── Abort{reason} (once) ──────────────  refused; the range or blocks go to quarantine
+//!   AM Complete ─────────────────────────────────▶  Receiver::on_complete; nothing left to fence
 //!          ◀── Ack | Abort
-//!   after an Abort: flush, AM Fenced{res, gen} ──▶  quarantined range free
-//!   drop: flush, AM Bye ─────────────────────────▶  the connection's ranges free
+//!   after an Abort: flush, AM Fenced{res, gen} ──▶  quarantined range or blocks free
+//!   drop: flush, AM Bye ─────────────────────────▶  the connection's ranges and blocks free
 //! ```
 //!
-//! The decode worker's KV pool is never exposed to remote writes. The
-//! server registers one *landing region* at start ([`UcxServerConfig::landing_bytes`])
-//! and grants each reservation its own range of it; the sender puts each
-//! layer there as the layer is computed, and the server copies the layer
-//! into a buffer only it can touch, computes the CRC-32C over that copy,
-//! and feeds the copy to the same [`Receiver`](crate::Receiver) and
-//! [`BlockSink`](super::BlockSink) path as a received `LayerData` frame:
-//! handshake, leases, generations, checksum refusals and the decode
-//! worker's `kv_load_failure_policy` are the other transports' code.
+//! **Direct** (one host): the decode worker's engine pool lives in memory
+//! the server allocated and registered ([`UcxServerConfig::pool_blocks`],
+//! `KvPool::adopt`, then [`UcxKvServer::enable_direct`]), laid out as
+//! `KvLayout::pool_offset` says. A sender that can map it (UCX's shared
+//! memory transports, `ucp_rkey_ptr`) stores each layer's blocks straight
+//! where the engine reads them, with the CRC-32C taken on the words as it
+//! stores them; the server checks the CRC over its own pool blocks. No copy
+//! on the decode side.
+//!
+//! **Landing** (across hosts, or no mapping): the server registers one
+//! *landing region* ([`UcxServerConfig::landing_bytes`]) and grants each
+//! reservation its own range of it; the sender puts (or, mapped, stores)
+//! each layer there, and the server copies the layer into a buffer only it
+//! can touch, computes the CRC-32C over that copy, and feeds the copy to
+//! the same [`Receiver`](crate::Receiver) and [`BlockSink`](super::BlockSink)
+//! path as a received `LayerData` frame.
+//!
+//! Either way handshake, leases, generations, checksum refusals and the
+//! decode worker's `kv_load_failure_policy` are the other transports' code.
 //!
 //! # The fence
 //!
 //! With one-sided writes the receiver does not see bytes arrive, so a
 //! stalled or partitioned sender may write after its reservation expired.
-//! Such a write can only land in the landing range it was granted, never in
-//! pool blocks. That range is *quarantined* when its reservation ends
-//! without completing (lease, local abort, corruption) and is reused only
-//! after the sender is fenced: it flushed its endpoint and said so
-//! (`Fenced`, or `Abort`/`Bye`, each sent after a flush), or UCX reported
-//! its endpoint failed. A completed reservation's range is free at once:
-//! the sender flushed before every `Layer` message. A write that lands
-//! after reuse anyway (a sender that breaks the protocol) is caught by the
-//! CRC, which is computed over the copy that goes to the pool, never over
-//! memory a peer can still write.
+//! A landing write can only land in the range it was granted, never in pool
+//! blocks; a direct write only in its reservation's blocks. Either is
+//! *quarantined* when its reservation ends without completing (lease, an
+//! abort on either side, corruption) — the range by the server, the blocks
+//! by the [`Receiver`](crate::Receiver), which does not hand them back
+//! through `poll_released` — and is reused only after the sender is
+//! fenced: it flushed its endpoint and said so (`Fenced`, or `Abort`/`Bye`,
+//! each sent after a flush and after every store of its thread), or UCX
+//! reported its endpoint failed — and, for direct blocks, its process is
+//! gone (`direct.rs`: a process cut off from its control connection may
+//! still be storing). A completed reservation is free at once: the sender
+//! finished every layer before its `Layer` message. A landing write that
+//! lands after reuse anyway is caught by the CRC over the private copy.
 //!
 //! Unregistering memory is not a fence here: UCX's shared-memory and CMA
 //! transports write straight into the receiver's virtual memory, and
@@ -73,12 +91,19 @@
 //!
 //! # Trust model
 //!
-//! As TCP: a trusted cluster network. A sender that knows the key can put
-//! anywhere in the landing region (never elsewhere: UCX checks the remote
-//! range against the registration); the CRC over the private copy makes a
-//! stray write fail a transfer rather than corrupt KV. Addresses are UCX
-//! worker addresses, hex-encoded; UCX parses the one a `Hello` carries.
+//! As TCP: a trusted cluster network. A sender that knows the landing key
+//! can put anywhere in the landing region (never elsewhere: UCX checks the
+//! remote range against the registration); the CRC over the private copy
+//! makes a stray write fail a transfer rather than corrupt KV. The pool's
+//! key goes only to a sender process this host's `/proc` shows, and UCX
+//! maps it only for processes that may attach its shared memory; such a
+//! sender could write any pool block, including live ones: trusted as the
+//! handshake trusts it, with the quarantine guarding against late writes,
+//! not hostile ones.
+//! Addresses are UCX worker addresses, hex-encoded; UCX parses the one a
+//! `Hello` carries.
 
+mod direct;
 mod driver;
 pub mod fault;
 mod landing;
@@ -86,6 +111,7 @@ mod sender;
 mod server;
 mod wire;
 
+pub use direct::UcxPoolMemory;
 pub use sender::{UcxKvSender, UcxSenderConfig};
 pub use server::{UcxCloseReason, UcxKvServer, UcxServerConfig, UcxServerStats};
 pub use wire::{LandingRefusal, WireError};

@@ -19,7 +19,7 @@ use types::kv::KvLayout;
 use ucx_sys::{Context, Endpoint, PeerFailure, RemoteKey, Request, Worker};
 
 use super::driver::{mail, Driver};
-use super::wire::{Grant, LandingRefusal, Msg, TO_SENDER, TO_SERVER};
+use super::wire::{Grant, LandingRefusal, Msg, ProcessId, TO_SENDER, TO_SERVER};
 use crate::checksum;
 use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
 use crate::sender::SplitError;
@@ -37,12 +37,17 @@ pub struct UcxSenderConfig {
     /// with its checksum taken in the same pass, instead of a checksum pass
     /// and a put. `false`: always put, as over tcp or RDMA.
     pub mapped_stores: bool,
+    /// With mapped stores, and where the decode worker offers its pool
+    /// (same host, `UcxServerConfig::pool_blocks`), store each layer
+    /// straight into the reservation's pool blocks rather than into a
+    /// landing range. `false`: always a landing range.
+    pub direct: bool,
 }
 
 impl Default for UcxSenderConfig {
-    /// 10 s; mapped stores on.
+    /// 10 s; mapped stores and the direct path on.
     fn default() -> Self {
-        Self { timeout: Duration::from_secs(10), mapped_stores: true }
+        Self { timeout: Duration::from_secs(10), mapped_stores: true, direct: true }
     }
 }
 
@@ -64,8 +69,10 @@ pub struct UcxKvSender {
     layout: KvLayout,
     bytes_sent: u64,
     transports: Vec<String>,
-    /// Layers stored through the mapped landing region (the rest were put).
+    /// Layers stored through a mapping (landing region or pool; the rest were put).
     mapped_layers: Arc<AtomicU64>,
+    /// Of those, layers stored straight into the decode worker's pool.
+    direct_layers: Arc<AtomicU64>,
     /// Detached on drop: the thread's goodbye is bounded by the timeout.
     _thread: JoinHandle<()>,
 }
@@ -90,15 +97,21 @@ impl UcxKvSender {
         let (cmds, rx) = mpsc::channel(1);
         let (ready_tx, ready_rx) = oneshot::channel();
         let wait = config.timeout;
-        let mapped_layers = Arc::new(AtomicU64::new(0));
-        let counted = mapped_layers.clone();
+        let counts = Counts::default();
+        let counted = counts.clone();
         let thread = std::thread::Builder::new()
             .name("tandem-ucx-send".into())
             .spawn(move || link_thread(server, hello, layout, config, counted, ready_tx, rx))?;
         match timeout(wait + Duration::from_secs(1), ready_rx).await {
-            Ok(Ok(Ok(transports))) => {
-                Ok(Self { cmds, layout, bytes_sent: 0, transports, mapped_layers, _thread: thread })
-            }
+            Ok(Ok(Ok(transports))) => Ok(Self {
+                cmds,
+                layout,
+                bytes_sent: 0,
+                transports,
+                mapped_layers: counts.mapped,
+                direct_layers: counts.direct,
+                _thread: thread,
+            }),
             Ok(Ok(Err(e))) => Err(e),
             Ok(Err(_)) => Err(gone()),
             Err(_) => Err(TransferError::Timeout { what: "the UCX handshake", after: wait }),
@@ -121,6 +134,13 @@ impl UcxKvSender {
     /// ([`UcxSenderConfig::mapped_stores`]).
     pub fn mapped_layers(&self) -> u64 {
         self.mapped_layers.load(Ordering::Relaxed)
+    }
+
+    /// How many of those went straight into the decode worker's pool
+    /// blocks (the direct path: the server offered its pool and granted
+    /// the reservation's blocks) rather than into a landing range.
+    pub fn direct_layers(&self) -> u64 {
+        self.direct_layers.load(Ordering::Relaxed)
     }
 
     /// See [`TcpKvSender::check_open`](crate::TcpKvSender::check_open): here,
@@ -197,21 +217,35 @@ impl UcxKvSender {
     }
 }
 
-/// Stores `src` at `to` (bytes of the decode worker's landing region mapped
-/// into this process) and returns `crc32c_append(crc, src)`, computed on
-/// the words as they are stored ([`checksum::copy_crc`]).
+/// What the connection's thread counts for the handle.
+#[derive(Clone, Default)]
+struct Counts {
+    mapped: Arc<AtomicU64>,
+    direct: Arc<AtomicU64>,
+}
+
+/// Stores `src` at `to` (bytes of the decode worker's landing region or
+/// pool mapped into this process) and returns `crc32c_append(crc, src)`,
+/// computed on the words as they are stored ([`checksum::copy_crc`]).
 #[allow(unsafe_code)]
 fn store_mapped(to: NonNull<u8>, src: &[u8], crc: u32) -> u32 {
     // SAFETY: `to` is what `RemoteKey::mapped` answered for at least
-    // `src.len()` bytes inside this reservation's granted range (the caller
-    // asked for exactly K's and V's ranges, or one byte of K's), and the key
-    // that keeps the mapping alive is held by the `Link` for as long as the
-    // connection lives. `src` is this thread's own buffer and cannot overlap a
-    // shared mapping of the peer's memory. No reference into the mapping is
-    // formed. Only this reservation's sender is granted these bytes, and the
-    // server reads them only after our `Layer` message; a peer that writes
-    // them anyway changes only what it will checksum and refuse itself.
+    // `src.len()` bytes inside what this reservation was granted (a landing
+    // range, or one of its pool blocks; the caller asked for exactly that
+    // span, or one byte of it), and the key that keeps the mapping alive is
+    // held by the `Link` for as long as the connection lives. `src` is this
+    // thread's own buffer and cannot overlap a shared mapping of the peer's
+    // memory. No reference into the mapping is formed. Only this
+    // reservation's sender is granted these bytes, and the server reads
+    // them only after our `Layer` message; a peer that writes them anyway
+    // changes only what it will checksum and refuse itself.
     unsafe { checksum::copy_crc(src.as_ptr(), to.as_ptr(), src.len(), crc) }
+}
+
+/// A pool block the mapping does not cover: the server granted what its own
+/// pool does not hold.
+fn gone_pool() -> TransferError {
+    TransferError::Protocol("a granted pool block is outside the decode worker's mapped pool".into())
 }
 
 fn gone() -> TransferError {
@@ -228,7 +262,7 @@ fn link_thread(
     hello: Hello,
     layout: KvLayout,
     config: UcxSenderConfig,
-    mapped_layers: Arc<AtomicU64>,
+    counts: Counts,
     ready: oneshot::Sender<Result<Vec<String>, TransferError>>,
     mut cmds: mpsc::Receiver<Cmd>,
 ) {
@@ -258,7 +292,10 @@ fn link_thread(
         let d = &driver;
         let link = driver.run(Link::handshake(d, ep, &server, me, hello, layout, config.timeout)).await;
         let mut link = match link {
-            Ok(link) => Link { mapped_stores: config.mapped_stores, mapped_layers, ..link },
+            Ok(link) => {
+                let pool = if config.mapped_stores && config.direct { link.pool } else { None };
+                Link { mapped_stores: config.mapped_stores, pool, counts, ..link }
+            }
             Err(e) => {
                 let _ = ready.send(Err(e));
                 return;
@@ -311,10 +348,18 @@ fn link_thread(
     });
 }
 
+/// Where the server said a reservation's KV goes.
+#[derive(Clone)]
+enum Dest {
+    Landing(Grant),
+    /// The reservation's own pool blocks, in order.
+    Pool(Vec<u32>),
+}
+
 /// What the server told us, by reservation (bounded).
 #[derive(Default)]
 struct Heard {
-    grants: HashMap<Reservation, Grant>,
+    grants: HashMap<Reservation, Dest>,
     refused: HashMap<Reservation, LandingRefusal>,
     aborts: VecDeque<(Reservation, AbortReason)>,
     acks: VecDeque<Reservation>,
@@ -339,7 +384,10 @@ impl Heard {
     fn note(&mut self, msg: Msg) {
         match msg {
             Msg::Grant(g) => {
-                self.grants.insert(g.reservation, g);
+                self.grants.insert(g.reservation, Dest::Landing(g));
+            }
+            Msg::Blocks { reservation, blocks } => {
+                self.grants.insert(reservation, Dest::Pool(blocks));
             }
             Msg::Refused { reservation, refusal } => {
                 self.refused.insert(reservation, refusal);
@@ -383,10 +431,19 @@ struct Link<'d> {
     /// after the caller was told the layer was posted: the next command for
     /// that reservation returns it.
     deferred: Option<(Reservation, TransferError)>,
+    /// The decode worker's pool, where it offered it (same host).
+    pool: Option<PoolKey>,
     /// [`UcxSenderConfig::mapped_stores`].
     mapped_stores: bool,
-    /// Shared with the handle: layers stored through the mapping.
-    mapped_layers: Arc<AtomicU64>,
+    /// Shared with the handle.
+    counts: Counts,
+}
+
+/// The decode worker's pool as offered in its `PoolKey`.
+struct PoolKey {
+    key: RemoteKey,
+    base: u64,
+    num_blocks: usize,
 }
 
 /// A layer whose bytes are on their way: what [`Link::finish_blocks`] waits
@@ -408,11 +465,12 @@ impl<'d> Link<'d> {
         layout: KvLayout,
         wait: Duration,
     ) -> Result<Link<'d>, TransferError> {
-        let (h, b) = Msg::Hello { addr: me, frame: Frame::Hello(hello) }.encode(0);
+        let (h, b) = Msg::Hello { addr: me, process: ProcessId::me(), frame: Frame::Hello(hello) }.encode(0);
         let sent = ep.send_am(TO_SERVER, h, b).map_err(|e| ucx_err("sending Hello", e))?;
         let answer = async {
             sent.await.map_err(|e| ucx_err("sending Hello", e))?;
             let mut acked = None;
+            let mut pool = None;
             loop {
                 while let Some(m) = d.pop() {
                     let Ok((conn, msg)) = m else { continue };
@@ -427,7 +485,10 @@ impl<'d> Link<'d> {
                             )))
                         }
                         Msg::Frame(Frame::HelloReject(r)) => return Err(TransferError::Rejected { reason: r.reason }),
-                        Msg::Key { base, rkey } if acked == Some(conn) => return Ok((conn, base, rkey)),
+                        Msg::PoolKey { base, num_blocks, rkey } if acked == Some(conn) => {
+                            pool = Some((base, num_blocks as usize, rkey))
+                        }
+                        Msg::Key { base, rkey } if acked == Some(conn) => return Ok((conn, base, rkey, pool)),
                         other => return Err(TransferError::Protocol(format!("{} during the handshake", other.name()))),
                     }
                 }
@@ -437,7 +498,7 @@ impl<'d> Link<'d> {
                 mail(d).await;
             }
         };
-        let (conn, base, rkey) = timeout(wait, answer)
+        let (conn, base, rkey, pool) = timeout(wait, answer)
             .await
             .map_err(|_| TransferError::Timeout { what: "HelloAck and the landing key", after: wait })??;
         let data = d
@@ -445,6 +506,13 @@ impl<'d> Link<'d> {
             .connect_with(server, PeerFailure::Unreported)
             .map_err(|e| ucx_err("connecting the put endpoint", e))?;
         let key = data.unpack_key(&rkey).map_err(|e| ucx_err("unpacking the landing key", e))?;
+        // The pool is written only through a mapping (stores this thread makes,
+        // so its fence covers them); a pool UCX cannot map here is not used.
+        let pool = pool.and_then(|(base, num_blocks, rkey)| {
+            let key = data.unpack_key(&rkey).ok()?;
+            key.mapped(base, 1)?;
+            Some(PoolKey { key, base, num_blocks })
+        });
         let side = layout.block_elems() * layout.dtype.size();
         Ok(Link {
             d,
@@ -459,8 +527,9 @@ impl<'d> Link<'d> {
             heard: Heard::default(),
             fenced: VecDeque::new(),
             deferred: None,
+            pool,
             mapped_stores: false,
-            mapped_layers: Arc::default(),
+            counts: Counts::default(),
         })
     }
 
@@ -549,15 +618,16 @@ impl<'d> Link<'d> {
         }
     }
 
-    async fn grant(&mut self, r: Reservation) -> Result<Grant, TransferError> {
+    async fn grant(&mut self, r: Reservation) -> Result<Dest, TransferError> {
         if let Some(g) = self.heard.grants.get(&r) {
-            return Ok(*g);
+            return Ok(g.clone());
         }
-        self.message(&Msg::Claim(r), "sending Claim").await?;
+        let claim = if self.mapped_stores && self.pool.is_some() { Msg::ClaimDirect(r) } else { Msg::Claim(r) };
+        self.message(&claim, "sending Claim").await?;
         let heard = self
             .until("a landing grant", |h| {
                 if let Some(g) = h.grants.get(&r) {
-                    return Some(Ok(*g));
+                    return Some(Ok(g.clone()));
                 }
                 if let Some(refusal) = h.refused.remove(&r) {
                     return Some(Err(Ok(refusal)));
@@ -594,7 +664,10 @@ impl<'d> Link<'d> {
     ) -> Result<Posted, TransferError> {
         self.check_not_aborted(r).await?;
         let plan = LayerPlan::new(&self.layout, layer, &k, &v, usize::MAX)?;
-        let g = self.grant(r).await?;
+        let g = match self.grant(r).await? {
+            Dest::Landing(g) => g,
+            Dest::Pool(blocks) => return self.store_in_pool(r, layer, first_block, plan.n_blocks, &blocks, k, &v),
+        };
         let (nb, side) = (g.n_blocks as usize, self.side);
         let end = first_block.checked_add(plan.n_blocks).filter(|end| *end <= nb);
         if end.is_none() {
@@ -627,7 +700,7 @@ impl<'d> Link<'d> {
             // The stores are complete before anything this thread sends next (the
             // `Layer` message, a fence): copies may use weakly ordered stores.
             std::sync::atomic::fence(Ordering::SeqCst);
-            self.mapped_layers.fetch_add(1, Ordering::Relaxed);
+            self.counts.mapped.fetch_add(1, Ordering::Relaxed);
             return Ok(Posted { puts: None, header });
         }
         // The checksum is of exactly the bytes handed to UCX below.
@@ -637,6 +710,60 @@ impl<'d> Link<'d> {
         let put_k = self.data.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;
         let put_v = self.data.put(v, v_at, &self.key).map_err(|e| ucx_err("putting V", e))?;
         Ok(Posted { puts: Some((put_k, put_v)), header })
+    }
+
+    /// Stores K and V of blocks `first_block..first_block + n` of one layer
+    /// straight into the reservation's pool blocks (`blocks`, as granted),
+    /// each where the decode worker's engine reads it, with the checksum
+    /// taken on the words as they are stored: K of every block in order,
+    /// then V, as the server checksums them in its pool.
+    #[allow(clippy::too_many_arguments)]
+    fn store_in_pool(
+        &mut self,
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        n: usize,
+        blocks: &[u32],
+        mut k: Vec<u8>,
+        v: &[u8],
+    ) -> Result<Posted, TransferError> {
+        let (side, pool) = (self.side, self.pool.as_ref().ok_or_else(gone_pool)?);
+        let Some(ours) = first_block.checked_add(n).and_then(|end| blocks.get(first_block..end)) else {
+            return Err(SplitError::TooManyBlocks { n_blocks: first_block.saturating_add(n) }.into());
+        };
+        let at = |v: bool, i: usize| {
+            let b = ours[i] as usize;
+            (b < pool.num_blocks).then(|| pool.base + self.layout.pool_offset(pool.num_blocks, layer, v, b) as u64)
+        };
+        let target = |v: bool, i: usize, len: usize| at(v, i).and_then(|a| pool.key.mapped(a, len));
+        let mut crc = 0;
+        for (is_v, src) in [(false, &k[..]), (true, v)] {
+            for (i, chunk) in src.chunks_exact(side).enumerate() {
+                let to = target(is_v, i, side).ok_or_else(gone_pool)?;
+                crc = store_mapped(to, chunk, crc);
+            }
+        }
+        // Drills only (off unless armed): a byte flipped after the checksum.
+        if let Some(off) = super::fault::after_checksum(layer, first_block, &mut k) {
+            if let Some(byte) = at(false, off / side).and_then(|a| pool.key.mapped(a + (off % side) as u64, 1)) {
+                store_mapped(byte, &k[off..=off], 0);
+            }
+        }
+        // As for the landing region: the stores complete before the `Layer` message.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.counts.mapped.fetch_add(1, Ordering::Relaxed);
+        self.counts.direct.fetch_add(1, Ordering::Relaxed);
+        let header = LayerDataHeader {
+            reservation: r.id.0,
+            generation: r.generation,
+            layer: layer as u32,
+            first_block: first_block as u32,
+            n_blocks: n as u32,
+            checksum: crc,
+            payload_len: k.len() + v.len(),
+        };
+        Ok(Posted { puts: None, header })
     }
 
     /// Waits until a posted layer is in the decode worker's memory, then

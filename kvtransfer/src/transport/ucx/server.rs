@@ -5,6 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::poll_fn;
 use std::io;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -14,14 +15,16 @@ use tokio::time::{Instant, MissedTickBehavior};
 use types::kv::KvLayout;
 use ucx_sys::{Context, Endpoint, OutOfRange, Region, Request, Worker};
 
+use super::direct::UcxPoolMemory;
 use super::driver::{mail, Driver, Inbound};
 use super::landing::Landing;
-use super::wire::{Grant, LandingRefusal, Msg, TO_SENDER, TO_SERVER};
+use super::wire::{Grant, LandingRefusal, Msg, ProcessId, MAX_DIRECT_BLOCKS, TO_SENDER, TO_SERVER};
 use crate::checksum;
 use crate::frame::{Abort, AbortReason, Complete, Frame, Hello, LayerDataHeader};
 use crate::session::{Receiver, Reservation, ReservationId, ReservationState};
 use crate::transport::lock::lock;
 use crate::transport::BlockSink;
+use types::kv::BlockId;
 
 /// Server settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,12 +38,23 @@ pub struct UcxServerConfig {
     pub sweep_interval: Duration,
     /// Senders served at once; a `Hello` beyond it is ignored.
     pub max_connections: usize,
+    /// Blocks of the decode pool to allocate and register at start for the
+    /// direct path: senders on this host store KV straight into the pool
+    /// (no landing copy), once the engine's pool adopted the memory
+    /// ([`UcxKvServer::pool_memory`], then [`UcxKvServer::enable_direct`]).
+    /// `None`: every transfer lands in the landing region.
+    pub pool_blocks: Option<usize>,
 }
 
 impl Default for UcxServerConfig {
-    /// 256 MiB of landing region, a 20 ms sweep, 256 senders.
+    /// 256 MiB of landing region, a 20 ms sweep, 256 senders, no direct pool.
     fn default() -> Self {
-        Self { landing_bytes: 256 << 20, sweep_interval: Duration::from_millis(20), max_connections: 256 }
+        Self {
+            landing_bytes: 256 << 20,
+            sweep_interval: Duration::from_millis(20),
+            max_connections: 256,
+            pool_blocks: None,
+        }
     }
 }
 
@@ -94,6 +108,14 @@ pub struct UcxServerStats {
     pub quarantined_ranges: u64,
     /// Quarantined ranges freed because their sender was fenced.
     pub fences_completed: u64,
+    /// Reservations granted pool blocks to write directly.
+    pub direct_grants: u64,
+    /// Layers written directly into the pool and accepted.
+    pub direct_layers: u64,
+    /// Pool blocks of ended reservations whose direct writer is not fenced yet.
+    pub quarantined_blocks: u64,
+    /// Live transfers holding a landing range or pool blocks now.
+    pub granted_transfers: u64,
 }
 
 impl UcxServerStats {
@@ -124,6 +146,8 @@ pub(super) type BeforeCopy = Box<dyn FnMut(&Region, Range<usize>) + Send>;
 #[derive(Debug)]
 pub struct UcxKvServer {
     addr: String,
+    pool: Option<UcxPoolMemory>,
+    direct: Arc<AtomicBool>,
     stats: watch::Receiver<UcxServerStats>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
@@ -165,15 +189,32 @@ impl UcxKvServer {
         let (ready_tx, ready_rx) = oneshot::channel();
         let (stop_tx, stop_rx) = oneshot::channel();
         let (stats_tx, stats) = watch::channel(UcxServerStats::default());
+        let direct = Arc::new(AtomicBool::new(false));
+        let on = direct.clone();
         let thread = std::thread::Builder::new().name("tandem-ucx-kv".into()).spawn(move || {
-            serve_thread(receiver, sink, config, hooks, ready_tx, stop_rx, stats_tx);
+            serve_thread(receiver, sink, config, hooks, on, ready_tx, stop_rx, stats_tx);
         })?;
-        let addr = match ready_rx.await {
-            Ok(Ok(addr)) => addr,
+        let (addr, pool) = match ready_rx.await {
+            Ok(Ok(ready)) => ready,
             Ok(Err(e)) => return Err(io::Error::other(format!("starting the UCX KV server: {e}"))),
             Err(_) => return Err(io::Error::other("the UCX KV server thread ended during start-up")),
         };
-        Ok(Self { addr, stats, stop: Some(stop_tx), thread: Some(thread) })
+        Ok(Self { addr, pool, direct, stats, stop: Some(stop_tx), thread: Some(thread) })
+    }
+
+    /// The decode pool's memory ([`UcxServerConfig::pool_blocks`]), once:
+    /// for the engine's pool to adopt before [`enable_direct`](Self::enable_direct).
+    pub fn pool_memory(&mut self) -> Option<UcxPoolMemory> {
+        self.pool.take()
+    }
+
+    /// Starts granting senders on this host pool blocks to write directly.
+    /// Call only once the engine's pool lives in [`pool_memory`](Self::pool_memory)
+    /// (`KvPool::adopt` succeeded): before that a direct write would land
+    /// in memory the engine does not read. Until then, and for a server
+    /// without a pool, every transfer lands in the landing region.
+    pub fn enable_direct(&self) {
+        self.direct.store(true, Ordering::Release);
     }
 
     /// The address a [`UcxKvSender`](super::UcxKvSender) connects to: this
@@ -226,12 +267,27 @@ impl Hooks {
     fn before_copy(&mut self, _: &Region, _: Range<usize>) {}
 }
 
+/// What the server thread reports once it is up: its address and the pool memory.
+type Ready = Result<(String, Option<UcxPoolMemory>), String>;
+
+/// The decode pool, allocated and registered by the server thread.
+struct Pool {
+    region: Region,
+    rkey: Vec<u8>,
+    num_blocks: usize,
+    /// One clone per holder of the memory ([`UcxPoolMemory`]); the region is
+    /// unmapped at exit only if this is the last.
+    lease: Arc<()>,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn serve_thread<S: BlockSink>(
     receiver: Arc<Mutex<Receiver>>,
     sink: S,
     config: UcxServerConfig,
     hooks: Hooks,
-    ready: oneshot::Sender<Result<String, String>>,
+    direct: Arc<AtomicBool>,
+    ready: oneshot::Sender<Ready>,
     stop: oneshot::Receiver<()>,
     stats: watch::Sender<UcxServerStats>,
 ) {
@@ -249,22 +305,42 @@ fn serve_thread<S: BlockSink>(
             let worker = Worker::new(&ctx).map_err(|e| e.to_string())?;
             let region = ctx.map(config.landing_bytes).map_err(|e| e.to_string())?;
             let rkey = region.pack_key().map_err(|e| e.to_string())?;
+            let pool = match config.pool_blocks {
+                None => None,
+                Some(num_blocks) => {
+                    let bytes = layout
+                        .pool_bytes(num_blocks)
+                        .filter(|b| *b > 0)
+                        .ok_or_else(|| format!("a pool of {num_blocks} blocks has no valid size"))?;
+                    let region = ctx.map(bytes).map_err(|e| format!("mapping the {bytes}-byte KV pool: {e}"))?;
+                    let rkey = region.pack_key().map_err(|e| e.to_string())?;
+                    Some(Pool { region, rkey, num_blocks, lease: Arc::new(()) })
+                }
+            };
             let addr = worker.address().map_err(|e| e.to_string())?;
             let driver = Driver::new(worker, TO_SERVER)?;
-            Ok((ctx, driver, region, rkey, addr))
+            Ok((ctx, driver, region, rkey, pool, addr))
         };
-        let (_ctx, driver, region, rkey, addr) = match setup() {
+        let (_ctx, driver, region, rkey, pool, addr) = match setup() {
             Ok(s) => s,
             Err(e) => {
                 let _ = ready.send(Err(e));
                 return;
             }
         };
+        let memory = pool.as_ref().and_then(|p| {
+            let addr = p.region.ptr(0, p.region.len()).ok()? as usize;
+            Some(UcxPoolMemory { addr, len: p.region.len(), lease: p.lease.clone() })
+        });
         let mut state = State {
             receiver,
             sink,
             layout,
-            side: layout.block_elems() * layout.dtype.size(),
+            side: layout.side_bytes(),
+            pool,
+            direct,
+            orphans: Vec::new(),
+            crc_buf: Vec::new(),
             landing: Landing::new(region.len()),
             region,
             rkey,
@@ -279,23 +355,42 @@ fn serve_thread<S: BlockSink>(
             buffers: Buffers::default(),
         };
         state.publish();
-        if ready.send(Ok(super::hex(&addr))).is_err() {
+        if ready.send(Ok((super::hex(&addr), memory))).is_err() {
             return;
         }
         driver.run(state.serve(&driver, stop)).await;
         // Endpoints close (forced) before the worker and the region go.
         state.conns.clear();
         state.lingering.clear();
+        if let Some(pool) = state.pool.take() {
+            if Arc::strong_count(&pool.lease) > 1 {
+                // The engine still keeps its KV there: leave it mapped (with the
+                // context it belongs to) until the process exits.
+                std::mem::forget(pool);
+            }
+        }
     });
+}
+
+/// Where a live transfer's KV goes.
+#[derive(Clone)]
+enum Granted {
+    /// A landing range, with the reservation's block count.
+    Landing(Range<usize>, usize),
+    /// Straight into these pool blocks (the reservation's, in order).
+    Direct(Vec<BlockId>),
 }
 
 /// One sender.
 struct Conn {
     ep: Endpoint,
-    /// Live transfers' landing ranges, with their reservation's block count.
-    grants: HashMap<Reservation, (Range<usize>, usize)>,
-    /// Ranges of transfers that ended unfinished, until the sender fences.
-    quarantine: HashMap<Reservation, Range<usize>>,
+    /// The sender's process, if it may write the pool directly (on this
+    /// host, visible in `/proc`).
+    process: Option<ProcessId>,
+    grants: HashMap<Reservation, Granted>,
+    /// Transfers that ended unfinished, until the sender fences: a landing
+    /// range, or `None` for pool blocks (which the receiver quarantines).
+    quarantine: HashMap<Reservation, Option<Range<usize>>>,
     /// Reservations this sender was told to abort (bounded).
     aborted: VecDeque<Reservation>,
 }
@@ -309,6 +404,14 @@ struct State<S> {
     layout: KvLayout,
     /// Bytes of one block's K (or V) in one layer.
     side: usize,
+    pool: Option<Pool>,
+    /// [`UcxKvServer::enable_direct`] was called.
+    direct: Arc<AtomicBool>,
+    /// Direct writers whose control connection failed while their process
+    /// still ran: their reservations are fenced once it has exited.
+    orphans: Vec<(ProcessId, Vec<Reservation>)>,
+    /// Where pool bytes are copied to be checksummed.
+    crc_buf: Vec<u8>,
     landing: Landing,
     region: Region,
     rkey: Vec<u8>,
@@ -383,6 +486,18 @@ fn copy_out(region: &Region, at: usize, len: usize, out: &mut Vec<u8>, crc: u32)
     Ok(unsafe { checksum::append_crc(src, len, out, crc) })
 }
 
+impl Granted {
+    /// The message that tells the sender where `r`'s KV goes.
+    fn message(&self, r: Reservation) -> Msg {
+        match self {
+            Granted::Landing(range, n_blocks) => {
+                Msg::Grant(Grant { reservation: r, offset: range.start as u64, n_blocks: *n_blocks as u32 })
+            }
+            Granted::Direct(blocks) => Msg::Blocks { reservation: r, blocks: blocks.clone() },
+        }
+    }
+}
+
 fn send(ep: &Endpoint, conn: u64, msg: &Msg) -> Option<Request> {
     let (header, body) = msg.encode(conn);
     // A failed send means a failed endpoint, which the sweep notices.
@@ -420,6 +535,10 @@ impl<S: BlockSink> State<S> {
         c.landing_in_use_bytes = self.landing.in_use() as u64;
         let (bytes, ranges) = self.landing.quarantined();
         (c.quarantined_bytes, c.quarantined_ranges) = (bytes as u64, ranges as u64);
+        if self.pool.is_some() {
+            c.quarantined_blocks = lock(&self.receiver).quarantined_blocks() as u64;
+        }
+        c.granted_transfers = self.conns.values().map(|c| c.grants.len() as u64).sum();
         let now = self.counts.clone();
         self.stats.send_if_modified(|s| {
             let changed = *s != now;
@@ -438,8 +557,9 @@ impl<S: BlockSink> State<S> {
             return;
         }
         match msg {
-            Msg::Hello { addr, frame: Frame::Hello(h) } => self.hello(&d.worker, &addr, &h),
+            Msg::Hello { addr, process, frame: Frame::Hello(h) } => self.hello(&d.worker, &addr, process, &h),
             Msg::Claim(r) => self.claim(conn, r),
+            Msg::ClaimDirect(r) => self.claim_direct(conn, r),
             Msg::Layer(h) => self.layer(conn, h).await,
             Msg::Frame(Frame::Complete(c)) => self.complete(conn, c),
             Msg::Frame(Frame::Abort(a)) => self.peer_abort(conn, a),
@@ -449,7 +569,7 @@ impl<S: BlockSink> State<S> {
         }
     }
 
-    fn hello(&mut self, worker: &Worker, addr: &[u8], h: &Hello) {
+    fn hello(&mut self, worker: &Worker, addr: &[u8], process: ProcessId, h: &Hello) {
         if self.conns.len() >= self.config.max_connections {
             self.counts.closed[UcxCloseReason::Busy as usize] += 1;
             return;
@@ -466,10 +586,22 @@ impl<S: BlockSink> State<S> {
         match verdict {
             Ok(ack) => {
                 send(&ep, id, &Msg::Frame(Frame::HelloAck(ack)));
+                // The pool's key only to a sender whose end this server can see
+                // (module `direct`), before the landing key that ends the handshake.
+                let process = self.pool.as_ref().filter(|_| process.alive()).map(|pool| {
+                    let key = Msg::PoolKey {
+                        base: pool.region.remote_base(),
+                        num_blocks: pool.num_blocks as u32,
+                        rkey: pool.rkey.clone(),
+                    };
+                    send(&ep, id, &key);
+                    process
+                });
                 let key = Msg::Key { base: self.region.remote_base(), rkey: self.rkey.clone() };
                 send(&ep, id, &key);
                 self.counts.connections_accepted += 1;
-                let conn = Conn { ep, grants: HashMap::new(), quarantine: HashMap::new(), aborted: VecDeque::new() };
+                let conn =
+                    Conn { ep, process, grants: HashMap::new(), quarantine: HashMap::new(), aborted: VecDeque::new() };
                 self.conns.insert(id, conn);
             }
             Err(reject) => {
@@ -485,9 +617,8 @@ impl<S: BlockSink> State<S> {
 
     fn claim(&mut self, id: u64, r: Reservation) {
         let Some(conn) = self.conns.get_mut(&id) else { return };
-        if let Some((range, n_blocks)) = conn.grants.get(&r) {
-            let grant = Grant { reservation: r, offset: range.start as u64, n_blocks: *n_blocks as u32 };
-            send(&conn.ep, id, &Msg::Grant(grant));
+        if let Some(granted) = conn.grants.get(&r) {
+            send(&conn.ep, id, &granted.message(r));
             return;
         }
         let verdict = if self.owner.contains_key(&r) {
@@ -505,7 +636,7 @@ impl<S: BlockSink> State<S> {
             Ok((range, n_blocks)) => {
                 let grant = Grant { reservation: r, offset: range.start as u64, n_blocks: n_blocks as u32 };
                 send(&conn.ep, id, &Msg::Grant(grant));
-                conn.grants.insert(r, (range, n_blocks));
+                conn.grants.insert(r, Granted::Landing(range, n_blocks));
                 self.owner.insert(r, id);
                 self.counts.grants += 1;
             }
@@ -518,18 +649,98 @@ impl<S: BlockSink> State<S> {
         }
     }
 
-    /// A layer the sender put and flushed: copy it out of the landing
-    /// region, checksum the copy, and hand the copy to the receiver and sink
-    /// exactly as a `LayerData` frame's payload.
+    /// A claim for the reservation's own pool blocks: granted to a sender
+    /// on this host once the engine's pool lives in the registered memory,
+    /// for a reservation small enough to name in one message; otherwise the
+    /// claim is a landing claim like any other.
+    fn claim_direct(&mut self, id: u64, r: Reservation) {
+        let Some(conn) = self.conns.get_mut(&id) else { return };
+        if let Some(granted) = conn.grants.get(&r) {
+            send(&conn.ep, id, &granted.message(r));
+            return;
+        }
+        let direct = conn.process.is_some() && self.direct.load(Ordering::Acquire) && !self.owner.contains_key(&r);
+        let fits = lock(&self.receiver).receiving_blocks(r).is_some_and(|n| n > 0 && n <= MAX_DIRECT_BLOCKS);
+        if !(direct && fits) {
+            return self.claim(id, r);
+        }
+        // From here until this sender is fenced, the receiver keeps the
+        // blocks from the pool however the reservation ends.
+        let Some(blocks) = lock(&self.receiver).expose(r) else { return self.claim(id, r) };
+        let granted = Granted::Direct(blocks);
+        send(&conn.ep, id, &granted.message(r));
+        conn.grants.insert(r, granted);
+        self.owner.insert(r, id);
+        self.counts.direct_grants += 1;
+    }
+
+    /// A layer the sender finished: direct, checksum it in the pool; else
+    /// see [`landed`](Self::landed).
     async fn layer(&mut self, id: u64, h: LayerDataHeader) {
         let r = Reservation { id: ReservationId(h.reservation), generation: h.generation };
         let Some(conn) = self.conns.get(&id) else { return };
-        let Some((range, n_blocks)) = conn.grants.get(&r).cloned() else {
-            if !conn.quarantine.contains_key(&r) {
-                self.abort_once(id, r, AbortReason::ProtocolViolation);
+        let (range, n_blocks) = match conn.grants.get(&r) {
+            Some(Granted::Landing(range, n)) => (range.clone(), *n),
+            Some(Granted::Direct(blocks)) => {
+                let blocks = blocks.clone();
+                return self.in_pool(id, r, h, &blocks);
             }
+            None => {
+                if !conn.quarantine.contains_key(&r) {
+                    self.abort_once(id, r, AbortReason::ProtocolViolation);
+                }
+                return;
+            }
+        };
+        self.landed(id, r, h, range, n_blocks).await;
+    }
+
+    /// A direct layer the sender stored (and fenced) in the reservation's
+    /// pool blocks: checksum it there and have the receiver accept it. The
+    /// bytes are already where the engine reads them.
+    fn in_pool(&mut self, id: u64, r: Reservation, h: LayerDataHeader, blocks: &[BlockId]) {
+        let (layer, first, n) = (h.layer as usize, h.first_block as usize, h.n_blocks as usize);
+        let fits = layer < self.layout.n_layers
+            && n > 0
+            && first.checked_add(n).is_some_and(|end| end <= blocks.len())
+            && h.payload_len == 2 * n * self.side;
+        let Some(pool) = self.pool.as_ref().filter(|_| fits) else {
+            self.abort_once(id, r, AbortReason::ProtocolViolation);
             return;
         };
+        let mut crc = 0;
+        self.crc_buf.resize(self.side, 0);
+        for v in [false, true] {
+            for &b in &blocks[first..first + n] {
+                let at = self.layout.pool_offset(pool.num_blocks, layer, v, b as usize);
+                // The receiver's blocks are inside the pool; a miss is refused below.
+                if pool.region.read(at, &mut self.crc_buf).is_err() {
+                    self.abort_once(id, r, AbortReason::ProtocolViolation);
+                    return;
+                }
+                crc = crc32c::crc32c_append(crc, &self.crc_buf);
+            }
+        }
+        let mut rx = lock(&self.receiver);
+        let refusal = match rx.on_layer_checked(&h, crc, now()) {
+            Ok(w) => {
+                self.sink.landed_in_place(&w, h.payload_len);
+                self.counts.direct_layers += 1;
+                None
+            }
+            Err(e) => Some(e.abort_reason()),
+        };
+        drop(rx);
+        if let Some(reason) = refusal {
+            self.abort_once(id, r, reason);
+            self.settle(id, r);
+        }
+    }
+
+    /// A layer the sender put and flushed into its landing range: copy it
+    /// out, checksum the copy, and hand the copy to the receiver and sink
+    /// exactly as a `LayerData` frame's payload.
+    async fn landed(&mut self, id: u64, r: Reservation, h: LayerDataHeader, range: Range<usize>, n_blocks: usize) {
         let (layer, first, n) = (h.layer as usize, h.first_block as usize, h.n_blocks as usize);
         let side = self.side;
         let fits = layer < self.layout.n_layers
@@ -587,11 +798,14 @@ impl<S: BlockSink> State<S> {
             Ok(ack) => {
                 if let Some(conn) = self.conns.get_mut(&id) {
                     send(&conn.ep, id, &Msg::Frame(Frame::Ack(ack)));
-                    // Every layer was flushed by the sender before its Layer
-                    // message, and each was copied out: the range is done.
-                    if let Some((range, _)) = conn.grants.remove(&r) {
+                    // Every layer was flushed (or fenced) by the sender before its
+                    // Layer message, and each was copied out or checksummed in
+                    // place: nothing is left to write.
+                    if let Some(granted) = conn.grants.remove(&r) {
                         self.owner.remove(&r);
-                        self.landing.free(range);
+                        if let Granted::Landing(range, _) = granted {
+                            self.landing.free(range);
+                        }
                     }
                 }
             }
@@ -608,29 +822,60 @@ impl<S: BlockSink> State<S> {
         self.fenced(id, Reservation { id: ReservationId(a.reservation), generation: a.generation });
     }
 
-    /// The sender flushed its endpoint after its last put for `r`.
+    /// The sender flushed its endpoint after its last put for `r` (or, for
+    /// direct stores, fenced them).
     fn fenced(&mut self, id: u64, r: Reservation) {
         let Some(conn) = self.conns.get_mut(&id) else { return };
         if let Some(range) = conn.quarantine.remove(&r) {
-            self.landing.release(range);
+            match range {
+                Some(range) => self.landing.release(range),
+                None => {
+                    lock(&self.receiver).fence(r);
+                }
+            }
             self.counts.fences_completed += 1;
-        } else if let Some((range, _)) = conn.grants.remove(&r) {
+        } else if let Some(granted) = conn.grants.remove(&r) {
             self.owner.remove(&r);
-            self.landing.free(range);
+            match granted {
+                Granted::Landing(range, _) => self.landing.free(range),
+                Granted::Direct(_) => {
+                    lock(&self.receiver).fence(r);
+                }
+            }
         }
     }
 
     /// Ends a connection: its sender flushed and left, or UCX says it is
-    /// gone. Either way it can no longer write, so its ranges are free.
+    /// gone. A sender that left can no longer write, so its ranges and
+    /// blocks are free; one whose endpoint failed may still run and store
+    /// into pool blocks (direct), so those wait until its process exits.
     fn close(&mut self, id: u64, reason: UcxCloseReason) {
         let Some(conn) = self.conns.remove(&id) else { return };
-        for (r, (range, _)) in conn.grants {
+        let mut direct = Vec::new();
+        for (r, granted) in conn.grants {
             self.owner.remove(&r);
-            self.landing.free(range);
+            match granted {
+                Granted::Landing(range, _) => self.landing.free(range),
+                Granted::Direct(_) => direct.push(r),
+            }
         }
-        for (_, range) in conn.quarantine {
-            self.landing.release(range);
+        for (r, range) in conn.quarantine {
+            match range {
+                Some(range) => self.landing.release(range),
+                None => direct.push(r),
+            }
             self.counts.fences_completed += 1;
+        }
+        match conn.process {
+            Some(p) if reason != UcxCloseReason::Bye && !direct.is_empty() && p.alive() => {
+                self.orphans.push((p, direct))
+            }
+            _ => {
+                let mut rx = lock(&self.receiver);
+                for r in direct {
+                    rx.fence(r);
+                }
+            }
         }
         self.counts.closed[reason as usize] += 1;
     }
@@ -650,15 +895,23 @@ impl<S: BlockSink> State<S> {
             Some(ReservationState::Expired) | None => Some(AbortReason::LeaseExpired),
         };
         let Some(conn) = self.conns.get_mut(&id) else { return };
-        let Some((range, _)) = conn.grants.remove(&r) else { return };
+        let Some(granted) = conn.grants.remove(&r) else { return };
         self.owner.remove(&r);
-        match reason {
+        match (reason, granted) {
             // Completed through this connection: nothing left to write.
-            None => self.landing.free(range),
-            Some(reason) => {
-                // The sender may still have puts in flight for it.
-                self.landing.quarantine(&range);
-                conn.quarantine.insert(r, range);
+            (None, Granted::Landing(range, _)) => self.landing.free(range),
+            (None, Granted::Direct(_)) => {}
+            (Some(reason), granted) => {
+                // The sender may still have puts in flight for it (or stores,
+                // direct: the receiver quarantined those blocks when it ended).
+                let held = match granted {
+                    Granted::Landing(range, _) => {
+                        self.landing.quarantine(&range);
+                        Some(range)
+                    }
+                    Granted::Direct(_) => None,
+                };
+                conn.quarantine.insert(r, held);
                 self.abort_once(id, r, reason);
             }
         }
@@ -699,6 +952,15 @@ impl<S: BlockSink> State<S> {
         }
         for (id, r, state) in ended {
             self.settle_as(id, r, state);
+        }
+        if !self.orphans.is_empty() {
+            let (gone, alive): (Vec<_>, Vec<_>) =
+                std::mem::take(&mut self.orphans).into_iter().partition(|(p, _)| !p.alive());
+            self.orphans = alive;
+            let mut rx = lock(&self.receiver);
+            for r in gone.into_iter().flat_map(|(_, rs)| rs) {
+                rx.fence(r);
+            }
         }
         self.lingering
             .retain(|(ep, req)| ep.failure().is_none() && req.as_ref().is_some_and(|r| r.poll_done().is_none()));

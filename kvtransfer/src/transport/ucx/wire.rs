@@ -10,7 +10,7 @@
 //!
 //! | kind | direction | message | body |
 //! |---|---|---|---|
-//! | 1 | → server | `Hello` | `addr_len: u16, addr (the sender's UCX worker address), Hello frame` |
+//! | 1 | → server | `Hello` | `addr_len: u16, addr (the sender's UCX worker address), pid: u32, start: u64, Hello frame` |
 //! | 2 | → server | `Claim` | `reservation: u64, generation: u32` |
 //! | 3 | → server | `Layer` | `reservation: u64, generation: u32, layer: u32, first_block: u32, n_blocks: u32, crc32c: u32, payload_len: u32` |
 //! | 4 | both | `Frame` | a protocol frame |
@@ -19,6 +19,14 @@
 //! | 7 | → sender | `Key` | `base: u64, packed rkey` |
 //! | 8 | → sender | `Grant` | `reservation: u64, generation: u32, offset: u64, n_blocks: u32` |
 //! | 9 | → sender | `Refused` | `reservation: u64, generation: u32, code: u16` ([`LandingRefusal`]) |
+//! | 10 | → sender | `PoolKey` | `base: u64, num_blocks: u32, packed rkey` (the decode pool's) |
+//! | 11 | → server | `ClaimDirect` | `reservation: u64, generation: u32` |
+//! | 12 | → sender | `Blocks` | `reservation: u64, generation: u32, block: u32 ...` (pool block ids) |
+//!
+//! `pid` and `start` name the sender's process (its id and its start time
+//! in clock ticks since boot, `/proc/<pid>/stat` field 22; 0 and 0 when
+//! unknown): the server lets a sender write its pool directly only if it
+//! can see that process, so that it can tell when it is gone.
 //!
 //! Decoding never panics: a short or long body, an unknown kind or an
 //! undecodable frame is a typed [`WireError`].
@@ -34,6 +42,9 @@ pub(super) const TO_SENDER: u16 = 0x7432;
 /// Largest body accepted: a `Hello` with a worker address (UCX's are a few
 /// hundred bytes) or a `Key` with a packed rkey.
 const MAX_BODY: usize = 16 << 10;
+/// Most blocks a `Blocks` grant names (8 KiB of ids: an eager message on
+/// every transport). A larger reservation lands through the landing region.
+pub(super) const MAX_DIRECT_BLOCKS: usize = 2048;
 
 /// Why the server would not give a reservation landing space. Codes are stable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
@@ -97,10 +108,18 @@ pub(super) struct Grant {
     pub n_blocks: u32,
 }
 
+/// A process as `/proc` names it: its id and its start time (clock ticks
+/// after boot), which together survive pid reuse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ProcessId {
+    pub pid: u32,
+    pub start: u64,
+}
+
 /// One message, either direction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Msg {
-    Hello { addr: Vec<u8>, frame: Frame },
+    Hello { addr: Vec<u8>, process: ProcessId, frame: Frame },
     Claim(Reservation),
     Layer(LayerDataHeader),
     Frame(Frame),
@@ -109,6 +128,9 @@ pub(super) enum Msg {
     Key { base: u64, rkey: Vec<u8> },
     Grant(Grant),
     Refused { reservation: Reservation, refusal: LandingRefusal },
+    PoolKey { base: u64, num_blocks: u32, rkey: Vec<u8> },
+    ClaimDirect(Reservation),
+    Blocks { reservation: Reservation, blocks: Vec<u32> },
 }
 
 /// A message that does not decode.
@@ -141,6 +163,9 @@ impl Msg {
             Msg::Key { .. } => 7,
             Msg::Grant(_) => 8,
             Msg::Refused { .. } => 9,
+            Msg::PoolKey { .. } => 10,
+            Msg::ClaimDirect(_) => 11,
+            Msg::Blocks { .. } => 12,
         }
     }
 
@@ -155,6 +180,9 @@ impl Msg {
             Msg::Key { .. } => "Key",
             Msg::Grant(_) => "Grant",
             Msg::Refused { .. } => "Refused",
+            Msg::PoolKey { .. } => "PoolKey",
+            Msg::ClaimDirect(_) => "ClaimDirect",
+            Msg::Blocks { .. } => "Blocks",
         }
     }
 
@@ -169,14 +197,16 @@ impl Msg {
             body.extend_from_slice(&r.generation.to_le_bytes());
         };
         match self {
-            Msg::Hello { addr, frame } => {
+            Msg::Hello { addr, process, frame } => {
                 // Addresses are far below 64 KiB (bounded by MAX_BODY on decode).
                 body.extend_from_slice(&(addr.len().min(u16::MAX as usize) as u16).to_le_bytes());
                 body.extend_from_slice(addr);
+                body.extend_from_slice(&process.pid.to_le_bytes());
+                body.extend_from_slice(&process.start.to_le_bytes());
                 // Only a LayerData can fail to encode, and none travels here.
                 let _ = frame.encode(&mut body);
             }
-            Msg::Claim(r) | Msg::Fenced(r) => res(&mut body, r),
+            Msg::Claim(r) | Msg::Fenced(r) | Msg::ClaimDirect(r) => res(&mut body, r),
             Msg::Layer(h) => {
                 body.extend_from_slice(&h.reservation.to_le_bytes());
                 // The payload is bounded by the landing region (u32 checked by the sender).
@@ -202,6 +232,17 @@ impl Msg {
                 res(&mut body, reservation);
                 body.extend_from_slice(&refusal.code().to_le_bytes());
             }
+            Msg::PoolKey { base, num_blocks, rkey } => {
+                body.extend_from_slice(&base.to_le_bytes());
+                body.extend_from_slice(&num_blocks.to_le_bytes());
+                body.extend_from_slice(rkey);
+            }
+            Msg::Blocks { reservation, blocks } => {
+                res(&mut body, reservation);
+                for b in blocks {
+                    body.extend_from_slice(&b.to_le_bytes());
+                }
+            }
         }
         (header, body)
     }
@@ -220,6 +261,9 @@ impl Msg {
             7 => "Key",
             8 => "Grant",
             9 => "Refused",
+            10 => "PoolKey",
+            11 => "ClaimDirect",
+            12 => "Blocks",
             k => return Err(WireError::UnknownKind(*k)),
         };
         let bad = || WireError::Body { kind: name, len: body.len() };
@@ -234,8 +278,11 @@ impl Msg {
             1 => {
                 let (len, rest) = body.split_at_checked(2).ok_or_else(bad)?;
                 let len = usize::from(u16::from_le_bytes([len[0], len[1]]));
-                let (addr, frame) = rest.split_at_checked(len).ok_or_else(bad)?;
-                Msg::Hello { addr: addr.to_vec(), frame: whole_frame(frame)? }
+                let (addr, rest) = rest.split_at_checked(len).ok_or_else(bad)?;
+                let (p, frame) = rest.split_at_checked(12).ok_or_else(bad)?;
+                let start = u64::from_le_bytes([p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11]]);
+                let process = ProcessId { pid: u32::from_le_bytes([p[0], p[1], p[2], p[3]]), start };
+                Msg::Hello { addr: addr.to_vec(), process, frame: whole_frame(frame)? }
             }
             2 => {
                 fixed(12)?;
@@ -271,6 +318,23 @@ impl Msg {
             8 => {
                 fixed(24)?;
                 Msg::Grant(Grant { reservation: res_at(0), offset: u64_at(12), n_blocks: u32_at(20) })
+            }
+            10 => {
+                if body.len() <= 12 {
+                    return Err(bad());
+                }
+                Msg::PoolKey { base: u64_at(0), num_blocks: u32_at(8), rkey: body[12..].to_vec() }
+            }
+            11 => {
+                fixed(12)?;
+                Msg::ClaimDirect(res_at(0))
+            }
+            12 => {
+                let n = body.len().checked_sub(12).filter(|n| n % 4 == 0).ok_or_else(bad)? / 4;
+                if n == 0 || n > MAX_DIRECT_BLOCKS {
+                    return Err(bad());
+                }
+                Msg::Blocks { reservation: res_at(0), blocks: (0..n).map(|i| u32_at(12 + 4 * i)).collect() }
             }
             _ => {
                 fixed(14)?;
@@ -308,7 +372,7 @@ mod tests {
             protocol_version: crate::PROTOCOL_VERSION,
         });
         vec![
-            Msg::Hello { addr: vec![9; 300], frame: hello },
+            Msg::Hello { addr: vec![9; 300], process: ProcessId { pid: 4242, start: 1 << 40 }, frame: hello },
             Msg::Claim(r(3, 4)),
             Msg::Layer(LayerDataHeader {
                 reservation: 0x0102_0304_0506_0708,
@@ -326,6 +390,9 @@ mod tests {
             Msg::Key { base: 0x7f00_1234_5000, rkey: vec![1, 2, 3] },
             Msg::Grant(Grant { reservation: r(1, 2), offset: 1 << 20, n_blocks: 7 }),
             Msg::Refused { reservation: r(1, 2), refusal: LandingRefusal::Full },
+            Msg::PoolKey { base: 0x7f00_0000_1000, num_blocks: 729, rkey: vec![4, 5, 6] },
+            Msg::ClaimDirect(r(8, 9)),
+            Msg::Blocks { reservation: r(8, 9), blocks: vec![3, 700, 12] },
         ]
     }
 
@@ -346,18 +413,28 @@ mod tests {
             let (h, b) = m.encode(1);
             for n in 0..b.len() {
                 // Every truncation is refused (a Key's rkey may shrink and stay a Key).
-                if !matches!(m, Msg::Key { .. }) || n <= 8 {
+                let key_tail = match m {
+                    Msg::Key { .. } => n > 8,
+                    Msg::PoolKey { .. } => n > 12,
+                    // Whole block ids shorter: still a (smaller) grant.
+                    Msg::Blocks { .. } => n > 12 && (n - 12) % 4 == 0,
+                    _ => false,
+                };
+                if !key_tail {
                     assert!(Msg::decode(&h, &b[..n]).is_err(), "{} cut to {n} bytes", m.name());
                 }
             }
             let mut long = b.clone();
             long.push(0);
-            if !matches!(m, Msg::Key { .. } | Msg::Hello { .. }) {
+            if !matches!(m, Msg::Key { .. } | Msg::Hello { .. } | Msg::PoolKey { .. }) {
                 assert!(Msg::decode(&h, &long).is_err(), "{} with a trailing byte", m.name());
             }
         }
         let (h, mut b) = samples()[9].encode(1);
         b[12] = 0x63;
         assert_eq!(Msg::decode(&h, &b), Err(WireError::UnknownRefusal(0x63)));
+        let too_many = Msg::Blocks { reservation: r(1, 1), blocks: vec![0; MAX_DIRECT_BLOCKS + 1] };
+        let (h, b) = too_many.encode(1);
+        assert!(Msg::decode(&h, &b).is_err(), "a grant of more blocks than an eager message holds");
     }
 }
