@@ -96,8 +96,9 @@ pub struct DecodeFlags {
     pub kv_load_failure_policy: Option<String>,
     /// KV transport prefill workers push over: tcp (trusted network) |
     /// quic (TLS; see the quic_* fields) | local (same host, shared memory) |
-    /// ucx (one-sided puts into a registered landing region; UCX picks
-    /// RDMA, shared memory or TCP from `UCX_TLS`).
+    /// ucx (one-sided writes: on one host straight into the pool, see
+    /// `ucx_direct`, else into a registered landing region; UCX picks RDMA,
+    /// shared memory or TCP from `UCX_TLS`).
     /// Env: TANDEM_KV_TRANSPORT. Default tcp.
     #[arg(long, env = "TANDEM_KV_TRANSPORT")]
     pub kv_transport: Option<String>,

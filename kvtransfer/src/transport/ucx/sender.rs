@@ -449,10 +449,51 @@ struct PoolKey {
 /// A layer whose bytes are on their way: what [`Link::finish_blocks`] waits
 /// for and announces.
 struct Posted {
-    /// The K and V puts, or `None` when the layer was stored through the
-    /// mapped landing region (already in the decode worker's memory).
+    /// The K and V puts, or `None` when the layer is stored through a mapping.
     puts: Option<(Request, Request)>,
+    /// The stores through a mapping, made in [`Link::finish_blocks`] (after
+    /// the caller was answered, so that it prepares its next layer meanwhile).
+    stores: Option<Stores>,
     header: LayerDataHeader,
+}
+
+/// One layer's K and V and where each piece of them goes in the decode
+/// worker's memory mapped here: the K and V ranges of a landing range, or
+/// each block's K and V in its pool blocks, in checksum order (every piece
+/// of K, then of V).
+struct Stores {
+    k: Vec<u8>,
+    v: Vec<u8>,
+    /// (destination, whether V, offset in K or V, length).
+    pieces: Vec<(NonNull<u8>, bool, usize, usize)>,
+    layer: usize,
+    first_block: usize,
+    /// Whether into pool blocks (counted as direct).
+    direct: bool,
+}
+
+impl Stores {
+    /// Stores every piece and returns the CRC-32C of what was stored,
+    /// taken on the words as they are stored.
+    fn run(mut self) -> u32 {
+        let mut crc = 0;
+        for &(to, is_v, at, len) in &self.pieces {
+            let src = if is_v { &self.v[at..at + len] } else { &self.k[at..at + len] };
+            crc = store_mapped(to, src, crc);
+        }
+        // Drills only (off unless armed): a byte flipped after the checksum.
+        if let Some(off) = super::fault::after_checksum(self.layer, self.first_block, &mut self.k) {
+            let piece = self.pieces.iter().find(|(_, is_v, at, len)| !is_v && (*at..at + len).contains(&off));
+            // One byte inside a piece's own mapped range.
+            if let Some(byte) = piece.and_then(|&(to, _, at, _)| NonNull::new(to.as_ptr().wrapping_add(off - at))) {
+                store_mapped(byte, &self.k[off..=off], 0);
+            }
+        }
+        // The stores are complete before anything this thread sends next (the
+        // `Layer` message, a fence): copies may use weakly ordered stores.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        crc
+    }
 }
 
 impl<'d> Link<'d> {
@@ -469,8 +510,9 @@ impl<'d> Link<'d> {
         let sent = ep.send_am(TO_SERVER, h, b).map_err(|e| ucx_err("sending Hello", e))?;
         let answer = async {
             sent.await.map_err(|e| ucx_err("sending Hello", e))?;
-            let mut acked = None;
-            let mut pool = None;
+            // The server sends HelloAck, PoolKey (if it offers its pool), then Key; taken
+            // in any order in which UCX delivers them, all from the same connection id.
+            let (mut acked, mut pool, mut key) = (None, None, None);
             loop {
                 while let Some(m) = d.pop() {
                     let Ok((conn, msg)) = m else { continue };
@@ -485,12 +527,17 @@ impl<'d> Link<'d> {
                             )))
                         }
                         Msg::Frame(Frame::HelloReject(r)) => return Err(TransferError::Rejected { reason: r.reason }),
-                        Msg::PoolKey { base, num_blocks, rkey } if acked == Some(conn) => {
-                            pool = Some((base, num_blocks as usize, rkey))
-                        }
-                        Msg::Key { base, rkey } if acked == Some(conn) => return Ok((conn, base, rkey, pool)),
+                        Msg::PoolKey { base, num_blocks, rkey } => pool = Some((conn, base, num_blocks as usize, rkey)),
+                        Msg::Key { base, rkey } => key = Some((conn, base, rkey)),
                         other => return Err(TransferError::Protocol(format!("{} during the handshake", other.name()))),
                     }
+                }
+                if let (Some(a), Some((conn, base, rkey))) = (acked, &key) {
+                    if a != *conn {
+                        return Err(TransferError::Protocol("HelloAck and Key for different connections".into()));
+                    }
+                    let pool = pool.filter(|p| p.0 == a).map(|(_, base, n, rkey)| (base, n, rkey));
+                    return Ok((a, *base, rkey.clone(), pool));
                 }
                 if let Some(e) = ep.failure() {
                     return Err(ucx_err("the decode worker's endpoint", e));
@@ -666,7 +713,7 @@ impl<'d> Link<'d> {
         let plan = LayerPlan::new(&self.layout, layer, &k, &v, usize::MAX)?;
         let g = match self.grant(r).await? {
             Dest::Landing(g) => g,
-            Dest::Pool(blocks) => return self.store_in_pool(r, layer, first_block, plan.n_blocks, &blocks, k, &v),
+            Dest::Pool(blocks) => return self.store_in_pool(r, layer, first_block, plan.n_blocks, &blocks, k, v),
         };
         let (nb, side) = (g.n_blocks as usize, self.side);
         let end = first_block.checked_add(plan.n_blocks).filter(|end| *end <= nb);
@@ -690,18 +737,9 @@ impl<'d> Link<'d> {
         // there is the same copy, with the checksum a second pass over the bytes).
         let mapped = |at, len| self.mapped_stores.then(|| self.key.mapped(at, len)).flatten();
         if let (Some(k_to), Some(v_to)) = (mapped(k_at, k.len()), mapped(v_at, v.len())) {
-            header.checksum = store_mapped(v_to, &v, store_mapped(k_to, &k, 0));
-            // Drills only (off unless armed): a byte flipped after the checksum.
-            if let Some(at) = super::fault::after_checksum(layer, first_block, &mut k) {
-                if let Some(byte) = self.key.mapped(k_at + at as u64, 1) {
-                    store_mapped(byte, &k[at..=at], 0);
-                }
-            }
-            // The stores are complete before anything this thread sends next (the
-            // `Layer` message, a fence): copies may use weakly ordered stores.
-            std::sync::atomic::fence(Ordering::SeqCst);
-            self.counts.mapped.fetch_add(1, Ordering::Relaxed);
-            return Ok(Posted { puts: None, header });
+            let pieces = vec![(k_to, false, 0, k.len()), (v_to, true, 0, v.len())];
+            let stores = Stores { k, v, pieces, layer, first_block, direct: false };
+            return Ok(Posted { puts: None, stores: Some(stores), header });
         }
         // The checksum is of exactly the bytes handed to UCX below.
         header.checksum = crc32c::crc32c_append(crc32c::crc32c(&k), &v);
@@ -709,66 +747,73 @@ impl<'d> Link<'d> {
         let _ = super::fault::after_checksum(layer, first_block, &mut k);
         let put_k = self.data.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;
         let put_v = self.data.put(v, v_at, &self.key).map_err(|e| ucx_err("putting V", e))?;
-        Ok(Posted { puts: Some((put_k, put_v)), header })
+        Ok(Posted { puts: Some((put_k, put_v)), stores: None, header })
     }
 
-    /// Stores K and V of blocks `first_block..first_block + n` of one layer
-    /// straight into the reservation's pool blocks (`blocks`, as granted),
-    /// each where the decode worker's engine reads it, with the checksum
-    /// taken on the words as they are stored: K of every block in order,
-    /// then V, as the server checksums them in its pool.
+    /// Plans the stores of K and V of blocks `first_block..first_block + n`
+    /// of one layer straight into the reservation's pool blocks (`blocks`,
+    /// as granted), each where the decode worker's engine reads it: K of
+    /// every block in order, then V, as the server checksums them in its pool.
     #[allow(clippy::too_many_arguments)]
     fn store_in_pool(
-        &mut self,
+        &self,
         r: Reservation,
         layer: usize,
         first_block: usize,
         n: usize,
         blocks: &[u32],
-        mut k: Vec<u8>,
-        v: &[u8],
+        k: Vec<u8>,
+        v: Vec<u8>,
     ) -> Result<Posted, TransferError> {
         let (side, pool) = (self.side, self.pool.as_ref().ok_or_else(gone_pool)?);
         let Some(ours) = first_block.checked_add(n).and_then(|end| blocks.get(first_block..end)) else {
             return Err(SplitError::TooManyBlocks { n_blocks: first_block.saturating_add(n) }.into());
         };
-        let at = |v: bool, i: usize| {
-            let b = ours[i] as usize;
-            (b < pool.num_blocks).then(|| pool.base + self.layout.pool_offset(pool.num_blocks, layer, v, b) as u64)
-        };
-        let target = |v: bool, i: usize, len: usize| at(v, i).and_then(|a| pool.key.mapped(a, len));
-        let mut crc = 0;
-        for (is_v, src) in [(false, &k[..]), (true, v)] {
-            for (i, chunk) in src.chunks_exact(side).enumerate() {
-                let to = target(is_v, i, side).ok_or_else(gone_pool)?;
-                crc = store_mapped(to, chunk, crc);
+        // Runs of consecutive block ids are consecutive in the pool too: one piece each,
+        // so that the copy takes the fused checksum loop over long runs.
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new(); // (first index, first block, blocks)
+        for (i, &b) in ours.iter().enumerate() {
+            let b = b as usize;
+            if b >= pool.num_blocks {
+                return Err(gone_pool());
+            }
+            match runs.last_mut() {
+                Some((_, first, len)) if *first + *len == b => *len += 1,
+                _ => runs.push((i, b, 1)),
             }
         }
-        // Drills only (off unless armed): a byte flipped after the checksum.
-        if let Some(off) = super::fault::after_checksum(layer, first_block, &mut k) {
-            if let Some(byte) = at(false, off / side).and_then(|a| pool.key.mapped(a + (off % side) as u64, 1)) {
-                store_mapped(byte, &k[off..=off], 0);
+        let mut pieces = Vec::with_capacity(2 * runs.len());
+        for is_v in [false, true] {
+            for &(i, b, len) in &runs {
+                let at = pool.base + self.layout.pool_offset(pool.num_blocks, layer, is_v, b) as u64;
+                let to = pool.key.mapped(at, len * side).ok_or_else(gone_pool)?;
+                pieces.push((to, is_v, i * side, len * side));
             }
         }
-        // As for the landing region: the stores complete before the `Layer` message.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        self.counts.mapped.fetch_add(1, Ordering::Relaxed);
-        self.counts.direct.fetch_add(1, Ordering::Relaxed);
         let header = LayerDataHeader {
             reservation: r.id.0,
             generation: r.generation,
             layer: layer as u32,
             first_block: first_block as u32,
             n_blocks: n as u32,
-            checksum: crc,
+            checksum: 0,
             payload_len: k.len() + v.len(),
         };
-        Ok(Posted { puts: None, header })
+        let stores = Stores { k, v, pieces, layer, first_block, direct: true };
+        Ok(Posted { puts: None, stores: Some(stores), header })
     }
 
     /// Waits until a posted layer is in the decode worker's memory, then
     /// sends its completion.
-    async fn finish_blocks(&mut self, p: Posted) -> Result<(), TransferError> {
+    async fn finish_blocks(&mut self, mut p: Posted) -> Result<(), TransferError> {
+        if let Some(stores) = p.stores {
+            let direct = stores.direct;
+            p.header.checksum = stores.run();
+            self.counts.mapped.fetch_add(1, Ordering::Relaxed);
+            if direct {
+                self.counts.direct.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         if let Some((put_k, put_v)) = p.puts {
             // The flush completes once both puts are in the decode worker's
             // memory; only then may the server copy the layer out.
