@@ -10,6 +10,8 @@
 //! Run: `cargo bench -p decode-worker --bench ttft` (optional args: runs, prompt
 //! tokens, threads; defaults 7, 1024, 2; and a transport, `tcp` (default),
 //! `quic`, `local` or `ucx`, e.g. `-- 7 1024 2 ucx`). Goal: remote/local <= 1.10.
+//! It starts the release `tandem-prefill-worker` found beside it, which `cargo bench`
+//! does not rebuild: run `cargo build --release --bins` first after changing it.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
