@@ -46,9 +46,10 @@ impl Drill for KvCorrupt {
         if self.ucx {
             return DrillInfo {
                 name: "kv-corrupt-ucx",
-                description: "KV over ucx: the prefill worker flips one byte of a transfer in its own buffer after \
-                              the checksum (--fault-kv-corrupt 1): the decode worker's CRC over its landing copy \
-                              refuses it, the load is counted as failed, and policy recompute gives identical answers",
+                description: "KV over ucx: the prefill worker flips one byte of a transfer after the checksum \
+                              (--fault-kv-corrupt 1; on one host in the decode worker's pool blocks it stored into): \
+                              the decode worker's CRC over its pool blocks refuses it, the load is counted as failed, \
+                              and policy recompute gives identical answers",
             };
         }
         DrillInfo {

@@ -166,20 +166,20 @@ impl Drill for PrefillKill {
                 "retry" => DrillInfo {
                     name: "prefill-kill-retry-ucx",
                     description: "KV over ucx (policy retry, 2 prefill workers): SIGKILL the prefill worker stopped \
-                                  while the decode worker holds its landing range; the other pushes again, every \
-                                  answer identical, the dead sender's range freed",
+                                  while it holds a grant of the decode worker (its pool blocks on one host); the \
+                                  other pushes again, every answer identical, the dead sender's blocks freed",
                 },
                 "fail" => DrillInfo {
                     name: "prefill-kill-fail-ucx",
-                    description: "KV over ucx (policy fail): SIGKILL the prefill worker stopped while the decode \
-                                  worker holds its landing range; that request ends with the typed 502 \
-                                  kv_load_failed, the rest are identical",
+                    description: "KV over ucx (policy fail): SIGKILL the prefill worker stopped while it holds a \
+                                  grant of the decode worker (its pool blocks on one host); that request ends with \
+                                  the typed 502 kv_load_failed, the rest are identical",
                 },
                 _ => DrillInfo {
                     name: "prefill-kill-recompute-ucx",
-                    description: "KV over ucx (policy recompute): SIGKILL the prefill worker stopped while the \
-                                  decode worker holds its landing range; the decode worker recomputes, every answer \
-                                  identical",
+                    description: "KV over ucx (policy recompute): SIGKILL the prefill worker stopped while it \
+                                  holds a grant of the decode worker (its pool blocks on one host); the decode worker \
+                                  recomputes, every answer identical",
                 },
             };
         }
@@ -235,7 +235,7 @@ impl Drill for PrefillKill {
         ev.before = policy_outcomes(&m, self.policy).await?;
         if self.ucx {
             let (name, pid) = hold_ucx_push(c, &m).await?;
-            ev.notes.push(format!("{name} (pid {pid}) was stopped while the decode worker held its landing range"));
+            ev.notes.push(format!("{name} (pid {pid}) was stopped while it held a grant of the decode worker"));
             if !skip {
                 ev.began();
                 c.signal(&name, Signal::Kill)?;

@@ -240,6 +240,8 @@ impl UcxKvServer {
 
 impl Drop for UcxKvServer {
     fn drop(&mut self) {
+        // Pool memory nobody took is not kept mapped past the thread.
+        drop(self.pool.take());
         drop(self.stop.take());
         if let Some(t) = self.thread.take() {
             // The thread stops at its next poll (the stop channel wakes it) and
