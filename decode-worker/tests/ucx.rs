@@ -31,7 +31,7 @@ use decode_worker::metrics::{
     KV_TRANSFERS_COMPLETED, POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_DIRECT_GRANTS, UCX_FENCES, UCX_LANDING_IN_USE,
     UCX_LANDING_REFUSED, UCX_QUARANTINED_BLOCKS, UCX_QUARANTINED_RANGES,
 };
-use prefill_worker::metrics::{FAULTS_INJECTED, KV_TRANSFER_BYTES};
+use prefill_worker::metrics::{FAULTS_INJECTED, KV_LAYERS_SENT, KV_TRANSFER_BYTES};
 use proto::worker::v1::{ErrorKind, KvLoadFailurePolicy};
 use rpc::{
     assert_kv_used, assert_no_kv_left, client, generate, kind, request, target, with_policy, Outcome, GROUP, MAX_TOKENS,
@@ -73,8 +73,9 @@ async fn a_stopped_sender_past_its_lease_never_writes_into_reused_kv() -> TestRe
     let metrics = decode.addr("metrics")?;
     let c = client(&decode).await?;
 
-    // 1. The stalled request: stopped once the decode worker granted it its pool blocks,
-    //    i.e. after its first store began and long before its last.
+    // 1. The stalled request: stopped once the decode worker granted it its pool blocks
+    //    (its push claims them as its prefill starts: around its first store, and
+    //    long before its last).
     let req = with_policy(request("stalled", &stalled_prompt, vec![target(&stalled)?]), KvLoadFailurePolicy::Fail);
     let mut c1 = c.clone();
     let call = tokio::spawn(async move { generate(&mut c1, req).await });
@@ -135,6 +136,13 @@ async fn a_stopped_sender_past_its_lease_never_writes_into_reused_kv() -> TestRe
     let got = generate(&mut ci, request("after-fence", &others[0], vec![target(&healthy)?])).await?;
     assert_eq!(got.tokens, want[0], "after the fence: {got:?}");
     assert!(got.end.as_ref().is_ok_and(|f| f.prefilled_remotely), "after the fence: {got:?}");
+    // The healthy worker's engine stored its layers in place (no gather): the
+    // writer is granted as each prefill starts, so at most a prompt's first layers
+    // can be gathered.
+    let hp = scrape(&healthy.addr("metrics")?).await?;
+    let in_place = hp.get(KV_LAYERS_SENT, &[("path", "in_place")])?;
+    let gathered = hp.get(KV_LAYERS_SENT, &[("path", "gathered")])?;
+    assert!(in_place > gathered, "layers stored in place {in_place}, gathered {gathered}");
     assert_no_kv_left("at the end", &decode).await
 }
 

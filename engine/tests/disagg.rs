@@ -115,7 +115,7 @@ fn streamed_prefill_kv_equals_the_held_blocks_exactly_once() {
     for (id, p) in [(1u64, prompt.clone()), (2, prompt.clone())] {
         let (tx, rx) = std::sync::mpsc::channel();
         let req = Request { id, prompt: p.clone(), params: greedy(1), salt: 0, priority: Default::default() };
-        e.add_prefill_streaming(req, Box::new(move |c| drop(tx.send(c)))).expect("add");
+        e.add_prefill_streaming(req, Box::new(move |c| drop(tx.send(c.gather().expect("gather"))))).expect("add");
         let mut chunks = Vec::new();
         let mut steps = 0;
         loop {

@@ -10,10 +10,14 @@
 //! scatter into pool B. Runs are interleaved so that other load on the
 //! machine hits all of them alike:
 //! - ucx: pool B lives in memory the UCX server registered (`KvPool::adopt`),
-//!   and where UCX maps it here (shared memory) the sender stores each
-//!   layer's blocks straight into the reservation's blocks of pool B, with
-//!   the checksum taken as it stores; the `Layer` message; the server
+//!   and where UCX maps it here (shared memory) this thread, as the prefill
+//!   engine's does, copies each layer's blocks from pool A straight into the
+//!   reservation's blocks of pool B with a `UcxDirectWriter`, the checksum
+//!   taken as it stores (no gather); the `Layer` message; the server
 //!   checksums the blocks in pool B (the direct path, the default);
+//! - ucx gathered: the direct path without a writer: the layer gathered
+//!   out of pool A, and the connection's thread stores the buffers into
+//!   pool B (what a sender does for layers computed before its writer came);
 //! - ucx landing: the same sender told not to use the pool (`direct:
 //!   false`): stores (or, without a mapping, puts) into the landing region,
 //!   and the server copies the layer out, CRCs its copy and scatters it;
@@ -73,6 +77,7 @@ const PERFTEST: &str = "/usr/bin/ucx_perftest";
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     Ucx,
+    UcxGathered,
     UcxLanding,
     UcxPuts,
     Tcp,
@@ -80,11 +85,12 @@ enum Kind {
 }
 
 impl Kind {
-    const ALL: [Kind; 5] = [Self::Ucx, Self::UcxLanding, Self::UcxPuts, Self::Tcp, Self::Local];
+    const ALL: [Kind; 6] = [Self::Ucx, Self::UcxGathered, Self::UcxLanding, Self::UcxPuts, Self::Tcp, Self::Local];
 
     fn label(self) -> &'static str {
         match self {
             Self::Ucx => "ucx, pool -> pool",
+            Self::UcxGathered => "ucx gathered, pool -> pool",
             Self::UcxLanding => "ucx landing, pool -> pool",
             Self::UcxPuts => "ucx puts only, pool -> pool",
             Self::Tcp => "tcp, pool -> pool",
@@ -203,7 +209,8 @@ fn best_and_median(mut rates: Vec<f64>) -> (f64, f64) {
 }
 
 struct Bench {
-    pool_a: KvPool,
+    /// Shared with the thread that stores from it, as the prefill engine's pool.
+    pool_a: Arc<KvPool>,
     table_a: Vec<BlockId>,
     pool_b: Arc<Mutex<KvPool>>,
     table_b: Vec<BlockId>,
@@ -241,7 +248,7 @@ impl Bench {
         // Its blocks are allocated once it lives in the UCX server's memory (`servers`).
         let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
         let want = pool_a.gather(&table_a)?;
-        Ok(Self { pool_a, table_a, pool_b, table_b: Vec::new(), want })
+        Ok(Self { pool_a: Arc::new(pool_a), table_a, pool_b, table_b: Vec::new(), want })
     }
 
     async fn servers(&mut self) -> Res<Servers> {
@@ -265,13 +272,42 @@ impl Bench {
     /// One transfer on `tx`, timed from the first gather to the Ack.
     async fn run(&self, kind: Kind, s: &Servers, tx: &mut Tx) -> Res<Duration> {
         let rx = &s.rx[match kind {
-            Kind::Ucx | Kind::UcxLanding | Kind::UcxPuts => 0,
+            Kind::Ucx | Kind::UcxGathered | Kind::UcxLanding | Kind::UcxPuts => 0,
             Kind::Tcp => 1,
             Kind::Local => 2,
         }];
         let r =
             lock(rx).reserve(self.table_b.clone(), Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
         let start = Instant::now();
+        if let (Tx::Ucx(t), Kind::Ucx) = (&mut *tx, kind) {
+            // As the prefill worker: the writer comes before the first layer is
+            // computed; a thread of its own (the engine's) stores each layer and
+            // hands what it stored to this task, which announces it.
+            let w = t.direct_writer(r).await?.ok_or("ucx: no direct writer (the pool is not mapped here)")?;
+            let (stored_tx, mut stored) = tokio::sync::mpsc::channel(LAYOUT.n_layers);
+            let (pool, table, writer) = (self.pool_a.clone(), self.table_a.clone(), w.clone());
+            let engine = tokio::task::spawn_blocking(move || -> Result<(), String> {
+                for layer in 0..LAYOUT.n_layers {
+                    let (k, v) = pool.layer_bytes(layer).map_err(|e| e.to_string())?;
+                    let s = writer.store_layer(layer, 0, k, v, &table).map_err(|e| e.to_string())?;
+                    stored_tx.blocking_send(s).map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            });
+            while let Some(s) = stored.recv().await {
+                t.announce(s).await?;
+            }
+            engine.await??;
+            let _ack = t.complete(r).await?;
+            let elapsed = start.elapsed();
+            if w.is_live() {
+                return Err("ucx: the writer outlived its reservation's Complete".into());
+            }
+            if lock(rx).take_ready(r)? != self.table_b {
+                return Err(format!("{}: the reservation's blocks changed", kind.label()).into());
+            }
+            return Ok(elapsed);
+        }
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for layer in 0..LAYOUT.n_layers {
             self.pool_a.gather_layer_into(layer, &self.table_a, &mut k, &mut v)?;
@@ -298,10 +334,10 @@ impl Bench {
 impl Servers {
     async fn connect(&self, kind: Kind) -> Res<Tx> {
         Ok(match kind {
-            Kind::Ucx | Kind::UcxLanding | Kind::UcxPuts => {
+            Kind::Ucx | Kind::UcxGathered | Kind::UcxLanding | Kind::UcxPuts => {
                 let config = UcxSenderConfig {
                     mapped_stores: !matches!(kind, Kind::UcxPuts),
-                    direct: matches!(kind, Kind::Ucx),
+                    direct: matches!(kind, Kind::Ucx | Kind::UcxGathered),
                     ..UcxSenderConfig::default()
                 };
                 Tx::Ucx(UcxKvSender::connect(self.ucx.local_addr(), &peer(), LAYOUT, config).await?)

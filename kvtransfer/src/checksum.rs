@@ -106,6 +106,79 @@ pub(crate) unsafe fn append_crc(src: *const u8, len: usize, out: &mut Vec<u8>, c
     }
 }
 
+/// Returns `crc32c_append(crc, <the len bytes at src>)`, reading them only
+/// through raw pointers: for checksumming memory a peer can write (a pool
+/// block a sender stored into) in place, with no copy and no reference
+/// formed. Three interleaved streams where SSE 4.2 is there, as
+/// [`copy_crc`]; elsewhere through a small buffer.
+///
+/// # Safety
+/// `src` is valid for reads of `len` bytes for the whole call.
+pub(crate) unsafe fn crc_raw(src: *const u8, len: usize, crc: u32) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if fused() {
+        let shift = stream_shift();
+        let (mut done, mut crc) = (0, crc);
+        while len - done >= 3 * STREAM {
+            // SAFETY: the caller's contract, for these 3 * STREAM bytes.
+            crc = unsafe { crc_round_sse42(src.add(done), shift, crc) };
+            done += 3 * STREAM;
+        }
+        // SAFETY: the caller's contract, for the rest.
+        return unsafe { crc_tail_sse42(src.add(done), len - done, crc) };
+    }
+    let (mut done, mut crc, mut buf) = (0, crc, [0u8; 4096]);
+    while done < len {
+        let n = buf.len().min(len - done);
+        // SAFETY: the caller's contract; `buf` is this frame's own.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(done), buf.as_mut_ptr(), n) };
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        done += n;
+    }
+    crc
+}
+
+/// [`crc_raw`] of `3 * shift.n` bytes as three streams.
+///
+/// # Safety
+/// `src` valid for reads of `3 * shift.n` bytes; `shift.n` a multiple of 8; SSE 4.2 present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+unsafe fn crc_round_sse42(src: *const u8, shift: &Shift, crc: u32) -> u32 {
+    use std::arch::x86_64::_mm_crc32_u64;
+    let n = shift.n;
+    let (mut c0, mut c1, mut c2) = (u64::from(!crc), 0u64, 0u64);
+    let mut i = 0;
+    while i < n {
+        c0 = _mm_crc32_u64(c0, src.add(i).cast::<u64>().read_unaligned());
+        c1 = _mm_crc32_u64(c1, src.add(n + i).cast::<u64>().read_unaligned());
+        c2 = _mm_crc32_u64(c2, src.add(2 * n + i).cast::<u64>().read_unaligned());
+        i += 8;
+    }
+    !(shift.apply(shift.apply(c0 as u32) ^ c1 as u32) ^ c2 as u32)
+}
+
+/// [`crc_raw`] of `len` bytes as one stream.
+///
+/// # Safety
+/// `src` valid for reads of `len` bytes; SSE 4.2 present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+unsafe fn crc_tail_sse42(src: *const u8, len: usize, crc: u32) -> u32 {
+    use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
+    let (mut c, mut i) = (u64::from(!crc), 0);
+    while i + 8 <= len {
+        c = _mm_crc32_u64(c, src.add(i).cast::<u64>().read_unaligned());
+        i += 8;
+    }
+    let mut c = c as u32;
+    while i < len {
+        c = _mm_crc32_u8(c, src.add(i).read());
+        i += 1;
+    }
+    !c
+}
+
 /// Copies the three `shift.n`-byte `srcs` one after another to the front
 /// of `dst` and returns `crc32c_append(crc, <them>)`, in one pass (three
 /// streams, as in [`copy_crc`]): for gathering blocks of `shift.n` bytes.
@@ -216,6 +289,16 @@ mod tests {
         assert_eq!(crc, crc32c::crc32c_append(9, &bytes[5..5 + 3 * STREAM + 7]));
         assert_eq!(&out[..4], b"head");
         assert_eq!(&out[4..], &bytes[5..5 + 3 * STREAM + 7]);
+        // In place, through raw pointers: the same checksums.
+        for (from, len) in [(3, 3 * STREAM + 5), (1, size - 1), (8, 2), (0, 3 * STREAM), (5, 6 * STREAM - 9), (0, 0)] {
+            let src = &bytes[from..from + len];
+            // SAFETY: `src` is valid for `len` bytes.
+            assert_eq!(
+                unsafe { crc_raw(src.as_ptr(), len, 0xbeef) },
+                crc32c::crc32c_append(0xbeef, src),
+                "{from}+{len}"
+            );
+        }
         // From any alignment, appending to any checksum, across the fused rounds' edges.
         for (from, len) in [(3, 3 * STREAM + 5), (1, size - 1), (8, 2), (0, 3 * STREAM), (5, 6 * STREAM - 8), (0, 0)] {
             let src = &bytes[from..from + len];

@@ -102,8 +102,8 @@ pub use transport::quic::{
 };
 pub use transport::tcp::{TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TcpServerStats};
 pub use transport::ucx::{
-    LandingRefusal, UcxCloseReason, UcxKvSender, UcxKvServer, UcxPoolMemory, UcxSenderConfig, UcxServerConfig,
-    UcxServerStats,
+    LandingRefusal, StoredLayer, UcxCloseReason, UcxDirectWriter, UcxKvSender, UcxKvServer, UcxPoolMemory,
+    UcxSenderConfig, UcxServerConfig, UcxServerStats,
 };
 pub use transport::{BlockSink, FnSink, OwnedPayload};
 pub use transport::{CloseReason, ServerStats, TransferError};

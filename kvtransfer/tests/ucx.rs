@@ -130,6 +130,89 @@ async fn a_direct_transfer_lands_byte_exact_in_its_pool_blocks() {
     transfer_lands_byte_exact(true, true).await;
 }
 
+/// The direct path with the gather removed: a `UcxDirectWriter` stores
+/// layers from the sender's own pool straight into the reservation's pool
+/// blocks (sources out of order and in two pieces, beside a layer the
+/// connection's thread stores), byte-exact; shapes that do not fit store
+/// nothing; `Complete`, `Abort` and the sender's end revoke it, and a store
+/// after that is refused and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_writer_stores_from_the_senders_pool_until_its_grant_is_revoked() {
+    let d = DecodeSide::start_direct().await;
+    let l = d.layout;
+    let (pool_a, table) = common::source(l, 5, 32);
+    // Sources out of order, so the copies run in pieces: 0 1 | 3 | 2 | 4.
+    let table_a = vec![table[0], table[1], table[3], table[2], table[4]];
+    let (r, table_b) = d.reserve(5, Duration::from_secs(30));
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11)).await.expect("connect");
+    let w = within("a writer", tx.direct_writer(r)).await.expect("direct_writer");
+    if !shared_lanes(&tx) {
+        // No shared-memory lane to the server (a UCX_TLS without one): nothing to map.
+        assert!(w.is_none(), "a writer without a mapping, over {:?}", tx.transports());
+        return;
+    }
+    let w = w.expect("a writer where UCX maps the pool");
+    assert_eq!((w.reservation(), w.is_live()), (r, true));
+    // Layer 0 by the connection's thread, as a layer computed before the writer came.
+    send_layers(&mut tx, &pool_a, &table_a, r, &[0]).await;
+    let before = lock(&d.pool).gather(&table_b).expect("gather B");
+    let (k, v) = pool_a.layer_bytes(1).expect("layer bytes");
+    let bad = [
+        w.store_layer(l.n_layers, 0, k, v, &table_a),
+        w.store_layer(1, 3, k, v, &table_a[..3]),
+        w.store_layer(1, 0, k, &v[1..], &table_a),
+        w.store_layer(1, 0, k, v, &[31, 32]),
+        w.store_layer(1, 0, k, v, &[]),
+    ];
+    for (i, e) in bad.into_iter().enumerate() {
+        assert!(matches!(e, Err(TransferError::Layer(_))), "bad store {i}: {e:?}");
+    }
+    assert_eq!(lock(&d.pool).gather(&table_b).expect("gather B"), before, "a refused store wrote");
+    for layer in 1..l.n_layers {
+        let (k, v) = pool_a.layer_bytes(layer).expect("layer bytes");
+        let stored = if layer == 2 {
+            let s1 = w.store_layer(2, 0, k, v, &table_a[..2]).expect("piece 1");
+            let s2 = w.store_layer(2, 2, k, v, &table_a[2..]).expect("piece 2");
+            within("announce", tx.announce(s1)).await.expect("announce piece 1");
+            s2
+        } else {
+            w.store_layer(layer, 0, k, v, &table_a).expect("store")
+        };
+        assert_eq!((stored.reservation, stored.layer), (r, layer));
+        within("announce", tx.announce(stored)).await.expect("announce");
+    }
+    assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Receiving), "not readable before Complete");
+    within("Ack", tx.complete(r)).await.expect("complete");
+    assert!(!w.is_live(), "Complete revokes the writer");
+    assert_eq!(lock(&d.rx).take_ready(r).expect("ready after Ack"), table_b);
+    let moved = pool_a.gather(&table_a).expect("gather A");
+    assert_eq!(lock(&d.pool).gather(&table_b).expect("gather B"), moved, "byte-exact");
+    let (k, v) = pool_a.layer_bytes(0).expect("layer bytes");
+    let late = w.store_layer(0, 0, k, v, &table);
+    assert!(matches!(late, Err(TransferError::Revoked { .. })), "{late:?}");
+    assert_eq!(lock(&d.pool).gather(&table_b).expect("gather B"), moved, "a revoked store wrote");
+    let bytes = (l.n_layers * 5 * 2 * side(&l)) as u64;
+    assert_eq!((tx.bytes_sent(), lock(&d.rx).counters().payload_bytes_accepted), (bytes, bytes));
+    // Every send but the connection thread's layer 0 went through the writer; all direct.
+    assert_eq!((tx.mapped_layers(), tx.direct_layers()), (l.n_layers as u64 + 1, l.n_layers as u64 + 1));
+    let s = d.wait_stats("the layers checked", |s| s.direct_layers == l.n_layers as u64 + 1).await;
+    assert_eq!((s.direct_grants, s.aborts_sent, s.quarantined_blocks), (1, 0, 0));
+
+    // Abort revokes too, and so does the sender's end.
+    let (r2, _) = d.reserve(2, Duration::from_secs(30));
+    let w2 = within("a writer", tx.direct_writer(r2)).await.expect("direct_writer").expect("a writer");
+    let (k, v) = pool_a.layer_bytes(0).expect("layer bytes");
+    within("announce", tx.announce(w2.store_layer(0, 0, k, v, &table[..2]).expect("store"))).await.expect("announce");
+    within("Abort", tx.abort(r2, AbortReason::PrefillFailed)).await.expect("abort");
+    assert!(!w2.is_live(), "Abort revokes the writer");
+    let (r3, _) = d.reserve(2, Duration::from_secs(30));
+    let w3 = within("a writer", tx.direct_writer(r3)).await.expect("direct_writer").expect("a writer");
+    drop(tx);
+    d.wait_stats("the sender's Bye", |s| s.closed_by(UcxCloseReason::Bye) == 1).await;
+    assert!(!w3.is_live(), "the sender's end revokes its writers");
+    assert!(matches!(w3.store_layer(0, 0, k, v, &table[..2]), Err(TransferError::Revoked { .. })));
+}
+
 /// Whether UCX reaches the server through shared memory (mapped stores and
 /// the direct path are possible).
 fn shared_lanes(tx: &UcxKvSender) -> bool {

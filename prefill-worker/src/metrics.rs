@@ -22,18 +22,29 @@ pub const KV_TRANSFER_SECONDS: &str = "tandem_kv_transfer_seconds";
 /// `tandem_kv_transfer_failures_total{reason}`: transfers that failed, by
 /// reason (`io`, `rejected`, `timeout`, `protocol`, `peer_abort`, `layer`,
 /// `tls`, `landing` — ucx: the decode worker had no landing space —,
+/// `revoked` — ucx: a direct writer's grant ended before the transfer did —,
 /// `deadline` — the request's deadline passed mid-transfer). vLLM: none
 /// (closest: `vllm:kv_connector` failed-transfer counts).
 pub const KV_TRANSFER_FAILURES: &str = "tandem_kv_transfer_failures_total";
 /// Every [`KV_TRANSFER_FAILURES`] reason: kvtransfer's `TransferError`
 /// kinds (and `tls`, QUIC's handshake) plus `deadline`.
-pub const TRANSFER_FAILURE_REASONS: [&str; 9] =
-    ["io", "rejected", "timeout", "protocol", "peer_abort", "layer", "tls", "landing", "deadline"];
+pub const TRANSFER_FAILURE_REASONS: [&str; 10] =
+    ["io", "rejected", "timeout", "protocol", "peer_abort", "layer", "tls", "landing", "revoked", "deadline"];
 /// `tandem_kv_stale_connections_total`: pooled KV connections found closed
 /// by the decode worker (its idle timeout, a restart) when a transfer was
 /// about to use them, and replaced by a fresh one before any frame went out:
 /// the transfer itself does not fail. vLLM: none.
 pub const KV_STALE_CONNECTIONS: &str = "tandem_kv_stale_connections_total";
+/// `tandem_kv_layers_sent_total{path}`: streamed KV messages (one layer's
+/// run of newly computed blocks each), by how they left the engine:
+/// `in_place` — the engine's thread stored them straight into the decode
+/// worker's pool (ucx on one host, a direct writer: no gather) —, or
+/// `gathered` — copied out of the pool into buffers for the transport. On a
+/// same-host ucx cluster nearly all should be `in_place` (a prompt's first
+/// layers may be computed before the writer is granted). vLLM: none.
+pub const KV_LAYERS_SENT: &str = "tandem_kv_layers_sent_total";
+/// The `path` label values of [`KV_LAYERS_SENT`].
+pub const LAYER_PATHS: [&str; 2] = ["in_place", "gathered"];
 /// `tandem_faults_injected_total{fault}`: faults this worker injected into
 /// its own work because a drill asked it to (`kv_corrupt`: ucx transfers
 /// with a byte flipped after the checksum, `--fault-kv-corrupt`). 0 in
@@ -64,6 +75,10 @@ pub fn describe() {
         KV_STALE_CONNECTIONS,
         "Pooled KV connections found closed by the decode worker before a transfer, and replaced."
     );
+    describe_counter!(
+        KV_LAYERS_SENT,
+        "Streamed KV layer messages, by path (in_place: stored by the engine's thread into the decode pool; gathered)."
+    );
     describe_counter!(FAULTS_INJECTED, "Faults injected by drill flags, by fault (0 in production).");
     // Exported from the start, so a check that reads it can tell 0 from a missing series.
     counter!(KV_TRANSFER_BYTES).absolute(0);
@@ -71,6 +86,13 @@ pub fn describe() {
     counter!(FAULTS_INJECTED, "fault" => "kv_corrupt").absolute(0);
     worker_common::metrics::zero(PREFILL_REQUESTS, "outcome", &worker_common::metrics::OUTCOMES);
     worker_common::metrics::zero(KV_TRANSFER_FAILURES, "reason", &TRANSFER_FAILURE_REASONS);
+    worker_common::metrics::zero(KV_LAYERS_SENT, "path", &LAYER_PATHS);
+}
+
+/// Counts one streamed layer message sent by `path` ([`LAYER_PATHS`]).
+pub fn record_layer_sent(path: &'static str) {
+    debug_assert!(LAYER_PATHS.contains(&path), "unlisted path {path}");
+    counter!(KV_LAYERS_SENT, "path" => path).increment(1);
 }
 
 /// Counts one answered Prefill under `outcome`.

@@ -13,18 +13,18 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use engine::batch::LayerBlocks;
 use engine::batch::Request;
+use engine::batch::{LayerBlocks, LayerView};
 use engine::kv::KvLayout;
 use engine::runner::{PrefillDone, RunnerError, RunnerHandle};
 use engine::sampler::SampledToken;
 
 use kvtransfer::{
     AbortReason, CertFingerprint, KvSender, LayoutFingerprint, LocalKvSender, LocalSenderConfig, Peer, PeerTrust,
-    QuicKvSender, QuicSenderConfig, RejectReason, Reservation, ReservationId, TcpKvSender, TcpSenderConfig,
-    TlsIdentity, TransferError, TransportKind, UcxKvSender, UcxSenderConfig,
+    QuicKvSender, QuicSenderConfig, RejectReason, Reservation, ReservationId, StoredLayer, TcpKvSender,
+    TcpSenderConfig, TlsIdentity, TransferError, TransportKind, UcxDirectWriter, UcxKvSender, UcxSenderConfig,
 };
 use proto::worker::v1::prefill_worker_server::PrefillWorker;
 use proto::worker::v1::{
@@ -303,9 +303,13 @@ impl PrefillService {
         // holds at most one copy of the prompt's KV (which the engine's pool
         // holds anyway) however far the push falls behind.
         let depth = (inner.layout.n_layers * inner.runner.blocks_for(req.token_ids.len())).max(1);
-        let (layer_tx, layer_rx) = mpsc::channel::<LayerBlocks>(depth);
+        let (layer_tx, layer_rx) = mpsc::channel::<Streamed>(depth);
+        // Filled by the push once the transport grants one (ucx, same host): then
+        // the engine's thread stores each layer straight into the decode pool.
+        let writer = Arc::new(OnceLock::new());
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Result<PrefillDone, RunnerError>>();
         let runner = inner.runner.clone();
+        let writer_for_sink = writer.clone();
         let engine_req = Request {
             id: engine_id,
             prompt: req.token_ids.clone(),
@@ -319,7 +323,7 @@ impl PrefillService {
             let submitted = runner.submit_prefill_streaming(
                 engine_req,
                 runner_deadline,
-                layer_sink(layer_tx, computing),
+                layer_sink(layer_tx, computing, writer_for_sink),
                 Box::new(move |r| drop(done_tx.send(r))),
             );
             // The caller went away while this waited for a blocking thread (a control-link
@@ -334,7 +338,8 @@ impl PrefillService {
         .await?
         .map_err(|e| runner_err(&e))?;
 
-        let push = self.push(&dest, reservation, layer_rx, done_rx, started, req.token_ids.len(), &token);
+        let streams = Streams { layers: layer_rx, writer };
+        let push = self.push(&dest, reservation, streams, done_rx, started, req.token_ids.len(), &token);
         let pushed = match deadline {
             Some(d) => match tokio::time::timeout_at(d, push).await {
                 Ok(r) => r,
@@ -417,7 +422,7 @@ impl PrefillService {
         &self,
         dest: &Dest,
         r: Reservation,
-        layers: mpsc::Receiver<LayerBlocks>,
+        layers: Streams,
         done: tokio::sync::oneshot::Receiver<Result<PrefillDone, RunnerError>>,
         started: Instant,
         prompt_tokens: usize,
@@ -446,11 +451,12 @@ impl PrefillService {
         conn: &mut Option<KvSender>,
         dest: &Dest,
         r: Reservation,
-        mut layers: mpsc::Receiver<LayerBlocks>,
+        streams: Streams,
         done: tokio::sync::oneshot::Receiver<Result<PrefillDone, RunnerError>>,
         started: Instant,
         prompt_tokens: usize,
     ) -> Result<Pushed, WorkerError> {
+        let Streams { mut layers, writer } = streams;
         let inner = &self.inner;
         // A pooled connection the receiver has closed meanwhile (its idle
         // timeout, 30 s by default; a restart) would fail this transfer on its
@@ -465,14 +471,33 @@ impl PrefillService {
             *conn = Some(self.connect(dest).await?);
         }
         let Some(sender) = conn.as_mut() else { return Err(err(ErrorKind::Internal, "no KV connection")) };
+        // Layers the engine computes from now on skip the gather where the
+        // transport lets its thread store them in place (ucx on one host).
+        if let Some(w) = sender.direct_writer(r).await.map_err(|e| transfer_err(&e))? {
+            let _ = writer.set(w);
+        }
         let mut bytes = 0u64;
         let mut first_sent = None;
         // Ends when the engine drops the sink: after the last block, or when
         // the request failed (then `done` says how).
         while let Some(c) = layers.recv().await {
             first_sent.get_or_insert_with(Instant::now);
-            let n = (c.k.len() + c.v.len()) as u64;
-            sender.send_blocks_owned(r, c.layer, c.first_block, c.k, c.v).await.map_err(|e| transfer_err(&e))?;
+            let n = match c {
+                Streamed::Gathered(c) => {
+                    let n = (c.k.len() + c.v.len()) as u64;
+                    sender
+                        .send_blocks_owned(r, c.layer, c.first_block, c.k, c.v)
+                        .await
+                        .map_err(|e| transfer_err(&e))?;
+                    crate::metrics::record_layer_sent("gathered");
+                    n
+                }
+                Streamed::Stored(s) => {
+                    sender.announce(s).await.map_err(|e| transfer_err(&e))?;
+                    crate::metrics::record_layer_sent("in_place");
+                    s.bytes as u64
+                }
+            };
             bytes += n;
         }
         let finished = done.await.map_err(|_| err(ErrorKind::Internal, "runner dropped the request"))?;
@@ -515,19 +540,65 @@ struct Pushed {
     seconds: f64,
 }
 
+/// A streaming prefill's layers on their way from the engine to the push.
+struct Streams {
+    layers: mpsc::Receiver<Streamed>,
+    /// Where the push puts the transport's direct writer, for the sink.
+    writer: Arc<OnceLock<UcxDirectWriter>>,
+}
+
+/// One layer's run of blocks, as the engine's sink handed it over.
+enum Streamed {
+    /// Gathered into buffers, for the push to send.
+    Gathered(LayerBlocks),
+    /// Already stored in the decode worker's pool by a direct writer, for
+    /// the push to announce.
+    Stored(StoredLayer),
+}
+
 /// The engine's sink for one streaming prefill: blocks into `tx`, never
-/// waiting (it runs on the engine thread, mid-step). `tx` is deep enough
-/// for every message of the prompt, so it is never full; should the engine
-/// ever break that bound, the stream is cut instead of waiting or leaving a
-/// gap: the push sees the end, counts fewer bytes than the prompt has, and
-/// aborts the transfer. A closed `tx` (the push is gone; the request is
-/// being aborted) drops the blocks.
-fn layer_sink(tx: mpsc::Sender<LayerBlocks>, computing: Arc<AtomicBool>) -> engine::batch::LayerSink {
+/// waiting (it runs on the engine thread, mid-step). Once the push has a
+/// direct writer in `writer`, each layer is stored by it straight into the
+/// decode worker's pool from the engine's (no gather, one copy) and only
+/// what was stored goes into `tx`; before that, or should a store fail (a
+/// revoked grant: the push is failing anyway), the layer is gathered. `tx`
+/// is deep enough for every message of the prompt, so it is never full;
+/// should the engine ever break that bound, the stream is cut instead of
+/// waiting or leaving a gap: the push sees the end, counts fewer bytes than
+/// the prompt has, and aborts the transfer. A closed `tx` (the push is
+/// gone; the request is being aborted) drops the blocks.
+fn layer_sink(
+    tx: mpsc::Sender<Streamed>,
+    computing: Arc<AtomicBool>,
+    writer: Arc<OnceLock<UcxDirectWriter>>,
+) -> engine::batch::LayerSink {
     let mut tx = Some(tx);
-    Box::new(move |c| {
+    Box::new(move |view: LayerView<'_>| {
         computing.store(true, Ordering::Relaxed);
         let Some(t) = &tx else { return };
-        if let Err(TrySendError::Full(_)) = t.try_send(c) {
+        if t.is_closed() {
+            return;
+        }
+        let stored = writer.get().and_then(|w| {
+            let (k, v) = view.pool.layer_bytes(view.layer).ok()?;
+            w.store_layer(view.layer, view.first_block, k, v, view.blocks)
+                .inspect_err(|e| tracing::debug!(error = %e, "direct store refused; gathering the layer"))
+                .ok()
+        });
+        let item = match stored {
+            Some(s) => Streamed::Stored(s),
+            None => match view.gather() {
+                Ok(c) => Streamed::Gathered(c),
+                Err(e) => {
+                    // Never expected (the blocks are the sequence's own): cut the
+                    // stream, so the push counts a short prompt and aborts.
+                    tracing::error!(layer = view.layer, error = %e, "gathering streamed KV failed; cutting its stream");
+                    tx = None;
+                    return;
+                }
+            },
+        };
+        if let Err(TrySendError::Full(_)) = t.try_send(item) {
             tracing::error!(capacity = t.max_capacity(), "a prefill's KV queue is full; cutting its stream");
             tx = None;
         }

@@ -141,9 +141,35 @@ pub struct LayerBlocks {
     pub v: Vec<u8>,
 }
 
-/// Receives a streaming prefill's [`LayerBlocks`], on the engine thread,
-/// mid-step: it must be quick (push into a channel).
-pub type LayerSink = Box<dyn FnMut(LayerBlocks) + Send>;
+/// One layer's newly complete blocks of a streaming prefill-only request
+/// (see [`Engine::add_prefill_streaming`]), where they lie in the engine's
+/// pool, right after the forward pass wrote them: blocks
+/// `first_block..first_block + blocks.len()` of its block table. A sink
+/// [`gather`](Self::gather)s them into buffers of its own, or copies them
+/// out of [`KvPool::layer_bytes`](crate::kv::KvPool::layer_bytes) itself
+/// (straight into a transfer's destination: no gather).
+#[derive(Debug, Clone, Copy)]
+pub struct LayerView<'a> {
+    pub layer: usize,
+    pub first_block: usize,
+    /// The pool's ids of those blocks, in table order.
+    pub blocks: &'a [crate::kv::BlockId],
+    pub pool: &'a KvPool,
+}
+
+impl LayerView<'_> {
+    /// The blocks' K and V, gathered into new buffers (as
+    /// [`KvPool::gather_layer`](crate::kv::KvPool::gather_layer)).
+    pub fn gather(&self) -> Result<LayerBlocks, KvError> {
+        let (k, v) = self.pool.gather_layer(self.layer, self.blocks)?;
+        Ok(LayerBlocks { layer: self.layer, first_block: self.first_block, k, v })
+    }
+}
+
+/// Receives a streaming prefill's layers, on the engine thread, mid-step:
+/// it must be quick (a gather or a copy of the layer's blocks, and a push
+/// into a channel). The view is valid only for the call.
+pub type LayerSink = Box<dyn FnMut(LayerView<'_>) + Send>;
 
 /// A streaming sequence during one step.
 struct Streaming {
@@ -164,16 +190,8 @@ impl Streaming {
             return;
         }
         let Some(sink) = self.sink.as_mut() else { return };
-        let chunk = match pool.gather_layer(layer, &self.blocks) {
-            Ok((k, v)) => LayerBlocks { layer, first_block: self.first_block, k, v },
-            Err(e) => {
-                // Never expected (the blocks are the sequence's own). The
-                // receiver will miss these blocks and refuse to complete.
-                tracing::error!(id = self.id, layer, error = %e, "gathering streamed KV failed");
-                return;
-            }
-        };
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(chunk))).is_err() {
+        let view = LayerView { layer, first_block: self.first_block, blocks: &self.blocks, pool };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(view))).is_err() {
             tracing::error!(id = self.id, "KV stream sink panicked; streaming stopped");
             self.sink = None;
         }

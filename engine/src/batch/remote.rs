@@ -36,7 +36,7 @@ impl Engine {
     /// [`add_prefill_only`](Self::add_prefill_only), streaming the prompt's
     /// KV to `sink` while it is computed: after each step, every layer's
     /// newly complete blocks (those the step filled, and on the first step
-    /// any prefix-cache hits) go out as one [`LayerBlocks`](super::LayerBlocks), on the engine
+    /// any prefix-cache hits) go out as one [`LayerView`](super::LayerView), on the engine
     /// thread, from inside the forward pass right after that layer's K/V
     /// writes. Each (layer, block) is sent exactly once, in block order per
     /// layer; the sink is dropped after the last one, before the request's

@@ -77,6 +77,18 @@ impl Storage {
         }
     }
 
+    /// The elements as little-endian bytes, where that is how they lie in
+    /// memory (little-endian hosts, every supported one).
+    fn le_bytes(&self) -> Result<&[u8], KvError> {
+        if cfg!(target_endian = "big") {
+            return Err(KvError::Shape("the pool's bytes are not little-endian on this host".into()));
+        }
+        Ok(match self {
+            Storage::F32(v) => bytemuck::cast_slice(v),
+            Storage::F16(v) => bytemuck::cast_slice(v),
+        })
+    }
+
     fn commit(&mut self) -> std::io::Result<usize> {
         match self {
             Storage::F32(v) => v.commit(),
@@ -500,6 +512,15 @@ impl KvPool {
         Ok(())
     }
 
+    /// One layer's whole K and V storage as little-endian bytes: block `b`'s
+    /// K is `k[b * s..(b + 1) * s]` with `s` = [`KvLayout::side_bytes`], V
+    /// likewise, and a run of consecutive blocks is one contiguous range (a
+    /// sender copies such runs out with no gather).
+    pub fn layer_bytes(&self, layer: usize) -> Result<(&[u8], &[u8]), KvError> {
+        self.check_layer(layer)?;
+        Ok((self.k[layer].le_bytes()?, self.v[layer].le_bytes()?))
+    }
+
     /// Writes one layer's K and V bytes (as [`gather_layer`](Self::gather_layer)
     /// produces them) into the blocks of `table`.
     pub fn scatter_layer(&mut self, layer: usize, table: &[BlockId], k: &[u8], v: &[u8]) -> Result<(), KvError> {
@@ -700,10 +721,20 @@ mod tests {
             let dst = q.allocate(3).expect("alloc");
             for l in 0..2 {
                 let (k, v) = p.gather_layer(l, &t).expect("gather layer");
+                // The same bytes where they lie: block b's at b * side of the layer's storage.
+                let (lk, lv) = p.layer_bytes(l).expect("layer bytes");
+                let side = p.layout().side_bytes();
+                assert_eq!((lk.len(), lv.len()), (5 * side, 5 * side));
+                for (i, &b) in t.iter().enumerate() {
+                    let at = b as usize * side;
+                    assert_eq!(&lk[at..at + side], &k[i * side..(i + 1) * side]);
+                    assert_eq!(&lv[at..at + side], &v[i * side..(i + 1) * side]);
+                }
                 q.scatter_layer(l, &dst, &k, &v).expect("scatter layer");
                 assert!(q.scatter_layer(l, &dst, &k[1..], &v).is_err());
             }
             assert!(p.gather_layer(2, &t).is_err());
+            assert!(p.layer_bytes(2).is_err());
             assert_eq!(q.gather(&dst).expect("gather"), buf);
             p.release(&other).expect("release");
         }

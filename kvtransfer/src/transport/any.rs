@@ -11,7 +11,7 @@ use super::error::TransferError;
 use super::local::LocalKvSender;
 use super::quic::QuicKvSender;
 use super::tcp::TcpKvSender;
-use super::ucx::UcxKvSender;
+use super::ucx::{StoredLayer, UcxDirectWriter, UcxKvSender};
 
 /// The transports a destination can name on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -111,6 +111,25 @@ impl KvSender {
         match self {
             Self::Ucx(s) => s.send_blocks_owned(r, layer, first_block, k, v).await,
             _ => self.send_blocks(r, layer, first_block, &k, &v).await,
+        }
+    }
+
+    /// A writer that stores `r`'s layers straight into the receiver's pool
+    /// from the caller's thread ([`UcxKvSender::direct_writer`]); `None` on
+    /// every other transport, and where ucx cannot.
+    pub async fn direct_writer(&mut self, r: Reservation) -> Result<Option<UcxDirectWriter>, TransferError> {
+        match self {
+            Self::Ucx(s) => s.direct_writer(r).await,
+            _ => Ok(None),
+        }
+    }
+
+    /// Announces a layer a [`UcxDirectWriter`] of this connection stored
+    /// ([`UcxKvSender::announce`]); only ucx hands out writers.
+    pub async fn announce(&mut self, stored: StoredLayer) -> Result<(), TransferError> {
+        match self {
+            Self::Ucx(s) => s.announce(stored).await,
+            _ => Err(TransferError::Protocol(format!("a stored layer announced on a {} connection", self.kind()))),
         }
     }
 

@@ -37,6 +37,11 @@ pub enum TransferError {
     /// reservation now, or will never have (see [`LandingRefusal`]).
     #[error("landing refused: {refusal}")]
     Landing { refusal: LandingRefusal },
+    /// A direct writer's grant was revoked (its reservation completed or
+    /// was aborted, or its connection ended) before this store; nothing was
+    /// stored.
+    #[error("the direct grant of reservation {reservation} (generation {generation}) was revoked")]
+    Revoked { reservation: u64, generation: u32 },
     /// QUIC only: a certificate was refused (the receiver's by us, or ours
     /// by the receiver), or the TLS settings are unusable.
     #[error("TLS: {0}")]
@@ -53,6 +58,7 @@ impl TransferError {
             Self::PeerAbort { reason } => reason.kind(),
             Self::Tls(e) => e.kind(),
             Self::Landing { refusal } => refusal.kind(),
+            Self::Revoked { .. } => ErrorKind::Retryable,
         }
     }
 
@@ -67,6 +73,7 @@ impl TransferError {
             Self::Layer(_) => "layer",
             Self::Tls(_) => "tls",
             Self::Landing { .. } => "landing",
+            Self::Revoked { .. } => "revoked",
         }
     }
 

@@ -49,17 +49,40 @@ pub(super) fn after_checksum(layer: usize, first_block: usize, k: &mut [u8]) -> 
     Some(k.len() / 2)
 }
 
+/// [`after_checksum`] for bytes already stored through a mapping by a
+/// direct writer: `len` bytes of layer `layer`'s K from block
+/// `first_block`, checksummed. Returns the offset of the byte the caller
+/// must flip where it stored them, if this transfer is to be corrupted.
+pub(super) fn flip_in_place(layer: usize, first_block: usize, len: usize) -> Option<usize> {
+    if !take_first_put(&LEFT, &DONE, layer, first_block, len) {
+        return None;
+    }
+    if let Some(f) = ON_FLIP.get() {
+        f();
+    }
+    Some(len / 2)
+}
+
 /// Flips one byte in the middle of `k` if this is a transfer's first put
-/// (layer 0 from block 0: exactly once per reservation, however the layers
-/// are split into block ranges) and `left` allows one more.
+/// ([`take_first_put`]).
 fn flip_first_put(left: &AtomicU64, done: &AtomicU64, layer: usize, first_block: usize, k: &mut [u8]) -> bool {
-    if layer != 0 || first_block != 0 || k.is_empty() {
+    if !take_first_put(left, done, layer, first_block, k.len()) {
+        return false;
+    }
+    k[k.len() / 2] ^= 0xff;
+    true
+}
+
+/// Whether to corrupt these `len` bytes: a transfer's first put (layer 0
+/// from block 0: exactly once per reservation, however the layers are split
+/// into block ranges) while `left` allows one more; counts it in `done`.
+fn take_first_put(left: &AtomicU64, done: &AtomicU64, layer: usize, first_block: usize, len: usize) -> bool {
+    if layer != 0 || first_block != 0 || len == 0 {
         return false;
     }
     if left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_err() {
         return false;
     }
-    k[k.len() / 2] ^= 0xff;
     done.fetch_add(1, Ordering::SeqCst);
     true
 }

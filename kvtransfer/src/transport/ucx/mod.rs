@@ -10,13 +10,15 @@
 //!   AM Hello{its worker address, its process, Hello} ─▶  connect back; Receiver::on_hello
 //!          ◀── HelloAck [+ PoolKey{base, num_blocks, rkey}] + Key{base, rkey} | HelloReject
 //!              (keys only after the handshake passed; the pool's only to a process it can see)
-//!   first layer of a reservation:
+//!   a direct writer, or the first layer of a reservation:
 //!   AM ClaimDirect{res, gen} (pool mapped here) ─▶  Receiver::expose → the reservation's blocks
 //!          ◀── Blocks{res, gen, block ids}
 //!   or AM Claim{res, gen} ───────────────────────▶  Receiver::receiving_blocks → landing range
 //!          ◀── Grant{res, gen, offset, n_blocks} | Refused{landing_full, …}
 //!   each layer (blocks as computed):
-//!   direct: store K, V into its pool blocks (CRC as it stores), fence
+//!   direct: store K, V into its pool blocks (CRC as it stores), fence —
+//!     from the engine's thread out of its own pool (UcxDirectWriter), or
+//!     from this connection's thread out of a gathered layer
 //!   landing: put (or store) K, V → landing range; flush
 //!   AM Layer{LayerData header, crc32c} ──────────▶  direct: CRC the blocks in the pool;
 //!                                                   landing: copy K‖V out, CRC the copy;
@@ -35,7 +37,10 @@
 //! memory transports, `ucp_rkey_ptr`) stores each layer's blocks straight
 //! where the engine reads them, with the CRC-32C taken on the words as it
 //! stores them; the server checks the CRC over its own pool blocks. No copy
-//! on the decode side.
+//! on the decode side, and with a [`UcxDirectWriter`] (`writer.rs`) none on
+//! the prefill side but that store: the prefill engine's thread stores each
+//! layer from its own pool as it computes it, and the connection only
+//! announces it.
 //!
 //! **Landing** (across hosts, or no mapping): the server registers one
 //! *landing region* ([`UcxServerConfig::landing_bytes`]) and grants each
@@ -110,11 +115,13 @@ mod landing;
 mod sender;
 mod server;
 mod wire;
+mod writer;
 
 pub use direct::UcxPoolMemory;
 pub use sender::{UcxKvSender, UcxSenderConfig};
 pub use server::{UcxCloseReason, UcxKvServer, UcxServerConfig, UcxServerStats};
 pub use wire::{LandingRefusal, WireError};
+pub use writer::{StoredLayer, UcxDirectWriter};
 
 /// The UCX transports in use as configured: `UCX_TLS`, or `default` when
 /// UCX chooses (the `ucx_tls` label of `tandem_kv_transport_info`).

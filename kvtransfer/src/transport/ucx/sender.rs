@@ -20,6 +20,7 @@ use ucx_sys::{Context, Endpoint, PeerFailure, RemoteKey, Request, Worker};
 
 use super::driver::{mail, Driver};
 use super::wire::{Grant, LandingRefusal, Msg, ProcessId, TO_SENDER, TO_SERVER};
+use super::writer::{self, Grants, StoredLayer, UcxDirectWriter};
 use crate::checksum;
 use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
 use crate::sender::SplitError;
@@ -57,6 +58,8 @@ enum Cmd {
     Send { r: Reservation, layer: usize, first_block: usize, k: Vec<u8>, v: Vec<u8>, reply: Reply<()> },
     Complete { r: Reservation, reply: Reply<Ack> },
     Abort { r: Reservation, reason: AbortReason, reply: Reply<()> },
+    Writer { r: Reservation, reply: Reply<Option<UcxDirectWriter>> },
+    Announce { stored: StoredLayer, reply: Reply<()> },
 }
 
 /// The prefill worker's end of one UCX connection to a decode worker.
@@ -199,6 +202,26 @@ impl UcxKvSender {
         self.send_blocks(r, layer, 0, k, v).await
     }
 
+    /// A writer that stores `r`'s layers straight into its pool blocks from
+    /// any thread (the module `writer`): claims the reservation's blocks if
+    /// it has not yet. `None` where the direct path is not open to this
+    /// connection (another host, no mapping, [`UcxSenderConfig::direct`]
+    /// off, or the server granted a landing range): then send layers with
+    /// [`send_blocks_owned`](Self::send_blocks_owned). Layers of one
+    /// reservation may go either way.
+    pub async fn direct_writer(&mut self, r: Reservation) -> Result<Option<UcxDirectWriter>, TransferError> {
+        self.call(|reply| Cmd::Writer { r, reply }).await
+    }
+
+    /// Sends the `Layer` message for blocks a [`UcxDirectWriter`] of this
+    /// connection stored (the server checksums them in its pool). Errors if
+    /// the reservation has no live writer here.
+    pub async fn announce(&mut self, stored: StoredLayer) -> Result<(), TransferError> {
+        self.call(|reply| Cmd::Announce { stored, reply }).await?;
+        self.bytes_sent += stored.bytes as u64;
+        Ok(())
+    }
+
     /// Sends `Complete` and waits for the `Ack`.
     pub async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
         self.call(|reply| Cmd::Complete { r, reply }).await
@@ -334,6 +357,18 @@ fn link_thread(
                                 Err(e) => reply.send(Err(e)),
                             };
                         }
+                        Cmd::Writer { r, reply } => {
+                            let _ = match link.deferred_failure(r) {
+                                Ok(()) => reply.send(link.writer(r).await),
+                                Err(e) => reply.send(Err(e)),
+                            };
+                        }
+                        Cmd::Announce { stored, reply } => {
+                            let _ = match link.deferred_failure(stored.reservation) {
+                                Ok(()) => reply.send(link.announce(stored).await),
+                                Err(e) => reply.send(Err(e)),
+                            };
+                        }
                         Cmd::Abort { r, reason, reply } => {
                             // The caller gives up on `r` anyway: a failure of its last
                             // layer changes nothing, and the abort still fences.
@@ -431,6 +466,10 @@ struct Link<'d> {
     /// after the caller was told the layer was posted: the next command for
     /// that reservation returns it.
     deferred: Option<(Reservation, TransferError)>,
+    /// Grants handed to direct writers, revoked before this connection says
+    /// it stopped writing a reservation and when it ends: declared before
+    /// `pool`, so they are revoked before the key that maps the pool drops.
+    writers: Grants,
     /// The decode worker's pool, where it offered it (same host).
     pool: Option<PoolKey>,
     /// [`UcxSenderConfig::mapped_stores`].
@@ -574,6 +613,7 @@ impl<'d> Link<'d> {
             heard: Heard::default(),
             fenced: VecDeque::new(),
             deferred: None,
+            writers: Grants::default(),
             pool,
             mapped_stores: false,
             counts: Counts::default(),
@@ -643,6 +683,7 @@ impl<'d> Link<'d> {
         if !self.fenced.contains(&r) {
             remember(&mut self.fenced, r);
             self.heard.grants.remove(&r);
+            self.writers.revoke(r);
             if self.flush().await.is_ok() {
                 let _ = self.message(&Msg::Fenced(r), "sending Fenced").await;
             }
@@ -824,8 +865,58 @@ impl<'d> Link<'d> {
         self.message(&Msg::Layer(p.header), "sending a layer's completion").await
     }
 
+    /// A direct writer for `r` (see [`UcxKvSender::direct_writer`]).
+    #[allow(unsafe_code)]
+    async fn writer(&mut self, r: Reservation) -> Result<Option<UcxDirectWriter>, TransferError> {
+        self.check_not_aborted(r).await?;
+        if let Some(g) = self.writers.get(r) {
+            return Ok(Some(UcxDirectWriter::new(g.clone())));
+        }
+        if !self.mapped_stores || self.pool.is_none() {
+            return Ok(None);
+        }
+        let Dest::Pool(blocks) = self.grant(r).await? else { return Ok(None) };
+        let pool = self.pool.as_ref().ok_or_else(gone_pool)?;
+        let bytes = self.layout.pool_bytes(pool.num_blocks).ok_or_else(gone_pool)?;
+        // The whole pool in one piece, or no writer (the layers then go through
+        // this thread's stores, block run by block run).
+        let Some(at) = pool.key.mapped(pool.base, bytes) else { return Ok(None) };
+        // SAFETY: `at` maps `bytes` bytes of the decode worker's pool for as long as
+        // `pool.key` lives; `self.writers` revokes the grant before the key drops
+        // (field order) and before any message that ends the reservation here.
+        // Nothing else in this process writes the reservation's blocks while the
+        // grant is live: the stores of this thread go to the blocks of layers the
+        // caller hands it, and a caller hands each layer one way only.
+        let grant = unsafe { writer::Grant::new(r, self.layout, at, pool.num_blocks, blocks)? };
+        self.writers.push(grant.clone());
+        Ok(Some(UcxDirectWriter::new(grant)))
+    }
+
+    /// Announces a layer a writer stored (see [`UcxKvSender::announce`]).
+    async fn announce(&mut self, s: StoredLayer) -> Result<(), TransferError> {
+        let r = s.reservation;
+        self.check_not_aborted(r).await?;
+        if self.writers.get(r).is_none() {
+            return Err(TransferError::Revoked { reservation: r.id.0, generation: r.generation });
+        }
+        let header = LayerDataHeader {
+            reservation: r.id.0,
+            generation: r.generation,
+            layer: s.layer as u32,
+            first_block: s.first_block as u32,
+            n_blocks: s.n_blocks as u32,
+            checksum: s.checksum,
+            payload_len: s.bytes,
+        };
+        self.counts.mapped.fetch_add(1, Ordering::Relaxed);
+        self.counts.direct.fetch_add(1, Ordering::Relaxed);
+        self.message(&Msg::Layer(header), "sending a layer's completion").await
+    }
+
     async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
         self.check_not_aborted(r).await?;
+        // Complete frees the blocks at once: no writer may store after it.
+        self.writers.revoke(r);
         let c = Complete { reservation: r.id.0, generation: r.generation, n_layers: self.layout.n_layers as u32 };
         self.message(&Msg::Frame(Frame::Complete(c)), "sending Complete").await?;
         let heard = self
@@ -846,6 +937,7 @@ impl<'d> Link<'d> {
     }
 
     async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
+        self.writers.revoke(r);
         self.flush().await?;
         self.heard.grants.remove(&r);
         let a = Abort { reservation: r.id.0, generation: r.generation, reason };
@@ -856,6 +948,7 @@ impl<'d> Link<'d> {
     /// `Bye` is at the server before it closes (best effort: a dead server
     /// needs neither).
     async fn goodbye(&mut self) {
+        self.writers.revoke_all();
         if self.flush().await.is_ok() && self.message(&Msg::Bye, "sending Bye").await.is_ok() {
             if let Ok(req) = self.ep.flush() {
                 let _ = self.bounded(req, "flushing Bye").await;

@@ -342,7 +342,6 @@ fn serve_thread<S: BlockSink>(
             pool,
             direct,
             orphans: Vec::new(),
-            crc_buf: Vec::new(),
             landing: Landing::new(region.len()),
             region,
             rkey,
@@ -412,8 +411,6 @@ struct State<S> {
     /// Direct writers whose control connection failed while their process
     /// still ran: their reservations are fenced once it has exited.
     orphans: Vec<(ProcessId, Vec<Reservation>)>,
-    /// Where pool bytes are copied to be checksummed.
-    crc_buf: Vec<u8>,
     landing: Landing,
     region: Region,
     rkey: Vec<u8>,
@@ -700,6 +697,7 @@ impl<S: BlockSink> State<S> {
     /// A direct layer the sender stored (and fenced) in the reservation's
     /// pool blocks: checksum it there and have the receiver accept it. The
     /// bytes are already where the engine reads them.
+    #[allow(unsafe_code)]
     fn in_pool(&mut self, id: u64, r: Reservation, h: LayerDataHeader, blocks: &[BlockId]) {
         let (layer, first, n) = (h.layer as usize, h.first_block as usize, h.n_blocks as usize);
         let fits = layer < self.layout.n_layers
@@ -710,17 +708,28 @@ impl<S: BlockSink> State<S> {
             self.abort_once(id, r, AbortReason::ProtocolViolation);
             return;
         };
+        // Runs of consecutive block ids are consecutive in the pool: one piece each.
+        let mut runs: Vec<(usize, usize)> = Vec::new(); // (first block, blocks)
+        for &b in &blocks[first..first + n] {
+            match runs.last_mut() {
+                Some((f, len)) if *f + *len == b as usize => *len += 1,
+                _ => runs.push((b as usize, 1)),
+            }
+        }
         let mut crc = 0;
-        self.crc_buf.resize(self.side, 0);
         for v in [false, true] {
-            for &b in &blocks[first..first + n] {
-                let at = self.layout.pool_offset(pool.num_blocks, layer, v, b as usize);
-                // The receiver's blocks are inside the pool; a miss is refused below.
-                if pool.region.read(at, &mut self.crc_buf).is_err() {
+            for &(b, len) in &runs {
+                let at = self.layout.pool_offset(pool.num_blocks, layer, v, b);
+                // The receiver's blocks are inside the pool; a miss is refused.
+                let Ok(p) = pool.region.ptr(at, len * self.side) else {
                     self.abort_once(id, r, AbortReason::ProtocolViolation);
                     return;
-                }
-                crc = crc32c::crc32c_append(crc, &self.crc_buf);
+                };
+                // SAFETY: `ptr` checked the range is inside the registered pool,
+                // which lives as long as `self.pool`; it is read through raw
+                // pointers only (a sender may still be writing it: then the
+                // checksum fails, which is the point).
+                crc = unsafe { checksum::crc_raw(p, len * self.side, crc) };
             }
         }
         let mut rx = lock(&self.receiver);
