@@ -55,11 +55,31 @@ impl Default for UcxSenderConfig {
 type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
 
 enum Cmd {
-    Send { r: Reservation, layer: usize, first_block: usize, k: Vec<u8>, v: Vec<u8>, reply: Reply<()> },
-    Complete { r: Reservation, reply: Reply<Ack> },
-    Abort { r: Reservation, reason: AbortReason, reply: Reply<()> },
-    Writer { r: Reservation, reply: Reply<Option<UcxDirectWriter>> },
-    Announce { stored: StoredLayer, reply: Reply<()> },
+    Send {
+        r: Reservation,
+        layer: usize,
+        first_block: usize,
+        k: Vec<u8>,
+        v: Vec<u8>,
+        reply: Reply<()>,
+    },
+    Complete {
+        r: Reservation,
+        reply: Reply<Ack>,
+    },
+    Abort {
+        r: Reservation,
+        reason: AbortReason,
+        reply: Reply<()>,
+    },
+    Writer {
+        r: Reservation,
+        reply: Reply<Option<UcxDirectWriter>>,
+    },
+    /// No reply: a failure is deferred to the reservation's next command.
+    Announce {
+        stored: StoredLayer,
+    },
 }
 
 /// The prefill worker's end of one UCX connection to a decode worker.
@@ -213,11 +233,15 @@ impl UcxKvSender {
         self.call(|reply| Cmd::Writer { r, reply }).await
     }
 
-    /// Sends the `Layer` message for blocks a [`UcxDirectWriter`] of this
-    /// connection stored (the server checksums them in its pool). Errors if
-    /// the reservation has no live writer here.
+    /// Has the `Layer` message sent for blocks a [`UcxDirectWriter`] of this
+    /// connection stored (the server checksums them in its pool). Returns
+    /// once the connection's thread has it, without waiting for the message
+    /// to go out: a stream of layers costs no round trip each. If sending
+    /// fails, or the reservation has no live writer here, the reservation's
+    /// next call ([`complete`](Self::complete), [`abort`](Self::abort), a
+    /// layer) returns that error.
     pub async fn announce(&mut self, stored: StoredLayer) -> Result<(), TransferError> {
-        self.call(|reply| Cmd::Announce { stored, reply }).await?;
+        self.cmds.send(Cmd::Announce { stored }).await.map_err(|_| gone())?;
         self.bytes_sent += stored.bytes as u64;
         Ok(())
     }
@@ -249,9 +273,11 @@ struct Counts {
 
 /// Stores `src` at `to` (bytes of the decode worker's landing region or
 /// pool mapped into this process) and returns `crc32c_append(crc, src)`,
-/// computed on the words as they are stored ([`checksum::copy_crc`]).
+/// computed on the words as they are stored ([`checksum::copy_crc`]);
+/// `pool`: into the decode pool, with streaming stores
+/// ([`checksum::copy_crc_streaming`]).
 #[allow(unsafe_code)]
-fn store_mapped(to: NonNull<u8>, src: &[u8], crc: u32) -> u32 {
+fn store_mapped(to: NonNull<u8>, src: &[u8], crc: u32, pool: bool) -> u32 {
     // SAFETY: `to` is what `RemoteKey::mapped` answered for at least
     // `src.len()` bytes inside what this reservation was granted (a landing
     // range, or one of its pool blocks; the caller asked for exactly that
@@ -262,7 +288,13 @@ fn store_mapped(to: NonNull<u8>, src: &[u8], crc: u32) -> u32 {
     // reservation's sender is granted these bytes, and the server reads
     // them only after our `Layer` message; a peer that writes them anyway
     // changes only what it will checksum and refuse itself.
-    unsafe { checksum::copy_crc(src.as_ptr(), to.as_ptr(), src.len(), crc) }
+    unsafe {
+        if pool {
+            checksum::copy_crc_streaming(src.as_ptr(), to.as_ptr(), src.len(), crc)
+        } else {
+            checksum::copy_crc(src.as_ptr(), to.as_ptr(), src.len(), crc)
+        }
+    }
 }
 
 /// A pool block the mapping does not cover: the server granted what its own
@@ -363,11 +395,15 @@ fn link_thread(
                                 Err(e) => reply.send(Err(e)),
                             };
                         }
-                        Cmd::Announce { stored, reply } => {
-                            let _ = match link.deferred_failure(stored.reservation) {
-                                Ok(()) => reply.send(link.announce(stored).await),
-                                Err(e) => reply.send(Err(e)),
-                            };
+                        Cmd::Announce { stored } => {
+                            let r = stored.reservation;
+                            // After a failure of `r` nothing more of it goes out; the
+                            // failure waits for its next command.
+                            if !matches!(&link.deferred, Some((of, _)) if *of == r) {
+                                if let Err(e) = link.announce(stored).await {
+                                    link.deferred = Some((r, e));
+                                }
+                            }
                         }
                         Cmd::Abort { r, reason, reply } => {
                             // The caller gives up on `r` anyway: a failure of its last
@@ -518,14 +554,14 @@ impl Stores {
         let mut crc = 0;
         for &(to, is_v, at, len) in &self.pieces {
             let src = if is_v { &self.v[at..at + len] } else { &self.k[at..at + len] };
-            crc = store_mapped(to, src, crc);
+            crc = store_mapped(to, src, crc, self.direct);
         }
         // Drills only (off unless armed): a byte flipped after the checksum.
         if let Some(off) = super::fault::after_checksum(self.layer, self.first_block, &mut self.k) {
             let piece = self.pieces.iter().find(|(_, is_v, at, len)| !is_v && (*at..at + len).contains(&off));
             // One byte inside a piece's own mapped range.
             if let Some(byte) = piece.and_then(|&(to, _, at, _)| NonNull::new(to.as_ptr().wrapping_add(off - at))) {
-                store_mapped(byte, &self.k[off..=off], 0);
+                store_mapped(byte, &self.k[off..=off], 0, false);
             }
         }
         // The stores are complete before anything this thread sends next (the

@@ -203,7 +203,12 @@ impl UcxDirectWriter {
                 // lock (`Grant::new`); the source is inside `src` (`whole`), a slice of
                 // this process's own memory that cannot overlap the peer's mapping.
                 crc = unsafe {
-                    checksum::copy_crc(src.as_ptr().add(from * side), target.pool.as_ptr().add(at), len * side, crc)
+                    checksum::copy_crc_streaming(
+                        src.as_ptr().add(from * side),
+                        target.pool.as_ptr().add(at),
+                        len * side,
+                        crc,
+                    )
                 };
             }
         }
