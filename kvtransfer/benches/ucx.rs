@@ -294,8 +294,13 @@ impl Bench {
                 }
                 Ok(())
             });
+            // As the prefill worker's push: whatever was stored meanwhile goes together.
             while let Some(s) = stored.recv().await {
-                t.announce(s).await?;
+                let mut batch = vec![s];
+                while let Ok(s) = stored.try_recv() {
+                    batch.push(s);
+                }
+                t.announce(batch).await?;
             }
             engine.await??;
             let _ack = t.complete(r).await?;

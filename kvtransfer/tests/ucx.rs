@@ -173,13 +173,13 @@ async fn a_direct_writer_stores_from_the_senders_pool_until_its_grant_is_revoked
         let stored = if layer == 2 {
             let s1 = w.store_layer(2, 0, k, v, &table_a[..2]).expect("piece 1");
             let s2 = w.store_layer(2, 2, k, v, &table_a[2..]).expect("piece 2");
-            within("announce", tx.announce(s1)).await.expect("announce piece 1");
+            within("announce", tx.announce(vec![s1])).await.expect("announce piece 1");
             s2
         } else {
             w.store_layer(layer, 0, k, v, &table_a).expect("store")
         };
         assert_eq!((stored.reservation, stored.layer), (r, layer));
-        within("announce", tx.announce(stored)).await.expect("announce");
+        within("announce", tx.announce(vec![stored])).await.expect("announce");
     }
     assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Receiving), "not readable before Complete");
     within("Ack", tx.complete(r)).await.expect("complete");
@@ -202,7 +202,9 @@ async fn a_direct_writer_stores_from_the_senders_pool_until_its_grant_is_revoked
     let (r2, _) = d.reserve(2, Duration::from_secs(30));
     let w2 = within("a writer", tx.direct_writer(r2)).await.expect("direct_writer").expect("a writer");
     let (k, v) = pool_a.layer_bytes(0).expect("layer bytes");
-    within("announce", tx.announce(w2.store_layer(0, 0, k, v, &table[..2]).expect("store"))).await.expect("announce");
+    within("announce", tx.announce(vec![w2.store_layer(0, 0, k, v, &table[..2]).expect("store")]))
+        .await
+        .expect("announce");
     within("Abort", tx.abort(r2, AbortReason::PrefillFailed)).await.expect("abort");
     assert!(!w2.is_live(), "Abort revokes the writer");
     let (r3, _) = d.reserve(2, Duration::from_secs(30));

@@ -53,7 +53,7 @@ async fn a_byte_flipped_in_the_pool_after_the_writers_checksum_is_refused() {
         let (k, v) = pool_a.layer_bytes(layer).expect("layer bytes");
         let stored = w.store_layer(layer, 0, k, v, &table_a).expect("store");
         assert_eq!(stored.bytes, 4 * 2 * side(&l));
-        within("announce", tx.announce(stored)).await.expect("announce");
+        within("announce", tx.announce(vec![stored])).await.expect("announce");
     }
     assert_eq!(fault::corrupted(), 1, "the first store was corrupted once");
     let got = within("Complete", tx.complete(r)).await;

@@ -91,8 +91,13 @@ pub fn describe() {
 
 /// Counts one streamed layer message sent by `path` ([`LAYER_PATHS`]).
 pub fn record_layer_sent(path: &'static str) {
+    record_layers_sent(path, 1);
+}
+
+/// Counts `n` streamed layer messages sent by `path` ([`LAYER_PATHS`]).
+pub fn record_layers_sent(path: &'static str, n: u64) {
     debug_assert!(LAYER_PATHS.contains(&path), "unlisted path {path}");
-    counter!(KV_LAYERS_SENT, "path" => path).increment(1);
+    counter!(KV_LAYERS_SENT, "path" => path).increment(n);
 }
 
 /// Counts one answered Prefill under `outcome`.

@@ -480,25 +480,41 @@ impl PrefillService {
         let mut first_sent = None;
         // Ends when the engine drops the sink: after the last block, or when
         // the request failed (then `done` says how).
-        while let Some(c) = layers.recv().await {
+        let mut next = layers.recv().await;
+        while let Some(c) = next.take() {
             first_sent.get_or_insert_with(Instant::now);
-            let n = match c {
+            match c {
                 Streamed::Gathered(c) => {
-                    let n = (c.k.len() + c.v.len()) as u64;
+                    bytes += (c.k.len() + c.v.len()) as u64;
                     sender
                         .send_blocks_owned(r, c.layer, c.first_block, c.k, c.v)
                         .await
                         .map_err(|e| transfer_err(&e))?;
                     crate::metrics::record_layer_sent("gathered");
-                    n
                 }
                 Streamed::Stored(s) => {
-                    sender.announce(s).await.map_err(|e| transfer_err(&e))?;
-                    crate::metrics::record_layer_sent("in_place");
-                    s.bytes as u64
+                    // Whatever the engine stored meanwhile goes in the same hand-over:
+                    // one wake-up of the connection's thread, not one per layer.
+                    let mut batch = vec![s];
+                    loop {
+                        match layers.try_recv() {
+                            Ok(Streamed::Stored(s)) => batch.push(s),
+                            Ok(other) => {
+                                next = Some(other);
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    bytes += batch.iter().map(|s| s.bytes as u64).sum::<u64>();
+                    let n = batch.len() as u64;
+                    sender.announce(batch).await.map_err(|e| transfer_err(&e))?;
+                    crate::metrics::record_layers_sent("in_place", n);
                 }
-            };
-            bytes += n;
+            }
+            if next.is_none() {
+                next = layers.recv().await;
+            }
         }
         let finished = done.await.map_err(|_| err(ErrorKind::Internal, "runner dropped the request"))?;
         let finished = match finished {

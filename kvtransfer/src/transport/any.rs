@@ -124,9 +124,9 @@ impl KvSender {
         }
     }
 
-    /// Announces a layer a [`UcxDirectWriter`] of this connection stored
+    /// Announces layers [`UcxDirectWriter`]s of this connection stored
     /// ([`UcxKvSender::announce`]); only ucx hands out writers.
-    pub async fn announce(&mut self, stored: StoredLayer) -> Result<(), TransferError> {
+    pub async fn announce(&mut self, stored: Vec<StoredLayer>) -> Result<(), TransferError> {
         match self {
             Self::Ucx(s) => s.announce(stored).await,
             _ => Err(TransferError::Protocol(format!("a stored layer announced on a {} connection", self.kind()))),

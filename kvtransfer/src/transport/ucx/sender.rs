@@ -78,7 +78,7 @@ enum Cmd {
     },
     /// No reply: a failure is deferred to the reservation's next command.
     Announce {
-        stored: StoredLayer,
+        stored: Vec<StoredLayer>,
     },
 }
 
@@ -233,16 +233,19 @@ impl UcxKvSender {
         self.call(|reply| Cmd::Writer { r, reply }).await
     }
 
-    /// Has the `Layer` message sent for blocks a [`UcxDirectWriter`] of this
-    /// connection stored (the server checksums them in its pool). Returns
-    /// once the connection's thread has it, without waiting for the message
-    /// to go out: a stream of layers costs no round trip each. If sending
-    /// fails, or the reservation has no live writer here, the reservation's
-    /// next call ([`complete`](Self::complete), [`abort`](Self::abort), a
-    /// layer) returns that error.
-    pub async fn announce(&mut self, stored: StoredLayer) -> Result<(), TransferError> {
+    /// Has the `Layer` messages sent for blocks [`UcxDirectWriter`]s of this
+    /// connection stored (the server checksums them in its pool), in order.
+    /// Returns once the connection's thread has them, without waiting for
+    /// the messages to go out: a stream of layers costs no round trip each,
+    /// and layers stored while the previous hand-over was on its way go
+    /// together (one wake-up of the connection's thread for all). If
+    /// sending fails, or a reservation has no live writer here, that
+    /// reservation's next call ([`complete`](Self::complete),
+    /// [`abort`](Self::abort), a layer) returns the error.
+    pub async fn announce(&mut self, stored: Vec<StoredLayer>) -> Result<(), TransferError> {
+        let bytes: usize = stored.iter().map(|s| s.bytes).sum();
         self.cmds.send(Cmd::Announce { stored }).await.map_err(|_| gone())?;
-        self.bytes_sent += stored.bytes as u64;
+        self.bytes_sent += bytes as u64;
         Ok(())
     }
 
@@ -396,12 +399,14 @@ fn link_thread(
                             };
                         }
                         Cmd::Announce { stored } => {
-                            let r = stored.reservation;
-                            // After a failure of `r` nothing more of it goes out; the
-                            // failure waits for its next command.
-                            if !matches!(&link.deferred, Some((of, _)) if *of == r) {
-                                if let Err(e) = link.announce(stored).await {
-                                    link.deferred = Some((r, e));
+                            for s in stored {
+                                let r = s.reservation;
+                                // After a failure of `r` nothing more of it goes out; the
+                                // failure waits for its next command.
+                                if !matches!(&link.deferred, Some((of, _)) if *of == r) {
+                                    if let Err(e) = link.announce(s).await {
+                                        link.deferred = Some((r, e));
+                                    }
                                 }
                             }
                         }
@@ -502,6 +507,10 @@ struct Link<'d> {
     /// after the caller was told the layer was posted: the next command for
     /// that reservation returns it.
     deferred: Option<(Reservation, TransferError)>,
+    /// `Layer` messages of announced layers on their way, by reservation:
+    /// each reservation's are complete before its `Complete` (or `Abort`,
+    /// `Fenced`, `Bye`) is sent, as a layer sent by this thread is.
+    announced: Vec<(Reservation, Request)>,
     /// Grants handed to direct writers, revoked before this connection says
     /// it stopped writing a reservation and when it ends: declared before
     /// `pool`, so they are revoked before the key that maps the pool drops.
@@ -649,6 +658,7 @@ impl<'d> Link<'d> {
             heard: Heard::default(),
             fenced: VecDeque::new(),
             deferred: None,
+            announced: Vec::new(),
             writers: Grants::default(),
             pool,
             mapped_stores: false,
@@ -720,6 +730,7 @@ impl<'d> Link<'d> {
             remember(&mut self.fenced, r);
             self.heard.grants.remove(&r);
             self.writers.revoke(r);
+            let _ = self.settle(r).await;
             if self.flush().await.is_ok() {
                 let _ = self.message(&Msg::Fenced(r), "sending Fenced").await;
             }
@@ -946,10 +957,51 @@ impl<'d> Link<'d> {
         };
         self.counts.mapped.fetch_add(1, Ordering::Relaxed);
         self.counts.direct.fetch_add(1, Ordering::Relaxed);
-        self.message(&Msg::Layer(header), "sending a layer's completion").await
+        // Posted, not awaited: the next layers' messages go out meanwhile, and
+        // `settle` waits for them all before the reservation's next message.
+        let (h, b) = Msg::Layer(header).encode(self.conn);
+        let req = self.ep.send_am(TO_SERVER, h, b).map_err(|e| ucx_err("sending a layer's completion", e))?;
+        self.announced.push((r, req));
+        self.reap_announced();
+        Ok(())
+    }
+
+    /// Drops the announced messages that went out; one that failed becomes
+    /// its reservation's deferred failure.
+    fn reap_announced(&mut self) {
+        let mut failed = None;
+        self.announced.retain(|(r, req)| match req.poll_done() {
+            None => true,
+            Some(Ok(())) => false,
+            Some(Err(e)) => {
+                failed.get_or_insert((*r, ucx_err("sending a layer's completion", e)));
+                false
+            }
+        });
+        if let Some(f) = failed {
+            self.deferred.get_or_insert(f);
+        }
+    }
+
+    /// Waits until every announced `Layer` message of `r` went out (each
+    /// bounded, as every message): after this no message of its layers is in
+    /// flight from this side.
+    async fn settle(&mut self, r: Reservation) -> Result<(), TransferError> {
+        let (ours, rest) = std::mem::take(&mut self.announced).into_iter().partition(|(of, _)| *of == r);
+        self.announced = rest;
+        let mut result = Ok(());
+        for (_, req) in ours {
+            let sent = self.bounded(req, "sending a layer's completion").await;
+            if result.is_ok() {
+                result = sent;
+            }
+        }
+        result
     }
 
     async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
+        // Every layer's message is out before Complete follows them.
+        self.settle(r).await?;
         self.check_not_aborted(r).await?;
         // Complete frees the blocks at once: no writer may store after it.
         self.writers.revoke(r);
@@ -974,6 +1026,8 @@ impl<'d> Link<'d> {
 
     async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
         self.writers.revoke(r);
+        // Given up anyway: a layer message that failed changes nothing.
+        let _ = self.settle(r).await;
         self.flush().await?;
         self.heard.grants.remove(&r);
         let a = Abort { reservation: r.id.0, generation: r.generation, reason };
@@ -985,6 +1039,9 @@ impl<'d> Link<'d> {
     /// needs neither).
     async fn goodbye(&mut self) {
         self.writers.revoke_all();
+        for (_, req) in std::mem::take(&mut self.announced) {
+            let _ = self.bounded(req, "sending a layer's completion").await;
+        }
         if self.flush().await.is_ok() && self.message(&Msg::Bye, "sending Bye").await.is_ok() {
             if let Ok(req) = self.ep.flush() {
                 let _ = self.bounded(req, "flushing Bye").await;
