@@ -117,12 +117,15 @@ fn main() -> Res<()> {
     // One connection per transport for the whole bench, as the prefill worker keeps one
     // per destination; one untimed transfer each first (connection set-up, first touch).
     let mut senders = Vec::new();
+    // Transfers so far: each moves the other source pool (`Bench::sources`).
+    let mut turn = 0usize;
     for k in Kind::ALL {
         let mut tx = rt.block_on(servers.connect(k))?;
         if let (Tx::Ucx(t), Kind::Ucx) = (&tx, k) {
             println!("  ucx puts go over: {}", t.transports().join(", "));
         }
-        rt.block_on(b.run(k, &servers, &mut tx))?;
+        rt.block_on(b.run(k, &servers, &mut tx, turn % 2))?;
+        turn += 1;
         senders.push(tx);
     }
 
@@ -132,9 +135,10 @@ fn main() -> Res<()> {
     let mut floor_times: Vec<Vec<Duration>> = vec![Vec::new(); floor::Shape::ALL.len()];
     for _ in 0..runs {
         for (i, k) in Kind::ALL.into_iter().enumerate() {
-            lock(&b.pool_b).clear(&b.table_b)?;
-            times[i].push(rt.block_on(b.run(k, &servers, &mut senders[i]))?);
-            if lock(&b.pool_b).gather(&b.table_b)? != b.want {
+            let src = turn % 2;
+            turn += 1;
+            times[i].push(rt.block_on(b.run(k, &servers, &mut senders[i], src))?);
+            if lock(&b.pool_b).gather(&b.table_b)? != b.wants[src] {
                 return Err(format!("{}: KV differs after the transfer", k.label()).into());
             }
         }
@@ -209,13 +213,19 @@ fn best_and_median(mut rates: Vec<f64>) -> (f64, f64) {
 }
 
 struct Bench {
-    /// Shared with the thread that stores from it, as the prefill engine's pool.
-    pool_a: Arc<KvPool>,
+    /// Two source pools holding different KV in the same blocks, moved in
+    /// turn: pool B is not cleared between transfers (23.6 MB of zeroes
+    /// written just before a transfer leave its destination dirty in this
+    /// core's caches, which neither a worker's transfer nor `ucx_perftest`
+    /// sees), and a transfer that left it as it was fails the check, since
+    /// it then holds the other pool's KV. Shared with the thread that stores
+    /// from them, as the prefill engine's pool.
+    sources: [Arc<KvPool>; 2],
     table_a: Vec<BlockId>,
     pool_b: Arc<Mutex<KvPool>>,
     table_b: Vec<BlockId>,
-    /// What pool B's blocks must hold after a transfer.
-    want: Vec<u8>,
+    /// What pool B's blocks must hold after a transfer from each source.
+    wants: [Vec<u8>; 2],
 }
 
 /// The decode sides, bound once as a worker's are.
@@ -229,26 +239,36 @@ struct Servers {
 
 impl Bench {
     fn new() -> Res<Self> {
-        let mut pool_a = KvPool::new(LAYOUT, BLOCKS + 3)?;
-        let _skip = pool_a.allocate(3)?;
-        let table_a = pool_a.allocate(BLOCKS)?;
-        let row = LAYOUT.row_elems();
-        let (mut k, mut v) = (vec![0f32; row], vec![0f32; row]);
-        for layer in 0..LAYOUT.n_layers {
-            for (i, &b) in table_a.iter().enumerate() {
-                for slot in 0..LAYOUT.block_size {
-                    for j in 0..row {
-                        k[j] = ((layer * 31 + i * 7 + slot * 3 + j) % 2048) as f32 * 0.125;
-                        v[j] = -k[j];
+        let source = |seed: usize| -> Res<(KvPool, Vec<BlockId>)> {
+            let mut pool = KvPool::new(LAYOUT, BLOCKS + 3)?;
+            let _skip = pool.allocate(3)?;
+            let table = pool.allocate(BLOCKS)?;
+            let row = LAYOUT.row_elems();
+            let (mut k, mut v) = (vec![0f32; row], vec![0f32; row]);
+            for layer in 0..LAYOUT.n_layers {
+                for (i, &b) in table.iter().enumerate() {
+                    for slot in 0..LAYOUT.block_size {
+                        for j in 0..row {
+                            k[j] = ((layer * 31 + i * 7 + slot * 3 + j + seed) % 2048) as f32 * 0.125;
+                            v[j] = -k[j];
+                        }
+                        pool.write(layer, b, slot, &k, &v);
                     }
-                    pool_a.write(layer, b, slot, &k, &v);
                 }
             }
+            Ok((pool, table))
+        };
+        let ((a0, table_a), (a1, table_a1)) = (source(0)?, source(1)?);
+        if table_a1 != table_a {
+            return Err("the two source pools allocated different blocks".into());
+        }
+        let wants = [a0.gather(&table_a)?, a1.gather(&table_a)?];
+        if wants[0] == wants[1] {
+            return Err("the two source pools hold the same KV".into());
         }
         // Its blocks are allocated once it lives in the UCX server's memory (`servers`).
         let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
-        let want = pool_a.gather(&table_a)?;
-        Ok(Self { pool_a: Arc::new(pool_a), table_a, pool_b, table_b: Vec::new(), want })
+        Ok(Self { sources: [Arc::new(a0), Arc::new(a1)], table_a, pool_b, table_b: Vec::new(), wants })
     }
 
     async fn servers(&mut self) -> Res<Servers> {
@@ -270,7 +290,8 @@ impl Bench {
     }
 
     /// One transfer on `tx`, timed from the first gather to the Ack.
-    async fn run(&self, kind: Kind, s: &Servers, tx: &mut Tx) -> Res<Duration> {
+    async fn run(&self, kind: Kind, s: &Servers, tx: &mut Tx, src: usize) -> Res<Duration> {
+        let pool_a = &self.sources[src];
         let rx = &s.rx[match kind {
             Kind::Ucx | Kind::UcxGathered | Kind::UcxLanding | Kind::UcxPuts => 0,
             Kind::Tcp => 1,
@@ -285,7 +306,7 @@ impl Bench {
             // hands what it stored to this task, which announces it.
             let w = t.direct_writer(r).await?.ok_or("ucx: no direct writer (the pool is not mapped here)")?;
             let (stored_tx, mut stored) = tokio::sync::mpsc::channel(LAYOUT.n_layers);
-            let (pool, table, writer) = (self.pool_a.clone(), self.table_a.clone(), w.clone());
+            let (pool, table, writer) = (pool_a.clone(), self.table_a.clone(), w.clone());
             let engine = tokio::task::spawn_blocking(move || -> Result<(), String> {
                 for layer in 0..LAYOUT.n_layers {
                     let (k, v) = pool.layer_bytes(layer).map_err(|e| e.to_string())?;
@@ -315,7 +336,7 @@ impl Bench {
         }
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for layer in 0..LAYOUT.n_layers {
-            self.pool_a.gather_layer_into(layer, &self.table_a, &mut k, &mut v)?;
+            pool_a.gather_layer_into(layer, &self.table_a, &mut k, &mut v)?;
             match &mut *tx {
                 // As the prefill worker: the engine hands each layer over in buffers of its own.
                 Tx::Ucx(t) => t.send_blocks_owned(r, layer, 0, std::mem::take(&mut k), std::mem::take(&mut v)).await?,
