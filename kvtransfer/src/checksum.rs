@@ -12,10 +12,11 @@
 //! benches measure it; `cargo bench -p kvtransfer --features pool --bench ucx`
 //! prints it as a floor).
 //!
-//! The one other module allowed `unsafe` in this crate beside the shared
-//! memory mappings: the copy loop works on raw pointers, because over two
-//! slices the compiler knows they cannot overlap and splits the loop back
-//! into a `memcpy` and a second pass for the CRC.
+//! One of the few places allowed `unsafe` in this crate (beside the shared
+//! memory mappings and the UCX transport's mapped stores): the copy loops
+//! work on raw pointers, because over two slices the compiler knows they
+//! cannot overlap and splits the loop back into a `memcpy` and a second
+//! pass for the CRC, and memory a peer writes must never be referenced.
 
 #![allow(unsafe_code)]
 

@@ -285,10 +285,12 @@ fn packed_panels_return_the_same_bits_as_the_file_layout() {
                 for m in [1, 2, 3, 5, 9] {
                     let x: Vec<f32> = (0..m * cols).map(|_| rng.f32()).collect();
                     let want = run(isa, 1, &w, &x, m);
-                    for threads in [1, 2] {
-                        let got = crate::isa::trace::assert_ran(isa, "packed", || run(isa, threads, &wp, &x, m));
-                        assert_eq!(got, want, "{ty:?} {rows}x{cols} m={m} {} {threads} threads", isa.name());
-                    }
+                    // The trace counts this thread's calls: with two threads the pool's
+                    // other thread may take every item, so the level is checked on one.
+                    let got = crate::isa::trace::assert_ran(isa, "packed", || run(isa, 1, &wp, &x, m));
+                    assert_eq!(got, want, "{ty:?} {rows}x{cols} m={m} {} 1 thread", isa.name());
+                    let got = run(isa, 2, &wp, &x, m);
+                    assert_eq!(got, want, "{ty:?} {rows}x{cols} m={m} {} 2 threads", isa.name());
                 }
             }
         }
