@@ -115,27 +115,20 @@ pub(crate) unsafe fn append_crc(src: *const u8, len: usize, out: &mut Vec<u8>, c
 
 /// Returns `crc32c_append(crc, <the len bytes at src>)`, reading them only
 /// through raw pointers: for checksumming memory a peer can write (a pool
-/// block a sender stored into) in place, with no copy and no reference
-/// formed. Three interleaved streams where SSE 4.2 is there, as
-/// [`copy_crc`]; elsewhere through a small buffer.
+/// block a sender stored into) in place, with no reference formed. Whole
+/// 256-byte rounds by [`vpclmul::fold`] where the CPU has it, with no copy;
+/// the rest (everything elsewhere) copied through a small buffer and
+/// checksummed there.
 ///
 /// # Safety
 /// `src` is valid for reads of `len` bytes for the whole call.
 pub(crate) unsafe fn crc_raw(src: *const u8, len: usize, crc: u32) -> u32 {
+    // SAFETY: the caller's contract; no destination.
     #[cfg(target_arch = "x86_64")]
-    if fused() {
-        let shift = stream_shift();
-        // SAFETY: the caller's contract; no destination.
-        let (mut done, mut crc) = unsafe { wide(src, std::ptr::null_mut(), len, crc, false) };
-        while len - done >= 3 * STREAM {
-            // SAFETY: the caller's contract, for these 3 * STREAM bytes.
-            crc = unsafe { crc_round_sse42(src.add(done), shift, crc) };
-            done += 3 * STREAM;
-        }
-        // SAFETY: the caller's contract, for the rest.
-        return unsafe { crc_tail_sse42(src.add(done), len - done, crc) };
-    }
-    let (mut done, mut crc, mut buf) = (0, crc, [0u8; 4096]);
+    let (mut done, mut crc) = unsafe { wide(src, std::ptr::null_mut(), len, crc, false) };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (mut done, mut crc) = (0, crc);
+    let mut buf = [0u8; 4096];
     while done < len {
         let n = buf.len().min(len - done);
         // SAFETY: the caller's contract; `buf` is this frame's own.
@@ -144,47 +137,6 @@ pub(crate) unsafe fn crc_raw(src: *const u8, len: usize, crc: u32) -> u32 {
         done += n;
     }
     crc
-}
-
-/// [`crc_raw`] of `3 * shift.n` bytes as three streams.
-///
-/// # Safety
-/// `src` valid for reads of `3 * shift.n` bytes; `shift.n` a multiple of 8; SSE 4.2 present.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse4.2")]
-unsafe fn crc_round_sse42(src: *const u8, shift: &Shift, crc: u32) -> u32 {
-    use std::arch::x86_64::_mm_crc32_u64;
-    let n = shift.n;
-    let (mut c0, mut c1, mut c2) = (u64::from(!crc), 0u64, 0u64);
-    let mut i = 0;
-    while i < n {
-        c0 = _mm_crc32_u64(c0, src.add(i).cast::<u64>().read_unaligned());
-        c1 = _mm_crc32_u64(c1, src.add(n + i).cast::<u64>().read_unaligned());
-        c2 = _mm_crc32_u64(c2, src.add(2 * n + i).cast::<u64>().read_unaligned());
-        i += 8;
-    }
-    !(shift.apply(shift.apply(c0 as u32) ^ c1 as u32) ^ c2 as u32)
-}
-
-/// [`crc_raw`] of `len` bytes as one stream.
-///
-/// # Safety
-/// `src` valid for reads of `len` bytes; SSE 4.2 present.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse4.2")]
-unsafe fn crc_tail_sse42(src: *const u8, len: usize, crc: u32) -> u32 {
-    use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
-    let (mut c, mut i) = (u64::from(!crc), 0);
-    while i + 8 <= len {
-        c = _mm_crc32_u64(c, src.add(i).cast::<u64>().read_unaligned());
-        i += 8;
-    }
-    let mut c = c as u32;
-    while i < len {
-        c = _mm_crc32_u8(c, src.add(i).read());
-        i += 1;
-    }
-    !c
 }
 
 /// Copies the three `shift.n`-byte `srcs` one after another to the front

@@ -89,11 +89,6 @@ pub fn describe() {
     worker_common::metrics::zero(KV_LAYERS_SENT, "path", &LAYER_PATHS);
 }
 
-/// Counts one streamed layer message sent by `path` ([`LAYER_PATHS`]).
-pub fn record_layer_sent(path: &'static str) {
-    record_layers_sent(path, 1);
-}
-
 /// Counts `n` streamed layer messages sent by `path` ([`LAYER_PATHS`]).
 pub fn record_layers_sent(path: &'static str, n: u64) {
     debug_assert!(LAYER_PATHS.contains(&path), "unlisted path {path}");

@@ -490,7 +490,7 @@ impl PrefillService {
                         .send_blocks_owned(r, c.layer, c.first_block, c.k, c.v)
                         .await
                         .map_err(|e| transfer_err(&e))?;
-                    crate::metrics::record_layer_sent("gathered");
+                    crate::metrics::record_layers_sent("gathered", 1);
                 }
                 Streamed::Stored(s) => {
                     // Whatever the engine stored meanwhile goes in the same hand-over:

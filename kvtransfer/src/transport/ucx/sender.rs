@@ -19,6 +19,7 @@ use types::kv::KvLayout;
 use ucx_sys::{Context, Endpoint, PeerFailure, RemoteKey, Request, Worker};
 
 use super::driver::{mail, Driver};
+use super::runs::runs;
 use super::wire::{Grant, LandingRefusal, Msg, ProcessId, TO_SENDER, TO_SERVER};
 use super::writer::{self, Grants, StoredLayer, UcxDirectWriter};
 use crate::checksum;
@@ -730,7 +731,7 @@ impl<'d> Link<'d> {
             remember(&mut self.fenced, r);
             self.heard.grants.remove(&r);
             self.writers.revoke(r);
-            let _ = self.settle(r).await;
+            let _ = self.settle(Some(r)).await;
             if self.flush().await.is_ok() {
                 let _ = self.message(&Msg::Fenced(r), "sending Fenced").await;
             }
@@ -857,25 +858,18 @@ impl<'d> Link<'d> {
         let Some(ours) = first_block.checked_add(n).and_then(|end| blocks.get(first_block..end)) else {
             return Err(SplitError::TooManyBlocks { n_blocks: first_block.saturating_add(n) }.into());
         };
+        if ours.iter().any(|&b| b as usize >= pool.num_blocks) {
+            return Err(gone_pool());
+        }
         // Runs of consecutive block ids are consecutive in the pool too: one piece each,
         // so that the copy takes the fused checksum loop over long runs.
-        let mut runs: Vec<(usize, usize, usize)> = Vec::new(); // (first index, first block, blocks)
-        for (i, &b) in ours.iter().enumerate() {
-            let b = b as usize;
-            if b >= pool.num_blocks {
-                return Err(gone_pool());
-            }
-            match runs.last_mut() {
-                Some((_, first, len)) if *first + *len == b => *len += 1,
-                _ => runs.push((i, b, 1)),
-            }
-        }
+        let runs = runs(ours.iter().enumerate().map(|(i, &b)| (i, b as usize)));
         let mut pieces = Vec::with_capacity(2 * runs.len());
         for is_v in [false, true] {
-            for &(i, b, len) in &runs {
-                let at = pool.base + self.layout.pool_offset(pool.num_blocks, layer, is_v, b) as u64;
-                let to = pool.key.mapped(at, len * side).ok_or_else(gone_pool)?;
-                pieces.push((to, is_v, i * side, len * side));
+            for run in &runs {
+                let at = pool.base + self.layout.pool_offset(pool.num_blocks, layer, is_v, run.to) as u64;
+                let to = pool.key.mapped(at, run.len * side).ok_or_else(gone_pool)?;
+                pieces.push((to, is_v, run.index * side, run.len * side));
             }
         }
         let header = LayerDataHeader {
@@ -983,11 +977,12 @@ impl<'d> Link<'d> {
         }
     }
 
-    /// Waits until every announced `Layer` message of `r` went out (each
-    /// bounded, as every message): after this no message of its layers is in
-    /// flight from this side.
-    async fn settle(&mut self, r: Reservation) -> Result<(), TransferError> {
-        let (ours, rest) = std::mem::take(&mut self.announced).into_iter().partition(|(of, _)| *of == r);
+    /// Waits until every announced `Layer` message of `r` (of every
+    /// reservation: `None`) went out, each bounded as every message: after
+    /// this no message of those layers is in flight from this side.
+    async fn settle(&mut self, r: Option<Reservation>) -> Result<(), TransferError> {
+        let (ours, rest) =
+            std::mem::take(&mut self.announced).into_iter().partition(|(of, _)| r.is_none_or(|r| *of == r));
         self.announced = rest;
         let mut result = Ok(());
         for (_, req) in ours {
@@ -1001,7 +996,7 @@ impl<'d> Link<'d> {
 
     async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
         // Every layer's message is out before Complete follows them.
-        self.settle(r).await?;
+        self.settle(Some(r)).await?;
         self.check_not_aborted(r).await?;
         // Complete frees the blocks at once: no writer may store after it.
         self.writers.revoke(r);
@@ -1027,7 +1022,7 @@ impl<'d> Link<'d> {
     async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
         self.writers.revoke(r);
         // Given up anyway: a layer message that failed changes nothing.
-        let _ = self.settle(r).await;
+        let _ = self.settle(Some(r)).await;
         self.flush().await?;
         self.heard.grants.remove(&r);
         let a = Abort { reservation: r.id.0, generation: r.generation, reason };
@@ -1039,9 +1034,7 @@ impl<'d> Link<'d> {
     /// needs neither).
     async fn goodbye(&mut self) {
         self.writers.revoke_all();
-        for (_, req) in std::mem::take(&mut self.announced) {
-            let _ = self.bounded(req, "sending a layer's completion").await;
-        }
+        let _ = self.settle(None).await;
         if self.flush().await.is_ok() && self.message(&Msg::Bye, "sending Bye").await.is_ok() {
             if let Ok(req) = self.ep.flush() {
                 let _ = self.bounded(req, "flushing Bye").await;

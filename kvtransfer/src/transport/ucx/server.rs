@@ -18,6 +18,7 @@ use ucx_sys::{Context, Endpoint, OutOfRange, Region, Request, Worker};
 use super::direct::UcxPoolMemory;
 use super::driver::{mail, Driver, Inbound};
 use super::landing::Landing;
+use super::runs::runs;
 use super::wire::{Grant, LandingRefusal, Msg, ProcessId, MAX_DIRECT_BLOCKS, TO_SENDER, TO_SERVER};
 use crate::checksum;
 use crate::frame::{Abort, AbortReason, Complete, Frame, Hello, LayerDataHeader};
@@ -709,17 +710,11 @@ impl<S: BlockSink> State<S> {
             return;
         };
         // Runs of consecutive block ids are consecutive in the pool: one piece each.
-        let mut runs: Vec<(usize, usize)> = Vec::new(); // (first block, blocks)
-        for &b in &blocks[first..first + n] {
-            match runs.last_mut() {
-                Some((f, len)) if *f + *len == b as usize => *len += 1,
-                _ => runs.push((b as usize, 1)),
-            }
-        }
+        let runs = runs(blocks[first..first + n].iter().map(|&b| (b as usize, b as usize)));
         let mut crc = 0;
         for v in [false, true] {
-            for &(b, len) in &runs {
-                let at = self.layout.pool_offset(pool.num_blocks, layer, v, b);
+            for run in &runs {
+                let (at, len) = (self.layout.pool_offset(pool.num_blocks, layer, v, run.to), run.len);
                 // The receiver's blocks are inside the pool; a miss is refused.
                 let Ok(p) = pool.region.ptr(at, len * self.side) else {
                     self.abort_once(id, r, AbortReason::ProtocolViolation);

@@ -33,6 +33,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use types::kv::KvLayout;
 
+use super::runs::{runs, Run};
 use crate::checksum;
 use crate::sender::SplitError;
 use crate::session::Reservation;
@@ -184,18 +185,10 @@ impl UcxDirectWriter {
         let Some(ours) = first_block.checked_add(n).and_then(|end| target.blocks.get(first_block..end)) else {
             return Err(SplitError::TooManyBlocks { n_blocks: first_block.saturating_add(n) }.into());
         };
-        // (first index, source block, destination block, blocks)
-        let mut runs: Vec<(usize, usize, usize, usize)> = Vec::new();
-        for (i, (&from, &to)) in blocks.iter().zip(ours).enumerate() {
-            let (from, to) = (from as usize, to as usize);
-            match runs.last_mut() {
-                Some((_, f, t, len)) if *f + *len == from && *t + *len == to => *len += 1,
-                _ => runs.push((i, from, to, 1)),
-            }
-        }
+        let runs = runs(blocks.iter().zip(ours).map(|(&from, &to)| (from as usize, to as usize)));
         let mut crc = 0;
         for (is_v, src) in [(false, k), (true, v)] {
-            for &(_, from, to, len) in &runs {
+            for &Run { from, to, len, .. } in &runs {
                 let at = g.layout.pool_offset(target.num_blocks, layer, is_v, to);
                 // SAFETY: `to + len <= num_blocks` (every granted block is below it, and
                 // a run is consecutive granted blocks), so the destination is inside
@@ -214,10 +207,11 @@ impl UcxDirectWriter {
         }
         // Drills only (off unless armed): a byte of K flipped after the checksum.
         if let Some(off) = super::fault::flip_in_place(layer, first_block, n * side) {
-            let (i, _, to, _) = runs.iter().rev().find(|(i, ..)| i * side <= off).copied().unwrap_or(runs[0]);
-            let at = g.layout.pool_offset(target.num_blocks, layer, false, to) + (off - i * side);
-            // SAFETY: `off < n * side` lies in the K piece of the run starting at
-            // index `i` (runs cover the blocks in order), inside the mapped pool as above.
+            let run = runs.iter().rev().find(|r| r.index * side <= off).copied().unwrap_or(runs[0]);
+            let at = g.layout.pool_offset(target.num_blocks, layer, false, run.to) + (off - run.index * side);
+            // SAFETY: `off < n * side` lies in the K piece of `run`, the last run
+            // starting at or before it (runs cover the blocks in order), inside the
+            // mapped pool as above.
             unsafe {
                 let p = target.pool.as_ptr().add(at);
                 p.write_volatile(p.read_volatile() ^ 0xff);
