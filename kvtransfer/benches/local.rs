@@ -26,9 +26,9 @@
 //! Run: `cargo bench -p kvtransfer --bench local` (optional args: rings as
 //! slot KiB x slots, e.g. `-- 256x8 1024x16`).
 
-// The tests' pool helpers (layer storage as bytes), shared rather than copied.
-#[path = "../tests/common/mod.rs"]
-mod pool_common;
+// The other benches' helpers; this one takes only the source pool.
+#[allow(dead_code)]
+mod common;
 
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -209,22 +209,7 @@ struct Bench {
 
 impl Bench {
     fn new() -> Res<Self> {
-        let mut pool_a = KvPool::new(LAYOUT, BLOCKS + 3)?;
-        let _skip = pool_a.allocate(3)?;
-        let table_a = pool_a.allocate(BLOCKS)?;
-        let row = LAYOUT.row_elems();
-        let (mut k, mut v) = (vec![0f32; row], vec![0f32; row]);
-        for layer in 0..LAYOUT.n_layers {
-            for (i, &b) in table_a.iter().enumerate() {
-                for slot in 0..LAYOUT.block_size {
-                    for j in 0..row {
-                        k[j] = ((layer * 31 + i * 7 + slot * 3 + j) % 2048) as f32 * 0.125;
-                        v[j] = -k[j];
-                    }
-                    pool_a.write(layer, b, slot, &k, &v);
-                }
-            }
-        }
+        let (pool_a, table_a) = common::source_pool(LAYOUT, BLOCKS, 0)?;
         let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
         let _decoys = lock(&pool_b).allocate(7)?;
         let table_b = lock(&pool_b).allocate(BLOCKS)?;
@@ -288,7 +273,7 @@ impl Bench {
                     tx.send_layer(r, layer, &k, &vv).await?;
                 }
                 Variant::Direct | Variant::DirectDeferred => {
-                    let (ks, vs) = pool_common::layer_bytes(&self.pool_a, layer);
+                    let (ks, vs) = self.pool_a.layer_bytes(layer)?;
                     tx.send_stored_blocks(r, layer, 0, ks, vs, &self.table_a).await?
                 }
                 Variant::Memory => {

@@ -18,6 +18,8 @@
 //! Run: `cargo bench -p kvtransfer --bench quic` (optional args: frame sizes,
 //! `256k` or `1` (MiB); `profile` to loop the QUIC transport alone).
 
+// The source pool there is the pool-to-pool benches'.
+#[allow(dead_code)]
 mod common;
 
 use std::net::SocketAddr;

@@ -56,7 +56,7 @@ fn main() -> Res<()> {
         total as f64 / (1 << 20) as f64
     );
     crc_speed();
-    let (pool_a, table_a) = source();
+    let (pool_a, table_a) = common::source_pool(LAYOUT, BLOCKS, 0)?;
     let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
     let _decoys = lock(&pool_b).allocate(7)?;
     let table_b = lock(&pool_b).allocate(BLOCKS)?;
@@ -183,27 +183,6 @@ fn crc_speed() {
         let rate = (len * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
         println!("crc32c, {what}: {rate:.2} GB/s ({c:#x})");
     }
-}
-
-fn source() -> (KvPool, Vec<BlockId>) {
-    let mut pool = KvPool::new(LAYOUT, BLOCKS + 3).unwrap_or_else(|e| panic!("pool A: {e}"));
-    let _skip = pool.allocate(3).unwrap_or_else(|e| panic!("{e}"));
-    let table = pool.allocate(BLOCKS).unwrap_or_else(|e| panic!("{e}"));
-    let row = LAYOUT.row_elems();
-    let mut k = vec![0f32; row];
-    let mut v = vec![0f32; row];
-    for layer in 0..LAYOUT.n_layers {
-        for (i, &b) in table.iter().enumerate() {
-            for slot in 0..LAYOUT.block_size {
-                for j in 0..row {
-                    k[j] = ((layer * 31 + i * 7 + slot * 3 + j) % 2048) as f32 * 0.125;
-                    v[j] = -k[j];
-                }
-                pool.write(layer, b, slot, &k, &v);
-            }
-        }
-    }
-    (pool, table)
 }
 
 /// One full transfer pool -> pool; returns (total time, time spent in gather_layer).

@@ -239,26 +239,8 @@ struct Servers {
 
 impl Bench {
     fn new() -> Res<Self> {
-        let source = |seed: usize| -> Res<(KvPool, Vec<BlockId>)> {
-            let mut pool = KvPool::new(LAYOUT, BLOCKS + 3)?;
-            let _skip = pool.allocate(3)?;
-            let table = pool.allocate(BLOCKS)?;
-            let row = LAYOUT.row_elems();
-            let (mut k, mut v) = (vec![0f32; row], vec![0f32; row]);
-            for layer in 0..LAYOUT.n_layers {
-                for (i, &b) in table.iter().enumerate() {
-                    for slot in 0..LAYOUT.block_size {
-                        for j in 0..row {
-                            k[j] = ((layer * 31 + i * 7 + slot * 3 + j + seed) % 2048) as f32 * 0.125;
-                            v[j] = -k[j];
-                        }
-                        pool.write(layer, b, slot, &k, &v);
-                    }
-                }
-            }
-            Ok((pool, table))
-        };
-        let ((a0, table_a), (a1, table_a1)) = (source(0)?, source(1)?);
+        let ((a0, table_a), (a1, table_a1)) =
+            (common::source_pool(LAYOUT, BLOCKS, 0)?, common::source_pool(LAYOUT, BLOCKS, 1)?);
         if table_a1 != table_a {
             return Err("the two source pools allocated different blocks".into());
         }

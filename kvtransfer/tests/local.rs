@@ -276,18 +276,18 @@ async fn pool_reads_and_layers_in_pieces_move_the_same_bytes() {
     let (r, table_b) = d.reserve(9, Duration::from_secs(30));
     let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 2, 2 * 2 * side(&l)).await.expect("connect");
     let outside = [table_a[0], 16];
-    let (ks, vs) = common::layer_bytes(&pool_a, 0);
+    let (ks, vs) = pool_a.layer_bytes(0).expect("layer bytes");
     assert!(matches!(tx.send_stored_blocks(r, 0, 0, ks, vs, &outside).await, Err(TransferError::Io(_))));
     assert!(matches!(tx.send_stored_blocks(r, 0, 0, ks, &vs[1..], &table_a).await, Err(TransferError::Io(_))));
     assert!(matches!(tx.send_stored_blocks(r, 4, 0, ks, vs, &table_a).await, Err(TransferError::Layer(_))));
 
     // Whole layers straight from the pool.
     for layer in [2, 0] {
-        let (ks, vs) = common::layer_bytes(&pool_a, layer);
+        let (ks, vs) = pool_a.layer_bytes(layer).expect("layer bytes");
         within("a layer sent", tx.send_stored_blocks(r, layer, 0, ks, vs, &table_a)).await.expect("send");
     }
     // Layer 3 in two pieces, the first from the pool, the second gathered.
-    let (ks, vs) = common::layer_bytes(&pool_a, 3);
+    let (ks, vs) = pool_a.layer_bytes(3).expect("layer bytes");
     within("piece", tx.send_stored_blocks(r, 3, 0, ks, vs, &table_a[..4])).await.expect("send");
     let (k, v) = pool_a.gather_layer(3, &table_a[4..]).expect("gather");
     within("piece", tx.send_blocks(r, 3, 4, &k, &v)).await.expect("send");

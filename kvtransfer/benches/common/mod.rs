@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use engine::kv::{KvError, KvPool};
 use kvtransfer::{BlockSink, FnSink, LayoutFingerprint, Peer, VersionGroup};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use types::kv::{BlockId, KvDtype, KvLayout};
@@ -20,6 +21,30 @@ pub const BLOCKS: usize = 729;
 pub const SIDE: usize = LAYOUT.n_kv_heads * LAYOUT.head_dim * LAYOUT.block_size * 2;
 /// Bytes of one transfer.
 pub const TOTAL: usize = BLOCKS * 2 * SIDE * LAYOUT.n_layers;
+
+/// The pool the benches move KV out of: `blocks` blocks (ids offset by
+/// three, so they differ from a fresh pool's) of `layout` filled with
+/// values f16 holds exactly, shifted by `seed` (two seeds, two different
+/// pools).
+pub fn source_pool(layout: KvLayout, blocks: usize, seed: usize) -> Result<(KvPool, Vec<BlockId>), KvError> {
+    let mut pool = KvPool::new(layout, blocks + 3)?;
+    let _skip = pool.allocate(3)?;
+    let table = pool.allocate(blocks)?;
+    let row = layout.row_elems();
+    let (mut k, mut v) = (vec![0f32; row], vec![0f32; row]);
+    for layer in 0..layout.n_layers {
+        for (i, &b) in table.iter().enumerate() {
+            for slot in 0..layout.block_size {
+                for j in 0..row {
+                    k[j] = ((layer * 31 + i * 7 + slot * 3 + j + seed) % 2048) as f32 * 0.125;
+                    v[j] = -k[j];
+                }
+                pool.write(layer, b, slot, &k, &v);
+            }
+        }
+    }
+    Ok((pool, table))
+}
 
 /// Frame sizes from the command line: `256k` (KiB) or `4` (MiB); `default` if none.
 pub fn frame_sizes(args: &[String], default: &[usize]) -> Vec<usize> {

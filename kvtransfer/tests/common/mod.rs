@@ -44,17 +44,3 @@ pub fn source(l: KvLayout, n: usize, pool_blocks: usize) -> (KvPool, Vec<BlockId
     }
     (pool, table)
 }
-
-/// One layer's K and V storage of `pool` as bytes (native order, little-endian here): what
-/// `LocalKvSender::send_stored_blocks` reads blocks from.
-pub fn layer_bytes(pool: &KvPool, layer: usize) -> (&[u8], &[u8]) {
-    let (k, v) = pool.layer(layer);
-    (slice_bytes(k), slice_bytes(v))
-}
-
-fn slice_bytes(s: kernels::attention::KvSlice<'_>) -> &[u8] {
-    match s {
-        kernels::attention::KvSlice::F32(x) => bytemuck::cast_slice(x),
-        kernels::attention::KvSlice::F16(x) => bytemuck::cast_slice(x),
-    }
-}
