@@ -7,14 +7,22 @@
 //! from one pool into other block ids of a second pool, sender and receiver
 //! in this one process, each transport with everything a worker does:
 //! `gather_layer_into` on the sender, the transport, checksums, and the
-//! scatter into pool B. Runs are interleaved so that other load on the
-//! machine hits all of them alike:
+//! scatter into pool B. Pool A is moved into the same blocks of pool B
+//! again and again, as `ucx_perftest` puts one buffer into another: the
+//! same working set; a few bytes of every block of pool A change before
+//! each transfer (`Bench::stamp`), so each must write every block anew.
+//! Runs are interleaved so that other load on the machine hits all of them
+//! alike:
 //! - ucx: pool B lives in memory the UCX server registered (`KvPool::adopt`),
-//!   and where UCX maps it here (shared memory) this thread, as the prefill
-//!   engine's does, copies each layer's blocks from pool A straight into the
-//!   reservation's blocks of pool B with a `UcxDirectWriter`, the checksum
-//!   taken as it stores (no gather); the `Layer` message; the server
-//!   checksums the blocks in pool B (the direct path, the default);
+//!   and where UCX maps it here (shared memory) a thread of its own, as the
+//!   prefill engine's, copies each layer's blocks from pool A straight into
+//!   the reservation's blocks of pool B with a `UcxDirectWriter`, the
+//!   checksum taken as it stores (no gather); the `Layer` message; the
+//!   server checksums the blocks in pool B (the direct path, the default).
+//!   Timed from that thread's first store to the `Ack`: the writer's grant
+//!   (a round trip to the server) is asked for first and timed on its own,
+//!   since a prefill worker asks for it as the prefill starts, overlapped
+//!   with the first layer's compute (the ttft bench times it end to end);
 //! - ucx gathered: the direct path without a writer: the layer gathered
 //!   out of pool A, and the connection's thread stores the buffers into
 //!   pool B (what a sender does for layers computed before its writer came);
@@ -117,28 +125,28 @@ fn main() -> Res<()> {
     // One connection per transport for the whole bench, as the prefill worker keeps one
     // per destination; one untimed transfer each first (connection set-up, first touch).
     let mut senders = Vec::new();
-    // Transfers so far: each moves the other source pool (`Bench::sources`).
-    let mut turn = 0usize;
     for k in Kind::ALL {
         let mut tx = rt.block_on(servers.connect(k))?;
         if let (Tx::Ucx(t), Kind::Ucx) = (&tx, k) {
             println!("  ucx puts go over: {}", t.transports().join(", "));
         }
-        rt.block_on(b.run(k, &servers, &mut tx, turn % 2))?;
-        turn += 1;
+        b.stamp()?;
+        rt.block_on(b.run(k, &servers, &mut tx))?;
         senders.push(tx);
     }
 
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); Kind::ALL.len()];
+    let mut grants = Vec::new();
     let mut perf = Vec::new();
     let mut floor = floor::Floor::new(LAYOUT.n_layers, BLOCKS, SIDE);
     let mut floor_times: Vec<Vec<Duration>> = vec![Vec::new(); floor::Shape::ALL.len()];
     for _ in 0..runs {
         for (i, k) in Kind::ALL.into_iter().enumerate() {
-            let src = turn % 2;
-            turn += 1;
-            times[i].push(rt.block_on(b.run(k, &servers, &mut senders[i], src))?);
-            if lock(&b.pool_b).gather(&b.table_b)? != b.wants[src] {
+            b.stamp()?;
+            let t = rt.block_on(b.run(k, &servers, &mut senders[i]))?;
+            times[i].push(t.moved);
+            grants.extend(t.granted);
+            if lock(&b.pool_b).gather(&b.table_b)? != b.source.gather(&b.table_a)? {
                 return Err(format!("{}: KV differs after the transfer", k.label()).into());
             }
         }
@@ -165,6 +173,14 @@ fn main() -> Res<()> {
         }
         println!("  {:28} {best:6.2} GB/s best, {median:6.2} median", k.label());
     }
+    let mut grants: Vec<f64> = grants.iter().map(|g| g.as_secs_f64() * 1e6).collect();
+    grants.sort_by(f64::total_cmp);
+    println!(
+        "  {:28} {:6.0} us best, {:6.0} median  (untimed above: a worker asks while the first layer computes)",
+        "ucx writer granted in",
+        grants[0],
+        grants[grants.len() / 2]
+    );
     let mut floors = Vec::new();
     for (shape, t) in floor::Shape::ALL.into_iter().zip(&floor_times) {
         let (best, median) = rates(t);
@@ -213,19 +229,30 @@ fn best_and_median(mut rates: Vec<f64>) -> (f64, f64) {
 }
 
 struct Bench {
-    /// Two source pools holding different KV in the same blocks, moved in
-    /// turn: pool B is not cleared between transfers (23.6 MB of zeroes
-    /// written just before a transfer leave its destination dirty in this
-    /// core's caches, which neither a worker's transfer nor `ucx_perftest`
-    /// sees), and a transfer that left it as it was fails the check, since
-    /// it then holds the other pool's KV. Shared with the thread that stores
-    /// from them, as the prefill engine's pool.
-    sources: [Arc<KvPool>; 2],
+    /// Pool A, moved again and again into the same blocks of pool B, as
+    /// `ucx_perftest` puts one buffer into one buffer: the same working set
+    /// (two 23.6 MB regions). Before each transfer [`stamp`](Self::stamp)
+    /// writes one token row of every block of every layer anew, so a
+    /// transfer that leaves any block's K or V as it was fails the check;
+    /// pool B is not cleared between transfers (23.6 MB of zeroes written
+    /// just before a transfer leave its destination dirty in this core's
+    /// caches, which neither a worker's transfer nor `ucx_perftest` sees).
+    /// Shared with the thread that stores from it, as the prefill engine's
+    /// pool.
+    source: Arc<KvPool>,
     table_a: Vec<BlockId>,
     pool_b: Arc<Mutex<KvPool>>,
     table_b: Vec<BlockId>,
-    /// What pool B's blocks must hold after a transfer from each source.
-    wants: [Vec<u8>; 2],
+    /// Transfers so far.
+    turn: usize,
+}
+
+/// One transfer's times.
+struct Timed {
+    /// From the first layer's gather (or store) to the `Ack`.
+    moved: Duration,
+    /// The ucx writer's grant, asked for before the timer starts.
+    granted: Option<Duration>,
 }
 
 /// The decode sides, bound once as a worker's are.
@@ -239,18 +266,33 @@ struct Servers {
 
 impl Bench {
     fn new() -> Res<Self> {
-        let ((a0, table_a), (a1, table_a1)) =
-            (common::source_pool(LAYOUT, BLOCKS, 0)?, common::source_pool(LAYOUT, BLOCKS, 1)?);
-        if table_a1 != table_a {
-            return Err("the two source pools allocated different blocks".into());
-        }
-        let wants = [a0.gather(&table_a)?, a1.gather(&table_a)?];
-        if wants[0] == wants[1] {
-            return Err("the two source pools hold the same KV".into());
-        }
+        let (source, table_a) = common::source_pool(LAYOUT, BLOCKS, 0)?;
         // Its blocks are allocated once it lives in the UCX server's memory (`servers`).
         let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
-        Ok(Self { sources: [Arc::new(a0), Arc::new(a1)], table_a, pool_b, table_b: Vec::new(), wants })
+        Ok(Self { source: Arc::new(source), table_a, pool_b, table_b: Vec::new(), turn: 0 })
+    }
+
+    /// Writes token row `turn % block_size` of every block of every layer
+    /// of pool A with values of this turn (1,000 and up: `source_pool`'s are
+    /// below 256), so each transfer has KV in every block that pool B does
+    /// not hold yet. Touches 1/16 of pool A, untimed.
+    fn stamp(&mut self) -> Res<()> {
+        self.turn += 1;
+        let (turn, slot) = (self.turn, self.turn % LAYOUT.block_size);
+        let pool = Arc::get_mut(&mut self.source).ok_or("pool A is still shared after a transfer")?;
+        let row = LAYOUT.row_elems();
+        let (mut k, mut v) = (vec![0f32; row], vec![0f32; row]);
+        for layer in 0..LAYOUT.n_layers {
+            for (i, &b) in self.table_a.iter().enumerate() {
+                for j in 0..row {
+                    // Whole numbers below 2,048: exact in F16.
+                    k[j] = 1000.0 + ((turn + layer + i + j) % 512) as f32;
+                    v[j] = -k[j];
+                }
+                pool.write(layer, b, slot, &k, &v);
+            }
+        }
+        Ok(())
     }
 
     async fn servers(&mut self) -> Res<Servers> {
@@ -271,9 +313,10 @@ impl Bench {
         Ok(Servers { ucx, tcp, local, rx })
     }
 
-    /// One transfer on `tx`, timed from the first gather to the Ack.
-    async fn run(&self, kind: Kind, s: &Servers, tx: &mut Tx, src: usize) -> Res<Duration> {
-        let pool_a = &self.sources[src];
+    /// One transfer on `tx`, timed from the first gather (ucx: the first
+    /// layer's store) to the Ack.
+    async fn run(&self, kind: Kind, s: &Servers, tx: &mut Tx) -> Res<Timed> {
+        let pool_a = &self.source;
         let rx = &s.rx[match kind {
             Kind::Ucx | Kind::UcxGathered | Kind::UcxLanding | Kind::UcxPuts => 0,
             Kind::Tcp => 1,
@@ -281,21 +324,25 @@ impl Bench {
         }];
         let r =
             lock(rx).reserve(self.table_b.clone(), Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
-        let start = Instant::now();
         if let (Tx::Ucx(t), Kind::Ucx) = (&mut *tx, kind) {
-            // As the prefill worker: the writer comes before the first layer is
-            // computed; a thread of its own (the engine's) stores each layer and
-            // hands what it stored to this task, which announces it.
+            // As the prefill worker: the writer is asked for as the prefill
+            // starts, its grant overlapping the first layer's compute (which
+            // this bench has none of: the grant is timed on its own); then a
+            // thread of its own (the engine's) stores each layer and hands
+            // what it stored to this task, which announces it.
+            let asked = Instant::now();
             let w = t.direct_writer(r).await?.ok_or("ucx: no direct writer (the pool is not mapped here)")?;
+            let granted = asked.elapsed();
             let (stored_tx, mut stored) = tokio::sync::mpsc::channel(LAYOUT.n_layers);
             let (pool, table, writer) = (pool_a.clone(), self.table_a.clone(), w.clone());
-            let engine = tokio::task::spawn_blocking(move || -> Result<(), String> {
+            let engine = tokio::task::spawn_blocking(move || -> Result<Instant, String> {
+                let start = Instant::now();
                 for layer in 0..LAYOUT.n_layers {
                     let (k, v) = pool.layer_bytes(layer).map_err(|e| e.to_string())?;
                     let s = writer.store_layer(layer, 0, k, v, &table).map_err(|e| e.to_string())?;
                     stored_tx.blocking_send(s).map_err(|e| e.to_string())?;
                 }
-                Ok(())
+                Ok(start)
             });
             // As the prefill worker's push: whatever was stored meanwhile goes together.
             while let Some(s) = stored.recv().await {
@@ -305,17 +352,18 @@ impl Bench {
                 }
                 t.announce(batch).await?;
             }
-            engine.await??;
+            let start = engine.await??;
             let _ack = t.complete(r).await?;
-            let elapsed = start.elapsed();
+            let moved = start.elapsed();
             if w.is_live() {
                 return Err("ucx: the writer outlived its reservation's Complete".into());
             }
             if lock(rx).take_ready(r)? != self.table_b {
                 return Err(format!("{}: the reservation's blocks changed", kind.label()).into());
             }
-            return Ok(elapsed);
+            return Ok(Timed { moved, granted: Some(granted) });
         }
+        let start = Instant::now();
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for layer in 0..LAYOUT.n_layers {
             pool_a.gather_layer_into(layer, &self.table_a, &mut k, &mut v)?;
@@ -331,11 +379,11 @@ impl Bench {
             Tx::Tcp(t) => drop(t.complete(r).await?),
             Tx::Local(t) => drop(t.complete(r).await?),
         }
-        let elapsed = start.elapsed();
+        let moved = start.elapsed();
         if lock(rx).take_ready(r)? != self.table_b {
             return Err(format!("{}: the reservation's blocks changed", kind.label()).into());
         }
-        Ok(elapsed)
+        Ok(Timed { moved, granted: None })
     }
 }
 
