@@ -112,6 +112,7 @@ mod direct;
 mod driver;
 pub mod fault;
 mod landing;
+mod link;
 mod runs;
 mod sender;
 mod server;
