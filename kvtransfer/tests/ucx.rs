@@ -495,18 +495,7 @@ async fn a_decode_side_lost_after_the_grant_fails_the_transfer_by_its_complete_a
     let DecodeSide { server, .. } = d;
     server.shutdown();
     let started = std::time::Instant::now();
-    let mut failure = None;
-    for layer in 1..l.n_layers {
-        let (k, v) = pool_a.gather_layer(layer, &table_a).expect("gather");
-        if let Err(e) = within("a layer after the loss", tx.send_layer(r, layer, &k, &v)).await {
-            failure = Some(e);
-            break;
-        }
-    }
-    let failure = match failure {
-        Some(e) => e,
-        None => within("Complete after the loss", tx.complete(r)).await.expect_err("no Ack from a dead decode side"),
-    };
+    let failure = common::ucx_failure_after_loss(&mut tx, &pool_a, &table_a, r, 1..l.n_layers).await;
     assert!(matches!(failure.kind(), ErrorKind::Deadline | ErrorKind::Retryable), "{failure}");
     assert!(started.elapsed() < WAIT, "bounded by the sender's timeout");
 }

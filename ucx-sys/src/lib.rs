@@ -162,6 +162,13 @@ struct WorkerInner {
     /// [`Worker::progress`] once their callback ran (UCX may still be reading
     /// their buffers until then; the buffers live in the completion).
     orphans: RefCell<Vec<(raw::ucs_status_ptr_t, Rc<Completion>)>>,
+    /// The failure cells of closed endpoints (their error handler's
+    /// argument), freed once the worker is destroyed: UCX 1.13 may still call
+    /// an endpoint's error handler after its forced close completed, from a
+    /// failure it had already queued (over tcp, in-process tests caught it
+    /// writing a freed cell: glibc's "unaligned tcache chunk detected"
+    /// aborts). One small allocation per endpoint the worker ever closed.
+    closed_eps: RefCell<Vec<*mut Cell<Option<ucs_status_t>>>>,
 }
 
 impl WorkerInner {
@@ -212,6 +219,11 @@ impl Drop for WorkerInner {
         unsafe { raw::ucp_worker_destroy(self.h) };
         for (_, p) in self.handlers.borrow_mut().drain(..) {
             // SAFETY: p came from Box::into_raw in on_am and is freed once.
+            drop(unsafe { Box::from_raw(p) });
+        }
+        for p in self.closed_eps.borrow_mut().drain(..) {
+            // SAFETY: p came from Box::into_raw in connect_with, was handed here once by
+            // its closed endpoint, and no error handler can run after the destroy above.
             drop(unsafe { Box::from_raw(p) });
         }
     }
@@ -268,6 +280,7 @@ impl Worker {
                 h,
                 handlers: RefCell::new(Vec::new()),
                 orphans: RefCell::new(Vec::new()),
+                closed_eps: RefCell::new(Vec::new()),
             }),
         })
     }
@@ -351,7 +364,8 @@ impl Worker {
         };
         let mut h: raw::ucp_ep_h = std::ptr::null_mut();
         // SAFETY: worker alive; the address bytes outlive the call (UCX copies what it
-        // needs); `failed` stays allocated until the endpoint is closed (EpInner::drop).
+        // needs); `failed` stays allocated until the worker is destroyed (EpInner::drop
+        // hands it to the worker).
         let status = unsafe { raw::ucp_ep_create(self.inner.h, &params, &mut h) };
         if let Err(e) = check("ucp_ep_create", status) {
             // SAFETY: no endpoint holds the pointer; freed once.
@@ -400,8 +414,9 @@ impl Worker {
 }
 
 unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: raw::ucp_ep_h, status: ucs_status_t) {
-    // SAFETY: arg is the endpoint's `failed` cell, alive until the endpoint is closed,
-    // and this runs on the worker's thread inside progress.
+    // SAFETY: arg is the endpoint's `failed` cell, alive until the worker is destroyed
+    // (even after the endpoint closed), and this runs on the worker's thread inside
+    // progress.
     let failed = unsafe { &*arg.cast::<Cell<Option<ucs_status_t>>>() };
     failed.set(Some(status));
 }
@@ -462,8 +477,9 @@ impl Drop for EpInner {
             }
             unsafe { raw::ucp_request_free(req) };
         }
-        // SAFETY: the endpoint is closed: its error handler can no longer run.
-        drop(unsafe { Box::from_raw(self.failed) });
+        // UCX may still call the error handler with this cell: the worker frees it
+        // once destroyed.
+        self.worker.closed_eps.borrow_mut().push(self.failed);
     }
 }
 

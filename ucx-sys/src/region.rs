@@ -60,8 +60,11 @@ pub struct OutOfRange {
 /// Registered memory, allocated by UCX, that peers write into with one-sided
 /// puts. Local code never holds a Rust reference into it (a peer's write may
 /// land at any time): it copies in and out with [`Region::read`] and
-/// [`Region::write`]. Dropping it unregisters it, after which a put with its
-/// key fails at the sender instead of landing.
+/// [`Region::write`]. Dropping it unregisters it and frees the memory.
+/// Where the NIC checks keys (RDMA), a later put with its key then fails;
+/// where UCX emulates puts (tcp), the worker that exposed the region writes
+/// arriving puts itself, during progress, at the address the key named
+/// without checking it: destroy that worker before dropping its regions.
 pub struct Region {
     ctx: Rc<Context>,
     memh: raw::ucp_mem_h,

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use engine::kv::{BlockId, KvLayout, KvPool};
-use kvtransfer::TransferError;
+use kvtransfer::{Reservation, TransferError, UcxKvSender};
 
 /// Calls `check` (a sender's `check_open`) until it fails and returns the
 /// error, yielding between calls so the runtime can take in the peer's
@@ -43,4 +43,31 @@ pub fn source(l: KvLayout, n: usize, pool_blocks: usize) -> (KvPool, Vec<BlockId
         }
     }
     (pool, table)
+}
+
+/// Sends `layers` of `table` from `pool` for `r` on a UCX sender whose
+/// decode side went away, then `Complete`, and returns the first failure: a
+/// layer's send returns once its puts are posted, so the loss may show only
+/// on a later call for the same reservation, at the latest its `Complete`.
+/// Panics if none fails, or if a call takes over 10 s.
+pub async fn ucx_failure_after_loss(
+    tx: &mut UcxKvSender,
+    pool: &KvPool,
+    table: &[BlockId],
+    r: Reservation,
+    layers: std::ops::Range<usize>,
+) -> TransferError {
+    const BOUND: Duration = Duration::from_secs(10);
+    for layer in layers {
+        let (k, v) = pool.gather_layer(layer, table).expect("gather");
+        match tokio::time::timeout(BOUND, tx.send_layer(r, layer, &k, &v)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return e,
+            Err(_) => panic!("a layer's send after the loss took over {BOUND:?}"),
+        }
+    }
+    match tokio::time::timeout(BOUND, tx.complete(r)).await {
+        Ok(got) => got.expect_err("an Ack from a decode side that went away"),
+        Err(_) => panic!("Complete after the loss took over {BOUND:?}"),
+    }
 }

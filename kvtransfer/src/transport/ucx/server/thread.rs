@@ -105,10 +105,17 @@ pub(super) fn serve_thread<S: BlockSink>(
             return;
         }
         driver.run(state.serve(&driver, stop)).await;
-        // Endpoints close (forced) before the worker and the region go.
-        state.conns.clear();
-        state.lingering.clear();
-        if let Some(pool) = state.pool.take() {
+        // Endpoints close (forced) first, then the worker goes, and only then
+        // the memory it exposed: on transports where UCX emulates puts (tcp),
+        // this worker itself writes each arriving put, during its progress, at
+        // the address the sender's key names, without checking that the
+        // memory is still registered, and destroying the worker progresses
+        // it (`ucx_sys`'s wire-up drain). Unmapped first, a sender's late put
+        // faulted this process.
+        let (region, pool) = state.into_memory();
+        drop(driver);
+        drop(region);
+        if let Some(pool) = pool {
             if Arc::strong_count(&pool.lease) > 1 {
                 // The engine still keeps its KV there: leave it mapped (with the
                 // context it belongs to) until the process exits.
@@ -250,6 +257,18 @@ fn send(ep: &Endpoint, conn: u64, msg: &Msg) -> Option<Request> {
 
 fn now() -> std::time::Instant {
     Instant::now().into_std()
+}
+
+impl<S> State<S> {
+    /// Closes every endpoint (forced) and drops all but the memory senders
+    /// write: the landing region and the pool, unmapped by the caller once
+    /// the worker is gone.
+    fn into_memory(self) -> (Region, Option<Pool>) {
+        let State { region, pool, conns, lingering, .. } = self;
+        drop(conns);
+        drop(lingering);
+        (region, pool)
+    }
 }
 
 impl<S: BlockSink> State<S> {
