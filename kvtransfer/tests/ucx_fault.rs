@@ -49,12 +49,17 @@ async fn a_byte_flipped_in_the_pool_after_the_writers_checksum_is_refused() {
         return;
     };
     fault::arm_corrupt(1, || {});
+    // Every layer is stored before any is announced: once the decode side
+    // checked the corrupt first layer it aborts the reservation, and the
+    // abort revokes the writer, so a store after that is refused.
+    let mut stored = Vec::new();
     for layer in 0..l.n_layers {
         let (k, v) = pool_a.layer_bytes(layer).expect("layer bytes");
-        let stored = w.store_layer(layer, 0, k, v, &table_a).expect("store");
-        assert_eq!(stored.bytes, 4 * 2 * side(&l));
-        within("announce", tx.announce(vec![stored])).await.expect("announce");
+        let s = w.store_layer(layer, 0, k, v, &table_a).expect("store");
+        assert_eq!(s.bytes, 4 * 2 * side(&l));
+        stored.push(s);
     }
+    within("announce", tx.announce(stored)).await.expect("announce");
     assert_eq!(fault::corrupted(), 1, "the first store was corrupted once");
     let got = within("Complete", tx.complete(r)).await;
     assert!(matches!(got, Err(TransferError::PeerAbort { reason: AbortReason::Corrupt })), "{got:?}");
