@@ -312,21 +312,16 @@ mod tests {
             // SAFETY: `src` is valid for `len` bytes.
             assert_eq!(unsafe { crc_raw(src.as_ptr(), len, 0x5eed) }, want, "in place {from}+{len}");
         }
-        // In place, through raw pointers: the same checksums.
-        for (from, len) in [(3, 3 * STREAM + 5), (1, size - 1), (8, 2), (0, 3 * STREAM), (5, 6 * STREAM - 9), (0, 0)] {
+        // From any alignment, appending to any checksum, across the fused rounds' edges:
+        // copied, and in place through raw pointers.
+        let edges = [(3, 3 * STREAM + 5), (1, size - 1), (8, 2), (0, 3 * STREAM), (5, 6 * STREAM - 8)];
+        for (from, len) in edges.into_iter().chain([(5, 6 * STREAM - 9), (0, 0)]) {
             let src = &bytes[from..from + len];
-            // SAFETY: `src` is valid for `len` bytes.
-            assert_eq!(
-                unsafe { crc_raw(src.as_ptr(), len, 0xbeef) },
-                crc32c::crc32c_append(0xbeef, src),
-                "{from}+{len}"
-            );
-        }
-        // From any alignment, appending to any checksum, across the fused rounds' edges.
-        for (from, len) in [(3, 3 * STREAM + 5), (1, size - 1), (8, 2), (0, 3 * STREAM), (5, 6 * STREAM - 8), (0, 0)] {
-            let src = &bytes[from..from + len];
-            assert_eq!(copy_crc32c(&mut dst[1..], src, 0xdead), crc32c::crc32c_append(0xdead, src), "{from}+{len}");
+            let want = crc32c::crc32c_append(0xdead, src);
+            assert_eq!(copy_crc32c(&mut dst[1..], src, 0xdead), want, "{from}+{len}");
             assert_eq!(&dst[1..1 + len], src);
+            // SAFETY: `src` is valid for `len` bytes.
+            assert_eq!(unsafe { crc_raw(src.as_ptr(), len, 0xdead) }, want, "in place {from}+{len}");
         }
     }
 }

@@ -146,7 +146,7 @@ async fn a_direct_writer_stores_from_the_senders_pool_until_its_grant_is_revoked
     let (r, table_b) = d.reserve(5, Duration::from_secs(30));
     let mut tx = d.connect(&peer(&l, "smollm2", 0x11)).await.expect("connect");
     let w = within("a writer", tx.direct_writer(r)).await.expect("direct_writer");
-    if !shared_lanes(&tx) {
+    if !common::shared_lanes(&tx) {
         // No shared-memory lane to the server (a UCX_TLS without one): nothing to map.
         assert!(w.is_none(), "a writer without a mapping, over {:?}", tx.transports());
         return;
@@ -215,12 +215,6 @@ async fn a_direct_writer_stores_from_the_senders_pool_until_its_grant_is_revoked
     assert!(matches!(w3.store_layer(0, 0, k, v, &table[..2]), Err(TransferError::Revoked { .. })));
 }
 
-/// Whether UCX reaches the server through shared memory (mapped stores and
-/// the direct path are possible).
-fn shared_lanes(tx: &UcxKvSender) -> bool {
-    tx.transports().iter().any(|t| t.starts_with("sysv") || t.starts_with("posix"))
-}
-
 /// One transfer of 5 blocks (31 sends: every layer, one of them in two
 /// pieces): byte-exact, counted on both sides, nothing left behind; stored
 /// through the mapped landing region where UCX reaches the server through
@@ -258,7 +252,7 @@ async fn transfer_lands_byte_exact(mapped_stores: bool, direct: bool) {
         assert_eq!(a, b, "layer {layer} differs after the transfer");
     }
     let sends = l.n_layers as u64 + 1;
-    let mapped = mapped_stores && shared_lanes(&tx);
+    let mapped = mapped_stores && common::shared_lanes(&tx);
     let want = if mapped { sends } else { 0 };
     assert_eq!(tx.mapped_layers(), want, "sends stored through the mapping, over {:?}", tx.transports());
     let want_direct = if mapped && direct { sends } else { 0 };
@@ -382,7 +376,7 @@ async fn an_expired_direct_reservations_blocks_stay_out_of_the_pool_until_its_se
     let mut stalled = d.connect(&me).await.expect("connect");
     send_layers(&mut stalled, &pool_a, &table_a, r1, &[0]).await;
     eventually("layer 0 accepted", || lock(&d.rx).counters().layer_frames_accepted == 1).await;
-    if !shared_lanes(&stalled) {
+    if !common::shared_lanes(&stalled) {
         // No shared memory between the workers (e.g. UCX_TLS=tcp): the landing
         // region's own test covers this fence; nothing went to the pool directly.
         assert_eq!((stalled.direct_layers(), d.server.stats().direct_grants), (0, 0));

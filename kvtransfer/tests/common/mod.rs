@@ -45,6 +45,12 @@ pub fn source(l: KvLayout, n: usize, pool_blocks: usize) -> (KvPool, Vec<BlockId
     (pool, table)
 }
 
+/// Whether UCX reaches the server through shared memory (mapped stores and
+/// the direct path are possible).
+pub fn shared_lanes(tx: &UcxKvSender) -> bool {
+    tx.transports().iter().any(|t| t.starts_with("sysv") || t.starts_with("posix"))
+}
+
 /// Sends `layers` of `table` from `pool` for `r` on a UCX sender whose
 /// decode side went away, then `Complete`, and returns the first failure: a
 /// layer's send returns once its puts are posted, so the loss may show only

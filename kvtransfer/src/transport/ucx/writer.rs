@@ -8,7 +8,7 @@
 //! the first: the engine's thread, right after the forward pass wrote a
 //! layer, copies its blocks from its own pool straight into the
 //! reservation's blocks of the decode pool, the CRC-32C taken on the words
-//! as they are stored ([`checksum::copy_crc`]), and hands the connection
+//! as they are stored ([`checksum::copy_crc_streaming`]), and hands the connection
 //! only a [`StoredLayer`] (which blocks, their checksum) to announce in the
 //! `Layer` message ([`UcxKvSender::announce`](super::UcxKvSender::announce)).
 //!
