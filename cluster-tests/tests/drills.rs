@@ -4,6 +4,9 @@
 //! Needs the workspace binaries (`cargo build --workspace --bins`), the model
 //! (`make model`) and etcd on PATH.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 use cluster_tests::{run_drill, DrillOptions, DrillReport, Guarantee};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;

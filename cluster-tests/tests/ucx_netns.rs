@@ -8,6 +8,8 @@
 //! Needs root, `ip` (iproute2), the workspace binaries and the model. A
 //! machine without network namespaces fails this test; it does not skip.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use std::time::Duration;
 
 use cluster_tests::netns::Netns;

@@ -13,6 +13,8 @@
 //! Futures are polled by hand with wakers that record who was woken, so
 //! no scheduler cost is mixed into the numbers.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;

@@ -17,6 +17,8 @@
 //! and the router are the same code as with etcd membership, whose view is
 //! an in-memory map read the same way.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
 #![forbid(unsafe_code)]
 
 use std::error::Error;

@@ -200,7 +200,7 @@ fn token_ids(p: &Pipeline, ids: &[u32]) -> Result<Vec<u32>, Error> {
 /// and order: the caller's tenant limits first, tokenizing (in the pool) last.
 async fn job_of(p: &Arc<Pipeline>, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, Error> {
     // Measured from arrival, before the work of validating.
-    let arrived = std::time::Instant::now();
+    let arrived = tokio::time::Instant::now();
     let headers = md.clone().into_headers();
     let pass = p.gate.enter(&headers)?;
     let timeout = request_timeout(md)?;

@@ -16,7 +16,8 @@
 //! request's admission.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::time::Instant;
 
 use crate::admission::{self, Admission, Priority, Shed, Slot, Ticket};
 use crate::cluster::{next, Cluster, Lease, Step, WorkerStream, WorkerTags};
@@ -269,7 +270,7 @@ impl Pipeline {
             key: job.caller.clone(),
             priority: job.priority,
             cost: job.ids.len() as u64 + u64::from(job.spec.params.max_tokens),
-            deadline: job.deadline.into(),
+            deadline: job.deadline,
         };
         match self.admission.admit(ticket).await {
             Ok(slot) => {
@@ -290,7 +291,7 @@ impl Pipeline {
         let id = self.cluster.request_id();
         let tags = WorkerTags { cache_salt: job.pass.tenant().cache_salt, priority: job.priority };
         let started = tokio::time::timeout_at(
-            job.deadline.into(),
+            job.deadline,
             self.cluster.generate(id.clone(), job.ids.clone(), &job.spec.params, unix_ms(job.deadline), tags),
         )
         .await;
@@ -548,7 +549,7 @@ impl Run {
     /// The next piece, or the end; a worker error or the deadline is an error.
     pub async fn step(&mut self) -> Result<Event, Error> {
         let event = tokio::time::timeout_at(
-            self.deadline.into(),
+            self.deadline,
             next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission),
         )
         .await;
@@ -580,11 +581,9 @@ impl Run {
     /// cancels it. Bounded by [`WORKER_END_WAIT`] and the deadline.
     async fn await_worker_end(&mut self) {
         let until = (Instant::now() + WORKER_END_WAIT).min(self.deadline);
-        let end = tokio::time::timeout_at(
-            until.into(),
-            next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission),
-        )
-        .await;
+        let end =
+            tokio::time::timeout_at(until, next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission))
+                .await;
         if let Ok(Ok(Step::Finished(f))) = end {
             self.worker_ended(&f);
         }

@@ -9,6 +9,9 @@
 //! slot while the queue is filled, so every refusal is decided while the
 //! slot is provably busy, and nothing depends on timing.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use std::sync::{mpsc, Arc};

@@ -5,6 +5,9 @@
 //! Each test proves its fault happened (process gone, etcd unreachable past
 //! the bound, tokens cut short) and ends with every worker's KV back to zero.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -8,6 +8,9 @@
 //! The requests are `/tokenize` calls: they pass the tenant's request
 //! limits like a generation and need no worker.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};

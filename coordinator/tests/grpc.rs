@@ -10,6 +10,9 @@
 //! from the same target directory (`make test` builds every binary first).
 //! Every wait is bounded and says what did not happen; nothing sleeps.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use std::future::Future;

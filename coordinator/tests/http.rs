@@ -6,6 +6,8 @@
 //! The worker binaries come from the same target directory (`make test`
 //! builds every binary first). Every wait is bounded; nothing sleeps.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use common::*;

@@ -4,6 +4,9 @@
 //! served; it is served as soon as one of the two goes away. The held ones
 //! count in `tandem_coordinator_http_connections`, read once there is room.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use std::io::{Read, Write};

@@ -8,6 +8,8 @@
 //! never passes C, and reaches at least C - 1, so the burst did fill the
 //! cluster (without the split each coordinator dispatches up to 6).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

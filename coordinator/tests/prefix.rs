@@ -25,6 +25,9 @@
 //!   faster than a cold prompt and reaches z = -4.16 (the bound for 12 + 12),
 //!   so the stricter level costs no power against it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use std::time::Instant;

@@ -23,6 +23,9 @@
 //!   within what the tenant allows) reaches both workers, counted by the
 //!   class each received.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use std::io::{Read, Write};

@@ -13,6 +13,9 @@
 //! It starts the release `tandem-prefill-worker` found beside it, which `cargo bench`
 //! does not rebuild: run `cargo build --release --bins` first after changing it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 #[path = "../tests/common/mod.rs"]
 mod common;
 

@@ -95,6 +95,7 @@ mod tests {
     /// The service reads tokio's clock, so a paused clock refills the
     /// bucket exactly as far as it is advanced, with no real waiting.
     #[tokio::test(start_paused = true)]
+    #[allow(clippy::disallowed_types, reason = "checks that no real time passed")]
     async fn the_bucket_refills_on_tokios_paused_clock() {
         let real = std::time::Instant::now();
         let mut b = AbsorbBudget::new(100, Instant::now());

@@ -46,7 +46,7 @@ use proto::worker::v1::{
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, Notify};
 // Deadlines, leases and timeouts on tokio's clock (paused in tests); the
-// receiver and the runner take them as `into_std()`.
+// runner, a thread outside tokio, takes them as `into_std()`.
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
@@ -258,7 +258,7 @@ impl DecodeService {
             self.reap().await;
             let next = lock(&self.inner.receiver).next_deadline();
             let cap = Instant::now() + Duration::from_millis(500);
-            let wake = next.map_or(cap, |d| Instant::from_std(d).min(cap));
+            let wake = next.map_or(cap, |d| d.min(cap));
             tokio::select! {
                 _ = tokio::time::sleep_until(wake) => {}
                 _ = stop.cancelled() => break,
@@ -269,7 +269,7 @@ impl DecodeService {
     }
 
     async fn reap(&self) {
-        let released = lock(&self.inner.receiver).poll_released(Instant::now().into_std());
+        let released = lock(&self.inner.receiver).poll_released(Instant::now());
         for r in released {
             tracing::info!(reservation = %r.reservation, cause = ?r.cause, blocks = r.blocks.len(), "reservation ended; freeing its blocks");
             self.release(r.blocks).await;

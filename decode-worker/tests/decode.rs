@@ -8,6 +8,9 @@
 //! Faults on the KV link come from a userspace proxy (tests/common) that
 //! the decode worker advertises as its transfer address.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 #[path = "common/rpc.rs"]
 mod rpc;

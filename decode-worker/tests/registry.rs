@@ -1,6 +1,8 @@
 //! Workers register themselves in a real etcd (started by the test on
 //! loopback ports) with what coordinators need, and deregister on SIGTERM.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use std::time::Duration;

@@ -21,6 +21,8 @@
 //! `--fault-kv-corrupt` drill hook) refused by checksum under each policy;
 //! another version group refused before any grant or byte.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 #[path = "common/rpc.rs"]
 mod rpc;

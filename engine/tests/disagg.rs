@@ -2,6 +2,8 @@
 //! between two separate pools (as it will between two processes), and the
 //! output must equal one engine doing both.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use common::{engine, greedy, run_all};

@@ -2,6 +2,8 @@
 //! tokens must not depend on batching, block size, chunking, preemption,
 //! prefix sharing, or a gather/scatter round trip of its KV blocks.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use common::{engine, greedy, run_all};

@@ -3,6 +3,8 @@
 //! prompt and salt alone (which is how the coordinator matches a prompt),
 //! and the epoch moves exactly when that set changes.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use common::{engine, greedy};

@@ -3,6 +3,8 @@
 //! sequence goes back in front of its own class only, and KV exhaustion
 //! evicts the lowest class first whatever the admission order.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use std::collections::HashMap;

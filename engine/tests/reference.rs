@@ -14,6 +14,8 @@
 //! runs saw the same context, our log-probability of the chosen token must
 //! track llama.cpp's closely on average and never stray far.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use engine::kv::{KvDtype, KvPool};

@@ -3,6 +3,9 @@
 //! event the runner has already freed the request's blocks, so `stats()`
 //! right after it is deterministic (commands are handled between steps).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use std::sync::mpsc::{self, Receiver};

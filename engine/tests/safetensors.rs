@@ -2,6 +2,8 @@
 //! Face safetensors checkpoint and loaded back: same hyper-parameters, same
 //! weights, same tokenizer, and the same greedy tokens as the GGUF model.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use std::path::PathBuf;
 
 use engine::kv::{KvDtype, KvPool};

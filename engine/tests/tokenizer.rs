@@ -1,6 +1,8 @@
 //! The tokenizer against the real model (SmolLM2-135M-Instruct GGUF) and
 //! against llama.cpp's output for it (tests/fixtures/llama_cpp_reference.json).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 

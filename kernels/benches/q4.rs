@@ -20,6 +20,9 @@
 //! Run: `cargo bench -p kernels --bench q4` (args: steps per side and batch
 //! size, default 15; threads, default 2).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 use std::time::{Duration, Instant};
 
 use kernels::matmul::panels::pack_q4_panels;

@@ -15,6 +15,8 @@
 //!
 //! Which thread computes an item never changes its result: kernels compute
 //! each output with one fixed instruction sequence.
+
+#![allow(clippy::disallowed_types, reason = "the compute pool spins on its own threads for a wall-clock budget")]
 #![allow(unsafe_code)]
 
 use std::ops::Range;

@@ -26,13 +26,16 @@
 //! Run: `cargo bench -p kvtransfer --bench local` (optional args: rings as
 //! slot KiB x slots, e.g. `-- 256x8 1024x16`).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 // The other benches' helpers; this one takes only the source pool.
 #[allow(dead_code)]
 mod common;
 
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
 use kvtransfer::{
@@ -261,7 +264,7 @@ impl Bench {
             Variant::Memory => (0..BLOCKS as BlockId).collect(),
             _ => self.table_b.clone(),
         };
-        let r = lock(rx).reserve(blocks, Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
+        let r = lock(rx).reserve(blocks, Duration::from_secs(60), tokio::time::Instant::now())?;
         let mut tx = LocalKvSender::connect(d.server.local_addr(), &peer(), LAYOUT, config.clone()).await?;
 
         let start = Instant::now();

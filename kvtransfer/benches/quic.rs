@@ -18,13 +18,16 @@
 //! Run: `cargo bench -p kvtransfer --bench quic` (optional args: frame sizes,
 //! `256k` or `1` (MiB); `profile` to loop the QUIC transport alone).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 // The source pool there is the pool-to-pool benches'.
 #[allow(dead_code)]
 mod common;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use common::{
     actor_hops, cpu_seconds, dst_sink, expected_dst, frame_payload, frame_sizes, gbps, lock, lock_take, peer, rates,
@@ -124,7 +127,7 @@ async fn quic_run(
     let config = QuicServerConfig { tuning: tuning(), ..QuicServerConfig::new(id.clone()) };
     let server = QuicKvServer::bind("127.0.0.1:0", rx.clone(), sink, config).await?;
     let ids: Vec<BlockId> = (0..BLOCKS as BlockId).collect();
-    let r = lock(&rx).reserve(ids, Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
+    let r = lock(&rx).reserve(ids, Duration::from_secs(60), tokio::time::Instant::now())?;
     let config =
         QuicSenderConfig { max_frame_bytes: max_frame, ..QuicSenderConfig::new(PeerTrust::Pinned(id.fingerprint())) };
     let mut tx = QuicKvSender::connect(server.local_addr(), &peer(), LAYOUT, config).await?;

@@ -25,11 +25,14 @@
 //! `256k` or `1` (MiB), e.g. `-- 256k 1 4`; `profile` to loop the
 //! memory -> memory transport alone, for perf).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use common::{
     actor_hops, cpu_seconds, dst_sink, expected_dst, frame_payload, frame_sizes, gbps, lock, lock_take, peer, rates,
@@ -195,7 +198,7 @@ async fn transport_pool_run(
 ) -> Res<(Duration, Duration)> {
     let rx = Arc::new(Mutex::new(Receiver::new(peer(), ReceiverConfig::new(LAYOUT))?));
     let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool_b.clone(), TcpServerConfig::default()).await?;
-    let r = lock(&rx).reserve(table_b.to_vec(), Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
+    let r = lock(&rx).reserve(table_b.to_vec(), Duration::from_secs(60), tokio::time::Instant::now())?;
     let config = TcpSenderConfig { max_frame_bytes: max_frame, ..TcpSenderConfig::default() };
     let mut tx = TcpKvSender::connect(server.local_addr(), &peer(), LAYOUT, config).await?;
 
@@ -228,7 +231,7 @@ async fn transport_mem_run(
     let rx = Arc::new(Mutex::new(Receiver::new(peer(), ReceiverConfig::new(LAYOUT))?));
     let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), sink, TcpServerConfig::default()).await?;
     let ids: Vec<BlockId> = (0..BLOCKS as BlockId).collect();
-    let r = lock(&rx).reserve(ids, Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
+    let r = lock(&rx).reserve(ids, Duration::from_secs(60), tokio::time::Instant::now())?;
     let config = TcpSenderConfig { max_frame_bytes: max_frame, ..TcpSenderConfig::default() };
     let mut tx = TcpKvSender::connect(server.local_addr(), &peer(), LAYOUT, config).await?;
     let start = Instant::now();
@@ -263,7 +266,7 @@ async fn transport_parallel_run(layers: &[(Vec<u8>, Vec<u8>)], n: usize, max_fra
     let mut reservations = Vec::new();
     for i in 0..n {
         let ids: Vec<BlockId> = ((i * per) as BlockId..((i + 1) * per) as BlockId).collect();
-        reservations.push(lock(&rx).reserve(ids, Duration::from_secs(60), tokio::time::Instant::now().into_std())?);
+        reservations.push(lock(&rx).reserve(ids, Duration::from_secs(60), tokio::time::Instant::now())?);
     }
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let poller = {
@@ -272,7 +275,7 @@ async fn transport_parallel_run(layers: &[(Vec<u8>, Vec<u8>)], n: usize, max_fra
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 {
                     let mut r = lock(&rx);
-                    let _ = r.poll_released(tokio::time::Instant::now().into_std());
+                    let _ = r.poll_released(tokio::time::Instant::now());
                     std::hint::black_box(r.counters().clone());
                 }
                 tokio::time::sleep(Duration::from_millis(1)).await;

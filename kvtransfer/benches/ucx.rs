@@ -52,6 +52,8 @@
 //! Run: `cargo bench -p kvtransfer --features pool --bench ucx` (optional arg: runs,
 //! default 7). Goal: ucx pool -> pool >= 0.8x ucx_perftest's put bandwidth.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 // The raw-stream baselines and frame helpers there are the tcp and quic benches'.
 #[allow(dead_code)]
 mod common;
@@ -60,7 +62,8 @@ mod floor;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use common::{lock, peer, Res, LAYOUT, SIDE};
 use engine::kv::{BlockId, KvPool};
@@ -322,8 +325,7 @@ impl Bench {
             Kind::Tcp => 1,
             Kind::Local => 2,
         }];
-        let r =
-            lock(rx).reserve(self.table_b.clone(), Duration::from_secs(60), tokio::time::Instant::now().into_std())?;
+        let r = lock(rx).reserve(self.table_b.clone(), Duration::from_secs(60), tokio::time::Instant::now())?;
         if let (Tx::Ucx(t), Kind::Ucx) = (&mut *tx, kind) {
             // As the prefill worker: the writer is asked for as the prefill
             // starts, its grant overlapping the first layer's compute (which

@@ -81,7 +81,7 @@ fn fused() -> bool {
 }
 
 /// Copies `src` to the front of `dst` and returns `crc32c_append(crc, src)`,
-/// computed in the same pass (see [`copy_crc`]).
+/// computed in the same pass (see the crate-private `copy_crc`).
 ///
 /// # Panics
 /// If `dst` is shorter than `src`.

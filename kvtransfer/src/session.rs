@@ -33,9 +33,9 @@
 //! `Ready` before [`Receiver::take_ready`]: whatever the peer or the engine
 //! does, no block outlives its lease.
 //!
-//! Time is a `std::time::Instant` passed into every call that needs it; the
+//! Time is a `tokio::time::Instant` passed into every call that needs it; the
 //! receiver never reads a clock. An async caller passes
-//! `tokio::time::Instant::now().into_std()`, which follows tokio's paused
+//! `tokio::time::Instant::now()`, which follows tokio's paused
 //! test clock.
 //!
 //! Reservation ids are slots, reused oldest-ended first so a finished
@@ -49,7 +49,8 @@ mod error;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use types::kv::{BlockId, KvLayout};
 
@@ -770,7 +771,8 @@ impl Receiver {
 }
 
 // Checks the receiver against the engine's real pool: needs feature `pool`.
-#[cfg(all(test, feature = "pool"))]
+#[cfg(test)]
+#[cfg(feature = "pool")]
 mod prop_tests;
 #[cfg(test)]
 mod tests;

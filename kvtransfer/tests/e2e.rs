@@ -2,9 +2,12 @@
 //! frames through the receiver state machine into different block ids of a
 //! second pool, and arrives bit-exact.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
 use kvtransfer::{

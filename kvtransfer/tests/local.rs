@@ -8,6 +8,8 @@
 //! timeout whose message says what did not happen; events are awaited
 //! (server stats watch, socket reads), never slept for.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use std::fs::File;
@@ -59,8 +61,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().expect("test lock")
 }
 
-fn now() -> std::time::Instant {
-    tokio::time::Instant::now().into_std()
+fn now() -> tokio::time::Instant {
+    tokio::time::Instant::now()
 }
 
 /// A fresh abstract socket name: unique per process and test.

@@ -8,6 +8,8 @@
 //! slept for. A peer "dies" behind a UDP relay that starts dropping every
 //! datagram, so neither end gets a close.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 mod net;
 

@@ -5,6 +5,8 @@
 //! Every wait is bounded by a timeout whose message says what did not
 //! happen; events are awaited (server stats watch, socket reads), never slept for.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 mod net;
 

@@ -9,6 +9,8 @@
 //! `UCX_NET_DEVICES` is set to `lo` unless the caller set it. Every wait is
 //! bounded and named; events are awaited on the server's stats watch.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 mod net;
 
@@ -89,7 +91,7 @@ impl DecodeSide {
     }
 
     /// Frees what `poll_released` hands back, as the decode worker's reaper does.
-    fn reap(&self, at: std::time::Instant) -> Vec<kvtransfer::Released> {
+    fn reap(&self, at: tokio::time::Instant) -> Vec<kvtransfer::Released> {
         let released = lock(&self.rx).poll_released(at);
         for r in &released {
             lock(&self.pool).release(&r.blocks).expect("release");
@@ -463,7 +465,7 @@ async fn dead_peers_give_typed_errors_in_bounded_time_and_leak_nothing() {
     let DecodeSide { server, .. } = d;
     server.shutdown();
     let (k, v) = pool_a.gather_layer(0, &table_a).expect("gather");
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     match within("the sender giving up", tx.send_layer(r2, 0, &k, &v)).await {
         Err(e @ (TransferError::Timeout { .. } | TransferError::Io(_))) => {
             assert!(matches!(e.kind(), ErrorKind::Deadline | ErrorKind::Retryable), "{e}")
@@ -488,7 +490,7 @@ async fn a_decode_side_lost_after_the_grant_fails_the_transfer_by_its_complete_a
     send_layers(&mut tx, &pool_a, &table_a, r, &[0]).await;
     let DecodeSide { server, .. } = d;
     server.shutdown();
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let failure = common::ucx_failure_after_loss(&mut tx, &pool_a, &table_a, r, 1..l.n_layers).await;
     assert!(matches!(failure.kind(), ErrorKind::Deadline | ErrorKind::Retryable), "{failure}");
     assert!(started.elapsed() < WAIT, "bounded by the sender's timeout");

@@ -6,6 +6,8 @@
 //! Its own test binary (its own process under any test runner): arming the
 //! fault is process-wide, and another test's first store must not take it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 mod net;
 

@@ -15,6 +15,8 @@
 //! process under any test runner): `UCX_TLS` is read by every UCX context of
 //! the process, and this one must be tcp whatever the caller's environment.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 mod net;
 
@@ -77,7 +79,7 @@ async fn a_server_shut_down_under_a_senders_puts_fails_the_transfer_not_the_proc
         within("the first layer", tx.send_layer(r, 0, &k, &v)).await.expect("the first layer is sent");
         assert_eq!(tx.bytes_sent(), (3 * 2 * side(&l)) as u64, "round {round}: one layer of 3 blocks");
         server.shutdown();
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let failure = common::ucx_failure_after_loss(&mut tx, &pool_a, &table_a, r, 1..l.n_layers).await;
         assert!(matches!(failure.kind(), ErrorKind::Deadline | ErrorKind::Retryable), "round {round}: {failure}");
         assert!(started.elapsed() < WAIT, "round {round}: bounded by the sender's timeout");

@@ -5,6 +5,8 @@
 //! JSON, stop without a finish reason, or hang. Each must come back as its
 //! typed outcome with the right token counts.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

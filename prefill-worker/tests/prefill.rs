@@ -7,6 +7,8 @@
 //! Every wait is bounded and says what did not happen; nothing sleeps. Processes, metric
 //! pages and waits are testkit's.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -170,7 +172,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     let r = rx.lock().map_err(|_| "rx lock")?.reserve(
         blocks.clone(),
         Duration::from_secs(120),
-        tokio::time::Instant::now().into_std(),
+        tokio::time::Instant::now(),
     )?;
     let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool.clone(), TcpServerConfig::default()).await?;
 
@@ -264,7 +266,7 @@ async fn a_pooled_connection_the_decode_side_closed_when_idle_is_replaced() -> T
         let r = rx.lock().map_err(|_| "rx lock")?.reserve(
             blocks.clone(),
             Duration::from_secs(120),
-            tokio::time::Instant::now().into_std(),
+            tokio::time::Instant::now(),
         )?;
         let destination = tcp_destination(server.local_addr().to_string(), fp, r, blocks.clone());
         let request = prefill_request(&format!("req-{round}"), &prompt, 0, destination);
@@ -362,7 +364,7 @@ async fn decode_side(
     let r = rx.lock().map_err(|_| "rx lock")?.reserve(
         blocks.clone(),
         Duration::from_secs(120),
-        tokio::time::Instant::now().into_std(),
+        tokio::time::Instant::now(),
     )?;
     let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool, TcpServerConfig::default()).await?;
     let destination = tcp_destination(server.local_addr().to_string(), fp, r, blocks);

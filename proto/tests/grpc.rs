@@ -1,6 +1,8 @@
 //! The generated service and client talk over a real socket: a tonic server on
 //! 127.0.0.1:0 with a trivial in-test DecodeWorker, and a tonic client.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use std::error::Error;
 use std::future::Future;
 use std::time::Duration;

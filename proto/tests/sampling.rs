@@ -1,6 +1,8 @@
 //! Sampling parameters survive engine -> wire -> engine unchanged, and a bad
 //! wire value becomes the engine's typed error, never a silent default.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use proto::worker::v1::{ErrorKind, SamplingParams, WorkerError};
 use types::sampling::{SamplerError, SamplingParams as EngineParams};
 

@@ -2,6 +2,8 @@
 //! membership cache; losing quorum fences no worker (static stability) but makes the cache unhealthy (while it
 //! stays readable), and restoring quorum brings both back.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use std::time::Duration;

@@ -1,6 +1,8 @@
 //! Registration and membership on a live etcd: register, keep alive, drain, deregister,
 //! expire, duplicate ids, lease loss, compaction, and two caches agreeing.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use std::time::Duration;

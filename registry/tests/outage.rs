@@ -2,6 +2,8 @@
 //! stability), re-register without fencing when the key is free, and fence only when
 //! another lease holds their key.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use std::time::Duration;

@@ -17,6 +17,8 @@
 //! then moves both sides of most rounds alike instead of deciding the
 //! ratio.
 
+#![allow(clippy::disallowed_types, reason = "a benchmark: wall time on purpose")]
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;

@@ -9,6 +9,8 @@
 //! prompt is prefilled, and the prompt's time to first token; each set
 //! against the budget that is off (whole `max_batch_tokens` chunks).
 
+#![allow(clippy::disallowed_types, reason = "a benchmark: wall time on purpose")]
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

@@ -1,5 +1,7 @@
 //! `tandem generate`: one request through the engine, streamed to stdout.
 
+#![allow(clippy::disallowed_types, reason = "`--stats` reports wall time on purpose")]
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;

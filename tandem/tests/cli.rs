@@ -2,6 +2,8 @@
 //! text, stats go to stderr as one JSON line, and bad input exits non-zero
 //! with an `error:` line and no panic.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use std::process::{Command, Output};
 
 fn tandem(args: &[&str]) -> Output {

@@ -19,6 +19,8 @@
 //! Tools missing (promtool, kubectl, the venv) fail the tests with how to get them; none
 //! is skipped.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;

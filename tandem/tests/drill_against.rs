@@ -9,6 +9,9 @@
 //! Real processes: `tandem up` (etcd, prefill and decode workers, a
 //! coordinator) and `tandem drill`, both this crate's binary.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use common::{proc_state, running, TestResult, Up, WAIT};

@@ -7,6 +7,9 @@
 //! Real processes: `tandem up` (its own etcd, 1 prefill + 1 decode worker, a
 //! coordinator) and the `loadgen` client over loopback.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+#![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
+
 mod common;
 
 use std::time::{Duration, Instant};

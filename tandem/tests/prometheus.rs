@@ -13,6 +13,8 @@
 //! dashboard panel's query is sent to that Prometheus and answers without
 //! error, and with at least one series when every metric it reads exists.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

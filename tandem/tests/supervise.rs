@@ -6,6 +6,8 @@
 //! Real processes: `tandem up` (etcd, workers, coordinator) and the
 //! `loadgen` client over loopback.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use std::time::Duration;

@@ -5,6 +5,8 @@
 //! The worker and coordinator binaries are `tandem`'s siblings in the
 //! target directory (`make test` builds every binary first).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
+
 mod common;
 
 use common::{post, running, TestResult, Up};

@@ -63,7 +63,8 @@ fn timeout(what: &str, limit: Duration, last: Option<String>) -> Error {
 /// The same waits for code outside a runtime, on the thread's own clock.
 pub mod blocking {
     use std::fmt::Display;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
+    use tokio::time::Instant;
 
     use super::{timeout, POLL};
     use crate::Result;

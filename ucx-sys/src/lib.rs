@@ -195,6 +195,7 @@ impl WorkerInner {
 const WIREUP_DRAIN: std::time::Duration = std::time::Duration::from_millis(100);
 
 impl Drop for WorkerInner {
+    #[allow(clippy::disallowed_types, reason = "a bounded wall-clock drain on the worker's own thread")]
     fn drop(&mut self) {
         // Endpoints hold an Rc of this worker, so all are closed (forced), which completed
         // every operation on them: orphans are done, and freed here.

@@ -86,7 +86,7 @@ impl Region {
         self.base as u64
     }
 
-    /// The key a peer unpacks ([`Endpoint::unpack_key`]) to write here.
+    /// The key a peer unpacks ([`Endpoint::unpack_key`](crate::Endpoint::unpack_key)) to write here.
     pub fn pack_key(&self) -> Result<Vec<u8>> {
         let mut buf: *mut c_void = std::ptr::null_mut();
         let mut size = 0usize;

@@ -91,7 +91,7 @@ unsafe extern "C" fn on_send_done(_request: *mut c_void, status: ucs_status_t, u
 }
 
 /// An operation in flight. Await it (with the worker progressing, e.g. a
-/// driver task calling [`Worker::progress`] on event-fd wake-ups), or
+/// driver task calling [`Worker::progress`](crate::Worker::progress) on event-fd wake-ups), or
 /// [`Request::wait`] for it. Dropping it early does not wait: the operation
 /// goes on, its buffers stay owned until UCX is done, and the worker frees
 /// it then.

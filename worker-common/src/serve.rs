@@ -41,7 +41,7 @@ pub fn load(cfg: &CommonConfig) -> anyhow::Result<Loaded> {
     // thread faults it in block by block under load (a stall in a running
     // stream's step), and a pool the host cannot hold is found out by the
     // OOM killer mid-request instead of here.
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let bytes = engine.pool_mut().commit().context("committing the KV pool (lower `kv_blocks`?)")?;
     tracing::info!(mib = bytes >> 20, ms = started.elapsed().as_millis() as u64, "KV pool committed");
     Ok(Loaded { engine, layout, fingerprint, tokenizer })
@@ -395,6 +395,7 @@ mod tests {
     /// wire is the time left on that clock. Ten seconds of deadline, no
     /// real waiting.
     #[tokio::test(start_paused = true)]
+    #[allow(clippy::disallowed_types, reason = "checks that no real time passed")]
     async fn a_wire_deadline_fires_on_tokios_paused_clock() {
         assert_eq!(local_deadline(0), None);
         assert_eq!(unix_deadline(None), 0);

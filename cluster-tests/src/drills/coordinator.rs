@@ -4,7 +4,8 @@
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use loadgen::{Outcome, Report};
 

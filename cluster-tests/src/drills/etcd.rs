@@ -3,7 +3,8 @@
 //! partitioned from etcd alone (a [`Fault::Blackhole`] proxy on its etcd link).
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use loadgen::Report;
 use testkit::http::Request;

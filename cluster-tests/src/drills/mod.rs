@@ -22,7 +22,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use loadgen::{Arrival, Outcome, Plan, PromptSource, Report};
 use tokio_util::sync::CancellationToken;

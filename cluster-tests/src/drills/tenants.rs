@@ -1,6 +1,7 @@
 //! Drills where one tenant is the fault: a noisy neighbour flooding its quota.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use loadgen::{Arrival, Outcome, Plan, PromptSource, Report};
 use testkit::http::Request;

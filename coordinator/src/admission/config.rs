@@ -5,9 +5,9 @@ use thiserror::Error;
 /// Limits of the admission queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdmissionConfig {
-    /// Requests running at once (holding a [`Slot`]). The default, 8, is a
+    /// Requests running at once (holding a [`Slot`](super::Slot)). The default, 8, is a
     /// cautious start; the cluster raises it with
-    /// [`Admission::set_max_running`] once it knows its workers' capacity.
+    /// [`Admission::set_max_running`](super::Admission::set_max_running) once it knows its workers' capacity.
     pub max_running: usize,
     /// Tickets queued at once, all keys. The default, 64 (8 per running
     /// slot), is about what can be served within a typical deadline; a

@@ -33,7 +33,8 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};

@@ -158,8 +158,7 @@ impl DecodeService {
             .await
             .map_err(Failure::Fatal)?
             .map_err(|e| Failure::Fatal(runner_err(&e)))?;
-        let reserved =
-            lock(&inner.receiver).reserve(blocks.clone(), inner.settings.reservation_ttl, started.into_std());
+        let reserved = lock(&inner.receiver).reserve(blocks.clone(), inner.settings.reservation_ttl, started);
         let r = match reserved {
             Ok(r) => r,
             Err(e) => {
@@ -358,7 +357,7 @@ impl DecodeService {
                 (rx.lease_end(r), rx.state(r))
             };
             let end = match (end, state) {
-                (Some(end), _) => Instant::from_std(end),
+                (Some(end), _) => end,
                 (None, Some(ReservationState::Expired) | None) => return,
                 (None, Some(_)) => {
                     probe_at = None;
@@ -398,7 +397,7 @@ impl DecodeService {
                 }
                 Ok(Err(_)) | Err(_) => false,
             };
-            if renew && lock(&inner.receiver).renew(r, ttl, Instant::now().into_std()).is_ok() {
+            if renew && lock(&inner.receiver).renew(r, ttl, Instant::now()).is_ok() {
                 m::record_lease_renewal();
             }
         }

@@ -431,6 +431,7 @@ impl Engine {
         let decodes = plan.iter().filter(|(id, _)| self.seqs[id].is_decoding()).count();
         let prefill = plan.iter().map(|(_, n)| n).sum::<usize>() - decodes;
         self.streams_scratch = self.take_streams(&plan);
+        #[allow(clippy::disallowed_types, reason = "the step cost model is wall time on the engine thread")]
         let started = std::time::Instant::now();
         let result = self.run_step(&plan);
         self.cost.observe(decodes, prefill, started.elapsed().as_secs_f64() * 1e3);

@@ -43,6 +43,11 @@
 //!   [`POST_ROOM`]), so only more than [`ASK_ROOM`] threads asking at once
 //!   can leave a post no room: overload, which fails that KV write.
 
+#![allow(
+    clippy::disallowed_types,
+    reason = "the runner is a thread outside tokio: its deadlines are wall-clock instants (callers pass into_std())"
+)]
+
 mod error;
 mod worker;
 

@@ -4,7 +4,7 @@
 //! `tokenizer.ggml.*` metadata ([`Tokenizer::from_gguf`], via
 //! [`TokenizerParts`]) or from a Hugging Face `tokenizer.json`
 //! ([`Tokenizer::from_files`]). It adds what serving needs on top: the model's
-//! chat template ([`chat`]), streaming detokenization that never splits a
+//! chat template (module `chat`), streaming detokenization that never splits a
 //! UTF-8 character ([`IncrementalDecoder`]), the ids that end generation, and
 //! a digest of everything that decides text -> ids.
 //!
@@ -213,7 +213,7 @@ impl Tokenizer {
         self.digest
     }
 
-    /// Renders the model's chat template (see [`chat`]).
+    /// Renders the model's chat template (see the module `chat`).
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],

@@ -201,7 +201,7 @@ pub async fn actor_hops(stop: std::sync::Arc<std::sync::atomic::AtomicBool>, min
         let mut times = Vec::new();
         let mut i = 0u64;
         while times.len() < min || !stop.load(std::sync::atomic::Ordering::Relaxed) {
-            let t = std::time::Instant::now();
+            let t = tokio::time::Instant::now();
             let (reply, answer) = tokio::sync::oneshot::channel();
             if tx.send((i, reply)).await.is_err() {
                 break;

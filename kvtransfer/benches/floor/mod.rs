@@ -24,7 +24,8 @@
 //!   least the contract allows.
 
 use std::sync::mpsc::{self, Receiver, TryRecvError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use kvtransfer::checksum::copy_crc32c;
 

@@ -4,7 +4,8 @@
 //! frees, and nothing is left held at the end.
 
 use std::collections::{HashMap, HashSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
 

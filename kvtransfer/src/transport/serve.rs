@@ -183,17 +183,17 @@ where
         let reply = match frame {
             Incoming::Layer { header, payload, crc32c } => {
                 poll_fn(|cx| sink.poll_ready(cx, payload.len())).await;
-                layer(shared, sink, &header, payload, crc32c, Instant::now().into_std())
+                layer(shared, sink, &header, payload, crc32c, Instant::now())
             }
             // Not from FrameReader::next (its LayerData come as Layer); checked the slow way all the same.
             Incoming::Frame(Frame::LayerData(d)) => {
                 let crc = d.payload_checksum();
                 poll_fn(|cx| sink.poll_ready(cx, d.payload.len())).await;
-                layer(shared, sink, &d.header(), d.payload, crc, Instant::now().into_std())
+                layer(shared, sink, &d.header(), d.payload, crc, Instant::now())
             }
             Incoming::Frame(Frame::Complete(c)) => {
                 // Bound first: the guard must not live across the await below.
-                let verdict = lock(&shared.receiver).on_complete(&c, Instant::now().into_std());
+                let verdict = lock(&shared.receiver).on_complete(&c, Instant::now());
                 match verdict {
                     Ok(ack) => {
                         if let Err(e) = write_frame(wr, &mut out, &Frame::Ack(ack), idle).await {
@@ -208,7 +208,7 @@ where
             }
             Incoming::Frame(Frame::Abort(a)) => {
                 // Refused only when the reservation already ended: nothing to do.
-                let _ = lock(&shared.receiver).on_abort(&a, Instant::now().into_std());
+                let _ = lock(&shared.receiver).on_abort(&a, Instant::now());
                 None
             }
             Incoming::Frame(other) => return CloseReason::UnexpectedFrame { got: frame_name(&other) },
@@ -237,7 +237,7 @@ fn layer<S: BlockSink>(
     header: &LayerDataHeader,
     payload: Vec<u8>,
     crc: u32,
-    now: std::time::Instant,
+    now: tokio::time::Instant,
 ) -> Option<Abort> {
     let mut rx = lock(&shared.receiver);
     let abort = |reason| Abort { reservation: header.reservation, generation: header.generation, reason };
@@ -325,23 +325,24 @@ mod tests {
     /// is refused as expired and the blocks come back as `LeaseExpired`. The
     /// clock is paused, so the five-second lease costs no real time.
     #[tokio::test(start_paused = true)]
+    #[allow(clippy::disallowed_types, reason = "checks that no real time passed")]
     async fn a_lease_expires_on_tokios_paused_clock_through_the_server() {
         let real = std::time::Instant::now();
         let (rx, mut tx, _server) = pair(FnSink(|_: usize, _: &[BlockId], _: &[u8], _: &[u8]| Ok(()))).await;
         let ttl = Duration::from_secs(5);
-        let r = lock(&rx).reserve(vec![10, 11], ttl, Instant::now().into_std()).expect("reserve");
+        let r = lock(&rx).reserve(vec![10, 11], ttl, Instant::now()).expect("reserve");
         let (k, v) = (vec![1u8; 2 * SIDE], vec![2u8; 2 * SIDE]);
 
         tx.send_blocks(r, 0, 0, &k, &v).await.expect("send layer 0");
         until("layer 0 accepted", || lock(&rx).counters().layer_frames_accepted == 1).await;
         tokio::time::advance(ttl - Duration::from_millis(1)).await;
-        assert!(lock(&rx).poll_released(Instant::now().into_std()).is_empty(), "not expired 1 ms before the lease end");
+        assert!(lock(&rx).poll_released(Instant::now()).is_empty(), "not expired 1 ms before the lease end");
 
         tokio::time::advance(Duration::from_millis(1)).await;
         tx.send_blocks(r, 1, 0, &k, &v).await.expect("send layer 1");
         until("layer 1 refused", || lock(&rx).counters().refused("expired") == 1).await;
         assert_eq!(lock(&rx).state(r), Some(ReservationState::Expired));
-        let released = lock(&rx).poll_released(Instant::now().into_std());
+        let released = lock(&rx).poll_released(Instant::now());
         assert_eq!(released.len(), 1);
         assert_eq!((released[0].blocks.clone(), released[0].cause), (vec![10, 11], ReleaseCause::LeaseExpired));
         assert!(real.elapsed() < Duration::from_secs(2), "waited in real time: {:?}", real.elapsed());
@@ -404,7 +405,7 @@ mod tests {
     async fn a_sink_that_is_not_ready_holds_the_frame_back_without_the_receiver() {
         let gate = Gated::default();
         let (rx, mut tx, _server) = pair(gate.clone()).await;
-        let r = lock(&rx).reserve(vec![3, 4], Duration::from_secs(60), Instant::now().into_std()).expect("reserve");
+        let r = lock(&rx).reserve(vec![3, 4], Duration::from_secs(60), Instant::now()).expect("reserve");
         let (k, v) = (vec![1u8; 2 * SIDE], vec![2u8; 2 * SIDE]);
         tx.send_blocks(r, 0, 0, &k, &v).await.expect("send layer 0");
         tx.send_blocks(r, 1, 0, &k, &v).await.expect("send layer 1");

@@ -41,6 +41,6 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// Now, on tokio's clock, as the receiver takes it.
-pub fn now() -> std::time::Instant {
-    tokio::time::Instant::now().into_std()
+pub fn now() -> tokio::time::Instant {
+    tokio::time::Instant::now()
 }

@@ -28,7 +28,8 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use anyhow::{bail, Context};
 use cluster_tests::{drills, drills_against, planned_requests, run_drill, DrillOptions, DrillReport};

@@ -14,7 +14,7 @@
 //! go to its own file in the log directory (`--log-dir`; kept after the stop). Once `/ready`
 //! answers, the state file is written and a table printed.
 //!
-//! From then on every process is supervised ([`supervise`]): one that exits on its own is
+//! From then on every process is supervised ([`supervise()`]): one that exits on its own is
 //! started again after a capped exponential backoff (`--restart`, default `on-failure`) on the
 //! same addresses, its log appended after a separator line, and one line printed per exit and
 //! restart; one that exits `--give-up-after` times within a minute is left down, loudly, while

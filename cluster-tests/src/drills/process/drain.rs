@@ -359,7 +359,7 @@ impl Drill for DrainGraceShort {
             return Ok(ev);
         }
         ev.began();
-        let t0 = std::time::Instant::now();
+        let t0 = tokio::time::Instant::now();
         c.signal(name, Signal::Term)?;
         // The long streams end as they end; read them while the worker drains.
         let mut ends = tokio::task::JoinSet::new();

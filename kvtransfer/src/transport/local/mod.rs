@@ -40,7 +40,7 @@
 //! microbenchmark: copy alone ~25 ms, copy then CRC ~40 ms, chunked ~45 ms,
 //! fused ~31 ms. The sender copies from the caller's gathered layer
 //! ([`LocalKvSender::send_layer`], the TCP sender's signature) or straight
-//! from the pool's storage ([`LocalKvSender::send_pool_layer`], one copy
+//! from the pool's storage ([`LocalKvSender::send_stored_blocks`], one copy
 //! fewer, three blocks per fused round). The receiver credits the slot once
 //! copied and hands [`Receiver::on_layer_checked`](crate::Receiver::on_layer_checked)
 //! the checksum of its own copy, so the receiver state machine never reads

@@ -384,7 +384,7 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                 let h = d.header;
                 // The sink's room first, without the receiver (see BlockSink::poll_ready).
                 poll_fn(|cx| sink.poll_ready(cx, buf.len())).await;
-                let now = Instant::now().into_std();
+                let now = Instant::now();
                 let abort = |reason| Abort { reservation: h.reservation, generation: h.generation, reason };
                 let mut rx = lock(&shared.receiver);
                 // `h.payload_len` is `buf.len()`: copy_out copied exactly that.
@@ -410,7 +410,7 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
             }
             Msg::Frame(Frame::Complete(c)) => {
                 // Bound first: the guard must not live across the await below.
-                let verdict = lock(&shared.receiver).on_complete(&c, Instant::now().into_std());
+                let verdict = lock(&shared.receiver).on_complete(&c, Instant::now());
                 match verdict {
                     Ok(ack) => {
                         if let Err(e) = replies.send(&mut stream, Some(&Msg::Frame(Frame::Ack(ack)))).await {
@@ -425,7 +425,7 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
             }
             Msg::Frame(Frame::Abort(a)) => {
                 // Refused only when the reservation already ended: nothing to do.
-                let _ = lock(&shared.receiver).on_abort(&a, Instant::now().into_std());
+                let _ = lock(&shared.receiver).on_abort(&a, Instant::now());
                 None
             }
             other => return LocalCloseReason::UnexpectedMessage { got: other.name() },

@@ -56,7 +56,7 @@ async fn a_write_landing_between_put_and_copy_is_refused_by_the_checksum() {
     let server = UcxKvServer::bind_with_hook(rx.clone(), sink, UcxServerConfig::default(), hook).await.expect("bind");
     let blocks: Vec<BlockId> = (10..14).collect();
     let r =
-        rx.lock().expect("rx").reserve(blocks, Duration::from_secs(30), std::time::Instant::now()).expect("reserve");
+        rx.lock().expect("rx").reserve(blocks, Duration::from_secs(30), tokio::time::Instant::now()).expect("reserve");
     let config = UcxSenderConfig { timeout: Duration::from_secs(3), ..UcxSenderConfig::default() };
     let mut tx = within("handshake", UcxKvSender::connect(server.local_addr(), &me, l, config)).await.expect("connect");
     let side = l.block_elems() * l.dtype.size();

@@ -255,8 +255,8 @@ fn send(ep: &Endpoint, conn: u64, msg: &Msg) -> Option<Request> {
     ep.send_am(TO_SENDER, header, body).ok()
 }
 
-fn now() -> std::time::Instant {
-    Instant::now().into_std()
+fn now() -> tokio::time::Instant {
+    Instant::now()
 }
 
 impl<S> State<S> {
