@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use loadgen::{Outcome, Record, Report};
 
-use decode_worker::metrics::{KV_RECEIVED_BYTES, RESERVATIONS_ACTIVE};
-use prefill_worker::metrics::KV_TRANSFER_BYTES;
-use worker_common::metrics::KV_BLOCKS_USED;
+use facts::metrics::decode::{KV_RECEIVED_BYTES, RESERVATIONS_ACTIVE};
+use facts::metrics::prefill::KV_TRANSFER_BYTES;
+use facts::metrics::worker::KV_BLOCKS_USED;
 
 use crate::cluster::{Cluster, Role};
 use crate::metrics::{scrape, Page};

@@ -13,7 +13,7 @@
 use std::time::Duration;
 
 use cluster_tests::netns::Netns;
-use decode_worker::metrics::{KV_RECEIVED_BYTES, TRANSPORT_INFO, UCX_LANDING_IN_USE};
+use facts::metrics::decode::{KV_RECEIVED_BYTES, TRANSPORT_INFO, UCX_LANDING_IN_USE};
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, GenerateRequest, PrefillTarget};
 use testkit::process::{Launch, Proc};

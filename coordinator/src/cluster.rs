@@ -31,7 +31,8 @@ use crate::error::Error;
 use crate::load::{Kind, LoadBoard};
 use crate::metrics;
 use crate::prefix::{self, Query};
-use crate::router::{self, DecodeCandidate, NoRoute, PrefillCandidate, Rng};
+use crate::router::{self, DecodeCandidate, NoRoute, PrefillCandidate};
+use types::rng::XorShift64;
 
 /// One decode worker's client and this coordinator's in-flight count for it.
 struct Decode {
@@ -95,7 +96,7 @@ pub struct Cluster {
     /// (membership revision, breaker count) when breakers of departed workers were last dropped.
     pruned: Mutex<(i64, usize)>,
     decode: Mutex<HashMap<String, Arc<Decode>>>,
-    rng: Mutex<Rng>,
+    rng: Mutex<XorShift64>,
     next_id: AtomicU64,
 }
 
@@ -203,7 +204,7 @@ impl Cluster {
             breakers: Breakers::new(settings.breaker),
             pruned: Mutex::new((0, 0)),
             decode: Mutex::new(HashMap::new()),
-            rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
+            rng: Mutex::new(XorShift64::new(seed ^ u64::from(std::process::id()))),
             next_id: AtomicU64::new(1),
         })
     }

@@ -339,7 +339,7 @@ impl Pipeline {
     }
 }
 
-/// The `reason` label of [`metrics::SHED`].
+/// The `reason` label of [`facts::metrics::coordinator::SHED`].
 fn shed_label(shed: &Shed) -> &'static str {
     match shed {
         Shed::KeyLimit { .. } => "key_limit",

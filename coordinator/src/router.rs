@@ -45,6 +45,9 @@
 
 use std::time::Duration;
 
+// Routing needs spread, not cryptography: the workspace's small generator.
+use types::rng::XorShift64;
+
 use crate::breaker::Gate;
 use crate::load::Load;
 
@@ -155,29 +158,6 @@ fn pick_decode_where(cands: &[DecodeCandidate<'_>], allowed: impl Fn(usize) -> b
     best.map(|(i, _)| i).ok_or(NoRoute::NoneReady(cands.len()))
 }
 
-/// A small xorshift generator: routing needs spread, not cryptography.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Self(seed | 1)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
-
 fn prefill_queue(c: &PrefillCandidate<'_>) -> u32 {
     // Unknown load sorts after every known one with an empty queue.
     c.load.map_or(u32::MAX / 2, |l| l.queue())
@@ -185,7 +165,7 @@ fn prefill_queue(c: &PrefillCandidate<'_>) -> u32 {
 
 /// Prefill candidates in the order to try: power of two choices for the
 /// first, then the rest by reported queue. Unusable ones are left out.
-pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut Rng) -> Vec<usize> {
+pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut XorShift64) -> Vec<usize> {
     let mut ok: Vec<usize> = (0..cands.len()).filter(|&i| usable(&cands[i].load, cands[i].stale)).collect();
     if ok.len() < 2 {
         return ok;
@@ -195,8 +175,8 @@ pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut Rng) -> Vec<usize
         let score = |i: usize| f64::from(prefill_queue(&cands[ok[i]])) - cands[ok[i]].prefix_bonus;
         (0..ok.len()).fold(0, |best, i| if score(i) < score(best) { i } else { best })
     } else {
-        let a = rng.below(ok.len());
-        let mut b = rng.below(ok.len() - 1);
+        let a = rng.index(ok.len());
+        let mut b = rng.index(ok.len() - 1);
         if b >= a {
             b += 1;
         }
@@ -259,7 +239,7 @@ pub fn route<G: Fn(usize, usize) -> Gate>(
     gate: G,
     prompt_tokens: usize,
     local_prefill_max_tokens: usize,
-    rng: &mut Rng,
+    rng: &mut XorShift64,
 ) -> Result<Decision, NoRoute> {
     let d = pick_decode(decode)?;
     if prompt_tokens <= local_prefill_max_tokens {
@@ -342,7 +322,7 @@ mod tests {
         assert_eq!(pick_decode(&c), Ok(2));
         assert_eq!(pick_decode(&[frozen, silent]), Err(NoRoute::NoneReady(2)), "every decode worker stale: refused");
         let pre = [PrefillCandidate { stale: true, ..p("frozen", "g1", 0) }, p("busy", "g1", 9)];
-        let mut rng = Rng::new(13);
+        let mut rng = XorShift64::new(13);
         for _ in 0..50 {
             assert_eq!(order_prefill(&pre, &mut rng), vec![1]);
         }
@@ -371,7 +351,7 @@ mod tests {
     #[test]
     fn power_of_two_choices_never_picks_the_busiest_of_a_pair() {
         let c = [p("a", "g1", 0), p("b", "g1", 5), p("c", "g1", 9)];
-        let mut rng = Rng::new(7);
+        let mut rng = XorShift64::new(7);
         let mut firsts = [0usize; 3];
         for _ in 0..3000 {
             let o = order_prefill(&c, &mut rng);
@@ -393,7 +373,7 @@ mod tests {
     fn route_stays_in_the_decode_workers_group_and_honours_the_local_threshold() {
         let dec = [DecodeCandidate { version_group: "g2", ..d("d", load(0, 0, 0), 0) }];
         let pre = [p("p1", "g1", 0), p("p2", "g2", 3), p("p3", "g2", 1)];
-        let mut rng = Rng::new(1);
+        let mut rng = XorShift64::new(1);
         for _ in 0..100 {
             let r = route(&dec, &pre, closed, 100, 32, &mut rng).expect("a route");
             assert_eq!(r.kind, Prefill::Remote);
@@ -411,7 +391,7 @@ mod tests {
     fn a_prefill_worker_with_another_layout_is_never_paired_and_is_counted() {
         let dec = [d("d", load(0, 0, 0), 0)];
         let pre = [PrefillCandidate { layout: "cd", ..p("other", "g1", 0) }, p("same", "g1", 5)];
-        let mut rng = Rng::new(11);
+        let mut rng = XorShift64::new(11);
         for _ in 0..100 {
             let r = route(&dec, &pre, closed, 100, 32, &mut rng).expect("a route");
             assert_eq!((r.kind, r.prefill.clone(), r.layout_skipped), (Prefill::Remote, vec![1], 1), "{r:?}");
@@ -431,7 +411,7 @@ mod tests {
     fn open_breakers_keep_prefill_workers_out_and_a_due_probe_goes_first() {
         let dec = [d("d", load(0, 0, 0), 0)];
         let open = Gate::Open(Duration::from_secs(3));
-        let mut rng = Rng::new(3);
+        let mut rng = XorShift64::new(3);
         let pre = [p("bad", "g1", 0), p("good", "g1", 5)];
         let gate = |_: usize, i: usize| if i == 0 { open } else { Gate::Closed };
         for _ in 0..50 {
@@ -452,7 +432,7 @@ mod tests {
         let dec = [d("d0", load(0, 0, 0), 0), d("d1", load(50, 4, 0), 0)];
         let pre = [p("p0", "g1", 0)];
         let gate = |d: usize, _: usize| if d == 0 { Gate::Open(Duration::from_secs(2)) } else { Gate::Closed };
-        let mut rng = Rng::new(9);
+        let mut rng = XorShift64::new(9);
         for _ in 0..50 {
             let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
             assert_eq!((r.decode, r.prefill), (1, vec![0]), "d1's pair with p0 is closed: it takes the request");
@@ -469,7 +449,7 @@ mod tests {
 
     #[test]
     fn a_group_whose_prefill_workers_are_all_open_is_refused_fast_or_avoided() {
-        let mut rng = Rng::new(5);
+        let mut rng = XorShift64::new(5);
         let short = Gate::Open(Duration::from_millis(1500));
         let long = Gate::Open(Duration::from_secs(4));
         let pre = [p("a", "g1", 0), p("b", "g1", 0)];
@@ -546,7 +526,7 @@ mod tests {
                     .collect()
             };
             for seed in 1..50 {
-                assert_eq!(order_prefill(&pre, &mut Rng::new(seed))[0], 1, "seed {seed}");
+                assert_eq!(order_prefill(&pre, &mut XorShift64::new(seed))[0], 1, "seed {seed}");
             }
         }
 
@@ -575,7 +555,7 @@ mod tests {
                 },
                 p_("idle", 1),
             ];
-            assert_eq!(order_prefill(&pre, &mut Rng::new(3))[0], 1);
+            assert_eq!(order_prefill(&pre, &mut XorShift64::new(3))[0], 1);
         }
 
         #[test]

@@ -17,11 +17,11 @@ mod common;
 use std::sync::{mpsc, Arc};
 
 use common::*;
-use coordinator::metrics::{QUEUE_DEPTH, SHED};
-use decode_worker::metrics::DECODE_REQUESTS;
-use prefill_worker::metrics::PREFILL_REQUESTS;
+use facts::metrics::coordinator::{QUEUE_DEPTH, SHED};
+use facts::metrics::decode::DECODE_REQUESTS;
+use facts::metrics::prefill::PREFILL_REQUESTS;
 use serde_json::{json, Value};
-use worker_common::metrics::KV_BLOCKS_USED;
+use facts::metrics::worker::KV_BLOCKS_USED;
 
 /// (status, headers, body) or why there was no answer.
 type Reply = Result<(u16, HeaderMap, String), String>;

@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use decode_worker::metrics::{DECODE_REQUESTS, GENERATION_TOKENS, RESERVATIONS_ACTIVE};
+use facts::metrics::decode::{DECODE_REQUESTS, GENERATION_TOKENS, RESERVATIONS_ACTIVE};
 use serde_json::{json, Value};
-use worker_common::metrics::{KV_BLOCKS_USED, REQUESTS_RUNNING};
+use facts::metrics::worker::{KV_BLOCKS_USED, REQUESTS_RUNNING};
 
 fn long_stream(max_tokens: u32) -> Value {
     json!({
@@ -138,10 +138,10 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
     Ok(())
 }
 
-/// `worker_common::metrics::FENCES` on a worker's `/metrics`; a page without the
+/// `facts::metrics::worker::FENCES` on a worker's `/metrics`; a page without the
 /// series is an error, not 0 (a renamed counter must not pass as "never fenced").
 fn fences(p: &Proc) -> testkit::Result<f64> {
-    metric(&p.addr("metrics")?, worker_common::metrics::FENCES, &[])
+    metric(&p.addr("metrics")?, facts::metrics::worker::FENCES, &[])
 }
 
 /// Static stability: etcd is the control plane, the data plane outlives it.
@@ -311,7 +311,7 @@ async fn frozen_decode_workers_are_stale_and_refused_fast() -> TestResult {
     let h = coord.addr("http")?;
     eventually("the coordinator reporting ready", || http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200))
         .await?;
-    let stale = |h: &str| metric(h, coordinator::metrics::WORKERS_STALE, &[("role", "decode")]);
+    let stale = |h: &str| metric(h, facts::metrics::coordinator::WORKERS_STALE, &[("role", "decode")]);
     assert_eq!(stale(&h)?, 0.0, "both workers answer their polls");
     // A request that reached a frozen worker would wait out this deadline (504).
     let timeout = [("x-request-timeout-ms", "10000")];

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use coordinator::metrics::FLEET_SPLIT;
+use facts::metrics::coordinator::FLEET_SPLIT;
 use serde_json::json;
 
 const QUOTA: f64 = 10.0;

@@ -22,7 +22,7 @@ use std::time::Duration;
 use common::{
     counter_before, eventually, metric, post, record, reference, start_pair, Pair, Signal, TestResult, MODEL, WAIT,
 };
-use decode_worker::metrics::DECODE_REQUESTS;
+use facts::metrics::decode::DECODE_REQUESTS;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 use proto::frontend::v1::frontend_client::FrontendClient;
@@ -359,7 +359,7 @@ async fn admission(cx: Arc<Cx>) -> TestResult {
         tokio::spawn(async move { generate(&client, req, None).await })
     };
     eventually("the second request waiting in the queue", || {
-        metric(h, coordinator::metrics::QUEUE_DEPTH, &[]).is_ok_and(|n| n == 1.0)
+        metric(h, facts::metrics::coordinator::QUEUE_DEPTH, &[]).is_ok_and(|n| n == 1.0)
     })
     .await?;
     let r = generate(&client, prompt_req(prompt, 1), None).await?;

@@ -11,10 +11,10 @@
 mod common;
 
 use common::*;
-use decode_worker::metrics::{DECODE_REQUESTS, KV_RECEIVED_BYTES};
+use facts::metrics::decode::{DECODE_REQUESTS, KV_RECEIVED_BYTES};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
-use prefill_worker::metrics::{KV_TRANSFER_BYTES, PREFILL_REQUESTS};
+use facts::metrics::prefill::{KV_TRANSFER_BYTES, PREFILL_REQUESTS};
 use serde_json::{json, Value};
 
 /// One row of the bad-input table: name, path, content type, body, status, `param`.

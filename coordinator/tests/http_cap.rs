@@ -14,7 +14,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use common::*;
-use coordinator::metrics::HTTP_CONNECTIONS;
+use facts::metrics::coordinator::HTTP_CONNECTIONS;
 
 /// Reads until the answer's head is in or the connection ends; the bytes read.
 fn read_head(s: &mut TcpStream) -> std::io::Result<String> {

@@ -17,10 +17,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use coordinator::metrics::{ADMISSION_CAPACITY, FLEET_SPLIT};
-use decode_worker::metrics::DECODE_REQUESTS;
+use facts::metrics::coordinator::{ADMISSION_CAPACITY, FLEET_SPLIT};
+use facts::metrics::decode::DECODE_REQUESTS;
 use serde_json::json;
-use worker_common::metrics::REQUESTS_BY_PRIORITY;
+use facts::metrics::worker::REQUESTS_BY_PRIORITY;
 
 const SEATS: u32 = 3;
 const CAPACITY: u32 = 2 * SEATS;

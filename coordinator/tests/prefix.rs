@@ -33,12 +33,12 @@ mod common;
 use std::time::Instant;
 
 use common::*;
-use coordinator::metrics::{PREFIX_CACHED_TOKENS, PREFIX_HIT_TOKENS, WORKER_PREFIX_BLOCKS};
+use facts::metrics::coordinator::{PREFIX_CACHED_TOKENS, PREFIX_HIT_TOKENS, WORKER_PREFIX_BLOCKS};
 use coordinator::tenants::CacheScope;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::GenerateRequest;
 use serde_json::json;
-use worker_common::metrics::PREFIX_CACHE_HIT_TOKENS;
+use facts::metrics::worker::PREFIX_CACHE_HIT_TOKENS;
 
 const TENANTS: &str = r#"
 [tenants.a]

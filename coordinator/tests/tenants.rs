@@ -35,9 +35,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use coordinator::metrics::{TENANTS_RELOADS, TENANT_KV_TOKENS, TENANT_REQUESTS, TOKENIZER_QUEUE};
+use facts::metrics::coordinator::{TENANTS_RELOADS, TENANT_KV_TOKENS, TENANT_REQUESTS, TOKENIZER_QUEUE};
 use serde_json::{json, Value};
-use worker_common::metrics::REQUESTS_BY_PRIORITY;
+use facts::metrics::worker::REQUESTS_BY_PRIORITY;
 
 const HEADER_TIMEOUT_MS: u64 = 1000;
 const BODY_TIMEOUT_MS: u64 = 1000;

@@ -117,11 +117,9 @@ mod tests {
         let t0 = Instant::now();
         let mut b = AbsorbBudget::new(300, t0);
         let mut absorbed = 0usize;
-        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut rng = types::rng::XorShift64::new(0x2545_F491_4F6C_DD1D);
         for ms in 0..20_000u64 {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
+            let seed = rng.next_u64();
             let prompt = 1 + (seed % 700) as usize;
             if seed % 3 == 0 && b.try_take(prompt, t0 + Duration::from_millis(ms)) {
                 absorbed += prompt;

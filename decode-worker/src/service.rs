@@ -371,7 +371,7 @@ impl DecodeService {
 
         let remote = !req.prefill.is_empty() && req.token_ids.len() > inner.settings.local_prefill_max_tokens;
         if remote {
-            m::record_route(m::ROUTE_REMOTE);
+            m::record_route(facts::metrics::decode::ROUTE_REMOTE);
             match self.remote(&req, deadline, policy, token, &mut out.attempts).await? {
                 Remote::Loaded(blocks, first) => {
                     // The prefill worker's cache, not this one, saved the work.
@@ -382,7 +382,7 @@ impl DecodeService {
                 Remote::Recompute => {}
             }
         } else {
-            m::record_route(m::ROUTE_LOCAL);
+            m::record_route(facts::metrics::decode::ROUTE_LOCAL);
         }
         let ended = self.decode_local(engine_req, deadline, out, token).await?;
         Ok(finished(ended, false))

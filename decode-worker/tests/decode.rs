@@ -21,12 +21,8 @@ use common::{
     decode_worker, prefill_worker, prompt_of, reference, scrape, wait_metric, within, Fault, Proxy, Signal, TestResult,
     Worker, WAIT,
 };
-use decode_worker::metrics::{
-    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, DECODE_REQUESTS, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
-    KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE, RESERVATIONS_EXPIRED, TRANSPORT_INFO, TTFT,
-    UCX_LANDING_IN_USE, UCX_QUARANTINED_RANGES,
-};
-use prefill_worker::metrics::KV_TRANSFER_BYTES;
+use facts::metrics::decode::{CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, DECODE_REQUESTS, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES, KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE, RESERVATIONS_EXPIRED, TRANSPORT_INFO, TTFT, UCX_LANDING_IN_USE, UCX_QUARANTINED_RANGES};
+use facts::metrics::prefill::KV_TRANSFER_BYTES;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, ErrorKind, GenerateRequest, HealthRequest, KvLoadFailurePolicy};
 use rpc::{
@@ -230,7 +226,7 @@ async fn prefill_killed_mid_transfer_under_each_policy() -> TestResult {
     wait_metric(&metrics, KV_LOAD_FAILURES, &[("reason", "rpc")], |v| v == 3.0).await?;
     let mut b = backup;
     let bm = b.addr("metrics")?;
-    assert_eq!(scrape(&bm).await?.get(worker_common::metrics::KV_CACHE_USAGE, &[])?, 0.0, "the backup kept KV");
+    assert_eq!(scrape(&bm).await?.get(facts::metrics::worker::KV_CACHE_USAGE, &[])?, 0.0, "the backup kept KV");
     b.signal(Signal::Term)?;
     assert_eq!(b.wait_exit(WAIT).await?.code(), Some(0));
     Ok(())
@@ -443,7 +439,7 @@ async fn preemptions_under_a_tiny_kv_pool_are_exported() -> TestResult {
     let w = decode_worker(GROUP, &["--kv-blocks", "8", "--kv-load-failure-policy", "recompute"])?;
     let tok = common::tokenizer()?;
     let (preemptions, reason) =
-        (worker_common::metrics::PREEMPTIONS, [("reason", worker_common::metrics::PREEMPTION_KV_EXHAUSTED)]);
+        (facts::metrics::worker::PREEMPTIONS, [("reason", facts::metrics::worker::PREEMPTION_KV_EXHAUSTED)]);
     let metrics = w.addr("metrics")?;
     assert_eq!(scrape(&metrics).await?.get(preemptions, &reason)?, 0.0, "the series exists, at 0, before any request");
     let mut runs = Vec::new();
@@ -532,7 +528,7 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
     let (stop, stopped) = tokio::sync::oneshot::channel();
     let mut c1 = c.clone();
     let running = tokio::spawn(async move { timed(&mut c1, req, stopped).await });
-    wait_metric(&metrics, decode_worker::metrics::GENERATION_TOKENS, &[], |v| v >= 10.0).await?;
+    wait_metric(&metrics, facts::metrics::decode::GENERATION_TOKENS, &[], |v| v >= 10.0).await?;
 
     let prompt = prompt_of(&tok, ABSORB_PROMPT)?;
     let flood_started = std::time::Instant::now();
@@ -570,15 +566,15 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
 
     // Counted, under their own outcome labels.
     for (outcome, n) in [
-        (decode_worker::metrics::OUTCOME_OVERLOAD_ABSORBED, absorbed.len()),
-        (decode_worker::metrics::OUTCOME_OVERLOAD_REFUSED, refused.len()),
+        (facts::metrics::decode::OUTCOME_OVERLOAD_ABSORBED, absorbed.len()),
+        (facts::metrics::decode::OUTCOME_OVERLOAD_REFUSED, refused.len()),
     ] {
         wait_metric(&metrics, POLICY_OUTCOMES, &[("policy", "recompute"), ("outcome", outcome)], |v| v == n as f64)
             .await?;
     }
     // Rendered from its first increment: the family is exported (read just above), the plain
     // recompute outcome must not be among it.
-    let plain = [("policy", "recompute"), ("outcome", decode_worker::metrics::OUTCOME_RECOMPUTED)];
+    let plain = [("policy", "recompute"), ("outcome", facts::metrics::decode::OUTCOME_RECOMPUTED)];
     assert_eq!(
         scrape(&metrics).await?.absent_as_zero(POLICY_OUTCOMES, &plain),
         0.0,
@@ -702,7 +698,7 @@ async fn health_answers_from_the_last_snapshot_during_a_long_step() -> TestResul
 /// stays reserved. Before renewals, a queue wait over the lease always failed the load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_queued_on_a_busy_prefill_worker_keeps_its_lease_until_the_worker_goes_silent() -> TestResult {
-    use decode_worker::metrics::LEASE_RENEWALS;
+    use facts::metrics::decode::LEASE_RENEWALS;
     let tok = common::tokenizer()?;
     let holder = prompt_of(&tok, 64)?;
     let prompt = prompt_of(&tok, 40)?;

@@ -28,12 +28,8 @@ mod common;
 mod rpc;
 
 use common::{decode_worker, prefill_worker, prompt_of, reference, scrape, wait_metric, Signal, TestResult};
-use decode_worker::metrics::{
-    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
-    KV_TRANSFERS_COMPLETED, POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_DIRECT_GRANTS, UCX_FENCES, UCX_LANDING_IN_USE,
-    UCX_LANDING_REFUSED, UCX_QUARANTINED_BLOCKS, UCX_QUARANTINED_RANGES,
-};
-use prefill_worker::metrics::{FAULTS_INJECTED, KV_LAYERS_SENT, KV_TRANSFER_BYTES};
+use facts::metrics::decode::{CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES, KV_TRANSFERS_COMPLETED, POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_DIRECT_GRANTS, UCX_FENCES, UCX_LANDING_IN_USE, UCX_LANDING_REFUSED, UCX_QUARANTINED_BLOCKS, UCX_QUARANTINED_RANGES};
+use facts::metrics::prefill::{FAULTS_INJECTED, KV_LAYERS_SENT, KV_TRANSFER_BYTES};
 use proto::worker::v1::{ErrorKind, KvLoadFailurePolicy};
 use rpc::{
     assert_kv_used, assert_no_kv_left, client, generate, kind, request, target, with_policy, Outcome, GROUP, MAX_TOKENS,

@@ -42,12 +42,9 @@ fn main() {
     println!("q4 kernels, {threads} threads, {steps} steps each; {}", cpu());
     let shapes =
         [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)];
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut rng = types::rng::XorShift64::new(0x2545_f491_4f6c_dd1d);
     let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
+        rng.next_u64()
     };
     let mut data = Vec::new();
     for _ in 0..LAYERS {

@@ -23,14 +23,11 @@ use kvtransfer::{
     LayoutFingerprint, Peer, Receiver, ReceiverConfig, Reservation, ReservationId, TcpKvServer, TcpServerConfig,
     VersionGroup,
 };
-use prefill_worker::metrics::{
-    KV_STALE_CONNECTIONS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS, PREFILL_REQUESTS,
-    PREFILL_SECONDS, PROMPT_TOKENS,
-};
+use facts::metrics::prefill::{KV_STALE_CONNECTIONS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS, PREFILL_REQUESTS, PREFILL_SECONDS, PROMPT_TOKENS};
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{prefill_response, ErrorKind, HealthRequest, KvDestination, PrefillRequest};
 use testkit::process::{Launch, Proc, Signal};
-use worker_common::metrics::{KV_BLOCKS_USED, KV_CACHE_USAGE};
+use facts::metrics::worker::{KV_BLOCKS_USED, KV_CACHE_USAGE};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 

@@ -198,15 +198,8 @@ fn our_bench(path: &std::path::Path, a: &EngineArgs) -> Result<Figures> {
     let mut pool = KvPool::new(model.kv_layout(bs, dtype), need)?;
     let table = pool.allocate(need)?;
     // Deterministic pseudo-random prompt, like llama-bench's random tokens.
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let prompt: Vec<u32> = (0..a.prompt_tokens)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as u32
-        })
-        .collect();
+    let mut rng = types::rng::XorShift64::new(0x2545_F491_4F6C_DD1D);
+    let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| rng.below(vocab as u64) as u32).collect();
 
     // Warm-up: page the weights in and size the scratch buffers.
     model.forward(

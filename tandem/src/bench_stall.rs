@@ -100,15 +100,8 @@ pub fn run(a: &Args) -> Result<()> {
 
 /// Seeded pseudo-random prompt tokens (no prefix cache can help).
 fn tokens(n: usize, seed: u64, vocab: u32) -> Vec<u32> {
-    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % u64::from(vocab)) as u32
-        })
-        .collect()
+    let mut rng = types::rng::XorShift64::new(0x9E37_79B9_7F4A_7C15 ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D));
+    (0..n).map(|_| rng.below(u64::from(vocab)) as u32).collect()
 }
 
 fn measure(path: &std::path::Path, a: &Args, budget_ms: u64, rep: u64) -> Result<Figures> {

@@ -608,9 +608,9 @@ fn the_manifests_agree_with_the_binaries() {
                             "{at}: {probe} `{cmd}` does not read this container's metrics port {metrics}"
                         ));
                     }
-                    if !cmd.contains(&format!("'{} 0'", worker_common::metrics::FENCED)) {
+                    if !cmd.contains(&format!("'{} 0'", facts::metrics::worker::FENCED)) {
                         problems
-                            .push(format!("{at}: {probe} `{cmd}` does not check {} 0", worker_common::metrics::FENCED));
+                            .push(format!("{at}: {probe} `{cmd}` does not check {} 0", facts::metrics::worker::FENCED));
                     }
                 }
             }

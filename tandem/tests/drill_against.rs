@@ -24,11 +24,11 @@ fn get_status(addr: &str, path: &str) -> Result<u16, String> {
     common::get(addr, path).map(|(status, _)| status).map_err(|e| e.to_string())
 }
 
-/// Requests the coordinator at `http` has finished ([`coordinator::metrics::REQUESTS`], every
+/// Requests the coordinator at `http` has finished ([`facts::metrics::coordinator::REQUESTS`], every
 /// label set); an error when it exports none.
 fn finished_requests(http: &str) -> Result<f64, String> {
     let page = testkit::prom::scrape_blocking(http).map_err(|e| e.to_string())?;
-    page.sum(coordinator::metrics::REQUESTS, &[]).map_err(|e| e.to_string())
+    page.sum(facts::metrics::coordinator::REQUESTS, &[]).map_err(|e| e.to_string())
 }
 
 /// `tandem ARGS`, killed if it runs past `limit`.

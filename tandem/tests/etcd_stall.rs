@@ -39,7 +39,7 @@ fn a_stalled_etcd_does_not_stop_serving() -> TestResult {
             .filter_map(|c| c["metrics"].as_str().map(str::to_owned))
             .collect();
         let fences =
-            || -> Result<f64, String> { workers.iter().map(|m| metric(m, worker_common::metrics::FENCES, &[])).sum() };
+            || -> Result<f64, String> { workers.iter().map(|m| metric(m, facts::metrics::worker::FENCES, &[])).sum() };
         let fences_before = fences()?;
         let (tx, mut done) = tokio::sync::mpsc::unbounded_channel::<Record>();
         let hooks = Hooks { records: Some(tx), ..Hooks::default() };
@@ -89,7 +89,7 @@ fn a_stalled_etcd_does_not_stop_serving() -> TestResult {
         assert_eq!(fences()?, fences_before, "a worker fenced while etcd was stalled");
         for m in &workers {
             wait_for(Duration::from_secs(30), &format!("{m} KV back to 0"), || {
-                Ok((metric(m, worker_common::metrics::KV_BLOCKS_USED, &[])? == 0.0).then_some(()))
+                Ok((metric(m, facts::metrics::worker::KV_BLOCKS_USED, &[])? == 0.0).then_some(()))
             })?;
         }
         Ok(())

@@ -100,7 +100,7 @@ fn killed_workers_come_back_while_the_others_keep_serving() -> TestResult {
         for c in up.components()?.iter().filter(|c| c["role"] == "prefill" || c["role"] == "decode") {
             let m = c["metrics"].as_str().ok_or("no metrics address")?.to_owned();
             wait_for(Duration::from_secs(30), &format!("{} KV back to 0", c["name"]), || {
-                let used = metric(&m, worker_common::metrics::KV_BLOCKS_USED, &[])?;
+                let used = metric(&m, facts::metrics::worker::KV_BLOCKS_USED, &[])?;
                 Ok((used == 0.0).then_some(()))
             })?;
         }

@@ -161,7 +161,7 @@ fn up_with_decode_workers_only_is_ready_and_serves() -> TestResult {
 /// the prefill worker and crossed over ucx.
 #[test]
 fn up_with_the_ucx_transport_serves_a_chat_completion() -> TestResult {
-    use decode_worker::metrics::{KV_RECEIVED_BYTES, PREFILL_ROUTE, TRANSPORT_INFO, UCX_LANDING_IN_USE};
+    use facts::metrics::decode::{KV_RECEIVED_BYTES, PREFILL_ROUTE, TRANSPORT_INFO, UCX_LANDING_IN_USE};
     let dir = common::temp_dir("tandem-up-ucx-test")?;
     let mut up = Up::start(&dir, &["--kv-transport", "ucx"])?;
     let result = (|| -> TestResult {

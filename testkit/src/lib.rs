@@ -25,7 +25,7 @@ pub mod http;
 pub mod process;
 pub mod prom;
 pub mod proxy;
-pub mod rng;
+pub use types::rng;
 pub mod wait;
 
 pub use wait::{eventually, poll, within};

@@ -1,6 +1,6 @@
 //! The types that cross crate boundaries: what a KV block is (layout, dtype,
-//! block ids), how to sample (parameters and their validation) and a
-//! request's priority class.
+//! block ids), how to sample (parameters and their validation), a request's
+//! priority class, and the workspace's one small seeded generator ([`rng`]).
 //!
 //! A leaf: it depends on nothing of tandem's, so the KV transfer (`kvtransfer`)
 //! and the wire API (`proto`) can speak of blocks and sampling without
@@ -11,4 +11,5 @@
 
 pub mod kv;
 pub mod priority;
+pub mod rng;
 pub mod sampling;

@@ -196,7 +196,7 @@ pub struct CommonConfig {
     pub threads: usize,
     /// See the flags; `None`: leave as inherited.
     pub nice: Option<i32>,
-    pub cpus: Option<crate::cpu::CpuList>,
+    pub cpus: Option<facts::cpus::CpuList>,
     pub version_group: VersionGroup,
     pub kv_block_size: usize,
     pub kv_dtype: KvDtype,
@@ -307,7 +307,7 @@ impl CommonFlags {
             cpus: self
                 .cpus
                 .as_deref()
-                .map(|t| crate::cpu::CpuList::parse(t).map_err(|e| invalid("cpus", format!("{t:?}: {e}"))))
+                .map(|t| facts::cpus::CpuList::parse(t).map_err(|e| invalid("cpus", format!("{t:?}: {e}"))))
                 .transpose()?,
             version_group,
             kv_block_size: positive("kv_block_size", self.kv_block_size, 16)?,

@@ -418,8 +418,8 @@ impl Cluster {
                 labels.extend_from_slice(extra);
                 page.get(name, &labels)
             };
-            let serving = |role| count(coordinator::metrics::WORKERS, role, &[("state", "serving")]);
-            let known = |role| count(coordinator::metrics::WORKERS_LOAD_KNOWN, role, &[]);
+            let serving = |role| count(facts::metrics::coordinator::WORKERS, role, &[("state", "serving")]);
+            let known = |role| count(facts::metrics::coordinator::WORKERS_LOAD_KNOWN, role, &[]);
             // A series missing is an error (the wait's last one), not 0: the check cannot pass on
             // a renamed metric.
             let counted = [serving("prefill")?, serving("decode")?, known("prefill")?, known("decode")?];

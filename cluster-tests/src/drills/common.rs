@@ -9,9 +9,9 @@ use crate::cluster::{Cluster, Role};
 use crate::process::proc_state;
 use crate::proxy::{Fault, Proxy, ProxyCounters};
 use crate::{eventually, HarnessError};
-use worker_common::metrics::REQUESTS_RUNNING;
+use facts::metrics::worker::REQUESTS_RUNNING;
 
-pub(super) use coordinator::metrics::MEMBERSHIP_CHANGES as MEMBERSHIP;
+pub(super) use facts::metrics::coordinator::MEMBERSHIP_CHANGES as MEMBERSHIP;
 
 /// How long a fault step waits for the load to reach the point it strikes at.
 pub(super) const LOAD_WAIT: Duration = Duration::from_secs(60);
@@ -29,7 +29,7 @@ pub(super) fn core_each() -> (&'static [&'static str], &'static [&'static str]) 
 /// The process is gone (or a zombie awaiting its reaper).
 /// The decode workers' counter of requests cancelled by their client.
 pub(super) const CANCELLED: (&str, &[(&str, &str)]) =
-    (decode_worker::metrics::DECODE_REQUESTS, &[("outcome", "cancelled")]);
+    (facts::metrics::decode::DECODE_REQUESTS, &[("outcome", "cancelled")]);
 
 /// Requests the decode workers counted as cancelled (all of them).
 pub(super) async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
@@ -117,7 +117,7 @@ pub(super) async fn serving_becomes(c: &Cluster, role: Role, n: f64, limit: Dura
     let what = format!("the coordinator counts {n} serving {role} worker(s)");
     let counted = testkit::poll(&what, limit, || async move {
         let p = c.coordinator_metrics().await?;
-        let serving = p.get(coordinator::metrics::WORKERS, &[("role", role), ("state", "serving")])?;
+        let serving = p.get(facts::metrics::coordinator::WORKERS, &[("role", role), ("state", "serving")])?;
         Ok::<_, HarnessError>((serving == n).then_some(()))
     });
     Ok(counted.await?)
@@ -202,7 +202,7 @@ pub(super) async fn probe(addr: &str) -> Result<(u16, Option<String>), HarnessEr
 }
 
 /// The coordinator's breaker transitions counter (labels `prefill`, `decode`, `from`, `to`).
-pub(super) use coordinator::metrics::BREAKER_TRANSITIONS;
+pub(super) use facts::metrics::coordinator::BREAKER_TRANSITIONS;
 
 /// What the coordinator's breaker of one (prefill worker, decode worker) pair did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -19,12 +19,12 @@ use crate::HarnessError;
 /// Consecutive failures that open a breaker, and its cooldown, in these drills.
 const BREAKER_FAILURES: u32 = 3;
 const BREAKER_COOLDOWN_MS: u64 = 3000;
-use coordinator::metrics::{
+use facts::metrics::coordinator::{
     BREAKER_TRANSITIONS as TRANSITIONS, PREFILL_ATTEMPTS as ATTEMPTS, PREFILL_UNAVAILABLE, ROUTE_DECISIONS,
     ROUTE_PAIRS_SKIPPED, STREAM_SEND_TIMEOUTS as SEND_TIMEOUTS,
 };
-use decode_worker::metrics::{DECODE_REQUESTS, KV_LOAD_FAILURES};
-use prefill_worker::metrics::{KV_TRANSFER_FAILURES, PREFILL_REQUESTS};
+use facts::metrics::decode::{DECODE_REQUESTS, KV_LOAD_FAILURES};
+use facts::metrics::prefill::{KV_TRANSFER_FAILURES, PREFILL_REQUESTS};
 
 use crate::metrics::sum;
 

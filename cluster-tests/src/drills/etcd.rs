@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use loadgen::Report;
 use testkit::http::Request;
-use worker_common::metrics::{FENCED, FENCES};
+use facts::metrics::worker::{FENCED, FENCES};
 
 use super::common::{counter_reaches, gone, serving_becomes, LOAD_WAIT, MEMBERSHIP};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
@@ -19,7 +19,7 @@ use crate::process::Signal;
 use crate::proxy::Fault;
 use crate::{eventually, HarnessError};
 
-use coordinator::metrics::{REGISTRY_HEALTHY, REGISTRY_RESYNCS as RESYNCS};
+use facts::metrics::coordinator::{REGISTRY_HEALTHY, REGISTRY_RESYNCS as RESYNCS};
 /// The coordinator's code for "etcd unreachable past `--registry-max-stale-ms`".
 const REGISTRY_UNAVAILABLE: &str = "registry_unavailable";
 /// `--registry-max-stale-ms` in the drills that outlast it.
@@ -346,7 +346,7 @@ impl Drill for EtcdQuorumLoss {
         if let Some((name, n)) = fences.iter().find(|(_, n)| *n != 0.0) {
             return Err(format!(
                 "{name} fenced ({} = {n}) while etcd only lacked quorum",
-                worker_common::metrics::FENCES
+                facts::metrics::worker::FENCES
             ));
         }
         let killed: Vec<String> = ev.killed.iter().map(|(n, p)| format!("{n} (pid {p})")).collect();
@@ -432,10 +432,10 @@ impl Drill for WorkerEtcdCutoff {
         if fences != 0.0 {
             return Err(format!(
                 "{CUT_WORKER} fenced ({} = {fences}) though its coordinator reached it",
-                worker_common::metrics::FENCES
+                facts::metrics::worker::FENCES
             ));
         }
-        Ok(format!("proxy dropped {dropped} bytes; {}; {} = 0", ev.notes.join("; "), worker_common::metrics::FENCES))
+        Ok(format!("proxy dropped {dropped} bytes; {}; {} = 0", ev.notes.join("; "), facts::metrics::worker::FENCES))
     }
 }
 
@@ -536,7 +536,7 @@ impl Drill for CoordinatorEtcdCutoff {
         if let Some((name, n)) = fences.iter().find(|(_, n)| *n != 0.0) {
             return Err(format!(
                 "{name} fenced ({} = {n}) while only the coordinator was cut off from etcd",
-                worker_common::metrics::FENCES
+                facts::metrics::worker::FENCES
             ));
         }
         Ok(format!("proxy dropped {dropped} bytes; {}; no fence: {fences:?}", ev.notes.join("; ")))
@@ -661,7 +661,7 @@ impl Drill for EtcdStall {
         let whole = testkit::poll("membership whole and etcd healthy again", CONSEQUENCE_WAIT, || async {
             let p = c.coordinator_metrics().await?;
             // Every worker of every role and state, the watch live, and a resync since the stall.
-            let (listed, healthy) = (p.sum(coordinator::metrics::WORKERS, &[])?, p.get(REGISTRY_HEALTHY, &[])?);
+            let (listed, healthy) = (p.sum(facts::metrics::coordinator::WORKERS, &[])?, p.get(REGISTRY_HEALTHY, &[])?);
             let resynced = p.sum(RESYNCS, &[])? > resyncs0;
             Ok::<_, HarnessError>((listed == n && healthy == 1.0 && resynced).then_some(()))
         })
@@ -689,7 +689,7 @@ impl Drill for EtcdStall {
         let after = fences(c).await?;
         let total: f64 = after.iter().map(|(_, n)| n).sum();
         if total != ev.before {
-            return Err(format!("a worker fenced: {} {} -> {after:?}", worker_common::metrics::FENCES, ev.before));
+            return Err(format!("a worker fenced: {} {} -> {after:?}", facts::metrics::worker::FENCES, ev.before));
         }
         Ok(format!("etcd (pid {pid}) stopped {} s; {}; no fence: {after:?}", STALL.as_secs(), ev.notes.join("; ")))
     }

@@ -10,9 +10,7 @@ use loadgen::Report;
 // `Page::sum`, which fails on a missing (or renamed) series. Its load-time histogram
 // appears at its first sample: read with `absent_as_zero`, and the proofs that use it
 // need it to have counted every load, which a renamed metric fails.
-use decode_worker::metrics::{
-    FRAMES_REFUSED, KV_LOAD_FAILURES, KV_LOAD_SECONDS, LOAD_FAILURE_REASONS, OUTCOME_RECOMPUTED, POLICY_OUTCOMES,
-};
+use facts::metrics::decode::{FRAMES_REFUSED, KV_LOAD_FAILURES, KV_LOAD_SECONDS, LOAD_FAILURE_REASONS, OUTCOME_RECOMPUTED, POLICY_OUTCOMES};
 
 use super::common::{decode_metrics, delay_during_load, delays_seen, strike, PairBreaker, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
@@ -35,7 +33,7 @@ async fn corrupted_by_prefill(c: &Cluster) -> Result<f64, String> {
     let mut n = 0.0;
     for w in c.workers_of(Role::Prefill) {
         let p = c.worker_metrics(&w.proc.name).await.map_err(|e| e.to_string())?;
-        n += sum(&p, prefill_worker::metrics::FAULTS_INJECTED, &[("fault", "kv_corrupt")])?;
+        n += sum(&p, facts::metrics::prefill::FAULTS_INJECTED, &[("fault", "kv_corrupt")])?;
     }
     Ok(n)
 }

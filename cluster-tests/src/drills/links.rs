@@ -17,10 +17,10 @@ use crate::{eventually, HarnessError};
 
 // The workers and the coordinator export these counters at 0 from the start: read with
 // `sum`, which fails on a missing (or renamed) series.
-use coordinator::metrics::DECODE_REROUTES as REROUTES;
+use facts::metrics::coordinator::DECODE_REROUTES as REROUTES;
 /// Requests a decode worker routed for prefill: counted as each arrives.
-use decode_worker::metrics::PREFILL_ROUTE as ROUTED;
-use worker_common::metrics::REQUESTS_RUNNING;
+use facts::metrics::decode::PREFILL_ROUTE as ROUTED;
+use facts::metrics::worker::REQUESTS_RUNNING;
 
 fn client_proxy(c: &Cluster) -> Result<&Proxy, HarnessError> {
     c.client_proxy.as_ref().ok_or_else(|| HarnessError::Setup("the clients reach the coordinator directly".into()))

@@ -143,7 +143,7 @@ impl Drill for Overload3x {
         while !load.finished() {
             // Set from the first admission on: until then (or if it is renamed) the queue is not
             // seen full, no probe is refused and the proof fails.
-            let depth = c.coordinator_metrics().await?.get(coordinator::metrics::QUEUE_DEPTH, &[]);
+            let depth = c.coordinator_metrics().await?.get(facts::metrics::coordinator::QUEUE_DEPTH, &[]);
             if let Err(e) = &depth {
                 ev.notes.retain(|n| !n.starts_with("queue depth unread"));
                 ev.notes.push(format!("queue depth unread: {e}"));
@@ -166,7 +166,7 @@ impl Drill for Overload3x {
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
         let page = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let shed = crate::metrics::sum(&page, coordinator::metrics::SHED, &[])?;
+        let shed = crate::metrics::sum(&page, facts::metrics::coordinator::SHED, &[])?;
         if shed < 1.0 || !ev.seen {
             return Err(format!("admission shed {shed} requests; a probe refused with Retry-After: {}", ev.seen));
         }

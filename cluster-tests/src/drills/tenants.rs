@@ -13,8 +13,8 @@ use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
 use crate::metrics::scrape;
 use crate::{eventually, HarnessError};
-use coordinator::metrics::{FLEET_SPLIT, TENANT_REQUESTS};
-use worker_common::metrics::PREFIX_CACHE_HIT_TOKENS;
+use facts::metrics::coordinator::{FLEET_SPLIT, TENANT_REQUESTS};
+use facts::metrics::worker::PREFIX_CACHE_HIT_TOKENS;
 
 /// Tenant A's request quota for the whole fleet, requests per second: each coordinator
 /// refills half, so A's admitted work stays a small part of what two 1-thread workers do.

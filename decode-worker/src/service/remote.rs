@@ -78,19 +78,19 @@ impl DecodeService {
                     return self.absorb_or_refuse(req, target, &failure);
                 }
                 KvLoadFailurePolicy::Recompute => {
-                    m::record_policy(policy, m::OUTCOME_RECOMPUTED);
+                    m::record_policy(policy, facts::metrics::decode::OUTCOME_RECOMPUTED);
                     return Ok(Remote::Recompute);
                 }
-                KvLoadFailurePolicy::Retry if !last => m::record_policy(policy, m::OUTCOME_RETRIED),
+                KvLoadFailurePolicy::Retry if !last => m::record_policy(policy, facts::metrics::decode::OUTCOME_RETRIED),
                 KvLoadFailurePolicy::Retry => {
-                    m::record_policy(policy, m::OUTCOME_FAILED);
+                    m::record_policy(policy, facts::metrics::decode::OUTCOME_FAILED);
                     return Err(err(
                         ErrorKind::KvLoadFailed,
                         format!("KV load failed on all {attempts} prefill workers tried; last: {}", failure.message),
                     ));
                 }
                 KvLoadFailurePolicy::Fail => {
-                    m::record_policy(policy, m::OUTCOME_FAILED);
+                    m::record_policy(policy, facts::metrics::decode::OUTCOME_FAILED);
                     let kind = match failure.kind() {
                         ErrorKind::VersionMismatch => ErrorKind::VersionMismatch,
                         _ => ErrorKind::KvLoadFailed,
@@ -118,14 +118,14 @@ impl DecodeService {
         let taken = lock(&self.inner.absorb).try_take(tokens, Instant::now());
         let policy = KvLoadFailurePolicy::Recompute;
         if taken {
-            m::record_policy(policy, m::OUTCOME_OVERLOAD_ABSORBED);
+            m::record_policy(policy, facts::metrics::decode::OUTCOME_OVERLOAD_ABSORBED);
             tracing::warn!(
                 request = %req.request_id, prefill = %target.grpc_addr, reason = %refusal.message, tokens,
                 cap_tokens_per_s = cap, "prefill worker overloaded: prefilling here (absorbed)"
             );
             return Ok(Remote::Recompute);
         }
-        m::record_policy(policy, m::OUTCOME_OVERLOAD_REFUSED);
+        m::record_policy(policy, facts::metrics::decode::OUTCOME_OVERLOAD_REFUSED);
         tracing::warn!(
             request = %req.request_id, prefill = %target.grpc_addr, reason = %refusal.message, tokens,
             cap_tokens_per_s = cap, "prefill worker overloaded and the local absorb budget is spent: refusing as overloaded"

@@ -13,7 +13,7 @@ use proto::worker::v1::{
 use tonic::transport::Channel;
 
 use crate::common::{self, wait_metric, within, TestResult, Worker, WAIT};
-use decode_worker::metrics::RESERVATIONS_ACTIVE;
+use facts::metrics::decode::RESERVATIONS_ACTIVE;
 
 pub const GROUP: &str = "g1";
 pub const MAX_TOKENS: u32 = 6;

@@ -1,21 +1,15 @@
 use super::*;
 use crate::quant::quantize_row_q8_0;
 
-/// Small deterministic PRNG so kernel tests need no extra crates.
-pub(crate) struct Rng(u64);
+/// The workspace's seeded generator, with the kernels' tests' one helper.
+pub(crate) struct Rng(types::rng::XorShift64);
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        Self(types::rng::XorShift64::seeded(seed))
     }
     /// Uniform in [-1, 1).
     pub fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        self.0.f32_signed()
     }
 }
 
@@ -40,7 +34,7 @@ fn random_weights(rng: &mut Rng, ty: WeightType, rows: usize, cols: usize) -> Ve
                     2
                 };
                 for b in &mut blk[start..] {
-                    *b = rng.next_u64() as u8;
+                    *b = rng.0.next_u64() as u8;
                 }
             }
         }

@@ -24,14 +24,11 @@ fn free_ports() -> anyhow::Result<(u16, u16)> {
         .unwrap_or(32768);
     let span = u32::from(low.saturating_sub(10_000)).max(1);
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    let mut x = seed ^ std::process::id().rotate_left(16) | 1;
+    // Any spread will do: the bind below is the real check.
+    let mut rng = types::rng::XorShift64::new(u64::from(seed ^ std::process::id().rotate_left(16)));
     let mut found = Vec::new();
     for _ in 0..1_000 {
-        // xorshift32: any spread will do, the bind below is the real check.
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        let port = 10_000 + (x % span) as u16;
+        let port = 10_000 + rng.below(u64::from(span)) as u16;
         if !found.contains(&port) && TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
             found.push(port);
             if let [a, b] = found[..] {

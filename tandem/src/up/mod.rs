@@ -42,7 +42,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use worker_common::cpu::CpuList;
+use facts::cpus::CpuList;
 
 pub(crate) use child::http_get;
 use child::{get_status, sibling, start, stop_all, Ready, Running, Spec, START_TIMEOUT};

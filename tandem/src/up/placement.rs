@@ -20,7 +20,7 @@
 //! leaves everything unpinned.
 
 use anyhow::{anyhow, Context, Result};
-use worker_common::cpu::CpuList;
+use facts::cpus::CpuList;
 
 /// The CPUs this process may run on (`Cpus_allowed_list` in
 /// `/proc/self/status`: taskset, cgroup cpusets and offline CPUs included).

@@ -143,7 +143,7 @@ pub fn metric(addr: &str, name: &str, labels: &[(&str, &str)]) -> Result<f64, St
 /// Waits until the coordinator counts `n` serving workers of `role`.
 pub fn serving(http: &str, role: &str, n: f64, within: Duration) -> Result<(), String> {
     wait_for(within, &format!("{n} {role} workers serving"), || {
-        let v = metric(http, coordinator::metrics::WORKERS, &[("role", role), ("state", "serving")])?;
+        let v = metric(http, facts::metrics::coordinator::WORKERS, &[("role", role), ("state", "serving")])?;
         Ok((v == n).then_some(()))
     })
 }

@@ -13,7 +13,7 @@ use crate::{eventually, HarnessError};
 /// Cancelled Generate streams the decode worker at `m` counted.
 async fn cancelled(m: &str) -> Result<f64, HarnessError> {
     // Exported at 0 from the start; the proof needs it to rise.
-    Ok(crate::metrics::scrape(m).await?.sum(decode_worker::metrics::DECODE_REQUESTS, &[("outcome", "cancelled")])?)
+    Ok(crate::metrics::scrape(m).await?.sum(facts::metrics::decode::DECODE_REQUESTS, &[("outcome", "cancelled")])?)
 }
 
 /// SIGKILL one of two coordinators mid-stream, then restart it.
@@ -64,7 +64,7 @@ impl Drill for CoordinatorKill {
             let a = a.clone();
             async move {
                 let p = crate::metrics::scrape(&a).await;
-                p.is_ok_and(|p| p.get(coordinator::metrics::RUNNING, &[]).is_ok_and(|n| n >= 2.0))
+                p.is_ok_and(|p| p.get(facts::metrics::coordinator::RUNNING, &[]).is_ok_and(|n| n >= 2.0))
             }
         })
         .await;
@@ -86,7 +86,7 @@ impl Drill for CoordinatorKill {
         }
         let (r, now) = counter_reaches(
             &m,
-            decode_worker::metrics::DECODE_REQUESTS,
+            facts::metrics::decode::DECODE_REQUESTS,
             &[("outcome", "cancelled")],
             ev.before + 1.0,
             Duration::from_secs(20),

@@ -267,7 +267,7 @@ impl Drill for VersionRelabel {
         let page = c.worker_metrics(&name).await.map_err(|e| e.to_string())?;
         let got = kv_moved(Role::Decode, &page)?;
         // Mirrored for every reason from the receiver's start, so present even at 0.
-        let rejected = page.sum(decode_worker::metrics::HANDSHAKES_REJECTED, &[]).map_err(|e| e.to_string())?;
+        let rejected = page.sum(facts::metrics::decode::HANDSHAKES_REJECTED, &[]).map_err(|e| e.to_string())?;
         let g1_sent = sent_bytes(c, "prefill-0").await?;
         let g2_after = sent_bytes(c, "prefill-1").await?;
         if rejected > 0.0 || g2_after != ev.before || got > g1_sent {
@@ -344,7 +344,7 @@ impl Drill for DrainGraceShort {
             let want = LONG_STREAM_LOAD as f64 + 1.0;
             let enough;
             (enough, running) =
-                counter_reaches(&m, worker_common::metrics::REQUESTS_RUNNING, &[], want, Duration::from_secs(2)).await;
+                counter_reaches(&m, facts::metrics::worker::REQUESTS_RUNNING, &[], want, Duration::from_secs(2)).await;
             if enough.is_ok() {
                 break;
             }

@@ -97,9 +97,9 @@ const UCX_HOLD_TRIES: usize = 8;
 /// transfer completed meanwhile (else it continues it and waits for the next request).
 /// Returns the stopped worker's name and pid.
 async fn hold_ucx_push(c: &Cluster, m: &str) -> Result<(String, u32), HarnessError> {
-    use decode_worker::metrics::{KV_TRANSFERS_COMPLETED, UCX_GRANTED_TRANSFERS};
-    use prefill_worker::metrics::PREFILL_REQUESTS;
-    use worker_common::metrics::REQUESTS_BY_PRIORITY;
+    use facts::metrics::decode::{KV_TRANSFERS_COMPLETED, UCX_GRANTED_TRANSFERS};
+    use facts::metrics::prefill::PREFILL_REQUESTS;
+    use facts::metrics::worker::REQUESTS_BY_PRIORITY;
     let prefills: Vec<(String, u32, String)> = c
         .workers_of(Role::Prefill)
         .map(|w| Ok((w.proc.name.clone(), w.proc.pid, w.metrics_addr()?)))
@@ -146,7 +146,7 @@ fn policy_outcome(policy: &str) -> &'static str {
 
 async fn policy_outcomes(m: &str, policy: &str) -> Result<f64, HarnessError> {
     // Exported at 0 from the start; the proof needs it to rise.
-    let outcomes = decode_worker::metrics::POLICY_OUTCOMES;
+    let outcomes = facts::metrics::decode::POLICY_OUTCOMES;
     Ok(crate::metrics::scrape(m).await?.sum(outcomes, &[("outcome", policy_outcome(policy))])?)
 }
 

@@ -424,11 +424,9 @@ mod tests {
         }
         // Every magic byte flipped is a typed refusal, so at least 2 x 3 per message.
         assert!(refused >= 6 * samples().len(), "only {refused} corruptions were refused");
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rng = types::rng::XorShift64::new(0x9e37_79b9_7f4a_7c15);
         for _ in 0..2_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             let (a, b) = ((x % wire.len() as u64) as usize, ((x >> 20) % wire.len() as u64) as usize);
             let (lo, hi) = (a.min(b), a.max(b));
             // Splice: a piece of the stream moved to its front, then bytes repeated.

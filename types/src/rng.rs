@@ -1,6 +1,7 @@
-//! A seeded xorshift64 generator (Marsaglia's 13/7/17 triple) for reproducible test data:
-//! the same seed gives the same sequence on every machine, with no dependency. Not for
-//! anything that needs statistical quality or secrecy.
+//! The workspace's one small generator: a seeded xorshift64 (Marsaglia's 13/7/17 triple)
+//! for reproducible test data and for spread where no quality is needed (a router's
+//! tie-break, a port probe). The same seed gives the same sequence on every machine, with
+//! no dependency. Not for anything that needs statistical quality or secrecy.
 
 /// A xorshift64 generator. Its state is never zero (a zero state would stay zero).
 #[derive(Debug, Clone)]
