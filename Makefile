@@ -1,8 +1,10 @@
 # tandem — developer and CI entry points. Every target works on a fresh Debian
 # machine as root (Rust toolchain and cargo-nextest preinstalled).
 #
-#   make test       system deps + model + Python venv (openai client), then the
-#                   whole test suite (what CI runs)
+#   make test       system deps + model + Python venv (openai client), the lint
+#                   gates (make lint), then the whole test suite (what CI runs)
+#   make lint       rustfmt --check, clippy with warnings denied, rustdoc with
+#                   broken links denied
 #   make run        build and start a local cluster (prefill + decode workers,
 #                   coordinator) serving the OpenAI API on 127.0.0.1:8000
 #   make chat       build and generate one chat answer in-process (no cluster)
@@ -23,19 +25,23 @@ SHELL := /bin/bash
 export TANDEM_CACHE ?= $(HOME)/.cache/tandem
 LLAMA_BIN := $(TANDEM_CACHE)/llama/build/bin
 THREADS ?= 2
+# Tests and drills build the workers with their drill hooks (`fault-injection`); the
+# binaries users get (`make build`, `make run`) have none. One feature set for the build
+# and the tests, so neither rebuilds the other's binaries.
+TEST_FEATURES := kvtransfer/pool,prefill-worker/fault-injection
 
 # Shell snippet: set $$model to the path scripts/fetch-model.sh prints last (it
 # fetches the model if needed, and is a quick checksum otherwise). A plain
 # assignment, so a failed fetch stops the recipe (set -e, pipefail).
 MODEL_PATH := model="$$(scripts/fetch-model.sh | tail -n 1)"
 
-.PHONY: help deps model build run chat test llama fixtures bench drills bench-serve bench-prefix fresh-check
+.PHONY: help deps model build run chat test lint llama fixtures bench drills bench-serve bench-prefix fresh-check
 
 HTTP ?= 127.0.0.1:8000
 GRPC ?= 127.0.0.1:50051
 
 help:
-	@echo "targets: deps model build run chat test llama fixtures bench bench-serve drills fresh-check"
+	@echo "targets: deps model build run chat test lint llama fixtures bench bench-serve drills fresh-check"
 	@echo "cache:   $(TANDEM_CACHE)"
 
 ## System packages (apt only when something is missing).
@@ -62,23 +68,35 @@ chat: deps model build
 	TANDEM_MODEL="$$model" ./target/release/tandem generate \
 		--chat "What is the capital of France? Answer in one sentence." --max-tokens 64 --stats
 
-test: deps model
+## The rules the build keeps: formatting, clippy (warnings are errors; unwrap/expect and
+## std::time::Instant are denied where clippy.toml and Cargo.toml say), rustdoc links.
+lint:
+	@cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1 || { \
+		echo "make lint needs rustfmt and clippy: rustup component add rustfmt clippy" >&2; exit 1; }
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --features $(TEST_FEATURES) -- -D warnings
+	cargo clippy --workspace --bins -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features $(TEST_FEATURES)
+
+test: deps model lint
 	$(MODEL_PATH); \
 	export TANDEM_MODEL="$$model"; \
 	python="$$(scripts/python-deps.sh | tail -n 1)"; \
 	export TANDEM_PYTHON="$$python"; \
-	cargo build --workspace --bins && \
+	cargo build --workspace --bins --features $(TEST_FEATURES) && \
 	if cargo nextest --version >/dev/null 2>&1; then \
-		cargo nextest run --workspace --features kvtransfer/pool --no-fail-fast --no-tests=warn; \
+		cargo nextest run --workspace --features $(TEST_FEATURES) --no-fail-fast --no-tests=warn; \
 	else \
 		echo "cargo-nextest not found; using cargo test" >&2; \
-		cargo test --workspace --features kvtransfer/pool --no-fail-fast; \
+		cargo test --workspace --features $(TEST_FEATURES) --no-fail-fast; \
 	fi
 
-## Every failure drill, three times, on fresh local clusters (tandem drill).
-drills: deps model build
+## Every failure drill, three times, on fresh local clusters (tandem drill). Built with the
+## workers' drill hooks into target/drills/, so the release binaries stay without them.
+drills: deps model
+	cargo build --profile drills --workspace --bins --features prefill-worker/fault-injection
 	$(MODEL_PATH); \
-	TANDEM_MODEL="$$model" ./target/release/tandem drill --all --repeat 3 \
+	TANDEM_MODEL="$$model" ./target/drills/tandem drill --all --repeat 3 \
 		--json $(TANDEM_CACHE)/drills.json --charts $(TANDEM_CACHE)/drill-charts
 
 ## llama.cpp b11434 reference binaries (llama-bench, llama-server), built once.

@@ -7,7 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
 #![allow(clippy::disallowed_types, reason = "measures wall time on purpose (std::time::Instant)")]
 
-use cluster_tests::{run_drill, DrillOptions, DrillReport, Guarantee};
+use drills::{run_drill, DrillOptions, DrillReport, Guarantee};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 

@@ -12,11 +12,11 @@
 
 use std::time::Duration;
 
-use cluster_tests::netns::Netns;
+use drills::netns::Netns;
 use facts::metrics::decode::{KV_RECEIVED_BYTES, TRANSPORT_INFO, UCX_LANDING_IN_USE};
+use opskit::process::{Launch, Proc};
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, GenerateRequest, PrefillTarget};
-use testkit::process::{Launch, Proc};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -26,7 +26,7 @@ const MAX_TOKENS: u32 = 6;
 /// K+V bytes of one 16-token block of SmolLM2-135M (f16 KV): layers x (K, V) x heads x dim x 2 x 16.
 const BLOCK_BYTES: usize = 30 * 2 * 3 * 64 * 2 * 16;
 
-async fn worker(bin: &str, ns: &Netns, ip: &str, ucx_if: &str, extra: &[&str]) -> testkit::Result<Proc> {
+async fn worker(bin: &str, ns: &Netns, ip: &str, ucx_if: &str, extra: &[&str]) -> opskit::Result<Proc> {
     let mut args = vec![
         "--version-group".to_owned(),
         GROUP.to_owned(),
@@ -60,7 +60,7 @@ async fn generate(
     prompt: &[u32],
     prefill: Vec<PrefillTarget>,
 ) -> Result<(Vec<u32>, bool), String> {
-    let greedy = engine::sampler::SamplingParams { max_tokens: MAX_TOKENS, ignore_eos: true, ..Default::default() };
+    let greedy = types::sampling::SamplingParams { max_tokens: MAX_TOKENS, ignore_eos: true, ..Default::default() };
     let req = GenerateRequest {
         request_id: id.into(),
         token_ids: prompt.to_vec(),
@@ -84,7 +84,7 @@ async fn generate(
         }
         Err(format!("Generate {id}: the stream ended without Finished"))
     };
-    testkit::within(&format!("Generate {id} to end"), WAIT, collect).await.map_err(|e| e.to_string())?
+    opskit::within(&format!("Generate {id} to end"), WAIT, collect).await.map_err(|e| e.to_string())?
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -103,7 +103,7 @@ async fn remote_prefill_over_ucx_tcp_between_two_namespaces() -> TestResult {
     )
     .await?;
     let grpc = decode.addr("grpc")?;
-    let mut c = testkit::within("gRPC connect", WAIT, DecodeWorkerClient::connect(format!("http://{grpc}"))).await??;
+    let mut c = opskit::within("gRPC connect", WAIT, DecodeWorkerClient::connect(format!("http://{grpc}"))).await??;
     let target = PrefillTarget { worker_id: "prefill-ns".into(), grpc_addr: prefill.addr("grpc")? };
     // Token ids of the model's vocabulary (49,152), no tokenizer needed.
     let prompt = |n: u32| (0..n).map(|i| 200 + (i * 37) % 9000).collect::<Vec<u32>>();
@@ -119,13 +119,13 @@ async fn remote_prefill_over_ucx_tcp_between_two_namespaces() -> TestResult {
         blocks += p.len().div_ceil(16);
     }
     let metrics = decode.addr("metrics")?;
-    let page = testkit::prom::scrape_within(&metrics, WAIT).await?;
+    let page = opskit::prom::scrape_within(&metrics, WAIT).await?;
     assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, (blocks * BLOCK_BYTES) as f64, "every block crossed the veth");
     assert_eq!(page.get(TRANSPORT_INFO, &[("transport", "ucx"), ("ucx_tls", "tcp")])?, 1.0);
     // Every transfer completed: no landing range is held or quarantined.
-    testkit::poll("the landing region empty", WAIT, || async {
-        let page = testkit::prom::scrape_within(&metrics, WAIT).await?;
-        Ok::<_, testkit::Error>((page.get(UCX_LANDING_IN_USE, &[])? == 0.0).then_some(()))
+    opskit::poll("the landing region empty", WAIT, || async {
+        let page = opskit::prom::scrape_within(&metrics, WAIT).await?;
+        Ok::<_, opskit::Error>((page.get(UCX_LANDING_IN_USE, &[])? == 0.0).then_some(()))
     })
     .await?;
     Ok(())

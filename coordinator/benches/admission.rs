@@ -24,11 +24,12 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant as Clock};
+use types::priority::Priority;
 
-use coordinator::admission::{Admission, AdmissionConfig, Priority, Shed, Slot, Ticket};
-use testkit::rng::XorShift64;
+use coordinator::admission::{Admission, AdmissionConfig, Shed, Slot, Ticket};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use types::rng::XorShift64;
 
 const KEYS: u64 = 1000;
 const QUEUED: usize = 500;

@@ -24,8 +24,9 @@
 use std::error::Error;
 use std::sync::Arc;
 use std::time::{Duration, Instant as Clock};
+use types::priority::Priority;
 
-use coordinator::admission::{Admission, AdmissionConfig, Priority, Ticket};
+use coordinator::admission::{Admission, AdmissionConfig, Ticket};
 use coordinator::breaker::{BreakerConfig, Outcome, Pair};
 use coordinator::cluster::{Cluster, RouteSettings, Source};
 use coordinator::load::Load;

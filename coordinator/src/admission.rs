@@ -56,7 +56,7 @@ mod ticket;
 
 pub use config::{AdmissionConfig, ConfigError};
 pub use retry::{retry_after, BASE as RETRY_AFTER_BASE, JITTER as RETRY_AFTER_JITTER};
-pub use ticket::{Priority, PriorityParseError, Shed, Ticket};
+pub use ticket::{Shed, Ticket};
 
 use queue::{Place, State, Verdict};
 
@@ -71,7 +71,7 @@ pub struct AdmissionStats {
     pub max_running: usize,
     pub queued: usize,
     pub queued_tokens: u64,
-    /// Queued tickets per class, indexed by [`Priority::index`].
+    /// Queued tickets per class, indexed by [`Priority::index`](types::priority::Priority::index).
     pub queued_by_priority: [usize; 3],
 }
 

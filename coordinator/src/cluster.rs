@@ -19,13 +19,14 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use types::priority::Priority;
 
-use engine::sampler::SamplingParams;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, GenerateRequest, PrefillAttempt, PrefillTarget};
 use tonic::transport::{Channel, Endpoint};
+use types::sampling::SamplingParams;
 
-use crate::admission::{Admission, Priority};
+use crate::admission::Admission;
 use crate::breaker::{BreakerConfig, Breakers, Gate, Gates, Outcome, Pair};
 use crate::error::Error;
 use crate::load::{Kind, LoadBoard};

@@ -8,15 +8,12 @@
 
 use std::time::Duration;
 
-use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 use facts::metrics::coordinator::*;
 use facts::metrics::PROCESS_START;
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::router::Prefill;
-
-
-
 
 const LATENCY_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0];
 const TOKEN_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
@@ -169,7 +166,6 @@ pub fn http_timeout(phase: &'static str) {
     counter!(HTTP_TIMEOUTS, "phase" => phase).increment(1);
 }
 
-
 fn zero() {
     let labelled: [(&'static str, &'static str, &[&'static str]); 6] = [
         (SHED, "reason", &SHED_REASONS),
@@ -194,7 +190,6 @@ fn zero() {
     }
     counter!(HTTP_TIMEOUTS, "phase" => "body").increment(0);
 }
-
 
 pub fn decode_reroute(reason: &'static str) {
     debug_assert!(REROUTE_REASONS.contains(&reason), "unlisted reason {reason}");

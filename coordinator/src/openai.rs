@@ -5,9 +5,9 @@
 //! `param`). Unknown fields are ignored (clients send many we do not use);
 //! known fields with the wrong type or an out-of-range value are refused.
 
-use engine::sampler::SamplingParams;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use types::sampling::SamplingParams;
 
 use crate::error::Error;
 

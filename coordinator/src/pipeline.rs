@@ -18,8 +18,9 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
+use types::priority::Priority;
 
-use crate::admission::{self, Admission, Priority, Shed, Slot, Ticket};
+use crate::admission::{self, Admission, Shed, Slot, Ticket};
 use crate::cluster::{next, Cluster, Lease, Step, WorkerStream, WorkerTags};
 use crate::error::Error;
 use crate::metrics;

@@ -20,8 +20,8 @@ use common::*;
 use facts::metrics::coordinator::{QUEUE_DEPTH, SHED};
 use facts::metrics::decode::DECODE_REQUESTS;
 use facts::metrics::prefill::PREFILL_REQUESTS;
-use serde_json::{json, Value};
 use facts::metrics::worker::KV_BLOCKS_USED;
+use serde_json::{json, Value};
 
 /// (status, headers, body) or why there was no answer.
 type Reply = Result<(u16, HeaderMap, String), String>;
@@ -182,7 +182,7 @@ async fn idempotent_streaming(cx: Arc<Cx>) -> TestResult {
     let mut streaming = completion(6);
     streaming["stream"] = json!(true);
     let auth = bearer("sk-carol");
-    let run = |b: &Value| -> testkit::Result<Vec<String>> {
+    let run = |b: &Value| -> opskit::Result<Vec<String>> {
         open_stream(&h, "/v1/completions", b, &[("Authorization", &auth), ("Idempotency-Key", "s-1")])?.rest()
     };
     let before = served(&m)?;

@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use common::*;
 use facts::metrics::decode::{DECODE_REQUESTS, GENERATION_TOKENS, RESERVATIONS_ACTIVE};
-use serde_json::{json, Value};
 use facts::metrics::worker::{KV_BLOCKS_USED, REQUESTS_RUNNING};
+use serde_json::{json, Value};
 
 fn long_stream(max_tokens: u32) -> Value {
     json!({
@@ -70,7 +70,7 @@ async fn settled(p: &Proc, what: &str) -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_worker_killed_mid_stream() -> TestResult {
-    let etcd = testkit::etcd::Etcd::start().await?;
+    let etcd = opskit::etcd::Etcd::start().await?;
     let ep = etcd.endpoint();
     let prefill = start("tandem-prefill-worker", &worker_args(&ep, "k9", "p1", "2"), &["grpc", "metrics"])?;
     let d1 = start("tandem-decode-worker", &decode_args(&ep, "k9", "d1", "2"), &["grpc", "metrics"])?;
@@ -140,7 +140,7 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
 
 /// `facts::metrics::worker::FENCES` on a worker's `/metrics`; a page without the
 /// series is an error, not 0 (a renamed counter must not pass as "never fenced").
-fn fences(p: &Proc) -> testkit::Result<f64> {
+fn fences(p: &Proc) -> opskit::Result<f64> {
     metric(&p.addr("metrics")?, facts::metrics::worker::FENCES, &[])
 }
 
@@ -158,7 +158,7 @@ async fn etcd_outage_serves_until_the_stale_bound_and_fences_no_worker() -> Test
     const TTL_S: &str = "2";
     const MAX_STALE: Duration = Duration::from_secs(10);
     const PAST_TTL: Duration = Duration::from_secs(5);
-    let mut etcd = testkit::etcd::Etcd::start().await?;
+    let mut etcd = opskit::etcd::Etcd::start().await?;
     let ep = etcd.endpoint();
     let prefill = start("tandem-prefill-worker", &worker_args(&ep, "er", "p1", TTL_S), &["grpc", "metrics"])?;
     let decode = start("tandem-decode-worker", &decode_args(&ep, "er", "d1", TTL_S), &["grpc", "metrics"])?;
@@ -278,7 +278,7 @@ async fn client_disconnect_cancels_and_frees_kv() -> TestResult {
     let before = metric_sum(&m, GENERATION_TOKENS, &[])?;
     let mut body = long_stream(4000);
     body["stream"] = json!(false);
-    let conn = testkit::http::Request::post(&h, "/v1/completions").json(&body).start();
+    let conn = opskit::http::Request::post(&h, "/v1/completions").json(&body).start();
     eventually("the non-streaming request runs", || metric(&m, REQUESTS_RUNNING, &[]).is_ok_and(|v| v == 1.0)).await?;
     drop(conn);
     eventually("the decode worker ends the abandoned request", || {
@@ -323,7 +323,7 @@ async fn frozen_decode_workers_are_stale_and_refused_fast() -> TestResult {
     eventually("the frozen decode worker counted stale", || stale(&h).is_ok_and(|v| v == 1.0)).await?;
     // 4 intervals of 100 ms after its last answer, plus a poll round and the scrape.
     assert!(stopped.elapsed() < std::time::Duration::from_secs(2), "stale only after {:?}", stopped.elapsed());
-    let served = |p: &Proc| -> testkit::Result<f64> { metric_sum(&p.addr("metrics")?, DECODE_REQUESTS, &[]) };
+    let served = |p: &Proc| -> opskit::Result<f64> { metric_sum(&p.addr("metrics")?, DECODE_REQUESTS, &[]) };
     // None served yet: the counter appears with the first; the wait below reads it strictly.
     let before = counter_before(&d2.addr("metrics")?, DECODE_REQUESTS, &[])?;
     for i in 0..6 {

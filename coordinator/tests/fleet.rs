@@ -30,7 +30,7 @@ keys = ["sk-a"]
 requests_per_s = 10
 "#;
 
-fn coordinator(ep: &str, prefix: &str, tenants: &str, id: &str) -> testkit::Result<Proc> {
+fn coordinator(ep: &str, prefix: &str, tenants: &str, id: &str) -> opskit::Result<Proc> {
     let args = [
         "--http",
         "127.0.0.1:0",
@@ -111,7 +111,7 @@ fn offer(hosts: &[String], per_s: f64, window: Duration) -> Result<Vec<usize>, S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_coordinators_admit_one_quota_and_a_survivor_takes_the_whole() -> TestResult {
-    let etcd = testkit::etcd::Etcd::start().await?;
+    let etcd = opskit::etcd::Etcd::start().await?;
     let ep = etcd.endpoint();
     let dir = std::env::temp_dir().join(format!("tandem-fleet-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;

@@ -22,9 +22,9 @@ use std::time::Duration;
 use common::{
     counter_before, eventually, metric, post, record, reference, start_pair, Pair, Signal, TestResult, MODEL, WAIT,
 };
-use facts::metrics::decode::DECODE_REQUESTS;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
+use facts::metrics::decode::DECODE_REQUESTS;
 use proto::frontend::v1::frontend_client::FrontendClient;
 use proto::frontend::v1::generate_request::Input;
 use proto::frontend::v1::{

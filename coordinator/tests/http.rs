@@ -11,9 +11,9 @@
 mod common;
 
 use common::*;
-use facts::metrics::decode::{DECODE_REQUESTS, KV_RECEIVED_BYTES};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
+use facts::metrics::decode::{DECODE_REQUESTS, KV_RECEIVED_BYTES};
 use facts::metrics::prefill::{KV_TRANSFER_BYTES, PREFILL_REQUESTS};
 use serde_json::{json, Value};
 
@@ -169,7 +169,7 @@ fn openai_api_through_a_prefill_decode_pair() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_from_etcd_within_one_version_group() -> TestResult {
-    let etcd = testkit::etcd::Etcd::start().await?;
+    let etcd = opskit::etcd::Etcd::start().await?;
     let ep = etcd.endpoint();
     let reg = ["--etcd", ep.as_str(), "--cluster-prefix", "t4", "--lease-ttl-s", "2", "--threads", "1"];
     let with = |group: &'static str, id: &'static str| -> Vec<&str> {

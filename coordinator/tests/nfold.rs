@@ -19,15 +19,15 @@ use std::time::Duration;
 use common::*;
 use facts::metrics::coordinator::{ADMISSION_CAPACITY, FLEET_SPLIT};
 use facts::metrics::decode::DECODE_REQUESTS;
-use serde_json::json;
 use facts::metrics::worker::REQUESTS_BY_PRIORITY;
+use serde_json::json;
 
 const SEATS: u32 = 3;
 const CAPACITY: u32 = 2 * SEATS;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_coordinators_never_dispatch_more_than_the_cluster_runs() -> TestResult {
-    let etcd = testkit::etcd::Etcd::start().await?;
+    let etcd = opskit::etcd::Etcd::start().await?;
     let ep = etcd.endpoint();
     let prefix = format!("nfold-{}", std::process::id());
     let seats = SEATS.to_string();
@@ -73,7 +73,7 @@ async fn three_coordinators_never_dispatch_more_than_the_cluster_runs() -> TestR
         decode.iter().map(|d| d.addr("metrics").map(|a| a.to_string())).collect::<Result<_, _>>()?;
     let sampler = {
         let (done, peak) = (done.clone(), peak.clone());
-        tokio::task::spawn_blocking(move || -> testkit::Result<()> {
+        tokio::task::spawn_blocking(move || -> opskit::Result<()> {
             while !done.load(Ordering::SeqCst) {
                 let mut received = 0.0;
                 for m in &pages {

@@ -33,12 +33,12 @@ mod common;
 use std::time::Instant;
 
 use common::*;
-use facts::metrics::coordinator::{PREFIX_CACHED_TOKENS, PREFIX_HIT_TOKENS, WORKER_PREFIX_BLOCKS};
 use coordinator::tenants::CacheScope;
+use facts::metrics::coordinator::{PREFIX_CACHED_TOKENS, PREFIX_HIT_TOKENS, WORKER_PREFIX_BLOCKS};
+use facts::metrics::worker::PREFIX_CACHE_HIT_TOKENS;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::GenerateRequest;
 use serde_json::json;
-use facts::metrics::worker::PREFIX_CACHE_HIT_TOKENS;
 
 const TENANTS: &str = r#"
 [tenants.a]
@@ -119,7 +119,7 @@ struct Cluster {
     _procs: Vec<Proc>,
 }
 
-fn start_cluster(file: &str) -> testkit::Result<Cluster> {
+fn start_cluster(file: &str) -> opskit::Result<Cluster> {
     let dargs =
         ["--version-group", "g", "--threads", "1", "--kv-blocks", "512", "--kv-load-failure-policy", "recompute"];
     let d1 = start("tandem-decode-worker", &dargs, &["grpc", "metrics"])?;
@@ -156,7 +156,7 @@ fn start_cluster(file: &str) -> testkit::Result<Cluster> {
     })
 }
 
-fn hits(c: &Cluster) -> testkit::Result<[f64; 2]> {
+fn hits(c: &Cluster) -> opskit::Result<[f64; 2]> {
     Ok([metric(&c.metrics[0], PREFIX_CACHE_HIT_TOKENS, &[])?, metric(&c.metrics[1], PREFIX_CACHE_HIT_TOKENS, &[])?])
 }
 
@@ -220,7 +220,7 @@ async fn prefix_routing_and_no_side_channel_across_tenants() -> TestResult {
     let req = GenerateRequest {
         request_id: "warm".into(),
         token_ids: ids.clone(),
-        sampling: Some((&engine::sampler::SamplingParams { max_tokens: 1, ..Default::default() }).into()),
+        sampling: Some((&types::sampling::SamplingParams { max_tokens: 1, ..Default::default() }).into()),
         cache_salt: salt_a,
         ..Default::default()
     };

@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use facts::metrics::coordinator::{TENANTS_RELOADS, TENANT_KV_TOKENS, TENANT_REQUESTS, TOKENIZER_QUEUE};
-use serde_json::{json, Value};
 use facts::metrics::worker::REQUESTS_BY_PRIORITY;
+use serde_json::{json, Value};
 
 const HEADER_TIMEOUT_MS: u64 = 1000;
 const BODY_TIMEOUT_MS: u64 = 1000;
@@ -75,7 +75,7 @@ fn completion(max_tokens: u32) -> Value {
     json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0})
 }
 
-fn post_as(h: &str, key: &str, path: &str, body: &Value) -> testkit::Result<(u16, HeaderMap, String)> {
+fn post_as(h: &str, key: &str, path: &str, body: &Value) -> opskit::Result<(u16, HeaderMap, String)> {
     let auth = format!("Bearer {key}");
     http(h, "POST", path, "application/json", body.to_string().as_bytes(), &[("Authorization", &auth)])
 }
@@ -174,14 +174,14 @@ async fn max_tokens_cap(cx: Arc<Cx>) -> TestResult {
 }
 
 /// A streamed completion of `max_tokens` (no early end) as `key`, open once its head arrived.
-async fn open_long_stream(h: &str, key: &str, max_tokens: u32) -> testkit::Result<EventStream> {
+async fn open_long_stream(h: &str, key: &str, max_tokens: u32) -> opskit::Result<EventStream> {
     let mut long = completion(max_tokens);
     long["stream"] = json!(true);
     long["ignore_eos"] = json!(true);
     let (h, auth) = (h.to_owned(), format!("Bearer {key}"));
     tokio::task::spawn_blocking(move || open_stream(&h, "/v1/completions", &long, &[("Authorization", &auth)]))
         .await
-        .map_err(|e| testkit::Error::Process(format!("stream task: {e}")))?
+        .map_err(|e| opskit::Error::Process(format!("stream task: {e}")))?
 }
 
 /// `body` (with `headers`) is a 429 of `code` with a Retry-After of 1 to 60 s.
@@ -225,7 +225,7 @@ async fn kv_share(cx: Arc<Cx>) -> TestResult {
     let (s, headers, b) = post_as(&h, "sk-kvcap", "/v1/completions", &completion(96))?;
     refused_429(s, &headers, &b, "kv_share")?;
     // The stream's hold is what the coordinator shows: 5 + 300 tokens in 20 blocks.
-    let page = testkit::prom::scrape_blocking(&h)?;
+    let page = opskit::prom::scrape_blocking(&h)?;
     assert_eq!(page.get(TENANT_KV_TOKENS, &[("tenant", "kvcap")])?, 320.0);
     // Under the share a request passes beside it.
     let (s, _, b) = post_as(&h, "sk-kvcap", "/v1/completions", &completion(8))?;
@@ -236,11 +236,11 @@ async fn kv_share(cx: Arc<Cx>) -> TestResult {
         post_as(&h, "sk-kvcap", "/v1/completions", &completion(96)).is_ok_and(|r| r.0 == 200)
     })
     .await?;
-    let page = testkit::prom::scrape_blocking(&h)?;
+    let page = opskit::prom::scrape_blocking(&h)?;
     assert!(page.get(TENANT_REQUESTS, &[("tenant", "kvcap"), ("outcome", "kv_share")])? >= 1.0);
     // Nothing of kvcap's runs now: nothing held.
     eventually("kvcap's hold back to 0", || {
-        testkit::prom::scrape_blocking(&h)
+        opskit::prom::scrape_blocking(&h)
             .is_ok_and(|p| p.get(TENANT_KV_TOKENS, &[("tenant", "kvcap")]).is_ok_and(|v| v == 0.0))
     })
     .await?;
@@ -438,7 +438,7 @@ async fn flood(cx: Arc<Cx>) -> TestResult {
 /// tenant's own class, or a lower one the client asks for with
 /// `x-priority`. Only this part sends high or low requests.
 async fn priority_reaches_the_workers(cx: Arc<Cx>) -> TestResult {
-    let count = |class: &str| -> testkit::Result<[f64; 2]> {
+    let count = |class: &str| -> opskit::Result<[f64; 2]> {
         let [d, p] = &cx.worker_metrics;
         Ok([
             metric(d, REQUESTS_BY_PRIORITY, &[("priority", class)])?,

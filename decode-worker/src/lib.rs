@@ -270,6 +270,30 @@ mod tests {
     use super::*;
     use worker_common::config::fixtures::{common, some_file};
 
+    /// The command line `tandem up` and the drills build is one this worker's parser takes,
+    /// flag for flag (the flags both workers share are checked by the prefill worker's twin).
+    #[test]
+    fn the_shared_argv_builder_speaks_this_workers_flags() {
+        let argv = facts::argv::WorkerArgv::decode()
+            .worker_id("decode-0")
+            .transfer("127.0.0.1:0")
+            .advertise_transfer("127.0.0.1:9")
+            .advertise_grpc("127.0.0.1:8")
+            .kv_transport("ucx")
+            .kv_load_failure_policy("retry")
+            .local_prefill_max_tokens(32);
+        assert_eq!(argv.binary(), <DecodeFlags as clap::CommandFactory>::command().get_name());
+        let f = DecodeFlags::try_parse_from(std::iter::once("w".to_owned()).chain(argv.build())).expect("parses");
+        assert_eq!(f.common.worker_id.as_deref(), Some("decode-0"));
+        assert_eq!(
+            (f.transfer.as_deref(), f.advertise_transfer.as_deref()),
+            (Some("127.0.0.1:0"), Some("127.0.0.1:9"))
+        );
+        assert_eq!(f.advertise_grpc.as_deref(), Some("127.0.0.1:8"));
+        assert_eq!((f.kv_transport.as_deref(), f.local_prefill_max_tokens), (Some("ucx"), Some(32)));
+        assert_eq!(f.kv_load_failure_policy.as_deref(), Some("retry"));
+    }
+
     fn flags(policy: Option<&str>) -> DecodeFlags {
         DecodeFlags {
             common: common(Some("g")),

@@ -5,7 +5,6 @@ use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gau
 
 use facts::metrics::decode::*;
 
-
 /// Buckets of TTFT and KV load time: 5 ms .. 60 s.
 pub const LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0];
 /// Buckets of the per-token gap: 1 ms .. 2.5 s.

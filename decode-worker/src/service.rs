@@ -33,9 +33,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use engine::batch::Request;
-use engine::kv::BlockId;
 use engine::runner::{RunnerEvent, RunnerHandle, Sink};
-use engine::sampler::{FinishReason as EngineFinish, SampledToken, SamplingParams};
+use engine::sampler::{FinishReason as EngineFinish, SampledToken};
 use kvtransfer::{Peer, Receiver, Reservation};
 use proto::worker::v1::decode_worker_server::DecodeWorker;
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
@@ -45,6 +44,8 @@ use proto::worker::v1::{
 };
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, Notify};
+use types::kv::BlockId;
+use types::sampling::SamplingParams;
 // Deadlines, leases and timeouts on tokio's clock (paused in tests); the
 // runner, a thread outside tokio, takes them as `into_std()`.
 use tokio::time::Instant;

@@ -33,11 +33,11 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use engine::kv::BlockId;
 use engine::runner::{PostError, RunnerHandle, POST_ROOM};
 use kvtransfer::{BlockSink, OwnedPayload, Reservation, WriteInstruction};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::PollSemaphore;
+use types::kv::BlockId;
 
 /// Bytes of payload one credit unit stands for.
 pub const CREDIT_UNIT_BYTES: usize = 64 << 10;

@@ -21,7 +21,11 @@ use common::{
     decode_worker, prefill_worker, prompt_of, reference, scrape, wait_metric, within, Fault, Proxy, Signal, TestResult,
     Worker, WAIT,
 };
-use facts::metrics::decode::{CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, DECODE_REQUESTS, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES, KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE, RESERVATIONS_EXPIRED, TRANSPORT_INFO, TTFT, UCX_LANDING_IN_USE, UCX_QUARANTINED_RANGES};
+use facts::metrics::decode::{
+    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, DECODE_REQUESTS, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
+    KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE, RESERVATIONS_EXPIRED, TRANSPORT_INFO, TTFT,
+    UCX_LANDING_IN_USE, UCX_QUARANTINED_RANGES,
+};
 use facts::metrics::prefill::KV_TRANSFER_BYTES;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::{generate_response, ErrorKind, GenerateRequest, HealthRequest, KvLoadFailurePolicy};
@@ -153,10 +157,10 @@ async fn remote_prefill_over_ucx_matches_the_engine() -> TestResult {
 /// A decode worker (policy `fail`, always remote prefill, plus `extra`)
 /// whose advertised transfer address is a fault proxy in front of its real
 /// one, so the test can hold back or corrupt the KV prefill workers push.
-fn decode_behind_proxy(extra: &[&str]) -> testkit::Result<(Worker, Proxy)> {
+fn decode_behind_proxy(extra: &[&str]) -> opskit::Result<(Worker, Proxy)> {
     let transfer = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
-        .map_err(|e| testkit::Error::Process(format!("pick a transfer port: {e}")))?;
+        .map_err(|e| opskit::Error::Process(format!("pick a transfer port: {e}")))?;
     let proxy = Proxy::start(transfer)?;
     let (transfer_s, proxy_s) = (transfer.to_string(), proxy.addr.to_string());
     let mut args = vec!["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"];

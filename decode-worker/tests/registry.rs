@@ -8,8 +8,8 @@ mod common;
 use std::time::Duration;
 
 use common::{decode_worker, prefill_worker, within, Signal, TestResult, WAIT};
+use opskit::etcd::Etcd;
 use registry::{EtcdConfig, Membership, MembershipConfig, MembershipView, Role};
-use testkit::etcd::Etcd;
 
 /// Waits until the membership view satisfies `ok`.
 async fn until(m: &Membership, what: &str, ok: impl Fn(&MembershipView) -> bool) -> TestResult {

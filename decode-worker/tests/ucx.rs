@@ -28,7 +28,11 @@ mod common;
 mod rpc;
 
 use common::{decode_worker, prefill_worker, prompt_of, reference, scrape, wait_metric, Signal, TestResult};
-use facts::metrics::decode::{CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES, KV_TRANSFERS_COMPLETED, POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_DIRECT_GRANTS, UCX_FENCES, UCX_LANDING_IN_USE, UCX_LANDING_REFUSED, UCX_QUARANTINED_BLOCKS, UCX_QUARANTINED_RANGES};
+use facts::metrics::decode::{
+    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
+    KV_TRANSFERS_COMPLETED, POLICY_OUTCOMES, RESERVATIONS_EXPIRED, UCX_DIRECT_GRANTS, UCX_FENCES, UCX_LANDING_IN_USE,
+    UCX_LANDING_REFUSED, UCX_QUARANTINED_BLOCKS, UCX_QUARANTINED_RANGES,
+};
 use facts::metrics::prefill::{FAULTS_INJECTED, KV_LAYERS_SENT, KV_TRANSFER_BYTES};
 use proto::worker::v1::{ErrorKind, KvLoadFailurePolicy};
 use rpc::{
@@ -172,7 +176,7 @@ fn assert_policy_outcome(policy: KvLoadFailurePolicy, got: &Outcome, alive: &str
 /// A decode worker receiving KV over ucx, policy fail unless a request overrides it, every
 /// prompt prefilled remotely; leases long enough (120 s) for a failed attempt and a whole
 /// retry on a loaded 2-core machine (these tests judge outcomes, not timing).
-fn ucx_decode_worker() -> testkit::Result<common::Worker> {
+fn ucx_decode_worker() -> opskit::Result<common::Worker> {
     decode_worker(
         GROUP,
         &[
@@ -252,6 +256,13 @@ async fn a_byte_flipped_after_the_checksum_is_refused_under_each_policy() -> Tes
     let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
     let policies = [KvLoadFailurePolicy::Recompute, KvLoadFailurePolicy::Retry, KvLoadFailurePolicy::Fail];
     let n = policies.len().to_string();
+    let version =
+        std::process::Command::new(opskit::process::bin("tandem-prefill-worker")?).arg("--version").output()?;
+    assert!(
+        String::from_utf8_lossy(&version.stdout).contains("fault-injection"),
+        "the prefill worker was built without its fault hooks: build with `--features prefill-worker/fault-injection` \
+         (make test does)"
+    );
     let corrupter = prefill_worker(GROUP, &["--fault-kv-corrupt", &n, "--transfer-timeout-ms", "120000"])?;
     let healthy = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
     let decode = ucx_decode_worker()?;

@@ -2,7 +2,7 @@
 //!
 //! Owns: weight loading (GGUF, HF safetensors), the tokenizer and chat
 //! template, the paged KV block pool, the sampler and the batch step.
-//! Must not: know about networks. Transfer code sees only [`kv::KvLayout`]
+//! Must not: know about networks. Transfer code sees only [`types::kv::KvLayout`]
 //! and block gather/scatter.
 
 pub mod batch;

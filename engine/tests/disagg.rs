@@ -92,7 +92,7 @@ fn joining_with_wrong_blocks_or_a_final_first_token() {
     assert_eq!(e.kv_stats().used, 0);
     // A first token that is a stop token ends the request at once and frees the blocks.
     let blocks = e.reserve_blocks(1).expect("reserve");
-    let params = engine::sampler::SamplingParams { stop_token_ids: vec![7042], ..greedy(4) };
+    let params = types::sampling::SamplingParams { stop_token_ids: vec![7042], ..greedy(4) };
     let done = e
         .add_prefilled(Request { id: 2, prompt: p, params, salt: 0, priority: Default::default() }, blocks, &first)
         .expect("join");

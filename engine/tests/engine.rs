@@ -8,9 +8,9 @@ mod common;
 
 use common::{engine, greedy, run_all};
 use engine::batch::{EngineConfig, EngineError, Request};
-use engine::kv::KvDtype;
-use engine::sampler::SamplingParams;
 use engine::weights::Weights;
+use types::kv::KvDtype;
+use types::sampling::SamplingParams;
 
 fn prompts(tok: &engine::tokenizer::Tokenizer) -> Vec<Vec<u32>> {
     let texts = [

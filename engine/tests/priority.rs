@@ -10,7 +10,8 @@ mod common;
 use std::collections::HashMap;
 
 use common::{engine, greedy};
-use engine::batch::{Engine, EngineConfig, Priority, Request};
+use engine::batch::{Engine, EngineConfig, Request};
+use types::priority::Priority;
 
 fn req(id: u64, prompt: &[u32], max_tokens: u32, priority: Priority) -> Request {
     Request { id, prompt: prompt.to_vec(), params: greedy(max_tokens), salt: 0, priority }

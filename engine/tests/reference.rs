@@ -18,9 +18,11 @@
 
 mod common;
 
-use engine::kv::{KvDtype, KvPool};
+use engine::kv::KvPool;
+
 use engine::model::SeqChunk;
 use serde_json::Value;
+use types::kv::KvDtype;
 
 /// Top-2 gap below which either token is an honest greedy choice (the
 /// engine issue's rule). It sits close to the noise floor of 8-bit

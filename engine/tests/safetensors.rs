@@ -6,12 +6,14 @@
 
 use std::path::PathBuf;
 
-use engine::kv::{KvDtype, KvPool};
+use engine::kv::KvPool;
+
 use engine::model::{Model, SeqChunk};
 use engine::tokenizer::{ChatMessage, Tokenizer};
 use engine::weights::export::{export_safetensors, ExportDtype};
 use engine::weights::hf::{permute_qk, QkOrder};
 use engine::weights::Weights;
+use types::kv::KvDtype;
 
 mod common;
 

@@ -186,11 +186,9 @@ mod tests {
         assert_eq!(args, ["--worker-id", "prefill-0", "--threads", "2", "--nice", "19", "--cpus", "0-1", "--x"]);
         let d = WorkerArgv::decode();
         assert_eq!(d.binary(), DECODE_BINARY);
-        assert_eq!(d.transfer("@sock").local_prefill_max_tokens(32).build(), [
-            "--transfer",
-            "@sock",
-            "--local-prefill-max-tokens",
-            "32"
-        ]);
+        assert_eq!(
+            d.transfer("@sock").local_prefill_max_tokens(32).build(),
+            ["--transfer", "@sock", "--local-prefill-max-tokens", "32"]
+        );
     }
 }

@@ -220,7 +220,8 @@ impl StateFile {
     /// Writes the file whole, through a temporary file and a rename, so a reader never
     /// sees half of it.
     pub fn write(&self, path: &Path) -> Result<(), StateError> {
-        let text = serde_json::to_string_pretty(self).map_err(|source| StateError::Parse { path: path.to_owned(), source })?;
+        let text =
+            serde_json::to_string_pretty(self).map_err(|source| StateError::Parse { path: path.to_owned(), source })?;
         replace(path, &text)
     }
 

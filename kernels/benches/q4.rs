@@ -43,9 +43,7 @@ fn main() {
     let shapes =
         [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)];
     let mut rng = types::rng::XorShift64::new(0x2545_f491_4f6c_dd1d);
-    let mut next = move || {
-        rng.next_u64()
-    };
+    let mut next = move || rng.next_u64();
     let mut data = Vec::new();
     for _ in 0..LAYERS {
         for (rows, cols) in shapes {

@@ -37,11 +37,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 
-use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
+use engine::kv::KvPool;
+
 use kvtransfer::{
     BlockSink, FnSink, LayoutFingerprint, LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig,
     OwnedPayload, Peer, Receiver, ReceiverConfig, VersionGroup, WriteInstruction,
 };
+use types::kv::{BlockId, KvDtype, KvLayout};
 
 const LAYOUT: KvLayout = KvLayout { n_layers: 30, n_kv_heads: 3, head_dim: 64, block_size: 16, dtype: KvDtype::F16 };
 /// 729 blocks x 368,640 bytes = 268.7 MB (256.3 MiB).

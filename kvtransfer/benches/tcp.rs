@@ -38,10 +38,11 @@ use common::{
     actor_hops, cpu_seconds, dst_sink, expected_dst, frame_payload, frame_sizes, gbps, lock, lock_take, peer, rates,
     read_into, summary_us, write_layers, Res, BLOCKS, LAYOUT, SIDE, TOTAL,
 };
-use engine::kv::{BlockId, KvPool};
+use engine::kv::KvPool;
 use kvtransfer::{Receiver, ReceiverConfig, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use types::kv::BlockId;
 
 const RUNS: usize = 7;
 /// Senders at once in the parallel variant.

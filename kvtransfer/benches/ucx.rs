@@ -66,11 +66,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use common::{lock, peer, Res, LAYOUT, SIDE};
-use engine::kv::{BlockId, KvPool};
+use engine::kv::KvPool;
 use kvtransfer::{
     LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, Receiver, ReceiverConfig, TcpKvSender,
     TcpKvServer, TcpSenderConfig, TcpServerConfig, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig,
 };
+use types::kv::BlockId;
 
 /// 1,024 tokens.
 const BLOCKS: usize = 64;

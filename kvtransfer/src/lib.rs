@@ -20,7 +20,7 @@
 //!
 //! A CUDA transport comes later, behind the same shape.
 //!
-//! Must not: know about models beyond [`engine::kv::KvLayout`]. Outside
+//! Must not: know about models beyond [`types::kv::KvLayout`]. Outside
 //! [`transport`], must not open sockets, read a clock or spawn tasks either:
 //! everything there is protocol logic with time passed in (the quinn-proto
 //! shape), so it is tested deterministically in memory and every byte parser

@@ -9,11 +9,13 @@ mod common;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
+use engine::kv::KvPool;
+
 use kvtransfer::{
     gathered_layer, split_layer, Complete, DecodeLimits, Decoded, Frame, Hello, LayoutFingerprint, Peer, Receiver,
     ReceiverConfig, ReleaseCause, Reservation, ReservationState, VersionGroup, PROTOCOL_VERSION,
 };
+use types::kv::{BlockId, KvDtype, KvLayout};
 
 fn layout(dtype: KvDtype) -> KvLayout {
     KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 8, block_size: 4, dtype }

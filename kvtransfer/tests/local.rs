@@ -20,7 +20,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
+use engine::kv::KvPool;
+
 use kvtransfer::transport::local::{LocalCloseReason, RingRefusal};
 use kvtransfer::{
     AbortReason, Complete, DecodeLimits, Decoded, Frame, Hello, LayerData, LayoutFingerprint, LocalKvSender,
@@ -31,6 +32,7 @@ use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
+use types::kv::{BlockId, KvDtype, KvLayout};
 
 const WAIT: Duration = Duration::from_secs(10);
 

@@ -20,7 +20,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use engine::kv::{BlockId, KvLayout, KvPool};
+use engine::kv::KvPool;
+
 use kvtransfer::frame::LAYER_DATA_OVERHEAD;
 use kvtransfer::transport::quic::tls::ALPN;
 use kvtransfer::{
@@ -31,6 +32,7 @@ use kvtransfer::{
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::UdpSocket;
+use types::kv::{BlockId, KvLayout};
 
 /// A cluster CA that signs node certificates.
 struct Ca {

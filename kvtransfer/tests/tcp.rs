@@ -15,7 +15,8 @@ use net::{layout, lock, now, peer, side, within, WAIT};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use engine::kv::{BlockId, KvLayout, KvPool};
+use engine::kv::KvPool;
+
 use kvtransfer::frame::LAYER_DATA_OVERHEAD;
 use kvtransfer::{
     AbortReason, Complete, DecodeLimits, Decoded, Frame, Hello, LayerData, Peer, Receiver, ReceiverConfig,
@@ -24,6 +25,7 @@ use kvtransfer::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use types::kv::{BlockId, KvLayout};
 
 /// Prefill side: `n` blocks of known K/V values.
 fn source(l: KvLayout, n: usize) -> (KvPool, Vec<BlockId>) {

@@ -19,12 +19,14 @@ use net::{layout, lock, now, peer, side, within, WAIT};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
-use engine::kv::{BlockId, KvLayout, KvPool};
+use engine::kv::KvPool;
+
 use kvtransfer::{
     AbortReason, ErrorKind, LandingRefusal, Peer, Receiver, ReceiverConfig, RejectReason, ReleaseCause, Reservation,
     ReservationState, TransferError, UcxCloseReason, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig,
     UcxServerStats,
 };
+use types::kv::{BlockId, KvLayout};
 
 fn ucx_env() {
     static ONCE: Once = Once::new();

@@ -27,7 +27,7 @@ use tokio::time::{timeout_at, Instant};
 use crate::openai::{self, Chunk, Delta};
 use crate::plan::{Checked, Endpoint, Plan};
 use crate::report::{Outcome, Record};
-use crate::sse::SseParser;
+use opskit::sse::SseParser;
 
 /// Largest SSE event, and largest whole or error body, we accept.
 const MAX_BODY: usize = 8 << 20;

@@ -36,7 +36,6 @@ pub mod openai;
 mod plan;
 pub mod prompts;
 mod report;
-pub mod sse;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -22,8 +22,16 @@ use serde::Deserialize;
 use worker_common::config::{millis, read_file, CommonConfig, CommonFlags, ConfigError};
 
 /// `tandem-prefill-worker` flags (each also a `TANDEM_*` env var and a TOML key).
+/// The version `--version` prints, naming the drill hooks when the binary has them (the
+/// drills read it before they rely on one).
+#[cfg(feature = "fault-injection")]
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (fault-injection)");
+/// The version `--version` prints.
+#[cfg(not(feature = "fault-injection"))]
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 #[derive(Debug, Default, Clone, Parser, Deserialize)]
-#[command(name = "tandem-prefill-worker", about = "tandem prefill worker")]
+#[command(name = "tandem-prefill-worker", about = "tandem prefill worker", version = VERSION)]
 #[serde(default)]
 pub struct PrefillFlags {
     #[command(flatten)]
@@ -37,7 +45,9 @@ pub struct PrefillFlags {
     /// it by checksum (a one-sided put has no link a fault proxy can sit in).
     /// Logged as a warning at start and counted in
     /// `tandem_faults_injected_total{fault="kv_corrupt"}`. Env:
-    /// TANDEM_FAULT_KV_CORRUPT. Default 0 (off).
+    /// TANDEM_FAULT_KV_CORRUPT. Default 0 (off). Only in a binary built with the
+    /// `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
     #[arg(long, env = "TANDEM_FAULT_KV_CORRUPT")]
     pub fault_kv_corrupt: Option<u64>,
 }
@@ -48,6 +58,7 @@ pub struct PrefillConfig {
     pub common: CommonConfig,
     pub transfer_timeout: Duration,
     /// ucx KV transfers to corrupt after their checksum (drills; 0 = off).
+    #[cfg(feature = "fault-injection")]
     pub fault_kv_corrupt: u64,
 }
 
@@ -59,7 +70,9 @@ impl PrefillConfig {
             None => PrefillFlags::default(),
         };
         merged.common.overlay(&flags.common);
-        worker_common::overlay!(merged, flags, transfer_timeout_ms, fault_kv_corrupt);
+        worker_common::overlay!(merged, flags, transfer_timeout_ms);
+        #[cfg(feature = "fault-injection")]
+        worker_common::overlay!(merged, flags, fault_kv_corrupt);
         Self::resolve(&merged)
     }
 
@@ -67,6 +80,7 @@ impl PrefillConfig {
         Ok(Self {
             common: f.common.resolve()?,
             transfer_timeout: millis("transfer_timeout_ms", f.transfer_timeout_ms, 10_000)?,
+            #[cfg(feature = "fault-injection")]
             fault_kv_corrupt: f.fault_kv_corrupt.unwrap_or(0),
         })
     }
@@ -76,6 +90,39 @@ impl PrefillConfig {
 mod tests {
     use super::*;
     use worker_common::config::fixtures::{common, some_file};
+
+    /// The command line `tandem up` and the drills build is one this worker's parser takes,
+    /// flag for flag.
+    #[test]
+    fn the_shared_argv_builder_speaks_this_workers_flags() {
+        let cpus = facts::cpus::CpuList::parse("0").expect("a list");
+        let argv = facts::argv::WorkerArgv::prefill()
+            .model("/m.gguf")
+            .etcd("http://127.0.0.1:2379")
+            .cluster_prefix("p")
+            .lease_ttl_s(3)
+            .version_group("g")
+            .worker_id("prefill-0")
+            .threads(2)
+            .kv_blocks(64)
+            .shutdown_timeout_ms(500)
+            .grpc("127.0.0.1:0")
+            .metrics("127.0.0.1:1")
+            .nice(19)
+            .cpus(&cpus);
+        assert_eq!(argv.binary(), <PrefillFlags as clap::CommandFactory>::command().get_name());
+        let f = PrefillFlags::try_parse_from(std::iter::once("w".to_owned()).chain(argv.build())).expect("parses");
+        let c = &f.common;
+        assert_eq!(c.model.as_deref(), Some(std::path::Path::new("/m.gguf")));
+        assert_eq!((c.etcd.as_deref(), c.cluster_prefix.as_deref()), (Some("http://127.0.0.1:2379"), Some("p")));
+        assert_eq!(
+            (c.lease_ttl_s, c.version_group.as_deref(), c.worker_id.as_deref()),
+            (Some(3), Some("g"), Some("prefill-0"))
+        );
+        assert_eq!((c.threads, c.kv_blocks, c.shutdown_timeout_ms), (Some(2), Some(64), Some(500)));
+        assert_eq!((c.grpc.as_deref(), c.metrics.as_deref()), (Some("127.0.0.1:0"), Some("127.0.0.1:1")));
+        assert_eq!((c.nice, c.cpus.as_deref()), (Some(19), Some("0")));
+    }
 
     #[test]
     fn zero_transfer_timeout_is_named() {
@@ -106,6 +153,7 @@ mod tests {
         assert_eq!(cfg.common.version_group.as_str(), "file-g");
         assert_eq!(cfg.common.metrics, std::net::SocketAddr::from(([127, 0, 0, 1], 9464)));
         assert_eq!(cfg.transfer_timeout, Duration::from_millis(250));
+        #[cfg(feature = "fault-injection")]
         assert_eq!(cfg.fault_kv_corrupt, 0, "the corruption fault is off unless asked for");
         std::fs::write(&path, "kv_blokcs = 1\n").ok();
         flags.common.config = Some(path);

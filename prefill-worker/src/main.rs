@@ -22,6 +22,7 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     // Before anything announces this worker: a SIGTERM from then on drains it.
     let mut signals = registry::StopSignals::install()?;
     let common = &cfg.common;
+    #[cfg(feature = "fault-injection")]
     if cfg.fault_kv_corrupt > 0 {
         tracing::warn!(
             transfers = cfg.fault_kv_corrupt,

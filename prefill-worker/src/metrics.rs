@@ -5,7 +5,6 @@ use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
 
 use facts::metrics::prefill::*;
 
-
 /// Buckets of `tandem_kv_transfer_seconds`: 1 ms .. 10 s.
 pub const KV_TRANSFER_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 /// Buckets of `tandem_prefill_seconds`: 5 ms .. 60 s (CPU prefill of long prompts is slow).
@@ -31,10 +30,12 @@ pub fn describe() {
         KV_LAYERS_SENT,
         "Streamed KV layer messages, by path (in_place: stored by the engine's thread into the decode pool; gathered)."
     );
-    describe_counter!(FAULTS_INJECTED, "Faults injected by drill flags, by fault (0 in production).");
+    #[cfg(feature = "fault-injection")]
+    describe_counter!(FAULTS_INJECTED, "Faults injected by drill flags, by fault.");
     // Exported from the start, so a check that reads it can tell 0 from a missing series.
     counter!(KV_TRANSFER_BYTES).absolute(0);
     counter!(KV_STALE_CONNECTIONS).absolute(0);
+    #[cfg(feature = "fault-injection")]
     counter!(FAULTS_INJECTED, "fault" => "kv_corrupt").absolute(0);
     worker_common::metrics::zero(PREFILL_REQUESTS, "outcome", &facts::metrics::worker::OUTCOMES);
     worker_common::metrics::zero(KV_TRANSFER_FAILURES, "reason", &TRANSFER_FAILURE_REASONS);
@@ -75,6 +76,7 @@ pub fn record_transfer_failure(reason: &'static str) {
     counter!(KV_TRANSFER_FAILURES, "reason" => reason).increment(1);
 }
 
+#[cfg(feature = "fault-injection")]
 /// Counts one ucx transfer the `--fault-kv-corrupt` drill hook corrupted
 /// (called on the sender's thread at the flip, before the put).
 pub fn record_kv_corrupt_fault() {

@@ -17,9 +17,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use engine::batch::Request;
 use engine::batch::{LayerBlocks, LayerView};
-use engine::kv::KvLayout;
 use engine::runner::{PrefillDone, RunnerError, RunnerHandle};
 use engine::sampler::SampledToken;
+use types::kv::KvLayout;
 
 use kvtransfer::{
     AbortReason, CertFingerprint, KvSender, LayoutFingerprint, LocalKvSender, LocalSenderConfig, Peer, PeerTrust,
@@ -196,7 +196,7 @@ impl PrefillService {
     fn validate(
         &self,
         req: &PrefillRequest,
-    ) -> Result<(engine::sampler::SamplingParams, Reservation, Dest), WorkerError> {
+    ) -> Result<(types::sampling::SamplingParams, Reservation, Dest), WorkerError> {
         let bad = |m: &str| Err(err(ErrorKind::InvalidArgument, m));
         if req.request_id.is_empty() {
             return bad("request_id is empty");
@@ -205,7 +205,7 @@ impl PrefillService {
             return bad("token_ids is empty");
         }
         let Some(sampling) = req.sampling.as_ref() else { return bad("sampling is required") };
-        let params = engine::sampler::SamplingParams::try_from(sampling).map_err(|e| WorkerError::from(&e))?;
+        let params = types::sampling::SamplingParams::try_from(sampling).map_err(|e| WorkerError::from(&e))?;
         let Some(d) = req.destination.as_ref() else { return bad("destination is required") };
         let Some(kind) = TransportKind::parse(&d.transport) else {
             return Err(err(

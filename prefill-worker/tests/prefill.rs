@@ -5,7 +5,7 @@
 //! It also reads the worker's Prometheus `/metrics`, by the exported names.
 //!
 //! Every wait is bounded and says what did not happen; nothing sleeps. Processes, metric
-//! pages and waits are testkit's.
+//! pages and waits are opskit's.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
 
@@ -14,20 +14,24 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use engine::batch::{Engine, EngineConfig, Request};
-use engine::kv::{KvDtype, KvLayout, KvPool};
+use engine::kv::KvPool;
 use engine::model::Model;
-use engine::sampler::SamplingParams;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
+use facts::metrics::prefill::{
+    KV_STALE_CONNECTIONS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS, PREFILL_REQUESTS,
+    PREFILL_SECONDS, PROMPT_TOKENS,
+};
+use facts::metrics::worker::{KV_BLOCKS_USED, KV_CACHE_USAGE};
 use kvtransfer::{
     LayoutFingerprint, Peer, Receiver, ReceiverConfig, Reservation, ReservationId, TcpKvServer, TcpServerConfig,
     VersionGroup,
 };
-use facts::metrics::prefill::{KV_STALE_CONNECTIONS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS, PREFILL_REQUESTS, PREFILL_SECONDS, PROMPT_TOKENS};
+use opskit::process::{Launch, Proc, Signal};
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{prefill_response, ErrorKind, HealthRequest, KvDestination, PrefillRequest};
-use testkit::process::{Launch, Proc, Signal};
-use facts::metrics::worker::{KV_BLOCKS_USED, KV_CACHE_USAGE};
+use types::kv::{KvDtype, KvLayout};
+use types::sampling::SamplingParams;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -35,12 +39,12 @@ type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 const WAIT: Duration = Duration::from_secs(120);
 
 /// Awaits `fut` for at most [`WAIT`]; the error says `what` did not happen.
-async fn within<T>(what: &str, fut: impl Future<Output = T>) -> testkit::Result<T> {
-    testkit::within(what, WAIT, fut).await
+async fn within<T>(what: &str, fut: impl Future<Output = T>) -> opskit::Result<T> {
+    opskit::within(what, WAIT, fut).await
 }
 
 /// This package's worker with `args`, once it printed its gRPC and metrics addresses.
-fn worker(args: &[&str]) -> testkit::Result<Proc> {
+fn worker(args: &[&str]) -> opskit::Result<Proc> {
     Launch::path(env!("CARGO_BIN_EXE_tandem-prefill-worker"))
         .args(args)
         .wants(&["grpc", "metrics"])
@@ -51,7 +55,7 @@ fn worker(args: &[&str]) -> testkit::Result<Proc> {
 const GROUP: &str = "test-group";
 
 /// [`worker`] on loopback in [`GROUP`] with one thread and [`KV_BLOCKS`], plus `extra`.
-fn one_thread_worker(extra: &[&str]) -> testkit::Result<Proc> {
+fn one_thread_worker(extra: &[&str]) -> opskit::Result<Proc> {
     let kv_blocks = KV_BLOCKS.to_string();
     let mut args = vec!["--grpc", "127.0.0.1:0", "--version-group", GROUP, "--threads", "1", "--kv-blocks", &kv_blocks];
     args.extend_from_slice(extra);
@@ -191,7 +195,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
 
     // The answer goes out before the runner takes the release of the prompt's blocks
     // (between steps: at once here, idle), so the worker holds them for a moment after.
-    let health = testkit::poll("the worker releasing the prompt's KV", WAIT, || {
+    let health = opskit::poll("the worker releasing the prompt's KV", WAIT, || {
         let mut c = client.clone();
         async move {
             let h = c.health(HealthRequest::default()).await.map_err(|e| e.to_string())?.into_inner();
@@ -217,7 +221,7 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     }
 
     // Both answers are counted before they are sent, so one scrape sees them.
-    let page = testkit::prom::scrape_within(&metrics_addr, WAIT).await?;
+    let page = opskit::prom::scrape_within(&metrics_addr, WAIT).await?;
     assert_eq!(page.get(KV_TRANSFER_BYTES, &[])?, first.kv_bytes_sent as f64);
     assert_eq!(page.get(PREFILL_REQUESTS, &[("outcome", "ok")])?, 1.0);
     assert_eq!(page.get(PREFILL_REQUESTS, &[("outcome", "version_mismatch")])?, 1.0);
@@ -285,7 +289,7 @@ async fn a_pooled_connection_the_decode_side_closed_when_idle_is_replaced() -> T
     }
     let stats = server.stats();
     assert_eq!(stats.connections_accepted, 2, "the worker did not reconnect once: {stats:?}");
-    let page = testkit::prom::scrape_within(&metrics_addr, WAIT).await?;
+    let page = opskit::prom::scrape_within(&metrics_addr, WAIT).await?;
     assert_eq!(page.get(KV_STALE_CONNECTIONS, &[])?, 1.0);
     assert_eq!(page.get(PREFILL_REQUESTS, &[("outcome", "ok")])?, 2.0);
     assert_eq!(page.get(KV_TRANSFER_FAILURES, &[("reason", "io")])?, 0.0);
@@ -319,7 +323,7 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
             .map(|h| h.into_inner().kv_blocks_used)
             .map_err(|e| e.to_string())
     };
-    let held = testkit::poll("the stuck request's KV is held", WAIT, || {
+    let held = opskit::poll("the stuck request's KV is held", WAIT, || {
         let c = client.clone();
         async move { used(c).await.map(|n| (n > 0).then_some(n)) }
     })
@@ -331,17 +335,17 @@ async fn the_kv_gauge_returns_to_zero_after_a_caller_goes_away_mid_transfer() ->
         d.layout_fingerprint = vec![0x5a; 32];
     }
     within("Prefill answer (wrong fingerprint)", client.prefill(wrong)).await??;
-    let page = testkit::prom::scrape_within(&metrics_addr, WAIT).await?;
+    let page = opskit::prom::scrape_within(&metrics_addr, WAIT).await?;
     assert_eq!(page.get(KV_BLOCKS_USED, &[])?, f64::from(held));
 
     // The caller goes away: its HTTP/2 stream is reset and the handler dropped.
     stuck.abort();
-    testkit::poll("the stuck request's KV is freed", WAIT, || {
+    opskit::poll("the stuck request's KV is freed", WAIT, || {
         let c = client.clone();
         async move { used(c).await.map(|n| (n == 0).then_some(())) }
     })
     .await?;
-    let page = testkit::prom::scrape_within(&metrics_addr, WAIT).await?;
+    let page = opskit::prom::scrape_within(&metrics_addr, WAIT).await?;
     assert_eq!(page.get(KV_BLOCKS_USED, &[])?, 0.0, "freed KV still shows as used");
     drop(silent);
     Ok(())
@@ -401,7 +405,7 @@ async fn a_finished_prompt_is_answered_while_another_prompts_steps_run() -> Test
             (answer, frames(&rx_b))
         }
     });
-    testkit::poll("A's first layer arriving", WAIT, || {
+    opskit::poll("A's first layer arriving", WAIT, || {
         let n = frames(&rx_a);
         async move { n.map(|n| (n > 0).then_some(())) }
     })
@@ -449,7 +453,7 @@ async fn prefill_status_follows_a_prompt_from_queued_to_running_to_gone() -> Tes
     };
     let until = |id: &'static str, want: PrefillState| async move {
         let what = format!("{id} {want:?}");
-        testkit::poll(&what, WAIT, || {
+        opskit::poll(&what, WAIT, || {
             let s = status(id);
             async move { s.await.map(|s| (s == want).then_some(())) }
         })
@@ -463,7 +467,7 @@ async fn prefill_status_follows_a_prompt_from_queued_to_running_to_gone() -> Tes
     let a = spawn(request("a", 0));
     until("a", PrefillState::Running).await?;
     let b = spawn(request("b", 1));
-    testkit::poll("b waiting in the engine's queue", WAIT, || {
+    opskit::poll("b waiting in the engine's queue", WAIT, || {
         let mut c = client.clone();
         async move {
             let h = c.health(HealthRequest::default()).await.map_err(|e| e.to_string())?.into_inner();

@@ -7,7 +7,7 @@
 //! coordinator -> decode worker ([`worker::v1::decode_worker_server`]) and
 //! decode worker -> prefill worker ([`worker::v1::prefill_worker_server`]) —
 //! plus small, lossless conversions between wire types and the engine's types
-//! ([`worker::v1::SamplingParams`] <-> [`engine::sampler::SamplingParams`],
+//! ([`worker::v1::SamplingParams`] <-> [`types::sampling::SamplingParams`],
 //! [`worker::v1::Priority`] <-> [`types::priority::Priority`]).
 //!
 //! It must not hold logic: no I/O, no policy, no state. Servers and clients

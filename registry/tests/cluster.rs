@@ -1,4 +1,4 @@
-//! A three-member etcd (`testkit::etcd::EtcdCluster`): the leader's death is invisible to registrations and the
+//! A three-member etcd (`opskit::etcd::EtcdCluster`): the leader's death is invisible to registrations and the
 //! membership cache; losing quorum fences no worker (static stability) but makes the cache unhealthy (while it
 //! stays readable), and restoring quorum brings both back.
 
@@ -9,9 +9,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use opskit::etcd::EtcdCluster;
+use opskit::eventually;
 use registry::{EtcdConfig, Membership, MembershipConfig, Registration, RegistrationConfig, Role};
-use testkit::etcd::EtcdCluster;
-use testkit::eventually;
 
 fn cluster_config(etcd: &EtcdCluster) -> EtcdConfig {
     let mut config = EtcdConfig::new(etcd.endpoints());
@@ -21,7 +21,7 @@ fn cluster_config(etcd: &EtcdCluster) -> EtcdConfig {
 }
 
 async fn wait_leader(etcd: &EtcdCluster, limit: Duration) -> usize {
-    testkit::poll("a member reporting itself leader", limit, || async {
+    opskit::poll("a member reporting itself leader", limit, || async {
         Ok::<_, std::convert::Infallible>(etcd.leader().await)
     })
     .await

@@ -9,9 +9,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use opskit::etcd::Etcd;
+use opskit::proxy::{Fault, Proxy};
 use registry::{Fence, FenceReason, Membership, Registration, RegistryError, Role};
-use testkit::etcd::Etcd;
-use testkit::proxy::{Fault, Proxy};
 
 #[tokio::test]
 async fn etcd_restart_fences_no_one_and_the_cache_recovers() {
@@ -62,7 +62,7 @@ async fn etcd_restart_fences_no_one_and_the_cache_recovers() {
     }
     d0_log.assert_always_serving("d0 through an etcd restart");
     p0_log.assert_always_serving("p0 through an etcd restart");
-    testkit::within("membership healthy again", Duration::from_secs(5), async {
+    opskit::within("membership healthy again", Duration::from_secs(5), async {
         while !members.healthy() {
             view.changed().await.expect("membership task alive");
         }
@@ -149,7 +149,7 @@ async fn silent_etcd_past_the_ttl_fences_no_one_and_the_cache_goes_stale_then_re
     let limit = Duration::from_secs(10);
     wait_view(&mut view, limit, "membership live again with d0", |v| v.is_live() && v.contains(Role::Decode, "d0"))
         .await;
-    testkit::eventually("d0's key under its current lease", limit, || async {
+    opskit::eventually("d0's key under its current lease", limit, || async {
         key_lease(&etcd, reg.key()).await == reg.current().lease_id().unwrap_or(-1)
     })
     .await

@@ -24,8 +24,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use engine::kv::{KvDtype, KvPool};
+use engine::kv::KvPool;
 use engine::model::{Model, SeqChunk};
+use types::kv::KvDtype;
 
 use crate::bench_serve;
 

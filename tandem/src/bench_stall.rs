@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use engine::batch::{Engine, EngineConfig, Request};
 use engine::model::Model;
-use engine::sampler::SamplingParams;
+use types::sampling::SamplingParams;
 
 #[derive(clap::Args)]
 pub struct Args {

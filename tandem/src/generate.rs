@@ -8,9 +8,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use engine::batch::{Engine, EngineConfig, Request};
-use engine::kv::KvDtype;
-use engine::sampler::{SamplingParams, StopChecker};
+use engine::sampler::StopChecker;
 use engine::tokenizer::{ChatMessage, IncrementalDecoder};
+use types::kv::KvDtype;
+use types::sampling::SamplingParams;
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "chat"])), allow_negative_numbers = true)]

@@ -449,7 +449,7 @@ fn coordinator_serves(paths: &BTreeSet<String>) -> BTreeSet<String> {
     assert!(model.is_file(), "test model {} not found: run `make model`", model.display());
     let bin = Path::new(env!("CARGO_BIN_EXE_tandem")).with_file_name("tandem-coordinator");
     // Fixed addresses of no worker: it starts, is alive, and is not ready.
-    let coordinator = testkit::process::Launch::path(&bin)
+    let coordinator = opskit::process::Launch::path(&bin)
         .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--decode", "127.0.0.1:9"])
         .arg("--model")
         .arg(model.to_string_lossy())
@@ -458,7 +458,7 @@ fn coordinator_serves(paths: &BTreeSet<String>) -> BTreeSet<String> {
         .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
     let addr = coordinator.addr("http").expect("the coordinator printed `listening http=`");
     let status = |p: &str| {
-        testkit::http::blocking::status(&addr, p, std::time::Duration::from_secs(10))
+        opskit::http::blocking::status(&addr, p, std::time::Duration::from_secs(10))
             .unwrap_or_else(|e| panic!("GET {p}: {e}"))
     };
     paths.iter().filter(|p| status(p) != 404).cloned().collect()

@@ -27,7 +27,7 @@ fn get_status(addr: &str, path: &str) -> Result<u16, String> {
 /// Requests the coordinator at `http` has finished ([`facts::metrics::coordinator::REQUESTS`], every
 /// label set); an error when it exports none.
 fn finished_requests(http: &str) -> Result<f64, String> {
-    let page = testkit::prom::scrape_blocking(http).map_err(|e| e.to_string())?;
+    let page = opskit::prom::scrape_blocking(http).map_err(|e| e.to_string())?;
     page.sum(facts::metrics::coordinator::REQUESTS, &[]).map_err(|e| e.to_string())
 }
 

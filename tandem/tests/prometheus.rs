@@ -19,9 +19,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use opskit::http::{get, Request};
+use opskit::{eventually, poll, within};
 use serde_json::Value;
-use testkit::http::{get, Request};
-use testkit::{eventually, poll, within};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -232,7 +232,7 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
         .stderr(Stdio::from(up_log))
         .spawn()?);
     eventually("the cluster ready (/ready 200)", WAIT, || async {
-        testkit::http::status(&http, "/ready", Duration::from_secs(2)).await.is_ok_and(|s| s == 200)
+        opskit::http::status(&http, "/ready", Duration::from_secs(2)).await.is_ok_and(|s| s == 200)
     })
     .await?;
 
@@ -257,7 +257,7 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
         .spawn()
         .map_err(|e| format!("starting prometheus ({e}): run `make deps` (Debian's prometheus package)"))?);
     eventually("Prometheus ready", WAIT, || async {
-        testkit::http::status(&prom, "/-/ready", Duration::from_secs(2)).await.is_ok_and(|s| s == 200)
+        opskit::http::status(&prom, "/-/ready", Duration::from_secs(2)).await.is_ok_and(|s| s == 200)
     })
     .await?;
     eventually("every tandem up process scraped (up == 1)", WAIT, || async {

@@ -25,7 +25,7 @@ fn reference(ids: &[u32], max_tokens: u32) -> Result<String, Box<dyn std::error:
     let tok = engine::tokenizer::Tokenizer::from_gguf(&gguf)?;
     let model = engine::model::Model::new(w, 1)?;
     let mut e = Engine::new(model, EngineConfig::default(), tok.eos_ids().to_vec())?;
-    let params = engine::sampler::SamplingParams { max_tokens, ..Default::default() };
+    let params = types::sampling::SamplingParams { max_tokens, ..Default::default() };
     e.add(Request { id: 1, prompt: ids.to_vec(), params, salt: 0, priority: Default::default() })?;
     let mut out = Vec::new();
     while e.has_work() {
@@ -116,6 +116,14 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> TestResult {
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("chat.completion") && body.contains("Paris"), "{body}");
         openai_client_agrees_with_the_engine(&http)?;
+        // Every series each process exports is in the metric catalog under it, with its
+        // label names: the catalog cannot drift from what the processes export.
+        use facts::metrics::Process;
+        for (c, p) in comps.iter().skip(1).zip([Process::Prefill, Process::Decode, Process::Coordinator]) {
+            let addr = c["metrics"].as_str().ok_or("no metrics address")?;
+            let n = common::matches_catalog(addr, p)?;
+            assert!(n >= 20, "{p:?} exported only {n} tandem_ series");
+        }
 
         let pids: Vec<(String, u64)> =
             comps.iter().filter_map(|c| Some((c["role"].to_string(), c["pid"].as_u64()?))).collect();

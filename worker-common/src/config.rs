@@ -16,10 +16,10 @@ use std::time::Duration;
 
 use clap::{Args, CommandFactory};
 use engine::batch::EngineConfig;
-use engine::kv::KvDtype;
 use kvtransfer::VersionGroup;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use types::kv::KvDtype;
 
 /// Why the config could not be built.
 #[derive(Debug, thiserror::Error)]

@@ -10,18 +10,12 @@
 
 use std::net::SocketAddr;
 
-use engine::batch::Priority;
+use facts::metrics::worker::*;
+use facts::metrics::PROCESS_START;
 use metrics::{counter, describe_counter, describe_gauge, gauge};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 use proto::worker::v1::ErrorKind;
-use facts::metrics::worker::*;
-use facts::metrics::PROCESS_START;
-
-
-
-
-
-
+use types::priority::Priority;
 
 /// Sets [`PROCESS_START`] to now (every tandem process calls it once).
 pub fn record_process_start() {
@@ -97,7 +91,6 @@ pub fn record_fence(fenced: bool, newly: bool) {
         counter!(FENCES).increment(1);
     }
 }
-
 
 /// Exports `name{label=v}` at 0 for every `v` of `values`, before anything
 /// is counted: a labelled counter otherwise appears only at its first

@@ -8,7 +8,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use engine::batch::Engine;
-use engine::kv::KvLayout;
 use engine::model::Model;
 use engine::runner::{ErrorKind as RunnerKind, RunnerError};
 use engine::tokenizer::Tokenizer;
@@ -16,6 +15,7 @@ use engine::weights::digest::weights_digest;
 use engine::weights::Weights;
 use kvtransfer::LayoutFingerprint;
 use proto::worker::v1::{ErrorKind, WorkerError};
+use types::kv::KvLayout;
 
 use crate::config::CommonConfig;
 

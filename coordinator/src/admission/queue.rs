@@ -11,7 +11,8 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{AdmissionConfig, Priority, Shed, Ticket};
+use super::{AdmissionConfig, Shed, Ticket};
+use types::priority::Priority;
 
 /// Weight of the newest sample in the per-slot throughput average.
 const RATE_ALPHA: f64 = 0.2;

@@ -3,6 +3,7 @@ use futures_util::FutureExt;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use types::priority::{Priority, PriorityParseError};
 
 type Admit<'a> = Pin<Box<dyn Future<Output = Result<Slot, Shed>> + 'a>>;
 
@@ -461,7 +462,7 @@ async fn random_run(seed: u64) {
         per_key_max_queued_tokens: 1500,
     };
     let a = admission(cfg.clone());
-    let mut rng = testkit::rng::XorShift64::new(seed);
+    let mut rng = types::rng::XorShift64::new(seed);
     let mut max_running = cfg.max_running;
     let mut slots: Vec<Slot> = Vec::new();
     let mut waiting: Vec<Waiting<'_>> = Vec::new();

@@ -6,7 +6,7 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::time::Instant;
 
-pub use types::priority::{Priority, PriorityParseError};
+use types::priority::Priority;
 
 /// What admission knows of a request.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -174,7 +174,7 @@ mod tests {
     use std::time::Duration;
 
     async fn settle(what: &str, f: impl Fn() -> bool) {
-        testkit::eventually(what, Duration::from_secs(10), || std::future::ready(f())).await.expect("settled");
+        opskit::eventually(what, Duration::from_secs(10), || std::future::ready(f())).await.expect("settled");
     }
 
     /// A job that blocks until released, reporting when it starts.

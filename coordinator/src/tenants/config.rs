@@ -20,8 +20,8 @@ use std::path::Path;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::admission::Priority;
 use crate::auth::{ApiKeys, KeysError};
+use types::priority::Priority;
 
 /// Why a tenants file was refused.
 #[derive(Debug, Error)]

@@ -193,7 +193,7 @@ async fn without_a_file_every_caller_shares_the_builtin_tenant() {
     assert_eq!((p.caller(), p.tenant().name.as_str()), ("key-1", DEFAULT_TENANT), "fairness stays per key");
     assert_eq!(limit_of(&gate.enter(&as_key("sk-2")).expect_err("one tenant")), Some(TenantLimit::InFlight));
     assert_eq!(gate.enter(&HeaderMap::new()).expect_err("no key"), Error::MissingApiKey);
-    assert_eq!(Tenant::builtin().class_of(Some(crate::admission::Priority::High)), crate::admission::Priority::High);
+    assert_eq!(Tenant::builtin().class_of(Some(types::priority::Priority::High)), types::priority::Priority::High);
 }
 
 /// A tenant flooding one coordinator's share at 10x with Poisson arrivals
@@ -204,7 +204,7 @@ async fn a_flood_of_ten_times_a_small_share_is_admitted_at_the_share() {
     let f = TempFile::new("flood", "[tenants.a]\nkeys=[\"sk-a\"]\nrequests_per_s = 1\n");
     // Two coordinators: this one's share is 0.5/s.
     let gate = Gate::from_file(&f.0, Split::new(2)).expect("valid");
-    let mut rng = testkit::rng::XorShift64::new(7);
+    let mut rng = types::rng::XorShift64::new(7);
     let (secs, offered) = (2000.0, 5.0);
     let (mut t, mut admitted) = (0.0, 0u32);
     while t < secs {

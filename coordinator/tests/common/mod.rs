@@ -1,7 +1,7 @@
-//! What the coordinator's process tests share beyond testkit (the workspace's one harness:
+//! What the coordinator's process tests share beyond opskit (the workspace's one harness:
 //! HTTP client, metric pages, process starter, waits): a worker pair or an etcd-routed
 //! coordinator to test against, the single-process engine's reference output, the OpenAI
-//! error shape, and testkit's calls with these tests' bound and shapes.
+//! error shape, and opskit's calls with these tests' bound and shapes.
 
 #![allow(dead_code, unused_imports)]
 
@@ -9,13 +9,13 @@ use std::time::Duration;
 
 use engine::batch::{Engine, EngineConfig, Request};
 use engine::model::Model;
-use engine::sampler::SamplingParams;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
+pub use opskit::http::blocking::EventStream;
+pub use opskit::http::HeaderMap;
+pub use opskit::process::{Launch, Proc, Signal};
 use serde_json::Value;
-pub use testkit::http::blocking::EventStream;
-pub use testkit::http::HeaderMap;
-pub use testkit::process::{Launch, Proc, Signal};
+use types::sampling::SamplingParams;
 
 pub type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -24,7 +24,7 @@ pub const MODEL: &str = "SmolLM2-135M-Instruct";
 
 /// Starts workspace binary `name` with `args` and waits until it printed `listening` lines
 /// for `wants` (its stderr goes to a log file whose tail a failing test prints).
-pub fn start(name: &str, args: &[&str], wants: &[&str]) -> testkit::Result<Proc> {
+pub fn start(name: &str, args: &[&str], wants: &[&str]) -> opskit::Result<Proc> {
     Launch::bin(name).args(args).wants(wants).wait(WAIT).start_blocking()
 }
 
@@ -36,8 +36,8 @@ pub fn http(
     content_type: &str,
     body: &[u8],
     extra: &[(&str, &str)],
-) -> testkit::Result<(u16, HeaderMap, String)> {
-    let mut req = testkit::http::Request::new(method, addr, path).body(content_type, body).timeout(WAIT);
+) -> opskit::Result<(u16, HeaderMap, String)> {
+    let mut req = opskit::http::Request::new(method, addr, path).body(content_type, body).timeout(WAIT);
     for (k, v) in extra {
         req = req.header(k, v);
     }
@@ -47,14 +47,14 @@ pub fn http(
 }
 
 /// `POST path` with a JSON body: (status, headers, body as text).
-pub fn post(addr: &str, path: &str, v: &Value) -> testkit::Result<(u16, HeaderMap, String)> {
+pub fn post(addr: &str, path: &str, v: &Value) -> opskit::Result<(u16, HeaderMap, String)> {
     http(addr, "POST", path, "application/json", v.to_string().as_bytes(), &[])
 }
 
 /// Posts `body` to `path` (with `extra` headers) and returns once the answer's head is read;
 /// dropping the stream closes the connection (the client going away).
-pub fn open_stream(addr: &str, path: &str, body: &Value, extra: &[(&str, &str)]) -> testkit::Result<EventStream> {
-    let mut req = testkit::http::Request::post(addr, path).json(body).timeout(WAIT);
+pub fn open_stream(addr: &str, path: &str, body: &Value, extra: &[(&str, &str)]) -> opskit::Result<EventStream> {
+    let mut req = opskit::http::Request::post(addr, path).json(body).timeout(WAIT);
     for (k, v) in extra {
         req = req.header(k, v);
     }
@@ -66,27 +66,27 @@ pub fn json_of(body: &str) -> Result<Value, String> {
 }
 
 /// The series `name{labels}` on `addr`'s `/metrics`; an error when the page lacks it.
-pub fn metric(addr: &str, name: &str, labels: &[(&str, &str)]) -> testkit::Result<f64> {
-    testkit::prom::scrape_blocking(addr)?.get(name, labels)
+pub fn metric(addr: &str, name: &str, labels: &[(&str, &str)]) -> opskit::Result<f64> {
+    opskit::prom::scrape_blocking(addr)?.get(name, labels)
 }
 
 /// The sum of the series of `name` matching `labels` on `addr`'s `/metrics`; an error when
 /// none does.
-pub fn metric_sum(addr: &str, name: &str, labels: &[(&str, &str)]) -> testkit::Result<f64> {
-    testkit::prom::scrape_blocking(addr)?.sum(name, labels)
+pub fn metric_sum(addr: &str, name: &str, labels: &[(&str, &str)]) -> opskit::Result<f64> {
+    opskit::prom::scrape_blocking(addr)?.sum(name, labels)
 }
 
 /// A labelled counter before it may have been incremented (it is rendered from its first
 /// increment, so none yet reads 0). The test must then wait for it with [`metric`], which a
 /// renamed counter fails.
-pub fn counter_before(addr: &str, name: &str, labels: &[(&str, &str)]) -> testkit::Result<f64> {
-    Ok(testkit::prom::scrape_blocking(addr)?.absent_as_zero(name, labels))
+pub fn counter_before(addr: &str, name: &str, labels: &[(&str, &str)]) -> opskit::Result<f64> {
+    Ok(opskit::prom::scrape_blocking(addr)?.absent_as_zero(name, labels))
 }
 
 /// Polls the synchronous check `f` until it holds (bounded by [`WAIT`]); the error says what
 /// did not happen.
 pub async fn eventually(what: &str, mut f: impl FnMut() -> bool) -> TestResult {
-    Ok(testkit::eventually(what, WAIT, || std::future::ready(f())).await?)
+    Ok(opskit::eventually(what, WAIT, || std::future::ready(f())).await?)
 }
 
 /// Greedy continuation of `ids` from the single-process engine, as text.
@@ -131,7 +131,7 @@ pub struct Pair {
     pub coord: Proc,
 }
 
-pub fn start_pair(kv_blocks: &str, coordinator_args: &[&str]) -> testkit::Result<Pair> {
+pub fn start_pair(kv_blocks: &str, coordinator_args: &[&str]) -> opskit::Result<Pair> {
     let common = ["--version-group", "g", "--threads", "1", "--kv-blocks", kv_blocks];
     let prefill = start("tandem-prefill-worker", &common, &["grpc", "metrics"])?;
     let mut dargs = common.to_vec();
@@ -146,7 +146,7 @@ pub fn start_pair(kv_blocks: &str, coordinator_args: &[&str]) -> testkit::Result
 
 /// A coordinator routing from etcd membership under `prefix` (every prompt
 /// prefilled remotely), with `extra` flags.
-pub fn start_etcd_coordinator(ep: &str, prefix: &str, extra: &[&str]) -> testkit::Result<Proc> {
+pub fn start_etcd_coordinator(ep: &str, prefix: &str, extra: &[&str]) -> opskit::Result<Proc> {
     let mut args = vec!["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--etcd", ep, "--cluster-prefix", prefix];
     args.extend(["--local-prefill-max-tokens", "0"]);
     args.extend_from_slice(extra);

@@ -8,7 +8,6 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use engine::kv::BlockId;
 use kvtransfer::{Reservation, ReservationState};
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{
@@ -18,6 +17,7 @@ use proto::worker::v1::{
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
+use types::kv::BlockId;
 use worker_common::serve::{blocking, err, runner_err, unix_deadline};
 
 use super::{lock, DecodeService, Failure, Pending, Remote};
@@ -81,7 +81,9 @@ impl DecodeService {
                     m::record_policy(policy, facts::metrics::decode::OUTCOME_RECOMPUTED);
                     return Ok(Remote::Recompute);
                 }
-                KvLoadFailurePolicy::Retry if !last => m::record_policy(policy, facts::metrics::decode::OUTCOME_RETRIED),
+                KvLoadFailurePolicy::Retry if !last => {
+                    m::record_policy(policy, facts::metrics::decode::OUTCOME_RETRIED)
+                }
                 KvLoadFailurePolicy::Retry => {
                     m::record_policy(policy, facts::metrics::decode::OUTCOME_FAILED);
                     return Err(err(

@@ -1,6 +1,6 @@
-//! What the decode worker's process tests share beyond testkit (the workspace's one harness:
+//! What the decode worker's process tests share beyond opskit (the workspace's one harness:
 //! process starter, fault proxy, metric pages, waits): worker processes with these tests'
-//! flags, reference outputs from the in-process engine, and testkit's calls with these tests'
+//! flags, reference outputs from the in-process engine, and opskit's calls with these tests'
 //! bound.
 //!
 //! Every wait is bounded and says what did not happen; nothing sleeps.
@@ -10,13 +10,13 @@ use std::time::Duration;
 
 use engine::batch::{Engine, EngineConfig, Request};
 use engine::model::Model;
-use engine::sampler::SamplingParams;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
-use testkit::process::Launch;
-pub use testkit::process::{Proc as Worker, Signal};
-pub use testkit::prom::Page;
-pub use testkit::proxy::{Fault, Proxy};
+use opskit::process::Launch;
+pub use opskit::process::{Proc as Worker, Signal};
+pub use opskit::prom::Page;
+pub use opskit::proxy::{Fault, Proxy};
+use types::sampling::SamplingParams;
 
 pub type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -24,8 +24,8 @@ pub type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 pub const WAIT: Duration = Duration::from_secs(120);
 
 /// Awaits `fut` for at most [`WAIT`]; the error says `what` did not happen.
-pub async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> testkit::Result<T> {
-    testkit::within(what, WAIT, fut).await
+pub async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> opskit::Result<T> {
+    opskit::within(what, WAIT, fut).await
 }
 
 /// Worker flags: `group`, 1 thread, 256 KV blocks and no coordinator-silence fence unless
@@ -47,7 +47,7 @@ fn worker_args<'a>(group: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 
 /// A prefill worker in `group` (see `worker_args`); the binary is found beside the tests
 /// (`cargo build --workspace --bins` builds it, as `make test` does).
-pub fn prefill_worker(group: &str, extra: &[&str]) -> testkit::Result<Worker> {
+pub fn prefill_worker(group: &str, extra: &[&str]) -> opskit::Result<Worker> {
     Launch::bin("tandem-prefill-worker")
         .args(worker_args(group, extra))
         .wants(&["grpc", "metrics"])
@@ -64,18 +64,18 @@ fn decode(group: &str, extra: &[&str]) -> Launch {
 
 /// A decode worker in `group` (see `worker_args`); `extra` must include
 /// `--kv-load-failure-policy` unless a config sets it.
-pub fn decode_worker(group: &str, extra: &[&str]) -> testkit::Result<Worker> {
+pub fn decode_worker(group: &str, extra: &[&str]) -> opskit::Result<Worker> {
     decode(group, extra).start_blocking()
 }
 
 /// [`decode_worker`], its info-level log in `log`.
-pub fn decode_worker_logged(group: &str, extra: &[&str], log: &std::path::Path) -> testkit::Result<Worker> {
+pub fn decode_worker_logged(group: &str, extra: &[&str], log: &std::path::Path) -> opskit::Result<Worker> {
     decode(group, extra).env("RUST_LOG", "info").env("NO_COLOR", "1").log_file(log).start_blocking()
 }
 
 /// `addr`'s `/metrics`.
-pub async fn scrape(addr: &str) -> testkit::Result<Page> {
-    testkit::prom::scrape_within(addr, WAIT).await
+pub async fn scrape(addr: &str) -> opskit::Result<Page> {
+    opskit::prom::scrape_within(addr, WAIT).await
 }
 
 /// Scrapes until the series `name{labels}` satisfies `ok` (the worker updates some values
@@ -86,15 +86,15 @@ pub async fn wait_metric(
     name: &str,
     labels: &[(&str, &str)],
     ok: impl Fn(f64) -> bool,
-) -> testkit::Result<f64> {
+) -> opskit::Result<f64> {
     let what = format!("{name}{labels:?} at {addr} reaching the expected value");
-    testkit::poll(&what, WAIT, || async {
+    opskit::poll(&what, WAIT, || async {
         let v = scrape(addr).await?.get(name, labels)?;
         // Not yet: the value is the wait's last error, so a timeout shows it.
         if ok(v) {
             Ok(Some(v))
         } else {
-            Err(testkit::Error::Metric(format!("{name}{labels:?} is {v}")))
+            Err(opskit::Error::Metric(format!("{name}{labels:?} is {v}")))
         }
     })
     .await

@@ -95,7 +95,7 @@ pub async fn assert_kv_used(name: &str, w: &Worker, used: u32) -> TestResult {
     // asked until the pool says so, failing with what it last said.
     let c = client(w).await?;
     let what = format!("{name}: {used} KV blocks in use");
-    testkit::poll(&what, WAIT, || {
+    opskit::poll(&what, WAIT, || {
         let mut c = c.clone();
         async move {
             let h = c.health(HealthRequest::default()).await.map_err(|e| e.to_string())?.into_inner();
@@ -154,7 +154,7 @@ pub async fn hold_prefill_worker(
         let mut pc = pc.clone();
         async move { pc.prefill(call).await }
     });
-    testkit::poll("the holder's first layer computed", WAIT, || {
+    opskit::poll("the holder's first layer computed", WAIT, || {
         let (mut pc, id) = (pc.clone(), id.to_owned());
         async move {
             let ask = PrefillStatusRequest { request_id: id };

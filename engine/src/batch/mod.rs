@@ -31,14 +31,17 @@ mod stall;
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::kv::{KvDtype, KvError, KvPool, KvStats};
+use crate::kv::{KvError, KvPool, KvStats};
+
 use crate::model::{ForwardError, Model, SeqChunk};
-use crate::sampler::{FinishReason, SampledToken, SamplerError, SamplingParams};
+use crate::sampler::{FinishReason, SampledToken};
+use types::kv::KvDtype;
+use types::sampling::{SamplerError, SamplingParams};
 
 use seq::Seq;
 use stall::StepCost;
 
-pub use types::priority::Priority;
+use types::priority::Priority;
 
 /// Engine sizing and scheduling knobs.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -153,7 +156,7 @@ pub struct LayerView<'a> {
     pub layer: usize,
     pub first_block: usize,
     /// The pool's ids of those blocks, in table order.
-    pub blocks: &'a [crate::kv::BlockId],
+    pub blocks: &'a [types::kv::BlockId],
     pub pool: &'a KvPool,
 }
 
@@ -176,7 +179,7 @@ struct Streaming {
     id: u64,
     /// `None` once the sink panicked (it is not called again).
     sink: Option<LayerSink>,
-    blocks: Vec<crate::kv::BlockId>,
+    blocks: Vec<types::kv::BlockId>,
     first_block: usize,
     /// Blocks complete after this step.
     complete: usize,
@@ -292,7 +295,7 @@ impl Engine {
     }
 
     /// A sequence's current block table.
-    pub fn block_table(&self, id: u64) -> Option<&[crate::kv::BlockId]> {
+    pub fn block_table(&self, id: u64) -> Option<&[types::kv::BlockId]> {
         self.seqs.get(&id).map(|s| s.table.as_slice())
     }
 

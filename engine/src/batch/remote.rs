@@ -15,8 +15,8 @@
 //! been prefilled here. Until `add_prefilled` succeeds the caller owns the
 //! blocks and must [`Engine::release_reserved`] them on any failure.
 
-use crate::kv::BlockId;
 use crate::sampler::{FinishReason, SampledToken};
+use types::kv::BlockId;
 
 use super::{Engine, EngineError, LayerSink, Request};
 

@@ -1,7 +1,9 @@
 //! One sequence's state inside the engine.
 
-use crate::kv::{BlockId, KvPool, PrefixHash};
+use crate::kv::{KvPool, PrefixHash};
+
 use crate::sampler::{Sampler, StopChecker};
+use types::kv::BlockId;
 
 use super::{EngineError, Request};
 

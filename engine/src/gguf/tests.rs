@@ -151,7 +151,7 @@ fn unknown_tensor_type_and_bad_shape() {
 #[test]
 fn random_mutations_never_panic() {
     let base = sample();
-    let mut rng = testkit::rng::XorShift64::new(0x9E37_79B9_7F4A_7C15);
+    let mut rng = types::rng::XorShift64::new(0x9E37_79B9_7F4A_7C15);
     let mut next = || rng.next_u64();
     for _ in 0..20_000 {
         let mut f = base.clone();

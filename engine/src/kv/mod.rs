@@ -16,7 +16,7 @@ mod region;
 
 pub use pool::{prefix_hashes, KvPool, KvStats, PrefixHash};
 pub use region::SharedMemory;
-pub use types::kv::{BlockId, KvDtype, KvLayout};
+use types::kv::{BlockId, KvDtype, KvLayout};
 
 /// KV cache errors.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -16,8 +16,10 @@ use kernels::matmul::{matmul, matmul_multi, MatmulScratch};
 use kernels::ops::{add_in_place, rmsnorm, swiglu, RopeTable};
 use kernels::{Isa, ThreadPool};
 
-use crate::kv::{BlockId, KvLayout, KvPool};
+use crate::kv::KvPool;
+
 use crate::weights::{Weights, WeightsError};
+use types::kv::{BlockId, KvLayout};
 
 /// Errors from a forward pass; all are caller mistakes caught before any
 /// state changes.
@@ -145,7 +147,7 @@ impl Model {
     }
 
     /// The KV layout this model needs for a given block size and dtype.
-    pub fn kv_layout(&self, block_size: usize, dtype: crate::kv::KvDtype) -> KvLayout {
+    pub fn kv_layout(&self, block_size: usize, dtype: types::kv::KvDtype) -> KvLayout {
         KvLayout {
             n_layers: self.cfg.n_layers,
             n_kv_heads: self.cfg.n_kv_heads,

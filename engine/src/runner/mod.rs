@@ -56,8 +56,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::batch::{Engine, LayerSink, Request};
-use crate::kv::{BlockId, KvPool, KvStats};
+use crate::kv::{KvPool, KvStats};
 use crate::sampler::{FinishReason, SampledToken};
+use types::kv::BlockId;
 
 pub use error::{ErrorKind, PostError, RunnerError};
 use worker::{Command, Worker};

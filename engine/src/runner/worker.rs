@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use super::{ErrorKind, OnDone, PrefillDone, RunnerConfig, RunnerError, RunnerEvent, RunnerStats, Sink};
 use crate::batch::{Engine, LayerSink, Request, TokenEvent};
-use crate::kv::{BlockId, KvPool};
+use crate::kv::KvPool;
 use crate::sampler::SampledToken;
+use types::kv::BlockId;
 
 /// One answer: a channel with room for exactly it, so answering never waits.
 type Reply<T> = SyncSender<T>;

@@ -54,7 +54,7 @@ mod stop;
 use serde::Serialize;
 
 pub use stop::{FinishReason, StopChecker, StopDecision};
-pub use types::sampling::{SamplerError, SamplingParams, MAX_ABS_PENALTY, MAX_LOGPROBS};
+use types::sampling::{SamplerError, SamplingParams};
 
 use filter::Filters;
 use logits::Penalties;

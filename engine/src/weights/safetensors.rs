@@ -362,7 +362,7 @@ mod tests {
     #[test]
     fn random_mutations_never_panic() {
         let base = sample();
-        let mut rng = testkit::rng::XorShift64::new(0x2545_F491_4F6C_DD1D);
+        let mut rng = types::rng::XorShift64::new(0x2545_F491_4F6C_DD1D);
         let mut next = || rng.next_u64();
         let mut parsed = 0;
         for _ in 0..20_000 {

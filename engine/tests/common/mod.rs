@@ -5,9 +5,9 @@ use std::path::PathBuf;
 
 use engine::batch::{Engine, EngineConfig, Request};
 use engine::model::Model;
-use engine::sampler::SamplingParams;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
+use types::sampling::SamplingParams;
 
 pub fn model_path() -> PathBuf {
     let p = engine::paths::default_model_path();

@@ -152,7 +152,7 @@ pub const HTTP_CONNECTIONS: &str = "tandem_coordinator_http_connections";
 /// closed). A head that is too slow is closed by the HTTP server itself.
 pub const HTTP_TIMEOUTS: &str = "tandem_coordinator_http_timeouts_total";
 /// `tandem_coordinator_metric_pairs_unlabelled`: (prefill, decode) pairs
-/// beyond the first [`PAIR_LABELS`] seen: their breaker states are not
+/// beyond the first the coordinator's `PAIR_LABELS` seen: their breaker states are not
 /// exported per pair, and their transitions and prefill attempts are
 /// counted under `decode="_other"`, so a P×D fleet cannot grow the series
 /// count past `PAIR_LABELS` + P. vLLM: none.
@@ -194,13 +194,33 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: E2E, kind: Kind::Histogram, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: IDEMPOTENT_REPLAYS, kind: Kind::Counter, labels: &["state"], exporter: Exporter::Coordinator },
     Metric { name: BREAKER_STATE, kind: Kind::Gauge, labels: &["prefill", "decode"], exporter: Exporter::Coordinator },
-    Metric { name: BREAKER_TRANSITIONS, kind: Kind::Counter, labels: &["prefill", "decode", "from", "to"], exporter: Exporter::Coordinator },
-    Metric { name: PREFILL_ATTEMPTS, kind: Kind::Counter, labels: &["worker", "decode", "outcome"], exporter: Exporter::Coordinator },
+    Metric {
+        name: BREAKER_TRANSITIONS,
+        kind: Kind::Counter,
+        labels: &["prefill", "decode", "from", "to"],
+        exporter: Exporter::Coordinator,
+    },
+    Metric {
+        name: PREFILL_ATTEMPTS,
+        kind: Kind::Counter,
+        labels: &["worker", "decode", "outcome"],
+        exporter: Exporter::Coordinator,
+    },
     Metric { name: ROUTE_PAIRS_SKIPPED, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Coordinator },
     Metric { name: PREFILL_UNAVAILABLE, kind: Kind::Counter, labels: &[], exporter: Exporter::Coordinator },
-    Metric { name: STREAM_SEND_TIMEOUTS, kind: Kind::Counter, labels: &["api", "layer"], exporter: Exporter::Coordinator },
+    Metric {
+        name: STREAM_SEND_TIMEOUTS,
+        kind: Kind::Counter,
+        labels: &["api", "layer"],
+        exporter: Exporter::Coordinator,
+    },
     Metric { name: DECODE_REROUTES, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Coordinator },
-    Metric { name: TENANT_REQUESTS, kind: Kind::Counter, labels: &["tenant", "outcome"], exporter: Exporter::Coordinator },
+    Metric {
+        name: TENANT_REQUESTS,
+        kind: Kind::Counter,
+        labels: &["tenant", "outcome"],
+        exporter: Exporter::Coordinator,
+    },
     Metric { name: TENANT_TOKENS, kind: Kind::Counter, labels: &["tenant", "kind"], exporter: Exporter::Coordinator },
     Metric { name: TENANT_KV_TOKENS, kind: Kind::Gauge, labels: &["tenant"], exporter: Exporter::Coordinator },
     Metric { name: PREFIX_CACHED_TOKENS, kind: Kind::Counter, labels: &["scope"], exporter: Exporter::Coordinator },

@@ -72,8 +72,7 @@ pub struct Metric {
     pub exporter: Exporter,
 }
 
-const SHARED: &[Metric] =
-    &[Metric { name: PROCESS_START, kind: Kind::Gauge, labels: &[], exporter: Exporter::Every }];
+const SHARED: &[Metric] = &[Metric { name: PROCESS_START, kind: Kind::Gauge, labels: &[], exporter: Exporter::Every }];
 
 /// Every metric any tandem process exports.
 pub fn catalog() -> impl Iterator<Item = &'static Metric> {

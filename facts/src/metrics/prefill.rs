@@ -44,8 +44,8 @@ pub const KV_LAYERS_SENT: &str = "tandem_kv_layers_sent_total";
 pub const LAYER_PATHS: [&str; 2] = ["in_place", "gathered"];
 /// `tandem_faults_injected_total{fault}`: faults this worker injected into
 /// its own work because a drill asked it to (`kv_corrupt`: ucx transfers
-/// with a byte flipped after the checksum, `--fault-kv-corrupt`). 0 in
-/// production. vLLM: none.
+/// with a byte flipped after the checksum, `--fault-kv-corrupt`). Exported only
+/// by a prefill worker built with the `fault-injection` feature. vLLM: none.
 pub const FAULTS_INJECTED: &str = "tandem_faults_injected_total";
 /// `tandem_prefill_seconds`: engine time of one prefill (submit to first
 /// token, queueing included). vLLM: `vllm:request_prefill_time_seconds`.

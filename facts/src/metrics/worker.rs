@@ -46,13 +46,13 @@ pub const REQUESTS_BY_PRIORITY: &str = "tandem_worker_requests_by_priority_total
 /// `tandem_worker_fenced`: 1 while the worker is fenced (another process holds
 /// its etcd key, or no coordinator has called `Health` for
 /// `--coordinator-silence-fence-ms`: it takes no new work), else 0. An
-/// unreachable etcd does not fence ([`crate::serve::Fencing`]).
+/// unreachable etcd does not fence (worker-common's `serve::Fencing`).
 /// vLLM: none.
 pub const FENCED: &str = "tandem_worker_fenced";
 /// `tandem_worker_fences_total`: times the worker fenced itself. vLLM: none.
 pub const FENCES: &str = "tandem_worker_fences_total";
 /// Every `outcome` label of a worker's request counter: `ok` and each of
-/// [`outcome_label`]'s.
+/// worker-common's `metrics::outcome_label`'s.
 pub const OUTCOMES: [&str; 9] = [
     "ok",
     "invalid_argument",
@@ -75,7 +75,12 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: PREEMPTIONS, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Workers },
     Metric { name: PREFIX_CACHE_HIT_TOKENS, kind: Kind::Counter, labels: &[], exporter: Exporter::Workers },
     Metric { name: PREEMPTIONS_BY_PRIORITY, kind: Kind::Counter, labels: &["priority"], exporter: Exporter::Workers },
-    Metric { name: REQUESTS_WAITING_BY_PRIORITY, kind: Kind::Gauge, labels: &["priority"], exporter: Exporter::Workers },
+    Metric {
+        name: REQUESTS_WAITING_BY_PRIORITY,
+        kind: Kind::Gauge,
+        labels: &["priority"],
+        exporter: Exporter::Workers,
+    },
     Metric { name: REQUESTS_BY_PRIORITY, kind: Kind::Counter, labels: &["priority"], exporter: Exporter::Workers },
     Metric { name: FENCED, kind: Kind::Gauge, labels: &[], exporter: Exporter::Workers },
     Metric { name: FENCES, kind: Kind::Counter, labels: &[], exporter: Exporter::Workers },

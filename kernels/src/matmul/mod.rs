@@ -3,7 +3,7 @@
 //! `W` is `rows × cols` in its file format (one row per output feature), `x`
 //! is `m × cols` f32 (one row per token) and `y` is `m × rows`. Quantized
 //! weights multiply against activations quantized to 8 bits
-//! ([`QActs`](crate::quant::QActs)), the scheme llama.cpp uses, so the inner
+//! ([`QActs`]), the scheme llama.cpp uses, so the inner
 //! loop is integer multiply-adds.
 //!
 //! Work is split across the pool by weight rows. Each output element is

@@ -7,7 +7,9 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use tokio::time::Instant;
 
-use engine::kv::{BlockId, KvDtype, KvLayout, KvPool};
+use engine::kv::KvPool;
+
+use types::kv::{BlockId, KvDtype, KvLayout};
 
 use super::*;
 use crate::frame::{Abort, AbortReason, Complete, LayerData};

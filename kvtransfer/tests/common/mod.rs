@@ -4,8 +4,10 @@
 
 use std::time::Duration;
 
-use engine::kv::{BlockId, KvLayout, KvPool};
+use engine::kv::KvPool;
+
 use kvtransfer::{Reservation, TransferError, UcxKvSender};
+use types::kv::{BlockId, KvLayout};
 
 /// Calls `check` (a sender's `check_open`) until it fails and returns the
 /// error, yielding between calls so the runtime can take in the peer's

@@ -1,15 +1,15 @@
-//! What the registry tests share beyond testkit: configs with short timings, worker values,
+//! What the registry tests share beyond opskit: configs with short timings, worker values,
 //! and waits on the registry's own watch channels whose panics say what did not happen.
 
 #![allow(dead_code)]
 
 use std::time::Duration;
 
+use opskit::etcd::Etcd;
 use registry::{
     Capacity, EtcdConfig, Fence, MembershipConfig, MembershipView, RegistrationConfig, Role, TransferEndpoint,
     WorkerInfo,
 };
-use testkit::etcd::Etcd;
 use tokio::sync::watch;
 
 pub const PREFIX: &str = "tandem-test";
@@ -106,7 +106,7 @@ pub async fn wait_fence(
 pub async fn key_lease(etcd: &Etcd, key: &str) -> i64 {
     let mut client = etcd_client::Client::connect(etcd.endpoints(), None).await.expect("connect");
     let got =
-        testkit::within("get", Duration::from_secs(2), client.get(key, None)).await.expect("bounded").expect("get");
+        opskit::within("get", Duration::from_secs(2), client.get(key, None)).await.expect("bounded").expect("get");
     got.kvs().first().map_or(0, |kv| kv.lease())
 }
 

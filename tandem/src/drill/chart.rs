@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use anyhow::Context;
-use cluster_tests::DrillReport;
+use drills::DrillReport;
 use loadgen::Outcome;
 use plotters::prelude::*;
 

@@ -32,7 +32,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use anyhow::{bail, Context};
-use cluster_tests::{drills, drills_against, planned_requests, run_drill, DrillOptions, DrillReport};
+use drills::{drills, drills_against, drills_built, planned_requests, run_drill, DrillOptions, DrillReport};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -107,6 +107,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             bail!("unknown drill `{n}` (tandem drill --list shows them)");
         }
     }
+    // A drill whose fault is a hook these binaries were built without: skipped with the
+    // reason under --all, refused when named.
+    let built = drills_built();
+    let unbuilt = |n: &str| built.iter().find(|(d, _)| d.name == n).and_then(|(_, b)| b.clone().err());
+    let names: Vec<String> = if a.all {
+        names
+            .into_iter()
+            .filter(|n| match unbuilt(n) {
+                Some(why) => {
+                    println!("skipped {n}: {why}");
+                    false
+                }
+                None => true,
+            })
+            .collect()
+    } else {
+        let refused: Vec<String> = names.iter().filter_map(|n| Some(format!("{n}: {}", unbuilt(n)?))).collect();
+        if !refused.is_empty() {
+            bail!("cannot run with these binaries:\n  {}", refused.join("\n  "));
+        }
+        names
+    };
     if a.repeat == 0 {
         bail!("--repeat must be at least 1");
     }

@@ -14,7 +14,9 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
-use super::state::{utc_now, Component};
+use facts::state::{Addr, Component, Role};
+
+use super::state::utc_now;
 
 /// Waits for a component's start-up: its `listening` lines, or etcd answering.
 pub const START_TIMEOUT: Duration = Duration::from_secs(180);
@@ -76,7 +78,10 @@ pub async fn start(spec: &Spec, c: &mut Component, restart: Option<u32>) -> anyh
     let mut copy = file;
     let mut args = spec.args.clone();
     for (flag, key, first) in &spec.addrs {
-        let value = if restart.is_some() { c.addr(key).unwrap_or(first) } else { first };
+        let value = match Addr::from_key(key).and_then(|a| c.addr(a)) {
+            Some(last) if restart.is_some() => last,
+            _ => first,
+        };
         args.extend([flag.to_string(), value.clone()]);
     }
     let mut child = Command::new(&spec.bin)
@@ -121,8 +126,8 @@ pub async fn start(spec: &Spec, c: &mut Component, restart: Option<u32>) -> anyh
                     // `listening NAME=ADDR [NAME=ADDR ...]`
                     let Some(pairs) = line.strip_prefix("listening ") else { continue };
                     for (k, v) in pairs.split_whitespace().filter_map(|p| p.split_once('=')) {
-                        if let Some(slot) = c.addr_mut(k) {
-                            *slot = Some(v.to_owned());
+                        if let Some(a) = Addr::from_key(k) {
+                            *c.addr_mut(a) = Some(v.to_owned());
                             seen.push(k.to_owned());
                         }
                     }
@@ -180,7 +185,7 @@ pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
 /// Stops what is running, one role at a time in `order` (the coordinator first, so no new
 /// request arrives, etcd last): SIGTERM to every process of the role, wait up to the grace
 /// (plus a margin), then SIGKILL.
-pub async fn stop_all(running: &mut [(Component, Running)], order: &[&str], grace: Duration) {
+pub async fn stop_all(running: &mut [(Component, Running)], order: &[Role], grace: Duration) {
     for role in order {
         let group: Vec<&mut (Component, Running)> = running.iter_mut().filter(|(c, _)| c.role == *role).collect();
         for (c, _) in &group {

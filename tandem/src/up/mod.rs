@@ -40,13 +40,15 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use facts::cpus::CpuList;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use facts::cpus::CpuList;
 
 pub(crate) use child::http_get;
 use child::{get_status, sibling, start, stop_all, Ready, Running, Spec, START_TIMEOUT};
-use state::{print_table, Component, State};
+use facts::argv::WorkerArgv;
+use facts::state::{Component, Role, State};
+use state::print_table;
 use supervise::{supervise, Policy, Rules};
 
 #[derive(clap::Args, Debug)]
@@ -202,7 +204,7 @@ struct Started {
 }
 
 /// Stop order: no new requests first, etcd (which the others deregister from) last.
-const STOP_ORDER: [&str; 4] = ["coordinator", "decode", "prefill", "etcd"];
+const STOP_ORDER: [Role; 4] = [Role::Coordinator, Role::Decode, Role::Prefill, Role::Etcd];
 
 async fn up(a: Args) -> anyhow::Result<()> {
     // Installed before any child starts, so a signal from then on stops the cluster cleanly.
@@ -326,7 +328,7 @@ async fn start_cluster(
             loop {
                 attempt += 1;
                 let (spec, addr) = etcd::spec(etcd_data, &log)?;
-                let mut c = Component::new("etcd", "etcd");
+                let mut c = Component::new(Role::Etcd, "etcd");
                 c.grpc = Some(addr.clone());
                 // etcd serves Prometheus /metrics on its client port.
                 c.metrics = Some(addr.clone());
@@ -352,8 +354,8 @@ async fn start_cluster(
     let threads_of = |role: Option<usize>, cpus: &Option<CpuList>| {
         role.or(a.threads).unwrap_or_else(|| cpus.as_ref().map_or(cores, |c| c.cpus().len()))
     };
-    let prefill_threads = threads_of(a.prefill_threads, &prefill_cpus).to_string();
-    let decode_threads = threads_of(a.decode_threads, &decode_cpus).to_string();
+    let prefill_threads = threads_of(a.prefill_threads, &prefill_cpus);
+    let decode_threads = threads_of(a.decode_threads, &decode_cpus);
     let shown = |cpus: &Option<CpuList>| cpus.as_ref().map_or("every CPU".to_owned(), ToString::to_string);
     println!(
         "placement: prefill on {} ({prefill_threads} threads, nice {}), decode on {} ({decode_threads} threads, nice {})",
@@ -362,62 +364,41 @@ async fn start_cluster(
         shown(&decode_cpus),
         a.decode_nice
     );
-    let prefill_cpus = prefill_cpus.as_ref().map(ToString::to_string);
-    let decode_cpus = decode_cpus.as_ref().map(ToString::to_string);
-    let grace = a.shutdown_timeout_ms.to_string();
     let group = "local";
-    let lease_ttl_s = a.lease_ttl_s.to_string();
-    let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<String>>();
-    let worker_args = |name: &str, threads: &str, extra: &[String]| {
-        let mut v = strings(&[
-            "--model",
-            &model_s,
-            "--version-group",
-            group,
-            "--threads",
-            threads,
-            "--shutdown-timeout-ms",
-            &grace,
-            "--etcd",
-            &endpoint,
-            "--cluster-prefix",
-            &prefix,
-            "--lease-ttl-s",
-            &lease_ttl_s,
-            "--worker-id",
-            name,
-        ]);
-        v.extend(extra.iter().cloned());
-        v
+    let shared = Shared {
+        model: &model_s,
+        group,
+        grace_ms: a.shutdown_timeout_ms,
+        etcd: &endpoint,
+        prefix: &prefix,
+        ttl_s: a.lease_ttl_s,
     };
     let loopback = || "127.0.0.1:0".to_owned();
-    let pbin = sibling("tandem-prefill-worker")?;
     for i in 0..a.prefill {
         let name = format!("prefill-{i}");
+        let argv = shared.worker(WorkerArgv::prefill(), &name, prefill_threads, a.prefill_nice, prefill_cpus.as_ref());
         let spec = Spec {
-            bin: pbin.clone(),
-            args: worker_args(&name, &prefill_threads, &placement_args(a.prefill_nice, &prefill_cpus)),
+            bin: sibling(argv.binary())?,
+            args: argv.build(),
             addrs: vec![("--grpc", "grpc", loopback()), ("--metrics", "metrics", loopback())],
             ready: Ready::Listening(vec!["grpc", "metrics"]),
             log: logs.join(format!("{name}.log")),
         };
-        started.push(start_worker(a, spec, "prefill", name, group).await?);
+        started.push(start_worker(a, spec, Role::Prefill, name, group).await?);
     }
-    let dbin = sibling("tandem-decode-worker")?;
     for i in 0..a.decode {
         let name = format!("decode-{i}");
         let transfer = match a.kv_transport.as_str() {
             "local" => format!("@tandem-up-{}-{i}", std::process::id()),
             _ => loopback(),
         };
-        let mut extra = placement_args(a.decode_nice, &decode_cpus);
-        extra.extend(
-            ["--kv-transport", &a.kv_transport, "--kv-load-failure-policy", &a.kv_load_failure_policy]
-                .map(String::from),
-        );
+        let argv = shared
+            .worker(WorkerArgv::decode(), &name, decode_threads, a.decode_nice, decode_cpus.as_ref())
+            .kv_transport(&a.kv_transport)
+            .kv_load_failure_policy(&a.kv_load_failure_policy);
         let spec = Spec {
-            bin: dbin.clone(),
-            args: worker_args(&name, &decode_threads, &extra),
+            bin: sibling(argv.binary())?,
+            args: argv.build(),
             addrs: vec![
                 ("--grpc", "grpc", loopback()),
                 ("--metrics", "metrics", loopback()),
@@ -426,8 +407,10 @@ async fn start_cluster(
             ready: Ready::Listening(vec!["grpc", "metrics", "transfer"]),
             log: logs.join(format!("{name}.log")),
         };
-        started.push(start_worker(a, spec, "decode", name, group).await?);
+        started.push(start_worker(a, spec, Role::Decode, name, group).await?);
     }
+    let grace = a.shutdown_timeout_ms.to_string();
+    let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<String>>();
     let mut args = strings(&[
         "--model",
         &model_s,
@@ -451,7 +434,7 @@ async fn start_cluster(
         ready: Ready::Listening(vec!["http", "grpc"]),
         log: logs.join("coordinator.log"),
     };
-    let mut c = Component::new("coordinator", "coordinator");
+    let mut c = Component::new(Role::Coordinator, "coordinator");
     let run = start(&spec, &mut c, None).await?;
     let http = c.http.clone().context("no coordinator address")?;
     // The coordinator serves Prometheus on its HTTP port, path /metrics.
@@ -471,7 +454,44 @@ async fn start_cluster(
     }
 }
 
-async fn start_worker(a: &Args, spec: Spec, role: &'static str, name: String, group: &str) -> anyhow::Result<Started> {
+/// What every worker of the cluster is started with.
+struct Shared<'a> {
+    model: &'a str,
+    group: &'a str,
+    grace_ms: u64,
+    etcd: &'a str,
+    prefix: &'a str,
+    ttl_s: u64,
+}
+
+impl Shared<'_> {
+    /// A worker's flags but its addresses (a restart passes the ones it printed).
+    fn worker<R>(
+        &self,
+        argv: WorkerArgv<R>,
+        name: &str,
+        threads: usize,
+        nice: i32,
+        cpus: Option<&CpuList>,
+    ) -> WorkerArgv<R> {
+        let argv = argv
+            .model(self.model)
+            .version_group(self.group)
+            .threads(threads)
+            .shutdown_timeout_ms(self.grace_ms)
+            .etcd(self.etcd)
+            .cluster_prefix(self.prefix)
+            .lease_ttl_s(self.ttl_s)
+            .worker_id(name)
+            .nice(nice);
+        match cpus {
+            Some(c) => argv.cpus(c),
+            None => argv,
+        }
+    }
+}
+
+async fn start_worker(a: &Args, spec: Spec, role: Role, name: String, group: &str) -> anyhow::Result<Started> {
     let mut c = Component::new(role, name);
     c.version_group = Some(group.to_owned());
     c.lease_ttl_s = Some(a.lease_ttl_s);
@@ -495,13 +515,4 @@ fn role_cpus(a: &Args) -> anyhow::Result<(Option<CpuList>, Option<CpuList>)> {
         return Ok((p, d));
     }
     Ok(placement::split(&placement::allowed()?).map_or((None, None), |(p, d)| (Some(p), Some(d))))
-}
-
-/// A worker's placement flags.
-fn placement_args(nice: i32, cpus: &Option<String>) -> Vec<String> {
-    let mut v = vec!["--nice".to_owned(), nice.to_string()];
-    if let Some(c) = cpus {
-        v.extend(["--cpus".to_owned(), c.clone()]);
-    }
-    v
 }

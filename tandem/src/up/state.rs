@@ -3,116 +3,16 @@
 //! cluster is ready.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitStatus;
 
-use anyhow::Context;
-use serde::Serialize;
+use facts::state::{Component, StateFile};
 
-/// One component, as written to the state file (a field only where the component has it).
-#[derive(Debug, Clone, Serialize)]
-pub struct Component {
-    pub role: &'static str,
-    /// Its name in `tandem up`'s lines and logs: `etcd`, `prefill-0`, `decode-1`, `coordinator`.
-    /// Workers register under it as their worker id, so a restarted worker takes its own key back.
-    pub name: String,
-    /// The running process; after an exit, the last one until a restart replaces it.
-    pub pid: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub grpc: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub http: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub metrics: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub transfer: Option<String>,
-    /// Prefill and decode workers: the version group they registered in.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub version_group: Option<String>,
-    /// Prefill and decode workers: their etcd lease TTL, whole seconds.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub lease_ttl_s: Option<u64>,
-    /// The file its stdout and stderr go to (appended across restarts).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub log: Option<PathBuf>,
-    /// Where the supervisor has it.
-    pub state: State,
-    /// Times it was started again after an exit.
-    pub restarts: u32,
-    /// How its last process ended (`exit status 1`, `signal 9 (SIGKILL)`, or why a start
-    /// failed), once one has.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub last_exit: Option<String>,
-}
-
-/// A component's place in the supervisor's cycle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum State {
-    /// Its process is up (started and listening).
-    Running,
-    /// It exited and is waiting out its backoff or starting again.
-    Restarting,
-    /// It exited and the restart policy leaves it down (`never`, or a clean exit under
-    /// `on-failure`).
-    Exited,
-    /// It exited too often too fast: no more restarts (crash loop).
-    GivenUp,
-}
-
-impl Component {
-    pub fn new(role: &'static str, name: impl Into<String>) -> Self {
-        Self {
-            role,
-            name: name.into(),
-            pid: 0,
-            grpc: None,
-            http: None,
-            metrics: None,
-            transfer: None,
-            version_group: None,
-            lease_ttl_s: None,
-            log: None,
-            state: State::Running,
-            restarts: 0,
-            last_exit: None,
-        }
-    }
-
-    /// The address it printed or was given under `key` (`grpc`, `http`, `metrics`, `transfer`).
-    pub fn addr(&self, key: &str) -> Option<&String> {
-        match key {
-            "grpc" => self.grpc.as_ref(),
-            "http" => self.http.as_ref(),
-            "metrics" => self.metrics.as_ref(),
-            "transfer" => self.transfer.as_ref(),
-            _ => None,
-        }
-    }
-
-    pub fn addr_mut(&mut self, key: &str) -> Option<&mut Option<String>> {
-        match key {
-            "grpc" => Some(&mut self.grpc),
-            "http" => Some(&mut self.http),
-            "metrics" => Some(&mut self.metrics),
-            "transfer" => Some(&mut self.transfer),
-            _ => None,
-        }
-    }
-}
-
-/// The state file's whole content.
-#[derive(Serialize)]
-struct StateFile<'a> {
-    /// `never` | `on-failure` | `always`: what happens to a component that exits.
-    restart: &'a str,
-    components: &'a [Component],
-}
-
-/// Writes the state file whole, through a temporary file and a rename, so a reader never
-/// sees half of it.
+/// Writes the state file whole (through a temporary file and a rename, so a reader never
+/// sees half of it).
 pub fn write(path: &Path, restart: &str, components: &[Component]) -> anyhow::Result<()> {
-    replace(path, &serde_json::to_string_pretty(&StateFile { restart, components })?)
+    let file = StateFile { restart: Some(restart.to_owned()), components: components.to_vec() };
+    Ok(file.write(path)?)
 }
 
 /// Writes a Prometheus `file_sd_configs` file: one target group per component that serves
@@ -124,23 +24,14 @@ pub fn write_targets(path: &Path, components: &[Component]) -> anyhow::Result<()
         .iter()
         .filter_map(|c| {
             let target = c.metrics.as_ref()?;
-            let mut labels = serde_json::json!({ "role": c.role, "component": c.name });
+            let mut labels = serde_json::json!({ "role": c.role.as_str(), "component": c.name });
             if let Some(g) = &c.version_group {
                 labels["version_group"] = g.clone().into();
             }
             Some(serde_json::json!({ "targets": [target], "labels": labels }))
         })
         .collect();
-    replace(path, &serde_json::to_string_pretty(&groups)?)
-}
-
-/// Replaces `path`'s content whole, through a temporary file and a rename.
-fn replace(path: &Path, text: &str) -> anyhow::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    Ok(facts::state::replace(path, &serde_json::to_string_pretty(&groups)?)?)
 }
 
 pub fn print_table(components: &[Component]) {
@@ -155,7 +46,7 @@ pub fn print_table(components: &[Component]) {
         let _ = writeln!(
             out,
             "{:<12} {:<12} {:>8}  {:<22} {:<22} {:<22} {}",
-            c.role,
+            c.role.as_str(),
             c.name,
             c.pid,
             f(&c.grpc),
@@ -208,6 +99,7 @@ pub fn utc_now() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use facts::state::Role;
     use std::os::unix::process::ExitStatusExt;
 
     #[test]
@@ -231,7 +123,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tandem-state-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let path = dir.join("state.json");
-        let mut c = Component::new("decode", "decode-0");
+        let mut c = Component::new(Role::Decode, "decode-0");
         c.pid = 42;
         c.restarts = 2;
         c.last_exit = Some("signal 9 (SIGKILL)".into());
@@ -243,12 +135,12 @@ mod tests {
         assert_eq!(v["components"][0]["last_exit"], "signal 9 (SIGKILL)");
         assert!(!dir.join("state.json.tmp").exists(), "the temporary file is renamed away");
 
-        let mut w = Component::new("decode", "decode-0");
+        let mut w = Component::new(Role::Decode, "decode-0");
         w.metrics = Some("127.0.0.1:9100".into());
         w.version_group = Some("g1".into());
-        let mut e = Component::new("etcd", "etcd");
+        let mut e = Component::new(Role::Etcd, "etcd");
         e.metrics = Some("127.0.0.1:2379".into());
-        let silent = Component::new("prefill", "prefill-0"); // no metrics address: no target
+        let silent = Component::new(Role::Prefill, "prefill-0"); // no metrics address: no target
         let targets = dir.join("targets.json");
         write_targets(&targets, &[w, e, silent]).expect("write targets");
         let v: serde_json::Value =

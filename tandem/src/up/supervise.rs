@@ -20,7 +20,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::child::{start, Running, Spec};
-use super::state::{describe, Component, State};
+use facts::state::{Component, State};
+
+use super::state::describe;
 
 /// What happens to a component whose process exits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -1,5 +1,5 @@
-//! What the tests of `tandem up` share beyond testkit (the workspace's one harness): start
-//! `tandem up` and wait for its table, read its state file, stop it (bounded), and testkit's
+//! What the tests of `tandem up` share beyond opskit (the workspace's one harness): start
+//! `tandem up` and wait for its table, read its state file, stop it (bounded), and opskit's
 //! calls with these tests' bounds and shapes.
 
 #![allow(dead_code)] // each test binary uses its own part of this module
@@ -9,7 +9,7 @@ use std::process::ExitStatus;
 use std::time::Duration;
 
 use loadgen::{Arrival, Plan, PromptSource};
-use testkit::process::{Launch, Proc};
+use opskit::process::{Launch, Proc};
 
 /// Bound on `tandem up` becoming ready, on its stop, and on a request (a loaded machine).
 pub const WAIT: Duration = Duration::from_secs(180);
@@ -108,36 +108,59 @@ pub fn temp_dir(name: &str) -> std::io::Result<PathBuf> {
 }
 
 /// `POST path` with a JSON body (as text): the status and the response body.
-pub fn post(addr: &str, path: &str, body: &str) -> testkit::Result<(u16, String)> {
-    let r = testkit::http::Request::post(addr, path).body("application/json", body).timeout(WAIT).send_blocking()?;
+pub fn post(addr: &str, path: &str, body: &str) -> opskit::Result<(u16, String)> {
+    let r = opskit::http::Request::post(addr, path).body("application/json", body).timeout(WAIT).send_blocking()?;
     Ok((r.status, r.text()))
 }
 
 /// `GET path`: the status and the response body.
-pub fn get(addr: &str, path: &str) -> testkit::Result<(u16, String)> {
-    let r = testkit::http::Request::get(addr, path).timeout(WAIT).send_blocking()?;
+pub fn get(addr: &str, path: &str) -> opskit::Result<(u16, String)> {
+    let r = opskit::http::Request::get(addr, path).timeout(WAIT).send_blocking()?;
     Ok((r.status, r.text()))
 }
 
 /// The state letter of `/proc/PID/stat` (`None`: gone); pids as the state file writes them.
 pub fn proc_state(pid: u64) -> Option<char> {
-    u32::try_from(pid).ok().and_then(testkit::process::proc_state)
+    u32::try_from(pid).ok().and_then(opskit::process::proc_state)
 }
 
 /// Running and not stopped (a zombie or a stopped process is not).
 pub fn running(pid: u64) -> bool {
-    u32::try_from(pid).is_ok_and(testkit::process::running)
+    u32::try_from(pid).is_ok_and(opskit::process::running)
 }
 
 /// Polls `check` until it gives `Some`, or fails after `limit` saying `what` did not happen
 /// (and the last error).
 pub fn wait_for<T>(limit: Duration, what: &str, check: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    testkit::wait::blocking::poll(what, limit, check).map_err(|e| e.to_string())
+    opskit::wait::blocking::poll(what, limit, check).map_err(|e| e.to_string())
 }
 
 /// The series `name{labels}` on `addr`'s /metrics; an error when the page lacks it.
 pub fn metric(addr: &str, name: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
-    testkit::prom::scrape_blocking(addr).and_then(|p| p.get(name, labels)).map_err(|e| e.to_string())
+    opskit::prom::scrape_blocking(addr).and_then(|p| p.get(name, labels)).map_err(|e| e.to_string())
+}
+
+/// Checks every `tandem_` series `addr`'s /metrics exports against the metric catalog
+/// (`facts::metrics`): listed for process `p`, with exactly the catalog's label names.
+/// Returns how many series were checked; an error lists every disagreement.
+pub fn matches_catalog(addr: &str, p: facts::metrics::Process) -> Result<usize, String> {
+    let page = opskit::prom::scrape_blocking(addr).map_err(|e| e.to_string())?;
+    let mut wrong = Vec::new();
+    let mut n = 0;
+    for s in page.samples().iter().filter(|s| s.name.starts_with("tandem_")) {
+        n += 1;
+        let labels: Vec<&str> = s.labels.keys().map(String::as_str).collect();
+        if let Err(e) = facts::metrics::check_series(p, &s.name, &labels) {
+            if !wrong.contains(&e) {
+                wrong.push(e);
+            }
+        }
+    }
+    if wrong.is_empty() {
+        Ok(n)
+    } else {
+        Err(wrong.join("\n"))
+    }
 }
 
 /// Waits until the coordinator counts `n` serving workers of `role`.

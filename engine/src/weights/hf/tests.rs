@@ -14,7 +14,7 @@ use crate::weights::safetensors::{encode_header, Dtype, TensorSpec};
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 /// Deterministic test data: the workspace's seeded xorshift.
-use testkit::rng::XorShift64 as Rng;
+use types::rng::XorShift64 as Rng;
 
 /// A scratch directory, removed on drop.
 struct TempDir(PathBuf);

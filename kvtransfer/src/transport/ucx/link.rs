@@ -302,7 +302,10 @@ struct Stores {
     v: Vec<u8>,
     /// (destination, whether V, offset in K or V, length).
     pieces: Vec<(NonNull<u8>, bool, usize, usize)>,
+    /// Which KV this is, for the drills' fault hook.
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     layer: usize,
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     first_block: usize,
     /// Whether into pool blocks (counted as direct).
     direct: bool,
@@ -311,13 +314,15 @@ struct Stores {
 impl Stores {
     /// Stores every piece and returns the CRC-32C of what was stored,
     /// taken on the words as they are stored.
+    #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
     fn run(mut self) -> u32 {
         let mut crc = 0;
         for &(to, is_v, at, len) in &self.pieces {
             let src = if is_v { &self.v[at..at + len] } else { &self.k[at..at + len] };
             crc = store_mapped(to, src, crc, self.direct);
         }
-        // Drills only (off unless armed): a byte flipped after the checksum.
+        // Drills only (built with `fault-injection` and armed): a byte flipped after the checksum.
+        #[cfg(feature = "fault-injection")]
         if let Some(off) = super::fault::after_checksum(self.layer, self.first_block, &mut self.k) {
             let piece = self.pieces.iter().find(|(_, is_v, at, len)| !is_v && (*at..at + len).contains(&off));
             // One byte inside a piece's own mapped range.
@@ -546,7 +551,7 @@ impl<'d> Link<'d> {
         r: Reservation,
         layer: usize,
         first_block: usize,
-        mut k: Vec<u8>,
+        k: Vec<u8>,
         v: Vec<u8>,
     ) -> Result<Posted, TransferError> {
         self.check_not_aborted(r).await?;
@@ -583,8 +588,13 @@ impl<'d> Link<'d> {
         }
         // The checksum is of exactly the bytes handed to UCX below.
         header.checksum = crc32c::crc32c_append(crc32c::crc32c(&k), &v);
-        // Drills only (off unless armed): a byte flipped after the checksum.
-        let _ = super::fault::after_checksum(layer, first_block, &mut k);
+        // Drills only (built with `fault-injection` and armed): a byte flipped after the checksum.
+        #[cfg(feature = "fault-injection")]
+        let k = {
+            let mut k = k;
+            let _ = super::fault::after_checksum(layer, first_block, &mut k);
+            k
+        };
         let put_k = self.data.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;
         let put_v = self.data.put(v, v_at, &self.key).map_err(|e| ucx_err("putting V", e))?;
         Ok(Posted { puts: Some((put_k, put_v)), stores: None, header })

@@ -110,6 +110,7 @@
 
 mod direct;
 mod driver;
+#[cfg(feature = "fault-injection")]
 pub mod fault;
 mod landing;
 mod link;

@@ -8,9 +8,9 @@ use std::sync::{Mutex, OnceLock};
 
 use engine::batch::{Engine, EngineConfig, Request};
 use engine::model::Model;
-use engine::sampler::SamplingParams;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
+use types::sampling::SamplingParams;
 
 use crate::HarnessError;
 

@@ -16,6 +16,7 @@ use super::{temp_dir, Cluster, PastLife, Role, Worker};
 use crate::metrics::scrape;
 use crate::process::Proc;
 use crate::HarnessError;
+use facts::state::{Component, Role as Kind, State, StateFile};
 
 /// What an [attached](Cluster::attach) cluster was found as.
 #[derive(Debug)]
@@ -56,41 +57,8 @@ const RESTARTING_WAIT: Duration = Duration::from_secs(60);
 /// The version group of a worker whose state entry names none.
 pub const DEFAULT_VERSION_GROUP: &str = "default";
 
-/// One entry of `tandem up --state-file`.
-#[derive(Debug, serde::Deserialize)]
-struct StateEntry {
-    role: String,
-    /// `prefill-0`, `decode-1`, `coordinator`, `etcd` (older files: none, then named by order).
-    name: Option<String>,
-    pid: u32,
-    /// `running`, `restarting`, `exited`, `given_up` (older files: none, meaning running).
-    state: Option<String>,
-    /// Times the supervisor started it again.
-    #[serde(default)]
-    restarts: u32,
-    last_exit: Option<String>,
-    grpc: Option<String>,
-    http: Option<String>,
-    metrics: Option<String>,
-    transfer: Option<String>,
-    version_group: Option<String>,
-    /// Workers: their etcd lease TTL, whole seconds.
-    lease_ttl_s: Option<u64>,
-    /// The file its stdout and stderr go to.
-    log: Option<PathBuf>,
-}
-
-#[derive(Debug, serde::Deserialize)]
-struct StateFile {
-    /// The supervisor's restart policy.
-    restart: Option<String>,
-    components: Vec<StateEntry>,
-}
-
 fn read_state(state: &Path) -> Result<StateFile, HarnessError> {
-    let text = std::fs::read_to_string(state)
-        .map_err(|e| HarnessError::Setup(format!("read the state file {}: {e}", state.display())))?;
-    serde_json::from_str(&text).map_err(|e| HarnessError::Setup(format!("state file {}: {e}", state.display())))
+    StateFile::read(state).map_err(|e| HarnessError::Setup(e.to_string()))
 }
 
 /// `exit status 3` or `signal 9 (SIGKILL)` (how `tandem up` describes an exit) as a status.
@@ -109,18 +77,18 @@ async fn settled_state(state: &Path, limit: Duration) -> Result<StateFile, Harne
     let until = tokio::time::Instant::now() + limit;
     loop {
         let file = read_state(state)?;
-        let down = |e: &StateEntry| format!("{} (pid {})", e.name.as_deref().unwrap_or(&e.role), e.pid);
-        if let Some(e) = file.components.iter().find(|e| matches!(e.state.as_deref(), Some("exited" | "given_up"))) {
+        let down = |e: &Component| format!("{} (pid {})", e.name, e.pid);
+        if let Some(e) = file.components.iter().find(|e| e.state.is_down()) {
             return Err(HarnessError::Setup(format!(
                 "{} in {} is {} (last exit: {}): its supervisor will not start it again, so the cluster is \
                  not whole; restart `tandem up`",
                 down(e),
                 state.display(),
-                e.state.as_deref().unwrap_or_default(),
+                e.state.as_str(),
                 e.last_exit.as_deref().unwrap_or("unknown")
             )));
         }
-        let Some(e) = file.components.iter().find(|e| e.state.as_deref() == Some("restarting")) else {
+        let Some(e) = file.components.iter().find(|e| e.state == State::Restarting) else {
             return Ok(file);
         };
         if tokio::time::Instant::now() > until {
@@ -139,8 +107,8 @@ async fn settled_state(state: &Path, limit: Duration) -> Result<StateFile, Harne
 impl Cluster {
     /// Attaches to a cluster already running, as `tandem up --state-file STATE` describes it:
     /// every process is [adopted](Proc::adopt) (never signalled unless a drill's fault does,
-    /// never killed on drop). Workers are named `prefill-N`/`decode-N` in the file's order; a
-    /// worker entry without `version_group` is in [`DEFAULT_VERSION_GROUP`]; the lease TTL is
+    /// never killed on drop), under the names the file gives them; a
+    /// worker entry without `version_group` is in the group `default`; the lease TTL is
     /// the longest of the workers' `lease_ttl_s`; each process's `log` is scanned by G5. Fails
     /// unless every worker lists its lease TTL, every listed process is running and the
     /// coordinator is ready and counts every listed worker as serving. A component its
@@ -148,32 +116,28 @@ impl Cluster {
     pub async fn attach(state: &Path) -> Result<Self, HarnessError> {
         let file = settled_state(state, RESTARTING_WAIT).await?;
         let restart = file.restart.clone();
-        let restarts = file.components.iter().filter_map(|e| Some((e.name.clone()?, e.restarts))).collect();
+        let restarts = file.components.iter().map(|e| (e.name.clone(), e.restarts)).collect();
         let mut etcd = None;
         let mut workers = Vec::new();
         let mut coordinators = Vec::new();
-        let mut counts = BTreeMap::<Role, usize>::new();
         let mut lease_ttl = Duration::ZERO;
         for e in file.components {
             if matches!(crate::process::proc_state(e.pid), None | Some('Z')) {
                 return Err(HarnessError::Setup(format!(
                     "{} (pid {}) listed in {} is not running",
-                    e.role,
+                    e.name,
                     e.pid,
                     state.display()
                 )));
             }
             let addrs: std::collections::HashMap<String, String> =
-                [("grpc", &e.grpc), ("http", &e.http), ("metrics", &e.metrics), ("transfer", &e.transfer)]
-                    .into_iter()
-                    .filter_map(|(k, v)| v.clone().map(|v| (k.to_owned(), v)))
-                    .collect();
-            let role = match e.role.as_str() {
-                "etcd" => {
+                e.addrs().map(|(k, v)| (k.to_owned(), v.clone())).collect();
+            let role = match e.role {
+                Kind::Etcd => {
                     etcd = Some(Proc::adopt("etcd", e.pid, addrs, e.log));
                     continue;
                 }
-                "coordinator" => {
+                Kind::Coordinator => {
                     let name = if coordinators.is_empty() {
                         "coordinator".into()
                     } else {
@@ -182,15 +146,10 @@ impl Cluster {
                     coordinators.push(Proc::adopt(&name, e.pid, addrs, e.log));
                     continue;
                 }
-                "prefill" => Role::Prefill,
-                "decode" => Role::Decode,
-                other => {
-                    return Err(HarnessError::Setup(format!("{}: unknown role {other:?}", state.display())));
-                }
+                Kind::Prefill => Role::Prefill,
+                Kind::Decode => Role::Decode,
             };
-            let n = counts.entry(role).or_insert(0);
-            let name = e.name.clone().unwrap_or_else(|| format!("{}-{n}", e.role));
-            *n += 1;
+            let name = e.name.clone();
             let ttl = e.lease_ttl_s.ok_or_else(|| {
                 HarnessError::Setup(format!(
                     "{name} (pid {}) in {} has no lease_ttl_s (written by an older `tandem up`? restart it)",
@@ -214,7 +173,7 @@ impl Cluster {
             .next()
             .ok_or_else(|| HarnessError::Setup(format!("{} lists no coordinator", state.display())))?;
         let mut cluster = Self {
-            etcd: testkit::etcd::EtcdCluster::none(),
+            etcd: opskit::etcd::EtcdCluster::none(),
             etcd_proxies: BTreeMap::new(),
             attached: Some(Attached {
                 state: state.to_owned(),
@@ -293,17 +252,17 @@ impl Cluster {
         let r = crate::eventually(&what, limit, || {
             let entry = read_state(&state)
                 .ok()
-                .and_then(|f| f.components.into_iter().find(|e| e.name.as_deref() == Some(name) || e.role == name));
+                .and_then(|f| f.components.into_iter().find(|e| e.name == name || e.role.as_str() == name));
             if let Some(e) = entry {
                 seen = format!(
                     "pid {}, state {}, restarts {}, last exit {}",
                     e.pid,
-                    e.state.as_deref().unwrap_or("?"),
+                    e.state.as_str(),
                     e.restarts,
                     e.last_exit.as_deref().unwrap_or("none")
                 );
                 let alive = !matches!(crate::process::proc_state(e.pid), None | Some('Z'));
-                if e.state.as_deref() == Some("running") && e.pid != old_pid && e.restarts >= want && alive {
+                if e.state == State::Running && e.pid != old_pid && e.restarts >= want && alive {
                     found = Some(Restarted { pid: e.pid, restarts: e.restarts, last_exit: e.last_exit });
                 }
             }
@@ -338,7 +297,7 @@ mod tests {
         let dir = temp_dir().expect("dir");
         let state = dir.join("state.json");
         // pid_max is at most 2^22: this pid is never running.
-        std::fs::write(&state, r#"{"components":[{"role":"coordinator","pid":4194304,"http":"127.0.0.1:1"}]}"#)
+        std::fs::write(&state, r#"{"components":[{"role":"coordinator","name":"coordinator","pid":4194304,"state":"running","http":"127.0.0.1:1"}]}"#)
             .expect("write");
         let e = Cluster::attach(&state).await.expect_err("a dead coordinator");
         assert!(e.to_string().contains("is not running"), "{e}");

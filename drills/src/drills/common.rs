@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use testkit::http::{EventStream, Request};
+use opskit::http::{EventStream, Request};
 
 use super::{Evidence, Progress, MODEL};
 use crate::cluster::{Cluster, Role};
@@ -59,7 +59,7 @@ pub(super) async fn busy_decoder(c: &Cluster, limit: Duration) -> Result<String,
         .workers_of(Role::Decode)
         .map(|w| Ok((w.proc.name.clone(), w.metrics_addr()?)))
         .collect::<Result<_, HarnessError>>()?;
-    let victim = testkit::poll("a decode worker runs a request", limit, || {
+    let victim = opskit::poll("a decode worker runs a request", limit, || {
         let decoders = &decoders;
         async move {
             // A worker that does not answer, or lacks the series, is the last error if none runs one.
@@ -115,7 +115,7 @@ pub(super) async fn await_supervisor(c: &mut Cluster, name: &str, pid: u32, ev: 
 pub(super) async fn serving_becomes(c: &Cluster, role: Role, n: f64, limit: Duration) -> Result<(), HarnessError> {
     let role = if role == Role::Prefill { "prefill" } else { "decode" };
     let what = format!("the coordinator counts {n} serving {role} worker(s)");
-    let counted = testkit::poll(&what, limit, || async move {
+    let counted = opskit::poll(&what, limit, || async move {
         let p = c.coordinator_metrics().await?;
         let serving = p.get(facts::metrics::coordinator::WORKERS, &[("role", role), ("state", "serving")])?;
         Ok::<_, HarnessError>((serving == n).then_some(()))

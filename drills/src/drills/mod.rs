@@ -54,9 +54,36 @@ pub(crate) trait Drill: Send + Sync {
     fn against(&self, _c: &Cluster) -> Result<(), String> {
         own_cluster("its fault needs a cluster shaped for it (a fault proxy or network namespace on the KV link, or an etcd of its own to restart)")
     }
+    /// Whether the binaries beside this one can apply the drill's fault; Err says why not.
+    /// Most faults act from outside (signals, proxies, namespaces); a fault hook inside a
+    /// worker exists only in a build with the `fault-injection` feature.
+    fn built(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
-/// [`Drill::against`]'s refusal: the drill needs a cluster of its own, because `why`.
+/// `Drill::built`'s check for a drill whose fault is a prefill worker's hook: the prefill
+/// worker beside this binary was built with `fault-injection` (its `--version` says so).
+pub(super) fn prefill_fault_hooks() -> Result<(), String> {
+    let bin = crate::process::bin(facts::argv::PREFILL_BINARY).map_err(|e| e.to_string())?;
+    let out = std::process::Command::new(&bin)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("running {} --version: {e}", bin.display()))?;
+    let version = String::from_utf8_lossy(&out.stdout);
+    if version.contains("fault-injection") {
+        Ok(())
+    } else {
+        Err(format!(
+            "needs a prefill worker built with the `fault-injection` feature (`make drills` builds one; the binaries \
+             users get have no fault hooks), and {} says `{}`",
+            bin.display(),
+            version.trim()
+        ))
+    }
+}
+
+/// `Drill::against`'s refusal: the drill needs a cluster of its own, because `why`.
 pub(super) fn own_cluster(why: &str) -> Result<(), String> {
     Err(format!("needs its own cluster: {why}"))
 }
@@ -70,7 +97,7 @@ pub(super) enum Exit {
     Drained,
 }
 
-/// [`Drill::against`]'s check for a drill whose victim exits: the attached cluster's
+/// `Drill::against`'s check for a drill whose victim exits: the attached cluster's
 /// supervisor must start it again (the drill waits for that, so the cluster is left as
 /// found). Err says which `tandem up --restart` would.
 pub(super) fn supervisor_restarts(c: &Cluster, exit: Exit) -> Result<(), String> {
@@ -177,7 +204,7 @@ pub struct DrillOptions {
     /// Counts the load's requests as they end (reset to 0 at the start), for a progress display.
     pub progress: Option<Arc<AtomicUsize>>,
     /// Run against the running cluster this `tandem up --state-file` describes instead of
-    /// starting one ([`Cluster::attach`]): only drills whose [`Drill::against`] allows it; the
+    /// starting one ([`Cluster::attach`]): only drills whose `Drill::against` allows it; the
     /// cluster is not shut down at the end (G5 checks it is left running instead).
     pub against: Option<PathBuf>,
 }
@@ -230,7 +257,7 @@ impl DrillReport {
 }
 
 /// Goodput under an overload against the no-overload maximum measured on the same
-/// cluster just before and just after it (see [`GoodputBound`]).
+/// cluster just before and just after it (see `GoodputBound`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Goodput {
     /// Output tokens per second of completed requests in the no-overload
@@ -238,7 +265,7 @@ pub struct Goodput {
     pub baseline_tok_s: [f64; 2],
     /// The same under the overload.
     pub tok_s: f64,
-    /// `tok_s` over the lower of `baseline_tok_s` (see [`GoodputBound`]).
+    /// `tok_s` over the lower of `baseline_tok_s` (see `GoodputBound`).
     pub ratio: f64,
     /// Requests per second the cluster completed in the first measurement (its capacity),
     /// and the Poisson rate offered during the overload.
@@ -279,7 +306,7 @@ impl Throughput {
     }
 }
 
-/// The no-overload maximum (see [`GoodputBound`]): `bound.saturating` clients in a closed
+/// The no-overload maximum (see `GoodputBound`): `bound.saturating` clients in a closed
 /// loop, on prompts no other phase uses (`seed`). `requests` from the bound, or fewer to warm
 /// a fresh cluster up (its first requests fault pages in and grow pools).
 async fn saturating_load(
@@ -382,12 +409,13 @@ pub(crate) struct Setup {
 /// Runs drill `name`: starts its cluster, runs the load with the fault, checks G1–G6,
 /// shuts the cluster down (SIGTERM must end every process cleanly: G5). With
 /// [`DrillOptions::against`] it attaches to that running cluster instead (refusing a drill
-/// whose [`Drill::against`] says no, before anything runs) and leaves it running: G5 then
+/// whose `Drill::against` says no, before anything runs) and leaves it running: G5 then
 /// checks every process still runs and `/ready` is 200.
 pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, HarnessError> {
     let drill =
         all().into_iter().find(|d| d.info().name == name).ok_or_else(|| HarnessError::UnknownDrill(name.into()))?;
     let info = drill.info();
+    drill.built().map_err(|why| HarnessError::NotBuilt { drill: name.into(), why })?;
     // Refuse a drill that cannot run against the attached cluster before anything else.
     let attached = match &opts.against {
         Some(state) => {
@@ -587,6 +615,11 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
 pub async fn drills_against(state: &Path) -> Result<Vec<(DrillInfo, Result<(), String>)>, HarnessError> {
     let c = Cluster::attach(state).await?;
     Ok(all().iter().map(|d| (d.info(), d.against(&c))).collect())
+}
+
+/// Every drill with whether the binaries beside this one can apply its fault (`Drill::built`).
+pub fn drills_built() -> Vec<(DrillInfo, Result<(), String>)> {
+    all().iter().map(|d| (d.info(), d.built())).collect()
 }
 
 /// How many requests drill `name`'s load sends by default.

@@ -7,6 +7,7 @@
 //! inside a runtime: each call runs on a thread of its own with its own current-thread
 //! runtime, so it never nests runtimes.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ use tokio::task::JoinHandle;
 
 pub use hyper::HeaderMap;
 
+use crate::sse::SseParser;
 use crate::{Error, Result};
 
 /// How long one exchange (or one event of a stream) may take by default: a real model on a
@@ -25,6 +27,9 @@ pub const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How long a connect may take; loopback answers at once or refuses.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The largest server-sent event a stream takes (a longer one is an error, not memory).
+const MAX_EVENT: usize = 16 << 20;
 
 /// A whole answer.
 #[derive(Debug, Clone)]
@@ -136,7 +141,8 @@ impl Request {
             status: head.status.as_u16(),
             headers: head.headers,
             body,
-            buf: Vec::new(),
+            parser: SseParser::new(MAX_EVENT),
+            ready: VecDeque::new(),
             ended: false,
             timeout: limit,
             what,
@@ -240,9 +246,11 @@ pub struct EventStream {
     /// The answer's headers.
     pub headers: HeaderMap,
     body: Incoming,
-    /// Bytes read but not yet split into events.
-    buf: Vec<u8>,
-    /// The answer has ended (what is left in `buf` is its last events).
+    /// Bytes read but not yet whole events.
+    parser: SseParser,
+    /// Whole events not yet returned, oldest first.
+    ready: VecDeque<String>,
+    /// The answer has ended.
     ended: bool,
     timeout: Duration,
     what: String,
@@ -255,24 +263,23 @@ impl EventStream {
     /// come within the stream's timeout.
     pub async fn next_event(&mut self) -> Result<Option<String>> {
         loop {
-            if let Some(event) = take_event(&mut self.buf) {
-                match event {
-                    Some(data) => return Ok(Some(data)),
-                    None => continue,
-                }
+            if let Some(data) = self.ready.pop_front() {
+                return Ok(Some(data));
             }
-            match self.next_bytes().await? {
-                Some(b) => self.buf.extend_from_slice(&b),
-                None if self.ended => {
-                    self.buf.clear();
-                    return Ok(None);
-                }
+            if self.ended {
+                return Ok(None);
+            }
+            let bytes = match self.next_bytes().await? {
+                Some(b) => b.to_vec(),
                 None => {
                     // The end of the answer ends an event that had no blank line after it.
                     self.ended = true;
-                    self.buf.extend_from_slice(b"\n\n");
+                    b"\n\n".to_vec()
                 }
-            }
+            };
+            let mut events = Vec::new();
+            self.parser.push(&bytes, &mut events).map_err(|e| Error::Http(format!("{}: {e}", self.what)))?;
+            self.ready.extend(events.into_iter().map(|e| e.data));
         }
     }
 
@@ -285,9 +292,10 @@ impl EventStream {
         Ok(out)
     }
 
-    /// Reads to the end and returns the body as text (for an answer that is not a stream).
+    /// Reads to the end and returns the body as text (for an answer that is not a stream,
+    /// read instead of its events).
     pub async fn text(mut self) -> Result<String> {
-        let mut all = std::mem::take(&mut self.buf);
+        let mut all = Vec::new();
         while let Some(b) = self.next_bytes().await? {
             all.extend_from_slice(&b);
         }
@@ -310,32 +318,6 @@ impl EventStream {
             }
         }
     }
-}
-
-/// Splits the first whole event off `buf`: `None` when no event is whole yet, `Some(None)`
-/// for an event without data, `Some(Some(data))` otherwise.
-fn take_event(buf: &mut Vec<u8>) -> Option<Option<String>> {
-    // An event ends at a blank line; lines end in LF, CRLF or CR.
-    let text = String::from_utf8_lossy(buf);
-    let normalized = text.replace("\r\n", "\n").replace('\r', "\n");
-    let end = normalized.find("\n\n")?;
-    let (event, rest) = (&normalized[..end], &normalized[end + 2..]);
-    let mut data: Option<String> = None;
-    for line in event.lines() {
-        let (field, value) = line.split_once(':').unwrap_or((line, ""));
-        if field == "data" {
-            let value = value.strip_prefix(' ').unwrap_or(value);
-            match data.as_mut() {
-                Some(d) => {
-                    d.push('\n');
-                    d.push_str(value);
-                }
-                None => data = Some(value.to_owned()),
-            }
-        }
-    }
-    *buf = rest.as_bytes().to_vec();
-    Some(data)
 }
 
 /// The same client for sync code.

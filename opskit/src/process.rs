@@ -249,7 +249,7 @@ impl Launch {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         match &self.stderr {
             Stderr::Temp => {
-                let dir = std::env::temp_dir().join(format!("testkit-{}", std::process::id()));
+                let dir = std::env::temp_dir().join(format!("opskit-{}", std::process::id()));
                 Some(dir.join(format!("{}-{}.log", self.name, SEQ.fetch_add(1, Ordering::Relaxed))))
             }
             Stderr::Dir(dir) => Some(dir.join(format!("{}.log", self.name))),

@@ -24,15 +24,15 @@ impl Role {
 pub struct WorkerSpec {
     pub role: Role,
     pub group: String,
-    /// Decode only: advertise a fault [`Proxy`] in front of the real KV listener.
+    /// Decode only: advertise a fault [`Proxy`](crate::Proxy) in front of the real KV listener.
     pub behind_proxy: bool,
-    /// Run it in its own [`Netns`], its listeners on the namespace's address.
+    /// Run it in its own [`Netns`](crate::Netns), its listeners on the namespace's address.
     pub netns: bool,
     /// Flags added last.
     pub extra: Vec<String>,
 }
 
-/// What to start. Built with the chained methods; [`Cluster::start`] runs it.
+/// What to start. Built with the chained methods; [`Cluster::start`](crate::Cluster::start) runs it.
 #[derive(Debug, Clone)]
 pub struct ClusterSpec {
     pub workers: Vec<WorkerSpec>,
@@ -44,19 +44,19 @@ pub struct ClusterSpec {
     /// Flags added to the coordinator's.
     pub coordinator_args: Vec<String>,
     /// Coordinators serving the one membership (more than 1: clients reach them through a
-    /// round-robin [`Front`], and each listens on fixed ports so a restart keeps its flags).
+    /// round-robin [`Front`](crate::Front), and each listens on fixed ports so a restart keeps its flags).
     pub coordinators: usize,
     /// etcd members (1, or 3 for failover and quorum drills). Every process gets all
     /// their endpoints.
     pub etcd_members: usize,
     /// Processes (`decode-1`, `coordinator`, ...) whose etcd traffic crosses fault
-    /// proxies, one per member ([`Cluster::etcd_proxies`]), to cut them off alone.
+    /// proxies, one per member ([`Cluster::etcd_proxies`](crate::Cluster::etcd_proxies)), to cut them off alone.
     pub etcd_via_proxy: Vec<String>,
     /// Clients (loadgen) reach the coordinator's HTTP port through a fault proxy acting on
-    /// its answers ([`Cluster::client_proxy`]): the request link.
+    /// its answers ([`Cluster::client_proxy`](crate::Cluster::client_proxy)): the request link.
     pub clients_via_proxy: bool,
     /// Decode workers (`decode-0`, ...) the coordinator reaches through a fault proxy acting
-    /// on their answers ([`Cluster::control_proxies`]): the control link. Each binds its gRPC
+    /// on their answers ([`Cluster::control_proxies`](crate::Cluster::control_proxies)): the control link. Each binds its gRPC
     /// on a fixed port and advertises the proxy (`--advertise-grpc`).
     pub control_via_proxy: Vec<String>,
     /// Decode workers' `--kv-transport` (`None`: the workers' default, tcp). Prefill workers
@@ -135,9 +135,9 @@ impl ClusterSpec {
 
     /// A decode worker in its own network namespace: its gRPC, metrics and KV
     /// listeners bind the namespace's address, it reaches etcd through a
-    /// forwarding [`Proxy`] on the namespace's gateway, and prefill workers
+    /// forwarding [`Proxy`](crate::Proxy) on the namespace's gateway, and prefill workers
     /// bind their gRPC on that gateway so it can call them. Faults then go
-    /// in with [`Netns::iptables`].
+    /// in with [`Netns::iptables`](crate::Netns::iptables).
     pub fn decode_in_netns(mut self, group: &str) -> Self {
         self.workers.push(WorkerSpec {
             role: Role::Decode,

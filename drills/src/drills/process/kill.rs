@@ -106,7 +106,7 @@ async fn hold_ucx_push(c: &Cluster, m: &str) -> Result<(String, u32), HarnessErr
         .collect::<Result<_, HarnessError>>()?;
     let mut seen = Vec::new();
     for _ in 0..UCX_HOLD_TRIES {
-        let sender = testkit::poll("a prefill worker mid-way through a ucx KV push", LOAD_WAIT, || async {
+        let sender = opskit::poll("a prefill worker mid-way through a ucx KV push", LOAD_WAIT, || async {
             let d = crate::metrics::scrape(m).await?;
             if d.get(UCX_GRANTED_TRANSFERS, &[])? == 0.0 {
                 return Ok(None);

@@ -1,6 +1,6 @@
-//! The one test harness of the workspace, used by every crate's tests and by the drills.
+//! Tools for acting on running tandem processes from outside, written once: what the
+//! drills (`tandem drill`, product code) and every crate's tests of real processes use.
 //!
-//! Owns what tests of real processes need, once:
 //! - [`http`]: an HTTP/1.1 client on hyper (JSON requests, status + headers + body, SSE
 //!   streams), async and blocking, every exchange bounded;
 //! - [`prom`]: the Prometheus text format parsed, and metric lookups by name and labels that
@@ -9,14 +9,19 @@
 //!   bound, keep its stderr in a log file, signal it, kill it on drop;
 //! - [`proxy`]: a fault-injecting TCP proxy (flip, hold, buffer, reset, delay, reorder,
 //!   blackhole, freeze);
+//! - [`sse`]: an incremental server-sent-events parser, bytes in and whole events out,
+//!   that never splits a UTF-8 character (the HTTP client's streams and the load
+//!   generator both read through it);
 //! - [`wait`]: bounded polling whose error says what did not happen;
 //! - [`etcd`]: a real etcd (one member or a cluster) on loopback ports;
-//! - [`rng`]: a small seeded xorshift generator for reproducible test data.
 //!
-//! Must not: depend on any crate of this workspace (every crate takes it as a
-//! dev-dependency, so a dependency back would be a cycle), know a metric's name (callers
-//! pass the exported constants), or wait without a bound. No production binary links it
-//! except `tandem drill`, through the drills' crate.
+//! Seeded test data comes from `types::rng`, the workspace's one small generator.
+//!
+//! Product code, held to its rules (no `unwrap` on what a peer or the system can
+//! influence; typed errors). Must not: depend on a crate of this workspace beyond the leaf
+//! `types` (every crate takes it as a dev-dependency, so a dependency back would be a
+//! cycle), know a metric's name (callers pass the constants of `facts::metrics`), or wait
+//! without a bound.
 
 #![forbid(unsafe_code)]
 
@@ -25,7 +30,7 @@ pub mod http;
 pub mod process;
 pub mod prom;
 pub mod proxy;
-pub use types::rng;
+pub mod sse;
 pub mod wait;
 
 pub use wait::{eventually, poll, within};

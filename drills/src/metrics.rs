@@ -1,8 +1,8 @@
-//! Metric pages and status probes for drills: testkit's, with the drills' error type,
+//! Metric pages and status probes for drills: opskit's, with the drills' error type,
 //! bounded by [`SCRAPE_TIMEOUT`] so a stopped (SIGSTOP) or dead process is an error soon,
 //! not a hang. Lookups fail on a missing series ([`Page::sum`], [`Page::get`]).
 
-pub use testkit::prom::{Page, SCRAPE_TIMEOUT};
+pub use opskit::prom::{Page, SCRAPE_TIMEOUT};
 
 use crate::HarnessError;
 
@@ -13,10 +13,10 @@ pub fn sum(p: &Page, name: &str, labels: &[(&str, &str)]) -> Result<f64, String>
 
 /// GETs `http://addr/metrics` and parses it.
 pub async fn scrape(addr: &str) -> Result<Page, HarnessError> {
-    Ok(testkit::prom::scrape(addr).await?)
+    Ok(opskit::prom::scrape(addr).await?)
 }
 
 /// GETs `path` on `addr` and returns the status code.
 pub async fn get_status(addr: &str, path: &str) -> Result<u16, HarnessError> {
-    Ok(testkit::http::status(addr, path, SCRAPE_TIMEOUT).await?)
+    Ok(opskit::http::status(addr, path, SCRAPE_TIMEOUT).await?)
 }

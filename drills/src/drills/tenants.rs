@@ -4,7 +4,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use loadgen::{Arrival, Outcome, Plan, PromptSource, Report};
-use testkit::http::Request;
+use opskit::http::Request;
 use tokio_util::sync::CancellationToken;
 
 use super::common::{core_each, LOAD_WAIT};

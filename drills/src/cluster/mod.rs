@@ -18,6 +18,7 @@ use crate::netns::Netns;
 use crate::process::{Proc, Signal};
 use crate::proxy::Proxy;
 use crate::HarnessError;
+use facts::argv::{WorkerArgv, DECODE_BINARY, PREFILL_BINARY};
 
 mod attach;
 mod spec;
@@ -72,7 +73,7 @@ impl Worker {
 #[derive(Debug)]
 pub struct Cluster {
     /// etcd: [`ClusterSpec::etcd_members`] members.
-    pub etcd: testkit::etcd::EtcdCluster,
+    pub etcd: opskit::etcd::EtcdCluster,
     /// Fault proxies on a process's links to etcd (one per member, in member order), by
     /// process name, for those in [`ClusterSpec::etcd_via_proxy`].
     pub etcd_proxies: BTreeMap<String, Vec<Proxy>>,
@@ -97,7 +98,7 @@ pub struct Cluster {
     /// across one may end in a transport error (counted as `coordinator_lost`).
     pub coordinator_kills: Vec<(Instant, Instant)>,
     pub prefix: String,
-    /// Per-process stderr logs (and etcd's, elsewhere: [`testkit::etcd::EtcdCluster::log_path`]).
+    /// Per-process stderr logs (and etcd's, elsewhere: [`opskit::etcd::EtcdCluster::log_path`]).
     pub log_dir: PathBuf,
     /// Names of processes a drill killed, stopped or terminated on purpose,
     /// with what was done; the rest must be alive at the end.
@@ -157,7 +158,7 @@ fn free_port() -> Result<std::net::SocketAddr, HarnessError> {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         // A different start per process and call, so concurrent harnesses spread out.
         let seed = nanos as u64 ^ (u64::from(std::process::id()) << 32) ^ SEQ.fetch_add(1, Ordering::Relaxed);
-        let mut rng = testkit::rng::XorShift64::new(seed);
+        let mut rng = types::rng::XorShift64::new(seed);
         for _ in 0..64 {
             let port = lo + rng.below(u64::from(hi - lo)) as u16;
             if let Ok(a) = std::net::TcpListener::bind(("127.0.0.1", port)).and_then(|l| l.local_addr()) {
@@ -175,7 +176,7 @@ impl Cluster {
     /// and sees every worker registered. `keep_logs` keeps the log directory after drop.
     pub async fn start(spec: &ClusterSpec, keep_logs: bool) -> Result<Self, HarnessError> {
         let log_dir = temp_dir()?;
-        let etcd = testkit::etcd::EtcdCluster::start(spec.etcd_members.max(1))
+        let etcd = opskit::etcd::EtcdCluster::start(spec.etcd_members.max(1))
             .await
             .map_err(|e| HarnessError::Setup(format!("etcd: {e}")))?;
         let mut etcd_proxies = BTreeMap::new();
@@ -222,69 +223,76 @@ impl Cluster {
                 None => None,
             };
             let worker_ep = etcd_path.as_ref().map_or_else(|| ep.clone(), |p| format!("http://{}", p.addr));
-            let mut args: Vec<String> = [
-                "--etcd",
-                &worker_ep,
-                "--cluster-prefix",
-                &prefix,
-                "--lease-ttl-s",
-                &spec.lease_ttl_s.to_string(),
-                "--version-group",
-                &w.group,
-                "--worker-id",
-                &name,
-                "--threads",
-                "1",
-                "--kv-blocks",
-                &spec.kv_blocks.to_string(),
-            ]
-            .iter()
-            .map(|s| (*s).to_owned())
-            .collect();
+            // The flags every worker gets; a decode worker's own follow below.
+            fn common<R>(
+                a: WorkerArgv<R>,
+                etcd: &str,
+                prefix: &str,
+                spec: &ClusterSpec,
+                w: &WorkerSpec,
+                name: &str,
+            ) -> WorkerArgv<R> {
+                a.etcd(etcd)
+                    .cluster_prefix(prefix)
+                    .lease_ttl_s(u64::from(spec.lease_ttl_s))
+                    .version_group(&w.group)
+                    .worker_id(name)
+                    .threads(1)
+                    .kv_blocks(spec.kv_blocks as usize)
+            }
             let (bin, wants): (&str, &[&str]) = match w.role {
-                Role::Prefill => ("tandem-prefill-worker", &["grpc", "metrics"]),
-                Role::Decode => ("tandem-decode-worker", &["grpc", "metrics", "transfer"]),
+                Role::Prefill => (PREFILL_BINARY, &["grpc", "metrics"]),
+                Role::Decode => (DECODE_BINARY, &["grpc", "metrics", "transfer"]),
+            };
+            // Listeners in a namespace bind its address; a prefill worker outside one binds
+            // the gateway, where a namespaced decode worker can call it.
+            let listen = match (&netns, w.role, gateway) {
+                (Some(ns), ..) => Some(format!("{}:0", ns.ns_ip)),
+                (None, Role::Prefill, Some(gw)) => Some(format!("{gw}:0")),
+                _ => None,
             };
             let mut proxy = None;
-            if let Some(ns) = &netns {
-                args.extend(
-                    ["--grpc", "--metrics"].into_iter().flat_map(|f| [f.to_owned(), format!("{}:0", ns.ns_ip)]),
-                );
-                if !w.behind_proxy {
-                    args.extend(["--transfer".into(), format!("{}:0", ns.ns_ip)]);
-                }
-            } else if let (Role::Prefill, Some(gw)) = (w.role, gateway) {
-                args.extend(["--grpc".into(), format!("{gw}:0")]);
-            }
-            if w.role == Role::Decode {
-                let local = spec.local_prefill_max_tokens.to_string();
-                args.extend(
-                    ["--kv-load-failure-policy", &spec.policy, "--local-prefill-max-tokens", &local].map(str::to_owned),
-                );
-                if let Some(t) = &spec.kv_transport {
-                    args.extend(["--kv-transport".to_owned(), t.clone()]);
-                }
-                if w.behind_proxy {
-                    let mut transfer = free_port()?;
-                    if let Some(ns) = &netns {
-                        transfer.set_ip(ns.ns_ip.into());
+            let mut args = match w.role {
+                Role::Prefill => {
+                    let mut a = common(WorkerArgv::prefill(), &worker_ep, &prefix, spec, w, &name);
+                    if let Some(addr) = &listen {
+                        a = a.grpc(addr);
+                        if netns.is_some() {
+                            a = a.metrics(addr);
+                        }
                     }
-                    let p = Proxy::start(transfer)?;
-                    args.extend([
-                        "--transfer".into(),
-                        transfer.to_string(),
-                        "--advertise-transfer".into(),
-                        p.addr.to_string(),
-                    ]);
-                    proxy = Some(p);
+                    a.build()
                 }
-            }
-            if spec.control_via_proxy.contains(&name) {
-                let grpc = free_port()?;
-                let p = Proxy::start_replies(grpc)?;
-                args.extend(["--grpc".into(), grpc.to_string(), "--advertise-grpc".into(), p.addr.to_string()]);
-                control_proxies.insert(name.clone(), p);
-            }
+                Role::Decode => {
+                    let mut a = common(WorkerArgv::decode(), &worker_ep, &prefix, spec, w, &name);
+                    if let Some(addr) = &listen {
+                        a = a.grpc(addr).metrics(addr);
+                        if !w.behind_proxy {
+                            a = a.transfer(addr);
+                        }
+                    }
+                    a = a.kv_load_failure_policy(&spec.policy).local_prefill_max_tokens(spec.local_prefill_max_tokens);
+                    if let Some(t) = &spec.kv_transport {
+                        a = a.kv_transport(t);
+                    }
+                    if w.behind_proxy {
+                        let mut transfer = free_port()?;
+                        if let Some(ns) = &netns {
+                            transfer.set_ip(ns.ns_ip.into());
+                        }
+                        let p = Proxy::start(transfer)?;
+                        a = a.transfer(&transfer.to_string()).advertise_transfer(&p.addr.to_string());
+                        proxy = Some(p);
+                    }
+                    if spec.control_via_proxy.contains(&name) {
+                        let grpc = free_port()?;
+                        let p = Proxy::start_replies(grpc)?;
+                        a = a.grpc(&grpc.to_string()).advertise_grpc(&p.addr.to_string());
+                        control_proxies.insert(name.clone(), p);
+                    }
+                    a.build()
+                }
+            };
             args.extend(w.extra.iter().cloned());
             let (role, group, dir, ucx_if) = (w.role, w.group.clone(), log_dir.clone(), ucx_if.clone());
             starting.spawn(async move {
@@ -407,7 +415,7 @@ impl Cluster {
         let want = |role: Role| self.workers.iter().filter(|w| w.role == role).count() as f64;
         let (np, nd) = (want(Role::Prefill), want(Role::Decode));
         let what = format!("{} is ready and sees every worker", c.name);
-        let ready = testkit::poll(&what, Duration::from_secs(60), || async {
+        let ready = opskit::poll(&what, Duration::from_secs(60), || async {
             let status = get_status(&h, "/ready").await?;
             if status != 200 {
                 return Err(HarnessError::Setup(format!("/ready answers {status}")));

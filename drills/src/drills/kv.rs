@@ -10,7 +10,9 @@ use loadgen::Report;
 // `Page::sum`, which fails on a missing (or renamed) series. Its load-time histogram
 // appears at its first sample: read with `absent_as_zero`, and the proofs that use it
 // need it to have counted every load, which a renamed metric fails.
-use facts::metrics::decode::{FRAMES_REFUSED, KV_LOAD_FAILURES, KV_LOAD_SECONDS, LOAD_FAILURE_REASONS, OUTCOME_RECOMPUTED, POLICY_OUTCOMES};
+use facts::metrics::decode::{
+    FRAMES_REFUSED, KV_LOAD_FAILURES, KV_LOAD_SECONDS, LOAD_FAILURE_REASONS, OUTCOME_RECOMPUTED, POLICY_OUTCOMES,
+};
 
 use super::common::{decode_metrics, delay_during_load, delays_seen, strike, PairBreaker, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
@@ -54,6 +56,14 @@ impl Drill for KvCorrupt {
             name: "kv-corrupt",
             description: "flip one byte on a decode worker's KV link: the frame is refused, the load counted as \
                           failed, and policy recompute gives identical answers",
+        }
+    }
+
+    fn built(&self) -> Result<(), String> {
+        if self.ucx {
+            super::prefill_fault_hooks()
+        } else {
+            Ok(())
         }
     }
 

@@ -8,7 +8,7 @@ fn sh(script: &str) -> Launch {
 
 #[tokio::test]
 async fn addresses_are_read_from_listening_lines_and_drop_kills() {
-    let dir = std::env::temp_dir().join(format!("testkit-process-test-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("opskit-process-test-{}", std::process::id()));
     let p = sh("echo starting; echo 'listening http=127.0.0.1:1 grpc=127.0.0.1:2'; echo said >&2; exec sleep 60")
         .wants(&["http", "grpc"])
         .log_dir(&dir)
@@ -69,7 +69,7 @@ fn stop_sends_sigterm_and_reports_the_exit() {
 
 #[tokio::test]
 async fn restart_keeps_the_old_log_and_starts_the_same_program() {
-    let dir = std::env::temp_dir().join(format!("testkit-restart-test-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("opskit-restart-test-{}", std::process::id()));
     let mut p = sh("echo \"listening pid=$$\"; echo life >&2; exec sleep 60")
         .wants(&["pid"])
         .log_dir(&dir)

@@ -119,7 +119,7 @@ impl SseParser {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arrival::Rng;
+    use types::rng::XorShift64;
 
     fn parse_chunks(chunks: &[&[u8]]) -> Result<Vec<SseEvent>, SseError> {
         let mut p = SseParser::new(1 << 20);
@@ -144,6 +144,23 @@ mod tests {
         for i in 0..b.len() {
             for j in i..b.len() {
                 assert_eq!(parse_chunks(&[&b[..i], &b[i..j], &b[j..]])?, whole, "split at {i}, {j}");
+            }
+        }
+        Ok(())
+    }
+
+    /// A character of two, three or four bytes split anywhere across two or three chunks
+    /// decodes whole: no replacement character, no lost byte.
+    #[test]
+    fn every_split_of_a_multi_byte_character_decodes_whole() -> Result<(), SseError> {
+        for ch in ["\u{e9}", "\u{20ac}", "\u{1f600}"] {
+            let stream = format!("data: a{ch}b\n\ndata: {ch}\n\n");
+            let b = stream.as_bytes();
+            for i in 0..=b.len() {
+                for j in i..=b.len() {
+                    let got = parse_chunks(&[&b[..i], &b[i..j], &b[j..]])?;
+                    assert_eq!(data(&got), [format!("a{ch}b"), ch.to_owned()], "{ch:?} split at {i}, {j}");
+                }
             }
         }
         Ok(())
@@ -194,13 +211,13 @@ mod tests {
 
     #[test]
     fn random_bytes_never_panic_and_stay_bounded() {
-        let mut rng = Rng::new(5);
+        let mut rng = XorShift64::seeded(5);
         let alphabet = b"data: \n\r:{}[DONE]\xff\xc3";
         for _ in 0..2000 {
             let mut p = SseParser::new(64);
             let mut out = Vec::new();
-            for _ in 0..rng.below(8) {
-                let chunk: Vec<u8> = (0..rng.below(40)).map(|_| alphabet[rng.below(alphabet.len())]).collect();
+            for _ in 0..rng.index(8) {
+                let chunk: Vec<u8> = (0..rng.index(40)).map(|_| alphabet[rng.index(alphabet.len())]).collect();
                 if p.push(&chunk, &mut out).is_err() {
                     break;
                 }

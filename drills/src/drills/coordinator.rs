@@ -383,7 +383,7 @@ const IDLE_TIMEOUT_MS: u64 = 3000;
 /// A streaming request from a socket with a tiny receive buffer; returns the
 /// socket once the response head arrived (nothing after it is read). Raw on purpose: the
 /// fault is the socket itself (receive window and MSS set before connect, never read after
-/// the head), below what an HTTP client exposes; testkit's client is for well-behaved ones.
+/// the head), below what an HTTP client exposes; opskit's client is for well-behaved ones.
 /// `small` shrinks the client's window and MSS (the fault's bite); a run with the fault
 /// skipped reads promptly with ordinary buffers (with the small ones, reading 400 tokens of
 /// top-20 logprobs takes longer than the read bound).

@@ -91,6 +91,23 @@ async fn events_are_split_at_blank_lines_whatever_the_writes() {
     assert_eq!(s.rest().await.expect("rest"), vec!["[DONE]".to_owned()]);
 }
 
+/// A character split across chunks, in a chunk that also ends an earlier event: the
+/// earlier event is returned at once and the character is whole in the next.
+#[tokio::test]
+async fn a_character_split_across_chunks_arrives_whole() {
+    let (addr, _, _) = server(vec![
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
+        // "data: 1\n\ndata: " + the first two bytes of U+1F600.
+        b"11\r\ndata: 1\n\ndata: \xf0\x9f\r\n",
+        b"4\r\n\x98\x80\n\n\r\n",
+        b"0\r\n\r\n",
+    ]);
+    let mut s = Request::get(&addr.to_string(), "/s").stream().await.expect("head");
+    assert_eq!(s.next_event().await.expect("event").as_deref(), Some("1"));
+    assert_eq!(s.next_event().await.expect("event").as_deref(), Some("\u{1f600}"));
+    assert_eq!(s.next_event().await.expect("end"), None);
+}
+
 #[tokio::test]
 async fn dropping_a_stream_closes_the_connection() {
     let (addr, _, closed) =

@@ -67,7 +67,7 @@ pub struct Invariants {
     /// Bound on waiting for counters and KV to settle.
     pub settle: Duration,
     /// Overload drills: how the load is offered and how much goodput it must keep (see
-    /// [`GoodputBound`]); the coordinator's resident memory may grow at most
+    /// `GoodputBound`); the coordinator's resident memory may grow at most
     /// [`Invariants::max_rss_growth_mib`] under it.
     pub goodput: Option<GoodputBound>,
     pub max_rss_growth_mib: f64,

@@ -6,9 +6,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use loadgen::Report;
-use testkit::http::Request;
 use facts::metrics::worker::{FENCED, FENCES};
+use loadgen::Report;
+use opskit::http::Request;
 
 use super::common::{counter_reaches, gone, serving_becomes, LOAD_WAIT, MEMBERSHIP};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
@@ -53,7 +53,7 @@ async fn ask(addr: &str) -> Result<Answer, HarnessError> {
     let body = serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0});
     let r = Request::post(addr, "/v1/completions").json(&body).timeout(Duration::from_secs(30)).send().await;
     let r = r.map_err(|e| match e {
-        testkit::Error::Timeout(what) => HarnessError::Timeout(what),
+        opskit::Error::Timeout(what) => HarnessError::Timeout(what),
         e => HarnessError::Fault(format!("asking {addr}: {e}")),
     })?;
     let code = r.json().ok().and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
@@ -132,7 +132,7 @@ async fn coordinator_find(c: &Cluster, metric: &str, labels: &[(&str, &str)]) ->
 /// and is the wait's last error).
 async fn gauge_becomes(addr: &str, metric: &str, value: f64, limit: Duration) -> Result<(), HarnessError> {
     let what = format!("{metric} at {addr} becomes {value}");
-    let became = testkit::poll(&what, limit, || async move {
+    let became = opskit::poll(&what, limit, || async move {
         let v = scrape(addr).await?.get(metric, &[])?;
         Ok::<_, HarnessError>((v == value).then_some(()))
     });
@@ -658,7 +658,7 @@ impl Drill for EtcdStall {
         // etcd back: membership whole and live again.
         let t1 = Instant::now();
         let n = c.workers.len() as f64;
-        let whole = testkit::poll("membership whole and etcd healthy again", CONSEQUENCE_WAIT, || async {
+        let whole = opskit::poll("membership whole and etcd healthy again", CONSEQUENCE_WAIT, || async {
             let p = c.coordinator_metrics().await?;
             // Every worker of every role and state, the watch live, and a resync since the stall.
             let (listed, healthy) = (p.sum(facts::metrics::coordinator::WORKERS, &[])?, p.get(REGISTRY_HEALTHY, &[])?);

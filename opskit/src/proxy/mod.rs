@@ -46,8 +46,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
 
-use crate::rng::XorShift64;
 use crate::{Error, Result};
+use types::rng::XorShift64;
 
 /// What the proxy does next to the sender's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
