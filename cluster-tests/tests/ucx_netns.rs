@@ -70,6 +70,8 @@ async fn generate(
         policy_override: None,
         cache_salt: 0,
         priority: 0,
+        generated_ids: Vec::new(),
+        determinism_fingerprint: Vec::new(),
     };
     let collect = async {
         let mut stream = c.generate(req).await.map_err(|s| format!("Generate {id}: {s}"))?.into_inner();

@@ -26,7 +26,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant as Clock};
 use types::priority::Priority;
 
-use coordinator::admission::{Admission, AdmissionConfig, Shed, Slot, Ticket};
+use coordinator::admission::{Admission, AdmissionConfig, Shed, Seat, Ticket};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use types::rng::XorShift64;
@@ -37,7 +37,7 @@ const RUNNING: usize = 64;
 const OPS: usize = 100_000;
 const WARMUP: usize = 10_000;
 
-type Admit<'a> = Pin<Box<dyn Future<Output = Result<Slot, Shed>> + 'a>>;
+type Admit<'a> = Pin<Box<dyn Future<Output = Result<Seat, Shed>> + 'a>>;
 
 /// Polls once, outside tokio's cooperative budget: this bench polls many
 /// futures from one task, and the budget would otherwise turn a delivered
@@ -155,7 +155,7 @@ impl<'a> Waiters<'a> {
     }
 
     /// Polls the woken waiters to their slots.
-    fn collect(&mut self, held: &mut VecDeque<Slot>) -> Result<(), Box<dyn Error>> {
+    fn collect(&mut self, held: &mut VecDeque<Seat>) -> Result<(), Box<dyn Error>> {
         let ids = std::mem::take(&mut *self.woken.lock().unwrap_or_else(|e| e.into_inner()));
         for id in ids {
             let Some((mut fut, waker)) = self.slots.get_mut(id).and_then(Option::take) else {

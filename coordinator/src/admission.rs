@@ -2,7 +2,7 @@
 //! refused at once. This is the cluster's overload contract.
 //!
 //! A request arrives as a [`Ticket`] (API key, priority class, token cost,
-//! deadline). [`Admission::admit`] grants it a running [`Slot`] at once when
+//! deadline). [`Admission::admit`] grants it a running [`Seat`] at once when
 //! one is free and nobody of its class or above is waiting; otherwise it
 //! queues, bounded four ways (entries and tokens, in all and per key), and a
 //! ticket beyond a bound is shed at once with a `Retry-After` estimate:
@@ -11,7 +11,7 @@
 //! [`Shed::Deadline`] when its deadline passes first (it never reaches a
 //! worker), with [`Shed::QueueFull`] when a ticket of a higher class needs
 //! its place in a full queue, or with [`Shed::Closed`] at shutdown. Dropping
-//! a [`Slot`] frees it for the next ticket.
+//! a [`Seat`] frees it for the next ticket.
 //!
 //! Order of the queue: strict priority between classes, then fairness by
 //! token cost between keys inside a class, by self-clocked fair queueing.
@@ -82,14 +82,14 @@ pub struct Admission {
 
 /// A running slot. Dropping it frees the slot and dispatches the next
 /// queued ticket. Hold it for as long as the request uses workers.
-pub struct Slot {
+pub struct Seat {
     admission: Arc<Admission>,
     cost: u64,
     granted_at: Instant,
     queue_wait: Duration,
 }
 
-impl Slot {
+impl Seat {
     /// Time the ticket spent queued (zero when granted at once).
     pub fn queue_wait(&self) -> Duration {
         self.queue_wait
@@ -101,13 +101,13 @@ impl Slot {
     }
 }
 
-impl fmt::Debug for Slot {
+impl fmt::Debug for Seat {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Slot").field("cost", &self.cost).field("queue_wait", &self.queue_wait).finish()
+        f.debug_struct("Seat").field("cost", &self.cost).field("queue_wait", &self.queue_wait).finish()
     }
 }
 
-impl Drop for Slot {
+impl Drop for Seat {
     fn drop(&mut self) {
         self.admission.release(Some((self.cost, self.granted_at.elapsed())));
     }
@@ -158,7 +158,7 @@ impl Admission {
     /// nothing queued; large requests are slow, never impossible. A full
     /// queue makes room for a ticket by shedding queued tickets of lower
     /// classes, last-placed first, when that is enough.
-    pub async fn admit(self: &Arc<Self>, ticket: Ticket) -> Result<Slot, Shed> {
+    pub async fn admit(self: &Arc<Self>, ticket: Ticket) -> Result<Seat, Shed> {
         let arrived = Instant::now();
         let (cost, deadline) = (ticket.cost, ticket.deadline);
         let (place, rx) = {
@@ -172,7 +172,7 @@ impl Admission {
             if st.running < st.cfg.max_running && !st.queued_at_or_above(ticket.priority) {
                 st.running += 1;
                 drop(st);
-                return Ok(Slot { admission: Arc::clone(self), cost, granted_at: arrived, queue_wait: Duration::ZERO });
+                return Ok(Seat { admission: Arc::clone(self), cost, granted_at: arrived, queue_wait: Duration::ZERO });
             }
             st.make_room(&ticket.key, ticket.priority, cost)?;
             st.enqueue(ticket)
@@ -189,7 +189,7 @@ impl Admission {
             Err(_) => self.withdraw(place, &mut waiter.rx).unwrap_or(Err(Shed::Deadline)),
         };
         waiter.armed = false;
-        verdict.map(|granted_at| Slot {
+        verdict.map(|granted_at| Seat {
             admission: Arc::clone(self),
             cost,
             granted_at,

@@ -108,12 +108,64 @@ pub struct Cluster {
 pub struct WorkerStream {
     first: Option<Result<Option<proto::worker::v1::GenerateResponse>, tonic::Status>>,
     rest: tonic::Streaming<proto::worker::v1::GenerateResponse>,
-    /// The decode worker (registry id, address): its prefill attempt reports feed its pairs' breakers.
-    decode_id: String,
-    decode_addr: String,
+    /// Where it runs: its prefill attempt reports feed the decode worker's pairs' breakers,
+    /// and a continuation elsewhere must match its group and determinism.
+    placement: Placement,
+    /// The id the decode worker knows the request by (an attempt's own id).
+    request_id: String,
+}
+
+/// Where a request runs now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The decode worker's registry id (its address for fixed-address workers).
+    pub decode_id: String,
+    pub decode_addr: String,
+    pub version_group: String,
+    /// Hex; empty when unknown.
+    pub determinism: String,
+}
+
+/// What a continuation must run on: a decode worker of the same version group and
+/// determinism fingerprint as the one that generated its tokens, other than those
+/// already tried.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pin {
+    /// Decode worker addresses this request has lost; never chosen again for it.
+    pub exclude: Vec<String>,
+    pub version_group: String,
+    /// Hex; empty: no fingerprint to match (fixed-address workers, older workers).
+    pub determinism: String,
+}
+
+/// One request as a decode worker gets it.
+#[derive(Debug, Clone)]
+pub struct Dispatch {
+    /// The id the decode worker knows it by (a migration's attempt has its own).
+    pub request_id: String,
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// A continuation's tokens generated so far (empty for a fresh request).
+    pub generated: Vec<u32>,
+    /// Sampling: a continuation's `max_tokens` is what is left of the request's.
+    pub params: SamplingParams,
+    pub deadline_unix_ms: u64,
+    pub tags: WorkerTags,
+    /// A continuation's constraint on where it may run.
+    pub pin: Option<Pin>,
 }
 
 impl WorkerStream {
+    /// Where the request runs.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// The id the decode worker knows this attempt by.
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+
     /// The next message, as `tonic::Streaming::message`.
     pub async fn message(&mut self) -> Result<Option<proto::worker::v1::GenerateResponse>, tonic::Status> {
         match self.first.take() {
@@ -134,8 +186,9 @@ fn refused_at_start(first: &Result<Option<proto::worker::v1::GenerateResponse>, 
     )
 }
 
-/// Holds a decode worker's in-flight count for one request.
-pub struct Lease {
+/// Holds a decode worker's in-flight count for one request (the router's
+/// headroom estimate between load polls); released on drop.
+pub struct Inflight {
     decode: Arc<Decode>,
     /// Prompt tokens the worker that prefills it (the first prefill worker,
     /// or the decode worker for local prefill) reported holding in its
@@ -143,7 +196,7 @@ pub struct Lease {
     pub cached_tokens: usize,
 }
 
-impl Drop for Lease {
+impl Drop for Inflight {
     fn drop(&mut self) {
         self.decode.inflight.fetch_sub(1, Ordering::Relaxed);
     }
@@ -169,6 +222,11 @@ pub struct Route {
     pub decode: String,
     /// The decode worker's registry id (its address for fixed-address workers).
     pub decode_id: String,
+    /// The decode worker's version group and determinism fingerprint (hex; empty for
+    /// fixed-address workers and workers older than the field): what a continuation of
+    /// the request elsewhere must match.
+    pub version_group: String,
+    pub determinism: String,
     pub prefill: Vec<PrefillTarget>,
     /// Prompt tokens the worker that prefills (the first prefill worker, or
     /// the decode worker) reported cached under the request's salt; 0 when
@@ -394,17 +452,22 @@ impl Cluster {
     /// workers of its version group (see [`crate::router`]), by load only.
     /// No I/O: it reads the membership cache and the load board.
     pub fn route(&self, prompt_tokens: usize) -> Result<Route, Error> {
-        self.route_prompt(prompt_tokens, None)
+        self.route_prompt(prompt_tokens, None, None)
     }
 
     /// [`Cluster::route`] with prefix affinity: each worker's reported
     /// prefix blocks are matched against `tokens` under `salt`
     /// ([`crate::prefix`]).
     pub fn route_for(&self, tokens: &[u32], salt: u64) -> Result<Route, Error> {
-        self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)))
+        self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)), None)
     }
 
-    fn route_prompt(&self, prompt_tokens: usize, mut query: Option<Query<'_>>) -> Result<Route, Error> {
+    /// [`Cluster::route_for`] for a continuation: only decode workers `pin` allows.
+    fn route_pinned(&self, tokens: &[u32], salt: u64, pin: Option<&Pin>) -> Result<Route, Error> {
+        self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)), pin)
+    }
+
+    fn route_prompt(&self, prompt_tokens: usize, mut query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
         let affinity = self.settings.prefix_affinity;
         let view;
         let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {
@@ -415,10 +478,21 @@ impl Cluster {
                 Some(q) if affinity > 0.0 => prefix::bonus(affinity, loads.prefixes(addr), q).0,
                 _ => 0.0,
             };
+            // A continuation runs only where `pin` allows: not on a worker it lost, and in the
+            // group and determinism class of the worker that generated its tokens.
+            let allowed = |addr: &str, group: &str, determinism: &str| match pin {
+                None => true,
+                Some(p) => {
+                    !p.exclude.iter().any(|x| x == addr)
+                        && group == p.version_group
+                        && (p.determinism.is_empty() || determinism == p.determinism)
+                }
+            };
             match &self.source {
                 Source::Static { decode, prefill } => (
                     decode
                         .iter()
+                        .filter(|a| allowed(a, STATIC_GROUP, ""))
                         .map(|a| DecodeCandidate {
                             id: a,
                             addr: a,
@@ -466,6 +540,9 @@ impl Cluster {
                     for w in live {
                         let (load, stale) = (loads.get(&w.grpc_addr), loads.stale(&w.grpc_addr));
                         if w.role == registry::Role::Decode {
+                            if !allowed(&w.grpc_addr, &w.version_group, &w.determinism_fingerprint) {
+                                continue;
+                            }
                             d.push(DecodeCandidate {
                                 id: &w.id,
                                 addr: &w.grpc_addr,
@@ -558,10 +635,21 @@ impl Cluster {
             Some(q) => prefix::bonus(1.0, self.board.read().prefixes(prefiller), q).1,
             None => 0,
         };
+        let determinism = match &self.source {
+            Source::Static { .. } => String::new(),
+            Source::Etcd { membership, .. } => membership
+                .view()
+                .routable()
+                .find(|w| w.grpc_addr == chosen.addr)
+                .map(|w| w.determinism_fingerprint.clone())
+                .unwrap_or_default(),
+        };
         Ok(Route {
             cached_tokens,
             decode: chosen.addr.to_owned(),
             decode_id: chosen.id.to_owned(),
+            version_group: chosen.version_group.to_owned(),
+            determinism,
             prefill: decision
                 .prefill
                 .iter()
@@ -570,28 +658,33 @@ impl Cluster {
         })
     }
 
-    /// Starts `Generate` on a decode worker and returns its stream; `tags`
-    /// carry the request's tenant scope and class to the workers. A worker
+    /// Starts `Generate` on a decode worker and returns its stream. A worker
     /// that cannot be reached (connection refused or broken before it
-    /// answered) is marked unreachable and the request is routed once more.
-    pub async fn generate(
-        self: &Arc<Self>,
-        request_id: String,
-        token_ids: Vec<u32>,
-        params: &SamplingParams,
-        deadline_unix_ms: u64,
-        tags: WorkerTags,
-    ) -> Result<(WorkerStream, Lease), Error> {
+    /// answered) or that refuses at once (fenced, draining) is marked and the
+    /// request is routed once more. A continuation (`d.pin`) goes only where
+    /// its pin allows, carries its tokens so far and the determinism
+    /// fingerprint its worker must have.
+    pub async fn generate(self: &Arc<Self>, d: Dispatch) -> Result<(WorkerStream, Inflight), Error> {
+        let expected = match &d.pin {
+            Some(p) => hex_bytes(&p.determinism),
+            None => Vec::new(),
+        };
         let mut req = GenerateRequest {
-            request_id: request_id.clone(),
-            token_ids,
-            sampling: Some(params.into()),
-            deadline_unix_ms,
+            request_id: d.request_id.clone(),
+            token_ids: d.prompt.clone(),
+            sampling: Some((&d.params).into()),
+            deadline_unix_ms: d.deadline_unix_ms,
             prefill: Vec::new(),
             policy_override: None,
-            cache_salt: tags.cache_salt,
-            priority: proto::worker::v1::Priority::from(tags.priority) as i32,
+            cache_salt: d.tags.cache_salt,
+            priority: proto::worker::v1::Priority::from(d.tags.priority) as i32,
+            generated_ids: d.generated.clone(),
+            determinism_fingerprint: expected,
         };
+        // Routing sees the prompt and a continuation's tokens: together they are what
+        // gets prefilled, locally or remotely (the one local-vs-remote decision).
+        let tokens: Vec<u32> = d.prompt.iter().chain(&d.generated).copied().collect();
+        let mut pin = d.pin.clone();
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -600,14 +693,21 @@ impl Cluster {
                 // stream just broke (its load poll got through again), and that worker may
                 // still hold the first attempt until it sees the break; it refuses an id it
                 // runs (`invalid_argument`, seen in the control-link-resets drill).
-                req.request_id = format!("{request_id}.{attempt}");
+                req.request_id = format!("{}.{attempt}", d.request_id);
             }
-            let route = self.route_for(&req.token_ids, req.cache_salt)?;
+            let route = self.route_pinned(&tokens, req.cache_salt, pin.as_ref())?;
             let decode = self.decode_entry(&route.decode)?;
             decode.inflight.fetch_add(1, Ordering::Relaxed);
-            let lease = Lease { decode: decode.clone(), cached_tokens: route.cached_tokens };
+            let inflight = Inflight { decode: decode.clone(), cached_tokens: route.cached_tokens };
             req.prefill = route.prefill;
+            let placement = Placement {
+                decode_id: route.decode_id,
+                decode_addr: route.decode.clone(),
+                version_group: route.version_group,
+                determinism: route.determinism,
+            };
             let mut client = decode.client.clone();
+            let retry = attempt < MAX_DECODE_ATTEMPTS;
             match client.generate(req.clone()).await {
                 Ok(stream) => {
                     // The first message is the first token, or a refusal. A worker that
@@ -616,10 +716,11 @@ impl Cluster {
                     // another worker may take the request (seen in worker-etcd-cutoff).
                     let mut rest = stream.into_inner();
                     let first = rest.message().await;
-                    if refused_at_start(&first) && attempt < MAX_DECODE_ATTEMPTS {
+                    if refused_at_start(&first) && retry {
                         tracing::warn!(worker = %route.decode, "decode worker refused (fenced or draining); routing again");
                         self.board.mark_not_ready(&route.decode);
                         metrics::decode_reroute("refused");
+                        exclude(&mut pin, &route.decode);
                         continue;
                     }
                     // The stream broke before its first message (the connection was reset
@@ -627,30 +728,27 @@ impl Cluster {
                     // client, so another worker may take the request. The worker sees its
                     // stream end and cancels the request there, freeing its KV.
                     if let Err(s) = &first {
-                        if transport_failure(s.code()) && attempt < MAX_DECODE_ATTEMPTS {
+                        if transport_failure(s.code()) && retry {
                             tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker stream broke before its first token; routing again");
                             self.board.mark_unreachable(&route.decode);
                             metrics::decode_reroute("stream_broken");
+                            exclude(&mut pin, &route.decode);
                             continue;
                         }
                     }
-                    let stream = WorkerStream {
-                        first: Some(first),
-                        rest,
-                        decode_id: route.decode_id,
-                        decode_addr: route.decode,
-                    };
-                    return Ok((stream, lease));
+                    let stream = WorkerStream { first: Some(first), rest, placement, request_id: req.request_id.clone() };
+                    return Ok((stream, inflight));
                 }
                 // The decode worker answers `Generate` at once and reports its own errors
                 // in the stream, so an error here is the transport's: the worker is gone or
                 // its connection broke before it answered (a SIGKILLed worker shows up as
                 // Unavailable, Cancelled or Unknown "h2 protocol error", depending on timing).
                 // Nothing reached the client yet, so another worker may take the request.
-                Err(s) if transport_failure(s.code()) && attempt < MAX_DECODE_ATTEMPTS => {
+                Err(s) if transport_failure(s.code()) && retry => {
                     tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker unreachable; routing again");
                     self.board.mark_unreachable(&route.decode);
                     metrics::decode_reroute("unreachable");
+                    exclude(&mut pin, &route.decode);
                 }
                 Err(s) => {
                     return Err(Error::WorkerUnavailable(format!("decode worker {}: {}", route.decode, s.message())))
@@ -658,6 +756,54 @@ impl Cluster {
             }
         }
     }
+
+    /// Whether `addr`'s load reports have gone stale (no Health answer for the
+    /// board's max age): a frozen or cut-off worker, not a busy one.
+    pub fn load_stale(&self, addr: &str) -> bool {
+        self.board.read().stale(addr)
+    }
+
+    /// Tells decode worker `addr` to abort `request_id`, from a task of its own,
+    /// again and again until it answers or `until` passes: a worker a request
+    /// migrated away from because it froze may thaw and must not go on with it.
+    pub fn abort_later(self: &Arc<Self>, addr: &str, request_id: &str, until: tokio::time::Instant) {
+        let Ok(decode) = self.decode_entry(addr) else { return };
+        let (addr, id) = (addr.to_owned(), request_id.to_owned());
+        tokio::spawn(async move {
+            let mut wait = Duration::from_millis(250);
+            loop {
+                let mut client = decode.client.clone();
+                let call = client.abort(proto::worker::v1::AbortRequest { request_id: id.clone() });
+                if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(1), call).await {
+                    tracing::info!(worker = %addr, request = %id, found = r.into_inner().found, "told a decode worker a request moved away");
+                    return;
+                }
+                if tokio::time::Instant::now() + wait >= until {
+                    return;
+                }
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(4));
+            }
+        });
+    }
+}
+
+/// A continuation's pin with `addr` added to the workers it must avoid (a fresh
+/// request has no pin and may go anywhere but back, which routing's marks see to).
+fn exclude(pin: &mut Option<Pin>, addr: &str) {
+    if let Some(p) = pin {
+        p.exclude.push(addr.to_owned());
+    }
+}
+
+/// The bytes of a hex string (a fingerprint); empty for anything that is not hex.
+fn hex_bytes(hex: &str) -> Vec<u8> {
+    let b = hex.as_bytes();
+    if b.len() % 2 != 0 {
+        return Vec::new();
+    }
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    b.chunks(2).map(|p| Some(digit(p[0])? << 4 | digit(p[1])?)).collect::<Option<Vec<u8>>>().unwrap_or_default()
 }
 
 /// Decode workers tried for one request when the first cannot be reached.
@@ -681,7 +827,8 @@ pub async fn next(stream: &mut WorkerStream, cluster: &Cluster, admission: &Admi
     let msg =
         stream.message().await.map_err(|s| Error::WorkerStream(format!("decode worker stream: {}", s.message())))?;
     if let Some(m) = &msg {
-        cluster.record_prefill_attempts(&stream.decode_id, &stream.decode_addr, &m.prefill_attempts);
+        let p = &stream.placement;
+        cluster.record_prefill_attempts(&p.decode_id, &p.decode_addr, &m.prefill_attempts);
     }
     match msg.and_then(|m| m.event) {
         Some(generate_response::Event::Token(t)) => Ok(Step::Token(t)),

@@ -90,6 +90,12 @@ pub enum Error {
     /// without a result.
     #[error("{0}")]
     WorkerStream(String),
+    /// The request's decode worker was lost mid-stream and the request could not
+    /// move to another (no worker of the same version group and determinism
+    /// fingerprint could take it): `moves` it made, the `cause` that needed a
+    /// move, and the `last` refusal.
+    #[error("the request's decode worker was lost ({cause}) and it could not move to another after {moves} move(s): {last}")]
+    MigrationFailed { moves: u32, cause: String, last: String },
     /// The decode worker ended the request with a typed error. `drain` is
     /// the admission queue's drain estimate when it came: the Retry-After
     /// of the kinds a retry can cure.
@@ -171,6 +177,7 @@ impl Error {
             },
             Self::WorkerUnavailable(_) => ("overloaded_error", "worker_unavailable"),
             Self::WorkerStream(_) => ("server_error", "worker_stream"),
+            Self::MigrationFailed { .. } => ("overloaded_error", "migration_failed"),
             Self::Worker { kind, .. } => match kind {
                 K::InvalidArgument => ("invalid_request_error", "invalid_argument"),
                 K::Overloaded => ("overloaded_error", "overloaded"),
@@ -242,6 +249,7 @@ impl Error {
             | Self::NoRoute { why: NoRoute::NoDecode | NoRoute::NoneReady(_), .. }
             | Self::RegistryUnavailable
             | Self::WorkerUnavailable(_)
+            | Self::MigrationFailed { .. }
             | Self::IdempotencyTableFull
             | Self::IdempotentOriginalFailed
             | Self::TokenizerBusy
@@ -306,6 +314,7 @@ mod tests {
             Error::NoRoute { why: NoRoute::PrefillUnavailable(d), breaker_cooldown: d },
             Error::WorkerUnavailable("decode worker 127.0.0.1:1: refused".into()),
             Error::WorkerStream("decode worker stream: reset".into()),
+            Error::MigrationFailed { moves: 1, cause: "worker lost".into(), last: "no worker".into() },
             Error::Deadline,
             Error::TokenizerBusy,
             Error::BodyTimeout { after: d },
@@ -383,6 +392,9 @@ mod tests {
                 (H::SERVICE_UNAVAILABLE, Some("worker_unavailable"), Code::Unavailable, true)
             }
             Error::WorkerStream(_) => (H::BAD_GATEWAY, Some("worker_stream"), Code::Unavailable, false),
+            Error::MigrationFailed { .. } => {
+                (H::SERVICE_UNAVAILABLE, Some("migration_failed"), Code::Unavailable, true)
+            }
             Error::Deadline => (H::GATEWAY_TIMEOUT, Some("deadline_exceeded"), Code::DeadlineExceeded, false),
             Error::TenantLimit { limit, .. } => {
                 (H::TOO_MANY_REQUESTS, Some(limit.code()), Code::ResourceExhausted, true)

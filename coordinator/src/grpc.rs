@@ -46,7 +46,9 @@ use tonic_health::ServingStatus;
 use crate::admission::Shed;
 use crate::error::Error;
 use crate::openai::{self, Message, Sampling, Stop, StreamOptions};
-use crate::pipeline::{priority_of, send_within, Draft, Event, Finish, Job, Pipeline, PromptInput, TokenLogprob};
+use crate::pipeline::{
+    priority_of, send_within, Draft, Entered, Event, Finish, Job, Pipeline, PromptInput, TokenLogprob,
+};
 use crate::router::NoRoute;
 
 /// Metadata key carrying the OpenAI error code (`model_not_found`, ...).
@@ -106,6 +108,7 @@ pub fn code_of(e: &Error) -> Code {
         | Error::RegistryUnavailable
         | Error::NoRoute { why: NoRoute::NoDecode | NoRoute::NoneReady(_) | NoRoute::PrefillUnavailable(_), .. }
         | Error::WorkerUnavailable(_)
+        | Error::MigrationFailed { .. }
         | Error::WorkerStream(_) => Code::Unavailable,
         Error::Worker { kind, .. } => match kind {
             K::InvalidArgument => Code::InvalidArgument,
@@ -199,10 +202,9 @@ fn token_ids(p: &Pipeline, ids: &[u32]) -> Result<Vec<u32>, Error> {
 /// Validates and tokenizes a request into a job, with the HTTP API's rules
 /// and order: the caller's tenant limits first, tokenizing (in the pool) last.
 async fn job_of(p: &Arc<Pipeline>, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, Error> {
-    // Measured from arrival, before the work of validating.
-    let arrived = tokio::time::Instant::now();
+    // The walk's order (crate::pipeline::walk): key and tenant limits, then the rest.
     let headers = md.clone().into_headers();
-    let pass = p.gate.enter(&headers)?;
+    let Entered { pass, arrived } = p.enter(&headers)?;
     let timeout = request_timeout(md)?;
     let deadline = p.deadline(timeout);
     if !req.idempotency_key.is_empty() {
@@ -253,7 +255,8 @@ async fn job_of(p: &Arc<Pipeline>, md: &MetadataMap, req: &GenerateRequest) -> R
         Some(Input::TokenIds(t)) => ("token_ids", PromptInput::Ids(token_ids(p, &t.ids)?)),
         None => return Err(Error::invalid("input", "one of `prompt`, `messages` or `token_ids` is required")),
     };
-    let draft = Draft { input, param, spec, max_tokens_param: "max_tokens", priority, deadline, arrived };
+    let draft =
+        Draft { input, param, spec, max_tokens_param: "max_tokens", priority, deadline, arrived, idempotency_key: None };
     p.prepare(pass, draft).await
 }
 
@@ -329,12 +332,13 @@ async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
             cached_prompt_tokens: u.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
         }
     });
+    let (seed, system_fingerprint) = (run.seed(), run.system_fingerprint().to_owned());
     drop(run);
     let finish_reason = match finish {
         Finish::Stop => FinishReason::Stop,
         Finish::Length => FinishReason::Length,
     };
-    let done = Done { finish_reason: finish_reason as i32, usage };
+    let done = Done { finish_reason: finish_reason as i32, usage, seed, system_fingerprint };
     send(Ok(GenerateResponse { event: Some(generate_response::Event::Done(done)) })).await;
 }
 
@@ -357,9 +361,14 @@ impl Frontend for FrontendService {
 
     async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
         let job = job_of(&self.pipeline, request.metadata(), request.get_ref()).await.map_err(|e| status_of(&e))?;
+        let seed = job.spec.params.seed.unwrap_or_default();
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(generate(self.pipeline.clone(), job, tx));
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        let mut response = Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as GenerateStream);
+        if let Ok(v) = seed.to_string().parse() {
+            response.metadata_mut().insert(crate::http::SEED_HEADER, v);
+        }
+        Ok(response)
     }
 
     async fn list_models(&self, request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {

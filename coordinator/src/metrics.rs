@@ -58,6 +58,8 @@ fn describe() {
     describe_counter!(PREFILL_UNAVAILABLE, "Requests refused at once: every prefill worker of the group open");
     describe_counter!(STREAM_SEND_TIMEOUTS, "Streams ended because the client stopped reading");
     describe_counter!(DECODE_REROUTES, "Requests routed to another decode worker before their first token");
+    describe_counter!(MIGRATIONS, "Running requests moved to another decode worker, by reason and outcome");
+    describe_counter!(MIGRATION_RECOMPUTED_TOKENS, "Tokens migrations sent to be prefilled again");
     describe_counter!(TENANT_REQUESTS, "Requests by tenant: admitted, or refused by a tenant check (by code)");
     describe_counter!(TENANT_TOKENS, "Prompt tokens admitted and output tokens generated, by tenant");
     describe_gauge!(TENANT_KV_TOKENS, "KV tokens held against each tenant's max_kv_share");
@@ -189,6 +191,23 @@ fn zero() {
         counter!(TENANTS_RELOADS, "outcome" => outcome).increment(0);
     }
     counter!(HTTP_TIMEOUTS, "phase" => "body").increment(0);
+    for reason in MIGRATION_REASONS {
+        for outcome in MIGRATION_OUTCOMES {
+            counter!(MIGRATIONS, "reason" => reason, "outcome" => outcome).increment(0);
+        }
+    }
+    counter!(MIGRATION_RECOMPUTED_TOKENS).increment(0);
+}
+
+/// Counts one request migration by `reason` and `outcome` ([`MIGRATIONS`]).
+pub fn migration(reason: &'static str, outcome: &'static str) {
+    debug_assert!(MIGRATION_REASONS.contains(&reason) && MIGRATION_OUTCOMES.contains(&outcome));
+    counter!(MIGRATIONS, "reason" => reason, "outcome" => outcome).increment(1);
+}
+
+/// Counts tokens a migration sent to be prefilled again.
+pub fn migration_recomputed_tokens(n: u64) {
+    counter!(MIGRATION_RECOMPUTED_TOKENS).increment(n);
 }
 
 pub fn decode_reroute(reason: &'static str) {

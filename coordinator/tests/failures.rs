@@ -26,6 +26,12 @@ fn long_stream(max_tokens: u32) -> Value {
     })
 }
 
+/// The text of one streamed completions event.
+fn text_of(event: &str) -> Result<String, String> {
+    let v: Value = serde_json::from_str(event).map_err(|e| format!("{e}: {event}"))?;
+    v["choices"][0]["text"].as_str().map(str::to_owned).ok_or_else(|| format!("no text in {event}"))
+}
+
 fn short() -> Value {
     json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
 }
@@ -52,7 +58,7 @@ fn worker_args<'a>(ep: &'a str, prefix: &'a str, id: &'a str, ttl: &'a str) -> V
 
 fn decode_args<'a>(ep: &'a str, prefix: &'a str, id: &'a str, ttl: &'a str) -> Vec<&'a str> {
     let mut v = worker_args(ep, prefix, id, ttl);
-    v.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
+    v.extend(["--kv-load-failure-policy", "recompute"]);
     v
 }
 
@@ -68,8 +74,12 @@ async fn settled(p: &Proc, what: &str) -> TestResult {
     .await
 }
 
+/// SIGKILL of a decode worker with a stream running on each of two: the killed
+/// worker's stream moves to the other (request migration) and both complete with
+/// the undisturbed answer's text; new requests are routed around the dead worker at
+/// once, and once its lease runs out it leaves membership; no KV is left held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn decode_worker_killed_mid_stream() -> TestResult {
+async fn a_decode_worker_killed_mid_stream_loses_no_stream() -> TestResult {
     let etcd = opskit::etcd::Etcd::start().await?;
     let ep = etcd.endpoint();
     let prefill = start("tandem-prefill-worker", &worker_args(&ep, "k9", "p1", "2"), &["grpc", "metrics"])?;
@@ -94,7 +104,7 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
         assert_eq!(s.status, 200);
         let first = s.next_event()?.ok_or("the stream ended before its first token")?;
         assert!(first.contains("\"text\""), "{first}");
-        streams.push(s);
+        streams.push((s, text_of(&first)?));
     }
     let (m1, m2) = (d1.addr("metrics")?, d2.addr("metrics")?);
     // The gauge is refreshed by the coordinator's load polls.
@@ -104,20 +114,28 @@ async fn decode_worker_killed_mid_stream() -> TestResult {
     .await?;
 
     d1.signal(Signal::Kill)?;
-    let mut outcomes = Vec::new();
-    for s in streams {
+    // Request migration: the killed worker's stream moves to d2 and goes on from its
+    // last token; the client sees one stream, no error, no token twice or missing.
+    let mut texts = Vec::new();
+    for (s, mut text) in streams {
         let events = s.rest()?;
-        let last = events.last().cloned().unwrap_or_default();
-        outcomes.push(if last == "[DONE]" {
-            "done".to_owned()
-        } else {
-            // The killed worker's stream ends with a typed error event.
-            let v: Value = serde_json::from_str(&last).map_err(|e| format!("{e}: {last}"))?;
-            v["error"]["code"].as_str().map(str::to_owned).ok_or(format!("no error code: {last}"))?
-        });
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "every stream completes: {events:?}");
+        for e in &events[..events.len() - 1] {
+            text.push_str(&text_of(e)?);
+        }
+        texts.push(text);
     }
-    outcomes.sort();
-    assert_eq!(outcomes, ["done", "worker_stream"], "one stream finished, the killed one ended typed");
+    let mut whole = long_stream(300);
+    whole["stream"] = json!(false);
+    let (s, _, body) = post(&h, "/v1/completions", &whole)?;
+    assert_eq!(s, 200, "{body}");
+    let reference: Value = serde_json::from_str(&body)?;
+    let reference = reference["choices"][0]["text"].as_str().ok_or("no text")?;
+    for t in &texts {
+        assert_eq!(t, reference, "a moved stream's text equals the undisturbed answer");
+    }
+    let moved = metric(&h, facts::metrics::coordinator::MIGRATIONS, &[("reason", "worker_lost"), ("outcome", "ok")])?;
+    assert_eq!(moved, 1.0, "the killed worker's stream moved once");
 
     // New requests succeed on the remaining worker at once: a refused
     // connection is routed again, and the load poller marks d1 unreachable.

@@ -180,7 +180,7 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     let p1 = start("tandem-prefill-worker", &with("g1", "p1"), &["grpc", "metrics"])?;
     let p2 = start("tandem-prefill-worker", &with("g2", "p2"), &["grpc", "metrics"])?;
     let mut dargs = with("g1", "d1");
-    dargs.extend(["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"]);
+    dargs.extend(["--kv-load-failure-policy", "fail"]);
     let mut d1 = start("tandem-decode-worker", &dargs, &["grpc", "transfer", "metrics"])?;
     let coord = start_etcd_coordinator(&ep, "t4", &[])?;
     let h = coord.addr("http")?;
@@ -205,7 +205,7 @@ async fn routes_from_etcd_within_one_version_group() -> TestResult {
     // its own decode worker received. A second coordinator serves the same
     // cluster meanwhile (no singleton duty between coordinators).
     let mut d2args = with("g2", "d2");
-    d2args.extend(["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"]);
+    d2args.extend(["--kv-load-failure-policy", "fail"]);
     let d2 = start("tandem-decode-worker", &d2args, &["grpc", "metrics"])?;
     let coord2 = start_etcd_coordinator(&ep, "t4", &[])?;
     let h2 = coord2.addr("http")?;

@@ -43,7 +43,7 @@ async fn three_coordinators_never_dispatch_more_than_the_cluster_runs() -> TestR
     let mut decode = Vec::new();
     for id in ["d1", "d2"] {
         let mut a = worker(id);
-        a.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"].map(str::to_owned));
+        a.extend(["--kv-load-failure-policy", "recompute"].map(str::to_owned));
         decode.push(start("tandem-decode-worker", &a.iter().map(String::as_str).collect::<Vec<_>>(), &["grpc"])?);
     }
     let mut coords = Vec::new();

@@ -66,8 +66,6 @@ fn main() -> Res<()> {
                 &threads,
                 "--kv-load-failure-policy",
                 "fail",
-                "--local-prefill-max-tokens",
-                "0",
                 "--kv-transport",
                 &transport,
             ],
@@ -83,6 +81,8 @@ fn main() -> Res<()> {
             policy_override: None,
             cache_salt: salt,
             priority: 0,
+            generated_ids: Vec::new(),
+            determinism_fingerprint: Vec::new(),
         };
         // Warm-up: connections, page cache, allocator.
         ttft(&mut c, request(1_000_000, true)).await?;

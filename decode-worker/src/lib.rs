@@ -118,11 +118,6 @@ pub struct DecodeFlags {
     /// Default: the bound address.
     #[arg(long, env = "TANDEM_ADVERTISE_GRPC")]
     pub advertise_grpc: Option<String>,
-    /// Prompts of at most this many tokens are prefilled here even when a
-    /// prefill worker is named (0: always remote). Env:
-    /// TANDEM_LOCAL_PREFILL_MAX_TOKENS. Default 32.
-    #[arg(long, env = "TANDEM_LOCAL_PREFILL_MAX_TOKENS")]
-    pub local_prefill_max_tokens: Option<usize>,
     /// Lease of a KV reservation: the prefill worker must deliver every
     /// layer within it. Env: TANDEM_RESERVATION_TTL_MS. Default 30000.
     #[arg(long, env = "TANDEM_RESERVATION_TTL_MS")]
@@ -166,7 +161,6 @@ pub struct DecodeConfig {
     pub transfer: String,
     pub advertise_transfer: Option<String>,
     pub advertise_grpc: Option<String>,
-    pub local_prefill_max_tokens: usize,
     pub reservation_ttl: Duration,
     pub max_prefill_attempts: usize,
     pub transfer_idle_timeout: Duration,
@@ -194,7 +188,6 @@ impl DecodeConfig {
             transfer,
             advertise_transfer,
             advertise_grpc,
-            local_prefill_max_tokens,
             reservation_ttl_ms,
             max_prefill_attempts,
             transfer_idle_timeout_ms,
@@ -250,7 +243,6 @@ impl DecodeConfig {
             transfer,
             advertise_transfer: f.advertise_transfer.clone(),
             advertise_grpc: f.advertise_grpc.clone(),
-            local_prefill_max_tokens: f.local_prefill_max_tokens.unwrap_or(32),
             reservation_ttl: millis("reservation_ttl_ms", f.reservation_ttl_ms, 30_000)?,
             max_prefill_attempts: positive("max_prefill_attempts", f.max_prefill_attempts, 3)?,
             transfer_idle_timeout: millis("transfer_idle_timeout_ms", f.transfer_idle_timeout_ms, 30_000)?,
@@ -280,8 +272,7 @@ mod tests {
             .advertise_transfer("127.0.0.1:9")
             .advertise_grpc("127.0.0.1:8")
             .kv_transport("ucx")
-            .kv_load_failure_policy("retry")
-            .local_prefill_max_tokens(32);
+            .kv_load_failure_policy("retry");
         assert_eq!(argv.binary(), <DecodeFlags as clap::CommandFactory>::command().get_name());
         let f = DecodeFlags::try_parse_from(std::iter::once("w".to_owned()).chain(argv.build())).expect("parses");
         assert_eq!(f.common.worker_id.as_deref(), Some("decode-0"));
@@ -290,7 +281,7 @@ mod tests {
             (Some("127.0.0.1:0"), Some("127.0.0.1:9"))
         );
         assert_eq!(f.advertise_grpc.as_deref(), Some("127.0.0.1:8"));
-        assert_eq!((f.kv_transport.as_deref(), f.local_prefill_max_tokens), (Some("ucx"), Some(32)));
+        assert_eq!(f.kv_transport.as_deref(), Some("ucx"));
         assert_eq!(f.kv_load_failure_policy.as_deref(), Some("retry"));
     }
 

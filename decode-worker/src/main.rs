@@ -61,7 +61,6 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
 
     let settings = DecodeSettings {
         policy: cfg.policy,
-        local_prefill_max_tokens: cfg.local_prefill_max_tokens,
         reservation_ttl: cfg.reservation_ttl,
         max_prefill_attempts: cfg.max_prefill_attempts,
         max_pending_remote: common.max_waiting.max(1),

@@ -5,8 +5,12 @@
 //! 1. Validate (typed `invalid_argument` naming the field), refuse when
 //!    draining (`retryable`) or when too many requests already wait for
 //!    remote KV (`overloaded`).
-//! 2. Route: prompts of at most `local_prefill_max_tokens` tokens, or
-//!    requests naming no prefill worker, are prefilled here.
+//! 2. Route: a request naming prefill workers is prefilled remotely, one
+//!    naming none here (the coordinator made the one local-vs-remote
+//!    decision). A continuation (`generated_ids`, request migration) is
+//!    prefilled over its prompt and those tokens, refused when its
+//!    determinism fingerprint is not this worker's, and generates on after
+//!    them; its token indices count them.
 //! 3. Remote: reserve the prompt's blocks in the engine's pool, register
 //!    them with the KV [`Receiver`] under a lease, and call `Prefill` on the
 //!    first prefill worker with (reservation, generation, blocks, our layout
@@ -65,7 +69,6 @@ mod remote;
 #[derive(Debug, Clone)]
 pub struct DecodeSettings {
     pub policy: KvLoadFailurePolicy,
-    pub local_prefill_max_tokens: usize,
     pub reservation_ttl: Duration,
     pub max_prefill_attempts: usize,
     /// Requests waiting for remote KV at once; more are refused as overloaded.
@@ -138,6 +141,9 @@ struct Out {
     arrived: Instant,
     last: Option<Instant>,
     sent: u32,
+    /// Tokens generated before this worker's (a continuation's `generated_ids`):
+    /// each token's index counts them.
+    base: u32,
     /// Remote prefill attempts not yet reported: they ride on the next
     /// message (the first token or the error), for the coordinator's
     /// circuit breakers.
@@ -150,7 +156,8 @@ impl Out {
         self.tx.send(Ok(msg)).await.map_err(|_| err(ErrorKind::Cancelled, "the caller went away"))
     }
 
-    async fn token(&mut self, chunk: TokenChunk) -> Result<(), WorkerError> {
+    async fn token(&mut self, mut chunk: TokenChunk) -> Result<(), WorkerError> {
+        chunk.index = Some(self.base + self.sent);
         self.send(generate_response::Event::Token(chunk)).await?;
         let now = Instant::now();
         match self.last {
@@ -168,6 +175,7 @@ fn chunk(t: &SampledToken) -> TokenChunk {
         id: t.id,
         logprob: t.logprob,
         top: t.top.iter().map(|&(id, logprob)| TopLogprob { id, logprob }).collect(),
+        index: None,
     }
 }
 
@@ -328,6 +336,18 @@ impl DecodeService {
         if let Some(i) = req.prefill.iter().position(|t| t.grpc_addr.is_empty()) {
             return bad(format!("prefill[{i}].grpc_addr is empty"));
         }
+        let own = worker_common::serve::determinism(&self.inner.local.fingerprint);
+        if !req.determinism_fingerprint.is_empty() && req.determinism_fingerprint != own {
+            return Err(err(
+                ErrorKind::VersionMismatch,
+                format!(
+                    "continuation refused: determinism fingerprint {} is not this worker's {} (another sampler, \
+                     kernel numerics, model, tokenizer or KV layout would continue with other tokens)",
+                    worker_common::serve::hex(&req.determinism_fingerprint),
+                    worker_common::serve::hex(&own)
+                ),
+            ));
+        }
         Ok((params, policy))
     }
 
@@ -335,11 +355,18 @@ impl DecodeService {
     /// sends the final message.
     async fn serve(
         &self,
-        req: GenerateRequest,
+        mut req: GenerateRequest,
         out: &mut Out,
         token: &CancellationToken,
     ) -> Result<Finished, WorkerError> {
-        let (params, policy) = self.validate(&req)?;
+        let (mut params, policy) = self.validate(&req)?;
+        // Every answer has a seed it can be reproduced and continued with: an unseeded
+        // request gets one here, which a remote prefill samples with too and Finished reports.
+        let seed = *params.seed.get_or_insert_with(engine::sampler::fresh_seed);
+        if let Some(s) = req.sampling.as_mut() {
+            s.seed = Some(seed);
+        }
+        out.base = u32::try_from(req.generated_ids.len()).unwrap_or(u32::MAX);
         let inner = &self.inner;
         worker_common::serve::accepting(&inner.ready, &inner.fenced)?;
         {
@@ -360,6 +387,7 @@ impl DecodeService {
             params,
             salt: req.cache_salt,
             priority: req.priority().into(),
+            generated: req.generated_ids.clone(),
         };
         let prompt_tokens = req.token_ids.len() as u32;
         let finished = |(reason, cached): (FinishReason, u32), prefilled_remotely| Finished {
@@ -368,9 +396,10 @@ impl DecodeService {
             generated_tokens: 0,
             prefilled_remotely,
             cached_prompt_tokens: cached,
+            seed,
         };
 
-        let remote = !req.prefill.is_empty() && req.token_ids.len() > inner.settings.local_prefill_max_tokens;
+        let remote = !req.prefill.is_empty();
         if remote {
             m::record_route(facts::metrics::decode::ROUTE_REMOTE);
             match self.remote(&req, deadline, policy, token, &mut out.attempts).await? {
@@ -498,7 +527,7 @@ impl DecodeService {
                 }
             })
         };
-        let mut out = Out { tx, arrived: Instant::now(), last: None, sent: 0, attempts: Vec::new() };
+        let mut out = Out { tx, arrived: Instant::now(), last: None, sent: 0, base: 0, attempts: Vec::new() };
         let request_id = req.request_id.clone();
         let result = self.serve(req, &mut out, &token).await;
         let (event, outcome) = match result {

@@ -44,7 +44,7 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
     let prefill = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
     let decode = decode_worker(
         GROUP,
-        &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0", "--reservation-ttl-ms", "120000"],
+        &["--kv-load-failure-policy", "fail", "--reservation-ttl-ms", "120000"],
     )?;
     let mut c = client(&decode).await?;
 
@@ -99,8 +99,6 @@ async fn remote_prefill_over(transport: &str, lengths: &[usize]) -> TestResult {
         &[
             "--kv-load-failure-policy",
             "fail",
-            "--local-prefill-max-tokens",
-            "0",
             "--reservation-ttl-ms",
             "120000",
             "--kv-transport",
@@ -163,7 +161,7 @@ fn decode_behind_proxy(extra: &[&str]) -> opskit::Result<(Worker, Proxy)> {
         .map_err(|e| opskit::Error::Process(format!("pick a transfer port: {e}")))?;
     let proxy = Proxy::start(transfer)?;
     let (transfer_s, proxy_s) = (transfer.to_string(), proxy.addr.to_string());
-    let mut args = vec!["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"];
+    let mut args = vec!["--kv-load-failure-policy", "fail"];
     args.extend_from_slice(extra);
     args.extend(["--transfer", &transfer_s, "--advertise-transfer", &proxy_s]);
     Ok((decode_worker(GROUP, &args)?, proxy))
@@ -273,7 +271,7 @@ async fn other_version_group_or_block_size_is_refused() -> TestResult {
     let prompt = prompt_of(&tok, 64)?;
     let other_group = prefill_worker("g2", &[])?;
     let other_blocks = prefill_worker(GROUP, &["--kv-block-size", "32"])?;
-    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"])?;
+    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "fail"])?;
     let mut c = client(&decode).await?;
     for (name, p) in [("version group", &other_group), ("block size", &other_blocks)] {
         let got = generate(&mut c, request(name, &prompt, vec![target(p)?])).await?;
@@ -332,7 +330,7 @@ async fn deadline_shorter_than_prefill_is_a_typed_error_and_frees_everything() -
     let tok = common::tokenizer()?;
     let prompt = prompt_of(&tok, 1030)?;
     let prefill = prefill_worker(GROUP, &[])?;
-    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"])?;
+    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "recompute"])?;
     let mut c = client(&decode).await?;
     let mut req = request("tight", &prompt, vec![target(&prefill)?]);
     req.deadline_unix_ms = unix_ms_in(Duration::from_millis(100));
@@ -371,7 +369,7 @@ async fn sigterm_finishes_in_flight_requests() -> TestResult {
     // that in-flight requests finish, not how fast; the default 10 s ran out on a
     // 2-core machine shared with other builds (request 0 at 15 of 24 tokens).
     let args =
-        ["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0", "--shutdown-timeout-ms", "60000"];
+        ["--kv-load-failure-policy", "fail", "--shutdown-timeout-ms", "60000"];
     let mut decode = decode_worker(GROUP, &args)?;
     let c = client(&decode).await?;
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt_of(&tok, 40 + i)).collect::<Result<_, _>>()?;
@@ -517,8 +515,6 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
     let args = [
         "--kv-load-failure-policy",
         "recompute",
-        "--local-prefill-max-tokens",
-        "0",
         "--max-absorbed-prefill-tokens-per-s",
         &rate,
     ];
@@ -709,7 +705,7 @@ async fn a_prompt_queued_on_a_busy_prefill_worker_keeps_its_lease_until_the_work
     let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?;
     let blocks = holder.len().div_ceil(16).to_string();
     let prefill = prefill_worker(GROUP, &["--kv-blocks", &blocks, "--transfer-timeout-ms", "600000"])?;
-    let args = ["--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0", "--reservation-ttl-ms", "1500"];
+    let args = ["--kv-load-failure-policy", "fail", "--reservation-ttl-ms", "1500"];
     let decode = decode_worker(GROUP, &args)?;
     let metrics = decode.addr("metrics")?;
     let c = client(&decode).await?;

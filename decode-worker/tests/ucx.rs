@@ -64,8 +64,6 @@ async fn a_stopped_sender_past_its_lease_never_writes_into_reused_kv() -> TestRe
             "ucx",
             "--kv-load-failure-policy",
             "fail",
-            "--local-prefill-max-tokens",
-            "0",
             "--reservation-ttl-ms",
             "15000",
             "--kv-blocks",
@@ -184,8 +182,6 @@ fn ucx_decode_worker() -> opskit::Result<common::Worker> {
             "ucx",
             "--kv-load-failure-policy",
             "fail",
-            "--local-prefill-max-tokens",
-            "0",
             "--reservation-ttl-ms",
             "120000",
         ],
@@ -321,7 +317,7 @@ async fn another_version_group_moves_zero_bytes() -> TestResult {
     let other_group = prefill_worker("g2", &[])?;
     let decode = decode_worker(
         GROUP,
-        &["--kv-transport", "ucx", "--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"],
+        &["--kv-transport", "ucx", "--kv-load-failure-policy", "fail"],
     )?;
     let mut c = client(&decode).await?;
     let got = generate(&mut c, request("other-group", &prompt, vec![target(&other_group)?])).await?;

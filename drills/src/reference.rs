@@ -41,8 +41,15 @@ fn compute(prompts: &[String], max_tokens: u32, ignore_eos: bool) -> Result<Vec<
     for (i, p) in prompts.iter().enumerate() {
         let ids = tok.encode(p, false).map_err(|e| e.to_string())?;
         let params = SamplingParams { max_tokens, ignore_eos, ..SamplingParams::default() };
-        e.add(Request { id: i as u64, prompt: ids, params, salt: 0, priority: Default::default() })
-            .map_err(|e| e.to_string())?;
+        e.add(Request {
+            id: i as u64,
+            prompt: ids,
+            params,
+            salt: 0,
+            priority: Default::default(),
+            generated: Vec::new(),
+        })
+        .map_err(|e| e.to_string())?;
     }
     let mut out = vec![Vec::new(); prompts.len()];
     for _ in 0..1_000_000 {

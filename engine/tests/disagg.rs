@@ -35,6 +35,7 @@ fn prefill_here_decode_there_equals_one_engine() {
                 params: greedy(12),
                 salt: 0,
                 priority: Default::default(),
+                generated: Vec::new(),
             })
             .expect("add");
         let mut first = None;
@@ -60,7 +61,14 @@ fn prefill_here_decode_there_equals_one_engine() {
         assert_eq!(
             decode
                 .add_prefilled(
-                    Request { id, prompt: p.clone(), params: greedy(12), salt: 0, priority: Default::default() },
+                    Request {
+                        id,
+                        prompt: p.clone(),
+                        params: greedy(12),
+                        salt: 0,
+                        priority: Default::default(),
+                        generated: Vec::new()
+                    },
                     dst,
                     &first
                 )
@@ -82,7 +90,14 @@ fn joining_with_wrong_blocks_or_a_final_first_token() {
     let blocks = e.reserve_blocks(3).expect("reserve");
     let first = engine::sampler::SampledToken { id: 7042, logprob: None, top: vec![] };
     let err = e.add_prefilled(
-        Request { id: 1, prompt: p.clone(), params: greedy(4), salt: 0, priority: Default::default() },
+        Request {
+            id: 1,
+            prompt: p.clone(),
+            params: greedy(4),
+            salt: 0,
+            priority: Default::default(),
+            generated: Vec::new(),
+        },
         blocks.clone(),
         &first,
     );
@@ -94,7 +109,11 @@ fn joining_with_wrong_blocks_or_a_final_first_token() {
     let blocks = e.reserve_blocks(1).expect("reserve");
     let params = types::sampling::SamplingParams { stop_token_ids: vec![7042], ..greedy(4) };
     let done = e
-        .add_prefilled(Request { id: 2, prompt: p, params, salt: 0, priority: Default::default() }, blocks, &first)
+        .add_prefilled(
+            Request { id: 2, prompt: p, params, salt: 0, priority: Default::default(), generated: Vec::new() },
+            blocks,
+            &first,
+        )
         .expect("join");
     assert_eq!(done, Some(FinishReason::Stop));
     assert_eq!(e.kv_stats().used, 0);
@@ -116,7 +135,14 @@ fn streamed_prefill_kv_equals_the_held_blocks_exactly_once() {
     let mut all_chunks = Vec::new();
     for (id, p) in [(1u64, prompt.clone()), (2, prompt.clone())] {
         let (tx, rx) = std::sync::mpsc::channel();
-        let req = Request { id, prompt: p.clone(), params: greedy(1), salt: 0, priority: Default::default() };
+        let req = Request {
+            id,
+            prompt: p.clone(),
+            params: greedy(1),
+            salt: 0,
+            priority: Default::default(),
+            generated: Vec::new(),
+        };
         e.add_prefill_streaming(req, Box::new(move |c| drop(tx.send(c.gather().expect("gather"))))).expect("add");
         let mut chunks = Vec::new();
         let mut steps = 0;
@@ -155,4 +181,109 @@ fn streamed_prefill_kv_equals_the_held_blocks_exactly_once() {
         assert!(e.release_held(id));
     }
     assert!(all_chunks[1] < all_chunks[0], "the cached run streams its prefix in fewer, larger chunks: {all_chunks:?}");
+}
+
+/// Every generated token with its logprob, bit for bit.
+fn tokens_of(events: &[engine::sampler::SampledToken]) -> Vec<(u32, Option<u32>)> {
+    events.iter().map(|t| (t.id, t.logprob.map(f32::to_bits))).collect()
+}
+
+/// Runs `req` alone on `e` to its end.
+fn run_one(e: &mut engine::batch::Engine, req: Request) -> Vec<engine::sampler::SampledToken> {
+    e.add(req).expect("add");
+    let mut out = Vec::new();
+    while e.has_work() {
+        out.extend(e.step().expect("step").into_iter().map(|ev| ev.token));
+    }
+    out
+}
+
+/// Prefills `req` on `p` (its first token sampled there), moves the KV into `d`'s blocks
+/// layer by layer and decodes there: what a remote prefill does across two processes.
+fn run_split(
+    p: &mut engine::batch::Engine,
+    d: &mut engine::batch::Engine,
+    req: Request,
+) -> Vec<engine::sampler::SampledToken> {
+    let len = req.prompt.len() + req.generated.len();
+    p.add_prefill_only(req.clone()).expect("add prefill-only");
+    let mut first = None;
+    while first.is_none() {
+        first = p.step().expect("step").into_iter().next().map(|ev| ev.token);
+    }
+    let first = first.expect("first token");
+    let src = p.held_blocks(req.id).expect("held").to_vec();
+    let dst = d.reserve_blocks(d.blocks_for(len)).expect("reserve");
+    for l in 0..p.model().config().n_layers {
+        let (k, v) = p.pool().gather_layer(l, &src).expect("gather");
+        d.pool_mut().scatter_layer(l, &dst, &k, &v).expect("scatter");
+    }
+    assert!(p.release_held(req.id));
+    let last = req.params.max_tokens == 1;
+    let done = d.add_prefilled(req, dst, &first).expect("join");
+    assert_eq!(done, last.then_some(FinishReason::Length), "only a one-token answer ends with its first token");
+    let mut out = vec![first];
+    while d.has_work() {
+        out.extend(d.step().expect("step").into_iter().map(|ev| ev.token));
+    }
+    out
+}
+
+/// The determinism contract behind request migration: a seeded answer is bit-equal however
+/// it is computed. For greedy and for temperature 0.8 / top-p 0.95 / penalties, over 200
+/// tokens: one engine alone; prefill on one engine and decode on another (the prefill side
+/// samples token 0, the decode side token 1 onward); and a continuation from token k on a
+/// fresh engine, given prompt + the first k tokens (`generated`) and the remaining
+/// max_tokens, both prefilled locally and prefilled remotely. Token ids and logprobs equal.
+#[test]
+fn seeded_answers_are_bit_equal_local_remote_and_continued() {
+    let cfg = EngineConfig { prefix_cache: false, ..EngineConfig::default() };
+    let (mut single, tok) = engine(cfg.clone());
+    let (mut prefill, _) = engine(cfg.clone());
+    let (mut decode, _) = engine(cfg);
+    let prompt = tok.encode("Once upon a time, in a village by the sea, there lived", false).expect("encode");
+    let total = 200u32;
+    let sampled = types::sampling::SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        presence_penalty: 0.3,
+        frequency_penalty: 0.2,
+        seed: Some(0x5eed),
+        logprobs: Some(2),
+        ..greedy(total)
+    };
+    let greedy_lp = types::sampling::SamplingParams { logprobs: Some(2), ..greedy(total) };
+    for (name, params) in [("greedy", greedy_lp), ("sampled", sampled)] {
+        let req = |id: u64, generated: &[u32], params: &types::sampling::SamplingParams| Request {
+            id,
+            prompt: prompt.clone(),
+            params: types::sampling::SamplingParams {
+                max_tokens: params.max_tokens - generated.len() as u32,
+                ..params.clone()
+            },
+            salt: 0,
+            priority: Default::default(),
+            generated: generated.to_vec(),
+        };
+        let alone = run_one(&mut single, req(1, &[], &params));
+        assert_eq!(alone.len(), total as usize, "{name}");
+        let ids: Vec<u32> = alone.iter().map(|t| t.id).collect();
+        if name == "sampled" {
+            let greedy_ids: Vec<u32> = run_one(&mut single, req(9, &[], &greedy(total))).iter().map(|t| t.id).collect();
+            assert_ne!(ids, greedy_ids, "the sampled run must actually sample");
+        }
+        let split = run_split(&mut prefill, &mut decode, req(2, &[], &params));
+        assert_eq!(tokens_of(&split), tokens_of(&alone), "{name}: remote prefill");
+        for k in [1usize, 57, 199] {
+            let cont = run_one(&mut single, req(10 + k as u64, &ids[..k], &params));
+            assert_eq!(tokens_of(&cont), tokens_of(&alone[k..]), "{name}: continued from token {k}");
+            let cont = run_split(&mut prefill, &mut decode, req(20 + k as u64, &ids[..k], &params));
+            assert_eq!(
+                tokens_of(&cont),
+                tokens_of(&alone[k..]),
+                "{name}: continued from token {k} over remote prefill"
+            );
+        }
+        assert_eq!((single.kv_stats().used, prefill.kv_stats().used, decode.kv_stats().used), (0, 0, 0));
+    }
 }

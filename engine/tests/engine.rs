@@ -86,8 +86,15 @@ fn shared_prefix_reuses_blocks_and_keeps_outputs() {
     let cached = e.kv_stats().cached;
     assert!(cached >= a.len() / 16 - 1, "full prompt blocks should stay cached, got {cached}");
     // Same prompt again: served from cached blocks, same answer.
-    e.add(Request { id: 100, prompt: a.clone(), params: greedy(8), salt: 0, priority: Default::default() })
-        .expect("add");
+    e.add(Request {
+        id: 100,
+        prompt: a.clone(),
+        params: greedy(8),
+        salt: 0,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .expect("add");
     e.step().expect("step");
     let computed_from_cache = e.computed_tokens(100).expect("running");
     // After one step it has computed everything; its table starts with the cached blocks.
@@ -96,7 +103,15 @@ fn shared_prefix_reuses_blocks_and_keeps_outputs() {
     let again = run_all(&mut e, std::slice::from_ref(&a), &greedy(8));
     assert_eq!(first, again);
     // A different salt must not see the cache: run with salt 7 and check outputs equal anyway.
-    e.add(Request { id: 5, prompt: a.clone(), params: greedy(8), salt: 7, priority: Default::default() }).expect("add");
+    e.add(Request {
+        id: 5,
+        prompt: a.clone(),
+        params: greedy(8),
+        salt: 7,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .expect("add");
     let mut salted = Vec::new();
     while e.has_work() {
         salted.extend(e.step().expect("step").into_iter().map(|ev| ev.token.id));
@@ -113,7 +128,15 @@ fn prefix_cache_hit_skips_prefill_work() {
     run_all(&mut e, std::slice::from_ref(&a), &greedy(1));
     // With a 16-token budget a cold prefill takes ceil(len/16) steps; a warm one starts
     // at the first uncached block, so its first step already reaches past the cached prefix.
-    e.add(Request { id: 9, prompt: a.clone(), params: greedy(1), salt: 0, priority: Default::default() }).expect("add");
+    e.add(Request {
+        id: 9,
+        prompt: a.clone(),
+        params: greedy(1),
+        salt: 0,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .expect("add");
     e.step().expect("step");
     let done = e.computed_tokens(9).unwrap_or(a.len());
     assert!(done > 16, "warm prefill computed only {done} tokens in its first step");
@@ -127,8 +150,15 @@ fn gather_clear_scatter_mid_sequence_is_bit_exact() {
     let p = tok.encode("Once upon a time, in a kingdom by the sea, there lived", false).expect("encode");
     let reference = run_all(&mut e, std::slice::from_ref(&p), &greedy(16));
 
-    e.add(Request { id: 1, prompt: p.clone(), params: greedy(16), salt: 0, priority: Default::default() })
-        .expect("add");
+    e.add(Request {
+        id: 1,
+        prompt: p.clone(),
+        params: greedy(16),
+        salt: 0,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .expect("add");
     let mut out = Vec::new();
     // Prefill + a few decode steps.
     for _ in 0..4 {
@@ -165,7 +195,7 @@ fn bad_requests_are_typed_errors() {
     let (mut e, _) = engine(EngineConfig { kv_blocks: 64, ..EngineConfig::default() });
     let ctx = e.model().config().context;
     let add = |e: &mut engine::batch::Engine, id, prompt: Vec<u32>, params: SamplingParams| {
-        e.add(Request { id, prompt, params, salt: 0, priority: Default::default() })
+        e.add(Request { id, prompt, params, salt: 0, priority: Default::default(), generated: Vec::new() })
     };
     assert!(matches!(add(&mut e, 1, vec![], greedy(4)), Err(EngineError::InvalidPrompt(_))));
     assert!(matches!(add(&mut e, 2, vec![1; ctx + 1], greedy(4)), Err(EngineError::InvalidPrompt(_))));
@@ -187,8 +217,15 @@ fn abort_mid_generation_frees_blocks() {
     let (mut e, tok) = engine(EngineConfig::default());
     let ps = prompts(&tok);
     for (i, p) in ps.iter().enumerate() {
-        e.add(Request { id: i as u64, prompt: p.clone(), params: greedy(50), salt: 0, priority: Default::default() })
-            .expect("add");
+        e.add(Request {
+            id: i as u64,
+            prompt: p.clone(),
+            params: greedy(50),
+            salt: 0,
+            priority: Default::default(),
+            generated: Vec::new(),
+        })
+        .expect("add");
     }
     for _ in 0..3 {
         e.step().expect("step");
@@ -218,11 +255,25 @@ fn stop_token_ends_sequence_and_max_tokens_counts() {
 /// prompt is computed; returns the prompt tokens each step computed. Every step must give
 /// sequence 1 its next token.
 fn chunks_beside_a_decoder(e: &mut engine::batch::Engine, short: &[u32], long: &[u32]) -> Vec<usize> {
-    e.add(Request { id: 1, prompt: short.to_vec(), params: greedy(4096), salt: 0, priority: Default::default() })
-        .expect("add");
+    e.add(Request {
+        id: 1,
+        prompt: short.to_vec(),
+        params: greedy(4096),
+        salt: 0,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .expect("add");
     while !e.step().expect("step").iter().any(|t| t.id == 1) {}
-    e.add(Request { id: 2, prompt: long.to_vec(), params: greedy(2), salt: 0, priority: Default::default() })
-        .expect("add");
+    e.add(Request {
+        id: 2,
+        prompt: long.to_vec(),
+        params: greedy(2),
+        salt: 0,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .expect("add");
     let (mut chunks, mut before) = (Vec::new(), 0);
     while before < long.len() {
         let events = e.step().expect("step");
@@ -254,8 +305,15 @@ fn a_decode_stall_budget_cuts_prefill_chunks_only_while_sequences_decode() {
     assert_eq!(tight.len(), long.len().div_ceil(bs), "chunks {tight:?}");
 
     // Without decoders the budget does not apply: the prompt goes in one step.
-    e.add(Request { id: 3, prompt: long.clone(), params: greedy(1), salt: 0, priority: Default::default() })
-        .expect("add");
+    e.add(Request {
+        id: 3,
+        prompt: long.clone(),
+        params: greedy(1),
+        salt: 0,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .expect("add");
     e.step().expect("step");
     assert_eq!(e.computed_tokens(3).unwrap_or(long.len()), long.len());
     e.abort(3);

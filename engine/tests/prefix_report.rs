@@ -18,8 +18,15 @@ fn the_reported_prefixes_match_the_prompts_hash_chain_and_the_epoch_follows_the_
     assert!(prompt.len() > 33, "at least two full blocks: {}", prompt.len());
     let epoch0 = e.pool().prefix_epoch();
     assert!(e.pool().cached_prefixes(100).is_empty());
-    e.add(Request { id: 1, prompt: prompt.clone(), params: greedy(2), salt: 42, priority: Default::default() })
-        .expect("add");
+    e.add(Request {
+        id: 1,
+        prompt: prompt.clone(),
+        params: greedy(2),
+        salt: 42,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .expect("add");
     while e.has_work() {
         e.step().expect("step");
     }
@@ -38,7 +45,15 @@ fn the_reported_prefixes_match_the_prompts_hash_chain_and_the_epoch_follows_the_
     // Nothing changed: the epoch stays. Another request's blocks move it.
     assert_eq!(e.pool().prefix_epoch(), epoch1);
     let other = tok.encode(&"Rivers of Europe flow to the sea in many ways. ".repeat(5), false).expect("encode");
-    e.add(Request { id: 2, prompt: other, params: greedy(2), salt: 42, priority: Default::default() }).expect("add");
+    e.add(Request {
+        id: 2,
+        prompt: other,
+        params: greedy(2),
+        salt: 42,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .expect("add");
     while e.has_work() {
         e.step().expect("step");
     }
@@ -53,8 +68,15 @@ fn prefix_hit_tokens_count_only_same_salt_repeats() {
     let (mut e, tok) = engine(EngineConfig { block_size: 16, kv_blocks: 64, ..EngineConfig::default() });
     let prompt = tok.encode(&"The history of Paris is long and rich. ".repeat(5), false).expect("encode");
     let mut run = |id: u64, salt: u64| {
-        e.add(Request { id, prompt: prompt.clone(), params: greedy(2), salt, priority: Default::default() })
-            .expect("add");
+        e.add(Request {
+            id,
+            prompt: prompt.clone(),
+            params: greedy(2),
+            salt,
+            priority: Default::default(),
+            generated: Vec::new(),
+        })
+        .expect("add");
         while e.has_work() {
             e.step().expect("step");
         }

@@ -14,7 +14,7 @@ use engine::batch::{Engine, EngineConfig, Request};
 use types::priority::Priority;
 
 fn req(id: u64, prompt: &[u32], max_tokens: u32, priority: Priority) -> Request {
-    Request { id, prompt: prompt.to_vec(), params: greedy(max_tokens), salt: 0, priority }
+    Request { id, prompt: prompt.to_vec(), params: greedy(max_tokens), salt: 0, priority, generated: Vec::new() }
 }
 
 /// Steps until idle; returns ids in the order of their first token, and

@@ -41,7 +41,14 @@ fn sink() -> (Sink, Receiver<RunnerEvent>) {
 }
 
 fn req(id: u64, prompt: &[u32], max_tokens: u32) -> Request {
-    Request { id, prompt: prompt.to_vec(), params: greedy(max_tokens), salt: 0, priority: Default::default() }
+    Request {
+        id,
+        prompt: prompt.to_vec(),
+        params: greedy(max_tokens),
+        salt: 0,
+        priority: Default::default(),
+        generated: Vec::new(),
+    }
 }
 
 /// Reads events until the terminal one; returns the tokens and that event.

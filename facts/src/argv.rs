@@ -84,11 +84,6 @@ impl WorkerArgv<Decode> {
     pub fn kv_load_failure_policy(self, policy: &str) -> Self {
         self.flag("--kv-load-failure-policy", policy)
     }
-
-    /// `--local-prefill-max-tokens`: prompts this short are prefilled on the decode worker.
-    pub fn local_prefill_max_tokens(self, n: usize) -> Self {
-        self.flag("--local-prefill-max-tokens", &n.to_string())
-    }
 }
 
 impl<R> WorkerArgv<R> {
@@ -187,8 +182,8 @@ mod tests {
         let d = WorkerArgv::decode();
         assert_eq!(d.binary(), DECODE_BINARY);
         assert_eq!(
-            d.transfer("@sock").local_prefill_max_tokens(32).build(),
-            ["--transfer", "@sock", "--local-prefill-max-tokens", "32"]
+            d.transfer("@sock").kv_transport("local").build(),
+            ["--transfer", "@sock", "--kv-transport", "local"]
         );
     }
 }

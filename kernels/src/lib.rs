@@ -22,6 +22,16 @@ pub mod pool;
 pub mod quant;
 
 pub use isa::{Isa, IsaError};
+
+/// The kernels' numerics class, part of a worker's determinism fingerprint.
+/// Every ISA level (scalar, AVX2, AVX-512) and every batch size returns the
+/// same bits, a rule the tests hold (the SIMD paths against each other and the
+/// packed panels against the file layout, at every batch size; the engine's
+/// batch against each sequence alone), so one class covers all of them. A
+/// backend or kernel whose rounding differs (a GPU, a faster reduction order)
+/// must name another class: then a request never moves between workers that
+/// would continue it with different tokens.
+pub const NUMERICS_CLASS: &str = "cpu-same-bits-every-isa/v1";
 pub use matmul::{QMatrix, WeightType};
 pub use pool::ThreadPool;
 

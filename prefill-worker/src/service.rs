@@ -255,9 +255,22 @@ impl PrefillService {
                 ),
             ));
         }
+        // This worker samples the request's first token: it must draw the way the decode
+        // worker (and any worker continuing the request) draws.
+        let own = worker_common::serve::determinism(&self.inner.local.fingerprint);
+        if !req.determinism_fingerprint.is_empty() && req.determinism_fingerprint != own {
+            return Err(err(
+                ErrorKind::VersionMismatch,
+                format!(
+                    "determinism_fingerprint {} differs from ours {} (another sampler or kernel numerics class)",
+                    worker_common::serve::hex(&req.determinism_fingerprint),
+                    worker_common::serve::hex(&own)
+                ),
+            ));
+        }
         // After the identity checks: a different block size shows up as a
         // block count mismatch, which is a version mismatch in disguise.
-        let need = req.token_ids.len().div_ceil(self.inner.layout.block_size);
+        let need = (req.token_ids.len() + req.generated_ids.len()).div_ceil(self.inner.layout.block_size);
         if d.block_ids.len() != need {
             return Err(err(
                 ErrorKind::InvalidArgument,
@@ -302,7 +315,8 @@ impl PrefillService {
         // outnumber layers x blocks: a queue that deep is never full, and
         // holds at most one copy of the prompt's KV (which the engine's pool
         // holds anyway) however far the push falls behind.
-        let depth = (inner.layout.n_layers * inner.runner.blocks_for(req.token_ids.len())).max(1);
+        let tokens = req.token_ids.len() + req.generated_ids.len();
+        let depth = (inner.layout.n_layers * inner.runner.blocks_for(tokens)).max(1);
         let (layer_tx, layer_rx) = mpsc::channel::<Streamed>(depth);
         // Filled by the push once the transport grants one (ucx, same host): then
         // the engine's thread stores each layer straight into the decode pool.
@@ -316,6 +330,7 @@ impl PrefillService {
             params,
             salt: req.cache_salt,
             priority: req.priority().into(),
+            generated: req.generated_ids.clone(),
         };
         let started = Instant::now();
         let runner_deadline = deadline.map(Instant::into_std);
@@ -339,7 +354,7 @@ impl PrefillService {
         .map_err(|e| runner_err(&e))?;
 
         let streams = Streams { layers: layer_rx, writer };
-        let push = self.push(&dest, reservation, streams, done_rx, started, req.token_ids.len(), &token);
+        let push = self.push(&dest, reservation, streams, done_rx, started, tokens, &token);
         let pushed = match deadline {
             Some(d) => match tokio::time::timeout_at(d, push).await {
                 Ok(r) => r,

@@ -83,6 +83,7 @@ fn reference(prompt: &[u32]) -> Result<(KvLayout, LayoutFingerprint, u32, Vec<u8
         params: greedy(),
         salt: 0,
         priority: Default::default(),
+        generated: Vec::new(),
     })
     .map_err(|e| e.to_string())?;
     let mut first = None;
@@ -138,6 +139,8 @@ fn prefill_request(id: &str, tokens: &[u32], salt: u64, destination: KvDestinati
         cache_salt: salt,
         priority: 0,
         destination: Some(destination),
+        generated_ids: Vec::new(),
+        determinism_fingerprint: Vec::new(),
     }
 }
 

@@ -37,7 +37,8 @@ impl DecodeWorker for EchoDecoder {
             .token_ids
             .iter()
             .map(|&id| {
-                let token = TokenChunk { id, logprob: Some(-0.5), top: vec![TopLogprob { id, logprob: -0.5 }] };
+                let token =
+                    TokenChunk { id, logprob: Some(-0.5), top: vec![TopLogprob { id, logprob: -0.5 }], index: None };
                 Ok(GenerateResponse {
                     event: Some(generate_response::Event::Token(token)),
                     prefill_attempts: Vec::new(),
@@ -50,6 +51,7 @@ impl DecodeWorker for EchoDecoder {
             generated_tokens: req.token_ids.len() as u32,
             prefilled_remotely: !req.prefill.is_empty(),
             cached_prompt_tokens: 0,
+            seed: 0,
         };
         events.push(Ok(GenerateResponse {
             event: Some(generate_response::Event::Finished(finished)),
@@ -75,6 +77,7 @@ impl DecodeWorker for EchoDecoder {
             preemptions: 3,
             prefix_epoch: 5,
             prefix: Some(PrefixReport { block_size: 16, hashes: vec![1, u64::MAX] }),
+            determinism_fingerprint: Vec::new(),
         }))
     }
 }
@@ -141,6 +144,7 @@ async fn decode_worker_streams_tokens_and_reports_health_over_tcp() -> TestResul
             preemptions: 3,
             prefix_epoch: 5,
             prefix: Some(PrefixReport { block_size: 16, hashes: vec![1, u64::MAX] }),
+            determinism_fingerprint: Vec::new(),
         }
     );
 

@@ -93,6 +93,11 @@ pub struct WorkerInfo {
     pub version_group: String,
     /// The `KvLayout` fingerprint in hex; the transfer handshake checks it again.
     pub layout_fingerprint: String,
+    /// The determinism fingerprint in hex (sampler version, kernel numerics class, layout):
+    /// a request moves mid-stream only between workers with equal ones. Empty from
+    /// workers older than the field, which are never chosen for a continuation.
+    #[serde(default)]
+    pub determinism_fingerprint: String,
     /// The worker's gRPC service, `host:port`.
     pub grpc_addr: String,
     /// Where KV is pushed to; required for decode workers.
@@ -126,6 +131,9 @@ impl WorkerInfo {
         check_name("info.id", &self.id)?;
         check_label("info.version_group", &self.version_group)?;
         check_hex("info.layout_fingerprint", &self.layout_fingerprint)?;
+        if !self.determinism_fingerprint.is_empty() {
+            check_hex("info.determinism_fingerprint", &self.determinism_fingerprint)?;
+        }
         check_label("info.grpc_addr", &self.grpc_addr)?;
         if let Some(m) = &self.metrics_addr {
             check_label("info.metrics_addr", m)?;
@@ -198,6 +206,7 @@ mod tests {
             capacity: Capacity { kv_blocks_total: 10, max_running: 4 },
             draining: false,
             started_at_unix_ms: 1,
+            determinism_fingerprint: String::new(),
         }
     }
 

@@ -124,6 +124,7 @@ fn measure(path: &std::path::Path, a: &Args, budget_ms: u64, rep: u64) -> Result
             params: params(100_000),
             salt: 0,
             priority: Default::default(),
+            generated: Vec::new(),
         })?;
     }
     // Warm up: every decoder streams a few tokens; the last gaps are the idle figure.
@@ -162,6 +163,7 @@ fn measure(path: &std::path::Path, a: &Args, budget_ms: u64, rep: u64) -> Result
                 params: params(1),
                 salt: 0,
                 priority: Default::default(),
+                generated: Vec::new(),
             })?;
             arrived = Some(Instant::now());
         }

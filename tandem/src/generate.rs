@@ -110,6 +110,7 @@ pub fn run(a: Args) -> Result<()> {
         params: params.clone(),
         salt: 0,
         priority: Default::default(),
+        generated: Vec::new(),
     })?;
 
     let mut stop = StopChecker::new(&params, tok.eos_ids())?;

@@ -26,7 +26,14 @@ fn reference(ids: &[u32], max_tokens: u32) -> Result<String, Box<dyn std::error:
     let model = engine::model::Model::new(w, 1)?;
     let mut e = Engine::new(model, EngineConfig::default(), tok.eos_ids().to_vec())?;
     let params = types::sampling::SamplingParams { max_tokens, ..Default::default() };
-    e.add(Request { id: 1, prompt: ids.to_vec(), params, salt: 0, priority: Default::default() })?;
+    e.add(Request {
+        id: 1,
+        prompt: ids.to_vec(),
+        params,
+        salt: 0,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })?;
     let mut out = Vec::new();
     while e.has_work() {
         for ev in e.step()? {

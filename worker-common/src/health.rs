@@ -114,6 +114,7 @@ pub async fn answer(
         ready: ready && stats.is_some(),
         version_group: local.version_group.as_str().to_owned(),
         layout_fingerprint: local.fingerprint.as_bytes().to_vec(),
+        determinism_fingerprint: crate::serve::determinism(&local.fingerprint).to_vec(),
         ..HealthResponse::default()
     };
     if let Some(s) = stats {

@@ -364,6 +364,7 @@ pub fn worker_info(
         role,
         version_group: cfg.version_group.as_str().to_owned(),
         layout_fingerprint: hex(fingerprint.as_bytes()),
+        determinism_fingerprint: hex(&determinism(fingerprint)),
         grpc_addr: grpc.to_string(),
         transfer: None,
         metrics_addr: Some(metrics.to_string()),
@@ -371,6 +372,24 @@ pub fn worker_info(
         draining: false,
         started_at_unix_ms: registry::WorkerInfo::unix_ms_now(),
     }
+}
+
+/// The determinism fingerprint of a worker with KV layout fingerprint `layout` (which
+/// covers the model's weights, the tokenizer and the KV layout): SHA-256 over that, the
+/// sampler's version and the kernels' numerics class. Workers with equal fingerprints
+/// give bit-equal answers for a prompt and seed, so a request may move between them
+/// mid-stream; the coordinator pairs continuations by it and workers refuse one whose
+/// fingerprint differs from theirs.
+pub fn determinism(layout: &LayoutFingerprint) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"tandem determinism fingerprint v1\0");
+    h.update(engine::sampler::SAMPLER_VERSION.as_bytes());
+    h.update([0]);
+    h.update(kernels::NUMERICS_CLASS.as_bytes());
+    h.update([0]);
+    h.update(layout.as_bytes());
+    h.finalize().into()
 }
 
 /// Lower-case hex of `bytes` (full length, unlike the fingerprints' short Display).

@@ -5,7 +5,7 @@ use thiserror::Error;
 /// Limits of the admission queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdmissionConfig {
-    /// Requests running at once (holding a [`Slot`](super::Slot)). The default, 8, is a
+    /// Requests running at once (holding a [`Seat`](super::Seat)). The default, 8, is a
     /// cautious start; the cluster raises it with
     /// [`Admission::set_max_running`](super::Admission::set_max_running) once it knows its workers' capacity.
     pub max_running: usize,

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use types::priority::{Priority, PriorityParseError};
 
-type Admit<'a> = Pin<Box<dyn Future<Output = Result<Slot, Shed>> + 'a>>;
+type Admit<'a> = Pin<Box<dyn Future<Output = Result<Seat, Shed>> + 'a>>;
 
 fn admission(cfg: AdmissionConfig) -> Arc<Admission> {
     Admission::new(cfg).expect("valid config")
@@ -26,7 +26,7 @@ fn admit(a: &Arc<Admission>, t: Ticket) -> Admit<'_> {
 /// Polls once; `None` while the ticket waits. Unconstrained: these
 /// tests poll many futures from one task, and tokio's cooperative
 /// budget would otherwise report a delivered verdict as pending.
-fn poll(f: &mut Admit<'_>) -> Option<Result<Slot, Shed>> {
+fn poll(f: &mut Admit<'_>) -> Option<Result<Seat, Shed>> {
     tokio::task::unconstrained(f.as_mut()).now_or_never()
 }
 
@@ -35,7 +35,7 @@ fn shed(a: &Arc<Admission>, t: Ticket) -> Option<Shed> {
     poll(&mut admit(a, t)).and_then(|r| r.err())
 }
 
-fn granted(a: &Arc<Admission>, t: Ticket) -> Slot {
+fn granted(a: &Arc<Admission>, t: Ticket) -> Seat {
     match poll(&mut admit(a, t)) {
         Some(Ok(slot)) => slot,
         other => panic!("expected a slot at once, got {other:?}"),
@@ -52,7 +52,7 @@ fn queued(a: &Arc<Admission>, t: Ticket) -> Admit<'_> {
 
 /// Polls every waiter once; returns the names of those that got a
 /// slot (kept in `slots`), in the order given.
-fn settle(waiting: &mut Vec<(&'static str, Admit<'_>)>, slots: &mut Vec<Slot>) -> Vec<&'static str> {
+fn settle(waiting: &mut Vec<(&'static str, Admit<'_>)>, slots: &mut Vec<Seat>) -> Vec<&'static str> {
     let mut got = Vec::new();
     waiting.retain_mut(|(name, f)| match poll(f) {
         None => true,
@@ -155,7 +155,7 @@ async fn dispatches_in_arrival_order_on_slot_drop() {
     tokio::time::advance(Duration::from_millis(7)).await;
     drop(holder);
     assert_eq!(settle(&mut w, &mut slots), ["w"]);
-    assert_eq!(slots.iter().map(Slot::queue_wait).collect::<Vec<_>>(), [Duration::from_millis(7)]);
+    assert_eq!(slots.iter().map(Seat::queue_wait).collect::<Vec<_>>(), [Duration::from_millis(7)]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -199,7 +199,7 @@ async fn small_requests_are_not_starved_by_a_key_with_large_ones() {
 }
 
 /// Serves `waiting` one slot at a time from `slots`; the order served.
-fn serve(n: usize, waiting: &mut Vec<(&'static str, Admit<'_>)>, slots: &mut Vec<Slot>) -> Vec<&'static str> {
+fn serve(n: usize, waiting: &mut Vec<(&'static str, Admit<'_>)>, slots: &mut Vec<Seat>) -> Vec<&'static str> {
     let mut order = Vec::new();
     while order.len() < n && !slots.is_empty() {
         slots.remove(0);
@@ -464,7 +464,7 @@ async fn random_run(seed: u64) {
     let a = admission(cfg.clone());
     let mut rng = types::rng::XorShift64::new(seed);
     let mut max_running = cfg.max_running;
-    let mut slots: Vec<Slot> = Vec::new();
+    let mut slots: Vec<Seat> = Vec::new();
     let mut waiting: Vec<Waiting<'_>> = Vec::new();
     for step in 0..400 {
         let before = a.stats();

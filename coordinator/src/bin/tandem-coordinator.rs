@@ -18,9 +18,9 @@ use coordinator::breaker::BreakerConfig;
 use coordinator::cluster::{Cluster, RouteSettings, Source};
 use coordinator::grpc;
 use coordinator::http::{router, App, HttpSettings, ServeSettings};
-use coordinator::pipeline::{Pipeline, Settings};
+use coordinator::pipeline::{MigrationSettings, Pipeline, Settings};
 use coordinator::prompt::pool::Pool;
-use coordinator::tenants::{Gate, Split, Tenant};
+use coordinator::tenants::{Tenancy, Split, Tenant};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 use tokio_util::sync::CancellationToken;
@@ -174,6 +174,21 @@ struct Flags {
     /// running `kv_load_failure_policy = recompute`). Env: TANDEM_PREFILL_BREAKER_OPEN.
     #[arg(long, env = "TANDEM_PREFILL_BREAKER_OPEN", default_value = "refuse", value_parser = ["refuse", "local"])]
     prefill_breaker_open: String,
+    /// How many times one running request may move to another decode worker
+    /// when its worker dies, is fenced, loses its KV or freezes (request
+    /// migration: the stream goes on, no token lost or repeated); 0 turns
+    /// migration off. Env: TANDEM_MIGRATION_LIMIT.
+    #[arg(long, env = "TANDEM_MIGRATION_LIMIT", default_value_t = 3)]
+    migration_limit: u32,
+    /// A running request that gets no token for this long, while its decode
+    /// worker's load reports have gone stale too (a frozen process or a cut-off
+    /// host), moves to another worker, ms. Env: TANDEM_MIGRATION_STALL_MS.
+    #[arg(long, env = "TANDEM_MIGRATION_STALL_MS", default_value_t = 2_000)]
+    migration_stall_ms: u64,
+    /// Migrations re-prefilling at once (a dying host's streams wait their
+    /// turn instead of starting a prefill storm). Env: TANDEM_MIGRATION_CONCURRENCY.
+    #[arg(long, env = "TANDEM_MIGRATION_CONCURRENCY", default_value_t = 8)]
+    migration_concurrency: usize,
     /// Drain grace on SIGTERM/SIGINT, ms. Env: TANDEM_SHUTDOWN_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_SHUTDOWN_TIMEOUT_MS", default_value_t = 10_000)]
     shutdown_timeout_ms: u64,
@@ -209,6 +224,8 @@ fn main() -> anyhow::Result<()> {
         ("http_max_connections", flags.http_max_connections as u64),
         ("http_header_timeout_ms", flags.http_header_timeout_ms),
         ("http_body_timeout_ms", flags.http_body_timeout_ms),
+        ("migration_stall_ms", flags.migration_stall_ms),
+        ("migration_concurrency", flags.migration_concurrency as u64),
     ] {
         anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");
     }
@@ -259,7 +276,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     coordinator::metrics::fleet_split(split.get());
     let gate = match &flags.tenants {
         Some(path) => {
-            let gate = Gate::from_file(path, split.clone()).context("loading the tenants file")?;
+            let gate = Tenancy::from_file(path, split.clone()).context("loading the tenants file")?;
             tracing::info!(path = %path.display(), tenants = gate.tenant_count(), "tenants file loaded");
             gate
         }
@@ -271,7 +288,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
                 tracing::warn!("no API key configured: the API is open to anyone who can reach it");
             }
             coordinator::metrics::tenants_loaded(1);
-            Gate::builtin(keys, Tenant::builtin(), split.clone())
+            Tenancy::builtin(keys, Tenant::builtin(), split.clone())
         }
     };
     // Before the addresses are printed: SIGHUP's default action would end the process.
@@ -289,6 +306,11 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         default_timeout: Duration::from_millis(flags.request_timeout_ms),
         default_max_tokens: flags.default_max_tokens,
         stream_idle_timeout: Duration::from_millis(flags.stream_idle_timeout_ms),
+        migration: MigrationSettings {
+            limit: flags.migration_limit,
+            stall: Duration::from_millis(flags.migration_stall_ms),
+            concurrency: flags.migration_concurrency,
+        },
     };
     let pool = Pool::new(flags.tokenizer_threads, flags.tokenizer_queue).context("starting the tokenizer threads")?;
     let pipeline = Pipeline::new(tokenizer, context, cluster, settings, gate, pool).context("admission settings")?;

@@ -68,13 +68,19 @@ impl DecodeWorker for Fake {
             vec![Err(Status::unavailable("error reading a body from connection: connection reset by peer"))]
         } else {
             vec![
-                event(generate_response::Event::Token(TokenChunk { id: 7, logprob: None, top: Vec::new() })),
+                event(generate_response::Event::Token(TokenChunk {
+                    id: 7,
+                    logprob: None,
+                    top: Vec::new(),
+                    index: None,
+                })),
                 event(generate_response::Event::Finished(Finished {
                     reason: FinishReason::Length as i32,
                     prompt_tokens: 3,
                     generated_tokens: 1,
                     prefilled_remotely: false,
                     cached_prompt_tokens: 0,
+                    seed: 0,
                 })),
             ]
         };
@@ -128,8 +134,17 @@ async fn a_stream_broken_before_its_first_message_is_routed_again() {
     c.board().set(&broken, idle(0));
     c.board().set(&fine, idle(5));
     let params = SamplingParams { max_tokens: 1, ..SamplingParams::default() };
-    let (mut stream, _lease) = c
-        .generate("r1".into(), vec![1, 2, 3], &params, 0, WorkerTags { cache_salt: 7, priority: Priority::Low })
+    let dispatch = Dispatch {
+        request_id: "r1".into(),
+        prompt: vec![1, 2, 3],
+        generated: Vec::new(),
+        params,
+        deadline_unix_ms: 0,
+        tags: WorkerTags { cache_salt: 7, priority: Priority::Low },
+        pin: None,
+    };
+    let (mut stream, _inflight) = c
+        .generate(dispatch)
         .await
         .map_err(|e| e.to_string())
         .expect("routed again");

@@ -41,7 +41,8 @@ pub fn status(e: &Error) -> StatusCode {
         | Error::NotReady(_)
         | Error::RegistryUnavailable
         | Error::NoRoute { why: NoRoute::NoDecode | NoRoute::NoneReady(_) | NoRoute::PrefillUnavailable(_), .. }
-        | Error::WorkerUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        | Error::WorkerUnavailable(_)
+        | Error::MigrationFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
         Error::WorkerStream(_) => StatusCode::BAD_GATEWAY,
         Error::Worker { kind, .. } => match kind {
             K::InvalidArgument => StatusCode::BAD_REQUEST,

@@ -48,11 +48,12 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::error::Error;
-use crate::idempotency::{self, Claim, Idempotency, Recorder, Replay, Replayed};
+use crate::idempotency::{Idempotency, Recorder, Replay, Replayed};
 use crate::metrics;
 use crate::openai;
 use crate::pipeline::{
-    priority_of, send_within, Draft, Event as RunEvent, Job, Pipeline, PromptInput, Run, TokenLogprob,
+    priority_of, send_within, Claimed, Draft, Entered, Event as RunEvent, Job, Pipeline, PromptInput, Run,
+    TokenLogprob,
 };
 use crate::tenants::Pass;
 
@@ -268,14 +269,14 @@ fn max_tokens_param(s: &openai::Sampling) -> &'static str {
     }
 }
 
-/// The steps both generation routes share, cheapest refusal first: the
-/// caller and its tenant's in-flight and request-rate limits (401, 429)
-/// before the body is read; the body (413, 408); then `parse` validates the
-/// request (with the tenant's default `max_tokens`) and
-/// [`Pipeline::prepare`] checks the tenant's caps and token budgets around
-/// tokenizing it in the pool; the priority (header over field) and the
-/// deadline come from the request the same way for both, and [`respond`]
-/// runs it.
+/// The walk both generation routes share, in the pipeline's order
+/// ([`crate::pipeline::walk`]): the key and its tenant's in-flight and rate
+/// limits (401, 429) before the body is read; the body (413, 408); the
+/// `Idempotency-Key` (a retry is answered from the first request with it);
+/// then `parse` validates the request (with the tenant's default
+/// `max_tokens`), [`Pipeline::prepare`] tokenizes it within the tenant's caps
+/// and budgets and gives it its seed, and [`respond`] admits, routes and
+/// answers it.
 async fn generation<R: serde::de::DeserializeOwned>(
     app: Arc<App>,
     api: Api,
@@ -283,15 +284,30 @@ async fn generation<R: serde::de::DeserializeOwned>(
     body: Body,
     parse: impl FnOnce(&Pipeline, &Pass, R) -> Result<Parsed, Error>,
 ) -> Response {
-    let arrived = Instant::now();
-    let pass = match app.pipeline.gate.enter(&headers) {
-        Ok(p) => p,
+    let entered = match app.pipeline.enter(&headers) {
+        Ok(e) => e,
         Err(e) => return finished(api, e.into_response()),
     };
     let body = match read_body(&app, body).await {
         Ok(b) => b,
         Err(e) => return finished(api, e.into_response()),
     };
+    let claimed = header_str(&headers, "idempotency-key").and_then(|key| {
+        let mut digest = body.to_vec();
+        digest.extend_from_slice(api.name().as_bytes());
+        entered.claim(&app.idempotency, key, &digest)
+    });
+    let (entered, key, recorder) = match claimed {
+        Ok(Claimed::Fresh { entered, key, recorder }) => (entered, key, recorder),
+        Ok(Claimed::Replay(replay)) => {
+            // The retry's stream flag is its body's, which equals the first request's.
+            let stream = serde_json::from_slice::<Value>(&body).is_ok_and(|v| v["stream"] == json!(true));
+            let idle = app.pipeline.settings.stream_idle_timeout;
+            return finished(api, replay_answer(replay, stream, idle).await);
+        }
+        Err(e) => return finished(api, e.into_response()),
+    };
+    let Entered { pass, arrived } = entered;
     let job = async {
         let parsed = parse(&app.pipeline, &pass, parse_json(&app, &headers, &body)?)?;
         let priority = priority_of(header_str(&headers, "x-priority")?, parsed.priority.as_ref())?;
@@ -303,11 +319,12 @@ async fn generation<R: serde::de::DeserializeOwned>(
             priority,
             deadline: deadline(&app, &headers, arrived)?,
             arrived,
+            idempotency_key: key,
         };
         app.pipeline.prepare(pass, draft).await
     }
     .await;
-    respond(app, api, &headers, &body, job).await
+    respond(app, api, job, recorder).await
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
@@ -350,46 +367,41 @@ fn finished(api: Api, r: Response) -> Response {
     r
 }
 
-async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job: Result<Job, Error>) -> Response {
+/// Admits and routes a prepared request (or answers its refusal) and shapes
+/// its run as an OpenAI answer, streamed or whole; with `recorder` (an
+/// `Idempotency-Key`) what it sends is recorded for retries. The answer's
+/// `x-tandem-seed` header carries the seed it was sampled with.
+async fn respond(
+    app: Arc<App>,
+    api: Api,
+    job: Result<Job, Error>,
+    recorder: Option<Recorder<Recorded>>,
+) -> Response {
+    let refused = |e: Error, recorder: Option<Recorder<Recorded>>| {
+        // A refusal is kept for retries only when a retry would get it again.
+        let status = error::status(&e);
+        if let Some(rec) = recorder {
+            rec.push(Recorded::Json(status, error::body(&e)));
+            rec.finish(keeps(status));
+        }
+        finished(api, e.into_response())
+    };
     let job = match job {
         Ok(j) => j,
-        Err(e) => return finished(api, e.into_response()),
-    };
-    let key = match header_str(headers, "idempotency-key") {
-        Ok(k) => k,
-        Err(e) => return finished(api, e.into_response()),
-    };
-    let recorder = match key {
-        None => None,
-        Some(k) if k.is_empty() || k.len() > idempotency::MAX_KEY_LEN => {
-            let e = Error::invalid("idempotency-key", format!("must be 1..={} bytes", idempotency::MAX_KEY_LEN));
-            return finished(api, e.into_response());
-        }
-        Some(k) => {
-            let mut digest = body.to_vec();
-            digest.extend_from_slice(api.name().as_bytes());
-            match app.idempotency.claim(&job.caller, k, idempotency::fingerprint(&digest)) {
-                Claim::Leader(r) => Some(r),
-                Claim::Follower(replay) => {
-                    let idle = app.pipeline.settings.stream_idle_timeout;
-                    return finished(api, replay_answer(replay, job.spec.stream, idle).await);
-                }
-                Claim::Conflict => return finished(api, Error::IdempotencyKeyReused.into_response()),
-                Claim::Full => return finished(api, Error::IdempotencyTableFull.into_response()),
-            }
-        }
+        Err(e) => return refused(e, recorder),
     };
     let stream = job.spec.stream;
     let run = match app.pipeline.run(job).await {
         Ok(r) => r,
         Err(e) => {
-            // A refusal is kept only when a retry would get it again.
+            // A refusal after admission (no route, a deadline) is never kept: a retry may pass.
             if let Some(rec) = recorder {
                 rec.finish(false);
             }
             return finished(api, e.into_response());
         }
     };
+    let seed = run.seed();
     let answer = Answer {
         api,
         created: now_secs(),
@@ -398,11 +410,11 @@ async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job
         recorder,
         idle: app.pipeline.settings.stream_idle_timeout,
     };
-    if stream {
+    let mut response = if stream {
         let (tx, rx) = mpsc::channel::<Event>(16);
         tokio::spawn(answer.stream(tx));
         let events = tokio_stream::wrappers::ReceiverStream::new(rx);
-        finished(api, Sse::new(infallible(events)).into_response())
+        Sse::new(infallible(events)).into_response()
     } else {
         let (result, recorder) = answer.collect().await;
         let (status, body) = match result {
@@ -413,9 +425,16 @@ async fn respond(app: Arc<App>, api: Api, headers: &HeaderMap, body: &Bytes, job
             rec.push(Recorded::Json(status, body.clone()));
             rec.finish(keeps(status));
         }
-        finished(api, (status, Json(body)).into_response())
+        (status, Json(body)).into_response()
+    };
+    if let Ok(v) = header::HeaderValue::from_str(&seed.to_string()) {
+        response.headers_mut().insert(SEED_HEADER, v);
     }
+    finished(api, response)
 }
+
+/// The response header that carries the seed an answer was sampled with.
+pub const SEED_HEADER: &str = "x-tandem-seed";
 
 /// Whether a retry should get this status again rather than run anew.
 fn keeps(status: StatusCode) -> bool {
@@ -425,16 +444,26 @@ fn keeps(status: StatusCode) -> bool {
 /// The answer of a request that follows an earlier one with its key.
 async fn replay_answer(mut replay: Replay<Recorded>, stream: bool, idle: Duration) -> Response {
     metrics::idempotent_replay(if replay.leader_finished() { "done" } else { "inflight" });
-    if !stream {
-        return match replay.next().await {
-            Replayed::Item(Recorded::Json(status, body)) => (status, Json(body)).into_response(),
-            _ => Error::IdempotentOriginalFailed.into_response(),
-        };
-    }
+    // The first thing the original sent: a whole answer (a JSON body, or a streamed
+    // request's refusal, which went out as JSON with its status) is replayed as it was.
+    let first = replay.next().await;
+    let first = match first {
+        Replayed::Item(Recorded::Json(status, body)) => return (status, Json(body)).into_response(),
+        other if !stream => {
+            drop(other);
+            return Error::IdempotentOriginalFailed.into_response();
+        }
+        other => other,
+    };
     let (tx, rx) = mpsc::channel::<Event>(16);
     tokio::spawn(async move {
+        let mut first = Some(first);
         loop {
-            let event = match replay.next().await {
+            let next = match first.take() {
+                Some(f) => f,
+                None => replay.next().await,
+            };
+            let event = match next {
                 Replayed::Item(Recorded::Event(data)) => Event::default().data(data),
                 Replayed::Item(Recorded::Json(_, body)) => Event::default().data(body.to_string()),
                 Replayed::End => return,
@@ -500,6 +529,7 @@ impl Answer {
                     "finish_reason": finish,
                 }],
                 "usage": usage,
+                "system_fingerprint": self.run.system_fingerprint(),
             }),
             Api::Completions => json!({
                 "id": format!("cmpl-{id}"),
@@ -508,6 +538,7 @@ impl Answer {
                 "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
                 "usage": usage,
+                "system_fingerprint": self.run.system_fingerprint(),
             }),
         })
     }
@@ -528,6 +559,7 @@ impl Answer {
                     "object": "chat.completion.chunk",
                     "created": self.created,
                     "model": self.model,
+                    "system_fingerprint": self.run.system_fingerprint(),
                     "choices": [{
                         "index": 0,
                         "delta": delta,
@@ -541,6 +573,7 @@ impl Answer {
                 "object": "text_completion",
                 "created": self.created,
                 "model": self.model,
+                "system_fingerprint": self.run.system_fingerprint(),
                 "choices": [{
                     "index": 0,
                     "text": text.unwrap_or(""),

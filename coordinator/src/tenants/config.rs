@@ -95,7 +95,7 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// One tenant's limits, each a whole-fleet budget (see [`super::Gate`] for
+/// One tenant's limits, each a whole-fleet budget (see [`super::Tenancy`] for
 /// how it is split between coordinators).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Limits {

@@ -2,8 +2,8 @@
 //! by the tenants file) and what each tenant may use, checked before any
 //! work is spent on a request.
 //!
-//! A request passes the [`Gate`] in order of cost, cheapest first:
-//! [`Gate::enter`] (API key, then the tenant's requests in flight and its
+//! A request passes the [`Tenancy`] in order of cost, cheapest first:
+//! [`Tenancy::enter`] (API key, then the tenant's requests in flight and its
 //! requests-per-second bucket: no body read yet), then on the parsed body
 //! [`Pass::check_max_tokens`] (the cap), [`Pass::open_stream`] (streams
 //! open), [`Pass::charge_output`] (the output-token bucket, charged with
@@ -23,7 +23,7 @@
 //! bounds during membership changes.
 //!
 //! The tenants file is reloaded on SIGHUP and when it changes
-//! ([`Gate::reload`]); a file that does not validate is refused with the
+//! ([`Tenancy::reload`]); a file that does not validate is refused with the
 //! reason (log and metric) and the one in force stays. Without a file,
 //! every caller belongs to one built-in tenant, [`DEFAULT_TENANT`], with
 //! [`Limits::default`].
@@ -208,8 +208,8 @@ impl Share {
     }
 }
 
-/// The tenants and their usage. Share it as `Arc<Gate>`.
-pub struct Gate {
+/// The tenants and their usage. Share it as `Arc<Tenancy>`.
+pub struct Tenancy {
     book: RwLock<Arc<Book>>,
     usage: Mutex<HashMap<String, Usage>>,
     split: Arc<Split>,
@@ -217,13 +217,13 @@ pub struct Gate {
     path: Option<PathBuf>,
 }
 
-impl std::fmt::Debug for Gate {
+impl std::fmt::Debug for Tenancy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gate").field("path", &self.path).field("split", &self.split.get()).finish()
+        f.debug_struct("Tenancy").field("path", &self.path).field("split", &self.split.get()).finish()
     }
 }
 
-impl Gate {
+impl Tenancy {
     /// No tenants file: every caller (per `keys`) is in the built-in tenant.
     pub fn builtin(keys: ApiKeys, tenant: Tenant, split: Arc<Split>) -> Arc<Self> {
         let book = Book { keys, tenants: BTreeMap::new(), builtin: Some(Arc::new(tenant)) };
@@ -371,7 +371,7 @@ fn book_of(file: TenantsFile) -> Book {
 
 /// A request inside its tenant's limits, for as long as it lives.
 pub struct Pass {
-    gate: Arc<Gate>,
+    gate: Arc<Tenancy>,
     caller: String,
     tenant: Arc<Tenant>,
     stream: bool,
@@ -554,7 +554,7 @@ mod tests;
 /// How often the tenants file is checked for a change on disk.
 pub const RELOAD_POLL: Duration = Duration::from_secs(1);
 
-impl Gate {
+impl Tenancy {
     /// Reloads the tenants file on SIGHUP and whenever its modification
     /// time or size changes (checked every [`RELOAD_POLL`]). Without a file
     /// there is nothing to do and no handler is installed. Install it

@@ -56,9 +56,9 @@ keys = ["sk-b", "sk-b2"]
 async fn the_request_rate_is_the_fleet_budget_over_the_split() {
     let f = TempFile::new("rate", TWO);
     let split = Split::new(1);
-    let gate = Gate::from_file(&f.0, split.clone()).expect("valid");
+    let gate = Tenancy::from_file(&f.0, split.clone()).expect("valid");
     let mut passes = Vec::new();
-    let admitted = |gate: &Arc<Gate>| -> usize {
+    let admitted = |gate: &Arc<Tenancy>| -> usize {
         let mut n = 0;
         loop {
             match gate.enter(&as_key("sk-a")) {
@@ -91,7 +91,7 @@ async fn the_request_rate_is_the_fleet_budget_over_the_split() {
 async fn in_flight_and_stream_caps_are_split_but_never_below_one() {
     let f = TempFile::new("counts", TWO);
     let split = Split::new(1);
-    let gate = Gate::from_file(&f.0, split.clone()).expect("valid");
+    let gate = Tenancy::from_file(&f.0, split.clone()).expect("valid");
     let mut held = Vec::new();
     for _ in 0..4 {
         held.push(gate.enter(&as_key("sk-a")).expect("under 4"));
@@ -120,7 +120,7 @@ async fn in_flight_and_stream_caps_are_split_but_never_below_one() {
 async fn output_tokens_are_charged_as_max_tokens_and_the_unused_part_given_back() {
     let text = "[tenants.a]\nkeys=[\"sk-a\"]\noutput_tokens_per_min = 600\nprompt_tokens_per_min = 60\n";
     let f = TempFile::new("tokens", text);
-    let gate = Gate::from_file(&f.0, Split::new(1)).expect("valid");
+    let gate = Tenancy::from_file(&f.0, Split::new(1)).expect("valid");
     let mut p = gate.enter(&as_key("sk-a")).expect("in");
     p.charge_output(500).expect("600 in the bucket");
     p.generated(100);
@@ -147,7 +147,7 @@ async fn output_tokens_are_charged_as_max_tokens_and_the_unused_part_given_back(
 async fn caps_name_the_field_and_the_cap() {
     let text = "[tenants.a]\nkeys=[\"sk-a\"]\nmax_tokens = 16\nmax_prompt_tokens = 8\ndefault_max_tokens = 4\n";
     let f = TempFile::new("caps", text);
-    let gate = Gate::from_file(&f.0, Split::new(1)).expect("valid");
+    let gate = Tenancy::from_file(&f.0, Split::new(1)).expect("valid");
     let mut p = gate.enter(&as_key("sk-a")).expect("in");
     assert_eq!(p.default_max_tokens(256), 4);
     p.check_max_tokens("max_tokens", 16).expect("at the cap");
@@ -161,7 +161,7 @@ async fn caps_name_the_field_and_the_cap() {
 #[tokio::test(start_paused = true)]
 async fn a_reload_applies_a_good_file_keeps_the_old_on_a_bad_one_and_revokes_removed_keys() {
     let f = TempFile::new("reload", TWO);
-    let gate = Gate::from_file(&f.0, Split::new(1)).expect("valid");
+    let gate = Tenancy::from_file(&f.0, Split::new(1)).expect("valid");
     let held = gate.enter(&as_key("sk-b2")).expect("b");
     // A bad file: refused with the key named, nothing changes.
     f.write("[tenants.a]\nkeys=[\"sk-a\"]\nmax_streams = 0\n");
@@ -188,7 +188,7 @@ async fn without_a_file_every_caller_shares_the_builtin_tenant() {
     let keys = ApiKeys::load(&["sk-1".into(), "sk-2".into()], None).expect("keys");
     let mut t = Tenant::builtin();
     t.limits.max_in_flight = 1;
-    let gate = Gate::builtin(keys, t, Split::new(1));
+    let gate = Tenancy::builtin(keys, t, Split::new(1));
     let p = gate.enter(&as_key("sk-1")).expect("in");
     assert_eq!((p.caller(), p.tenant().name.as_str()), ("key-1", DEFAULT_TENANT), "fairness stays per key");
     assert_eq!(limit_of(&gate.enter(&as_key("sk-2")).expect_err("one tenant")), Some(TenantLimit::InFlight));
@@ -203,7 +203,7 @@ async fn without_a_file_every_caller_shares_the_builtin_tenant() {
 async fn a_flood_of_ten_times_a_small_share_is_admitted_at_the_share() {
     let f = TempFile::new("flood", "[tenants.a]\nkeys=[\"sk-a\"]\nrequests_per_s = 1\n");
     // Two coordinators: this one's share is 0.5/s.
-    let gate = Gate::from_file(&f.0, Split::new(2)).expect("valid");
+    let gate = Tenancy::from_file(&f.0, Split::new(2)).expect("valid");
     let mut rng = types::rng::XorShift64::new(7);
     let (secs, offered) = (2000.0, 5.0);
     let (mut t, mut admitted) = (0.0, 0u32);
@@ -227,7 +227,7 @@ const KV: &str = "[tenants.a]\nkeys=[\"sk-a\"]\nmax_kv_share = 0.25\n\n[tenants.
 async fn a_tenant_holds_at_most_its_kv_share_split_between_coordinators() {
     let f = TempFile::new("kv", KV);
     let split = Split::new(2);
-    let gate = Gate::from_file(&f.0, split.clone()).expect("valid");
+    let gate = Tenancy::from_file(&f.0, split.clone()).expect("valid");
     // A cluster of 1,000 KV tokens: a's share is 250, 125 per coordinator.
     assert_eq!(kv_limit(0.25, 1000, 2), 125);
     let mut first = gate.enter(&as_key("sk-a")).expect("in");

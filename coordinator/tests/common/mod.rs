@@ -96,8 +96,15 @@ pub fn reference(tok: &Tokenizer, ids: &[u32], max_tokens: u32) -> Result<String
     let model = Model::new(w, 2).map_err(|e| e.to_string())?;
     let mut e = Engine::new(model, EngineConfig::default(), tok.eos_ids().to_vec()).map_err(|e| e.to_string())?;
     let params = SamplingParams { max_tokens, ..SamplingParams::default() };
-    e.add(Request { id: 1, prompt: ids.to_vec(), params, salt: 0, priority: Default::default() })
-        .map_err(|e| e.to_string())?;
+    e.add(Request {
+        id: 1,
+        prompt: ids.to_vec(),
+        params,
+        salt: 0,
+        priority: Default::default(),
+        generated: Vec::new(),
+    })
+    .map_err(|e| e.to_string())?;
     let mut out = Vec::new();
     while e.has_work() {
         for ev in e.step().map_err(|e| e.to_string())? {
@@ -135,7 +142,7 @@ pub fn start_pair(kv_blocks: &str, coordinator_args: &[&str]) -> opskit::Result<
     let common = ["--version-group", "g", "--threads", "1", "--kv-blocks", kv_blocks];
     let prefill = start("tandem-prefill-worker", &common, &["grpc", "metrics"])?;
     let mut dargs = common.to_vec();
-    dargs.extend(["--kv-load-failure-policy", "recompute", "--local-prefill-max-tokens", "0"]);
+    dargs.extend(["--kv-load-failure-policy", "recompute"]);
     let decode = start("tandem-decode-worker", &dargs, &["grpc", "metrics", "transfer"])?;
     let (d, p) = (decode.addr("grpc")?, prefill.addr("grpc")?);
     let mut args = vec!["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--decode", &d, "--prefill", &p];

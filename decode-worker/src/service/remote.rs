@@ -115,7 +115,7 @@ impl DecodeService {
         target: &PrefillTarget,
         refusal: &WorkerError,
     ) -> Result<Remote, WorkerError> {
-        let tokens = req.token_ids.len();
+        let tokens = req.token_ids.len() + req.generated_ids.len();
         let cap = self.inner.settings.max_absorbed_prefill_tokens_per_s;
         let taken = lock(&self.inner.absorb).try_take(tokens, Instant::now());
         let policy = KvLoadFailurePolicy::Recompute;
@@ -154,7 +154,7 @@ impl DecodeService {
         if deadline.is_some_and(|d| started >= d) {
             return Err(Failure::Fatal(err(ErrorKind::Deadline, "deadline passed before the KV load")));
         }
-        let n = inner.runner.blocks_for(req.token_ids.len());
+        let n = inner.runner.blocks_for(req.token_ids.len() + req.generated_ids.len());
         let runner = inner.runner.clone();
         let blocks = blocking(move || runner.reserve(n))
             .await
@@ -270,6 +270,8 @@ impl DecodeService {
             deadline_unix_ms: unix_deadline(deadline),
             cache_salt: req.cache_salt,
             priority: req.priority,
+            generated_ids: req.generated_ids.clone(),
+            determinism_fingerprint: worker_common::serve::determinism(&inner.local.fingerprint).to_vec(),
             destination: Some(KvDestination {
                 transfer_addr: inner.settings.transfer_addr.clone(),
                 transport: inner.settings.transport.as_str().into(),

@@ -133,6 +133,7 @@ pub fn reference(prompts: &[Vec<u32>], max_tokens: u32) -> Result<Vec<Vec<u32>>,
             params: greedy(max_tokens),
             salt: 0,
             priority: Default::default(),
+            generated: Vec::new(),
         })
         .map_err(|e| e.to_string())?;
     }

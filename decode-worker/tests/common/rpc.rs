@@ -49,6 +49,8 @@ pub fn request(id: &str, prompt: &[u32], prefill: Vec<PrefillTarget>) -> Generat
         policy_override: None,
         cache_salt: 0,
         priority: 0,
+        generated_ids: Vec::new(),
+        determinism_fingerprint: Vec::new(),
     }
 }
 
@@ -149,6 +151,8 @@ pub async fn hold_prefill_worker(
             version_group: GROUP.into(),
             tls_cert_sha256: vec![],
         }),
+        generated_ids: Vec::new(),
+        determinism_fingerprint: Vec::new(),
     };
     let held = tokio::spawn({
         let mut pc = pc.clone();

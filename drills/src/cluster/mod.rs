@@ -271,7 +271,7 @@ impl Cluster {
                             a = a.transfer(addr);
                         }
                     }
-                    a = a.kv_load_failure_policy(&spec.policy).local_prefill_max_tokens(spec.local_prefill_max_tokens);
+                    a = a.kv_load_failure_policy(&spec.policy);
                     if let Some(t) = &spec.kv_transport {
                         a = a.kv_transport(t);
                     }

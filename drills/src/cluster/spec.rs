@@ -65,9 +65,9 @@ pub struct ClusterSpec {
     /// A tenants file every coordinator is started with (`--tenants`), and the key the
     /// drill's load presents ([`ClusterSpec::tenants`]).
     pub tenants: Option<TenantsSpec>,
-    /// `--local-prefill-max-tokens` of the coordinators and decode workers: prompts this
-    /// short are prefilled on the decode worker. 0 (the default): every prompt crosses the
-    /// KV link.
+    /// The coordinators' `--local-prefill-max-tokens` (the one local-vs-remote decision; the
+    /// decode worker follows it): prompts this short are prefilled on the decode worker. 0
+    /// (the default): every prompt crosses the KV link.
     pub local_prefill_max_tokens: usize,
 }
 

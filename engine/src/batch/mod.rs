@@ -118,6 +118,13 @@ pub struct Request {
     /// Its class: the waiting queue serves higher classes first and
     /// preemption evicts lower ones first.
     pub priority: Priority,
+    /// Tokens this request already generated elsewhere (a continuation on
+    /// another worker): the sequence is `prompt` then these, its KV computed
+    /// (or received) for all of them, and it goes on after them exactly as
+    /// if it had never moved: they are the penalties' history and the next
+    /// token is draw `generated.len()`. `params.max_tokens` counts only the
+    /// tokens generated from here. Empty for a fresh request.
+    pub generated: Vec<u32>,
 }
 
 /// One generated token of one sequence.
@@ -392,17 +399,17 @@ impl Engine {
         if req.prompt.is_empty() {
             return Err(EngineError::InvalidPrompt("prompt has no tokens".into()));
         }
-        if req.prompt.len() > cfg.context {
+        let len = req.prompt.len() + req.generated.len();
+        if len > cfg.context {
             return Err(EngineError::InvalidPrompt(format!(
-                "prompt has {} tokens, the model's context is {}",
-                req.prompt.len(),
+                "prompt and generated tokens are {len}, the model's context is {}",
                 cfg.context
             )));
         }
-        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= cfg.vocab) {
+        if let Some(&t) = req.prompt.iter().chain(&req.generated).find(|&&t| t as usize >= cfg.vocab) {
             return Err(EngineError::InvalidPrompt(format!("token id {t} is outside the vocabulary of {}", cfg.vocab)));
         }
-        let need = req.prompt.len().div_ceil(self.cfg.block_size);
+        let need = len.div_ceil(self.cfg.block_size);
         if need > self.pool.num_blocks() {
             return Err(EngineError::InvalidPrompt(format!(
                 "prompt needs {need} KV blocks, the pool has {}",
@@ -512,7 +519,10 @@ impl Engine {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let tok = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab], &s.generated)?;
+            // Draw index = tokens generated before this one: the same on any worker
+            // that continues this sequence (a remote prefill's first token is 0).
+            let draw = s.generated.len() as u64;
+            let tok = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab], &s.generated, draw)?;
             row += 1;
             s.tokens.push(tok.id);
             s.generated.push(tok.id);

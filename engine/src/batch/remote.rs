@@ -71,7 +71,8 @@ impl Engine {
         Ok(self.pool.release(blocks)?)
     }
 
-    /// Blocks a prompt of `prompt_len` tokens occupies.
+    /// Blocks a prompt of `prompt_len` tokens occupies (for a continuation:
+    /// the prompt and the tokens it resumes from).
     pub fn blocks_for(&self, prompt_len: usize) -> usize {
         prompt_len.div_ceil(self.cfg.block_size)
     }
@@ -88,18 +89,18 @@ impl Engine {
         first: &SampledToken,
     ) -> Result<Option<FinishReason>, EngineError> {
         let mut seq = self.validate(&req)?;
-        let want = self.blocks_for(req.prompt.len());
+        let len = req.prompt.len() + req.generated.len();
+        let want = self.blocks_for(len);
         if blocks.len() != want {
             return Err(EngineError::InvalidPrompt(format!(
-                "{} KV blocks supplied for a {}-token prompt that needs {want}",
+                "{} KV blocks supplied for a {len}-token prompt that needs {want}",
                 blocks.len(),
-                req.prompt.len()
             )));
         }
         if first.id as usize >= self.model.config().vocab {
             return Err(EngineError::InvalidPrompt(format!("first token {} is outside the vocabulary", first.id)));
         }
-        seq.computed = req.prompt.len();
+        seq.computed = len;
         seq.table = blocks;
         seq.tokens.push(first.id);
         seq.generated.push(first.id);

@@ -35,15 +35,16 @@ pub(super) struct Seq {
 }
 
 impl Seq {
-    /// Past its prompt: each step computes its one newest token.
+    /// Past its prompt (and the tokens it resumed from): each step computes
+    /// its one newest token.
     pub fn is_decoding(&self) -> bool {
         !self.generated.is_empty() && self.tokens.len() - self.computed == 1
     }
 
     pub fn new(req: &Request, eos: &[u32]) -> Result<Self, EngineError> {
         Ok(Self {
-            tokens: req.prompt.clone(),
-            generated: Vec::new(),
+            tokens: req.prompt.iter().chain(&req.generated).copied().collect(),
+            generated: req.generated.clone(),
             computed: 0,
             table: Vec::new(),
             sampler: Sampler::new(&req.params)?,

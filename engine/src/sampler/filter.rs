@@ -3,8 +3,6 @@
 //! Ordering everywhere is "higher logit first, then lower token id", so every
 //! tie (top-k cut, top-p cut) resolves the same way as greedy does.
 
-use super::rng::Rng;
-
 /// Temperature and truncation filters for the random (non-greedy) path.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Filters {
@@ -30,17 +28,18 @@ fn weight(logit: f32, max: f32, inv_t: f32) -> f32 {
     ((logit - max) * inv_t).exp()
 }
 
-/// Draws a token from `values` after temperature, min-p, top-k and top-p.
-/// `max` must be the largest value in `values` (which holds no NaN or +inf);
-/// `keys` and `weights` are scratch buffers. `None` only if every weight is 0,
-/// which cannot happen because the top token has weight 1.
+/// Draws a token from `values` after temperature, min-p, top-k and top-p,
+/// with `draw` (uniform in [0, 1)) choosing it by cumulative weight. `max`
+/// must be the largest value in `values` (which holds no NaN or +inf); `keys`
+/// and `weights` are scratch buffers. `None` only if every weight is 0, which
+/// cannot happen because the top token has weight 1.
 pub(super) fn sample_random(
     values: &[f32],
     max: f32,
     f: &Filters,
     keys: &mut Vec<u64>,
     weights: &mut Vec<f32>,
-    rng: &mut Rng,
+    draw: f64,
 ) -> Option<u32> {
     let inv_t = 1.0 / f.temperature;
     if f.top_k == 0 && f.top_p >= 1.0 {
@@ -49,7 +48,7 @@ pub(super) fn sample_random(
         weights.clear();
         weights.extend(values.iter().map(|&l| if l >= min_logit { weight(l, max, inv_t) } else { 0.0 }));
         let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
-        let u = rng.next_f64() * total;
+        let u = draw * total;
         let mut cum = 0.0;
         for (i, &w) in weights.iter().enumerate() {
             cum += f64::from(w);
@@ -62,7 +61,7 @@ pub(super) fn sample_random(
     }
     candidates(values, max, f, keys);
     let total: f64 = keys.iter().map(|&k| f64::from(key_weight(k, max, inv_t))).sum();
-    let u = rng.next_f64() * total;
+    let u = draw * total;
     let mut cum = 0.0;
     for &k in keys.iter() {
         cum += f64::from(key_weight(k, max, inv_t));
@@ -239,9 +238,9 @@ mod tests {
 
     #[test]
     fn chunked_top_p_matches_full_sort_on_large_vocab() {
-        let mut rng = Rng::from_seed(99);
-        let flat: Vec<f32> = (0..49_152).map(|_| (rng.next_f64() * 3.0) as f32).collect();
-        let peaked: Vec<f32> = (0..49_152).map(|_| (rng.next_f64().powi(8) * 30.0) as f32).collect();
+        let mut rng = types::rng::XorShift64::seeded(99);
+        let flat: Vec<f32> = (0..49_152).map(|_| (rng.unit_f64() * 3.0) as f32).collect();
+        let peaked: Vec<f32> = (0..49_152).map(|_| (rng.unit_f64().powi(8) * 30.0) as f32).collect();
         for logits in [&flat, &peaked] {
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             for (top_p, min_p) in [(0.001f32, 0.0), (0.3, 0.0), (0.9, 0.0), (0.999, 0.0), (0.9, 0.5)] {
@@ -272,7 +271,7 @@ mod tests {
     #[test]
     fn sample_random_never_draws_filtered_tokens() {
         let logits = [8f32.ln(), 4f32.ln(), 2f32.ln(), 1f32.ln(), f32::NEG_INFINITY];
-        let mut rng = Rng::from_seed(1);
+        let mut rng = types::rng::XorShift64::seeded(1);
         let (mut keys, mut weights) = (Vec::new(), Vec::new());
         for (f, allowed) in [
             (filters(1.0, 0, 1.0, 0.0), 4),
@@ -281,7 +280,7 @@ mod tests {
             (filters(1.0, 0, 0.5, 0.0), 1),
         ] {
             for _ in 0..500 {
-                let id = sample_random(&logits, 8f32.ln(), &f, &mut keys, &mut weights, &mut rng);
+                let id = sample_random(&logits, 8f32.ln(), &f, &mut keys, &mut weights, rng.unit_f64());
                 assert!(id.is_some_and(|id| id < allowed), "{id:?} with {f:?}");
             }
         }

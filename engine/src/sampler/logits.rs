@@ -118,7 +118,7 @@ pub(super) fn apply_penalties(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampler::rng::Rng;
+    use types::rng::XorShift64;
 
     #[test]
     fn scan_finds_first_max_and_rejects_bad_logits() {
@@ -136,12 +136,12 @@ mod tests {
 
     #[test]
     fn scan_lanes_match_scalar_reference() {
-        let mut rng = Rng::from_seed(5);
+        let mut rng = XorShift64::seeded(5);
         for len in [1, 15, 16, 17, 33, 100, 1000] {
             for _ in 0..50 {
                 // Few distinct values, so ties across lanes are common.
-                let mut v: Vec<f32> = (0..len).map(|_| (rng.next_f64() * 4.0).floor() as f32).collect();
-                let pos = (rng.next_f64() * len as f64) as usize;
+                let mut v: Vec<f32> = (0..len).map(|_| (rng.unit_f64() * 4.0).floor() as f32).collect();
+                let pos = (rng.unit_f64() * len as f64) as usize;
                 let mut want_best = 0;
                 for (i, &x) in v.iter().enumerate() {
                     if x > v[want_best] {

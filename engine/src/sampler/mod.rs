@@ -36,11 +36,14 @@
 //!   chunks until the mass is reached. Candidates are packed (logit, id) `u64`
 //!   keys, so selection and sorting compare integers. Nothing sorts the whole
 //!   vocabulary, and buffers are reused across steps.
-//! * **Randomness** is a self-contained xoshiro256** (the private `rng`
-//!   module) so a seeded request is reproducible across dependency upgrades.
-//!   One `u64` seed gives one stream per sequence; unseeded samplers draw a
+//! * **Randomness is by position.** Token `n` of a sequence is drawn with
+//!   [`uniform`]`(seed, n)`, a counter-based generator (Philox4x32-10, the
+//!   private `rng` module): a pure function of the seed and the draw index,
+//!   so prompt + emitted tokens + seed fully determine the rest of an answer,
+//!   wherever it is computed ([`SAMPLER_VERSION`] names the contract). Index
+//!   0 is the token sampled at the end of prefill. Unseeded samplers draw a
 //!   seed from std's per-process random keys and expose it via
-//!   [`Sampler::seed`] for logs.
+//!   [`Sampler::seed`].
 //! * **Bad logits are errors, not guesses.** NaN or +inf logits, an empty
 //!   slice, all tokens masked to -inf, or a history id outside the vocabulary
 //!   are typed [`SamplerError`]s; -inf alone is a valid mask.
@@ -51,6 +54,8 @@ mod logprobs;
 mod rng;
 mod stop;
 
+pub use rng::{uniform, SAMPLER_VERSION};
+
 use serde::Serialize;
 
 pub use stop::{FinishReason, StopChecker, StopDecision};
@@ -58,7 +63,12 @@ use types::sampling::{SamplerError, SamplingParams};
 
 use filter::Filters;
 use logits::Penalties;
-use rng::Rng;
+
+/// A seed for a request that came without one, from process entropy: a
+/// worker assigns it before sampling so it can report what it drew with.
+pub fn fresh_seed() -> u64 {
+    rng::entropy_seed()
+}
 
 /// One sampled token and, if requested, its logprobs.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -81,7 +91,6 @@ pub struct Sampler {
     penalties: Penalties,
     logprobs: Option<u32>,
     seed: u64,
-    rng: Rng,
     /// Penalised copy of the logits (only filled when penalties apply).
     penalized: Vec<f32>,
     /// Sorted copy of the history, used to count occurrences.
@@ -113,7 +122,6 @@ impl Sampler {
             },
             logprobs: params.logprobs,
             seed,
-            rng: Rng::from_seed(seed),
             penalized: Vec::new(),
             history_sorted: Vec::new(),
             keys: Vec::new(),
@@ -121,17 +129,20 @@ impl Sampler {
         })
     }
 
-    /// The seed this sampler's RNG started from (the drawn one if unseeded).
+    /// The seed of this sampler's draws (the drawn one if unseeded).
     pub fn seed(&self) -> u64 {
         self.seed
     }
 
-    /// Picks the next token from one row of `logits` (one per vocabulary id).
+    /// Picks token `draw` of the sequence (its index among the generated
+    /// tokens: 0 for the one sampled at the end of prefill) from one row of
+    /// `logits` (one per vocabulary id). The same row, history and index give
+    /// the same token, whatever was sampled before.
     ///
     /// `history` is the token sequence the penalties count (see the module
     /// docs; the engine passes the generated tokens). It is only read, and
     /// only checked against the vocabulary, when a penalty is active.
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<SampledToken, SamplerError> {
+    pub fn sample(&mut self, logits: &[f32], history: &[u32], draw: u64) -> Result<SampledToken, SamplerError> {
         let (raw_best, raw_max) = logits::scan(logits)?;
         let (values, best, max) = if self.penalties.is_active() && !history.is_empty() {
             logits::apply_penalties(&self.penalties, logits, history, &mut self.penalized, &mut self.history_sorted)?;
@@ -146,7 +157,8 @@ impl Sampler {
         } else {
             // The top token always survives with weight 1, so the fallback is
             // unreachable; it keeps a logic slip from becoming a panic.
-            filter::sample_random(values, max, &self.filters, &mut self.keys, &mut self.weights, &mut self.rng)
+            let u = rng::uniform(self.seed, draw);
+            filter::sample_random(values, max, &self.filters, &mut self.keys, &mut self.weights, u)
                 .unwrap_or(best as u32)
         };
 

@@ -14,8 +14,8 @@ fn sampler(f: impl FnOnce(&mut SamplingParams)) -> Sampler {
 }
 
 fn random_logits(seed: u64, vocab: usize, scale: f64) -> Vec<f32> {
-    let mut rng = Rng::from_seed(seed);
-    (0..vocab).map(|_| ((rng.next_f64() - 0.5) * scale) as f32).collect()
+    let mut rng = types::rng::XorShift64::seeded(seed);
+    (0..vocab).map(|_| ((rng.unit_f64() - 0.5) * scale) as f32).collect()
 }
 
 fn naive_argmax(logits: &[f32]) -> u32 {
@@ -38,8 +38,8 @@ fn softmax(logits: &[f32], temperature: f64) -> Vec<f64> {
 /// Counts over `draws` samples from `s`.
 fn histogram(s: &mut Sampler, logits: &[f32], draws: usize) -> Result<Vec<usize>, SamplerError> {
     let mut counts = vec![0; logits.len()];
-    for _ in 0..draws {
-        counts[s.sample(logits, &[])?.id as usize] += 1;
+    for i in 0..draws {
+        counts[s.sample(logits, &[], i as u64)?.id as usize] += 1;
     }
     Ok(counts)
 }
@@ -67,10 +67,10 @@ fn greedy_is_argmax_with_lowest_id_on_ties() -> TestResult {
     let mut s = sampler(|_| {});
     for seed in 0..20 {
         let logits = random_logits(seed, 1000, 20.0);
-        assert_eq!(s.sample(&logits, &[])?.id, naive_argmax(&logits));
+        assert_eq!(s.sample(&logits, &[], 0)?.id, naive_argmax(&logits));
     }
-    assert_eq!(s.sample(&[1.0, 5.0, 0.0, 5.0, 5.0], &[])?.id, 1);
-    assert_eq!(s.sample(&[f32::NEG_INFINITY, -3.0, -3.0], &[])?.id, 1);
+    assert_eq!(s.sample(&[1.0, 5.0, 0.0, 5.0, 5.0], &[], 0)?.id, 1);
+    assert_eq!(s.sample(&[f32::NEG_INFINITY, -3.0, -3.0], &[], 0)?.id, 1);
     Ok(())
 }
 
@@ -82,7 +82,7 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() -> TestResult {
             p.temperature = 1.0;
             p.seed = Some(seed);
         });
-        (0..200).map(|_| s.sample(&logits, &[]).map(|t| t.id)).collect()
+        (0..200).map(|i| s.sample(&logits, &[], i).map(|t| t.id)).collect()
     };
     let a = draw(1)?;
     assert_eq!(a, draw(1)?, "same seed, same tokens");
@@ -92,6 +92,28 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() -> TestResult {
     // at about 1/16 of positions; far more agreement means correlated seeds.
     let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
     assert!(same < 40, "{same} of 200 positions agree");
+    Ok(())
+}
+
+/// Token n depends on (seed, n) alone: a sampler made fresh for draw n (another
+/// worker continuing the sequence, a decode worker after remote prefill) picks what
+/// the sampler that drew 0..n-1 first picks, and draw 1 is not draw 0 again.
+#[test]
+fn draws_are_by_position_not_by_history() -> TestResult {
+    let logits = random_logits(11, 512, 4.0);
+    let params = |p: &mut SamplingParams| {
+        p.temperature = 0.8;
+        p.top_p = 0.95;
+        p.seed = Some(1234);
+    };
+    let mut first = sampler(params);
+    let run: Vec<u32> = (0..64).map(|i| first.sample(&logits, &[], i).map(|t| t.id)).collect::<Result<_, _>>()?;
+    for n in [0u64, 1, 17, 63] {
+        assert_eq!(sampler(params).sample(&logits, &[], n)?.id, run[n as usize], "draw {n}");
+    }
+    assert_eq!(first.sample(&logits, &[], 5)?.id, run[5], "asking again gives the same token");
+    let distinct: std::collections::HashSet<u32> = run.iter().copied().collect();
+    assert!(distinct.len() > 10, "draws vary with the index: {run:?}");
     Ok(())
 }
 
@@ -120,7 +142,7 @@ fn top_k_one_equals_greedy_at_any_temperature() -> TestResult {
             p.seed = Some(9);
         });
         for _ in 0..20 {
-            assert_eq!(s.sample(&logits, &[])?.id, want, "T={temperature}");
+            assert_eq!(s.sample(&logits, &[], 0)?.id, want, "T={temperature}");
         }
     }
     Ok(())
@@ -132,13 +154,13 @@ fn subnormal_temperature_is_greedy() -> TestResult {
     for temperature in [1e-45f32, f32::MIN_POSITIVE / 2.0] {
         let params = SamplingParams { temperature, seed: Some(1), ..SamplingParams::default() };
         assert!(params.is_greedy());
-        assert_eq!(Sampler::new(&params)?.sample(&logits, &[])?.id, naive_argmax(&logits));
+        assert_eq!(Sampler::new(&params)?.sample(&logits, &[], 0)?.id, naive_argmax(&logits));
     }
     let mut tiny = sampler(|p| {
         p.temperature = f32::MIN_POSITIVE;
         p.seed = Some(1);
     });
-    assert_eq!(tiny.sample(&logits, &[])?.id, naive_argmax(&logits), "smallest normal");
+    assert_eq!(tiny.sample(&logits, &[], 0)?.id, naive_argmax(&logits), "smallest normal");
     Ok(())
 }
 
@@ -152,7 +174,7 @@ fn tiny_top_p_is_argmax() -> TestResult {
         p.seed = Some(1);
     });
     for _ in 0..50 {
-        assert_eq!(s.sample(&logits, &[])?.id, want);
+        assert_eq!(s.sample(&logits, &[], 0)?.id, want);
     }
     Ok(())
 }
@@ -236,8 +258,8 @@ fn masked_tokens_are_never_sampled() -> TestResult {
         p.temperature = 3.0;
         p.seed = Some(2);
     });
-    for _ in 0..2000 {
-        assert_eq!(s.sample(&logits, &[])?.id % 2, 1);
+    for i in 0..2000 {
+        assert_eq!(s.sample(&logits, &[], i)?.id % 2, 1);
     }
     Ok(())
 }
@@ -248,7 +270,7 @@ fn penalties_change_the_argmax() -> TestResult {
     let greedy = |f: &dyn Fn(&mut SamplingParams), history: &[u32]| {
         let mut p = SamplingParams::default();
         f(&mut p);
-        Sampler::new(&p)?.sample(&logits, history).map(|t| t.id)
+        Sampler::new(&p)?.sample(&logits, history, 0).map(|t| t.id)
     };
     assert_eq!(greedy(&|_| {}, &[0])?, 0, "no penalty");
     assert_eq!(greedy(&|p| p.presence_penalty = 0.5, &[0])?, 1);
@@ -260,17 +282,17 @@ fn penalties_change_the_argmax() -> TestResult {
     assert_eq!(greedy(&|p| p.repetition_penalty = 1.2, &[0])?, 1);
     // ...and multiplies a negative one: -1.0 * 1.2 < -1.1.
     let mut s = sampler(|p| p.repetition_penalty = 1.2);
-    assert_eq!(s.sample(&[-1.0, -1.1], &[0])?.id, 1);
+    assert_eq!(s.sample(&[-1.0, -1.1], &[0], 0)?.id, 1);
     // A negative presence penalty encourages repeats.
     let mut s = sampler(|p| p.presence_penalty = -2.0);
-    assert_eq!(s.sample(&[1.0, 2.0], &[0])?.id, 0);
+    assert_eq!(s.sample(&[1.0, 2.0], &[0], 0)?.id, 0);
     // The random path sees penalties too.
     let mut s = sampler(|p| {
         p.temperature = 1.0;
         p.top_k = 1;
         p.presence_penalty = 0.5;
     });
-    assert_eq!(s.sample(&logits, &[0])?.id, 1);
+    assert_eq!(s.sample(&logits, &[0], 0)?.id, 1);
     Ok(())
 }
 
@@ -284,7 +306,7 @@ fn logprobs_are_raw_log_softmax() -> TestResult {
         p.logprobs = Some(20);
         p.seed = Some(3);
     });
-    let t = s.sample(&logits, &[0, 1, 2, 3])?;
+    let t = s.sample(&logits, &[0, 1, 2, 3], 0)?;
     let raw = softmax(&logits, 1.0);
     // The full list is a distribution.
     assert_eq!(t.top.len(), 20);
@@ -304,19 +326,19 @@ fn logprobs_are_raw_log_softmax() -> TestResult {
 fn logprob_top_list_ties_and_sizes() -> TestResult {
     let logits = [0.0f32, 2.0, 2.0, f32::NEG_INFINITY, 1.0, 2.0];
     let mut s = sampler(|p| p.logprobs = Some(3));
-    let t = s.sample(&logits, &[])?;
+    let t = s.sample(&logits, &[], 0)?;
     let ids: Vec<u32> = t.top.iter().map(|&(id, _)| id).collect();
     assert_eq!(ids, vec![1, 2, 5]);
     assert_eq!(t.logprob, Some(t.top[0].1));
 
     let mut s = sampler(|p| p.logprobs = Some(20));
-    assert_eq!(s.sample(&logits, &[])?.top.len(), 5, "masked token omitted");
+    assert_eq!(s.sample(&logits, &[], 0)?.top.len(), 5, "masked token omitted");
 
     let mut s = sampler(|p| p.logprobs = Some(0));
-    let t = s.sample(&logits, &[])?;
+    let t = s.sample(&logits, &[], 0)?;
     assert!(t.logprob.is_some() && t.top.is_empty());
 
-    let t = sampler(|_| {}).sample(&logits, &[])?;
+    let t = sampler(|_| {}).sample(&logits, &[], 0)?;
     assert_eq!((t.logprob, t.top.len()), (None, 0));
     Ok(())
 }
@@ -324,15 +346,15 @@ fn logprob_top_list_ties_and_sizes() -> TestResult {
 #[test]
 fn bad_logits_and_history_are_typed_errors() {
     let mut s = sampler(|p| p.temperature = 1.0);
-    assert_eq!(s.sample(&[], &[]), Err(SamplerError::EmptyLogits));
-    assert_eq!(s.sample(&[0.0, f32::NAN], &[]), Err(SamplerError::NanLogit { index: 1 }));
-    assert_eq!(s.sample(&[f32::INFINITY, 0.0], &[]), Err(SamplerError::InfiniteLogit { index: 0 }));
-    assert_eq!(s.sample(&[f32::NEG_INFINITY; 4], &[]), Err(SamplerError::AllLogitsMasked));
+    assert_eq!(s.sample(&[], &[], 0), Err(SamplerError::EmptyLogits));
+    assert_eq!(s.sample(&[0.0, f32::NAN], &[], 0), Err(SamplerError::NanLogit { index: 1 }));
+    assert_eq!(s.sample(&[f32::INFINITY, 0.0], &[], 0), Err(SamplerError::InfiniteLogit { index: 0 }));
+    assert_eq!(s.sample(&[f32::NEG_INFINITY; 4], &[], 0), Err(SamplerError::AllLogitsMasked));
     let mut greedy = sampler(|_| {});
-    assert_eq!(greedy.sample(&[1.0, f32::NAN], &[]), Err(SamplerError::NanLogit { index: 1 }));
+    assert_eq!(greedy.sample(&[1.0, f32::NAN], &[], 0), Err(SamplerError::NanLogit { index: 1 }));
     let mut penalised = sampler(|p| p.frequency_penalty = 1.0);
     assert_eq!(
-        penalised.sample(&[1.0, 2.0], &[1, 5]),
+        penalised.sample(&[1.0, 2.0], &[1, 5], 0),
         Err(SamplerError::HistoryTokenOutOfRange { token: 5, vocab: 2 })
     );
 }
@@ -362,7 +384,7 @@ fn full_pipeline_on_large_vocab_stays_in_the_filtered_set() -> TestResult {
     });
     for step in 0..200u32 {
         let history: Vec<u32> = (0..step % 7).collect();
-        let t = s.sample(&logits, &history)?;
+        let t = s.sample(&logits, &history, u64::from(step))?;
         assert!(top40.contains(&t.id), "token {} outside top-k", t.id);
         let ids: Vec<u32> = t.top.iter().map(|&(id, _)| id).collect();
         assert_eq!(ids, order[..5].to_vec());

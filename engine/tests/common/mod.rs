@@ -40,6 +40,7 @@ pub fn run_all(e: &mut Engine, prompts: &[Vec<u32>], params: &SamplingParams) ->
             params: params.clone(),
             salt: 0,
             priority: Default::default(),
+            generated: Vec::new(),
         })
         .expect("add");
     }

@@ -91,6 +91,24 @@ pub const STREAM_SEND_TIMEOUTS: &str = "tandem_coordinator_stream_send_timeouts_
 /// stream broke before its first message), `refused` (the worker was fenced
 /// or draining). vLLM: none.
 pub const DECODE_REROUTES: &str = "tandem_coordinator_decode_reroutes_total";
+/// `tandem_coordinator_migrations_total{reason,outcome}`: running requests moved
+/// to another decode worker mid-stream (request migration), by why — `worker_lost`
+/// (the stream broke: the process died or its link failed), `refused` (fenced, or
+/// drained past its grace), `kv_lost`, `stalled` (no token and stale load reports:
+/// a frozen worker), `gap` (tokens missing) — and how the move ended: `ok` (it
+/// continues there), `failed` (no decode worker of its group and determinism
+/// fingerprint could take it), `limit` (`--migration-limit` reached), `deadline`.
+/// The client sees an error only for the last three. vLLM: none (Dynamo:
+/// `migration` counters of its frontend).
+pub const MIGRATIONS: &str = "tandem_coordinator_migrations_total";
+/// Every `reason` of [`MIGRATIONS`].
+pub const MIGRATION_REASONS: [&str; 5] = ["worker_lost", "refused", "kv_lost", "stalled", "gap"];
+/// Every `outcome` of [`MIGRATIONS`].
+pub const MIGRATION_OUTCOMES: [&str; 4] = ["ok", "failed", "limit", "deadline"];
+/// `tandem_coordinator_migration_recomputed_tokens_total`: prompt and already
+/// generated tokens migrations sent to be prefilled again (less what the new
+/// worker's prefix cache held): the price of moving. vLLM: none.
+pub const MIGRATION_RECOMPUTED_TOKENS: &str = "tandem_coordinator_migration_recomputed_tokens_total";
 /// `tandem_coordinator_tenant_requests_total{tenant,outcome}`: requests by
 /// tenant (its name in the tenants file, or `default`) that passed every
 /// tenant check (`admitted`) or were refused by one, by error code
@@ -215,6 +233,8 @@ pub const CATALOG: &[Metric] = &[
         exporter: Exporter::Coordinator,
     },
     Metric { name: DECODE_REROUTES, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Coordinator },
+    Metric { name: MIGRATIONS, kind: Kind::Counter, labels: &["reason", "outcome"], exporter: Exporter::Coordinator },
+    Metric { name: MIGRATION_RECOMPUTED_TOKENS, kind: Kind::Counter, labels: &[], exporter: Exporter::Coordinator },
     Metric {
         name: TENANT_REQUESTS,
         kind: Kind::Counter,

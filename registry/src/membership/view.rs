@@ -159,6 +159,7 @@ mod tests {
             capacity: Capacity::default(),
             draining,
             started_at_unix_ms: 0,
+            determinism_fingerprint: String::new(),
         }
     }
 

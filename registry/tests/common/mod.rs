@@ -65,6 +65,7 @@ pub fn worker(role: Role, id: &str, group: &str) -> WorkerInfo {
         capacity: Capacity { kv_blocks_total: 1024, max_running: 8 },
         draining: false,
         started_at_unix_ms: WorkerInfo::unix_ms_now(),
+        determinism_fingerprint: String::new(),
     }
 }
 

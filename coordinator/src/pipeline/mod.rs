@@ -20,16 +20,19 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
 use types::priority::Priority;
 
-use crate::admission::{self, Admission, Shed, Slot, Ticket};
-use crate::cluster::{next, Cluster, Lease, Step, WorkerStream, WorkerTags};
+use crate::admission::{self, Admission, Seat, Shed, Ticket};
+use crate::cluster::{Cluster, Dispatch, WorkerTags};
 use crate::error::Error;
 use crate::metrics;
-use crate::openai::{Message, Spec, Usage};
+use crate::openai::{Message, Spec};
 use crate::prompt::{self, pool::Pool};
-use crate::tenants::{Gate, Pass};
-use engine::sampler::{FinishReason as EngineFinish, StopChecker};
-use engine::tokenizer::{IncrementalDecoder as Detokenizer, Tokenizer};
-use proto::worker::v1::{FinishReason as WireFinish, Finished, TokenChunk};
+use crate::tenants::{Pass, Tenancy};
+use engine::tokenizer::Tokenizer;
+
+mod run;
+mod walk;
+pub use run::{Collected, Event, Finish, Piece, Run, TokenLogprob, TopLogprob};
+pub use walk::{Claimed, Entered};
 
 /// Settings every frontend shares.
 #[derive(Debug, Clone)]
@@ -48,6 +51,27 @@ pub struct Settings {
     /// this long is ended: the request is cancelled on the workers (its KV
     /// freed) and the connection closed (`--stream-idle-timeout-ms`).
     pub stream_idle_timeout: Duration,
+    /// Request migration: how a running request moves to another decode worker.
+    pub migration: MigrationSettings,
+}
+
+/// Request migration's bounds (docs/ARCHITECTURE.md, "Request migration").
+#[derive(Debug, Clone, Copy)]
+pub struct MigrationSettings {
+    /// Moves one request may make (`--migration-limit`); 0 turns migration off.
+    pub limit: u32,
+    /// A stream with no event for this long, whose worker's load reports went
+    /// stale too, is moved (`--migration-stall-ms`): a frozen worker.
+    pub stall: Duration,
+    /// Migrations re-prefilling at once in this coordinator
+    /// (`--migration-concurrency`): a dying host does not start a prefill storm.
+    pub concurrency: usize,
+}
+
+impl Default for MigrationSettings {
+    fn default() -> Self {
+        Self { limit: 3, stall: Duration::from_millis(2_000), concurrency: 8 }
+    }
 }
 
 /// Hands `item` to a streamed answer's bounded channel within `idle`;
@@ -67,13 +91,15 @@ pub async fn send_within<T>(tx: &tokio::sync::mpsc::Sender<T>, item: T, idle: Du
 
 /// What the frontends share: the tokenizer, the cluster and admission.
 pub struct Pipeline {
+    /// Migrations under way; at most `settings.migration.concurrency`.
+    pub(crate) migrations: Arc<tokio::sync::Semaphore>,
     pub tokenizer: Tokenizer,
     /// The model's context length in tokens.
     pub context: usize,
     pub cluster: Arc<Cluster>,
     pub settings: Settings,
     /// Who may call, under which name and tenant, and within which limits.
-    pub gate: Arc<Gate>,
+    pub gate: Arc<Tenancy>,
     /// Where prompts are templated and tokenized, off the reactor.
     pub pool: Pool,
     pub admission: Arc<Admission>,
@@ -104,6 +130,9 @@ pub struct Draft {
     pub priority: Option<Priority>,
     pub deadline: Instant,
     pub arrived: Instant,
+    /// The request's `Idempotency-Key`, if it sent one: an unseeded request's seed
+    /// is derived from it, so a retry anywhere samples the same answer.
+    pub idempotency_key: Option<String>,
 }
 
 /// A validated, tokenized request ready to run.
@@ -158,7 +187,7 @@ impl Pipeline {
         context: usize,
         cluster: Arc<Cluster>,
         settings: Settings,
-        gate: Arc<Gate>,
+        gate: Arc<Tenancy>,
         pool: Pool,
     ) -> Result<Arc<Self>, admission::ConfigError> {
         let mut config = settings.admission.clone();
@@ -168,7 +197,8 @@ impl Pipeline {
         }
         metrics::admission_capacity(config.max_running);
         let admission = Admission::new(config)?;
-        Ok(Arc::new(Self { tokenizer, context, cluster, settings, gate, pool, admission }))
+        let migrations = Arc::new(tokio::sync::Semaphore::new(settings.migration.concurrency.max(1)));
+        Ok(Arc::new(Self { migrations, tokenizer, context, cluster, settings, gate, pool, admission }))
     }
 
     /// With `max_running` 0, keeps the admission capacity at this
@@ -220,7 +250,7 @@ impl Pipeline {
     /// buckets (none of which needs a token count), then the prompt is
     /// tokenized in the pool and the context, the prompt cap, the
     /// prompt-token bucket and the tenant's KV share are checked.
-    pub async fn prepare(self: &Arc<Self>, mut pass: Pass, draft: Draft) -> Result<Job, Error> {
+    pub async fn prepare(self: &Arc<Self>, mut pass: Pass, mut draft: Draft) -> Result<Job, Error> {
         let max_tokens = draft.spec.params.max_tokens;
         // A max_tokens no prompt fits with is the context's refusal (400
         // context_length_exceeded, after tokenizing), whatever the cap.
@@ -240,6 +270,14 @@ impl Pipeline {
         let (cluster_kv, block) = self.cluster.kv_capacity();
         let need = (ids.len() as u64 + u64::from(max_tokens)).div_ceil(block as u64) * block as u64;
         pass.hold_kv(need, cluster_kv)?;
+        // Every request has a seed, returned to the client: the answer can be reproduced
+        // and, with the prompt and the tokens sent so far, continued anywhere.
+        let seed = match (draft.spec.params.seed, &draft.idempotency_key) {
+            (Some(s), _) => s,
+            (None, Some(key)) => derived_seed(&pass.tenant().name, key),
+            (None, None) => engine::sampler::fresh_seed(),
+        };
+        draft.spec.params.seed = Some(seed);
         Ok(Job {
             ids,
             spec: draft.spec,
@@ -266,7 +304,7 @@ impl Pipeline {
 
     /// Admission through the central queue: a slot at once, a wait in
     /// line, or a typed refusal ([`Shed`]).
-    async fn admit(&self, job: &Job) -> Result<Slot, Error> {
+    async fn admit(&self, job: &Job) -> Result<Seat, Error> {
         let ticket = Ticket {
             key: job.caller.clone(),
             priority: job.priority,
@@ -285,24 +323,30 @@ impl Pipeline {
         }
     }
 
-    /// Admits `job` and starts it on a decode worker, within its deadline.
+    /// Admits `job` and starts it on a decode worker, within its deadline:
+    /// the last two steps of the walk (admission, then route).
     pub async fn run(self: &Arc<Self>, job: Job) -> Result<Run, Error> {
         job.pass.admitted();
-        let admission = self.admit(&job).await?;
+        let seat = self.admit(&job).await?;
         let id = self.cluster.request_id();
         let tags = WorkerTags { cache_salt: job.pass.tenant().cache_salt, priority: job.priority };
-        let started = tokio::time::timeout_at(
-            job.deadline,
-            self.cluster.generate(id.clone(), job.ids.clone(), &job.spec.params, unix_ms(job.deadline), tags),
-        )
-        .await;
-        let (stream, lease) = match started {
+        let dispatch = Dispatch {
+            request_id: id.clone(),
+            prompt: job.ids.clone(),
+            generated: Vec::new(),
+            params: job.spec.params.clone(),
+            deadline_unix_ms: unix_ms(job.deadline),
+            tags,
+            pin: None,
+        };
+        let started = tokio::time::timeout_at(job.deadline, self.cluster.generate(dispatch.clone())).await;
+        let (stream, inflight) = match started {
             Err(_) => return Err(Error::Deadline),
             Ok(r) => r?,
         };
         let tenant = job.pass.tenant();
-        metrics::prefix_cached_tokens(tenant.cache_scope.label(&tenant.name), lease.cached_tokens);
-        Ok(Run::new(self.clone(), job, id, stream, lease, admission))
+        metrics::prefix_cached_tokens(tenant.cache_scope.label(&tenant.name), inflight.cached_tokens);
+        Ok(Run::new(self.clone(), job, id, dispatch, stream, inflight, seat))
     }
 
     /// Whether the cluster can serve (what `/ready` and the gRPC health
@@ -350,296 +394,38 @@ fn shed_label(shed: &Shed) -> &'static str {
     }
 }
 
+/// The seed of an unseeded request that came with an Idempotency-Key: the same
+/// for the same tenant and key on every coordinator, so a retry (at another
+/// coordinator too) samples the same answer. SHA-256, domain-separated.
+pub fn derived_seed(tenant: &str, key: &str) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"tandem seed from idempotency key v1");
+    for part in [tenant, key] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    let d = h.finalize();
+    u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+}
+
 /// A monotonic deadline as wall-clock ms since the epoch, for the wire.
-fn unix_ms(d: Instant) -> u64 {
+pub(crate) fn unix_ms(d: Instant) -> u64 {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |n| n.as_millis() as u64);
     (now + d.saturating_duration_since(Instant::now()).as_millis() as u64).max(1)
 }
 
-/// Why a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
-    /// End of sequence or a stop string.
-    Stop,
-    /// `max_tokens` or the context.
-    Length,
-}
-
-impl Finish {
-    /// The OpenAI `finish_reason`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
-        }
-    }
-}
-
-impl From<EngineFinish> for Finish {
-    fn from(f: EngineFinish) -> Self {
-        match f {
-            EngineFinish::Stop => Self::Stop,
-            EngineFinish::Length => Self::Length,
-        }
-    }
-}
-
-/// A generated token's log-probability and its alternatives.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenLogprob {
-    pub id: u32,
-    /// The token's vocabulary piece.
-    pub token: String,
-    /// Set whenever the worker reported it (always, when logprobs were asked for).
-    pub logprob: Option<f32>,
-    /// Most likely first.
-    pub top: Vec<TopLogprob>,
-}
-
-/// One alternative token.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TopLogprob {
-    pub id: u32,
-    /// The token's vocabulary piece.
-    pub token: String,
-    pub logprob: f32,
-}
-
-/// What one generated token turned into.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Piece {
-    /// The token's id.
-    pub token_id: u32,
-    /// Text it completes, stop strings removed; may be empty (held back).
-    pub text: String,
-    /// Set when the request asked for logprobs.
-    pub logprob: Option<TokenLogprob>,
-    /// Set when this token ended the generation (a stop string): the caller
-    /// stops reading, and dropping the run cancels the worker.
-    pub finish: Option<Finish>,
-}
-
-/// One step of a [`Run`].
-#[derive(Debug, Clone, PartialEq)]
-pub enum Event {
-    /// A generated token.
-    Piece(Piece),
-    /// The worker ended normally; [`Run::flush`] has the text held back.
-    End(Finish),
-}
-
-/// A whole generation, for non-streaming answers.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Collected {
-    pub text: String,
-    /// One per token when logprobs were asked for.
-    pub logprobs: Vec<TokenLogprob>,
-    pub finish: Finish,
-}
-
-/// One running generation: the worker stream, detokenized, with stop strings.
-/// How long an ended answer waits for the worker's own end (one message, sent
-/// right after the last token).
-const WORKER_END_WAIT: Duration = Duration::from_millis(500);
-
-pub struct Run {
-    id: String,
-    pipeline: Arc<Pipeline>,
-    stream: WorkerStream,
-    detok: Detokenizer,
-    stop: Option<StopChecker>,
-    deadline: Instant,
-    prompt_tokens: u32,
-    completion_tokens: u32,
-    /// From the worker's `Finished`, once it arrived.
-    cached_prompt_tokens: Option<u32>,
-    logprobs: bool,
-    include_usage: bool,
-    arrived: Instant,
-    last_token: Option<Instant>,
-    // Released last, with the run.
-    _lease: Lease,
-    _admission: Slot,
-    pass: Pass,
-}
-
-impl Drop for Run {
-    fn drop(&mut self) {
-        metrics::e2e(self.arrived.elapsed());
-        self.pass.generated(self.completion_tokens);
-    }
-}
-
-impl Run {
-    fn new(pipeline: Arc<Pipeline>, job: Job, id: String, stream: WorkerStream, lease: Lease, admission: Slot) -> Self {
-        let stop = StopChecker::new(&job.spec.params, pipeline.tokenizer.eos_ids()).ok();
-        Self {
-            id,
-            pipeline,
-            stream,
-            detok: Detokenizer::new(),
-            stop,
-            deadline: job.deadline,
-            prompt_tokens: job.ids.len() as u32,
-            completion_tokens: 0,
-            cached_prompt_tokens: None,
-            logprobs: job.spec.params.logprobs.is_some(),
-            include_usage: job.spec.include_usage,
-            arrived: job.arrived,
-            last_token: None,
-            _lease: lease,
-            _admission: admission,
-            pass: job.pass,
-        }
-    }
-
-    /// The cluster-wide request id.
-    pub fn id(&self) -> &str {
-        &self.id
-    }
-
-    /// The request asked for logprobs.
-    pub fn logprobs(&self) -> bool {
-        self.logprobs
-    }
-
-    /// The request asked for usage in a streamed answer.
-    pub fn include_usage(&self) -> bool {
-        self.include_usage
-    }
-
-    /// Token counts so far.
-    pub fn usage(&self) -> Usage {
-        Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens)
-    }
-
-    fn piece_of(&mut self, t: &TokenChunk) -> Piece {
-        self.completion_tokens += 1;
-        let now = Instant::now();
-        match self.last_token {
-            None => metrics::ttft(now.duration_since(self.arrived)),
-            Some(prev) => metrics::tpot(now.duration_since(prev)),
-        }
-        self.last_token = Some(now);
-        let tok = &self.pipeline.tokenizer;
-        let raw = self.detok.push(tok, t.id).unwrap_or_default();
-        let (text, finish) = match self.stop.as_mut() {
-            Some(s) => {
-                let d = s.on_token(t.id, &raw);
-                (d.emit, d.finished.map(Finish::from))
-            }
-            None => (raw, None),
-        };
-        let logprob = self.logprobs.then(|| TokenLogprob {
-            id: t.id,
-            token: tok.token_piece(t.id).unwrap_or_default().to_owned(),
-            logprob: t.logprob,
-            top: t
-                .top
-                .iter()
-                .map(|a| TopLogprob {
-                    id: a.id,
-                    token: tok.token_piece(a.id).unwrap_or_default().to_owned(),
-                    logprob: a.logprob,
-                })
-                .collect(),
-        });
-        Piece { token_id: t.id, text, logprob, finish }
-    }
-
-    /// The next piece, or the end; a worker error or the deadline is an error.
-    pub async fn step(&mut self) -> Result<Event, Error> {
-        let event = tokio::time::timeout_at(
-            self.deadline,
-            next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission),
-        )
-        .await;
-        match event {
-            Err(_) => Err(Error::Deadline),
-            Ok(Err(e)) => Err(e),
-            Ok(Ok(Step::Token(t))) => {
-                let piece = self.piece_of(&t);
-                if piece.finish.is_some() {
-                    self.await_worker_end().await;
-                }
-                Ok(Event::Piece(piece))
-            }
-            Ok(Ok(Step::Finished(f))) => {
-                self.worker_ended(&f);
-                Ok(Event::End(match f.reason() {
-                    WireFinish::Length => Finish::Length,
-                    _ => Finish::Stop,
-                }))
-            }
-        }
-    }
-
-    /// This side's stop checker ended the answer. Where the worker ended it
-    /// too (max_tokens, a stop token, EOS) its `Finished` follows at once:
-    /// read it, so the worker records a completion rather than a hang-up
-    /// (it counted these as `cancelled`). A stop string only this side sees:
-    /// the worker's next event is another token, and dropping the run then
-    /// cancels it. Bounded by [`WORKER_END_WAIT`] and the deadline.
-    async fn await_worker_end(&mut self) {
-        let until = (Instant::now() + WORKER_END_WAIT).min(self.deadline);
-        let end =
-            tokio::time::timeout_at(until, next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission))
-                .await;
-        if let Ok(Ok(Step::Finished(f))) = end {
-            self.worker_ended(&f);
-        }
-    }
-
-    /// The worker's own end of the answer arrived: what its prefix cache saved.
-    fn worker_ended(&mut self, f: &Finished) {
-        if self.cached_prompt_tokens.is_none() {
-            let tenant = self.pass.tenant();
-            metrics::prefix_hit_tokens(tenant.cache_scope.label(&tenant.name), f.cached_prompt_tokens);
-        }
-        self.cached_prompt_tokens = Some(f.cached_prompt_tokens);
-    }
-
-    /// Text held back by the detokenizer and stop checker, once the worker
-    /// ended normally ([`Event::End`]).
-    pub fn flush(&mut self) -> String {
-        let mut rest = self.detok.finish(&self.pipeline.tokenizer).unwrap_or_default();
-        if let Some(s) = self.stop.as_mut() {
-            let d = s.push_text(&rest);
-            rest = d.emit;
-            if d.finished.is_none() {
-                rest.push_str(&s.flush());
-            }
-        }
-        rest
-    }
-
-    /// Runs to the end: the whole text, logprobs and finish reason.
-    pub async fn collect(&mut self) -> Result<Collected, Error> {
-        let mut text = String::new();
-        let mut logprobs = Vec::new();
-        let finish = loop {
-            match self.step().await? {
-                Event::Piece(p) => {
-                    text.push_str(&p.text);
-                    logprobs.extend(p.logprob);
-                    if let Some(f) = p.finish {
-                        // A stop string: dropping the run cancels the worker.
-                        break f;
-                    }
-                }
-                Event::End(f) => {
-                    text.push_str(&self.flush());
-                    break f;
-                }
-            }
-        };
-        Ok(Collected { text, logprobs, finish })
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::capacity_share;
+    use super::{capacity_share, derived_seed};
+
+    #[test]
+    fn a_key_derives_one_seed_per_tenant() {
+        assert_eq!(derived_seed("t", "k1"), derived_seed("t", "k1"), "the same on every coordinator");
+        assert_ne!(derived_seed("t", "k1"), derived_seed("t", "k2"));
+        assert_ne!(derived_seed("t", "k1"), derived_seed("u", "k1"), "tenants do not share seeds");
+        assert_ne!(derived_seed("t", "k\0x"), derived_seed("t\0k", "x"), "the parts do not run together");
+    }
 
     #[test]
     fn the_capacity_splits_like_a_count_cap() {
