@@ -26,7 +26,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant as Clock};
 use types::priority::Priority;
 
-use coordinator::admission::{Admission, AdmissionConfig, Shed, Seat, Ticket};
+use coordinator::admission::{Admission, AdmissionConfig, Seat, Shed, Ticket};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use types::rng::XorShift64;

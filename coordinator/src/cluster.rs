@@ -467,7 +467,12 @@ impl Cluster {
         self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)), pin)
     }
 
-    fn route_prompt(&self, prompt_tokens: usize, mut query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
+    fn route_prompt(
+        &self,
+        prompt_tokens: usize,
+        mut query: Option<Query<'_>>,
+        pin: Option<&Pin>,
+    ) -> Result<Route, Error> {
         let affinity = self.settings.prefix_affinity;
         let view;
         let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {
@@ -736,7 +741,8 @@ impl Cluster {
                             continue;
                         }
                     }
-                    let stream = WorkerStream { first: Some(first), rest, placement, request_id: req.request_id.clone() };
+                    let stream =
+                        WorkerStream { first: Some(first), rest, placement, request_id: req.request_id.clone() };
                     return Ok((stream, inflight));
                 }
                 // The decode worker answers `Generate` at once and reports its own errors

@@ -94,7 +94,9 @@ pub enum Error {
     /// move to another (no worker of the same version group and determinism
     /// fingerprint could take it): `moves` it made, the `cause` that needed a
     /// move, and the `last` refusal.
-    #[error("the request's decode worker was lost ({cause}) and it could not move to another after {moves} move(s): {last}")]
+    #[error(
+        "the request's decode worker was lost ({cause}) and it could not move to another after {moves} move(s): {last}"
+    )]
     MigrationFailed { moves: u32, cause: String, last: String },
     /// The decode worker ended the request with a typed error. `drain` is
     /// the admission queue's drain estimate when it came: the Retry-After

@@ -255,8 +255,16 @@ async fn job_of(p: &Arc<Pipeline>, md: &MetadataMap, req: &GenerateRequest) -> R
         Some(Input::TokenIds(t)) => ("token_ids", PromptInput::Ids(token_ids(p, &t.ids)?)),
         None => return Err(Error::invalid("input", "one of `prompt`, `messages` or `token_ids` is required")),
     };
-    let draft =
-        Draft { input, param, spec, max_tokens_param: "max_tokens", priority, deadline, arrived, idempotency_key: None };
+    let draft = Draft {
+        input,
+        param,
+        spec,
+        max_tokens_param: "max_tokens",
+        priority,
+        deadline,
+        arrived,
+        idempotency_key: None,
+    };
     p.prepare(pass, draft).await
 }
 

@@ -61,14 +61,7 @@ fn main() -> Res<()> {
         let p: Worker = prefill_worker("bench", &["--threads", &threads])?;
         let d: Worker = decode_worker(
             "bench",
-            &[
-                "--threads",
-                &threads,
-                "--kv-load-failure-policy",
-                "fail",
-                "--kv-transport",
-                &transport,
-            ],
+            &["--threads", &threads, "--kv-load-failure-policy", "fail", "--kv-transport", &transport],
         )?;
         let mut c = DecodeWorkerClient::connect(format!("http://{}", d.addr("grpc")?)).await?;
         let target = PrefillTarget { worker_id: "p".into(), grpc_addr: p.addr("grpc")?.to_string() };

@@ -42,10 +42,7 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
     // Bit-exactness, not timing: a 1030-token prefill on one thread of a loaded 2-core
     // machine has outlived the default 30 s reservation lease (CI beside drills).
     let prefill = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
-    let decode = decode_worker(
-        GROUP,
-        &["--kv-load-failure-policy", "fail", "--reservation-ttl-ms", "120000"],
-    )?;
+    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "fail", "--reservation-ttl-ms", "120000"])?;
     let mut c = client(&decode).await?;
 
     let mut remote_blocks = 0;
@@ -96,14 +93,7 @@ async fn remote_prefill_over(transport: &str, lengths: &[usize]) -> TestResult {
     let prefill = prefill_worker(GROUP, &["--transfer-timeout-ms", "120000"])?;
     let decode = decode_worker(
         GROUP,
-        &[
-            "--kv-load-failure-policy",
-            "fail",
-            "--reservation-ttl-ms",
-            "120000",
-            "--kv-transport",
-            transport,
-        ],
+        &["--kv-load-failure-policy", "fail", "--reservation-ttl-ms", "120000", "--kv-transport", transport],
     )?;
     let mut c = client(&decode).await?;
     let mut blocks = 0;
@@ -368,8 +358,7 @@ async fn sigterm_finishes_in_flight_requests() -> TestResult {
     // A grace far longer than the drain takes on a quiet machine (~2 s): the test is
     // that in-flight requests finish, not how fast; the default 10 s ran out on a
     // 2-core machine shared with other builds (request 0 at 15 of 24 tokens).
-    let args =
-        ["--kv-load-failure-policy", "fail", "--shutdown-timeout-ms", "60000"];
+    let args = ["--kv-load-failure-policy", "fail", "--shutdown-timeout-ms", "60000"];
     let mut decode = decode_worker(GROUP, &args)?;
     let c = client(&decode).await?;
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt_of(&tok, 40 + i)).collect::<Result<_, _>>()?;
@@ -512,12 +501,7 @@ async fn an_overloaded_prefill_worker_is_absorbed_up_to_the_cap_then_refused() -
     let refusing = prefill_worker(GROUP, &["--max-waiting", "0"])?;
     let log = std::env::temp_dir().join(format!("tandem-absorb-{}.log", std::process::id()));
     let rate = ABSORB_TOKENS_PER_S.to_string();
-    let args = [
-        "--kv-load-failure-policy",
-        "recompute",
-        "--max-absorbed-prefill-tokens-per-s",
-        &rate,
-    ];
+    let args = ["--kv-load-failure-policy", "recompute", "--max-absorbed-prefill-tokens-per-s", &rate];
     let decode = common::decode_worker_logged(GROUP, &args, &log)?;
     let c = client(&decode).await?;
     let metrics = decode.addr("metrics")?;

@@ -177,14 +177,7 @@ fn assert_policy_outcome(policy: KvLoadFailurePolicy, got: &Outcome, alive: &str
 fn ucx_decode_worker() -> opskit::Result<common::Worker> {
     decode_worker(
         GROUP,
-        &[
-            "--kv-transport",
-            "ucx",
-            "--kv-load-failure-policy",
-            "fail",
-            "--reservation-ttl-ms",
-            "120000",
-        ],
+        &["--kv-transport", "ucx", "--kv-load-failure-policy", "fail", "--reservation-ttl-ms", "120000"],
     )
 }
 
@@ -315,10 +308,7 @@ async fn another_version_group_moves_zero_bytes() -> TestResult {
     let tok = common::tokenizer()?;
     let prompt = prompt_of(&tok, 64)?;
     let other_group = prefill_worker("g2", &[])?;
-    let decode = decode_worker(
-        GROUP,
-        &["--kv-transport", "ucx", "--kv-load-failure-policy", "fail"],
-    )?;
+    let decode = decode_worker(GROUP, &["--kv-transport", "ucx", "--kv-load-failure-policy", "fail"])?;
     let mut c = client(&decode).await?;
     let got = generate(&mut c, request("other-group", &prompt, vec![target(&other_group)?])).await?;
     assert_eq!(kind(&got), Some(ErrorKind::VersionMismatch), "{got:?}");

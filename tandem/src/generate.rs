@@ -37,9 +37,26 @@ pub struct Args {
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 0)]
     top_k: u32,
-    /// Random seed for reproducible sampling.
+    /// Random seed for reproducible sampling: token n is drawn at (seed, n), so the
+    /// same seed gives the same answer here and through a cluster.
     #[arg(long)]
     seed: Option<u64>,
+    /// Presence penalty in [-2, 2] (OpenAI semantics).
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// Frequency penalty in [-2, 2] (OpenAI semantics).
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Repetition penalty, > 0 (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Instead of the text, print one JSON line per generated token: its id, its
+    /// vocabulary piece and its logprob (for comparing answers token by token).
+    #[arg(long)]
+    tokens: bool,
     /// Stop when this text is generated (repeatable); it is not printed.
     #[arg(long)]
     stop: Vec<String>,
@@ -74,6 +91,11 @@ pub fn run(a: Args) -> Result<()> {
         seed: a.seed,
         max_tokens: a.max_tokens,
         stop_strings: a.stop.clone(),
+        presence_penalty: a.presence_penalty,
+        frequency_penalty: a.frequency_penalty,
+        repetition_penalty: a.repetition_penalty,
+        ignore_eos: a.ignore_eos,
+        logprobs: a.tokens.then_some(0),
         ..SamplingParams::default()
     };
     params.validate().context("invalid sampling options")?;
@@ -126,7 +148,16 @@ pub fn run(a: Args) -> Result<()> {
             generated += 1;
             let piece = detok.push(&tok, ev.token.id)?;
             let d = stop.on_token(ev.token.id, &piece);
-            out.write_all(d.emit.as_bytes())?;
+            if a.tokens {
+                let line = serde_json::json!({
+                    "id": ev.token.id,
+                    "token": tok.token_piece(ev.token.id).unwrap_or_default(),
+                    "logprob": ev.token.logprob,
+                });
+                writeln!(out, "{line}")?;
+            } else {
+                out.write_all(d.emit.as_bytes())?;
+            }
             out.flush()?;
             if d.finished.is_some() || ev.finished.is_some() {
                 finished = true;
@@ -134,6 +165,9 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     engine.abort(0);
+    if a.tokens {
+        return Ok(());
+    }
     if !stop.finish_reason().is_some_and(|r| r == engine::sampler::FinishReason::Stop) {
         let rest = detok.finish(&tok)?;
         let d = stop.push_text(&rest);

@@ -20,7 +20,7 @@ use coordinator::grpc;
 use coordinator::http::{router, App, HttpSettings, ServeSettings};
 use coordinator::pipeline::{MigrationSettings, Pipeline, Settings};
 use coordinator::prompt::pool::Pool;
-use coordinator::tenants::{Tenancy, Split, Tenant};
+use coordinator::tenants::{Split, Tenancy, Tenant};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 use tokio_util::sync::CancellationToken;

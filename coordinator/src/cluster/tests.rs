@@ -143,11 +143,7 @@ async fn a_stream_broken_before_its_first_message_is_routed_again() {
         tags: WorkerTags { cache_salt: 7, priority: Priority::Low },
         pin: None,
     };
-    let (mut stream, _inflight) = c
-        .generate(dispatch)
-        .await
-        .map_err(|e| e.to_string())
-        .expect("routed again");
+    let (mut stream, _inflight) = c.generate(dispatch).await.map_err(|e| e.to_string()).expect("routed again");
     let first = stream.message().await.expect("a message").and_then(|m| m.event);
     assert!(matches!(first, Some(generate_response::Event::Token(TokenChunk { id: 7, .. }))), "{first:?}");
     let ids = |m: &Mutex<Vec<String>>| m.lock().unwrap_or_else(|e| e.into_inner()).clone();

@@ -52,8 +52,7 @@ use crate::idempotency::{Idempotency, Recorder, Replay, Replayed};
 use crate::metrics;
 use crate::openai;
 use crate::pipeline::{
-    priority_of, send_within, Claimed, Draft, Entered, Event as RunEvent, Job, Pipeline, PromptInput, Run,
-    TokenLogprob,
+    priority_of, send_within, Claimed, Draft, Entered, Event as RunEvent, Job, Pipeline, PromptInput, Run, TokenLogprob,
 };
 use crate::tenants::Pass;
 
@@ -371,12 +370,7 @@ fn finished(api: Api, r: Response) -> Response {
 /// its run as an OpenAI answer, streamed or whole; with `recorder` (an
 /// `Idempotency-Key`) what it sends is recorded for retries. The answer's
 /// `x-tandem-seed` header carries the seed it was sampled with.
-async fn respond(
-    app: Arc<App>,
-    api: Api,
-    job: Result<Job, Error>,
-    recorder: Option<Recorder<Recorded>>,
-) -> Response {
+async fn respond(app: Arc<App>, api: Api, job: Result<Job, Error>, recorder: Option<Recorder<Recorded>>) -> Response {
     let refused = |e: Error, recorder: Option<Recorder<Recorded>>| {
         // A refusal is kept for retries only when a retry would get it again.
         let status = error::status(&e);

@@ -303,11 +303,9 @@ impl Run {
         loop {
             let stall = self.pipeline.settings.migration.stall;
             let wake = (self.last_event + stall).min(self.deadline);
-            let event = tokio::time::timeout_at(
-                wake,
-                next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission),
-            )
-            .await;
+            let event =
+                tokio::time::timeout_at(wake, next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission))
+                    .await;
             let event = match event {
                 Err(_) if Instant::now() >= self.deadline => return Err(Error::Deadline),
                 Err(_) => {
