@@ -82,6 +82,52 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
     assert_no_kv_left("after remote prefill", &decode).await
 }
 
+/// A continuation (request migration): given the prompt and the first k tokens of an
+/// answer, a decode worker generates the rest exactly, prefilled remotely or locally, and
+/// numbers its tokens from k; a continuation made for another determinism fingerprint is
+/// refused with a typed error before any work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continuation_goes_on_exactly_and_another_determinism_is_refused() -> TestResult {
+    let tok = common::tokenizer()?;
+    let prompt = prompt_of(&tok, 40)?;
+    let want = reference(std::slice::from_ref(&prompt), MAX_TOKENS)?.remove(0);
+    let prefill = prefill_worker(GROUP, &[])?;
+    let decode = decode_worker(GROUP, &["--kv-load-failure-policy", "fail"])?;
+    let mut c = client(&decode).await?;
+    let own = c.health(HealthRequest::default()).await?.into_inner().determinism_fingerprint;
+    assert_eq!(own.len(), 32, "Health reports the determinism fingerprint");
+    let continued = |id: &str, k: usize, prefill: Vec<proto::worker::v1::PrefillTarget>, fp: Vec<u8>| {
+        let mut r = request(id, &prompt, prefill);
+        r.generated_ids = want[..k].to_vec();
+        if let Some(s) = r.sampling.as_mut() {
+            s.max_tokens = MAX_TOKENS - k as u32;
+        }
+        r.determinism_fingerprint = fp;
+        r
+    };
+    let all = MAX_TOKENS as usize;
+    for (k, remote) in [(1, true), (5, true), (5, false), (all - 1, true)] {
+        let targets = if remote { vec![target(&prefill)?] } else { Vec::new() };
+        let got = generate(&mut c, continued(&format!("k{k}-{remote}"), k, targets, own.clone())).await?;
+        let fin = got.end.as_ref().map_err(|e| format!("continuation from {k} failed: {e:?}"))?;
+        assert_eq!(got.tokens, want[k..], "continued from token {k} ({})", if remote { "remote" } else { "local" });
+        let indices: Vec<Option<u32>> = (k..all).map(|i| Some(i as u32)).collect();
+        assert_eq!(got.indices, indices, "tokens are numbered after the ones it resumed from");
+        assert_eq!((fin.prefilled_remotely, fin.prompt_tokens as usize), (remote, prompt.len()));
+    }
+    let mut other = own.clone();
+    other[0] ^= 1;
+    for remote in [true, false] {
+        let targets = if remote { vec![target(&prefill)?] } else { Vec::new() };
+        let refused = generate(&mut c, continued(&format!("other-{remote}"), 3, targets, other.clone())).await?;
+        assert_eq!(kind(&refused), Some(ErrorKind::VersionMismatch), "{refused:?}");
+        assert!(refused.tokens.is_empty(), "nothing was generated for it");
+        let message = refused.end.err().map(|e| e.message).unwrap_or_default();
+        assert!(message.contains("continuation refused") && message.contains("determinism"), "{message}");
+    }
+    assert_no_kv_left("after continuations", &decode).await
+}
+
 /// Remote prefill over `transport` of prompts `lengths` tokens long gives the engine's
 /// output and moves every block, counted as blocks x block bytes on both sides.
 async fn remote_prefill_over(transport: &str, lengths: &[usize]) -> TestResult {

@@ -22,6 +22,8 @@ pub const MAX_TOKENS: u32 = 6;
 #[derive(Debug)]
 pub struct Outcome {
     pub tokens: Vec<u32>,
+    /// Each token's index as the worker numbered it.
+    pub indices: Vec<Option<u32>>,
     pub end: Result<Finished, WorkerError>,
     /// The remote prefill attempts reported on the stream: (worker_id, failure reason or "ok").
     pub attempts: Vec<(String, String)>,
@@ -64,6 +66,7 @@ pub async fn generate(c: &mut DecodeWorkerClient<Channel>, req: GenerateRequest)
     let collect = async {
         let mut stream = c.generate(req).await.map_err(|s| format!("Generate {id}: {s}"))?.into_inner();
         let mut tokens = Vec::new();
+        let mut indices = Vec::new();
         let mut attempts = Vec::new();
         while let Some(msg) = stream.message().await.map_err(|s| format!("Generate {id} stream: {s}"))? {
             for a in &msg.prefill_attempts {
@@ -72,9 +75,16 @@ pub async fn generate(c: &mut DecodeWorkerClient<Channel>, req: GenerateRequest)
                 attempts.push((who, how));
             }
             match msg.event {
-                Some(generate_response::Event::Token(t)) => tokens.push(t.id),
-                Some(generate_response::Event::Finished(f)) => return Ok(Outcome { tokens, end: Ok(f), attempts }),
-                Some(generate_response::Event::Error(e)) => return Ok(Outcome { tokens, end: Err(e), attempts }),
+                Some(generate_response::Event::Token(t)) => {
+                    tokens.push(t.id);
+                    indices.push(t.index);
+                }
+                Some(generate_response::Event::Finished(f)) => {
+                    return Ok(Outcome { tokens, indices, end: Ok(f), attempts })
+                }
+                Some(generate_response::Event::Error(e)) => {
+                    return Ok(Outcome { tokens, indices, end: Err(e), attempts })
+                }
                 None => return Err(format!("Generate {id}: an empty event")),
             }
         }
