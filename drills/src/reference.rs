@@ -1,7 +1,9 @@
 //! The no-fault answers G1 compares against: the single-process engine's
-//! greedy continuation of each prompt, tokenized as the coordinator does for
+//! continuation of each prompt, tokenized as the coordinator does for
 //! `/v1/completions` (no special tokens), stopping at EOS (unless
-//! `ignore_eos`, as the request said) or `max_tokens`.
+//! `ignore_eos`, as the request said) or `max_tokens`: greedy, or for a
+//! request the load samples, sampled with its seed (token n is drawn at
+//! (seed, n) wherever it is computed, so the cluster must give the same).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -14,24 +16,35 @@ use types::sampling::SamplingParams;
 
 use crate::HarnessError;
 
-type Key = (Vec<String>, u32, bool);
+type Key = (Vec<String>, u32, bool, Option<(usize, u32, u32, u64)>);
 
-/// Greedy answers of `prompts`, as text; memoized per (prompts, max_tokens, ignore_eos) for
-/// the process.
-pub fn reference_texts(prompts: &[String], max_tokens: u32, ignore_eos: bool) -> Result<Vec<String>, HarnessError> {
+/// The answers of `prompts` (greedy, or as `sampled` says for the requests it samples), as
+/// text; memoized per (prompts, max_tokens, ignore_eos, sampled) for the process.
+pub fn reference_texts(
+    prompts: &[String],
+    max_tokens: u32,
+    ignore_eos: bool,
+    sampled: Option<loadgen::Sampled>,
+) -> Result<Vec<String>, HarnessError> {
     static CACHE: OnceLock<Mutex<HashMap<Key, Vec<String>>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
-    let key = (prompts.to_vec(), max_tokens, ignore_eos);
+    let s = sampled.map(|s| (s.every, s.temperature.to_bits(), s.top_p.to_bits(), s.seed));
+    let key = (prompts.to_vec(), max_tokens, ignore_eos, s);
     if let Some(v) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(v.clone());
     }
-    let v =
-        compute(prompts, max_tokens, ignore_eos).map_err(|e| HarnessError::Setup(format!("reference engine: {e}")))?;
+    let v = compute(prompts, max_tokens, ignore_eos, sampled)
+        .map_err(|e| HarnessError::Setup(format!("reference engine: {e}")))?;
     cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, v.clone());
     Ok(v)
 }
 
-fn compute(prompts: &[String], max_tokens: u32, ignore_eos: bool) -> Result<Vec<String>, String> {
+fn compute(
+    prompts: &[String],
+    max_tokens: u32,
+    ignore_eos: bool,
+    sampled: Option<loadgen::Sampled>,
+) -> Result<Vec<String>, String> {
     let path = engine::paths::default_model_path();
     let (w, f) = Weights::from_gguf(&path).map_err(|e| format!("load {} (run `make model`): {e}", path.display()))?;
     let tok = Tokenizer::from_gguf(&f).map_err(|e| e.to_string())?;
@@ -40,7 +53,12 @@ fn compute(prompts: &[String], max_tokens: u32, ignore_eos: bool) -> Result<Vec<
     let mut e = Engine::new(model, cfg, tok.eos_ids().to_vec()).map_err(|e| e.to_string())?;
     for (i, p) in prompts.iter().enumerate() {
         let ids = tok.encode(p, false).map_err(|e| e.to_string())?;
-        let params = SamplingParams { max_tokens, ignore_eos, ..SamplingParams::default() };
+        let mut params = SamplingParams { max_tokens, ignore_eos, ..SamplingParams::default() };
+        if let Some((s, seed)) = sampled.and_then(|s| Some((s, s.seed_of(i)?))) {
+            params.temperature = s.temperature;
+            params.top_p = s.top_p;
+            params.seed = Some(seed);
+        }
         e.add(Request {
             id: i as u64,
             prompt: ids,

@@ -63,7 +63,7 @@ impl Sender {
         Self { http, plan: Arc::new(plan.clone()), checked: Arc::new(checked) }
     }
 
-    fn body(&self, input: &Input<'_>) -> Value {
+    fn body(&self, index: usize, input: &Input<'_>) -> Value {
         let p = &self.plan;
         let mut b = json!({
             "model": p.model,
@@ -71,6 +71,11 @@ impl Sender {
             "temperature": 0,
             "stream": p.stream,
         });
+        if let Some((s, seed)) = p.sampled.and_then(|s| Some((s, s.seed_of(index)?))) {
+            b["temperature"] = json!(s.temperature);
+            b["top_p"] = json!(s.top_p);
+            b["seed"] = json!(seed);
+        }
         match (input, p.endpoint) {
             (Input::Text(prompt), Endpoint::Completions) => b["prompt"] = json!(prompt),
             (Input::Text(prompt), Endpoint::Chat) => b["messages"] = json!([{"role": "user", "content": prompt}]),
@@ -90,7 +95,7 @@ impl Sender {
     pub async fn send(&self, index: usize, input: &Input<'_>, t0: Instant) -> Record {
         let mut m = Meter::new(index, t0);
         let deadline = m.start + self.plan.timeout;
-        let mut req = Request::new(Full::new(Bytes::from(self.body(input).to_string())));
+        let mut req = Request::new(Full::new(Bytes::from(self.body(index, input).to_string())));
         *req.method_mut() = Method::POST;
         *req.uri_mut() = self.checked.uri.clone();
         *req.headers_mut() = self.checked.headers.clone();

@@ -45,7 +45,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-pub use plan::{Arrival, Endpoint, Plan, PlanError, PromptSource};
+pub use plan::{Arrival, Endpoint, Plan, PlanError, PromptSource, Sampled};
 pub use report::{percentile, Outcome, Percentiles, Record, Report, Summary};
 
 use client::{Input, Message, Sender};

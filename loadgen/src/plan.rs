@@ -74,7 +74,27 @@ pub enum PromptSource {
     Chats { system_prompts: usize, system_tokens: usize, turns: usize, user_tokens: usize },
 }
 
-/// One load run against one server. Sampling is greedy (`temperature: 0`).
+/// Which requests of a plan sample, and how: request `i` samples when
+/// `i % every == every - 1` (every second one with `every` 2), at
+/// `temperature` and `top_p`, seeded `seed + i`, so its answer is reproducible
+/// (and checkable against a reference). The others stay greedy.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Sampled {
+    pub every: usize,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+impl Sampled {
+    /// The seed request `index` samples with, if it samples.
+    pub fn seed_of(&self, index: usize) -> Option<u64> {
+        (self.every > 0 && index % self.every == self.every - 1).then(|| self.seed.wrapping_add(index as u64))
+    }
+}
+
+/// One load run against one server. Sampling is greedy (`temperature: 0`)
+/// unless [`Plan::sampled`] says otherwise.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Plan {
@@ -109,6 +129,8 @@ pub struct Plan {
     /// Seeds the arrivals and the generated prompts: the same seed gives the
     /// same prompts and gaps, whatever the target.
     pub seed: u64,
+    /// Requests that sample (seeded) instead of decoding greedily.
+    pub sampled: Option<Sampled>,
     /// Client-side limit on a whole request, connect to last byte; past it
     /// the request is dropped and recorded as [`crate::Outcome::Timeout`].
     #[serde(rename = "timeout_ms", serialize_with = "crate::report::ms")]
@@ -135,6 +157,7 @@ impl Plan {
             priority: None,
             api_key: None,
             seed: 0,
+            sampled: None,
             timeout: Duration::from_secs(300),
         }
     }
@@ -189,6 +212,15 @@ impl Plan {
         }
         if self.max_tokens == 0 {
             return Err(PlanError::Invalid { field: "max_tokens", reason: "must be at least 1".into() });
+        }
+        if let Some(s) = self.sampled {
+            if s.every == 0 || !(s.temperature.is_finite() && s.temperature > 0.0) || !(s.top_p > 0.0 && s.top_p <= 1.0)
+            {
+                return Err(PlanError::Invalid {
+                    field: "sampled",
+                    reason: format!("every must be at least 1, temperature > 0 and top_p in (0, 1]: {s:?}"),
+                });
+            }
         }
         if self.timeout.is_zero() {
             return Err(PlanError::Invalid { field: "timeout", reason: "must be positive".into() });

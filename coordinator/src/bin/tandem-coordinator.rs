@@ -175,7 +175,7 @@ struct Flags {
     #[arg(long, env = "TANDEM_PREFILL_BREAKER_OPEN", default_value = "refuse", value_parser = ["refuse", "local"])]
     prefill_breaker_open: String,
     /// How many times one running request may move to another decode worker
-    /// when its worker dies, is fenced, loses its KV or freezes (request
+    /// when its worker dies, is fenced or drained past its grace, or freezes (request
     /// migration: the stream goes on, no token lost or repeated); 0 turns
     /// migration off. Env: TANDEM_MIGRATION_LIMIT.
     #[arg(long, env = "TANDEM_MIGRATION_LIMIT", default_value_t = 3)]

@@ -112,8 +112,6 @@ pub(crate) enum MoveReason {
     /// The worker ended the request as retryable: it was fenced, or drained
     /// past its grace.
     Refused,
-    /// The worker lost the request's KV (`kv_load_failed`).
-    KvLost,
     /// No event for `--migration-stall-ms` while the worker's load reports
     /// went stale too: a frozen process or a cut-off host.
     Stalled,
@@ -123,26 +121,28 @@ pub(crate) enum MoveReason {
 
 impl MoveReason {
     #[cfg(test)]
-    pub(crate) const ALL: [MoveReason; 5] =
-        [MoveReason::WorkerLost, MoveReason::Refused, MoveReason::KvLost, MoveReason::Stalled, MoveReason::Gap];
+    pub(crate) const ALL: [MoveReason; 4] =
+        [MoveReason::WorkerLost, MoveReason::Refused, MoveReason::Stalled, MoveReason::Gap];
 
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             MoveReason::WorkerLost => "worker_lost",
             MoveReason::Refused => "refused",
-            MoveReason::KvLost => "kv_lost",
             MoveReason::Stalled => "stalled",
             MoveReason::Gap => "gap",
         }
     }
 
-    /// Whether `e`, ending a decode stream, is one a request survives by moving.
+    /// Whether `e`, ending a decode stream, is one a request survives by moving:
+    /// the worker is gone or its link broke, or it handed the request back
+    /// (fenced, drained). A failed KV load is not: it comes before the first
+    /// token, under the decode worker's `kv_load_failure_policy`, whose `fail`
+    /// is an answer by contract.
     fn of(e: &Error) -> Option<Self> {
         use proto::worker::v1::ErrorKind as K;
         match e {
             Error::WorkerStream(_) => Some(Self::WorkerLost),
             Error::Worker { kind: K::Retryable, .. } => Some(Self::Refused),
-            Error::Worker { kind: K::KvLoadFailed, .. } => Some(Self::KvLost),
             _ => None,
         }
     }

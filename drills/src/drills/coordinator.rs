@@ -157,6 +157,7 @@ impl Drill for PrefillErrors {
             concurrency: 2,
             // `retry` falls back to the healthy worker: the fault is one the cluster hides.
             invariants: Invariants { all_complete: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -225,6 +226,7 @@ impl Drill for PrefillUnavailable {
         spec = spec.decode_behind_proxy("g1");
         spec.coordinator_args.extend(breaker_args());
         Setup {
+            sampled: None,
             spec,
             requests: 16,
             max_tokens: 8,
@@ -337,6 +339,7 @@ impl Drill for LayoutMismatch {
             concurrency: 2,
             // Policy `fail`: a request paired with the mismatched worker would end version_mismatch.
             invariants: Invariants { all_complete: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -470,6 +473,7 @@ impl Drill for SlowReader {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 

@@ -176,6 +176,7 @@ impl Drill for EtcdRestart {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -224,6 +225,7 @@ impl Drill for EtcdLeaderKill {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -279,6 +281,7 @@ impl Drill for EtcdQuorumLoss {
     fn setup(&self, _skip: bool) -> Setup {
         let stale = MAX_STALE_MS.to_string();
         Setup {
+            sampled: None,
             spec: ClusterSpec { lease_ttl_s: 2, ..ClusterSpec::default() }
                 .etcd_members(3)
                 .prefill("g1")
@@ -382,6 +385,7 @@ impl Drill for WorkerEtcdCutoff {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -456,6 +460,7 @@ impl Drill for CoordinatorEtcdCutoff {
     fn setup(&self, _skip: bool) -> Setup {
         let stale = MAX_STALE_MS.to_string();
         Setup {
+            sampled: None,
             spec: ClusterSpec { lease_ttl_s: 2, ..ClusterSpec::default() }
                 .prefill("g1")
                 .decode("g1")
@@ -601,6 +606,7 @@ impl Drill for EtcdStall {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 

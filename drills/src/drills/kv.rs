@@ -85,6 +85,7 @@ impl Drill for KvCorrupt {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -268,6 +269,7 @@ impl Drill for KvDelay {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -329,6 +331,7 @@ impl Drill for KvLoss {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, deadline: Duration::from_secs(30), ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -454,6 +457,7 @@ impl Drill for KvBlackhole {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, deadline: Duration::from_secs(30), ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -544,6 +548,7 @@ impl Drill for KvResets {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -615,6 +620,7 @@ impl Drill for KvReorder {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 

@@ -59,6 +59,7 @@ impl Drill for RequestLinkResets {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, cuts_allowed: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -138,6 +139,7 @@ impl Drill for RequestLinkDelay {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -198,6 +200,7 @@ impl Drill for ControlLinkResets {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { allowed_errors: Some(vec!["worker_stream".into()]), ..Invariants::default() },
+            sampled: None,
         }
     }
 

@@ -30,6 +30,7 @@ impl Drill for ClientDisconnect {
             max_tokens: 16,
             concurrency: 2,
             invariants: Invariants { all_complete: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 
@@ -100,6 +101,7 @@ impl Drill for Overload3x {
 
     fn setup(&self, skip: bool) -> Setup {
         Setup {
+            sampled: None,
             // Each worker on a core of its own where there are two (`core_each`), as in noisy-neighbour:
             // unpinned, the coordinator's and the load's work for the refused requests
             // (5 arrivals a second) landed on the decode worker's cores and slowed every
@@ -197,6 +199,7 @@ impl Drill for TightDeadlines {
     fn setup(&self, skip: bool) -> Setup {
         let inv = Invariants::default();
         Setup {
+            sampled: None,
             // One request runs at a time; the queue behind it outlives the deadline. On a
             // quick machine (AMD EPYC, ~0.34 s for 16 tokens) a queue of 6 drained within the
             // 4 s and nothing missed its deadline; 15 queued (the per-key queue holds 16) of

@@ -137,7 +137,7 @@ const MID_PUSH: usize = 16 << 10;
 /// Every drill, in the order `--all` and the tests run them.
 fn all() -> Vec<Box<dyn Drill>> {
     vec![
-        Box::new(process::DecodeKill),
+        Box::new(process::DecodeKill { sampled: false }),
         Box::new(process::PrefillKill { policy: "recompute", hold_at: MID_PUSH, ucx: false }),
         Box::new(process::PrefillKill { policy: "retry", hold_at: MID_PUSH, ucx: false }),
         Box::new(process::PrefillKill { policy: "fail", hold_at: MID_PUSH, ucx: false }),
@@ -177,6 +177,9 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(process::VersionRelabel { ucx: true }),
         Box::new(kv::KvBlackhole { ucx: true }),
         Box::new(tenants::NoisyNeighbour),
+        // Request migration: long streams, half sampled, outlive their decode worker.
+        Box::new(process::DecodeKill { sampled: true }),
+        Box::new(process::DecodeFreezeMigrate),
     ]
 }
 
@@ -404,6 +407,9 @@ pub(crate) struct Setup {
     pub max_tokens: u32,
     pub concurrency: usize,
     pub invariants: Invariants,
+    /// Requests of the load that sample (seeded) instead of decoding greedily; G1
+    /// compares them with the engine's answer for their seed.
+    pub sampled: Option<loadgen::Sampled>,
 }
 
 /// Runs drill `name`: starts its cluster, runs the load with the fault, checks G1–G6,
@@ -438,9 +444,11 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     // Goodput compares loads whose requests must be the same work whichever are admitted:
     // each generates exactly `max_tokens` (an answer ending early at EOS costs a whole
     // prefill for fewer tokens, and moved the ratio by 10% here).
-    let ignore_eos = s.invariants.goodput.is_some();
-    let (p2, max) = (prompts.clone(), s.max_tokens);
-    let reference = tokio::task::spawn_blocking(move || reference_texts(&p2, max, ignore_eos))
+    // A sampled load generates exactly `max_tokens` too: every answer is long enough to be
+    // moved mid-stream, and its reference is the whole seeded answer.
+    let ignore_eos = s.invariants.goodput.is_some() || s.sampled.is_some();
+    let (p2, max, sampled) = (prompts.clone(), s.max_tokens, s.sampled);
+    let reference = tokio::task::spawn_blocking(move || reference_texts(&p2, max, ignore_eos, sampled))
         .await
         .map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
 
@@ -455,6 +463,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     plan.max_tokens = s.max_tokens;
     plan.ignore_eos = ignore_eos;
     plan.seed = seed;
+    plan.sampled = s.sampled;
     plan.api_key = s.spec.tenants.as_ref().map(|t| t.load_key.clone());
     plan.deadline = Some(s.invariants.deadline);
     plan.timeout = s.invariants.deadline + s.invariants.grace + Duration::from_secs(10);

@@ -10,7 +10,7 @@ mod stop;
 pub(super) use coordinator_kill::CoordinatorKill;
 pub(super) use drain::{DrainGraceShort, RollingDrain, VersionRelabel};
 pub(super) use kill::{DecodeKill, PrefillKill};
-pub(super) use stop::WorkerSigstop;
+pub(super) use stop::{DecodeFreezeMigrate, WorkerSigstop};
 
 use super::common::Stream;
 

@@ -150,6 +150,7 @@ impl Drill for NoisyNeighbour {
             concurrency: 1,
             // Nothing of B's may be refused.
             invariants: Invariants { all_complete: true, ..Invariants::default() },
+            sampled: None,
         }
     }
 

@@ -94,15 +94,15 @@ pub const DECODE_REROUTES: &str = "tandem_coordinator_decode_reroutes_total";
 /// `tandem_coordinator_migrations_total{reason,outcome}`: running requests moved
 /// to another decode worker mid-stream (request migration), by why — `worker_lost`
 /// (the stream broke: the process died or its link failed), `refused` (fenced, or
-/// drained past its grace), `kv_lost`, `stalled` (no token and stale load reports:
-/// a frozen worker), `gap` (tokens missing) — and how the move ended: `ok` (it
+/// drained past its grace), `stalled` (no token and stale load reports: a frozen
+/// worker), `gap` (tokens missing) — and how the move ended: `ok` (it
 /// continues there), `failed` (no decode worker of its group and determinism
 /// fingerprint could take it), `limit` (`--migration-limit` reached), `deadline`.
 /// The client sees an error only for the last three. vLLM: none (Dynamo:
 /// `migration` counters of its frontend).
 pub const MIGRATIONS: &str = "tandem_coordinator_migrations_total";
 /// Every `reason` of [`MIGRATIONS`].
-pub const MIGRATION_REASONS: [&str; 5] = ["worker_lost", "refused", "kv_lost", "stalled", "gap"];
+pub const MIGRATION_REASONS: [&str; 4] = ["worker_lost", "refused", "stalled", "gap"];
 /// Every `outcome` of [`MIGRATIONS`].
 pub const MIGRATION_OUTCOMES: [&str; 4] = ["ok", "failed", "limit", "deadline"];
 /// `tandem_coordinator_migration_recomputed_tokens_total`: prompt and already

@@ -48,6 +48,7 @@ impl Drill for CoordinatorKill {
             concurrency: 2,
             // Only transport errors across the kill (counted as coordinator_lost); nothing typed.
             invariants: Invariants { allowed_errors: Some(vec![]), ..Invariants::default() },
+            sampled: None,
         }
     }
 

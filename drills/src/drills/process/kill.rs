@@ -5,53 +5,93 @@ use loadgen::Report;
 use std::time::Duration;
 
 use crate::cluster::{Cluster, ClusterSpec, Role};
-use crate::drills::common::{await_supervisor, busy_decoder, decode_metrics, gone, LOAD_WAIT};
+use crate::drills::common::{await_supervisor, decode_metrics, gone, LOAD_WAIT};
 use crate::drills::{at_least, own_cluster, supervisor_restarts, Drill, DrillInfo, Evidence, Exit, Progress, Setup};
 use crate::invariants::Invariants;
 use crate::process::{signal, socket_owner, Signal};
 use crate::proxy::Fault;
 use crate::HarnessError;
 
-/// SIGKILL a decode worker mid-stream.
-pub(in crate::drills) struct DecodeKill;
+/// SIGKILL a decode worker mid-stream: with request migration, its streams move to
+/// the other decode worker and every request completes with its undisturbed answer.
+/// `sampled`: eight long streams, half of them sampled (seeded), and the victim is the
+/// worker running the most of them.
+pub(in crate::drills) struct DecodeKill {
+    pub sampled: bool,
+}
+
+/// The coordinator's moves of running requests with `reason` that succeeded, plus the
+/// routes taken again before a first token (a request killed while prefilling).
+async fn moved(c: &Cluster, reason: &str) -> Result<f64, HarnessError> {
+    use facts::metrics::coordinator::{DECODE_REROUTES, MIGRATIONS};
+    let p = c.coordinator_metrics().await?;
+    Ok(p.get(MIGRATIONS, &[("reason", reason), ("outcome", "ok")])? + p.sum(DECODE_REROUTES, &[])?)
+}
+
+/// The sampled load of the migration drills: eight requests at once, 200 tokens each
+/// (ignore_eos), every second one sampled at temperature 0.8 / top-p 0.95 with its own seed.
+pub(in crate::drills) fn migration_load(invariants: Invariants) -> Setup {
+    Setup {
+        spec: ClusterSpec::default().prefill("g1").decode("g1").decode("g1"),
+        requests: 8,
+        max_tokens: 200,
+        concurrency: 8,
+        invariants,
+        sampled: Some(loadgen::Sampled { every: 2, temperature: 0.8, top_p: 0.95, seed: 1000 }),
+    }
+}
 
 #[async_trait::async_trait]
 impl Drill for DecodeKill {
     /// Against a supervised cluster: the supervisor starts the victim again, and the drill
     /// waits for that before it judges.
     fn against(&self, c: &Cluster) -> Result<(), String> {
-        at_least(c, Role::Decode, 2, "one to kill, one to finish the load")?;
+        at_least(c, Role::Decode, 2, "one to kill, one to take its streams")?;
         supervisor_restarts(c, Exit::Killed)
     }
 
     fn info(&self) -> DrillInfo {
+        if self.sampled {
+            return DrillInfo {
+                name: "decode-kill-sampled",
+                description: "SIGKILL the decode worker running most of eight 200-token streams (half sampled, \
+                              seeded; 2 decode workers): every stream moves to the other worker and completes \
+                              with no error and exactly its undisturbed answer",
+            };
+        }
         DrillInfo {
             name: "decode-kill",
-            description: "SIGKILL a decode worker while it streams (2 decode workers): its streams end typed \
-                          (worker_stream), the rest complete on the other worker",
+            description: "SIGKILL a decode worker while it streams (2 decode workers): its streams move to the \
+                          other worker (request migration); every request completes, no error reaches a client",
         }
     }
 
     fn setup(&self, _skip: bool) -> Setup {
+        let invariants = Invariants { all_complete: true, ..Invariants::default() };
+        if self.sampled {
+            return migration_load(invariants);
+        }
         Setup {
+            sampled: None,
             spec: ClusterSpec::default().prefill("g1").decode("g1").decode("g1"),
             requests: 8,
             max_tokens: 32,
             concurrency: 2,
-            invariants: Invariants {
-                allowed_errors: Some(vec!["worker_stream".into(), "retryable".into(), "no_worker".into()]),
-                ..Invariants::default()
-            },
+            invariants,
         }
     }
 
     async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         let mut ev = Evidence::default();
-        // The first decode worker seen running a request is the victim.
-        let name = busy_decoder(c, LOAD_WAIT).await?;
+        // The victim: the worker running the most requests (at least 3 of the eight for
+        // the sampled load, so streams really move; 1 for the plain one).
+        let least = if self.sampled { 3.0 } else { 1.0 };
+        let (name, running) = busiest_decoder(c, least, LOAD_WAIT).await?;
         let pid = c.worker(&name)?.proc.pid;
-        ev.notes.push(format!("{name} (pid {pid}) was running a request"));
+        ev.before = moved(c, "worker_lost").await?;
+        ev.notes.push(format!("{name} (pid {pid}) was running {running} requests"));
         ev.victim = Some((name.clone(), pid));
+        ev.done_at.push(running as usize);
         if !skip {
             ev.began();
             c.signal(&name, Signal::Kill)?;
@@ -60,7 +100,7 @@ impl Drill for DecodeKill {
         Ok(ev)
     }
 
-    async fn prove(&self, _: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
         let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
         if !gone(pid) {
             return Err(format!("decode worker {name} (pid {pid}) is still running"));
@@ -68,8 +108,46 @@ impl Drill for DecodeKill {
         if !ev.missing.is_empty() {
             return Err(format!("{}; pid {pid} is gone, but {}", ev.notes.join("; "), ev.missing.join("; ")));
         }
-        Ok(format!("{}; pid {pid} is gone from /proc", ev.notes.join("; ")))
+        let running = ev.done_at.first().copied().unwrap_or(1) as f64;
+        let now = moved(c, "worker_lost").await.map_err(|e| e.to_string())?;
+        if now - ev.before < running {
+            return Err(format!(
+                "{}; pid {pid} is gone, but the coordinator moved {} requests of the {running} it ran",
+                ev.notes.join("; "),
+                now - ev.before
+            ));
+        }
+        Ok(format!("{}; pid {pid} is gone from /proc; {} requests moved", ev.notes.join("; "), now - ev.before))
     }
+}
+
+/// Waits until a decode worker runs at least `least` requests; the one running the most,
+/// with how many.
+pub(in crate::drills) async fn busiest_decoder(
+    c: &Cluster,
+    least: f64,
+    limit: Duration,
+) -> Result<(String, f64), HarnessError> {
+    use facts::metrics::worker::REQUESTS_RUNNING;
+    let decoders: Vec<(String, String)> = c
+        .workers_of(Role::Decode)
+        .map(|w| Ok((w.proc.name.clone(), w.metrics_addr()?)))
+        .collect::<Result<_, HarnessError>>()?;
+    opskit::poll(&format!("a decode worker runs {least} requests"), limit, || {
+        let decoders = &decoders;
+        async move {
+            let mut best: Option<(String, f64)> = None;
+            for (name, m) in decoders {
+                let n = crate::metrics::scrape(m).await?.get(REQUESTS_RUNNING, &[])?;
+                if best.as_ref().is_none_or(|(_, b)| n > *b) {
+                    best = Some((name.clone(), n));
+                }
+            }
+            Ok::<_, HarnessError>(best.filter(|(_, n)| *n >= least))
+        }
+    })
+    .await
+    .map_err(HarnessError::from)
 }
 
 /// SIGKILL the prefill worker whose KV push is held mid-transfer, under one
@@ -214,6 +292,7 @@ impl Drill for PrefillKill {
         let fail = self.policy == "fail";
         let spec = ClusterSpec::default().prefill("g1").prefill("g1").policy(self.policy);
         Setup {
+            sampled: None,
             spec: if self.ucx { spec.decode("g1").kv_transport("ucx") } else { spec.decode_behind_proxy("g1") },
             requests: 6,
             max_tokens: 16,

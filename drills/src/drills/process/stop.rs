@@ -25,6 +25,7 @@ impl Drill for WorkerSigstop {
 
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
+            sampled: None,
             spec: ClusterSpec::default().prefill("g1").decode("g1").decode("g1"),
             requests: 12,
             max_tokens: 32,
@@ -104,5 +105,92 @@ impl Drill for WorkerSigstop {
             return Err(format!("{}; but {}", ev.notes.join("; "), ev.missing.join("; ")));
         }
         Ok(ev.notes.join("; "))
+    }
+}
+
+/// SIGSTOP the decode worker running most of eight long streams (half sampled): it sends
+/// nothing and its load reports go stale, so the coordinator moves its streams to the other
+/// decode worker (request migration, reason `stalled`) well inside their deadline; then
+/// SIGCONT: the thawed worker drops what it held (the coordinator told it to abort).
+pub(in crate::drills) struct DecodeFreezeMigrate;
+
+/// The coordinator's successful `stalled` moves.
+async fn stalled_moves(c: &Cluster) -> Result<f64, HarnessError> {
+    use facts::metrics::coordinator::MIGRATIONS;
+    Ok(c.coordinator_metrics().await?.get(MIGRATIONS, &[("reason", "stalled"), ("outcome", "ok")])?)
+}
+
+#[async_trait::async_trait]
+impl Drill for DecodeFreezeMigrate {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "decode-freeze-migrate",
+            description: "SIGSTOP the decode worker running most of eight 200-token streams (half sampled; 2 \
+                          decode workers): its streams move to the other worker once it is silent and stale, \
+                          every one completes exactly; SIGCONT, and the thawed worker frees what it held",
+        }
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        super::kill::migration_load(Invariants { all_complete: true, ..Invariants::default() })
+    }
+
+    /// Reversible (SIGCONT ends it): it may run against a running cluster with a second
+    /// decode worker to take the streams.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        super::super::at_least(c, Role::Decode, 2, "one to freeze, one to take its streams")
+    }
+
+    async fn fault(&self, c: &mut Cluster, progress: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let (name, running) = super::kill::busiest_decoder(c, 3.0, LOAD_WAIT).await?;
+        let pid = c.worker(&name)?.proc.pid;
+        ev.before = stalled_moves(c).await?;
+        ev.victim = Some((name.clone(), pid));
+        ev.done_at.push(running as usize);
+        if skip {
+            return Ok(ev);
+        }
+        ev.began();
+        c.signal(&name, Signal::Stop)?;
+        let stopped = eventually("the stopped worker's /proc state is T", Duration::from_secs(5), || async {
+            proc_state(pid) == Some('T')
+        })
+        .await;
+        ev.seen = stopped.is_ok();
+        ev.notes.push(format!(
+            "{name} (pid {pid}) was running {running} requests; SIGSTOP: /proc state {:?}",
+            proc_state(pid)
+        ));
+        // Frozen until its streams moved (or the load is over: then the proof says whether they did).
+        let before = ev.before;
+        let moved = eventually("the coordinator moved the frozen worker's streams", LOAD_WAIT, || async {
+            progress.finished.load(std::sync::atomic::Ordering::SeqCst)
+                || stalled_moves(c).await.is_ok_and(|n| n - before >= running)
+        })
+        .await;
+        if let Err(e) = moved {
+            ev.missing.push(e.to_string());
+        }
+        c.signal(&name, Signal::Cont)?;
+        ev.ended();
+        Ok(ev)
+    }
+
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
+        if !ev.seen {
+            return Err(format!("{name} (pid {pid}) was never seen stopped (state T)"));
+        }
+        let running = ev.done_at.first().copied().unwrap_or(1) as f64;
+        let moved = stalled_moves(c).await.map_err(|e| e.to_string())? - ev.before;
+        if moved < running || !ev.missing.is_empty() {
+            return Err(format!(
+                "{}; {moved} of its {running} streams moved as stalled; {}",
+                ev.notes.join("; "),
+                ev.missing.join("; ")
+            ));
+        }
+        Ok(format!("{}; {moved} streams moved as stalled", ev.notes.join("; ")))
     }
 }
