@@ -101,7 +101,7 @@ async fn remote_prefill_over_ucx_tcp_between_two_namespaces() -> TestResult {
         &decode_ns,
         &decode_ns.ns_ip.to_string(),
         &link.there_if,
-        &["--kv-transport", "ucx", "--kv-load-failure-policy", "fail", "--local-prefill-max-tokens", "0"],
+        &["--kv-transport", "ucx", "--kv-load-failure-policy", "fail"],
     )
     .await?;
     let grpc = decode.addr("grpc")?;
