@@ -35,6 +35,21 @@ pub enum Error {
     /// The body is not UTF-8 or not JSON.
     #[error("{message}")]
     InvalidJson { message: String },
+    /// A field tandem does not implement: one it does not know at all, or one of
+    /// OpenAI's that it does not implement set to a value that asks for something
+    /// (`best_of: 3`, a non-empty `tools`). `param` names it; README lists them.
+    #[error("{message}")]
+    Unsupported { param: String, message: String },
+    /// No route has this path (HTTP only).
+    #[error("unknown request URL: {method} {path}")]
+    UnknownRoute { method: String, path: String },
+    /// The path exists, but not for this method (HTTP only; `Allow` lists `allowed`).
+    #[error("{method} is not allowed on {path}; use {allowed}")]
+    MethodNotAllowed { method: String, path: String, allowed: &'static str },
+    /// The body could not be read whole: its chunked framing is broken, or the
+    /// connection failed in the middle of it (HTTP only).
+    #[error("the request body could not be read: {message}")]
+    InvalidBody { message: String },
     /// The prompt (`param`: `prompt`, `messages` or `token_ids`) plus
     /// `max_tokens` does not fit the model's context.
     #[error(
@@ -151,12 +166,16 @@ impl Error {
     }
 
     /// The OpenAI error `type` and `code` (README's error-code table), the
-    /// same over both frontends. Only a plain invalid field has no code.
-    pub fn openai(&self) -> (&'static str, Option<&'static str>) {
+    /// same over both frontends. Every error has a code.
+    pub fn openai(&self) -> (&'static str, &'static str) {
         use ErrorKind as K;
-        let (kind, code) = match self {
-            Self::Invalid { .. } => return ("invalid_request_error", None),
+        match self {
+            Self::Invalid { .. } => ("invalid_request_error", "invalid_value"),
             Self::InvalidJson { .. } => ("invalid_request_error", "invalid_json"),
+            Self::Unsupported { .. } => ("invalid_request_error", "unsupported_parameter"),
+            Self::UnknownRoute { .. } => ("invalid_request_error", "unknown_url"),
+            Self::MethodNotAllowed { .. } => ("invalid_request_error", "method_not_allowed"),
+            Self::InvalidBody { .. } => ("invalid_request_error", "invalid_body"),
             Self::ContextLength { .. } => ("invalid_request_error", "context_length_exceeded"),
             Self::BodyTooLarge { .. } => ("invalid_request_error", "request_too_large"),
             Self::UnsupportedMediaType { .. } => ("invalid_request_error", "unsupported_media_type"),
@@ -204,8 +223,7 @@ impl Error {
             Self::OverCap { what: Cap::PromptTokens, .. } => ("invalid_request_error", "prompt_too_long"),
             Self::TokenizerBusy => ("overloaded_error", "tokenizer_busy"),
             Self::BodyTimeout { .. } => ("invalid_request_error", "request_timeout"),
-        };
-        (kind, Some(code))
+        }
     }
 
     /// The OpenAI error `type`: `invalid_request_error`, `overloaded_error`, ...
@@ -214,14 +232,14 @@ impl Error {
     }
 
     /// The OpenAI error `code` (`queue_full`, `kv_load_failed`, ...).
-    pub fn code(&self) -> Option<&'static str> {
+    pub fn code(&self) -> &'static str {
         self.openai().1
     }
 
     /// The request field or header at fault, when there is one.
     pub fn param(&self) -> Option<&str> {
         match self {
-            Self::Invalid { param, .. } => Some(param),
+            Self::Invalid { param, .. } | Self::Unsupported { param, .. } => Some(param),
             Self::InvalidJson { .. } => Some("body"),
             Self::ContextLength { param, .. } | Self::OverCap { param, .. } => Some(param),
             Self::ModelNotFound { .. } => Some("model"),
@@ -265,6 +283,10 @@ impl Error {
             | Self::Worker { .. }
             | Self::Invalid { .. }
             | Self::InvalidJson { .. }
+            | Self::Unsupported { .. }
+            | Self::UnknownRoute { .. }
+            | Self::MethodNotAllowed { .. }
+            | Self::InvalidBody { .. }
             | Self::ContextLength { .. }
             | Self::BodyTooLarge { .. }
             | Self::UnsupportedMediaType { .. }
@@ -295,6 +317,10 @@ mod tests {
         let mut all = vec![
             Error::invalid("temperature", "too hot"),
             Error::InvalidJson { message: "invalid JSON".into() },
+            Error::Unsupported { param: "best_of".into(), message: "`best_of` is not supported".into() },
+            Error::UnknownRoute { method: "GET".into(), path: "/v2".into() },
+            Error::MethodNotAllowed { method: "GET".into(), path: "/v1/completions".into(), allowed: "POST" },
+            Error::InvalidBody { message: "bad chunk".into() },
             Error::ContextLength { param: "prompt", prompt: 9, max_tokens: 9, context: 16 },
             Error::BodyTooLarge { limit: 10, size: None },
             Error::BodyTooLarge { limit: 10, size: Some(11) },
@@ -341,83 +367,71 @@ mod tests {
     /// before the first token and a fresh call is routed anew) and
     /// `version_mismatch` FAILED_PRECONDITION (a deployment fault); see
     /// [`crate::grpc::code_of`].
-    fn contract(e: &Error) -> (StatusCode, Option<&'static str>, Code, bool) {
+    fn contract(e: &Error) -> (StatusCode, &'static str, Code, bool) {
         use ErrorKind as K;
         use StatusCode as H;
         match e {
-            Error::Invalid { .. } => (H::BAD_REQUEST, None, Code::InvalidArgument, false),
-            Error::InvalidJson { .. } => (H::BAD_REQUEST, Some("invalid_json"), Code::InvalidArgument, false),
-            Error::ContextLength { .. } => {
-                (H::BAD_REQUEST, Some("context_length_exceeded"), Code::InvalidArgument, false)
-            }
-            // As final as a bad field; RESOURCE_EXHAUSTED would invite a retry.
-            Error::BodyTooLarge { .. } => {
-                (H::PAYLOAD_TOO_LARGE, Some("request_too_large"), Code::InvalidArgument, false)
-            }
+            Error::Invalid { .. } => (H::BAD_REQUEST, "invalid_value", Code::InvalidArgument, false),
+            Error::InvalidJson { .. } => (H::BAD_REQUEST, "invalid_json", Code::InvalidArgument, false),
+            Error::Unsupported { .. } => (H::BAD_REQUEST, "unsupported_parameter", Code::InvalidArgument, false),
+            // HTTP only; a gRPC method that does not exist is tonic's UNIMPLEMENTED.
+            Error::UnknownRoute { .. } => (H::NOT_FOUND, "unknown_url", Code::Unimplemented, false),
+            Error::MethodNotAllowed { .. } => (H::METHOD_NOT_ALLOWED, "method_not_allowed", Code::Unimplemented, false),
+            Error::InvalidBody { .. } => (H::BAD_REQUEST, "invalid_body", Code::InvalidArgument, false),
+            Error::ContextLength { .. } => (H::BAD_REQUEST, "context_length_exceeded", Code::InvalidArgument, false),
+            // gRPC's status table: a message over the limit is RESOURCE_EXHAUSTED
+            // (without retry-after: the same message is refused again).
+            Error::BodyTooLarge { .. } => (H::PAYLOAD_TOO_LARGE, "request_too_large", Code::ResourceExhausted, false),
             Error::UnsupportedMediaType { .. } => {
-                (H::UNSUPPORTED_MEDIA_TYPE, Some("unsupported_media_type"), Code::InvalidArgument, false)
+                (H::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", Code::InvalidArgument, false)
             }
             Error::MissingApiKey | Error::WrongApiKey => {
-                (H::UNAUTHORIZED, Some("invalid_api_key"), Code::Unauthenticated, false)
+                (H::UNAUTHORIZED, "invalid_api_key", Code::Unauthenticated, false)
             }
-            Error::ModelNotFound { .. } => (H::NOT_FOUND, Some("model_not_found"), Code::NotFound, false),
+            Error::ModelNotFound { .. } => (H::NOT_FOUND, "model_not_found", Code::NotFound, false),
             Error::IdempotencyKeyReused => {
-                (H::UNPROCESSABLE_ENTITY, Some("idempotency_key_reused"), Code::InvalidArgument, false)
+                (H::UNPROCESSABLE_ENTITY, "idempotency_key_reused", Code::InvalidArgument, false)
             }
-            Error::IdempotencyTableFull => {
-                (H::SERVICE_UNAVAILABLE, Some("idempotency_table_full"), Code::Unavailable, true)
-            }
+            Error::IdempotencyTableFull => (H::SERVICE_UNAVAILABLE, "idempotency_table_full", Code::Unavailable, true),
             Error::IdempotentOriginalFailed => {
-                (H::SERVICE_UNAVAILABLE, Some("idempotent_original_failed"), Code::Unavailable, true)
+                (H::SERVICE_UNAVAILABLE, "idempotent_original_failed", Code::Unavailable, true)
             }
             Error::Shed(Shed::KeyLimit { .. }) => {
-                (H::TOO_MANY_REQUESTS, Some("rate_limit_exceeded"), Code::ResourceExhausted, true)
+                (H::TOO_MANY_REQUESTS, "rate_limit_exceeded", Code::ResourceExhausted, true)
             }
-            Error::Shed(Shed::QueueFull { .. }) => {
-                (H::SERVICE_UNAVAILABLE, Some("queue_full"), Code::Unavailable, true)
-            }
-            Error::Shed(Shed::Deadline) => {
-                (H::GATEWAY_TIMEOUT, Some("deadline_exceeded"), Code::DeadlineExceeded, false)
-            }
-            Error::Shed(Shed::Closed) => (H::SERVICE_UNAVAILABLE, Some("shutting_down"), Code::Unavailable, true),
-            Error::NotReady(_) => (H::SERVICE_UNAVAILABLE, Some("not_ready"), Code::Unavailable, true),
-            Error::RegistryUnavailable => {
-                (H::SERVICE_UNAVAILABLE, Some("registry_unavailable"), Code::Unavailable, true)
-            }
+            Error::Shed(Shed::QueueFull { .. }) => (H::SERVICE_UNAVAILABLE, "queue_full", Code::Unavailable, true),
+            Error::Shed(Shed::Deadline) => (H::GATEWAY_TIMEOUT, "deadline_exceeded", Code::DeadlineExceeded, false),
+            Error::Shed(Shed::Closed) => (H::SERVICE_UNAVAILABLE, "shutting_down", Code::Unavailable, true),
+            Error::NotReady(_) => (H::SERVICE_UNAVAILABLE, "not_ready", Code::Unavailable, true),
+            Error::RegistryUnavailable => (H::SERVICE_UNAVAILABLE, "registry_unavailable", Code::Unavailable, true),
             Error::NoRoute { why: NoRoute::NoDecode | NoRoute::NoneReady(_), .. } => {
-                (H::SERVICE_UNAVAILABLE, Some("no_worker"), Code::Unavailable, true)
+                (H::SERVICE_UNAVAILABLE, "no_worker", Code::Unavailable, true)
             }
             Error::NoRoute { why: NoRoute::PrefillUnavailable(_), .. } => {
-                (H::SERVICE_UNAVAILABLE, Some("prefill_unavailable"), Code::Unavailable, true)
+                (H::SERVICE_UNAVAILABLE, "prefill_unavailable", Code::Unavailable, true)
             }
-            Error::WorkerUnavailable(_) => {
-                (H::SERVICE_UNAVAILABLE, Some("worker_unavailable"), Code::Unavailable, true)
-            }
-            Error::WorkerStream(_) => (H::BAD_GATEWAY, Some("worker_stream"), Code::Unavailable, false),
-            Error::MigrationFailed { .. } => {
-                (H::SERVICE_UNAVAILABLE, Some("migration_failed"), Code::Unavailable, true)
-            }
-            Error::Deadline => (H::GATEWAY_TIMEOUT, Some("deadline_exceeded"), Code::DeadlineExceeded, false),
-            Error::TenantLimit { limit, .. } => {
-                (H::TOO_MANY_REQUESTS, Some(limit.code()), Code::ResourceExhausted, true)
-            }
+            Error::WorkerUnavailable(_) => (H::SERVICE_UNAVAILABLE, "worker_unavailable", Code::Unavailable, true),
+            Error::WorkerStream(_) => (H::BAD_GATEWAY, "worker_stream", Code::Unavailable, false),
+            Error::MigrationFailed { .. } => (H::SERVICE_UNAVAILABLE, "migration_failed", Code::Unavailable, true),
+            Error::Deadline => (H::GATEWAY_TIMEOUT, "deadline_exceeded", Code::DeadlineExceeded, false),
+            Error::TenantLimit { limit, .. } => (H::TOO_MANY_REQUESTS, limit.code(), Code::ResourceExhausted, true),
             Error::OverCap { what: Cap::MaxTokens, .. } => {
-                (H::BAD_REQUEST, Some("max_tokens_too_large"), Code::InvalidArgument, false)
+                (H::BAD_REQUEST, "max_tokens_too_large", Code::InvalidArgument, false)
             }
             Error::OverCap { what: Cap::PromptTokens, .. } => {
-                (H::PAYLOAD_TOO_LARGE, Some("prompt_too_long"), Code::InvalidArgument, false)
+                (H::PAYLOAD_TOO_LARGE, "prompt_too_long", Code::InvalidArgument, false)
             }
-            Error::TokenizerBusy => (H::SERVICE_UNAVAILABLE, Some("tokenizer_busy"), Code::Unavailable, true),
-            Error::BodyTimeout { .. } => (H::REQUEST_TIMEOUT, Some("request_timeout"), Code::DeadlineExceeded, false),
+            Error::TokenizerBusy => (H::SERVICE_UNAVAILABLE, "tokenizer_busy", Code::Unavailable, true),
+            Error::BodyTimeout { .. } => (H::REQUEST_TIMEOUT, "request_timeout", Code::DeadlineExceeded, false),
             Error::Worker { kind, .. } => match kind {
-                K::InvalidArgument => (H::BAD_REQUEST, Some("invalid_argument"), Code::InvalidArgument, false),
-                K::Overloaded => (H::SERVICE_UNAVAILABLE, Some("overloaded"), Code::Unavailable, true),
-                K::Retryable => (H::SERVICE_UNAVAILABLE, Some("retryable"), Code::Unavailable, true),
-                K::Cancelled => (H::SERVICE_UNAVAILABLE, Some("cancelled"), Code::Unavailable, true),
-                K::Deadline => (H::GATEWAY_TIMEOUT, Some("deadline_exceeded"), Code::DeadlineExceeded, false),
-                K::KvLoadFailed => (H::BAD_GATEWAY, Some("kv_load_failed"), Code::Unavailable, false),
-                K::VersionMismatch => (H::BAD_GATEWAY, Some("version_mismatch"), Code::FailedPrecondition, false),
-                K::Internal | K::Unspecified => (H::INTERNAL_SERVER_ERROR, Some("internal"), Code::Internal, false),
+                K::InvalidArgument => (H::BAD_REQUEST, "invalid_argument", Code::InvalidArgument, false),
+                K::Overloaded => (H::SERVICE_UNAVAILABLE, "overloaded", Code::Unavailable, true),
+                K::Retryable => (H::SERVICE_UNAVAILABLE, "retryable", Code::Unavailable, true),
+                K::Cancelled => (H::SERVICE_UNAVAILABLE, "cancelled", Code::Unavailable, true),
+                K::Deadline => (H::GATEWAY_TIMEOUT, "deadline_exceeded", Code::DeadlineExceeded, false),
+                K::KvLoadFailed => (H::BAD_GATEWAY, "kv_load_failed", Code::Unavailable, false),
+                K::VersionMismatch => (H::BAD_GATEWAY, "version_mismatch", Code::FailedPrecondition, false),
+                K::Internal | K::Unspecified => (H::INTERNAL_SERVER_ERROR, "internal", Code::Internal, false),
             },
         }
     }
@@ -433,7 +447,7 @@ mod tests {
             let (status, code, grpc, retry) = contract(&e);
             let body = crate::http::error::body(&e);
             assert_eq!(crate::http::error::status(&e), status, "HTTP status of {e:?}");
-            assert_eq!(body["error"]["code"].as_str(), code, "HTTP code of {e:?}");
+            assert_eq!(body["error"]["code"].as_str(), Some(code), "HTTP code of {e:?}");
             assert_eq!(body["error"]["type"].as_str(), Some(e.openai_type()), "{e:?}");
             assert_eq!(body["error"]["message"].as_str(), Some(e.to_string().as_str()), "{e:?}");
             assert_eq!(body["error"]["param"].as_str(), e.param(), "{e:?}");
@@ -446,15 +460,28 @@ mod tests {
             let s = crate::grpc::status_of(&e);
             assert_eq!(s.code(), grpc, "gRPC code of {e:?}");
             let md = |key: &str| s.metadata().get(key).and_then(|v| v.to_str().ok()).map(str::to_owned);
-            assert_eq!(md(crate::grpc::ERROR_CODE_KEY).as_deref(), code, "gRPC code metadata of {e:?}");
+            assert_eq!(md(crate::grpc::ERROR_CODE_KEY).as_deref(), Some(code), "gRPC code metadata of {e:?}");
             assert_eq!(md(crate::grpc::ERROR_TYPE_KEY).as_deref(), Some(e.openai_type()), "{e:?}");
             assert_eq!(md(crate::grpc::ERROR_PARAM_KEY).as_deref(), e.param(), "{e:?}");
             assert_eq!(md(crate::grpc::RETRY_AFTER_KEY).is_some(), retry, "gRPC retry-after of {e:?}");
-            let message = match code {
-                Some(c) => format!("{c}: {e}"),
-                None => e.to_string(),
-            };
-            assert_eq!(s.message(), message, "{e:?}");
+            assert_eq!(s.message(), format!("{code}: {e}"), "{e:?}");
+            // The same facts as google.rpc.Status details.
+            use tonic_types::StatusExt;
+            let info = s.get_details_error_info();
+            assert_eq!(info.as_ref().map(|i| i.reason.clone()), Some(code.to_ascii_uppercase()), "{e:?}");
+            assert_eq!(info.as_ref().map(|i| i.domain.as_str()), Some(crate::grpc::ERROR_DOMAIN), "{e:?}");
+            assert_eq!(info.as_ref().and_then(|i| i.metadata.get("code")).map(String::as_str), Some(code), "{e:?}");
+            let delay = s.get_details_retry_info().and_then(|r| r.retry_delay);
+            assert_eq!(
+                delay.map(|d| d.as_secs()),
+                md(crate::grpc::RETRY_AFTER_KEY).and_then(|v| v.parse().ok()),
+                "{e:?}"
+            );
+            let fields: Vec<String> = s
+                .get_details_bad_request()
+                .map(|b| b.field_violations.into_iter().map(|v| v.field).collect())
+                .unwrap_or_default();
+            assert_eq!(fields, e.param().into_iter().map(str::to_owned).collect::<Vec<_>>(), "{e:?}");
         }
     }
 
@@ -468,7 +495,7 @@ mod tests {
         for _ in 0..20 {
             assert_eq!(e.retry_after(), Some(5), "not jittered below the refill");
         }
-        assert_eq!(e.code(), Some("rate_limit_prompt_tokens"));
+        assert_eq!(e.code(), "rate_limit_prompt_tokens");
         let codes: Vec<_> = TenantLimit::ALL.iter().map(|l| l.code()).collect();
         assert_eq!(
             codes,

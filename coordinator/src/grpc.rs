@@ -26,6 +26,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prost::Message as _;
 use proto::frontend::v1::frontend_server::{Frontend, FrontendServer, SERVICE_NAME};
 use proto::frontend::v1::{
     generate_request::Input, generate_response, Chunk, Done, FinishReason, GenerateRequest, GenerateResponse,
@@ -33,22 +34,27 @@ use proto::frontend::v1::{
     Usage as WireUsage,
 };
 use proto::worker::v1::ErrorKind;
-use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tonic::codegen::http;
 use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::{Code, Request, Response, Status};
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::ServingStatus;
+use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::admission::Shed;
 use crate::error::Error;
-use crate::openai::{self, Message, Sampling, Stop, StreamOptions};
+use crate::idempotency::{Idempotency, Recorder, Replay, Replayed};
+use crate::metrics;
+use crate::openai::{self, Sampling, Stop, StreamOptions};
 use crate::pipeline::{
-    priority_of, send_within, Draft, Entered, Event, Finish, Job, Pipeline, PromptInput, TokenLogprob,
+    derived_seed, priority_of, send_within, Claimed, Draft, Entered, Event, Finish, Job, Pipeline, PromptInput,
+    TokenLogprob,
 };
+use crate::prompt::{self, Turn};
 use crate::router::NoRoute;
 
 /// Metadata key carrying the OpenAI error code (`model_not_found`, ...).
@@ -91,10 +97,14 @@ pub fn code_of(e: &Error) -> Code {
     match e {
         Error::Invalid { .. }
         | Error::InvalidJson { .. }
+        | Error::Unsupported { .. }
+        | Error::InvalidBody { .. }
         | Error::ContextLength { .. }
-        | Error::BodyTooLarge { .. }
         | Error::UnsupportedMediaType { .. }
         | Error::IdempotencyKeyReused => Code::InvalidArgument,
+        Error::BodyTooLarge { .. } => Code::ResourceExhausted,
+        // HTTP only: a gRPC method that does not exist is tonic's own UNIMPLEMENTED.
+        Error::UnknownRoute { .. } | Error::MethodNotAllowed { .. } => Code::Unimplemented,
         Error::MissingApiKey | Error::WrongApiKey => Code::Unauthenticated,
         Error::ModelNotFound { .. } => Code::NotFound,
         Error::Shed(shed) => match shed {
@@ -126,15 +136,19 @@ pub fn code_of(e: &Error) -> Code {
     }
 }
 
+/// The `google.rpc.ErrorInfo` domain of every error this frontend sends.
+pub const ERROR_DOMAIN: &str = "tandem";
+
 /// The call's status for an error: [`code_of`], the OpenAI code prefixing
-/// the message, and metadata [`ERROR_CODE_KEY`], [`ERROR_TYPE_KEY`],
-/// [`ERROR_PARAM_KEY`] and [`RETRY_AFTER_KEY`] where the error has them.
+/// the message, metadata [`ERROR_CODE_KEY`], [`ERROR_TYPE_KEY`],
+/// [`ERROR_PARAM_KEY`] and [`RETRY_AFTER_KEY`] where the error has them, and
+/// the same facts as `google.rpc.Status` details (`grpc-status-details-bin`),
+/// which gRPC's own libraries read: `ErrorInfo` (reason: the code in upper case;
+/// domain [`ERROR_DOMAIN`]; metadata `code`, `type` and `param`), `RetryInfo`
+/// with the Retry-After, and `BadRequest` naming the field.
 pub fn status_of(e: &Error) -> Status {
     let code = e.code();
-    let message = match code {
-        Some(c) => format!("{c}: {e}"),
-        None => e.to_string(),
-    };
+    let message = format!("{code}: {e}");
     let mut md = MetadataMap::new();
     let mut put = |key: &'static str, value: &str| {
         // Only visible ASCII travels as metadata; our codes and field names are.
@@ -142,17 +156,25 @@ pub fn status_of(e: &Error) -> Status {
             md.insert(key, v);
         }
     };
-    if let Some(c) = code {
-        put(ERROR_CODE_KEY, c);
-    }
+    put(ERROR_CODE_KEY, code);
     put(ERROR_TYPE_KEY, e.openai_type());
+    let mut info = std::collections::HashMap::from([
+        ("code".to_owned(), code.to_owned()),
+        ("type".to_owned(), e.openai_type().to_owned()),
+    ]);
     if let Some(p) = e.param() {
         put(ERROR_PARAM_KEY, p);
+        info.insert("param".to_owned(), p.to_owned());
     }
+    let mut details = ErrorDetails::with_error_info(code.to_ascii_uppercase(), ERROR_DOMAIN, info);
     if let Some(s) = e.retry_after() {
         put(RETRY_AFTER_KEY, &s.to_string());
+        details.set_retry_info(Some(Duration::from_secs(s)));
     }
-    Status::with_metadata(code_of(e), message, md)
+    if let Some(p) = e.param() {
+        details.add_bad_request_violation(p, e.to_string());
+    }
+    Status::with_error_details_and_metadata(code_of(e), message, details, md)
 }
 
 /// A `grpc-timeout` value: 1 to 8 digits and a unit (`H`ours, `M`inutes,
@@ -187,40 +209,26 @@ fn request_timeout(md: &MetadataMap) -> Result<Option<Duration>, Error> {
         .ok_or_else(|| Error::invalid("grpc-timeout", "must be 1 to 8 digits and a unit (H, M, S, m, u or n)"))
 }
 
-/// A prompt given as token ids: non-empty, each in the vocabulary.
-fn token_ids(p: &Pipeline, ids: &[u32]) -> Result<Vec<u32>, Error> {
-    if ids.is_empty() {
-        return Err(Error::invalid("token_ids", "`token_ids` is empty"));
-    }
-    let vocab = p.tokenizer.vocab_size();
-    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-        return Err(Error::invalid("token_ids", format!("token id {bad} is outside the vocabulary")));
-    }
-    Ok(ids.to_vec())
-}
-
 /// Validates and tokenizes a request into a job, with the HTTP API's rules
 /// and order: the caller's tenant limits first, tokenizing (in the pool) last.
-async fn job_of(p: &Arc<Pipeline>, md: &MetadataMap, req: &GenerateRequest) -> Result<Job, Error> {
-    // The walk's order (crate::pipeline::walk): key and tenant limits, then the rest.
+async fn job_of(
+    p: &Arc<Pipeline>,
+    md: &MetadataMap,
+    req: &GenerateRequest,
+    entered: Entered,
+    idempotency_key: Option<String>,
+) -> Result<Job, Error> {
     let headers = md.clone().into_headers();
-    let Entered { pass, arrived } = p.enter(&headers)?;
+    let Entered { pass, arrived } = entered;
     let timeout = request_timeout(md)?;
     let deadline = p.deadline(timeout);
-    if !req.idempotency_key.is_empty() {
-        return Err(Error::invalid(
-            "idempotency_key",
-            "idempotent retries are offered by the HTTP API (Idempotency-Key) only, not over gRPC yet",
-        ));
-    }
     let header_priority = match headers.get("x-priority") {
         Some(v) => Some(v.to_str().map_err(|_| Error::invalid("x-priority", "not visible ASCII"))?),
         None => None,
     };
-    let field = (!req.priority.is_empty()).then(|| Value::String(req.priority.clone()));
-    let priority = priority_of(header_priority, field.as_ref())?;
+    let priority = priority_of(header_priority, (!req.priority.is_empty()).then_some(req.priority.as_str()))?;
     p.check_model((!req.model.is_empty()).then_some(req.model.as_str()))?;
-    let logprobs = openai::completion_logprobs(&req.logprobs.map(Value::from))?;
+    let logprobs = openai::completion_logprobs(req.logprobs.map(i64::from))?;
     let sampling = Sampling {
         max_tokens: req.max_tokens.map(i64::from),
         temperature: req.temperature,
@@ -240,31 +248,21 @@ async fn job_of(p: &Arc<Pipeline>, md: &MetadataMap, req: &GenerateRequest) -> R
     };
     let spec = openai::sampling(&sampling, logprobs, pass.default_max_tokens(p.settings.default_max_tokens))?;
     let (param, input) = match &req.input {
-        Some(Input::Prompt(text)) => ("prompt", PromptInput::Completion(Some(Value::String(text.clone())))),
+        Some(Input::Prompt(text)) => ("prompt", PromptInput::Text(text.clone())),
         Some(Input::Messages(chat)) => {
-            let messages: Vec<Message> = chat
-                .messages
-                .iter()
-                .map(|m| Message {
-                    role: Some(Value::String(m.role.clone())),
-                    content: Some(Value::String(m.content.clone())),
-                })
-                .collect();
-            ("messages", PromptInput::Chat(messages))
+            if chat.messages.is_empty() {
+                return Err(Error::invalid("messages", "`messages` must not be empty"));
+            }
+            let turns = chat.messages.iter().enumerate().map(|(i, m)| Turn::new(i, &m.role, m.content.clone()));
+            ("messages", PromptInput::Chat(turns.collect::<Result<_, _>>()?))
         }
-        Some(Input::TokenIds(t)) => ("token_ids", PromptInput::Ids(token_ids(p, &t.ids)?)),
+        Some(Input::TokenIds(t)) => {
+            ("token_ids", PromptInput::Ids(prompt::checked_ids("token_ids", &t.ids, p.tokenizer.vocab_size())?))
+        }
         None => return Err(Error::invalid("input", "one of `prompt`, `messages` or `token_ids` is required")),
     };
-    let draft = Draft {
-        input,
-        param,
-        spec,
-        max_tokens_param: "max_tokens",
-        priority,
-        deadline,
-        arrived,
-        idempotency_key: None,
-    };
+    let draft =
+        Draft { input, param, spec, max_tokens_param: "max_tokens", priority, deadline, arrived, idempotency_key };
     p.prepare(pass, draft).await
 }
 
@@ -281,23 +279,127 @@ fn chunk(text: String, token_ids: Vec<u32>, logprobs: Vec<WireLogprob>) -> Gener
     GenerateResponse { event: Some(generate_response::Event::Chunk(Chunk { text, token_ids, logprobs })) }
 }
 
-type Events = mpsc::Sender<Result<GenerateResponse, Status>>;
+type Item = Result<GenerateResponse, Status>;
+type Events = mpsc::Sender<Item>;
 
-/// Runs one job, streaming its events into `tx` until the end, an error or
-/// the client going away (`tx` closed). The run is dropped before the last
-/// event is sent, so by the time a client sees the end, the request's
-/// admission is released and its workers have been told to stop.
-async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
-    let idle = pipeline.settings.stream_idle_timeout;
-    let send = |m: Result<GenerateResponse, Status>| send_within(&tx, m, idle, "grpc");
+/// What a call with an idempotency key records for the retries that follow it.
+#[derive(Clone, Debug)]
+enum Sent {
+    Event(GenerateResponse),
+    /// A refusal a retry would get again: its status and what it counts as.
+    Refusal {
+        status: Status,
+        http: u16,
+        code: &'static str,
+    },
+}
+
+impl Sent {
+    fn refusal(e: &Error) -> Self {
+        Sent::Refusal { status: status_of(e), http: crate::http::error::status(e).as_u16(), code: e.code() }
+    }
+}
+
+/// A status a client that cancelled is counted under (nginx's "client closed request").
+const CLIENT_CLOSED: u16 = 499;
+
+/// Counts a call once in `tandem_coordinator_requests_total{api="grpc"}`, when its
+/// answer starts as HTTP's does: its first event, or its error, under the HTTP
+/// status and code that error has over HTTP (README's table), or `499` when the
+/// client went away first.
+struct Count {
+    counted: bool,
+}
+
+impl Count {
+    fn new() -> Self {
+        Self { counted: false }
+    }
+
+    fn ok(&mut self) {
+        self.record(200, "ok");
+    }
+
+    fn error(&mut self, e: &Error) {
+        self.record(crate::http::error::status(e).as_u16(), e.code());
+    }
+
+    /// Counted elsewhere.
+    fn defuse(mut self) {
+        self.counted = true;
+    }
+
+    fn record(&mut self, status: u16, code: &'static str) {
+        if !std::mem::replace(&mut self.counted, true) {
+            metrics::request_finished(API, status, code);
+        }
+    }
+}
+
+impl Drop for Count {
+    fn drop(&mut self) {
+        self.record(CLIENT_CLOSED, "client_closed");
+    }
+}
+
+/// The `api` label of gRPC calls.
+const API: &str = "grpc";
+
+/// What one call sends: to its client and, with an idempotency key, into the
+/// key's record for the retries that follow it.
+struct Sink {
+    tx: Events,
+    recorder: Option<Recorder<Sent>>,
+    idle: Duration,
+    count: Count,
+}
+
+impl Sink {
+    /// Sends an event; false when the client went away or took nothing within the idle timeout.
+    async fn send(&mut self, event: GenerateResponse) -> bool {
+        self.count.ok();
+        if let Some(rec) = &self.recorder {
+            rec.push(Sent::Event(event.clone()));
+        }
+        send_within(&self.tx, Ok(event), self.idle, "grpc").await
+    }
+
+    /// Ends the call with `e`, found once it was admitted: never kept for the key's
+    /// retries (a refusal after admission, a deadline or a worker's failure may pass
+    /// next time), so they run anew.
+    async fn fail(&mut self, e: &Error) {
+        self.count.error(e);
+        self.recorder = None;
+        send_within(&self.tx, Err(status_of(e)), self.idle, "grpc").await;
+    }
+
+    /// The answer is whole: the key's retries get it all.
+    fn finish(&mut self) {
+        if let Some(rec) = self.recorder.take() {
+            rec.finish(true);
+        }
+    }
+}
+
+/// Whether a retry with the same key should get this error again rather than run anew.
+fn keeps(e: &Error) -> bool {
+    let status = crate::http::error::status(e);
+    status.is_client_error() && status != axum::http::StatusCode::TOO_MANY_REQUESTS
+}
+
+/// Runs one job, streaming its events into the sink until the end, an error
+/// or the client going away. The run is dropped before the last event is
+/// sent, so by the time a client sees the end, the request's admission is
+/// released and its workers have been told to stop.
+async fn generate(pipeline: Arc<Pipeline>, job: Job, mut sink: Sink) {
     let started = tokio::select! {
         r = pipeline.run(job) => r,
-        () = tx.closed() => return,
+        () = sink.tx.closed() => return,
     };
     let mut run = match started {
         Ok(r) => r,
         Err(e) => {
-            send(Err(status_of(&e))).await;
+            sink.fail(&e).await;
             return;
         }
     };
@@ -305,17 +407,17 @@ async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
         let event = tokio::select! {
             e = run.step() => e,
             // The client went away: returning drops the run, cancelling the workers.
-            () = tx.closed() => return,
+            () = sink.tx.closed() => return,
         };
         match event {
             Err(e) => {
                 drop(run);
-                send(Err(status_of(&e))).await;
+                sink.fail(&e).await;
                 return;
             }
             Ok(Event::Piece(p)) => {
                 let logprobs = p.logprob.map(wire_logprob).into_iter().collect();
-                if !send(Ok(chunk(p.text, vec![p.token_id], logprobs))).await {
+                if !sink.send(chunk(p.text, vec![p.token_id], logprobs)).await {
                     return;
                 }
                 if let Some(f) = p.finish {
@@ -324,7 +426,7 @@ async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
             }
             Ok(Event::End(f)) => {
                 let rest = run.flush();
-                if !rest.is_empty() && !send(Ok(chunk(rest, Vec::new(), Vec::new()))).await {
+                if !rest.is_empty() && !sink.send(chunk(rest, Vec::new(), Vec::new())).await {
                     return;
                 }
                 break f;
@@ -347,36 +449,125 @@ async fn generate(pipeline: Arc<Pipeline>, job: Job, tx: Events) {
         Finish::Length => FinishReason::Length,
     };
     let done = Done { finish_reason: finish_reason as i32, usage, seed, system_fingerprint };
-    send(Ok(GenerateResponse { event: Some(generate_response::Event::Done(done)) })).await;
+    if sink.send(GenerateResponse { event: Some(generate_response::Event::Done(done)) }).await {
+        sink.finish();
+    }
+}
+
+/// A retry's answer: the first call's events as recorded, then live ones, ending
+/// as it ended. Counted as the first call's answer was.
+async fn replay(mut replay: Replay<Sent>, tx: Events, idle: Duration) {
+    metrics::idempotent_replay(if replay.leader_finished() { "done" } else { "inflight" });
+    let mut count = Count::new();
+    loop {
+        let item = match replay.next().await {
+            Replayed::Item(Sent::Event(event)) => {
+                count.ok();
+                Ok(event)
+            }
+            Replayed::Item(Sent::Refusal { status, http, code }) => {
+                count.record(http, code);
+                Err(status)
+            }
+            Replayed::End => return,
+            Replayed::Abandoned => {
+                count.error(&Error::IdempotentOriginalFailed);
+                Err(status_of(&Error::IdempotentOriginalFailed))
+            }
+        };
+        let last = item.is_err();
+        if !send_within(&tx, item, idle, "grpc").await || last {
+            return;
+        }
+    }
 }
 
 /// The `tandem.frontend.v1.Frontend` service.
 pub struct FrontendService {
     pipeline: Arc<Pipeline>,
+    /// Idempotency keys of gRPC calls (HTTP's keys are its own table: a key names one
+    /// request of one API).
+    idempotency: Arc<Idempotency<Sent>>,
 }
 
 impl FrontendService {
-    pub fn new(pipeline: Arc<Pipeline>) -> Self {
-        Self { pipeline }
+    pub fn new(pipeline: Arc<Pipeline>, settings: &GrpcSettings) -> Self {
+        let idempotency = Idempotency::new(settings.idempotency_window, settings.idempotency_max_keys);
+        Self { pipeline, idempotency }
     }
 }
 
 type GenerateStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
+fn stream_of(rx: mpsc::Receiver<Item>) -> Response<GenerateStream> {
+    Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as GenerateStream)
+}
+
+/// The answer's `x-tandem-seed` metadata: the seed it is sampled with.
+fn with_seed(mut response: Response<GenerateStream>, seed: u64) -> Response<GenerateStream> {
+    if let Ok(v) = seed.to_string().parse() {
+        response.metadata_mut().insert(crate::http::SEED_HEADER, v);
+    }
+    response
+}
+
 #[tonic::async_trait]
 impl Frontend for FrontendService {
     type GenerateStream = GenerateStream;
 
+    /// The walk of crate::pipeline::walk: the caller and its tenant's limits, the
+    /// idempotency key (a retry is answered from the first call with it), then
+    /// validation, tokenizing, admission and routing.
     async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
-        let job = job_of(&self.pipeline, request.metadata(), request.get_ref()).await.map_err(|e| status_of(&e))?;
+        let mut count = Count::new();
+        let p = &self.pipeline;
+        let (md, req) = (request.metadata(), request.get_ref());
+        let refuse = |count: &mut Count, e: Error| {
+            count.error(&e);
+            status_of(&e)
+        };
+        let entered = p.enter(&md.clone().into_headers()).map_err(|e| refuse(&mut count, e))?;
+        let key = (!req.idempotency_key.is_empty()).then_some(req.idempotency_key.as_str());
+        let digest = {
+            // The message without its key names the request, as HTTP's body does.
+            let mut unkeyed = req.clone();
+            unkeyed.idempotency_key.clear();
+            let mut d = unkeyed.encode_to_vec();
+            d.extend_from_slice(API.as_bytes());
+            d
+        };
+        let idle = p.settings.stream_idle_timeout;
+        // A retry's seed is known without running it: the request's, or its key's.
+        let replay_seed = req.seed.unwrap_or_else(|| derived_seed(&entered.pass.tenant().name, &req.idempotency_key));
+        let (entered, key, recorder) = match entered
+            .claim(&self.idempotency, key, "idempotency_key", &digest)
+            .map_err(|e| refuse(&mut count, e))?
+        {
+            Claimed::Fresh { entered, key, recorder } => (entered, key, recorder),
+            Claimed::Replay(r) => {
+                count.defuse();
+                let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+                tokio::spawn(replay(r, tx, idle));
+                return Ok(with_seed(stream_of(rx), replay_seed));
+            }
+        };
+        let job = match job_of(p, md, req, entered, key).await {
+            Ok(job) => job,
+            Err(e) => {
+                // Refused before admission: kept for the key's retries when they would get it again.
+                if let Some(rec) = recorder {
+                    if keeps(&e) {
+                        rec.push(Sent::refusal(&e));
+                    }
+                    rec.finish(keeps(&e));
+                }
+                return Err(refuse(&mut count, e));
+            }
+        };
         let seed = job.spec.params.seed.unwrap_or_default();
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        tokio::spawn(generate(self.pipeline.clone(), job, tx));
-        let mut response = Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as GenerateStream);
-        if let Ok(v) = seed.to_string().parse() {
-            response.metadata_mut().insert(crate::http::SEED_HEADER, v);
-        }
-        Ok(response)
+        tokio::spawn(generate(self.pipeline.clone(), job, Sink { tx, recorder, idle, count }));
+        Ok(with_seed(stream_of(rx), seed))
     }
 
     async fn list_models(&self, request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
@@ -476,9 +667,104 @@ fn reflection() -> tonic_reflection::server::Builder<'static> {
 #[derive(Debug, Clone)]
 pub struct GrpcSettings {
     /// Largest request message, bytes: the HTTP body cap, so both frontends
-    /// take the same prompts. tonic refuses a larger one with `OUT_OF_RANGE`
-    /// before it is decoded.
+    /// take the same prompts. A larger one is refused `RESOURCE_EXHAUSTED`
+    /// (`request_too_large`) before it is decoded.
     pub max_message_bytes: usize,
+    /// How long a finished answer stays attached to its idempotency key (HTTP's window).
+    pub idempotency_window: Duration,
+    /// Most idempotency keys remembered at once (a new key beyond: `UNAVAILABLE`).
+    pub idempotency_max_keys: usize,
+    /// HTTP/2 PING interval on an idle connection, and how long its answer may take
+    /// before the connection is closed: a dead client's connection does not linger.
+    pub keepalive: Duration,
+    pub keepalive_timeout: Duration,
+    /// A connection this old is sent GOAWAY: its client opens a new one, which its
+    /// balancer may place on another coordinator (long-lived channels rebalance).
+    /// Calls in flight on it run on to their end, each bounded by its own deadline.
+    /// (tonic's `max_connection_age_grace` is not used: with it set, tonic sends no
+    /// GOAWAY at the age and closes the connection, streams and all, after age plus
+    /// grace.)
+    pub max_connection_age: Duration,
+}
+
+/// gRPC's status table for the two request faults tonic finds itself, in tonic's
+/// words (pinned by this module's tests against tonic's own answers).
+const TONIC_TOO_LARGE: &str = "Error, decoded message length too large: found ";
+const TONIC_NO_MESSAGE: &str = "Missing request message.";
+
+/// The status gRPC's table gives a fault tonic reports otherwise: a request message
+/// over the cap is `RESOURCE_EXHAUSTED` (`request_too_large`, tonic says
+/// `OUT_OF_RANGE`), a call without its one request message `UNIMPLEMENTED`
+/// (`cardinality_violation`, tonic says `INTERNAL`); with the HTTP status and code
+/// it counts under. `None` for any other status.
+fn by_the_table(code: Code, message: &str) -> Option<(Status, u16, &'static str)> {
+    match code {
+        Code::OutOfRange => {
+            let rest = message.strip_prefix(TONIC_TOO_LARGE)?;
+            let mut numbers = rest.split(|c: char| !c.is_ascii_digit()).filter_map(|n| n.parse::<usize>().ok());
+            let (size, limit) = (numbers.next()?, numbers.next()?);
+            let e = Error::BodyTooLarge { limit, size: Some(size) };
+            Some((status_of(&e), crate::http::error::status(&e).as_u16(), e.code()))
+        }
+        Code::Internal if message == TONIC_NO_MESSAGE => {
+            let mut md = MetadataMap::new();
+            md.insert(ERROR_CODE_KEY, MetadataValue::from_static(CARDINALITY_VIOLATION));
+            let status = Status::with_metadata(
+                Code::Unimplemented,
+                format!("{CARDINALITY_VIOLATION}: this method takes exactly one request message; the call sent none"),
+                md,
+            );
+            Some((status, 400, CARDINALITY_VIOLATION))
+        }
+        _ => None,
+    }
+}
+
+/// The code of a call that broke its method's message count (gRPC only).
+pub const CARDINALITY_VIOLATION: &str = "cardinality_violation";
+
+/// Rewrites the answers tonic gives before our handler runs ([`by_the_table`]),
+/// which are trailers-only responses (the status in the headers), and counts them.
+#[derive(Clone)]
+struct StatusTable<S> {
+    inner: S,
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for StatusTable<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<R>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let frontend = req.uri().path().strip_prefix('/').is_some_and(|p| p.starts_with(SERVICE_NAME));
+        let answer = self.inner.call(req);
+        Box::pin(async move {
+            let mut response = answer.await?;
+            if !frontend {
+                return Ok(response);
+            }
+            let Some(status) = Status::from_header_map(response.headers()) else { return Ok(response) };
+            if let Some((fixed, http_status, code)) = by_the_table(status.code(), status.message()) {
+                metrics::request_finished(API, http_status, code);
+                let headers = response.headers_mut();
+                for name in ["grpc-status", "grpc-message", "grpc-status-details-bin"] {
+                    headers.remove(name);
+                }
+                if let Err(e) = fixed.add_header(headers) {
+                    tracing::warn!(error = %e, "writing a gRPC status");
+                }
+            }
+            Ok(response)
+        })
+    }
 }
 
 /// Serves the frontend, health and reflection on `listener` until `stop` is
@@ -491,9 +777,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     stop: CancellationToken,
 ) -> Result<(), GrpcError> {
+    use futures_util::StreamExt;
     let v1 = reflection().build_v1()?;
     let v1alpha = reflection().build_v1alpha()?;
-    let frontend = FrontendServer::new(FrontendService::new(pipeline.clone()))
+    let frontend = FrontendServer::new(FrontendService::new(pipeline.clone(), &settings))
         .max_decoding_message_size(settings.max_message_bytes);
     let reporter = HealthReporter::new();
     // Not serving until a decode worker answers ready.
@@ -511,12 +798,21 @@ pub async fn serve(
         let _ = tracker.await;
         drained.cancel();
     };
+    let incoming = registry::grpc::incoming(listener).inspect(|accepted| {
+        if accepted.is_ok() {
+            metrics::grpc_connection_accepted();
+        }
+    });
     tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(settings.keepalive))
+        .http2_keepalive_timeout(Some(settings.keepalive_timeout))
+        .max_connection_age(settings.max_connection_age)
+        .layer(tower::layer::layer_fn(|inner| StatusTable { inner }))
         .add_service(health)
         .add_service(v1)
         .add_service(v1alpha)
         .add_service(frontend)
-        .serve_with_incoming_shutdown(registry::grpc::incoming(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     Ok(())
 }
@@ -539,13 +835,13 @@ mod tests {
     }
 
     #[test]
-    fn a_plain_invalid_field_has_no_code_but_names_its_field() {
+    fn a_plain_invalid_field_has_its_code_and_names_its_field() {
         let s = status_of(&Error::invalid("temperature", "too hot"));
         assert_eq!(s.code(), Code::InvalidArgument);
-        assert_eq!(s.message(), "too hot");
+        assert_eq!(s.message(), "invalid_value: too hot");
         assert_eq!(s.metadata().get(ERROR_PARAM_KEY).and_then(|v| v.to_str().ok()), Some("temperature"));
         assert_eq!(s.metadata().get(ERROR_TYPE_KEY).and_then(|v| v.to_str().ok()), Some("invalid_request_error"));
-        assert!(s.metadata().get(ERROR_CODE_KEY).is_none());
+        assert_eq!(s.metadata().get(ERROR_CODE_KEY).and_then(|v| v.to_str().ok()), Some("invalid_value"));
         assert!(s.metadata().get(RETRY_AFTER_KEY).is_none());
     }
 }

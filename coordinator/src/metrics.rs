@@ -72,6 +72,7 @@ fn describe() {
     describe_gauge!(FLEET_SPLIT, "Coordinators every tenant budget is split between");
     describe_gauge!(TOKENIZER_QUEUE, "Requests waiting for or in the tokenizer pool");
     describe_gauge!(HTTP_CONNECTIONS, "Open HTTP connections");
+    describe_counter!(GRPC_CONNECTIONS, "gRPC connections accepted");
     describe_counter!(HTTP_TIMEOUTS, "HTTP requests whose body did not arrive in time");
     describe_gauge!(PAIRS_UNLABELLED, "Prefill/decode pairs past the label budget");
 }
@@ -162,6 +163,10 @@ pub fn tokenizer_queue(n: usize) {
 
 pub fn http_connections(n: usize) {
     gauge!(HTTP_CONNECTIONS).set(n as f64);
+}
+
+pub fn grpc_connection_accepted() {
+    counter!(GRPC_CONNECTIONS).increment(1);
 }
 
 pub fn http_timeout(phase: &'static str) {

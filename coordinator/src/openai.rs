@@ -1,12 +1,16 @@
 //! The OpenAI-compatible request and response shapes and their validation.
 //!
-//! Validation happens before admission; a refusal is an
-//! [`Error::Invalid`] naming the offending field (the HTTP answer's
-//! `param`). Unknown fields are ignored (clients send many we do not use);
-//! known fields with the wrong type or an out-of-range value are refused.
+//! Validation happens before admission; a refusal names the offending field
+//! (the HTTP answer's `param`). No field is accepted silently: each one is
+//! read ([`SHARED_FIELDS`] and the endpoint's own), or is one of OpenAI's that
+//! tandem does not implement and is set to a value that asks for nothing
+//! ([`UNIMPLEMENTED_FIELDS`]); anything else is refused with
+//! [`Error::Unsupported`] (`unsupported_parameter`). A read field with the wrong
+//! type or an out-of-range value is [`Error::Invalid`] (`invalid_value`).
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Map, Value};
 use types::sampling::SamplingParams;
 
 use crate::error::Error;
@@ -17,6 +21,101 @@ pub const MAX_N: u32 = 1;
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// Most stop strings.
 pub const MAX_STOP: usize = 4;
+
+/// The fields both endpoints read (README: "Request fields").
+pub const SHARED_FIELDS: [&str; 19] = [
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "priority",
+    "logprobs",
+    "user",
+];
+/// The fields only `POST /v1/completions` reads.
+pub const COMPLETION_FIELDS: [&str; 1] = ["prompt"];
+/// The fields only `POST /v1/chat/completions` reads.
+pub const CHAT_FIELDS: [&str; 2] = ["messages", "top_logprobs"];
+
+/// OpenAI request fields tandem does not implement, each with the values (JSON) that
+/// ask for nothing; `null` always does. Any other value is refused naming the field,
+/// never ignored: a client that asks for tools or `best_of` learns it gets none.
+pub const UNIMPLEMENTED_FIELDS: [(&str, &[&str]); 18] = [
+    ("best_of", &["1"]),
+    ("echo", &["false"]),
+    ("suffix", &["\"\""]),
+    ("logit_bias", &["{}"]),
+    ("tools", &["[]"]),
+    ("tool_choice", &["\"none\""]),
+    // Tandem makes no tool call, so either value holds.
+    ("parallel_tool_calls", &["true", "false"]),
+    ("functions", &["[]"]),
+    ("function_call", &["\"none\""]),
+    ("response_format", &["{\"type\":\"text\"}"]),
+    ("modalities", &["[\"text\"]"]),
+    ("audio", &[]),
+    ("prediction", &[]),
+    ("store", &["false"]),
+    ("metadata", &["{}"]),
+    ("service_tier", &["\"auto\"", "\"default\""]),
+    ("reasoning_effort", &[]),
+    ("web_search_options", &[]),
+];
+
+/// Longest `user`, characters.
+pub const MAX_USER_CHARS: usize = 256;
+
+/// Checks a body's field names: each is read (shared or in `own`), or is an
+/// unimplemented field set to ask for nothing.
+pub fn check_fields(body: &Map<String, Value>, own: &[&str]) -> Result<(), Error> {
+    for (k, v) in body {
+        if SHARED_FIELDS.contains(&k.as_str()) || own.contains(&k.as_str()) {
+            continue;
+        }
+        let Some((_, nothing)) = UNIMPLEMENTED_FIELDS.iter().find(|(name, _)| name == k) else {
+            return Err(Error::Unsupported {
+                param: k.clone(),
+                message: format!("`{k}` is not a field of this endpoint (README: Request fields)"),
+            });
+        };
+        let harmless =
+            v.is_null() || nothing.iter().any(|lit| serde_json::from_str::<Value>(lit).is_ok_and(|d| d == *v));
+        if !harmless {
+            let allowed: Vec<&str> = std::iter::once("null").chain(nothing.iter().copied()).collect();
+            return Err(Error::Unsupported {
+                param: k.clone(),
+                message: format!("`{k}` is not supported by tandem: leave it out or send {}", allowed.join(" or ")),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The typed view `T` of a checked body; a field of the wrong type is refused naming it.
+pub fn typed<T: DeserializeOwned>(body: &Map<String, Value>) -> Result<T, Error> {
+    serde_path_to_error::deserialize(Value::Object(body.clone())).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path.is_empty() || path == "." {
+            Error::InvalidJson { message: inner.to_string() }
+        } else {
+            let field = path.split(['.', '[']).next().unwrap_or(&path).to_owned();
+            Error::invalid(field, format!("`{path}`: {inner}"))
+        }
+    })
+}
 
 /// `stop`: a string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
@@ -56,37 +155,30 @@ pub struct Sampling {
     pub ignore_eos: bool,
     /// Admission class: `high`, `normal` (default) or `low` (tandem
     /// extension; the `x-priority` header does the same).
-    pub priority: Option<Value>,
+    pub priority: Option<String>,
+    /// The end user, for the caller's own records: accepted (a string of at most
+    /// [`MAX_USER_CHARS`]) and asks for nothing the answer shows.
+    pub user: Option<String>,
 }
 
-/// `POST /v1/completions`.
+/// `POST /v1/completions`'s own fields (the sampling fields are read apart, as [`Sampling`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     pub model: Option<String>,
     pub prompt: Option<Value>,
     /// Completions API: an integer, the number of alternatives.
-    pub logprobs: Option<Value>,
-    #[serde(flatten)]
-    pub sampling: Sampling,
+    pub logprobs: Option<i64>,
 }
 
-/// One chat message; `content` may be a string or a list of text parts.
-#[derive(Debug, Clone, Deserialize)]
-pub struct Message {
-    pub role: Option<Value>,
-    pub content: Option<Value>,
-}
-
-/// `POST /v1/chat/completions`.
+/// `POST /v1/chat/completions`'s own fields (the sampling fields are read apart).
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     pub model: Option<String>,
-    pub messages: Option<Vec<Message>>,
+    /// Message objects, validated by [`crate::prompt::chat_input`].
+    pub messages: Option<Value>,
     /// Chat API: a boolean; `top_logprobs` gives the count.
-    pub logprobs: Option<Value>,
+    pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
-    #[serde(flatten)]
-    pub sampling: Sampling,
 }
 
 /// What a validated request asks for, independent of the endpoint.
@@ -150,6 +242,9 @@ pub fn sampling(s: &Sampling, logprobs: Option<u32>, default_max_tokens: u32) ->
     if let Some(v) = s.repetition_penalty {
         p.repetition_penalty = finite("repetition_penalty", v, f64::MIN_POSITIVE, 10.0, "in (0, 10]")?;
     }
+    if s.user.as_ref().is_some_and(|u| u.chars().count() > MAX_USER_CHARS) {
+        return Err(Error::invalid("user", format!("`user` is longer than {MAX_USER_CHARS} characters")));
+    }
     p.seed = s.seed;
     p.ignore_eos = s.ignore_eos;
     p.stop_strings = match &s.stop {
@@ -172,25 +267,18 @@ pub fn sampling(s: &Sampling, logprobs: Option<u32>, default_max_tokens: u32) ->
     Ok(Spec { params: p, stream: s.stream, include_usage })
 }
 
-/// The completions API's `logprobs` (an integer 0..=20, or null).
-pub fn completion_logprobs(v: &Option<Value>) -> Result<Option<u32>, Error> {
+/// The completions API's `logprobs` (an integer 0..=20, or absent).
+pub fn completion_logprobs(v: Option<i64>) -> Result<Option<u32>, Error> {
     match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match n.as_u64() {
-            Some(k) if k <= MAX_TOP_LOGPROBS as u64 => Ok(Some(k as u32)),
-            _ => Err(Error::invalid("logprobs", format!("`logprobs` must be an integer 0..={MAX_TOP_LOGPROBS}"))),
-        },
-        Some(_) => Err(Error::invalid("logprobs", "`logprobs` must be an integer")),
+        None => Ok(None),
+        Some(k) if (0..=i64::from(MAX_TOP_LOGPROBS)).contains(&k) => Ok(Some(k as u32)),
+        Some(_) => Err(Error::invalid("logprobs", format!("`logprobs` must be an integer 0..={MAX_TOP_LOGPROBS}"))),
     }
 }
 
 /// The chat API's `logprobs` (bool) and `top_logprobs` (0..=20).
-pub fn chat_logprobs(logprobs: &Option<Value>, top: Option<i64>) -> Result<Option<u32>, Error> {
-    let on = match logprobs {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(Error::invalid("logprobs", "`logprobs` must be a boolean")),
-    };
+pub fn chat_logprobs(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<u32>, Error> {
+    let on = logprobs.unwrap_or(false);
     match (on, top) {
         (_, Some(k)) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&k) => {
             Err(Error::invalid("top_logprobs", format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}")))
@@ -283,11 +371,11 @@ mod tests {
 
     #[test]
     fn logprob_fields() {
-        assert_eq!(chat_logprobs(&Some(Value::Bool(true)), Some(3)).map_err(|e| e.to_string()), Ok(Some(3)));
-        assert_eq!(chat_logprobs(&None, None).map_err(|e| e.to_string()), Ok(None));
-        assert!(chat_logprobs(&None, Some(2)).is_err());
-        assert!(chat_logprobs(&Some(Value::Bool(true)), Some(21)).is_err());
-        assert_eq!(completion_logprobs(&Some(serde_json::json!(2))).map_err(|e| e.to_string()), Ok(Some(2)));
-        assert!(completion_logprobs(&Some(serde_json::json!(-1))).is_err());
+        assert_eq!(chat_logprobs(Some(true), Some(3)).map_err(|e| e.to_string()), Ok(Some(3)));
+        assert_eq!(chat_logprobs(None, None).map_err(|e| e.to_string()), Ok(None));
+        assert!(chat_logprobs(None, Some(2)).is_err());
+        assert!(chat_logprobs(Some(true), Some(21)).is_err());
+        assert_eq!(completion_logprobs(Some(2)).map_err(|e| e.to_string()), Ok(Some(2)));
+        assert!(completion_logprobs(Some(-1)).is_err());
     }
 }

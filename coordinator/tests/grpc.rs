@@ -133,7 +133,7 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
     let tok = Tokenizer::from_gguf(&gguf)?;
     // One request running and one queued at a time, so that queueing and
     // shedding can be shown; a drain grace far longer than the drain may take.
-    let Pair { prefill: _prefill, decode, coord } = start_pair(
+    let Pair { prefill, decode, coord } = start_pair(
         "256",
         &["--max-running", "1", "--max-queued", "1", "--shutdown-timeout-ms", "60000", "--max-body-bytes", "65536"],
     )?;
@@ -165,6 +165,7 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
         tok,
         decode_metrics: decode.addr("metrics")?,
         service: service.clone(),
+        workers: (decode.addr("grpc")?, prefill.addr("grpc")?),
     });
 
     // Each part runs in a task of its own, on this one cluster: a failed
@@ -177,6 +178,7 @@ async fn grpc_frontend_through_a_prefill_decode_pair() -> TestResult {
         ("completions", tokio::spawn(completions(cx.clone()))),
         ("chat with logprobs", tokio::spawn(chat_with_logprobs(cx.clone()))),
         ("refusals", tokio::spawn(refusals(cx.clone()))),
+        ("a Python client", tokio::spawn(python_client(cx.clone()))),
     ] {
         record(&mut failed, name, part.await);
     }
@@ -196,6 +198,8 @@ struct Cx {
     tok: Tokenizer,
     decode_metrics: String,
     service: String,
+    /// The decode and prefill workers' gRPC addresses.
+    workers: (String, String),
 }
 
 const PROMPT: &str = "The capital of France is";
@@ -321,19 +325,117 @@ async fn refusals(cx: Arc<Cx>) -> TestResult {
     let r = generate(&client, GenerateRequest { model: "gpt-9".into(), ..prompt_req(prompt, 4) }, None).await?;
     refused(r, Code::NotFound, Some("model_not_found"), Some("model"))?;
     let r = generate(&client, GenerateRequest { temperature: Some(5.0), ..prompt_req(prompt, 4) }, None).await?;
-    refused(r, Code::InvalidArgument, None, Some("temperature"))?;
+    refused(r, Code::InvalidArgument, Some("invalid_value"), Some("temperature"))?;
     let r = generate(&client, GenerateRequest { input: None, ..prompt_req(prompt, 4) }, None).await?;
-    refused(r, Code::InvalidArgument, None, Some("input"))?;
+    refused(r, Code::InvalidArgument, Some("invalid_value"), Some("input"))?;
     let r = generate(&client, prompt_req(prompt, 100_000), None).await?;
     refused(r, Code::InvalidArgument, Some("context_length_exceeded"), Some("prompt"))?;
+    // gRPC's status table: a message over the cap is RESOURCE_EXHAUSTED (tonic says OUT_OF_RANGE).
     let big = GenerateRequest { input: Some(Input::Prompt("x".repeat(70_000))), ..prompt_req("", 4) };
     let r = generate(&client, big, None).await?;
-    assert_eq!(r.err().map(|s| s.code()), Some(Code::OutOfRange), "a message over --max-body-bytes");
+    refused(r, Code::ResourceExhausted, Some("request_too_large"), None)?;
     let mut bad_timeout = tonic::Request::new(prompt_req(prompt, 4));
     bad_timeout.metadata_mut().insert("grpc-timeout", "soon".parse()?);
     let r = bounded("an answer to a bad grpc-timeout", client.clone().generate(bad_timeout)).await?;
-    refused(r.map(|_| Answer::default()), Code::InvalidArgument, None, Some("grpc-timeout"))?;
+    refused(r.map(|_| Answer::default()), Code::InvalidArgument, Some("invalid_value"), Some("grpc-timeout"))?;
+    // A call without its one request message: UNIMPLEMENTED (tonic says INTERNAL).
+    let mut raw = tonic::client::Grpc::new(cx.channel.clone());
+    bounded("the raw client ready", raw.ready()).await??;
+    let none = tonic::Request::new(tokio_stream::empty::<GenerateRequest>());
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/tandem.frontend.v1.Frontend/Generate");
+    let codec = tonic_prost::ProstCodec::<GenerateRequest, proto::frontend::v1::GenerateResponse>::default();
+    let r = bounded("an answer to a call without a message", raw.streaming(none, path, codec)).await?;
+    let s = r.err().ok_or("a call without a request message was answered")?;
+    assert_eq!(s.code(), Code::Unimplemented, "{s:?}");
+    assert_eq!(s.metadata().get("x-tandem-error-code").and_then(|v| v.to_str().ok()), Some("cardinality_violation"));
 
+    Ok(())
+}
+
+/// The tenants of the Python client's coordinator: open, capped at 4 tokens, and
+/// one request per 5 s (with the least burst, two).
+const TENANTS: &str = r#"
+[tenants.open]
+keys = ["sk-open"]
+[tenants.capped]
+keys = ["sk-capped"]
+max_tokens = 4
+[tenants.slow]
+keys = ["sk-slow"]
+requests_per_s = 0.2
+"#;
+
+/// A Python grpcio client (tests/grpc_client.py) calls every RPC of a second
+/// coordinator in front of the same workers — one with tenants and a gRPC max
+/// connection age of 1.5 s — on one channel for 4 s; every gRPC call it made is in
+/// that coordinator's request series under the HTTP status and code its outcome has
+/// there, and its channel reconnected after the GOAWAY without losing a call.
+async fn python_client(cx: Arc<Cx>) -> TestResult {
+    let Some(python) = std::env::var_os("TANDEM_PYTHON") else {
+        return Err("TANDEM_PYTHON is not set: make test sets it (scripts/python-deps.sh)".into());
+    };
+    let dir = std::env::temp_dir().join(format!("tandem-grpc-python-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let tenants = dir.join("tenants.toml");
+    std::fs::write(&tenants, TENANTS)?;
+    let (d, p) = &cx.workers;
+    let tenants_arg = tenants.to_string_lossy().into_owned();
+    let args = [
+        "--http",
+        "127.0.0.1:0",
+        "--grpc",
+        "127.0.0.1:0",
+        "--decode",
+        d,
+        "--prefill",
+        p,
+        "--tenants",
+        &tenants_arg,
+        "--max-body-bytes",
+        "65536",
+        "--grpc-max-connection-age-ms",
+        "1500",
+    ];
+    let coord = common::start("tandem-coordinator", &args, &["http", "grpc"])?;
+    let (h, g) = (coord.addr("http")?, coord.addr("grpc")?);
+    eventually("the second coordinator ready", || {
+        common::http(&h, "GET", "/ready", "", b"", &[]).is_ok_and(|r| r.0 == 200)
+    })
+    .await?;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/grpc_client.py");
+    let out = tokio::process::Command::new(python)
+        .args([script, &g, MODEL, "sk-open", "sk-capped", "sk-slow", &dir.to_string_lossy(), "4"])
+        .kill_on_drop(true)
+        .output();
+    let out = bounded("the Python client", out).await??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the Python client failed ({}):\n{stderr}", out.status);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("{e}: {stderr}"))?;
+
+    use facts::metrics::coordinator::{GRPC_CONNECTIONS, IDEMPOTENT_REPLAYS, REQUESTS};
+    let page = opskit::prom::scrape_within(&h, WAIT).await?;
+    let grpc = |status: &str, code: &str| page.sum(REQUESTS, &[("api", "grpc"), ("status", status), ("code", code)]);
+    // Every answered Generate counted ok (the replayed one too), each refusal under its code.
+    assert_eq!(grpc("200", "ok")?, report["generate_ok"].as_f64().unwrap_or(-1.0), "{report}");
+    for (status, code) in [
+        ("400", "invalid_value"),
+        ("422", "idempotency_key_reused"),
+        ("404", "model_not_found"),
+        ("413", "request_too_large"),
+        ("400", "max_tokens_too_large"),
+        ("429", "rate_limit_requests"),
+    ] {
+        assert_eq!(grpc(status, code)?, 1.0, "{REQUESTS}{{api=grpc,status={status},code={code}}}: {report}");
+    }
+    // The 50 ms deadline: the coordinator's 504, or the client's cancel first (499).
+    let deadline = page.absent_as_zero(REQUESTS, &[("api", "grpc"), ("status", "504"), ("code", "deadline_exceeded")])
+        + page.absent_as_zero(REQUESTS, &[("api", "grpc"), ("status", "499"), ("code", "client_closed")]);
+    assert_eq!(deadline, 1.0, "the deadline call counted once");
+    assert!(page.sum(IDEMPOTENT_REPLAYS, &[])? >= 1.0, "the keyed retry was a replay");
+    let connections = page.get(GRPC_CONNECTIONS, &[])?;
+    assert!(connections >= 2.0, "one channel for 4 s past a 1.5 s max connection age reconnected: {connections}");
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 

@@ -147,6 +147,18 @@ struct Flags {
     /// Most Idempotency-Keys remembered at once. Env: TANDEM_IDEMPOTENCY_MAX_KEYS.
     #[arg(long, env = "TANDEM_IDEMPOTENCY_MAX_KEYS", default_value_t = 10_000)]
     idempotency_max_keys: usize,
+    /// HTTP/2 keepalive PING interval on gRPC connections, ms. Env: TANDEM_GRPC_KEEPALIVE_MS.
+    #[arg(long, env = "TANDEM_GRPC_KEEPALIVE_MS", default_value_t = 30_000)]
+    grpc_keepalive_ms: u64,
+    /// A keepalive PING unanswered this long closes the gRPC connection, ms.
+    /// Env: TANDEM_GRPC_KEEPALIVE_TIMEOUT_MS.
+    #[arg(long, env = "TANDEM_GRPC_KEEPALIVE_TIMEOUT_MS", default_value_t = 10_000)]
+    grpc_keepalive_timeout_ms: u64,
+    /// A gRPC connection this old is sent GOAWAY, so long-lived channels reconnect
+    /// and rebalance across coordinators; its calls in flight run on to their end, ms.
+    /// Env: TANDEM_GRPC_MAX_CONNECTION_AGE_MS.
+    #[arg(long, env = "TANDEM_GRPC_MAX_CONNECTION_AGE_MS", default_value_t = 1_800_000)]
+    grpc_max_connection_age_ms: u64,
     /// Deadline of a request that sets no `x-request-timeout-ms` (HTTP) or
     /// `grpc-timeout` (gRPC), ms. Env: TANDEM_REQUEST_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
@@ -226,6 +238,9 @@ fn main() -> anyhow::Result<()> {
         ("http_body_timeout_ms", flags.http_body_timeout_ms),
         ("migration_stall_ms", flags.migration_stall_ms),
         ("migration_concurrency", flags.migration_concurrency as u64),
+        ("grpc_keepalive_ms", flags.grpc_keepalive_ms),
+        ("grpc_keepalive_timeout_ms", flags.grpc_keepalive_timeout_ms),
+        ("grpc_max_connection_age_ms", flags.grpc_max_connection_age_ms),
     ] {
         anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");
     }
@@ -348,7 +363,14 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         stall_limit: Duration::from_millis(flags.stream_idle_timeout_ms),
     };
     let http = coordinator::http::serve(http_listener, router(app), serve, stop.clone());
-    let grpc_settings = grpc::GrpcSettings { max_message_bytes: flags.max_body_bytes };
+    let grpc_settings = grpc::GrpcSettings {
+        max_message_bytes: flags.max_body_bytes,
+        idempotency_window: Duration::from_secs(flags.idempotency_window_s),
+        idempotency_max_keys: flags.idempotency_max_keys,
+        keepalive: Duration::from_millis(flags.grpc_keepalive_ms),
+        keepalive_timeout: Duration::from_millis(flags.grpc_keepalive_timeout_ms),
+        max_connection_age: Duration::from_millis(flags.grpc_max_connection_age_ms),
+    };
     let grpc = grpc::serve(pipeline, grpc_settings, grpc_listener, stop.clone());
     let mut servers = tokio::spawn(async move {
         tokio::try_join!(async { http.await.context("serving HTTP") }, async { grpc.await.context("serving gRPC") },)

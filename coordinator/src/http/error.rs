@@ -25,7 +25,13 @@ use crate::tenants::Cap;
 pub fn status(e: &Error) -> StatusCode {
     use ErrorKind as K;
     match e {
-        Error::Invalid { .. } | Error::InvalidJson { .. } | Error::ContextLength { .. } => StatusCode::BAD_REQUEST,
+        Error::Invalid { .. }
+        | Error::InvalidJson { .. }
+        | Error::Unsupported { .. }
+        | Error::InvalidBody { .. }
+        | Error::ContextLength { .. } => StatusCode::BAD_REQUEST,
+        Error::UnknownRoute { .. } => StatusCode::NOT_FOUND,
+        Error::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
         Error::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
         Error::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
         Error::MissingApiKey | Error::WrongApiKey => StatusCode::UNAUTHORIZED,
@@ -74,13 +80,22 @@ pub fn body(e: &Error) -> Value {
     })
 }
 
+/// The error code an answer carries, for the request counter (a response extension,
+/// never sent).
+#[derive(Clone, Copy, Debug)]
+pub struct ErrorCode(pub &'static str);
+
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
         let mut r = (status(&self), Json(body(&self))).into_response();
-        if matches!(self, Error::BodyTimeout { .. }) {
-            // The rest of the body may still trickle in: the connection is
-            // not reused, whatever the client asked.
+        r.extensions_mut().insert(ErrorCode(self.code()));
+        if matches!(self, Error::BodyTimeout { .. } | Error::BodyTooLarge { .. } | Error::InvalidBody { .. }) {
+            // The rest of the body may still trickle in, or was never read, or its
+            // framing is lost: the connection is not reused, whatever the client asked.
             r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        if let Error::MethodNotAllowed { allowed, .. } = &self {
+            r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allowed));
         }
         if let Some(s) = self.retry_after() {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
@@ -101,6 +116,6 @@ mod tests {
         assert_eq!(b["error"]["param"], "top_p");
         assert_eq!(b["error"]["type"], "invalid_request_error");
         assert_eq!(b["error"]["message"], "bad");
-        assert!(b["error"].get("code").is_some_and(Value::is_null), "a plain invalid field has a null code");
+        assert_eq!(b["error"]["code"], "invalid_value", "a plain invalid field has a code too");
     }
 }

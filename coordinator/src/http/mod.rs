@@ -38,13 +38,13 @@ use tokio::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri, Version};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::Stream;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
 use crate::error::Error;
@@ -52,8 +52,10 @@ use crate::idempotency::{Idempotency, Recorder, Replay, Replayed};
 use crate::metrics;
 use crate::openai;
 use crate::pipeline::{
-    priority_of, send_within, Claimed, Draft, Entered, Event as RunEvent, Job, Pipeline, PromptInput, Run, TokenLogprob,
+    derived_seed, priority_of, send_within, Claimed, Draft, Entered, Event as RunEvent, Job, Pipeline, PromptInput,
+    Run, TokenLogprob,
 };
+use crate::prompt;
 use crate::tenants::Pass;
 
 pub mod error;
@@ -109,6 +111,66 @@ impl App {
     }
 }
 
+/// Every route and the methods it answers: the `Allow` of a 405.
+const ROUTES: [(&str, &str); 8] = [
+    ("/v1/models", "GET, HEAD"),
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+    ("/tokenize", "POST"),
+    ("/detokenize", "POST"),
+    ("/health", "GET, HEAD"),
+    ("/ready", "GET, HEAD"),
+    ("/metrics", "GET, HEAD"),
+];
+
+/// Longest path an error message repeats, bytes.
+const MAX_ECHOED_PATH: usize = 128;
+
+/// A request no route takes: 405 with `Allow` on a known path, else 404; both with
+/// the OpenAI error body.
+async fn no_route(method: Method, uri: Uri) -> Response {
+    let path = uri.path();
+    let mut echoed = path.chars().take(MAX_ECHOED_PATH).collect::<String>();
+    if echoed.len() < path.len() {
+        echoed.push_str("...");
+    }
+    let method = method.as_str().chars().take(16).collect();
+    match ROUTES.iter().find(|(p, _)| *p == path) {
+        Some((_, allowed)) => Error::MethodNotAllowed { method, path: echoed, allowed }.into_response(),
+        None => Error::UnknownRoute { method, path: echoed }.into_response(),
+    }
+}
+
+/// RFC 9112 section 3.2: an HTTP/1.1 request without a `Host`, any request with
+/// more than one, or one whose value is not `host[:port]`, is answered 400.
+fn check_host(version: Version, headers: &HeaderMap) -> Result<(), Error> {
+    let mut hosts = headers.get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (Some(_), Some(_)) => Err(Error::invalid("host", "the request has more than one Host header (RFC 9112, 3.2)")),
+        (None, _) if version == Version::HTTP_11 => {
+            Err(Error::invalid("host", "an HTTP/1.1 request must have a Host header (RFC 9112, 3.2)"))
+        }
+        (None, _) => Ok(()),
+        (Some(v), None) => {
+            // Empty is allowed: a target with no authority (RFC 9112, 3.2).
+            let ok = v.is_empty()
+                || v.to_str().is_ok_and(|h| !h.contains('@') && h.parse::<axum::http::uri::Authority>().is_ok());
+            if ok {
+                Ok(())
+            } else {
+                Err(Error::invalid("host", "the Host header is not a valid host[:port] (RFC 9112, 3.2)"))
+            }
+        }
+    }
+}
+
+async fn host_rule(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match check_host(req.version(), req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/models", get(models))
@@ -119,8 +181,11 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(ready))
         .route("/metrics", get(prometheus))
+        .fallback(no_route)
+        .method_not_allowed_fallback(no_route)
         // The cap is enforced while reading (`read_body`), with our error body.
         .layer(DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn(host_rule))
         .with_state(app)
 }
 
@@ -163,13 +228,19 @@ async fn prometheus(State(app): State<Arc<App>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
 }
 
-/// Reads the body, refusing one over the cap (413) without buffering more
-/// than the cap, and one that does not arrive within the body timeout (408).
-async fn read_body(app: &App, body: Body) -> Result<Bytes, Error> {
+/// Reads the body: refused at once (413, before a byte of it is read and before
+/// `100 Continue` is sent) when its `Content-Length` is over the cap; refused while
+/// reading when a chunked one passes the cap (413, never buffering more than the cap);
+/// 400 when its framing breaks; 408 when it does not arrive within the body timeout.
+async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, Error> {
     let cap = app.settings.max_body_bytes;
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(len) = declared.filter(|&len| len > cap as u64) {
+        return Err(Error::BodyTooLarge { limit: cap, size: Some(usize::try_from(len).unwrap_or(usize::MAX)) });
+    }
     let after = app.settings.body_timeout;
-    match tokio::time::timeout(after, axum::body::to_bytes(body, cap)).await {
-        Ok(read) => read.map_err(|_| Error::BodyTooLarge { limit: cap, size: None }),
+    match tokio::time::timeout(after, collect_body(body, cap)).await {
+        Ok(read) => read,
         Err(_) => {
             metrics::http_timeout("body");
             Err(Error::BodyTimeout { after })
@@ -177,8 +248,23 @@ async fn read_body(app: &App, body: Body) -> Result<Bytes, Error> {
     }
 }
 
-/// Content type, size cap and JSON, in that order.
-fn parse_json<T: serde::de::DeserializeOwned>(app: &App, headers: &HeaderMap, body: &Bytes) -> Result<T, Error> {
+/// The whole body, at most `cap` bytes.
+async fn collect_body(body: Body, cap: usize) -> Result<Bytes, Error> {
+    use futures_util::StreamExt;
+    let mut frames = body.into_data_stream();
+    let mut out = Vec::new();
+    while let Some(frame) = frames.next().await {
+        let data = frame.map_err(|e| Error::InvalidBody { message: e.to_string() })?;
+        if out.len() + data.len() > cap {
+            return Err(Error::BodyTooLarge { limit: cap, size: None });
+        }
+        out.extend_from_slice(&data);
+    }
+    Ok(Bytes::from(out))
+}
+
+/// Content type, size cap and JSON, in that order: the body's object.
+fn parse_json(app: &App, headers: &HeaderMap, body: &Bytes) -> Result<Map<String, Value>, Error> {
     let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     if !ct.split(';').next().is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json")) {
         return Err(Error::UnsupportedMediaType { content_type: ct.to_owned() });
@@ -188,7 +274,11 @@ fn parse_json<T: serde::de::DeserializeOwned>(app: &App, headers: &HeaderMap, bo
     }
     let text = std::str::from_utf8(body)
         .map_err(|e| Error::InvalidJson { message: format!("the body is not valid UTF-8: {e}") })?;
-    serde_json::from_str(text).map_err(|e| Error::InvalidJson { message: format!("invalid JSON: {e}") })
+    match serde_json::from_str(text) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(Error::InvalidJson { message: "the body must be a JSON object".into() }),
+        Err(e) => Err(Error::InvalidJson { message: format!("invalid JSON: {e}") }),
+    }
 }
 
 /// A header as text (400 naming it when it is not).
@@ -256,7 +346,7 @@ struct Parsed {
     spec: openai::Spec,
     /// The field `max_tokens` came in ([`max_tokens_param`]).
     max_tokens_param: &'static str,
-    priority: Option<Value>,
+    priority: Option<String>,
 }
 
 /// The field `max_tokens` came in.
@@ -276,40 +366,89 @@ fn max_tokens_param(s: &openai::Sampling) -> &'static str {
 /// `max_tokens`), [`Pipeline::prepare`] tokenizes it within the tenant's caps
 /// and budgets and gives it its seed, and [`respond`] admits, routes and
 /// answers it.
-async fn generation<R: serde::de::DeserializeOwned>(
+async fn generation(
     app: Arc<App>,
     api: Api,
     headers: HeaderMap,
     body: Body,
-    parse: impl FnOnce(&Pipeline, &Pass, R) -> Result<Parsed, Error>,
+    parse: impl FnOnce(&Pipeline, &Pass, Map<String, Value>) -> Result<Parsed, Error>,
+) -> Response {
+    let count = Unanswered(Some(api));
+    let r = walk(app, api, headers, body, parse).await;
+    count.answered(&r);
+    r
+}
+
+/// Counts a generation request once in `tandem_coordinator_requests_total`: by the
+/// status and error code of its answer when the answer starts (a streamed one's
+/// status is its head's), or as `499 client_closed` when its client went away
+/// before any answer (the handler is dropped).
+struct Unanswered(Option<Api>);
+
+impl Unanswered {
+    fn answered(mut self, r: &Response) {
+        if let Some(api) = self.0.take() {
+            let code = match r.extensions().get::<error::ErrorCode>() {
+                Some(error::ErrorCode(code)) => code,
+                None if r.status().is_success() => "ok",
+                // A recorded refusal replayed for an Idempotency-Key.
+                None => "replayed",
+            };
+            metrics::request_finished(api.name(), r.status().as_u16(), code);
+        }
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(api) = self.0.take() {
+            metrics::request_finished(api.name(), 499, "client_closed");
+        }
+    }
+}
+
+async fn walk(
+    app: Arc<App>,
+    api: Api,
+    headers: HeaderMap,
+    body: Body,
+    parse: impl FnOnce(&Pipeline, &Pass, Map<String, Value>) -> Result<Parsed, Error>,
 ) -> Response {
     let entered = match app.pipeline.enter(&headers) {
         Ok(e) => e,
-        Err(e) => return finished(api, e.into_response()),
+        Err(e) => return e.into_response(),
     };
-    let body = match read_body(&app, body).await {
+    let body = match read_body(&app, &headers, body).await {
         Ok(b) => b,
-        Err(e) => return finished(api, e.into_response()),
+        Err(e) => return e.into_response(),
     };
+    let tenant = entered.pass.tenant().name.clone();
     let claimed = header_str(&headers, "idempotency-key").and_then(|key| {
         let mut digest = body.to_vec();
         digest.extend_from_slice(api.name().as_bytes());
-        entered.claim(&app.idempotency, key, &digest)
+        Ok((key, entered.claim(&app.idempotency, key, "idempotency-key", &digest)?))
     });
     let (entered, key, recorder) = match claimed {
-        Ok(Claimed::Fresh { entered, key, recorder }) => (entered, key, recorder),
-        Ok(Claimed::Replay(replay)) => {
-            // The retry's stream flag is its body's, which equals the first request's.
-            let stream = serde_json::from_slice::<Value>(&body).is_ok_and(|v| v["stream"] == json!(true));
+        Ok((_, Claimed::Fresh { entered, key, recorder })) => (entered, key, recorder),
+        Ok((key, Claimed::Replay(replay))) => {
+            // The retry's stream flag and seed are its body's, which equal the first
+            // request's; unseeded, the seed is its key's.
+            let v = serde_json::from_slice::<Value>(&body).unwrap_or_default();
+            let stream = v["stream"] == json!(true);
+            let seed = v["seed"].as_u64().or_else(|| Some(derived_seed(&tenant, key?)));
             let idle = app.pipeline.settings.stream_idle_timeout;
-            return finished(api, replay_answer(replay, stream, idle).await);
+            let mut r = replay_answer(replay, stream, idle).await;
+            if let Some(v) = seed.and_then(|s| header::HeaderValue::from_str(&s.to_string()).ok()) {
+                r.headers_mut().insert(SEED_HEADER, v);
+            }
+            return r;
         }
-        Err(e) => return finished(api, e.into_response()),
+        Err(e) => return e.into_response(),
     };
     let Entered { pass, arrived } = entered;
     let job = async {
         let parsed = parse(&app.pipeline, &pass, parse_json(&app, &headers, &body)?)?;
-        let priority = priority_of(header_str(&headers, "x-priority")?, parsed.priority.as_ref())?;
+        let priority = priority_of(header_str(&headers, "x-priority")?, parsed.priority.as_deref())?;
         let draft = Draft {
             max_tokens_param: parsed.max_tokens_param,
             input: parsed.input,
@@ -327,43 +466,41 @@ async fn generation<R: serde::de::DeserializeOwned>(
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    generation(app, Api::Completions, headers, body, |p, pass, req: openai::CompletionRequest| {
+    generation(app, Api::Completions, headers, body, |p, pass, body| {
+        openai::check_fields(&body, &openai::COMPLETION_FIELDS)?;
+        let sampling: openai::Sampling = openai::typed(&body)?;
+        let req: openai::CompletionRequest = openai::typed(&body)?;
         p.check_model(req.model.as_deref())?;
-        let logprobs = openai::completion_logprobs(&req.logprobs)?;
-        let spec = openai::sampling(&req.sampling, logprobs, pass.default_max_tokens(p.settings.default_max_tokens))?;
+        let logprobs = openai::completion_logprobs(req.logprobs)?;
+        let spec = openai::sampling(&sampling, logprobs, pass.default_max_tokens(p.settings.default_max_tokens))?;
         Ok(Parsed {
-            input: PromptInput::Completion(req.prompt),
+            input: prompt::completion_input(req.prompt.as_ref(), p.tokenizer.vocab_size())?,
             param: "prompt",
             spec,
-            max_tokens_param: max_tokens_param(&req.sampling),
-            priority: req.sampling.priority,
+            max_tokens_param: max_tokens_param(&sampling),
+            priority: sampling.priority,
         })
     })
     .await
 }
 
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    generation(app, Api::Chat, headers, body, |p, pass, req: openai::ChatRequest| {
+    generation(app, Api::Chat, headers, body, |p, pass, body| {
+        openai::check_fields(&body, &openai::CHAT_FIELDS)?;
+        let sampling: openai::Sampling = openai::typed(&body)?;
+        let req: openai::ChatRequest = openai::typed(&body)?;
         p.check_model(req.model.as_deref())?;
-        let messages = req.messages.ok_or_else(|| Error::invalid("messages", "`messages` is required"))?;
-        let logprobs = openai::chat_logprobs(&req.logprobs, req.top_logprobs)?;
-        let spec = openai::sampling(&req.sampling, logprobs, pass.default_max_tokens(p.settings.default_max_tokens))?;
+        let logprobs = openai::chat_logprobs(req.logprobs, req.top_logprobs)?;
+        let spec = openai::sampling(&sampling, logprobs, pass.default_max_tokens(p.settings.default_max_tokens))?;
         Ok(Parsed {
-            input: PromptInput::Chat(messages),
+            input: prompt::chat_input(req.messages.as_ref())?,
             param: "messages",
             spec,
-            max_tokens_param: max_tokens_param(&req.sampling),
-            priority: req.sampling.priority,
+            max_tokens_param: max_tokens_param(&sampling),
+            priority: sampling.priority,
         })
     })
     .await
-}
-
-/// Counts a finished request by its status and error code.
-fn finished(api: Api, r: Response) -> Response {
-    let code = if r.status().is_success() { "ok" } else { "error" };
-    metrics::request_finished(api.name(), r.status().as_u16(), code);
-    r
 }
 
 /// Admits and routes a prepared request (or answers its refusal) and shapes
@@ -378,7 +515,7 @@ async fn respond(app: Arc<App>, api: Api, job: Result<Job, Error>, recorder: Opt
             rec.push(Recorded::Json(status, error::body(&e)));
             rec.finish(keeps(status));
         }
-        finished(api, e.into_response())
+        e.into_response()
     };
     let job = match job {
         Ok(j) => j,
@@ -392,7 +529,7 @@ async fn respond(app: Arc<App>, api: Api, job: Result<Job, Error>, recorder: Opt
             if let Some(rec) = recorder {
                 rec.finish(false);
             }
-            return finished(api, e.into_response());
+            return e.into_response();
         }
     };
     let seed = run.seed();
@@ -411,20 +548,23 @@ async fn respond(app: Arc<App>, api: Api, job: Result<Job, Error>, recorder: Opt
         Sse::new(infallible(events)).into_response()
     } else {
         let (result, recorder) = answer.collect().await;
-        let (status, body) = match result {
-            Ok(body) => (StatusCode::OK, body),
-            Err(e) => (error::status(&e), error::body(&e)),
+        let (status, body) = match &result {
+            Ok(body) => (StatusCode::OK, body.clone()),
+            Err(e) => (error::status(e), error::body(e)),
         };
         if let Some(rec) = recorder {
             rec.push(Recorded::Json(status, body.clone()));
             rec.finish(keeps(status));
         }
-        (status, Json(body)).into_response()
+        match result {
+            Ok(body) => Json(body).into_response(),
+            Err(e) => e.into_response(),
+        }
     };
     if let Ok(v) = header::HeaderValue::from_str(&seed.to_string()) {
         response.headers_mut().insert(SEED_HEADER, v);
     }
-    finished(api, response)
+    response
 }
 
 /// The response header that carries the seed an answer was sampled with.
@@ -655,20 +795,20 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    let body = match read_body(&app, body).await {
+    let body = match read_body(&app, &headers, body).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
     let r = async {
-        let v: Value = parse_json(&app, &headers, &body)?;
-        let input = if let Some(m) = v.get("messages") {
-            let messages: Vec<openai::Message> = serde_json::from_value(m.clone())
-                .map_err(|e| Error::invalid("messages", format!("invalid messages: {e}")))?;
-            PromptInput::Chat(messages)
+        let v = parse_json(&app, &headers, &body)?;
+        let (input, param) = if v.contains_key("messages") {
+            openai::check_fields(&v, &["model", "messages"])?;
+            (prompt::chat_input(v.get("messages"))?, "messages")
         } else {
-            PromptInput::Completion(v.get("prompt").cloned())
+            openai::check_fields(&v, &["model", "prompt"])?;
+            (prompt::completion_input(v.get("prompt"), app.pipeline.tokenizer.vocab_size())?, "prompt")
         };
-        let ids = app.pipeline.tokenize(&pass.tenant().name, input).await?;
+        let ids = app.pipeline.tokenize(&pass.tenant().name, input, param).await?;
         Ok::<_, Error>(json!({"tokens": ids, "count": ids.len(), "max_model_len": app.pipeline.context}))
     }
     .await;
@@ -683,12 +823,12 @@ async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body)
     if let Err(e) = app.caller(&headers) {
         return e.into_response();
     }
-    let body = match read_body(&app, body).await {
+    let body = match read_body(&app, &headers, body).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
     let r = (|| {
-        let v: Value = parse_json(&app, &headers, &body)?;
+        let v = parse_json(&app, &headers, &body)?;
         let ids: Vec<u32> = v
             .get("tokens")
             .and_then(|t| serde_json::from_value(t.clone()).ok())

@@ -24,7 +24,7 @@ use crate::admission::{self, Admission, Seat, Shed, Ticket};
 use crate::cluster::{Cluster, Dispatch, WorkerTags};
 use crate::error::Error;
 use crate::metrics;
-use crate::openai::{Message, Spec};
+use crate::openai::Spec;
 use crate::prompt::{self, pool::Pool};
 use crate::tenants::{Pass, Tenancy};
 use engine::tokenizer::Tokenizer;
@@ -105,16 +105,7 @@ pub struct Pipeline {
     pub admission: Arc<Admission>,
 }
 
-/// A request's prompt before tokenizing.
-#[derive(Debug, Clone)]
-pub enum PromptInput {
-    /// A completions `prompt` (text or token ids).
-    Completion(Option<serde_json::Value>),
-    /// Chat messages (the chat template is applied).
-    Chat(Vec<Message>),
-    /// Token ids already checked against the vocabulary (gRPC `token_ids`).
-    Ids(Vec<u32>),
-}
+pub use crate::prompt::PromptInput;
 
 /// A request parsed and validated by its frontend, before any token is
 /// counted: what [`Pipeline::prepare`] turns into a [`Job`].
@@ -155,16 +146,12 @@ pub struct Job {
 /// The admission class a request asks for: the `x-priority` header, else
 /// the body's `priority` field, else none (its tenant's class, see
 /// [`crate::tenants::Tenant::class_of`]).
-pub fn priority_of(header: Option<&str>, field: Option<&serde_json::Value>) -> Result<Option<Priority>, Error> {
+pub fn priority_of(header: Option<&str>, field: Option<&str>) -> Result<Option<Priority>, Error> {
     let bad = |param: &str| Error::invalid(param, "must be one of \"high\", \"normal\", \"low\"");
     if let Some(h) = header {
         return Priority::parse(h.trim()).map(Some).map_err(|_| bad("x-priority"));
     }
-    match field {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(serde_json::Value::String(s)) => Priority::parse(s).map(Some).map_err(|_| bad("priority")),
-        Some(_) => Err(bad("priority")),
-    }
+    field.map(|s| Priority::parse(s).map_err(|_| bad("priority"))).transpose()
 }
 
 /// One coordinator's share of the cluster's `capacity` (running seats)
@@ -262,7 +249,7 @@ impl Pipeline {
         }
         pass.charge_output(max_tokens)?;
         pass.check_prompt_budget()?;
-        let ids = self.tokenize(&pass.tenant().name, draft.input).await?;
+        let ids = self.tokenize(&pass.tenant().name, draft.input, draft.param).await?;
         self.check_context(draft.param, ids.len(), max_tokens)?;
         pass.charge_prompt(draft.param, ids.len())?;
         // The most KV the request can hold on a decode worker: prompt and
@@ -289,17 +276,19 @@ impl Pipeline {
         })
     }
 
-    /// The prompt's token ids, templated and tokenized in the pool (a
-    /// queue for `tenant`); ids given as ids need no pool.
-    pub async fn tokenize(self: &Arc<Self>, tenant: &str, input: PromptInput) -> Result<Vec<u32>, Error> {
-        let me = self.clone();
-        match input {
-            PromptInput::Ids(ids) => Ok(ids),
-            PromptInput::Completion(p) => {
-                self.pool.run(tenant, move || prompt::completion_tokens(&me.tokenizer, &p)).await?
-            }
-            PromptInput::Chat(m) => self.pool.run(tenant, move || prompt::chat_tokens(&me.tokenizer, &m)).await?,
+    /// The prompt's token ids (`param`: its field, for errors), templated and
+    /// tokenized in the pool (a queue for `tenant`); ids given as ids need no pool.
+    pub async fn tokenize(
+        self: &Arc<Self>,
+        tenant: &str,
+        input: PromptInput,
+        param: &'static str,
+    ) -> Result<Vec<u32>, Error> {
+        if let PromptInput::Ids(ids) = input {
+            return Ok(ids);
         }
+        let me = self.clone();
+        self.pool.run(tenant, move || prompt::tokens(&me.tokenizer, &input, param)).await?
     }
 
     /// Admission through the central queue: a slot at once, a wait in

@@ -65,15 +65,17 @@ impl Entered {
     /// and what it sends is recorded — or a retry, answered from the first.
     /// A key reused with another body is refused (422); a full key table too
     /// (503), never a silent second run.
+    /// `param` names the key's header or field in errors.
     pub fn claim<R: Clone>(
         self,
         table: &Arc<Idempotency<R>>,
         key: Option<&str>,
+        param: &'static str,
         digest: &[u8],
     ) -> Result<Claimed<R>, Error> {
         let Some(k) = key else { return Ok(Claimed::Fresh { entered: self, key: None, recorder: None }) };
         if k.is_empty() || k.len() > idempotency::MAX_KEY_LEN {
-            return Err(Error::invalid("idempotency-key", format!("must be 1..={} bytes", idempotency::MAX_KEY_LEN)));
+            return Err(Error::invalid(param, format!("must be 1..={} bytes", idempotency::MAX_KEY_LEN)));
         }
         match table.claim(self.pass.caller(), k, idempotency::fingerprint(digest)) {
             Claim::Leader(r) => Ok(Claimed::Fresh { entered: self, key: Some(k.to_owned()), recorder: Some(r) }),

@@ -235,7 +235,7 @@ async fn a_tenant_holds_at_most_its_kv_share_split_between_coordinators() {
     let mut second = gate.enter(&as_key("sk-a")).expect("in");
     let e = second.hold_kv(50, 1000).expect_err("150 of 125");
     assert_eq!(limit_of(&e), Some(TenantLimit::KvShare));
-    assert_eq!(e.code(), Some("kv_share"));
+    assert_eq!(e.code(), "kv_share");
     assert_eq!(crate::http::error::status(&e), axum::http::StatusCode::TOO_MANY_REQUESTS);
     assert!(e.retry_after().is_some(), "frees as a's own requests end");
     second.hold_kv(25, 1000).expect("125 of 125");

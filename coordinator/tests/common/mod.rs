@@ -121,7 +121,8 @@ pub fn error_of(status: u16, body: &str, want_status: u16, want_param: Option<&s
     let v = json_of(body)?;
     let e = &v["error"];
     assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
-    assert!(e["type"].is_string() && e.get("code").is_some() && e.get("param").is_some(), "{body}");
+    // Every error has a code (README's error table), never null.
+    assert!(e["type"].is_string() && e["code"].is_string() && e.get("param").is_some(), "{body}");
     if let Some(p) = want_param {
         assert_eq!(e["param"], p, "{body}");
     }

@@ -165,6 +165,10 @@ pub const TOKENIZER_QUEUE: &str = "tandem_coordinator_tokenizer_queue";
 /// `tandem_coordinator_http_connections`: open HTTP connections (bounded
 /// by `--http-max-connections`).
 pub const HTTP_CONNECTIONS: &str = "tandem_coordinator_http_connections";
+/// `tandem_coordinator_grpc_connections_total`: gRPC connections accepted. With
+/// `--grpc-max-connection-age-ms` it rises as long-lived channels are sent GOAWAY
+/// and reconnect (possibly to another coordinator).
+pub const GRPC_CONNECTIONS: &str = "tandem_coordinator_grpc_connections_total";
 /// `tandem_coordinator_http_timeouts_total{phase}`: HTTP requests whose
 /// `body` did not arrive within `--http-body-timeout-ms` (answered 408 and
 /// closed). A head that is too slow is closed by the HTTP server itself.
@@ -252,6 +256,7 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: FLEET_SPLIT, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: TOKENIZER_QUEUE, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: HTTP_CONNECTIONS, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
+    Metric { name: GRPC_CONNECTIONS, kind: Kind::Counter, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: HTTP_TIMEOUTS, kind: Kind::Counter, labels: &["phase"], exporter: Exporter::Coordinator },
     Metric { name: PAIRS_UNLABELLED, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
 ];
