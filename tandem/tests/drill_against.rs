@@ -14,7 +14,8 @@
 
 mod common;
 
-use common::{proc_state, running, TestResult, Up, WAIT};
+use common::{proc_state, running, Role, TestResult, Up, WAIT};
+use facts::state::State;
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
@@ -72,22 +73,19 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
     let result = (|| -> TestResult {
         let v = &up.state;
         let comps = up.components()?;
-        let pids: Vec<(String, u64)> = comps
-            .iter()
-            .map(|c| Ok((c["role"].as_str().ok_or("role")?.to_owned(), c["pid"].as_u64().ok_or("pid")?)))
-            .collect::<Result<_, &str>>()?;
-        for c in comps.iter().filter(|c| matches!(c["role"].as_str(), Some("prefill" | "decode"))) {
-            assert_eq!(c["version_group"], "local", "workers' version group in the state file: {c}");
-            assert_eq!(c["lease_ttl_s"], 4, "workers' lease TTL in the state file: {c}");
+        let pids: Vec<(Role, u32)> = comps.iter().map(|c| (c.role, c.pid)).collect();
+        for c in comps.iter().filter(|c| matches!(c.role, Role::Prefill | Role::Decode)) {
+            assert_eq!(c.version_group.as_deref(), Some("local"), "workers' version group in the state file: {c:?}");
+            assert_eq!(c.lease_ttl_s, Some(4), "workers' lease TTL in the state file: {c:?}");
         }
         // Every process's output goes to its own file; by default in `STATEFILE.logs`.
         let log_dir = dir.join("state.json.logs");
         let mut logs = Vec::new();
         for c in comps {
-            let log = std::path::PathBuf::from(c["log"].as_str().ok_or_else(|| format!("no log in {c}"))?);
-            assert!(log.is_file(), "{} is not a file: {c}", log.display());
-            if c["role"] != "etcd" {
-                assert_eq!(log.parent(), Some(log_dir.as_path()), "{c}");
+            let log = c.log.clone().ok_or_else(|| format!("no log in {c:?}"))?;
+            assert!(log.is_file(), "{} is not a file: {c:?}", log.display());
+            if c.role != Role::Etcd {
+                assert_eq!(log.parent(), Some(log_dir.as_path()), "{c:?}");
             }
             logs.push(log);
         }
@@ -102,14 +100,14 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
         let state_s = state.to_str().ok_or("state path")?;
         let all_running = |when: &str| {
             for (role, pid) in &pids {
-                assert!(running(*pid), "{when}: {role} (pid {pid}) is not running: {:?}", proc_state(*pid));
+                assert!(running(*pid), "{when}: {role:?} (pid {pid}) is not running: {:?}", proc_state(*pid));
             }
         };
 
         // A drill that needs a cluster shaped for it (a proxy on the KV link) is refused, and
         // so is a drain under the default policy (`on-failure` leaves a worker that exited 0
         // down), each with the reason; nothing is touched.
-        assert_eq!(v["restart"], "on-failure", "the default policy in the state file");
+        assert_eq!(v.restart.as_deref(), Some("on-failure"), "the default policy in the state file");
         let refused = tandem(&["drill", "--against", state_s, "run", "prefill-kill-recompute", "rolling-drain"], WAIT)?;
         let err = String::from_utf8_lossy(&refused.stderr);
         assert!(!refused.status.success(), "prefill-kill and rolling-drain must be refused: {err}");
@@ -137,14 +135,14 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
             "thread 'tokio-runtime-worker' panicked at worker/src/injected.rs:1:1:\ninjected by the test\n";
         std::fs::write(&panicked, format!("{text}{panic_line}"))?;
         let mut v2 = v.clone();
-        for c in v2["components"].as_array_mut().ok_or("no components")? {
-            if c["log"].as_str() == decode0.to_str() {
-                c["log"] = serde_json::Value::from(panicked.to_str().ok_or("path")?);
+        for c in &mut v2.components {
+            if c.log.as_deref() == Some(decode0.as_path()) {
+                c.log = Some(panicked.clone());
             }
         }
         assert_ne!(&v2, v, "decode-0's log was swapped");
         let state2 = dir.join("state-panicked.json");
-        std::fs::write(&state2, serde_json::to_string(&v2)?)?;
+        v2.write(&state2)?;
         let state2_s = state2.to_str().ok_or("path")?;
         let ran = tandem(&["drill", "--against", state2_s, "run", "client-disconnect"], WAIT)?;
         let stdout = String::from_utf8_lossy(&ran.stdout);
@@ -192,11 +190,7 @@ fn drills_that_end_a_worker_run_against_a_supervised_cluster() -> TestResult {
     let mut up = Up::start(&dir, &[&args[..], &["--restart-backoff-ms", "300"]].concat())?;
     let state = up.state_file.clone();
     let result = (|| -> TestResult {
-        let before: Vec<(String, u64)> = up
-            .components()?
-            .iter()
-            .map(|c| Ok((c["name"].as_str().ok_or("name")?.to_owned(), c["pid"].as_u64().ok_or("pid")?)))
-            .collect::<Result<_, &str>>()?;
+        let before: Vec<(String, u32)> = up.components()?.iter().map(|c| (c.name.clone(), c.pid)).collect();
         let state_s = state.to_str().ok_or("state path")?;
         let drills = ["decode-kill", "rolling-drain", "worker-sigstop"];
         let t0 = std::time::Instant::now();
@@ -214,25 +208,25 @@ fn drills_that_end_a_worker_run_against_a_supervised_cluster() -> TestResult {
         // Left as found: the same components, each running, the workers under new pids.
         up.reload()?;
         let after = up.components()?;
-        let names: Vec<&str> = after.iter().filter_map(|c| c["name"].as_str()).collect();
+        let names: Vec<&str> = after.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, before.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), "the same components");
         let mut decode_restarts = 0;
         for ((name, old_pid), c) in before.iter().zip(after) {
-            let pid = c["pid"].as_u64().ok_or("pid")?;
-            assert_eq!(c["state"], "running", "{c}");
+            let pid = c.pid;
+            assert_eq!(c.state, State::Running, "{c:?}");
             assert!(running(pid), "{name} (pid {pid}) is not running: {:?}", proc_state(pid));
-            let restarts = c["restarts"].as_u64().ok_or("restarts")?;
-            match c["role"].as_str() {
-                Some("prefill" | "decode") => {
+            let restarts = c.restarts;
+            match c.role {
+                Role::Prefill | Role::Decode => {
                     // Every worker was drained once (rolling-drain); a decode worker also killed.
-                    assert!(restarts >= 1 && pid != *old_pid, "{name} was restarted: {c}");
-                    if c["role"] == "decode" {
+                    assert!(restarts >= 1 && pid != *old_pid, "{name} was restarted: {c:?}");
+                    if c.role == Role::Decode {
                         decode_restarts += restarts;
                     }
-                    let log = std::fs::read_to_string(c["log"].as_str().ok_or("log")?)?;
+                    let log = std::fs::read_to_string(c.log.as_ref().ok_or("log")?)?;
                     assert!(log.contains("===== tandem up: restart 1 of"), "{name}'s log has a separator: {log}");
                 }
-                _ => assert_eq!((restarts, pid), (0, *old_pid), "{name} was not touched: {c}"),
+                _ => assert_eq!((restarts, pid), (0, *old_pid), "{name} was not touched: {c:?}"),
             }
         }
         assert!(decode_restarts >= 3, "2 decode workers drained and one killed: {after:?}");

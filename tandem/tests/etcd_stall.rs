@@ -14,12 +14,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{metric, plan, serving, wait_for, TestResult, Up};
+use common::{metric, plan, serving, wait_for, Role, TestResult, Up};
 use loadgen::{Hooks, Record};
 
 const STALL: Duration = Duration::from_secs(8);
 
-fn signal(sig: &str, pid: u64) -> Result<(), String> {
+fn signal(sig: &str, pid: u32) -> Result<(), String> {
     let ok = std::process::Command::new("kill").args([sig, &pid.to_string()]).status().map_err(|e| e.to_string())?;
     ok.success().then_some(()).ok_or_else(|| format!("kill {sig} {pid} failed"))
 }
@@ -28,15 +28,15 @@ fn signal(sig: &str, pid: u64) -> Result<(), String> {
 fn a_stalled_etcd_does_not_stop_serving() -> TestResult {
     let dir = common::temp_dir("tandem-etcd-stall")?;
     let mut up = Up::start(&dir, &["--lease-ttl-s", "2"])?;
-    let etcd = up.component("etcd")?["pid"].as_u64().ok_or("no etcd pid")?;
+    let etcd = up.component("etcd")?.pid;
     let result = (|| -> TestResult {
         let rt = tokio::runtime::Runtime::new()?;
         let http = up.http()?;
         let workers: Vec<String> = up
             .components()?
             .iter()
-            .filter(|c| c["role"] == "prefill" || c["role"] == "decode")
-            .filter_map(|c| c["metrics"].as_str().map(str::to_owned))
+            .filter(|c| matches!(c.role, Role::Prefill | Role::Decode))
+            .filter_map(|c| c.metrics.clone())
             .collect();
         let fences =
             || -> Result<f64, String> { workers.iter().map(|m| metric(m, facts::metrics::worker::FENCES, &[])).sum() };

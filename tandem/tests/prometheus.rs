@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use facts::state::{Component, State, StateFile};
 use opskit::http::{get, Request};
 use opskit::{eventually, poll, within};
 use serde_json::Value;
@@ -137,31 +138,25 @@ async fn firing(prom: &str, name: &str) -> bool {
     alert_states(prom, name).await.is_ok_and(|s| s.iter().any(|s| s == "firing"))
 }
 
-/// `tandem up`'s state file, as JSON.
-fn state(path: &Path) -> Result<Value, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| e.to_string())
+/// `tandem up`'s state file (`facts::state`, the schema `tandem up` writes).
+fn state(path: &Path) -> Result<StateFile, String> {
+    StateFile::read(path).map_err(|e| e.to_string())
 }
 
-fn component(state: &Value, name: &str) -> Result<Value, String> {
-    state["components"]
-        .as_array()
-        .and_then(|c| c.iter().find(|c| c["name"] == name).cloned())
-        .ok_or_else(|| format!("no component {name} in the state file"))
+fn component(state: &StateFile, name: &str) -> Result<Component, String> {
+    state.component(name).cloned().ok_or_else(|| format!("no component {name} in the state file"))
 }
 
 /// Kills `name` with SIGKILL and waits for the supervisor to have restarted
 /// it (`restarts` one higher, a new pid, running).
 async fn kill_and_await_restart(state_file: &Path, name: &str) -> TestResult {
     let before = component(&state(state_file)?, name)?;
-    let pid = before["pid"].as_u64().ok_or("no pid")?;
-    let restarts = before["restarts"].as_u64().unwrap_or(0);
+    let (pid, restarts) = (before.pid, before.restarts);
     let killed = Command::new("kill").args(["-KILL", &pid.to_string()]).status()?;
     assert!(killed.success(), "kill -9 {pid}");
     poll(&format!("{name} restarted after kill -9 {pid}"), WAIT, || async {
         let c = component(&state(state_file)?, name)?;
-        let ok =
-            c["restarts"].as_u64() == Some(restarts + 1) && c["pid"].as_u64() != Some(pid) && c["state"] == "running";
+        let ok = c.restarts == restarts + 1 && c.pid != pid && c.state == State::Running;
         Ok::<_, String>(ok.then_some(()))
     })
     .await?;
@@ -303,7 +298,7 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
         .await?;
     let st = state(&state_file)?;
     for (name, want) in [("prefill-0", 3), ("decode-0", 0)] {
-        let pid = component(&st, name)?["pid"].as_u64().ok_or("no pid")?;
+        let pid = component(&st, name)?.pid;
         assert_eq!(nice_of(pid)?, want, "{name}'s nice level (tandem up --prefill-nice 3)");
     }
 
@@ -361,7 +356,7 @@ async fn prometheus_alerts_fire_and_resolve_on_a_real_cluster_and_every_panel_qu
 }
 
 /// A process's nice level (`/proc/PID/stat` field 19).
-fn nice_of(pid: u64) -> Result<i64, String> {
+fn nice_of(pid: u32) -> Result<i64, String> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| e.to_string())?;
     // After the `(comm)` field, which may hold spaces: state is field 3, nice field 19.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).ok_or("no comm")?;

@@ -12,14 +12,15 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, plan, running, serving, wait_for, TestResult, Up};
+use common::{metric, plan, running, serving, wait_for, Role, TestResult, Up};
+use facts::state::State;
 use loadgen::{Hooks, Outcome, Record};
 
 /// Bound on a killed worker being back and serving: its backoff, its start-up, and the
 /// lease of its dead predecessor running out (2 s) before it can register under its name.
 const BACK_WITHIN: Duration = Duration::from_secs(90);
 
-fn kill9(pid: u64) -> Result<(), String> {
+fn kill9(pid: u32) -> Result<(), String> {
     let ok =
         std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().map_err(|e| e.to_string())?;
     if ok.success() {
@@ -31,12 +32,12 @@ fn kill9(pid: u64) -> Result<(), String> {
 
 /// Waits until the state file shows `name` running again with `restarts` restarts and a pid
 /// other than `old`, and that pid alive; returns the new pid.
-fn back(up: &mut Up, name: &str, old: u64, restarts: u64) -> Result<u64, String> {
+fn back(up: &mut Up, name: &str, old: u32, restarts: u32) -> Result<u32, String> {
     wait_for(BACK_WITHIN, &format!("{name} restarted (restarts: {restarts})"), || {
         up.reload()?;
         let c = up.component(name)?;
-        let pid = c["pid"].as_u64().ok_or("no pid")?;
-        let ok = c["state"] == "running" && c["restarts"].as_u64() == Some(restarts) && pid != old && running(pid);
+        let pid = c.pid;
+        let ok = c.state == State::Running && c.restarts == restarts && pid != old && running(pid);
         Ok(ok.then_some(pid))
     })
 }
@@ -68,17 +69,14 @@ fn killed_workers_come_back_while_the_others_keep_serving() -> TestResult {
         progress(3, "3 requests completing before any kill")?;
 
         for name in ["prefill-1", "decode-0"] {
-            let old = up.component(name)?["pid"].as_u64().ok_or("no pid")?;
-            let addrs: Vec<String> = ["grpc", "metrics"]
-                .iter()
-                .map(|k| up.component(name).map(|c| c[*k].to_string()))
-                .collect::<Result<_, _>>()?;
+            let c = up.component(name)?;
+            let (old, addrs) = (c.pid, (c.grpc.clone(), c.metrics.clone()));
             kill9(old)?;
             let new = back(&mut up, name, old, 1)?;
             let c = up.component(name)?;
-            assert_eq!(c["last_exit"], "signal 9 (SIGKILL)", "{c}");
-            let again: Vec<String> = ["grpc", "metrics"].iter().map(|k| c[*k].to_string()).collect();
-            assert_eq!(addrs, again, "{name} keeps its addresses across the restart");
+            assert_eq!(c.last_exit.as_deref(), Some("signal 9 (SIGKILL)"), "{c:?}");
+            assert_eq!(addrs, (c.grpc.clone(), c.metrics.clone()), "{name} keeps its addresses across the restart");
+            assert!(addrs.0.is_some() && addrs.1.is_some(), "{c:?}");
             let role = if name.starts_with("prefill") { "prefill" } else { "decode" };
             serving(&http, role, 2.0, BACK_WITHIN)?;
             progress(3, &format!("3 more requests completing after {name} came back as pid {new}"))?;
@@ -97,9 +95,9 @@ fn killed_workers_come_back_while_the_others_keep_serving() -> TestResult {
         assert!(report.records.len() > failed.len() + 9, "the load kept completing: {} records", report.records.len());
 
         // Every worker, the restarted ones included, ends with no KV in use.
-        for c in up.components()?.iter().filter(|c| c["role"] == "prefill" || c["role"] == "decode") {
-            let m = c["metrics"].as_str().ok_or("no metrics address")?.to_owned();
-            wait_for(Duration::from_secs(30), &format!("{} KV back to 0", c["name"]), || {
+        for c in up.components()?.iter().filter(|c| matches!(c.role, Role::Prefill | Role::Decode)) {
+            let m = c.metrics.clone().ok_or("no metrics address")?;
+            wait_for(Duration::from_secs(30), &format!("{} KV back to 0", c.name), || {
                 let used = metric(&m, facts::metrics::worker::KV_BLOCKS_USED, &[])?;
                 Ok((used == 0.0).then_some(()))
             })?;
@@ -133,28 +131,28 @@ fn a_worker_crashing_at_every_start_is_given_up_and_the_cluster_keeps_serving() 
         let broken = dir.join("model.gguf.new");
         std::fs::write(&broken, b"GGUF but not a model")?;
         std::fs::rename(&broken, &model)?;
-        let old = up.component("prefill-1")?["pid"].as_u64().ok_or("no pid")?;
+        let old = up.component("prefill-1")?.pid;
         kill9(old)?;
         let c = wait_for(Duration::from_secs(120), "prefill-1 given up", || {
             up.reload()?;
             let c = up.component("prefill-1")?;
-            Ok((c["state"] == "given_up").then_some(c))
+            Ok((c.state == State::GivenUp).then_some(c))
         })?;
         // The kill and four failed starts: five exits within a minute.
-        assert_eq!(c["restarts"], 4, "{c}");
+        assert_eq!(c.restarts, 4, "{c:?}");
         // It exits before it listens: the start itself fails.
-        assert!(c["last_exit"].as_str().is_some_and(|e| e.starts_with("start failed")), "{c}");
-        assert!(!running(c["pid"].as_u64().unwrap_or(0)), "{c}");
+        assert!(c.last_exit.as_deref().is_some_and(|e| e.starts_with("start failed")), "{c:?}");
+        assert!(!running(c.pid), "{c:?}");
         let err = up.stderr_text();
         assert!(err.contains("GIVING UP on prefill-1"), "{err}");
-        let log = std::fs::read_to_string(c["log"].as_str().ok_or("no log")?)?;
+        let log = std::fs::read_to_string(c.log.as_ref().ok_or("no log")?)?;
         assert_eq!(log.matches("===== tandem up: restart").count(), 4, "one separator per restart");
         assert_eq!(log.matches("Error: loading").count(), 4, "each restart failed on the model: {log}");
 
         // Everything else still runs and serves.
-        for c in up.components()?.iter().filter(|c| c["name"] != "prefill-1") {
-            assert_eq!(c["state"], "running", "{c}");
-            assert!(c["pid"].as_u64().is_some_and(running), "{c}");
+        for c in up.components()?.iter().filter(|c| c.name != "prefill-1") {
+            assert_eq!(c.state, State::Running, "{c:?}");
+            assert!(running(c.pid), "{c:?}");
         }
         let (status, body) = common::post(
             &up.http()?,

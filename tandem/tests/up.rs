@@ -96,27 +96,24 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> TestResult {
     let result = (|| -> TestResult {
         let v = &up.state;
         let comps = up.components()?;
-        let roles: Vec<&str> = comps.iter().filter_map(|c| c["role"].as_str()).collect();
-        assert_eq!(roles, ["etcd", "prefill", "decode", "coordinator"], "{v}");
+        let roles: Vec<&str> = comps.iter().map(|c| c.role.as_str()).collect();
+        assert_eq!(roles, ["etcd", "prefill", "decode", "coordinator"], "{v:?}");
         for c in comps {
-            assert!(c["pid"].as_u64().is_some_and(running), "{c}");
+            assert!(running(c.pid), "{c:?}");
         }
-        assert!(comps[0]["grpc"].is_string(), "etcd's client address: {v}");
-        assert!(comps[1]["grpc"].is_string() && comps[1]["metrics"].is_string() && comps[1].get("http").is_none());
-        assert!(comps[2]["transfer"].as_str().is_some_and(|t| t.starts_with('@')), "shared memory by default: {v}");
-        assert!(comps[3]["grpc"].is_string(), "the coordinator's gRPC frontend: {v}");
+        assert!(comps[0].grpc.is_some(), "etcd's client address: {v:?}");
+        assert!(comps[1].grpc.is_some() && comps[1].metrics.is_some() && comps[1].http.is_none(), "{v:?}");
+        let transfer = comps[2].transfer.as_deref();
+        assert!(transfer.is_some_and(|t| t.starts_with('@')), "shared memory by default: {v:?}");
+        assert!(comps[3].grpc.is_some(), "the coordinator's gRPC frontend: {v:?}");
         let http = up.http()?;
-        assert_eq!(
-            comps[3]["metrics"].as_str(),
-            Some(http.as_str()),
-            "the coordinator's /metrics is on its HTTP port: {v}"
-        );
+        assert_eq!(comps[3].metrics.as_deref(), Some(http.as_str()), "the coordinator's /metrics is on its HTTP port");
         // Prometheus file_sd: one target per process, at the address the state file names.
         let targets = dir.join("state.json.logs").join("prometheus-targets.json");
         let sd: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&targets)?)?;
         let listed: Vec<&str> =
             sd.as_array().ok_or("not a list")?.iter().filter_map(|g| g["targets"][0].as_str()).collect();
-        let metrics: Vec<&str> = comps.iter().filter_map(|c| c["metrics"].as_str()).collect();
+        let metrics: Vec<&str> = comps.iter().filter_map(|c| c.metrics.as_deref()).collect();
         assert_eq!(listed, metrics, "{sd}");
         assert_eq!(listed.len(), comps.len(), "every process has a target: {sd}");
         let (status, body) = post_chat(&http)?;
@@ -127,13 +124,12 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> TestResult {
         // label names: the catalog cannot drift from what the processes export.
         use facts::metrics::Process;
         for (c, p) in comps.iter().skip(1).zip([Process::Prefill, Process::Decode, Process::Coordinator]) {
-            let addr = c["metrics"].as_str().ok_or("no metrics address")?;
+            let addr = c.metrics.as_deref().ok_or("no metrics address")?;
             let n = common::matches_catalog(addr, p)?;
             assert!(n >= 20, "{p:?} exported only {n} tandem_ series");
         }
 
-        let pids: Vec<(String, u64)> =
-            comps.iter().filter_map(|c| Some((c["role"].to_string(), c["pid"].as_u64()?))).collect();
+        let pids: Vec<(&str, u32)> = comps.iter().map(|c| (c.role.as_str(), c.pid)).collect();
         let status = up.stop()?;
         assert!(status.success(), "tandem up exit: {status:?}");
         for (role, pid) in pids {
@@ -155,9 +151,8 @@ fn up_with_decode_workers_only_is_ready_and_serves() -> TestResult {
     let dir = common::temp_dir("tandem-up-decode-only-test")?;
     let mut up = Up::start(&dir, &["--prefill", "0"])?;
     let result = (|| -> TestResult {
-        let roles: Vec<String> =
-            up.components()?.iter().filter_map(|c| c["role"].as_str().map(str::to_owned)).collect();
-        assert_eq!(roles, ["etcd", "decode", "coordinator"], "{}", up.state);
+        let roles: Vec<&str> = up.components()?.iter().map(|c| c.role.as_str()).collect();
+        assert_eq!(roles, ["etcd", "decode", "coordinator"], "{:?}", up.state);
         let http = up.http()?;
         let (status, body) = post_chat(&http)?;
         assert_eq!(status, 200, "{body}");
@@ -181,8 +176,8 @@ fn up_with_the_ucx_transport_serves_a_chat_completion() -> TestResult {
     let mut up = Up::start(&dir, &["--kv-transport", "ucx"])?;
     let result = (|| -> TestResult {
         let decode = up.component("decode-0")?;
-        let metrics = decode["metrics"].as_str().ok_or_else(|| format!("no decode metrics address: {decode}"))?;
-        assert_eq!(common::metric(metrics, TRANSPORT_INFO, &[("transport", "ucx")])?, 1.0, "{decode}");
+        let metrics = decode.metrics.as_deref().ok_or_else(|| format!("no decode metrics address: {decode:?}"))?;
+        assert_eq!(common::metric(metrics, TRANSPORT_INFO, &[("transport", "ucx")])?, 1.0, "{decode:?}");
         let http = up.http()?;
         let (status, body) = post_chat(&http)?;
         assert_eq!(status, 200, "{body}");

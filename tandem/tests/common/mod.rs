@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::time::Duration;
 
+pub use facts::state::{Component, Role, StateFile};
 use loadgen::{Arrival, Plan, PromptSource};
 use opskit::process::{Launch, Proc};
 
@@ -24,8 +25,9 @@ pub struct Up {
     pub state_file: PathBuf,
     /// Where its stderr goes (its restart and give-up lines).
     pub stderr: PathBuf,
-    /// The state file as written once the cluster was ready.
-    pub state: serde_json::Value,
+    /// The state file as written once the cluster was ready (the one schema `tandem up`
+    /// writes and drills read: `facts::state`).
+    pub state: StateFile,
 }
 
 impl Up {
@@ -49,7 +51,7 @@ impl Up {
             .until_line("coordinator")
             .wait(WAIT)
             .start_blocking()?;
-        let state = serde_json::from_str(&std::fs::read_to_string(&state_file)?)?;
+        let state = StateFile::read(&state_file)?;
         Ok(Up { pid: proc.pid, proc, state_file, stderr, state })
     }
 
@@ -60,31 +62,24 @@ impl Up {
 
     /// Reads the state file again (it is rewritten on every exit and restart).
     pub fn reload(&mut self) -> Result<(), String> {
-        let text =
-            std::fs::read_to_string(&self.state_file).map_err(|e| format!("{}: {e}", self.state_file.display()))?;
-        self.state = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", self.state_file.display()))?;
+        self.state = StateFile::read(&self.state_file).map_err(|e| e.to_string())?;
         Ok(())
     }
 
     /// The component named `name` (`prefill-1`) in the state file as last read.
-    pub fn component(&self, name: &str) -> Result<serde_json::Value, String> {
-        self.components()?
-            .iter()
-            .find(|c| c["name"] == name)
-            .cloned()
-            .ok_or_else(|| format!("no {name} in the state file: {}", self.state))
+    pub fn component(&self, name: &str) -> Result<Component, String> {
+        self.state.component(name).cloned().ok_or_else(|| format!("no {name} in the state file: {:?}", self.state))
     }
 
     /// The state file's components.
-    pub fn components(&self) -> Result<&Vec<serde_json::Value>, String> {
-        self.state["components"].as_array().ok_or_else(|| format!("no components in {}", self.state))
+    pub fn components(&self) -> Result<&Vec<Component>, String> {
+        Ok(&self.state.components)
     }
 
     /// The coordinator's HTTP address.
     pub fn http(&self) -> Result<String, String> {
-        let comps = self.components()?;
-        let c = comps.iter().find(|c| c["role"] == "coordinator").ok_or("no coordinator in the state file")?;
-        c["http"].as_str().map(str::to_owned).ok_or_else(|| format!("no http in {c}"))
+        let c = self.state.components.iter().find(|c| c.role == Role::Coordinator).ok_or("no coordinator")?;
+        c.http.clone().ok_or_else(|| format!("no http in {c:?}"))
     }
 
     /// SIGTERM and wait up to 60 s (then SIGKILL); its exit status.
@@ -119,14 +114,14 @@ pub fn get(addr: &str, path: &str) -> opskit::Result<(u16, String)> {
     Ok((r.status, r.text()))
 }
 
-/// The state letter of `/proc/PID/stat` (`None`: gone); pids as the state file writes them.
-pub fn proc_state(pid: u64) -> Option<char> {
-    u32::try_from(pid).ok().and_then(opskit::process::proc_state)
+/// The state letter of `/proc/PID/stat` (`None`: gone).
+pub fn proc_state(pid: u32) -> Option<char> {
+    opskit::process::proc_state(pid)
 }
 
 /// Running and not stopped (a zombie or a stopped process is not).
-pub fn running(pid: u64) -> bool {
-    u32::try_from(pid).is_ok_and(opskit::process::running)
+pub fn running(pid: u32) -> bool {
+    opskit::process::running(pid)
 }
 
 /// Polls `check` until it gives `Some`, or fails after `limit` saying `what` did not happen
