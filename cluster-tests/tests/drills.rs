@@ -134,6 +134,19 @@ async fn overload_3x() -> TestResult {
     Ok(())
 }
 
+/// Half the clients retry at once, ignoring Retry-After: none of those retries is served
+/// before its Retry-After, and goodput holds (the drill's invariants).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_storm() -> TestResult {
+    let r = drill("retry-storm").await?;
+    let early: u32 = r.load.records.iter().map(|x| x.retries.early).sum();
+    let served: u32 = r.load.records.iter().map(|x| x.retries.early_served).sum();
+    assert!(early > 0 && served == 0, "{early} early retries, {served} served");
+    let g = r.goodput.ok_or("no goodput measured")?;
+    assert!(g.offered_rps > 2.9 * g.capacity_rps, "offered {} req/s against {}", g.offered_rps, g.capacity_rps);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_sigstop() -> TestResult {
     drill("worker-sigstop").await.map(drop)

@@ -66,6 +66,12 @@ pub struct RouteSettings {
     /// in load (decode: score units, a full batch's queue is 1; prefill:
     /// queued requests); a partial prefix in proportion. 0 = load only.
     pub prefix_affinity: f64,
+    /// Remote prefill attempts one dispatch may make, across every decode worker
+    /// it is routed to (`--prefill-attempts`): the coordinator lists at most this
+    /// many prefill workers in all, and a decode worker walks its list (policy
+    /// `retry`) without adding any, so retries inside the cluster happen in this
+    /// one layer and never multiply.
+    pub prefill_attempts: usize,
 }
 
 impl Default for RouteSettings {
@@ -75,6 +81,7 @@ impl Default for RouteSettings {
             load_poll: Duration::from_millis(250),
             breaker: BreakerConfig::default(),
             prefix_affinity: 1.0,
+            prefill_attempts: 3,
         }
     }
 }
@@ -691,6 +698,9 @@ impl Cluster {
         let tokens: Vec<u32> = d.prompt.iter().chain(&d.generated).copied().collect();
         let mut pin = d.pin.clone();
         let mut attempt = 0;
+        // The dispatch's remote prefill attempts, spent as lists are sent (a list sent
+        // counts whole: a stream that broke does not say how much of it was walked).
+        let mut prefills_left = self.settings.prefill_attempts;
         loop {
             attempt += 1;
             if attempt > 1 {
@@ -705,6 +715,17 @@ impl Cluster {
             decode.inflight.fetch_add(1, Ordering::Relaxed);
             let inflight = Inflight { decode: decode.clone(), cached_tokens: route.cached_tokens };
             req.prefill = route.prefill;
+            if !req.prefill.is_empty() {
+                if prefills_left == 0 {
+                    // Every attempt this dispatch had is spent: no further route.
+                    return Err(Error::WorkerUnavailable(format!(
+                        "decode worker {}: refused or unreachable, and the request's {} prefill attempts are spent",
+                        route.decode, self.settings.prefill_attempts
+                    )));
+                }
+                req.prefill.truncate(prefills_left);
+                prefills_left -= req.prefill.len();
+            }
             let placement = Placement {
                 decode_id: route.decode_id,
                 decode_addr: route.decode.clone(),

@@ -134,6 +134,14 @@ pub enum Error {
     /// anything was tokenized.
     #[error("the coordinator's tokenizer queue is full")]
     TokenizerBusy,
+    /// A retry of a request refused with a `Retry-After` that came back before it
+    /// was up ([`crate::retries`]); `wait` is the time still left.
+    #[error("this request was refused with a Retry-After that is not up yet; retry in {}", fmt_ms(.wait))]
+    RetryTooSoon { wait: Duration },
+    /// A retry past its caller's retry budget ([`crate::retries`]); `wait` is the
+    /// time until the budget holds one again.
+    #[error("this caller's retries are over its retry budget; retry in {}", fmt_ms(.wait))]
+    RetryBudgetExhausted { wait: Duration },
     /// The client did not send the whole body within the body read timeout.
     #[error("the request body did not arrive within {}", fmt_ms(.after))]
     BodyTimeout { after: Duration },
@@ -223,6 +231,8 @@ impl Error {
             Self::OverCap { what: Cap::PromptTokens, .. } => ("invalid_request_error", "prompt_too_long"),
             Self::TokenizerBusy => ("overloaded_error", "tokenizer_busy"),
             Self::BodyTimeout { .. } => ("invalid_request_error", "request_timeout"),
+            Self::RetryTooSoon { .. } => ("rate_limit_error", "retry_too_soon"),
+            Self::RetryBudgetExhausted { .. } => ("rate_limit_error", "retry_budget_exhausted"),
         }
     }
 
@@ -279,6 +289,10 @@ impl Error {
             Self::TenantLimit { wait: Some(wait), .. } => Some(crate::tenants::retry_after_secs(*wait)),
             // A count: frees as the tenant's own requests end.
             Self::TenantLimit { wait: None, .. } => Some(admission::retry_after(None)),
+            // The time left, rounded up: not jittered below it, or the retry is too soon again.
+            Self::RetryTooSoon { wait } | Self::RetryBudgetExhausted { wait } => {
+                Some(crate::tenants::retry_after_secs(*wait))
+            }
             Self::Shed(Shed::Deadline)
             | Self::Worker { .. }
             | Self::Invalid { .. }
@@ -346,6 +360,8 @@ mod tests {
             Error::Deadline,
             Error::TokenizerBusy,
             Error::BodyTimeout { after: d },
+            Error::RetryTooSoon { wait: d },
+            Error::RetryBudgetExhausted { wait: d },
             Error::OverCap { param: "max_tokens", what: Cap::MaxTokens, cap: 16, got: 64 },
             Error::OverCap { param: "messages", what: Cap::PromptTokens, cap: 16, got: 64 },
         ];
@@ -423,6 +439,10 @@ mod tests {
             }
             Error::TokenizerBusy => (H::SERVICE_UNAVAILABLE, "tokenizer_busy", Code::Unavailable, true),
             Error::BodyTimeout { .. } => (H::REQUEST_TIMEOUT, "request_timeout", Code::DeadlineExceeded, false),
+            Error::RetryTooSoon { .. } => (H::TOO_MANY_REQUESTS, "retry_too_soon", Code::ResourceExhausted, true),
+            Error::RetryBudgetExhausted { .. } => {
+                (H::TOO_MANY_REQUESTS, "retry_budget_exhausted", Code::ResourceExhausted, true)
+            }
             Error::Worker { kind, .. } => match kind {
                 K::InvalidArgument => (H::BAD_REQUEST, "invalid_argument", Code::InvalidArgument, false),
                 K::Overloaded => (H::SERVICE_UNAVAILABLE, "overloaded", Code::Unavailable, true),

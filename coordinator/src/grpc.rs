@@ -55,6 +55,7 @@ use crate::pipeline::{
     TokenLogprob,
 };
 use crate::prompt::{self, Turn};
+use crate::retries::{self, Identity};
 use crate::router::NoRoute;
 
 /// Metadata key carrying the OpenAI error code (`model_not_found`, ...).
@@ -128,7 +129,9 @@ pub fn code_of(e: &Error) -> Code {
             K::Internal | K::Unspecified => Code::Internal,
         },
         Error::Deadline => Code::DeadlineExceeded,
-        Error::TenantLimit { .. } => Code::ResourceExhausted,
+        Error::TenantLimit { .. } | Error::RetryTooSoon { .. } | Error::RetryBudgetExhausted { .. } => {
+            Code::ResourceExhausted
+        }
         Error::OverCap { .. } => Code::InvalidArgument,
         Error::TokenizerBusy => Code::Unavailable,
         // HTTP only: gRPC messages are read by tonic, bounded by its own limits.
@@ -352,6 +355,9 @@ struct Sink {
     recorder: Option<Recorder<Sent>>,
     idle: Duration,
     count: Count,
+    /// The call's identity, and where a refusal with a Retry-After is remembered.
+    id: Identity,
+    pipeline: Arc<Pipeline>,
 }
 
 impl Sink {
@@ -370,7 +376,9 @@ impl Sink {
     async fn fail(&mut self, e: &Error) {
         self.count.error(e);
         self.recorder = None;
-        send_within(&self.tx, Err(status_of(e)), self.idle, "grpc").await;
+        let status = status_of(e);
+        remember(&self.pipeline, Some(&self.id), &status);
+        send_within(&self.tx, Err(status), self.idle, "grpc").await;
     }
 
     /// The answer is whole: the key's retries get it all.
@@ -378,6 +386,17 @@ impl Sink {
         if let Some(rec) = self.recorder.take() {
             rec.finish(true);
         }
+    }
+}
+
+/// Remembers a refusal with a `retry-after` for the retry gate (walk step 3).
+fn remember(p: &Pipeline, id: Option<&Identity>, status: &Status) {
+    let md = |key: &str| status.metadata().get(key).and_then(|v| v.to_str().ok());
+    let secs = retries::retry_after_of(md(RETRY_AFTER_KEY));
+    // A retry refused as too soon is held to the Retry-After it had.
+    let too_soon = md(ERROR_CODE_KEY) == Some(retries::TOO_SOON);
+    if let (Some(id), Some(secs), false) = (id, secs, too_soon) {
+        p.retries.refused(id, secs);
     }
 }
 
@@ -522,12 +541,23 @@ impl Frontend for FrontendService {
         let mut count = Count::new();
         let p = &self.pipeline;
         let (md, req) = (request.metadata(), request.get_ref());
-        let refuse = |count: &mut Count, e: Error| {
-            count.error(&e);
-            status_of(&e)
-        };
-        let entered = p.enter(&md.clone().into_headers()).map_err(|e| refuse(&mut count, e))?;
+        let headers = md.clone().into_headers();
         let key = (!req.idempotency_key.is_empty()).then_some(req.idempotency_key.as_str());
+        // Counted, and remembered for the retry gate when it has a Retry-After.
+        let refuse = |count: &mut Count, id: Option<&Identity>, e: Error| {
+            count.error(&e);
+            let status = status_of(&e);
+            remember(p, id, &status);
+            status
+        };
+        let entered = match p.enter(&headers) {
+            Ok(e) => e,
+            Err(e) => {
+                // Refused before its message is read (a tenant's rate or count): known only by its key.
+                let id = key.zip(p.gate.caller(&headers).ok()).map(|(k, caller)| Identity::keyed(&caller, API, k));
+                return Err(refuse(&mut count, id.as_ref(), e));
+            }
+        };
         let digest = {
             // The message without its key names the request, as HTTP's body does.
             let mut unkeyed = req.clone();
@@ -536,12 +566,14 @@ impl Frontend for FrontendService {
             d.extend_from_slice(API.as_bytes());
             d
         };
+        let id = Identity::of(entered.pass.caller(), API, key, &digest);
+        let entered = entered.pace(p, &id).map_err(|e| refuse(&mut count, Some(&id), e))?;
         let idle = p.settings.stream_idle_timeout;
         // A retry's seed is known without running it: the request's, or its key's.
         let replay_seed = req.seed.unwrap_or_else(|| derived_seed(&entered.pass.tenant().name, &req.idempotency_key));
         let (entered, key, recorder) = match entered
             .claim(&self.idempotency, key, "idempotency_key", &digest)
-            .map_err(|e| refuse(&mut count, e))?
+            .map_err(|e| refuse(&mut count, Some(&id), e))?
         {
             Claimed::Fresh { entered, key, recorder } => (entered, key, recorder),
             Claimed::Replay(r) => {
@@ -561,12 +593,13 @@ impl Frontend for FrontendService {
                     }
                     rec.finish(keeps(&e));
                 }
-                return Err(refuse(&mut count, e));
+                return Err(refuse(&mut count, Some(&id), e));
             }
         };
         let seed = job.spec.params.seed.unwrap_or_default();
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        tokio::spawn(generate(self.pipeline.clone(), job, Sink { tx, recorder, idle, count }));
+        let sink = Sink { tx, recorder, idle, count, id, pipeline: self.pipeline.clone() };
+        tokio::spawn(generate(self.pipeline.clone(), job, sink));
         Ok(with_seed(stream_of(rx), seed))
     }
 

@@ -10,8 +10,9 @@
 //! bounded pool off the reactor ([`prompt::pool`]), deadline, the central queue
 //! ([`admission`]), routing on live worker load ([`load`], [`router`]) over
 //! etcd membership or fixed addresses ([`cluster`]), detokenizing with stop
-//! strings. HTTP adds `Idempotency-Key` replays ([`idempotency`]); both
-//! export [`metrics`]. Every refusal or failure is an [`error::Error`]
+//! strings. Both offer idempotency-key replays ([`idempotency`]), keep
+//! retries to their `Retry-After` and a budget ([`retries`]), and export
+//! [`metrics`]. Every refusal or failure is an [`error::Error`]
 //! saying what went wrong, turned into a status only at each frontend's
 //! edge. See docs/ARCHITECTURE.md.
 //!
@@ -34,5 +35,6 @@ pub mod openai;
 pub mod pipeline;
 pub mod prefix;
 pub mod prompt;
+pub mod retries;
 pub mod router;
 pub mod tenants;

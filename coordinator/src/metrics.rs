@@ -73,6 +73,7 @@ fn describe() {
     describe_gauge!(TOKENIZER_QUEUE, "Requests waiting for or in the tokenizer pool");
     describe_gauge!(HTTP_CONNECTIONS, "Open HTTP connections");
     describe_counter!(GRPC_CONNECTIONS, "gRPC connections accepted");
+    describe_counter!(RETRIES, "Retries seen by the retry gate, by outcome");
     describe_counter!(HTTP_TIMEOUTS, "HTTP requests whose body did not arrive in time");
     describe_gauge!(PAIRS_UNLABELLED, "Prefill/decode pairs past the label budget");
 }
@@ -163,6 +164,10 @@ pub fn tokenizer_queue(n: usize) {
 
 pub fn http_connections(n: usize) {
     gauge!(HTTP_CONNECTIONS).set(n as f64);
+}
+
+pub fn retry(outcome: &'static str) {
+    counter!(RETRIES, "outcome" => outcome).increment(1);
 }
 
 pub fn grpc_connection_accepted() {

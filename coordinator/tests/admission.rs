@@ -34,6 +34,14 @@ fn completion(max_tokens: u32) -> Value {
     json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0})
 }
 
+/// [`completion`], each a new request (see `common::unique`): these parts send new
+/// requests after refusals, not retries.
+fn fresh(max_tokens: u32) -> Value {
+    let mut v = completion(max_tokens);
+    v["user"] = Value::from(unique());
+    v
+}
+
 fn post_as(h: &str, key: &str, body: &Value, extra: &[(&str, &str)]) -> Reply {
     let auth = bearer(key);
     let mut headers = vec![("Authorization", auth.as_str())];
@@ -226,7 +234,7 @@ async fn queue_contract(cx: Arc<Cx>) -> TestResult {
     let prefills = || counter_before(&pm, PREFILL_REQUESTS, &[("outcome", "ok")]);
     let prefilled = prefills()?;
     let short_deadline = vec![("x-request-timeout-ms".to_owned(), "1000".to_owned())];
-    let (s, hd, b) = answer(&spawn_post(&h, "sk-carol", completion(4), short_deadline))?;
+    let (s, hd, b) = answer(&spawn_post(&h, "sk-carol", fresh(4), short_deadline))?;
     error_of(s, &b, 504, None)?;
     assert!(b.contains("queued") && !hd.contains_key("retry-after"), "{b}");
     // The same with an absolute deadline (Unix ms) one second ahead.
@@ -235,29 +243,29 @@ async fn queue_contract(cx: Arc<Cx>) -> TestResult {
         Ok((now.as_millis() as i64 + ahead_ms).to_string())
     };
     let absolute = vec![("x-request-deadline".to_owned(), unix_ms(1000)?)];
-    let (s, _, b) = answer(&spawn_post(&h, "sk-carol", completion(4), absolute))?;
+    let (s, _, b) = answer(&spawn_post(&h, "sk-carol", fresh(4), absolute))?;
     error_of(s, &b, 504, None)?;
     assert!(b.contains("queued"), "{b}");
     // One already past is refused at arrival, before the queue.
     let past = vec![("x-request-deadline".to_owned(), unix_ms(-1000)?)];
-    let (s, _, b) = answer(&spawn_post(&h, "sk-carol", completion(4), past))?;
+    let (s, _, b) = answer(&spawn_post(&h, "sk-carol", fresh(4), past))?;
     error_of(s, &b, 504, None)?;
     assert!(!b.contains("queued") && code_of(&b) == "deadline_exceeded", "{b}");
     assert_eq!(prefills()?, prefilled, "a request dropped in the queue never reached prefill");
 
     // Alice fills her share of the queue (2, normal); the third is hers to wait for: 429.
-    let alice: Vec<_> = (0..2).map(|_| spawn_post(&h, "sk-alice", completion(3), Vec::new())).collect();
+    let alice: Vec<_> = (0..2).map(|_| spawn_post(&h, "sk-alice", fresh(3), Vec::new())).collect();
     eventually("alice's two requests queued", depth(2.0)).await?;
-    let (s, hd, b) = post_as(&h, "sk-alice", &completion(3), &[])?;
+    let (s, hd, b) = post_as(&h, "sk-alice", &fresh(3), &[])?;
     error_of(s, &b, 429, None)?;
     assert_eq!(code_of(&b), "rate_limit_exceeded");
     let retry_after = hd.get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     assert!(retry_after.is_some_and(|r| (1..=60).contains(&r)), "{hd:?}");
 
     // Bob queues one normal and one high: the queue is full (4).
-    let bob_normal = spawn_post(&h, "sk-bob", completion(3), Vec::new());
+    let bob_normal = spawn_post(&h, "sk-bob", fresh(3), Vec::new());
     eventually("bob's normal request queued", depth(3.0)).await?;
-    let bob_high = spawn_post(&h, "sk-bob", completion(3), vec![("x-priority".to_owned(), "high".to_owned())]);
+    let bob_high = spawn_post(&h, "sk-bob", fresh(3), vec![("x-priority".to_owned(), "high".to_owned())]);
     eventually("bob's high request queued", depth(4.0)).await?;
 
     // A burst at three times the capacity (1 running + 4 queued) from a
@@ -265,7 +273,7 @@ async fn queue_contract(cx: Arc<Cx>) -> TestResult {
     // 503 queue_full + Retry-After while the slot is still busy; nothing
     // hangs and the coordinator's memory stays flat.
     let rss_before = rss_kib(cx.coord_pid)?;
-    let burst: Vec<_> = (0..15).map(|_| spawn_post(&h, "sk-carol", completion(3), Vec::new())).collect();
+    let burst: Vec<_> = (0..15).map(|_| spawn_post(&h, "sk-carol", fresh(3), Vec::new())).collect();
     for rx in &burst {
         let (s, hd, b) = answer(rx)?;
         error_of(s, &b, 503, None)?;
@@ -320,7 +328,7 @@ async fn sigterm_refuses_the_queue_at_once_and_drains_the_running() -> TestResul
     let mut holder = open_stream(&h, "/v1/completions", &long, &[])?;
     assert_eq!(holder.status, 200);
     holder.next_event()?.ok_or("the long stream ended at once")?;
-    let queued: Vec<_> = (0..3).map(|_| spawn_post(&h, "none", completion(3), Vec::new())).collect();
+    let queued: Vec<_> = (0..3).map(|_| spawn_post(&h, "none", fresh(3), Vec::new())).collect();
     eventually("three requests queued", || metric(&h, QUEUE_DEPTH, &[]).is_ok_and(|v| v == 3.0)).await?;
 
     coord.signal(Signal::Term)?;
@@ -335,7 +343,7 @@ async fn sigterm_refuses_the_queue_at_once_and_drains_the_running() -> TestResul
     let took = signalled.elapsed();
     assert!(took < std::time::Duration::from_secs(1), "the queued requests were answered after {took:?}");
     // A request arriving during the drain hears why too; the probe says not ready.
-    let (s, hd, b) = post(&h, "/v1/completions", &completion(3))?;
+    let (s, hd, b) = post(&h, "/v1/completions", &fresh(3))?;
     error_of(s, &b, 503, None)?;
     assert_eq!(code_of(&b), "shutting_down", "{b}");
     assert!(hd.contains_key("retry-after"), "{hd:?}");

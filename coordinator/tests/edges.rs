@@ -199,6 +199,18 @@ fn every_refusal_is_an_openai_error_with_a_code() -> TestResult {
             }
         }
     }
+    // A request refused with a Retry-After (no worker: 503) and sent again at once is
+    // refused 429 retry_too_soon, told the time left; another request is not.
+    let body = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "seed": 5});
+    let (status, headers, text) = post(&h, "/v1/completions", &body)?;
+    let first = headers.get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    assert!(status == 503 && first.is_some(), "{status} {first:?} {text}");
+    let (status, headers, text) = post(&h, "/v1/completions", &body)?;
+    let again = headers.get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    check("the same request again at once", refused(&h, "/v1/completions", &body), 429, "retry_too_soon", None);
+    assert!(status == 429 && again.is_some_and(|a| a >= 1 && Some(a) <= first), "{status} {again:?} {text}");
+    let other = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "seed": 6});
+    check("another request", refused(&h, "/v1/completions", &other), 503, "no_worker", None);
     let failures = failures.into_inner();
     assert!(failures.is_empty(), "{} case(s) failed:\n{}", failures.len(), failures.join("\n"));
 

@@ -32,8 +32,10 @@ fn text_of(event: &str) -> Result<String, String> {
     v["choices"][0]["text"].as_str().map(str::to_owned).ok_or_else(|| format!("no text in {event}"))
 }
 
+/// A short request, each a new one: its `user` differs from every other's, so the retry
+/// gate does not take a request sent after a refusal for a retry of the refused one.
 fn short() -> Value {
-    json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
+    json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "user": unique()})
 }
 
 /// Worker flags for a registered worker of group g1.

@@ -426,7 +426,8 @@ async fn python_client(cx: Arc<Cx>) -> TestResult {
         ("400", "max_tokens_too_large"),
         ("429", "rate_limit_requests"),
     ] {
-        assert_eq!(grpc(status, code)?, 1.0, "{REQUESTS}{{api=grpc,status={status},code={code}}}: {report}");
+        let want = if code == "rate_limit_requests" { 2.0 } else { 1.0 };
+        assert_eq!(grpc(status, code)?, want, "{REQUESTS}{{api=grpc,status={status},code={code}}}: {report}");
     }
     // The 50 ms deadline: the coordinator's 504, or the client's cancel first (499).
     let deadline = page.absent_as_zero(REQUESTS, &[("api", "grpc"), ("status", "504"), ("code", "deadline_exceeded")])
@@ -468,6 +469,11 @@ async fn admission(cx: Arc<Cx>) -> TestResult {
     let s = refused(r, Code::Unavailable, Some("queue_full"), None)?;
     let retry_after = s.metadata().get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     assert!(retry_after.is_some_and(|r| (1..=60).contains(&r)), "{s:?}");
+    // The same call again at once, before its retry-after: refused cheaply as too soon.
+    let r = generate(&client, prompt_req(prompt, 1), None).await?;
+    let s = refused(r, Code::ResourceExhausted, Some("retry_too_soon"), None)?;
+    let again = s.metadata().get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    assert!(again.is_some_and(|a| a >= 1 && Some(a) <= retry_after), "{again:?} after {retry_after:?}");
     drop(stream);
     eventually("the decode worker cancelling the abandoned request", || {
         metric(metrics, DECODE_REQUESTS, &cancelled).is_ok_and(|n| n == before + 1.0)

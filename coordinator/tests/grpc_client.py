@@ -178,8 +178,13 @@ def main():
     generate(key_slow, prompt="x", max_tokens=1)
     generate(key_slow, prompt="x", max_tokens=1)
     retry, _ = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMIT_REQUESTS", "over the tenant's rate",
-                       key=key_slow, prompt="x", max_tokens=1)
+                       key=key_slow, prompt="x", max_tokens=1, idempotency_key="slow-1")
     assert retry is not None and retry.retry_delay.seconds >= 1, retry
+    # Sent again at once, before its RetryInfo is up: not served, and told no later a time
+    # (the tenant's bucket, checked first, refuses it as the gate would).
+    again, _ = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMIT_REQUESTS", "a retry before its RetryInfo",
+                       key=key_slow, prompt="x", max_tokens=1, idempotency_key="slow-1")
+    assert 1 <= again.retry_delay.seconds <= retry.retry_delay.seconds, (again, retry)
     # A deadline the answer cannot meet: a long prompt's first token takes longer than 50 ms.
     try:
         generate(key_open, timeout=0.05, prompt="the cat sat on the mat " * 300, max_tokens=200, ignore_eos=True)

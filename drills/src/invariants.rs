@@ -121,6 +121,11 @@ impl Default for Invariants {
 /// while nothing was wasted. What the bound is for, capacity lost to the
 /// excess (refused requests computed, a slot left idle while requests
 /// wait), costs far more than the gap between the two.
+///
+/// With `arrivals_only`, goodput is measured while the arrivals last (from the first
+/// arrival to the last), counting each output token by when it arrived: for loads
+/// whose clients retry, whose tail after the last arrival is only retries spaced by
+/// their Retry-After, when the cluster is no longer offered more than it takes.
 #[derive(Debug, Clone, Copy)]
 pub struct GoodputBound {
     pub floor: f64,
@@ -128,6 +133,7 @@ pub struct GoodputBound {
     pub saturating: usize,
     /// Requests in each no-overload measurement.
     pub baseline_requests: usize,
+    pub arrivals_only: bool,
 }
 
 /// Numbers the checks measured, for the report.
@@ -556,6 +562,7 @@ mod tests {
             cached_tokens: None,
             e2e: Duration::from_millis(e2e_ms),
             text: String::new(),
+            retries: Default::default(),
         }
     }
 

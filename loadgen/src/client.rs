@@ -26,7 +26,7 @@ use tokio::time::{timeout_at, Instant};
 
 use crate::openai::{self, Chunk, Delta};
 use crate::plan::{Checked, Endpoint, Plan};
-use crate::report::{Outcome, Record};
+use crate::report::{Outcome, Record, Retries, EARLY_MARGIN};
 use opskit::sse::SseParser;
 
 /// Largest SSE event, and largest whole or error body, we accept.
@@ -91,29 +91,96 @@ impl Sender {
         b
     }
 
-    /// Sends request `index` with `input`; `t0` is the run's start.
+    /// Sends request `index` with `input` (again after a 429 or 503 refusal when the
+    /// plan's clients retry); `t0` is the run's start.
     pub async fn send(&self, index: usize, input: &Input<'_>, t0: Instant) -> Record {
-        let mut m = Meter::new(index, t0);
-        let deadline = m.start + self.plan.timeout;
+        let Some(retry) = self.plan.retry else {
+            let deadline = Instant::now() + self.plan.timeout;
+            return self.attempt(index, input, t0, None, deadline).await.0;
+        };
+        let eager = retry.eager(index);
+        // A careful client names its request, so the server knows its retries apart
+        // from a new request with the same body.
+        let key = (!eager).then(|| format!("loadgen-{}-{index}", self.plan.seed));
+        let first = Instant::now();
+        let deadline = first + self.plan.timeout;
+        let mut retries = Retries::default();
+        // When the last refusal's Retry-After is up.
+        let mut not_before: Option<Instant> = None;
+        loop {
+            let sent = Instant::now();
+            let early = not_before.is_some_and(|t| sent + EARLY_MARGIN < t);
+            let (mut record, retry_after) = self.attempt(index, input, t0, key.as_deref(), deadline).await;
+            let refused = matches!(record.outcome, Outcome::HttpError { status: 429 | 503, .. });
+            if early {
+                retries.early += 1;
+                retries.early_served += u32::from(!refused);
+            }
+            let now = Instant::now();
+            let wait = if eager { retry.eager_delay } else { retry_after.unwrap_or(Duration::from_secs(1)) };
+            if !refused || retries.sent >= retry.max || now + wait >= deadline {
+                record.start = first - t0;
+                record.e2e = now - first;
+                retries.last_start = (retries.sent > 0).then(|| sent - t0);
+                record.retries = retries;
+                return record;
+            }
+            // A retry refused as too soon is still held to the Retry-After it had: the one
+            // it was told then counts, not this answer's (the time left, rounded up).
+            let too_soon = matches!(&record.outcome, Outcome::HttpError { code: Some(c), .. } if c == "retry_too_soon");
+            if !too_soon || not_before.is_none() {
+                not_before = Some(now + retry_after.unwrap_or_default());
+            }
+            tokio::time::sleep(wait).await;
+            retries.sent += 1;
+        }
+    }
+
+    /// One attempt of request `index`, ending by `deadline` at the latest (the
+    /// plan's timeout from the first attempt); with an `Idempotency-Key` when `key`
+    /// is given. Also the `Retry-After` of a refusal.
+    async fn attempt(
+        &self,
+        index: usize,
+        input: &Input<'_>,
+        t0: Instant,
+        key: Option<&str>,
+        deadline: Instant,
+    ) -> (Record, Option<Duration>) {
+        let m = Meter::new(index, t0);
         let mut req = Request::new(Full::new(Bytes::from(self.body(index, input).to_string())));
         *req.method_mut() = Method::POST;
         *req.uri_mut() = self.checked.uri.clone();
         *req.headers_mut() = self.checked.headers.clone();
+        if let Some(v) = key.and_then(|k| hyper::header::HeaderValue::from_str(k).ok()) {
+            req.headers_mut().insert("idempotency-key", v);
+        }
 
         let resp = match timeout_at(deadline, self.http.request(req)).await {
-            Err(_) => return m.end(Outcome::Timeout),
-            Ok(Err(e)) => return m.end(Outcome::Transport(chain(&e))),
+            Err(_) => return (m.end(Outcome::Timeout), None),
+            Ok(Err(e)) => return (m.end(Outcome::Transport(chain(&e))), None),
             Ok(Ok(r)) => r,
         };
         let status = resp.status();
+        let retry_after = resp
+            .headers()
+            .get(hyper::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
         let mut body = resp.into_body();
         if !status.is_success() {
             let error = match read_all(&mut body, deadline).await {
                 Ok(b) => openai::read_error(&b),
                 Err(e) => openai::ErrorBody { code: None, message: format!("(error body unread: {e})") },
             };
-            return m.end(Outcome::HttpError { status: status.as_u16(), code: error.code, message: error.message });
+            let outcome = Outcome::HttpError { status: status.as_u16(), code: error.code, message: error.message };
+            return (m.end(outcome), retry_after);
         }
+        (self.answer(m, status, body, deadline).await, None)
+    }
+
+    /// The rest of an answer whose status was a success.
+    async fn answer(&self, mut m: Meter, status: hyper::StatusCode, mut body: Incoming, deadline: Instant) -> Record {
         if !self.plan.stream {
             let outcome = match read_all(&mut body, deadline).await {
                 Err(Read::Timeout) => Outcome::Timeout,
@@ -251,6 +318,7 @@ impl Meter {
             cached_tokens: self.cached_tokens,
             e2e: end - self.start,
             text: self.text,
+            retries: Retries::default(),
         }
     }
 }

@@ -24,8 +24,10 @@
 //! Owns: sending, timing and classifying requests. Must not: panic or hang
 //! on anything a server sends (every request ends by the plan's client
 //! timeout, bodies and events are size-capped, malformed replies are
-//! [`Outcome::Protocol`]), retry (a drill wants to see each failure), or
-//! judge results — callers decide what a run's outcomes mean.
+//! [`Outcome::Protocol`]), retry unless the plan asks ([`Plan::retry`]: only
+//! 429/503 refusals, each attempt counted in its [`Record`]; a drill wants to
+//! see each failure), or judge results — callers decide what a run's outcomes
+//! mean.
 //! Plain HTTP/1.1 only (no TLS): it is meant for servers on the same network.
 
 #![forbid(unsafe_code)]
@@ -45,8 +47,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-pub use plan::{Arrival, Endpoint, Plan, PlanError, PromptSource, Sampled};
-pub use report::{percentile, Outcome, Percentiles, Record, Report, Summary};
+pub use plan::{Arrival, Endpoint, Plan, PlanError, PromptSource, Retry, Sampled};
+pub use report::{percentile, Outcome, Percentiles, Record, Report, Retries, Summary, EARLY_MARGIN};
 
 use client::{Input, Message, Sender};
 

@@ -93,6 +93,28 @@ impl Sampled {
     }
 }
 
+/// Clients that send a request again when it is refused with 429 or 503 (and
+/// only then: a request that was answered, or failed otherwise, is not
+/// retried), at most `max` times each. Request `i` is an *eager* client when
+/// `eager_every > 0 && i % eager_every == 0`: it ignores `Retry-After` and
+/// comes back after `eager_delay` (a retry storm); the others wait out the
+/// `Retry-After` they were given (or 1 s without one) and send an
+/// `Idempotency-Key`, as a careful client does.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Retry {
+    pub max: u32,
+    pub eager_every: usize,
+    #[serde(rename = "eager_delay_ms", serialize_with = "crate::report::ms")]
+    pub eager_delay: Duration,
+}
+
+impl Retry {
+    /// Whether request `index` ignores `Retry-After`.
+    pub fn eager(&self, index: usize) -> bool {
+        self.eager_every > 0 && index % self.eager_every == 0
+    }
+}
+
 /// One load run against one server. Sampling is greedy (`temperature: 0`)
 /// unless [`Plan::sampled`] says otherwise.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -131,6 +153,8 @@ pub struct Plan {
     pub seed: u64,
     /// Requests that sample (seeded) instead of decoding greedily.
     pub sampled: Option<Sampled>,
+    /// Clients that retry refusals ([`Retry`]); `None`: every request is sent once.
+    pub retry: Option<Retry>,
     /// Client-side limit on a whole request, connect to last byte; past it
     /// the request is dropped and recorded as [`crate::Outcome::Timeout`].
     #[serde(rename = "timeout_ms", serialize_with = "crate::report::ms")]
@@ -158,6 +182,7 @@ impl Plan {
             api_key: None,
             seed: 0,
             sampled: None,
+            retry: None,
             timeout: Duration::from_secs(300),
         }
     }

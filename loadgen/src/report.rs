@@ -79,6 +79,48 @@ pub struct Record {
     pub e2e: Duration,
     /// The generated text received (also the part before a failure).
     pub text: String,
+    /// What its retries met ([`crate::Plan::retry`]); all zero for a request sent once.
+    pub retries: Retries,
+}
+
+/// A request's retries: each one a new attempt after a 429 or 503 refusal. The
+/// record's outcome, TTFT and tokens are its last attempt's; its start and
+/// end-to-end time span them all.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Retries {
+    /// Attempts sent after the first.
+    pub sent: u32,
+    /// Of those, sent well before the `Retry-After` of the refusal they retry (by
+    /// more than [`EARLY_MARGIN`], so the server's clock agrees); a `retry_too_soon`
+    /// answer does not move that `Retry-After`, as the server does not.
+    pub early: u32,
+    /// Of the early ones, those the server served: answered with anything but
+    /// a 429 or 503 refusal. A server that keeps retries to their Retry-After
+    /// has none.
+    pub early_served: u32,
+    /// When the last attempt was sent, from the start of the run (what its TTFT and
+    /// inter-token gaps count from); `None` for a request sent once (its `start`).
+    #[serde(rename = "last_start_ms", serialize_with = "opt_ms")]
+    pub last_start: Option<Duration>,
+}
+
+/// How far before its `Retry-After` a retry must be sent to count as early: the
+/// server measures from when it sent the refusal, the client from when it read it.
+pub const EARLY_MARGIN: Duration = Duration::from_millis(250);
+
+impl Record {
+    /// When its answer's content events arrived, from the start of the run (streamed
+    /// answers; empty otherwise).
+    pub fn event_times(&self) -> Vec<Duration> {
+        let Some(ttft) = self.ttft else { return Vec::new() };
+        let mut t = self.retries.last_start.unwrap_or(self.start) + ttft;
+        let mut out = vec![t];
+        for gap in &self.itl {
+            t += *gap;
+            out.push(t);
+        }
+        out
+    }
 }
 
 /// A finished run.
@@ -246,6 +288,7 @@ mod tests {
             cached_tokens: Some(4),
             e2e: Duration::from_millis(ttft_ms + itl_ms.iter().sum::<u64>()),
             text: String::new(),
+            retries: Default::default(),
         }
     }
 

@@ -24,6 +24,10 @@ use tokio::sync::mpsc;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
+/// The `busy-twice-NAME` prompts' attempts: the Idempotency-Key each carried.
+static BUSY_TWICE: std::sync::Mutex<std::collections::BTreeMap<String, Vec<Option<String>>>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
 /// Tokens a streamed answer has: `max_tokens`, each one word.
 fn word(i: u64) -> String {
     format!(" w{i}")
@@ -39,6 +43,22 @@ async fn completions(headers: HeaderMap, Json(req): Json<Value>) -> Response {
         let body =
             json!({"error": {"message": "busy", "type": "overloaded_error", "param": null, "code": "overloaded"}});
         return (StatusCode::SERVICE_UNAVAILABLE, [("retry-after", "1")], Json(body)).into_response();
+    }
+    if let Some(name) = prompt.strip_prefix("busy-twice-") {
+        // Refused twice (503, Retry-After: 1), then answered; what each attempt carried is kept.
+        let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let n = {
+            let mut seen = BUSY_TWICE.lock().unwrap_or_else(|e| e.into_inner());
+            let attempts = seen.entry(name.to_owned()).or_default();
+            attempts.push(key);
+            attempts.len()
+        };
+        if n <= 2 {
+            let body =
+                json!({"error": {"message": "busy", "type": "overloaded_error", "param": null, "code": "queue_full"}});
+            return (StatusCode::SERVICE_UNAVAILABLE, [("retry-after", "1")], Json(body)).into_response();
+        }
+        return Json(json!({"choices": [{"text": "ok", "finish_reason": "stop"}]})).into_response();
     }
     if prompt == "headers" {
         // Echo what the plan's optional headers became.
@@ -346,5 +366,35 @@ async fn chats_carry_their_history_and_share_system_prompts() -> TestResult {
 
     let s = r.summary();
     assert_eq!((s.prompt_tokens, s.computed_prompt_tokens), (20 * 3 + 40 * 3 + 60 * 2, Some(80)), "10 per request");
+    Ok(())
+}
+
+/// Retrying clients: only a 429/503 refusal is sent again. An eager client (request 0
+/// of every two) ignores Retry-After and comes back after its delay, so its retries
+/// are early, and the one this fake server answered is counted as served early; a
+/// careful client waits out each Retry-After and names its request with an
+/// Idempotency-Key. A request refused every time stops after `max` retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retrying_clients_count_early_retries_and_keep_their_key() -> TestResult {
+    let url = fake_server().await?;
+    let mut p = plan(&url, &["busy-twice-eager", "busy-twice-careful", "busy"]);
+    p.stream = false;
+    p.arrival = Arrival::Closed { concurrency: 3 };
+    p.retry = Some(loadgen::Retry { max: 2, eager_every: 2, eager_delay: Duration::from_millis(50) });
+    let r = loadgen::run(&p).await?;
+    assert_eq!(outcomes(&r), ["complete", "complete", "http 503 overloaded"]);
+    let (eager, careful, busy) = (&r.records[0], &r.records[1], &r.records[2]);
+    let counts = |r: &loadgen::Retries| (r.sent, r.early, r.early_served);
+    assert_eq!(counts(&eager.retries), (2, 2, 1), "{eager:?}");
+    assert_eq!(counts(&careful.retries), (2, 0, 0), "{careful:?}");
+    let last = careful.retries.last_start.ok_or("a retried request has a last start")?;
+    assert!(last >= careful.start + Duration::from_secs(2), "the last attempt after two waits: {careful:?}");
+    assert!(careful.e2e >= Duration::from_secs(2), "two Retry-After: 1 waits: {:?}", careful.e2e);
+    assert!(eager.e2e < Duration::from_secs(1), "no wait for Retry-After: {:?}", eager.e2e);
+    assert_eq!(busy.retries.sent, 2, "a request refused every time stops after max retries: {busy:?}");
+    let seen = BUSY_TWICE.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    assert_eq!(seen["eager"], vec![None, None, None], "an eager client sends no key");
+    let keys = &seen["careful"];
+    assert!(keys.len() == 3 && keys[0].is_some() && keys.iter().all(|k| k == &keys[0]), "one key: {keys:?}");
     Ok(())
 }

@@ -20,6 +20,7 @@ use coordinator::grpc;
 use coordinator::http::{router, App, HttpSettings, ServeSettings};
 use coordinator::pipeline::{MigrationSettings, Pipeline, Settings};
 use coordinator::prompt::pool::Pool;
+use coordinator::retries::RetrySettings;
 use coordinator::tenants::{Split, Tenancy, Tenant};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
@@ -201,6 +202,26 @@ struct Flags {
     /// turn instead of starting a prefill storm). Env: TANDEM_MIGRATION_CONCURRENCY.
     #[arg(long, env = "TANDEM_MIGRATION_CONCURRENCY", default_value_t = 8)]
     migration_concurrency: usize,
+    /// How long after its Retry-After a refused request is still known as a retry
+    /// (by its Idempotency-Key, else its body), s. Env: TANDEM_RETRY_WINDOW_S.
+    #[arg(long, env = "TANDEM_RETRY_WINDOW_S", default_value_t = 60)]
+    retry_window_s: u64,
+    /// Retries a caller earns per fresh request: the share of its traffic that may
+    /// be retries (429 retry_budget_exhausted beyond). Env: TANDEM_RETRY_BUDGET_RATIO.
+    #[arg(long, env = "TANDEM_RETRY_BUDGET_RATIO", default_value_t = 0.2)]
+    retry_budget_ratio: f64,
+    /// Retries a caller earns per second whatever its traffic. Env: TANDEM_RETRY_BUDGET_MIN_PER_S.
+    #[arg(long, env = "TANDEM_RETRY_BUDGET_MIN_PER_S", default_value_t = 1.0)]
+    retry_budget_min_per_s: f64,
+    /// Most retries a caller may have saved up (its burst). Env: TANDEM_RETRY_BUDGET_BURST.
+    #[arg(long, env = "TANDEM_RETRY_BUDGET_BURST", default_value_t = 10.0)]
+    retry_budget_burst: f64,
+    /// Remote prefill attempts one request may make in all, across every decode
+    /// worker it is routed to: the coordinator lists at most this many prefill
+    /// workers, and a decode worker (policy `retry`) walks its list without adding
+    /// any. Env: TANDEM_PREFILL_ATTEMPTS.
+    #[arg(long, env = "TANDEM_PREFILL_ATTEMPTS", default_value_t = 3)]
+    prefill_attempts: usize,
     /// Drain grace on SIGTERM/SIGINT, ms. Env: TANDEM_SHUTDOWN_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_SHUTDOWN_TIMEOUT_MS", default_value_t = 10_000)]
     shutdown_timeout_ms: u64,
@@ -222,6 +243,16 @@ fn main() -> anyhow::Result<()> {
         flags.prefix_affinity
     );
     anyhow::ensure!(flags.request_timeout_ms > 0, "config field `request_timeout_ms`: must be at least 1");
+    for (name, v) in
+        [("retry_budget_ratio", flags.retry_budget_ratio), ("retry_budget_min_per_s", flags.retry_budget_min_per_s)]
+    {
+        anyhow::ensure!(v.is_finite() && v >= 0.0, "config field `{name}`: must be a finite number >= 0, got {v}");
+    }
+    anyhow::ensure!(
+        flags.retry_budget_burst.is_finite() && flags.retry_budget_burst >= 1.0,
+        "config field `retry_budget_burst`: must be a finite number >= 1, got {}",
+        flags.retry_budget_burst
+    );
     anyhow::ensure!(flags.default_max_tokens > 0, "config field `default_max_tokens`: must be at least 1");
     anyhow::ensure!(flags.stream_idle_timeout_ms > 0, "config field `stream_idle_timeout_ms`: must be at least 1");
     anyhow::ensure!(
@@ -238,6 +269,7 @@ fn main() -> anyhow::Result<()> {
         ("http_body_timeout_ms", flags.http_body_timeout_ms),
         ("migration_stall_ms", flags.migration_stall_ms),
         ("migration_concurrency", flags.migration_concurrency as u64),
+        ("prefill_attempts", flags.prefill_attempts as u64),
         ("grpc_keepalive_ms", flags.grpc_keepalive_ms),
         ("grpc_keepalive_timeout_ms", flags.grpc_keepalive_timeout_ms),
         ("grpc_max_connection_age_ms", flags.grpc_max_connection_age_ms),
@@ -278,6 +310,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         local_prefill_max_tokens: flags.local_prefill_max_tokens,
         load_poll: Duration::from_millis(flags.load_poll_ms),
         prefix_affinity: flags.prefix_affinity,
+        prefill_attempts: flags.prefill_attempts,
         breaker: BreakerConfig {
             failures: flags.prefill_breaker_failures,
             cooldown: Duration::from_millis(flags.prefill_breaker_cooldown_ms),
@@ -325,6 +358,13 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
             limit: flags.migration_limit,
             stall: Duration::from_millis(flags.migration_stall_ms),
             concurrency: flags.migration_concurrency,
+        },
+        retries: RetrySettings {
+            window: Duration::from_secs(flags.retry_window_s),
+            ratio: flags.retry_budget_ratio,
+            min_per_s: flags.retry_budget_min_per_s,
+            burst: flags.retry_budget_burst,
+            ..RetrySettings::default()
         },
     };
     let pool = Pool::new(flags.tokenizer_threads, flags.tokenizer_queue).context("starting the tokenizer threads")?;

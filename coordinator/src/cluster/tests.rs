@@ -52,9 +52,12 @@ fn a_failure_reported_via_one_decode_worker_does_not_change_routing_for_another(
 
 /// A decode worker whose streams break before their first message (`broken`: the
 /// status a reset connection gives), or answer one token and finish.
+/// Each request a fake decode worker got: its id and how many prefill workers it listed.
+type Seen = Arc<Mutex<Vec<(String, usize)>>>;
+
 struct Fake {
     broken: bool,
-    ids: Arc<Mutex<Vec<String>>>,
+    ids: Seen,
 }
 
 #[tonic::async_trait]
@@ -62,7 +65,8 @@ impl DecodeWorker for Fake {
     type GenerateStream = tokio_stream::Iter<std::vec::IntoIter<Result<GenerateResponse, Status>>>;
 
     async fn generate(&self, r: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
-        self.ids.lock().unwrap_or_else(|e| e.into_inner()).push(r.into_inner().request_id);
+        let r = r.into_inner();
+        self.ids.lock().unwrap_or_else(|e| e.into_inner()).push((r.request_id, r.prefill.len()));
         let event = |e| Ok(GenerateResponse { event: Some(e), prefill_attempts: Vec::new() });
         let events = if self.broken {
             vec![Err(Status::unavailable("error reading a body from connection: connection reset by peer"))]
@@ -96,7 +100,7 @@ impl DecodeWorker for Fake {
     }
 }
 
-async fn serve(broken: bool) -> (String, Arc<Mutex<Vec<String>>>) {
+async fn serve(broken: bool) -> (String, Seen) {
     let ids = Arc::new(Mutex::new(Vec::new()));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr").to_string();
@@ -146,7 +150,53 @@ async fn a_stream_broken_before_its_first_message_is_routed_again() {
     let (mut stream, _inflight) = c.generate(dispatch).await.map_err(|e| e.to_string()).expect("routed again");
     let first = stream.message().await.expect("a message").and_then(|m| m.event);
     assert!(matches!(first, Some(generate_response::Event::Token(TokenChunk { id: 7, .. }))), "{first:?}");
-    let ids = |m: &Mutex<Vec<String>>| m.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let ids = |m: &Mutex<Vec<(String, usize)>>| {
+        m.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(id, _)| id.clone()).collect::<Vec<_>>()
+    };
     assert_eq!((ids(&broken_ids), ids(&fine_ids)), (vec!["r1".to_owned()], vec!["r1.2".to_owned()]));
     assert!(c.board().get(&broken).is_some_and(|l| !l.reachable), "the broken worker is marked unreachable");
+}
+
+/// Retries inside the cluster happen in one layer: a dispatch lists at most
+/// `prefill_attempts` prefill workers across every decode worker it tries, so a
+/// decode worker's walk of its list (policy `retry`) and the coordinator's routing
+/// again never multiply; with none left, routing again stops.
+#[tokio::test]
+async fn a_dispatch_spends_one_budget_of_prefill_attempts_across_decode_workers() {
+    let prefill = ["127.0.0.1:9", "127.0.0.1:10", "127.0.0.1:11"].map(String::from);
+    for (budget, want) in [(4, Ok(vec![3, 1])), (3, Err(3))] {
+        let (broken, broken_seen) = serve(true).await;
+        let (fine, fine_seen) = serve(false).await;
+        let source = Source::Static { decode: vec![broken.clone(), fine.clone()], prefill: prefill.to_vec() };
+        let settings =
+            RouteSettings { local_prefill_max_tokens: 0, prefill_attempts: budget, ..RouteSettings::default() };
+        let c = Arc::new(Cluster::new(source, settings).expect("cluster"));
+        c.board().set(&broken, idle(0));
+        c.board().set(&fine, idle(5));
+        for p in &prefill {
+            c.board().set(p, idle(0));
+        }
+        let dispatch = Dispatch {
+            request_id: "r1".into(),
+            prompt: vec![1, 2, 3],
+            generated: Vec::new(),
+            params: SamplingParams { max_tokens: 1, ..SamplingParams::default() },
+            deadline_unix_ms: 0,
+            tags: WorkerTags { cache_salt: 7, priority: Priority::Low },
+            pin: None,
+        };
+        let r = c.generate(dispatch).await.map(|_| ()).map_err(|e| e.to_string());
+        let seen = |m: &Seen| m.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(_, n)| *n).collect::<Vec<_>>();
+        let lists: Vec<usize> = seen(&broken_seen).into_iter().chain(seen(&fine_seen)).collect();
+        match want {
+            Ok(want) => {
+                assert!(r.is_ok(), "budget {budget}: {r:?}");
+                assert_eq!(lists, want, "budget {budget}: the lists sent");
+            }
+            Err(first) => {
+                assert_eq!(lists, vec![first], "budget {budget}: one list, then nothing left to route with");
+                assert!(r.as_ref().is_err_and(|e| e.contains("prefill attempts are spent")), "{r:?}");
+            }
+        }
+    }
 }

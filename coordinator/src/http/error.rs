@@ -58,7 +58,9 @@ pub fn status(e: &Error) -> StatusCode {
             K::Internal | K::Unspecified => StatusCode::INTERNAL_SERVER_ERROR,
         },
         Error::Deadline => StatusCode::GATEWAY_TIMEOUT,
-        Error::TenantLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
+        Error::TenantLimit { .. } | Error::RetryTooSoon { .. } | Error::RetryBudgetExhausted { .. } => {
+            StatusCode::TOO_MANY_REQUESTS
+        }
         Error::OverCap { what: Cap::MaxTokens, .. } => StatusCode::BAD_REQUEST,
         Error::OverCap { what: Cap::PromptTokens, .. } => StatusCode::PAYLOAD_TOO_LARGE,
         Error::TokenizerBusy => StatusCode::SERVICE_UNAVAILABLE,

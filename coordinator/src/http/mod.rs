@@ -56,6 +56,7 @@ use crate::pipeline::{
     Run, TokenLogprob,
 };
 use crate::prompt;
+use crate::retries::{self, Identity};
 use crate::tenants::Pass;
 
 pub mod error;
@@ -374,7 +375,15 @@ async fn generation(
     parse: impl FnOnce(&Pipeline, &Pass, Map<String, Value>) -> Result<Parsed, Error>,
 ) -> Response {
     let count = Unanswered(Some(api));
-    let r = walk(app, api, headers, body, parse).await;
+    let pipeline = app.pipeline.clone();
+    let (r, id) = walk(app, api, headers, body, parse).await;
+    // Remembered for the retry gate: when its Retry-After is up. A retry refused as
+    // too soon is held to the Retry-After it had (its own says the time left).
+    let retry_after = retries::retry_after_of(r.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()));
+    let too_soon = r.extensions().get::<error::ErrorCode>().is_some_and(|c| c.0 == retries::TOO_SOON);
+    if let (Some(id), Some(secs), false) = (id, retry_after, too_soon) {
+        pipeline.retries.refused(&id, secs);
+    }
     count.answered(&r);
     r
 }
@@ -407,23 +416,49 @@ impl Drop for Unanswered {
     }
 }
 
+/// The walk of one generation request, and the request's identity for the retry
+/// gate once it is known (by its key from the start, else once its body is read).
 async fn walk(
     app: Arc<App>,
     api: Api,
     headers: HeaderMap,
     body: Body,
     parse: impl FnOnce(&Pipeline, &Pass, Map<String, Value>) -> Result<Parsed, Error>,
-) -> Response {
+) -> (Response, Option<Identity>) {
+    let key = header_str(&headers, "idempotency-key").ok().flatten();
     let entered = match app.pipeline.enter(&headers) {
         Ok(e) => e,
-        Err(e) => return e.into_response(),
+        Err(e) => {
+            // Refused before the body (a tenant's rate or count): known only by its key.
+            let id = key.zip(app.caller(&headers).ok()).map(|(k, caller)| Identity::keyed(&caller, api.name(), k));
+            return (e.into_response(), id);
+        }
     };
     let body = match read_body(&app, &headers, body).await {
         Ok(b) => b,
+        Err(e) => return (e.into_response(), None),
+    };
+    let id = Identity::of(entered.pass.caller(), api.name(), key, &body);
+    let r = walk_known(app, api, &headers, body, entered, &id, parse).await;
+    (r, Some(id))
+}
+
+/// The walk from the retry gate on (steps 3 to 8).
+async fn walk_known(
+    app: Arc<App>,
+    api: Api,
+    headers: &HeaderMap,
+    body: Bytes,
+    entered: Entered,
+    id: &Identity,
+    parse: impl FnOnce(&Pipeline, &Pass, Map<String, Value>) -> Result<Parsed, Error>,
+) -> Response {
+    let entered = match entered.pace(&app.pipeline, id) {
+        Ok(e) => e,
         Err(e) => return e.into_response(),
     };
     let tenant = entered.pass.tenant().name.clone();
-    let claimed = header_str(&headers, "idempotency-key").and_then(|key| {
+    let claimed = header_str(headers, "idempotency-key").and_then(|key| {
         let mut digest = body.to_vec();
         digest.extend_from_slice(api.name().as_bytes());
         Ok((key, entered.claim(&app.idempotency, key, "idempotency-key", &digest)?))
@@ -447,15 +482,15 @@ async fn walk(
     };
     let Entered { pass, arrived } = entered;
     let job = async {
-        let parsed = parse(&app.pipeline, &pass, parse_json(&app, &headers, &body)?)?;
-        let priority = priority_of(header_str(&headers, "x-priority")?, parsed.priority.as_deref())?;
+        let parsed = parse(&app.pipeline, &pass, parse_json(&app, headers, &body)?)?;
+        let priority = priority_of(header_str(headers, "x-priority")?, parsed.priority.as_deref())?;
         let draft = Draft {
             max_tokens_param: parsed.max_tokens_param,
             input: parsed.input,
             param: parsed.param,
             spec: parsed.spec,
             priority,
-            deadline: deadline(&app, &headers, arrived)?,
+            deadline: deadline(&app, headers, arrived)?,
             arrived,
             idempotency_key: key,
         };

@@ -26,6 +26,7 @@ use crate::error::Error;
 use crate::metrics;
 use crate::openai::Spec;
 use crate::prompt::{self, pool::Pool};
+use crate::retries::{RetryGate, RetrySettings};
 use crate::tenants::{Pass, Tenancy};
 use engine::tokenizer::Tokenizer;
 
@@ -53,6 +54,8 @@ pub struct Settings {
     pub stream_idle_timeout: Duration,
     /// Request migration: how a running request moves to another decode worker.
     pub migration: MigrationSettings,
+    /// The retry gate's window and budget (walk step 3).
+    pub retries: RetrySettings,
 }
 
 /// Request migration's bounds (docs/ARCHITECTURE.md, "Request migration").
@@ -103,6 +106,8 @@ pub struct Pipeline {
     /// Where prompts are templated and tokenized, off the reactor.
     pub pool: Pool,
     pub admission: Arc<Admission>,
+    /// Retries kept to their Retry-After and their caller's budget, across both APIs.
+    pub retries: RetryGate,
 }
 
 pub use crate::prompt::PromptInput;
@@ -185,7 +190,8 @@ impl Pipeline {
         metrics::admission_capacity(config.max_running);
         let admission = Admission::new(config)?;
         let migrations = Arc::new(tokio::sync::Semaphore::new(settings.migration.concurrency.max(1)));
-        Ok(Arc::new(Self { migrations, tokenizer, context, cluster, settings, gate, pool, admission }))
+        let retries = RetryGate::new(settings.retries);
+        Ok(Arc::new(Self { migrations, tokenizer, context, cluster, settings, gate, pool, admission, retries }))
     }
 
     /// With `max_running` 0, keeps the admission capacity at this

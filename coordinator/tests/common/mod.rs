@@ -65,6 +65,14 @@ pub fn json_of(body: &str) -> Result<Value, String> {
     serde_json::from_str(body).map_err(|e| format!("{e}: {body}"))
 }
 
+/// A `user` value no other request of this process has: a request sent again after a
+/// refusal is a retry to the coordinator's gate (known by its body) unless something in it
+/// differs, and these tests send new requests, not retries.
+pub fn unique() -> String {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    format!("test-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
 /// The series `name{labels}` on `addr`'s `/metrics`; an error when the page lacks it.
 pub fn metric(addr: &str, name: &str, labels: &[(&str, &str)]) -> opskit::Result<f64> {
     opskit::prom::scrape_blocking(addr)?.get(name, labels)

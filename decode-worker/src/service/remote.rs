@@ -135,7 +135,8 @@ impl DecodeService {
         Err(err(
             ErrorKind::Overloaded,
             format!(
-                "prefill worker {} is overloaded ({}), and this decode worker already prefills the most it takes                  over ({cap} tokens/s)",
+                "prefill worker {} is overloaded ({}), and this decode worker already prefills the most it takes \
+                 over ({cap} tokens/s)",
                 target.grpc_addr, refusal.message
             ),
         ))

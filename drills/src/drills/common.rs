@@ -196,9 +196,18 @@ impl Stream {
 
 /// One short non-streaming request: (status, Retry-After).
 pub(super) async fn probe(addr: &str) -> Result<(u16, Option<String>), HarnessError> {
-    let body = serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0});
+    let body = probe_body();
     let r = Request::post(addr, "/v1/completions").json(&body).timeout(EVENT_WAIT).send().await?;
     Ok((r.status, r.header("retry-after").map(str::to_owned)))
+}
+
+/// A one-token probe request, each a new request: its `user` differs from every other
+/// probe's, so the coordinator's retry gate does not take it for a retry of an earlier
+/// probe it refused (a probe polls; it does not retry).
+pub(super) fn probe_body() -> serde_json::Value {
+    static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0, "user": format!("probe-{n}")})
 }
 
 /// The coordinator's breaker transitions counter (labels `prefill`, `decode`, `from`, `to`).

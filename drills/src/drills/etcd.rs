@@ -11,7 +11,7 @@ use loadgen::Report;
 use opskit::http::Request;
 
 use super::common::{counter_reaches, gone, serving_becomes, LOAD_WAIT, MEMBERSHIP};
-use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
+use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
 use crate::metrics::{get_status, scrape};
@@ -50,7 +50,7 @@ impl std::fmt::Display for Answer {
 
 /// Sends one short completion (max_tokens 1) to the coordinator at `addr`.
 async fn ask(addr: &str) -> Result<Answer, HarnessError> {
-    let body = serde_json::json!({"model": MODEL, "prompt": "Probe", "max_tokens": 1, "temperature": 0});
+    let body = super::common::probe_body();
     let r = Request::post(addr, "/v1/completions").json(&body).timeout(Duration::from_secs(30)).send().await;
     let r = r.map_err(|e| match e {
         opskit::Error::Timeout(what) => HarnessError::Timeout(what),

@@ -131,7 +131,13 @@ impl Drill for Overload3x {
                 // Refusing the excess must not cost the admitted work its throughput. Two
                 // clients keep the one running slot busy (one runs, one waits) without a
                 // refusal: that is the no-overload maximum.
-                goodput: Some(GoodputBound { floor: 0.9, factor: 3.0, saturating: 2, baseline_requests: 12 }),
+                goodput: Some(GoodputBound {
+                    floor: 0.9,
+                    factor: 3.0,
+                    saturating: 2,
+                    baseline_requests: 12,
+                    arrivals_only: false,
+                }),
                 ..Invariants::default()
             },
         }
@@ -173,6 +179,76 @@ impl Drill for Overload3x {
             return Err(format!("admission shed {shed} requests; a probe refused with Retry-After: {}", ev.seen));
         }
         Ok(format!("admission shed {shed} requests; {}", ev.notes.join("; ")))
+    }
+}
+
+/// Offer 3x what admission holds to clients half of which retry at once.
+pub(super) struct RetryStorm;
+
+/// The storm's clients: every other one ignores Retry-After and comes back 50 ms after
+/// each refusal; the others wait it out; each retries up to 40 times (within its timeout).
+const STORM: loadgen::Retry = loadgen::Retry { max: 40, eager_every: 2, eager_delay: Duration::from_millis(50) };
+
+#[async_trait::async_trait]
+impl Drill for RetryStorm {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        own_cluster("it needs a coordinator started with --max-running 1 --max-queued 2")
+    }
+
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "retry-storm",
+            description: "overload-3x's arrivals, with every client retrying its refusals, half at once ignoring \
+                          Retry-After: no retry is served before its Retry-After (early ones are refused 429 \
+                          retry_too_soon at once), retries stay within the retry budget, goodput at least 90% of \
+                          the no-overload maximum",
+        }
+    }
+
+    fn setup(&self, skip: bool) -> Setup {
+        let mut s = Overload3x.setup(skip);
+        // The storm's tail, after the last arrival, is retries spaced by their Retry-After.
+        s.invariants.goodput = s.invariants.goodput.map(|g| GoodputBound { arrivals_only: true, ..g });
+        s.invariants.allowed_errors = Some(
+            ["queue_full", "rate_limit_exceeded", "retry_too_soon", "retry_budget_exhausted"]
+                .map(String::from)
+                .to_vec(),
+        );
+        s
+    }
+
+    fn retry(&self) -> Option<loadgen::Retry> {
+        Some(STORM)
+    }
+
+    async fn fault(&self, _: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        // The fault is the load's own retries (see `retry`); the proof reads them.
+        let mut ev = Evidence::default();
+        if !skip {
+            ev.began();
+        }
+        Ok(ev)
+    }
+
+    async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
+        let sum = |f: fn(&loadgen::Retries) -> u32| report.records.iter().map(|r| f(&r.retries)).sum::<u32>();
+        let (sent, early, served) = (sum(|r| r.sent), sum(|r| r.early), sum(|r| r.early_served));
+        let page = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
+        let gate =
+            |outcome: &str| crate::metrics::sum(&page, facts::metrics::coordinator::RETRIES, &[("outcome", outcome)]);
+        let (too_soon, admitted) = (gate("too_soon").unwrap_or(0.0), gate("admitted").unwrap_or(0.0));
+        if served > 0 {
+            return Err(format!("{served} of {early} retries sent before their Retry-After were served"));
+        }
+        if early == 0 || too_soon < 1.0 {
+            return Err(format!(
+                "no storm: {sent} retries, {early} sent before their Retry-After, {too_soon} refused too soon"
+            ));
+        }
+        Ok(format!(
+            "{sent} retries, {early} before their Retry-After (each refused: the gate refused {too_soon} too soon), \
+             {admitted} let through on time"
+        ))
     }
 }
 

@@ -60,6 +60,11 @@ pub(crate) trait Drill: Send + Sync {
     fn built(&self) -> Result<(), String> {
         Ok(())
     }
+    /// Clients of the overload phase that retry refusals (the retry-storm drill); none by
+    /// default.
+    fn retry(&self) -> Option<loadgen::Retry> {
+        None
+    }
 }
 
 /// `Drill::built`'s check for a drill whose fault is a prefill worker's hook: the prefill
@@ -146,6 +151,7 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(etcd::EtcdRestart),
         Box::new(load::ClientDisconnect),
         Box::new(load::Overload3x),
+        Box::new(load::RetryStorm),
         Box::new(process::WorkerSigstop),
         Box::new(process::RollingDrain),
         Box::new(load::TightDeadlines),
@@ -300,6 +306,25 @@ impl Throughput {
         Self { completed, tokens, secs: last.saturating_sub(first).as_secs_f64().max(1e-9) }
     }
 
+    /// What a load got done while its arrivals lasted: from its first request's start
+    /// to its last one's first attempt, every output token that arrived in that window
+    /// (a streamed answer's tokens by their arrival times; an answer that went on past
+    /// the window counts its tokens before the end, in proportion to its content events).
+    fn during_arrivals(r: &Report) -> Self {
+        let first = r.records.iter().map(|x| x.start).min().unwrap_or_default();
+        let end = r.records.iter().map(|x| x.start).max().unwrap_or_default();
+        let (mut completed, mut tokens) = (0, 0.0);
+        for x in r.records.iter().filter(|x| matches!(x.outcome, Outcome::Complete { .. })) {
+            let times = x.event_times();
+            let within = times.iter().filter(|t| **t <= end).count();
+            if !times.is_empty() {
+                tokens += f64::from(x.output_tokens) * within as f64 / times.len() as f64;
+            }
+            completed += usize::from(x.start + x.e2e <= end);
+        }
+        Self { completed, tokens: tokens.round() as u64, secs: end.saturating_sub(first).as_secs_f64().max(1e-9) }
+    }
+
     fn tok_s(self) -> f64 {
         self.tokens as f64 / self.secs
     }
@@ -321,6 +346,8 @@ async fn saturating_load(
     let mut b = plan.clone();
     b.requests = requests;
     b.arrival = Arrival::Closed { concurrency: bound.saturating };
+    // Measured as sent: a refusal here is a failed measurement, not something to retry.
+    b.retry = None;
     b.prompts = PromptSource::List(loadgen::prompts::generate(requests, PROMPT_TOKENS, seed));
     let r = loadgen::run(&b).await.map_err(|e| HarnessError::Load(format!("no-overload measurement: {e}")))?;
     let t = Throughput::of(&r);
@@ -476,6 +503,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
             let t = saturating_load(&plan, g, g.baseline_requests, seed + 1).await?;
             if !opts.skip_fault {
                 plan.arrival = Arrival::Poisson { rate: g.factor * t.rps() };
+                plan.retry = drill.retry();
             }
             Some(t)
         }
@@ -522,7 +550,8 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     let goodput = match (bound, before) {
         (Some(g), Some(before)) => {
             let after = saturating_load(&plan, &g, g.baseline_requests, seed + 2).await?;
-            let tok_s = Throughput::of(&report).tok_s();
+            let tok_s =
+                if g.arrivals_only { Throughput::during_arrivals(&report) } else { Throughput::of(&report) }.tok_s();
             let ratio = tok_s / before.tok_s().min(after.tok_s()).max(f64::MIN_POSITIVE);
             Some(Goodput {
                 baseline_tok_s: [before.tok_s(), after.tok_s()],

@@ -165,6 +165,12 @@ pub const TOKENIZER_QUEUE: &str = "tandem_coordinator_tokenizer_queue";
 /// `tandem_coordinator_http_connections`: open HTTP connections (bounded
 /// by `--http-max-connections`).
 pub const HTTP_CONNECTIONS: &str = "tandem_coordinator_http_connections";
+/// `tandem_coordinator_retries_total{outcome}`: requests the retry gate knew as
+/// retries of a request refused with a Retry-After: `admitted` (on time, within
+/// the caller's retry budget), `too_soon` (429 `retry_too_soon`),
+/// `budget_exhausted` (429 `retry_budget_exhausted`), and refusals the full
+/// table could not remember (`unremembered`).
+pub const RETRIES: &str = "tandem_coordinator_retries_total";
 /// `tandem_coordinator_grpc_connections_total`: gRPC connections accepted. With
 /// `--grpc-max-connection-age-ms` it rises as long-lived channels are sent GOAWAY
 /// and reconnect (possibly to another coordinator).
@@ -257,6 +263,7 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: TOKENIZER_QUEUE, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: HTTP_CONNECTIONS, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: GRPC_CONNECTIONS, kind: Kind::Counter, labels: &[], exporter: Exporter::Coordinator },
+    Metric { name: RETRIES, kind: Kind::Counter, labels: &["outcome"], exporter: Exporter::Coordinator },
     Metric { name: HTTP_TIMEOUTS, kind: Kind::Counter, labels: &["phase"], exporter: Exporter::Coordinator },
     Metric { name: PAIRS_UNLABELLED, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
 ];

@@ -140,6 +140,7 @@ mod tests {
             cached_tokens: None,
             e2e: Duration::from_millis(e2e_ms),
             text: String::new(),
+            retries: Default::default(),
         }
     }
 
