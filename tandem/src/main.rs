@@ -15,12 +15,18 @@ mod load;
 mod up;
 
 use clap::{Parser, Subcommand};
+use facts::log::LogFormat;
 
 #[derive(Parser)]
 #[command(name = "tandem", version, about = "Disaggregated prefill/decode LLM serving")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Log line format of this command's own lines (and, inherited through the
+    /// environment, of the processes `tandem up` starts): `text` or `json`. The
+    /// filter is TANDEM_LOG, else RUST_LOG, else `info`. Env: TANDEM_LOG_FORMAT.
+    #[arg(long, global = true, env = "TANDEM_LOG_FORMAT", default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -39,14 +45,11 @@ enum Cmd {
 }
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
     let cli = Cli::parse();
+    if let Err(e) = facts::log::init(cli.log_format) {
+        eprintln!("error: {e}");
+        return std::process::ExitCode::FAILURE;
+    }
     let result = match cli.cmd {
         Cmd::Generate(a) => generate::run(a),
         Cmd::Convert(a) => convert::run(a),

@@ -13,7 +13,9 @@
 //! - coordinator flags: README's flag table against `tandem-coordinator`'s
 //!   clap struct;
 //! - crates and paths: every workspace member is in README's map, and every
-//!   source path the docs name exists.
+//!   source path the docs name exists;
+//! - log lines: every log line the docs and runbooks quote (a backticked span right
+//!   after `logs`, `log:`, `logged` or `line`) is a message some product source emits.
 //!
 //! No cluster, no model: sources are read as text, so a change of shape there
 //! (codes moved into an enum, say) shows up as a failure to update this file,
@@ -340,4 +342,71 @@ fn the_tandem_up_flag_table_matches_tandem_up_help() {
         }
     }
     assert_same("tandem up flags", &documented, &flags, "tandem up --help");
+}
+
+/// The log lines a doc quotes: the backticked span right after "logs", "logs:", "log:",
+/// "logged" or "line" (newlines read as spaces, as Markdown does).
+fn quoted_log_lines(text: &str) -> Vec<String> {
+    let flat = prose(text).replace('\n', " ");
+    let mut out = Vec::new();
+    for lead in ["logs `", "logs: `", "log: `", "logged `", "line `"] {
+        let mut rest = flat.as_str();
+        while let Some(i) = rest.find(lead) {
+            rest = &rest[i + lead.len()..];
+            if let Some(end) = rest.find('`') {
+                out.push(rest[..end].to_owned());
+                rest = &rest[end..];
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_quoted_log_line_is_emitted_by_the_code() {
+    // Product sources only: a test that prints the words proves nothing.
+    let mut code = String::new();
+    for member in members() {
+        for f in rust_files(&root().join(&member).join("src")) {
+            code.push_str(&read(&f));
+        }
+    }
+    let mut docs = docs();
+    let runbooks = root().join("docs/runbooks");
+    for entry in std::fs::read_dir(&runbooks).expect("listing docs/runbooks") {
+        let path = entry.expect("a runbook entry").path();
+        let name = path.file_name().expect("a file name").to_string_lossy().into_owned();
+        docs.push((format!("docs/runbooks/{name}"), read(&path)));
+    }
+    let (mut quoted, mut missing) = (0, Vec::new());
+    for (file, text) in &docs {
+        for line in quoted_log_lines(text) {
+            quoted += 1;
+            // `...` and capitalised words (`N`, `NAME`) stand for what varies; each literal
+            // part must be in one message.
+            let placeholder = |w: &str| !w.is_empty() && w.chars().all(|c| c.is_ascii_uppercase());
+            let literal: Vec<String> = line
+                .split("...")
+                .flat_map(|chunk| {
+                    let mut parts = vec![String::new()];
+                    for word in chunk.split(' ') {
+                        if placeholder(word) {
+                            parts.push(String::new());
+                        } else if let Some(p) = parts.last_mut() {
+                            p.push_str(word);
+                            p.push(' ');
+                        }
+                    }
+                    parts
+                })
+                .collect();
+            for part in literal.iter().map(|p| p.trim()).filter(|p| p.len() >= 6) {
+                if !code.contains(part) {
+                    missing.push(format!("{file}: `{line}` (no source emits `{part}`)"));
+                }
+            }
+        }
+    }
+    assert!(quoted >= 5, "the docs quote {quoted} log lines; the reader expects more of this check");
+    assert!(missing.is_empty(), "log lines the docs quote that no source emits:\n{}", missing.join("\n"));
 }

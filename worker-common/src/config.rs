@@ -138,6 +138,11 @@ pub struct CommonFlags {
     /// coordinator's 250 ms load polls; the default lease TTL).
     #[arg(long, env = "TANDEM_COORDINATOR_SILENCE_FENCE_MS")]
     pub coordinator_silence_fence_ms: Option<u64>,
+    /// Log line format: `text` or `json` (one object per line, for collectors). The
+    /// filter is TANDEM_LOG, else RUST_LOG, else `info`. Env: TANDEM_LOG_FORMAT.
+    /// Default text.
+    #[arg(long, env = "TANDEM_LOG_FORMAT")]
+    pub log_format: Option<String>,
 }
 
 /// Overlays the set fields of `$b` on `$a`.
@@ -175,7 +180,8 @@ impl CommonFlags {
             cluster_prefix,
             worker_id,
             lease_ttl_s,
-            coordinator_silence_fence_ms
+            coordinator_silence_fence_ms,
+            log_format
         );
     }
 }
@@ -213,6 +219,7 @@ pub struct CommonConfig {
     /// Fence after this long without a coordinator's `Health` call (once
     /// one has called); `None`: never.
     pub coordinator_silence_fence: Option<Duration>,
+    pub log_format: facts::log::LogFormat,
 }
 
 /// etcd registration settings (see the flags).
@@ -294,7 +301,12 @@ impl CommonFlags {
         let kv_dtype =
             KvDtype::parse(dtype_text).ok_or_else(|| invalid("kv_dtype", format!("{dtype_text:?}: use f16 or f32")))?;
         let silence_ms = self.coordinator_silence_fence_ms.unwrap_or(5000);
+        let log_format = match self.log_format.as_deref() {
+            Some(f) => f.parse().map_err(|e: String| invalid("log_format", e))?,
+            None => facts::log::LogFormat::default(),
+        };
         let cfg = CommonConfig {
+            log_format,
             coordinator_silence_fence: (silence_ms > 0).then(|| Duration::from_millis(silence_ms)),
             model: self.model.clone().unwrap_or_else(engine::paths::default_model_path),
             grpc,
@@ -418,6 +430,7 @@ mod tests {
             (CommonFlags { metrics: Some("localhost".into()), ..base() }, "`metrics`"),
             (CommonFlags { version_group: Some("a b".into()), ..base() }, "`version_group`"),
             (CommonFlags { model: Some("/nonexistent/model.gguf".into()), ..base() }, "`model`"),
+            (CommonFlags { log_format: Some("xml".into()), ..base() }, "`log_format`"),
         ];
         for (f, field) in cases {
             let err = f.resolve().err().map(|e| e.to_string());

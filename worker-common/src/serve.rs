@@ -246,9 +246,10 @@ where
     }
 }
 
-/// The start both worker binaries share: logs to stderr (filtered by
-/// `RUST_LOG`), the config from `load`, its CPU placement applied before any
-/// thread exists (so that every thread inherits it), and `run` on a
+/// The start both worker binaries share: the config from `load`, logs to
+/// stderr as [`facts::log`] says (INFO unless `TANDEM_LOG`/`RUST_LOG` say
+/// otherwise, in the config's `log_format`), its CPU placement applied before
+/// any thread exists (so that every thread inherits it), and `run` on a
 /// two-thread runtime.
 pub fn main<C, E, F>(
     load: impl FnOnce() -> Result<C, E>,
@@ -259,12 +260,16 @@ where
     E: std::error::Error + Send + Sync + 'static,
     F: std::future::Future<Output = anyhow::Result<()>>,
 {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
     let cfg = load()?;
     let c = common(&cfg);
+    facts::log::init(c.log_format).map_err(anyhow::Error::msg)?;
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        model = %c.model.display(),
+        threads = c.threads,
+        group = c.version_group.as_str(),
+        "starting"
+    );
     crate::cpu::apply(c.nice, c.cpus.as_ref())?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(run(cfg))

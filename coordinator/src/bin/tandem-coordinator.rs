@@ -17,13 +17,14 @@ use coordinator::auth::ApiKeys;
 use coordinator::breaker::BreakerConfig;
 use coordinator::cluster::{Cluster, RouteSettings, Source};
 use coordinator::grpc;
-use coordinator::http::{router, App, HttpSettings, ServeSettings};
+use coordinator::http::{metrics_router, router, App, HttpSettings, ServeSettings};
 use coordinator::pipeline::{MigrationSettings, Pipeline, Settings};
 use coordinator::prompt::pool::Pool;
 use coordinator::retries::RetrySettings;
 use coordinator::tenants::{Split, Tenancy, Tenant};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
+use facts::log::LogFormat;
 use tokio_util::sync::CancellationToken;
 
 /// Flags (each also a `TANDEM_*` env var).
@@ -33,6 +34,12 @@ struct Flags {
     /// HTTP listen address. Env: TANDEM_HTTP.
     #[arg(long, env = "TANDEM_HTTP", default_value = "127.0.0.1:8000")]
     http: SocketAddr,
+    /// Serve `GET /metrics` on this address instead of the client port (which
+    /// then answers 404 for it), so that clients never see metrics or the tenant
+    /// names in their labels; port 0 picks a free one, printed as
+    /// `listening metrics=ADDR`. Env: TANDEM_METRICS_ADDR. Default: the client port.
+    #[arg(long, env = "TANDEM_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
     /// gRPC listen address (`tandem.frontend.v1.Frontend`, health,
     /// reflection); port 0 picks a free one. Env: TANDEM_GRPC.
     #[arg(long, env = "TANDEM_GRPC", default_value = "127.0.0.1:50051")]
@@ -225,14 +232,16 @@ struct Flags {
     /// Drain grace on SIGTERM/SIGINT, ms. Env: TANDEM_SHUTDOWN_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_SHUTDOWN_TIMEOUT_MS", default_value_t = 10_000)]
     shutdown_timeout_ms: u64,
+    /// Log line format: `text` or `json` (one object per line, for collectors). The
+    /// filter is TANDEM_LOG, else RUST_LOG, else `info`. Env: TANDEM_LOG_FORMAT.
+    #[arg(long, env = "TANDEM_LOG_FORMAT", default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
     let flags = Flags::parse();
+    facts::log::init(flags.log_format).map_err(anyhow::Error::msg)?;
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), http = %flags.http, grpc = %flags.grpc, "starting");
     for (name, v) in [("max_body_bytes", flags.max_body_bytes), ("idempotency_max_keys", flags.idempotency_max_keys)] {
         anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");
     }
@@ -376,6 +385,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         idempotency_window: Duration::from_secs(flags.idempotency_window_s),
         idempotency_max_keys: flags.idempotency_max_keys,
         body_timeout: Duration::from_millis(flags.http_body_timeout_ms),
+        metrics_on_client_port: flags.metrics_addr.is_none(),
     };
     let app = App::new(pipeline.clone(), http_settings, Some(prometheus));
     let http_listener =
@@ -383,6 +393,14 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let grpc_listener =
         tokio::net::TcpListener::bind(flags.grpc).await.with_context(|| format!("binding grpc {}", flags.grpc))?;
     println!("listening http={} grpc={}", http_listener.local_addr()?, grpc_listener.local_addr()?);
+    let metrics_listener = match flags.metrics_addr {
+        Some(a) => {
+            let l = tokio::net::TcpListener::bind(a).await.with_context(|| format!("binding metrics {a}"))?;
+            println!("listening metrics={}", l.local_addr()?);
+            Some(l)
+        }
+        None => None,
+    };
     // One token stops both servers: each stops accepting and lets its
     // in-flight requests finish.
     let stop = CancellationToken::new();
@@ -401,7 +419,12 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         header_timeout: Duration::from_millis(flags.http_header_timeout_ms),
         // A client that stops reading cannot hold its connection (and request) past the idle timeout.
         stall_limit: Duration::from_millis(flags.stream_idle_timeout_ms),
+        counted: true,
     };
+    let metrics_server = metrics_listener.map(|l| {
+        let settings = ServeSettings { max_connections: 64, counted: false, ..serve };
+        coordinator::http::serve(l, metrics_router(app.clone()), settings, stop.clone())
+    });
     let http = coordinator::http::serve(http_listener, router(app), serve, stop.clone());
     let grpc_settings = grpc::GrpcSettings {
         max_message_bytes: flags.max_body_bytes,
@@ -413,8 +436,17 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     };
     let grpc = grpc::serve(pipeline, grpc_settings, grpc_listener, stop.clone());
     let mut servers = tokio::spawn(async move {
-        tokio::try_join!(async { http.await.context("serving HTTP") }, async { grpc.await.context("serving gRPC") },)
-            .map(|_| ())
+        tokio::try_join!(
+            async { http.await.context("serving HTTP") },
+            async { grpc.await.context("serving gRPC") },
+            async {
+                match metrics_server {
+                    Some(m) => m.await.context("serving metrics"),
+                    None => Ok(()),
+                }
+            },
+        )
+        .map(|_| ())
     });
     tokio::select! {
         r = &mut servers => return r.context("server task")?,

@@ -77,6 +77,9 @@ pub struct HttpSettings {
     /// The whole body must arrive within this long of the handler asking
     /// for it (408 `request_timeout` and the connection closed beyond).
     pub body_timeout: Duration,
+    /// Whether the client port answers `GET /metrics` (false: only
+    /// [`metrics_router`]'s listener does, and the client port answers 404).
+    pub metrics_on_client_port: bool,
 }
 
 /// What an idempotent request recorded: the whole JSON answer, or one SSE
@@ -129,14 +132,15 @@ const MAX_ECHOED_PATH: usize = 128;
 
 /// A request no route takes: 405 with `Allow` on a known path, else 404; both with
 /// the OpenAI error body.
-async fn no_route(method: Method, uri: Uri) -> Response {
+async fn no_route(State(app): State<Arc<App>>, method: Method, uri: Uri) -> Response {
     let path = uri.path();
+    let served = |p: &str| p != "/metrics" || app.settings.metrics_on_client_port;
     let mut echoed = path.chars().take(MAX_ECHOED_PATH).collect::<String>();
     if echoed.len() < path.len() {
         echoed.push_str("...");
     }
     let method = method.as_str().chars().take(16).collect();
-    match ROUTES.iter().find(|(p, _)| *p == path) {
+    match ROUTES.iter().find(|(p, _)| *p == path && served(p)) {
         Some((_, allowed)) => Error::MethodNotAllowed { method, path: echoed, allowed }.into_response(),
         None => Error::UnknownRoute { method, path: echoed }.into_response(),
     }
@@ -173,21 +177,44 @@ async fn host_rule(req: axum::extract::Request, next: axum::middleware::Next) ->
 }
 
 pub fn router(app: Arc<App>) -> Router {
-    Router::new()
+    let with_metrics = app.settings.metrics_on_client_port;
+    let router = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
-        .route("/ready", get(ready))
-        .route("/metrics", get(prometheus))
+        .route("/ready", get(ready));
+    let router = if with_metrics { router.route("/metrics", get(prometheus)) } else { router };
+    router
         .fallback(no_route)
         .method_not_allowed_fallback(no_route)
         // The cap is enforced while reading (`read_body`), with our error body.
         .layer(DefaultBodyLimit::disable())
         .layer(axum::middleware::from_fn(host_rule))
         .with_state(app)
+}
+
+/// The metrics listener's routes (`--metrics-addr`): `GET /metrics` and
+/// `/health`; anything else 404/405 with the OpenAI error body. No API key: keep the
+/// listener where only the scraper reaches it (the pack's NetworkPolicy does).
+pub fn metrics_router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/metrics", get(prometheus))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .fallback(metrics_no_route)
+        .method_not_allowed_fallback(metrics_no_route)
+        .with_state(app)
+}
+
+async fn metrics_no_route(method: Method, uri: Uri) -> Response {
+    let path: String = uri.path().chars().take(MAX_ECHOED_PATH).collect();
+    let method = method.as_str().chars().take(16).collect();
+    match ["/metrics", "/health"].contains(&path.as_str()) {
+        true => Error::MethodNotAllowed { method, path, allowed: "GET, HEAD" }.into_response(),
+        false => Error::UnknownRoute { method, path }.into_response(),
+    }
 }
 
 fn now_secs() -> u64 {

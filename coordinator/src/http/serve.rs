@@ -33,6 +33,10 @@ pub struct ServeSettings {
     pub header_timeout: Duration,
     /// A write that makes no progress this long closes the connection.
     pub stall_limit: Duration,
+    /// Whether this server's open connections are what
+    /// `tandem_coordinator_http_connections` shows (the client port: yes; the
+    /// metrics listener: no, two servers cannot share one gauge).
+    pub counted: bool,
 }
 
 /// Serves `app` on `listener` until `stop` is cancelled and every
@@ -45,7 +49,12 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let max = settings.max_connections.clamp(1, Semaphore::MAX_PERMITS);
     let slots = Arc::new(Semaphore::new(max));
-    let open = move |slots: &Semaphore| metrics::http_connections(max - slots.available_permits());
+    let counted = settings.counted;
+    let open = move |slots: &Semaphore| {
+        if counted {
+            metrics::http_connections(max - slots.available_permits());
+        }
+    };
     loop {
         let permit = tokio::select! {
             () = stop.cancelled() => break,

@@ -84,7 +84,12 @@ pub async fn start(spec: &Spec, c: &mut Component, restart: Option<u32>) -> anyh
         };
         args.extend([flag.to_string(), value.clone()]);
     }
-    let mut child = Command::new(&spec.bin)
+    let mut cmd = Command::new(&spec.bin);
+    if let Some(format) = facts::log::installed() {
+        // `tandem up --log-format json` makes every process's log JSON, not only ours.
+        cmd.env(facts::log::FORMAT_ENV, format.to_string());
+    }
+    let mut child = cmd
         .args(&args)
         .stdout(Stdio::piped())
         .stderr(Stdio::from(err))
