@@ -1,7 +1,8 @@
 //! deploy/ cannot drift from the code or rot unchecked:
 //!
 //! - Prometheus: `promtool check rules` / `check config` and `promtool test rules` pass;
-//!   every alert has a firing unit test, a `runbook_url` naming docs/runbooks/<alert>.md,
+//!   every alert has a firing unit test, a `runbook_url` naming docs/runbooks/<alert>.md
+//!   (after the `runbook_base` external label, where one is set),
 //!   and that page exists; every page has an alert and names only drills that
 //!   `tandem drill --list` has; every `tandem_*` metric the rules or the Grafana dashboard
 //!   query is an exported `pub const NAME: &str = "tandem_..."`, every non-target label
@@ -37,6 +38,9 @@ const RULES: &str = "deploy/prometheus/tandem-rules.yml";
 const RULE_TESTS: &str = "deploy/prometheus/tests";
 const DASHBOARD: &str = "deploy/grafana/tandem.json";
 const RUNBOOKS: &str = "docs/runbooks";
+/// Every `runbook_url` starts here: the Prometheus external label `runbook_base` (where
+/// the docs are published) and a slash, or nothing (a path in the repository).
+const RUNBOOK_BASE: &str = "{{ with $externalLabels.runbook_base }}{{ . }}/{{ end }}";
 
 /// Runs `cmd` in the repository root; panics with its output unless it succeeds.
 fn run_ok(cmd: &mut Command, what: &str) -> String {
@@ -78,7 +82,7 @@ fn alerts() -> BTreeMap<String, Vec<String>> {
         } else if t.starts_with("- record:") {
             current = None;
         } else if let (Some(url), Some(name)) = (t.strip_prefix("runbook_url:"), &current) {
-            out.get_mut(name).expect("entered above").push(url.trim().trim_matches('"').to_owned());
+            out.get_mut(name).expect("entered above").push(url.trim().trim_matches(['"', '\'']).to_owned());
         }
     }
     assert!(!out.is_empty(), "{RULES} has no `- alert:`");
@@ -186,11 +190,12 @@ fn every_alert_has_a_firing_unit_test_and_its_runbook() {
         if !fired.contains(name) {
             problems.push(format!("{name}: no unit test in {RULE_TESTS} expects it to fire"));
         }
-        let want = format!("{RUNBOOKS}/{name}.md");
+        let page = format!("{RUNBOOKS}/{name}.md");
+        let want = format!("{RUNBOOK_BASE}{page}");
         if urls.is_empty() || urls.iter().any(|u| *u != want) {
             problems.push(format!("{name}: runbook_url {urls:?}, want `{want}` on every rule"));
         }
-        if !root().join(&want).is_file() {
+        if !root().join(&page).is_file() {
             problems.push(format!("{name}: no runbook {want}"));
         }
     }
@@ -275,7 +280,10 @@ fn the_rules_query_only_exported_metrics_and_labels_the_code_sets() {
                 if !sources.contains(&format!("\"{label}\" =>")) {
                     problems.push(format!("label `{label}` (in `{}`) is set by no source", matcher.trim()));
                 }
-                if !sources.contains(&format!("\"{value}\"")) {
+                // A status code or class (`200`, `5..`) is a number the code formats, not a
+                // string literal it names.
+                let numeric = !value.is_empty() && value.chars().all(|c| c.is_ascii_digit() || c == '.');
+                if !numeric && !sources.contains(&format!("\"{value}\"")) {
                     problems.push(format!("value `{value}` of `{label}` is used by no source"));
                 }
             }
