@@ -63,3 +63,47 @@ async fn workers_register_with_their_addresses_and_deregister_on_sigterm() -> Te
     drop(etcd);
     Ok(())
 }
+
+/// The next status a grpc.health.v1 `Watch` reports (bounded).
+async fn next_status(
+    watch: &mut tonic::Streaming<tonic_health::pb::HealthCheckResponse>,
+) -> Result<Option<tonic_health::pb::health_check_response::ServingStatus>, String> {
+    let r = within("the probe's next status", watch.message()).await.map_err(|e| e.to_string())?;
+    let r = r.map_err(|e| e.to_string())?.ok_or("the Watch stream ended")?;
+    Ok(tonic_health::pb::health_check_response::ServingStatus::try_from(r.status).ok())
+}
+
+/// The kubelet's view (`grpc:` readiness probe, grpc.health.v1 `Check` on the gRPC port):
+/// SERVING while the worker takes work, NOT_SERVING while it is fenced (here: cut off from
+/// its coordinators, no `Health` call for the silence after a first one), SERVING again
+/// once a coordinator reaches it. Probes are not coordinators: they keep no fence away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_health_probe_follows_the_fence() -> TestResult {
+    use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
+    use proto::worker::v1::HealthRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let d = decode_worker("g1", &["--kv-load-failure-policy", "fail", "--coordinator-silence-fence-ms", "300"])?;
+    let url = format!("http://{}", d.addr("grpc")?);
+    let channel = tonic::transport::Endpoint::from_shared(url)?.connect().await?;
+    let mut probe = HealthClient::new(channel.clone());
+    let mut worker = DecodeWorkerClient::new(channel);
+    let status = |r: tonic_health::pb::HealthCheckResponse| ServingStatus::try_from(r.status).ok();
+    let check = HealthCheckRequest { service: String::new() };
+    assert_eq!(status(probe.check(check.clone()).await?.into_inner()), Some(ServingStatus::Serving));
+
+    let mut watch = probe.watch(check.clone()).await?.into_inner();
+    assert_eq!(next_status(&mut watch).await?, Some(ServingStatus::Serving), "Watch starts with the current status");
+
+    // A coordinator calls once, then falls silent: fenced, and the probe says so.
+    worker.health(HealthRequest::default()).await?;
+    assert_eq!(next_status(&mut watch).await?, Some(ServingStatus::NotServing), "fenced after the silence");
+    // A probe's Check is no coordinator's call: still fenced after it.
+    assert_eq!(status(probe.check(check.clone()).await?.into_inner()), Some(ServingStatus::NotServing));
+    // A coordinator reaches it again: unfenced, SERVING.
+    worker.health(HealthRequest::default()).await?;
+    assert_eq!(next_status(&mut watch).await?, Some(ServingStatus::Serving), "unfenced by a coordinator's call");
+    Ok(())
+}

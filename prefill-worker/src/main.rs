@@ -54,11 +54,16 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
 
     let listener = worker_common::serve::bind_grpc(common, &fingerprint).await?;
     let listener_addr = listener.local_addr()?;
-    let fenced = service.clone();
-    let fencing = worker_common::serve::Fencing::start(common.coordinator_silence_fence, move |f| fenced.set_fenced(f));
+    let (probe, probe_service) = worker_common::serve::Probe::start();
+    let (fenced, probe_fenced) = (service.clone(), probe.clone());
+    let fencing = worker_common::serve::Fencing::start(common.coordinator_silence_fence, move |f| {
+        fenced.set_fenced(f);
+        probe_fenced.fenced(f);
+    });
     let (server, stop) = worker_common::serve::spawn_grpc(
         tonic::transport::Server::builder()
             .layer(fencing.layer())
+            .add_service(probe_service)
             .add_service(PrefillWorkerServer::new(service.clone())),
         listener,
     );
@@ -67,6 +72,7 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     let registration = worker_common::serve::register(common, info, fencing).await?;
     let signal = signals.recv().await;
     tracing::info!(signal, "draining");
+    probe.draining();
     worker_common::serve::announce_draining(registration.as_ref()).await;
     // Phase 1: stop admitting. Phase 2: drain for the grace. Phase 3: cancel the rest.
     service.set_draining();

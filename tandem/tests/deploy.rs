@@ -582,6 +582,14 @@ fn the_manifests_agree_with_the_binaries() {
                 }
                 let port = p["httpGet"]["port"].clone();
                 let port = if port.is_null() { p["tcpSocket"]["port"].clone() } else { port };
+                let port = if port.is_null() { p["grpc"]["port"].clone() } else { port };
+                if !p["exec"].is_null() {
+                    problems.push(format!("{at}: {probe} runs a command: the image has no shell, use httpGet or grpc"));
+                }
+                if !p["grpc"].is_null() && binary == "tandem-coordinator" {
+                    problems
+                        .push(format!("{at}: {probe} is grpc: the coordinator's probes are HTTP /ready and /health"));
+                }
                 if let Some(port) = port.as_str() {
                     if !ports.contains_key(port) {
                         problems
@@ -608,41 +616,37 @@ fn the_manifests_agree_with_the_binaries() {
                     }
                     _ => {}
                 }
-                if let Some(cmd) = p["exec"]["command"].as_array() {
-                    let cmd: String = cmd.iter().filter_map(|s| s.as_str()).collect::<Vec<_>>().join(" ");
-                    let metrics = ports.get("metrics").copied().unwrap_or(0);
-                    if !cmd.contains(&format!("127.0.0.1:{metrics}/metrics")) {
-                        problems.push(format!(
-                            "{at}: {probe} `{cmd}` does not read this container's metrics port {metrics}"
-                        ));
-                    }
-                    if !cmd.contains(&format!("'{} 0'", facts::metrics::worker::FENCED)) {
-                        problems
-                            .push(format!("{at}: {probe} `{cmd}` does not check {} 0", facts::metrics::worker::FENCED));
-                    }
+                // A worker's readiness is grpc.health.v1 on its gRPC port (SERVING = not
+                // fenced, not draining); /metrics answers while it is fenced.
+                let worker = binary == "tandem-prefill-worker" || binary == "tandem-decode-worker";
+                if worker && probe == "readinessProbe" && p["grpc"]["port"].as_u64() != ports.get("grpc").copied() {
+                    problems
+                        .push(format!("{at}: readinessProbe must be grpc on the gRPC port {:?}", ports.get("grpc")));
                 }
             }
             if binary == "etcd" {
                 continue;
             }
-            // Drain: preStop sends SIGTERM; the grace outlasts its sleep and the drain.
-            let pre_stop: String = c["lifecycle"]["preStop"]["exec"]["command"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|s| s.as_str())
-                .collect::<Vec<_>>()
-                .join(" ");
-            if !pre_stop.contains("kill -TERM 1") {
-                problems.push(format!("{at}: preStop `{pre_stop}` does not start the drain (kill -TERM 1)"));
+            // Drain: the kubelet's SIGTERM starts it (a preStop may only `sleep`: no shell);
+            // the grace outlasts the sleep and the drain.
+            let pre_stop = &c["lifecycle"]["preStop"];
+            if !pre_stop.is_null() && pre_stop["sleep"].is_null() {
+                problems.push(format!("{at}: preStop {pre_stop} is not a `sleep` action (the image has no shell)"));
             }
-            let slept: f64 = pre_stop
-                .split("sleep ")
-                .skip(1)
-                .filter_map(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse::<f64>().ok())
-                .filter(|s| *s > 1.0)
-                .fold(0.0, |a, s| a + s);
+            let slept = pre_stop["sleep"]["seconds"].as_f64().unwrap_or(0.0);
             let timeout_ms: f64 = arg(&args, "--shutdown-timeout-ms").and_then(|v| v.parse().ok()).unwrap_or(10_000.0);
+            if binary == "tandem-coordinator" {
+                // The drain outlasts the longest request, so a rollout cuts no answer.
+                let longest: Option<f64> = arg(&args, "--max-request-timeout-ms").and_then(|v| v.parse().ok());
+                if !longest.is_some_and(|l| l > 0.0 && timeout_ms > l) {
+                    problems.push(format!(
+                        "{at}: --shutdown-timeout-ms {timeout_ms} must exceed --max-request-timeout-ms {longest:?} (set)"
+                    ));
+                }
+                if arg(&args, "--tenants").is_none() && arg(&args, "--api-keys-file").is_none() {
+                    problems.push(format!("{at}: neither --tenants nor --api-keys-file: the API would be open"));
+                }
+            }
             match grace {
                 Some(g) if g > slept + timeout_ms / 1000.0 => {}
                 g => problems.push(format!(
@@ -670,4 +674,78 @@ fn the_manifests_agree_with_the_binaries() {
     let served = coordinator_serves(&coordinator_paths);
     let missing: Vec<_> = coordinator_paths.difference(&served).collect();
     assert!(missing.is_empty(), "the coordinator answers 404 on probe paths {missing:?}");
+}
+
+/// The containers of every workload in the rendered overlay: (workload, pod template, container).
+fn containers(docs: &[serde_json::Value]) -> Vec<(String, &serde_json::Value, &serde_json::Value)> {
+    let mut out = Vec::new();
+    for d in docs.iter().filter(|d| matches!(d["kind"].as_str(), Some("Deployment" | "StatefulSet"))) {
+        let name = d["metadata"]["name"].as_str().unwrap_or("?").to_owned();
+        let pod = &d["spec"]["template"];
+        for c in pod["spec"]["containers"].as_array().into_iter().flatten() {
+            out.push((name.clone(), pod, c));
+        }
+    }
+    out
+}
+
+/// Whether a NetworkPolicy's `podSelector.matchLabels` selects a pod with `labels`.
+fn selects(policy: &serde_json::Value, labels: &serde_json::Value) -> bool {
+    let want = policy["spec"]["podSelector"]["matchLabels"].as_object();
+    want.is_some_and(|w| w.iter().all(|(k, v)| labels[k] == *v))
+}
+
+#[test]
+fn every_workload_is_locked_down_sized_and_every_port_has_a_network_policy() {
+    let docs = yaml_docs(&rendered());
+    let policies: Vec<&serde_json::Value> =
+        docs.iter().filter(|d| d["kind"].as_str() == Some("NetworkPolicy")).collect();
+    let mut problems = Vec::new();
+    let all = containers(&docs);
+    assert!(all.len() >= 4, "coordinator, prefill, decode and etcd containers: found {}", all.len());
+    for (name, pod, c) in all {
+        let at = format!("{name}/{}", c["name"].as_str().unwrap_or("?"));
+        let spec = &pod["spec"];
+        // Least privilege: a non-root user, the runtime's seccomp profile, no API token,
+        // a read-only root, no capabilities, no privilege escalation.
+        let pod_sec = &spec["securityContext"];
+        if pod_sec["runAsNonRoot"] != true || pod_sec["seccompProfile"]["type"] != "RuntimeDefault" {
+            problems.push(format!("{at}: pod securityContext {pod_sec} (runAsNonRoot, seccomp RuntimeDefault)"));
+        }
+        if spec["automountServiceAccountToken"] != false || spec["serviceAccountName"].is_null() {
+            problems.push(format!("{at}: a service account of its own, with no API token mounted"));
+        }
+        let sec = &c["securityContext"];
+        let drops_all = sec["capabilities"]["drop"].as_array().is_some_and(|d| d.iter().any(|x| x == "ALL"));
+        if sec["readOnlyRootFilesystem"] != true || sec["allowPrivilegeEscalation"] != false || !drops_all {
+            problems.push(format!("{at}: container securityContext {sec}"));
+        }
+        // Sized: requests for CPU and memory; workers Guaranteed (requests = limits).
+        let (req, lim) = (&c["resources"]["requests"], &c["resources"]["limits"]);
+        if req["cpu"].is_null() || req["memory"].is_null() || lim["memory"].is_null() {
+            problems.push(format!("{at}: resources {} (cpu and memory requests, a memory limit)", c["resources"]));
+        }
+        let command = c["command"][0].as_str().unwrap_or_default();
+        if command.ends_with("-worker") && (req["cpu"] != lim["cpu"] || req["memory"] != lim["memory"]) {
+            problems.push(format!("{at}: a worker must be Guaranteed (requests = limits): {}", c["resources"]));
+        }
+        // Every port some NetworkPolicy selecting this pod admits (by name or number).
+        let labels = &pod["metadata"]["labels"];
+        let selecting: Vec<_> = policies.iter().filter(|p| selects(p, labels)).collect();
+        if !selecting.iter().any(|p| p["spec"]["ingress"].is_null()) {
+            problems.push(format!("{at}: no default-deny NetworkPolicy selects it"));
+        }
+        for port in c["ports"].as_array().into_iter().flatten() {
+            let (pname, number) = (&port["name"], &port["containerPort"]);
+            let admitted = selecting.iter().any(|p| {
+                p["spec"]["ingress"].as_array().into_iter().flatten().any(|rule| {
+                    rule["ports"].as_array().into_iter().flatten().any(|q| q["port"] == *pname || q["port"] == *number)
+                })
+            });
+            if !admitted {
+                problems.push(format!("{at}: port {pname} ({number}) has no NetworkPolicy rule"));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

@@ -113,6 +113,57 @@ pub fn spawn_grpc(
     (task, stop)
 }
 
+/// The standard `grpc.health.v1.Health` service on the worker's gRPC port, for
+/// probes (Kubernetes `grpc:` readiness) that need no client in the image: the
+/// empty service name is SERVING while the worker takes new work, NOT_SERVING once
+/// it is fenced or draining. Coordinators keep calling the worker's own `Health`
+/// RPC (load, fingerprint); a probe's `Check` is not a coordinator's call, so it
+/// keeps no fence away.
+#[derive(Clone)]
+pub struct Probe {
+    state: tokio::sync::watch::Sender<ProbeState>,
+}
+
+#[derive(Default, Clone, Copy)]
+struct ProbeState {
+    fenced: bool,
+    draining: bool,
+}
+
+impl Probe {
+    /// The probe and its service (add it to the worker's gRPC router). One task
+    /// mirrors the latest state into the health service, in order.
+    pub fn start() -> (Self, tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>)
+    {
+        let (reporter, server) = tonic_health::server::health_reporter();
+        let (state, mut changes) = tokio::sync::watch::channel(ProbeState::default());
+        tokio::spawn(async move {
+            loop {
+                let now = *changes.borrow_and_update();
+                let status = if now.fenced || now.draining {
+                    tonic_health::ServingStatus::NotServing
+                } else {
+                    tonic_health::ServingStatus::Serving
+                };
+                reporter.set_service_status("", status).await;
+                if changes.changed().await.is_err() {
+                    break;
+                }
+            }
+        });
+        (Self { state }, server)
+    }
+
+    pub fn fenced(&self, fenced: bool) {
+        self.state.send_modify(|s| s.fenced = fenced);
+    }
+
+    /// From the drain on, for good.
+    pub fn draining(&self) {
+        self.state.send_modify(|s| s.draining = true);
+    }
+}
+
 /// Whether this worker takes new work, from its two reasons not to:
 /// another process holds its etcd key (the registry says so), or it is cut
 /// off from its coordinators (no `Health` call for the configured silence,

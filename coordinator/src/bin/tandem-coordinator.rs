@@ -171,6 +171,13 @@ struct Flags {
     /// `grpc-timeout` (gRPC), ms. Env: TANDEM_REQUEST_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
     request_timeout_ms: u64,
+    /// The longest deadline any request gets, ms: a longer `x-request-timeout-ms`,
+    /// `x-request-deadline` or `grpc-timeout` is cut to this (the answer ends
+    /// `deadline_exceeded` then). Set it, and the drain grace above it, so that a
+    /// rollout never cuts a stream (the Kubernetes pack does). 0: no cap. Env:
+    /// TANDEM_MAX_REQUEST_TIMEOUT_MS.
+    #[arg(long, env = "TANDEM_MAX_REQUEST_TIMEOUT_MS", default_value_t = 0)]
+    max_request_timeout_ms: u64,
     /// `max_tokens` of a request that sets none. Env: TANDEM_DEFAULT_MAX_TOKENS.
     #[arg(long, env = "TANDEM_DEFAULT_MAX_TOKENS", default_value_t = 256)]
     default_max_tokens: u32,
@@ -361,6 +368,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         model: flags.model_name.clone(),
         admission,
         default_timeout: Duration::from_millis(flags.request_timeout_ms),
+        max_timeout: (flags.max_request_timeout_ms > 0).then(|| Duration::from_millis(flags.max_request_timeout_ms)),
         default_max_tokens: flags.default_max_tokens,
         stream_idle_timeout: Duration::from_millis(flags.stream_idle_timeout_ms),
         migration: MigrationSettings {

@@ -319,8 +319,9 @@ fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>,
 
 /// The deadline: the earlier of `x-request-timeout-ms` (relative to
 /// arrival) and `x-request-deadline` (absolute, Unix time in milliseconds,
-/// as the client's clock reads it), else the configured default. A deadline
-/// that has already passed is a 504 at once: no work starts for it.
+/// as the client's clock reads it), else the configured default; never more than
+/// `--max-request-timeout-ms` after arrival. A deadline that has already passed is
+/// a 504 at once: no work starts for it.
 fn deadline(app: &App, headers: &HeaderMap, arrived: Instant) -> Result<Instant, Error> {
     let positive_ms = |name: &str| -> Result<Option<u64>, Error> {
         match header_str(headers, name)? {
@@ -342,11 +343,12 @@ fn deadline(app: &App, headers: &HeaderMap, arrived: Instant) -> Result<Instant,
             }
         }
     };
-    Ok(match (timeout, absolute) {
+    let at = match (timeout, absolute) {
         (None, None) => arrived + app.pipeline.settings.default_timeout,
         (Some(t), None) | (None, Some(t)) => t,
         (Some(a), Some(b)) => a.min(b),
-    })
+    };
+    Ok(app.pipeline.capped(arrived, at))
 }
 
 /// Which OpenAI endpoint a request came in on: it decides the answer's shape.

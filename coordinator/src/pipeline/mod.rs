@@ -46,6 +46,10 @@ pub struct Settings {
     pub admission: admission::AdmissionConfig,
     /// Deadline when the request sets none.
     pub default_timeout: Duration,
+    /// The longest deadline any request gets, its own included (a longer one is
+    /// cut to this): what a drain grace must outlast (`--max-request-timeout-ms`).
+    /// `None`: no cap.
+    pub max_timeout: Option<Duration>,
     /// `max_tokens` when the request sets none.
     pub default_max_tokens: u32,
     /// A streamed answer whose client takes no event (HTTP: no byte) for
@@ -233,9 +237,16 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The deadline of a request arriving now: its own timeout, else the default.
+    /// The deadline of a request arriving now: its own timeout, else the default;
+    /// at most `max_timeout` away.
     pub fn deadline(&self, timeout: Option<Duration>) -> Instant {
-        Instant::now() + timeout.unwrap_or(self.settings.default_timeout)
+        let now = Instant::now();
+        self.capped(now, now + timeout.unwrap_or(self.settings.default_timeout))
+    }
+
+    /// `at`, or `max_timeout` after `arrived` where that is sooner.
+    pub fn capped(&self, arrived: Instant, at: Instant) -> Instant {
+        cap(self.settings.max_timeout, arrived, at)
     }
 
     /// Turns a parsed request into a job, cheapest refusal first: the
@@ -430,5 +441,24 @@ mod tests {
         assert_eq!(capacity_share(6, 1), 6);
         assert_eq!(capacity_share(6, 0), 6, "a split of 0 is read as 1");
         assert_eq!(capacity_share(0, 3), 0, "no capacity stays none");
+    }
+}
+
+/// `at`, or `max` after `arrived` where that is sooner.
+fn cap(max: Option<Duration>, arrived: Instant, at: Instant) -> Instant {
+    max.map_or(at, |m| at.min(arrived + m))
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use super::*;
+
+    #[test]
+    fn a_deadline_is_cut_to_the_cap_and_a_shorter_one_kept() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        assert_eq!(cap(Some(s(300)), t0, t0 + s(3600)), t0 + s(300), "an hour asked, five minutes given");
+        assert_eq!(cap(Some(s(300)), t0, t0 + s(10)), t0 + s(10), "a shorter deadline stands");
+        assert_eq!(cap(None, t0, t0 + s(3600)), t0 + s(3600), "no cap");
     }
 }

@@ -408,6 +408,10 @@ mod tests {
         let f = TenantsFile::load(&path).expect("config/tenants.example.toml validates");
         assert_eq!(f.tenants["search"].cache_salt, f.tenants["assistant"].cache_salt, "one shared pool");
         assert_eq!(f.tenants["assistant"].class_of(Some(Priority::High)), Priority::High);
+        // The Kubernetes pack's Secret holds this one.
+        let pack = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s/overlays/example/tenants.toml");
+        let f = TenantsFile::load(&pack).expect("the pack's tenants.toml validates");
+        assert!(f.tenants.contains_key("default"), "the pack's one tenant");
     }
 
     #[test]
