@@ -345,11 +345,7 @@ impl Drill for LayoutMismatch {
 
     async fn fault(&self, _: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         // The mismatched worker is in the cluster from the start (see `setup`).
-        let mut ev = Evidence::default();
-        if !skip {
-            ev.began();
-        }
-        Ok(ev)
+        Ok(Evidence::standing(skip))
     }
 
     async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {

@@ -223,11 +223,7 @@ impl Drill for RetryStorm {
 
     async fn fault(&self, _: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         // The fault is the load's own retries (see `retry`); the proof reads them.
-        let mut ev = Evidence::default();
-        if !skip {
-            ev.began();
-        }
-        Ok(ev)
+        Ok(Evidence::standing(skip))
     }
 
     async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
@@ -300,11 +296,7 @@ impl Drill for TightDeadlines {
 
     async fn fault(&self, _: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         // The fault is the load's own deadline (see `setup`); the proof reads the outcomes.
-        let mut ev = Evidence::default();
-        if !skip {
-            ev.began();
-        }
-        Ok(ev)
+        Ok(Evidence::standing(skip))
     }
 
     async fn prove(&self, _: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {

@@ -388,6 +388,16 @@ pub(crate) struct Evidence {
 }
 
 impl Evidence {
+    /// A fault that is in place from the setup, or is the load itself: it begins with
+    /// the load, unless the run skips it (`--vacuity`).
+    pub fn standing(skip: bool) -> Self {
+        let mut ev = Self::default();
+        if !skip {
+            ev.began();
+        }
+        ev
+    }
+
     /// The fault is applied now (the chart's shaded window starts here).
     pub fn began(&mut self) {
         self.window.0.get_or_insert_with(Instant::now);
