@@ -749,3 +749,94 @@ fn every_workload_is_locked_down_sized_and_every_port_has_a_network_policy() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// Each flag `--help` lists, with its default where it states one: clap's
+/// `[default: X]`, or the doc text's `Default X` (flags that are `Option`s resolved later
+/// say it that way).
+fn help_defaults(binary: &Path, args: &[&str]) -> BTreeMap<String, Option<String>> {
+    let out =
+        Command::new(binary).args(args).arg("--help").output().unwrap_or_else(|e| panic!("{}: {e}", binary.display()));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let mut out = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in text.lines() {
+        let t = line.trim_start();
+        if let Some(flag) = t.split_whitespace().find(|w| w.starts_with("--")) {
+            if t.starts_with('-') {
+                let flag: String = flag.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+                out.entry(flag.clone()).or_insert(None);
+                current = Some(flag);
+            }
+        }
+        let Some(flag) = &current else { continue };
+        let value = t
+            .split_once("[default: ")
+            .map(|(_, v)| v.split(']').next().unwrap_or_default())
+            .or_else(|| t.split_once("Default ").map(|(_, v)| v.split([' ', '.', ',']).next().unwrap_or_default()));
+        if let Some(v) = value.filter(|v| !v.is_empty()) {
+            out.entry(flag.clone()).or_insert(None).get_or_insert_with(|| v.to_owned());
+        }
+    }
+    out
+}
+
+/// A runbook (and the operations page, which they link) names only flags some tandem
+/// program has, and where it says a flag's default (`` `--x-ms` (default 5000) ``,
+/// `(default 30 s)`, `(10 s by default)`), the program's `--help` says the same.
+#[test]
+fn runbooks_name_real_flags_and_their_defaults() {
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_tandem")).parent().expect("target dir").to_path_buf();
+    let programs: Vec<(PathBuf, Vec<&str>)> = vec![
+        (bin_dir.join("tandem-coordinator"), vec![]),
+        (bin_dir.join("tandem-prefill-worker"), vec![]),
+        (bin_dir.join("tandem-decode-worker"), vec![]),
+        (bin_dir.join("tandem"), vec!["up"]),
+        (bin_dir.join("tandem"), vec!["drill"]),
+        // The lost-member procedure passes etcd's own flags.
+        (PathBuf::from("etcd"), vec![]),
+    ];
+    let mut known: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (exe, sub) in &programs {
+        for (flag, default) in help_defaults(exe, sub) {
+            known.entry(flag).or_default().extend(default);
+        }
+    }
+    let mut pages = vec![("docs/operations.md".to_owned(), read(&root().join("docs/operations.md")))];
+    for entry in std::fs::read_dir(root().join(RUNBOOKS)).expect("listing the runbooks") {
+        let path = entry.expect("a runbook").path();
+        pages.push((path.display().to_string(), read(&path)));
+    }
+    let (mut checked, mut problems) = (0, Vec::new());
+    for (page, text) in &pages {
+        let flat = text.replace('\n', " ");
+        for (i, _) in flat.match_indices("`--") {
+            let rest = &flat[i + 1..];
+            let Some(end) = rest.find('`') else { continue };
+            let flag: String = rest[..end].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+            let Some(defaults) = known.get(&flag) else {
+                problems.push(format!("{page}: `{flag}` is a flag of no tandem program"));
+                continue;
+            };
+            // The default the page states right after the flag, in the flag's unit.
+            let after: String = rest[end + 1..].chars().take(40).collect();
+            let stated = after.trim_start().strip_prefix("(default ").map(|v| v.to_owned()).or_else(|| {
+                after.trim_start().strip_prefix('(').filter(|v| v.contains(" by default")).map(str::to_owned)
+            });
+            let Some(stated) = stated else { continue };
+            let mut words = stated.split([' ', ',', ')']).filter(|w| !w.is_empty());
+            let (Some(number), unit) = (words.next(), words.next()) else { continue };
+            let Ok(n) = number.parse::<f64>() else { continue };
+            let in_flag_unit = match (flag.ends_with("-ms"), unit) {
+                (true, Some("s")) => n * 1000.0,
+                (true, Some("min")) => n * 60_000.0,
+                _ => n,
+            };
+            checked += 1;
+            if !defaults.iter().any(|d| d.parse::<f64>().is_ok_and(|d| d == in_flag_unit)) {
+                problems.push(format!("{page}: `{flag}` default stated {stated:?}, --help says {defaults:?}"));
+            }
+        }
+    }
+    assert!(checked >= 5, "only {checked} stated defaults found: the parser lost them");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

@@ -96,8 +96,9 @@ pub async fn bind_grpc(cfg: &CommonConfig, fingerprint: &LayoutFingerprint) -> a
     let listener =
         tokio::net::TcpListener::bind(cfg.grpc).await.with_context(|| format!("binding grpc {}", cfg.grpc))?;
     let addr = listener.local_addr()?;
-    println!("listening grpc={addr}");
+    // Logged first: whoever waits for the `listening` line finds `ready` in the log.
     tracing::info!(%addr, fingerprint = %fingerprint, group = cfg.version_group.as_str(), "ready");
+    println!("listening grpc={addr}");
     Ok(listener)
 }
 

@@ -152,7 +152,10 @@ impl Drill for PrefillErrors {
         spec.coordinator_args.extend(["--prefix-affinity".into(), "0".into()]);
         Setup {
             spec,
-            requests: 14,
+            // Enough that the faulty worker is chosen 3 times even when a loaded machine
+            // makes the healthy one look idler for most of the run (14 requests once gave
+            // it 2 under `make test`); the proof's bound on later choices is unchanged.
+            requests: 30,
             max_tokens: 8,
             concurrency: 2,
             // `retry` falls back to the healthy worker: the fault is one the cluster hides.
