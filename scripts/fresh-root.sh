@@ -151,6 +151,11 @@ step_toolchain() {
   # Kernel filesystems a Debian machine has; private to this namespace.
   mount -t proc proc "$r/proc"
   mount -t sysfs sysfs "$r/sys"
+  # A machine's cgroup hierarchies (systemd mounts them at boot): tests start workers
+  # under a CPU quota there.
+  if mountpoint -q /sys/fs/cgroup; then
+    mount --rbind /sys/fs/cgroup "$r/sys/fs/cgroup"
+  fi
   mount --rbind /dev "$r/dev"
   mount -t tmpfs -o mode=1777,nosuid,nodev shm "$r/dev/shm"
   mount -t tmpfs -o mode=0755,nosuid,nodev run "$r/run"
