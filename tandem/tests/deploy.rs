@@ -410,13 +410,7 @@ fn yaml_docs(yaml: &str) -> Vec<serde_json::Value> {
 
 /// The long flags a binary's `--help` lists.
 fn help_flags(binary: &Path) -> BTreeSet<String> {
-    let out = Command::new(binary).arg("--help").output().unwrap_or_else(|e| panic!("{}: {e}", binary.display()));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let flags: BTreeSet<String> = tokens(&text.replace('-', "_"), "__")
-        .into_iter()
-        .map(|t| t.trim_end_matches(':').replace('_', "-"))
-        .filter(|f| f.len() > 2)
-        .collect();
+    let flags: BTreeSet<String> = help_defaults(binary, &[]).into_keys().collect();
     assert!(!flags.is_empty(), "{} --help listed no flag", binary.display());
     flags
 }

@@ -130,20 +130,35 @@ const ROUTES: [(&str, &str); 8] = [
 /// Longest path an error message repeats, bytes.
 const MAX_ECHOED_PATH: usize = 128;
 
-/// A request no route takes: 405 with `Allow` on a known path, else 404; both with
-/// the OpenAI error body.
+/// The client port's fallback: [`unrouted`] over [`ROUTES`] (less `/metrics` when
+/// it is served on a listener of its own).
 async fn no_route(State(app): State<Arc<App>>, method: Method, uri: Uri) -> Response {
-    let path = uri.path();
     let served = |p: &str| p != "/metrics" || app.settings.metrics_on_client_port;
+    unrouted(ROUTES.iter().filter(|(p, _)| served(p)), &method, &uri)
+}
+
+/// A request none of `routes` takes: 405 with `Allow` on one of their paths, else
+/// 404; both with the OpenAI error body.
+fn unrouted<'a>(
+    mut routes: impl Iterator<Item = &'a (&'static str, &'static str)>,
+    method: &Method,
+    uri: &Uri,
+) -> Response {
+    let path = uri.path();
     let mut echoed = path.chars().take(MAX_ECHOED_PATH).collect::<String>();
     if echoed.len() < path.len() {
         echoed.push_str("...");
     }
     let method = method.as_str().chars().take(16).collect();
-    match ROUTES.iter().find(|(p, _)| *p == path && served(p)) {
+    match routes.find(|(p, _)| *p == path) {
         Some((_, allowed)) => Error::MethodNotAllowed { method, path: echoed, allowed }.into_response(),
         None => Error::UnknownRoute { method, path: echoed }.into_response(),
     }
+}
+
+/// Liveness: 200 whenever the process is up.
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
 }
 
 /// RFC 9112 section 3.2: an HTTP/1.1 request without a `Host`, any request with
@@ -184,7 +199,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(health))
         .route("/ready", get(ready));
     let router = if with_metrics { router.route("/metrics", get(prometheus)) } else { router };
     router
@@ -202,19 +217,17 @@ pub fn router(app: Arc<App>) -> Router {
 pub fn metrics_router(app: Arc<App>) -> Router {
     Router::new()
         .route("/metrics", get(prometheus))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(health))
         .fallback(metrics_no_route)
         .method_not_allowed_fallback(metrics_no_route)
         .with_state(app)
 }
 
+/// The metrics listener's routes: the `Allow` of its 405.
+const METRICS_ROUTES: [(&str, &str); 2] = [("/metrics", "GET, HEAD"), ("/health", "GET, HEAD")];
+
 async fn metrics_no_route(method: Method, uri: Uri) -> Response {
-    let path: String = uri.path().chars().take(MAX_ECHOED_PATH).collect();
-    let method = method.as_str().chars().take(16).collect();
-    match ["/metrics", "/health"].contains(&path.as_str()) {
-        true => Error::MethodNotAllowed { method, path, allowed: "GET, HEAD" }.into_response(),
-        false => Error::UnknownRoute { method, path }.into_response(),
-    }
+    unrouted(METRICS_ROUTES.iter(), &method, &uri)
 }
 
 fn now_secs() -> u64 {

@@ -10,6 +10,20 @@ use crate::invariants::Invariants;
 use crate::process::{proc_state, Signal};
 use crate::{eventually, HarnessError};
 
+/// The fault's start: SIGSTOP `name` and check that the kernel stopped it (its `/proc`
+/// state `T`), in `ev` (`seen`, and a note of what it was `running`).
+async fn freeze(c: &mut Cluster, ev: &mut Evidence, name: &str, pid: u32, running: &str) -> Result<(), HarnessError> {
+    ev.began();
+    c.signal(name, Signal::Stop)?;
+    let stopped = eventually("the stopped worker's /proc state is T", Duration::from_secs(5), || async {
+        proc_state(pid) == Some('T')
+    })
+    .await;
+    ev.seen = stopped.is_ok();
+    ev.notes.push(format!("{name} (pid {pid}) was running {running}; SIGSTOP: /proc state {:?}", proc_state(pid)));
+    Ok(())
+}
+
 /// SIGSTOP a decode worker past its lease, then SIGCONT.
 pub(in crate::drills) struct WorkerSigstop;
 
@@ -57,14 +71,7 @@ impl Drill for WorkerSigstop {
         let n = c.workers_of(Role::Decode).count() as f64;
         let limit = c.lease_ttl * 3 + Duration::from_secs(10);
         let ttl = c.lease_ttl;
-        ev.began();
-        c.signal(&name, Signal::Stop)?;
-        let stopped = eventually("the stopped worker's /proc state is T", Duration::from_secs(5), || async {
-            proc_state(pid) == Some('T')
-        })
-        .await;
-        ev.seen = stopped.is_ok();
-        ev.notes.push(format!("{name} (pid {pid}) was running a request; SIGSTOP: /proc state {:?}", proc_state(pid)));
+        freeze(c, &mut ev, &name, pid, "a request").await?;
         // The lease (TTL `ttl`) lapses; the coordinator must drop it. Continue it whatever happened.
         let left = serving_becomes(c, Role::Decode, n - 1.0, limit).await;
         let t = ev.before;
@@ -151,17 +158,7 @@ impl Drill for DecodeFreezeMigrate {
         if skip {
             return Ok(ev);
         }
-        ev.began();
-        c.signal(&name, Signal::Stop)?;
-        let stopped = eventually("the stopped worker's /proc state is T", Duration::from_secs(5), || async {
-            proc_state(pid) == Some('T')
-        })
-        .await;
-        ev.seen = stopped.is_ok();
-        ev.notes.push(format!(
-            "{name} (pid {pid}) was running {running} requests; SIGSTOP: /proc state {:?}",
-            proc_state(pid)
-        ));
+        freeze(c, &mut ev, &name, pid, &format!("{running} requests")).await?;
         // Frozen until its streams moved (or the load is over: then the proof says whether they did).
         let before = ev.before;
         let moved = eventually("the coordinator moved the frozen worker's streams", LOAD_WAIT, || async {
