@@ -55,7 +55,7 @@ use crate::pipeline::{
     TokenLogprob,
 };
 use crate::prompt::{self, Turn};
-use crate::retries::{self, Identity};
+use crate::retries::Identity;
 use crate::router::NoRoute;
 
 /// Metadata key carrying the OpenAI error code (`model_not_found`, ...).
@@ -389,15 +389,10 @@ impl Sink {
     }
 }
 
-/// Remembers a refusal with a `retry-after` for the retry gate (walk step 3).
+/// Tells the retry gate (walk step 3) how the request was refused.
 fn remember(p: &Pipeline, id: Option<&Identity>, status: &Status) {
     let md = |key: &str| status.metadata().get(key).and_then(|v| v.to_str().ok());
-    let secs = retries::retry_after_of(md(RETRY_AFTER_KEY));
-    // A retry refused as too soon is held to the Retry-After it had.
-    let too_soon = md(ERROR_CODE_KEY) == Some(retries::TOO_SOON);
-    if let (Some(id), Some(secs), false) = (id, secs, too_soon) {
-        p.retries.refused(id, secs);
-    }
+    p.retries.answered(id, md(RETRY_AFTER_KEY), md(ERROR_CODE_KEY));
 }
 
 /// Whether a retry with the same key should get this error again rather than run anew.

@@ -180,6 +180,19 @@ impl RetryGate {
         self.refused_at(id, retry_after_s, Instant::now());
     }
 
+    /// What a frontend calls with each answer: the request's identity (none when the
+    /// walk stopped before it had one), the answer's `Retry-After` value and its error
+    /// code. An answer with a `Retry-After` is remembered, except a retry refused as too
+    /// soon: it is held to the Retry-After it had (its own says the time left), so an
+    /// eager client cannot push its own wait further out.
+    pub fn answered(&self, id: Option<&Identity>, retry_after: Option<&str>, code: Option<&str>) {
+        if let (Some(id), Some(secs)) = (id, retry_after_of(retry_after)) {
+            if code != Some(TOO_SOON) {
+                self.refused(id, secs);
+            }
+        }
+    }
+
     fn refused_at(&self, id: &Identity, retry_after_s: u64, now: Instant) {
         let not_before = now + Duration::from_secs(retry_after_s);
         let entry = Refused { not_before, forget_at: not_before + self.settings.window };
@@ -213,12 +226,12 @@ impl RetryGate {
     }
 }
 
-/// The code of a retry refused as too soon ([`Error::RetryTooSoon`]): the frontends
-/// do not remember that refusal (see the module docs).
+/// The code of a retry refused as too soon ([`Error::RetryTooSoon`]): not remembered
+/// (see [`RetryGate::answered`]).
 pub const TOO_SOON: &str = "retry_too_soon";
 
 /// The seconds of a `Retry-After` header or metadata value, if it is one.
-pub fn retry_after_of(value: Option<&str>) -> Option<u64> {
+fn retry_after_of(value: Option<&str>) -> Option<u64> {
     value?.trim().parse().ok()
 }
 
@@ -264,6 +277,20 @@ mod tests {
         // On time: a retry, taken from the budget, and the identity is forgotten.
         assert_eq!(code(g.check_at(&id, t0 + Duration::from_secs(3))), "ok");
         assert!(g.is_empty());
+    }
+
+    #[test]
+    fn answers_with_a_retry_after_are_remembered_but_a_too_soon_refusal_is_not() {
+        let g = gate();
+        let id = Identity::of_body("alice", "chat", b"{}");
+        g.answered(None, Some("5"), Some("queue_full"));
+        g.answered(Some(&id), None, Some("queue_full"));
+        g.answered(Some(&id), Some("soon"), Some("queue_full"));
+        assert!(g.is_empty(), "no identity, no Retry-After, or not a number: nothing to hold");
+        g.answered(Some(&id), Some("5"), Some(TOO_SOON));
+        assert!(g.is_empty(), "a too-soon refusal does not move the wait further out");
+        g.answered(Some(&id), Some(" 5 "), Some("queue_full"));
+        assert_eq!(code(g.check(&id)), "retry_too_soon");
     }
 
     #[test]

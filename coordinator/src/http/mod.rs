@@ -56,7 +56,7 @@ use crate::pipeline::{
     Run, TokenLogprob,
 };
 use crate::prompt;
-use crate::retries::{self, Identity};
+use crate::retries::Identity;
 use crate::tenants::Pass;
 
 pub mod error;
@@ -419,13 +419,10 @@ async fn generation(
     let count = Unanswered(Some(api));
     let pipeline = app.pipeline.clone();
     let (r, id) = walk(app, api, headers, body, parse).await;
-    // Remembered for the retry gate: when its Retry-After is up. A retry refused as
-    // too soon is held to the Retry-After it had (its own says the time left).
-    let retry_after = retries::retry_after_of(r.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()));
-    let too_soon = r.extensions().get::<error::ErrorCode>().is_some_and(|c| c.0 == retries::TOO_SOON);
-    if let (Some(id), Some(secs), false) = (id, retry_after, too_soon) {
-        pipeline.retries.refused(&id, secs);
-    }
+    // The retry gate learns when a retry of it may come (its Retry-After).
+    let retry_after = r.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok());
+    let code = r.extensions().get::<error::ErrorCode>().map(|c| c.0);
+    pipeline.retries.answered(id.as_ref(), retry_after, code);
     count.answered(&r);
     r
 }
