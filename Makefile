@@ -2,12 +2,15 @@
 # machine as root (Rust toolchain and cargo-nextest preinstalled).
 #
 #   make test       system deps + model + Python venv (openai client), the lint
-#                   gates (make lint), then the whole test suite (what CI runs)
+#                   gates (make lint), the images (make image; a test runs the
+#                   Kubernetes pack from them), then the whole test suite (what CI runs)
 #   make lint       rustfmt --check, clippy with warnings denied, rustdoc with
 #                   broken links denied
 #   make run        build and start a local cluster (prefill + decode workers,
 #                   coordinator) serving the OpenAI API on 127.0.0.1:8000
 #   make chat       build and generate one chat answer in-process (no cluster)
+#   make image      OCI images (target/image/tandem, target/image/etcd) from the release
+#                   binaries and Debian packages: no container daemon, no registry
 #   make drills     every failure drill three times (tandem drill --all --repeat 3)
 #   make fixtures   regenerate engine/tests/fixtures/llama_cpp_reference.json
 #   make bench      compare our engine with llama.cpp's llama-bench
@@ -35,13 +38,13 @@ TEST_FEATURES := kvtransfer/pool,prefill-worker/fault-injection
 # assignment, so a failed fetch stops the recipe (set -e, pipefail).
 MODEL_PATH := model="$$(scripts/fetch-model.sh | tail -n 1)"
 
-.PHONY: help deps model build run chat test lint llama fixtures bench drills bench-serve bench-prefix fresh-check
+.PHONY: help deps model build image run chat test lint llama fixtures bench drills bench-serve bench-prefix fresh-check
 
 HTTP ?= 127.0.0.1:8000
 GRPC ?= 127.0.0.1:50051
 
 help:
-	@echo "targets: deps model build run chat test lint llama fixtures bench bench-serve drills fresh-check"
+	@echo "targets: deps model build image run chat test lint llama fixtures bench bench-serve drills fresh-check"
 	@echo "cache:   $(TANDEM_CACHE)"
 
 ## System packages (apt only when something is missing).
@@ -54,6 +57,11 @@ model:
 
 build:
 	cargo build --release --workspace --bins
+
+## The images the Kubernetes pack runs, as OCI layouts under target/image (scripts/build-image.sh):
+## the release binaries over the Debian packages they load, user 10001, no shell.
+image: deps build
+	scripts/build-image.sh
 
 ## The main job: a local cluster serving the OpenAI API until Ctrl-C.
 run: deps model build
@@ -78,7 +86,7 @@ lint:
 	cargo clippy --workspace --bins -- -D warnings
 	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features $(TEST_FEATURES)
 
-test: deps model lint
+test: deps model lint image
 	$(MODEL_PATH); \
 	export TANDEM_MODEL="$$model"; \
 	python="$$(scripts/python-deps.sh | tail -n 1)"; \

@@ -40,6 +40,10 @@ readonly NEEDS=(
   # The file the package installs, not any ucx_perftest on PATH (a source build of UCX
   # in /usr/local may be another version than the libucp the binding links).
   "test -x /usr/bin/ucx_perftest|ucx-utils"
+  # make image packs the OCI images with umoci; tandem/tests/image.rs runs them with runc.
+  # objcopy (binutils, from build-essential) strips the binaries' line tables.
+  "command -v umoci|umoci"
+  "command -v runc|runc"
 )
 
 missing=()

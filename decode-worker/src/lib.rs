@@ -84,7 +84,7 @@ pub const DEFAULT_MAX_ABSORBED_PREFILL_TOKENS_PER_S: u64 = 512;
 
 /// `tandem-decode-worker` flags (each also a `TANDEM_*` env var and a TOML key).
 #[derive(Debug, Default, Clone, Parser, Deserialize)]
-#[command(name = "tandem-decode-worker", about = "tandem decode worker")]
+#[command(name = "tandem-decode-worker", about = "tandem decode worker", version)]
 #[serde(default)]
 pub struct DecodeFlags {
     #[command(flatten)]

