@@ -32,7 +32,7 @@ use crate::error::Error;
 use crate::load::{Kind, LoadBoard};
 use crate::metrics;
 use crate::prefix::{self, Query};
-use crate::router::{self, DecodeCandidate, NoRoute, PrefillCandidate};
+use crate::router::{self, DecodeCandidate, NoRoute, PrefillCandidate, ZonePairing};
 use types::rng::XorShift64;
 
 /// One decode worker's client and this coordinator's in-flight count for it.
@@ -72,6 +72,8 @@ pub struct RouteSettings {
     /// `retry`) without adding any, so retries inside the cluster happen in this
     /// one layer and never multiply.
     pub prefill_attempts: usize,
+    /// Whether a prefill worker's zone counts in pairing (`--zone-pairing`).
+    pub zone_pairing: ZonePairing,
 }
 
 impl Default for RouteSettings {
@@ -82,6 +84,7 @@ impl Default for RouteSettings {
             breaker: BreakerConfig::default(),
             prefix_affinity: 1.0,
             prefill_attempts: 3,
+            zone_pairing: ZonePairing::Any,
         }
     }
 }
@@ -510,6 +513,7 @@ impl Cluster {
                             addr: a,
                             version_group: STATIC_GROUP,
                             layout: "",
+                            zone: "",
                             load: loads.get(a),
                             stale: loads.stale(a),
                             inflight: inflight_of(a),
@@ -524,6 +528,7 @@ impl Cluster {
                             addr: a,
                             version_group: STATIC_GROUP,
                             layout: "",
+                            zone: "",
                             load: loads.get(a),
                             stale: loads.stale(a),
                             prefix_bonus: bonus(a),
@@ -560,6 +565,7 @@ impl Cluster {
                                 addr: &w.grpc_addr,
                                 version_group: &w.version_group,
                                 layout: &w.layout_fingerprint,
+                                zone: &w.zone,
                                 load,
                                 stale,
                                 inflight: inflight_of(&w.grpc_addr),
@@ -572,6 +578,7 @@ impl Cluster {
                                 addr: &w.grpc_addr,
                                 version_group: &w.version_group,
                                 layout: &w.layout_fingerprint,
+                                zone: &w.zone,
                                 load,
                                 stale,
                                 prefix_bonus: bonus(&w.grpc_addr),
@@ -588,6 +595,7 @@ impl Cluster {
             Gates::default()
         };
         let threshold = self.settings.local_prefill_max_tokens;
+        let zones = self.settings.zone_pairing;
         // A pair due a probe goes first; when another request claimed that
         // probe meanwhile, the pair is as good as open for this one: route
         // again without it (another decode worker's pair may serve). Each
@@ -609,10 +617,10 @@ impl Cluster {
             };
             let decision = {
                 let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
-                match router::route(&decode, &prefill, gate, prompt_tokens, threshold, &mut rng) {
+                match router::route(&decode, &prefill, gate, prompt_tokens, threshold, zones, &mut rng) {
                     // Configured to: the decode worker prefills while its pairs are all open.
                     Err(NoRoute::PrefillUnavailable(_)) if self.settings.breaker.open_group_prefills_locally => {
-                        router::route(&decode, &[], gate, prompt_tokens, threshold, &mut rng)
+                        router::route(&decode, &[], gate, prompt_tokens, threshold, zones, &mut rng)
                     }
                     d => d,
                 }
@@ -640,6 +648,10 @@ impl Cluster {
             }
         };
         metrics::route_pairs_skipped("layout_fingerprint", decision.layout_skipped);
+        metrics::route_pairs_skipped("zone", decision.zone_skipped);
+        if decision.cross_zone {
+            metrics::cross_zone_route();
+        }
         let chosen = &decode[decision.decode];
         metrics::route_decided(decision.kind);
         let prefiller = decision.prefill.first().map_or(chosen.addr, |&i| prefill[i].addr);

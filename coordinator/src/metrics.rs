@@ -55,6 +55,7 @@ fn describe() {
     describe_counter!(BREAKER_TRANSITIONS, "Prefill/decode pair circuit breaker state changes");
     describe_counter!(PREFILL_ATTEMPTS, "Remote prefill attempts reported by decode workers, by outcome");
     describe_counter!(ROUTE_PAIRS_SKIPPED, "Prefill workers left out of a route because the pair cannot work");
+    describe_counter!(CROSS_ZONE_ROUTES, "Remote-prefill routes whose first prefill worker is in another zone");
     describe_counter!(PREFILL_UNAVAILABLE, "Requests refused at once: every prefill worker of the group open");
     describe_counter!(STREAM_SEND_TIMEOUTS, "Streams ended because the client stopped reading");
     describe_counter!(DECODE_REROUTES, "Requests routed to another decode worker before their first token");
@@ -185,7 +186,7 @@ fn zero() {
         (DECODE_REROUTES, "reason", &REROUTE_REASONS),
         (MEMBERSHIP_CHANGES, "change", &MEMBERSHIP_CHANGE_KINDS),
         (ROUTE_DECISIONS, "prefill", &ROUTE_PREFILL_KINDS),
-        (ROUTE_PAIRS_SKIPPED, "reason", &["layout_fingerprint"]),
+        (ROUTE_PAIRS_SKIPPED, "reason", &["layout_fingerprint", "zone"]),
     ];
     for (name, label, values) in labelled {
         for v in values {
@@ -196,6 +197,7 @@ fn zero() {
         counter!(STREAM_SEND_TIMEOUTS, "api" => api, "layer" => layer).increment(0);
     }
     counter!(PREFILL_UNAVAILABLE).increment(0);
+    counter!(CROSS_ZONE_ROUTES).increment(0);
     counter!(REGISTRY_RESYNCS).increment(0);
     for outcome in TENANTS_RELOAD_OUTCOMES {
         counter!(TENANTS_RELOADS, "outcome" => outcome).increment(0);
@@ -276,6 +278,10 @@ pub fn prefill_unavailable() {
 pub fn stream_send_timeout(api: &'static str, layer: &'static str) {
     debug_assert!(SEND_TIMEOUT_LABELS.contains(&(api, layer)), "unlisted labels {api} {layer}");
     counter!(STREAM_SEND_TIMEOUTS, "api" => api, "layer" => layer).increment(1);
+}
+
+pub fn cross_zone_route() {
+    counter!(CROSS_ZONE_ROUTES).increment(1);
 }
 
 pub fn route_decided(kind: Prefill) {

@@ -33,6 +33,13 @@
 //!   failed attempt). The group's prefill workers left out this way are
 //!   counted in [`Decision::layout_skipped`]; a decode worker with none left
 //!   prefills locally, as one whose group has no prefill worker.
+//! - Zone ([`ZonePairing`], `--zone-pairing`): workers register the zone they run in
+//!   (`--zone`). `prefer` tries the decode worker's own zone's prefill workers first
+//!   and the others after them (a pair due a probe in another zone goes first only when
+//!   the own zone has no usable pair); `require` leaves other zones out, counted in
+//!   [`Decision::zone_skipped`], and a decode worker with none left prefills locally;
+//!   `any` (the default) ignores zones. KV then crosses a zone only where the operator
+//!   allowed it: cross-zone traffic is slower and, in most clouds, billed.
 //! - Circuit breakers ([`crate::breaker`]), one per (prefill, decode) pair:
 //!   having chosen a decode worker, a prefill worker whose pair breaker is
 //!   open is left out; one whose cooldown passed goes first, as the probe. A
@@ -60,6 +67,8 @@ pub struct DecodeCandidate<'a> {
     pub version_group: &'a str,
     /// Registered KV layout fingerprint (hex; empty for fixed-address workers).
     pub layout: &'a str,
+    /// Registered zone (empty: none given).
+    pub zone: &'a str,
     /// Last reported load, if fresh.
     pub load: Option<Load>,
     /// No answer for the load board's max age: not routable.
@@ -80,6 +89,8 @@ pub struct PrefillCandidate<'a> {
     pub version_group: &'a str,
     /// Registered KV layout fingerprint (hex; empty for fixed-address workers).
     pub layout: &'a str,
+    /// Registered zone (empty: none given).
+    pub zone: &'a str,
     pub load: Option<Load>,
     /// No answer for the load board's max age: not routable.
     pub stale: bool,
@@ -117,6 +128,36 @@ pub struct Decision {
     /// Prefill workers of the decode worker's group left out because their
     /// layout fingerprint differs from the decode worker's.
     pub layout_skipped: usize,
+    /// Prefill workers of the group left out for their zone (`require` only).
+    pub zone_skipped: usize,
+    /// The first prefill worker is in another zone than the decode worker.
+    pub cross_zone: bool,
+}
+
+/// Whether a prefill worker's zone matters in pairing it with a decode worker
+/// (`--zone-pairing`; see the module doc). Equal zone strings are one zone; workers that
+/// gave none share the empty one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ZonePairing {
+    /// Zones play no part.
+    #[default]
+    Any,
+    /// The decode worker's zone first, then the others.
+    Prefer,
+    /// The decode worker's zone only.
+    Require,
+}
+
+impl std::str::FromStr for ZonePairing {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "any" => Ok(Self::Any),
+            "prefer" => Ok(Self::Prefer),
+            "require" => Ok(Self::Require),
+            other => Err(format!("{other:?}: use any, prefer or require")),
+        }
+    }
 }
 
 /// Ready and reachable by its last answer, and not stale. A worker not yet
@@ -192,45 +233,87 @@ pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut XorShift64) -> Ve
     ok
 }
 
+/// One pass over a decode worker's candidate pairs: the pair due a probe (one only), the
+/// closed ones, and the soonest an open one becomes a probe.
+#[derive(Default)]
+struct Pairs {
+    probe: Option<usize>,
+    closed: Vec<usize>,
+    wait: Option<Duration>,
+}
+
+impl Pairs {
+    fn usable(&self) -> bool {
+        self.probe.is_some() || !self.closed.is_empty()
+    }
+}
+
 /// The prefill workers paired with decode worker `d` in the order to try,
-/// breakers applied: its group's, with its layout fingerprint; a pair due a
-/// probe first (one only), then the closed ones; open pairs are left out.
-/// Ok: the order and how many of the group were left out for their layout.
-/// `Err(wait)`: usable pairs exist but every breaker is open, the first
-/// closing to a probe in `wait`.
+/// breakers applied: its group's, with its layout fingerprint, zones as `zones`
+/// says; a pair due a probe first (one only), then the closed ones; open pairs
+/// are left out. Ok: the order and how many of the group were left out for their
+/// layout and for their zone. `Err(wait)`: usable pairs exist but every breaker
+/// is open, the first closing to a probe in `wait`.
 fn pair_order<G: Fn(usize, usize) -> Gate>(
     decode: &[DecodeCandidate<'_>],
     d: usize,
     prefill: &[PrefillCandidate<'_>],
     order: &[usize],
+    zones: ZonePairing,
     gate: &G,
-) -> Result<(Vec<usize>, usize), Duration> {
-    let (group, layout) = (decode[d].version_group, decode[d].layout);
-    let mut probe = None;
-    let mut closed = Vec::new();
-    let mut wait: Option<Duration> = None;
-    let mut skipped = 0;
-    for &i in order.iter().filter(|&&i| prefill[i].version_group == group) {
-        if prefill[i].layout != layout {
-            skipped += 1;
-            continue;
+) -> Result<(Vec<usize>, usize, usize), Duration> {
+    let (group, layout, zone) = (decode[d].version_group, decode[d].layout, decode[d].zone);
+    let (mut layout_skipped, mut zone_skipped) = (0, 0);
+    // One pass over the group's candidates whose zone is (`Some(true)`) or is not
+    // (`Some(false)`) the decode worker's, or all (`None`).
+    let mut pass = |same_zone: Option<bool>| {
+        let mut pairs = Pairs::default();
+        for &i in order.iter().filter(|&&i| prefill[i].version_group == group) {
+            if same_zone.is_some_and(|want| want != (prefill[i].zone == zone)) {
+                continue;
+            }
+            if prefill[i].layout != layout {
+                layout_skipped += 1;
+                continue;
+            }
+            match gate(d, i) {
+                Gate::Closed => pairs.closed.push(i),
+                Gate::Probe if pairs.probe.is_none() => pairs.probe = Some(i),
+                Gate::Probe => {}
+                Gate::Open(w) => pairs.wait = Some(pairs.wait.map_or(w, |x| x.min(w))),
+            }
         }
-        match gate(d, i) {
-            Gate::Closed => closed.push(i),
-            Gate::Probe if probe.is_none() => probe = Some(i),
-            Gate::Probe => {}
-            Gate::Open(w) => wait = Some(wait.map_or(w, |x| x.min(w))),
+        pairs
+    };
+    let pairs = match zones {
+        ZonePairing::Any => pass(None),
+        ZonePairing::Require => {
+            let pairs = pass(Some(true));
+            zone_skipped =
+                order.iter().filter(|&&i| prefill[i].version_group == group && prefill[i].zone != zone).count();
+            pairs
         }
-    }
-    match (probe, wait) {
-        (None, Some(w)) if closed.is_empty() => Err(w),
-        _ => Ok((probe.into_iter().chain(closed).collect(), skipped)),
+        ZonePairing::Prefer => {
+            let (mut own, other) = (pass(Some(true)), pass(Some(false)));
+            if own.usable() {
+                // Other zones' closed pairs as fallbacks; their probes wait for a request
+                // the own zone cannot take.
+                own.closed.extend(other.closed);
+                own
+            } else {
+                Pairs { wait: own.wait.into_iter().chain(other.wait).min(), ..other }
+            }
+        }
+    };
+    match (pairs.usable(), pairs.wait) {
+        (false, Some(w)) => Err(w),
+        _ => Ok((pairs.probe.into_iter().chain(pairs.closed).collect(), layout_skipped, zone_skipped)),
     }
 }
 
 /// The whole decision: a decode worker, then the prefill workers it pairs
-/// with (its version group and layout fingerprint, `gate(decode, prefill)`
-/// the pair's breaker) unless the prompt is at most
+/// with (its version group and layout fingerprint, zones as `zones` says,
+/// `gate(decode, prefill)` the pair's breaker) unless the prompt is at most
 /// `local_prefill_max_tokens` long (or it pairs with no prefill worker:
 /// local prefill).
 pub fn route<G: Fn(usize, usize) -> Gate>(
@@ -239,24 +322,33 @@ pub fn route<G: Fn(usize, usize) -> Gate>(
     gate: G,
     prompt_tokens: usize,
     local_prefill_max_tokens: usize,
+    zones: ZonePairing,
     rng: &mut XorShift64,
 ) -> Result<Decision, NoRoute> {
     let d = pick_decode(decode)?;
     if prompt_tokens <= local_prefill_max_tokens {
-        return Ok(Decision { decode: d, prefill: Vec::new(), kind: Prefill::Local, layout_skipped: 0 });
+        return Ok(Decision {
+            decode: d,
+            prefill: Vec::new(),
+            kind: Prefill::Local,
+            layout_skipped: 0,
+            zone_skipped: 0,
+            cross_zone: false,
+        });
     }
     let all = order_prefill(prefill, rng);
-    let decided = |d: usize, (order, layout_skipped): (Vec<usize>, usize)| {
+    let decided = |d: usize, (order, layout_skipped, zone_skipped): (Vec<usize>, usize, usize)| {
         let kind = if order.is_empty() { Prefill::Local } else { Prefill::Remote };
-        Decision { decode: d, prefill: order, kind, layout_skipped }
+        let cross_zone = order.first().is_some_and(|&p| prefill[p].zone != decode[d].zone);
+        Decision { decode: d, prefill: order, kind, layout_skipped, zone_skipped, cross_zone }
     };
-    let wait = match pair_order(decode, d, prefill, &all, &gate) {
+    let wait = match pair_order(decode, d, prefill, &all, zones, &gate) {
         Ok(order) => return Ok(decided(d, order)),
         Err(wait) => wait,
     };
     // The best decode worker cannot get a prefill now: the best one that can.
-    match pick_decode_where(decode, |i| pair_order(decode, i, prefill, &all, &gate).is_ok()) {
-        Ok(d) => Ok(decided(d, pair_order(decode, d, prefill, &all, &gate).unwrap_or_default())),
+    match pick_decode_where(decode, |i| pair_order(decode, i, prefill, &all, zones, &gate).is_ok()) {
+        Ok(d) => Ok(decided(d, pair_order(decode, d, prefill, &all, zones, &gate).unwrap_or_default())),
         Err(_) => Err(NoRoute::PrefillUnavailable(wait)),
     }
 }
@@ -284,6 +376,7 @@ mod tests {
             addr,
             version_group: "g1",
             layout: "ab",
+            zone: "",
             load,
             stale: false,
             inflight,
@@ -327,7 +420,7 @@ mod tests {
             assert_eq!(order_prefill(&pre, &mut rng), vec![1]);
         }
         let dec = [d("d", load(0, 0, 0), 0)];
-        let r = route(&dec, &pre[..1], closed, 100, 32, &mut rng).expect("a route");
+        let r = route(&dec, &pre[..1], closed, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
         assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0), "a stale prefill worker is not paired");
     }
 
@@ -337,6 +430,7 @@ mod tests {
             addr: id,
             version_group: group,
             layout: "ab",
+            zone: "",
             load: load(0, q, 0),
             stale: false,
             prefix_bonus: 0.0,
@@ -375,15 +469,15 @@ mod tests {
         let pre = [p("p1", "g1", 0), p("p2", "g2", 3), p("p3", "g2", 1)];
         let mut rng = XorShift64::new(1);
         for _ in 0..100 {
-            let r = route(&dec, &pre, closed, 100, 32, &mut rng).expect("a route");
+            let r = route(&dec, &pre, closed, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
             assert_eq!(r.kind, Prefill::Remote);
             assert!(r.prefill.iter().all(|&i| pre[i].version_group == "g2"), "{r:?}");
             assert_eq!(r.prefill.len(), 2);
             assert_eq!(r.layout_skipped, 0, "other groups are not counted");
         }
-        let r = route(&dec, &pre, closed, 32, 32, &mut rng).expect("a route");
+        let r = route(&dec, &pre, closed, 32, 32, ZonePairing::Any, &mut rng).expect("a route");
         assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0));
-        let r = route(&dec, &pre[..1], closed, 100, 32, &mut rng).expect("a route");
+        let r = route(&dec, &pre[..1], closed, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
         assert_eq!((r.kind, r.prefill.len()), (Prefill::Local, 0), "no prefill worker in the group");
     }
 
@@ -393,17 +487,17 @@ mod tests {
         let pre = [PrefillCandidate { layout: "cd", ..p("other", "g1", 0) }, p("same", "g1", 5)];
         let mut rng = XorShift64::new(11);
         for _ in 0..100 {
-            let r = route(&dec, &pre, closed, 100, 32, &mut rng).expect("a route");
+            let r = route(&dec, &pre, closed, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
             assert_eq!((r.kind, r.prefill.clone(), r.layout_skipped), (Prefill::Remote, vec![1], 1), "{r:?}");
         }
         // Only mismatched prefill workers in the group: the decode worker prefills itself.
-        let r = route(&dec, &pre[..1], closed, 100, 32, &mut rng).expect("a route");
+        let r = route(&dec, &pre[..1], closed, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
         assert_eq!((r.kind, r.prefill.len(), r.layout_skipped), (Prefill::Local, 0, 1));
         // Short prompts never look at the prefill workers.
-        assert_eq!(route(&dec, &pre, closed, 10, 32, &mut rng).map(|r| r.layout_skipped), Ok(0));
+        assert_eq!(route(&dec, &pre, closed, 10, 32, ZonePairing::Any, &mut rng).map(|r| r.layout_skipped), Ok(0));
         // Each decode worker is paired by its own fingerprint.
         let dec = [DecodeCandidate { layout: "cd", ..d("d-cd", load(0, 0, 0), 0) }];
-        let r = route(&dec, &pre, closed, 100, 32, &mut rng).expect("a route");
+        let r = route(&dec, &pre, closed, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
         assert_eq!((r.prefill, r.layout_skipped), (vec![0], 1));
     }
 
@@ -415,13 +509,13 @@ mod tests {
         let pre = [p("bad", "g1", 0), p("good", "g1", 5)];
         let gate = |_: usize, i: usize| if i == 0 { open } else { Gate::Closed };
         for _ in 0..50 {
-            let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
+            let r = route(&dec, &pre, gate, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
             assert_eq!((r.kind, r.prefill.clone()), (Prefill::Remote, vec![1]));
         }
         let pre = [p("bad", "g1", 9), p("good", "g1", 0)];
         let gate = |_: usize, i: usize| if i == 0 { Gate::Probe } else { Gate::Closed };
         for _ in 0..50 {
-            let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
+            let r = route(&dec, &pre, gate, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
             assert_eq!(r.prefill, vec![0, 1], "the probe first, the healthy one as fallback");
         }
     }
@@ -434,15 +528,15 @@ mod tests {
         let gate = |d: usize, _: usize| if d == 0 { Gate::Open(Duration::from_secs(2)) } else { Gate::Closed };
         let mut rng = XorShift64::new(9);
         for _ in 0..50 {
-            let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
+            let r = route(&dec, &pre, gate, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
             assert_eq!((r.decode, r.prefill), (1, vec![0]), "d1's pair with p0 is closed: it takes the request");
         }
         // Short prompts need no pair: d0 still takes them.
-        assert_eq!(route(&dec, &pre, gate, 10, 32, &mut rng).map(|r| r.decode), Ok(0));
+        assert_eq!(route(&dec, &pre, gate, 10, 32, ZonePairing::Any, &mut rng).map(|r| r.decode), Ok(0));
         // With d1's pair open too, the request is refused fast.
         let all_open = |_: usize, _: usize| Gate::Open(Duration::from_secs(2));
         assert_eq!(
-            route(&dec, &pre, all_open, 100, 32, &mut rng),
+            route(&dec, &pre, all_open, 100, 32, ZonePairing::Any, &mut rng),
             Err(NoRoute::PrefillUnavailable(Duration::from_secs(2)))
         );
     }
@@ -460,18 +554,72 @@ mod tests {
         };
         let dec = [d("d", load(0, 0, 0), 0)];
         assert_eq!(
-            route(&dec, &pre, gate, 100, 32, &mut rng),
+            route(&dec, &pre, gate, 100, 32, ZonePairing::Any, &mut rng),
             Err(NoRoute::PrefillUnavailable(Duration::from_millis(1500))),
             "the soonest probe sets Retry-After"
         );
         // Short prompts never needed the prefill workers.
-        assert_eq!(route(&dec, &pre, gate, 10, 32, &mut rng).map(|r| r.kind), Ok(Prefill::Local));
+        assert_eq!(route(&dec, &pre, gate, 10, 32, ZonePairing::Any, &mut rng).map(|r| r.kind), Ok(Prefill::Local));
         // A busier decode worker in a group that can prefill takes it instead.
         let dec =
             [d("idle", load(0, 0, 0), 0), DecodeCandidate { version_group: "g2", ..d("busy", load(80, 6, 0), 0) }];
         let pre = [pre[0].clone(), pre[1].clone(), p("c", "g2", 0)];
-        let r = route(&dec, &pre, gate, 100, 32, &mut rng).expect("a route");
+        let r = route(&dec, &pre, gate, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
         assert_eq!((r.decode, r.prefill), (1, vec![2]));
+    }
+
+    #[test]
+    fn zones_order_or_restrict_the_pairs_as_configured() {
+        let dec = [DecodeCandidate { zone: "a", ..d("d", load(0, 0, 0), 0) }];
+        // The other zone's worker is the idler one: by load alone it comes first.
+        let pre =
+            [PrefillCandidate { zone: "b", ..p("far", "g1", 0) }, PrefillCandidate { zone: "a", ..p("near", "g1", 6) }];
+        let mut rng = XorShift64::new(17);
+        let mut far_first = 0;
+        for _ in 0..200 {
+            let any = route(&dec, &pre, closed, 100, 32, ZonePairing::Any, &mut rng).expect("a route");
+            far_first += usize::from(any.prefill[0] == 0);
+            assert_eq!(any.cross_zone, any.prefill[0] == 0, "{any:?}");
+            let prefer = route(&dec, &pre, closed, 100, 32, ZonePairing::Prefer, &mut rng).expect("a route");
+            assert_eq!((prefer.prefill, prefer.zone_skipped, prefer.cross_zone), (vec![1, 0], 0, false));
+            let require = route(&dec, &pre, closed, 100, 32, ZonePairing::Require, &mut rng).expect("a route");
+            assert_eq!((require.prefill, require.zone_skipped, require.cross_zone), (vec![1], 1, false));
+        }
+        assert!(far_first > 100, "`any` ignores zones: the idler worker mostly first ({far_first}/200)");
+        // No prefill worker in the own zone: `prefer` crosses, `require` prefills locally.
+        let r = route(&dec, &pre[..1], closed, 100, 32, ZonePairing::Prefer, &mut rng).expect("a route");
+        assert_eq!((r.kind, r.prefill, r.cross_zone), (Prefill::Remote, vec![0], true));
+        let r = route(&dec, &pre[..1], closed, 100, 32, ZonePairing::Require, &mut rng).expect("a route");
+        assert_eq!((r.kind, r.prefill.len(), r.zone_skipped), (Prefill::Local, 0, 1));
+    }
+
+    #[test]
+    fn under_prefer_another_zones_probe_waits_while_the_own_zone_has_a_pair() {
+        let dec = [DecodeCandidate { zone: "a", ..d("d", load(0, 0, 0), 0) }];
+        let pre =
+            [PrefillCandidate { zone: "b", ..p("far", "g1", 0) }, PrefillCandidate { zone: "a", ..p("near", "g1", 0) }];
+        let mut rng = XorShift64::new(23);
+        let far_probe = |_: usize, i: usize| if i == 0 { Gate::Probe } else { Gate::Closed };
+        let r = route(&dec, &pre, far_probe, 100, 32, ZonePairing::Prefer, &mut rng).expect("a route");
+        assert_eq!(r.prefill, vec![1], "the own zone's pair; the other zone's probe is not claimed");
+        // The own zone's pair open: the other zone's probe goes first.
+        let near_open = |_: usize, i: usize| if i == 0 { Gate::Probe } else { Gate::Open(Duration::from_secs(2)) };
+        let r = route(&dec, &pre, near_open, 100, 32, ZonePairing::Prefer, &mut rng).expect("a route");
+        assert_eq!((r.prefill, r.cross_zone), (vec![0], true));
+        // Every pair open: refused fast, with the soonest probe of either zone.
+        let open = |_: usize, i: usize| Gate::Open(Duration::from_secs(if i == 0 { 1 } else { 3 }));
+        assert_eq!(
+            route(&dec, &pre, open, 100, 32, ZonePairing::Prefer, &mut rng),
+            Err(NoRoute::PrefillUnavailable(Duration::from_secs(1)))
+        );
+    }
+
+    #[test]
+    fn zone_pairing_parses_its_three_values_only() {
+        assert_eq!("any".parse(), Ok(ZonePairing::Any));
+        assert_eq!("prefer".parse(), Ok(ZonePairing::Prefer));
+        assert_eq!("require".parse(), Ok(ZonePairing::Require));
+        assert!("same-zone".parse::<ZonePairing>().is_err_and(|e| e.contains("any, prefer or require")));
     }
 
     /// Prefix affinity through the real match: the workers hold a prompt's

@@ -106,6 +106,10 @@ pub struct WorkerInfo {
     /// The worker's Prometheus endpoint, `host:port`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_addr: Option<String>,
+    /// The zone it runs in (the node's `topology.kubernetes.io/zone`, a rack):
+    /// coordinators with `--zone-pairing` keep KV inside one. Empty: none given.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub zone: String,
     /// Static capacity.
     #[serde(default)]
     pub capacity: Capacity,
@@ -135,6 +139,9 @@ impl WorkerInfo {
             check_hex("info.determinism_fingerprint", &self.determinism_fingerprint)?;
         }
         check_label("info.grpc_addr", &self.grpc_addr)?;
+        if !self.zone.is_empty() {
+            check_label("info.zone", &self.zone)?;
+        }
         if let Some(m) = &self.metrics_addr {
             check_label("info.metrics_addr", m)?;
         }
@@ -207,6 +214,7 @@ mod tests {
             draining: false,
             started_at_unix_ms: 1,
             determinism_fingerprint: String::new(),
+            zone: String::new(),
         }
     }
 
@@ -232,6 +240,7 @@ mod tests {
             ("info.grpc_addr", Box::new(|i| i.grpc_addr = "a b".into())),
             ("info.transfer", Box::new(|i| i.transfer = None)),
             ("info.transfer.transport", Box::new(|i| i.transfer.as_mut().expect("set").transport = "t/x".into())),
+            ("info.zone", Box::new(|i| i.zone = "eu west".into())),
         ];
         for (field, mutate) in cases {
             let mut info = decode();
@@ -243,6 +252,19 @@ mod tests {
         }
         let prefill = WorkerInfo { role: Role::Prefill, transfer: None, ..decode() };
         assert!(prefill.validate().is_ok());
+        let zoned = WorkerInfo { zone: "europe-west4-a".into(), ..decode() };
+        assert!(zoned.validate().is_ok());
+    }
+
+    #[test]
+    fn the_zone_is_left_out_when_none_was_given() {
+        // A registration without a zone reads the same to a coordinator older than the field.
+        let json = serde_json::to_string(&decode()).expect("encode");
+        assert!(!json.contains("zone"), "{json}");
+        let zoned = WorkerInfo { zone: "rack-7".into(), ..decode() };
+        let json = serde_json::to_string(&zoned).expect("encode");
+        assert!(json.contains(r#""zone":"rack-7""#), "{json}");
+        assert_eq!(serde_json::from_str::<WorkerInfo>(&json).expect("decode"), zoned);
     }
 
     #[test]

@@ -86,6 +86,8 @@ struct Spec {
     gid: u64,
     readonly: bool,
     mounts: Vec<Value>,
+    /// `NAME=value` added to the image's environment (the container's `env`).
+    env: Vec<String>,
 }
 
 fn bind(source: &Path, destination: &str) -> Value {
@@ -101,6 +103,8 @@ fn tmpfs(destination: &str) -> Value {
 fn oci_config(image: &Value, spec: &Spec) -> Value {
     let mut c = image.clone();
     c["process"]["args"] = json!(spec.args);
+    let env = c["process"]["env"].as_array_mut().expect("the image config has an environment");
+    env.extend(spec.env.iter().map(|e| json!(e)));
     c["process"]["terminal"] = json!(false);
     c["process"]["user"] = json!({"uid": spec.uid, "gid": spec.gid});
     c["process"]["noNewPrivileges"] = json!(true);
@@ -224,18 +228,28 @@ fn tandem_containers(docs: &[Value]) -> Vec<(String, &Value, &Value)> {
 
 /// The container's args with the pod's fieldRef env filled in, every `HOST:PORT` value
 /// moved to a free loopback port (`addrs`: flag -> new address) and `--etcd` set to `etcd`.
-fn local_args(workload: &str, c: &Value, etcd: &str, addrs: &mut BTreeMap<String, String>) -> Vec<String> {
+fn local_args(
+    workload: &str,
+    c: &Value,
+    etcd: &str,
+    addrs: &mut BTreeMap<String, String>,
+    process_env: &mut Vec<String>,
+) -> Vec<String> {
     let mut env = BTreeMap::new();
     for e in c["env"].as_array().into_iter().flatten() {
         let value = match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
             Some("status.podIP") => "127.0.0.1".to_owned(),
             Some("metadata.name") => format!("{workload}-0"),
+            // The node's zone on the pod's labels (Kubernetes 1.33+): one zone here.
+            Some("metadata.labels['topology.kubernetes.io/zone']") => "zone-a".to_owned(),
             Some(other) => panic!("{workload}: env from fieldRef {other}: the test cannot provide it"),
             None => {
                 e["value"].as_str().unwrap_or_else(|| panic!("{workload}: env {} has no value", e["name"])).to_owned()
             }
         };
-        env.insert(format!("$({})", e["name"].as_str().expect("env name")), value);
+        let name = e["name"].as_str().expect("env name");
+        process_env.push(format!("{name}={value}"));
+        env.insert(format!("$({name})"), value);
     }
     let mut args: Vec<String> =
         c["command"].as_array().expect("a command").iter().map(|a| a.as_str().expect("text").to_owned()).collect();
@@ -362,6 +376,7 @@ fn the_pack_runs_from_the_image_as_shipped_and_serves_a_chat_completion() {
         gid: 10001,
         readonly: true,
         mounts: vec![tmpfs("/tmp"), data],
+        env: Vec::new(),
     };
     let mut etcd = runc.run(&etcd_bundle, &etcd_image, &etcd_spec, &[]);
     answers_200(&client, "/health", std::slice::from_mut(&mut etcd)).unwrap_or_else(|e| panic!("etcd: {e}"));
@@ -375,7 +390,8 @@ fn the_pack_runs_from_the_image_as_shipped_and_serves_a_chat_completion() {
     let mut http = None;
     for (workload, pod, c) in &tandem {
         let mut addrs = BTreeMap::new();
-        let args = local_args(workload, c, &format!("http://{client}"), &mut addrs);
+        let mut env = Vec::new();
+        let args = local_args(workload, c, &format!("http://{client}"), &mut addrs, &mut env);
         let security = &pod["spec"]["securityContext"];
         let id = |k: &str| c["securityContext"][k].as_u64().or_else(|| security[k].as_u64());
         let spec = Spec {
@@ -385,6 +401,7 @@ fn the_pack_runs_from_the_image_as_shipped_and_serves_a_chat_completion() {
             gid: id("runAsGroup").expect("runAsGroup in the pod's securityContext"),
             readonly: c["securityContext"]["readOnlyRootFilesystem"] == true,
             mounts: local_mounts(workload, pod, c, &model, &secrets),
+            env,
         };
         let coordinator = c["command"][0] == "tandem-coordinator";
         let wants: &[&str] = if coordinator { &["http"] } else { &["grpc"] };

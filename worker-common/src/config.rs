@@ -72,6 +72,11 @@ pub struct CommonFlags {
     /// Version group label (required). Env: TANDEM_VERSION_GROUP.
     #[arg(long, env = "TANDEM_VERSION_GROUP")]
     pub version_group: Option<String>,
+    /// The zone this worker runs in (a cloud zone, a rack), registered for
+    /// coordinators' `--zone-pairing`: `[^ ]`, at most 256 bytes. Env: TANDEM_ZONE.
+    /// Default: none.
+    #[arg(long, env = "TANDEM_ZONE")]
+    pub zone: Option<String>,
     /// Tokens per KV block. Env: TANDEM_KV_BLOCK_SIZE. Default 16.
     #[arg(long, env = "TANDEM_KV_BLOCK_SIZE")]
     pub kv_block_size: Option<usize>,
@@ -165,6 +170,7 @@ impl CommonFlags {
             nice,
             cpus,
             version_group,
+            zone,
             kv_block_size,
             kv_dtype,
             kv_blocks,
@@ -204,6 +210,8 @@ pub struct CommonConfig {
     pub nice: Option<i32>,
     pub cpus: Option<facts::cpus::CpuList>,
     pub version_group: VersionGroup,
+    /// See the flags; empty: none given.
+    pub zone: String,
     pub kv_block_size: usize,
     pub kv_dtype: KvDtype,
     pub kv_blocks: usize,
@@ -322,6 +330,13 @@ impl CommonFlags {
                 .map(|t| facts::cpus::CpuList::parse(t).map_err(|e| invalid("cpus", format!("{t:?}: {e}"))))
                 .transpose()?,
             version_group,
+            zone: match self.zone.as_deref() {
+                None | Some("") => String::new(),
+                Some(z) if z.len() > 256 || z.chars().any(|c| c.is_whitespace() || c.is_control()) => {
+                    return Err(invalid("zone", format!("{z:?}: at most 256 bytes, no spaces or control characters")))
+                }
+                Some(z) => z.to_owned(),
+            },
             kv_block_size: positive("kv_block_size", self.kv_block_size, 16)?,
             kv_dtype,
             kv_blocks: positive("kv_blocks", self.kv_blocks, 1024)?,
@@ -411,6 +426,46 @@ mod tests {
     use super::fixtures::common;
     use super::*;
 
+    /// Every flag survives the overlay of the command line on a config file: the struct
+    /// literal names every field (no `..`), so a new flag fails to compile here until
+    /// it is listed, and is then checked to be carried.
+    #[test]
+    fn the_overlay_carries_every_flag() {
+        let path = || Some(PathBuf::from("/x"));
+        let text = |t: &str| Some(t.to_owned());
+        let set = CommonFlags {
+            config: None,
+            model: path(),
+            grpc: text("127.0.0.1:1"),
+            metrics: text("127.0.0.1:2"),
+            threads: Some(3),
+            nice: Some(4),
+            cpus: text("0"),
+            version_group: text("g"),
+            zone: text("z"),
+            kv_block_size: Some(5),
+            kv_dtype: text("f32"),
+            kv_blocks: Some(6),
+            max_batch_tokens: Some(7),
+            max_running: Some(8),
+            max_decode_stall_ms: Some(9),
+            max_waiting: Some(10),
+            shutdown_timeout_ms: Some(11),
+            quic_cert: path(),
+            quic_key: path(),
+            quic_ca: path(),
+            etcd: text("http://e"),
+            cluster_prefix: text("p"),
+            worker_id: text("w"),
+            lease_ttl_s: Some(12),
+            coordinator_silence_fence_ms: Some(13),
+            log_format: text("json"),
+        };
+        let mut merged = CommonFlags::default();
+        merged.overlay(&set);
+        assert_eq!(format!("{merged:?}"), format!("{set:?}"));
+    }
+
     #[test]
     fn version_group_is_required_and_named() {
         let err = common(None).resolve().err().map(|e| e.to_string());
@@ -431,6 +486,8 @@ mod tests {
             (CommonFlags { version_group: Some("a b".into()), ..base() }, "`version_group`"),
             (CommonFlags { model: Some("/nonexistent/model.gguf".into()), ..base() }, "`model`"),
             (CommonFlags { log_format: Some("xml".into()), ..base() }, "`log_format`"),
+            (CommonFlags { zone: Some("eu west".into()), ..base() }, "`zone`"),
+            (CommonFlags { zone: Some("z".repeat(257)), ..base() }, "`zone`"),
         ];
         for (f, field) in cases {
             let err = f.resolve().err().map(|e| e.to_string());

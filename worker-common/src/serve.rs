@@ -425,6 +425,7 @@ pub fn worker_info(
         grpc_addr: grpc.to_string(),
         transfer: None,
         metrics_addr: Some(metrics.to_string()),
+        zone: cfg.zone.clone(),
         capacity: registry::Capacity { kv_blocks_total: cfg.kv_blocks as u64, max_running: cfg.max_running as u32 },
         draining: false,
         started_at_unix_ms: registry::WorkerInfo::unix_ms_now(),

@@ -21,6 +21,7 @@ use coordinator::http::{metrics_router, router, App, HttpSettings, ServeSettings
 use coordinator::pipeline::{MigrationSettings, Pipeline, Settings};
 use coordinator::prompt::pool::Pool;
 use coordinator::retries::RetrySettings;
+use coordinator::router::ZonePairing;
 use coordinator::tenants::{Split, Tenancy, Tenant};
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
@@ -236,6 +237,13 @@ struct Flags {
     /// any. Env: TANDEM_PREFILL_ATTEMPTS.
     #[arg(long, env = "TANDEM_PREFILL_ATTEMPTS", default_value_t = 3)]
     prefill_attempts: usize,
+    /// Whether prefill workers are paired by the zone workers register (their
+    /// `--zone`): `any` ignores zones; `prefer` tries the decode worker's own zone's
+    /// prefill workers first and crosses only when none of them can take the
+    /// request; `require` never crosses (a decode worker whose zone has no prefill
+    /// worker prefills itself). Env: TANDEM_ZONE_PAIRING.
+    #[arg(long, env = "TANDEM_ZONE_PAIRING", default_value = "any")]
+    zone_pairing: ZonePairing,
     /// Drain grace on SIGTERM/SIGINT, ms. Env: TANDEM_SHUTDOWN_TIMEOUT_MS.
     #[arg(long, env = "TANDEM_SHUTDOWN_TIMEOUT_MS", default_value_t = 10_000)]
     shutdown_timeout_ms: u64,
@@ -327,6 +335,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         load_poll: Duration::from_millis(flags.load_poll_ms),
         prefix_affinity: flags.prefix_affinity,
         prefill_attempts: flags.prefill_attempts,
+        zone_pairing: flags.zone_pairing,
         breaker: BreakerConfig {
             failures: flags.prefill_breaker_failures,
             cooldown: Duration::from_millis(flags.prefill_breaker_cooldown_ms),

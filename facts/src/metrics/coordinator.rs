@@ -72,9 +72,15 @@ pub const PREFILL_ATTEMPTS: &str = "tandem_coordinator_prefill_attempts_total";
 /// `tandem_coordinator_route_pairs_skipped_total{reason}`: prefill workers of
 /// the chosen decode worker's version group left out of a route because the
 /// pair cannot work: `layout_fingerprint` (their registered KV layout
-/// fingerprints differ; the transfer handshake would refuse it). Counted per
-/// routed request and skipped worker. vLLM: none.
+/// fingerprints differ; the transfer handshake would refuse it), or may not:
+/// `zone` (another zone, under `--zone-pairing=require`). Counted per routed
+/// request and skipped worker. vLLM: none.
 pub const ROUTE_PAIRS_SKIPPED: &str = "tandem_coordinator_route_pairs_skipped_total";
+/// `tandem_coordinator_cross_zone_routes_total`: remote-prefill routes whose
+/// first prefill worker registered another zone than the decode worker (its KV
+/// crosses zones). What `--zone-pairing=prefer` would save; never counted under
+/// `require`. vLLM: none.
+pub const CROSS_ZONE_ROUTES: &str = "tandem_coordinator_cross_zone_routes_total";
 /// `tandem_coordinator_prefill_unavailable_total`: requests answered 503
 /// `prefill_unavailable` at once because every prefill worker of the group
 /// had an open breaker.
@@ -235,6 +241,7 @@ pub const CATALOG: &[Metric] = &[
         exporter: Exporter::Coordinator,
     },
     Metric { name: ROUTE_PAIRS_SKIPPED, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Coordinator },
+    Metric { name: CROSS_ZONE_ROUTES, kind: Kind::Counter, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: PREFILL_UNAVAILABLE, kind: Kind::Counter, labels: &[], exporter: Exporter::Coordinator },
     Metric {
         name: STREAM_SEND_TIMEOUTS,

@@ -160,6 +160,7 @@ mod tests {
             draining,
             started_at_unix_ms: 0,
             determinism_fingerprint: String::new(),
+            zone: String::new(),
         }
     }
 

@@ -66,6 +66,7 @@ pub fn worker(role: Role, id: &str, group: &str) -> WorkerInfo {
         draining: false,
         started_at_unix_ms: WorkerInfo::unix_ms_now(),
         determinism_fingerprint: String::new(),
+        zone: String::new(),
     }
 }
 
