@@ -88,6 +88,12 @@ def safetensors(tensors, metadata=None):
     return struct.pack("<Q", len(raw)) + raw + data
 
 
+def ucx_message(kind, body, conn=7):
+    """A ucx_wire input: the header's length, the header (kind, connection id), the body."""
+    header = struct.pack("<BQ", kind, conn)
+    return bytes([len(header)]) + header + body
+
+
 def write(target, name, content):
     d = os.path.join(CORPUS, target)
     os.makedirs(d, exist_ok=True)
@@ -135,6 +141,17 @@ def main():
         "rope_scaling": None,
     }
     write("hf_config", "tiny_llama", json.dumps(config, indent=2).encode())
+
+    # ucx_wire: one message of each fixed shape (kinds as in transport/ucx/wire.rs).
+    res = struct.pack("<QI", 3, 4)  # reservation id, generation
+    write("ucx_wire", "claim", ucx_message(2, res))
+    write("ucx_wire", "layer", ucx_message(3, struct.pack("<Q6I", 5, 6, 29, 40, 2, 0xDEADBEEF, 4096)))
+    write("ucx_wire", "bye", ucx_message(6, b""))
+    write("ucx_wire", "key", ucx_message(7, struct.pack("<Q", 0x7F0012345000) + b"\x01\x02\x03"))
+    write("ucx_wire", "grant", ucx_message(8, res + struct.pack("<QI", 1 << 20, 7)))
+    write("ucx_wire", "refused", ucx_message(9, res + struct.pack("<H", 1)))
+    write("ucx_wire", "pool_key", ucx_message(10, struct.pack("<QI", 0x7F0000001000, 729) + b"\x04\x05"))
+    write("ucx_wire", "blocks", ucx_message(12, res + struct.pack("<3I", 3, 700, 12)))
 
 
 if __name__ == "__main__":

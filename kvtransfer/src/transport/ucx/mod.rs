@@ -123,7 +123,7 @@ mod writer;
 pub use direct::UcxPoolMemory;
 pub use sender::{UcxKvSender, UcxSenderConfig};
 pub use server::{UcxCloseReason, UcxKvServer, UcxServerConfig, UcxServerStats};
-pub use wire::{LandingRefusal, WireError};
+pub use wire::{check_decode, LandingRefusal, WireError};
 pub use writer::{StoredLayer, UcxDirectWriter};
 
 /// The UCX transports in use as configured: `UCX_TLS`, or `default` when
