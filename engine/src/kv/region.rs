@@ -17,7 +17,6 @@
 use std::io;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
-use std::ptr::NonNull;
 use std::sync::Arc;
 
 use memmap2::MmapMut;
@@ -26,58 +25,9 @@ use memmap2::MmapMut;
 /// common aarch64 kernels); touching a larger page more than once is harmless.
 const PAGE_BYTES: usize = 4096;
 
-/// Memory the pool can live in that something else allocated: a UCX
-/// registration that peers write KV into with one-sided stores. What a
-/// peer may write, and when, is the transport's contract (kvtransfer's UCX
-/// fence): only blocks reserved for a transfer it was granted and not yet
-/// handed to the engine, so the engine never reads or writes a block while
-/// a peer may write it. The engine holds references over whole layers, as
-/// it does over its own mappings; that is the same standing as any memory
-/// shared with another process (a `memmap2::MmapMut` of a shared file).
-pub struct SharedMemory {
-    ptr: NonNull<u8>,
-    len: usize,
-    /// Keeps the memory mapped; dropped after the last region over it.
-    _owner: Box<dyn Send + Sync>,
-}
-
-// SAFETY: the memory is plain bytes owned through `_owner` (Send + Sync),
-// with no thread affinity; the pool's own `&`/`&mut` rules govern access.
-#[allow(unsafe_code)]
-unsafe impl Send for SharedMemory {}
-// SAFETY: as above.
-#[allow(unsafe_code)]
-unsafe impl Sync for SharedMemory {}
-
-impl SharedMemory {
-    /// # Safety
-    /// `ptr` must be valid for reads and writes of `len` bytes, zeroed or
-    /// otherwise initialised, for as long as `owner` lives, and not be
-    /// reachable through any Rust reference elsewhere in this process.
-    #[allow(unsafe_code)]
-    pub unsafe fn new(ptr: NonNull<u8>, len: usize, owner: Box<dyn Send + Sync>) -> Self {
-        Self { ptr, len, _owner: owner }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The first byte (where a peer's offsets start).
-    pub fn as_ptr(&self) -> *const u8 {
-        self.ptr.as_ptr()
-    }
-}
-
-impl std::fmt::Debug for SharedMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedMemory").field("ptr", &self.ptr).field("len", &self.len).finish()
-    }
-}
+/// Memory the pool can live in that something else allocated (a UCX registration peers
+/// write into); defined in `types` so the transport that allocates it needs no engine.
+pub use types::memory::SharedMemory;
 
 enum Backing {
     Own(MmapMut),
@@ -109,15 +59,15 @@ impl<T: bytemuck::Pod> Region<T> {
     /// `at` is not aligned for `T` there.
     pub(super) fn shared(mem: &Arc<SharedMemory>, at: usize, len: usize) -> Option<Self> {
         let bytes = len.checked_mul(std::mem::size_of::<T>())?;
-        let fits = at.checked_add(bytes).is_some_and(|end| end <= mem.len);
-        let aligned = (mem.ptr.as_ptr() as usize).wrapping_add(at) % std::mem::align_of::<T>() == 0;
+        let fits = at.checked_add(bytes).is_some_and(|end| end <= mem.len());
+        let aligned = (mem.ptr().as_ptr() as usize).wrapping_add(at) % std::mem::align_of::<T>() == 0;
         (fits && aligned).then(|| Self { backing: Backing::Shared { mem: mem.clone(), at }, len, _elem: PhantomData })
     }
 
     fn base(&self) -> *mut u8 {
         match &self.backing {
             Backing::Own(map) => map.as_ptr().cast_mut(),
-            Backing::Shared { mem, at } => mem.ptr.as_ptr().wrapping_add(*at),
+            Backing::Shared { mem, at } => mem.ptr().as_ptr().wrapping_add(*at),
         }
     }
 

@@ -45,12 +45,10 @@ fn start_time(pid: u32) -> Option<u64> {
 /// The decode pool's memory, allocated and registered by the UCX server
 /// ([`UcxServerConfig::pool_blocks`](super::UcxServerConfig::pool_blocks)),
 /// for the engine's pool to adopt (`KvPool::adopt`, through
-/// [`into_shared`](Self::into_shared) with feature `pool`). It stays mapped
+/// [`into_shared`](Self::into_shared)). It stays mapped
 /// while this value, or what it became, lives: the server thread leaves it
 /// mapped at exit if the engine still holds it.
 #[derive(Debug)]
-// Only `into_shared` (feature `pool`) reads the address and the lease.
-#[cfg_attr(not(feature = "pool"), allow(dead_code))]
 pub struct UcxPoolMemory {
     pub(super) addr: usize,
     pub(super) len: usize,
@@ -67,9 +65,8 @@ impl UcxPoolMemory {
     }
 
     /// The memory as the engine's pool adopts it.
-    #[cfg(feature = "pool")]
     #[allow(unsafe_code)]
-    pub fn into_shared(self) -> engine::kv::SharedMemory {
+    pub fn into_shared(self) -> types::memory::SharedMemory {
         let ptr = std::ptr::NonNull::new(self.addr as *mut u8).unwrap_or(std::ptr::NonNull::dangling());
         // SAFETY: `addr..addr + len` is the UCX allocation the server made
         // (never null: `ucx_sys::Context::map` checks), zeroed, and the server
@@ -77,7 +74,7 @@ impl UcxPoolMemory {
         // No Rust reference into it exists in this process: the server reads
         // it through raw pointers only. Peers write it only as the UCX
         // transport's fence allows (see the module doc and `SharedMemory`).
-        unsafe { engine::kv::SharedMemory::new(ptr, self.len, Box::new(self.lease)) }
+        unsafe { types::memory::SharedMemory::new(ptr, self.len, Box::new(self.lease)) }
     }
 }
 
