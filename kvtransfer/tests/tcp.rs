@@ -349,3 +349,112 @@ async fn sender_learns_of_an_abort_and_stops() {
     // And it is remembered: further sends for that reservation fail fast.
     assert!(matches!(tx.send_layer(r, 1, &k, &v).await, Err(TransferError::PeerAbort { .. })));
 }
+
+// ---- Rolling upgrades: today's frames, frozen ----------------------------------------
+
+/// The frames of protocol version 1, as `tests/fixtures/frames-v1.hex` holds them.
+fn v1_frames() -> Vec<(String, Frame)> {
+    let hello = Hello {
+        version_group: kvtransfer::VersionGroup::new("smollm2-135m.q4_1").expect("label"),
+        fingerprint: kvtransfer::LayoutFingerprint::from_bytes([7; 32]),
+        protocol_version: 1,
+    };
+    let mut frames = vec![
+        ("hello".to_owned(), Frame::Hello(hello)),
+        ("hello_ack".to_owned(), Frame::HelloAck(kvtransfer::HelloAck { protocol_version: 1 })),
+    ];
+    for (i, reason) in RejectReason::ALL.into_iter().enumerate() {
+        frames.push((format!("hello_reject_{i}"), Frame::HelloReject(kvtransfer::HelloReject { reason })));
+    }
+    frames.push((
+        "layer_data".to_owned(),
+        Frame::LayerData(LayerData::new(0x0102_0304_0506_0708, 9, 3, 5, 2, (0..64).collect())),
+    ));
+    frames.push(("complete".to_owned(), Frame::Complete(Complete { reservation: 9, generation: 10, n_layers: 30 })));
+    frames.push(("ack".to_owned(), Frame::Ack(kvtransfer::Ack { reservation: 9, generation: 10 })));
+    for (i, reason) in AbortReason::ALL.into_iter().enumerate() {
+        frames.push((format!("abort_{i}"), Frame::Abort(kvtransfer::Abort { reservation: 1, generation: 2, reason })));
+    }
+    frames
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex")).collect()
+}
+
+/// `name -> bytes` of the frozen fixture.
+fn v1_fixture() -> std::collections::BTreeMap<String, Vec<u8>> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/frames-v1.hex");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (name, bytes) = l.split_once(' ').expect("`name hex` lines");
+            (name.to_owned(), unhex(bytes.trim()))
+        })
+        .collect()
+}
+
+/// Protocol version 1's bytes never change: today's encoder writes exactly the frozen
+/// fixture and decodes it back. A change to the wire format fails here; it needs a new
+/// `PROTOCOL_VERSION` and a new fixture beside this one, never an edit of it.
+#[test]
+fn version_1_frames_are_frozen() {
+    let fixture = v1_fixture();
+    let frames = v1_frames();
+    let mut wrong = Vec::new();
+    for (name, frame) in &frames {
+        let mut bytes = Vec::new();
+        frame.encode(&mut bytes).expect("encode");
+        match fixture.get(name) {
+            Some(frozen) if *frozen == bytes => match Frame::decode(frozen, &DecodeLimits::default()) {
+                Ok(Decoded::Frame { frame: back, consumed }) if consumed == frozen.len() => {
+                    assert_eq!(&back, frame, "{name}: the frozen bytes decode to another frame")
+                }
+                other => panic!("{name}: the frozen bytes do not decode whole: {other:?}"),
+            },
+            _ => wrong.push(format!("{name} {}", hex(&bytes))),
+        }
+    }
+    assert!(wrong.is_empty(), "today's encoding differs from frames-v1.hex for:\n{}", wrong.join("\n"));
+    assert_eq!(fixture.len(), frames.len(), "the fixture names a frame the test does not build");
+}
+
+/// A peer of another protocol version — the frozen v1 `Hello` with its version field set
+/// to 0 (an older peer) and 2 (a newer one) — is refused cleanly over a real socket: a
+/// `HelloReject(ProtocolVersion)`, the connection closed, counted, nothing reserved; the
+/// frozen v1 `Hello` itself passes the version check (refused only for its version group,
+/// which is not the server's). Until version 2 exists, this is what a rolling upgrade's
+/// mixed pairs get.
+#[tokio::test]
+async fn a_peer_of_another_protocol_version_is_refused_cleanly() {
+    let d = DecodeSide::start(TcpServerConfig::default()).await;
+    let frozen = v1_fixture().remove("hello").expect("a frozen hello");
+    let with_version = |v: u32| {
+        let mut b = frozen.clone();
+        b[kvtransfer::frame::HEADER_LEN..kvtransfer::frame::HEADER_LEN + 4].copy_from_slice(&v.to_le_bytes());
+        b
+    };
+    let cases = [(with_version(0), RejectReason::ProtocolVersion), (with_version(2), RejectReason::ProtocolVersion)];
+    let expect_v1 = if PROTOCOL_VERSION == 1 { RejectReason::VersionGroup } else { RejectReason::ProtocolVersion };
+    for (bytes, want) in cases.into_iter().chain([(frozen.clone(), expect_v1)]) {
+        let mut s = within("raw connect", TcpStream::connect(d.server.local_addr())).await.expect("connect");
+        within("hello written", s.write_all(&bytes)).await.expect("write");
+        let mut buf = Vec::new();
+        match read_frame(&mut s, &mut buf).await {
+            Frame::HelloReject(r) => assert_eq!(r.reason, want),
+            other => panic!("expected a HelloReject({want:?}), got {other:?}"),
+        }
+        expect_closed(&mut s, "the refused connection closed").await;
+    }
+    d.wait_stats("three refused connections closed", |s| s.closed_by("rejected") == 3).await;
+    let c = lock(&d.rx).counters().clone();
+    assert_eq!(c.hello_rejected(RejectReason::ProtocolVersion), 2 + u64::from(PROTOCOL_VERSION != 1));
+    assert_eq!(c.hello_accepted, 0);
+    let pool = lock(&d.pool);
+    assert_eq!(pool.num_blocks() - pool.available(), 3, "only the decoys are held");
+}
