@@ -7,24 +7,29 @@
 #                         over the Debian packages they load (libc6, libgcc-s1, libucx0
 #                         and what those depend on), user 10001, no shell, no package
 #                         manager
-#   target/image/etcd     OCI layout, tag <Debian's etcd version>: Debian's etcd (one
-#                         static binary), user 10001 — what the image test and a cluster
+#   target/image/etcd     OCI layout, tag <Debian's etcd version>: Debian's etcd over the
+#                         same libc layer, user 10001 — what the image test and a cluster
 #                         without a registry run; the Kubernetes pack runs upstream etcd
 #   target/image/*.digest the manifest digest of each, to pin in an overlay
 #
 # The root is made from .deb files (apt-get download, the machine's own apt sources,
-# cached under $TANDEM_CACHE/image/debs) unpacked with dpkg-deb: no maintainer script
-# runs, so the image holds only files. The dependency closure skips packages that only
-# maintainer scripts use (SKIP). Each binary is run inside the root (chroot, as user
-# 10001) before packing: a library the root lacks fails here, not in a pod.
+# cached under $TANDEM_CACHE/image/debs and checked against apt's SHA-256) unpacked with
+# dpkg-deb: no maintainer script runs, so the image holds only files. The dependency
+# closure skips packages that only maintainer scripts use (SKIP). Each binary is run
+# inside the root (chroot, as user 10001) before packing, and every shared object of the
+# UCX layer (UCX's transport modules, loaded at run time) must resolve there: a library
+# the root lacks fails here, not in a pod.
 #
-# Packed with umoci (two layers: the Debian root, then the binaries, so a new release
-# ships one small layer over a base registries already hold). File times are the commit's
-# time, so the same binaries and packages give the same digest.
+# Packed with umoci (three layers: libc, UCX, the binaries, so a new release ships one
+# small layer over a base registries already hold). File times are the commit's time, so
+# the same commit, binaries and package versions give the same digest.
 #
 # Needs root (dpkg-deb ownership, chroot), umoci, apt-get, dpkg-deb, ldconfig, objcopy
 # and the release binaries (make build).
 set -euo pipefail
+# A failure inside $(...) stops the script too (a failed umoci step must never leave a
+# digest behind).
+shopt -s inherit_errexit
 
 LOG_PREFIX=image
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -64,48 +69,64 @@ CREATED=$(date -u -d "@$EPOCH" +%Y-%m-%dT%H:%M:%SZ)
 WORK=$(mktemp -d "${TMPDIR:-/var/tmp}/tandem-image.XXXXXX")
 trap '[[ -n ${KEEP_WORK:-} ]] || rm -rf "$WORK"' EXIT
 
-# depends PKG : PKG's Depends and Pre-Depends (first of each alternative, real packages).
+# depends PKG : PKG's Depends and Pre-Depends: of each group of alternatives the first
+# real package (apt-cache marks all but a group's last member with `|`). A group of
+# virtual packages only prints `?NAME`, which closure refuses.
 depends() {
-  apt-cache depends --no-recommends --no-suggests --no-conflicts --no-breaks \
-    --no-replaces --no-enhances "$1" |
-    awk '$1 == "Depends:" || $1 == "PreDepends:" { print $2 }' | grep -v '^<' || true
+  local out
+  out=$(apt-cache depends --no-recommends --no-suggests --no-conflicts --no-breaks \
+    --no-replaces --no-enhances "$1") || die "apt-cache depends $1 failed"
+  awk '
+    { alt = ($1 == "|Depends:" || $1 == "|PreDepends:") }
+    !alt && $1 != "Depends:" && $1 != "PreDepends:" { next }
+    { if (pick == "" && $2 !~ /^</) pick = $2; if (first == "") first = $2 }
+    !alt { print (pick != "" ? pick : "?" first); pick = ""; first = "" }
+  ' <<<"$out"
 }
 
 # closure PKG... : every package PKG... needs, breadth first, without SKIP and without
-# the packages named in $HAVE (a layer below has them).
+# the packages named in $HAVE (a layer below has them). Sets CLOSURE.
 closure() {
   local -A seen=()
-  local queue=("$@") p d
+  local queue=("$@") p d deps
+  CLOSURE=()
   for p in "${SKIP[@]}" ${HAVE:-}; do seen[$p]=skip; done
   while ((${#queue[@]})); do
     p=${queue[0]}
     queue=("${queue[@]:1}")
     [[ -z ${seen[$p]:-} ]] || continue
     seen[$p]=1
-    echo "$p"
-    for d in $(depends "$p"); do
+    CLOSURE+=("$p")
+    deps=$(depends "$p")
+    for d in $deps; do
+      [[ $d != \?* ]] || die "$p depends on ${d#\?}, which only virtual packages satisfy: name a provider in the roots"
       [[ -n ${seen[$d]:-} ]] || queue+=("$d")
     done
   done
 }
 
-# fetch PKG... : the .deb of each (the candidate version), from the cache when there
-# (asked from $WORK: apt-get lists no URI for a file already in its working directory).
-# Prints their paths.
+# fetch PKG... : the .deb of each (the candidate version), from the cache when its
+# SHA-256 is apt's. Sets FETCHED to their paths, one per package or the script stops.
+# (Asked from $WORK: apt-get lists no URI for a file already in its working directory.)
 fetch() {
   mkdir -p "$DEBS"
-  local line uri file
-  while read -r line; do
-    uri=${line%% *}
-    file=$(echo "$line" | cut -d' ' -f2)
-    [[ -f $DEBS/$file ]] || {
+  local uris=$WORK/uris uri file sum
+  (cd "$WORK" && apt-get download --print-uris "$@") >"$uris" || die "apt-get download --print-uris $* failed"
+  (($(wc -l <"$uris") == $#)) || die "apt listed $(wc -l <"$uris") downloads for $# packages ($*)"
+  FETCHED=()
+  while read -r uri file _ sum; do
+    sum=${sum#SHA256:}
+    if ! [[ -f $DEBS/$file ]] || ! echo "$sum  $DEBS/$file" | sha256sum --quiet -c - >/dev/null 2>&1; then
       log "downloading $file"
+      rm -f "$DEBS/$file"
       # As root: the cache is root's, which apt's sandbox user may not write.
-      (cd "$DEBS" && apt-get download -qq -o APT::Sandbox::User=root "$(echo "$file" | cut -d_ -f1)" >&2)
-    }
-    [[ -f $DEBS/$file ]] || die "apt-get download did not produce $file (uri ${uri//\'/})"
-    echo "$DEBS/$file"
-  done < <(cd "$WORK" && apt-get download --print-uris "$@")
+      (cd "$DEBS" && apt-get download -qq -o APT::Sandbox::User=root "${file%%_*}" >&2) ||
+        die "apt-get download ${file%%_*} failed"
+    fi
+    echo "$sum  $DEBS/$file" | sha256sum --quiet -c - >/dev/null 2>&1 ||
+      die "$file does not match apt's SHA-256 (uri ${uri//\'/})"
+    FETCHED+=("$DEBS/$file")
+  done <"$uris"
 }
 
 # slim ROOT : drop what nothing runs (manuals, translations, docs except copyright files).
@@ -124,7 +145,8 @@ unpack() {
   local dir=$1 deb
   shift
   mkdir -p "$dir"
-  for deb in $(fetch "$@"); do
+  fetch "$@"
+  for deb in "${FETCHED[@]}"; do
     dpkg-deb -x "$deb" "$dir"
   done
   slim "$dir"
@@ -183,7 +205,8 @@ EOF
 # ---------------------------------------------------------------- the layers
 
 # 1. libc: the C library, the accounts, /tmp (both images).
-mapfile -t libc_packages < <(closure "${LIBC[@]}")
+closure "${LIBC[@]}"
+libc_packages=("${CLOSURE[@]}")
 log "layer libc: ${libc_packages[*]}"
 libc="$WORK/libc"
 unpack "$libc" "${libc_packages[@]}"
@@ -192,7 +215,8 @@ printf 'include /etc/ld.so.conf.d/*.conf\n' >"$libc/etc/ld.so.conf"
 ldconfig -r "$libc"
 
 # 2. ucx: UCX and what it loads, with the loader's cache of both layers.
-mapfile -t ucx_packages < <(HAVE="${libc_packages[*]}" closure "${UCX[@]}")
+HAVE="${libc_packages[*]}" closure "${UCX[@]}"
+ucx_packages=("${CLOSURE[@]}")
 log "layer ucx: ${ucx_packages[*]}"
 ucx="$WORK/ucx"
 unpack "$ucx" "${ucx_packages[@]}"
@@ -220,10 +244,18 @@ for b in "${BINARIES[@]}"; do
   out=$(in_root "$check" "/usr/local/bin/$b" --version 2>&1) || die "$b does not start in the image's root: $out"
   log "in the root: $out"
 done
+# UCX loads its transport modules at run time, not at start: each shared object of the
+# UCX layer must find every library it needs in the root.
+while read -r so; do
+  out=$(in_root "$check" /lib64/ld-linux-x86-64.so.2 --list "/$so" 2>&1) || die "${so}: $out"
+  ! grep -q 'not found' <<<"$out" || die "/$so needs a library the image lacks: $(grep 'not found' <<<"$out")"
+done < <(cd "$ucx" && find . -type f \( -name '*.so' -o -name '*.so.[0-9]*' \) -printf '%P\n')
+log "every shared object of the ucx layer resolves in the root"
 rm -rf "$check"
 
 # 4. etcd: Debian's etcd binary (dynamically linked against libc) and its data dir.
-etcd_deb=$(fetch etcd-server | tail -n 1)
+fetch etcd-server
+etcd_deb=${FETCHED[0]}
 etcd_version=$(dpkg-deb -f "$etcd_deb" Version)
 etcd_version=${etcd_version%%-*}
 etcd_version=${etcd_version#*:}

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use facts::metrics::coordinator::PREFILL_ATTEMPTS;
 use manifests::{containers, read, rendered, root, run_ok, yaml_docs};
 use opskit::process::{Launch, Proc};
 use serde_json::{json, Value};
@@ -50,6 +51,25 @@ fn tool(name: &str) -> PathBuf {
     let out = Command::new("sh").args(["-c", &format!("command -v {name}")]).output().expect("sh");
     assert!(out.status.success(), "{name} not found: run `make deps` (scripts/deps.sh installs umoci and runc)");
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// The image was built from this tree: its revision label is `git rev-parse HEAD` (with
+/// `-dirty` when the tree has uncommitted changes, as scripts/build-image.sh writes it).
+/// A stale image would test old binaries against today's manifests.
+fn image_is_of_this_tree(layout: &Path) {
+    let git = |args: &[&str]| Command::new("git").arg("-C").arg(root()).args(args).output().expect("git");
+    let head = String::from_utf8_lossy(&git(&["rev-parse", "HEAD"]).stdout).trim().to_owned();
+    let dirty = !git(&["diff", "--quiet", "HEAD"]).status.success();
+    let want = if dirty { format!("{head}-dirty") } else { head };
+    let blob = |digest: &str| {
+        let path = layout.join("blobs/sha256").join(digest.trim_start_matches("sha256:"));
+        serde_json::from_str::<Value>(&read(&path)).expect("an OCI JSON blob")
+    };
+    let index: Value = serde_json::from_str(&read(&layout.join("index.json"))).expect("index.json");
+    let manifest = blob(index["manifests"][0]["digest"].as_str().expect("a manifest digest"));
+    let config = blob(manifest["config"]["digest"].as_str().expect("a config digest"));
+    let revision = config["config"]["Labels"]["org.opencontainers.image.revision"].as_str().unwrap_or_default();
+    assert_eq!(revision, want, "{} is of another tree: run `make image`", layout.display());
 }
 
 /// The one tag of an OCI layout.
@@ -176,6 +196,33 @@ impl Drop for Runc {
     }
 }
 
+/// Each run's directory under the temporary directory: `PREFIX<pid of the test>`.
+const RUN_PREFIX: &str = "tandem-image-";
+
+/// A run killed before its `Drop` (a test runner's timeout) leaves containers running on
+/// the host network and an unpacked root: delete both for every run whose process is
+/// gone.
+fn reap_killed_runs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(RUN_PREFIX).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        // Gone, or a zombie nobody reaped yet (its containers outlive it all the same).
+        let alive = !matches!(opskit::process::proc_state(pid), None | Some('Z'));
+        if pid == std::process::id() || alive {
+            continue;
+        }
+        let state = e.path().join("runc");
+        let list = Command::new(tool("runc")).arg("--root").arg(&state).args(["list", "-q"]).output();
+        for id in
+            list.iter().flat_map(|o| String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect::<Vec<_>>())
+        {
+            let _ = Command::new(tool("runc")).arg("--root").arg(&state).args(["delete", "--force", &id]).output();
+        }
+        let _ = std::fs::remove_dir_all(e.path());
+    }
+}
+
 /// `/proc/PID/status`'s `Key:` line, its value.
 fn status_field(pid: u32, key: &str) -> String {
     let status = read(Path::new(&format!("/proc/{pid}/status")));
@@ -226,21 +273,17 @@ fn tandem_containers(docs: &[Value]) -> Vec<(String, &Value, &Value)> {
     out
 }
 
-/// The container's args with the pod's fieldRef env filled in, every `HOST:PORT` value
-/// moved to a free loopback port (`addrs`: flag -> new address) and `--etcd` set to `etcd`.
-fn local_args(
-    workload: &str,
-    c: &Value,
-    etcd: &str,
-    addrs: &mut BTreeMap<String, String>,
-    process_env: &mut Vec<String>,
-) -> Vec<String> {
+/// The container's args with the pod's fieldRef env filled in (and added to
+/// `process_env`), every `HOST:PORT` value moved to `127.0.0.1:0` (the binaries print what
+/// they bound: no port is picked here and released for another process to take) and
+/// `--etcd` set to `etcd`.
+fn local_args(workload: &str, c: &Value, etcd: &str, process_env: &mut Vec<String>) -> Vec<String> {
     let mut env = BTreeMap::new();
     for e in c["env"].as_array().into_iter().flatten() {
         let value = match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
             Some("status.podIP") => "127.0.0.1".to_owned(),
             Some("metadata.name") => format!("{workload}-0"),
-            // The node's zone on the pod's labels (Kubernetes 1.33+): one zone here.
+            // The node's zone on the pod's labels (PodTopologyLabelsAdmission): one zone here.
             Some("metadata.labels['topology.kubernetes.io/zone']") => "zone-a".to_owned(),
             Some(other) => panic!("{workload}: env from fieldRef {other}: the test cannot provide it"),
             None => {
@@ -260,11 +303,7 @@ fn local_args(
         }
         let moved = match a.split_once('=') {
             Some(("--etcd", _)) => format!("--etcd={etcd}"),
-            Some((flag, value)) if value.parse::<std::net::SocketAddr>().is_ok() => {
-                let addr = free_addr();
-                addrs.insert(flag.to_owned(), addr.clone());
-                format!("{flag}={addr}")
-            }
+            Some((flag, value)) if value.parse::<std::net::SocketAddr>().is_ok() => format!("{flag}=127.0.0.1:0"),
             _ => a,
         };
         args.push(moved);
@@ -322,11 +361,13 @@ fn the_pack_runs_from_the_image_as_shipped_and_serves_a_chat_completion() {
     let images = image_dir();
     let model = engine::paths::default_model_path();
     assert!(model.is_file(), "test model {} not found: run `make model`", model.display());
-    let dir = std::env::temp_dir().join(format!("tandem-image-{}", std::process::id()));
+    reap_killed_runs();
+    let dir = std::env::temp_dir().join(format!("{RUN_PREFIX}{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
     let mut runc = Runc { runc: tool("runc"), state: dir.join("runc"), dir: dir.clone(), started: Vec::new() };
 
+    image_is_of_this_tree(&images.join("tandem"));
     let tandem_bundle = dir.join("tandem");
     let tandem_image = unpack(&images.join("tandem"), &tandem_bundle);
     let etcd_bundle = dir.join("etcd");
@@ -387,11 +428,10 @@ fn the_pack_runs_from_the_image_as_shipped_and_serves_a_chat_completion() {
     tandem.sort_by_key(|(_, _, c)| c["command"][0] == "tandem-coordinator");
     let mut running = Vec::new();
     let mut specs = Vec::new();
-    let mut http = None;
+    let (mut http, mut coordinator_metrics) = (None, None);
     for (workload, pod, c) in &tandem {
-        let mut addrs = BTreeMap::new();
         let mut env = Vec::new();
-        let args = local_args(workload, c, &format!("http://{client}"), &mut addrs, &mut env);
+        let args = local_args(workload, c, &format!("http://{client}"), &mut env);
         let security = &pod["spec"]["securityContext"];
         let id = |k: &str| c["securityContext"][k].as_u64().or_else(|| security[k].as_u64());
         let spec = Spec {
@@ -404,14 +444,16 @@ fn the_pack_runs_from_the_image_as_shipped_and_serves_a_chat_completion() {
             env,
         };
         let coordinator = c["command"][0] == "tandem-coordinator";
-        let wants: &[&str] = if coordinator { &["http"] } else { &["grpc"] };
+        let wants: &[&str] = if coordinator { &["http", "metrics"] } else { &["grpc", "metrics"] };
         let p = runc.run(&tandem_bundle, &tandem_image, &spec, wants);
         if coordinator {
             http = Some(p.addr("http").expect("listening http="));
+            coordinator_metrics = Some(p.addr("metrics").expect("listening metrics="));
         }
         running.push((spec, p));
     }
     let http = http.expect("a coordinator in the pack");
+    let coordinator_metrics = coordinator_metrics.expect("a coordinator in the pack");
 
     let mut procs: Vec<Proc> = running
         .drain(..)
@@ -423,9 +465,13 @@ fn the_pack_runs_from_the_image_as_shipped_and_serves_a_chat_completion() {
     answers_200(&http, "/ready", &mut procs).unwrap_or_else(|e| panic!("the coordinator: {e}"));
     let running: Vec<(Spec, Proc)> = specs.into_iter().zip(procs).collect();
 
+    // Well over the coordinator's local-prefill threshold (32 tokens): prefilled by the
+    // prefill container and moved to the decode container over the pack's KV transport.
+    let question = "Paris, Lyon, Marseille, Toulouse, Nice, Nantes, Strasbourg, Montpellier, Bordeaux and \
+                    Lille are cities of France. Which of them is the capital of France? Answer in one word.";
     let body = json!({
         "model": "SmolLM2-135M-Instruct",
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "messages": [{"role": "user", "content": question}],
         "max_tokens": 8,
     });
     let chat = |key: Option<&str>| {
@@ -442,6 +488,10 @@ fn the_pack_runs_from_the_image_as_shipped_and_serves_a_chat_completion() {
     let content =
         answer.json().expect("JSON")["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned();
     assert!(!content.trim().is_empty(), "an empty answer: {}", answer.text());
+    let page = opskit::prom::scrape_blocking(&coordinator_metrics).expect("the coordinator's /metrics");
+    let prefilled = page.sum(PREFILL_ATTEMPTS, &[("outcome", "ok")]).unwrap_or(0.0);
+    let all = page.sum(PREFILL_ATTEMPTS, &[]).unwrap_or(0.0);
+    assert!(prefilled >= 1.0 && prefilled == all, "remote prefills: {prefilled} ok of {all}: the KV did not move");
 
     // Each binary: PID 1 of its container, the pod's user, a read-only root, no capability.
     for (spec, _) in &running {

@@ -348,7 +348,7 @@ impl Msg {
 }
 
 /// Decodes one active message as the receiving worker does — the first byte of `data`
-/// (mod 12) is the header's length, the next that many bytes the header, the rest the
+/// (mod 16) is the header's length, the next that many bytes the header, the rest the
 /// body — and checks what it accepts: decoding never panics, and an accepted message
 /// re-encodes to a header and body that decode back to the same message and connection:
 /// the very bytes it was decoded from, except a message carrying a `Hello` frame, which
@@ -358,7 +358,7 @@ impl Msg {
 #[doc(hidden)]
 pub fn check_decode(data: &[u8]) -> bool {
     let Some((&n, rest)) = data.split_first() else { return false };
-    let (header, body) = rest.split_at(usize::from(n % 12).min(rest.len()));
+    let (header, body) = rest.split_at(usize::from(n % 16).min(rest.len()));
     let Ok((conn, msg)) = Msg::decode(header, body) else { return false };
     let (h, b) = msg.encode(conn);
     assert_eq!(Msg::decode(&h, &b), Ok((conn, msg.clone())), "encode -> decode changed the {}", msg.name());
