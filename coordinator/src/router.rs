@@ -234,12 +234,15 @@ pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut XorShift64) -> Ve
 }
 
 /// One pass over a decode worker's candidate pairs: the pair due a probe (one only), the
-/// closed ones, and the soonest an open one becomes a probe.
+/// closed ones, the soonest an open one becomes a probe, and how many it left out for
+/// their zone.
 #[derive(Default)]
 struct Pairs {
     probe: Option<usize>,
     closed: Vec<usize>,
     wait: Option<Duration>,
+    /// The group's candidates this pass left out for their zone.
+    other_zone: usize,
 }
 
 impl Pairs {
@@ -270,6 +273,7 @@ fn pair_order<G: Fn(usize, usize) -> Gate>(
         let mut pairs = Pairs::default();
         for &i in order.iter().filter(|&&i| prefill[i].version_group == group) {
             if same_zone.is_some_and(|want| want != (prefill[i].zone == zone)) {
+                pairs.other_zone += 1;
                 continue;
             }
             if prefill[i].layout != layout {
@@ -289,8 +293,7 @@ fn pair_order<G: Fn(usize, usize) -> Gate>(
         ZonePairing::Any => pass(None),
         ZonePairing::Require => {
             let pairs = pass(Some(true));
-            zone_skipped =
-                order.iter().filter(|&&i| prefill[i].version_group == group && prefill[i].zone != zone).count();
+            zone_skipped = pairs.other_zone;
             pairs
         }
         ZonePairing::Prefer => {
@@ -568,12 +571,18 @@ mod tests {
         assert_eq!((r.decode, r.prefill), (1, vec![2]));
     }
 
+    /// A decode worker in zone a; prefill workers `far` (zone b, queue 0) and `near`
+    /// (zone a, queue `near_queue`), in that order.
+    fn two_zones(near_queue: u32) -> ([DecodeCandidate<'static>; 1], [PrefillCandidate<'static>; 2]) {
+        let dec = [DecodeCandidate { zone: "a", ..d("d", load(0, 0, 0), 0) }];
+        let far = PrefillCandidate { zone: "b", ..p("far", "g1", 0) };
+        (dec, [far, PrefillCandidate { zone: "a", ..p("near", "g1", near_queue) }])
+    }
+
     #[test]
     fn zones_order_or_restrict_the_pairs_as_configured() {
-        let dec = [DecodeCandidate { zone: "a", ..d("d", load(0, 0, 0), 0) }];
         // The other zone's worker is the idler one: by load alone it comes first.
-        let pre =
-            [PrefillCandidate { zone: "b", ..p("far", "g1", 0) }, PrefillCandidate { zone: "a", ..p("near", "g1", 6) }];
+        let (dec, pre) = two_zones(6);
         let mut rng = XorShift64::new(17);
         let mut far_first = 0;
         for _ in 0..200 {
@@ -595,9 +604,7 @@ mod tests {
 
     #[test]
     fn under_prefer_another_zones_probe_waits_while_the_own_zone_has_a_pair() {
-        let dec = [DecodeCandidate { zone: "a", ..d("d", load(0, 0, 0), 0) }];
-        let pre =
-            [PrefillCandidate { zone: "b", ..p("far", "g1", 0) }, PrefillCandidate { zone: "a", ..p("near", "g1", 0) }];
+        let (dec, pre) = two_zones(0);
         let mut rng = XorShift64::new(23);
         let far_probe = |_: usize, i: usize| if i == 0 { Gate::Probe } else { Gate::Closed };
         let r = route(&dec, &pre, far_probe, 100, 32, ZonePairing::Prefer, &mut rng).expect("a route");

@@ -12,7 +12,6 @@
 //! restarted member elects itself quickly.
 
 use std::fs::{self, File};
-use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -448,15 +447,8 @@ fn free_ports() -> Result<(u16, u16), EtcdError> {
     Ok((p[0], p[1]))
 }
 
-/// `n` distinct free loopback ports (held together while probing, so they differ).
 fn free_port_list(n: usize) -> Result<Vec<u16>, EtcdError> {
-    let listeners = (0..n)
-        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|source| io("probing a free port".into(), source)))
-        .collect::<Result<Vec<_>, _>>()?;
-    listeners
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()).map_err(|source| io("reading a port".into(), source)))
-        .collect()
+    crate::process::free_ports(n).map_err(|source| io("probing free ports".into(), source))
 }
 
 fn io(what: String, source: std::io::Error) -> EtcdError {

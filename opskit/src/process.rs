@@ -117,6 +117,16 @@ pub fn socket_owner(local: std::net::SocketAddr, pids: &[u32]) -> Option<u32> {
     })
 }
 
+/// `n` distinct free loopback ports, held together while probing so they differ (two
+/// probes one after the other may both get the port the first released). Free when
+/// returned: a process that binds them later may race another for them.
+pub fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    listeners.iter().map(|l| l.local_addr().map(|a| a.port())).collect()
+}
+
 /// Where a started process's stderr goes.
 #[derive(Debug, Clone)]
 enum Stderr {

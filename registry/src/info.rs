@@ -139,9 +139,7 @@ impl WorkerInfo {
             check_hex("info.determinism_fingerprint", &self.determinism_fingerprint)?;
         }
         check_label("info.grpc_addr", &self.grpc_addr)?;
-        if !self.zone.is_empty() {
-            check_label("info.zone", &self.zone)?;
-        }
+        check_zone(&self.zone)?;
         if let Some(m) = &self.metrics_addr {
             check_label("info.metrics_addr", m)?;
         }
@@ -174,6 +172,16 @@ pub(crate) fn check_name(field: &'static str, s: &str) -> Result<(), RegistryErr
         return Err(RegistryError::invalid(field, format!("{c:?} is not one of [A-Za-z0-9._-]")));
     }
     Ok(())
+}
+
+/// A worker's zone ([`WorkerInfo::zone`]): empty (none given), or a label of
+/// 1..=256 bytes without whitespace or control characters. Workers check their
+/// `--zone` with it at start.
+pub fn check_zone(zone: &str) -> Result<(), RegistryError> {
+    if zone.is_empty() {
+        return Ok(());
+    }
+    check_label("info.zone", zone)
 }
 
 fn check_label(field: &'static str, s: &str) -> Result<(), RegistryError> {

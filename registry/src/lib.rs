@@ -61,7 +61,7 @@ mod shutdown;
 
 pub use error::RegistryError;
 pub use etcd::EtcdConfig;
-pub use info::{Capacity, Role, TransferEndpoint, WorkerInfo};
+pub use info::{check_zone, Capacity, Role, TransferEndpoint, WorkerInfo};
 pub use keys::ClusterPrefix;
 pub use membership::{Membership, MembershipConfig, MembershipView};
 pub use registration::{Fence, FenceReason, Registration, RegistrationConfig};

@@ -39,9 +39,7 @@ const RUNBOOKS: &str = "docs/runbooks";
 const RUNBOOK_BASE: &str = "{{ with $externalLabels.runbook_base }}{{ . }}/{{ end }}";
 
 fn promtool() -> Command {
-    let found = Command::new("sh").args(["-c", "command -v promtool"]).output().is_ok_and(|o| o.status.success());
-    assert!(found, "promtool not found: run `make deps` (scripts/deps.sh installs Debian's `prometheus` package)");
-    Command::new("promtool")
+    Command::new(manifests::tool("promtool", "scripts/deps.sh installs Debian's `prometheus` package"))
 }
 
 /// Files of `dir` (relative to the root) whose name ends with `suffix`, sorted.

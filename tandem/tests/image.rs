@@ -48,9 +48,7 @@ fn image_dir() -> PathBuf {
 }
 
 fn tool(name: &str) -> PathBuf {
-    let out = Command::new("sh").args(["-c", &format!("command -v {name}")]).output().expect("sh");
-    assert!(out.status.success(), "{name} not found: run `make deps` (scripts/deps.sh installs umoci and runc)");
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    manifests::tool(name, "scripts/deps.sh installs umoci and runc")
 }
 
 /// The image was built from this tree: its revision label is `git rev-parse HEAD` (with
@@ -65,16 +63,20 @@ fn image_is_of_this_tree(layout: &Path) {
         let path = layout.join("blobs/sha256").join(digest.trim_start_matches("sha256:"));
         serde_json::from_str::<Value>(&read(&path)).expect("an OCI JSON blob")
     };
-    let index: Value = serde_json::from_str(&read(&layout.join("index.json"))).expect("index.json");
-    let manifest = blob(index["manifests"][0]["digest"].as_str().expect("a manifest digest"));
+    let manifest = blob(index(layout)["manifests"][0]["digest"].as_str().expect("a manifest digest"));
     let config = blob(manifest["config"]["digest"].as_str().expect("a config digest"));
     let revision = config["config"]["Labels"]["org.opencontainers.image.revision"].as_str().unwrap_or_default();
     assert_eq!(revision, want, "{} is of another tree: run `make image`", layout.display());
 }
 
+/// An OCI layout's index.json.
+fn index(layout: &Path) -> Value {
+    serde_json::from_str(&read(&layout.join("index.json"))).expect("index.json is JSON")
+}
+
 /// The one tag of an OCI layout.
 fn only_tag(layout: &Path) -> String {
-    let index: Value = serde_json::from_str(&read(&layout.join("index.json"))).expect("index.json is JSON");
+    let index = index(layout);
     let tags: Vec<&str> = index["manifests"]
         .as_array()
         .into_iter()
@@ -90,12 +92,6 @@ fn unpack(layout: &Path, bundle: &Path) -> Value {
     let image = format!("{}:{}", layout.display(), only_tag(layout));
     run_ok(Command::new(tool("umoci")).arg("unpack").arg("--image").arg(&image).arg(bundle), "umoci unpack");
     serde_json::from_str(&read(&bundle.join("config.json"))).expect("umoci's config.json")
-}
-
-/// A free loopback address (bound, then released).
-fn free_addr() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
-    l.local_addr().expect("local addr").to_string()
 }
 
 /// How one container runs: what the OCI config says beyond the image's.
@@ -204,6 +200,7 @@ const RUN_PREFIX: &str = "tandem-image-";
 /// gone.
 fn reap_killed_runs() {
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    let runc = tool("runc");
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let Some(pid) = name.strip_prefix(RUN_PREFIX).and_then(|p| p.parse::<u32>().ok()) else { continue };
@@ -213,11 +210,11 @@ fn reap_killed_runs() {
             continue;
         }
         let state = e.path().join("runc");
-        let list = Command::new(tool("runc")).arg("--root").arg(&state).args(["list", "-q"]).output();
+        let list = Command::new(&runc).arg("--root").arg(&state).args(["list", "-q"]).output();
         for id in
             list.iter().flat_map(|o| String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect::<Vec<_>>())
         {
-            let _ = Command::new(tool("runc")).arg("--root").arg(&state).args(["delete", "--force", &id]).output();
+            let _ = Command::new(&runc).arg("--root").arg(&state).args(["delete", "--force", &id]).output();
         }
         let _ = std::fs::remove_dir_all(e.path());
     }
@@ -379,7 +376,9 @@ fn the_pack_runs_from_the_image_as_shipped_and_serves_a_chat_completion() {
 
     let docs = yaml_docs(&rendered());
     // etcd: the etcd image, one member on loopback, with the pack's other flags.
-    let (client, peer) = (free_addr(), free_addr());
+    // etcd takes no port 0 (its peer URL is its member identity): two distinct free ones.
+    let ports = opskit::process::free_ports(2).expect("two free loopback ports");
+    let (client, peer) = (format!("127.0.0.1:{}", ports[0]), format!("127.0.0.1:{}", ports[1]));
     let pack_etcd = containers(&docs)
         .into_iter()
         .find(|(_, _, c)| c["command"][0] == "etcd")

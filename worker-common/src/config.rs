@@ -73,7 +73,7 @@ pub struct CommonFlags {
     #[arg(long, env = "TANDEM_VERSION_GROUP")]
     pub version_group: Option<String>,
     /// The zone this worker runs in (a cloud zone, a rack), registered for
-    /// coordinators' `--zone-pairing`: `[^ ]`, at most 256 bytes. Env: TANDEM_ZONE.
+    /// coordinators' `--zone-pairing`: at most 256 bytes, no whitespace. Env: TANDEM_ZONE.
     /// Default: none.
     #[arg(long, env = "TANDEM_ZONE")]
     pub zone: Option<String>,
@@ -330,12 +330,10 @@ impl CommonFlags {
                 .map(|t| facts::cpus::CpuList::parse(t).map_err(|e| invalid("cpus", format!("{t:?}: {e}"))))
                 .transpose()?,
             version_group,
-            zone: match self.zone.as_deref() {
-                None | Some("") => String::new(),
-                Some(z) if z.len() > 256 || z.chars().any(|c| c.is_whitespace() || c.is_control()) => {
-                    return Err(invalid("zone", format!("{z:?}: at most 256 bytes, no spaces or control characters")))
-                }
-                Some(z) => z.to_owned(),
+            zone: {
+                let zone = self.zone.clone().unwrap_or_default();
+                registry::check_zone(&zone).map_err(|e| invalid("zone", format!("{zone:?}: {e}")))?;
+                zone
             },
             kv_block_size: positive("kv_block_size", self.kv_block_size, 16)?,
             kv_dtype,

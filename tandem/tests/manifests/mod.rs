@@ -22,6 +22,14 @@ pub fn run_ok(cmd: &mut Command, what: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The path of tool `name` on PATH; fails the test with how to get it (`hint`) when it
+/// is missing (never a skip).
+pub fn tool(name: &str, hint: &str) -> PathBuf {
+    let out = Command::new("sh").args(["-c", &format!("command -v {name}")]).output().expect("sh");
+    assert!(out.status.success(), "{name} not found: run `make deps` ({hint})");
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
 pub const OVERLAY: &str = "deploy/k8s/overlays/example";
 
 /// The venv python of scripts/python-deps.sh (PyYAML and kubernetes-validate live there).
