@@ -44,6 +44,8 @@ readonly NEEDS=(
   # objcopy (binutils, from build-essential) strips the binaries' line tables.
   "command -v umoci|umoci"
   "command -v runc|runc"
+  # build-image.sh labels the image with its commit and image.rs checks it: git.
+  "command -v git|git"
 )
 
 missing=()
