@@ -12,13 +12,12 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use decode_worker::service::{DecodeService, DecodeSettings};
-use decode_worker::sink::{RunnerSink, WriteFailures};
+use decode_worker::sink::RunnerSink;
 use decode_worker::{DecodeConfig, DecodeFlags};
 use engine::runner::{Runner, RunnerConfig, RunnerHandle};
 use kvtransfer::{
-    CloseReason, LocalCloseReason, LocalKvServer, LocalServerConfig, Peer, PeerTrust, QuicKvServer, QuicServerConfig,
-    Receiver, ReceiverConfig, TcpKvServer, TcpServerConfig, TlsIdentity, TransportKind, UcxCloseReason, UcxKvServer,
-    UcxServerConfig,
+    LocalKvServer, LocalServerConfig, Peer, PeerTrust, QuicKvServer, QuicServerConfig, Receiver, ReceiverConfig,
+    ServerStats, TcpKvServer, TcpServerConfig, TlsIdentity, TransportKind, UcxKvServer, UcxServerConfig,
 };
 use proto::worker::v1::decode_worker_server::DecodeWorkerServer;
 use tokio_util::sync::CancellationToken;
@@ -50,8 +49,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     rx_config.max_blocks_per_reservation = common.kv_blocks;
     rx_config.max_lease = rx_config.max_lease.max(cfg.reservation_ttl);
     let receiver = Arc::new(Mutex::new(Receiver::new(local.clone(), rx_config)?));
-    let failures = WriteFailures::default();
-    let sink = RunnerSink::new(runner.clone(), failures.clone());
+    let sink = RunnerSink::new(runner.clone(), &receiver);
     let (kv_server, tls_cert_sha256) = bind_transfer(&cfg, receiver.clone(), sink, &runner).await?;
     let advertised = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr());
     println!("listening transfer={}", kv_server.local_addr());
@@ -69,7 +67,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
         tls_cert_sha256,
         max_absorbed_prefill_tokens_per_s: cfg.max_absorbed_prefill_tokens_per_s,
     };
-    let service = DecodeService::new(runner.clone(), local, receiver, failures, settings);
+    let service = DecodeService::new(runner.clone(), local, receiver, settings);
     let reaper_stop = CancellationToken::new();
     let reaper = tokio::spawn(service.clone().reap_forever(reaper_stop.clone()));
 
@@ -143,28 +141,42 @@ impl KvServer {
         }
     }
 
-    /// Exports the listener's connection counters to `/metrics` as they
-    /// change (a task that ends when the listener stops).
-    fn export_stats(&self) {
+    fn kind(&self) -> TransportKind {
         match self {
-            Self::Tcp(s) => export(s.watch_stats(), &CloseReason::LABELS, |s| (s.connections_accepted, &s.closed)),
-            Self::Quic(s) => export(s.watch_stats(), &CloseReason::LABELS, |s| (s.connections_accepted, &s.closed)),
-            Self::Local(s) => {
-                export(s.watch_stats(), &LocalCloseReason::LABELS, |s| (s.connections_accepted, &s.closed))
-            }
-            Self::Ucx(s) => {
-                export(s.watch_stats(), &UcxCloseReason::LABELS, |s| (s.connections_accepted, &s.closed));
-                let mut rx = s.watch_stats();
-                tokio::spawn(async move {
-                    loop {
-                        decode_worker::metrics::record_ucx(&rx.borrow_and_update());
-                        if rx.changed().await.is_err() {
-                            break;
-                        }
-                    }
-                });
-            }
+            Self::Tcp(_) => TransportKind::Tcp,
+            Self::Quic(_) => TransportKind::Quic,
+            Self::Local(_) => TransportKind::Local,
+            Self::Ucx(_) => TransportKind::Ucx,
         }
+    }
+
+    fn watch_stats(&self) -> tokio::sync::watch::Receiver<ServerStats> {
+        match self {
+            Self::Tcp(s) => s.watch_stats(),
+            Self::Quic(s) => s.watch_stats(),
+            Self::Local(s) => s.watch_stats(),
+            Self::Ucx(s) => s.watch_stats(),
+        }
+    }
+
+    /// Exports the listener's counters to `/metrics` as they change (a task
+    /// that ends when the listener stops).
+    fn export_stats(&self) {
+        let (mut rx, kind) = (self.watch_stats(), self.kind());
+        tokio::spawn(async move {
+            loop {
+                {
+                    let stats = rx.borrow_and_update();
+                    decode_worker::metrics::record_connections(&stats, kind);
+                    if kind == TransportKind::Ucx {
+                        decode_worker::metrics::record_ucx(&stats.ucx);
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    break;
+                }
+            }
+        });
     }
 
     fn shutdown(self) {
@@ -175,27 +187,6 @@ impl KvServer {
             Self::Ucx(s) => s.shutdown(),
         }
     }
-}
-
-/// Spawns a task that records `(accepted, closed by label)` from `rx` at
-/// every change, until the listener drops its side of the watch.
-fn export<T: Send + Sync + 'static>(
-    mut rx: tokio::sync::watch::Receiver<T>,
-    labels: &'static [&'static str],
-    view: fn(&T) -> (u64, &[u64]),
-) {
-    tokio::spawn(async move {
-        loop {
-            {
-                let stats = rx.borrow_and_update();
-                let (accepted, closed) = view(&stats);
-                decode_worker::metrics::record_connections(accepted, labels, closed);
-            }
-            if rx.changed().await.is_err() {
-                break;
-            }
-        }
-    });
 }
 
 /// Binds the KV listener; for QUIC with no configured certificate, makes a

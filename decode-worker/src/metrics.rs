@@ -112,11 +112,11 @@ pub fn record_received(bytes: u64) {
 }
 
 /// Mirrors the transfer listener's connection counters (absolute values,
-/// never reset): `closed[i]` is the count of `labels[i]`.
-pub fn record_connections(accepted: u64, labels: &[&'static str], closed: &[u64]) {
-    counter!(CONNECTIONS_ACCEPTED).absolute(accepted);
-    for (label, n) in labels.iter().zip(closed) {
-        counter!(CONNECTIONS_CLOSED, "reason" => *label).absolute(*n);
+/// never reset), with the close reasons a listener of `kind` can give.
+pub fn record_connections(s: &kvtransfer::ServerStats, kind: kvtransfer::TransportKind) {
+    counter!(CONNECTIONS_ACCEPTED).absolute(s.connections_accepted);
+    for (label, n) in s.closed_for(kind) {
+        counter!(CONNECTIONS_CLOSED, "reason" => label).absolute(n);
     }
 }
 
@@ -130,7 +130,7 @@ pub fn record_transport(transport: kvtransfer::TransportKind) {
 }
 
 /// Mirrors the UCX server's landing-region counters (absolute values).
-pub fn record_ucx(s: &kvtransfer::UcxServerStats) {
+pub fn record_ucx(s: &kvtransfer::UcxStats) {
     gauge!(UCX_QUARANTINED_BYTES).set(s.quarantined_bytes as f64);
     gauge!(UCX_QUARANTINED_RANGES).set(s.quarantined_ranges as f64);
     gauge!(UCX_LANDING_IN_USE).set(s.landing_in_use_bytes as f64);

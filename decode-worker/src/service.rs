@@ -59,7 +59,6 @@ use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::absorb::AbsorbBudget;
 use crate::metrics as m;
-use crate::sink::WriteFailures;
 use crate::KvLoadFailurePolicy;
 use worker_common::serve::{blocking, err, local_deadline, runner_err};
 
@@ -96,7 +95,6 @@ struct Inner {
     stats: worker_common::health::StatsCache,
     local: Peer,
     receiver: Arc<Mutex<Receiver>>,
-    failures: WriteFailures,
     settings: DecodeSettings,
     ready: AtomicBool,
     /// Set while fenced: another process holds this worker's etcd key, or no coordinator has
@@ -202,13 +200,7 @@ impl Drop for Pending<'_> {
 }
 
 impl DecodeService {
-    pub fn new(
-        runner: RunnerHandle,
-        local: Peer,
-        receiver: Arc<Mutex<Receiver>>,
-        failures: WriteFailures,
-        settings: DecodeSettings,
-    ) -> Self {
+    pub fn new(runner: RunnerHandle, local: Peer, receiver: Arc<Mutex<Receiver>>, settings: DecodeSettings) -> Self {
         let absorb = Mutex::new(AbsorbBudget::new(settings.max_absorbed_prefill_tokens_per_s, Instant::now()));
         Self {
             inner: Arc::new(Inner {
@@ -216,7 +208,6 @@ impl DecodeService {
                 stats: worker_common::health::StatsCache::default(),
                 local,
                 receiver,
-                failures,
                 settings,
                 ready: AtomicBool::new(true),
                 fenced: AtomicBool::new(false),

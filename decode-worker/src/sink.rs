@@ -25,16 +25,20 @@
 //! write always lands before its blocks are freed or read.
 //!
 //! A write that fails on the engine thread (never expected: the receiver
-//! checked the range) is recorded against its reservation; the service
-//! checks [`WriteFailures::take`] on the engine thread, after every write
-//! and before joining the sequence, and treats a hit as corrupt KV.
+//! checked the range) is told to the receiver, which holds all of a
+//! reservation's state ([`Receiver::on_write_failed`]): a live reservation
+//! fails there; for a taken one the service asks
+//! [`Receiver::take_write_failure`] on the engine thread, after every
+//! write and before joining the sequence, and treats a hit as corrupt KV.
+//! The engine thread takes the receiver's lock only for that call, and no
+//! holder of that lock ever waits for the engine thread (posts never wait),
+//! so this cannot deadlock.
 
-use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 
 use engine::runner::{PostError, RunnerHandle, POST_ROOM};
-use kvtransfer::{BlockSink, OwnedPayload, Reservation, WriteInstruction};
+use kvtransfer::{BlockSink, OwnedPayload, Receiver, WriteInstruction};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::PollSemaphore;
 use types::kv::BlockId;
@@ -56,42 +60,27 @@ pub fn units(payload_len: usize) -> u32 {
     payload_len.div_ceil(CREDIT_UNIT_BYTES).clamp(1, CREDIT_UNITS) as u32
 }
 
-/// Reservations with a failed write, shared by the sink and the service.
-#[derive(Debug, Clone, Default)]
-pub struct WriteFailures(Arc<Mutex<HashSet<Reservation>>>);
-
-impl WriteFailures {
-    fn add(&self, r: Reservation) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(r);
-    }
-
-    /// Whether a write for `r` failed (and forgets it). Call on the engine
-    /// thread (inside `with_pool`) so every posted write has run.
-    pub fn take(&self, r: Reservation) -> bool {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&r)
-    }
-}
-
 /// Posts accepted KV frames to the engine thread. Clones (one per
 /// connection) share the credit.
 pub struct RunnerSink {
     runner: RunnerHandle,
-    failures: WriteFailures,
+    /// Told of a failed write (weak: the sink must not keep it alive).
+    receiver: Weak<Mutex<Receiver>>,
     credit: PollSemaphore,
     /// Taken by `poll_ready` for the frame about to be written.
     held: Option<OwnedSemaphorePermit>,
 }
 
 impl RunnerSink {
-    pub fn new(runner: RunnerHandle, failures: WriteFailures) -> Self {
+    pub fn new(runner: RunnerHandle, receiver: &Arc<Mutex<Receiver>>) -> Self {
         let credit = PollSemaphore::new(Arc::new(Semaphore::new(CREDIT_UNITS)));
-        Self { runner, failures, credit, held: None }
+        Self { runner, receiver: Arc::downgrade(receiver), credit, held: None }
     }
 }
 
 impl Clone for RunnerSink {
     fn clone(&self) -> Self {
-        Self { runner: self.runner.clone(), failures: self.failures.clone(), credit: self.credit.clone(), held: None }
+        Self { runner: self.runner.clone(), receiver: self.receiver.clone(), credit: self.credit.clone(), held: None }
     }
 }
 
@@ -130,7 +119,7 @@ impl BlockSink for RunnerSink {
 
     fn write_layer_owned(&mut self, w: WriteInstruction, payload: OwnedPayload) -> Result<(), String> {
         let r = w.reservation;
-        let failures = self.failures.clone();
+        let receiver = self.receiver.clone();
         let len = (*payload).as_ref().len();
         // Every server polls `poll_ready` for this frame first; a caller that
         // did not gets the credit only if it is there now.
@@ -144,7 +133,9 @@ impl BlockSink for RunnerSink {
             let (k, v) = w.split_payload((*payload).as_ref());
             if let Err(e) = pool.scatter_layer(w.layer, &w.blocks, k, v) {
                 tracing::error!(layer = w.layer, error = %e, "writing received KV into the pool failed");
-                failures.add(r);
+                if let Some(rx) = receiver.upgrade() {
+                    rx.lock().unwrap_or_else(|e| e.into_inner()).on_write_failed(r);
+                }
             }
             // Returned once the write has run (or with the job, dropped unrun).
             drop(credit);

@@ -215,7 +215,11 @@ fn main() -> Res<()> {
         }
     }
     let s = servers.ucx.stats();
-    if s.quarantined_ranges != 0 || s.quarantined_blocks != 0 || s.landing_in_use_bytes != 0 || s.aborts_sent != 0 {
+    if s.ucx.quarantined_ranges != 0
+        || s.ucx.quarantined_blocks != 0
+        || s.ucx.landing_in_use_bytes != 0
+        || s.aborts_sent != 0
+    {
         return Err(format!("ucx server left state behind: {s:?}").into());
     }
     Ok(())

@@ -93,20 +93,18 @@ pub use session::{
     ReservationError, ReservationId, ReservationState, ReserveError, ReserveRefusal, WriteInstruction,
 };
 pub use transport::any::{KvSender, TransportKind};
-pub use transport::local::{
-    LocalCloseReason, LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, LocalServerStats,
-};
+pub use transport::local::{LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, LocalServerStats};
 pub use transport::quic::{
     CertFingerprint, PeerTrust, QuicKvSender, QuicKvServer, QuicSenderConfig, QuicServerConfig, QuicServerStats,
     QuicTuning, TlsError, TlsIdentity,
 };
 pub use transport::tcp::{TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TcpServerStats};
 pub use transport::ucx::{
-    LandingRefusal, StoredLayer, UcxCloseReason, UcxDirectWriter, UcxKvSender, UcxKvServer, UcxPoolMemory,
-    UcxSenderConfig, UcxServerConfig, UcxServerStats,
+    LandingRefusal, StoredLayer, UcxDirectWriter, UcxKvSender, UcxKvServer, UcxPoolMemory, UcxSenderConfig,
+    UcxServerConfig, UcxServerStats,
 };
 pub use transport::{BlockSink, FnSink, OwnedPayload};
-pub use transport::{CloseReason, ServerStats, TransferError};
+pub use transport::{CloseReason, ServerStats, TransferError, UcxStats};
 
 /// Version of the transfer protocol: frame layouts and session rules. Peers
 /// with different versions refuse each other in the handshake. It is also

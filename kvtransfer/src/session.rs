@@ -170,7 +170,8 @@ impl WriteInstruction {
 pub enum ReleaseCause {
     /// The lease passed before the engine took the blocks.
     LeaseExpired,
-    /// A frame failed its checksum.
+    /// A frame failed its checksum, or its write into the pool failed
+    /// ([`Receiver::on_write_failed`]).
     Corrupt,
     /// The sender aborted the transfer.
     PeerAborted(AbortReason),
@@ -270,6 +271,9 @@ pub struct Receiver {
     /// Ended reservations whose blocks a peer may still write: they go to
     /// the outbox only at [`Receiver::fence`].
     quarantine: HashMap<Reservation, Released>,
+    /// Taken reservations a write of which failed after they were taken,
+    /// until [`Receiver::take_write_failure`] asks.
+    write_failed: HashSet<Reservation>,
     counters: ReceiverCounters,
 }
 
@@ -287,6 +291,7 @@ impl Receiver {
             held: HashSet::new(),
             outbox: Vec::new(),
             quarantine: HashMap::new(),
+            write_failed: HashSet::new(),
             counters: ReceiverCounters::default(),
         })
     }
@@ -602,6 +607,32 @@ impl Receiver {
         }
         self.counters.reservations_taken += 1;
         Ok(self.end_returning(idx, ReservationState::Taken))
+    }
+
+    /// A write of `r`'s accepted KV failed where the sink put it (the decode
+    /// worker writes on its engine thread, after the frame was accepted):
+    /// the blocks' content is unknown. The receiver is the one record of it.
+    /// A live `r` ends as `Failed` (its blocks come back through
+    /// [`poll_released`](Self::poll_released) as [`ReleaseCause::Corrupt`]; the
+    /// sender's next frame is refused); a taken one is remembered until
+    /// [`take_write_failure`](Self::take_write_failure); one that ended
+    /// otherwise has nothing left to spoil.
+    pub fn on_write_failed(&mut self, r: Reservation) {
+        let Ok(idx) = self.find(r) else { return };
+        match &self.slots[idx].state {
+            SlotState::Live(_) => self.end_to_outbox(idx, ReservationState::Failed, ReleaseCause::Corrupt),
+            SlotState::Ended(ReservationState::Taken) => {
+                self.write_failed.insert(r);
+            }
+            SlotState::Ended(_) => {}
+        }
+    }
+
+    /// Whether a write of the taken `r` failed (and forgets it). The taker
+    /// asks once every write of `r` has run (the decode worker: on the
+    /// engine thread, after `take_ready`), and treats a hit as corrupt KV.
+    pub fn take_write_failure(&mut self, r: Reservation) -> bool {
+        self.write_failed.remove(&r)
     }
 
     /// Moves a live reservation's lease end to `now + ttl` if that is later

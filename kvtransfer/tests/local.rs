@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use engine::kv::KvPool;
 
-use kvtransfer::transport::local::{LocalCloseReason, RingRefusal};
+use kvtransfer::transport::local::RingRefusal;
 use kvtransfer::{
     AbortReason, Complete, DecodeLimits, Decoded, Frame, Hello, LayerData, LayoutFingerprint, LocalKvSender,
     LocalKvServer, LocalSenderConfig, LocalServerConfig, LocalServerStats, Peer, Receiver, ReceiverConfig,
@@ -507,7 +507,7 @@ async fn silent_peers_time_out_on_both_sides() {
     expect_closed(&mut s, "server closing an idle connection").await;
     let st = d.wait_stats("the idle close counted", |s| s.connections_closed() == 1).await;
     assert_eq!(st.closed_by("idle"), 1);
-    assert_eq!(LocalCloseReason::Idle(Duration::ZERO).as_str(), "idle");
+    assert_eq!(kvtransfer::CloseReason::Idle(Duration::ZERO).as_str(), "idle");
 
     // Sender side: a listener that accepts and never answers.
     let addr = unique_addr();

@@ -23,8 +23,7 @@ use engine::kv::KvPool;
 
 use kvtransfer::{
     AbortReason, ErrorKind, LandingRefusal, Peer, Receiver, ReceiverConfig, RejectReason, ReleaseCause, Reservation,
-    ReservationState, TransferError, UcxCloseReason, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig,
-    UcxServerStats,
+    ReservationState, TransferError, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig, UcxServerStats,
 };
 use types::kv::{BlockId, KvLayout};
 
@@ -199,8 +198,8 @@ async fn a_direct_writer_stores_from_the_senders_pool_until_its_grant_is_revoked
     assert_eq!((tx.bytes_sent(), lock(&d.rx).counters().payload_bytes_accepted), (bytes, bytes));
     // Every send but the connection thread's layer 0 went through the writer; all direct.
     assert_eq!((tx.mapped_layers(), tx.direct_layers()), (l.n_layers as u64 + 1, l.n_layers as u64 + 1));
-    let s = d.wait_stats("the layers checked", |s| s.direct_layers == l.n_layers as u64 + 1).await;
-    assert_eq!((s.direct_grants, s.aborts_sent, s.quarantined_blocks), (1, 0, 0));
+    let s = d.wait_stats("the layers checked", |s| s.ucx.direct_layers == l.n_layers as u64 + 1).await;
+    assert_eq!((s.ucx.direct_grants, s.aborts_sent, s.ucx.quarantined_blocks), (1, 0, 0));
 
     // Abort revokes too, and so does the sender's end.
     let (r2, _) = d.reserve(2, Duration::from_secs(30));
@@ -214,7 +213,7 @@ async fn a_direct_writer_stores_from_the_senders_pool_until_its_grant_is_revoked
     let (r3, _) = d.reserve(2, Duration::from_secs(30));
     let w3 = within("a writer", tx.direct_writer(r3)).await.expect("direct_writer").expect("a writer");
     drop(tx);
-    d.wait_stats("the sender's Bye", |s| s.closed_by(UcxCloseReason::Bye) == 1).await;
+    d.wait_stats("the sender's Bye", |s| s.closed_by("bye") == 1).await;
     assert!(!w3.is_live(), "the sender's end revokes its writers");
     assert!(matches!(w3.store_layer(0, 0, k, v, &table[..2]), Err(TransferError::Revoked { .. })));
 }
@@ -264,12 +263,12 @@ async fn transfer_lands_byte_exact(mapped_stores: bool, direct: bool) {
     let bytes = (l.n_layers * 5 * 2 * side(&l)) as u64;
     assert_eq!(tx.bytes_sent(), bytes, "sender: blocks x block bytes");
     assert_eq!(lock(&d.rx).counters().payload_bytes_accepted, bytes, "receiver: blocks x block bytes");
-    let s = d.wait_stats("the range freed", |s| s.landing_in_use_bytes == 0).await;
+    let s = d.wait_stats("the range freed", |s| s.ucx.landing_in_use_bytes == 0).await;
     let (landing, pool) = if want_direct > 0 { (0, 1) } else { (1, 0) };
-    assert_eq!((s.grants, s.direct_grants, s.direct_layers), (landing, pool, want_direct));
-    assert_eq!((s.aborts_sent, s.quarantined_ranges, s.quarantined_blocks), (0, 0, 0));
+    assert_eq!((s.ucx.grants, s.ucx.direct_grants, s.ucx.direct_layers), (landing, pool, want_direct));
+    assert_eq!((s.aborts_sent, s.ucx.quarantined_ranges, s.ucx.quarantined_blocks), (0, 0, 0));
     drop(tx);
-    d.wait_stats("the sender's Bye", |s| s.closed_by(UcxCloseReason::Bye) == 1).await;
+    d.wait_stats("the sender's Bye", |s| s.closed_by("bye") == 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -286,8 +285,8 @@ async fn a_layout_or_group_mismatch_is_refused_before_any_key_or_byte_moves() {
         Err(TransferError::Rejected { reason: RejectReason::VersionGroup }) => {}
         other => panic!("expected a version-group rejection, got {other:?}"),
     }
-    let s = d.wait_stats("two rejections", |s| s.closed_by(UcxCloseReason::Rejected) == 2).await;
-    assert_eq!((s.connections_accepted, s.grants, s.landing_in_use_bytes), (0, 0, 0));
+    let s = d.wait_stats("two rejections", |s| s.closed_by("rejected") == 2).await;
+    assert_eq!((s.connections_accepted, s.ucx.grants, s.ucx.landing_in_use_bytes), (0, 0, 0));
     let c = lock(&d.rx).counters().clone();
     assert_eq!((c.hello_accepted, c.layer_frames_accepted, c.payload_bytes_accepted), (0, 0, 0));
 }
@@ -313,8 +312,8 @@ async fn an_expired_reservations_range_is_quarantined_until_its_sender_is_fenced
     let released = d.reap(now() + ttl + Duration::from_millis(1));
     assert_eq!(released.len(), 1);
     assert_eq!(released[0].cause, ReleaseCause::LeaseExpired, "blocks back to the pool at once");
-    let s = d.wait_stats("the range quarantined", |s| s.quarantined_ranges == 1).await;
-    assert_eq!(s.quarantined_bytes as usize, landing_of(&l, 4));
+    let s = d.wait_stats("the range quarantined", |s| s.ucx.quarantined_ranges == 1).await;
+    assert_eq!(s.ucx.quarantined_bytes as usize, landing_of(&l, 4));
 
     // Another transfer cannot have those bytes: back-pressure, typed.
     let (r2, table_b) = d.reserve(4, ttl);
@@ -326,7 +325,7 @@ async fn an_expired_reservations_range_is_quarantined_until_its_sender_is_fenced
         }
         other => panic!("expected landing_full while the range is quarantined, got {other:?}"),
     }
-    assert_eq!(d.server.stats().quarantined_ranges, 1, "still quarantined: the stalled sender was not fenced");
+    assert_eq!(d.server.stats().ucx.quarantined_ranges, 1, "still quarantined: the stalled sender was not fenced");
 
     // The stalled sender resumes. Its late layer, if put before it heard of
     // the expiry, lands in the quarantined range and goes no further; at the
@@ -339,8 +338,8 @@ async fn an_expired_reservations_range_is_quarantined_until_its_sender_is_fenced
         Err(TransferError::PeerAbort { reason: AbortReason::LeaseExpired }) => {}
         other => panic!("expected the late transfer refused as lease_expired, got {other:?}"),
     }
-    let s = d.wait_stats("the fence completed", |s| s.quarantined_ranges == 0 && s.fences_completed == 1).await;
-    assert_eq!(s.landing_in_use_bytes, 0);
+    let s = d.wait_stats("the fence completed", |s| s.ucx.quarantined_ranges == 0 && s.ucx.fences_completed == 1).await;
+    assert_eq!(s.ucx.landing_in_use_bytes, 0);
     assert_eq!(lock(&d.rx).counters().layer_frames_accepted, 1, "the late layer never reached the receiver");
 
     // Now the other transfer gets the range and lands.
@@ -354,11 +353,11 @@ async fn an_expired_reservations_range_is_quarantined_until_its_sender_is_fenced
     send_layers(&mut silent, &pool_a, &table_a, r3, &[2]).await;
     let blocks = lock(&d.rx).abort(r3).expect("the decode side cancels");
     lock(&d.pool).release(&blocks).expect("release");
-    d.wait_stats("the cancelled range quarantined", |s| s.quarantined_ranges == 1).await;
+    d.wait_stats("the cancelled range quarantined", |s| s.ucx.quarantined_ranges == 1).await;
     drop(silent);
-    let closed = |s: &UcxServerStats| s.quarantined_ranges == 0 && s.closed_by(UcxCloseReason::Bye) >= 1;
+    let closed = |s: &UcxServerStats| s.ucx.quarantined_ranges == 0 && s.closed_by("bye") >= 1;
     let s = d.wait_stats("released by the sender's close", closed).await;
-    assert_eq!((s.fences_completed, s.landing_in_use_bytes), (2, 0));
+    assert_eq!((s.ucx.fences_completed, s.ucx.landing_in_use_bytes), (2, 0));
     assert_eq!(lock(&d.rx).held_blocks(), 0);
 }
 
@@ -383,15 +382,15 @@ async fn an_expired_direct_reservations_blocks_stay_out_of_the_pool_until_its_se
     if !common::shared_lanes(&stalled) {
         // No shared memory between the workers (e.g. UCX_TLS=tcp): the landing
         // region's own test covers this fence; nothing went to the pool directly.
-        assert_eq!((stalled.direct_layers(), d.server.stats().direct_grants), (0, 0));
+        assert_eq!((stalled.direct_layers(), d.server.stats().ucx.direct_grants), (0, 0));
         return;
     }
     assert_eq!(stalled.direct_layers(), 1);
     // The lease runs out: nothing comes back to the pool yet.
     assert!(d.reap(now() + ttl + Duration::from_millis(1)).is_empty(), "blocks held for the fence");
     assert_eq!(lock(&d.rx).state(r1), Some(ReservationState::Expired));
-    let s = d.wait_stats("the blocks quarantined", |s| s.quarantined_blocks == 4).await;
-    assert_eq!(s.direct_grants, 1);
+    let s = d.wait_stats("the blocks quarantined", |s| s.ucx.quarantined_blocks == 4).await;
+    assert_eq!(s.ucx.direct_grants, 1);
     assert_eq!(lock(&d.pool).available(), free_before - 4, "the pool cannot hand them out");
 
     // Another transfer, meanwhile, gets other blocks and lands byte-exact.
@@ -413,8 +412,8 @@ async fn an_expired_direct_reservations_blocks_stay_out_of_the_pool_until_its_se
         Err(TransferError::PeerAbort { reason: AbortReason::LeaseExpired }) => {}
         other => panic!("expected the late transfer refused as lease_expired, got {other:?}"),
     }
-    let s = d.wait_stats("the fence completed", |s| s.quarantined_blocks == 0 && s.fences_completed == 1).await;
-    assert_eq!(s.landing_in_use_bytes, 0);
+    let s = d.wait_stats("the fence completed", |s| s.ucx.quarantined_blocks == 0 && s.ucx.fences_completed == 1).await;
+    assert_eq!(s.ucx.landing_in_use_bytes, 0);
     let released = d.reap(now());
     assert_eq!(released.len(), 1);
     assert_eq!((released[0].cause, &released[0].blocks), (ReleaseCause::LeaseExpired, &blocks1));
@@ -432,9 +431,9 @@ async fn an_expired_direct_reservations_blocks_stay_out_of_the_pool_until_its_se
     let mut silent = d.connect(&me).await.expect("connect");
     send_layers(&mut silent, &pool_a, &table_a, r3, &[2]).await;
     assert_eq!(lock(&d.rx).abort(r3).expect("the decode side cancels"), Vec::<BlockId>::new());
-    d.wait_stats("the cancelled blocks quarantined", |s| s.quarantined_blocks == 4).await;
+    d.wait_stats("the cancelled blocks quarantined", |s| s.ucx.quarantined_blocks == 4).await;
     drop(silent);
-    d.wait_stats("released by the sender's close", |s| s.quarantined_blocks == 0).await;
+    d.wait_stats("released by the sender's close", |s| s.ucx.quarantined_blocks == 0).await;
     assert_eq!(d.reap(now()).len(), 1);
     assert_eq!((lock(&d.rx).held_blocks(), lock(&d.pool).available()), (0, free_before));
 }
@@ -454,7 +453,7 @@ async fn dead_peers_give_typed_errors_in_bounded_time_and_leak_nothing() {
     let mut tx = d.connect(&me).await.expect("connect");
     send_layers(&mut tx, &pool_a, &table_a, r, &[0, 1]).await;
     drop(tx);
-    d.wait_stats("the sender's close", |s| s.closed_by(UcxCloseReason::Bye) == 1 && s.landing_in_use_bytes == 0).await;
+    d.wait_stats("the sender's close", |s| s.closed_by("bye") == 1 && s.ucx.landing_in_use_bytes == 0).await;
     assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Receiving), "never readable without Complete");
     let released = d.reap(now() + ttl);
     assert_eq!(released.len(), 1);

@@ -68,7 +68,7 @@ async fn a_byte_flipped_in_the_pool_after_the_writers_checksum_is_refused() {
     assert!(!w.is_live(), "the abort revoked the writer");
     // The sender fenced on hearing the abort: the blocks come back, as corrupt.
     let mut w8 = server.watch_stats();
-    within("fenced", w8.wait_for(|s| s.fences_completed == 1 && s.quarantined_blocks == 0))
+    within("fenced", w8.wait_for(|s| s.ucx.fences_completed == 1 && s.ucx.quarantined_blocks == 0))
         .await
         .expect("server alive");
     let released = lock(&rx).poll_released(now());

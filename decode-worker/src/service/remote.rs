@@ -196,8 +196,8 @@ impl DecodeService {
             }
         };
         // Barrier: runs on the engine thread after every posted write of r.
-        let (runner, failures) = (inner.runner.clone(), inner.failures.clone());
-        let failed = blocking(move || runner.with_pool(move |_| failures.take(r)))
+        let (runner, receiver) = (inner.runner.clone(), inner.receiver.clone());
+        let failed = blocking(move || runner.with_pool(move |_| lock(&receiver).take_write_failure(r)))
             .await
             .map_err(Failure::Fatal)?
             .map_err(|e| Failure::Fatal(runner_err(&e)));

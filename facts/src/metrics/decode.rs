@@ -59,7 +59,8 @@ pub const CONNECTIONS_ACCEPTED: &str = "tandem_kv_connections_accepted_total";
 /// (bytes that are not a frame), `truncated`, `io`, `idle`, `not_hello`,
 /// `rejected`, `unexpected_frame`, `tls` and the shared-memory transport's
 /// `ring_refused`, `bad_slot`, `unexpected_message`, `peer_uid` are a peer or
-/// link at fault (kvtransfer's `CloseReason`/`LocalCloseReason` labels).
+/// link at fault; UCX's are `bye` (the normal end), `peer_failed`, `rejected`
+/// and `busy` (kvtransfer's `CloseReason` labels, each transport its own).
 pub const CONNECTIONS_CLOSED: &str = "tandem_kv_connections_closed_total";
 /// `tandem_kv_load_seconds`: reserve to acknowledged KV (the remote prefill
 /// and its transfer), for loads that succeeded.

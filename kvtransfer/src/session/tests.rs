@@ -153,6 +153,44 @@ fn wrong_generation_and_unknown_ids_are_refused() {
     assert_eq!(rx.counters().refused("stale_generation"), 2);
 }
 
+/// A failed write is recorded in the receiver, the one holder of block
+/// state: before the take it fails the reservation (blocks back once, the
+/// sender's next frame refused, the take refused); after the take it is
+/// answered once to the taker; on an ended or unknown reservation it
+/// changes nothing.
+#[test]
+fn a_failed_write_fails_a_live_reservation_and_is_told_once_after_the_take() {
+    let mut rx = rx();
+    let t0 = Instant::now();
+    let live = rx.reserve(vec![1, 2], SEC, t0).expect("reserve");
+    rx.on_layer(&data(live, 0, 0, 2), t0).expect("layer 0");
+    rx.on_write_failed(live);
+    assert_eq!(rx.state(live), Some(ReservationState::Failed));
+    assert!(rx.on_layer(&data(live, 1, 0, 2), t0).is_err(), "the sender's next frame is refused");
+    let failed = ReservationError::Ended { reservation: live, state: ReservationState::Failed };
+    assert_eq!(rx.take_ready(live), Err(failed));
+    let released = rx.poll_released(t0);
+    assert_eq!(released, [Released { reservation: live, blocks: vec![1, 2], cause: ReleaseCause::Corrupt }]);
+    assert!(!rx.take_write_failure(live), "a live failure is the reservation's end, not a record");
+
+    let taken = rx.reserve(vec![3], SEC, t0).expect("reserve");
+    fill(&mut rx, taken, 1, t0);
+    rx.on_complete(&complete(taken), t0).expect("complete");
+    assert_eq!(rx.take_ready(taken), Ok(vec![3]));
+    rx.on_write_failed(taken);
+    assert!(rx.take_write_failure(taken), "told to the taker");
+    assert!(!rx.take_write_failure(taken), "told once");
+    assert!(rx.poll_released(t0).is_empty(), "the taker owns the blocks");
+
+    let expired = rx.reserve(vec![4], SEC, t0).expect("reserve");
+    rx.poll_released(t0 + SEC);
+    rx.on_write_failed(expired);
+    rx.on_write_failed(Reservation { id: ReservationId(99), generation: 1 });
+    assert!(!rx.take_write_failure(expired));
+    let c = rx.counters();
+    assert_eq!((c.reservations_failed, c.reservations_expired, rx.held_blocks()), (1, 1, 0));
+}
+
 #[test]
 fn a_late_frame_expires_the_reservation_and_blocks_come_back_once() {
     let mut rx = rx();

@@ -24,16 +24,18 @@ pub mod quic;
 pub mod tcp;
 pub mod ucx;
 
+mod close;
 mod error;
+mod inbound;
 mod lock;
 mod send;
 mod serve;
 mod stream;
 
+pub use close::{CloseReason, ServerStats, UcxStats};
 pub use error::TransferError;
 #[cfg(feature = "lock-stats")]
 pub use lock::stats as lock_stats;
-pub use serve::{CloseReason, ServerStats};
 
 use std::task::{Context, Poll};
 

@@ -112,7 +112,6 @@ mod server;
 mod shm;
 mod wire;
 
-use std::collections::VecDeque;
 use std::io;
 use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
@@ -123,9 +122,10 @@ use tokio::net::UnixStream;
 use tokio::time::timeout;
 
 pub use sender::{LocalKvSender, LocalSenderConfig};
-pub use server::{LocalCloseReason, LocalKvServer, LocalServerConfig, LocalServerStats};
+pub use server::{LocalKvServer, LocalServerConfig, LocalServerStats};
 pub use wire::{check_decode, RingRefusal, RingSpec, WireError};
 
+use super::stream::{Recent, WriteError};
 use wire::{Msg, MsgReader};
 
 /// Default slot size (payload bytes per frame). In `benches/local.rs`,
@@ -136,10 +136,6 @@ pub const DEFAULT_SLOT_BYTES: usize = 1 << 20;
 /// Default number of slots: 8 MiB of ring, which did as well as larger
 /// rings and better than 4 slots.
 pub const DEFAULT_SLOTS: usize = 8;
-
-/// Frames remembered per connection for de-duplication (aborts sent by the
-/// server, acks and aborts received by the sender).
-const REMEMBERED: usize = 64;
 
 /// The path tokio binds or connects for an address string: `@name` is
 /// `name` in the Linux abstract namespace, anything else a filesystem path.
@@ -166,13 +162,6 @@ enum ReadError {
     Wire(WireError),
     /// EOF inside a message.
     Truncated,
-}
-
-/// Why a write did not finish.
-#[derive(Debug)]
-enum WriteError {
-    Io(io::Error),
-    Timeout(Duration),
 }
 
 /// Reads until a whole message is buffered, each read waiting at most
@@ -216,29 +205,6 @@ async fn write_all(stream: &mut UnixStream, bytes: &[u8], wait: Duration) -> Res
     match timeout(wait, stream.write_all(&bytes[done..])).await {
         Err(_) => Err(WriteError::Timeout(wait)),
         Ok(r) => r.map_err(WriteError::Io),
-    }
-}
-
-/// Bounded memory of recent items, oldest forgotten first.
-#[derive(Debug)]
-struct Recent<T>(VecDeque<T>);
-
-impl<T> Default for Recent<T> {
-    fn default() -> Self {
-        Self(VecDeque::new())
-    }
-}
-
-impl<T: PartialEq> Recent<T> {
-    fn push(&mut self, t: T) {
-        if self.0.len() == REMEMBERED {
-            self.0.pop_front();
-        }
-        self.0.push_back(t);
-    }
-
-    fn contains(&self, t: &T) -> bool {
-        self.0.contains(t)
     }
 }
 

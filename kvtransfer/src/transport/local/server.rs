@@ -1,7 +1,6 @@
 //! The decode worker's side: accepts connections on a Unix socket, maps
 //! each sender's ring and feeds a [`Receiver`].
 
-use std::future::poll_fn;
 use std::io::{self, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::OwnedFd;
@@ -17,11 +16,12 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{timeout, Instant};
 
 use super::shm::{ReceiverRing, DATA_OFFSET};
-use super::wire::{Msg, MsgReader, RingRefusal, WireError};
-use super::{next_msg, socket_path, write_all, write_msg, ReadError, Recent, WriteError};
-use crate::frame::{Abort, AbortReason, Frame, RejectReason};
+use super::wire::{Msg, MsgReader, RingRefusal};
+use super::{next_msg, socket_path, write_all, write_msg, ReadError, WriteError};
+use crate::frame::Frame;
 use crate::session::Receiver;
-use crate::transport::lock::lock;
+use crate::transport::close::{CloseReason, ServerStats};
+use crate::transport::inbound::{self, InboundConn};
 use crate::transport::{BlockSink, OwnedPayload};
 
 /// Descriptors taken from one read; more are closed by the kernel.
@@ -61,135 +61,25 @@ impl Default for LocalServerConfig {
     }
 }
 
-/// Why the server closed (or saw the end of) a connection.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LocalCloseReason {
-    /// The peer closed between messages: the normal end.
-    #[error("peer closed the connection")]
-    PeerClosed,
-    /// The peer closed in the middle of a message.
-    #[error("peer closed mid-message")]
-    Truncated,
-    /// A socket error (reset, broken pipe, …).
-    #[error("i/o error: {0:?}")]
-    Io(io::ErrorKind),
-    /// No byte arrived (or could be written) within the idle timeout.
-    #[error("idle for {0:?}")]
-    Idle(Duration),
-    /// Bytes that are not a message; the stream cannot be resynchronised.
-    #[error("undecodable bytes: {0}")]
-    Decode(WireError),
-    /// The first message was not `Hello`.
-    #[error("first message was {got}, not Hello")]
-    NotHello { got: &'static str },
-    /// The handshake was refused (after telling the peer).
-    #[error("handshake rejected: {}", .0.as_str())]
-    Rejected(RejectReason),
-    /// The sender's ring was refused (after telling the peer).
-    #[error("ring refused: {0}")]
-    RingRefused(RingRefusal),
-    /// A `Data` message named a slot or length outside the ring.
-    #[error("Data for slot {slot} with {len} bytes is outside the ring")]
-    BadSlot { slot: u32, len: usize },
-    /// A message a sender never sends (`HelloAck`, `Credit`, a second `Hello`, an inline `LayerData`, …).
-    #[error("unexpected {got} from a sender")]
-    UnexpectedMessage { got: &'static str },
-    /// The peer runs as another user and `same_uid_only` is set.
-    #[error("peer runs as uid {uid}")]
-    PeerUid { uid: u32 },
-}
-
-impl LocalCloseReason {
-    /// Every [`as_str`](Self::as_str) label, in [`LocalServerStats::closed`] order.
-    pub const LABELS: [&'static str; 11] = [
-        "peer_closed",
-        "truncated",
-        "io",
-        "idle",
-        "decode",
-        "not_hello",
-        "rejected",
-        "ring_refused",
-        "bad_slot",
-        "unexpected_message",
-        "peer_uid",
-    ];
-
-    /// Stable label for logs and metrics.
-    pub fn as_str(&self) -> &'static str {
-        Self::LABELS[self.index()]
-    }
-
-    fn index(&self) -> usize {
-        match self {
-            Self::PeerClosed => 0,
-            Self::Truncated => 1,
-            Self::Io(_) => 2,
-            Self::Idle(_) => 3,
-            Self::Decode(_) => 4,
-            Self::NotHello { .. } => 5,
-            Self::Rejected(_) => 6,
-            Self::RingRefused(_) => 7,
-            Self::BadSlot { .. } => 8,
-            Self::UnexpectedMessage { .. } => 9,
-            Self::PeerUid { .. } => 10,
-        }
-    }
-}
-
-impl From<ReadError> for LocalCloseReason {
+impl From<ReadError> for CloseReason {
     fn from(e: ReadError) -> Self {
         match e {
             ReadError::Io(e) => Self::Io(e.kind()),
             ReadError::Idle(d) => Self::Idle(d),
-            ReadError::Wire(e) => Self::Decode(e),
+            ReadError::Wire(e) => e.into(),
             ReadError::Truncated => Self::Truncated,
         }
     }
 }
 
-impl From<WriteError> for LocalCloseReason {
-    fn from(e: WriteError) -> Self {
-        match e {
-            WriteError::Io(e) => Self::Io(e.kind()),
-            WriteError::Timeout(d) => Self::Idle(d),
-        }
-    }
-}
-
-/// What the server has done, for metrics and tests. Frame-level counts live
-/// in [`Receiver::counters`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct LocalServerStats {
-    pub connections_accepted: u64,
-    /// Closed on accept because `max_connections` were being served.
-    pub connections_refused_busy: u64,
-    /// Rings accepted and mapped.
-    pub rings_mapped: u64,
-    /// Ended connections by [`LocalCloseReason`], in [`LocalCloseReason::LABELS`] order.
-    pub closed: [u64; LocalCloseReason::LABELS.len()],
-    /// `Abort` frames sent (refused frames, at most one per reservation and connection).
-    pub aborts_sent: u64,
-    /// Accepted frames the [`BlockSink`] failed to store.
-    pub sink_failures: u64,
-}
-
-impl LocalServerStats {
-    /// Connections that ended for any reason.
-    pub fn connections_closed(&self) -> u64 {
-        self.closed.iter().sum()
-    }
-
-    /// Connections that ended with this [`LocalCloseReason::as_str`] label.
-    pub fn closed_by(&self, label: &str) -> u64 {
-        LocalCloseReason::LABELS.iter().position(|l| *l == label).map_or(0, |i| self.closed[i])
-    }
-}
+/// What the local server has done: see [`ServerStats`] (and its
+/// `rings_mapped`).
+pub type LocalServerStats = ServerStats;
 
 struct Shared {
     receiver: Arc<Mutex<Receiver>>,
     config: LocalServerConfig,
-    stats: watch::Sender<LocalServerStats>,
+    stats: watch::Sender<ServerStats>,
     buffers: Buffers,
 }
 
@@ -202,7 +92,7 @@ pub struct LocalKvServer {
     addr: String,
     /// The socket file to remove at the end (none for abstract names).
     file: Option<PathBuf>,
-    stats: watch::Receiver<LocalServerStats>,
+    stats: watch::Receiver<ServerStats>,
     task: JoinHandle<()>,
 }
 
@@ -235,7 +125,7 @@ impl LocalKvServer {
             other => other?,
         };
         let file = (!addr.starts_with('@')).then_some(path);
-        let (tx, stats) = watch::channel(LocalServerStats::default());
+        let (tx, stats) = watch::channel(ServerStats::default());
         let shared = Arc::new(Shared { receiver, config, stats: tx, buffers: Buffers::default() });
         let task = tokio::spawn(accept_loop(listener, shared, sink));
         Ok(Self { addr, file, stats, task })
@@ -247,13 +137,13 @@ impl LocalKvServer {
     }
 
     /// A snapshot of the counters.
-    pub fn stats(&self) -> LocalServerStats {
+    pub fn stats(&self) -> ServerStats {
         self.stats.borrow().clone()
     }
 
     /// A watch on the counters: `wait_for` lets a caller await an event
     /// (a connection closed, an abort sent) instead of polling.
-    pub fn watch_stats(&self) -> watch::Receiver<LocalServerStats> {
+    pub fn watch_stats(&self) -> watch::Receiver<ServerStats> {
         self.stats.clone()
     }
 
@@ -294,19 +184,19 @@ async fn accept_loop<S: BlockSink + Clone + 'static>(listener: UnixListener, sha
         let (shared, mut sink) = (shared.clone(), sink.clone());
         conns.spawn(async move {
             let reason = serve(stream, &shared, &mut sink).await;
-            shared.stats.send_modify(|s| s.closed[reason.index()] += 1);
+            shared.stats.send_modify(|s| s.close(&reason));
         });
     }
 }
 
 /// Runs one connection to its end and says why it ended.
-async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut S) -> LocalCloseReason {
+async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut S) -> CloseReason {
     if shared.config.same_uid_only {
         let me = rustix::process::geteuid().as_raw();
         match stream.peer_cred() {
             Ok(c) if c.uid() == me => {}
-            Ok(c) => return LocalCloseReason::PeerUid { uid: c.uid() },
-            Err(e) => return LocalCloseReason::Io(e.kind()),
+            Ok(c) => return CloseReason::PeerUid { uid: c.uid() },
+            Err(e) => return CloseReason::Io(e.kind()),
         }
     }
     let idle = shared.config.idle_timeout;
@@ -315,20 +205,16 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
 
     let hello = match next_msg(&mut stream, &mut reader, idle).await {
         Ok(Some(Msg::Frame(Frame::Hello(h)))) => h,
-        Ok(Some(other)) => return LocalCloseReason::NotHello { got: other.name() },
-        Ok(None) => return LocalCloseReason::PeerClosed,
+        Ok(Some(other)) => return CloseReason::NotHello { got: other.name() },
+        Ok(None) => return CloseReason::PeerClosed,
         Err(e) => return e.into(),
     };
-    let verdict = lock(&shared.receiver).on_hello(&hello);
-    let answer = match verdict {
-        Ok(ack) => Frame::HelloAck(ack),
-        Err(reject) => Frame::HelloReject(reject),
-    };
+    let (answer, refused) = inbound::hello(&shared.receiver, &hello);
     if let Err(e) = write_msg(&mut stream, &mut out, &Msg::Frame(answer), idle).await {
         return e.into();
     }
-    if let Err(reject) = verdict {
-        return LocalCloseReason::Rejected(reject.reason);
+    if let Some(close) = refused {
+        return close;
     }
 
     let ring = match accept_ring(&mut stream, &mut reader, &shared.config).await {
@@ -337,7 +223,7 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
             if let Err(e) = write_msg(&mut stream, &mut out, &Msg::RingReject(refusal), idle).await {
                 return e.into();
             }
-            return LocalCloseReason::RingRefused(refusal);
+            return CloseReason::RingRefused(refusal);
         }
         Err(Err(close)) => return close,
     };
@@ -347,12 +233,13 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
     shared.stats.send_modify(|s| s.rings_mapped += 1);
 
     let buffers = &shared.buffers;
-    let mut aborted = Recent::default();
+    let mut conn = InboundConn::default();
+    let (receiver, mut stats) = (&*shared.receiver, &shared.stats);
     let mut replies = Replies::new(ring.slots(), idle);
     loop {
         let msg = match reader.decode() {
             Ok(Some(m)) => m,
-            Err(e) => return LocalCloseReason::Decode(e),
+            Err(e) => return e.into(),
             Ok(None) => {
                 // Nothing buffered: before waiting for the sender, give back
                 // the slots it may be waiting for.
@@ -361,19 +248,19 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                 }
                 match next_msg(&mut stream, &mut reader, idle).await {
                     Ok(Some(m)) => m,
-                    Ok(None) => return LocalCloseReason::PeerClosed,
+                    Ok(None) => return CloseReason::PeerClosed,
                     Err(e) => return e.into(),
                 }
             }
         };
-        let refusal = match msg {
+        let reply = match msg {
             Msg::Data(d) => {
                 // Copy first, then credit the slot: from here the sender may
                 // rewrite it, and everything below reads only our copy. The
                 // checksum is computed over that copy as it is made.
                 let mut buf = buffers.take(ring.slot_bytes());
                 let Some(crc) = ring.copy_out(d.slot as usize, d.header.payload_len, &mut buf) else {
-                    return LocalCloseReason::BadSlot { slot: d.slot, len: d.header.payload_len };
+                    return CloseReason::BadSlot { slot: d.slot, len: d.header.payload_len };
                 };
                 replies.credit(d.slot);
                 if replies.credits_due() {
@@ -381,63 +268,22 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                         return e;
                     }
                 }
-                let h = d.header;
-                // The sink's room first, without the receiver (see BlockSink::poll_ready).
-                poll_fn(|cx| sink.poll_ready(cx, buf.len())).await;
-                let now = Instant::now();
-                let abort = |reason| Abort { reservation: h.reservation, generation: h.generation, reason };
-                let mut rx = lock(&shared.receiver);
-                // `h.payload_len` is `buf.len()`: copy_out copied exactly that.
-                match rx.on_layer_checked(&h, crc, now) {
-                    Ok(w) => match sink.write_layer_owned(w, buffers.owned(buf)) {
-                        Ok(()) => None,
-                        Err(_) => {
-                            // The blocks' content is now unknown: void the
-                            // reservation (blocks go to poll_released) and
-                            // tell the sender to retry elsewhere.
-                            let a = abort(AbortReason::Corrupt);
-                            let _ = rx.on_abort(&a, now);
-                            shared.stats.send_modify(|s| s.sink_failures += 1);
-                            Some(a)
-                        }
-                    },
-                    Err(e) => {
-                        sink.unready();
-                        buffers.put(buf);
-                        Some(abort(e.abort_reason()))
-                    }
-                }
+                // `d.header.payload_len` is `buf.len()`: copy_out copied exactly that.
+                conn.layer(receiver, sink, &mut stats, &d.header, buffers.owned(buf), crc).await.map(Frame::Abort)
             }
-            Msg::Frame(Frame::Complete(c)) => {
-                // Bound first: the guard must not live across the await below.
-                let verdict = lock(&shared.receiver).on_complete(&c, Instant::now());
-                match verdict {
-                    Ok(ack) => {
-                        if let Err(e) = replies.send(&mut stream, Some(&Msg::Frame(Frame::Ack(ack)))).await {
-                            return e;
-                        }
-                        None
-                    }
-                    Err(e) => {
-                        Some(Abort { reservation: c.reservation, generation: c.generation, reason: e.abort_reason() })
-                    }
-                }
-            }
+            Msg::Frame(Frame::Complete(c)) => match conn.complete(receiver, &mut stats, &c, Instant::now()) {
+                Ok(ack) => Some(Frame::Ack(ack)),
+                Err(abort) => abort.map(Frame::Abort),
+            },
             Msg::Frame(Frame::Abort(a)) => {
-                // Refused only when the reservation already ended: nothing to do.
-                let _ = lock(&shared.receiver).on_abort(&a, Instant::now());
+                InboundConn::peer_abort(receiver, &a, Instant::now());
                 None
             }
-            other => return LocalCloseReason::UnexpectedMessage { got: other.name() },
+            other => return CloseReason::UnexpectedMessage { got: other.name() },
         };
-        if let Some(a) = refusal {
-            let key = (a.reservation, a.generation);
-            if !aborted.contains(&key) {
-                aborted.push(key);
-                if let Err(e) = replies.send(&mut stream, Some(&Msg::Frame(Frame::Abort(a)))).await {
-                    return e;
-                }
-                shared.stats.send_modify(|s| s.aborts_sent += 1);
+        if let Some(reply) = reply {
+            if let Err(e) = replies.send(&mut stream, Some(&Msg::Frame(reply))).await {
+                return e;
             }
         }
     }
@@ -475,7 +321,7 @@ impl Replies {
 
     /// Writes the pending credits and `msg`. A write that times out ends
     /// the connection.
-    async fn send(&mut self, stream: &mut UnixStream, msg: Option<&Msg>) -> Result<(), LocalCloseReason> {
+    async fn send(&mut self, stream: &mut UnixStream, msg: Option<&Msg>) -> Result<(), CloseReason> {
         if let Some(m) = msg {
             m.encode(&mut self.out);
         }
@@ -502,26 +348,26 @@ async fn accept_ring(
     stream: &mut UnixStream,
     reader: &mut MsgReader,
     config: &LocalServerConfig,
-) -> Result<ReceiverRing, Result<RingRefusal, LocalCloseReason>> {
+) -> Result<ReceiverRing, Result<RingRefusal, CloseReason>> {
     let idle = config.idle_timeout;
     let mut fds = Vec::new();
     let msg = loop {
         match reader.decode() {
             Ok(Some(m)) => break m,
             Ok(None) => {}
-            Err(e) => return Err(Err(LocalCloseReason::Decode(e))),
+            Err(e) => return Err(Err(e.into())),
         }
         match timeout(idle, read_with_fds(stream, reader.space(), &mut fds)).await {
-            Err(_) => return Err(Err(LocalCloseReason::Idle(idle))),
-            Ok(Err(e)) => return Err(Err(LocalCloseReason::Io(e.kind()))),
-            Ok(Ok(0)) if reader.is_empty() => return Err(Err(LocalCloseReason::PeerClosed)),
-            Ok(Ok(0)) => return Err(Err(LocalCloseReason::Truncated)),
+            Err(_) => return Err(Err(CloseReason::Idle(idle))),
+            Ok(Err(e)) => return Err(Err(CloseReason::Io(e.kind()))),
+            Ok(Ok(0)) if reader.is_empty() => return Err(Err(CloseReason::PeerClosed)),
+            Ok(Ok(0)) => return Err(Err(CloseReason::Truncated)),
             Ok(Ok(n)) => reader.advance(n),
         }
     };
     let spec = match msg {
         Msg::Ring(spec) => spec,
-        other => return Err(Err(LocalCloseReason::UnexpectedMessage { got: other.name() })),
+        other => return Err(Err(CloseReason::UnexpectedMessage { got: other.name() })),
     };
     // Exactly one descriptor; any other dropped (closed) here.
     let fd = match (fds.pop(), fds.is_empty()) {
@@ -574,10 +420,6 @@ impl Buffers {
             Some(b) if b.capacity() >= capacity => b,
             _ => fresh(capacity),
         }
-    }
-
-    fn put(&self, buf: Vec<u8>) {
-        put(&self.0, buf);
     }
 
     fn owned(&self, buf: Vec<u8>) -> OwnedPayload {

@@ -15,7 +15,8 @@ use super::tls::{self, PeerTrust, Refusal, TlsIdentity};
 use super::{is_crypto_refusal, QuicTuning, CLOSE_DONE};
 use crate::frame::DecodeLimits;
 use crate::session::Receiver;
-use crate::transport::serve::{serve, CloseReason, ServerStats, Shared};
+use crate::transport::close::{CloseReason, ServerStats};
+use crate::transport::serve::{serve, Shared};
 use crate::transport::BlockSink;
 
 /// What the QUIC server has done: see [`ServerStats`]. Each connection

@@ -61,8 +61,8 @@
 mod sender;
 mod server;
 
+pub use super::close::CloseReason;
 pub use super::error::TransferError;
-pub use super::serve::CloseReason;
 pub use sender::{TcpKvSender, TcpSenderConfig};
 pub use server::{TcpKvServer, TcpServerConfig, TcpServerStats};
 

@@ -9,7 +9,8 @@ use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
-use super::super::serve::{serve, ServerStats, Shared};
+use super::super::close::ServerStats;
+use super::super::serve::{serve, Shared};
 use super::super::BlockSink;
 use crate::frame::DecodeLimits;
 use crate::session::Receiver;

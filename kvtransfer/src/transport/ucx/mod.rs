@@ -122,7 +122,7 @@ mod writer;
 
 pub use direct::UcxPoolMemory;
 pub use sender::{UcxKvSender, UcxSenderConfig};
-pub use server::{UcxCloseReason, UcxKvServer, UcxServerConfig, UcxServerStats};
+pub use server::{UcxKvServer, UcxServerConfig, UcxServerStats};
 pub use wire::{check_decode, LandingRefusal, WireError};
 pub use writer::{StoredLayer, UcxDirectWriter};
 

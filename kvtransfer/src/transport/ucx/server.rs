@@ -12,8 +12,8 @@ use tokio::sync::{oneshot, watch};
 use ucx_sys::Region;
 
 use super::direct::UcxPoolMemory;
-use super::wire::LandingRefusal;
 use crate::session::Receiver;
+use crate::transport::close::ServerStats;
 use crate::transport::BlockSink;
 use thread::serve_thread;
 
@@ -51,79 +51,11 @@ impl Default for UcxServerConfig {
     }
 }
 
-/// Why the server ended a sender's connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UcxCloseReason {
-    /// The sender said `Bye` after flushing: the normal end.
-    Bye,
-    /// UCX reported the endpoint to the sender failed (the process died or
-    /// became unreachable).
-    PeerFailed,
-    /// The handshake was refused (after telling the sender).
-    Rejected,
-    /// `max_connections` senders were being served.
-    Busy,
-}
-
-impl UcxCloseReason {
-    /// Every [`as_str`](Self::as_str) label, in [`UcxServerStats::closed`] order.
-    pub const LABELS: [&'static str; 4] = ["bye", "peer_failed", "rejected", "busy"];
-
-    pub fn as_str(self) -> &'static str {
-        Self::LABELS[self as usize]
-    }
-}
-
-/// What the server has done, for metrics and tests. Frame-level counts live
-/// in [`Receiver::counters`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct UcxServerStats {
-    pub connections_accepted: u64,
-    /// Ended connections by [`UcxCloseReason`], in [`UcxCloseReason::LABELS`] order.
-    pub closed: [u64; UcxCloseReason::LABELS.len()],
-    /// Landing ranges granted.
-    pub grants: u64,
-    /// Claims refused, by [`LandingRefusal`], in [`LandingRefusal::ALL`] order.
-    pub refused: [u64; LandingRefusal::ALL.len()],
-    /// `Abort`s sent (at most one per reservation and connection).
-    pub aborts_sent: u64,
-    /// Accepted layers the [`BlockSink`] failed to store.
-    pub sink_failures: u64,
-    /// Messages that did not decode, named an unknown connection, or are
-    /// not for a server.
-    pub bad_messages: u64,
-    pub landing_bytes: u64,
-    /// Granted or quarantined.
-    pub landing_in_use_bytes: u64,
-    /// Ranges of reservations that ended while their sender may still write:
-    /// not reusable until the sender is fenced.
-    pub quarantined_bytes: u64,
-    pub quarantined_ranges: u64,
-    /// Quarantined ranges freed because their sender was fenced.
-    pub fences_completed: u64,
-    /// Reservations granted pool blocks to write directly.
-    pub direct_grants: u64,
-    /// Layers written directly into the pool and accepted.
-    pub direct_layers: u64,
-    /// Pool blocks of ended reservations whose direct writer is not fenced yet.
-    pub quarantined_blocks: u64,
-    /// Live transfers holding a landing range or pool blocks now.
-    pub granted_transfers: u64,
-}
-
-impl UcxServerStats {
-    pub fn connections_closed(&self) -> u64 {
-        self.closed.iter().sum()
-    }
-
-    pub fn closed_by(&self, reason: UcxCloseReason) -> u64 {
-        self.closed[reason as usize]
-    }
-
-    pub fn refused_by(&self, refusal: LandingRefusal) -> u64 {
-        LandingRefusal::ALL.iter().position(|r| *r == refusal).map_or(0, |i| self.refused[i])
-    }
-}
+/// What the UCX server has done: see [`ServerStats`], its own counters in
+/// [`ServerStats::ucx`]. A connection ends with [`CloseReason::Bye`],
+/// [`CloseReason::PeerFailed`], [`CloseReason::Rejected`] or
+/// [`CloseReason::Busy`].
+pub type UcxServerStats = ServerStats;
 
 /// Called on the server thread with the landing region and a layer's K
 /// range just before that layer is copied out (tests: a write that lands

@@ -69,7 +69,7 @@ async fn a_write_landing_between_put_and_copy_is_refused_by_the_checksum() {
         other => panic!("expected the transfer refused as corrupt, got {other:?}"),
     }
     let mut stats = server.watch_stats();
-    within("the failed range fenced", stats.wait_for(|s| s.quarantined_ranges == 0 && s.fences_completed == 1))
+    within("the failed range fenced", stats.wait_for(|s| s.ucx.quarantined_ranges == 0 && s.ucx.fences_completed == 1))
         .await
         .expect("server alive");
     let rx = rx.lock().expect("rx");

@@ -3,8 +3,7 @@
 //! claims, `Layer`, `Complete`, `Abort`, the fence, `Bye`) and feeds the
 //! [`Receiver`]; the [`UcxKvServer`](super::UcxKvServer) handle starts it.
 
-use std::collections::{HashMap, VecDeque};
-use std::future::poll_fn;
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,10 +13,12 @@ use tokio::time::{Instant, MissedTickBehavior};
 use types::kv::KvLayout;
 use ucx_sys::{Context, Endpoint, OutOfRange, Region, Request, Worker};
 
-use super::{Hooks, Pool, Ready, UcxCloseReason, UcxServerConfig, UcxServerStats};
+use super::{Hooks, Pool, Ready, UcxServerConfig, UcxServerStats};
 use crate::checksum;
 use crate::frame::{Abort, AbortReason, Complete, Frame, Hello, LayerDataHeader};
 use crate::session::{Receiver, Reservation, ReservationId, ReservationState};
+use crate::transport::close::CloseReason;
+use crate::transport::inbound::{self, InboundConn};
 use crate::transport::lock::lock;
 use crate::transport::ucx::direct::UcxPoolMemory;
 use crate::transport::ucx::driver::{mail, Driver, Inbound};
@@ -144,12 +145,9 @@ struct Conn {
     /// Transfers that ended unfinished, until the sender fences: a landing
     /// range, or `None` for pool blocks (which the receiver quarantines).
     quarantine: HashMap<Reservation, Option<Range<usize>>>,
-    /// Reservations this sender was told to abort (bounded).
-    aborted: VecDeque<Reservation>,
+    /// The rules every transport shares (the one abort per reservation).
+    inbound: InboundConn,
 }
-
-/// Reservations remembered per connection as aborted.
-const REMEMBERED: usize = 64;
 
 struct State<S> {
     receiver: Arc<Mutex<Receiver>>,
@@ -294,14 +292,14 @@ impl<S: BlockSink> State<S> {
 
     fn publish(&mut self) {
         let c = &mut self.counts;
-        c.landing_bytes = self.landing.size() as u64;
-        c.landing_in_use_bytes = self.landing.in_use() as u64;
+        c.ucx.landing_bytes = self.landing.size() as u64;
+        c.ucx.landing_in_use_bytes = self.landing.in_use() as u64;
         let (bytes, ranges) = self.landing.quarantined();
-        (c.quarantined_bytes, c.quarantined_ranges) = (bytes as u64, ranges as u64);
+        (c.ucx.quarantined_bytes, c.ucx.quarantined_ranges) = (bytes as u64, ranges as u64);
         if self.pool.is_some() {
-            c.quarantined_blocks = lock(&self.receiver).quarantined_blocks() as u64;
+            c.ucx.quarantined_blocks = lock(&self.receiver).quarantined_blocks() as u64;
         }
-        c.granted_transfers = self.conns.values().map(|c| c.grants.len() as u64).sum();
+        c.ucx.granted_transfers = self.conns.values().map(|c| c.grants.len() as u64).sum();
         let now = self.counts.clone();
         self.stats.send_if_modified(|s| {
             let changed = *s != now;
@@ -312,11 +310,11 @@ impl<S: BlockSink> State<S> {
 
     async fn handle(&mut self, d: &Driver, m: Inbound) {
         let Ok((conn, msg)) = m else {
-            self.counts.bad_messages += 1;
+            self.counts.ucx.bad_messages += 1;
             return;
         };
         if !matches!(msg, Msg::Hello { .. }) && !self.conns.contains_key(&conn) {
-            self.counts.bad_messages += 1;
+            self.counts.ucx.bad_messages += 1;
             return;
         }
         match msg {
@@ -327,55 +325,50 @@ impl<S: BlockSink> State<S> {
             Msg::Frame(Frame::Complete(c)) => self.complete(conn, c),
             Msg::Frame(Frame::Abort(a)) => self.peer_abort(conn, a),
             Msg::Fenced(r) => self.fenced(conn, r),
-            Msg::Bye => self.close(conn, UcxCloseReason::Bye),
-            _ => self.counts.bad_messages += 1,
+            Msg::Bye => self.close(conn, CloseReason::Bye),
+            _ => self.counts.ucx.bad_messages += 1,
         }
     }
 
     fn hello(&mut self, worker: &Worker, addr: &[u8], process: ProcessId, h: &Hello) {
         if self.conns.len() >= self.config.max_connections {
-            self.counts.closed[UcxCloseReason::Busy as usize] += 1;
+            self.counts.close(&CloseReason::Busy);
             return;
         }
         let Ok(ep) = worker.connect(addr) else {
-            self.counts.bad_messages += 1;
+            self.counts.ucx.bad_messages += 1;
             return;
         };
         let id = self.next_conn;
         self.next_conn += 1;
-        // The handshake first: the key to the landing region goes only to a
-        // sender whose group and layout fingerprint match.
-        let verdict = lock(&self.receiver).on_hello(h);
-        match verdict {
-            Ok(ack) => {
-                send(&ep, id, &Msg::Frame(Frame::HelloAck(ack)));
-                // The pool's key only to a sender whose end this server can see
-                // (module `direct`), before the landing key that ends the handshake.
-                let process = self.pool.as_ref().filter(|_| process.alive()).map(|pool| {
-                    let key = Msg::PoolKey {
-                        base: pool.region.remote_base(),
-                        num_blocks: pool.num_blocks as u32,
-                        rkey: pool.rkey.clone(),
-                    };
-                    send(&ep, id, &key);
-                    process
-                });
-                let key = Msg::Key { base: self.region.remote_base(), rkey: self.rkey.clone() };
-                send(&ep, id, &key);
-                self.counts.connections_accepted += 1;
-                let conn =
-                    Conn { ep, process, grants: HashMap::new(), quarantine: HashMap::new(), aborted: VecDeque::new() };
-                self.conns.insert(id, conn);
-            }
-            Err(reject) => {
-                send(&ep, id, &Msg::Frame(Frame::HelloReject(reject)));
-                // Kept until the rejection is at the sender (a flush completes
-                // remotely), so closing the endpoint cannot drop it.
-                let flushed = ep.flush().ok();
-                self.counts.closed[UcxCloseReason::Rejected as usize] += 1;
-                self.lingering.push((ep, flushed));
-            }
+        let (reply, refused) = inbound::hello(&self.receiver, h);
+        send(&ep, id, &Msg::Frame(reply));
+        if let Some(close) = refused {
+            // Kept until the rejection is at the sender (a flush completes
+            // remotely), so closing the endpoint cannot drop it.
+            let flushed = ep.flush().ok();
+            self.counts.close(&close);
+            self.lingering.push((ep, flushed));
+            return;
         }
+        // The pool's key only to a sender whose end this server can see
+        // (module `direct`), before the landing key that ends the handshake:
+        // the keys go only to a sender whose group and layout fingerprint match.
+        let process = self.pool.as_ref().filter(|_| process.alive()).map(|pool| {
+            let key = Msg::PoolKey {
+                base: pool.region.remote_base(),
+                num_blocks: pool.num_blocks as u32,
+                rkey: pool.rkey.clone(),
+            };
+            send(&ep, id, &key);
+            process
+        });
+        let key = Msg::Key { base: self.region.remote_base(), rkey: self.rkey.clone() };
+        send(&ep, id, &key);
+        self.counts.connections_accepted += 1;
+        let conn =
+            Conn { ep, process, grants: HashMap::new(), quarantine: HashMap::new(), inbound: InboundConn::default() };
+        self.conns.insert(id, conn);
     }
 
     fn claim(&mut self, id: u64, r: Reservation) {
@@ -401,12 +394,12 @@ impl<S: BlockSink> State<S> {
                 send(&conn.ep, id, &Msg::Grant(grant));
                 conn.grants.insert(r, Granted::Landing(range, n_blocks));
                 self.owner.insert(r, id);
-                self.counts.grants += 1;
+                self.counts.ucx.grants += 1;
             }
             Err(refusal) => {
                 send(&conn.ep, id, &Msg::Refused { reservation: r, refusal });
                 if let Some(i) = LandingRefusal::ALL.iter().position(|x| *x == refusal) {
-                    self.counts.refused[i] += 1;
+                    self.counts.ucx.refused[i] += 1;
                 }
             }
         }
@@ -434,7 +427,7 @@ impl<S: BlockSink> State<S> {
         send(&conn.ep, id, &granted.message(r));
         conn.grants.insert(r, granted);
         self.owner.insert(r, id);
-        self.counts.direct_grants += 1;
+        self.counts.ucx.direct_grants += 1;
     }
 
     /// A layer the sender finished: direct, checksum it in the pool; else
@@ -490,19 +483,13 @@ impl<S: BlockSink> State<S> {
                 crc = unsafe { checksum::crc_raw(p, len * self.side, crc) };
             }
         }
-        let mut rx = lock(&self.receiver);
-        let refusal = match rx.on_layer_checked(&h, crc, now()) {
-            Ok(w) => {
-                self.sink.landed_in_place(&w, h.payload_len);
-                self.counts.direct_layers += 1;
-                None
+        let Some(conn) = self.conns.get_mut(&id) else { return };
+        match conn.inbound.landed_in_place(&self.receiver, &mut self.sink, &mut self.counts, &h, crc, now()) {
+            None => self.counts.ucx.direct_layers += 1,
+            Some(abort) => {
+                send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
+                self.settle(id, r);
             }
-            Err(e) => Some(e.abort_reason()),
-        };
-        drop(rx);
-        if let Some(reason) = refusal {
-            self.abort_once(id, r, reason);
-            self.settle(id, r);
         }
     }
 
@@ -533,53 +520,34 @@ impl<S: BlockSink> State<S> {
             self.abort_once(id, r, AbortReason::ProtocolViolation);
             return;
         };
-        let buf = Loaned { buf, home: self.buffers.clone() };
-        let sink = &mut self.sink;
-        poll_fn(|cx| sink.poll_ready(cx, buf.buf.len())).await;
-        let now = now();
-        let mut rx = lock(&self.receiver);
-        let refusal = match rx.on_layer_checked(&h, crc, now) {
-            Ok(w) => match self.sink.write_layer_owned(w, Box::new(buf)) {
-                Ok(()) => None,
-                Err(_) => {
-                    let a = Abort { reservation: r.id.0, generation: r.generation, reason: AbortReason::Corrupt };
-                    let _ = rx.on_abort(&a, now);
-                    self.counts.sink_failures += 1;
-                    Some(AbortReason::Corrupt)
-                }
-            },
-            Err(e) => {
-                self.sink.unready();
-                Some(e.abort_reason())
-            }
-        };
-        drop(rx);
-        if let Some(reason) = refusal {
-            self.abort_once(id, r, reason);
+        let buf = Box::new(Loaned { buf, home: self.buffers.clone() });
+        let Some(conn) = self.conns.get_mut(&id) else { return };
+        if let Some(abort) = conn.inbound.layer(&self.receiver, &mut self.sink, &mut self.counts, &h, buf, crc).await {
+            send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
             self.settle(id, r);
         }
     }
 
     fn complete(&mut self, id: u64, c: Complete) {
         let r = Reservation { id: ReservationId(c.reservation), generation: c.generation };
-        let verdict = lock(&self.receiver).on_complete(&c, now());
-        match verdict {
+        let Some(conn) = self.conns.get_mut(&id) else { return };
+        match conn.inbound.complete(&self.receiver, &mut self.counts, &c, now()) {
             Ok(ack) => {
-                if let Some(conn) = self.conns.get_mut(&id) {
-                    send(&conn.ep, id, &Msg::Frame(Frame::Ack(ack)));
-                    // Every layer was flushed (or fenced) by the sender before its
-                    // Layer message, and each was copied out or checksummed in
-                    // place: nothing is left to write.
-                    if let Some(granted) = conn.grants.remove(&r) {
-                        self.owner.remove(&r);
-                        if let Granted::Landing(range, _) = granted {
-                            self.landing.free(range);
-                        }
+                send(&conn.ep, id, &Msg::Frame(Frame::Ack(ack)));
+                // Every layer was flushed (or fenced) by the sender before its
+                // Layer message, and each was copied out or checksummed in
+                // place: nothing is left to write.
+                if let Some(granted) = conn.grants.remove(&r) {
+                    self.owner.remove(&r);
+                    if let Granted::Landing(range, _) = granted {
+                        self.landing.free(range);
                     }
                 }
             }
-            Err(e) => {
-                self.abort_once(id, r, e.abort_reason());
+            Err(abort) => {
+                if let Some(abort) = abort {
+                    send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
+                }
                 self.settle(id, r);
             }
         }
@@ -587,7 +555,7 @@ impl<S: BlockSink> State<S> {
 
     /// The sender flushes before it sends `Abort`: its range is free at once.
     fn peer_abort(&mut self, id: u64, a: Abort) {
-        let _ = lock(&self.receiver).on_abort(&a, now());
+        InboundConn::peer_abort(&self.receiver, &a, now());
         self.fenced(id, Reservation { id: ReservationId(a.reservation), generation: a.generation });
     }
 
@@ -602,7 +570,7 @@ impl<S: BlockSink> State<S> {
                     lock(&self.receiver).fence(r);
                 }
             }
-            self.counts.fences_completed += 1;
+            self.counts.ucx.fences_completed += 1;
         } else if let Some(granted) = conn.grants.remove(&r) {
             self.owner.remove(&r);
             match granted {
@@ -618,7 +586,7 @@ impl<S: BlockSink> State<S> {
     /// gone. A sender that left can no longer write, so its ranges and
     /// blocks are free; one whose endpoint failed may still run and store
     /// into pool blocks (direct), so those wait until its process exits.
-    fn close(&mut self, id: u64, reason: UcxCloseReason) {
+    fn close(&mut self, id: u64, reason: CloseReason) {
         let Some(conn) = self.conns.remove(&id) else { return };
         let mut direct = Vec::new();
         for (r, granted) in conn.grants {
@@ -633,12 +601,10 @@ impl<S: BlockSink> State<S> {
                 Some(range) => self.landing.release(range),
                 None => direct.push(r),
             }
-            self.counts.fences_completed += 1;
+            self.counts.ucx.fences_completed += 1;
         }
         match conn.process {
-            Some(p) if reason != UcxCloseReason::Bye && !direct.is_empty() && p.alive() => {
-                self.orphans.push((p, direct))
-            }
+            Some(p) if reason != CloseReason::Bye && !direct.is_empty() && p.alive() => self.orphans.push((p, direct)),
             _ => {
                 let mut rx = lock(&self.receiver);
                 for r in direct {
@@ -646,7 +612,7 @@ impl<S: BlockSink> State<S> {
                 }
             }
         }
-        self.counts.closed[reason as usize] += 1;
+        self.counts.close(&reason);
     }
 
     /// Moves `r`'s range to quarantine if its reservation no longer receives.
@@ -688,16 +654,10 @@ impl<S: BlockSink> State<S> {
 
     fn abort_once(&mut self, id: u64, r: Reservation, reason: AbortReason) {
         let Some(conn) = self.conns.get_mut(&id) else { return };
-        if conn.aborted.contains(&r) {
-            return;
-        }
-        if conn.aborted.len() == REMEMBERED {
-            conn.aborted.pop_front();
-        }
-        conn.aborted.push_back(r);
         let a = Abort { reservation: r.id.0, generation: r.generation, reason };
-        send(&conn.ep, id, &Msg::Frame(Frame::Abort(a)));
-        self.counts.aborts_sent += 1;
+        if let Some(a) = conn.inbound.abort_once(&mut self.counts, a) {
+            send(&conn.ep, id, &Msg::Frame(Frame::Abort(a)));
+        }
     }
 
     /// Closes connections whose endpoint failed, quarantines the ranges of
@@ -705,7 +665,7 @@ impl<S: BlockSink> State<S> {
     fn sweep(&mut self) {
         let failed: Vec<u64> = self.conns.iter().filter(|(_, c)| c.ep.failure().is_some()).map(|(id, _)| *id).collect();
         for id in failed {
-            self.close(id, UcxCloseReason::PeerFailed);
+            self.close(id, CloseReason::PeerFailed);
         }
         let mut ended: Vec<(u64, Reservation, Option<ReservationState>)> = Vec::new();
         {
