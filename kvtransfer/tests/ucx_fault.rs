@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use engine::kv::KvPool;
-use kvtransfer::transport::ucx::fault;
+use kvtransfer::transport::fault;
 use kvtransfer::{
     AbortReason, Receiver, ReceiverConfig, TransferError, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig,
 };

@@ -40,9 +40,10 @@ pub struct PrefillFlags {
     /// KV transfer timeout (connect, each frame, Ack), ms. Env: TANDEM_TRANSFER_TIMEOUT_MS. Default 10000.
     #[arg(long, env = "TANDEM_TRANSFER_TIMEOUT_MS")]
     pub transfer_timeout_ms: Option<u64>,
-    /// Drills only: flip one byte of the first ucx put of each of the next N
-    /// KV transfers after its checksum is taken, so the decode worker refuses
-    /// it by checksum (a one-sided put has no link a fault proxy can sit in).
+    /// Drills only: flip one byte of the first frame (ucx: put) of each of the
+    /// next N KV transfers, on any transport, after its checksum is taken, so
+    /// the decode worker refuses it by checksum (a one-sided put has no link a
+    /// fault proxy can sit in).
     /// Logged as a warning at start and counted in
     /// `tandem_faults_injected_total{fault="kv_corrupt"}`. Env:
     /// TANDEM_FAULT_KV_CORRUPT. Default 0 (off). Only in a binary built with the

@@ -26,10 +26,10 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
     if cfg.fault_kv_corrupt > 0 {
         tracing::warn!(
             transfers = cfg.fault_kv_corrupt,
-            "FAULT INJECTION ON (fault_kv_corrupt): the next ucx KV transfers get one byte flipped after their \
+            "FAULT INJECTION ON (fault_kv_corrupt): the next KV transfers get one byte flipped after their \
              checksum; drills only"
         );
-        kvtransfer::transport::ucx::fault::arm_corrupt(
+        kvtransfer::transport::fault::arm_corrupt(
             cfg.fault_kv_corrupt,
             prefill_worker::metrics::record_kv_corrupt_fault,
         );

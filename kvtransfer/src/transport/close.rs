@@ -169,6 +169,9 @@ impl From<WireError> for CloseReason {
 /// Frame-level counts live in [`Receiver::counters`](crate::Receiver::counters).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ServerStats {
+    /// Connections that arrived (ucx: a `Hello` answered), refused ones
+    /// included: on every transport `connections_accepted −
+    /// connections_closed()` is what is open.
     pub connections_accepted: u64,
     /// Closed on accept because `max_connections` were being served
     /// (streams; ucx counts them as [`CloseReason::Busy`]).

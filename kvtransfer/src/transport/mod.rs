@@ -26,6 +26,8 @@ pub mod ucx;
 
 mod close;
 mod error;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 mod inbound;
 mod lock;
 mod send;

@@ -189,6 +189,10 @@ where
                 checksum: crc32c::crc32c_append(crc32c::crc32c(kr), vr),
                 payload_len: 2 * kr.len(),
             };
+            #[cfg(feature = "fault-injection")]
+            let flipped = super::fault::corrupt_copy(layer, base + first, kr);
+            #[cfg(feature = "fault-injection")]
+            let kr = flipped.as_deref().unwrap_or(kr);
             self.out.clear();
             header.encode(&mut self.out).map_err(|e| TransferError::Protocol(e.to_string()))?;
             write_parts(&mut self.wr, [self.out.as_slice(), kr, vr], self.timeout)

@@ -1,6 +1,8 @@
 //! Helpers shared by the network transport tests (tcp.rs, quic.rs): the
 //! small layout they move, peers, and bounded waits.
 
+#![allow(dead_code)] // each test binary uses its own part of this module
+
 use std::future::Future;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;

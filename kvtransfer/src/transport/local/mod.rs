@@ -165,7 +165,10 @@ enum ReadError {
 }
 
 /// Reads until a whole message is buffered, each read waiting at most
-/// `idle`. `Ok(None)`: the peer closed cleanly between messages.
+/// `idle`. `Ok(None)`: the peer closed cleanly between messages — a reset
+/// there included: a Unix socket is reset only by a peer that closed with
+/// bytes of ours unread (credits a sender no longer needed), which ends the
+/// connection at a message boundary just as a plain close does.
 async fn next_msg(stream: &mut UnixStream, reader: &mut MsgReader, idle: Duration) -> Result<Option<Msg>, ReadError> {
     loop {
         if let Some(m) = reader.decode().map_err(ReadError::Wire)? {
@@ -173,6 +176,7 @@ async fn next_msg(stream: &mut UnixStream, reader: &mut MsgReader, idle: Duratio
         }
         let n = match timeout(idle, stream.read(reader.space())).await {
             Err(_) => return Err(ReadError::Idle(idle)),
+            Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionReset && reader.is_empty() => return Ok(None),
             Ok(Err(e)) => return Err(ReadError::Io(e)),
             Ok(Ok(n)) => n,
         };

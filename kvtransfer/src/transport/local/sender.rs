@@ -297,6 +297,8 @@ impl LocalKvSender {
             let n = per_frame.min(n_blocks - i);
             let dst = self.ring.slot_mut(slot as usize).ok_or_else(|| TransferError::Protocol("slot lost".into()))?;
             let checksum = fill(dst, i, n);
+            #[cfg(feature = "fault-injection")]
+            let _ = crate::transport::fault::after_checksum(layer, first_block + i, &mut dst[..n * side]);
             let header = LayerDataHeader {
                 reservation: r.id.0,
                 generation: r.generation,

@@ -323,7 +323,7 @@ impl Stores {
         }
         // Drills only (built with `fault-injection` and armed): a byte flipped after the checksum.
         #[cfg(feature = "fault-injection")]
-        if let Some(off) = super::fault::after_checksum(self.layer, self.first_block, &mut self.k) {
+        if let Some(off) = crate::transport::fault::after_checksum(self.layer, self.first_block, &mut self.k) {
             let piece = self.pieces.iter().find(|(_, is_v, at, len)| !is_v && (*at..at + len).contains(&off));
             // One byte inside a piece's own mapped range.
             if let Some(byte) = piece.and_then(|&(to, _, at, _)| NonNull::new(to.as_ptr().wrapping_add(off - at))) {
@@ -592,7 +592,7 @@ impl<'d> Link<'d> {
         #[cfg(feature = "fault-injection")]
         let k = {
             let mut k = k;
-            let _ = super::fault::after_checksum(layer, first_block, &mut k);
+            let _ = crate::transport::fault::after_checksum(layer, first_block, &mut k);
             k
         };
         let put_k = self.data.put(k, k_at, &self.key).map_err(|e| ucx_err("putting K", e))?;

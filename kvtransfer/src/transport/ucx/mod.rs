@@ -110,8 +110,6 @@
 
 mod direct;
 mod driver;
-#[cfg(feature = "fault-injection")]
-pub mod fault;
 mod landing;
 mod link;
 mod runs;

@@ -208,7 +208,7 @@ impl UcxDirectWriter {
         // Drills only (built with `fault-injection` and armed): a byte of K flipped after
         // the checksum.
         #[cfg(feature = "fault-injection")]
-        if let Some(off) = super::fault::flip_in_place(layer, first_block, n * side) {
+        if let Some(off) = crate::transport::fault::flip_in_place(layer, first_block, n * side) {
             let run = runs.iter().rev().find(|r| r.index * side <= off).copied().unwrap_or(runs[0]);
             let at = g.layout.pool_offset(target.num_blocks, layer, false, run.to) + (off - run.index * side);
             // SAFETY: `off < n * side` lies in the K piece of `run`, the last run

@@ -331,7 +331,11 @@ impl<S: BlockSink> State<S> {
     }
 
     fn hello(&mut self, worker: &Worker, addr: &[u8], process: ProcessId, h: &Hello) {
+        // Counted as every transport counts a connection: accepted when it
+        // arrives, then closed once with its reason (a refusal included), so
+        // accepted − closed is what is open.
         if self.conns.len() >= self.config.max_connections {
+            self.counts.connections_accepted += 1;
             self.counts.close(&CloseReason::Busy);
             return;
         }
@@ -339,6 +343,7 @@ impl<S: BlockSink> State<S> {
             self.counts.ucx.bad_messages += 1;
             return;
         };
+        self.counts.connections_accepted += 1;
         let id = self.next_conn;
         self.next_conn += 1;
         let (reply, refused) = inbound::hello(&self.receiver, h);
@@ -365,7 +370,6 @@ impl<S: BlockSink> State<S> {
         });
         let key = Msg::Key { base: self.region.remote_base(), rkey: self.rkey.clone() };
         send(&ep, id, &key);
-        self.counts.connections_accepted += 1;
         let conn =
             Conn { ep, process, grants: HashMap::new(), quarantine: HashMap::new(), inbound: InboundConn::default() };
         self.conns.insert(id, conn);

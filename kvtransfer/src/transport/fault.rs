@@ -1,8 +1,10 @@
-//! Fault injection for drills: corrupt the KV a ucx transfer puts *after*
-//! the sender took its checksum, as a flipped bit on an RDMA link, in a NIC
-//! or in the sender's memory would. A fault proxy on a TCP link cannot do
-//! this to one-sided puts (there is no stream to sit in), so the sender
-//! does it to itself, at the one point where the checksum is taken.
+//! Fault injection for drills and the transport conformance suite: corrupt
+//! the KV a transfer sends *after* the sender took its checksum, as a
+//! flipped bit on an RDMA link, in a NIC or in the sender's memory would.
+//! A fault proxy on a TCP link cannot do this to one-sided puts (there is
+//! no stream to sit in), so every sender does it to itself, at the one
+//! point where it takes the checksum: ucx's puts and direct stores, the
+//! local ring's slot, the streams' (tcp, quic) frame payload.
 //!
 //! Off unless the process arms it ([`arm_corrupt`]; the prefill worker's
 //! `--fault-kv-corrupt` / `TANDEM_FAULT_KV_CORRUPT`, read once at start,
@@ -20,8 +22,8 @@ static DONE: AtomicU64 = AtomicU64::new(0);
 /// Called on the sender's thread after each flip (the process counts it).
 static ON_FLIP: OnceLock<fn()> = OnceLock::new();
 
-/// Arms the fault for this process: each of the next `transfers` ucx
-/// transfers it sends gets one byte of its first put flipped after the
+/// Arms the fault for this process: each of the next `transfers`
+/// transfers it sends (any transport) gets one byte of its first put flipped after the
 /// checksum is taken (0 disarms). `on_flip` runs after each flip, before
 /// the put (the first arming's is kept).
 pub fn arm_corrupt(transfers: u64, on_flip: fn()) {
@@ -39,7 +41,7 @@ pub fn corrupted() -> u64 {
 /// which is about to be put (or was just stored through the mapped landing
 /// region). Returns the offset of the byte it flipped in `k`, which a
 /// sender that already stored `k` stores again.
-pub(super) fn after_checksum(layer: usize, first_block: usize, k: &mut [u8]) -> Option<usize> {
+pub(crate) fn after_checksum(layer: usize, first_block: usize, k: &mut [u8]) -> Option<usize> {
     if !flip_first_put(&LEFT, &DONE, layer, first_block, k) {
         return None;
     }
@@ -53,7 +55,7 @@ pub(super) fn after_checksum(layer: usize, first_block: usize, k: &mut [u8]) -> 
 /// direct writer: `len` bytes of layer `layer`'s K from block
 /// `first_block`, checksummed. Returns the offset of the byte the caller
 /// must flip where it stored them, if this transfer is to be corrupted.
-pub(super) fn flip_in_place(layer: usize, first_block: usize, len: usize) -> Option<usize> {
+pub(crate) fn flip_in_place(layer: usize, first_block: usize, len: usize) -> Option<usize> {
     if !take_first_put(&LEFT, &DONE, layer, first_block, len) {
         return None;
     }
@@ -61,6 +63,18 @@ pub(super) fn flip_in_place(layer: usize, first_block: usize, len: usize) -> Opt
         f();
     }
     Some(len / 2)
+}
+
+/// [`after_checksum`] for a sender that writes from the caller's memory (the
+/// streams): a copy of `k` with the byte flipped, if this transfer is to be
+/// corrupted. Only ever taken on an armed process's first frame of a transfer.
+pub(crate) fn corrupt_copy(layer: usize, first_block: usize, k: &[u8]) -> Option<Vec<u8>> {
+    if layer != 0 || first_block != 0 || k.is_empty() {
+        return None;
+    }
+    let mut copy = k.to_vec();
+    after_checksum(layer, first_block, &mut copy)?;
+    Some(copy)
 }
 
 /// Flips one byte in the middle of `k` if this is a transfer's first put

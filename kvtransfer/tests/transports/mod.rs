@@ -1,0 +1,189 @@
+//! The decode side and sender of any transport, for the conformance suites
+//! (`conformance.rs`, `conformance_fault.rs`): the same test body runs over
+//! tcp, quic, local and ucx, on loopback, and asserts the same outcome.
+
+#![allow(dead_code)] // each test binary uses its own part of this module
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::time::Duration;
+
+use engine::kv::KvPool;
+use kvtransfer::{
+    KvSender, LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, Peer, PeerTrust, QuicKvSender,
+    QuicKvServer, QuicSenderConfig, QuicServerConfig, Receiver, ReceiverConfig, Released, Reservation, ServerStats,
+    TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TlsIdentity, TransferError, TransportKind, UcxKvSender,
+    UcxKvServer, UcxSenderConfig, UcxServerConfig,
+};
+use tokio::sync::watch;
+use types::kv::{BlockId, KvLayout};
+
+use crate::net::{layout, lock, now, peer, within, WAIT};
+
+/// Blocks of the decode pool.
+const POOL_BLOCKS: usize = 32;
+
+/// A KV server of some transport.
+pub enum Server {
+    Tcp(TcpKvServer),
+    Quic(QuicKvServer, PeerTrust),
+    Local(LocalKvServer),
+    Ucx(UcxKvServer),
+}
+
+/// Decode side: a receiver, a pool with some decoy blocks taken (so block
+/// ids differ from the source's), and a server of one transport writing
+/// into that pool.
+pub struct DecodeSide {
+    pub kind: TransportKind,
+    pub layout: KvLayout,
+    pub rx: Arc<Mutex<Receiver>>,
+    pub pool: Arc<Mutex<KvPool>>,
+    server: Option<Server>,
+}
+
+impl DecodeSide {
+    pub async fn start(kind: TransportKind) -> Self {
+        let l = layout();
+        let rx = Arc::new(Mutex::new(Receiver::new(peer(&l, "smollm2", 0x11), ReceiverConfig::new(l)).expect("rx")));
+        let pool = Arc::new(Mutex::new(KvPool::new(l, POOL_BLOCKS).expect("pool B")));
+        let _decoys = lock(&pool).allocate(3).expect("decoys");
+        let sink = pool.clone();
+        let server = match kind {
+            TransportKind::Tcp => {
+                let s = TcpKvServer::bind("127.0.0.1:0", rx.clone(), sink, TcpServerConfig::default()).await;
+                Server::Tcp(s.expect("bind tcp"))
+            }
+            TransportKind::Quic => {
+                let id = TlsIdentity::self_signed(&["tandem-kv"]).expect("self-signed");
+                let pin = PeerTrust::Pinned(id.fingerprint());
+                let s = QuicKvServer::bind("127.0.0.1:0", rx.clone(), sink, QuicServerConfig::new(id)).await;
+                Server::Quic(s.expect("bind quic"), pin)
+            }
+            TransportKind::Local => {
+                let s = LocalKvServer::bind(unique_addr(), rx.clone(), sink, LocalServerConfig::default()).await;
+                Server::Local(s.expect("bind local"))
+            }
+            TransportKind::Ucx => {
+                ucx_env();
+                // The landing region only (no direct pool): every write is copied out and
+                // checked before it reaches the pool, as the streams' are.
+                let s = within("the UCX server up", UcxKvServer::bind(rx.clone(), sink, UcxServerConfig::default()));
+                Server::Ucx(s.await.expect("bind ucx"))
+            }
+        };
+        Self { kind, layout: l, rx, pool, server: Some(server) }
+    }
+
+    fn server(&self) -> &Server {
+        self.server.as_ref().expect("the server is up")
+    }
+
+    /// Connects a sender presenting `p`.
+    pub async fn connect(&self, p: &Peer) -> Result<KvSender, TransferError> {
+        let l = self.layout;
+        let connecting = async {
+            match self.server() {
+                Server::Tcp(s) => {
+                    let config = TcpSenderConfig { timeout: WAIT, ..TcpSenderConfig::default() };
+                    TcpKvSender::connect(s.local_addr(), p, l, config).await.map(KvSender::Tcp)
+                }
+                Server::Quic(s, pin) => {
+                    let config = QuicSenderConfig { timeout: WAIT, ..QuicSenderConfig::new(pin.clone()) };
+                    QuicKvSender::connect(s.local_addr(), p, l, config).await.map(KvSender::Quic)
+                }
+                Server::Local(s) => {
+                    let config = LocalSenderConfig { timeout: WAIT, ..LocalSenderConfig::default() };
+                    LocalKvSender::connect(s.local_addr(), p, l, config).await.map(KvSender::Local)
+                }
+                Server::Ucx(s) => {
+                    let config = UcxSenderConfig { timeout: Duration::from_secs(3), ..UcxSenderConfig::default() };
+                    UcxKvSender::connect(s.local_addr(), p, l, config).await.map(KvSender::Ucx)
+                }
+            }
+        };
+        within("the handshake", connecting).await
+    }
+
+    /// A sender presenting the decode side's own group and fingerprint.
+    pub async fn connect_matching(&self) -> KvSender {
+        self.connect(&peer(&self.layout, "smollm2", 0x11)).await.expect("handshake")
+    }
+
+    pub fn reserve(&self, n: usize, ttl: Duration) -> (Reservation, Vec<BlockId>) {
+        let blocks = lock(&self.pool).allocate(n).expect("alloc B");
+        (lock(&self.rx).reserve(blocks.clone(), ttl, now()).expect("reserve"), blocks)
+    }
+
+    pub fn watch_stats(&self) -> watch::Receiver<ServerStats> {
+        match self.server() {
+            Server::Tcp(s) => s.watch_stats(),
+            Server::Quic(s, _) => s.watch_stats(),
+            Server::Local(s) => s.watch_stats(),
+            Server::Ucx(s) => s.watch_stats(),
+        }
+    }
+
+    pub async fn wait_stats(&self, what: &str, pred: impl FnMut(&ServerStats) -> bool) -> ServerStats {
+        let mut w = self.watch_stats();
+        let s = within(what, w.wait_for(pred)).await.expect("server alive").clone();
+        s
+    }
+
+    /// Frees what `poll_released` hands back, as the decode worker's reaper does.
+    pub fn reap(&self, at: tokio::time::Instant) -> Vec<Released> {
+        let released = lock(&self.rx).poll_released(at);
+        for r in &released {
+            lock(&self.pool).release(&r.blocks).expect("release");
+        }
+        released
+    }
+
+    /// Blocks free in the decode pool.
+    pub fn free_blocks(&self) -> usize {
+        lock(&self.pool).available()
+    }
+
+    /// Stops the server (every connection ends; ucx: its thread and worker).
+    pub fn stop(&mut self) {
+        match self.server.take() {
+            Some(Server::Tcp(s)) => s.shutdown(),
+            Some(Server::Quic(s, _)) => s.shutdown(),
+            Some(Server::Local(s)) => s.shutdown(),
+            Some(Server::Ucx(s)) => s.shutdown(),
+            None => {}
+        }
+    }
+}
+
+/// Connections that ended normally: the sender finished and left
+/// (`peer_closed` on a stream or the local socket, `bye` over ucx).
+pub fn normal_closes(s: &ServerStats) -> u64 {
+    s.closed_by("peer_closed") + s.closed_by("bye")
+}
+
+/// Polls `cond` (every 2 ms) until it holds; fails the test after [`WAIT`].
+/// For state no event announces (a reservation's state in the receiver).
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    within(what, async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+}
+
+fn ucx_env() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("UCX_NET_DEVICES").is_none() {
+            std::env::set_var("UCX_NET_DEVICES", "lo");
+        }
+    });
+}
+
+/// A fresh abstract socket name: unique per process and server.
+fn unique_addr() -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    format!("@tandem-kv-conformance-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
