@@ -371,12 +371,14 @@ impl Bench {
             return Ok(Timed { moved, granted: Some(granted) });
         }
         let start = Instant::now();
-        let (mut k, mut v) = (Vec::new(), Vec::new());
+        // As the prefill worker: the engine hands each layer over in recycled
+        // buffers, which come home once sent (ucx: once put).
+        let home = kvtransfer::Buffers::new(64 << 20);
         for layer in 0..LAYOUT.n_layers {
+            let (mut k, mut v) = (home.take(), home.take());
             pool_a.gather_layer_into(layer, &self.table_a, &mut k, &mut v)?;
             match &mut *tx {
-                // As the prefill worker: the engine hands each layer over in buffers of its own.
-                Tx::Ucx(t) => t.send_blocks_owned(r, layer, 0, std::mem::take(&mut k), std::mem::take(&mut v)).await?,
+                Tx::Ucx(t) => t.send_blocks_owned(r, layer, 0, k, v).await?,
                 Tx::Tcp(t) => t.send_layer(r, layer, &k, &v).await?,
                 Tx::Local(t) => t.send_layer(r, layer, &k, &v).await?,
             }

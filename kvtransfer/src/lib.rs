@@ -75,6 +75,7 @@
 // allowed `unsafe`.
 #![deny(unsafe_code)]
 
+pub mod buffers;
 pub mod checksum;
 pub mod fingerprint;
 pub mod frame;
@@ -82,6 +83,7 @@ pub mod sender;
 pub mod session;
 pub mod transport;
 
+pub use buffers::{Buffer, Buffers};
 pub use fingerprint::{LayoutFingerprint, VersionGroup, VersionGroupError};
 pub use frame::{
     Abort, AbortReason, Ack, Complete, DecodeError, DecodeLimits, Decoded, EncodeError, Frame, Hello, HelloAck,

@@ -15,15 +15,15 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use engine::batch::LayerView;
 use engine::batch::Request;
-use engine::batch::{LayerBlocks, LayerView};
 use engine::runner::{PrefillDone, RunnerError, RunnerHandle};
 use engine::sampler::SampledToken;
 use types::kv::KvLayout;
 
 use kvtransfer::{
-    AbortReason, CertFingerprint, KvSender, LayoutFingerprint, LocalKvSender, LocalSenderConfig, Peer, PeerTrust,
-    QuicKvSender, QuicSenderConfig, RejectReason, Reservation, ReservationId, StoredLayer, TcpKvSender,
+    AbortReason, Buffer, Buffers, CertFingerprint, KvSender, LayoutFingerprint, LocalKvSender, LocalSenderConfig, Peer,
+    PeerTrust, QuicKvSender, QuicSenderConfig, RejectReason, Reservation, ReservationId, StoredLayer, TcpKvSender,
     TcpSenderConfig, TlsIdentity, TransferError, TransportKind, UcxDirectWriter, UcxKvSender, UcxSenderConfig,
 };
 use proto::worker::v1::prefill_worker_server::PrefillWorker;
@@ -106,7 +106,15 @@ struct Inner {
     /// engine has computed a layer of it yet (`PrefillStatus`).
     running: Mutex<HashMap<String, Running>>,
     senders: Mutex<HashMap<String, Slot>>,
+    /// Gathered layers' buffers, recycled: the engine thread gathers each
+    /// layer into one that came home from an earlier send, not a fresh
+    /// allocation faulted in mid-step.
+    layer_buffers: Buffers,
 }
+
+/// Most bytes of idle layer buffers a prefill worker keeps: a 2,800-token
+/// prompt's whole KV on SmolLM2-135M.
+const LAYER_BUFFER_BYTES: usize = 64 << 20;
 
 fn transfer_err(e: &TransferError) -> WorkerError {
     crate::metrics::record_transfer_failure(e.as_str());
@@ -176,6 +184,7 @@ impl PrefillService {
                 next_id: AtomicU64::new(1),
                 running: Mutex::new(HashMap::new()),
                 senders: Mutex::new(HashMap::new()),
+                layer_buffers: Buffers::new(LAYER_BUFFER_BYTES),
             }),
         }
     }
@@ -324,6 +333,7 @@ impl PrefillService {
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Result<PrefillDone, RunnerError>>();
         let runner = inner.runner.clone();
         let writer_for_sink = writer.clone();
+        let buffers = inner.layer_buffers.clone();
         let engine_req = Request {
             id: engine_id,
             prompt: req.token_ids.clone(),
@@ -338,7 +348,7 @@ impl PrefillService {
             let submitted = runner.submit_prefill_streaming(
                 engine_req,
                 runner_deadline,
-                layer_sink(layer_tx, computing, writer_for_sink),
+                layer_sink(layer_tx, computing, writer_for_sink, buffers),
                 Box::new(move |r| drop(done_tx.send(r))),
             );
             // The caller went away while this waited for a blocking thread (a control-link
@@ -580,11 +590,26 @@ struct Streams {
 
 /// One layer's run of blocks, as the engine's sink handed it over.
 enum Streamed {
-    /// Gathered into buffers, for the push to send.
-    Gathered(LayerBlocks),
+    /// Gathered into recycled buffers, for the push to send.
+    Gathered(Gathered),
     /// Already stored in the decode worker's pool by a direct writer, for
     /// the push to announce.
     Stored(StoredLayer),
+}
+
+/// One layer's run of blocks gathered by the engine's sink.
+struct Gathered {
+    layer: usize,
+    first_block: usize,
+    k: Buffer,
+    v: Buffer,
+}
+
+/// Gathers `view`'s blocks into buffers from `buffers`.
+fn gather(view: &LayerView<'_>, buffers: &Buffers) -> Result<Gathered, engine::kv::KvError> {
+    let (mut k, mut v) = (buffers.take(), buffers.take());
+    view.gather_into(&mut k, &mut v)?;
+    Ok(Gathered { layer: view.layer, first_block: view.first_block, k, v })
 }
 
 /// The engine's sink for one streaming prefill: blocks into `tx`, never
@@ -602,6 +627,7 @@ fn layer_sink(
     tx: mpsc::Sender<Streamed>,
     computing: Arc<AtomicBool>,
     writer: Arc<OnceLock<UcxDirectWriter>>,
+    buffers: Buffers,
 ) -> engine::batch::LayerSink {
     let mut tx = Some(tx);
     Box::new(move |view: LayerView<'_>| {
@@ -618,7 +644,7 @@ fn layer_sink(
         });
         let item = match stored {
             Some(s) => Streamed::Stored(s),
-            None => match view.gather() {
+            None => match gather(&view, &buffers) {
                 Ok(c) => Streamed::Gathered(c),
                 Err(e) => {
                     // Never expected (the blocks are the sequence's own): cut the

@@ -174,6 +174,13 @@ impl LayerView<'_> {
         let (k, v) = self.pool.gather_layer(self.layer, self.blocks)?;
         Ok(LayerBlocks { layer: self.layer, first_block: self.first_block, k, v })
     }
+
+    /// The blocks' K and V, gathered into the caller's buffers (cleared
+    /// first; recycled buffers keep the engine thread from allocating, and
+    /// faulting in, fresh memory for every layer mid-step).
+    pub fn gather_into(&self, k: &mut Vec<u8>, v: &mut Vec<u8>) -> Result<(), KvError> {
+        self.pool.gather_layer_into(self.layer, self.blocks, k, v)
+    }
 }
 
 /// Receives a streaming prefill's layers, on the engine thread, mid-step:

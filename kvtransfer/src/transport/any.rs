@@ -4,6 +4,7 @@
 
 use std::fmt;
 
+use crate::buffers::Buffer;
 use crate::frame::{AbortReason, Ack};
 use crate::session::Reservation;
 
@@ -99,14 +100,15 @@ impl KvSender {
 
     /// [`send_blocks`](Self::send_blocks) of buffers the caller gives up:
     /// ucx puts them as they are (its `send_blocks` would copy them to its
-    /// connection's thread); the other transports write from them.
+    /// connection's thread); the other transports write from them. Either
+    /// way a recycled [`Buffer`] goes home once sent.
     pub async fn send_blocks_owned(
         &mut self,
         r: Reservation,
         layer: usize,
         first_block: usize,
-        k: Vec<u8>,
-        v: Vec<u8>,
+        k: Buffer,
+        v: Buffer,
     ) -> Result<(), TransferError> {
         match self {
             Self::Ucx(s) => s.send_blocks_owned(r, layer, first_block, k, v).await,

@@ -10,7 +10,8 @@ use tokio::time::timeout;
 use types::kv::KvLayout;
 
 use super::error::TransferError;
-use super::stream::{frame_name, write_frame, write_parts, FrameReader, Incoming, PayloadPool, ReadError, Recent};
+use super::stream::{frame_name, write_frame, write_parts, FrameReader, Incoming, ReadError, Recent};
+use crate::buffers::Buffers;
 use crate::frame::{
     Abort, AbortReason, Ack, Complete, DecodeLimits, Frame, Hello, LayerDataHeader, LAYER_DATA_OVERHEAD,
 };
@@ -92,7 +93,7 @@ where
         max_frame_bytes: usize,
     ) -> Result<Self, TransferError> {
         // The receiver only sends small control frames.
-        let reader = FrameReader::new(DecodeLimits { max_payload_bytes: 0 }, PayloadPool::default());
+        let reader = FrameReader::new(DecodeLimits { max_payload_bytes: 0 }, Buffers::new(0));
         let mut s = Self {
             rd,
             wr,

@@ -11,10 +11,14 @@ use tokio::time::Instant;
 
 use super::close::{CloseReason, ServerStats};
 use super::inbound::{self, InboundConn};
-use super::stream::{frame_name, write_frame, FrameReader, Incoming, PayloadPool, ReadError, WriteError};
+use super::stream::{frame_name, write_frame, FrameReader, Incoming, ReadError, WriteError};
 use super::BlockSink;
+use crate::buffers::Buffers;
 use crate::frame::{DecodeLimits, Frame};
 use crate::session::Receiver;
+
+/// Most bytes of idle payload buffers a server keeps for reuse.
+const PAYLOAD_KEEP_BYTES: usize = 32 << 20;
 
 /// What every connection task of one server shares.
 #[derive(Debug)]
@@ -23,13 +27,13 @@ pub(crate) struct Shared {
     pub(crate) limits: DecodeLimits,
     pub(crate) idle_timeout: Duration,
     pub(crate) stats: watch::Sender<ServerStats>,
-    pub(crate) payloads: PayloadPool,
+    pub(crate) payloads: Buffers,
 }
 
 impl Shared {
     pub(crate) fn new(receiver: Arc<Mutex<Receiver>>, limits: DecodeLimits, idle_timeout: Duration) -> Self {
         let (stats, _) = watch::channel(ServerStats::default());
-        Self { receiver, limits, idle_timeout, stats, payloads: PayloadPool::default() }
+        Self { receiver, limits, idle_timeout, stats, payloads: Buffers::new(PAYLOAD_KEEP_BYTES) }
     }
 
     pub(crate) fn closed(&self, reason: &CloseReason) {
@@ -72,13 +76,13 @@ where
         };
         let reply = match frame {
             Incoming::Layer { header, payload, crc32c } => {
-                let payload = shared.payloads.owned(payload);
+                let payload = Box::new(payload);
                 conn.layer(receiver, sink, &mut stats, &header, payload, crc32c).await.map(Frame::Abort)
             }
             // Not from FrameReader::next (its LayerData come as Layer); checked the slow way all the same.
             Incoming::Frame(Frame::LayerData(d)) => {
                 let (header, crc) = (d.header(), d.payload_checksum());
-                let payload = shared.payloads.owned(d.payload);
+                let payload = Box::new(shared.payloads.lend(d.payload));
                 conn.layer(receiver, sink, &mut stats, &header, payload, crc).await.map(Frame::Abort)
             }
             Incoming::Frame(Frame::Complete(c)) => match conn.complete(receiver, &mut stats, &c, Instant::now()) {

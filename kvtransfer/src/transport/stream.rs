@@ -2,7 +2,7 @@
 //!
 //! Reading: [`FrameReader`] keeps a small read-ahead buffer for headers and
 //! control frames, and reads each `LayerData` payload straight from the
-//! stream into a buffer of its own, taken from a [`PayloadPool`]. So the
+//! stream into a buffer of its own, taken from [`Buffers`]. So the
 //! socket-to-buffer copy is the only copy before the [`BlockSink`](super::BlockSink),
 //! and the buffer, handed to the sink by value, comes back to the pool when
 //! the sink drops it (on whatever thread that is). The payload's CRC-32C is
@@ -16,14 +16,13 @@
 
 use std::io::{self, IoSlice};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::timeout;
 
-use super::OwnedPayload;
+use crate::buffers::{Buffer, Buffers};
 use crate::frame::{DecodeError, DecodeLimits, DecodedHead, Frame, LayerDataHeader};
 
 /// Bytes read ahead of the frame in progress. A read for the next header
@@ -41,9 +40,6 @@ const READ_CHUNK: usize = 256 << 10;
 /// server, acks and aborts received by the sender).
 const REMEMBERED: usize = 64;
 
-/// Most payload bytes a [`PayloadPool`] keeps for reuse.
-const POOLED_BYTES: usize = 32 << 20;
-
 /// Why reading the next frame failed.
 #[derive(Debug)]
 pub(crate) enum ReadError {
@@ -54,51 +50,6 @@ pub(crate) enum ReadError {
     Truncated,
 }
 
-/// Recycled payload buffers. Cloning shares the pool.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct PayloadPool(Arc<Mutex<Vec<Vec<u8>>>>);
-
-impl PayloadPool {
-    /// A buffer of exactly `len` bytes (contents unspecified: the caller
-    /// overwrites them all).
-    fn take(&self, len: usize) -> Vec<u8> {
-        let reused = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let mut buf = reused.unwrap_or_default();
-        // Shrinking keeps the capacity; growing zeroes only the new part.
-        buf.resize(len, 0);
-        buf
-    }
-
-    /// The payload as the sink takes it: the buffer returns here when the
-    /// sink drops it.
-    pub(crate) fn owned(&self, payload: Vec<u8>) -> OwnedPayload {
-        Box::new(Pooled { buf: payload, home: Arc::downgrade(&self.0) })
-    }
-}
-
-/// A payload buffer on loan from a [`PayloadPool`].
-struct Pooled {
-    buf: Vec<u8>,
-    home: Weak<Mutex<Vec<Vec<u8>>>>,
-}
-
-impl AsRef<[u8]> for Pooled {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        let Some(home) = self.home.upgrade() else { return };
-        let mut pool = home.lock().unwrap_or_else(|e| e.into_inner());
-        let kept: usize = pool.iter().map(Vec::capacity).sum();
-        if kept + self.buf.capacity() <= POOLED_BYTES {
-            pool.push(std::mem::take(&mut self.buf));
-        }
-    }
-}
-
 /// A frame as [`FrameReader::next`] yields it.
 #[derive(Debug)]
 pub(crate) enum Incoming {
@@ -106,7 +57,7 @@ pub(crate) enum Incoming {
     Frame(Frame),
     /// A `LayerData`: `header.payload_len` is `payload.len()`, and
     /// `crc32c` the CRC-32C of `payload`, computed as it was read into it.
-    Layer { header: LayerDataHeader, payload: Vec<u8>, crc32c: u32 },
+    Layer { header: LayerDataHeader, payload: Buffer, crc32c: u32 },
 }
 
 impl Incoming {
@@ -114,7 +65,9 @@ impl Incoming {
     pub(crate) fn into_frame(self) -> Frame {
         match self {
             Self::Frame(f) => f,
-            Self::Layer { header, payload, .. } => Frame::LayerData(header.with_payload(payload)),
+            Self::Layer { header, mut payload, .. } => {
+                Frame::LayerData(header.with_payload(std::mem::take(&mut *payload)))
+            }
         }
     }
 }
@@ -128,11 +81,11 @@ pub(crate) struct FrameReader {
     start: usize,
     end: usize,
     limits: DecodeLimits,
-    payloads: PayloadPool,
+    payloads: Buffers,
 }
 
 impl FrameReader {
-    pub(crate) fn new(limits: DecodeLimits, payloads: PayloadPool) -> Self {
+    pub(crate) fn new(limits: DecodeLimits, payloads: Buffers) -> Self {
         Self { buf: vec![0; READ_AHEAD], start: 0, end: 0, limits, payloads }
     }
 
@@ -186,7 +139,7 @@ impl FrameReader {
                 }
                 DecodedHead::LayerData { header, consumed } => {
                     self.start += consumed;
-                    let mut payload = self.payloads.take(header.payload_len);
+                    let mut payload = self.payloads.take_sized(header.payload_len);
                     let have = (self.end - self.start).min(payload.len());
                     payload[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
                     self.start += have;
@@ -369,13 +322,13 @@ mod tests {
         let (mut tx, mut rx) = tokio::io::duplex(4099);
         let writer = tokio::spawn(async move { tx.write_all(&wire).await });
         let limits = DecodeLimits { max_payload_bytes: 1 << 20 };
-        let mut reader = FrameReader::new(limits, PayloadPool::default());
+        let mut reader = FrameReader::new(limits, Buffers::new(0));
         let idle = Duration::from_secs(10);
         for sent in [&good, &corrupt] {
             match reader.next(&mut rx, idle).await.expect("read") {
                 Some(Incoming::Layer { header, payload, crc32c }) => {
                     assert_eq!(header, sent.header());
-                    assert_eq!(payload, sent.payload);
+                    assert_eq!(*payload, sent.payload);
                     assert_eq!(crc32c, crc32c::crc32c(&sent.payload));
                 }
                 other => panic!("expected a LayerData, got {other:?}"),

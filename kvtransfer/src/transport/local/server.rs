@@ -5,7 +5,7 @@ use std::io::{self, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
@@ -18,11 +18,12 @@ use tokio::time::{timeout, Instant};
 use super::shm::{ReceiverRing, DATA_OFFSET};
 use super::wire::{Msg, MsgReader, RingRefusal};
 use super::{next_msg, socket_path, write_all, write_msg, ReadError, WriteError};
+use crate::buffers::Buffers;
 use crate::frame::Frame;
 use crate::session::Receiver;
 use crate::transport::close::{CloseReason, ServerStats};
 use crate::transport::inbound::{self, InboundConn};
-use crate::transport::{BlockSink, OwnedPayload};
+use crate::transport::BlockSink;
 
 /// Descriptors taken from one read; more are closed by the kernel.
 const MAX_FDS: usize = 4;
@@ -126,7 +127,7 @@ impl LocalKvServer {
         };
         let file = (!addr.starts_with('@')).then_some(path);
         let (tx, stats) = watch::channel(ServerStats::default());
-        let shared = Arc::new(Shared { receiver, config, stats: tx, buffers: Buffers::default() });
+        let shared = Arc::new(Shared { receiver, config, stats: tx, buffers: Buffers::new(KEPT_BYTES) });
         let task = tokio::spawn(accept_loop(listener, shared, sink));
         Ok(Self { addr, file, stats, task })
     }
@@ -258,7 +259,7 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                 // Copy first, then credit the slot: from here the sender may
                 // rewrite it, and everything below reads only our copy. The
                 // checksum is computed over that copy as it is made.
-                let mut buf = buffers.take(ring.slot_bytes());
+                let mut buf = buffers.take_with(ring.slot_bytes(), fresh);
                 let Some(crc) = ring.copy_out(d.slot as usize, d.header.payload_len, &mut buf) else {
                     return CloseReason::BadSlot { slot: d.slot, len: d.header.payload_len };
                 };
@@ -269,7 +270,7 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                     }
                 }
                 // `d.header.payload_len` is `buf.len()`: copy_out copied exactly that.
-                conn.layer(receiver, sink, &mut stats, &d.header, buffers.owned(buf), crc).await.map(Frame::Abort)
+                conn.layer(receiver, sink, &mut stats, &d.header, Box::new(buf), crc).await.map(Frame::Abort)
             }
             Msg::Frame(Frame::Complete(c)) => match conn.complete(receiver, &mut stats, &c, Instant::now()) {
                 Ok(ack) => Some(Frame::Ack(ack)),
@@ -405,36 +406,6 @@ async fn read_with_fds(stream: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedF
 /// Most bytes of idle payload buffers the server keeps for reuse.
 const KEPT_BYTES: usize = 64 << 20;
 
-/// Payload buffers, reused across frames and connections: a buffer handed
-/// to the sink comes back when the sink drops it (on whatever thread that
-/// is). Idle buffers are kept up to [`KEPT_BYTES`] in all.
-#[derive(Debug, Clone, Default)]
-struct Buffers(Arc<Mutex<Vec<Vec<u8>>>>);
-
-impl Buffers {
-    /// An empty buffer with room for `capacity` bytes: the most recently
-    /// returned one (the warmest in cache) if it is large enough.
-    fn take(&self, capacity: usize) -> Vec<u8> {
-        let reused = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        match reused {
-            Some(b) if b.capacity() >= capacity => b,
-            _ => fresh(capacity),
-        }
-    }
-
-    fn owned(&self, buf: Vec<u8>) -> OwnedPayload {
-        Box::new(Pooled { buf, home: Arc::downgrade(&self.0) })
-    }
-}
-
-fn put(idle: &Mutex<Vec<Vec<u8>>>, buf: Vec<u8>) {
-    let mut idle = idle.lock().unwrap_or_else(|e| e.into_inner());
-    let kept: usize = idle.iter().map(Vec::capacity).sum();
-    if kept + buf.capacity() <= KEPT_BYTES {
-        idle.push(buf);
-    }
-}
-
 /// A new buffer whose address does not make the copy out of a slot slow
 /// (see [`DATA_OFFSET`]): one lying 1..=31 bytes past a slot's payload
 /// modulo 4 KiB is swapped for another allocation (a few tries; then
@@ -450,24 +421,4 @@ fn fresh(capacity: usize) -> Vec<u8> {
         tried.push(b);
     }
     tried.pop().unwrap_or_default()
-}
-
-/// A payload on loan to the sink.
-struct Pooled {
-    buf: Vec<u8>,
-    home: Weak<Mutex<Vec<Vec<u8>>>>,
-}
-
-impl AsRef<[u8]> for Pooled {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        if let Some(home) = self.home.upgrade() {
-            put(&home, std::mem::take(&mut self.buf));
-        }
-    }
 }

@@ -23,6 +23,7 @@ use super::runs::runs;
 use super::sender::{Cmd, Counts, UcxSenderConfig};
 use super::wire::{Grant, LandingRefusal, Msg, ProcessId, TO_SENDER, TO_SERVER};
 use super::writer::{self, Grants, StoredLayer, UcxDirectWriter};
+use crate::buffers::Buffer;
 use crate::checksum;
 use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
 use crate::sender::SplitError;
@@ -298,8 +299,8 @@ struct Posted {
 /// each block's K and V in its pool blocks, in checksum order (every piece
 /// of K, then of V).
 struct Stores {
-    k: Vec<u8>,
-    v: Vec<u8>,
+    k: Buffer,
+    v: Buffer,
     /// (destination, whether V, offset in K or V, length).
     pieces: Vec<(NonNull<u8>, bool, usize, usize)>,
     /// Which KV this is, for the drills' fault hook.
@@ -551,8 +552,8 @@ impl<'d> Link<'d> {
         r: Reservation,
         layer: usize,
         first_block: usize,
-        k: Vec<u8>,
-        v: Vec<u8>,
+        k: Buffer,
+        v: Buffer,
     ) -> Result<Posted, TransferError> {
         self.check_not_aborted(r).await?;
         let plan = LayerPlan::new(&self.layout, layer, &k, &v, usize::MAX)?;
@@ -612,8 +613,8 @@ impl<'d> Link<'d> {
         first_block: usize,
         n: usize,
         blocks: &[u32],
-        k: Vec<u8>,
-        v: Vec<u8>,
+        k: Buffer,
+        v: Buffer,
     ) -> Result<Posted, TransferError> {
         let (side, pool) = (self.side, self.pool.as_ref().ok_or_else(gone_pool)?);
         let Some(ours) = first_block.checked_add(n).and_then(|end| blocks.get(first_block..end)) else {

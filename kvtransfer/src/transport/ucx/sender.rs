@@ -14,6 +14,7 @@ use types::kv::KvLayout;
 
 use super::link::link_thread;
 use super::writer::{StoredLayer, UcxDirectWriter};
+use crate::buffers::Buffer;
 use crate::frame::{AbortReason, Ack, Hello};
 use crate::session::{Peer, Reservation};
 use crate::transport::error::TransferError;
@@ -50,8 +51,8 @@ pub(super) enum Cmd {
         r: Reservation,
         layer: usize,
         first_block: usize,
-        k: Vec<u8>,
-        v: Vec<u8>,
+        k: Buffer,
+        v: Buffer,
         reply: Reply<()>,
     },
     Complete {
@@ -188,18 +189,19 @@ impl UcxKvSender {
     ) -> Result<(), TransferError> {
         // Shape checks before any copy or message.
         LayerPlan::new(&self.layout, layer, k, v, usize::MAX)?;
-        self.send_blocks_owned(r, layer, first_block, k.to_vec(), v.to_vec()).await
+        self.send_blocks_owned(r, layer, first_block, Buffer::unpooled(k.to_vec()), Buffer::unpooled(v.to_vec())).await
     }
 
     /// [`send_blocks`](Self::send_blocks) of buffers the caller gives up:
-    /// they are put as they are, with no copy on this side.
+    /// they are put as they are, with no copy on this side, and go home
+    /// (a recycled [`Buffer`]) once the puts are done.
     pub async fn send_blocks_owned(
         &mut self,
         r: Reservation,
         layer: usize,
         first_block: usize,
-        k: Vec<u8>,
-        v: Vec<u8>,
+        k: Buffer,
+        v: Buffer,
     ) -> Result<(), TransferError> {
         LayerPlan::new(&self.layout, layer, &k, &v, usize::MAX)?;
         let n = k.len() + v.len();

@@ -14,6 +14,7 @@ use types::kv::KvLayout;
 use ucx_sys::{Context, Endpoint, OutOfRange, Region, Request, Worker};
 
 use super::{Hooks, Pool, Ready, UcxServerConfig, UcxServerStats};
+use crate::buffers::Buffers;
 use crate::checksum;
 use crate::frame::{Abort, AbortReason, Complete, Frame, Hello, LayerDataHeader};
 use crate::session::{Receiver, Reservation, ReservationId, ReservationState};
@@ -99,7 +100,7 @@ pub(super) fn serve_thread<S: BlockSink>(
             stats,
             config,
             hooks,
-            buffers: Buffers::default(),
+            buffers: Buffers::new(KEPT_BYTES),
         };
         state.publish();
         if ready.send(Ok((crate::transport::ucx::hex(&addr), memory))).is_err() {
@@ -177,50 +178,11 @@ struct State<S> {
     buffers: Buffers,
 }
 
-/// Layer copies kept for reuse once the sink is done with them.
-const KEPT_BUFFERS: usize = 8;
-
-/// Copy buffers lent to the sink and given back when it drops them: a
-/// steady stream of layers reuses warm memory instead of faulting in (and
-/// zeroing) a fresh allocation for every layer, which was most of this
-/// thread's time in a profile of the pool-to-pool bench.
-#[derive(Clone, Default)]
-struct Buffers(Arc<Mutex<Vec<Vec<u8>>>>);
-
-impl Buffers {
-    /// An empty buffer, with the capacity of an earlier one when one is back.
-    fn take(&self) -> Vec<u8> {
-        let mut b = self.kept().pop().unwrap_or_default();
-        b.clear();
-        b
-    }
-
-    fn kept(&self) -> std::sync::MutexGuard<'_, Vec<Vec<u8>>> {
-        // A panic while the list was held cannot leave it inconsistent.
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// One layer's copy, on loan to the sink.
-struct Loaned {
-    buf: Vec<u8>,
-    home: Buffers,
-}
-
-impl AsRef<[u8]> for Loaned {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for Loaned {
-    fn drop(&mut self) {
-        let mut kept = self.home.kept();
-        if kept.len() < KEPT_BUFFERS {
-            kept.push(std::mem::take(&mut self.buf));
-        }
-    }
-}
+/// Most bytes of layer copies kept for reuse once the sink is done with
+/// them: a steady stream of layers reuses warm memory instead of faulting
+/// in (and zeroing) a fresh allocation for every layer, which was most of
+/// this thread's time in a profile of the pool-to-pool bench.
+const KEPT_BYTES: usize = 64 << 20;
 
 /// Appends the landing region's `len` bytes at `at` to `out` and returns
 /// `crc32c_append(crc, <them>)`, taken on the words as they are stored into
@@ -524,7 +486,7 @@ impl<S: BlockSink> State<S> {
             self.abort_once(id, r, AbortReason::ProtocolViolation);
             return;
         };
-        let buf = Box::new(Loaned { buf, home: self.buffers.clone() });
+        let buf = Box::new(buf);
         let Some(conn) = self.conns.get_mut(&id) else { return };
         if let Some(abort) = conn.inbound.layer(&self.receiver, &mut self.sink, &mut self.counts, &h, buf, crc).await {
             send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
