@@ -30,6 +30,7 @@ mod error;
 pub mod fault;
 mod inbound;
 mod lock;
+mod outbound;
 mod send;
 mod serve;
 mod stream;

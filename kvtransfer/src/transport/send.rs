@@ -10,11 +10,10 @@ use tokio::time::timeout;
 use types::kv::KvLayout;
 
 use super::error::TransferError;
-use super::stream::{frame_name, write_frame, write_parts, FrameReader, Incoming, ReadError, Recent};
+use super::outbound::{self, Outbound};
+use super::stream::{write_frame, write_parts, FrameReader, Incoming, ReadError};
 use crate::buffers::Buffers;
-use crate::frame::{
-    Abort, AbortReason, Ack, Complete, DecodeLimits, Frame, Hello, LayerDataHeader, LAYER_DATA_OVERHEAD,
-};
+use crate::frame::{AbortReason, Ack, DecodeLimits, Frame, LayerDataHeader, LAYER_DATA_OVERHEAD};
 use crate::sender::SplitError;
 use crate::session::{Peer, Reservation};
 
@@ -72,9 +71,8 @@ pub(crate) struct FrameSender<R, W> {
     max_frame_bytes: usize,
     reader: FrameReader,
     out: Vec<u8>,
-    /// Aborts and acks that arrived before the caller asked about them.
-    aborts: Recent<Abort>,
-    acks: Recent<Ack>,
+    /// Acks and aborts that arrived before the caller asked about them.
+    heard: Outbound,
     bytes_sent: u64,
 }
 
@@ -102,15 +100,10 @@ where
             max_frame_bytes,
             reader,
             out: Vec::with_capacity(LAYER_DATA_OVERHEAD),
-            aborts: Recent::default(),
-            acks: Recent::default(),
+            heard: Outbound::default(),
             bytes_sent: 0,
         };
-        let hello = Frame::Hello(Hello {
-            version_group: local.version_group.clone(),
-            fingerprint: local.fingerprint,
-            protocol_version: crate::PROTOCOL_VERSION,
-        });
+        let hello = Frame::Hello(outbound::hello(local));
         write_frame(&mut s.wr, &mut s.out, &hello, wait).await.map_err(|e| TransferError::write(e, "sending Hello"))?;
         match s
             .reader
@@ -119,12 +112,7 @@ where
             .map_err(|e| TransferError::read(e, "HelloAck"))?
             .map(Incoming::into_frame)
         {
-            Some(Frame::HelloAck(a)) if a.protocol_version == crate::PROTOCOL_VERSION => Ok(s),
-            Some(Frame::HelloAck(a)) => {
-                Err(TransferError::Protocol(format!("HelloAck for protocol version {}", a.protocol_version)))
-            }
-            Some(Frame::HelloReject(r)) => Err(TransferError::Rejected { reason: r.reason }),
-            Some(other) => Err(TransferError::Protocol(format!("{} instead of HelloAck", frame_name(&other)))),
+            Some(f) => outbound::hello_answer_frame(f).map(|()| s),
             None => Err(TransferError::Io(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 "receiver closed the connection during the handshake",
@@ -207,22 +195,16 @@ where
     /// Sends `Complete` and waits for the `Ack`. See `TcpKvSender::complete`.
     pub(crate) async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
         self.check_not_aborted(r)?;
-        let c = Frame::Complete(Complete {
-            reservation: r.id.0,
-            generation: r.generation,
-            n_layers: self.layout.n_layers as u32,
-        });
         let wait = self.timeout;
-        write_frame(&mut self.wr, &mut self.out, &c, wait)
+        write_frame(&mut self.wr, &mut self.out, &outbound::complete(r, &self.layout), wait)
             .await
             .map_err(|e| TransferError::write(e, "sending Complete"))?;
-        let want = Ack { reservation: r.id.0, generation: r.generation };
         let waiting = async {
             loop {
-                if self.acks.contains(&want) {
-                    return Ok(want);
+                if let Some(ack) = self.heard.acked(r) {
+                    return Ok(ack);
                 }
-                self.check_aborted(r)?;
+                self.heard.check_aborted(r)?;
                 match self
                     .reader
                     .next(&mut self.rd, wait)
@@ -230,7 +212,7 @@ where
                     .map_err(|e| TransferError::read(e, "Ack"))?
                     .map(Incoming::into_frame)
                 {
-                    Some(f) => self.note(f)?,
+                    Some(f) => self.heard.on_frame(f)?,
                     None => {
                         return Err(TransferError::Io(io::Error::new(
                             io::ErrorKind::UnexpectedEof,
@@ -245,8 +227,7 @@ where
 
     /// Sends `Abort`.
     pub(crate) async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
-        let a = Frame::Abort(Abort { reservation: r.id.0, generation: r.generation, reason });
-        write_frame(&mut self.wr, &mut self.out, &a, self.timeout)
+        write_frame(&mut self.wr, &mut self.out, &outbound::abort(r, reason), self.timeout)
             .await
             .map_err(|e| TransferError::write(e, "sending Abort"))
     }
@@ -261,21 +242,14 @@ where
     /// fails if it aborted `r`.
     pub(crate) fn check_not_aborted(&mut self, r: Reservation) -> Result<(), TransferError> {
         let drained = self.drain();
-        self.check_aborted(r)?;
+        self.heard.check_aborted(r)?;
         drained
-    }
-
-    fn check_aborted(&self, r: Reservation) -> Result<(), TransferError> {
-        match self.aborts.0.iter().find(|a| a.reservation == r.id.0 && a.generation == r.generation) {
-            Some(a) => Err(TransferError::PeerAbort { reason: a.reason }),
-            None => Ok(()),
-        }
     }
 
     fn drain(&mut self) -> Result<(), TransferError> {
         loop {
             while let Some(f) = self.reader.decode().map_err(|e| TransferError::read(ReadError::Decode(e), ""))? {
-                self.note(f)?;
+                self.heard.on_frame(f)?;
             }
             match self.reader.read_ready(&mut self.rd)? {
                 Some(0) => return Ok(()),
@@ -288,16 +262,5 @@ where
                 }
             }
         }
-    }
-
-    fn note(&mut self, f: Frame) -> Result<(), TransferError> {
-        match f {
-            Frame::Abort(a) => self.aborts.push(a),
-            Frame::Ack(a) => self.acks.push(a),
-            other => {
-                return Err(TransferError::Protocol(format!("unexpected {} from the receiver", frame_name(&other))))
-            }
-        }
-        Ok(())
     }
 }

@@ -125,7 +125,7 @@ pub use sender::{LocalKvSender, LocalSenderConfig};
 pub use server::{LocalKvServer, LocalServerConfig, LocalServerStats};
 pub use wire::{check_decode, RingRefusal, RingSpec, WireError};
 
-use super::stream::{Recent, WriteError};
+use super::stream::WriteError;
 use wire::{Msg, MsgReader};
 
 /// Default slot size (payload bytes per frame). In `benches/local.rs`,

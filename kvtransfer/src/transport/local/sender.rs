@@ -13,11 +13,12 @@ use types::kv::{BlockId, KvLayout};
 
 use super::shm::SenderRing;
 use super::wire::{Msg, MsgReader, RingSpec, SlotData};
-use super::{next_msg, socket_path, write_msg, ReadError, Recent, WriteError, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES};
+use super::{next_msg, socket_path, write_msg, ReadError, WriteError, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES};
 use crate::checksum::{copy_crc3, copy_crc32c, Shift};
-use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
+use crate::frame::{AbortReason, Ack, Frame, LayerDataHeader};
 use crate::sender::SplitError;
 use crate::session::{Peer, Reservation};
+use crate::transport::outbound::{self, Outbound};
 use crate::TransferError;
 
 /// Sender settings.
@@ -51,9 +52,8 @@ pub struct LocalKvSender {
     config: LocalSenderConfig,
     reader: MsgReader,
     out: Vec<u8>,
-    /// Aborts and acks that arrived before the caller asked about them.
-    aborts: Recent<Abort>,
-    acks: Recent<Ack>,
+    /// Acks and aborts that arrived before the caller asked about them.
+    heard: Outbound,
     bytes_sent: u64,
     /// Merges the checksums of three blocks' K (or V) copied side by side.
     shift: Arc<Shift>,
@@ -117,25 +117,16 @@ impl LocalKvSender {
             config,
             reader: MsgReader::new(),
             out: Vec::with_capacity(64),
-            aborts: Recent::default(),
-            acks: Recent::default(),
+            heard: Outbound::default(),
             bytes_sent: 0,
             shift: Arc::new(Shift::new(side)),
         };
-        let hello = Frame::Hello(Hello {
-            version_group: local.version_group.clone(),
-            fingerprint: local.fingerprint,
-            protocol_version: crate::PROTOCOL_VERSION,
-        });
+        let hello = Frame::Hello(outbound::hello(local));
         write_msg(&mut s.stream, &mut s.out, &Msg::Frame(hello), wait)
             .await
             .map_err(|e| write_error(e, "sending Hello"))?;
         match next_msg(&mut s.stream, &mut s.reader, wait).await.map_err(|e| read_error(e, "HelloAck"))? {
-            Some(Msg::Frame(Frame::HelloAck(a))) if a.protocol_version == crate::PROTOCOL_VERSION => {}
-            Some(Msg::Frame(Frame::HelloAck(a))) => {
-                return Err(TransferError::Protocol(format!("HelloAck for protocol version {}", a.protocol_version)))
-            }
-            Some(Msg::Frame(Frame::HelloReject(r))) => return Err(TransferError::Rejected { reason: r.reason }),
+            Some(Msg::Frame(f @ (Frame::HelloAck(_) | Frame::HelloReject(_)))) => outbound::hello_answer_frame(f)?,
             Some(other) => return Err(TransferError::Protocol(format!("{} instead of HelloAck", other.name()))),
             None => return Err(closed("during the handshake")),
         }
@@ -333,7 +324,7 @@ impl LocalKvSender {
                 Some(m) => self.note(m)?,
                 None => return Err(closed("while slots were in flight")),
             }
-            self.check_aborted(r)?;
+            self.heard.check_aborted(r)?;
             if let Some(s) = self.free.pop() {
                 return Ok(s);
             }
@@ -344,22 +335,16 @@ impl LocalKvSender {
     /// for the receiver's `Ack`. After `Ok` the sender may drop its copy.
     pub async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
         self.check_not_aborted(r)?;
-        let c = Frame::Complete(Complete {
-            reservation: r.id.0,
-            generation: r.generation,
-            n_layers: self.layout.n_layers as u32,
-        });
         let wait = self.config.timeout;
-        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(c), wait)
+        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(outbound::complete(r, &self.layout)), wait)
             .await
             .map_err(|e| write_error(e, "sending Complete"))?;
-        let want = Ack { reservation: r.id.0, generation: r.generation };
         let deadline = Instant::now() + wait;
         loop {
-            if self.acks.contains(&want) {
-                return Ok(want);
+            if let Some(ack) = self.heard.acked(r) {
+                return Ok(ack);
             }
-            self.check_aborted(r)?;
+            self.heard.check_aborted(r)?;
             let left = deadline.saturating_duration_since(Instant::now());
             match next_msg(&mut self.stream, &mut self.reader, left).await.map_err(|e| read_error(e, "Ack"))? {
                 Some(m) => self.note(m)?,
@@ -370,8 +355,7 @@ impl LocalKvSender {
 
     /// Tells the receiver this transfer is abandoned (prefill failed, request cancelled).
     pub async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
-        let a = Frame::Abort(Abort { reservation: r.id.0, generation: r.generation, reason });
-        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(a), self.config.timeout)
+        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(outbound::abort(r, reason)), self.config.timeout)
             .await
             .map_err(|e| write_error(e, "sending Abort"))
     }
@@ -380,15 +364,8 @@ impl LocalKvSender {
     /// fails if it aborted `r`.
     fn check_not_aborted(&mut self, r: Reservation) -> Result<(), TransferError> {
         let drained = self.drain();
-        self.check_aborted(r)?;
+        self.heard.check_aborted(r)?;
         drained
-    }
-
-    fn check_aborted(&self, r: Reservation) -> Result<(), TransferError> {
-        match self.aborts.0.iter().find(|a| a.reservation == r.id.0 && a.generation == r.generation) {
-            Some(a) => Err(TransferError::PeerAbort { reason: a.reason }),
-            None => Ok(()),
-        }
     }
 
     fn drain(&mut self) -> Result<(), TransferError> {
@@ -411,8 +388,7 @@ impl LocalKvSender {
             Msg::Credit(slot) => {
                 return Err(TransferError::Protocol(format!("Credit for slot {slot}, which the sender holds")))
             }
-            Msg::Frame(Frame::Abort(a)) => self.aborts.push(a),
-            Msg::Frame(Frame::Ack(a)) => self.acks.push(a),
+            Msg::Frame(f @ (Frame::Abort(_) | Frame::Ack(_))) => self.heard.on_frame(f)?,
             other => return Err(TransferError::Protocol(format!("unexpected {} from the receiver", other.name()))),
         }
         Ok(())

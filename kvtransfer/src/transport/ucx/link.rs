@@ -4,7 +4,7 @@
 //! mapped stores, `Layer` announcements of what direct writers stored, and
 //! every reservation's ending (`Complete`, `Abort`, the fence, `Bye`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::pin;
@@ -25,11 +25,13 @@ use super::wire::{Grant, LandingRefusal, Msg, ProcessId, TO_SENDER, TO_SERVER};
 use super::writer::{self, Grants, StoredLayer, UcxDirectWriter};
 use crate::buffers::Buffer;
 use crate::checksum;
-use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
+use crate::frame::{AbortReason, Ack, Frame, Hello, LayerDataHeader};
 use crate::sender::SplitError;
-use crate::session::{Reservation, ReservationId};
+use crate::session::Reservation;
 use crate::transport::error::TransferError;
+use crate::transport::outbound::{self, Outbound};
 use crate::transport::send::LayerPlan;
+use crate::transport::stream::Recent;
 
 /// Stores `src` at `to` (bytes of the decode worker's landing region or
 /// pool mapped into this process) and returns `crc32c_append(crc, src)`,
@@ -190,24 +192,13 @@ enum Dest {
 struct Heard {
     grants: HashMap<Reservation, Dest>,
     refused: HashMap<Reservation, LandingRefusal>,
-    aborts: VecDeque<(Reservation, AbortReason)>,
-    acks: VecDeque<Reservation>,
-}
-
-/// Reservations remembered as aborted or acknowledged.
-const REMEMBERED: usize = 64;
-
-/// Appends `x`, forgetting the oldest entry beyond [`REMEMBERED`].
-fn remember<T>(q: &mut VecDeque<T>, x: T) {
-    if q.len() == REMEMBERED {
-        q.pop_front();
-    }
-    q.push_back(x);
+    /// Acks and aborts, as every transport's sender keeps them.
+    frames: Outbound,
 }
 
 impl Heard {
     fn abort_of(&self, r: Reservation) -> Option<AbortReason> {
-        self.aborts.iter().find(|(x, _)| *x == r).map(|(_, reason)| *reason)
+        self.frames.aborted(r)
     }
 
     fn note(&mut self, msg: Msg) {
@@ -221,13 +212,9 @@ impl Heard {
             Msg::Refused { reservation, refusal } => {
                 self.refused.insert(reservation, refusal);
             }
-            Msg::Frame(Frame::Abort(a)) => {
-                let r = Reservation { id: ReservationId(a.reservation), generation: a.generation };
-                remember(&mut self.aborts, (r, a.reason));
-            }
-            Msg::Frame(Frame::Ack(a)) => {
-                let r = Reservation { id: ReservationId(a.reservation), generation: a.generation };
-                remember(&mut self.acks, r);
+            Msg::Frame(f @ (Frame::Abort(_) | Frame::Ack(_))) => {
+                // Only Ack and Abort reach here, which on_frame takes.
+                let _ = self.frames.on_frame(f);
             }
             // Anything else is not for a sender after the handshake: ignored.
             _ => {}
@@ -255,7 +242,7 @@ struct Link<'d> {
     timeout: Duration,
     heard: Heard,
     /// Reservations this side fenced (flushed and told the server), bounded.
-    fenced: VecDeque<Reservation>,
+    fenced: Recent<Reservation>,
     /// How finishing a layer (its flush or its completion message) failed
     /// after the caller was told the layer was posted: the next command for
     /// that reservation returns it.
@@ -359,16 +346,10 @@ impl<'d> Link<'d> {
                 while let Some(m) = d.pop() {
                     let Ok((conn, msg)) = m else { continue };
                     match msg {
-                        Msg::Frame(Frame::HelloAck(a)) if a.protocol_version == crate::PROTOCOL_VERSION => {
+                        Msg::Frame(f @ (Frame::HelloAck(_) | Frame::HelloReject(_))) => {
+                            outbound::hello_answer_frame(f)?;
                             acked = Some(conn)
                         }
-                        Msg::Frame(Frame::HelloAck(a)) => {
-                            return Err(TransferError::Protocol(format!(
-                                "HelloAck for protocol version {}",
-                                a.protocol_version
-                            )))
-                        }
-                        Msg::Frame(Frame::HelloReject(r)) => return Err(TransferError::Rejected { reason: r.reason }),
                         Msg::PoolKey { base, num_blocks, rkey } => pool = Some((conn, base, num_blocks as usize, rkey)),
                         Msg::Key { base, rkey } => key = Some((conn, base, rkey)),
                         other => return Err(TransferError::Protocol(format!("{} during the handshake", other.name()))),
@@ -414,7 +395,7 @@ impl<'d> Link<'d> {
             side,
             timeout: wait,
             heard: Heard::default(),
-            fenced: VecDeque::new(),
+            fenced: Recent::default(),
             deferred: None,
             announced: Vec::new(),
             writers: Grants::default(),
@@ -485,7 +466,7 @@ impl<'d> Link<'d> {
     /// of ours can land), tell it so, and report the abort.
     async fn fenced_abort(&mut self, r: Reservation, reason: AbortReason) -> TransferError {
         if !self.fenced.contains(&r) {
-            remember(&mut self.fenced, r);
+            self.fenced.push(r);
             self.heard.grants.remove(&r);
             self.writers.revoke(r);
             let _ = self.settle(Some(r)).await;
@@ -762,11 +743,10 @@ impl<'d> Link<'d> {
         self.check_not_aborted(r).await?;
         // Complete frees the blocks at once: no writer may store after it.
         self.writers.revoke(r);
-        let c = Complete { reservation: r.id.0, generation: r.generation, n_layers: self.layout.n_layers as u32 };
-        self.message(&Msg::Frame(Frame::Complete(c)), "sending Complete").await?;
+        self.message(&Msg::Frame(outbound::complete(r, &self.layout)), "sending Complete").await?;
         let heard = self
             .until("Ack", |h| {
-                if h.acks.contains(&r) {
+                if h.frames.acked(r).is_some() {
                     return Some(None);
                 }
                 h.abort_of(r).map(Some)
@@ -787,8 +767,7 @@ impl<'d> Link<'d> {
         let _ = self.settle(Some(r)).await;
         self.flush().await?;
         self.heard.grants.remove(&r);
-        let a = Abort { reservation: r.id.0, generation: r.generation, reason };
-        self.message(&Msg::Frame(Frame::Abort(a)), "sending Abort").await
+        self.message(&Msg::Frame(outbound::abort(r, reason)), "sending Abort").await
     }
 
     /// Flushes the puts, says `Bye`, and flushes the control endpoint so the

@@ -15,7 +15,7 @@ use types::kv::KvLayout;
 use super::link::link_thread;
 use super::writer::{StoredLayer, UcxDirectWriter};
 use crate::buffers::Buffer;
-use crate::frame::{AbortReason, Ack, Hello};
+use crate::frame::{AbortReason, Ack};
 use crate::session::{Peer, Reservation};
 use crate::transport::error::TransferError;
 use crate::transport::send::LayerPlan;
@@ -104,11 +104,7 @@ impl UcxKvSender {
         let server = super::unhex(addr).ok_or_else(|| {
             TransferError::Io(io::Error::new(io::ErrorKind::InvalidInput, "a UCX address is hex-encoded bytes"))
         })?;
-        let hello = Hello {
-            version_group: local.version_group.clone(),
-            fingerprint: local.fingerprint,
-            protocol_version: crate::PROTOCOL_VERSION,
-        };
+        let hello = crate::transport::outbound::hello(local);
         let (cmds, rx) = mpsc::channel(1);
         let (ready_tx, ready_rx) = oneshot::channel();
         let wait = config.timeout;
