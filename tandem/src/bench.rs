@@ -43,6 +43,9 @@ pub enum Cmd {
     /// What a long prompt prefilled on a decode worker costs its running
     /// streams, for several `max_decode_stall_ms` budgets (engine only).
     Stall(crate::bench_stall::Args),
+    /// What handing a prompt's KV from a prefill engine to a decode engine
+    /// costs beyond moving its bytes (tcp on loopback, one clock).
+    Handoff(crate::bench_handoff::Args),
 }
 
 #[derive(clap::Args)]
@@ -87,6 +90,7 @@ pub fn run(cmd: Cmd) -> Result<()> {
         Cmd::Serve(a) => bench_serve::run(a),
         Cmd::Interference(a) => crate::bench_interference::run(&a),
         Cmd::Stall(a) => crate::bench_stall::run(&a),
+        Cmd::Handoff(a) => crate::bench_handoff::run(&a),
     }
 }
 
