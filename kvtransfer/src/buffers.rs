@@ -18,14 +18,32 @@ pub struct Buffers(Arc<Home>);
 
 #[derive(Debug)]
 struct Home {
-    idle: Mutex<Vec<Vec<u8>>>,
-    /// Most bytes (capacity) of idle buffers kept.
+    idle: Mutex<Idle>,
+    /// Most bytes (capacity) of idle buffers kept; one buffer is kept
+    /// whatever its size, so a stream of layers larger than the budget
+    /// still reuses one.
     keep_bytes: usize,
 }
 
+#[derive(Debug, Default)]
+struct Idle {
+    buffers: Vec<Vec<u8>>,
+    /// Their capacities, summed.
+    bytes: usize,
+}
+
+impl Idle {
+    fn pop(&mut self) -> Option<Vec<u8>> {
+        let b = self.buffers.pop()?;
+        self.bytes -= b.capacity();
+        Some(b)
+    }
+}
+
 impl Home {
-    fn idle(&self) -> MutexGuard<'_, Vec<Vec<u8>>> {
-        // A panic while the list was held cannot leave it inconsistent.
+    fn idle(&self) -> MutexGuard<'_, Idle> {
+        // A panic while the list was held cannot leave it inconsistent
+        // (each change is one push or pop with its byte count).
         self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
@@ -33,7 +51,7 @@ impl Home {
 impl Buffers {
     /// Keeps up to `keep_bytes` of idle buffers.
     pub fn new(keep_bytes: usize) -> Self {
-        Self(Arc::new(Home { idle: Mutex::new(Vec::new()), keep_bytes }))
+        Self(Arc::new(Home { idle: Mutex::new(Idle::default()), keep_bytes }))
     }
 
     /// An empty buffer: the most recently returned one (the warmest in
@@ -74,7 +92,7 @@ impl Buffers {
 
     /// Bytes (capacity) of the idle buffers kept now.
     pub fn idle_bytes(&self) -> usize {
-        self.0.idle().iter().map(Vec::capacity).sum()
+        self.0.idle().bytes
     }
 }
 
@@ -119,9 +137,10 @@ impl Drop for Buffer {
             return;
         }
         let mut idle = home.idle();
-        let kept: usize = idle.iter().map(Vec::capacity).sum();
-        if kept + self.buf.capacity() <= home.keep_bytes {
-            idle.push(std::mem::take(&mut self.buf));
+        let cap = self.buf.capacity();
+        if idle.buffers.is_empty() || idle.bytes + cap <= home.keep_bytes {
+            idle.bytes += cap;
+            idle.buffers.push(std::mem::take(&mut self.buf));
         }
     }
 }
@@ -153,6 +172,10 @@ mod tests {
         let small = home.take_with(10_000, Vec::with_capacity);
         assert!(small.capacity() >= 10_000, "too small a kept buffer is not reused");
         assert_eq!(home.idle_bytes(), 0, "the kept one was taken (and freed) on the way");
+        drop(small);
+        assert!(home.idle_bytes() >= 10_000, "one buffer is kept even over the budget");
+        let again = home.take();
+        assert!(again.capacity() >= 10_000, "and reused: a stream of large layers keeps one");
 
         let orphan = home.take();
         drop(home);

@@ -254,6 +254,10 @@ struct Slot {
     state: SlotState,
 }
 
+/// Taken reservations a receiver remembers for [`Receiver::on_write_failed`]:
+/// far more than are ever between their take and their taker's question.
+const TAKEN_REMEMBERED: usize = 4096;
+
 /// The receiver state machine. See the module docs.
 #[derive(Debug)]
 pub struct Receiver {
@@ -271,8 +275,12 @@ pub struct Receiver {
     /// Ended reservations whose blocks a peer may still write: they go to
     /// the outbox only at [`Receiver::fence`].
     quarantine: HashMap<Reservation, Released>,
-    /// Taken reservations a write of which failed after they were taken,
-    /// until [`Receiver::take_write_failure`] asks.
+    /// Reservations taken and not yet asked about by
+    /// [`Receiver::take_write_failure`] (the most recent [`TAKEN_REMEMBERED`]):
+    /// a write that fails after the take is recorded against them even once
+    /// their slot was reused by a new generation.
+    taken: VecDeque<Reservation>,
+    /// Those of them a write of which failed.
     write_failed: HashSet<Reservation>,
     counters: ReceiverCounters,
 }
@@ -291,6 +299,7 @@ impl Receiver {
             held: HashSet::new(),
             outbox: Vec::new(),
             quarantine: HashMap::new(),
+            taken: VecDeque::new(),
             write_failed: HashSet::new(),
             counters: ReceiverCounters::default(),
         })
@@ -606,6 +615,13 @@ impl Receiver {
             SlotState::Ended(state) => return Err(ReservationError::Ended { reservation: r, state: *state }),
         }
         self.counters.reservations_taken += 1;
+        if self.taken.len() == TAKEN_REMEMBERED {
+            // A taker that never asked: its writes ran long ago.
+            if let Some(old) = self.taken.pop_front() {
+                self.write_failed.remove(&old);
+            }
+        }
+        self.taken.push_back(r);
         Ok(self.end_returning(idx, ReservationState::Taken))
     }
 
@@ -618,20 +634,22 @@ impl Receiver {
     /// [`take_write_failure`](Self::take_write_failure); one that ended
     /// otherwise has nothing left to spoil.
     pub fn on_write_failed(&mut self, r: Reservation) {
+        if self.taken.contains(&r) {
+            // Whatever its slot holds now (a reused slot has a new generation).
+            self.write_failed.insert(r);
+            return;
+        }
         let Ok(idx) = self.find(r) else { return };
-        match &self.slots[idx].state {
-            SlotState::Live(_) => self.end_to_outbox(idx, ReservationState::Failed, ReleaseCause::Corrupt),
-            SlotState::Ended(ReservationState::Taken) => {
-                self.write_failed.insert(r);
-            }
-            SlotState::Ended(_) => {}
+        if let SlotState::Live(_) = &self.slots[idx].state {
+            self.end_to_outbox(idx, ReservationState::Failed, ReleaseCause::Corrupt);
         }
     }
 
-    /// Whether a write of the taken `r` failed (and forgets it). The taker
+    /// Whether a write of the taken `r` failed (and forgets `r`). The taker
     /// asks once every write of `r` has run (the decode worker: on the
     /// engine thread, after `take_ready`), and treats a hit as corrupt KV.
     pub fn take_write_failure(&mut self, r: Reservation) -> bool {
+        self.taken.retain(|t| *t != r);
         self.write_failed.remove(&r)
     }
 

@@ -182,6 +182,22 @@ fn a_failed_write_fails_a_live_reservation_and_is_told_once_after_the_take() {
     assert!(!rx.take_write_failure(taken), "told once");
     assert!(rx.poll_released(t0).is_empty(), "the taker owns the blocks");
 
+    // A failure that comes after the taken slot was reused by a new
+    // generation is still the taken reservation's, and not the new one's.
+    let small = &mut rx_with(1);
+    let first = small.reserve(vec![7], SEC, t0).expect("reserve");
+    for layer in 0..2 {
+        small.on_layer(&data(first, layer, 0, 1), t0).expect("layer");
+    }
+    small.on_complete(&complete(first), t0).expect("complete");
+    small.take_ready(first).expect("take");
+    let second = small.reserve(vec![8], SEC, t0).expect("the one slot, reused");
+    assert_eq!(second.id, first.id);
+    small.on_write_failed(first);
+    assert_eq!(small.state(second), Some(ReservationState::Receiving), "the new generation is untouched");
+    assert!(small.take_write_failure(first), "the failure reaches the taker across the reuse");
+    assert!(!small.take_write_failure(second));
+
     let expired = rx.reserve(vec![4], SEC, t0).expect("reserve");
     rx.poll_released(t0 + SEC);
     rx.on_write_failed(expired);

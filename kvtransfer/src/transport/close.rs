@@ -154,17 +154,22 @@ impl From<WireError> for CloseReason {
 /// Frame-level counts live in [`Receiver::counters`](crate::Receiver::counters).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ServerStats {
-    /// Connections that arrived (ucx: a `Hello` answered), refused ones
+    /// Connections that arrived and were served at least as far as their
+    /// handshake (ucx: every `Hello` from a reachable sender), refused ones
     /// included: on every transport `connections_accepted −
-    /// connections_closed()` is what is open.
+    /// connections_closed()` is what is open. A stream refused on accept for
+    /// `max_connections` is not in it but in `connections_refused_busy`; ucx
+    /// has no accept, so its busy refusals are accepted and closed
+    /// [`CloseReason::Busy`].
     pub connections_accepted: u64,
-    /// Closed on accept because `max_connections` were being served
-    /// (streams; ucx counts them as [`CloseReason::Busy`]).
+    /// Streams closed on accept because `max_connections` were being served.
     pub connections_refused_busy: u64,
     /// Ended connections (QUIC: frame streams) by [`CloseReason`], in
     /// [`CloseReason::LABELS`] order.
     pub closed: [u64; CloseReason::LABELS.len()],
-    /// `Abort` frames sent (refused frames, at most one per reservation and connection).
+    /// `Abort`s told to senders (refused frames, at most one per reservation
+    /// and connection), counted as decided: a write of one that fails ends
+    /// the connection, which the close reason shows.
     pub aborts_sent: u64,
     /// Accepted frames the [`BlockSink`](super::BlockSink) failed to store.
     pub sink_failures: u64,

@@ -67,9 +67,10 @@ pub(crate) fn flip_in_place(layer: usize, first_block: usize, len: usize) -> Opt
 
 /// [`after_checksum`] for a sender that writes from the caller's memory (the
 /// streams): a copy of `k` with the byte flipped, if this transfer is to be
-/// corrupted. Only ever taken on an armed process's first frame of a transfer.
+/// corrupted. The copy is made only when the process is armed and this is
+/// a transfer's first frame.
 pub(crate) fn corrupt_copy(layer: usize, first_block: usize, k: &[u8]) -> Option<Vec<u8>> {
-    if layer != 0 || first_block != 0 || k.is_empty() {
+    if layer != 0 || first_block != 0 || k.is_empty() || LEFT.load(Ordering::SeqCst) == 0 {
         return None;
     }
     let mut copy = k.to_vec();

@@ -63,7 +63,8 @@ impl InboundConn {
     /// A layer whose payload (ours: read, copied out of a ring or a landing
     /// region) has CRC-32C `crc`: waits for the sink's room without the
     /// receiver, then checks it and hands an accepted one to the sink in
-    /// one hold of the receiver. `Some`: the `Abort` to tell the sender.
+    /// one hold of the receiver. `Err` when it was refused (or its write
+    /// failed), with the `Abort` to tell the sender unless it was told.
     pub(crate) async fn layer<S: BlockSink>(
         &mut self,
         receiver: &Mutex<Receiver>,
@@ -72,14 +73,14 @@ impl InboundConn {
         header: &LayerDataHeader,
         payload: OwnedPayload,
         crc: u32,
-    ) -> Option<Abort> {
+    ) -> Result<(), Option<Abort>> {
         let len = (*payload).as_ref().len();
         poll_fn(|cx| sink.poll_ready(cx, len)).await;
         let now = Instant::now();
         let mut rx = lock(receiver);
         let reason = match rx.on_layer_checked(header, crc, now) {
             Ok(w) => match sink.write_layer_owned(w, payload) {
-                Ok(()) => return None,
+                Ok(()) => return Ok(()),
                 Err(_) => {
                     // The blocks' content is now unknown: void the reservation
                     // (blocks go to poll_released) and tell the sender to retry
@@ -96,11 +97,12 @@ impl InboundConn {
             }
         };
         drop(rx);
-        self.abort_once(stats, abort_of(header, reason))
+        Err(self.abort_once(stats, abort_of(header, reason)))
     }
 
     /// A layer a peer stored straight into the reservation's pool blocks
-    /// (ucx, direct), checksummed there as `crc`: nothing to write.
+    /// (ucx, direct), checksummed there as `crc`: nothing to write. `Err`
+    /// as for [`layer`](Self::layer).
     pub(crate) fn landed_in_place<S: BlockSink>(
         &mut self,
         receiver: &Mutex<Receiver>,
@@ -109,15 +111,15 @@ impl InboundConn {
         header: &LayerDataHeader,
         crc: u32,
         now: Instant,
-    ) -> Option<Abort> {
+    ) -> Result<(), Option<Abort>> {
         let refusal = match lock(receiver).on_layer_checked(header, crc, now) {
             Ok(w) => {
                 sink.landed_in_place(&w, header.payload_len);
-                return None;
+                return Ok(());
             }
             Err(e) => e.abort_reason(),
         };
-        self.abort_once(stats, abort_of(header, refusal))
+        Err(self.abort_once(stats, abort_of(header, refusal)))
     }
 
     /// The sender's `Complete`: `Ok` the `Ack` to send; `Err(Some)` the

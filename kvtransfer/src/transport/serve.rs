@@ -77,13 +77,13 @@ where
         let reply = match frame {
             Incoming::Layer { header, payload, crc32c } => {
                 let payload = Box::new(payload);
-                conn.layer(receiver, sink, &mut stats, &header, payload, crc32c).await.map(Frame::Abort)
+                conn.layer(receiver, sink, &mut stats, &header, payload, crc32c).await.err().flatten().map(Frame::Abort)
             }
             // Not from FrameReader::next (its LayerData come as Layer); checked the slow way all the same.
             Incoming::Frame(Frame::LayerData(d)) => {
                 let (header, crc) = (d.header(), d.payload_checksum());
                 let payload = Box::new(shared.payloads.lend(d.payload));
-                conn.layer(receiver, sink, &mut stats, &header, payload, crc).await.map(Frame::Abort)
+                conn.layer(receiver, sink, &mut stats, &header, payload, crc).await.err().flatten().map(Frame::Abort)
             }
             Incoming::Frame(Frame::Complete(c)) => match conn.complete(receiver, &mut stats, &c, Instant::now()) {
                 Ok(ack) => Some(Frame::Ack(ack)),

@@ -270,7 +270,11 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
                     }
                 }
                 // `d.header.payload_len` is `buf.len()`: copy_out copied exactly that.
-                conn.layer(receiver, sink, &mut stats, &d.header, Box::new(buf), crc).await.map(Frame::Abort)
+                conn.layer(receiver, sink, &mut stats, &d.header, Box::new(buf), crc)
+                    .await
+                    .err()
+                    .flatten()
+                    .map(Frame::Abort)
             }
             Msg::Frame(Frame::Complete(c)) => match conn.complete(receiver, &mut stats, &c, Instant::now()) {
                 Ok(ack) => Some(Frame::Ack(ack)),

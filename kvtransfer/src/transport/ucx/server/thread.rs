@@ -451,9 +451,11 @@ impl<S: BlockSink> State<S> {
         }
         let Some(conn) = self.conns.get_mut(&id) else { return };
         match conn.inbound.landed_in_place(&self.receiver, &mut self.sink, &mut self.counts, &h, crc, now()) {
-            None => self.counts.ucx.direct_layers += 1,
-            Some(abort) => {
-                send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
+            Ok(()) => self.counts.ucx.direct_layers += 1,
+            Err(abort) => {
+                if let Some(abort) = abort {
+                    send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
+                }
                 self.settle(id, r);
             }
         }
@@ -488,8 +490,10 @@ impl<S: BlockSink> State<S> {
         };
         let buf = Box::new(buf);
         let Some(conn) = self.conns.get_mut(&id) else { return };
-        if let Some(abort) = conn.inbound.layer(&self.receiver, &mut self.sink, &mut self.counts, &h, buf, crc).await {
-            send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
+        if let Err(abort) = conn.inbound.layer(&self.receiver, &mut self.sink, &mut self.counts, &h, buf, crc).await {
+            if let Some(abort) = abort {
+                send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
+            }
             self.settle(id, r);
         }
     }
