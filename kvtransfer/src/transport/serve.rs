@@ -1,6 +1,9 @@
-//! The decode side of one frame stream, over any byte stream: handshake,
-//! then every frame through the shared [`Receiver`] into the [`BlockSink`].
-//! The TCP and QUIC servers run it once per connection (or stream).
+//! The decode side's one driver ([`drive`]) of a sender's connection:
+//! handshake, then every frame through the shared [`Receiver`] into the
+//! [`BlockSink`], by the rules of `inbound.rs`, over any transport's
+//! primitives ([`Conn`]). The TCP and QUIC servers run it over a byte stream
+//! ([`StreamConn`]) once per connection (or stream), the local server over
+//! its socket and ring.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,8 +16,9 @@ use super::close::{CloseReason, ServerStats};
 use super::inbound::{self, InboundConn};
 use super::stream::{frame_name, write_frame, FrameReader, Incoming, ReadError, WriteError};
 use super::BlockSink;
+use super::OwnedPayload;
 use crate::buffers::Buffers;
-use crate::frame::{DecodeLimits, Frame};
+use crate::frame::{DecodeLimits, Frame, Hello, LayerDataHeader};
 use crate::session::Receiver;
 
 /// Most bytes of idle payload buffers a server keeps for reuse.
@@ -41,6 +45,132 @@ impl Shared {
     }
 }
 
+/// What a connection yields to [`drive`] after the handshake.
+pub(crate) enum Event {
+    /// A layer's payload, ours (read, or copied out of shared memory), with
+    /// the CRC-32C of exactly those bytes.
+    Layer { header: LayerDataHeader, payload: OwnedPayload, crc: u32 },
+    /// Any other frame.
+    Frame(Frame),
+    /// The peer closed between frames: the normal end.
+    Closed,
+}
+
+/// One sender's connection as a transport carries it: the primitives
+/// [`drive`] runs the receive rules (`inbound.rs`) over. Tcp and quic
+/// streams are [`StreamConn`]; the local transport's socket and ring are
+/// its own.
+pub(crate) trait Conn {
+    /// The first message, which must be `Hello`.
+    async fn hello(&mut self) -> Result<Hello, CloseReason>;
+    /// After an accepted handshake: whatever the transport sets up before
+    /// frames flow (local: the sender's ring).
+    async fn handshaken(&mut self) -> Result<(), CloseReason> {
+        Ok(())
+    }
+    /// The next event.
+    async fn next(&mut self) -> Result<Event, CloseReason>;
+    /// Writes a reply (`HelloAck`/`HelloReject`, `Ack`, `Abort`).
+    async fn reply(&mut self, f: &Frame) -> Result<(), CloseReason>;
+    /// The close reason for a frame a sender never sends after its `Hello`.
+    fn unexpected(&self, f: &Frame) -> CloseReason;
+}
+
+/// Runs one sender's connection to its end and says why it ended: the
+/// handshake, then every layer, `Complete` and `Abort` through the shared
+/// [`Receiver`] into the [`BlockSink`]. The one driver of the tcp, quic
+/// and local servers.
+pub(crate) async fn drive<C: Conn, S: BlockSink>(
+    conn: &mut C,
+    receiver: &Mutex<Receiver>,
+    stats: &watch::Sender<ServerStats>,
+    sink: &mut S,
+) -> CloseReason {
+    let hello = match conn.hello().await {
+        Ok(h) => h,
+        Err(close) => return close,
+    };
+    let (reply, refused) = inbound::hello(receiver, &hello);
+    if let Err(close) = conn.reply(&reply).await {
+        return close;
+    }
+    if let Some(close) = refused {
+        return close;
+    }
+    if let Err(close) = conn.handshaken().await {
+        return close;
+    }
+    let mut rules = InboundConn::default();
+    let mut stats = stats;
+    loop {
+        let reply = match conn.next().await {
+            Err(close) => return close,
+            Ok(Event::Closed) => return CloseReason::PeerClosed,
+            Ok(Event::Layer { header, payload, crc }) => {
+                rules.layer(receiver, sink, &mut stats, &header, payload, crc).await.err().flatten().map(Frame::Abort)
+            }
+            Ok(Event::Frame(Frame::Complete(c))) => match rules.complete(receiver, &mut stats, &c, Instant::now()) {
+                Ok(ack) => Some(Frame::Ack(ack)),
+                Err(abort) => abort.map(Frame::Abort),
+            },
+            Ok(Event::Frame(Frame::Abort(a))) => {
+                InboundConn::peer_abort(receiver, &a, Instant::now());
+                None
+            }
+            Ok(Event::Frame(other)) => return conn.unexpected(&other),
+        };
+        if let Some(reply) = reply {
+            if let Err(close) = conn.reply(&reply).await {
+                return close;
+            }
+        }
+    }
+}
+
+/// A frame stream (a TCP connection, a QUIC stream) as a [`Conn`].
+pub(crate) struct StreamConn<'a, R, W> {
+    rd: &'a mut R,
+    wr: &'a mut W,
+    reader: FrameReader,
+    out: Vec<u8>,
+    idle: Duration,
+    payloads: &'a Buffers,
+}
+
+impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn for StreamConn<'_, R, W> {
+    async fn hello(&mut self) -> Result<Hello, CloseReason> {
+        match self.reader.next(self.rd, self.idle).await.map(|f| f.map(Incoming::into_frame)) {
+            Ok(Some(Frame::Hello(h))) => Ok(h),
+            Ok(Some(other)) => Err(CloseReason::NotHello { got: frame_name(&other) }),
+            Ok(None) => Err(CloseReason::PeerClosed),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn next(&mut self) -> Result<Event, CloseReason> {
+        Ok(match self.reader.next(self.rd, self.idle).await? {
+            None => Event::Closed,
+            Some(Incoming::Layer { header, payload, crc32c }) => {
+                Event::Layer { header, payload: Box::new(payload), crc: crc32c }
+            }
+            // Not from FrameReader::next (its LayerData come as Layer); checked the slow way all the same.
+            Some(Incoming::Frame(Frame::LayerData(d))) => {
+                let (header, crc) = (d.header(), d.payload_checksum());
+                Event::Layer { header, payload: Box::new(self.payloads.lend(d.payload)), crc }
+            }
+            Some(Incoming::Frame(f)) => Event::Frame(f),
+        })
+    }
+
+    async fn reply(&mut self, f: &Frame) -> Result<(), CloseReason> {
+        Ok(write_frame(self.wr, &mut self.out, f, self.idle).await?)
+    }
+
+    fn unexpected(&self, f: &Frame) -> CloseReason {
+        CloseReason::UnexpectedFrame { got: frame_name(f) }
+    }
+}
+
 /// Runs one frame stream to its end and says why it ended.
 pub(crate) async fn serve<R, W, S>(rd: &mut R, wr: &mut W, shared: &Shared, sink: &mut S) -> CloseReason
 where
@@ -48,59 +178,10 @@ where
     W: AsyncWrite + Unpin,
     S: BlockSink,
 {
+    let reader = FrameReader::new(shared.limits, shared.payloads.clone());
     let idle = shared.idle_timeout;
-    let mut reader = FrameReader::new(shared.limits, shared.payloads.clone());
-    let mut out = Vec::with_capacity(64);
-
-    let hello = match reader.next(rd, idle).await.map(|f| f.map(Incoming::into_frame)) {
-        Ok(Some(Frame::Hello(h))) => h,
-        Ok(Some(other)) => return CloseReason::NotHello { got: frame_name(&other) },
-        Ok(None) => return CloseReason::PeerClosed,
-        Err(e) => return e.into(),
-    };
-    let (reply, refused) = inbound::hello(&shared.receiver, &hello);
-    if let Err(e) = write_frame(wr, &mut out, &reply, idle).await {
-        return e.into();
-    }
-    if let Some(close) = refused {
-        return close;
-    }
-
-    let mut conn = InboundConn::default();
-    let (receiver, mut stats) = (&*shared.receiver, &shared.stats);
-    loop {
-        let frame = match reader.next(rd, idle).await {
-            Ok(Some(f)) => f,
-            Ok(None) => return CloseReason::PeerClosed,
-            Err(e) => return e.into(),
-        };
-        let reply = match frame {
-            Incoming::Layer { header, payload, crc32c } => {
-                let payload = Box::new(payload);
-                conn.layer(receiver, sink, &mut stats, &header, payload, crc32c).await.err().flatten().map(Frame::Abort)
-            }
-            // Not from FrameReader::next (its LayerData come as Layer); checked the slow way all the same.
-            Incoming::Frame(Frame::LayerData(d)) => {
-                let (header, crc) = (d.header(), d.payload_checksum());
-                let payload = Box::new(shared.payloads.lend(d.payload));
-                conn.layer(receiver, sink, &mut stats, &header, payload, crc).await.err().flatten().map(Frame::Abort)
-            }
-            Incoming::Frame(Frame::Complete(c)) => match conn.complete(receiver, &mut stats, &c, Instant::now()) {
-                Ok(ack) => Some(Frame::Ack(ack)),
-                Err(abort) => abort.map(Frame::Abort),
-            },
-            Incoming::Frame(Frame::Abort(a)) => {
-                InboundConn::peer_abort(receiver, &a, Instant::now());
-                None
-            }
-            Incoming::Frame(other) => return CloseReason::UnexpectedFrame { got: frame_name(&other) },
-        };
-        if let Some(reply) = reply {
-            if let Err(e) = write_frame(wr, &mut out, &reply, idle).await {
-                return e.into();
-            }
-        }
-    }
+    let mut conn = StreamConn { rd, wr, reader, out: Vec::with_capacity(64), idle, payloads: &shared.payloads };
+    drive(&mut conn, &shared.receiver, &shared.stats, sink).await
 }
 
 impl From<ReadError> for CloseReason {

@@ -13,16 +13,17 @@ use tokio::io::Interest;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
-use tokio::time::{timeout, Instant};
+use tokio::time::timeout;
 
 use super::shm::{ReceiverRing, DATA_OFFSET};
 use super::wire::{Msg, MsgReader, RingRefusal};
 use super::{next_msg, socket_path, write_all, write_msg, ReadError, WriteError};
 use crate::buffers::Buffers;
-use crate::frame::Frame;
+use crate::frame::{Frame, Hello};
 use crate::session::Receiver;
 use crate::transport::close::{CloseReason, ServerStats};
-use crate::transport::inbound::{self, InboundConn};
+use crate::transport::serve::{drive, Conn, Event};
+use crate::transport::stream::frame_name;
 use crate::transport::BlockSink;
 
 /// Descriptors taken from one read; more are closed by the kernel.
@@ -191,7 +192,7 @@ async fn accept_loop<S: BlockSink + Clone + 'static>(listener: UnixListener, sha
 }
 
 /// Runs one connection to its end and says why it ended.
-async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut S) -> CloseReason {
+async fn serve<S: BlockSink>(stream: UnixStream, shared: &Shared, sink: &mut S) -> CloseReason {
     if shared.config.same_uid_only {
         let me = rustix::process::geteuid().as_raw();
         match stream.peer_cred() {
@@ -200,97 +201,98 @@ async fn serve<S: BlockSink>(mut stream: UnixStream, shared: &Shared, sink: &mut
             Err(e) => return CloseReason::Io(e.kind()),
         }
     }
-    let idle = shared.config.idle_timeout;
-    let mut reader = MsgReader::new();
-    let mut out = Vec::with_capacity(64);
+    let mut conn = LocalConn { stream, reader: MsgReader::new(), out: Vec::with_capacity(64), ring: None, shared };
+    drive(&mut conn, &shared.receiver, &shared.stats, sink).await
+}
 
-    let hello = match next_msg(&mut stream, &mut reader, idle).await {
-        Ok(Some(Msg::Frame(Frame::Hello(h)))) => h,
-        Ok(Some(other)) => return CloseReason::NotHello { got: other.name() },
-        Ok(None) => return CloseReason::PeerClosed,
-        Err(e) => return e.into(),
-    };
-    let (answer, refused) = inbound::hello(&shared.receiver, &hello);
-    if let Err(e) = write_msg(&mut stream, &mut out, &Msg::Frame(answer), idle).await {
-        return e.into();
-    }
-    if let Some(close) = refused {
-        return close;
-    }
+/// One sender's socket and, after the handshake, its ring, as a [`Conn`].
+struct LocalConn<'a> {
+    stream: UnixStream,
+    reader: MsgReader,
+    /// Encoding space for the handshake's messages.
+    out: Vec<u8>,
+    /// The mapped ring and the batched replies, once accepted.
+    ring: Option<(ReceiverRing, Replies)>,
+    shared: &'a Shared,
+}
 
-    let ring = match accept_ring(&mut stream, &mut reader, &shared.config).await {
-        Ok(ring) => ring,
-        Err(Ok(refusal)) => {
-            if let Err(e) = write_msg(&mut stream, &mut out, &Msg::RingReject(refusal), idle).await {
-                return e.into();
-            }
-            return CloseReason::RingRefused(refusal);
+impl Conn for LocalConn<'_> {
+    async fn hello(&mut self) -> Result<Hello, CloseReason> {
+        match next_msg(&mut self.stream, &mut self.reader, self.shared.config.idle_timeout).await {
+            Ok(Some(Msg::Frame(Frame::Hello(h)))) => Ok(h),
+            Ok(Some(other)) => Err(CloseReason::NotHello { got: other.name() }),
+            Ok(None) => Err(CloseReason::PeerClosed),
+            Err(e) => Err(e.into()),
         }
-        Err(Err(close)) => return close,
-    };
-    if let Err(e) = write_msg(&mut stream, &mut out, &Msg::RingAck, idle).await {
-        return e.into();
     }
-    shared.stats.send_modify(|s| s.rings_mapped += 1);
 
-    let buffers = &shared.buffers;
-    let mut conn = InboundConn::default();
-    let (receiver, mut stats) = (&*shared.receiver, &shared.stats);
-    let mut replies = Replies::new(ring.slots(), idle);
-    loop {
-        let msg = match reader.decode() {
-            Ok(Some(m)) => m,
-            Err(e) => return e.into(),
-            Ok(None) => {
+    /// The sender's ring, mapped once checked, and its answer.
+    async fn handshaken(&mut self) -> Result<(), CloseReason> {
+        let (config, idle) = (&self.shared.config, self.shared.config.idle_timeout);
+        let ring = match accept_ring(&mut self.stream, &mut self.reader, config).await {
+            Ok(ring) => ring,
+            Err(Ok(refusal)) => {
+                write_msg(&mut self.stream, &mut self.out, &Msg::RingReject(refusal), idle).await?;
+                return Err(CloseReason::RingRefused(refusal));
+            }
+            Err(Err(close)) => return Err(close),
+        };
+        write_msg(&mut self.stream, &mut self.out, &Msg::RingAck, idle).await?;
+        self.shared.stats.send_modify(|s| s.rings_mapped += 1);
+        let replies = Replies::new(ring.slots(), idle);
+        self.ring = Some((ring, replies));
+        Ok(())
+    }
+
+    async fn next(&mut self) -> Result<Event, CloseReason> {
+        let idle = self.shared.config.idle_timeout;
+        let Some((ring, replies)) = &mut self.ring else {
+            return Err(CloseReason::UnexpectedMessage { got: "a frame before the ring" });
+        };
+        let msg = match self.reader.decode()? {
+            Some(m) => m,
+            None => {
                 // Nothing buffered: before waiting for the sender, give back
                 // the slots it may be waiting for.
-                if let Err(e) = replies.send(&mut stream, None).await {
-                    return e;
-                }
-                match next_msg(&mut stream, &mut reader, idle).await {
-                    Ok(Some(m)) => m,
-                    Ok(None) => return CloseReason::PeerClosed,
-                    Err(e) => return e.into(),
+                replies.send(&mut self.stream, None).await?;
+                match next_msg(&mut self.stream, &mut self.reader, idle).await? {
+                    Some(m) => m,
+                    None => return Ok(Event::Closed),
                 }
             }
         };
-        let reply = match msg {
+        match msg {
             Msg::Data(d) => {
                 // Copy first, then credit the slot: from here the sender may
-                // rewrite it, and everything below reads only our copy. The
+                // rewrite it, and everything after reads only our copy. The
                 // checksum is computed over that copy as it is made.
-                let mut buf = buffers.take_with(ring.slot_bytes(), fresh);
+                let mut buf = self.shared.buffers.take_with(ring.slot_bytes(), fresh);
                 let Some(crc) = ring.copy_out(d.slot as usize, d.header.payload_len, &mut buf) else {
-                    return CloseReason::BadSlot { slot: d.slot, len: d.header.payload_len };
+                    return Err(CloseReason::BadSlot { slot: d.slot, len: d.header.payload_len });
                 };
                 replies.credit(d.slot);
                 if replies.credits_due() {
-                    if let Err(e) = replies.send(&mut stream, None).await {
-                        return e;
-                    }
+                    replies.send(&mut self.stream, None).await?;
                 }
                 // `d.header.payload_len` is `buf.len()`: copy_out copied exactly that.
-                conn.layer(receiver, sink, &mut stats, &d.header, Box::new(buf), crc)
-                    .await
-                    .err()
-                    .flatten()
-                    .map(Frame::Abort)
+                Ok(Event::Layer { header: d.header, payload: Box::new(buf), crc })
             }
-            Msg::Frame(Frame::Complete(c)) => match conn.complete(receiver, &mut stats, &c, Instant::now()) {
-                Ok(ack) => Some(Frame::Ack(ack)),
-                Err(abort) => abort.map(Frame::Abort),
-            },
-            Msg::Frame(Frame::Abort(a)) => {
-                InboundConn::peer_abort(receiver, &a, Instant::now());
-                None
-            }
-            other => return CloseReason::UnexpectedMessage { got: other.name() },
-        };
-        if let Some(reply) = reply {
-            if let Err(e) = replies.send(&mut stream, Some(&Msg::Frame(reply))).await {
-                return e;
-            }
+            Msg::Frame(f) => Ok(Event::Frame(f)),
+            other => Err(CloseReason::UnexpectedMessage { got: other.name() }),
         }
+    }
+
+    async fn reply(&mut self, f: &Frame) -> Result<(), CloseReason> {
+        let msg = Msg::Frame(f.clone());
+        match &mut self.ring {
+            // With the pending credits.
+            Some((_, replies)) => replies.send(&mut self.stream, Some(&msg)).await,
+            None => Ok(write_msg(&mut self.stream, &mut self.out, &msg, self.shared.config.idle_timeout).await?),
+        }
+    }
+
+    fn unexpected(&self, f: &Frame) -> CloseReason {
+        CloseReason::UnexpectedMessage { got: frame_name(f) }
     }
 }
 

@@ -225,15 +225,7 @@ impl Msg {
     /// Name for errors and close reasons.
     pub(super) fn name(&self) -> &'static str {
         match self {
-            Msg::Frame(f) => match f {
-                Frame::Hello(_) => "Hello",
-                Frame::HelloAck(_) => "HelloAck",
-                Frame::HelloReject(_) => "HelloReject",
-                Frame::LayerData(_) => "LayerData",
-                Frame::Complete(_) => "Complete",
-                Frame::Ack(_) => "Ack",
-                Frame::Abort(_) => "Abort",
-            },
+            Msg::Frame(f) => crate::transport::stream::frame_name(f),
             Msg::Ring(_) => "Ring",
             Msg::RingAck => "RingAck",
             Msg::RingReject(_) => "RingReject",
