@@ -24,7 +24,7 @@ mod thread;
 pub struct UcxServerConfig {
     /// Bytes of the landing region, registered once at start: the most KV
     /// in flight (and in quarantine) at once. A reservation that does not
-    /// fit is refused ([`LandingRefusal::Full`]).
+    /// fit is refused ([`LandingRefusal::Full`](super::LandingRefusal::Full)).
     pub landing_bytes: usize,
     /// How often the server looks for reservations that ended (lease,
     /// abort, corruption) and for senders whose endpoint failed.
@@ -52,9 +52,8 @@ impl Default for UcxServerConfig {
 }
 
 /// What the UCX server has done: see [`ServerStats`], its own counters in
-/// [`ServerStats::ucx`]. A connection ends with [`CloseReason::Bye`],
-/// [`CloseReason::PeerFailed`], [`CloseReason::Rejected`] or
-/// [`CloseReason::Busy`].
+/// [`ServerStats::ucx`]. A connection ends with `bye`, `peer_failed`,
+/// `rejected` or `busy` ([`CloseReason`](crate::CloseReason)).
 pub type UcxServerStats = ServerStats;
 
 /// Called on the server thread with the landing region and a layer's K
