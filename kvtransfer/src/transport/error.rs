@@ -42,6 +42,13 @@ pub enum TransferError {
     /// stored.
     #[error("the direct grant of reservation {reservation} (generation {generation}) was revoked")]
     Revoked { reservation: u64, generation: u32 },
+    /// The caller sent a layer, `Complete` or another `Complete` of a
+    /// reservation after its own `Complete` or `Abort` on this connection
+    /// (a local bug); nothing was sent.
+    #[error(
+        "reservation {reservation} (generation {generation}) was already {how} on this connection; nothing was sent"
+    )]
+    Ended { reservation: u64, generation: u32, how: &'static str },
     /// QUIC only: a certificate was refused (the receiver's by us, or ours
     /// by the receiver), or the TLS settings are unusable.
     #[error("TLS: {0}")]
@@ -54,7 +61,7 @@ impl TransferError {
             Self::Io(_) => ErrorKind::Retryable,
             Self::Rejected { reason } => reason.kind(),
             Self::Timeout { .. } => ErrorKind::Deadline,
-            Self::Protocol(_) | Self::Layer(_) => ErrorKind::InvalidInput,
+            Self::Protocol(_) | Self::Layer(_) | Self::Ended { .. } => ErrorKind::InvalidInput,
             Self::PeerAbort { reason } => reason.kind(),
             Self::Tls(e) => e.kind(),
             Self::Landing { refusal } => refusal.kind(),
@@ -71,6 +78,7 @@ impl TransferError {
             Self::Protocol(_) => "protocol",
             Self::PeerAbort { .. } => "peer_abort",
             Self::Layer(_) => "layer",
+            Self::Ended { .. } => "ended",
             Self::Tls(_) => "tls",
             Self::Landing { .. } => "landing",
             Self::Revoked { .. } => "revoked",

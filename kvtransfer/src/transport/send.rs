@@ -6,7 +6,7 @@ use std::io;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::time::timeout;
+use tokio::time::{timeout_at, Instant};
 use types::kv::KvLayout;
 
 use super::error::TransferError;
@@ -160,7 +160,7 @@ where
         let LayerPlan { side, n_blocks, per_frame } = plan;
         let frames = 0..plan.n_frames();
         for i in frames {
-            self.check_not_aborted(r)?;
+            self.may_send(r)?;
             let first = i * per_frame;
             if first >= n_blocks {
                 break;
@@ -194,40 +194,39 @@ where
 
     /// Sends `Complete` and waits for the `Ack`. See `TcpKvSender::complete`.
     pub(crate) async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
-        self.check_not_aborted(r)?;
+        let drained = self.drain();
         let wait = self.timeout;
-        write_frame(&mut self.wr, &mut self.out, &outbound::complete(r, &self.layout), wait)
+        let complete = self.heard.complete(r, &self.layout, Instant::now(), wait)?;
+        drained?;
+        write_frame(&mut self.wr, &mut self.out, &complete, wait)
             .await
             .map_err(|e| TransferError::write(e, "sending Complete"))?;
-        let waiting = async {
-            loop {
-                if let Some(ack) = self.heard.acked(r) {
-                    return Ok(ack);
-                }
-                self.heard.check_aborted(r)?;
-                match self
-                    .reader
-                    .next(&mut self.rd, wait)
-                    .await
-                    .map_err(|e| TransferError::read(e, "Ack"))?
-                    .map(Incoming::into_frame)
-                {
-                    Some(f) => self.heard.on_frame(f)?,
-                    None => {
-                        return Err(TransferError::Io(io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            "receiver closed the connection before acknowledging",
-                        )))
-                    }
+        loop {
+            if let Some(answer) = self.heard.answer(r, Instant::now()) {
+                return answer;
+            }
+            let Some(deadline) = self.heard.deadline(r) else {
+                return Err(TransferError::Protocol("Complete no longer awaited".into()));
+            };
+            // Past the deadline the machine answers Timeout on the next turn.
+            let Ok(next) = timeout_at(deadline, self.reader.next(&mut self.rd, wait)).await else { continue };
+            match next.map_err(|e| TransferError::read(e, "Ack"))?.map(Incoming::into_frame) {
+                Some(f) => self.heard.on_frame(f)?,
+                None => {
+                    return Err(TransferError::Io(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "receiver closed the connection before acknowledging",
+                    )))
                 }
             }
-        };
-        timeout(wait, waiting).await.map_err(|_| TransferError::Timeout { what: "Ack", after: wait })?
+        }
     }
 
-    /// Sends `Abort`.
+    /// Sends `Abort`, unless the machine says none is due (the receiver
+    /// acknowledged or aborted `r`, or it was aborted already).
     pub(crate) async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
-        write_frame(&mut self.wr, &mut self.out, &outbound::abort(r, reason), self.timeout)
+        let Some(abort) = self.heard.abort(r, reason) else { return Ok(()) };
+        write_frame(&mut self.wr, &mut self.out, &abort, self.timeout)
             .await
             .map_err(|e| TransferError::write(e, "sending Abort"))
     }
@@ -239,10 +238,10 @@ where
     }
 
     /// Takes in whatever the receiver already sent, without waiting, then
-    /// fails if it aborted `r`.
-    pub(crate) fn check_not_aborted(&mut self, r: Reservation) -> Result<(), TransferError> {
+    /// asks the machine whether more of `r` may go out.
+    fn may_send(&mut self, r: Reservation) -> Result<(), TransferError> {
         let drained = self.drain();
-        self.heard.check_aborted(r)?;
+        self.heard.layer(r)?;
         drained
     }
 

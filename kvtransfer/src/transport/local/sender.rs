@@ -283,7 +283,7 @@ impl LocalKvSender {
         let per_frame = (self.config.slot_bytes / (2 * side)).max(1);
         let mut i = 0;
         while i < n_blocks {
-            self.check_not_aborted(r)?;
+            self.may_send(r)?;
             let slot = self.free_slot(r).await?;
             let n = per_frame.min(n_blocks - i);
             let dst = self.ring.slot_mut(slot as usize).ok_or_else(|| TransferError::Protocol("slot lost".into()))?;
@@ -334,17 +334,20 @@ impl LocalKvSender {
     /// Says every layer was sent and waits (up to the configured timeout)
     /// for the receiver's `Ack`. After `Ok` the sender may drop its copy.
     pub async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
-        self.check_not_aborted(r)?;
+        let drained = self.drain();
         let wait = self.config.timeout;
-        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(outbound::complete(r, &self.layout)), wait)
+        let complete = self.heard.complete(r, &self.layout, Instant::now(), wait)?;
+        drained?;
+        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(complete), wait)
             .await
             .map_err(|e| write_error(e, "sending Complete"))?;
-        let deadline = Instant::now() + wait;
         loop {
-            if let Some(ack) = self.heard.acked(r) {
-                return Ok(ack);
+            if let Some(answer) = self.heard.answer(r, Instant::now()) {
+                return answer;
             }
-            self.heard.check_aborted(r)?;
+            let Some(deadline) = self.heard.deadline(r) else {
+                return Err(TransferError::Protocol("Complete no longer awaited".into()));
+            };
             let left = deadline.saturating_duration_since(Instant::now());
             match next_msg(&mut self.stream, &mut self.reader, left).await.map_err(|e| read_error(e, "Ack"))? {
                 Some(m) => self.note(m)?,
@@ -353,18 +356,21 @@ impl LocalKvSender {
         }
     }
 
-    /// Tells the receiver this transfer is abandoned (prefill failed, request cancelled).
+    /// Tells the receiver this transfer is abandoned (prefill failed,
+    /// request cancelled), unless the machine says no `Abort` is due (the
+    /// receiver acknowledged or aborted it, or it was aborted already).
     pub async fn abort(&mut self, r: Reservation, reason: AbortReason) -> Result<(), TransferError> {
-        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(outbound::abort(r, reason)), self.config.timeout)
+        let Some(abort) = self.heard.abort(r, reason) else { return Ok(()) };
+        write_msg(&mut self.stream, &mut self.out, &Msg::Frame(abort), self.config.timeout)
             .await
             .map_err(|e| write_error(e, "sending Abort"))
     }
 
     /// Takes in whatever the receiver already sent, without waiting, then
-    /// fails if it aborted `r`.
-    fn check_not_aborted(&mut self, r: Reservation) -> Result<(), TransferError> {
+    /// asks the machine whether more of `r` may go out.
+    fn may_send(&mut self, r: Reservation) -> Result<(), TransferError> {
         let drained = self.drain();
-        self.heard.check_aborted(r)?;
+        self.heard.layer(r)?;
         drained
     }
 

@@ -14,7 +14,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::timeout;
+use tokio::time::{timeout, Instant};
 use types::kv::KvLayout;
 use ucx_sys::{Context, Endpoint, PeerFailure, RemoteKey, Request, Worker};
 
@@ -492,6 +492,13 @@ impl<'d> Link<'d> {
         }
     }
 
+    /// [`check_not_aborted`](Self::check_not_aborted), then asks the
+    /// machine whether more of `r` may go out.
+    async fn may_send(&mut self, r: Reservation) -> Result<(), TransferError> {
+        self.check_not_aborted(r).await?;
+        self.heard.frames.layer(r)
+    }
+
     async fn grant(&mut self, r: Reservation) -> Result<Dest, TransferError> {
         if let Some(g) = self.heard.grants.get(&r) {
             return Ok(g.clone());
@@ -536,7 +543,7 @@ impl<'d> Link<'d> {
         k: Buffer,
         v: Buffer,
     ) -> Result<Posted, TransferError> {
-        self.check_not_aborted(r).await?;
+        self.may_send(r).await?;
         let plan = LayerPlan::new(&self.layout, layer, &k, &v, usize::MAX)?;
         let g = match self.grant(r).await? {
             Dest::Landing(g) => g,
@@ -652,7 +659,7 @@ impl<'d> Link<'d> {
     /// A direct writer for `r` (see [`UcxKvSender::direct_writer`]).
     #[allow(unsafe_code)]
     async fn writer(&mut self, r: Reservation) -> Result<Option<UcxDirectWriter>, TransferError> {
-        self.check_not_aborted(r).await?;
+        self.may_send(r).await?;
         if let Some(g) = self.writers.get(r) {
             return Ok(Some(UcxDirectWriter::new(g.clone())));
         }
@@ -679,7 +686,7 @@ impl<'d> Link<'d> {
     /// Announces a layer a writer stored (see [`UcxKvSender::announce`]).
     async fn announce(&mut self, s: StoredLayer) -> Result<(), TransferError> {
         let r = s.reservation;
-        self.check_not_aborted(r).await?;
+        self.may_send(r).await?;
         if self.writers.get(r).is_none() {
             return Err(TransferError::Revoked { reservation: r.id.0, generation: r.generation });
         }
@@ -741,9 +748,10 @@ impl<'d> Link<'d> {
         // Every layer's message is out before Complete follows them.
         self.settle(Some(r)).await?;
         self.check_not_aborted(r).await?;
+        let complete = self.heard.frames.complete(r, &self.layout, Instant::now(), self.timeout)?;
         // Complete frees the blocks at once: no writer may store after it.
         self.writers.revoke(r);
-        self.message(&Msg::Frame(outbound::complete(r, &self.layout)), "sending Complete").await?;
+        self.message(&Msg::Frame(complete), "sending Complete").await?;
         let heard = self
             .until("Ack", |h| {
                 if h.frames.acked(r).is_some() {
@@ -767,7 +775,9 @@ impl<'d> Link<'d> {
         let _ = self.settle(Some(r)).await;
         self.flush().await?;
         self.heard.grants.remove(&r);
-        self.message(&Msg::Frame(outbound::abort(r, reason)), "sending Abort").await
+        // None due when the server acknowledged or aborted it, or it was aborted already.
+        let Some(abort) = self.heard.frames.abort(r, reason) else { return Ok(()) };
+        self.message(&Msg::Frame(abort), "sending Abort").await
     }
 
     /// Flushes the puts, says `Bye`, and flushes the control endpoint so the
