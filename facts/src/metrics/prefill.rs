@@ -17,7 +17,9 @@ pub const KV_TRANSFER_BYTES: &str = "tandem_kv_transfer_bytes_total";
 /// (closest: NIXL connector's transfer-duration stats).
 pub const KV_TRANSFER_SECONDS: &str = "tandem_kv_transfer_seconds";
 /// `tandem_kv_transfer_failures_total{reason}`: transfers that failed, by
-/// reason (`io`, `rejected`, `timeout`, `protocol`, `peer_abort`, `layer`,
+/// reason (`io`, `rejected`, `timeout`, `protocol`, `peer_abort`, `layer` —
+/// a local bug: K/V bytes that do not fit the layout, or more of a
+/// reservation already completed or aborted on its connection —,
 /// `tls`, `landing` — ucx: the decode worker had no landing space —,
 /// `revoked` — ucx: a direct writer's grant ended before the transfer did —,
 /// `deadline` — the request's deadline passed mid-transfer). vLLM: none

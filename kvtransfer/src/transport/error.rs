@@ -77,8 +77,8 @@ impl TransferError {
             Self::Timeout { .. } => "timeout",
             Self::Protocol(_) => "protocol",
             Self::PeerAbort { .. } => "peer_abort",
-            Self::Layer(_) => "layer",
-            Self::Ended { .. } => "ended",
+            // Both a local bug: nothing of it was sent.
+            Self::Layer(_) | Self::Ended { .. } => "layer",
             Self::Tls(_) => "tls",
             Self::Landing { .. } => "landing",
             Self::Revoked { .. } => "revoked",

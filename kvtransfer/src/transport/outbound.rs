@@ -340,6 +340,15 @@ mod tests {
         }
     }
 
+    /// Which refusal an error is, for comparing with [`Seen::refused`].
+    fn what(e: &TransferError) -> &'static str {
+        match e {
+            TransferError::PeerAbort { .. } => "peer_abort",
+            TransferError::Ended { .. } => "ended",
+            _ => "another error",
+        }
+    }
+
     /// Random interleavings of what a caller does (layers, `Complete`,
     /// `Abort`) and what a receiver answers (`Ack`, `Abort`, some of them
     /// out of turn), over three reservations — two generations of one slot
@@ -363,12 +372,12 @@ mod tests {
                 match rng.below(8) {
                     0 | 1 => {
                         let got = o.layer(res);
-                        assert_eq!(got.as_ref().err().map(|e| e.as_str()), s.refused(), "layer, {at}");
+                        assert_eq!(got.as_ref().err().map(what), s.refused(), "layer, {at}");
                         s.sent_layer |= got.is_ok();
                     }
                     2 => {
                         let got = o.complete(res, &layout, now, wait);
-                        assert_eq!(got.as_ref().err().map(|e| e.as_str()), s.refused(), "complete, {at}");
+                        assert_eq!(got.as_ref().err().map(what), s.refused(), "complete, {at}");
                         if let Ok(f) = got {
                             assert_eq!(f, complete(res, &layout));
                             s.completed = Some(now + wait);
