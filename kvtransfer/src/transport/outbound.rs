@@ -135,9 +135,8 @@ impl Outbound {
             Frame::Ack(a) => {
                 let r = reservation(a.reservation, a.generation);
                 match self.standing(r) {
-                    Some(Standing::Completing { .. } | Standing::Acked) => self.set(r, Standing::Acked),
-                    // One we forgot long ago: only a Complete could have asked.
-                    None => self.set(r, Standing::Acked),
+                    // None: one we forgot long ago; only a Complete could have asked.
+                    None | Some(Standing::Completing { .. } | Standing::Acked) => self.set(r, Standing::Acked),
                     Some(other) => {
                         return Err(TransferError::Protocol(format!(
                             "Ack of reservation {} (generation {}), which stood {}",
@@ -159,14 +158,14 @@ impl Outbound {
     /// receiver's reason if it aborted `r`, or [`TransferError::Ended`]
     /// after our `Complete` or `Abort`.
     pub(crate) fn layer(&mut self, r: Reservation) -> Result<(), TransferError> {
-        match self.standing(r) {
-            None => {
-                self.set(r, Standing::Sending);
-                Ok(())
-            }
-            Some(Standing::Sending) => Ok(()),
-            Some(s) => Err(refusal(r, s)),
+        let standing = self.standing(r);
+        if let Some(e) = refusal(r, standing) {
+            return Err(e);
         }
+        if standing.is_none() {
+            self.set(r, Standing::Sending);
+        }
+        Ok(())
     }
 
     /// `Complete` for `r`, whose KV has `layout`, sent now: its answer is
@@ -179,13 +178,11 @@ impl Outbound {
         now: Instant,
         wait: Duration,
     ) -> Result<Frame, TransferError> {
-        match self.standing(r) {
-            None | Some(Standing::Sending) => {
-                self.set(r, Standing::Completing { deadline: now + wait, wait });
-                Ok(complete(r, layout))
-            }
-            Some(s) => Err(refusal(r, s)),
+        if let Some(e) = refusal(r, self.standing(r)) {
+            return Err(e);
         }
+        self.set(r, Standing::Completing { deadline: now + wait, wait });
+        Ok(complete(r, layout))
     }
 
     /// The `Abort` of `r` for `reason` to send, if one should go out: not
@@ -259,16 +256,16 @@ fn name(s: Standing) -> &'static str {
     }
 }
 
-/// Why nothing more of `r` may go out, standing `s` (not `Sending`).
-fn refusal(r: Reservation, s: Standing) -> TransferError {
-    match s {
-        Standing::AbortedByReceiver(reason) => TransferError::PeerAbort { reason },
-        Standing::Completing { .. } | Standing::Acked => {
-            TransferError::Ended { reservation: r.id.0, generation: r.generation, how: "completed" }
-        }
-        Standing::AbortedBySender | Standing::Sending => {
-            TransferError::Ended { reservation: r.id.0, generation: r.generation, how: "aborted" }
-        }
+/// Why nothing more of `r` may go out, standing `s`; `None` while it may
+/// (a reservation not heard of yet, or one still sending): the one rule
+/// behind [`Outbound::layer`] and [`Outbound::complete`].
+fn refusal(r: Reservation, s: Option<Standing>) -> Option<TransferError> {
+    let ended = |how| TransferError::Ended { reservation: r.id.0, generation: r.generation, how };
+    match s? {
+        Standing::Sending => None,
+        Standing::AbortedByReceiver(reason) => Some(TransferError::PeerAbort { reason }),
+        Standing::Completing { .. } | Standing::Acked => Some(ended("completed")),
+        Standing::AbortedBySender => Some(ended("aborted")),
     }
 }
 
