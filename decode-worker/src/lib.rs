@@ -142,6 +142,14 @@ pub struct DecodeFlags {
     /// region. Env: TANDEM_UCX_DIRECT. Default true.
     #[arg(long, env = "TANDEM_UCX_DIRECT")]
     pub ucx_direct: Option<bool>,
+    /// tcp only: keep the KV pool in memory the transfer server maps, so
+    /// that each accepted payload is read from the socket straight into its
+    /// reservation's pool blocks (one copy, no buffer, nothing for the
+    /// engine thread to write); `false`: payloads are read into buffers and
+    /// written into the pool on the engine thread. Env: TANDEM_TCP_DIRECT.
+    /// Default true.
+    #[arg(long, env = "TANDEM_TCP_DIRECT")]
+    pub tcp_direct: Option<bool>,
     /// Under `recompute`, prompt tokens per second this worker prefills
     /// itself for requests whose prefill worker refused them as overloaded;
     /// beyond it such a request is refused as `overloaded` (503 +
@@ -170,6 +178,8 @@ pub struct DecodeConfig {
     pub ucx_landing_bytes: usize,
     /// ucx: the pool in UCX memory for direct writes ([`DecodeFlags::ucx_direct`]).
     pub ucx_direct: bool,
+    /// tcp: payloads read straight into the pool ([`DecodeFlags::tcp_direct`]).
+    pub tcp_direct: bool,
 }
 
 impl DecodeConfig {
@@ -193,7 +203,8 @@ impl DecodeConfig {
             transfer_idle_timeout_ms,
             max_absorbed_prefill_tokens_per_s,
             ucx_landing_mib,
-            ucx_direct
+            ucx_direct,
+            tcp_direct
         );
         Self::resolve(&merged)
     }
@@ -253,6 +264,7 @@ impl DecodeConfig {
                 .checked_mul(1 << 20)
                 .ok_or_else(|| invalid("ucx_landing_mib", "is too large"))?,
             ucx_direct: f.ucx_direct.unwrap_or(true),
+            tcp_direct: f.tcp_direct.unwrap_or(true),
         })
     }
 }

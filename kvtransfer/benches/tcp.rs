@@ -9,7 +9,14 @@
 //!   payload copied by a sink into a destination as large as the transfer;
 //! - transport, pool -> pool: everything the worker binaries do:
 //!   `gather_layer` on the sender, checksums both ways, framing, decode and
-//!   `scatter_layer` into a second pool (other block ids);
+//!   `scatter_layer` into a second pool (other block ids), twice: payloads
+//!   read into buffers and scattered by the sink, and read straight into
+//!   the second pool's blocks (`TcpServerConfig::direct`, the decode
+//!   worker's default);
+//! - transport, pool -> pool as the workers run it: each layer gathered on
+//!   a thread of its own (the prefill engine's) into recycled buffers while
+//!   the sender sends the one before, and read straight into the second
+//!   pool;
 //! - raw tcp, same memory: a plain tokio writer/reader moving the same bytes
 //!   from the same pre-gathered layers, in the transport's frame-sized
 //!   pieces, straight into a destination as large as the transfer — what
@@ -39,6 +46,7 @@ use common::{
     read_into, summary_us, write_layers, Res, BLOCKS, LAYOUT, SIDE, TOTAL,
 };
 use engine::kv::KvPool;
+use kvtransfer::transport::{DirectPool, PoolMemory};
 use kvtransfer::{Receiver, ReceiverConfig, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -62,6 +70,10 @@ fn main() -> Res<()> {
     crc_speed();
     let (pool_a, table_a) = common::source_pool(LAYOUT, BLOCKS, 0)?;
     let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
+    // In memory the TCP server can read into, as the decode worker's pool is.
+    let memory = PoolMemory::new(LAYOUT, BLOCKS + 7)?;
+    let direct = memory.direct();
+    lock(&pool_b).adopt(memory.into_shared())?;
     let _decoys = lock(&pool_b).allocate(7)?;
     let table_b = lock(&pool_b).allocate(BLOCKS)?;
     // Touched up front: page faults on fresh memory are no transport's cost.
@@ -97,21 +109,56 @@ fn main() -> Res<()> {
     for max_frame in frames {
         let chunk = frame_payload(max_frame);
         println!("\nframes <= {} KiB ({chunk} bytes of payload, {} blocks)", max_frame >> 10, chunk / (2 * SIDE));
-        let [mut mem, mut pool, mut gather, mut raw, mut hot, mut copy, mut par]: [Vec<Duration>; 7] =
-            Default::default();
-        let mut locks: [Option<String>; 3] = Default::default();
+        let [mut mem, mut pool, mut pool_direct, mut piped, mut gather, mut raw, mut hot, mut copy, mut par]: [Vec<
+            Duration,
+        >;
+            9] = Default::default();
+        let mut locks: [Option<String>; 4] = Default::default();
+        // CPU seconds of the whole process per run (raw, memory, pool, direct,
+        // as the workers run): on a host whose cores the transfer saturates,
+        // throughput follows CPU time per byte.
+        let mut cpu: [Vec<f64>; 5] = Default::default();
+        let mut clock = cpu_seconds();
+        let mut tick = |i: usize, cpu: &mut [Vec<f64>; 5]| {
+            let now = cpu_seconds();
+            cpu[i].push(now - clock);
+            clock = now;
+        };
         for _ in 0..RUNS {
             let buf = std::mem::take(&mut *lock(&dst));
+            tick(0, &mut cpu);
+            cpu[0].pop();
             let (t, buf) = rt.block_on(raw_same_memory_run(&layers, buf, chunk / 2))?;
+            tick(0, &mut cpu);
             *lock(&dst) = buf;
             raw.push(t);
             lock_take();
+            tick(1, &mut cpu);
+            cpu[1].pop();
             mem.push(rt.block_on(transport_mem_run(&layers, &dst, max_frame))?);
+            tick(1, &mut cpu);
             locks[0] = lock_take();
-            let (t, g) = rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame))?;
+            tick(2, &mut cpu);
+            cpu[2].pop();
+            let (t, g) = rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame, None))?;
+            tick(2, &mut cpu);
             locks[1] = lock_take();
             pool.push(t);
             gather.push(g);
+            // Cleared first, so the check after the runs sees what direct reads wrote.
+            lock(&pool_b).clear(&table_b)?;
+            let d = Some(direct.clone());
+            tick(3, &mut cpu);
+            cpu[3].pop();
+            let (t, _) = rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame, d))?;
+            tick(3, &mut cpu);
+            locks[3] = lock_take();
+            pool_direct.push(t);
+            lock(&pool_b).clear(&table_b)?;
+            tick(4, &mut cpu);
+            cpu[4].pop();
+            piped.push(pipelined_run(&rt, &pool_a, &table_a, &pool_b, &table_b, max_frame, direct.clone())?);
+            tick(4, &mut cpu);
             par.push(rt.block_on(transport_parallel_run(&layers, PARALLEL, max_frame))?);
             locks[2] = lock_take();
             hot.push(rt.block_on(raw_hot_run(total, chunk))?);
@@ -130,6 +177,10 @@ fn main() -> Res<()> {
             "  transport, pool -> pool:       {:6.2} GB/s best, {:6.2} median  (gather_layer alone: {:.2} GB/s)",
             p.0, p.1, g.0
         );
+        let pd = rates(&pool_direct);
+        println!("  transport, pool -> pool direct:{:6.2} GB/s best, {:6.2} median  (read into the pool)", pd.0, pd.1);
+        let pp = rates(&piped);
+        println!("  transport, as the workers run: {:6.2} GB/s best, {:6.2} median  (gathered on a thread, read into the pool)", pp.0, pp.1);
         let q = rates(&par);
         println!(
             "  transport, {PARALLEL} senders at once:   {:6.2} GB/s best, {:6.2} median  (deferred sink, lock taken every ms)",
@@ -144,9 +195,32 @@ fn main() -> Res<()> {
             m.1 / r.1
         );
         println!("  ratio transport/raw same memory, pool -> pool:     {:.2} best, {:.2} median", p.0 / r.0, p.1 / r.1);
+        println!(
+            "  ratio transport/raw same memory, pool -> pool direct: {:.2} best, {:.2} median (goal >= 0.85)",
+            pd.0 / r.0,
+            pd.1 / r.1
+        );
+        let gb = total as f64 / 1e9;
+        let per_gb: Vec<String> = cpu
+            .iter_mut()
+            .zip(["raw tcp", "memory -> memory", "pool -> pool", "pool -> pool direct", "as the workers run"])
+            .map(|(c, what)| {
+                c.sort_by(f64::total_cmp);
+                format!("{what} {:.3}", c[c.len() / 2] / gb)
+            })
+            .collect();
+        println!("  CPU seconds per GB, median (both ends, this process): {}", per_gb.join(", "));
+        for (what, runs) in [("pool -> pool direct", &pool_direct), ("as the workers run", &piped)] {
+            let paired = paired_ratios(runs, &raw);
+            println!(
+                "  {what} / raw same memory, run by run: {} (median {:.2}; goal >= 0.85)",
+                paired.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" "),
+                paired[paired.len() / 2]
+            );
+        }
         println!("  ratio transport/raw hot buffer,  memory -> memory: {:.2} best, {:.2} median", m.0 / h.0, m.1 / h.1);
         println!("  ratio transport/raw hot buffer,  pool -> pool:     {:.2} best, {:.2} median", p.0 / h.0, p.1 / h.1);
-        let what = ["memory -> memory", "pool -> pool", "senders at once"];
+        let what = ["memory -> memory", "pool -> pool", "senders at once", "pool -> pool direct"];
         for (w, l) in what.iter().zip(&locks) {
             if let Some(l) = l {
                 println!("  receiver lock, {w} (last run): {l}");
@@ -176,6 +250,14 @@ fn main() -> Res<()> {
     Ok(())
 }
 
+/// Each run's rate against the same run's baseline, sorted: noise from the
+/// machine hits a run and its baseline alike.
+fn paired_ratios(runs: &[Duration], base: &[Duration]) -> Vec<f64> {
+    let mut r: Vec<f64> = runs.iter().zip(base).map(|(t, b)| b.as_secs_f64() / t.as_secs_f64()).collect();
+    r.sort_by(f64::total_cmp);
+    r
+}
+
 fn crc_speed() {
     for (what, len, reps) in [("64 MiB buffer", 64usize << 20, 1), ("1 MiB buffer, in cache", 1 << 20, 64)] {
         let buf: Vec<u8> = (0..len).map(|i| i as u8).collect();
@@ -185,7 +267,14 @@ fn crc_speed() {
             c = crc32c::crc32c_append(c, &buf);
         }
         let rate = (len * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
-        println!("crc32c, {what}: {rate:.2} GB/s ({c:#x})");
+        let t = Instant::now();
+        let mut f = kvtransfer::checksum::crc32c_append(0, &buf);
+        for _ in 0..reps {
+            f = kvtransfer::checksum::crc32c_append(f, &buf);
+        }
+        let folded = (len * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        assert_eq!(f, c, "the two checksums agree");
+        println!("crc32c, {what}: {rate:.2} GB/s by the CRC instruction, {folded:.2} GB/s as the transports take it");
     }
 }
 
@@ -196,9 +285,11 @@ async fn transport_pool_run(
     pool_b: &Arc<Mutex<KvPool>>,
     table_b: &[BlockId],
     max_frame: usize,
+    direct: Option<DirectPool>,
 ) -> Res<(Duration, Duration)> {
     let rx = Arc::new(Mutex::new(Receiver::new(peer(), ReceiverConfig::new(LAYOUT))?));
-    let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool_b.clone(), TcpServerConfig::default()).await?;
+    let server_config = TcpServerConfig { direct, ..TcpServerConfig::default() };
+    let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool_b.clone(), server_config).await?;
     let r = lock(&rx).reserve(table_b.to_vec(), Duration::from_secs(60), tokio::time::Instant::now())?;
     let config = TcpSenderConfig { max_frame_bytes: max_frame, ..TcpSenderConfig::default() };
     let mut tx = TcpKvSender::connect(server.local_addr(), &peer(), LAYOUT, config).await?;
@@ -218,6 +309,56 @@ async fn transport_pool_run(
     assert_eq!(blocks, table_b);
     server.shutdown();
     Ok((elapsed, gather))
+}
+
+/// One full transfer pool -> pool as the prefill and decode workers run it:
+/// a thread (the prefill engine's) gathers each layer into one of a few
+/// recycled buffer pairs and hands it over, the sender sends it meanwhile,
+/// and the server reads each payload straight into `pool_b`'s blocks.
+/// Clocked from the first gather to the `Ack`.
+fn pipelined_run(
+    rt: &tokio::runtime::Runtime,
+    pool_a: &KvPool,
+    table_a: &[BlockId],
+    pool_b: &Arc<Mutex<KvPool>>,
+    table_b: &[BlockId],
+    max_frame: usize,
+    direct: DirectPool,
+) -> Res<Duration> {
+    let rx = Arc::new(Mutex::new(Receiver::new(peer(), ReceiverConfig::new(LAYOUT))?));
+    let server_config = TcpServerConfig { direct: Some(direct), ..TcpServerConfig::default() };
+    let server = rt.block_on(TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool_b.clone(), server_config))?;
+    let r = lock(&rx).reserve(table_b.to_vec(), Duration::from_secs(60), tokio::time::Instant::now())?;
+    let config = TcpSenderConfig { max_frame_bytes: max_frame, ..TcpSenderConfig::default() };
+    let mut tx = rt.block_on(TcpKvSender::connect(server.local_addr(), &peer(), LAYOUT, config))?;
+    let (full, mut gathered) = tokio::sync::mpsc::channel::<(usize, Vec<u8>, Vec<u8>)>(2);
+    let (empty, recycled) = std::sync::mpsc::channel::<(Vec<u8>, Vec<u8>)>();
+    for _ in 0..3 {
+        empty.send((Vec::new(), Vec::new()))?;
+    }
+    let start = Instant::now();
+    let elapsed = std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for layer in 0..LAYOUT.n_layers {
+                let Ok((mut k, mut v)) = recycled.recv() else { return };
+                pool_a.gather_layer_into(layer, table_a, &mut k, &mut v).expect("gather");
+                if full.blocking_send((layer, k, v)).is_err() {
+                    return;
+                }
+            }
+        });
+        rt.block_on(async {
+            while let Some((layer, k, v)) = gathered.recv().await {
+                tx.send_layer(r, layer, &k, &v).await?;
+                let _ = empty.send((k, v));
+            }
+            tx.complete(r).await?;
+            Ok::<_, kvtransfer::TransferError>(start.elapsed())
+        })
+    })?;
+    assert_eq!(lock(&rx).take_ready(r)?, table_b);
+    server.shutdown();
+    Ok(elapsed)
 }
 
 /// The transport alone: pre-gathered layers in, each accepted payload

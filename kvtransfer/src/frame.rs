@@ -223,13 +223,13 @@ impl LayerData {
         n_blocks: u32,
         payload: Vec<u8>,
     ) -> Self {
-        let checksum = crc32c::crc32c(&payload);
+        let checksum = crate::checksum::crc32c_append(0, &payload);
         Self { reservation, generation, layer, first_block, n_blocks, checksum, payload }
     }
 
     /// CRC-32C of the payload as it is now.
     pub fn payload_checksum(&self) -> u32 {
-        crc32c::crc32c(&self.payload)
+        crate::checksum::crc32c_append(0, &self.payload)
     }
 
     /// The frame's fields before its payload, `payload_len` being the

@@ -45,6 +45,7 @@
 //! so every reservation — new slot or reused — has a fresh one.
 
 mod coverage;
+mod direct;
 mod error;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -239,6 +240,18 @@ struct Live {
     /// A peer writes the blocks in place ([`Receiver::expose`]) and has not
     /// been fenced since.
     exposed: bool,
+    /// Layers a stream transport is reading straight into the blocks now
+    /// ([`Receiver::begin_direct`]), not yet ended.
+    direct: u32,
+}
+
+/// An ended reservation's blocks, held back while something may still
+/// write them: a peer not yet fenced, or direct reads not yet ended.
+#[derive(Debug)]
+struct Quarantined {
+    released: Released,
+    exposed: bool,
+    direct: u32,
 }
 
 #[derive(Debug)]
@@ -274,7 +287,7 @@ pub struct Receiver {
     outbox: Vec<Released>,
     /// Ended reservations whose blocks a peer may still write: they go to
     /// the outbox only at [`Receiver::fence`].
-    quarantine: HashMap<Reservation, Released>,
+    quarantine: HashMap<Reservation, Quarantined>,
     /// Reservations taken and not yet asked about by
     /// [`Receiver::take_write_failure`] (the most recent [`TAKEN_REMEMBERED`]):
     /// a write that fails after the take is recorded against them even once
@@ -347,46 +360,6 @@ impl Receiver {
             SlotState::Live(l) if slot.generation == r.generation && !l.ready => Some(l.blocks.len()),
             _ => None,
         }
-    }
-
-    /// Marks a receiving `r` as written in place by a peer (a one-sided
-    /// transport writing straight into the pool) and returns its blocks, in
-    /// reservation order; `None` if it is not receiving. From here until
-    /// [`fence`](Self::fence) (or its `Complete` is acknowledged), an end
-    /// of `r` — lease, abort on either side, corruption — does not give its
-    /// blocks back: they wait in quarantine, counted as held, because the
-    /// peer may still be writing them.
-    pub fn expose(&mut self, r: Reservation) -> Option<Vec<BlockId>> {
-        let slot = self.slots.get_mut(usize::try_from(r.id.0).ok()?)?;
-        match &mut slot.state {
-            SlotState::Live(l) if slot.generation == r.generation && !l.ready => {
-                l.exposed = true;
-                Some(l.blocks.clone())
-            }
-            _ => None,
-        }
-    }
-
-    /// The peer that wrote `r` in place can write no more (it flushed and
-    /// said so, or it is gone). A quarantined `r`'s blocks go to
-    /// [`poll_released`](Self::poll_released) (returns `true`); a live one
-    /// ends normally from now on. Unknown or unexposed: nothing happens.
-    pub fn fence(&mut self, r: Reservation) -> bool {
-        if let Some(released) = self.quarantine.remove(&r) {
-            self.outbox.push(released);
-            return true;
-        }
-        if let Ok(idx) = self.find(r) {
-            if let SlotState::Live(l) = &mut self.slots[idx].state {
-                l.exposed = false;
-            }
-        }
-        false
-    }
-
-    /// Blocks of ended reservations waiting for their writer's fence.
-    pub fn quarantined_blocks(&self) -> usize {
-        self.quarantine.values().map(|r| r.blocks.len()).sum()
     }
 
     /// The earliest lease deadline, for the caller's timer (the decode worker's reaper).
@@ -464,7 +437,7 @@ impl Receiver {
         let coverage = Coverage::new(self.config.layout.n_layers, blocks.len());
         self.slots[idx] = Slot {
             generation,
-            state: SlotState::Live(Live { blocks, deadline, coverage, ready: false, exposed: false }),
+            state: SlotState::Live(Live { blocks, deadline, coverage, ready: false, exposed: false, direct: 0 }),
         };
         self.counters.reservations_created += 1;
         Ok(Reservation { id: ReservationId(idx as u64), generation })
@@ -510,14 +483,19 @@ impl Receiver {
         now: Instant,
     ) -> Result<WriteInstruction, FrameError> {
         let r = self.layer_inner(header, crc, now);
-        match &r {
+        self.count_layer(header, &r);
+        r
+    }
+
+    /// Counts a layer frame's verdict: accepted with its bytes, or refused by reason.
+    fn count_layer(&mut self, header: &LayerDataHeader, verdict: &Result<WriteInstruction, FrameError>) {
+        match verdict {
             Ok(_) => {
                 self.counters.layer_frames_accepted += 1;
                 self.counters.payload_bytes_accepted += header.payload_len as u64;
             }
             Err(e) => self.counters.count_refusal(e),
         }
-        r
     }
 
     fn layer_inner(
@@ -526,6 +504,27 @@ impl Receiver {
         crc: impl FnOnce() -> u32,
         now: Instant,
     ) -> Result<WriteInstruction, FrameError> {
+        let (idx, res, blocks) = self.check_layer(f, now)?;
+        let actual = crc();
+        if actual != f.checksum {
+            self.end_to_outbox(idx, ReservationState::Failed, ReleaseCause::Corrupt);
+            return Err(FrameError::ChecksumMismatch { reservation: res, expected: f.checksum, actual });
+        }
+        let Some(live) = self.live_mut(idx) else { return Err(FrameError::UnknownReservation { id: f.reservation }) };
+        live.coverage.mark(f.layer as usize, blocks.clone());
+        Ok(WriteInstruction { reservation: res, layer: f.layer as usize, blocks: live.blocks[blocks].to_vec() })
+    }
+
+    /// Every check of a layer frame but its checksum: its reservation
+    /// receiving within its lease (expired here if it passed), its layer,
+    /// its range within the reservation, its length, and none of its
+    /// blocks written (or being read into directly) already. Returns the slot, the
+    /// reservation and the range of the reservation's blocks it covers.
+    fn check_layer(
+        &mut self,
+        f: &LayerDataHeader,
+        now: Instant,
+    ) -> Result<(usize, Reservation, std::ops::Range<usize>), FrameError> {
         let (idx, res) = self.receiving(f.reservation, f.generation, now)?;
         let n_layers = self.config.layout.n_layers;
         let side_bytes = self.side_bytes;
@@ -554,13 +553,7 @@ impl Receiver {
         if let Some(b) = live.coverage.first_written(layer, first..end) {
             return Err(FrameError::Duplicate { layer: f.layer, block: b as u32 });
         }
-        let actual = crc();
-        if actual != f.checksum {
-            self.end_to_outbox(idx, ReservationState::Failed, ReleaseCause::Corrupt);
-            return Err(FrameError::ChecksumMismatch { reservation: res, expected: f.checksum, actual });
-        }
-        live.coverage.mark(layer, first..end);
-        Ok(WriteInstruction { reservation: res, layer, blocks: live.blocks[first..end].to_vec() })
+        Ok((idx, res, first..end))
     }
 
     /// Acknowledges a complete transfer; from here [`take_ready`](Self::take_ready)
@@ -581,7 +574,11 @@ impl Receiver {
             return Err(FrameError::LayerCount { got: c.n_layers, expected: expected_layers });
         }
         let Some(live) = self.live_mut(idx) else { return Err(FrameError::UnknownReservation { id: c.reservation }) };
-        if !live.coverage.is_full() {
+        // A layer still being read into directly is claimed in the coverage but not yet
+        // written: only another connection's frame can be (a sender reads
+        // nothing between its last layer and its Complete), and the blocks
+        // must not reach the engine while it writes them.
+        if !live.coverage.is_full() || live.direct > 0 {
             return Err(FrameError::Incomplete { written: live.coverage.written(), expected: live.coverage.total() });
         }
         live.ready = true;
@@ -700,7 +697,7 @@ impl Receiver {
         if let SlotState::Ended(state) = self.slots[idx].state {
             return Err(ReservationError::Ended { reservation: r, state });
         }
-        if matches!(&self.slots[idx].state, SlotState::Live(l) if l.exposed) {
+        if matches!(&self.slots[idx].state, SlotState::Live(l) if l.exposed || l.direct > 0) {
             // `end_to_outbox` counts it and quarantines the blocks.
             self.end_to_outbox(idx, ReservationState::Aborted, ReleaseCause::Aborted);
             return Ok(Vec::new());
@@ -792,12 +789,15 @@ impl Receiver {
             _ => {}
         }
         let generation = self.slots[idx].generation;
-        let exposed = matches!(&self.slots[idx].state, SlotState::Live(l) if l.exposed);
+        let (exposed, direct) = match &self.slots[idx].state {
+            SlotState::Live(l) => (l.exposed, l.direct),
+            SlotState::Ended(_) => (false, 0),
+        };
         let blocks = self.end(idx, state);
         let reservation = Reservation { id: ReservationId(idx as u64), generation };
         let released = Released { reservation, blocks, cause };
-        if exposed {
-            self.quarantine.insert(reservation, released);
+        if exposed || direct > 0 {
+            self.quarantine.insert(reservation, Quarantined { released, exposed, direct });
         } else {
             self.outbox.push(released);
         }

@@ -1,5 +1,6 @@
-//! One transport conformance suite: the same test bodies run over tcp,
-//! quic, local and ucx (landing region) on loopback, and assert the same
+//! One transport conformance suite: the same test bodies run over tcp
+//! (into buffers, and read straight into the pool), quic, local and ucx
+//! (landing region) on loopback, and assert the same
 //! outcome on each — the sender's error, the receiver's state and released
 //! blocks, the server's close reasons and counters, and no leaked block:
 //! a whole transfer, a sender's abort, a lease that expires mid-transfer
@@ -71,8 +72,8 @@ fn assert_no_leak(d: &DecodeSide, taken: usize) {
 /// A whole transfer: every layer lands bit for bit in the reserved blocks,
 /// `Complete` is acknowledged, the engine takes the blocks; the sender's
 /// close is a normal one and nothing was aborted.
-async fn moves_kv_whole(kind: TransportKind) {
-    let d = DecodeSide::start(kind).await;
+async fn moves_kv_whole(kind: TransportKind, direct: bool) {
+    let d = DecodeSide::start_with(kind, direct).await;
     let (src, table) = common::source(d.layout, N, 32);
     let (r, dst) = d.reserve(N, LEASE);
     let mut tx = d.connect_matching().await;
@@ -84,6 +85,8 @@ async fn moves_kv_whole(kind: TransportKind) {
     drop(tx);
     let s = d.wait_stats("the sender's close", |s| s.connections_closed() == 1).await;
     assert_eq!((normal_closes(&s), s.aborts_sent, s.sink_failures), (1, 0, 0), "{kind}: {s:?}");
+    let in_place = if direct { d.layout.n_layers as u64 } else { 0 };
+    assert_eq!(s.layers_read_in_place, in_place, "{kind}: layers read straight into the pool");
     let c = lock(&d.rx).counters().clone();
     assert_eq!((c.reservations_completed, c.reservations_taken, c.frames_refused.iter().sum::<u64>()), (1, 1, 0));
     assert_no_leak(&d, N);
@@ -92,8 +95,8 @@ async fn moves_kv_whole(kind: TransportKind) {
 /// The sender gives up mid-transfer: the reservation ends `Aborted`, its
 /// blocks come back once as `PeerAborted`, and the server tells no abort
 /// back (the sender knows).
-async fn a_senders_abort_returns_the_blocks_once(kind: TransportKind) {
-    let d = DecodeSide::start(kind).await;
+async fn a_senders_abort_returns_the_blocks_once(kind: TransportKind, direct: bool) {
+    let d = DecodeSide::start_with(kind, direct).await;
     let (src, table) = common::source(d.layout, N, 32);
     let (r, dst) = d.reserve(N, LEASE);
     let mut tx = d.connect_matching().await;
@@ -114,8 +117,8 @@ async fn a_senders_abort_returns_the_blocks_once(kind: TransportKind) {
 /// The lease ends mid-transfer: the next layer is refused as expired and
 /// never reaches the pool, the sender is told once (`LeaseExpired`) and its
 /// `Complete` fails with it, and the blocks come back once as expired.
-async fn an_expired_lease_refuses_the_late_write(kind: TransportKind) {
-    let d = DecodeSide::start(kind).await;
+async fn an_expired_lease_refuses_the_late_write(kind: TransportKind, direct: bool) {
+    let d = DecodeSide::start_with(kind, direct).await;
     let (src, table) = common::source(d.layout, N, 32);
     let (r, dst) = d.reserve(N, Duration::from_millis(300));
     let mut tx = d.connect_matching().await;
@@ -154,8 +157,8 @@ async fn an_expired_lease_refuses_the_late_write(kind: TransportKind) {
 /// The sender goes away mid-transfer without a word: its connection ends,
 /// the reservation stays until its lease says otherwise, then comes back
 /// once as expired. Nothing is aborted by the connection's end alone.
-async fn a_dead_sender_leaves_its_blocks_to_the_lease(kind: TransportKind) {
-    let d = DecodeSide::start(kind).await;
+async fn a_dead_sender_leaves_its_blocks_to_the_lease(kind: TransportKind, direct: bool) {
+    let d = DecodeSide::start_with(kind, direct).await;
     let (src, table) = common::source(d.layout, N, 32);
     let (r, dst) = d.reserve(N, Duration::from_millis(500));
     let mut tx = d.connect_matching().await;
@@ -175,8 +178,8 @@ async fn a_dead_sender_leaves_its_blocks_to_the_lease(kind: TransportKind) {
 
 /// The decode side goes away mid-transfer: the sender's next call fails
 /// with a typed error in bounded time, never a hang and never an `Ack`.
-async fn a_dead_receiver_is_a_typed_error_in_bounded_time(kind: TransportKind) {
-    let mut d = DecodeSide::start(kind).await;
+async fn a_dead_receiver_is_a_typed_error_in_bounded_time(kind: TransportKind, direct: bool) {
+    let mut d = DecodeSide::start_with(kind, direct).await;
     let (src, table) = common::source(d.layout, N, 32);
     let (r, _dst) = d.reserve(N, LEASE);
     let mut tx = d.connect_matching().await;
@@ -202,8 +205,8 @@ async fn a_dead_receiver_is_a_typed_error_in_bounded_time(kind: TransportKind) {
 /// is refused by its hello: the sender gets `Rejected` with the reason, the
 /// server counts `rejected` closes and the receiver the rejections, and no
 /// block is touched.
-async fn a_peer_of_another_version_is_refused_by_its_hello(kind: TransportKind) {
-    let d = DecodeSide::start(kind).await;
+async fn a_peer_of_another_version_is_refused_by_its_hello(kind: TransportKind, direct: bool) {
+    let d = DecodeSide::start_with(kind, direct).await;
     let l = d.layout;
     for (p, reason) in
         [(peer(&l, "other", 0x11), RejectReason::VersionGroup), (peer(&l, "smollm2", 0x99), RejectReason::Fingerprint)]
@@ -225,10 +228,11 @@ async fn a_peer_of_another_version_is_refused_by_its_hello(kind: TransportKind) 
 /// One test per (body, transport): `transport::body`.
 macro_rules! conformance {
     ($($body:ident),* $(,)?) => {
-        mod tcp { $( #[tokio::test] async fn $body() { super::$body(kvtransfer::TransportKind::Tcp).await } )* }
-        mod quic { $( #[tokio::test] async fn $body() { super::$body(kvtransfer::TransportKind::Quic).await } )* }
-        mod local { $( #[tokio::test] async fn $body() { super::$body(kvtransfer::TransportKind::Local).await } )* }
-        mod ucx { $( #[tokio::test] async fn $body() { super::$body(kvtransfer::TransportKind::Ucx).await } )* }
+        mod tcp { $( #[tokio::test] async fn $body() { super::$body(kvtransfer::TransportKind::Tcp, false).await } )* }
+        mod tcp_direct { $( #[tokio::test] async fn $body() { super::$body(kvtransfer::TransportKind::Tcp, true).await } )* }
+        mod quic { $( #[tokio::test] async fn $body() { super::$body(kvtransfer::TransportKind::Quic, false).await } )* }
+        mod local { $( #[tokio::test] async fn $body() { super::$body(kvtransfer::TransportKind::Local, false).await } )* }
+        mod ucx { $( #[tokio::test] async fn $body() { super::$body(kvtransfer::TransportKind::Ucx, false).await } )* }
     };
 }
 

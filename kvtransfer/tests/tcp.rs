@@ -18,6 +18,7 @@ use std::time::Duration;
 use engine::kv::KvPool;
 
 use kvtransfer::frame::LAYER_DATA_OVERHEAD;
+use kvtransfer::transport::PoolMemory;
 use kvtransfer::{
     AbortReason, Complete, DecodeLimits, Decoded, Frame, Hello, LayerData, Peer, Receiver, ReceiverConfig,
     RejectReason, ReleaseCause, Reservation, ReservationState, TcpKvSender, TcpKvServer, TcpSenderConfig,
@@ -42,9 +43,19 @@ struct DecodeSide {
 
 impl DecodeSide {
     async fn start(config: TcpServerConfig) -> Self {
+        Self::start_with(config, false).await
+    }
+
+    /// `direct`: the pool in memory the server reads payloads straight into.
+    async fn start_with(mut config: TcpServerConfig, direct: bool) -> Self {
         let l = layout();
         let rx = Arc::new(Mutex::new(Receiver::new(peer(&l, "smollm2", 0x11), ReceiverConfig::new(l)).expect("rx")));
         let pool = Arc::new(Mutex::new(KvPool::new(l, 32).expect("pool B")));
+        if direct {
+            let memory = PoolMemory::new(l, 32).expect("pool memory");
+            config.direct = Some(memory.direct());
+            lock(&pool).adopt(memory.into_shared()).expect("adopt");
+        }
         let _decoys = lock(&pool).allocate(3).expect("decoys");
         let server = TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool.clone(), config).await.expect("bind");
         Self { layout: l, rx, pool, server }
@@ -457,4 +468,159 @@ async fn a_peer_of_another_protocol_version_is_refused_cleanly() {
     assert_eq!(c.hello_accepted, 0);
     let pool = lock(&d.pool);
     assert_eq!(pool.num_blocks() - pool.available(), 3, "only the decoys are held");
+}
+
+/// Waits, bounded, until `cond` holds (receiver state no event announces).
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    within(what, async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+}
+
+/// Encodes a `LayerData` of `n` blocks of layer `layer` for `r`, known bytes.
+fn layer_frame(l: &KvLayout, r: Reservation, layer: u32, n: u32) -> Vec<u8> {
+    let payload: Vec<u8> = (0..n as usize * 2 * side(l)).map(|i| (i * 13 + layer as usize) as u8).collect();
+    let mut wire = Vec::new();
+    Frame::LayerData(LayerData::new(r.id.0, r.generation, layer, 0, n, payload)).encode(&mut wire).expect("encode");
+    wire
+}
+
+/// Read straight into the pool, a payload the sender cuts off mid-way
+/// holds nothing for good: the direct read is abandoned with the
+/// connection, its cells can be sent again (a new connection's whole layer
+/// is accepted) and the transfer completes bit for bit.
+#[tokio::test]
+async fn a_payload_cut_off_mid_read_into_the_pool_is_abandoned() {
+    let d = DecodeSide::start_with(TcpServerConfig::default(), true).await;
+    let l = d.layout;
+    let (pool_a, table_a) = source(l, 3);
+    let (r, table_b) = d.reserve(3, Duration::from_secs(30));
+    let (mut s, _) = raw_handshake(&d).await;
+    let wire = layer_frame(&l, r, 1, 3);
+    within("half a frame written", s.write_all(&wire[..wire.len() / 2])).await.expect("write");
+    eventually("the direct read opened", || lock(&d.rx).direct_reads(r) == 1).await;
+    drop(s);
+    let stats = d.wait_stats("the cut connection closed", |s| s.connections_closed() == 1).await;
+    assert_eq!(stats.closed_by("truncated"), 1, "{stats:?}");
+    assert_eq!(lock(&d.rx).direct_reads(r), 0, "abandoned with its connection");
+    assert_eq!(lock(&d.rx).state(r), Some(ReservationState::Receiving));
+
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 1 << 20).await.expect("connect");
+    send_layers(&mut tx, &pool_a, &table_a, r, &(0..l.n_layers).collect::<Vec<_>>()).await;
+    within("the Ack", tx.complete(r)).await.expect("complete");
+    assert_eq!(lock(&d.rx).take_ready(r).expect("ready"), table_b);
+    assert_eq!(lock(&d.pool).gather(&table_b).expect("B"), pool_a.gather(&table_a).expect("A"));
+    let stats = d.server.stats();
+    assert_eq!((stats.layers_read_in_place, stats.sink_failures), (l.n_layers as u64, 0));
+}
+
+/// A lease that ends while a payload is being read into its blocks: the
+/// blocks wait in quarantine (the socket still writes them) and come back
+/// once, as expired, when the read ends — here with the connection, the
+/// sender stalled mid-frame.
+#[tokio::test]
+async fn blocks_being_read_into_come_back_only_when_the_read_ends() {
+    let d = DecodeSide::start_with(TcpServerConfig::default(), true).await;
+    let l = d.layout;
+    let (r, table_b) = d.reserve(3, Duration::from_secs(30));
+    let (mut s, _) = raw_handshake(&d).await;
+    let wire = layer_frame(&l, r, 0, 3);
+    within("part of a frame written", s.write_all(&wire[..LAYER_DATA_OVERHEAD + 100])).await.expect("write");
+    eventually("the direct read opened", || lock(&d.rx).direct_reads(r) == 1).await;
+    // Past the lease, by the clock passed in.
+    let after = lock(&d.rx).lease_end(r).expect("live") + Duration::from_millis(1);
+    {
+        let mut rx = lock(&d.rx);
+        assert!(rx.poll_released(after).is_empty(), "handed back while the socket writes them");
+        assert_eq!(rx.state(r), Some(ReservationState::Expired));
+        assert_eq!((rx.quarantined_blocks(), rx.held_blocks()), (3, 3));
+    }
+    drop(s);
+    eventually("the read abandoned", || lock(&d.rx).direct_reads(r) == 0).await;
+    let mut rx = lock(&d.rx);
+    let released = rx.poll_released(after);
+    assert_eq!(released.len(), 1);
+    assert_eq!((released[0].cause, &released[0].blocks), (ReleaseCause::LeaseExpired, &table_b));
+    assert_eq!((rx.quarantined_blocks(), rx.held_blocks()), (0, 0));
+}
+
+/// The server stopped while a connection reads into the pool: the task's
+/// end abandons the read (nothing can close it later), so the blocks are
+/// not held for good.
+#[tokio::test]
+async fn a_server_stopped_mid_read_abandons_it() {
+    let d = DecodeSide::start_with(TcpServerConfig::default(), true).await;
+    let l = d.layout;
+    let (r, table_b) = d.reserve(2, Duration::from_secs(30));
+    let (mut s, _) = raw_handshake(&d).await;
+    let wire = layer_frame(&l, r, 0, 2);
+    within("part of a frame written", s.write_all(&wire[..LAYER_DATA_OVERHEAD + 10])).await.expect("write");
+    eventually("the direct read opened", || lock(&d.rx).direct_reads(r) == 1).await;
+    let DecodeSide { rx, server, .. } = d;
+    server.shutdown();
+    eventually("the read abandoned by the stopped task", || lock(&rx).direct_reads(r) == 0).await;
+    assert_eq!(lock(&rx).abort(r), Ok(table_b), "a local abort gets the blocks back at once");
+    drop(s);
+}
+
+/// A payload for blocks outside the mapped pool is never written there:
+/// it is read into a buffer and given to the sink, which refuses it, and
+/// the reservation is voided.
+#[tokio::test]
+async fn blocks_outside_the_mapped_pool_are_never_read_into() {
+    let d = DecodeSide::start_with(TcpServerConfig::default(), true).await;
+    let l = d.layout;
+    let r = lock(&d.rx).reserve(vec![40], Duration::from_secs(30), now()).expect("reserve");
+    let (mut s, mut buf) = raw_handshake(&d).await;
+    within("frame written", s.write_all(&layer_frame(&l, r, 0, 1))).await.expect("write");
+    match read_frame(&mut s, &mut buf).await {
+        Frame::Abort(a) => assert_eq!((a.reservation, a.reason), (r.id.0, AbortReason::Corrupt)),
+        other => panic!("expected Abort(Corrupt), got {other:?}"),
+    }
+    let stats = d.server.stats();
+    assert_eq!((stats.layers_read_in_place, stats.sink_failures), (0, 1));
+    assert_eq!(lock(&d.rx).direct_reads(r), 0);
+}
+
+#[tokio::test]
+async fn a_direct_pool_of_another_layout_is_refused_at_bind() {
+    let l = layout();
+    let rx = Arc::new(Mutex::new(Receiver::new(peer(&l, "smollm2", 0x11), ReceiverConfig::new(l)).expect("rx")));
+    let other = KvLayout { n_layers: l.n_layers + 1, ..l };
+    let memory = PoolMemory::new(other, 4).expect("pool memory");
+    let config = TcpServerConfig { direct: Some(memory.direct()), ..TcpServerConfig::default() };
+    let pool = Arc::new(Mutex::new(KvPool::new(l, 4).expect("pool")));
+    let err = TcpKvServer::bind("127.0.0.1:0", rx, pool, config).await.expect_err("a mismatched pool");
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+}
+
+/// A sender that stalls mid-payload does not keep the blocks past its
+/// lease: the read stops itself at the lease's end (the blocks come back
+/// at once, as expired), and when the rest arrives it is read, refused as
+/// expired and told, on a connection that goes on serving.
+#[tokio::test]
+async fn a_read_into_the_pool_stops_at_the_lease_end_and_the_rest_is_refused() {
+    let d = DecodeSide::start_with(TcpServerConfig::default(), true).await;
+    let l = d.layout;
+    let (r, table_b) = d.reserve(3, Duration::from_millis(300));
+    let (mut s, mut buf) = raw_handshake(&d).await;
+    let wire = layer_frame(&l, r, 0, 3);
+    let cut = LAYER_DATA_OVERHEAD + 100;
+    within("part of a frame written", s.write_all(&wire[..cut])).await.expect("write");
+    eventually("the direct read opened", || lock(&d.rx).direct_reads(r) == 1).await;
+    eventually("the read stopped at the lease end", || lock(&d.rx).direct_reads(r) == 0).await;
+    let released = lock(&d.rx).poll_released(now());
+    assert_eq!(released.len(), 1, "the blocks come back without the rest of the frame");
+    assert_eq!((released[0].cause, &released[0].blocks), (ReleaseCause::LeaseExpired, &table_b));
+    within("the rest written", s.write_all(&wire[cut..])).await.expect("write");
+    match read_frame(&mut s, &mut buf).await {
+        Frame::Abort(a) => assert_eq!((a.reservation, a.reason), (r.id.0, AbortReason::LeaseExpired)),
+        other => panic!("expected Abort(LeaseExpired), got {other:?}"),
+    }
+    assert_eq!(lock(&d.rx).counters().refused("expired"), 1);
+    let stats = d.server.stats();
+    assert_eq!((stats.layers_read_in_place, stats.connections_closed()), (0, 0), "{stats:?}");
 }

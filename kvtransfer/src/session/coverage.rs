@@ -37,6 +37,17 @@ impl Coverage {
         }
     }
 
+    /// Clears `blocks` of `layer`, all marked: a landing that did not finish.
+    pub(super) fn unmark(&mut self, layer: usize, blocks: std::ops::Range<usize>) {
+        let base = layer * self.n_blocks;
+        for b in blocks {
+            let i = base + b;
+            debug_assert!(self.get(i));
+            self.bits[i / 64] &= !(1 << (i % 64));
+            self.written -= 1;
+        }
+    }
+
     pub(super) fn written(&self) -> usize {
         self.written
     }

@@ -175,6 +175,9 @@ pub struct ServerStats {
     pub sink_failures: u64,
     /// Rings accepted and mapped (local).
     pub rings_mapped: u64,
+    /// Layer frames read from the socket straight into their pool blocks
+    /// and accepted (tcp with a direct pool); the rest went through the sink.
+    pub layers_read_in_place: u64,
     /// The landing region, direct puts and fences (ucx).
     pub ucx: UcxStats,
 }

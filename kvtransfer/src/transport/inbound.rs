@@ -23,7 +23,7 @@ use super::lock::lock;
 use super::stream::Recent;
 use super::{BlockSink, OwnedPayload};
 use crate::frame::{Abort, AbortReason, Ack, Complete, Frame, Hello, LayerDataHeader};
-use crate::session::Receiver;
+use crate::session::{FrameError, Receiver, WriteInstruction};
 
 /// Where a server's counters go: straight into a watch (the async
 /// servers), or into a value the server publishes itself (ucx's thread).
@@ -112,7 +112,37 @@ impl InboundConn {
         crc: u32,
         now: Instant,
     ) -> Result<(), Option<Abort>> {
-        let refusal = match lock(receiver).on_layer_checked(header, crc, now) {
+        let verdict = lock(receiver).on_layer_checked(header, crc, now);
+        self.in_place(verdict, sink, stats, header)
+    }
+
+    /// A layer this server read straight into the reservation's pool blocks
+    /// (tcp, direct: opened by `Receiver::begin_direct`), checksummed there
+    /// as `crc`: closes the direct read. `Err` as for [`layer`](Self::layer).
+    pub(crate) fn read_in_place<S: BlockSink>(
+        &mut self,
+        receiver: &Mutex<Receiver>,
+        sink: &mut S,
+        stats: &mut impl Tally,
+        header: &LayerDataHeader,
+        crc: u32,
+        now: Instant,
+    ) -> Result<(), Option<Abort>> {
+        let verdict = lock(receiver).end_direct(header, crc, now);
+        if verdict.is_ok() {
+            stats.tally(|s| s.layers_read_in_place += 1);
+        }
+        self.in_place(verdict, sink, stats, header)
+    }
+
+    fn in_place<S: BlockSink>(
+        &mut self,
+        verdict: Result<WriteInstruction, FrameError>,
+        sink: &mut S,
+        stats: &mut impl Tally,
+        header: &LayerDataHeader,
+    ) -> Result<(), Option<Abort>> {
+        let refusal = match verdict {
             Ok(w) => {
                 sink.landed_in_place(&w, header.payload_len);
                 return Ok(());

@@ -25,6 +25,7 @@ pub mod tcp;
 pub mod ucx;
 
 mod close;
+mod direct;
 mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
@@ -36,6 +37,7 @@ mod serve;
 mod stream;
 
 pub use close::{CloseReason, ServerStats, UcxStats};
+pub use direct::{DirectPool, PoolMemory};
 pub use error::TransferError;
 #[cfg(feature = "lock-stats")]
 pub use lock::stats as lock_stats;

@@ -11,8 +11,9 @@ use types::kv::KvLayout;
 
 use super::error::TransferError;
 use super::outbound::{self, Outbound};
-use super::stream::{write_frame, write_parts, FrameReader, Incoming, ReadError};
+use super::stream::{write_frame, write_parts, FrameReader, ReadError};
 use crate::buffers::Buffers;
+use crate::checksum;
 use crate::frame::{AbortReason, Ack, DecodeLimits, Frame, LayerDataHeader, LAYER_DATA_OVERHEAD};
 use crate::sender::SplitError;
 use crate::session::{Peer, Reservation};
@@ -105,13 +106,7 @@ where
         };
         let hello = Frame::Hello(outbound::hello(local));
         write_frame(&mut s.wr, &mut s.out, &hello, wait).await.map_err(|e| TransferError::write(e, "sending Hello"))?;
-        match s
-            .reader
-            .next(&mut s.rd, wait)
-            .await
-            .map_err(|e| TransferError::read(e, "HelloAck"))?
-            .map(Incoming::into_frame)
-        {
+        match s.reader.next(&mut s.rd, wait).await.map_err(|e| TransferError::read(e, "HelloAck"))? {
             Some(f) => outbound::hello_answer_frame(f).map(|()| s),
             None => Err(TransferError::Io(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -175,7 +170,7 @@ where
                 layer: layer as u32,
                 first_block: (base + first) as u32,
                 n_blocks: n as u32,
-                checksum: crc32c::crc32c_append(crc32c::crc32c(kr), vr),
+                checksum: checksum::crc32c_append(checksum::crc32c_append(0, kr), vr),
                 payload_len: 2 * kr.len(),
             };
             #[cfg(feature = "fault-injection")]
@@ -210,7 +205,7 @@ where
             };
             // Past the deadline the machine answers Timeout on the next turn.
             let Ok(next) = timeout_at(deadline, self.reader.next(&mut self.rd, wait)).await else { continue };
-            match next.map_err(|e| TransferError::read(e, "Ack"))?.map(Incoming::into_frame) {
+            match next.map_err(|e| TransferError::read(e, "Ack"))? {
                 Some(f) => self.heard.on_frame(f)?,
                 None => {
                     return Err(TransferError::Io(io::Error::new(

@@ -13,13 +13,15 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::close::{CloseReason, ServerStats};
+use super::direct::{read_into_pool, DirectPool, DirectRead, InPlace};
 use super::inbound::{self, InboundConn};
-use super::stream::{frame_name, write_frame, FrameReader, Incoming, ReadError, WriteError};
+use super::lock::lock;
+use super::stream::{frame_name, write_frame, FrameReader, Head, ReadError, WriteError};
 use super::BlockSink;
 use super::OwnedPayload;
 use crate::buffers::Buffers;
 use crate::frame::{DecodeLimits, Frame, Hello, LayerDataHeader};
-use crate::session::Receiver;
+use crate::session::{Receiver, Reservation, ReservationId};
 
 /// Most bytes of idle payload buffers a server keeps for reuse.
 const PAYLOAD_KEEP_BYTES: usize = 32 << 20;
@@ -32,12 +34,14 @@ pub(crate) struct Shared {
     pub(crate) idle_timeout: Duration,
     pub(crate) stats: watch::Sender<ServerStats>,
     pub(crate) payloads: Buffers,
+    /// The pool tcp connections read payloads straight into, if any.
+    pub(crate) direct: Option<DirectPool>,
 }
 
 impl Shared {
     pub(crate) fn new(receiver: Arc<Mutex<Receiver>>, limits: DecodeLimits, idle_timeout: Duration) -> Self {
         let (stats, _) = watch::channel(ServerStats::default());
-        Self { receiver, limits, idle_timeout, stats, payloads: Buffers::new(PAYLOAD_KEEP_BYTES) }
+        Self { receiver, limits, idle_timeout, stats, payloads: Buffers::new(PAYLOAD_KEEP_BYTES), direct: None }
     }
 
     pub(crate) fn closed(&self, reason: &CloseReason) {
@@ -50,6 +54,9 @@ pub(crate) enum Event {
     /// A layer's payload, ours (read, or copied out of shared memory), with
     /// the CRC-32C of exactly those bytes.
     Layer { header: LayerDataHeader, payload: OwnedPayload, crc: u32 },
+    /// A layer read straight into its pool blocks (a direct read the
+    /// receiver opened), with the CRC-32C of the bytes as they lie there.
+    ReadInPlace { header: LayerDataHeader, crc: u32 },
     /// Any other frame.
     Frame(Frame),
     /// The peer closed between frames: the normal end.
@@ -109,6 +116,10 @@ pub(crate) async fn drive<C: Conn, S: BlockSink>(
             Ok(Event::Layer { header, payload, crc }) => {
                 rules.layer(receiver, sink, &mut stats, &header, payload, crc).await.err().flatten().map(Frame::Abort)
             }
+            Ok(Event::ReadInPlace { header, crc }) => {
+                let verdict = rules.read_in_place(receiver, sink, &mut stats, &header, crc, Instant::now());
+                verdict.err().flatten().map(Frame::Abort)
+            }
             Ok(Event::Frame(Frame::Complete(c))) => match rules.complete(receiver, &mut stats, &c, Instant::now()) {
                 Ok(ack) => Some(Frame::Ack(ack)),
                 Err(abort) => abort.map(Frame::Abort),
@@ -135,11 +146,13 @@ pub(crate) struct StreamConn<'a, R, W> {
     out: Vec<u8>,
     idle: Duration,
     payloads: &'a Buffers,
+    /// Where payloads are read straight into, when the stream can (tcp).
+    direct: Option<(&'a DirectPool, &'a Mutex<Receiver>)>,
 }
 
-impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn for StreamConn<'_, R, W> {
+impl<R: AsyncRead + DirectRead + Unpin, W: AsyncWrite + Unpin> Conn for StreamConn<'_, R, W> {
     async fn hello(&mut self) -> Result<Hello, CloseReason> {
-        match self.reader.next(self.rd, self.idle).await.map(|f| f.map(Incoming::into_frame)) {
+        match self.reader.next(self.rd, self.idle).await {
             Ok(Some(Frame::Hello(h))) => Ok(h),
             Ok(Some(other)) => Err(CloseReason::NotHello { got: frame_name(&other) }),
             Ok(None) => Err(CloseReason::PeerClosed),
@@ -148,18 +161,44 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn for StreamConn<'_, R, W> 
     }
 
     async fn next(&mut self) -> Result<Event, CloseReason> {
-        Ok(match self.reader.next(self.rd, self.idle).await? {
-            None => Event::Closed,
-            Some(Incoming::Layer { header, payload, crc32c }) => {
-                Event::Layer { header, payload: Box::new(payload), crc: crc32c }
-            }
-            // Not from FrameReader::next (its LayerData come as Layer); checked the slow way all the same.
-            Some(Incoming::Frame(Frame::LayerData(d))) => {
+        let header = match self.reader.next_head(self.rd, self.idle).await? {
+            None => return Ok(Event::Closed),
+            Some(Head::Layer(header)) => header,
+            // Not from FrameReader::next_head (its LayerData come as Layer); checked the slow way all the same.
+            Some(Head::Frame(Frame::LayerData(d))) => {
                 let (header, crc) = (d.header(), d.payload_checksum());
-                Event::Layer { header, payload: Box::new(self.payloads.lend(d.payload)), crc }
+                return Ok(Event::Layer { header, payload: Box::new(self.payloads.lend(d.payload)), crc });
             }
-            Some(Incoming::Frame(f)) => Event::Frame(f),
-        })
+            Some(Head::Frame(f)) => return Ok(Event::Frame(f)),
+        };
+        let mut len = header.payload_len;
+        if let (Some((pool, receiver)), Some(socket)) = (self.direct, self.rd.socket()) {
+            let opened = lock(receiver).begin_direct(&header, Instant::now());
+            if let Ok(blocks) = opened {
+                let open = OpenDirect { receiver, header: Some(header) };
+                let r = Reservation { id: ReservationId(header.reservation), generation: header.generation };
+                let layer = header.layer as usize;
+                let read = read_into_pool(socket, &mut self.reader, pool, receiver, r, layer, &blocks, len, self.idle);
+                match read.await? {
+                    InPlace::Landed(crc) => {
+                        // Closed by the rules (`read_in_place`), with no await between.
+                        open.disarm();
+                        return Ok(Event::ReadInPlace { header, crc });
+                    }
+                    // Nothing written: read the ordinary way.
+                    InPlace::Outside => {}
+                    // Abandoned here (the blocks go back now); the rest is read
+                    // the ordinary way, to be refused below.
+                    InPlace::Stopped { left } => len = left,
+                }
+            }
+            // Refused: read the ordinary way, to be refused (and counted) by the rules.
+        }
+        let (payload, crc) = self.reader.read_payload(self.rd, len, self.idle).await?;
+        // A stopped read's tail is not the payload: a checksum that cannot match
+        // keeps it out of the pool should the reservation (impossibly) receive again.
+        let crc = if len == header.payload_len { crc } else { !header.checksum };
+        Ok(Event::Layer { header, payload: Box::new(payload), crc })
     }
 
     async fn reply(&mut self, f: &Frame) -> Result<(), CloseReason> {
@@ -171,16 +210,39 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn for StreamConn<'_, R, W> 
     }
 }
 
+/// A direct read the receiver opened (`begin_direct`) and nothing closed
+/// yet: abandoned when dropped — the read failed, or the connection's task
+/// was aborted mid-read — so its blocks are never held for good.
+struct OpenDirect<'a> {
+    receiver: &'a Mutex<Receiver>,
+    header: Option<LayerDataHeader>,
+}
+
+impl OpenDirect<'_> {
+    fn disarm(mut self) {
+        self.header = None;
+    }
+}
+
+impl Drop for OpenDirect<'_> {
+    fn drop(&mut self) {
+        if let Some(h) = self.header.take() {
+            lock(self.receiver).abandon_direct(&h);
+        }
+    }
+}
+
 /// Runs one frame stream to its end and says why it ended.
 pub(crate) async fn serve<R, W, S>(rd: &mut R, wr: &mut W, shared: &Shared, sink: &mut S) -> CloseReason
 where
-    R: AsyncRead + Unpin,
+    R: AsyncRead + DirectRead + Unpin,
     W: AsyncWrite + Unpin,
     S: BlockSink,
 {
     let reader = FrameReader::new(shared.limits, shared.payloads.clone());
     let idle = shared.idle_timeout;
-    let mut conn = StreamConn { rd, wr, reader, out: Vec::with_capacity(64), idle, payloads: &shared.payloads };
+    let direct = shared.direct.as_ref().map(|pool| (pool, &*shared.receiver));
+    let mut conn = StreamConn { rd, wr, reader, out: Vec::with_capacity(64), idle, payloads: &shared.payloads, direct };
     drive(&mut conn, &shared.receiver, &shared.stats, sink).await
 }
 

@@ -23,6 +23,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::timeout;
 
 use crate::buffers::{Buffer, Buffers};
+use crate::checksum;
 use crate::frame::{DecodeError, DecodeLimits, DecodedHead, Frame, LayerDataHeader};
 
 /// Bytes read ahead of the frame in progress. A read for the next header
@@ -50,26 +51,13 @@ pub(crate) enum ReadError {
     Truncated,
 }
 
-/// A frame as [`FrameReader::next`] yields it.
+/// A frame's start as [`FrameReader::next_head`] yields it.
 #[derive(Debug)]
-pub(crate) enum Incoming {
-    /// Any frame but a `LayerData`.
+pub(crate) enum Head {
+    /// Any frame but a `LayerData`, whole.
     Frame(Frame),
-    /// A `LayerData`: `header.payload_len` is `payload.len()`, and
-    /// `crc32c` the CRC-32C of `payload`, computed as it was read into it.
-    Layer { header: LayerDataHeader, payload: Buffer, crc32c: u32 },
-}
-
-impl Incoming {
-    /// The frame, for a reader that has no use for the checksum.
-    pub(crate) fn into_frame(self) -> Frame {
-        match self {
-            Self::Frame(f) => f,
-            Self::Layer { header, mut payload, .. } => {
-                Frame::LayerData(header.with_payload(std::mem::take(&mut *payload)))
-            }
-        }
-    }
+    /// A `LayerData`'s header; its payload is next on the stream.
+    Layer(LayerDataHeader),
 }
 
 /// Reads whole frames from a stream. Holds at most [`READ_AHEAD`] bytes
@@ -127,7 +115,28 @@ impl FrameReader {
 
     /// Reads until a whole frame is there. `Ok(None)`: the peer closed
     /// cleanly between frames. Each read waits at most `idle`.
-    pub(crate) async fn next<R>(&mut self, stream: &mut R, idle: Duration) -> Result<Option<Incoming>, ReadError>
+    /// For a reader with no use for a payload's checksum (a sender
+    /// reading its peer's answers, which never carry one).
+    pub(crate) async fn next<R>(&mut self, stream: &mut R, idle: Duration) -> Result<Option<Frame>, ReadError>
+    where
+        R: AsyncRead + Unpin + ?Sized,
+    {
+        Ok(match self.next_head(stream, idle).await? {
+            None => None,
+            Some(Head::Frame(f)) => Some(f),
+            Some(Head::Layer(header)) => {
+                let (mut payload, _) = self.read_payload(stream, header.payload_len, idle).await?;
+                Some(Frame::LayerData(header.with_payload(std::mem::take(&mut *payload))))
+            }
+        })
+    }
+
+    /// Reads until a whole frame, or a `LayerData`'s header, is there; a
+    /// [`Head::Layer`]'s payload is the stream's next `payload_len` bytes,
+    /// which the caller reads next ([`read_payload`](Self::read_payload),
+    /// or into place with [`take_buffered`](Self::take_buffered) and its own
+    /// reads). `Ok(None)`: the peer closed cleanly between frames.
+    pub(crate) async fn next_head<R>(&mut self, stream: &mut R, idle: Duration) -> Result<Option<Head>, ReadError>
     where
         R: AsyncRead + Unpin + ?Sized,
     {
@@ -135,29 +144,11 @@ impl FrameReader {
             match Frame::decode_head(&self.buf[self.start..self.end], &self.limits).map_err(ReadError::Decode)? {
                 DecodedHead::Frame { frame, consumed } => {
                     self.start += consumed;
-                    return Ok(Some(Incoming::Frame(frame)));
+                    return Ok(Some(Head::Frame(frame)));
                 }
                 DecodedHead::LayerData { header, consumed } => {
                     self.start += consumed;
-                    let mut payload = self.payloads.take_sized(header.payload_len);
-                    let have = (self.end - self.start).min(payload.len());
-                    payload[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
-                    self.start += have;
-                    let mut crc = crc32c::crc32c(&payload[..have]);
-                    let mut filled = have;
-                    while filled < payload.len() {
-                        let upto = payload.len().min(filled + READ_CHUNK);
-                        match read_within(stream, &mut payload[filled..upto], idle).await? {
-                            0 => return Err(ReadError::Truncated),
-                            n => {
-                                // Checksummed as read, while still in cache,
-                                // from our own buffer: what the sink will get.
-                                crc = crc32c::crc32c_append(crc, &payload[filled..filled + n]);
-                                filled += n;
-                            }
-                        }
-                    }
-                    return Ok(Some(Incoming::Layer { header, payload, crc32c: crc }));
+                    return Ok(Some(Head::Layer(header)));
                 }
                 DecodedHead::NeedMore { .. } => {}
             }
@@ -169,6 +160,46 @@ impl FrameReader {
                 n => self.end += n,
             }
         }
+    }
+
+    /// Reads a payload of `len` bytes into a buffer of its own, with its
+    /// CRC-32C.
+    pub(crate) async fn read_payload<R>(
+        &mut self,
+        stream: &mut R,
+        len: usize,
+        idle: Duration,
+    ) -> Result<(Buffer, u32), ReadError>
+    where
+        R: AsyncRead + Unpin + ?Sized,
+    {
+        let mut payload = self.payloads.take_sized(len);
+        let have = self.take_buffered(len);
+        payload[..have.len()].copy_from_slice(have);
+        let mut filled = have.len();
+        let mut crc = checksum::crc32c_append(0, &payload[..filled]);
+        while filled < payload.len() {
+            let upto = payload.len().min(filled + READ_CHUNK);
+            match read_within(stream, &mut payload[filled..upto], idle).await? {
+                0 => return Err(ReadError::Truncated),
+                n => {
+                    // Checksummed as read, while still in cache, from our
+                    // own buffer: what the sink will get.
+                    crc = checksum::crc32c_append(crc, &payload[filled..filled + n]);
+                    filled += n;
+                }
+            }
+        }
+        Ok((payload, crc))
+    }
+
+    /// Up to `max` bytes already read ahead, taken: the front of a payload
+    /// whose header [`next_head`](Self::next_head) returned.
+    pub(crate) fn take_buffered(&mut self, max: usize) -> &[u8] {
+        let n = (self.end - self.start).min(max);
+        let at = self.start;
+        self.start += n;
+        &self.buf[at..at + n]
     }
 
     /// One read of whatever the stream has ready, without waiting:
@@ -325,9 +356,11 @@ mod tests {
         let mut reader = FrameReader::new(limits, Buffers::new(0));
         let idle = Duration::from_secs(10);
         for sent in [&good, &corrupt] {
-            match reader.next(&mut rx, idle).await.expect("read") {
-                Some(Incoming::Layer { header, payload, crc32c }) => {
+            match reader.next_head(&mut rx, idle).await.expect("read") {
+                Some(Head::Layer(header)) => {
                     assert_eq!(header, sent.header());
+                    let (payload, crc32c) =
+                        reader.read_payload(&mut rx, header.payload_len, idle).await.expect("payload");
                     assert_eq!(*payload, sent.payload);
                     assert_eq!(crc32c, crc32c::crc32c(&sent.payload));
                 }
@@ -336,7 +369,7 @@ mod tests {
         }
         assert_eq!(good.checksum, crc32c::crc32c(&good.payload));
         assert_ne!(corrupt.checksum, crc32c::crc32c(&corrupt.payload), "the second frame is corrupt");
-        assert!(matches!(reader.next(&mut rx, idle).await.expect("read"), Some(Incoming::Frame(f)) if f == c));
+        assert!(matches!(reader.next(&mut rx, idle).await.expect("read"), Some(f) if f == c));
         writer.await.expect("writer").expect("write");
         assert!(reader.next(&mut rx, idle).await.expect("read").is_none(), "clean end");
     }

@@ -1,6 +1,7 @@
 //! The decode side and sender of any transport, for the conformance suites
 //! (`conformance.rs`, `conformance_fault.rs`): the same test body runs over
-//! tcp, quic, local and ucx, on loopback, and asserts the same outcome.
+//! tcp (reading into buffers, and straight into the pool), quic, local and
+//! ucx, on loopback, and asserts the same outcome.
 
 #![allow(dead_code)] // each test binary uses its own part of this module
 
@@ -9,6 +10,7 @@ use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
 use engine::kv::KvPool;
+use kvtransfer::transport::PoolMemory;
 use kvtransfer::{
     KvSender, LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, Peer, PeerTrust, QuicKvSender,
     QuicKvServer, QuicSenderConfig, QuicServerConfig, Receiver, ReceiverConfig, Released, Reservation, ServerStats,
@@ -44,14 +46,28 @@ pub struct DecodeSide {
 
 impl DecodeSide {
     pub async fn start(kind: TransportKind) -> Self {
+        Self::start_with(kind, false).await
+    }
+
+    /// `direct`: tcp only, the pool in memory the server reads payloads
+    /// straight into (`TcpServerConfig::direct`, the decode worker's default).
+    pub async fn start_with(kind: TransportKind, direct: bool) -> Self {
+        assert!(!direct || kind == TransportKind::Tcp, "direct reads are tcp's");
         let l = layout();
         let rx = Arc::new(Mutex::new(Receiver::new(peer(&l, "smollm2", 0x11), ReceiverConfig::new(l)).expect("rx")));
         let pool = Arc::new(Mutex::new(KvPool::new(l, POOL_BLOCKS).expect("pool B")));
+        let direct = direct.then(|| {
+            let memory = PoolMemory::new(l, POOL_BLOCKS).expect("pool memory");
+            let view = memory.direct();
+            lock(&pool).adopt(memory.into_shared()).expect("adopt");
+            view
+        });
         let _decoys = lock(&pool).allocate(3).expect("decoys");
         let sink = pool.clone();
         let server = match kind {
             TransportKind::Tcp => {
-                let s = TcpKvServer::bind("127.0.0.1:0", rx.clone(), sink, TcpServerConfig::default()).await;
+                let config = TcpServerConfig { direct, ..TcpServerConfig::default() };
+                let s = TcpKvServer::bind("127.0.0.1:0", rx.clone(), sink, config).await;
                 Server::Tcp(s.expect("bind tcp"))
             }
             TransportKind::Quic => {

@@ -10,8 +10,9 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::super::close::ServerStats;
+use super::super::lock::lock;
 use super::super::serve::{serve, Shared};
-use super::super::BlockSink;
+use super::super::{BlockSink, DirectPool};
 use crate::frame::DecodeLimits;
 use crate::session::Receiver;
 
@@ -27,12 +28,24 @@ pub struct TcpServerConfig {
     pub idle_timeout: Duration,
     /// Connections served at once; more are closed on accept.
     pub max_connections: usize,
+    /// The decode pool's memory, when the engine's pool lives in a
+    /// [`PoolMemory`](crate::transport::PoolMemory): each accepted
+    /// payload is then read from the socket straight into its blocks (one
+    /// copy; `transport/direct.rs`), and the sink is told it landed in
+    /// place rather than handed the bytes. `None`: payloads are read into
+    /// buffers and written by the sink.
+    pub direct: Option<DirectPool>,
 }
 
 impl Default for TcpServerConfig {
-    /// Default limits (64 MiB frames), 30 s idle timeout, 256 connections.
+    /// Default limits (64 MiB frames), 30 s idle timeout, 256 connections, no direct reads.
     fn default() -> Self {
-        Self { limits: DecodeLimits::default(), idle_timeout: Duration::from_secs(30), max_connections: 256 }
+        Self {
+            limits: DecodeLimits::default(),
+            idle_timeout: Duration::from_secs(30),
+            max_connections: 256,
+            direct: None,
+        }
     }
 }
 
@@ -48,7 +61,9 @@ pub struct TcpKvServer {
 }
 
 impl TcpKvServer {
-    /// Binds `addr` and starts serving. Must be called within a tokio runtime.
+    /// Binds `addr` and starts serving. Must be called within a tokio
+    /// runtime. A [`direct`](TcpServerConfig::direct) pool of another
+    /// layout than the receiver's is refused (`InvalidInput`).
     pub async fn bind<S>(
         addr: impl ToSocketAddrs,
         receiver: Arc<Mutex<Receiver>>,
@@ -58,9 +73,18 @@ impl TcpKvServer {
     where
         S: BlockSink + Clone + 'static,
     {
+        if let Some(pool) = &config.direct {
+            let layout = lock(&receiver).config().layout;
+            if *pool.layout() != layout {
+                let msg = format!("direct pool of layout {:?}, receiver of {layout:?}", pool.layout());
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, msg));
+            }
+        }
         let listener = TcpListener::bind(addr).await?;
         let local_addr = listener.local_addr()?;
-        let shared = Arc::new(Shared::new(receiver, config.limits, config.idle_timeout));
+        let mut shared = Shared::new(receiver, config.limits, config.idle_timeout);
+        shared.direct = config.direct;
+        let shared = Arc::new(shared);
         let stats = shared.stats.subscribe();
         let task = tokio::spawn(accept_loop(listener, shared, sink, config.max_connections));
         Ok(Self { local_addr, stats, task })

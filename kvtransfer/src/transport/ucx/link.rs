@@ -576,7 +576,7 @@ impl<'d> Link<'d> {
             return Ok(Posted { puts: None, stores: Some(stores), header });
         }
         // The checksum is of exactly the bytes handed to UCX below.
-        header.checksum = crc32c::crc32c_append(crc32c::crc32c(&k), &v);
+        header.checksum = checksum::crc32c_append(checksum::crc32c_append(0, &k), &v);
         // Drills only (built with `fault-injection` and armed): a byte flipped after the checksum.
         #[cfg(feature = "fault-injection")]
         let k = {
