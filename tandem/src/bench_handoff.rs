@@ -1,17 +1,22 @@
 //! `tandem bench handoff`: what handing a prompt's KV from a prefill engine
-//! to a decode engine costs beyond moving its bytes, over the TCP KV
-//! transport on loopback, for several prompt lengths, in one process on one
-//! clock.
+//! to a decode engine costs beyond moving its bytes, over one KV transport
+//! (`--transport`: tcp, quic, local or ucx) on this host, for several prompt
+//! lengths, in one process on one clock.
 //!
 //! Per prompt length and repetition, interleaved:
 //! - **raw**: the prompt's KV bytes (every layer's K and V of its blocks)
-//!   over a plain loopback TCP connection, 1 MiB writes, read into one
-//!   destination buffer: what any TCP hand-off has to pay at least;
+//!   over the same transport with no engine: pre-filled layers sent by the
+//!   transport's sender into blocks reserved in B's pool, timed from the
+//!   first frame to the `Ack`; for tcp also over a plain loopback TCP
+//!   connection, 1 MiB writes, read into one destination buffer (what any
+//!   TCP hand-off has to pay at least), which is then the baseline;
 //! - **hand-off**: a real streaming prefill on engine A whose layers go out
 //!   as they are computed (gathered into recycled buffers on A's thread, as
-//!   the prefill worker does) through `TcpKvSender` to a `TcpKvServer`,
-//!   whose sink posts each accepted frame to engine B's thread, which writes
-//!   it into B's pool; then, as the prefill worker does once the prefill is
+//!   the prefill worker does) through the transport's sender to its server,
+//!   which lands each accepted frame in B's pool as the decode worker does
+//!   (tcp: read straight into the pool, `--tcp-direct`, the default; the
+//!   others: the sink posts it to B's thread, which writes it); then, as the
+//!   prefill worker does once the prefill is
 //!   done, `Complete`/`Ack`, `take_ready` and `add_prefilled` on B. Timed
 //!   from A's prefill done (its last layer written and its first token
 //!   sampled: the earliest moment any design can answer) to B holding the
@@ -34,9 +39,12 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use engine::batch::{Engine, EngineConfig, LayerView, Request};
 use engine::model::Model;
 use engine::sampler::SampledToken;
+use kvtransfer::transport::{DirectPool, PoolMemory};
 use kvtransfer::{
-    BlockSink, Buffer, Buffers, LayoutFingerprint, OwnedPayload, Peer, Receiver, ReceiverConfig, Reservation,
-    TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, VersionGroup, WriteInstruction,
+    BlockSink, Buffer, Buffers, KvSender, LayoutFingerprint, LocalKvSender, LocalKvServer, LocalSenderConfig,
+    LocalServerConfig, OwnedPayload, Peer, PeerTrust, QuicKvSender, QuicKvServer, QuicSenderConfig, QuicServerConfig,
+    Receiver, ReceiverConfig, Reservation, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TlsIdentity,
+    TransportKind, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig, VersionGroup, WriteInstruction,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use types::kv::{BlockId, KvLayout};
@@ -56,6 +64,13 @@ pub struct Args {
     /// Repetitions per length (medians are printed, with min and max).
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// The KV transport: tcp, quic, local or ucx.
+    #[arg(long, default_value = "tcp")]
+    transport: String,
+    /// tcp: read each payload straight into B's pool, as decode workers do
+    /// by default (`tcp_direct`); false: into buffers B's thread writes.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    tcp_direct: bool,
 }
 
 /// Blocks of each engine's pool: a 4,096-token prompt and room to spare.
@@ -67,6 +82,12 @@ pub fn run(a: &Args) -> Result<()> {
     if a.threads == 0 || a.reps == 0 || a.prompt_tokens.iter().any(|n| *n < 2) {
         bail!("--threads and --reps must be positive, every --prompt-tokens at least 2");
     }
+    let kind = TransportKind::parse(&a.transport)
+        .ok_or_else(|| anyhow!("--transport {:?}: use tcp, quic, local or ucx", a.transport))?;
+    if kind == TransportKind::Ucx && std::env::var_os("UCX_NET_DEVICES").is_none() {
+        // One host: UCX's loopback, as the tests run it (before any thread starts).
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    }
     let path = crate::load::model_path(a.model.clone())?;
     let engine = |path: &std::path::Path| -> Result<Engine> {
         let (weights, _) = engine::weights::Weights::from_gguf(path)?;
@@ -74,7 +95,7 @@ pub fn run(a: &Args) -> Result<()> {
         let cfg = EngineConfig { kv_blocks: KV_BLOCKS, prefix_cache: false, ..EngineConfig::default() };
         Ok(Engine::new(model, cfg, Vec::new())?)
     };
-    let (prefill, decode) = (engine(&path)?, engine(&path)?);
+    let (prefill, mut decode) = (engine(&path)?, engine(&path)?);
     let layout = *prefill.pool().layout();
     let vocab = prefill.model().config().vocab as u32;
     let context = prefill.model().config().context;
@@ -82,46 +103,72 @@ pub fn run(a: &Args) -> Result<()> {
         bail!("a {n}-token prompt does not fit the model's context ({context}) or {KV_BLOCKS} KV blocks");
     }
     println!("cpu: {}", crate::bench::cpu_summary());
+    let direct = (kind == TransportKind::Tcp && a.tcp_direct)
+        .then(|| -> Result<DirectPool> {
+            // B's pool where the server reads payloads into, as a decode worker's (`tcp_direct`).
+            let memory = PoolMemory::new(layout, decode.pool().num_blocks())?;
+            let view = memory.direct();
+            decode.pool_mut().adopt(memory.into_shared())?;
+            Ok(view)
+        })
+        .transpose()?;
+    let how = match (kind, &direct) {
+        (TransportKind::Tcp, Some(_)) => "tcp, read straight into the pool",
+        (TransportKind::Tcp, None) => "tcp, into buffers",
+        (TransportKind::Quic, _) => "quic",
+        (TransportKind::Local, _) => "local (shared memory)",
+        (TransportKind::Ucx, _) => "ucx (landing region)",
+    };
     println!(
-        "hand-off benchmark: {} ({} thread(s) per engine), tcp on loopback, {} reps per length",
+        "hand-off benchmark: {} ({} thread(s) per engine), {how}, {} reps per length",
         path.display(),
         a.threads,
         a.reps
     );
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let mut bench = rt.block_on(Bench::start(prefill, decode, layout))?;
+    let mut bench = rt.block_on(Bench::start(prefill, decode, layout, kind, direct))?;
+    let baseline = if kind == TransportKind::Tcp { "raw TCP socket" } else { "transport alone" };
+    println!("baseline (raw): {baseline}");
     println!(
-        "{:>7} {:>8} {:>22} {:>22} {:>12} {:>8} {:>12} {:>10}",
+        "{:>7} {:>8} {:>20} {:>20} {:>22} {:>10} {:>8} {:>12} {:>10}",
         "tokens",
         "KV MiB",
         "raw ms (min-max)",
+        "transport alone ms",
         "hand-off ms (min-max)",
-        "hand-off/raw",
+        "vs raw",
         "target",
         "A's tail ms",
         "decode ms"
     );
     for &n in &a.prompt_tokens {
-        let (mut raw, mut handoff, mut tail, mut step) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let bytes = n.div_ceil(layout.block_size) * layout.n_layers * 2 * layout.side_bytes();
+        let [mut socket, mut alone, mut handoff, mut tail, mut step]: [Vec<Duration>; 5] = Default::default();
         for rep in 0..a.reps {
             let prompt = tokens(n, rep as u64, vocab);
-            let bytes = n.div_ceil(layout.block_size) * layout.n_layers * 2 * layout.side_bytes();
-            raw.push(rt.block_on(raw_tcp(bytes))?);
+            if kind == TransportKind::Tcp {
+                socket.push(rt.block_on(raw_tcp(bytes))?);
+            }
+            alone.push(rt.block_on(bench.transport_alone(n))?);
             let h = rt.block_on(bench.handoff(prompt, 1000 * n as u64 + rep as u64))?;
             handoff.push(h.handoff);
             tail.push(h.tail);
             step.push(h.first_step);
         }
-        let bytes = n.div_ceil(layout.block_size) * layout.n_layers * 2 * layout.side_bytes();
-        let (r, h, t, s) = (spread(&mut raw), spread(&mut handoff), spread(&mut tail), spread(&mut step));
+        let alone = spread(&mut alone);
+        let r = if socket.is_empty() { alone } else { spread(&mut socket) };
+        let (h, t, s) = (spread(&mut handoff), spread(&mut tail), spread(&mut step));
         let target = 1.3 * r.1 + 1.0;
         let verdict = if h.1 <= target { "met" } else { "missed" };
         println!(
-            "{n:>7} {:>8.1} {:>8.2} ({:>5.2}-{:>5.2}) {:>8.2} ({:>5.2}-{:>5.2}) {:>11.2}x {:>8} {:>12.1} {:>10.1}",
+            "{n:>7} {:>8.1} {:>6.2} ({:>5.2}-{:>5.2}) {:>6.2} ({:>5.2}-{:>5.2}) {:>8.2} ({:>5.2}-{:>5.2}) {:>9.2}x {:>8} {:>12.1} {:>10.1}",
             bytes as f64 / (1 << 20) as f64,
             r.1,
             r.0,
             r.2,
+            alone.1,
+            alone.0,
+            alone.2,
             h.1,
             h.0,
             h.2,
@@ -149,14 +196,16 @@ fn tokens(n: usize, seed: u64, vocab: u32) -> Vec<u32> {
     (0..n).map(|_| rng.below(u64::from(vocab)) as u32).collect()
 }
 
-/// `bytes` over a fresh loopback TCP connection: first write to last read.
+/// `bytes` over a fresh loopback TCP connection into a buffer already
+/// touched: first write to last read.
 async fn raw_tcp(bytes: usize) -> Result<Duration> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let src = vec![0x5au8; bytes];
+    // Touched before the clock, as the pools are: page faults on fresh memory are no transfer's cost.
+    let mut dst = vec![1u8; bytes];
     let reader = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await?;
-        let mut dst = vec![0u8; bytes];
         s.read_exact(&mut dst).await?;
         Ok::<_, std::io::Error>(Instant::now())
     });
@@ -176,6 +225,8 @@ enum ToDecode {
     Reserve(usize, mpsc::Sender<Result<Reservation, String>>),
     /// An accepted frame, to write into the pool (from the server's sink).
     Write(WriteInstruction, OwnedPayload),
+    /// A transfer with no sequence behind it is done: take its blocks and free them.
+    Free(Reservation, mpsc::Sender<Result<(), String>>),
     /// The prefill's first token; then the `Ack` arrived: join and step.
     Join {
         req: Request,
@@ -221,18 +272,85 @@ struct Figures {
     first_step: Duration,
 }
 
+/// The decode side's KV server, of the transport under test.
+enum Server {
+    Tcp(TcpKvServer),
+    Quic(QuicKvServer, PeerTrust),
+    Local(LocalKvServer),
+    Ucx(UcxKvServer),
+}
+
+impl Server {
+    async fn bind(
+        kind: TransportKind,
+        receiver: Arc<Mutex<Receiver>>,
+        sink: ToThread,
+        direct: Option<DirectPool>,
+    ) -> Result<Self> {
+        Ok(match kind {
+            TransportKind::Tcp => {
+                let config = TcpServerConfig { direct, ..TcpServerConfig::default() };
+                Self::Tcp(TcpKvServer::bind("127.0.0.1:0", receiver, sink, config).await?)
+            }
+            TransportKind::Quic => {
+                let id = TlsIdentity::self_signed(&["tandem-kv"]).map_err(|e| anyhow!("a certificate: {e}"))?;
+                let pin = PeerTrust::Pinned(id.fingerprint());
+                Self::Quic(QuicKvServer::bind("127.0.0.1:0", receiver, sink, QuicServerConfig::new(id)).await?, pin)
+            }
+            TransportKind::Local => {
+                let addr = format!("@tandem-handoff-{}", std::process::id());
+                Self::Local(LocalKvServer::bind(addr.as_str(), receiver, sink, LocalServerConfig::default()).await?)
+            }
+            TransportKind::Ucx => Self::Ucx(UcxKvServer::bind(receiver, sink, UcxServerConfig::default()).await?),
+        })
+    }
+
+    async fn connect(&self, p: &Peer, l: KvLayout) -> Result<KvSender> {
+        Ok(match self {
+            Self::Tcp(s) => {
+                KvSender::Tcp(TcpKvSender::connect(s.local_addr(), p, l, TcpSenderConfig::default()).await?)
+            }
+            Self::Quic(s, pin) => {
+                let config = QuicSenderConfig::new(pin.clone());
+                KvSender::Quic(QuicKvSender::connect(s.local_addr(), p, l, config).await?)
+            }
+            Self::Local(s) => {
+                KvSender::Local(LocalKvSender::connect(s.local_addr(), p, l, LocalSenderConfig::default()).await?)
+            }
+            Self::Ucx(s) => {
+                KvSender::Ucx(UcxKvSender::connect(s.local_addr(), p, l, UcxSenderConfig::default()).await?)
+            }
+        })
+    }
+
+    fn shutdown(self) {
+        match self {
+            Self::Tcp(s) => s.shutdown(),
+            Self::Quic(s, _) => s.shutdown(),
+            Self::Local(s) => s.shutdown(),
+            Self::Ucx(s) => s.shutdown(),
+        }
+    }
+}
+
 struct Bench {
     prefill: Arc<Mutex<Engine>>,
     layout: KvLayout,
     decode: mpsc::Sender<ToDecode>,
     decode_thread: Option<thread::JoinHandle<()>>,
-    server: TcpKvServer,
+    server: Option<Server>,
     peer: Peer,
     buffers: Buffers,
 }
 
 impl Bench {
-    async fn start(prefill: Engine, decode: Engine, layout: KvLayout) -> Result<Self> {
+    async fn start(
+        prefill: Engine,
+        decode: Engine,
+        layout: KvLayout,
+        kind: TransportKind,
+        direct: Option<DirectPool>,
+    ) -> Result<Self> {
         let peer = Peer {
             version_group: VersionGroup::new("bench").map_err(|e| anyhow!("{e}"))?,
             fingerprint: LayoutFingerprint::new(&layout, &[0; 32], &[0; 32]),
@@ -243,36 +361,65 @@ impl Bench {
         let (tx, rx) = mpsc::channel();
         let rx_for_thread = receiver.clone();
         let decode_thread = thread::spawn(move || decode_loop(decode, rx_for_thread, rx));
-        let server = TcpKvServer::bind("127.0.0.1:0", receiver, ToThread(tx.clone()), TcpServerConfig::default())
-            .await
-            .context("binding the KV server")?;
+        let server =
+            Server::bind(kind, receiver, ToThread(tx.clone()), direct).await.context("binding the KV server")?;
         Ok(Self {
             prefill: Arc::new(Mutex::new(prefill)),
             layout,
             decode: tx,
             decode_thread: Some(decode_thread),
-            server,
+            server: Some(server),
             peer,
             buffers: Buffers::new(64 << 20),
         })
     }
 
     async fn stop(mut self) {
+        if let Some(s) = self.server.take() {
+            s.shutdown();
+        }
         let _ = self.decode.send(ToDecode::Stop);
         if let Some(t) = self.decode_thread.take() {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
     }
 
+    /// Blocks reserved on B for a prompt of `n` tokens.
+    async fn reserve(&self, n: usize) -> Result<Reservation> {
+        let (reply, reserved) = mpsc::channel();
+        self.decode.send(ToDecode::Reserve(n, reply)).map_err(|_| anyhow!("decode thread gone"))?;
+        tokio::task::spawn_blocking(move || reserved.recv()).await??.map_err(|e| anyhow!(e))
+    }
+
+    async fn connect(&self) -> Result<KvSender> {
+        let server = self.server.as_ref().ok_or_else(|| anyhow!("the server is stopped"))?;
+        server.connect(&self.peer, self.layout).await.context("connecting")
+    }
+
+    /// The KV of an `n`-token prompt over the transport alone: filled
+    /// layers sent into blocks reserved on B, first frame to `Ack`; then
+    /// the blocks are freed.
+    async fn transport_alone(&mut self, n: usize) -> Result<Duration> {
+        let r = self.reserve(n).await?;
+        let mut tx = self.connect().await?;
+        let side = n.div_ceil(self.layout.block_size) * self.layout.side_bytes();
+        let (k, v) = (vec![0x5au8; side], vec![0xa5u8; side]);
+        let start = Instant::now();
+        for layer in 0..self.layout.n_layers {
+            tx.send_blocks(r, layer, 0, &k, &v).await.context("sending a layer")?;
+        }
+        tx.complete(r).await.context("Complete")?;
+        let took = start.elapsed();
+        let (done, freed) = mpsc::channel();
+        self.decode.send(ToDecode::Free(r, done)).map_err(|_| anyhow!("decode thread gone"))?;
+        tokio::task::spawn_blocking(move || freed.recv()).await??.map_err(|e| anyhow!(e))?;
+        Ok(took)
+    }
+
     /// One prompt handed from A to B; see the module doc.
     async fn handoff(&mut self, prompt: Vec<u32>, id: u64) -> Result<Figures> {
-        let (reply, reserved) = mpsc::channel();
-        self.decode.send(ToDecode::Reserve(prompt.len(), reply)).map_err(|_| anyhow!("decode thread gone"))?;
-        let r = tokio::task::spawn_blocking(move || reserved.recv()).await??.map_err(|e| anyhow!(e))?;
-        let mut tx =
-            TcpKvSender::connect(self.server.local_addr(), &self.peer, self.layout, TcpSenderConfig::default())
-                .await
-                .context("connecting")?;
+        let r = self.reserve(prompt.len()).await?;
+        let mut tx = self.connect().await?;
 
         // A's streaming sink: gather into recycled buffers, note the time of each call.
         let (layers_tx, mut layers) = tokio::sync::mpsc::unbounded_channel::<(usize, usize, Buffer, Buffer)>();
@@ -342,6 +489,13 @@ fn decode_loop(mut e: Engine, receiver: Arc<Mutex<Receiver>>, rx: mpsc::Receiver
                 if let Err(err) = e.pool_mut().scatter_layer(w.layer, &w.blocks, k, v) {
                     eprintln!("writing received KV failed: {err}");
                 }
+            }
+            ToDecode::Free(r, done) => {
+                let freed = lock(&receiver)
+                    .take_ready(r)
+                    .map_err(|e| e.to_string())
+                    .and_then(|blocks| e.release_reserved(&blocks).map_err(|e| e.to_string()));
+                let _ = done.send(freed);
             }
             ToDecode::Join { req, r, first, done } => {
                 let id = req.id;
