@@ -48,6 +48,10 @@ pub fn describe(policy: crate::KvLoadFailurePolicy) {
     describe_counter!(UCX_DIRECT_GRANTS, "Reservations whose sender was granted their pool blocks to write directly.");
     describe_counter!(UCX_DIRECT_LAYERS, "Layers written directly into the pool over UCX and accepted.");
     describe_gauge!(UCX_GRANTED_TRANSFERS, "UCX transfers under way, holding a landing range or their pool blocks.");
+    describe_counter!(
+        KV_LAYERS_READ_IN_PLACE,
+        "Layers the TCP server read straight into their pool blocks and accepted."
+    );
     describe_histogram!(TTFT, Unit::Seconds, "Generate arrival to the first token sent.");
     describe_histogram!(TPOT, Unit::Seconds, "Gap between consecutive streamed tokens.");
     describe_counter!(GENERATION_TOKENS, Unit::Count, "Tokens streamed.");
@@ -115,6 +119,9 @@ pub fn record_received(bytes: u64) {
 /// never reset), with the close reasons a listener of `kind` can give.
 pub fn record_connections(s: &kvtransfer::ServerStats, kind: kvtransfer::TransportKind) {
     counter!(CONNECTIONS_ACCEPTED).absolute(s.connections_accepted);
+    if kind == kvtransfer::TransportKind::Tcp {
+        counter!(KV_LAYERS_READ_IN_PLACE).absolute(s.layers_read_in_place);
+    }
     for (label, n) in s.closed_for(kind) {
         counter!(CONNECTIONS_CLOSED, "reason" => label).absolute(n);
     }

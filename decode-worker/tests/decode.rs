@@ -22,9 +22,9 @@ use common::{
     Worker, WAIT,
 };
 use facts::metrics::decode::{
-    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, DECODE_REQUESTS, FRAMES_REFUSED, KV_LOAD_FAILURES, KV_RECEIVED_BYTES,
-    KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE, RESERVATIONS_EXPIRED, TRANSPORT_INFO, TTFT,
-    UCX_LANDING_IN_USE, UCX_QUARANTINED_RANGES,
+    CONNECTIONS_ACCEPTED, CONNECTIONS_CLOSED, DECODE_REQUESTS, FRAMES_REFUSED, KV_LAYERS_READ_IN_PLACE,
+    KV_LOAD_FAILURES, KV_RECEIVED_BYTES, KV_TRANSFERS_COMPLETED, POLICY_INFO, POLICY_OUTCOMES, PREFILL_ROUTE,
+    RESERVATIONS_EXPIRED, TRANSPORT_INFO, TTFT, UCX_LANDING_IN_USE, UCX_QUARANTINED_RANGES,
 };
 use facts::metrics::prefill::KV_TRANSFER_BYTES;
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
@@ -72,6 +72,9 @@ async fn remote_prefill_matches_the_single_process_engine() -> TestResult {
     let page = scrape(&metrics).await?;
     assert_eq!(page.get(KV_RECEIVED_BYTES, &[])?, (remote_blocks * per_block) as f64);
     assert_eq!(page.get(KV_TRANSFERS_COMPLETED, &[])?, (prompts.len() + 1) as f64);
+    // Read straight into the pool (tcp_direct, the default): every layer of
+    // the four transfers in one frame or more.
+    wait_metric(&metrics, KV_LAYERS_READ_IN_PLACE, &[], |v| v >= 4.0 * 30.0).await?;
     assert_eq!(page.get(PREFILL_ROUTE, &[("route", "remote")])?, 4.0);
     assert_eq!(page.get(PREFILL_ROUTE, &[("route", "local")])?, 1.0);
     assert_eq!(page.get(DECODE_REQUESTS, &[("outcome", "ok")])?, 5.0);

@@ -106,6 +106,10 @@ pub const UCX_QUARANTINED_BLOCKS: &str = "tandem_kv_ucx_quarantined_blocks";
 /// accepted that way (the rest went through the landing region).
 pub const UCX_DIRECT_GRANTS: &str = "tandem_kv_ucx_direct_grants_total";
 pub const UCX_DIRECT_LAYERS: &str = "tandem_kv_ucx_direct_layers_total";
+/// `tandem_kv_layers_read_in_place_total`: layer frames the TCP server read
+/// from the socket straight into their pool blocks and accepted
+/// (`tcp_direct`); the rest were read into buffers and written by the engine.
+pub const KV_LAYERS_READ_IN_PLACE: &str = "tandem_kv_layers_read_in_place_total";
 /// `tandem_kv_ucx_granted_transfers`: transfers under way now, holding a
 /// landing range or their pool blocks (ucx only).
 pub const UCX_GRANTED_TRANSFERS: &str = "tandem_kv_ucx_granted_transfers";
@@ -146,6 +150,7 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: UCX_DIRECT_GRANTS, kind: Kind::Counter, labels: &[], exporter: Exporter::Decode },
     Metric { name: UCX_DIRECT_LAYERS, kind: Kind::Counter, labels: &[], exporter: Exporter::Decode },
     Metric { name: UCX_GRANTED_TRANSFERS, kind: Kind::Gauge, labels: &[], exporter: Exporter::Decode },
+    Metric { name: KV_LAYERS_READ_IN_PLACE, kind: Kind::Counter, labels: &[], exporter: Exporter::Decode },
     Metric { name: TTFT, kind: Kind::Histogram, labels: &[], exporter: Exporter::Decode },
     Metric { name: TPOT, kind: Kind::Histogram, labels: &[], exporter: Exporter::Decode },
     Metric { name: GENERATION_TOKENS, kind: Kind::Counter, labels: &[], exporter: Exporter::Decode },
