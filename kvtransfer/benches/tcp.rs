@@ -118,47 +118,29 @@ fn main() -> Res<()> {
         // as the workers run): on a host whose cores the transfer saturates,
         // throughput follows CPU time per byte.
         let mut cpu: [Vec<f64>; 5] = Default::default();
-        let mut clock = cpu_seconds();
-        let mut tick = |i: usize, cpu: &mut [Vec<f64>; 5]| {
-            let now = cpu_seconds();
-            cpu[i].push(now - clock);
-            clock = now;
-        };
         for _ in 0..RUNS {
             let buf = std::mem::take(&mut *lock(&dst));
-            tick(0, &mut cpu);
-            cpu[0].pop();
-            let (t, buf) = rt.block_on(raw_same_memory_run(&layers, buf, chunk / 2))?;
-            tick(0, &mut cpu);
+            let (t, buf) = cpu_of(&mut cpu[0], || rt.block_on(raw_same_memory_run(&layers, buf, chunk / 2)))?;
             *lock(&dst) = buf;
             raw.push(t);
             lock_take();
-            tick(1, &mut cpu);
-            cpu[1].pop();
-            mem.push(rt.block_on(transport_mem_run(&layers, &dst, max_frame))?);
-            tick(1, &mut cpu);
+            mem.push(cpu_of(&mut cpu[1], || rt.block_on(transport_mem_run(&layers, &dst, max_frame)))?);
             locks[0] = lock_take();
-            tick(2, &mut cpu);
-            cpu[2].pop();
-            let (t, g) = rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame, None))?;
-            tick(2, &mut cpu);
+            let run = || rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame, None));
+            let (t, g) = cpu_of(&mut cpu[2], run)?;
             locks[1] = lock_take();
             pool.push(t);
             gather.push(g);
             // Cleared first, so the check after the runs sees what direct reads wrote.
             lock(&pool_b).clear(&table_b)?;
             let d = Some(direct.clone());
-            tick(3, &mut cpu);
-            cpu[3].pop();
-            let (t, _) = rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame, d))?;
-            tick(3, &mut cpu);
+            let run = || rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame, d));
+            let (t, _) = cpu_of(&mut cpu[3], run)?;
             locks[3] = lock_take();
             pool_direct.push(t);
             lock(&pool_b).clear(&table_b)?;
-            tick(4, &mut cpu);
-            cpu[4].pop();
-            piped.push(pipelined_run(&rt, &pool_a, &table_a, &pool_b, &table_b, max_frame, direct.clone())?);
-            tick(4, &mut cpu);
+            let run = || pipelined_run(&rt, &pool_a, &table_a, &pool_b, &table_b, max_frame, direct.clone());
+            piped.push(cpu_of(&mut cpu[4], run)?);
             par.push(rt.block_on(transport_parallel_run(&layers, PARALLEL, max_frame))?);
             locks[2] = lock_take();
             hot.push(rt.block_on(raw_hot_run(total, chunk))?);
@@ -248,6 +230,14 @@ fn main() -> Res<()> {
         println!("  receiver lock meanwhile: {l}");
     }
     Ok(())
+}
+
+/// `f`'s result, its CPU seconds (the whole process's) pushed to `cpu`.
+fn cpu_of<T>(cpu: &mut Vec<f64>, f: impl FnOnce() -> T) -> T {
+    let start = cpu_seconds();
+    let out = f();
+    cpu.push(cpu_seconds() - start);
+    out
 }
 
 /// Each run's rate against the same run's baseline, sorted: noise from the

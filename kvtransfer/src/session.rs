@@ -286,7 +286,8 @@ pub struct Receiver {
     held: HashSet<BlockId>,
     outbox: Vec<Released>,
     /// Ended reservations whose blocks a peer may still write: they go to
-    /// the outbox only at [`Receiver::fence`].
+    /// the outbox only once nothing does, at the writer's
+    /// [`Receiver::fence`] and the last direct read's end.
     quarantine: HashMap<Reservation, Quarantined>,
     /// Reservations taken and not yet asked about by
     /// [`Receiver::take_write_failure`] (the most recent [`TAKEN_REMEMBERED`]):
