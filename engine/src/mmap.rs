@@ -23,6 +23,20 @@ impl Mapped {
         Ok(Self { map })
     }
 
+    /// Maps a file this process holds open (a host-wide panel file, see
+    /// `weights::panel_file`), read-only, with every page mapped now
+    /// (`MAP_POPULATE`): the first request does not fault the weights in,
+    /// and the process's memory figures show the sharing from the start.
+    /// Those files are written whole under a temporary name, renamed into
+    /// place and never written again: the same immutability contract as
+    /// model files.
+    pub fn of_file(file: &File) -> std::io::Result<Self> {
+        // SAFETY: the map is read-only, and panel files are immutable once
+        // renamed into place (see the doc above and the module doc).
+        let map = unsafe { memmap2::MmapOptions::new().populate().map(file)? };
+        Ok(Self { map })
+    }
+
     pub fn bytes(&self) -> &[u8] {
         &self.map
     }

@@ -22,3 +22,15 @@ pub fn default_model_path() -> PathBuf {
         None => cache_dir().join("models").join(DEFAULT_MODEL_FILE),
     }
 }
+
+/// Where workers share packed panels by default (`weights::panel_file`):
+/// `/dev/shm/tandem-panels-UID` (memory, gone at reboot, shared by every
+/// process that sees this `/dev/shm`), else `cache_dir()/panels` (a disk
+/// file's pages are shared through the page cache as well).
+pub fn default_panel_dir() -> PathBuf {
+    let shm = std::path::Path::new("/dev/shm");
+    match crate::weights::panel_file::current_uid() {
+        Ok(uid) if shm.is_dir() => shm.join(format!("tandem-panels-{uid}")),
+        _ => cache_dir().join("panels"),
+    }
+}

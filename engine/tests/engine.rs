@@ -376,3 +376,40 @@ fn packed_q4_weights_give_the_file_layouts_bits() {
         }
     }
 }
+
+/// Panels shared through a host panel directory (`Model::load` with `PanelHome::Host`):
+/// the first load packs the copy, the second maps it, and both generate the same
+/// tokens as a model with private panels.
+#[test]
+fn shared_panels_generate_the_private_panels_tokens() {
+    use engine::batch::Engine;
+    use engine::model::Model;
+    use engine::weights::panels::{PanelHome, PanelSource, PanelStore};
+    let path = common::model_path();
+    let dir = std::env::temp_dir().join(format!("tandem-shared-panels-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let digest = engine::weights::digest::weights_digest(&path).expect("digest");
+    let home = PanelHome::Host(PanelStore { dir: dir.clone(), model_digest: digest, private_on_error: false });
+    let (base, tok) = engine(EngineConfig::default());
+    let ps = prompts(&tok);
+    let mut base = base;
+    let reference = run_all(&mut base, &ps, &greedy(N));
+    drop(base);
+    let scalar = kernels::Isa::detect() == kernels::Isa::Scalar;
+    let mut held = Vec::new();
+    for round in 0..2 {
+        let (w, _) = Weights::from_gguf(&path).expect("load model");
+        let (model, outcome) = Model::load(w, 2, &home).expect("model");
+        match (&outcome.source, round) {
+            _ if scalar => assert_eq!(outcome.source, PanelSource::Unpacked),
+            (PanelSource::Built(p), 0) | (PanelSource::Mapped(p), 1) => assert!(p.starts_with(&dir), "{outcome}"),
+            _ => panic!("load {round}: {outcome}"),
+        }
+        assert_eq!(outcome.refused, None);
+        let mut e = Engine::new(model, EngineConfig::default(), tok.eos_ids().to_vec()).expect("engine");
+        assert_eq!(run_all(&mut e, &ps, &greedy(N)), reference, "load {round}: {outcome}");
+        held.push(e);
+    }
+    drop(held);
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}

@@ -143,6 +143,14 @@ pub struct CommonFlags {
     /// coordinator's 250 ms load polls; the default lease TTL).
     #[arg(long, env = "TANDEM_COORDINATOR_SILENCE_FENCE_MS")]
     pub coordinator_silence_fence_ms: Option<u64>,
+    /// Directory where the workers of one host share the model's packed
+    /// weight panels (one copy per host, packed by the first worker to
+    /// start, checked by SHA-256 by every other), or `off` for private
+    /// panels. Env: TANDEM_PANEL_DIR. Default `/dev/shm/tandem-panels-UID`
+    /// (if unusable — full, not ours — the worker packs privately and says
+    /// why; a directory named here must work).
+    #[arg(long, env = "TANDEM_PANEL_DIR")]
+    pub panel_dir: Option<String>,
     /// Log line format: `text` or `json` (one object per line, for collectors). The
     /// filter is TANDEM_LOG, else RUST_LOG, else `info`. Env: TANDEM_LOG_FORMAT.
     /// Default text.
@@ -187,6 +195,7 @@ impl CommonFlags {
             worker_id,
             lease_ttl_s,
             coordinator_silence_fence_ms,
+            panel_dir,
             log_format
         );
     }
@@ -227,7 +236,34 @@ pub struct CommonConfig {
     /// Fence after this long without a coordinator's `Health` call (once
     /// one has called); `None`: never.
     pub coordinator_silence_fence: Option<Duration>,
+    pub panels: PanelDir,
     pub log_format: facts::log::LogFormat,
+}
+
+/// Where the packed weight panels live (see the flag).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PanelDir {
+    /// This process's own memory.
+    Off,
+    /// The default host directory: if it cannot be used, private panels.
+    Default(PathBuf),
+    /// A directory the operator named: it must be usable.
+    Named(PathBuf),
+}
+
+impl PanelDir {
+    /// The engine's panel home for the model with this SHA-256.
+    pub fn home(&self, model_digest: [u8; 32]) -> engine::weights::panels::PanelHome {
+        use engine::weights::panels::{PanelHome, PanelStore};
+        let store = |dir: &PathBuf, private_on_error| {
+            PanelHome::Host(PanelStore { dir: dir.clone(), model_digest, private_on_error })
+        };
+        match self {
+            PanelDir::Off => PanelHome::Private,
+            PanelDir::Default(d) => store(d, true),
+            PanelDir::Named(d) => store(d, false),
+        }
+    }
 }
 
 /// etcd registration settings (see the flags).
@@ -313,7 +349,14 @@ impl CommonFlags {
             Some(f) => f.parse().map_err(|e: String| invalid("log_format", e))?,
             None => facts::log::LogFormat::default(),
         };
+        let panels = match self.panel_dir.as_deref() {
+            None => PanelDir::Default(engine::paths::default_panel_dir()),
+            Some("off") => PanelDir::Off,
+            Some("") => return Err(invalid("panel_dir", "is empty: name a directory, or `off`")),
+            Some(d) => PanelDir::Named(PathBuf::from(d)),
+        };
         let cfg = CommonConfig {
+            panels,
             log_format,
             coordinator_silence_fence: (silence_ms > 0).then(|| Duration::from_millis(silence_ms)),
             model: self.model.clone().unwrap_or_else(engine::paths::default_model_path),
@@ -457,11 +500,31 @@ mod tests {
             worker_id: text("w"),
             lease_ttl_s: Some(12),
             coordinator_silence_fence_ms: Some(13),
+            panel_dir: text("/panels"),
             log_format: text("json"),
         };
         let mut merged = CommonFlags::default();
         merged.overlay(&set);
         assert_eq!(format!("{merged:?}"), format!("{set:?}"));
+    }
+
+    /// Unset: the host default, used if it can be (else private panels); `off`:
+    /// private; a named directory: must be usable.
+    #[test]
+    fn panel_dir_default_off_and_named() {
+        use engine::weights::panels::PanelHome;
+        let resolve = |d: Option<&str>| CommonFlags { panel_dir: d.map(Into::into), ..common(Some("g")) }.resolve();
+        let default = resolve(None).map(|c| c.panels.home([7; 32]));
+        assert!(
+            matches!(&default, Ok(PanelHome::Host(s)) if s.private_on_error && s.dir == engine::paths::default_panel_dir() && s.model_digest == [7; 32]),
+            "{default:?}"
+        );
+        assert!(matches!(resolve(Some("off")).map(|c| c.panels.home([0; 32])), Ok(PanelHome::Private)));
+        let named = resolve(Some("/srv/panels")).map(|c| c.panels.home([0; 32]));
+        assert!(
+            matches!(&named, Ok(PanelHome::Host(s)) if !s.private_on_error && s.dir == Path::new("/srv/panels")),
+            "{named:?}"
+        );
     }
 
     #[test]
@@ -485,6 +548,7 @@ mod tests {
             (CommonFlags { model: Some("/nonexistent/model.gguf".into()), ..base() }, "`model`"),
             (CommonFlags { log_format: Some("xml".into()), ..base() }, "`log_format`"),
             (CommonFlags { zone: Some("eu west".into()), ..base() }, "`zone`"),
+            (CommonFlags { panel_dir: Some(String::new()), ..base() }, "`panel_dir`"),
             (CommonFlags { zone: Some("z".repeat(257)), ..base() }, "`zone`"),
         ];
         for (f, field) in cases {

@@ -28,13 +28,17 @@ pub struct Loaded {
 }
 
 /// Loads the model named by `cfg`, hashes its file (the weights digest in
-/// the fingerprint) and builds the engine.
+/// the fingerprint, and the key of the host's shared panels) and builds the
+/// engine.
 pub fn load(cfg: &CommonConfig) -> anyhow::Result<Loaded> {
     let (weights, gguf) = Weights::from_gguf(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?;
     let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
-    let model = Model::new(weights, cfg.threads).context("building the model")?;
-    let layout = model.kv_layout(cfg.kv_block_size, cfg.kv_dtype);
     let digest = weights_digest(&cfg.model).with_context(|| format!("hashing {}", cfg.model.display()))?;
+    let started = tokio::time::Instant::now();
+    let (model, panels) = Model::load(weights, cfg.threads, &cfg.panels.home(digest))
+        .context("building the model (set `panel_dir` to `off` for private weight panels)")?;
+    tracing::info!(ms = started.elapsed().as_millis() as u64, "weight panels: {panels}");
+    let layout = model.kv_layout(cfg.kv_block_size, cfg.kv_dtype);
     let fingerprint = LayoutFingerprint::new(&layout, &digest, &tokenizer.digest());
     let mut engine = Engine::new(model, cfg.engine(), tokenizer.eos_ids().to_vec()).context("building the engine")?;
     // Back the KV pool with memory before serving: otherwise the engine
@@ -96,8 +100,9 @@ pub async fn bind_grpc(cfg: &CommonConfig, fingerprint: &LayoutFingerprint) -> a
     let listener =
         tokio::net::TcpListener::bind(cfg.grpc).await.with_context(|| format!("binding grpc {}", cfg.grpc))?;
     let addr = listener.local_addr()?;
+    let start_to_ready_ms = STARTED.get().map_or(0, |t| t.elapsed().as_millis() as u64);
     // Logged first: whoever waits for the `listening` line finds `ready` in the log.
-    tracing::info!(%addr, fingerprint = %fingerprint, group = cfg.version_group.as_str(), "ready");
+    tracing::info!(%addr, fingerprint = %fingerprint, group = cfg.version_group.as_str(), start_to_ready_ms, "ready");
     println!("listening grpc={addr}");
     Ok(listener)
 }
@@ -298,6 +303,9 @@ where
     }
 }
 
+/// When [`main`] began, for the `ready` line's start-to-ready time.
+static STARTED: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+
 /// The start both worker binaries share: the config from `load`, logs to
 /// stderr as [`facts::log`] says (INFO unless `TANDEM_LOG`/`RUST_LOG` say
 /// otherwise, in the config's `log_format`), its CPU placement applied before
@@ -312,6 +320,7 @@ where
     E: std::error::Error + Send + Sync + 'static,
     F: std::future::Future<Output = anyhow::Result<()>>,
 {
+    STARTED.get_or_init(tokio::time::Instant::now);
     let cfg = load()?;
     let c = common(&cfg);
     facts::log::init(c.log_format).map_err(anyhow::Error::msg)?;

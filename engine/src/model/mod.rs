@@ -18,6 +18,7 @@ use kernels::{Isa, ThreadPool};
 
 use crate::kv::KvPool;
 
+use crate::weights::panels::{PanelHome, PanelOutcome, PanelSource};
 use crate::weights::{Weights, WeightsError};
 use types::kv::{BlockId, KvLayout};
 
@@ -96,8 +97,15 @@ pub struct Model {
 
 impl Model {
     /// Checks every tensor's presence and shape up front, so a forward pass
-    /// never meets a missing or misshapen weight.
-    pub fn new(mut weights: Weights, threads: usize) -> Result<Self, WeightsError> {
+    /// never meets a missing or misshapen weight. Packed panels are this
+    /// process's own ([`Model::load`] can share them across the host).
+    pub fn new(weights: Weights, threads: usize) -> Result<Self, WeightsError> {
+        Self::load(weights, threads, &PanelHome::Private).map(|(model, _)| model)
+    }
+
+    /// As [`Model::new`], with the packed panels where `home` says; the
+    /// outcome tells how they were come by (for the start-up log).
+    pub fn load(mut weights: Weights, threads: usize, home: &PanelHome) -> Result<(Self, PanelOutcome), WeightsError> {
         let cfg = weights.config.clone();
         let isa = Isa::detect();
         let (h, kvd, ffn) = (cfg.hidden, cfg.kv_dim(), cfg.ffn);
@@ -123,15 +131,19 @@ impl Model {
         // SIMD kernels read those; the scalar ones read the file layout, so
         // for them a packed copy would only cost memory). An untied
         // `token_embd` is only looked up row by row and stays as it is.
-        if isa != Isa::Scalar {
-            let names = layers.iter().flat_map(|l| l.names.iter()).chain([&output_name]);
-            weights.pack_panels(names.map(String::as_str));
-        }
+        let packed: Vec<String> = layers.iter().flat_map(|l| l.names.iter()).chain([&output_name]).cloned().collect();
+        let names = packed.iter().map(String::as_str);
+        let panels = match home {
+            _ if isa == Isa::Scalar => PanelOutcome::new(PanelSource::Unpacked, 0),
+            PanelHome::Private => weights.pack_panels(names),
+            PanelHome::Host(store) => weights.share_panels(names, store)?,
+        };
         let output_norm = weights.vector("output_norm.weight", h)?;
         let rope = RopeTable::new(cfg.head_dim, cfg.rope_dims, cfg.rope_theta, cfg.context);
         let pool =
             ThreadPool::new(threads).map_err(|source| WeightsError::Io { path: "<thread pool>".into(), source })?;
-        Ok(Self { cfg, weights, layers, output_norm, output_name, rope, pool, isa, s: Scratch::default() })
+        let model = Self { cfg, weights, layers, output_norm, output_name, rope, pool, isa, s: Scratch::default() };
+        Ok((model, panels))
     }
 
     pub fn config(&self) -> &LlamaConfig {

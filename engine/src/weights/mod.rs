@@ -10,6 +10,8 @@ pub mod digest;
 pub mod export;
 pub mod gguf;
 pub mod hf;
+pub mod panel_file;
+pub mod panels;
 pub mod safetensors;
 
 use std::collections::HashMap;
@@ -18,6 +20,8 @@ use kernels::{QMatrix, WeightType};
 
 use crate::gguf::GgufError;
 use crate::model::LlamaConfig;
+use panel_file::PanelError;
+use panels::{PanelOutcome, PanelSource, PanelStore, Panels, Plan, Slot};
 
 /// Errors loading weights.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +37,10 @@ pub enum WeightsError {
     /// A required tensor is absent.
     #[error("missing tensor {0:?}")]
     Missing(String),
+    /// The host panel directory could not be used (and the store said not
+    /// to fall back to private panels).
+    #[error(transparent)]
+    Panels(#[from] PanelError),
     #[error("cannot read {path}: {source}")]
     Io {
         path: std::path::PathBuf,
@@ -78,8 +86,8 @@ pub struct Weights {
     pub tensors: HashMap<String, TensorRef>,
     pub config: LlamaConfig,
     /// Q4 matrices' whole panels repacked for the SIMD kernels
-    /// ([`Weights::pack_panels`]), by tensor name.
-    pub(crate) panels: HashMap<String, Vec<u8>>,
+    /// ([`Weights::pack_panels`], [`Weights::share_panels`]), by tensor name.
+    pub(crate) panels: Panels,
 }
 
 impl Weights {
@@ -111,25 +119,98 @@ impl Weights {
 
     /// Repacks the whole panels of the named Q4 matrices (the ones a
     /// forward pass multiplies with) into the layout the SIMD kernels read
-    /// (`kernels::matmul::panels`), once, at load: a decode step then
-    /// streams each panel with no transpose. Products return the same bits
-    /// either way. A mapped file's pages of those tensors are released as
-    /// each is packed, so this process's resident memory stays about the
-    /// model's size (the rows are read back from the file only for the last
-    /// part panel of a matrix whose rows are not a multiple of eight, and
-    /// for a thread's rows that start off a panel boundary). Other names,
-    /// other types and tensors already packed are left as they are.
-    pub fn pack_panels<'n>(&mut self, names: impl IntoIterator<Item = &'n str>) {
+    /// (`kernels::matmul::panels`), once, at load, into this process's
+    /// memory: a decode step then streams each panel with no transpose.
+    /// Products return the same bits either way. A mapped file's pages of
+    /// those tensors are released as each is packed, so this process's
+    /// resident memory stays about the model's size (the rows are read back
+    /// from the file only for the last part panel of a matrix whose rows are
+    /// not a multiple of eight, and for a thread's rows that start off a
+    /// panel boundary). Other names, other types and misshapen tensors are
+    /// left as they are; a second call replaces the first's panels.
+    pub fn pack_panels<'n>(&mut self, names: impl IntoIterator<Item = &'n str>) -> PanelOutcome {
+        let plan = self.panel_plan(names);
+        let bytes = match panels::pack_private(&plan, |slot, out| self.pack_slot(slot, out)) {
+            Ok(b) => b,
+            // Every slot was checked when planned, so packing cannot fail;
+            // were it to, the kernels read the file layout (same bits).
+            Err(e) => {
+                tracing::warn!(error = %e, "packing panels failed; the kernels read the file layout");
+                return PanelOutcome::new(PanelSource::Unpacked, 0);
+            }
+        };
+        self.release_packed(&plan);
+        self.panels = Panels::owned(&plan, bytes);
+        PanelOutcome::new(PanelSource::Private, plan.len)
+    }
+
+    /// As [`Weights::pack_panels`], into the host-wide copy of `store`
+    /// (`panel_file`): mapped when another process packed it, packed into
+    /// it otherwise. Where the directory cannot be used the panels are
+    /// packed privately if `store.private_on_error` (the outcome says why),
+    /// else the error is returned.
+    pub fn share_panels<'n>(
+        &mut self,
+        names: impl IntoIterator<Item = &'n str>,
+        store: &PanelStore,
+    ) -> Result<PanelOutcome, WeightsError> {
+        let plan = self.panel_plan(names);
+        if plan.slots.is_empty() {
+            return Ok(PanelOutcome::new(PanelSource::Unpacked, 0));
+        }
+        let got = panel_file::obtain(store, &plan, |slot, out| self.pack_slot(slot, out), panel_file::LOCK_WAIT);
+        match got {
+            Ok(got) => {
+                self.release_packed(&plan);
+                self.panels = Panels::shared(&plan, got.shared);
+                let source = if got.built { PanelSource::Built(got.path) } else { PanelSource::Mapped(got.path) };
+                let mut outcome = PanelOutcome::new(source, plan.len);
+                outcome.refused = got.refused;
+                outcome.pruned = got.pruned;
+                Ok(outcome)
+            }
+            Err(e) if store.private_on_error => {
+                tracing::warn!(dir = %store.dir.display(), error = %e, "host panel directory unusable; packing privately");
+                let mut outcome = self.pack_panels(plan.slots.iter().map(|s| s.name.as_str()));
+                outcome.fallback = Some(e.to_string());
+                Ok(outcome)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Where the named matrices that pack go, in order, each once.
+    fn panel_plan<'n>(&self, names: impl IntoIterator<Item = &'n str>) -> Plan {
+        let mut plan = Plan::default();
         for name in names {
             let Some(t) = self.tensors.get(name) else { continue };
-            if t.dims.len() != 2 || !kernels::matmul::panels::is_packed_type(t.ty) || self.panels.contains_key(name) {
+            if t.dims.len() != 2 || !kernels::matmul::panels::is_packed_type(t.ty) {
+                continue;
+            }
+            if plan.slots.iter().any(|s| s.name == name) {
                 continue;
             }
             // A misshapen tensor is left for `matrix` to report.
-            let Ok(w) = QMatrix::new(t.ty, t.dims[0], t.dims[1], self.bytes(t)) else { continue };
-            if let Some(p) = kernels::matmul::panels::pack_q4_panels(&w) {
+            if QMatrix::new(t.ty, t.dims[0], t.dims[1], self.bytes(t)).is_err() {
+                continue;
+            }
+            plan.push(name, kernels::matmul::panels::packed_len(t.ty, t.dims[0], t.dims[1]));
+        }
+        plan
+    }
+
+    fn pack_slot(&self, slot: &Slot, out: &mut [u8]) -> Result<(), PanelError> {
+        let fail = |why: String| PanelError::Pack { name: slot.name.clone(), why };
+        let t = self.get(&slot.name).map_err(|e| fail(e.to_string()))?;
+        let w = QMatrix::new(t.ty, t.dims[0], t.dims[1], self.bytes(t)).map_err(|e| fail(e.to_string()))?;
+        kernels::matmul::panels::pack_q4_panels_into(&w, out).map_err(|e| fail(e.to_string()))
+    }
+
+    /// Releases a mapped file's pages of the packed tensors (see `pack_panels`).
+    fn release_packed(&self, plan: &Plan) {
+        for slot in &plan.slots {
+            if let Some(t) = self.tensors.get(&slot.name) {
                 self.backing.release(t.offset..t.offset + t.len);
-                self.panels.insert(name.to_owned(), p);
             }
         }
     }

@@ -48,37 +48,60 @@ pub fn is_packed_type(ty: WeightType) -> bool {
     matches!(ty, WeightType::Q4_0 | WeightType::Q4_1)
 }
 
+/// The version of the packed layout (the module doc's table). A copy of
+/// packed panels kept outside this process (the engine's host-wide panel
+/// file) is keyed by it: a change to [`pack_q4_panels_into`]'s output must
+/// bump it, so a copy packed by another build is refused, never read.
+pub const PANEL_LAYOUT: u32 = 1;
+
 /// `w`'s whole panels in the packed layout (see the module doc); `None` for
 /// a type that is not packed.
 pub fn pack_q4_panels(w: &QMatrix<'_>) -> Option<Vec<u8>> {
-    if !is_packed_type(w.ty) {
-        return None;
+    let mut out = vec![0u8; packed_len(w.ty, w.rows, w.cols)];
+    pack_q4_panels_into(w, &mut out).ok()?;
+    Some(out)
+}
+
+/// Writes `w`'s whole panels in the packed layout into `out`, which must be
+/// exactly [`packed_len`] bytes (so the panels can be packed straight into
+/// shared memory). An error for a type that is not packed or a wrong length.
+pub fn pack_q4_panels_into(w: &QMatrix<'_>, out: &mut [u8]) -> Result<(), KernelError> {
+    let want = packed_len(w.ty, w.rows, w.cols);
+    if !is_packed_type(w.ty) || out.len() != want {
+        return Err(KernelError::Shape {
+            op: "pack_q4_panels_into",
+            detail: format!("{:?} {}x{} packs into {want} bytes, got {}", w.ty, w.rows, w.cols, out.len()),
+        });
     }
     let bb = w.ty.block_bytes();
     let qoff = bb - 16;
     let nb = w.cols / w.ty.block_elems();
-    let mut out = Vec::with_capacity(packed_len(w.ty, w.rows, w.cols));
+    let mut at = 0;
+    let mut put = |bytes: &[u8]| {
+        out[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
+    };
     for p in 0..w.rows / PANEL_ROWS {
         let rows: [&[u8]; PANEL_ROWS] = std::array::from_fn(|l| w.row(p * PANEL_ROWS + l));
         for b in 0..nb {
             let blocks = rows.map(|r| &r[b * bb..(b + 1) * bb]);
             for k in 0..4 {
                 for blk in &blocks {
-                    out.extend_from_slice(&blk[qoff + 4 * k..qoff + 4 * k + 4]);
+                    put(&blk[qoff + 4 * k..qoff + 4 * k + 4]);
                 }
             }
             for blk in &blocks {
-                out.extend_from_slice(&blk[..2]);
+                put(&blk[..2]);
             }
             if w.ty == WeightType::Q4_1 {
                 for blk in &blocks {
-                    out.extend_from_slice(&blk[2..4]);
+                    put(&blk[2..4]);
                 }
             }
         }
     }
-    debug_assert_eq!(out.len(), packed_len(w.ty, w.rows, w.cols));
-    Some(out)
+    debug_assert_eq!(at, want);
+    Ok(())
 }
 
 impl<'a> QMatrix<'a> {

@@ -410,4 +410,9 @@ fn panels_of_the_wrong_length_or_type_are_refused() {
     let w8 = QMatrix::new(WeightType::Q8_0, 16, 64, &q8).expect("shape");
     assert!(panels::pack_q4_panels(&w8).is_none());
     assert!(w8.with_panels(&q8).is_err());
+    let mut short = vec![0u8; 16 * 40 - 1];
+    assert!(panels::pack_q4_panels_into(&w, &mut short).is_err());
+    let mut exact = vec![0u8; 16 * 40];
+    panels::pack_q4_panels_into(&w, &mut exact).expect("exact length");
+    assert_eq!(Some(exact), panels::pack_q4_panels(&w));
 }
