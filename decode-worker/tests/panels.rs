@@ -13,41 +13,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use common::{decode_worker, prefill_worker, TestResult};
-
-/// Per mapped file (by path; anonymous mappings under ""), kB of resident pages
-/// (`Rss`), of those mapped by this process only (`Private_*`) and by others too
-/// (`Shared_*`).
-#[derive(Debug, Default, Clone, Copy)]
-struct Pages {
-    rss: u64,
-    private: u64,
-    shared: u64,
-}
-
-fn smaps(pid: u32) -> Result<HashMap<String, Pages>, String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).map_err(|e| format!("smaps of {pid}: {e}"))?;
-    let mut by = HashMap::<String, Pages>::new();
-    let mut current = None;
-    for line in text.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        // A mapping's header: `start-end perms offset dev inode [path]`.
-        if fields.first().is_some_and(|f| f.contains('-') && f.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')) {
-            let inode = fields.get(4).copied().unwrap_or("0");
-            current = Some(if inode == "0" { String::new() } else { fields.get(5..).unwrap_or_default().join(" ") });
-            continue;
-        }
-        let (Some(key), Some(kb), Some(name)) = (fields.first(), fields.get(1), current.as_ref()) else { continue };
-        let Ok(kb) = kb.parse::<u64>() else { continue };
-        let p = by.entry(name.clone()).or_default();
-        match *key {
-            "Rss:" => p.rss += kb,
-            "Private_Clean:" | "Private_Dirty:" => p.private += kb,
-            "Shared_Clean:" | "Shared_Dirty:" => p.shared += kb,
-            _ => {}
-        }
-    }
-    Ok(by)
-}
+use opskit::process::{mapped_pages, Pages};
 
 fn of(map: &HashMap<String, Pages>, path: &Path) -> Pages {
     map.get(&path.display().to_string()).copied().unwrap_or_default()
@@ -74,10 +40,10 @@ fn two_workers_on_one_host_hold_one_weight_copy() -> TestResult {
     let copy_kb = std::fs::metadata(copy)?.len() / 1024;
     assert!(copy_kb * 2 > model_kb, "the panels are most of the model: {copy_kb} kB of {model_kb} kB");
 
-    let (p, s, a) = (smaps(prefill.pid)?, smaps(decode.pid)?, smaps(alone.pid)?);
+    let (p, s, a) = (mapped_pages(prefill.pid)?, mapped_pages(decode.pid)?, mapped_pages(alone.pid)?);
     let (p_copy, s_copy, s_model) = (of(&p, copy), of(&s, copy), of(&s, &model));
-    let weights_private = s_copy.private + s_model.private;
-    let anon_saved = of(&a, Path::new("")).private.saturating_sub(of(&s, Path::new("")).private);
+    let weights_private = s_copy.private_kb + s_model.private_kb;
+    let anon_saved = of(&a, Path::new("")).private_kb.saturating_sub(of(&s, Path::new("")).private_kb);
     println!(
         "model {model_kb} kB, panels {copy_kb} kB; prefill maps the copy {p_copy:?}; decode maps it {s_copy:?} and \
          the model file {s_model:?}: private weight memory {weights_private} kB ({:.1}% of the model); a worker \
@@ -85,8 +51,8 @@ fn two_workers_on_one_host_hold_one_weight_copy() -> TestResult {
         100.0 * weights_private as f64 / model_kb as f64
     );
     // Both processes map every page of the one copy, so none of it is private to either.
-    assert!(s_copy.rss * 10 >= copy_kb * 9 && p_copy.rss * 10 >= copy_kb * 9, "{p_copy:?} {s_copy:?}");
-    assert!(s_copy.shared * 10 >= copy_kb * 9, "the decode worker shares the copy: {s_copy:?}");
+    assert!(s_copy.rss_kb * 10 >= copy_kb * 9 && p_copy.rss_kb * 10 >= copy_kb * 9, "{p_copy:?} {s_copy:?}");
+    assert!(s_copy.shared_kb * 10 >= copy_kb * 9, "the decode worker shares the copy: {s_copy:?}");
     assert!(weights_private * 10 <= model_kb, "private weight memory {weights_private} kB of {model_kb} kB");
     // The private-panels worker's anonymous memory holds the panels the shared one maps.
     assert!(anon_saved * 10 >= copy_kb * 9, "{anon_saved} kB of {copy_kb} kB");

@@ -88,6 +88,49 @@ pub fn running(pid: u32) -> bool {
     !matches!(proc_state(pid), None | Some('Z' | 'T'))
 }
 
+/// Resident pages of one process, in kB, summed per mapped file (keyed by path; every
+/// anonymous mapping under ""), from `/proc/PID/smaps`: `Rss`, its proportional share
+/// (`Pss`: a page mapped by n processes counts 1/n), and of those the pages only this
+/// process maps (`Private_*`) and those others map too (`Shared_*`). Memory that
+/// processes share shows here, where RSS counts it in full in each.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Pages {
+    pub rss_kb: u64,
+    pub pss_kb: u64,
+    pub private_kb: u64,
+    pub shared_kb: u64,
+}
+
+/// [`Pages`] of `pid` per mapped file.
+pub fn mapped_pages(pid: u32) -> Result<HashMap<String, Pages>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps"))
+        .map_err(|e| Error::Process(format!("reading /proc/{pid}/smaps: {e}")))?;
+    let mut by = HashMap::<String, Pages>::new();
+    let mut current: Option<String> = None;
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // A mapping's header: `start-end perms offset dev inode [path]`.
+        let header =
+            fields.first().is_some_and(|f| f.contains('-') && f.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-'));
+        if header {
+            let inode = fields.get(4).copied().unwrap_or("0");
+            current = Some(if inode == "0" { String::new() } else { fields.get(5..).unwrap_or_default().join(" ") });
+            continue;
+        }
+        let (Some(key), Some(kb), Some(name)) = (fields.first(), fields.get(1), current.as_ref()) else { continue };
+        let Ok(kb) = kb.parse::<u64>() else { continue };
+        let p = by.entry(name.clone()).or_default();
+        match *key {
+            "Rss:" => p.rss_kb += kb,
+            "Pss:" => p.pss_kb += kb,
+            "Private_Clean:" | "Private_Dirty:" => p.private_kb += kb,
+            "Shared_Clean:" | "Shared_Dirty:" => p.shared_kb += kb,
+            _ => {}
+        }
+    }
+    Ok(by)
+}
+
 /// The pid among `pids` owning the TCP socket whose local address is `local` (loopback IPv4),
 /// found through `/proc/net/tcp` and each pid's `/proc/PID/fd`.
 pub fn socket_owner(local: std::net::SocketAddr, pids: &[u32]) -> Option<u32> {

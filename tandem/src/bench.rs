@@ -46,6 +46,9 @@ pub enum Cmd {
     /// What handing a prompt's KV from a prefill engine to a decode engine
     /// costs beyond moving its bytes (tcp on loopback, one clock).
     Handoff(crate::bench_handoff::Args),
+    /// What one packed weight copy per host saves: a prefill and a decode
+    /// worker started with private panels, then sharing one copy.
+    Panels(crate::bench_panels::Args),
 }
 
 #[derive(clap::Args)]
@@ -91,6 +94,7 @@ pub fn run(cmd: Cmd) -> Result<()> {
         Cmd::Interference(a) => crate::bench_interference::run(&a),
         Cmd::Stall(a) => crate::bench_stall::run(&a),
         Cmd::Handoff(a) => crate::bench_handoff::run(&a),
+        Cmd::Panels(a) => crate::bench_panels::run(&a),
     }
 }
 

@@ -29,7 +29,7 @@
 //! (running | restarting | exited | given_up), `restarts`, `last_exit` and, for workers,
 //! `version_group` and `lease_ttl_s` (its etcd lease TTL). `tandem drill --against` reads it.
 
-mod child;
+pub(crate) mod child;
 mod etcd;
 mod placement;
 mod state;
