@@ -413,3 +413,62 @@ fn shared_panels_generate_the_private_panels_tokens() {
     drop(held);
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
+
+/// Prompts whose answers repeat them, so prompt-lookup drafts are accepted.
+fn repeating_prompts(tok: &engine::tokenizer::Tokenizer) -> Vec<Vec<u32>> {
+    let texts = [
+        "Copy this line: red green blue yellow red green blue yellow red green blue yellow\nCopy: red green",
+        "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+        "one two three four five six seven eight one two three four five six seven eight one two three",
+    ];
+    texts.iter().map(|t| tok.encode(t, false).expect("encode")).collect()
+}
+
+/// Prompt-lookup speculation (`EngineConfig::prompt_lookup`) returns plain decoding's
+/// tokens, greedy and seeded-sampled with penalties, batched, at a `max_tokens` inside a
+/// draft and under preemption, and leaks no block; drafts were accepted, so the
+/// verification path really ran.
+#[test]
+fn prompt_lookup_changes_no_token() {
+    let (mut base, tok) = engine(EngineConfig::default());
+    let mut ps = prompts(&tok);
+    ps.extend(repeating_prompts(&tok));
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(11),
+        frequency_penalty: 0.3,
+        max_tokens: 32,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let cases = [("greedy", greedy(32)), ("greedy, 5 tokens", greedy(5)), ("seeded", sampled)];
+    let references: Vec<_> = cases.iter().map(|(_, p)| run_all(&mut base, &ps, p)).collect();
+    drop(base);
+    let configs = [
+        ("lookup 8", EngineConfig { prompt_lookup: 8, ..EngineConfig::default() }),
+        ("lookup 3, chunked", EngineConfig { prompt_lookup: 3, max_batch_tokens: 20, ..EngineConfig::default() }),
+        (
+            "lookup 8, preempting",
+            EngineConfig {
+                prompt_lookup: 8,
+                block_size: 4,
+                kv_blocks: 24,
+                prefix_cache: false,
+                ..EngineConfig::default()
+            },
+        ),
+    ];
+    for (name, cfg) in configs {
+        let (mut e, _) = engine(cfg);
+        for ((case, params), reference) in cases.iter().zip(&references) {
+            assert_eq!(&run_all(&mut e, &ps, params), reference, "{name}, {case}");
+        }
+        let (drafted, accepted) = e.draft_tokens();
+        assert!(accepted > 20 && drafted >= accepted, "{name}: {accepted} of {drafted} draft tokens accepted");
+        assert_eq!(e.kv_stats().used, 0, "{name}: blocks leaked");
+        if name.ends_with("preempting") {
+            assert!(e.preemptions() > 0, "the small pool should have forced preemption");
+        }
+    }
+}

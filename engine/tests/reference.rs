@@ -76,7 +76,7 @@ fn greedy_matches_llama_cpp_until_a_near_tie() {
         let mut seq = prompt.clone();
         let mut start = 0;
         for (pos, &expected) in want.iter().enumerate() {
-            let chunk = SeqChunk { tokens: &seq[start..], start, table: &table, logits: true };
+            let chunk = SeqChunk { tokens: &seq[start..], start, table: &table, logits: 1 };
             let logits = model.forward(&mut pool, &[chunk]).expect("forward").to_vec();
             let mut masked = logits.clone();
             for &e in &eog {

@@ -85,7 +85,7 @@ fn greedy(model: &mut Model, prompt: &[u32]) -> Result<Vec<Step>, Box<dyn std::e
     let mut start = 0;
     let mut steps = Vec::with_capacity(STEPS);
     for _ in 0..STEPS {
-        let chunk = SeqChunk { tokens: &ids[start..], start, table: &table, logits: true };
+        let chunk = SeqChunk { tokens: &ids[start..], start, table: &table, logits: 1 };
         let logits = model.forward(&mut pool, &[chunk])?;
         let (mut best, mut second) = ((0usize, f32::NEG_INFINITY), f32::NEG_INFINITY);
         for (i, &v) in logits.iter().enumerate() {

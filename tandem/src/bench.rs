@@ -49,6 +49,9 @@ pub enum Cmd {
     /// What one packed weight copy per host saves: a prefill and a decode
     /// worker started with private panels, then sharing one copy.
     Panels(crate::bench_panels::Args),
+    /// Prompt-lookup speculation against plain decoding, on answers that
+    /// repeat their prompt and on answers that do not (engine only).
+    Lookup(crate::bench_lookup::Args),
 }
 
 #[derive(clap::Args)]
@@ -95,6 +98,7 @@ pub fn run(cmd: Cmd) -> Result<()> {
         Cmd::Stall(a) => crate::bench_stall::run(&a),
         Cmd::Handoff(a) => crate::bench_handoff::run(&a),
         Cmd::Panels(a) => crate::bench_panels::run(&a),
+        Cmd::Lookup(a) => crate::bench_lookup::run(&a),
     }
 }
 
@@ -213,21 +217,21 @@ fn our_bench(path: &std::path::Path, a: &EngineArgs) -> Result<Figures> {
     // Warm-up: page the weights in and size the scratch buffers.
     model.forward(
         &mut pool,
-        &[SeqChunk { tokens: &prompt[..prompt.len().min(64)], start: 0, table: &table, logits: true }],
+        &[SeqChunk { tokens: &prompt[..prompt.len().min(64)], start: 0, table: &table, logits: 1 }],
     )?;
 
     let mut prefill = 0.0;
     let mut decode = 0.0;
     for _ in 0..a.reps {
         let t = Instant::now();
-        model.forward(&mut pool, &[SeqChunk { tokens: &prompt, start: 0, table: &table, logits: true }])?;
+        model.forward(&mut pool, &[SeqChunk { tokens: &prompt, start: 0, table: &table, logits: 1 }])?;
         prefill += t.elapsed().as_secs_f64();
 
         let t = Instant::now();
         let mut tok = [1u32];
         for pos in 0..a.gen_tokens {
             let logits =
-                model.forward(&mut pool, &[SeqChunk { tokens: &tok, start: pos, table: &table, logits: true }])?;
+                model.forward(&mut pool, &[SeqChunk { tokens: &tok, start: pos, table: &table, logits: 1 }])?;
             tok[0] = argmax(logits);
         }
         decode += t.elapsed().as_secs_f64();

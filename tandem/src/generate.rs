@@ -66,6 +66,10 @@ pub struct Args {
     /// KV cache element type.
     #[arg(long, default_value = "f16", value_parser = ["f16", "f32"])]
     kv_dtype: String,
+    /// Prompt-lookup speculation: draft tokens per step copied from the prompt and the
+    /// text so far, checked in the same forward pass (0 = off). The output is the same.
+    #[arg(long, default_value_t = 0)]
+    prompt_lookup: usize,
     /// Print one JSON line of timing statistics on stderr at the end.
     #[arg(long)]
     stats: bool,
@@ -78,6 +82,9 @@ struct Stats {
     generated_tokens: usize,
     decode_ms: f64,
     threads: usize,
+    /// Prompt-lookup draft tokens computed and accepted.
+    draft_tokens: u64,
+    accepted_draft_tokens: u64,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -124,6 +131,7 @@ pub fn run(a: Args) -> Result<()> {
         max_running: 1,
         prefix_cache: false,
         max_decode_stall_ms: None,
+        prompt_lookup: a.prompt_lookup,
     };
     let mut engine = Engine::new(model, cfg, tok.eos_ids().to_vec())?;
     engine.add(Request {
@@ -160,7 +168,9 @@ pub fn run(a: Args) -> Result<()> {
             }
             out.flush()?;
             if d.finished.is_some() || ev.finished.is_some() {
+                // A step can carry several tokens (prompt lookup): none after the end.
                 finished = true;
+                break;
             }
         }
     }
@@ -185,6 +195,8 @@ pub fn run(a: Args) -> Result<()> {
             generated_tokens: generated,
             decode_ms: first.elapsed().as_secs_f64() * 1e3,
             threads,
+            draft_tokens: engine.draft_tokens().0,
+            accepted_draft_tokens: engine.draft_tokens().1,
         };
         eprintln!("{}", serde_json::to_string(&s)?);
     }

@@ -7,6 +7,7 @@
 mod bench;
 mod bench_handoff;
 mod bench_interference;
+mod bench_lookup;
 mod bench_panels;
 mod bench_serve;
 mod bench_stall;

@@ -100,6 +100,12 @@ pub struct CommonFlags {
     /// (measured: `tandem bench stall`, see README).
     #[arg(long, env = "TANDEM_MAX_DECODE_STALL_MS")]
     pub max_decode_stall_ms: Option<u64>,
+    /// Prompt-lookup speculation: up to this many draft tokens per decoding
+    /// sequence and step, copied from its own prompt and text so far and
+    /// checked in the same forward pass (outputs are plain decoding's). 0:
+    /// off. Env: TANDEM_PROMPT_LOOKUP. Default 0.
+    #[arg(long, env = "TANDEM_PROMPT_LOOKUP")]
+    pub prompt_lookup: Option<usize>,
     /// Requests queued beyond the running seats; more are refused as
     /// overloaded. Env: TANDEM_MAX_WAITING. Default 64.
     #[arg(long, env = "TANDEM_MAX_WAITING")]
@@ -185,6 +191,7 @@ impl CommonFlags {
             max_batch_tokens,
             max_running,
             max_decode_stall_ms,
+            prompt_lookup,
             max_waiting,
             shutdown_timeout_ms,
             quic_cert,
@@ -207,6 +214,10 @@ impl CommonFlags {
 /// shorter gap, one block per step being the floor, for 1.31-1.36x).
 pub const DEFAULT_DECODE_STALL_MS: u64 = 200;
 
+/// The most draft tokens `prompt_lookup` takes: a longer draft is rarely
+/// accepted whole, and every drafted token is computed.
+pub const MAX_PROMPT_LOOKUP: usize = 16;
+
 /// The validated common part of a worker's config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CommonConfig {
@@ -228,6 +239,8 @@ pub struct CommonConfig {
     pub max_running: usize,
     /// See the flags; `None`: off.
     pub max_decode_stall: Option<Duration>,
+    /// Draft tokens per decoding sequence and step; 0: off.
+    pub prompt_lookup: usize,
     pub max_waiting: usize,
     pub shutdown_timeout: Duration,
     pub quic: QuicFiles,
@@ -306,6 +319,7 @@ impl CommonConfig {
             max_running: self.max_running,
             prefix_cache: true,
             max_decode_stall_ms: self.max_decode_stall.map(|d| d.as_secs_f64() * 1e3),
+            prompt_lookup: self.prompt_lookup,
         }
     }
 }
@@ -386,6 +400,12 @@ impl CommonFlags {
             max_decode_stall: Some(self.max_decode_stall_ms.unwrap_or(DEFAULT_DECODE_STALL_MS))
                 .filter(|ms| *ms > 0)
                 .map(Duration::from_millis),
+            prompt_lookup: match self.prompt_lookup.unwrap_or(0) {
+                n if n > MAX_PROMPT_LOOKUP => {
+                    return Err(invalid("prompt_lookup", format!("{n} is over {MAX_PROMPT_LOOKUP} draft tokens")))
+                }
+                n => n,
+            },
             max_waiting: self.max_waiting.unwrap_or(64),
             shutdown_timeout: Duration::from_millis(self.shutdown_timeout_ms.unwrap_or(10_000)),
             quic: QuicFiles {
@@ -490,6 +510,7 @@ mod tests {
             max_batch_tokens: Some(7),
             max_running: Some(8),
             max_decode_stall_ms: Some(9),
+            prompt_lookup: Some(14),
             max_waiting: Some(10),
             shutdown_timeout_ms: Some(11),
             quic_cert: path(),
@@ -549,6 +570,7 @@ mod tests {
             (CommonFlags { log_format: Some("xml".into()), ..base() }, "`log_format`"),
             (CommonFlags { zone: Some("eu west".into()), ..base() }, "`zone`"),
             (CommonFlags { panel_dir: Some(String::new()), ..base() }, "`panel_dir`"),
+            (CommonFlags { prompt_lookup: Some(17), ..base() }, "`prompt_lookup`"),
             (CommonFlags { zone: Some("z".repeat(257)), ..base() }, "`zone`"),
         ];
         for (f, field) in cases {

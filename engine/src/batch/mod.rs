@@ -24,6 +24,7 @@
 //! prompt arriving at a decode worker delays its running streams by at most
 //! about that much per token.
 
+mod lookup;
 mod order;
 mod remote;
 mod seq;
@@ -64,6 +65,12 @@ pub struct EngineConfig {
     /// progress). `None`: chunks take the whole `max_batch_tokens`.
     #[serde(default)]
     pub max_decode_stall_ms: Option<f64>,
+    /// Prompt-lookup speculation: up to this many draft tokens per decoding
+    /// sequence and step, copied from the sequence's own earlier text
+    /// (`lookup`) and checked in the same forward pass; tokens are plain
+    /// decoding's either way. 0: off.
+    #[serde(default)]
+    pub prompt_lookup: usize,
 }
 
 impl Default for EngineConfig {
@@ -76,6 +83,7 @@ impl Default for EngineConfig {
             max_running: 16,
             prefix_cache: true,
             max_decode_stall_ms: None,
+            prompt_lookup: 0,
         }
     }
 }
@@ -262,6 +270,9 @@ pub struct Engine {
     streams_scratch: Vec<Streaming>,
     /// Measured step costs, for `max_decode_stall_ms`.
     cost: StepCost,
+    /// Prompt-lookup draft tokens computed, and those accepted.
+    drafted: u64,
+    accepted: u64,
 }
 
 impl Engine {
@@ -283,6 +294,8 @@ impl Engine {
             prefix_hit_tokens: 0,
             streams_scratch: Vec::new(),
             cost: StepCost::default(),
+            drafted: 0,
+            accepted: 0,
         })
     }
 
@@ -319,6 +332,12 @@ impl Engine {
     }
 
     /// Sequences preempted (by recompute) since start.
+    /// Prompt-lookup draft tokens computed so far, and how many of them
+    /// were accepted (each accepted one is a decode step saved).
+    pub fn draft_tokens(&self) -> (u64, u64) {
+        (self.drafted, self.accepted)
+    }
+
     pub fn preemptions(&self) -> u64 {
         self.preemptions
     }
@@ -446,7 +465,7 @@ impl Engine {
             return Ok(Vec::new());
         }
         let decodes = plan.iter().filter(|(id, _)| self.seqs[id].is_decoding()).count();
-        let prefill = plan.iter().map(|(_, n)| n).sum::<usize>() - decodes;
+        let prefill = plan.iter().filter(|(id, _)| !self.seqs[id].is_decoding()).map(|(_, n)| n).sum::<usize>();
         self.streams_scratch = self.take_streams(&plan);
         #[allow(clippy::disallowed_types, reason = "the step cost model is wall time on the engine thread")]
         let started = std::time::Instant::now();
@@ -494,15 +513,26 @@ impl Engine {
 
     fn run_step(&mut self, plan: &[(u64, usize)]) -> Result<Vec<TokenEvent>, EngineError> {
         let plan = plan.to_vec();
+        // A decoding sequence's draft is computed after its newest token, in
+        // its chunk, with logits at every position; `tokens` holds the
+        // draft only for the forward pass.
+        for &(id, _) in &plan {
+            if let Some(s) = self.seqs.get_mut(&id).filter(|s| !s.draft.is_empty()) {
+                let draft = std::mem::take(&mut s.draft);
+                s.tokens.extend_from_slice(&draft);
+                s.draft = draft;
+            }
+        }
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .map(|&(id, n)| {
                 let s = &self.seqs[&id];
+                let last = s.computed + n == s.tokens.len();
                 SeqChunk {
                     tokens: &s.tokens[s.computed..s.computed + n],
                     start: s.computed,
                     table: &s.table,
-                    logits: s.computed + n == s.tokens.len(),
+                    logits: if last { 1 + s.draft.len() } else { 0 },
                 }
             })
             .collect();
@@ -513,34 +543,65 @@ impl Engine {
             for st in streams.iter_mut() {
                 st.send(layer, pool);
             }
-        })?;
+        });
+        drop(chunks);
+        for &(id, _) in &plan {
+            if let Some(s) = self.seqs.get_mut(&id).filter(|s| !s.draft.is_empty()) {
+                let keep = s.tokens.len() - s.draft.len();
+                s.tokens.truncate(keep);
+            }
+        }
+        let logits = logits?;
         let mut row = 0;
         let mut events = Vec::new();
         let mut done = Vec::new();
         for &(id, n) in &plan {
             let Some(s) = self.seqs.get_mut(&id) else { continue };
-            s.computed += n;
+            let draft = std::mem::take(&mut s.draft);
+            s.computed += n - draft.len();
+            if s.computed < s.tokens.len() {
+                if self.cfg.prefix_cache {
+                    s.register_full_blocks(&mut self.pool)?;
+                }
+                continue;
+            }
+            let rows = row..row + 1 + draft.len();
+            row = rows.end;
+            self.drafted += draft.len() as u64;
+            // Each position's token is sampled from its own logits, as plain
+            // decoding would; a draft token is kept (its KV valid) only while
+            // it equals the token sampled before it.
+            let mut kept = 0;
+            for (j, r) in rows.enumerate() {
+                // Draw index = tokens generated before this one: the same on any worker
+                // that continues this sequence (a remote prefill's first token is 0).
+                let draw = s.generated.len() as u64;
+                let tok = s.sampler.sample(&logits[r * vocab..(r + 1) * vocab], &s.generated, draw)?;
+                s.tokens.push(tok.id);
+                s.generated.push(tok.id);
+                let mut finished = s.stop.check_token(tok.id);
+                if finished.is_none() && s.tokens.len() >= context {
+                    finished = Some(FinishReason::Length);
+                }
+                let sampled = tok.id;
+                events.push(TokenEvent { id, token: tok, finished, cached_prompt_tokens: s.cached });
+                if finished.is_some() {
+                    done.push(id);
+                    break;
+                }
+                if draft.get(j) != Some(&sampled) {
+                    break;
+                }
+                s.computed += 1;
+                kept += 1;
+            }
+            self.accepted += kept as u64;
+            if !draft.is_empty() {
+                s.draft_len = if kept == draft.len() { (2 * kept).min(self.cfg.prompt_lookup) } else { kept + 1 };
+            }
             if self.cfg.prefix_cache {
                 s.register_full_blocks(&mut self.pool)?;
             }
-            if s.computed < s.tokens.len() {
-                continue;
-            }
-            // Draw index = tokens generated before this one: the same on any worker
-            // that continues this sequence (a remote prefill's first token is 0).
-            let draw = s.generated.len() as u64;
-            let tok = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab], &s.generated, draw)?;
-            row += 1;
-            s.tokens.push(tok.id);
-            s.generated.push(tok.id);
-            let mut finished = s.stop.check_token(tok.id);
-            if finished.is_none() && s.tokens.len() >= context {
-                finished = Some(FinishReason::Length);
-            }
-            if finished.is_some() {
-                done.push(id);
-            }
-            events.push(TokenEvent { id, token: tok, finished, cached_prompt_tokens: s.cached });
         }
         self.streams_scratch = streams;
         for id in done {
@@ -588,7 +649,18 @@ impl Engine {
             let id = self.running[i];
             let s = &self.seqs[&id];
             let decode = s.is_decoding();
-            let n = (s.tokens.len() - s.computed).min(budget).min(if decode { 1 } else { prefill_left });
+            let mut n = (s.tokens.len() - s.computed).min(budget).min(if decode { 1 } else { prefill_left });
+            let draft = if decode && self.cfg.prompt_lookup > 0 {
+                // Never past the step's budget, the request's max_tokens or the context.
+                let room = (s.max_new.saturating_sub(s.generated.len() + 1))
+                    .min(self.model.config().context.saturating_sub(s.tokens.len() + 1))
+                    .min(budget - n)
+                    .min(if s.draft_len == 0 { self.cfg.prompt_lookup } else { s.draft_len });
+                lookup::draft(&s.tokens, room).to_vec()
+            } else {
+                Vec::new()
+            };
+            n += draft.len();
             if n == 0 {
                 // A prefill past this step's allowance: it goes on next step.
                 i += 1;
@@ -602,6 +674,7 @@ impl Engine {
             let blocks = self.pool.allocate(need)?;
             let s = self.seqs.get_mut(&id).ok_or(EngineError::Internal("scheduled sequence missing"))?;
             s.table.extend(blocks);
+            s.draft = draft;
             plan.push((id, n));
             budget -= n;
             if !decode {

@@ -28,6 +28,16 @@ pub(super) struct Seq {
     /// cache instead of computing (0 without a hit, or when the KV came
     /// from elsewhere, as for a prefilled sequence).
     pub cached: usize,
+    /// Prompt-lookup draft tokens of the step being scheduled or run
+    /// (`Engine::run_step`); empty between steps.
+    pub draft: Vec<u32>,
+    /// The request's `max_tokens`: no draft reaches past it.
+    pub max_new: usize,
+    /// The longest draft its next step may take (0: not yet set, the
+    /// engine's `prompt_lookup`): grows while drafts are accepted whole and
+    /// shrinks to what was accepted, so text that does not repeat wastes
+    /// little compute.
+    pub draft_len: usize,
     salt: u64,
     /// Full blocks already in the prefix index, and the hash chain so far.
     registered: usize,
@@ -54,6 +64,9 @@ impl Seq {
             streamed: 0,
             priority: req.priority,
             cached: 0,
+            draft: Vec::new(),
+            max_new: req.params.max_tokens as usize,
+            draft_len: 0,
             salt: req.salt,
             registered: 0,
             last_hash: None,
@@ -68,6 +81,7 @@ impl Seq {
             tracing::error!(error = %e, "releasing a sequence's KV blocks failed");
         }
         self.table.clear();
+        self.draft.clear();
         self.computed = 0;
         self.registered = 0;
         self.last_hash = None;

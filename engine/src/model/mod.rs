@@ -48,8 +48,10 @@ pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
     pub start: usize,
     pub table: &'a [BlockId],
-    /// Compute logits for the chunk's last token.
-    pub logits: bool,
+    /// Compute logits for this many of the chunk's last tokens (0: none;
+    /// 1: the last token's, as a prefill or a decode step needs; more: a
+    /// draft's positions, for speculation).
+    pub logits: usize,
 }
 
 struct Layer {
@@ -192,8 +194,8 @@ impl Model {
         Ok(())
     }
 
-    /// Runs one step. Returns logits (`vocab` each), one row per chunk with
-    /// `logits: true`, in batch order.
+    /// Runs one step. Returns logits (`vocab` each): each chunk's last
+    /// `logits` rows, in batch order.
     pub fn forward(&mut self, kv: &mut KvPool, batch: &[SeqChunk<'_>]) -> Result<&[f32], ForwardError> {
         self.forward_hooked(kv, batch, &mut |_, _| {})
     }
@@ -329,9 +331,8 @@ impl Model {
         let mut end = 0;
         for c in batch {
             end += c.tokens.len();
-            if c.logits {
-                s.last.extend_from_slice(&s.x[(end - 1) * h..end * h]);
-            }
+            let from = end - c.logits.min(c.tokens.len());
+            s.last.extend_from_slice(&s.x[from * h..end * h]);
         }
         let n_out = s.last.len() / h;
         s.xn.resize(n_out * h, 0.0);
