@@ -392,3 +392,24 @@ fn max_events_counts_every_token_and_the_terminal_event() {
     h.shutdown(Duration::ZERO);
     join(j);
 }
+
+/// Through the runner, prompt lookup streams several tokens of one request per step
+/// as single events, exactly plain decoding's, and the stats count drafted and
+/// accepted tokens (what workers export as `tandem_spec_decode_*`).
+#[test]
+fn prompt_lookup_through_the_runner_streams_plain_tokens_and_counts_drafts() {
+    let (h, j, tok) = spawn(EngineConfig { prompt_lookup: 6, ..cfg() }, 4);
+    let p = prompts(&tok, &["one two three four five six seven eight one two three four five six seven eight one two"]);
+    let (mut plain, _) = engine(cfg());
+    let reference = run_all(&mut plain, &p, &greedy(24));
+    assert_eq!(h.stats().expect("stats").draft_tokens, (0, 0));
+    let (s, rx) = sink();
+    h.submit(req(1, &p[0], 24), None, s).expect("submit accepted");
+    let (toks, end) = drain(&rx, "request 1");
+    assert_eq!(end, RunnerEvent::Finished { reason: FinishReason::Length, cached_prompt_tokens: 0 });
+    assert_eq!(toks, reference[0]);
+    let (drafted, accepted) = h.stats().expect("stats").draft_tokens;
+    assert!(accepted > 5 && drafted >= accepted, "{accepted} of {drafted} accepted");
+    h.shutdown(Duration::ZERO);
+    assert_eq!(join(j).kv_stats().used, 0);
+}

@@ -68,6 +68,8 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     describe_counter!(PREEMPTIONS, "Sequences preempted (evicted, to be recomputed), by reason.");
     describe_counter!(PREFIX_CACHE_HIT_TOKENS, "Prompt tokens served from the prefix cache instead of computed.");
     describe_counter!(PREEMPTIONS_BY_PRIORITY, "Sequences preempted, by the evicted sequence's priority class.");
+    describe_counter!(SPEC_DRAFT_TOKENS, "Prompt-lookup draft tokens computed beside decoding sequences.");
+    describe_counter!(SPEC_ACCEPTED_TOKENS, "Prompt-lookup draft tokens accepted (equal to the token sampled there).");
     describe_gauge!(REQUESTS_WAITING_BY_PRIORITY, "Requests waiting for a running seat, by priority class.");
     describe_counter!(REQUESTS_BY_PRIORITY, "Requests received, by the priority class they carried.");
     describe_gauge!(PROCESS_START, "When this process started, Unix seconds.");
@@ -76,6 +78,8 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     counter!(FENCES).absolute(0);
     counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(0);
     counter!(PREFIX_CACHE_HIT_TOKENS).absolute(0);
+    counter!(SPEC_DRAFT_TOKENS).absolute(0);
+    counter!(SPEC_ACCEPTED_TOKENS).absolute(0);
     for p in Priority::ALL {
         counter!(PREEMPTIONS_BY_PRIORITY, "priority" => p.as_str()).absolute(0);
         gauge!(REQUESTS_WAITING_BY_PRIORITY, "priority" => p.as_str()).set(0.0);
@@ -126,6 +130,8 @@ pub fn record_stats(s: &engine::runner::RunnerStats) {
     gauge!(REQUESTS_WAITING).set(s.waiting as f64);
     counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(s.preemptions);
     counter!(PREFIX_CACHE_HIT_TOKENS).absolute(s.prefix_hit_tokens);
+    counter!(SPEC_DRAFT_TOKENS).absolute(s.draft_tokens.0);
+    counter!(SPEC_ACCEPTED_TOKENS).absolute(s.draft_tokens.1);
     for p in Priority::ALL {
         gauge!(REQUESTS_WAITING_BY_PRIORITY, "priority" => p.as_str()).set(s.waiting_by_class[p.index()] as f64);
         counter!(PREEMPTIONS_BY_PRIORITY, "priority" => p.as_str()).absolute(s.preemptions_by_class[p.index()]);

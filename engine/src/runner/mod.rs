@@ -141,6 +141,9 @@ pub struct RunnerStats {
     pub preemptions: u64,
     /// Prompt tokens served from the prefix cache since start.
     pub prefix_hit_tokens: u64,
+    /// Prompt-lookup draft tokens computed and accepted since start
+    /// (`Engine::draft_tokens`).
+    pub draft_tokens: (u64, u64),
     /// `preemptions` by the evicted sequence's class (`Priority::index`).
     pub preemptions_by_class: [u64; 3],
     /// `waiting` by class (`Priority::index`).

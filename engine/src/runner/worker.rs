@@ -396,6 +396,7 @@ impl Worker {
             preemptions: self.engine.preemptions(),
             preemptions_by_class: self.engine.preemptions_by_class(),
             prefix_hit_tokens: self.engine.prefix_hit_tokens(),
+            draft_tokens: self.engine.draft_tokens(),
             prefix_epoch: self.prefixes.0,
             prefixes: self.prefixes.1.clone(),
             waiting_by_class: self.engine.waiting_by_class(),

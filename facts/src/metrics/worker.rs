@@ -29,6 +29,16 @@ pub const PREEMPTION_KV_EXHAUSTED: &str = "kv_exhausted";
 /// within one `cache_salt`, i.e. one tenant scope). vLLM:
 /// `vllm:prefix_cache_hits_total` (tokens).
 pub const PREFIX_CACHE_HIT_TOKENS: &str = "tandem_prefix_cache_hit_tokens_total";
+/// `tandem_spec_decode_num_draft_tokens_total`: prompt-lookup draft tokens
+/// the engine computed beside decoding sequences (`prompt_lookup`). vLLM:
+/// `vllm:spec_decode_num_draft_tokens_total`.
+pub const SPEC_DRAFT_TOKENS: &str = "tandem_spec_decode_num_draft_tokens_total";
+/// `tandem_spec_decode_num_accepted_tokens_total`: of those, the ones equal
+/// to the token sampled at their position, each a decode step saved; the
+/// ratio to the drafted is the acceptance rate (low: the answers do not
+/// repeat their prompts, and speculation only costs compute). vLLM:
+/// `vllm:spec_decode_num_accepted_tokens_total`.
+pub const SPEC_ACCEPTED_TOKENS: &str = "tandem_spec_decode_num_accepted_tokens_total";
 /// `tandem_num_preemptions_by_priority_total{priority}`: the same
 /// preemptions by the evicted sequence's class (`high`, `normal`, `low`).
 /// The engine evicts the lowest class first, so `high` rising means the
@@ -74,6 +84,8 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: REQUESTS_WAITING, kind: Kind::Gauge, labels: &[], exporter: Exporter::Workers },
     Metric { name: PREEMPTIONS, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Workers },
     Metric { name: PREFIX_CACHE_HIT_TOKENS, kind: Kind::Counter, labels: &[], exporter: Exporter::Workers },
+    Metric { name: SPEC_DRAFT_TOKENS, kind: Kind::Counter, labels: &[], exporter: Exporter::Workers },
+    Metric { name: SPEC_ACCEPTED_TOKENS, kind: Kind::Counter, labels: &[], exporter: Exporter::Workers },
     Metric { name: PREEMPTIONS_BY_PRIORITY, kind: Kind::Counter, labels: &["priority"], exporter: Exporter::Workers },
     Metric {
         name: REQUESTS_WAITING_BY_PRIORITY,
