@@ -247,6 +247,7 @@ async fn job_of(
         stream: true,
         stream_options: Some(StreamOptions { include_usage: req.include_usage }),
         ignore_eos: req.ignore_eos,
+        prompt_lookup: req.prompt_lookup,
         ..Sampling::default()
     };
     let spec = openai::sampling(&sampling, logprobs, pass.default_max_tokens(p.settings.default_max_tokens))?;

@@ -23,7 +23,7 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 pub const MAX_STOP: usize = 4;
 
 /// The fields both endpoints read (README: "Request fields").
-pub const SHARED_FIELDS: [&str; 19] = [
+pub const SHARED_FIELDS: [&str; 20] = [
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -40,6 +40,7 @@ pub const SHARED_FIELDS: [&str; 19] = [
     "stream",
     "stream_options",
     "ignore_eos",
+    "prompt_lookup",
     "priority",
     "logprobs",
     "user",
@@ -153,6 +154,10 @@ pub struct Sampling {
     /// Ignore the model's end-of-sequence token (vLLM extension).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Prompt-lookup speculation where decode workers run it: unset or
+    /// `true` allows it, `false` turns it off (tandem extension; the tokens
+    /// are the same either way).
+    pub prompt_lookup: Option<bool>,
     /// Admission class: `high`, `normal` (default) or `low` (tandem
     /// extension; the `x-priority` header does the same).
     pub priority: Option<String>,
@@ -247,6 +252,9 @@ pub fn sampling(s: &Sampling, logprobs: Option<u32>, default_max_tokens: u32) ->
     }
     p.seed = s.seed;
     p.ignore_eos = s.ignore_eos;
+    if let Some(v) = s.prompt_lookup {
+        p.prompt_lookup = v;
+    }
     p.stop_strings = match &s.stop {
         None => Vec::new(),
         Some(Stop::One(x)) => vec![x.clone()],
@@ -345,6 +353,16 @@ mod tests {
         assert_eq!(s.as_ref().map(|s| s.params.max_tokens), Ok(16));
         let s = spec(r#"{"max_tokens": 5, "max_completion_tokens": 7}"#).map_err(|e| e.to_string());
         assert_eq!(s.map(|s| s.params.max_tokens), Ok(7), "max_completion_tokens wins");
+    }
+
+    #[test]
+    fn prompt_lookup_is_allowed_unless_the_request_says_false() {
+        let lookup = |json: &str| spec(json).map(|s| s.params.prompt_lookup).map_err(|e| e.to_string());
+        assert_eq!(lookup("{}"), Ok(true));
+        assert_eq!(lookup(r#"{"prompt_lookup": null}"#), Ok(true));
+        assert_eq!(lookup(r#"{"prompt_lookup": false}"#), Ok(false));
+        assert_eq!(lookup(r#"{"prompt_lookup": true}"#), Ok(true));
+        assert!(spec(r#"{"prompt_lookup": "no"}"#).is_err());
     }
 
     #[test]

@@ -470,5 +470,9 @@ fn prompt_lookup_changes_no_token() {
         if name.ends_with("preempting") {
             assert!(e.preemptions() > 0, "the small pool should have forced preemption");
         }
+        // A request that turns it off gets no draft, and the same tokens.
+        let off = SamplingParams { prompt_lookup: false, ..greedy(32) };
+        assert_eq!(run_all(&mut e, &ps, &off), references[0], "{name}, off by request");
+        assert_eq!(e.draft_tokens(), (drafted, accepted), "{name}: a request that said no was drafted for");
     }
 }

@@ -25,6 +25,7 @@ impl From<&EngineParams> for SamplingParams {
             stop_strings,
             logprobs,
             ignore_eos,
+            prompt_lookup,
         } = p;
         Self {
             temperature: *temperature,
@@ -40,6 +41,7 @@ impl From<&EngineParams> for SamplingParams {
             stop_strings: stop_strings.clone(),
             logprobs: *logprobs,
             ignore_eos: *ignore_eos,
+            prompt_lookup: *prompt_lookup,
         }
     }
 }
@@ -64,6 +66,7 @@ impl TryFrom<&SamplingParams> for EngineParams {
             stop_strings,
             logprobs,
             ignore_eos,
+            prompt_lookup,
         } = p;
         let params = Self {
             temperature: *temperature,
@@ -79,6 +82,7 @@ impl TryFrom<&SamplingParams> for EngineParams {
             stop_strings: stop_strings.clone(),
             logprobs: *logprobs,
             ignore_eos: *ignore_eos,
+            prompt_lookup: *prompt_lookup,
         };
         params.validate()?;
         Ok(params)

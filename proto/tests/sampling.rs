@@ -29,6 +29,7 @@ fn engine_params_round_trip_through_the_wire() -> Result<(), SamplerError> {
             stop_strings: vec!["\n\n".into(), "</s>".into(), "é".into()],
             logprobs: Some(20),
             ignore_eos: true,
+            prompt_lookup: false,
         },
         EngineParams {
             temperature: 1.3,

@@ -52,6 +52,10 @@ pub struct SamplingParams {
     pub logprobs: Option<u32>,
     /// Keep generating past the model's end-of-sequence token(s).
     pub ignore_eos: bool,
+    /// Allow prompt-lookup speculation where the worker runs it (its
+    /// `prompt_lookup` draft length; 0 there: never). Tokens are the same
+    /// either way; `false` only saves the verification compute.
+    pub prompt_lookup: bool,
 }
 
 impl Default for SamplingParams {
@@ -71,6 +75,7 @@ impl Default for SamplingParams {
             stop_strings: Vec::new(),
             logprobs: None,
             ignore_eos: false,
+            prompt_lookup: true,
         }
     }
 }

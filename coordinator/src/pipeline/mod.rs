@@ -282,6 +282,8 @@ impl Pipeline {
             (None, None) => engine::sampler::fresh_seed(),
         };
         draft.spec.params.seed = Some(seed);
+        // The tenant's switch wins over the request's ask.
+        draft.spec.params.prompt_lookup &= pass.tenant().prompt_lookup;
         Ok(Job {
             ids,
             spec: draft.spec,

@@ -154,6 +154,9 @@ pub struct Tenant {
     pub cache_scope: CacheScope,
     /// [`CacheScope::salt`] of its scope, sent to the workers.
     pub cache_salt: u64,
+    /// Its requests may use prompt-lookup speculation where workers run it
+    /// (a request can still turn it off; with `false` none can turn it on).
+    pub prompt_lookup: bool,
 }
 
 impl Tenant {
@@ -169,6 +172,7 @@ impl Tenant {
             limits: Limits::default(),
             cache_salt: scope.salt(DEFAULT_TENANT),
             cache_scope: scope,
+            prompt_lookup: true,
         }
     }
 
@@ -205,6 +209,7 @@ struct Fields {
     max_streams: Option<u32>,
     max_kv_share: Option<f64>,
     cache_scope: Option<String>,
+    prompt_lookup: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -285,6 +290,7 @@ fn own_has(own: &Fields, field: &str) -> bool {
         "max_streams" => own.max_streams.is_some(),
         "max_kv_share" => own.max_kv_share.is_some(),
         "cache_scope" => own.cache_scope.is_some(),
+        "prompt_lookup" => own.prompt_lookup.is_some(),
         _ => true,
     }
 }
@@ -355,6 +361,7 @@ fn resolve(name: &str, own: &Fields, defaults: &Fields) -> Result<Tenant, (&'sta
         limits,
         cache_salt: scope.salt(name),
         cache_scope: scope,
+        prompt_lookup: pick!(prompt_lookup).unwrap_or(true),
     })
 }
 
@@ -376,6 +383,7 @@ mod tests {
 
         [tenants.batch]
         keys = ["sk-b"]
+        prompt_lookup = false
         priority = "low"
         max_in_flight = 2
         max_streams = 1
@@ -391,6 +399,7 @@ mod tests {
         let s = &f.tenants["search"];
         assert_eq!((s.priority, s.max_priority), (Priority::High, Priority::High));
         assert_eq!(s.limits.requests_per_s, 5.0, "from [defaults]");
+        assert!(s.prompt_lookup && !f.tenants["batch"].prompt_lookup && Tenant::builtin().prompt_lookup);
         assert_eq!(s.limits.max_tokens, 1024, "its own over [defaults]");
         assert_eq!(s.limits.default_max_tokens, Some(64));
         assert_eq!(s.limits.max_streams, Limits::default().max_streams, "built-in");

@@ -650,7 +650,7 @@ impl Engine {
             let s = &self.seqs[&id];
             let decode = s.is_decoding();
             let mut n = (s.tokens.len() - s.computed).min(budget).min(if decode { 1 } else { prefill_left });
-            let draft = if decode && self.cfg.prompt_lookup > 0 {
+            let draft = if decode && s.lookup && self.cfg.prompt_lookup > 0 {
                 // Never past the step's budget, the request's max_tokens or the context.
                 let room = (s.max_new.saturating_sub(s.generated.len() + 1))
                     .min(self.model.config().context.saturating_sub(s.tokens.len() + 1))

@@ -38,6 +38,8 @@ pub(super) struct Seq {
     /// shrinks to what was accepted, so text that does not repeat wastes
     /// little compute.
     pub draft_len: usize,
+    /// The request allows prompt lookup (`SamplingParams::prompt_lookup`).
+    pub lookup: bool,
     salt: u64,
     /// Full blocks already in the prefix index, and the hash chain so far.
     registered: usize,
@@ -67,6 +69,7 @@ impl Seq {
             draft: Vec::new(),
             max_new: req.params.max_tokens as usize,
             draft_len: 0,
+            lookup: req.params.prompt_lookup,
             salt: req.salt,
             registered: 0,
             last_hash: None,
