@@ -9,8 +9,9 @@
 //! 2. The AVX-512 level's two kernel widths against each other, over packed
 //!    panels as the engine runs them: 256-bit
 //!    registers with eight weight rows per panel, and 512-bit registers with
-//!    sixteen. `AVX512_SMALL_BATCH` (the batch size up to which the first is
-//!    used) is chosen from this. Only on CPUs with AVX-512 F/BW/VL and VNNI.
+//!    sixteen. `AVX512_SMALL_BATCH` (AMD) and `AVX512_SMALL_BATCH_INTEL`
+//!    (the batch size up to which the first is used, by CPU vendor) are
+//!    chosen from this. Only on CPUs with AVX-512 F/BW/VL and VNNI.
 //!
 //! Each step multiplies a batch of activation rows by every Q4_1 matrix of
 //! a 30-layer SmolLM2-135M-shaped model (576 wide, 1,536 in the MLP; 66 MB,
@@ -26,7 +27,7 @@
 use std::time::{Duration, Instant};
 
 use kernels::matmul::panels::pack_q4_panels;
-use kernels::matmul::{matmul, set_avx512_small_batch, MatmulScratch, AVX512_SMALL_BATCH};
+use kernels::matmul::{avx512_small_batch, matmul, set_avx512_small_batch, MatmulScratch};
 use kernels::{Isa, QMatrix, ThreadPool, WeightType};
 
 const LAYERS: usize = 30;
@@ -101,6 +102,7 @@ fn main() {
         );
         return;
     }
+    let chosen = avx512_small_batch();
     println!("\nthe AVX-512 level's kernel widths (packed panels, as the engine runs them)");
     println!("{:>6} {:>12} {:>12} {:>14}", "batch", "256-bit ms", "512-bit ms", "512 / 256 time");
     for m in BATCHES {
@@ -125,8 +127,8 @@ fn main() {
         let [n, w] = times.map(median);
         println!("{m:>6} {:>12.2} {:>12.2} {:>13.2}x", ms(n), ms(w), w.as_secs_f64() / n.as_secs_f64());
     }
-    set_avx512_small_batch(AVX512_SMALL_BATCH);
-    println!("AVX512_SMALL_BATCH = {AVX512_SMALL_BATCH}: batches up to it take the 256-bit kernel");
+    set_avx512_small_batch(chosen);
+    println!("this CPU's small batch = {chosen}: batches up to it take the 256-bit kernel (AVX512_SMALL_BATCH on AMD, AVX512_SMALL_BATCH_INTEL on Intel)");
 }
 
 /// One pass over every matrix's bytes, split across the pool by rows as the

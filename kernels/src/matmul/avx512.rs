@@ -38,7 +38,7 @@ pub unsafe fn quant_rows(w: &QMatrix<'_>, acts: &QActs, rows: Range<usize>, out:
     if available() {
         // SAFETY: the CPU has every flag `Isa::Avx512` needs (checked just above), which
         // covers the kernels' target features; `rows` are this caller's alone (the contract).
-        let wide = acts.rows > SMALL_BATCH.load(Ordering::Relaxed);
+        let wide = acts.rows > small_batch();
         unsafe {
             match w.ty {
                 WeightType::Q4_1 if wide => q4_rows::<true>(w, acts, rows, out),
@@ -111,8 +111,43 @@ pub(crate) fn hsum512(v: __m512) -> f32 {
 
 /// Activation rows up to which Q4 products take the 256-bit panel kernel
 /// (eight weight rows per panel, EVEX `vpdpbusd`); above it, sixteen-row
-/// panels in 512-bit registers. See [`super::set_avx512_small_batch`].
-pub(super) static SMALL_BATCH: AtomicUsize = AtomicUsize::new(super::AVX512_SMALL_BATCH);
+/// panels in 512-bit registers. Chosen by CPU vendor on first use
+/// ([`super::AVX512_SMALL_BATCH`], [`super::AVX512_SMALL_BATCH_INTEL`]);
+/// see [`super::set_avx512_small_batch`].
+static SMALL_BATCH: AtomicUsize = AtomicUsize::new(super::AVX512_SMALL_BATCH);
+static SMALL_BATCH_CHOSEN: std::sync::Once = std::sync::Once::new();
+
+/// The current [`SMALL_BATCH`], chosen for this CPU on the first call.
+pub(super) fn small_batch() -> usize {
+    SMALL_BATCH_CHOSEN.call_once(|| {
+        let rows = if intel() { super::AVX512_SMALL_BATCH_INTEL } else { super::AVX512_SMALL_BATCH };
+        SMALL_BATCH.store(rows, Ordering::Relaxed);
+    });
+    SMALL_BATCH.load(Ordering::Relaxed)
+}
+
+/// Sets [`SMALL_BATCH`] (after the vendor's choice, so that it sticks).
+pub(super) fn set_small_batch(rows: usize) {
+    small_batch();
+    SMALL_BATCH.store(rows, Ordering::Relaxed);
+}
+
+/// Whether the CPU is Intel's (the vendor string of `cpuid` leaf 0).
+fn intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `cpuid` leaf 0 exists on every x86_64 CPU (it reads registers only).
+        #[allow(unused_unsafe)]
+        let r = unsafe { std::arch::x86_64::__cpuid(0) };
+        let mut vendor = [0u8; 12];
+        vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+        vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+        &vendor == b"GenuineIntel"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
 
 /// The 256-bit Q4 panel kernel of the AVX2 and AVX-VNNI levels with
 /// AVX-512 VNNI's `vpdpbusd` (which runs on 256-bit registers with VL).

@@ -235,6 +235,7 @@ fn avx512_q4_kernel_widths_return_the_same_bits() {
         return;
     }
     let mut rng = Rng::new(17);
+    let chosen = super::avx512_small_batch();
     for ty in [WeightType::Q4_0, WeightType::Q4_1] {
         for (rows, cols) in [(40, 576), (9, 1536)] {
             let data = random_weights(&mut rng, ty, rows, cols);
@@ -245,7 +246,7 @@ fn avx512_q4_kernel_widths_return_the_same_bits() {
                 let narrow = run(Isa::Avx512, 2, &w, &x, m);
                 super::set_avx512_small_batch(0);
                 let wide = run(Isa::Avx512, 2, &w, &x, m);
-                super::set_avx512_small_batch(super::AVX512_SMALL_BATCH);
+                super::set_avx512_small_batch(chosen);
                 assert_eq!(narrow, wide, "{ty:?} {rows}x{cols} m={m}: the 256- and 512-bit kernels differ");
                 assert_eq!(
                     narrow,
