@@ -651,10 +651,13 @@ impl Engine {
             let decode = s.is_decoding();
             let mut n = (s.tokens.len() - s.computed).min(budget).min(if decode { 1 } else { prefill_left });
             let draft = if decode && s.lookup && self.cfg.prompt_lookup > 0 {
-                // Never past the step's budget, the request's max_tokens or the context.
+                // Never past the step's budget, the request's max_tokens or the context,
+                // and only into free blocks: a guess never preempts a sequence.
+                let free = (s.table.len() + self.pool.available()) * bs;
                 let room = (s.max_new.saturating_sub(s.generated.len() + 1))
                     .min(self.model.config().context.saturating_sub(s.tokens.len() + 1))
                     .min(budget - n)
+                    .min(free.saturating_sub(s.computed + n))
                     .min(if s.draft_len == 0 { self.cfg.prompt_lookup } else { s.draft_len });
                 lookup::draft(&s.tokens, room).to_vec()
             } else {
