@@ -331,13 +331,13 @@ impl Engine {
         self.seqs.get(&id).map(|s| s.computed)
     }
 
-    /// Sequences preempted (by recompute) since start.
     /// Prompt-lookup draft tokens computed so far, and how many of them
     /// were accepted (each accepted one is a decode step saved).
     pub fn draft_tokens(&self) -> (u64, u64) {
         (self.drafted, self.accepted)
     }
 
+    /// Sequences preempted (by recompute) since start.
     pub fn preemptions(&self) -> u64 {
         self.preemptions
     }
@@ -517,10 +517,8 @@ impl Engine {
         // its chunk, with logits at every position; `tokens` holds the
         // draft only for the forward pass.
         for &(id, _) in &plan {
-            if let Some(s) = self.seqs.get_mut(&id).filter(|s| !s.draft.is_empty()) {
-                let draft = std::mem::take(&mut s.draft);
-                s.tokens.extend_from_slice(&draft);
-                s.draft = draft;
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.tokens.extend_from_slice(&s.draft);
             }
         }
         let chunks: Vec<SeqChunk<'_>> = plan
@@ -546,9 +544,8 @@ impl Engine {
         });
         drop(chunks);
         for &(id, _) in &plan {
-            if let Some(s) = self.seqs.get_mut(&id).filter(|s| !s.draft.is_empty()) {
-                let keep = s.tokens.len() - s.draft.len();
-                s.tokens.truncate(keep);
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.tokens.truncate(s.tokens.len() - s.draft.len());
             }
         }
         let logits = logits?;
