@@ -139,7 +139,6 @@ impl Weights {
                 return PanelOutcome::new(PanelSource::Unpacked, 0);
             }
         };
-        self.release_packed(&plan);
         self.panels = Panels::owned(&plan, bytes);
         PanelOutcome::new(PanelSource::Private, plan.len)
     }
@@ -161,7 +160,12 @@ impl Weights {
         let got = panel_file::obtain(store, &plan, |slot, out| self.pack_slot(slot, out), panel_file::LOCK_WAIT);
         match got {
             Ok(got) => {
-                self.release_packed(&plan);
+                if !got.built {
+                    // Packing released each matrix's file pages as it went; a
+                    // mapped copy did not, and those pages are resident by now
+                    // (decode-worker/tests/panels.rs sees 64 MB of them otherwise).
+                    self.release_packed(&plan);
+                }
                 self.panels = Panels::shared(&plan, got.shared);
                 let source = if got.built { PanelSource::Built(got.path) } else { PanelSource::Mapped(got.path) };
                 let mut outcome = PanelOutcome::new(source, plan.len);
@@ -199,14 +203,19 @@ impl Weights {
         plan
     }
 
+    /// Packs one matrix into `out`, then releases the mapped file's pages of
+    /// it (see `pack_panels`), so a load holds one matrix's file pages at a
+    /// time.
     fn pack_slot(&self, slot: &Slot, out: &mut [u8]) -> Result<(), PanelError> {
         let fail = |why: String| PanelError::Pack { name: slot.name.clone(), why };
         let t = self.get(&slot.name).map_err(|e| fail(e.to_string()))?;
         let w = QMatrix::new(t.ty, t.dims[0], t.dims[1], self.bytes(t)).map_err(|e| fail(e.to_string()))?;
-        kernels::matmul::panels::pack_q4_panels_into(&w, out).map_err(|e| fail(e.to_string()))
+        kernels::matmul::panels::pack_q4_panels_into(&w, out).map_err(|e| fail(e.to_string()))?;
+        self.backing.release(t.offset..t.offset + t.len);
+        Ok(())
     }
 
-    /// Releases a mapped file's pages of the packed tensors (see `pack_panels`).
+    /// Releases a mapped file's pages of every matrix of `plan`.
     fn release_packed(&self, plan: &Plan) {
         for slot in &plan.slots {
             if let Some(t) = self.tensors.get(&slot.name) {
