@@ -283,6 +283,31 @@ fn median(values: impl Iterator<Item = f64>) -> f64 {
     loadgen::percentile(&v, 0.5).unwrap_or(f64::NAN)
 }
 
+/// The median (as [`median`]), minimum and maximum of a benchmark's rounds;
+/// displayed `median (min-max)` at the format's precision (1 by default).
+#[derive(Debug, Clone, Copy)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    /// NaNs for no values.
+    pub fn of(values: impl Iterator<Item = f64>) -> Self {
+        let v: Vec<f64> = values.collect();
+        let (min, max) = v.iter().fold((f64::NAN, f64::NAN), |(lo, hi), &x| (x.min(lo), x.max(hi)));
+        Self { median: median(v.into_iter()), min, max }
+    }
+}
+
+impl std::fmt::Display for Spread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = f.precision().unwrap_or(1);
+        write!(f, "{:.p$} ({:.p$}-{:.p$})", self.median, self.min, self.max)
+    }
+}
+
 fn argmax(v: &[f32]) -> u32 {
     v.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
 }
@@ -324,12 +349,22 @@ fn peak_rss_kib() -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::{median, Spread};
 
     #[test]
     fn median_of_odd_even_and_no_values() {
         assert_eq!(median([3.0, 1.0, 2.0].into_iter()), 2.0);
         assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), 2.5);
         assert!(median(std::iter::empty()).is_nan());
+    }
+
+    #[test]
+    fn spread_is_median_min_max_at_the_formats_precision() {
+        let s = Spread::of([3.0, 1.25, 2.0, 9.5].into_iter());
+        assert_eq!((s.median, s.min, s.max), (2.5, 1.25, 9.5));
+        assert_eq!(format!("{s}"), "2.5 (1.2-9.5)");
+        assert_eq!(format!("{s:.2}"), "2.50 (1.25-9.50)");
+        let none = Spread::of(std::iter::empty());
+        assert!(none.median.is_nan() && none.min.is_nan() && none.max.is_nan());
     }
 }

@@ -17,6 +17,8 @@ use engine::batch::{Engine, EngineConfig, Request};
 use engine::tokenizer::{ChatMessage, Tokenizer};
 use types::sampling::SamplingParams;
 
+use crate::bench::Spread;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// GGUF model (default: the cached SmolLM2 file).
@@ -110,24 +112,15 @@ pub fn run(a: &Args) -> Result<()> {
     println!("\n| answer | plain tok/s | with lookup tok/s | lookup / plain | drafts accepted |");
     println!("|---|---|---|---|---|");
     for ((name, _), rs) in workloads.iter().zip(&runs) {
-        let med = |f: &dyn Fn(&(Run, Run)) -> f64| {
-            let mut v: Vec<f64> = rs.iter().map(f).collect();
-            v.sort_by(f64::total_cmp);
-            (v[v.len() / 2], v[0], v[v.len() - 1])
-        };
-        let (off, on, ratio) = (med(&|r| r.0.tok_s()), med(&|r| r.1.tok_s()), med(&|r| r.1.tok_s() / r.0.tok_s()));
+        let off = Spread::of(rs.iter().map(|r| r.0.tok_s()));
+        let on = Spread::of(rs.iter().map(|r| r.1.tok_s()));
+        let ratio = Spread::of(rs.iter().map(|r| r.1.tok_s() / r.0.tok_s()));
         let (drafted, accepted) = rs.iter().fold((0, 0), |(d, a), r| (d + r.1.drafted, a + r.1.accepted));
         println!(
-            "| {name} | {:.1} ({:.1}-{:.1}) | {:.1} ({:.1}-{:.1}) | {:.2}x ({:.2}-{:.2}) | {:.0}% of {drafted} |",
-            off.0,
-            off.1,
-            off.2,
-            on.0,
-            on.1,
-            on.2,
-            ratio.0,
-            ratio.1,
-            ratio.2,
+            "| {name} | {off:.1} | {on:.1} | {:.2}x ({:.2}-{:.2}) | {:.0}% of {drafted} |",
+            ratio.median,
+            ratio.min,
+            ratio.max,
             100.0 * accepted as f64 / drafted.max(1) as f64
         );
     }

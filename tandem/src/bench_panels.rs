@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use drills::process::{mapped_pages, Launch, Pages, Proc};
 
+use crate::bench::Spread;
 use crate::up::child::sibling;
 
 #[derive(clap::Args)]
@@ -95,24 +96,14 @@ pub fn run(a: &Args) -> Result<()> {
     println!("\n| medians (min-max) | private panels | one host copy | host copy / private |");
     println!("|---|---|---|---|");
     for (name, get) in FIELDS {
-        let (o, s) = (spread(&off, get), spread(&shared, get));
-        let ratio = if o.0 > 0.0 { format!("{:.2}x", s.0 / o.0) } else { "-".into() };
-        println!("| {name} | {} | {} | {ratio} |", show(o), show(s));
+        let (o, s) = (Spread::of(off.iter().map(get)), Spread::of(shared.iter().map(get)));
+        let ratio = if o.median > 0.0 { format!("{:.2}x", s.median / o.median) } else { "-".into() };
+        println!("| {name} | {o:.1} | {s:.1} | {ratio} |");
     }
     Ok(())
 }
 
 const MIB: f64 = (1 << 20) as f64;
-
-fn spread(xs: &[Sample], get: fn(&Sample) -> f64) -> (f64, f64, f64) {
-    let mut v: Vec<f64> = xs.iter().map(get).collect();
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[0], v[v.len() - 1])
-}
-
-fn show((median, lo, hi): (f64, f64, f64)) -> String {
-    format!("{median:.1} ({lo:.1}-{hi:.1})")
-}
 
 /// Starts a prefill worker, then a decode worker, both with `panel_dir` (`None`: off),
 /// and measures them once both are ready.
