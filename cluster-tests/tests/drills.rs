@@ -268,6 +268,42 @@ async fn coordinator_kill_without_its_fault_fails_its_proof() -> TestResult {
     Ok(())
 }
 
+/// A coordinator SIGKILLed under eight long streams (half sampled): every stream is resumed at
+/// the other coordinator and completes with exactly its undisturbed answer (G1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coordinator_kill_resume() -> TestResult {
+    let r = drill("coordinator-kill-resume").await?;
+    assert!(r.typed_errors.is_empty() && r.complete == r.requests, "{:?}", r.typed_errors);
+    assert_eq!(r.coordinator_lost, 0, "no stream is lost with its coordinator");
+    Ok(())
+}
+
+/// Both coordinators drained in turn under load: no client sees a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coordinator_rolling_drain() -> TestResult {
+    let r = drill("coordinator-rolling-drain").await?;
+    assert!(r.typed_errors.is_empty() && r.complete == r.requests, "{:?}", r.typed_errors);
+    Ok(())
+}
+
+/// Without their faults nothing is resumed: both proofs fail, and nothing else does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_resume_drills_without_their_faults_fail_their_proofs() -> TestResult {
+    for (name, why) in [
+        ("coordinator-kill-resume", "was never killed: it is still running"),
+        ("coordinator-rolling-drain", "drained 0 of 2 coordinators"),
+    ] {
+        let r = run_drill(name, &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+        assert!(!r.fault_proven, "{name}: {}", r.proof);
+        let g6 = r.of(Guarantee::G6);
+        assert_eq!(g6.len(), 1, "{name}: {:#?}", r.violations);
+        assert!(g6[0].detail.contains(why), "{name}: {:?}", g6[0]);
+        assert_eq!(r.violations.len(), 1, "{name}: only G6: {:#?}", r.violations);
+        assert_eq!(r.complete, r.requests, "{name}");
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_errors() -> TestResult {
     let r = drill("prefill-errors").await?;

@@ -145,6 +145,19 @@ pub enum Error {
     /// The client did not send the whole body within the body read timeout.
     #[error("the request body did not arrive within {}", fmt_ms(.after))]
     BodyTimeout { after: Duration },
+    /// A stream resumed from a cursor (`Last-Event-ID`, gRPC `resume_cursor`)
+    /// regenerated another answer than the one the cursor was taken from: its
+    /// hash at `tokens` differs, or the answer ended before it. Another build,
+    /// tokenizer or sampler, or another request; nothing was sent.
+    #[error(
+        "the answer regenerated to resume this stream differs from the one at cursor token {tokens}: \
+         a worker of another build, tokenizer or sampler, or a changed request; nothing was resent"
+    )]
+    ResumeMismatch { tokens: u32 },
+    /// The coordinator is draining and a peer coordinator is live: the stream
+    /// ends here, resumable at another coordinator from its last cursor.
+    #[error("this coordinator is draining; resume the stream at another coordinator from its last event")]
+    Draining,
 }
 
 fn fmt_ms(d: &Duration) -> String {
@@ -233,6 +246,8 @@ impl Error {
             Self::BodyTimeout { .. } => ("invalid_request_error", "request_timeout"),
             Self::RetryTooSoon { .. } => ("rate_limit_error", "retry_too_soon"),
             Self::RetryBudgetExhausted { .. } => ("rate_limit_error", "retry_budget_exhausted"),
+            Self::ResumeMismatch { .. } => ("invalid_request_error", "resume_mismatch"),
+            Self::Draining => ("overloaded_error", "coordinator_draining"),
         }
     }
 
@@ -284,6 +299,8 @@ impl Error {
             | Self::IdempotentOriginalFailed
             | Self::TokenizerBusy
             | Self::NotReady(_) => Some(admission::retry_after(None)),
+            // Another coordinator takes the rest now; the least a header can say.
+            Self::Draining => Some(1),
             // A bucket: when it will hold what was asked, rounded up, so the
             // retry finds it there (not jittered below it).
             Self::TenantLimit { wait: Some(wait), .. } => Some(crate::tenants::retry_after_secs(*wait)),
@@ -311,6 +328,7 @@ impl Error {
             | Self::WorkerStream(_)
             | Self::OverCap { .. }
             | Self::BodyTimeout { .. }
+            | Self::ResumeMismatch { .. }
             | Self::Deadline => None,
         }
     }
@@ -362,6 +380,8 @@ mod tests {
             Error::BodyTimeout { after: d },
             Error::RetryTooSoon { wait: d },
             Error::RetryBudgetExhausted { wait: d },
+            Error::ResumeMismatch { tokens: 17 },
+            Error::Draining,
             Error::OverCap { param: "max_tokens", what: Cap::MaxTokens, cap: 16, got: 64 },
             Error::OverCap { param: "messages", what: Cap::PromptTokens, cap: 16, got: 64 },
         ];
@@ -443,6 +463,8 @@ mod tests {
             Error::RetryBudgetExhausted { .. } => {
                 (H::TOO_MANY_REQUESTS, "retry_budget_exhausted", Code::ResourceExhausted, true)
             }
+            Error::ResumeMismatch { .. } => (H::CONFLICT, "resume_mismatch", Code::FailedPrecondition, false),
+            Error::Draining => (H::SERVICE_UNAVAILABLE, "coordinator_draining", Code::Unavailable, true),
             Error::Worker { kind, .. } => match kind {
                 K::InvalidArgument => (H::BAD_REQUEST, "invalid_argument", Code::InvalidArgument, false),
                 K::Overloaded => (H::SERVICE_UNAVAILABLE, "overloaded", Code::Unavailable, true),

@@ -19,6 +19,7 @@
 //! after the TTL.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,18 +60,36 @@ pub fn default_id() -> String {
     format!("{host}-{}", std::process::id())
 }
 
+/// The other live coordinators, as etcd last said: what a draining
+/// coordinator asks before it ends its streams for a peer to resume.
+/// 0 while etcd cannot tell (a hand-off is never made on a guess).
+#[derive(Debug, Clone, Default)]
+pub struct Peers(Arc<AtomicUsize>);
+
+impl Peers {
+    /// Live coordinators besides this one.
+    pub fn live(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, n: usize) {
+        self.0.store(n, Ordering::Relaxed);
+    }
+}
+
 /// Starts the fleet task; it ends (revoking its lease) when `stop` is cancelled.
 pub fn spawn(
     cfg: FleetConfig,
     split: Arc<Split>,
     stop: CancellationToken,
-) -> Result<tokio::task::JoinHandle<()>, registry::RegistryError> {
+) -> Result<(tokio::task::JoinHandle<()>, Peers), registry::RegistryError> {
     let range = range(&cfg.prefix)?;
     let key = format!("{range}{}", cfg.id);
     split.set(cfg.min_split.max(1));
     metrics::fleet_split(split.get());
-    let fleet = Fleet { key, range, cfg, split, last_seen: 1 };
-    Ok(tokio::spawn(fleet.run(stop)))
+    let peers = Peers::default();
+    let fleet = Fleet { key, range, cfg, split, last_seen: 1, peers: peers.clone() };
+    Ok((tokio::spawn(fleet.run(stop)), peers))
 }
 
 struct Fleet {
@@ -80,6 +99,7 @@ struct Fleet {
     split: Arc<Split>,
     /// The count etcd last gave (ourselves included).
     last_seen: usize,
+    peers: Peers,
 }
 
 /// Why a session with etcd ended.
@@ -95,6 +115,7 @@ impl Fleet {
             match self.session(&stop).await {
                 End::Stopped => return,
                 End::Lost(why) => {
+                    self.peers.set(0);
                     let n = self.last_seen.max(self.cfg.min_split).max(1);
                     if self.split.get() != n {
                         tracing::warn!(%why, split = n, "etcd lost: tenant budgets split by the last fleet size seen");
@@ -124,6 +145,7 @@ impl Fleet {
             tracing::info!(coordinators = n, "fleet changed: tenant budgets re-split");
         }
         self.last_seen = n;
+        self.peers.set(n - 1);
         self.publish_split(n);
     }
 

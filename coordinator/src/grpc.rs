@@ -34,7 +34,7 @@ use proto::frontend::v1::{
     Usage as WireUsage,
 };
 use proto::worker::v1::ErrorKind;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tonic::codegen::http;
 use tonic::metadata::{MetadataMap, MetadataValue};
@@ -46,6 +46,7 @@ use tonic_health::ServingStatus;
 use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::admission::Shed;
+use crate::cursor::{resume_outcome, Chain, Cursor, Resume, Seen, Stamper};
 use crate::error::Error;
 use crate::idempotency::{Idempotency, Recorder, Replay, Replayed};
 use crate::metrics;
@@ -73,6 +74,10 @@ const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 /// Events buffered per response stream before the request waits for the client.
 const STREAM_BUFFER: usize = 16;
 
+mod stream;
+pub use stream::CURSOR_KEY;
+use stream::{generate, keeps, remember, replay, resume_of, skip_to, with_seed_status, Count, Item, Sent, Sink, API};
+
 /// The gRPC code of an error: what a gRPC client should do about it.
 ///
 /// - `INVALID_ARGUMENT`: the request is bad; never resend it unchanged.
@@ -90,7 +95,8 @@ const STREAM_BUFFER: usize = 16;
 ///   the call sent again is routed anew; the failed pair's breaker counted it).
 /// - `FAILED_PRECONDITION`: `version_mismatch`, a deployment fault (the
 ///   pair's version groups or KV layouts differ); retrying does not cure
-///   it until the deployment is fixed.
+///   it until the deployment is fixed. `resume_mismatch` too: the cursor
+///   was taken from another answer.
 /// - `DEADLINE_EXCEEDED`: the deadline passed, queued or running.
 /// - `INTERNAL`: a worker failed internally.
 pub fn code_of(e: &Error) -> Code {
@@ -136,6 +142,9 @@ pub fn code_of(e: &Error) -> Code {
         Error::TokenizerBusy => Code::Unavailable,
         // HTTP only: gRPC messages are read by tonic, bounded by its own limits.
         Error::BodyTimeout { .. } => Code::DeadlineExceeded,
+        // The cursor names another answer: sending it again does not help.
+        Error::ResumeMismatch { .. } => Code::FailedPrecondition,
+        Error::Draining => Code::Unavailable,
     }
 }
 
@@ -270,233 +279,6 @@ async fn job_of(
     p.prepare(pass, draft).await
 }
 
-fn wire_logprob(l: TokenLogprob) -> WireLogprob {
-    WireLogprob {
-        id: l.id,
-        token: l.token,
-        logprob: l.logprob,
-        top: l.top.into_iter().map(|a| WireTop { id: a.id, token: a.token, logprob: a.logprob }).collect(),
-    }
-}
-
-fn chunk(text: String, token_ids: Vec<u32>, logprobs: Vec<WireLogprob>) -> GenerateResponse {
-    GenerateResponse { event: Some(generate_response::Event::Chunk(Chunk { text, token_ids, logprobs })) }
-}
-
-type Item = Result<GenerateResponse, Status>;
-type Events = mpsc::Sender<Item>;
-
-/// What a call with an idempotency key records for the retries that follow it.
-#[derive(Clone, Debug)]
-enum Sent {
-    Event(GenerateResponse),
-    /// A refusal a retry would get again: its status and what it counts as.
-    Refusal {
-        status: Status,
-        http: u16,
-        code: &'static str,
-    },
-}
-
-impl Sent {
-    fn refusal(e: &Error) -> Self {
-        Sent::Refusal { status: status_of(e), http: crate::http::error::status(e).as_u16(), code: e.code() }
-    }
-}
-
-/// A status a client that cancelled is counted under (nginx's "client closed request").
-const CLIENT_CLOSED: u16 = 499;
-
-/// Counts a call once in `tandem_coordinator_requests_total{api="grpc"}`, when its
-/// answer starts as HTTP's does: its first event, or its error, under the HTTP
-/// status and code that error has over HTTP (README's table), or `499` when the
-/// client went away first.
-struct Count {
-    counted: bool,
-}
-
-impl Count {
-    fn new() -> Self {
-        Self { counted: false }
-    }
-
-    fn ok(&mut self) {
-        self.record(200, "ok");
-    }
-
-    fn error(&mut self, e: &Error) {
-        self.record(crate::http::error::status(e).as_u16(), e.code());
-    }
-
-    /// Counted elsewhere.
-    fn defuse(mut self) {
-        self.counted = true;
-    }
-
-    fn record(&mut self, status: u16, code: &'static str) {
-        if !std::mem::replace(&mut self.counted, true) {
-            metrics::request_finished(API, status, code);
-        }
-    }
-}
-
-impl Drop for Count {
-    fn drop(&mut self) {
-        self.record(CLIENT_CLOSED, "client_closed");
-    }
-}
-
-/// The `api` label of gRPC calls.
-const API: &str = "grpc";
-
-/// What one call sends: to its client and, with an idempotency key, into the
-/// key's record for the retries that follow it.
-struct Sink {
-    tx: Events,
-    recorder: Option<Recorder<Sent>>,
-    idle: Duration,
-    count: Count,
-    /// The call's identity, and where a refusal with a Retry-After is remembered.
-    id: Identity,
-    pipeline: Arc<Pipeline>,
-}
-
-impl Sink {
-    /// Sends an event; false when the client went away or took nothing within the idle timeout.
-    async fn send(&mut self, event: GenerateResponse) -> bool {
-        self.count.ok();
-        if let Some(rec) = &self.recorder {
-            rec.push(Sent::Event(event.clone()));
-        }
-        send_within(&self.tx, Ok(event), self.idle, "grpc").await
-    }
-
-    /// Ends the call with `e`, found once it was admitted: never kept for the key's
-    /// retries (a refusal after admission, a deadline or a worker's failure may pass
-    /// next time), so they run anew.
-    async fn fail(&mut self, e: &Error) {
-        self.count.error(e);
-        self.recorder = None;
-        let status = status_of(e);
-        remember(&self.pipeline, Some(&self.id), &status);
-        send_within(&self.tx, Err(status), self.idle, "grpc").await;
-    }
-
-    /// The answer is whole: the key's retries get it all.
-    fn finish(&mut self) {
-        if let Some(rec) = self.recorder.take() {
-            rec.finish(true);
-        }
-    }
-}
-
-/// Tells the retry gate (walk step 3) how the request was refused.
-fn remember(p: &Pipeline, id: Option<&Identity>, status: &Status) {
-    let md = |key: &str| status.metadata().get(key).and_then(|v| v.to_str().ok());
-    p.retries.answered(id, md(RETRY_AFTER_KEY), md(ERROR_CODE_KEY));
-}
-
-/// Whether a retry with the same key should get this error again rather than run anew.
-fn keeps(e: &Error) -> bool {
-    let status = crate::http::error::status(e);
-    status.is_client_error() && status != axum::http::StatusCode::TOO_MANY_REQUESTS
-}
-
-/// Runs one job, streaming its events into the sink until the end, an error
-/// or the client going away. The run is dropped before the last event is
-/// sent, so by the time a client sees the end, the request's admission is
-/// released and its workers have been told to stop.
-async fn generate(pipeline: Arc<Pipeline>, job: Job, mut sink: Sink) {
-    let started = tokio::select! {
-        r = pipeline.run(job) => r,
-        () = sink.tx.closed() => return,
-    };
-    let mut run = match started {
-        Ok(r) => r,
-        Err(e) => {
-            sink.fail(&e).await;
-            return;
-        }
-    };
-    let finish = loop {
-        let event = tokio::select! {
-            e = run.step() => e,
-            // The client went away: returning drops the run, cancelling the workers.
-            () = sink.tx.closed() => return,
-        };
-        match event {
-            Err(e) => {
-                drop(run);
-                sink.fail(&e).await;
-                return;
-            }
-            Ok(Event::Piece(p)) => {
-                let logprobs = p.logprob.map(wire_logprob).into_iter().collect();
-                if !sink.send(chunk(p.text, vec![p.token_id], logprobs)).await {
-                    return;
-                }
-                if let Some(f) = p.finish {
-                    break f;
-                }
-            }
-            Ok(Event::End(f)) => {
-                let rest = run.flush();
-                if !rest.is_empty() && !sink.send(chunk(rest, Vec::new(), Vec::new())).await {
-                    return;
-                }
-                break f;
-            }
-        }
-    };
-    let usage = run.include_usage().then(|| {
-        let u = run.usage();
-        WireUsage {
-            prompt_tokens: u.prompt_tokens,
-            completion_tokens: u.completion_tokens,
-            total_tokens: u.total_tokens,
-            cached_prompt_tokens: u.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
-        }
-    });
-    let (seed, system_fingerprint) = (run.seed(), run.system_fingerprint().to_owned());
-    drop(run);
-    let finish_reason = match finish {
-        Finish::Stop => FinishReason::Stop,
-        Finish::Length => FinishReason::Length,
-    };
-    let done = Done { finish_reason: finish_reason as i32, usage, seed, system_fingerprint };
-    if sink.send(GenerateResponse { event: Some(generate_response::Event::Done(done)) }).await {
-        sink.finish();
-    }
-}
-
-/// A retry's answer: the first call's events as recorded, then live ones, ending
-/// as it ended. Counted as the first call's answer was.
-async fn replay(mut replay: Replay<Sent>, tx: Events, idle: Duration) {
-    metrics::idempotent_replay(if replay.leader_finished() { "done" } else { "inflight" });
-    let mut count = Count::new();
-    loop {
-        let item = match replay.next().await {
-            Replayed::Item(Sent::Event(event)) => {
-                count.ok();
-                Ok(event)
-            }
-            Replayed::Item(Sent::Refusal { status, http, code }) => {
-                count.record(http, code);
-                Err(status)
-            }
-            Replayed::End => return,
-            Replayed::Abandoned => {
-                count.error(&Error::IdempotentOriginalFailed);
-                Err(status_of(&Error::IdempotentOriginalFailed))
-            }
-        };
-        let last = item.is_err();
-        if !send_within(&tx, item, idle, "grpc").await || last {
-            return;
-        }
-    }
-}
-
 /// The `tandem.frontend.v1.Frontend` service.
 pub struct FrontendService {
     pipeline: Arc<Pipeline>,
@@ -555,9 +337,10 @@ impl Frontend for FrontendService {
             }
         };
         let digest = {
-            // The message without its key names the request, as HTTP's body does.
+            // The message without its key and cursor names the request, as HTTP's body does.
             let mut unkeyed = req.clone();
             unkeyed.idempotency_key.clear();
+            unkeyed.resume_cursor.clear();
             let mut d = unkeyed.encode_to_vec();
             d.extend_from_slice(API.as_bytes());
             d
@@ -565,6 +348,7 @@ impl Frontend for FrontendService {
         let id = Identity::of(entered.pass.caller(), API, key, &digest);
         let entered = entered.pace(p, &id).map_err(|e| refuse(&mut count, Some(&id), e))?;
         let idle = p.settings.stream_idle_timeout;
+        let resume = resume_of(req, key).map_err(|e| refuse(&mut count, Some(&id), e))?;
         // A retry's seed is known without running it: the request's, or its key's.
         let replay_seed = req.seed.unwrap_or_else(|| derived_seed(&entered.pass.tenant().name, &req.idempotency_key));
         let (entered, key, recorder) = match entered
@@ -572,7 +356,15 @@ impl Frontend for FrontendService {
             .map_err(|e| refuse(&mut count, Some(&id), e))?
         {
             Claimed::Fresh { entered, key, recorder } => (entered, key, recorder),
-            Claimed::Replay(r) => {
+            Claimed::Replay(mut r) => {
+                metrics::idempotent_replay(if r.leader_finished() { "done" } else { "inflight" });
+                if let Some(at) = resume {
+                    let checked = skip_to(&mut r, at).await;
+                    metrics::stream_resume(API, resume_outcome(&checked));
+                    if let Err(e) = checked {
+                        return Err(refuse(&mut count, Some(&id), e));
+                    }
+                }
                 count.defuse();
                 let (tx, rx) = mpsc::channel(STREAM_BUFFER);
                 tokio::spawn(replay(r, tx, idle));
@@ -594,8 +386,31 @@ impl Frontend for FrontendService {
         };
         let seed = job.spec.params.seed.unwrap_or_default();
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        let sink = Sink { tx, recorder, idle, count, id, pipeline: self.pipeline.clone() };
+        let (verified_tx, verified) = match resume {
+            Some(_) => {
+                let (t, r) = oneshot::channel();
+                (Some(t), Some(r))
+            }
+            None => (None, None),
+        };
+        let sink = Sink {
+            tx,
+            recorder,
+            idle,
+            count,
+            id,
+            pipeline: self.pipeline.clone(),
+            seed,
+            stamper: Stamper::default(),
+            resume: resume.map(Resume::new),
+            verified: verified_tx,
+        };
         tokio::spawn(generate(self.pipeline.clone(), job, sink));
+        if let Some(verified) = verified {
+            // The stream's messages start once the regenerated answer reached the cursor.
+            let checked = verified.await.unwrap_or_else(|_| Err(Status::unavailable("the resumed stream ended")));
+            checked.map_err(|s| with_seed_status(s, seed))?;
+        }
         Ok(with_seed(stream_of(rx), seed))
     }
 

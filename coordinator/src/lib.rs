@@ -24,6 +24,7 @@ pub mod admission;
 pub mod auth;
 pub mod breaker;
 pub mod cluster;
+pub mod cursor;
 pub mod error;
 pub mod fleet;
 pub mod grpc;

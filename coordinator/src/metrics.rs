@@ -51,6 +51,8 @@ fn describe() {
     describe_histogram!(TPOT, metrics::Unit::Seconds, "Gap between output tokens");
     describe_histogram!(E2E, metrics::Unit::Seconds, "Arrival to the last byte");
     describe_counter!(IDEMPOTENT_REPLAYS, "Requests answered from an earlier one with the same Idempotency-Key");
+    describe_counter!(STREAM_RESUMES, "Streams resumed from a cursor, by outcome");
+    describe_counter!(STREAM_HANDOFFS, "Running streams a draining coordinator ended for a peer to resume");
     describe_gauge!(BREAKER_STATE, "Prefill/decode pair circuit breaker: 0 closed, 1 half-open, 2 open");
     describe_counter!(BREAKER_TRANSITIONS, "Prefill/decode pair circuit breaker state changes");
     describe_counter!(PREFILL_ATTEMPTS, "Remote prefill attempts reported by decode workers, by outcome");
@@ -209,6 +211,12 @@ fn zero() {
         }
     }
     counter!(MIGRATION_RECOMPUTED_TOKENS).increment(0);
+    for api in ["http", "grpc"] {
+        for outcome in STREAM_RESUME_OUTCOMES {
+            counter!(STREAM_RESUMES, "api" => api, "outcome" => outcome).increment(0);
+        }
+        counter!(STREAM_HANDOFFS, "api" => api).increment(0);
+    }
 }
 
 /// Counts one request migration by `reason` and `outcome` ([`MIGRATIONS`]).
@@ -339,6 +347,16 @@ pub fn e2e(d: Duration) {
 
 pub fn idempotent_replay(state: &'static str) {
     counter!(IDEMPOTENT_REPLAYS, "state" => state).increment(1);
+}
+
+/// A stream resumed from a cursor, by outcome (`ok`, `mismatch`, `failed`).
+pub fn stream_resume(api: &'static str, outcome: &'static str) {
+    counter!(STREAM_RESUMES, "api" => api, "outcome" => outcome).increment(1);
+}
+
+/// A running stream ended with `coordinator_draining` for a peer to resume.
+pub fn stream_handoff(api: &'static str) {
+    counter!(STREAM_HANDOFFS, "api" => api).increment(1);
 }
 
 /// Follows membership: worker gauges, change counts, resyncs and health.

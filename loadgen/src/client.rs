@@ -32,6 +32,9 @@ use opskit::sse::SseParser;
 /// Largest SSE event, and largest whole or error body, we accept.
 const MAX_BODY: usize = 8 << 20;
 
+/// A resuming client's pause before its n-th resume: n times this.
+const RESUME_PAUSE: Duration = Duration::from_millis(50);
+
 /// What one request sends.
 pub(crate) enum Input<'a> {
     /// A prompt: raw text on completions, one user message on chat.
@@ -94,6 +97,9 @@ impl Sender {
     /// Sends request `index` with `input` (again after a 429 or 503 refusal when the
     /// plan's clients retry); `t0` is the run's start.
     pub async fn send(&self, index: usize, input: &Input<'_>, t0: Instant) -> Record {
+        if self.plan.resume {
+            return self.send_resuming(index, input, t0).await;
+        }
         let Some(retry) = self.plan.retry else {
             let deadline = Instant::now() + self.plan.timeout;
             return self.attempt(index, input, t0, None, deadline).await.0;
@@ -134,6 +140,74 @@ impl Sender {
             tokio::time::sleep(wait).await;
             retries.sent += 1;
         }
+    }
+
+    /// Sends request `index` as a resuming client ([`Plan::resume`]): again from its
+    /// last event's cursor whenever its stream is cut or handed off.
+    async fn send_resuming(&self, index: usize, input: &Input<'_>, t0: Instant) -> Record {
+        let key = format!("loadgen-{}-{index}", self.plan.seed);
+        let deadline = Instant::now() + self.plan.timeout;
+        let mut m = Meter::new(index, t0);
+        let mut last_id: Option<String> = None;
+        let mut resumed = 0;
+        loop {
+            let outcome = self.stream_from(&mut m, index, input, &key, &mut last_id, deadline).await;
+            let cut = match &outcome {
+                Outcome::Transport(_) => true,
+                Outcome::StreamError { code: Some(c), .. } => c == "coordinator_draining",
+                Outcome::HttpError { status: 503, code: Some(c), .. } => {
+                    c == "shutting_down" || c == "coordinator_draining"
+                }
+                _ => false,
+            };
+            if !cut || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
+                let mut r = m.end(outcome);
+                r.retries.resumed = resumed;
+                return r;
+            }
+            resumed += 1;
+            // A front sends the new connection to a live coordinator; a short pause keeps a
+            // client with none left from spinning on refused connects.
+            tokio::time::sleep(RESUME_PAUSE * resumed).await;
+        }
+    }
+
+    /// One attempt of a resuming client's stream, from the cursor in `last_id` (none:
+    /// from the start), which it moves on as events arrive.
+    async fn stream_from(
+        &self,
+        m: &mut Meter,
+        index: usize,
+        input: &Input<'_>,
+        key: &str,
+        last_id: &mut Option<String>,
+        deadline: Instant,
+    ) -> Outcome {
+        let mut req = Request::new(Full::new(Bytes::from(self.body(index, input).to_string())));
+        *req.method_mut() = Method::POST;
+        *req.uri_mut() = self.checked.uri.clone();
+        *req.headers_mut() = self.checked.headers.clone();
+        if let Ok(v) = hyper::header::HeaderValue::from_str(key) {
+            req.headers_mut().insert("idempotency-key", v);
+        }
+        if let Some(v) = last_id.as_deref().and_then(|id| hyper::header::HeaderValue::from_str(id).ok()) {
+            req.headers_mut().insert("last-event-id", v);
+        }
+        let resp = match timeout_at(deadline, self.http.request(req)).await {
+            Err(_) => return Outcome::Timeout,
+            Ok(Err(e)) => return Outcome::Transport(chain(&e)),
+            Ok(Ok(r)) => r,
+        };
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if !status.is_success() {
+            let error = match read_all(&mut body, deadline).await {
+                Ok(b) => openai::read_error(&b),
+                Err(e) => openai::ErrorBody { code: None, message: format!("(error body unread: {e})") },
+            };
+            return Outcome::HttpError { status: status.as_u16(), code: error.code, message: error.message };
+        }
+        stream(m, &mut body, deadline, last_id).await
     }
 
     /// One attempt of request `index`, ending by `deadline` at the latest (the
@@ -200,13 +274,14 @@ impl Sender {
             };
             return m.end(outcome);
         }
-        let outcome = stream(&mut m, &mut body, deadline).await;
+        let outcome = stream(&mut m, &mut body, deadline, &mut None).await;
         m.end(outcome)
     }
 }
 
-/// Reads SSE events to the end of the stream.
-async fn stream(m: &mut Meter, body: &mut Incoming, deadline: Instant) -> Outcome {
+/// Reads SSE events to the end of the stream, keeping the last event id (its
+/// resume cursor) in `last_id`.
+async fn stream(m: &mut Meter, body: &mut Incoming, deadline: Instant, last_id: &mut Option<String>) -> Outcome {
     let mut parser = SseParser::new(MAX_BODY);
     let mut events = Vec::new();
     loop {
@@ -222,6 +297,9 @@ async fn stream(m: &mut Meter, body: &mut Incoming, deadline: Instant) -> Outcom
             return Outcome::Protocol(e.to_string());
         }
         for ev in events.drain(..) {
+            if ev.id.is_some() {
+                last_id.clone_from(&ev.id);
+            }
             match openai::read_event(ev.event.as_deref(), &ev.data) {
                 Err(e) => return Outcome::Protocol(e),
                 Ok(Chunk::Error(e)) => return Outcome::StreamError { code: e.code, message: e.message },

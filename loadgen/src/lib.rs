@@ -47,6 +47,9 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+/// Most times one request of a resuming client ([`Plan::resume`]) is resumed.
+pub const MAX_RESUMES: u32 = 8;
+
 pub use plan::{Arrival, Endpoint, Plan, PlanError, PromptSource, Retry, Sampled};
 pub use report::{percentile, Outcome, Percentiles, Record, Report, Retries, Summary, EARLY_MARGIN};
 

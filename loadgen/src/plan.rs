@@ -155,6 +155,13 @@ pub struct Plan {
     pub sampled: Option<Sampled>,
     /// Clients that retry refusals ([`Retry`]); `None`: every request is sent once.
     pub retry: Option<Retry>,
+    /// Resuming clients (streams only; not with `retry`): every request carries an
+    /// `Idempotency-Key`, and a stream whose connection breaks, that ends with
+    /// `coordinator_draining`, or that is refused with 503 `shutting_down` is sent
+    /// again with `Last-Event-ID` set to its last event's cursor — up to
+    /// [`crate::MAX_RESUMES`] times within the timeout. The record is one request:
+    /// its text and timings run on across the resumes.
+    pub resume: bool,
     /// Client-side limit on a whole request, connect to last byte; past it
     /// the request is dropped and recorded as [`crate::Outcome::Timeout`].
     #[serde(rename = "timeout_ms", serialize_with = "crate::report::ms")]
@@ -183,6 +190,7 @@ impl Plan {
             seed: 0,
             sampled: None,
             retry: None,
+            resume: false,
             timeout: Duration::from_secs(300),
         }
     }
@@ -191,6 +199,12 @@ impl Plan {
     pub(crate) fn validate(&self) -> Result<Checked, PlanError> {
         if self.requests == 0 {
             return Err(PlanError::Invalid { field: "requests", reason: "must be at least 1".into() });
+        }
+        if self.resume && (!self.stream || self.retry.is_some()) {
+            return Err(PlanError::Invalid {
+                field: "resume",
+                reason: "resuming clients stream (stream: true) and do not also retry refusals (retry: none)".into(),
+            });
         }
         match self.arrival {
             Arrival::Closed { concurrency: 0 } => {

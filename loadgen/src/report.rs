@@ -102,6 +102,9 @@ pub struct Retries {
     /// inter-token gaps count from); `None` for a request sent once (its `start`).
     #[serde(rename = "last_start_ms", serialize_with = "opt_ms")]
     pub last_start: Option<Duration>,
+    /// Times the stream was resumed from its last event's cursor after its
+    /// connection broke or its coordinator drained ([`crate::Plan::resume`]).
+    pub resumed: u32,
 }
 
 /// How far before its `Retry-After` a retry must be sent to count as early: the

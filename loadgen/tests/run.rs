@@ -33,12 +33,60 @@ fn word(i: u64) -> String {
     format!(" w{i}")
 }
 
+/// The `resume` prompt's attempts: the Idempotency-Key and Last-Event-ID each carried.
+static RESUMES: std::sync::Mutex<Vec<(Option<String>, Option<String>)>> = std::sync::Mutex::new(Vec::new());
+
+/// A stream of five tokens, each event with an `id:` (the token count), cut twice: the
+/// first attempt's connection breaks after two tokens, the second (from cursor 2) ends
+/// with a `coordinator_draining` error event after one more, the third (from cursor 3)
+/// sends the rest.
+fn resumable(headers: &HeaderMap) -> Response {
+    let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let from = h("last-event-id");
+    RESUMES.lock().unwrap_or_else(|e| e.into_inner()).push((h("idempotency-key"), from.clone()));
+    let event = |i: u64| format!("id: {}\ndata: {}\n\n", i + 1, json!({"choices": [{"text": word(i)}]}));
+    let mut parts: Vec<Result<Bytes, std::io::Error>> = Vec::new();
+    match from.as_deref() {
+        None => {
+            parts.extend((0..2).map(|i| Ok(Bytes::from(event(i)))));
+            parts.push(Err(std::io::Error::other("the coordinator died")));
+        }
+        Some("2") => {
+            parts.push(Ok(Bytes::from(event(2))));
+            let e = json!({"error": {"message": "draining", "type": "overloaded_error", "code": "coordinator_draining",
+                                     "cursor": "3", "seed": 1}});
+            parts.push(Ok(Bytes::from(format!("data: {e}\n\n"))));
+        }
+        Some("3") => {
+            parts.extend((3..5).map(|i| Ok(Bytes::from(event(i)))));
+            let end = json!({"choices": [{"text": "", "finish_reason": "length"}]});
+            parts.push(Ok(Bytes::from(format!("id: 5.1\ndata: {end}\n\ndata: [DONE]\n\n"))));
+        }
+        Some(other) => {
+            let e = json!({"error": {"message": format!("no cursor {other}"), "type": "invalid_request_error",
+                                     "code": "resume_mismatch"}});
+            return (StatusCode::CONFLICT, Json(e)).into_response();
+        }
+    }
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        // Each part a moment after the last, so the head and events are out before a cut.
+        .body(Body::from_stream(futures_util::StreamExt::then(futures_util::stream::iter(parts), |p| async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            p
+        })))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
 async fn completions(headers: HeaderMap, Json(req): Json<Value>) -> Response {
     let chat = req.get("messages").is_some();
     let prompt = if chat { &req["messages"][0]["content"] } else { &req["prompt"] };
     let prompt = prompt.as_str().unwrap_or_default().to_owned();
     let n = req["max_tokens"].as_u64().unwrap_or(16);
     let usage = req["stream_options"]["include_usage"].as_bool().unwrap_or(false);
+    if prompt == "resume" {
+        return resumable(&headers);
+    }
     if prompt == "busy" {
         let body =
             json!({"error": {"message": "busy", "type": "overloaded_error", "param": null, "code": "overloaded"}});
@@ -396,5 +444,36 @@ async fn retrying_clients_count_early_retries_and_keep_their_key() -> TestResult
     assert_eq!(seen["eager"], vec![None, None, None], "an eager client sends no key");
     let keys = &seen["careful"];
     assert!(keys.len() == 3 && keys[0].is_some() && keys.iter().all(|k| k == &keys[0]), "one key: {keys:?}");
+    Ok(())
+}
+
+/// A resuming client sends a cut stream again with its key and its last event's cursor,
+/// through a broken connection and a `coordinator_draining` error event: one request, its
+/// text whole and in order, two resumes counted. Without `resume` the same stream is a
+/// transport error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resuming_clients_continue_from_their_last_cursor() -> TestResult {
+    let url = fake_server().await?;
+    let mut p = plan(&url, &["resume"]);
+    p.resume = true;
+    let r = loadgen::run(&p).await?;
+    let rec = &r.records[0];
+    assert_eq!(rec.outcome, Outcome::Complete { finish_reason: "length".into() }, "{rec:?}");
+    assert_eq!(rec.text, (0..5).map(word).collect::<String>());
+    assert_eq!(rec.retries.resumed, 2, "{rec:?}");
+    let seen = std::mem::take(&mut *RESUMES.lock().unwrap_or_else(|e| e.into_inner()));
+    let cursors: Vec<Option<&str>> = seen.iter().map(|(_, c)| c.as_deref()).collect();
+    assert_eq!(cursors, [None, Some("2"), Some("3")]);
+    assert!(seen.iter().all(|(k, _)| k.is_some() && *k == seen[0].0), "one key throughout: {seen:?}");
+
+    let mut p = plan(&url, &["resume"]);
+    p.resume = false;
+    let r = loadgen::run(&p).await?;
+    assert!(matches!(r.records[0].outcome, Outcome::Transport(_)), "{:?}", r.records[0]);
+    RESUMES.lock().unwrap_or_else(|e| e.into_inner()).clear();
+
+    p.resume = true;
+    p.stream = false;
+    assert!(loadgen::run(&p).await.is_err(), "resuming needs a stream");
     Ok(())
 }

@@ -18,6 +18,7 @@ use tokio::task::JoinHandle;
 
 pub use hyper::HeaderMap;
 
+pub use crate::sse::SseEvent;
 use crate::sse::SseParser;
 use crate::{Error, Result};
 
@@ -249,7 +250,7 @@ pub struct EventStream {
     /// Bytes read but not yet whole events.
     parser: SseParser,
     /// Whole events not yet returned, oldest first.
-    ready: VecDeque<String>,
+    ready: VecDeque<SseEvent>,
     /// The answer has ended.
     ended: bool,
     timeout: Duration,
@@ -262,9 +263,14 @@ impl EventStream {
     /// the answer. Events with no data (comments, keep-alives) are skipped. Each event must
     /// come within the stream's timeout.
     pub async fn next_event(&mut self) -> Result<Option<String>> {
+        Ok(self.next_sse().await?.map(|e| e.data))
+    }
+
+    /// The next whole event with its last event id ([`SseEvent`]), or `None` at the end.
+    pub async fn next_sse(&mut self) -> Result<Option<SseEvent>> {
         loop {
-            if let Some(data) = self.ready.pop_front() {
-                return Ok(Some(data));
+            if let Some(e) = self.ready.pop_front() {
+                return Ok(Some(e));
             }
             if self.ended {
                 return Ok(None);
@@ -279,7 +285,7 @@ impl EventStream {
             };
             let mut events = Vec::new();
             self.parser.push(&bytes, &mut events).map_err(|e| Error::Http(format!("{}: {e}", self.what)))?;
-            self.ready.extend(events.into_iter().map(|e| e.data));
+            self.ready.extend(events);
         }
     }
 
@@ -398,6 +404,12 @@ pub mod blocking {
         pub fn next_event(&mut self) -> Result<Option<String>> {
             let Some((rt, stream)) = self.inner.as_mut() else { return Ok(None) };
             on_own_thread(rt, stream.next_event())
+        }
+
+        /// [`super::EventStream::next_sse`].
+        pub fn next_sse(&mut self) -> Result<Option<SseEvent>> {
+            let Some((rt, stream)) = self.inner.as_mut() else { return Ok(None) };
+            on_own_thread(rt, stream.next_sse())
         }
 
         /// [`super::EventStream::rest`].

@@ -3,8 +3,9 @@
 //!
 //! Lines end in LF, CR or CRLF, also when a CRLF is split across chunks;
 //! `data:` lines of one event are joined with LF; an empty line dispatches;
-//! `:` lines are comments; fields other than `data` and `event` are
-//! ignored. Bytes are kept until a line is whole, so a UTF-8 character split
+//! `:` lines are comments; `id` sets the stream's last event id, which
+//! every later event carries until another `id` (what a client resumes
+//! from with `Last-Event-ID`); other fields are ignored. Bytes are kept until a line is whole, so a UTF-8 character split
 //! across chunks decodes correctly. An event bigger than the limit is an
 //! error rather than unbounded memory.
 
@@ -15,6 +16,9 @@ pub struct SseEvent {
     pub event: Option<String>,
     /// The `data:` lines, joined with `\n`.
     pub data: String,
+    /// The stream's last event id when this event was dispatched: its own
+    /// `id:`, else the last one before it.
+    pub id: Option<String>,
 }
 
 /// The stream broke the parser's limits.
@@ -32,6 +36,8 @@ pub struct SseParser {
     data: String,
     has_data: bool,
     event: Option<String>,
+    /// The last event id buffer (WHATWG: it persists across events).
+    last_id: Option<String>,
     /// The last chunk ended in CR: an LF first in the next one ends nothing.
     after_cr: bool,
     limit: usize,
@@ -40,7 +46,15 @@ pub struct SseParser {
 impl SseParser {
     /// A parser that refuses events over `limit` bytes.
     pub fn new(limit: usize) -> Self {
-        Self { line: Vec::new(), data: String::new(), has_data: false, event: None, after_cr: false, limit }
+        Self {
+            line: Vec::new(),
+            data: String::new(),
+            has_data: false,
+            event: None,
+            last_id: None,
+            after_cr: false,
+            limit,
+        }
     }
 
     /// Parses `bytes`, appending each event completed by them to `out`.
@@ -87,7 +101,8 @@ impl SseParser {
         let line = std::mem::take(&mut self.line);
         if line.is_empty() {
             if self.has_data {
-                out.push(SseEvent { event: self.event.take(), data: std::mem::take(&mut self.data) });
+                let data = std::mem::take(&mut self.data);
+                out.push(SseEvent { event: self.event.take(), data, id: self.last_id.clone() });
             }
             self.has_data = false;
             self.event = None;
@@ -111,6 +126,8 @@ impl SseParser {
                 self.has_data = true;
             }
             "event" => self.event = Some(value.to_owned()),
+            // An id with a NUL is ignored (WHATWG).
+            "id" if !value.contains('\0') => self.last_id = Some(value.to_owned()),
             _ => {}
         }
     }
@@ -184,10 +201,18 @@ mod tests {
         assert_eq!(
             out,
             [
-                SseEvent { event: Some("error".into()), data: "x\ny".into() },
-                SseEvent { event: None, data: String::new() }
+                SseEvent { event: Some("error".into()), data: "x\ny".into(), id: None },
+                SseEvent { event: None, data: String::new(), id: Some("7".into()) }
             ]
         );
+        Ok(())
+    }
+
+    #[test]
+    fn the_last_event_id_carries_over_to_events_without_one() -> Result<(), SseError> {
+        let out = parse_chunks(&[b"id: 1-a\ndata: x\n\ndata: y\n\nid: 2-b\ndata: z\n\nid: b\0d\ndata: w\n\n"])?;
+        let ids: Vec<Option<&str>> = out.iter().map(|e| e.id.as_deref()).collect();
+        assert_eq!(ids, [Some("1-a"), Some("1-a"), Some("2-b"), Some("2-b")]);
         Ok(())
     }
 

@@ -421,6 +421,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     // One token stops both servers: each stops accepting and lets its
     // in-flight requests finish.
     let stop = CancellationToken::new();
+    // The other live coordinators; none known without a fleet (no etcd).
+    let mut peers = None;
     if !flags.etcd.is_empty() {
         let fleet = coordinator::fleet::FleetConfig {
             etcd: registry::EtcdConfig::new(flags.etcd.clone()),
@@ -429,7 +431,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
             ttl: Duration::from_secs(flags.fleet_lease_ttl_s),
             min_split: flags.fleet_min_split,
         };
-        coordinator::fleet::spawn(fleet, split, stop.clone()).context("joining the coordinator fleet")?;
+        let (_, p) = coordinator::fleet::spawn(fleet, split, stop.clone()).context("joining the coordinator fleet")?;
+        peers = Some(p);
     }
     let serve = ServeSettings {
         max_connections: flags.http_max_connections,
@@ -472,11 +475,17 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     // Shutdown in phases, all within the grace: queued and new requests are
     // refused at once (503 shutting_down) while the listeners stay open, so
     // a client hears why instead of a refused connection; dispatched ones
-    // run on. Once none is left the servers stop accepting and close their
-    // idle connections; after the grace we exit anyway.
+    // run on. As soon as another coordinator is live (the fleet in etcd), the
+    // servers stop accepting (a front sends new connections on, HTTP/2 clients
+    // get GOAWAY, HTTP/1.1 answers `Connection: close`) and running streams end
+    // with the resumable `coordinator_draining`, for their clients to resume
+    // there. Once none is left the servers stop accepting and close their idle
+    // connections; after the grace we exit anyway.
     let grace = Duration::from_millis(flags.shutdown_timeout_ms);
     let until = tokio::time::Instant::now() + grace;
-    if !drainer.drain(grace).await {
+    let peer_live = || peers.as_ref().is_some_and(|p| p.live() > 0);
+    let stop_now = stop.clone();
+    if !drainer.drain(grace, peer_live, move || stop_now.cancel()).await {
         tracing::warn!(?grace, "in-flight requests did not finish within the grace");
     }
     stop.cancel();

@@ -65,6 +65,8 @@ pub fn status(e: &Error) -> StatusCode {
         Error::OverCap { what: Cap::PromptTokens, .. } => StatusCode::PAYLOAD_TOO_LARGE,
         Error::TokenizerBusy => StatusCode::SERVICE_UNAVAILABLE,
         Error::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+        Error::ResumeMismatch { .. } => StatusCode::CONFLICT,
+        Error::Draining => StatusCode::SERVICE_UNAVAILABLE,
     }
 }
 

@@ -31,7 +31,6 @@
 //! Every refusal or failure is a [`crate::error::Error`] until the answer is
 //! written; [`error`] gives it its status, body and `Retry-After`.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
@@ -39,29 +38,27 @@ use tokio::time::Instant;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri, Version};
-use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures_util::stream::Stream;
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
 
+use crate::cursor::Cursor;
 use crate::error::Error;
-use crate::idempotency::{Idempotency, Recorder, Replay, Replayed};
+use crate::idempotency::Idempotency;
 use crate::metrics;
 use crate::openai;
-use crate::pipeline::{
-    derived_seed, priority_of, send_within, Claimed, Draft, Entered, Event as RunEvent, Job, Pipeline, PromptInput,
-    Run, TokenLogprob,
-};
+use crate::pipeline::{derived_seed, priority_of, Claimed, Draft, Entered, Pipeline, PromptInput};
 use crate::prompt;
 use crate::retries::Identity;
 use crate::tenants::Pass;
 
+mod answer;
 pub mod error;
 mod serve;
 mod stall;
+pub use answer::SEED_HEADER;
+use answer::{replay_answer, respond};
 pub use serve::{serve, ServeSettings};
 pub use stall::{StallGuard, StallGuardListener};
 
@@ -87,7 +84,11 @@ pub struct HttpSettings {
 #[derive(Clone, Debug)]
 pub enum Recorded {
     Json(StatusCode, Value),
-    Event(String),
+    /// One SSE event: its cursor (`id:`) and data.
+    Event {
+        id: String,
+        data: String,
+    },
 }
 
 /// Shared state.
@@ -191,6 +192,16 @@ async fn host_rule(req: axum::extract::Request, next: axum::middleware::Next) ->
     }
 }
 
+/// Once the coordinator drains, every answer closes its connection
+/// (`Connection: close`): the client's next request opens a new one, which a
+/// front sends to another coordinator.
+async fn closing(State(app): State<Arc<App>>, mut r: Response) -> Response {
+    if app.pipeline.admission.is_closed() {
+        r.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+    }
+    r
+}
+
 pub fn router(app: Arc<App>) -> Router {
     let with_metrics = app.settings.metrics_on_client_port;
     let router = Router::new()
@@ -208,6 +219,7 @@ pub fn router(app: Arc<App>) -> Router {
         // The cap is enforced while reading (`read_body`), with our error body.
         .layer(DefaultBodyLimit::disable())
         .layer(axum::middleware::from_fn(host_rule))
+        .layer(axum::middleware::map_response_with_state(app.clone(), closing))
         .with_state(app)
 }
 
@@ -497,6 +509,24 @@ async fn walk_known(
         Err(e) => return e.into_response(),
     };
     let tenant = entered.pass.tenant().name.clone();
+    // A stream resumed from its last event's cursor, here or at another coordinator.
+    let resume = match header_str(headers, "last-event-id") {
+        Ok(None) => None,
+        Ok(Some(v)) => match v.parse::<Cursor>() {
+            Ok(c) => Some(c),
+            Err(why) => return Error::invalid("Last-Event-ID", why).into_response(),
+        },
+        Err(e) => return e.into_response(),
+    };
+    if resume.is_some() {
+        // Checked on the body as sent, before the key is claimed: a refusal of the
+        // header is not recorded as the key's answer.
+        let v = serde_json::from_slice::<Value>(&body).unwrap_or_default();
+        let key = header_str(headers, "idempotency-key").ok().flatten();
+        if let Err(e) = check_resumable(v["stream"] == json!(true), v["seed"].as_u64(), key) {
+            return e.into_response();
+        }
+    }
     let claimed = header_str(headers, "idempotency-key").and_then(|key| {
         let mut digest = body.to_vec();
         digest.extend_from_slice(api.name().as_bytes());
@@ -511,7 +541,7 @@ async fn walk_known(
             let stream = v["stream"] == json!(true);
             let seed = v["seed"].as_u64().or_else(|| Some(derived_seed(&tenant, key?)));
             let idle = app.pipeline.settings.stream_idle_timeout;
-            let mut r = replay_answer(replay, stream, idle).await;
+            let mut r = replay_answer(replay, stream, idle, resume).await;
             if let Some(v) = seed.and_then(|s| header::HeaderValue::from_str(&s.to_string()).ok()) {
                 r.headers_mut().insert(SEED_HEADER, v);
             }
@@ -536,7 +566,27 @@ async fn walk_known(
         app.pipeline.prepare(pass, draft).await
     }
     .await;
-    respond(app, api, job, recorder).await
+    respond(app, api, job, recorder, resume).await
+}
+
+/// A request with `Last-Event-ID` must be one a coordinator can regenerate
+/// exactly: streamed, and with a seed it knows (the body's, or its
+/// `Idempotency-Key`'s).
+fn check_resumable(stream: bool, seed: Option<u64>, key: Option<&str>) -> Result<(), Error> {
+    if !stream {
+        return Err(Error::invalid(
+            "Last-Event-ID",
+            "a cursor resumes a streamed answer; this request has no `stream: true`",
+        ));
+    }
+    if seed.is_none() && key.is_none() {
+        return Err(Error::invalid(
+            "Last-Event-ID",
+            "a stream is resumed by regenerating it: send the first request's Idempotency-Key, or the seed it \
+             was answered with (x-tandem-seed) as `seed`",
+        ));
+    }
+    Ok(())
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
@@ -575,292 +625,6 @@ async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Re
         })
     })
     .await
-}
-
-/// Admits and routes a prepared request (or answers its refusal) and shapes
-/// its run as an OpenAI answer, streamed or whole; with `recorder` (an
-/// `Idempotency-Key`) what it sends is recorded for retries. The answer's
-/// `x-tandem-seed` header carries the seed it was sampled with.
-async fn respond(app: Arc<App>, api: Api, job: Result<Job, Error>, recorder: Option<Recorder<Recorded>>) -> Response {
-    let refused = |e: Error, recorder: Option<Recorder<Recorded>>| {
-        // A refusal is kept for retries only when a retry would get it again.
-        let status = error::status(&e);
-        if let Some(rec) = recorder {
-            rec.push(Recorded::Json(status, error::body(&e)));
-            rec.finish(keeps(status));
-        }
-        e.into_response()
-    };
-    let job = match job {
-        Ok(j) => j,
-        Err(e) => return refused(e, recorder),
-    };
-    let stream = job.spec.stream;
-    let run = match app.pipeline.run(job).await {
-        Ok(r) => r,
-        Err(e) => {
-            // A refusal after admission (no route, a deadline) is never kept: a retry may pass.
-            if let Some(rec) = recorder {
-                rec.finish(false);
-            }
-            return e.into_response();
-        }
-    };
-    let seed = run.seed();
-    let answer = Answer {
-        api,
-        created: now_secs(),
-        model: app.pipeline.settings.model.clone(),
-        run,
-        recorder,
-        idle: app.pipeline.settings.stream_idle_timeout,
-    };
-    let mut response = if stream {
-        let (tx, rx) = mpsc::channel::<Event>(16);
-        tokio::spawn(answer.stream(tx));
-        let events = tokio_stream::wrappers::ReceiverStream::new(rx);
-        Sse::new(infallible(events)).into_response()
-    } else {
-        let (result, recorder) = answer.collect().await;
-        let (status, body) = match &result {
-            Ok(body) => (StatusCode::OK, body.clone()),
-            Err(e) => (error::status(e), error::body(e)),
-        };
-        if let Some(rec) = recorder {
-            rec.push(Recorded::Json(status, body.clone()));
-            rec.finish(keeps(status));
-        }
-        match result {
-            Ok(body) => Json(body).into_response(),
-            Err(e) => e.into_response(),
-        }
-    };
-    if let Ok(v) = header::HeaderValue::from_str(&seed.to_string()) {
-        response.headers_mut().insert(SEED_HEADER, v);
-    }
-    response
-}
-
-/// The response header that carries the seed an answer was sampled with.
-pub const SEED_HEADER: &str = "x-tandem-seed";
-
-/// Whether a retry should get this status again rather than run anew.
-fn keeps(status: StatusCode) -> bool {
-    status.is_success() || (status.is_client_error() && status != StatusCode::TOO_MANY_REQUESTS)
-}
-
-/// The answer of a request that follows an earlier one with its key.
-async fn replay_answer(mut replay: Replay<Recorded>, stream: bool, idle: Duration) -> Response {
-    metrics::idempotent_replay(if replay.leader_finished() { "done" } else { "inflight" });
-    // The first thing the original sent: a whole answer (a JSON body, or a streamed
-    // request's refusal, which went out as JSON with its status) is replayed as it was.
-    let first = replay.next().await;
-    let first = match first {
-        Replayed::Item(Recorded::Json(status, body)) => return (status, Json(body)).into_response(),
-        other if !stream => {
-            drop(other);
-            return Error::IdempotentOriginalFailed.into_response();
-        }
-        other => other,
-    };
-    let (tx, rx) = mpsc::channel::<Event>(16);
-    tokio::spawn(async move {
-        let mut first = Some(first);
-        loop {
-            let next = match first.take() {
-                Some(f) => f,
-                None => replay.next().await,
-            };
-            let event = match next {
-                Replayed::Item(Recorded::Event(data)) => Event::default().data(data),
-                Replayed::Item(Recorded::Json(_, body)) => Event::default().data(body.to_string()),
-                Replayed::End => return,
-                Replayed::Abandoned => Event::default().data(error::body(&Error::IdempotentOriginalFailed).to_string()),
-            };
-            if !send_within(&tx, event, idle, "http").await {
-                return;
-            }
-        }
-    });
-    Sse::new(infallible(tokio_stream::wrappers::ReceiverStream::new(rx))).into_response()
-}
-
-fn infallible(s: impl Stream<Item = Event>) -> impl Stream<Item = Result<Event, Infallible>> {
-    use futures_util::StreamExt;
-    s.map(Ok)
-}
-
-/// One token's `logprobs.content[]` entry.
-fn logprob_json(l: TokenLogprob) -> Value {
-    let top: Vec<Value> = l.top.into_iter().map(|a| json!({"token": a.token, "logprob": a.logprob})).collect();
-    json!({"token": l.token, "logprob": l.logprob, "top_logprobs": top})
-}
-
-/// A run shaped as an OpenAI answer of one endpoint.
-struct Answer {
-    api: Api,
-    created: u64,
-    model: String,
-    run: Run,
-    /// Set for a request with an `Idempotency-Key`: what is sent is recorded.
-    recorder: Option<Recorder<Recorded>>,
-    /// How long the client may leave an event untaken before the stream ends.
-    idle: Duration,
-}
-
-impl Answer {
-    /// Runs to the end and builds the non-streaming body; hands the
-    /// recorder back for the caller to record the final answer.
-    async fn collect(mut self) -> (Result<Value, Error>, Option<Recorder<Recorded>>) {
-        let recorder = self.recorder.take();
-        (self.body().await, recorder)
-    }
-
-    async fn body(&mut self) -> Result<Value, Error> {
-        let c = self.run.collect().await?;
-        let usage = self.run.usage();
-        let lp = self
-            .run
-            .logprobs()
-            .then(|| json!({"content": c.logprobs.into_iter().map(logprob_json).collect::<Vec<_>>()}));
-        let (text, finish, id) = (c.text, c.finish.as_str(), self.run.id());
-        Ok(match self.api {
-            Api::Chat => json!({
-                "id": format!("chatcmpl-{id}"),
-                "object": "chat.completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": lp,
-                    "finish_reason": finish,
-                }],
-                "usage": usage,
-                "system_fingerprint": self.run.system_fingerprint(),
-            }),
-            Api::Completions => json!({
-                "id": format!("cmpl-{id}"),
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
-                "usage": usage,
-                "system_fingerprint": self.run.system_fingerprint(),
-            }),
-        })
-    }
-
-    fn chunk(&self, text: Option<&str>, logprob: Option<Value>, finish: Option<&str>, first: bool) -> Value {
-        let id = self.run.id();
-        match self.api {
-            Api::Chat => {
-                let mut delta = serde_json::Map::new();
-                if first {
-                    delta.insert("role".into(), json!("assistant"));
-                }
-                if let Some(t) = text {
-                    delta.insert("content".into(), json!(t));
-                }
-                json!({
-                    "id": format!("chatcmpl-{id}"),
-                    "object": "chat.completion.chunk",
-                    "created": self.created,
-                    "model": self.model,
-                    "system_fingerprint": self.run.system_fingerprint(),
-                    "choices": [{
-                        "index": 0,
-                        "delta": delta,
-                        "logprobs": logprob.map(|l| json!({"content": [l]})),
-                        "finish_reason": finish,
-                    }],
-                })
-            }
-            Api::Completions => json!({
-                "id": format!("cmpl-{id}"),
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "system_fingerprint": self.run.system_fingerprint(),
-                "choices": [{
-                    "index": 0,
-                    "text": text.unwrap_or(""),
-                    "logprobs": logprob.map(|l| json!({"content": [l]})),
-                    "finish_reason": finish,
-                }],
-            }),
-        }
-    }
-
-    /// Streams SSE events until the end; a send failure means the client
-    /// went away, and returning drops the run (cancelling it).
-    async fn stream(mut self, tx: mpsc::Sender<Event>) {
-        let mut first = true;
-        if self.api == Api::Chat {
-            if !self.emit(&tx, self.chunk(None, None, None, true).to_string()).await {
-                return;
-            }
-            first = false;
-        }
-        let finish = loop {
-            match self.run.step().await {
-                Err(e) => {
-                    // Headers are gone already: the error travels as an
-                    // event. Not kept for idempotent retries (dropping the
-                    // recorder abandons it): a retry runs anew.
-                    self.recorder = None;
-                    send_within(&tx, Event::default().data(error::body(&e).to_string()), self.idle, "http").await;
-                    return;
-                }
-                Ok(RunEvent::Piece(p)) => {
-                    let logprob = p.logprob.map(logprob_json);
-                    if (!p.text.is_empty() || logprob.is_some())
-                        && !self.emit(&tx, self.chunk(Some(&p.text), logprob, None, first).to_string()).await
-                    {
-                        return;
-                    }
-                    first = false;
-                    if let Some(f) = p.finish {
-                        break f;
-                    }
-                }
-                Ok(RunEvent::End(f)) => {
-                    let rest = self.run.flush();
-                    if !rest.is_empty() && !self.emit(&tx, self.chunk(Some(&rest), None, None, first).to_string()).await
-                    {
-                        return;
-                    }
-                    break f;
-                }
-            }
-        };
-        let text = if self.api == Api::Chat { None } else { Some("") };
-        if !self.emit(&tx, self.chunk(text, None, Some(finish.as_str()), false).to_string()).await {
-            return;
-        }
-        if self.run.include_usage() {
-            let mut u = self.chunk(text, None, None, false);
-            u["choices"] = json!([]);
-            u["usage"] = json!(self.run.usage());
-            if !self.emit(&tx, u.to_string()).await {
-                return;
-            }
-        }
-        if self.emit(&tx, "[DONE]".to_owned()).await {
-            if let Some(rec) = self.recorder.take() {
-                rec.finish(true);
-            }
-        }
-    }
-
-    /// Records (for idempotent retries) and sends one SSE event; false when
-    /// the client went away or took no event within the idle timeout.
-    async fn emit(&self, tx: &mpsc::Sender<Event>, data: String) -> bool {
-        if let Some(rec) = &self.recorder {
-            rec.push(Recorded::Event(data.clone()));
-        }
-        send_within(tx, Event::default().data(data), self.idle, "http").await
-    }
 }
 
 async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {

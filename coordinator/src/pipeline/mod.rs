@@ -18,6 +18,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use types::priority::Priority;
 
 use crate::admission::{self, Admission, Seat, Shed, Ticket};
@@ -112,6 +113,9 @@ pub struct Pipeline {
     pub admission: Arc<Admission>,
     /// Retries kept to their Retry-After and their caller's budget, across both APIs.
     pub retries: RetryGate,
+    /// Cancelled when a draining coordinator hands its streams to its peers:
+    /// every [`Run`] then ends with [`Error::Draining`].
+    handoff: CancellationToken,
 }
 
 pub use crate::prompt::PromptInput;
@@ -195,7 +199,19 @@ impl Pipeline {
         let admission = Admission::new(config)?;
         let migrations = Arc::new(tokio::sync::Semaphore::new(settings.migration.concurrency.max(1)));
         let retries = RetryGate::new(settings.retries);
-        Ok(Arc::new(Self { migrations, tokenizer, context, cluster, settings, gate, pool, admission, retries }))
+        let handoff = CancellationToken::new();
+        Ok(Arc::new(Self {
+            migrations,
+            tokenizer,
+            context,
+            cluster,
+            settings,
+            gate,
+            pool,
+            admission,
+            retries,
+            handoff,
+        }))
     }
 
     /// With `max_running` 0, keeps the admission capacity at this
@@ -371,24 +387,47 @@ impl Pipeline {
         self.cluster.ready()
     }
 
-    /// The first phase of shutdown: every queued request and every later
-    /// one is refused at once with 503 `shutting_down` (Retry-After: another
-    /// coordinator can take it), `/ready` and gRPC health turn not ready,
-    /// and requests already dispatched run on. Returns when none is left
-    /// running, or after `grace`; `true` when all finished.
-    pub async fn drain(&self, grace: Duration) -> bool {
+    /// Shutdown, within `grace`: every queued request and every later one is
+    /// refused at once with 503 `shutting_down` (Retry-After: another
+    /// coordinator can take it), `/ready` and gRPC health turn not ready, and
+    /// requests already dispatched run on, until `peer_live` says another
+    /// coordinator is live. Then `on_handoff` runs once (the caller stops its
+    /// listeners: a front sends new connections to the peer, HTTP/2 clients get
+    /// GOAWAY) and every running request ends with [`Error::Draining`], which
+    /// carries its stream's cursor and seed: the client resumes it at the peer.
+    /// Returns when none is left running, or after `grace`; `true` when all ended.
+    pub async fn drain(&self, grace: Duration, peer_live: impl Fn() -> bool, on_handoff: impl FnOnce()) -> bool {
         self.admission.close();
         let until = tokio::time::Instant::now() + grace;
         let mut tick = tokio::time::interval(Duration::from_millis(20));
+        let mut on_handoff = Some(on_handoff);
         loop {
             tick.tick().await;
-            if self.admission.stats().running == 0 {
+            let running = self.admission.stats().running;
+            if running == 0 {
                 return true;
             }
             if tokio::time::Instant::now() >= until {
                 return false;
             }
+            if on_handoff.is_some() && peer_live() {
+                tracing::info!(running, "a peer coordinator is live: handing the running streams to it");
+                if let Some(f) = on_handoff.take() {
+                    f();
+                }
+                self.handoff.cancel();
+            }
         }
+    }
+
+    /// Whether running requests are being ended for a peer to resume.
+    pub fn handing_off(&self) -> bool {
+        self.handoff.is_cancelled()
+    }
+
+    /// Resolves once running requests are to end for a peer to resume.
+    pub(crate) async fn handed_off(&self) {
+        self.handoff.cancelled().await;
     }
 }
 

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use super::{Job, Pipeline};
 use crate::admission::Seat;
 use crate::cluster::{next, Dispatch, Inflight, Pin, Step, WorkerStream};
+use crate::cursor::Chain;
 use crate::error::Error;
 use crate::metrics;
 use crate::openai::Usage;
@@ -165,6 +166,8 @@ pub struct Run {
     /// Every token id the workers sent, in order (stop-string tokens included):
     /// a continuation's `generated_ids`.
     emitted: Vec<u32>,
+    /// The hash of `emitted`, for stream cursors ([`crate::cursor`]).
+    chain: Chain,
     /// Decode workers this request lost; a continuation avoids them.
     lost: Vec<String>,
     migrations: u32,
@@ -212,6 +215,7 @@ impl Run {
             stream,
             dispatch,
             emitted: Vec::new(),
+            chain: Chain::default(),
             lost: Vec::new(),
             migrations: 0,
             last_event: Instant::now(),
@@ -245,6 +249,11 @@ impl Run {
     /// OpenAI's `system_fingerprint`), empty when unknown.
     pub fn system_fingerprint(&self) -> &str {
         &self.stream.placement().determinism
+    }
+
+    /// The tokens generated so far and their hash: where a stream event sent now stands.
+    pub fn chain(&self) -> Chain {
+        self.chain
     }
 
     /// The request asked for logprobs.
@@ -299,13 +308,18 @@ impl Run {
     /// The next piece, or the end; a worker error or the deadline is an error.
     /// A stream that breaks, is refused or stalls moves to another decode worker
     /// (within `--migration-limit` and the deadline) and goes on from there.
+    /// Once the coordinator hands its streams to a peer, [`Error::Draining`].
     pub async fn step(&mut self) -> Result<Event, Error> {
         loop {
             let stall = self.pipeline.settings.migration.stall;
             let wake = (self.last_event + stall).min(self.deadline);
-            let event =
-                tokio::time::timeout_at(wake, next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission))
-                    .await;
+            let pipeline = self.pipeline.clone();
+            let event = tokio::select! {
+                biased;
+                // The coordinator is draining and a peer will resume the stream.
+                () = pipeline.handed_off() => return Err(Error::Draining),
+                e = tokio::time::timeout_at(wake, next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission)) => e,
+            };
             let event = match event {
                 Err(_) if Instant::now() >= self.deadline => return Err(Error::Deadline),
                 Err(_) => {
@@ -338,6 +352,7 @@ impl Run {
                     }
                     self.last_event = Instant::now();
                     self.emitted.push(t.id);
+                    self.chain.push(t.id);
                     let piece = self.piece_of(&t);
                     if piece.finish.is_some() {
                         self.await_worker_end().await;

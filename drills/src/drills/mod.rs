@@ -65,6 +65,11 @@ pub(crate) trait Drill: Send + Sync {
     fn retry(&self) -> Option<loadgen::Retry> {
         None
     }
+    /// Whether the load's clients resume cut streams from their last cursor
+    /// ([`loadgen::Plan::resume`]); none do by default.
+    fn resume(&self) -> bool {
+        false
+    }
 }
 
 /// `Drill::built`'s check for a drill whose fault is a prefill worker's hook: the prefill
@@ -186,6 +191,9 @@ fn all() -> Vec<Box<dyn Drill>> {
         // Request migration: long streams, half sampled, outlive their decode worker.
         Box::new(process::DecodeKill { sampled: true }),
         Box::new(process::DecodeFreezeMigrate),
+        // Streams outlive their coordinator: resuming clients behind a front.
+        Box::new(process::CoordinatorKillResume),
+        Box::new(process::CoordinatorRollingDrain),
     ]
 }
 
@@ -504,6 +512,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     plan.api_key = s.spec.tenants.as_ref().map(|t| t.load_key.clone());
     plan.deadline = Some(s.invariants.deadline);
     plan.timeout = s.invariants.deadline + s.invariants.grace + Duration::from_secs(10);
+    plan.resume = drill.resume();
 
     // Overload drills: the no-overload maximum first, then Poisson arrivals at a multiple of it.
     let bound = s.invariants.goodput;

@@ -1,13 +1,16 @@
 //! Drills that kill, stop or drain processes, one family per module: [`kill`] (SIGKILL of
 //! workers), [`stop`] (SIGSTOP), [`drain`] (SIGTERM: rolling restarts, relabel, short grace)
-//! and [`coordinator_kill`].
+//! [`coordinator_kill`] and [`coordinator_resume`] (a coordinator killed or drained under
+//! resuming clients).
 
 mod coordinator_kill;
+mod coordinator_resume;
 mod drain;
 mod kill;
 mod stop;
 
 pub(super) use coordinator_kill::CoordinatorKill;
+pub(super) use coordinator_resume::{CoordinatorKillResume, CoordinatorRollingDrain};
 pub(super) use drain::{DrainGraceShort, RollingDrain, VersionRelabel};
 pub(super) use kill::{DecodeKill, PrefillKill};
 pub(super) use stop::{DecodeFreezeMigrate, WorkerSigstop};

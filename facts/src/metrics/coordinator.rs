@@ -57,6 +57,18 @@ pub const E2E: &str = "tandem_coordinator_e2e_request_latency_seconds";
 /// `tandem_coordinator_idempotent_replays_total{state}`: requests answered
 /// from an earlier one with the same `Idempotency-Key` (`inflight` or `done`).
 pub const IDEMPOTENT_REPLAYS: &str = "tandem_coordinator_idempotent_replays_total";
+/// `tandem_coordinator_stream_resumes_total{api,outcome}`: streams resumed
+/// from a cursor (`Last-Event-ID`, gRPC `resume_cursor`): `ok` (the cursor
+/// was regenerated and checked; the rest is sent), `mismatch` (another answer:
+/// `resume_mismatch`), `failed` (the regeneration failed before the cursor).
+/// vLLM: none.
+pub const STREAM_RESUMES: &str = "tandem_coordinator_stream_resumes_total";
+/// Every `outcome` of [`STREAM_RESUMES`].
+pub const STREAM_RESUME_OUTCOMES: [&str; 3] = ["ok", "mismatch", "failed"];
+/// `tandem_coordinator_stream_handoffs_total{api}`: running streams a draining
+/// coordinator ended with the resumable `coordinator_draining` error because a
+/// peer coordinator was live. vLLM: none.
+pub const STREAM_HANDOFFS: &str = "tandem_coordinator_stream_handoffs_total";
 /// `tandem_coordinator_prefill_breaker_state{prefill,decode}`: the circuit
 /// breaker of each (prefill worker, decode worker) pair, by registry id: 0
 /// closed, 1 half-open (a probe may go), 2 open. A pair whose worker left
@@ -227,6 +239,8 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: TPOT, kind: Kind::Histogram, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: E2E, kind: Kind::Histogram, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: IDEMPOTENT_REPLAYS, kind: Kind::Counter, labels: &["state"], exporter: Exporter::Coordinator },
+    Metric { name: STREAM_RESUMES, kind: Kind::Counter, labels: &["api", "outcome"], exporter: Exporter::Coordinator },
+    Metric { name: STREAM_HANDOFFS, kind: Kind::Counter, labels: &["api"], exporter: Exporter::Coordinator },
     Metric { name: BREAKER_STATE, kind: Kind::Gauge, labels: &["prefill", "decode"], exporter: Exporter::Coordinator },
     Metric {
         name: BREAKER_TRANSITIONS,
