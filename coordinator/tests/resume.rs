@@ -8,6 +8,9 @@
 //!   there, or replayed from the key's record where it ran; a cursor of another
 //!   answer is 409 / FAILED_PRECONDITION `resume_mismatch` with nothing sent; a
 //!   resume the coordinator cannot regenerate exactly is refused naming the header.
+//! - A coordinator SIGKILLed while eight 200-token streams (half sampled) run through
+//!   it: every stream, resumed at the other by its client, completes token for token
+//!   as the undisturbed answer.
 //! - A coordinator told to drain while a peer is live ends its running streams
 //!   with `coordinator_draining` carrying the cursor and seed, stops accepting,
 //!   and exits long before its grace; each stream resumed at the peer completes
@@ -400,5 +403,84 @@ async fn a_draining_coordinator_hands_its_streams_to_a_peer() -> TestResult {
     assert!(term.elapsed() < Duration::from_secs(20));
     assert!(std::net::TcpStream::connect(&ha).is_err(), "A's HTTP port is closed");
     assert_eq!(metric(&hb, STREAM_HANDOFFS, &[("api", "http")])?, 0.0, "B handed nothing off");
+    Ok(())
+}
+
+/// The token pieces of a completion's events (`logprobs.content[].token`): the answer's
+/// tokens as the API shows them.
+fn pieces(events: &[Ev]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| e.choices[0]["logprobs"]["content"].as_array())
+        .flatten()
+        .map(|t| t["token"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_cut_by_a_killed_coordinator_resume_token_for_token() -> TestResult {
+    let etcd = opskit::etcd::Etcd::start().await?;
+    let ep = etcd.endpoint();
+    let _d = decode_worker(&ep, "killed")?;
+    let mut a = coordinator(&ep, "killed", &[])?;
+    let b = coordinator(&ep, "killed", &[])?;
+    let (ha, hb) = (a.addr("http")?, b.addr("http")?);
+    serving(&ha, 2.0).await?;
+    serving(&hb, 2.0).await?;
+    let path = "/v1/completions";
+    // Eight 200-token streams, every second one sampled with its own seed.
+    let bodies: Vec<Value> = (0..8u64)
+        .map(|i| {
+            let mut b = completion(200, (i % 2 == 1).then_some(100 + i));
+            if i % 2 == 0 {
+                b["temperature"] = json!(0);
+            }
+            b
+        })
+        .collect();
+    let undisturbed = futures_util::future::join_all(bodies.iter().map(|b| stream(&hb, path, b, &[]))).await;
+    let want: Vec<Vec<String>> =
+        undisturbed.into_iter().map(|r| r.map(|r| pieces(&r.events))).collect::<Result<_, _>>()?;
+    assert!(want.iter().all(|w| w.len() == 200), "{:?}", want.iter().map(Vec::len).collect::<Vec<_>>());
+
+    let keys: Vec<String> = (0..8).map(|i| format!("killed-{}-{i}", unique())).collect();
+    let mut open = Vec::new();
+    for (body, key) in bodies.iter().zip(&keys) {
+        let s = opskit::http::Request::post(&ha, path).json(body).header("idempotency-key", key).timeout(WAIT);
+        open.push(s.stream().await?);
+    }
+    let mut had = vec![Vec::new(); open.len()];
+    for (s, h) in open.iter_mut().zip(&mut had) {
+        while h.len() < 3 {
+            h.push(ev(s.next_sse().await?.expect("an event"))?);
+        }
+    }
+    a.kill9().await?;
+    for (i, mut s) in open.into_iter().enumerate() {
+        // What was on its way before the kill, then the cut: no end, no error event.
+        while let Ok(Some(e)) = s.next_sse().await {
+            had[i].push(ev(e)?);
+        }
+        assert!(had[i].last().is_some_and(|e| !e.done), "stream {i} was cut before its end");
+    }
+    let resumed =
+        futures_util::future::join_all(bodies.iter().zip(&keys).zip(&had).map(|((body, key), h)| {
+            let at = h.last().and_then(|e| e.id.clone()).unwrap_or_default();
+            let hb = hb.clone();
+            async move {
+                stream(&hb, path, body, &[("idempotency-key", key.as_str()), ("last-event-id", at.as_str())]).await
+            }
+        }))
+        .await;
+    for (i, r) in resumed.into_iter().enumerate() {
+        let r = r?;
+        assert_eq!(r.status, 200, "stream {i}: {}", r.refusal);
+        let mut got = pieces(&had[i]);
+        got.extend(pieces(&r.events));
+        assert_eq!(
+            got, want[i],
+            "stream {i}: the tokens before the kill and after the resume are the undisturbed answer"
+        );
+    }
     Ok(())
 }

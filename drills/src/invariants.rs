@@ -122,6 +122,11 @@ impl Default for Invariants {
 /// excess (refused requests computed, a slot left idle while requests
 /// wait), costs far more than the gap between the two.
 ///
+/// With `closed`, the drill's own load is not an overload: it keeps the baseline's
+/// closed loop of `saturating` clients (the drill's `concurrency`), so goodput is
+/// what a fault (a rolling drain) costs a steady load, against the same load
+/// undisturbed; `factor` is unused.
+///
 /// With `arrivals_only`, goodput is measured while the arrivals last (from the first
 /// arrival to the last), counting each output token by when it arrived: for loads
 /// whose clients retry, whose tail after the last arrival is only retries spaced by
@@ -134,6 +139,7 @@ pub struct GoodputBound {
     /// Requests in each no-overload measurement.
     pub baseline_requests: usize,
     pub arrivals_only: bool,
+    pub closed: bool,
 }
 
 /// Numbers the checks measured, for the report.

@@ -56,6 +56,9 @@ pub(crate) struct Sender {
     http: Client<HttpConnector, Full<Bytes>>,
     plan: Arc<Plan>,
     checked: Arc<Checked>,
+    /// Names this run in a resuming client's keys: a key names one request, and two
+    /// runs of one plan (a baseline, then the drill) send other bodies at one index.
+    run: u64,
 }
 
 impl Sender {
@@ -63,7 +66,9 @@ impl Sender {
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
         let http = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(conn);
-        Self { http, plan: Arc::new(plan.clone()), checked: Arc::new(checked) }
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let run = (nanos as u64) ^ (u64::from(std::process::id()) << 32);
+        Self { http, plan: Arc::new(plan.clone()), checked: Arc::new(checked), run }
     }
 
     fn body(&self, index: usize, input: &Input<'_>) -> Value {
@@ -145,7 +150,7 @@ impl Sender {
     /// Sends request `index` as a resuming client ([`Plan::resume`]): again from its
     /// last event's cursor whenever its stream is cut or handed off.
     async fn send_resuming(&self, index: usize, input: &Input<'_>, t0: Instant) -> Record {
-        let key = format!("loadgen-{}-{index}", self.plan.seed);
+        let key = format!("loadgen-{}-{:x}-{index}", self.plan.seed, self.run);
         let deadline = Instant::now() + self.plan.timeout;
         let mut m = Meter::new(index, t0);
         let mut last_id: Option<String> = None;

@@ -137,6 +137,7 @@ impl Drill for Overload3x {
                     saturating: 2,
                     baseline_requests: 12,
                     arrivals_only: false,
+                    closed: false,
                 }),
                 ..Invariants::default()
             },

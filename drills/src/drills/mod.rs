@@ -362,8 +362,14 @@ async fn saturating_load(
     if t.completed < requests {
         // A refusal here means `saturating` is more than admission holds: the measurement
         // would not be a no-overload one.
+        let failed: Vec<String> = r
+            .records
+            .iter()
+            .filter(|x| !matches!(x.outcome, Outcome::Complete { .. }))
+            .map(|x| x.outcome.label())
+            .collect();
         return Err(HarnessError::Load(format!(
-            "the no-overload measurement completed {} of {requests} requests at concurrency {}",
+            "the no-overload measurement completed {} of {requests} requests at concurrency {}: {failed:?}",
             t.completed, bound.saturating
         )));
     }
@@ -520,7 +526,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         Some(g) => {
             saturating_load(&plan, g, g.saturating, seed + 3).await?;
             let t = saturating_load(&plan, g, g.baseline_requests, seed + 1).await?;
-            if !opts.skip_fault {
+            if !opts.skip_fault && !g.closed {
                 plan.arrival = Arrival::Poisson { rate: g.factor * t.rps() };
                 plan.retry = drill.retry();
             }

@@ -8,7 +8,7 @@ use crate::cluster::{Cluster, ClusterSpec};
 use crate::drills::common::{gone, LOAD_WAIT};
 use crate::drills::process::kill::migration_load;
 use crate::drills::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
-use crate::invariants::Invariants;
+use crate::invariants::{GoodputBound, Invariants};
 use crate::process::Signal;
 use crate::{eventually, HarnessError};
 use facts::metrics::coordinator::{RUNNING, STREAM_RESUMES};
@@ -159,7 +159,21 @@ impl Drill for CoordinatorRollingDrain {
             requests: 24,
             max_tokens: 96,
             concurrency: 4,
-            invariants: Invariants { all_complete: true, allowed_errors: Some(vec![]), ..Invariants::default() },
+            invariants: Invariants {
+                all_complete: true,
+                allowed_errors: Some(vec![]),
+                // The same four clients, undisturbed, before and after: the drains (and the
+                // tokens regenerated to resume) may cost at most a tenth of their goodput.
+                goodput: Some(GoodputBound {
+                    floor: 0.9,
+                    factor: 1.0,
+                    saturating: 4,
+                    baseline_requests: 12,
+                    arrivals_only: false,
+                    closed: true,
+                }),
+                ..Invariants::default()
+            },
             sampled: Some(loadgen::Sampled { every: 2, temperature: 0.8, top_p: 0.95, seed: 2000 }),
         }
     }
