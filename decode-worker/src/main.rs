@@ -17,8 +17,8 @@ use decode_worker::{DecodeConfig, DecodeFlags};
 use engine::runner::{Runner, RunnerConfig, RunnerHandle};
 use kvtransfer::transport::{DirectPool, PoolMemory};
 use kvtransfer::{
-    LocalKvServer, LocalServerConfig, Peer, PeerTrust, QuicKvServer, QuicServerConfig, Receiver, ReceiverConfig,
-    ServerStats, TcpKvServer, TcpServerConfig, TlsIdentity, TransportKind, UcxKvServer, UcxServerConfig,
+    KvServer, LocalServerConfig, Peer, PeerTrust, QuicServerConfig, Receiver, ReceiverConfig, ServerConfig,
+    TcpServerConfig, TlsIdentity, TransportKind, UcxServerConfig,
 };
 use proto::worker::v1::decode_worker_server::DecodeWorkerServer;
 use tokio_util::sync::CancellationToken;
@@ -54,7 +54,7 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     let (kv_server, tls_cert_sha256) = bind_transfer(&cfg, receiver.clone(), sink, &runner).await?;
     let advertised = cfg.advertise_transfer.clone().unwrap_or_else(|| kv_server.local_addr());
     println!("listening transfer={}", kv_server.local_addr());
-    kv_server.export_stats();
+    export_stats(&kv_server);
     decode_worker::metrics::record_transport(cfg.transport);
     tracing::info!(transport = %cfg.transport, addr = %advertised, "KV transfer listener");
 
@@ -124,70 +124,24 @@ async fn run(cfg: DecodeConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The KV listener of the configured transport.
-enum KvServer {
-    Tcp(TcpKvServer),
-    Quic(QuicKvServer),
-    Local(LocalKvServer),
-    Ucx(UcxKvServer),
-}
-
-impl KvServer {
-    fn local_addr(&self) -> String {
-        match self {
-            Self::Tcp(s) => s.local_addr().to_string(),
-            Self::Quic(s) => s.local_addr().to_string(),
-            Self::Local(s) => s.local_addr().to_owned(),
-            Self::Ucx(s) => s.local_addr().to_owned(),
-        }
-    }
-
-    fn kind(&self) -> TransportKind {
-        match self {
-            Self::Tcp(_) => TransportKind::Tcp,
-            Self::Quic(_) => TransportKind::Quic,
-            Self::Local(_) => TransportKind::Local,
-            Self::Ucx(_) => TransportKind::Ucx,
-        }
-    }
-
-    fn watch_stats(&self) -> tokio::sync::watch::Receiver<ServerStats> {
-        match self {
-            Self::Tcp(s) => s.watch_stats(),
-            Self::Quic(s) => s.watch_stats(),
-            Self::Local(s) => s.watch_stats(),
-            Self::Ucx(s) => s.watch_stats(),
-        }
-    }
-
-    /// Exports the listener's counters to `/metrics` as they change (a task
-    /// that ends when the listener stops).
-    fn export_stats(&self) {
-        let (mut rx, kind) = (self.watch_stats(), self.kind());
-        tokio::spawn(async move {
-            loop {
-                {
-                    let stats = rx.borrow_and_update();
-                    decode_worker::metrics::record_connections(&stats, kind);
-                    if kind == TransportKind::Ucx {
-                        decode_worker::metrics::record_ucx(&stats.ucx);
-                    }
-                }
-                if rx.changed().await.is_err() {
-                    break;
+/// Exports the KV listener's counters to `/metrics` as they change (a task that
+/// ends when the listener stops).
+fn export_stats(server: &KvServer) {
+    let (mut rx, kind) = (server.watch_stats(), server.kind());
+    tokio::spawn(async move {
+        loop {
+            {
+                let stats = rx.borrow_and_update();
+                decode_worker::metrics::record_connections(&stats, kind);
+                if kind == TransportKind::Ucx {
+                    decode_worker::metrics::record_ucx(&stats.ucx);
                 }
             }
-        });
-    }
-
-    fn shutdown(self) {
-        match self {
-            Self::Tcp(s) => s.shutdown(),
-            Self::Quic(s) => s.shutdown(),
-            Self::Local(s) => s.shutdown(),
-            Self::Ucx(s) => s.shutdown(),
+            if rx.changed().await.is_err() {
+                break;
+            }
         }
-    }
+    });
 }
 
 /// Moves the engine's (still empty) pool into memory the TCP server maps
@@ -220,15 +174,15 @@ async fn bind_transfer(
     match cfg.transport {
         TransportKind::Local => {
             let config = LocalServerConfig { idle_timeout: cfg.transfer_idle_timeout, ..LocalServerConfig::default() };
-            let s = LocalKvServer::bind(addr, receiver, sink, config).await.map_err(bound)?;
-            Ok((KvServer::Local(s), None))
+            let s = KvServer::bind(addr, receiver, sink, ServerConfig::Local(config)).await.map_err(bound)?;
+            Ok((s, None))
         }
         TransportKind::Tcp => {
             let direct = if cfg.tcp_direct { Some(pool_memory(runner).await?) } else { None };
             let config =
                 TcpServerConfig { idle_timeout: cfg.transfer_idle_timeout, direct, ..TcpServerConfig::default() };
-            let s = TcpKvServer::bind(addr, receiver, sink, config).await.map_err(bound)?;
-            Ok((KvServer::Tcp(s), None))
+            let s = KvServer::bind(addr, receiver, sink, ServerConfig::Tcp(config)).await.map_err(bound)?;
+            Ok((s, None))
         }
         TransportKind::Ucx => {
             let pool_blocks = if cfg.ucx_direct {
@@ -239,7 +193,10 @@ async fn bind_transfer(
             };
             let config =
                 UcxServerConfig { landing_bytes: cfg.ucx_landing_bytes, pool_blocks, ..UcxServerConfig::default() };
-            let mut s = UcxKvServer::bind(receiver, sink, config).await.context("starting the UCX KV server")?;
+            let mut server = KvServer::bind(addr, receiver, sink, ServerConfig::Ucx(config))
+                .await
+                .context("starting the UCX KV server")?;
+            let s = server.ucx_mut().context("a ucx server")?;
             tracing::info!(ucx_tls = %kvtransfer::transport::ucx::ucx_tls(), landing_bytes = cfg.ucx_landing_bytes, "UCX landing region registered");
             if let Some(memory) = s.pool_memory() {
                 // The pool moves into the registered memory before any request can use it
@@ -252,7 +209,7 @@ async fn bind_transfer(
                 s.enable_direct();
                 tracing::info!(bytes, "KV pool in UCX-registered memory: senders on this host write it directly");
             }
-            Ok((KvServer::Ucx(s), None))
+            Ok((server, None))
         }
         TransportKind::Quic => {
             let files = &cfg.common.quic;
@@ -268,8 +225,8 @@ async fn bind_transfer(
             let mut config = QuicServerConfig::new(identity);
             config.client_trust = files.load_ca().context("loading quic_ca")?.map(|ca: PeerTrust| ca);
             config.idle_timeout = cfg.transfer_idle_timeout;
-            let s = QuicKvServer::bind(addr, receiver, sink, config).await.context("binding the QUIC listener")?;
-            Ok((KvServer::Quic(s), pin))
+            let s = KvServer::bind(addr, receiver, sink, ServerConfig::Quic(config)).await;
+            Ok((s.context("binding the QUIC listener")?, pin))
         }
     }
 }

@@ -94,7 +94,7 @@ pub use session::{
     ConfigError, FrameError, Peer, Receiver, ReceiverConfig, ReceiverCounters, ReleaseCause, Released, Reservation,
     ReservationError, ReservationId, ReservationState, ReserveError, ReserveRefusal, WriteInstruction,
 };
-pub use transport::any::{KvSender, TransportKind};
+pub use transport::any::{KvSender, KvServer, SenderConfig, ServerConfig, TransportKind};
 pub use transport::local::{LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, LocalServerStats};
 pub use transport::quic::{
     CertFingerprint, PeerTrust, QuicKvSender, QuicKvServer, QuicSenderConfig, QuicServerConfig, QuicServerStats,

@@ -22,9 +22,9 @@ use engine::sampler::SampledToken;
 use types::kv::KvLayout;
 
 use kvtransfer::{
-    AbortReason, Buffer, Buffers, CertFingerprint, KvSender, LayoutFingerprint, LocalKvSender, LocalSenderConfig, Peer,
-    PeerTrust, QuicKvSender, QuicSenderConfig, RejectReason, Reservation, ReservationId, StoredLayer, TcpKvSender,
-    TcpSenderConfig, TlsIdentity, TransferError, TransportKind, UcxDirectWriter, UcxKvSender, UcxSenderConfig,
+    AbortReason, Buffer, Buffers, CertFingerprint, KvSender, LayoutFingerprint, LocalSenderConfig, Peer, PeerTrust,
+    QuicSenderConfig, RejectReason, Reservation, ReservationId, SenderConfig, StoredLayer, TcpSenderConfig,
+    TlsIdentity, TransferError, TransportKind, UcxDirectWriter, UcxSenderConfig,
 };
 use proto::worker::v1::prefill_worker_server::PrefillWorker;
 use proto::worker::v1::{
@@ -410,18 +410,15 @@ impl PrefillService {
         let inner = &self.inner;
         let t = &inner.transfer;
         let (local, layout, addr) = (&inner.local, inner.layout, dest.addr.as_str());
-        let sender = match dest.kind {
+        let config = match dest.kind {
             TransportKind::Tcp => {
-                let config = TcpSenderConfig { timeout: t.timeout, ..TcpSenderConfig::default() };
-                TcpKvSender::connect(addr, local, layout, config).await.map(KvSender::Tcp)
+                SenderConfig::Tcp(TcpSenderConfig { timeout: t.timeout, ..TcpSenderConfig::default() })
             }
             TransportKind::Local => {
-                let config = LocalSenderConfig { timeout: t.timeout, ..LocalSenderConfig::default() };
-                LocalKvSender::connect(addr, local, layout, config).await.map(KvSender::Local)
+                SenderConfig::Local(LocalSenderConfig { timeout: t.timeout, ..LocalSenderConfig::default() })
             }
             TransportKind::Ucx => {
-                let config = UcxSenderConfig { timeout: t.timeout, ..UcxSenderConfig::default() };
-                UcxKvSender::connect(addr, local, layout, config).await.map(KvSender::Ucx)
+                SenderConfig::Ucx(UcxSenderConfig { timeout: t.timeout, ..UcxSenderConfig::default() })
             }
             TransportKind::Quic => {
                 let trust = match (&t.quic_ca, dest.pin) {
@@ -434,9 +431,10 @@ impl PrefillService {
                 let mut config = QuicSenderConfig::new(trust);
                 config.identity = t.quic_identity.clone();
                 config.timeout = t.timeout;
-                QuicKvSender::connect(addr, local, layout, config).await.map(KvSender::Quic)
+                SenderConfig::Quic(config)
             }
         };
+        let sender = KvSender::connect(addr, local, layout, config).await;
         sender.map_err(|e| transfer_err(&e))
     }
 

@@ -41,10 +41,10 @@ use engine::model::Model;
 use engine::sampler::SampledToken;
 use kvtransfer::transport::{DirectPool, PoolMemory};
 use kvtransfer::{
-    BlockSink, Buffer, Buffers, KvSender, LayoutFingerprint, LocalKvSender, LocalKvServer, LocalSenderConfig,
-    LocalServerConfig, OwnedPayload, Peer, PeerTrust, QuicKvSender, QuicKvServer, QuicSenderConfig, QuicServerConfig,
-    Receiver, ReceiverConfig, Reservation, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TlsIdentity,
-    TransportKind, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig, VersionGroup, WriteInstruction,
+    BlockSink, Buffer, Buffers, KvSender, KvServer, LayoutFingerprint, LocalSenderConfig, LocalServerConfig,
+    OwnedPayload, Peer, PeerTrust, QuicSenderConfig, QuicServerConfig, Receiver, ReceiverConfig, Reservation,
+    SenderConfig, ServerConfig, TcpSenderConfig, TcpServerConfig, TlsIdentity, TransportKind, UcxSenderConfig,
+    UcxServerConfig, VersionGroup, WriteInstruction,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use types::kv::{BlockId, KvLayout};
@@ -272,12 +272,11 @@ struct Figures {
     first_step: Duration,
 }
 
-/// The decode side's KV server, of the transport under test.
-enum Server {
-    Tcp(TcpKvServer),
-    Quic(QuicKvServer, PeerTrust),
-    Local(LocalKvServer),
-    Ucx(UcxKvServer),
+/// The decode side's KV server, of the transport under test, and how a sender
+/// trusts it (QUIC: its self-signed certificate, pinned).
+struct Server {
+    server: KvServer,
+    quic_pin: Option<PeerTrust>,
 }
 
 impl Server {
@@ -287,49 +286,38 @@ impl Server {
         sink: ToThread,
         direct: Option<DirectPool>,
     ) -> Result<Self> {
-        Ok(match kind {
+        let mut quic_pin = None;
+        let (addr, config) = match kind {
             TransportKind::Tcp => {
-                let config = TcpServerConfig { direct, ..TcpServerConfig::default() };
-                Self::Tcp(TcpKvServer::bind("127.0.0.1:0", receiver, sink, config).await?)
+                ("127.0.0.1:0".to_owned(), ServerConfig::Tcp(TcpServerConfig { direct, ..TcpServerConfig::default() }))
             }
             TransportKind::Quic => {
                 let id = TlsIdentity::self_signed(&["tandem-kv"]).map_err(|e| anyhow!("a certificate: {e}"))?;
-                let pin = PeerTrust::Pinned(id.fingerprint());
-                Self::Quic(QuicKvServer::bind("127.0.0.1:0", receiver, sink, QuicServerConfig::new(id)).await?, pin)
+                quic_pin = Some(PeerTrust::Pinned(id.fingerprint()));
+                ("127.0.0.1:0".to_owned(), ServerConfig::Quic(QuicServerConfig::new(id)))
             }
             TransportKind::Local => {
-                let addr = format!("@tandem-handoff-{}", std::process::id());
-                Self::Local(LocalKvServer::bind(addr.as_str(), receiver, sink, LocalServerConfig::default()).await?)
+                (format!("@tandem-handoff-{}", std::process::id()), ServerConfig::Local(LocalServerConfig::default()))
             }
-            TransportKind::Ucx => Self::Ucx(UcxKvServer::bind(receiver, sink, UcxServerConfig::default()).await?),
-        })
+            TransportKind::Ucx => (String::new(), ServerConfig::Ucx(UcxServerConfig::default())),
+        };
+        Ok(Self { server: KvServer::bind(&addr, receiver, sink, config).await?, quic_pin })
     }
 
     async fn connect(&self, p: &Peer, l: KvLayout) -> Result<KvSender> {
-        Ok(match self {
-            Self::Tcp(s) => {
-                KvSender::Tcp(TcpKvSender::connect(s.local_addr(), p, l, TcpSenderConfig::default()).await?)
+        let config = match self.server.kind() {
+            TransportKind::Tcp => SenderConfig::Tcp(TcpSenderConfig::default()),
+            TransportKind::Quic => {
+                SenderConfig::Quic(QuicSenderConfig::new(self.quic_pin.clone().context("a quic server's pin")?))
             }
-            Self::Quic(s, pin) => {
-                let config = QuicSenderConfig::new(pin.clone());
-                KvSender::Quic(QuicKvSender::connect(s.local_addr(), p, l, config).await?)
-            }
-            Self::Local(s) => {
-                KvSender::Local(LocalKvSender::connect(s.local_addr(), p, l, LocalSenderConfig::default()).await?)
-            }
-            Self::Ucx(s) => {
-                KvSender::Ucx(UcxKvSender::connect(s.local_addr(), p, l, UcxSenderConfig::default()).await?)
-            }
-        })
+            TransportKind::Local => SenderConfig::Local(LocalSenderConfig::default()),
+            TransportKind::Ucx => SenderConfig::Ucx(UcxSenderConfig::default()),
+        };
+        Ok(KvSender::connect(&self.server.local_addr(), p, l, config).await?)
     }
 
     fn shutdown(self) {
-        match self {
-            Self::Tcp(s) => s.shutdown(),
-            Self::Quic(s, _) => s.shutdown(),
-            Self::Local(s) => s.shutdown(),
-            Self::Ucx(s) => s.shutdown(),
-        }
+        self.server.shutdown();
     }
 }
 

@@ -1,18 +1,26 @@
-//! One sender type over every transport, so a worker picks the transport
-//! per destination at run time (`KvDestination.transport`) and drives it
-//! the same way.
+//! One sender type and one server type over every transport, so a worker
+//! picks the transport per destination at run time
+//! (`KvDestination.transport`) and drives it the same way; the decode worker,
+//! the conformance suite and `tandem bench handoff` bind their servers here.
 
 use std::fmt;
+use std::io;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+use types::kv::KvLayout;
 
 use crate::buffers::Buffer;
 use crate::frame::{AbortReason, Ack};
-use crate::session::Reservation;
+use crate::session::{Peer, Receiver, Reservation};
 
+use super::close::ServerStats;
 use super::error::TransferError;
-use super::local::LocalKvSender;
-use super::quic::QuicKvSender;
-use super::tcp::TcpKvSender;
-use super::ucx::{StoredLayer, UcxDirectWriter, UcxKvSender};
+use super::local::{LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig};
+use super::quic::{QuicKvSender, QuicKvServer, QuicSenderConfig, QuicServerConfig};
+use super::tcp::{TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig};
+use super::ucx::{StoredLayer, UcxDirectWriter, UcxKvSender, UcxKvServer, UcxSenderConfig, UcxServerConfig};
+use super::BlockSink;
 
 /// The transports a destination can name on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -61,7 +69,43 @@ pub enum KvSender {
     Ucx(UcxKvSender),
 }
 
+/// How to connect to a destination, per transport.
+#[derive(Debug, Clone)]
+pub enum SenderConfig {
+    Tcp(TcpSenderConfig),
+    Quic(QuicSenderConfig),
+    Local(LocalSenderConfig),
+    Ucx(UcxSenderConfig),
+}
+
+impl SenderConfig {
+    pub fn kind(&self) -> TransportKind {
+        match self {
+            Self::Tcp(_) => TransportKind::Tcp,
+            Self::Quic(_) => TransportKind::Quic,
+            Self::Local(_) => TransportKind::Local,
+            Self::Ucx(_) => TransportKind::Ucx,
+        }
+    }
+}
+
 impl KvSender {
+    /// Connects to the server at `addr` (its [`KvServer::local_addr`]) of the transport
+    /// `config` names, presenting `local` and `layout` in the hello.
+    pub async fn connect(
+        addr: &str,
+        local: &Peer,
+        layout: KvLayout,
+        config: SenderConfig,
+    ) -> Result<Self, TransferError> {
+        Ok(match config {
+            SenderConfig::Tcp(c) => Self::Tcp(TcpKvSender::connect(addr, local, layout, c).await?),
+            SenderConfig::Quic(c) => Self::Quic(QuicKvSender::connect(addr, local, layout, c).await?),
+            SenderConfig::Local(c) => Self::Local(LocalKvSender::connect(addr, local, layout, c).await?),
+            SenderConfig::Ucx(c) => Self::Ucx(UcxKvSender::connect(addr, local, layout, c).await?),
+        })
+    }
+
     pub fn kind(&self) -> TransportKind {
         match self {
             Self::Tcp(_) => TransportKind::Tcp,
@@ -161,6 +205,89 @@ impl KvSender {
             Self::Quic(s) => s.bytes_sent(),
             Self::Local(s) => s.bytes_sent(),
             Self::Ucx(s) => s.bytes_sent(),
+        }
+    }
+}
+
+/// How to bind a KV server, per transport.
+#[derive(Debug)]
+pub enum ServerConfig {
+    Tcp(TcpServerConfig),
+    Quic(QuicServerConfig),
+    Local(LocalServerConfig),
+    Ucx(UcxServerConfig),
+}
+
+/// A KV listener on one of the transports, feeding one [`Receiver`]: what a
+/// decode worker runs.
+#[derive(Debug)]
+pub enum KvServer {
+    Tcp(TcpKvServer),
+    Quic(QuicKvServer),
+    Local(LocalKvServer),
+    Ucx(UcxKvServer),
+}
+
+impl KvServer {
+    /// Binds `addr` (a socket address for tcp and quic, a path or `@name` for
+    /// local; ucx listens where its worker address says and ignores it) and
+    /// starts serving, within a tokio runtime.
+    pub async fn bind<S>(addr: &str, receiver: Arc<Mutex<Receiver>>, sink: S, config: ServerConfig) -> io::Result<Self>
+    where
+        S: BlockSink + Clone + 'static,
+    {
+        Ok(match config {
+            ServerConfig::Tcp(c) => Self::Tcp(TcpKvServer::bind(addr, receiver, sink, c).await?),
+            ServerConfig::Quic(c) => Self::Quic(QuicKvServer::bind(addr, receiver, sink, c).await?),
+            ServerConfig::Local(c) => Self::Local(LocalKvServer::bind(addr, receiver, sink, c).await?),
+            ServerConfig::Ucx(c) => Self::Ucx(UcxKvServer::bind(receiver, sink, c).await?),
+        })
+    }
+
+    pub fn kind(&self) -> TransportKind {
+        match self {
+            Self::Tcp(_) => TransportKind::Tcp,
+            Self::Quic(_) => TransportKind::Quic,
+            Self::Local(_) => TransportKind::Local,
+            Self::Ucx(_) => TransportKind::Ucx,
+        }
+    }
+
+    /// Where senders connect: what a `KvDestination` carries.
+    pub fn local_addr(&self) -> String {
+        match self {
+            Self::Tcp(s) => s.local_addr().to_string(),
+            Self::Quic(s) => s.local_addr().to_string(),
+            Self::Local(s) => s.local_addr().to_owned(),
+            Self::Ucx(s) => s.local_addr().to_owned(),
+        }
+    }
+
+    /// A watch on the listener's counters (one [`ServerStats`] for every transport).
+    pub fn watch_stats(&self) -> watch::Receiver<ServerStats> {
+        match self {
+            Self::Tcp(s) => s.watch_stats(),
+            Self::Quic(s) => s.watch_stats(),
+            Self::Local(s) => s.watch_stats(),
+            Self::Ucx(s) => s.watch_stats(),
+        }
+    }
+
+    /// The ucx server, for what only it has (its registered pool memory).
+    pub fn ucx_mut(&mut self) -> Option<&mut UcxKvServer> {
+        match self {
+            Self::Ucx(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Stops accepting and ends every connection.
+    pub fn shutdown(self) {
+        match self {
+            Self::Tcp(s) => s.shutdown(),
+            Self::Quic(s) => s.shutdown(),
+            Self::Local(s) => s.shutdown(),
+            Self::Ucx(s) => s.shutdown(),
         }
     }
 }

@@ -12,10 +12,9 @@ use std::time::Duration;
 use engine::kv::KvPool;
 use kvtransfer::transport::PoolMemory;
 use kvtransfer::{
-    KvSender, LocalKvSender, LocalKvServer, LocalSenderConfig, LocalServerConfig, Peer, PeerTrust, QuicKvSender,
-    QuicKvServer, QuicSenderConfig, QuicServerConfig, Receiver, ReceiverConfig, Released, Reservation, ServerStats,
-    TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig, TlsIdentity, TransferError, TransportKind, UcxKvSender,
-    UcxKvServer, UcxSenderConfig, UcxServerConfig,
+    KvSender, KvServer, LocalSenderConfig, LocalServerConfig, Peer, PeerTrust, QuicSenderConfig, QuicServerConfig,
+    Receiver, ReceiverConfig, Released, Reservation, SenderConfig, ServerConfig, ServerStats, TcpSenderConfig,
+    TcpServerConfig, TlsIdentity, TransferError, TransportKind, UcxSenderConfig, UcxServerConfig,
 };
 use tokio::sync::watch;
 use types::kv::{BlockId, KvLayout};
@@ -25,14 +24,6 @@ use crate::net::{layout, lock, now, peer, within, WAIT};
 /// Blocks of the decode pool.
 const POOL_BLOCKS: usize = 32;
 
-/// A KV server of some transport.
-pub enum Server {
-    Tcp(TcpKvServer),
-    Quic(QuicKvServer, PeerTrust),
-    Local(LocalKvServer),
-    Ucx(UcxKvServer),
-}
-
 /// Decode side: a receiver, a pool with some decoy blocks taken (so block
 /// ids differ from the source's), and a server of one transport writing
 /// into that pool.
@@ -41,7 +32,9 @@ pub struct DecodeSide {
     pub layout: KvLayout,
     pub rx: Arc<Mutex<Receiver>>,
     pub pool: Arc<Mutex<KvPool>>,
-    server: Option<Server>,
+    server: Option<KvServer>,
+    /// How a sender trusts the QUIC server's self-signed certificate.
+    quic_pin: Option<PeerTrust>,
 }
 
 impl DecodeSide {
@@ -64,61 +57,49 @@ impl DecodeSide {
         });
         let _decoys = lock(&pool).allocate(3).expect("decoys");
         let sink = pool.clone();
-        let server = match kind {
+        let mut quic_pin = None;
+        let (addr, config) = match kind {
             TransportKind::Tcp => {
-                let config = TcpServerConfig { direct, ..TcpServerConfig::default() };
-                let s = TcpKvServer::bind("127.0.0.1:0", rx.clone(), sink, config).await;
-                Server::Tcp(s.expect("bind tcp"))
+                ("127.0.0.1:0".to_owned(), ServerConfig::Tcp(TcpServerConfig { direct, ..TcpServerConfig::default() }))
             }
             TransportKind::Quic => {
                 let id = TlsIdentity::self_signed(&["tandem-kv"]).expect("self-signed");
-                let pin = PeerTrust::Pinned(id.fingerprint());
-                let s = QuicKvServer::bind("127.0.0.1:0", rx.clone(), sink, QuicServerConfig::new(id)).await;
-                Server::Quic(s.expect("bind quic"), pin)
+                quic_pin = Some(PeerTrust::Pinned(id.fingerprint()));
+                ("127.0.0.1:0".to_owned(), ServerConfig::Quic(QuicServerConfig::new(id)))
             }
-            TransportKind::Local => {
-                let s = LocalKvServer::bind(unique_addr(), rx.clone(), sink, LocalServerConfig::default()).await;
-                Server::Local(s.expect("bind local"))
-            }
+            TransportKind::Local => (unique_addr(), ServerConfig::Local(LocalServerConfig::default())),
             TransportKind::Ucx => {
                 ucx_env();
                 // The landing region only (no direct pool): every write is copied out and
                 // checked before it reaches the pool, as the streams' are.
-                let s = within("the UCX server up", UcxKvServer::bind(rx.clone(), sink, UcxServerConfig::default()));
-                Server::Ucx(s.await.expect("bind ucx"))
+                (String::new(), ServerConfig::Ucx(UcxServerConfig::default()))
             }
         };
-        Self { kind, layout: l, rx, pool, server: Some(server) }
+        let server = within("the server up", KvServer::bind(&addr, rx.clone(), sink, config)).await.expect("bind");
+        Self { kind, layout: l, rx, pool, server: Some(server), quic_pin }
     }
 
-    fn server(&self) -> &Server {
+    fn server(&self) -> &KvServer {
         self.server.as_ref().expect("the server is up")
     }
 
     /// Connects a sender presenting `p`.
     pub async fn connect(&self, p: &Peer) -> Result<KvSender, TransferError> {
-        let l = self.layout;
-        let connecting = async {
-            match self.server() {
-                Server::Tcp(s) => {
-                    let config = TcpSenderConfig { timeout: WAIT, ..TcpSenderConfig::default() };
-                    TcpKvSender::connect(s.local_addr(), p, l, config).await.map(KvSender::Tcp)
-                }
-                Server::Quic(s, pin) => {
-                    let config = QuicSenderConfig { timeout: WAIT, ..QuicSenderConfig::new(pin.clone()) };
-                    QuicKvSender::connect(s.local_addr(), p, l, config).await.map(KvSender::Quic)
-                }
-                Server::Local(s) => {
-                    let config = LocalSenderConfig { timeout: WAIT, ..LocalSenderConfig::default() };
-                    LocalKvSender::connect(s.local_addr(), p, l, config).await.map(KvSender::Local)
-                }
-                Server::Ucx(s) => {
-                    let config = UcxSenderConfig { timeout: Duration::from_secs(3), ..UcxSenderConfig::default() };
-                    UcxKvSender::connect(s.local_addr(), p, l, config).await.map(KvSender::Ucx)
-                }
+        let config = match self.kind {
+            TransportKind::Tcp => SenderConfig::Tcp(TcpSenderConfig { timeout: WAIT, ..TcpSenderConfig::default() }),
+            TransportKind::Quic => {
+                let pin = self.quic_pin.clone().expect("a quic server's pin");
+                SenderConfig::Quic(QuicSenderConfig { timeout: WAIT, ..QuicSenderConfig::new(pin) })
+            }
+            TransportKind::Local => {
+                SenderConfig::Local(LocalSenderConfig { timeout: WAIT, ..LocalSenderConfig::default() })
+            }
+            TransportKind::Ucx => {
+                SenderConfig::Ucx(UcxSenderConfig { timeout: Duration::from_secs(3), ..UcxSenderConfig::default() })
             }
         };
-        within("the handshake", connecting).await
+        let addr = self.server().local_addr();
+        within("the handshake", KvSender::connect(&addr, p, self.layout, config)).await
     }
 
     /// A sender presenting the decode side's own group and fingerprint.
@@ -132,12 +113,7 @@ impl DecodeSide {
     }
 
     pub fn watch_stats(&self) -> watch::Receiver<ServerStats> {
-        match self.server() {
-            Server::Tcp(s) => s.watch_stats(),
-            Server::Quic(s, _) => s.watch_stats(),
-            Server::Local(s) => s.watch_stats(),
-            Server::Ucx(s) => s.watch_stats(),
-        }
+        self.server().watch_stats()
     }
 
     pub async fn wait_stats(&self, what: &str, pred: impl FnMut(&ServerStats) -> bool) -> ServerStats {
@@ -162,12 +138,8 @@ impl DecodeSide {
 
     /// Stops the server (every connection ends; ucx: its thread and worker).
     pub fn stop(&mut self) {
-        match self.server.take() {
-            Some(Server::Tcp(s)) => s.shutdown(),
-            Some(Server::Quic(s, _)) => s.shutdown(),
-            Some(Server::Local(s)) => s.shutdown(),
-            Some(Server::Ucx(s)) => s.shutdown(),
-            None => {}
+        if let Some(s) = self.server.take() {
+            s.shutdown();
         }
     }
 }
