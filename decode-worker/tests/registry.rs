@@ -107,3 +107,28 @@ async fn the_grpc_health_probe_follows_the_fence() -> TestResult {
     assert_eq!(next_status(&mut watch).await?, Some(ServingStatus::Serving), "unfenced by a coordinator's call");
     Ok(())
 }
+
+/// A worker that starts while etcd is down (restarting, a blip) waits for it and
+/// registers once it is back, rather than exiting at the first refused connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_started_while_etcd_is_down_registers_once_it_is_back() -> TestResult {
+    let mut etcd = Etcd::start().await?;
+    let ep = etcd.endpoint();
+    etcd.stop();
+    let flags = ["--etcd", &ep, "--cluster-prefix", "tandem-late", "--lease-ttl-s", "2", "--worker-id", "d-late"];
+    let mut d = decode_worker("g1", &[&flags[..], &["--kv-load-failure-policy", "fail"]].concat())?;
+    let retrying = opskit::eventually("the worker says it retries its registration", WAIT, || {
+        let tail = d.log_tail();
+        async move { tail.contains("etcd unreachable at start") }
+    });
+    retrying.await?;
+    assert!(d.exited().is_none(), "the worker waits for etcd instead of exiting");
+    etcd.restart().await?;
+    let m = Membership::start(MembershipConfig::new(EtcdConfig::new([ep.clone()]), "tandem-late")).await?;
+    m.wait_synced(Duration::from_secs(30)).await?;
+    until(&m, "the late worker registered", |v| v.contains(Role::Decode, "d-late")).await?;
+    d.signal(Signal::Term)?;
+    assert_eq!(d.wait_exit(WAIT).await?.code(), Some(0));
+    m.stop().await;
+    Ok(())
+}

@@ -385,10 +385,14 @@ pub fn accepting(
     Ok(())
 }
 
+/// How long a starting worker waits for an unreachable etcd before it gives up.
+pub const REGISTER_PATIENCE: Duration = Duration::from_secs(30);
+
 /// Registers this worker in etcd (when configured) and mirrors its fence
 /// into `fencing`: a worker whose key another process holds takes no new
-/// work until it holds it again. Returns the registration, to mark draining
-/// and deregister on shutdown.
+/// work until it holds it again. etcd unreachable at start is retried for
+/// [`REGISTER_PATIENCE`]. Returns the registration, to mark draining and
+/// deregister on shutdown.
 pub async fn register(
     cfg: &CommonConfig,
     mut info: registry::WorkerInfo,
@@ -399,9 +403,24 @@ pub async fn register(
     let mut config =
         registry::RegistrationConfig::new(registry::EtcdConfig::new(r.endpoints.clone()), r.prefix.clone());
     config.ttl = r.lease_ttl;
-    let reg = registry::Registration::register(config, info)
-        .await
-        .with_context(|| format!("registering in etcd at {:?}", r.endpoints))?;
+    // etcd unreachable at start (restarting, a blip) is waited out for a while rather than
+    // ending the process at the first refused connect; a refusal etcd would give again
+    // (an invalid field, the key held by another live worker) ends it at once.
+    let until = tokio::time::Instant::now() + REGISTER_PATIENCE;
+    let mut pause = Duration::from_millis(200);
+    let reg = loop {
+        match registry::Registration::register(config.clone(), info.clone()).await {
+            Ok(reg) => break reg,
+            Err(e @ (registry::RegistryError::Etcd { .. } | registry::RegistryError::Timeout { .. }))
+                if tokio::time::Instant::now() + pause < until =>
+            {
+                tracing::warn!(error = %e, retry_in = ?pause, "etcd unreachable at start: retrying the registration");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(e).with_context(|| format!("registering in etcd at {:?}", r.endpoints)),
+        }
+    };
     let mut fence = reg.fence();
     tokio::spawn(async move {
         loop {
