@@ -17,6 +17,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod chaos;
 mod cluster;
 mod drills;
 pub mod front;

@@ -11,6 +11,7 @@ mod bench_lookup;
 mod bench_panels;
 mod bench_serve;
 mod bench_stall;
+mod chaos;
 mod convert;
 mod drill;
 mod generate;
@@ -45,6 +46,8 @@ enum Cmd {
     Up(Box<up::Args>),
     /// Failure drills: start a small cluster, apply a fault, drive load, check invariants.
     Drill(drill::Args),
+    /// Seeded overlapping faults on a local cluster under load, invariants checked throughout.
+    Chaos(chaos::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -59,6 +62,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Bench(c) => bench::run(c),
         Cmd::Up(a) => up::run(*a),
         Cmd::Drill(a) => drill::run(a),
+        Cmd::Chaos(a) => chaos::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

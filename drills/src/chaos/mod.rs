@@ -1,0 +1,562 @@
+//! `tandem chaos`: a seeded schedule of overlapping faults ([`schedule`]) on a
+//! local cluster of real processes under steady mixed load, with the drills'
+//! invariants checked as every request ends and again at quiescence.
+//!
+//! The cluster: etcd, two prefill and two decode workers, two coordinators
+//! behind a round-robin front (worker leases of 5 s, so a short etcd outage
+//! does not fence them). The load: Poisson arrivals of streamed completions
+//! from resuming clients (loadgen's `resume`), short and long prompts,
+//! greedy and seeded sampling, each with a deadline; bursts and clients that
+//! hang up come as faults. Each fault is applied at its time and lifted at
+//! its end (a killed process started again with its flags, a stopped one
+//! continued, etcd restarted), with one audit line per action on stderr and
+//! in the journal; a cancelled run lifts whatever is held at once.
+//!
+//! Invariants, as each request ends: it completed with exactly the
+//! undisturbed answer of its prompt and seed, or failed with a typed error,
+//! within its deadline and a second; what it got before a failure is the
+//! start of that answer; nothing is lost or hangs. At quiescence (every fault
+//! lifted, the load done, the settle bound): no KV block or reservation left
+//! on any worker, KV only inside its version group, no panic in any log, and
+//! every process stops cleanly on SIGTERM (the drills' G1–G5).
+
+pub mod schedule;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use loadgen::{Arrival, Outcome, Plan, PromptSource, Report, Sampled};
+use serde::Serialize;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::cluster::{Cluster, ClusterSpec, PastLife, Role};
+use crate::invariants::{self, Guarantee, Invariants, Violation};
+use crate::process::Signal;
+use crate::reference::reference_texts;
+use crate::HarnessError;
+pub use schedule::{schedule, FaultKind, Planned, ScheduleOptions, Targets};
+
+/// The model every chaos request names.
+const MODEL: &str = "SmolLM2-135M-Instruct";
+/// Tokens each answer generates (every one: `ignore_eos`, so references are whole).
+const MAX_TOKENS: u32 = 32;
+/// A request's deadline; G4 allows a second past it.
+const DEADLINE: Duration = Duration::from_secs(30);
+const GRACE: Duration = Duration::from_secs(1);
+/// Requests of one burst, sent at once.
+const BURST: usize = 8;
+/// Most requests a run references (the rate times the duration is capped here).
+const MAX_REQUESTS: usize = 2_000;
+
+/// How a chaos run is shaped.
+#[derive(Debug, Clone)]
+pub struct ChaosOptions {
+    pub schedule: ScheduleOptions,
+    /// Steady load, requests per second.
+    pub load_rps: f64,
+    /// Keep the processes' logs (their directory is in the report).
+    pub keep_logs: bool,
+    /// Where each applied and lifted fault is appended as a JSON line.
+    pub journal: Option<PathBuf>,
+    /// Cancelled: stop applying faults, lift every held one, finish the run.
+    pub cancel: CancellationToken,
+}
+
+/// One fault action as it happened.
+#[derive(Debug, Clone, Serialize)]
+pub struct Action {
+    /// From the start of the run.
+    pub at_ms: u64,
+    /// `apply` or `lift`.
+    pub what: &'static str,
+    pub kind: FaultKind,
+    pub target: String,
+    /// Empty when it worked; else why not.
+    pub error: String,
+}
+
+/// A broken invariant and when it was found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Found {
+    /// From the start of the run; the end of the run for quiescence checks.
+    pub at_ms: u64,
+    pub guarantee: Guarantee,
+    pub detail: String,
+}
+
+/// What a chaos run did and found.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChaosReport {
+    pub seed: u64,
+    pub duration_s: f64,
+    pub faults_per_minute: f64,
+    pub schedule: Vec<Planned>,
+    pub actions: Vec<Action>,
+    /// Fault events applied, by kind.
+    pub applied: BTreeMap<&'static str, u32>,
+    pub requests: usize,
+    pub complete: usize,
+    /// Typed failures by code (what clients were told).
+    pub typed_errors: BTreeMap<String, u32>,
+    /// Streams resumed from their cursor after their connection broke or drained.
+    pub resumed: u32,
+    pub violations: Vec<Found>,
+    pub log_dir: String,
+    /// The command that repeats this run's schedule.
+    pub command: String,
+}
+
+impl ChaosReport {
+    pub fn passed(&self) -> bool {
+        self.violations.is_empty() && self.actions.iter().all(|a| a.error.is_empty())
+    }
+}
+
+/// The cluster chaos runs on.
+pub fn cluster_spec() -> ClusterSpec {
+    ClusterSpec { lease_ttl_s: 5, ..ClusterSpec::default() }
+        .prefill("g1")
+        .prefill("g1")
+        .decode("g1")
+        .decode("g1")
+        .coordinators(2)
+}
+
+/// The targets of a cluster of [`cluster_spec`]'s shape, by name: what `--dry-run` schedules
+/// over without starting anything.
+pub fn targets_of(c: Option<&Cluster>) -> Targets {
+    match c {
+        Some(c) => Targets {
+            decode: c.workers_of(Role::Decode).map(|w| w.proc.name.clone()).collect(),
+            prefill: c.workers_of(Role::Prefill).map(|w| w.proc.name.clone()).collect(),
+            coordinators: c.coordinators().map(|p| p.name.clone()).collect(),
+            etcd: vec!["etcd".into()],
+        },
+        None => Targets {
+            decode: vec!["decode-0".into(), "decode-1".into()],
+            prefill: vec!["prefill-0".into(), "prefill-1".into()],
+            coordinators: vec!["coordinator".into(), "coordinator-1".into()],
+            etcd: vec!["etcd".into()],
+        },
+    }
+}
+
+/// The command line that repeats a run with these options.
+pub fn command(o: &ChaosOptions) -> String {
+    let s = &o.schedule;
+    let mut cmd = format!(
+        "tandem chaos --seed {} --duration {}s --rate {} --load-rps {} --max-in-flight {}",
+        s.seed,
+        s.duration.as_secs(),
+        s.per_minute,
+        o.load_rps,
+        s.max_in_flight
+    );
+    if s.kinds.len() != FaultKind::ALL.len() {
+        cmd.push_str(&format!(" --faults {}", s.kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(",")));
+    }
+    if !s.exclude.is_empty() {
+        cmd.push_str(&format!(" --exclude {}", s.exclude.join(",")));
+    }
+    cmd
+}
+
+/// The steady load's prompts: short and long in turn.
+fn prompts(n: usize, seed: u64) -> Vec<String> {
+    let short = loadgen::prompts::generate(n.div_ceil(2), 40, seed);
+    let long = loadgen::prompts::generate(n / 2, 300, seed + 1);
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        out.push(if i % 2 == 0 { short[i / 2].clone() } else { long[i / 2].clone() });
+    }
+    out
+}
+
+const SAMPLED: Sampled = Sampled { every: 2, temperature: 0.8, top_p: 0.95, seed: 4242 };
+
+/// Appends audit lines: stderr and the journal.
+struct Audit {
+    start: Instant,
+    journal: Option<std::fs::File>,
+    actions: Vec<Action>,
+}
+
+impl Audit {
+    fn record(&mut self, what: &'static str, p: &Planned, r: &Result<(), HarnessError>) {
+        let a = Action {
+            at_ms: self.start.elapsed().as_millis() as u64,
+            what,
+            kind: p.kind,
+            target: p.target.clone(),
+            error: r.as_ref().err().map(ToString::to_string).unwrap_or_default(),
+        };
+        eprintln!(
+            "chaos {:>8.1} s  {what:<5} {:<17} {}{}",
+            a.at_ms as f64 / 1e3,
+            p.kind.name(),
+            p.target,
+            if a.error.is_empty() { String::new() } else { format!("  FAILED: {}", a.error) }
+        );
+        if let Some(f) = &mut self.journal {
+            if let Ok(line) = serde_json::to_string(&a) {
+                let _ = writeln!(f, "{line}");
+            }
+        }
+        self.actions.push(a);
+    }
+}
+
+/// A burst's load, running.
+type Burst = tokio::task::JoinHandle<Result<Report, loadgen::PlanError>>;
+
+/// Applies `p` to the cluster; a burst's load goes into `bursts`.
+async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Burst>) -> Result<(), HarnessError> {
+    let name = p.target.as_str();
+    match p.kind {
+        FaultKind::KillDecode | FaultKind::KillPrefill => {
+            let pid = c.signal(name, Signal::Kill)?;
+            c.proc_mut(name)?.wait_exit(Duration::from_secs(10)).await?;
+            // Its KV counters died with it: G3 cannot count its group (listed as skipped).
+            let w = c.worker_mut(name)?;
+            let life = PastLife::uncounted(pid, &w.group);
+            w.past.push(life);
+        }
+        FaultKind::KillCoordinator => {
+            c.kill_coordinator(name).await?;
+        }
+        FaultKind::StopDecode | FaultKind::StopPrefill | FaultKind::StopCoordinator => {
+            c.signal(name, Signal::Stop)?;
+        }
+        FaultKind::KillEtcd => {
+            c.etcd.kill(0).ok_or_else(|| HarnessError::Fault("etcd was not running".into()))?;
+        }
+        FaultKind::Burst => {
+            let mut plan = Plan::new(base_url, MODEL);
+            plan.requests = BURST;
+            plan.arrival = Arrival::Closed { concurrency: BURST };
+            plan.prompts = PromptSource::List(loadgen::prompts::generate(BURST, 40, p.at.as_millis() as u64));
+            plan.max_tokens = 8;
+            plan.deadline = Some(DEADLINE);
+            plan.timeout = DEADLINE + GRACE + Duration::from_secs(10);
+            // Judged at the end: complete or typed, within the deadline.
+            bursts.push(tokio::spawn(async move { loadgen::run(&plan).await }));
+        }
+        FaultKind::Disconnect => {
+            let body = serde_json::json!({
+                "model": MODEL, "prompt": "The lighthouse keeper wrote", "max_tokens": 64, "stream": true,
+                "ignore_eos": true,
+            });
+            let addr = base_url.trim_start_matches("http://").to_owned();
+            tokio::spawn(async move {
+                if let Ok(mut s) = opskit::http::Request::post(&addr, "/v1/completions").json(&body).stream().await {
+                    // Two events, then the client is gone.
+                    for _ in 0..2 {
+                        if !matches!(s.next_event().await, Ok(Some(_))) {
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Lifts `p`: a killed process started again, a stopped one continued, etcd back.
+async fn lift(c: &mut Cluster, p: &Planned) -> Result<(), HarnessError> {
+    let name = p.target.as_str();
+    match p.kind {
+        FaultKind::KillDecode | FaultKind::KillPrefill => {
+            c.restart(name, None).await?;
+        }
+        FaultKind::KillCoordinator => {
+            c.restart(name, None).await?;
+            let c: &Cluster = c;
+            if let Some(p) = c.coordinators().find(|p| p.name == name) {
+                c.wait_coordinator_ready(p).await?;
+            }
+        }
+        FaultKind::StopDecode | FaultKind::StopPrefill | FaultKind::StopCoordinator => {
+            c.proc_mut(name)?.signal(Signal::Cont)?;
+            c.faulted.remove(name);
+        }
+        FaultKind::KillEtcd => {
+            c.etcd.restart(0).await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
+        }
+        FaultKind::Burst | FaultKind::Disconnect => {}
+    }
+    Ok(())
+}
+
+/// Runs the schedule against `c` from `start`: each fault applied at its time and lifted
+/// at its end; on `cancel`, everything held is lifted at once and nothing more applied.
+async fn run_faults(
+    c: &mut Cluster,
+    plan: &[Planned],
+    start: Instant,
+    base_url: &str,
+    audit: &mut Audit,
+    cancel: &CancellationToken,
+) -> Vec<Burst> {
+    let mut bursts = Vec::new();
+    // (when, apply?, index), applies before lifts at one instant.
+    let mut timeline: Vec<(Duration, bool, usize)> = Vec::new();
+    for (i, p) in plan.iter().enumerate() {
+        timeline.push((p.at, true, i));
+        if !p.hold.is_zero() {
+            timeline.push((p.until(), false, i));
+        }
+    }
+    timeline.sort_by_key(|&(t, apply, i)| (t, !apply, i));
+    let mut held: Vec<usize> = Vec::new();
+    for (t, is_apply, i) in timeline {
+        let p = &plan[i];
+        tokio::select! {
+            () = tokio::time::sleep_until(start + t) => {}
+            () = cancel.cancelled() => break,
+        }
+        if is_apply {
+            let r = apply(c, p, base_url, &mut bursts).await;
+            audit.record("apply", p, &r);
+            if r.is_ok() && !p.hold.is_zero() {
+                held.push(i);
+            }
+        } else if let Some(k) = held.iter().position(|&h| h == i) {
+            held.remove(k);
+            let r = lift(c, p).await;
+            audit.record("lift", p, &r);
+        }
+    }
+    // Cancelled (or a lift left over): lift what is still held, latest first.
+    while let Some(i) = held.pop() {
+        let r = lift(c, &plan[i]).await;
+        audit.record("lift", &plan[i], &r);
+    }
+    bursts
+}
+
+/// A burst's requests: each complete or a typed error, within its deadline and grace.
+fn judge_burst(report: &Report) -> Vec<Violation> {
+    let mut v = Vec::new();
+    for r in &report.records {
+        match &r.outcome {
+            Outcome::Complete { .. }
+            | Outcome::HttpError { code: Some(_), .. }
+            | Outcome::StreamError { code: Some(_), .. } => {}
+            other => v.push(Violation::new(
+                Guarantee::G1,
+                format!("burst request {}: lost, not a typed outcome: {other:?}", r.index),
+            )),
+        }
+        if r.e2e > DEADLINE + GRACE {
+            v.push(Violation::new(
+                Guarantee::G4,
+                format!("burst request {}: ran {:?}, past its deadline", r.index, r.e2e),
+            ));
+        }
+    }
+    v
+}
+
+/// Starts the cluster, runs the load and the schedule, and judges the run.
+pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
+    let requests = ((o.load_rps * o.schedule.duration.as_secs_f64()).ceil() as usize).clamp(1, MAX_REQUESTS);
+    let seed = o.schedule.seed;
+    let prompts = prompts(requests, seed);
+    let p2 = prompts.clone();
+    let references = tokio::task::spawn_blocking(move || reference_texts(&p2, MAX_TOKENS, true, Some(SAMPLED)));
+    let mut c = Cluster::start(&cluster_spec(), o.keep_logs).await?;
+    let reference = references.await.map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
+    let targets = targets_of(Some(&c));
+    let plan_faults = schedule(&o.schedule, &targets);
+    let base_url = c.base_url()?;
+
+    let mut plan = Plan::new(base_url.clone(), MODEL);
+    plan.requests = requests;
+    plan.arrival = Arrival::Poisson { rate: o.load_rps };
+    plan.prompts = PromptSource::List(prompts);
+    plan.max_tokens = MAX_TOKENS;
+    plan.ignore_eos = true;
+    plan.seed = seed;
+    plan.sampled = Some(SAMPLED);
+    plan.deadline = Some(DEADLINE);
+    plan.timeout = DEADLINE + GRACE + Duration::from_secs(10);
+    plan.resume = true;
+
+    let start = Instant::now();
+    let found: Arc<Mutex<Vec<Found>>> = Arc::default();
+    // Each request judged as it ends: its outcome, its text, its deadline.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<loadgen::Record>();
+    let judge = {
+        let (found, reference) = (found.clone(), reference.clone());
+        let inv = Invariants { deadline: DEADLINE, grace: GRACE, ..Invariants::default() };
+        tokio::spawn(async move {
+            while let Some(r) = rx.recv().await {
+                let one = Report { wall: Duration::ZERO, records: vec![r] };
+                let at_ms = start.elapsed().as_millis() as u64;
+                let mut f = found.lock().unwrap_or_else(|e| e.into_inner());
+                for v in inv.requests(&one, &reference) {
+                    f.push(Found { at_ms, guarantee: v.guarantee, detail: v.detail });
+                }
+            }
+        })
+    };
+    let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx) };
+    let load = tokio::spawn(async move { loadgen::run_with(&plan, hooks).await });
+
+    let mut audit = Audit {
+        start,
+        journal: match &o.journal {
+            Some(path) => Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| HarnessError::Setup(format!("the journal {}: {e}", path.display())))?,
+            ),
+            None => None,
+        },
+        actions: Vec::new(),
+    };
+    let bursts = run_faults(&mut c, &plan_faults, start, &base_url, &mut audit, &o.cancel).await;
+    let report = load
+        .await
+        .map_err(|e| HarnessError::Load(format!("load task: {e}")))?
+        .map_err(|e| HarnessError::Load(e.to_string()))?;
+    let _ = judge.await;
+    let mut burst_found = Vec::new();
+    for b in bursts {
+        match b.await {
+            Ok(Ok(r)) => burst_found.extend(judge_burst(&r)),
+            Ok(Err(e)) => burst_found.push(Violation::new(Guarantee::G1, format!("a burst's load was refused: {e}"))),
+            Err(e) => burst_found.push(Violation::new(Guarantee::G1, format!("a burst's load task: {e}"))),
+        }
+    }
+    let end_ms = start.elapsed().as_millis() as u64;
+
+    // Quiescence: every fault lifted, the load done; KV must settle back on every worker.
+    let since = |t: Instant| t.saturating_duration_since(start);
+    let inv = Invariants {
+        deadline: DEADLINE,
+        grace: GRACE,
+        coordinator_kills: c.coordinator_kills.iter().map(|&(a, b)| (since(a), since(b))).collect(),
+        ..Invariants::default()
+    };
+    let (quiet, _) = inv.check_measured(&c, &Report { wall: report.wall, records: Vec::new() }, &reference).await;
+    let mut violations = std::mem::take(&mut *found.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut end: Vec<Violation> = quiet;
+    end.extend(burst_found);
+    end.extend(invariants::shutdown(&mut c, Duration::from_secs(20)).await);
+    violations.extend(end.into_iter().map(|v| Found { at_ms: end_ms, guarantee: v.guarantee, detail: v.detail }));
+
+    let mut typed = BTreeMap::new();
+    let mut complete = 0;
+    for r in &report.records {
+        match &r.outcome {
+            Outcome::Complete { .. } => complete += 1,
+            Outcome::HttpError { code: Some(code), .. } | Outcome::StreamError { code: Some(code), .. } => {
+                *typed.entry(code.clone()).or_insert(0) += 1;
+            }
+            _ => {}
+        }
+    }
+    let mut applied = BTreeMap::new();
+    for a in audit.actions.iter().filter(|a| a.what == "apply" && a.error.is_empty()) {
+        *applied.entry(a.kind.name()).or_insert(0) += 1;
+    }
+    Ok(ChaosReport {
+        seed,
+        duration_s: o.schedule.duration.as_secs_f64(),
+        faults_per_minute: o.schedule.per_minute,
+        schedule: plan_faults,
+        actions: audit.actions,
+        applied,
+        requests: report.records.len(),
+        complete,
+        typed_errors: typed,
+        resumed: report.records.iter().map(|r| r.retries.resumed).sum(),
+        violations,
+        log_dir: c.log_dir().display().to_string(),
+        command: command(o),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use loadgen::Record;
+
+    fn record(index: usize, outcome: Outcome, e2e: Duration) -> Record {
+        Record {
+            index,
+            outcome,
+            start: Duration::ZERO,
+            ttft: None,
+            itl: Vec::new(),
+            output_tokens: 0,
+            usage_reported: false,
+            prompt_tokens: None,
+            cached_tokens: None,
+            e2e,
+            text: String::new(),
+            retries: loadgen::Retries::default(),
+        }
+    }
+
+    /// The burst judge is not vacuous: a lost request and one past its deadline are caught,
+    /// complete and typed ones within it are not.
+    #[test]
+    fn a_burst_request_lost_or_late_is_a_violation() {
+        let ok = Duration::from_secs(1);
+        let fine = Report {
+            wall: ok,
+            records: vec![
+                record(0, Outcome::Complete { finish_reason: "length".into() }, ok),
+                record(
+                    1,
+                    Outcome::HttpError { status: 503, code: Some("queue_full".into()), message: String::new() },
+                    ok,
+                ),
+            ],
+        };
+        assert!(judge_burst(&fine).is_empty());
+        let bad = Report {
+            wall: ok,
+            records: vec![
+                record(0, Outcome::Transport("reset".into()), ok),
+                record(1, Outcome::Timeout, ok),
+                record(2, Outcome::Complete { finish_reason: "length".into() }, DEADLINE + GRACE + ok),
+            ],
+        };
+        let v = judge_burst(&bad);
+        assert_eq!(v.iter().filter(|v| v.guarantee == Guarantee::G1).count(), 2, "{v:?}");
+        assert_eq!(v.iter().filter(|v| v.guarantee == Guarantee::G4).count(), 1, "{v:?}");
+    }
+
+    #[test]
+    fn the_command_repeats_the_options() {
+        let o = ChaosOptions {
+            schedule: ScheduleOptions {
+                seed: 9,
+                duration: Duration::from_secs(90),
+                per_minute: 4.0,
+                kinds: vec![FaultKind::KillDecode, FaultKind::Burst],
+                exclude: vec!["etcd".into()],
+                max_in_flight: 2,
+            },
+            load_rps: 1.5,
+            keep_logs: false,
+            journal: None,
+            cancel: CancellationToken::new(),
+        };
+        assert_eq!(
+            command(&o),
+            "tandem chaos --seed 9 --duration 90s --rate 4 --load-rps 1.5 --max-in-flight 2 --faults kill-decode,burst \
+             --exclude etcd"
+        );
+    }
+}

@@ -1,0 +1,186 @@
+//! `tandem chaos`: a seeded schedule of overlapping faults on a local
+//! cluster under steady load, invariants checked as each request ends and at
+//! quiescence (the `drills` crate's `chaos` does the work).
+//!
+//! `--dry-run` prints the schedule and starts nothing. The seed (printed
+//! when not given) reproduces the schedule; a failing run prints the command
+//! that repeats it. Ctrl-C (SIGINT) or SIGTERM lifts every held fault at once
+//! and ends the run; each applied and lifted fault is an audit line on stderr
+//! and, with `--journal`, a JSON line there. Exit status: 0 when no
+//! invariant broke and every fault action worked.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use drills::chaos::{self, ChaosOptions, FaultKind, ScheduleOptions};
+use tokio_util::sync::CancellationToken;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Seeds the schedule and the load (default: drawn and printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// How long faults are applied: `90s`, `10m`, `1h` (bare numbers are seconds).
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Mean faults per minute.
+    #[arg(long, default_value_t = 6.0)]
+    rate: f64,
+    /// Fault kinds to draw from, comma-separated (default: all; `--list-faults` names them).
+    #[arg(long, value_delimiter = ',')]
+    faults: Vec<String>,
+    /// Processes never acted on, comma-separated names (`decode-1`, `coordinator`, `etcd`).
+    #[arg(long, value_delimiter = ',')]
+    exclude: Vec<String>,
+    /// Most faults held at once.
+    #[arg(long, default_value_t = 2)]
+    max_in_flight: usize,
+    /// Steady load, requests per second.
+    #[arg(long, default_value_t = 1.0)]
+    load_rps: f64,
+    /// Print the schedule and exit: nothing is started.
+    #[arg(long)]
+    dry_run: bool,
+    /// List the fault kinds and exit.
+    #[arg(long)]
+    list_faults: bool,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Append each applied and lifted fault here, one JSON line each.
+    #[arg(long)]
+    journal: Option<PathBuf>,
+    /// Keep the processes' logs (their directory is in the report).
+    #[arg(long)]
+    keep_logs: bool,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (n, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = n.parse().map_err(|_| format!("{s:?} is not a duration (90s, 10m, 1h)"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        _ => return Err(format!("{s:?}: the unit must be s, m or h")),
+    };
+    if secs == 0 {
+        return Err("the duration must be at least a second".into());
+    }
+    Ok(Duration::from_secs(secs))
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.list_faults {
+        for k in FaultKind::ALL {
+            println!("{}", k.name());
+        }
+        return Ok(());
+    }
+    let kinds = if a.faults.is_empty() {
+        FaultKind::ALL.to_vec()
+    } else {
+        a.faults
+            .iter()
+            .map(|f| FaultKind::parse(f).with_context(|| format!("unknown fault `{f}` (--list-faults names them)")))
+            .collect::<anyhow::Result<Vec<_>>>()?
+    };
+    let positive = |x: f64| x > 0.0 && x.is_finite();
+    if !positive(a.rate) || !positive(a.load_rps) {
+        bail!("--rate and --load-rps must be positive");
+    }
+    if a.max_in_flight == 0 {
+        bail!("--max-in-flight must be at least 1");
+    }
+    let targets = chaos::targets_of(None);
+    let known: Vec<&String> =
+        [&targets.decode, &targets.prefill, &targets.coordinators, &targets.etcd].into_iter().flatten().collect();
+    if let Some(x) = a.exclude.iter().find(|x| !known.contains(x)) {
+        bail!("--exclude {x}: no such process (the cluster has {known:?})");
+    }
+    let seed = a.seed.unwrap_or_else(|| {
+        let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+        eprintln!("seed {s}");
+        s
+    });
+    let cancel = CancellationToken::new();
+    let o = ChaosOptions {
+        schedule: ScheduleOptions {
+            seed,
+            duration: a.duration,
+            per_minute: a.rate,
+            kinds,
+            exclude: a.exclude,
+            max_in_flight: a.max_in_flight,
+        },
+        load_rps: a.load_rps,
+        keep_logs: a.keep_logs,
+        journal: a.journal,
+        cancel: cancel.clone(),
+    };
+    let plan = chaos::schedule(&o.schedule, &targets);
+    if a.dry_run {
+        println!("# {}", chaos::command(&o));
+        for p in &plan {
+            println!("{p}");
+        }
+        println!("# {} faults", plan.len());
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let report = rt.block_on(async {
+        // The abort key: lift everything held and end the run.
+        tokio::spawn(async move {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(_) => return,
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("chaos: stopping: lifting every held fault");
+            cancel.cancel();
+        });
+        chaos::run_chaos(&o).await
+    })?;
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    println!(
+        "chaos seed {}: {:.0} s, {} fault events ({}), {} requests: {} complete, typed errors {:?}, {} streams resumed",
+        report.seed,
+        report.duration_s,
+        report.applied.values().sum::<u32>(),
+        report.applied.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", "),
+        report.requests,
+        report.complete,
+        report.typed_errors,
+        report.resumed
+    );
+    for a in report.actions.iter().filter(|a| !a.error.is_empty()) {
+        println!(
+            "fault action failed at {:.1} s: {} {} {}: {}",
+            a.at_ms as f64 / 1e3,
+            a.what,
+            a.kind.name(),
+            a.target,
+            a.error
+        );
+    }
+    for v in &report.violations {
+        println!("violation at {:.1} s ({:?}): {}", v.at_ms as f64 / 1e3, v.guarantee, v.detail);
+    }
+    if report.passed() {
+        println!("no invariant broke");
+        Ok(())
+    } else {
+        println!("repeat: {}", report.command);
+        bail!("chaos seed {} found {} violation(s)", report.seed, report.violations.len())
+    }
+}
