@@ -157,11 +157,16 @@ impl Sender {
         let mut resumed = 0;
         loop {
             let outcome = self.stream_from(&mut m, index, input, &key, &mut last_id, deadline).await;
+            // `idempotent_original_failed`: the retry reached the coordinator that still ran
+            // the first attempt, which then ended (its client, this one, had gone); sent
+            // again, the key is free and the stream is regenerated there.
             let cut = match &outcome {
                 Outcome::Transport(_) => true,
-                Outcome::StreamError { code: Some(c), .. } => c == "coordinator_draining",
+                Outcome::StreamError { code: Some(c), .. } => {
+                    c == "coordinator_draining" || c == "idempotent_original_failed"
+                }
                 Outcome::HttpError { status: 503, code: Some(c), .. } => {
-                    c == "shutting_down" || c == "coordinator_draining"
+                    matches!(c.as_str(), "shutting_down" | "coordinator_draining" | "idempotent_original_failed")
                 }
                 _ => false,
             };

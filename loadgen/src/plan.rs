@@ -157,7 +157,8 @@ pub struct Plan {
     pub retry: Option<Retry>,
     /// Resuming clients (streams only; not with `retry`): every request carries an
     /// `Idempotency-Key`, and a stream whose connection breaks, that ends with
-    /// `coordinator_draining`, or that is refused with 503 `shutting_down` is sent
+    /// `coordinator_draining` or `idempotent_original_failed` (its retry met the first
+    /// attempt ending), or that is refused with 503 `shutting_down` is sent
     /// again with `Last-Event-ID` set to its last event's cursor — up to
     /// [`crate::MAX_RESUMES`] times within the timeout. The record is one request:
     /// its text and timings run on across the resumes.

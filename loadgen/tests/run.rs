@@ -36,10 +36,10 @@ fn word(i: u64) -> String {
 /// The `resume` prompt's attempts: the Idempotency-Key and Last-Event-ID each carried.
 static RESUMES: std::sync::Mutex<Vec<(Option<String>, Option<String>)>> = std::sync::Mutex::new(Vec::new());
 
-/// A stream of five tokens, each event with an `id:` (the token count), cut twice: the
-/// first attempt's connection breaks after two tokens, the second (from cursor 2) ends
-/// with a `coordinator_draining` error event after one more, the third (from cursor 3)
-/// sends the rest.
+/// A stream of five tokens, each event with an `id:` (the token count), cut three times:
+/// the first attempt's connection breaks after two tokens, the second (from cursor 2) ends
+/// with a `coordinator_draining` error event after one more, the third (from cursor 3) is
+/// refused 503 `idempotent_original_failed`, the fourth (from 3 again) sends the rest.
 fn resumable(headers: &HeaderMap) -> Response {
     let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let from = h("last-event-id");
@@ -56,6 +56,19 @@ fn resumable(headers: &HeaderMap) -> Response {
             let e = json!({"error": {"message": "draining", "type": "overloaded_error", "code": "coordinator_draining",
                                      "cursor": "3", "seed": 1}});
             parts.push(Ok(Bytes::from(format!("data: {e}\n\n"))));
+        }
+        Some("3")
+            if RESUMES
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .filter(|(_, c)| c.as_deref() == Some("3"))
+                .count()
+                == 1 =>
+        {
+            // The first resume from 3 meets its first attempt ending: refused, to be sent again.
+            let e = json!({"error": {"message": "ended", "type": "overloaded_error", "code": "idempotent_original_failed"}});
+            return (StatusCode::SERVICE_UNAVAILABLE, Json(e)).into_response();
         }
         Some("3") => {
             parts.extend((3..5).map(|i| Ok(Bytes::from(event(i)))));
@@ -448,8 +461,9 @@ async fn retrying_clients_count_early_retries_and_keep_their_key() -> TestResult
 }
 
 /// A resuming client sends a cut stream again with its key and its last event's cursor,
-/// through a broken connection and a `coordinator_draining` error event: one request, its
-/// text whole and in order, two resumes counted. Without `resume` the same stream is a
+/// through a broken connection, a `coordinator_draining` error event and an
+/// `idempotent_original_failed` refusal: one request, its text whole and in order, three
+/// resumes counted. Without `resume` the same stream is a
 /// transport error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resuming_clients_continue_from_their_last_cursor() -> TestResult {
@@ -460,10 +474,10 @@ async fn resuming_clients_continue_from_their_last_cursor() -> TestResult {
     let rec = &r.records[0];
     assert_eq!(rec.outcome, Outcome::Complete { finish_reason: "length".into() }, "{rec:?}");
     assert_eq!(rec.text, (0..5).map(word).collect::<String>());
-    assert_eq!(rec.retries.resumed, 2, "{rec:?}");
+    assert_eq!(rec.retries.resumed, 3, "{rec:?}");
     let seen = std::mem::take(&mut *RESUMES.lock().unwrap_or_else(|e| e.into_inner()));
     let cursors: Vec<Option<&str>> = seen.iter().map(|(_, c)| c.as_deref()).collect();
-    assert_eq!(cursors, [None, Some("2"), Some("3")]);
+    assert_eq!(cursors, [None, Some("2"), Some("3"), Some("3")]);
     assert!(seen.iter().all(|(k, _)| k.is_some() && *k == seen[0].0), "one key throughout: {seen:?}");
 
     let mut p = plan(&url, &["resume"]);
