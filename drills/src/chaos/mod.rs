@@ -1,4 +1,4 @@
-//! `tandem chaos`: a seeded schedule of overlapping faults ([`schedule`]) on a
+//! `tandem chaos`: a seeded schedule of overlapping faults ([`schedule()`]) on a
 //! local cluster of real processes under steady mixed load, with the drills'
 //! invariants checked as every request ends and again at quiescence.
 //!
