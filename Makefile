@@ -38,13 +38,13 @@ TEST_FEATURES := kvtransfer/pool,prefill-worker/fault-injection
 # assignment, so a failed fetch stops the recipe (set -e, pipefail).
 MODEL_PATH := model="$$(scripts/fetch-model.sh | tail -n 1)"
 
-.PHONY: help deps model build image run chat test lint llama fixtures bench drills bench-serve bench-prefix fresh-check
+.PHONY: help deps model build image run chat test lint llama fixtures bench drills certify bench-serve bench-prefix fresh-check
 
 HTTP ?= 127.0.0.1:8000
 GRPC ?= 127.0.0.1:50051
 
 help:
-	@echo "targets: deps model build image run chat test lint llama fixtures bench bench-serve drills fresh-check"
+	@echo "targets: deps model build image run chat test lint llama fixtures bench bench-serve drills certify fresh-check"
 	@echo "cache:   $(TANDEM_CACHE)"
 
 ## System packages (apt only when something is missing).
@@ -106,6 +106,14 @@ drills: deps model
 	$(MODEL_PATH); \
 	TANDEM_MODEL="$$model" ./target/drills/tandem drill --all --repeat 3 \
 		--json $(TANDEM_CACHE)/drills.json --charts $(TANDEM_CACHE)/drill-charts
+
+## An hour of `tandem chaos` (seed CERTIFY_SEED, a fault every 3 s on average, 1,094 for seed 1): the report in the cache.
+CERTIFY_SEED ?= 1
+certify: deps model
+	cargo build --profile drills --workspace --bins --features prefill-worker/fault-injection
+	$(MODEL_PATH); \
+	TANDEM_MODEL="$$model" ./target/drills/tandem chaos --seed $(CERTIFY_SEED) --duration 1h --rate 20 \
+		--max-in-flight 3 --load-rps 0.5 --json $(TANDEM_CACHE)/certify.json --journal $(TANDEM_CACHE)/certify.jsonl
 
 ## llama.cpp b11434 reference binaries (llama-bench, llama-server), built once.
 llama:

@@ -716,6 +716,7 @@ fn runbooks_name_real_flags_and_their_defaults() {
         (bin_dir.join("tandem-decode-worker"), vec![]),
         (bin_dir.join("tandem"), vec!["up"]),
         (bin_dir.join("tandem"), vec!["drill"]),
+        (bin_dir.join("tandem"), vec!["chaos"]),
         // The lost-member procedure passes etcd's own flags.
         (PathBuf::from("etcd"), vec![]),
     ];
