@@ -275,9 +275,22 @@ async fn lift(c: &mut Cluster, p: &Planned) -> Result<(), HarnessError> {
         }
         FaultKind::KillCoordinator => {
             c.restart(name, None).await?;
-            let c: &Cluster = c;
-            if let Some(p) = c.coordinators().find(|p| p.name == name) {
-                c.wait_coordinator_ready(p).await?;
+            // Lifted once it listens again. A short wait for `/ready` keeps the front from
+            // sending it requests before it lists the workers, but not more: with other
+            // faults held no coordinator may be ready (and "sees every worker" can be false
+            // for the whole run), and a lift must not stall the schedule.
+            let addr = c.coordinators().find(|p| p.name == name).map(|p| p.addr("http")).transpose()?;
+            if let Some(addr) = addr {
+                let what = format!("{name} ready");
+                let ready = crate::eventually(&what, Duration::from_secs(10), || {
+                    let addr = addr.clone();
+                    async move {
+                        opskit::http::status(&addr, "/ready", Duration::from_secs(2)).await.is_ok_and(|s| s == 200)
+                    }
+                });
+                if let Err(e) = ready.await {
+                    eprintln!("chaos: {name} restarted; not ready within 10 s ({e}): other faults may be held");
+                }
             }
         }
         FaultKind::StopDecode | FaultKind::StopPrefill | FaultKind::StopCoordinator => {
