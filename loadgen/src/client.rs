@@ -32,8 +32,10 @@ use opskit::sse::SseParser;
 /// Largest SSE event, and largest whole or error body, we accept.
 const MAX_BODY: usize = 8 << 20;
 
-/// A resuming client's pause before its n-th resume: n times this.
+/// A resuming client's pause before its n-th resume: n times this, at most
+/// [`MAX_RESUME_PAUSE`].
 const RESUME_PAUSE: Duration = Duration::from_millis(50);
+const MAX_RESUME_PAUSE: Duration = Duration::from_secs(1);
 
 /// What one request sends.
 pub(crate) enum Input<'a> {
@@ -178,7 +180,7 @@ impl Sender {
             resumed += 1;
             // A front sends the new connection to a live coordinator; a short pause keeps a
             // client with none left from spinning on refused connects.
-            tokio::time::sleep(RESUME_PAUSE * resumed).await;
+            tokio::time::sleep((RESUME_PAUSE * resumed).min(MAX_RESUME_PAUSE)).await;
         }
     }
 

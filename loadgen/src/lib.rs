@@ -47,8 +47,9 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// Most times one request of a resuming client ([`Plan::resume`]) is resumed.
-pub const MAX_RESUMES: u32 = 8;
+/// Most times one request of a resuming client ([`Plan::resume`]) is resumed (within its
+/// timeout): enough to outlast every coordinator behind a front being down for seconds.
+pub const MAX_RESUMES: u32 = 32;
 
 pub use plan::{Arrival, Endpoint, Plan, PlanError, PromptSource, Retry, Sampled};
 pub use report::{percentile, Outcome, Percentiles, Record, Report, Retries, Summary, EARLY_MARGIN};

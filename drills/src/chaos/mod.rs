@@ -242,6 +242,8 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Bu
             plan.max_tokens = 8;
             plan.deadline = Some(DEADLINE);
             plan.timeout = DEADLINE + GRACE + Duration::from_secs(10);
+            // Resuming clients too: a burst that meets a killed coordinator goes on at the other.
+            plan.resume = true;
             // Judged at the end: complete or typed, within the deadline.
             bursts.push(tokio::spawn(async move { loadgen::run(&plan).await }));
         }
