@@ -313,11 +313,10 @@ impl Run {
         loop {
             let stall = self.pipeline.settings.migration.stall;
             let wake = (self.last_event + stall).min(self.deadline);
-            let pipeline = self.pipeline.clone();
             let event = tokio::select! {
                 biased;
                 // The coordinator is draining and a peer will resume the stream.
-                () = pipeline.handed_off() => return Err(Error::Draining),
+                () = self.pipeline.handed_off() => return Err(Error::Draining),
                 e = tokio::time::timeout_at(wake, next(&mut self.stream, &self.pipeline.cluster, &self.pipeline.admission)) => e,
             };
             let event = match event {
