@@ -27,11 +27,13 @@ async fn drill(name: &str) -> Result<DrillReport, Box<dyn std::error::Error + Se
     );
     if let Some(g) = &r.goodput {
         eprintln!(
-            "{name}: goodput {:.1} tok/s, {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after)",
+            "{name}: goodput {:.1} tok/s, {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after); {} tokens \
+             regenerated to resume",
             g.tok_s,
             g.ratio * 100.0,
             g.baseline_tok_s[0],
-            g.baseline_tok_s[1]
+            g.baseline_tok_s[1],
+            g.regenerated_tokens
         );
     }
     assert!(r.violations.is_empty(), "{name}: {:#?}", r.violations);

@@ -154,32 +154,50 @@ impl Sender {
     async fn send_resuming(&self, index: usize, input: &Input<'_>, t0: Instant) -> Record {
         let key = format!("loadgen-{}-{:x}-{index}", self.plan.seed, self.run);
         let deadline = Instant::now() + self.plan.timeout;
+        if !self.plan.stream {
+            return self.send_again_whole(index, input, t0, &key, deadline).await;
+        }
         let mut m = Meter::new(index, t0);
         let mut last_id: Option<String> = None;
-        let mut resumed = 0;
+        let (mut resumed, mut regenerated) = (0, 0);
         loop {
             let outcome = self.stream_from(&mut m, index, input, &key, &mut last_id, deadline).await;
-            // `idempotent_original_failed`: the retry reached the coordinator that still ran
-            // the first attempt, which then ended (its client, this one, had gone); sent
-            // again, the key is free and the stream is regenerated there.
-            let cut = match &outcome {
-                Outcome::Transport(_) => true,
-                Outcome::StreamError { code: Some(c), .. } => {
-                    c == "coordinator_draining" || c == "idempotent_original_failed"
-                }
-                Outcome::HttpError { status: 503, code: Some(c), .. } => {
-                    matches!(c.as_str(), "shutting_down" | "coordinator_draining" | "idempotent_original_failed")
-                }
-                _ => false,
-            };
-            if !cut || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
+            if !is_cut(&outcome) || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
                 let mut r = m.end(outcome);
+                (r.retries.resumed, r.retries.regenerated) = (resumed, regenerated);
+                return r;
+            }
+            resumed += 1;
+            regenerated += last_id.as_deref().map_or(0, cursor_tokens);
+            // A front sends the new connection to a live coordinator; a short pause keeps a
+            // client with none left from spinning on refused connects.
+            tokio::time::sleep((RESUME_PAUSE * resumed).min(MAX_RESUME_PAUSE)).await;
+        }
+    }
+
+    /// A resuming client's whole (non-streamed) request: sent again with its key, whole,
+    /// whenever it is cut, as [`Sender::send_resuming`] resumes a stream. One record: the
+    /// last attempt's answer, timed from the first.
+    async fn send_again_whole(
+        &self,
+        index: usize,
+        input: &Input<'_>,
+        t0: Instant,
+        key: &str,
+        deadline: Instant,
+    ) -> Record {
+        let first = Instant::now();
+        let mut resumed = 0;
+        loop {
+            let (mut r, _) = self.attempt(index, input, t0, Some(key), deadline).await;
+            if !is_cut(&r.outcome) || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
+                let end = r.start + r.e2e;
+                r.start = first - t0;
+                r.e2e = end.saturating_sub(r.start);
                 r.retries.resumed = resumed;
                 return r;
             }
             resumed += 1;
-            // A front sends the new connection to a live coordinator; a short pause keeps a
-            // client with none left from spinning on refused connects.
             tokio::time::sleep((RESUME_PAUSE * resumed).min(MAX_RESUME_PAUSE)).await;
         }
     }
@@ -288,6 +306,29 @@ impl Sender {
         }
         let outcome = stream(&mut m, &mut body, deadline, &mut None).await;
         m.end(outcome)
+    }
+}
+
+/// The token count a resume cursor names: its leading digits (tandem's cursors are
+/// `TOKENS-HASH16[.ORDINAL]`); 0 when it has none.
+fn cursor_tokens(cursor: &str) -> u32 {
+    let end = cursor.find(|c: char| !c.is_ascii_digit()).unwrap_or(cursor.len());
+    cursor[..end].parse().unwrap_or(0)
+}
+
+/// Whether a resuming client sends `outcome`'s request again: its connection broke, or
+/// it was handed off or refused by a coordinator going away. `idempotent_original_failed`:
+/// the retry reached the coordinator that still ran the first attempt, which then ended
+/// (its client, this one, had gone); sent again, the key is free and the answer is
+/// regenerated there.
+fn is_cut(outcome: &Outcome) -> bool {
+    match outcome {
+        Outcome::Transport(_) => true,
+        Outcome::StreamError { code: Some(c), .. } => c == "coordinator_draining" || c == "idempotent_original_failed",
+        Outcome::HttpError { status: 503, code: Some(c), .. } => {
+            matches!(c.as_str(), "shutting_down" | "coordinator_draining" | "idempotent_original_failed")
+        }
+        _ => false,
     }
 }
 

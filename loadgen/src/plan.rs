@@ -155,13 +155,14 @@ pub struct Plan {
     pub sampled: Option<Sampled>,
     /// Clients that retry refusals ([`Retry`]); `None`: every request is sent once.
     pub retry: Option<Retry>,
-    /// Resuming clients (streams only; not with `retry`): every request carries an
+    /// Resuming clients (not with `retry`): every request carries an
     /// `Idempotency-Key`, and a stream whose connection breaks, that ends with
     /// `coordinator_draining` or `idempotent_original_failed` (its retry met the first
     /// attempt ending), or that is refused with 503 `shutting_down` is sent
     /// again with `Last-Event-ID` set to its last event's cursor — up to
     /// [`crate::MAX_RESUMES`] times within the timeout. The record is one request:
-    /// its text and timings run on across the resumes.
+    /// its text and timings run on across the resumes. A whole (non-streamed) request
+    /// cut the same way is sent again whole, with its key.
     pub resume: bool,
     /// Client-side limit on a whole request, connect to last byte; past it
     /// the request is dropped and recorded as [`crate::Outcome::Timeout`].
@@ -201,10 +202,10 @@ impl Plan {
         if self.requests == 0 {
             return Err(PlanError::Invalid { field: "requests", reason: "must be at least 1".into() });
         }
-        if self.resume && (!self.stream || self.retry.is_some()) {
+        if self.resume && self.retry.is_some() {
             return Err(PlanError::Invalid {
                 field: "resume",
-                reason: "resuming clients stream (stream: true) and do not also retry refusals (retry: none)".into(),
+                reason: "resuming clients do not also retry refusals (retry: none)".into(),
             });
         }
         match self.arrival {

@@ -105,6 +105,11 @@ pub struct Retries {
     /// Times the stream was resumed from its last event's cursor after its
     /// connection broke or its coordinator drained ([`crate::Plan::resume`]).
     pub resumed: u32,
+    /// Tokens the server generated again to resume: over the resumes, the token count of
+    /// the cursor each was sent from (a coordinator that resumes a stream regenerates it
+    /// from the start and sends only what the client lacks). A whole request sent again
+    /// counts none: its cut attempt's tokens are unknown to the client.
+    pub regenerated: u32,
 }
 
 /// How far before its `Retry-After` a retry must be sent to count as early: the

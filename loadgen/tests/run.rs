@@ -33,6 +33,9 @@ fn word(i: u64) -> String {
     format!(" w{i}")
 }
 
+/// The `resume-whole` prompt's attempts: the Idempotency-Key each carried.
+static WHOLE: std::sync::Mutex<Vec<Option<String>>> = std::sync::Mutex::new(Vec::new());
+
 /// The `resume` prompt's attempts: the Idempotency-Key and Last-Event-ID each carried.
 static RESUMES: std::sync::Mutex<Vec<(Option<String>, Option<String>)>> = std::sync::Mutex::new(Vec::new());
 
@@ -99,6 +102,29 @@ async fn completions(headers: HeaderMap, Json(req): Json<Value>) -> Response {
     let usage = req["stream_options"]["include_usage"].as_bool().unwrap_or(false);
     if prompt == "resume" {
         return resumable(&headers);
+    }
+    if prompt == "resume-whole" {
+        // Three attempts: a body cut short, a 503 `shutting_down`, the answer.
+        let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let n = {
+            let mut seen = WHOLE.lock().unwrap_or_else(|e| e.into_inner());
+            seen.push(key);
+            seen.len()
+        };
+        return match n {
+            1 => Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from_stream(futures_util::stream::iter([
+                    Ok(Bytes::from_static(b"{\"choices\": [")),
+                    Err(std::io::Error::other("the coordinator died")),
+                ])))
+                .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()),
+            2 => {
+                let e = json!({"error": {"message": "bye", "type": "overloaded_error", "code": "shutting_down"}});
+                (StatusCode::SERVICE_UNAVAILABLE, Json(e)).into_response()
+            }
+            _ => Json(json!({"choices": [{"text": "whole", "finish_reason": "stop"}]})).into_response(),
+        };
     }
     if prompt == "busy" {
         let body =
@@ -464,7 +490,7 @@ async fn retrying_clients_count_early_retries_and_keep_their_key() -> TestResult
 /// through a broken connection, a `coordinator_draining` error event and an
 /// `idempotent_original_failed` refusal: one request, its text whole and in order, three
 /// resumes counted. Without `resume` the same stream is a
-/// transport error.
+/// transport error; a whole request is sent again whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resuming_clients_continue_from_their_last_cursor() -> TestResult {
     let url = fake_server().await?;
@@ -475,6 +501,7 @@ async fn resuming_clients_continue_from_their_last_cursor() -> TestResult {
     assert_eq!(rec.outcome, Outcome::Complete { finish_reason: "length".into() }, "{rec:?}");
     assert_eq!(rec.text, (0..5).map(word).collect::<String>());
     assert_eq!(rec.retries.resumed, 3, "{rec:?}");
+    assert_eq!(rec.retries.regenerated, 2 + 3 + 3, "each resume regenerates to its cursor: {rec:?}");
     let seen = std::mem::take(&mut *RESUMES.lock().unwrap_or_else(|e| e.into_inner()));
     let cursors: Vec<Option<&str>> = seen.iter().map(|(_, c)| c.as_deref()).collect();
     assert_eq!(cursors, [None, Some("2"), Some("3"), Some("3")]);
@@ -486,8 +513,18 @@ async fn resuming_clients_continue_from_their_last_cursor() -> TestResult {
     assert!(matches!(r.records[0].outcome, Outcome::Transport(_)), "{:?}", r.records[0]);
     RESUMES.lock().unwrap_or_else(|e| e.into_inner()).clear();
 
+    // A whole (non-streamed) request is sent again whole, with its key: through a broken
+    // body and a 503 `shutting_down`, to its answer.
+    let mut p = plan(&url, &["resume-whole"]);
     p.resume = true;
     p.stream = false;
-    assert!(loadgen::run(&p).await.is_err(), "resuming needs a stream");
+    let r = loadgen::run(&p).await?;
+    let rec = &r.records[0];
+    assert_eq!(rec.outcome, Outcome::Complete { finish_reason: "stop".into() }, "{rec:?}");
+    assert_eq!((rec.text.as_str(), rec.retries.resumed), ("whole", 2), "{rec:?}");
+    let keys = std::mem::take(&mut *WHOLE.lock().unwrap_or_else(|e| e.into_inner()));
+    assert!(keys.len() == 3 && keys.iter().all(|k| k.is_some() && *k == keys[0]), "one key, three attempts: {keys:?}");
+    p.retry = Some(loadgen::Retry { max: 1, eager_every: 0, eager_delay: Duration::ZERO });
+    assert!(loadgen::run(&p).await.is_err(), "a resuming client does not also retry refusals");
     Ok(())
 }

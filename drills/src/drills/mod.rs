@@ -290,10 +290,13 @@ pub struct Goodput {
     pub offered_rps: f64,
     /// The coordinator's VmRSS after the load less before it (MiB).
     pub rss_growth_mib: Option<f64>,
+    /// Tokens generated again to resume streams, counted in `tok_s` (see `GoodputBound`).
+    pub regenerated_tokens: u64,
 }
 
-/// What a load got done: completed requests and their output tokens, over the
-/// time from its first request's start to its last completion.
+/// What a load got done: completed requests and their output tokens (with those
+/// generated again to resume them), over the time from its first request's start to its
+/// last completion.
 #[derive(Debug, Clone, Copy)]
 struct Throughput {
     completed: usize,
@@ -308,7 +311,7 @@ impl Throughput {
         let (mut completed, mut tokens, mut last) = (0, 0u64, first);
         for x in done {
             completed += 1;
-            tokens += u64::from(x.output_tokens);
+            tokens += u64::from(x.output_tokens) + u64::from(x.retries.regenerated);
             last = last.max(x.start + x.e2e);
         }
         Self { completed, tokens, secs: last.saturating_sub(first).as_secs_f64().max(1e-9) }
@@ -588,6 +591,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
                     Arrival::Closed { .. } => 0.0,
                 },
                 rss_growth_mib: rss_after.zip(rss_before).map(|(a, b)| a - b),
+                regenerated_tokens: report.records.iter().map(|r| u64::from(r.retries.regenerated)).sum(),
             })
         }
         _ => None,

@@ -185,13 +185,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     if let Some(g) = &r.goodput {
                         println!(
                             "    goodput {:.1} tok/s = {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after; \
-                             {:.2} req/s, offered {:.2} req/s); coordinator memory {}",
+                             {:.2} req/s, offered {:.2} req/s; {} tokens regenerated to resume); coordinator memory {}",
                             g.tok_s,
                             100.0 * g.ratio,
                             g.baseline_tok_s[0],
                             g.baseline_tok_s[1],
                             g.capacity_rps,
                             g.offered_rps,
+                            g.regenerated_tokens,
                             g.rss_growth_mib.map_or_else(|| "unread".to_owned(), |m| format!("{m:+.1} MiB"))
                         );
                     }

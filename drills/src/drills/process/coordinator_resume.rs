@@ -162,8 +162,9 @@ impl Drill for CoordinatorRollingDrain {
             invariants: Invariants {
                 all_complete: true,
                 allowed_errors: Some(vec![]),
-                // The same four clients, undisturbed, before and after: the drains (and the
-                // tokens regenerated to resume) may cost at most a tenth of their goodput.
+                // The same four clients, undisturbed, before and after: the drains may cost
+                // at most a tenth of their goodput (tokens regenerated to resume count as
+                // work; see `GoodputBound`).
                 goodput: Some(GoodputBound {
                     floor: 0.9,
                     factor: 1.0,
