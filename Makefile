@@ -28,10 +28,11 @@ SHELL := /bin/bash
 export TANDEM_CACHE ?= $(HOME)/.cache/tandem
 LLAMA_BIN := $(TANDEM_CACHE)/llama/build/bin
 THREADS ?= 2
-# Tests and drills build the workers with their drill hooks (`fault-injection`); the
+# Tests and drills build the workers and coordinator with their drill hooks (`fault-injection`); the
 # binaries users get (`make build`, `make run`) have none. One feature set for the build
 # and the tests, so neither rebuilds the other's binaries.
-TEST_FEATURES := kvtransfer/pool,prefill-worker/fault-injection
+DRILL_FEATURES := prefill-worker/fault-injection,coordinator/fault-injection
+TEST_FEATURES := kvtransfer/pool,$(DRILL_FEATURES)
 
 # Shell snippet: set $$model to the path scripts/fetch-model.sh prints last (it
 # fetches the model if needed, and is a quick checksum otherwise). A plain
@@ -102,7 +103,7 @@ test: deps model lint image
 ## Every failure drill, three times, on fresh local clusters (tandem drill). Built with the
 ## workers' drill hooks into target/drills/, so the release binaries stay without them.
 drills: deps model
-	cargo build --profile drills --workspace --bins --features prefill-worker/fault-injection
+	cargo build --profile drills --workspace --bins --features $(DRILL_FEATURES)
 	$(MODEL_PATH); \
 	TANDEM_MODEL="$$model" ./target/drills/tandem drill --all --repeat 3 \
 		--json $(TANDEM_CACHE)/drills.json --charts $(TANDEM_CACHE)/drill-charts
@@ -110,7 +111,7 @@ drills: deps model
 ## An hour of `tandem chaos` (seed CERTIFY_SEED, a fault every 3 s on average, 1,094 for seed 1): the report in the cache.
 CERTIFY_SEED ?= 1
 certify: deps model
-	cargo build --profile drills --workspace --bins --features prefill-worker/fault-injection
+	cargo build --profile drills --workspace --bins --features $(DRILL_FEATURES)
 	$(MODEL_PATH); \
 	TANDEM_MODEL="$$model" ./target/drills/tandem chaos --seed $(CERTIFY_SEED) --duration 1h --rate 20 \
 		--max-in-flight 3 --load-rps 0.5 --json $(TANDEM_CACHE)/certify.json --journal $(TANDEM_CACHE)/certify.jsonl

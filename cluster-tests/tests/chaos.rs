@@ -12,6 +12,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use drills::chaos::{run_chaos, ChaosOptions, FaultKind, ScheduleOptions};
+use drills::Guarantee;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -30,6 +31,7 @@ async fn a_minute_of_seeded_chaos_breaks_no_invariant() -> TestResult {
         keep_logs: false,
         journal: None,
         cancel: Default::default(),
+        plant: false,
     };
     let r = run_chaos(&o).await?;
     eprintln!(
@@ -39,11 +41,45 @@ async fn a_minute_of_seeded_chaos_breaks_no_invariant() -> TestResult {
     for a in &r.actions {
         eprintln!("  {:>7} ms {:<5} {:<17} {} {}", a.at_ms, a.what, a.kind.name(), a.target, a.error);
     }
+    eprintln!("  KV links: {:?}", r.kv_links);
     assert!(r.violations.is_empty(), "{:#?}", r.violations);
     assert!(r.actions.iter().all(|a| a.error.is_empty()), "every fault applied and lifted: {:#?}", r.actions);
     let kinds: BTreeSet<&str> = r.applied.keys().copied().collect();
     assert!(r.applied.values().sum::<u32>() >= 8 && kinds.len() >= 5, "faults of many kinds: {:?}", r.applied);
     assert_eq!(r.requests, 60, "the whole load ran");
     assert!(r.complete + r.typed_errors.values().sum::<u32>() as usize == r.requests);
+    Ok(())
+}
+
+/// The invariants are not vacuous in a real run: started with the planted bugs (a wrong
+/// first token behind HTTP 200, KV blocks never freed, a stream that never ends) and no
+/// fault at all, the run fails, and names each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_bugs_are_each_caught_and_named() -> TestResult {
+    let o = ChaosOptions {
+        schedule: ScheduleOptions {
+            seed: 7,
+            duration: Duration::from_secs(20),
+            per_minute: 1.0,
+            kinds: Vec::new(),
+            exclude: Vec::new(),
+            max_in_flight: 1,
+        },
+        load_rps: 1.0,
+        keep_logs: false,
+        journal: None,
+        cancel: Default::default(),
+        plant: true,
+    };
+    let r = run_chaos(&o).await?;
+    for v in &r.violations {
+        eprintln!("  {:>7} ms {:?}: {}", v.at_ms, v.guarantee, v.detail);
+    }
+    assert!(r.actions.is_empty() && !r.passed(), "no fault, and yet a failed run: {:?}", r.actions);
+    assert!(r.command.ends_with(" --plant"), "the repeat command plants them too: {}", r.command);
+    let found = |g: Guarantee, what: &str| r.violations.iter().any(|v| v.guarantee == g && v.detail.contains(what));
+    assert!(found(Guarantee::G1, "answer differs from the no-fault run"), "the swapped token: {:#?}", r.violations);
+    assert!(found(Guarantee::G2, "prefill-"), "the leaked blocks, on a prefill worker: {:#?}", r.violations);
+    assert!(found(Guarantee::G1, "hung until the client gave up"), "the endless stream: {:#?}", r.violations);
     Ok(())
 }

@@ -34,6 +34,8 @@ pub mod load;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;
+#[cfg(feature = "fault-injection")]
+pub mod plant;
 pub mod prefix;
 pub mod prompt;
 pub mod retries;

@@ -12,6 +12,8 @@
 #![forbid(unsafe_code)]
 
 pub mod metrics;
+#[cfg(feature = "fault-injection")]
+pub mod plant;
 pub mod service;
 
 use std::time::Duration;
@@ -51,6 +53,18 @@ pub struct PrefillFlags {
     #[cfg(feature = "fault-injection")]
     #[arg(long, env = "TANDEM_FAULT_KV_CORRUPT")]
     pub fault_kv_corrupt: Option<u64>,
+    /// Drills only, a planted bug: the N-th prefill this worker starts answers with
+    /// another first token (HTTP 200 with a wrong answer), for a chaos run to catch.
+    /// Env: TANDEM_FAULT_SWAP_TOKEN. Default 0 (off). Only with `fault-injection`.
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, env = "TANDEM_FAULT_SWAP_TOKEN")]
+    pub fault_swap_token: Option<u64>,
+    /// Drills only, a planted bug: the N-th prefill this worker starts never releases
+    /// its KV blocks (a leak), for a chaos run to catch. Env: TANDEM_FAULT_LEAK_BLOCKS.
+    /// Default 0 (off). Only with `fault-injection`.
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, env = "TANDEM_FAULT_LEAK_BLOCKS")]
+    pub fault_leak_blocks: Option<u64>,
 }
 
 /// The validated prefill worker config.
@@ -61,6 +75,12 @@ pub struct PrefillConfig {
     /// ucx KV transfers to corrupt after their checksum (drills; 0 = off).
     #[cfg(feature = "fault-injection")]
     pub fault_kv_corrupt: u64,
+    /// The prefill whose first token is swapped, and the one whose blocks leak (planted
+    /// bugs; 0 = off).
+    #[cfg(feature = "fault-injection")]
+    pub fault_swap_token: u64,
+    #[cfg(feature = "fault-injection")]
+    pub fault_leak_blocks: u64,
 }
 
 impl PrefillConfig {
@@ -73,7 +93,7 @@ impl PrefillConfig {
         merged.common.overlay(&flags.common);
         worker_common::overlay!(merged, flags, transfer_timeout_ms);
         #[cfg(feature = "fault-injection")]
-        worker_common::overlay!(merged, flags, fault_kv_corrupt);
+        worker_common::overlay!(merged, flags, fault_kv_corrupt, fault_swap_token, fault_leak_blocks);
         Self::resolve(&merged)
     }
 
@@ -83,6 +103,10 @@ impl PrefillConfig {
             transfer_timeout: millis("transfer_timeout_ms", f.transfer_timeout_ms, 10_000)?,
             #[cfg(feature = "fault-injection")]
             fault_kv_corrupt: f.fault_kv_corrupt.unwrap_or(0),
+            #[cfg(feature = "fault-injection")]
+            fault_swap_token: f.fault_swap_token.unwrap_or(0),
+            #[cfg(feature = "fault-injection")]
+            fault_leak_blocks: f.fault_leak_blocks.unwrap_or(0),
         })
     }
 }

@@ -34,6 +34,16 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
             prefill_worker::metrics::record_kv_corrupt_fault,
         );
     }
+    #[cfg(feature = "fault-injection")]
+    if cfg.fault_swap_token > 0 || cfg.fault_leak_blocks > 0 {
+        tracing::warn!(
+            swap_token = cfg.fault_swap_token,
+            leak_blocks = cfg.fault_leak_blocks,
+            "FAULT INJECTION ON (planted bugs): those prefills answer a wrong first token or leak their KV \
+             blocks; drills only"
+        );
+        prefill_worker::plant::arm(cfg.fault_swap_token, cfg.fault_leak_blocks);
+    }
     let loaded = worker_common::serve::load(common)?;
     let (layout, fingerprint) = (loaded.layout, loaded.fingerprint);
     let (runner, join) = Runner::spawn(loaded.engine, RunnerConfig { max_waiting: common.max_waiting })?;

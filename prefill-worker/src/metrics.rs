@@ -36,7 +36,9 @@ pub fn describe() {
     counter!(KV_TRANSFER_BYTES).absolute(0);
     counter!(KV_STALE_CONNECTIONS).absolute(0);
     #[cfg(feature = "fault-injection")]
-    counter!(FAULTS_INJECTED, "fault" => "kv_corrupt").absolute(0);
+    for fault in ["kv_corrupt", "swap_token", "leak_blocks"] {
+        counter!(FAULTS_INJECTED, "fault" => fault).absolute(0);
+    }
     worker_common::metrics::zero(PREFILL_REQUESTS, "outcome", &facts::metrics::worker::OUTCOMES);
     worker_common::metrics::zero(KV_TRANSFER_FAILURES, "reason", &TRANSFER_FAILURE_REASONS);
     worker_common::metrics::zero(KV_LAYERS_SENT, "path", &LAYER_PATHS);
@@ -81,4 +83,10 @@ pub fn record_transfer_failure(reason: &'static str) {
 /// (called on the sender's thread at the flip, before the put).
 pub fn record_kv_corrupt_fault() {
     counter!(FAULTS_INJECTED, "fault" => "kv_corrupt").increment(1);
+}
+
+/// Counts one planted bug that struck (`swap_token`, `leak_blocks`; see `crate::plant`).
+#[cfg(feature = "fault-injection")]
+pub fn record_planted(fault: &'static str) {
+    counter!(FAULTS_INJECTED, "fault" => fault).increment(1);
 }

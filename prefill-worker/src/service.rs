@@ -295,6 +295,8 @@ impl PrefillService {
         let inner = &self.inner;
         worker_common::serve::accepting(&inner.ready, &inner.fenced)?;
         let engine_id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "fault-injection")]
+        let planted = crate::plant::next();
         let token = inner.shutdown.child_token();
         let computing = Arc::new(AtomicBool::new(false));
         {
@@ -344,6 +346,9 @@ impl PrefillService {
         };
         let started = Instant::now();
         let runner_deadline = deadline.map(Instant::into_std);
+        // A planted leak keeps its blocks past any deadline too.
+        #[cfg(feature = "fault-injection")]
+        let runner_deadline = runner_deadline.filter(|_| !planted.leak_blocks);
         blocking(move || {
             let submitted = runner.submit_prefill_streaming(
                 engine_req,
@@ -391,8 +396,21 @@ impl PrefillService {
         }
         let Pushed { first, cached_prompt_tokens, bytes, seconds } = pushed?;
         crate::metrics::record_transfer(bytes, seconds);
+        #[allow(unused_mut, reason = "only a planted bug changes it")]
+        let mut id = first.id;
+        #[cfg(feature = "fault-injection")]
+        {
+            if planted.leak_blocks {
+                cleanup.armed = false;
+                crate::metrics::record_planted("leak_blocks");
+            }
+            if planted.swap_first_token {
+                id = crate::plant::swapped(id);
+                crate::metrics::record_planted("swap_token");
+            }
+        }
         Ok(FirstToken {
-            id: first.id,
+            id,
             logprob: first.logprob,
             top: first.top.iter().map(|&(id, logprob)| TopLogprob { id, logprob }).collect(),
             kv_layers_sent: inner.layout.n_layers as u32,

@@ -30,7 +30,8 @@ pub struct Args {
     /// Fault kinds to draw from, comma-separated (default: all; `--list-faults` names them).
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
-    /// Processes never acted on, comma-separated names (`decode-1`, `coordinator`, `etcd`).
+    /// Processes never acted on, comma-separated names (`decode-1`, `coordinator`, `etcd`;
+    /// `kv:decode-1` for a KV link alone, which naming its worker excludes too).
     #[arg(long, value_delimiter = ',')]
     exclude: Vec<String>,
     /// Most faults held at once.
@@ -54,6 +55,11 @@ pub struct Args {
     /// Keep the processes' logs (their directory is in the report).
     #[arg(long)]
     keep_logs: bool,
+    /// Start the cluster with planted bugs (a wrong first token, leaked KV blocks, a
+    /// stream that never ends; binaries built with `fault-injection`, as `make drills`
+    /// builds them): the run must fail, naming each. Proves the invariants are not vacuous.
+    #[arg(long)]
+    plant: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -98,7 +104,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let targets = chaos::targets_of(None);
     let known: Vec<&String> =
-        [&targets.decode, &targets.prefill, &targets.coordinators, &targets.etcd].into_iter().flatten().collect();
+        [&targets.decode, &targets.prefill, &targets.coordinators, &targets.etcd, &targets.kv_links]
+            .into_iter()
+            .flatten()
+            .collect();
     if let Some(x) = a.exclude.iter().find(|x| !known.contains(x)) {
         bail!("--exclude {x}: no such process (the cluster has {known:?})");
     }
@@ -121,6 +130,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         keep_logs: a.keep_logs,
         journal: a.journal,
         cancel: cancel.clone(),
+        plant: a.plant,
     };
     let plan = chaos::schedule(&o.schedule, &targets);
     if a.dry_run {
@@ -163,6 +173,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         report.typed_errors,
         report.resumed
     );
+    for (link, k) in &report.kv_links {
+        println!(
+            "{link}: {} chunks delayed, {} connections reset, {} bytes flipped, {} bytes blackholed",
+            k.delayed_chunks,
+            k.resets,
+            k.flips,
+            k.blackholed_bytes + k.blackholed_reply_bytes
+        );
+    }
     for a in report.actions.iter().filter(|a| !a.error.is_empty()) {
         println!(
             "fault action failed at {:.1} s: {} {} {}: {}",

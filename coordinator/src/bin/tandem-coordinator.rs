@@ -28,10 +28,28 @@ use engine::weights::Weights;
 use facts::log::LogFormat;
 use tokio_util::sync::CancellationToken;
 
+/// The version `--version` prints, naming the drill hook when the binary has it.
+#[cfg(feature = "fault-injection")]
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (fault-injection)");
+/// The version `--version` prints.
+#[cfg(not(feature = "fault-injection"))]
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// Flags (each also a `TANDEM_*` env var).
 #[derive(Debug, Parser)]
-#[command(name = "tandem-coordinator", about = "tandem coordinator: OpenAI-compatible HTTP and gRPC fronts", version)]
+#[command(
+    name = "tandem-coordinator",
+    about = "tandem coordinator: OpenAI-compatible HTTP and gRPC fronts",
+    version = VERSION
+)]
 struct Flags {
+    /// Drills only, a planted bug: the N-th streamed HTTP answer never ends (its
+    /// tokens, then silence on an open connection), for a chaos run to catch. Env:
+    /// TANDEM_FAULT_ENDLESS_STREAM. Default 0 (off). Only in a binary built with the
+    /// `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, env = "TANDEM_FAULT_ENDLESS_STREAM", default_value_t = 0)]
+    fault_endless_stream: u64,
     /// HTTP listen address. Env: TANDEM_HTTP.
     #[arg(long, env = "TANDEM_HTTP", default_value = "127.0.0.1:8000")]
     http: SocketAddr,
@@ -257,6 +275,14 @@ fn main() -> anyhow::Result<()> {
     let flags = Flags::parse();
     facts::log::init(flags.log_format).map_err(anyhow::Error::msg)?;
     tracing::info!(version = env!("CARGO_PKG_VERSION"), http = %flags.http, grpc = %flags.grpc, "starting");
+    #[cfg(feature = "fault-injection")]
+    if flags.fault_endless_stream > 0 {
+        tracing::warn!(
+            stream = flags.fault_endless_stream,
+            "FAULT INJECTION ON (planted bug): that streamed answer never ends; drills only"
+        );
+        coordinator::plant::arm(flags.fault_endless_stream);
+    }
     for (name, v) in [("max_body_bytes", flags.max_body_bytes), ("idempotency_max_keys", flags.idempotency_max_keys)] {
         anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");
     }

@@ -323,6 +323,8 @@ impl Answer {
     /// Streams SSE events until the end; a send failure means the client
     /// went away, and returning drops the run (cancelling it).
     async fn stream(mut self, tx: mpsc::Sender<Event>) {
+        #[cfg(feature = "fault-injection")]
+        let endless = crate::plant::endless_now();
         let mut first = true;
         if self.api == Api::Chat {
             let role = self.chunk(None, None, None, true).to_string();
@@ -365,6 +367,12 @@ impl Answer {
                 }
             }
         };
+        #[cfg(feature = "fault-injection")]
+        if endless {
+            tracing::warn!("FAULT INJECTION: this stream never ends (planted bug; drills only)");
+            tx.closed().await;
+            return;
+        }
         let text = if self.api == Api::Chat { None } else { Some("") };
         let end = self.chunk(text, None, Some(finish.as_str()), false).to_string();
         if !self.emit(&tx, end).await {

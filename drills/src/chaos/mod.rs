@@ -35,10 +35,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cluster::{Cluster, ClusterSpec, PastLife, Role};
 use crate::invariants::{self, Guarantee, Invariants, Violation};
-use crate::process::Signal;
+use crate::process::{signal, Signal};
+use crate::proxy::{Fault, Proxy, ProxyCounters};
 use crate::reference::reference_texts;
 use crate::HarnessError;
-pub use schedule::{schedule, FaultKind, Planned, ScheduleOptions, Targets};
+pub use schedule::{kv_link, schedule, FaultKind, Planned, ScheduleOptions, Targets};
 
 /// The model every chaos request names.
 const MODEL: &str = "SmolLM2-135M-Instruct";
@@ -51,6 +52,10 @@ const GRACE: Duration = Duration::from_secs(1);
 const BURST: usize = 8;
 /// Most requests a run references (the rate times the duration is capped here).
 const MAX_REQUESTS: usize = 2_000;
+/// The two tenants the load runs as: `interactive` streams, `batch` asks for whole
+/// answers (a third of the steady load); neither has a quota.
+const INTERACTIVE_KEY: &str = "chaos-interactive-key";
+const BATCH_KEY: &str = "chaos-batch-key";
 
 /// How a chaos run is shaped.
 #[derive(Debug, Clone)]
@@ -64,7 +69,17 @@ pub struct ChaosOptions {
     pub journal: Option<PathBuf>,
     /// Cancelled: stop applying faults, lift every held one, finish the run.
     pub cancel: CancellationToken,
+    /// Plant bugs ([`PLANTED`]; binaries built with `fault-injection`): a run that
+    /// must fail, naming each.
+    pub plant: bool,
 }
+
+/// The bugs `--plant` starts the cluster with, each of which the invariants must catch:
+/// every prefill worker answers its 3rd prefill with a wrong first token (G1: an answer
+/// that is not its undisturbed one) and never frees the KV blocks of its 5th (G2);
+/// every coordinator's 4th streamed answer never ends (G1: a request that hangs).
+pub const PLANTED: [(&str, &str); 3] =
+    [("--fault-swap-token", "3"), ("--fault-leak-blocks", "5"), ("--fault-endless-stream", "4")];
 
 /// One fault action as it happened.
 #[derive(Debug, Clone, Serialize)]
@@ -104,6 +119,9 @@ pub struct ChaosReport {
     pub typed_errors: BTreeMap<String, u32>,
     /// Streams resumed from their cursor after their connection broke or drained.
     pub resumed: u32,
+    /// What each KV link's fault proxy did (flips, resets, delayed chunks, blackholed
+    /// bytes): that the link faults struck traffic, not an idle link.
+    pub kv_links: BTreeMap<String, ProxyCounters>,
     pub violations: Vec<Found>,
     pub log_dir: String,
     /// The command that repeats this run's schedule.
@@ -116,14 +134,30 @@ impl ChaosReport {
     }
 }
 
-/// The cluster chaos runs on.
-pub fn cluster_spec() -> ClusterSpec {
+/// The cluster chaos runs on; with `plant`, its prefill workers and coordinators carry
+/// the [`PLANTED`] bugs.
+pub fn cluster_spec(plant: bool) -> ClusterSpec {
+    let (prefill, coordinator): (Vec<&str>, Vec<&str>) = if plant {
+        (
+            PLANTED[..2].iter().flat_map(|&(f, v)| [f, v]).collect(),
+            PLANTED[2..].iter().flat_map(|&(f, v)| [f, v]).collect(),
+        )
+    } else {
+        (Vec::new(), Vec::new())
+    };
     ClusterSpec { lease_ttl_s: 5, ..ClusterSpec::default() }
-        .prefill("g1")
-        .prefill("g1")
-        .decode("g1")
-        .decode("g1")
+        .prefill_with("g1", &prefill)
+        .prefill_with("g1", &prefill)
+        .coordinator_args(&coordinator)
+        .decode_behind_proxy("g1")
+        .decode_behind_proxy("g1")
         .coordinators(2)
+        .tenants(
+            &format!(
+                "[tenants.interactive]\nkeys = [\"{INTERACTIVE_KEY}\"]\n\n[tenants.batch]\nkeys = [\"{BATCH_KEY}\"]\n"
+            ),
+            INTERACTIVE_KEY,
+        )
 }
 
 /// The targets of a cluster of [`cluster_spec`]'s shape, by name: what `--dry-run` schedules
@@ -135,12 +169,14 @@ pub fn targets_of(c: Option<&Cluster>) -> Targets {
             prefill: c.workers_of(Role::Prefill).map(|w| w.proc.name.clone()).collect(),
             coordinators: c.coordinators().map(|p| p.name.clone()).collect(),
             etcd: vec!["etcd".into()],
+            kv_links: c.workers_of(Role::Decode).filter(|w| w.proxy.is_some()).map(|w| kv_link(&w.proc.name)).collect(),
         },
         None => Targets {
             decode: vec!["decode-0".into(), "decode-1".into()],
             prefill: vec!["prefill-0".into(), "prefill-1".into()],
             coordinators: vec!["coordinator".into(), "coordinator-1".into()],
             etcd: vec!["etcd".into()],
+            kv_links: vec![kv_link("decode-0"), kv_link("decode-1")],
         },
     }
 }
@@ -161,6 +197,9 @@ pub fn command(o: &ChaosOptions) -> String {
     }
     if !s.exclude.is_empty() {
         cmd.push_str(&format!(" --exclude {}", s.exclude.join(",")));
+    }
+    if o.plant {
+        cmd.push_str(" --plant");
     }
     cmd
 }
@@ -234,6 +273,23 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Bu
         FaultKind::KillEtcd => {
             c.etcd.kill(0).ok_or_else(|| HarnessError::Fault("etcd was not running".into()))?;
         }
+        FaultKind::StopEtcd => {
+            let pid = c.etcd.pid(0).ok_or_else(|| HarnessError::Fault("etcd was not running".into()))?;
+            signal(pid, Signal::Stop)?;
+        }
+        FaultKind::KvDelay => {
+            link(c, name)?.arm(Fault::Delay { base: Duration::from_millis(75), jitter: Duration::from_millis(50) });
+        }
+        FaultKind::KvBlackhole => link(c, name)?.arm(Fault::Blackhole),
+        FaultKind::KvCorrupt => {
+            // Somewhere in the first 256 KiB (a 40-token prompt's KV is ~0.9 MB), drawn from
+            // the fault's time so the run repeats it.
+            let after = (p.at.as_millis() as usize).wrapping_mul(2_654_435_761) % (256 << 10);
+            link(c, name)?.arm(Fault::FlipAfter(after));
+        }
+        FaultKind::KvReset => {
+            link(c, name)?.reset_open();
+        }
         FaultKind::Burst => {
             let mut plan = Plan::new(base_url, MODEL);
             plan.requests = BURST;
@@ -242,6 +298,7 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Bu
             plan.max_tokens = 8;
             plan.deadline = Some(DEADLINE);
             plan.timeout = DEADLINE + GRACE + Duration::from_secs(10);
+            plan.api_key = Some(INTERACTIVE_KEY.into());
             // Resuming clients too: a burst that meets a killed coordinator goes on at the other.
             plan.resume = true;
             // Judged at the end: complete or typed, within the deadline.
@@ -254,7 +311,10 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Bu
             });
             let addr = base_url.trim_start_matches("http://").to_owned();
             tokio::spawn(async move {
-                if let Ok(mut s) = opskit::http::Request::post(&addr, "/v1/completions").json(&body).stream().await {
+                let req = opskit::http::Request::post(&addr, "/v1/completions")
+                    .header("authorization", &format!("Bearer {INTERACTIVE_KEY}"))
+                    .json(&body);
+                if let Ok(mut s) = req.stream().await {
                     // Two events, then the client is gone.
                     for _ in 0..2 {
                         if !matches!(s.next_event().await, Ok(Some(_))) {
@@ -268,7 +328,14 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Bu
     Ok(())
 }
 
-/// Lifts `p`: a killed process started again, a stopped one continued, etcd back.
+/// The fault proxy on the KV link `kv:NAME` names.
+fn link<'a>(c: &'a Cluster, target: &str) -> Result<&'a Proxy, HarnessError> {
+    let name = target.strip_prefix("kv:").unwrap_or(target);
+    c.worker(name)?.proxy.as_ref().ok_or_else(|| HarnessError::Setup(format!("{name} has no KV fault proxy")))
+}
+
+/// Lifts `p`: a killed process started again, a stopped one continued, etcd back, a
+/// KV link healed.
 async fn lift(c: &mut Cluster, p: &Planned) -> Result<(), HarnessError> {
     let name = p.target.as_str();
     match p.kind {
@@ -302,7 +369,12 @@ async fn lift(c: &mut Cluster, p: &Planned) -> Result<(), HarnessError> {
         FaultKind::KillEtcd => {
             c.etcd.restart(0).await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
         }
-        FaultKind::Burst | FaultKind::Disconnect => {}
+        FaultKind::StopEtcd => {
+            let pid = c.etcd.pid(0).ok_or_else(|| HarnessError::Fault("etcd was not running".into()))?;
+            signal(pid, Signal::Cont)?;
+        }
+        FaultKind::KvDelay | FaultKind::KvBlackhole | FaultKind::KvCorrupt => link(c, name)?.arm(Fault::None),
+        FaultKind::KvReset | FaultKind::Burst | FaultKind::Disconnect => {}
     }
     Ok(())
 }
@@ -377,51 +449,101 @@ fn judge_burst(report: &Report) -> Vec<Violation> {
     v
 }
 
-/// Starts the cluster, runs the load and the schedule, and judges the run.
-pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
-    let requests = ((o.load_rps * o.schedule.duration.as_secs_f64()).ceil() as usize).clamp(1, MAX_REQUESTS);
+/// One steady load: its plan and each request's undisturbed answer.
+struct Steady {
+    /// Names its requests in violations.
+    name: &'static str,
+    plan: Plan,
+    reference: Vec<String>,
+}
+
+/// The steady loads of a run: `interactive` streams two requests in three, `batch` asks for
+/// the third whole; resuming clients both, each tenant with its own prompts (short and
+/// long), half of each sampled with a seed. The references are the engine's, undisturbed.
+/// Their plans' `base_url` is left to fill in once the cluster listens.
+async fn steady_loads(o: &ChaosOptions) -> Result<Vec<Steady>, HarnessError> {
+    let total = ((o.load_rps * o.schedule.duration.as_secs_f64()).ceil() as usize).clamp(2, MAX_REQUESTS);
     let seed = o.schedule.seed;
-    let prompts = prompts(requests, seed);
-    let p2 = prompts.clone();
-    let references = tokio::task::spawn_blocking(move || reference_texts(&p2, MAX_TOKENS, true, Some(SAMPLED)));
-    let mut c = Cluster::start(&cluster_spec(), o.keep_logs).await?;
-    let reference = references.await.map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
-    let targets = targets_of(Some(&c));
-    let plan_faults = schedule(&o.schedule, &targets);
-    let base_url = c.base_url()?;
+    let batch = total / 3;
+    let mut out = Vec::new();
+    for (name, key, n, stream, prompt_seed) in [
+        ("interactive", INTERACTIVE_KEY, total - batch, true, seed),
+        ("batch", BATCH_KEY, batch, false, seed.wrapping_add(2)),
+    ] {
+        if n == 0 {
+            continue;
+        }
+        let prompts = prompts(n, prompt_seed);
+        let p2 = prompts.clone();
+        let reference = tokio::task::spawn_blocking(move || reference_texts(&p2, MAX_TOKENS, true, Some(SAMPLED)))
+            .await
+            .map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
+        let mut plan = Plan::new(String::new(), MODEL);
+        plan.requests = n;
+        plan.arrival = Arrival::Poisson { rate: o.load_rps * n as f64 / total as f64 };
+        plan.prompts = PromptSource::List(prompts);
+        plan.max_tokens = MAX_TOKENS;
+        plan.stream = stream;
+        plan.ignore_eos = true;
+        plan.seed = prompt_seed;
+        plan.sampled = Some(SAMPLED);
+        plan.deadline = Some(DEADLINE);
+        plan.timeout = DEADLINE + GRACE + Duration::from_secs(10);
+        plan.api_key = Some(key.into());
+        plan.resume = true;
+        out.push(Steady { name, plan, reference });
+    }
+    Ok(out)
+}
 
-    let mut plan = Plan::new(base_url.clone(), MODEL);
-    plan.requests = requests;
-    plan.arrival = Arrival::Poisson { rate: o.load_rps };
-    plan.prompts = PromptSource::List(prompts);
-    plan.max_tokens = MAX_TOKENS;
-    plan.ignore_eos = true;
-    plan.seed = seed;
-    plan.sampled = Some(SAMPLED);
-    plan.deadline = Some(DEADLINE);
-    plan.timeout = DEADLINE + GRACE + Duration::from_secs(10);
-    plan.resume = true;
-
-    let start = Instant::now();
-    let found: Arc<Mutex<Vec<Found>>> = Arc::default();
-    // Each request judged as it ends: its outcome, its text, its deadline.
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<loadgen::Record>();
-    let judge = {
-        let (found, reference) = (found.clone(), reference.clone());
-        let inv = Invariants { deadline: DEADLINE, grace: GRACE, ..Invariants::default() };
-        tokio::spawn(async move {
+/// Runs one steady load, judging each request as it ends: its outcome, its text, its
+/// deadline.
+fn run_steady(
+    s: Steady,
+    start: Instant,
+    found: Arc<Mutex<Vec<Found>>>,
+) -> tokio::task::JoinHandle<Result<Report, HarnessError>> {
+    tokio::spawn(async move {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<loadgen::Record>();
+        let Steady { name, plan, reference } = s;
+        let judge = tokio::spawn(async move {
+            let inv = Invariants { deadline: DEADLINE, grace: GRACE, ..Invariants::default() };
             while let Some(r) = rx.recv().await {
                 let one = Report { wall: Duration::ZERO, records: vec![r] };
                 let at_ms = start.elapsed().as_millis() as u64;
                 let mut f = found.lock().unwrap_or_else(|e| e.into_inner());
                 for v in inv.requests(&one, &reference) {
-                    f.push(Found { at_ms, guarantee: v.guarantee, detail: v.detail });
+                    f.push(Found { at_ms, guarantee: v.guarantee, detail: format!("{name} {}", v.detail) });
                 }
             }
-        })
+        });
+        let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx) };
+        let report = loadgen::run_with(&plan, hooks).await;
+        let _ = judge.await;
+        report.map_err(|e| HarnessError::Load(format!("the {name} load: {e}")))
+    })
+}
+
+/// Starts the cluster, runs the load and the schedule, and judges the run.
+pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
+    let seed = o.schedule.seed;
+    // The references are computed while the cluster starts.
+    let loads = {
+        let o = o.clone();
+        tokio::spawn(async move { steady_loads(&o).await })
     };
-    let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx) };
-    let load = tokio::spawn(async move { loadgen::run_with(&plan, hooks).await });
+    let mut c = Cluster::start(&cluster_spec(o.plant), o.keep_logs).await?;
+    let base_url = c.base_url()?;
+    let mut loads = loads.await.map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
+    for l in &mut loads {
+        l.plan.base_url.clone_from(&base_url);
+    }
+    let targets = targets_of(Some(&c));
+    let plan_faults = schedule(&o.schedule, &targets);
+
+    let start = Instant::now();
+    let found: Arc<Mutex<Vec<Found>>> = Arc::default();
+    let running: Vec<_> = loads.into_iter().map(|s| run_steady(s, start, found.clone())).collect();
 
     let mut audit = Audit {
         start,
@@ -438,11 +560,14 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         actions: Vec::new(),
     };
     let bursts = run_faults(&mut c, &plan_faults, start, &base_url, &mut audit, &o.cancel).await;
-    let report = load
-        .await
-        .map_err(|e| HarnessError::Load(format!("load task: {e}")))?
-        .map_err(|e| HarnessError::Load(e.to_string()))?;
-    let _ = judge.await;
+    let mut records = Vec::new();
+    let mut wall = Duration::ZERO;
+    for r in running {
+        let r = r.await.map_err(|e| HarnessError::Load(format!("load task: {e}")))??;
+        wall = wall.max(r.wall);
+        records.extend(r.records);
+    }
+    let report = Report { wall, records };
     let mut burst_found = Vec::new();
     for b in bursts {
         match b.await {
@@ -461,7 +586,7 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         coordinator_kills: c.coordinator_kills.iter().map(|&(a, b)| (since(a), since(b))).collect(),
         ..Invariants::default()
     };
-    let (quiet, _) = inv.check_measured(&c, &Report { wall: report.wall, records: Vec::new() }, &reference).await;
+    let (quiet, _) = inv.check_measured(&c, &Report { wall: report.wall, records: Vec::new() }, &[]).await;
     let mut violations = std::mem::take(&mut *found.lock().unwrap_or_else(|e| e.into_inner()));
     let mut end: Vec<Violation> = quiet;
     end.extend(burst_found);
@@ -479,6 +604,10 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
             _ => {}
         }
     }
+    let kv_links = c
+        .workers_of(Role::Decode)
+        .filter_map(|w| Some((kv_link(&w.proc.name), w.proxy.as_ref()?.counters())))
+        .collect();
     let mut applied = BTreeMap::new();
     for a in audit.actions.iter().filter(|a| a.what == "apply" && a.error.is_empty()) {
         *applied.entry(a.kind.name()).or_insert(0) += 1;
@@ -494,6 +623,7 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         complete,
         typed_errors: typed,
         resumed: report.records.iter().map(|r| r.retries.resumed).sum(),
+        kv_links,
         violations,
         log_dir: c.log_dir().display().to_string(),
         command: command(o),
@@ -567,11 +697,12 @@ mod tests {
             keep_logs: false,
             journal: None,
             cancel: CancellationToken::new(),
+            plant: true,
         };
         assert_eq!(
             command(&o),
             "tandem chaos --seed 9 --duration 90s --rate 4 --load-rps 1.5 --max-in-flight 2 --faults kill-decode,burst \
-             --exclude etcd"
+             --exclude etcd --plant"
         );
     }
 }

@@ -5,7 +5,8 @@
 //! Faults arrive as a Poisson process (`per_minute`), each of a kind drawn
 //! from the enabled list, on a target drawn from that kind's processes. A
 //! held fault (a kill until its restart, a stop until its SIGCONT, etcd down
-//! until it is back) keeps its target busy: no second fault lands on a busy
+//! until it is back, a KV link delayed or cut until it heals) keeps its
+//! target busy: no second fault lands on a busy
 //! target, and at most `max_in_flight` faults are held at once (a draw that
 //! would break either is dropped, not delayed, so the schedule stays a
 //! function of the seed). Every fault is lifted by the end of the run.
@@ -33,6 +34,19 @@ pub enum FaultKind {
     StopCoordinator,
     /// SIGKILL etcd; started again (same data) after the hold.
     KillEtcd,
+    /// SIGSTOP etcd (a stall: connections stay open, nothing answers); SIGCONT after the hold.
+    StopEtcd,
+    /// 75 ms ± 50 ms latency on every chunk of a decode worker's KV link (its fault
+    /// proxy), until the hold ends.
+    KvDelay,
+    /// A partition of a decode worker's KV link: no byte crosses either way, new
+    /// connections hang, until the hold ends (then the connections that lost bytes close).
+    KvBlackhole,
+    /// One byte flipped within the first 256 KiB a decode worker's KV link carries once
+    /// armed (disarmed at the end of the hold if nothing crossed).
+    KvCorrupt,
+    /// Every connection open on a decode worker's KV link reset (RST both ends), at once.
+    KvReset,
     /// A burst of extra requests at once, over the steady load.
     Burst,
     /// A client that hangs up mid-stream.
@@ -46,12 +60,14 @@ pub enum TargetKind {
     Prefill,
     Coordinator,
     Etcd,
+    /// A decode worker's KV link (its fault proxy), named `kv:NAME`.
+    KvLink,
     /// The clients' side: no process.
     Load,
 }
 
 impl FaultKind {
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 14] = [
         Self::KillDecode,
         Self::KillPrefill,
         Self::KillCoordinator,
@@ -59,6 +75,11 @@ impl FaultKind {
         Self::StopPrefill,
         Self::StopCoordinator,
         Self::KillEtcd,
+        Self::StopEtcd,
+        Self::KvDelay,
+        Self::KvBlackhole,
+        Self::KvCorrupt,
+        Self::KvReset,
         Self::Burst,
         Self::Disconnect,
     ];
@@ -73,6 +94,11 @@ impl FaultKind {
             Self::StopPrefill => "stop-prefill",
             Self::StopCoordinator => "stop-coordinator",
             Self::KillEtcd => "kill-etcd",
+            Self::StopEtcd => "stop-etcd",
+            Self::KvDelay => "kv-delay",
+            Self::KvBlackhole => "kv-blackhole",
+            Self::KvCorrupt => "kv-corrupt",
+            Self::KvReset => "kv-reset",
             Self::Burst => "burst",
             Self::Disconnect => "disconnect",
         }
@@ -87,7 +113,8 @@ impl FaultKind {
             Self::KillDecode | Self::StopDecode => TargetKind::Decode,
             Self::KillPrefill | Self::StopPrefill => TargetKind::Prefill,
             Self::KillCoordinator | Self::StopCoordinator => TargetKind::Coordinator,
-            Self::KillEtcd => TargetKind::Etcd,
+            Self::KillEtcd | Self::StopEtcd => TargetKind::Etcd,
+            Self::KvDelay | Self::KvBlackhole | Self::KvCorrupt | Self::KvReset => TargetKind::KvLink,
             Self::Burst | Self::Disconnect => TargetKind::Load,
         }
     }
@@ -98,8 +125,13 @@ impl FaultKind {
             Self::KillDecode | Self::KillPrefill | Self::KillCoordinator => (2_000, 6_000),
             Self::StopDecode | Self::StopPrefill | Self::StopCoordinator => (1_500, 5_000),
             // Short enough that worker leases (5 s in chaos clusters) outlive it.
-            Self::KillEtcd => (1_000, 3_000),
-            Self::Burst | Self::Disconnect => (0, 0),
+            Self::KillEtcd | Self::StopEtcd => (1_000, 3_000),
+            Self::KvDelay => (2_000, 6_000),
+            // Shorter than the prefill workers' 10 s transfer timeout and the requests'
+            // deadline: the transfers it stalls fail when it lifts, and are retried.
+            Self::KvBlackhole => (1_000, 4_000),
+            Self::KvCorrupt => (1_000, 3_000),
+            Self::KvReset | Self::Burst | Self::Disconnect => (0, 0),
         }
     }
 }
@@ -111,6 +143,18 @@ pub struct Targets {
     pub prefill: Vec<String>,
     pub coordinators: Vec<String>,
     pub etcd: Vec<String>,
+    /// Decode workers' KV links, `kv:NAME` (empty when the workers have no fault proxy).
+    pub kv_links: Vec<String>,
+}
+
+/// A decode worker's KV link, as schedules name it.
+pub fn kv_link(decode: &str) -> String {
+    format!("kv:{decode}")
+}
+
+/// Whether `target` is excluded: by its own name, or a KV link by its worker's.
+fn excluded(exclude: &[String], target: &str) -> bool {
+    exclude.iter().any(|e| e == target || target.strip_prefix("kv:") == Some(e.as_str()))
 }
 
 impl Targets {
@@ -120,6 +164,7 @@ impl Targets {
             TargetKind::Prefill => self.prefill.clone(),
             TargetKind::Coordinator => self.coordinators.clone(),
             TargetKind::Etcd => self.etcd.clone(),
+            TargetKind::KvLink => self.kv_links.clone(),
             TargetKind::Load => vec!["clients".to_owned()],
         }
     }
@@ -185,7 +230,7 @@ pub fn schedule(o: &ScheduleOptions, targets: &Targets) -> Vec<Planned> {
     let mut rng = XorShift64::new(o.seed ^ 0x6368_616f_735f_7631); // "chaos_v1"
     let mean_gap = 60.0 / o.per_minute.max(1e-6);
     let kinds: Vec<FaultKind> =
-        o.kinds.iter().copied().filter(|k| targets.of(k.target()).iter().any(|t| !o.exclude.contains(t))).collect();
+        o.kinds.iter().copied().filter(|k| targets.of(k.target()).iter().any(|t| !excluded(&o.exclude, t))).collect();
     let mut out: Vec<Planned> = Vec::new();
     let mut t = 0.0;
     if kinds.is_empty() {
@@ -202,12 +247,14 @@ pub fn schedule(o: &ScheduleOptions, targets: &Targets) -> Vec<Planned> {
         let (lo, hi) = kind.hold_ms();
         let hold = Duration::from_millis(lo + rng.below(hi - lo + 1));
         let candidates: Vec<String> =
-            targets.of(kind.target()).into_iter().filter(|n| !o.exclude.contains(n)).collect();
+            targets.of(kind.target()).into_iter().filter(|n| !excluded(&o.exclude, n)).collect();
         let target = candidates[rng.below(candidates.len() as u64) as usize].clone();
         let held = |p: &&Planned| !p.hold.is_zero() && p.at <= at && at < p.until();
         let busy = out.iter().filter(held).any(|p| p.target == target);
         let in_flight = out.iter().filter(held).count();
-        if hold.is_zero() || (!busy && in_flight < o.max_in_flight) {
+        // An instant fault lands on a busy target no more than a held one does (a reset
+        // during a partition of the same link would prove nothing), but is not capped.
+        if !busy && (hold.is_zero() || in_flight < o.max_in_flight) {
             // Lifted by the end of the run, however long it was drawn.
             let hold = hold.min(o.duration.saturating_sub(at));
             out.push(Planned { at, kind, target, hold });
@@ -225,6 +272,7 @@ mod tests {
             prefill: vec!["prefill-0".into(), "prefill-1".into()],
             coordinators: vec!["coordinator".into(), "coordinator-1".into()],
             etcd: vec!["etcd".into()],
+            kv_links: vec![kv_link("decode-0"), kv_link("decode-1")],
         }
     }
 
@@ -280,6 +328,10 @@ mod tests {
         assert!(s.iter().all(|p| p.target != "decode-1"), "{s:?}");
         o.kinds = vec![FaultKind::KillEtcd];
         assert!(schedule(&o, &targets()).is_empty(), "every target of the only kind excluded");
+        // A KV link is excluded by its worker's name too.
+        o.kinds = vec![FaultKind::KvReset, FaultKind::KvDelay];
+        let s = schedule(&o, &targets());
+        assert!(!s.is_empty() && s.iter().all(|p| p.target == kv_link("decode-0")), "{s:?}");
     }
 
     #[test]
