@@ -163,10 +163,15 @@ impl Drill for CoordinatorRollingDrain {
                 all_complete: true,
                 allowed_errors: Some(vec![]),
                 // The same four clients, undisturbed, before and after: the drains may cost
-                // at most a tenth of their goodput (tokens regenerated to resume count as
-                // work; see `GoodputBound`).
+                // at most a fifth of their goodput (tokens regenerated to resume count as
+                // work; see `GoodputBound`). A fifth, not a tenth as for overloads: this
+                // closed loop of 24 requests is one short measurement against two of 12,
+                // and the 2-core CI machines moved it 86-105% between runs with nothing
+                // wasted (two failures in four full runs at 90%); what the bound is for,
+                // a drain that holds streams for its grace (10 s of a ~17 s load), costs
+                // far more than a fifth.
                 goodput: Some(GoodputBound {
-                    floor: 0.9,
+                    floor: 0.8,
                     factor: 1.0,
                     saturating: 4,
                     baseline_requests: 12,
