@@ -16,14 +16,14 @@ use drills::Guarantee;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_minute_of_seeded_chaos_breaks_no_invariant() -> TestResult {
-    let o = ChaosOptions {
+/// Seed 7 at a request a second, at most two faults held at once.
+fn options(seconds: u64, per_minute: f64, kinds: Vec<FaultKind>, plant: bool) -> ChaosOptions {
+    ChaosOptions {
         schedule: ScheduleOptions {
             seed: 7,
-            duration: Duration::from_secs(60),
-            per_minute: 8.0,
-            kinds: FaultKind::ALL.to_vec(),
+            duration: Duration::from_secs(seconds),
+            per_minute,
+            kinds,
             exclude: Vec::new(),
             max_in_flight: 2,
         },
@@ -31,8 +31,13 @@ async fn a_minute_of_seeded_chaos_breaks_no_invariant() -> TestResult {
         keep_logs: false,
         journal: None,
         cancel: Default::default(),
-        plant: false,
-    };
+        plant,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_minute_of_seeded_chaos_breaks_no_invariant() -> TestResult {
+    let o = options(60, 8.0, FaultKind::ALL.to_vec(), false);
     let r = run_chaos(&o).await?;
     eprintln!(
         "chaos seed {}: applied {:?}, {} requests, {} complete, typed {:?}, {} resumed; repeat: {}",
@@ -48,6 +53,12 @@ async fn a_minute_of_seeded_chaos_breaks_no_invariant() -> TestResult {
     assert!(r.applied.values().sum::<u32>() >= 8 && kinds.len() >= 5, "faults of many kinds: {:?}", r.applied);
     assert_eq!(r.requests, 60, "the whole load ran");
     assert!(r.complete + r.typed_errors.values().sum::<u32>() as usize == r.requests);
+    // The report's other forms: a passing JUnit suite, a timeline with a dot a request,
+    // and every process life's memory (etcd, 4 workers, 2 coordinators, and restarts).
+    let junit = drills::chaos::junit(&r);
+    assert!(junit.contains("tests=\"7\" failures=\"0\""), "{junit}");
+    assert_eq!(drills::chaos::svg(&r).matches("<circle").count(), r.requests);
+    assert!(r.incarnations.len() >= 7 && r.incarnations.iter().all(|i| i.samples >= 1), "{:?}", r.incarnations);
     Ok(())
 }
 
@@ -56,21 +67,7 @@ async fn a_minute_of_seeded_chaos_breaks_no_invariant() -> TestResult {
 /// fault at all, the run fails, and names each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_bugs_are_each_caught_and_named() -> TestResult {
-    let o = ChaosOptions {
-        schedule: ScheduleOptions {
-            seed: 7,
-            duration: Duration::from_secs(20),
-            per_minute: 1.0,
-            kinds: Vec::new(),
-            exclude: Vec::new(),
-            max_in_flight: 1,
-        },
-        load_rps: 1.0,
-        keep_logs: false,
-        journal: None,
-        cancel: Default::default(),
-        plant: true,
-    };
+    let o = options(20, 1.0, Vec::new(), true);
     let r = run_chaos(&o).await?;
     for v in &r.violations {
         eprintln!("  {:>7} ms {:?}: {}", v.at_ms, v.guarantee, v.detail);

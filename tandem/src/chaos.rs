@@ -49,6 +49,14 @@ pub struct Args {
     /// Write the report as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write the report as JUnit XML here: a test case per guarantee, failed with each
+    /// violation of it, and one for the fault actions.
+    #[arg(long)]
+    junit: Option<PathBuf>,
+    /// Draw the run as an SVG timeline here: faults as bars on their targets' rows,
+    /// requests as dots (start, time taken, outcome), violations as red lines.
+    #[arg(long)]
+    svg: Option<PathBuf>,
     /// Append each applied and lifted fault here, one JSON line each.
     #[arg(long)]
     journal: Option<PathBuf>,
@@ -162,6 +170,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_vec_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    if let Some(path) = &a.junit {
+        std::fs::write(path, chaos::junit(&report)).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &a.svg {
+        std::fs::write(path, chaos::svg(&report)).with_context(|| format!("writing {}", path.display()))?;
+    }
     println!(
         "chaos seed {}: {:.0} s, {} fault events ({}), {} requests: {} complete, typed errors {:?}, {} streams resumed",
         report.seed,
@@ -181,6 +195,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             k.flips,
             k.blackholed_bytes + k.blackholed_reply_bytes
         );
+    }
+    let judged: Vec<_> = report.incarnations.iter().filter(|i| i.judged()).collect();
+    let worst = judged.iter().filter_map(|i| Some((i.slope_mib_per_10_min?, i))).max_by(|a, b| a.0.total_cmp(&b.0));
+    match worst {
+        Some((slope, i)) => println!(
+            "memory: {} process lives, {} long enough to judge; steepest {} (pid {}) {slope:+.2} MiB per 10 minutes",
+            report.incarnations.len(),
+            judged.len(),
+            i.name,
+            i.pid
+        ),
+        None => println!("memory: {} process lives, none long enough to judge (20 minutes)", report.incarnations.len()),
     }
     for a in report.actions.iter().filter(|a| !a.error.is_empty()) {
         println!(

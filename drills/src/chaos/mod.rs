@@ -20,6 +20,8 @@
 //! on any worker, KV only inside its version group, no panic in any log, and
 //! every process stops cleanly on SIGTERM (the drills' G1–G5).
 
+pub mod report;
+pub mod rss;
 pub mod schedule;
 
 use std::collections::BTreeMap;
@@ -39,6 +41,8 @@ use crate::process::{signal, Signal};
 use crate::proxy::{Fault, Proxy, ProxyCounters};
 use crate::reference::reference_texts;
 use crate::HarnessError;
+pub use report::{junit, svg, RequestPoint};
+pub use rss::{Incarnation, RssWatch};
 pub use schedule::{kv_link, schedule, FaultKind, Planned, ScheduleOptions, Targets};
 
 /// The model every chaos request names.
@@ -48,6 +52,8 @@ const MAX_TOKENS: u32 = 32;
 /// A request's deadline; G4 allows a second past it.
 const DEADLINE: Duration = Duration::from_secs(30);
 const GRACE: Duration = Duration::from_secs(1);
+/// How often every process's resident memory is sampled.
+pub const RSS_EVERY: Duration = Duration::from_secs(5);
 /// Requests of one burst, sent at once.
 const BURST: usize = 8;
 /// Most requests a run references (the rate times the duration is capped here).
@@ -122,6 +128,11 @@ pub struct ChaosReport {
     /// What each KV link's fault proxy did (flips, resets, delayed chunks, blackholed
     /// bytes): that the link faults struck traffic, not an idle link.
     pub kv_links: BTreeMap<String, ProxyCounters>,
+    /// Each request of the steady load: when it started, how long it took, how it ended.
+    pub load: Vec<RequestPoint>,
+    /// Every process incarnation's resident memory, first and last, and its slope after
+    /// warm-up (sampled every [`RSS_EVERY`]).
+    pub incarnations: Vec<Incarnation>,
     pub violations: Vec<Found>,
     pub log_dir: String,
     /// The command that repeats this run's schedule.
@@ -388,6 +399,7 @@ async fn run_faults(
     base_url: &str,
     audit: &mut Audit,
     cancel: &CancellationToken,
+    rss: &mut RssWatch,
 ) -> Vec<Burst> {
     let mut bursts = Vec::new();
     // (when, apply?, index), applies before lifts at one instant.
@@ -400,11 +412,16 @@ async fn run_faults(
     }
     timeline.sort_by_key(|&(t, apply, i)| (t, !apply, i));
     let mut held: Vec<usize> = Vec::new();
-    for (t, is_apply, i) in timeline {
+    let mut sampling = tokio::time::interval(RSS_EVERY);
+    sampling.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    'events: for (t, is_apply, i) in timeline {
         let p = &plan[i];
-        tokio::select! {
-            () = tokio::time::sleep_until(start + t) => {}
-            () = cancel.cancelled() => break,
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(start + t) => break,
+                () = cancel.cancelled() => break 'events,
+                _ = sampling.tick() => sample_rss(c, start, rss),
+            }
         }
         if is_apply {
             let r = apply(c, p, base_url, &mut bursts).await;
@@ -424,6 +441,39 @@ async fn run_faults(
         audit.record("lift", &plan[i], &r);
     }
     bursts
+}
+
+/// One resident-memory sample of every process of the cluster, etcd included.
+fn sample_rss(c: &Cluster, start: Instant, rss: &mut RssWatch) {
+    let at_ms = start.elapsed().as_millis() as u64;
+    let procs = c.procs().map(|p| (p.name.as_str(), p.pid)).chain(c.etcd.pid(0).map(|pid| ("etcd", pid)));
+    rss.sample(at_ms, procs, |pid| crate::drills::common::rss_kib(pid).map(|kib| kib as f64 / 1024.0));
+}
+
+/// Incarnations that lived long enough and grew faster than the bound, as violations.
+fn rss_violations(incarnations: &[Incarnation]) -> Vec<Violation> {
+    incarnations
+        .iter()
+        .filter(|i| i.judged())
+        .filter_map(|i| {
+            let slope = i.slope_mib_per_10_min?;
+            (slope >= rss::MAX_SLOPE_MIB_PER_10_MIN).then(|| {
+                Violation::new(
+                    Guarantee::Drill,
+                    format!(
+                        "{} (pid {}) grew {slope:.2} MiB per 10 minutes after its warm-up, over {:.0} minutes \
+                         ({:.1} -> {:.1} MiB; bound {} MiB)",
+                        i.name,
+                        i.pid,
+                        (i.last_ms - i.first_ms) as f64 / 60_000.0,
+                        i.first_mib,
+                        i.last_mib,
+                        rss::MAX_SLOPE_MIB_PER_10_MIN
+                    ),
+                )
+            })
+        })
+        .collect()
 }
 
 /// A burst's requests: each complete or a typed error, within its deadline and grace.
@@ -543,7 +593,7 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
 
     let start = Instant::now();
     let found: Arc<Mutex<Vec<Found>>> = Arc::default();
-    let running: Vec<_> = loads.into_iter().map(|s| run_steady(s, start, found.clone())).collect();
+    let running: Vec<_> = loads.into_iter().map(|s| (s.name, run_steady(s, start, found.clone()))).collect();
 
     let mut audit = Audit {
         start,
@@ -559,12 +609,22 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         },
         actions: Vec::new(),
     };
-    let bursts = run_faults(&mut c, &plan_faults, start, &base_url, &mut audit, &o.cancel).await;
+    let mut rss = RssWatch::default();
+    let bursts = run_faults(&mut c, &plan_faults, start, &base_url, &mut audit, &o.cancel, &mut rss).await;
     let mut records = Vec::new();
     let mut wall = Duration::ZERO;
-    for r in running {
+    let mut load = Vec::new();
+    for (name, r) in running {
         let r = r.await.map_err(|e| HarnessError::Load(format!("load task: {e}")))??;
         wall = wall.max(r.wall);
+        load.extend(r.records.iter().map(|x| RequestPoint {
+            load: name,
+            index: x.index,
+            start_ms: x.start.as_millis() as u64,
+            e2e_ms: x.e2e.as_millis() as u64,
+            outcome: x.outcome.label(),
+            resumed: x.retries.resumed,
+        }));
         records.extend(r.records);
     }
     let report = Report { wall, records };
@@ -588,8 +648,11 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
     };
     let (quiet, _) = inv.check_measured(&c, &Report { wall: report.wall, records: Vec::new() }, &[]).await;
     let mut violations = std::mem::take(&mut *found.lock().unwrap_or_else(|e| e.into_inner()));
+    sample_rss(&c, start, &mut rss);
+    let incarnations = rss.incarnations();
     let mut end: Vec<Violation> = quiet;
     end.extend(burst_found);
+    end.extend(rss_violations(&incarnations));
     end.extend(invariants::shutdown(&mut c, Duration::from_secs(20)).await);
     violations.extend(end.into_iter().map(|v| Found { at_ms: end_ms, guarantee: v.guarantee, detail: v.detail }));
 
@@ -624,6 +687,8 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         typed_errors: typed,
         resumed: report.records.iter().map(|r| r.retries.resumed).sum(),
         kv_links,
+        load,
+        incarnations,
         violations,
         log_dir: c.log_dir().display().to_string(),
         command: command(o),
@@ -680,6 +745,26 @@ mod tests {
         let v = judge_burst(&bad);
         assert_eq!(v.iter().filter(|v| v.guarantee == Guarantee::G1).count(), 2, "{v:?}");
         assert_eq!(v.iter().filter(|v| v.guarantee == Guarantee::G4).count(), 1, "{v:?}");
+    }
+
+    /// The memory bound is not vacuous: a judged incarnation at the bound is a violation
+    /// naming it; one under it, or too short-lived to judge, is not.
+    #[test]
+    fn an_incarnation_growing_past_the_bound_is_a_violation() {
+        let life = |pid, minutes: u64, slope| Incarnation {
+            name: "decode-0".into(),
+            pid,
+            first_ms: 0,
+            last_ms: minutes * 60_000,
+            samples: 100,
+            first_mib: 100.0,
+            last_mib: 110.0,
+            slope_mib_per_10_min: Some(slope),
+        };
+        let v = rss_violations(&[life(1, 25, 1.0), life(2, 25, 0.9), life(3, 19, 5.0), life(4, 40, 3.5)]);
+        assert_eq!(v.len(), 2, "{v:?}");
+        assert!(v[0].detail.starts_with("decode-0 (pid 1) grew 1.00 MiB per 10 minutes"), "{v:?}");
+        assert!(v[1].detail.contains("(pid 4)") && v.iter().all(|v| v.guarantee == Guarantee::Drill), "{v:?}");
     }
 
     #[test]

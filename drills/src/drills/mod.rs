@@ -9,7 +9,7 @@
 //! drill is one type implementing [`Drill`] in its module and one line in
 //! [`all`].
 
-mod common;
+pub(crate) mod common;
 mod coordinator;
 mod etcd;
 mod kv;
