@@ -284,10 +284,7 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Bu
         FaultKind::KillEtcd => {
             c.etcd.kill(0).ok_or_else(|| HarnessError::Fault("etcd was not running".into()))?;
         }
-        FaultKind::StopEtcd => {
-            let pid = c.etcd.pid(0).ok_or_else(|| HarnessError::Fault("etcd was not running".into()))?;
-            signal(pid, Signal::Stop)?;
-        }
+        FaultKind::StopEtcd => signal(etcd_pid(c)?, Signal::Stop)?,
         FaultKind::KvDelay => {
             link(c, name)?.arm(Fault::Delay { base: Duration::from_millis(75), jitter: Duration::from_millis(50) });
         }
@@ -339,6 +336,11 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Bu
     Ok(())
 }
 
+/// The pid of the chaos cluster's one etcd member.
+fn etcd_pid(c: &Cluster) -> Result<u32, HarnessError> {
+    c.etcd.pid(0).ok_or_else(|| HarnessError::Fault("etcd was not running".into()))
+}
+
 /// The fault proxy on the KV link `kv:NAME` names.
 fn link<'a>(c: &'a Cluster, target: &str) -> Result<&'a Proxy, HarnessError> {
     let name = target.strip_prefix("kv:").unwrap_or(target);
@@ -380,10 +382,7 @@ async fn lift(c: &mut Cluster, p: &Planned) -> Result<(), HarnessError> {
         FaultKind::KillEtcd => {
             c.etcd.restart(0).await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
         }
-        FaultKind::StopEtcd => {
-            let pid = c.etcd.pid(0).ok_or_else(|| HarnessError::Fault("etcd was not running".into()))?;
-            signal(pid, Signal::Cont)?;
-        }
+        FaultKind::StopEtcd => signal(etcd_pid(c)?, Signal::Cont)?,
         FaultKind::KvDelay | FaultKind::KvBlackhole | FaultKind::KvCorrupt => link(c, name)?.arm(Fault::None),
         FaultKind::KvReset | FaultKind::Burst | FaultKind::Disconnect => {}
     }
@@ -447,7 +446,7 @@ async fn run_faults(
 fn sample_rss(c: &Cluster, start: Instant, rss: &mut RssWatch) {
     let at_ms = start.elapsed().as_millis() as u64;
     let procs = c.procs().map(|p| (p.name.as_str(), p.pid)).chain(c.etcd.pid(0).map(|pid| ("etcd", pid)));
-    rss.sample(at_ms, procs, |pid| crate::drills::common::rss_kib(pid).map(|kib| kib as f64 / 1024.0));
+    rss.sample(at_ms, procs, crate::drills::rss_mib);
 }
 
 /// Incarnations that lived long enough and grew faster than the bound, as violations.

@@ -165,9 +165,8 @@ pub fn svg(r: &ChaosReport) -> String {
         let key = (a.kind.name(), a.target.as_str());
         let row = rows.iter().position(|t| *t == a.target).unwrap_or(0);
         let y = top + ROW * row as f64 + 2.0;
-        let instant = r.schedule.iter().any(|p| p.kind == a.kind && p.hold.is_zero());
         match a.what {
-            "apply" if instant => {
+            "apply" if a.kind.instant() => {
                 let _ = writeln!(
                     s,
                     "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"2\" height=\"14\" fill=\"{}\"><title>{} {} at {:.1} \

@@ -119,6 +119,11 @@ impl FaultKind {
         }
     }
 
+    /// A fault with nothing to lift (a reset, a burst, a hang-up): applied and done.
+    pub fn instant(self) -> bool {
+        self.hold_ms() == (0, 0)
+    }
+
     /// How long the fault is held before it is lifted, drawn from this range (ms).
     fn hold_ms(self) -> (u64, u64) {
         match self {

@@ -45,7 +45,7 @@ pub(super) fn gone(pid: u32) -> bool {
 }
 
 /// Resident memory of `pid`, KiB (`VmRSS` in /proc).
-pub(crate) fn rss_kib(pid: u32) -> Option<u64> {
+pub(super) fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()

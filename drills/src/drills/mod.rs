@@ -9,7 +9,7 @@
 //! drill is one type implementing [`Drill`] in its module and one line in
 //! [`all`].
 
-pub(crate) mod common;
+mod common;
 mod coordinator;
 mod etcd;
 mod kv;
@@ -380,7 +380,7 @@ async fn saturating_load(
 }
 
 /// A process's resident memory (MiB), from /proc.
-fn rss_mib(pid: u32) -> Option<f64> {
+pub(crate) fn rss_mib(pid: u32) -> Option<f64> {
     common::rss_kib(pid).map(|kib| kib as f64 / 1024.0)
 }
 
