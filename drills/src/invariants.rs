@@ -200,7 +200,8 @@ impl Invariants {
                     Some(_) => {}
                     None => v.push(Violation::new(Guarantee::G1, format!("request {i}: no reference answer"))),
                 },
-                Outcome::HttpError { code: Some(c), .. } | Outcome::StreamError { code: Some(c), .. } => {
+                o if o.error_code().is_some() => {
+                    let c = o.error_code().unwrap_or_default();
                     if self.all_complete {
                         v.push(Violation::new(
                             Guarantee::G1,

@@ -25,9 +25,11 @@ use serde_json::{json, Value};
 use tokio::time::{timeout_at, Instant};
 
 use crate::openai::{self, Chunk, Delta};
-use crate::plan::{Checked, Endpoint, Plan};
+use crate::plan::{Api, Checked, Endpoint, Plan};
 use crate::report::{Outcome, Record, Retries, EARLY_MARGIN};
 use opskit::sse::SseParser;
+
+mod grpc;
 
 /// Largest SSE event, and largest whole or error body, we accept.
 const MAX_BODY: usize = 8 << 20;
@@ -104,6 +106,9 @@ impl Sender {
     /// Sends request `index` with `input` (again after a 429 or 503 refusal when the
     /// plan's clients retry); `t0` is the run's start.
     pub async fn send(&self, index: usize, input: &Input<'_>, t0: Instant) -> Record {
+        if self.plan.api == Api::Grpc {
+            return self.send_grpc(index, input, t0).await;
+        }
         if self.plan.resume {
             return self.send_resuming(index, input, t0).await;
         }
@@ -160,11 +165,16 @@ impl Sender {
         let mut m = Meter::new(index, t0);
         let mut last_id: Option<String> = None;
         let (mut resumed, mut regenerated) = (0, 0);
+        let mut retries = Retries::default();
         loop {
-            let outcome = self.stream_from(&mut m, index, input, &key, &mut last_id, deadline).await;
+            let (outcome, retry_after) = self.stream_from(&mut m, index, input, &key, &mut last_id, deadline).await;
+            if let Some(wait) = self.retry_wait(index, &outcome, retry_after, &mut retries, deadline) {
+                tokio::time::sleep(wait).await;
+                continue;
+            }
             if !is_cut(&outcome) || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
                 let mut r = m.end(outcome);
-                (r.retries.resumed, r.retries.regenerated) = (resumed, regenerated);
+                (r.retries.resumed, r.retries.regenerated, r.retries.sent) = (resumed, regenerated, retries.sent);
                 return r;
             }
             resumed += 1;
@@ -188,13 +198,18 @@ impl Sender {
     ) -> Record {
         let first = Instant::now();
         let mut resumed = 0;
+        let mut retries = Retries::default();
         loop {
-            let (mut r, _) = self.attempt(index, input, t0, Some(key), deadline).await;
+            let (mut r, retry_after) = self.attempt(index, input, t0, Some(key), deadline).await;
+            if let Some(wait) = self.retry_wait(index, &r.outcome, retry_after, &mut retries, deadline) {
+                tokio::time::sleep(wait).await;
+                continue;
+            }
             if !is_cut(&r.outcome) || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
                 let end = r.start + r.e2e;
                 r.start = first - t0;
                 r.e2e = end.saturating_sub(r.start);
-                r.retries.resumed = resumed;
+                (r.retries.resumed, r.retries.sent) = (resumed, retries.sent);
                 return r;
             }
             resumed += 1;
@@ -202,8 +217,34 @@ impl Sender {
         }
     }
 
+    /// How long a resuming client with [`Plan::retry`] waits before sending a refused
+    /// request again (429, or a 503 that is no hand-off), counting the retry; `None`
+    /// when it does not: no retry policy, not a refusal, retries used up, or the wait
+    /// would pass the request's timeout.
+    fn retry_wait(
+        &self,
+        index: usize,
+        outcome: &Outcome,
+        retry_after: Option<Duration>,
+        retries: &mut Retries,
+        deadline: Instant,
+    ) -> Option<Duration> {
+        let retry = self.plan.retry?;
+        let refused = matches!(outcome, Outcome::HttpError { status: 429 | 503, .. }) && !is_cut(outcome);
+        if !refused || retries.sent >= retry.max {
+            return None;
+        }
+        let wait = if retry.eager(index) { retry.eager_delay } else { retry_after.unwrap_or(Duration::from_secs(1)) };
+        if Instant::now() + wait >= deadline {
+            return None;
+        }
+        retries.sent += 1;
+        Some(wait)
+    }
+
     /// One attempt of a resuming client's stream, from the cursor in `last_id` (none:
-    /// from the start), which it moves on as events arrive.
+    /// from the start), which it moves on as events arrive; also a refusal's
+    /// `Retry-After`.
     async fn stream_from(
         &self,
         m: &mut Meter,
@@ -212,7 +253,7 @@ impl Sender {
         key: &str,
         last_id: &mut Option<String>,
         deadline: Instant,
-    ) -> Outcome {
+    ) -> (Outcome, Option<Duration>) {
         let mut req = Request::new(Full::new(Bytes::from(self.body(index, input).to_string())));
         *req.method_mut() = Method::POST;
         *req.uri_mut() = self.checked.uri.clone();
@@ -224,20 +265,22 @@ impl Sender {
             req.headers_mut().insert("last-event-id", v);
         }
         let resp = match timeout_at(deadline, self.http.request(req)).await {
-            Err(_) => return Outcome::Timeout,
-            Ok(Err(e)) => return Outcome::Transport(chain(&e)),
+            Err(_) => return (Outcome::Timeout, None),
+            Ok(Err(e)) => return (Outcome::Transport(chain(&e)), None),
             Ok(Ok(r)) => r,
         };
         let status = resp.status();
+        let retry_after = retry_after(resp.headers());
         let mut body = resp.into_body();
         if !status.is_success() {
             let error = match read_all(&mut body, deadline).await {
                 Ok(b) => openai::read_error(&b),
                 Err(e) => openai::ErrorBody { code: None, message: format!("(error body unread: {e})") },
             };
-            return Outcome::HttpError { status: status.as_u16(), code: error.code, message: error.message };
+            let outcome = Outcome::HttpError { status: status.as_u16(), code: error.code, message: error.message };
+            return (outcome, retry_after);
         }
-        stream(m, &mut body, deadline, last_id).await
+        (stream(m, &mut body, deadline, last_id).await, None)
     }
 
     /// One attempt of request `index`, ending by `deadline` at the latest (the
@@ -266,11 +309,7 @@ impl Sender {
             Ok(Ok(r)) => r,
         };
         let status = resp.status();
-        let retry_after = resp
-            .headers()
-            .get(hyper::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
+        let retry_after = retry_after(resp.headers());
         let mut body = resp.into_body();
         if !status.is_success() {
             let error = match read_all(&mut body, deadline).await {
@@ -309,6 +348,14 @@ impl Sender {
     }
 }
 
+/// A response's `Retry-After` in whole seconds, when it has one.
+fn retry_after(headers: &hyper::HeaderMap) -> Option<Duration> {
+    headers
+        .get(hyper::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+        .map(Duration::from_secs)
+}
+
 /// The token count a resume cursor names: its leading digits (tandem's cursors are
 /// `TOKENS-HASH16[.ORDINAL]`); 0 when it has none.
 fn cursor_tokens(cursor: &str) -> u32 {
@@ -325,7 +372,7 @@ fn is_cut(outcome: &Outcome) -> bool {
     match outcome {
         Outcome::Transport(_) => true,
         Outcome::StreamError { code: Some(c), .. } => c == "coordinator_draining" || c == "idempotent_original_failed",
-        Outcome::HttpError { status: 503, code: Some(c), .. } => {
+        Outcome::HttpError { status: 503, code: Some(c), .. } | Outcome::GrpcStatus { code: Some(c), .. } => {
             matches!(c.as_str(), "shutting_down" | "coordinator_draining" | "idempotent_original_failed")
         }
         _ => false,

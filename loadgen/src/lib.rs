@@ -28,7 +28,8 @@
 //! 429/503 refusals, each attempt counted in its [`Record`]; a drill wants to
 //! see each failure), or judge results — callers decide what a run's outcomes
 //! mean.
-//! Plain HTTP/1.1 only (no TLS): it is meant for servers on the same network.
+//! Plain HTTP/1.1, or tandem's gRPC frontend over plaintext HTTP/2 ([`Api::Grpc`]);
+//! no TLS: it is meant for servers on the same network.
 
 #![forbid(unsafe_code)]
 
@@ -51,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 /// timeout): enough to outlast every coordinator behind a front being down for seconds.
 pub const MAX_RESUMES: u32 = 32;
 
-pub use plan::{Arrival, Endpoint, Plan, PlanError, PromptSource, Retry, Sampled};
+pub use plan::{Api, Arrival, Endpoint, Plan, PlanError, PromptSource, Retry, Sampled};
 pub use report::{percentile, Outcome, Percentiles, Record, Report, Retries, Summary, EARLY_MARGIN};
 
 use client::{Input, Message, Sender};

@@ -39,6 +39,20 @@ impl FromStr for Endpoint {
     }
 }
 
+/// Which API the requests speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// The OpenAI-compatible HTTP API at [`Endpoint`]'s path.
+    #[default]
+    Http,
+    /// tandem's gRPC frontend (`tandem.frontend.v1.Frontend/Generate`), the base URL
+    /// its listener; answers always stream. [`Endpoint::Completions`] sends the
+    /// prompt as raw text, [`Endpoint::Chat`] as messages; the deadline travels as
+    /// `grpc-timeout`, the API key as `authorization` metadata.
+    Grpc,
+}
+
 /// When requests start.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -126,6 +140,8 @@ pub struct Plan {
     /// The `model` field of every request.
     pub model: String,
     pub endpoint: Endpoint,
+    /// HTTP (the default) or gRPC.
+    pub api: Api,
     /// Requests in the run.
     pub requests: usize,
     pub arrival: Arrival,
@@ -155,14 +171,17 @@ pub struct Plan {
     pub sampled: Option<Sampled>,
     /// Clients that retry refusals ([`Retry`]); `None`: every request is sent once.
     pub retry: Option<Retry>,
-    /// Resuming clients (not with `retry`): every request carries an
+    /// Resuming clients: every request carries an
     /// `Idempotency-Key`, and a stream whose connection breaks, that ends with
     /// `coordinator_draining` or `idempotent_original_failed` (its retry met the first
     /// attempt ending), or that is refused with 503 `shutting_down` is sent
     /// again with `Last-Event-ID` set to its last event's cursor — up to
     /// [`crate::MAX_RESUMES`] times within the timeout. The record is one request:
     /// its text and timings run on across the resumes. A whole (non-streamed) request
-    /// cut the same way is sent again whole, with its key.
+    /// cut the same way is sent again whole, with its key. With `retry` too, a
+    /// request refused with 429 or 503 (not a hand-off) waits out its `Retry-After`
+    /// and is sent again, from its cursor, up to `retry.max` times (counted in
+    /// `retries.sent`; early retries are not tracked for resuming clients).
     pub resume: bool,
     /// Client-side limit on a whole request, connect to last byte; past it
     /// the request is dropped and recorded as [`crate::Outcome::Timeout`].
@@ -179,6 +198,7 @@ impl Plan {
             base_url: base_url.into(),
             model: model.into(),
             endpoint: Endpoint::Completions,
+            api: Api::Http,
             requests: 32,
             arrival: Arrival::Closed { concurrency: 4 },
             prompts: PromptSource::Generated { tokens: 235 },
@@ -202,10 +222,13 @@ impl Plan {
         if self.requests == 0 {
             return Err(PlanError::Invalid { field: "requests", reason: "must be at least 1".into() });
         }
-        if self.resume && self.retry.is_some() {
+        if self.api == Api::Grpc && !self.stream {
+            return Err(PlanError::Invalid { field: "stream", reason: "gRPC answers always stream".into() });
+        }
+        if self.api == Api::Grpc && self.retry.is_some() {
             return Err(PlanError::Invalid {
-                field: "resume",
-                reason: "resuming clients do not also retry refusals (retry: none)".into(),
+                field: "retry",
+                reason: "gRPC clients do not retry refusals here (they resume cut streams: `resume`)".into(),
             });
         }
         match self.arrival {
@@ -360,6 +383,12 @@ mod tests {
         assert_eq!(field(Plan { prompts: no_turns, endpoint: Endpoint::Chat, ..base.clone() }), "prompts");
         assert_eq!(field(Plan { priority: Some("a\nb".into()), ..base.clone() }), "priority");
         assert_eq!(field(Plan { deadline: Some(Duration::from_micros(10)), ..base.clone() }), "deadline");
+        let grpc = Plan { api: Api::Grpc, ..base.clone() };
+        assert_eq!(field(Plan { stream: false, ..grpc.clone() }), "stream");
+        let retry = Retry { max: 2, eager_every: 0, eager_delay: Duration::ZERO };
+        assert_eq!(field(Plan { retry: Some(retry), ..grpc.clone() }), "retry");
+        assert_eq!(field(Plan { retry: Some(retry), resume: true, ..base.clone() }), "ok");
+        assert_eq!(field(grpc), "ok");
         assert_eq!(field(base), "ok");
     }
 

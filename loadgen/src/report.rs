@@ -20,6 +20,11 @@ pub enum Outcome {
     HttpError { status: u16, code: Option<String>, message: String },
     /// An SSE event carrying an `error` (the status was 200 already).
     StreamError { code: Option<String>, message: String },
+    /// A gRPC call ended with a non-OK status that names its error (`code` from the
+    /// `x-tandem-error-code` metadata; `status` the gRPC code's name, `Unavailable`).
+    /// A status without that metadata is no answer of the server's but a broken
+    /// connection or a client-side failure: [`Outcome::Transport`].
+    GrpcStatus { status: String, code: Option<String>, message: String },
     /// The server answered outside the protocol: a data line that is not
     /// JSON, an oversized event, a stream that ended without a finish reason.
     Protocol(String),
@@ -34,8 +39,21 @@ impl Outcome {
         matches!(self, Outcome::Complete { .. })
     }
 
+    /// The typed error code a failed request was told (HTTP error body, SSE error
+    /// event or gRPC status metadata); `None` for a complete request and for
+    /// failures no server named.
+    pub fn error_code(&self) -> Option<&str> {
+        match self {
+            Outcome::HttpError { code, .. } | Outcome::StreamError { code, .. } | Outcome::GrpcStatus { code, .. } => {
+                code.as_deref()
+            }
+            _ => None,
+        }
+    }
+
     /// A short grouping key: `complete`, `http 503 overloaded`,
-    /// `stream_error deadline_exceeded`, `protocol`, `transport`, `timeout`.
+    /// `stream_error deadline_exceeded`, `grpc Unavailable no_worker`, `protocol`, `transport`,
+    /// `timeout`.
     pub fn label(&self) -> String {
         match self {
             Outcome::Complete { .. } => "complete".into(),
@@ -43,6 +61,8 @@ impl Outcome {
             Outcome::HttpError { status, code: None, .. } => format!("http {status}"),
             Outcome::StreamError { code: Some(c), .. } => format!("stream_error {c}"),
             Outcome::StreamError { code: None, .. } => "stream_error".into(),
+            Outcome::GrpcStatus { status, code: Some(c), .. } => format!("grpc {status} {c}"),
+            Outcome::GrpcStatus { status, code: None, .. } => format!("grpc {status}"),
             Outcome::Protocol(_) => "protocol".into(),
             Outcome::Transport(_) => "transport".into(),
             Outcome::Timeout => "timeout".into(),

@@ -524,7 +524,19 @@ async fn resuming_clients_continue_from_their_last_cursor() -> TestResult {
     assert_eq!((rec.text.as_str(), rec.retries.resumed), ("whole", 2), "{rec:?}");
     let keys = std::mem::take(&mut *WHOLE.lock().unwrap_or_else(|e| e.into_inner()));
     assert!(keys.len() == 3 && keys.iter().all(|k| k.is_some() && *k == keys[0]), "one key, three attempts: {keys:?}");
-    p.retry = Some(loadgen::Retry { max: 1, eager_every: 0, eager_delay: Duration::ZERO });
-    assert!(loadgen::run(&p).await.is_err(), "a resuming client does not also retry refusals");
+
+    // A resuming client that also retries waits out a refusal's Retry-After and sends
+    // the request again, with its one key.
+    let mut p = plan(&url, &["busy-twice-resumer"]);
+    p.resume = true;
+    p.stream = false;
+    p.retry = Some(loadgen::Retry { max: 3, eager_every: 0, eager_delay: Duration::ZERO });
+    let r = loadgen::run(&p).await?;
+    let rec = &r.records[0];
+    assert_eq!(rec.outcome, Outcome::Complete { finish_reason: "stop".into() }, "{rec:?}");
+    assert_eq!((rec.retries.sent, rec.retries.resumed), (2, 0), "{rec:?}");
+    assert!(rec.e2e >= Duration::from_secs(2), "each retry waited its Retry-After of 1 s: {rec:?}");
+    let keys = BUSY_TWICE.lock().unwrap_or_else(|e| e.into_inner()).remove("resumer").unwrap_or_default();
+    assert!(keys.len() == 3 && keys.iter().all(|k| k.is_some() && *k == keys[0]), "one key, three attempts: {keys:?}");
     Ok(())
 }

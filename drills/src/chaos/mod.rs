@@ -480,9 +480,8 @@ fn judge_burst(report: &Report) -> Vec<Violation> {
     let mut v = Vec::new();
     for r in &report.records {
         match &r.outcome {
-            Outcome::Complete { .. }
-            | Outcome::HttpError { code: Some(_), .. }
-            | Outcome::StreamError { code: Some(_), .. } => {}
+            Outcome::Complete { .. } => {}
+            o if o.error_code().is_some() => {}
             other => v.push(Violation::new(
                 Guarantee::G1,
                 format!("burst request {}: lost, not a typed outcome: {other:?}", r.index),
@@ -660,10 +659,11 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
     for r in &report.records {
         match &r.outcome {
             Outcome::Complete { .. } => complete += 1,
-            Outcome::HttpError { code: Some(code), .. } | Outcome::StreamError { code: Some(code), .. } => {
-                *typed.entry(code.clone()).or_insert(0) += 1;
+            o => {
+                if let Some(code) = o.error_code() {
+                    *typed.entry(code.to_owned()).or_insert(0) += 1;
+                }
             }
-            _ => {}
         }
     }
     let kv_links = c

@@ -641,9 +641,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     for r in &report.records {
         match &r.outcome {
             Outcome::Complete { .. } => {}
-            Outcome::HttpError { code: Some(_), .. } | Outcome::StreamError { code: Some(_), .. } => {
-                *typed.entry(r.outcome.label()).or_insert(0) += 1
-            }
+            o if o.error_code().is_some() => *typed.entry(r.outcome.label()).or_insert(0) += 1,
             _ if s.invariants.coordinator_lost(r) => coordinator_lost += 1,
             Outcome::Transport(_) if s.invariants.cuts_allowed => cut_by_fault += 1,
             _ => lost += 1,

@@ -22,7 +22,7 @@ fn points(r: &DrillReport) -> Vec<(f64, f64, Kind)> {
         .map(|rec| {
             let kind = match &rec.outcome {
                 Outcome::Complete { .. } => Kind::Complete,
-                Outcome::HttpError { code: Some(_), .. } | Outcome::StreamError { code: Some(_), .. } => Kind::Typed,
+                o if o.error_code().is_some() => Kind::Typed,
                 _ => Kind::Lost,
             };
             (rec.start.as_secs_f64(), rec.e2e.as_secs_f64(), kind)

@@ -363,15 +363,7 @@ impl Drill for PrefillKill {
         if now <= ev.before {
             return Err(format!("pid {pid} is gone but the decode worker counted no `{outcome}` failed load"));
         }
-        let typed = report
-            .records
-            .iter()
-            .filter(|r| match &r.outcome {
-                loadgen::Outcome::HttpError { code: Some(c), .. }
-                | loadgen::Outcome::StreamError { code: Some(c), .. } => c == "kv_load_failed",
-                _ => false,
-            })
-            .count();
+        let typed = report.records.iter().filter(|r| r.outcome.error_code() == Some("kv_load_failed")).count();
         if self.policy == "fail" && typed == 0 {
             return Err(format!("policy fail, {outcome} {}, but no request ended kv_load_failed", now - ev.before));
         }
