@@ -188,6 +188,7 @@ impl Cluster {
             coordinator,
             other_coordinators: coordinators.collect(),
             front: None,
+            grpc_front: None,
             client_proxy: None,
             control_proxies: BTreeMap::new(),
             coordinator_kills: Vec::new(),

@@ -4,6 +4,7 @@
 //! when the [`Cluster`] is dropped (also when a test panics).
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -89,6 +90,8 @@ pub struct Cluster {
     pub other_coordinators: Vec<Proc>,
     /// The round-robin front clients use when there are several coordinators.
     pub front: Option<Front>,
+    /// The same over the coordinators' gRPC listeners.
+    pub grpc_front: Option<Front>,
     /// The fault proxy clients reach the coordinator through ([`ClusterSpec::clients_via_proxy`]).
     pub client_proxy: Option<Proxy>,
     /// Fault proxies on the coordinator's gRPC link to decode workers, by worker name
@@ -336,22 +339,23 @@ impl Cluster {
         }
         // With several coordinators, each listens on fixed ports, so a restart with the same
         // flags comes back where the front expects it.
-        let fixed_ports = |mut args: Vec<String>| -> Result<(Vec<String>, std::net::SocketAddr), HarnessError> {
+        let fixed_ports = |mut args: Vec<String>| -> Result<(Vec<String>, SocketAddr, SocketAddr), HarnessError> {
             let (h, g) = (free_port()?, free_port()?);
             for (flag, addr) in [("--http", h), ("--grpc", g)] {
                 if let Some(v) = args.iter().position(|a| a == flag).and_then(|k| args.get_mut(k + 1)) {
                     *v = addr.to_string();
                 }
             }
-            Ok((args, h))
+            Ok((args, h, g))
         };
-        let mut http = Vec::new();
+        let (mut http, mut grpc) = (Vec::new(), Vec::new());
         let mut coordinators = Vec::new();
         for i in 0..spec.coordinators.max(1) {
             let name = if i == 0 { "coordinator".to_owned() } else { format!("coordinator-{i}") };
             let args = if spec.coordinators > 1 {
-                let (args, h) = fixed_ports(cargs.clone())?;
+                let (args, h, g) = fixed_ports(cargs.clone())?;
                 http.push(h);
+                grpc.push(g);
                 args
             } else {
                 cargs.clone()
@@ -359,6 +363,7 @@ impl Cluster {
             coordinators.push(Proc::start(&name, "tandem-coordinator", &args, &["http", "grpc"], &log_dir).await?);
         }
         let front = if http.len() > 1 { Some(Front::start(http).await?) } else { None };
+        let grpc_front = if grpc.len() > 1 { Some(Front::start(grpc).await?) } else { None };
         let mut coordinators = coordinators.into_iter();
         let coordinator = coordinators.next().ok_or_else(|| HarnessError::Setup("no coordinator".into()))?;
         let client_proxy = if spec.clients_via_proxy {
@@ -383,6 +388,7 @@ impl Cluster {
             coordinator,
             other_coordinators,
             front,
+            grpc_front,
             client_proxy,
             control_proxies,
             coordinator_kills: Vec::new(),
@@ -453,6 +459,15 @@ impl Cluster {
             (Some(p), _) => Ok(format!("http://{}", p.addr)),
             (None, Some(f)) => Ok(format!("http://{}", f.addr)),
             (None, None) => Ok(format!("http://{}", self.http_addr()?)),
+        }
+    }
+
+    /// The gRPC frontend's URL: the gRPC front's when there are several coordinators,
+    /// else the coordinator's.
+    pub fn grpc_url(&self) -> Result<String, HarnessError> {
+        match &self.grpc_front {
+            Some(f) => Ok(format!("http://{}", f.addr)),
+            None => Ok(format!("http://{}", self.coordinator.addr("grpc")?)),
         }
     }
 
