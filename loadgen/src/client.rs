@@ -170,11 +170,13 @@ impl Sender {
             let (outcome, retry_after) = self.stream_from(&mut m, index, input, &key, &mut last_id, deadline).await;
             if let Some(wait) = self.retry_wait(index, &outcome, retry_after, &mut retries, deadline) {
                 tokio::time::sleep(wait).await;
+                retries.last_start = Some(Instant::now() - t0);
                 continue;
             }
             if !is_cut(&outcome) || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
                 let mut r = m.end(outcome);
-                (r.retries.resumed, r.retries.regenerated, r.retries.sent) = (resumed, regenerated, retries.sent);
+                (r.retries.resumed, r.retries.regenerated) = (resumed, regenerated);
+                (r.retries.sent, r.retries.last_start) = (retries.sent, retries.last_start);
                 return r;
             }
             resumed += 1;
@@ -203,13 +205,14 @@ impl Sender {
             let (mut r, retry_after) = self.attempt(index, input, t0, Some(key), deadline).await;
             if let Some(wait) = self.retry_wait(index, &r.outcome, retry_after, &mut retries, deadline) {
                 tokio::time::sleep(wait).await;
+                retries.last_start = Some(Instant::now() - t0);
                 continue;
             }
             if !is_cut(&r.outcome) || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
                 let end = r.start + r.e2e;
                 r.start = first - t0;
                 r.e2e = end.saturating_sub(r.start);
-                (r.retries.resumed, r.retries.sent) = (resumed, retries.sent);
+                (r.retries.resumed, r.retries.sent, r.retries.last_start) = (resumed, retries.sent, retries.last_start);
                 return r;
             }
             resumed += 1;

@@ -119,7 +119,9 @@ pub struct Retries {
     /// has none.
     pub early_served: u32,
     /// When the last attempt was sent, from the start of the run (what its TTFT and
-    /// inter-token gaps count from); `None` for a request sent once (its `start`).
+    /// inter-token gaps count from); `None` for a request sent once (its `start`). For a
+    /// resuming client, when its last retry after a refusal was sent (its TTFT still
+    /// counts from the first attempt; resumes do not move it).
     #[serde(rename = "last_start_ms", serialize_with = "opt_ms")]
     pub last_start: Option<Duration>,
     /// Times the stream was resumed from its last event's cursor after its

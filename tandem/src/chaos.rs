@@ -187,6 +187,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         report.typed_errors,
         report.resumed
     );
+    let g = &report.goodput;
+    println!(
+        "goodput outside fault windows: {} ({} of {} requests completed outside, {:.0}% of the faulted time; \
+         {} of {} in the {:.0} s fault-free lead-in)",
+        g.ratio.map_or("not judged (too few requests on one side)".to_owned(), |r| format!(
+            "{:.0}% of the lead-in's",
+            r * 100.0
+        )),
+        g.outside_met,
+        g.outside_requests,
+        g.outside_time_share * 100.0,
+        g.baseline_met,
+        g.baseline_requests,
+        g.lead_in_ms as f64 / 1e3
+    );
+    for (name, l) in &report.loads {
+        println!(
+            "load {name}: {} requests, {} complete, {} resumes, {} retries after a refusal",
+            l.requests, l.complete, l.resumed, l.retried
+        );
+    }
     for (link, k) in &report.kv_links {
         println!(
             "{link}: {} chunks delayed, {} connections reset, {} bytes flipped, {} bytes blackholed",

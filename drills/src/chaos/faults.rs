@@ -9,8 +9,10 @@ use loadgen::{Arrival, Plan, PromptSource, Report};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::schedule::SLOW_READER_HOLD;
 use super::{Action, FaultKind, Planned, RssWatch, BURST, DEADLINE, GRACE, INTERACTIVE_KEY, MODEL, RSS_EVERY};
 use crate::cluster::{Cluster, PastLife};
+use crate::drills::coordinator::slow_stream_as;
 use crate::process::{signal, Signal};
 use crate::proxy::{Fault, Proxy};
 use crate::HarnessError;
@@ -49,8 +51,17 @@ impl Audit {
 /// A burst's load, running.
 type Burst = tokio::task::JoinHandle<Result<Report, loadgen::PlanError>>;
 
-/// Applies `p` to the cluster; a burst's load goes into `bursts`.
-async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Burst>) -> Result<(), HarnessError> {
+/// What faults left running, judged at the end of the run.
+#[derive(Default)]
+pub(super) struct Spawned {
+    /// Each burst's load.
+    pub(super) bursts: Vec<Burst>,
+    /// Each slow reader, until it hangs up.
+    pub(super) slow_readers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Applies `p` to the cluster; a burst's load or a slow reader goes into `spawned`.
+async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, spawned: &mut Spawned) -> Result<(), HarnessError> {
     let name = p.target.as_str();
     match p.kind {
         FaultKind::KillDecode | FaultKind::KillPrefill => {
@@ -96,7 +107,7 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Bu
             // Resuming clients too: a burst that meets a killed coordinator goes on at the other.
             plan.resume = true;
             // Judged at the end: complete or typed, within the deadline.
-            bursts.push(tokio::spawn(async move { loadgen::run(&plan).await }));
+            spawned.bursts.push(tokio::spawn(async move { loadgen::run(&plan).await }));
         }
         FaultKind::Disconnect => {
             let body = serde_json::json!({
@@ -118,8 +129,29 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, bursts: &mut Vec<Bu
                 }
             });
         }
+        FaultKind::SlowReader => {
+            // The coordinators in turn, by the fault's time (so the run repeats it).
+            let i = p.at.as_millis() as usize;
+            let addrs: Vec<String> = c.coordinators().map(|p| p.addr("http")).collect::<Result<_, _>>()?;
+            let addr = addrs.get(i % addrs.len().max(1)).ok_or_else(|| HarnessError::Setup("no coordinator".into()))?;
+            let addr = addr.parse().map_err(|e| HarnessError::Setup(format!("a coordinator's address {addr}: {e}")))?;
+            spawned.slow_readers.push(tokio::task::spawn_blocking(move || slow_reader(addr, i)));
+        }
     }
     Ok(())
+}
+
+/// One slow reader: a stream from a socket with a 1 KiB receive window, straight to a
+/// coordinator (a front's buffers would absorb the stall), never read for
+/// [`SLOW_READER_HOLD`], then hung up. The coordinator's stream idle timeout or the
+/// hang-up must free its slot and KV (checked at quiescence), and the rest of the load
+/// must keep its deadlines meanwhile. A stream refused at its start (no worker, the
+/// coordinator down) is no stall.
+fn slow_reader(addr: std::net::SocketAddr, i: usize) {
+    if let Ok(s) = slow_stream_as(addr, i, true, Some(INTERACTIVE_KEY)) {
+        std::thread::sleep(SLOW_READER_HOLD);
+        drop(s);
+    }
 }
 
 /// The pid of the chaos cluster's one etcd member.
@@ -170,7 +202,7 @@ async fn lift(c: &mut Cluster, p: &Planned) -> Result<(), HarnessError> {
         }
         FaultKind::StopEtcd => signal(etcd_pid(c)?, Signal::Cont)?,
         FaultKind::KvDelay | FaultKind::KvBlackhole | FaultKind::KvCorrupt => link(c, name)?.arm(Fault::None),
-        FaultKind::KvReset | FaultKind::Burst | FaultKind::Disconnect => {}
+        FaultKind::KvReset | FaultKind::Burst | FaultKind::Disconnect | FaultKind::SlowReader => {}
     }
     Ok(())
 }
@@ -185,8 +217,8 @@ pub(super) async fn run_faults(
     audit: &mut Audit,
     cancel: &CancellationToken,
     rss: &mut RssWatch,
-) -> Vec<Burst> {
-    let mut bursts = Vec::new();
+) -> Spawned {
+    let mut spawned = Spawned::default();
     // (when, apply?, index), applies before lifts at one instant.
     let mut timeline: Vec<(Duration, bool, usize)> = Vec::new();
     for (i, p) in plan.iter().enumerate() {
@@ -209,7 +241,7 @@ pub(super) async fn run_faults(
             }
         }
         if is_apply {
-            let r = apply(c, p, base_url, &mut bursts).await;
+            let r = apply(c, p, base_url, &mut spawned).await;
             audit.record("apply", p, &r);
             if r.is_ok() && !p.hold.is_zero() {
                 held.push(i);
@@ -225,7 +257,7 @@ pub(super) async fn run_faults(
         let r = lift(c, &plan[i]).await;
         audit.record("lift", &plan[i], &r);
     }
-    bursts
+    spawned
 }
 
 /// One resident-memory sample of every process of the cluster, etcd included.

@@ -5,10 +5,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use loadgen::{Arrival, Outcome, Plan, PromptSource, Report, Sampled};
+use loadgen::{Api, Arrival, Outcome, Plan, PromptSource, Report, Retry, Sampled};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::goodput::lead_in;
 use super::{ChaosOptions, Found, BATCH_KEY, DEADLINE, GRACE, INTERACTIVE_KEY, MAX_REQUESTS, MAX_TOKENS, MODEL};
 use crate::invariants::{Guarantee, Invariants, Violation};
 use crate::reference::reference_texts;
@@ -56,18 +57,32 @@ pub(super) struct Steady {
     pub(super) reference: Vec<String>,
 }
 
-/// The steady loads of a run: `interactive` streams two requests in three, `batch` asks for
-/// the third whole; resuming clients both, each tenant with its own prompts (short and
-/// long), half of each sampled with a seed. The references are the engine's, undisturbed.
-/// Their plans' `base_url` is left to fill in once the cluster listens.
+/// Requests in a run's steady load: its rate over the lead-in and the faults' duration.
+pub fn requests(o: &ChaosOptions) -> usize {
+    let secs = (lead_in(o.schedule.duration) + o.schedule.duration).as_secs_f64();
+    ((o.load_rps * secs).ceil() as usize).clamp(3, MAX_REQUESTS)
+}
+
+/// How often an HTTP client of the steady load sends a refused request again (after the
+/// refusal's `Retry-After`).
+const RETRIES: u32 = 4;
+
+/// The steady loads of a run, a third each: the `interactive` tenant streams over HTTP
+/// (`interactive`) and over gRPC (`interactive-grpc`), the `batch` tenant asks for whole
+/// answers over HTTP. Resuming clients all, each load with its own prompts (short and
+/// long), half of each sampled with a seed; the HTTP clients also wait out a 429/503
+/// refusal's `Retry-After` and send again (gRPC clients resume cut streams only). The
+/// references are the engine's, undisturbed. Their plans' `base_url` is left to fill in
+/// once the cluster listens (the plan's `api` says which listener).
 pub(super) async fn steady_loads(o: &ChaosOptions) -> Result<Vec<Steady>, HarnessError> {
-    let total = ((o.load_rps * o.schedule.duration.as_secs_f64()).ceil() as usize).clamp(2, MAX_REQUESTS);
+    let total = requests(o);
     let seed = o.schedule.seed;
-    let batch = total / 3;
+    let (batch, grpc) = (total / 3, total / 3);
     let mut out = Vec::new();
-    for (name, key, n, stream, prompt_seed) in [
-        ("interactive", INTERACTIVE_KEY, total - batch, true, seed),
-        ("batch", BATCH_KEY, batch, false, seed.wrapping_add(2)),
+    for (name, key, n, api, stream, prompt_seed) in [
+        ("interactive", INTERACTIVE_KEY, total - batch - grpc, Api::Http, true, seed),
+        ("interactive-grpc", INTERACTIVE_KEY, grpc, Api::Grpc, true, seed.wrapping_add(4)),
+        ("batch", BATCH_KEY, batch, Api::Http, false, seed.wrapping_add(2)),
     ] {
         if n == 0 {
             continue;
@@ -90,6 +105,10 @@ pub(super) async fn steady_loads(o: &ChaosOptions) -> Result<Vec<Steady>, Harnes
         plan.timeout = DEADLINE + GRACE + Duration::from_secs(10);
         plan.api_key = Some(key.into());
         plan.resume = true;
+        plan.api = api;
+        if api == Api::Http {
+            plan.retry = Some(Retry { max: RETRIES, eager_every: 0, eager_delay: Duration::ZERO });
+        }
         out.push(Steady { name, plan, reference });
     }
     Ok(out)

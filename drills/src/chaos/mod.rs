@@ -21,6 +21,7 @@
 //! every process stops cleanly on SIGTERM (the drills' G1–G5).
 
 mod faults;
+pub mod goodput;
 mod load;
 pub mod report;
 pub mod rss;
@@ -41,6 +42,8 @@ use crate::invariants::{self, Guarantee, Invariants, Violation};
 use crate::proxy::ProxyCounters;
 use crate::HarnessError;
 use faults::{run_faults, sample_rss, Audit};
+pub use goodput::{lead_in, Goodput};
+pub use load::requests;
 use load::{judge_burst, run_steady, steady_loads};
 pub use report::{junit, svg, RequestPoint};
 pub use rss::{Incarnation, RssWatch};
@@ -55,9 +58,12 @@ const DEADLINE: Duration = Duration::from_secs(30);
 const GRACE: Duration = Duration::from_secs(1);
 /// How often every process's resident memory is sampled.
 pub const RSS_EVERY: Duration = Duration::from_secs(5);
+/// The coordinators' stream idle timeout in chaos clusters (their clients read at once):
+/// a slow reader's stream is ended by it before the reader hangs up.
+const STREAM_IDLE_TIMEOUT_MS: u64 = 4_000;
 /// Requests of one burst, sent at once.
 const BURST: usize = 8;
-/// Most requests a run references (the rate times the duration is capped here).
+/// Most requests a run references (the rate times the lead-in and duration is capped here).
 const MAX_REQUESTS: usize = 2_000;
 /// The two tenants the load runs as: `interactive` streams, `batch` asks for whole
 /// answers (a third of the steady load); neither has a quota.
@@ -114,6 +120,7 @@ pub struct Found {
 #[derive(Debug, Clone, Serialize)]
 pub struct ChaosReport {
     pub seed: u64,
+    /// The faults' part of the run; a fault-free lead-in of `goodput.lead_in_ms` comes first.
     pub duration_s: f64,
     pub faults_per_minute: f64,
     pub schedule: Vec<Planned>,
@@ -126,6 +133,9 @@ pub struct ChaosReport {
     pub typed_errors: BTreeMap<String, u32>,
     /// Streams resumed from their cursor after their connection broke or drained.
     pub resumed: u32,
+    /// Each steady load (`interactive`, `interactive-grpc`, `batch`): its requests, how
+    /// many completed, were resumed, and were sent again after a refusal.
+    pub loads: BTreeMap<&'static str, LoadCounts>,
     /// What each KV link's fault proxy did (flips, resets, delayed chunks, blackholed
     /// bytes): that the link faults struck traffic, not an idle link.
     pub kv_links: BTreeMap<String, ProxyCounters>,
@@ -134,10 +144,23 @@ pub struct ChaosReport {
     /// Every process incarnation's resident memory, first and last, and its slope after
     /// warm-up (sampled every [`RSS_EVERY`]).
     pub incarnations: Vec<Incarnation>,
+    /// Goodput outside fault windows against the fault-free lead-in ([`goodput`]).
+    pub goodput: Goodput,
     pub violations: Vec<Found>,
     pub log_dir: String,
     /// The command that repeats this run's schedule.
     pub command: String,
+}
+
+/// One steady load's requests in a [`ChaosReport`].
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LoadCounts {
+    pub requests: usize,
+    pub complete: usize,
+    /// Resumes, over its requests.
+    pub resumed: u32,
+    /// Sends after a 429/503 refusal's `Retry-After`, over its requests.
+    pub retried: u32,
 }
 
 impl ChaosReport {
@@ -149,7 +172,7 @@ impl ChaosReport {
 /// The cluster chaos runs on; with `plant`, its prefill workers and coordinators carry
 /// the [`PLANTED`] bugs.
 pub fn cluster_spec(plant: bool) -> ClusterSpec {
-    let (prefill, coordinator): (Vec<&str>, Vec<&str>) = if plant {
+    let (prefill, mut coordinator): (Vec<&str>, Vec<&str>) = if plant {
         (
             PLANTED[..2].iter().flat_map(|&(f, v)| [f, v]).collect(),
             PLANTED[2..].iter().flat_map(|&(f, v)| [f, v]).collect(),
@@ -157,6 +180,8 @@ pub fn cluster_spec(plant: bool) -> ClusterSpec {
     } else {
         (Vec::new(), Vec::new())
     };
+    let idle = STREAM_IDLE_TIMEOUT_MS.to_string();
+    coordinator.extend(["--stream-idle-timeout-ms", &idle]);
     ClusterSpec { lease_ttl_s: 5, ..ClusterSpec::default() }
         .prefill_with("g1", &prefill)
         .prefill_with("g1", &prefill)
@@ -253,8 +278,9 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
     let mut c = Cluster::start(&cluster_spec(o.plant), o.keep_logs).await?;
     let base_url = c.base_url()?;
     let mut loads = loads.await.map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
+    let grpc_url = c.grpc_url()?;
     for l in &mut loads {
-        l.plan.base_url.clone_from(&base_url);
+        l.plan.base_url.clone_from(if l.plan.api == loadgen::Api::Grpc { &grpc_url } else { &base_url });
     }
     let targets = targets_of(Some(&c));
     let plan_faults = schedule(&o.schedule, &targets);
@@ -278,13 +304,23 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         actions: Vec::new(),
     };
     let mut rss = RssWatch::default();
-    let bursts = run_faults(&mut c, &plan_faults, start, &base_url, &mut audit, &o.cancel, &mut rss).await;
+    // The lead-in: the load runs, no fault yet (its requests are the goodput baseline).
+    let lead = lead_in(o.schedule.duration);
+    let spawned = run_faults(&mut c, &plan_faults, start + lead, &base_url, &mut audit, &o.cancel, &mut rss).await;
     let mut records = Vec::new();
     let mut wall = Duration::ZERO;
     let mut load = Vec::new();
+    let mut loads = BTreeMap::new();
     for (name, r) in running {
         let r = r.await.map_err(|e| HarnessError::Load(format!("load task: {e}")))??;
         wall = wall.max(r.wall);
+        let counts: &mut LoadCounts = loads.entry(name).or_default();
+        for x in &r.records {
+            counts.requests += 1;
+            counts.complete += usize::from(x.outcome.is_complete());
+            counts.resumed += x.retries.resumed;
+            counts.retried += x.retries.sent;
+        }
         load.extend(r.records.iter().map(|x| RequestPoint {
             load: name,
             index: x.index,
@@ -297,7 +333,13 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
     }
     let report = Report { wall, records };
     let mut burst_found = Vec::new();
-    for b in bursts {
+    // Every slow reader hung up before the cluster is judged at quiescence.
+    for s in spawned.slow_readers {
+        if let Err(e) = s.await {
+            burst_found.push(Violation::new(Guarantee::Drill, format!("a slow reader's task: {e}")));
+        }
+    }
+    for b in spawned.bursts {
         match b.await {
             Ok(Ok(r)) => burst_found.extend(judge_burst(&r)),
             Ok(Err(e)) => burst_found.push(Violation::new(Guarantee::G1, format!("a burst's load was refused: {e}"))),
@@ -318,7 +360,9 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
     let mut violations = std::mem::take(&mut *found.lock().unwrap_or_else(|e| e.into_inner()));
     sample_rss(&c, start, &mut rss);
     let incarnations = rss.incarnations();
+    let goodput = goodput::goodput(&load, &goodput::windows(&audit.actions, end_ms), lead.as_millis() as u64, end_ms);
     let mut end: Vec<Violation> = quiet;
+    end.extend(goodput.broken().map(|b| Violation::new(Guarantee::Drill, b)));
     end.extend(burst_found);
     end.extend(rss_violations(&incarnations));
     end.extend(invariants::shutdown(&mut c, Duration::from_secs(20)).await);
@@ -355,9 +399,11 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         complete,
         typed_errors: typed,
         resumed: report.records.iter().map(|r| r.retries.resumed).sum(),
+        loads,
         kv_links,
         load,
         incarnations,
+        goodput,
         violations,
         log_dir: c.log_dir().display().to_string(),
         command: command(o),

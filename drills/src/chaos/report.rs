@@ -105,7 +105,7 @@ fn colour(k: FaultKind) -> &'static str {
         FaultKind::KillDecode | FaultKind::KillPrefill | FaultKind::KillCoordinator | FaultKind::KillEtcd => "#d62728",
         FaultKind::StopDecode | FaultKind::StopPrefill | FaultKind::StopCoordinator | FaultKind::StopEtcd => "#ff7f0e",
         FaultKind::KvDelay | FaultKind::KvBlackhole | FaultKind::KvCorrupt | FaultKind::KvReset => "#9467bd",
-        FaultKind::Burst | FaultKind::Disconnect => "#7f7f7f",
+        FaultKind::Burst | FaultKind::Disconnect | FaultKind::SlowReader => "#7f7f7f",
     }
 }
 
@@ -306,8 +306,10 @@ mod tests {
             complete: 1,
             typed_errors: BTreeMap::from([("no_worker".to_owned(), 1)]),
             resumed: 0,
+            loads: BTreeMap::new(),
             kv_links: BTreeMap::new(),
             incarnations: Vec::new(),
+            goodput: crate::chaos::Goodput::default(),
             load: vec![
                 RequestPoint {
                     load: "interactive",

@@ -51,7 +51,14 @@ pub enum FaultKind {
     Burst,
     /// A client that hangs up mid-stream.
     Disconnect,
+    /// A client that stops reading its stream (a tiny receive window, never read,
+    /// straight to a coordinator) and hangs up after [`SLOW_READER_HOLD`]; its slot and
+    /// KV must be freed, and the rest of the load keep its deadlines.
+    SlowReader,
 }
+
+/// How long a slow reader holds its unread connection.
+pub const SLOW_READER_HOLD: Duration = Duration::from_secs(8);
 
 /// Which processes a kind acts on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,7 +74,7 @@ pub enum TargetKind {
 }
 
 impl FaultKind {
-    pub const ALL: [Self; 14] = [
+    pub const ALL: [Self; 15] = [
         Self::KillDecode,
         Self::KillPrefill,
         Self::KillCoordinator,
@@ -82,6 +89,7 @@ impl FaultKind {
         Self::KvReset,
         Self::Burst,
         Self::Disconnect,
+        Self::SlowReader,
     ];
 
     /// The name `--faults` takes.
@@ -101,6 +109,7 @@ impl FaultKind {
             Self::KvReset => "kv-reset",
             Self::Burst => "burst",
             Self::Disconnect => "disconnect",
+            Self::SlowReader => "slow-reader",
         }
     }
 
@@ -115,7 +124,7 @@ impl FaultKind {
             Self::KillCoordinator | Self::StopCoordinator => TargetKind::Coordinator,
             Self::KillEtcd | Self::StopEtcd => TargetKind::Etcd,
             Self::KvDelay | Self::KvBlackhole | Self::KvCorrupt | Self::KvReset => TargetKind::KvLink,
-            Self::Burst | Self::Disconnect => TargetKind::Load,
+            Self::Burst | Self::Disconnect | Self::SlowReader => TargetKind::Load,
         }
     }
 
@@ -136,7 +145,8 @@ impl FaultKind {
             // deadline: the transfers it stalls fail when it lifts, and are retried.
             Self::KvBlackhole => (1_000, 4_000),
             Self::KvCorrupt => (1_000, 3_000),
-            Self::KvReset | Self::Burst | Self::Disconnect => (0, 0),
+            // A slow reader's connection is held by its own task (SLOW_READER_HOLD).
+            Self::KvReset | Self::Burst | Self::Disconnect | Self::SlowReader => (0, 0),
         }
     }
 }

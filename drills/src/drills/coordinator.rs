@@ -389,7 +389,17 @@ const IDLE_TIMEOUT_MS: u64 = 3000;
 /// `small` shrinks the client's window and MSS (the fault's bite); a run with the fault
 /// skipped reads promptly with ordinary buffers (with the small ones, reading 400 tokens of
 /// top-20 logprobs takes longer than the read bound).
-fn slow_stream(addr: SocketAddr, i: usize, small: bool) -> Result<std::net::TcpStream, HarnessError> {
+pub(crate) fn slow_stream(addr: SocketAddr, i: usize, small: bool) -> Result<std::net::TcpStream, HarnessError> {
+    slow_stream_as(addr, i, small, None)
+}
+
+/// [`slow_stream`], with an API key when the coordinator has tenants.
+pub(crate) fn slow_stream_as(
+    addr: SocketAddr,
+    i: usize,
+    small: bool,
+    api_key: Option<&str>,
+) -> Result<std::net::TcpStream, HarnessError> {
     use socket2::{Domain, Protocol, Socket, Type};
     let err = |e: std::io::Error| HarnessError::Fault(format!("slow client {i}: {e}"));
     let s = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).map_err(err)?;
@@ -410,9 +420,10 @@ fn slow_stream(addr: SocketAddr, i: usize, small: bool) -> Result<std::net::TcpS
         "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true, "logprobs": 20,
     })
     .to_string();
+    let auth = api_key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
     let head = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
+         {auth}Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(head.as_bytes()).map_err(err)?;

@@ -10,7 +10,7 @@
 //! [`all`].
 
 mod common;
-mod coordinator;
+pub(crate) mod coordinator;
 mod etcd;
 mod kv;
 mod links;
