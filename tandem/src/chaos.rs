@@ -21,7 +21,8 @@ pub struct Args {
     /// Seeds the schedule and the load (default: drawn and printed).
     #[arg(long)]
     seed: Option<u64>,
-    /// How long faults are applied: `90s`, `10m`, `1h` (bare numbers are seconds).
+    /// How long faults are applied, after a fault-free lead-in of a tenth of it (15 s to
+    /// 2 min, the goodput baseline): `90s`, `10m`, `1h` (bare numbers are seconds).
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     duration: Duration,
     /// Mean faults per minute.
