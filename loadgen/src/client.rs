@@ -157,7 +157,7 @@ impl Sender {
     /// Sends request `index` as a resuming client ([`Plan::resume`]): again from its
     /// last event's cursor whenever its stream is cut or handed off.
     async fn send_resuming(&self, index: usize, input: &Input<'_>, t0: Instant) -> Record {
-        let key = format!("loadgen-{}-{:x}-{index}", self.plan.seed, self.run);
+        let key = self.resume_key(index);
         let deadline = Instant::now() + self.plan.timeout;
         if !self.plan.stream {
             return self.send_again_whole(index, input, t0, &key, deadline).await;
@@ -168,9 +168,7 @@ impl Sender {
         let mut retries = Retries::default();
         loop {
             let (outcome, retry_after) = self.stream_from(&mut m, index, input, &key, &mut last_id, deadline).await;
-            if let Some(wait) = self.retry_wait(index, &outcome, retry_after, &mut retries, deadline) {
-                tokio::time::sleep(wait).await;
-                retries.last_start = Some(Instant::now() - t0);
+            if self.retried(index, &outcome, retry_after, &mut retries, deadline, t0).await {
                 continue;
             }
             if !is_cut(&outcome) || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
@@ -181,9 +179,7 @@ impl Sender {
             }
             resumed += 1;
             regenerated += last_id.as_deref().map_or(0, cursor_tokens);
-            // A front sends the new connection to a live coordinator; a short pause keeps a
-            // client with none left from spinning on refused connects.
-            tokio::time::sleep((RESUME_PAUSE * resumed).min(MAX_RESUME_PAUSE)).await;
+            resume_pause(resumed).await;
         }
     }
 
@@ -203,9 +199,7 @@ impl Sender {
         let mut retries = Retries::default();
         loop {
             let (mut r, retry_after) = self.attempt(index, input, t0, Some(key), deadline).await;
-            if let Some(wait) = self.retry_wait(index, &r.outcome, retry_after, &mut retries, deadline) {
-                tokio::time::sleep(wait).await;
-                retries.last_start = Some(Instant::now() - t0);
+            if self.retried(index, &r.outcome, retry_after, &mut retries, deadline, t0).await {
                 continue;
             }
             if !is_cut(&r.outcome) || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
@@ -216,33 +210,43 @@ impl Sender {
                 return r;
             }
             resumed += 1;
-            tokio::time::sleep((RESUME_PAUSE * resumed).min(MAX_RESUME_PAUSE)).await;
+            resume_pause(resumed).await;
         }
     }
 
-    /// How long a resuming client with [`Plan::retry`] waits before sending a refused
-    /// request again (429, or a 503 that is no hand-off), counting the retry; `None`
-    /// when it does not: no retry policy, not a refusal, retries used up, or the wait
-    /// would pass the request's timeout.
-    fn retry_wait(
+    /// Whether a resuming client with [`Plan::retry`] sends a refused request again
+    /// (429, or a 503 that is no hand-off): if so, it has waited out the refusal's
+    /// `Retry-After` (its eager delay for an eager client) and counted the retry and
+    /// when it is sent. Not when there is no retry policy, the outcome is no refusal,
+    /// retries are used up, or the wait would pass the request's timeout.
+    async fn retried(
         &self,
         index: usize,
         outcome: &Outcome,
         retry_after: Option<Duration>,
         retries: &mut Retries,
         deadline: Instant,
-    ) -> Option<Duration> {
-        let retry = self.plan.retry?;
+        t0: Instant,
+    ) -> bool {
+        let Some(retry) = self.plan.retry else { return false };
         let refused = matches!(outcome, Outcome::HttpError { status: 429 | 503, .. }) && !is_cut(outcome);
         if !refused || retries.sent >= retry.max {
-            return None;
+            return false;
         }
         let wait = if retry.eager(index) { retry.eager_delay } else { retry_after.unwrap_or(Duration::from_secs(1)) };
         if Instant::now() + wait >= deadline {
-            return None;
+            return false;
         }
+        tokio::time::sleep(wait).await;
         retries.sent += 1;
-        Some(wait)
+        retries.last_start = Some(Instant::now() - t0);
+        true
+    }
+
+    /// The `Idempotency-Key` of a resuming client's request `index`: it names one
+    /// request of one run (two runs of one plan send other bodies at one index).
+    fn resume_key(&self, index: usize) -> String {
+        format!("loadgen-{}-{:x}-{index}", self.plan.seed, self.run)
     }
 
     /// One attempt of a resuming client's stream, from the cursor in `last_id` (none:
@@ -349,6 +353,13 @@ impl Sender {
         let outcome = stream(&mut m, &mut body, deadline, &mut None).await;
         m.end(outcome)
     }
+}
+
+/// A resuming client's pause before its `resumed`-th resume: a front sends the new
+/// connection to a live coordinator; the pause keeps a client with none left from
+/// spinning on refused connects.
+async fn resume_pause(resumed: u32) {
+    tokio::time::sleep((RESUME_PAUSE * resumed).min(MAX_RESUME_PAUSE)).await;
 }
 
 /// A response's `Retry-After` in whole seconds, when it has one.

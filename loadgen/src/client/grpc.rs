@@ -14,7 +14,7 @@ use tokio::time::{timeout_at, Instant};
 use tonic::metadata::MetadataValue;
 use tonic::transport::Endpoint as GrpcEndpoint;
 
-use super::{chain, cursor_tokens, is_cut, Input, Meter, Sender, MAX_RESUME_PAUSE, RESUME_PAUSE};
+use super::{chain, cursor_tokens, is_cut, resume_pause, Input, Meter, Sender};
 use crate::openai::Delta;
 use crate::plan::Endpoint;
 use crate::report::Outcome;
@@ -28,8 +28,7 @@ impl Sender {
     /// Sends request `index` over gRPC; a resuming client sends it again from its
     /// last cursor whenever it is cut.
     pub(super) async fn send_grpc(&self, index: usize, input: &Input<'_>, t0: Instant) -> super::Record {
-        let key =
-            if self.plan.resume { format!("loadgen-{}-{:x}-{index}", self.plan.seed, self.run) } else { String::new() };
+        let key = if self.plan.resume { self.resume_key(index) } else { String::new() };
         let deadline = Instant::now() + self.plan.timeout;
         let mut m = Meter::new(index, t0);
         let mut cursor = String::new();
@@ -43,7 +42,7 @@ impl Sender {
             }
             resumed += 1;
             regenerated += cursor_tokens(&cursor);
-            tokio::time::sleep((RESUME_PAUSE * resumed).min(MAX_RESUME_PAUSE)).await;
+            resume_pause(resumed).await;
         }
     }
 
