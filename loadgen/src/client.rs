@@ -243,6 +243,34 @@ impl Sender {
         true
     }
 
+    /// One attempt's HTTP request for request `index`: the plan's headers, `key` as its
+    /// `Idempotency-Key`, and as `x-request-timeout-ms` the server-side deadline left to
+    /// a request the client gives up on at `deadline` ([`Sender::deadline_left`]).
+    fn request(&self, index: usize, input: &Input<'_>, key: Option<&str>, deadline: Instant) -> Request<Full<Bytes>> {
+        let mut req = Request::new(Full::new(Bytes::from(self.body(index, input).to_string())));
+        *req.method_mut() = Method::POST;
+        *req.uri_mut() = self.checked.uri.clone();
+        *req.headers_mut() = self.checked.headers.clone();
+        if let Some(v) = key.and_then(|k| hyper::header::HeaderValue::from_str(k).ok()) {
+            req.headers_mut().insert("idempotency-key", v);
+        }
+        if let Some(left) = self.deadline_left(deadline) {
+            req.headers_mut().insert("x-request-timeout-ms", hyper::header::HeaderValue::from(ms(left)));
+        }
+        req
+    }
+
+    /// The server-side deadline ([`Plan::deadline`]) left to an attempt of a request the
+    /// client gives up on at `deadline` (the plan's timeout after its first attempt): the
+    /// plan's deadline less the time since that first attempt, at least 1 ms. A retry or
+    /// a resume asks for what the request has left, not for a whole deadline again, so
+    /// the server ends a request that keeps being cut when its first attempt said it should.
+    pub(super) fn deadline_left(&self, deadline: Instant) -> Option<Duration> {
+        let whole = self.plan.deadline?;
+        let spent = deadline.checked_sub(self.plan.timeout).map_or(Duration::ZERO, |first| first.elapsed());
+        Some(whole.saturating_sub(spent).max(Duration::from_millis(1)))
+    }
+
     /// The `Idempotency-Key` of a resuming client's request `index`: it names one
     /// request of one run (two runs of one plan send other bodies at one index).
     fn resume_key(&self, index: usize) -> String {
@@ -261,13 +289,7 @@ impl Sender {
         last_id: &mut Option<String>,
         deadline: Instant,
     ) -> (Outcome, Option<Duration>) {
-        let mut req = Request::new(Full::new(Bytes::from(self.body(index, input).to_string())));
-        *req.method_mut() = Method::POST;
-        *req.uri_mut() = self.checked.uri.clone();
-        *req.headers_mut() = self.checked.headers.clone();
-        if let Ok(v) = hyper::header::HeaderValue::from_str(key) {
-            req.headers_mut().insert("idempotency-key", v);
-        }
+        let mut req = self.request(index, input, Some(key), deadline);
         if let Some(v) = last_id.as_deref().and_then(|id| hyper::header::HeaderValue::from_str(id).ok()) {
             req.headers_mut().insert("last-event-id", v);
         }
@@ -302,14 +324,7 @@ impl Sender {
         deadline: Instant,
     ) -> (Record, Option<Duration>) {
         let m = Meter::new(index, t0);
-        let mut req = Request::new(Full::new(Bytes::from(self.body(index, input).to_string())));
-        *req.method_mut() = Method::POST;
-        *req.uri_mut() = self.checked.uri.clone();
-        *req.headers_mut() = self.checked.headers.clone();
-        if let Some(v) = key.and_then(|k| hyper::header::HeaderValue::from_str(k).ok()) {
-            req.headers_mut().insert("idempotency-key", v);
-        }
-
+        let req = self.request(index, input, key, deadline);
         let resp = match timeout_at(deadline, self.http.request(req)).await {
             Err(_) => return (m.end(Outcome::Timeout), None),
             Ok(Err(e)) => return (m.end(Outcome::Transport(chain(&e))), None),
@@ -555,4 +570,10 @@ fn chain(e: &(dyn StdError + 'static)) -> String {
         src = c.source();
     }
     s
+}
+
+/// `d` in whole milliseconds, rounded up (a first attempt, a few microseconds after the
+/// request began, still asks for its whole deadline), as a header carries it.
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_micros().div_ceil(1_000)).unwrap_or(u64::MAX)
 }

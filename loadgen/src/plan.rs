@@ -156,7 +156,8 @@ pub struct Plan {
     /// Send `ignore_eos: true` (vLLM/llama.cpp extension): every request
     /// generates `max_tokens`, so targets do the same work.
     pub ignore_eos: bool,
-    /// Sent as `x-request-timeout-ms`: the server-side deadline.
+    /// Sent as `x-request-timeout-ms` (gRPC: `grpc-timeout`): the server-side deadline.
+    /// A retry or a resume sends what is left of it since the first attempt.
     #[serde(rename = "deadline_ms", serialize_with = "crate::report::opt_ms")]
     pub deadline: Option<Duration>,
     /// Sent as `x-priority`.

@@ -28,7 +28,23 @@ struct Seen {
     key: String,
     cursor: String,
     auth: String,
-    timeout: bool,
+    /// `grpc-timeout` in milliseconds.
+    timeout_ms: Option<u64>,
+}
+
+/// A `grpc-timeout` value (digits and a unit, H M S m u n) in whole milliseconds.
+fn grpc_timeout_ms(v: &str) -> Option<u64> {
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => n * 3_600_000,
+        "M" => n * 60_000,
+        "S" => n * 1_000,
+        "m" => n,
+        "u" => n / 1_000,
+        "n" => n / 1_000_000,
+        _ => return None,
+    })
 }
 
 static SEEN: Mutex<Vec<Seen>> = Mutex::new(Vec::new());
@@ -55,12 +71,13 @@ impl Frontend for Fake {
     /// typed refusal. `closed`: one token, then the stream closes without Done.
     async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<Stream>, Status> {
         let md = |k: &str| request.metadata().get(k).and_then(|v| v.to_str().ok()).map(str::to_owned);
-        let (auth, timeout) = (md("authorization").unwrap_or_default(), md("grpc-timeout").is_some());
+        let auth = md("authorization").unwrap_or_default();
+        let timeout_ms = md("grpc-timeout").as_deref().and_then(grpc_timeout_ms);
         let req = request.into_inner();
         let Some(Input::Prompt(prompt)) = req.input else { return Err(Status::invalid_argument("prompt")) };
         let items: Vec<Result<GenerateResponse, Status>> = match prompt.as_str() {
             "cut" => {
-                let seen = Seen { key: req.idempotency_key, cursor: req.resume_cursor.clone(), auth, timeout };
+                let seen = Seen { key: req.idempotency_key, cursor: req.resume_cursor.clone(), auth, timeout_ms };
                 SEEN.lock().unwrap_or_else(|e| e.into_inner()).push(seen);
                 match req.resume_cursor.split('-').next() {
                     Some("") => vec![chunk("a", 1), chunk("b", 2), Err(Status::unknown("h2 protocol error: reset"))],
@@ -128,9 +145,14 @@ async fn grpc_streams_resume_from_their_cursor_and_failures_keep_their_code() ->
     let cursors: Vec<&str> = seen.iter().map(|s| s.cursor.as_str()).collect();
     assert_eq!(cursors, ["", "2-00000000000000ab", "3-00000000000000ab"]);
     assert!(
-        seen.iter().all(|s| !s.key.is_empty() && s.key == seen[0].key && s.auth == "Bearer sk-7" && s.timeout),
-        "one key, the API key and the deadline on every call: {seen:?}"
+        seen.iter().all(|s| !s.key.is_empty() && s.key == seen[0].key && s.auth == "Bearer sk-7"),
+        "one key and the API key on every call: {seen:?}"
     );
+    // The deadline on every call: the whole one first, then what is left of it (each
+    // resume pauses 50 ms or more first).
+    let left: Vec<u64> = seen.iter().filter_map(|s| s.timeout_ms).collect();
+    assert!(left.len() == 3 && left[0] <= 9_000 && left[0] > 8_000, "{seen:?}");
+    assert!(left.windows(2).all(|w| w[1] + 50 <= w[0]), "each call has less left: {seen:?}");
 
     // Not resuming: the broken connection is the outcome, with no code.
     let r = loadgen::run(&plan(&url, "cut")).await?;

@@ -39,6 +39,9 @@ static WHOLE: std::sync::Mutex<Vec<Option<String>>> = std::sync::Mutex::new(Vec:
 /// The `resume` prompt's attempts: the Idempotency-Key and Last-Event-ID each carried.
 static RESUMES: std::sync::Mutex<Vec<(Option<String>, Option<String>)>> = std::sync::Mutex::new(Vec::new());
 
+/// The `resume` prompt's attempts: the `x-request-timeout-ms` each carried.
+static RESUME_DEADLINES: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
+
 /// A stream of five tokens, each event with an `id:` (the token count), cut three times:
 /// the first attempt's connection breaks after two tokens, the second (from cursor 2) ends
 /// with a `coordinator_draining` error event after one more, the third (from cursor 3) is
@@ -47,6 +50,8 @@ fn resumable(headers: &HeaderMap) -> Response {
     let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let from = h("last-event-id");
     RESUMES.lock().unwrap_or_else(|e| e.into_inner()).push((h("idempotency-key"), from.clone()));
+    let left = h("x-request-timeout-ms").and_then(|v| v.parse().ok()).unwrap_or(u64::MAX);
+    RESUME_DEADLINES.lock().unwrap_or_else(|e| e.into_inner()).push(left);
     let event = |i: u64| format!("id: {}\ndata: {}\n\n", i + 1, json!({"choices": [{"text": word(i)}]}));
     let mut parts: Vec<Result<Bytes, std::io::Error>> = Vec::new();
     match from.as_deref() {
@@ -496,6 +501,7 @@ async fn resuming_clients_continue_from_their_last_cursor() -> TestResult {
     let url = fake_server().await?;
     let mut p = plan(&url, &["resume"]);
     p.resume = true;
+    p.deadline = Some(Duration::from_secs(9));
     let r = loadgen::run(&p).await?;
     let rec = &r.records[0];
     assert_eq!(rec.outcome, Outcome::Complete { finish_reason: "length".into() }, "{rec:?}");
@@ -506,6 +512,12 @@ async fn resuming_clients_continue_from_their_last_cursor() -> TestResult {
     let cursors: Vec<Option<&str>> = seen.iter().map(|(_, c)| c.as_deref()).collect();
     assert_eq!(cursors, [None, Some("2"), Some("3"), Some("3")]);
     assert!(seen.iter().all(|(k, _)| k.is_some() && *k == seen[0].0), "one key throughout: {seen:?}");
+    // Each resume asks for the deadline left since the first attempt, not a whole one
+    // again: strictly less each time (every resume pauses 50 ms or more first).
+    let left = std::mem::take(&mut *RESUME_DEADLINES.lock().unwrap_or_else(|e| e.into_inner()));
+    assert_eq!(left.len(), 4, "{left:?}");
+    assert!(left[0] <= 9_000 && left[0] > 8_000, "the first attempt has the whole deadline: {left:?}");
+    assert!(left.windows(2).all(|w| w[1] + 50 <= w[0]), "each attempt has less left: {left:?}");
 
     let mut p = plan(&url, &["resume"]);
     p.resume = false;

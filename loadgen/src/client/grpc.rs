@@ -99,8 +99,8 @@ impl Sender {
         };
         let mut client = FrontendClient::new(channel).max_decoding_message_size(MAX_MESSAGE);
         let mut req = tonic::Request::new(self.grpc_request(index, input, key, cursor));
-        if let Some(d) = self.plan.deadline {
-            req.set_timeout(d);
+        if let Some(left) = self.deadline_left(deadline) {
+            req.set_timeout(left);
         }
         if let Some(Ok(v)) = self.plan.api_key.as_ref().map(|k| MetadataValue::try_from(format!("Bearer {k}"))) {
             req.metadata_mut().insert("authorization", v);
