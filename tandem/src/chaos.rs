@@ -35,6 +35,11 @@ pub struct Args {
     /// `kv:decode-1` for a KV link alone, which naming its worker excludes too).
     #[arg(long, value_delimiter = ',')]
     exclude: Vec<String>,
+    /// Processes never killed, comma-separated names: every other fault still lands on
+    /// them, and their one life spans the run, so a run of 20 minutes or more judges its
+    /// memory slope (`make certify` spares `decode-1,prefill-1,coordinator-1`).
+    #[arg(long, value_delimiter = ',')]
+    never_kill: Vec<String>,
     /// Most faults held at once.
     #[arg(long, default_value_t = 2)]
     max_in_flight: usize,
@@ -120,6 +125,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(x) = a.exclude.iter().find(|x| !known.contains(x)) {
         bail!("--exclude {x}: no such process (the cluster has {known:?})");
     }
+    if let Some(x) = a.never_kill.iter().find(|x| !known.contains(x) || x.starts_with("kv:")) {
+        bail!("--never-kill {x}: no such process (the cluster has {known:?}; a KV link is never killed)");
+    }
     let seed = a.seed.unwrap_or_else(|| {
         let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
         eprintln!("seed {s}");
@@ -133,6 +141,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             per_minute: a.rate,
             kinds,
             exclude: a.exclude,
+            never_kill: a.never_kill,
             max_in_flight: a.max_in_flight,
         },
         load_rps: a.load_rps,

@@ -241,6 +241,9 @@ pub fn command(o: &ChaosOptions) -> String {
     if !s.exclude.is_empty() {
         cmd.push_str(&format!(" --exclude {}", s.exclude.join(",")));
     }
+    if !s.never_kill.is_empty() {
+        cmd.push_str(&format!(" --never-kill {}", s.never_kill.join(",")));
+    }
     if o.plant {
         cmd.push_str(" --plant");
     }
@@ -497,6 +500,7 @@ mod tests {
                 per_minute: 4.0,
                 kinds: vec![FaultKind::KillDecode, FaultKind::Burst],
                 exclude: vec!["etcd".into()],
+                never_kill: vec!["decode-1".into()],
                 max_in_flight: 2,
             },
             load_rps: 1.5,
@@ -508,7 +512,7 @@ mod tests {
         assert_eq!(
             command(&o),
             "tandem chaos --seed 9 --duration 90s --rate 4 --load-rps 1.5 --max-in-flight 2 --faults kill-decode,burst \
-             --exclude etcd --plant"
+             --exclude etcd --never-kill decode-1 --plant"
         );
     }
 }

@@ -128,6 +128,11 @@ impl FaultKind {
         }
     }
 
+    /// A SIGKILL: the target's life ends (a new one starts after the hold).
+    pub fn kills(self) -> bool {
+        matches!(self, Self::KillDecode | Self::KillPrefill | Self::KillCoordinator | Self::KillEtcd)
+    }
+
     /// A fault with nothing to lift (a reset, a burst, a hang-up): applied and done.
     pub fn instant(self) -> bool {
         self.hold_ms() == (0, 0)
@@ -197,6 +202,9 @@ pub struct ScheduleOptions {
     pub kinds: Vec<FaultKind>,
     /// Targets never acted on, by name.
     pub exclude: Vec<String>,
+    /// Targets never killed, by name: every other fault still lands on them, and their
+    /// one life spans the run, so a long run judges their memory slope.
+    pub never_kill: Vec<String>,
     /// Most faults held at once.
     pub max_in_flight: usize,
 }
@@ -244,8 +252,11 @@ fn unit(rng: &mut XorShift64) -> f64 {
 pub fn schedule(o: &ScheduleOptions, targets: &Targets) -> Vec<Planned> {
     let mut rng = XorShift64::new(o.seed ^ 0x6368_616f_735f_7631); // "chaos_v1"
     let mean_gap = 60.0 / o.per_minute.max(1e-6);
-    let kinds: Vec<FaultKind> =
-        o.kinds.iter().copied().filter(|k| targets.of(k.target()).iter().any(|t| !excluded(&o.exclude, t))).collect();
+    let eligible = |k: FaultKind| -> Vec<String> {
+        let spared = |n: &String| k.kills() && o.never_kill.contains(n);
+        targets.of(k.target()).into_iter().filter(|n| !excluded(&o.exclude, n) && !spared(n)).collect()
+    };
+    let kinds: Vec<FaultKind> = o.kinds.iter().copied().filter(|&k| !eligible(k).is_empty()).collect();
     let mut out: Vec<Planned> = Vec::new();
     let mut t = 0.0;
     if kinds.is_empty() {
@@ -261,8 +272,7 @@ pub fn schedule(o: &ScheduleOptions, targets: &Targets) -> Vec<Planned> {
         let kind = kinds[rng.below(kinds.len() as u64) as usize];
         let (lo, hi) = kind.hold_ms();
         let hold = Duration::from_millis(lo + rng.below(hi - lo + 1));
-        let candidates: Vec<String> =
-            targets.of(kind.target()).into_iter().filter(|n| !excluded(&o.exclude, n)).collect();
+        let candidates = eligible(kind);
         let target = candidates[rng.below(candidates.len() as u64) as usize].clone();
         let held = |p: &&Planned| !p.hold.is_zero() && p.at <= at && at < p.until();
         let busy = out.iter().filter(held).any(|p| p.target == target);
@@ -298,6 +308,7 @@ mod tests {
             per_minute: 12.0,
             kinds: FaultKind::ALL.to_vec(),
             exclude: Vec::new(),
+            never_kill: Vec::new(),
             max_in_flight: 3,
         }
     }
@@ -347,6 +358,23 @@ mod tests {
         o.kinds = vec![FaultKind::KvReset, FaultKind::KvDelay];
         let s = schedule(&o, &targets());
         assert!(!s.is_empty() && s.iter().all(|p| p.target == kv_link("decode-0")), "{s:?}");
+    }
+
+    #[test]
+    fn processes_never_killed_still_meet_every_other_fault() {
+        let mut o = options(5);
+        o.never_kill = vec!["decode-1".into(), "coordinator".into(), "etcd".into()];
+        let s = schedule(&o, &targets());
+        let on = |name: &str| -> Vec<FaultKind> { s.iter().filter(|p| p.target == name).map(|p| p.kind).collect() };
+        let (d1, c0) = (on("decode-1"), on("coordinator"));
+        assert!(d1.iter().all(|k| !k.kills()) && d1.contains(&FaultKind::StopDecode), "{d1:?}");
+        assert!(c0.iter().all(|k| !k.kills()) && !c0.is_empty(), "{c0:?}");
+        assert!(s.iter().all(|p| p.kind != FaultKind::KillEtcd), "the only etcd spared: no etcd kill drawn");
+        assert!(on("etcd").contains(&FaultKind::StopEtcd), "{s:?}");
+        assert!(on("decode-0").contains(&FaultKind::KillDecode), "the others are still killed");
+        // Sparing nobody draws the schedule it always drew.
+        o.never_kill.clear();
+        assert_eq!(schedule(&o, &targets()), schedule(&options(5), &targets()));
     }
 
     #[test]
