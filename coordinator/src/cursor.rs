@@ -25,7 +25,10 @@
 use std::fmt;
 use std::str::FromStr;
 
+use tokio::sync::oneshot;
+
 use crate::error::Error;
+use crate::idempotency::{Replay, Replayed};
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
@@ -211,6 +214,104 @@ impl Resume {
     }
 }
 
+/// A resumed stream's gate, as both frontends run it. The regenerated events up to
+/// its cursor are checked against it ([`Resume`]) and held back, since the client has
+/// them; whoever answers the client waits on the gate and is told once: the cursor's
+/// own event matched, or why the stream cannot resume (`E`: HTTP tells an [`Error`]
+/// and answers it in place of the head, gRPC a status).
+pub struct Gate<E> {
+    resume: Resume,
+    verified: Option<oneshot::Sender<Result<(), E>>>,
+}
+
+/// What a [`Gate`] makes of one regenerated event.
+#[derive(Debug, PartialEq)]
+pub enum Pass {
+    /// Past the cursor: send it.
+    Send,
+    /// Up to and including the cursor: held back. Regenerating goes on while `go_on`
+    /// (the client's side still waits, or has been told and is there); `reached` when
+    /// this was the cursor's own event and the client's side was told it matched.
+    Held { go_on: bool, reached: bool },
+    /// Not the answer the client had: the stream ends, and the caller refuses the
+    /// client's side ([`Gate::refuse`]).
+    Mismatch(Error),
+}
+
+impl<E> Gate<E> {
+    /// A gate at cursor `at`, and what the client's side waits on.
+    pub fn new(at: Cursor) -> (Self, oneshot::Receiver<Result<(), E>>) {
+        let (tx, rx) = oneshot::channel();
+        (Self { resume: Resume::new(at), verified: Some(tx) }, rx)
+    }
+
+    /// Places the next regenerated event, stamped `c`.
+    pub fn pass(&mut self, c: Cursor) -> Pass {
+        match self.resume.see(c) {
+            Ok(Seen::New) => Pass::Send,
+            Ok(Seen::Had) => {
+                Pass::Held { go_on: self.verified.as_ref().is_some_and(|v| !v.is_closed()), reached: false }
+            }
+            Ok(Seen::Reached) => {
+                Pass::Held { go_on: self.verified.take().is_some_and(|v| v.send(Ok(())).is_ok()), reached: true }
+            }
+            Err(e) => Pass::Mismatch(e),
+        }
+    }
+
+    /// Whether the client's side still waits: nothing has been sent to the client.
+    pub fn waiting(&self) -> bool {
+        self.verified.is_some()
+    }
+
+    /// Tells the client's side, if it still waits, that the stream cannot resume.
+    pub fn refuse(&mut self, e: E) {
+        if let Some(v) = self.verified.take() {
+            let _ = v.send(Err(e));
+        }
+    }
+
+    /// The regenerated stream ended: while the client's side still waits, it ended
+    /// before its cursor and was another answer.
+    pub fn ended(&self) -> Result<(), Error> {
+        if self.waiting() {
+            self.resume.ended()
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Reads a retry's replay (the first attempt's recorded events, then its live ones)
+/// up to and including the event at cursor `at`, checking each against it; `first` is
+/// an item already read. `cursor_of` gives a recorded event's cursor, `None` for an item
+/// that says the first attempt failed or was refused: nothing to resume from.
+pub async fn skip_to<T: Clone>(
+    replay: &mut Replay<T>,
+    mut first: Option<Replayed<T>>,
+    at: Cursor,
+    cursor_of: fn(&T) -> Option<&str>,
+) -> Result<(), Error> {
+    let mut resume = Resume::new(at);
+    loop {
+        let next = match first.take() {
+            Some(f) => f,
+            None => replay.next().await,
+        };
+        match next {
+            Replayed::Item(item) => {
+                let Some(id) = cursor_of(&item) else { return Err(Error::IdempotentOriginalFailed) };
+                let c = id.parse::<Cursor>().map_err(|_| Error::ResumeMismatch { tokens: at.tokens })?;
+                if resume.see(c)? != Seen::Had {
+                    return Ok(());
+                }
+            }
+            Replayed::Abandoned => return Err(Error::IdempotentOriginalFailed),
+            Replayed::End => return resume.ended(),
+        }
+    }
+}
+
 /// The `outcome` label of a resume
 /// ([`facts::metrics::coordinator::STREAM_RESUMES`]): `ok`, `mismatch` or `failed`.
 pub fn resume_outcome(checked: &Result<(), Error>) -> &'static str {
@@ -303,6 +404,34 @@ mod tests {
             assert_eq!(seen, want, "resumed at event {k}");
             assert_eq!(r.ended(), Ok(()));
         }
+    }
+
+    #[test]
+    fn a_gate_holds_back_what_the_client_had_and_tells_its_waiter_once() {
+        let events = stamped(&[0, 1, 3, 4], &[7, 8, 9, 10]);
+        let (mut g, mut waiter) = Gate::<Error>::new(events[1]);
+        assert_eq!(g.pass(events[0]), Pass::Held { go_on: true, reached: false });
+        assert!(g.waiting() && waiter.try_recv().is_err(), "nothing told before the cursor");
+        assert_eq!(g.pass(events[1]), Pass::Held { go_on: true, reached: true });
+        assert_eq!(waiter.try_recv(), Ok(Ok(())), "told at the cursor");
+        assert!(!g.waiting());
+        assert_eq!((g.pass(events[2]), g.pass(events[3])), (Pass::Send, Pass::Send));
+        assert_eq!(g.ended(), Ok(()));
+
+        // Another answer: a mismatch at the cursor, and the waiter told why.
+        let other = stamped(&[0, 1, 3], &[7, 5, 9]);
+        let (mut g, mut waiter) = Gate::<Error>::new(events[2]);
+        assert_eq!(g.pass(other[1]), Pass::Held { go_on: true, reached: false });
+        let Pass::Mismatch(e) = g.pass(other[2]) else { panic!("another answer passed") };
+        g.refuse(e);
+        assert_eq!(waiter.try_recv(), Ok(Err(Error::ResumeMismatch { tokens: 3 })));
+
+        // An answer that ends before its cursor is another one; a waiter that left stops it.
+        let (mut g, waiter) = Gate::<Error>::new(events[3]);
+        assert_eq!(g.pass(events[0]), Pass::Held { go_on: true, reached: false });
+        assert_eq!(g.ended(), Err(Error::ResumeMismatch { tokens: 4 }));
+        drop(waiter);
+        assert_eq!(g.pass(events[1]), Pass::Held { go_on: false, reached: false }, "nobody waits: stop");
     }
 
     #[test]

@@ -34,7 +34,7 @@ use proto::frontend::v1::{
     Usage as WireUsage,
 };
 use proto::worker::v1::ErrorKind;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::codegen::http;
 use tonic::metadata::{MetadataMap, MetadataValue};
@@ -46,7 +46,7 @@ use tonic_health::ServingStatus;
 use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::admission::Shed;
-use crate::cursor::{resume_outcome, Chain, Cursor, Resume, Seen, Stamper};
+use crate::cursor::{resume_outcome, skip_to, Chain, Cursor, Gate, Pass, Stamper};
 use crate::error::Error;
 use crate::idempotency::{Idempotency, Recorder, Replay, Replayed};
 use crate::metrics;
@@ -76,7 +76,9 @@ const STREAM_BUFFER: usize = 16;
 
 mod stream;
 pub use stream::CURSOR_KEY;
-use stream::{generate, keeps, remember, replay, resume_of, skip_to, with_seed_status, Count, Item, Sent, Sink, API};
+use stream::{
+    generate, keeps, remember, replay, resume_of, sent_cursor, with_seed_status, Count, Item, Sent, Sink, API,
+};
 
 /// The gRPC code of an error: what a gRPC client should do about it.
 ///
@@ -359,7 +361,7 @@ impl Frontend for FrontendService {
             Claimed::Replay(mut r) => {
                 metrics::idempotent_replay(if r.leader_finished() { "done" } else { "inflight" });
                 if let Some(at) = resume {
-                    let checked = skip_to(&mut r, at).await;
+                    let checked = skip_to(&mut r, None, at, sent_cursor).await;
                     metrics::stream_resume(API, resume_outcome(&checked));
                     if let Err(e) = checked {
                         return Err(refuse(&mut count, Some(&id), e));
@@ -386,13 +388,7 @@ impl Frontend for FrontendService {
         };
         let seed = job.spec.params.seed.unwrap_or_default();
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        let (verified_tx, verified) = match resume {
-            Some(_) => {
-                let (t, r) = oneshot::channel();
-                (Some(t), Some(r))
-            }
-            None => (None, None),
-        };
+        let (gate, verified) = resume.map(Gate::new).unzip();
         let sink = Sink {
             tx,
             recorder,
@@ -402,8 +398,7 @@ impl Frontend for FrontendService {
             pipeline: self.pipeline.clone(),
             seed,
             stamper: Stamper::default(),
-            resume: resume.map(Resume::new),
-            verified: verified_tx,
+            gate,
         };
         tokio::spawn(generate(self.pipeline.clone(), job, sink));
         if let Some(verified) = verified {

@@ -1,7 +1,7 @@
 //! The Generate stream of one call: its messages stamped with their resume
 //! cursors, recorded for the key's retries, sent within the idle timeout, and
 //! counted once; the run behind it ([`generate`]); a retry's replay
-//! ([`replay`], [`skip_to`]); and what a resumed call needs ([`resume_of`]).
+//! ([`replay`], [`sent_cursor`] for the shared `skip_to`); and what a resumed call needs ([`resume_of`]).
 
 use super::*;
 
@@ -119,10 +119,9 @@ pub(super) struct Sink {
     pub(super) seed: u64,
     /// Gives each message its cursor.
     pub(super) stamper: Stamper,
-    /// Set for a call resumed from a cursor: messages up to it are not sent.
-    pub(super) resume: Option<Resume>,
-    /// Told once the resumed stream reached its cursor and matched it, or why not.
-    pub(super) verified: Option<oneshot::Sender<Result<(), Status>>>,
+    /// Set for a call resumed from a cursor: messages up to it are checked, not sent,
+    /// and the call's answer waits until the cursor's matched, or why not.
+    pub(super) gate: Option<Gate<Status>>,
 }
 
 impl Sink {
@@ -136,17 +135,17 @@ impl Sink {
         if let Some(rec) = &self.recorder {
             rec.push(Sent::Event(event.clone()));
         }
-        if let Some(r) = self.resume.as_mut() {
-            match r.see(cursor) {
-                Ok(Seen::New) => {}
-                // Go on regenerating while the resuming client still waits.
-                Ok(Seen::Had) => return self.verified.as_ref().is_some_and(|v| !v.is_closed()),
-                Ok(Seen::Reached) => {
-                    self.count.ok();
-                    metrics::stream_resume(API, "ok");
-                    return self.verified.take().is_some_and(|v| v.send(Ok(())).is_ok());
+        if let Some(g) = self.gate.as_mut() {
+            match g.pass(cursor) {
+                Pass::Send => {}
+                Pass::Held { go_on, reached } => {
+                    if reached {
+                        self.count.ok();
+                        metrics::stream_resume(API, "ok");
+                    }
+                    return go_on;
                 }
-                Err(e) => {
+                Pass::Mismatch(e) => {
                     self.refuse_resume(&e);
                     return false;
                 }
@@ -163,14 +162,14 @@ impl Sink {
         metrics::stream_resume(API, resume_outcome(&Err(e.clone())));
         let status = status_of(e);
         remember(&self.pipeline, Some(&self.id), &status);
-        if let Some(v) = self.verified.take() {
-            let _ = v.send(Err(status));
+        if let Some(g) = self.gate.as_mut() {
+            g.refuse(status);
         }
     }
 
     /// The stream ended: a resumed one that never reached its cursor was another answer.
     fn ended(&mut self) {
-        if let Some(e) = self.resume.as_ref().and_then(|r| r.ended().err()) {
+        if let Some(e) = self.gate.as_ref().and_then(|g| g.ended().err()) {
             self.refuse_resume(&e);
         }
     }
@@ -183,7 +182,7 @@ impl Sink {
     /// call's status. Otherwise the status carries the last message's cursor and the
     /// seed as metadata, so the client can resume the stream anywhere.
     async fn fail(&mut self, e: &Error) {
-        if self.verified.is_some() {
+        if self.gate.as_ref().is_some_and(Gate::waiting) {
             self.refuse_resume(e);
             return;
         }
@@ -291,21 +290,12 @@ pub(super) async fn generate(pipeline: Arc<Pipeline>, job: Job, mut sink: Sink) 
     sink.ended();
 }
 
-/// Reads a retry's replay up to and including the event at cursor `at`, checking it.
-pub(super) async fn skip_to(replay: &mut Replay<Sent>, at: Cursor) -> Result<(), Error> {
-    let mut resume = Resume::new(at);
-    loop {
-        match replay.next().await {
-            Replayed::Item(Sent::Event(event)) => {
-                let c = cursor_of(&event).parse::<Cursor>().map_err(|_| Error::ResumeMismatch { tokens: at.tokens })?;
-                if resume.see(c)? != Seen::Had {
-                    return Ok(());
-                }
-            }
-            // The first call was refused or failed: there is nothing to resume from.
-            Replayed::Item(Sent::Refusal { .. }) | Replayed::Abandoned => return Err(Error::IdempotentOriginalFailed),
-            Replayed::End => return resume.ended(),
-        }
+/// A recorded message's cursor; `None` for a refusal, which says the first call was
+/// refused or failed (nothing to resume from).
+pub(super) fn sent_cursor(s: &Sent) -> Option<&str> {
+    match s {
+        Sent::Event(event) => Some(cursor_of(event)),
+        Sent::Refusal { .. } => None,
     }
 }
 

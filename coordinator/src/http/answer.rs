@@ -14,10 +14,10 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::Stream;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::{error, now_secs, Api, App, Recorded};
-use crate::cursor::{resume_outcome, Cursor, Resume, Seen, Stamper};
+use crate::cursor::{resume_outcome, skip_to, Cursor, Gate, Pass, Stamper};
 use crate::error::Error;
 use crate::idempotency::{Recorder, Replay, Replayed};
 use crate::metrics;
@@ -71,7 +71,8 @@ pub(super) async fn respond(
         }
     };
     let seed = run.seed();
-    let mut answer = Answer {
+    let (gate, verified) = resume.map(Gate::new).unzip();
+    let answer = Answer {
         api,
         created: now_secs(),
         model: app.pipeline.settings.model.clone(),
@@ -79,16 +80,10 @@ pub(super) async fn respond(
         recorder,
         idle: app.pipeline.settings.stream_idle_timeout,
         stamper: Stamper::default(),
-        resume: resume.map(Resume::new),
-        verified: None,
+        gate,
     };
     let mut response = if stream {
         let (tx, rx) = mpsc::channel::<Event>(16);
-        let verified = answer.resume.is_some().then(|| {
-            let (vtx, vrx) = oneshot::channel();
-            answer.verified = Some(vtx);
-            vrx
-        });
         tokio::spawn(answer.stream(tx));
         if let Some(verified) = verified {
             let checked = verified
@@ -154,7 +149,7 @@ pub(super) async fn replay_answer(
         other => Some(other),
     };
     if let Some(at) = resume {
-        let checked = skip_to(&mut replay, first.take(), at).await;
+        let checked = skip_to(&mut replay, first.take(), at, recorded_cursor).await;
         metrics::stream_resume(API, resume_outcome(&checked));
         if let Err(e) = checked {
             return e.into_response();
@@ -181,29 +176,12 @@ pub(super) async fn replay_answer(
     Sse::new(infallible(tokio_stream::wrappers::ReceiverStream::new(rx))).into_response()
 }
 
-/// Reads a replay up to and including the event at cursor `at`, checking it.
-async fn skip_to(
-    replay: &mut Replay<Recorded>,
-    mut first: Option<Replayed<Recorded>>,
-    at: Cursor,
-) -> Result<(), Error> {
-    let mut resume = Resume::new(at);
-    loop {
-        let next = match first.take() {
-            Some(f) => f,
-            None => replay.next().await,
-        };
-        match next {
-            Replayed::Item(Recorded::Event { id, .. }) => {
-                let c = id.parse::<Cursor>().map_err(|_| Error::ResumeMismatch { tokens: at.tokens })?;
-                if resume.see(c)? != Seen::Had {
-                    return Ok(());
-                }
-            }
-            // The original failed after its head: there is nothing to resume from.
-            Replayed::Item(Recorded::Json(..)) | Replayed::Abandoned => return Err(Error::IdempotentOriginalFailed),
-            Replayed::End => return resume.ended(),
-        }
+/// A recorded event's cursor; `None` for a JSON body, which says the original failed
+/// after its head (nothing to resume from).
+fn recorded_cursor(r: &Recorded) -> Option<&str> {
+    match r {
+        Recorded::Event { id, .. } => Some(id),
+        Recorded::Json(..) => None,
     }
 }
 
@@ -230,10 +208,9 @@ struct Answer {
     idle: Duration,
     /// Gives each event its cursor.
     stamper: Stamper,
-    /// Set for a stream resumed from a cursor: events up to it are not sent.
-    resume: Option<Resume>,
-    /// Told once the resumed stream reached its cursor and matched it, or why not.
-    verified: Option<oneshot::Sender<Result<(), Error>>>,
+    /// Set for a stream resumed from a cursor: events up to it are checked, not
+    /// sent, and the answer's head waits until the cursor's matched, or why not.
+    gate: Option<Gate<Error>>,
 }
 
 impl Answer {
@@ -392,8 +369,10 @@ impl Answer {
             }
         }
         // A resumed stream that ended before its cursor was another answer.
-        if let (Some(v), Some(r)) = (self.verified.take(), &self.resume) {
-            let _ = v.send(r.ended());
+        if let Some(g) = self.gate.as_mut() {
+            if let Err(e) = g.ended() {
+                g.refuse(e);
+            }
         }
     }
 
@@ -403,8 +382,8 @@ impl Answer {
     /// client's last cursor stays its last event's) but with that cursor and
     /// the seed in its body, so a client can resume the stream anywhere.
     async fn fail(&mut self, tx: &mpsc::Sender<Event>, e: Error) {
-        if let Some(v) = self.verified.take() {
-            let _ = v.send(Err(e));
+        if let Some(g) = self.gate.as_mut().filter(|g| g.waiting()) {
+            g.refuse(e);
             return;
         }
         if e == Error::Draining {
@@ -425,16 +404,12 @@ impl Answer {
         if let Some(rec) = &self.recorder {
             rec.push(Recorded::Event { id: id.clone(), data: data.clone() });
         }
-        if let Some(r) = self.resume.as_mut() {
-            match r.see(cursor) {
-                Ok(Seen::New) => {}
-                // Go on regenerating while the resuming client still waits.
-                Ok(Seen::Had) => return self.verified.as_ref().is_some_and(|v| !v.is_closed()),
-                Ok(Seen::Reached) => return self.verified.take().is_some_and(|v| v.send(Ok(())).is_ok()),
-                Err(e) => {
-                    if let Some(v) = self.verified.take() {
-                        let _ = v.send(Err(e));
-                    }
+        if let Some(g) = self.gate.as_mut() {
+            match g.pass(cursor) {
+                Pass::Send => {}
+                Pass::Held { go_on, .. } => return go_on,
+                Pass::Mismatch(e) => {
+                    g.refuse(e);
                     return false;
                 }
             }
