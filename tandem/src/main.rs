@@ -16,6 +16,7 @@ mod convert;
 mod drill;
 mod generate;
 mod load;
+mod sim;
 mod up;
 
 use clap::{Parser, Subcommand};
@@ -48,6 +49,9 @@ enum Cmd {
     Drill(drill::Args),
     /// Seeded overlapping faults on a local cluster under load, invariants checked throughout.
     Chaos(chaos::Args),
+    /// Simulated workers (many per process) registered in etcd, for real coordinators
+    /// to be measured against at fleet sizes: the worker API at a modelled pace.
+    Sim(sim::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -63,6 +67,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Up(a) => up::run(*a),
         Cmd::Drill(a) => drill::run(a),
         Cmd::Chaos(a) => chaos::run(a),
+        Cmd::Sim(a) => sim::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

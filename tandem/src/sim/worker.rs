@@ -1,0 +1,434 @@
+//! One simulated worker: the gRPC service a real prefill or decode worker serves, with
+//! the engine replaced by a model of its step times. What a coordinator sees of it is
+//! what it sees of a real worker: a registration under a lease, `Health` with load and
+//! the real prefix report (the engine's chained block hashes, the set's epoch, sent only
+//! when it changed), and streams of tokens at a modelled pace.
+//!
+//! Not simulated: KV bytes. A simulated decode worker asks a simulated prefill worker to
+//! prefill (the `Prefill` call, its time and its prefix cache) but no KV crosses; the
+//! tokens are made up (a pure function of the prompt and the index), never a model's.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use proto::worker::v1::decode_worker_server::DecodeWorker;
+use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
+use proto::worker::v1::prefill_worker_server::PrefillWorker;
+use proto::worker::v1::{
+    generate_response, prefill_response, AbortRequest, AbortResponse, FinishReason, Finished, FirstToken,
+    GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, KvDestination, PrefillAttempt, PrefillRequest,
+    PrefillResponse, PrefillState, PrefillStatusRequest, PrefillStatusResponse, PrefixReport, TokenChunk,
+};
+use tokio::sync::{mpsc, Semaphore};
+use tonic::{Request, Response, Status};
+
+/// Most prefix hashes a worker reports, as a real one does.
+pub const MAX_REPORTED: usize = 8_192;
+
+/// How long a simulated worker takes, modelled on the engine's measured figures on a
+/// 2-core machine (FACTS: prefill ~790 prompt tokens/s, decode ~180 tokens/s for one
+/// sequence at 2 threads), with a batch's step growing slowly with its size.
+#[derive(Debug, Clone, Copy)]
+pub struct StepModel {
+    /// Per prompt token not held in the prefix cache.
+    pub prefill_per_token: Duration,
+    /// One decode step of a single sequence.
+    pub decode_step: Duration,
+    /// Added to a step per other sequence running on the worker.
+    pub decode_step_per_sequence: Duration,
+}
+
+impl Default for StepModel {
+    fn default() -> Self {
+        Self {
+            prefill_per_token: Duration::from_micros(1_270),
+            decode_step: Duration::from_micros(5_500),
+            decode_step_per_sequence: Duration::from_micros(400),
+        }
+    }
+}
+
+impl StepModel {
+    fn step(&self, running: u32) -> Duration {
+        self.decode_step + self.decode_step_per_sequence * running.saturating_sub(1)
+    }
+}
+
+/// What every simulated worker of one process shares.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    pub version_group: String,
+    pub block_size: usize,
+    pub kv_blocks: u32,
+    pub max_running: u32,
+    pub model: StepModel,
+}
+
+/// The blocks a worker's pool indexes, most recently used last, at most `cap`.
+#[derive(Debug, Default)]
+struct PrefixSet {
+    /// Hash → the tick it was last used at.
+    used: HashMap<u64, u64>,
+    tick: u64,
+    /// Changes whenever the set does; never 0.
+    epoch: u64,
+}
+
+impl PrefixSet {
+    /// Leading hashes of `chain` the set holds.
+    fn held(&self, chain: &[u64]) -> usize {
+        chain.iter().take_while(|h| self.used.contains_key(h)).count()
+    }
+
+    /// Marks `chain` used now, adding what is new and evicting the least recently used
+    /// beyond `cap`.
+    fn touch(&mut self, chain: &[u64], cap: usize) {
+        let mut changed = false;
+        for &h in chain {
+            self.tick += 1;
+            changed |= self.used.insert(h, self.tick).is_none();
+        }
+        while self.used.len() > cap {
+            let Some((&oldest, _)) = self.used.iter().min_by_key(|(_, &t)| t) else { break };
+            self.used.remove(&oldest);
+            changed = true;
+        }
+        if changed {
+            self.epoch = self.epoch.wrapping_add(1).max(1);
+        }
+    }
+
+    /// The report: the most recently used first.
+    fn report(&self, block_size: usize) -> PrefixReport {
+        let mut by_use: Vec<(u64, u64)> = self.used.iter().map(|(&h, &t)| (t, h)).collect();
+        by_use.sort_unstable_by(|a, b| b.cmp(a));
+        PrefixReport { block_size: block_size as u32, hashes: by_use.into_iter().map(|(_, h)| h).collect() }
+    }
+}
+
+/// One simulated worker's state.
+pub struct SimWorker {
+    shape: Arc<Shape>,
+    prefixes: Mutex<PrefixSet>,
+    running: AtomicU32,
+    waiting: AtomicU32,
+    kv_used: AtomicU32,
+    slots: Semaphore,
+    /// Prefill workers by address, connected lazily (a decode worker's).
+    prefill_clients: Mutex<HashMap<String, PrefillWorkerClient<tonic::transport::Channel>>>,
+    /// Request ids being prefilled here (a prefill worker's), for `PrefillStatus`.
+    prefilling: Mutex<HashMap<String, ()>>,
+}
+
+/// The fixed fingerprints every simulated worker reports: simulated workers pair with
+/// each other (one layout, one determinism class) and never with real ones.
+pub fn layout_fingerprint() -> [u8; 32] {
+    fingerprint(b"tandem-sim layout v1")
+}
+
+pub fn determinism_fingerprint() -> [u8; 32] {
+    fingerprint(b"tandem-sim determinism v1")
+}
+
+fn fingerprint(label: &[u8]) -> [u8; 32] {
+    // A fixed, recognisable pattern; the coordinator only compares fingerprints.
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = label[i % label.len()] ^ (i as u8).wrapping_mul(0x9d);
+    }
+    out
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Decrements a counter when dropped: a sequence's slot, whatever ends it.
+struct Held<'a>(&'a AtomicU32, u32);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::Relaxed);
+    }
+}
+
+fn held(counter: &AtomicU32, n: u32) -> Held<'_> {
+    counter.fetch_add(n, Ordering::Relaxed);
+    Held(counter, n)
+}
+
+/// A made-up token: a pure function of the prompt and the index, in a range of ordinary
+/// vocabulary ids (no special token), so the coordinator detokenizes it as text.
+fn token(prompt: &[u32], index: u32) -> u32 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for &t in prompt.iter().chain(std::iter::once(&index)) {
+        h = (h ^ u64::from(t)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    1_000 + (h % 20_000) as u32
+}
+
+impl SimWorker {
+    /// Worker `id`'s state: its prefix epoch starts from a number no other worker and no
+    /// earlier run of this one had, as a real worker's does.
+    pub fn new(id: &str, shape: Arc<Shape>) -> Self {
+        let start = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let prefixes = PrefixSet { epoch: (start.as_nanos() as u64 ^ hash_str(id)) | 1, ..PrefixSet::default() };
+        Self {
+            slots: Semaphore::new(shape.max_running as usize),
+            shape,
+            prefixes: Mutex::new(prefixes),
+            running: AtomicU32::new(0),
+            waiting: AtomicU32::new(0),
+            kv_used: AtomicU32::new(0),
+            prefill_clients: Mutex::new(HashMap::new()),
+            prefilling: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn chain(&self, tokens: &[u32], salt: u64) -> Vec<u64> {
+        engine::kv::prefix_hashes(tokens, self.shape.block_size, salt)
+    }
+
+    fn health(&self, known_epoch: u64) -> HealthResponse {
+        let p = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut h = HealthResponse {
+            live: true,
+            ready: true,
+            version_group: self.shape.version_group.clone(),
+            layout_fingerprint: layout_fingerprint().to_vec(),
+            determinism_fingerprint: determinism_fingerprint().to_vec(),
+            kv_blocks_total: self.shape.kv_blocks,
+            kv_blocks_used: self.kv_used.load(Ordering::Relaxed).min(self.shape.kv_blocks),
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            prefix_epoch: p.epoch,
+            ..HealthResponse::default()
+        };
+        if known_epoch != p.epoch {
+            h.prefix = Some(p.report(self.shape.block_size));
+        }
+        h
+    }
+
+    /// Prefills `tokens` here: waits the modelled time for the blocks not cached, then
+    /// caches them. The prompt tokens that were cached.
+    async fn prefill_here(&self, tokens: &[u32], salt: u64) -> u32 {
+        let chain = self.chain(tokens, salt);
+        let cached = self.prefixes.lock().unwrap_or_else(|e| e.into_inner()).held(&chain) * self.shape.block_size;
+        let todo = tokens.len().saturating_sub(cached) as u32;
+        tokio::time::sleep(self.shape.model.prefill_per_token * todo).await;
+        self.prefixes.lock().unwrap_or_else(|e| e.into_inner()).touch(&chain, MAX_REPORTED);
+        cached as u32
+    }
+
+    fn prefill_client(&self, addr: &str) -> Result<PrefillWorkerClient<tonic::transport::Channel>, Status> {
+        let mut m = self.prefill_clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = m.get(addr) {
+            return Ok(c.clone());
+        }
+        let ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| Status::invalid_argument(format!("prefill address {addr}: {e}")))?;
+        let c = PrefillWorkerClient::new(ep.connect_lazy());
+        m.insert(addr.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    /// Runs one request to its end on `tx`.
+    async fn generate(self: Arc<Self>, r: GenerateRequest, tx: mpsc::Sender<Result<GenerateResponse, Status>>) {
+        let max_tokens = r.sampling.as_ref().map_or(16, |s| s.max_tokens.max(1));
+        let waiting = held(&self.waiting, 1);
+        let Ok(_slot) = self.slots.acquire().await else { return };
+        drop(waiting);
+        let _running = held(&self.running, 1);
+        let blocks = (r.token_ids.len() + max_tokens as usize).div_ceil(self.shape.block_size) as u32;
+        let _kv = held(&self.kv_used, blocks);
+
+        // Remote prefill on the first target that answers, else here.
+        let mut attempts = Vec::new();
+        let mut prefilled = None;
+        for target in &r.prefill {
+            let call = async {
+                let mut c = self.prefill_client(&target.grpc_addr)?;
+                let req = PrefillRequest {
+                    request_id: r.request_id.clone(),
+                    token_ids: r.token_ids.clone(),
+                    sampling: r.sampling.clone(),
+                    deadline_unix_ms: r.deadline_unix_ms,
+                    destination: Some(KvDestination {
+                        transfer_addr: "sim".into(),
+                        transport: "tcp".into(),
+                        layout_fingerprint: layout_fingerprint().to_vec(),
+                        version_group: self.shape.version_group.clone(),
+                        ..KvDestination::default()
+                    }),
+                    cache_salt: r.cache_salt,
+                    priority: r.priority,
+                    ..PrefillRequest::default()
+                };
+                c.prefill(req).await.map(Response::into_inner)
+            };
+            match call.await.map(|p| p.outcome) {
+                Ok(Some(prefill_response::Outcome::FirstToken(f))) => {
+                    attempts.push(PrefillAttempt { target: Some(target.clone()), ..PrefillAttempt::default() });
+                    prefilled = Some(f.cached_prompt_tokens);
+                    break;
+                }
+                Ok(other) => attempts.push(PrefillAttempt {
+                    target: Some(target.clone()),
+                    error: match other {
+                        Some(prefill_response::Outcome::Error(e)) => Some(e),
+                        _ => None,
+                    },
+                    reason: "prefill_error".into(),
+                }),
+                Err(_) => {
+                    attempts.push(PrefillAttempt { target: Some(target.clone()), error: None, reason: "rpc".into() })
+                }
+            }
+        }
+        let remote = prefilled.is_some();
+        let cached = match prefilled {
+            Some(c) => {
+                // The KV "arrived": this worker holds the prompt's blocks now.
+                let chain = self.chain(&r.token_ids, r.cache_salt);
+                self.prefixes.lock().unwrap_or_else(|e| e.into_inner()).touch(&chain, MAX_REPORTED);
+                c
+            }
+            None => self.prefill_here(&r.token_ids, r.cache_salt).await,
+        };
+
+        for i in 0..max_tokens {
+            if i > 0 {
+                tokio::time::sleep(self.shape.model.step(self.running.load(Ordering::Relaxed))).await;
+            }
+            let chunk = TokenChunk { id: token(&r.token_ids, i), index: Some(i), ..TokenChunk::default() };
+            let msg = GenerateResponse {
+                event: Some(generate_response::Event::Token(chunk)),
+                prefill_attempts: if i == 0 { std::mem::take(&mut attempts) } else { Vec::new() },
+            };
+            if tx.send(Ok(msg)).await.is_err() {
+                return; // the caller went away: the request is cancelled
+            }
+        }
+        let finished = Finished {
+            reason: FinishReason::Length as i32,
+            prompt_tokens: r.token_ids.len() as u32,
+            generated_tokens: max_tokens,
+            prefilled_remotely: remote,
+            cached_prompt_tokens: cached,
+            seed: r.sampling.as_ref().and_then(|s| s.seed).unwrap_or(0),
+        };
+        let _ = tx
+            .send(Ok(GenerateResponse {
+                event: Some(generate_response::Event::Finished(finished)),
+                prefill_attempts: Vec::new(),
+            }))
+            .await;
+    }
+}
+
+fn hash_str(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// A simulated worker as the gRPC service of its role.
+#[derive(Clone)]
+pub struct Service(pub Arc<SimWorker>);
+
+type Events = Pin<Box<dyn tokio_stream::Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DecodeWorker for Service {
+    type GenerateStream = Events;
+
+    async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<Events>, Status> {
+        let r = request.into_inner();
+        if r.token_ids.is_empty() {
+            return Err(Status::invalid_argument("token_ids is empty"));
+        }
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(self.0.clone().generate(r, tx));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as Events))
+    }
+
+    /// Not tracked: a simulated request ends when its caller drops the stream.
+    async fn abort(&self, _: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        Ok(Response::new(AbortResponse { found: false }))
+    }
+
+    async fn health(&self, request: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        Ok(Response::new(self.0.health(request.into_inner().prefix_epoch)))
+    }
+}
+
+#[tonic::async_trait]
+impl PrefillWorker for Service {
+    async fn prefill(&self, request: Request<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
+        let r = request.into_inner();
+        if r.token_ids.is_empty() {
+            return Err(Status::invalid_argument("token_ids is empty"));
+        }
+        let w = &self.0;
+        let waiting = held(&w.waiting, 1);
+        let _slot = w.slots.acquire().await.map_err(|_| Status::unavailable("shutting down"))?;
+        drop(waiting);
+        let _running = held(&w.running, 1);
+        w.prefilling.lock().unwrap_or_else(|e| e.into_inner()).insert(r.request_id.clone(), ());
+        let cached = w.prefill_here(&r.token_ids, r.cache_salt).await;
+        w.prefilling.lock().unwrap_or_else(|e| e.into_inner()).remove(&r.request_id);
+        let first = FirstToken { id: token(&r.token_ids, 0), cached_prompt_tokens: cached, ..FirstToken::default() };
+        Ok(Response::new(PrefillResponse { outcome: Some(prefill_response::Outcome::FirstToken(first)) }))
+    }
+
+    async fn abort(&self, _: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        Ok(Response::new(AbortResponse { found: false }))
+    }
+
+    async fn health(&self, request: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        Ok(Response::new(self.0.health(request.into_inner().prefix_epoch)))
+    }
+
+    async fn prefill_status(
+        &self,
+        request: Request<PrefillStatusRequest>,
+    ) -> Result<Response<PrefillStatusResponse>, Status> {
+        let id = request.into_inner().request_id;
+        let here = self.0.prefilling.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&id);
+        let state = if here { PrefillState::Running } else { PrefillState::Unknown };
+        Ok(Response::new(PrefillStatusResponse { state: state as i32 }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefix_set_reports_recent_blocks_first_and_changes_its_epoch_with_the_set() {
+        let mut p = PrefixSet { epoch: 5, ..PrefixSet::default() };
+        p.touch(&[1, 2, 3], 4);
+        let e1 = p.epoch;
+        assert_ne!(e1, 5);
+        assert_eq!(p.held(&[1, 2, 9, 3]), 2, "leading blocks only");
+        p.touch(&[1, 2], 4);
+        assert_eq!(p.epoch, e1, "nothing new, nothing evicted: the same epoch");
+        p.touch(&[7, 8], 4);
+        assert_eq!(p.used.len(), 4, "capped");
+        assert!(!p.used.contains_key(&3), "the least recently used went first");
+        assert_eq!(p.report(16).hashes, [8, 7, 2, 1]);
+        assert_eq!(p.report(16).block_size, 16);
+    }
+
+    #[test]
+    fn steps_grow_with_the_batch_and_tokens_are_ordinary_ids() {
+        let m = StepModel::default();
+        assert!(m.step(8) > m.step(1) && m.step(0) == m.step(1));
+        let t: Vec<u32> = (0..100).map(|i| token(&[1, 2, 3], i)).collect();
+        assert!(t.iter().all(|&t| (1_000..21_000).contains(&t)));
+        assert_eq!(t, (0..100).map(|i| token(&[1, 2, 3], i)).collect::<Vec<_>>(), "a pure function");
+        assert_ne!(layout_fingerprint(), determinism_fingerprint());
+    }
+}
