@@ -17,12 +17,15 @@ use crate::router::Prefill;
 
 const LATENCY_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0];
 const TOKEN_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
+/// A routing decision: microseconds, up to a few milliseconds.
+const DECISION_BUCKETS: &[f64] = &[1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2];
 
 /// Installs the global recorder; render the returned handle on `/metrics`.
 pub fn install() -> Result<PrometheusHandle, BuildError> {
     let handle = PrometheusBuilder::new()
         .set_buckets(LATENCY_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(TPOT.into()), TOKEN_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(ROUTE_DECISION.into()), DECISION_BUCKETS)?
         .install_recorder()?;
     describe();
     zero();
@@ -39,6 +42,7 @@ fn describe() {
     describe_gauge!(QUEUE_TOKENS, "Token cost waiting in the central queue");
     describe_gauge!(RUNNING, "Requests dispatched to workers");
     describe_histogram!(QUEUE_WAIT, metrics::Unit::Seconds, "Arrival to dispatch");
+    describe_histogram!(ROUTE_DECISION, metrics::Unit::Seconds, "One routing decision, in the coordinator");
     describe_counter!(ROUTE_DECISIONS, "Routed requests by remote or local prefill");
     describe_counter!(ROUTE_REFUSED, "Requests with no route, by reason");
     describe_gauge!(WORKERS, "Registered workers by role and state");
@@ -327,6 +331,10 @@ pub fn queue(depth: usize, tokens: u64, running: usize) {
     gauge!(QUEUE_DEPTH).set(depth as f64);
     gauge!(QUEUE_TOKENS).set(tokens as f64);
     gauge!(RUNNING).set(running as f64);
+}
+
+pub fn route_decision(d: Duration) {
+    histogram!(ROUTE_DECISION).record(d.as_secs_f64());
 }
 
 pub fn queue_wait(d: Duration) {

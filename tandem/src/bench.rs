@@ -52,6 +52,9 @@ pub enum Cmd {
     /// Prompt-lookup speculation against plain decoding, on answers that
     /// repeat their prompt and on answers that do not (engine only).
     Lookup(crate::bench_lookup::Args),
+    /// Today's control plane at fleet sizes: simulated workers (`tandem sim`) on a real
+    /// etcd under real coordinators; CPU, polls, etcd load, routing time, convergence.
+    Scale(crate::bench_scale::Args),
 }
 
 #[derive(clap::Args)]
@@ -99,6 +102,7 @@ pub fn run(cmd: Cmd) -> Result<()> {
         Cmd::Handoff(a) => crate::bench_handoff::run(&a),
         Cmd::Panels(a) => crate::bench_panels::run(&a),
         Cmd::Lookup(a) => crate::bench_lookup::run(&a),
+        Cmd::Scale(a) => crate::bench_scale::run(a),
     }
 }
 

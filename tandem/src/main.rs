@@ -9,6 +9,7 @@ mod bench_handoff;
 mod bench_interference;
 mod bench_lookup;
 mod bench_panels;
+mod bench_scale;
 mod bench_serve;
 mod bench_stall;
 mod chaos;

@@ -128,3 +128,30 @@ async fn a_coordinator_serves_from_simulated_workers_and_sees_them_die() -> Test
     drop(etcd);
     Ok(())
 }
+
+/// `tandem bench scale` on a fleet small enough for CI: every figure of its row measured,
+/// not left at zero, and the killed share seen gone within two lease TTLs.
+#[test]
+fn bench_scale_measures_a_small_fleet() -> TestResult {
+    let dir = log_dir("tandem-bench-scale-test")?;
+    let json = dir.join("scale.json");
+    let out = std::process::Command::new(opskit::process::bin("tandem")?)
+        .args(["bench", "scale", "--sizes", "6", "--coordinators", "2", "--window-s", "2", "--lease-ttl-s", "2"])
+        .arg("--json")
+        .arg(&json)
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("| 6 |"), "the table has the fleet's row: {stdout}");
+    let rows: Value = serde_json::from_str(&std::fs::read_to_string(&json)?)?;
+    let r = &rows[0];
+    let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    // 6 workers polled by 2 coordinators every 250 ms: 48 a second at least.
+    assert!(f("polls_per_s") >= 40.0, "{r}");
+    assert!(f("coordinator_cpu_per_s") > 0.0 && f("coordinator_rss_mib") > 1.0 && f("series") > 10.0, "{r}");
+    assert!(f("decisions") > 0.0 && f("decision_p99_us") >= f("decision_p50_us"), "{r}");
+    assert!(f("requests") > 0.0 && f("requests_ok") == f("requests"), "{r}");
+    assert_eq!(f("killed"), 1.0, "{r}");
+    assert!(f("kill_convergence_s") < 2.0 * 2.0 + 1.0, "within two lease TTLs and a poll: {r}");
+    Ok(())
+}

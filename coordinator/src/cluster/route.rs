@@ -44,12 +44,15 @@ impl Cluster {
         self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)), pin)
     }
 
-    fn route_prompt(
-        &self,
-        prompt_tokens: usize,
-        mut query: Option<Query<'_>>,
-        pin: Option<&Pin>,
-    ) -> Result<Route, Error> {
+    /// One routing decision, timed (`tandem_coordinator_route_decision_seconds`).
+    fn route_prompt(&self, prompt_tokens: usize, query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
+        let started = tokio::time::Instant::now();
+        let route = self.decide(prompt_tokens, query, pin);
+        metrics::route_decision(started.elapsed());
+        route
+    }
+
+    fn decide(&self, prompt_tokens: usize, mut query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
         let affinity = self.settings.prefix_affinity;
         let view;
         let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {

@@ -21,6 +21,11 @@ pub const QUEUE_WAIT: &str = "tandem_coordinator_queue_wait_seconds";
 /// `tandem_coordinator_route_decisions_total{prefill}`: routed requests by
 /// `remote` or `local` prefill. vLLM: none.
 pub const ROUTE_DECISIONS: &str = "tandem_coordinator_route_decisions_total";
+/// `tandem_coordinator_route_decision_seconds`: how long one routing decision takes
+/// in the coordinator (reading the membership cache, the load board, the prefix
+/// reports and the breakers, and choosing): what the fleet's size costs each request.
+/// vLLM: none.
+pub const ROUTE_DECISION: &str = "tandem_coordinator_route_decision_seconds";
 /// `tandem_coordinator_route_refused_total{reason}`: no route (`no_decode`,
 /// `none_ready`, `registry_unavailable`).
 pub const ROUTE_REFUSED: &str = "tandem_coordinator_route_refused_total";
@@ -228,6 +233,7 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: RUNNING, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: QUEUE_WAIT, kind: Kind::Histogram, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: ROUTE_DECISIONS, kind: Kind::Counter, labels: &["prefill"], exporter: Exporter::Coordinator },
+    Metric { name: ROUTE_DECISION, kind: Kind::Histogram, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: ROUTE_REFUSED, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Coordinator },
     Metric { name: WORKERS, kind: Kind::Gauge, labels: &["role", "state"], exporter: Exporter::Coordinator },
     Metric { name: WORKERS_STALE, kind: Kind::Gauge, labels: &["role"], exporter: Exporter::Coordinator },

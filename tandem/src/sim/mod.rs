@@ -75,6 +75,10 @@ pub struct Args {
     /// Threads of this process's runtime.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Every this many seconds, a `sim stats: {JSON}` line on stderr: Health answers,
+    /// prefix hashes sent, Generate and Prefill calls, all workers together (0: never).
+    #[arg(long, default_value_t = 0)]
+    stats_every_s: u64,
 }
 
 /// The soft limit on open files, from /proc/self/limits.
@@ -110,6 +114,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             decode_step: Duration::from_micros(a.decode_step_us),
             decode_step_per_sequence: Duration::from_micros(a.decode_step_us_per_sequence),
         },
+        counters: worker::Counters::default(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(a.threads).enable_all().build()?;
     rt.block_on(serve(a, name, shape))
@@ -195,6 +200,16 @@ async fn serve(a: Args, name: String, shape: Arc<Shape>) -> anyhow::Result<()> {
         a.lease_ttl_s,
         started.elapsed().as_secs_f64()
     );
+    if a.stats_every_s > 0 {
+        let (every, shape) = (Duration::from_secs(a.stats_every_s), shape.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                eprintln!("sim stats: {}", shape.counters.json());
+            }
+        });
+    }
     let signal = signals.recv().await;
     eprintln!("sim: {signal}: deregistering {} workers", running.len());
     deregister(running).await;

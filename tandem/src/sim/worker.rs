@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,13 +58,36 @@ impl StepModel {
 }
 
 /// What every simulated worker of one process shares.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Shape {
     pub version_group: String,
     pub block_size: usize,
     pub kv_blocks: u32,
     pub max_running: u32,
     pub model: StepModel,
+    pub counters: Counters,
+}
+
+/// What all of a process's simulated workers answered (`tandem sim --stats-every-s`).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub health: AtomicU64,
+    /// Prefix hashes sent in Health answers (8 bytes each on the wire).
+    pub prefix_hashes: AtomicU64,
+    pub generate: AtomicU64,
+    pub prefill: AtomicU64,
+}
+
+impl Counters {
+    pub fn json(&self) -> serde_json::Value {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        serde_json::json!({
+            "health": get(&self.health),
+            "prefix_hashes": get(&self.prefix_hashes),
+            "generate": get(&self.generate),
+            "prefill": get(&self.prefill),
+        })
+    }
 }
 
 /// The blocks a worker's pool indexes, most recently used last, at most `cap`.
@@ -208,8 +231,11 @@ impl SimWorker {
             ..HealthResponse::default()
         };
         if known_epoch != p.epoch {
-            h.prefix = Some(p.report(self.shape.block_size));
+            let report = p.report(self.shape.block_size);
+            self.shape.counters.prefix_hashes.fetch_add(report.hashes.len() as u64, Ordering::Relaxed);
+            h.prefix = Some(report);
         }
+        self.shape.counters.health.fetch_add(1, Ordering::Relaxed);
         h
     }
 
@@ -238,6 +264,7 @@ impl SimWorker {
 
     /// Runs one request to its end on `tx`.
     async fn generate(self: Arc<Self>, r: GenerateRequest, tx: mpsc::Sender<Result<GenerateResponse, Status>>) {
+        self.shape.counters.generate.fetch_add(1, Ordering::Relaxed);
         let max_tokens = r.sampling.as_ref().map_or(16, |s| s.max_tokens.max(1));
         let waiting = held(&self.waiting, 1);
         let Ok(_slot) = self.slots.acquire().await else { return };
@@ -372,6 +399,7 @@ impl PrefillWorker for Service {
             return Err(Status::invalid_argument("token_ids is empty"));
         }
         let w = &self.0;
+        w.shape.counters.prefill.fetch_add(1, Ordering::Relaxed);
         let waiting = held(&w.waiting, 1);
         let _slot = w.slots.acquire().await.map_err(|_| Status::unavailable("shutting down"))?;
         drop(waiting);
