@@ -11,7 +11,9 @@
 //! the simulators' Health answers per second and prefix-report bytes per second, etcd's
 //! committed proposals and lease keepalives per second, the coordinators' own routing
 //! decision time (`tandem_coordinator_route_decision_seconds`, p50/p99 from its
-//! buckets), and each coordinator's `/metrics` series count. Then the smaller simulator
+//! buckets), the prefix hit rate beside an oracle's and the prefix reports' freshness
+//! (both from the simulators, [`crate::sim`]), and each coordinator's `/metrics` series
+//! count. Then the smaller simulator
 //! is SIGKILLed: membership convergence is the time until every coordinator counts
 //! exactly the survivors, against two lease TTLs.
 //!
@@ -86,6 +88,13 @@ pub struct Row {
     pub prefix_bytes_per_s: f64,
     pub etcd_proposals_per_s: f64,
     pub etcd_keepalives_per_s: f64,
+    /// Prompt tokens the prefilling worker had cached, of those prefilled; and what an
+    /// oracle placing each prompt where most of it was cached would have had.
+    pub hit_rate: f64,
+    pub oracle_hit_rate: f64,
+    /// A worker's prefix set changing → a Health answer carrying it, ms (bucket bound).
+    pub freshness_p50_ms: f64,
+    pub freshness_p99_ms: f64,
     /// Routing decision time in the coordinators, µs (upper bucket bound).
     pub decision_p50_us: f64,
     pub decision_p99_us: f64,
@@ -164,18 +173,41 @@ fn diff_buckets(after: &[(f64, f64)], before: &[(f64, f64)]) -> Vec<(f64, f64)> 
     after.iter().map(|&(le, c)| (le, c - before.iter().find(|b| b.0 == le).map_or(0.0, |b| b.1))).collect()
 }
 
-/// The simulators' counters: Health answers and prefix-report hashes sent.
-fn sim_counts(sims: &[&Proc]) -> Result<(f64, f64)> {
-    let mut out = (0.0, 0.0);
+/// The simulators' counters, all simulators together (their last `sim stats:` lines).
+#[derive(Debug, Default)]
+struct SimCounts {
+    health: f64,
+    prefix_hashes: f64,
+    prompt_tokens: f64,
+    hit_tokens: f64,
+    oracle_tokens: f64,
+    /// Cumulative (bound ms, count).
+    freshness: Vec<(f64, f64)>,
+}
+
+fn sim_counts(sims: &[&Proc]) -> Result<SimCounts> {
+    let mut out = SimCounts::default();
+    let mut freshness = Vec::new();
     for s in sims {
         let text = std::fs::read_to_string(s.log_path())?;
-        // The last stats line each simulator wrote.
-        if let Some(line) = text.lines().rev().find_map(|l| l.split_once("sim stats: ").map(|(_, r)| r)) {
-            let v: serde_json::Value = serde_json::from_str(line)?;
-            out.0 += v["health"].as_f64().unwrap_or(0.0);
-            out.1 += v["prefix_hashes"].as_f64().unwrap_or(0.0);
-        }
+        let line = text
+            .lines()
+            .rev()
+            .find_map(|l| l.split_once("sim stats: ").map(|(_, r)| r))
+            .with_context(|| format!("{} wrote no stats line", s.name))?;
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+        out.health += f("health");
+        out.prefix_hashes += f("prefix_hashes");
+        out.prompt_tokens += f("prompt_tokens");
+        out.hit_tokens += f("hit_tokens");
+        out.oracle_tokens += f("oracle_tokens");
+        let buckets = v["freshness_ms"]
+            .as_array()
+            .map(|b| b.iter().filter_map(|p| Some((p[0].as_f64()?, p[1].as_f64()?))).collect::<Vec<(f64, f64)>>());
+        freshness.push(buckets.unwrap_or_default());
     }
+    out.freshness = sum_buckets(&freshness);
     Ok(out)
 }
 
@@ -296,6 +328,8 @@ async fn measure(a: &Args, n: usize) -> Result<Row> {
     let after = sum_buckets(&pages_after.iter().map(|p| histogram(p, name)).collect::<Vec<_>>());
     let window = diff_buckets(&after, &before);
     let c = a.coordinators as f64;
+    let fresh = diff_buckets(&sim_after.freshness, &sim_before.freshness);
+    let prompt = (sim_after.prompt_tokens - sim_before.prompt_tokens).max(1.0);
     let series = pages_after.iter().map(|p| p.samples().len() as f64).sum::<f64>() / c;
 
     // A share of the fleet dies at once.
@@ -312,8 +346,12 @@ async fn measure(a: &Args, n: usize) -> Result<Row> {
         coordinators: a.coordinators,
         coordinator_cpu_per_s: cpu_after.iter().zip(&cpu_before).map(|(x, y)| x.0 - y.0).sum::<f64>() / secs / c,
         coordinator_rss_mib: cpu_after.iter().map(|x| x.1).sum::<f64>() / c,
-        polls_per_s: (sim_after.0 - sim_before.0) / secs,
-        prefix_bytes_per_s: 8.0 * (sim_after.1 - sim_before.1) / secs,
+        polls_per_s: (sim_after.health - sim_before.health) / secs,
+        prefix_bytes_per_s: 8.0 * (sim_after.prefix_hashes - sim_before.prefix_hashes) / secs,
+        hit_rate: (sim_after.hit_tokens - sim_before.hit_tokens) / prompt,
+        oracle_hit_rate: (sim_after.oracle_tokens - sim_before.oracle_tokens) / prompt,
+        freshness_p50_ms: quantile(&fresh, 0.5),
+        freshness_p99_ms: quantile(&fresh, 0.99),
         etcd_proposals_per_s: (etcd_after.0 - etcd_before.0) / secs,
         etcd_keepalives_per_s: (etcd_after.1 - etcd_before.1) / secs,
         decision_p50_us: quantile(&window, 0.5) * 1e6,
@@ -366,7 +404,9 @@ async fn chat_load(http: Vec<String>, conversations: usize, window: Duration) ->
         p.prompts = loadgen::PromptSource::Chats { system_prompts: 2, system_tokens: 96, turns: 4, user_tokens: 24 };
         p.max_tokens = 8;
         p.seed = i as u64 + 1;
-        p.requests = 1_000_000;
+        // More than a conversation can send in the window (turns take 50 ms or more);
+        // a plan's prompts are made up front, so not a million.
+        p.requests = (window.as_secs() as usize + 1) * 40;
         p.timeout = Duration::from_secs(30);
         let hooks = loadgen::Hooks::default();
         let cancel = hooks.cancel.clone();
@@ -394,12 +434,14 @@ fn print_table(a: &Args, rows: &[Row]) {
     );
     println!(
         "| workers | coord CPU s/s | coord RSS MiB | polls/s | prefix KB/s | etcd proposals/s | keepalives/s | \
-         route p50 / p99 µs | requests ok | series/coord | start conv. s | kill conv. s (killed) |"
+         route p50 / p99 µs | hit rate / oracle | fresh p50 / p99 ms | requests ok | series/coord | \
+         start conv. s | kill conv. s (killed) |"
     );
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in rows {
         println!(
-            "| {} | {:.3} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} / {:.0} | {}/{} | {:.0} | {:.1} | {:.1} ({}) |",
+            "| {} | {:.3} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} / {:.0} | {:.1}% / {:.1}% | {:.0} / {:.0} \
+             | {}/{} | {:.0} | {:.1} | {:.1} ({}) |",
             r.workers,
             r.coordinator_cpu_per_s,
             r.coordinator_rss_mib,
@@ -409,6 +451,10 @@ fn print_table(a: &Args, rows: &[Row]) {
             r.etcd_keepalives_per_s,
             r.decision_p50_us,
             r.decision_p99_us,
+            100.0 * r.hit_rate,
+            100.0 * r.oracle_hit_rate,
+            r.freshness_p50_ms,
+            r.freshness_p99_ms,
             r.requests_ok,
             r.requests,
             r.series,

@@ -115,6 +115,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             decode_step_per_sequence: Duration::from_micros(a.decode_step_us_per_sequence),
         },
         counters: worker::Counters::default(),
+        peers: std::sync::Mutex::new(Vec::new()),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(a.threads).enable_all().build()?;
     rt.block_on(serve(a, name, shape))
@@ -129,7 +130,9 @@ struct Running {
 async fn start(id: String, role: Role, shape: Arc<Shape>, config: RegistrationConfig) -> anyhow::Result<Running> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding a worker's port")?;
     let addr = listener.local_addr()?.to_string();
-    let svc = worker::Service(Arc::new(worker::SimWorker::new(&id, shape.clone())));
+    let sim = Arc::new(worker::SimWorker::new(&id, role, shape.clone()));
+    shape.peers.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&sim));
+    let svc = worker::Service(sim);
     let router = match role {
         Role::Decode => tonic::transport::Server::builder().add_service(DecodeWorkerServer::new(svc)),
         Role::Prefill => tonic::transport::Server::builder().add_service(PrefillWorkerServer::new(svc)),

@@ -8,10 +8,10 @@
 //! prefill (the `Prefill` call, its time and its prefix cache) but no KV crosses; the
 //! tokens are made up (a pure function of the prompt and the index), never a model's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use proto::worker::v1::decode_worker_server::DecodeWorker;
@@ -22,7 +22,10 @@ use proto::worker::v1::{
     GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, KvDestination, PrefillAttempt, PrefillRequest,
     PrefillResponse, PrefillState, PrefillStatusRequest, PrefillStatusResponse, PrefixReport, TokenChunk,
 };
+use registry::Role;
 use tokio::sync::{mpsc, Semaphore};
+// When a prefix set changed, for freshness: on tokio's clock as every other.
+use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 /// Most prefix hashes a worker reports, as a real one does.
@@ -66,7 +69,14 @@ pub struct Shape {
     pub max_running: u32,
     pub model: StepModel,
     pub counters: Counters,
+    /// Every worker of the process, for the oracle ([`Counters::oracle_tokens`]).
+    pub peers: Mutex<Vec<Weak<SimWorker>>>,
 }
+
+/// Upper bounds (ms) of the freshness buckets; the last catches the rest.
+pub const FRESHNESS_MS: [f64; 19] = [
+    1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0, 250.0, 300.0, 400.0, 500.0, 750.0, 1e3, 2.5e3, 5e3, 1e9,
+];
 
 /// What all of a process's simulated workers answered (`tandem sim --stats-every-s`).
 #[derive(Debug, Default)]
@@ -76,6 +86,15 @@ pub struct Counters {
     pub prefix_hashes: AtomicU64,
     pub generate: AtomicU64,
     pub prefill: AtomicU64,
+    /// Prompt tokens prefilled, those the prefilling worker held cached, and those the
+    /// best-placed worker of its role in this process held: an oracle that routes each
+    /// prompt where most of it is cached, with perfect and instant information.
+    pub prompt_tokens: AtomicU64,
+    pub hit_tokens: AtomicU64,
+    pub oracle_tokens: AtomicU64,
+    /// Freshness: from a worker's prefix set changing to a Health answer carrying the
+    /// change to a caller that held the set before it, by [`FRESHNESS_MS`] bucket.
+    pub freshness: [AtomicU64; FRESHNESS_MS.len()],
 }
 
 impl Counters {
@@ -86,7 +105,25 @@ impl Counters {
             "prefix_hashes": get(&self.prefix_hashes),
             "generate": get(&self.generate),
             "prefill": get(&self.prefill),
+            "prompt_tokens": get(&self.prompt_tokens),
+            "hit_tokens": get(&self.hit_tokens),
+            "oracle_tokens": get(&self.oracle_tokens),
+            // Cumulative, as Prometheus buckets are.
+            "freshness_ms": FRESHNESS_MS
+                .iter()
+                .zip(&self.freshness)
+                .scan(0, |sum, (le, c)| {
+                    *sum += get(c);
+                    Some((*le, *sum))
+                })
+                .collect::<Vec<_>>(),
         })
+    }
+
+    fn fresh(&self, d: Duration) {
+        let ms = d.as_secs_f64() * 1e3;
+        let i = FRESHNESS_MS.iter().position(|&le| ms <= le).unwrap_or(FRESHNESS_MS.len() - 1);
+        self.freshness[i].fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -98,7 +135,11 @@ struct PrefixSet {
     tick: u64,
     /// Changes whenever the set does; never 0.
     epoch: u64,
+    /// The last epochs and when each began, newest last (at most [`CHANGES_KEPT`]).
+    changes: VecDeque<(u64, Instant)>,
 }
+
+const CHANGES_KEPT: usize = 1_024;
 
 impl PrefixSet {
     /// Leading hashes of `chain` the set holds.
@@ -121,7 +162,18 @@ impl PrefixSet {
         }
         if changed {
             self.epoch = self.epoch.wrapping_add(1).max(1);
+            if self.changes.len() == CHANGES_KEPT {
+                self.changes.pop_front();
+            }
+            self.changes.push_back((self.epoch, Instant::now()));
         }
+    }
+
+    /// When the set first changed after epoch `known` (`None`: `known` is not one it
+    /// had lately, e.g. 0 from a caller that held nothing).
+    fn changed_after(&self, known: u64) -> Option<Instant> {
+        let i = self.changes.iter().position(|&(e, _)| e == known)?;
+        self.changes.get(i + 1).map(|&(_, at)| at)
     }
 
     /// The report: the most recently used first.
@@ -134,6 +186,7 @@ impl PrefixSet {
 
 /// One simulated worker's state.
 pub struct SimWorker {
+    role: Role,
     shape: Arc<Shape>,
     prefixes: Mutex<PrefixSet>,
     running: AtomicU32,
@@ -196,10 +249,12 @@ fn token(prompt: &[u32], index: u32) -> u32 {
 impl SimWorker {
     /// Worker `id`'s state: its prefix epoch starts from a number no other worker and no
     /// earlier run of this one had, as a real worker's does.
-    pub fn new(id: &str, shape: Arc<Shape>) -> Self {
+    pub fn new(id: &str, role: Role, shape: Arc<Shape>) -> Self {
         let start = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        let prefixes = PrefixSet { epoch: (start.as_nanos() as u64 ^ hash_str(id)) | 1, ..PrefixSet::default() };
+        let epoch = (start.as_nanos() as u64 ^ hash_str(id)) | 1;
+        let prefixes = PrefixSet { epoch, changes: VecDeque::from([(epoch, Instant::now())]), ..PrefixSet::default() };
         Self {
+            role,
             slots: Semaphore::new(shape.max_running as usize),
             shape,
             prefixes: Mutex::new(prefixes),
@@ -231,6 +286,9 @@ impl SimWorker {
             ..HealthResponse::default()
         };
         if known_epoch != p.epoch {
+            if let Some(at) = p.changed_after(known_epoch) {
+                self.shape.counters.fresh(at.elapsed());
+            }
             let report = p.report(self.shape.block_size);
             self.shape.counters.prefix_hashes.fetch_add(report.hashes.len() as u64, Ordering::Relaxed);
             h.prefix = Some(report);
@@ -244,10 +302,28 @@ impl SimWorker {
     async fn prefill_here(&self, tokens: &[u32], salt: u64) -> u32 {
         let chain = self.chain(tokens, salt);
         let cached = self.prefixes.lock().unwrap_or_else(|e| e.into_inner()).held(&chain) * self.shape.block_size;
+        let best = self.best_held(&chain) * self.shape.block_size;
+        let c = &self.shape.counters;
+        c.prompt_tokens.fetch_add(tokens.len() as u64, Ordering::Relaxed);
+        c.hit_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+        c.oracle_tokens.fetch_add(best.max(cached) as u64, Ordering::Relaxed);
         let todo = tokens.len().saturating_sub(cached) as u32;
         tokio::time::sleep(self.shape.model.prefill_per_token * todo).await;
         self.prefixes.lock().unwrap_or_else(|e| e.into_inner()).touch(&chain, MAX_REPORTED);
         cached as u32
+    }
+
+    /// The most leading blocks of `chain` any worker of this one's role in the process
+    /// holds (the oracle's choice).
+    fn best_held(&self, chain: &[u64]) -> usize {
+        let peers = self.shape.peers.lock().unwrap_or_else(|e| e.into_inner());
+        peers
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|w| w.role == self.role)
+            .map(|w| w.prefixes.lock().unwrap_or_else(|e| e.into_inner()).held(chain))
+            .max()
+            .unwrap_or(0)
     }
 
     fn prefill_client(&self, addr: &str) -> Result<PrefillWorkerClient<tonic::transport::Channel>, Status> {
@@ -448,6 +524,25 @@ mod tests {
         assert!(!p.used.contains_key(&3), "the least recently used went first");
         assert_eq!(p.report(16).hashes, [8, 7, 2, 1]);
         assert_eq!(p.report(16).block_size, 16);
+    }
+
+    #[test]
+    fn a_change_is_dated_from_the_epoch_a_caller_held_and_freshness_is_bucketed() {
+        let mut p = PrefixSet { epoch: 5, changes: VecDeque::from([(5, Instant::now())]), ..PrefixSet::default() };
+        assert_eq!(p.changed_after(5), None, "nothing changed since");
+        p.touch(&[1], 8);
+        let first = p.changes.back().map(|c| c.1);
+        p.touch(&[2], 8);
+        assert_eq!(p.changed_after(5), first, "the first change after what the caller held");
+        assert_eq!(p.changed_after(0), None, "a caller that held nothing gives no sample");
+        let c = Counters::default();
+        c.fresh(Duration::from_millis(3));
+        c.fresh(Duration::from_millis(300));
+        c.fresh(Duration::from_secs(3600));
+        let f = c.json()["freshness_ms"].clone();
+        assert_eq!(f[2], serde_json::json!([5.0, 1]), "3 ms in the 5 ms bucket: {f}");
+        assert_eq!(f[11], serde_json::json!([300.0, 2]), "cumulative: {f}");
+        assert_eq!(f[18], serde_json::json!([1e9, 3]), "the last bucket catches the rest: {f}");
     }
 
     #[test]
