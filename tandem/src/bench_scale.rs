@@ -463,6 +463,9 @@ fn print_table(a: &Args, rows: &[Row]) {
             r.killed
         );
     }
+    if let Some((a, b)) = fit(&rows.iter().map(|r| (r.workers as f64, r.series)).collect::<Vec<_>>()) {
+        println!("series per coordinator ≈ {a:.2} × workers + {b:.0}");
+    }
     if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
         if last.workers > first.workers {
             let size = last.workers as f64 / first.workers as f64;
@@ -482,6 +485,19 @@ fn print_table(a: &Args, rows: &[Row]) {
     }
 }
 
+/// Least squares `y = a·x + b` (`None` under two distinct x).
+fn fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    let (sx, sy) = points.iter().fold((0.0, 0.0), |(sx, sy), (x, y)| (sx + x, sy + y));
+    let (mx, my) = (sx / n, sy / n);
+    let sxx: f64 = points.iter().map(|(x, _)| (x - mx) * (x - mx)).sum();
+    if points.len() < 2 || sxx == 0.0 {
+        return None;
+    }
+    let a = points.iter().map(|(x, y)| (x - mx) * (y - my)).sum::<f64>() / sxx;
+    Some((a, my - a * mx))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -496,6 +512,8 @@ mod tests {
         assert_eq!(quantile(&w, 0.99), 1e-4);
         assert!(quantile(&w, 1.0).is_infinite());
         assert_eq!(sum_buckets(&[w.clone(), w.clone()])[1], (1e-5, 100.0));
+        assert_eq!(fit(&[(100.0, 250.0), (300.0, 650.0), (1000.0, 2050.0)]), Some((2.0, 50.0)));
+        assert_eq!(fit(&[(100.0, 250.0)]), None);
         assert_eq!(
             prefix("0", 4096),
             ["taskset", "-c", "0", "prlimit", "--nofile=4096:4096"].map(str::to_owned).to_vec()
