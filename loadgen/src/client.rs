@@ -229,7 +229,7 @@ impl Sender {
         t0: Instant,
     ) -> bool {
         let Some(retry) = self.plan.retry else { return false };
-        let refused = matches!(outcome, Outcome::HttpError { status: 429 | 503, .. }) && !is_cut(outcome);
+        let refused = is_refusal(outcome);
         if !refused || retries.sent >= retry.max {
             return false;
         }
@@ -397,6 +397,20 @@ fn cursor_tokens(cursor: &str) -> u32 {
 /// the retry reached the coordinator that still ran the first attempt, which then ended
 /// (its client, this one, had gone); sent again, the key is free and the answer is
 /// regenerated there.
+/// A refusal a retrying client sends again after its `Retry-After`: HTTP 429 or 503,
+/// gRPC `RESOURCE_EXHAUSTED` or `UNAVAILABLE` with an error code, none of them a cut
+/// stream to resume instead.
+fn is_refusal(outcome: &Outcome) -> bool {
+    let refused = match outcome {
+        Outcome::HttpError { status, .. } => matches!(status, 429 | 503),
+        Outcome::GrpcStatus { status, code: Some(_), .. } => {
+            matches!(status.as_str(), "ResourceExhausted" | "Unavailable")
+        }
+        _ => false,
+    };
+    refused && !is_cut(outcome)
+}
+
 fn is_cut(outcome: &Outcome) -> bool {
     match outcome {
         Outcome::Transport(_) => true,

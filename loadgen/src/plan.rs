@@ -170,7 +170,8 @@ pub struct Plan {
     pub seed: u64,
     /// Requests that sample (seeded) instead of decoding greedily.
     pub sampled: Option<Sampled>,
-    /// Clients that retry refusals ([`Retry`]); `None`: every request is sent once.
+    /// Clients that retry refusals ([`Retry`]: HTTP 429/503, gRPC `RESOURCE_EXHAUSTED`
+    /// or `UNAVAILABLE` with an error code); `None`: every request is sent once.
     pub retry: Option<Retry>,
     /// Resuming clients: every request carries an
     /// `Idempotency-Key`, and a stream whose connection breaks, that ends with
@@ -225,12 +226,6 @@ impl Plan {
         }
         if self.api == Api::Grpc && !self.stream {
             return Err(PlanError::Invalid { field: "stream", reason: "gRPC answers always stream".into() });
-        }
-        if self.api == Api::Grpc && self.retry.is_some() {
-            return Err(PlanError::Invalid {
-                field: "retry",
-                reason: "gRPC clients do not retry refusals here (they resume cut streams: `resume`)".into(),
-            });
         }
         match self.arrival {
             Arrival::Closed { concurrency: 0 } => {
@@ -387,7 +382,7 @@ mod tests {
         let grpc = Plan { api: Api::Grpc, ..base.clone() };
         assert_eq!(field(Plan { stream: false, ..grpc.clone() }), "stream");
         let retry = Retry { max: 2, eager_every: 0, eager_delay: Duration::ZERO };
-        assert_eq!(field(Plan { retry: Some(retry), ..grpc.clone() }), "retry");
+        assert_eq!(field(Plan { retry: Some(retry), resume: true, ..grpc.clone() }), "ok");
         assert_eq!(field(Plan { retry: Some(retry), resume: true, ..base.clone() }), "ok");
         assert_eq!(field(grpc), "ok");
         assert_eq!(field(base), "ok");

@@ -48,6 +48,8 @@ fn grpc_timeout_ms(v: &str) -> Option<u64> {
 }
 
 static SEEN: Mutex<Vec<Seen>> = Mutex::new(Vec::new());
+/// Calls of the `busy-twice` prompt so far.
+static BUSY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 struct Fake;
 
@@ -97,6 +99,17 @@ impl Frontend for Fake {
                 }
             }
             "busy" => vec![typed(Status::resource_exhausted("over the tenant's rate"), "rate_limited")],
+            "busy-twice" => {
+                // Refused twice (with `retry-after: 1`), then answered.
+                if BUSY.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 2 {
+                    let mut s = Status::unavailable("no worker can take it now");
+                    s.metadata_mut().insert("retry-after", MetadataValue::from_static("1"));
+                    vec![typed(s, "no_worker")]
+                } else {
+                    let done = Done { finish_reason: FinishReason::Stop as i32, ..Done::default() };
+                    vec![chunk("ok", 1), Ok(GenerateResponse { event: Some(Event::Done(done)) })]
+                }
+            }
             _ => vec![chunk("x", 1)],
         };
         Ok(Response::new(Box::pin(tokio_stream::iter(items)) as Stream))
@@ -169,5 +182,25 @@ async fn grpc_streams_resume_from_their_cursor_and_failures_keep_their_code() ->
     assert_eq!(rec.retries.resumed, 0);
     let rec = &loadgen::run(&plan(&url, "closed")).await?.records[0];
     assert!(matches!(rec.outcome, Outcome::Protocol(_)), "{rec:?}");
+    Ok(())
+}
+
+/// A retrying gRPC client waits out a refusal's `retry-after` and calls again, as an
+/// HTTP one does; without a retry policy the refusal is the outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_refusals_are_retried_after_their_retry_after() -> TestResult {
+    let url = fake_frontend().await?;
+    let mut p = plan(&url, "busy-twice");
+    p.retry = Some(loadgen::Retry { max: 3, eager_every: 0, eager_delay: Duration::ZERO });
+    let rec = &loadgen::run(&p).await?.records[0];
+    assert_eq!(rec.outcome, Outcome::Complete { finish_reason: "stop".into() }, "{rec:?}");
+    assert_eq!(rec.retries.sent, 2, "{rec:?}");
+    assert!(rec.e2e >= Duration::from_secs(2), "each retry waited its second: {rec:?}");
+    assert!(rec.retries.last_start.is_some_and(|s| s >= Duration::from_secs(2)), "{rec:?}");
+
+    BUSY.store(0, std::sync::atomic::Ordering::SeqCst);
+    let rec = &loadgen::run(&plan(&url, "busy-twice")).await?.records[0];
+    assert_eq!(rec.outcome.label(), "grpc Unavailable no_worker", "{rec:?}");
+    assert_eq!(rec.retries.sent, 0);
     Ok(())
 }

@@ -63,15 +63,16 @@ pub fn requests(o: &ChaosOptions) -> usize {
     ((o.load_rps * secs).ceil() as usize).clamp(3, MAX_REQUESTS)
 }
 
-/// How often an HTTP client of the steady load sends a refused request again (after the
-/// refusal's `Retry-After`).
+/// How often a client of the steady load sends a refused request again (after the
+/// refusal's `Retry-After`, HTTP header or gRPC metadata).
 const RETRIES: u32 = 4;
 
 /// The steady loads of a run, a third each: the `interactive` tenant streams over HTTP
 /// (`interactive`) and over gRPC (`interactive-grpc`), the `batch` tenant asks for whole
 /// answers over HTTP. Resuming clients all, each load with its own prompts (short and
-/// long), half of each sampled with a seed; the HTTP clients also wait out a 429/503
-/// refusal's `Retry-After` and send again (gRPC clients resume cut streams only). The
+/// long), half of each sampled with a seed; they also wait out a refusal's `Retry-After`
+/// (HTTP 429/503; gRPC `RESOURCE_EXHAUSTED`/`UNAVAILABLE` with `retry-after`) and send
+/// again. The
 /// references are the engine's, undisturbed. Their plans' `base_url` is left to fill in
 /// once the cluster listens (the plan's `api` says which listener).
 pub(super) async fn steady_loads(o: &ChaosOptions) -> Result<Vec<Steady>, HarnessError> {
@@ -106,9 +107,7 @@ pub(super) async fn steady_loads(o: &ChaosOptions) -> Result<Vec<Steady>, Harnes
         plan.api_key = Some(key.into());
         plan.resume = true;
         plan.api = api;
-        if api == Api::Http {
-            plan.retry = Some(Retry { max: RETRIES, eager_every: 0, eager_delay: Duration::ZERO });
-        }
+        plan.retry = Some(Retry { max: RETRIES, eager_every: 0, eager_delay: Duration::ZERO });
         out.push(Steady { name, plan, reference });
     }
     Ok(out)

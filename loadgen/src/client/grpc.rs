@@ -1,10 +1,13 @@
 //! One request over tandem's gRPC frontend ([`crate::Api::Grpc`]): a `Generate` call
 //! whose messages are timed as SSE events are, and, for resuming clients, sent again
-//! from its last message's cursor (`resume_cursor`) whenever it is cut.
+//! from its last message's cursor (`resume_cursor`) whenever it is cut; for retrying
+//! clients, sent again after a refusal's `retry-after`, as over HTTP.
 //!
 //! Each attempt has its own connection, as each HTTP request has: behind a layer-4
 //! front a new connection reaches the next live coordinator, which is where a cut
 //! stream resumes.
+
+use std::time::Duration;
 
 use proto::frontend::v1::frontend_client::FrontendClient;
 use proto::frontend::v1::generate_request::Input as Prompt;
@@ -18,26 +21,35 @@ use super::{chain, cursor_tokens, is_cut, resume_pause, Input, Meter, Sender};
 use crate::openai::Delta;
 use crate::plan::Endpoint;
 use crate::report::Outcome;
+use crate::report::Retries;
 
 /// Metadata the coordinator names a failed call's error code with.
 const ERROR_CODE_KEY: &str = "x-tandem-error-code";
+/// Metadata of a refusal: whole seconds to wait before sending the call again.
+const RETRY_AFTER_KEY: &str = "retry-after";
 /// Largest message accepted from the server (as [`super::MAX_BODY`] for HTTP).
 const MAX_MESSAGE: usize = 8 << 20;
 
 impl Sender {
     /// Sends request `index` over gRPC; a resuming client sends it again from its
-    /// last cursor whenever it is cut.
+    /// last cursor whenever it is cut, and a retrying one ([`Plan::retry`]) after a
+    /// refusal's `retry-after`.
     pub(super) async fn send_grpc(&self, index: usize, input: &Input<'_>, t0: Instant) -> super::Record {
         let key = if self.plan.resume { self.resume_key(index) } else { String::new() };
         let deadline = Instant::now() + self.plan.timeout;
         let mut m = Meter::new(index, t0);
         let mut cursor = String::new();
         let (mut resumed, mut regenerated) = (0, 0);
+        let mut retries = Retries::default();
         loop {
-            let outcome = self.generate(&mut m, index, input, &key, &mut cursor, deadline).await;
+            let (outcome, retry_after) = self.generate(&mut m, index, input, &key, &mut cursor, deadline).await;
+            if self.retried(index, &outcome, retry_after, &mut retries, deadline, t0).await {
+                continue;
+            }
             if !self.plan.resume || !is_cut(&outcome) || resumed >= crate::MAX_RESUMES || Instant::now() >= deadline {
                 let mut r = m.end(outcome);
                 (r.retries.resumed, r.retries.regenerated) = (resumed, regenerated);
+                (r.retries.sent, r.retries.last_start) = (retries.sent, retries.last_start);
                 return r;
             }
             resumed += 1;
@@ -78,7 +90,7 @@ impl Sender {
     }
 
     /// One `Generate` call on a new connection, its messages read into `m` and its
-    /// last cursor kept in `cursor`.
+    /// last cursor kept in `cursor`; also a refusal's `retry-after`.
     async fn generate(
         &self,
         m: &mut Meter,
@@ -87,14 +99,14 @@ impl Sender {
         key: &str,
         cursor: &mut String,
         deadline: Instant,
-    ) -> Outcome {
+    ) -> (Outcome, Option<Duration>) {
         let endpoint = match GrpcEndpoint::from_shared(self.plan.base_url.clone()) {
             Ok(e) => e,
-            Err(e) => return Outcome::Transport(chain(&e)),
+            Err(e) => return (Outcome::Transport(chain(&e)), None),
         };
         let channel = match timeout_at(deadline, endpoint.connect()).await {
-            Err(_) => return Outcome::Timeout,
-            Ok(Err(e)) => return Outcome::Transport(chain(&e)),
+            Err(_) => return (Outcome::Timeout, None),
+            Ok(Err(e)) => return (Outcome::Transport(chain(&e)), None),
             Ok(Ok(c)) => c,
         };
         let mut client = FrontendClient::new(channel).max_decoding_message_size(MAX_MESSAGE);
@@ -106,10 +118,21 @@ impl Sender {
             req.metadata_mut().insert("authorization", v);
         }
         let mut stream = match timeout_at(deadline, client.generate(req)).await {
-            Err(_) => return Outcome::Timeout,
-            Ok(Err(status)) => return outcome_of(&status),
+            Err(_) => return (Outcome::Timeout, None),
+            Ok(Err(status)) => return (outcome_of(&status), retry_after(&status)),
             Ok(Ok(r)) => r.into_inner(),
         };
+        (self.read_stream(m, &mut stream, cursor, deadline).await, None)
+    }
+
+    /// Reads a call's messages into `m` to its end, keeping the last cursor.
+    async fn read_stream(
+        &self,
+        m: &mut Meter,
+        stream: &mut tonic::Streaming<proto::frontend::v1::GenerateResponse>,
+        cursor: &mut String,
+        deadline: Instant,
+    ) -> Outcome {
         loop {
             let msg = match timeout_at(deadline, stream.message()).await {
                 Err(_) => return Outcome::Timeout,
@@ -147,6 +170,12 @@ impl Sender {
             }
         }
     }
+}
+
+/// A refusal's `retry-after` metadata.
+fn retry_after(status: &tonic::Status) -> Option<Duration> {
+    let v = status.metadata().get(RETRY_AFTER_KEY)?.to_str().ok()?;
+    v.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
 /// What a call's non-OK status means: a typed failure when the coordinator named its
