@@ -263,9 +263,35 @@ impl Cluster {
     }
 
     /// Starts polling every known worker's load (stops when the cluster is dropped).
+    /// Each round also forgets the clients of decode workers that left.
     pub fn spawn_load_poller(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let me = Arc::downgrade(self);
-        self.board.spawn(move || me.upgrade().map(|c| c.poll_targets()).unwrap_or_default())
+        self.board.spawn(move || {
+            me.upgrade()
+                .map(|c| {
+                    let targets = c.poll_targets();
+                    c.forget_departed(&targets);
+                    targets
+                })
+                .unwrap_or_default()
+        })
+    }
+
+    /// Drops the client of every decode worker no longer among `targets` and with
+    /// nothing of ours in flight on it. A worker that restarts comes back at another
+    /// address (a new port, a new pod IP): without this the table grew by one client a
+    /// restart for the coordinator's whole life (found by `tandem chaos`'s memory check).
+    /// A worker that returns at a known address is connected anew on its first request.
+    fn forget_departed(&self, targets: &HashMap<String, Kind>) -> usize {
+        let mut m = self.decode.lock().unwrap_or_else(|e| e.into_inner());
+        let before = m.len();
+        m.retain(|addr, d| targets.contains_key(addr) || d.inflight.load(Ordering::Relaxed) > 0);
+        before - m.len()
+    }
+
+    /// Decode workers this coordinator holds a client for.
+    pub fn decode_clients(&self) -> usize {
+        self.decode.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// The live-load board (read by `/ready` and metrics).

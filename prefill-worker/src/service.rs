@@ -43,6 +43,18 @@ use worker_common::serve::{blocking, err, local_deadline, runner_err};
 
 type Slot = Arc<tokio::sync::Mutex<Option<KvSender>>>;
 
+/// Removes `key`'s slot from `table` when it is `ours`, empty, and held by nobody but
+/// the table and us (no other request is using or waiting on it). Whether it went.
+fn forget_idle(table: &mut HashMap<String, Slot>, key: &str, ours: &Slot) -> bool {
+    let idle = table
+        .get(key)
+        .is_some_and(|s| Arc::ptr_eq(s, ours) && Arc::strong_count(s) == 2 && s.try_lock().is_ok_and(|g| g.is_none()));
+    if idle {
+        table.remove(key);
+    }
+    idle
+}
+
 /// One request this worker has accepted and not yet answered.
 #[derive(Clone)]
 struct Running {
@@ -482,8 +494,20 @@ impl PrefillService {
         // A connection that saw an error is not trusted for the next request.
         if result.is_ok() {
             *guard = conn;
+        } else {
+            drop(guard);
+            self.forget_slot(dest, &slot);
         }
         result
+    }
+
+    /// Drops `dest`'s empty slot from the table once nobody else holds it: a decode
+    /// worker that restarted listens at another address (a new port, a new pod IP), so
+    /// the slots of failed destinations would otherwise pile up for this worker's life.
+    fn forget_slot(&self, dest: &Dest, slot: &Slot) {
+        if let Ok(mut m) = self.inner.senders.lock() {
+            forget_idle(&mut m, &dest.key(), slot);
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -734,5 +758,27 @@ impl PrefillWorker for PrefillService {
         let ready = i.ready.load(Ordering::SeqCst) && !i.fenced.load(Ordering::SeqCst);
         let extra = 0;
         worker_common::health::answer(&i.stats, &i.runner, ready, &i.local, extra, known).await.map(Response::new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failed_destinations_slot_goes_only_when_nobody_else_holds_it() {
+        let mut table: HashMap<String, Slot> = HashMap::new();
+        let slot = table.entry("tcp://10.0.0.7:9000#".into()).or_default().clone();
+        let waiting = slot.clone();
+        assert!(!forget_idle(&mut table, "tcp://10.0.0.7:9000#", &slot), "another request waits on it");
+        drop(waiting);
+        let other: Slot = Slot::default();
+        assert!(!forget_idle(&mut table, "tcp://10.0.0.7:9000#", &other), "not the slot we used");
+        let held = slot.lock().await;
+        assert!(!forget_idle(&mut table, "tcp://10.0.0.7:9000#", &slot), "in use");
+        drop(held);
+        assert!(forget_idle(&mut table, "tcp://10.0.0.7:9000#", &slot));
+        assert!(table.is_empty());
+        assert!(!forget_idle(&mut table, "tcp://10.0.0.7:9000#", &slot), "gone already");
     }
 }

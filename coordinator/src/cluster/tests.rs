@@ -200,3 +200,22 @@ async fn a_dispatch_spends_one_budget_of_prefill_attempts_across_decode_workers(
         }
     }
 }
+
+/// The client of a decode worker that left (a restart comes back at another address) is
+/// dropped by the poller's round unless a request of ours still runs on it.
+#[tokio::test]
+async fn clients_of_departed_decode_workers_are_dropped_once_idle() {
+    let c = cluster(&["127.0.0.1:1001", "127.0.0.1:1002"], &[]);
+    for addr in ["127.0.0.1:1001", "127.0.0.1:1002", "127.0.0.1:2001", "127.0.0.1:2002"] {
+        c.decode_entry(addr).expect("a client");
+    }
+    let busy = c.decode_entry("127.0.0.1:2002").expect("a client");
+    busy.inflight.fetch_add(1, Ordering::Relaxed);
+    assert_eq!(c.decode_clients(), 4);
+    assert_eq!(c.forget_departed(&c.poll_targets()), 1, "the idle departed worker's client goes");
+    assert_eq!(c.decode_clients(), 3);
+    busy.inflight.fetch_sub(1, Ordering::Relaxed);
+    assert_eq!(c.forget_departed(&c.poll_targets()), 1, "then the other, once its request ended");
+    assert_eq!(c.forget_departed(&c.poll_targets()), 0, "members keep theirs");
+    assert_eq!(c.decode_clients(), 2);
+}

@@ -24,6 +24,20 @@ use super::{lock, DecodeService, Failure, Pending, Remote};
 use crate::metrics as m;
 use crate::KvLoadFailurePolicy;
 
+/// Most prefill workers a decode worker keeps a client for at once.
+const MAX_PREFILL_CLIENTS: usize = 256;
+
+/// Inserts `key` into a table of at most `cap` entries: when full, another entry goes to
+/// make room (a client dropped so is connected again on its next use).
+fn insert_bounded<V>(table: &mut std::collections::HashMap<String, V>, key: &str, value: V, cap: usize) {
+    if table.len() >= cap && !table.contains_key(key) {
+        if let Some(k) = table.keys().find(|k| k.as_str() != key).cloned() {
+            table.remove(&k);
+        }
+    }
+    table.insert(key.to_owned(), value);
+}
+
 impl DecodeService {
     /// Has a prefill worker fill a reservation, applying the policy on failure.
     pub(super) async fn remote(
@@ -243,8 +257,15 @@ impl DecodeService {
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true);
         let c = PrefillWorkerClient::new(endpoint.connect_lazy());
-        clients.insert(addr.to_owned(), c.clone());
+        insert_bounded(&mut clients, addr, c.clone(), MAX_PREFILL_CLIENTS);
         Ok(c)
+    }
+
+    /// Forgets the client of a prefill worker whose address stopped answering: one that
+    /// restarted listens at another address, so clients of dead addresses would
+    /// otherwise pile up for this worker's life (found by `tandem chaos`'s memory check).
+    fn forget_client(&self, addr: &str) {
+        lock(&self.inner.clients).remove(addr);
     }
 
     /// The `Prefill` call, bounded by the request's deadline and by the
@@ -305,11 +326,16 @@ impl DecodeService {
             ));
         };
         match answer {
-            Err(status) => Err(load(
-                "rpc",
-                ErrorKind::Retryable,
-                format!("Prefill on {}: {} ({:?})", target.grpc_addr, status.message(), status.code()),
-            )),
+            Err(status) => {
+                if status.code() == tonic::Code::Unavailable {
+                    self.forget_client(&target.grpc_addr);
+                }
+                Err(load(
+                    "rpc",
+                    ErrorKind::Retryable,
+                    format!("Prefill on {}: {} ({:?})", target.grpc_addr, status.message(), status.code()),
+                ))
+            }
             Ok(resp) => match resp.into_inner().outcome {
                 Some(prefill_response::Outcome::FirstToken(first)) => Ok(first),
                 Some(prefill_response::Outcome::Error(e)) => match e.kind() {
@@ -406,5 +432,22 @@ impl DecodeService {
                 m::record_lease_renewal();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_client_table_stays_within_its_cap() {
+        let mut t = std::collections::HashMap::new();
+        for i in 0..10 {
+            insert_bounded(&mut t, &format!("10.0.0.{i}:50052"), i, 4);
+            assert!(t.len() <= 4, "{t:?}");
+            assert_eq!(t.get(&format!("10.0.0.{i}:50052")), Some(&i), "the new one is in");
+        }
+        insert_bounded(&mut t, "10.0.0.9:50052", 99, 4);
+        assert_eq!((t.len(), t.get("10.0.0.9:50052")), (4, Some(&99)), "a known key replaces, evicting nothing");
     }
 }
