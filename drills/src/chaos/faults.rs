@@ -264,5 +264,5 @@ pub(super) async fn run_faults(
 pub(super) fn sample_rss(c: &Cluster, start: Instant, rss: &mut RssWatch) {
     let at_ms = start.elapsed().as_millis() as u64;
     let procs = c.procs().map(|p| (p.name.as_str(), p.pid)).chain(c.etcd.pid(0).map(|pid| ("etcd", pid)));
-    rss.sample(at_ms, procs, crate::drills::rss_mib);
+    rss.sample(at_ms, procs, crate::drills::anon_mib);
 }

@@ -62,7 +62,7 @@ const MAX_TOKENS: u32 = 32;
 /// A request's deadline; G4 allows a second past it.
 const DEADLINE: Duration = Duration::from_secs(30);
 const GRACE: Duration = Duration::from_secs(1);
-/// How often every process's resident memory is sampled.
+/// How often every process's resident anonymous memory is sampled.
 pub const RSS_EVERY: Duration = Duration::from_secs(5);
 /// The coordinators' stream idle timeout in chaos clusters (their clients read at once):
 /// a slow reader's stream is ended by it before the reader hangs up.
@@ -147,7 +147,7 @@ pub struct ChaosReport {
     pub kv_links: BTreeMap<String, ProxyCounters>,
     /// Each request of the steady load: when it started, how long it took, how it ended.
     pub load: Vec<RequestPoint>,
-    /// Every process incarnation's resident memory, first and last, and its slope after
+    /// Every process incarnation's resident anonymous memory, first and last, and its slope after
     /// warm-up (sampled every [`RSS_EVERY`]).
     pub incarnations: Vec<Incarnation>,
     /// Goodput outside fault windows against the fault-free lead-in ([`goodput`]).

@@ -1,6 +1,9 @@
-//! Resident memory of every process incarnation over a chaos run, and its slope once
-//! warmed up: a leak shows as a slope that a restart resets, so each incarnation (a
-//! name and a pid) is fitted on its own.
+//! Resident anonymous memory (`RssAnon`: heap and private mappings) of every process
+//! incarnation over a chaos run, and its slope once warmed up: a leak shows as a slope
+//! that a restart resets, so each incarnation (a name and a pid) is fitted on its own.
+//! Not `VmRSS`: it also counts file pages a process maps in as it first touches them
+//! (the model file's embedding rows, as new tokens appear), which grew a worker's RSS by
+//! megabytes in the first certification's hour and are the kernel's cache, not a leak.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -384,6 +384,11 @@ pub(crate) fn rss_mib(pid: u32) -> Option<f64> {
     common::rss_kib(pid).map(|kib| kib as f64 / 1024.0)
 }
 
+/// A process's resident anonymous memory (MiB), from /proc ([`common::anon_kib`]).
+pub(crate) fn anon_mib(pid: u32) -> Option<f64> {
+    common::anon_kib(pid).map(|kib| kib as f64 / 1024.0)
+}
+
 /// What a fault step observed, for its proof.
 #[derive(Debug, Default)]
 pub(crate) struct Evidence {
