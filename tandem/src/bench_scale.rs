@@ -111,14 +111,6 @@ pub struct Row {
     pub series: f64,
 }
 
-/// The open-files hard limit (the simulators and coordinators get it as their soft one).
-fn nofile_hard() -> u64 {
-    std::fs::read_to_string("/proc/self/limits")
-        .ok()
-        .and_then(|l| l.lines().find(|l| l.starts_with("Max open files"))?.split_whitespace().nth(4)?.parse().ok())
-        .unwrap_or(1024)
-}
-
 /// User + system CPU seconds a process has used, and its resident MiB.
 fn cpu_and_rss(pid: u32) -> Result<(f64, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("pid {pid} gone"))?;
@@ -266,7 +258,8 @@ async fn measure(a: &Args, n: usize) -> Result<Row> {
         pin(pid, &a.sim_cpus)?;
     }
     let ep = etcd.endpoint();
-    let nofile = nofile_hard();
+    // The simulators and coordinators get the hard limit as their soft one.
+    let nofile = crate::sim::open_files_limits().map_or(1024, |(_, hard)| hard);
     let killed = ((n as f64 * a.kill_share).round() as usize).max(1);
     let prefill = |w: usize| ((w as f64 * a.prefill_share).round() as usize).min(w - 1);
     let sim_bin = std::env::current_exe()?;

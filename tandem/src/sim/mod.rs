@@ -81,11 +81,12 @@ pub struct Args {
     stats_every_s: u64,
 }
 
-/// The soft limit on open files, from /proc/self/limits.
-fn open_files_limit() -> Option<u64> {
+/// This process's limits on open files, (soft, hard), from /proc/self/limits.
+pub fn open_files_limits() -> Option<(u64, u64)> {
     let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
     let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
-    line.split_whitespace().nth(3)?.parse().ok()
+    let mut f = line.split_whitespace().skip(3).map(str::parse::<u64>);
+    Some((f.next()?.ok()?, f.next()?.ok()?))
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -97,7 +98,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("--block-size, --kv-blocks, --max-running, --threads and --lease-ttl-s must be at least 1");
     }
     let needed = workers as u64 * FDS_PER_WORKER + 64;
-    if let Some(limit) = open_files_limit().filter(|&l| l < needed) {
+    if let Some((limit, _)) = open_files_limits().filter(|&(soft, _)| soft < needed) {
         bail!(
             "{workers} workers need about {needed} open files and this process may open {limit}: raise the \
              limit first (`ulimit -n {needed}`, or `prlimit --nofile={needed}`)"

@@ -8,7 +8,7 @@
 //! prefill (the `Prefill` call, its time and its prefix cache) but no KV crosses; the
 //! tokens are made up (a pure function of the prompt and the index), never a model's.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -196,7 +196,7 @@ pub struct SimWorker {
     /// Prefill workers by address, connected lazily (a decode worker's).
     prefill_clients: Mutex<HashMap<String, PrefillWorkerClient<tonic::transport::Channel>>>,
     /// Request ids being prefilled here (a prefill worker's), for `PrefillStatus`.
-    prefilling: Mutex<HashMap<String, ()>>,
+    prefilling: Mutex<HashSet<String>>,
 }
 
 /// The fixed fingerprints every simulated worker reports: simulated workers pair with
@@ -239,11 +239,13 @@ fn held(counter: &AtomicU32, n: u32) -> Held<'_> {
 /// A made-up token: a pure function of the prompt and the index, in a range of ordinary
 /// vocabulary ids (no special token), so the coordinator detokenizes it as text.
 fn token(prompt: &[u32], index: u32) -> u32 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for &t in prompt.iter().chain(std::iter::once(&index)) {
-        h = (h ^ u64::from(t)).wrapping_mul(0x0000_0100_0000_01b3);
-    }
+    let h = fnv1a(prompt.iter().chain(std::iter::once(&index)).map(|&t| u64::from(t)));
     1_000 + (h % 20_000) as u32
+}
+
+/// FNV-1a (64 bits) over `items`, one step each: made-up tokens and epoch seeds.
+fn fnv1a(items: impl Iterator<Item = u64>) -> u64 {
+    items.fold(0xcbf2_9ce4_8422_2325, |h, x| (h ^ x).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 impl SimWorker {
@@ -251,7 +253,7 @@ impl SimWorker {
     /// earlier run of this one had, as a real worker's does.
     pub fn new(id: &str, role: Role, shape: Arc<Shape>) -> Self {
         let start = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        let epoch = (start.as_nanos() as u64 ^ hash_str(id)) | 1;
+        let epoch = (start.as_nanos() as u64 ^ fnv1a(id.bytes().map(u64::from))) | 1;
         let prefixes = PrefixSet { epoch, changes: VecDeque::from([(epoch, Instant::now())]), ..PrefixSet::default() };
         Self {
             role,
@@ -262,7 +264,7 @@ impl SimWorker {
             waiting: AtomicU32::new(0),
             kv_used: AtomicU32::new(0),
             prefill_clients: Mutex::new(HashMap::new()),
-            prefilling: Mutex::new(HashMap::new()),
+            prefilling: Mutex::new(HashSet::new()),
         }
     }
 
@@ -433,10 +435,6 @@ impl SimWorker {
     }
 }
 
-fn hash_str(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
 /// A simulated worker as the gRPC service of its role.
 #[derive(Clone)]
 pub struct Service(pub Arc<SimWorker>);
@@ -480,7 +478,7 @@ impl PrefillWorker for Service {
         let _slot = w.slots.acquire().await.map_err(|_| Status::unavailable("shutting down"))?;
         drop(waiting);
         let _running = held(&w.running, 1);
-        w.prefilling.lock().unwrap_or_else(|e| e.into_inner()).insert(r.request_id.clone(), ());
+        w.prefilling.lock().unwrap_or_else(|e| e.into_inner()).insert(r.request_id.clone());
         let cached = w.prefill_here(&r.token_ids, r.cache_salt).await;
         w.prefilling.lock().unwrap_or_else(|e| e.into_inner()).remove(&r.request_id);
         let first = FirstToken { id: token(&r.token_ids, 0), cached_prompt_tokens: cached, ..FirstToken::default() };
@@ -500,7 +498,7 @@ impl PrefillWorker for Service {
         request: Request<PrefillStatusRequest>,
     ) -> Result<Response<PrefillStatusResponse>, Status> {
         let id = request.into_inner().request_id;
-        let here = self.0.prefilling.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&id);
+        let here = self.0.prefilling.lock().unwrap_or_else(|e| e.into_inner()).contains(&id);
         let state = if here { PrefillState::Running } else { PrefillState::Unknown };
         Ok(Response::new(PrefillStatusResponse { state: state as i32 }))
     }
