@@ -50,6 +50,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use rustc_hash::FxHashMap;
 use tokio::time::Instant;
 
 use crate::metrics;
@@ -239,7 +240,8 @@ struct Table {
 /// closed, by decode then prefill address; every other pair is closed.
 #[derive(Debug, Default)]
 pub struct Gates {
-    by_decode: HashMap<String, HashMap<String, Gate>>,
+    // Read for each candidate pair of a decision: a fast hash of our own keys.
+    by_decode: FxHashMap<String, FxHashMap<String, Gate>>,
 }
 
 impl Gates {
@@ -249,7 +251,7 @@ impl Gates {
     }
 
     /// The gates of one decode worker's pairs that are not closed, by prefill address.
-    pub fn row(&self, decode_addr: &str) -> Option<&HashMap<String, Gate>> {
+    pub fn row(&self, decode_addr: &str) -> Option<&FxHashMap<String, Gate>> {
         self.by_decode.get(decode_addr)
     }
 

@@ -31,7 +31,7 @@ use crate::breaker::{BreakerConfig, Breakers, Gate, Gates, Outcome, Pair};
 use crate::error::Error;
 use crate::load::{Kind, LoadBoard};
 use crate::metrics;
-use crate::prefix::{self, Query};
+use crate::prefix::Query;
 use crate::router::{self, DecodeCandidate, NoRoute, PrefillCandidate, ZonePairing};
 use types::rng::XorShift64;
 
@@ -109,7 +109,7 @@ pub struct Cluster {
     breakers: Breakers,
     /// (membership revision, breaker count) when breakers of departed workers were last dropped.
     pruned: Mutex<(i64, usize)>,
-    decode: Mutex<HashMap<String, Arc<Decode>>>,
+    decode: Mutex<rustc_hash::FxHashMap<String, Arc<Decode>>>,
     rng: Mutex<XorShift64>,
     next_id: AtomicU64,
 }
@@ -256,7 +256,7 @@ impl Cluster {
             board: LoadBoard::new(settings.load_poll),
             breakers: Breakers::new(settings.breaker),
             pruned: Mutex::new((0, 0)),
-            decode: Mutex::new(HashMap::new()),
+            decode: Mutex::new(rustc_hash::FxHashMap::default()),
             rng: Mutex::new(XorShift64::new(seed ^ u64::from(std::process::id()))),
             next_id: AtomicU64::new(1),
         })
@@ -378,9 +378,9 @@ impl Cluster {
         let loads = self.board.read();
         let (mut tokens, mut block) = (0u64, 1usize);
         for addr in self.decode_addrs() {
-            let (Some(load), Some(p)) = (loads.get(&addr), loads.prefixes(&addr)) else { continue };
-            tokens += u64::from(load.kv_blocks_total) * p.block_size as u64;
-            block = block.max(p.block_size);
+            let (Some(load), Some(block_size)) = (loads.get(&addr), loads.block_size(&addr)) else { continue };
+            tokens += u64::from(load.kv_blocks_total) * block_size as u64;
+            block = block.max(block_size);
         }
         (tokens, block)
     }

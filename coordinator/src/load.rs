@@ -19,24 +19,29 @@
 //! runtime without waiting for a long engine step, so a busy worker is
 //! never taken for a frozen one.
 //!
-//! Each answer may carry the worker's cached prefix blocks
-//! ([`crate::prefix`]); the poller tells the worker which epoch of that set
-//! it holds, so only a changed set travels.
+//! Each worker's cached prefix blocks ([`crate::prefix`]) arrive on a
+//! `WatchPrefixes` stream per worker, opened beside its polls: the whole set,
+//! then each change as it happens. A worker that does not serve it (an
+//! older release) is read from its `Health` answers instead: the poller tells
+//! it which epoch of the set it holds, so only a changed set travels. A
+//! watch that breaks drops the worker's set at once (it is routed as holding
+//! nothing) and is opened again after one poll interval.
 //!
 //! Must not: block the request path, or let one slow worker delay the
 //! polling of the others.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
 use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
-use proto::worker::v1::{HealthRequest, HealthResponse};
+use proto::worker::v1::{HealthRequest, HealthResponse, PrefixReport, PrefixUpdate, WatchPrefixesRequest};
+use rustc_hash::FxHashMap;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::prefix::Prefixes;
+use crate::prefix::{Index, Matches, Query, Via};
 
 /// Which service a worker's gRPC address speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,17 +93,25 @@ impl Load {
     }
 }
 
+#[derive(Clone)]
 enum Client {
     Decode(DecodeWorkerClient<Channel>),
     Prefill(PrefillWorkerClient<Channel>),
 }
 
 impl Client {
-    async fn health(&mut self, prefix_epoch: u64) -> Result<HealthResponse, tonic::Status> {
-        let req = HealthRequest { prefix_epoch };
+    async fn health(&mut self, req: HealthRequest) -> Result<HealthResponse, tonic::Status> {
         let r = match self {
             Client::Decode(c) => c.health(req).await,
             Client::Prefill(c) => c.health(req).await,
+        };
+        r.map(tonic::Response::into_inner)
+    }
+
+    async fn watch_prefixes(&mut self) -> Result<tonic::Streaming<PrefixUpdate>, tonic::Status> {
+        let r = match self {
+            Client::Decode(c) => c.watch_prefixes(WatchPrefixesRequest {}).await,
+            Client::Prefill(c) => c.watch_prefixes(WatchPrefixesRequest {}).await,
         };
         r.map(tonic::Response::into_inner)
     }
@@ -112,11 +125,12 @@ pub struct LoadBoard {
 
 #[derive(Default)]
 struct Board {
-    loads: HashMap<String, Load>,
+    // Read for every worker on every routing decision: a fast hash of our own keys.
+    loads: FxHashMap<String, Load>,
     /// When the poller first asked a worker it has no answer from.
-    asked: HashMap<String, Instant>,
-    /// Each worker's last reported prefix blocks.
-    prefixes: HashMap<String, Arc<Prefixes>>,
+    asked: FxHashMap<String, Instant>,
+    /// Every worker's cached prefix blocks.
+    prefixes: Index,
 }
 
 /// The board under its read lock; drop it before any await.
@@ -134,6 +148,18 @@ impl Loads<'_> {
         (!l.reachable || self.now.saturating_duration_since(l.at) <= self.max_age).then_some(l)
     }
 
+    /// [`Loads::get`] and [`Loads::stale`] in one look-up (the router asks both of every worker).
+    pub fn get_and_stale(&self, addr: &str) -> (Option<Load>, bool) {
+        match self.board.loads.get(addr) {
+            Some(&l) if !l.reachable => (Some(l), false),
+            Some(&l) => {
+                let fresh = self.now.saturating_duration_since(l.at) <= self.max_age;
+                (fresh.then_some(l), !fresh)
+            }
+            None => (None, self.stale(addr)),
+        }
+    }
+
     /// Whether the worker has not answered for longer than the max age:
     /// its last answer (or, never answered, the first question) is older.
     /// Unreachable workers are not stale: they are already unusable.
@@ -149,15 +175,20 @@ impl Loads<'_> {
         self.now.saturating_duration_since(since) > self.max_age
     }
 
-    /// The worker's last reported prefix blocks.
-    pub fn prefixes(&self, addr: &str) -> Option<&Prefixes> {
-        self.board.prefixes.get(addr).map(|p| &**p)
+    /// The prefix block size `addr` reported (`None`: no prefix set held from it).
+    pub fn block_size(&self, addr: &str) -> Option<usize> {
+        self.board.prefixes.block_size(addr)
+    }
+
+    /// Which workers hold how much of `query`'s prompt ([`Index::matches`]).
+    pub fn matches(&self, query: &mut Query<'_>) -> Matches<'_> {
+        self.board.prefixes.matches(query)
     }
 }
 
 /// What one poll of one worker found.
 enum Polled {
-    Answer(Load, Option<Prefixes>),
+    Answer(Load, Option<(u64, PrefixReport)>),
     Refused(Instant),
     Slow,
 }
@@ -232,16 +263,37 @@ impl LoadBoard {
         self.set(addr, load);
     }
 
-    /// Records a worker's prefix blocks (the poller's path; also for tests and benches).
-    pub fn set_prefixes(&self, addr: &str, p: Prefixes) {
-        self.write().prefixes.insert(addr.to_owned(), Arc::new(p));
+    /// Records a worker's whole prefix set (tests and benches; the poller's paths are
+    /// the watch and the Health report).
+    pub fn set_prefixes(&self, addr: &str, block_size: usize, hashes: impl IntoIterator<Item = u64>) {
+        self.write().prefixes.replace(addr, block_size, hashes, Via::Report(1));
+    }
+
+    /// Whether the index holds `hash` for `addr` (tests).
+    pub fn holds_prefix(&self, addr: &str, hash: u64) -> bool {
+        self.state.read().unwrap_or_else(|e| e.into_inner()).prefixes.holds(addr, hash)
     }
 
     fn retain(&self, keep: &HashMap<String, Kind>) {
         let mut b = self.write();
         b.loads.retain(|a, _| keep.contains_key(a));
         b.asked.retain(|a, _| keep.contains_key(a));
-        b.prefixes.retain(|a, _| keep.contains_key(a));
+        b.prefixes.retain(|a| keep.contains_key(a));
+    }
+
+    /// Applies one update of `addr`'s watch; a gap drops its set (see [`Index::apply`]).
+    fn apply(&self, addr: &str, u: &PrefixUpdate) -> Result<usize, crate::prefix::Gap> {
+        let mut b = self.write();
+        b.prefixes.apply(addr, u)?;
+        Ok(b.prefixes.blocks(addr))
+    }
+
+    /// Drops `addr`'s set if its watch gave it (a watch that ended).
+    fn unwatch(&self, addr: &str) {
+        let mut b = self.write();
+        if matches!(b.prefixes.via(addr), Some(Via::Watch(_))) {
+            b.prefixes.forget(addr);
+        }
     }
 
     /// Polls the workers `targets()` names every interval until the board
@@ -254,37 +306,44 @@ impl LoadBoard {
         let board = Arc::downgrade(self);
         let interval = self.interval;
         tokio::spawn(async move {
-            let mut clients: HashMap<String, (Kind, Client)> = HashMap::new();
+            let mut clients: HashMap<String, (Kind, Client, Watch)> = HashMap::new();
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                let Some(board) = board.upgrade() else { return };
+                let Some(strong) = board.upgrade() else { return };
                 let want = targets();
-                clients.retain(|a, (k, _)| want.get(a) == Some(k));
+                clients.retain(|a, (k, _, _)| want.get(a) == Some(k));
                 for (addr, kind) in &want {
                     if !clients.contains_key(addr) {
                         if let Some(c) = connect(addr, *kind) {
-                            clients.insert(addr.clone(), (*kind, c));
+                            let watch = Watch(tokio::spawn(watch(board.clone(), addr.clone(), c.clone(), interval)));
+                            clients.insert(addr.clone(), (*kind, c, watch));
                         }
                     }
                 }
+                let board = strong;
                 board.retain(&want);
                 let asked = Instant::now();
                 for addr in clients.keys() {
                     board.asked(addr, asked);
                 }
-                let known: HashMap<String, u64> = {
+                // What each worker's set came by: the epoch held from its reports, or a watch.
+                let known: HashMap<String, Option<Via>> = {
                     let b = board.state.read().unwrap_or_else(|e| e.into_inner());
-                    b.prefixes.iter().map(|(a, p)| (a.clone(), p.epoch)).collect()
+                    clients.keys().map(|a| (a.clone(), b.prefixes.via(a))).collect()
                 };
-                let polls = clients.iter_mut().map(|(addr, (_, client))| {
-                    let epoch = known.get(addr).copied().unwrap_or(0);
+                let polls = clients.iter_mut().map(|(addr, (_, client, _))| {
+                    let req = match known.get(addr).copied().flatten() {
+                        Some(Via::Watch(_)) => HealthRequest { prefix_epoch: 0, prefix_watched: true },
+                        Some(Via::Report(epoch)) => HealthRequest { prefix_epoch: epoch, prefix_watched: false },
+                        None => HealthRequest::default(),
+                    };
                     async move {
-                        let polled = match tokio::time::timeout(interval, client.health(epoch)).await {
+                        let polled = match tokio::time::timeout(interval, client.health(req)).await {
                             Err(_) => Polled::Slow,
-                            Ok(Ok(h)) => {
-                                let prefixes = h.prefix.as_ref().map(|r| Prefixes::from_report(h.prefix_epoch, r));
+                            Ok(Ok(mut h)) => {
+                                let prefixes = h.prefix.take().map(|r| (h.prefix_epoch, r));
                                 Polled::Answer(Load::from_health(&h, Instant::now()), prefixes)
                             }
                             Ok(Err(s)) if s.code() == tonic::Code::Unavailable => Polled::Refused(Instant::now()),
@@ -296,11 +355,15 @@ impl LoadBoard {
                 });
                 for (addr, polled) in futures_util::future::join_all(polls).await {
                     match polled {
-                        Polled::Answer(l, prefixes) => {
+                        Polled::Answer(l, report) => {
                             board.set(&addr, Load { reachable: true, ..l });
-                            if let Some(p) = prefixes {
-                                crate::metrics::worker_prefix_blocks(&addr, p.hashes.len());
-                                board.set_prefixes(&addr, p);
+                            if let Some((epoch, r)) = report {
+                                let mut b = board.write();
+                                // A watch that began meanwhile is newer than any report.
+                                if !matches!(b.prefixes.via(&addr), Some(Via::Watch(_))) {
+                                    crate::metrics::worker_prefix_blocks(&addr, r.hashes.len());
+                                    b.prefixes.report(&addr, epoch, &r);
+                                }
                             }
                         }
                         Polled::Refused(at) => board.set(&addr, unreachable(at)),
@@ -309,6 +372,50 @@ impl LoadBoard {
                 }
             }
         })
+    }
+}
+
+/// A worker's watch task, stopped when the worker leaves the poller's targets.
+struct Watch(tokio::task::JoinHandle<()>);
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Keeps `addr`'s `WatchPrefixes` stream open and applies its updates to the board,
+/// until the board goes, the worker leaves (the task is aborted) or the worker does not
+/// serve the RPC (it is read from Health reports). A stream that ends, fails or skips
+/// an update drops the worker's set and is opened again an `interval` later.
+async fn watch(board: Weak<LoadBoard>, addr: String, mut client: Client, interval: Duration) {
+    loop {
+        let why = match client.watch_prefixes().await {
+            Err(s) if s.code() == tonic::Code::Unimplemented => return,
+            Err(_) => "refused",
+            Ok(mut stream) => loop {
+                match stream.message().await {
+                    Ok(Some(u)) => {
+                        let Some(b) = board.upgrade() else { return };
+                        match b.apply(&addr, &u) {
+                            Ok(blocks) => crate::metrics::worker_prefix_blocks(&addr, blocks),
+                            Err(gap) => {
+                                tracing::warn!(worker = %addr, %gap, "prefix watch out of sequence; its set is dropped");
+                                break "gap";
+                            }
+                        }
+                    }
+                    Ok(None) => break "ended",
+                    Err(_) => break "failed",
+                }
+            },
+        };
+        let Some(b) = board.upgrade() else { return };
+        b.unwatch(&addr);
+        crate::metrics::worker_prefix_blocks(&addr, 0);
+        crate::metrics::prefix_watch_restart(why);
+        drop(b);
+        tokio::time::sleep(interval).await;
     }
 }
 
@@ -376,6 +483,9 @@ mod tests {
         assert!(loads.stale("new:1"), "asked 4 intervals ago, never answered");
         assert!(!loads.stale("gone:1"), "unreachable is its own state");
         assert!(!loads.stale("unpolled:1"), "never asked: not stale");
+        for a in all {
+            assert_eq!(loads.get_and_stale(a), (loads.get(a), loads.stale(a)), "{a}: one look-up, the same answers");
+        }
         drop(loads);
         assert_eq!(board.count_stale(all), 2);
         // Asking again does not reset the clock of a worker that never answered.
@@ -402,6 +512,108 @@ mod tests {
         let l = board.get(&addr).expect("recorded");
         assert!(!l.reachable && !l.ready);
         task.abort();
+    }
+
+    /// A decode worker whose watch streams the test writes: each `WatchPrefixes` call
+    /// takes the next receiver (none left: refused). Health answers ready, and records
+    /// what it was asked.
+    struct Watched {
+        streams: std::sync::Mutex<Vec<tokio::sync::mpsc::Receiver<Result<PrefixUpdate, tonic::Status>>>>,
+        asked: Arc<std::sync::Mutex<Vec<HealthRequest>>>,
+    }
+
+    #[tonic::async_trait]
+    impl proto::worker::v1::decode_worker_server::DecodeWorker for Watched {
+        type GenerateStream = tokio_stream::Empty<Result<proto::worker::v1::GenerateResponse, tonic::Status>>;
+        type WatchPrefixesStream = tokio_stream::wrappers::ReceiverStream<Result<PrefixUpdate, tonic::Status>>;
+
+        async fn generate(
+            &self,
+            _: tonic::Request<proto::worker::v1::GenerateRequest>,
+        ) -> Result<tonic::Response<Self::GenerateStream>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+
+        async fn abort(
+            &self,
+            _: tonic::Request<proto::worker::v1::AbortRequest>,
+        ) -> Result<tonic::Response<proto::worker::v1::AbortResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+
+        async fn health(
+            &self,
+            r: tonic::Request<HealthRequest>,
+        ) -> Result<tonic::Response<HealthResponse>, tonic::Status> {
+            self.asked.lock().unwrap_or_else(|e| e.into_inner()).push(r.into_inner());
+            Ok(tonic::Response::new(HealthResponse { live: true, ready: true, ..HealthResponse::default() }))
+        }
+
+        async fn watch_prefixes(
+            &self,
+            _: tonic::Request<WatchPrefixesRequest>,
+        ) -> Result<tonic::Response<Self::WatchPrefixesStream>, tonic::Status> {
+            let mut s = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+            if s.is_empty() {
+                return Err(tonic::Status::unavailable("no more streams"));
+            }
+            Ok(tonic::Response::new(tokio_stream::wrappers::ReceiverStream::new(s.remove(0))))
+        }
+    }
+
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_watch_applies_changes_drops_the_set_on_a_gap_or_an_end_and_opens_again() {
+        let update = |seq, snapshot, added: Vec<u64>, removed: Vec<u64>| {
+            Ok(PrefixUpdate { seq, block_size: 16, snapshot, added, removed })
+        };
+        let (first, r1) = tokio::sync::mpsc::channel(8);
+        let (second, r2) = tokio::sync::mpsc::channel(8);
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let fake = Watched { streams: std::sync::Mutex::new(vec![r1, r2]), asked: asked.clone() };
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = l.local_addr().expect("addr").to_string();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(proto::worker::v1::decode_worker_server::DecodeWorkerServer::new(fake))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+        );
+        let board = LoadBoard::new(Duration::from_millis(20));
+        let target = addr.clone();
+        let poller = board.spawn(move || HashMap::from([(target.clone(), Kind::Decode)]));
+        let holds = |h| board.holds_prefix(&addr, h);
+
+        first.send(update(1, true, vec![1, 2], vec![])).await.expect("open");
+        first.send(update(2, false, vec![3], vec![1])).await.expect("open");
+        until("the snapshot and the change applied", || holds(3) && holds(2) && !holds(1)).await;
+        let via = board.state.read().unwrap_or_else(|e| e.into_inner()).prefixes.via(&addr);
+        assert_eq!(via, Some(Via::Watch(2)));
+        until("a poll saying the set is watched", || {
+            asked.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|r| r.prefix_watched)
+        })
+        .await;
+
+        // Update 4 after 2: the set goes at once, before any new stream says anything.
+        first.send(update(4, false, vec![4], vec![])).await.expect("open");
+        until("the set dropped on the gap", || !holds(2) && !holds(3)).await;
+        assert!(!holds(4), "nothing of the out-of-sequence update was applied");
+        second.send(update(1, true, vec![7], vec![])).await.expect("the watch was opened again");
+        until("the new stream's snapshot", || holds(7)).await;
+
+        // The worker ends the stream: its set goes, and is not brought back by the reopening
+        // (the fake refuses it) nor by the Health answers (which carry no report).
+        drop(second);
+        until("the set dropped at the stream's end", || !holds(7)).await;
+        assert_eq!(board.read().block_size(&addr), None);
+        poller.abort();
+        server.abort();
     }
 
     #[tokio::test(start_paused = true)]

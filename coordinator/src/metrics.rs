@@ -73,6 +73,7 @@ fn describe() {
     describe_gauge!(TENANTS, "Tenants configured");
     describe_gauge!(ADMISSION_CAPACITY, "Requests this coordinator may have dispatched at once");
     describe_gauge!(WORKER_PREFIX_BLOCKS, "Prefix blocks each worker last reported cached");
+    describe_counter!(PREFIX_WATCH_RESTARTS, "Prefix watch streams reopened, by why the last one stopped");
     describe_counter!(PREFIX_CACHED_TOKENS, "Prompt tokens routed to a worker that reported them cached, by scope");
     describe_counter!(PREFIX_HIT_TOKENS, "Prompt tokens the workers took from their prefix caches, by scope");
     describe_counter!(TENANTS_RELOADS, "Tenants file reloads, applied or refused");
@@ -144,6 +145,10 @@ pub fn prefix_hit_tokens(scope: String, n: u32) {
     counter!(PREFIX_HIT_TOKENS, "scope" => scope).increment(u64::from(n));
 }
 
+pub fn prefix_watch_restart(reason: &'static str) {
+    counter!(PREFIX_WATCH_RESTARTS, "reason" => reason).increment(1);
+}
+
 pub fn worker_prefix_blocks(worker: &str, n: usize) {
     gauge!(WORKER_PREFIX_BLOCKS, "worker" => worker.to_owned()).set(n as f64);
 }
@@ -186,13 +191,14 @@ pub fn http_timeout(phase: &'static str) {
 }
 
 fn zero() {
-    let labelled: [(&'static str, &'static str, &[&'static str]); 6] = [
+    let labelled: [(&'static str, &'static str, &[&'static str]); 7] = [
         (SHED, "reason", &SHED_REASONS),
         (ROUTE_REFUSED, "reason", &ROUTE_REFUSED_REASONS),
         (DECODE_REROUTES, "reason", &REROUTE_REASONS),
         (MEMBERSHIP_CHANGES, "change", &MEMBERSHIP_CHANGE_KINDS),
         (ROUTE_DECISIONS, "prefill", &ROUTE_PREFILL_KINDS),
         (ROUTE_PAIRS_SKIPPED, "reason", &["layout_fingerprint", "zone"]),
+        (PREFIX_WATCH_RESTARTS, "reason", &PREFIX_WATCH_RESTART_REASONS),
     ];
     for (name, label, values) in labelled {
         for v in values {

@@ -67,6 +67,9 @@ pub struct DecodeCandidate<'a> {
     pub version_group: &'a str,
     /// Registered KV layout fingerprint (hex; empty for fixed-address workers).
     pub layout: &'a str,
+    /// Registered determinism fingerprint (hex; empty for fixed-address workers):
+    /// carried for the caller, not scored.
+    pub determinism: &'a str,
     /// Registered zone (empty: none given).
     pub zone: &'a str,
     /// Last reported load, if fresh.
@@ -228,7 +231,8 @@ pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut XorShift64) -> Ve
         }
     };
     let first = ok.swap_remove(first);
-    ok.sort_by_key(|&i| (prefill_queue(&cands[i]), i));
+    // Keys are unique (the index breaks ties): an unstable sort gives the stable order.
+    ok.sort_unstable_by_key(|&i| (prefill_queue(&cands[i]), i));
     ok.insert(0, first);
     ok
 }
@@ -379,6 +383,7 @@ mod tests {
             addr,
             version_group: "g1",
             layout: "ab",
+            determinism: "",
             zone: "",
             load,
             stale: false,

@@ -44,7 +44,8 @@ use proto::worker::v1::decode_worker_server::DecodeWorker;
 use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::worker::v1::{
     generate_response, AbortRequest, AbortResponse, ErrorKind, FinishReason, Finished, FirstToken, GenerateRequest,
-    GenerateResponse, HealthRequest, HealthResponse, PrefillAttempt, TokenChunk, TopLogprob, WorkerError,
+    GenerateResponse, HealthRequest, HealthResponse, PrefillAttempt, TokenChunk, TopLogprob, WatchPrefixesRequest,
+    WorkerError,
 };
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, Notify};
@@ -586,10 +587,19 @@ impl DecodeWorker for DecodeService {
     }
 
     async fn health(&self, request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        let known = request.into_inner().prefix_epoch;
+        let asked = request.into_inner();
         let i = &self.inner;
         let ready = i.ready.load(Ordering::SeqCst) && !i.fenced.load(Ordering::SeqCst);
         let extra = i.pending_remote.load(Ordering::SeqCst) as u32;
-        worker_common::health::answer(&i.stats, &i.runner, ready, &i.local, extra, known).await.map(Response::new)
+        worker_common::health::answer(&i.stats, &i.runner, ready, &i.local, extra, &asked).await.map(Response::new)
+    }
+
+    type WatchPrefixesStream = worker_common::prefix_feed::Updates;
+
+    async fn watch_prefixes(
+        &self,
+        _: GrpcRequest<WatchPrefixesRequest>,
+    ) -> Result<Response<Self::WatchPrefixesStream>, Status> {
+        Ok(Response::new(self.inner.stats.watch(&self.inner.runner)))
     }
 }

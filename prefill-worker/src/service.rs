@@ -30,7 +30,7 @@ use proto::worker::v1::prefill_worker_server::PrefillWorker;
 use proto::worker::v1::{
     prefill_response, AbortRequest, AbortResponse, ErrorKind, FirstToken, HealthRequest, HealthResponse,
     PrefillRequest, PrefillResponse, PrefillState, PrefillStatusRequest, PrefillStatusResponse, TopLogprob,
-    WorkerError,
+    WatchPrefixesRequest, WorkerError,
 };
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -753,11 +753,20 @@ impl PrefillWorker for PrefillService {
     }
 
     async fn health(&self, request: GrpcRequest<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        let known = request.into_inner().prefix_epoch;
+        let asked = request.into_inner();
         let i = &self.inner;
         let ready = i.ready.load(Ordering::SeqCst) && !i.fenced.load(Ordering::SeqCst);
         let extra = 0;
-        worker_common::health::answer(&i.stats, &i.runner, ready, &i.local, extra, known).await.map(Response::new)
+        worker_common::health::answer(&i.stats, &i.runner, ready, &i.local, extra, &asked).await.map(Response::new)
+    }
+
+    type WatchPrefixesStream = worker_common::prefix_feed::Updates;
+
+    async fn watch_prefixes(
+        &self,
+        _: GrpcRequest<WatchPrefixesRequest>,
+    ) -> Result<Response<Self::WatchPrefixesStream>, Status> {
+        Ok(Response::new(self.inner.stats.watch(&self.inner.runner)))
     }
 }
 

@@ -11,7 +11,7 @@ use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
 use proto::worker::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
 use proto::worker::v1::{
     generate_response, AbortRequest, AbortResponse, FinishReason, Finished, GenerateRequest, GenerateResponse,
-    HealthRequest, HealthResponse, PrefixReport, TokenChunk, TopLogprob,
+    HealthRequest, HealthResponse, PrefixReport, PrefixUpdate, TokenChunk, TopLogprob, WatchPrefixesRequest,
 };
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
@@ -80,6 +80,19 @@ impl DecodeWorker for EchoDecoder {
             determinism_fingerprint: Vec::new(),
         }))
     }
+
+    type WatchPrefixesStream = tokio_stream::Iter<std::vec::IntoIter<Result<PrefixUpdate, Status>>>;
+
+    /// The whole set, then one change.
+    async fn watch_prefixes(
+        &self,
+        _: Request<WatchPrefixesRequest>,
+    ) -> Result<Response<Self::WatchPrefixesStream>, Status> {
+        let snapshot =
+            PrefixUpdate { seq: 1, block_size: 16, snapshot: true, added: vec![1, u64::MAX], removed: vec![] };
+        let change = PrefixUpdate { seq: 2, block_size: 16, snapshot: false, added: vec![2], removed: vec![1] };
+        Ok(Response::new(tokio_stream::iter(vec![Ok(snapshot), Ok(change)])))
+    }
 }
 
 async fn within<T>(what: &str, fut: impl Future<Output = T>) -> Result<T, String> {
@@ -147,6 +160,14 @@ async fn decode_worker_streams_tokens_and_reports_health_over_tcp() -> TestResul
             determinism_fingerprint: Vec::new(),
         }
     );
+
+    // A server stream of prefix updates crosses intact, in order, 64-bit hashes whole.
+    let mut watch = within("WatchPrefixes call", client.watch_prefixes(WatchPrefixesRequest {})).await??.into_inner();
+    let mut got = Vec::new();
+    while let Some(u) = within("a prefix update", watch.message()).await?? {
+        got.push((u.seq, u.snapshot, u.added, u.removed));
+    }
+    assert_eq!(got, [(1, true, vec![1, u64::MAX], vec![]), (2, false, vec![2], vec![1])]);
 
     // Close the client's connection so graceful shutdown has nothing to drain.
     drop(client);

@@ -1,6 +1,7 @@
 //! `tandem bench scale`: today's control plane at fleet sizes — every coordinator polls
-//! every worker's `Health` (`--load-poll-ms`) and holds its prefix report, and every
-//! worker keeps a lease alive in etcd — measured with simulated workers (`tandem sim`)
+//! every worker's `Health` (`--load-poll-ms`) and watches its prefix set (a
+//! `WatchPrefixes` stream of changes into one block-hash index), and every worker keeps
+//! a lease alive in etcd — measured with simulated workers (`tandem sim`)
 //! against a real etcd and real coordinators, one fleet size after another.
 //!
 //! Per size: a fresh etcd, the fleet as two `tandem sim` processes (the larger share
@@ -8,10 +9,10 @@
 //! every coordinator sees every worker serving, a window of `--window` under a light
 //! chat load (multi-turn, so prefix routing has something to find) measures per
 //! coordinator CPU seconds per second (from /proc, user + system) and resident memory,
-//! the simulators' Health answers per second and prefix-report bytes per second, etcd's
+//! the simulators' Health answers per second and prefix bytes sent per second, etcd's
 //! committed proposals and lease keepalives per second, the coordinators' own routing
 //! decision time (`tandem_coordinator_route_decision_seconds`, p50/p99 from its
-//! buckets), the prefix hit rate beside an oracle's and the prefix reports' freshness
+//! buckets), the prefix hit rate beside an oracle's and the prefix sets' freshness
 //! (both from the simulators, [`crate::sim`]), and each coordinator's `/metrics` series
 //! count. Then the smaller simulator
 //! is SIGKILLed: membership convergence is the time until every coordinator counts
@@ -88,11 +89,13 @@ pub struct Row {
     pub prefix_bytes_per_s: f64,
     pub etcd_proposals_per_s: f64,
     pub etcd_keepalives_per_s: f64,
-    /// Prompt tokens the prefilling worker had cached, of those prefilled; and what an
-    /// oracle placing each prompt where most of it was cached would have had.
+    /// Prompt tokens the prefilling worker had cached, of those prefilled; what an
+    /// oracle scoring as the router does with perfect and instant information would have
+    /// had; and the most cached anywhere (placing each prompt by its prefix alone).
     pub hit_rate: f64,
     pub oracle_hit_rate: f64,
-    /// A worker's prefix set changing → a Health answer carrying it, ms (bucket bound).
+    pub most_cached_rate: f64,
+    /// A worker's prefix set changing → the change sent to a coordinator, ms (bucket bound).
     pub freshness_p50_ms: f64,
     pub freshness_p99_ms: f64,
     /// Routing decision time in the coordinators, µs (upper bucket bound).
@@ -173,6 +176,7 @@ struct SimCounts {
     prompt_tokens: f64,
     hit_tokens: f64,
     oracle_tokens: f64,
+    best_tokens: f64,
     /// Cumulative (bound ms, count).
     freshness: Vec<(f64, f64)>,
 }
@@ -194,6 +198,7 @@ fn sim_counts(sims: &[&Proc]) -> Result<SimCounts> {
         out.prompt_tokens += f("prompt_tokens");
         out.hit_tokens += f("hit_tokens");
         out.oracle_tokens += f("oracle_tokens");
+        out.best_tokens += f("best_tokens");
         let buckets = v["freshness_ms"]
             .as_array()
             .map(|b| b.iter().filter_map(|p| Some((p[0].as_f64()?, p[1].as_f64()?))).collect::<Vec<(f64, f64)>>());
@@ -343,6 +348,7 @@ async fn measure(a: &Args, n: usize) -> Result<Row> {
         prefix_bytes_per_s: 8.0 * (sim_after.prefix_hashes - sim_before.prefix_hashes) / secs,
         hit_rate: (sim_after.hit_tokens - sim_before.hit_tokens) / prompt,
         oracle_hit_rate: (sim_after.oracle_tokens - sim_before.oracle_tokens) / prompt,
+        most_cached_rate: (sim_after.best_tokens - sim_before.best_tokens) / prompt,
         freshness_p50_ms: quantile(&fresh, 0.5),
         freshness_p99_ms: quantile(&fresh, 0.99),
         etcd_proposals_per_s: (etcd_after.0 - etcd_before.0) / secs,
@@ -427,13 +433,13 @@ fn print_table(a: &Args, rows: &[Row]) {
     );
     println!(
         "| workers | coord CPU s/s | coord RSS MiB | polls/s | prefix KB/s | etcd proposals/s | keepalives/s | \
-         route p50 / p99 µs | hit rate / oracle | fresh p50 / p99 ms | requests ok | series/coord | \
+         route p50 / p99 µs | hit rate / oracle / most cached | fresh p50 / p99 ms | requests ok | series/coord | \
          start conv. s | kill conv. s (killed) |"
     );
     println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in rows {
         println!(
-            "| {} | {:.3} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} / {:.0} | {:.1}% / {:.1}% | {:.0} / {:.0} \
+            "| {} | {:.3} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} / {:.0} | {:.1}% / {:.1}% / {:.1}% | {:.0} / {:.0} \
              | {}/{} | {:.0} | {:.1} | {:.1} ({}) |",
             r.workers,
             r.coordinator_cpu_per_s,
@@ -446,6 +452,7 @@ fn print_table(a: &Args, rows: &[Row]) {
             r.decision_p99_us,
             100.0 * r.hit_rate,
             100.0 * r.oracle_hit_rate,
+            100.0 * r.most_cached_rate,
             r.freshness_p50_ms,
             r.freshness_p99_ms,
             r.requests_ok,

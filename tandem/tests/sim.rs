@@ -152,8 +152,10 @@ fn bench_scale_measures_a_small_fleet() -> TestResult {
     assert!(f("decisions") > 0.0 && f("decision_p99_us") >= f("decision_p50_us"), "{r}");
     assert!(f("requests") > 0.0 && f("requests_ok") == f("requests"), "{r}");
     // Multi-turn chats on shared system prompts: something to hit, and never more hit
-    // than the oracle's placement would have; reports that carried changes, timed.
-    assert!(f("oracle_hit_rate") > 0.0 && f("oracle_hit_rate") >= f("hit_rate"), "{r}");
+    // than the most cached anywhere (which bounds the oracle's choice too); changes
+    // that were sent, timed.
+    let most = f("most_cached_rate");
+    assert!(f("oracle_hit_rate") > 0.0 && most >= f("hit_rate") && most >= f("oracle_hit_rate"), "{r}");
     assert!(f("freshness_p99_ms") >= f("freshness_p50_ms") && f("freshness_p50_ms") > 0.0, "{r}");
     assert_eq!(f("killed"), 1.0, "{r}");
     assert!(f("kill_convergence_s") < 2.0 * 2.0 + 1.0, "within two lease TTLs and a poll: {r}");

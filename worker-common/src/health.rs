@@ -19,19 +19,25 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use engine::runner::MAX_PREFIX_REPORT;
 use engine::runner::{RunnerHandle, RunnerStats};
 use kvtransfer::Peer;
-use proto::worker::v1::{HealthResponse, PrefixReport, WorkerError};
+use proto::worker::v1::{HealthRequest, HealthResponse, PrefixReport, WorkerError};
 use tokio::sync::Notify;
 // The snapshot's age is a timeout: on tokio's clock, like every other.
 use tokio::time::Instant;
 
+use crate::prefix_feed::{self, Feed};
 use crate::serve::blocking;
 
 /// How long Health waits for the runner before answering the last snapshot.
 pub const STATS_WAIT: Duration = Duration::from_millis(50);
 /// A snapshot older than this means the runner is stuck: not ready.
 pub const STUCK_AFTER: Duration = Duration::from_secs(30);
+/// How often the runner's published prefix epoch is checked while anyone watches the
+/// set (an atomic load; the runner is asked for its set only when the epoch moved): a
+/// block cached is sent to the coordinators at most this much (and one engine step) later.
+pub const WATCH_TICK: Duration = Duration::from_millis(10);
 
 /// The runner's last counters and when they were read.
 #[derive(Clone, Default)]
@@ -41,6 +47,10 @@ pub struct StatsCache {
     asking: Arc<AtomicBool>,
     /// Wakes those waiting for the question out.
     answered: Arc<Notify>,
+    /// The cached prefix blocks as every read found them, for `WatchPrefixes`.
+    feed: Feed,
+    /// A task reads the runner every [`WATCH_TICK`] while anyone watches the feed.
+    ticking: Arc<AtomicBool>,
 }
 
 /// Clears [`StatsCache::asking`] and wakes its waiters when the question
@@ -65,10 +75,13 @@ impl StatsCache {
             return Ok(self.snapshot(STUCK_AFTER));
         }
         let asked = Asked(self.asking.clone(), self.answered.clone());
-        let (runner, last) = (runner.clone(), self.last.clone());
+        let (runner, last, feed) = (runner.clone(), self.last.clone(), self.feed.clone());
         let ask = blocking(move || {
             let _asked = asked;
             let s = runner.stats();
+            if let Some(s) = &s {
+                feed.observe(s.prefix_epoch, &s.prefixes);
+            }
             let mut l = last.lock().unwrap_or_else(|e| e.into_inner());
             *l = s.clone().map(|s| (s, Instant::now()));
             s
@@ -77,6 +90,46 @@ impl StatsCache {
             Ok(r) => r,
             Err(_) => Ok(self.snapshot(STUCK_AFTER)),
         }
+    }
+
+    /// One `WatchPrefixes` stream (see [`crate::prefix_feed`]): the runner is read every
+    /// [`WATCH_TICK`] while anyone watches, besides each Health poll's read.
+    pub fn watch(&self, runner: &RunnerHandle) -> prefix_feed::Updates {
+        let updates = self.feed.watch(runner.block_size() as u32);
+        self.tick(runner);
+        updates
+    }
+
+    /// Starts the ticker unless it runs. It stops when the last watcher has gone, and
+    /// goes on when one came meanwhile (its `tick` may have found it still running).
+    fn tick(&self, runner: &RunnerHandle) {
+        if self.ticking.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (cache, runner) = (self.clone(), runner.clone());
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(WATCH_TICK);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // The epoch last read: the runner is asked only when its published one moved.
+            let mut read = None;
+            loop {
+                every.tick().await;
+                if cache.feed.watchers() == 0 {
+                    cache.ticking.store(false, Ordering::SeqCst);
+                    if cache.feed.watchers() == 0 || cache.ticking.swap(true, Ordering::SeqCst) {
+                        return;
+                    }
+                }
+                let epoch = runner.prefix_epoch();
+                if read != Some(epoch) {
+                    // A stuck or exited runner: the watchers keep what they hold, Health
+                    // says not ready; the next tick asks again.
+                    if let Ok(Some(s)) = cache.read(&runner).await {
+                        read = Some(s.prefix_epoch);
+                    }
+                }
+            }
+        });
     }
 
     /// The last snapshot if it is at most `max_age` old.
@@ -90,9 +143,10 @@ impl StatsCache {
 /// so (`ready`: started, not fenced, not draining as it defines them) and the
 /// runner answered; and the runner's counters, with `extra_waiting` added
 /// to its waiting (the decode worker's requests that wait for remote KV).
-/// The cached prefix blocks go along only when the caller's `known_epoch`
-/// (what it holds) differs from the pool's, so a poll of an unchanged
-/// worker carries 8 bytes of it, not the set.
+/// The cached prefix blocks (the first [`MAX_PREFIX_REPORT`]) go along only
+/// when the epoch the caller holds differs from the pool's, so a poll of an
+/// unchanged worker carries 8 bytes of it, not the set, and never to a caller
+/// that holds them by `WatchPrefixes` (`prefix_watched`).
 ///
 /// The counters are also recorded as gauges here, on every poll and not
 /// only after a request: two overlapping requests can record their
@@ -106,7 +160,7 @@ pub async fn answer(
     ready: bool,
     local: &Peer,
     extra_waiting: u32,
-    known_epoch: u64,
+    asked: &HealthRequest,
 ) -> Result<HealthResponse, tonic::Status> {
     let stats = cache.read(runner).await.map_err(|e| tonic::Status::internal(e.message))?;
     let mut h = HealthResponse {
@@ -125,8 +179,9 @@ pub async fn answer(
         h.preemptions = s.preemptions;
         h.waiting = s.waiting as u32 + extra_waiting;
         h.prefix_epoch = prefix_epoch(s.prefix_epoch);
-        if h.prefix_epoch != known_epoch {
-            h.prefix = Some(PrefixReport { block_size: runner.block_size() as u32, hashes: s.prefixes.to_vec() });
+        if h.prefix_epoch != asked.prefix_epoch && !asked.prefix_watched {
+            let hashes = s.prefixes.iter().take(MAX_PREFIX_REPORT).copied().collect();
+            h.prefix = Some(PrefixReport { block_size: runner.block_size() as u32, hashes });
         }
     }
     Ok(h)

@@ -16,4 +16,5 @@ pub mod config;
 pub mod cpu;
 pub mod health;
 pub mod metrics;
+pub mod prefix_feed;
 pub mod serve;

@@ -17,6 +17,7 @@ pub struct Route {
     /// the request elsewhere must match.
     pub version_group: String,
     pub determinism: String,
+    /// At most `prefill_attempts` of them ([`RouteSettings`]).
     pub prefill: Vec<PrefillTarget>,
     /// Prompt tokens the worker that prefills (the first prefill worker, or
     /// the decode worker) reported cached under the request's salt; 0 when
@@ -59,8 +60,13 @@ impl Cluster {
             let inflight = self.decode.lock().unwrap_or_else(|e| e.into_inner());
             let inflight_of = |a: &str| inflight.get(a).map_or(0, |d| d.inflight.load(Ordering::Relaxed));
             let loads = self.board.read();
-            let mut bonus = |addr: &str| match query.as_mut() {
-                Some(q) if affinity > 0.0 => prefix::bonus(affinity, loads.prefixes(addr), q).0,
+            // Who holds the prompt's start: one walk down its chain, whatever the fleet's size.
+            let held = match query.as_mut() {
+                Some(q) if affinity > 0.0 => Some(loads.matches(q)),
+                _ => None,
+            };
+            let bonus = |addr: &str| match (&held, &query) {
+                (Some(m), Some(q)) => m.bonus(affinity, addr, q),
                 _ => 0.0,
             };
             // A continuation runs only where `pin` allows: not on a worker it lost, and in the
@@ -78,30 +84,37 @@ impl Cluster {
                     decode
                         .iter()
                         .filter(|a| allowed(a, STATIC_GROUP, ""))
-                        .map(|a| DecodeCandidate {
-                            id: a,
-                            addr: a,
-                            version_group: STATIC_GROUP,
-                            layout: "",
-                            zone: "",
-                            load: loads.get(a),
-                            stale: loads.stale(a),
-                            inflight: inflight_of(a),
-                            max_running: 0,
-                            prefix_bonus: bonus(a),
+                        .map(|a| {
+                            let (load, stale) = loads.get_and_stale(a);
+                            DecodeCandidate {
+                                id: a,
+                                addr: a,
+                                version_group: STATIC_GROUP,
+                                layout: "",
+                                determinism: "",
+                                zone: "",
+                                load,
+                                stale,
+                                inflight: inflight_of(a),
+                                max_running: 0,
+                                prefix_bonus: bonus(a),
+                            }
                         })
                         .collect(),
                     prefill
                         .iter()
-                        .map(|a| PrefillCandidate {
-                            id: a,
-                            addr: a,
-                            version_group: STATIC_GROUP,
-                            layout: "",
-                            zone: "",
-                            load: loads.get(a),
-                            stale: loads.stale(a),
-                            prefix_bonus: bonus(a),
+                        .map(|a| {
+                            let (load, stale) = loads.get_and_stale(a);
+                            PrefillCandidate {
+                                id: a,
+                                addr: a,
+                                version_group: STATIC_GROUP,
+                                layout: "",
+                                zone: "",
+                                load,
+                                stale,
+                                prefix_bonus: bonus(a),
+                            }
                         })
                         .collect(),
                 ),
@@ -125,7 +138,7 @@ impl Cluster {
                     let live = view.routable().filter(|w| !w.draining);
                     let (mut d, mut p) = (Vec::new(), Vec::new());
                     for w in live {
-                        let (load, stale) = (loads.get(&w.grpc_addr), loads.stale(&w.grpc_addr));
+                        let (load, stale) = loads.get_and_stale(&w.grpc_addr);
                         if w.role == registry::Role::Decode {
                             if !allowed(&w.grpc_addr, &w.version_group, &w.determinism_fingerprint) {
                                 continue;
@@ -135,6 +148,7 @@ impl Cluster {
                                 addr: &w.grpc_addr,
                                 version_group: &w.version_group,
                                 layout: &w.layout_fingerprint,
+                                determinism: &w.determinism_fingerprint,
                                 zone: &w.zone,
                                 load,
                                 stale,
@@ -226,27 +240,21 @@ impl Cluster {
         metrics::route_decided(decision.kind);
         let prefiller = decision.prefill.first().map_or(chosen.addr, |&i| prefill[i].addr);
         let cached_tokens = match query.as_mut() {
-            Some(q) => prefix::bonus(1.0, self.board.read().prefixes(prefiller), q).1,
+            Some(q) => self.board.read().matches(q).tokens(prefiller),
             None => 0,
-        };
-        let determinism = match &self.source {
-            Source::Static { .. } => String::new(),
-            Source::Etcd { membership, .. } => membership
-                .view()
-                .routable()
-                .find(|w| w.grpc_addr == chosen.addr)
-                .map(|w| w.determinism_fingerprint.clone())
-                .unwrap_or_default(),
         };
         Ok(Route {
             cached_tokens,
             decode: chosen.addr.to_owned(),
             decode_id: chosen.id.to_owned(),
             version_group: chosen.version_group.to_owned(),
-            determinism,
+            determinism: chosen.determinism.to_owned(),
+            // A dispatch makes at most `prefill_attempts` remote attempts in all: only
+            // that many are ever sent, so only that many are built.
             prefill: decision
                 .prefill
                 .iter()
+                .take(self.settings.prefill_attempts.max(1))
                 .map(|&i| PrefillTarget { worker_id: prefill[i].id.to_owned(), grpc_addr: prefill[i].addr.to_owned() })
                 .collect(),
         })

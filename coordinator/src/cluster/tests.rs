@@ -2,7 +2,8 @@ use super::*;
 use crate::load::Load;
 use proto::worker::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
 use proto::worker::v1::{
-    AbortRequest, AbortResponse, FinishReason, Finished, GenerateResponse, HealthRequest, HealthResponse, TokenChunk,
+    AbortRequest, AbortResponse, FinishReason, Finished, GenerateResponse, HealthRequest, HealthResponse, PrefixUpdate,
+    TokenChunk, WatchPrefixesRequest,
 };
 use proto::worker::v1::{ErrorKind, WorkerError};
 use tonic::{Request, Response, Status};
@@ -97,6 +98,16 @@ impl DecodeWorker for Fake {
 
     async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
         Ok(Response::new(HealthResponse { live: true, ready: true, ..HealthResponse::default() }))
+    }
+
+    type WatchPrefixesStream = tokio_stream::Empty<Result<PrefixUpdate, Status>>;
+
+    /// A worker of a release before the RPC: the coordinator reads its Health reports.
+    async fn watch_prefixes(
+        &self,
+        _: Request<WatchPrefixesRequest>,
+    ) -> Result<Response<Self::WatchPrefixesStream>, Status> {
+        Err(Status::unimplemented("WatchPrefixes"))
     }
 }
 

@@ -84,8 +84,9 @@ pub const ASK_ROOM: usize = 256;
 /// are allocated when the runner starts (264 bytes each: about 340 KB).
 pub const COMMAND_QUEUE: usize = ASK_ROOM + POST_ROOM;
 
-/// Most prefix hashes a stats snapshot carries (64 KiB): a pool larger than
-/// this reports the blocks in use and the most recently released ones.
+/// Most prefix hashes a `Health` answer carries (64 KiB): a pool larger than
+/// this reports the blocks in use and the most recently released ones there
+/// (`WatchPrefixes` carries them all).
 pub const MAX_PREFIX_REPORT: usize = 8192;
 
 /// Runner knobs (the engine's own are in [`crate::batch::EngineConfig`]).
@@ -150,8 +151,9 @@ pub struct RunnerStats {
     pub waiting_by_class: [usize; 3],
     /// Changes whenever the pool's set of cached prefix blocks does.
     pub prefix_epoch: u64,
-    /// Hashes of the pool's cached prefix blocks (in use or evictable), at
-    /// most [`MAX_PREFIX_REPORT`]; shared, rebuilt only when the epoch moves.
+    /// Hashes of the pool's cached prefix blocks (in use or evictable), all of
+    /// them, those in use first, then the most recently released; shared,
+    /// rebuilt only when the epoch moves.
     pub prefixes: std::sync::Arc<[u64]>,
     /// Requests that ended normally (prefill-only ones included).
     pub finished: u64,
@@ -177,9 +179,10 @@ impl Runner {
         let (tx, rx) = mpsc::sync_channel(COMMAND_QUEUE);
         let block_size = engine.config().block_size;
         let context = engine.model().config().context;
-        let worker = Worker::new(engine, cfg, rx);
+        let prefix_epoch = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(engine.pool().prefix_epoch()));
+        let worker = Worker::new(engine, cfg, rx, prefix_epoch.clone());
         let join = std::thread::Builder::new().name("tandem-runner".into()).spawn(move || worker.run())?;
-        Ok((RunnerHandle { tx, block_size, context }, join))
+        Ok((RunnerHandle { tx, block_size, context, prefix_epoch }, join))
     }
 }
 
@@ -192,9 +195,19 @@ pub struct RunnerHandle {
     block_size: usize,
     /// The model's context length, in tokens.
     context: usize,
+    /// The pool's prefix epoch, published by the runner thread after every turn of its
+    /// loop: read without asking the thread.
+    prefix_epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl RunnerHandle {
+    /// The pool's prefix epoch as of the runner's last turn (it changes whenever the set
+    /// of cached prefix blocks does): a watcher of the set asks for [`RunnerStats`] only
+    /// when this moved. No message to the runner thread.
+    pub fn prefix_epoch(&self) -> u64 {
+        self.prefix_epoch.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Sends a command that carries `reply` and waits for the answer
     /// (first for room in the queue, if it is full: see the module docs).
     fn ask<T>(&self, make: impl FnOnce(mpsc::SyncSender<T>) -> Command) -> Option<T> {

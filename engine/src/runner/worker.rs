@@ -102,6 +102,8 @@ pub(super) struct Worker {
     disconnected: bool,
     finished: u64,
     failed: BTreeMap<ErrorKind, u64>,
+    /// Where [`super::RunnerHandle::prefix_epoch`] reads the pool's prefix epoch.
+    published_epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// The pool's prefix epoch and cached hashes at the last stats call.
     prefixes: (u64, std::sync::Arc<[u64]>),
 }
@@ -116,7 +118,12 @@ fn deliver_once(on_done: OnDone, r: Result<PrefillDone, RunnerError>) -> bool {
 }
 
 impl Worker {
-    pub(super) fn new(engine: Engine, cfg: RunnerConfig, rx: Receiver<Command>) -> Self {
+    pub(super) fn new(
+        engine: Engine,
+        cfg: RunnerConfig,
+        rx: Receiver<Command>,
+        published_epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) -> Self {
         Self {
             engine,
             cfg,
@@ -129,6 +136,7 @@ impl Worker {
             finished: 0,
             failed: BTreeMap::new(),
             prefixes: (0, std::sync::Arc::from(Vec::new())),
+            published_epoch,
         }
     }
 
@@ -144,6 +152,7 @@ impl Worker {
             if self.engine.has_work() {
                 self.step();
             }
+            self.published_epoch.store(self.engine.pool().prefix_epoch(), std::sync::atomic::Ordering::Release);
         }
         self.fail_all(&RunnerError::ShuttingDown);
         for id in std::mem::take(&mut self.held).into_keys() {
@@ -386,7 +395,7 @@ impl Worker {
     fn stats(&mut self) -> RunnerStats {
         let epoch = self.engine.pool().prefix_epoch();
         if self.prefixes.0 != epoch {
-            self.prefixes = (epoch, self.engine.pool().cached_prefixes(super::MAX_PREFIX_REPORT).into());
+            self.prefixes = (epoch, self.engine.pool().cached_prefixes(usize::MAX).into());
         }
         RunnerStats {
             running: self.engine.num_running(),

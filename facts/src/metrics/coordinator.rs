@@ -167,6 +167,12 @@ pub const PREFIX_HIT_TOKENS: &str = "tandem_coordinator_prefix_hit_tokens_total"
 /// by them; a worker that never reports stays absent. Per worker, so as
 /// many series as workers. vLLM: none.
 pub const WORKER_PREFIX_BLOCKS: &str = "tandem_coordinator_worker_prefix_blocks";
+/// `tandem_coordinator_prefix_watch_restarts_total{reason}`: a worker's
+/// `WatchPrefixes` stream reopened after it `ended`, `failed`, could not be
+/// opened (`refused`) or skipped an update (`gap`, which should never
+/// happen); each drops that worker's prefix set until the new stream's
+/// snapshot. A worker restarting shows as one `failed`. vLLM: none.
+pub const PREFIX_WATCH_RESTARTS: &str = "tandem_coordinator_prefix_watch_restarts_total";
 /// `tandem_coordinator_admission_capacity`: requests this coordinator may
 /// have dispatched at once (`--max-running`, or its share of the decode
 /// workers' seats when that is 0: the cluster's capacity split between the
@@ -219,6 +225,7 @@ pub const ROUTE_REFUSED_REASONS: [&str; 4] = ["no_decode", "none_ready", "regist
 pub const REROUTE_REASONS: [&str; 3] = ["unreachable", "stream_broken", "refused"];
 pub const MEMBERSHIP_CHANGE_KINDS: [&str; 3] = ["joined", "left", "updated"];
 pub const ROUTE_PREFILL_KINDS: [&str; 2] = ["remote", "local"];
+pub const PREFIX_WATCH_RESTART_REASONS: [&str; 4] = ["ended", "failed", "refused", "gap"];
 /// `(api, layer)` of [`STREAM_SEND_TIMEOUTS`].
 pub const SEND_TIMEOUT_LABELS: [(&str, &str); 3] = [("http", "event"), ("http", "connection"), ("grpc", "event")];
 /// `outcome` of [`TENANTS_RELOADS`].
@@ -283,6 +290,7 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: PREFIX_CACHED_TOKENS, kind: Kind::Counter, labels: &["scope"], exporter: Exporter::Coordinator },
     Metric { name: PREFIX_HIT_TOKENS, kind: Kind::Counter, labels: &["scope"], exporter: Exporter::Coordinator },
     Metric { name: WORKER_PREFIX_BLOCKS, kind: Kind::Gauge, labels: &["worker"], exporter: Exporter::Coordinator },
+    Metric { name: PREFIX_WATCH_RESTARTS, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Coordinator },
     Metric { name: ADMISSION_CAPACITY, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: TENANTS, kind: Kind::Gauge, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: TENANTS_RELOADS, kind: Kind::Counter, labels: &["outcome"], exporter: Exporter::Coordinator },

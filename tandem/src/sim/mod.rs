@@ -2,8 +2,9 @@
 //! plane at fleet sizes this machine cannot run real engines for. Each simulated worker
 //! registers in etcd under its own lease through the registry crate, exactly as a real
 //! worker does (its own keeper task and etcd connection), and serves the worker gRPC API
-//! on its own loopback port ([`worker`]): `Health` with load and the real prefix report,
-//! `Generate` and `Prefill` at a modelled pace. Real coordinators and a real etcd run
+//! on its own loopback port ([`worker`]): `Health` with load, the real prefix set as a
+//! `WatchPrefixes` stream of changes (and as a `Health` report to a caller that does not
+//! watch), `Generate` and `Prefill` at a modelled pace. Real coordinators and a real etcd run
 //! against them unchanged.
 //!
 //! The process is the unit of failure: SIGKILL it and every worker in it dies at once
@@ -72,6 +73,10 @@ pub struct Args {
     /// Added to a decode step per other running sequence, µs.
     #[arg(long, default_value_t = 400)]
     decode_step_us_per_sequence: u64,
+    /// The coordinators' `--prefix-affinity`: the oracle judging the prefix hit rate
+    /// scores as they do (`oracle_tokens` in the stats).
+    #[arg(long, default_value_t = 1.0)]
+    oracle_affinity: f64,
     /// Threads of this process's runtime.
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -115,6 +120,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             decode_step: Duration::from_micros(a.decode_step_us),
             decode_step_per_sequence: Duration::from_micros(a.decode_step_us_per_sequence),
         },
+        affinity: a.oracle_affinity,
         counters: worker::Counters::default(),
         peers: std::sync::Mutex::new(Vec::new()),
     });

@@ -1,8 +1,9 @@
 //! One simulated worker: the gRPC service a real prefill or decode worker serves, with
 //! the engine replaced by a model of its step times. What a coordinator sees of it is
-//! what it sees of a real worker: a registration under a lease, `Health` with load and
-//! the real prefix report (the engine's chained block hashes, the set's epoch, sent only
-//! when it changed), and streams of tokens at a modelled pace.
+//! what it sees of a real worker: a registration under a lease, `Health` with load, the
+//! real prefix set (the engine's chained block hashes) on a `WatchPrefixes` stream of
+//! changes (and in `Health` reports to a caller that does not watch), and streams of
+//! tokens at a modelled pace.
 //!
 //! Not simulated: KV bytes. A simulated decode worker asks a simulated prefill worker to
 //! prefill (the `Prefill` call, its time and its prefix cache) but no KV crosses; the
@@ -21,9 +22,11 @@ use proto::worker::v1::{
     generate_response, prefill_response, AbortRequest, AbortResponse, FinishReason, Finished, FirstToken,
     GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, KvDestination, PrefillAttempt, PrefillRequest,
     PrefillResponse, PrefillState, PrefillStatusRequest, PrefillStatusResponse, PrefixReport, TokenChunk,
+    WatchPrefixesRequest,
 };
 use registry::Role;
 use tokio::sync::{mpsc, Semaphore};
+use worker_common::prefix_feed::{Feed, Updates};
 // When a prefix set changed, for freshness: on tokio's clock as every other.
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
@@ -68,6 +71,8 @@ pub struct Shape {
     pub kv_blocks: u32,
     pub max_running: u32,
     pub model: StepModel,
+    /// The coordinators' `--prefix-affinity`, for the oracle's scoring.
+    pub affinity: f64,
     pub counters: Counters,
     /// Every worker of the process, for the oracle ([`Counters::oracle_tokens`]).
     pub peers: Mutex<Vec<Weak<SimWorker>>>,
@@ -82,18 +87,22 @@ pub const FRESHNESS_MS: [f64; 19] = [
 #[derive(Debug, Default)]
 pub struct Counters {
     pub health: AtomicU64,
-    /// Prefix hashes sent in Health answers (8 bytes each on the wire).
+    /// Prefix hashes sent in Health answers and on watch streams (8 bytes each on the wire).
     pub prefix_hashes: AtomicU64,
     pub generate: AtomicU64,
     pub prefill: AtomicU64,
-    /// Prompt tokens prefilled, those the prefilling worker held cached, and those the
-    /// best-placed worker of its role in this process held: an oracle that routes each
-    /// prompt where most of it is cached, with perfect and instant information.
+    /// Prompt tokens prefilled, those the prefilling worker held cached, those held by
+    /// the worker of its role in this process an oracle would have chosen (the router's
+    /// own scoring — load traded against the held share of the prompt — with perfect and
+    /// instant information, [`SimWorker::oracle`]), and the most any of them held (where
+    /// a router ignoring load would send it).
     pub prompt_tokens: AtomicU64,
     pub hit_tokens: AtomicU64,
     pub oracle_tokens: AtomicU64,
-    /// Freshness: from a worker's prefix set changing to a Health answer carrying the
-    /// change to a caller that held the set before it, by [`FRESHNESS_MS`] bucket.
+    pub best_tokens: AtomicU64,
+    /// Freshness: from a worker's prefix set changing to the change going out on a watch
+    /// stream (or in a Health answer to a caller that held the set before it), by
+    /// [`FRESHNESS_MS`] bucket.
     pub freshness: [AtomicU64; FRESHNESS_MS.len()],
 }
 
@@ -108,6 +117,7 @@ impl Counters {
             "prompt_tokens": get(&self.prompt_tokens),
             "hit_tokens": get(&self.hit_tokens),
             "oracle_tokens": get(&self.oracle_tokens),
+            "best_tokens": get(&self.best_tokens),
             // Cumulative, as Prometheus buckets are.
             "freshness_ms": FRESHNESS_MS
                 .iter()
@@ -148,25 +158,34 @@ impl PrefixSet {
     }
 
     /// Marks `chain` used now, adding what is new and evicting the least recently used
-    /// beyond `cap`.
-    fn touch(&mut self, chain: &[u64], cap: usize) {
-        let mut changed = false;
+    /// beyond `cap`; the hashes added and evicted.
+    fn touch(&mut self, chain: &[u64], cap: usize) -> (Vec<u64>, Vec<u64>) {
+        let (mut added, mut removed) = (Vec::new(), Vec::new());
         for &h in chain {
             self.tick += 1;
-            changed |= self.used.insert(h, self.tick).is_none();
+            if self.used.insert(h, self.tick).is_none() {
+                added.push(h);
+            }
         }
         while self.used.len() > cap {
             let Some((&oldest, _)) = self.used.iter().min_by_key(|(_, &t)| t) else { break };
             self.used.remove(&oldest);
-            changed = true;
+            // One added by this very call (a chain longer than the cap) was never announced.
+            match added.iter().position(|&h| h == oldest) {
+                Some(i) => {
+                    added.swap_remove(i);
+                }
+                None => removed.push(oldest),
+            }
         }
-        if changed {
+        if !added.is_empty() || !removed.is_empty() {
             self.epoch = self.epoch.wrapping_add(1).max(1);
             if self.changes.len() == CHANGES_KEPT {
                 self.changes.pop_front();
             }
             self.changes.push_back((self.epoch, Instant::now()));
         }
+        (added, removed)
     }
 
     /// When the set first changed after epoch `known` (`None`: `known` is not one it
@@ -189,6 +208,8 @@ pub struct SimWorker {
     role: Role,
     shape: Arc<Shape>,
     prefixes: Mutex<PrefixSet>,
+    /// The set's changes for `WatchPrefixes`, fed under the set's lock (so in its order).
+    feed: Feed,
     running: AtomicU32,
     waiting: AtomicU32,
     kv_used: AtomicU32,
@@ -255,8 +276,16 @@ impl SimWorker {
         let start = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         let epoch = (start.as_nanos() as u64 ^ fnv1a(id.bytes().map(u64::from))) | 1;
         let prefixes = PrefixSet { epoch, changes: VecDeque::from([(epoch, Instant::now())]), ..PrefixSet::default() };
+        let s = shape.clone();
+        let feed = Feed::new(Some(Arc::new(move |hashes: usize, age: Option<Duration>| {
+            s.counters.prefix_hashes.fetch_add(hashes as u64, Ordering::Relaxed);
+            if let Some(age) = age {
+                s.counters.fresh(age);
+            }
+        })));
         Self {
             role,
+            feed,
             slots: Semaphore::new(shape.max_running as usize),
             shape,
             prefixes: Mutex::new(prefixes),
@@ -272,7 +301,14 @@ impl SimWorker {
         engine::kv::prefix_hashes(tokens, self.shape.block_size, salt)
     }
 
-    fn health(&self, known_epoch: u64) -> HealthResponse {
+    /// Marks `chain` used in this worker's set and tells the watchers what changed.
+    fn touch(&self, chain: &[u64]) {
+        let mut p = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
+        let (added, removed) = p.touch(chain, MAX_REPORTED);
+        self.feed.apply(added, removed);
+    }
+
+    fn health(&self, asked: &HealthRequest) -> HealthResponse {
         let p = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
         let mut h = HealthResponse {
             live: true,
@@ -287,8 +323,8 @@ impl SimWorker {
             prefix_epoch: p.epoch,
             ..HealthResponse::default()
         };
-        if known_epoch != p.epoch {
-            if let Some(at) = p.changed_after(known_epoch) {
+        if asked.prefix_epoch != p.epoch && !asked.prefix_watched {
+            if let Some(at) = p.changed_after(asked.prefix_epoch) {
                 self.shape.counters.fresh(at.elapsed());
             }
             let report = p.report(self.shape.block_size);
@@ -304,28 +340,49 @@ impl SimWorker {
     async fn prefill_here(&self, tokens: &[u32], salt: u64) -> u32 {
         let chain = self.chain(tokens, salt);
         let cached = self.prefixes.lock().unwrap_or_else(|e| e.into_inner()).held(&chain) * self.shape.block_size;
-        let best = self.best_held(&chain) * self.shape.block_size;
+        let (oracle, best) = self.oracle(&chain, tokens.len());
         let c = &self.shape.counters;
         c.prompt_tokens.fetch_add(tokens.len() as u64, Ordering::Relaxed);
         c.hit_tokens.fetch_add(cached as u64, Ordering::Relaxed);
-        c.oracle_tokens.fetch_add(best.max(cached) as u64, Ordering::Relaxed);
+        c.oracle_tokens.fetch_add(oracle as u64, Ordering::Relaxed);
+        c.best_tokens.fetch_add(best.max(cached) as u64, Ordering::Relaxed);
         let todo = tokens.len().saturating_sub(cached) as u32;
         tokio::time::sleep(self.shape.model.prefill_per_token * todo).await;
-        self.prefixes.lock().unwrap_or_else(|e| e.into_inner()).touch(&chain, MAX_REPORTED);
+        self.touch(&chain);
         cached as u32
     }
 
-    /// The most leading blocks of `chain` any worker of this one's role in the process
-    /// holds (the oracle's choice).
-    fn best_held(&self, chain: &[u64]) -> usize {
-        let peers = self.shape.peers.lock().unwrap_or_else(|e| e.into_inner());
-        peers
-            .iter()
-            .filter_map(Weak::upgrade)
-            .filter(|w| w.role == self.role)
-            .map(|w| w.prefixes.lock().unwrap_or_else(|e| e.into_inner()).held(chain))
-            .max()
-            .unwrap_or(0)
+    /// Among this process's workers of this one's role, for a prompt of `len` tokens
+    /// hashed to `chain`: the cached tokens of the one the router's scoring picks with
+    /// perfect and instant information (decode: queue / max_running + used KV fraction -
+    /// affinity x held share; prefill: queue - affinity x held share; the lowest wins,
+    /// the longer prefix on a tie), and the most cached tokens any of them holds. This
+    /// worker's queue counts the request being judged: it is taken off.
+    fn oracle(&self, chain: &[u64], len: usize) -> (usize, usize) {
+        let (bs, shape) = (self.shape.block_size, &self.shape);
+        let peers = shape.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut best: Option<(f64, usize)> = None;
+        let mut most = 0;
+        for w in peers.iter().filter_map(Weak::upgrade).filter(|w| w.role == self.role) {
+            let held = w.prefixes.lock().unwrap_or_else(|e| e.into_inner()).held(chain) * bs;
+            let mut queue = w.running.load(Ordering::Relaxed) + w.waiting.load(Ordering::Relaxed);
+            if std::ptr::eq(Arc::as_ptr(&w), self) {
+                queue = queue.saturating_sub(1);
+            }
+            let bonus = shape.affinity * (held as f64 / len.max(1) as f64).min(1.0);
+            let score = match self.role {
+                Role::Decode => {
+                    let kv = f64::from(w.kv_used.load(Ordering::Relaxed)) / f64::from(shape.kv_blocks.max(1));
+                    f64::from(queue) / f64::from(shape.max_running.max(1)) + kv.min(1.0) - bonus
+                }
+                Role::Prefill => f64::from(queue) - bonus,
+            };
+            if best.is_none_or(|(s, h)| score < s || (score == s && held > h)) {
+                best = Some((score, held));
+            }
+            most = most.max(held);
+        }
+        (best.map_or(0, |b| b.1), most)
     }
 
     fn prefill_client(&self, addr: &str) -> Result<PrefillWorkerClient<tonic::transport::Channel>, Status> {
@@ -399,7 +456,7 @@ impl SimWorker {
             Some(c) => {
                 // The KV "arrived": this worker holds the prompt's blocks now.
                 let chain = self.chain(&r.token_ids, r.cache_salt);
-                self.prefixes.lock().unwrap_or_else(|e| e.into_inner()).touch(&chain, MAX_REPORTED);
+                self.touch(&chain);
                 c
             }
             None => self.prefill_here(&r.token_ids, r.cache_salt).await,
@@ -461,7 +518,13 @@ impl DecodeWorker for Service {
     }
 
     async fn health(&self, request: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        Ok(Response::new(self.0.health(request.into_inner().prefix_epoch)))
+        Ok(Response::new(self.0.health(&request.into_inner())))
+    }
+
+    type WatchPrefixesStream = Updates;
+
+    async fn watch_prefixes(&self, _: Request<WatchPrefixesRequest>) -> Result<Response<Updates>, Status> {
+        Ok(Response::new(self.0.feed.watch(self.0.shape.block_size as u32)))
     }
 }
 
@@ -490,7 +553,13 @@ impl PrefillWorker for Service {
     }
 
     async fn health(&self, request: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        Ok(Response::new(self.0.health(request.into_inner().prefix_epoch)))
+        Ok(Response::new(self.0.health(&request.into_inner())))
+    }
+
+    type WatchPrefixesStream = Updates;
+
+    async fn watch_prefixes(&self, _: Request<WatchPrefixesRequest>) -> Result<Response<Updates>, Status> {
+        Ok(Response::new(self.0.feed.watch(self.0.shape.block_size as u32)))
     }
 
     async fn prefill_status(
@@ -511,13 +580,13 @@ mod tests {
     #[test]
     fn the_prefix_set_reports_recent_blocks_first_and_changes_its_epoch_with_the_set() {
         let mut p = PrefixSet { epoch: 5, ..PrefixSet::default() };
-        p.touch(&[1, 2, 3], 4);
+        assert_eq!(p.touch(&[1, 2, 3], 4), (vec![1, 2, 3], vec![]));
         let e1 = p.epoch;
         assert_ne!(e1, 5);
         assert_eq!(p.held(&[1, 2, 9, 3]), 2, "leading blocks only");
         p.touch(&[1, 2], 4);
         assert_eq!(p.epoch, e1, "nothing new, nothing evicted: the same epoch");
-        p.touch(&[7, 8], 4);
+        assert_eq!(p.touch(&[7, 8], 4), (vec![7, 8], vec![3]), "what the watchers are told");
         assert_eq!(p.used.len(), 4, "capped");
         assert!(!p.used.contains_key(&3), "the least recently used went first");
         assert_eq!(p.report(16).hashes, [8, 7, 2, 1]);
