@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use proto::worker::v1::{PrefixReport, PrefixUpdate};
 use rustc_hash::{FxHashMap, FxHashSet};
+use smallvec::SmallVec;
 
 /// One worker's reported prefix blocks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -88,8 +89,10 @@ struct Held {
 #[derive(Default)]
 pub struct Index {
     workers: HashMap<String, Held>,
-    /// Block hash → the slots of the workers holding it.
-    holders: FxHashMap<u64, Vec<u32>>,
+    /// Block hash → the slots of the workers holding it (inline up to 4: most blocks have
+    /// one holder, so a (worker, block) pair costs about 50 bytes in all, the set's and
+    /// this map's entries together).
+    holders: FxHashMap<u64, SmallVec<[u32; 4]>>,
     /// Slot → (address, block size); `None`: free, reused from `free`.
     slots: Vec<Option<(String, usize)>>,
     free: Vec<u32>,
@@ -154,12 +157,7 @@ impl Index {
         w.via = Via::Watch(u.seq);
         for &h in &u.removed {
             if w.hashes.remove(&h) {
-                if let Some(v) = self.holders.get_mut(&h) {
-                    v.retain(|&s| s != w.slot);
-                    if v.is_empty() {
-                        self.holders.remove(&h);
-                    }
-                }
+                unhold(&mut self.holders, h, w.slot);
             }
         }
         for &h in &u.added {
@@ -173,13 +171,8 @@ impl Index {
     /// Drops `addr`'s set: it holds nothing as far as routing knows.
     pub fn forget(&mut self, addr: &str) {
         let Some(w) = self.workers.remove(addr) else { return };
-        for h in &w.hashes {
-            if let Some(v) = self.holders.get_mut(h) {
-                v.retain(|&s| s != w.slot);
-                if v.is_empty() {
-                    self.holders.remove(h);
-                }
-            }
+        for &h in &w.hashes {
+            unhold(&mut self.holders, h, w.slot);
         }
         self.slots[w.slot as usize] = None;
         self.free.push(w.slot);
@@ -254,6 +247,16 @@ impl Index {
             }
         }
         Matches { tokens }
+    }
+}
+
+/// Takes `slot` off `hash`'s holders, and the hash out when nobody holds it.
+fn unhold(holders: &mut FxHashMap<u64, SmallVec<[u32; 4]>>, hash: u64, slot: u32) {
+    if let Some(v) = holders.get_mut(&hash) {
+        v.retain(|s| *s != slot);
+        if v.is_empty() {
+            holders.remove(&hash);
+        }
     }
 }
 

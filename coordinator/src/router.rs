@@ -237,6 +237,15 @@ pub fn order_prefill(cands: &[PrefillCandidate<'_>], rng: &mut XorShift64) -> Ve
     ok
 }
 
+/// String equality without a library call, for the per-candidate tests of a decision:
+/// `==` on `str` calls `memcmp`, which took a third of a decision over 1,000 workers
+/// (`benches/route.rs`, profiled) for strings that are nearly always short and equal. The
+/// pointer test settles shared constants (fixed-address workers' group and layout) at once.
+#[inline]
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len() && (std::ptr::eq(a.as_ptr(), b.as_ptr()) || a.bytes().zip(b.bytes()).all(|(x, y)| x == y))
+}
+
 /// One pass over a decode worker's candidate pairs: the pair due a probe (one only), the
 /// closed ones, the soonest an open one becomes a probe, and how many it left out for
 /// their zone.
@@ -275,12 +284,12 @@ fn pair_order<G: Fn(usize, usize) -> Gate>(
     // (`Some(false)`) the decode worker's, or all (`None`).
     let mut pass = |same_zone: Option<bool>| {
         let mut pairs = Pairs::default();
-        for &i in order.iter().filter(|&&i| prefill[i].version_group == group) {
-            if same_zone.is_some_and(|want| want != (prefill[i].zone == zone)) {
+        for &i in order.iter().filter(|&&i| same(prefill[i].version_group, group)) {
+            if same_zone.is_some_and(|want| want != same(prefill[i].zone, zone)) {
                 pairs.other_zone += 1;
                 continue;
             }
-            if prefill[i].layout != layout {
+            if !same(prefill[i].layout, layout) {
                 layout_skipped += 1;
                 continue;
             }
