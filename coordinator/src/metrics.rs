@@ -26,6 +26,7 @@ pub fn install() -> Result<PrometheusHandle, BuildError> {
         .set_buckets(LATENCY_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(TPOT.into()), TOKEN_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(ROUTE_DECISION.into()), DECISION_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(ROUTE_DECISION_CPU.into()), DECISION_BUCKETS)?
         .install_recorder()?;
     describe();
     zero();
@@ -43,6 +44,11 @@ fn describe() {
     describe_gauge!(RUNNING, "Requests dispatched to workers");
     describe_histogram!(QUEUE_WAIT, metrics::Unit::Seconds, "Arrival to dispatch");
     describe_histogram!(ROUTE_DECISION, metrics::Unit::Seconds, "One routing decision, in the coordinator");
+    describe_histogram!(
+        ROUTE_DECISION_CPU,
+        metrics::Unit::Seconds,
+        "One routing decision, in CPU time of the thread that made it"
+    );
     describe_counter!(ROUTE_DECISIONS, "Routed requests by remote or local prefill");
     describe_counter!(ROUTE_REFUSED, "Requests with no route, by reason");
     describe_gauge!(WORKERS, "Registered workers by role and state");
@@ -339,8 +345,12 @@ pub fn queue(depth: usize, tokens: u64, running: usize) {
     gauge!(RUNNING).set(running as f64);
 }
 
-pub fn route_decision(d: Duration) {
+/// One decision's wall time and, when the thread's CPU clock could be read, its CPU time.
+pub fn route_decision(d: Duration, cpu: Option<Duration>) {
     histogram!(ROUTE_DECISION).record(d.as_secs_f64());
+    if let Some(cpu) = cpu {
+        histogram!(ROUTE_DECISION_CPU).record(cpu.as_secs_f64());
+    }
 }
 
 pub fn queue_wait(d: Duration) {

@@ -11,8 +11,8 @@
 //! coordinator CPU seconds per second (from /proc, user + system) and resident memory,
 //! the simulators' Health answers per second and prefix bytes sent per second, etcd's
 //! committed proposals and lease keepalives per second, the coordinators' own routing
-//! decision time (`tandem_coordinator_route_decision_seconds`, p50/p99 from its
-//! buckets), the prefix hit rate beside an oracle's and the prefix sets' freshness
+//! decision time (`tandem_coordinator_route_decision_seconds` and, without waits for a
+//! CPU or a lock, `..._cpu_seconds`; p50/p99 from their buckets), the prefix hit rate beside an oracle's and the prefix sets' freshness
 //! (both from the simulators, [`crate::sim`]), and each coordinator's `/metrics` series
 //! count. Then the smaller simulator
 //! is SIGKILLed: membership convergence is the time until every coordinator counts
@@ -101,6 +101,10 @@ pub struct Row {
     /// Routing decision time in the coordinators, µs (upper bucket bound).
     pub decision_p50_us: f64,
     pub decision_p99_us: f64,
+    /// The same decisions in CPU time of the thread that made them (without waits for a
+    /// CPU or a lock), µs (upper bucket bound).
+    pub decision_cpu_p50_us: f64,
+    pub decision_cpu_p99_us: f64,
     pub decisions: f64,
     /// Requests completed during the window, of those sent.
     pub requests_ok: usize,
@@ -321,10 +325,13 @@ async fn measure(a: &Args, n: usize) -> Result<Row> {
     let cpu_after: Vec<(f64, f64)> = coordinators.iter().map(|c| cpu_and_rss(c.pid)).collect::<Result<_>>()?;
     let sim_after = sim_counts(&sims)?;
     let etcd_after = etcd_counts(&opskit::prom::scrape(&ep_addr(&ep)).await?);
-    let name = facts::metrics::coordinator::ROUTE_DECISION;
-    let before = sum_buckets(&pages_before.iter().map(|p| histogram(p, name)).collect::<Vec<_>>());
-    let after = sum_buckets(&pages_after.iter().map(|p| histogram(p, name)).collect::<Vec<_>>());
-    let window = diff_buckets(&after, &before);
+    let in_window = |name: &str| {
+        let before = sum_buckets(&pages_before.iter().map(|p| histogram(p, name)).collect::<Vec<_>>());
+        let after = sum_buckets(&pages_after.iter().map(|p| histogram(p, name)).collect::<Vec<_>>());
+        diff_buckets(&after, &before)
+    };
+    let window = in_window(facts::metrics::coordinator::ROUTE_DECISION);
+    let window_cpu = in_window(facts::metrics::coordinator::ROUTE_DECISION_CPU);
     let c = a.coordinators as f64;
     let fresh = diff_buckets(&sim_after.freshness, &sim_before.freshness);
     let prompt = (sim_after.prompt_tokens - sim_before.prompt_tokens).max(1.0);
@@ -355,6 +362,8 @@ async fn measure(a: &Args, n: usize) -> Result<Row> {
         etcd_keepalives_per_s: (etcd_after.1 - etcd_before.1) / secs,
         decision_p50_us: quantile(&window, 0.5) * 1e6,
         decision_p99_us: quantile(&window, 0.99) * 1e6,
+        decision_cpu_p50_us: quantile(&window_cpu, 0.5) * 1e6,
+        decision_cpu_p99_us: quantile(&window_cpu, 0.99) * 1e6,
         decisions: window.last().map_or(0.0, |b| b.1),
         requests_ok,
         requests,
@@ -433,13 +442,13 @@ fn print_table(a: &Args, rows: &[Row]) {
     );
     println!(
         "| workers | coord CPU s/s | coord RSS MiB | polls/s | prefix KB/s | etcd proposals/s | keepalives/s | \
-         route p50 / p99 µs | hit rate / oracle / most cached | fresh p50 / p99 ms | requests ok | series/coord | \
+         route p50 / p99 µs (cpu) | hit rate / oracle / most cached | fresh p50 / p99 ms | requests ok | series/coord | \
          start conv. s | kill conv. s (killed) |"
     );
     println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in rows {
         println!(
-            "| {} | {:.3} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} / {:.0} | {:.1}% / {:.1}% / {:.1}% | {:.0} / {:.0} \
+            "| {} | {:.3} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} / {:.0} ({:.0} / {:.0}) | {:.1}% / {:.1}% / {:.1}% | {:.0} / {:.0} \
              | {}/{} | {:.0} | {:.1} | {:.1} ({}) |",
             r.workers,
             r.coordinator_cpu_per_s,
@@ -450,6 +459,8 @@ fn print_table(a: &Args, rows: &[Row]) {
             r.etcd_keepalives_per_s,
             r.decision_p50_us,
             r.decision_p99_us,
+            r.decision_cpu_p50_us,
+            r.decision_cpu_p99_us,
             100.0 * r.hit_rate,
             100.0 * r.oracle_hit_rate,
             100.0 * r.most_cached_rate,

@@ -150,6 +150,7 @@ fn bench_scale_measures_a_small_fleet() -> TestResult {
     assert!(f("polls_per_s") >= 40.0, "{r}");
     assert!(f("coordinator_cpu_per_s") > 0.0 && f("coordinator_rss_mib") > 1.0 && f("series") > 10.0, "{r}");
     assert!(f("decisions") > 0.0 && f("decision_p99_us") >= f("decision_p50_us"), "{r}");
+    assert!(f("decision_cpu_p50_us") > 0.0 && f("decision_cpu_p99_us") >= f("decision_cpu_p50_us"), "{r}");
     assert!(f("requests") > 0.0 && f("requests_ok") == f("requests"), "{r}");
     // Multi-turn chats on shared system prompts: something to hit, and never more hit
     // than the most cached anywhere (which bounds the oracle's choice too); changes

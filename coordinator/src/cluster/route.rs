@@ -45,11 +45,14 @@ impl Cluster {
         self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)), pin)
     }
 
-    /// One routing decision, timed (`tandem_coordinator_route_decision_seconds`).
+    /// One routing decision, timed in wall and thread CPU time
+    /// (`tandem_coordinator_route_decision_seconds`, `..._cpu_seconds`).
     fn route_prompt(&self, prompt_tokens: usize, query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
         let started = tokio::time::Instant::now();
+        let cpu = thread_cpu();
         let route = self.decide(prompt_tokens, query, pin);
-        metrics::route_decision(started.elapsed());
+        let spent = thread_cpu().zip(cpu).map(|(now, then)| now.saturating_sub(then));
+        metrics::route_decision(started.elapsed(), spent);
         route
     }
 
@@ -259,4 +262,10 @@ impl Cluster {
                 .collect(),
         })
     }
+}
+
+/// This thread's CPU time so far (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu() -> Option<Duration> {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Some(Duration::new(u64::try_from(t.tv_sec).ok()?, u32::try_from(t.tv_nsec).ok()?))
 }

@@ -26,6 +26,11 @@ pub const ROUTE_DECISIONS: &str = "tandem_coordinator_route_decisions_total";
 /// reports and the breakers, and choosing): what the fleet's size costs each request.
 /// vLLM: none.
 pub const ROUTE_DECISION: &str = "tandem_coordinator_route_decision_seconds";
+/// `tandem_coordinator_route_decision_cpu_seconds`: the same decision in CPU time of
+/// the thread that made it: its own cost, without the time the thread waited for a
+/// CPU or a lock (on a busy host the wall time above includes being preempted).
+/// vLLM: none.
+pub const ROUTE_DECISION_CPU: &str = "tandem_coordinator_route_decision_cpu_seconds";
 /// `tandem_coordinator_route_refused_total{reason}`: no route (`no_decode`,
 /// `none_ready`, `registry_unavailable`).
 pub const ROUTE_REFUSED: &str = "tandem_coordinator_route_refused_total";
@@ -241,6 +246,7 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: QUEUE_WAIT, kind: Kind::Histogram, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: ROUTE_DECISIONS, kind: Kind::Counter, labels: &["prefill"], exporter: Exporter::Coordinator },
     Metric { name: ROUTE_DECISION, kind: Kind::Histogram, labels: &[], exporter: Exporter::Coordinator },
+    Metric { name: ROUTE_DECISION_CPU, kind: Kind::Histogram, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: ROUTE_REFUSED, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Coordinator },
     Metric { name: WORKERS, kind: Kind::Gauge, labels: &["role", "state"], exporter: Exporter::Coordinator },
     Metric { name: WORKERS_STALE, kind: Kind::Gauge, labels: &["role"], exporter: Exporter::Coordinator },
