@@ -234,6 +234,8 @@ impl DecodeService {
     pub async fn drain(&self, grace: Duration) -> Duration {
         let started = Instant::now();
         self.inner.ready.store(false, Ordering::SeqCst);
+        // Long-lived streams would hold the server's graceful shutdown for its whole grace.
+        self.inner.stats.close_watches();
         let all_joined = async {
             loop {
                 let changed = self.inner.pending_changed.notified();

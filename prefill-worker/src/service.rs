@@ -212,6 +212,8 @@ impl PrefillService {
     /// Stops reporting ready (the first phase of shutdown).
     pub fn set_draining(&self) {
         self.inner.ready.store(false, Ordering::SeqCst);
+        // Long-lived streams would hold the server's graceful shutdown for its whole grace.
+        self.inner.stats.close_watches();
     }
 
     fn validate(

@@ -100,6 +100,12 @@ impl StatsCache {
         updates
     }
 
+    /// Ends every `WatchPrefixes` stream and refuses new ones: called when the worker
+    /// starts draining, so its gRPC server's graceful shutdown does not wait on them.
+    pub fn close_watches(&self) {
+        self.feed.close();
+    }
+
     /// Starts the ticker unless it runs. It stops when the last watcher has gone, and
     /// goes on when one came meanwhile (its `tick` may have found it still running).
     fn tick(&self, runner: &RunnerHandle) {

@@ -18,6 +18,10 @@
 //! ticker while anyone watches); `tandem sim` with the changes its modelled
 //! pool makes.
 //!
+//! [`Feed::close`] ends every stream and refuses new ones: a draining worker must not
+//! keep its gRPC server's graceful shutdown waiting on streams that never end (a
+//! watcher then holds nothing of it, which is right for a worker routed nothing).
+//!
 //! Must not: block on a watcher (a full one is resynced, never waited for).
 
 use std::collections::HashSet;
@@ -27,6 +31,7 @@ use std::time::Duration;
 
 use proto::worker::v1::PrefixUpdate;
 use tokio::sync::{broadcast, mpsc};
+use tokio_util::sync::CancellationToken;
 // A change's age is measured on tokio's clock, as every other duration here.
 use tokio::time::Instant;
 
@@ -61,6 +66,7 @@ pub struct Feed {
     state: Arc<Mutex<State>>,
     changes: broadcast::Sender<Arc<Change>>,
     on_sent: Option<OnSent>,
+    closed: CancellationToken,
 }
 
 impl Default for Feed {
@@ -71,7 +77,17 @@ impl Default for Feed {
 
 impl Feed {
     pub fn new(on_sent: Option<OnSent>) -> Self {
-        Self { state: Arc::default(), changes: broadcast::channel(BACKLOG).0, on_sent }
+        Self {
+            state: Arc::default(),
+            changes: broadcast::channel(BACKLOG).0,
+            on_sent,
+            closed: CancellationToken::new(),
+        }
+    }
+
+    /// Ends every watcher's stream now and every later one at once (see the module doc).
+    pub fn close(&self) {
+        self.closed.cancel();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -125,6 +141,9 @@ impl Feed {
     /// ends when the watcher goes away.
     pub fn watch(&self, block_size: u32) -> Updates {
         let (tx, rx) = mpsc::channel(8);
+        if self.closed.is_cancelled() {
+            return Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx));
+        }
         let feed = self.clone();
         tokio::spawn(async move {
             let mut seq = 0u64;
@@ -141,6 +160,7 @@ impl Feed {
                     let change = tokio::select! {
                         c = changes.recv() => c,
                         () = tx.closed() => return,
+                        () = feed.closed.cancelled() => return,
                     };
                     let c = match change {
                         Ok(c) => c,
@@ -242,6 +262,19 @@ mod tests {
         feed.apply(vec![5_000], vec![]);
         got.extend(take(&mut w, 1).await);
         assert_eq!((got[2].seq, got[2].snapshot, got[2].added.clone()), (3, false, vec![5_000]), "then changes again");
+    }
+
+    #[tokio::test]
+    async fn closing_ends_every_stream_and_refuses_new_ones() {
+        let feed = Feed::default();
+        feed.observe(1, &[1]);
+        let mut w = feed.watch(16);
+        take(&mut w, 1).await;
+        feed.close();
+        assert!(w.next().await.is_none(), "the open stream ends");
+        let mut later = feed.watch(16);
+        assert!(later.next().await.is_none(), "a new one ends at once");
+        assert_eq!(feed.watchers(), 0);
     }
 
     #[tokio::test]
