@@ -20,13 +20,17 @@
 //! at once, and so does a broken stream; the worker then counts as holding
 //! nothing until a new stream's snapshot arrives.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+#[cfg(test)]
+use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap};
 
 use proto::worker::v1::{PrefixReport, PrefixUpdate};
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
-/// One worker's reported prefix blocks.
+/// One worker's prefix blocks as a plain set: the reference [`Index::matches`] is
+/// tested against, and the router's tests' way of saying what a worker holds.
+#[cfg(test)]
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Prefixes {
     /// The worker's `prefix_epoch` for this set.
@@ -36,11 +40,8 @@ pub struct Prefixes {
     pub hashes: HashSet<u64>,
 }
 
+#[cfg(test)]
 impl Prefixes {
-    pub fn from_report(epoch: u64, r: &PrefixReport) -> Self {
-        Self { epoch, block_size: r.block_size as usize, hashes: r.hashes.iter().copied().collect() }
-    }
-
     /// Tokens of `query`'s prompt in blocks this worker holds, counted from
     /// the start up to the first block it does not hold.
     pub fn cached_tokens(&self, query: &mut Query<'_>) -> usize {
@@ -54,6 +55,7 @@ impl Prefixes {
 
 /// A candidate's routing bonus for `query` and the tokens it holds:
 /// `affinity` x the held share of the prompt (see [`crate::router`]).
+#[cfg(test)]
 pub fn bonus(affinity: f64, held: Option<&Prefixes>, query: &mut Query<'_>) -> (f64, usize) {
     let cached = held.map_or(0, |p| p.cached_tokens(query));
     (affinity * query.fraction(cached), cached)
@@ -212,7 +214,7 @@ impl Index {
     }
 
     /// For each worker holding the start of `query`'s prompt, the tokens it holds
-    /// (see [`Prefixes::cached_tokens`]): a walk down the prompt's chain in each block
+    /// (what a worker's own set would give: counted from the start up to the first block it does not hold): a walk down the prompt's chain in each block
     /// size in use, through the holders of each block, stopping where nobody holds
     /// the next one.
     pub fn matches(&self, query: &mut Query<'_>) -> Matches<'_> {
