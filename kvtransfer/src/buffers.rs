@@ -8,9 +8,25 @@
 //! A [`Buffer`] is lent out by [`Buffers::take`] and comes home when it is
 //! dropped, on whatever thread that is (a sink's, ucx's connection thread);
 //! home keeps idle buffers up to a byte budget and lets the rest go.
+//!
+//! Idle buffers decay: those no transfer took for a whole [`IDLE_DECAY`] are
+//! freed. A fault that holds many layers in flight at once (a stalled peer, a
+//! burst) fills the home with buffers the steady stream never needs again;
+//! without decay each new such peak raised the worker's memory for good, up
+//! to the budget (a chaos hour measured the prefill worker's 64 MiB filling
+//! at ~7 MiB per 10 minutes, read as a leak).
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// How long an idle buffer is kept untaken before it is freed: one to two of these
+/// (a buffer is counted from the start of the first whole window it sits out). A
+/// window, not a timer: a home trims when it is next used, so one that no transfer
+/// touches keeps what it has (within its budget).
+pub const IDLE_DECAY: Duration = Duration::from_secs(10);
 
 /// A home for idle buffers. Cloning shares it.
 #[derive(Debug, Clone)]
@@ -27,24 +43,57 @@ struct Home {
 
 #[derive(Debug, Default)]
 struct Idle {
+    /// Coldest first: taken from the end, returned to the end.
     buffers: Vec<Vec<u8>>,
     /// Their capacities, summed.
     bytes: usize,
+    /// The window that started at `since`: the fewest buffers idle in it. That
+    /// many at the bottom of the stack were not taken all window.
+    low: usize,
+    since: Option<Instant>,
 }
 
 impl Idle {
     fn pop(&mut self) -> Option<Vec<u8>> {
         let b = self.buffers.pop()?;
         self.bytes -= b.capacity();
+        self.low = self.low.min(self.buffers.len());
         Some(b)
+    }
+
+    /// At a window's end, takes out the buffers no one took in it (for the caller
+    /// to free outside the lock) and starts the next window.
+    fn settle(&mut self, now: Instant) -> Vec<Vec<u8>> {
+        let Some(since) = self.since else {
+            (self.since, self.low) = (Some(now), self.buffers.len());
+            return Vec::new();
+        };
+        if now.saturating_duration_since(since) < IDLE_DECAY {
+            return Vec::new();
+        }
+        let stale: Vec<Vec<u8>> = self.buffers.drain(..self.low.min(self.buffers.len())).collect();
+        self.bytes -= stale.iter().map(Vec::capacity).sum::<usize>();
+        (self.since, self.low) = (Some(now), self.buffers.len());
+        stale
     }
 }
 
 impl Home {
     fn idle(&self) -> MutexGuard<'_, Idle> {
         // A panic while the list was held cannot leave it inconsistent
-        // (each change is one push or pop with its byte count).
+        // (each change is one push, pop or drain with its byte count).
         self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The warmest idle buffer, if any; idle ones past their decay are freed.
+    fn reuse(&self) -> Option<Vec<u8>> {
+        let (buf, stale) = {
+            let mut idle = self.idle();
+            let buf = idle.pop();
+            (buf, idle.settle(Instant::now()))
+        };
+        drop(stale);
+        buf
     }
 }
 
@@ -57,7 +106,7 @@ impl Buffers {
     /// An empty buffer: the most recently returned one (the warmest in
     /// cache), or a new one with nothing allocated.
     pub fn take(&self) -> Buffer {
-        let mut buf = self.0.idle().pop().unwrap_or_default();
+        let mut buf = self.0.reuse().unwrap_or_default();
         buf.clear();
         self.lend(buf)
     }
@@ -67,7 +116,7 @@ impl Buffers {
     /// only beyond its old length (so a steady stream of same-sized
     /// payloads is never zeroed again).
     pub fn take_sized(&self, len: usize) -> Buffer {
-        let mut buf = self.0.idle().pop().unwrap_or_default();
+        let mut buf = self.0.reuse().unwrap_or_default();
         buf.resize(len, 0);
         self.lend(buf)
     }
@@ -76,7 +125,7 @@ impl Buffers {
     /// returned one if it is large enough, else `fresh(capacity)` (which
     /// may place the allocation where the caller's copy is fastest).
     pub fn take_with(&self, capacity: usize, fresh: impl FnOnce(usize) -> Vec<u8>) -> Buffer {
-        let reused = self.0.idle().pop();
+        let reused = self.0.reuse();
         let mut buf = match reused {
             Some(b) if b.capacity() >= capacity => b,
             _ => fresh(capacity),
@@ -136,12 +185,16 @@ impl Drop for Buffer {
         if self.buf.capacity() == 0 {
             return;
         }
-        let mut idle = home.idle();
-        let cap = self.buf.capacity();
-        if idle.buffers.is_empty() || idle.bytes + cap <= home.keep_bytes {
-            idle.bytes += cap;
-            idle.buffers.push(std::mem::take(&mut self.buf));
-        }
+        let stale = {
+            let mut idle = home.idle();
+            let cap = self.buf.capacity();
+            if idle.buffers.is_empty() || idle.bytes + cap <= home.keep_bytes {
+                idle.bytes += cap;
+                idle.buffers.push(std::mem::take(&mut self.buf));
+            }
+            idle.settle(Instant::now())
+        };
+        drop(stale);
     }
 }
 
@@ -183,5 +236,49 @@ mod tests {
         let mut u = Buffer::unpooled(vec![1, 2, 3]);
         u.push(4);
         assert_eq!(u.as_ref(), [1, 2, 3, 4]);
+    }
+
+    /// Buffers a burst needed and the steady stream does not are freed after a
+    /// decay window with nothing taking them; the one the stream keeps taking stays,
+    /// with its memory. (Paused time: the window is the clock's, not the test's.)
+    #[tokio::test(start_paused = true)]
+    async fn idle_buffers_no_one_takes_decay() {
+        let home = Buffers::new(1 << 20);
+        let burst: Vec<Buffer> = (0..8)
+            .map(|_| {
+                let mut b = home.take();
+                b.extend_from_slice(&[1; 1000]);
+                b
+            })
+            .collect();
+        drop(burst);
+        let one = home.idle_bytes() / 8;
+        assert_eq!(home.idle_bytes(), 8 * one, "a burst's buffers come home");
+        // The steady stream: one buffer at a time, for three windows.
+        let mut warm = None;
+        for _ in 0..3 {
+            for _ in 0..20 {
+                let b = home.take();
+                assert!(b.capacity() >= 1000, "a kept buffer is reused");
+                warm.get_or_insert(b.as_ptr());
+                assert_eq!(Some(b.as_ptr()), warm, "the warmest one, the same memory each time");
+                drop(b);
+                tokio::time::advance(IDLE_DECAY / 8).await;
+            }
+        }
+        assert_eq!(home.idle_bytes(), one, "the seven the stream never took were freed");
+        // A window with nothing taken frees the rest on the next use.
+        tokio::time::advance(IDLE_DECAY).await;
+        let fresh = home.take();
+        assert_eq!((fresh.capacity(), home.idle_bytes()), (one, 0), "the last one is taken, not freed");
+        drop(fresh);
+        // Returns settle too. A buffer is freed after one to two windows untaken:
+        // the window it came home in counts only from its start.
+        tokio::time::advance(IDLE_DECAY).await;
+        drop(home.lend(Vec::with_capacity(64)));
+        assert_eq!(home.idle_bytes(), one + 64, "idle part of a window only: kept");
+        tokio::time::advance(IDLE_DECAY).await;
+        drop(home.lend(Vec::with_capacity(32)));
+        assert_eq!(home.idle_bytes(), 32, "the two idle all window went, the returned one stays");
     }
 }
