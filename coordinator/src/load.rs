@@ -138,6 +138,9 @@ pub struct Loads<'a> {
     board: std::sync::RwLockReadGuard<'a, Board>,
     now: Instant,
     max_age: Duration,
+    /// `now - max_age`: an answer from before it is stale (`None`: the clock is younger
+    /// than the max age, nothing is). One comparison per worker, not a subtraction.
+    fresh_from: Option<Instant>,
 }
 
 impl Loads<'_> {
@@ -145,7 +148,12 @@ impl Loads<'_> {
     pub fn get(&self, addr: &str) -> Option<Load> {
         let l = *self.board.loads.get(addr)?;
         // An unreachable mark stays until the worker answers again.
-        (!l.reachable || self.now.saturating_duration_since(l.at) <= self.max_age).then_some(l)
+        (!l.reachable || self.fresh(l.at)).then_some(l)
+    }
+
+    /// Whether an answer at `at` is within the max age (`now - at <= max_age`).
+    fn fresh(&self, at: Instant) -> bool {
+        self.fresh_from.is_none_or(|from| at >= from)
     }
 
     /// [`Loads::get`] and [`Loads::stale`] in one look-up (the router asks both of every worker).
@@ -153,7 +161,7 @@ impl Loads<'_> {
         match self.board.loads.get(addr) {
             Some(&l) if !l.reachable => (Some(l), false),
             Some(&l) => {
-                let fresh = self.now.saturating_duration_since(l.at) <= self.max_age;
+                let fresh = self.fresh(l.at);
                 (fresh.then_some(l), !fresh)
             }
             None => (None, self.stale(addr)),
@@ -211,10 +219,12 @@ impl LoadBoard {
 
     /// A read view for many look-ups under one lock (one routing decision).
     pub fn read(&self) -> Loads<'_> {
+        let (now, max_age) = (Instant::now(), self.max_age());
         Loads {
             board: self.state.read().unwrap_or_else(|e| e.into_inner()),
-            now: Instant::now(),
-            max_age: self.max_age(),
+            now,
+            max_age,
+            fresh_from: now.checked_sub(max_age),
         }
     }
 

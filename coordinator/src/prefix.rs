@@ -218,7 +218,7 @@ impl Index {
     /// size in use, through the holders of each block, stopping where nobody holds
     /// the next one.
     pub fn matches(&self, query: &mut Query<'_>) -> Matches<'_> {
-        let mut tokens = HashMap::new();
+        let mut tokens = FxHashMap::default();
         for &bs in self.block_sizes.keys() {
             // Slot → leading blocks held so far.
             let mut run: FxHashMap<u32, usize> = FxHashMap::default();
@@ -264,7 +264,8 @@ fn unhold(holders: &mut FxHashMap<u64, SmallVec<[u32; 4]>>, hash: u64, slot: u32
 
 /// What [`Index::matches`] found for one prompt.
 pub struct Matches<'a> {
-    tokens: HashMap<&'a str, usize>,
+    // Asked of every candidate of a decision: a fast hash of our own keys.
+    tokens: FxHashMap<&'a str, usize>,
 }
 
 impl Matches<'_> {

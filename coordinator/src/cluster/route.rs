@@ -59,15 +59,17 @@ impl Cluster {
     fn decide(&self, prompt_tokens: usize, mut query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
         let affinity = self.settings.prefix_affinity;
         let view;
+        // Read for the whole decision (no await in it): the answer's cached tokens come
+        // from the same walk of the prefix index as the candidates' bonuses.
+        let loads = self.board.read();
+        // Who holds the prompt's start: one walk down its chain, whatever the fleet's size.
+        let held = match query.as_mut() {
+            Some(q) if affinity > 0.0 => Some(loads.matches(q)),
+            _ => None,
+        };
         let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {
             let inflight = self.decode.lock().unwrap_or_else(|e| e.into_inner());
             let inflight_of = |a: &str| inflight.get(a).map_or(0, |d| d.inflight.load(Ordering::Relaxed));
-            let loads = self.board.read();
-            // Who holds the prompt's start: one walk down its chain, whatever the fleet's size.
-            let held = match query.as_mut() {
-                Some(q) if affinity > 0.0 => Some(loads.matches(q)),
-                _ => None,
-            };
             let bonus = |addr: &str| match (&held, &query) {
                 (Some(m), Some(q)) => m.bonus(affinity, addr, q),
                 _ => 0.0,
@@ -242,10 +244,12 @@ impl Cluster {
         let chosen = &decode[decision.decode];
         metrics::route_decided(decision.kind);
         let prefiller = decision.prefill.first().map_or(chosen.addr, |&i| prefill[i].addr);
-        let cached_tokens = match query.as_mut() {
-            Some(q) => self.board.read().matches(q).tokens(prefiller),
-            None => 0,
+        let cached_tokens = match (&held, query.as_mut()) {
+            (Some(m), _) => m.tokens(prefiller),
+            (None, Some(q)) => loads.matches(q).tokens(prefiller),
+            (None, None) => 0,
         };
+        drop(loads);
         Ok(Route {
             cached_tokens,
             decode: chosen.addr.to_owned(),
