@@ -125,19 +125,72 @@ pub struct LoadBoard {
 
 #[derive(Default)]
 struct Board {
-    // Read for every worker on every routing decision: a fast hash of our own keys.
-    loads: FxHashMap<String, Load>,
-    /// When the poller first asked a worker it has no answer from.
-    asked: FxHashMap<String, Instant>,
+    /// Each worker's place in `slots`, by gRPC address (a fast hash of our own keys).
+    /// A routing decision reads by slot ([`Loads::slot`], [`Loads::get_and_stale_at`]),
+    /// hashing no address, while [`Loads::epoch`] holds.
+    slot: FxHashMap<String, u32>,
+    slots: Vec<Slot>,
+    /// Slots of addresses retained away, for the next new address.
+    free: Vec<u32>,
+    /// Counts slots given to or taken from an address: a slot read under one epoch is
+    /// the same address's for as long as the epoch is unchanged.
+    epoch: u64,
     /// Every worker's cached prefix blocks.
     prefixes: Index,
+}
+
+/// One worker's entry on the board.
+#[derive(Clone, Copy, Debug, Default)]
+struct Slot {
+    load: Option<Load>,
+    /// When the poller first asked it, while it has no answer.
+    asked: Option<Instant>,
+}
+
+impl Board {
+    fn get(&self, addr: &str) -> Option<&Slot> {
+        self.slot.get(addr).and_then(|&i| self.slots.get(i as usize))
+    }
+
+    /// `addr`'s slot, given one (a free one first) if it has none.
+    fn entry(&mut self, addr: &str) -> &mut Slot {
+        let i = match self.slot.get(addr) {
+            Some(&i) => i,
+            None => {
+                let i = self.free.pop().unwrap_or_else(|| {
+                    self.slots.push(Slot::default());
+                    // Fewer workers than 2^32 ever share a board.
+                    u32::try_from(self.slots.len() - 1).unwrap_or(u32::MAX)
+                });
+                self.slot.insert(addr.to_owned(), i);
+                self.epoch += 1;
+                i
+            }
+        };
+        let n = self.slots.len();
+        &mut self.slots[(i as usize).min(n - 1)]
+    }
+
+    /// Frees the slots of addresses `keep` does not name.
+    fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        let Board { slot, slots, free, epoch, .. } = self;
+        slot.retain(|a, i| {
+            let kept = keep(a);
+            if !kept {
+                if let Some(s) = slots.get_mut(*i as usize) {
+                    *s = Slot::default();
+                }
+                free.push(*i);
+                *epoch += 1;
+            }
+            kept
+        });
+    }
 }
 
 /// The board under its read lock; drop it before any await.
 pub struct Loads<'a> {
     board: std::sync::RwLockReadGuard<'a, Board>,
-    now: Instant,
-    max_age: Duration,
     /// `now - max_age`: an answer from before it is stale (`None`: the clock is younger
     /// than the max age, nothing is). One comparison per worker, not a subtraction.
     fresh_from: Option<Instant>,
@@ -146,7 +199,7 @@ pub struct Loads<'a> {
 impl Loads<'_> {
     /// The worker's load if known and fresh.
     pub fn get(&self, addr: &str) -> Option<Load> {
-        let l = *self.board.loads.get(addr)?;
+        let l = self.board.get(addr)?.load?;
         // An unreachable mark stays until the worker answers again.
         (!l.reachable || self.fresh(l.at)).then_some(l)
     }
@@ -158,13 +211,36 @@ impl Loads<'_> {
 
     /// [`Loads::get`] and [`Loads::stale`] in one look-up (the router asks both of every worker).
     pub fn get_and_stale(&self, addr: &str) -> (Option<Load>, bool) {
-        match self.board.loads.get(addr) {
-            Some(&l) if !l.reachable => (Some(l), false),
-            Some(&l) => {
+        self.judge(self.board.get(addr))
+    }
+
+    /// Where `addr` is on the board: read it with [`Loads::get_and_stale_at`] under this
+    /// [`Loads::epoch`] (`None`: not on the board, neither answered nor asked).
+    pub fn slot(&self, addr: &str) -> Option<u32> {
+        self.board.slot.get(addr).copied()
+    }
+
+    /// Changes whenever an address gets or loses its slot: slots read under another
+    /// epoch may name other workers now.
+    pub fn epoch(&self) -> u64 {
+        self.board.epoch
+    }
+
+    /// [`Loads::get_and_stale`] of the address whose [`Loads::slot`] this is, read under
+    /// the same epoch; no hashing.
+    pub fn get_and_stale_at(&self, slot: Option<u32>) -> (Option<Load>, bool) {
+        self.judge(slot.and_then(|i| self.board.slots.get(i as usize)))
+    }
+
+    fn judge(&self, slot: Option<&Slot>) -> (Option<Load>, bool) {
+        match slot.map(|s| (s.load, s.asked)) {
+            Some((Some(l), _)) if !l.reachable => (Some(l), false),
+            Some((Some(l), _)) => {
                 let fresh = self.fresh(l.at);
                 (fresh.then_some(l), !fresh)
             }
-            None => (None, self.stale(addr)),
+            Some((None, Some(asked))) => (None, !self.fresh(asked)),
+            Some((None, None)) | None => (None, false),
         }
     }
 
@@ -172,15 +248,7 @@ impl Loads<'_> {
     /// its last answer (or, never answered, the first question) is older.
     /// Unreachable workers are not stale: they are already unusable.
     pub fn stale(&self, addr: &str) -> bool {
-        let since = match self.board.loads.get(addr) {
-            Some(l) if !l.reachable => return false,
-            Some(l) => l.at,
-            None => match self.board.asked.get(addr) {
-                Some(&t) => t,
-                None => return false,
-            },
-        };
-        self.now.saturating_duration_since(since) > self.max_age
+        self.get_and_stale(addr).1
     }
 
     /// The prefix block size `addr` reported (`None`: no prefix set held from it).
@@ -220,26 +288,20 @@ impl LoadBoard {
     /// A read view for many look-ups under one lock (one routing decision).
     pub fn read(&self) -> Loads<'_> {
         let (now, max_age) = (Instant::now(), self.max_age());
-        Loads {
-            board: self.state.read().unwrap_or_else(|e| e.into_inner()),
-            now,
-            max_age,
-            fresh_from: now.checked_sub(max_age),
-        }
+        Loads { board: self.state.read().unwrap_or_else(|e| e.into_inner()), fresh_from: now.checked_sub(max_age) }
     }
 
     /// Records an answer (the poller's path; also for tests and benches).
     pub fn set(&self, addr: &str, load: Load) {
-        let mut b = self.write();
-        b.asked.remove(addr);
-        b.loads.insert(addr.to_owned(), load);
+        *self.write().entry(addr) = Slot { load: Some(load), asked: None };
     }
 
     /// Records that the poller asked `addr` at `at`, if it has no answer yet.
     fn asked(&self, addr: &str, at: Instant) {
         let mut b = self.write();
-        if !b.loads.contains_key(addr) {
-            b.asked.entry(addr.to_owned()).or_insert(at);
+        let s = b.entry(addr);
+        if s.load.is_none() {
+            s.asked.get_or_insert(at);
         }
     }
 
@@ -286,8 +348,7 @@ impl LoadBoard {
 
     fn retain(&self, keep: &HashMap<String, Kind>) {
         let mut b = self.write();
-        b.loads.retain(|a, _| keep.contains_key(a));
-        b.asked.retain(|a, _| keep.contains_key(a));
+        b.retain(|a| keep.contains_key(a));
         b.prefixes.retain(|a| keep.contains_key(a));
     }
 
@@ -476,6 +537,40 @@ mod tests {
         tokio::time::advance(board.max_age() + Duration::from_millis(1)).await;
         assert_eq!(board.get("a:1"), None, "a stale answer is unknown");
         assert!(board.get("b:1").is_some_and(|l| !l.reachable), "unreachable until it answers again");
+    }
+
+    /// A slot read under one epoch names the same worker while the epoch holds; a
+    /// worker retained away frees its slot (the epoch moves) and a newcomer may get it.
+    #[tokio::test(start_paused = true)]
+    async fn slots_name_one_worker_per_epoch() {
+        let board = LoadBoard::new(Duration::from_millis(100));
+        board.set("a:1", load(0, 10, 1, 0));
+        board.set("b:1", load(0, 10, 2, 0));
+        let (a, b, epoch) = {
+            let loads = board.read();
+            (loads.slot("a:1"), loads.slot("b:1"), loads.epoch())
+        };
+        assert!(a.is_some() && b.is_some() && a != b);
+        board.set("a:1", load(0, 10, 3, 0));
+        board.asked("a:1", Instant::now());
+        {
+            let loads = board.read();
+            assert_eq!(loads.epoch(), epoch, "a new answer or question of a known worker keeps its slot");
+            assert_eq!(loads.get_and_stale_at(a), loads.get_and_stale("a:1"));
+            assert_eq!(loads.get_and_stale_at(a).0.map(|l| l.running), Some(3));
+            assert_eq!(loads.get_and_stale_at(None), (None, false), "not on the board: unknown, not stale");
+        }
+        board.retain(&HashMap::from([("b:1".to_owned(), Kind::Decode)]));
+        board.set("c:1", load(0, 10, 7, 0));
+        let loads = board.read();
+        assert_ne!(loads.epoch(), epoch, "a slot freed and given again: another epoch");
+        assert_eq!((loads.slot("a:1"), loads.slot("c:1")), (None, a), "the newcomer took the freed slot");
+        assert_eq!(loads.get_and_stale_at(a).0.map(|l| l.running), Some(7), "and the slot reads its load");
+        assert_eq!(loads.get_and_stale_at(b), loads.get_and_stale("b:1"));
+        drop(loads);
+        tokio::time::advance(board.max_age() + Duration::from_millis(1)).await;
+        let loads = board.read();
+        assert_eq!(loads.get_and_stale_at(b), (None, true), "by slot, staleness as by address");
     }
 
     #[tokio::test(start_paused = true)]

@@ -84,45 +84,57 @@ impl Cluster {
                         && (p.determinism.is_empty() || determinism == p.determinism)
                 }
             };
+            let roster = |revision: i64, listed: &mut dyn Iterator<Item = &str>, count: usize| {
+                let key = (revision, count, loads.epoch());
+                let mut r = self.roster.lock().unwrap_or_else(|e| e.into_inner());
+                r.slots(key, || listed.map(|a| loads.slot(a)).collect())
+            };
             match &self.source {
-                Source::Static { decode, prefill } => (
-                    decode
-                        .iter()
-                        .filter(|a| allowed(a, STATIC_GROUP, ""))
-                        .map(|a| {
-                            let (load, stale) = loads.get_and_stale(a);
-                            DecodeCandidate {
-                                id: a,
-                                addr: a,
-                                version_group: STATIC_GROUP,
-                                layout: "",
-                                determinism: "",
-                                zone: "",
-                                load,
-                                stale,
-                                inflight: inflight_of(a),
-                                max_running: 0,
-                                prefix_bonus: bonus(a),
-                            }
-                        })
-                        .collect(),
-                    prefill
-                        .iter()
-                        .map(|a| {
-                            let (load, stale) = loads.get_and_stale(a);
-                            PrefillCandidate {
-                                id: a,
-                                addr: a,
-                                version_group: STATIC_GROUP,
-                                layout: "",
-                                zone: "",
-                                load,
-                                stale,
-                                prefix_bonus: bonus(a),
-                            }
-                        })
-                        .collect(),
-                ),
+                Source::Static { decode, prefill } => {
+                    let slots =
+                        roster(0, &mut decode.iter().chain(prefill).map(String::as_str), decode.len() + prefill.len());
+                    let (decode_slots, prefill_slots) = slots.split_at(decode.len().min(slots.len()));
+                    (
+                        decode
+                            .iter()
+                            .zip(decode_slots)
+                            .filter(|(a, _)| allowed(a, STATIC_GROUP, ""))
+                            .map(|(a, &slot)| {
+                                let (load, stale) = loads.get_and_stale_at(slot);
+                                DecodeCandidate {
+                                    id: a,
+                                    addr: a,
+                                    version_group: STATIC_GROUP,
+                                    layout: "",
+                                    determinism: "",
+                                    zone: "",
+                                    load,
+                                    stale,
+                                    inflight: inflight_of(a),
+                                    max_running: 0,
+                                    prefix_bonus: bonus(a),
+                                }
+                            })
+                            .collect(),
+                        prefill
+                            .iter()
+                            .zip(prefill_slots)
+                            .map(|(a, &slot)| {
+                                let (load, stale) = loads.get_and_stale_at(slot);
+                                PrefillCandidate {
+                                    id: a,
+                                    addr: a,
+                                    version_group: STATIC_GROUP,
+                                    layout: "",
+                                    zone: "",
+                                    load,
+                                    stale,
+                                    prefix_bonus: bonus(a),
+                                }
+                            })
+                            .collect(),
+                    )
+                }
                 Source::Etcd { membership, max_stale } => {
                     if registry_expired(membership, *max_stale) {
                         metrics::route_refused("registry_unavailable");
@@ -140,10 +152,11 @@ impl Cluster {
                         *pruned = (view.revision(), self.breakers.len());
                     }
                     drop(pruned);
-                    let live = view.routable().filter(|w| !w.draining);
+                    let listed: Vec<&registry::WorkerInfo> = view.routable().collect();
+                    let slots = roster(view.revision(), &mut listed.iter().map(|w| w.grpc_addr.as_str()), listed.len());
                     let (mut d, mut p) = (Vec::new(), Vec::new());
-                    for w in live {
-                        let (load, stale) = loads.get_and_stale(&w.grpc_addr);
+                    for (w, &slot) in listed.iter().zip(slots.iter()).filter(|(w, _)| !w.draining) {
+                        let (load, stale) = loads.get_and_stale_at(slot);
                         if w.role == registry::Role::Decode {
                             if !allowed(&w.grpc_addr, &w.version_group, &w.determinism_fingerprint) {
                                 continue;
