@@ -312,9 +312,9 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         },
         actions: Vec::new(),
     };
-    let mut rss = RssWatch::default();
     // The lead-in: the load runs, no fault yet (its requests are the goodput baseline).
     let lead = lead_in(o.schedule.duration);
+    let mut rss = RssWatch::new(lead);
     let spawned = run_faults(&mut c, &plan_faults, start + lead, &base_url, &mut audit, &o.cancel, &mut rss).await;
     let mut records = Vec::new();
     let mut wall = Duration::ZERO;
