@@ -155,20 +155,22 @@ impl Board {
     /// `addr`'s slot, given one (a free one first) if it has none.
     fn entry(&mut self, addr: &str) -> &mut Slot {
         let i = match self.slot.get(addr) {
-            Some(&i) => i,
+            Some(&i) => i as usize,
             None => {
-                let i = self.free.pop().unwrap_or_else(|| {
-                    self.slots.push(Slot::default());
-                    // Fewer workers than 2^32 ever share a board.
-                    u32::try_from(self.slots.len() - 1).unwrap_or(u32::MAX)
-                });
-                self.slot.insert(addr.to_owned(), i);
+                let i = self.free.pop().map_or_else(
+                    || {
+                        self.slots.push(Slot::default());
+                        self.slots.len() - 1
+                    },
+                    |i| i as usize,
+                );
+                // Fewer workers than 2^32 ever share a board.
+                self.slot.insert(addr.to_owned(), i as u32);
                 self.epoch += 1;
                 i
             }
         };
-        let n = self.slots.len();
-        &mut self.slots[(i as usize).min(n - 1)]
+        &mut self.slots[i]
     }
 
     /// Frees the slots of addresses `keep` does not name.
@@ -197,11 +199,10 @@ pub struct Loads<'a> {
 }
 
 impl Loads<'_> {
-    /// The worker's load if known and fresh.
+    /// The worker's load if known and fresh (an unreachable mark, until the worker
+    /// answers again).
     pub fn get(&self, addr: &str) -> Option<Load> {
-        let l = self.board.get(addr)?.load?;
-        // An unreachable mark stays until the worker answers again.
-        (!l.reachable || self.fresh(l.at)).then_some(l)
+        self.get_and_stale(addr).0
     }
 
     /// Whether an answer at `at` is within the max age (`now - at <= max_age`).

@@ -214,9 +214,9 @@ impl Index {
     }
 
     /// For each worker holding the start of `query`'s prompt, the tokens it holds
-    /// (what a worker's own set would give: counted from the start up to the first block it does not hold): a walk down the prompt's chain in each block
-    /// size in use, through the holders of each block, stopping where nobody holds
-    /// the next one.
+    /// (counted from the start up to the first block it does not hold, as its own set
+    /// would give): a walk down the prompt's chain in each block size in use, through
+    /// the holders of each block, stopping where nobody holds the next one.
     pub fn matches(&self, query: &mut Query<'_>) -> Matches<'_> {
         let mut tokens = FxHashMap::default();
         for &bs in self.block_sizes.keys() {
