@@ -163,10 +163,11 @@ fn free(stale: Vec<Vec<u8>>) {
 }
 
 /// `malloc_trim(0)`: every arena's free pages back to the kernel (a walk of the free
-/// lists, at most once per decay window per home). Nothing to do on other allocators.
+/// lists; here at most once per decay window per home, and on the workers' slow tick,
+/// worker-common's `heap`). Nothing to do on other allocators.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
-fn release_free_pages() {
+pub fn release_free_pages() {
     // SAFETY: malloc_trim takes no pointers and has no preconditions; it only locks and
     // walks glibc's own arenas.
     unsafe {
@@ -174,8 +175,9 @@ fn release_free_pages() {
     }
 }
 
+/// Nothing to release on other allocators.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn release_free_pages() {}
+pub fn release_free_pages() {}
 
 /// A buffer on loan from [`Buffers`]; it derefs to its `Vec<u8>` and goes
 /// home when dropped (if home is still there and has room).

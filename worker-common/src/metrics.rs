@@ -65,6 +65,10 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     describe_gauge!(REQUESTS_WAITING, "Requests waiting for a running seat.");
     describe_gauge!(FENCED, "1 while fenced (another process holds this worker's etcd key, or no coordinator has called Health for --coordinator-silence-fence-ms): no new work is taken.");
     describe_counter!(FENCES, "Times this worker fenced itself.");
+    describe_counter!(
+        HEAP_RELEASED_BYTES,
+        "Resident memory the allocator's free pages gave back to the kernel (RssAnon before less after each release)."
+    );
     describe_counter!(PREEMPTIONS, "Sequences preempted (evicted, to be recomputed), by reason.");
     describe_counter!(PREFIX_CACHE_HIT_TOKENS, "Prompt tokens served from the prefix cache instead of computed.");
     describe_counter!(PREEMPTIONS_BY_PRIORITY, "Sequences preempted, by the evicted sequence's priority class.");
@@ -76,6 +80,7 @@ pub fn install(addr: SocketAddr, buckets: &[(&str, &[f64])]) -> Result<SocketAdd
     record_process_start();
     gauge!(FENCED).set(0.0);
     counter!(FENCES).absolute(0);
+    counter!(HEAP_RELEASED_BYTES).absolute(0);
     counter!(PREEMPTIONS, "reason" => PREEMPTION_KV_EXHAUSTED).absolute(0);
     counter!(PREFIX_CACHE_HIT_TOKENS).absolute(0);
     counter!(SPEC_DRAFT_TOKENS).absolute(0);

@@ -310,7 +310,7 @@ static STARTED: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock:
 /// stderr as [`facts::log`] says (INFO unless `TANDEM_LOG`/`RUST_LOG` say
 /// otherwise, in the config's `log_format`), its CPU placement applied before
 /// any thread exists (so that every thread inherits it), and `run` on a
-/// two-thread runtime.
+/// two-thread runtime beside the heap's release tick ([`crate::heap`]).
 pub fn main<C, E, F>(
     load: impl FnOnce() -> Result<C, E>,
     common: impl FnOnce(&C) -> &CommonConfig,
@@ -333,7 +333,10 @@ where
     );
     crate::cpu::apply(c.nice, c.cpus.as_ref())?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(run(cfg))
+    rt.block_on(async {
+        crate::heap::spawn_release(crate::heap::RELEASE_EVERY);
+        run(cfg).await
+    })
 }
 
 /// Marks the registration draining, so that coordinators stop routing here

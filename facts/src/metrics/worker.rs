@@ -61,6 +61,13 @@ pub const REQUESTS_BY_PRIORITY: &str = "tandem_worker_requests_by_priority_total
 pub const FENCED: &str = "tandem_worker_fenced";
 /// `tandem_worker_fences_total`: times the worker fenced itself. vLLM: none.
 pub const FENCES: &str = "tandem_worker_fences_total";
+/// `tandem_worker_heap_released_bytes_total`: resident anonymous memory the
+/// worker's slow tick gave back to the kernel (`malloc_trim`: pages of freed
+/// chunks the allocator kept), measured as `RssAnon` before less after each
+/// release. Steady growth means the load's working set keeps moving around the
+/// heap (bursts, faults); the tick is what keeps it from showing as a leak.
+/// vLLM: none.
+pub const HEAP_RELEASED_BYTES: &str = "tandem_worker_heap_released_bytes_total";
 /// Every `outcome` label of a worker's request counter: `ok` and each of
 /// worker-common's `metrics::outcome_label`'s.
 pub const OUTCOMES: [&str; 9] = [
@@ -96,4 +103,5 @@ pub const CATALOG: &[Metric] = &[
     Metric { name: REQUESTS_BY_PRIORITY, kind: Kind::Counter, labels: &["priority"], exporter: Exporter::Workers },
     Metric { name: FENCED, kind: Kind::Gauge, labels: &[], exporter: Exporter::Workers },
     Metric { name: FENCES, kind: Kind::Counter, labels: &[], exporter: Exporter::Workers },
+    Metric { name: HEAP_RELEASED_BYTES, kind: Kind::Counter, labels: &[], exporter: Exporter::Workers },
 ];
