@@ -27,13 +27,16 @@ async fn drill(name: &str) -> Result<DrillReport, Box<dyn std::error::Error + Se
     );
     if let Some(g) = &r.goodput {
         eprintln!(
-            "{name}: goodput {:.1} tok/s, {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after); {} tokens \
-             regenerated to resume",
+            "{name}: goodput {:.1} tok/s, {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after) at the machine's \
+             speed in each, {:.0}% as measured ({}); {} tokens regenerated to resume; computed {:?}",
             g.tok_s,
             g.ratio * 100.0,
             g.baseline_tok_s[0],
             g.baseline_tok_s[1],
-            g.regenerated_tokens
+            g.raw_ratio * 100.0,
+            g.token_ms_text(),
+            g.regenerated_tokens,
+            g.computed
         );
     }
     assert!(r.violations.is_empty(), "{name}: {:#?}", r.violations);
@@ -133,6 +136,10 @@ async fn overload_3x() -> TestResult {
         g.offered_rps,
         g.capacity_rps
     );
+    // Both goodput checks ran: at the machine's speed (every load streamed tokens) and
+    // the count of requests the decode workers began.
+    assert!(g.token_ms.iter().all(Option::is_some), "{:?}", g.token_ms);
+    assert!(g.computed.is_some_and(|(begun, completed)| begun > 0.0 && completed > 0), "{:?}", g.computed);
     Ok(())
 }
 

@@ -349,6 +349,11 @@ impl Cluster {
             Ok((args, h, g))
         };
         let (mut http, mut grpc) = (Vec::new(), Vec::new());
+        let pinned: Vec<String> = spec
+            .coordinator_cpus
+            .as_ref()
+            .map(|cpus| vec!["taskset".to_owned(), "-c".to_owned(), cpus.clone()])
+            .unwrap_or_default();
         let mut coordinators = Vec::new();
         for i in 0..spec.coordinators.max(1) {
             let name = if i == 0 { "coordinator".to_owned() } else { format!("coordinator-{i}") };
@@ -360,7 +365,9 @@ impl Cluster {
             } else {
                 cargs.clone()
             };
-            coordinators.push(Proc::start(&name, "tandem-coordinator", &args, &["http", "grpc"], &log_dir).await?);
+            coordinators.push(
+                Proc::start_with(&pinned, &name, "tandem-coordinator", &args, &["http", "grpc"], &log_dir).await?,
+            );
         }
         let front = if http.len() > 1 { Some(Front::start(http).await?) } else { None };
         let grpc_front = if grpc.len() > 1 { Some(Front::start(grpc).await?) } else { None };

@@ -43,6 +43,8 @@ pub struct ClusterSpec {
     pub lease_ttl_s: u32,
     /// Flags added to the coordinator's.
     pub coordinator_args: Vec<String>,
+    /// CPUs every coordinator runs on (`taskset -c`, so each of its threads), when set.
+    pub coordinator_cpus: Option<String>,
     /// Coordinators serving the one membership (more than 1: clients reach them through a
     /// round-robin [`Front`](crate::Front), and each listens on fixed ports so a restart keeps its flags).
     pub coordinators: usize,
@@ -88,6 +90,7 @@ impl Default for ClusterSpec {
             kv_blocks: 256,
             lease_ttl_s: 2,
             coordinator_args: Vec::new(),
+            coordinator_cpus: None,
             coordinators: 1,
             etcd_members: 1,
             etcd_via_proxy: Vec::new(),
@@ -212,6 +215,12 @@ impl ClusterSpec {
 
     pub fn coordinator_args(mut self, args: &[&str]) -> Self {
         self.coordinator_args.extend(args.iter().map(|s| (*s).to_owned()));
+        self
+    }
+
+    /// Runs the coordinators on `cpus` (a `taskset -c` list; `None`: anywhere).
+    pub fn coordinator_cpus(mut self, cpus: Option<&str>) -> Self {
+        self.coordinator_cpus = cpus.map(str::to_owned);
         self
     }
 }

@@ -26,6 +26,12 @@ pub(super) fn core_each() -> (&'static [&'static str], &'static [&'static str]) 
     }
 }
 
+/// The core [`core_each`] gives the prefill worker, for processes that must stay off the
+/// decode worker's (`None` where there are not two).
+pub(super) fn prefill_core() -> Option<&'static str> {
+    std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2).then_some("1")
+}
+
 /// The process is gone (or a zombie awaiting its reaper).
 /// The decode workers' counter of requests cancelled by their client.
 pub(super) const CANCELLED: (&str, &[(&str, &str)]) =
@@ -33,9 +39,14 @@ pub(super) const CANCELLED: (&str, &[(&str, &str)]) =
 
 /// Requests the decode workers counted as cancelled (all of them).
 pub(super) async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
+    decode_requests(c, CANCELLED.1).await
+}
+
+/// Requests the decode workers counted with these labels (`&[]`: every outcome).
+pub(super) async fn decode_requests(c: &Cluster, labels: &[(&str, &str)]) -> Result<f64, HarnessError> {
     let mut sum = 0.0;
     for w in c.workers_of(Role::Decode) {
-        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, CANCELLED.1)?;
+        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, labels)?;
     }
     Ok(sum)
 }

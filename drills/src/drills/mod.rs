@@ -282,8 +282,18 @@ pub struct Goodput {
     pub baseline_tok_s: [f64; 2],
     /// The same under the overload.
     pub tok_s: f64,
-    /// `tok_s` over the lower of `baseline_tok_s` (see `GoodputBound`).
+    /// Each load's median time between two tokens of an answer, ms (before, under the
+    /// overload, after; `None`: no answer had two tokens).
+    pub token_ms: [Option<f64>; 3],
+    /// The goodput judged: `tok_s` over the lower of `baseline_tok_s`, each at the
+    /// machine's speed in its own load (see `GoodputBound`); `raw_ratio` where a load
+    /// has no `token_ms`.
     pub ratio: f64,
+    /// `tok_s` over the lower of `baseline_tok_s`, as measured.
+    pub raw_ratio: f64,
+    /// Requests the decode workers began during the overload, and those it completed
+    /// (an open-loop overload only: refused requests must not be computed).
+    pub computed: Option<(f64, usize)>,
     /// Requests per second the cluster completed in the first measurement (its capacity),
     /// and the Poisson rate offered during the overload.
     pub capacity_rps: f64,
@@ -294,6 +304,14 @@ pub struct Goodput {
     pub regenerated_tokens: u64,
 }
 
+impl Goodput {
+    /// `token_ms` as `a/b/c ms per token (before/under/after)`.
+    pub fn token_ms_text(&self) -> String {
+        let each: Vec<String> = self.token_ms.iter().map(|t| t.map_or("-".into(), |t| format!("{t:.1}"))).collect();
+        format!("{} ms per token (before/under/after)", each.join("/"))
+    }
+}
+
 /// What a load got done: completed requests and their output tokens (with those
 /// generated again to resume them), over the time from its first request's start to its
 /// last completion.
@@ -302,6 +320,17 @@ struct Throughput {
     completed: usize,
     tokens: u64,
     secs: f64,
+    /// The median time between two tokens of a completed answer, seconds.
+    token_secs: Option<f64>,
+}
+
+/// The median gap between two tokens of the completed answers in `r`: the machine's
+/// speed, which a few stalls (a stream resumed elsewhere, a queue) do not move.
+fn token_secs(r: &Report) -> Option<f64> {
+    let done = r.records.iter().filter(|x| matches!(x.outcome, Outcome::Complete { .. }));
+    let mut gaps: Vec<Duration> = done.flat_map(|x| x.itl.iter().copied()).collect();
+    let mid = gaps.len() / 2;
+    (!gaps.is_empty()).then(|| *gaps.select_nth_unstable(mid).1).map(|g| g.as_secs_f64())
 }
 
 impl Throughput {
@@ -314,7 +343,7 @@ impl Throughput {
             tokens += u64::from(x.output_tokens) + u64::from(x.retries.regenerated);
             last = last.max(x.start + x.e2e);
         }
-        Self { completed, tokens, secs: last.saturating_sub(first).as_secs_f64().max(1e-9) }
+        Self { completed, tokens, secs: last.saturating_sub(first).as_secs_f64().max(1e-9), token_secs: token_secs(r) }
     }
 
     /// What a load got done while its arrivals lasted: from its first request's start
@@ -333,11 +362,23 @@ impl Throughput {
             }
             completed += usize::from(x.start + x.e2e <= end);
         }
-        Self { completed, tokens: tokens.round() as u64, secs: end.saturating_sub(first).as_secs_f64().max(1e-9) }
+        Self {
+            completed,
+            tokens: tokens.round() as u64,
+            secs: end.saturating_sub(first).as_secs_f64().max(1e-9),
+            token_secs: token_secs(r),
+        }
     }
 
     fn tok_s(self) -> f64 {
         self.tokens as f64 / self.secs
+    }
+
+    /// Output tokens per second times the time a token took (the median gap): the
+    /// share of the time an answer was streaming at the machine's pace, whatever that
+    /// pace was (see `GoodputBound`).
+    fn at_speed(self) -> Option<f64> {
+        self.token_secs.map(|t| self.tok_s() * t)
     }
 
     fn rps(self) -> f64 {
@@ -543,6 +584,9 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         None => None,
     };
     let rss_before = rss_mib(cluster.coordinator.pid);
+    // What the decode workers begin during an open-loop overload (see `GoodputBound`).
+    let overload = bound.is_some_and(|g| !g.closed) && !opts.skip_fault;
+    let computed_before = if overload { Some(common::decode_requests(&cluster, &[]).await?) } else { None };
     let done = opts.progress.clone().unwrap_or_default();
     done.store(0, Ordering::SeqCst);
     let progress = Progress { done, finished: Arc::default() };
@@ -573,6 +617,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         .map_err(|e| HarnessError::Load(format!("load task: {e}")))?
         .map_err(|e| HarnessError::Load(e.to_string()))?;
     let evidence = evidence?;
+    let computed_after = if overload { Some(common::decode_requests(&cluster, &[]).await?) } else { None };
     let proof = drill.prove(&cluster, &evidence, &report).await;
     let rss_after = bound.and_then(|_| rss_mib(cluster.coordinator.pid));
     let since_start = |t: Instant| t.saturating_duration_since(load_start);
@@ -583,13 +628,22 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     let goodput = match (bound, before) {
         (Some(g), Some(before)) => {
             let after = saturating_load(&plan, &g, g.baseline_requests, seed + 2).await?;
-            let tok_s =
-                if g.arrivals_only { Throughput::during_arrivals(&report) } else { Throughput::of(&report) }.tok_s();
-            let ratio = tok_s / before.tok_s().min(after.tok_s()).max(f64::MIN_POSITIVE);
+            let under = if g.arrivals_only { Throughput::during_arrivals(&report) } else { Throughput::of(&report) };
+            let tok_s = under.tok_s();
+            let raw_ratio = tok_s / before.tok_s().min(after.tok_s()).max(f64::MIN_POSITIVE);
+            let ratio = match (before.at_speed(), under.at_speed(), after.at_speed()) {
+                (Some(b), Some(u), Some(a)) => u / b.min(a).max(f64::MIN_POSITIVE),
+                _ => raw_ratio,
+            };
+            let ms = |t: Throughput| t.token_secs.map(|s| s * 1e3);
+            let completed = report.records.iter().filter(|r| matches!(r.outcome, Outcome::Complete { .. })).count();
             Some(Goodput {
                 baseline_tok_s: [before.tok_s(), after.tok_s()],
                 tok_s,
+                token_ms: [ms(before), ms(under), ms(after)],
                 ratio,
+                raw_ratio,
+                computed: computed_before.zip(computed_after).map(|(b, a)| (a - b, completed)),
                 capacity_rps: before.rps(),
                 offered_rps: match plan.arrival {
                     Arrival::Poisson { rate } => rate,
@@ -606,14 +660,28 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
             violations.push(Violation::new(
                 Guarantee::Drill,
                 format!(
-                    "goodput {:.1} tok/s is {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after), below {:.0}%",
+                    "goodput {:.1} tok/s is {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after) at the \
+                     machine's speed in each ({}; {:.0}% as measured), below {:.0}%",
                     g.tok_s,
                     g.ratio * 100.0,
                     g.baseline_tok_s[0],
                     g.baseline_tok_s[1],
+                    g.token_ms_text(),
+                    g.raw_ratio * 100.0,
                     bound.floor * 100.0
                 ),
             ));
+        }
+        if let Some((begun, completed)) = g.computed {
+            if begun > completed as f64 {
+                violations.push(Violation::new(
+                    Guarantee::Drill,
+                    format!(
+                        "the decode workers began {begun} requests during the overload for {completed} completed \
+                         answers: refused requests were computed"
+                    ),
+                ));
+            }
         }
         match g.rss_growth_mib {
             Some(grew) if grew > s.invariants.max_rss_growth_mib => violations.push(Violation::new(
@@ -695,4 +763,56 @@ pub fn drills_built() -> Vec<(DrillInfo, Result<(), String>)> {
 /// How many requests drill `name`'s load sends by default.
 pub fn planned_requests(name: &str) -> Option<usize> {
     all().into_iter().find(|d| d.info().name == name).map(|d| d.setup(false).requests)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use loadgen::Record;
+
+    /// `n` answers of `tokens` tokens, one after another: each waits `gap_ms` (the slot
+    /// idle, or prefill), then streams a token every `token_ms`, with one pause of
+    /// `stall_ms` halfway.
+    fn serial(n: usize, tokens: usize, token_ms: u64, gap_ms: u64, stall_ms: u64) -> Report {
+        let each = gap_ms + token_ms * tokens as u64 + stall_ms;
+        let mut itl = vec![Duration::from_millis(token_ms); tokens - 1];
+        if let Some(mid) = itl.get_mut(tokens / 2) {
+            *mid += Duration::from_millis(stall_ms);
+        }
+        let records = (0..n)
+            .map(|i| Record {
+                index: i,
+                outcome: Outcome::Complete { finish_reason: "length".into() },
+                start: Duration::from_millis(i as u64 * each),
+                ttft: Some(Duration::from_millis(gap_ms + token_ms)),
+                itl: itl.clone(),
+                output_tokens: tokens as u32,
+                usage_reported: true,
+                prompt_tokens: Some(40),
+                cached_tokens: None,
+                e2e: Duration::from_millis(each),
+                text: String::new(),
+                retries: Default::default(),
+            })
+            .collect();
+        Report { wall: Duration::from_millis(n as u64 * each), records }
+    }
+
+    /// The same work on a machine 30% slower measures 30% less raw but the same at
+    /// speed; a slot left idle between answers, or a stream stalled (a drain), costs it
+    /// at any speed.
+    #[test]
+    fn goodput_at_speed_sees_idle_slots_and_stalls_not_a_slower_machine() {
+        let fast = Throughput::of(&serial(12, 32, 10, 100, 0));
+        let slow = Throughput::of(&serial(12, 32, 13, 130, 0));
+        let idle = Throughput::of(&serial(12, 32, 10, 300, 0));
+        let stalled = Throughput::of(&serial(12, 32, 10, 100, 200));
+        assert!((slow.tok_s() / fast.tok_s() - 1.0 / 1.3).abs() < 1e-9, "raw: {} vs {}", slow.tok_s(), fast.tok_s());
+        let at = |t: Throughput| t.at_speed().expect("tokens to time");
+        assert!((at(slow) / at(fast) - 1.0).abs() < 1e-9, "at speed: {} vs {}", at(slow), at(fast));
+        assert!(at(idle) / at(fast) < 0.85, "an idle slot: {} vs {}", at(idle), at(fast));
+        assert!(at(stalled) / at(fast) < 0.85, "a stalled stream: {} vs {}", at(stalled), at(fast));
+        // Without tokens to time there is no speed to judge at.
+        assert_eq!(Throughput::of(&serial(3, 1, 10, 100, 0)).at_speed(), None);
+    }
 }

@@ -184,15 +184,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     println!("{}", row(&r, a.vacuity));
                     if let Some(g) = &r.goodput {
                         println!(
-                            "    goodput {:.1} tok/s = {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after; \
-                             {:.2} req/s, offered {:.2} req/s; {} tokens regenerated to resume); coordinator memory {}",
+                            "    goodput {:.1} tok/s = {:.0}% of the no-overload {:.1}/{:.1} tok/s (before/after) at \
+                             the machine's speed in each, {:.0}% as measured ({}; {:.2} req/s, offered {:.2} req/s; \
+                             {} tokens regenerated to resume{}); coordinator memory {}",
                             g.tok_s,
                             100.0 * g.ratio,
                             g.baseline_tok_s[0],
                             g.baseline_tok_s[1],
+                            100.0 * g.raw_ratio,
+                            g.token_ms_text(),
                             g.capacity_rps,
                             g.offered_rps,
                             g.regenerated_tokens,
+                            g.computed.map_or_else(String::new, |(b, c)| format!(
+                                "; decode workers began {b} requests for {c} answers"
+                            )),
                             g.rss_growth_mib.map_or_else(|| "unread".to_owned(), |m| format!("{m:+.1} MiB"))
                         );
                     }
