@@ -46,7 +46,8 @@ pub(super) async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
 pub(super) async fn decode_requests(c: &Cluster, labels: &[(&str, &str)]) -> Result<f64, HarnessError> {
     let mut sum = 0.0;
     for w in c.workers_of(Role::Decode) {
-        sum += crate::metrics::scrape(&w.metrics_addr()?).await?.sum(CANCELLED.0, labels)?;
+        sum +=
+            crate::metrics::scrape(&w.metrics_addr()?).await?.sum(facts::metrics::decode::DECODE_REQUESTS, labels)?;
     }
     Ok(sum)
 }
