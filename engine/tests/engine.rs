@@ -476,3 +476,29 @@ fn prompt_lookup_changes_no_token() {
         assert_eq!(e.draft_tokens(), (drafted, accepted), "{name}: a request that said no was drafted for");
     }
 }
+
+/// The step buffers reserved for the largest step the config allows (as the workers do at
+/// start) are never outgrown, cover what an engine left to grow reaches at its largest
+/// step, and change no token: a worker's memory does not step up with its batches.
+#[test]
+fn reserved_step_buffers_hold_the_largest_step_and_change_no_token() {
+    let cfg = EngineConfig { max_batch_tokens: 48, max_running: 4, ..EngineConfig::default() };
+    let (mut grown, tok) = engine(cfg.clone());
+    let (mut reserved, _) = engine(cfg);
+    let mut ps = prompts(&tok);
+    // A prompt longer than the step budget, so that some step is a full one.
+    ps.push(tok.encode(&"The quick brown fox jumps over the lazy dog. ".repeat(8), false).expect("encode"));
+    assert!(ps.last().map_or(0, Vec::len) > 48);
+
+    let at_start = grown.model().scratch_bytes();
+    let bytes = reserved.reserve_scratch();
+    assert!(bytes > at_start, "reserving grew the buffers: {at_start} -> {bytes} bytes");
+
+    let want = run_all(&mut grown, &ps, &greedy(N));
+    let got = run_all(&mut reserved, &ps, &greedy(N));
+    assert_eq!(got, want, "reserved buffers changed a token");
+    let high_water = grown.model().scratch_bytes();
+    assert!(high_water > at_start, "the engine left alone grew its buffers: {at_start} -> {high_water} bytes");
+    assert!(high_water <= bytes, "the reserve covers the largest step: grew to {high_water}, reserved {bytes}");
+    assert_eq!(reserved.model().scratch_bytes(), bytes, "a reserved engine never outgrows its buffers");
+}

@@ -140,6 +140,17 @@ impl QActs {
     pub fn blocks_per_row(&self) -> usize {
         self.k / QK
     }
+
+    /// Grows the buffers to hold `rows` rows of `k` and writes them, so that quantizing
+    /// up to that many elements later neither allocates nor faults a page in.
+    pub fn reserve(&mut self, rows: usize, k: usize) {
+        self.reshape(rows, k);
+    }
+
+    /// Bytes the buffers hold (their capacity).
+    pub fn capacity_bytes(&self) -> usize {
+        self.qs.capacity() + (self.d.capacity() + self.s.capacity()) * std::mem::size_of::<f32>()
+    }
 }
 
 /// Quantizes whole blocks of `x` into `qs`, with per-block scale `d` and `s = d * sum(q)`,

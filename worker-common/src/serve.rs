@@ -48,6 +48,9 @@ pub fn load(cfg: &CommonConfig) -> anyhow::Result<Loaded> {
     let started = tokio::time::Instant::now();
     let bytes = engine.pool_mut().commit().context("committing the KV pool (lower `kv_blocks`?)")?;
     tracing::info!(mib = bytes >> 20, ms = started.elapsed().as_millis() as u64, "KV pool committed");
+    // The same for the step buffers, sized for the largest step the config allows.
+    let bytes = engine.reserve_scratch();
+    tracing::info!(mib = bytes >> 20, "step buffers reserved");
     Ok(Loaded { engine, layout, fingerprint, tokenizer })
 }
 

@@ -303,6 +303,16 @@ impl Engine {
         &self.model
     }
 
+    /// Sizes the model's step buffers for this engine's largest step
+    /// ([`Model::reserve_scratch`]): `max_batch_tokens` tokens, and a row of
+    /// logits per running sequence and draft token. Returns their bytes.
+    /// The worker binaries reserve at start, beside committing the KV pool;
+    /// tests and benches that build many small engines need not.
+    pub fn reserve_scratch(&mut self) -> usize {
+        let rows = self.cfg.max_running.saturating_mul(1 + self.cfg.prompt_lookup);
+        self.model.reserve_scratch(self.cfg.max_batch_tokens, rows)
+    }
+
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
     }

@@ -160,6 +160,59 @@ impl Model {
         self.isa
     }
 
+    /// Grows every buffer of a step to what a step of `tokens` tokens with
+    /// `logit_rows` rows of logits needs, and writes them; returns the
+    /// scratch's bytes (see [`scratch_bytes`](Self::scratch_bytes)).
+    ///
+    /// Why: the buffers are kept from step to step and only grow, so left
+    /// alone they grow to a worker's largest step so far, in steps, whenever
+    /// a load or a fault brings a larger batch than before (on a decode
+    /// worker: a re-prefill after a prefill worker died, a burst of
+    /// resumes), each step another few MiB resident for good. An hour of
+    /// chaos read that as a leak (1.16 MiB per 10 minutes after warm-up).
+    /// Reserved at start, the worker's memory is its working set from the
+    /// first request on, and a first large step does not fault it in.
+    pub fn reserve_scratch(&mut self, tokens: usize, logit_rows: usize) -> usize {
+        let cfg = &self.cfg;
+        let (h, kvd, ffn) = (cfg.hidden, cfg.kv_dim(), cfg.ffn);
+        let rows = logit_rows.min(tokens);
+        let s = &mut self.s;
+        for (buf, n) in [
+            (&mut s.x, tokens * h),
+            (&mut s.xn, tokens * h),
+            (&mut s.q, tokens * h),
+            (&mut s.k, tokens * kvd),
+            (&mut s.v, tokens * kvd),
+            (&mut s.att, tokens * h),
+            (&mut s.tmp, tokens * h),
+            (&mut s.gate, tokens * ffn),
+            (&mut s.up, tokens * ffn),
+            (&mut s.last, rows * h),
+            (&mut s.logits, rows * cfg.vocab),
+        ] {
+            if buf.len() < n {
+                buf.reserve_exact(n - buf.len());
+                buf.resize(n, 0.0);
+            }
+        }
+        // The widest activations a matmul quantizes are the FFN's.
+        s.mm.reserve(tokens, h.max(ffn));
+        self.scratch_bytes()
+    }
+
+    /// Bytes the step buffers hold (their capacity): they grow to the
+    /// largest step so far unless [`reserve_scratch`](Self::reserve_scratch)
+    /// sized them at start. Not counted: each pool thread's attention
+    /// scores (a few tens of KiB, by context length).
+    pub fn scratch_bytes(&self) -> usize {
+        let s = &self.s;
+        let floats: usize = [&s.x, &s.xn, &s.q, &s.k, &s.v, &s.att, &s.tmp, &s.gate, &s.up, &s.last, &s.logits]
+            .iter()
+            .map(|b| b.capacity())
+            .sum();
+        floats * std::mem::size_of::<f32>() + s.mm.capacity_bytes()
+    }
+
     /// The KV layout this model needs for a given block size and dtype.
     pub fn kv_layout(&self, block_size: usize, dtype: types::kv::KvDtype) -> KvLayout {
         KvLayout {

@@ -228,6 +228,19 @@ pub struct MatmulScratch {
     acts: QActs,
 }
 
+impl MatmulScratch {
+    /// Grows the buffers for `m` activation rows of `k` and writes them (see
+    /// [`QActs::reserve`]).
+    pub fn reserve(&mut self, m: usize, k: usize) {
+        self.acts.reserve(m, k);
+    }
+
+    /// Bytes the buffers hold.
+    pub fn capacity_bytes(&self) -> usize {
+        self.acts.capacity_bytes()
+    }
+}
+
 /// `y[m × w.rows] = x[m × w.cols] · wᵀ`, split across the pool by weight rows.
 pub fn matmul(
     pool: &ThreadPool,
