@@ -336,10 +336,17 @@ where
     );
     crate::cpu::apply(c.nice, c.cpus.as_ref())?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(async {
+    let result = rt.block_on(async {
         crate::heap::spawn_release(crate::heap::RELEASE_EVERY);
         run(cfg).await
-    })
+    });
+    // The runtime is left to the process's exit, not dropped: by now `run` has drained,
+    // deregistered and joined the engine, and a drop would cancel the tasks still in
+    // flight, among them the Prometheus exporter's, which unwraps its render on a
+    // blocking thread and panics when that is cancelled (a scrape that met the exit:
+    // the version-relabel drill's decode worker, G5 "no panic in any log").
+    std::mem::forget(rt);
+    result
 }
 
 /// Marks the registration draining, so that coordinators stop routing here
