@@ -84,6 +84,42 @@ struct Scratch {
     mm: MatmulScratch,
 }
 
+impl Scratch {
+    /// The buffers a step needs one row of per token, with their row widths: what
+    /// `forward_hooked` sizes for each step and `reserve_scratch` for the largest.
+    fn per_token(&mut self, cfg: &LlamaConfig) -> [(&mut Vec<f32>, usize); 9] {
+        let (h, kvd, ffn) = (cfg.hidden, cfg.kv_dim(), cfg.ffn);
+        [
+            (&mut self.x, h),
+            (&mut self.xn, h),
+            (&mut self.q, h),
+            (&mut self.k, kvd),
+            (&mut self.v, kvd),
+            (&mut self.att, h),
+            (&mut self.tmp, h),
+            (&mut self.gate, ffn),
+            (&mut self.up, ffn),
+        ]
+    }
+
+    /// Every float buffer, for counting their bytes.
+    fn floats(&self) -> [&Vec<f32>; 11] {
+        [
+            &self.x,
+            &self.xn,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.att,
+            &self.tmp,
+            &self.gate,
+            &self.up,
+            &self.last,
+            &self.logits,
+        ]
+    }
+}
+
 /// A loaded model ready to run.
 pub struct Model {
     cfg: LlamaConfig,
@@ -174,29 +210,15 @@ impl Model {
     /// first request on, and a first large step does not fault it in.
     pub fn reserve_scratch(&mut self, tokens: usize, logit_rows: usize) -> usize {
         let cfg = &self.cfg;
-        let (h, kvd, ffn) = (cfg.hidden, cfg.kv_dim(), cfg.ffn);
         let rows = logit_rows.min(tokens);
         let s = &mut self.s;
-        for (buf, n) in [
-            (&mut s.x, tokens * h),
-            (&mut s.xn, tokens * h),
-            (&mut s.q, tokens * h),
-            (&mut s.k, tokens * kvd),
-            (&mut s.v, tokens * kvd),
-            (&mut s.att, tokens * h),
-            (&mut s.tmp, tokens * h),
-            (&mut s.gate, tokens * ffn),
-            (&mut s.up, tokens * ffn),
-            (&mut s.last, rows * h),
-            (&mut s.logits, rows * cfg.vocab),
-        ] {
-            if buf.len() < n {
-                buf.reserve_exact(n - buf.len());
-                buf.resize(n, 0.0);
-            }
+        for (buf, width) in s.per_token(cfg) {
+            grow(buf, tokens * width);
         }
+        grow(&mut s.last, rows * cfg.hidden);
+        grow(&mut s.logits, rows * cfg.vocab);
         // The widest activations a matmul quantizes are the FFN's.
-        s.mm.reserve(tokens, h.max(ffn));
+        s.mm.reserve(tokens, cfg.hidden.max(cfg.ffn));
         self.scratch_bytes()
     }
 
@@ -205,12 +227,8 @@ impl Model {
     /// sized them at start. Not counted: each pool thread's attention
     /// scores (a few tens of KiB, by context length).
     pub fn scratch_bytes(&self) -> usize {
-        let s = &self.s;
-        let floats: usize = [&s.x, &s.xn, &s.q, &s.k, &s.v, &s.att, &s.tmp, &s.gate, &s.up, &s.last, &s.logits]
-            .iter()
-            .map(|b| b.capacity())
-            .sum();
-        floats * std::mem::size_of::<f32>() + s.mm.capacity_bytes()
+        let floats: usize = self.s.floats().iter().map(|b| b.capacity()).sum();
+        floats * std::mem::size_of::<f32>() + self.s.mm.capacity_bytes()
     }
 
     /// The KV layout this model needs for a given block size and dtype.
@@ -272,18 +290,8 @@ impl Model {
             where_.extend((0..c.tokens.len()).map(|i| (ci, c.start + i)));
         }
         let s = &mut self.s;
-        for (buf, n) in [
-            (&mut s.x, h),
-            (&mut s.xn, h),
-            (&mut s.q, h),
-            (&mut s.k, kvd),
-            (&mut s.v, kvd),
-            (&mut s.att, h),
-            (&mut s.tmp, h),
-            (&mut s.gate, ffn),
-            (&mut s.up, ffn),
-        ] {
-            buf.resize(n_tok * n, 0.0);
+        for (buf, width) in s.per_token(cfg) {
+            buf.resize(n_tok * width, 0.0);
         }
 
         let embd =
@@ -395,6 +403,14 @@ impl Model {
             self.weights.matrix(&self.output_name, cfg.vocab, h).map_err(|e| ForwardError::Weights(e.to_string()))?;
         matmul(&self.pool, self.isa, &out, &s.xn[..n_out * h], n_out, &mut s.logits, &mut s.mm);
         Ok(&s.logits)
+    }
+}
+
+/// Grows `buf` to `n` elements, written (so resident), allocating no more than that.
+fn grow(buf: &mut Vec<f32>, n: usize) {
+    if buf.len() < n {
+        buf.reserve_exact(n - buf.len());
+        buf.resize(n, 0.0);
     }
 }
 
