@@ -237,7 +237,7 @@ impl Invariants {
                 Outcome::Transport(_) if self.cuts_allowed => {}
                 Outcome::Timeout => v.push(Violation::new(
                     Guarantee::G1,
-                    format!("request {i}: hung until the client gave up ({:?})", r.e2e),
+                    format!("request {i}: hung until the client gave up ({:?}){}", r.e2e, cut_notes(r)),
                 )),
                 other => {
                     v.push(Violation::new(Guarantee::G1, format!("request {i}: lost, not a typed outcome: {other:?}")))
@@ -535,6 +535,23 @@ pub async fn shutdown(cluster: &mut Cluster, limit: Duration) -> Vec<Violation> 
     v
 }
 
+/// The cuts a resumed request met before it ended (the first and last few), for its
+/// violation's detail.
+fn cut_notes(r: &Record) -> String {
+    const ENDS: usize = 3;
+    let c = &r.cuts;
+    let shown = if c.len() <= 2 * ENDS {
+        c.join("; ")
+    } else {
+        format!("{}; ({} more); {}", c[..ENDS].join("; "), c.len() - 2 * ENDS, c[c.len() - ENDS..].join("; "))
+    };
+    if c.is_empty() {
+        String::new()
+    } else {
+        format!(", after {} resumes, each attempt ended: {shown}", c.len())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -595,6 +612,7 @@ mod tests {
             e2e: Duration::from_millis(e2e_ms),
             text: String::new(),
             retries: Default::default(),
+            cuts: Vec::new(),
         }
     }
 
@@ -620,5 +638,24 @@ mod tests {
         // Where every request must complete, nothing is excused.
         let strict = Invariants { all_complete: true, ..inv };
         assert_eq!(strict.requests(&report(transport(500, 600)), &reference).len(), 1);
+    }
+
+    /// A request that hung after being resumed says how each attempt ended: the first
+    /// and last few, so the cause (the first cut) and the loop (the last ones) both show.
+    #[test]
+    fn a_hung_request_names_its_cuts() {
+        let mut r = transport(0, 41_000);
+        r.outcome = Outcome::Timeout;
+        r.cuts = (0..10).map(|i| format!("{i}.0 s: cut {i}")).collect();
+        let report = Report { wall: Duration::from_secs(50), records: vec![r.clone()] };
+        let v = Invariants::default().requests(&report, &[String::new()]);
+        let d = &v[0].detail;
+        assert!(d.contains("hung until the client gave up") && d.contains("after 10 resumes"), "{d}");
+        assert!(d.contains("0.0 s: cut 0; 1.0 s: cut 1; 2.0 s: cut 2; (4 more); 7.0 s: cut 7"), "{d}");
+        assert!(d.ends_with("9.0 s: cut 9") && !d.contains("cut 5"), "{d}");
+        r.cuts.clear();
+        let report = Report { wall: Duration::from_secs(50), records: vec![r] };
+        let v = Invariants::default().requests(&report, &[String::new()]);
+        assert!(v[0].detail.ends_with("gave up (41s)"), "{v:?}");
     }
 }

@@ -38,6 +38,8 @@ const MAX_BODY: usize = 8 << 20;
 /// [`MAX_RESUME_PAUSE`].
 const RESUME_PAUSE: Duration = Duration::from_millis(50);
 const MAX_RESUME_PAUSE: Duration = Duration::from_secs(1);
+/// Longest note of one cut attempt in a record (its outcome, shortened).
+const MAX_CUT_NOTE: usize = 240;
 
 /// What one request sends.
 pub(crate) enum Input<'a> {
@@ -177,6 +179,7 @@ impl Sender {
                 (r.retries.sent, r.retries.last_start) = (retries.sent, retries.last_start);
                 return r;
             }
+            m.cut(&outcome);
             resumed += 1;
             regenerated += last_id.as_deref().map_or(0, cursor_tokens);
             resume_pause(resumed).await;
@@ -197,6 +200,8 @@ impl Sender {
         let first = Instant::now();
         let mut resumed = 0;
         let mut retries = Retries::default();
+        let mut cuts = Meter::new(index, t0);
+        cuts.start = first;
         loop {
             let (mut r, retry_after) = self.attempt(index, input, t0, Some(key), deadline).await;
             if self.retried(index, &r.outcome, retry_after, &mut retries, deadline, t0).await {
@@ -207,8 +212,10 @@ impl Sender {
                 r.start = first - t0;
                 r.e2e = end.saturating_sub(r.start);
                 (r.retries.resumed, r.retries.sent, r.retries.last_start) = (resumed, retries.sent, retries.last_start);
+                r.cuts = cuts.cuts;
                 return r;
             }
+            cuts.cut(&r.outcome);
             resumed += 1;
             resume_pause(resumed).await;
         }
@@ -467,6 +474,7 @@ struct Meter {
     cached_tokens: Option<u32>,
     finish_reason: Option<String>,
     text: String,
+    cuts: Vec<String>,
 }
 
 impl Meter {
@@ -484,7 +492,23 @@ impl Meter {
             cached_tokens: None,
             finish_reason: None,
             text: String::new(),
+            cuts: Vec::new(),
         }
+    }
+
+    /// An attempt of a resuming client ended with `outcome` and is sent again: noted, with
+    /// when, for the record ([`Record::cuts`]).
+    fn cut(&mut self, outcome: &Outcome) {
+        let mut what = format!("{outcome:?}");
+        if what.len() > MAX_CUT_NOTE {
+            let mut end = MAX_CUT_NOTE;
+            while !what.is_char_boundary(end) {
+                end -= 1;
+            }
+            what.truncate(end);
+            what.push('…');
+        }
+        self.cuts.push(format!("{:.1} s: {what}", self.start.elapsed().as_secs_f64()));
     }
 
     /// One stream chunk, arrived at `now`.
@@ -540,6 +564,7 @@ impl Meter {
             e2e: end - self.start,
             text: self.text,
             retries: Retries::default(),
+            cuts: self.cuts,
         }
     }
 }

@@ -101,6 +101,11 @@ pub struct Record {
     pub text: String,
     /// What its retries met ([`crate::Plan::retry`]); all zero for a request sent once.
     pub retries: Retries,
+    /// A resuming client's streams that were cut and resumed ([`crate::Plan::resume`]):
+    /// for each, when it ended (from the request's start) and with what outcome. Empty
+    /// for a request that was never resumed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cuts: Vec<String>,
 }
 
 /// A request's retries: each one a new attempt after a 429 or 503 refusal. The
@@ -319,6 +324,7 @@ mod tests {
             e2e: Duration::from_millis(ttft_ms + itl_ms.iter().sum::<u64>()),
             text: String::new(),
             retries: Default::default(),
+            cuts: Vec::new(),
         }
     }
 

@@ -70,7 +70,8 @@ impl Frontend for Fake {
     /// `cut`: four tokens, a–d. From the start the connection "breaks" after two (a
     /// status naming no error code); from cursor 2 the coordinator hands off after one
     /// more (`coordinator_draining`); from cursor 3 the last token and Done. `busy`: a
-    /// typed refusal. `closed`: one token, then the stream closes without Done.
+    /// typed refusal. `closed`: one token, then the stream closes without Done. `stall`:
+    /// never answered.
     async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<Stream>, Status> {
         let md = |k: &str| request.metadata().get(k).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let auth = md("authorization").unwrap_or_default();
@@ -109,6 +110,12 @@ impl Frontend for Fake {
                     let done = Done { finish_reason: FinishReason::Stop as i32, ..Done::default() };
                     vec![chunk("ok", 1), Ok(GenerateResponse { event: Some(Event::Done(done)) })]
                 }
+            }
+            "stall" => {
+                // No answer at all, as a resumed call's headers wait for the regenerated
+                // answer to reach its cursor: the call's deadline is all that ends it.
+                std::future::pending::<()>().await;
+                vec![]
             }
             _ => vec![chunk("x", 1)],
         };
@@ -154,6 +161,11 @@ async fn grpc_streams_resume_from_their_cursor_and_failures_keep_their_code() ->
     assert_eq!((rec.text.as_str(), rec.output_tokens, rec.prompt_tokens), ("abcd", 4, Some(5)), "{rec:?}");
     assert_eq!((rec.retries.resumed, rec.retries.regenerated), (2, 2 + 3), "{rec:?}");
     assert!(rec.ttft.is_some() && rec.itl.len() == 3, "every token timed across the resumes: {rec:?}");
+    assert!(
+        rec.cuts.len() == 2 && rec.cuts[0].contains("reset") && rec.cuts[1].contains("coordinator_draining"),
+        "each cut noted with its outcome: {:?}",
+        rec.cuts
+    );
     let seen = std::mem::take(&mut *SEEN.lock().unwrap_or_else(|e| e.into_inner()));
     let cursors: Vec<&str> = seen.iter().map(|s| s.cursor.as_str()).collect();
     assert_eq!(cursors, ["", "2-00000000000000ab", "3-00000000000000ab"]);
@@ -202,5 +214,22 @@ async fn grpc_refusals_are_retried_after_their_retry_after() -> TestResult {
     let rec = &loadgen::run(&plan(&url, "busy-twice")).await?.records[0];
     assert_eq!(rec.outcome.label(), "grpc Unavailable no_worker", "{rec:?}");
     assert_eq!(rec.retries.sent, 0);
+    Ok(())
+}
+
+/// A call unanswered at its deadline ends there, typed, on the client's own timer
+/// (tonic's channel enforces `grpc-timeout` until the answer's headers): a resuming
+/// client does not take the channel's expiry for a cut stream and call again with
+/// nothing left until it gives up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_grpc_stream_fails_typed_at_its_deadline_and_is_not_resumed() -> TestResult {
+    let url = fake_frontend().await?;
+    let mut p = plan(&url, "stall");
+    p.resume = true;
+    p.deadline = Some(Duration::from_millis(300));
+    let rec = &loadgen::run(&p).await?.records[0];
+    assert_eq!(rec.outcome.label(), "grpc DeadlineExceeded deadline_exceeded", "{rec:?}");
+    assert_eq!(rec.retries.resumed, 0, "{rec:?}");
+    assert!(rec.cuts.is_empty(), "{rec:?}");
     Ok(())
 }

@@ -438,6 +438,7 @@ mod tests {
             e2e,
             text: String::new(),
             retries: loadgen::Retries::default(),
+            cuts: Vec::new(),
         }
     }
 

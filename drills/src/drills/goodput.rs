@@ -185,6 +185,7 @@ mod tests {
                 e2e: Duration::from_millis(each),
                 text: String::new(),
                 retries: Default::default(),
+                cuts: Vec::new(),
             })
             .collect();
         Report { wall: Duration::from_millis(n as u64 * each), records }

@@ -52,6 +52,7 @@ impl Sender {
                 (r.retries.sent, r.retries.last_start) = (retries.sent, retries.last_start);
                 return r;
             }
+            m.cut(&outcome);
             resumed += 1;
             regenerated += cursor_tokens(&cursor);
             resume_pause(resumed).await;
@@ -111,18 +112,21 @@ impl Sender {
         };
         let mut client = FrontendClient::new(channel).max_decoding_message_size(MAX_MESSAGE);
         let mut req = tonic::Request::new(self.grpc_request(index, input, key, cursor));
+        // The call's own deadline, which tonic's channel enforces on this side as well.
+        let mut due = None;
         if let Some(left) = self.deadline_left(deadline) {
             req.set_timeout(left);
+            due = Some(Instant::now() + left);
         }
         if let Some(Ok(v)) = self.plan.api_key.as_ref().map(|k| MetadataValue::try_from(format!("Bearer {k}"))) {
             req.metadata_mut().insert("authorization", v);
         }
         let mut stream = match timeout_at(deadline, client.generate(req)).await {
             Err(_) => return (Outcome::Timeout, None),
-            Ok(Err(status)) => return (outcome_of(&status), retry_after(&status)),
+            Ok(Err(status)) => return (call_outcome(&status, due), retry_after(&status)),
             Ok(Ok(r)) => r.into_inner(),
         };
-        (self.read_stream(m, &mut stream, cursor, deadline).await, None)
+        (self.read_stream(m, &mut stream, cursor, deadline, due).await, None)
     }
 
     /// Reads a call's messages into `m` to its end, keeping the last cursor.
@@ -132,11 +136,12 @@ impl Sender {
         stream: &mut tonic::Streaming<proto::frontend::v1::GenerateResponse>,
         cursor: &mut String,
         deadline: Instant,
+        due: Option<Instant>,
     ) -> Outcome {
         loop {
             let msg = match timeout_at(deadline, stream.message()).await {
                 Err(_) => return Outcome::Timeout,
-                Ok(Err(status)) => return outcome_of(&status),
+                Ok(Err(status)) => return call_outcome(&status, due),
                 // Closed with OK: complete only when a Done came.
                 Ok(Ok(None)) => return m.finished(),
                 Ok(Ok(Some(msg))) => msg,
@@ -178,6 +183,30 @@ fn retry_after(status: &tonic::Status) -> Option<Duration> {
     v.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
+/// What a call's non-OK status means, the call's own deadline (`due`) known: once it
+/// passed, a status the coordinator did not name is the client's channel giving up at
+/// the deadline (tonic answers `CANCELLED`, "Timeout expired"), which gRPC defines as
+/// `DEADLINE_EXCEEDED`: the request failed at its deadline, typed, and is not resumed
+/// (the server's own answer at the same instant loses that race). Otherwise as
+/// [`outcome_of`].
+fn call_outcome(status: &tonic::Status, due: Option<Instant>) -> Outcome {
+    let outcome = outcome_of(status);
+    let expired = due.is_some_and(|d| Instant::now() >= d);
+    let local = matches!(status.code(), tonic::Code::Cancelled | tonic::Code::DeadlineExceeded);
+    if expired && local && outcome.error_code().is_none() {
+        return Outcome::GrpcStatus {
+            status: format!("{:?}", tonic::Code::DeadlineExceeded),
+            code: Some(CLIENT_DEADLINE.into()),
+            message: format!("the call's deadline passed on the client: {}", status.message()),
+        };
+    }
+    outcome
+}
+
+/// The code of a call that reached its deadline on the client's side, the one the
+/// coordinator names a deadline it enforced with.
+const CLIENT_DEADLINE: &str = "deadline_exceeded";
+
 /// What a call's non-OK status means: a typed failure when the coordinator named its
 /// error code, else a connection that broke (or a failure on the client's side).
 pub(super) fn outcome_of(status: &tonic::Status) -> Outcome {
@@ -211,5 +240,27 @@ mod tests {
         assert!(matches!(&broken, Outcome::Transport(m) if m.contains("broken pipe")), "{broken:?}");
         assert_eq!(broken.error_code(), None);
         assert!(is_cut(&broken));
+    }
+
+    /// The channel's own expiry at the call's deadline ends the request, typed; before
+    /// the deadline the same status is a cut stream, resumed. (A resuming client once
+    /// resumed a spent call every second with a 1 ms deadline until it gave up.)
+    #[test]
+    fn a_call_cancelled_at_its_own_deadline_is_deadline_exceeded_and_not_resumed() {
+        let expired = tonic::Status::cancelled("Timeout expired");
+        let past = Some(Instant::now());
+        let o = call_outcome(&expired, past);
+        assert_eq!(o.error_code(), Some("deadline_exceeded"), "{o:?}");
+        assert_eq!(o.label(), "grpc DeadlineExceeded deadline_exceeded");
+        assert!(!is_cut(&o), "a spent call is not resumed");
+        let ahead = Some(Instant::now() + Duration::from_secs(60));
+        assert!(is_cut(&call_outcome(&expired, ahead)), "before the deadline it is a cut stream");
+        assert!(is_cut(&call_outcome(&expired, None)), "a call without a deadline has none to pass");
+        let mut draining = tonic::Status::unavailable("coordinator_draining");
+        draining.metadata_mut().insert(ERROR_CODE_KEY, MetadataValue::from_static("coordinator_draining"));
+        let o = call_outcome(&draining, past);
+        assert_eq!(o.error_code(), Some("coordinator_draining"), "the coordinator's own code is kept: {o:?}");
+        let broken = call_outcome(&tonic::Status::unavailable("connection refused"), past);
+        assert!(matches!(broken, Outcome::Transport(_)), "not every status after the deadline is the deadline");
     }
 }

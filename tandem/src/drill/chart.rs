@@ -141,6 +141,7 @@ mod tests {
             e2e: Duration::from_millis(e2e_ms),
             text: String::new(),
             retries: Default::default(),
+            cuts: Vec::new(),
         }
     }
 
