@@ -361,7 +361,7 @@ mod tests {
     }
 
     fn update(seq: u64, snapshot: bool, added: Vec<u64>, removed: Vec<u64>) -> PrefixUpdate {
-        PrefixUpdate { seq, block_size: 16, snapshot, added, removed }
+        PrefixUpdate { seq, block_size: 16, snapshot, added, removed, load: None }
     }
 
     #[test]

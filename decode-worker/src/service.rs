@@ -602,6 +602,9 @@ impl DecodeWorker for DecodeService {
         &self,
         _: GrpcRequest<WatchPrefixesRequest>,
     ) -> Result<Response<Self::WatchPrefixesStream>, Status> {
-        Ok(Response::new(self.inner.stats.watch(&self.inner.runner)))
+        // Counted as Health counts them: the runner's and those waiting for remote KV.
+        let inner = self.inner.clone();
+        let extra = Arc::new(move || inner.pending_remote.load(Ordering::SeqCst) as u32);
+        Ok(Response::new(self.inner.stats.watch(&self.inner.runner, extra)))
     }
 }

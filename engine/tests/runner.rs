@@ -413,3 +413,44 @@ fn prompt_lookup_through_the_runner_streams_plain_tokens_and_counts_drafts() {
     h.shutdown(Duration::ZERO);
     assert_eq!(join(j).kv_stats().used, 0);
 }
+
+/// The load a handle reads without asking the runner (`load_now`, what a worker pushes
+/// to its watchers) is the runner's as of its last turn: a sequence running while the
+/// runner is held mid-turn by its sink, and nothing once it ended, with the blocks the
+/// pool counts.
+#[test]
+fn the_published_load_follows_the_running_batch_between_turns() {
+    let (h, j, tok) = spawn(cfg(), 8);
+    assert_eq!(h.load_now(), engine::runner::LoadNow::default(), "idle at start");
+    let prompt = &prompts(&tok, &["The history of Paris is long and rich, and its rivers"])[0];
+    // The sink holds the runner inside the turn of the second token until released.
+    let (tx, rx) = mpsc::channel();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let mut n = 0;
+    let held: Sink = Box::new(move |ev| {
+        let token = matches!(ev, RunnerEvent::Token(_));
+        drop(tx.send(ev));
+        n += usize::from(token);
+        if n == 2 {
+            // Released by the test, or at WAIT if the test failed first.
+            let _ = go_rx.recv_timeout(WAIT);
+        }
+    });
+    h.submit(req(1, prompt, 8), None, held).expect("submit");
+    for _ in 0..2 {
+        assert!(matches!(rx.recv_timeout(WAIT), Ok(RunnerEvent::Token(_))), "a token");
+    }
+    // The first token's turn was published; the second's is not over.
+    let during = h.load_now();
+    assert_eq!((during.running, during.waiting), (1, 0), "{during:?}");
+    let blocks = prompt.len().div_ceil(EngineConfig::default().block_size);
+    assert!(during.kv_used as usize >= blocks, "{during:?} for a {}-token prompt", prompt.len());
+    go_tx.send(()).expect("release the runner");
+    let (_, end) = drain(&rx, "the held request");
+    assert!(matches!(end, RunnerEvent::Finished { .. }), "{end:?}");
+    // A command is answered between turns, so after the answer the last turn is published.
+    let used = stats_used(&h);
+    assert_eq!(h.load_now(), engine::runner::LoadNow { running: 0, waiting: 0, kv_used: used as u32 });
+    h.shutdown(Duration::ZERO);
+    join(j);
+}

@@ -768,7 +768,8 @@ impl PrefillWorker for PrefillService {
         &self,
         _: GrpcRequest<WatchPrefixesRequest>,
     ) -> Result<Response<Self::WatchPrefixesStream>, Status> {
-        Ok(Response::new(self.inner.stats.watch(&self.inner.runner)))
+        // The waiting count is the runner's alone, as in Health.
+        Ok(Response::new(self.inner.stats.watch(&self.inner.runner, Arc::new(|| 0))))
     }
 }
 

@@ -12,6 +12,7 @@ use proto::worker::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
 use proto::worker::v1::{
     generate_response, AbortRequest, AbortResponse, FinishReason, Finished, GenerateRequest, GenerateResponse,
     HealthRequest, HealthResponse, PrefixReport, PrefixUpdate, TokenChunk, TopLogprob, WatchPrefixesRequest,
+    WatchedLoad,
 };
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
@@ -83,14 +84,22 @@ impl DecodeWorker for EchoDecoder {
 
     type WatchPrefixesStream = tokio_stream::Iter<std::vec::IntoIter<Result<PrefixUpdate, Status>>>;
 
-    /// The whole set, then one change.
+    /// The whole set with the load, then one change.
     async fn watch_prefixes(
         &self,
         _: Request<WatchPrefixesRequest>,
     ) -> Result<Response<Self::WatchPrefixesStream>, Status> {
-        let snapshot =
-            PrefixUpdate { seq: 1, block_size: 16, snapshot: true, added: vec![1, u64::MAX], removed: vec![] };
-        let change = PrefixUpdate { seq: 2, block_size: 16, snapshot: false, added: vec![2], removed: vec![1] };
+        let load = WatchedLoad { running: 3, waiting: 1, kv_blocks_used: 20, kv_blocks_total: u32::MAX };
+        let snapshot = PrefixUpdate {
+            seq: 1,
+            block_size: 16,
+            snapshot: true,
+            added: vec![1, u64::MAX],
+            removed: vec![],
+            load: Some(load),
+        };
+        let change =
+            PrefixUpdate { seq: 2, block_size: 16, snapshot: false, added: vec![2], removed: vec![1], load: None };
         Ok(Response::new(tokio_stream::iter(vec![Ok(snapshot), Ok(change)])))
     }
 }
@@ -165,9 +174,13 @@ async fn decode_worker_streams_tokens_and_reports_health_over_tcp() -> TestResul
     let mut watch = within("WatchPrefixes call", client.watch_prefixes(WatchPrefixesRequest {})).await??.into_inner();
     let mut got = Vec::new();
     while let Some(u) = within("a prefix update", watch.message()).await?? {
-        got.push((u.seq, u.snapshot, u.added, u.removed));
+        got.push((u.seq, u.snapshot, u.added, u.removed, u.load.map(|l| (l.running, l.waiting, l.kv_blocks_total))));
     }
-    assert_eq!(got, [(1, true, vec![1, u64::MAX], vec![]), (2, false, vec![2], vec![1])]);
+    assert_eq!(
+        got,
+        [(1, true, vec![1, u64::MAX], vec![], Some((3, 1, u32::MAX))), (2, false, vec![2], vec![1], None)],
+        "the load only where it was set"
+    );
 
     // Close the client's connection so graceful shutdown has nothing to drain.
     drop(client);

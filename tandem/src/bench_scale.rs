@@ -87,6 +87,8 @@ pub struct Row {
     pub polls_per_s: f64,
     /// Prefix-report payload (8 bytes a hash) per second.
     pub prefix_bytes_per_s: f64,
+    /// Watch messages carrying a worker's load, per second, all coordinators together.
+    pub load_updates_per_s: f64,
     pub etcd_proposals_per_s: f64,
     pub etcd_keepalives_per_s: f64,
     /// Prompt tokens the prefilling worker had cached, of those prefilled; what an
@@ -177,6 +179,7 @@ fn diff_buckets(after: &[(f64, f64)], before: &[(f64, f64)]) -> Vec<(f64, f64)> 
 struct SimCounts {
     health: f64,
     prefix_hashes: f64,
+    load_updates: f64,
     prompt_tokens: f64,
     hit_tokens: f64,
     oracle_tokens: f64,
@@ -199,6 +202,7 @@ fn sim_counts(sims: &[&Proc]) -> Result<SimCounts> {
         let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
         out.health += f("health");
         out.prefix_hashes += f("prefix_hashes");
+        out.load_updates += f("load_updates");
         out.prompt_tokens += f("prompt_tokens");
         out.hit_tokens += f("hit_tokens");
         out.oracle_tokens += f("oracle_tokens");
@@ -353,6 +357,7 @@ async fn measure(a: &Args, n: usize) -> Result<Row> {
         coordinator_rss_mib: cpu_after.iter().map(|x| x.1).sum::<f64>() / c,
         polls_per_s: (sim_after.health - sim_before.health) / secs,
         prefix_bytes_per_s: 8.0 * (sim_after.prefix_hashes - sim_before.prefix_hashes) / secs,
+        load_updates_per_s: (sim_after.load_updates - sim_before.load_updates) / secs,
         hit_rate: (sim_after.hit_tokens - sim_before.hit_tokens) / prompt,
         oracle_hit_rate: (sim_after.oracle_tokens - sim_before.oracle_tokens) / prompt,
         most_cached_rate: (sim_after.best_tokens - sim_before.best_tokens) / prompt,
@@ -441,20 +446,23 @@ fn print_table(a: &Args, rows: &[Row]) {
         a.coordinators, a.load_poll_ms, a.lease_ttl_s, a.window_s, a.load, a.kill_share
     );
     println!(
-        "| workers | coord CPU s/s | coord RSS MiB | polls/s | prefix KB/s | etcd proposals/s | keepalives/s | \
+        "| workers | coord CPU s/s | coord RSS MiB | polls/s | prefix KB/s | loads/s | etcd proposals/s | keepalives/s | \
          route p50 / p99 µs (cpu) | hit rate / oracle / most cached | fresh p50 / p99 ms | requests ok | series/coord | \
          start conv. s | kill conv. s (killed) |"
     );
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!(
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
     for r in rows {
         println!(
-            "| {} | {:.3} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} / {:.0} ({:.0} / {:.0}) | {:.1}% / {:.1}% / {:.1}% | {:.0} / {:.0} \
+            "| {} | {:.3} | {:.1} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} | {:.0} / {:.0} ({:.0} / {:.0}) | {:.1}% / {:.1}% / {:.1}% | {:.0} / {:.0} \
              | {}/{} | {:.0} | {:.1} | {:.1} ({}) |",
             r.workers,
             r.coordinator_cpu_per_s,
             r.coordinator_rss_mib,
             r.polls_per_s,
             r.prefix_bytes_per_s / 1e3,
+            r.load_updates_per_s,
             r.etcd_proposals_per_s,
             r.etcd_keepalives_per_s,
             r.decision_p50_us,
@@ -480,10 +488,11 @@ fn print_table(a: &Args, rows: &[Row]) {
     if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
         if last.workers > first.workers {
             let size = last.workers as f64 / first.workers as f64;
-            let growth = |x: f64, y: f64| if y > 0.0 { x / y } else { f64::NAN };
+            // A figure that was zero at the smallest size has no ratio: both ends are shown.
+            let growth = |x: f64, y: f64| if y > 0.0 { format!("{:.1}x", x / y) } else { format!("{y:.1} → {x:.1}") };
             println!(
-                "growth {}→{} workers ({size:.0}x): coordinator CPU {:.1}x, polls {:.1}x, etcd proposals {:.1}x, \
-                 keepalives {:.1}x, series {:.1}x",
+                "growth {}→{} workers ({size:.0}x): coordinator CPU {}, polls {}, etcd proposals {}, \
+                 keepalives {}, series {}",
                 first.workers,
                 last.workers,
                 growth(last.coordinator_cpu_per_s, first.coordinator_cpu_per_s),

@@ -148,6 +148,8 @@ fn bench_scale_measures_a_small_fleet() -> TestResult {
     let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
     // 6 workers polled by 2 coordinators every 250 ms: 48 a second at least.
     assert!(f("polls_per_s") >= 40.0, "{r}");
+    // Each request moves its workers' queues: their load went out on the watch streams.
+    assert!(f("load_updates_per_s") > 0.0, "{r}");
     assert!(f("coordinator_cpu_per_s") > 0.0 && f("coordinator_rss_mib") > 1.0 && f("series") > 10.0, "{r}");
     assert!(f("decisions") > 0.0 && f("decision_p99_us") >= f("decision_p50_us"), "{r}");
     assert!(f("decision_cpu_p50_us") > 0.0 && f("decision_cpu_p99_us") >= f("decision_cpu_p50_us"), "{r}");

@@ -22,7 +22,7 @@ use std::time::Duration;
 use engine::runner::MAX_PREFIX_REPORT;
 use engine::runner::{RunnerHandle, RunnerStats};
 use kvtransfer::Peer;
-use proto::worker::v1::{HealthRequest, HealthResponse, PrefixReport, WorkerError};
+use proto::worker::v1::{HealthRequest, HealthResponse, PrefixReport, WatchedLoad, WorkerError};
 use tokio::sync::Notify;
 // The snapshot's age is a timeout: on tokio's clock, like every other.
 use tokio::time::Instant;
@@ -93,10 +93,13 @@ impl StatsCache {
     }
 
     /// One `WatchPrefixes` stream (see [`crate::prefix_feed`]): the runner is read every
-    /// [`WATCH_TICK`] while anyone watches, besides each Health poll's read.
-    pub fn watch(&self, runner: &RunnerHandle) -> prefix_feed::Updates {
+    /// [`WATCH_TICK`] while anyone watches, besides each Health poll's read; the load it
+    /// carries counts `extra_waiting()` in its waiting, as [`answer`] does.
+    pub fn watch(&self, runner: &RunnerHandle, extra_waiting: ExtraWaiting) -> prefix_feed::Updates {
+        // The snapshot carries the load of now, not of the last tick of an earlier watcher.
+        observe_load(&self.feed, runner, &extra_waiting);
         let updates = self.feed.watch(runner.block_size() as u32);
-        self.tick(runner);
+        self.tick(runner, extra_waiting);
         updates
     }
 
@@ -108,7 +111,7 @@ impl StatsCache {
 
     /// Starts the ticker unless it runs. It stops when the last watcher has gone, and
     /// goes on when one came meanwhile (its `tick` may have found it still running).
-    fn tick(&self, runner: &RunnerHandle) {
+    fn tick(&self, runner: &RunnerHandle, extra_waiting: ExtraWaiting) {
         if self.ticking.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -126,6 +129,7 @@ impl StatsCache {
                         return;
                     }
                 }
+                observe_load(&cache.feed, &runner, &extra_waiting);
                 let epoch = runner.prefix_epoch();
                 if read != Some(epoch) {
                     // A stuck or exited runner: the watchers keep what they hold, Health
@@ -143,6 +147,23 @@ impl StatsCache {
         let l = self.last.lock().unwrap_or_else(|e| e.into_inner());
         l.as_ref().filter(|(_, at)| at.elapsed() <= max_age).map(|(s, _)| s.clone())
     }
+}
+
+/// Requests a worker counts as waiting beside its runner's (the decode worker's that
+/// wait for remote KV), read when its load is sent to watchers.
+pub type ExtraWaiting = Arc<dyn Fn() -> u32 + Send + Sync>;
+
+/// The runner's published load, for the feed's watchers (no message to the runner).
+fn observe_load(feed: &Feed, runner: &RunnerHandle, extra_waiting: &ExtraWaiting) {
+    feed.observe_load(|| {
+        let l = runner.load_now();
+        WatchedLoad {
+            running: l.running,
+            waiting: l.waiting.saturating_add(extra_waiting()),
+            kv_blocks_used: l.kv_used,
+            kv_blocks_total: runner.kv_blocks() as u32,
+        }
+    });
 }
 
 /// The `Health` answer both workers give: live; ready when the worker says

@@ -51,6 +51,7 @@
 mod error;
 mod worker;
 
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, TrySendError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -179,10 +180,12 @@ impl Runner {
         let (tx, rx) = mpsc::sync_channel(COMMAND_QUEUE);
         let block_size = engine.config().block_size;
         let context = engine.model().config().context;
-        let prefix_epoch = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(engine.pool().prefix_epoch()));
-        let worker = Worker::new(engine, cfg, rx, prefix_epoch.clone());
+        let kv_blocks = engine.kv_stats().total;
+        let published = std::sync::Arc::new(Published::default());
+        published.epoch.store(engine.pool().prefix_epoch(), Ordering::Release);
+        let worker = Worker::new(engine, cfg, rx, published.clone());
         let join = std::thread::Builder::new().name("tandem-runner".into()).spawn(move || worker.run())?;
-        Ok((RunnerHandle { tx, block_size, context, prefix_epoch }, join))
+        Ok((RunnerHandle { tx, block_size, context, kv_blocks, published }, join))
     }
 }
 
@@ -195,9 +198,45 @@ pub struct RunnerHandle {
     block_size: usize,
     /// The model's context length, in tokens.
     context: usize,
-    /// The pool's prefix epoch, published by the runner thread after every turn of its
-    /// loop: read without asking the thread.
-    prefix_epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Blocks in the engine's KV pool (fixed once the runner starts).
+    kv_blocks: usize,
+    /// What the runner thread publishes after every turn of its loop: read without
+    /// asking the thread.
+    published: std::sync::Arc<Published>,
+}
+
+/// What the runner thread publishes after every turn of its loop (between steps).
+#[derive(Default)]
+pub(crate) struct Published {
+    /// The pool's prefix epoch.
+    pub(crate) epoch: std::sync::atomic::AtomicU64,
+    /// The load, packed by [`LoadNow::pack`].
+    pub(crate) load: std::sync::atomic::AtomicU64,
+}
+
+/// A runner's load as of its last turn ([`RunnerHandle::load_now`]): what a worker's
+/// `Health` answer counts, without asking the runner thread.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadNow {
+    /// Sequences in the running batch.
+    pub running: u32,
+    /// Requests accepted and not running yet.
+    pub waiting: u32,
+    /// KV blocks referenced (running sequences, reservations, pinned prefixes).
+    pub kv_used: u32,
+}
+
+impl LoadNow {
+    /// One word: running and waiting in 16 bits each (saturated; both are bounded far
+    /// below by the runner's config), the blocks used in the low 32.
+    pub(crate) fn pack(self) -> u64 {
+        let sat = |n: u32| u64::from(n.min(u32::from(u16::MAX)));
+        sat(self.running) << 48 | sat(self.waiting) << 32 | u64::from(self.kv_used)
+    }
+
+    pub(crate) fn unpack(w: u64) -> Self {
+        Self { running: (w >> 48) as u32, waiting: (w >> 32 & 0xffff) as u32, kv_used: w as u32 }
+    }
 }
 
 impl RunnerHandle {
@@ -205,7 +244,18 @@ impl RunnerHandle {
     /// of cached prefix blocks does): a watcher of the set asks for [`RunnerStats`] only
     /// when this moved. No message to the runner thread.
     pub fn prefix_epoch(&self) -> u64 {
-        self.prefix_epoch.load(std::sync::atomic::Ordering::Acquire)
+        self.published.epoch.load(Ordering::Acquire)
+    }
+
+    /// Blocks in the engine's KV pool.
+    pub fn kv_blocks(&self) -> usize {
+        self.kv_blocks
+    }
+
+    /// The runner's load as of its last turn; no message to the runner thread. (Zero
+    /// until the thread's first turn.)
+    pub fn load_now(&self) -> LoadNow {
+        LoadNow::unpack(self.published.load.load(Ordering::Acquire))
     }
 
     /// Sends a command that carries `reply` and waits for the answer

@@ -102,8 +102,9 @@ pub(super) struct Worker {
     disconnected: bool,
     finished: u64,
     failed: BTreeMap<ErrorKind, u64>,
-    /// Where [`super::RunnerHandle::prefix_epoch`] reads the pool's prefix epoch.
-    published_epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Where [`super::RunnerHandle::prefix_epoch`] and [`super::RunnerHandle::load_now`]
+    /// read.
+    published: std::sync::Arc<super::Published>,
     /// The pool's prefix epoch and cached hashes at the last stats call.
     prefixes: (u64, std::sync::Arc<[u64]>),
 }
@@ -122,7 +123,7 @@ impl Worker {
         engine: Engine,
         cfg: RunnerConfig,
         rx: Receiver<Command>,
-        published_epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
+        published: std::sync::Arc<super::Published>,
     ) -> Self {
         Self {
             engine,
@@ -136,7 +137,7 @@ impl Worker {
             finished: 0,
             failed: BTreeMap::new(),
             prefixes: (0, std::sync::Arc::from(Vec::new())),
-            published_epoch,
+            published,
         }
     }
 
@@ -152,7 +153,7 @@ impl Worker {
             if self.engine.has_work() {
                 self.step();
             }
-            self.published_epoch.store(self.engine.pool().prefix_epoch(), std::sync::atomic::Ordering::Release);
+            self.publish();
         }
         self.fail_all(&RunnerError::ShuttingDown);
         for id in std::mem::take(&mut self.held).into_keys() {
@@ -164,6 +165,18 @@ impl Worker {
         }
         tracing::info!(finished = self.finished, "runner stopped");
         self.engine
+    }
+
+    /// Publishes the prefix epoch and the load for the handles to read.
+    fn publish(&self) {
+        use std::sync::atomic::Ordering::Release;
+        let load = super::LoadNow {
+            running: self.engine.num_running() as u32,
+            waiting: self.engine.num_waiting() as u32,
+            kv_used: self.engine.kv_stats().used as u32,
+        };
+        self.published.epoch.store(self.engine.pool().prefix_epoch(), Release);
+        self.published.load.store(load.pack(), Release);
     }
 
     /// Handles every queued command; waits for one first if there is

@@ -22,7 +22,7 @@ use proto::worker::v1::{
     generate_response, prefill_response, AbortRequest, AbortResponse, FinishReason, Finished, FirstToken,
     GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, KvDestination, PrefillAttempt, PrefillRequest,
     PrefillResponse, PrefillState, PrefillStatusRequest, PrefillStatusResponse, PrefixReport, TokenChunk,
-    WatchPrefixesRequest,
+    WatchPrefixesRequest, WatchedLoad,
 };
 use registry::Role;
 use tokio::sync::{mpsc, Semaphore};
@@ -89,6 +89,8 @@ pub struct Counters {
     pub health: AtomicU64,
     /// Prefix hashes sent in Health answers and on watch streams (8 bytes each on the wire).
     pub prefix_hashes: AtomicU64,
+    /// Watch messages that carried the worker's load (about 16 bytes each on the wire).
+    pub load_updates: AtomicU64,
     pub generate: AtomicU64,
     pub prefill: AtomicU64,
     /// Prompt tokens prefilled, those the prefilling worker held cached, those held by
@@ -112,6 +114,7 @@ impl Counters {
         serde_json::json!({
             "health": get(&self.health),
             "prefix_hashes": get(&self.prefix_hashes),
+            "load_updates": get(&self.load_updates),
             "generate": get(&self.generate),
             "prefill": get(&self.prefill),
             "prompt_tokens": get(&self.prompt_tokens),
@@ -243,18 +246,20 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Decrements a counter when dropped: a sequence's slot, whatever ends it.
-struct Held<'a>(&'a AtomicU32, u32);
+/// Decrements one of a worker's load counters when dropped (a sequence's slot, whatever
+/// ends it), and tells the worker's watchers, as [`SimWorker::hold`] did when it
+/// counted.
+struct Held<'a> {
+    worker: &'a SimWorker,
+    counter: &'a AtomicU32,
+    n: u32,
+}
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(self.1, Ordering::Relaxed);
+        self.counter.fetch_sub(self.n, Ordering::Relaxed);
+        self.worker.push_load();
     }
-}
-
-fn held(counter: &AtomicU32, n: u32) -> Held<'_> {
-    counter.fetch_add(n, Ordering::Relaxed);
-    Held(counter, n)
 }
 
 /// A made-up token: a pure function of the prompt and the index, in a range of ordinary
@@ -277,8 +282,9 @@ impl SimWorker {
         let epoch = (start.as_nanos() as u64 ^ fnv1a(id.bytes().map(u64::from))) | 1;
         let prefixes = PrefixSet { epoch, changes: VecDeque::from([(epoch, Instant::now())]), ..PrefixSet::default() };
         let s = shape.clone();
-        let feed = Feed::new(Some(Arc::new(move |hashes: usize, age: Option<Duration>| {
+        let feed = Feed::new(Some(Arc::new(move |hashes: usize, age: Option<Duration>, load: bool| {
             s.counters.prefix_hashes.fetch_add(hashes as u64, Ordering::Relaxed);
+            s.counters.load_updates.fetch_add(u64::from(load), Ordering::Relaxed);
             if let Some(age) = age {
                 s.counters.fresh(age);
             }
@@ -295,6 +301,24 @@ impl SimWorker {
             prefill_clients: Mutex::new(HashMap::new()),
             prefilling: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Counts `n` in one of this worker's load counters until the guard drops.
+    fn hold<'a>(&'a self, counter: &'a AtomicU32, n: u32) -> Held<'a> {
+        counter.fetch_add(n, Ordering::Relaxed);
+        self.push_load();
+        Held { worker: self, counter, n }
+    }
+
+    /// The load now, to the watch streams when it moved enough (as a real worker's
+    /// ticker sends it).
+    fn push_load(&self) {
+        self.feed.observe_load(|| WatchedLoad {
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            kv_blocks_used: self.kv_used.load(Ordering::Relaxed).min(self.shape.kv_blocks),
+            kv_blocks_total: self.shape.kv_blocks,
+        });
     }
 
     fn chain(&self, tokens: &[u32], salt: u64) -> Vec<u64> {
@@ -401,12 +425,12 @@ impl SimWorker {
     async fn generate(self: Arc<Self>, r: GenerateRequest, tx: mpsc::Sender<Result<GenerateResponse, Status>>) {
         self.shape.counters.generate.fetch_add(1, Ordering::Relaxed);
         let max_tokens = r.sampling.as_ref().map_or(16, |s| s.max_tokens.max(1));
-        let waiting = held(&self.waiting, 1);
+        let waiting = self.hold(&self.waiting, 1);
         let Ok(_slot) = self.slots.acquire().await else { return };
         drop(waiting);
-        let _running = held(&self.running, 1);
+        let _running = self.hold(&self.running, 1);
         let blocks = (r.token_ids.len() + max_tokens as usize).div_ceil(self.shape.block_size) as u32;
-        let _kv = held(&self.kv_used, blocks);
+        let _kv = self.hold(&self.kv_used, blocks);
 
         // Remote prefill on the first target that answers, else here.
         let mut attempts = Vec::new();
@@ -524,6 +548,7 @@ impl DecodeWorker for Service {
     type WatchPrefixesStream = Updates;
 
     async fn watch_prefixes(&self, _: Request<WatchPrefixesRequest>) -> Result<Response<Updates>, Status> {
+        self.0.push_load();
         Ok(Response::new(self.0.feed.watch(self.0.shape.block_size as u32)))
     }
 }
@@ -537,10 +562,10 @@ impl PrefillWorker for Service {
         }
         let w = &self.0;
         w.shape.counters.prefill.fetch_add(1, Ordering::Relaxed);
-        let waiting = held(&w.waiting, 1);
+        let waiting = w.hold(&w.waiting, 1);
         let _slot = w.slots.acquire().await.map_err(|_| Status::unavailable("shutting down"))?;
         drop(waiting);
-        let _running = held(&w.running, 1);
+        let _running = w.hold(&w.running, 1);
         w.prefilling.lock().unwrap_or_else(|e| e.into_inner()).insert(r.request_id.clone());
         let cached = w.prefill_here(&r.token_ids, r.cache_salt).await;
         w.prefilling.lock().unwrap_or_else(|e| e.into_inner()).remove(&r.request_id);
@@ -559,6 +584,7 @@ impl PrefillWorker for Service {
     type WatchPrefixesStream = Updates;
 
     async fn watch_prefixes(&self, _: Request<WatchPrefixesRequest>) -> Result<Response<Updates>, Status> {
+        self.0.push_load();
         Ok(Response::new(self.0.feed.watch(self.0.shape.block_size as u32)))
     }
 
