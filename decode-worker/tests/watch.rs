@@ -18,7 +18,7 @@ const TOKENS: u32 = 96;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_watch_stream_carries_the_load_while_a_request_runs_and_after() -> TestResult {
-    let decode = common::decode_worker(GROUP, &[])?;
+    let decode = common::decode_worker(GROUP, &["--kv-load-failure-policy", "retry"])?;
     let mut c = client(&decode).await?;
     let mut watch = within("WatchPrefixes", c.watch_prefixes(WatchPrefixesRequest {})).await??.into_inner();
     let mut next = async move || -> Result<PrefixUpdate, String> {
