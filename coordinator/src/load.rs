@@ -181,6 +181,11 @@ impl Board {
         self.slot.get(addr).and_then(|&i| self.slots.get(i as usize))
     }
 
+    /// `addr`'s slot if it has one (none is given: see [`Board::entry`]).
+    fn get_mut(&mut self, addr: &str) -> Option<&mut Slot> {
+        self.slot.get(addr).and_then(|&i| self.slots.get_mut(i as usize))
+    }
+
     /// `addr`'s slot, given one (a free one first) if it has none.
     fn entry(&mut self, addr: &str) -> &mut Slot {
         let i = match self.slot.get(addr) {
@@ -390,8 +395,7 @@ impl LoadBoard {
         let mut b = self.write();
         let applied = b.prefixes.apply(addr, u);
         // A worker the poller no longer names keeps no slot for a late update to fill.
-        let slot = b.slot.get(addr).copied();
-        if let Some(s) = slot.and_then(|i| b.slots.get_mut(i as usize)) {
+        if let Some(s) = b.get_mut(addr) {
             match &applied {
                 Ok(()) => s.pushed = u.load.or(s.pushed),
                 Err(_) => s.pushed = None,
@@ -408,8 +412,7 @@ impl LoadBoard {
         if matches!(b.prefixes.via(addr), Some(Via::Watch(_))) {
             b.prefixes.forget(addr);
         }
-        let slot = b.slot.get(addr).copied();
-        if let Some(s) = slot.and_then(|i| b.slots.get_mut(i as usize)) {
+        if let Some(s) = b.get_mut(addr) {
             s.pushed = None;
         }
     }
