@@ -3,15 +3,18 @@
 //! measured in the same run. `cargo bench -p coordinator --bench route`.
 //!
 //! - decision: `Admission::admit` (a free slot), `Cluster::route` for a
-//!   235-token prompt (score every decode worker, power of two choices over
-//!   the prefill workers, fallbacks sorted), and the slot dropped;
+//!   235-token prompt (a fleet this size is sampled: 16 decode workers drawn
+//!   at random and 16 prefill workers of their group, see
+//!   `cluster/listing.rs`; power of two choices over those prefill workers,
+//!   fallbacks sorted), and the slot dropped;
 //! - prefix decision: the same with `Cluster::route_for`, the prompt matched
 //!   against the prefix index while every worker holds 512 blocks of other
 //!   prompts and 6 decode workers hold all 14 of this one's full blocks (who
 //!   wins is asserted: one of those 6);
 //! - baseline: one pass over the same 1,000 load-board entries (one read
-//!   lock, a look-up per worker) reading each worker's queue: the least any
-//!   load-aware router over this board must do.
+//!   lock, a look-up per worker) reading each worker's queue: the least a
+//!   router that weighs every worker's load must do (a ratio under 1: the
+//!   sample does less).
 //!
 //! Every one of the 250,000 (prefill, decode) pairs has reported to its
 //! circuit breaker, and 10 pairs are open, so the decision pays for

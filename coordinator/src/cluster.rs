@@ -35,6 +35,7 @@ use crate::prefix::Query;
 use crate::router::{self, DecodeCandidate, NoRoute, PrefillCandidate, ZonePairing};
 use types::rng::XorShift64;
 
+mod listing;
 mod route;
 pub use route::Route;
 
@@ -109,34 +110,12 @@ pub struct Cluster {
     breakers: Breakers,
     /// (membership revision, breaker count) when breakers of departed workers were last dropped.
     pruned: Mutex<(i64, usize)>,
-    /// The load board's slots of the workers a decision lists, in the order it lists
-    /// them ([`Roster`]).
-    roster: Mutex<Roster>,
+    /// The workers a decision lists, as one table kept while they stay the same
+    /// ([`listing`]).
+    listing: Mutex<listing::Listing>,
     decode: Mutex<rustc_hash::FxHashMap<String, Arc<Decode>>>,
     rng: Mutex<XorShift64>,
     next_id: AtomicU64,
-}
-
-/// The load board's slot of each worker a routing decision lists, in listing order, for
-/// one listing: the membership's revision and how many workers it lists (its departed
-/// ones only leave as their grace runs out, so at one revision the count names the set)
-/// and the board's epoch (slots unchanged). A decision then reads each worker's load by
-/// index instead of hashing its address: a fifth of a decision over 1,000 workers.
-#[derive(Debug, Default)]
-struct Roster {
-    key: Option<(i64, usize, u64)>,
-    slots: Arc<[Option<u32>]>,
-}
-
-impl Roster {
-    /// The slots for `key`, built by `build` when the listing or the board changed.
-    fn slots(&mut self, key: (i64, usize, u64), build: impl FnOnce() -> Vec<Option<u32>>) -> Arc<[Option<u32>]> {
-        if self.key != Some(key) {
-            self.slots = build().into();
-            self.key = Some(key);
-        }
-        self.slots.clone()
-    }
 }
 
 /// A request's stream from its decode worker; dropping it cancels the
@@ -281,7 +260,7 @@ impl Cluster {
             board: LoadBoard::new(settings.load_poll),
             breakers: Breakers::new(settings.breaker),
             pruned: Mutex::new((0, 0)),
-            roster: Mutex::new(Roster::default()),
+            listing: Mutex::new(listing::Listing::default()),
             decode: Mutex::new(rustc_hash::FxHashMap::default()),
             rng: Mutex::new(XorShift64::new(seed ^ u64::from(std::process::id()))),
             next_id: AtomicU64::new(1),

@@ -18,7 +18,8 @@ use crate::router::Prefill;
 const LATENCY_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0];
 const TOKEN_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
 /// A routing decision: microseconds, up to a few milliseconds.
-const DECISION_BUCKETS: &[f64] = &[1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2];
+const DECISION_BUCKETS: &[f64] =
+    &[1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2];
 
 /// Installs the global recorder; render the returned handle on `/metrics`.
 pub fn install() -> Result<PrometheusHandle, BuildError> {
@@ -66,6 +67,7 @@ fn describe() {
     describe_gauge!(BREAKER_STATE, "Prefill/decode pair circuit breaker: 0 closed, 1 half-open, 2 open");
     describe_counter!(BREAKER_TRANSITIONS, "Prefill/decode pair circuit breaker state changes");
     describe_counter!(PREFILL_ATTEMPTS, "Remote prefill attempts reported by decode workers, by outcome");
+    describe_counter!(ROUTE_LISTINGS, "Routing decisions by the workers they listed: a sample or all");
     describe_counter!(ROUTE_PAIRS_SKIPPED, "Prefill workers left out of a route because the pair cannot work");
     describe_counter!(CROSS_ZONE_ROUTES, "Remote-prefill routes whose first prefill worker is in another zone");
     describe_counter!(PREFILL_UNAVAILABLE, "Requests refused at once: every prefill worker of the group open");
@@ -197,13 +199,14 @@ pub fn http_timeout(phase: &'static str) {
 }
 
 fn zero() {
-    let labelled: [(&'static str, &'static str, &[&'static str]); 7] = [
+    let labelled: [(&'static str, &'static str, &[&'static str]); 8] = [
         (SHED, "reason", &SHED_REASONS),
         (ROUTE_REFUSED, "reason", &ROUTE_REFUSED_REASONS),
         (DECODE_REROUTES, "reason", &REROUTE_REASONS),
         (MEMBERSHIP_CHANGES, "change", &MEMBERSHIP_CHANGE_KINDS),
         (ROUTE_DECISIONS, "prefill", &ROUTE_PREFILL_KINDS),
         (ROUTE_PAIRS_SKIPPED, "reason", &["layout_fingerprint", "zone"]),
+        (ROUTE_LISTINGS, "listed", &["sampled", "all"]),
         (PREFIX_WATCH_RESTARTS, "reason", &PREFIX_WATCH_RESTART_REASONS),
     ];
     for (name, label, values) in labelled {
@@ -306,6 +309,11 @@ pub fn stream_send_timeout(api: &'static str, layer: &'static str) {
 
 pub fn cross_zone_route() {
     counter!(CROSS_ZONE_ROUTES).increment(1);
+}
+
+/// A decision listed a sample of the fleet (`sampled`) or every worker (`all`).
+pub fn route_listed(listed: &'static str) {
+    counter!(ROUTE_LISTINGS, "listed" => listed).increment(1);
 }
 
 pub fn route_decided(kind: Prefill) {

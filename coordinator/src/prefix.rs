@@ -282,6 +282,11 @@ impl Matches<'_> {
         affinity * query.fraction(self.tokens(addr))
     }
 
+    /// Each worker holding any of the prompt, with the prompt tokens it holds.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, usize)> + '_ {
+        self.tokens.iter().map(|(a, n)| (*a, *n))
+    }
+
     /// Workers holding any of the prompt.
     pub fn len(&self) -> usize {
         self.tokens.len()

@@ -4,6 +4,7 @@
 //! circuit breakers, with no I/O.
 
 use super::*;
+use smallvec::SmallVec;
 
 /// One routing decision: a decode worker and the prefill workers (same
 /// version group) it may use, first choice first.
@@ -46,19 +47,22 @@ impl Cluster {
     }
 
     /// One routing decision, timed in wall and thread CPU time
-    /// (`tandem_coordinator_route_decision_seconds`, `..._cpu_seconds`).
+    /// (`tandem_coordinator_route_decision_seconds`, `..._cpu_seconds`). The wall clock
+    /// runs inside the two CPU-clock reads: each is a system call, on whose return the
+    /// kernel switches a thread out whose time slice is up, and on a busy core that
+    /// switch (milliseconds) had been most of the wall time's p99.
     fn route_prompt(&self, prompt_tokens: usize, query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
-        let started = tokio::time::Instant::now();
         let cpu = thread_cpu();
+        let started = tokio::time::Instant::now();
         let route = self.decide(prompt_tokens, query, pin);
+        let took = started.elapsed();
         let spent = thread_cpu().zip(cpu).map(|(now, then)| now.saturating_sub(then));
-        metrics::route_decision(started.elapsed(), spent);
+        metrics::route_decision(took, spent);
         route
     }
 
     fn decide(&self, prompt_tokens: usize, mut query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
         let affinity = self.settings.prefix_affinity;
-        let view;
         // Read for the whole decision (no await in it): the answer's cached tokens come
         // from the same walk of the prefix index as the candidates' bonuses.
         let loads = self.board.read();
@@ -67,80 +71,34 @@ impl Cluster {
             Some(q) if affinity > 0.0 => Some(loads.matches(q)),
             _ => None,
         };
-        let (decode, prefill): (Vec<DecodeCandidate<'_>>, Vec<PrefillCandidate<'_>>) = {
-            let inflight = self.decode.lock().unwrap_or_else(|e| e.into_inner());
-            let inflight_of = |a: &str| inflight.get(a).map_or(0, |d| d.inflight.load(Ordering::Relaxed));
-            let bonus = |addr: &str| match (&held, &query) {
-                (Some(m), Some(q)) => m.bonus(affinity, addr, q),
-                _ => 0.0,
-            };
-            // A continuation runs only where `pin` allows: not on a worker it lost, and in the
-            // group and determinism class of the worker that generated its tokens.
-            let allowed = |addr: &str, group: &str, determinism: &str| match pin {
-                None => true,
-                Some(p) => {
-                    !p.exclude.iter().any(|x| x == addr)
-                        && group == p.version_group
-                        && (p.determinism.is_empty() || determinism == p.determinism)
-                }
-            };
-            let roster = |revision: i64, listed: &mut dyn Iterator<Item = &str>, count: usize| {
-                let key = (revision, count, loads.epoch());
-                let mut r = self.roster.lock().unwrap_or_else(|e| e.into_inner());
-                r.slots(key, || listed.map(|a| loads.slot(a)).collect())
-            };
+        // The workers to list, as one table kept while the membership and the board's
+        // slots stay the same ([`listing`]).
+        let table = {
+            let mut listing = self.listing.lock().unwrap_or_else(|e| e.into_inner());
             match &self.source {
                 Source::Static { decode, prefill } => {
-                    let slots =
-                        roster(0, &mut decode.iter().chain(prefill).map(String::as_str), decode.len() + prefill.len());
-                    let (decode_slots, prefill_slots) = slots.split_at(decode.len().min(slots.len()));
-                    (
-                        decode
-                            .iter()
-                            .zip(decode_slots)
-                            .filter(|(a, _)| allowed(a, STATIC_GROUP, ""))
-                            .map(|(a, &slot)| {
-                                let (load, stale) = loads.get_and_stale_at(slot);
-                                DecodeCandidate {
-                                    id: a,
-                                    addr: a,
-                                    version_group: STATIC_GROUP,
-                                    layout: "",
-                                    determinism: "",
-                                    zone: "",
-                                    load,
-                                    stale,
-                                    inflight: inflight_of(a),
-                                    max_running: 0,
-                                    prefix_bonus: bonus(a),
-                                }
-                            })
-                            .collect(),
-                        prefill
-                            .iter()
-                            .zip(prefill_slots)
-                            .map(|(a, &slot)| {
-                                let (load, stale) = loads.get_and_stale_at(slot);
-                                PrefillCandidate {
-                                    id: a,
-                                    addr: a,
-                                    version_group: STATIC_GROUP,
-                                    layout: "",
-                                    zone: "",
-                                    load,
-                                    stale,
-                                    prefix_bonus: bonus(a),
-                                }
-                            })
-                            .collect(),
-                    )
+                    let entries = decode.iter().map(|a| (a, true)).chain(prefill.iter().map(|a| (a, false)));
+                    listing.table((0, loads.epoch()), || {
+                        let entries = entries.map(|(a, decode)| listing::Entry {
+                            id: a,
+                            addr: a,
+                            version_group: STATIC_GROUP,
+                            layout: "",
+                            determinism: "",
+                            zone: "",
+                            decode,
+                            max_running: 0,
+                            until: None,
+                        });
+                        listing::Table::build(entries, |a| loads.slot(a))
+                    })
                 }
                 Source::Etcd { membership, max_stale } => {
                     if registry_expired(membership, *max_stale) {
                         metrics::route_refused("registry_unavailable");
                         return Err(Error::RegistryUnavailable);
                     }
-                    view = membership.view();
+                    let view = membership.view();
                     // Breakers of pairs whose worker left the membership go with it: checked
                     // when the membership or the set of breakers changed, not per decision.
                     let mark = (view.revision(), self.breakers.len());
@@ -152,103 +110,143 @@ impl Cluster {
                         *pruned = (view.revision(), self.breakers.len());
                     }
                     drop(pruned);
-                    let listed: Vec<&registry::WorkerInfo> = view.routable().collect();
-                    let slots = roster(view.revision(), &mut listed.iter().map(|w| w.grpc_addr.as_str()), listed.len());
-                    let (mut d, mut p) = (Vec::new(), Vec::new());
-                    for (w, &slot) in listed.iter().zip(slots.iter()).filter(|(w, _)| !w.draining) {
-                        let (load, stale) = loads.get_and_stale_at(slot);
-                        if w.role == registry::Role::Decode {
-                            if !allowed(&w.grpc_addr, &w.version_group, &w.determinism_fingerprint) {
-                                continue;
-                            }
-                            d.push(DecodeCandidate {
-                                id: &w.id,
-                                addr: &w.grpc_addr,
-                                version_group: &w.version_group,
-                                layout: &w.layout_fingerprint,
-                                determinism: &w.determinism_fingerprint,
-                                zone: &w.zone,
-                                load,
-                                stale,
-                                inflight: inflight_of(&w.grpc_addr),
-                                max_running: w.capacity.max_running,
-                                prefix_bonus: bonus(&w.grpc_addr),
-                            });
-                        } else {
-                            p.push(PrefillCandidate {
-                                id: &w.id,
-                                addr: &w.grpc_addr,
-                                version_group: &w.version_group,
-                                layout: &w.layout_fingerprint,
-                                zone: &w.zone,
-                                load,
-                                stale,
-                                prefix_bonus: bonus(&w.grpc_addr),
-                            });
-                        }
-                    }
-                    (d, p)
+                    listing.table((view.revision(), loads.epoch()), || {
+                        // The routable workers: the registered ones, then the departed ones
+                        // with when their grace ends (judged per decision).
+                        let listed = view
+                            .workers()
+                            .map(|w| (w, None))
+                            .chain(view.departed_until().map(|(w, until)| (w, Some(until))))
+                            .filter(|(w, _)| !w.draining);
+                        let entries = listed.map(|(w, until)| listing::Entry {
+                            id: &w.id,
+                            addr: &w.grpc_addr,
+                            version_group: &w.version_group,
+                            layout: &w.layout_fingerprint,
+                            determinism: &w.determinism_fingerprint,
+                            zone: &w.zone,
+                            decode: w.role == registry::Role::Decode,
+                            max_running: w.capacity.max_running,
+                            until,
+                        });
+                        listing::Table::build(entries, |a| loads.slot(a))
+                    })
                 }
             }
         };
-        let mut gates = if prompt_tokens > self.settings.local_prefill_max_tokens && !prefill.is_empty() {
-            self.breakers.gates()
-        } else {
-            Gates::default()
+        // The prompt's holders (a few workers) by their place in the table, in table order,
+        // read in step with the walk below: no per-decision array of the fleet's size (an
+        // allocation that size cost a fifth of a decision in malloc's consolidation).
+        let mut holders: Vec<(u32, f64)> = match (&held, &query) {
+            (Some(m), Some(q)) => m
+                .iter()
+                .flat_map(|(addr, tokens)| {
+                    let bonus = affinity * q.fraction(tokens);
+                    table.by_addr.get(addr).into_iter().flatten().map(move |&i| (i, bonus))
+                })
+                .collect(),
+            _ => Vec::new(),
         };
-        let threshold = self.settings.local_prefill_max_tokens;
-        let zones = self.settings.zone_pairing;
-        // A pair due a probe goes first; when another request claimed that
-        // probe meanwhile, the pair is as good as open for this one: route
-        // again without it (another decode worker's pair may serve). Each
-        // lost claim closes one more pair, so this ends.
-        let decision = loop {
-            // One decode worker's row serves its run of look-ups (the router asks about
-            // one decode worker's pairs at a time): one hash per row, not per pair.
-            let row_of = std::cell::Cell::new((usize::MAX, None));
-            let gate = |d: usize, p: usize| {
-                let row = match row_of.get() {
-                    (cached, row) if cached == d => row,
-                    _ => {
-                        let row = gates.row(decode[d].addr);
-                        row_of.set((d, row));
-                        row
-                    }
+        holders.sort_unstable_by_key(|&(i, _)| i);
+        // A continuation runs only where `pin` allows: not on a worker it lost, and in the
+        // group and determinism class of the worker that generated its tokens.
+        let allowed = |addr: &str, group: &str, determinism: &str| match pin {
+            None => true,
+            Some(p) => {
+                !p.exclude.iter().any(|x| x == addr)
+                    && group == p.version_group
+                    && (p.determinism.is_empty() || determinism == p.determinism)
+            }
+        };
+        let now = tokio::time::Instant::now();
+        // The candidates among the table's members `pick` names (in table order), or all.
+        let list = |pick: Option<&[u32]>| {
+            let clients = self.decode.lock().unwrap_or_else(|e| e.into_inner());
+            // A sample's candidates on the stack: lists of a few KB from the heap cost a
+            // sixth of a sampled decision in malloc's consolidation of the polls' frees.
+            let (mut decode, mut prefill): (Candidates<DecodeCandidate<'_>>, Candidates<PrefillCandidate<'_>>) =
+                match pick {
+                    Some(_) => (SmallVec::new(), SmallVec::new()),
+                    None => (SmallVec::with_capacity(table.decode), SmallVec::with_capacity(table.prefill)),
                 };
-                row.and_then(|r| r.get(prefill[p].addr)).copied().unwrap_or(Gate::Closed)
-            };
-            let decision = {
-                let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
-                match router::route(&decode, &prefill, gate, prompt_tokens, threshold, zones, &mut rng) {
-                    // Configured to: the decode worker prefills while its pairs are all open.
-                    Err(NoRoute::PrefillUnavailable(_)) if self.settings.breaker.open_group_prefills_locally => {
-                        router::route(&decode, &[], gate, prompt_tokens, threshold, zones, &mut rng)
+            let mut held = holders.iter().peekable();
+            let mut add = |i: u32| {
+                let Some(m) = table.members.get(i as usize) else { return };
+                while held.next_if(|&&(h, _)| h < i).is_some() {}
+                let prefix_bonus = held.next_if(|&&(h, _)| h == i).map_or(0.0, |&(_, b)| b);
+                if !m.present(now) {
+                    return;
+                }
+                let (load, stale) = loads.get_and_stale_at(m.slot);
+                if m.decode {
+                    if !allowed(&m.addr, &m.version_group, &m.determinism) {
+                        return;
                     }
-                    d => d,
+                    decode.push(DecodeCandidate {
+                        id: &m.id,
+                        addr: &m.addr,
+                        version_group: &m.version_group,
+                        layout: &m.layout,
+                        determinism: &m.determinism,
+                        zone: &m.zone,
+                        load,
+                        stale,
+                        inflight: clients.get(&*m.addr).map_or(0, |c| c.inflight.load(Ordering::Relaxed)),
+                        max_running: m.max_running,
+                        prefix_bonus,
+                    });
+                } else {
+                    prefill.push(PrefillCandidate {
+                        id: &m.id,
+                        addr: &m.addr,
+                        version_group: &m.version_group,
+                        layout: &m.layout,
+                        zone: &m.zone,
+                        load,
+                        stale,
+                        prefix_bonus,
+                    });
                 }
             };
-            let decision = decision.map_err(|why| {
-                match why {
-                    NoRoute::PrefillUnavailable(_) => {
-                        metrics::route_refused("prefill_unavailable");
-                        metrics::prefill_unavailable();
-                    }
-                    NoRoute::NoDecode => metrics::route_refused("no_decode"),
-                    NoRoute::NoneReady(_) => metrics::route_refused("none_ready"),
+            match pick {
+                Some(p) => p.iter().for_each(|&i| add(i)),
+                None => (0..u32::try_from(table.members.len()).unwrap_or(u32::MAX)).for_each(add),
+            }
+            (decode, prefill)
+        };
+        // A large fleet is sampled first ([`listing::Table::sample`]); a sample that leaves
+        // the decision short of what listing everyone would give falls back to that.
+        let sampled = {
+            let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+            table.sample(&holders, &mut rng)
+        };
+        let (mut decode, mut prefill) = list(sampled.as_deref());
+        let decided = match sampled {
+            Some(_) => self.choose(&decode, &prefill, prompt_tokens, true),
+            None => None,
+        };
+        metrics::route_listed(if decided.is_some() { "sampled" } else { "all" });
+        let decision = match decided {
+            Some(d) => d,
+            None => {
+                if sampled.is_some() {
+                    (decode, prefill) = list(None);
                 }
-                Error::NoRoute { why, breaker_cooldown: self.breakers.config().cooldown }
-            })?;
-            match decision.prefill.first() {
-                Some(&first)
-                    if gate(decision.decode, first) == Gate::Probe
-                        && !self.breakers.claim_probe(prefill[first].addr, decode[decision.decode].addr) =>
-                {
-                    let open = Gate::Open(self.breakers.config().cooldown);
-                    gates.set(prefill[first].addr, decode[decision.decode].addr, open);
-                }
-                _ => break decision,
+                // Not a sample: `choose` always answers.
+                self.choose(&decode, &prefill, prompt_tokens, false).unwrap_or(Err(NoRoute::NoDecode))
             }
         };
+        let decision = decision.map_err(|why| {
+            match why {
+                NoRoute::PrefillUnavailable(_) => {
+                    metrics::route_refused("prefill_unavailable");
+                    metrics::prefill_unavailable();
+                }
+                NoRoute::NoDecode => metrics::route_refused("no_decode"),
+                NoRoute::NoneReady(_) => metrics::route_refused("none_ready"),
+            }
+            Error::NoRoute { why, breaker_cooldown: self.breakers.config().cooldown }
+        })?;
         metrics::route_pairs_skipped("layout_fingerprint", decision.layout_skipped);
         metrics::route_pairs_skipped("zone", decision.zone_skipped);
         if decision.cross_zone {
@@ -280,6 +278,77 @@ impl Cluster {
         })
     }
 }
+
+impl Cluster {
+    /// The router's decision among these candidates, a pair due a probe claimed.
+    /// `sampled`: `None` when the candidates are a sample whose answer listing every
+    /// worker might better (an error, or fewer prefill workers than a dispatch may
+    /// try): no probe is claimed then.
+    fn choose(
+        &self,
+        decode: &[DecodeCandidate<'_>],
+        prefill: &[PrefillCandidate<'_>],
+        prompt_tokens: usize,
+        sampled: bool,
+    ) -> Option<Result<router::Decision, NoRoute>> {
+        let threshold = self.settings.local_prefill_max_tokens;
+        let zones = self.settings.zone_pairing;
+        let mut gates =
+            if prompt_tokens > threshold && !prefill.is_empty() { self.breakers.gates() } else { Gates::default() };
+        // A pair due a probe goes first; when another request claimed that
+        // probe meanwhile, the pair is as good as open for this one: route
+        // again without it (another decode worker's pair may serve). Each
+        // lost claim closes one more pair, so this ends.
+        loop {
+            // One decode worker's row serves its run of look-ups (the router asks about
+            // one decode worker's pairs at a time): one hash per row, not per pair.
+            let row_of = std::cell::Cell::new((usize::MAX, None));
+            let gate = |d: usize, p: usize| {
+                let row = match row_of.get() {
+                    (cached, row) if cached == d => row,
+                    _ => {
+                        let row = gates.row(decode[d].addr);
+                        row_of.set((d, row));
+                        row
+                    }
+                };
+                row.and_then(|r| r.get(prefill[p].addr)).copied().unwrap_or(Gate::Closed)
+            };
+            let decision = {
+                let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+                match router::route(decode, prefill, gate, prompt_tokens, threshold, zones, &mut rng) {
+                    // Configured to: the decode worker prefills while its pairs are all open.
+                    Err(NoRoute::PrefillUnavailable(_)) if self.settings.breaker.open_group_prefills_locally => {
+                        router::route(decode, &[], gate, prompt_tokens, threshold, zones, &mut rng)
+                    }
+                    d => d,
+                }
+            };
+            let enough = |d: &router::Decision| {
+                prompt_tokens <= threshold || d.prefill.len() >= self.settings.prefill_attempts.max(1)
+            };
+            let decision = match decision {
+                Ok(d) if sampled && !enough(&d) => return None,
+                Err(_) if sampled => return None,
+                Err(why) => return Some(Err(why)),
+                Ok(d) => d,
+            };
+            match decision.prefill.first() {
+                Some(&first)
+                    if gate(decision.decode, first) == Gate::Probe
+                        && !self.breakers.claim_probe(prefill[first].addr, decode[decision.decode].addr) =>
+                {
+                    let open = Gate::Open(self.breakers.config().cooldown);
+                    gates.set(prefill[first].addr, decode[decision.decode].addr, open);
+                }
+                _ => return Some(Ok(decision)),
+            }
+        }
+    }
+}
+
+/// One decision's candidates of a role: a sample's fit inline.
+type Candidates<T> = SmallVec<[T; listing::SAMPLE + 8]>;
 
 /// This thread's CPU time so far (`CLOCK_THREAD_CPUTIME_ID`).
 fn thread_cpu() -> Option<Duration> {

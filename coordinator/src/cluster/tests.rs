@@ -230,3 +230,60 @@ async fn clients_of_departed_decode_workers_are_dropped_once_idle() {
     assert_eq!(c.forget_departed(&c.poll_targets()), 0, "members keep theirs");
     assert_eq!(c.decode_clients(), 2);
 }
+
+/// A fleet past [`listing::LIST_ALL_UP_TO`] decode workers: `decode` of them (the first
+/// `ready` ready, the rest not) and `prefill` prefill workers, every one with a load.
+fn large(decode: usize, ready: usize, prefill: usize) -> (Cluster, Vec<String>) {
+    let d: Vec<String> = (0..decode).map(|i| format!("127.0.0.1:{}", 10_000 + i)).collect();
+    let p: Vec<String> = (0..prefill).map(|i| format!("127.0.0.1:{}", 20_000 + i)).collect();
+    let c =
+        cluster(&d.iter().map(String::as_str).collect::<Vec<_>>(), &p.iter().map(String::as_str).collect::<Vec<_>>());
+    for (i, a) in d.iter().enumerate() {
+        c.board().set(a, Load { ready: i < ready, ..idle(2) });
+    }
+    for a in &p {
+        c.board().set(a, idle(0));
+    }
+    (c, d)
+}
+
+/// Sampled or not, the worker holding the prompt is always among the candidates, and at
+/// equal load it wins every time.
+#[test]
+fn a_large_fleet_is_sampled_yet_the_prompts_holder_always_wins() {
+    let (c, d) = large(200, 200, 0);
+    let prompt: Vec<u32> = (0..100).map(|t| 500 + t).collect();
+    let holder = &d[137];
+    c.board().set_prefixes(holder, 16, engine::kv::prefix_hashes(&prompt[..99], 16, 7));
+    for _ in 0..50 {
+        assert_eq!(&c.route_for(&prompt, 7).expect("a route").decode, holder);
+    }
+}
+
+/// A sample that finds no ready decode worker is not the answer: the fleet is listed
+/// whole and the one ready worker found, every time.
+#[test]
+fn a_sample_that_finds_no_ready_worker_falls_back_to_listing_all() {
+    let (c, d) = large(200, 1, 0);
+    for _ in 0..50 {
+        assert_eq!(c.route(10).expect("a route").decode, d[0]);
+    }
+}
+
+/// A sampled decision names as many prefill workers as a dispatch tries, of the chosen
+/// decode worker's group, and spreads over the fleet.
+#[test]
+fn a_sampled_decision_names_a_full_list_of_prefill_workers() {
+    let (c, _) = large(200, 200, 100);
+    let mut chosen = std::collections::HashSet::new();
+    for _ in 0..50 {
+        let r = c.route(500).expect("a route");
+        assert_eq!(r.prefill.len(), RouteSettings::default().prefill_attempts);
+        let mut names: Vec<&str> = r.prefill.iter().map(|p| p.grpc_addr.as_str()).collect();
+        names.dedup();
+        assert_eq!(names.len(), r.prefill.len(), "no worker twice: {names:?}");
+        chosen.insert(r.decode);
+    }
+    // All equally loaded: the sample spreads them (one worker for all 50 would mean no sample).
+    assert!(chosen.len() > 10, "{} decode workers chosen in 50 decisions", chosen.len());
+}

@@ -98,6 +98,12 @@ pub const PREFILL_ATTEMPTS: &str = "tandem_coordinator_prefill_attempts_total";
 /// `zone` (another zone, under `--zone-pairing=require`). Counted per routed
 /// request and skipped worker. vLLM: none.
 pub const ROUTE_PAIRS_SKIPPED: &str = "tandem_coordinator_route_pairs_skipped_total";
+/// `tandem_coordinator_route_listings_total{listed}`: routing decisions by the
+/// workers they listed: `sampled` (a fleet of more than 64 decode workers: the
+/// prompt's prefix holders and a random sample, decided there), `all` (a smaller
+/// fleet, or a sample that left the decision short: an error or fewer prefill
+/// workers than a dispatch may try). vLLM: none.
+pub const ROUTE_LISTINGS: &str = "tandem_coordinator_route_listings_total";
 /// `tandem_coordinator_cross_zone_routes_total`: remote-prefill routes whose
 /// first prefill worker registered another zone than the decode worker (its KV
 /// crosses zones). What `--zone-pairing=prefer` would save; never counted under
@@ -274,6 +280,7 @@ pub const CATALOG: &[Metric] = &[
         exporter: Exporter::Coordinator,
     },
     Metric { name: ROUTE_PAIRS_SKIPPED, kind: Kind::Counter, labels: &["reason"], exporter: Exporter::Coordinator },
+    Metric { name: ROUTE_LISTINGS, kind: Kind::Counter, labels: &["listed"], exporter: Exporter::Coordinator },
     Metric { name: CROSS_ZONE_ROUTES, kind: Kind::Counter, labels: &[], exporter: Exporter::Coordinator },
     Metric { name: PREFILL_UNAVAILABLE, kind: Kind::Counter, labels: &[], exporter: Exporter::Coordinator },
     Metric {

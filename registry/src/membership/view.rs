@@ -66,6 +66,14 @@ impl MembershipView {
         self.departed.values().filter(move |(_, at)| at.elapsed() < grace).map(|(w, _)| w)
     }
 
+    /// Every departed worker this view holds, with when its grace ends (already ended for
+    /// some): for a caller that keeps a listing of [`Self::routable`] while the revision
+    /// holds and judges each departed worker's grace at its own time.
+    pub fn departed_until(&self) -> impl Iterator<Item = (&WorkerInfo, Instant)> + '_ {
+        let grace = self.departed_grace;
+        self.departed.values().map(move |(w, at)| (w, *at + grace))
+    }
+
     /// The workers a router may consider: [`Self::workers`], then [`Self::departed`].
     ///
     /// A departed worker is one that may have lost only its lease, not its health (etcd
