@@ -6,11 +6,11 @@
 //! was memory, not arithmetic. Listing each worker from the membership map touched its
 //! registration's strings one heap block each (group, layout, zone, address), cold
 //! between two decisions while thousands of polls ran; the candidate lists grew by
-//! reallocation; each candidate's prefix bonus hashed its address.
-//! The table is built once per membership revision and load-board epoch: group, layout, determinism and zone strings interned (the router compares
-//! them by pointer first), each worker's board slot resolved, and an
-//! index by address for the prompt's few prefix holders. A decision then walks it in
-//! order and reads only the numbers that change.
+//! reallocation; each candidate's prefix bonus hashed its address. The table is built
+//! once per membership revision and load-board epoch: group, layout, determinism and
+//! zone strings interned (the router compares them by pointer first), each worker's
+//! board slot resolved, and an index by address for the prompt's few prefix holders. A
+//! decision then walks it in order and reads only the numbers that change.
 
 use std::sync::Arc;
 
@@ -60,8 +60,6 @@ pub(super) struct Table {
     pub members: Vec<Member>,
     /// Members by address (a worker listed as both decode and prefill has two).
     pub by_addr: FxHashMap<Arc<str>, SmallVec<[u32; 2]>>,
-    pub decode: usize,
-    pub prefill: usize,
     /// The decode members' places, and the prefill members' by version group.
     decode_members: Vec<u32>,
     prefill_by_group: FxHashMap<Arc<str>, Vec<u32>>,
@@ -93,10 +91,8 @@ impl Table {
             t.by_addr.entry(addr.clone()).or_default().push(i);
             let version_group = intern(e.version_group);
             if e.decode {
-                t.decode += 1;
                 t.decode_members.push(i);
             } else {
-                t.prefill += 1;
                 t.prefill_by_group.entry(version_group.clone()).or_default().push(i);
             }
             t.members.push(Member {
@@ -113,6 +109,16 @@ impl Table {
             });
         }
         t
+    }
+
+    /// How many decode members it lists.
+    pub fn decode(&self) -> usize {
+        self.decode_members.len()
+    }
+
+    /// How many prefill members it lists.
+    pub fn prefill(&self) -> usize {
+        self.members.len() - self.decode_members.len()
     }
 
     /// The members one decision of a large fleet lists, in table order: the prompt's
@@ -195,7 +201,7 @@ mod tests {
         let entries =
             vec![entry("d0", &groups[0], true), entry("p0", &groups[1], false), entry("d0", &groups[2], false)];
         let t = Table::build(entries.into_iter(), |a| (a == "p0").then_some(7));
-        assert_eq!((t.decode, t.prefill, t.members.len()), (1, 2, 3));
+        assert_eq!((t.decode(), t.prefill(), t.members.len()), (1, 2, 3));
         // Equal strings from different registrations are one allocation: compared by pointer.
         assert!(Arc::ptr_eq(&t.members[0].version_group, &t.members[1].version_group));
         assert!(!Arc::ptr_eq(&t.members[0].version_group, &t.members[2].version_group));

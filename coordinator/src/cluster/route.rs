@@ -167,7 +167,7 @@ impl Cluster {
             let (mut decode, mut prefill): (Candidates<DecodeCandidate<'_>>, Candidates<PrefillCandidate<'_>>) =
                 match pick {
                     Some(_) => (SmallVec::new(), SmallVec::new()),
-                    None => (SmallVec::with_capacity(table.decode), SmallVec::with_capacity(table.prefill)),
+                    None => (SmallVec::with_capacity(table.decode()), SmallVec::with_capacity(table.prefill())),
                 };
             let mut held = holders.iter().peekable();
             let mut add = |i: u32| {
