@@ -40,15 +40,15 @@
 //! polling of the others.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock, Weak};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use proto::worker::v1::decode_worker_client::DecodeWorkerClient;
-use proto::worker::v1::prefill_worker_client::PrefillWorkerClient;
-use proto::worker::v1::{HealthRequest, HealthResponse, PrefixReport, PrefixUpdate, WatchPrefixesRequest, WatchedLoad};
+use proto::worker::v1::{HealthRequest, HealthResponse, PrefixReport, PrefixUpdate, WatchedLoad};
 use rustc_hash::FxHashMap;
 use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint};
+
+mod worker;
+use worker::{connect, watch, Client, Watch};
 
 use crate::prefix::{Index, Matches, Query, Via};
 
@@ -99,30 +99,6 @@ impl Load {
             return 1.0;
         }
         (f64::from(self.kv_blocks_used) / f64::from(self.kv_blocks_total)).min(1.0)
-    }
-}
-
-#[derive(Clone)]
-enum Client {
-    Decode(DecodeWorkerClient<Channel>),
-    Prefill(PrefillWorkerClient<Channel>),
-}
-
-impl Client {
-    async fn health(&mut self, req: HealthRequest) -> Result<HealthResponse, tonic::Status> {
-        let r = match self {
-            Client::Decode(c) => c.health(req).await,
-            Client::Prefill(c) => c.health(req).await,
-        };
-        r.map(tonic::Response::into_inner)
-    }
-
-    async fn watch_prefixes(&mut self) -> Result<tonic::Streaming<PrefixUpdate>, tonic::Status> {
-        let r = match self {
-            Client::Decode(c) => c.watch_prefixes(WatchPrefixesRequest {}).await,
-            Client::Prefill(c) => c.watch_prefixes(WatchPrefixesRequest {}).await,
-        };
-        r.map(tonic::Response::into_inner)
     }
 }
 
@@ -496,67 +472,14 @@ impl LoadBoard {
     }
 }
 
-/// A worker's watch task, stopped when the worker leaves the poller's targets.
-struct Watch(tokio::task::JoinHandle<()>);
-
-impl Drop for Watch {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Keeps `addr`'s `WatchPrefixes` stream open and applies its updates to the board,
-/// until the board goes, the worker leaves (the task is aborted) or the worker does not
-/// serve the RPC (it is read from Health reports). A stream that ends, fails or skips
-/// an update drops the worker's set and is opened again an `interval` later.
-async fn watch(board: Weak<LoadBoard>, addr: String, mut client: Client, interval: Duration) {
-    loop {
-        let why = match client.watch_prefixes().await {
-            Err(s) if s.code() == tonic::Code::Unimplemented => return,
-            Err(_) => "refused",
-            Ok(mut stream) => loop {
-                match stream.message().await {
-                    Ok(Some(u)) => {
-                        let Some(b) = board.upgrade() else { return };
-                        match b.apply(&addr, &u) {
-                            Ok(blocks) => crate::metrics::worker_prefix_blocks(&addr, blocks),
-                            Err(gap) => {
-                                tracing::warn!(worker = %addr, %gap, "prefix watch out of sequence; its set is dropped");
-                                break "gap";
-                            }
-                        }
-                    }
-                    Ok(None) => break "ended",
-                    Err(_) => break "failed",
-                }
-            },
-        };
-        let Some(b) = board.upgrade() else { return };
-        b.unwatch(&addr);
-        crate::metrics::worker_prefix_blocks(&addr, 0);
-        crate::metrics::prefix_watch_restart(why);
-        drop(b);
-        tokio::time::sleep(interval).await;
-    }
-}
-
 fn unreachable(at: Instant) -> Load {
     Load { ready: false, reachable: false, kv_blocks_total: 0, kv_blocks_used: 0, running: 0, waiting: 0, at }
-}
-
-fn connect(addr: &str, kind: Kind) -> Option<Client> {
-    let ep =
-        Endpoint::from_shared(format!("http://{addr}")).ok()?.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true);
-    let ch = ep.connect_lazy();
-    Some(match kind {
-        Kind::Decode => Client::Decode(DecodeWorkerClient::new(ch)),
-        Kind::Prefill => Client::Prefill(PrefillWorkerClient::new(ch)),
-    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proto::worker::v1::WatchPrefixesRequest;
 
     fn load(used: u32, total: u32, running: u32, waiting: u32) -> Load {
         Load {
