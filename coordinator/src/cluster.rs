@@ -500,6 +500,8 @@ impl Cluster {
         // gets prefilled, locally or remotely (the one local-vs-remote decision).
         let tokens: Vec<u32> = d.prompt.iter().chain(&d.generated).copied().collect();
         let mut pin = d.pin.clone();
+        // Decode workers whose stream broke or that refused in this dispatch.
+        let mut avoid: Vec<String> = Vec::new();
         let mut attempt = 0;
         // The dispatch's remote prefill attempts, spent as lists are sent (a list sent
         // counts whole: a stream that broke does not say how much of it was walked).
@@ -513,7 +515,7 @@ impl Cluster {
                 // runs (`invalid_argument`, seen in the control-link-resets drill).
                 req.request_id = format!("{}.{attempt}", d.request_id);
             }
-            let route = self.route_pinned(&tokens, req.cache_salt, pin.as_ref())?;
+            let route = self.route_pinned(&tokens, req.cache_salt, pin.as_ref(), &avoid)?;
             let decode = self.decode_entry(&route.decode)?;
             decode.inflight.fetch_add(1, Ordering::Relaxed);
             let inflight = Inflight { decode: decode.clone(), cached_tokens: route.cached_tokens };
@@ -550,6 +552,7 @@ impl Cluster {
                         self.board.mark_not_ready(&route.decode);
                         metrics::decode_reroute("refused");
                         exclude(&mut pin, &route.decode);
+                        avoid.push(route.decode.clone());
                         continue;
                     }
                     // The stream broke before its first message (the connection was reset
@@ -562,6 +565,7 @@ impl Cluster {
                             self.board.mark_unreachable(&route.decode);
                             metrics::decode_reroute("stream_broken");
                             exclude(&mut pin, &route.decode);
+                            avoid.push(route.decode.clone());
                             continue;
                         }
                     }
@@ -579,6 +583,7 @@ impl Cluster {
                     self.board.mark_unreachable(&route.decode);
                     metrics::decode_reroute("unreachable");
                     exclude(&mut pin, &route.decode);
+                    avoid.push(route.decode.clone());
                 }
                 Err(s) => {
                     return Err(Error::WorkerUnavailable(format!("decode worker {}: {}", route.decode, s.message())))

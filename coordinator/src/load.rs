@@ -309,6 +309,19 @@ impl LoadBoard {
         (s.load, s.asked) = (Some(load), None);
     }
 
+    /// Records a poll's outcome unless something newer is known: a round's answers are
+    /// applied when its slowest poll ends (up to an interval later), and by then a
+    /// request may have found the worker gone ([`LoadBoard::mark_unreachable`]); an
+    /// answer given before that must not make it routable again.
+    fn set_polled(&self, addr: &str, load: Load) {
+        let mut b = self.write();
+        let s = b.entry(addr);
+        if s.load.is_some_and(|l| l.at > load.at) {
+            return;
+        }
+        (s.load, s.asked) = (Some(load), None);
+    }
+
     /// Records that the poller asked `addr` at `at`, if it has no answer yet.
     fn asked(&self, addr: &str, at: Instant) {
         let mut b = self.write();
@@ -453,7 +466,7 @@ impl LoadBoard {
                 for (addr, polled) in futures_util::future::join_all(polls).await {
                     match polled {
                         Polled::Answer(l, report) => {
-                            board.set(&addr, Load { reachable: true, ..l });
+                            board.set_polled(&addr, Load { reachable: true, ..l });
                             if let Some((epoch, r)) = report {
                                 let mut b = board.write();
                                 // A watch that began meanwhile is newer than any report.
@@ -463,7 +476,7 @@ impl LoadBoard {
                                 }
                             }
                         }
-                        Polled::Refused(at) => board.set(&addr, unreachable(at)),
+                        Polled::Refused(at) => board.set_polled(&addr, unreachable(at)),
                         Polled::Slow => {}
                     }
                 }
@@ -572,6 +585,22 @@ mod tests {
         board.set("a:1", load(0, 10, 1, 0));
         board.set("new:1", load(0, 10, 0, 0));
         assert_eq!(board.count_stale(all), 0, "an answer makes it fresh again");
+    }
+
+    /// A round's answers are applied when its slowest poll ends: one given before a
+    /// request found the worker gone must not make it routable again; a later one does.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_older_than_a_marked_failure_does_not_revive_the_worker() {
+        let board = LoadBoard::new(Duration::from_millis(100));
+        let answered = Instant::now();
+        board.set_polled("a:1", Load { at: answered, ..load(0, 10, 1, 0) });
+        tokio::time::advance(Duration::from_millis(5)).await;
+        board.mark_unreachable("a:1");
+        board.set_polled("a:1", Load { at: answered, ..load(0, 10, 1, 0) });
+        assert!(board.get("a:1").is_some_and(|l| !l.reachable), "the older answer is dropped");
+        tokio::time::advance(Duration::from_millis(5)).await;
+        board.set_polled("a:1", load(0, 10, 1, 0));
+        assert!(board.get("a:1").is_some_and(|l| l.reachable && l.ready), "a newer answer counts");
     }
 
     #[tokio::test]

@@ -187,7 +187,10 @@ impl Load {
                 let fail = |e: String| rec.lock().unwrap().error = Some(e);
                 let mut stream = match open_stream(&h, "/v1/completions", &b, &[]) {
                     Ok(s) if s.status == 200 => s,
-                    Ok(s) => return fail(format!("status {}", s.status)),
+                    Ok(s) => {
+                        let status = s.status;
+                        return fail(format!("status {status}: {}", s.text().unwrap_or_else(|e| e.to_string())));
+                    }
                     Err(e) => return fail(e.to_string()),
                 };
                 loop {

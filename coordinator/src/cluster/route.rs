@@ -31,19 +31,27 @@ impl Cluster {
     /// workers of its version group (see [`crate::router`]), by load only.
     /// No I/O: it reads the membership cache and the load board.
     pub fn route(&self, prompt_tokens: usize) -> Result<Route, Error> {
-        self.route_prompt(prompt_tokens, None, None)
+        self.route_prompt(prompt_tokens, None, None, &[])
     }
 
     /// [`Cluster::route`] with prefix affinity: each worker's reported
     /// prefix blocks are matched against `tokens` under `salt`
     /// ([`crate::prefix`]).
     pub fn route_for(&self, tokens: &[u32], salt: u64) -> Result<Route, Error> {
-        self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)), None)
+        self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)), None, &[])
     }
 
-    /// [`Cluster::route_for`] for a continuation: only decode workers `pin` allows.
-    pub(super) fn route_pinned(&self, tokens: &[u32], salt: u64, pin: Option<&Pin>) -> Result<Route, Error> {
-        self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)), pin)
+    /// [`Cluster::route_for`] for a dispatch's attempt: only decode workers `pin` allows
+    /// (a continuation's), and none in `avoid` (those whose stream broke earlier in this
+    /// dispatch) while another can serve.
+    pub(super) fn route_pinned(
+        &self,
+        tokens: &[u32],
+        salt: u64,
+        pin: Option<&Pin>,
+        avoid: &[String],
+    ) -> Result<Route, Error> {
+        self.route_prompt(tokens.len(), Some(Query::new(tokens, salt)), pin, avoid)
     }
 
     /// One routing decision, timed in wall and thread CPU time
@@ -51,17 +59,29 @@ impl Cluster {
     /// runs inside the two CPU-clock reads: each is a system call, on whose return the
     /// kernel switches a thread out whose time slice is up, and on a busy core that
     /// switch (milliseconds) had been most of the wall time's p99.
-    fn route_prompt(&self, prompt_tokens: usize, query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
+    fn route_prompt(
+        &self,
+        prompt_tokens: usize,
+        query: Option<Query<'_>>,
+        pin: Option<&Pin>,
+        avoid: &[String],
+    ) -> Result<Route, Error> {
         let cpu = thread_cpu();
         let started = tokio::time::Instant::now();
-        let route = self.decide(prompt_tokens, query, pin);
+        let route = self.decide(prompt_tokens, query, pin, avoid);
         let took = started.elapsed();
         let spent = thread_cpu().zip(cpu).map(|(now, then)| now.saturating_sub(then));
         metrics::route_decision(took, spent);
         route
     }
 
-    fn decide(&self, prompt_tokens: usize, mut query: Option<Query<'_>>, pin: Option<&Pin>) -> Result<Route, Error> {
+    fn decide(
+        &self,
+        prompt_tokens: usize,
+        mut query: Option<Query<'_>>,
+        pin: Option<&Pin>,
+        avoid: &[String],
+    ) -> Result<Route, Error> {
         let affinity = self.settings.prefix_affinity;
         // Read for the whole decision (no await in it): the answer's cached tokens come
         // from the same walk of the prefix index as the candidates' bonuses.
@@ -150,7 +170,15 @@ impl Cluster {
         holders.sort_unstable_by_key(|&(i, _)| i);
         // A continuation runs only where `pin` allows: not on a worker it lost, and in the
         // group and determinism class of the worker that generated its tokens.
+        // A worker whose stream broke earlier in this dispatch is avoided while another
+        // can serve: the load board may not show its death yet (a poll answered just
+        // before it died, applied just after the break was marked), and a second try
+        // there was the dispatch's last (seen once in CI as a 503 to a client whose
+        // decode worker was SIGKILLed). It stays a last resort: a reset connection to a
+        // live worker, the only one of its group, must still be retried there.
+        let avoiding = std::cell::Cell::new(!avoid.is_empty());
         let allowed = |addr: &str, group: &str, determinism: &str| match pin {
+            _ if avoiding.get() && avoid.iter().any(|a| a == addr) => false,
             None => true,
             Some(p) => {
                 !p.exclude.iter().any(|x| x == addr)
@@ -233,7 +261,18 @@ impl Cluster {
                     (decode, prefill) = list(None);
                 }
                 // Not a sample: `choose` always answers.
-                self.choose(&decode, &prefill, prompt_tokens, false).unwrap_or(Err(NoRoute::NoDecode))
+                let all = |d: &[DecodeCandidate<'_>], p: &[PrefillCandidate<'_>]| {
+                    self.choose(d, p, prompt_tokens, false).unwrap_or(Err(NoRoute::NoDecode))
+                };
+                match all(&decode, &prefill) {
+                    // Nothing but the avoided workers can serve: try them too.
+                    Err(_) if avoiding.get() => {
+                        avoiding.set(false);
+                        (decode, prefill) = list(None);
+                        all(&decode, &prefill)
+                    }
+                    d => d,
+                }
             }
         };
         let decision = decision.map_err(|why| {

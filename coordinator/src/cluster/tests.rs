@@ -168,6 +168,28 @@ async fn a_stream_broken_before_its_first_message_is_routed_again() {
     assert!(c.board().get(&broken).is_some_and(|l| !l.reachable), "the broken worker is marked unreachable");
 }
 
+/// A worker whose stream broke in this dispatch is not tried again while another can
+/// serve, even when the board shows it usable (a poll answered before it died); with no
+/// other, it is still the last resort (a reset connection to a live worker).
+#[tokio::test]
+async fn a_dispatch_avoids_the_worker_whose_stream_broke_while_another_serves() {
+    let (a, b) = ("127.0.0.1:1", "127.0.0.1:2");
+    let c = cluster(&[a, b], &[]);
+    c.board().set(a, idle(0));
+    c.board().set(b, idle(5));
+    let tokens = [1, 2, 3];
+    let route = |avoid: &[&str]| {
+        let avoid: Vec<String> = avoid.iter().map(|s| (*s).to_owned()).collect();
+        c.route_pinned(&tokens, 7, None, &avoid).map(|r| r.decode).map_err(|e| e.to_string())
+    };
+    assert_eq!(route(&[]), Ok(a.to_owned()), "the idlest first");
+    assert_eq!(route(&[a]), Ok(b.to_owned()), "the broken one avoided although it looks idlest");
+    c.board().mark_unreachable(b);
+    assert_eq!(route(&[a]), Ok(a.to_owned()), "nothing else serves: the avoided one after all");
+    c.board().mark_unreachable(a);
+    assert!(route(&[a]).is_err(), "no worker at all is still refused");
+}
+
 /// Retries inside the cluster happen in one layer: a dispatch lists at most
 /// `prefill_attempts` prefill workers across every decode worker it tries, so a
 /// decode worker's walk of its list (policy `retry`) and the coordinator's routing
