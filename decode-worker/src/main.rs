@@ -15,7 +15,6 @@ use decode_worker::service::{DecodeService, DecodeSettings};
 use decode_worker::sink::RunnerSink;
 use decode_worker::{DecodeConfig, DecodeFlags};
 use engine::runner::{Runner, RunnerConfig, RunnerHandle};
-use kvtransfer::transport::{DirectPool, PoolMemory};
 use kvtransfer::{
     KvServer, LocalServerConfig, Peer, PeerTrust, QuicServerConfig, Receiver, ReceiverConfig, ServerConfig,
     TcpServerConfig, TlsIdentity, TransportKind, UcxServerConfig,
@@ -144,23 +143,6 @@ fn export_stats(server: &KvServer) {
     });
 }
 
-/// Moves the engine's (still empty) pool into memory the TCP server maps
-/// and returns the server's view of it (`tcp_direct`): before the listener
-/// binds, so before any request can use the pool.
-async fn pool_memory(runner: &RunnerHandle) -> anyhow::Result<DirectPool> {
-    let r = runner.clone();
-    let (layout, blocks) =
-        tokio::task::spawn_blocking(move || r.with_pool(|p| (*p.layout(), p.num_blocks()))).await??;
-    let memory = PoolMemory::new(layout, blocks).context("mapping the KV pool for direct reads (tcp_direct)")?;
-    let (view, bytes, r) = (memory.direct(), layout.pool_bytes(blocks).unwrap_or(0), runner.clone());
-    let shared = memory.into_shared();
-    tokio::task::spawn_blocking(move || r.with_pool(move |p| p.adopt(shared)))
-        .await??
-        .context("moving the KV pool into mapped memory (tcp_direct)")?;
-    tracing::info!(bytes, "KV pool in mapped memory: the TCP server reads payloads straight into its blocks");
-    Ok(view)
-}
-
 /// Binds the KV listener; for QUIC with no configured certificate, makes a
 /// self-signed one and returns its fingerprint for destinations to carry.
 async fn bind_transfer(
@@ -178,7 +160,14 @@ async fn bind_transfer(
             Ok((s, None))
         }
         TransportKind::Tcp => {
-            let direct = if cfg.tcp_direct { Some(pool_memory(runner).await?) } else { None };
+            let direct = if cfg.tcp_direct {
+                Some(
+                    worker_common::serve::pool_memory(runner, "tcp_direct: the TCP server reads payloads into it")
+                        .await?,
+                )
+            } else {
+                None
+            };
             let config =
                 TcpServerConfig { idle_timeout: cfg.transfer_idle_timeout, direct, ..TcpServerConfig::default() };
             let s = KvServer::bind(addr, receiver, sink, ServerConfig::Tcp(config)).await.map_err(bound)?;

@@ -13,10 +13,17 @@
 //!   read into buffers and scattered by the sink, and read straight into
 //!   the second pool's blocks (`TcpServerConfig::direct`, the decode
 //!   worker's default);
-//! - transport, pool -> pool as the workers run it: each layer gathered on
-//!   a thread of its own (the prefill engine's) into recycled buffers while
-//!   the sender sends the one before, and read straight into the second
-//!   pool;
+//! - transport, pool -> pool as the workers run it: a thread of its own (the
+//!   prefill engine's) writes each layer of each 512-token step's blocks
+//!   (the model computing it) and gathers it into recycled buffers while the
+//!   sender sends the one before; read straight into the second pool. The
+//!   writing is the model's work: its CPU time (that thread's clock) is not
+//!   counted as the transport's;
+//! - transport, pinned (no gather): the same with the prefill pool in mapped
+//!   memory (its blocks in descending ids, so none merge): the thread takes
+//!   each layer's frame checksums from the blocks it just wrote
+//!   (`PinnedLayer`) and the sender writes each frame straight from them
+//!   (`send_pinned`);
 //! - raw tcp, same memory: a plain tokio writer/reader moving the same bytes
 //!   from the same pre-gathered layers, in the transport's frame-sized
 //!   pieces, straight into a destination as large as the transfer — what
@@ -30,7 +37,9 @@
 //!
 //! Run: `cargo bench -p kvtransfer --bench tcp` (optional args: frame sizes,
 //! `256k` or `1` (MiB), e.g. `-- 256k 1 4`; `profile` to loop the
-//! memory -> memory transport alone, for perf).
+//! memory -> memory transport alone, for perf, and `profile raw`,
+//! `profile gathered` or `profile pinned` that variant, 20 transfers each
+//! with its CPU per GB: alternate them for a paired comparison).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
 
@@ -47,7 +56,7 @@ use common::{
 };
 use engine::kv::KvPool;
 use kvtransfer::transport::{DirectPool, PoolMemory};
-use kvtransfer::{Receiver, ReceiverConfig, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig};
+use kvtransfer::{PinnedLayer, Receiver, ReceiverConfig, TcpKvSender, TcpKvServer, TcpSenderConfig, TcpServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use types::kv::BlockId;
@@ -68,7 +77,7 @@ fn main() -> Res<()> {
         total as f64 / (1 << 20) as f64
     );
     crc_speed();
-    let (pool_a, table_a) = common::source_pool(LAYOUT, BLOCKS, 0)?;
+    let (mut pool_a, table_a) = common::source_pool(LAYOUT, BLOCKS, 0)?;
     let pool_b = Arc::new(Mutex::new(KvPool::new(LAYOUT, BLOCKS + 7)?));
     // In memory the TCP server can read into, as the decode worker's pool is.
     let memory = PoolMemory::new(LAYOUT, BLOCKS + 7)?;
@@ -82,11 +91,57 @@ fn main() -> Res<()> {
         let (k, v) = pool_a.gather_layer(l, &table_a)?;
         lock(&pool_b).scatter_layer(l, &table_b, &k, &v)?;
     }
+    // The same KV in a prefill pool in mapped memory, for sends straight from its blocks
+    // (pinned): its table in descending ids, so no two blocks merge into one piece of a
+    // vectored write (a sequence's blocks seldom lie side by side).
+    let memory_p = PoolMemory::new(LAYOUT, BLOCKS)?;
+    let source_p = memory_p.direct();
+    let mut pool_p = KvPool::new(LAYOUT, BLOCKS)?;
+    pool_p.adopt(memory_p.into_shared())?;
+    let mut table_p = pool_p.allocate(BLOCKS)?;
+    table_p.sort_unstable_by(|a, b| b.cmp(a));
+    for l in 0..LAYOUT.n_layers {
+        let (k, v) = pool_a.gather_layer(l, &table_a)?;
+        pool_p.scatter_layer(l, &table_p, &k, &v)?;
+    }
     let want = pool_a.gather(&table_a)?;
     let layers: Vec<(Vec<u8>, Vec<u8>)> =
         (0..LAYOUT.n_layers).map(|l| pool_a.gather_layer(l, &table_a)).collect::<Result<_, _>>()?;
     let dst = Arc::new(Mutex::new(vec![1u8; total]));
 
+    if profile && args.iter().any(|a| a == "gathered") {
+        let max_frame = frames[0];
+        let direct_b = direct.clone();
+        for _ in 0..20 {
+            let c = cpu_seconds();
+            let (t, produced) =
+                pipelined_run(&rt, &mut pool_a, &table_a, &layers, &pool_b, &table_b, max_frame, direct_b.clone())?;
+            let cpu = (cpu_seconds() - c - produced) / (total as f64 / 1e9);
+            println!("gathered: {:.2} GB/s, {cpu:.3} CPU-s/GB (production excluded)", gbps(t));
+        }
+        return Ok(());
+    }
+    if profile && args.iter().any(|a| a == "pinned") {
+        let max_frame = frames[0];
+        let direct_b = direct.clone();
+        for _ in 0..20 {
+            let c = cpu_seconds();
+            let (t, produced) = pinned_run(
+                &rt,
+                &mut pool_p,
+                &source_p,
+                &table_p,
+                &layers,
+                &pool_b,
+                &table_b,
+                max_frame,
+                direct_b.clone(),
+            )?;
+            let cpu = (cpu_seconds() - c - produced) / (total as f64 / 1e9);
+            println!("pinned: {:.2} GB/s, {cpu:.3} CPU-s/GB (production excluded)", gbps(t));
+        }
+        return Ok(());
+    }
     if profile {
         let max_frame = frames[0];
         let raw = args.iter().any(|a| a == "raw");
@@ -109,15 +164,15 @@ fn main() -> Res<()> {
     for max_frame in frames {
         let chunk = frame_payload(max_frame);
         println!("\nframes <= {} KiB ({chunk} bytes of payload, {} blocks)", max_frame >> 10, chunk / (2 * SIDE));
-        let [mut mem, mut pool, mut pool_direct, mut piped, mut gather, mut raw, mut hot, mut copy, mut par]: [Vec<
+        let [mut mem, mut pool, mut pool_direct, mut piped, mut pinned, mut gather, mut raw, mut hot, mut copy, mut par]: [Vec<
             Duration,
         >;
-            9] = Default::default();
+            10] = Default::default();
         let mut locks: [Option<String>; 4] = Default::default();
         // CPU seconds of the whole process per run (raw, memory, pool, direct,
         // as the workers run): on a host whose cores the transfer saturates,
         // throughput follows CPU time per byte.
-        let mut cpu: [Vec<f64>; 5] = Default::default();
+        let mut cpu: [Vec<f64>; 6] = Default::default();
         for _ in 0..RUNS {
             let buf = std::mem::take(&mut *lock(&dst));
             let (t, buf) = cpu_of(&mut cpu[0], || rt.block_on(raw_same_memory_run(&layers, buf, chunk / 2)))?;
@@ -139,8 +194,21 @@ fn main() -> Res<()> {
             locks[3] = lock_take();
             pool_direct.push(t);
             lock(&pool_b).clear(&table_b)?;
-            let run = || pipelined_run(&rt, &pool_a, &table_a, &pool_b, &table_b, max_frame, direct.clone());
-            piped.push(cpu_of(&mut cpu[4], run)?);
+            // These two produce each layer as the engine would (written into the pool
+            // just before it goes): that writing is the model's work, not the
+            // transport's, so its CPU time (the producing thread's) is taken off.
+            let run =
+                || pipelined_run(&rt, &mut pool_a, &table_a, &layers, &pool_b, &table_b, max_frame, direct.clone());
+            let (t, produced) = cpu_of(&mut cpu[4], run)?;
+            piped.push(t);
+            exclude_last(&mut cpu[4], produced);
+            lock(&pool_b).clear(&table_b)?;
+            let run = || {
+                pinned_run(&rt, &mut pool_p, &source_p, &table_p, &layers, &pool_b, &table_b, max_frame, direct.clone())
+            };
+            let (t, produced) = cpu_of(&mut cpu[5], run)?;
+            pinned.push(t);
+            exclude_last(&mut cpu[5], produced);
             par.push(rt.block_on(transport_parallel_run(&layers, PARALLEL, max_frame))?);
             locks[2] = lock_take();
             hot.push(rt.block_on(raw_hot_run(total, chunk))?);
@@ -163,6 +231,8 @@ fn main() -> Res<()> {
         println!("  transport, pool -> pool direct:{:6.2} GB/s best, {:6.2} median  (read into the pool)", pd.0, pd.1);
         let pp = rates(&piped);
         println!("  transport, as the workers run: {:6.2} GB/s best, {:6.2} median  (gathered on a thread, read into the pool)", pp.0, pp.1);
+        let pn = rates(&pinned);
+        println!("  transport, pinned (no gather): {:6.2} GB/s best, {:6.2} median  (checksummed on a thread, written from the pool, read into the pool)", pn.0, pn.1);
         let q = rates(&par);
         println!(
             "  transport, {PARALLEL} senders at once:   {:6.2} GB/s best, {:6.2} median  (deferred sink, lock taken every ms)",
@@ -184,15 +254,31 @@ fn main() -> Res<()> {
         );
         let gb = total as f64 / 1e9;
         let per_gb: Vec<String> = cpu
-            .iter_mut()
-            .zip(["raw tcp", "memory -> memory", "pool -> pool", "pool -> pool direct", "as the workers run"])
+            .iter()
+            .zip(["raw tcp", "memory -> memory", "pool -> pool", "pool -> pool direct", "as the workers run", "pinned"])
             .map(|(c, what)| {
+                let mut c = c.clone();
                 c.sort_by(f64::total_cmp);
                 format!("{what} {:.3}", c[c.len() / 2] / gb)
             })
             .collect();
         println!("  CPU seconds per GB, median (both ends, this process): {}", per_gb.join(", "));
-        for (what, runs) in [("pool -> pool direct", &pool_direct), ("as the workers run", &piped)] {
+        let by_cpu = |i: usize| {
+            let mut r: Vec<f64> = cpu[0].iter().zip(&cpu[i]).map(|(raw, t)| raw / t).collect();
+            r.sort_by(f64::total_cmp);
+            r
+        };
+        for (what, i) in [("as the workers run", 4), ("pinned (no gather)", 5)] {
+            let r = by_cpu(i);
+            println!(
+                "  {what}: raw tcp's CPU per byte / its own (the layer's production excluded), run by run: {} (median {:.2}; goal >= 0.85)",
+                r.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" "),
+                r[r.len() / 2]
+            );
+        }
+        for (what, runs) in
+            [("pool -> pool direct", &pool_direct), ("as the workers run", &piped), ("pinned (no gather)", &pinned)]
+        {
             let paired = paired_ratios(runs, &raw);
             println!(
                 "  {what} / raw same memory, run by run: {} (median {:.2}; goal >= 0.85)",
@@ -302,53 +388,155 @@ async fn transport_pool_run(
 }
 
 /// One full transfer pool -> pool as the prefill and decode workers run it:
-/// a thread (the prefill engine's) gathers each layer into one of a few
-/// recycled buffer pairs and hands it over, the sender sends it meanwhile,
-/// and the server reads each payload straight into `pool_b`'s blocks.
-/// Clocked from the first gather to the `Ack`.
+/// a thread (the prefill engine's) writes each layer of each step's blocks
+/// (the model computing it, from `layers`; [`steps`]), gathers it into one of a few recycled
+/// buffer pairs while it is in cache and hands it over, the sender sends it
+/// meanwhile, and the server reads each payload straight into `pool_b`'s
+/// blocks. Clocked from the first layer written to the `Ack`; also returns
+/// the CPU seconds the writing took (the thread's clock), which is the
+/// model's work.
+#[allow(clippy::too_many_arguments, reason = "one run's whole context")]
 fn pipelined_run(
     rt: &tokio::runtime::Runtime,
-    pool_a: &KvPool,
+    pool_a: &mut KvPool,
     table_a: &[BlockId],
+    layers: &[(Vec<u8>, Vec<u8>)],
     pool_b: &Arc<Mutex<KvPool>>,
     table_b: &[BlockId],
     max_frame: usize,
     direct: DirectPool,
-) -> Res<Duration> {
-    let rx = Arc::new(Mutex::new(Receiver::new(peer(), ReceiverConfig::new(LAYOUT))?));
-    let server_config = TcpServerConfig { direct: Some(direct), ..TcpServerConfig::default() };
-    let server = rt.block_on(TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool_b.clone(), server_config))?;
-    let r = lock(&rx).reserve(table_b.to_vec(), Duration::from_secs(60), tokio::time::Instant::now())?;
-    let config = TcpSenderConfig { max_frame_bytes: max_frame, ..TcpSenderConfig::default() };
-    let mut tx = rt.block_on(TcpKvSender::connect(server.local_addr(), &peer(), LAYOUT, config))?;
-    let (full, mut gathered) = tokio::sync::mpsc::channel::<(usize, Vec<u8>, Vec<u8>)>(2);
+) -> Res<(Duration, f64)> {
+    let (rx, server, r, mut tx) = reading_into(rt, pool_b, table_b, max_frame, direct)?;
+    let (full, mut gathered) = tokio::sync::mpsc::channel::<(usize, usize, Vec<u8>, Vec<u8>)>(2);
     let (empty, recycled) = std::sync::mpsc::channel::<(Vec<u8>, Vec<u8>)>();
     for _ in 0..3 {
         empty.send((Vec::new(), Vec::new()))?;
     }
     let start = Instant::now();
-    let elapsed = std::thread::scope(|scope| {
-        scope.spawn(move || {
-            for layer in 0..LAYOUT.n_layers {
-                let Ok((mut k, mut v)) = recycled.recv() else { return };
-                pool_a.gather_layer_into(layer, table_a, &mut k, &mut v).expect("gather");
-                if full.blocking_send((layer, k, v)).is_err() {
-                    return;
+    let (elapsed, produced) = std::thread::scope(|scope| {
+        let engine = scope.spawn(move || {
+            let mut produced = 0.0;
+            for (first, blocks) in steps(table_a) {
+                for (layer, (k, v)) in layers.iter().enumerate() {
+                    let Ok((mut gk, mut gv)) = recycled.recv() else { return produced };
+                    let t = thread_cpu_seconds();
+                    let part = first * SIDE..(first + blocks.len()) * SIDE;
+                    pool_a.scatter_layer(layer, blocks, &k[part.clone()], &v[part]).expect("produce");
+                    produced += thread_cpu_seconds() - t;
+                    pool_a.gather_layer_into(layer, blocks, &mut gk, &mut gv).expect("gather");
+                    if full.blocking_send((layer, first, gk, gv)).is_err() {
+                        return produced;
+                    }
                 }
             }
+            produced
         });
-        rt.block_on(async {
-            while let Some((layer, k, v)) = gathered.recv().await {
-                tx.send_layer(r, layer, &k, &v).await?;
+        let sent = rt.block_on(async {
+            while let Some((layer, first, k, v)) = gathered.recv().await {
+                tx.send_blocks(r, layer, first, &k, &v).await?;
                 let _ = empty.send((k, v));
             }
             tx.complete(r).await?;
             Ok::<_, kvtransfer::TransferError>(start.elapsed())
-        })
+        });
+        sent.map(|t| (t, engine.join().unwrap_or(0.0)))
     })?;
     assert_eq!(lock(&rx).take_ready(r)?, table_b);
     server.shutdown();
-    Ok(elapsed)
+    Ok((elapsed, produced))
+}
+
+/// One full transfer pool -> pool as the workers run it with a prefill pool in mapped
+/// memory: a thread (the prefill engine's) writes each layer of each step's blocks (the
+/// model computing it, from `layers`; [`steps`]), takes the layer's frame checksums there while it is in
+/// cache and hands the layer over; the sender writes each frame from the blocks where
+/// they lie; the server reads each payload straight into `pool_b`'s. Clocked from the
+/// first layer written to the `Ack`; also returns the writing's CPU seconds.
+#[allow(clippy::too_many_arguments, reason = "one run's whole context")]
+fn pinned_run(
+    rt: &tokio::runtime::Runtime,
+    pool_p: &mut KvPool,
+    source: &DirectPool,
+    table_p: &[BlockId],
+    layers: &[(Vec<u8>, Vec<u8>)],
+    pool_b: &Arc<Mutex<KvPool>>,
+    table_b: &[BlockId],
+    max_frame: usize,
+    direct: DirectPool,
+) -> Res<(Duration, f64)> {
+    let (rx, server, r, mut tx) = reading_into(rt, pool_b, table_b, max_frame, direct)?;
+    let (ready, mut pinned) = tokio::sync::mpsc::channel::<PinnedLayer>(2 * LAYOUT.n_layers);
+    let start = Instant::now();
+    let (elapsed, produced) = std::thread::scope(|scope| {
+        let engine = scope.spawn(move || {
+            let mut produced = 0.0;
+            for (first, blocks) in steps(table_p) {
+                for (layer, (k, v)) in layers.iter().enumerate() {
+                    let t = thread_cpu_seconds();
+                    let part = first * SIDE..(first + blocks.len()) * SIDE;
+                    pool_p.scatter_layer(layer, blocks, &k[part.clone()], &v[part]).expect("produce");
+                    produced += thread_cpu_seconds() - t;
+                    let (k, v) = pool_p.layer_bytes(layer).expect("layer bytes");
+                    let p = PinnedLayer::new(&LAYOUT, layer, first, blocks, k, v, max_frame).expect("pinned layer");
+                    if ready.blocking_send(p).is_err() {
+                        return produced;
+                    }
+                }
+            }
+            produced
+        });
+        let sent = rt.block_on(async {
+            while let Some(p) = pinned.recv().await {
+                tx.send_pinned(r, &p, source).await?;
+            }
+            tx.complete(r).await?;
+            Ok::<_, kvtransfer::TransferError>(start.elapsed())
+        });
+        sent.map(|t| (t, engine.join().unwrap_or(0.0)))
+    })?;
+    assert_eq!(lock(&rx).take_ready(r)?, table_b);
+    server.shutdown();
+    Ok((elapsed, produced))
+}
+
+/// Blocks a prefill step of the engine's default 512 tokens computes.
+const STEP_BLOCKS: usize = 512 / LAYOUT.block_size;
+
+/// `table` cut into the runs of blocks the engine's steps compute, each with its index in
+/// the table: every layer of a run is computed (and streamed) before the next run's.
+fn steps(table: &[BlockId]) -> impl Iterator<Item = (usize, &[BlockId])> {
+    table.chunks(STEP_BLOCKS).enumerate().map(|(i, blocks)| (i * STEP_BLOCKS, blocks))
+}
+
+/// A server reading straight into `pool_b` (`direct` over it), a reservation of
+/// `table_b`, and a sender connected to it with frames of `max_frame`.
+fn reading_into(
+    rt: &tokio::runtime::Runtime,
+    pool_b: &Arc<Mutex<KvPool>>,
+    table_b: &[BlockId],
+    max_frame: usize,
+    direct: DirectPool,
+) -> Res<(Arc<Mutex<Receiver>>, TcpKvServer, kvtransfer::Reservation, TcpKvSender)> {
+    let rx = Arc::new(Mutex::new(Receiver::new(peer(), ReceiverConfig::new(LAYOUT))?));
+    let server_config = TcpServerConfig { direct: Some(direct), ..TcpServerConfig::default() };
+    let server = rt.block_on(TcpKvServer::bind("127.0.0.1:0", rx.clone(), pool_b.clone(), server_config))?;
+    let r = lock(&rx).reserve(table_b.to_vec(), Duration::from_secs(60), tokio::time::Instant::now())?;
+    let config = TcpSenderConfig { max_frame_bytes: max_frame, ..TcpSenderConfig::default() };
+    let tx = rt.block_on(TcpKvSender::connect(server.local_addr(), &peer(), LAYOUT, config))?;
+    Ok((rx, server, r, tx))
+}
+
+/// Takes `seconds` off the last sample of `cpu`.
+fn exclude_last(cpu: &mut [f64], seconds: f64) {
+    if let Some(last) = cpu.last_mut() {
+        *last -= seconds;
+    }
+}
+
+/// This thread's CPU seconds so far (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu_seconds() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
 /// The transport alone: pre-gathered layers in, each accepted payload

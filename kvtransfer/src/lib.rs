@@ -106,7 +106,7 @@ pub use transport::ucx::{
     UcxServerConfig, UcxServerStats,
 };
 pub use transport::{BlockSink, FnSink, OwnedPayload};
-pub use transport::{CloseReason, ServerStats, TransferError, UcxStats};
+pub use transport::{CloseReason, PinnedLayer, ServerStats, TransferError, UcxStats};
 
 /// Version of the transfer protocol: frame layouts and session rules. Peers
 /// with different versions refuse each other in the handshake. It is also

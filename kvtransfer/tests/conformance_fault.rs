@@ -12,8 +12,10 @@ mod transports;
 
 use std::time::Duration;
 
+use engine::kv::KvPool;
 use kvtransfer::transport::fault;
-use kvtransfer::{AbortReason, ReleaseCause, Released, ReservationState, TransferError, TransportKind};
+use kvtransfer::transport::PoolMemory;
+use kvtransfer::{AbortReason, PinnedLayer, ReleaseCause, Released, ReservationState, TransferError, TransportKind};
 use net::{lock, now, within};
 use transports::{normal_closes, DecodeSide};
 
@@ -23,17 +25,44 @@ use transports::{normal_closes, DecodeSide};
 /// once as corrupt.
 #[tokio::test]
 async fn a_corrupt_frame_fails_the_reservation_on_every_transport() {
-    let runs = TransportKind::ALL.into_iter().map(|k| (k, false)).chain([(TransportKind::Tcp, true)]);
-    for (i, (kind, direct)) in runs.enumerate() {
+    // (transport, read straight into the pool, sent straight from a mapped pool)
+    let runs = TransportKind::ALL
+        .into_iter()
+        .map(|k| (k, false, false))
+        .chain([(TransportKind::Tcp, true, false), (TransportKind::Tcp, true, true)]);
+    for (i, (kind, direct, pinned)) in runs.enumerate() {
         let d = DecodeSide::start_with(kind, direct).await;
         let (src, table) = common::source(d.layout, 5, 32);
         let (r, dst) = d.reserve(5, Duration::from_secs(60));
         let mut tx = d.connect_matching().await;
+        // The pinned sender's source: the same KV in a pool in mapped memory.
+        let mapped = pinned.then(|| {
+            let memory = PoolMemory::new(d.layout, 32).expect("pool memory");
+            let view = memory.direct();
+            let mut pool = KvPool::new(d.layout, 32).expect("pool");
+            pool.adopt(memory.into_shared()).expect("adopt");
+            let blocks = pool.allocate(5).expect("blocks");
+            for layer in 0..d.layout.n_layers {
+                let (k, v) = src.gather_layer(layer, &table).expect("gather");
+                pool.scatter_layer(layer, &blocks, &k, &v).expect("scatter");
+            }
+            (pool, view, blocks)
+        });
         fault::arm_corrupt(1, || {});
         let mut sent = Ok(());
         for layer in 0..d.layout.n_layers {
-            let (k, v) = src.gather_layer(layer, &table).expect("gather");
-            sent = tx.send_blocks(r, layer, 0, &k, &v).await;
+            sent = match &mapped {
+                Some((pool, view, blocks)) => {
+                    let (k, v) = pool.layer_bytes(layer).expect("layer bytes");
+                    let max_frame = tx.pinned_frames().expect("tcp sends pinned layers");
+                    let p = PinnedLayer::new(&d.layout, layer, 0, blocks, k, v, max_frame).expect("pinned");
+                    tx.send_pinned(r, &p, view).await
+                }
+                None => {
+                    let (k, v) = src.gather_layer(layer, &table).expect("gather");
+                    tx.send_blocks(r, layer, 0, &k, &v).await
+                }
+            };
             if sent.is_err() {
                 break;
             }

@@ -18,9 +18,9 @@ use std::time::Duration;
 use engine::kv::KvPool;
 
 use kvtransfer::frame::LAYER_DATA_OVERHEAD;
-use kvtransfer::transport::PoolMemory;
+use kvtransfer::transport::{DirectPool, PoolMemory};
 use kvtransfer::{
-    AbortReason, Complete, DecodeLimits, Decoded, Frame, Hello, LayerData, Peer, Receiver, ReceiverConfig,
+    AbortReason, Complete, DecodeLimits, Decoded, Frame, Hello, LayerData, Peer, PinnedLayer, Receiver, ReceiverConfig,
     RejectReason, ReleaseCause, Reservation, ReservationState, TcpKvSender, TcpKvServer, TcpSenderConfig,
     TcpServerConfig, TcpServerStats, TransferError, PROTOCOL_VERSION,
 };
@@ -623,4 +623,112 @@ async fn a_read_into_the_pool_stops_at_the_lease_end_and_the_rest_is_refused() {
     assert_eq!(lock(&d.rx).counters().refused("expired"), 1);
     let stats = d.server.stats();
     assert_eq!((stats.layers_read_in_place, stats.connections_closed()), (0, 0), "{stats:?}");
+}
+
+/// A prefill pool in mapped memory with `n` blocks of known K/V values, taken out of
+/// order (the blocks of a sequence rarely lie side by side).
+fn pinned_source(l: KvLayout, n: usize) -> (KvPool, DirectPool, Vec<BlockId>) {
+    let memory = PoolMemory::new(l, 32).expect("pool memory");
+    let direct = memory.direct();
+    let mut pool = KvPool::new(l, 32).expect("pool A");
+    pool.adopt(memory.into_shared()).expect("adopt");
+    let all = pool.allocate(2 * n).expect("alloc A");
+    // Every other block, last first: no two of the table's blocks are adjacent.
+    let table: Vec<BlockId> = all.iter().step_by(2).rev().copied().collect();
+    let row = l.row_elems();
+    for layer in 0..l.n_layers {
+        for (i, &b) in table.iter().enumerate() {
+            for slot in 0..l.block_size {
+                let k: Vec<f32> = (0..row).map(|j| ((layer * 1000 + i * 100 + slot * 10 + j) as f32) * 0.5).collect();
+                let v: Vec<f32> = k.iter().map(|x| -x - 0.25).collect();
+                pool.write(layer, b, slot, &k, &v);
+            }
+        }
+    }
+    (pool, direct, table)
+}
+
+/// Each layer of `table` as the engine thread would hand it over: checksummed in place.
+fn pinned_layers(pool: &KvPool, table: &[BlockId], max_frame_bytes: usize) -> Vec<PinnedLayer> {
+    let l = *pool.layout();
+    (0..l.n_layers)
+        .map(|layer| {
+            let (k, v) = pool.layer_bytes(layer).expect("layer bytes");
+            PinnedLayer::new(&l, layer, 0, table, k, v, max_frame_bytes).expect("pinned layer")
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn layers_sent_straight_from_the_pool_land_bit_exact_read_either_way() {
+    for direct in [false, true] {
+        let d = DecodeSide::start_with(TcpServerConfig::default(), direct).await;
+        let l = d.layout;
+        let (pool_a, memory, table_a) = pinned_source(l, 5);
+        let (r, table_b) = d.reserve(5, Duration::from_secs(30));
+        // Two blocks per frame: 3 frames per layer, the last of one block.
+        let max_frame = LAYER_DATA_OVERHEAD + 2 * 2 * side(&l);
+        let mut tx = d.connect(&peer(&l, "smollm2", 0x11), max_frame).await.expect("connect");
+        for p in pinned_layers(&pool_a, &table_a, max_frame).iter().rev() {
+            within("a pinned layer sent", tx.send_pinned(r, p, &memory)).await.expect("send pinned");
+        }
+        within("Ack", tx.complete(r)).await.expect("complete");
+        let blocks = lock(&d.rx).take_ready(r).expect("ready after Ack");
+        let got = lock(&d.pool).gather(&blocks).expect("gather B");
+        assert_eq!(got, pool_a.gather(&table_a).expect("gather A"), "direct {direct}: KV bytes differ");
+        assert_eq!(lock(&d.rx).counters().layer_frames_accepted, 4 * 3, "direct {direct}");
+        assert_eq!(tx.bytes_sent(), (4 * 3 * LAYER_DATA_OVERHEAD + 4 * 5 * 2 * side(&l)) as u64);
+        let read_in_place = d.server.stats().layers_read_in_place;
+        assert_eq!(read_in_place > 0, direct, "direct {direct}: {read_in_place} layers read in place");
+        drop(table_b);
+    }
+}
+
+/// The checksum is taken where the layer was computed: a block written after that
+/// (freed and reused before its push ended) goes out with a checksum it no longer
+/// matches, and the receiver refuses it as corrupt rather than land the wrong bytes.
+#[tokio::test]
+async fn a_block_written_after_its_checksum_is_refused_as_corrupt() {
+    let d = DecodeSide::start_with(TcpServerConfig::default(), true).await;
+    let l = d.layout;
+    let (mut pool_a, memory, table_a) = pinned_source(l, 3);
+    let (r, table_b) = d.reserve(3, Duration::from_secs(30));
+    let max_frame = 1 << 20;
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), max_frame).await.expect("connect");
+    let layers = pinned_layers(&pool_a, &table_a, max_frame);
+    let row = vec![7.0f32; l.row_elems()];
+    pool_a.write(0, table_a[1], 0, &row, &row);
+    for p in &layers {
+        // The first frame is refused; the rest may already be on their way.
+        if within("a pinned layer sent", tx.send_pinned(r, p, &memory)).await.is_err() {
+            break;
+        }
+    }
+    let e = within("Complete refused", tx.complete(r)).await.expect_err("refused");
+    assert!(matches!(e, TransferError::PeerAbort { reason: AbortReason::Corrupt }), "{e}");
+    let released = lock(&d.rx).poll_released(now());
+    assert_eq!((released.len(), released[0].cause, &released[0].blocks), (1, ReleaseCause::Corrupt, &table_b));
+    assert_eq!(lock(&d.rx).held_blocks(), 0);
+}
+
+#[tokio::test]
+async fn a_pinned_layer_cut_for_another_frame_size_is_refused_with_nothing_sent() {
+    let d = DecodeSide::start(TcpServerConfig::default()).await;
+    let l = d.layout;
+    let (pool_a, memory, table_a) = pinned_source(l, 3);
+    let (r, _) = d.reserve(3, Duration::from_secs(30));
+    let mut tx = d.connect(&peer(&l, "smollm2", 0x11), 1 << 20).await.expect("connect");
+    let cut_elsewhere = pinned_layers(&pool_a, &table_a, LAYER_DATA_OVERHEAD + 2 * side(&l));
+    let e = tx.send_pinned(r, &cut_elsewhere[0], &memory).await.expect_err("refused");
+    assert!(matches!(e, TransferError::Protocol(_)), "{e}");
+    let other = PoolMemory::new(l, 2).expect("a pool too small for the table").direct();
+    let fits = pinned_layers(&pool_a, &table_a, 1 << 20);
+    let e = tx.send_pinned(r, &fits[0], &other).await.expect_err("blocks outside the pool");
+    assert!(matches!(e, TransferError::Protocol(_)), "{e}");
+    assert_eq!(tx.bytes_sent(), 0, "nothing went out");
+    // The connection still carries the transfer.
+    for p in &fits {
+        within("a pinned layer sent", tx.send_pinned(r, p, &memory)).await.expect("send pinned");
+    }
+    within("Ack", tx.complete(r)).await.expect("complete");
 }

@@ -42,6 +42,13 @@ pub struct PrefillFlags {
     /// KV transfer timeout (connect, each frame, Ack), ms. Env: TANDEM_TRANSFER_TIMEOUT_MS. Default 10000.
     #[arg(long, env = "TANDEM_TRANSFER_TIMEOUT_MS")]
     pub transfer_timeout_ms: Option<u64>,
+    /// tcp only: keep the KV pool in mapped memory and write each frame's payload
+    /// straight from the prompt's blocks (each layer's checksums taken on the engine
+    /// thread as it is computed, no copy into a buffer); `false`: each layer is gathered
+    /// into a buffer on the engine thread and sent from there. Env: TANDEM_TCP_PINNED.
+    /// Default true.
+    #[arg(long, env = "TANDEM_TCP_PINNED")]
+    pub tcp_pinned: Option<bool>,
     /// Drills only: flip one byte of the first frame (ucx: put) of each of the
     /// next N KV transfers, on any transport, after its checksum is taken, so
     /// the decode worker refuses it by checksum (a one-sided put has no link a
@@ -72,6 +79,8 @@ pub struct PrefillFlags {
 pub struct PrefillConfig {
     pub common: CommonConfig,
     pub transfer_timeout: Duration,
+    /// tcp: frames written straight from the pool ([`PrefillFlags::tcp_pinned`]).
+    pub tcp_pinned: bool,
     /// ucx KV transfers to corrupt after their checksum (drills; 0 = off).
     #[cfg(feature = "fault-injection")]
     pub fault_kv_corrupt: u64,
@@ -91,7 +100,7 @@ impl PrefillConfig {
             None => PrefillFlags::default(),
         };
         merged.common.overlay(&flags.common);
-        worker_common::overlay!(merged, flags, transfer_timeout_ms);
+        worker_common::overlay!(merged, flags, transfer_timeout_ms, tcp_pinned);
         #[cfg(feature = "fault-injection")]
         worker_common::overlay!(merged, flags, fault_kv_corrupt, fault_swap_token, fault_leak_blocks);
         Self::resolve(&merged)
@@ -101,6 +110,7 @@ impl PrefillConfig {
         Ok(Self {
             common: f.common.resolve()?,
             transfer_timeout: millis("transfer_timeout_ms", f.transfer_timeout_ms, 10_000)?,
+            tcp_pinned: f.tcp_pinned.unwrap_or(true),
             #[cfg(feature = "fault-injection")]
             fault_kv_corrupt: f.fault_kv_corrupt.unwrap_or(0),
             #[cfg(feature = "fault-injection")]
@@ -163,7 +173,7 @@ mod tests {
         let path = dir.join("c.toml");
         let text = format!(
             "version_group = \"file-g\"\nkv_blocks = 7\nmax_waiting = 3\nmetrics = \"127.0.0.1:9464\"\n\
-             transfer_timeout_ms = 250\nmodel = {:?}\n",
+             transfer_timeout_ms = 250\ntcp_pinned = false\nmodel = {:?}\n",
             some_file()
         );
         std::fs::write(&path, text).ok();
@@ -178,6 +188,7 @@ mod tests {
         assert_eq!(cfg.common.version_group.as_str(), "file-g");
         assert_eq!(cfg.common.metrics, std::net::SocketAddr::from(([127, 0, 0, 1], 9464)));
         assert_eq!(cfg.transfer_timeout, Duration::from_millis(250));
+        assert!(!cfg.tcp_pinned, "the file turns pinned sends off");
         #[cfg(feature = "fault-injection")]
         assert_eq!(cfg.fault_kv_corrupt, 0, "the corruption fault is off unless asked for");
         std::fs::write(&path, "kv_blokcs = 1\n").ok();

@@ -50,8 +50,14 @@ async fn run(cfg: PrefillConfig) -> anyhow::Result<()> {
 
     let process = CancellationToken::new();
     let local = Peer { version_group: common.version_group.clone(), fingerprint };
+    let pinned = if cfg.tcp_pinned {
+        Some(worker_common::serve::pool_memory(&runner, "tcp_pinned: TCP frames are written from it").await?)
+    } else {
+        None
+    };
     let transfer = TransferSettings {
         timeout: cfg.transfer_timeout,
+        pinned,
         quic_ca: common.quic.load_ca().context("loading quic_ca")?,
         quic_identity: common.quic.load_identity().context("loading quic_cert/quic_key")?,
     };

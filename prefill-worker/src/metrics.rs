@@ -28,7 +28,7 @@ pub fn describe() {
     );
     describe_counter!(
         KV_LAYERS_SENT,
-        "Streamed KV layer messages, by path (in_place: stored by the engine's thread into the decode pool; gathered)."
+        "Streamed KV layer messages, by path (in_place: stored by the engine's thread into the decode pool; pinned: written from the pool; gathered)."
     );
     #[cfg(feature = "fault-injection")]
     describe_counter!(FAULTS_INJECTED, "Faults injected by drill flags, by fault.");

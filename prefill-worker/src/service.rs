@@ -21,10 +21,11 @@ use engine::runner::{PrefillDone, RunnerError, RunnerHandle};
 use engine::sampler::SampledToken;
 use types::kv::KvLayout;
 
+use kvtransfer::transport::DirectPool;
 use kvtransfer::{
     AbortReason, Buffer, Buffers, CertFingerprint, KvSender, LayoutFingerprint, LocalSenderConfig, Peer, PeerTrust,
-    QuicSenderConfig, RejectReason, Reservation, ReservationId, SenderConfig, StoredLayer, TcpSenderConfig,
-    TlsIdentity, TransferError, TransportKind, UcxDirectWriter, UcxSenderConfig,
+    PinnedLayer, QuicSenderConfig, RejectReason, Reservation, ReservationId, SenderConfig, StoredLayer,
+    TcpSenderConfig, TlsIdentity, TransferError, TransportKind, UcxDirectWriter, UcxSenderConfig,
 };
 use proto::worker::v1::prefill_worker_server::PrefillWorker;
 use proto::worker::v1::{
@@ -75,6 +76,9 @@ pub struct TransferSettings {
     pub quic_ca: Option<PeerTrust>,
     /// QUIC: this worker's certificate, for decode workers that require one.
     pub quic_identity: Option<TlsIdentity>,
+    /// tcp: the engine's pool in mapped memory (`--tcp-pinned`): each layer is sent
+    /// straight from its blocks ([`PinnedLayer`]), not gathered into a buffer.
+    pub pinned: Option<DirectPool>,
 }
 
 /// Where one request's KV goes.
@@ -350,6 +354,13 @@ impl PrefillService {
         let runner = inner.runner.clone();
         let writer_for_sink = writer.clone();
         let buffers = inner.layer_buffers.clone();
+        // tcp with the pool in mapped memory: the engine's thread only checksums each
+        // layer where it lies, and the push writes it from there (the blocks stay this
+        // request's until the push has ended: they are released after it).
+        let pin = match (dest.kind, &inner.transfer.pinned) {
+            (TransportKind::Tcp, Some(_)) => Some((inner.layout, TcpSenderConfig::default().max_frame_bytes)),
+            _ => None,
+        };
         let engine_req = Request {
             id: engine_id,
             prompt: req.token_ids.clone(),
@@ -367,7 +378,7 @@ impl PrefillService {
             let submitted = runner.submit_prefill_streaming(
                 engine_req,
                 runner_deadline,
-                layer_sink(layer_tx, computing, writer_for_sink, buffers),
+                layer_sink(layer_tx, computing, writer_for_sink, buffers, pin),
                 Box::new(move |r| drop(done_tx.send(r))),
             );
             // The caller went away while this waited for a blocking thread (a control-link
@@ -551,6 +562,14 @@ impl PrefillService {
         while let Some(c) = next.take() {
             first_sent.get_or_insert_with(Instant::now);
             match c {
+                Streamed::Pinned(p) => {
+                    let Some(pool) = &inner.transfer.pinned else {
+                        return Err(err(ErrorKind::Internal, "a pinned layer without a mapped pool"));
+                    };
+                    bytes += p.payload_bytes(&inner.layout) as u64;
+                    sender.send_pinned(r, &p, pool).await.map_err(|e| transfer_err(&e))?;
+                    crate::metrics::record_layers_sent("pinned", 1);
+                }
                 Streamed::Gathered(c) => {
                     bytes += (c.k.len() + c.v.len()) as u64;
                     sender
@@ -634,6 +653,9 @@ struct Streams {
 enum Streamed {
     /// Gathered into recycled buffers, for the push to send.
     Gathered(Gathered),
+    /// Checksummed where it lies in the pool's mapped memory, for the push to send
+    /// from there (tcp).
+    Pinned(PinnedLayer),
     /// Already stored in the decode worker's pool by a direct writer, for
     /// the push to announce.
     Stored(StoredLayer),
@@ -670,6 +692,7 @@ fn layer_sink(
     computing: Arc<AtomicBool>,
     writer: Arc<OnceLock<UcxDirectWriter>>,
     buffers: Buffers,
+    pin: Option<(KvLayout, usize)>,
 ) -> engine::batch::LayerSink {
     let mut tx = Some(tx);
     Box::new(move |view: LayerView<'_>| {
@@ -684,8 +707,15 @@ fn layer_sink(
                 .inspect_err(|e| tracing::debug!(error = %e, "direct store refused; gathering the layer"))
                 .ok()
         });
-        let item = match stored {
-            Some(s) => Streamed::Stored(s),
+        let pinned = || {
+            let (layout, max_frame) = pin?;
+            let (k, v) = view.pool.layer_bytes(view.layer).ok()?;
+            PinnedLayer::new(&layout, view.layer, view.first_block, view.blocks, k, v, max_frame)
+                .inspect_err(|e| tracing::debug!(error = %e, "checksumming a layer in place refused; gathering it"))
+                .ok()
+        };
+        let item = match stored.map(Streamed::Stored).or_else(|| pinned().map(Streamed::Pinned)) {
+            Some(item) => item,
             None => match gather(&view, &buffers) {
                 Ok(c) => Streamed::Gathered(c),
                 Err(e) => {

@@ -19,8 +19,8 @@ use engine::model::Model;
 use engine::tokenizer::Tokenizer;
 use engine::weights::Weights;
 use facts::metrics::prefill::{
-    KV_STALE_CONNECTIONS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS, PREFILL_REQUESTS,
-    PREFILL_SECONDS, PROMPT_TOKENS,
+    KV_LAYERS_SENT, KV_STALE_CONNECTIONS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS,
+    PREFILL_REQUESTS, PREFILL_SECONDS, PROMPT_TOKENS,
 };
 use facts::metrics::worker::{KV_BLOCKS_USED, KV_CACHE_USAGE};
 use kvtransfer::{
@@ -232,6 +232,9 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
     assert_eq!(page.get(&format!("{KV_TRANSFER_SECONDS}_count"), &[])?, 1.0);
     assert_eq!(page.get(&format!("{PREFILL_SECONDS}_count"), &[])?, 1.0);
     assert_eq!(page.get(KV_CACHE_USAGE, &[])?, 0.0, "the worker kept KV");
+    // tcp, `--tcp-pinned` by default: every layer written straight from the pool's blocks.
+    assert!(page.get(KV_LAYERS_SENT, &[("path", "pinned")])? >= layout.n_layers as f64);
+    assert_eq!(page.get(KV_LAYERS_SENT, &[("path", "gathered")])?, 0.0);
     for h in [KV_TRANSFER_SECONDS, PREFILL_SECONDS] {
         assert!(page.has(&format!("{h}_bucket")), "{h} is not rendered as a histogram: {:?}", page.samples());
         assert!(!page.series(h).any(|s| s.labels.contains_key("quantile")), "{h} is rendered as a summary");
@@ -255,7 +258,8 @@ async fn prefill_pushes_bit_exact_kv_and_exits_cleanly_on_sigterm() -> TestResul
 async fn a_pooled_connection_the_decode_side_closed_when_idle_is_replaced() -> TestResult {
     let prompt = prompt()?;
     let (layout, fp, want_first, want_kv) = reference(&prompt)?;
-    let worker = one_thread_worker(&[])?;
+    // Each layer gathered into a buffer (the other tcp path): the same bits arrive.
+    let worker = one_thread_worker(&["--tcp-pinned", "false"])?;
     let (addr, metrics_addr) = (worker.addr("grpc")?, worker.addr("metrics")?);
     let local = Peer { version_group: VersionGroup::new(GROUP)?, fingerprint: fp };
     let rx = Arc::new(Mutex::new(Receiver::new(local, ReceiverConfig::new(layout))?));
@@ -296,6 +300,8 @@ async fn a_pooled_connection_the_decode_side_closed_when_idle_is_replaced() -> T
     assert_eq!(page.get(KV_STALE_CONNECTIONS, &[])?, 1.0);
     assert_eq!(page.get(PREFILL_REQUESTS, &[("outcome", "ok")])?, 2.0);
     assert_eq!(page.get(KV_TRANSFER_FAILURES, &[("reason", "io")])?, 0.0);
+    assert!(page.get(KV_LAYERS_SENT, &[("path", "gathered")])? >= 2.0 * layout.n_layers as f64);
+    assert_eq!(page.get(KV_LAYERS_SENT, &[("path", "pinned")])?, 0.0);
     Ok(())
 }
 
@@ -488,5 +494,102 @@ async fn prefill_status_follows_a_prompt_from_queued_to_running_to_gone() -> Tes
     b.abort();
     until("b", PrefillState::Unknown).await?;
     drop(silent);
+    Ok(())
+}
+
+/// The worker's anonymous resident memory (`RssAnon` of `/proc/PID/status`), in bytes.
+fn rss_anon(pid: u32) -> Result<u64, String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .ok_or("no RssAnon")?;
+    Ok(kb << 10)
+}
+
+/// A decode side that takes the handshake and then reads nothing: every push to it
+/// stalls once the socket's buffers are full.
+async fn stalled_decode_side() -> Result<(String, tokio::task::JoinHandle<()>), std::io::Error> {
+    use kvtransfer::{DecodeLimits, Decoded, Frame, HelloAck, PROTOCOL_VERSION};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = l.local_addr()?.to_string();
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut s, _)) = l.accept().await {
+            let mut buf = Vec::new();
+            let hello = loop {
+                if let Ok(Decoded::Frame { frame, .. }) = Frame::decode(&buf, &DecodeLimits::default()) {
+                    break Some(frame);
+                }
+                let mut chunk = [0u8; 256];
+                match s.read(&mut chunk).await {
+                    Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                    _ => break None,
+                }
+            };
+            if let Some(Frame::Hello(_)) = hello {
+                let mut wire = Vec::new();
+                let ack = Frame::HelloAck(HelloAck { protocol_version: PROTOCOL_VERSION });
+                if ack.encode(&mut wire).is_ok() && s.write_all(&wire).await.is_ok() {
+                    held.push(s); // never read again
+                }
+            }
+        }
+    });
+    Ok((addr, task))
+}
+
+/// Sent straight from the pool (`--tcp-pinned`, the default), a prompt whose push stalls
+/// costs the worker no copy of its KV: the layers wait as checksums and block ids while
+/// the blocks stay where the engine wrote them. Gathered, each layer the socket has no
+/// room for waits as a copy in the worker's heap (here most of the prompt's 22 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_push_holds_no_copy_of_the_kv_when_sent_from_the_pool() -> TestResult {
+    let path = engine::paths::default_model_path();
+    let (w, f) = Weights::from_gguf(&path)?;
+    let tok = Tokenizer::from_gguf(&f)?;
+    let layout = Model::new(w, 1)?.kv_layout(16, KvDtype::F16);
+    let fp = LayoutFingerprint::new(&layout, &engine::weights::digest::weights_digest(&path)?, &tok.digest());
+    let base = prompt()?;
+    let long: Vec<u32> = base.iter().copied().cycle().take(KV_BLOCKS * layout.block_size - 8).collect();
+    let n = long.len().div_ceil(layout.block_size);
+    let kv_bytes = (n * layout.n_layers * 2 * layout.side_bytes()) as u64;
+    let mut growth = Vec::new();
+    for pinned in ["true", "false"] {
+        let (addr, decode) = stalled_decode_side().await?;
+        let worker = one_thread_worker(&["--tcp-pinned", pinned, "--transfer-timeout-ms", "120000"])?;
+        let client =
+            within("gRPC connect", PrefillWorkerClient::connect(format!("http://{}", worker.addr("grpc")?))).await??;
+        let before = rss_anon(worker.pid)?;
+        let r = Reservation { id: ReservationId(7), generation: 1 };
+        let destination = tcp_destination(addr, fp, r, (0..n as u32).collect());
+        let request = prefill_request("stalled", &long, 0, destination);
+        let mut c = client.clone();
+        let push = tokio::spawn(async move { c.prefill(request).await });
+        // Computed and held for sending: nothing runs or waits, the prompt's blocks are in use.
+        opskit::poll("the prompt computed, its push stalled", WAIT, || {
+            let mut c = client.clone();
+            async move {
+                let h = c.health(HealthRequest::default()).await.map_err(|e| e.to_string())?.into_inner();
+                Ok::<_, String>((h.running == 0 && h.waiting == 0 && h.kv_blocks_used as usize >= n).then_some(()))
+            }
+        })
+        .await?;
+        let grew = rss_anon(worker.pid)?.saturating_sub(before);
+        eprintln!(
+            "tcp_pinned {pinned}: RssAnon grew {} KiB with the push stalled ({} KiB of KV)",
+            grew >> 10,
+            kv_bytes >> 10
+        );
+        growth.push(grew);
+        push.abort();
+        decode.abort();
+        drop(worker);
+    }
+    let (pinned, gathered) = (growth[0], growth[1]);
+    assert!(gathered > kv_bytes / 3, "gathered: {gathered} bytes more for {kv_bytes} bytes of KV (the copies)");
+    assert!(pinned < gathered / 4, "sent from the pool: {pinned} bytes more, gathered {gathered}");
     Ok(())
 }

@@ -98,6 +98,29 @@ pub fn unix_deadline(deadline: Option<tokio::time::Instant>) -> u64 {
     (now_ms + d.saturating_duration_since(tokio::time::Instant::now()).as_millis() as u64).max(1)
 }
 
+/// Moves the engine's (still empty) KV pool into memory kvtransfer maps and returns its
+/// view: a decode worker's TCP server reads payloads straight into its blocks
+/// (`tcp_direct`), a prefill worker's TCP sender writes frames straight from them
+/// (`tcp_pinned`). Call before anything can use the pool (before the listeners bind).
+/// `what` names the use in the log and errors.
+pub async fn pool_memory(
+    runner: &engine::runner::RunnerHandle,
+    what: &'static str,
+) -> anyhow::Result<kvtransfer::transport::DirectPool> {
+    let r = runner.clone();
+    let (layout, blocks) =
+        tokio::task::spawn_blocking(move || r.with_pool(|p| (*p.layout(), p.num_blocks()))).await??;
+    let memory = kvtransfer::transport::PoolMemory::new(layout, blocks)
+        .with_context(|| format!("mapping the KV pool ({what})"))?;
+    let (view, bytes, r) = (memory.direct(), layout.pool_bytes(blocks).unwrap_or(0), runner.clone());
+    let shared = memory.into_shared();
+    tokio::task::spawn_blocking(move || r.with_pool(move |p| p.adopt(shared)))
+        .await??
+        .with_context(|| format!("moving the KV pool into mapped memory ({what})"))?;
+    tracing::info!(bytes, what, "KV pool in mapped memory");
+    Ok(view)
+}
+
 /// Binds the gRPC listener, prints `listening grpc=ADDR` and logs readiness.
 pub async fn bind_grpc(cfg: &CommonConfig, fingerprint: &LayoutFingerprint) -> anyhow::Result<tokio::net::TcpListener> {
     let listener =

@@ -37,13 +37,16 @@ pub const KV_STALE_CONNECTIONS: &str = "tandem_kv_stale_connections_total";
 /// `tandem_kv_layers_sent_total{path}`: streamed KV messages (one layer's
 /// run of newly computed blocks each), by how they left the engine:
 /// `in_place` — the engine's thread stored them straight into the decode
-/// worker's pool (ucx on one host, a direct writer: no gather) —, or
+/// worker's pool (ucx on one host, a direct writer: no gather) —, `pinned` —
+/// checksummed where they lie and written to the socket straight from the
+/// pool's blocks (tcp with `--tcp-pinned`, the default: no gather) —, or
 /// `gathered` — copied out of the pool into buffers for the transport. On a
 /// same-host ucx cluster nearly all should be `in_place` (a prompt's first
-/// layers may be computed before the writer is granted). vLLM: none.
+/// layers may be computed before the writer is granted), on a tcp one all
+/// `pinned`. vLLM: none.
 pub const KV_LAYERS_SENT: &str = "tandem_kv_layers_sent_total";
 /// The `path` label values of [`KV_LAYERS_SENT`].
-pub const LAYER_PATHS: [&str; 2] = ["in_place", "gathered"];
+pub const LAYER_PATHS: [&str; 3] = ["in_place", "pinned", "gathered"];
 /// `tandem_faults_injected_total{fault}`: faults this worker injected into
 /// its own work because a drill asked it to (`kv_corrupt`: ucx transfers
 /// with a byte flipped after the checksum, `--fault-kv-corrupt`). Exported only

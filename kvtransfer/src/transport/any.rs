@@ -160,6 +160,29 @@ impl KvSender {
         }
     }
 
+    /// See [`TcpKvSender::send_pinned`]: tcp only; a pinned layer offered to another
+    /// transport is a local bug, refused with nothing sent.
+    pub async fn send_pinned(
+        &mut self,
+        r: Reservation,
+        layer: &crate::PinnedLayer,
+        pool: &super::DirectPool,
+    ) -> Result<(), TransferError> {
+        match self {
+            Self::Tcp(s) => s.send_pinned(r, layer, pool).await,
+            _ => Err(TransferError::Protocol(format!("a pinned layer offered to a {} connection", self.kind()))),
+        }
+    }
+
+    /// Whether this connection sends layers straight from a pool in mapped memory
+    /// ([`send_pinned`](Self::send_pinned)), and the largest frame it cuts them into.
+    pub fn pinned_frames(&self) -> Option<usize> {
+        match self {
+            Self::Tcp(s) => Some(s.max_frame_bytes()),
+            _ => None,
+        }
+    }
+
     /// A writer that stores `r`'s layers straight into the receiver's pool
     /// from the caller's thread ([`UcxKvSender::direct_writer`]); `None` on
     /// every other transport, and where ucx cannot.

@@ -113,7 +113,7 @@ impl DirectPool {
     /// The pieces of memory a layer frame's payload fills, in payload
     /// order (K of each block, then V of each), adjacent blocks merged;
     /// `None` if a block is outside the pool (then nothing is written).
-    fn pieces(&self, layer: usize, blocks: &[BlockId]) -> Option<Vec<(usize, usize)>> {
+    pub(crate) fn pieces(&self, layer: usize, blocks: &[BlockId]) -> Option<Vec<(usize, usize)>> {
         let side = self.layout.side_bytes();
         if layer >= self.layout.n_layers {
             return None;
@@ -263,19 +263,48 @@ pub(crate) async fn read_into_pool(
 
 /// One `readv` of at most [`READ_CHUNK`] bytes at `at`, once the socket is readable.
 async fn read_ready(socket: &TcpStream, at: &Cursor<'_>) -> io::Result<usize> {
+    // Every piece is a block held open for this read (see `read_into_pool`).
+    vectored(socket, at, READ_CHUNK, Way::Read).await
+}
+
+/// Which way a vectored system call moves bytes between a socket and a [`Cursor`]'s pieces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Way {
+    /// `readv`: the kernel writes the pieces.
+    Read,
+    /// `writev`: the kernel reads them.
+    Write,
+}
+
+/// One `readv` or `writev` of at most `max` bytes at `at`, once the socket is ready for
+/// it. The callers keep the contract the system call needs: reading, every piece is
+/// memory no Rust reference names and nothing else writes now (a block held open for a
+/// direct read); writing, every piece is memory that stays mapped (the caller's header,
+/// or pool memory whose mapping the caller holds).
+pub(crate) async fn vectored(socket: &TcpStream, at: &Cursor<'_>, max: usize, way: Way) -> io::Result<usize> {
+    let interest = match way {
+        Way::Read => Interest::READABLE,
+        Way::Write => Interest::WRITABLE,
+    };
     loop {
-        socket.readable().await?;
+        socket.ready(interest).await?;
         let fd = socket.as_raw_fd();
-        let r = socket.try_io(Interest::READABLE, || {
-            let iov = at.iovecs(READ_CHUNK);
-            // SAFETY: every iovec names bytes of a block held open for this
-            // read (see `read_into_pool`); `fd` is the socket, open while
+        let r = socket.try_io(interest, || {
+            let iov = at.iovecs(max);
+            let (ptr, n) = (iov.as_ptr(), iov.len() as libc::c_int);
+            // SAFETY: the iovecs name the pieces the caller vouches for (above), at most
+            // [`MAX_IOV`] of them, each within its piece; `fd` is the socket, open while
             // `socket` is borrowed.
-            let n = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
-            if n < 0 {
+            let done = unsafe {
+                match way {
+                    Way::Read => libc::readv(fd, ptr, n),
+                    Way::Write => libc::writev(fd, ptr, n),
+                }
+            };
+            if done < 0 {
                 Err(io::Error::last_os_error())
             } else {
-                Ok(n as usize)
+                Ok(done as usize)
             }
         });
         match r {
@@ -286,20 +315,25 @@ async fn read_ready(socket: &TcpStream, at: &Cursor<'_>) -> io::Result<usize> {
 }
 
 /// A position in a payload's pieces.
-struct Cursor<'a> {
+pub(crate) struct Cursor<'a> {
     pieces: &'a [(usize, usize)],
     piece: usize,
     offset: usize,
 }
 
-impl Cursor<'_> {
+impl<'a> Cursor<'a> {
+    /// At the start of `pieces`.
+    pub(crate) fn new(pieces: &'a [(usize, usize)]) -> Self {
+        Self { pieces, piece: 0, offset: 0 }
+    }
+
     /// Where the next byte goes and how many fit in its piece.
     fn here(&self) -> (*mut u8, usize) {
         let (at, len) = self.pieces[self.piece];
         ((at + self.offset) as *mut u8, len - self.offset)
     }
 
-    fn advance(&mut self, mut n: usize) {
+    pub(crate) fn advance(&mut self, mut n: usize) {
         while n > 0 {
             let room = self.pieces[self.piece].1 - self.offset;
             if n < room {
@@ -312,7 +346,7 @@ impl Cursor<'_> {
         }
     }
 
-    fn remaining(&self) -> usize {
+    pub(crate) fn remaining(&self) -> usize {
         match self.pieces.get(self.piece..) {
             Some(rest) if !rest.is_empty() => rest.iter().map(|p| p.1).sum::<usize>() - self.offset,
             _ => 0,
@@ -320,7 +354,7 @@ impl Cursor<'_> {
     }
 
     /// The next at most `max` bytes, as at most [`MAX_IOV`] iovecs.
-    fn iovecs(&self, max: usize) -> Vec<libc::iovec> {
+    pub(crate) fn iovecs(&self, max: usize) -> Vec<libc::iovec> {
         let mut out = Vec::new();
         let (mut piece, mut offset, mut left) = (self.piece, self.offset, max);
         while piece < self.pieces.len() && left > 0 && out.len() < MAX_IOV {

@@ -65,6 +65,19 @@ pub(crate) fn flip_in_place(layer: usize, first_block: usize, len: usize) -> Opt
     Some(len / 2)
 }
 
+/// [`after_checksum`] for a sender that writes straight from its pool (tcp's pinned
+/// layers), where no byte may be changed: whether to send this frame with its checksum
+/// off by one bit instead, which the receiver refuses just as a flipped byte.
+pub(crate) fn corrupt_checksum(layer: usize, first_block: usize, len: usize) -> bool {
+    if !take_first_put(&LEFT, &DONE, layer, first_block, len) {
+        return false;
+    }
+    if let Some(f) = ON_FLIP.get() {
+        f();
+    }
+    true
+}
+
 /// [`after_checksum`] for a sender that writes from the caller's memory (the
 /// streams): a copy of `k` with the byte flipped, if this transfer is to be
 /// corrupted. The copy is made only when the process is armed and this is

@@ -32,6 +32,7 @@ pub mod fault;
 mod inbound;
 mod lock;
 mod outbound;
+mod pinned;
 mod send;
 mod serve;
 mod stream;
@@ -41,6 +42,7 @@ pub use direct::{DirectPool, PoolMemory};
 pub use error::TransferError;
 #[cfg(feature = "lock-stats")]
 pub use lock::stats as lock_stats;
+pub use pinned::PinnedLayer;
 
 use std::task::{Context, Poll};
 

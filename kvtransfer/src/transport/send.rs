@@ -115,6 +115,11 @@ where
         }
     }
 
+    /// The largest `LayerData` frame this stream writes.
+    pub(crate) fn max_frame_bytes(&self) -> usize {
+        self.max_frame_bytes
+    }
+
     /// Payload and header bytes written so far.
     pub(crate) fn bytes_sent(&self) -> u64 {
         self.bytes_sent
@@ -256,5 +261,55 @@ where
                 }
             }
         }
+    }
+}
+
+impl<R: AsyncRead + Unpin> FrameSender<R, tokio::net::tcp::OwnedWriteHalf> {
+    /// Sends a layer's frames straight from the sender's pool (see
+    /// [`PinnedLayer`](super::PinnedLayer)): each frame's header with the checksum the
+    /// layer was given where it was computed, then its blocks' K and V where they lie in
+    /// `pool`. See `TcpKvSender::send_pinned`.
+    pub(crate) async fn send_pinned(
+        &mut self,
+        r: Reservation,
+        layer: &super::PinnedLayer,
+        pool: &super::DirectPool,
+    ) -> Result<(), TransferError> {
+        if pool.layout() != &self.layout || !layer.cut_for(&self.layout, self.max_frame_bytes) {
+            return Err(TransferError::Protocol(
+                "a pinned layer of another layout or frame size than its connection's".into(),
+            ));
+        }
+        let side = self.layout.side_bytes();
+        for (first_block, blocks, crc) in layer.frames() {
+            self.may_send(r)?;
+            let pieces = pool.pieces(layer.layer(), blocks).ok_or_else(|| {
+                TransferError::Protocol(format!("a pinned layer names blocks outside its pool: {blocks:?}"))
+            })?;
+            let payload_len = 2 * side * blocks.len();
+            #[allow(unused_mut, reason = "only a drill's fault changes it")]
+            let mut checksum = crc;
+            #[cfg(feature = "fault-injection")]
+            if super::fault::corrupt_checksum(layer.layer(), first_block, payload_len) {
+                checksum ^= 1;
+            }
+            let header = LayerDataHeader {
+                reservation: r.id.0,
+                generation: r.generation,
+                // Checked to fit u32 by PinnedLayer::new.
+                layer: layer.layer() as u32,
+                first_block: first_block as u32,
+                n_blocks: blocks.len() as u32,
+                checksum,
+                payload_len,
+            };
+            self.out.clear();
+            header.encode(&mut self.out).map_err(|e| TransferError::Protocol(e.to_string()))?;
+            super::pinned::write_pinned(self.wr.as_ref(), &self.out, &pieces, self.timeout)
+                .await
+                .map_err(|e| TransferError::write(e, "writing a LayerData frame"))?;
+            self.bytes_sent += (LAYER_DATA_OVERHEAD + payload_len) as u64;
+        }
+        Ok(())
     }
 }

@@ -94,6 +94,25 @@ impl TcpKvSender {
         self.inner.send_blocks(r, layer, first_block, k, v).await
     }
 
+    /// Sends one layer's run of blocks straight from the sender's pool, which lies in
+    /// `pool`'s memory (see [`PinnedLayer`](crate::PinnedLayer)): no copy of the payload
+    /// but the kernel's. `layer` must have been cut for this connection's
+    /// `max_frame_bytes` ([`TcpKvSender::max_frame_bytes`]).
+    pub async fn send_pinned(
+        &mut self,
+        r: Reservation,
+        layer: &crate::PinnedLayer,
+        pool: &crate::transport::DirectPool,
+    ) -> Result<(), TransferError> {
+        self.inner.send_pinned(r, layer, pool).await
+    }
+
+    /// The largest frame this connection writes, which a [`PinnedLayer`](crate::PinnedLayer)'s
+    /// cut must follow.
+    pub fn max_frame_bytes(&self) -> usize {
+        self.inner.max_frame_bytes()
+    }
+
     /// Says every layer was sent and waits (up to the configured timeout)
     /// for the receiver's `Ack`. After `Ok` the sender may drop its copy.
     pub async fn complete(&mut self, r: Reservation) -> Result<Ack, TransferError> {
