@@ -73,11 +73,7 @@ fn code_of(body: &str) -> String {
 }
 
 fn rss_kib(pid: u32) -> Result<u64, String> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
-        .ok_or_else(|| "no VmRSS".into())
+    opskit::process::status_kib(pid, "VmRSS").ok_or_else(|| format!("no VmRSS for pid {pid}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -83,6 +83,17 @@ pub fn proc_state(pid: u32) -> Option<char> {
     stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
 }
 
+/// A kB field of `/proc/PID/status` (`"VmRSS"`, `"RssAnon"`, `"VmHWM"`), in KiB; `None`
+/// when the pid is gone or has no such field. `RssAnon` is where a leak grows (the heap
+/// and private mappings), not `VmRSS`, which also counts the file pages a process maps
+/// in as it first touches them (the model's rows) and shared memory.
+pub fn status_kib(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.trim().strip_suffix("kB")?.trim().parse().ok())
+}
+
 /// Running and not stopped (a zombie, a stopped or a vanished process is not).
 pub fn running(pid: u32) -> bool {
     !matches!(proc_state(pid), None | Some('Z' | 'T'))

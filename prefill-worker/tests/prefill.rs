@@ -499,13 +499,7 @@ async fn prefill_status_follows_a_prompt_from_queued_to_running_to_gone() -> Tes
 
 /// The worker's anonymous resident memory (`RssAnon` of `/proc/PID/status`), in bytes.
 fn rss_anon(pid: u32) -> Result<u64, String> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
-    let kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("RssAnon:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .ok_or("no RssAnon")?;
-    Ok(kb << 10)
+    Ok(opskit::process::status_kib(pid, "RssAnon").ok_or(format!("no RssAnon for pid {pid}"))? << 10)
 }
 
 /// A decode side that takes the handshake and then reads nothing: every push to it

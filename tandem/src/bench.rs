@@ -346,9 +346,7 @@ fn llama_bench(bin: &std::path::Path, model: &std::path::Path, a: &EngineArgs) -
 
 /// Peak resident set (VmHWM) of this process, in KiB.
 fn peak_rss_kib() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
+    opskit::process::status_kib(std::process::id(), "VmHWM")
 }
 
 #[cfg(test)]

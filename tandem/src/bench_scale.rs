@@ -128,13 +128,8 @@ fn cpu_and_rss(pid: u32) -> Result<(f64, f64)> {
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).context("odd /proc stat");
     let cpu = (ticks(11)? + ticks(12)?) / 100.0; // USER_HZ is 100 on Linux
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let rss_kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
-        .context("no VmRSS")?;
-    Ok((cpu, rss_kb / 1024.0))
+    let rss_kb = opskit::process::status_kib(pid, "VmRSS").context("no VmRSS")?;
+    Ok((cpu, rss_kb as f64 / 1024.0))
 }
 
 /// The bound of the bucket where a histogram's cumulative count reaches quantile `q`.

@@ -58,19 +58,14 @@ pub(super) fn gone(pid: u32) -> bool {
 
 /// Resident memory of `pid`, KiB (`VmRSS` in /proc).
 pub(super) fn rss_kib(pid: u32) -> Option<u64> {
-    status_kib(pid, "VmRSS:")
+    opskit::process::status_kib(pid, "VmRSS")
 }
 
 /// Resident anonymous memory of `pid`, KiB (`RssAnon` in /proc): the heap and private
 /// mappings, where a leak grows. Not the pages of files it maps (the model file's rows,
 /// mapped in as tokens are first seen, are the kernel's cache) or shared memory.
 pub(super) fn anon_kib(pid: u32) -> Option<u64> {
-    status_kib(pid, "RssAnon:")
-}
-
-fn status_kib(pid: u32, field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix(field)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    opskit::process::status_kib(pid, "RssAnon")
 }
 
 /// The first decode worker seen running a request.

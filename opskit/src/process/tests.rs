@@ -104,3 +104,15 @@ async fn an_adopted_process_is_left_running_and_its_exit_seen_through_proc() {
     let _ = child.wait();
     assert!(p.wait_exit(Duration::from_secs(10)).await.is_ok());
 }
+
+#[test]
+fn status_fields_are_read_in_kib_and_a_missing_one_is_none() {
+    let me = std::process::id();
+    let rss = status_kib(me, "VmRSS").expect("this process has a resident set");
+    let anon = status_kib(me, "RssAnon").expect("and anonymous memory");
+    assert!(anon > 0 && anon <= rss, "RssAnon {anon} KiB within VmRSS {rss} KiB");
+    // A field name is matched whole: `VmRS` is no field, `Threads` has no kB.
+    assert_eq!(status_kib(me, "VmRS"), None);
+    assert_eq!(status_kib(me, "Threads"), None);
+    assert_eq!(status_kib(u32::MAX, "VmRSS"), None, "no such pid");
+}
