@@ -11,8 +11,9 @@
 //!   connection, 1 MiB writes, read into one destination buffer (what any
 //!   TCP hand-off has to pay at least), which is then the baseline;
 //! - **hand-off**: a real streaming prefill on engine A whose layers go out
-//!   as they are computed (gathered into recycled buffers on A's thread, as
-//!   the prefill worker does) through the transport's sender to its server,
+//!   as they are computed (tcp: checksummed on A's thread and sent straight
+//!   from A's pool, `--tcp-pinned`, the default; the others: gathered into
+//!   recycled buffers on A's thread; as the prefill worker does) through the transport's sender to its server,
 //!   which lands each accepted frame in B's pool as the decode worker does
 //!   (tcp: read straight into the pool, `--tcp-direct`, the default; the
 //!   others: the sink posts it to B's thread, which writes it); then, as the
@@ -42,9 +43,9 @@ use engine::sampler::SampledToken;
 use kvtransfer::transport::{DirectPool, PoolMemory};
 use kvtransfer::{
     BlockSink, Buffer, Buffers, KvSender, KvServer, LayoutFingerprint, LocalSenderConfig, LocalServerConfig,
-    OwnedPayload, Peer, PeerTrust, QuicSenderConfig, QuicServerConfig, Receiver, ReceiverConfig, Reservation,
-    SenderConfig, ServerConfig, TcpSenderConfig, TcpServerConfig, TlsIdentity, TransportKind, UcxSenderConfig,
-    UcxServerConfig, VersionGroup, WriteInstruction,
+    OwnedPayload, Peer, PeerTrust, PinnedLayer, QuicSenderConfig, QuicServerConfig, Receiver, ReceiverConfig,
+    Reservation, SenderConfig, ServerConfig, TcpSenderConfig, TcpServerConfig, TlsIdentity, TransportKind,
+    UcxSenderConfig, UcxServerConfig, VersionGroup, WriteInstruction,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use types::kv::{BlockId, KvLayout};
@@ -71,6 +72,11 @@ pub struct Args {
     /// by default (`tcp_direct`); false: into buffers B's thread writes.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     tcp_direct: bool,
+    /// tcp: A's pool in mapped memory, each layer checksummed on A's thread and sent
+    /// straight from its blocks, as prefill workers do by default (`tcp_pinned`);
+    /// false: gathered into recycled buffers on A's thread.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    tcp_pinned: bool,
 }
 
 /// Blocks of each engine's pool: a 4,096-token prompt and room to spare.
@@ -95,7 +101,7 @@ pub fn run(a: &Args) -> Result<()> {
         let cfg = EngineConfig { kv_blocks: KV_BLOCKS, prefix_cache: false, ..EngineConfig::default() };
         Ok(Engine::new(model, cfg, Vec::new())?)
     };
-    let (prefill, mut decode) = (engine(&path)?, engine(&path)?);
+    let (mut prefill, mut decode) = (engine(&path)?, engine(&path)?);
     let layout = *prefill.pool().layout();
     let vocab = prefill.model().config().vocab as u32;
     let context = prefill.model().config().context;
@@ -112,12 +118,23 @@ pub fn run(a: &Args) -> Result<()> {
             Ok(view)
         })
         .transpose()?;
-    let how = match (kind, &direct) {
-        (TransportKind::Tcp, Some(_)) => "tcp, read straight into the pool",
-        (TransportKind::Tcp, None) => "tcp, into buffers",
-        (TransportKind::Quic, _) => "quic",
-        (TransportKind::Local, _) => "local (shared memory)",
-        (TransportKind::Ucx, _) => "ucx (landing region)",
+    let pinned = (kind == TransportKind::Tcp && a.tcp_pinned)
+        .then(|| -> Result<DirectPool> {
+            // A's pool where the sender writes frames from, as a prefill worker's (`tcp_pinned`).
+            let memory = PoolMemory::new(layout, prefill.pool().num_blocks())?;
+            let view = memory.direct();
+            prefill.pool_mut().adopt(memory.into_shared())?;
+            Ok(view)
+        })
+        .transpose()?;
+    let how = match (kind, &direct, &pinned) {
+        (TransportKind::Tcp, Some(_), Some(_)) => "tcp, sent from the pool, read straight into the pool",
+        (TransportKind::Tcp, Some(_), None) => "tcp, gathered, read straight into the pool",
+        (TransportKind::Tcp, None, Some(_)) => "tcp, sent from the pool, read into buffers",
+        (TransportKind::Tcp, None, None) => "tcp, gathered, read into buffers",
+        (TransportKind::Quic, ..) => "quic",
+        (TransportKind::Local, ..) => "local (shared memory)",
+        (TransportKind::Ucx, ..) => "ucx (landing region)",
     };
     println!(
         "hand-off benchmark: {} ({} thread(s) per engine), {how}, {} reps per length",
@@ -126,7 +143,7 @@ pub fn run(a: &Args) -> Result<()> {
         a.reps
     );
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let mut bench = rt.block_on(Bench::start(prefill, decode, layout, kind, direct))?;
+    let mut bench = rt.block_on(Bench::start(prefill, decode, layout, kind, direct, pinned))?;
     let baseline = if kind == TransportKind::Tcp { "raw TCP socket" } else { "transport alone" };
     println!("baseline (raw): {baseline}");
     println!(
@@ -329,6 +346,8 @@ struct Bench {
     server: Option<Server>,
     peer: Peer,
     buffers: Buffers,
+    /// A's pool in mapped memory: tcp layers go out straight from it.
+    pinned: Option<DirectPool>,
 }
 
 impl Bench {
@@ -338,6 +357,7 @@ impl Bench {
         layout: KvLayout,
         kind: TransportKind,
         direct: Option<DirectPool>,
+        pinned: Option<DirectPool>,
     ) -> Result<Self> {
         let peer = Peer {
             version_group: VersionGroup::new("bench").map_err(|e| anyhow!("{e}"))?,
@@ -359,6 +379,7 @@ impl Bench {
             server: Some(server),
             peer,
             buffers: Buffers::new(64 << 20),
+            pinned,
         })
     }
 
@@ -409,14 +430,24 @@ impl Bench {
         let r = self.reserve(prompt.len()).await?;
         let mut tx = self.connect().await?;
 
-        // A's streaming sink: gather into recycled buffers, note the time of each call.
-        let (layers_tx, mut layers) = tokio::sync::mpsc::unbounded_channel::<(usize, usize, Buffer, Buffer)>();
+        // A's streaming sink, as the prefill worker's: each layer checksummed where it lies
+        // (tcp from a mapped pool) or gathered into recycled buffers; the time of each call noted.
+        let (layers_tx, mut layers) = tokio::sync::mpsc::unbounded_channel::<Streamed>();
         let last_layer = Arc::new(Mutex::new(None::<Instant>));
-        let (buffers, last) = (self.buffers.clone(), last_layer.clone());
+        let (buffers, last, layout) = (self.buffers.clone(), last_layer.clone(), self.layout);
+        let pin = self.pinned.as_ref().and(tx.pinned_frames());
         let sink: engine::batch::LayerSink = Box::new(move |view: LayerView<'_>| {
-            let (mut k, mut v) = (buffers.take(), buffers.take());
-            if view.gather_into(&mut k, &mut v).is_ok() {
-                let _ = layers_tx.send((view.layer, view.first_block, k, v));
+            let pinned = pin.and_then(|max_frame| {
+                let (k, v) = view.pool.layer_bytes(view.layer).ok()?;
+                PinnedLayer::new(&layout, view.layer, view.first_block, view.blocks, k, v, max_frame).ok()
+            });
+            if let Some(p) = pinned {
+                let _ = layers_tx.send(Streamed::Pinned(p));
+            } else {
+                let (mut k, mut v) = (buffers.take(), buffers.take());
+                if view.gather_into(&mut k, &mut v).is_ok() {
+                    let _ = layers_tx.send(Streamed::Gathered(view.layer, view.first_block, k, v));
+                }
             }
             *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         });
@@ -436,8 +467,15 @@ impl Bench {
             e.release_held(id);
             Ok((first, done))
         });
-        while let Some((layer, first_block, k, v)) = layers.recv().await {
-            tx.send_blocks(r, layer, first_block, &k, &v).await.context("sending a layer")?;
+        while let Some(layer) = layers.recv().await {
+            match (layer, &self.pinned) {
+                (Streamed::Pinned(p), Some(pool)) => tx.send_pinned(r, &p, pool).await,
+                (Streamed::Gathered(layer, first_block, k, v), _) => {
+                    tx.send_blocks(r, layer, first_block, &k, &v).await
+                }
+                (Streamed::Pinned(_), None) => bail!("a pinned layer without A's mapped pool"),
+            }
+            .context("sending a layer")?;
         }
         // As the prefill worker: Complete once the prefill is done.
         let (first, prefilled) = computing.await?.map_err(|e| anyhow!("prefill: {e}"))?;
@@ -452,6 +490,14 @@ impl Bench {
             first_step: joined.step,
         })
     }
+}
+
+/// One layer's run of blocks from A's sink to the sender.
+enum Streamed {
+    /// Checksummed in A's mapped pool, sent from there.
+    Pinned(PinnedLayer),
+    /// Gathered: layer, first block, K, V.
+    Gathered(usize, usize, Buffer, Buffer),
 }
 
 fn lock(r: &Mutex<Receiver>) -> std::sync::MutexGuard<'_, Receiver> {
