@@ -355,10 +355,14 @@ impl PrefillService {
         let writer_for_sink = writer.clone();
         let buffers = inner.layer_buffers.clone();
         // tcp with the pool in mapped memory: the engine's thread only checksums each
-        // layer where it lies, and the push writes it from there (the blocks stay this
-        // request's until the push has ended: they are released after it).
+        // layer of the prompt's last step where it lies, and the push writes it from there
+        // (see `Pin`).
         let pin = match (dest.kind, &inner.transfer.pinned) {
-            (TransportKind::Tcp, Some(_)) => Some((inner.layout, TcpSenderConfig::default().max_frame_bytes)),
+            (TransportKind::Tcp, Some(_)) => Some(Pin {
+                layout: inner.layout,
+                max_frame_bytes: TcpSenderConfig::default().max_frame_bytes,
+                prompt_blocks: inner.runner.blocks_for(tokens),
+            }),
             _ => None,
         };
         let engine_req = Request {
@@ -676,6 +680,29 @@ fn gather(view: &LayerView<'_>, buffers: &Buffers) -> Result<Gathered, engine::k
     Ok(Gathered { layer: view.layer, first_block: view.first_block, k, v })
 }
 
+/// When a tcp layer goes out straight from the pool ([`PinnedLayer`]): only a layer of
+/// the prompt's last step, the run that ends at its last block. Once that step is done
+/// the request is held, never preempted, and its blocks stay its own until its push has
+/// ended (they are released after it). An earlier step's blocks are not so safe: a
+/// preempted prefill gives all its blocks back and the engine does not send what it
+/// already streamed again, so a layer still queued would name blocks another request may
+/// have written by then (the decode side would refuse it by its checksum, failing the
+/// transfer). Those layers are gathered, as before.
+#[derive(Debug, Clone, Copy)]
+struct Pin {
+    layout: KvLayout,
+    max_frame_bytes: usize,
+    /// Blocks the whole prompt takes.
+    prompt_blocks: usize,
+}
+
+impl Pin {
+    /// Whether a run of `n` blocks from `first_block` is of the prompt's last step.
+    fn last_step(&self, first_block: usize, n: usize) -> bool {
+        first_block + n == self.prompt_blocks
+    }
+}
+
 /// The engine's sink for one streaming prefill: blocks into `tx`, never
 /// waiting (it runs on the engine thread, mid-step). Once the push has a
 /// direct writer in `writer`, each layer is stored by it straight into the
@@ -692,7 +719,7 @@ fn layer_sink(
     computing: Arc<AtomicBool>,
     writer: Arc<OnceLock<UcxDirectWriter>>,
     buffers: Buffers,
-    pin: Option<(KvLayout, usize)>,
+    pin: Option<Pin>,
 ) -> engine::batch::LayerSink {
     let mut tx = Some(tx);
     Box::new(move |view: LayerView<'_>| {
@@ -708,9 +735,9 @@ fn layer_sink(
                 .ok()
         });
         let pinned = || {
-            let (layout, max_frame) = pin?;
+            let p = pin.filter(|p| p.last_step(view.first_block, view.blocks.len()))?;
             let (k, v) = view.pool.layer_bytes(view.layer).ok()?;
-            PinnedLayer::new(&layout, view.layer, view.first_block, view.blocks, k, v, max_frame)
+            PinnedLayer::new(&p.layout, view.layer, view.first_block, view.blocks, k, v, p.max_frame_bytes)
                 .inspect_err(|e| tracing::debug!(error = %e, "checksumming a layer in place refused; gathering it"))
                 .ok()
         };

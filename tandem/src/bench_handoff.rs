@@ -436,8 +436,12 @@ impl Bench {
         let last_layer = Arc::new(Mutex::new(None::<Instant>));
         let (buffers, last, layout) = (self.buffers.clone(), last_layer.clone(), self.layout);
         let pin = self.pinned.as_ref().and(tx.pinned_frames());
+        // As the worker: only the prompt's last step goes from the pool (a preempted
+        // prefill would give an earlier step's blocks back).
+        let prompt_blocks = prompt.len().div_ceil(layout.block_size);
         let sink: engine::batch::LayerSink = Box::new(move |view: LayerView<'_>| {
-            let pinned = pin.and_then(|max_frame| {
+            let last_step = view.first_block + view.blocks.len() == prompt_blocks;
+            let pinned = pin.filter(|_| last_step).and_then(|max_frame| {
                 let (k, v) = view.pool.layer_bytes(view.layer).ok()?;
                 PinnedLayer::new(&layout, view.layer, view.first_block, view.blocks, k, v, max_frame).ok()
             });

@@ -135,7 +135,10 @@ fn bench_handoff_hands_a_prompt_over_and_prints_its_row() {
     let out = tandem(&["bench", "handoff", "--reps", "1", "--prompt-tokens", "48"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
-    assert!(stdout.contains("tcp, sent from the pool, read straight into the pool"), "the workers' tcp paths: {stdout}");
+    assert!(
+        stdout.contains("tcp, sent from the pool, read straight into the pool"),
+        "the workers' tcp paths: {stdout}"
+    );
     let row = stdout.lines().find(|l| l.trim_start().starts_with("48 ")).unwrap_or_else(|| panic!("no row: {stdout}"));
     let cols: Vec<&str> = row.split_whitespace().collect();
     // 48 tokens = 3 blocks of 16; 30 layers x K and V x 3 heads x 64 dims x 16 slots x 2 bytes.
