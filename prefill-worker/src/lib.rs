@@ -42,11 +42,11 @@ pub struct PrefillFlags {
     /// KV transfer timeout (connect, each frame, Ack), ms. Env: TANDEM_TRANSFER_TIMEOUT_MS. Default 10000.
     #[arg(long, env = "TANDEM_TRANSFER_TIMEOUT_MS")]
     pub transfer_timeout_ms: Option<u64>,
-    /// tcp only: keep the KV pool in mapped memory and write each frame's payload
-    /// straight from the prompt's blocks (each layer's checksums taken on the engine
-    /// thread as it is computed, no copy into a buffer); `false`: each layer is gathered
-    /// into a buffer on the engine thread and sent from there. Env: TANDEM_TCP_PINNED.
-    /// Default true.
+    /// tcp only: keep the KV pool in mapped memory and write the frames of a prompt's
+    /// last step straight from its blocks (each layer's checksums taken on the engine
+    /// thread as it is computed, no copy into a buffer); earlier steps, which preemption
+    /// could free, and `false`: each layer is gathered into a buffer on the engine thread
+    /// and sent from there. Env: TANDEM_TCP_PINNED. Default true.
     #[arg(long, env = "TANDEM_TCP_PINNED")]
     pub tcp_pinned: Option<bool>,
     /// Drills only: flip one byte of the first frame (ucx: put) of each of the
