@@ -66,12 +66,18 @@ pub fn split_layer<'a>(
     if n_blocks > u32::MAX as usize {
         return Err(SplitError::TooManyBlocks { n_blocks });
     }
-    let per_frame = max_frame_bytes.saturating_sub(LAYER_DATA_OVERHEAD) / per_block;
-    if per_frame == 0 {
-        return Err(SplitError::FrameTooSmall { max_frame_bytes, needed: LAYER_DATA_OVERHEAD + per_block });
-    }
+    let per_frame = blocks_per_frame(per_block, max_frame_bytes)?;
     let (k, v) = kv.split_at(n_blocks * side);
     Ok(LayerChunks { reservation, layer: layer as u32, k, v, side, n_blocks, per_frame, next: 0 })
+}
+
+/// Whole blocks of `per_block` payload bytes (a block's K and V) one `LayerData` frame of
+/// at most `max_frame_bytes` carries: the one cut every sender makes.
+pub(crate) fn blocks_per_frame(per_block: usize, max_frame_bytes: usize) -> Result<usize, SplitError> {
+    match max_frame_bytes.saturating_sub(LAYER_DATA_OVERHEAD).checked_div(per_block) {
+        Some(n) if n > 0 => Ok(n),
+        _ => Err(SplitError::FrameTooSmall { max_frame_bytes, needed: LAYER_DATA_OVERHEAD + per_block }),
+    }
 }
 
 /// Iterator over one layer's frames, in block order. See [`split_layer`].

@@ -30,8 +30,7 @@ use types::kv::{BlockId, KvLayout};
 use super::direct::{vectored, Cursor, Way};
 use super::stream::WriteError;
 use crate::checksum;
-use crate::frame::LAYER_DATA_OVERHEAD;
-use crate::sender::SplitError;
+use crate::sender::{blocks_per_frame, SplitError};
 
 /// One layer's run of blocks to send from the pool, with each frame's checksum.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,7 +70,7 @@ impl PinnedLayer {
         if first_block.checked_add(blocks.len()).is_none_or(|end| end > u32::MAX as usize) {
             return Err(SplitError::TooManyBlocks { n_blocks: first_block.saturating_add(blocks.len()) });
         }
-        let per_frame = per_frame(layout, max_frame_bytes)?;
+        let per_frame = blocks_per_frame(2 * side, max_frame_bytes)?;
         let outside = SplitError::Shape { len: k.len() + v.len(), per_block: 2 * side };
         let mut checksums = Vec::with_capacity(blocks.len().div_ceil(per_frame));
         for frame in blocks.chunks(per_frame) {
@@ -109,7 +108,7 @@ impl PinnedLayer {
 
     /// Whether the frames were cut for `max_frame_bytes` under `layout`.
     pub(crate) fn cut_for(&self, layout: &KvLayout, max_frame_bytes: usize) -> bool {
-        per_frame(layout, max_frame_bytes).is_ok_and(|n| n == self.per_frame)
+        blocks_per_frame(2 * layout.side_bytes(), max_frame_bytes).is_ok_and(|n| n == self.per_frame)
     }
 }
 
@@ -122,15 +121,6 @@ fn runs(blocks: &[BlockId]) -> impl Iterator<Item = (usize, usize)> + '_ {
         i += n;
         Some((first as usize, n))
     })
-}
-
-/// Blocks per `LayerData` frame of at most `max_frame_bytes` (the cut of `split_layer`).
-fn per_frame(layout: &KvLayout, max_frame_bytes: usize) -> Result<usize, SplitError> {
-    let side = layout.side_bytes();
-    match max_frame_bytes.saturating_sub(LAYER_DATA_OVERHEAD) / (2 * side).max(1) {
-        0 => Err(SplitError::FrameTooSmall { max_frame_bytes, needed: LAYER_DATA_OVERHEAD + 2 * side }),
-        n => Ok(n),
-    }
 }
 
 /// Writes `header` and then the payload `pieces` (raw addresses in a pool's mapping,
@@ -165,6 +155,7 @@ pub(crate) async fn write_pinned(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::frame::LAYER_DATA_OVERHEAD;
     use types::kv::KvDtype;
 
     const LAYOUT: KvLayout = KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 4, block_size: 2, dtype: KvDtype::F16 };

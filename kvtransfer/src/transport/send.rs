@@ -15,7 +15,7 @@ use super::stream::{write_frame, write_parts, FrameReader, ReadError};
 use crate::buffers::Buffers;
 use crate::checksum;
 use crate::frame::{AbortReason, Ack, DecodeLimits, Frame, LayerDataHeader, LAYER_DATA_OVERHEAD};
-use crate::sender::SplitError;
+use crate::sender::{blocks_per_frame, SplitError};
 use crate::session::{Peer, Reservation};
 
 /// How one layer's K and V are cut into frames.
@@ -49,10 +49,7 @@ impl LayerPlan {
         if n_blocks > u32::MAX as usize {
             return Err(SplitError::TooManyBlocks { n_blocks });
         }
-        let per_frame = max_frame_bytes.saturating_sub(LAYER_DATA_OVERHEAD) / (2 * side);
-        if per_frame == 0 {
-            return Err(SplitError::FrameTooSmall { max_frame_bytes, needed: LAYER_DATA_OVERHEAD + 2 * side });
-        }
+        let per_frame = blocks_per_frame(2 * side, max_frame_bytes)?;
         Ok(Self { side, n_blocks, per_frame })
     }
 
