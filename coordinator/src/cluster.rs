@@ -551,8 +551,7 @@ impl Cluster {
                         tracing::warn!(worker = %route.decode, "decode worker refused (fenced or draining); routing again");
                         self.board.mark_not_ready(&route.decode);
                         metrics::decode_reroute("refused");
-                        exclude(&mut pin, &route.decode);
-                        avoid.push(route.decode.clone());
+                        lost(&mut pin, &mut avoid, &route.decode);
                         continue;
                     }
                     // The stream broke before its first message (the connection was reset
@@ -564,8 +563,7 @@ impl Cluster {
                             tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker stream broke before its first token; routing again");
                             self.board.mark_unreachable(&route.decode);
                             metrics::decode_reroute("stream_broken");
-                            exclude(&mut pin, &route.decode);
-                            avoid.push(route.decode.clone());
+                            lost(&mut pin, &mut avoid, &route.decode);
                             continue;
                         }
                     }
@@ -582,8 +580,7 @@ impl Cluster {
                     tracing::warn!(worker = %route.decode, error = %s.message(), "decode worker unreachable; routing again");
                     self.board.mark_unreachable(&route.decode);
                     metrics::decode_reroute("unreachable");
-                    exclude(&mut pin, &route.decode);
-                    avoid.push(route.decode.clone());
+                    lost(&mut pin, &mut avoid, &route.decode);
                 }
                 Err(s) => {
                     return Err(Error::WorkerUnavailable(format!("decode worker {}: {}", route.decode, s.message())))
@@ -623,12 +620,14 @@ impl Cluster {
     }
 }
 
-/// A continuation's pin with `addr` added to the workers it must avoid (a fresh
-/// request has no pin and may go anywhere but back, which routing's marks see to).
-fn exclude(pin: &mut Option<Pin>, addr: &str) {
+/// A dispatch lost decode worker `addr` (its stream broke, or it refused): a
+/// continuation's pin never goes there again, and any request avoids it while another
+/// worker can serve (`avoid`, see `Cluster::route_pinned`).
+fn lost(pin: &mut Option<Pin>, avoid: &mut Vec<String>, addr: &str) {
     if let Some(p) = pin {
         p.exclude.push(addr.to_owned());
     }
+    avoid.push(addr.to_owned());
 }
 
 /// The bytes of a hex string (a fingerprint); empty for anything that is not hex.
