@@ -109,24 +109,11 @@ pub fn run(a: &Args) -> Result<()> {
         bail!("a {n}-token prompt does not fit the model's context ({context}) or {KV_BLOCKS} KV blocks");
     }
     println!("cpu: {}", crate::bench::cpu_summary());
-    let direct = (kind == TransportKind::Tcp && a.tcp_direct)
-        .then(|| -> Result<DirectPool> {
-            // B's pool where the server reads payloads into, as a decode worker's (`tcp_direct`).
-            let memory = PoolMemory::new(layout, decode.pool().num_blocks())?;
-            let view = memory.direct();
-            decode.pool_mut().adopt(memory.into_shared())?;
-            Ok(view)
-        })
-        .transpose()?;
-    let pinned = (kind == TransportKind::Tcp && a.tcp_pinned)
-        .then(|| -> Result<DirectPool> {
-            // A's pool where the sender writes frames from, as a prefill worker's (`tcp_pinned`).
-            let memory = PoolMemory::new(layout, prefill.pool().num_blocks())?;
-            let view = memory.direct();
-            prefill.pool_mut().adopt(memory.into_shared())?;
-            Ok(view)
-        })
-        .transpose()?;
+    // B's pool where the server reads payloads into, as a decode worker's (`tcp_direct`);
+    // A's where the sender writes frames from, as a prefill worker's (`tcp_pinned`).
+    let tcp = kind == TransportKind::Tcp;
+    let direct = (tcp && a.tcp_direct).then(|| mapped(&mut decode)).transpose()?;
+    let pinned = (tcp && a.tcp_pinned).then(|| mapped(&mut prefill)).transpose()?;
     let how = match (kind, &direct, &pinned) {
         (TransportKind::Tcp, Some(_), Some(_)) => "tcp, sent from the pool, read straight into the pool",
         (TransportKind::Tcp, Some(_), None) => "tcp, gathered, read straight into the pool",
@@ -494,6 +481,14 @@ impl Bench {
             first_step: joined.step,
         })
     }
+}
+
+/// Moves `e`'s (still empty) pool into memory kvtransfer maps; returns its view.
+fn mapped(e: &mut Engine) -> Result<DirectPool> {
+    let memory = PoolMemory::new(*e.pool().layout(), e.pool().num_blocks())?;
+    let view = memory.direct();
+    e.pool_mut().adopt(memory.into_shared())?;
+    Ok(view)
 }
 
 /// One layer's run of blocks from A's sink to the sender.
