@@ -33,6 +33,8 @@ fn options(seed: u64, seconds: u64, per_minute: f64, kinds: Vec<FaultKind>, plan
         journal: None,
         cancel: Default::default(),
         plant,
+        plant_on_move: false,
+        keep: None,
     }
 }
 
@@ -76,16 +78,20 @@ async fn a_minute_of_seeded_chaos_breaks_no_invariant() -> TestResult {
 
 /// The invariants are not vacuous in a real run: started with the planted bugs (a wrong
 /// first token behind HTTP 200, KV blocks never freed, a stream that never ends) and no
-/// fault at all, the run fails, and names each.
+/// fault at all — a schedule of every kind, none of it kept (`--keep-faults none`, what a
+/// shrink ends on when a failure needs no fault) — the run fails, and names each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_bugs_are_each_caught_and_named() -> TestResult {
-    let o = options(7, 20, 1.0, Vec::new(), true);
+    let o = ChaosOptions { keep: Some(Vec::new()), ..options(7, 20, 8.0, FaultKind::ALL.to_vec(), true) };
+    let all = drills::chaos::schedule(&o.schedule, &drills::chaos::targets_of(None));
+    assert!(all.len() >= 2, "seed 7 draws faults in its 20 s: {all:?}");
     let r = run_chaos(&o).await?;
     for v in &r.violations {
         eprintln!("  {:>7} ms {:?}: {}", v.at_ms, v.guarantee, v.detail);
     }
-    assert!(r.actions.is_empty() && !r.passed(), "no fault, and yet a failed run: {:?}", r.actions);
-    assert!(r.command.ends_with(" --plant"), "the repeat command plants them too: {}", r.command);
+    assert!(r.schedule.is_empty() && r.actions.is_empty(), "no fault kept, none applied: {:?}", r.actions);
+    assert!(!r.passed(), "no fault, and yet a failed run");
+    assert!(r.command.ends_with(" --plant --keep-faults none"), "the repeat command plants them too: {}", r.command);
     let found = |g: Guarantee, what: &str| r.violations.iter().any(|v| v.guarantee == g && v.detail.contains(what));
     assert!(found(Guarantee::G1, "answer differs from the no-fault run"), "the swapped token: {:#?}", r.violations);
     assert!(found(Guarantee::G2, "prefill-"), "the leaked blocks, on a prefill worker: {:#?}", r.violations);

@@ -4,7 +4,10 @@
 //!
 //! `--dry-run` prints the schedule and starts nothing. The seed (printed
 //! when not given) reproduces the schedule; a failing run prints the command
-//! that repeats it. Ctrl-C (SIGINT) or SIGTERM lifts every held fault at once
+//! that repeats it. `--keep-faults` applies only some of the schedule's
+//! faults, by their index in `--dry-run`'s list; `--shrink` runs a failing
+//! schedule again with fewer and fewer of them, to the shortest list that
+//! still fails (flake-aware, bounded in time), and prints its command. Ctrl-C (SIGINT) or SIGTERM lifts every held fault at once
 //! and ends the run; each applied and lifted fault is an audit line on stderr
 //! and, with `--journal`, a JSON line there. Exit status: 0 when no
 //! invariant broke and every fault action worked.
@@ -74,6 +77,46 @@ pub struct Args {
     /// builds them): the run must fail, naming each. Proves the invariants are not vacuous.
     #[arg(long)]
     plant: bool,
+    /// Start the coordinators with a planted bug only a fault sets off: a request moved
+    /// to another decode worker (its worker killed or frozen mid-stream) loses a token.
+    /// Binaries built with `fault-injection`. With `--shrink`, shows the search finding
+    /// the faults that matter.
+    #[arg(long)]
+    plant_on_move: bool,
+    /// Apply only these faults of the seeded schedule, comma-separated indices as
+    /// `--dry-run` numbers them (`none`: no fault; the load and its timing stay the
+    /// same). What a shrunk run's command names.
+    #[arg(long, value_parser = parse_keep)]
+    keep_faults: Option<Keep>,
+    /// If the run fails, shrink it: run the same seed and load again with fewer faults
+    /// (each candidate up to `--shrink-runs` times, failing at its first run that breaks a
+    /// guarantee the run broke) to the shortest list that still fails, then print its
+    /// command. Exits non-zero whenever the first run failed.
+    #[arg(long)]
+    shrink: bool,
+    /// The most time the shrinking runs may take together (`30m`, `1h`, `900s`).
+    #[arg(long, default_value = "30m", value_parser = parse_duration)]
+    shrink_budget: Duration,
+    /// Clean runs before a candidate counts as passing.
+    #[arg(long, default_value_t = 3)]
+    shrink_runs: u32,
+}
+
+/// `--keep-faults`: indices, or none.
+#[derive(Debug, Clone)]
+struct Keep(Vec<usize>);
+
+fn parse_keep(s: &str) -> Result<Keep, String> {
+    if s == "none" {
+        return Ok(Keep(Vec::new()));
+    }
+    let mut v = s
+        .split(',')
+        .map(|x| x.trim().parse::<usize>().map_err(|_| format!("{x:?} is not a fault index (0, 1, ...; or `none`)")))
+        .collect::<Result<Vec<_>, _>>()?;
+    v.sort_unstable();
+    v.dedup();
+    Ok(Keep(v))
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -116,6 +159,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.max_in_flight == 0 {
         bail!("--max-in-flight must be at least 1");
     }
+    if a.shrink_runs == 0 {
+        bail!("--shrink-runs must be at least 1");
+    }
     let targets = chaos::targets_of(None);
     let known: Vec<&String> =
         [&targets.decode, &targets.prefill, &targets.coordinators, &targets.etcd, &targets.kv_links]
@@ -149,18 +195,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         journal: a.journal,
         cancel: cancel.clone(),
         plant: a.plant,
+        plant_on_move: a.plant_on_move,
+        keep: a.keep_faults.map(|k| k.0),
     };
-    let plan = chaos::schedule(&o.schedule, &targets);
+    // Checked before anything starts (an index past the schedule's end).
+    chaos::planned(&o, &targets).map_err(anyhow::Error::msg)?;
     if a.dry_run {
         println!("# {}", chaos::command(&o));
-        for p in &plan {
-            println!("{p}");
+        let all = chaos::schedule(&o.schedule, &targets);
+        let kept = |i: &usize| o.keep.as_ref().is_none_or(|k| k.contains(i));
+        for (i, p) in all.iter().enumerate().filter(|(i, _)| kept(i)) {
+            println!("{i:>4}  {p}");
         }
-        println!("# {} faults", plan.len());
+        println!("# {} of {} faults", all.iter().enumerate().filter(|(i, _)| kept(i)).count(), all.len());
         return Ok(());
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let report = rt.block_on(async {
+    let abort = cancel.clone();
+    let (report, loads, took) = rt.block_on(async {
         // The abort key: lift everything held and end the run.
         tokio::spawn(async move {
             let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -172,9 +224,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 _ = term.recv() => {}
             }
             eprintln!("chaos: stopping: lifting every held fault");
-            cancel.cancel();
+            abort.cancel();
         });
-        chaos::run_chaos(&o).await
+        let started = tokio::time::Instant::now();
+        let (report, loads) = chaos::run_chaos_with_loads(&o).await?;
+        anyhow::Ok((report, loads, started.elapsed()))
     })?;
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_vec_pretty(&report)?)
@@ -254,9 +308,41 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if report.passed() {
         println!("no invariant broke");
+        if a.shrink {
+            println!("nothing to shrink");
+        }
         Ok(())
     } else {
         println!("repeat: {}", report.command);
+        if a.shrink && cancel.is_cancelled() {
+            println!("not shrunk: the run was cancelled");
+        } else if a.shrink {
+            let bounds = chaos::Bounds { runs_per_candidate: a.shrink_runs, budget: a.shrink_budget };
+            eprintln!(
+                "shrink: the run failed with {} faults; shrinking (up to {} runs a candidate, within {} s)",
+                report.schedule.len(),
+                bounds.runs_per_candidate,
+                bounds.budget.as_secs()
+            );
+            let s = rt.block_on(chaos::shrink_run(&o, &report, took, bounds, &loads, |line| eprintln!("{line}")));
+            let minimal = ChaosOptions { keep: Some(s.kept.clone()), ..o.clone() };
+            let all = chaos::schedule(&o.schedule, &targets);
+            println!(
+                "shrunk from {} to {} faults in {} runs ({:.1} min){}:",
+                report.schedule.len(),
+                s.kept.len(),
+                s.runs,
+                s.spent.as_secs_f64() / 60.0,
+                s.stopped
+                    .as_ref()
+                    .map(|why| format!(", stopped early ({why}): a shorter list may fail too"))
+                    .unwrap_or_default()
+            );
+            for &i in &s.kept {
+                println!("{i:>4}  {}", all[i]);
+            }
+            println!("minimal: {}", chaos::command(&minimal));
+        }
         bail!("chaos seed {} found {} violation(s)", report.seed, report.violations.len())
     }
 }

@@ -42,6 +42,16 @@ fn back(up: &mut Up, name: &str, old: u32, restarts: u32) -> Result<u32, String>
     })
 }
 
+/// Stops `tandem up` (which must exit cleanly), removes the test's directory and returns the
+/// test's result, with `tandem up`'s stderr on a failure.
+fn finish(mut up: Up, dir: &std::path::Path, result: TestResult) -> TestResult {
+    let result = result.map_err(|e| format!("{e}\ntandem up's stderr:\n{}", up.stderr_text()).into());
+    let status = up.stop()?;
+    assert!(status.success(), "tandem up exit: {status:?}");
+    let _ = std::fs::remove_dir_all(dir);
+    result
+}
+
 #[test]
 fn killed_workers_come_back_while_the_others_keep_serving() -> TestResult {
     let dir = common::temp_dir("tandem-supervise-kill")?;
@@ -108,11 +118,7 @@ fn killed_workers_come_back_while_the_others_keep_serving() -> TestResult {
         }
         Ok(())
     })();
-    let result = result.map_err(|e| format!("{e}\ntandem up's stderr:\n{}", up.stderr_text()).into());
-    let status = up.stop()?;
-    assert!(status.success(), "tandem up exit: {status:?}");
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    finish(up, &dir, result)
 }
 
 #[test]
@@ -162,9 +168,96 @@ fn a_worker_crashing_at_every_start_is_given_up_and_the_cluster_keeps_serving() 
         assert_eq!(status, 200, "{body}");
         Ok(())
     })();
-    let result = result.map_err(|e| format!("{e}\ntandem up's stderr:\n{}", up.stderr_text()).into());
-    let status = up.stop()?;
-    assert!(status.success(), "tandem up exit: {status:?}");
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    finish(up, &dir, result)
+}
+
+/// The workers' lease TTL in the etcd-members test.
+const LEASE_TTL: Duration = Duration::from_secs(2);
+/// How long the killed etcd member stays down there: long enough for the two left to elect
+/// a leader (etcd's election timeout is 1 s) and serve a request before it is back. Started
+/// again at once, it could win the election itself.
+const RESTART_BACKOFF_MS: u64 = 10_000;
+
+/// `--etcd-members 3`: three etcd processes, each in the state file; the leader's SIGKILL
+/// leaves a quorum that elects another, the cluster keeps serving, and the supervisor starts
+/// the member again on its data, where it rejoins as a follower.
+#[test]
+fn three_etcd_members_outlive_their_leader() -> TestResult {
+    let dir = common::temp_dir("tandem-supervise-etcd-members")?;
+    let ttl = LEASE_TTL.as_secs().to_string();
+    let mut up = Up::start(
+        &dir,
+        &[
+            "--etcd-members",
+            "3",
+            "--prefill",
+            "0",
+            "--restart-backoff-ms",
+            &RESTART_BACKOFF_MS.to_string(),
+            "--lease-ttl-s",
+            &ttl,
+        ],
+    )?;
+    let result = (|| -> TestResult {
+        let members: Vec<_> = up.components()?.iter().filter(|c| c.role == Role::Etcd).cloned().collect();
+        let names: Vec<&str> = members.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["etcd-0", "etcd-1", "etcd-2"], "{:?}", up.state);
+        let client = |c: &facts::state::Component| c.grpc.clone().ok_or_else(|| format!("no client address: {c:?}"));
+        let leaders = || -> Result<Vec<String>, String> {
+            let mut v = Vec::new();
+            for c in &members {
+                if metric(&client(c)?, "etcd_server_is_leader", &[]).unwrap_or(0.0) == 1.0 {
+                    v.push(c.name.clone());
+                }
+            }
+            Ok(v)
+        };
+        let leader = wait_for(Duration::from_secs(30), "one etcd leader", || {
+            let l = leaders()?;
+            Ok((l.len() == 1).then(|| l[0].clone()))
+        })?;
+        let http = up.http()?;
+        let chat = || {
+            common::post(
+                &http,
+                "/v1/completions",
+                r#"{"model":"SmolLM2-135M-Instruct","prompt":"The capital of France is","max_tokens":4,"temperature":0}"#,
+            )
+        };
+        assert_eq!(chat()?.0, 200);
+
+        let decode_pid = up.component("decode-0")?.pid;
+        let old = up.component(&leader)?.pid;
+        kill9(old)?;
+        let killed = tokio::time::Instant::now();
+        let next = wait_for(Duration::from_secs(30), "another etcd leader", || {
+            let l = leaders()?;
+            Ok(l.iter().find(|n| **n != leader).cloned())
+        })?;
+        let (status, body) = chat()?;
+        assert_eq!(status, 200, "served with {leader} dead and {next} leading: {body}");
+        up.reload()?;
+        assert_eq!(up.component(&leader)?.pid, old, "{leader} was still down (not restarted) when that was served");
+        back(&mut up, &leader, old, 1)?;
+        let c = up.component(&leader)?;
+        assert_eq!(c.last_exit.as_deref(), Some("signal 9 (SIGKILL)"), "{c:?}");
+        // Back on its own data as a member again: healthy, and it knows a leader.
+        wait_for(Duration::from_secs(30), &format!("{leader} rejoined"), || {
+            let healthy = common::get(&client(&c)?, "/health").is_ok_and(|(s, _)| s == 200);
+            let has_leader = metric(&client(&c)?, "etcd_server_has_leader", &[]).unwrap_or(0.0) == 1.0;
+            Ok((healthy && has_leader).then_some(()))
+        })?;
+        assert_eq!(chat()?.0, 200);
+        // The decode worker kept its lease alive through the other members (it was told every
+        // one): two lease TTLs after the kill it is the same process, still counted serving.
+        wait_for(Duration::from_secs(30), "two lease TTLs past the leader's death", || {
+            Ok((killed.elapsed() > 2 * LEASE_TTL).then_some(()))
+        })?;
+        serving(&http, "decode", 1.0, Duration::from_secs(1))?;
+        up.reload()?;
+        let d = up.component("decode-0")?;
+        assert!(d.pid == decode_pid && d.restarts == 0 && running(d.pid), "{d:?}");
+        Ok(())
+    })();
+    finish(up, &dir, result)
 }

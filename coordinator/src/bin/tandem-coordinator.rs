@@ -50,6 +50,14 @@ struct Flags {
     #[cfg(feature = "fault-injection")]
     #[arg(long, env = "TANDEM_FAULT_ENDLESS_STREAM", default_value_t = 0)]
     fault_endless_stream: u64,
+    /// Drills only, a planted bug: a request moved to another decode worker (its
+    /// worker lost mid-stream) never sends the client the first token the new worker
+    /// generates, so only a fault that moves a stream breaks an answer (`tandem chaos
+    /// --plant-on-move --shrink`). Env: TANDEM_FAULT_MOVE_DROPS_TOKEN. Default off.
+    /// Only in a binary built with the `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, env = "TANDEM_FAULT_MOVE_DROPS_TOKEN")]
+    fault_move_drops_token: bool,
     /// HTTP listen address. Env: TANDEM_HTTP.
     #[arg(long, env = "TANDEM_HTTP", default_value = "127.0.0.1:8000")]
     http: SocketAddr,
@@ -282,6 +290,11 @@ fn main() -> anyhow::Result<()> {
             "FAULT INJECTION ON (planted bug): that streamed answer never ends; drills only"
         );
         coordinator::plant::arm(flags.fault_endless_stream);
+    }
+    #[cfg(feature = "fault-injection")]
+    if flags.fault_move_drops_token {
+        tracing::warn!("FAULT INJECTION ON (planted bug): a moved request loses a token; drills only");
+        coordinator::plant::arm_move_drops_token(true);
     }
     for (name, v) in [("max_body_bytes", flags.max_body_bytes), ("idempotency_max_keys", flags.idempotency_max_keys)] {
         anyhow::ensure!(v > 0, "config field `{name}`: must be at least 1");

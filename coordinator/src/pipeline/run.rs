@@ -171,6 +171,9 @@ pub struct Run {
     /// Decode workers this request lost; a continuation avoids them.
     lost: Vec<String>,
     migrations: u32,
+    /// The planted lost token on a move (`plant`): the next token is dropped.
+    #[cfg(feature = "fault-injection")]
+    drop_next: bool,
     /// The last event from the current worker (or when it was started): the
     /// stall bound counts from here.
     last_event: Instant,
@@ -218,6 +221,8 @@ impl Run {
             chain: Chain::default(),
             lost: Vec::new(),
             migrations: 0,
+            #[cfg(feature = "fault-injection")]
+            drop_next: false,
             last_event: Instant::now(),
             detok: Detokenizer::new(),
             stop,
@@ -352,6 +357,10 @@ impl Run {
                     self.last_event = Instant::now();
                     self.emitted.push(t.id);
                     self.chain.push(t.id);
+                    #[cfg(feature = "fault-injection")]
+                    if std::mem::take(&mut self.drop_next) {
+                        continue;
+                    }
                     let piece = self.piece_of(&t);
                     if piece.finish.is_some() {
                         self.await_worker_end().await;
@@ -435,6 +444,10 @@ impl Run {
                 self.stream = stream;
                 self._inflight = inflight;
                 self.last_event = Instant::now();
+                #[cfg(feature = "fault-injection")]
+                {
+                    self.drop_next = crate::plant::move_drops_token();
+                }
                 Ok(())
             }
         }

@@ -50,6 +50,7 @@ pub(super) fn judge_burst(report: &Report) -> Vec<Violation> {
 }
 
 /// One steady load: its plan and each request's undisturbed answer.
+#[derive(Clone)]
 pub(super) struct Steady {
     /// Names its requests in violations.
     pub(super) name: &'static str,

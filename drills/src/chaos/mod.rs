@@ -32,6 +32,7 @@ mod load;
 pub mod report;
 pub mod rss;
 pub mod schedule;
+pub mod shrink;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -50,10 +51,11 @@ use crate::HarnessError;
 use faults::{run_faults, sample_rss, Audit};
 pub use goodput::{lead_in, Goodput};
 pub use load::requests;
-use load::{judge_burst, run_steady, steady_loads};
+use load::{judge_burst, run_steady, steady_loads, Steady};
 pub use report::{junit, svg, RequestPoint};
 pub use rss::{Incarnation, RssWatch};
 pub use schedule::{kv_link, schedule, FaultKind, Planned, ScheduleOptions, Targets};
+pub use shrink::{Bounds, Shrunk, Stopped};
 
 /// The model every chaos request names.
 const MODEL: &str = "SmolLM2-135M-Instruct";
@@ -91,6 +93,11 @@ pub struct ChaosOptions {
     /// Plant bugs ([`PLANTED`]; binaries built with `fault-injection`): a run that
     /// must fail, naming each.
     pub plant: bool,
+    /// Plant [`PLANTED_ON_MOVE`]: a bug only a fault that moves a stream sets off.
+    pub plant_on_move: bool,
+    /// Apply only these faults of the seeded schedule, by index (0-based, in the order
+    /// `--dry-run` lists them); `None`: all. What `--shrink` runs its candidates with.
+    pub keep: Option<Vec<usize>>,
 }
 
 /// The bugs `--plant` starts the cluster with, each of which the invariants must catch:
@@ -99,6 +106,12 @@ pub struct ChaosOptions {
 /// every coordinator's 4th streamed answer never ends (G1: a request that hangs).
 pub const PLANTED: [(&str, &str); 3] =
     [("--fault-swap-token", "3"), ("--fault-leak-blocks", "5"), ("--fault-endless-stream", "4")];
+
+/// The bug `--plant-on-move` starts the coordinators with: a request moved to another
+/// decode worker loses the first token the new worker generates (G1: an answer that is
+/// not its undisturbed one). No fault-free run sets it off; a killed or frozen decode
+/// worker with a stream on it does, so a failing run has a cause to shrink to.
+pub const PLANTED_ON_MOVE: &str = "--fault-move-drops-token";
 
 /// One fault action as it happened.
 #[derive(Debug, Clone, Serialize)]
@@ -176,8 +189,8 @@ impl ChaosReport {
 }
 
 /// The cluster chaos runs on; with `plant`, its prefill workers and coordinators carry
-/// the [`PLANTED`] bugs.
-pub fn cluster_spec(plant: bool) -> ClusterSpec {
+/// the [`PLANTED`] bugs, with `on_move` its coordinators [`PLANTED_ON_MOVE`].
+pub fn cluster_spec(plant: bool, on_move: bool) -> ClusterSpec {
     let (prefill, mut coordinator): (Vec<&str>, Vec<&str>) = if plant {
         (
             PLANTED[..2].iter().flat_map(|&(f, v)| [f, v]).collect(),
@@ -186,6 +199,9 @@ pub fn cluster_spec(plant: bool) -> ClusterSpec {
     } else {
         (Vec::new(), Vec::new())
     };
+    if on_move {
+        coordinator.push(PLANTED_ON_MOVE);
+    }
     let idle = STREAM_IDLE_TIMEOUT_MS.to_string();
     coordinator.extend(["--stream-idle-timeout-ms", &idle]);
     ClusterSpec { lease_ttl_s: 5, ..ClusterSpec::default() }
@@ -247,7 +263,85 @@ pub fn command(o: &ChaosOptions) -> String {
     if o.plant {
         cmd.push_str(" --plant");
     }
+    if o.plant_on_move {
+        cmd.push_str(" --plant-on-move");
+    }
+    if let Some(keep) = &o.keep {
+        let list: Vec<String> = keep.iter().map(usize::to_string).collect();
+        cmd.push_str(&format!(" --keep-faults {}", if list.is_empty() { "none".into() } else { list.join(",") }));
+    }
     cmd
+}
+
+/// The faults a run applies: the seeded schedule, or the `keep` of it.
+pub fn planned(o: &ChaosOptions, targets: &Targets) -> Result<Vec<Planned>, String> {
+    let all = schedule(&o.schedule, targets);
+    let Some(keep) = &o.keep else { return Ok(all) };
+    if let Some(i) = keep.iter().find(|&&i| i >= all.len()) {
+        return Err(format!(
+            "--keep-faults {i}: the schedule has {} faults (0 to {})",
+            all.len(),
+            all.len().max(1) - 1
+        ));
+    }
+    Ok(all.into_iter().enumerate().filter(|(i, _)| keep.contains(i)).map(|(_, p)| p).collect())
+}
+
+/// Whether `candidate` failed the way `original` did: it broke a guarantee the original
+/// broke. The statistical bounds (goodput, memory slope: [`Guarantee::Drill`]) count only
+/// when the original broke nothing else, since a busy host can miss them with no bug at
+/// all; an original that broke no guarantee (only a fault action failed) is matched by
+/// any failed run.
+pub fn same_failure(original: &ChaosReport, candidate: &ChaosReport) -> bool {
+    let strict = original.violations.iter().any(|v| v.guarantee != Guarantee::Drill);
+    let wanted: Vec<Guarantee> =
+        original.violations.iter().map(|v| v.guarantee).filter(|g| !strict || *g != Guarantee::Drill).collect();
+    if wanted.is_empty() {
+        return !candidate.passed();
+    }
+    candidate.violations.iter().any(|v| wanted.contains(&v.guarantee))
+}
+
+/// Shrinks a failed run (`original`, made with `o` and `loads`, which took `took`) to the
+/// fewest of its faults that still fail the same way ([`shrink`](shrink::shrink)), each
+/// candidate a whole run of the same seed, load and fault times (no journal: the first
+/// run's is the record); `progress` hears of each run. The options to repeat the result
+/// are `o` with `keep` set to [`Shrunk::kept`]. A candidate cut short by `o.cancel` is not
+/// judged, and a run that cannot start ends the search with what it found so far.
+pub async fn shrink_run(
+    o: &ChaosOptions,
+    original: &ChaosReport,
+    took: Duration,
+    bounds: Bounds,
+    loads: &Loads,
+    mut progress: impl FnMut(&str),
+) -> Shrunk {
+    let failing: Vec<usize> = match &o.keep {
+        Some(k) => k.clone(),
+        None => (0..original.schedule.len()).collect(),
+    };
+    let trial = async |faults: &[usize]| {
+        if o.cancel.is_cancelled() {
+            return Err(Stopped::Cancelled);
+        }
+        let run = ChaosOptions { keep: Some(faults.to_vec()), journal: None, ..o.clone() };
+        let started = Instant::now();
+        let result = run_with(&run, Some(loads.clone())).await;
+        if o.cancel.is_cancelled() {
+            return Err(Stopped::Cancelled);
+        }
+        let (r, _) = result.map_err(|e| Stopped::Failed(e.to_string()))?;
+        let reproduced = same_failure(original, &r);
+        let cost = started.elapsed();
+        progress(&format!(
+            "shrink: faults {faults:?}: {} in {:.0} s{}",
+            if reproduced { "fails" } else { "passes" },
+            cost.as_secs_f64(),
+            r.violations.first().map(|v| format!(" ({:?}: {})", v.guarantee, v.detail)).unwrap_or_default()
+        ));
+        Ok(shrink::Trial { reproduced, cost })
+    };
+    shrink::shrink(&failing, took, bounds, trial).await
 }
 
 /// Incarnations that lived long enough and grew faster than the bound, as violations.
@@ -276,15 +370,36 @@ fn rss_violations(incarnations: &[Incarnation]) -> Vec<Violation> {
         .collect()
 }
 
+/// A run's steady loads with their undisturbed answers: computed by the first run of a
+/// seed, given to the next runs of it (a shrinking run's candidates share the seed, so the
+/// load, and a minute of answers for each would cost as much as the run).
+#[derive(Clone)]
+pub struct Loads(Vec<Steady>);
+
 /// Starts the cluster, runs the load and the schedule, and judges the run.
 pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
+    Ok(run_with(o, None).await?.0)
+}
+
+/// [`run_chaos`], also handing back its loads for [`shrink_run`].
+pub async fn run_chaos_with_loads(o: &ChaosOptions) -> Result<(ChaosReport, Loads), HarnessError> {
+    run_with(o, None).await
+}
+
+/// [`run_chaos`], with the loads of an earlier run of the same seed if given.
+async fn run_with(o: &ChaosOptions, loads: Option<Loads>) -> Result<(ChaosReport, Loads), HarnessError> {
     let seed = o.schedule.seed;
     // The references are computed while the cluster starts.
     let loads = {
         let o = o.clone();
-        tokio::spawn(async move { steady_loads(&o).await })
+        tokio::spawn(async move {
+            match loads {
+                Some(l) => Ok(l.0),
+                None => steady_loads(&o).await,
+            }
+        })
     };
-    let mut c = Cluster::start(&cluster_spec(o.plant), o.keep_logs).await?;
+    let mut c = Cluster::start(&cluster_spec(o.plant, o.plant_on_move), o.keep_logs).await?;
     let base_url = c.base_url()?;
     let mut loads = loads.await.map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
     let grpc_url = c.grpc_url()?;
@@ -292,10 +407,11 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         l.plan.base_url.clone_from(if l.plan.api == loadgen::Api::Grpc { &grpc_url } else { &base_url });
     }
     let targets = targets_of(Some(&c));
-    let plan_faults = schedule(&o.schedule, &targets);
+    let plan_faults = planned(o, &targets).map_err(HarnessError::Setup)?;
 
     let start = Instant::now();
     let found: Arc<Mutex<Vec<Found>>> = Arc::default();
+    let kept = Loads(loads.clone());
     let running: Vec<_> = loads.into_iter().map(|s| (s.name, run_steady(s, start, found.clone()))).collect();
 
     let mut audit = Audit {
@@ -397,7 +513,7 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
     for a in audit.actions.iter().filter(|a| a.what == "apply" && a.error.is_empty()) {
         *applied.entry(a.kind.name()).or_insert(0) += 1;
     }
-    Ok(ChaosReport {
+    let report = ChaosReport {
         seed,
         duration_s: o.schedule.duration.as_secs_f64(),
         faults_per_minute: o.schedule.per_minute,
@@ -416,7 +532,8 @@ pub async fn run_chaos(o: &ChaosOptions) -> Result<ChaosReport, HarnessError> {
         violations,
         log_dir: c.log_dir().display().to_string(),
         command: command(o),
-    })
+    };
+    Ok((report, kept))
 }
 
 #[cfg(test)]
@@ -492,6 +609,54 @@ mod tests {
         assert!(v[1].detail.contains("(pid 4)") && v.iter().all(|v| v.guarantee == Guarantee::Drill), "{v:?}");
     }
 
+    fn report(guarantees: &[Guarantee]) -> ChaosReport {
+        ChaosReport {
+            seed: 1,
+            duration_s: 1.0,
+            faults_per_minute: 1.0,
+            schedule: Vec::new(),
+            actions: Vec::new(),
+            applied: BTreeMap::new(),
+            requests: 0,
+            complete: 0,
+            typed_errors: BTreeMap::new(),
+            resumed: 0,
+            loads: BTreeMap::new(),
+            kv_links: BTreeMap::new(),
+            load: Vec::new(),
+            incarnations: Vec::new(),
+            goodput: Goodput::default(),
+            violations: guarantees
+                .iter()
+                .map(|&guarantee| Found { at_ms: 0, guarantee, detail: String::new() })
+                .collect(),
+            log_dir: String::new(),
+            command: String::new(),
+        }
+    }
+
+    /// A shrinking candidate fails "the same way" when it breaks a guarantee the original
+    /// broke; the statistical bounds count only when nothing else broke.
+    #[test]
+    fn a_candidate_matches_the_failure_by_its_guarantees() {
+        use Guarantee::{Drill, G1, G2};
+        let same = |a: &[Guarantee], b: &[Guarantee]| same_failure(&report(a), &report(b));
+        assert!(same(&[G1, G2], &[G2]));
+        assert!(!same(&[G1], &[G2]));
+        assert!(!same(&[G1], &[]), "a clean run never matches");
+        assert!(!same(&[G1, Drill], &[Drill]), "goodput missed on a busy host is not the G1 bug");
+        assert!(same(&[Drill], &[Drill]), "a goodput failure alone is shrunk as one");
+        let mut action_failed = report(&[]);
+        action_failed.actions.push(Action {
+            at_ms: 0,
+            what: "apply",
+            kind: FaultKind::Burst,
+            target: "clients".into(),
+            error: "refused".into(),
+        });
+        assert!(same_failure(&action_failed, &report(&[G2])), "any failure matches one with no violation");
+    }
+
     #[test]
     fn the_command_repeats_the_options() {
         let o = ChaosOptions {
@@ -509,11 +674,15 @@ mod tests {
             journal: None,
             cancel: CancellationToken::new(),
             plant: true,
+            plant_on_move: true,
+            keep: Some(vec![0, 3]),
         };
         assert_eq!(
             command(&o),
             "tandem chaos --seed 9 --duration 90s --rate 4 --load-rps 1.5 --max-in-flight 2 --faults kill-decode,burst \
-             --exclude etcd --never-kill decode-1 --plant"
+             --exclude etcd --never-kill decode-1 --plant --plant-on-move --keep-faults 0,3"
         );
+        let none = ChaosOptions { keep: Some(Vec::new()), plant: false, plant_on_move: false, ..o.clone() };
+        assert!(command(&none).ends_with("--never-kill decode-1 --keep-faults none"), "{}", command(&none));
     }
 }

@@ -23,8 +23,9 @@ use facts::state::{Component, Role as Kind, State, StateFile};
 pub struct Attached {
     /// The state file it was read from.
     pub state: PathBuf,
-    /// Its etcd, when the state file lists one (adopted: left running).
-    pub etcd: Option<Proc>,
+    /// Its etcd members the state file lists (adopted: left running), under their names
+    /// there (`etcd`; `etcd-0`, `etcd-1`, ... for `tandem up --etcd-members 3`).
+    pub etcd: Vec<Proc>,
     /// Each log's length when the drill attached: G5 reads only what was written after,
     /// so a panic from before the drill (already reported, or the operator's to look at)
     /// does not fail this drill and every later one.
@@ -117,7 +118,7 @@ impl Cluster {
         let file = settled_state(state, RESTARTING_WAIT).await?;
         let restart = file.restart.clone();
         let restarts = file.components.iter().map(|e| (e.name.clone(), e.restarts)).collect();
-        let mut etcd = None;
+        let mut etcd = Vec::new();
         let mut workers = Vec::new();
         let mut coordinators = Vec::new();
         let mut lease_ttl = Duration::ZERO;
@@ -134,7 +135,7 @@ impl Cluster {
                 e.addrs().map(|(k, v)| (k.to_owned(), v.clone())).collect();
             let role = match e.role {
                 Kind::Etcd => {
-                    etcd = Some(Proc::adopt("etcd", e.pid, addrs, e.log));
+                    etcd.push(Proc::adopt(&e.name, e.pid, addrs, e.log));
                     continue;
                 }
                 Kind::Coordinator => {

@@ -3,8 +3,9 @@
 //! one command, supervised, and a clean stop on Ctrl-C/SIGTERM. The
 //! coordinator also serves the gRPC frontend (`--grpc`).
 //!
-//! Unless `--etcd URL` is given, a single-member etcd is started on free
-//! loopback ports (its data dir under the log directory, or `--etcd-data-dir`). Children are
+//! Unless `--etcd URL` is given, an etcd is started on free loopback ports:
+//! one member, or `--etcd-members` (3, 5, 7) of them, each its own process,
+//! data dir (under the log directory, or `--etcd-data-dir`) and log. Children are
 //! started on loopback ports they pick (they print `listening NAME=ADDR [NAME=ADDR ...]`),
 //! register in etcd under a prefix unique to this run with their component name as worker id,
 //! prefill and decode workers share one version group and move KV over shared memory
@@ -56,10 +57,16 @@ pub struct Args {
     /// GGUF model file (default: the cached SmolLM2 file).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// An etcd to register in (`http://host:port`); default: start a
-    /// single-member etcd on free loopback ports with a temporary data dir.
+    /// An etcd to register in (`http://host:port`, comma-separated for several
+    /// members); default: start one on free loopback ports with a temporary data dir.
     #[arg(long)]
     etcd: Option<String>,
+    /// Members of the etcd `tandem up` starts (1, 3, 5 or 7; each its own process,
+    /// ports, data dir and log, named `etcd-0`, `etcd-1`, ... beyond one): with 3, one
+    /// member's loss (the leader's included) leaves a quorum, two members' loses it — what
+    /// etcd drills act on. Every worker and coordinator is given every member.
+    #[arg(long, default_value_t = 1, conflicts_with = "etcd")]
+    etcd_members: usize,
     /// The coordinator's HTTP address.
     #[arg(long, default_value = "127.0.0.1:8000")]
     http: SocketAddr,
@@ -189,6 +196,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.give_up_after == 0 {
         bail!("--give-up-after must be at least 1");
     }
+    etcd::check_members(a.etcd_members)?;
     if a.restart_backoff_ms == 0 || a.restart_backoff_max_ms < a.restart_backoff_ms {
         bail!("--restart-backoff-ms must be above 0 and at most --restart-backoff-max-ms");
     }
@@ -309,6 +317,45 @@ fn remove_etcd_data(a: &Args, dir: &std::path::Path) {
     }
 }
 
+/// Starts etcd's members at once (each waits for the others to form the cluster) and waits
+/// until every one answers `/health` (a leader elected). On an error every member started is
+/// stopped (dropped) before it returns.
+async fn start_etcd(members: Vec<etcd::Member>) -> anyhow::Result<Vec<Started>> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, m) in members.into_iter().enumerate() {
+        tasks.spawn(async move {
+            let mut c = Component::new(Role::Etcd, &m.name);
+            c.grpc = Some(m.addr.clone());
+            // etcd serves Prometheus /metrics on its client port.
+            c.metrics = Some(m.addr.clone());
+            let run = start(&m.spec, &mut c, None).await;
+            (i, run.map(|run| Started { spec: m.spec, component: c, run }))
+        });
+    }
+    let mut up = Vec::new();
+    let mut failed = None;
+    while let Some(joined) = tasks.join_next().await {
+        let error = match joined {
+            Ok((i, Ok(s))) => {
+                up.push((i, s));
+                continue;
+            }
+            Ok((_, Err(e))) => e,
+            Err(e) if e.is_cancelled() => continue,
+            Err(e) => anyhow::anyhow!("an etcd start task: {e}"),
+        };
+        // One member down at the start: the rest would wait out the start timeout for a
+        // quorum. Stopped (their children dropped, so killed) and tried again on new ports.
+        tasks.abort_all();
+        failed = failed.or(Some(error));
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    up.sort_by_key(|(i, _)| *i);
+    Ok(up.into_iter().map(|(_, s)| s).collect())
+}
+
 /// Starts etcd (unless `--etcd`), the prefill and decode workers and the coordinator, in that
 /// order, each once it is listening, then waits for the coordinator's `/ready`. What started
 /// is in `started`, also on error, for the caller to stop.
@@ -322,24 +369,38 @@ async fn start_cluster(
     let endpoint = match &a.etcd {
         Some(url) => url.clone(),
         None => {
-            let log = logs.join("etcd.log");
+            // Data this run did not write stays; a named dir is the operator's (the default one
+            // is ours: one left by an earlier run with the same log dir goes). Members of a
+            // cluster know each other by their peer ports, which each `tandem up` picks anew:
+            // data from an earlier cluster of several members could never form a quorum again.
+            if a.etcd_data_dir.is_none() {
+                let _ = std::fs::remove_dir_all(etcd_data);
+            }
+            let fresh = std::fs::read_dir(etcd_data).map_or(true, |mut d| d.next().is_none());
+            if a.etcd_members > 1 && !fresh {
+                bail!(
+                    "--etcd-data-dir {}: not empty; a cluster of {} etcd members starts on new ports \
+                     every time, so it needs an empty data dir",
+                    etcd_data.display(),
+                    a.etcd_members
+                );
+            }
             let mut attempt = 0;
             // A port probed free can be taken before etcd binds it: try others a few times.
             loop {
                 attempt += 1;
-                let (spec, addr) = etcd::spec(etcd_data, &log)?;
-                let mut c = Component::new(Role::Etcd, "etcd");
-                c.grpc = Some(addr.clone());
-                // etcd serves Prometheus /metrics on its client port.
-                c.metrics = Some(addr.clone());
-                match start(&spec, &mut c, None).await {
-                    Ok(run) => {
-                        started.push(Started { spec, component: c, run });
-                        break format!("http://{addr}");
+                let members = etcd::members(a.etcd_members, etcd_data, logs)?;
+                let endpoints = members.iter().map(|m| format!("http://{}", m.addr)).collect::<Vec<_>>().join(",");
+                match start_etcd(members).await {
+                    Ok(up) => {
+                        started.extend(up);
+                        break endpoints;
                     }
                     Err(e) if attempt < 5 => {
                         eprintln!("tandem up: etcd did not start ({e:#}); trying other ports");
-                        let _ = std::fs::remove_dir_all(etcd_data);
+                        if fresh {
+                            let _ = std::fs::remove_dir_all(etcd_data);
+                        }
                     }
                     Err(e) => return Err(e.context("starting etcd (is etcd-server installed? `make deps`)")),
                 }
