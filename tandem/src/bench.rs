@@ -52,6 +52,9 @@ pub enum Cmd {
     /// Prompt-lookup speculation against plain decoding, on answers that
     /// repeat their prompt and on answers that do not (engine only).
     Lookup(crate::bench_lookup::Args),
+    /// Decode throughput with several sequences at once vs llama.cpp's
+    /// llama-batched-bench.
+    Batched(crate::bench_batched::Args),
     /// Today's control plane at fleet sizes: simulated workers (`tandem sim`) on a real
     /// etcd under real coordinators; CPU, polls, etcd load, routing time, convergence.
     Scale(crate::bench_scale::Args),
@@ -102,6 +105,7 @@ pub fn run(cmd: Cmd) -> Result<()> {
         Cmd::Handoff(a) => crate::bench_handoff::run(&a),
         Cmd::Panels(a) => crate::bench_panels::run(&a),
         Cmd::Lookup(a) => crate::bench_lookup::run(&a),
+        Cmd::Batched(a) => crate::bench_batched::run(&a),
         Cmd::Scale(a) => crate::bench_scale::run(a),
     }
 }
@@ -312,7 +316,7 @@ impl std::fmt::Display for Spread {
     }
 }
 
-fn argmax(v: &[f32]) -> u32 {
+pub(crate) fn argmax(v: &[f32]) -> u32 {
     v.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
 }
 

@@ -5,6 +5,7 @@
 //! with a message naming what is wrong.
 
 mod bench;
+mod bench_batched;
 mod bench_handoff;
 mod bench_interference;
 mod bench_lookup;
