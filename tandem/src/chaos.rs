@@ -203,11 +203,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.dry_run {
         println!("# {}", chaos::command(&o));
         let all = chaos::schedule(&o.schedule, &targets);
-        let kept = |i: &usize| o.keep.as_ref().is_none_or(|k| k.contains(i));
-        for (i, p) in all.iter().enumerate().filter(|(i, _)| kept(i)) {
+        let kept: Vec<(usize, &chaos::Planned)> =
+            all.iter().enumerate().filter(|(i, _)| o.keep.as_ref().is_none_or(|k| k.contains(i))).collect();
+        for (i, p) in &kept {
             println!("{i:>4}  {p}");
         }
-        println!("# {} of {} faults", all.iter().enumerate().filter(|(i, _)| kept(i)).count(), all.len());
+        println!("# {} of {} faults", kept.len(), all.len());
         return Ok(());
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -24,8 +24,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde::Serialize;
-
 /// How hard to look.
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
@@ -51,8 +49,7 @@ pub struct Trial {
 }
 
 /// Why a search ended before it was done.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Stopped {
     /// The next run would have taken it past [`Bounds::budget`].
     Budget,
@@ -73,7 +70,7 @@ impl std::fmt::Display for Stopped {
 }
 
 /// One candidate fault list and what its runs said.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct Tried {
     pub faults: Vec<usize>,
     pub runs: u32,
@@ -81,7 +78,7 @@ pub struct Tried {
 }
 
 /// What the search found.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct Shrunk {
     /// The shortest fault list found that still fails, as indices into the seeded
     /// schedule, ascending.
@@ -89,17 +86,12 @@ pub struct Shrunk {
     /// Trial runs made.
     pub runs: u32,
     /// Their time together.
-    #[serde(serialize_with = "secs")]
     pub spent: Duration,
     /// Why the search ended before it was done, if it did: `kept` fails, a shorter list
     /// may too.
     pub stopped: Option<Stopped>,
     /// Every candidate, in the order tried.
     pub tried: Vec<Tried>,
-}
-
-fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(d.as_secs_f64())
 }
 
 /// Shrinks `failing` (a fault list whose run failed; `estimate` is how long that run

@@ -370,12 +370,10 @@ async fn start_cluster(
         Some(url) => url.clone(),
         None => {
             // Data this run did not write stays; a named dir is the operator's (the default one
-            // is ours: one left by an earlier run with the same log dir goes). Members of a
+            // is ours: one left by an earlier run with the same log dir goes, as on stop). Members of a
             // cluster know each other by their peer ports, which each `tandem up` picks anew:
             // data from an earlier cluster of several members could never form a quorum again.
-            if a.etcd_data_dir.is_none() {
-                let _ = std::fs::remove_dir_all(etcd_data);
-            }
+            remove_etcd_data(a, etcd_data);
             let fresh = std::fs::read_dir(etcd_data).map_or(true, |mut d| d.next().is_none());
             if a.etcd_members > 1 && !fresh {
                 bail!(
