@@ -3,6 +3,7 @@
 //! attached to the cluster (`tandem drill --against`) and tests read it. One type for
 //! both sides, so a field cannot mean one thing to the writer and another to a reader.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -75,6 +76,144 @@ pub struct Component {
     /// failed), once one has.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_exit: Option<String>,
+    /// The network namespace it runs in (`tandem up --hosts N`): its link faults act there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
+    /// How drills act on it: a shell command template per action. An action it does not
+    /// list falls back to the built-in one for its `pid` and `netns` ([`Component::actions`]);
+    /// one with neither is refused.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub actions: BTreeMap<Action, String>,
+}
+
+/// What a drill does to a component, each through a command template
+/// ([`Component::actions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Action {
+    /// Ends it at once (SIGKILL).
+    Kill,
+    /// Freezes it (SIGSTOP).
+    Stop,
+    /// Thaws it (SIGCONT).
+    Cont,
+    /// Asks it to drain and exit (SIGTERM).
+    Term,
+    /// Runs `{cmd}` where it runs (its host, its namespace, its pod).
+    Exec,
+    /// Runs `{cmd}`, an `iptables` or `tc` command, against its network: drops, resets,
+    /// partitions and bandwidth limits on its links.
+    LinkFault,
+    /// Starts it again after it exited, on the same addresses; prints the new pid as the
+    /// last line of its output. Without it, a supervisor must restart the component (the
+    /// state file's `restart` policy), and rewrite the file with the new pid.
+    Restart,
+}
+
+impl Action {
+    pub const ALL: [Action; 7] =
+        [Action::Kill, Action::Stop, Action::Cont, Action::Term, Action::Exec, Action::LinkFault, Action::Restart];
+
+    /// `kill`, `stop`, `cont`, `term`, `exec`, `link-fault`, `restart`, as the file spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Kill => "kill",
+            Action::Stop => "stop",
+            Action::Cont => "cont",
+            Action::Term => "term",
+            Action::Exec => "exec",
+            Action::LinkFault => "link-fault",
+            Action::Restart => "restart",
+        }
+    }
+}
+
+/// The placeholders a template may name; each is replaced by one shell word.
+pub const PLACEHOLDERS: [&str; 4] = ["pid", "name", "netns", "cmd"];
+
+/// How to act on one component: its templates (its own, else the built-in ones) and the
+/// values their placeholders take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Actions {
+    /// The component's name (`{name}`).
+    pub name: String,
+    /// Its namespace (`{netns}`), when it has one.
+    pub netns: Option<String>,
+    pub templates: BTreeMap<Action, String>,
+}
+
+impl Actions {
+    /// The template for `a`, when there is one.
+    pub fn template(&self, a: Action) -> Option<&str> {
+        self.templates.get(&a).map(String::as_str)
+    }
+
+    /// The shell command that does `a` to the process `pid`; `cmd` fills `{cmd}` (`exec`,
+    /// `link-fault`). Err: no template for `a`, or one naming a value this component lacks.
+    pub fn command(&self, a: Action, pid: u32, cmd: Option<&str>) -> Result<String, String> {
+        let t = self.template(a).ok_or_else(|| {
+            format!(
+                "{} has no `{}` action (the state file lists none, and no built-in one applies)",
+                self.name,
+                a.as_str()
+            )
+        })?;
+        let pid = (pid != 0).then(|| pid.to_string());
+        expand(t, |key| match key {
+            "pid" => pid.clone(),
+            "name" => Some(self.name.clone()),
+            "netns" => self.netns.clone(),
+            "cmd" => cmd.map(str::to_owned),
+            _ => None,
+        })
+        .map_err(|e| format!("{}'s `{}` action `{t}`: {e}", self.name, a.as_str()))
+    }
+}
+
+/// `template` with each `{key}` replaced by `value(key)` as one shell word (quoted unless it
+/// is plain); `{{` and `}}` stand for braces. Err names an unknown or empty placeholder.
+pub fn expand(template: &str, value: impl Fn(&str) -> Option<String>) -> Result<String, String> {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(i) = rest.find(['{', '}']) {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i..];
+        if let Some(r) = tail.strip_prefix("{{") {
+            out.push('{');
+            rest = r;
+            continue;
+        }
+        if let Some(r) = tail.strip_prefix("}}") {
+            out.push('}');
+            rest = r;
+            continue;
+        }
+        if tail.starts_with('}') {
+            return Err("a `}` with no `{` (write `}}` for a brace)".into());
+        }
+        let end = tail.find('}').ok_or("a `{` with no `}` (write `{{` for a brace)")?;
+        let key = &tail[1..end];
+        if !PLACEHOLDERS.contains(&key) {
+            return Err(format!(
+                "unknown placeholder {{{key}}} (templates know {{pid}}, {{name}}, {{netns}}, {{cmd}})"
+            ));
+        }
+        let v = value(key).ok_or_else(|| format!("{{{key}}} has no value here"))?;
+        out.push_str(&shell_word(&v));
+        rest = &tail[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// `s` as one `sh` word: as is when it holds only plain characters, else single-quoted.
+pub fn shell_word(s: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_-./:=@,+%".contains(c);
+    if !s.is_empty() && s.chars().all(plain) {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
 }
 
 /// A component's place in the supervisor's cycle.
@@ -154,7 +293,47 @@ impl Component {
             state: State::Running,
             restarts: 0,
             last_exit: None,
+            netns: None,
+            actions: BTreeMap::new(),
         }
+    }
+
+    /// The built-in templates for a process on this host, in `netns` when given: signals
+    /// by pid, `exec` through `sh` (in the namespace), and `link-fault` only in a namespace
+    /// (on the host's own network a link fault would cut every process's link). No
+    /// `restart`: a supervisor restarts the component.
+    pub fn builtin_actions(netns: Option<&str>) -> BTreeMap<Action, String> {
+        let mut t: BTreeMap<Action, String> = [
+            (Action::Kill, "kill -KILL {pid}"),
+            (Action::Stop, "kill -STOP {pid}"),
+            (Action::Cont, "kill -CONT {pid}"),
+            (Action::Term, "kill -TERM {pid}"),
+        ]
+        .into_iter()
+        .map(|(a, t)| (a, t.to_owned()))
+        .collect();
+        match netns {
+            Some(_) => {
+                t.insert(Action::Exec, "ip netns exec {netns} sh -c {cmd}".into());
+                t.insert(Action::LinkFault, "ip netns exec {netns} sh -c {cmd}".into());
+            }
+            None => {
+                t.insert(Action::Exec, "sh -c {cmd}".into());
+            }
+        }
+        t
+    }
+
+    /// How drills act on it: the templates it lists, and the built-in one for any action it
+    /// does not (signals need its `pid`; `link-fault` its `netns`).
+    pub fn actions(&self) -> Actions {
+        let mut templates = if self.pid != 0 || self.netns.is_some() {
+            Component::builtin_actions(self.netns.as_deref())
+        } else {
+            BTreeMap::new()
+        };
+        templates.extend(self.actions.iter().map(|(a, t)| (*a, t.clone())));
+        Actions { name: self.name.clone(), netns: self.netns.clone(), templates }
     }
 
     /// Its address of kind `a`, when it has one.
@@ -275,5 +454,54 @@ mod tests {
         let e = StateFile::read(&path).expect_err("an unknown role").to_string();
         assert!(e.contains("state.json") && e.contains("router"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn templates_expand_each_placeholder_as_one_shell_word() {
+        let mut c = Component::new(Role::Decode, "decode-0");
+        c.pid = 4242;
+        c.actions.insert(Action::Restart, "systemctl restart tandem@{name} && pidof x".into());
+        let a = c.actions();
+        assert_eq!(a.command(Action::Kill, c.pid, None).as_deref(), Ok("kill -KILL 4242"));
+        assert_eq!(
+            a.command(Action::Restart, c.pid, None).as_deref(),
+            Ok("systemctl restart tandem@decode-0 && pidof x")
+        );
+        // A command with spaces and quotes stays one word.
+        let e = a.command(Action::Exec, c.pid, Some("echo 'a b' $HOME")).expect("exec");
+        assert_eq!(e, r#"sh -c 'echo '\''a b'\'' $HOME'"#);
+        let out = std::process::Command::new("sh").args(["-c", &e]).env("HOME", "/h").output().expect("sh");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "a b /h\n");
+        // No namespace: no link faults on the host's own network.
+        let e = a.command(Action::LinkFault, c.pid, Some("iptables -L")).expect_err("no netns");
+        assert!(e.contains("decode-0") && e.contains("link-fault"), "{e}");
+        c.netns = Some("tdm-host-1".into());
+        assert_eq!(
+            c.actions().command(Action::LinkFault, c.pid, Some("iptables -L")).as_deref(),
+            Ok("ip netns exec tdm-host-1 sh -c 'iptables -L'")
+        );
+        // A listed template wins over the built-in one; a placeholder with no value is refused.
+        c.actions.insert(Action::Stop, "kubectl exec {name} -- kill -STOP 1".into());
+        assert_eq!(c.actions().command(Action::Stop, 0, None).as_deref(), Ok("kubectl exec decode-0 -- kill -STOP 1"));
+        let e = c.actions().command(Action::Kill, 0, None).expect_err("no pid");
+        assert!(e.contains("{pid} has no value"), "{e}");
+        for (t, why) in [("kill {pdi}", "unknown placeholder {pdi}"), ("x {pid", "no `}`"), ("x }", "no `{`")] {
+            let e = expand(t, |_| Some("1".into())).expect_err(t);
+            assert!(e.contains(why), "{t}: {e}");
+        }
+        assert_eq!(expand("awk '{{print}}' {pid}", |_| Some("7".into())).as_deref(), Ok("awk '{print}' 7"));
+
+        // The file spells actions in kebab-case and reads them back.
+        let file = StateFile { restart: None, components: vec![c] };
+        let v = serde_json::to_value(&file).expect("json");
+        assert_eq!(v["components"][0]["actions"]["restart"], "systemctl restart tandem@{name} && pidof x");
+        assert_eq!(v["components"][0]["netns"], "tdm-host-1");
+        let back: StateFile = serde_json::from_value(v).expect("back");
+        assert_eq!(back, file);
+        let e = serde_json::from_str::<StateFile>(
+            r#"{"components":[{"role":"decode","name":"d","pid":1,"state":"running","actions":{"reboot":"x"}}]}"#,
+        )
+        .expect_err("unknown action");
+        assert!(e.to_string().contains("reboot"), "{e}");
     }
 }

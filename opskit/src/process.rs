@@ -18,6 +18,44 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::{Error, Result};
+use facts::state::{Action, Actions};
+
+/// How long one action's command may run (a `kubectl` or `ssh` template crosses a network).
+pub const ACTION_WAIT: Duration = Duration::from_secs(30);
+
+/// Runs `command` with `sh -c`, bounded by `limit` (then killed); its stdout, or an error
+/// naming the command, its status and its stderr.
+pub fn run_shell(command: &str, limit: Duration) -> Result<String> {
+    let mut child = Command::new("sh")
+        .args(["-c", command])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::Process(format!("`{command}`: sh did not start: {e}")))?;
+    let until = Instant::now() + limit;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if Instant::now() > until => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Error::Timeout(format!("`{command}` did not finish within {limit:?}")));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            Err(e) => return Err(Error::Process(format!("`{command}`: {e}"))),
+        }
+    }
+    let out = child.wait_with_output().map_err(|e| Error::Process(format!("`{command}`: {e}")))?;
+    if !out.status.success() {
+        return Err(Error::Process(format!(
+            "`{command}` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
 
 /// How long a process may take to print its addresses by default (a model load on a busy
 /// 2-core machine).
@@ -34,6 +72,17 @@ pub enum Signal {
 }
 
 impl Signal {
+    /// The state file's action that sends it.
+    pub fn action(self) -> Option<Action> {
+        match self {
+            Signal::Kill => Some(Action::Kill),
+            Signal::Term => Some(Action::Term),
+            Signal::Stop => Some(Action::Stop),
+            Signal::Cont => Some(Action::Cont),
+            Signal::Int => None,
+        }
+    }
+
     fn flag(self) -> &'static str {
         match self {
             Signal::Kill => "-KILL",
@@ -366,6 +415,7 @@ impl Launch {
             launch: Some(self),
             past_logs: Vec::new(),
             adopted: false,
+            actions: None,
         };
         let Some(stdout) = stdout else { return Err(Error::Process(format!("{}: no stdout pipe", p.name))) };
         let (tx, rx) = mpsc::channel();
@@ -458,6 +508,8 @@ pub struct Proc {
     past_logs: Vec<PathBuf>,
     /// Not our child: found running ([`Proc::adopt`]); left running when dropped.
     adopted: bool,
+    /// How to act on it ([`Proc::with_actions`]); `None`: signals by pid.
+    actions: Option<Actions>,
 }
 
 impl Drop for Proc {
@@ -539,7 +591,30 @@ impl Proc {
             launch: None,
             past_logs: Vec::new(),
             adopted: true,
+            actions: None,
         }
+    }
+
+    /// Acts on it through `actions`' command templates (a state file's) instead of by pid:
+    /// [`Proc::signal`] runs the `kill`, `stop`, `cont` or `term` template.
+    pub fn with_actions(mut self, actions: Actions) -> Self {
+        self.actions = Some(actions);
+        self
+    }
+
+    /// Its action templates, when it is acted on through them.
+    pub fn actions(&self) -> Option<&Actions> {
+        self.actions.as_ref()
+    }
+
+    /// Does `a` to it through its template (`cmd` fills `{cmd}`); its output. Err: it has
+    /// no templates, none for `a`, or the command failed.
+    pub fn act(&self, a: Action, cmd: Option<&str>) -> Result<String> {
+        let actions = self.actions.as_ref().ok_or_else(|| {
+            Error::Process(format!("{} (pid {}) has no action templates: no `{}`", self.name, self.pid, a.as_str()))
+        })?;
+        let command = actions.command(a, self.pid, cmd).map_err(Error::Process)?;
+        run_shell(&command, ACTION_WAIT).map_err(|e| Error::Process(format!("{}: {e}", self.name)))
     }
 
     /// An adopted process its supervisor started again (on the same addresses, appending to
@@ -633,8 +708,12 @@ impl Proc {
         Ok(())
     }
 
-    /// Sends `sig` to it.
+    /// Sends `sig` to it: through its action template when it has templates
+    /// ([`Proc::with_actions`]), else by pid.
     pub fn signal(&self, sig: Signal) -> Result<()> {
+        if let (Some(_), Some(a)) = (&self.actions, sig.action()) {
+            return self.act(a, None).map(drop);
+        }
         signal(self.pid, sig).map_err(|e| Error::Process(format!("{}: {e}", self.name)))
     }
 

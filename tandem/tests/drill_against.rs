@@ -14,9 +14,10 @@
 
 mod common;
 
-use common::{proc_state, running, Role, TestResult, Up, WAIT};
+use common::{proc_state, running, Component, Role, StateFile, TestResult, Up, WAIT};
 use facts::state::State;
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -239,4 +240,218 @@ fn drills_that_end_a_worker_run_against_a_supervised_cluster() -> TestResult {
     let status = stopped?;
     assert!(status.success(), "tandem up exit after the drills: {status:?}");
     Ok(())
+}
+
+/// A cluster started by hand, not by `tandem up` (plain processes, each started by its own
+/// script in the background, no supervisor), described by a state file written here whose
+/// command templates log each action before doing it. The drills act on it only through
+/// those templates: SIGSTOP/SIGCONT for worker-sigstop; for decode-kill, SIGKILL and then
+/// the `restart` template (the start script again, which prints the new pid), whose pid the
+/// drill writes back into the state file. A drain drill is refused: only a supervisor that
+/// reaped a worker can prove it exited 0. `--vacuity` runs against the same cluster.
+#[test]
+fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
+    use facts::argv::{WorkerArgv, COORDINATOR_BINARY};
+    use facts::state::Action;
+
+    let dir = common::temp_dir("tandem-drill-templates")?;
+    let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_tandem")).parent().ok_or("bin dir")?.to_owned();
+    let model = std::env::var("TANDEM_MODEL").map_err(|_| "TANDEM_MODEL is not set (make model)")?;
+    let ports = opskit::process::free_ports(11)?;
+    let at = |i: usize| format!("127.0.0.1:{}", ports[i]);
+    let etcd_bin = std::env::var("TANDEM_ETCD_BIN").unwrap_or_else(|_| "etcd".into());
+    let etcd_args = vec![
+        "--name=hand".to_owned(),
+        format!("--data-dir={}", dir.join("etcd-data").display()),
+        format!("--listen-client-urls=http://{}", at(0)),
+        format!("--advertise-client-urls=http://{}", at(0)),
+        format!("--listen-peer-urls=http://{}", at(1)),
+        format!("--initial-advertise-peer-urls=http://{}", at(1)),
+        format!("--initial-cluster=hand=http://{}", at(1)),
+    ];
+    let prefix = format!("tandem-hand-{}", std::process::id());
+    let p0_argv = WorkerArgv::prefill()
+        .model(&model)
+        .version_group("local")
+        .threads(1)
+        .shutdown_timeout_ms(5000)
+        .etcd(&at(0))
+        .cluster_prefix(&prefix)
+        .lease_ttl_s(2)
+        .worker_id("prefill-0");
+    let p0_bin = p0_argv.binary();
+    let p0_args = p0_argv.grpc(&at(2)).metrics(&at(3)).build();
+    let decode = |name: &str, grpc: String, metrics: String, transfer: String| {
+        let argv = WorkerArgv::decode()
+            .model(&model)
+            .version_group("local")
+            .threads(1)
+            .shutdown_timeout_ms(5000)
+            .etcd(&at(0))
+            .cluster_prefix(&prefix)
+            .lease_ttl_s(2)
+            .worker_id(name)
+            .transfer(&transfer)
+            .kv_load_failure_policy("recompute")
+            .grpc(&grpc)
+            .metrics(&metrics);
+        (name.to_owned(), argv.binary(), argv.build())
+    };
+    let d0 = decode("decode-0", at(4), at(5), at(6));
+    let d1 = decode("decode-1", at(7), at(8), at(9));
+    let coordinator_args: Vec<String> = ["--model", &model, "--etcd", &at(0), "--cluster-prefix", &prefix]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--shutdown-timeout-ms".into(), "5000".into(), "--http".into(), at(10)])
+        .chain(["--grpc".into(), "127.0.0.1:0".into()])
+        .collect();
+
+    // Each component's start script: starts it in the background, its output appended to its
+    // log, and prints its pid. The `restart` template runs the same script.
+    let actions_log = dir.join("actions.log");
+    let start_script = |name: &str, program: &str, args: &[String]| -> Result<PathBuf, std::io::Error> {
+        let words: Vec<String> = std::iter::once(program.to_owned())
+            .chain(args.iter().cloned())
+            .map(|w| facts::state::shell_word(&w))
+            .collect();
+        let log = dir.join(format!("{name}.log"));
+        let script = dir.join(format!("start-{name}.sh"));
+        std::fs::write(
+            &script,
+            format!(
+                "setsid {} >> {} 2>&1 < /dev/null &\necho $!\n",
+                words.join(" "),
+                facts::state::shell_word(&log.display().to_string())
+            ),
+        )?;
+        Ok(script)
+    };
+    let bin = |b: &str| bin_dir.join(b).display().to_string();
+    let specs: Vec<(Role, String, String, Vec<String>)> = vec![
+        (Role::Etcd, "etcd".into(), etcd_bin, etcd_args),
+        (Role::Prefill, "prefill-0".into(), bin(p0_bin), p0_args),
+        (Role::Decode, d0.0.clone(), bin(d0.1), d0.2.clone()),
+        (Role::Decode, d1.0.clone(), bin(d1.1), d1.2.clone()),
+        (Role::Coordinator, "coordinator".into(), bin(COORDINATOR_BINARY), coordinator_args),
+    ];
+    let state_path = dir.join("state.json");
+    let mut file = StateFile { restart: None, components: Vec::new() };
+    let log_action = |what: &str, then: &str| {
+        format!("echo {what} {{name}} >> {} && {then}", facts::state::shell_word(&actions_log.display().to_string()))
+    };
+    let result = (|| -> TestResult {
+        for (role, name, program, args) in &specs {
+            let script = start_script(name, program, args)?;
+            let out = Command::new("sh").arg(&script).output()?;
+            let pid: u32 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+            let mut c = Component::new(*role, name);
+            c.pid = pid;
+            c.log = Some(dir.join(format!("{name}.log")));
+            let (i0, keys): (usize, &[&str]) = match name.as_str() {
+                "etcd" => (0, &["grpc"]),
+                "prefill-0" => (2, &["grpc", "metrics"]),
+                "decode-0" => (4, &["grpc", "metrics", "transfer"]),
+                "decode-1" => (7, &["grpc", "metrics", "transfer"]),
+                _ => (10, &["http"]),
+            };
+            for (k, key) in keys.iter().enumerate() {
+                *c.addr_mut(facts::state::Addr::from_key(key).ok_or("key")?) = Some(at(i0 + k));
+            }
+            if *role == Role::Coordinator {
+                c.metrics = c.http.clone();
+            }
+            if matches!(role, Role::Prefill | Role::Decode) {
+                c.version_group = Some("local".into());
+                c.lease_ttl_s = Some(2);
+            }
+            c.actions = [
+                (Action::Kill, log_action("kill", "kill -KILL {pid}")),
+                (Action::Stop, log_action("stop", "kill -STOP {pid}")),
+                (Action::Cont, log_action("cont", "kill -CONT {pid}")),
+                (Action::Term, log_action("term", "kill -TERM {pid}")),
+                (Action::Restart, log_action("restart", &format!("sh {}", script.display()))),
+            ]
+            .into_iter()
+            .collect();
+            file.components.push(c);
+            file.write(&state_path)?;
+            if *role == Role::Etcd {
+                // The workers register at start: etcd answers first.
+                common::wait_for(WAIT, "etcd answers /health", || {
+                    Ok((get_status(&at(0), "/health").ok() == Some(200)).then_some(()))
+                })?;
+            }
+        }
+        common::serving(&at(10), "decode", 2.0, WAIT)?;
+        common::serving(&at(10), "prefill", 1.0, WAIT)?;
+        let state_s = state_path.to_str().ok_or("state path")?;
+        let before: Vec<(String, u32)> = file.components.iter().map(|c| (c.name.clone(), c.pid)).collect();
+
+        let refused = tandem(&["drill", "--against", state_s, "run", "rolling-drain"], WAIT)?;
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success(), "rolling-drain must be refused: {err}");
+        assert!(err.contains("rolling-drain:") && err.contains("exited 0"), "the reason: {err}");
+        assert!(!actions_log.exists(), "a refused drill acts on nothing");
+
+        let drills = ["worker-sigstop", "decode-kill"];
+        let ran =
+            tandem(&[&["drill", "--against", state_s, "--requests", "10", "run"][..], &drills].concat(), WAIT * 2)?;
+        let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
+        assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}");
+        for name in drills {
+            let row =
+                stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row for {name}: {stdout}"))?;
+            assert_eq!(row.split_whitespace().nth(1), Some("yes"), "{name} proven: {row}");
+        }
+        eprintln!("{stdout}");
+        // Every fault went through a template, and the killed worker was restarted by its own.
+        let acted = std::fs::read_to_string(&actions_log)?;
+        let lines: Vec<&str> = acted.lines().collect();
+        let killed = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("kill "))
+            .ok_or_else(|| format!("no kill action: {acted}"))?
+            .to_owned();
+        assert!(killed.starts_with("decode-"), "decode-kill kills a decode worker: {acted}");
+        let stopped = lines.iter().find_map(|l| l.strip_prefix("stop ")).ok_or_else(|| format!("no stop: {acted}"))?;
+        assert!(lines.contains(&format!("cont {stopped}").as_str()), "the stopped worker was continued: {acted}");
+        assert!(lines.contains(&format!("restart {killed}").as_str()), "the killed worker was restarted: {acted}");
+
+        let after = StateFile::read(&state_path)?;
+        for (name, old) in &before {
+            let c = after.component(name).ok_or_else(|| format!("{name} left the state file: {after:?}"))?;
+            assert!(running(c.pid), "{name} (pid {}) runs after the drills: {:?}", c.pid, proc_state(c.pid));
+            if *name == killed {
+                assert!(c.pid != *old && c.restarts == 1 && c.state == State::Running, "{name} restarted: {c:?}");
+            } else {
+                assert_eq!((c.pid, c.restarts), (*old, 0), "{name} was not restarted: {c:?}");
+            }
+        }
+
+        // The same cluster with every fault skipped: the proof must fail, and that passes.
+        let ran =
+            tandem(&["drill", "--against", state_s, "--requests", "6", "--vacuity", "run", "worker-sigstop"], WAIT)?;
+        let stdout = String::from_utf8_lossy(&ran.stdout);
+        assert!(ran.status.success(), "worker-sigstop --vacuity against the cluster:\n{stdout}");
+        let row =
+            stdout.lines().find(|l| l.starts_with("worker-sigstop")).ok_or_else(|| format!("no row: {stdout}"))?;
+        assert!(row.contains("no (ok)"), "the skipped fault is not proven: {row}");
+        let acted_after = std::fs::read_to_string(&actions_log)?;
+        assert_eq!(acted_after, acted, "a vacuity run acts on nothing");
+        assert_eq!(get_status(&at(10), "/ready")?, 200, "the cluster still serves after the drills");
+        Ok(())
+    })();
+    // Stop what the state file lists now (a restarted worker under its new pid).
+    let listed = StateFile::read(&state_path).map(|f| f.components).unwrap_or(file.components);
+    for c in listed.iter().rev() {
+        let _ = Command::new("kill").args(["-KILL", &c.pid.to_string()]).status();
+        if result.is_err() {
+            let log = c.log.as_ref().and_then(|l| std::fs::read_to_string(l).ok()).unwrap_or_default();
+            let tail: String =
+                log.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+            eprintln!("--- {} (pid {}) log tail ---\n{tail}", c.name, c.pid);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }

@@ -16,7 +16,7 @@ use super::{temp_dir, Cluster, PastLife, Role, Worker};
 use crate::metrics::scrape;
 use crate::process::Proc;
 use crate::HarnessError;
-use facts::state::{Component, Role as Kind, State, StateFile};
+use facts::state::{Action, Component, Role as Kind, State, StateFile};
 
 /// What an [attached](Cluster::attach) cluster was found as.
 #[derive(Debug)]
@@ -133,9 +133,11 @@ impl Cluster {
             }
             let addrs: std::collections::HashMap<String, String> =
                 e.addrs().map(|(k, v)| (k.to_owned(), v.clone())).collect();
+            let actions = e.actions();
+            let adopt = |name: &str, log| Proc::adopt(name, e.pid, addrs.clone(), log).with_actions(actions.clone());
             let role = match e.role {
                 Kind::Etcd => {
-                    etcd.push(Proc::adopt(&e.name, e.pid, addrs, e.log));
+                    etcd.push(adopt(&e.name, e.log.clone()));
                     continue;
                 }
                 Kind::Coordinator => {
@@ -144,7 +146,7 @@ impl Cluster {
                     } else {
                         format!("coordinator-{}", coordinators.len())
                     };
-                    coordinators.push(Proc::adopt(&name, e.pid, addrs, e.log));
+                    coordinators.push(adopt(&name, e.log.clone()));
                     continue;
                 }
                 Kind::Prefill => Role::Prefill,
@@ -162,7 +164,7 @@ impl Cluster {
             workers.push(Worker {
                 role,
                 group: e.version_group.unwrap_or_else(|| DEFAULT_VERSION_GROUP.to_owned()),
-                proc: Proc::adopt(&name, e.pid, addrs, e.log),
+                proc: adopt(&name, e.log.clone()),
                 proxy: None,
                 past: Vec::new(),
                 etcd_path: None,
@@ -245,6 +247,11 @@ impl Cluster {
             HarnessError::Setup(format!("{name}: this drill's own cluster has no supervisor to restart it"))
         })?;
         let (state, want) = (a.state.clone(), a.restarts.get(name).copied().unwrap_or(0) + 1);
+        let restart =
+            self.proc_mut(name)?.actions().and_then(|x| x.template(Action::Restart).is_some().then(|| x.clone()));
+        if let Some(actions) = restart {
+            return self.restart_by_template(name, old_pid, &actions, &state, want, limit).await;
+        }
         let mut found = None;
         let mut seen = String::from("not listed");
         let what = format!(
@@ -275,6 +282,14 @@ impl Cluster {
             return Err(HarnessError::Timeout(format!("{e}; last seen: {seen}")));
         }
         let restarted = found.ok_or_else(|| HarnessError::Fault(format!("{what}: not found")))?;
+        self.follow(name, old_pid, &restarted).await?;
+        Ok(restarted)
+    }
+
+    /// Follows `name`'s new process after a restart (its old one, `old_pid`, exited): a
+    /// worker's old life is one G3 cannot count; it is no longer faulted (it must run at
+    /// the end); then waits until the coordinator counts every worker as serving.
+    async fn follow(&mut self, name: &str, old_pid: u32, restarted: &Restarted) -> Result<(), HarnessError> {
         if let Ok(w) = self.worker_mut(name) {
             if !w.past.iter().any(|l| l.pid == old_pid) {
                 w.past.push(PastLife::uncounted(old_pid, &w.group));
@@ -285,7 +300,55 @@ impl Cluster {
         if let Some(a) = self.attached.as_mut() {
             a.restarts.insert(name.to_owned(), restarted.restarts);
         }
-        self.wait_ready().await?;
+        self.wait_ready().await
+    }
+
+    /// Starts `name` again with its state file's `restart` template once its process
+    /// (`old_pid`) has exited: the template's last line of output is the new pid, which must
+    /// be running; the state file's entry is rewritten with it (pid, `running`, `restarts`
+    /// `want`), so the next drill attaching finds the live process.
+    async fn restart_by_template(
+        &mut self,
+        name: &str,
+        old_pid: u32,
+        actions: &facts::state::Actions,
+        state: &Path,
+        want: u32,
+        limit: Duration,
+    ) -> Result<Restarted, HarnessError> {
+        let gone = format!("{name} (pid {old_pid}) has exited, before its restart template runs");
+        crate::eventually(&gone, limit, || {
+            std::future::ready(matches!(crate::process::proc_state(old_pid), None | Some('Z')))
+        })
+        .await?;
+        let command = actions.command(Action::Restart, old_pid, None).map_err(HarnessError::Fault)?;
+        let out = tokio::task::spawn_blocking(move || crate::process::run_shell(&command, crate::process::ACTION_WAIT))
+            .await
+            .map_err(|e| HarnessError::Fault(format!("{name}'s restart template: {e}")))??;
+        let last = out.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
+        let pid: u32 = last.parse().ok().filter(|p| *p != 0).ok_or_else(|| {
+            HarnessError::Fault(format!(
+                "{name}'s restart template printed no pid as its last line (it printed {out:?})"
+            ))
+        })?;
+        if matches!(crate::process::proc_state(pid), None | Some('Z')) {
+            return Err(HarnessError::Fault(format!(
+                "{name}'s restart template printed pid {pid}, which is not running"
+            )));
+        }
+        let mut file = read_state(state)?;
+        let entry = file
+            .components
+            .iter_mut()
+            .find(|e| e.name == name)
+            .ok_or_else(|| HarnessError::Setup(format!("{name} is no longer listed in {}", state.display())))?;
+        entry.pid = pid;
+        entry.state = State::Running;
+        entry.restarts = want;
+        entry.last_exit = Some("restarted by its restart template".into());
+        file.write(state).map_err(|e| HarnessError::Setup(e.to_string()))?;
+        let restarted = Restarted { pid, restarts: want, last_exit: None };
+        self.follow(name, old_pid, &restarted).await?;
         Ok(restarted)
     }
 }

@@ -111,9 +111,25 @@ pub(super) enum Exit {
 }
 
 /// `Drill::against`'s check for a drill whose victim exits: the attached cluster's
-/// supervisor must start it again (the drill waits for that, so the cluster is left as
-/// found). Err says which `tandem up --restart` would.
+/// supervisor must start it again, or its state file must give every worker a `restart`
+/// template (the drill waits for that, so the cluster is left as found). Err says which
+/// `tandem up --restart` would.
 pub(super) fn supervisor_restarts(c: &Cluster, exit: Exit) -> Result<(), String> {
+    // A state file that says how to restart every worker (a `restart` template) needs no
+    // supervisor for a kill: the drill runs the template once the victim exited. A drain's
+    // proof is the worker's exit status 0, which only a supervisor that reaped it can tell.
+    let templated = |w: &crate::cluster::Worker| {
+        w.proc.actions().is_some_and(|a| a.template(facts::state::Action::Restart).is_some())
+    };
+    let all_templated = !c.workers.is_empty() && c.workers.iter().all(templated);
+    if all_templated && exit == Exit::Killed {
+        return Ok(());
+    }
+    if all_templated && c.restart_policy().is_none() {
+        return Err("it drains workers and proves each exited 0, which only a supervisor that reaped them can \
+                    report: a `restart` template cannot"
+            .into());
+    }
     let policy = c.restart_policy();
     let restarts = match (policy, exit) {
         (Some("always"), _) | (Some("on-failure"), Exit::Killed) => return Ok(()),

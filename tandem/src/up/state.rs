@@ -9,9 +9,17 @@ use std::process::ExitStatus;
 use facts::state::{Component, StateFile};
 
 /// Writes the state file whole (through a temporary file and a rename, so a reader never
-/// sees half of it).
+/// sees half of it), each component with the templates drills act on it through: the
+/// built-in ones for a process of this host ([`Component::builtin_actions`]), and no
+/// `restart`, since this supervisor restarts what exits.
 pub fn write(path: &Path, restart: &str, components: &[Component]) -> anyhow::Result<()> {
-    let file = StateFile { restart: Some(restart.to_owned()), components: components.to_vec() };
+    let mut components = components.to_vec();
+    for c in &mut components {
+        if c.actions.is_empty() {
+            c.actions = Component::builtin_actions(c.netns.as_deref());
+        }
+    }
+    let file = StateFile { restart: Some(restart.to_owned()), components };
     Ok(file.write(path)?)
 }
 
@@ -133,6 +141,12 @@ mod tests {
         assert_eq!(v["components"][0]["restarts"], 2);
         assert_eq!(v["components"][0]["state"], "running");
         assert_eq!(v["components"][0]["last_exit"], "signal 9 (SIGKILL)");
+        // Each component says how drills act on it: signals by pid, no restart (the
+        // supervisor restarts), no link faults on the host's own network.
+        assert_eq!(v["components"][0]["actions"]["kill"], "kill -KILL {pid}");
+        assert_eq!(v["components"][0]["actions"]["exec"], "sh -c {cmd}");
+        assert!(v["components"][0]["actions"].get("restart").is_none(), "{v}");
+        assert!(v["components"][0]["actions"].get("link-fault").is_none(), "{v}");
         assert!(!dir.join("state.json.tmp").exists(), "the temporary file is renamed away");
 
         let mut w = Component::new(Role::Decode, "decode-0");
