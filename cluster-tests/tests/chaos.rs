@@ -35,6 +35,7 @@ fn options(seed: u64, seconds: u64, per_minute: f64, kinds: Vec<FaultKind>, plan
         plant,
         plant_on_move: false,
         keep: None,
+        against: None,
     }
 }
 

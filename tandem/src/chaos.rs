@@ -94,6 +94,11 @@ pub struct Args {
     /// command. Exits non-zero whenever the first run failed.
     #[arg(long)]
     shrink: bool,
+    /// Run against the running cluster this state file describes (`tandem up --state-file`,
+    /// or one written by hand with action templates) instead of starting one, and leave it
+    /// as found: only the fault kinds it allows (each refused kind is printed with why).
+    #[arg(long, value_name = "STATEFILE", conflicts_with_all = ["plant", "plant_on_move"])]
+    against: Option<PathBuf>,
     /// The most time the shrinking runs may take together (`30m`, `1h`, `900s`).
     #[arg(long, default_value = "30m", value_parser = parse_duration)]
     shrink_budget: Duration,
@@ -162,7 +167,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.shrink_runs == 0 {
         bail!("--shrink-runs must be at least 1");
     }
-    let targets = chaos::targets_of(None);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    // Against a running cluster: its processes are the targets, and only the fault kinds it
+    // allows are drawn.
+    let (targets, kinds) = match &a.against {
+        None => (chaos::targets_of(None), kinds),
+        Some(state) => {
+            let c = rt.block_on(drills::Cluster::attach(state))?;
+            let (usable, refused) = chaos::usable_kinds(&kinds, &c).map_err(anyhow::Error::msg)?;
+            for r in refused {
+                eprintln!("chaos: not against this cluster: {r}");
+            }
+            (chaos::targets_of(Some(&c)), usable)
+        }
+    };
     let known: Vec<&String> =
         [&targets.decode, &targets.prefill, &targets.coordinators, &targets.etcd, &targets.kv_links]
             .into_iter()
@@ -197,6 +215,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         plant: a.plant,
         plant_on_move: a.plant_on_move,
         keep: a.keep_faults.map(|k| k.0),
+        against: a.against,
     };
     // Checked before anything starts (an index past the schedule's end).
     chaos::planned(&o, &targets).map_err(anyhow::Error::msg)?;
@@ -211,7 +230,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("# {} of {} faults", kept.len(), all.len());
         return Ok(());
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let abort = cancel.clone();
     let (report, loads, took) = rt.block_on(async {
         // The abort key: lift everything held and end the run.

@@ -257,7 +257,7 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
     let dir = common::temp_dir("tandem-drill-templates")?;
     let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_tandem")).parent().ok_or("bin dir")?.to_owned();
     let model = std::env::var("TANDEM_MODEL").map_err(|_| "TANDEM_MODEL is not set (make model)")?;
-    let ports = opskit::process::free_ports(11)?;
+    let ports = opskit::process::free_ports(12)?;
     let at = |i: usize| format!("127.0.0.1:{}", ports[i]);
     let etcd_bin = std::env::var("TANDEM_ETCD_BIN").unwrap_or_else(|_| "etcd".into());
     let etcd_args = vec![
@@ -303,7 +303,7 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
         .iter()
         .map(|s| s.to_string())
         .chain(["--shutdown-timeout-ms".into(), "5000".into(), "--http".into(), at(10)])
-        .chain(["--grpc".into(), "127.0.0.1:0".into()])
+        .chain(["--grpc".into(), at(11)])
         .collect();
 
     // Each component's start script: starts it in the background, its output appended to its
@@ -359,6 +359,7 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
             }
             if *role == Role::Coordinator {
                 c.metrics = c.http.clone();
+                c.grpc = Some(at(11));
             }
             if matches!(role, Role::Prefill | Role::Decode) {
                 c.version_group = Some("local".into());
@@ -428,6 +429,31 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
             }
         }
 
+        // Chaos against the same cluster: the kinds it cannot apply here are refused with
+        // why (one prefill worker, one coordinator and no KV proxy), the rest act through
+        // the templates, and a killed decode worker comes back by its restart template.
+        let chaos = ["chaos", "--against", state_s, "--seed", "5", "--duration", "20s", "--rate", "12"];
+        let faults = ["--faults", "kill-decode,stop-decode,stop-etcd,kill-prefill,kv-delay,disconnect"];
+        let dry = tandem(&[&chaos[..], &faults, &["--dry-run"]].concat(), WAIT)?;
+        let (plan, err) = (String::from_utf8_lossy(&dry.stdout), String::from_utf8_lossy(&dry.stderr));
+        assert!(dry.status.success(), "chaos --dry-run against the cluster:\n{plan}\n{err}");
+        for refused in ["kill-prefill: needs at least 2 prefill workers", "kv-delay: it acts through a fault proxy"] {
+            assert!(err.contains(&format!("not against this cluster: {refused}")), "{refused}: {err}");
+        }
+        assert!(plan.contains("kill-decode") && !plan.contains("kv-delay"), "the schedule: {plan}");
+        let restarts_before = std::fs::read_to_string(&actions_log)?.matches("restart decode-").count();
+        let ran = tandem(&[&chaos[..], &faults].concat(), WAIT)?;
+        let (out, err) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
+        eprintln!("{out}");
+        assert!(ran.status.success(), "chaos against the cluster:\n{out}\n{err}");
+        assert!(out.contains("no invariant broke"), "{out}");
+        let acted = std::fs::read_to_string(&actions_log)?;
+        assert!(
+            acted.matches("restart decode-").count() > restarts_before,
+            "chaos's kill came back by template: {acted}"
+        );
+        common::serving(&at(10), "decode", 2.0, WAIT)?;
+
         // The same cluster with every fault skipped: the proof must fail, and that passes.
         let ran =
             tandem(&["drill", "--against", state_s, "--requests", "6", "--vacuity", "run", "worker-sigstop"], WAIT)?;
@@ -436,8 +462,7 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
         let row =
             stdout.lines().find(|l| l.starts_with("worker-sigstop")).ok_or_else(|| format!("no row: {stdout}"))?;
         assert!(row.contains("no (ok)"), "the skipped fault is not proven: {row}");
-        let acted_after = std::fs::read_to_string(&actions_log)?;
-        assert_eq!(acted_after, acted, "a vacuity run acts on nothing");
+        assert_eq!(std::fs::read_to_string(&actions_log)?, acted, "a vacuity run acts on nothing");
         assert_eq!(get_status(&at(10), "/ready")?, 200, "the cluster still serves after the drills");
         Ok(())
     })();

@@ -78,9 +78,15 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, spawned: &mut Spawn
         FaultKind::StopDecode | FaultKind::StopPrefill | FaultKind::StopCoordinator => {
             c.signal(name, Signal::Stop)?;
         }
+        FaultKind::KillEtcd if c.attached.is_some() => {
+            let member = c.any_proc_mut(name)?;
+            member.signal(Signal::Kill)?;
+            member.wait_exit(Duration::from_secs(10)).await?;
+        }
         FaultKind::KillEtcd => {
             c.etcd.kill(0).ok_or_else(|| HarnessError::Fault("etcd was not running".into()))?;
         }
+        FaultKind::StopEtcd if c.attached.is_some() => c.any_proc_mut(name)?.signal(Signal::Stop)?,
         FaultKind::StopEtcd => signal(etcd_pid(c)?, Signal::Stop)?,
         FaultKind::KvDelay => {
             link(c, name)?.arm(Fault::Delay { base: Duration::from_millis(75), jitter: Duration::from_millis(50) });
@@ -170,6 +176,12 @@ fn link<'a>(c: &'a Cluster, target: &str) -> Result<&'a Proxy, HarnessError> {
 async fn lift(c: &mut Cluster, p: &Planned) -> Result<(), HarnessError> {
     let name = p.target.as_str();
     match p.kind {
+        // An attached cluster's supervisor (or its `restart` template) starts a killed
+        // process again: the lift waits for that and follows the new pid.
+        FaultKind::KillDecode | FaultKind::KillPrefill | FaultKind::KillEtcd if c.attached.is_some() => {
+            let old = c.any_proc_mut(name)?.pid;
+            c.follow_restart(name, old, super::RESTART_LIMIT).await?;
+        }
         FaultKind::KillDecode | FaultKind::KillPrefill => {
             c.restart(name, None).await?;
         }
@@ -200,6 +212,7 @@ async fn lift(c: &mut Cluster, p: &Planned) -> Result<(), HarnessError> {
         FaultKind::KillEtcd => {
             c.etcd.restart(0).await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
         }
+        FaultKind::StopEtcd if c.attached.is_some() => c.any_proc_mut(name)?.signal(Signal::Cont)?,
         FaultKind::StopEtcd => signal(etcd_pid(c)?, Signal::Cont)?,
         FaultKind::KvDelay | FaultKind::KvBlackhole | FaultKind::KvCorrupt => link(c, name)?.arm(Fault::None),
         FaultKind::KvReset | FaultKind::Burst | FaultKind::Disconnect | FaultKind::SlowReader => {}
@@ -263,6 +276,10 @@ pub(super) async fn run_faults(
 /// One resident-memory sample of every process of the cluster, etcd included.
 pub(super) fn sample_rss(c: &Cluster, start: Instant, rss: &mut RssWatch) {
     let at_ms = start.elapsed().as_millis() as u64;
-    let procs = c.procs().map(|p| (p.name.as_str(), p.pid)).chain(c.etcd.pid(0).map(|pid| ("etcd", pid)));
+    let procs = c
+        .procs()
+        .chain(c.attached_etcd())
+        .map(|p| (p.name.as_str(), p.pid))
+        .chain(c.etcd.pid(0).map(|pid| ("etcd", pid)));
     rss.sample(at_ms, procs, crate::drills::anon_mib);
 }

@@ -98,6 +98,60 @@ pub struct ChaosOptions {
     /// Apply only these faults of the seeded schedule, by index (0-based, in the order
     /// `--dry-run` lists them); `None`: all. What `--shrink` runs its candidates with.
     pub keep: Option<Vec<usize>>,
+    /// Run against the cluster this state file describes ([`Cluster::attach`]) instead of
+    /// starting one, and leave it as found. The schedule draws only from the kinds
+    /// [`kinds_against`] allows there.
+    pub against: Option<PathBuf>,
+}
+
+/// How long a lift waits for a supervisor (or a `restart` template) to start a killed
+/// process of an attached cluster again.
+const RESTART_LIMIT: Duration = Duration::from_secs(60);
+
+/// For a cluster someone else started: each fault kind, and whether chaos can apply it
+/// there and leave the cluster as found (Err: why not).
+pub fn kinds_against(c: &Cluster) -> Vec<(FaultKind, Result<(), String>)> {
+    use crate::drills::{at_least, supervisor_restarts, Exit};
+    let etcd_members = c.attached_etcd().count();
+    FaultKind::ALL
+        .iter()
+        .map(|&k| {
+            let can = match k {
+                FaultKind::KillDecode => at_least(c, Role::Decode, 2, "one to kill, one to take its streams")
+                    .and_then(|()| supervisor_restarts(c, Exit::Killed)),
+                FaultKind::KillPrefill => at_least(c, Role::Prefill, 2, "one to kill, one to prefill meanwhile")
+                    .and_then(|()| supervisor_restarts(c, Exit::Killed)),
+                FaultKind::StopDecode => at_least(c, Role::Decode, 2, "one to freeze, one to take its streams"),
+                FaultKind::StopPrefill => at_least(c, Role::Prefill, 2, "one to freeze, one to prefill meanwhile"),
+                FaultKind::KillCoordinator | FaultKind::StopCoordinator => {
+                    Err("its clients reach the state file's first coordinator directly: a coordinator fault needs a \
+                     front they fail over through (chaos's own cluster has one)"
+                        .into())
+                }
+                FaultKind::KillEtcd if etcd_members == 0 => Err("the state file lists no etcd member".into()),
+                FaultKind::KillEtcd => match c.restart_policy() {
+                    Some("always" | "on-failure") => Ok(()),
+                    _ if c
+                        .attached_etcd()
+                        .all(|p| p.actions().is_some_and(|a| a.template(facts::state::Action::Restart).is_some())) =>
+                    {
+                        Ok(())
+                    }
+                    _ => Err("a killed etcd member must be started again: by a supervisor (`tandem up --restart \
+                              on-failure`) or a `restart` template in the state file"
+                        .into()),
+                },
+                FaultKind::StopEtcd if etcd_members == 0 => Err("the state file lists no etcd member".into()),
+                FaultKind::StopEtcd => Ok(()),
+                FaultKind::KvDelay | FaultKind::KvBlackhole | FaultKind::KvCorrupt | FaultKind::KvReset => Err(
+                    "it acts through a fault proxy on a decode worker's KV link, which only chaos's own cluster has"
+                        .into(),
+                ),
+                FaultKind::Burst | FaultKind::Disconnect | FaultKind::SlowReader => Ok(()),
+            };
+            (k, can)
+        })
+        .collect()
 }
 
 /// The bugs `--plant` starts the cluster with, each of which the invariants must catch:
@@ -227,7 +281,10 @@ pub fn targets_of(c: Option<&Cluster>) -> Targets {
             decode: c.workers_of(Role::Decode).map(|w| w.proc.name.clone()).collect(),
             prefill: c.workers_of(Role::Prefill).map(|w| w.proc.name.clone()).collect(),
             coordinators: c.coordinators().map(|p| p.name.clone()).collect(),
-            etcd: vec!["etcd".into()],
+            etcd: match c.attached {
+                Some(_) => c.attached_etcd().map(|p| p.name.clone()).collect(),
+                None => vec!["etcd".into()],
+            },
             kv_links: c.workers_of(Role::Decode).filter(|w| w.proxy.is_some()).map(|w| kv_link(&w.proc.name)).collect(),
         },
         None => Targets {
@@ -238,6 +295,26 @@ pub fn targets_of(c: Option<&Cluster>) -> Targets {
             kv_links: vec![kv_link("decode-0"), kv_link("decode-1")],
         },
     }
+}
+
+/// Of `kinds`, those chaos can apply to the attached cluster `c`, and each refused one with
+/// why (`kind: reason`); Err when none is left, naming why each was refused.
+pub fn usable_kinds(kinds: &[FaultKind], c: &Cluster) -> Result<(Vec<FaultKind>, Vec<String>), String> {
+    let mut usable = Vec::new();
+    let mut refused = Vec::new();
+    for (k, can) in kinds_against(c) {
+        if !kinds.contains(&k) {
+            continue;
+        }
+        match can {
+            Ok(()) => usable.push(k),
+            Err(why) => refused.push(format!("{}: {why}", k.name())),
+        }
+    }
+    if usable.is_empty() {
+        return Err(format!("no fault kind can be applied to this cluster:\n  {}", refused.join("\n  ")));
+    }
+    Ok((usable, refused))
 }
 
 /// The command line that repeats a run with these options.
@@ -265,6 +342,9 @@ pub fn command(o: &ChaosOptions) -> String {
     }
     if o.plant_on_move {
         cmd.push_str(" --plant-on-move");
+    }
+    if let Some(state) = &o.against {
+        cmd.push_str(&format!(" --against {}", facts::state::shell_word(&state.display().to_string())));
     }
     if let Some(keep) = &o.keep {
         let list: Vec<String> = keep.iter().map(usize::to_string).collect();
@@ -399,7 +479,10 @@ async fn run_with(o: &ChaosOptions, loads: Option<Loads>) -> Result<(ChaosReport
             }
         })
     };
-    let mut c = Cluster::start(&cluster_spec(o.plant, o.plant_on_move), o.keep_logs).await?;
+    let mut c = match &o.against {
+        Some(state) => Cluster::attach(state).await?,
+        None => Cluster::start(&cluster_spec(o.plant, o.plant_on_move), o.keep_logs).await?,
+    };
     let base_url = c.base_url()?;
     let mut loads = loads.await.map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
     let grpc_url = c.grpc_url()?;
@@ -407,6 +490,11 @@ async fn run_with(o: &ChaosOptions, loads: Option<Loads>) -> Result<(ChaosReport
         l.plan.base_url.clone_from(if l.plan.api == loadgen::Api::Grpc { &grpc_url } else { &base_url });
     }
     let targets = targets_of(Some(&c));
+    let mut o = o.clone();
+    if o.against.is_some() {
+        o.schedule.kinds = usable_kinds(&o.schedule.kinds, &c).map_err(HarnessError::Setup)?.0;
+    }
+    let o = &o;
     let plan_faults = planned(o, &targets).map_err(HarnessError::Setup)?;
 
     let start = Instant::now();
@@ -490,7 +578,11 @@ async fn run_with(o: &ChaosOptions, loads: Option<Loads>) -> Result<(ChaosReport
     end.extend(goodput.broken().map(|b| Violation::new(Guarantee::Drill, b)));
     end.extend(burst_found);
     end.extend(rss_violations(&incarnations));
-    end.extend(invariants::shutdown(&mut c, Duration::from_secs(20)).await);
+    if c.attached.is_some() {
+        end.extend(invariants::left_as_found(&c).await);
+    } else {
+        end.extend(invariants::shutdown(&mut c, Duration::from_secs(20)).await);
+    }
     violations.extend(end.into_iter().map(|v| Found { at_ms: end_ms, guarantee: v.guarantee, detail: v.detail }));
 
     let mut typed = BTreeMap::new();
@@ -676,6 +768,7 @@ mod tests {
             plant: true,
             plant_on_move: true,
             keep: Some(vec![0, 3]),
+            against: None,
         };
         assert_eq!(
             command(&o),

@@ -243,12 +243,25 @@ impl Cluster {
         old_pid: u32,
         limit: Duration,
     ) -> Result<Restarted, HarnessError> {
+        let r = self.follow_restart(name, old_pid, limit).await?;
+        self.wait_ready().await?;
+        Ok(r)
+    }
+
+    /// [`Cluster::await_restart`] without the wait for every worker serving (chaos lifts a
+    /// kill while other faults may be held); `name` may also be an etcd member.
+    pub async fn follow_restart(
+        &mut self,
+        name: &str,
+        old_pid: u32,
+        limit: Duration,
+    ) -> Result<Restarted, HarnessError> {
         let a = self.attached.as_ref().ok_or_else(|| {
             HarnessError::Setup(format!("{name}: this drill's own cluster has no supervisor to restart it"))
         })?;
         let (state, want) = (a.state.clone(), a.restarts.get(name).copied().unwrap_or(0) + 1);
         let restart =
-            self.proc_mut(name)?.actions().and_then(|x| x.template(Action::Restart).is_some().then(|| x.clone()));
+            self.any_proc_mut(name)?.actions().and_then(|x| x.template(Action::Restart).is_some().then(|| x.clone()));
         if let Some(actions) = restart {
             return self.restart_by_template(name, old_pid, &actions, &state, want, limit).await;
         }
@@ -282,25 +295,42 @@ impl Cluster {
             return Err(HarnessError::Timeout(format!("{e}; last seen: {seen}")));
         }
         let restarted = found.ok_or_else(|| HarnessError::Fault(format!("{what}: not found")))?;
-        self.follow(name, old_pid, &restarted).await?;
+        self.follow(name, old_pid, &restarted)?;
         Ok(restarted)
     }
 
     /// Follows `name`'s new process after a restart (its old one, `old_pid`, exited): a
     /// worker's old life is one G3 cannot count; it is no longer faulted (it must run at
-    /// the end); then waits until the coordinator counts every worker as serving.
-    async fn follow(&mut self, name: &str, old_pid: u32, restarted: &Restarted) -> Result<(), HarnessError> {
+    /// the end).
+    fn follow(&mut self, name: &str, old_pid: u32, restarted: &Restarted) -> Result<(), HarnessError> {
         if let Ok(w) = self.worker_mut(name) {
             if !w.past.iter().any(|l| l.pid == old_pid) {
                 w.past.push(PastLife::uncounted(old_pid, &w.group));
             }
         }
-        self.proc_mut(name)?.supervisor_restarted(restarted.pid)?;
+        self.any_proc_mut(name)?.supervisor_restarted(restarted.pid)?;
         self.faulted.remove(name);
         if let Some(a) = self.attached.as_mut() {
             a.restarts.insert(name.to_owned(), restarted.restarts);
         }
-        self.wait_ready().await
+        Ok(())
+    }
+
+    /// The attached cluster's etcd members.
+    pub fn attached_etcd(&self) -> impl Iterator<Item = &Proc> {
+        self.attached.iter().flat_map(|a| &a.etcd)
+    }
+
+    /// Process `name`: a worker, a coordinator or an attached etcd member.
+    pub fn any_proc_mut(&mut self, name: &str) -> Result<&mut Proc, HarnessError> {
+        let etcd = self.attached.iter_mut().flat_map(|a| a.etcd.iter_mut());
+        let procs = self
+            .workers
+            .iter_mut()
+            .map(|w| &mut w.proc)
+            .chain(std::iter::once(&mut self.coordinator))
+            .chain(self.other_coordinators.iter_mut());
+        procs.chain(etcd).find(|p| p.name == name).ok_or_else(|| HarnessError::Setup(format!("no process {name}")))
     }
 
     /// Starts `name` again with its state file's `restart` template once its process
@@ -348,7 +378,7 @@ impl Cluster {
         entry.last_exit = Some("restarted by its restart template".into());
         file.write(state).map_err(|e| HarnessError::Setup(e.to_string()))?;
         let restarted = Restarted { pid, restarts: want, last_exit: None };
-        self.follow(name, old_pid, &restarted).await?;
+        self.follow(name, old_pid, &restarted)?;
         Ok(restarted)
     }
 }

@@ -103,7 +103,7 @@ pub(super) fn own_cluster(why: &str) -> Result<(), String> {
 
 /// How a drill's victim exits, for [`supervisor_restarts`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Exit {
+pub(crate) enum Exit {
     /// SIGKILL: a failure to every restart policy but `never`.
     Killed,
     /// SIGTERM: the worker drains and exits 0, which only `always` restarts.
@@ -114,7 +114,7 @@ pub(super) enum Exit {
 /// supervisor must start it again, or its state file must give every worker a `restart`
 /// template (the drill waits for that, so the cluster is left as found). Err says which
 /// `tandem up --restart` would.
-pub(super) fn supervisor_restarts(c: &Cluster, exit: Exit) -> Result<(), String> {
+pub(crate) fn supervisor_restarts(c: &Cluster, exit: Exit) -> Result<(), String> {
     // A state file that says how to restart every worker (a `restart` template) needs no
     // supervisor for a kill: the drill runs the template once the victim exited. A drain's
     // proof is the worker's exit status 0, which only a supervisor that reaped it can tell.
@@ -153,7 +153,7 @@ pub(super) fn supervisor_restarts(c: &Cluster, exit: Exit) -> Result<(), String>
 }
 
 /// At least `n` workers of `role`, so one is faulted while another serves.
-pub(super) fn at_least(c: &Cluster, role: crate::cluster::Role, n: usize, why: &str) -> Result<(), String> {
+pub(crate) fn at_least(c: &Cluster, role: crate::cluster::Role, n: usize, why: &str) -> Result<(), String> {
     match c.workers_of(role).count() {
         k if k >= n => Ok(()),
         k => Err(format!("needs at least {n} {} workers ({why}); the cluster has {k}", role.as_str())),
