@@ -198,3 +198,89 @@ fn up_with_the_ucx_transport_serves_a_chat_completion() -> TestResult {
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
+
+/// `--hosts 2`: each worker in its own network namespace on a bridge, KV over tcp across
+/// them (the default there), etcd reached on the bridge; the state file names each worker's
+/// namespace and gives it a `link-fault` template that acts inside it; a drop rule there
+/// stops the coordinator reaching that worker, and lifting it brings it back. On stop,
+/// the namespaces and the bridge are gone. `--kv-transport local` is refused with them.
+#[test]
+fn up_on_hosts_places_workers_in_namespaces_and_cleans_them_up() -> TestResult {
+    use facts::metrics::decode::{KV_RECEIVED_BYTES, PREFILL_ROUTE, TRANSPORT_INFO};
+    use facts::state::Action;
+    let dir = common::temp_dir("tandem-up-hosts-test")?;
+    let refused = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["up", "--hosts", "2", "--kv-transport", "local", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .output()?;
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("does not cross --hosts"), "{err}");
+
+    let mut up = Up::start(&dir, &["--hosts", "2", "--lease-ttl-s", "2"])?;
+    let up_pid = up.pid;
+    let namespaces = || -> Result<Vec<String>, String> {
+        let out = Command::new("ip").args(["netns", "list"]).output().map_err(|e| e.to_string())?;
+        Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|n| n.starts_with(&format!("tandem-up-{up_pid}-")))
+            .map(str::to_owned)
+            .collect())
+    };
+    let result = (|| -> TestResult {
+        let (prefill, decode) = (up.component("prefill-0")?, up.component("decode-0")?);
+        let (pns, dns) = (prefill.netns.clone().ok_or("prefill netns")?, decode.netns.clone().ok_or("decode netns")?);
+        assert_ne!(pns, dns, "one worker per host");
+        let mut listed = namespaces()?;
+        listed.sort();
+        assert_eq!(listed, [pns.clone(), dns.clone()], "the state file names the namespaces that exist");
+        let transfer = decode.transfer.clone().ok_or("transfer")?;
+        assert!(transfer.starts_with("10.79."), "KV listens on the host's address: {transfer}");
+        let metrics = decode.metrics.clone().ok_or("metrics")?;
+        assert_eq!(common::metric(&metrics, TRANSPORT_INFO, &[("transport", "tcp")])?, 1.0, "tcp across hosts");
+        // The worker runs inside its namespace: its network is that namespace's.
+        let own = std::fs::read_link(format!("/proc/{}/ns/net", decode.pid))?;
+        let named = std::fs::metadata(format!("/run/netns/{dns}"))?;
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(own.to_string_lossy(), format!("net:[{}]", named.ino()), "decode-0 is in {dns}");
+
+        let http = up.http()?;
+        let (status, body) = post_chat(&http)?;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("Paris"), "{body}");
+        assert_eq!(common::metric(&metrics, PREFILL_ROUTE, &[("route", "remote")])?, 1.0, "{}", up.stderr_text());
+        assert!(common::metric(&metrics, KV_RECEIVED_BYTES, &[])? > 0.0, "KV crossed from {pns} to {dns}");
+
+        // The link-fault template acts inside the worker's namespace: cutting its link to
+        // etcd (on the bridge's address) lets its lease expire, so it leaves routing;
+        // deleting the rule brings it back.
+        let etcd = up.component("etcd")?.grpc.ok_or("etcd address")?;
+        let (gateway, port) = etcd.rsplit_once(':').ok_or("etcd host:port")?;
+        assert!(gateway.starts_with("10.79."), "etcd listens on the bridge: {etcd}");
+        let rule = format!("OUTPUT -d {gateway} -p tcp --dport {port} -j DROP");
+        let actions = decode.actions();
+        let act = |cmd: String| -> Result<String, String> {
+            let c = actions.command(Action::LinkFault, decode.pid, Some(&cmd))?;
+            opskit::process::run_shell(&c, opskit::process::ACTION_WAIT).map_err(|e| e.to_string())
+        };
+        act(format!("iptables -A {rule}"))?;
+        let listed = act("iptables -S OUTPUT".into())?;
+        assert!(listed.contains(&format!("--dport {port} -j DROP")), "the rule is in {dns}: {listed}");
+        let host_rules = Command::new("iptables").args(["-S", "OUTPUT"]).output()?;
+        assert!(!String::from_utf8_lossy(&host_rules.stdout).contains(port), "and not on the host");
+        common::serving(&http, "decode", 0.0, common::WAIT)?;
+        act(format!("iptables -D {rule}"))?;
+        common::serving(&http, "decode", 1.0, common::WAIT)?;
+        let (status, body) = post_chat(&http)?;
+        assert_eq!(status, 200, "served again: {body}");
+
+        let status = up.stop()?;
+        assert!(status.success(), "tandem up exit: {status:?}");
+        assert_eq!(namespaces()?, Vec::<String>::new(), "the namespaces are deleted on stop");
+        let bridge = Command::new("ip").args(["link", "show", &format!("tup{up_pid}")]).output()?;
+        assert!(!bridge.status.success(), "the bridge is deleted on stop");
+        Ok(())
+    })();
+    drop(up);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}

@@ -43,6 +43,9 @@ pub struct Spec {
     pub addrs: Vec<(&'static str, &'static str, String)>,
     pub ready: Ready,
     pub log: PathBuf,
+    /// The network namespace it runs in (`tandem up --hosts`), through `ip netns exec`,
+    /// which execs it: the pid is the program's own.
+    pub netns: Option<String>,
 }
 
 /// A started process.
@@ -84,7 +87,15 @@ pub async fn start(spec: &Spec, c: &mut Component, restart: Option<u32>) -> anyh
         };
         args.extend([flag.to_string(), value.clone()]);
     }
-    let mut cmd = Command::new(&spec.bin);
+    let mut cmd = match &spec.netns {
+        Some(ns) => {
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "exec", ns]).arg(&spec.bin);
+            cmd
+        }
+        None => Command::new(&spec.bin),
+    };
+    c.netns.clone_from(&spec.netns);
     if let Some(format) = facts::log::installed() {
         // `tandem up --log-format json` makes every process's log JSON, not only ours.
         cmd.env(facts::log::FORMAT_ENV, format.to_string());

@@ -19,7 +19,7 @@ fn binary() -> std::path::PathBuf {
 
 /// `n` free loopback ports below the kernel's ephemeral range (a port inside it can become
 /// some outgoing connection's source port between this probe and etcd's bind).
-fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+fn free_ports(n: usize, ip: Ipv4Addr) -> anyhow::Result<Vec<u16>> {
     let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
@@ -31,14 +31,14 @@ fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
     let mut found = Vec::new();
     for _ in 0..1_000 {
         let port = 10_000 + rng.below(u64::from(span)) as u16;
-        if !found.contains(&port) && TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+        if !found.contains(&port) && TcpListener::bind((ip, port)).is_ok() {
             found.push(port);
             if found.len() == n {
                 return Ok(found);
             }
         }
     }
-    anyhow::bail!("no {n} free loopback ports found below {low} for etcd")
+    anyhow::bail!("no {n} free ports on {ip} found below {low} for etcd")
 }
 
 /// The most members `--etcd-members` takes (etcd's own advice: 3, 5 or 7).
@@ -66,11 +66,11 @@ pub struct Member {
 /// `etcd` with its data in `data_dir` (as before multi-member clusters existed); members of
 /// a larger cluster are `etcd-0`, `etcd-1`, ... with their data in `data_dir/etcd-I`. Each
 /// member's output goes to `NAME.log` in `logs`.
-pub fn members(members: usize, data_dir: &Path, logs: &Path) -> anyhow::Result<Vec<Member>> {
+pub fn members(members: usize, data_dir: &Path, logs: &Path, ip: Ipv4Addr) -> anyhow::Result<Vec<Member>> {
     check_members(members)?;
-    let ports = free_ports(2 * members)?;
+    let ports = free_ports(2 * members, ip)?;
     let name = |i: usize| if members == 1 { "etcd".to_owned() } else { format!("etcd-{i}") };
-    let peer_url = |i: usize| format!("http://127.0.0.1:{}", ports[2 * i + 1]);
+    let peer_url = |i: usize| format!("http://{ip}:{}", ports[2 * i + 1]);
     let cluster = (0..members).map(|i| format!("{}={}", name(i), peer_url(i))).collect::<Vec<_>>().join(",");
     let mut out = Vec::new();
     for i in 0..members {
@@ -80,7 +80,7 @@ pub fn members(members: usize, data_dir: &Path, logs: &Path) -> anyhow::Result<V
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("restricting {} to its owner", dir.display()))?;
-        let client_url = format!("http://127.0.0.1:{}", ports[2 * i]);
+        let client_url = format!("http://{ip}:{}", ports[2 * i]);
         let args = [
             "--name",
             &name(i),
@@ -110,9 +110,10 @@ pub fn members(members: usize, data_dir: &Path, logs: &Path) -> anyhow::Result<V
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let addr = format!("127.0.0.1:{}", ports[2 * i]);
+        let addr = format!("{ip}:{}", ports[2 * i]);
         let log = logs.join(format!("{}.log", name(i)));
-        let spec = Spec { bin: binary(), args, addrs: Vec::new(), ready: Ready::Health(addr.clone()), log };
+        let spec =
+            Spec { bin: binary(), args, addrs: Vec::new(), ready: Ready::Health(addr.clone()), log, netns: None };
         out.push(Member { spec, name: name(i), addr });
     }
     Ok(out)
@@ -125,7 +126,7 @@ mod tests {
     #[test]
     fn three_members_name_each_other_and_keep_their_own_data() {
         let dir = std::env::temp_dir().join(format!("tandem-etcd-members-{}", std::process::id()));
-        let m = members(3, &dir.join("data"), &dir).expect("members");
+        let m = members(3, &dir.join("data"), &dir, Ipv4Addr::LOCALHOST).expect("members");
         assert_eq!(m.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["etcd-0", "etcd-1", "etcd-2"]);
         let arg = |m: &Member, flag: &str| {
             let i = m.spec.args.iter().position(|a| a == flag).expect(flag);
@@ -142,11 +143,11 @@ mod tests {
         let ports: std::collections::BTreeSet<String> =
             m.iter().flat_map(|x| [x.addr.clone(), arg(x, "--listen-peer-urls").replace("http://", "")]).collect();
         assert_eq!(ports.len(), 6, "a client and a peer port each, all different: {ports:?}");
-        let one = members(1, &dir.join("one"), &dir).expect("one member");
+        let one = members(1, &dir.join("one"), &dir, Ipv4Addr::LOCALHOST).expect("one member");
         assert_eq!(one[0].name, "etcd");
         assert_eq!(arg(&one[0], "--data-dir"), dir.join("one").display().to_string());
         for bad in [0, 2, 9] {
-            let e = members(bad, &dir.join("bad"), &dir).err().expect("refused").to_string();
+            let e = members(bad, &dir.join("bad"), &dir, Ipv4Addr::LOCALHOST).err().expect("refused").to_string();
             assert!(e.contains(&format!("--etcd-members {bad}")), "{e}");
         }
         let _ = std::fs::remove_dir_all(&dir);

@@ -10,7 +10,8 @@
 //! register in etcd under a prefix unique to this run with their component name as worker id,
 //! prefill and decode workers share one version group and move KV over shared memory
 //! (`local`), and the coordinator routes from etcd membership. The host's CPUs are split
-//! between the roles unless CPUs are given or `--share-cpus` ([`placement`]).
+//! between the roles unless CPUs are given or `--share-cpus` ([`placement`]). With
+//! `--hosts N` the workers run in N network namespaces on a bridge ([`hosts`]), KV over tcp.
 //! Each child's stdout and stderr
 //! go to its own file in the log directory (`--log-dir`; kept after the stop). Once `/ready`
 //! answers, the state file is written and a table printed.
@@ -28,10 +29,13 @@
 //! | decode | coordinator), `name`, `pid`, the addresses it listens on (`grpc`, `http`,
 //! `metrics`, `transfer`, as it has them), `log` (the file its output goes to), `state`
 //! (running | restarting | exited | given_up), `restarts`, `last_exit` and, for workers,
-//! `version_group` and `lease_ttl_s` (its etcd lease TTL). `tandem drill --against` reads it.
+//! `version_group` and `lease_ttl_s` (its etcd lease TTL), `netns` with `--hosts`, and
+//! `actions`: the command templates drills act on it through. `tandem drill --against`
+//! and `tandem chaos --against` read it.
 
 pub(crate) mod child;
 mod etcd;
+mod hosts;
 mod placement;
 mod state;
 mod supervise;
@@ -117,9 +121,14 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["prefill_cpus", "decode_cpus"])]
     share_cpus: bool,
     /// KV transport between the workers: local (shared memory) | tcp | quic | ucx (one-sided puts; UCX_TLS picks
-    /// shared memory, TCP or RDMA).
-    #[arg(long, default_value = "local")]
-    kv_transport: String,
+    /// shared memory, TCP or RDMA). Default: local; tcp with --hosts (shared memory does not cross hosts).
+    #[arg(long)]
+    kv_transport: Option<String>,
+    /// Run the workers on N hosts: network namespaces behind veths and a bridge, so their KV,
+    /// control and etcd traffic crosses real interfaces (link faults act there); workers are
+    /// placed round robin. Needs root. etcd and the coordinator stay in this namespace.
+    #[arg(long, value_name = "N", conflicts_with = "etcd")]
+    hosts: Option<usize>,
     /// The decode workers' kv_load_failure_policy: recompute | retry | fail.
     #[arg(long, default_value = "recompute")]
     kv_load_failure_policy: String,
@@ -227,9 +236,23 @@ async fn up(a: Args) -> anyhow::Result<()> {
     let grace = Duration::from_millis(a.shutdown_timeout_ms);
     // Our own etcd's data dir: kept when the operator named it, else removed on stop.
     let etcd_data = a.etcd_data_dir.clone().unwrap_or_else(|| logs.join("etcd-data"));
+    // Declared before the children: dropped (namespaces deleted) after they are stopped.
+    let hosts = match a.hosts {
+        Some(n) => {
+            let h = hosts::Hosts::create(n)?;
+            println!(
+                "hosts: {} network namespaces on a bridge, gateway {} ({})",
+                h.hosts.len(),
+                h.gateway,
+                h.hosts.iter().map(|h| format!("{} {}", h.netns, h.ip)).collect::<Vec<_>>().join(", ")
+            );
+            Some(h)
+        }
+        None => None,
+    };
     let mut started: Vec<Started> = Vec::new();
     let outcome = tokio::select! {
-        r = start_cluster(&a, &model, &logs, &etcd_data, &mut started) => r,
+        r = start_cluster(&a, &model, &logs, &etcd_data, hosts.as_ref(), &mut started) => r,
         _ = signals.recv() => Err(anyhow::anyhow!("interrupted during start-up")),
     };
     if let Err(e) = outcome {
@@ -364,8 +387,30 @@ async fn start_cluster(
     model: &std::path::Path,
     logs: &std::path::Path,
     etcd_data: &std::path::Path,
+    hosts: Option<&hosts::Hosts>,
     started: &mut Vec<Started>,
 ) -> anyhow::Result<()> {
+    // Shared memory does not cross hosts: tcp by default there, and local refused.
+    let kv_transport = match (a.kv_transport.as_deref(), hosts) {
+        (Some("local"), Some(_)) => bail!(
+            "--kv-transport local moves KV over shared memory, which does not cross --hosts: use tcp, quic or ucx"
+        ),
+        (Some(t), _) => t.to_owned(),
+        (None, Some(_)) => "tcp".to_owned(),
+        (None, None) => "local".to_owned(),
+    };
+    // What the workers bind: their host's address, else loopback; etcd is reached from a
+    // host on the bridge's address.
+    let etcd_ip = hosts.map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.gateway);
+    let mut next_host = 0;
+    let mut place = || {
+        let h = hosts.map(|h| h.host(next_host).clone());
+        next_host += 1;
+        match h {
+            Some(h) => (format!("{}:0", h.ip), Some(h.netns)),
+            None => ("127.0.0.1:0".to_owned(), None),
+        }
+    };
     let endpoint = match &a.etcd {
         Some(url) => url.clone(),
         None => {
@@ -387,7 +432,7 @@ async fn start_cluster(
             // A port probed free can be taken before etcd binds it: try others a few times.
             loop {
                 attempt += 1;
-                let members = etcd::members(a.etcd_members, etcd_data, logs)?;
+                let members = etcd::members(a.etcd_members, etcd_data, logs, etcd_ip)?;
                 let endpoints = members.iter().map(|m| format!("http://{}", m.addr)).collect::<Vec<_>>().join(",");
                 match start_etcd(members).await {
                     Ok(up) => {
@@ -432,39 +477,42 @@ async fn start_cluster(
         prefix: &prefix,
         ttl_s: a.lease_ttl_s,
     };
-    let loopback = || "127.0.0.1:0".to_owned();
     for i in 0..a.prefill {
         let name = format!("prefill-{i}");
         let argv = shared.worker(WorkerArgv::prefill(), &name, prefill_threads, a.prefill_nice, prefill_cpus.as_ref());
+        let (addr, netns) = place();
         let spec = Spec {
             bin: sibling(argv.binary())?,
             args: argv.build(),
-            addrs: vec![("--grpc", "grpc", loopback()), ("--metrics", "metrics", loopback())],
+            addrs: vec![("--grpc", "grpc", addr.clone()), ("--metrics", "metrics", addr)],
             ready: Ready::Listening(vec!["grpc", "metrics"]),
             log: logs.join(format!("{name}.log")),
+            netns,
         };
         started.push(start_worker(a, spec, Role::Prefill, name, group).await?);
     }
     for i in 0..a.decode {
         let name = format!("decode-{i}");
-        let transfer = match a.kv_transport.as_str() {
+        let (addr, netns) = place();
+        let transfer = match kv_transport.as_str() {
             "local" => format!("@tandem-up-{}-{i}", std::process::id()),
-            _ => loopback(),
+            _ => addr.clone(),
         };
         let argv = shared
             .worker(WorkerArgv::decode(), &name, decode_threads, a.decode_nice, decode_cpus.as_ref())
-            .kv_transport(&a.kv_transport)
+            .kv_transport(&kv_transport)
             .kv_load_failure_policy(&a.kv_load_failure_policy);
         let spec = Spec {
             bin: sibling(argv.binary())?,
             args: argv.build(),
             addrs: vec![
-                ("--grpc", "grpc", loopback()),
-                ("--metrics", "metrics", loopback()),
+                ("--grpc", "grpc", addr.clone()),
+                ("--metrics", "metrics", addr),
                 ("--transfer", "transfer", transfer),
             ],
             ready: Ready::Listening(vec!["grpc", "metrics", "transfer"]),
             log: logs.join(format!("{name}.log")),
+            netns,
         };
         started.push(start_worker(a, spec, Role::Decode, name, group).await?);
     }
@@ -492,6 +540,7 @@ async fn start_cluster(
         addrs: vec![("--http", "http", a.http.to_string()), ("--grpc", "grpc", a.grpc.to_string())],
         ready: Ready::Listening(vec!["http", "grpc"]),
         log: logs.join("coordinator.log"),
+        netns: None,
     };
     let mut c = Component::new(Role::Coordinator, "coordinator");
     let run = start(&spec, &mut c, None).await?;
