@@ -217,7 +217,7 @@ impl Netns {
 
 /// Sums the `pkts` column of the rules in an `iptables -L -v -n -x` listing
 /// whose comment is `comment`.
-fn packets_of(listing: &str, comment: &str) -> Option<u64> {
+pub(crate) fn packets_of(listing: &str, comment: &str) -> Option<u64> {
     let tag = format!("/* {comment} */");
     let counts: Vec<u64> = listing
         .lines()

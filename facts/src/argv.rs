@@ -84,6 +84,11 @@ impl WorkerArgv<Decode> {
     pub fn kv_load_failure_policy(self, policy: &str) -> Self {
         self.flag("--kv-load-failure-policy", policy)
     }
+
+    /// `--reservation-ttl-ms`: the lease a prefill worker has to deliver a reservation's KV.
+    pub fn reservation_ttl_ms(self, ms: u64) -> Self {
+        self.flag("--reservation-ttl-ms", &ms.to_string())
+    }
 }
 
 impl<R> WorkerArgv<R> {

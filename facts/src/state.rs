@@ -64,6 +64,10 @@ pub struct Component {
     /// Prefill and decode workers: their etcd lease TTL, whole seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ttl_s: Option<u64>,
+    /// Decode workers: the lease of a KV reservation (how long a prefill worker has to
+    /// deliver its KV before the load fails), ms. Drills that hold KV back wait it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_ttl_ms: Option<u64>,
     /// The file its stdout and stderr go to (appended across restarts).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log: Option<PathBuf>,
@@ -289,6 +293,7 @@ impl Component {
             transfer: None,
             version_group: None,
             lease_ttl_s: None,
+            reservation_ttl_ms: None,
             log: None,
             state: State::Running,
             restarts: 0,

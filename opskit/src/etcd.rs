@@ -421,6 +421,12 @@ impl Drop for EtcdCluster {
 }
 
 /// A member's own id and the leader id it knows (0: none), from its status.
+/// Whether the etcd member at `endpoint` says it is its cluster's leader (its status within
+/// about a second).
+pub async fn is_leader(endpoint: &str) -> bool {
+    member_status(endpoint).await.is_some_and(|(me, leader)| me == leader && leader != 0)
+}
+
 async fn member_status(endpoint: &str) -> Option<(u64, u64)> {
     let options = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_millis(500));
     let attempt = async {

@@ -480,3 +480,60 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
+
+/// `tandem up --hosts 3 --etcd-members 3`: the link drills act through each worker's
+/// `link-fault` template inside its host namespace (a KV blackhole on decode-0, decode-1
+/// cut off from etcd), the etcd drills on the three supervised members (the leader killed
+/// and started again, every member stopped), each proven, and each failing its proof with
+/// `--vacuity`; the cluster is left as found: same components running, no rule left in
+/// any namespace.
+#[test]
+fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult {
+    let dir = common::temp_dir("tandem-drill-against-hosts")?;
+    let args = ["--hosts", "3", "--etcd-members", "3", "--decode", "2", "--restart", "always", "--lease-ttl-s", "2"];
+    let mut up =
+        Up::start(&dir, &[&args[..], &["--restart-backoff-ms", "300", "--reservation-ttl-ms", "3000"]].concat())?;
+    let state = up.state_file.clone();
+    let result = (|| -> TestResult {
+        let state_s = state.to_str().ok_or("state path")?;
+        let drills = ["kv-blackhole", "worker-etcd-cutoff", "etcd-leader-kill", "etcd-stall"];
+        let ran = tandem(&[&["drill", "--against", state_s, "run"][..], &drills].concat(), WAIT * 2)?;
+        let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
+        eprintln!("{stdout}");
+        assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}\n{}", up.stderr_text());
+        for name in drills {
+            let row =
+                stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row for {name}: {stdout}"))?;
+            assert_eq!(row.split_whitespace().nth(1), Some("yes"), "{name} proven: {row}");
+        }
+        let vac = ["kv-blackhole", "worker-etcd-cutoff"];
+        let ran = tandem(&[&["drill", "--against", state_s, "--vacuity", "run"][..], &vac].concat(), WAIT * 2)?;
+        let stdout = String::from_utf8_lossy(&ran.stdout);
+        assert!(ran.status.success(), "--vacuity against the hosts:\n{stdout}");
+        for name in vac {
+            let row = stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row: {stdout}"))?;
+            assert!(row.contains("no (ok)"), "{name} without its fault is not proven: {row}");
+        }
+
+        up.reload()?;
+        for c in up.components()? {
+            assert_eq!(c.state, State::Running, "{c:?}");
+            assert!(running(c.pid), "{} (pid {}) runs: {:?}", c.name, c.pid, proc_state(c.pid));
+            if let Some(ns) = &c.netns {
+                let rules = Command::new("ip").args(["netns", "exec", ns, "iptables", "-S"]).output()?;
+                let rules = String::from_utf8_lossy(&rules.stdout);
+                assert!(!rules.contains("tandem-drill"), "{}'s rules are gone from {ns}: {rules}", c.name);
+            }
+        }
+        let leaders = up.components()?.iter().filter(|c| c.role == Role::Etcd && c.restarts > 0).count();
+        assert_eq!(leaders, 1, "the killed leader alone was started again: {:?}", up.components()?);
+        assert_eq!(get_status(&up.http()?, "/ready")?, 200, "the cluster still serves after the drills");
+        Ok(())
+    })();
+    let stopped = up.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+    result?;
+    let status = stopped?;
+    assert!(status.success(), "tandem up exit after the drills: {status:?}");
+    Ok(())
+}

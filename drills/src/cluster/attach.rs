@@ -39,6 +39,16 @@ pub struct Attached {
     /// `tandem_kv_received_bytes_total`): G3 counts only what moved during the drill, since
     /// an earlier drill's SIGKILL leaves totals no check can balance.
     pub kv_at_attach: BTreeMap<String, (f64, f64)>,
+    /// Link rules the drill added through `link-fault` templates and has not deleted yet:
+    /// (worker, rule spec without `-A`); deleted when the drill ends.
+    pub link_rules: std::sync::Mutex<Vec<(String, Vec<String>)>>,
+    /// Packets the etcd-link rules of each worker dropped, counted when they were deleted.
+    pub etcd_dropped: std::sync::Mutex<BTreeMap<String, u64>>,
+    /// Each decode worker's KV reservation lease (ms), where the state file gives it.
+    pub reservation_ttls: BTreeMap<String, u64>,
+    /// Each worker's metrics page when the drill attached: proofs that count a worker's
+    /// events count those since ([`Cluster::page_at_attach`]).
+    pub pages_at_attach: BTreeMap<String, crate::metrics::Page>,
 }
 
 /// A component the supervisor started again ([`Cluster::await_restart`]).
@@ -118,6 +128,8 @@ impl Cluster {
         let file = settled_state(state, RESTARTING_WAIT).await?;
         let restart = file.restart.clone();
         let restarts = file.components.iter().map(|e| (e.name.clone(), e.restarts)).collect();
+        let reservation_ttls =
+            file.components.iter().filter_map(|e| Some((e.name.clone(), e.reservation_ttl_ms?))).collect();
         let mut etcd = Vec::new();
         let mut workers = Vec::new();
         let mut coordinators = Vec::new();
@@ -185,6 +197,10 @@ impl Cluster {
                 restart,
                 restarts,
                 kv_at_attach: BTreeMap::new(),
+                link_rules: Default::default(),
+                etcd_dropped: Default::default(),
+                reservation_ttls,
+                pages_at_attach: BTreeMap::new(),
             }),
             lease_ttl,
             workers,
@@ -213,16 +229,25 @@ impl Cluster {
         }
         cluster.wait_ready().await?;
         let mut kv = BTreeMap::new();
+        let mut pages = BTreeMap::new();
         for w in &cluster.workers {
             let p = scrape(&w.metrics_addr()?).await?;
             let moved = crate::invariants::kv_moved(w.role, &p).map_err(HarnessError::Metrics)?;
             let counted = if w.role == Role::Prefill { (moved, 0.0) } else { (0.0, moved) };
             kv.insert(w.proc.name.clone(), counted);
+            pages.insert(w.proc.name.clone(), p);
         }
         if let Some(a) = cluster.attached.as_mut() {
             a.kv_at_attach = kv;
+            a.pages_at_attach = pages;
         }
         Ok(cluster)
+    }
+
+    /// Worker `name`'s metrics page when an attached cluster was attached; `None` for the
+    /// drill's own cluster (its counters start at zero).
+    pub fn page_at_attach(&self, name: &str) -> Option<&crate::metrics::Page> {
+        self.attached.as_ref().and_then(|a| a.pages_at_attach.get(name))
     }
 
     /// The attached cluster's restart policy (`never`, `on-failure`, `always`); `None` when

@@ -22,10 +22,17 @@ use crate::HarnessError;
 use facts::argv::{WorkerArgv, DECODE_BINARY, PREFILL_BINARY};
 
 mod attach;
+mod etcd;
+mod links;
+
+pub use links::LinkNet;
 mod spec;
 
 pub use attach::{parse_exit, Attached, Restarted};
 pub use spec::{ClusterSpec, Role, TenantsSpec, WorkerSpec};
+
+/// The comment on the `iptables` rules that cut an attached worker off from etcd.
+pub const ETCD_LINK_RULE: &str = "tandem-drill-etcd-link";
 
 /// A running worker.
 #[derive(Debug)]
@@ -662,7 +669,29 @@ impl Cluster {
 
     /// Arms `fault` on every proxy between process `name` and etcd
     /// ([`ClusterSpec::etcd_via_proxy`]); `Fault::Blackhole` cuts it off, `Fault::None` lifts that.
+    /// In an attached cluster, `name`'s etcd links are cut by an `iptables` rule per member in
+    /// its network instead ([`Worker::link_net`]).
     pub fn etcd_link(&self, name: &str, fault: crate::proxy::Fault) -> Result<(), HarnessError> {
+        if self.attached.is_some() && !self.etcd_proxies.contains_key(name) {
+            let net = self.worker(name)?.link_net(self)?;
+            let op = match fault {
+                crate::proxy::Fault::Blackhole => "-A",
+                crate::proxy::Fault::None => "-D",
+                other => return Err(HarnessError::Fault(format!("{other:?} on an etcd link needs a fault proxy"))),
+            };
+            if op == "-D" {
+                // The rules' counters go with them: keep what they dropped for the proof.
+                let n = net.rule_packets("OUTPUT", ETCD_LINK_RULE)?.unwrap_or(0);
+                if let Some(a) = &self.attached {
+                    *a.etcd_dropped.lock().unwrap_or_else(|e| e.into_inner()).entry(name.to_owned()).or_default() += n;
+                }
+            }
+            for rule in self.etcd_drop_rules()? {
+                let args: Vec<&str> = std::iter::once(op).chain(rule.iter().map(String::as_str)).collect();
+                net.iptables(&args)?;
+            }
+            return Ok(());
+        }
         let proxies = self
             .etcd_proxies
             .get(name)
@@ -673,8 +702,37 @@ impl Cluster {
         Ok(())
     }
 
-    /// Bytes (both ways) the blackhole dropped on `name`'s etcd links so far.
+    /// The OUTPUT rules (without `-A`/`-D`) that cut a worker off from each attached etcd
+    /// member.
+    fn etcd_drop_rules(&self) -> Result<Vec<Vec<String>>, HarnessError> {
+        let mut rules = Vec::new();
+        for p in self.attached_etcd() {
+            let addr = p.socket_addr("grpc")?;
+            rules.push(
+                ["OUTPUT", "-p", "tcp", "-d", &addr.ip().to_string(), "--dport", &addr.port().to_string()]
+                    .into_iter()
+                    .chain(["-m", "comment", "--comment", ETCD_LINK_RULE, "-j", "DROP"])
+                    .map(str::to_owned)
+                    .collect(),
+            );
+        }
+        if rules.is_empty() {
+            return Err(HarnessError::Setup("the attached cluster lists no etcd member".into()));
+        }
+        Ok(rules)
+    }
+
+    /// Bytes (both ways) the blackhole dropped on `name`'s etcd links so far; in an attached
+    /// cluster, the packets its `iptables` rules dropped.
     pub fn etcd_link_dropped(&self, name: &str) -> u64 {
+        if self.attached.is_some() && !self.etcd_proxies.contains_key(name) {
+            let net = self.worker(name).and_then(|w| w.link_net(self));
+            let now = net.and_then(|n| n.rule_packets("OUTPUT", ETCD_LINK_RULE)).ok().flatten().unwrap_or(0);
+            let before = self.attached.as_ref().map_or(0, |a| {
+                a.etcd_dropped.lock().unwrap_or_else(|e| e.into_inner()).get(name).copied().unwrap_or(0)
+            });
+            return now + before;
+        }
         self.etcd_proxies.get(name).map_or(0, |ps| {
             ps.iter()
                 .map(|p| {

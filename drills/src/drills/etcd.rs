@@ -18,6 +18,7 @@ use crate::metrics::{get_status, scrape};
 use crate::process::Signal;
 use crate::proxy::Fault;
 use crate::{eventually, HarnessError};
+use facts::state::Action;
 
 use facts::metrics::coordinator::{REGISTRY_HEALTHY, REGISTRY_RESYNCS as RESYNCS};
 /// The coordinator's code for "etcd unreachable past `--registry-max-stale-ms`".
@@ -101,7 +102,7 @@ async fn wait_leader(c: &Cluster, not: Option<usize>, limit: Duration) -> Result
     eventually("an etcd member reports itself leader", limit, || {
         let found = &found;
         async move {
-            match c.etcd.leader().await {
+            match c.etcd_leader().await {
                 Some(l) if Some(l) != not => {
                     *found.lock().unwrap_or_else(|e| e.into_inner()) = Some(l);
                     true
@@ -151,6 +152,31 @@ fn ms(t: Instant) -> u128 {
     t.elapsed().as_millis()
 }
 
+/// `Drill::against` for the etcd drills: the attached cluster has at least `members` etcd
+/// members and, when `kills`, something starts a killed one again (its supervisor under
+/// `on-failure` or `always`, or a `restart` template on every member).
+fn etcd_against(c: &Cluster, members: usize, kills: bool) -> Result<(), String> {
+    let n = c.etcd_len();
+    if n < members {
+        return Err(format!(
+            "needs at least {members} etcd members and the state file lists {n} (`tandem up --etcd-members 3`)"
+        ));
+    }
+    if !kills {
+        return Ok(());
+    }
+    let templated = c.attached_etcd().all(|p| p.actions().is_some_and(|a| a.template(Action::Restart).is_some()));
+    match c.restart_policy() {
+        Some("always" | "on-failure") => Ok(()),
+        _ if templated => Ok(()),
+        p => Err(format!(
+            "it SIGKILLs etcd members, which must be started again: the state file's restart policy is {} and \
+             its etcd members have no `restart` template",
+            p.unwrap_or("none")
+        )),
+    }
+}
+
 /// Restart etcd under load with two version groups.
 pub(super) struct EtcdRestart;
 
@@ -162,6 +188,12 @@ impl Drill for EtcdRestart {
             description: "restart etcd under load with two version groups: serving continues from the cached \
                           membership, the coordinator re-lists, no KV crosses groups",
         }
+    }
+
+    /// Against a running cluster: every member is killed and waited for until its
+    /// supervisor (or `restart` template) started it again; the cluster's own groups.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        etcd_against(c, 1, true)
     }
 
     fn setup(&self, _skip: bool) -> Setup {
@@ -183,10 +215,18 @@ impl Drill for EtcdRestart {
     async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         let mut ev = Evidence { before: counter_before(c, RESYNCS, &[]).await, ..Evidence::default() };
         load.wait_done(2, LOAD_WAIT).await?;
-        ev.victim = c.etcd.pid(0).map(|p| ("etcd".to_owned(), p));
+        ev.victim = c.etcd_pid(0).map(|p| ("etcd".to_owned(), p));
         if !skip {
             ev.began();
-            c.etcd.restart(0).await.map_err(|e| HarnessError::Fault(format!("etcd restart: {e}")))?;
+            // Every member down, then each back: one member (ours), or all of an attached
+            // cluster's, so the coordinator's watch has nowhere to stay connected.
+            let mut killed = Vec::new();
+            for i in 0..c.etcd_len() {
+                killed.push(c.etcd_kill(i).await?);
+            }
+            for (i, pid) in killed.into_iter().enumerate() {
+                c.etcd_restart(i, pid).await?;
+            }
             ev.ended();
         }
         Ok(ev)
@@ -200,7 +240,7 @@ impl Drill for EtcdRestart {
         let h = c.http_addr().map_err(|e| e.to_string())?;
         let (seen, now) = counter_reaches(&h, RESYNCS, &[], ev.before + 1.0, Duration::from_secs(10)).await;
         seen.map_err(|e| format!("old etcd pid {pid} is gone, but {e}"))?;
-        Ok(format!("old etcd pid {pid} gone, new pid {:?}; coordinator resyncs {} -> {now}", c.etcd.pid(0), ev.before))
+        Ok(format!("old etcd pid {pid} gone, new pid {:?}; coordinator resyncs {} -> {now}", c.etcd_pid(0), ev.before))
     }
 }
 
@@ -215,6 +255,12 @@ impl Drill for EtcdLeaderKill {
             description: "SIGKILL the leader of a three-member etcd under load: a follower is elected, leases and the \
                           coordinator's watch carry on, every request completes",
         }
+    }
+
+    /// Against a running cluster of three or more members, whose killed leader is started
+    /// again by its supervisor (or template): the drill waits for that before it ends.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        etcd_against(c, 3, true)
     }
 
     fn setup(&self, _skip: bool) -> Setup {
@@ -233,20 +279,24 @@ impl Drill for EtcdLeaderKill {
         let mut ev = Evidence::default();
         load.wait_done(2, LOAD_WAIT).await?;
         let leader = wait_leader(c, None, Duration::from_secs(15)).await?;
-        let pid = c.etcd.pid(leader).ok_or_else(|| HarnessError::Fault("the leader has no pid".into()))?;
-        let name = format!("etcd-{}", c.etcd.name(leader));
+        let pid = c.etcd_pid(leader).ok_or_else(|| HarnessError::Fault("the leader has no pid".into()))?;
+        let name = c.etcd_name(leader);
         ev.victim = Some((name.clone(), pid));
         if skip {
             return Ok(ev);
         }
         ev.began();
         let t0 = Instant::now();
-        c.etcd.kill(leader);
-        c.faulted.insert(name.clone(), Signal::Kill);
+        c.etcd_kill(leader).await?;
         ev.killed.push((name, pid));
         let new = wait_leader(c, Some(leader), Duration::from_secs(15)).await?;
         ev.ended();
-        ev.notes.push(format!("etcd-{} elected within {} ms", c.etcd.name(new), ms(t0)));
+        ev.notes.push(format!("{} elected within {} ms", c.etcd_name(new), ms(t0)));
+        if c.is_attached() {
+            // Someone else's cluster is left whole: its supervisor starts the old leader again.
+            c.etcd_restart(leader, Some(pid)).await?;
+            ev.notes.push(format!("{} started again", c.etcd_name(leader)));
+        }
         Ok(ev)
     }
 
@@ -255,8 +305,8 @@ impl Drill for EtcdLeaderKill {
         if !gone(pid) {
             return Err(format!("the etcd leader {name} (pid {pid}) is still running"));
         }
-        let now = c.etcd.leader().await.ok_or_else(|| format!("{name} (pid {pid}) is gone but no member leads"))?;
-        let now = format!("etcd-{}", c.etcd.name(now));
+        let now = c.etcd_leader().await.ok_or_else(|| format!("{name} (pid {pid}) is gone but no member leads"))?;
+        let now = c.etcd_name(now);
         if now == name {
             return Err(format!("{name} still reported as leader after its kill"));
         }
@@ -276,6 +326,14 @@ impl Drill for EtcdQuorumLoss {
                           coordinator serves from its cache for --registry-max-stale-ms then answers 503 \
                           registry_unavailable; restart them: serving resumes",
         }
+    }
+
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        super::own_cluster(
+            "it holds two of three members down past the coordinator's --registry-max-stale-ms (3 s here, a \
+             minute by default), and a running cluster's supervisor starts a killed member again within its \
+             backoff, so the quorum would return before the bound it proves",
+        )
     }
 
     fn setup(&self, _skip: bool) -> Setup {
@@ -303,17 +361,15 @@ impl Drill for EtcdQuorumLoss {
         let h = c.http_addr()?;
         load.wait_done(2, LOAD_WAIT).await?;
         let leader = wait_leader(c, None, Duration::from_secs(15)).await?;
-        let follower = (0..c.etcd.len()).find(|&i| i != leader).unwrap_or(0);
+        let follower = (0..c.etcd_len()).find(|&i| i != leader).unwrap_or(0);
         if skip {
             return Ok(ev);
         }
         ev.began();
         let t0 = Instant::now();
         for i in [leader, follower] {
-            let pid = c.etcd.pid(i);
-            c.etcd.kill(i);
-            if let Some(pid) = pid {
-                ev.killed.push((format!("etcd-{}", c.etcd.name(i)), pid));
+            if let Some(pid) = c.etcd_kill(i).await? {
+                ev.killed.push((c.etcd_name(i), pid));
             }
         }
         let refused = ask_until(&h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
@@ -326,7 +382,8 @@ impl Drill for EtcdQuorumLoss {
         note(&mut ev, ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }));
         // Quorum back: the first restart makes two of three.
         for i in [follower, leader] {
-            c.etcd.restart(i).await.map_err(|e| HarnessError::Fault(format!("restarting etcd member {i}: {e}")))?;
+            let pid = ev.killed.iter().find(|(n, _)| *n == c.etcd_name(i)).map(|(_, p)| *p);
+            c.etcd_restart(i, pid).await?;
         }
         ev.ended();
         let t1 = Instant::now();
@@ -371,6 +428,20 @@ impl Drill for WorkerEtcdCutoff {
             description: "blackhole one decode worker's etcd link (it alone): its lease lapses but it does not \
                           fence (its coordinator still reaches it); the coordinator drops it after the departed \
                           grace and the load runs on the other; lift the partition: it re-registers unfenced",
+        }
+    }
+
+    /// Against a running cluster the partition is an `iptables` rule per etcd member in
+    /// decode-1's network, through its `link-fault` template (`tandem up --hosts`).
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        super::at_least(c, Role::Decode, 2, "one cut off, one to serve")?;
+        match c.worker(CUT_WORKER) {
+            Ok(w) if w.has_link_net() => Ok(()),
+            Ok(_) => Err(format!(
+                "{CUT_WORKER} has no `link-fault` template to cut its etcd link with (`tandem up --hosts 2` gives \
+                 each worker one)"
+            )),
+            Err(_) => Err(format!("it cuts off {CUT_WORKER}, which the cluster does not have")),
         }
     }
 
@@ -424,11 +495,12 @@ impl Drill for WorkerEtcdCutoff {
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
         let dropped = c.etcd_link_dropped(CUT_WORKER);
+        let what = if c.etcd_proxies.contains_key(CUT_WORKER) { "bytes (its proxy)" } else { "packets (its rules)" };
         if dropped == 0 {
-            return Err(format!("the proxy on {CUT_WORKER}'s etcd link dropped 0 bytes: it was never cut off"));
+            return Err(format!("{CUT_WORKER}'s etcd link dropped 0 {what}: it was never cut off"));
         }
         if !ev.missing.is_empty() {
-            return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
+            return Err(format!("{dropped} {what} dropped, but: {}", ev.missing.join("; ")));
         }
         let m = c.worker(CUT_WORKER).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
         let fences =
@@ -439,7 +511,7 @@ impl Drill for WorkerEtcdCutoff {
                 facts::metrics::worker::FENCES
             ));
         }
-        Ok(format!("proxy dropped {dropped} bytes; {}; {} = 0", ev.notes.join("; "), facts::metrics::worker::FENCES))
+        Ok(format!("dropped {dropped} {what}; {}; {} = 0", ev.notes.join("; "), facts::metrics::worker::FENCES))
     }
 }
 
@@ -560,19 +632,6 @@ fn stopped(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-/// Sends `sig` (`-STOP`, `-CONT`) to `pid`.
-fn signal(pid: u32, sig: &str) -> Result<(), HarnessError> {
-    let status = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .map_err(|e| HarnessError::Fault(format!("kill {sig} {pid}: {e}")))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(HarnessError::Fault(format!("kill {sig} {pid} failed: {status}")))
-    }
-}
-
 /// `tandem_worker_fences_total` on every worker; Err if a worker does not export it.
 async fn fences(c: &Cluster) -> Result<Vec<(String, f64)>, String> {
     let mut out = Vec::new();
@@ -599,6 +658,11 @@ impl Drill for EtcdStall {
         }
     }
 
+    /// Against a running cluster every member is stopped (the drill continues them).
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        etcd_against(c, 1, false)
+    }
+
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             spec: ClusterSpec { lease_ttl_s: 2, ..ClusterSpec::default() }.prefill("g1").decode("g1"),
@@ -617,17 +681,21 @@ impl Drill for EtcdStall {
         ev.notes.push(format!("fences before: {before:?}"));
         let resyncs0 = counter_before(c, RESYNCS, &[]).await;
         load.wait_done(2, LOAD_WAIT).await?;
-        let pid = c.etcd.pid(0).ok_or_else(|| HarnessError::Fault("etcd has no pid".into()))?;
+        let pid = c.etcd_pid(0).ok_or_else(|| HarnessError::Fault("etcd has no pid".into()))?;
+        let pids: Vec<u32> = (0..c.etcd_len()).filter_map(|i| c.etcd_pid(i)).collect();
         ev.victim = Some(("etcd".into(), pid));
         ev.began();
         if !skip {
-            signal(pid, "-STOP")?;
+            // Every member: with one left running a quorum could still answer.
+            for i in 0..c.etcd_len() {
+                c.etcd_signal(i, Signal::Stop)?;
+            }
         }
         // Sample through the stall: a probe request and /ready, every ~half second.
         let t0 = Instant::now();
         let (mut asked, mut failed, mut samples, mut unready) = (0, Vec::new(), 0, Vec::new());
         while t0.elapsed() < STALL {
-            ev.seen |= stopped(pid);
+            ev.seen |= !pids.is_empty() && pids.iter().all(|&p| stopped(p));
             match ask(&h).await {
                 Ok(a) if a.status == 200 => {}
                 Ok(a) => failed.push(format!("{a} at {} ms", ms(t0))),
@@ -647,7 +715,9 @@ impl Drill for EtcdStall {
             f64::NAN
         });
         if !skip {
-            signal(pid, "-CONT")?;
+            for i in 0..c.etcd_len() {
+                c.etcd_signal(i, Signal::Cont)?;
+            }
         }
         ev.ended();
         ev.notes.push(format!("etcd stopped {} ms; {REGISTRY_HEALTHY} {healthy} at the end", STALL.as_millis()));

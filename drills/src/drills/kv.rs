@@ -16,10 +16,9 @@ use facts::metrics::decode::{
 
 use super::common::{decode_metrics, delay_during_load, delays_seen, strike, PairBreaker, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
-use crate::cluster::{Cluster, ClusterSpec, Role, Worker};
+use crate::cluster::{Cluster, ClusterSpec, LinkNet, Role, Worker};
 use crate::invariants::Invariants;
 use crate::metrics::sum;
-use crate::netns::Netns;
 use crate::proxy::Fault;
 use crate::{eventually, HarnessError};
 
@@ -154,21 +153,29 @@ struct Loads {
 }
 
 impl Loads {
+    /// decode-0's loads so far (in an attached cluster, since the drill attached), and its
+    /// failures by reason.
     async fn of(c: &Cluster) -> Result<(Self, String), HarnessError> {
-        let p = crate::metrics::scrape(&decode_worker(c)?.metrics_addr()?).await?;
+        let d = decode_worker(c)?;
+        let p = crate::metrics::scrape(&d.metrics_addr()?).await?;
+        let base = c.page_at_attach(&d.proc.name);
+        let since = |name: &str, labels: &[(&str, &str)]| -> Result<f64, HarnessError> {
+            Ok(p.sum(name, labels)? - base.map_or(0.0, |b| b.sum(name, labels).unwrap_or(0.0)))
+        };
         let mut by_reason = Vec::new();
         for r in LOAD_FAILURE_REASONS {
-            let n = p.sum(KV_LOAD_FAILURES, &[("reason", r)])?;
+            let n = since(KV_LOAD_FAILURES, &[("reason", r)])?;
             if n > 0.0 {
                 by_reason.push(format!("{r} {n}"));
             }
         }
+        let count = format!("{KV_LOAD_SECONDS}_count");
         let loads = Self {
-            failed: p.sum(KV_LOAD_FAILURES, &[])?,
-            recomputed: p.sum(POLICY_OUTCOMES, &[("outcome", OUTCOME_RECOMPUTED)])?,
-            loaded: p.absent_as_zero(&format!("{KV_LOAD_SECONDS}_count"), &[]),
-            lease_ran_out: p.sum(KV_LOAD_FAILURES, &[("reason", "lease_expired")])?
-                + p.sum(KV_LOAD_FAILURES, &[("reason", "timeout")])?,
+            failed: since(KV_LOAD_FAILURES, &[])?,
+            recomputed: since(POLICY_OUTCOMES, &[("outcome", OUTCOME_RECOMPUTED)])?,
+            loaded: p.absent_as_zero(&count, &[]) - base.map_or(0.0, |b| b.absent_as_zero(&count, &[])),
+            lease_ran_out: since(KV_LOAD_FAILURES, &[("reason", "lease_expired")])?
+                + since(KV_LOAD_FAILURES, &[("reason", "timeout")])?,
         };
         let reasons = if by_reason.is_empty() { "none".into() } else { by_reason.join(", ") };
         Ok((loads, reasons))
@@ -179,17 +186,58 @@ fn decode_worker(c: &Cluster) -> Result<&Worker, HarnessError> {
     c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode worker".into()))
 }
 
-/// The decode worker's namespace and the port of its KV listener in there.
-fn kv_port(c: &Cluster) -> Result<(&Netns, String), HarnessError> {
+/// The decode worker's network and the port of its KV listener in there.
+fn kv_port(c: &Cluster) -> Result<(LinkNet<'_>, String), HarnessError> {
     let (d, ns) = decode_ns(c)?;
     Ok((ns, port_of(&d.proc.addr("transfer")?)?))
 }
 
-/// The decode worker and its namespace.
-fn decode_ns(c: &Cluster) -> Result<(&Worker, &Netns), HarnessError> {
+/// The decode worker and its network: the namespace the drill made, or an attached
+/// worker's `link-fault` template.
+fn decode_ns(c: &Cluster) -> Result<(&Worker, LinkNet<'_>), HarnessError> {
     let d = decode_worker(c)?;
-    let ns = d.netns.as_ref().ok_or_else(|| HarnessError::Setup("the decode worker is in no namespace".into()))?;
-    Ok((d, ns))
+    Ok((d, d.link_net(c)?))
+}
+
+/// `Drill::against` for the KV-link drills on `iptables`: decode-0 (the faulty link) and
+/// decode-1 (the healthy one), decode-0's network reachable through a `link-fault` template,
+/// KV over tcp (a rule on its KV port), and its reservation lease in the state file (a held
+/// load fails when it ends).
+fn link_drill_against(c: &Cluster) -> Result<(), String> {
+    let (d0, d1) = (c.worker("decode-0"), c.worker("decode-1"));
+    let (Ok(d0), Ok(_)) = (d0, d1) else {
+        return Err("it faults decode-0's KV link while decode-1 keeps serving: the cluster needs both".into());
+    };
+    if !d0.has_link_net() {
+        return Err("decode-0 has no `link-fault` template to change its KV link with (`tandem up --hosts 2` gives \
+                    each worker its own network and one)"
+            .into());
+    }
+    if d0.proc.addr("transfer").is_ok_and(|a| a.starts_with('@')) {
+        return Err("decode-0 takes KV over shared memory (local), which no packet rule can touch".into());
+    }
+    attached_lease(c).map(drop)
+}
+
+/// decode-0's KV reservation lease as the attached cluster's state file gives it.
+fn attached_lease(c: &Cluster) -> Result<Duration, String> {
+    c.attached
+        .as_ref()
+        .and_then(|a| a.reservation_ttls.get("decode-0"))
+        .map(|&ms| Duration::from_millis(ms))
+        .ok_or_else(|| {
+            "the state file does not give decode-0's reservation_ttl_ms (a newer `tandem up` writes it), and a \
+             held KV load fails only when that lease ends"
+                .into()
+        })
+}
+
+/// Fits a KV-link drill's deadline to an attached cluster's reservation lease: a held load
+/// fails when its lease ends and is then recomputed.
+fn fit_deadline(c: &Cluster, s: &mut Setup) {
+    if let Ok(lease) = attached_lease(c) {
+        s.invariants.deadline = s.invariants.deadline.max(lease + Duration::from_secs(30));
+    }
 }
 
 /// The INPUT rule spec (without `-A`/`-D`) dropping packets to the KV port; `matcher` narrows it.
@@ -222,14 +270,20 @@ async fn faulty_pair(c: &Cluster) -> Result<String, String> {
 async fn healthy_loads(c: &Cluster) -> Result<(f64, f64), String> {
     let m = c.worker("decode-1").and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
     let p = crate::metrics::scrape(&m).await.map_err(|e| e.to_string())?;
-    Ok((p.absent_as_zero(&format!("{KV_LOAD_SECONDS}_count"), &[]), sum(&p, KV_LOAD_FAILURES, &[])?))
+    let count = format!("{KV_LOAD_SECONDS}_count");
+    let (loaded, failed) = (p.absent_as_zero(&count, &[]), sum(&p, KV_LOAD_FAILURES, &[])?);
+    // In an attached cluster, what happened since the drill attached.
+    let (loaded0, failed0) = c
+        .page_at_attach("decode-1")
+        .map_or((0.0, 0.0), |b| (b.absent_as_zero(&count, &[]), sum(b, KV_LOAD_FAILURES, &[]).unwrap_or(0.0)));
+    Ok((loaded - loaded0, failed - failed0))
 }
 
 fn rule(op: &str, spec: &[String]) -> Vec<String> {
     std::iter::once(op.to_owned()).chain(spec.iter().cloned()).collect()
 }
 
-fn iptables(ns: &Netns, args: &[String]) -> Result<String, HarnessError> {
+fn iptables(ns: &LinkNet<'_>, args: &[String]) -> Result<String, HarnessError> {
     ns.iptables(&args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
@@ -324,6 +378,16 @@ impl Drill for KvLoss {
         }
     }
 
+    /// Against a running cluster: the rule goes in decode-0's network through its
+    /// `link-fault` template, and the deadline allows for its reservation lease.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        link_drill_against(c)
+    }
+
+    fn adapt(&self, c: &Cluster, s: &mut Setup) {
+        fit_deadline(c, s);
+    }
+
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             spec: with_healthy_decode(netns_spec()),
@@ -341,7 +405,7 @@ impl Drill for KvLoss {
         let spec = drop_rule(&port, &["-m", "statistic", "--mode", "random", "--probability", "0.5"]);
         if !skip {
             ev.began();
-            iptables(ns, &rule("-A", &spec))?;
+            iptables(&ns, &rule("-A", &spec))?;
         }
         load.wait_finished().await?;
         // The rule stays until the namespace goes: the proof reads its counter.
@@ -398,7 +462,7 @@ fn port_of(addr: &str) -> Result<String, HarnessError> {
 }
 
 /// The INPUT rule (without `-A`/`-D`) that blackholes decode-0's KV link, and what it drops.
-fn blackhole_rule(c: &Cluster, ucx: bool) -> Result<(&Netns, Vec<String>, String), HarnessError> {
+fn blackhole_rule(c: &Cluster, ucx: bool) -> Result<(LinkNet<'_>, Vec<String>, String), HarnessError> {
     if !ucx {
         let (ns, port) = kv_port(c)?;
         return Ok((ns, drop_rule(&port, &[]), format!("KV port {port}")));
@@ -441,6 +505,22 @@ impl Drill for KvBlackhole {
         }
     }
 
+    /// Against a running cluster (KV over tcp; ucx's ports are its own): the rule goes in
+    /// decode-0's network through its `link-fault` template, and the deadline allows for its
+    /// reservation lease.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        if self.ucx {
+            return super::own_cluster(
+                "with KV over ucx its rule spares the decode worker's other ports, which include its etcd proxy's",
+            );
+        }
+        link_drill_against(c)
+    }
+
+    fn adapt(&self, c: &Cluster, s: &mut Setup) {
+        fit_deadline(c, s);
+    }
+
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             // A 2 s cooldown: decode-0's pair, opened by the blackhole, is probed while the load still runs.
@@ -466,7 +546,7 @@ impl Drill for KvBlackhole {
         let (ns, spec, dropping) = blackhole_rule(c, self.ucx)?;
         if !skip {
             ev.began();
-            iptables(ns, &rule("-A", &spec))?;
+            iptables(&ns, &rule("-A", &spec))?;
         }
         load.wait_done(4, LOAD_WAIT).await?;
         if !skip {
@@ -477,7 +557,7 @@ impl Drill for KvBlackhole {
         let (at_lift, _) = Loads::of(c).await?;
         let dropped = ns.rule_packets("INPUT", KV_RULE)?.unwrap_or(0);
         if !skip {
-            iptables(ns, &rule("-D", &spec))?;
+            iptables(&ns, &rule("-D", &spec))?;
             ev.ended();
         }
         ev.seen = dropped > 0;

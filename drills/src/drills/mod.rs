@@ -57,6 +57,9 @@ pub(crate) trait Drill: Send + Sync {
     fn against(&self, _c: &Cluster) -> Result<(), String> {
         own_cluster("its fault needs a cluster shaped for it (a fault proxy or network namespace on the KV link, or an etcd of its own to restart)")
     }
+    /// Fits the setup's bounds to an attached cluster (its leases, say), after
+    /// [`Drill::against`] allowed it; nothing by default.
+    fn adapt(&self, _c: &Cluster, _s: &mut Setup) {}
     /// Whether the binaries beside this one can apply the drill's fault; Err says why not.
     /// Most faults act from outside (signals, proxies, namespaces); a fault hook inside a
     /// worker exists only in a build with the `fault-injection` feature.
@@ -408,6 +411,9 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         None => None,
     };
     let mut s = drill.setup(opts.skip_fault);
+    if let Some(c) = &attached {
+        drill.adapt(c, &mut s);
+    }
     if let Some(n) = opts.requests {
         s.requests = n;
     }
@@ -571,6 +577,9 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         violations.push(Violation::new(Guarantee::G6, e.clone()));
     }
     let end = if cluster.is_attached() {
+        for e in cluster.clear_link_rules() {
+            violations.push(Violation::new(Guarantee::G5, e));
+        }
         invariants::left_as_found(&cluster).await
     } else {
         invariants::shutdown(&mut cluster, Duration::from_secs(20)).await

@@ -129,6 +129,10 @@ pub struct Args {
     /// placed round robin. Needs root. etcd and the coordinator stay in this namespace.
     #[arg(long, value_name = "N", conflicts_with = "etcd")]
     hosts: Option<usize>,
+    /// The decode workers' KV reservation lease, ms: how long a prefill worker has to deliver a
+    /// request's KV before the load fails (and is handled per --kv-load-failure-policy).
+    #[arg(long, default_value_t = 30_000)]
+    reservation_ttl_ms: u64,
     /// The decode workers' kv_load_failure_policy: recompute | retry | fail.
     #[arg(long, default_value = "recompute")]
     kv_load_failure_policy: String,
@@ -501,7 +505,8 @@ async fn start_cluster(
         let argv = shared
             .worker(WorkerArgv::decode(), &name, decode_threads, a.decode_nice, decode_cpus.as_ref())
             .kv_transport(&kv_transport)
-            .kv_load_failure_policy(&a.kv_load_failure_policy);
+            .kv_load_failure_policy(&a.kv_load_failure_policy)
+            .reservation_ttl_ms(a.reservation_ttl_ms);
         let spec = Spec {
             bin: sibling(argv.binary())?,
             args: argv.build(),
@@ -603,6 +608,9 @@ async fn start_worker(a: &Args, spec: Spec, role: Role, name: String, group: &st
     let mut c = Component::new(role, name);
     c.version_group = Some(group.to_owned());
     c.lease_ttl_s = Some(a.lease_ttl_s);
+    if role == Role::Decode {
+        c.reservation_ttl_ms = Some(a.reservation_ttl_ms);
+    }
     let run = start(&spec, &mut c, None).await?;
     Ok(Started { spec, component: c, run })
 }
