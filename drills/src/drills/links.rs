@@ -52,6 +52,12 @@ impl Drill for RequestLinkResets {
         }
     }
 
+    /// Against a running cluster: the proxy is the drill's own, between its clients and the
+    /// coordinator; nothing of the cluster changes.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        super::at_least(c, crate::cluster::Role::Decode, 1, "to serve the load")
+    }
+
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             spec: ClusterSpec::default().prefill("g1").decode("g1").clients_via_proxy(),
@@ -130,6 +136,12 @@ impl Drill for RequestLinkDelay {
             description: "75 ms ± 50 ms latency on every chunk the coordinator sends its clients (proxy on the \
                           request link): every answer complete and identical, nothing lost; TTFT p50/p99 in the proof",
         }
+    }
+
+    /// Against a running cluster: the proxy is the drill's own, between its clients and the
+    /// coordinator; nothing of the cluster changes.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        super::at_least(c, crate::cluster::Role::Decode, 1, "to serve the load")
     }
 
     fn setup(&self, _skip: bool) -> Setup {

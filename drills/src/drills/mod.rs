@@ -431,7 +431,15 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         .map_err(|e| HarnessError::Setup(format!("reference task: {e}")))??;
 
     let mut cluster = match attached {
-        Some(c) => c,
+        Some(mut c) => {
+            // A request-link fault needs no change to someone else's cluster: the drill's own
+            // fault proxy between its clients and the coordinator.
+            if s.spec.clients_via_proxy {
+                let upstream = c.coordinator.socket_addr("http")?;
+                c.client_proxy = Some(crate::proxy::Proxy::start_replies(upstream)?);
+            }
+            c
+        }
         None => Cluster::start(&s.spec, opts.keep_logs).await?,
     };
     let mut plan = Plan::new(cluster.base_url()?, MODEL);
