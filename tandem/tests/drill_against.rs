@@ -483,7 +483,7 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
 
 /// `tandem up --hosts 3 --etcd-members 3`: the link drills act through each worker's
 /// `link-fault` template inside its host namespace (a KV blackhole on decode-0, decode-1
-/// cut off from etcd), the etcd drills on the three supervised members (the leader killed
+/// cut off from etcd, `ss -K` on decode-0's control link), the etcd drills on the three supervised members (the leader killed
 /// and started again, every member stopped), each proven, and each failing its proof with
 /// `--vacuity`; the cluster is left as found: same components running, no rule left in
 /// any namespace.
@@ -496,7 +496,7 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
     let state = up.state_file.clone();
     let result = (|| -> TestResult {
         let state_s = state.to_str().ok_or("state path")?;
-        let drills = ["kv-blackhole", "worker-etcd-cutoff", "etcd-leader-kill", "etcd-stall"];
+        let drills = ["kv-blackhole", "worker-etcd-cutoff", "control-link-resets", "etcd-leader-kill", "etcd-stall"];
         let ran = tandem(&[&["drill", "--against", state_s, "run"][..], &drills].concat(), WAIT * 2)?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
         eprintln!("{stdout}");

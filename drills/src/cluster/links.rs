@@ -46,6 +46,15 @@ impl LinkNet<'_> {
         }
     }
 
+    /// Runs the shell command `cmd` there (`ss -K ...`); its output. Rules are added
+    /// through [`LinkNet::iptables`], which records them.
+    pub fn exec(&self, cmd: &str) -> Result<String, HarnessError> {
+        match self {
+            LinkNet::Own(ns) => ns.exec(&["sh", "-c", cmd]),
+            LinkNet::Template { proc, .. } => Ok(proc.act(Action::LinkFault, Some(cmd))?),
+        }
+    }
+
     /// Packets matched by the rules of `chain` whose comment is `comment`; `None` when no
     /// such rule exists.
     pub fn rule_packets(&self, chain: &str, comment: &str) -> Result<Option<u64>, HarnessError> {

@@ -590,7 +590,7 @@ impl Drill for KvBlackhole {
             ev.notes.join("; "),
             l.loaded - ev.before,
             slowest(report),
-            LEASE_MS as f64 / 1e3
+            attached_lease(c).map_or(LEASE_MS as f64 / 1e3, |l| l.as_secs_f64())
         );
         if !ev.seen || !ev.missing.is_empty() {
             return Err(format!("{seen}: {}", ev.missing.join("; ")));

@@ -18,6 +18,8 @@ use crate::{eventually, HarnessError};
 // The workers and the coordinator export these counters at 0 from the start: read with
 // `sum`, which fails on a missing (or renamed) series.
 use facts::metrics::coordinator::DECODE_REROUTES as REROUTES;
+/// Tokens a decode worker generated.
+use facts::metrics::decode::GENERATION_TOKENS as GENERATED;
 /// Requests a decode worker routed for prefill: counted as each arrives.
 use facts::metrics::decode::PREFILL_ROUTE as ROUTED;
 use facts::metrics::worker::REQUESTS_RUNNING;
@@ -193,6 +195,37 @@ impl ControlLinkResets {
     }
 }
 
+/// How control-link-resets cuts the link: the proxy on it (its own cluster), or, in an
+/// attached cluster, `ss -K` in the worker's network killing the established sockets on its
+/// gRPC port (the kernel answers the coordinator's next segment with a RST).
+enum Cutter<'a> {
+    Proxy(&'a Proxy),
+    Sockets(crate::cluster::LinkNet<'a>, String),
+}
+
+impl Cutter<'_> {
+    fn of(c: &Cluster) -> Result<Cutter<'_>, HarnessError> {
+        if c.control_proxies.contains_key(BEHIND) || !c.is_attached() {
+            return Ok(Cutter::Proxy(ControlLinkResets::proxy(c)?));
+        }
+        let w = c.worker(BEHIND)?;
+        let port = w.proc.socket_addr("grpc")?.port().to_string();
+        Ok(Cutter::Sockets(w.link_net(c)?, port))
+    }
+
+    /// Cuts every open connection; how many.
+    fn cut(&self) -> Result<u64, HarnessError> {
+        match self {
+            Cutter::Proxy(p) => Ok(p.reset_open()),
+            Cutter::Sockets(net, port) => {
+                let out = net.exec(&format!("ss -K -t -n state established '( sport = :{port} )'"))?;
+                // A header line, then one line per killed socket.
+                Ok(out.lines().skip(1).filter(|l| !l.trim().is_empty()).count() as u64)
+            }
+        }
+    }
+}
+
 #[async_trait::async_trait]
 impl Drill for ControlLinkResets {
     fn info(&self) -> DrillInfo {
@@ -216,19 +249,45 @@ impl Drill for ControlLinkResets {
         }
     }
 
+    /// Against a running cluster: `ss -K` through decode-0's `link-fault` template (its own
+    /// network, `tandem up --hosts`) cuts the coordinator's connections to it.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        super::at_least(c, crate::cluster::Role::Decode, 2, "one whose link is cut, one to route to")?;
+        match c.worker(BEHIND) {
+            Ok(w) if w.has_link_net() => Ok(()),
+            Ok(_) => {
+                Err(format!("{BEHIND} has no `link-fault` template to cut its sockets with (`tandem up --hosts 2`)"))
+            }
+            Err(_) => Err(format!("it cuts {BEHIND}'s control link, and the cluster has no {BEHIND}")),
+        }
+    }
+
     async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         let mut ev = Evidence::default();
-        let proxy = Self::proxy(c)?;
+        let cutter = Cutter::of(c)?;
         let m = c.worker(BEHIND)?.metrics_addr()?;
         ev.before = crate::metrics::scrape(&m).await?.sum(CANCELLED.0, CANCELLED.1)?;
+        let coord = c.coordinator_metrics().await?;
+        ev.counts = vec![
+            crate::metrics::sum(&coord, REROUTES, &[]).map_err(HarnessError::Metrics)?,
+            crate::metrics::sum(&coord, REROUTES, &[("reason", "stream_broken")]).map_err(HarnessError::Metrics)?,
+            0.0,
+        ];
         let mut strikes = 0;
         while strikes < STRIKES && !load.finished() {
             // Strikes alternate: mid-answer (the worker runs a request and has streamed
             // tokens since), then just after a request arrived (the worker has routed its
             // prompt to the prefill worker: its first token is a prefill away).
             let mid_answer = strikes % 2 == 0;
-            let forwarded = proxy.counters().bytes_forwarded;
-            let started = crate::metrics::scrape(&m).await?.sum(ROUTED, &[])?;
+            let forwarded = match &cutter {
+                Cutter::Proxy(p) => p.counters().bytes_forwarded,
+                Cutter::Sockets(..) => 0,
+            };
+            let page = crate::metrics::scrape(&m).await?;
+            let started = page.sum(ROUTED, &[])?;
+            // Rendered from its first increment: absent is none yet.
+            let tokens = page.absent_as_zero(GENERATED, &[]);
+            let cutter = &cutter;
             let what = if mid_answer { "streams a request" } else { "starts a request" };
             eventually(&format!("{BEHIND} {what} (or the load ends)"), LOAD_WAIT, || {
                 let m = &m;
@@ -238,8 +297,13 @@ impl Drill for ControlLinkResets {
                     }
                     let Ok(p) = crate::metrics::scrape(m).await else { return false };
                     if mid_answer {
-                        p.get(REQUESTS_RUNNING, &[]).is_ok_and(|n| n >= 1.0)
-                            && proxy.counters().bytes_forwarded > forwarded + 200
+                        // Tokens have flowed to the coordinator since: through the proxy, or
+                        // generated on the worker.
+                        let streamed = match cutter {
+                            Cutter::Proxy(p) => p.counters().bytes_forwarded > forwarded + 200,
+                            Cutter::Sockets(..) => p.absent_as_zero(GENERATED, &[]) > tokens + 2.0,
+                        };
+                        p.get(REQUESTS_RUNNING, &[]).is_ok_and(|n| n >= 1.0) && streamed
                     } else {
                         p.sum(ROUTED, &[]).is_ok_and(|n| n > started)
                     }
@@ -251,7 +315,8 @@ impl Drill for ControlLinkResets {
             }
             ev.began();
             if !skip {
-                let n = proxy.reset_open();
+                let n = cutter.cut()?;
+                ev.counts[2] += n as f64;
                 ev.notes.push(format!("{} {n}", if mid_answer { "mid-answer" } else { "at a request's start" }));
             }
             strikes += 1;
@@ -262,7 +327,12 @@ impl Drill for ControlLinkResets {
     }
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
-        let resets = Self::proxy(c).map_err(|e| e.to_string())?.counters().resets;
+        let resets = match Cutter::of(c).map_err(|e| e.to_string())? {
+            Cutter::Proxy(p) => p.counters().resets,
+            Cutter::Sockets(..) => ev.counts.get(2).copied().unwrap_or(0.0) as u64,
+        };
+        let (rerouted0, broken0) =
+            (ev.counts.first().copied().unwrap_or(0.0), ev.counts.get(1).copied().unwrap_or(0.0));
         let m = c.worker(BEHIND).and_then(|w| w.metrics_addr()).map_err(|e| e.to_string())?;
         let ended_typed = report
             .records
@@ -270,8 +340,8 @@ impl Drill for ControlLinkResets {
             .filter(|r| matches!(&r.outcome, Outcome::StreamError { code: Some(c), .. } if c == "worker_stream"))
             .count();
         let coord = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let rerouted = crate::metrics::sum(&coord, REROUTES, &[])?;
-        let broken = crate::metrics::sum(&coord, REROUTES, &[("reason", "stream_broken")])?;
+        let rerouted = crate::metrics::sum(&coord, REROUTES, &[])? - rerouted0;
+        let broken = crate::metrics::sum(&coord, REROUTES, &[("reason", "stream_broken")])? - broken0;
         // Every request cut on the worker is cancelled there (its KV freed: G2).
         let want = ev.before + ended_typed as f64 + broken;
         let now = std::sync::Mutex::new(ev.before);
@@ -289,7 +359,7 @@ impl Drill for ControlLinkResets {
         .await;
         let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before + 0.0;
         let text = format!(
-            "the control proxy reset {resets} connection(s) (open ones, by strike: {}); {ended_typed} request(s) mid-answer ended in \
+            "the control link's {resets} open connection(s) were reset (by strike: {}); {ended_typed} request(s) mid-answer ended in \
              worker_stream, {rerouted} were routed again before their first token ({broken} of them on a \
              broken stream); {BEHIND} cancelled {cancelled}",
             ev.notes.join(", ")

@@ -323,6 +323,9 @@ pub(crate) struct Evidence {
     /// Requests of the load ended when the fault step passed each of its marks, for proofs
     /// that judge the load by phase (before and during the fault).
     pub done_at: Vec<usize>,
+    /// Counters read before the fault, for a proof that counts what changed since (an
+    /// attached cluster has served before the drill).
+    pub counts: Vec<f64>,
 }
 
 impl Evidence {
