@@ -336,6 +336,12 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
     ];
     let state_path = dir.join("state.json");
     let mut file = StateFile { restart: None, components: Vec::new() };
+    let guard = HandCluster {
+        state: state_path.clone(),
+        dir: dir.clone(),
+        started: Default::default(),
+        failed: Default::default(),
+    };
     let log_action = |what: &str, then: &str| {
         format!("echo {what} {{name}} >> {} && {then}", facts::state::shell_word(&actions_log.display().to_string()))
     };
@@ -374,6 +380,7 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
             ]
             .into_iter()
             .collect();
+            guard.started.lock().unwrap_or_else(|e| e.into_inner()).push(c.clone());
             file.components.push(c);
             file.write(&state_path)?;
             if *role == Role::Etcd {
@@ -466,19 +473,39 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
         assert_eq!(get_status(&at(10), "/ready")?, 200, "the cluster still serves after the drills");
         Ok(())
     })();
-    // Stop what the state file lists now (a restarted worker under its new pid).
-    let listed = StateFile::read(&state_path).map(|f| f.components).unwrap_or(file.components);
-    for c in listed.iter().rev() {
-        let _ = Command::new("kill").args(["-KILL", &c.pid.to_string()]).status();
-        if result.is_err() {
-            let log = c.log.as_ref().and_then(|l| std::fs::read_to_string(l).ok()).unwrap_or_default();
-            let tail: String =
-                log.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
-            eprintln!("--- {} (pid {}) log tail ---\n{tail}", c.name, c.pid);
-        }
-    }
-    let _ = std::fs::remove_dir_all(&dir);
+    guard.failed.store(result.is_err(), std::sync::atomic::Ordering::SeqCst);
+    drop(guard);
     result
+}
+
+/// Stops a cluster started by hand when dropped, also when the test panics: SIGKILL to every
+/// pid its state file lists now (a restarted worker under its new pid) and every pid it was
+/// started as, with the end of each log printed on a failure; then its directory goes.
+struct HandCluster {
+    state: PathBuf,
+    dir: PathBuf,
+    started: std::sync::Mutex<Vec<Component>>,
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for HandCluster {
+    fn drop(&mut self) {
+        let started = std::mem::take(&mut *self.started.lock().unwrap_or_else(|e| e.into_inner()));
+        let listed = StateFile::read(&self.state).map(|f| f.components).unwrap_or_default();
+        let failed = std::thread::panicking() || self.failed.load(std::sync::atomic::Ordering::SeqCst);
+        for c in listed.iter().chain(&started).rev() {
+            let _ = Command::new("kill").args(["-KILL", &c.pid.to_string()]).stderr(Stdio::null()).status();
+        }
+        if failed {
+            for c in &listed {
+                let log = c.log.as_ref().and_then(|l| std::fs::read_to_string(l).ok()).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                eprintln!("--- {} (pid {}) log tail ---\n{}", c.name, c.pid, tail.join("\n"));
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// `tandem up --hosts 3 --etcd-members 3`: the link drills act through each worker's
