@@ -96,14 +96,16 @@ async fn ask_until(addr: &str, what: &str, limit: Duration, want: impl Fn(&Answe
     }
 }
 
-/// Waits until a member other than `not` reports itself leader; which one.
-async fn wait_leader(c: &Cluster, not: Option<usize>, limit: Duration) -> Result<usize, HarnessError> {
+/// Waits until a member reports itself leader that is not the process `not` (member index,
+/// pid): another member, or the same member started again under a new pid (a supervisor can
+/// restart a killed leader before the election ends, and it may win it); which member.
+async fn wait_leader(c: &Cluster, not: Option<(usize, u32)>, limit: Duration) -> Result<usize, HarnessError> {
     let found = Mutex::new(None);
     eventually("an etcd member reports itself leader", limit, || {
         let found = &found;
         async move {
             match c.etcd_leader().await {
-                Some(l) if Some(l) != not => {
+                Some(l) if not.is_none_or(|(i, pid)| l != i || c.etcd_pid(l) != Some(pid)) => {
                     *found.lock().unwrap_or_else(|e| e.into_inner()) = Some(l);
                     true
                 }
@@ -289,7 +291,7 @@ impl Drill for EtcdLeaderKill {
         let t0 = Instant::now();
         c.etcd_kill(leader).await?;
         ev.killed.push((name, pid));
-        let new = wait_leader(c, Some(leader), Duration::from_secs(15)).await?;
+        let new = wait_leader(c, Some((leader, pid)), Duration::from_secs(15)).await?;
         ev.ended();
         ev.notes.push(format!("{} elected within {} ms", c.etcd_name(new), ms(t0)));
         if c.is_attached() {
@@ -306,10 +308,14 @@ impl Drill for EtcdLeaderKill {
             return Err(format!("the etcd leader {name} (pid {pid}) is still running"));
         }
         let now = c.etcd_leader().await.ok_or_else(|| format!("{name} (pid {pid}) is gone but no member leads"))?;
-        let now = c.etcd_name(now);
-        if now == name {
-            return Err(format!("{name} still reported as leader after its kill"));
+        if c.etcd_pid(now) == Some(pid) {
+            return Err(format!("{name} (pid {pid}) still reported as leader after its kill"));
         }
+        // Another member, or (a running cluster's supervisor restarted it) the same one anew.
+        let now = match c.etcd_pid(now) {
+            Some(p) if c.etcd_name(now) == name => format!("{name} again, restarted as pid {p},"),
+            _ => c.etcd_name(now),
+        };
         Ok(format!("leader {name} (pid {pid}) gone; {now} leads; {}", ev.notes.join("; ")))
     }
 }

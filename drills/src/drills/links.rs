@@ -18,6 +18,8 @@ use crate::{eventually, HarnessError};
 // The workers and the coordinator export these counters at 0 from the start: read with
 // `sum`, which fails on a missing (or renamed) series.
 use facts::metrics::coordinator::DECODE_REROUTES as REROUTES;
+/// Running requests the coordinator moved to another decode worker, by reason and outcome.
+use facts::metrics::coordinator::MIGRATIONS;
 /// Tokens a decode worker generated.
 use facts::metrics::decode::GENERATION_TOKENS as GENERATED;
 /// Requests a decode worker routed for prefill: counted as each arrives.
@@ -233,8 +235,9 @@ impl Drill for ControlLinkResets {
             name: "control-link-resets",
             description: "reset the coordinator's gRPC connection to a decode worker (RST, proxy on the control \
                           link) mid-answer, at a request's start, mid-answer again: requests before their first \
-                          token go to the other decode worker, those mid-answer end in a typed worker_stream error \
-                          (never spliced), the worker cancels them and frees their KV",
+                          token go to the other decode worker, those mid-answer move there (request migration) or \
+                          end in a typed worker_stream error (never spliced), the worker cancels them and frees \
+                          their KV",
         }
     }
 
@@ -272,6 +275,7 @@ impl Drill for ControlLinkResets {
             crate::metrics::sum(&coord, REROUTES, &[]).map_err(HarnessError::Metrics)?,
             crate::metrics::sum(&coord, REROUTES, &[("reason", "stream_broken")]).map_err(HarnessError::Metrics)?,
             0.0,
+            crate::metrics::sum(&coord, MIGRATIONS, &[("outcome", "ok")]).map_err(HarnessError::Metrics)?,
         ];
         let mut strikes = 0;
         while strikes < STRIKES && !load.finished() {
@@ -341,6 +345,9 @@ impl Drill for ControlLinkResets {
             .count();
         let coord = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
         let rerouted = crate::metrics::sum(&coord, REROUTES, &[])? - rerouted0;
+        // A stream cut mid-answer that request migration moved to the other decode worker.
+        let moved =
+            crate::metrics::sum(&coord, MIGRATIONS, &[("outcome", "ok")])? - ev.counts.get(3).copied().unwrap_or(0.0);
         let broken = crate::metrics::sum(&coord, REROUTES, &[("reason", "stream_broken")])? - broken0;
         // Every request cut on the worker is cancelled there (its KV freed: G2).
         let want = ev.before + ended_typed as f64 + broken;
@@ -360,11 +367,11 @@ impl Drill for ControlLinkResets {
         let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before + 0.0;
         let text = format!(
             "the control link's {resets} open connection(s) were reset (by strike: {}); {ended_typed} request(s) mid-answer ended in \
-             worker_stream, {rerouted} were routed again before their first token ({broken} of them on a \
-             broken stream); {BEHIND} cancelled {cancelled}",
+             worker_stream, {moved} moved mid-answer to the other decode worker, {rerouted} were routed again \
+             before their first token ({broken} of them on a broken stream); {BEHIND} cancelled {cancelled}",
             ev.notes.join(", ")
         );
-        if resets == 0 || (ended_typed == 0 && rerouted == 0.0) {
+        if resets == 0 || (ended_typed == 0 && rerouted == 0.0 && moved == 0.0) {
             return Err(text);
         }
         if seen.is_err() {
