@@ -437,7 +437,7 @@ pub fn logs_and_processes(cluster: &Cluster) -> Vec<Violation> {
         }
     }
     // An attached cluster's etcd members, when its state file lists them.
-    for p in cluster.attached.iter().flat_map(|a| &a.etcd) {
+    for p in cluster.attached_etcd() {
         if matches!(proc_state(p.pid), None | Some('Z')) {
             v.push(Violation::new(Guarantee::G5, format!("{} is not running at the end of the drill", p.name)));
         }
@@ -458,7 +458,7 @@ pub async fn left_as_found(cluster: &Cluster) -> Vec<Violation> {
             }
         }
     }
-    let etcd = cluster.attached.iter().flat_map(|a| &a.etcd);
+    let etcd = cluster.attached_etcd();
     for p in cluster.procs().chain(etcd) {
         let what = format!("{} (pid {}) runs (not stopped) after the drill", p.name, p.pid);
         let running = crate::eventually(&what, Duration::from_secs(5), || async {

@@ -66,10 +66,35 @@ fn tandem_while(
     }
 }
 
+/// The table row `tandem drill` printed for drill `name`.
+fn row<'a>(stdout: &'a str, name: &str) -> Result<&'a str, String> {
+    stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row for {name}: {stdout}"))
+}
+
+/// Each of `names` ran and was proven (its row's second column `yes`).
+fn assert_proven(stdout: &str, names: &[&str]) -> TestResult {
+    for name in names {
+        let row = row(stdout, name)?;
+        assert_eq!(row.split_whitespace().nth(1), Some("yes"), "{name} proven: {row}");
+    }
+    Ok(())
+}
+
+/// Stops `tandem up` after a test's body, removes its directory, and requires the body's
+/// success and a clean exit (0 on SIGTERM).
+fn finish(mut up: Up, dir: &std::path::Path, result: TestResult) -> TestResult {
+    let stopped = up.stop();
+    let _ = std::fs::remove_dir_all(dir);
+    result?;
+    let status = stopped?;
+    assert!(status.success(), "tandem up exit after the drills: {status:?}");
+    Ok(())
+}
+
 #[test]
 fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
     let dir = common::temp_dir("tandem-drill-against")?;
-    let mut up = Up::start(&dir, &["--decode", "2", "--lease-ttl-s", "4"])?;
+    let up = Up::start(&dir, &["--decode", "2", "--lease-ttl-s", "4"])?;
     let state = up.state_file.clone();
     let result = (|| -> TestResult {
         let v = &up.state;
@@ -120,11 +145,7 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
         let ran = tandem(&["drill", "--against", state_s, "run", "client-disconnect", "worker-sigstop"], WAIT)?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
         assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}");
-        for name in ["client-disconnect", "worker-sigstop"] {
-            let row =
-                stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row for {name}: {stdout}"))?;
-            assert_eq!(row.split_whitespace().nth(1), Some("yes"), "{name} proven: {row}");
-        }
+        assert_proven(&stdout, &["client-disconnect", "worker-sigstop"])?;
         all_running("after the drills");
         assert_eq!(get_status(http, "/ready")?, 200, "the cluster still serves after the drills");
 
@@ -173,12 +194,7 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
         Ok(())
     })();
     // `tandem up` exits 0 on SIGTERM only if no child had exited on its own before.
-    let stopped = up.stop();
-    let _ = std::fs::remove_dir_all(&dir);
-    result?;
-    let status = stopped?;
-    assert!(status.success(), "tandem up exit after the drills: {status:?}");
-    Ok(())
+    finish(up, &dir, result)
 }
 
 /// A supervised cluster (`--restart always`, short lease and backoff): a SIGKILLed decode
@@ -200,11 +216,7 @@ fn drills_that_end_a_worker_run_against_a_supervised_cluster() -> TestResult {
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
         eprintln!("the drills took {:?}:\n{stdout}", t0.elapsed());
         assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}\n{}", up.stderr_text());
-        for name in drills {
-            let row =
-                stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row for {name}: {stdout}"))?;
-            assert_eq!(row.split_whitespace().nth(1), Some("yes"), "{name} proven: {row}");
-        }
+        assert_proven(&stdout, &drills)?;
 
         // Left as found: the same components, each running, the workers under new pids.
         up.reload()?;
@@ -234,12 +246,7 @@ fn drills_that_end_a_worker_run_against_a_supervised_cluster() -> TestResult {
         assert_eq!(get_status(&up.http()?, "/ready")?, 200, "the cluster still serves after the drills");
         Ok(())
     })();
-    let stopped = up.stop();
-    let _ = std::fs::remove_dir_all(&dir);
-    result?;
-    let status = stopped?;
-    assert!(status.success(), "tandem up exit after the drills: {status:?}");
-    Ok(())
+    finish(up, &dir, result)
 }
 
 /// A cluster started by hand, not by `tandem up` (plain processes, each started by its own
@@ -406,11 +413,7 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
             tandem(&[&["drill", "--against", state_s, "--requests", "10", "run"][..], &drills].concat(), WAIT * 2)?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
         assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}");
-        for name in drills {
-            let row =
-                stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row for {name}: {stdout}"))?;
-            assert_eq!(row.split_whitespace().nth(1), Some("yes"), "{name} proven: {row}");
-        }
+        assert_proven(&stdout, &drills)?;
         eprintln!("{stdout}");
         // Every fault went through a template, and the killed worker was restarted by its own.
         let acted = std::fs::read_to_string(&actions_log)?;
@@ -528,17 +531,13 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
         eprintln!("{stdout}");
         assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}\n{}", up.stderr_text());
-        for name in drills {
-            let row =
-                stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row for {name}: {stdout}"))?;
-            assert_eq!(row.split_whitespace().nth(1), Some("yes"), "{name} proven: {row}");
-        }
+        assert_proven(&stdout, &drills)?;
         let vac = ["kv-blackhole", "worker-etcd-cutoff"];
         let ran = tandem(&[&["drill", "--against", state_s, "--vacuity", "run"][..], &vac].concat(), WAIT * 2)?;
         let stdout = String::from_utf8_lossy(&ran.stdout);
         assert!(ran.status.success(), "--vacuity against the hosts:\n{stdout}");
         for name in vac {
-            let row = stdout.lines().find(|l| l.starts_with(name)).ok_or_else(|| format!("no row: {stdout}"))?;
+            let row = row(&stdout, name)?;
             assert!(row.contains("no (ok)"), "{name} without its fault is not proven: {row}");
         }
 
@@ -557,10 +556,5 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
         assert_eq!(get_status(&up.http()?, "/ready")?, 200, "the cluster still serves after the drills");
         Ok(())
     })();
-    let stopped = up.stop();
-    let _ = std::fs::remove_dir_all(&dir);
-    result?;
-    let status = stopped?;
-    assert!(status.success(), "tandem up exit after the drills: {status:?}");
-    Ok(())
+    finish(up, &dir, result)
 }

@@ -650,8 +650,7 @@ impl Cluster {
         let mut v: Vec<(String, PathBuf)> =
             self.procs().flat_map(|p| p.log_paths().map(|l| (p.name.clone(), l.to_owned()))).collect();
         v.extend(self.etcd.log_paths().into_iter().map(|(m, p)| (format!("etcd-{m}"), p)));
-        let attached_etcd = self.attached.iter().flat_map(|a| &a.etcd);
-        v.extend(attached_etcd.flat_map(|p| p.log_paths().map(|l| (p.name.clone(), l.to_owned()))));
+        v.extend(self.attached_etcd().flat_map(|p| p.log_paths().map(|l| (p.name.clone(), l.to_owned()))));
         v
     }
 
