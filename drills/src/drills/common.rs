@@ -216,6 +216,19 @@ pub(super) async fn probe(addr: &str) -> Result<(u16, Option<String>), HarnessEr
     Ok((r.status, r.header("retry-after").map(str::to_owned)))
 }
 
+/// One load-like request after the drill's load has ended: a new seeded prompt as long as
+/// the load's (so it is prefilled remotely and may be handed a breaker's probe), through
+/// whatever the load went through. `n` picks the prompt. Ok when it completed.
+pub(super) async fn load_like_request(c: &Cluster, n: u64) -> Result<bool, HarnessError> {
+    let prompt = loadgen::prompts::generate(1, super::PROMPT_TOKENS, 1_000 + n).remove(0);
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                  "user": format!("after-load-{n}")});
+    let url = c.base_url()?;
+    let addr = url.trim_start_matches("http://");
+    let r = Request::post(addr, "/v1/completions").json(&body).timeout(LOAD_WAIT).send().await?;
+    Ok(r.status == 200)
+}
+
 /// A one-token probe request, each a new request: its `user` differs from every other
 /// probe's, so the coordinator's retry gate does not take it for a retry of an earlier
 /// probe it refused (a probe polls; it does not retry).

@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use loadgen::Report;
 // The decode worker exports its counters at 0 from the start, so they are read with
 // `Page::sum`, which fails on a missing (or renamed) series. Its load-time histogram
@@ -577,6 +579,23 @@ impl Drill for KvBlackhole {
         let back = || async { Loads::of(c).await.is_ok_and(|(l, _)| l.loaded > at_lift.loaded) || load.finished() };
         let _ = eventually("decode-0 loads KV again after the rule went", LOAD_WAIT, back).await;
         load.wait_finished().await?;
+        // A cluster's own breaker cooldown may outlast the load (the drill's own cluster sets
+        // 2 s; `tandem up` keeps the coordinator's 5 s default): then load-like requests, one
+        // at a time, until the pair's probe reaches decode-0 again.
+        if !skip {
+            let (mut extra, mut refused) = (0, 0);
+            let limit = Instant::now() + LOAD_WAIT;
+            while Loads::of(c).await?.0.loaded <= at_lift.loaded && Instant::now() < limit {
+                refused += u32::from(!super::common::load_like_request(c, extra).await?);
+                extra += 1;
+            }
+            if extra > 0 {
+                ev.notes.push(format!(
+                    "{extra} request(s) after the load ({refused} not answered 200), until the breaker's cooldown \
+                     let one through"
+                ));
+            }
+        }
         Ok(ev)
     }
 
