@@ -88,6 +88,21 @@ pub struct Component {
     /// one with neither is refused.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub actions: BTreeMap<Action, String>,
+    /// Settings it was started with that drills fit themselves to, by the flag's name
+    /// without dashes in front: [`flag`] names the ones read. A setting not listed is
+    /// unknown, and a drill that needs it is refused saying so.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub flags: BTreeMap<String, String>,
+}
+
+/// The flags drills read from [`Component::flags`].
+pub mod flag {
+    /// Decode workers: how KV reaches them (`local`, `tcp`, `quic`, `ucx`).
+    pub const KV_TRANSPORT: &str = "kv-transport";
+    /// Decode workers: what a failed KV load becomes (`recompute`, `retry`, `fail`).
+    pub const KV_LOAD_FAILURE_POLICY: &str = "kv-load-failure-policy";
+    /// Workers and coordinators: the drain grace on SIGTERM, ms.
+    pub const SHUTDOWN_TIMEOUT_MS: &str = "shutdown-timeout-ms";
 }
 
 /// What a drill does to a component, each through a command template
@@ -300,6 +315,7 @@ impl Component {
             last_exit: None,
             netns: None,
             actions: BTreeMap::new(),
+            flags: BTreeMap::new(),
         }
     }
 
@@ -443,6 +459,7 @@ mod tests {
         c.state = State::Restarting;
         c.last_exit = Some("signal 9 (SIGKILL)".into());
         *c.addr_mut(Addr::Grpc) = Some("127.0.0.1:7001".into());
+        c.flags.insert(flag::KV_TRANSPORT.into(), "tcp".into());
         let file = StateFile { restart: Some("on-failure".into()), components: vec![c] };
         file.write(&path).expect("write");
         assert!(!dir.join("state.json.tmp").exists(), "the temporary file is renamed away");
@@ -451,6 +468,7 @@ mod tests {
         assert_eq!(v["components"][0]["role"], "decode");
         assert_eq!(v["components"][0]["state"], "restarting");
         assert!(v["components"][0].get("http").is_none(), "absent addresses are left out: {v}");
+        assert_eq!(v["components"][0]["flags"]["kv-transport"], "tcp", "settings by flag name: {v}");
         assert_eq!(StateFile::read(&path).expect("read back"), file);
         assert_eq!(file.component("decode-0").map(|c| c.addrs().count()), Some(1));
 

@@ -191,32 +191,32 @@ pub fn mapped_pages(pid: u32) -> Result<HashMap<String, Pages>> {
     Ok(by)
 }
 
-/// The pid among `pids` owning the TCP socket whose local address is `local` (loopback IPv4),
-/// found through `/proc/net/tcp` and each pid's `/proc/PID/fd`.
+/// The pid among `pids` owning the TCP socket whose local address is `local` (IPv4), found
+/// through each pid's `/proc/PID/net/tcp` (its own network namespace's table) and `/proc/PID/fd`.
 pub fn socket_owner(local: std::net::SocketAddr, pids: &[u32]) -> Option<u32> {
     let std::net::SocketAddr::V4(v4) = local else { return None };
     // /proc/net/tcp shows the address as the in-memory u32 (little-endian here) and the port big-endian.
     let want = format!("{:08X}:{:04X}", u32::from_le_bytes(v4.ip().octets()), v4.port());
-    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
-    // Every row with that local address: an earlier connection from the same port to
-    // another peer may linger in TIME_WAIT (inode 0, owned by no process) before the live one.
-    let links: Vec<String> = table
-        .lines()
-        .skip(1)
-        .filter_map(|l| {
-            let cols: Vec<&str> = l.split_whitespace().collect();
-            let inode = cols.get(9).filter(|i| **i != "0")?;
-            (cols.get(1) == Some(&want.as_str())).then(|| format!("socket:[{inode}]"))
-        })
-        .collect();
-    if links.is_empty() {
-        return None;
-    }
     pids.iter().copied().find(|pid| {
-        std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|dir| {
-            dir.filter_map(Result::ok)
-                .any(|e| std::fs::read_link(e.path()).is_ok_and(|t| links.iter().any(|l| t.to_string_lossy() == *l)))
-        })
+        // Each process's own table: it may run in another network namespace.
+        let Ok(table) = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")) else { return false };
+        // Every row with that local address: an earlier connection from the same port to
+        // another peer may linger in TIME_WAIT (inode 0, owned by no process) before the live one.
+        let links: Vec<String> = table
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                let inode = cols.get(9).filter(|i| **i != "0")?;
+                (cols.get(1) == Some(&want.as_str())).then(|| format!("socket:[{inode}]"))
+            })
+            .collect();
+        !links.is_empty()
+            && std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|dir| {
+                dir.filter_map(Result::ok).any(|e| {
+                    std::fs::read_link(e.path()).is_ok_and(|t| links.iter().any(|l| t.to_string_lossy() == *l))
+                })
+            })
     })
 }
 

@@ -526,13 +526,22 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
     let state = up.state_file.clone();
     let result = (|| -> TestResult {
         let state_s = state.to_str().ok_or("state path")?;
-        let drills = ["kv-blackhole", "worker-etcd-cutoff", "control-link-resets", "etcd-leader-kill", "etcd-stall"];
+        // kv-resets and kv-delay: the drill's KV proxy in decode-0's namespace, its port redirected there.
+        let drills = [
+            "kv-blackhole",
+            "kv-resets",
+            "kv-delay",
+            "worker-etcd-cutoff",
+            "control-link-resets",
+            "etcd-leader-kill",
+            "etcd-stall",
+        ];
         let ran = tandem(&[&["drill", "--against", state_s, "run"][..], &drills].concat(), WAIT * 2)?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
         eprintln!("{stdout}");
         assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}\n{}", up.stderr_text());
         assert_proven(&stdout, &drills)?;
-        let vac = ["kv-blackhole", "worker-etcd-cutoff"];
+        let vac = ["kv-blackhole", "kv-resets", "worker-etcd-cutoff"];
         let ran = tandem(&[&["drill", "--against", state_s, "--vacuity", "run"][..], &vac].concat(), WAIT * 2)?;
         let stdout = String::from_utf8_lossy(&ran.stdout);
         assert!(ran.status.success(), "--vacuity against the hosts:\n{stdout}");
@@ -546,9 +555,14 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
             assert_eq!(c.state, State::Running, "{c:?}");
             assert!(running(c.pid), "{} (pid {}) runs: {:?}", c.name, c.pid, proc_state(c.pid));
             if let Some(ns) = &c.netns {
-                let rules = Command::new("ip").args(["netns", "exec", ns, "iptables", "-S"]).output()?;
-                let rules = String::from_utf8_lossy(&rules.stdout);
-                assert!(!rules.contains("tandem-drill"), "{}'s rules are gone from {ns}: {rules}", c.name);
+                // The drills' rules (comments `tandem-drill-*`, `tdm-*`), the KV proxy's REDIRECT included.
+                for table in ["filter", "nat"] {
+                    let rules =
+                        Command::new("ip").args(["netns", "exec", ns, "iptables", "-t", table, "-S"]).output()?;
+                    let rules = String::from_utf8_lossy(&rules.stdout);
+                    let left = rules.contains("tandem-drill") || rules.contains("tdm-");
+                    assert!(!left, "{}'s {table} rules are gone from {ns}: {rules}", c.name);
+                }
             }
         }
         let leaders = up.components()?.iter().filter(|c| c.role == Role::Etcd && c.restarts > 0).count();

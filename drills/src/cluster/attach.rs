@@ -49,6 +49,13 @@ pub struct Attached {
     /// Each worker's metrics page when the drill attached: proofs that count a worker's
     /// events count those since ([`Cluster::page_at_attach`]).
     pub pages_at_attach: BTreeMap<String, crate::metrics::Page>,
+    /// Each component's settings the state file gives (`flags`), by name.
+    pub flags: BTreeMap<String, BTreeMap<String, String>>,
+    /// Each component's network namespace the state file gives (`netns`), by name.
+    pub netns: BTreeMap<String, String>,
+    /// The fault proxy a drill put on a worker's KV link ([`Cluster::proxy_kv_link`]):
+    /// (worker, its REDIRECT rule), undone when the drill ends.
+    pub kv_redirect: std::sync::Mutex<Option<(String, Vec<String>)>>,
 }
 
 /// A component the supervisor started again ([`Cluster::await_restart`]).
@@ -130,6 +137,8 @@ impl Cluster {
         let restarts = file.components.iter().map(|e| (e.name.clone(), e.restarts)).collect();
         let reservation_ttls =
             file.components.iter().filter_map(|e| Some((e.name.clone(), e.reservation_ttl_ms?))).collect();
+        let flags = file.components.iter().map(|e| (e.name.clone(), e.flags.clone())).collect();
+        let netns = file.components.iter().filter_map(|e| Some((e.name.clone(), e.netns.clone()?))).collect();
         let mut etcd = Vec::new();
         let mut workers = Vec::new();
         let mut coordinators = Vec::new();
@@ -201,6 +210,9 @@ impl Cluster {
                 etcd_dropped: Default::default(),
                 reservation_ttls,
                 pages_at_attach: BTreeMap::new(),
+                flags,
+                netns,
+                kv_redirect: Default::default(),
             }),
             lease_ttl,
             workers,

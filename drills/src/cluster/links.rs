@@ -5,9 +5,12 @@
 //! recorded, and any it did not delete itself are deleted when the drill ends
 //! ([`Cluster::clear_link_rules`]), so the cluster is left as found.
 
+use std::path::Path;
+
 use super::{Cluster, Worker};
 use crate::netns::{packets_of, Netns};
 use crate::process::Proc;
+use crate::proxy::Proxy;
 use crate::HarnessError;
 use facts::state::{shell_word, Action};
 
@@ -103,5 +106,92 @@ impl Cluster {
             }
         }
         failed
+    }
+}
+
+/// The comment on the REDIRECT rule that passes an attached worker's KV link through a
+/// drill's proxy ([`Cluster::proxy_kv_link`]).
+pub const KV_PROXY_RULE: &str = "tdm-kv-proxy";
+
+/// Where `ip netns` keeps the namespaces it names.
+const NETNS_DIR: &str = "/run/netns";
+
+impl Cluster {
+    /// What the attached cluster's state file gives as component `name`'s setting `flag`
+    /// ([`facts::state::flag`]); `None` for the drill's own cluster, or when it is not given.
+    pub fn flag(&self, name: &str, flag: &str) -> Option<&str> {
+        self.attached.as_ref()?.flags.get(name)?.get(flag).map(String::as_str)
+    }
+
+    /// The network namespace the attached cluster's state file gives worker `name`.
+    pub fn netns_of(&self, name: &str) -> Option<&str> {
+        self.attached.as_ref()?.netns.get(name).map(String::as_str)
+    }
+
+    /// Puts a fault proxy on attached worker `name`'s KV link, as the drill's own cluster has
+    /// one ([`crate::ClusterSpec::decode_behind_proxy`]): the proxy's sockets live in the
+    /// worker's namespace, an iptables REDIRECT there (through its `link-fault` template)
+    /// sends new connections to the worker's KV port to the proxy, and the connections open
+    /// now are reset (`ss -K`) so prefill workers reconnect through it (a pooled connection
+    /// is checked before each transfer, so no transfer fails on it). Undone when the drill
+    /// ends ([`Cluster::unproxy_kv_link`], [`Cluster::clear_link_rules`]).
+    pub fn proxy_kv_link(&mut self, name: &str) -> Result<(), HarnessError> {
+        let ns = self
+            .netns_of(name)
+            .ok_or_else(|| HarnessError::Setup(format!("{name} runs in no network namespace the state file names")))?;
+        let path = Path::new(NETNS_DIR).join(ns);
+        let w = self.worker(name)?;
+        let transfer = w.proc.socket_addr("transfer")?;
+        let proxy = Proxy::start_in_netns(&path, transfer.ip(), transfer)?;
+        let port = transfer.port().to_string();
+        let to = proxy.addr.port().to_string();
+        let spec: Vec<String> = [
+            "PREROUTING",
+            "-p",
+            "tcp",
+            "--dport",
+            &port,
+            "-m",
+            "comment",
+            "--comment",
+            KV_PROXY_RULE,
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            &to,
+            "-t",
+            "nat",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let net = w.link_net(self)?;
+        // Reset first: a reset sent through the REDIRECT went astray here (see `unproxy_kv_link`).
+        net.exec(&format!("ss -K state established '( sport = :{port} )'"))?;
+        net.iptables(&std::iter::once("-A").chain(spec.iter().map(String::as_str)).collect::<Vec<_>>())?;
+        if let Some(a) = &self.attached {
+            *a.kv_redirect.lock().unwrap_or_else(|e| e.into_inner()) = Some((name.to_owned(), spec));
+        }
+        self.worker_mut(name)?.proxy = Some(proxy);
+        Ok(())
+    }
+
+    /// Takes the proxy [`Cluster::proxy_kv_link`] put on an attached worker's KV link away:
+    /// every connection through it is reset, then its REDIRECT rule goes, so prefill workers
+    /// reconnect straight to the worker. In that order: resets sent after the rule had gone
+    /// never reached the prefill workers (measured: their pooled connections stayed
+    /// established, and the next transfer on each failed).
+    pub fn unproxy_kv_link(&mut self) {
+        let Some(a) = &self.attached else { return };
+        let Some((name, spec)) = a.kv_redirect.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
+        if let Ok(w) = self.worker_mut(&name) {
+            if let Some(p) = w.proxy.take() {
+                p.reset_open();
+            }
+        }
+        if let Ok(w) = self.worker(&name) {
+            if let Ok(net) = w.link_net(self) {
+                let _ = net.iptables(&std::iter::once("-D").chain(spec.iter().map(String::as_str)).collect::<Vec<_>>());
+            }
+        }
     }
 }

@@ -118,6 +118,11 @@ pub struct Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        // An attached cluster is left as found even when a drill ended early: the connections
+        // through a KV proxy are reset (while its REDIRECT still maps them: the resets reached
+        // no prefill worker once the rule had gone), then its link rules go.
+        self.unproxy_kv_link();
+        let _ = self.clear_link_rules();
         // Processes are killed by their own Drop; SIGCONT first so a stopped one is reaped promptly.
         for p in self.procs() {
             if self.faulted.get(&p.name) == Some(&Signal::Stop) {

@@ -60,6 +60,13 @@ impl Drill for KvCorrupt {
         }
     }
 
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        if self.ucx {
+            return super::own_cluster("its fault is a flag the prefill worker is started with (--fault-kv-corrupt)");
+        }
+        kv_proxy_against(c, Some("recompute"), false)
+    }
+
     fn built(&self) -> Result<(), String> {
         if self.ucx {
             super::prefill_fault_hooks()
@@ -221,6 +228,56 @@ fn link_drill_against(c: &Cluster) -> Result<(), String> {
     attached_lease(c).map(drop)
 }
 
+/// `Drill::against` for the drills whose fault is the KV-link proxy: it is put on the first
+/// decode worker's link for the drill ([`Cluster::proxy_kv_link`]), which needs that worker's
+/// network namespace, a `link-fault` template, KV over tcp, and, where the proof counts one
+/// policy's outcome, that `policy`. `healthy`: a second decode worker must take the load
+/// while the first one's pair is broken.
+pub(super) fn kv_proxy_against(c: &Cluster, policy: Option<&str>, healthy: bool) -> Result<(), String> {
+    use facts::state::flag;
+    let d0 = c.workers_of(Role::Decode).next().ok_or("the cluster has no decode worker")?;
+    let name = d0.proc.name.as_str();
+    if healthy && c.workers_of(Role::Decode).count() < 2 {
+        return Err(format!("it breaks {name}'s KV link while another decode worker keeps serving: there is none"));
+    }
+    if c.netns_of(name).is_none() || !d0.has_link_net() {
+        return Err(format!(
+            "its fault proxy joins {name}'s network namespace and redirects its KV port there, and the state file \
+             gives it no `netns` with a `link-fault` template (`tandem up --hosts 2` does)"
+        ));
+    }
+    match c.flag(name, flag::KV_TRANSPORT) {
+        Some("tcp") => {}
+        Some(t) => return Err(format!("{name} takes KV over {t}, and the proxy sits in a TCP stream")),
+        None => {
+            return Err(format!(
+                "the state file does not give {name}'s `{}` (a newer `tandem up` writes it), and the proxy sits in a \
+                 TCP stream",
+                flag::KV_TRANSPORT
+            ))
+        }
+    }
+    if let Some(want) = policy {
+        match c.flag(name, flag::KV_LOAD_FAILURE_POLICY) {
+            Some(p) if p == want => {}
+            Some(p) => {
+                return Err(format!(
+                    "it proves policy {want}'s outcome, and {name} runs `{}` {p} (`tandem up \
+                     --kv-load-failure-policy {want}` runs it)",
+                    flag::KV_LOAD_FAILURE_POLICY
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "it proves policy {want}'s outcome, and the state file does not give {name}'s `{}`",
+                    flag::KV_LOAD_FAILURE_POLICY
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// decode-0's KV reservation lease as the attached cluster's state file gives it.
 fn attached_lease(c: &Cluster) -> Result<Duration, String> {
     c.attached
@@ -317,6 +374,10 @@ impl Drill for KvDelay {
         }
     }
 
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        kv_proxy_against(c, None, false)
+    }
+
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             // Latency fails nothing: the pair's breaker stays closed.
@@ -345,12 +406,20 @@ impl Drill for KvDelay {
         if !in_bounds {
             return Err(delayed);
         }
+        // Against a cluster with another decode worker (no proxy on its link), the load is shared.
+        let (other, other_failed) =
+            if c.workers_of(Role::Decode).count() > 1 { healthy_loads(c).await? } else { (0.0, 0.0) };
         let want = report.records.len() as f64;
-        if l.loaded < want || failed > 0.0 {
+        if l.loaded + other < want || failed + other_failed > 0.0 {
             return Err(format!(
-                "{delayed}, but the decode worker loaded {} of {want} KV transfers and {failed} failed ({reasons})",
-                l.loaded
+                "{delayed}, but the decode workers loaded {} (behind the proxy) + {other} of {want} KV transfers and \
+                 {} failed ({reasons})",
+                l.loaded,
+                failed + other_failed
             ));
+        }
+        if l.loaded < 1.0 {
+            return Err(format!("{delayed}, but no KV transfer crossed the proxy's decode worker"));
         }
         let mean = crate::metrics::scrape(&w.metrics_addr().map_err(|e| e.to_string())?)
             .await
@@ -358,7 +427,8 @@ impl Drill for KvDelay {
             .unwrap_or(0.0);
         let pair = faulty_pair(c).await?;
         Ok(format!(
-            "{delayed}; the decode worker loaded all {} KV transfers (mean load {:.0} ms), 0 failed; {pair}",
+            "{delayed}; the decode worker behind it loaded {} KV transfers (mean load {:.0} ms) and any other {other}, \
+             0 failed; {pair}",
             l.loaded,
             mean * 1e3
         ))
@@ -640,6 +710,10 @@ impl Drill for KvResets {
         }
     }
 
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        kv_proxy_against(c, Some("recompute"), true)
+    }
+
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             spec: with_healthy_decode(ClusterSpec::default().prefill("g1").decode_behind_proxy("g1")),
@@ -710,6 +784,10 @@ impl Drill for KvReorder {
                           refuses what arrives out of order (checksum or framing), the load fails and is \
                           recomputed, answers identical",
         }
+    }
+
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        kv_proxy_against(c, Some("recompute"), false)
     }
 
     fn setup(&self, _skip: bool) -> Setup {

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use loadgen::{Arrival, Outcome, Plan, PromptSource, Report};
 use tokio_util::sync::CancellationToken;
 
-use crate::cluster::{Cluster, ClusterSpec};
+use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::{self, Guarantee, Invariants, Violation};
 use crate::{eventually, reference_texts, HarnessError};
 pub use goodput::Goodput;
@@ -441,6 +441,13 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
                 let upstream = c.coordinator.socket_addr("http")?;
                 c.client_proxy = Some(crate::proxy::Proxy::start_replies(upstream)?);
             }
+            // A KV-link fault on the proxy: one in the first decode worker's namespace, which
+            // its KV port is redirected to for the drill.
+            if s.spec.workers.iter().any(|w| w.role == Role::Decode && w.behind_proxy) {
+                let first = c.workers_of(Role::Decode).next().map(|w| w.proc.name.clone());
+                let name = first.ok_or_else(|| HarnessError::Setup("the cluster has no decode worker".into()))?;
+                c.proxy_kv_link(&name)?;
+            }
             c
         }
         None => Cluster::start(&s.spec, opts.keep_logs).await?,
@@ -588,6 +595,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         violations.push(Violation::new(Guarantee::G6, e.clone()));
     }
     let end = if cluster.is_attached() {
+        cluster.unproxy_kv_link();
         for e in cluster.clear_link_rules() {
             violations.push(Violation::new(Guarantee::G5, e));
         }

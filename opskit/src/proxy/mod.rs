@@ -228,10 +228,61 @@ impl Proxy {
         Self::start_with(bind_ip, upstream, Direction::Requests)
     }
 
+    /// A proxy whose sockets live in the network namespace `netns` (a bind mount such as
+    /// `/run/netns/NAME`, or `/proc/PID/ns/net`): it listens on `bind_ip` (any free port)
+    /// there and connects to `upstream` from there, so a rule inside the namespace (an
+    /// iptables REDIRECT of a worker's own port) can pass the worker's traffic through it.
+    /// Its accept thread joins the namespace; no other thread of this process does. Stopping
+    /// it wakes that thread through `bind_ip`, which the caller's namespace must reach.
+    pub fn start_in_netns(netns: &std::path::Path, bind_ip: std::net::IpAddr, upstream: SocketAddr) -> Result<Self> {
+        Self::start_with_in(Some(netns.to_owned()), bind_ip, upstream, Direction::Requests)
+    }
+
     fn start_with(bind_ip: std::net::IpAddr, upstream: SocketAddr, direction: Direction) -> Result<Self> {
-        let listener = TcpListener::bind(SocketAddr::new(bind_ip, 0))
-            .map_err(|e| Error::io(format!("proxy bind {bind_ip}"), e))?;
-        let addr = listener.local_addr().map_err(|e| Error::io("proxy addr", e))?;
+        Self::start_with_in(None, bind_ip, upstream, direction)
+    }
+
+    fn start_with_in(
+        netns: Option<std::path::PathBuf>,
+        bind_ip: std::net::IpAddr,
+        upstream: SocketAddr,
+        direction: Direction,
+    ) -> Result<Self> {
+        // The accept thread makes every socket the proxy owns (the listener, each upstream
+        // connection), so it alone joins the namespace; it reports the bound listener back.
+        let (bound_tx, bound_rx) = mpsc::channel();
+        let (state_tx, state_rx) = mpsc::channel::<Shared>();
+        std::thread::spawn(move || {
+            let listener = (|| {
+                if let Some(path) = &netns {
+                    let ns =
+                        std::fs::File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+                    rustix::thread::move_into_link_name_space(
+                        std::os::fd::AsFd::as_fd(&ns),
+                        Some(rustix::thread::LinkNameSpaceType::Network),
+                    )
+                    .map_err(|e| Error::io(format!("joining network namespace {}", path.display()), e.into()))?;
+                }
+                let l = TcpListener::bind(SocketAddr::new(bind_ip, 0))
+                    .map_err(|e| Error::io(format!("proxy bind {bind_ip}"), e))?;
+                let addr = l.local_addr().map_err(|e| Error::io("proxy addr", e))?;
+                Ok::<_, Error>((l, addr))
+            })();
+            match listener {
+                Ok((l, addr)) => {
+                    let _ = bound_tx.send(Ok(addr));
+                    if let Ok(st) = state_rx.recv() {
+                        accept_loop(&l, upstream, direction, &st);
+                    }
+                }
+                Err(e) => {
+                    let _ = bound_tx.send(Err(e));
+                }
+            }
+        });
+        let addr = bound_rx.recv().map_err(|_| {
+            Error::io("proxy accept thread", std::io::Error::other("it ended before binding its listener"))
+        })??;
         let state: Shared = Arc::new((
             Mutex::new(State {
                 armed: Fault::None,
@@ -247,54 +298,8 @@ impl Proxy {
             }),
             Condvar::new(),
         ));
-        let st = state.clone();
-        std::thread::spawn(move || {
-            for (id, conn) in (0u64..).zip(listener.incoming()) {
-                if lock(&st).stopped {
-                    return;
-                }
-                let Ok(down) = conn else { continue };
-                {
-                    let mut s = lock(&st);
-                    if s.armed == Fault::Blackhole {
-                        let Ok(keep) = down.try_clone() else { continue };
-                        s.pending.push(keep);
-                        s.counters.blackholed_connections += 1;
-                        let st2 = st.clone();
-                        std::thread::spawn(move || swallow(down, &st2));
-                        continue;
-                    }
-                }
-                let Ok(up) = TcpStream::connect(upstream) else { continue };
-                let (Ok(down2), Ok(up2), Ok(down3), Ok(up3)) =
-                    (down.try_clone(), up.try_clone(), down.try_clone(), up.try_clone())
-                else {
-                    continue;
-                };
-                let reset = Arc::new(AtomicBool::new(false));
-                let reset_next = {
-                    let mut s = lock(&st);
-                    s.counters.connections += 1;
-                    s.live.insert(id, Live { socks: [down3, up3], reset: reset.clone() });
-                    match s.armed {
-                        Fault::ResetNextAfter(k) => {
-                            s.armed = Fault::None;
-                            Some(k)
-                        }
-                        _ => None,
-                    }
-                };
-                let peer = down.peer_addr().ok();
-                let (st2, st3) = (st.clone(), st.clone());
-                let reset2 = reset.clone();
-                let (sender, receiver, back_from, back_to) = match direction {
-                    Direction::Requests => (down, up, up2, down2),
-                    Direction::Replies => (up, down, down2, up2),
-                };
-                std::thread::spawn(move || forward(sender, receiver, id, peer, reset_next, &st2, &reset));
-                std::thread::spawn(move || plain(back_from, back_to, id, &st3, &reset2));
-            }
-        });
+        // The accept thread waits for this before its first accept.
+        let _ = state_tx.send(state.clone());
         let stop = Arc::new(StopOnDrop { addr, state: state.clone() });
         Ok(Self { addr, upstream, direction, state, _stop: stop })
     }
@@ -362,6 +367,55 @@ impl Proxy {
     pub fn release(&self) {
         lock(&self.state).released = true;
         self.state.1.notify_all();
+    }
+}
+
+/// Accepts connections on `listener` and forwards each to `upstream` until the proxy stops.
+fn accept_loop(listener: &TcpListener, upstream: SocketAddr, direction: Direction, st: &Shared) {
+    for (id, conn) in (0u64..).zip(listener.incoming()) {
+        if lock(st).stopped {
+            return;
+        }
+        let Ok(down) = conn else { continue };
+        {
+            let mut s = lock(st);
+            if s.armed == Fault::Blackhole {
+                let Ok(keep) = down.try_clone() else { continue };
+                s.pending.push(keep);
+                s.counters.blackholed_connections += 1;
+                let st2 = st.clone();
+                std::thread::spawn(move || swallow(down, &st2));
+                continue;
+            }
+        }
+        let Ok(up) = TcpStream::connect(upstream) else { continue };
+        let (Ok(down2), Ok(up2), Ok(down3), Ok(up3)) =
+            (down.try_clone(), up.try_clone(), down.try_clone(), up.try_clone())
+        else {
+            continue;
+        };
+        let reset = Arc::new(AtomicBool::new(false));
+        let reset_next = {
+            let mut s = lock(st);
+            s.counters.connections += 1;
+            s.live.insert(id, Live { socks: [down3, up3], reset: reset.clone() });
+            match s.armed {
+                Fault::ResetNextAfter(k) => {
+                    s.armed = Fault::None;
+                    Some(k)
+                }
+                _ => None,
+            }
+        };
+        let peer = down.peer_addr().ok();
+        let (st2, st3) = (st.clone(), st.clone());
+        let reset2 = reset.clone();
+        let (sender, receiver, back_from, back_to) = match direction {
+            Direction::Requests => (down, up, up2, down2),
+            Direction::Replies => (up, down, down2, up2),
+        };
+        std::thread::spawn(move || forward(sender, receiver, id, peer, reset_next, &st2, &reset));
+        std::thread::spawn(move || plain(back_from, back_to, id, &st3, &reset2));
     }
 }
 

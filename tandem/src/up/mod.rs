@@ -52,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 pub(crate) use child::http_get;
 use child::{get_status, sibling, start, stop_all, Ready, Running, Spec, START_TIMEOUT};
 use facts::argv::WorkerArgv;
-use facts::state::{Component, Role, State};
+use facts::state::{flag, Component, Role, State};
 use state::print_table;
 use supervise::{supervise, Policy, Rules};
 
@@ -493,7 +493,7 @@ async fn start_cluster(
             log: logs.join(format!("{name}.log")),
             netns,
         };
-        started.push(start_worker(a, spec, Role::Prefill, name, group).await?);
+        started.push(start_worker(a, spec, Role::Prefill, name, group, &kv_transport).await?);
     }
     for i in 0..a.decode {
         let name = format!("decode-{i}");
@@ -519,7 +519,7 @@ async fn start_cluster(
             log: logs.join(format!("{name}.log")),
             netns,
         };
-        started.push(start_worker(a, spec, Role::Decode, name, group).await?);
+        started.push(start_worker(a, spec, Role::Decode, name, group, &kv_transport).await?);
     }
     let grace = a.shutdown_timeout_ms.to_string();
     let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<String>>();
@@ -548,6 +548,7 @@ async fn start_cluster(
         netns: None,
     };
     let mut c = Component::new(Role::Coordinator, "coordinator");
+    c.flags.insert(flag::SHUTDOWN_TIMEOUT_MS.into(), grace);
     let run = start(&spec, &mut c, None).await?;
     let http = c.http.clone().context("no coordinator address")?;
     // The coordinator serves Prometheus on its HTTP port, path /metrics.
@@ -604,12 +605,22 @@ impl Shared<'_> {
     }
 }
 
-async fn start_worker(a: &Args, spec: Spec, role: Role, name: String, group: &str) -> anyhow::Result<Started> {
+async fn start_worker(
+    a: &Args,
+    spec: Spec,
+    role: Role,
+    name: String,
+    group: &str,
+    kv_transport: &str,
+) -> anyhow::Result<Started> {
     let mut c = Component::new(role, name);
     c.version_group = Some(group.to_owned());
     c.lease_ttl_s = Some(a.lease_ttl_s);
+    c.flags.insert(flag::SHUTDOWN_TIMEOUT_MS.into(), a.shutdown_timeout_ms.to_string());
     if role == Role::Decode {
         c.reservation_ttl_ms = Some(a.reservation_ttl_ms);
+        c.flags.insert(flag::KV_LOAD_FAILURE_POLICY.into(), a.kv_load_failure_policy.clone());
+        c.flags.insert(flag::KV_TRANSPORT.into(), kv_transport.to_owned());
     }
     let run = start(&spec, &mut c, None).await?;
     Ok(Started { spec, component: c, run })

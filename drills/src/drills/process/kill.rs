@@ -230,12 +230,18 @@ async fn policy_outcomes(m: &str, policy: &str) -> Result<f64, HarnessError> {
 
 #[async_trait::async_trait]
 impl Drill for PrefillKill {
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster(
-            "it kills the prefill worker whose KV push a fault proxy on the decode worker's KV link holds \
-             mid-transfer; a running cluster's KV link has no such proxy (`tandem up` moves KV over shared memory \
-             by default), so the moment it strikes at cannot be made",
-        )
+    /// Against a supervised cluster with its workers in namespaces: the drill's proxy goes on
+    /// the first decode worker's KV link, the victim's supervisor starts it again.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        if self.ucx {
+            return own_cluster(
+                "over ucx it stops the prefill worker holding a grant, and picks it by the decode worker's \
+                 grant counter, which a shared cluster's other traffic moves",
+            );
+        }
+        at_least(c, Role::Prefill, 2, "one to kill, one to push again")?;
+        crate::drills::kv::kv_proxy_against(c, Some(self.policy), false)?;
+        supervisor_restarts(c, Exit::Killed)
     }
 
     fn info(&self) -> DrillInfo {
@@ -348,6 +354,9 @@ impl Drill for PrefillKill {
         if let Some(p) = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()) {
             p.release();
         }
+        if !skip {
+            await_supervisor(c, &name, pid, &mut ev).await;
+        }
         ev.victim = Some((name, pid));
         Ok(ev)
     }
@@ -356,6 +365,9 @@ impl Drill for PrefillKill {
         let (name, pid) = ev.victim.clone().ok_or("no victim was chosen")?;
         if !gone(pid) {
             return Err(format!("prefill worker {name} (pid {pid}) is still running"));
+        }
+        if !ev.missing.is_empty() {
+            return Err(format!("{}; pid {pid} is gone, but {}", ev.notes.join("; "), ev.missing.join("; ")));
         }
         let m = decode_metrics(c)?;
         let outcome = policy_outcome(self.policy);
