@@ -103,6 +103,8 @@ pub mod flag {
     pub const KV_LOAD_FAILURE_POLICY: &str = "kv-load-failure-policy";
     /// Workers and coordinators: the drain grace on SIGTERM, ms.
     pub const SHUTDOWN_TIMEOUT_MS: &str = "shutdown-timeout-ms";
+    /// Coordinators: how long a streamed answer's client may take nothing before it is ended, ms.
+    pub const STREAM_IDLE_TIMEOUT_MS: &str = "stream-idle-timeout-ms";
 }
 
 /// What a drill does to a component, each through a command template

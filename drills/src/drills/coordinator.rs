@@ -9,9 +9,10 @@ use tokio::time::Instant;
 
 use loadgen::{Outcome, Report};
 
-use super::common::{counter_reaches, decode_metrics, rss_kib, PairBreaker, CANCELLED, LOAD_WAIT};
+use super::common::{counter_reaches, decode_metrics, rss_kib, PairBreaker, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
 use crate::cluster::{Cluster, ClusterSpec, Role, WorkerSpec};
+use crate::eventually;
 use crate::invariants::Invariants;
 use crate::proxy::Fault;
 use crate::HarnessError;
@@ -381,6 +382,9 @@ impl Drill for LayoutMismatch {
 /// The slow readers' count, and the coordinator's idle timeout in this drill.
 const SLOW_CLIENTS: usize = 3;
 const IDLE_TIMEOUT_MS: u64 = 3000;
+/// The longest stream idle timeout of an attached coordinator [`SlowReader`] accepts: its
+/// slow streams' answers take several seconds to generate here, and must outlast it.
+const MAX_IDLE_TIMEOUT_MS: u64 = 4000;
 
 /// A streaming request from a socket with a tiny receive buffer; returns the
 /// socket once the response head arrived (nothing after it is read). Raw on purpose: the
@@ -473,6 +477,28 @@ impl Drill for SlowReader {
         }
     }
 
+    /// Against a coordinator whose stream idle timeout (its state file's
+    /// `stream-idle-timeout-ms`) ends a slow stream while its 400-token answer is still
+    /// being generated, so the decode worker has something to cancel.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        let key = facts::state::flag::STREAM_IDLE_TIMEOUT_MS;
+        let name = c.coordinator.name.clone();
+        let ms = c.flag(&name, key).ok_or_else(|| {
+            format!(
+                "the state file does not give {name}'s `{key}`, and a slow stream must be ended while its answer is \
+                 still generated (`tandem up --stream-idle-timeout-ms {IDLE_TIMEOUT_MS}` gives it)"
+            )
+        })?;
+        let ms: u64 = ms.parse().map_err(|e| format!("{name}'s `{key}` {ms:?}: {e}"))?;
+        if ms > MAX_IDLE_TIMEOUT_MS {
+            return Err(format!(
+                "{name} ends a slow stream after {ms} ms, by when its 400-token answer is done and the decode worker \
+                 has nothing to cancel (`tandem up --stream-idle-timeout-ms {IDLE_TIMEOUT_MS}`)"
+            ));
+        }
+        Ok(())
+    }
+
     fn setup(&self, _skip: bool) -> Setup {
         Setup {
             spec: ClusterSpec::default()
@@ -489,8 +515,11 @@ impl Drill for SlowReader {
 
     async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         let mut ev = Evidence::default();
-        let dm = decode_metrics(c).map_err(HarnessError::Setup)?;
-        ev.before = crate::metrics::scrape(&dm).await?.sum(CANCELLED.0, CANCELLED.1)?;
+        // Counted from here (an attached cluster's counters hold earlier drills'): the decode
+        // workers' cancellations (any of them may run a slow stream) and the send timeouts.
+        ev.before = super::common::cancelled(c).await?;
+        let timeouts_before = c.coordinator_metrics().await?.absent_as_zero(SEND_TIMEOUTS, &[]);
+        ev.counts.push(timeouts_before);
         let pid = c.coordinator.pid;
         let rss_before = rss_kib(pid).unwrap_or(0);
         let addr: SocketAddr =
@@ -520,7 +549,7 @@ impl Drill for SlowReader {
         }
         let h = c.http_addr()?;
         let n = SLOW_CLIENTS as f64;
-        let (timeouts, now) = counter_reaches(&h, SEND_TIMEOUTS, &[], n, LOAD_WAIT).await;
+        let (timeouts, now) = counter_reaches(&h, SEND_TIMEOUTS, &[], timeouts_before + n, LOAD_WAIT).await;
         if let Err(e) = timeouts {
             ev.missing.push(format!("{e}: {now}"));
         }
@@ -549,14 +578,22 @@ impl Drill for SlowReader {
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
         let p = c.coordinator_metrics().await.map_err(|e| e.to_string())?;
-        let timeouts = sum(&p, SEND_TIMEOUTS, &[])?;
+        let timeouts = sum(&p, SEND_TIMEOUTS, &[])? - ev.counts.first().copied().unwrap_or(0.0);
         let by_conn = sum(&p, SEND_TIMEOUTS, &[("layer", "connection")])?;
-        let m = decode_metrics(c)?;
         let n = SLOW_CLIENTS as f64;
-        let (seen, now) = counter_reaches(&m, CANCELLED.0, CANCELLED.1, ev.before + n, Duration::from_secs(10)).await;
-        let cancelled = now - ev.before;
+        let now = std::sync::Mutex::new(ev.before);
+        let seen = eventually("the decode workers cancel every slow stream", Duration::from_secs(10), || {
+            let now = &now;
+            async move {
+                let v = super::common::cancelled(c).await.unwrap_or(0.0);
+                *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
+                v >= ev.before + n
+            }
+        })
+        .await;
+        let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before;
         let summary = format!(
-            "{timeouts} stream send timeouts ({by_conn} at the connection); the decode worker cancelled \
+            "{timeouts} stream send timeouts ({by_conn} at the connection, ever); the decode workers cancelled \
              {cancelled}; {}",
             ev.notes.join("; ")
         );

@@ -145,6 +145,11 @@ pub struct Args {
     /// routing; 0 routes by load alone. Default: the coordinator's.
     #[arg(long)]
     prefix_affinity: Option<f64>,
+    /// The coordinator's --stream-idle-timeout-ms: a streamed answer whose client takes nothing
+    /// for this long is ended (recorded in the state file, where the slow-reader drill reads
+    /// it). Default: the coordinator's (30 s).
+    #[arg(long, value_name = "MS")]
+    stream_idle_timeout_ms: Option<u64>,
     /// Write the cluster's components as JSON here once it is ready.
     #[arg(long)]
     state_file: Option<PathBuf>,
@@ -539,6 +544,9 @@ async fn start_cluster(
     if let Some(x) = a.prefix_affinity {
         args.extend(["--prefix-affinity".to_owned(), x.to_string()]);
     }
+    if let Some(ms) = a.stream_idle_timeout_ms {
+        args.extend(["--stream-idle-timeout-ms".to_owned(), ms.to_string()]);
+    }
     let spec = Spec {
         bin: sibling("tandem-coordinator")?,
         args,
@@ -549,6 +557,9 @@ async fn start_cluster(
     };
     let mut c = Component::new(Role::Coordinator, "coordinator");
     c.flags.insert(flag::SHUTDOWN_TIMEOUT_MS.into(), grace);
+    if let Some(ms) = a.stream_idle_timeout_ms {
+        c.flags.insert(flag::STREAM_IDLE_TIMEOUT_MS.into(), ms.to_string());
+    }
     let run = start(&spec, &mut c, None).await?;
     let http = c.http.clone().context("no coordinator address")?;
     // The coordinator serves Prometheus on its HTTP port, path /metrics.

@@ -298,14 +298,38 @@ const EXIT_SLACK: Duration = Duration::from_secs(5);
 const LONG_STREAM_LOAD: usize = 2;
 /// Most long streams [`DrainGraceShort`] opens to get some onto its victim.
 const MAX_LONG_STREAMS: usize = 12;
+/// The longest grace of an attached victim [`DrainGraceShort`] accepts: its 400-token
+/// answers take several seconds here, and must outlast it.
+const MAX_GRACE: Duration = Duration::from_millis(2000);
+
+/// The drain grace of [`DrainGraceShort`]'s victim: the drill's own [`SHORT_GRACE`], or an
+/// attached decode-0's `shutdown-timeout-ms` from the state file.
+fn victim_grace(c: &Cluster) -> Result<Duration, String> {
+    if !c.is_attached() {
+        return Ok(SHORT_GRACE);
+    }
+    let key = facts::state::flag::SHUTDOWN_TIMEOUT_MS;
+    let ms = c.flag("decode-0", key).ok_or_else(|| {
+        format!("the state file does not give decode-0's `{key}`, the grace its exit is timed against")
+    })?;
+    ms.parse::<u64>().map(Duration::from_millis).map_err(|e| format!("decode-0's `{key}` {ms:?}: {e}"))
+}
 
 #[async_trait::async_trait]
 impl Drill for DrainGraceShort {
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster(
-            "its victim must drain with --shutdown-timeout-ms 1000, far shorter than its answers, and its exit is \
-             timed against that grace; `tandem up` chose every worker's grace and the state file does not say it",
-        )
+    /// Against a supervised cluster (`--restart always`) whose decode-0 drains within a grace
+    /// far shorter than the long answers, as its state file's `shutdown-timeout-ms` says.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        at_least(c, Role::Decode, 2, "the streams the victim cannot finish move to another")?;
+        supervisor_restarts(c, Exit::Drained)?;
+        let grace = victim_grace(c)?;
+        if grace > MAX_GRACE {
+            return Err(format!(
+                "its victim's 400-token answers must outlast its drain grace, and decode-0 drains for {grace:?} \
+                 (`tandem up --shutdown-timeout-ms 1000` gives {SHORT_GRACE:?})"
+            ));
+        }
+        Ok(())
     }
 
     fn info(&self) -> DrillInfo {
@@ -358,9 +382,10 @@ impl Drill for DrainGraceShort {
             }
         }
         let pid = c.worker(name)?.proc.pid;
+        let grace = victim_grace(c).map_err(HarnessError::Setup)?;
         ev.victim = Some((name.into(), pid));
         ev.notes.push(format!(
-            "{name} (pid {pid}, grace {SHORT_GRACE:?}) running {running} request(s) ({} long streams open)",
+            "{name} (pid {pid}, grace {grace:?}) running {running} request(s) ({} long streams open)",
             streams.len()
         ));
         if skip {
@@ -375,14 +400,27 @@ impl Drill for DrainGraceShort {
         for (i, mut s) in streams.into_iter().enumerate() {
             ends.spawn(async move { (i, stream_end(&mut s).await) });
         }
-        let exit = c.worker_mut(name)?.proc.wait_exit(SHORT_GRACE + EXIT_SLACK + Duration::from_secs(20)).await;
+        let exit = c.worker_mut(name)?.proc.wait_exit(grace + EXIT_SLACK + Duration::from_secs(20)).await;
         let took = t0.elapsed();
+        // An attached worker's exit status is what its supervisor saw, once it started it again.
+        let exit = match exit {
+            Ok(_) if c.is_attached() => {
+                let limit = c.lease_ttl * 2 + crate::cluster::RESTART_WAIT;
+                c.await_restart(name, pid, limit).await.and_then(|r| {
+                    let seen = r.last_exit.unwrap_or_default();
+                    crate::cluster::parse_exit(&seen).ok_or_else(|| {
+                        HarnessError::Fault(format!("its supervisor saw an exit it did not describe: {seen:?}"))
+                    })
+                })
+            }
+            other => other.map_err(HarnessError::from),
+        };
         match exit {
             Ok(st) => {
                 ev.drained.push((name.into(), pid, st.code()));
                 ev.notes.push(format!("exited {st} {took:?} after SIGTERM"));
-                if took > SHORT_GRACE + EXIT_SLACK {
-                    ev.missing.push(format!("it took {took:?} to exit, past grace {SHORT_GRACE:?} + {EXIT_SLACK:?}"));
+                if took > grace + EXIT_SLACK {
+                    ev.missing.push(format!("it took {took:?} to exit, past grace {grace:?} + {EXIT_SLACK:?}"));
                 }
             }
             Err(e) => ev.missing.push(e.to_string()),
