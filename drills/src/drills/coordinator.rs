@@ -514,12 +514,14 @@ impl Drill for SlowReader {
     }
 
     async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
-        let mut ev = Evidence::default();
         // Counted from here (an attached cluster's counters hold earlier drills'): the decode
         // workers' cancellations (any of them may run a slow stream) and the send timeouts.
-        ev.before = super::common::cancelled(c).await?;
         let timeouts_before = c.coordinator_metrics().await?.absent_as_zero(SEND_TIMEOUTS, &[]);
-        ev.counts.push(timeouts_before);
+        let mut ev = Evidence {
+            before: super::common::cancelled(c).await?,
+            counts: vec![timeouts_before],
+            ..Evidence::default()
+        };
         let pid = c.coordinator.pid;
         let rss_before = rss_kib(pid).unwrap_or(0);
         let addr: SocketAddr =
