@@ -105,6 +105,8 @@ pub mod flag {
     pub const SHUTDOWN_TIMEOUT_MS: &str = "shutdown-timeout-ms";
     /// Coordinators: how long a streamed answer's client may take nothing before it is ended, ms.
     pub const STREAM_IDLE_TIMEOUT_MS: &str = "stream-idle-timeout-ms";
+    /// Coordinators: how long they route from cached membership while etcd is unreachable, ms.
+    pub const REGISTRY_MAX_STALE_MS: &str = "registry-max-stale-ms";
 }
 
 /// What a drill does to a component, each through a command template

@@ -334,12 +334,33 @@ impl Drill for EtcdQuorumLoss {
         }
     }
 
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        super::own_cluster(
-            "it holds two of three members down past the coordinator's --registry-max-stale-ms (3 s here, a \
-             minute by default), and a running cluster's supervisor starts a killed member again within its \
-             backoff, so the quorum would return before the bound it proves",
-        )
+    /// Against a running cluster two members are stopped (SIGSTOP) rather than killed: its
+    /// supervisor would start a killed one again within its backoff, so the quorum would
+    /// return before the bound the drill proves. The bound is the coordinator's
+    /// `registry-max-stale-ms` from the state file, which must fit the drill's wait.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        if c.etcd_len() < 3 {
+            return Err(format!(
+                "it takes two of three etcd members away, and the cluster has {} (`tandem up --etcd-members 3`)",
+                c.etcd_len()
+            ));
+        }
+        let key = facts::state::flag::REGISTRY_MAX_STALE_MS;
+        let name = c.coordinator.name.clone();
+        let ms = c.flag(&name, key).ok_or_else(|| {
+            format!(
+                "the state file does not give {name}'s `{key}`, the bound it proves (`tandem up \
+                 --registry-max-stale-ms {MAX_STALE_MS}` gives it)"
+            )
+        })?;
+        let ms: u64 = ms.parse().map_err(|e| format!("{name}'s `{key}` {ms:?}: {e}"))?;
+        if Duration::from_millis(ms) + Duration::from_secs(5) > CONSEQUENCE_WAIT {
+            return Err(format!(
+                "{name} serves from its cache for {ms} ms, longer than the drill holds the quorum away for \
+                 (`tandem up --registry-max-stale-ms {MAX_STALE_MS}`)"
+            ));
+        }
+        Ok(())
     }
 
     fn setup(&self, _skip: bool) -> Setup {
@@ -373,8 +394,19 @@ impl Drill for EtcdQuorumLoss {
         }
         ev.began();
         let t0 = Instant::now();
+        let attached = c.is_attached();
         for i in [leader, follower] {
-            if let Some(pid) = c.etcd_kill(i).await? {
+            if attached {
+                // Stopped, not killed: its supervisor would start a killed member again.
+                let pid = c.etcd_pid(i);
+                match c.etcd_signal(i, Signal::Stop) {
+                    Ok(()) => {
+                        c.faulted.insert(c.etcd_name(i), Signal::Stop);
+                        ev.killed.extend(pid.map(|p| (c.etcd_name(i), p)));
+                    }
+                    Err(e) => ev.missing.push(format!("stopping {}: {e}", c.etcd_name(i))),
+                }
+            } else if let Some(pid) = c.etcd_kill(i).await? {
                 ev.killed.push((c.etcd_name(i), pid));
             }
         }
@@ -387,9 +419,27 @@ impl Drill for EtcdQuorumLoss {
         let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
         note(&mut ev, ready.and_then(|s| if s == 503 { Ok("/ready 503".into()) } else { Err(format!("/ready {s}")) }));
         // Quorum back: the first restart makes two of three.
-        for i in [follower, leader] {
-            let pid = ev.killed.iter().find(|(n, _)| *n == c.etcd_name(i)).map(|(_, p)| *p);
-            c.etcd_restart(i, pid).await?;
+        if attached {
+            // The follower first, and the old leader only once the two running members elected
+            // another: a new leader renews every lease, where the old one, thawed while it
+            // still leads, would expire the leases its pause outlived.
+            let cont = c.etcd_signal(follower, Signal::Cont);
+            note(&mut ev, cont.map(|()| format!("{} continued", c.etcd_name(follower))).map_err(|e| e.to_string()));
+            let elected = eventually("the running members elect another leader", CONSEQUENCE_WAIT, || async {
+                c.etcd_leader().await.is_some_and(|l| l != leader)
+            })
+            .await;
+            let cont = c.etcd_signal(leader, Signal::Cont);
+            for i in [follower, leader] {
+                c.faulted.remove(&c.etcd_name(i));
+            }
+            note(&mut ev, elected.map(|()| "another leader elected".to_owned()).map_err(|e| e.to_string()));
+            note(&mut ev, cont.map(|()| format!("{} continued", c.etcd_name(leader))).map_err(|e| e.to_string()));
+        } else {
+            for i in [follower, leader] {
+                let pid = ev.killed.iter().find(|(n, _)| *n == c.etcd_name(i)).map(|(_, p)| *p);
+                c.etcd_restart(i, pid).await?;
+            }
         }
         ev.ended();
         let t1 = Instant::now();
@@ -402,7 +452,8 @@ impl Drill for EtcdQuorumLoss {
         if ev.killed.len() < 2 {
             return Err(format!("{} etcd member(s) killed, quorum needs two down", ev.killed.len()));
         }
-        if let Some((name, pid)) = ev.killed.iter().find(|(_, pid)| !gone(*pid)) {
+        // Against a running cluster they were stopped and are running again.
+        if let Some((name, pid)) = ev.killed.iter().find(|(_, pid)| !gone(*pid) && !c.is_attached()) {
             return Err(format!("{name} (pid {pid}) is still running"));
         }
         if !ev.missing.is_empty() {
@@ -416,7 +467,8 @@ impl Drill for EtcdQuorumLoss {
             ));
         }
         let killed: Vec<String> = ev.killed.iter().map(|(n, p)| format!("{n} (pid {p})")).collect();
-        Ok(format!("killed {}; {}; no fence: {fences:?}", killed.join(", "), ev.notes.join("; ")))
+        let how = if c.is_attached() { "stopped (SIGSTOP)" } else { "killed" };
+        Ok(format!("{how} {}; {}; no fence: {fences:?}", killed.join(", "), ev.notes.join("; ")))
     }
 }
 

@@ -150,6 +150,12 @@ pub struct Args {
     /// it). Default: the coordinator's (30 s).
     #[arg(long, value_name = "MS")]
     stream_idle_timeout_ms: Option<u64>,
+    /// The coordinator's --registry-max-stale-ms: how long it routes from its cached
+    /// membership while etcd is unreachable before refusing (503 registry_unavailable);
+    /// recorded in the state file, where the etcd-quorum-loss drill reads it. Default: the
+    /// coordinator's (a minute).
+    #[arg(long, value_name = "MS")]
+    registry_max_stale_ms: Option<u64>,
     /// Write the cluster's components as JSON here once it is ready.
     #[arg(long)]
     state_file: Option<PathBuf>,
@@ -547,6 +553,9 @@ async fn start_cluster(
     if let Some(ms) = a.stream_idle_timeout_ms {
         args.extend(["--stream-idle-timeout-ms".to_owned(), ms.to_string()]);
     }
+    if let Some(ms) = a.registry_max_stale_ms {
+        args.extend(["--registry-max-stale-ms".to_owned(), ms.to_string()]);
+    }
     let spec = Spec {
         bin: sibling("tandem-coordinator")?,
         args,
@@ -559,6 +568,9 @@ async fn start_cluster(
     c.flags.insert(flag::SHUTDOWN_TIMEOUT_MS.into(), grace);
     if let Some(ms) = a.stream_idle_timeout_ms {
         c.flags.insert(flag::STREAM_IDLE_TIMEOUT_MS.into(), ms.to_string());
+    }
+    if let Some(ms) = a.registry_max_stale_ms {
+        c.flags.insert(flag::REGISTRY_MAX_STALE_MS.into(), ms.to_string());
     }
     let run = start(&spec, &mut c, None).await?;
     let http = c.http.clone().context("no coordinator address")?;
