@@ -130,14 +130,15 @@ fn drills_run_against_a_running_cluster_and_leave_it_running() -> TestResult {
             }
         };
 
-        // A drill that needs a cluster shaped for it (a proxy on the KV link) is refused, and
+        // A drill that needs a cluster shaped for it (its KV proxy in a worker's namespace) is refused, and
         // so is a drain under the default policy (`on-failure` leaves a worker that exited 0
         // down), each with the reason; nothing is touched.
         assert_eq!(v.restart.as_deref(), Some("on-failure"), "the default policy in the state file");
-        let refused = tandem(&["drill", "--against", state_s, "run", "prefill-kill-recompute", "rolling-drain"], WAIT)?;
+        let refused = tandem(&["drill", "--against", state_s, "run", "kv-delay", "rolling-drain"], WAIT)?;
         let err = String::from_utf8_lossy(&refused.stderr);
-        assert!(!refused.status.success(), "prefill-kill and rolling-drain must be refused: {err}");
-        assert!(err.contains("prefill-kill-recompute: needs its own cluster") && err.contains("proxy"), "{err}");
+        assert!(!refused.status.success(), "kv-delay and rolling-drain must be refused: {err}");
+        let kv = err.lines().find(|l| l.contains("kv-delay:")).ok_or_else(|| format!("no reason: {err}"))?;
+        assert!(kv.contains("proxy") && kv.contains("network namespace") && kv.contains("--hosts"), "{kv}");
         let drain = err.lines().find(|l| l.contains("rolling-drain:")).ok_or_else(|| format!("no reason: {err}"))?;
         assert!(drain.contains("--restart on-failure") && drain.contains("--restart always"), "the reason: {drain}");
         all_running("after the refused drills");
@@ -521,8 +522,8 @@ impl Drop for HandCluster {
 fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult {
     let dir = common::temp_dir("tandem-drill-against-hosts")?;
     let args = ["--hosts", "3", "--etcd-members", "3", "--decode", "2", "--restart", "always", "--lease-ttl-s", "2"];
-    let mut up =
-        Up::start(&dir, &[&args[..], &["--restart-backoff-ms", "300", "--reservation-ttl-ms", "3000"]].concat())?;
+    let fit = ["--restart-backoff-ms", "300", "--reservation-ttl-ms", "3000", "--registry-max-stale-ms", "12000"];
+    let mut up = Up::start(&dir, &[&args[..], &fit[..]].concat())?;
     let state = up.state_file.clone();
     let result = (|| -> TestResult {
         let state_s = state.to_str().ok_or("state path")?;
@@ -535,6 +536,7 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
             "control-link-resets",
             "etcd-leader-kill",
             "etcd-stall",
+            "etcd-quorum-loss",
         ];
         let ran = tandem(&[&["drill", "--against", state_s, "run"][..], &drills].concat(), WAIT * 2)?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
@@ -542,6 +544,11 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
         assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}\n{}", up.stderr_text());
         assert_proven(&stdout, &drills)?;
         let vac = ["kv-blackhole", "kv-resets", "worker-etcd-cutoff"];
+        // Refused with the setting that stands in the way, read from the state file.
+        let refused = tandem(&["drill", "--against", state_s, "run", "prefill-kill-fail"], WAIT)?;
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success(), "prefill-kill-fail on a recompute cluster must be refused: {err}");
+        assert!(err.contains("kv-load-failure-policy") && err.contains("recompute"), "{err}");
         let ran = tandem(&[&["drill", "--against", state_s, "--vacuity", "run"][..], &vac].concat(), WAIT * 2)?;
         let stdout = String::from_utf8_lossy(&ran.stdout);
         assert!(ran.status.success(), "--vacuity against the hosts:\n{stdout}");

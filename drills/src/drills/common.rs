@@ -229,6 +229,33 @@ pub(super) async fn load_like_request(c: &Cluster, n: u64) -> Result<bool, Harne
     Ok(r.status == 200)
 }
 
+/// After [`Cluster::proxy_kv_link`]: load-like requests, one at a time, until one's KV has
+/// crossed the proxy into worker `name` whole. An attached cluster may have that worker's
+/// pairs out of routing when the drill begins (a breaker an earlier drill opened waits out
+/// its cooldown before its probe), and a drill whose fault strikes the next transfer on the
+/// proxy would wait for one in vain. Counted in the load's metrics baseline: the loads it
+/// makes happened after attach, and proofs that count loads count them as arrived.
+pub(super) async fn warm_kv_proxy(c: &Cluster, name: &str) -> Result<u64, HarnessError> {
+    let w = c.worker(name)?;
+    let proxy = w.proxy.as_ref().ok_or_else(|| HarnessError::Setup(format!("{name} has no proxy")))?;
+    let count = format!("{}_count", facts::metrics::decode::KV_LOAD_SECONDS);
+    let loads = || async { crate::metrics::scrape(&w.metrics_addr()?).await.map(|p| p.absent_as_zero(&count, &[])) };
+    let before = loads().await?;
+    let until = tokio::time::Instant::now() + LOAD_WAIT;
+    let mut sent = 0;
+    while tokio::time::Instant::now() < until {
+        if proxy.counters().bytes_forwarded > 0 && loads().await? > before {
+            return Ok(sent);
+        }
+        load_like_request(c, 10_000 + sent).await?;
+        sent += 1;
+    }
+    Err(HarnessError::Setup(format!(
+        "no KV load reached {name} through the drill's proxy in {LOAD_WAIT:?} ({sent} requests sent): are its \
+         pairs' breakers open, or is it out of routing?"
+    )))
+}
+
 /// A one-token probe request, each a new request: its `user` differs from every other
 /// probe's, so the coordinator's retry gate does not take it for a retry of an earlier
 /// probe it refused (a probe polls; it does not retry).

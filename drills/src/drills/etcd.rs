@@ -350,14 +350,14 @@ impl Drill for EtcdQuorumLoss {
         let ms = c.flag(&name, key).ok_or_else(|| {
             format!(
                 "the state file does not give {name}'s `{key}`, the bound it proves (`tandem up \
-                 --registry-max-stale-ms {MAX_STALE_MS}` gives it)"
+                 --registry-max-stale-ms 12000` gives it)"
             )
         })?;
         let ms: u64 = ms.parse().map_err(|e| format!("{name}'s `{key}` {ms:?}: {e}"))?;
         if Duration::from_millis(ms) + Duration::from_secs(5) > CONSEQUENCE_WAIT {
             return Err(format!(
                 "{name} serves from its cache for {ms} ms, longer than the drill holds the quorum away for \
-                 (`tandem up --registry-max-stale-ms {MAX_STALE_MS}`)"
+                 (`tandem up --registry-max-stale-ms 12000`)"
             ));
         }
         Ok(())
@@ -681,6 +681,9 @@ impl Drill for CoordinatorEtcdCutoff {
 /// How long `etcd-stall` keeps etcd stopped: past the 2 s lease TTL several times over, and
 /// past the coordinator's 3 s watch silence timeout, well within `--registry-max-stale-ms`.
 const STALL: Duration = Duration::from_secs(8);
+/// What an attached coordinator's cache must outlast the stall by: the stall is sampled a
+/// little past its end, and the coordinator re-lists after SIGCONT.
+const STALL_MARGIN: Duration = Duration::from_secs(3);
 
 /// Whether process `pid` is stopped (state `T` in /proc).
 fn stopped(pid: u32) -> bool {
@@ -716,9 +719,23 @@ impl Drill for EtcdStall {
         }
     }
 
-    /// Against a running cluster every member is stopped (the drill continues them).
+    /// Against a running cluster every member is stopped (the drill continues them), and the
+    /// coordinator must route from its cache for longer than the stall: its state file's
+    /// `registry-max-stale-ms` when given (the coordinator's default is a minute).
     fn against(&self, c: &Cluster) -> Result<(), String> {
-        etcd_against(c, 1, false)
+        etcd_against(c, 1, false)?;
+        let key = facts::state::flag::REGISTRY_MAX_STALE_MS;
+        let name = c.coordinator.name.clone();
+        if let Some(ms) = c.flag(&name, key) {
+            let ms: u64 = ms.parse().map_err(|e| format!("{name}'s `{key}` {ms:?}: {e}"))?;
+            if Duration::from_millis(ms) < STALL + STALL_MARGIN {
+                return Err(format!(
+                    "it proves {name} serves through a {STALL:?} etcd stall, and it routes from its cache for only \
+                     {ms} ms (`tandem up --registry-max-stale-ms 12000` fits both this and etcd-quorum-loss)"
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn setup(&self, _skip: bool) -> Setup {

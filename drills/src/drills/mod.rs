@@ -447,6 +447,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
                 let first = c.workers_of(Role::Decode).next().map(|w| w.proc.name.clone());
                 let name = first.ok_or_else(|| HarnessError::Setup("the cluster has no decode worker".into()))?;
                 c.proxy_kv_link(&name)?;
+                common::warm_kv_proxy(&c, &name).await?;
             }
             c
         }

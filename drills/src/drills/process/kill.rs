@@ -239,9 +239,19 @@ impl Drill for PrefillKill {
                  grant counter, which a shared cluster's other traffic moves",
             );
         }
-        at_least(c, Role::Prefill, 2, "one to kill, one to push again")?;
-        crate::drills::kv::kv_proxy_against(c, Some(self.policy), false)?;
-        supervisor_restarts(c, Exit::Killed)
+        let reasons: Vec<String> = [
+            at_least(c, Role::Prefill, 2, "one to kill, one to push again"),
+            crate::drills::kv::kv_proxy_against(c, Some(self.policy), false),
+            supervisor_restarts(c, Exit::Killed),
+        ]
+        .into_iter()
+        .filter_map(Result::err)
+        .collect();
+        if reasons.is_empty() {
+            Ok(())
+        } else {
+            Err(reasons.join("; "))
+        }
     }
 
     fn info(&self) -> DrillInfo {
