@@ -220,7 +220,8 @@ pub(super) async fn probe(addr: &str) -> Result<(u16, Option<String>), HarnessEr
 /// the load's (so it is prefilled remotely and may be handed a breaker's probe), through
 /// whatever the load went through. `n` picks the prompt. Ok when it completed.
 pub(super) async fn load_like_request(c: &Cluster, n: u64) -> Result<bool, HarnessError> {
-    let prompt = loadgen::prompts::generate(1, super::PROMPT_TOKENS, 1_000 + n).remove(0);
+    // A prompt no earlier run sent: a cached one is routed to whichever worker caches it.
+    let prompt = loadgen::prompts::generate(1, super::PROMPT_TOKENS, fresh_seed() ^ n).remove(0);
     let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
                                   "user": format!("after-load-{n}")});
     let url = c.base_url()?;
@@ -247,13 +248,21 @@ pub(super) async fn warm_kv_proxy(c: &Cluster, name: &str) -> Result<u64, Harnes
         if proxy.counters().bytes_forwarded > 0 && loads().await? > before {
             return Ok(sent);
         }
-        load_like_request(c, 10_000 + sent).await?;
+        load_like_request(c, sent).await?;
         sent += 1;
     }
     Err(HarnessError::Setup(format!(
         "no KV load reached {name} through the drill's proxy in {LOAD_WAIT:?} ({sent} requests sent): are its \
          pairs' breakers open, or is it out of routing?"
     )))
+}
+
+/// A prompt seed no earlier call in any process drew (the clock's nanoseconds, and a
+/// counter for calls within one tick): prompts a running cluster has not cached.
+pub(super) fn fresh_seed() -> u64 {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    (nanos as u64).wrapping_add(CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32)
 }
 
 /// A one-token probe request, each a new request: its `user` differs from every other

@@ -420,7 +420,14 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     if let Some(n) = opts.requests {
         s.requests = n;
     }
-    let seed = 7;
+    // A running cluster's prefix caches hold the prompts of every drill run against it before,
+    // and prefix routing sends a prompt where it is cached: with the same prompts each run, a
+    // decode worker restarted by an earlier drill (its cache empty) got none of the load, and a
+    // drill faulting its link had nothing to strike. Against one, each run's prompts are new.
+    let seed = match &opts.against {
+        Some(_) => common::fresh_seed(),
+        None => 7,
+    };
     let prompts = loadgen::prompts::generate(s.requests, PROMPT_TOKENS, seed);
     // Goodput compares loads whose requests must be the same work whichever are admitted:
     // each generates exactly `max_tokens` (an answer ending early at EOS costs a whole
