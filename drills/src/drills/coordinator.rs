@@ -130,6 +130,14 @@ pub(super) struct PrefillErrors;
 
 #[async_trait::async_trait]
 impl Drill for PrefillErrors {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        super::own_cluster(
+            "one of its two prefill workers is started with a KV transfer timeout (10 ms) shorter than its \
+             delayed KV link, and the decode worker with policy retry; a running cluster's workers keep the flags \
+             they were started with",
+        )
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "prefill-errors",
@@ -214,6 +222,13 @@ pub(super) struct PrefillUnavailable;
 
 #[async_trait::async_trait]
 impl Drill for PrefillUnavailable {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        super::own_cluster(
+            "the version group's only prefill worker is started with a KV transfer timeout shorter than its \
+             link's latency; a running cluster's prefill workers keep the flags they were started with",
+        )
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "prefill-unavailable",
@@ -317,6 +332,13 @@ const LAYOUT_SKIPPED: (&str, &[(&str, &str)]) = (ROUTE_PAIRS_SKIPPED, &[("reason
 
 #[async_trait::async_trait]
 impl Drill for LayoutMismatch {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        super::own_cluster(
+            "one of its prefill workers is started with another KV block size (32) under the version group's \
+             label; a running cluster's workers all keep the layout they were started with",
+        )
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "layout-mismatch",

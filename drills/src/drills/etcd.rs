@@ -578,6 +578,14 @@ pub(super) struct CoordinatorEtcdCutoff;
 
 #[async_trait::async_trait]
 impl Drill for CoordinatorEtcdCutoff {
+    fn against(&self, _: &Cluster) -> Result<(), String> {
+        super::own_cluster(
+            "it blackholes the coordinator's own etcd link, and a running cluster's coordinator has no link of its \
+             own to cut: `tandem up --hosts` places only the workers in namespaces, and on the host's network a rule \
+             would cut every process's etcd",
+        )
+    }
+
     fn info(&self) -> DrillInfo {
         DrillInfo {
             name: "coordinator-etcd-cutoff",
