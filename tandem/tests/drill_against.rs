@@ -515,13 +515,28 @@ impl Drop for HandCluster {
 /// `tandem up --hosts 3 --etcd-members 3`: the link drills act through each worker's
 /// `link-fault` template inside its host namespace (a KV blackhole on decode-0, decode-1
 /// cut off from etcd, `ss -K` on decode-0's control link), the etcd drills on the three supervised members (the leader killed
-/// and started again, every member stopped), each proven, and each failing its proof with
-/// `--vacuity`; the cluster is left as found: same components running, no rule left in
-/// any namespace.
+/// and started again, every member stopped; two of three stopped past the coordinators'
+/// registry bound), the KV-proxy drills (the drill's proxy in decode-0's namespace), the
+/// coordinator drills on `--coordinators 2` (the drill's own front before them), each
+/// proven, and several failing their proof with `--vacuity`; the cluster is left as found:
+/// same components running, no rule left in any namespace.
 #[test]
 fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult {
     let dir = common::temp_dir("tandem-drill-against-hosts")?;
-    let args = ["--hosts", "3", "--etcd-members", "3", "--decode", "2", "--restart", "always", "--lease-ttl-s", "2"];
+    let args = [
+        "--hosts",
+        "3",
+        "--etcd-members",
+        "3",
+        "--decode",
+        "2",
+        "--coordinators",
+        "2",
+        "--restart",
+        "always",
+        "--lease-ttl-s",
+        "2",
+    ];
     let fit = ["--restart-backoff-ms", "300", "--reservation-ttl-ms", "3000", "--registry-max-stale-ms", "12000"];
     let mut up = Up::start(&dir, &[&args[..], &fit[..]].concat())?;
     let state = up.state_file.clone();
@@ -537,6 +552,9 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
             "etcd-leader-kill",
             "etcd-stall",
             "etcd-quorum-loss",
+            // The drill's own front before the two coordinators tandem up started.
+            "coordinator-kill",
+            "coordinator-rolling-drain",
         ];
         let ran = tandem(&[&["drill", "--against", state_s, "run"][..], &drills].concat(), WAIT * 2)?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));

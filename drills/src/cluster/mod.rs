@@ -554,7 +554,20 @@ impl Cluster {
 
     /// Starts the exited process `name` again with `args` (its old flags when `None`); it is
     /// no longer counted as faulted: it must be alive at the end and stop cleanly (G5).
+    /// In an attached cluster its supervisor (or `restart` template) starts it again, with
+    /// the flags it chose: `args` must be `None`; then waits until it is ready.
     pub async fn restart(&mut self, name: &str, args: Option<Vec<String>>) -> Result<u32, HarnessError> {
+        if self.is_attached() {
+            if args.is_some() {
+                return Err(HarnessError::Fault(format!(
+                    "{name} belongs to a cluster someone else started: its supervisor restarts it with its own flags"
+                )));
+            }
+            let old = self.proc_mut(name)?.pid;
+            let r = self.follow_restart(name, old, self.lease_ttl * 2 + RESTART_WAIT).await?;
+            self.wait_ready().await?;
+            return Ok(r.pid);
+        }
         let p = self.proc_mut(name)?;
         p.restart(args).await?;
         let pid = p.pid;

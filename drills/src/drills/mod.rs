@@ -155,6 +155,19 @@ pub(crate) fn supervisor_restarts(c: &Cluster, exit: Exit) -> Result<(), String>
     })
 }
 
+/// At least two coordinators, which the drill reaches through its own round-robin front, and
+/// a supervisor (or `restart` templates) that starts a coordinator again after `exit`.
+pub(crate) fn coordinators_against(c: &Cluster, exit: Exit) -> Result<(), String> {
+    let n = c.coordinators().count();
+    if n < 2 {
+        return Err(format!(
+            "it faults one of several coordinators while the drill's own round-robin front sends its clients on to \
+             the others; this cluster has {n} (`tandem up --coordinators 2`)"
+        ));
+    }
+    supervisor_restarts(c, exit)
+}
+
 /// At least `n` workers of `role`, so one is faulted while another serves.
 pub(crate) fn at_least(c: &Cluster, role: crate::cluster::Role, n: usize, why: &str) -> Result<(), String> {
     match c.workers_of(role).count() {
@@ -442,10 +455,25 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
 
     let mut cluster = match attached {
         Some(mut c) => {
+            // Several coordinators are reached as the drill's own cluster reaches them: through
+            // a round-robin front, here the drill's own (what a layer-4 load balancer does).
+            if s.spec.coordinators > 1 {
+                let mut http = Vec::new();
+                let mut grpc = Vec::new();
+                for p in c.coordinators() {
+                    http.push(p.socket_addr("http")?);
+                    grpc.push(p.socket_addr("grpc")?);
+                }
+                c.front = Some(crate::front::Front::start(http).await?);
+                c.grpc_front = Some(crate::front::Front::start(grpc).await?);
+            }
             // A request-link fault needs no change to someone else's cluster: the drill's own
             // fault proxy between its clients and the coordinator.
             if s.spec.clients_via_proxy {
-                let upstream = c.coordinator.socket_addr("http")?;
+                let upstream = match &c.front {
+                    Some(f) => f.addr,
+                    None => c.coordinator.socket_addr("http")?,
+                };
                 c.client_proxy = Some(crate::proxy::Proxy::start_replies(upstream)?);
             }
             // A KV-link fault on the proxy: one in the first decode worker's namespace, which

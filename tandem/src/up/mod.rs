@@ -77,6 +77,12 @@ pub struct Args {
     /// The coordinator's gRPC address (`tandem.frontend.v1.Frontend`, health, reflection).
     #[arg(long, default_value = "127.0.0.1:50051")]
     grpc: SocketAddr,
+    /// Coordinators, each on the same etcd membership with its own log: the first on --http
+    /// and --grpc, the others on free loopback ports (named `coordinator-1`, ... in the state
+    /// file). Clients spread over them, and fail over, through a load balancer of their own
+    /// (drills against the cluster bring theirs).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=8))]
+    coordinators: u64,
     /// Prefill workers.
     #[arg(long, default_value_t = 1)]
     prefill: usize,
@@ -556,39 +562,52 @@ async fn start_cluster(
     if let Some(ms) = a.registry_max_stale_ms {
         args.extend(["--registry-max-stale-ms".to_owned(), ms.to_string()]);
     }
-    let spec = Spec {
-        bin: sibling("tandem-coordinator")?,
-        args,
-        addrs: vec![("--http", "http", a.http.to_string()), ("--grpc", "grpc", a.grpc.to_string())],
-        ready: Ready::Listening(vec!["http", "grpc"]),
-        log: logs.join("coordinator.log"),
-        netns: None,
-    };
-    let mut c = Component::new(Role::Coordinator, "coordinator");
-    c.flags.insert(flag::SHUTDOWN_TIMEOUT_MS.into(), grace);
-    if let Some(ms) = a.stream_idle_timeout_ms {
-        c.flags.insert(flag::STREAM_IDLE_TIMEOUT_MS.into(), ms.to_string());
+    let mut https = Vec::new();
+    for i in 0..a.coordinators {
+        // The first keeps the names and addresses a single coordinator always had.
+        let (name, http, grpc) = match i {
+            0 => ("coordinator".to_owned(), a.http.to_string(), a.grpc.to_string()),
+            _ => (format!("coordinator-{i}"), "127.0.0.1:0".to_owned(), "127.0.0.1:0".to_owned()),
+        };
+        let spec = Spec {
+            bin: sibling("tandem-coordinator")?,
+            args: args.clone(),
+            addrs: vec![("--http", "http", http), ("--grpc", "grpc", grpc)],
+            ready: Ready::Listening(vec!["http", "grpc"]),
+            log: logs.join(format!("{name}.log")),
+            netns: None,
+        };
+        let mut c = Component::new(Role::Coordinator, name);
+        c.flags.insert(flag::SHUTDOWN_TIMEOUT_MS.into(), grace.clone());
+        if let Some(ms) = a.stream_idle_timeout_ms {
+            c.flags.insert(flag::STREAM_IDLE_TIMEOUT_MS.into(), ms.to_string());
+        }
+        if let Some(ms) = a.registry_max_stale_ms {
+            c.flags.insert(flag::REGISTRY_MAX_STALE_MS.into(), ms.to_string());
+        }
+        let run = start(&spec, &mut c, None).await?;
+        let http = c.http.clone().context("no coordinator address")?;
+        // The coordinator serves Prometheus on its HTTP port, path /metrics.
+        c.metrics = Some(http.clone());
+        https.push(http);
+        started.push(Started { spec, component: c, run });
     }
-    if let Some(ms) = a.registry_max_stale_ms {
-        c.flags.insert(flag::REGISTRY_MAX_STALE_MS.into(), ms.to_string());
-    }
-    let run = start(&spec, &mut c, None).await?;
-    let http = c.http.clone().context("no coordinator address")?;
-    // The coordinator serves Prometheus on its HTTP port, path /metrics.
-    c.metrics = Some(http.clone());
-    started.push(Started { spec, component: c, run });
-    // Ready: etcd reachable and a ready prefill/decode pair, or with --prefill 0 a ready decode worker (its /ready).
+    // Ready: etcd reachable and a ready prefill/decode pair, or with --prefill 0 a ready decode
+    // worker (each coordinator's /ready).
     let until = tokio::time::Instant::now() + START_TIMEOUT;
-    loop {
-        let h = http.clone();
-        if tokio::task::spawn_blocking(move || get_status(&h, "/ready")).await? == Some(200) {
-            return Ok(());
+    for http in https {
+        loop {
+            let h = http.clone();
+            if tokio::task::spawn_blocking(move || get_status(&h, "/ready")).await? == Some(200) {
+                break;
+            }
+            if tokio::time::Instant::now() > until {
+                bail!("the cluster was not ready within {START_TIMEOUT:?} (coordinator at {http})");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        if tokio::time::Instant::now() > until {
-            bail!("the cluster was not ready within {START_TIMEOUT:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    Ok(())
 }
 
 /// What every worker of the cluster is started with.

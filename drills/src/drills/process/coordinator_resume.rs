@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::drills::common::{gone, LOAD_WAIT};
 use crate::drills::process::kill::migration_load;
-use crate::drills::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup};
+use crate::drills::{coordinators_against, Drill, DrillInfo, Evidence, Exit, Progress, Setup};
 use crate::invariants::{GoodputBound, Invariants};
 use crate::process::Signal;
 use crate::{eventually, HarnessError};
@@ -61,8 +61,10 @@ pub(in crate::drills) struct CoordinatorKillResume;
 
 #[async_trait::async_trait]
 impl Drill for CoordinatorKillResume {
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it SIGKILLs one of two coordinators behind a round-robin front, which `tandem up` does not run")
+    /// Against a running cluster of several coordinators: the drill's own front before
+    /// them; the victim is started again by its supervisor once a stream was resumed.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        coordinators_against(c, Exit::Killed)
     }
 
     fn info(&self) -> DrillInfo {
@@ -105,17 +107,29 @@ impl Drill for CoordinatorKillResume {
         ev.began();
         c.kill_coordinator("coordinator").await?;
         ev.notes.push(format!("coordinator A (pid {pid}) SIGKILLed with streams running"));
-        eventually("B resumed a stream", LOAD_WAIT, || {
-            let b = b.clone();
+        // B's resumes; in a running cluster also A's new life's (its supervisor starts it again
+        // within a second, on the same address, counting from zero), where the front may
+        // send a resuming client as well.
+        let watch = if c.is_attached() { vec![b.clone(), a.clone()] } else { vec![b.clone()] };
+        eventually("a live coordinator resumed a stream", LOAD_WAIT, || {
+            let watch = watch.clone();
             async move {
-                let p = crate::metrics::scrape(&b).await;
-                p.is_ok_and(|p| {
-                    p.get(STREAM_RESUMES, &[("api", "http"), ("outcome", "ok")]).is_ok_and(|n| n > ok_before)
-                })
+                let mut n = 0.0;
+                for addr in &watch {
+                    if let Ok(p) = crate::metrics::scrape(addr).await {
+                        n += p.get(STREAM_RESUMES, &[("api", "http"), ("outcome", "ok")]).unwrap_or(0.0);
+                    }
+                }
+                n > ok_before
             }
         })
         .await?;
         ev.ended();
+        // A running cluster is left as found: its supervisor starts A again.
+        if c.is_attached() {
+            let pid = c.restart("coordinator", None).await?;
+            ev.notes.push(format!("its supervisor restarted A as pid {pid}"));
+        }
         let (status, code) = wrong_cursor(&b).await?;
         ev.notes.push(format!("a resume from another answer's cursor: {status} {code}"));
         if (status, code.as_str()) != (409, "resume_mismatch") {
@@ -139,8 +153,11 @@ pub(in crate::drills) struct CoordinatorRollingDrain;
 
 #[async_trait::async_trait]
 impl Drill for CoordinatorRollingDrain {
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it drains each of two coordinators behind a round-robin front, which `tandem up` does not run")
+    /// Against a running cluster of several coordinators under `--restart always`: the
+    /// drill's own front before them; each drained one is started again by its supervisor,
+    /// which says how it exited.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        coordinators_against(c, Exit::Drained)
     }
 
     fn info(&self) -> DrillInfo {
@@ -206,8 +223,22 @@ impl Drill for CoordinatorRollingDrain {
             running_on(&addr, 1.0).await?;
             let t = tokio::time::Instant::now();
             let pid = c.signal(&name, Signal::Term)?;
-            let exit = c.proc_mut(&name)?.wait_exit(Duration::from_secs(20)).await;
+            let exit = c.proc_mut(&name)?.wait_exit(Duration::from_secs(20)).await.map_err(HarnessError::from);
             let took = t.elapsed();
+            // An attached coordinator's exit status is what its supervisor saw, once it started
+            // it again.
+            let exit = match exit {
+                Ok(_) if c.is_attached() => {
+                    let limit = c.lease_ttl * 2 + crate::cluster::RESTART_WAIT;
+                    c.follow_restart(&name, pid, limit).await.and_then(|r| {
+                        let seen = r.last_exit.unwrap_or_default();
+                        crate::cluster::parse_exit(&seen).ok_or_else(|| {
+                            HarnessError::Fault(format!("its supervisor saw an exit it did not describe: {seen:?}"))
+                        })
+                    })
+                }
+                other => other,
+            };
             match exit {
                 Ok(st) => {
                     ev.notes.push(format!("{name} (pid {pid}) drained in {:.1} s, exited {st}", took.as_secs_f64()));
@@ -219,7 +250,9 @@ impl Drill for CoordinatorRollingDrain {
                     continue;
                 }
             }
-            c.restart(&name, None).await?;
+            if !c.is_attached() {
+                c.restart(&name, None).await?;
+            }
             let c: &Cluster = c;
             if let Some(p) = c.coordinators().find(|p| p.name == name) {
                 c.wait_coordinator_ready(p).await?;
