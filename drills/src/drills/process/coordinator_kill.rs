@@ -111,7 +111,11 @@ impl Drill for CoordinatorKill {
             ));
             let to_b_now = k.forwarded.get(1).copied().unwrap_or(0);
             ev.notes.push(format!("{} load connection(s) went to B after the kill", to_b_now - to_b));
-            ev.seen = k.refused.first().is_some_and(|&n| n > 0) && to_b_now > to_b;
+            // A running cluster's supervisor may start A again before the front tries it
+            // (`tandem up --restart-backoff-ms 300`): then no connect is refused, and what
+            // shows the kill did not stop new requests is those B took after it.
+            let refused = k.refused.first().is_some_and(|&n| n > 0);
+            ev.seen = (refused || c.is_attached()) && to_b_now > to_b;
         }
         Ok(ev)
     }
