@@ -53,9 +53,6 @@ pub struct Attached {
     pub flags: BTreeMap<String, BTreeMap<String, String>>,
     /// Each component's network namespace the state file gives (`netns`), by name.
     pub netns: BTreeMap<String, String>,
-    /// The fault proxy a drill put on a worker's KV link ([`Cluster::proxy_kv_link`]):
-    /// (worker, its REDIRECT rule), undone when the drill ends.
-    pub kv_redirect: std::sync::Mutex<Option<(String, Vec<String>)>>,
 }
 
 /// A component the supervisor started again ([`Cluster::await_restart`]).
@@ -212,7 +209,6 @@ impl Cluster {
                 pages_at_attach: BTreeMap::new(),
                 flags,
                 netns,
-                kv_redirect: Default::default(),
             }),
             lease_ttl,
             workers,

@@ -123,6 +123,14 @@ impl Cluster {
         self.attached.as_ref()?.flags.get(name)?.get(flag).map(String::as_str)
     }
 
+    /// [`Cluster::flag`] read as milliseconds: `Ok(None)` when not given, Err (naming the
+    /// component and flag) when it is not a whole number.
+    pub fn flag_ms(&self, name: &str, flag: &str) -> Result<Option<std::time::Duration>, String> {
+        let Some(ms) = self.flag(name, flag) else { return Ok(None) };
+        let ms: u64 = ms.parse().map_err(|e| format!("{name}'s `{flag}` {ms:?}: {e}"))?;
+        Ok(Some(std::time::Duration::from_millis(ms)))
+    }
+
     /// The network namespace the attached cluster's state file gives worker `name`.
     pub fn netns_of(&self, name: &str) -> Option<&str> {
         self.attached.as_ref()?.netns.get(name).map(String::as_str)
@@ -134,7 +142,8 @@ impl Cluster {
     /// sends new connections to the worker's KV port to the proxy, and the connections open
     /// now are reset (`ss -K`) so prefill workers reconnect through it (a pooled connection
     /// is checked before each transfer, so no transfer fails on it). Undone when the drill
-    /// ends ([`Cluster::unproxy_kv_link`], [`Cluster::clear_link_rules`]).
+    /// ends: [`Cluster::unproxy_kv_link`], then [`Cluster::clear_link_rules`], which deletes
+    /// the REDIRECT as it deletes every rule added through the template.
     pub fn proxy_kv_link(&mut self, name: &str) -> Result<(), HarnessError> {
         let ns = self
             .netns_of(name)
@@ -168,29 +177,22 @@ impl Cluster {
         // Reset first: a reset sent through the REDIRECT went astray here (see `unproxy_kv_link`).
         net.exec(&format!("ss -K state established '( sport = :{port} )'"))?;
         net.iptables(&std::iter::once("-A").chain(spec.iter().map(String::as_str)).collect::<Vec<_>>())?;
-        if let Some(a) = &self.attached {
-            *a.kv_redirect.lock().unwrap_or_else(|e| e.into_inner()) = Some((name.to_owned(), spec));
-        }
         self.worker_mut(name)?.proxy = Some(proxy);
         Ok(())
     }
 
     /// Takes the proxy [`Cluster::proxy_kv_link`] put on an attached worker's KV link away:
-    /// every connection through it is reset, then its REDIRECT rule goes, so prefill workers
-    /// reconnect straight to the worker. In that order: resets sent after the rule had gone
+    /// every connection through it is reset. Its REDIRECT rule must still be there (the
+    /// callers run [`Cluster::clear_link_rules`] next): resets sent after the rule had gone
     /// never reached the prefill workers (measured: their pooled connections stayed
     /// established, and the next transfer on each failed).
     pub fn unproxy_kv_link(&mut self) {
-        let Some(a) = &self.attached else { return };
-        let Some((name, spec)) = a.kv_redirect.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
-        if let Ok(w) = self.worker_mut(&name) {
+        if !self.is_attached() {
+            return;
+        }
+        for w in &mut self.workers {
             if let Some(p) = w.proxy.take() {
                 p.reset_open();
-            }
-        }
-        if let Ok(w) = self.worker(&name) {
-            if let Ok(net) = w.link_net(self) {
-                let _ = net.iptables(&std::iter::once("-D").chain(spec.iter().map(String::as_str)).collect::<Vec<_>>());
             }
         }
     }

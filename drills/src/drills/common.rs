@@ -42,6 +42,22 @@ pub(super) async fn cancelled(c: &Cluster) -> Result<f64, HarnessError> {
     decode_requests(c, CANCELLED.1).await
 }
 
+/// Waits (up to `limit`) until the decode workers' cancelled requests, all of them together,
+/// reach `at_least`: like [`counter_reaches`] over every decode worker; the last count seen.
+pub(super) async fn cancelled_reaches(c: &Cluster, at_least: f64, limit: Duration) -> (Result<(), HarnessError>, f64) {
+    let now = std::sync::Mutex::new(0.0);
+    let r = eventually(&format!("the decode workers' cancelled requests reach {at_least}"), limit, || {
+        let now = &now;
+        async move {
+            let v = cancelled(c).await.unwrap_or(0.0);
+            *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
+            v >= at_least
+        }
+    })
+    .await;
+    (r, now.into_inner().unwrap_or_else(|e| e.into_inner()))
+}
+
 /// Requests the decode workers counted with these labels (`&[]`: every outcome).
 pub(super) async fn decode_requests(c: &Cluster, labels: &[(&str, &str)]) -> Result<f64, HarnessError> {
     let mut sum = 0.0;

@@ -12,7 +12,6 @@ use loadgen::{Outcome, Report};
 use super::common::{counter_reaches, decode_metrics, rss_kib, PairBreaker, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
 use crate::cluster::{Cluster, ClusterSpec, Role, WorkerSpec};
-use crate::eventually;
 use crate::invariants::Invariants;
 use crate::proxy::Fault;
 use crate::HarnessError;
@@ -505,14 +504,14 @@ impl Drill for SlowReader {
     fn against(&self, c: &Cluster) -> Result<(), String> {
         let key = facts::state::flag::STREAM_IDLE_TIMEOUT_MS;
         let name = c.coordinator.name.clone();
-        let ms = c.flag(&name, key).ok_or_else(|| {
+        let ms = c.flag_ms(&name, key)?.ok_or_else(|| {
             format!(
                 "the state file does not give {name}'s `{key}`, and a slow stream must be ended while its answer is \
                  still generated (`tandem up --stream-idle-timeout-ms {IDLE_TIMEOUT_MS}` gives it)"
             )
         })?;
-        let ms: u64 = ms.parse().map_err(|e| format!("{name}'s `{key}` {ms:?}: {e}"))?;
-        if ms > MAX_IDLE_TIMEOUT_MS {
+        let ms = ms.as_millis();
+        if ms > u128::from(MAX_IDLE_TIMEOUT_MS) {
             return Err(format!(
                 "{name} ends a slow stream after {ms} ms, by when its 400-token answer is done and the decode worker \
                  has nothing to cancel (`tandem up --stream-idle-timeout-ms {IDLE_TIMEOUT_MS}`)"
@@ -605,17 +604,8 @@ impl Drill for SlowReader {
         let timeouts = sum(&p, SEND_TIMEOUTS, &[])? - ev.counts.first().copied().unwrap_or(0.0);
         let by_conn = sum(&p, SEND_TIMEOUTS, &[("layer", "connection")])?;
         let n = SLOW_CLIENTS as f64;
-        let now = std::sync::Mutex::new(ev.before);
-        let seen = eventually("the decode workers cancel every slow stream", Duration::from_secs(10), || {
-            let now = &now;
-            async move {
-                let v = super::common::cancelled(c).await.unwrap_or(0.0);
-                *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
-                v >= ev.before + n
-            }
-        })
-        .await;
-        let cancelled = now.into_inner().unwrap_or_else(|e| e.into_inner()) - ev.before;
+        let (seen, now) = super::common::cancelled_reaches(c, ev.before + n, Duration::from_secs(10)).await;
+        let cancelled = now - ev.before;
         let summary = format!(
             "{timeouts} stream send timeouts ({by_conn} at the connection, ever); the decode workers cancelled \
              {cancelled}; {}",

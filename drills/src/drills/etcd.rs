@@ -347,17 +347,17 @@ impl Drill for EtcdQuorumLoss {
         }
         let key = facts::state::flag::REGISTRY_MAX_STALE_MS;
         let name = c.coordinator.name.clone();
-        let ms = c.flag(&name, key).ok_or_else(|| {
+        let stale = c.flag_ms(&name, key)?.ok_or_else(|| {
             format!(
                 "the state file does not give {name}'s `{key}`, the bound it proves (`tandem up \
                  --registry-max-stale-ms 12000` gives it)"
             )
         })?;
-        let ms: u64 = ms.parse().map_err(|e| format!("{name}'s `{key}` {ms:?}: {e}"))?;
-        if Duration::from_millis(ms) + Duration::from_secs(5) > CONSEQUENCE_WAIT {
+        if stale + Duration::from_secs(5) > CONSEQUENCE_WAIT {
             return Err(format!(
-                "{name} serves from its cache for {ms} ms, longer than the drill holds the quorum away for \
-                 (`tandem up --registry-max-stale-ms 12000`)"
+                "{name} serves from its cache for {} ms, longer than the drill holds the quorum away for \
+                 (`tandem up --registry-max-stale-ms 12000`)",
+                stale.as_millis()
             ));
         }
         Ok(())
@@ -734,12 +734,12 @@ impl Drill for EtcdStall {
         etcd_against(c, 1, false)?;
         let key = facts::state::flag::REGISTRY_MAX_STALE_MS;
         let name = c.coordinator.name.clone();
-        if let Some(ms) = c.flag(&name, key) {
-            let ms: u64 = ms.parse().map_err(|e| format!("{name}'s `{key}` {ms:?}: {e}"))?;
-            if Duration::from_millis(ms) < STALL + STALL_MARGIN {
+        if let Some(stale) = c.flag_ms(&name, key)? {
+            if stale < STALL + STALL_MARGIN {
                 return Err(format!(
                     "it proves {name} serves through a {STALL:?} etcd stall, and it routes from its cache for only \
-                     {ms} ms (`tandem up --registry-max-stale-ms 12000` fits both this and etcd-quorum-loss)"
+                     {} ms (`tandem up --registry-max-stale-ms 12000` fits both this and etcd-quorum-loss)",
+                    stale.as_millis()
                 ));
             }
         }

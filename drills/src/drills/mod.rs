@@ -168,6 +168,16 @@ pub(crate) fn coordinators_against(c: &Cluster, exit: Exit) -> Result<(), String
     supervisor_restarts(c, exit)
 }
 
+/// Every check's reason at once (joined by "; "), or Ok when none refuses.
+pub(crate) fn all_of<const N: usize>(checks: [Result<(), String>; N]) -> Result<(), String> {
+    let reasons: Vec<String> = checks.into_iter().filter_map(Result::err).collect();
+    if reasons.is_empty() {
+        Ok(())
+    } else {
+        Err(reasons.join("; "))
+    }
+}
+
 /// At least `n` workers of `role`, so one is faulted while another serves.
 pub(crate) fn at_least(c: &Cluster, role: crate::cluster::Role, n: usize, why: &str) -> Result<(), String> {
     match c.workers_of(role).count() {

@@ -248,10 +248,25 @@ impl Proxy {
         upstream: SocketAddr,
         direction: Direction,
     ) -> Result<Self> {
+        let state: Shared = Arc::new((
+            Mutex::new(State {
+                armed: Fault::None,
+                counters: ProxyCounters::default(),
+                held_conn: None,
+                released: false,
+                stopped: false,
+                rng: XorShift64::new(0x9E37_79B9_7F4A_7C15),
+                buffered_now: 0,
+                live: HashMap::new(),
+                tainted: HashSet::new(),
+                pending: Vec::new(),
+            }),
+            Condvar::new(),
+        ));
         // The accept thread makes every socket the proxy owns (the listener, each upstream
         // connection), so it alone joins the namespace; it reports the bound listener back.
         let (bound_tx, bound_rx) = mpsc::channel();
-        let (state_tx, state_rx) = mpsc::channel::<Shared>();
+        let st = state.clone();
         std::thread::spawn(move || {
             let listener = (|| {
                 if let Some(path) = &netns {
@@ -271,9 +286,7 @@ impl Proxy {
             match listener {
                 Ok((l, addr)) => {
                     let _ = bound_tx.send(Ok(addr));
-                    if let Ok(st) = state_rx.recv() {
-                        accept_loop(&l, upstream, direction, &st);
-                    }
+                    accept_loop(&l, upstream, direction, &st);
                 }
                 Err(e) => {
                     let _ = bound_tx.send(Err(e));
@@ -283,23 +296,6 @@ impl Proxy {
         let addr = bound_rx.recv().map_err(|_| {
             Error::io("proxy accept thread", std::io::Error::other("it ended before binding its listener"))
         })??;
-        let state: Shared = Arc::new((
-            Mutex::new(State {
-                armed: Fault::None,
-                counters: ProxyCounters::default(),
-                held_conn: None,
-                released: false,
-                stopped: false,
-                rng: XorShift64::new(0x9E37_79B9_7F4A_7C15),
-                buffered_now: 0,
-                live: HashMap::new(),
-                tainted: HashSet::new(),
-                pending: Vec::new(),
-            }),
-            Condvar::new(),
-        ));
-        // The accept thread waits for this before its first accept.
-        let _ = state_tx.send(state.clone());
         let stop = Arc::new(StopOnDrop { addr, state: state.clone() });
         Ok(Self { addr, upstream, direction, state, _stop: stop })
     }

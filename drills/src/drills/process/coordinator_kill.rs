@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::stream_end;
 use crate::cluster::{Cluster, ClusterSpec};
-use crate::drills::common::{cancelled, gone, open_stream, probe, LOAD_WAIT};
+use crate::drills::common::{cancelled, cancelled_reaches, gone, open_stream, probe, LOAD_WAIT};
 use crate::drills::{coordinators_against, Drill, DrillInfo, Evidence, Exit, Progress, Setup};
 use crate::invariants::Invariants;
 use crate::{eventually, HarnessError};
@@ -75,19 +75,7 @@ impl Drill for CoordinatorKill {
             Err(e) => ev.notes.push(format!("A's long-stream client: {e}")),
             Ok(end) => ev.missing.push(format!("A's long stream ended as if A were alive: {end:?}")),
         }
-        let now = std::sync::Mutex::new(ev.before);
-        let before = ev.before;
-        let shared: &Cluster = c;
-        let r = eventually("a decode worker cancels an orphaned stream", Duration::from_secs(20), || {
-            let (now, c) = (&now, shared);
-            async move {
-                let v = cancelled(c).await.unwrap_or(before);
-                *now.lock().unwrap_or_else(|e| e.into_inner()) = v;
-                v > before
-            }
-        })
-        .await;
-        let now = now.into_inner().unwrap_or_else(|e| e.into_inner());
+        let (r, now) = cancelled_reaches(c, ev.before + 1.0, Duration::from_secs(20)).await;
         match r {
             Ok(()) => ev.notes.push(format!("the decode workers cancelled {} orphaned stream(s)", now - ev.before)),
             Err(e) => ev.missing.push(format!("no decode worker cancelled any of A's streams: {e}")),

@@ -9,7 +9,9 @@ use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::drills::common::{
     busy_decoder, counter_reaches, open_stream, probe, serving_becomes, LOAD_WAIT, MEMBERSHIP,
 };
-use crate::drills::{at_least, own_cluster, supervisor_restarts, Drill, DrillInfo, Evidence, Exit, Progress, Setup};
+use crate::drills::{
+    all_of, at_least, own_cluster, supervisor_restarts, Drill, DrillInfo, Evidence, Exit, Progress, Setup,
+};
 use crate::invariants::{kv_moved, Invariants};
 use crate::process::Signal;
 use crate::{eventually, HarnessError};
@@ -23,19 +25,11 @@ impl Drill for RollingDrain {
     /// under `--restart always`: a drained worker exits 0), on the same flags and group.
     fn against(&self, c: &Cluster) -> Result<(), String> {
         let why = "one drains while its twin serves, so every request completes";
-        let reasons: Vec<String> = [
+        all_of([
             supervisor_restarts(c, Exit::Drained),
             at_least(c, Role::Prefill, 2, why),
             at_least(c, Role::Decode, 2, why),
-        ]
-        .into_iter()
-        .filter_map(Result::err)
-        .collect();
-        if reasons.is_empty() {
-            Ok(())
-        } else {
-            Err(reasons.join("; "))
-        }
+        ])
     }
 
     fn info(&self) -> DrillInfo {
@@ -309,10 +303,8 @@ fn victim_grace(c: &Cluster) -> Result<Duration, String> {
         return Ok(SHORT_GRACE);
     }
     let key = facts::state::flag::SHUTDOWN_TIMEOUT_MS;
-    let ms = c.flag("decode-0", key).ok_or_else(|| {
-        format!("the state file does not give decode-0's `{key}`, the grace its exit is timed against")
-    })?;
-    ms.parse::<u64>().map(Duration::from_millis).map_err(|e| format!("decode-0's `{key}` {ms:?}: {e}"))
+    c.flag_ms("decode-0", key)?
+        .ok_or_else(|| format!("the state file does not give decode-0's `{key}`, the grace its exit is timed against"))
 }
 
 #[async_trait::async_trait]

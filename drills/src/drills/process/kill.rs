@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::drills::common::{await_supervisor, decode_metrics, gone, LOAD_WAIT};
-use crate::drills::{at_least, own_cluster, supervisor_restarts, Drill, DrillInfo, Evidence, Exit, Progress, Setup};
+use crate::drills::{
+    all_of, at_least, own_cluster, supervisor_restarts, Drill, DrillInfo, Evidence, Exit, Progress, Setup,
+};
 use crate::invariants::Invariants;
 use crate::process::{signal, socket_owner, Signal};
 use crate::proxy::Fault;
@@ -239,19 +241,11 @@ impl Drill for PrefillKill {
                  grant counter, which a shared cluster's other traffic moves",
             );
         }
-        let reasons: Vec<String> = [
+        all_of([
             at_least(c, Role::Prefill, 2, "one to kill, one to push again"),
             crate::drills::kv::kv_proxy_against(c, Some(self.policy), false),
             supervisor_restarts(c, Exit::Killed),
-        ]
-        .into_iter()
-        .filter_map(Result::err)
-        .collect();
-        if reasons.is_empty() {
-            Ok(())
-        } else {
-            Err(reasons.join("; "))
-        }
+        ])
     }
 
     fn info(&self) -> DrillInfo {
