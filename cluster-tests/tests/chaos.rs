@@ -36,6 +36,7 @@ fn options(seed: u64, seconds: u64, per_minute: f64, kinds: Vec<FaultKind>, plan
         plant_on_move: false,
         keep: None,
         against: None,
+        api_key: None,
     }
 }
 

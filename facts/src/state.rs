@@ -107,6 +107,9 @@ pub mod flag {
     pub const STREAM_IDLE_TIMEOUT_MS: &str = "stream-idle-timeout-ms";
     /// Coordinators: how long they route from cached membership while etcd is unreachable, ms.
     pub const REGISTRY_MAX_STALE_MS: &str = "registry-max-stale-ms";
+    /// Coordinators: the tenants file they were started with (its path on their host); with
+    /// one, every request needs an API key it lists.
+    pub const TENANTS: &str = "tenants";
 }
 
 /// What a drill does to a component, each through a command template

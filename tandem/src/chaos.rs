@@ -99,6 +99,11 @@ pub struct Args {
     /// as found: only the fault kinds it allows (each refused kind is printed with why).
     #[arg(long, value_name = "STATEFILE", conflicts_with_all = ["plant", "plant_on_move"])]
     against: Option<PathBuf>,
+    /// With --against: the API key every request of the run carries, where the cluster's
+    /// coordinators take only keys their tenants file lists. The printed commands name
+    /// TANDEM_API_KEY instead of the key. Env: TANDEM_API_KEY.
+    #[arg(long, env = "TANDEM_API_KEY", value_name = "KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// The most time the shrinking runs may take together (`30m`, `1h`, `900s`).
     #[arg(long, default_value = "30m", value_parser = parse_duration)]
     shrink_budget: Duration,
@@ -173,7 +178,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (targets, kinds) = match &a.against {
         None => (chaos::targets_of(None), kinds),
         Some(state) => {
-            let c = rt.block_on(drills::Cluster::attach(state))?;
+            let mut c = rt.block_on(drills::Cluster::attach(state))?;
+            c.api_key.clone_from(&a.api_key);
+            c.keyed().map_err(anyhow::Error::msg)?;
             let (usable, refused) = chaos::usable_kinds(&kinds, &c).map_err(anyhow::Error::msg)?;
             for r in refused {
                 eprintln!("chaos: not against this cluster: {r}");
@@ -216,6 +223,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         plant_on_move: a.plant_on_move,
         keep: a.keep_faults.map(|k| k.0),
         against: a.against,
+        api_key: a.api_key,
     };
     // Checked before anything starts (an index past the schedule's end).
     chaos::planned(&o, &targets).map_err(anyhow::Error::msg)?;

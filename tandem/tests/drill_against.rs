@@ -307,11 +307,15 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
     };
     let d0 = decode("decode-0", at(4), at(5), at(6));
     let d1 = decode("decode-1", at(7), at(8), at(9));
+    // A tenants file, so every request needs a key: the drills' own tenant (`--api-key`).
+    let tenants = dir.join("tenants.toml");
+    std::fs::write(&tenants, "[tenants.drills]\nkeys = [\"sk-drills\"]\n")?;
+    let tenants_s = tenants.display().to_string();
     let coordinator_args: Vec<String> = ["--model", &model, "--etcd", &at(0), "--cluster-prefix", &prefix]
         .iter()
         .map(|s| s.to_string())
         .chain(["--shutdown-timeout-ms".into(), "5000".into(), "--http".into(), at(10)])
-        .chain(["--grpc".into(), at(11)])
+        .chain(["--grpc".into(), at(11), "--tenants".into(), tenants_s.clone()])
         .collect();
 
     // Each component's start script: starts it in the background, its output appended to its
@@ -374,6 +378,7 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
             if *role == Role::Coordinator {
                 c.metrics = c.http.clone();
                 c.grpc = Some(at(11));
+                c.flags.insert(facts::state::flag::TENANTS.into(), tenants_s.clone());
             }
             if matches!(role, Role::Prefill | Role::Decode) {
                 c.version_group = Some("local".into());
@@ -403,15 +408,21 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
         let state_s = state_path.to_str().ok_or("state path")?;
         let before: Vec<(String, u32)> = file.components.iter().map(|c| (c.name.clone(), c.pid)).collect();
 
-        let refused = tandem(&["drill", "--against", state_s, "run", "rolling-drain"], WAIT)?;
+        let key = ["--api-key", "sk-drills"];
+        let refused = tandem(&["drill", "--against", state_s, "run", "worker-sigstop"], WAIT)?;
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success() && err.contains(&tenants_s) && err.contains("--api-key"), "no key: {err}");
+        let refused = tandem(&["drill", "--against", state_s, "--api-key", "sk-drills", "run", "rolling-drain"], WAIT)?;
         let err = String::from_utf8_lossy(&refused.stderr);
         assert!(!refused.status.success(), "rolling-drain must be refused: {err}");
         assert!(err.contains("rolling-drain:") && err.contains("exited 0"), "the reason: {err}");
         assert!(!actions_log.exists(), "a refused drill acts on nothing");
 
         let drills = ["worker-sigstop", "decode-kill"];
-        let ran =
-            tandem(&[&["drill", "--against", state_s, "--requests", "10", "run"][..], &drills].concat(), WAIT * 2)?;
+        let ran = tandem(
+            &[&["drill", "--against", state_s, "--requests", "10"][..], &key, &["run"], &drills].concat(),
+            WAIT * 2,
+        )?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
         assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}");
         assert_proven(&stdout, &drills)?;
@@ -445,6 +456,10 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
         // the templates, and a killed decode worker comes back by its restart template.
         let chaos = ["chaos", "--against", state_s, "--seed", "5", "--duration", "20s", "--rate", "12"];
         let faults = ["--faults", "kill-decode,stop-decode,stop-etcd,kill-prefill,kv-delay,disconnect"];
+        let keyless = tandem(&[&chaos[..], &faults, &["--dry-run"]].concat(), WAIT)?;
+        let err = String::from_utf8_lossy(&keyless.stderr);
+        assert!(!keyless.status.success() && err.contains("--api-key"), "chaos without a key: {err}");
+        let chaos = [&chaos[..], &key].concat();
         let dry = tandem(&[&chaos[..], &faults, &["--dry-run"]].concat(), WAIT)?;
         let (plan, err) = (String::from_utf8_lossy(&dry.stdout), String::from_utf8_lossy(&dry.stderr));
         assert!(dry.status.success(), "chaos --dry-run against the cluster:\n{plan}\n{err}");
@@ -466,8 +481,8 @@ fn action_templates_drive_a_cluster_started_by_hand() -> TestResult {
         common::serving(&at(10), "decode", 2.0, WAIT)?;
 
         // The same cluster with every fault skipped: the proof must fail, and that passes.
-        let ran =
-            tandem(&["drill", "--against", state_s, "--requests", "6", "--vacuity", "run", "worker-sigstop"], WAIT)?;
+        let vacuity = ["drill", "--against", state_s, "--api-key", "sk-drills", "--requests", "6", "--vacuity"];
+        let ran = tandem(&[&vacuity[..], &["run", "worker-sigstop"]].concat(), WAIT)?;
         let stdout = String::from_utf8_lossy(&ran.stdout);
         assert!(ran.status.success(), "worker-sigstop --vacuity against the cluster:\n{stdout}");
         let row =
@@ -512,7 +527,8 @@ impl Drop for HandCluster {
     }
 }
 
-/// `tandem up --hosts 3 --etcd-members 3`: the link drills act through each worker's
+/// `tandem up --hosts 4 --coordinator-hosts --etcd-members 3`, a tenants file and a policy per
+/// decode worker: the link drills act through each worker's
 /// `link-fault` template inside its host namespace (a KV blackhole on decode-0, decode-1
 /// cut off from etcd, `ss -K` on decode-0's control link), the etcd drills on the three supervised members (the leader killed
 /// and started again, every member stopped; two of three stopped past the coordinators'
@@ -523,9 +539,20 @@ impl Drop for HandCluster {
 #[test]
 fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult {
     let dir = common::temp_dir("tandem-drill-against-hosts")?;
+    // A tenant of the drills' own: with a tenants file every request needs a key.
+    let tenants = dir.join("tenants.toml");
+    std::fs::write(&tenants, "[tenants.drills]\nkeys = [\"sk-drills\"]\n")?;
+    let tenants_s = tenants.to_str().ok_or("tenants path")?;
     let args = [
         "--hosts",
-        "3",
+        "4",
+        "--coordinator-hosts",
+        "--prefill",
+        "2",
+        "--kv-load-failure-policy",
+        "recompute,retry",
+        "--tenants",
+        tenants_s,
         "--etcd-members",
         "3",
         "--decode",
@@ -537,12 +564,18 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
         "--lease-ttl-s",
         "2",
     ];
-    let fit = ["--restart-backoff-ms", "300", "--reservation-ttl-ms", "3000", "--registry-max-stale-ms", "12000"];
+    // A short lease where a drill holds decode-0's KV, a long one where decode-1 retries.
+    let fit = ["--restart-backoff-ms", "300", "--reservation-ttl-ms", "3000,30000", "--registry-max-stale-ms", "12000"];
     let mut up = Up::start(&dir, &[&args[..], &fit[..]].concat())?;
     let state = up.state_file.clone();
     let result = (|| -> TestResult {
         let state_s = state.to_str().ok_or("state path")?;
         // kv-resets and kv-delay: the drill's KV proxy in decode-0's namespace, its port redirected there.
+        // Every drill's traffic carries the drills' key.
+        let key = ["--api-key", "sk-drills"];
+        let refused = tandem(&["drill", "--against", state_s, "run", "kv-delay"], WAIT)?;
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success() && err.contains("--api-key") && err.contains(tenants_s), "{err}");
         let drills = [
             "kv-blackhole",
             "kv-resets",
@@ -555,19 +588,25 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
             // The drill's own front before the two coordinators tandem up started.
             "coordinator-kill",
             "coordinator-rolling-drain",
+            // The coordinator alone on its host (--coordinator-hosts): its etcd link cut there.
+            "coordinator-etcd-cutoff",
+            // The proxy on decode-1's link: the decode worker whose policy is retry.
+            "prefill-kill-retry",
         ];
-        let ran = tandem(&[&["drill", "--against", state_s, "run"][..], &drills].concat(), WAIT * 2)?;
+        let ran = tandem(&[&["drill", "--against", state_s][..], &key, &["run"], &drills].concat(), WAIT * 3)?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
         eprintln!("{stdout}");
         assert!(ran.status.success(), "tandem drill --against failed:\n{stdout}\n{stderr}\n{}", up.stderr_text());
         assert_proven(&stdout, &drills)?;
         let vac = ["kv-blackhole", "kv-resets", "worker-etcd-cutoff"];
         // Refused with the setting that stands in the way, read from the state file.
-        let refused = tandem(&["drill", "--against", state_s, "run", "prefill-kill-fail"], WAIT)?;
+        let refused =
+            tandem(&[&["drill", "--against", state_s][..], &key, &["run", "prefill-kill-fail"]].concat(), WAIT)?;
         let err = String::from_utf8_lossy(&refused.stderr);
         assert!(!refused.status.success(), "prefill-kill-fail on a recompute cluster must be refused: {err}");
         assert!(err.contains("kv-load-failure-policy") && err.contains("recompute"), "{err}");
-        let ran = tandem(&[&["drill", "--against", state_s, "--vacuity", "run"][..], &vac].concat(), WAIT * 2)?;
+        let ran =
+            tandem(&[&["drill", "--against", state_s, "--vacuity"][..], &key, &["run"], &vac].concat(), WAIT * 2)?;
         let stdout = String::from_utf8_lossy(&ran.stdout);
         assert!(ran.status.success(), "--vacuity against the hosts:\n{stdout}");
         for name in vac {

@@ -120,6 +120,14 @@ fn up_serves_the_openai_api_and_stops_everything_on_sigterm() -> TestResult {
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("chat.completion") && body.contains("Paris"), "{body}");
         openai_client_agrees_with_the_engine(&http)?;
+        // A second `tandem up` on the same state file (so the same log and etcd data
+        // directories, which the first one's stop removes) is refused, naming the first.
+        let second = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["up", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--state-file"])
+            .arg(&up.state_file)
+            .output()?;
+        let err = String::from_utf8_lossy(&second.stderr);
+        assert!(!second.status.success() && err.contains(&format!("another tandem up (pid {})", up.pid)), "{err}");
         // Every series each process exports is in the metric catalog under it, with its
         // label names: the catalog cannot drift from what the processes export.
         use facts::metrics::Process;
@@ -215,7 +223,13 @@ fn up_on_hosts_places_workers_in_namespaces_and_cleans_them_up() -> TestResult {
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && err.contains("does not cross --hosts"), "{err}");
 
-    let mut up = Up::start(&dir, &["--hosts", "2", "--lease-ttl-s", "2"])?;
+    let refused = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["up", "--coordinator-hosts", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .output()?;
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("--hosts"), "--coordinator-hosts needs --hosts: {err}");
+
+    let mut up = Up::start(&dir, &["--hosts", "2", "--coordinator-hosts", "--lease-ttl-s", "2"])?;
     let up_pid = up.pid;
     let namespaces = || -> Result<Vec<String>, String> {
         let out = Command::new("ip").args(["netns", "list"]).output().map_err(|e| e.to_string())?;
@@ -230,9 +244,15 @@ fn up_on_hosts_places_workers_in_namespaces_and_cleans_them_up() -> TestResult {
         let (prefill, decode) = (up.component("prefill-0")?, up.component("decode-0")?);
         let (pns, dns) = (prefill.netns.clone().ok_or("prefill netns")?, decode.netns.clone().ok_or("decode netns")?);
         assert_ne!(pns, dns, "one worker per host");
+        let coordinator = up.component("coordinator")?;
+        let cns = coordinator.netns.clone().ok_or("coordinator netns (--coordinator-hosts)")?;
         let mut listed = namespaces()?;
         listed.sort();
-        assert_eq!(listed, [pns.clone(), dns.clone()], "the state file names the namespaces that exist");
+        let mut expected = vec![pns.clone(), dns.clone(), cns.clone()];
+        expected.sort();
+        assert_eq!(listed, expected, "the state file names the namespaces that exist: the coordinator's its own");
+        let chttp = coordinator.http.clone().ok_or("coordinator http")?;
+        assert!(chttp.starts_with("10.79."), "the coordinator listens on its host's address: {chttp}");
         let transfer = decode.transfer.clone().ok_or("transfer")?;
         assert!(transfer.starts_with("10.79."), "KV listens on the host's address: {transfer}");
         let metrics = decode.metrics.clone().ok_or("metrics")?;
@@ -242,6 +262,9 @@ fn up_on_hosts_places_workers_in_namespaces_and_cleans_them_up() -> TestResult {
         let named = std::fs::metadata(format!("/run/netns/{dns}"))?;
         use std::os::unix::fs::MetadataExt;
         assert_eq!(own.to_string_lossy(), format!("net:[{}]", named.ino()), "decode-0 is in {dns}");
+        let own = std::fs::read_link(format!("/proc/{}/ns/net", coordinator.pid))?;
+        let named = std::fs::metadata(format!("/run/netns/{cns}"))?;
+        assert_eq!(own.to_string_lossy(), format!("net:[{}]", named.ino()), "the coordinator is in {cns}");
 
         let http = up.http()?;
         let (status, body) = post_chat(&http)?;

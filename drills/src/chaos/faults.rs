@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::schedule::SLOW_READER_HOLD;
 use super::{Action, FaultKind, Planned, RssWatch, BURST, DEADLINE, GRACE, INTERACTIVE_KEY, MODEL, RSS_EVERY};
 use crate::cluster::{Cluster, PastLife};
-use crate::drills::coordinator::slow_stream_as;
+use crate::drills::coordinator::slow_stream;
 use crate::process::{signal, Signal};
 use crate::proxy::{Fault, Proxy};
 use crate::HarnessError;
@@ -58,6 +58,15 @@ pub(super) struct Spawned {
     pub(super) bursts: Vec<Burst>,
     /// Each slow reader, until it hangs up.
     pub(super) slow_readers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// The key the faults' own traffic (bursts, disconnecting and slow clients) carries: the
+/// interactive tenant's in chaos's own cluster, the run's (`--api-key`) in an attached one.
+fn fault_key(c: &Cluster) -> Option<String> {
+    match c.is_attached() {
+        true => c.api_key.clone(),
+        false => Some(INTERACTIVE_KEY.into()),
+    }
 }
 
 /// Applies `p` to the cluster; a burst's load or a slow reader goes into `spawned`.
@@ -109,7 +118,7 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, spawned: &mut Spawn
             plan.max_tokens = 8;
             plan.deadline = Some(DEADLINE);
             plan.timeout = DEADLINE + GRACE + Duration::from_secs(10);
-            plan.api_key = Some(INTERACTIVE_KEY.into());
+            plan.api_key = fault_key(c);
             // Resuming clients too: a burst that meets a killed coordinator goes on at the other.
             plan.resume = true;
             // Judged at the end: complete or typed, within the deadline.
@@ -121,10 +130,12 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, spawned: &mut Spawn
                 "ignore_eos": true,
             });
             let addr = base_url.trim_start_matches("http://").to_owned();
+            let mut req = opskit::http::Request::post(&addr, "/v1/completions");
+            if let Some(k) = fault_key(c) {
+                req = req.header("authorization", &format!("Bearer {k}"));
+            }
             tokio::spawn(async move {
-                let req = opskit::http::Request::post(&addr, "/v1/completions")
-                    .header("authorization", &format!("Bearer {INTERACTIVE_KEY}"))
-                    .json(&body);
+                let req = req.json(&body);
                 if let Ok(mut s) = req.stream().await {
                     // Two events, then the client is gone.
                     for _ in 0..2 {
@@ -141,7 +152,8 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, spawned: &mut Spawn
             let addrs: Vec<String> = c.coordinators().map(|p| p.addr("http")).collect::<Result<_, _>>()?;
             let addr = addrs.get(i % addrs.len().max(1)).ok_or_else(|| HarnessError::Setup("no coordinator".into()))?;
             let addr = addr.parse().map_err(|e| HarnessError::Setup(format!("a coordinator's address {addr}: {e}")))?;
-            spawned.slow_readers.push(tokio::task::spawn_blocking(move || slow_reader(addr, i)));
+            let key = fault_key(c);
+            spawned.slow_readers.push(tokio::task::spawn_blocking(move || slow_reader(addr, i, key.as_deref())));
         }
     }
     Ok(())
@@ -153,8 +165,8 @@ async fn apply(c: &mut Cluster, p: &Planned, base_url: &str, spawned: &mut Spawn
 /// hang-up must free its slot and KV (checked at quiescence), and the rest of the load
 /// must keep its deadlines meanwhile. A stream refused at its start (no worker, the
 /// coordinator down) is no stall.
-fn slow_reader(addr: std::net::SocketAddr, i: usize) {
-    if let Ok(s) = slow_stream_as(addr, i, true, Some(INTERACTIVE_KEY)) {
+fn slow_reader(addr: std::net::SocketAddr, i: usize, key: Option<&str>) {
+    if let Ok(s) = slow_stream(addr, i, true, key) {
         std::thread::sleep(SLOW_READER_HOLD);
         drop(s);
     }

@@ -102,6 +102,9 @@ pub struct ChaosOptions {
     /// starting one, and leave it as found. The schedule draws only from the kinds
     /// [`kinds_against`] allows there.
     pub against: Option<PathBuf>,
+    /// Against a cluster whose coordinators have tenants: the key every request of the run
+    /// carries ([`Cluster::api_key`]), for both steady loads and the faults' own traffic.
+    pub api_key: Option<String>,
 }
 
 /// How long a lift waits for a supervisor (or a `restart` template) to start a killed
@@ -346,6 +349,10 @@ pub fn command(o: &ChaosOptions) -> String {
     if let Some(state) = &o.against {
         cmd.push_str(&format!(" --against {}", facts::state::shell_word(&state.display().to_string())));
     }
+    // The key itself never appears in a printed command.
+    if o.api_key.is_some() {
+        cmd.push_str(" --api-key \"$TANDEM_API_KEY\"");
+    }
     if let Some(keep) = &o.keep {
         let list: Vec<String> = keep.iter().map(usize::to_string).collect();
         cmd.push_str(&format!(" --keep-faults {}", if list.is_empty() { "none".into() } else { list.join(",") }));
@@ -480,7 +487,12 @@ async fn run_with(o: &ChaosOptions, loads: Option<Loads>) -> Result<(ChaosReport
         })
     };
     let mut c = match &o.against {
-        Some(state) => Cluster::attach(state).await?,
+        Some(state) => {
+            let mut c = Cluster::attach(state).await?;
+            c.api_key.clone_from(&o.api_key);
+            c.keyed().map_err(HarnessError::Setup)?;
+            c
+        }
         None => Cluster::start(&cluster_spec(o.plant, o.plant_on_move), o.keep_logs).await?,
     };
     let base_url = c.base_url()?;
@@ -488,6 +500,10 @@ async fn run_with(o: &ChaosOptions, loads: Option<Loads>) -> Result<(ChaosReport
     let grpc_url = c.grpc_url()?;
     for l in &mut loads {
         l.plan.base_url.clone_from(if l.plan.api == loadgen::Api::Grpc { &grpc_url } else { &base_url });
+        // A running cluster's tenants are its own: every load carries the run's key.
+        if c.is_attached() {
+            l.plan.api_key.clone_from(&c.api_key);
+        }
     }
     let targets = targets_of(Some(&c));
     let mut o = o.clone();
@@ -769,6 +785,7 @@ mod tests {
             plant_on_move: true,
             keep: Some(vec![0, 3]),
             against: None,
+            api_key: None,
         };
         assert_eq!(
             command(&o),

@@ -219,6 +219,7 @@ impl Cluster {
             client_proxy: None,
             control_proxies: BTreeMap::new(),
             coordinator_kills: Vec::new(),
+            api_key: None,
             prefix: String::new(),
             log_dir: temp_dir()?,
             faulted: BTreeMap::new(),

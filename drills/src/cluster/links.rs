@@ -66,25 +66,51 @@ impl LinkNet<'_> {
     }
 }
 
+/// An attached process's network through its `link-fault` template, when it has one.
+fn template_net<'a>(proc: &'a Proc, c: &'a Cluster) -> Result<LinkNet<'a>, HarnessError> {
+    match &c.attached {
+        Some(a) if templated(proc) => Ok(LinkNet::Template { proc, rules: &a.link_rules }),
+        _ => Err(HarnessError::Setup(format!(
+            "{} is in no namespace of the drill's and has no `link-fault` template",
+            proc.name
+        ))),
+    }
+}
+
+fn templated(proc: &Proc) -> bool {
+    proc.actions().is_some_and(|a| a.template(Action::LinkFault).is_some())
+}
+
 impl Worker {
     /// Where drills change this worker's links, when they can.
     pub fn link_net<'a>(&'a self, c: &'a Cluster) -> Result<LinkNet<'a>, HarnessError> {
-        if let Some(ns) = &self.netns {
-            return Ok(LinkNet::Own(ns));
-        }
-        let templated = self.proc.actions().is_some_and(|a| a.template(Action::LinkFault).is_some());
-        match &c.attached {
-            Some(a) if templated => Ok(LinkNet::Template { proc: &self.proc, rules: &a.link_rules }),
-            _ => Err(HarnessError::Setup(format!(
-                "{} is in no namespace of the drill's and has no `link-fault` template",
-                self.proc.name
-            ))),
+        match &self.netns {
+            Some(ns) => Ok(LinkNet::Own(ns)),
+            None => template_net(&self.proc, c),
         }
     }
 
     /// Whether drills can change this worker's links (see [`Worker::link_net`]).
     pub fn has_link_net(&self) -> bool {
-        self.netns.is_some() || self.proc.actions().is_some_and(|a| a.template(Action::LinkFault).is_some())
+        self.netns.is_some() || templated(&self.proc)
+    }
+}
+
+impl Cluster {
+    /// Where drills change process `name`'s links: a worker's ([`Worker::link_net`]), or an
+    /// attached coordinator's through its `link-fault` template (`tandem up --hosts N
+    /// --coordinator-hosts`).
+    pub fn link_net_of(&self, name: &str) -> Result<LinkNet<'_>, HarnessError> {
+        if let Ok(w) = self.worker(name) {
+            return w.link_net(self);
+        }
+        let p = self.coordinators().find(|p| p.name == name);
+        template_net(p.ok_or_else(|| HarnessError::Setup(format!("no worker or coordinator {name}")))?, self)
+    }
+
+    /// Whether drills can change process `name`'s links ([`Cluster::link_net_of`]).
+    pub fn has_link_net(&self, name: &str) -> bool {
+        self.link_net_of(name).is_ok()
     }
 }
 
@@ -96,12 +122,12 @@ impl Cluster {
         let held = std::mem::take(&mut *a.link_rules.lock().unwrap_or_else(|e| e.into_inner()));
         let mut failed = Vec::new();
         for (name, spec) in held {
-            let Ok(w) = self.worker(&name) else { continue };
+            let Some(p) = self.procs().find(|p| p.name == name) else { continue };
             let cmd = std::iter::once("iptables -w 5 -D".to_owned())
                 .chain(spec.iter().map(|a| shell_word(a)))
                 .collect::<Vec<_>>()
                 .join(" ");
-            if let Err(e) = w.proc.act(Action::LinkFault, Some(&cmd)) {
+            if let Err(e) = p.act(Action::LinkFault, Some(&cmd)) {
                 failed.push(format!("deleting {name}'s rule `{}`: {e}", spec.join(" ")));
             }
         }

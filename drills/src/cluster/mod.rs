@@ -107,6 +107,9 @@ pub struct Cluster {
     /// When a coordinator was SIGKILLed: (signal sent, death seen). A request in flight
     /// across one may end in a transport error (counted as `coordinator_lost`).
     pub coordinator_kills: Vec<(Instant, Instant)>,
+    /// The API key drill traffic carries (`tandem drill --api-key`), for an attached
+    /// cluster whose coordinators take only keys their tenants file lists.
+    pub api_key: Option<String>,
     pub prefix: String,
     /// Per-process stderr logs (and etcd's, elsewhere: [`opskit::etcd::EtcdCluster::log_path`]).
     pub log_dir: PathBuf,
@@ -411,6 +414,7 @@ impl Cluster {
             client_proxy,
             control_proxies,
             coordinator_kills: Vec::new(),
+            api_key: None,
             prefix,
             log_dir,
             faulted: BTreeMap::new(),
@@ -464,6 +468,33 @@ impl Cluster {
     /// Every coordinator, the first one first.
     pub fn coordinators(&self) -> impl Iterator<Item = &Proc> {
         std::iter::once(&self.coordinator).chain(self.other_coordinators.iter())
+    }
+
+    /// Whether drill traffic can reach the attached coordinators: Err when their tenants
+    /// file (the state file's `tenants` flag) lets in only keys and none was given.
+    pub fn keyed(&self) -> Result<(), String> {
+        if self.api_key.is_some() {
+            return Ok(());
+        }
+        let tenants =
+            self.coordinators().find_map(|p| Some((&p.name, self.flag(&p.name, facts::state::flag::TENANTS)?)));
+        match tenants {
+            Some((name, file)) => Err(format!(
+                "{name} takes only the API keys its tenants file {file} lists, and drill traffic was given none \
+                 (`--api-key KEY`, or TANDEM_API_KEY)"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// A POST to `path` of the coordinator (or front) at `addr` as drill traffic: with the
+    /// drills' API key ([`Cluster::api_key`]) where there is one.
+    pub fn post(&self, addr: &str, path: &str) -> opskit::http::Request {
+        let r = opskit::http::Request::post(addr, path);
+        match &self.api_key {
+            Some(k) => r.header("authorization", &format!("Bearer {k}")),
+            None => r,
+        }
     }
 
     /// The coordinator's HTTP address (`host:port`).
@@ -690,7 +721,7 @@ impl Cluster {
     /// its network instead ([`Worker::link_net`]).
     pub fn etcd_link(&self, name: &str, fault: crate::proxy::Fault) -> Result<(), HarnessError> {
         if self.attached.is_some() && !self.etcd_proxies.contains_key(name) {
-            let net = self.worker(name)?.link_net(self)?;
+            let net = self.link_net_of(name)?;
             let op = match fault {
                 crate::proxy::Fault::Blackhole => "-A",
                 crate::proxy::Fault::None => "-D",
@@ -743,7 +774,7 @@ impl Cluster {
     /// cluster, the packets its `iptables` rules dropped.
     pub fn etcd_link_dropped(&self, name: &str) -> u64 {
         if self.attached.is_some() && !self.etcd_proxies.contains_key(name) {
-            let net = self.worker(name).and_then(|w| w.link_net(self));
+            let net = self.link_net_of(name);
             let now = net.and_then(|n| n.rule_packets("OUTPUT", ETCD_LINK_RULE)).ok().flatten().unwrap_or(0);
             let before = self.attached.as_ref().map_or(0, |a| {
                 a.etcd_dropped.lock().unwrap_or_else(|e| e.into_inner()).get(name).copied().unwrap_or(0)

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use opskit::http::{EventStream, Request};
+use opskit::http::EventStream;
 
 use super::{Evidence, Progress, MODEL};
 use crate::cluster::{Cluster, Role};
@@ -195,12 +195,12 @@ const EVENT_WAIT: Duration = Duration::from_secs(60);
 
 /// Opens a long streaming completion (400 tokens, `ignore_eos`) for client `i`; returns once
 /// the answer's head arrived.
-pub(super) async fn open_stream(addr: &str, i: usize) -> Result<Stream, HarnessError> {
+pub(super) async fn open_stream(c: &Cluster, addr: &str, i: usize) -> Result<Stream, HarnessError> {
     let body = serde_json::json!({
         "model": MODEL, "prompt": format!("Client {i} will hang up on this story about a lighthouse keeper:"),
         "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true,
     });
-    let s = Request::post(addr, "/v1/completions").json(&body).timeout(EVENT_WAIT).stream().await?;
+    let s = c.post(addr, "/v1/completions").json(&body).timeout(EVENT_WAIT).stream().await?;
     Ok(Stream(s))
 }
 
@@ -226,9 +226,9 @@ impl Stream {
 }
 
 /// One short non-streaming request: (status, Retry-After).
-pub(super) async fn probe(addr: &str) -> Result<(u16, Option<String>), HarnessError> {
+pub(super) async fn probe(c: &Cluster, addr: &str) -> Result<(u16, Option<String>), HarnessError> {
     let body = probe_body();
-    let r = Request::post(addr, "/v1/completions").json(&body).timeout(EVENT_WAIT).send().await?;
+    let r = c.post(addr, "/v1/completions").json(&body).timeout(EVENT_WAIT).send().await?;
     Ok((r.status, r.header("retry-after").map(str::to_owned)))
 }
 
@@ -242,7 +242,7 @@ pub(super) async fn load_like_request(c: &Cluster, n: u64) -> Result<bool, Harne
                                   "user": format!("after-load-{n}")});
     let url = c.base_url()?;
     let addr = url.trim_start_matches("http://");
-    let r = Request::post(addr, "/v1/completions").json(&body).timeout(LOAD_WAIT).send().await?;
+    let r = c.post(addr, "/v1/completions").json(&body).timeout(LOAD_WAIT).send().await?;
     Ok(r.status == 200)
 }
 

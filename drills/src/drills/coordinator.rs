@@ -267,7 +267,7 @@ impl Drill for PrefillUnavailable {
         if ev.seen {
             // While it is open, a request is refused at once, with Retry-After.
             let t = Instant::now();
-            let (status, retry_after) = super::common::probe(&c.http_addr()?).await?;
+            let (status, retry_after) = super::common::probe(c, &c.http_addr()?).await?;
             ev.notes.push(format!(
                 "a probe request got {status} with Retry-After {retry_after:?} in {:.0} ms",
                 t.elapsed().as_secs_f64() * 1e3
@@ -413,13 +413,8 @@ const MAX_IDLE_TIMEOUT_MS: u64 = 4000;
 /// the head), below what an HTTP client exposes; opskit's client is for well-behaved ones.
 /// `small` shrinks the client's window and MSS (the fault's bite); a run with the fault
 /// skipped reads promptly with ordinary buffers (with the small ones, reading 400 tokens of
-/// top-20 logprobs takes longer than the read bound).
-pub(crate) fn slow_stream(addr: SocketAddr, i: usize, small: bool) -> Result<std::net::TcpStream, HarnessError> {
-    slow_stream_as(addr, i, small, None)
-}
-
-/// [`slow_stream`], with an API key when the coordinator has tenants.
-pub(crate) fn slow_stream_as(
+/// top-20 logprobs takes longer than the read bound). `api_key`: where the coordinator has tenants.
+pub(crate) fn slow_stream(
     addr: SocketAddr,
     i: usize,
     small: bool,
@@ -550,7 +545,8 @@ impl Drill for SlowReader {
         ev.began();
         let mut socks = Vec::new();
         for i in 0..SLOW_CLIENTS {
-            socks.push(tokio::task::spawn_blocking(move || slow_stream(addr, i, !skip)));
+            let key = c.api_key.clone();
+            socks.push(tokio::task::spawn_blocking(move || slow_stream(addr, i, !skip, key.as_deref())));
         }
         let mut open = Vec::new();
         for s in socks {

@@ -8,7 +8,6 @@ use tokio::time::Instant;
 
 use facts::metrics::worker::{FENCED, FENCES};
 use loadgen::Report;
-use opskit::http::Request;
 
 use super::common::{counter_reaches, gone, serving_becomes, LOAD_WAIT, MEMBERSHIP};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
@@ -50,9 +49,9 @@ impl std::fmt::Display for Answer {
 }
 
 /// Sends one short completion (max_tokens 1) to the coordinator at `addr`.
-async fn ask(addr: &str) -> Result<Answer, HarnessError> {
+async fn ask(c: &Cluster, addr: &str) -> Result<Answer, HarnessError> {
     let body = super::common::probe_body();
-    let r = Request::post(addr, "/v1/completions").json(&body).timeout(Duration::from_secs(30)).send().await;
+    let r = c.post(addr, "/v1/completions").json(&body).timeout(Duration::from_secs(30)).send().await;
     let r = r.map_err(|e| match e {
         opskit::Error::Timeout(what) => HarnessError::Timeout(what),
         e => HarnessError::Fault(format!("asking {addr}: {e}")),
@@ -62,13 +61,19 @@ async fn ask(addr: &str) -> Result<Answer, HarnessError> {
 }
 
 /// Asks until an answer satisfies `want` (within `limit`); that answer.
-async fn ask_until(addr: &str, what: &str, limit: Duration, want: impl Fn(&Answer) -> bool) -> Result<Answer, String> {
+async fn ask_until(
+    c: &Cluster,
+    addr: &str,
+    what: &str,
+    limit: Duration,
+    want: impl Fn(&Answer) -> bool,
+) -> Result<Answer, String> {
     let last = Mutex::new(None::<Answer>);
     let found = Mutex::new(None::<Answer>);
     let r = eventually(what, limit, || {
         let (last, found, want) = (&last, &found, &want);
         async move {
-            match ask(addr).await {
+            match ask(c, addr).await {
                 Ok(a) if want(&a) => {
                     *found.lock().unwrap_or_else(|e| e.into_inner()) = Some(a);
                     true
@@ -345,22 +350,7 @@ impl Drill for EtcdQuorumLoss {
                 c.etcd_len()
             ));
         }
-        let key = facts::state::flag::REGISTRY_MAX_STALE_MS;
-        let name = c.coordinator.name.clone();
-        let stale = c.flag_ms(&name, key)?.ok_or_else(|| {
-            format!(
-                "the state file does not give {name}'s `{key}`, the bound it proves (`tandem up \
-                 --registry-max-stale-ms 12000` gives it)"
-            )
-        })?;
-        if stale + Duration::from_secs(5) > CONSEQUENCE_WAIT {
-            return Err(format!(
-                "{name} serves from its cache for {} ms, longer than the drill holds the quorum away for \
-                 (`tandem up --registry-max-stale-ms 12000`)",
-                stale.as_millis()
-            ));
-        }
-        Ok(())
+        attached_stale_bound(c).map(|_| ())
     }
 
     fn setup(&self, _skip: bool) -> Setup {
@@ -410,7 +400,7 @@ impl Drill for EtcdQuorumLoss {
                 ev.killed.push((c.etcd_name(i), pid));
             }
         }
-        let refused = ask_until(&h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
+        let refused = ask_until(c, &h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
             a.status == 503 && a.code.as_deref() == Some(REGISTRY_UNAVAILABLE) && a.retry_after.is_some()
         })
         .await;
@@ -443,7 +433,8 @@ impl Drill for EtcdQuorumLoss {
         }
         ev.ended();
         let t1 = Instant::now();
-        let back = ask_until(&h, "a request served after quorum returned", CONSEQUENCE_WAIT, |a| a.status == 200).await;
+        let back =
+            ask_until(c, &h, "a request served after quorum returned", CONSEQUENCE_WAIT, |a| a.status == 200).await;
         note(&mut ev, back.map(|_| format!("served again {} ms after quorum returned", ms(t1))));
         Ok(ev)
     }
@@ -578,12 +569,24 @@ pub(super) struct CoordinatorEtcdCutoff;
 
 #[async_trait::async_trait]
 impl Drill for CoordinatorEtcdCutoff {
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        super::own_cluster(
-            "it blackholes the coordinator's own etcd link, and a running cluster's coordinator has no link of its \
-             own to cut: `tandem up --hosts` places only the workers in namespaces, and on the host's network a rule \
-             would cut every process's etcd",
-        )
+    /// Against a running cluster the partition is an `iptables` rule per etcd member in the
+    /// coordinator's own network, through its `link-fault` template (`tandem up --hosts N
+    /// --coordinator-hosts`); nothing else may share that network, or the rule would cut it too.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        let name = c.coordinator.name.as_str();
+        let Some(ns) = c.netns_of(name).filter(|_| c.has_link_net(name)) else {
+            return Err(format!(
+                "it blackholes {name}'s own etcd link, and the state file gives it no network namespace with a \
+                 `link-fault` template (`tandem up --hosts N --coordinator-hosts` does); on the host's network a \
+                 rule would cut every process's etcd"
+            ));
+        };
+        if let Some(other) = c.procs().map(|p| p.name.as_str()).find(|&n| n != name && c.netns_of(n) == Some(ns)) {
+            return Err(format!(
+                "{other} shares {name}'s network namespace {ns}: the rule would cut its etcd link too"
+            ));
+        }
+        attached_stale_bound(c).map(|_| ())
     }
 
     fn info(&self) -> DrillInfo {
@@ -626,7 +629,7 @@ impl Drill for CoordinatorEtcdCutoff {
         ev.began();
         let t0 = Instant::now();
         c.etcd_link("coordinator", Fault::Blackhole)?;
-        let refused = ask_until(&h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
+        let refused = ask_until(c, &h, "a 503 registry_unavailable with Retry-After", CONSEQUENCE_WAIT, |a| {
             a.status == 503 && a.code.as_deref() == Some(REGISTRY_UNAVAILABLE) && a.retry_after.is_some()
         })
         .await;
@@ -636,10 +639,11 @@ impl Drill for CoordinatorEtcdCutoff {
         // Refusals start once the last sync (a progress answer, about every second) is
         // older than the bound, so about 2-3 s after the cut; a loaded machine can delay
         // progress ticks, hence only a third of the bound is required.
-        if ev.seen && served_for < u128::from(MAX_STALE_MS / 3) {
+        let stale = stale_bound(c).as_millis();
+        if ev.seen && served_for < stale / 3 {
             ev.missing.push(format!(
                 "refused {served_for} ms after the cut: the cache was not served for --registry-max-stale-ms \
-                 {MAX_STALE_MS} (less the last sync's age)"
+                 {stale} (less the last sync's age)"
             ));
         }
         let ready = get_status(&h, "/ready").await.map_err(|e| e.to_string());
@@ -652,7 +656,7 @@ impl Drill for CoordinatorEtcdCutoff {
         c.etcd_link("coordinator", Fault::None)?;
         ev.ended();
         let t1 = Instant::now();
-        let back = ask_until(&h, "a request served after the lift", CONSEQUENCE_WAIT, |a| a.status == 200).await;
+        let back = ask_until(c, &h, "a request served after the lift", CONSEQUENCE_WAIT, |a| a.status == 200).await;
         note(&mut ev, back.map(|_| format!("served again {} ms after the lift", ms(t1))));
         let (resynced, n) = counter_reaches(&h, RESYNCS, &[], ev.before + 1.0, CONSEQUENCE_WAIT).await;
         let before = ev.before;
@@ -662,17 +666,18 @@ impl Drill for CoordinatorEtcdCutoff {
 
     async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
         let dropped = c.etcd_link_dropped("coordinator");
+        let what = if c.etcd_proxies.contains_key("coordinator") { "bytes (its proxy)" } else { "packets (its rules)" };
         if dropped == 0 {
-            return Err("the proxy on the coordinator's etcd link dropped 0 bytes: it was never cut off".into());
+            return Err(format!("the coordinator's etcd link dropped 0 {what}: it was never cut off"));
         }
         if !ev.seen {
             return Err(format!(
-                "{dropped} bytes dropped, but no 503 {REGISTRY_UNAVAILABLE}: {}",
+                "{dropped} {what} dropped, but no 503 {REGISTRY_UNAVAILABLE}: {}",
                 ev.missing.join("; ")
             ));
         }
         if !ev.missing.is_empty() {
-            return Err(format!("{dropped} bytes dropped, but: {}", ev.missing.join("; ")));
+            return Err(format!("{dropped} {what} dropped, but: {}", ev.missing.join("; ")));
         }
         // The workers kept their etcd links and their coordinator's Health polls.
         let fences = fences(c).await?;
@@ -682,8 +687,35 @@ impl Drill for CoordinatorEtcdCutoff {
                 facts::metrics::worker::FENCES
             ));
         }
-        Ok(format!("proxy dropped {dropped} bytes; {}; no fence: {fences:?}", ev.notes.join("; ")))
+        Ok(format!("{dropped} {what} dropped; {}; no fence: {fences:?}", ev.notes.join("; ")))
     }
+}
+
+/// The attached coordinator's `registry-max-stale-ms` from the state file: the bound the
+/// drills that cut it off from etcd prove, which must fit their wait for its refusal.
+fn attached_stale_bound(c: &Cluster) -> Result<Duration, String> {
+    let key = facts::state::flag::REGISTRY_MAX_STALE_MS;
+    let name = c.coordinator.name.clone();
+    let stale = c.flag_ms(&name, key)?.ok_or_else(|| {
+        format!(
+            "the state file does not give {name}'s `{key}`, the bound it proves (`tandem up \
+             --registry-max-stale-ms 12000` gives it)"
+        )
+    })?;
+    if stale + Duration::from_secs(5) > CONSEQUENCE_WAIT {
+        return Err(format!(
+            "{name} serves from its cache for {} ms, longer than the drill waits for its refusal (`tandem up \
+             --registry-max-stale-ms 12000`)",
+            stale.as_millis()
+        ));
+    }
+    Ok(stale)
+}
+
+/// The coordinator's `--registry-max-stale-ms`: the attached cluster's, else the one the
+/// drill's own cluster is started with.
+fn stale_bound(c: &Cluster) -> Duration {
+    attached_stale_bound(c).unwrap_or(Duration::from_millis(MAX_STALE_MS))
 }
 
 /// How long `etcd-stall` keeps etcd stopped: past the 2 s lease TTL several times over, and
@@ -779,7 +811,7 @@ impl Drill for EtcdStall {
         let (mut asked, mut failed, mut samples, mut unready) = (0, Vec::new(), 0, Vec::new());
         while t0.elapsed() < STALL {
             ev.seen |= !pids.is_empty() && pids.iter().all(|&p| stopped(p));
-            match ask(&h).await {
+            match ask(c, &h).await {
                 Ok(a) if a.status == 200 => {}
                 Ok(a) => failed.push(format!("{a} at {} ms", ms(t0))),
                 Err(e) => failed.push(format!("{e} at {} ms", ms(t0))),
@@ -831,7 +863,7 @@ impl Drill for EtcdStall {
                 .map(|()| format!("{n} workers listed, re-listed, healthy {} ms after SIGCONT", ms(t1)))
                 .map_err(|e| e.to_string()),
         );
-        let back = ask_until(&h, "a request served after SIGCONT", CONSEQUENCE_WAIT, |a| a.status == 200).await;
+        let back = ask_until(c, &h, "a request served after SIGCONT", CONSEQUENCE_WAIT, |a| a.status == 200).await;
         note(&mut ev, back.map(|_| "served after SIGCONT".into()));
         ev.before = before.iter().map(|(_, n)| n).sum();
         Ok(ev)

@@ -191,8 +191,23 @@ impl Loads {
     }
 }
 
-fn decode_worker(c: &Cluster) -> Result<&Worker, HarnessError> {
-    c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode worker".into()))
+/// The decode worker a KV drill strikes: the one behind the drill's proxy, else the first.
+pub(super) fn decode_worker(c: &Cluster) -> Result<&Worker, HarnessError> {
+    c.workers_of(Role::Decode)
+        .find(|w| w.proxy.is_some())
+        .or_else(|| c.workers_of(Role::Decode).next())
+        .ok_or_else(|| HarnessError::Setup("no decode worker".into()))
+}
+
+/// Which attached decode worker the drill's KV proxy goes on ([`Cluster::proxy_kv_link`]):
+/// the first whose `kv-load-failure-policy` (state file) is `policy`, the policy the drill's
+/// own cluster would run (`tandem up --kv-load-failure-policy recompute,retry` gives each
+/// worker its own), else the first decode worker.
+pub(super) fn kv_proxy_target<'a>(c: &'a Cluster, policy: &str) -> Option<&'a Worker> {
+    use facts::state::flag::KV_LOAD_FAILURE_POLICY;
+    c.workers_of(Role::Decode)
+        .find(|w| c.flag(&w.proc.name, KV_LOAD_FAILURE_POLICY) == Some(policy))
+        .or_else(|| c.workers_of(Role::Decode).next())
 }
 
 /// The decode worker's network and the port of its KV listener in there.
@@ -228,17 +243,24 @@ fn link_drill_against(c: &Cluster) -> Result<(), String> {
     attached_lease(c).map(drop)
 }
 
-/// `Drill::against` for the drills whose fault is the KV-link proxy: it is put on the first
-/// decode worker's link for the drill ([`Cluster::proxy_kv_link`]), which needs that worker's
-/// network namespace, a `link-fault` template, KV over tcp, and, where the proof counts one
-/// policy's outcome, that `policy`. `healthy`: a second decode worker must take the load
-/// while the first one's pair is broken.
+/// `Drill::against` for the drills whose fault is the KV-link proxy: it is put on one decode
+/// worker's link for the drill ([`kv_proxy_target`]; the drill's spec policy, which is
+/// `recompute` where `policy` is `None`), which needs that worker's network namespace, a
+/// `link-fault` template, KV over tcp, and, where the proof counts one policy's outcome, that
+/// `policy`. `healthy`: a second decode worker must take the load while the first one's pair
+/// is broken (those proofs name decode-0 and decode-1).
 pub(super) fn kv_proxy_against(c: &Cluster, policy: Option<&str>, healthy: bool) -> Result<(), String> {
     use facts::state::flag;
-    let d0 = c.workers_of(Role::Decode).next().ok_or("the cluster has no decode worker")?;
+    let spec_policy = ClusterSpec::default().policy;
+    let d0 = kv_proxy_target(c, policy.unwrap_or(&spec_policy)).ok_or("the cluster has no decode worker")?;
     let name = d0.proc.name.as_str();
     if healthy && c.workers_of(Role::Decode).count() < 2 {
         return Err(format!("it breaks {name}'s KV link while another decode worker keeps serving: there is none"));
+    }
+    if healthy && name != "decode-0" {
+        return Err(format!(
+            "it breaks decode-0's KV link while decode-1 keeps serving, and its policy's worker is {name}"
+        ));
     }
     if c.netns_of(name).is_none() || !d0.has_link_net() {
         return Err(format!(
@@ -260,12 +282,19 @@ pub(super) fn kv_proxy_against(c: &Cluster, policy: Option<&str>, healthy: bool)
     if let Some(want) = policy {
         match c.flag(name, flag::KV_LOAD_FAILURE_POLICY) {
             Some(p) if p == want => {}
-            Some(p) => {
+            Some(_) => {
+                let runs: Vec<String> = c
+                    .workers_of(Role::Decode)
+                    .map(|w| {
+                        format!("{} {}", w.proc.name, c.flag(&w.proc.name, flag::KV_LOAD_FAILURE_POLICY).unwrap_or("?"))
+                    })
+                    .collect();
                 return Err(format!(
-                    "it proves policy {want}'s outcome, and {name} runs `{}` {p} (`tandem up \
-                     --kv-load-failure-policy {want}` runs it)",
-                    flag::KV_LOAD_FAILURE_POLICY
-                ))
+                    "it proves policy {want}'s outcome, and no decode worker runs it (`{}`: {}; `tandem up \
+                     --kv-load-failure-policy {want}`, or a list with one policy per decode worker, runs it)",
+                    flag::KV_LOAD_FAILURE_POLICY,
+                    runs.join(", ")
+                ));
             }
             None => {
                 return Err(format!(

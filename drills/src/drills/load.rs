@@ -43,7 +43,7 @@ impl Drill for ClientDisconnect {
         let h = c.http_addr()?;
         ev.began();
         for i in 0..3 {
-            let mut s = open_stream(&h, i).await?;
+            let mut s = open_stream(c, &h, i).await?;
             // Read up to the first token, so the request is mid-answer when dropped.
             s.first_data().await?;
             if skip {
@@ -162,7 +162,7 @@ impl Drill for Overload3x {
                 ev.notes.push(format!("queue depth unread: {e}"));
             }
             if depth.is_ok_and(|d| d >= 2.0) {
-                let (status, retry_after) = probe(&h).await?;
+                let (status, retry_after) = probe(c, &h).await?;
                 if status == 429 || status == 503 {
                     ev.seen = true;
                     ev.notes.push(format!("a probe was refused {status}, Retry-After {retry_after:?}"));

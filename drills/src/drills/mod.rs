@@ -269,6 +269,9 @@ pub struct DrillOptions {
     /// starting one ([`Cluster::attach`]): only drills whose `Drill::against` allows it; the
     /// cluster is not shut down at the end (G5 checks it is left running instead).
     pub against: Option<PathBuf>,
+    /// The API key drill traffic carries against a cluster whose coordinators have tenants
+    /// ([`Cluster::api_key`]).
+    pub api_key: Option<String>,
 }
 
 /// The result of one drill, for tests, the CLI and charts.
@@ -426,8 +429,8 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     // Refuse a drill that cannot run against the attached cluster before anything else.
     let attached = match &opts.against {
         Some(state) => {
-            let c = Cluster::attach(state).await?;
-            drill.against(&c).map_err(|why| HarnessError::NotAgainst {
+            let c = attach(state, opts.api_key.as_deref()).await?;
+            can_run_against(drill.as_ref(), &c).map_err(|why| HarnessError::NotAgainst {
                 drill: name.into(),
                 state: state.display().to_string(),
                 why,
@@ -486,11 +489,11 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
                 };
                 c.client_proxy = Some(crate::proxy::Proxy::start_replies(upstream)?);
             }
-            // A KV-link fault on the proxy: one in the first decode worker's namespace, which
-            // its KV port is redirected to for the drill.
+            // A KV-link fault on the proxy: one in the namespace of the decode worker running
+            // the drill's policy (else the first), which its KV port is redirected to for the drill.
             if s.spec.workers.iter().any(|w| w.role == Role::Decode && w.behind_proxy) {
-                let first = c.workers_of(Role::Decode).next().map(|w| w.proc.name.clone());
-                let name = first.ok_or_else(|| HarnessError::Setup("the cluster has no decode worker".into()))?;
+                let target = kv::kv_proxy_target(&c, &s.spec.policy).map(|w| w.proc.name.clone());
+                let name = target.ok_or_else(|| HarnessError::Setup("the cluster has no decode worker".into()))?;
                 c.proxy_kv_link(&name)?;
                 common::warm_kv_proxy(&c, &name).await?;
             }
@@ -506,7 +509,11 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     plan.ignore_eos = ignore_eos;
     plan.seed = seed;
     plan.sampled = s.sampled;
-    plan.api_key = s.spec.tenants.as_ref().map(|t| t.load_key.clone());
+    // An attached cluster's tenants are its own: the drill traffic's key (`--api-key`).
+    plan.api_key = match cluster.is_attached() {
+        true => cluster.api_key.clone(),
+        false => s.spec.tenants.as_ref().map(|t| t.load_key.clone()),
+    };
     plan.deadline = Some(s.invariants.deadline);
     plan.timeout = s.invariants.deadline + s.invariants.grace + Duration::from_secs(10);
     plan.resume = drill.resume();
@@ -696,9 +703,26 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
 
 /// Attaches to the cluster `state` describes (see [`Cluster::attach`]) and says, for every
 /// drill in `--all` order, whether it can run against it (Err: why not). Leaves it as found.
-pub async fn drills_against(state: &Path) -> Result<Vec<(DrillInfo, Result<(), String>)>, HarnessError> {
-    let c = Cluster::attach(state).await?;
-    Ok(all().iter().map(|d| (d.info(), d.against(&c))).collect())
+pub async fn drills_against(
+    state: &Path,
+    api_key: Option<&str>,
+) -> Result<Vec<(DrillInfo, Result<(), String>)>, HarnessError> {
+    let c = attach(state, api_key).await?;
+    Ok(all().iter().map(|d| (d.info(), can_run_against(d.as_ref(), &c))).collect())
+}
+
+/// The running cluster `state` describes, its drill traffic carrying `api_key`.
+async fn attach(state: &Path, api_key: Option<&str>) -> Result<Cluster, HarnessError> {
+    let mut c = Cluster::attach(state).await?;
+    c.api_key = api_key.map(str::to_owned);
+    Ok(c)
+}
+
+/// Whether `drill` can run against attached `c`: its own [`Drill::against`], after drill
+/// traffic has a key wherever the coordinators take only keys.
+fn can_run_against(drill: &dyn Drill, c: &Cluster) -> Result<(), String> {
+    c.keyed()?;
+    drill.against(c)
 }
 
 /// Every drill with whether the binaries beside this one can apply its fault (`Drill::built`).

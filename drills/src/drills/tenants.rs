@@ -8,7 +8,7 @@ use opskit::http::Request;
 use tokio_util::sync::CancellationToken;
 
 use super::common::{core_each, LOAD_WAIT};
-use super::{own_cluster, Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
+use super::{Drill, DrillInfo, Evidence, Progress, Setup, MODEL};
 use crate::cluster::{Cluster, ClusterSpec, Role};
 use crate::invariants::Invariants;
 use crate::metrics::scrape;
@@ -19,6 +19,12 @@ use facts::metrics::worker::PREFIX_CACHE_HIT_TOKENS;
 /// Tenant A's request quota for the whole fleet, requests per second: each coordinator
 /// refills half, so A's admitted work stays a small part of what two 1-thread workers do.
 const A_QUOTA: f64 = 1.0;
+/// The largest quota of A's a running cluster's tenants file may give: more admitted long
+/// prompts would be a load of their own on its workers, not a neighbour's noise.
+const A_QUOTA_MAX: f64 = 2.0;
+/// The smallest request quota B's tenant may have there: B's one-at-a-time short requests
+/// must never meet it (nothing of B's may be refused).
+const B_QUOTA_MIN: f64 = 20.0;
 /// What A offers: this many times its quota, Poisson arrivals through the front.
 const A_OFFERED: f64 = 10.0;
 const A_KEY: &str = "sk-noisy-a";
@@ -79,15 +85,86 @@ async fn over_coordinators(c: &Cluster, name: &str, labels: &[(&str, &str)]) -> 
     Ok(out)
 }
 
-fn admitted_a() -> [(&'static str, &'static str); 2] {
-    [("tenant", "a"), ("outcome", "admitted")]
+/// Tenant A as the drill floods with it: its name (the metrics' `tenant` label), a key, and
+/// its request quota for the whole fleet.
+#[derive(Debug)]
+struct TenantA {
+    name: String,
+    key: String,
+    quota: f64,
+}
+
+impl TenantA {
+    fn labels<'a>(&'a self, outcome: &'a str) -> [(&'a str, &'a str); 2] {
+        [("tenant", &self.name), ("outcome", outcome)]
+    }
+}
+
+/// Tenant A: the drill's own, or, against a running cluster, the tenant of the
+/// coordinators' tenants file with the lowest `requests_per_s` (at most [`A_QUOTA_MAX`])
+/// that the drill traffic's key is not one of; B is that key's tenant, whose requests must
+/// not meet a quota (at least [`B_QUOTA_MIN`]).
+fn tenant_a(c: &Cluster) -> Result<TenantA, String> {
+    if !c.is_attached() {
+        return Ok(TenantA { name: "a".into(), key: A_KEY.into(), quota: A_QUOTA });
+    }
+    let flag = facts::state::flag::TENANTS;
+    let name = c.coordinator.name.as_str();
+    let Some(path) = c.flag(name, flag) else {
+        return Err(format!(
+            "its tenants are a flooding one with a request quota and a steady one, and the state file gives {name} \
+             no `{flag}` file (`tandem up --tenants FILE`)"
+        ));
+    };
+    let b_key = c.api_key.as_deref().ok_or("B's load needs the drill traffic's own key (`--api-key`)")?;
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {name}'s tenants file {path}: {e}"))?;
+    pick_tenants(&text, b_key).map_err(|e| format!("{name}'s tenants file {path}: {e}"))
+}
+
+/// [`tenant_a`] from a tenants file's text: A, and a check of B (`b_key`'s tenant).
+fn pick_tenants(text: &str, b_key: &str) -> Result<TenantA, String> {
+    let file: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+    let quota = |t: &toml::Value| {
+        let q = t.get("requests_per_s")?;
+        q.as_float().or_else(|| q.as_integer().map(|i| i as f64))
+    };
+    let default_quota = file.get("defaults").and_then(quota);
+    let tenants = file.get("tenants").and_then(toml::Value::as_table).ok_or("it lists no tenants")?;
+    let keys = |t: &toml::Value| -> Vec<String> {
+        t.get("keys")
+            .and_then(toml::Value::as_array)
+            .map_or(Vec::new(), |k| k.iter().filter_map(|k| k.as_str().map(str::to_owned)).collect())
+    };
+    let (b, b_tenant) = tenants
+        .iter()
+        .find(|(_, t)| keys(t).iter().any(|k| k == b_key))
+        .ok_or("the drill traffic's key (`--api-key`) is none of its tenants' keys")?;
+    if let Some(q) = quota(b_tenant).or(default_quota).filter(|&q| q < B_QUOTA_MIN) {
+        return Err(format!(
+            "B (the drill traffic's tenant {b}) may send {q} requests a second, and none of B's may be refused: \
+             give it at least {B_QUOTA_MIN}"
+        ));
+    }
+    let a = tenants
+        .iter()
+        .filter(|(n, _)| *n != b)
+        .filter_map(|(n, t)| Some((n, keys(t).into_iter().next()?, quota(t)?)))
+        .filter(|(_, _, q)| *q > 0.0 && *q <= A_QUOTA_MAX)
+        .min_by(|x, y| x.2.total_cmp(&y.2));
+    let (name, key, quota) = a.ok_or_else(|| {
+        format!(
+            "no tenant but B ({b}) has a key and its own `requests_per_s` of at most {A_QUOTA_MAX}: A, which \
+             floods at 10x its quota"
+        )
+    })?;
+    Ok(TenantA { name: name.clone(), key, quota })
 }
 
 /// One request as A through the front, `max_tokens` 1: (status, Retry-After, body).
-async fn as_a(front: &str, prompt: &str) -> Result<(u16, Option<String>, String), HarnessError> {
+async fn as_a(a: &TenantA, front: &str, prompt: &str) -> Result<(u16, Option<String>, String), HarnessError> {
     let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0});
     let r = Request::post(front, "/v1/completions")
-        .header("authorization", &format!("Bearer {A_KEY}"))
+        .header("authorization", &format!("Bearer {}", a.key))
         .json(&body)
         .timeout(LOAD_WAIT)
         .send()
@@ -128,8 +205,13 @@ impl Drill for NoisyNeighbour {
         }
     }
 
-    fn against(&self, _: &Cluster) -> Result<(), String> {
-        own_cluster("it needs coordinators started with its tenants file")
+    /// Against a running cluster: at least two coordinators with a tenants file (`tandem up
+    /// --coordinators 2 --tenants FILE`) giving A ([`tenant_a`]) and the drill traffic's tenant, B.
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        if c.coordinators().count() < 2 {
+            return Err("A's quota is held across two coordinators, and the cluster has one".into());
+        }
+        tenant_a(c).map(drop)
     }
 
     fn setup(&self, _skip: bool) -> Setup {
@@ -160,14 +242,17 @@ impl Drill for NoisyNeighbour {
         let front = c.base_url()?.trim_start_matches("http://").to_owned();
         let done = || load.done.load(std::sync::atomic::Ordering::SeqCst);
         // Both coordinators count each other before anything is measured: each enforces half.
-        let split = eventually("both coordinators split tenant budgets by 2", LOAD_WAIT, || async {
-            over_coordinators(c, FLEET_SPLIT, &[]).await.is_ok_and(|v| v.iter().all(|&n| n == 2.0))
+        let n = c.coordinators().count() as f64;
+        let what = format!("every coordinator splits tenant budgets by {n}");
+        let split = eventually(&what, LOAD_WAIT, || async {
+            over_coordinators(c, FLEET_SPLIT, &[]).await.is_ok_and(|v| v.iter().all(|&k| k == n))
         });
         split.await?;
-        let prompts = a_prompts((A_QUOTA * A_OFFERED * 120.0) as usize);
+        let a = tenant_a(c).map_err(HarnessError::Setup)?;
+        let prompts = a_prompts((a.quota * A_OFFERED * 120.0) as usize);
         // A's preamble into A's prefix cache (its first request prefills it whole), so the
         // flood's admitted requests cost what a cached system prompt costs.
-        let (status, _, body) = as_a(&front, &prompts[0]).await?;
+        let (status, _, body) = as_a(&a, &front, &prompts[0]).await?;
         if status != 200 {
             return Err(HarnessError::Fault(format!("A's warm-up request answered {status}: {body}")));
         }
@@ -185,15 +270,15 @@ impl Drill for NoisyNeighbour {
 
         let mut plan = Plan::new(c.base_url()?, MODEL);
         plan.requests = prompts.len();
-        plan.arrival = Arrival::Poisson { rate: A_QUOTA * A_OFFERED };
+        plan.arrival = Arrival::Poisson { rate: a.quota * A_OFFERED };
         plan.prompts = PromptSource::List(prompts);
         plan.max_tokens = 1;
-        plan.api_key = Some(A_KEY.into());
+        plan.api_key = Some(a.key.clone());
         plan.seed = 11;
         plan.deadline = Some(Duration::from_secs(60));
         let cancel = CancellationToken::new();
         let hooks = loadgen::Hooks { cancel: cancel.clone(), records: None };
-        ev.before = over_coordinators(c, TENANT_REQUESTS, &admitted_a()).await?.iter().sum();
+        ev.before = over_coordinators(c, TENANT_REQUESTS, &a.labels("admitted")).await?.iter().sum();
         ev.began();
         let t0 = Instant::now();
         let flood = tokio::spawn(async move { loadgen::run_with(&plan, hooks).await });
@@ -205,7 +290,7 @@ impl Drill for NoisyNeighbour {
             d >= d1 + 1 + B_FLOOD && (t0.elapsed() >= FLOOD_MIN || d + B_AFTER >= B_REQUESTS)
         };
         while !flood_over() && !load.finished() {
-            let admitted: f64 = over_coordinators(c, TENANT_REQUESTS, &admitted_a()).await?.iter().sum();
+            let admitted: f64 = over_coordinators(c, TENANT_REQUESTS, &a.labels("admitted")).await?.iter().sum();
             let at = t0.elapsed();
             if at >= RATE_FROM {
                 samples.push((at.as_secs_f64(), admitted));
@@ -213,7 +298,7 @@ impl Drill for NoisyNeighbour {
             // Once A is being refused, a request of A's own must be refused with a Retry-After.
             if !probed && at >= RATE_FROM {
                 probed = true;
-                let (status, retry_after, body) = as_a(&front, "A probe over its quota").await?;
+                let (status, retry_after, body) = as_a(&a, &front, "A probe over its quota").await?;
                 ev.seen = status == 429 && retry_after.is_some() && body.contains("rate_limit_requests");
                 ev.notes.push(format!("A's probe under the flood: {status}, Retry-After {retry_after:?}"));
             }
@@ -222,19 +307,19 @@ impl Drill for NoisyNeighbour {
         cancel.cancel();
         let secs = t0.elapsed().as_secs_f64();
         // B runs alone again only once A's last admitted requests have ended.
-        let a = flood
+        let offered = flood
             .await
             .map_err(|e| HarnessError::Load(format!("A's flood: {e}")))?
             .map_err(|e| HarnessError::Load(format!("A's flood: {e}")))?;
         ev.ended();
         ev.done_at = vec![d0, d1, done()];
         let mut by = std::collections::BTreeMap::<String, usize>::new();
-        for r in &a.records {
+        for r in &offered.records {
             *by.entry(r.outcome.label()).or_insert(0) += 1;
         }
-        ev.notes.push(format!("A offered {} in {secs:.1} s: {by:?}", a.records.len()));
+        ev.notes.push(format!("A offered {} in {secs:.1} s: {by:?}", offered.records.len()));
         // Every admitted request of A's ends complete: the quota refuses, nothing else does.
-        let other = a
+        let other = offered
             .records
             .iter()
             .filter(|r| {
@@ -249,11 +334,12 @@ impl Drill for NoisyNeighbour {
             Some(rate) => {
                 let span = samples.last().map_or(0.0, |s| s.0) - samples.first().map_or(0.0, |s| s.0);
                 ev.notes.push(format!(
-                    "A's admitted rate summed over both coordinators {rate:.3}/s over {span:.1} s (quota {A_QUOTA}/s)"
+                    "A ({}) admitted at {rate:.3}/s summed over the coordinators over {span:.1} s (quota {}/s)",
+                    a.name, a.quota
                 ));
-                if (rate / A_QUOTA - 1.0).abs() > RATE_TOLERANCE {
+                if (rate / a.quota - 1.0).abs() > RATE_TOLERANCE {
                     ev.missing
-                        .push(format!("A's admitted rate {rate:.3}/s is not within 10% of its quota {A_QUOTA}/s"));
+                        .push(format!("A's admitted rate {rate:.3}/s is not within 10% of its quota {}/s", a.quota));
                 }
             }
             None => ev.missing.push(format!("the flood was too short to measure A's rate ({} samples)", samples.len())),
@@ -264,10 +350,10 @@ impl Drill for NoisyNeighbour {
     async fn prove(&self, c: &Cluster, ev: &Evidence, report: &Report) -> Result<String, String> {
         let mut out = ev.notes.clone();
         let mut bad = ev.missing.clone();
-        let admitted = over_coordinators(c, TENANT_REQUESTS, &admitted_a()).await.map_err(|e| e.to_string())?;
-        let refused = over_coordinators(c, TENANT_REQUESTS, &[("tenant", "a"), ("outcome", "rate_limit_requests")])
-            .await
-            .map_err(|e| e.to_string())?;
+        let a = tenant_a(c)?;
+        let admitted = over_coordinators(c, TENANT_REQUESTS, &a.labels("admitted")).await.map_err(|e| e.to_string())?;
+        let refused =
+            over_coordinators(c, TENANT_REQUESTS, &a.labels("rate_limit_requests")).await.map_err(|e| e.to_string())?;
         out.push(format!("A per coordinator: admitted {admitted:?}, refused {refused:?}"));
         if ev.window.0.is_none() {
             bad.push("A's flood did not run".into());
@@ -309,5 +395,30 @@ impl Drill for NoisyNeighbour {
         } else {
             Err(format!("{} ({})", bad.join("; "), out.join("; ")))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick_tenants;
+
+    #[test]
+    fn a_is_the_lowest_quota_but_the_drills_own_tenant_and_b_must_not_meet_a_quota() {
+        let file = "[tenants.drills]\nkeys = [\"sk-d\"]\n\n[tenants.noisy]\nkeys = [\"sk-n\", \"sk-n2\"]\n\
+                    requests_per_s = 1\n\n[tenants.bulk]\nkeys = [\"sk-b\"]\nrequests_per_s = 1.5\n";
+        let a = pick_tenants(file, "sk-d").expect("A");
+        assert_eq!((a.name.as_str(), a.key.as_str(), a.quota), ("noisy", "sk-n", 1.0));
+        // The drill traffic's own tenant is never A, however low its quota.
+        let a = pick_tenants(file, "sk-n2").expect_err("B limited to 1/s");
+        assert!(a.contains("B (the drill traffic's tenant noisy) may send 1 requests a second"), "{a}");
+        let e = pick_tenants(file, "sk-unknown").expect_err("no such key");
+        assert!(e.contains("none of its tenants' keys"), "{e}");
+        // Defaults limit B too; a quota above the bound is no A.
+        let e = pick_tenants("[defaults]\nrequests_per_s = 5\n[tenants.d]\nkeys = [\"k\"]\n", "k").expect_err("B");
+        assert!(e.contains("may send 5 requests a second"), "{e}");
+        let e = pick_tenants("[tenants.d]\nkeys = [\"k\"]\n[tenants.x]\nkeys = [\"x\"]\nrequests_per_s = 10\n", "k")
+            .expect_err("no A");
+        assert!(e.contains("no tenant but B (d)"), "{e}");
+        assert!(pick_tenants("keys = [", "k").is_err());
     }
 }

@@ -66,6 +66,11 @@ pub struct Args {
     /// restarts); others are refused with the reason, or skipped with `--all`.
     #[arg(long, value_name = "STATEFILE")]
     against: Option<PathBuf>,
+    /// With --against: the API key drill traffic carries, where the cluster's coordinators
+    /// take only keys their tenants file lists (a tenant of its own, so the drills spend no
+    /// other tenant's quota). Env: TANDEM_API_KEY.
+    #[arg(long, env = "TANDEM_API_KEY", value_name = "KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// `run NAME...`: the drills to run.
     names: Vec<String>,
 }
@@ -83,7 +88,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         match &a.against {
             Some(state) => {
                 let mut runnable = Vec::new();
-                for (d, can) in rt.block_on(drills_against(state))? {
+                for (d, can) in rt.block_on(drills_against(state, a.api_key.as_deref()))? {
                     match can {
                         Ok(()) => runnable.push(d.name.to_owned()),
                         Err(why) => println!("skipped {}: {why}", d.name),
@@ -137,7 +142,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if let (Some(state), false) = (&a.against, a.all) {
         // Every named drill must be able to run against it: refuse before running any.
-        let can = rt.block_on(drills_against(state))?;
+        let can = rt.block_on(drills_against(state, a.api_key.as_deref()))?;
         let refused: Vec<String> = names
             .iter()
             .filter_map(|n| {
@@ -158,6 +163,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         skip_fault: a.vacuity,
         progress: Some(done.clone()),
         against: a.against.clone(),
+        api_key: a.api_key.clone(),
     };
     let mut reports: Vec<DrillReport> = Vec::new();
     let mut failed = Vec::new();

@@ -132,14 +132,24 @@ pub struct Args {
     kv_transport: Option<String>,
     /// Run the workers on N hosts: network namespaces behind veths and a bridge, so their KV,
     /// control and etcd traffic crosses real interfaces (link faults act there); workers are
-    /// placed round robin. Needs root. etcd and the coordinator stay in this namespace.
+    /// placed round robin. Needs root. etcd stays in this namespace, and the coordinators too
+    /// unless --coordinator-hosts.
     #[arg(long, value_name = "N", conflicts_with = "etcd")]
     hosts: Option<usize>,
+    /// With --hosts: each coordinator on a host of its own too, a namespace beside the N
+    /// worker hosts (a front-end node), so its etcd and control links cross the bridge and
+    /// can be cut without cutting a worker's (the coordinator-etcd-cutoff drill). The first
+    /// coordinator listens on its host's address at --http's and --grpc's ports.
+    #[arg(long, requires = "hosts")]
+    coordinator_hosts: bool,
     /// The decode workers' KV reservation lease, ms: how long a prefill worker has to deliver a
     /// request's KV before the load fails (and is handled per --kv-load-failure-policy).
-    #[arg(long, default_value_t = 30_000)]
-    reservation_ttl_ms: u64,
-    /// The decode workers' kv_load_failure_policy: recompute | retry | fail.
+    /// A comma-separated list gives one per decode worker, as --kv-load-failure-policy does.
+    #[arg(long, default_value = "30000")]
+    reservation_ttl_ms: String,
+    /// The decode workers' kv_load_failure_policy: recompute | retry | fail; or a
+    /// comma-separated list, one per decode worker in order (`recompute,retry`: decode-0
+    /// recomputes, decode-1 retries), as a fleet trying a policy on part of it runs.
     #[arg(long, default_value = "recompute")]
     kv_load_failure_policy: String,
     /// The coordinator's tenants file (its --tenants: API keys, classes and
@@ -227,11 +237,81 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("--give-up-after must be at least 1");
     }
     etcd::check_members(a.etcd_members)?;
+    decode_policies(&a.kv_load_failure_policy, a.decode)?;
+    decode_leases(&a.reservation_ttl_ms, a.decode)?;
+    // Whole, so a restart from another directory and the state file's readers find it.
+    let mut a = a;
+    if let Some(t) = &a.tenants {
+        a.tenants = Some(std::fs::canonicalize(t).with_context(|| format!("--tenants {}", t.display()))?);
+    }
     if a.restart_backoff_ms == 0 || a.restart_backoff_max_ms < a.restart_backoff_ms {
         bail!("--restart-backoff-ms must be above 0 and at most --restart-backoff-max-ms");
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(up(a))
+}
+
+/// Takes `logs/tandem-up.lock` (an exclusive `flock`, released when the process ends, even
+/// by SIGKILL) and writes this process's pid in it; refuses when another `tandem up` holds it.
+fn lock_log_dir(logs: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    use std::io::{Read, Seek, Write};
+    let path = logs.join("tandem-up.lock");
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    if let Err(e) = f.try_lock() {
+        let mut pid = String::new();
+        let _ = f.read_to_string(&mut pid);
+        bail!(
+            "another tandem up (pid {}) runs with the log directory {} ({e}): stop it first, or give this one \
+             another --state-file or --log-dir",
+            pid.trim(),
+            logs.display()
+        );
+    }
+    f.set_len(0)?;
+    f.rewind()?;
+    write!(f, "{}", std::process::id())?;
+    Ok(f)
+}
+
+/// A decode worker setting, in worker order, from `tandem up`'s `flag`: one value for all,
+/// or a comma-separated list with one per decode worker; `parse` checks each.
+fn per_decode<T: Clone>(
+    flag: &str,
+    given: &str,
+    decode: usize,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> anyhow::Result<Vec<T>> {
+    let list = given
+        .split(',')
+        .map(|v| parse(v.trim()).map_err(|why| anyhow::anyhow!("{flag} {given:?}: {why}")))
+        .collect::<anyhow::Result<Vec<T>>>()?;
+    match list.len() {
+        1 => Ok(vec![list[0].clone(); decode]),
+        n if n == decode => Ok(list),
+        n => bail!("{flag} {given:?} lists {n} values for {decode} decode workers: give one, or one each"),
+    }
+}
+
+/// Each decode worker's `--kv-load-failure-policy` ([`per_decode`]).
+fn decode_policies(given: &str, decode: usize) -> anyhow::Result<Vec<String>> {
+    per_decode("--kv-load-failure-policy", given, decode, |p| match p {
+        "recompute" | "retry" | "fail" => Ok(p.to_owned()),
+        _ => Err(format!("{p:?} is none of recompute, retry, fail")),
+    })
+}
+
+/// Each decode worker's `--reservation-ttl-ms` ([`per_decode`]).
+fn decode_leases(given: &str, decode: usize) -> anyhow::Result<Vec<u64>> {
+    per_decode("--reservation-ttl-ms", given, decode, |ms| match ms.parse::<u64>() {
+        Ok(0) | Err(_) => Err(format!("{ms:?} is no whole number of milliseconds above 0")),
+        Ok(ms) => Ok(ms),
+    })
 }
 
 /// A component started once, with what its supervisor needs to start it again.
@@ -253,6 +333,9 @@ async fn up(a: Args) -> anyhow::Result<()> {
     }
     let logs = log_dir(&a);
     std::fs::create_dir_all(&logs).with_context(|| format!("creating the log directory {}", logs.display()))?;
+    // Held until this process exits: a second `tandem up` on the same directory (the same
+    // --state-file) would share its etcd data dir, which the first one's stop removes.
+    let _lock = lock_log_dir(&logs)?;
     println!("logs in {}", logs.display());
     let grace = Duration::from_millis(a.shutdown_timeout_ms);
     // Our own etcd's data dir: kept when the operator named it, else removed on stop.
@@ -260,12 +343,16 @@ async fn up(a: Args) -> anyhow::Result<()> {
     // Declared before the children: dropped (namespaces deleted) after they are stopped.
     let hosts = match a.hosts {
         Some(n) => {
-            let h = hosts::Hosts::create(n)?;
+            // The coordinators' hosts come after the workers' N.
+            let fronts = if a.coordinator_hosts { a.coordinators as usize } else { 0 };
+            let h = hosts::Hosts::create(n + fronts)?;
+            let list = |hs: &[hosts::Host]| hs.iter().map(|h| format!("{} {}", h.netns, h.ip)).collect::<Vec<_>>();
             println!(
-                "hosts: {} network namespaces on a bridge, gateway {} ({})",
+                "hosts: {} network namespaces on a bridge, gateway {} (workers: {}{})",
                 h.hosts.len(),
                 h.gateway,
-                h.hosts.iter().map(|h| format!("{} {}", h.netns, h.ip)).collect::<Vec<_>>().join(", ")
+                list(&h.hosts[..n]).join(", "),
+                if fronts > 0 { format!("; coordinators: {}", list(&h.hosts[n..]).join(", ")) } else { String::new() }
             );
             Some(h)
         }
@@ -423,9 +510,11 @@ async fn start_cluster(
     // What the workers bind: their host's address, else loopback; etcd is reached from a
     // host on the bridge's address.
     let etcd_ip = hosts.map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.gateway);
+    // Workers round robin over the first --hosts; the coordinators' own hosts follow them.
+    let worker_hosts = a.hosts.unwrap_or(1);
     let mut next_host = 0;
     let mut place = || {
-        let h = hosts.map(|h| h.host(next_host).clone());
+        let h = hosts.map(|h| h.host(next_host % worker_hosts).clone());
         next_host += 1;
         match h {
             Some(h) => (format!("{}:0", h.ip), Some(h.netns)),
@@ -510,9 +599,11 @@ async fn start_cluster(
             log: logs.join(format!("{name}.log")),
             netns,
         };
-        started.push(start_worker(a, spec, Role::Prefill, name, group, &kv_transport).await?);
+        started.push(start_worker(spec, worker_component(a, Role::Prefill, name, group)).await?);
     }
-    for i in 0..a.decode {
+    let policies = decode_policies(&a.kv_load_failure_policy, a.decode)?;
+    let leases = decode_leases(&a.reservation_ttl_ms, a.decode)?;
+    for (i, (policy, &lease_ms)) in policies.iter().zip(&leases).enumerate() {
         let name = format!("decode-{i}");
         let (addr, netns) = place();
         let transfer = match kv_transport.as_str() {
@@ -522,8 +613,8 @@ async fn start_cluster(
         let argv = shared
             .worker(WorkerArgv::decode(), &name, decode_threads, a.decode_nice, decode_cpus.as_ref())
             .kv_transport(&kv_transport)
-            .kv_load_failure_policy(&a.kv_load_failure_policy)
-            .reservation_ttl_ms(a.reservation_ttl_ms);
+            .kv_load_failure_policy(policy)
+            .reservation_ttl_ms(lease_ms);
         let spec = Spec {
             bin: sibling(argv.binary())?,
             args: argv.build(),
@@ -536,7 +627,11 @@ async fn start_cluster(
             log: logs.join(format!("{name}.log")),
             netns,
         };
-        started.push(start_worker(a, spec, Role::Decode, name, group, &kv_transport).await?);
+        let mut c = worker_component(a, Role::Decode, name, group);
+        c.reservation_ttl_ms = Some(lease_ms);
+        c.flags.insert(flag::KV_LOAD_FAILURE_POLICY.into(), policy.clone());
+        c.flags.insert(flag::KV_TRANSPORT.into(), kv_transport.clone());
+        started.push(start_worker(spec, c).await?);
     }
     let grace = a.shutdown_timeout_ms.to_string();
     let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<String>>();
@@ -565,9 +660,19 @@ async fn start_cluster(
     let mut https = Vec::new();
     for i in 0..a.coordinators {
         // The first keeps the names and addresses a single coordinator always had.
+        // On a host of its own (--coordinator-hosts), at that host's address.
+        let host = hosts.filter(|_| a.coordinator_hosts).map(|h| h.host(worker_hosts + i as usize).clone());
+        let ip = host.as_ref().map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.ip);
         let (name, http, grpc) = match i {
-            0 => ("coordinator".to_owned(), a.http.to_string(), a.grpc.to_string()),
-            _ => (format!("coordinator-{i}"), "127.0.0.1:0".to_owned(), "127.0.0.1:0".to_owned()),
+            0 => match &host {
+                Some(h) => (
+                    "coordinator".to_owned(),
+                    format!("{}:{}", h.ip, a.http.port()),
+                    format!("{}:{}", h.ip, a.grpc.port()),
+                ),
+                None => ("coordinator".to_owned(), a.http.to_string(), a.grpc.to_string()),
+            },
+            _ => (format!("coordinator-{i}"), format!("{ip}:0"), format!("{ip}:0")),
         };
         let spec = Spec {
             bin: sibling("tandem-coordinator")?,
@@ -575,7 +680,7 @@ async fn start_cluster(
             addrs: vec![("--http", "http", http), ("--grpc", "grpc", grpc)],
             ready: Ready::Listening(vec!["http", "grpc"]),
             log: logs.join(format!("{name}.log")),
-            netns: None,
+            netns: host.map(|h| h.netns),
         };
         let mut c = Component::new(Role::Coordinator, name);
         c.flags.insert(flag::SHUTDOWN_TIMEOUT_MS.into(), grace.clone());
@@ -584,6 +689,9 @@ async fn start_cluster(
         }
         if let Some(ms) = a.registry_max_stale_ms {
             c.flags.insert(flag::REGISTRY_MAX_STALE_MS.into(), ms.to_string());
+        }
+        if let Some(t) = &a.tenants {
+            c.flags.insert(flag::TENANTS.into(), t.display().to_string());
         }
         let run = start(&spec, &mut c, None).await?;
         let http = c.http.clone().context("no coordinator address")?;
@@ -647,23 +755,16 @@ impl Shared<'_> {
     }
 }
 
-async fn start_worker(
-    a: &Args,
-    spec: Spec,
-    role: Role,
-    name: String,
-    group: &str,
-    kv_transport: &str,
-) -> anyhow::Result<Started> {
+/// A worker's state-file entry before it starts: what every worker records.
+fn worker_component(a: &Args, role: Role, name: String, group: &str) -> Component {
     let mut c = Component::new(role, name);
     c.version_group = Some(group.to_owned());
     c.lease_ttl_s = Some(a.lease_ttl_s);
     c.flags.insert(flag::SHUTDOWN_TIMEOUT_MS.into(), a.shutdown_timeout_ms.to_string());
-    if role == Role::Decode {
-        c.reservation_ttl_ms = Some(a.reservation_ttl_ms);
-        c.flags.insert(flag::KV_LOAD_FAILURE_POLICY.into(), a.kv_load_failure_policy.clone());
-        c.flags.insert(flag::KV_TRANSPORT.into(), kv_transport.to_owned());
-    }
+    c
+}
+
+async fn start_worker(spec: Spec, mut c: Component) -> anyhow::Result<Started> {
     let run = start(&spec, &mut c, None).await?;
     Ok(Started { spec, component: c, run })
 }
@@ -684,4 +785,23 @@ fn role_cpus(a: &Args) -> anyhow::Result<(Option<CpuList>, Option<CpuList>)> {
         return Ok((p, d));
     }
     Ok(placement::split(&placement::allowed()?).map_or((None, None), |(p, d)| (Some(p), Some(d))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{decode_leases, decode_policies};
+
+    #[test]
+    fn one_policy_for_all_or_one_per_decode_worker() {
+        assert_eq!(decode_policies("retry", 3).unwrap(), ["retry", "retry", "retry"]);
+        assert_eq!(decode_policies("recompute, retry", 2).unwrap(), ["recompute", "retry"]);
+        let e = decode_policies("recompute,retry", 3).unwrap_err().to_string();
+        assert!(e.contains("lists 2 values for 3 decode workers"), "{e}");
+        assert_eq!(decode_leases("3000,30000", 2).unwrap(), [3000, 30000]);
+        assert_eq!(decode_leases("5000", 2).unwrap(), [5000, 5000]);
+        let e = decode_leases("3000,0", 2).unwrap_err().to_string();
+        assert!(e.contains("--reservation-ttl-ms \"3000,0\": \"0\" is no whole number"), "{e}");
+        let e = decode_policies("recompute,again", 2).unwrap_err().to_string();
+        assert!(e.contains("\"again\" is none of recompute, retry, fail"), "{e}");
+    }
 }

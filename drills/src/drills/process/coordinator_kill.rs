@@ -49,7 +49,7 @@ impl Drill for CoordinatorKill {
         // Cancelled Generate streams, on every decode worker (either may run A's streams).
         ev.before = cancelled(c).await?;
         // A client of A mid-stream for sure (a long answer), besides the load's own.
-        let mut long = open_stream(&a, 0).await?;
+        let mut long = open_stream(c, &a, 0).await?;
         long.first_data().await?;
         let a_busy = eventually("coordinator A runs a load request besides the long stream", LOAD_WAIT, || {
             let a = a.clone();
@@ -86,7 +86,7 @@ impl Drill for CoordinatorKill {
         let new_pid = c.restart("coordinator", None).await?;
         c.wait_coordinator_ready(&c.coordinator).await?;
         ev.ended();
-        let (status, _) = probe(&a).await?;
+        let (status, _) = probe(c, &a).await?;
         ev.notes.push(format!("restarted as pid {new_pid} on {a}: a request through it answered {status}"));
         if status != 200 {
             ev.missing.push(format!("the restarted coordinator answered {status}"));

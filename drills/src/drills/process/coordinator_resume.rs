@@ -28,11 +28,12 @@ async fn running_on(addr: &str, n: f64) -> Result<(), HarnessError> {
 }
 
 /// A resume from a cursor the coordinator at `addr` cannot match: its status and error code.
-async fn wrong_cursor(addr: &str) -> Result<(u16, String), HarnessError> {
+async fn wrong_cursor(c: &Cluster, addr: &str) -> Result<(u16, String), HarnessError> {
     let body = serde_json::json!({
         "model": crate::drills::MODEL, "prompt": "The tide came in", "max_tokens": 8, "stream": true,
     });
-    let r = opskit::http::Request::post(addr, "/v1/completions")
+    let r = c
+        .post(addr, "/v1/completions")
         .json(&body)
         .header("idempotency-key", "drill-wrong-cursor")
         .header("last-event-id", "1-0000000000000000")
@@ -131,7 +132,7 @@ impl Drill for CoordinatorKillResume {
             let pid = c.restart("coordinator", None).await?;
             ev.notes.push(format!("its supervisor restarted A as pid {pid}"));
         }
-        let (status, code) = wrong_cursor(&b).await?;
+        let (status, code) = wrong_cursor(c, &b).await?;
         ev.notes.push(format!("a resume from another answer's cursor: {status} {code}"));
         if (status, code.as_str()) != (409, "resume_mismatch") {
             ev.missing.push(format!("a wrong cursor was answered {status} {code}, not 409 resume_mismatch"));

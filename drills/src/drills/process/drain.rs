@@ -224,6 +224,7 @@ impl Drill for VersionRelabel {
         let g2_sent = sent_bytes(c, "prefill-1").await.map_err(HarnessError::Metrics)?;
         // It must now take work; if the load has ended, a few probes through the coordinator.
         let m = c.worker(name)?.metrics_addr()?;
+        let c: &Cluster = c;
         let got = eventually(&format!("{name} receives KV in g1"), Duration::from_secs(30), || {
             let (m, h) = (m.clone(), h.clone());
             async move {
@@ -232,7 +233,7 @@ impl Drill for VersionRelabel {
                 if got > 0.0 {
                     return true;
                 }
-                let _ = probe(&h).await;
+                let _ = probe(c, &h).await;
                 false
             }
         })
@@ -362,7 +363,7 @@ impl Drill for DrainGraceShort {
         // once in a full `make test`: 5 of 6 there, the victim ran 1 request and finished it
         // within its grace, so nothing had to move).
         for i in 0..MAX_LONG_STREAMS {
-            let mut s = open_stream(&h, i).await?;
+            let mut s = open_stream(c, &h, i).await?;
             s.first_data().await?;
             streams.push(s);
             let want = LONG_STREAM_LOAD as f64 + 1.0;

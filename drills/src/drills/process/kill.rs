@@ -319,7 +319,7 @@ impl Drill for PrefillKill {
 
     async fn fault(&self, c: &mut Cluster, _: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
         let mut ev = Evidence::default();
-        let decode = c.workers_of(Role::Decode).next().ok_or_else(|| HarnessError::Setup("no decode".into()))?;
+        let decode = crate::drills::kv::decode_worker(c)?;
         let m = decode.metrics_addr()?;
         ev.before = policy_outcomes(&m, self.policy).await?;
         if self.ucx {
@@ -355,7 +355,7 @@ impl Drill for PrefillKill {
             c.signal(&name, Signal::Kill)?;
             let _ = c.worker_mut(&name)?.proc.wait_exit(Duration::from_secs(10)).await;
         }
-        if let Some(p) = c.workers_of(Role::Decode).next().and_then(|w| w.proxy.as_ref()) {
+        if let Some(p) = c.workers_of(Role::Decode).find_map(|w| w.proxy.as_ref()) {
             p.release();
         }
         if !skip {
@@ -373,18 +373,25 @@ impl Drill for PrefillKill {
         if !ev.missing.is_empty() {
             return Err(format!("{}; pid {pid} is gone, but {}", ev.notes.join("; "), ev.missing.join("; ")));
         }
-        let m = decode_metrics(c)?;
+        // The struck decode worker's (ucx: the only one), not a survivor's.
+        let (decode, m) = match self.ucx {
+            true => ("the decode worker".to_owned(), decode_metrics(c)?),
+            false => {
+                let w = crate::drills::kv::decode_worker(c).map_err(|e| e.to_string())?;
+                (w.proc.name.clone(), w.metrics_addr().map_err(|e| e.to_string())?)
+            }
+        };
         let outcome = policy_outcome(self.policy);
         let now = policy_outcomes(&m, self.policy).await.map_err(|e| e.to_string())?;
         if now <= ev.before {
-            return Err(format!("pid {pid} is gone but the decode worker counted no `{outcome}` failed load"));
+            return Err(format!("pid {pid} is gone but {decode} counted no `{outcome}` failed load"));
         }
         let typed = report.records.iter().filter(|r| r.outcome.error_code() == Some("kv_load_failed")).count();
         if self.policy == "fail" && typed == 0 {
             return Err(format!("policy fail, {outcome} {}, but no request ended kv_load_failed", now - ev.before));
         }
         Ok(format!(
-            "{}; pid {pid} gone; the decode worker counted {} `{outcome}`; {typed} request(s) ended kv_load_failed",
+            "{}; pid {pid} gone; {decode} counted {} `{outcome}`; {typed} request(s) ended kv_load_failed",
             ev.notes.join("; "),
             now - ev.before
         ))
