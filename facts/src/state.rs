@@ -107,6 +107,8 @@ pub mod flag {
     pub const STREAM_IDLE_TIMEOUT_MS: &str = "stream-idle-timeout-ms";
     /// Coordinators: how long they route from cached membership while etcd is unreachable, ms.
     pub const REGISTRY_MAX_STALE_MS: &str = "registry-max-stale-ms";
+    /// Coordinators: prompts of at most this many tokens are prefilled by the decode worker.
+    pub const LOCAL_PREFILL_MAX_TOKENS: &str = "local-prefill-max-tokens";
     /// Coordinators: the tenants file they were started with (its path on their host); with
     /// one, every request needs an API key it lists.
     pub const TENANTS: &str = "tenants";

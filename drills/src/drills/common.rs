@@ -258,19 +258,44 @@ pub(super) async fn warm_kv_proxy(c: &Cluster, name: &str) -> Result<u64, Harnes
     let count = format!("{}_count", facts::metrics::decode::KV_LOAD_SECONDS);
     let loads = || async { crate::metrics::scrape(&w.metrics_addr()?).await.map(|p| p.absent_as_zero(&count, &[])) };
     let before = loads().await?;
-    let until = tokio::time::Instant::now() + LOAD_WAIT;
-    let mut sent = 0;
+    let crossed = || async { Ok(proxy.counters().bytes_forwarded > 0 && loads().await? > before) };
+    let sent = requests_until(c, LOAD_WAIT, crossed).await?;
+    match sent.met {
+        true => Ok(sent.sent),
+        false => Err(HarnessError::Setup(format!(
+            "no KV load reached {name} through the drill's proxy in {LOAD_WAIT:?} ({} requests sent): are its \
+             pairs' breakers open, or is it out of routing?",
+            sent.sent
+        ))),
+    }
+}
+
+/// What [`requests_until`] sent.
+pub(super) struct Sent {
+    pub sent: u64,
+    /// Of them, not answered 200.
+    pub refused: u64,
+    /// Whether the condition held before the limit.
+    pub met: bool,
+}
+
+/// Load-like requests ([`load_like_request`]), one at a time, until `done` holds or `limit`
+/// has passed; `done` is checked before each.
+pub(super) async fn requests_until<F, Fut>(c: &Cluster, limit: Duration, done: F) -> Result<Sent, HarnessError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<bool, HarnessError>>,
+{
+    let until = tokio::time::Instant::now() + limit;
+    let (mut sent, mut refused) = (0, 0);
     while tokio::time::Instant::now() < until {
-        if proxy.counters().bytes_forwarded > 0 && loads().await? > before {
-            return Ok(sent);
+        if done().await? {
+            return Ok(Sent { sent, refused, met: true });
         }
-        load_like_request(c, sent).await?;
+        refused += u64::from(!load_like_request(c, sent).await?);
         sent += 1;
     }
-    Err(HarnessError::Setup(format!(
-        "no KV load reached {name} through the drill's proxy in {LOAD_WAIT:?} ({sent} requests sent): are its \
-         pairs' breakers open, or is it out of routing?"
-    )))
+    Ok(Sent { sent, refused, met: done().await? })
 }
 
 /// A prompt seed no earlier call in any process drew (the clock's nanoseconds, and a

@@ -211,6 +211,24 @@ impl Drill for NoisyNeighbour {
         if c.coordinators().count() < 2 {
             return Err("A's quota is held across two coordinators, and the cluster has one".into());
         }
+        // B's short prompts are prefilled on the decode workers, A's long ones on the prefill
+        // workers, as in the drill's own cluster: the bound on B's TTFT is for A's excess,
+        // and A's admitted prefills ahead of B's on one worker would measure A's quota.
+        let key = facts::state::flag::LOCAL_PREFILL_MAX_TOKENS;
+        for p in c.coordinators() {
+            let n = c.flag(&p.name, key).and_then(|n| n.parse::<usize>().ok());
+            if !n.is_some_and(|n| (super::PROMPT_TOKENS..A_PREAMBLE_TOKENS + A_TAIL_TOKENS).contains(&n)) {
+                return Err(format!(
+                    "its steady tenant's {}-token prompts are prefilled on the decode workers and the flood's \
+                     {}-token ones on the prefill workers, and {} gives `{key}` {} (`tandem up \
+                     --local-prefill-max-tokens {LOCAL_PREFILL_MAX_TOKENS}`)",
+                    super::PROMPT_TOKENS,
+                    A_PREAMBLE_TOKENS + A_TAIL_TOKENS,
+                    p.name,
+                    c.flag(&p.name, key).unwrap_or("none (the coordinator's default, 32)")
+                ));
+            }
+        }
         tenant_a(c).map(drop)
     }
 

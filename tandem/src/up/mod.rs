@@ -156,6 +156,11 @@ pub struct Args {
     /// limits per tenant; reloaded on SIGHUP to the coordinator). Default: none (one tenant).
     #[arg(long, value_name = "PATH")]
     tenants: Option<PathBuf>,
+    /// The coordinator's --local-prefill-max-tokens: prompts of at most this many tokens are
+    /// prefilled by the decode worker itself (recorded in the state file, where
+    /// noisy-neighbour reads it). Default: the coordinator's (32).
+    #[arg(long, value_name = "TOKENS")]
+    local_prefill_max_tokens: Option<u32>,
     /// The coordinator's --prefix-affinity: how much a decode (or prefill)
     /// worker's cached share of the prompt counts against its load when
     /// routing; 0 routes by load alone. Default: the coordinator's.
@@ -651,6 +656,9 @@ async fn start_cluster(
     if let Some(x) = a.prefix_affinity {
         args.extend(["--prefix-affinity".to_owned(), x.to_string()]);
     }
+    if let Some(n) = a.local_prefill_max_tokens {
+        args.extend(["--local-prefill-max-tokens".to_owned(), n.to_string()]);
+    }
     if let Some(ms) = a.stream_idle_timeout_ms {
         args.extend(["--stream-idle-timeout-ms".to_owned(), ms.to_string()]);
     }
@@ -692,6 +700,9 @@ async fn start_cluster(
         }
         if let Some(t) = &a.tenants {
             c.flags.insert(flag::TENANTS.into(), t.display().to_string());
+        }
+        if let Some(n) = a.local_prefill_max_tokens {
+            c.flags.insert(flag::LOCAL_PREFILL_MAX_TOKENS.into(), n.to_string());
         }
         let run = start(&spec, &mut c, None).await?;
         let http = c.http.clone().context("no coordinator address")?;
