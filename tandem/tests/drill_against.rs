@@ -614,6 +614,28 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
             assert!(row.contains("no (ok)"), "{name} without its fault is not proven: {row}");
         }
 
+        // Ctrl-C while kv-blackhole holds its rule on decode-0's KV port: the drill stops and
+        // lifts it (the check below finds no drill rule left in any namespace).
+        let ns0 = up.component("decode-0")?.netns.clone().ok_or("decode-0's netns")?;
+        let drill = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["drill", "--against", state_s, "--api-key", "sk-drills", "run", "kv-blackhole"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let pid = drill.id().to_string();
+        let held = common::wait_for(WAIT, "kv-blackhole's rule in decode-0's namespace", || {
+            let out = Command::new("ip").args(["netns", "exec", &ns0, "iptables", "-S", "INPUT"]).output();
+            let rules = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).map_err(|e| e.to_string())?;
+            Ok(rules.contains("tdm-kv-drill").then_some(()))
+        });
+        Command::new("kill").args(["-INT", &pid]).status()?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || drop(tx.send(drill.wait_with_output())));
+        let out = rx.recv_timeout(Duration::from_secs(60)).map_err(|_| "the interrupted drill did not exit")??;
+        held?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("interrupted during kv-blackhole"), "{err}");
+
         up.reload()?;
         for c in up.components()? {
             assert_eq!(c.state, State::Running, "{c:?}");

@@ -127,7 +127,7 @@ impl Drop for Cluster {
         self.unproxy_kv_link();
         let _ = self.clear_link_rules();
         // Processes are killed by their own Drop; SIGCONT first so a stopped one is reaped promptly.
-        for p in self.procs() {
+        for p in self.procs().chain(self.attached_etcd()) {
             if self.faulted.get(&p.name) == Some(&Signal::Stop) {
                 let _ = p.signal(Signal::Cont);
             }

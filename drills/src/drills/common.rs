@@ -237,7 +237,7 @@ pub(super) async fn probe(c: &Cluster, addr: &str) -> Result<(u16, Option<String
 /// whatever the load went through. `n` picks the prompt. Ok when it completed.
 pub(super) async fn load_like_request(c: &Cluster, n: u64) -> Result<bool, HarnessError> {
     // A prompt no earlier run sent: a cached one is routed to whichever worker caches it.
-    let prompt = loadgen::prompts::generate(1, super::PROMPT_TOKENS, fresh_seed() ^ n).remove(0);
+    let prompt = loadgen::prompts::generate(1, super::load_prompt_tokens(c), fresh_seed() ^ n).remove(0);
     let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
                                   "user": format!("after-load-{n}")});
     let url = c.base_url()?;
@@ -373,21 +373,28 @@ pub(super) async fn strike(
     Ok(())
 }
 
-/// Latency the delay drills put on a link: `DELAY` ± `JITTER` per chunk.
-pub(super) const DELAY: Duration = Duration::from_millis(75);
-pub(super) const JITTER: Duration = Duration::from_millis(50);
+/// Latency a delay drill puts on a link: `base` ± `jitter` per chunk.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Latency {
+    pub base: Duration,
+    pub jitter: Duration,
+}
 
-/// Delays every chunk through `proxy` by [`DELAY`] ± [`JITTER`] while the load runs (the
-/// window marked on `ev`; nothing armed when `skip`), then disarms it.
+/// The delay drills' latency: 75 ms ± 50 ms per chunk.
+pub(super) const LATENCY: Latency = Latency { base: Duration::from_millis(75), jitter: Duration::from_millis(50) };
+
+/// Delays every chunk through `proxy` by `latency` while the load runs (the window marked
+/// on `ev`; nothing armed when `skip`), then disarms it.
 pub(super) async fn delay_during_load(
     proxy: &Proxy,
+    latency: Latency,
     load: &Progress,
     skip: bool,
     mut ev: Evidence,
 ) -> Result<Evidence, HarnessError> {
     if !skip {
         ev.began();
-        proxy.arm(Fault::Delay { base: DELAY, jitter: JITTER });
+        proxy.arm(Fault::Delay { base: latency.base, jitter: latency.jitter });
     }
     load.wait_finished().await?;
     proxy.arm(Fault::None);
@@ -396,9 +403,10 @@ pub(super) async fn delay_during_load(
 }
 
 /// What `proxy`'s counters show of [`delay_during_load`] (`to`: whose chunks, for the
-/// text), and whether at least `min_chunks` were delayed, every one within [`DELAY`] ± [`JITTER`].
-pub(super) fn delays_seen(k: &ProxyCounters, to: &str, min_chunks: u64) -> (String, bool) {
-    let (lo, hi) = ((DELAY - JITTER).as_millis() as u64, (DELAY + JITTER).as_millis() as u64);
+/// text), and whether at least `min_chunks` were delayed, every one within `latency`.
+pub(super) fn delays_seen(k: &ProxyCounters, latency: Latency, to: &str, min_chunks: u64) -> (String, bool) {
+    let (lo, hi) = (latency.base - latency.jitter, latency.base + latency.jitter);
+    let (lo, hi) = (lo.as_millis() as u64, hi.as_millis() as u64);
     let min = k.min_delay_ms.unwrap_or(0);
     let text = format!(
         "the proxy delayed {} chunk(s){to} by {min}..{} ms (want within [{lo}, {hi}])",

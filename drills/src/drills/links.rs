@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use loadgen::{Outcome, Report};
 
-use super::common::{cancelled, delay_during_load, delays_seen, strike, CANCELLED, LOAD_WAIT};
+use super::common::{cancelled, delay_during_load, delays_seen, strike, CANCELLED, LATENCY, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::invariants::Invariants;
@@ -160,13 +160,13 @@ impl Drill for RequestLinkDelay {
     }
 
     async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
-        delay_during_load(client_proxy(c)?, load, skip, Evidence::default()).await
+        delay_during_load(client_proxy(c)?, LATENCY, load, skip, Evidence::default()).await
     }
 
     async fn prove(&self, c: &Cluster, _: &Evidence, report: &Report) -> Result<String, String> {
         let k = client_proxy(c).map_err(|e| e.to_string())?.counters();
         // Every answer crosses the proxy: at least its headers and its first event were delayed.
-        let (delayed, in_bounds) = delays_seen(&k, " to the clients", report.records.len() as u64);
+        let (delayed, in_bounds) = delays_seen(&k, LATENCY, " to the clients", report.records.len() as u64);
         let s = report.summary();
         let ms = |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3));
         let text = format!(

@@ -76,6 +76,22 @@ pub(crate) trait Drill: Send + Sync {
     fn resume(&self) -> bool {
         false
     }
+    /// Whether the load's prompts stay [`PROMPT_TOKENS`] long against a running cluster,
+    /// short enough for its decode workers to prefill themselves (noisy-neighbour's steady
+    /// tenant); by default they are made longer than its coordinators prefill locally
+    /// ([`load_prompt_tokens`]), so their KV crosses a link as in the drill's own cluster.
+    fn local_prompts(&self) -> bool {
+        false
+    }
+}
+
+/// How long the drills' prompts are against `c`: [`PROMPT_TOKENS`], or longer than the
+/// prompts its coordinators prefill on a decode worker (the state file's
+/// `local-prefill-max-tokens`), so each is prefilled on a prefill worker and its KV moves.
+pub(crate) fn load_prompt_tokens(c: &Cluster) -> usize {
+    let key = facts::state::flag::LOCAL_PREFILL_MAX_TOKENS;
+    let local = c.coordinators().filter_map(|p| c.flag(&p.name, key)?.parse::<usize>().ok()).max();
+    local.map_or(PROMPT_TOKENS, |n| PROMPT_TOKENS.max(n + 8))
 }
 
 /// `Drill::built`'s check for a drill whose fault is a prefill worker's hook: the prefill
@@ -454,7 +470,11 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
         Some(_) => common::fresh_seed(),
         None => 7,
     };
-    let prompts = loadgen::prompts::generate(s.requests, PROMPT_TOKENS, seed);
+    let prompt_tokens = match &attached {
+        Some(c) if !drill.local_prompts() => load_prompt_tokens(c),
+        _ => PROMPT_TOKENS,
+    };
+    let prompts = loadgen::prompts::generate(s.requests, prompt_tokens, seed);
     // Goodput compares loads whose requests must be the same work whichever are admitted:
     // each generates exactly `max_tokens` (an answer ending early at EOS costs a whole
     // prefill for fewer tokens, and moved the ratio by 10% here).

@@ -205,6 +205,11 @@ impl Drill for NoisyNeighbour {
         }
     }
 
+    /// B's prompts are prefilled on the decode workers, against a running cluster too.
+    fn local_prompts(&self) -> bool {
+        true
+    }
+
     /// Against a running cluster: at least two coordinators with a tenants file (`tandem up
     /// --coordinators 2 --tenants FILE`) giving A ([`tenant_a`]) and the drill traffic's tenant, B.
     fn against(&self, c: &Cluster) -> Result<(), String> {
@@ -221,11 +226,12 @@ impl Drill for NoisyNeighbour {
                 return Err(format!(
                     "its steady tenant's {}-token prompts are prefilled on the decode workers and the flood's \
                      {}-token ones on the prefill workers, and {} gives `{key}` {} (`tandem up \
-                     --local-prefill-max-tokens {LOCAL_PREFILL_MAX_TOKENS}`)",
+                     --local-prefill-max-tokens {}`; the other drills then send longer prompts)",
                     super::PROMPT_TOKENS,
                     A_PREAMBLE_TOKENS + A_TAIL_TOKENS,
                     p.name,
-                    c.flag(&p.name, key).unwrap_or("none (the coordinator's default, 32)")
+                    c.flag(&p.name, key).unwrap_or("none (the coordinator's default, 32)"),
+                    super::PROMPT_TOKENS + 8
                 ));
             }
         }

@@ -183,8 +183,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if !tty {
                 eprintln!("{line}");
             }
-            let result = rt.block_on(run_drill(name, &options));
+            // SIGINT or SIGTERM drops the drill where it stands: its `Cluster` lifts what it
+            // holds as it goes (a running cluster's rules deleted, its KV proxy taken off,
+            // what it stopped continued), so an operator's Ctrl-C leaves their fleet as found.
+            let result = rt.block_on(async {
+                let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+                tokio::select! {
+                    r = run_drill(name, &options) => anyhow::Ok(Some(r)),
+                    _ = tokio::signal::ctrl_c() => Ok(None),
+                    _ = term.recv() => Ok(None),
+                }
+            })?;
             drop(ticker);
+            let Some(result) = result else {
+                bail!("interrupted during {name}: its faults were lifted; no further drill ran");
+            };
             match result {
                 Ok(r) => {
                     println!("{}", row(&r, a.vacuity));

@@ -14,7 +14,7 @@ use facts::metrics::decode::{
     FRAMES_REFUSED, KV_LOAD_FAILURES, KV_LOAD_SECONDS, LOAD_FAILURE_REASONS, OUTCOME_RECOMPUTED, POLICY_OUTCOMES,
 };
 
-use super::common::{decode_metrics, delay_during_load, delays_seen, strike, PairBreaker, LOAD_WAIT};
+use super::common::{decode_metrics, delay_during_load, delays_seen, strike, Latency, PairBreaker, LATENCY, LOAD_WAIT};
 use super::{Drill, DrillInfo, Evidence, Progress, Setup};
 use crate::cluster::{Cluster, ClusterSpec, LinkNet, Role, Worker};
 use crate::invariants::Invariants;
