@@ -30,6 +30,7 @@ readonly NEEDS=(
   "command -v etcdctl|etcd-client"
   "command -v ip|iproute2"
   "command -v iptables|iptables"
+  "command -v tc|iproute2"
   # promtool checks and unit-tests deploy/prometheus (tandem/tests/deploy.rs); the package
   # also brings the prometheus server, which the cluster test of the rules runs itself.
   "command -v promtool && command -v prometheus|prometheus"

@@ -190,6 +190,18 @@ async fn kv_loss() -> TestResult {
     Ok(())
 }
 
+/// Needs root and tc (`scripts/deps.sh`): the bucket goes into the decode worker's namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_bandwidth() -> TestResult {
+    let r = drill("kv-bandwidth").await?;
+    assert_eq!(r.complete, r.requests, "{}", r.proof);
+    // Without its bucket: no packet held back, transfers faster than the cap; G6 alone fails.
+    let r = run_drill("kv-bandwidth", &DrillOptions { skip_fault: true, ..DrillOptions::default() }).await?;
+    assert!(!r.fault_proven && r.proof.contains("never held a packet back"), "{}", r.proof);
+    assert_eq!(r.of(Guarantee::G6).len(), 1, "{:#?}", r.violations);
+    Ok(())
+}
+
 /// Needs root and iptables (`scripts/deps.sh`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_blackhole() -> TestResult {

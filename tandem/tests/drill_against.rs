@@ -592,6 +592,8 @@ fn link_and_etcd_drills_run_against_hosts_and_three_etcd_members() -> TestResult
             "coordinator-etcd-cutoff",
             // The proxy on decode-1's link: the decode worker whose policy is retry.
             "prefill-kill-retry",
+            // A tc token bucket on decode-0's KV ingress (an IFB in its namespace).
+            "kv-bandwidth",
         ];
         let ran = tandem(&[&["drill", "--against", state_s][..], &key, &["run"], &drills].concat(), WAIT * 3)?;
         let (stdout, stderr) = (String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));

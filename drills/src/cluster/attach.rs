@@ -39,9 +39,9 @@ pub struct Attached {
     /// `tandem_kv_received_bytes_total`): G3 counts only what moved during the drill, since
     /// an earlier drill's SIGKILL leaves totals no check can balance.
     pub kv_at_attach: BTreeMap<String, (f64, f64)>,
-    /// Link rules the drill added through `link-fault` templates and has not deleted yet:
-    /// (worker, rule spec without `-A`); deleted when the drill ends.
-    pub link_rules: std::sync::Mutex<Vec<(String, Vec<String>)>>,
+    /// Link changes the drill made through `link-fault` templates and has not undone yet, by
+    /// process name; undone when the drill ends.
+    pub link_rules: std::sync::Mutex<Vec<(String, super::links::Held)>>,
     /// Packets the etcd-link rules of each worker dropped, counted when they were deleted.
     pub etcd_dropped: std::sync::Mutex<BTreeMap<String, u64>>,
     /// Each decode worker's KV reservation lease (ms), where the state file gives it.

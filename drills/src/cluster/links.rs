@@ -14,12 +14,21 @@ use crate::proxy::Proxy;
 use crate::HarnessError;
 use facts::state::{shell_word, Action};
 
+/// A change a drill made to an attached process's network, held until it is undone.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Held {
+    /// An iptables rule: its spec without `-A` (`-D` and the spec delete it).
+    Rule(Vec<String>),
+    /// Anything else ([`LinkNet::apply`]): the shell command that undoes it.
+    Undo(String),
+}
+
 /// A worker's network, as drills reach it.
 pub enum LinkNet<'a> {
     /// A namespace this drill made (deleted with the cluster, rules and all).
     Own(&'a Netns),
     /// An attached worker's `link-fault` template; `rules` records what is added.
-    Template { proc: &'a Proc, rules: &'a std::sync::Mutex<Vec<(String, Vec<String>)>> },
+    Template { proc: &'a Proc, rules: &'a std::sync::Mutex<Vec<(String, Held)>> },
 }
 
 impl LinkNet<'_> {
@@ -35,6 +44,7 @@ impl LinkNet<'_> {
                 let out = proc.act(Action::LinkFault, Some(&cmd))?;
                 let spec: Vec<String> = args.iter().skip(1).map(|a| (*a).to_owned()).collect();
                 let mut held = rules.lock().unwrap_or_else(|e| e.into_inner());
+                let spec = Held::Rule(spec);
                 match args.first() {
                     Some(&"-A" | &"-I") => held.push((proc.name.clone(), spec)),
                     Some(&"-D") => {
@@ -50,12 +60,35 @@ impl LinkNet<'_> {
     }
 
     /// Runs the shell command `cmd` there (`ss -K ...`); its output. Rules are added
-    /// through [`LinkNet::iptables`], which records them.
+    /// through [`LinkNet::iptables`], which records them, other changes through
+    /// [`LinkNet::apply`].
     pub fn exec(&self, cmd: &str) -> Result<String, HarnessError> {
         match self {
             LinkNet::Own(ns) => ns.exec(&["sh", "-c", cmd]),
             LinkNet::Template { proc, .. } => Ok(proc.act(Action::LinkFault, Some(cmd))?),
         }
+    }
+
+    /// Runs `cmd` there, a change `undo` reverses; an attached process's is recorded, so
+    /// the drill's end (or [`Cluster`]'s drop) undoes what [`LinkNet::revert`] did not.
+    /// `undo` should undo a part-made change too: `cmd` may fail half way.
+    pub fn apply(&self, cmd: &str, undo: &str) -> Result<String, HarnessError> {
+        if let LinkNet::Template { proc, rules } = self {
+            rules.lock().unwrap_or_else(|e| e.into_inner()).push((proc.name.clone(), Held::Undo(undo.to_owned())));
+        }
+        self.exec(cmd)
+    }
+
+    /// Runs `undo` (given to [`LinkNet::apply`]) there and forgets it.
+    pub fn revert(&self, undo: &str) -> Result<String, HarnessError> {
+        if let LinkNet::Template { proc, rules } = self {
+            let mut held = rules.lock().unwrap_or_else(|e| e.into_inner());
+            let this = Held::Undo(undo.to_owned());
+            if let Some(k) = held.iter().position(|(n, h)| *n == proc.name && *h == this) {
+                held.remove(k);
+            }
+        }
+        self.exec(undo)
     }
 
     /// Packets matched by the rules of `chain` whose comment is `comment`; `None` when no
@@ -121,14 +154,18 @@ impl Cluster {
         let Some(a) = &self.attached else { return Vec::new() };
         let held = std::mem::take(&mut *a.link_rules.lock().unwrap_or_else(|e| e.into_inner()));
         let mut failed = Vec::new();
-        for (name, spec) in held {
+        // Last made, first undone.
+        for (name, held) in held.into_iter().rev() {
             let Some(p) = self.procs().find(|p| p.name == name) else { continue };
-            let cmd = std::iter::once("iptables -w 5 -D".to_owned())
-                .chain(spec.iter().map(|a| shell_word(a)))
-                .collect::<Vec<_>>()
-                .join(" ");
+            let cmd = match &held {
+                Held::Rule(spec) => std::iter::once("iptables -w 5 -D".to_owned())
+                    .chain(spec.iter().map(|a| shell_word(a)))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                Held::Undo(cmd) => cmd.clone(),
+            };
             if let Err(e) = p.act(Action::LinkFault, Some(&cmd)) {
-                failed.push(format!("deleting {name}'s rule `{}`: {e}", spec.join(" ")));
+                failed.push(format!("undoing {name}'s `{cmd}`: {e}"));
             }
         }
         failed

@@ -227,6 +227,7 @@ fn all() -> Vec<Box<dyn Drill>> {
         Box::new(kv::KvDelay),
         Box::new(kv::KvLoss),
         Box::new(kv::KvBlackhole { ucx: false }),
+        Box::new(kv::KvBandwidth),
         Box::new(kv::KvResets),
         Box::new(coordinator::PrefillErrors),
         Box::new(coordinator::PrefillUnavailable),

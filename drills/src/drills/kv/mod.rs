@@ -26,7 +26,7 @@ mod proxy;
 mod rules;
 
 pub(super) use proxy::{KvCorrupt, KvDelay, KvReorder, KvResets};
-pub(super) use rules::{KvBlackhole, KvLoss};
+pub(super) use rules::{KvBandwidth, KvBlackhole, KvLoss};
 
 /// The comment on every iptables rule a KV drill adds, to read its counter.
 const KV_RULE: &str = "tdm-kv-drill";

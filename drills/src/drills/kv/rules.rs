@@ -1,8 +1,9 @@
-//! The KV-link drills whose fault is an iptables rule inside the decode worker's
-//! network namespace: packet loss and a blackhole, which fail a load only when its
-//! reservation lease ends.
+//! The KV-link drills whose fault the kernel applies inside the decode worker's network
+//! namespace: iptables rules (packet loss and a blackhole, which fail a load only when
+//! its reservation lease ends) and a token bucket (tc tbf) capping the link's bandwidth.
 
 use super::*;
+use facts::metrics::decode::KV_RECEIVED_BYTES;
 
 /// 50% random packet loss on the KV port, inside the decode worker's namespace.
 pub(in crate::drills) struct KvLoss;
@@ -245,6 +246,148 @@ impl Drill for KvBlackhole {
         }
         if l.loaded - ev.before < 1.0 {
             return Err(format!("{seen}: the KV link did not come back"));
+        }
+        Ok(seen)
+    }
+}
+
+/// The KV link into decode-0 capped by a token bucket.
+pub(in crate::drills) struct KvBandwidth;
+
+/// kv-bandwidth's cap, Mbit/s: a prompt's KV (1-1.5 MB) takes about half a second through
+/// it, two at once a second, well within a 3 s lease.
+const CAP_MBIT: f64 = 24.0;
+/// The IFB device the KV port's ingress is redirected through: a token bucket (tc tbf)
+/// shapes what leaves a device, and this one's egress is decode-0's KV ingress.
+const IFB: &str = "tdm-ifb";
+
+/// The interface in `ns` that holds `ip` (`ip -o -4 addr show`: `2: eth0    inet 10.79.0.12/24 ...`).
+fn interface_of(ns: &LinkNet<'_>, ip: &str) -> Result<String, HarnessError> {
+    let out = ns.exec("ip -o -4 addr show")?;
+    out.lines()
+        .find(|l| l.split_whitespace().any(|w| w.split('/').next() == Some(ip)))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .map(|d| d.split('@').next().unwrap_or(d).to_owned())
+        .ok_or_else(|| HarnessError::Setup(format!("no interface holds {ip}: {out}")))
+}
+
+/// The commands that cap what reaches `port` through `dev` at [`CAP_MBIT`], and undo that
+/// (also a part-made cap: every step is undone whether or not it was made).
+fn bucket(dev: &str, port: &str) -> (String, String) {
+    let cap = format!(
+        "ip link add {IFB} type ifb && ip link set {IFB} up && tc qdisc add dev {dev} handle ffff: ingress && \
+         tc filter add dev {dev} parent ffff: protocol ip u32 match ip dport {port} 0xffff \
+         action mirred egress redirect dev {IFB} && \
+         tc qdisc add dev {IFB} root tbf rate {CAP_MBIT}mbit burst 32kb latency 10s"
+    );
+    let undo = format!("tc qdisc del dev {dev} ingress 2>/dev/null; ip link del {IFB} 2>/dev/null; true");
+    (cap, undo)
+}
+
+/// (bytes sent, times over its rate) of the bucket on [`IFB`] (`tc -s qdisc show`:
+/// ` Sent 4182634 bytes 2767 pkt (dropped 0, overlimits 1222 requeues 0)`).
+fn bucket_counters(ns: &LinkNet<'_>) -> Result<(u64, u64), HarnessError> {
+    let out = ns.exec(&format!("tc -s qdisc show dev {IFB}"))?;
+    let after = |word: &str| -> Option<u64> {
+        let rest = out.split(word).nth(1)?.trim_start();
+        rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+    };
+    match (after("Sent "), after("overlimits ")) {
+        (Some(sent), Some(over)) => Ok((sent, over)),
+        _ => Err(HarnessError::Fault(format!("no token-bucket counters on {IFB}: {out}"))),
+    }
+}
+
+#[async_trait::async_trait]
+impl Drill for KvBandwidth {
+    fn info(&self) -> DrillInfo {
+        DrillInfo {
+            name: "kv-bandwidth",
+            description: "cap the KV link into decode-0 at 24 Mbit/s (tc tbf, its KV port's ingress redirected \
+                          through an IFB in its namespace) for the load: transfers take what the cap allows (the \
+                          bucket holds back, drops nothing), every load lands within its lease, nothing is \
+                          recomputed, answers identical",
+        }
+    }
+
+    /// Against a running cluster: the bucket goes in decode-0's network through its
+    /// `link-fault` template (undone when the drill ends, or is interrupted).
+    fn against(&self, c: &Cluster) -> Result<(), String> {
+        link_drill_against(c)
+    }
+
+    fn adapt(&self, c: &Cluster, s: &mut Setup) {
+        fit_deadline(c, s);
+    }
+
+    fn setup(&self, _skip: bool) -> Setup {
+        Setup {
+            spec: netns_spec(),
+            requests: 6,
+            max_tokens: 16,
+            concurrency: 2,
+            invariants: Invariants { all_complete: true, transfers_intact: true, ..Invariants::default() },
+            sampled: None,
+        }
+    }
+
+    async fn fault(&self, c: &mut Cluster, load: &Progress, skip: bool) -> Result<Evidence, HarnessError> {
+        let mut ev = Evidence::default();
+        let (d, ns) = decode_ns(c)?;
+        let transfer = d.proc.addr("transfer")?;
+        let (ip, port) =
+            transfer.rsplit_once(':').ok_or_else(|| HarnessError::Setup(format!("KV address {transfer:?}")))?;
+        let dev = interface_of(&ns, ip)?;
+        let (cap, undo) = bucket(&dev, port);
+        if !skip {
+            ev.began();
+            ns.apply(&cap, &undo)?;
+        }
+        let waited = load.wait_finished().await;
+        if !skip {
+            let counters = bucket_counters(&ns);
+            ns.revert(&undo)?;
+            ev.ended();
+            let (sent, over) = counters?;
+            ev.seen = sent > 0 && over > 0;
+            ev.notes.push(format!(
+                "the {CAP_MBIT} Mbit/s bucket on {dev}'s traffic to KV port {port} passed {sent} bytes and held \
+                 packets back {over} time(s)"
+            ));
+        }
+        waited?;
+        Ok(ev)
+    }
+
+    async fn prove(&self, c: &Cluster, ev: &Evidence, _: &Report) -> Result<String, String> {
+        let (l, reasons) = Loads::of(c).await.map_err(|e| e.to_string())?;
+        let d = decode_worker(c).map_err(|e| e.to_string())?;
+        let page =
+            crate::metrics::scrape(&d.metrics_addr().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+        let base = c.page_at_attach(&d.proc.name);
+        let bytes = page.sum(KV_RECEIVED_BYTES, &[]).map_err(|e| e.to_string())?
+            - base.map_or(0.0, |b| b.sum(KV_RECEIVED_BYTES, &[]).unwrap_or(0.0));
+        let sum = format!("{KV_LOAD_SECONDS}_sum");
+        let secs = page.absent_as_zero(&sum, &[]) - base.map_or(0.0, |b| b.absent_as_zero(&sum, &[]));
+        // Loads at once share the cap, so their summed time is at least their bytes over it.
+        let mbit = if secs > 0.0 { bytes * 8.0 / secs / 1e6 } else { f64::INFINITY };
+        let seen = format!(
+            "{}; decode-0 loaded {} transfer(s), {:.2} MB over {secs:.2} s of loads ({mbit:.1} Mbit/s), {} failed \
+             ({reasons}), {} recomputed",
+            ev.notes.join("; "),
+            l.loaded,
+            bytes / 1e6,
+            l.failed,
+            l.recomputed
+        );
+        if !ev.seen {
+            return Err(format!("{seen}: the bucket never held a packet back"));
+        }
+        if l.loaded < 1.0 || l.failed > 0.0 {
+            return Err(format!("{seen}: every load through the cap must land within its lease"));
+        }
+        if mbit > CAP_MBIT * 1.25 {
+            return Err(format!("{seen}: faster than the {CAP_MBIT} Mbit/s cap"));
         }
         Ok(seen)
     }
