@@ -178,8 +178,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (targets, kinds) = match &a.against {
         None => (chaos::targets_of(None), kinds),
         Some(state) => {
-            let mut c = rt.block_on(drills::Cluster::attach(state))?;
-            c.api_key.clone_from(&a.api_key);
+            let c = rt.block_on(drills::Cluster::attach(state, a.api_key.as_deref()))?;
             c.keyed().map_err(anyhow::Error::msg)?;
             let (usable, refused) = chaos::usable_kinds(&kinds, &c).map_err(anyhow::Error::msg)?;
             for r in refused {

@@ -488,8 +488,7 @@ async fn run_with(o: &ChaosOptions, loads: Option<Loads>) -> Result<(ChaosReport
     };
     let mut c = match &o.against {
         Some(state) => {
-            let mut c = Cluster::attach(state).await?;
-            c.api_key.clone_from(&o.api_key);
+            let c = Cluster::attach(state, o.api_key.as_deref()).await?;
             c.keyed().map_err(HarnessError::Setup)?;
             c
         }

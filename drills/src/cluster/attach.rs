@@ -41,7 +41,7 @@ pub struct Attached {
     pub kv_at_attach: BTreeMap<String, (f64, f64)>,
     /// Link changes the drill made through `link-fault` templates and has not undone yet, by
     /// process name; undone when the drill ends.
-    pub link_rules: std::sync::Mutex<Vec<(String, super::links::Held)>>,
+    pub link_rules: super::links::Held,
     /// Packets the etcd-link rules of each worker dropped, counted when they were deleted.
     pub etcd_dropped: std::sync::Mutex<BTreeMap<String, u64>>,
     /// Each decode worker's KV reservation lease (ms), where the state file gives it.
@@ -127,8 +127,10 @@ impl Cluster {
     /// the longest of the workers' `lease_ttl_s`; each process's `log` is scanned by G5. Fails
     /// unless every worker lists its lease TTL, every listed process is running and the
     /// coordinator is ready and counts every listed worker as serving. A component its
-    /// supervisor is restarting is waited for (bounded); one it left down is refused.
-    pub async fn attach(state: &Path) -> Result<Self, HarnessError> {
+    /// supervisor is restarting is waited for (bounded); one it left down is refused. Drill
+    /// traffic carries `api_key` ([`Cluster::api_key`]; [`Cluster::keyed`] says whether the
+    /// cluster needs one).
+    pub async fn attach(state: &Path, api_key: Option<&str>) -> Result<Self, HarnessError> {
         let file = settled_state(state, RESTARTING_WAIT).await?;
         let restart = file.restart.clone();
         let restarts = file.components.iter().map(|e| (e.name.clone(), e.restarts)).collect();
@@ -219,7 +221,7 @@ impl Cluster {
             client_proxy: None,
             control_proxies: BTreeMap::new(),
             coordinator_kills: Vec::new(),
-            api_key: None,
+            api_key: api_key.map(str::to_owned),
             prefix: String::new(),
             log_dir: temp_dir()?,
             faulted: BTreeMap::new(),
@@ -355,6 +357,33 @@ impl Cluster {
         self.attached.iter().flat_map(|a| &a.etcd)
     }
 
+    /// Whether drill traffic can reach the attached coordinators: Err when their tenants
+    /// file (the state file's `tenants` flag) lets in only keys and none was given.
+    pub fn keyed(&self) -> Result<(), String> {
+        if self.api_key.is_some() {
+            return Ok(());
+        }
+        let tenants =
+            self.coordinators().find_map(|p| Some((&p.name, self.flag(&p.name, facts::state::flag::TENANTS)?)));
+        match tenants {
+            Some((name, file)) => Err(format!(
+                "{name} takes only the API keys its tenants file {file} lists, and drill traffic was given none \
+                 (`--api-key KEY`, or TANDEM_API_KEY)"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// A POST to `path` of the coordinator (or front) at `addr` as drill traffic: with the
+    /// drills' API key ([`Cluster::api_key`]) where there is one.
+    pub fn post(&self, addr: &str, path: &str) -> opskit::http::Request {
+        let r = opskit::http::Request::post(addr, path);
+        match &self.api_key {
+            Some(k) => r.header("authorization", &format!("Bearer {k}")),
+            None => r,
+        }
+    }
+
     /// Process `name`: a worker, a coordinator or an attached etcd member.
     pub fn any_proc_mut(&mut self, name: &str) -> Result<&mut Proc, HarnessError> {
         let etcd = self.attached.iter_mut().flat_map(|a| a.etcd.iter_mut());
@@ -428,10 +457,10 @@ mod tests {
         // pid_max is at most 2^22: this pid is never running.
         std::fs::write(&state, r#"{"components":[{"role":"coordinator","name":"coordinator","pid":4194304,"state":"running","http":"127.0.0.1:1"}]}"#)
             .expect("write");
-        let e = Cluster::attach(&state).await.expect_err("a dead coordinator");
+        let e = Cluster::attach(&state, None).await.expect_err("a dead coordinator");
         assert!(e.to_string().contains("is not running"), "{e}");
         std::fs::write(&state, r#"{"components":[]}"#).expect("write");
-        let e = Cluster::attach(&state).await.expect_err("no coordinator");
+        let e = Cluster::attach(&state, None).await.expect_err("no coordinator");
         assert!(e.to_string().contains("no coordinator"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -464,7 +493,7 @@ mod tests {
         later.await.expect("writer");
         for down in ["exited", "given_up"] {
             std::fs::write(&state, file(down)).expect("write");
-            let e = Cluster::attach(&state).await.expect_err("left down").to_string();
+            let e = Cluster::attach(&state, None).await.expect_err("left down").to_string();
             assert!(e.contains("decode-0") && e.contains(down) && e.contains("SIGKILL"), "{e}");
         }
         let _ = std::fs::remove_dir_all(&dir);

@@ -14,44 +14,37 @@ use crate::proxy::Proxy;
 use crate::HarnessError;
 use facts::state::{shell_word, Action};
 
-/// A change a drill made to an attached process's network, held until it is undone.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Held {
-    /// An iptables rule: its spec without `-A` (`-D` and the spec delete it).
-    Rule(Vec<String>),
-    /// Anything else ([`LinkNet::apply`]): the shell command that undoes it.
-    Undo(String),
-}
+/// Changes a drill made to attached processes' networks and has not undone yet: (process
+/// name, the shell command that undoes the change).
+pub type Held = std::sync::Mutex<Vec<(String, String)>>;
 
 /// A worker's network, as drills reach it.
 pub enum LinkNet<'a> {
     /// A namespace this drill made (deleted with the cluster, rules and all).
     Own(&'a Netns),
-    /// An attached worker's `link-fault` template; `rules` records what is added.
-    Template { proc: &'a Proc, rules: &'a std::sync::Mutex<Vec<(String, Held)>> },
+    /// An attached worker's `link-fault` template; `rules` records what is changed.
+    Template { proc: &'a Proc, rules: &'a Held },
+}
+
+/// The shell line `iptables -w 5 ARGS`.
+fn iptables_line(args: &[&str]) -> String {
+    std::iter::once("iptables -w 5".to_owned()).chain(args.iter().map(|a| shell_word(a))).collect::<Vec<_>>().join(" ")
 }
 
 impl LinkNet<'_> {
-    /// Runs `iptables -w 5 ARGS` there; its output.
+    /// Runs `iptables -w 5 ARGS` there; its output. An attached process's rule added with
+    /// `-A`/`-I` is held with its `-D` line as the undo, which a `-D` of it forgets.
     pub fn iptables(&self, args: &[&str]) -> Result<String, HarnessError> {
         match self {
             LinkNet::Own(ns) => ns.iptables(args),
             LinkNet::Template { proc, rules } => {
-                let cmd = std::iter::once("iptables -w 5".to_owned())
-                    .chain(args.iter().map(|a| shell_word(a)))
-                    .collect::<Vec<_>>()
-                    .join(" ");
-                let out = proc.act(Action::LinkFault, Some(&cmd))?;
-                let spec: Vec<String> = args.iter().skip(1).map(|a| (*a).to_owned()).collect();
+                let out = proc.act(Action::LinkFault, Some(&iptables_line(args)))?;
+                let delete =
+                    || iptables_line(&std::iter::once("-D").chain(args[1..].iter().copied()).collect::<Vec<_>>());
                 let mut held = rules.lock().unwrap_or_else(|e| e.into_inner());
-                let spec = Held::Rule(spec);
                 match args.first() {
-                    Some(&"-A" | &"-I") => held.push((proc.name.clone(), spec)),
-                    Some(&"-D") => {
-                        if let Some(k) = held.iter().position(|(n, s)| *n == proc.name && *s == spec) {
-                            held.remove(k);
-                        }
-                    }
+                    Some(&"-A" | &"-I") => held.push((proc.name.clone(), delete())),
+                    Some(&"-D") => forget(&mut held, &proc.name, &delete()),
                     _ => {}
                 }
                 Ok(out)
@@ -74,7 +67,7 @@ impl LinkNet<'_> {
     /// `undo` should undo a part-made change too: `cmd` may fail half way.
     pub fn apply(&self, cmd: &str, undo: &str) -> Result<String, HarnessError> {
         if let LinkNet::Template { proc, rules } = self {
-            rules.lock().unwrap_or_else(|e| e.into_inner()).push((proc.name.clone(), Held::Undo(undo.to_owned())));
+            rules.lock().unwrap_or_else(|e| e.into_inner()).push((proc.name.clone(), undo.to_owned()));
         }
         self.exec(cmd)
     }
@@ -82,11 +75,7 @@ impl LinkNet<'_> {
     /// Runs `undo` (given to [`LinkNet::apply`]) there and forgets it.
     pub fn revert(&self, undo: &str) -> Result<String, HarnessError> {
         if let LinkNet::Template { proc, rules } = self {
-            let mut held = rules.lock().unwrap_or_else(|e| e.into_inner());
-            let this = Held::Undo(undo.to_owned());
-            if let Some(k) = held.iter().position(|(n, h)| *n == proc.name && *h == this) {
-                held.remove(k);
-            }
+            forget(&mut rules.lock().unwrap_or_else(|e| e.into_inner()), &proc.name, undo);
         }
         self.exec(undo)
     }
@@ -96,6 +85,13 @@ impl LinkNet<'_> {
     pub fn rule_packets(&self, chain: &str, comment: &str) -> Result<Option<u64>, HarnessError> {
         let listing = self.iptables(&["-L", chain, "-v", "-n", "-x"])?;
         Ok(packets_of(&listing, comment))
+    }
+}
+
+/// Drops the held change of `name` that `undo` undoes (the last one, if held twice).
+fn forget(held: &mut Vec<(String, String)>, name: &str, undo: &str) {
+    if let Some(k) = held.iter().rposition(|(n, u)| n == name && u == undo) {
+        held.remove(k);
     }
 }
 
@@ -155,17 +151,10 @@ impl Cluster {
         let held = std::mem::take(&mut *a.link_rules.lock().unwrap_or_else(|e| e.into_inner()));
         let mut failed = Vec::new();
         // Last made, first undone.
-        for (name, held) in held.into_iter().rev() {
+        for (name, undo) in held.into_iter().rev() {
             let Some(p) = self.procs().find(|p| p.name == name) else { continue };
-            let cmd = match &held {
-                Held::Rule(spec) => std::iter::once("iptables -w 5 -D".to_owned())
-                    .chain(spec.iter().map(|a| shell_word(a)))
-                    .collect::<Vec<_>>()
-                    .join(" "),
-                Held::Undo(cmd) => cmd.clone(),
-            };
-            if let Err(e) = p.act(Action::LinkFault, Some(&cmd)) {
-                failed.push(format!("undoing {name}'s `{cmd}`: {e}"));
+            if let Err(e) = p.act(Action::LinkFault, Some(&undo)) {
+                failed.push(format!("undoing {name}'s change with `{undo}`: {e}"));
             }
         }
         failed

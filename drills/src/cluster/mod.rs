@@ -470,33 +470,6 @@ impl Cluster {
         std::iter::once(&self.coordinator).chain(self.other_coordinators.iter())
     }
 
-    /// Whether drill traffic can reach the attached coordinators: Err when their tenants
-    /// file (the state file's `tenants` flag) lets in only keys and none was given.
-    pub fn keyed(&self) -> Result<(), String> {
-        if self.api_key.is_some() {
-            return Ok(());
-        }
-        let tenants =
-            self.coordinators().find_map(|p| Some((&p.name, self.flag(&p.name, facts::state::flag::TENANTS)?)));
-        match tenants {
-            Some((name, file)) => Err(format!(
-                "{name} takes only the API keys its tenants file {file} lists, and drill traffic was given none \
-                 (`--api-key KEY`, or TANDEM_API_KEY)"
-            )),
-            None => Ok(()),
-        }
-    }
-
-    /// A POST to `path` of the coordinator (or front) at `addr` as drill traffic: with the
-    /// drills' API key ([`Cluster::api_key`]) where there is one.
-    pub fn post(&self, addr: &str, path: &str) -> opskit::http::Request {
-        let r = opskit::http::Request::post(addr, path);
-        match &self.api_key {
-            Some(k) => r.header("authorization", &format!("Bearer {k}")),
-            None => r,
-        }
-    }
-
     /// The coordinator's HTTP address (`host:port`).
     pub fn http_addr(&self) -> Result<String, HarnessError> {
         Ok(self.coordinator.addr("http")?)

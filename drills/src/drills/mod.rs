@@ -446,7 +446,7 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     // Refuse a drill that cannot run against the attached cluster before anything else.
     let attached = match &opts.against {
         Some(state) => {
-            let c = attach(state, opts.api_key.as_deref()).await?;
+            let c = Cluster::attach(state, opts.api_key.as_deref()).await?;
             can_run_against(drill.as_ref(), &c).map_err(|why| HarnessError::NotAgainst {
                 drill: name.into(),
                 state: state.display().to_string(),
@@ -728,15 +728,8 @@ pub async fn drills_against(
     state: &Path,
     api_key: Option<&str>,
 ) -> Result<Vec<(DrillInfo, Result<(), String>)>, HarnessError> {
-    let c = attach(state, api_key).await?;
+    let c = Cluster::attach(state, api_key).await?;
     Ok(all().iter().map(|d| (d.info(), can_run_against(d.as_ref(), &c))).collect())
-}
-
-/// The running cluster `state` describes, its drill traffic carrying `api_key`.
-async fn attach(state: &Path, api_key: Option<&str>) -> Result<Cluster, HarnessError> {
-    let mut c = Cluster::attach(state).await?;
-    c.api_key = api_key.map(str::to_owned);
-    Ok(c)
 }
 
 /// Whether `drill` can run against attached `c`: its own [`Drill::against`], after drill
