@@ -199,6 +199,22 @@ impl Invariants {
             && self.coordinator_kills.iter().any(|&(sent, dead)| r.start <= dead && r.start + r.e2e >= sent)
     }
 
+    /// Where a lost request stood against the coordinator kills, for its violation's text.
+    fn window_note(&self, r: &Record) -> String {
+        if self.coordinator_kills.is_empty() {
+            return String::new();
+        }
+        let ms = |d: Duration| d.as_millis();
+        let kills: Vec<String> =
+            self.coordinator_kills.iter().map(|&(s, d)| format!("{}..{} ms", ms(s), ms(d))).collect();
+        format!(
+            " (in flight {}..{} ms; coordinator kills, signal sent..death seen: {})",
+            ms(r.start),
+            ms(r.start + r.e2e),
+            kills.join(", ")
+        )
+    }
+
     /// G1 and G4, from the client's records.
     pub fn requests(&self, report: &Report, reference: &[String]) -> Vec<Violation> {
         let mut v = Vec::new();
@@ -239,9 +255,10 @@ impl Invariants {
                     Guarantee::G1,
                     format!("request {i}: hung until the client gave up ({:?}){}", r.e2e, cut_notes(r)),
                 )),
-                other => {
-                    v.push(Violation::new(Guarantee::G1, format!("request {i}: lost, not a typed outcome: {other:?}")))
-                }
+                other => v.push(Violation::new(
+                    Guarantee::G1,
+                    format!("request {i}: lost, not a typed outcome: {other:?}{}", self.window_note(r)),
+                )),
             }
             // Whatever reached the client before an error is the start of the no-fault answer:
             // tokens are never duplicated, spliced from another attempt or reordered.

@@ -65,6 +65,11 @@ pub struct Hooks {
     pub cancel: CancellationToken,
     /// Each record as its request ends, before the run is over.
     pub records: Option<mpsc::UnboundedSender<Record>>,
+    /// The instant each record's `start` counts from; `None`: when the run starts.
+    /// A drill that times its faults from its own clock passes that clock here, so a
+    /// request's window and a fault's share one origin (the run's own start comes later,
+    /// by however long its task waited to be scheduled).
+    pub origin: Option<Instant>,
 }
 
 /// Runs `plan` to the end.
@@ -78,7 +83,7 @@ pub async fn run_with(plan: &Plan, hooks: Hooks) -> Result<Report, PlanError> {
     let work = Arc::new(Work::new(plan));
     let sender = Sender::new(plan, checked);
     let hooks = Arc::new(hooks);
-    let t0 = Instant::now();
+    let t0 = hooks.origin.unwrap_or_else(Instant::now);
     let mut tasks: JoinSet<Vec<Record>> = JoinSet::new();
     let jobs = work.jobs();
 

@@ -397,6 +397,22 @@ async fn poisson_arrivals_follow_the_seeded_schedule_and_headers_are_sent() -> T
     Ok(())
 }
 
+/// A caller's origin is the clock records count from: a drill that timed a fault before
+/// the run's task was scheduled reads each request's window on that same clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_count_from_the_callers_origin_when_given() -> TestResult {
+    let url = fake_server().await?;
+    let earlier = tokio::time::Instant::now() - Duration::from_secs(3);
+    let r = loadgen::run_with(&plan(&url, &["ok"]), Hooks { origin: Some(earlier), ..Hooks::default() }).await?;
+    let rec = &r.records[0];
+    check_complete(rec, 5, true);
+    assert!(rec.start >= Duration::from_secs(3) && rec.start < Duration::from_secs(8), "{rec:?}");
+    assert!(r.wall >= Duration::from_secs(3), "{:?}", r.wall);
+    let r = loadgen::run(&plan(&url, &["ok"])).await?;
+    assert!(r.records[0].start < Duration::from_secs(3), "{:?}", r.records[0]);
+    Ok(())
+}
+
 /// Every request body the conversation server saw, in arrival order.
 type Seen = Arc<std::sync::Mutex<Vec<Value>>>;
 

@@ -135,7 +135,7 @@ pub(super) fn run_steady(
                 }
             }
         });
-        let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx) };
+        let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx), origin: Some(start) };
         let report = loadgen::run_with(&plan, hooks).await;
         let _ = judge.await;
         report.map_err(|e| HarnessError::Load(format!("the {name} load: {e}")))

@@ -563,7 +563,11 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
     // loadgen's hook takes an unbounded sender; it carries one record per request of a
     // finite plan, and the task below drains it as they come.
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx) };
+    // Record offsets count from `load_start`, the clock the fault windows are read on
+    // (`coordinator_kills`): a request that failed a millisecond after a kill must not
+    // appear to have ended before it.
+    let load_start = Instant::now();
+    let hooks = loadgen::Hooks { cancel: CancellationToken::new(), records: Some(tx), origin: Some(load_start) };
     {
         let done = progress.done.clone();
         tokio::spawn(async move {
@@ -572,7 +576,6 @@ pub async fn run_drill(name: &str, opts: &DrillOptions) -> Result<DrillReport, H
             }
         });
     }
-    let load_start = Instant::now();
     let load = {
         let (plan, finished) = (plan.clone(), progress.finished.clone());
         tokio::spawn(async move {

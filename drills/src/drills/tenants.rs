@@ -301,7 +301,7 @@ impl Drill for NoisyNeighbour {
         plan.seed = 11;
         plan.deadline = Some(Duration::from_secs(60));
         let cancel = CancellationToken::new();
-        let hooks = loadgen::Hooks { cancel: cancel.clone(), records: None };
+        let hooks = loadgen::Hooks { cancel: cancel.clone(), ..loadgen::Hooks::default() };
         ev.before = over_coordinators(c, TENANT_REQUESTS, &a.labels("admitted")).await?.iter().sum();
         ev.began();
         let t0 = Instant::now();
