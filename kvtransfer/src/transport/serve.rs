@@ -14,11 +14,10 @@ use tokio::time::Instant;
 
 use super::close::{CloseReason, ServerStats};
 use super::direct::{read_into_pool, DirectPool, DirectRead, InPlace};
-use super::inbound::{self, InboundConn};
+use super::inbound::{self, Event, InboundConn, Verdict};
 use super::lock::lock;
 use super::stream::{frame_name, write_frame, FrameReader, Head, ReadError, WriteError};
 use super::BlockSink;
-use super::OwnedPayload;
 use crate::buffers::Buffers;
 use crate::frame::{DecodeLimits, Frame, Hello, LayerDataHeader};
 use crate::session::{Receiver, Reservation, ReservationId};
@@ -47,20 +46,6 @@ impl Shared {
     pub(crate) fn closed(&self, reason: &CloseReason) {
         self.stats.send_modify(|s| s.close(reason));
     }
-}
-
-/// What a connection yields to [`drive`] after the handshake.
-pub(crate) enum Event {
-    /// A layer's payload, ours (read, or copied out of shared memory), with
-    /// the CRC-32C of exactly those bytes.
-    Layer { header: LayerDataHeader, payload: OwnedPayload, crc: u32 },
-    /// A layer read straight into its pool blocks (a direct read the
-    /// receiver opened), with the CRC-32C of the bytes as they lie there.
-    ReadInPlace { header: LayerDataHeader, crc: u32 },
-    /// Any other frame.
-    Frame(Frame),
-    /// The peer closed between frames: the normal end.
-    Closed,
 }
 
 /// One sender's connection as a transport carries it: the primitives
@@ -110,25 +95,14 @@ pub(crate) async fn drive<C: Conn, S: BlockSink>(
     let mut rules = InboundConn::default();
     let mut stats = stats;
     loop {
-        let reply = match conn.next().await {
+        let event = match conn.next().await {
+            Ok(e) => e,
             Err(close) => return close,
-            Ok(Event::Closed) => return CloseReason::PeerClosed,
-            Ok(Event::Layer { header, payload, crc }) => {
-                rules.layer(receiver, sink, &mut stats, &header, payload, crc).await.err().flatten().map(Frame::Abort)
-            }
-            Ok(Event::ReadInPlace { header, crc }) => {
-                let verdict = rules.read_in_place(receiver, sink, &mut stats, &header, crc, Instant::now());
-                verdict.err().flatten().map(Frame::Abort)
-            }
-            Ok(Event::Frame(Frame::Complete(c))) => match rules.complete(receiver, &mut stats, &c, Instant::now()) {
-                Ok(ack) => Some(Frame::Ack(ack)),
-                Err(abort) => abort.map(Frame::Abort),
-            },
-            Ok(Event::Frame(Frame::Abort(a))) => {
-                InboundConn::peer_abort(receiver, &a, Instant::now());
-                None
-            }
-            Ok(Event::Frame(other)) => return conn.unexpected(&other),
+        };
+        let reply = match rules.on_event(receiver, sink, &mut stats, event).await {
+            Verdict::Closed => return CloseReason::PeerClosed,
+            Verdict::Unexpected(other) => return conn.unexpected(&other),
+            mut v => v.reply(),
         };
         if let Some(reply) = reply {
             if let Err(close) = conn.reply(&reply).await {

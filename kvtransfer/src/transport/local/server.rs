@@ -22,7 +22,8 @@ use crate::buffers::Buffers;
 use crate::frame::{Frame, Hello};
 use crate::session::Receiver;
 use crate::transport::close::{CloseReason, ServerStats};
-use crate::transport::serve::{drive, Conn, Event};
+use crate::transport::inbound::Event;
+use crate::transport::serve::{drive, Conn};
 use crate::transport::stream::frame_name;
 use crate::transport::BlockSink;
 

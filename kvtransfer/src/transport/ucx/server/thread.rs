@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{oneshot, watch};
-use tokio::time::{Instant, MissedTickBehavior};
+use tokio::time::MissedTickBehavior;
 use types::kv::KvLayout;
 use ucx_sys::{Context, Endpoint, OutOfRange, Region, Request, Worker};
 
@@ -19,7 +19,7 @@ use crate::checksum;
 use crate::frame::{Abort, AbortReason, Complete, Frame, Hello, LayerDataHeader};
 use crate::session::{Receiver, Reservation, ReservationId, ReservationState};
 use crate::transport::close::CloseReason;
-use crate::transport::inbound::{self, InboundConn};
+use crate::transport::inbound::{self, Event, InboundConn, Verdict};
 use crate::transport::lock::lock;
 use crate::transport::ucx::direct::UcxPoolMemory;
 use crate::transport::ucx::driver::{mail, Driver, Inbound};
@@ -215,10 +215,6 @@ fn send(ep: &Endpoint, conn: u64, msg: &Msg) -> Option<Request> {
     ep.send_am(TO_SENDER, header, body).ok()
 }
 
-fn now() -> tokio::time::Instant {
-    Instant::now()
-}
-
 impl<S> State<S> {
     /// Closes every endpoint (forced) and drops all but the memory senders
     /// write: the landing region and the pool, unmapped by the caller once
@@ -284,8 +280,8 @@ impl<S: BlockSink> State<S> {
             Msg::Claim(r) => self.claim(conn, r),
             Msg::ClaimDirect(r) => self.claim_direct(conn, r),
             Msg::Layer(h) => self.layer(conn, h).await,
-            Msg::Frame(Frame::Complete(c)) => self.complete(conn, c),
-            Msg::Frame(Frame::Abort(a)) => self.peer_abort(conn, a),
+            Msg::Frame(Frame::Complete(c)) => self.complete(conn, c).await,
+            Msg::Frame(Frame::Abort(a)) => self.peer_abort(conn, a).await,
             Msg::Fenced(r) => self.fenced(conn, r),
             Msg::Bye => self.close(conn, CloseReason::Bye),
             _ => self.counts.ucx.bad_messages += 1,
@@ -405,7 +401,7 @@ impl<S: BlockSink> State<S> {
             Some(Granted::Landing(range, n)) => (range.clone(), *n),
             Some(Granted::Direct(blocks)) => {
                 let blocks = blocks.clone();
-                return self.in_pool(id, r, h, &blocks);
+                return self.in_pool(id, r, h, &blocks).await;
             }
             None => {
                 if !conn.quarantine.contains_key(&r) {
@@ -421,7 +417,7 @@ impl<S: BlockSink> State<S> {
     /// pool blocks: checksum it there and have the receiver accept it. The
     /// bytes are already where the engine reads them.
     #[allow(unsafe_code)]
-    fn in_pool(&mut self, id: u64, r: Reservation, h: LayerDataHeader, blocks: &[BlockId]) {
+    async fn in_pool(&mut self, id: u64, r: Reservation, h: LayerDataHeader, blocks: &[BlockId]) {
         let (layer, first, n) = (h.layer as usize, h.first_block as usize, h.n_blocks as usize);
         let fits = layer < self.layout.n_layers
             && n > 0
@@ -449,15 +445,10 @@ impl<S: BlockSink> State<S> {
                 crc = unsafe { checksum::crc_raw(p, len * self.side, crc) };
             }
         }
-        let Some(conn) = self.conns.get_mut(&id) else { return };
-        match conn.inbound.landed_in_place(&self.receiver, &mut self.sink, &mut self.counts, &h, crc, now()) {
-            Ok(()) => self.counts.ucx.direct_layers += 1,
-            Err(abort) => {
-                if let Some(abort) = abort {
-                    send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
-                }
-                self.settle(id, r);
-            }
+        match self.judge(id, Event::StoredInPlace { header: h, crc }).await {
+            Some(Verdict::Taken(_)) => self.counts.ucx.direct_layers += 1,
+            Some(Verdict::Refused(_)) => self.settle(id, r),
+            _ => {}
         }
     }
 
@@ -488,45 +479,51 @@ impl<S: BlockSink> State<S> {
             self.abort_once(id, r, AbortReason::ProtocolViolation);
             return;
         };
-        let buf = Box::new(buf);
-        let Some(conn) = self.conns.get_mut(&id) else { return };
-        if let Err(abort) = conn.inbound.layer(&self.receiver, &mut self.sink, &mut self.counts, &h, buf, crc).await {
-            if let Some(abort) = abort {
-                send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
-            }
+        let event = Event::Layer { header: h, payload: Box::new(buf), crc };
+        if let Some(Verdict::Refused(_)) = self.judge(id, event).await {
             self.settle(id, r);
         }
     }
 
-    fn complete(&mut self, id: u64, c: Complete) {
+    async fn complete(&mut self, id: u64, c: Complete) {
         let r = Reservation { id: ReservationId(c.reservation), generation: c.generation };
-        let Some(conn) = self.conns.get_mut(&id) else { return };
-        match conn.inbound.complete(&self.receiver, &mut self.counts, &c, now()) {
-            Ok(ack) => {
-                send(&conn.ep, id, &Msg::Frame(Frame::Ack(ack)));
+        match self.judge(id, Event::Frame(Frame::Complete(c))).await {
+            Some(Verdict::Taken(_)) => {
                 // Every layer was flushed (or fenced) by the sender before its
                 // Layer message, and each was copied out or checksummed in
                 // place: nothing is left to write.
-                if let Some(granted) = conn.grants.remove(&r) {
+                let granted = self.conns.get_mut(&id).and_then(|conn| conn.grants.remove(&r));
+                if let Some(granted) = granted {
                     self.owner.remove(&r);
                     if let Granted::Landing(range, _) = granted {
                         self.landing.free(range);
                     }
                 }
             }
-            Err(abort) => {
-                if let Some(abort) = abort {
-                    send(&conn.ep, id, &Msg::Frame(Frame::Abort(abort)));
-                }
-                self.settle(id, r);
-            }
+            Some(Verdict::Refused(_)) => self.settle(id, r),
+            _ => {}
         }
     }
 
     /// The sender flushes before it sends `Abort`: its range is free at once.
-    fn peer_abort(&mut self, id: u64, a: Abort) {
-        InboundConn::peer_abort(&self.receiver, &a, now());
-        self.fenced(id, Reservation { id: ReservationId(a.reservation), generation: a.generation });
+    async fn peer_abort(&mut self, id: u64, a: Abort) {
+        let r = Reservation { id: ReservationId(a.reservation), generation: a.generation };
+        self.judge(id, Event::Frame(Frame::Abort(a))).await;
+        self.fenced(id, r);
+    }
+
+    /// Sender `id`'s event through the rules every transport shares
+    /// ([`InboundConn::on_event`], the step `drive` loops over), with the
+    /// reply they chose sent; `None` for a connection no longer open. What
+    /// only one-sided puts add (ranges, grants, quarantine, fences) is the
+    /// caller's, by the verdict.
+    async fn judge(&mut self, id: u64, event: Event) -> Option<Verdict> {
+        let conn = self.conns.get_mut(&id)?;
+        let mut verdict = conn.inbound.on_event(&self.receiver, &mut self.sink, &mut self.counts, event).await;
+        if let Some(reply) = verdict.reply() {
+            send(&conn.ep, id, &Msg::Frame(reply));
+        }
+        Some(verdict)
     }
 
     /// The sender flushed its endpoint after its last put for `r` (or, for
