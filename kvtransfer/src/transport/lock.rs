@@ -72,6 +72,7 @@ pub(crate) fn lock(rx: &Mutex<Receiver>) -> stats::Timed<'_> {
 
 /// Lock timings, process-wide (feature `lock-stats`).
 #[cfg(feature = "lock-stats")]
+#[allow(clippy::disallowed_types, reason = "hold and wait times are wall time, never a deadline")]
 pub mod stats {
     use std::ops::{Deref, DerefMut};
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
