@@ -54,14 +54,29 @@ pub struct PoolMemory {
 }
 
 impl PoolMemory {
-    /// Maps `layout.pool_bytes(num_blocks)` zeroed bytes and backs them with
-    /// pages now (`MAP_POPULATE`), so no transfer pays page faults.
+    /// Maps `layout.pool_bytes(num_blocks)` zeroed bytes, asks for huge pages
+    /// and backs them with pages now, so no transfer pays page faults.
+    ///
+    /// Huge pages (`MADV_HUGEPAGE`, taken where the kernel's THP setting is
+    /// `madvise` or `always`): a direct read's copy lands in many blocks spread
+    /// over the whole pool, and with 4 KiB pages the kernel's copy into them
+    /// missed the TLB at every page. Populated after the advice
+    /// (`MADV_POPULATE_WRITE`; `MAP_POPULATE` would fault the small pages in
+    /// first); where the kernel refuses either advice (before Linux 5.14, or
+    /// THP off) the pages are faulted in by touching them.
     pub fn new(layout: KvLayout, num_blocks: usize) -> io::Result<Self> {
         let len = layout
             .pool_bytes(num_blocks)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "KV pool size overflows"))?;
         // A zero-length mapping is refused by the kernel; one byte stands in.
-        let mut map = MmapOptions::new().len(len.max(1)).populate().map_anon()?;
+        let mut map = MmapOptions::new().len(len.max(1)).map_anon()?;
+        // Best effort: without huge pages the pool works the same, a little slower.
+        let _ = map.advise(memmap2::Advice::HugePage);
+        if map.advise(memmap2::Advice::PopulateWrite).is_err() {
+            for page in map.chunks_mut(4096) {
+                page[0] = 0;
+            }
+        }
         let addr = map.as_mut_ptr() as usize;
         let owner: Arc<dyn Send + Sync> = Arc::new(Mapping(map));
         Ok(Self { pool: DirectPool { addr, len, num_blocks, layout, owner } })
@@ -229,24 +244,39 @@ pub(crate) async fn read_into_pool(
         front = &front[n..];
         at.advance(n);
     }
-    let mut idle_end = Instant::now() + idle;
+    // One timer for the whole payload, at the lease's end or the idle limit, whichever
+    // comes first; it is re-armed only when it fires. A reservation that ends otherwise
+    // meanwhile (aborted, failed) has its blocks quarantined by the receiver until this
+    // read closes, and `end_direct` refuses the frame: asking the receiver before every
+    // `readv` (a lock and a timer per read) bought nothing but cost a fifth of the CPU
+    // a direct read adds over raw TCP.
+    let Some(mut lease_end) = lock(receiver).lease_end(r).filter(|&end| Instant::now() < end) else {
+        return Ok(InPlace::Stopped { left: at.remaining() });
+    };
+    let mut last_read = Instant::now();
+    let timer = sleep_until(lease_end.min(last_read + idle));
+    tokio::pin!(timer);
     while at.remaining() > 0 {
-        let Some(lease_end) = lock(receiver).lease_end(r).filter(|&end| Instant::now() < end) else {
-            return Ok(InPlace::Stopped { left: at.remaining() });
-        };
         let n = tokio::select! {
+            biased;
             read = read_ready(socket, &at) => read.map_err(ReadError::Io)?,
-            () = sleep_until(lease_end.min(idle_end)) => {
-                if Instant::now() >= idle_end {
+            () = &mut timer => {
+                let now = Instant::now();
+                if now >= last_read + idle {
                     return Err(ReadError::Idle(idle));
                 }
-                continue; // the lease's end: asked again
+                match lock(receiver).lease_end(r).filter(|&end| now < end) {
+                    Some(end) => lease_end = end,
+                    None => return Ok(InPlace::Stopped { left: at.remaining() }),
+                }
+                timer.as_mut().reset(lease_end.min(last_read + idle));
+                continue;
             }
         };
         if n == 0 {
             return Err(ReadError::Truncated);
         }
-        idle_end = Instant::now() + idle;
+        last_read = Instant::now();
         // Checksummed as read, while still in cache, where the engine will read it.
         let mut left = n;
         while left > 0 {
@@ -397,6 +427,33 @@ mod tests {
         // The last block of the last layer's V ends where the pool does.
         let last = pool.pieces(1, &[9]).expect("in the pool");
         assert_eq!(last[1].0 + last[1].1, base + LAYOUT.pool_bytes(10).expect("size"));
+    }
+
+    /// The pool's mapping asks for huge pages wherever the kernel can give them
+    /// (THP not `never`: the mapping carries the `hg` flag), and is backed
+    /// before any transfer (resident at once).
+    #[test]
+    fn the_pool_asks_for_huge_pages_and_is_resident_at_once() {
+        let mem = PoolMemory::new(LAYOUT, 4096).expect("map");
+        let pool = mem.direct();
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let start = format!("{:x}-", pool.addr);
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
+        let header = lines.next().unwrap_or_else(|| panic!("no mapping at {start}"));
+        // The mapping's fields, up to the next mapping's header line.
+        let entry: Vec<&str> =
+            lines.take_while(|l| l.split_whitespace().next().is_some_and(|k| k.ends_with(':'))).collect();
+        let field = |name: &str| entry.iter().find_map(|l| l.strip_prefix(name)).map(str::trim);
+        let rss_kib: usize = field("Rss:")
+            .and_then(|v| v.trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("no Rss for {header}: {entry:?}"));
+        let len = LAYOUT.pool_bytes(4096).expect("size");
+        assert!(rss_kib * 1024 >= len, "resident before any transfer: {header}: {entry:?}");
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+        if !thp.is_empty() && !thp.contains("[never]") {
+            let flags = field("VmFlags:").unwrap_or_else(|| panic!("no VmFlags for {header}"));
+            assert!(flags.split_whitespace().any(|f| f == "hg"), "MADV_HUGEPAGE not taken: {flags}");
+        }
     }
 
     #[test]
