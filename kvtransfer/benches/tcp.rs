@@ -38,7 +38,8 @@
 //! Run: `cargo bench -p kvtransfer --bench tcp` (optional args: frame sizes,
 //! `256k` or `1` (MiB), e.g. `-- 256k 1 4`; `profile` to loop the
 //! memory -> memory transport alone, for perf, and `profile raw`,
-//! `profile gathered` or `profile pinned` that variant, 20 transfers each
+//! `profile gathered`, `profile pinned` or `profile direct` (gathered by the sender, read
+//! into the pool) that variant, 20 transfers each
 //! with its CPU per GB: alternate them for a paired comparison).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code: a failed expectation is the failure")]
@@ -139,6 +140,17 @@ fn main() -> Res<()> {
             )?;
             let cpu = (cpu_seconds() - c - produced) / (total as f64 / 1e9);
             println!("pinned: {:.2} GB/s, {cpu:.3} CPU-s/GB (production excluded)", gbps(t));
+        }
+        return Ok(());
+    }
+    if profile && args.iter().any(|a| a == "direct") {
+        let max_frame = frames[0];
+        for _ in 0..20 {
+            let c = cpu_seconds();
+            let d = Some(direct.clone());
+            let (t, _) = rt.block_on(transport_pool_run(&pool_a, &table_a, &pool_b, &table_b, max_frame, d))?;
+            let cpu = (cpu_seconds() - c) / (total as f64 / 1e9);
+            println!("direct: {:.2} GB/s, {cpu:.3} CPU-s/GB (gathered by the sender, read into the pool)", gbps(t));
         }
         return Ok(());
     }
