@@ -130,11 +130,19 @@ impl InboundConn {
             Event::Layer { header, payload, crc } => {
                 judged(self.layer(receiver, sink, stats, &header, payload, crc).await.map(|()| None))
             }
+            // Read straight into the blocks here (tcp, opened by `Receiver::begin_direct`):
+            // its check closes the direct read.
             Event::ReadInPlace { header, crc } => {
-                judged(self.read_in_place(receiver, sink, stats, &header, crc, Instant::now()).map(|()| None))
+                let verdict = lock(receiver).end_direct(&header, crc, Instant::now());
+                if verdict.is_ok() {
+                    stats.tally(|s| s.layers_read_in_place += 1);
+                }
+                judged(self.in_place(verdict, sink, stats, &header).map(|()| None))
             }
+            // Stored by the peer (ucx, direct): nothing to write.
             Event::StoredInPlace { header, crc } => {
-                judged(self.landed_in_place(receiver, sink, stats, &header, crc, Instant::now()).map(|()| None))
+                let verdict = lock(receiver).on_layer_checked(&header, crc, Instant::now());
+                judged(self.in_place(verdict, sink, stats, &header).map(|()| None))
             }
             Event::Frame(Frame::Complete(c)) => {
                 judged(self.complete(receiver, stats, &c, Instant::now()).map(|ack| Some(Frame::Ack(ack))))
@@ -187,41 +195,8 @@ impl InboundConn {
         Err(self.abort_once(stats, abort_of(header, reason)))
     }
 
-    /// A layer a peer stored straight into the reservation's pool blocks
-    /// (ucx, direct), checksummed there as `crc`: nothing to write. `Err`
-    /// as for [`layer`](Self::layer).
-    fn landed_in_place<S: BlockSink>(
-        &mut self,
-        receiver: &Mutex<Receiver>,
-        sink: &mut S,
-        stats: &mut impl Tally,
-        header: &LayerDataHeader,
-        crc: u32,
-        now: Instant,
-    ) -> Result<(), Option<Abort>> {
-        let verdict = lock(receiver).on_layer_checked(header, crc, now);
-        self.in_place(verdict, sink, stats, header)
-    }
-
-    /// A layer this server read straight into the reservation's pool blocks
-    /// (tcp, direct: opened by `Receiver::begin_direct`), checksummed there
-    /// as `crc`: closes the direct read. `Err` as for [`layer`](Self::layer).
-    fn read_in_place<S: BlockSink>(
-        &mut self,
-        receiver: &Mutex<Receiver>,
-        sink: &mut S,
-        stats: &mut impl Tally,
-        header: &LayerDataHeader,
-        crc: u32,
-        now: Instant,
-    ) -> Result<(), Option<Abort>> {
-        let verdict = lock(receiver).end_direct(header, crc, now);
-        if verdict.is_ok() {
-            stats.tally(|s| s.layers_read_in_place += 1);
-        }
-        self.in_place(verdict, sink, stats, header)
-    }
-
+    /// A layer already in its pool blocks, checked (`verdict`): the sink is
+    /// told it landed; `Err` as for [`layer`](Self::layer).
     fn in_place<S: BlockSink>(
         &mut self,
         verdict: Result<WriteInstruction, FrameError>,
