@@ -15,6 +15,7 @@ mod bench_serve;
 mod bench_stall;
 mod chaos;
 mod convert;
+mod drain;
 mod drill;
 mod generate;
 mod load;
@@ -51,6 +52,9 @@ enum Cmd {
     Drill(drill::Args),
     /// Seeded overlapping faults on a local cluster under load, invariants checked throughout.
     Chaos(chaos::Args),
+    /// Drain one component of a running cluster (named in its state file) and wait until
+    /// it has exited, and, under a supervisor, started again.
+    Drain(drain::Args),
     /// Simulated workers (many per process) registered in etcd, for real coordinators
     /// to be measured against at fleet sizes: the worker API at a modelled pace.
     Sim(sim::Args),
@@ -69,6 +73,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Up(a) => up::run(*a),
         Cmd::Drill(a) => drill::run(a),
         Cmd::Chaos(a) => chaos::run(a),
+        Cmd::Drain(a) => drain::run(a),
         Cmd::Sim(a) => sim::run(a),
     };
     match result {

@@ -261,3 +261,63 @@ fn three_etcd_members_outlive_their_leader() -> TestResult {
     })();
     finish(up, &dir, result)
 }
+
+/// `tandem drain NAME --state-file F` drains one worker of a running cluster by its name:
+/// a request running on it completes, the command reports the worker's clean exit and its
+/// supervisor's restart, and the worker serves again; an unknown name and an etcd member
+/// are refused, naming why.
+#[test]
+fn tandem_drain_drains_a_worker_by_name_and_follows_its_restart() -> TestResult {
+    let dir = common::temp_dir("tandem-drain")?;
+    let mut up = Up::start(&dir, &["--restart", "always", "--restart-backoff-ms", "300", "--lease-ttl-s", "2"])?;
+    let result = (|| -> TestResult {
+        let http = up.http()?;
+        let state = up.state_file.to_string_lossy().into_owned();
+        let drain = |args: &[&str]| {
+            std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+                .arg("drain")
+                .args(args)
+                .args(["--state-file", &state])
+                .output()
+        };
+        let refused = drain(&["decode-9"])?;
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success() && err.contains("decode-0"), "an unknown name lists the known: {err}");
+        let refused = drain(&["etcd"])?;
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success() && err.contains("etcd member"), "{err}");
+
+        let old = up.component("decode-0")?;
+        let metrics = old.metrics.clone().ok_or("decode-0 has no metrics address")?;
+        // A request long enough to be running when the drain starts (the prompt is prefilled
+        // on the decode worker: short).
+        let body = r#"{"model":"SmolLM2-135M-Instruct","prompt":"Count from one to fifty:","max_tokens":64,"temperature":0}"#;
+        let inflight = {
+            let http = http.clone();
+            std::thread::spawn(move || common::post(&http, "/v1/completions", body))
+        };
+        wait_for(Duration::from_secs(60), "the request running on decode-0", || {
+            let n = metric(&metrics, facts::metrics::worker::REQUESTS_RUNNING, &[])?;
+            Ok((n >= 1.0).then_some(()))
+        })?;
+        let out = drain(&["decode-0"])?;
+        let (said, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "tandem drain failed: {err}");
+        assert!(err.contains(&format!("decode-0 (pid {}): asked to drain", old.pid)), "{err}");
+        assert!(said.contains(&format!("decode-0 (pid {}) drained in", old.pid)) && said.contains("exit status 0"), "{said}");
+        assert!(said.contains("decode-0 restarted by its supervisor as pid"), "{said}");
+        let (status, text) = inflight.join().map_err(|_| "the request's thread panicked")??;
+        assert_eq!(status, 200, "the request running through the drain completes: {text}");
+
+        up.reload()?;
+        let new = up.component("decode-0")?;
+        assert!(new.pid != old.pid && new.state == State::Running && new.restarts == old.restarts + 1, "{new:?}");
+        assert!(!running(old.pid), "the drained process is gone");
+        assert_eq!(new.last_exit.as_deref(), Some("exit status 0"), "{new:?}");
+        serving(&http, "decode", 1.0, BACK_WITHIN)?;
+        let (status, text) = common::post(&http, "/v1/completions", body)?;
+        assert_eq!(status, 200, "served after the drain: {text}");
+        Ok(())
+    })();
+    finish(up, &dir, result)
+}
