@@ -12,6 +12,8 @@
 //! waits for the new process, so a rolling restart is `tandem drain` over the names in
 //! turn.
 
+#![allow(clippy::disallowed_types, reason = "a synchronous command waiting in wall time; no tokio runtime here")]
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 

@@ -291,7 +291,8 @@ fn tandem_drain_drains_a_worker_by_name_and_follows_its_restart() -> TestResult 
         let metrics = old.metrics.clone().ok_or("decode-0 has no metrics address")?;
         // A request long enough to be running when the drain starts (the prompt is prefilled
         // on the decode worker: short).
-        let body = r#"{"model":"SmolLM2-135M-Instruct","prompt":"Count from one to fifty:","max_tokens":64,"temperature":0}"#;
+        let body =
+            r#"{"model":"SmolLM2-135M-Instruct","prompt":"Count from one to fifty:","max_tokens":64,"temperature":0}"#;
         let inflight = {
             let http = http.clone();
             std::thread::spawn(move || common::post(&http, "/v1/completions", body))
@@ -304,7 +305,10 @@ fn tandem_drain_drains_a_worker_by_name_and_follows_its_restart() -> TestResult 
         let (said, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success(), "tandem drain failed: {err}");
         assert!(err.contains(&format!("decode-0 (pid {}): asked to drain", old.pid)), "{err}");
-        assert!(said.contains(&format!("decode-0 (pid {}) drained in", old.pid)) && said.contains("exit status 0"), "{said}");
+        assert!(
+            said.contains(&format!("decode-0 (pid {}) drained in", old.pid)) && said.contains("exit status 0"),
+            "{said}"
+        );
         assert!(said.contains("decode-0 restarted by its supervisor as pid"), "{said}");
         let (status, text) = inflight.join().map_err(|_| "the request's thread panicked")??;
         assert_eq!(status, 200, "the request running through the drain completes: {text}");
