@@ -68,7 +68,9 @@ pub struct Hooks {
     /// The instant each record's `start` counts from; `None`: when the run starts.
     /// A drill that times its faults from its own clock passes that clock here, so a
     /// request's window and a fault's share one origin (the run's own start comes later,
-    /// by however long its task waited to be scheduled).
+    /// by however long its task waited to be scheduled). Poisson arrivals count from
+    /// it too (one already due when the run starts goes at once), and so does the
+    /// report's `wall`: pass an instant just before the run.
     pub origin: Option<Instant>,
 }
 

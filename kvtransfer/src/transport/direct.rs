@@ -62,8 +62,10 @@ impl PoolMemory {
     /// over the whole pool, and with 4 KiB pages the kernel's copy into them
     /// missed the TLB at every page. Populated after the advice
     /// (`MADV_POPULATE_WRITE`; `MAP_POPULATE` would fault the small pages in
-    /// first); where the kernel refuses either advice (before Linux 5.14, or
-    /// THP off) the pages are faulted in by touching them.
+    /// first); where the kernel does not know that advice (before Linux 5.14)
+    /// the pages are faulted in by touching them. Any other failure to back
+    /// the pool (out of memory, a cgroup's limit) is this call's error, not
+    /// an OOM kill later.
     pub fn new(layout: KvLayout, num_blocks: usize) -> io::Result<Self> {
         let len = layout
             .pool_bytes(num_blocks)
@@ -72,10 +74,16 @@ impl PoolMemory {
         let mut map = MmapOptions::new().len(len.max(1)).map_anon()?;
         // Best effort: without huge pages the pool works the same, a little slower.
         let _ = map.advise(memmap2::Advice::HugePage);
-        if map.advise(memmap2::Advice::PopulateWrite).is_err() {
-            for page in map.chunks_mut(4096) {
-                page[0] = 0;
+        match map.advise(memmap2::Advice::PopulateWrite) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                // SAFETY: sysconf has no preconditions.
+                let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+                for p in map.chunks_mut(page) {
+                    p[0] = 0;
+                }
             }
+            Err(e) => return Err(io::Error::new(e.kind(), format!("backing a {len}-byte KV pool: {e}"))),
         }
         let addr = map.as_mut_ptr() as usize;
         let owner: Arc<dyn Send + Sync> = Arc::new(Mapping(map));
@@ -208,9 +216,12 @@ pub(crate) enum InPlace {
 /// (`Receiver::begin_direct`) and has checked `len` against them.
 ///
 /// A sender that stalls mid-payload must not keep the blocks past its
-/// reservation's end (lease, abort): while it waits for bytes it also
-/// wakes at the lease's end, as `receiver` says it now, and stops there
-/// if `r` no longer receives.
+/// reservation's lease: while it waits for bytes it also wakes at the
+/// lease's end, as `receiver` says it when the read starts (asked again
+/// only then), and stops there if `r` no longer receives. A reservation
+/// aborted or failed meanwhile is noticed when the payload ends (or at the
+/// lease's end): its blocks stay quarantined until then and `end_direct`
+/// refuses the frame.
 #[allow(clippy::too_many_arguments, reason = "one read's whole context; a struct would only rename it")]
 pub(crate) async fn read_into_pool(
     socket: &TcpStream,
@@ -250,6 +261,10 @@ pub(crate) async fn read_into_pool(
     // read closes, and `end_direct` refuses the frame: asking the receiver before every
     // `readv` (a lock and a timer per read) bought nothing but cost a fifth of the CPU
     // a direct read adds over raw TCP.
+    if at.remaining() == 0 {
+        // All of it came with the header: nothing to wait for.
+        return Ok(InPlace::Landed(crc));
+    }
     let Some(mut lease_end) = lock(receiver).lease_end(r).filter(|&end| Instant::now() < end) else {
         return Ok(InPlace::Stopped { left: at.remaining() });
     };
@@ -437,9 +452,14 @@ mod tests {
         let mem = PoolMemory::new(LAYOUT, 4096).expect("map");
         let pool = mem.direct();
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
-        let start = format!("{:x}-", pool.addr);
-        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
-        let header = lines.next().unwrap_or_else(|| panic!("no mapping at {start}"));
+        // The mapping holding the pool: the kernel may have merged it with a neighbour.
+        let holds = |l: &str| {
+            let range = l.split_whitespace().next().and_then(|r| r.split_once('-'));
+            let parse = |h: &str| usize::from_str_radix(h, 16).ok();
+            range.and_then(|(a, b)| Some((parse(a)?, parse(b)?))).is_some_and(|(a, b)| a <= pool.addr && pool.addr < b)
+        };
+        let mut lines = smaps.lines().skip_while(|l| !holds(l));
+        let header = lines.next().unwrap_or_else(|| panic!("no mapping holds {:#x}", pool.addr));
         // The mapping's fields, up to the next mapping's header line.
         let entry: Vec<&str> =
             lines.take_while(|l| l.split_whitespace().next().is_some_and(|k| k.ends_with(':'))).collect();

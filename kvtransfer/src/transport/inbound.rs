@@ -11,8 +11,10 @@
 //! (`serve.rs`) loops over it for tcp, quic and local, and the ucx server's
 //! thread calls it for each sender's message it multiplexes.
 //!
-//! Time is passed in (`now`): nothing here reads a clock but the layer's
-//! check, which reads it once the sink had room (a wait of unknown length). The receiver is
+//! Time is passed in (`now`) to every rule below `on_event`; `on_event`
+//! reads the clock for each event as it comes (a layer's check once the
+//! sink had room, a wait of unknown length), so a driver never holds an
+//! instant across an await. The receiver is
 //! reached through its lock, a measured choice (`lock.rs`); every hold is
 //! synchronous and short, and a layer's check and its hand-off to the sink
 //! are one hold, so a lease cannot end and its blocks be reused before the
@@ -337,6 +339,25 @@ mod tests {
             }
         }
         assert_eq!(stats.aborts_sent, 1, "one abort per reservation");
+
+        // In place: stored by the sender into exposed blocks (ucx), read in by a direct
+        // read this server opened (tcp); the sink writes nothing for either.
+        let stored = lock(&rx).reserve(vec![7, 8], ttl, now).expect("reserve");
+        assert!(lock(&rx).expose(stored).is_some());
+        let (h, crc) = layer(stored, &[5u8; PAYLOAD]);
+        assert!(matches!(
+            conn.on_event(&rx, &mut sink, &mut stats, Event::StoredInPlace { header: h, crc }).await,
+            Verdict::Taken(None)
+        ));
+        let read = lock(&rx).reserve(vec![9, 10], ttl, now).expect("reserve");
+        let (h, crc) = layer(read, &[6u8; PAYLOAD]);
+        lock(&rx).begin_direct(&h, now).expect("a direct read opens");
+        assert!(matches!(
+            conn.on_event(&rx, &mut sink, &mut stats, Event::ReadInPlace { header: h, crc }).await,
+            Verdict::Taken(None)
+        ));
+        assert_eq!(stats.layers_read_in_place, 1, "only the read in place is counted as one");
+        assert_eq!(lock(&rx).counters().layer_frames_accepted, 3, "good, stored and read in place");
 
         let third = lock(&rx).reserve(vec![5, 6], ttl, now).expect("reserve");
         let a = Abort { reservation: third.id.0, generation: third.generation, reason: AbortReason::Cancelled };

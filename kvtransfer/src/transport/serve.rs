@@ -155,7 +155,7 @@ impl<R: AsyncRead + DirectRead + Unpin, W: AsyncWrite + Unpin> Conn for StreamCo
                 let read = read_into_pool(socket, &mut self.reader, pool, receiver, r, layer, &blocks, len, self.idle);
                 match read.await? {
                     InPlace::Landed(crc) => {
-                        // Closed by the rules (`read_in_place`), with no await between.
+                        // Closed by the rules (`on_event`: `end_direct`), with no await between.
                         open.disarm();
                         return Ok(Event::ReadInPlace { header, crc });
                     }
