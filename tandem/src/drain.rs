@@ -12,7 +12,7 @@
 //! waits for the new process, so a rolling restart is `tandem drain` over the names in
 //! turn.
 
-#![allow(clippy::disallowed_types, reason = "a synchronous command waiting in wall time; no tokio runtime here")]
+#![allow(clippy::disallowed_types, reason = "the drain's duration is wall time, read in a synchronous command")]
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -35,9 +35,6 @@ pub struct Args {
     #[arg(long)]
     pub no_wait: bool,
 }
-
-/// How often the state file and the process are looked at.
-const POLL: Duration = Duration::from_millis(50);
 
 pub fn run(a: Args) -> Result<()> {
     let file = read(&a.state_file)?;
@@ -71,7 +68,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.no_wait {
         return Ok(());
     }
-    let exited = wait_for(&format!("{} (pid {}) to exit", c.name, c.pid), timeout, || {
+    let exited = wait_for(&format!("{} (pid {}) exiting", c.name, c.pid), timeout, || {
         if supervised {
             let now = read(&a.state_file)?;
             let e = now.component(&c.name).with_context(|| format!("{} left the state file", c.name))?;
@@ -87,7 +84,7 @@ pub fn run(a: Args) -> Result<()> {
         return Ok(());
     }
     // Its supervisor decides what comes next: a new process, or none.
-    let next = wait_for(&format!("{}'s supervisor to start it again or leave it down", c.name), timeout, || {
+    let next = wait_for(&format!("{}'s supervisor starting it again or leaving it down", c.name), timeout, || {
         let now = read(&a.state_file)?;
         let e = now.component(&c.name).with_context(|| format!("{} left the state file", c.name))?;
         let settled = (e.state == State::Running && e.pid != c.pid) || e.state.is_down();
@@ -110,27 +107,15 @@ fn default_timeout_ms(c: &Component) -> u64 {
     c.flags.get(flag::SHUTDOWN_TIMEOUT_MS).and_then(|v| v.parse::<u64>().ok()).map_or(60_000, |g| g + 10_000)
 }
 
-/// Polls `probe` until it returns a value, for at most `limit`.
+/// Polls `probe` (opskit's bounded wait) until it returns a value, for at most `limit`;
+/// an error from `probe` ends the wait at once.
 fn wait_for<T>(what: &str, limit: Duration, mut probe: impl FnMut() -> Result<Option<T>>) -> Result<T> {
-    let until = Instant::now() + limit;
-    loop {
-        if let Some(v) = probe()? {
-            return Ok(v);
-        }
-        if Instant::now() >= until {
-            bail!("timed out after {:.1} s waiting for {what}", limit.as_secs_f64());
-        }
-        std::thread::sleep(POLL);
-    }
+    opskit::wait::blocking::poll(what, limit, || Ok::<_, std::convert::Infallible>(probe().transpose()))?
 }
 
 /// The process is gone from this host (or a zombie its parent has not reaped).
 fn gone(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state is the first field after the parenthesised command name.
-        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) == Some("Z"),
-        Err(_) => true,
-    }
+    matches!(opskit::process::proc_state(pid), None | Some('Z'))
 }
 
 #[cfg(test)]
